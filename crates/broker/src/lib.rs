@@ -1,0 +1,60 @@
+//! # codepool-broker
+//!
+//! The RabbitMQ adapter (AMQP 0-9-1 over `lapin`): the names and shape of
+//! codepool's topology, connecting, and publishing with publisher confirms.
+//!
+//! Every message codepool publishes is persistent and confirmed: a publish
+//! is done only when the broker has taken responsibility for it. Callers
+//! get the confirmation as a future, so many publishes can be in flight
+//! together and awaited at once.
+
+pub mod publisher;
+pub mod topology;
+
+use lapin::{Connection, ConnectionProperties};
+
+pub use publisher::{PendingConfirm, Publisher};
+pub use topology::Topology;
+
+/// Header that carries why a purchase was dead-lettered.
+pub const REASON_HEADER: &str = "x-codepool-reason";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("RabbitMQ is unreachable ({0}); check that rabbitmq-server runs and CODEPOOL_AMQP_URL points at it (`make services` starts a local one)")]
+    Unavailable(String),
+    #[error("RabbitMQ refused the message (nack); it was not stored and will be retried")]
+    Nacked,
+    #[error("no queue is bound for {exchange:?} / {routing_key:?}; run `codepool dispatch` (or `codepool migrate`) once to declare the topology")]
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+    },
+    #[error("RabbitMQ topology: {0}")]
+    Topology(String),
+}
+
+impl From<lapin::Error> for BrokerError {
+    fn from(e: lapin::Error) -> Self {
+        BrokerError::Unavailable(e.to_string())
+    }
+}
+
+/// Connects to RabbitMQ on the tokio runtime. The vhost comes from the URL
+/// (`amqp://user:pass@host:5672/%2f` is the default vhost `/`).
+pub async fn connect(url: &str, name: &str) -> Result<Connection, BrokerError> {
+    let mut props = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name(name.into());
+    props.client_properties.insert(
+        "product".into(),
+        lapin::types::AMQPValue::LongString("codepool".into()),
+    );
+    let connect = Connection::connect(url, props);
+    match tokio::time::timeout(std::time::Duration::from_secs(10), connect).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(BrokerError::Unavailable(e.to_string())),
+        Err(_) => Err(BrokerError::Unavailable("connection timed out after 10s".into())),
+    }
+}

@@ -1,0 +1,165 @@
+//! Publishing with publisher confirms. A [`Publisher`] owns one channel in
+//! confirm mode; `publish_*` hands the message to the broker and returns a
+//! [`PendingConfirm`], which resolves once the broker has stored it.
+
+use codepool_domain::{PoolEvent, Purchase, SmsPending};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+
+use crate::topology::{Topology, SMS_PENDING_KEY};
+use crate::{BrokerError, REASON_HEADER};
+
+/// A publish the broker has not confirmed yet.
+pub struct PendingConfirm {
+    inner: PublisherConfirm,
+    exchange: String,
+    routing_key: String,
+}
+
+impl PendingConfirm {
+    /// Waits for the broker's verdict: stored (Ok), refused (nack), or not
+    /// routable to any queue (the topology is missing).
+    pub async fn wait(self) -> Result<(), BrokerError> {
+        match self.inner.await? {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(BrokerError::Unroutable {
+                exchange: self.exchange,
+                routing_key: self.routing_key,
+            }),
+            Confirmation::Nack(_) => Err(BrokerError::Nacked),
+        }
+    }
+}
+
+/// Publishes codepool's messages on one confirm-mode channel.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+    topology: Topology,
+}
+
+fn persistent_json() -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+}
+
+impl Publisher {
+    /// Opens a confirm-mode channel on `conn`.
+    pub async fn new(conn: &Connection, topology: Topology) -> Result<Self, BrokerError> {
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self { channel, topology })
+    }
+
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Publishes raw bytes, mandatory (an unroutable message is an error,
+    /// never silently dropped).
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<PendingConfirm, BrokerError> {
+        let inner = self
+            .channel
+            .basic_publish(
+                exchange,
+                routing_key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await?;
+        Ok(PendingConfirm {
+            inner,
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        })
+    }
+
+    /// A purchase onto the purchases queue, `message_id` = `order_id`.
+    pub async fn publish_purchase(&self, purchase: &Purchase) -> Result<PendingConfirm, BrokerError> {
+        self.publish_purchase_bytes(&purchase.to_json(), Some(&purchase.order_id))
+            .await
+    }
+
+    /// Raw purchase bytes (also used to send invalid messages in tests).
+    pub async fn publish_purchase_bytes(
+        &self,
+        body: &[u8],
+        message_id: Option<&str>,
+    ) -> Result<PendingConfirm, BrokerError> {
+        let mut props = persistent_json();
+        if let Some(id) = message_id {
+            props = props.with_message_id(id.into());
+        }
+        let queue = self.topology.purchases.clone();
+        self.publish("", &queue, body, props).await
+    }
+
+    /// The SMS-pending event of a grant, with its stable `event_id` as the
+    /// message id so the SMS service can drop duplicates.
+    pub async fn publish_sms_pending(&self, event: &SmsPending) -> Result<PendingConfirm, BrokerError> {
+        let props = persistent_json().with_message_id(event.event_id.as_str().into());
+        let exchange = self.topology.sms_exchange.clone();
+        self.publish(&exchange, SMS_PENDING_KEY, &event.to_json(), props)
+            .await
+    }
+
+    /// A pool event on the events exchange. Not mandatory: nobody may be
+    /// listening for pool events, and that is fine.
+    pub async fn publish_pool_event(&self, event: &PoolEvent) -> Result<PendingConfirm, BrokerError> {
+        let inner = self
+            .channel
+            .basic_publish(
+                &self.topology.events_exchange,
+                &event.event,
+                BasicPublishOptions::default(),
+                &event.to_json(),
+                persistent_json(),
+            )
+            .await?;
+        Ok(PendingConfirm {
+            inner,
+            exchange: self.topology.events_exchange.clone(),
+            routing_key: event.event.clone(),
+        })
+    }
+
+    /// Puts an invalid purchase on the dead-letter queue with the reason in
+    /// the `x-codepool-reason` header, keeping its body and message id.
+    pub async fn dead_letter(
+        &self,
+        body: &[u8],
+        message_id: Option<&ShortString>,
+        reason: &str,
+    ) -> Result<PendingConfirm, BrokerError> {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            REASON_HEADER.into(),
+            AMQPValue::LongString(reason.into()),
+        );
+        let mut props = persistent_json().with_headers(headers);
+        if let Some(id) = message_id {
+            props = props.with_message_id(id.clone());
+        }
+        let queue = self.topology.purchases_dead.clone();
+        self.publish("", &queue, body, props).await
+    }
+}

@@ -1,0 +1,71 @@
+//! The command line: one subcommand per job, each in `commands/`.
+
+use clap::{Parser, Subcommand};
+
+use crate::commands;
+use crate::config::Config;
+
+const EXAMPLES: &str = "\
+Examples:
+  codepool migrate
+  codepool import codes.csv --pool game-x
+  codepool dispatch --http 127.0.0.1:9464
+  codepool publish --pool game-x --order-id O-1001 --uid 123213 --phone +8613800000000
+  codepool publish --file purchases.jsonl
+  codepool stats --pool game-x
+  codepool lookup --order O-1001
+  codepool bench claim --concurrency 1,8,32 --codes 20000
+
+Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
+CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
+servers on 127.0.0.1, which `make services` starts.
+
+Exit codes: 0 success, 1 failure, 2 partial success (import skipped invalid rows).";
+
+/// Hands out pre-issued activation codes: one per purchase, never twice.
+#[derive(Debug, Parser)]
+#[command(name = "codepool", version, about, after_help = EXAMPLES)]
+pub struct Cli {
+    #[command(flatten)]
+    pub config: Config,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the index and validator definitions in migrations/ (idempotent).
+    Migrate,
+    /// Stream a CSV file of codes into a pool.
+    Import(commands::import::ImportArgs),
+    /// Run the daemon: consume purchases, claim codes, publish SMS-pending events.
+    Dispatch(commands::dispatch::DispatchArgs),
+    /// Publish purchases (one from flags, or many from a JSON-lines file).
+    Publish(commands::publish::PublishArgs),
+    /// Inventory per pool: unissued, issued, used, void, expired, backorders, hot-pool size.
+    Stats(commands::stats::StatsArgs),
+    /// Who got which code and when (codes masked unless --reveal).
+    Lookup(commands::lookup::LookupArgs),
+    /// Sequence generators: segments, daily numbers, cyclic counters, time ids.
+    Seq(commands::seq::SeqArgs),
+    /// Side-by-side benchmarks (claim strategies, dispatcher, import, sequences).
+    Bench(crate::bench::BenchArgs),
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let cfg = cli.config;
+    match cli.command {
+        Command::Migrate => commands::migrate::run(&cfg).await,
+        Command::Import(args) => commands::import::run(&cfg, args).await,
+        Command::Dispatch(args) => commands::dispatch::run(&cfg, args).await,
+        Command::Publish(args) => commands::publish::run(&cfg, args).await,
+        Command::Stats(args) => commands::stats::run(&cfg, args).await,
+        Command::Lookup(args) => commands::lookup::run(&cfg, args).await,
+        Command::Seq(args) => {
+            let store = crate::context::store(&cfg).await?;
+            commands::seq::run(args, store.database().clone(), &cfg.redis_url, &cfg.redis_prefix).await?;
+            Ok(crate::exit::OK)
+        }
+        Command::Bench(args) => crate::bench::run(&cfg, args).await,
+    }
+}

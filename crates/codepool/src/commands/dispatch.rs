@@ -1,0 +1,91 @@
+//! `codepool dispatch`: the daemon.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
+use tracing::info;
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool dispatch
+  codepool dispatch --http 127.0.0.1:0 --workers 8
+  CODEPOOL_AMQP_URL=amqp://user:pass@rabbit:5672/shop codepool dispatch --no-http
+
+Run as many dispatchers as you like on one queue. SIGINT/SIGTERM stops
+consuming, finishes what is in flight and exits 0; a second signal exits at
+once (unacked purchases are redelivered, never lost or granted twice).")]
+pub struct DispatchArgs {
+    /// Address for /metrics, /healthz and /readyz (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub http: SocketAddr,
+    /// Do not serve /metrics, /healthz and /readyz.
+    #[arg(long)]
+    pub no_http: bool,
+    /// Unacked purchases the broker may hand this dispatcher at once.
+    #[arg(long, default_value_t = 512)]
+    pub prefetch: u16,
+    /// Purchases claimed together in one bulk write.
+    #[arg(long, default_value_t = 128)]
+    pub batch_size: usize,
+    /// Batches processed concurrently.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Milliseconds to let a batch fill after its first purchase.
+    #[arg(long, default_value_t = 3)]
+    pub linger_ms: u64,
+}
+
+pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
+    let stop = crate::shutdown::on_signals();
+    let health = Arc::new(Health::default());
+    if !args.no_http {
+        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .context("cannot install the metrics recorder")?;
+        let addr = crate::http::serve(args.http, health.clone(), handle, stop.clone()).await?;
+        info!(%addr, "serving /metrics, /healthz and /readyz");
+        // Scripts starting several dispatchers read the port from here.
+        eprintln!("codepool: http listening on {addr}");
+    }
+    // The daemon starts even if MongoDB is down: it waits and reports
+    // unready. Migrations run as soon as MongoDB answers.
+    let store = codepool_store::Store::connect_lazy(&cfg.mongodb_uri, &cfg.db).await?;
+    let mut attempt = 0;
+    loop {
+        match codepool_store::migrate::migrate(&store).await {
+            Ok(_) => break,
+            Err(e) if e.is_unavailable() => {
+                if attempt == 0 {
+                    tracing::warn!(error = %e, "waiting for MongoDB");
+                }
+                attempt += 1;
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(crate::exit::OK),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    health.set_mongo(true);
+    let engine = crate::context::claim_engine(cfg, &store)?;
+    let config = DispatcherConfig {
+        amqp_url: cfg.amqp_url.clone(),
+        topology: cfg.topology(),
+        prefetch: args.prefetch,
+        batch_size: args.batch_size.max(1),
+        workers: args.workers.max(1),
+        linger: Duration::from_millis(args.linger_ms),
+        ..DispatcherConfig::default()
+    };
+    let dispatcher = Dispatcher::new(engine, config, health);
+    dispatcher.run(stop).await;
+    Ok(crate::exit::OK)
+}

@@ -1,0 +1,164 @@
+//! `codepool import FILE --pool NAME`: stream a CSV file of codes into a pool.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_importer::{import_file, ImportOptions, ImportProgress, ImportSummary};
+use indicatif::{ProgressBar, ProgressStyle};
+use tracing::{info, warn};
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool import codes.csv --pool game-x
+  codepool import partner-2026-11.csv --pool game-x --json > summary.json
+
+The file has a header row with a `code` column (and optionally `expires_at`),
+or a single column of codes without a header. Invalid rows (empty, longer than
+128 characters, control characters, bad dates) are reported with their line
+number and skipped. Importing the same file again inserts nothing new.
+
+Exit codes: 0 every row imported or already present, 2 some rows invalid
+(the valid ones are imported), 1 failure (run the same command again to finish).")]
+pub struct ImportArgs {
+    /// CSV file of codes.
+    pub file: PathBuf,
+    /// Pool to import into (created if new), e.g. game-x.
+    #[arg(long)]
+    pub pool: String,
+    /// Codes per insert.
+    #[arg(long, default_value_t = 1000)]
+    pub batch_size: usize,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
+    let store = crate::context::store(cfg).await?;
+    let options = ImportOptions {
+        batch_size: args.batch_size,
+        ..ImportOptions::default()
+    };
+    let reporter = Reporter::new(std::io::stderr().is_terminal() && !args.json);
+    let summary = import_file(&store, &args.file, &args.pool, &options, &|p| {
+        reporter.update(p)
+    })
+    .await;
+    reporter.finish();
+    let summary = summary?;
+    announce_replenished(cfg, &summary).await;
+
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_summary(&summary);
+    }
+    Ok(if summary.invalid > 0 {
+        crate::exit::PARTIAL
+    } else {
+        crate::exit::OK
+    })
+}
+
+/// Tells dispatchers that new codes arrived (they fulfil backorders). Best
+/// effort: dispatchers also sweep backorders periodically.
+async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
+    if summary.inserted == 0 {
+        return;
+    }
+    let result = async {
+        let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-import").await?;
+        let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
+        cfg.topology().declare(publisher.channel()).await?;
+        let mut event = PoolEvent::new(PoolEventKind::Replenished, &summary.pool);
+        event.inserted = Some(summary.inserted);
+        publisher.publish_pool_event(&event).await?.wait().await?;
+        let _ = conn.close(200, "done").await;
+        Ok::<_, codepool_broker::BrokerError>(())
+    }
+    .await;
+    match result {
+        Ok(()) => info!(pool = %summary.pool, "published pool.replenished"),
+        Err(e) => warn!(error = %e, "could not publish pool.replenished; dispatchers will still fulfil backorders at their next sweep"),
+    }
+}
+
+fn print_summary(s: &ImportSummary) {
+    println!("imported {} into pool {:?}", s.file, s.pool);
+    println!("  rows        {}", s.rows);
+    println!("  inserted    {}", s.inserted);
+    println!("  duplicates  {}", s.duplicates);
+    println!("  invalid     {}", s.invalid);
+    println!("  seconds     {:.2}", s.seconds);
+    println!("  codes/s     {:.0}", s.codes_per_second);
+    println!("  sha256      {}", s.sha256);
+    if !s.invalid_rows.is_empty() {
+        println!("invalid rows (skipped; fix them and import the file again):");
+        for row in s.invalid_rows.iter().take(20) {
+            println!("  line {}: {}", row.line, row.reason);
+        }
+        if s.invalid > 20 {
+            println!("  … and {} more (use --json for up to 1000)", s.invalid - 20);
+        }
+    }
+}
+
+/// A progress bar on a terminal, a line every few seconds otherwise.
+struct Reporter {
+    bar: Option<ProgressBar>,
+    last_line: Mutex<Instant>,
+}
+
+impl Reporter {
+    fn new(terminal: bool) -> Self {
+        let bar = terminal.then(|| {
+            let bar = ProgressBar::new(0);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        Self {
+            bar,
+            last_line: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn update(&self, p: ImportProgress) {
+        let msg = format!(
+            "{} rows, {} inserted, {} duplicates, {} invalid",
+            p.rows, p.inserted, p.duplicates, p.invalid
+        );
+        if let Some(bar) = &self.bar {
+            bar.set_length(p.total_bytes);
+            bar.set_position(p.bytes_read);
+            bar.set_message(msg);
+        } else if let Ok(mut last) = self.last_line.lock() {
+            if last.elapsed() >= Duration::from_secs(2) {
+                *last = Instant::now();
+                let pct = if p.total_bytes > 0 {
+                    100.0 * p.bytes_read as f64 / p.total_bytes as f64
+                } else {
+                    100.0
+                };
+                eprintln!("import: {pct:5.1}% {msg}");
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! `/metrics` (Prometheus text), `/healthz` (alive) and `/readyz` (MongoDB
+//! and RabbitMQ reachable; Redis down is reported as degraded, still ready).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use codepool_dispatcher::Health;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone)]
+struct AppState {
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+}
+
+/// Binds `addr` now (so a taken port fails at start) and serves until
+/// `stop`. Returns the bound address (port 0 picks a free one).
+pub async fn serve(
+    addr: SocketAddr,
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+    stop: CancellationToken,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr} for /metrics; pick another with --http ADDR (port 0 picks a free one) or turn it off with --no-http"))?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/metrics", get(metrics_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(AppState { health, metrics });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+    });
+    Ok(bound)
+}
+
+async fn metrics_page(State(s): State<AppState>) -> String {
+    s.metrics.render()
+}
+
+async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
+    let h = &s.health;
+    let body = format!(
+        "mongodb: {}\nrabbitmq: {}\nredis: {}\n",
+        if h.mongo() { "up" } else { "down" },
+        if h.amqp() { "up" } else { "down" },
+        if h.redis_degraded() { "degraded (claims fall back to MongoDB)" } else { "up" },
+    );
+    if h.ready() {
+        (StatusCode::OK, format!("ready\n{body}"))
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready\n{body}"))
+    }
+}

@@ -1,0 +1,418 @@
+//! The claim: how a purchase gets exactly one code. Read this file top to
+//! bottom to know how ownership is decided.
+//!
+//! 1. Orders that already hold a code get that code again (a redelivery or
+//!    a duplicate), never a second one.
+//! 2. Every other order is paired with a *distinct* candidate popped from
+//!    the pool's Redis hot set, and all pairs are written in one journaled
+//!    `update` command: "code `_id` goes to this order if it is still
+//!    unissued". MongoDB's condition is the only arbiter; the unique
+//!    `order_id` index forbids a second code per order.
+//! 3. Which pairs won is read back by order. Orders whose candidate was
+//!    already taken (by another dispatcher, or through the fallback path)
+//!    try again with fresh candidates, a few rounds.
+//! 4. Orders still without a code, or all orders when Redis is away, claim
+//!    by scanning the pool in MongoDB (`findOneAndUpdate` on
+//!    `(pool, status, seq)`). If that finds nothing, the pool is exhausted.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use codepool_domain::{Grant, Purchase};
+use codepool_hotpool::{Candidate, HotPool, HotPoolError};
+use codepool_store::codes::ScanClaim;
+use codepool_store::{ClaimAssignment, CodeDoc, ObjectId, Store, StoreError};
+use tracing::{debug, warn};
+
+use crate::grant_no::GrantNumbers;
+
+/// What a purchase got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The order holds this code. `fresh` is false when it already held it
+    /// before this call (a redelivery or duplicate).
+    Granted { grant: Grant, fresh: bool },
+    /// The pool had no unissued, unexpired code left.
+    Exhausted,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("grant numbers unavailable: {0}")]
+    GrantNumbers(String),
+}
+
+impl ClaimError {
+    /// Worth retrying later (a server is away), as opposed to a bug or bad data.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            ClaimError::Store(e) => e.is_unavailable(),
+            ClaimError::GrantNumbers(_) => true,
+        }
+    }
+}
+
+/// Knobs of the claim engine.
+#[derive(Debug, Clone)]
+pub struct ClaimConfig {
+    /// Rounds of fresh candidates for orders that lost a race.
+    pub race_rounds: usize,
+    /// Candidates loaded into the hot set per refill.
+    pub refill_batch: i64,
+    /// How long a refiller may hold a pool's refill lock.
+    pub refill_lock_ttl: Duration,
+}
+
+impl Default for ClaimConfig {
+    fn default() -> Self {
+        Self {
+            race_rounds: 3,
+            refill_batch: 5000,
+            refill_lock_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Claims codes for purchases. Cheap to share between tasks.
+#[derive(Clone)]
+pub struct ClaimEngine {
+    store: Store,
+    hot: HotPool,
+    numbers: Arc<GrantNumbers>,
+    config: ClaimConfig,
+}
+
+/// One order being claimed in a batch.
+struct Pending<'a> {
+    purchase: &'a Purchase,
+    candidate: Option<Candidate>,
+}
+
+impl ClaimEngine {
+    pub fn new(store: Store, hot: HotPool, numbers: Arc<GrantNumbers>, config: ClaimConfig) -> Self {
+        Self {
+            store,
+            hot,
+            numbers,
+            config,
+        }
+    }
+
+    pub fn hot_pool(&self) -> &HotPool {
+        &self.hot
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Claims one code for every purchase, returning outcomes aligned with
+    /// the input. Purchases of the same order share one outcome.
+    pub async fn claim_batch(&self, purchases: &[&Purchase]) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        let started = Instant::now();
+        // One entry per distinct order; duplicates in the batch point at it.
+        let mut first_of: HashMap<&str, usize> = HashMap::new();
+        let mut unique: Vec<&Purchase> = Vec::new();
+        for p in purchases {
+            first_of.entry(p.order_id.as_str()).or_insert_with(|| {
+                unique.push(p);
+                unique.len() - 1
+            });
+        }
+        let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; unique.len()];
+
+        // 1. Orders that already hold a code keep it.
+        let orders: Vec<&str> = unique.iter().map(|p| p.order_id.as_str()).collect();
+        let existing = self.store.grants_for_orders(&orders).await?;
+        let mut todo: Vec<usize> = Vec::new();
+        for (i, p) in unique.iter().enumerate() {
+            match existing.get(&p.order_id).and_then(CodeDoc::grant) {
+                Some(grant) => outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: false }),
+                None => todo.push(i),
+            }
+        }
+
+        // 2–3. Distinct candidates from the hot set, claimed in bulk.
+        let mut scan: Vec<usize> = Vec::new();
+        for _round in 0..self.config.race_rounds {
+            if todo.is_empty() {
+                break;
+            }
+            let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
+            for &i in &todo {
+                by_pool.entry(unique[i].pool.as_str()).or_default().push(i);
+            }
+            let mut pending: Vec<(usize, Pending)> = Vec::new();
+            for (pool, idxs) in by_pool {
+                match self.take_candidates(pool, idxs.len()).await {
+                    Ok(candidates) => {
+                        // Oldest candidates go to the first orders.
+                        let mut candidates = candidates.into_iter();
+                        for &i in &idxs {
+                            match candidates.next() {
+                                Some(c) => pending.push((
+                                    i,
+                                    Pending {
+                                        purchase: unique[i],
+                                        candidate: Some(c),
+                                    },
+                                )),
+                                // The hot set ran dry: let the scan decide.
+                                None => scan.push(i),
+                            }
+                        }
+                    }
+                    Err(_) => scan.extend(idxs),
+                }
+            }
+            if pending.is_empty() {
+                todo.clear();
+                break;
+            }
+            todo = self.claim_candidates(&mut pending, &mut outcomes).await?;
+            if !todo.is_empty() {
+                metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
+                debug!(lost = todo.len(), "candidates already taken; retrying with fresh ones");
+            }
+        }
+        scan.extend(todo);
+
+        // 4. The scan: Redis away, hot set empty, or races kept being lost.
+        if !scan.is_empty() {
+            self.claim_by_scan(&unique, &scan, &mut outcomes).await?;
+        }
+
+        metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
+        Ok(purchases
+            .iter()
+            .map(|p| {
+                let i = first_of[p.order_id.as_str()];
+                outcomes[i].clone().unwrap_or(ClaimOutcome::Exhausted)
+            })
+            .collect())
+    }
+
+    /// Writes all pairs in one command, reads back which won, returns the
+    /// indexes of orders that must try again.
+    async fn claim_candidates(
+        &self,
+        pending: &mut [(usize, Pending<'_>)],
+        outcomes: &mut [Option<ClaimOutcome>],
+    ) -> Result<Vec<usize>, ClaimError> {
+        let purchases: Vec<&Purchase> = pending.iter().map(|(_, p)| p.purchase).collect();
+        let numbers = self.numbers.for_purchases(&purchases).await?;
+        let mut assignments = Vec::with_capacity(pending.len());
+        let mut candidate_ids = Vec::with_capacity(pending.len());
+        for ((_, p), grant_no) in pending.iter().zip(numbers) {
+            let c = p.candidate.as_ref().map(|c| c.id.as_str()).unwrap_or_default();
+            let Ok(code_id) = ObjectId::parse_str(c) else {
+                // Not an id we wrote: skip it; the order retries.
+                candidate_ids.push(None);
+                continue;
+            };
+            candidate_ids.push(Some(code_id));
+            assignments.push(ClaimAssignment {
+                code_id,
+                order_id: p.purchase.order_id.clone(),
+                uid: p.purchase.uid.clone(),
+                phone: p.purchase.phone.clone(),
+                grant_no,
+            });
+        }
+        let write = match self.store.claim_candidates(&assignments).await {
+            Ok(w) => w,
+            Err(e) => {
+                // Unknown which landed: give candidates back; the retry reads
+                // grants by order, and conditions keep it exact.
+                self.give_back(pending).await;
+                return Err(e.into());
+            }
+        };
+
+        // Orders refused by the unique index already hold a code elsewhere;
+        // their candidate is still unissued and goes back to the set.
+        let mut unused: HashMap<&str, Vec<Candidate>> = HashMap::new();
+        for &k in &write.order_taken {
+            if let Some(a) = assignments.get(k) {
+                if let Some((_, p)) = pending
+                    .iter()
+                    .find(|(_, p)| p.purchase.order_id == a.order_id)
+                {
+                    if let Some(c) = &p.candidate {
+                        unused.entry(p.purchase.pool.as_str()).or_default().push(c.clone());
+                    }
+                }
+            }
+        }
+        for (pool, candidates) in unused {
+            let _ = self.hot.put_back(pool, &candidates).await;
+        }
+
+        let orders: Vec<&str> = pending
+            .iter()
+            .map(|(_, p)| p.purchase.order_id.as_str())
+            .collect();
+        let grants = self.store.grants_for_orders(&orders).await?;
+        let mut retry = Vec::new();
+        for ((i, p), candidate) in pending.iter().zip(candidate_ids) {
+            match grants.get(&p.purchase.order_id) {
+                Some(doc) => {
+                    if let Some(grant) = doc.grant() {
+                        let fresh = candidate == Some(doc.id);
+                        if fresh {
+                            metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
+                        }
+                        outcomes[*i] = Some(ClaimOutcome::Granted { grant, fresh });
+                    }
+                }
+                None => retry.push(*i),
+            }
+        }
+        Ok(retry)
+    }
+
+    async fn give_back(&self, pending: &[(usize, Pending<'_>)]) {
+        let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();
+        for (_, p) in pending {
+            if let Some(c) = &p.candidate {
+                by_pool.entry(p.purchase.pool.as_str()).or_default().push(c.clone());
+            }
+        }
+        for (pool, candidates) in by_pool {
+            let _ = self.hot.put_back(pool, &candidates).await;
+        }
+    }
+
+    /// Pops `k` distinct candidates, refilling the hot set from MongoDB when
+    /// it runs dry. Fewer than `k` means the pool has no more candidates
+    /// right now. An error means Redis is away.
+    async fn take_candidates(&self, pool: &str, k: usize) -> Result<Vec<Candidate>, HotPoolError> {
+        let mut got = self.hot.pop(pool, k).await?;
+        for _ in 0..3 {
+            if got.len() >= k {
+                break;
+            }
+            match self.refill(pool).await {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(RefillError::Store(e)) => {
+                    warn!(pool, error = %e, "hot pool refill failed");
+                    break;
+                }
+                Err(RefillError::Redis(e)) => {
+                    self.give_back_candidates(pool, &got).await;
+                    return Err(e);
+                }
+            }
+            got.extend(self.hot.pop(pool, k - got.len()).await?);
+        }
+        Ok(got)
+    }
+
+    async fn give_back_candidates(&self, pool: &str, candidates: &[Candidate]) {
+        let _ = self.hot.put_back(pool, candidates).await;
+    }
+
+    /// Loads the next candidates of `pool` into its hot set: codes after
+    /// the high-water mark, or, once the end is reached, a rescan from the
+    /// start (which picks up candidates lost by crashed claimers). One
+    /// refiller per pool at a time; others wait briefly and pop again.
+    /// Returns how many candidates were added (a waiting caller reports 1).
+    pub async fn refill(&self, pool: &str) -> Result<usize, RefillError> {
+        let Some(lock) = self
+            .hot
+            .try_lock_refill(pool, self.config.refill_lock_ttl)
+            .await?
+        else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            return Ok(1);
+        };
+        let result = self.refill_locked(pool).await;
+        let _ = self.hot.unlock_refill(lock).await;
+        result
+    }
+
+    async fn refill_locked(&self, pool: &str) -> Result<usize, RefillError> {
+        let hwm = self.hot.high_water_mark(pool).await?;
+        let mut found = self
+            .store
+            .candidates_after(pool, hwm, self.config.refill_batch)
+            .await?;
+        if found.is_empty() && hwm > 0 {
+            found = self
+                .store
+                .candidates_after(pool, 0, self.config.refill_batch)
+                .await?;
+        }
+        let new_hwm = found.iter().map(|(_, s)| *s).max().unwrap_or(0).max(hwm);
+        let candidates: Vec<Candidate> = found
+            .into_iter()
+            .map(|(id, seq)| Candidate { id: id.to_hex(), seq })
+            .collect();
+        self.hot.add(pool, &candidates, new_hwm).await?;
+        debug!(pool, added = candidates.len(), "hot pool refilled");
+        Ok(candidates.len())
+    }
+
+    /// Claims one by one by scanning MongoDB; the first "nothing left" marks
+    /// the rest of that pool's orders in this batch as exhausted.
+    async fn claim_by_scan(
+        &self,
+        unique: &[&Purchase],
+        idxs: &[usize],
+        outcomes: &mut [Option<ClaimOutcome>],
+    ) -> Result<(), ClaimError> {
+        let mut empty_pools: Vec<&str> = Vec::new();
+        let mut maybe_exhausted: Vec<usize> = Vec::new();
+        for &i in idxs {
+            let p = unique[i];
+            if empty_pools.contains(&p.pool.as_str()) {
+                maybe_exhausted.push(i);
+                continue;
+            }
+            let grant_no = self.numbers.for_purchases(&[p]).await?.pop().flatten();
+            match self
+                .store
+                .claim_by_scan(&p.pool, &p.order_id, &p.uid, &p.phone, grant_no)
+                .await?
+            {
+                ScanClaim::Granted(doc) => {
+                    if let Some(grant) = doc.grant() {
+                        metrics::counter!("codepool_claims_total", "path" => "scan").increment(1);
+                        outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: true });
+                    }
+                }
+                ScanClaim::OrderAlreadyGranted => maybe_exhausted.push(i),
+                ScanClaim::Empty => {
+                    empty_pools.push(p.pool.as_str());
+                    maybe_exhausted.push(i);
+                }
+            }
+        }
+        // Before calling an order exhausted, look once more: another
+        // dispatcher may have just granted it (a concurrent duplicate).
+        let orders: Vec<&str> = maybe_exhausted
+            .iter()
+            .map(|&i| unique[i].order_id.as_str())
+            .collect();
+        let grants = self.store.grants_for_orders(&orders).await?;
+        for i in maybe_exhausted {
+            outcomes[i] = Some(match grants.get(&unique[i].order_id).and_then(CodeDoc::grant) {
+                Some(grant) => ClaimOutcome::Granted { grant, fresh: false },
+                None => ClaimOutcome::Exhausted,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RefillError {
+    #[error(transparent)]
+    Redis(#[from] HotPoolError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}

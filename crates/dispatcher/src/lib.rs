@@ -1,0 +1,27 @@
+//! # codepool-dispatcher
+//!
+//! The daemon that turns purchases into grants. It consumes the
+//! `purchases` queue with manual acks, gathers what the prefetch window
+//! holds into batches, claims one code per purchase ([`claim`]), publishes
+//! each grant's SMS-pending event with publisher confirms in flight
+//! together, and only then acks. A crash anywhere before the ack means a
+//! redelivery, which the unique `order_id` index turns into a lookup.
+//!
+//! Around that core: invalid purchases are dead-lettered with a reason, an
+//! empty pool turns purchases into backorders ([`backorders`]) that are
+//! fulfilled when codes arrive, a relay ([`relay`]) re-publishes events that
+//! were never confirmed, and every outage (MongoDB, RabbitMQ, Redis) is
+//! waited out and logged once ([`outage`]).
+
+pub mod backorders;
+pub mod claim;
+pub mod daemon;
+pub mod grant_no;
+pub mod health;
+pub mod outage;
+pub mod relay;
+
+pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
+pub use daemon::{Dispatcher, DispatcherConfig};
+pub use grant_no::GrantNumbers;
+pub use health::Health;

@@ -1,0 +1,45 @@
+//! Grants: the binding of one code to one order, the fact codepool exists
+//! to produce exactly once per purchase.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+
+use crate::code::mask;
+use crate::events::SmsPending;
+
+/// One code issued to one order. Created only by the claim (a conditional
+/// update from status 0 to 1 in MongoDB); everything else reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// MongoDB `_id` of the code document, as hex.
+    pub code_id: String,
+    pub pool: String,
+    pub code: String,
+    pub order_id: String,
+    pub uid: String,
+    pub phone: String,
+    pub grant_no: Option<String>,
+    pub issued_at: DateTime<Utc>,
+}
+
+impl Grant {
+    /// The event that asks the SMS service to text the code. Its `event_id`
+    /// is derived from the order, so every re-send of the same grant carries
+    /// the same id and the SMS service can drop duplicates.
+    pub fn sms_pending(&self) -> SmsPending {
+        SmsPending {
+            event_id: SmsPending::event_id_for(&self.order_id),
+            order_id: self.order_id.clone(),
+            uid: self.uid.clone(),
+            phone: self.phone.clone(),
+            pool: self.pool.clone(),
+            code: self.code.clone(),
+            grant_no: self.grant_no.clone(),
+            issued_at: self.issued_at.to_rfc3339_opts(SecondsFormat::Millis, true),
+        }
+    }
+
+    /// The code as it may appear in logs.
+    pub fn masked_code(&self) -> String {
+        mask(&self.code)
+    }
+}

@@ -1,0 +1,23 @@
+//! # codepool-domain
+//!
+//! The words codepool speaks, with no I/O: a [`Pool`] of pre-issued codes,
+//! a [`Code`] and its [`CodeStatus`], a [`Purchase`] that arrives over the
+//! wire, the [`Grant`] that binds one code to one order, and the events the
+//! system emits about them ([`SmsPending`], [`PoolEvent`]).
+//!
+//! Everything here is pure and deterministic, so the rules (what a valid
+//! purchase is, what a valid code is, how a code is masked in logs) are
+//! tested without any server, and every adapter (MongoDB, Redis, RabbitMQ)
+//! speaks the same vocabulary.
+
+pub mod code;
+pub mod events;
+pub mod grant;
+pub mod pool;
+pub mod purchase;
+
+pub use code::{mask, validate_code, CodeStatus, InvalidCode, MAX_CODE_LEN};
+pub use events::{PoolEvent, PoolEventKind, SmsPending, SmsReceipt};
+pub use grant::Grant;
+pub use pool::{InvalidPoolName, Pool};
+pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};

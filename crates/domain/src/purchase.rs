@@ -1,0 +1,269 @@
+//! Purchases: the events that ask codepool for a code, and the rules that
+//! decide whether one is valid. An invalid purchase is never retried; it is
+//! dead-lettered with a [`RejectReason`] so an operator can fix and replay it.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::pool::Pool;
+
+/// A purchase message larger than this is refused unread: no real purchase
+/// comes near it, and parsing arbitrary sizes is a memory risk.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+const MAX_ID_LEN: usize = 128;
+const MAX_TIME_LEN: usize = 64;
+
+/// A valid purchase: one order of one buyer for one code of one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Purchase {
+    pub order_id: String,
+    pub uid: String,
+    pub phone: String,
+    pub pool: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub purchased_at: Option<String>,
+}
+
+/// The machine-readable class of a rejection. Used as a metric label and as
+/// the first word of the `x-codepool-reason` header, so its set is closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    TooLarge,
+    NotJson,
+    NotObject,
+    MissingField,
+    WrongType,
+    TooLong,
+    InvalidPhone,
+    InvalidPool,
+    InvalidTime,
+    UnknownPool,
+}
+
+impl RejectReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TooLarge => "too_large",
+            Self::NotJson => "not_json",
+            Self::NotObject => "not_object",
+            Self::MissingField => "missing_field",
+            Self::WrongType => "wrong_type",
+            Self::TooLong => "too_long",
+            Self::InvalidPhone => "invalid_phone",
+            Self::InvalidPool => "invalid_pool",
+            Self::InvalidTime => "invalid_time",
+            Self::UnknownPool => "unknown_pool",
+        }
+    }
+}
+
+/// Why a message is not a valid purchase: a class and a sentence that tells
+/// the producer what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {detail}", reason.as_str())]
+pub struct PurchaseError {
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+impl PurchaseError {
+    pub fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
+        Self {
+            reason,
+            detail: detail.into(),
+        }
+    }
+
+    /// The purchase names a pool that has never received codes.
+    pub fn unknown_pool(pool: &str) -> Self {
+        Self::new(
+            RejectReason::UnknownPool,
+            format!("pool {pool:?} has no codes; import codes into it with `codepool import FILE --pool {pool}`, then `codepool dead-letters replay`"),
+        )
+    }
+}
+
+impl Purchase {
+    /// Parses and validates a purchase message body.
+    pub fn parse(body: &[u8]) -> Result<Self, PurchaseError> {
+        if body.len() > MAX_MESSAGE_BYTES {
+            return Err(PurchaseError::new(
+                RejectReason::TooLarge,
+                format!(
+                    "message is {} bytes; a purchase must be at most {MAX_MESSAGE_BYTES} bytes",
+                    body.len()
+                ),
+            ));
+        }
+        let value: Value = serde_json::from_slice(body).map_err(|e| {
+            PurchaseError::new(
+                RejectReason::NotJson,
+                format!("body is not valid UTF-8 JSON ({e}); send one JSON object per message"),
+            )
+        })?;
+        let Value::Object(map) = value else {
+            return Err(PurchaseError::new(
+                RejectReason::NotObject,
+                "body must be a JSON object like {\"order_id\":…,\"uid\":…,\"phone\":…,\"pool\":…}",
+            ));
+        };
+        let order_id = required(&map, "order_id", MAX_ID_LEN)?;
+        let uid = required(&map, "uid", MAX_ID_LEN)?;
+        let pool = required(&map, "pool", Pool::MAX_LEN)?;
+        let phone = required(&map, "phone", 32)?;
+        let purchased_at = optional(&map, "purchased_at", MAX_TIME_LEN)?;
+
+        if let Err(e) = Pool::new(&pool) {
+            return Err(PurchaseError::new(RejectReason::InvalidPool, e.to_string()));
+        }
+        if !is_valid_phone(&phone) {
+            return Err(PurchaseError::new(
+                RejectReason::InvalidPhone,
+                "phone must be an international number: optional '+' then 6 to 15 digits",
+            ));
+        }
+        if let Some(t) = &purchased_at {
+            if chrono::DateTime::parse_from_rfc3339(t).is_err() {
+                return Err(PurchaseError::new(
+                    RejectReason::InvalidTime,
+                    "purchased_at must be an RFC 3339 time like 2026-11-20T10:00:00Z",
+                ));
+            }
+        }
+        Ok(Self {
+            order_id,
+            uid,
+            phone,
+            pool,
+            purchased_at,
+        })
+    }
+
+    /// The wire form, as `codepool publish` sends it.
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serializing a struct of strings cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+fn required(map: &Map<String, Value>, field: &str, max: usize) -> Result<String, PurchaseError> {
+    match optional(map, field, max)? {
+        Some(v) => Ok(v),
+        None => Err(PurchaseError::new(
+            RejectReason::MissingField,
+            format!("field {field:?} is required and must be a non-empty string"),
+        )),
+    }
+}
+
+fn optional(
+    map: &Map<String, Value>,
+    field: &str,
+    max: usize,
+) -> Result<Option<String>, PurchaseError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => {
+            let s = s.trim();
+            if s.is_empty() {
+                Ok(None)
+            } else if s.chars().count() > max {
+                Err(PurchaseError::new(
+                    RejectReason::TooLong,
+                    format!("field {field:?} is longer than {max} characters"),
+                ))
+            } else if s.chars().any(char::is_control) {
+                Err(PurchaseError::new(
+                    RejectReason::WrongType,
+                    format!("field {field:?} contains control characters"),
+                ))
+            } else {
+                Ok(Some(s.to_owned()))
+            }
+        }
+        Some(other) => Err(PurchaseError::new(
+            RejectReason::WrongType,
+            format!(
+                "field {field:?} must be a string, not {}",
+                json_type_name(other)
+            ),
+        )),
+    }
+}
+
+fn json_type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn is_valid_phone(phone: &str) -> bool {
+    let digits = phone.strip_prefix('+').unwrap_or(phone);
+    (6..=15).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn reason(body: &str) -> RejectReason {
+        Purchase::parse(body.as_bytes()).unwrap_err().reason
+    }
+
+    #[test]
+    fn a_complete_purchase_parses() {
+        let p = Purchase::parse(br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"game-x","purchased_at":"2026-11-20T10:00:00Z"}"#).unwrap();
+        assert_eq!(p.order_id, "O-1");
+        assert_eq!(p.pool, "game-x");
+        assert_eq!(p.purchased_at.as_deref(), Some("2026-11-20T10:00:00Z"));
+        assert_eq!(Purchase::parse(&p.to_json()).unwrap(), p);
+    }
+
+    #[test]
+    fn invalid_messages_say_why() {
+        assert_eq!(reason("nope"), RejectReason::NotJson);
+        assert_eq!(reason("[1,2]"), RejectReason::NotObject);
+        assert_eq!(reason(r#"{"uid":"u","phone":"+123456","pool":"p"}"#), RejectReason::MissingField);
+        assert_eq!(reason(r#"{"order_id":7,"uid":"u","phone":"+123456","pool":"p"}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"call me","pool":"p"}"#), RejectReason::InvalidPhone);
+        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"a b"}"#), RejectReason::InvalidPool);
+        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"p","purchased_at":"yesterday"}"#), RejectReason::InvalidTime);
+        let long = format!(r#"{{"order_id":"{}","uid":"u","phone":"+123456","pool":"p"}}"#, "o".repeat(200));
+        assert_eq!(reason(&long), RejectReason::TooLong);
+        let huge = format!(r#"{{"order_id":"{}"}}"#, "o".repeat(MAX_MESSAGE_BYTES));
+        assert_eq!(reason(&huge), RejectReason::TooLarge);
+        assert_eq!(Purchase::parse(&[0xff, 0xfe, b'{']).unwrap_err().reason, RejectReason::NotJson);
+    }
+
+    #[test]
+    fn the_error_text_starts_with_the_reason_class() {
+        let e = Purchase::parse(b"{}").unwrap_err();
+        assert!(e.to_string().starts_with("missing_field: "), "{e}");
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Purchase::parse(&body);
+        }
+
+        #[test]
+        fn any_json_value_types_give_a_clear_error_or_a_purchase(
+            order in prop_oneof![Just(serde_json::json!(null)), any::<i64>().prop_map(|v| serde_json::json!(v)), ".{0,200}".prop_map(|s| serde_json::json!(s))],
+            phone in prop_oneof![Just(serde_json::json!([1])), "[+0-9]{0,20}".prop_map(|s| serde_json::json!(s))],
+        ) {
+            let body = serde_json::json!({"order_id": order, "uid": "u", "phone": phone, "pool": "p"});
+            match Purchase::parse(body.to_string().as_bytes()) {
+                Ok(p) => prop_assert!(!p.order_id.is_empty() && p.order_id.chars().count() <= 128),
+                Err(e) => prop_assert!(!e.detail.is_empty()),
+            }
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! # codepool-hotpool
+//!
+//! The hot pool: per pool, a Redis sorted set of candidate code ids scored
+//! by `seq` (oldest first). Claimers take *distinct* candidates with
+//! `ZPOPMIN`, so concurrent claimers do not all fight over the first
+//! unissued document in MongoDB.
+//!
+//! Redis holds no truth here. A candidate is only a hint: MongoDB's
+//! conditional update on `{_id, status: 0}` decides who owns a code. If Redis
+//! is flushed, the set is rebuilt from MongoDB; if it is down, every call
+//! returns [`HotPoolError::Unavailable`] quickly and the caller claims
+//! straight from MongoDB. Outages are logged once, not once per call.
+//!
+//! Keys of one pool share a hash tag (`codepool:{game-x}:hot`), so the
+//! module works on a Redis cluster too.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::AsyncCommands;
+use tokio::sync::Mutex;
+use tracing::{info, warn};
+
+/// How long one Redis call may take before the caller stops waiting and
+/// falls back to MongoDB. Redis answers in well under a millisecond when it
+/// is healthy, so this only bounds the damage of a sick one.
+pub const OP_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How often to try to reconnect while Redis is down.
+const RECONNECT_EVERY: Duration = Duration::from_secs(1);
+
+/// A code id offered to claimers, with its `seq` (its score in the set).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Candidate {
+    /// The code document's `_id`, as 24 hex characters.
+    pub id: String,
+    pub seq: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HotPoolError {
+    #[error("Redis is unavailable ({0}); claims fall back to MongoDB until it is back (check CODEPOOL_REDIS_URL and that redis-server runs)")]
+    Unavailable(String),
+    #[error("invalid Redis URL: {0}; use something like redis://127.0.0.1:6379")]
+    Config(String),
+}
+
+/// Proof of holding a pool's refill lock; released only by its holder.
+#[derive(Debug)]
+pub struct RefillLock {
+    key: String,
+    token: String,
+}
+
+/// The Redis hot pools of all pools, behind one connection.
+#[derive(Clone)]
+pub struct HotPool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: redis::Client,
+    prefix: String,
+    conn: Mutex<ConnState>,
+    down: AtomicBool,
+}
+
+struct ConnState {
+    conn: Option<ConnectionManager>,
+    last_attempt: Option<Instant>,
+}
+
+impl HotPool {
+    /// Prepares the hot pool. Does not connect: Redis may be down at start,
+    /// and the daemon must start anyway.
+    pub fn new(url: &str, prefix: &str) -> Result<Self, HotPoolError> {
+        let client = redis::Client::open(url).map_err(|e| HotPoolError::Config(e.to_string()))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                prefix: prefix.to_owned(),
+                conn: Mutex::new(ConnState {
+                    conn: None,
+                    last_attempt: None,
+                }),
+                down: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// True while the last Redis call failed: claims are on the fallback path.
+    pub fn is_degraded(&self) -> bool {
+        self.inner.down.load(Ordering::Relaxed)
+    }
+
+    fn key(&self, pool: &str, what: &str) -> String {
+        format!("{}:{{{pool}}}:{what}", self.inner.prefix)
+    }
+
+    async fn connection(&self) -> Result<ConnectionManager, HotPoolError> {
+        let mut state = self.inner.conn.lock().await;
+        if let Some(conn) = &state.conn {
+            return Ok(conn.clone());
+        }
+        if let Some(at) = state.last_attempt {
+            if at.elapsed() < RECONNECT_EVERY {
+                return Err(HotPoolError::Unavailable("not connected".into()));
+            }
+        }
+        state.last_attempt = Some(Instant::now());
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(OP_TIMEOUT)
+            .set_response_timeout(OP_TIMEOUT)
+            .set_number_of_retries(1)
+            .set_max_delay(200);
+        let conn = tokio::time::timeout(
+            OP_TIMEOUT * 2,
+            self.inner.client.get_connection_manager_with_config(config),
+        )
+        .await
+        .map_err(|_| HotPoolError::Unavailable("connect timed out".into()))?
+        .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
+        state.conn = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Runs one Redis call with a deadline and records the outage state.
+    async fn run<T, F, Fut>(&self, f: F) -> Result<T, HotPoolError>
+    where
+        F: FnOnce(ConnectionManager) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let result = match self.connection().await {
+            Ok(conn) => match tokio::time::timeout(OP_TIMEOUT, f(conn)).await {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(HotPoolError::Unavailable(e.to_string())),
+                Err(_) => Err(HotPoolError::Unavailable("timed out".into())),
+            },
+            Err(e) => Err(e),
+        };
+        match &result {
+            Ok(_) => {
+                if self.inner.down.swap(false, Ordering::Relaxed) {
+                    info!("Redis is reachable again; claims use the hot pool");
+                }
+            }
+            Err(e) => {
+                if !self.inner.down.swap(true, Ordering::Relaxed) {
+                    warn!(error = %e, "Redis unavailable; claims fall back to MongoDB until it returns");
+                }
+            }
+        }
+        result
+    }
+
+    /// Takes up to `k` distinct candidates, oldest first. Each candidate is
+    /// handed to exactly one caller (until it is put back).
+    pub async fn pop(&self, pool: &str, k: usize) -> Result<Vec<Candidate>, HotPoolError> {
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let key = self.key(pool, "hot");
+        let raw: Vec<(String, f64)> = self
+            .run(|mut c| async move { c.zpopmin(key, k as isize).await })
+            .await?;
+        Ok(raw
+            .into_iter()
+            .map(|(id, score)| Candidate {
+                id,
+                seq: score as i64,
+            })
+            .collect())
+    }
+
+    /// Returns candidates that were popped but not used.
+    pub async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError> {
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let key = self.key(pool, "hot");
+        let items: Vec<(f64, String)> = candidates
+            .iter()
+            .map(|c| (c.seq as f64, c.id.clone()))
+            .collect();
+        self.run(|mut c| async move { c.zadd_multiple::<_, _, _, ()>(key, &items).await })
+            .await
+    }
+
+    /// Adds freshly loaded candidates and moves the pool's high-water mark
+    /// (the largest `seq` loaded so far) in one atomic step.
+    pub async fn add(
+        &self,
+        pool: &str,
+        candidates: &[Candidate],
+        high_water_mark: i64,
+    ) -> Result<(), HotPoolError> {
+        let key = self.key(pool, "hot");
+        let hwm = self.key(pool, "hwm");
+        let items: Vec<(f64, String)> = candidates
+            .iter()
+            .map(|c| (c.seq as f64, c.id.clone()))
+            .collect();
+        self.run(|mut c| async move {
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            if !items.is_empty() {
+                pipe.zadd_multiple(&key, &items).ignore();
+            }
+            pipe.set(&hwm, high_water_mark).ignore();
+            pipe.query_async::<()>(&mut c).await
+        })
+        .await
+    }
+
+    /// The largest `seq` ever loaded into the pool's set (0 when unknown,
+    /// for example after a flush: then the refill starts from the beginning).
+    pub async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError> {
+        let hwm = self.key(pool, "hwm");
+        let v: Option<i64> = self.run(|mut c| async move { c.get(hwm).await }).await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Number of candidates waiting in the pool's set.
+    pub async fn len(&self, pool: &str) -> Result<u64, HotPoolError> {
+        let key = self.key(pool, "hot");
+        self.run(|mut c| async move { c.zcard(key).await }).await
+    }
+
+    /// Drops candidates that must never be offered again (expired, voided).
+    pub async fn remove(&self, pool: &str, ids: &[String]) -> Result<(), HotPoolError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let key = self.key(pool, "hot");
+        let ids = ids.to_vec();
+        self.run(|mut c| async move { c.zrem::<_, _, ()>(key, ids).await })
+            .await
+    }
+
+    /// Forgets a pool's set and mark (tests, and after bulk voids).
+    pub async fn clear(&self, pool: &str) -> Result<(), HotPoolError> {
+        let keys = vec![self.key(pool, "hot"), self.key(pool, "hwm")];
+        self.run(|mut c| async move { c.del::<_, ()>(keys).await })
+            .await
+    }
+
+    /// Tries to become the pool's only refiller for `ttl`. `None` means
+    /// another process is refilling right now.
+    pub async fn try_lock_refill(
+        &self,
+        pool: &str,
+        ttl: Duration,
+    ) -> Result<Option<RefillLock>, HotPoolError> {
+        let key = self.key(pool, "refill");
+        let token = format!("{:032x}", rand::random::<u128>());
+        let (k, t) = (key.clone(), token.clone());
+        let ok: Option<String> = self
+            .run(|mut c| async move {
+                redis::cmd("SET")
+                    .arg(&k)
+                    .arg(&t)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl.as_millis() as u64)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(ok.map(|_| RefillLock { key, token }))
+    }
+
+    /// Releases the refill lock if (and only if) we still hold it: a lock
+    /// that expired and was taken by another refiller is left alone.
+    pub async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError> {
+        let script = redis::Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end",
+        );
+        self.run(|mut c| async move {
+            script
+                .key(&lock.key)
+                .arg(&lock.token)
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+}

@@ -1,0 +1,446 @@
+//! The `codes` collection: every code, its status and who got it.
+//!
+//! The one operation that decides ownership is [`Store::claim_candidates`]:
+//! a batch of conditional updates `{_id, status: 0} → status 1` in a single
+//! journaled command. The unique partial index on `order_id` makes "one code
+//! per order" a database guarantee.
+
+use std::collections::HashMap;
+
+use bson::oid::ObjectId;
+use bson::{doc, Bson, DateTime, Document};
+use codepool_domain::{CodeStatus, Grant};
+use futures::TryStreamExt;
+use mongodb::error::ErrorKind;
+use mongodb::options::ReturnDocument;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
+use crate::{durable, durable_doc, Store, StoreError};
+
+pub const CODES: &str = "codes";
+const SEQUENCES: &str = "sequences";
+
+/// A code document as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CodeDoc {
+    #[serde(rename = "_id")]
+    pub id: ObjectId,
+    pub pool: String,
+    pub code: String,
+    pub status: i32,
+    pub seq: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_id: Option<ObjectId>,
+    pub created_at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phone: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant_no: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_at: Option<DateTime>,
+    #[serde(default)]
+    pub is_sms: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_published_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_sent_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub voided_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub void_reason: Option<String>,
+}
+
+impl CodeDoc {
+    pub fn status(&self) -> Option<CodeStatus> {
+        CodeStatus::from_i32(self.status)
+    }
+
+    /// The grant this document records, if it has been issued.
+    pub fn grant(&self) -> Option<Grant> {
+        Some(Grant {
+            code_id: self.id.to_hex(),
+            pool: self.pool.clone(),
+            code: self.code.clone(),
+            order_id: self.order_id.clone()?,
+            uid: self.uid.clone().unwrap_or_default(),
+            phone: self.phone.clone().unwrap_or_default(),
+            grant_no: self.grant_no.clone(),
+            issued_at: self.issued_at?.to_chrono(),
+        })
+    }
+}
+
+/// A code read from a partner's file, ready to insert.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCode {
+    pub code: String,
+    pub expires_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// What inserting one batch of new codes did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct InsertOutcome {
+    pub inserted: u64,
+    pub duplicates: u64,
+}
+
+/// One intended claim: give the code `code_id` to this order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAssignment {
+    pub code_id: ObjectId,
+    pub order_id: String,
+    pub uid: String,
+    pub phone: String,
+    pub grant_no: Option<String>,
+}
+
+/// What a batch of conditional claim updates did. Which claims won is read
+/// back by order afterwards ([`Store::grants_for_orders`]), because the
+/// update command only reports totals.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ClaimWrite {
+    /// Updates that matched `{_id, status: 0}` and were applied.
+    pub modified: u64,
+    /// Positions (in the input) whose order already holds a code: the unique
+    /// `order_id` index refused them, so their candidate is still unissued.
+    pub order_taken: Vec<usize>,
+}
+
+/// Outcome of a claim by scanning the pool (the path without Redis).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScanClaim {
+    Granted(Box<CodeDoc>),
+    /// The order already holds a code; read it with `grants_for_orders`.
+    OrderAlreadyGranted,
+    /// No unissued, unexpired code is left in the pool.
+    Empty,
+}
+
+/// The filter part "not expired at `now`".
+pub fn not_expired(now: DateTime) -> Document {
+    doc! {"$or": [{"expires_at": Bson::Null}, {"expires_at": {"$gt": now}}]}
+}
+
+fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
+    let mut set = doc! {
+        "status": CodeStatus::Issued.as_i32(),
+        "order_id": &a.order_id,
+        "uid": &a.uid,
+        "phone": &a.phone,
+        "issued_at": now,
+        "sms_pending": true,
+    };
+    if let Some(no) = &a.grant_no {
+        set.insert("grant_no", no);
+    }
+    doc! {"$set": set}
+}
+
+impl Store {
+    /// Reserves `n` consecutive `seq` values for `pool` with one atomic
+    /// `$inc`; returns the first. Gaps are fine, order is what matters.
+    pub async fn reserve_seq(&self, pool: &str, n: u64) -> Result<i64, StoreError> {
+        let n = i64::try_from(n).map_err(|_| StoreError::Rejected("seq range too large".into()))?;
+        let updated = self
+            .collection(SEQUENCES)
+            .find_one_and_update(
+                doc! {"_id": format!("codes.seq:{pool}")},
+                doc! {"$inc": {"value": n}},
+            )
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await?;
+        let end = updated
+            .and_then(|d| d.get_i64("value").ok())
+            .ok_or_else(|| StoreError::Corrupt {
+                collection: SEQUENCES.into(),
+                message: format!("codes.seq:{pool} has no 64-bit value"),
+            })?;
+        Ok(end - n + 1)
+    }
+
+    /// Inserts a batch of new codes (status 0, increasing `seq`), unordered.
+    /// Codes already in the pool are counted as duplicates, never inserted
+    /// twice. `batch_id` ties the codes to their import run, which makes a
+    /// retried batch count exactly.
+    pub async fn insert_codes(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<InsertOutcome, StoreError> {
+        if codes.is_empty() {
+            return Ok(InsertOutcome::default());
+        }
+        let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
+        let now = DateTime::now();
+        let docs: Vec<Document> = codes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut d = doc! {
+                    "_id": ObjectId::new(),
+                    "pool": pool,
+                    "code": &c.code,
+                    "status": CodeStatus::Unissued.as_i32(),
+                    "seq": first_seq + i as i64,
+                    "batch_id": batch_id,
+                    "created_at": now,
+                    "is_sms": 0,
+                };
+                if let Some(t) = c.expires_at {
+                    d.insert("expires_at", DateTime::from_chrono(t));
+                }
+                d
+            })
+            .collect();
+        let total = docs.len() as u64;
+        match self
+            .collection(CODES)
+            .insert_many(docs)
+            .ordered(false)
+            .write_concern(durable())
+            .await
+        {
+            Ok(r) => Ok(InsertOutcome {
+                inserted: r.inserted_ids.len() as u64,
+                duplicates: total - r.inserted_ids.len() as u64,
+            }),
+            Err(e) => {
+                let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
+                    return Err(e.into());
+                };
+                if let Some(wce) = &failure.write_concern_error {
+                    return Err(StoreError::Unavailable(format!(
+                        "write concern not satisfied: {}",
+                        wce.message
+                    )));
+                }
+                let errors = failure.write_errors.as_deref().unwrap_or_default();
+                if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
+                    return Err(if is_transient_code(other.code) {
+                        StoreError::Unavailable(other.message.clone())
+                    } else {
+                        StoreError::Rejected(other.message.clone())
+                    });
+                }
+                let duplicates = errors.len() as u64;
+                Ok(InsertOutcome {
+                    inserted: total - duplicates,
+                    duplicates,
+                })
+            }
+        }
+    }
+
+    /// How many of `codes` are in `pool` from import run `batch_id`: used to
+    /// count a batch exactly after a retry whose first attempt may have
+    /// landed.
+    pub async fn count_from_batch(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<u64, StoreError> {
+        let list: Vec<&str> = codes.iter().map(|c| c.code.as_str()).collect();
+        Ok(self
+            .collection(CODES)
+            .count_documents(doc! {"pool": pool, "code": {"$in": list}, "batch_id": batch_id})
+            .await?)
+    }
+
+    /// Applies a batch of claims in ONE journaled `update` command: each is
+    /// "give code `_id` to this order if it is still unissued and unexpired".
+    /// This is the only write that moves a code from 0 to 1 besides
+    /// [`Store::claim_by_scan`]; MongoDB's condition is the sole arbiter.
+    pub async fn claim_candidates(
+        &self,
+        assignments: &[ClaimAssignment],
+    ) -> Result<ClaimWrite, StoreError> {
+        if assignments.is_empty() {
+            return Ok(ClaimWrite::default());
+        }
+        let now = DateTime::now();
+        let expiry = not_expired(now);
+        let updates: Vec<Document> = assignments
+            .iter()
+            .map(|a| {
+                let mut q = doc! {"_id": a.code_id, "status": CodeStatus::Unissued.as_i32()};
+                q.extend(expiry.clone());
+                doc! {"q": q, "u": issue_set(a, now)}
+            })
+            .collect();
+        let reply = self
+            .database()
+            .run_command(doc! {
+                "update": CODES,
+                "updates": updates,
+                "ordered": false,
+                "writeConcern": durable_doc(),
+            })
+            .await?;
+        if let Ok(wce) = reply.get_document("writeConcernError") {
+            return Err(StoreError::Unavailable(format!(
+                "claim write concern not satisfied: {}",
+                wce.get_str("errmsg").unwrap_or("unknown")
+            )));
+        }
+        let mut out = ClaimWrite {
+            modified: reply
+                .get("nModified")
+                .and_then(Bson::as_i32)
+                .map(|n| n as u64)
+                .unwrap_or(0),
+            order_taken: Vec::new(),
+        };
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            for e in errors.iter().filter_map(Bson::as_document) {
+                let code = e.get_i32("code").unwrap_or(-1);
+                let index = e.get_i32("index").unwrap_or(-1);
+                let message = e.get_str("errmsg").unwrap_or("unknown");
+                if code == DUPLICATE_KEY && index >= 0 {
+                    out.order_taken.push(index as usize);
+                } else if is_transient_code(code) {
+                    return Err(StoreError::Unavailable(message.to_owned()));
+                } else {
+                    return Err(StoreError::Rejected(format!("claim refused: {message}")));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Claims the oldest unissued, unexpired code of `pool` for one order by
+    /// scanning `(pool, status, seq)` with `findOneAndUpdate`. The path used
+    /// when Redis is unavailable, and the final word on "the pool is empty".
+    pub async fn claim_by_scan(
+        &self,
+        pool: &str,
+        order_id: &str,
+        uid: &str,
+        phone: &str,
+        grant_no: Option<String>,
+    ) -> Result<ScanClaim, StoreError> {
+        let now = DateTime::now();
+        let mut filter = doc! {"pool": pool, "status": CodeStatus::Unissued.as_i32()};
+        filter.extend(not_expired(now));
+        let assignment = ClaimAssignment {
+            code_id: ObjectId::new(),
+            order_id: order_id.to_owned(),
+            uid: uid.to_owned(),
+            phone: phone.to_owned(),
+            grant_no,
+        };
+        let result = self
+            .typed::<CodeDoc>(CODES)
+            .find_one_and_update(filter, issue_set(&assignment, now))
+            .sort(doc! {"seq": 1})
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await;
+        match result {
+            Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc))),
+            Ok(None) => Ok(ScanClaim::Empty),
+            Err(e) if is_duplicate_key(&e) => Ok(ScanClaim::OrderAlreadyGranted),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The codes held by these orders, keyed by order id.
+    pub async fn grants_for_orders(
+        &self,
+        order_ids: &[&str],
+    ) -> Result<HashMap<String, CodeDoc>, StoreError> {
+        if order_ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"order_id": {"$in": order_ids}})
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|d| Some((d.order_id.clone()?, d)))
+            .collect())
+    }
+
+    /// Unissued, unexpired codes of `pool` after `after_seq`, oldest first:
+    /// the candidates that refill the hot pool. Only ids and seqs travel.
+    pub async fn candidates_after(
+        &self,
+        pool: &str,
+        after_seq: i64,
+        limit: i64,
+    ) -> Result<Vec<(ObjectId, i64)>, StoreError> {
+        let mut filter = doc! {
+            "pool": pool,
+            "status": CodeStatus::Unissued.as_i32(),
+            "seq": {"$gt": after_seq},
+        };
+        filter.extend(not_expired(DateTime::now()));
+        let docs: Vec<Document> = self
+            .collection(CODES)
+            .find(filter)
+            .sort(doc! {"seq": 1})
+            .limit(limit)
+            .projection(doc! {"_id": 1, "seq": 1})
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|d| Some((d.get_object_id("_id").ok()?, d.get_i64("seq").ok()?)))
+            .collect())
+    }
+
+    /// Records that the SMS-pending events of these codes were confirmed by
+    /// the broker, which takes them off the relay's list.
+    pub async fn mark_sms_published(&self, code_ids: &[ObjectId]) -> Result<(), StoreError> {
+        if code_ids.is_empty() {
+            return Ok(());
+        }
+        self.collection(CODES)
+            .update_many(
+                doc! {"_id": {"$in": code_ids}},
+                doc! {"$set": {"sms_published_at": DateTime::now()}, "$unset": {"sms_pending": ""}},
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Grants issued before `before` whose SMS-pending event was never
+    /// confirmed: the relay's work list.
+    pub async fn unconfirmed_grants(
+        &self,
+        before: chrono::DateTime<chrono::Utc>,
+        limit: i64,
+    ) -> Result<Vec<CodeDoc>, StoreError> {
+        Ok(self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"sms_pending": true, "issued_at": {"$lt": DateTime::from_chrono(before)}})
+            .sort(doc! {"issued_at": 1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// Number of unissued, unexpired codes in `pool`.
+    pub async fn unissued_count(&self, pool: &str) -> Result<u64, StoreError> {
+        let mut filter = doc! {"pool": pool, "status": CodeStatus::Unissued.as_i32()};
+        filter.extend(not_expired(DateTime::now()));
+        Ok(self.collection(CODES).count_documents(filter).await?)
+    }
+}

@@ -1,0 +1,80 @@
+//! What can go wrong talking to MongoDB, sorted by what the caller should do.
+
+use mongodb::error::{ErrorKind, WriteFailure};
+
+/// Errors from the store. [`StoreError::is_unavailable`] tells a caller
+/// whether to wait and retry (the server is away) or to give up on the
+/// input (it was wrong).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("MongoDB is unreachable ({0}); check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)")]
+    Unavailable(String),
+    #[error("MongoDB configuration: {0}")]
+    Config(String),
+    #[error("migration {name} failed: {message}; fix the file in migrations/ or the data it conflicts with, then run `codepool migrate` again")]
+    Migration { name: String, message: String },
+    #[error("MongoDB rejected the operation: {0}")]
+    Rejected(String),
+    #[error("unexpected document in {collection}: {message}")]
+    Corrupt { collection: String, message: String },
+}
+
+impl StoreError {
+    /// True when retrying later may succeed (network, failover, shutdown).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Unavailable(_))
+    }
+}
+
+/// Server error codes that mean "the server is away or changing", not "your
+/// request is wrong".
+const TRANSIENT_CODES: &[i32] = &[
+    6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436, 64, 50, 202, 134, 133,
+];
+
+pub(crate) fn is_transient(e: &mongodb::error::Error) -> bool {
+    if e.contains_label("RetryableWriteError")
+        || e.contains_label("TransientTransactionError")
+        || e.contains_label("NetworkError")
+    {
+        return true;
+    }
+    match e.kind.as_ref() {
+        ErrorKind::ServerSelection { .. }
+        | ErrorKind::Io(_)
+        | ErrorKind::ConnectionPoolCleared { .. }
+        | ErrorKind::DnsResolve { .. } => true,
+        ErrorKind::Command(c) => TRANSIENT_CODES.contains(&c.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => TRANSIENT_CODES.contains(&w.code),
+        ErrorKind::InsertMany(im) => im
+            .write_concern_error
+            .as_ref()
+            .is_some_and(|w| TRANSIENT_CODES.contains(&w.code)),
+        _ => false,
+    }
+}
+
+pub(crate) fn is_transient_code(code: i32) -> bool {
+    TRANSIENT_CODES.contains(&code)
+}
+
+/// E11000: a unique index said no.
+pub(crate) const DUPLICATE_KEY: i32 = 11000;
+
+pub(crate) fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
+    match e.kind.as_ref() {
+        ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == DUPLICATE_KEY,
+        ErrorKind::Command(c) => c.code == DUPLICATE_KEY,
+        _ => false,
+    }
+}
+
+impl From<mongodb::error::Error> for StoreError {
+    fn from(e: mongodb::error::Error) -> Self {
+        if is_transient(&e) {
+            StoreError::Unavailable(e.to_string())
+        } else {
+            StoreError::Rejected(e.to_string())
+        }
+    }
+}

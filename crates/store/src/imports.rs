@@ -1,0 +1,85 @@
+//! The `imports` collection: one audit record per import run, so an
+//! operator can answer "which file did these codes come from, and what
+//! happened to its rows?".
+
+use bson::oid::ObjectId;
+use bson::{doc, DateTime};
+use futures::TryStreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::{Store, StoreError};
+
+pub const IMPORTS: &str = "imports";
+
+/// One import run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImportRecord {
+    #[serde(rename = "_id")]
+    pub id: ObjectId,
+    pub pool: String,
+    pub file: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    pub status: String,
+    pub started_at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime>,
+    #[serde(default)]
+    pub rows: u64,
+    #[serde(default)]
+    pub inserted: u64,
+    #[serde(default)]
+    pub duplicates: u64,
+    #[serde(default)]
+    pub invalid: u64,
+    #[serde(default)]
+    pub seconds: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Store {
+    /// Opens the audit record of a run.
+    pub async fn start_import(&self, pool: &str, file: &str) -> Result<ObjectId, StoreError> {
+        let id = ObjectId::new();
+        let record = ImportRecord {
+            id,
+            pool: pool.into(),
+            file: file.into(),
+            sha256: None,
+            status: "running".into(),
+            started_at: DateTime::now(),
+            finished_at: None,
+            rows: 0,
+            inserted: 0,
+            duplicates: 0,
+            invalid: 0,
+            seconds: 0.0,
+            error: None,
+        };
+        self.typed::<ImportRecord>(IMPORTS)
+            .insert_one(record)
+            .await?;
+        Ok(id)
+    }
+
+    /// Closes the audit record with the run's counts.
+    pub async fn finish_import(&self, record: &ImportRecord) -> Result<(), StoreError> {
+        self.typed::<ImportRecord>(IMPORTS)
+            .replace_one(doc! {"_id": record.id}, record)
+            .await?;
+        Ok(())
+    }
+
+    /// The most recent runs, newest first.
+    pub async fn recent_imports(&self, limit: i64) -> Result<Vec<ImportRecord>, StoreError> {
+        Ok(self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(doc! {})
+            .sort(doc! {"started_at": -1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
+}

@@ -1,0 +1,114 @@
+//! # codepool-store
+//!
+//! The MongoDB adapter, and MongoDB is codepool's only source of truth: every
+//! code with its status and owner, every backorder, every import run. Each
+//! module holds one collection's operations:
+//!
+//! - [`codes`]: inserting imported codes, the conditional claim writes, and
+//!   reading grants back;
+//! - [`backorders`]: purchases that arrived while a pool was empty;
+//! - [`pools`]: which pools exist and their settings;
+//! - [`imports`]: the audit record of each import run;
+//! - [`migrate`]: the ordered index/validator files in `migrations/`.
+//!
+//! Writes that decide ownership use journaled, majority write concern, so a
+//! grant that was acknowledged survives a crash of the database.
+
+pub mod backorders;
+pub mod codes;
+pub mod error;
+pub mod imports;
+pub mod migrate;
+pub mod pools;
+pub mod stats;
+
+use std::time::Duration;
+
+use mongodb::options::{Acknowledgment, ClientOptions, WriteConcern};
+use mongodb::{Client, Collection, Database};
+
+pub use bson::oid::ObjectId;
+pub use codes::{ClaimAssignment, ClaimWrite, CodeDoc, NewCode};
+pub use error::StoreError;
+
+/// A handle on codepool's database. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Store {
+    client: Client,
+    db: Database,
+}
+
+impl Store {
+    /// Connects to MongoDB and checks that it answers, so a wrong URI fails
+    /// here with a clear message rather than at the first purchase.
+    pub async fn connect(uri: &str, db_name: &str) -> Result<Self, StoreError> {
+        let store = Self::connect_lazy(uri, db_name).await?;
+        store.ping().await?;
+        Ok(store)
+    }
+
+    /// Like [`Store::connect`] but without waiting for the server: the
+    /// daemon starts, and reports unreadiness, while MongoDB is down.
+    pub async fn connect_lazy(uri: &str, db_name: &str) -> Result<Self, StoreError> {
+        let mut options = ClientOptions::parse(uri)
+            .await
+            .map_err(|e| StoreError::Config(format!("cannot parse MongoDB URI: {e}; set CODEPOOL_MONGODB_URI to something like mongodb://127.0.0.1:27017/?directConnection=true")))?;
+        options.app_name.get_or_insert_with(|| "codepool".into());
+        options
+            .server_selection_timeout
+            .get_or_insert(Duration::from_secs(5));
+        options
+            .connect_timeout
+            .get_or_insert(Duration::from_secs(3));
+        options.max_pool_size.get_or_insert(64);
+        let client = Client::with_options(options)
+            .map_err(|e| StoreError::Config(format!("invalid MongoDB options: {e}")))?;
+        let db = client.database(db_name);
+        Ok(Self { client, db })
+    }
+
+    /// Round trip to the server; `Err` means MongoDB is unreachable now.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db
+            .run_command(bson::doc! {"ping": 1})
+            .await
+            .map(|_| ())
+            .map_err(StoreError::from)
+    }
+
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Drops the whole database. For tests and benchmarks only.
+    pub async fn drop_database(&self) -> Result<(), StoreError> {
+        self.db.drop().await.map_err(StoreError::from)
+    }
+
+    pub(crate) fn collection(&self, name: &str) -> Collection<bson::Document> {
+        self.db.collection(name)
+    }
+
+    pub(crate) fn typed<T: Send + Sync>(&self, name: &str) -> Collection<T> {
+        self.db.collection(name)
+    }
+}
+
+/// The write concern for every write that decides or records ownership: a
+/// majority of the replica set, journaled. An acknowledged grant survives a
+/// crash of any single server.
+pub fn durable() -> WriteConcern {
+    WriteConcern::builder()
+        .w(Acknowledgment::Majority)
+        .journal(true)
+        .build()
+}
+
+/// `durable()` as the document form used inside raw commands.
+pub(crate) fn durable_doc() -> bson::Document {
+    bson::doc! {"w": "majority", "j": true}
+}

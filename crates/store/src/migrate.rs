@@ -1,0 +1,107 @@
+//! Applies the ordered files in `migrations/`: index and validator
+//! definitions as MongoDB commands. Each file is applied once and recorded
+//! in `_migrations`; applying again is harmless because every command in
+//! them is idempotent, so several processes may migrate at the same time.
+
+use bson::{doc, Bson, Document};
+use tracing::info;
+
+use crate::error::DUPLICATE_KEY;
+use crate::{Store, StoreError};
+
+/// The migration files, compiled into the binary so `codepool` runs from
+/// any directory. Order is the order of application.
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_codes_indexes",
+        include_str!("../../../migrations/0001_codes_indexes.json"),
+    ),
+    (
+        "0002_backorders_indexes",
+        include_str!("../../../migrations/0002_backorders_indexes.json"),
+    ),
+    (
+        "0003_codes_validator",
+        include_str!("../../../migrations/0003_codes_validator.json"),
+    ),
+];
+
+/// What a migration run did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MigrationReport {
+    pub applied: Vec<String>,
+    pub already_applied: Vec<String>,
+}
+
+/// Applies every migration not yet recorded. Safe to call at every start.
+pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
+    let log = store.collection("_migrations");
+    let mut report = MigrationReport::default();
+    for (name, text) in MIGRATIONS {
+        if log.find_one(doc! {"_id": *name}).await?.is_some() {
+            report.already_applied.push((*name).to_owned());
+            continue;
+        }
+        for command in parse(name, text)? {
+            if let Err(e) = store.database().run_command(command).await {
+                let err = StoreError::from(e);
+                if err.is_unavailable() {
+                    return Err(err);
+                }
+                return Err(StoreError::Migration {
+                    name: (*name).to_owned(),
+                    message: err.to_string(),
+                });
+            }
+        }
+        let record = doc! {"_id": *name, "applied_at": bson::DateTime::now()};
+        match log.insert_one(record).await {
+            Ok(_) => {}
+            Err(e) if crate::error::is_duplicate_key(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        info!(migration = name, "applied migration");
+        report.applied.push((*name).to_owned());
+    }
+    let _ = DUPLICATE_KEY;
+    Ok(report)
+}
+
+fn parse(name: &str, text: &str) -> Result<Vec<Document>, StoreError> {
+    let bad = |message: String| StoreError::Migration {
+        name: name.to_owned(),
+        message,
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let bson = Bson::try_from(json).map_err(|e| bad(format!("not extended JSON: {e}")))?;
+    let Bson::Array(items) = bson else {
+        return Err(bad("must be a JSON array of commands".into()));
+    };
+    items
+        .into_iter()
+        .map(|item| match item {
+            Bson::Document(d) => Ok(d),
+            other => Err(bad(format!("each command must be an object, found {other}"))),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_migration_file_parses_into_commands() {
+        for (name, text) in MIGRATIONS {
+            let commands = parse(name, text).unwrap();
+            assert!(!commands.is_empty(), "{name} has no commands");
+        }
+    }
+
+    #[test]
+    fn small_integers_stay_32_bit_so_validators_match_int_fields() {
+        let cmds = parse("t", r#"[{"collMod":"codes","x":1}]"#).unwrap();
+        assert_eq!(cmds[0].get("x"), Some(&Bson::Int32(1)));
+    }
+}

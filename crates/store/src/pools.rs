@@ -1,0 +1,59 @@
+//! The `pools` collection: which pools exist and their settings. A pool
+//! exists once codes have been imported into it; a purchase for any other
+//! pool is dead-lettered as `unknown_pool`.
+
+use bson::{doc, DateTime};
+use futures::TryStreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::{Store, StoreError};
+
+pub const POOLS: &str = "pools";
+
+/// A pool and its settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolDoc {
+    #[serde(rename = "_id")]
+    pub name: String,
+    pub created_at: DateTime,
+    /// Publish `pool.low_stock` when unissued stock falls below this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_stock: Option<i64>,
+    /// Prefix of grant numbers for this pool (default `G`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant_prefix: Option<String>,
+    /// Set while stock is below `low_stock` and the alert has been sent.
+    #[serde(default)]
+    pub low_stock_alerted: bool,
+}
+
+impl Store {
+    /// Creates the pool if it does not exist yet.
+    pub async fn ensure_pool(&self, name: &str) -> Result<(), StoreError> {
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": name},
+                doc! {"$setOnInsert": {"created_at": DateTime::now(), "low_stock_alerted": false}},
+            )
+            .upsert(true)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {
+        Ok(self
+            .typed::<PoolDoc>(POOLS)
+            .find_one(doc! {"_id": name})
+            .await?)
+    }
+
+    pub async fn pools(&self) -> Result<Vec<PoolDoc>, StoreError> {
+        Ok(self
+            .typed::<PoolDoc>(POOLS)
+            .find(doc! {})
+            .sort(doc! {"_id": 1})
+            .await?
+            .try_collect()
+            .await?)
+    }
+}
