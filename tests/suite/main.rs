@@ -1,1 +1,10 @@
+//! codepool's integration suite: every test talks to real MongoDB, Redis
+//! and RabbitMQ on 127.0.0.1 (started by `make services`), each in its own
+//! database, queue prefix and Redis key prefix, so tests run in parallel
+//! and can be re-run. One test binary keeps the build to a single link.
 
+mod claims;
+mod common;
+mod dispatcher;
+mod hotpool;
+mod importer;

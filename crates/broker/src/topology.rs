@@ -28,11 +28,15 @@ pub struct Topology {
     /// Topic exchange for pool events (`pool.low_stock`, …) and lifecycle
     /// events (`code.redeemed`).
     pub events_exchange: String,
+    /// Durable queue bound to `code.redeemed` on the events exchange:
+    /// redemptions reported by the platform, shared by all dispatchers.
+    pub code_redeemed: String,
 }
 
 pub const SMS_PENDING_KEY: &str = "sms.pending";
 pub const SMS_SENT_KEY: &str = "sms.sent";
 pub const SMS_FAILED_KEY: &str = "sms.failed";
+pub const CODE_REDEEMED_KEY: &str = "code.redeemed";
 
 impl Default for Topology {
     fn default() -> Self {
@@ -51,6 +55,7 @@ impl Topology {
             sms_pending: n("sms.pending"),
             sms_receipts: n("sms.receipts"),
             events_exchange: n("codepool.events"),
+            code_redeemed: n("code.redeemed"),
         }
     }
 
@@ -99,9 +104,18 @@ impl Topology {
                 .await
                 .map_err(|e| fail(exchange, e))?;
         }
-        for (queue, keys) in [
-            (&self.sms_pending, &[SMS_PENDING_KEY][..]),
-            (&self.sms_receipts, &[SMS_SENT_KEY, SMS_FAILED_KEY][..]),
+        for (queue, exchange, keys) in [
+            (&self.sms_pending, &self.sms_exchange, &[SMS_PENDING_KEY][..]),
+            (
+                &self.sms_receipts,
+                &self.sms_exchange,
+                &[SMS_SENT_KEY, SMS_FAILED_KEY][..],
+            ),
+            (
+                &self.code_redeemed,
+                &self.events_exchange,
+                &[CODE_REDEEMED_KEY][..],
+            ),
         ] {
             channel
                 .queue_declare(queue, durable, FieldTable::default())
@@ -111,7 +125,7 @@ impl Topology {
                 channel
                     .queue_bind(
                         queue,
-                        &self.sms_exchange,
+                        exchange,
                         key,
                         QueueBindOptions::default(),
                         FieldTable::default(),

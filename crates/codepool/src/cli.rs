@@ -14,6 +14,8 @@ Examples:
   codepool publish --file purchases.jsonl
   codepool stats --pool game-x
   codepool lookup --order O-1001
+  codepool void --order O-1001 --reason refund
+  codepool pool set --pool game-x --low-stock 500
   codepool bench claim --concurrency 1,8,32 --codes 20000
 
 Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
@@ -46,6 +48,22 @@ pub enum Command {
     Stats(commands::stats::StatsArgs),
     /// Who got which code and when (codes masked unless --reveal).
     Lookup(commands::lookup::LookupArgs),
+    /// Inspect and replay dead-lettered (invalid) purchases.
+    #[command(name = "dead-letters")]
+    DeadLetters(commands::dead_letters::DeadLettersArgs),
+    /// Peek at SMS-pending events waiting for the SMS service (codes masked).
+    #[command(name = "sms-pending")]
+    SmsPending(commands::sms_pending::SmsPendingArgs),
+    /// Redeem an issued code: it was used by its buyer.
+    Redeem(commands::redeem::RedeemArgs),
+    /// Void a code (refund, withdrawal); it is never issued again.
+    Void(commands::void::VoidArgs),
+    /// Void unissued codes whose expiry date has passed.
+    Expire(commands::expire::ExpireArgs),
+    /// Publish an order's SMS-pending event again.
+    Resend(commands::resend::ResendArgs),
+    /// Pool settings (low-stock threshold, grant prefix) and stock.
+    Pool(commands::pool::PoolArgs),
     /// Sequence generators: segments, daily numbers, cyclic counters, time ids.
     Seq(commands::seq::SeqArgs),
     /// Side-by-side benchmarks (claim strategies, dispatcher, import, sequences).
@@ -61,6 +79,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,
         Command::Lookup(args) => commands::lookup::run(&cfg, args).await,
+        Command::DeadLetters(args) => commands::dead_letters::run(&cfg, args).await,
+        Command::SmsPending(args) => commands::sms_pending::run(&cfg, args).await,
+        Command::Redeem(args) => commands::redeem::run(&cfg, args).await,
+        Command::Void(args) => commands::void::run(&cfg, args).await,
+        Command::Expire(args) => commands::expire::run(&cfg, args).await,
+        Command::Resend(args) => commands::resend::run(&cfg, args).await,
+        Command::Pool(args) => commands::pool::run(&cfg, args).await,
         Command::Seq(args) => {
             let store = crate::context::store(&cfg).await?;
             commands::seq::run(args, store.database().clone(), &cfg.redis_url, &cfg.redis_prefix).await?;

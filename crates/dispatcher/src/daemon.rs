@@ -25,6 +25,7 @@ use crate::claim::{ClaimEngine, ClaimOutcome};
 use crate::health::Health;
 use crate::outage::{backoff, Outage};
 use crate::relay::relay_unconfirmed;
+use crate::stock::{StockConfig, StockWatch};
 
 /// How the daemon runs. Defaults suit one dispatcher on a small machine.
 #[derive(Debug, Clone)]
@@ -75,6 +76,8 @@ pub struct Dispatcher {
     known_pools: RwLock<HashSet<String>>,
     mongo: Outage,
     amqp: Outage,
+    /// Stock gauges and low-stock alerts (stock.rs).
+    stock: Arc<StockWatch>,
 }
 
 enum SessionEnd {
@@ -85,6 +88,7 @@ enum SessionEnd {
 impl Dispatcher {
     pub fn new(engine: ClaimEngine, config: DispatcherConfig, health: Arc<Health>) -> Arc<Self> {
         Arc::new(Self {
+            stock: StockWatch::new(engine.store().clone(), StockConfig::default()),
             store: engine.store().clone(),
             engine,
             config,
@@ -210,6 +214,17 @@ impl Dispatcher {
         info!(queue = %cfg.topology.purchases, prefetch = cfg.prefetch, batch = cfg.batch_size, "consuming purchases");
 
         let session_stop = shutdown.child_token();
+        // Receipts, redemptions, expiry and stock sweeps (upkeep.rs).
+        let mut upkeep = crate::upkeep::spawn(
+            &conn,
+            &cfg.topology,
+            self.store.clone(),
+            self.engine.hot_pool().clone(),
+            self.stock.clone(),
+            publisher.clone(),
+            session_stop.clone(),
+        )
+        .await?;
         let sweeper = tokio::spawn(self.clone().sweep_loop(
             publisher.clone(),
             replenished,
@@ -277,6 +292,7 @@ impl Dispatcher {
         }
         session_stop.cancel();
         let _ = sweeper.await;
+        while upkeep.join_next().await.is_some() {}
         let _ = channel.close(200, "codepool dispatcher stopping").await;
         let _ = conn.close(200, "codepool dispatcher stopping").await;
         Ok(end)
@@ -490,6 +506,15 @@ impl Dispatcher {
                 let _ = store.mark_sms_published(&published).await;
             });
         }
+
+        // Pools that just lost stock get a (throttled) stock check (stock.rs).
+        let granted_pools: HashSet<&str> = valid
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| matches!(o, ClaimOutcome::Granted { fresh: true, .. }))
+            .map(|((_, p), _)| p.pool.as_str())
+            .collect();
+        self.stock.after_grants(granted_pools, publisher);
     }
 
     /// Dead-letters purchases of unknown pools, then claims for the rest.

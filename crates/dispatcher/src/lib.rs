@@ -11,17 +11,26 @@
 //! empty pool turns purchases into backorders ([`backorders`]) that are
 //! fulfilled when codes arrive, a relay ([`relay`]) re-publishes events that
 //! were never confirmed, and every outage (MongoDB, RabbitMQ, Redis) is
-//! waited out and logged once ([`outage`]).
+//! waited out and logged once ([`outage`]). Beside purchases each session
+//! runs its [`upkeep`]: SMS receipts, `code.redeemed` events, the expiry
+//! sweep and low-stock alerts ([`stock`]).
 
 pub mod backorders;
 pub mod claim;
 pub mod daemon;
+pub mod expiry;
 pub mod grant_no;
 pub mod health;
 pub mod outage;
+pub mod receipts;
+pub mod redemptions;
 pub mod relay;
+pub mod stock;
+pub mod telemetry;
+pub mod upkeep;
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use daemon::{Dispatcher, DispatcherConfig};
 pub use grant_no::GrantNumbers;
 pub use health::Health;
+pub use stock::{StockConfig, StockLevel, StockWatch};

@@ -15,9 +15,11 @@ pub mod events;
 pub mod grant;
 pub mod pool;
 pub mod purchase;
+pub mod redemption;
 
 pub use code::{mask, validate_code, CodeStatus, InvalidCode, MAX_CODE_LEN};
 pub use events::{PoolEvent, PoolEventKind, SmsPending, SmsReceipt};
 pub use grant::Grant;
 pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
+pub use redemption::{InvalidRedemption, Redemption};

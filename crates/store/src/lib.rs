@@ -8,6 +8,8 @@
 //!   reading grants back;
 //! - [`backorders`]: purchases that arrived while a pool was empty;
 //! - [`pools`]: which pools exist and their settings;
+//! - [`lifecycle`]: redeem, void and expire codes; SMS receipts;
+//! - [`pool_settings`]: a pool's thresholds and its low-stock alert state;
 //! - [`imports`]: the audit record of each import run;
 //! - [`migrate`]: the ordered index/validator files in `migrations/`.
 //!
@@ -18,7 +20,9 @@ pub mod backorders;
 pub mod codes;
 pub mod error;
 pub mod imports;
+pub mod lifecycle;
 pub mod migrate;
+pub mod pool_settings;
 pub mod pools;
 pub mod stats;
 

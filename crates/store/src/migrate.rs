@@ -24,6 +24,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0003_codes_validator",
         include_str!("../../../migrations/0003_codes_validator.json"),
     ),
+    (
+        "0004_codes_expiry_index",
+        include_str!("../../../migrations/0004_codes_expiry_index.json"),
+    ),
 ];
 
 /// What a migration run did.

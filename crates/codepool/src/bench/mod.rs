@@ -1,12 +1,27 @@
 //! `codepool bench …`: side-by-side benchmarks. Each compares approaches in
 //! one process and one run, because absolute times drift on shared
 //! machines; results are printed and written as JSON under target/bench/.
+//!
+//! Every run works in its own scratch space (a database
+//! `codepool_bench_<id>`, Redis keys under `codepool-bench-<id>`, queues
+//! named `bench-<id>.…`) and removes it at the end, so a benchmark can run
+//! next to a live deployment on the same servers.
 
+pub mod claim;
+pub mod dispatch;
+pub mod import;
 pub mod seq;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Args, Subcommand};
+use codepool_domain::CodeStatus;
+use codepool_store::{NewCode, ObjectId, Store};
+use futures::StreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::config::Config;
 
@@ -23,6 +38,12 @@ pub struct BenchArgs {
 pub enum Which {
     /// Sequence generators against the classic read-then-update loop.
     Seq(seq::SeqBenchArgs),
+    /// The four claim strategies side by side, at several concurrencies.
+    Claim(claim::ClaimBenchArgs),
+    /// The dispatcher end to end against a pass-through and raw bulk updates.
+    Dispatch(dispatch::DispatchBenchArgs),
+    /// `codepool import` against raw insert_many of the same documents.
+    Import(import::ImportBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -32,6 +53,249 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
             let store = codepool_store::Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
             seq::run(a, store.database().clone(), &cfg.redis_url, &args.out_dir).await?;
         }
+        Which::Claim(a) => scratch(cfg, |s| claim::run(a, s, &args.out_dir)).await?,
+        Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
+        Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
     }
     Ok(crate::exit::OK)
+}
+
+/// A benchmark's private corner of the servers: the configuration with the
+/// database, Redis prefix and AMQP prefix of this run only.
+pub struct Scratch {
+    pub cfg: Config,
+    pub store: Store,
+}
+
+/// Runs `body` in a fresh scratch space and removes it afterwards, whether
+/// the benchmark succeeded or not.
+async fn scratch<F, Fut>(cfg: &Config, body: F) -> anyhow::Result<()>
+where
+    F: FnOnce(&'static Scratch) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let id = format!("{:08x}", rand::random::<u32>());
+    let mut cfg = cfg.clone();
+    cfg.db = format!("codepool_bench_{id}");
+    cfg.redis_prefix = format!("codepool-bench-{id}");
+    cfg.amqp_prefix = format!("bench-{id}.");
+    let store = crate::context::store(&cfg)
+        .await
+        .context("preparing the benchmark database")?;
+    // Leaked on purpose (one per process): spawned tasks may borrow it.
+    let scratch: &'static Scratch = Box::leak(Box::new(Scratch { cfg, store }));
+    let result = body(scratch).await;
+    scratch.clean_up().await;
+    result
+}
+
+impl Scratch {
+    /// Drops the database and deletes the Redis keys of this run. Best
+    /// effort: failures are logged. (Benchmarks that declare queues delete
+    /// them themselves, with [`delete_topology`].)
+    async fn clean_up(&self) {
+        if let Err(e) = self.store.drop_database().await {
+            tracing::warn!(error = %e, db = %self.cfg.db, "could not drop the benchmark database");
+        }
+        if let Err(e) = delete_redis_keys(&self.cfg.redis_url, &self.cfg.redis_prefix).await {
+            tracing::warn!(error = %e, "could not remove the benchmark Redis keys");
+        }
+    }
+}
+
+async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            redis::cmd("DEL")
+                .arg(keys)
+                .query_async::<()>(&mut conn)
+                .await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+/// Deletes the run's topology (and `extra_queues`) if it was declared.
+/// Each delete gets its own channel: deleting what does not exist closes
+/// the channel on some brokers.
+pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::Result<()> {
+    let t = cfg.topology();
+    let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
+    let queues = [
+        &t.purchases,
+        &t.purchases_dead,
+        &t.sms_pending,
+        &t.sms_receipts,
+    ]
+    .into_iter()
+    .chain(extra_queues);
+    for q in queues {
+        let ch = conn.create_channel().await?;
+        let _ = ch
+            .queue_delete(q, lapin::options::QueueDeleteOptions::default())
+            .await;
+    }
+    for x in [&t.sms_exchange, &t.events_exchange] {
+        let ch = conn.create_channel().await?;
+        let _ = ch
+            .exchange_delete(x, lapin::options::ExchangeDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "benchmark done").await;
+    Ok(())
+}
+
+/// Fills `pool` with `n` fresh unissued codes through the store's own
+/// insert path (batches of 1000, four in flight).
+pub async fn fill_pool(store: &Store, pool: &str, n: usize) -> anyhow::Result<()> {
+    store.ensure_pool(pool).await?;
+    let batch_id = ObjectId::new();
+    let chunks: Vec<Vec<NewCode>> = (0..n)
+        .collect::<Vec<_>>()
+        .chunks(1000)
+        .map(|c| {
+            c.iter()
+                .map(|i| NewCode {
+                    code: format!("{pool}-{i:09}"),
+                    expires_at: None,
+                })
+                .collect()
+        })
+        .collect();
+    let mut inserted = 0;
+    let mut stream = futures::stream::iter(chunks)
+        .map(|codes| async move { store.insert_codes(pool, batch_id, &codes).await })
+        .buffer_unordered(4);
+    while let Some(r) = stream.next().await {
+        inserted += r.with_context(|| format!("filling pool {pool}"))?.inserted;
+    }
+    anyhow::ensure!(
+        inserted == n as u64,
+        "pool {pool}: inserted {inserted} codes instead of {n}"
+    );
+    Ok(())
+}
+
+/// Issued codes of `pool` and how many distinct orders hold them: equal
+/// when no order holds two codes. (That no code went to two claimers is
+/// checked on the claimers' own lists of code ids.)
+pub async fn issued_and_distinct_orders(store: &Store, pool: &str) -> anyhow::Result<(u64, u64)> {
+    use mongodb::bson::doc;
+    let mut cursor = store
+        .database()
+        .collection::<mongodb::bson::Document>(codepool_store::codes::CODES)
+        .aggregate(vec![
+            doc! {"$match": {"pool": pool, "status": CodeStatus::Issued.as_i32()}},
+            doc! {"$group": {"_id": null, "n": {"$sum": 1}, "orders": {"$addToSet": "$order_id"}}},
+            doc! {"$project": {"n": 1, "orders": {"$size": "$orders"}}},
+        ])
+        .await?;
+    let Some(d) = cursor.next().await.transpose()? else {
+        return Ok((0, 0));
+    };
+    let num = |k: &str| match d.get(k) {
+        Some(mongodb::bson::Bson::Int32(v)) => *v as u64,
+        Some(mongodb::bson::Bson::Int64(v)) => *v as u64,
+        _ => 0,
+    };
+    Ok((num("n"), num("orders")))
+}
+
+/// The value at quantile `q` of sorted samples.
+pub fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// A field of `/proc/<pid>/status` in kB (`VmHWM`, `VmRSS`); `None` when
+/// the process is gone or the system has no procfs.
+pub fn proc_status_kb(pid: Option<u32>, field: &str) -> Option<u64> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/status"),
+        None => "/proc/self/status".to_owned(),
+    };
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Resets this process's peak RSS (`VmHWM`) to its current RSS, so a later
+/// reading is the peak of what came after. False if the kernel refused.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// The Prometheus recorder of this process, installed on first use. The
+/// benchmarks read the engine's own counters (`codepool_claims_total`,
+/// `codepool_claim_races_total`, …) from it. `None` if another recorder was
+/// installed first.
+pub fn metrics() -> Option<&'static PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .ok()
+        })
+        .as_ref()
+}
+
+/// Sum of every series of metric `name` (all label sets) in the Prometheus
+/// text, filtered by `label` (e.g. `path="scan"`) when given.
+pub fn metric_sum(handle: &PrometheusHandle, name: &str, label: Option<&str>) -> f64 {
+    handle
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let bare = series.split('{').next()?;
+            if bare != name {
+                return None;
+            }
+            if let Some(label) = label {
+                if !series.contains(label) {
+                    return None;
+                }
+            }
+            value.parse::<f64>().ok()
+        })
+        .sum()
+}
+
+/// Writes `report` to `out_dir/name` and returns the rendered JSON.
+pub fn write_report(
+    out_dir: &Path,
+    name: &str,
+    report: &serde_json::Value,
+) -> anyhow::Result<(String, PathBuf)> {
+    let rendered = serde_json::to_string_pretty(report).context("rendering the JSON report")?;
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("creating the output folder {}", out_dir.display()))?;
+    let path = out_dir.join(name);
+    std::fs::write(&path, format!("{rendered}\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok((rendered, path))
 }

@@ -47,8 +47,14 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
     let health = Arc::new(Health::default());
     if !args.no_http {
         let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                codepool_dispatcher::telemetry::LATENCY_BUCKETS,
+            )
+            .context("invalid histogram buckets")?
             .install_recorder()
             .context("cannot install the metrics recorder")?;
+        codepool_dispatcher::telemetry::describe();
         let addr = crate::http::serve(args.http, health.clone(), handle, stop.clone()).await?;
         info!(%addr, "serving /metrics, /healthz and /readyz");
         // Scripts starting several dispatchers read the port from here.

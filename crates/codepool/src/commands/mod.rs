@@ -1,9 +1,17 @@
 //! One module per subcommand.
 
+pub mod dead_letters;
 pub mod dispatch;
+pub mod expire;
 pub mod import;
 pub mod lookup;
 pub mod migrate;
+pub mod pool;
 pub mod publish;
+pub mod redeem;
+pub mod resend;
 pub mod seq;
+pub mod sms_pending;
 pub mod stats;
+pub mod target;
+pub mod void;

@@ -1,0 +1,61 @@
+# codepool — the two commands a new operator needs are `make run` and
+# `make test`. Everything else is a step of those, or a long run of its own.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+BIN := target/debug/codepool
+RELEASE_BIN := target/release/codepool
+NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
+
+.PHONY: help services services-stop build run test test-unit chaos bench lint fmt clean
+
+help:
+	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
+	@echo "make test      set up local servers and run the whole test suite"
+	@echo "make chaos     the long chaos test (kills, flushes, restarts) — about 5 minutes"
+	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, import, sequences)"
+	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
+	@echo "make lint      cargo fmt --check and clippy -D warnings"
+
+services:
+	@bash scripts/services.sh
+
+services-stop:
+	@bash scripts/services.sh stop
+
+build:
+	$(CARGO) build --locked -p codepool
+
+run: services build
+	@bash scripts/demo.sh $(BIN)
+
+# One build for the whole suite (nextest builds every test binary in one
+# cargo invocation, including the codepool binary the tests spawn).
+test: services
+ifeq ($(NEXTEST),yes)
+	$(CARGO) nextest run --locked --workspace --no-fail-fast
+else
+	$(CARGO) test --locked --workspace --no-fail-fast
+endif
+
+chaos: services
+	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test suite chaos:: -- --nocapture --test-threads 1
+
+bench: services
+	$(CARGO) build --locked --release -p codepool
+	@mkdir -p target/bench
+	$(RELEASE_BIN) bench claim --concurrency 1,8,32
+	$(RELEASE_BIN) bench dispatch --purchases 20000
+	$(RELEASE_BIN) bench import --codes 200000
+	$(RELEASE_BIN) bench seq
+	@echo "results: target/bench/*.json"
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean

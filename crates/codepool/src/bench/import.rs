@@ -1,0 +1,331 @@
+//! `codepool bench import`: `codepool import` on a generated CSV file
+//! against raw `insert_many` of the same documents built in memory
+//! beforehand, into two pools of one database, in one run.
+//!
+//! Both sides use unordered inserts of 1000 documents, three in flight,
+//! journaled with majority acknowledgement. The import runs as a child
+//! process (this very binary, `codepool import FILE --pool P --json`) so its
+//! peak memory is its own: `VmHWM` of the child, read until it exits.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use codepool_domain::CodeStatus;
+use codepool_importer::ImportOptions;
+use codepool_store::{durable, ObjectId};
+use futures::StreamExt;
+use mongodb::bson::{doc, DateTime, Document};
+use serde_json::json;
+use tokio::io::AsyncReadExt;
+
+use super::{proc_status_kb, Scratch};
+
+/// Peak memory the import may use (issue target, for 1,000,000 codes).
+const MEMORY_TARGET_MB: f64 = 100.0;
+
+/// Measure `codepool import` against raw insert_many.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Example:\n  codepool bench import --codes 200000 --json")]
+pub struct ImportBenchArgs {
+    /// Codes in the generated file (and documents in the raw baseline).
+    #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1000..=20_000_000))]
+    pub codes: u64,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Removes the generated file however the benchmark ends.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Runs `codepool bench import`; writes `out_dir/import.json`.
+pub async fn run(
+    args: ImportBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.codes as usize;
+    let options = ImportOptions::default();
+    let say = |s: String| {
+        if !args.json {
+            eprintln!("{s}");
+        }
+    };
+
+    let file = TempFile(std::env::temp_dir().join(format!("{}.csv", scratch.cfg.redis_prefix)));
+    say(format!("generating {} with {n} codes …", file.0.display()));
+    write_csv(&file.0, n).context("writing the generated CSV file")?;
+    let file_mb = std::fs::metadata(&file.0).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
+
+    say(format!("raw insert_many of {n} documents into pool raw …"));
+    let raw_seconds = raw_insert_many(scratch, n, options.batch_size, options.concurrency).await?;
+
+    say(format!(
+        "codepool import into pool import (child process) …"
+    ));
+    let child = import_child(scratch, &file.0, "import").await?;
+    // The import announces `pool.replenished`, which declares the topology.
+    if let Err(e) = super::delete_topology(&scratch.cfg, &[]).await {
+        tracing::warn!(error = %e, "could not remove the benchmark queues");
+    }
+    let summary: serde_json::Value = serde_json::from_slice(&child.stdout).with_context(|| {
+        format!(
+            "codepool import did not print a JSON summary; its output was:\n{}",
+            String::from_utf8_lossy(&child.stderr)
+        )
+    })?;
+    let inserted = summary["inserted"].as_u64().unwrap_or(0);
+    let import_seconds = summary["seconds"].as_f64().unwrap_or(0.0);
+
+    let count = |pool: &'static str| async move {
+        scratch
+            .store
+            .database()
+            .collection::<Document>(codepool_store::codes::CODES)
+            .count_documents(doc! {"pool": pool})
+            .await
+    };
+    let in_raw = count("raw").await?;
+    let in_import = count("import").await?;
+    let ok = child.status_ok && inserted == n as u64 && in_import == n as u64 && in_raw == n as u64;
+
+    let raw_rate = n as f64 / raw_seconds.max(1e-9);
+    let import_rate = inserted as f64 / import_seconds.max(1e-9);
+    let wall_rate = inserted as f64 / child.wall.as_secs_f64().max(1e-9);
+    let ratio = import_rate / raw_rate.max(1e-9);
+    let peak_mb = child.peak_kb.map(|k| k as f64 / 1024.0);
+    let report = json!({
+        "benchmark": "import",
+        "codes": n,
+        "file_mb": file_mb,
+        "write_concern": {"w": "majority", "j": true},
+        "batch_size": options.batch_size,
+        "concurrency": options.concurrency,
+        "order": "raw insert_many first, then the import (which therefore writes into the larger collection)",
+        "raw_insert_many": {"seconds": raw_seconds, "codes_per_sec": raw_rate},
+        "import": {
+            "seconds": import_seconds,
+            "codes_per_sec": import_rate,
+            "process_wall_seconds": child.wall.as_secs_f64(),
+            "codes_per_sec_process_wall": wall_rate,
+            "peak_rss_mb": peak_mb,
+            "summary": summary,
+        },
+        "import_over_raw": ratio,
+        "import_wall_over_raw": wall_rate / raw_rate.max(1e-9),
+        "target": 0.7,
+        "target_met": ratio >= 0.7,
+        "memory_target_mb": MEMORY_TARGET_MB,
+        "memory_target_met": peak_mb.map(|m| m < MEMORY_TARGET_MB),
+        "checks": {"in_pool_raw": in_raw, "in_pool_import": in_import, "ok": ok},
+    });
+    let (rendered, path) = super::write_report(out_dir, "import.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        println!(
+            "import of {n} codes ({file_mb:.1} MB CSV) vs raw insert_many of the same documents built in memory; both unordered, {} per insert, {} in flight, journaled (w:majority, j:true)\n",
+            options.batch_size, options.concurrency
+        );
+        println!("{:<34} {:>9} {:>10}", "", "seconds", "codes/s");
+        println!(
+            "{:<34} {:>9.2} {:>10.0}",
+            "raw insert_many", raw_seconds, raw_rate
+        );
+        println!(
+            "{:<34} {:>9.2} {:>10.0}",
+            "codepool import (import_file)", import_seconds, import_rate
+        );
+        println!(
+            "{:<34} {:>9.2} {:>10.0}",
+            "codepool import (whole process)",
+            child.wall.as_secs_f64(),
+            wall_rate
+        );
+        println!(
+            "\nimport / raw insert_many = {ratio:.2}x (target >= 0.7x {}); whole process {:.2}x",
+            if ratio >= 0.7 { "✓" } else { "✗" },
+            wall_rate / raw_rate.max(1e-9)
+        );
+        match peak_mb {
+            Some(mb) => println!(
+                "import peak memory (VmHWM of the child process): {mb:.1} MB (target < {MEMORY_TARGET_MB} MB for 1,000,000 codes {})",
+                if mb < MEMORY_TARGET_MB { "✓" } else { "✗" }
+            ),
+            None => println!("import peak memory: not measurable here (no /proc)"),
+        }
+        println!(
+            "checks {}: {in_raw} codes in pool raw, {in_import} in pool import",
+            if ok { "✓" } else { "✗" }
+        );
+        println!("(raw ran first; the import then wrote into the larger collection)");
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(
+        ok,
+        "the import did not insert every code (exit ok: {}, inserted {inserted}); its output was:\n{}",
+        child.status_ok,
+        String::from_utf8_lossy(&child.stderr)
+    );
+    Ok(())
+}
+
+/// One code per line under a `code` header, unique, 18 characters.
+fn write_csv(path: &Path, n: usize) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(w, "code")?;
+    for i in 0..n {
+        writeln!(w, "{}", code(i))?;
+    }
+    w.flush()
+}
+
+fn code(i: usize) -> String {
+    format!("BN{:04X}-{i:011}", (i.wrapping_mul(2_654_435_761)) & 0xFFFF)
+}
+
+/// The baseline: the same documents `Store::insert_codes` writes, built
+/// before the clock starts, inserted unordered in batches of `batch`,
+/// `concurrency` in flight. Returns seconds.
+async fn raw_insert_many(
+    scratch: &Scratch,
+    n: usize,
+    batch: usize,
+    concurrency: usize,
+) -> anyhow::Result<f64> {
+    let batch_id = ObjectId::new();
+    let now = DateTime::now();
+    let docs: Vec<Document> = (0..n)
+        .map(|i| {
+            doc! {
+                "_id": ObjectId::new(),
+                "pool": "raw",
+                "code": code(i),
+                "status": CodeStatus::Unissued.as_i32(),
+                "seq": i as i64 + 1,
+                "batch_id": batch_id,
+                "created_at": now,
+                "is_sms": 0,
+            }
+        })
+        .collect();
+    let mut chunks: Vec<Vec<Document>> = Vec::with_capacity(n / batch.max(1) + 1);
+    let mut docs = docs.into_iter().peekable();
+    while docs.peek().is_some() {
+        chunks.push(docs.by_ref().take(batch.max(1)).collect());
+    }
+    let coll = scratch
+        .store
+        .database()
+        .collection::<Document>(codepool_store::codes::CODES);
+    let started = Instant::now();
+    let mut inserted = 0;
+    let mut stream = futures::stream::iter(chunks)
+        .map(|chunk| {
+            let coll = coll.clone();
+            async move {
+                coll.insert_many(chunk)
+                    .ordered(false)
+                    .write_concern(durable())
+                    .await
+            }
+        })
+        .buffer_unordered(concurrency.max(1));
+    while let Some(r) = stream.next().await {
+        inserted += r.context("raw insert_many failed")?.inserted_ids.len();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        inserted == n,
+        "raw insert_many inserted {inserted} instead of {n}"
+    );
+    Ok(seconds)
+}
+
+/// What the import child process did.
+struct Child {
+    status_ok: bool,
+    wall: Duration,
+    peak_kb: Option<u64>,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// Runs `codepool import FILE --pool POOL --json` against the scratch
+/// servers, reading its `VmHWM` every few milliseconds until it exits.
+async fn import_child(scratch: &Scratch, file: &Path, pool: &str) -> anyhow::Result<Child> {
+    let cfg = &scratch.cfg;
+    let exe =
+        std::env::current_exe().context("cannot find the codepool binary to run the import")?;
+    let started = Instant::now();
+    let mut child = tokio::process::Command::new(exe)
+        .args(["--mongodb-uri", &cfg.mongodb_uri, "--db", &cfg.db])
+        .args([
+            "--redis-url",
+            &cfg.redis_url,
+            "--redis-prefix",
+            &cfg.redis_prefix,
+        ])
+        .args([
+            "--amqp-url",
+            &cfg.amqp_url,
+            "--amqp-prefix",
+            &cfg.amqp_prefix,
+        ])
+        .arg("import")
+        .arg(file)
+        .args(["--pool", pool, "--json"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting codepool import")?;
+    let pid = child.id();
+    let mut out = child.stdout.take();
+    let mut err = child.stderr.take();
+    let stdout = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        if let Some(o) = out.as_mut() {
+            let _ = o.read_to_end(&mut buf).await;
+        }
+        buf
+    });
+    let stderr = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        if let Some(e) = err.as_mut() {
+            let _ = e.read_to_end(&mut buf).await;
+        }
+        buf
+    });
+    let mut peak_kb: Option<u64> = None;
+    let status = loop {
+        // VmHWM only grows, so the last reading before exit is the peak
+        // (give or take the last few milliseconds).
+        if let Some(kb) = proc_status_kb(pid, "VmHWM") {
+            peak_kb = Some(peak_kb.unwrap_or(0).max(kb));
+        }
+        tokio::select! {
+            status = child.wait() => break status?,
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+    };
+    let wall = started.elapsed();
+    Ok(Child {
+        status_ok: status.success(),
+        wall,
+        peak_kb,
+        stdout: stdout.await.unwrap_or_default(),
+        stderr: stderr.await.unwrap_or_default(),
+    })
+}

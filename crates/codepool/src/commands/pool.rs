@@ -1,0 +1,140 @@
+//! `codepool pool set|show`: a pool's settings (low-stock threshold,
+//! grant-number prefix) and its stock at a glance.
+
+use clap::{Args, Subcommand};
+use codepool_store::pool_settings::PoolSettings;
+use serde::Serialize;
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool pool set --pool game-x --low-stock 500
+  codepool pool set --pool game-x --grant-prefix GX
+  codepool pool set --pool game-x --low-stock 0        (alerts off)
+  codepool pool show
+  codepool pool show --pool game-x --json
+
+When unissued stock falls below --low-stock, dispatchers publish one
+`pool.low_stock` event on the codepool.events exchange and log a warning;
+the alert re-arms once stock is back at or above the threshold (an import).")]
+pub struct PoolArgs {
+    #[command(subcommand)]
+    pub action: PoolAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PoolAction {
+    /// Change a pool's settings.
+    Set {
+        /// The pool (it must exist: import codes into it first).
+        #[arg(long)]
+        pool: String,
+        /// Alert when unissued stock falls below N (0 turns alerts off).
+        #[arg(long, value_name = "N")]
+        low_stock: Option<i64>,
+        /// Prefix of grant numbers, e.g. GX gives GX202611200001.
+        #[arg(long, value_name = "PREFIX")]
+        grant_prefix: Option<String>,
+    },
+    /// Show pools with their settings and stock.
+    Show {
+        /// Only this pool.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Serialize)]
+struct PoolRow {
+    pool: String,
+    created_at: String,
+    unissued: u64,
+    low_stock: Option<i64>,
+    low_stock_alerted: bool,
+    grant_prefix: String,
+}
+
+pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
+    let store = crate::context::store(cfg).await?;
+    match args.action {
+        PoolAction::Set {
+            pool,
+            low_stock,
+            grant_prefix,
+        } => {
+            let settings = PoolSettings {
+                low_stock,
+                grant_prefix,
+            };
+            store.set_pool_settings(&pool, &settings).await?;
+            if let Some(n) = settings.low_stock {
+                if n == 0 {
+                    println!("pool {pool}: low-stock alerts off");
+                } else {
+                    let unissued = store.unissued_count(&pool).await?;
+                    println!(
+                        "pool {pool}: alert when unissued stock falls below {n} (now {unissued})"
+                    );
+                }
+            }
+            if let Some(p) = &settings.grant_prefix {
+                println!("pool {pool}: grant numbers start with {p} (running dispatchers switch within 30 s)");
+            }
+        }
+        PoolAction::Show { pool, json } => {
+            let mut rows = Vec::new();
+            for p in store.pools().await? {
+                if pool.as_ref().is_some_and(|x| *x != p.name) {
+                    continue;
+                }
+                rows.push(PoolRow {
+                    unissued: store.unissued_count(&p.name).await?,
+                    created_at: super::target::when(Some(p.created_at)),
+                    low_stock: p.low_stock.filter(|n| *n > 0),
+                    low_stock_alerted: p.low_stock_alerted,
+                    grant_prefix: p.grant_prefix.unwrap_or_else(|| {
+                        codepool_dispatcher::grant_no::DEFAULT_GRANT_PREFIX.into()
+                    }),
+                    pool: p.name,
+                });
+            }
+            if let Some(p) = &pool {
+                if rows.is_empty() {
+                    anyhow::bail!("pool {p:?} does not exist; import codes into it with `codepool import FILE --pool {p}`");
+                }
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(crate::exit::OK);
+            }
+            println!(
+                "{:<20} {:>9} {:>10} {:<8} {:<8} {:<20}",
+                "POOL", "UNISSUED", "LOW STOCK", "ALERT", "PREFIX", "CREATED"
+            );
+            for r in &rows {
+                println!(
+                    "{:<20} {:>9} {:>10} {:<8} {:<8} {:<20}",
+                    r.pool,
+                    r.unissued,
+                    r.low_stock.map_or("-".into(), |n| n.to_string()),
+                    match (r.low_stock, r.low_stock_alerted) {
+                        (None, _) => "off",
+                        (Some(_), true) => "SENT",
+                        (Some(_), false) => "armed",
+                    },
+                    r.grant_prefix,
+                    r.created_at
+                );
+            }
+            if rows.is_empty() {
+                println!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
+            }
+        }
+    }
+    Ok(crate::exit::OK)
+}

@@ -1,0 +1,37 @@
+//! `codepool redeem`: an issued code was used by its buyer (status 1 → 2).
+
+use clap::Args;
+use codepool_domain::mask;
+
+use super::target::CodeTarget;
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool redeem --code QWER-1234 --pool game-x
+  codepool redeem --order O-1001
+
+Only an issued code can be redeemed. Redeeming an unissued, void or already
+used code is an error that says which (exit code 1). The platform can also
+send `code.redeemed` events ({\"pool\":…,\"code\":…} or {\"order_id\":…}) on the
+codepool.events exchange; running dispatchers apply them.")]
+pub struct RedeemArgs {
+    #[command(flatten)]
+    pub target: CodeTarget,
+}
+
+pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
+    let target = args.target.code_ref()?;
+    let store = crate::context::store(cfg).await?;
+    let t = store.redeem(target).await?;
+    println!(
+        "redeemed {} in pool {} (order {}, issued {}) at {}",
+        mask(&t.before.code),
+        t.before.pool,
+        t.before.order_id.as_deref().unwrap_or("-"),
+        super::target::when(t.before.issued_at),
+        super::target::when(Some(t.at)),
+    );
+    Ok(crate::exit::OK)
+}

@@ -1,0 +1,78 @@
+//! SMS receipts: the SMS service reports each text as sent (`sms.sent`) or
+//! failed (`sms.failed`) on the `sms` exchange; the dispatcher applies them
+//! from the `sms.receipts` queue. `sms.sent` sets `is_sms` to 1 and
+//! `sms_sent_at`; `sms.failed` records the error, its time and a count.
+//!
+//! Receipts are acked only after they are applied. A redelivered receipt
+//! changes nothing (its message id is remembered in the code's SMS
+//! history). A malformed receipt cannot become valid by waiting: it is
+//! acked and logged, never retried forever.
+
+use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
+use codepool_domain::SmsReceipt;
+use codepool_store::lifecycle::{ReceiptKind, ReceiptOutcome};
+use codepool_store::{Store, StoreError};
+use lapin::message::Delivery;
+use tracing::{debug, info, warn};
+
+/// Applies one receipt delivery. `Err` only when MongoDB is unavailable
+/// (the caller waits and tries again); everything else is settled.
+pub async fn apply_receipt(store: &Store, delivery: &Delivery) -> Result<(), StoreError> {
+    let kind = match delivery.routing_key.as_str() {
+        SMS_SENT_KEY => ReceiptKind::Sent,
+        SMS_FAILED_KEY => ReceiptKind::Failed,
+        other => {
+            warn!(routing_key = other, "SMS receipt with an unknown routing key dropped; the SMS service must publish sms.sent or sms.failed");
+            metrics::counter!("codepool_sms_receipts_total", "result" => "malformed").increment(1);
+            return Ok(());
+        }
+    };
+    let receipt: SmsReceipt = match serde_json::from_slice(&delivery.data) {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(error = %e, bytes = delivery.data.len(), "malformed SMS receipt dropped; expected {{\"event_id\":…,\"order_id\":…}}");
+            metrics::counter!("codepool_sms_receipts_total", "result" => "malformed").increment(1);
+            return Ok(());
+        }
+    };
+    let receipt_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str());
+    let outcome = match store
+        .apply_sms_receipt(
+            &receipt.order_id,
+            kind,
+            receipt.error.as_deref(),
+            receipt_id,
+        )
+        .await
+    {
+        Ok(o) => o,
+        Err(e) if e.is_unavailable() => return Err(e),
+        Err(e) => {
+            warn!(order_id = %receipt.order_id, error = %e, "SMS receipt could not be applied; dropped");
+            metrics::counter!("codepool_sms_receipts_total", "result" => "failed").increment(1);
+            return Ok(());
+        }
+    };
+    let result = match outcome {
+        ReceiptOutcome::Applied => {
+            match kind {
+                ReceiptKind::Sent => debug!(order_id = %receipt.order_id, "SMS sent"),
+                ReceiptKind::Failed => {
+                    info!(order_id = %receipt.order_id, error = receipt.error.as_deref().unwrap_or(""), "SMS failed; `codepool resend --order` sends it again")
+                }
+            }
+            kind.as_str()
+        }
+        ReceiptOutcome::Duplicate => "duplicate",
+        ReceiptOutcome::UnknownOrder => {
+            warn!(order_id = %receipt.order_id, event_id = %receipt.event_id, "SMS receipt for an order without a code; dropped");
+            "unknown_order"
+        }
+    };
+    metrics::counter!("codepool_sms_receipts_total", "result" => result).increment(1);
+    Ok(())
+}

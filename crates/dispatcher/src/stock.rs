@@ -1,0 +1,179 @@
+//! Watching stock: the `codepool_pool_unissued{pool}` gauge, and the
+//! `pool.low_stock` event, published once per crossing below a pool's
+//! threshold (not once per claim), then re-armed when stock is back.
+//!
+//! Counting a pool's stock is a MongoDB query, so it is not done per
+//! purchase: after a batch with fresh grants, each affected pool gets a
+//! check at most once per [`StockConfig::min_interval`]. A batch that lands
+//! inside the interval schedules one trailing check, so the last claims
+//! before a quiet period are never left unjudged. Which dispatcher
+//! publishes is decided by MongoDB ([`Store::claim_low_stock_alert`]), so
+//! several dispatchers still publish once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use codepool_broker::Publisher;
+use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_store::{Store, StoreError};
+use tracing::{debug, info, warn};
+
+/// How often stock may be counted and expired codes swept.
+#[derive(Debug, Clone)]
+pub struct StockConfig {
+    /// At most one stock check per pool in this interval.
+    pub min_interval: Duration,
+    /// How often the expiry sweep runs (it also re-checks every pool).
+    pub sweep_every: Duration,
+}
+
+impl Default for StockConfig {
+    fn default() -> Self {
+        Self {
+            min_interval: Duration::from_secs(1),
+            sweep_every: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What a stock check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StockLevel {
+    /// The pool does not exist (any more).
+    UnknownPool,
+    /// At or above the threshold, or no threshold set.
+    Ok { unissued: u64 },
+    /// Below the threshold. `alerted` is true for the one check that
+    /// published `pool.low_stock` for this crossing.
+    Low { unissued: u64, alerted: bool },
+}
+
+#[derive(Debug, Default)]
+struct Schedule {
+    last: Option<Instant>,
+    queued: bool,
+}
+
+/// Stock checks of all pools of one dispatcher. Shared by its sessions.
+pub struct StockWatch {
+    store: Store,
+    config: StockConfig,
+    schedule: Mutex<HashMap<String, Schedule>>,
+}
+
+impl StockWatch {
+    pub fn new(store: Store, config: StockConfig) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            config,
+            schedule: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &StockConfig {
+        &self.config
+    }
+
+    /// Asks for a check of each pool after a batch granted codes from it.
+    /// Returns at once; the checks run in the background, throttled.
+    pub fn after_grants<'a>(
+        self: &Arc<Self>,
+        pools: impl IntoIterator<Item = &'a str>,
+        publisher: &Publisher,
+    ) {
+        let Ok(mut schedule) = self.schedule.lock() else {
+            return;
+        };
+        for pool in pools {
+            let s = schedule.entry(pool.to_owned()).or_default();
+            if s.queued {
+                // A check is coming and will see this batch's grants.
+                continue;
+            }
+            s.queued = true;
+            let delay = s.last.map_or(Duration::ZERO, |t| {
+                (t + self.config.min_interval).saturating_duration_since(Instant::now())
+            });
+            let this = self.clone();
+            let publisher = publisher.clone();
+            let pool = pool.to_owned();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if let Ok(mut schedule) = this.schedule.lock() {
+                    // From here on a new batch schedules a new check: this
+                    // one may count before that batch's grants.
+                    let s = schedule.entry(pool.clone()).or_default();
+                    s.queued = false;
+                    s.last = Some(Instant::now());
+                }
+                if let Err(e) = this.check(&pool, &publisher).await {
+                    debug!(pool, error = %e, "stock check skipped");
+                }
+            });
+        }
+    }
+
+    /// Counts the pool's unissued stock now, updates the gauge, and
+    /// publishes `pool.low_stock` if this check is the first to see stock
+    /// below the threshold since it was last above (or re-arms the alert if
+    /// stock is back).
+    pub async fn check(&self, pool: &str, publisher: &Publisher) -> Result<StockLevel, StoreError> {
+        let Some(doc) = self.store.pool(pool).await? else {
+            return Ok(StockLevel::UnknownPool);
+        };
+        let unissued = self.store.unissued_count(pool).await?;
+        metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
+        let threshold = doc.low_stock.unwrap_or(0);
+        if threshold <= 0 || unissued >= threshold as u64 {
+            if doc.low_stock_alerted && self.store.rearm_low_stock_alert(pool).await? {
+                info!(
+                    pool,
+                    unissued,
+                    threshold,
+                    "stock is back above the low-stock threshold; alert re-armed"
+                );
+            }
+            return Ok(StockLevel::Ok { unissued });
+        }
+        let alerted = !doc.low_stock_alerted && self.store.claim_low_stock_alert(pool).await?;
+        if alerted {
+            warn!(
+                pool,
+                unissued,
+                threshold,
+                "low stock: import more codes (`codepool import FILE --pool {pool}`)"
+            );
+            let mut event = PoolEvent::new(PoolEventKind::LowStock, pool);
+            event.unissued = Some(unissued);
+            let published = match publisher.publish_pool_event(&event).await {
+                Ok(c) => c.wait().await,
+                Err(e) => Err(e),
+            };
+            match published {
+                Ok(()) => {
+                    metrics::counter!("codepool_low_stock_alerts_total", "pool" => pool.to_owned())
+                        .increment(1);
+                }
+                Err(e) => {
+                    // Give the crossing back so the next check publishes it.
+                    warn!(pool, error = %e, "could not publish pool.low_stock; retrying at the next check");
+                    self.store.rearm_low_stock_alert(pool).await?;
+                    return Ok(StockLevel::Low {
+                        unissued,
+                        alerted: false,
+                    });
+                }
+            }
+        }
+        Ok(StockLevel::Low { unissued, alerted })
+    }
+
+    /// Checks every pool (the periodic sweep; also refreshes every gauge).
+    pub async fn check_all(&self, publisher: &Publisher) -> Result<(), StoreError> {
+        for pool in self.store.pools().await? {
+            self.check(&pool.name, publisher).await?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,130 @@
+//! The metrics a dispatcher exports, in one place: names, help texts and
+//! latency buckets. [`describe`] registers them at start, so `/metrics`
+//! lists every counter at zero before the first purchase arrives and a
+//! dashboard never has to guess whether a series is missing or zero.
+//! Labels never carry a code (codes are secrets); pools and reasons only.
+
+use codepool_domain::RejectReason;
+
+/// Bucket bounds (seconds) of the latency histograms: claims take
+/// milliseconds when healthy and seconds while a server fails over.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+const COUNTERS: &[(&str, &str)] = &[
+    (
+        "codepool_purchases_consumed_total",
+        "Purchase messages received from the queue.",
+    ),
+    ("codepool_grants_total", "Codes granted to new orders."),
+    (
+        "codepool_duplicate_deliveries_total",
+        "Purchases whose order already held a code (redeliveries, duplicates).",
+    ),
+    (
+        "codepool_backorders_total",
+        "Purchases recorded as backorders because their pool was empty.",
+    ),
+    (
+        "codepool_backorders_fulfilled_total",
+        "Backorders fulfilled after new codes arrived.",
+    ),
+    (
+        "codepool_dead_letters_total",
+        "Invalid purchases dead-lettered, by reason.",
+    ),
+    (
+        "codepool_sms_relayed_total",
+        "SMS-pending events re-published because their first publish was never confirmed.",
+    ),
+    (
+        "codepool_sms_receipts_total",
+        "SMS receipts applied, by result (sent, failed, duplicate, unknown_order, malformed).",
+    ),
+    (
+        "codepool_redemptions_total",
+        "code.redeemed events, by result (redeemed, duplicate, refused, malformed).",
+    ),
+    (
+        "codepool_codes_expired_total",
+        "Unissued codes voided by the expiry sweep, by pool.",
+    ),
+    (
+        "codepool_low_stock_alerts_total",
+        "pool.low_stock events published, by pool.",
+    ),
+    (
+        "codepool_claim_races_total",
+        "Hot-pool candidates lost to another claimer (retried).",
+    ),
+    (
+        "codepool_claims_total",
+        "Codes claimed, by path (hot pool or scan).",
+    ),
+];
+
+const HISTOGRAMS: &[(&str, &str)] = &[
+    (
+        "codepool_claim_batch_seconds",
+        "Claim latency: one batch of purchases, from candidates to grants read back.",
+    ),
+    ("codepool_batch_seconds", "One batch from receipt to acks."),
+    (
+        "codepool_end_to_end_seconds",
+        "Per purchase: received from the broker until acked (granted and SMS event confirmed).",
+    ),
+];
+
+const GAUGES: &[(&str, &str)] = &[
+    (
+        "codepool_pool_unissued",
+        "Unissued, unexpired codes per pool (refreshed after grants and every minute).",
+    ),
+    (
+        "codepool_redis_fallback_active",
+        "1 while Redis is unavailable and claims scan MongoDB instead.",
+    ),
+];
+
+/// Every dead-letter reason, so each series starts at zero.
+const REJECT_REASONS: &[RejectReason] = &[
+    RejectReason::TooLarge,
+    RejectReason::NotJson,
+    RejectReason::NotObject,
+    RejectReason::MissingField,
+    RejectReason::WrongType,
+    RejectReason::TooLong,
+    RejectReason::InvalidPhone,
+    RejectReason::InvalidPool,
+    RejectReason::InvalidTime,
+    RejectReason::UnknownPool,
+];
+
+/// Describes every metric and registers the unlabelled ones (and dead
+/// letters per reason) at zero. Call once after installing the recorder.
+pub fn describe() {
+    for (name, help) in COUNTERS {
+        metrics::describe_counter!(*name, *help);
+    }
+    for (name, help) in HISTOGRAMS {
+        metrics::describe_histogram!(*name, metrics::Unit::Seconds, *help);
+    }
+    for (name, help) in GAUGES {
+        metrics::describe_gauge!(*name, *help);
+    }
+    for name in [
+        "codepool_purchases_consumed_total",
+        "codepool_grants_total",
+        "codepool_duplicate_deliveries_total",
+        "codepool_backorders_total",
+        "codepool_backorders_fulfilled_total",
+        "codepool_sms_relayed_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for reason in REJECT_REASONS {
+        metrics::counter!("codepool_dead_letters_total", "reason" => reason.as_str()).increment(0);
+    }
+    metrics::gauge!("codepool_redis_fallback_active").set(0.0);
+}

@@ -1,0 +1,149 @@
+//! Upkeep: what a dispatcher session does besides purchases. It applies
+//! SMS receipts ([`crate::receipts`]) and `code.redeemed` events
+//! ([`crate::redemptions`]) from their durable queues, and every
+//! [`StockConfig::sweep_every`](crate::stock::StockConfig) voids expired
+//! codes ([`crate::expiry`]) and re-checks every pool's stock
+//! ([`crate::stock`]). All of it stops with the session.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use codepool_broker::{BrokerError, Publisher, Topology};
+use codepool_hotpool::HotPool;
+use codepool_store::{Store, StoreError};
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, Consumer};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::expiry::expire_codes;
+use crate::outage::backoff;
+use crate::receipts::apply_receipt;
+use crate::redemptions::apply_redemption;
+use crate::stock::StockWatch;
+
+/// Unacked receipts or redemptions one session holds at once.
+const PREFETCH: u16 = 64;
+
+/// Opens the consumers (which may fail: nothing is spawned then) and
+/// spawns the upkeep tasks. Await the returned set after cancelling `stop`.
+pub async fn spawn(
+    conn: &Connection,
+    topology: &Topology,
+    store: Store,
+    hot: HotPool,
+    stock: Arc<StockWatch>,
+    publisher: Publisher,
+    stop: CancellationToken,
+) -> Result<JoinSet<()>, BrokerError> {
+    let receipts = open_consumer(conn, &topology.sms_receipts).await?;
+    let redemptions = open_consumer(conn, &topology.code_redeemed).await?;
+    let mut tasks = JoinSet::new();
+    tasks.spawn(consume(
+        receipts,
+        store.clone(),
+        stop.clone(),
+        |s, d| async move {
+            let r = apply_receipt(&s, &d).await;
+            (d, r)
+        },
+    ));
+    tasks.spawn(consume(
+        redemptions,
+        store.clone(),
+        stop.clone(),
+        |s, d| async move {
+            let r = apply_redemption(&s, &d).await;
+            (d, r)
+        },
+    ));
+    tasks.spawn(sweep(store, hot, stock, publisher, stop));
+    Ok(tasks)
+}
+
+async fn open_consumer(conn: &Connection, queue: &str) -> Result<Consumer, BrokerError> {
+    let channel = conn.create_channel().await?;
+    channel
+        .basic_qos(PREFETCH, BasicQosOptions::default())
+        .await?;
+    Ok(channel
+        .basic_consume(
+            queue,
+            "",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?)
+}
+
+/// Applies deliveries one by one, acking each once it is applied. While
+/// MongoDB is away the delivery is retried with backoff; on stop it stays
+/// unacked and is redelivered to the next consumer.
+async fn consume<F, Fut>(mut consumer: Consumer, store: Store, stop: CancellationToken, apply: F)
+where
+    F: Fn(Store, Delivery) -> Fut,
+    Fut: Future<Output = (Delivery, Result<(), StoreError>)>,
+{
+    let queue = consumer.queue().to_string();
+    loop {
+        let delivery = tokio::select! {
+            _ = stop.cancelled() => return,
+            next = consumer.next() => match next {
+                Some(Ok(d)) => d,
+                // The connection is gone; the session notices and reconnects.
+                _ => return,
+            },
+        };
+        let mut delivery = delivery;
+        let mut attempt = 0;
+        loop {
+            let (d, result) = apply(store.clone(), delivery).await;
+            delivery = d;
+            match result {
+                Ok(()) => break,
+                Err(e) => {
+                    if attempt == 0 {
+                        warn!(queue, error = %e, "MongoDB unavailable; holding the message until it returns");
+                    }
+                    attempt += 1;
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                    }
+                }
+            }
+        }
+        if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+            debug!(queue, error = %e, "ack failed; the message will be redelivered and applied again harmlessly");
+        }
+    }
+}
+
+/// Every `sweep_every` (first at once): void expired codes, then re-check
+/// every pool's stock (gauges, alerts, re-arming after imports).
+async fn sweep(
+    store: Store,
+    hot: HotPool,
+    stock: Arc<StockWatch>,
+    publisher: Publisher,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(stock.config().sweep_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = expire_codes(&store, &hot, None).await {
+            debug!(error = %e, "expiry sweep skipped");
+        }
+        if let Err(e) = stock.check_all(&publisher).await {
+            debug!(error = %e, "stock sweep skipped");
+        }
+    }
+}

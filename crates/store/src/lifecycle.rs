@@ -1,0 +1,453 @@
+//! A code's life after its claim: redeemed (1→2), voided (0→3, 1→3),
+//! expired (0→3 with reason `expired`), and what the SMS service reports
+//! about the text that carried it.
+//!
+//! Every transition is ONE conditional update on the current status, so
+//! MongoDB decides, exactly as for the claim. When the update matches
+//! nothing, the document is read to explain why (unknown, unissued, already
+//! used, void) in words an operator can act on. Nothing here ever moves a
+//! code back to status 0: an issued code has been seen by its buyer.
+
+use bson::oid::ObjectId;
+use bson::{doc, DateTime, Document};
+use codepool_domain::{mask, CodeStatus};
+use futures::TryStreamExt;
+use mongodb::options::ReturnDocument;
+use serde::{Deserialize, Serialize};
+
+use crate::backorders::{BACKORDERS, WAITING};
+use crate::codes::CODES;
+use crate::{durable, CodeDoc, Store, StoreError};
+
+/// The reason recorded on codes voided by the expiry sweep.
+pub const EXPIRED_REASON: &str = "expired";
+
+/// Status of a backorder withdrawn before it was fulfilled (a refund).
+pub const CANCELLED: &str = "cancelled";
+
+/// SMS history entries kept per code; older ones are dropped.
+const SMS_HISTORY_LEN: i32 = 20;
+
+/// Codes voided per round of the expiry sweep.
+const EXPIRE_BATCH: i64 = 1000;
+
+/// Which code an operator (or an event) means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeRef<'a> {
+    /// A code of a pool, as printed on the buyer's SMS.
+    Code { pool: &'a str, code: &'a str },
+    /// The code granted to an order.
+    Order(&'a str),
+}
+
+impl CodeRef<'_> {
+    fn filter(&self) -> Document {
+        match self {
+            CodeRef::Code { pool, code } => doc! {"pool": *pool, "code": *code},
+            CodeRef::Order(order) => doc! {"order_id": *order},
+        }
+    }
+
+    /// How the code is named in messages: masked, because codes are secrets.
+    pub fn describe(&self) -> String {
+        match self {
+            CodeRef::Code { pool, code } => format!("code {} in pool {pool:?}", mask(code)),
+            CodeRef::Order(order) => format!("the code of order {order:?}"),
+        }
+    }
+}
+
+/// Why a lifecycle transition was refused. Each message says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum LifecycleError {
+    #[error("{what} does not exist; check the spelling, or find it with `codepool lookup`")]
+    NotFound { what: String },
+    #[error(
+        "{what} was never issued, so it cannot be redeemed; only a code granted to an order can be"
+    )]
+    Unissued { what: String },
+    #[error("{what} was already redeemed at {at}; nothing to do")]
+    AlreadyUsed { what: String, at: String },
+    #[error("{what} was voided at {at} ({reason}); a void code can be neither redeemed nor voided again")]
+    Void {
+        what: String,
+        at: String,
+        reason: String,
+    },
+    #[error("{what} was redeemed at {at}; a used code cannot be voided (the buyer has used it)")]
+    Used { what: String, at: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A transition that happened: the document as it was before, and when.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    pub before: CodeDoc,
+    pub at: DateTime,
+}
+
+/// What happened to a voided code's hot-pool candidate, and to the order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VoidOutcome {
+    /// The code is void now.
+    Voided(Transition),
+    /// The order held no code yet: its waiting backorder was cancelled, so
+    /// it will not be fulfilled when stock arrives.
+    BackorderCancelled { order_id: String },
+}
+
+/// Codes voided by one expiry run, by pool, so the caller can drop them
+/// from the hot pool.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Expired {
+    pub by_pool: Vec<(String, Vec<ObjectId>)>,
+}
+
+impl Expired {
+    pub fn total(&self) -> usize {
+        self.by_pool.iter().map(|(_, ids)| ids.len()).sum()
+    }
+}
+
+/// What the SMS service said about a grant's text (routing key of the
+/// receipt: `sms.sent` or `sms.failed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiptKind {
+    Sent,
+    Failed,
+}
+
+impl ReceiptKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sent => "sent",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// What applying a receipt did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiptOutcome {
+    Applied,
+    /// The same receipt was applied before (a redelivery).
+    Duplicate,
+    /// No code is granted to that order.
+    UnknownOrder,
+}
+
+/// One step in the SMS history of a code (`published`, `resent`, `sent`,
+/// `failed`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SmsHistoryEntry {
+    pub event: String,
+    pub at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_id: Option<String>,
+}
+
+/// The SMS side of a code document: when its text was published, sent or
+/// failed, how often, and the recent history. Read from the same document
+/// as [`CodeDoc`].
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SmsStatus {
+    #[serde(default)]
+    pub is_sms: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_published_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_sent_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_failed_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_error: Option<String>,
+    #[serde(default)]
+    pub sms_failures: i64,
+    #[serde(default)]
+    pub sms_resends: i64,
+    #[serde(default)]
+    pub sms_history: Vec<SmsHistoryEntry>,
+}
+
+fn time(t: Option<DateTime>) -> String {
+    t.map(|t| {
+        t.to_chrono()
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    })
+    .unwrap_or_else(|| "an unknown time".into())
+}
+
+/// Explains why a conditional transition on `doc` matched nothing.
+fn refusal(what: String, doc: Option<CodeDoc>, redeeming: bool) -> LifecycleError {
+    let Some(doc) = doc else {
+        return LifecycleError::NotFound { what };
+    };
+    match doc.status() {
+        Some(CodeStatus::Used) if redeeming => LifecycleError::AlreadyUsed {
+            what,
+            at: time(doc.used_at),
+        },
+        Some(CodeStatus::Used) => LifecycleError::Used {
+            what,
+            at: time(doc.used_at),
+        },
+        Some(CodeStatus::Void) => LifecycleError::Void {
+            what,
+            at: time(doc.voided_at),
+            reason: doc.void_reason.unwrap_or_else(|| "no reason given".into()),
+        },
+        Some(CodeStatus::Unissued) => LifecycleError::Unissued { what },
+        // The status changed between the update and the read: the caller
+        // may simply run the command again.
+        Some(CodeStatus::Issued) | None => LifecycleError::Store(StoreError::Rejected(format!(
+            "{what} changed while it was being updated (status {}); run the command again",
+            doc.status
+        ))),
+    }
+}
+
+impl Store {
+    async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<CodeDoc>, StoreError> {
+        Ok(self
+            .typed::<CodeDoc>(CODES)
+            .find_one(target.filter())
+            .await?)
+    }
+
+    /// Redeems an issued code: status 1 → 2 with `used_at`. Unissued, used
+    /// and void codes are refused with the reason.
+    pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Transition, LifecycleError> {
+        let now = DateTime::now();
+        let mut filter = target.filter();
+        filter.insert("status", CodeStatus::Issued.as_i32());
+        let before = self
+            .typed::<CodeDoc>(CODES)
+            .find_one_and_update(
+                filter,
+                doc! {"$set": {"status": CodeStatus::Used.as_i32(), "used_at": now}},
+            )
+            .return_document(ReturnDocument::Before)
+            .write_concern(durable())
+            .await
+            .map_err(StoreError::from)?;
+        match before {
+            Some(before) => Ok(Transition { before, at: now }),
+            None => Err(refusal(
+                target.describe(),
+                self.find_code(target).await?,
+                true,
+            )),
+        }
+    }
+
+    /// Voids an unissued or issued code: status → 3 with `voided_at` and
+    /// `void_reason`. The order stays recorded on the code (so the order can
+    /// never be granted another one by a redelivered purchase), and a
+    /// pending SMS relay is called off. Voiding by an order that holds no
+    /// code cancels its waiting backorder instead.
+    pub async fn void(
+        &self,
+        target: CodeRef<'_>,
+        reason: &str,
+    ) -> Result<VoidOutcome, LifecycleError> {
+        let now = DateTime::now();
+        let mut filter = target.filter();
+        filter.insert(
+            "status",
+            doc! {"$in": [CodeStatus::Unissued.as_i32(), CodeStatus::Issued.as_i32()]},
+        );
+        let before = self
+            .typed::<CodeDoc>(CODES)
+            .find_one_and_update(
+                filter,
+                doc! {
+                    "$set": {"status": CodeStatus::Void.as_i32(), "voided_at": now, "void_reason": reason},
+                    "$unset": {"sms_pending": ""},
+                },
+            )
+            .return_document(ReturnDocument::Before)
+            .write_concern(durable())
+            .await
+            .map_err(StoreError::from)?;
+        if let Some(before) = before {
+            return Ok(VoidOutcome::Voided(Transition { before, at: now }));
+        }
+        let existing = self.find_code(target).await?;
+        if let (None, CodeRef::Order(order_id)) = (&existing, target) {
+            if self.cancel_backorder(order_id, reason).await? {
+                return Ok(VoidOutcome::BackorderCancelled {
+                    order_id: order_id.to_owned(),
+                });
+            }
+        }
+        Err(refusal(target.describe(), existing, false))
+    }
+
+    /// Withdraws a waiting backorder so it is never fulfilled. Returns
+    /// false when the order has no waiting backorder.
+    pub async fn cancel_backorder(&self, order_id: &str, reason: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(BACKORDERS)
+            .update_one(
+                doc! {"order_id": order_id, "status": WAITING},
+                doc! {"$set": {"status": CANCELLED, "cancelled_at": DateTime::now(), "cancel_reason": reason}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// Voids unissued codes whose `expires_at` is at or before `now`, with
+    /// reason `expired`, in `pool` or in every pool. Returns their ids by
+    /// pool so the caller drops them from the hot pool. (The claim already
+    /// refuses expired codes; this makes them visible as void and keeps the
+    /// hot pool clean.)
+    pub async fn expire(&self, pool: Option<&str>, now: DateTime) -> Result<Expired, StoreError> {
+        let pools: Vec<String> = match pool {
+            Some(p) => vec![p.to_owned()],
+            None => self.pools().await?.into_iter().map(|p| p.name).collect(),
+        };
+        let mut out = Expired::default();
+        for pool in pools {
+            let mut voided = Vec::new();
+            loop {
+                // `$exists` spelled out so the partial index
+                // `unissued_expiry` (status 0, expires_at present) is usable.
+                let filter = doc! {
+                    "pool": &pool,
+                    "status": CodeStatus::Unissued.as_i32(),
+                    "expires_at": {"$exists": true, "$lte": now},
+                };
+                let ids: Vec<ObjectId> = self
+                    .collection(CODES)
+                    .find(filter.clone())
+                    .projection(doc! {"_id": 1})
+                    .limit(EXPIRE_BATCH)
+                    .await?
+                    .try_collect::<Vec<Document>>()
+                    .await?
+                    .into_iter()
+                    .filter_map(|d| d.get_object_id("_id").ok())
+                    .collect();
+                if ids.is_empty() {
+                    break;
+                }
+                let mut batch = filter;
+                batch.insert("_id", doc! {"$in": &ids});
+                self.collection(CODES)
+                    .update_many(
+                        batch,
+                        doc! {"$set": {
+                            "status": CodeStatus::Void.as_i32(),
+                            "voided_at": DateTime::now(),
+                            "void_reason": EXPIRED_REASON,
+                        }},
+                    )
+                    .write_concern(durable())
+                    .await?;
+                // Whatever matched is void now, whoever voided it: none of
+                // these ids may stay a claim candidate.
+                let full = ids.len() as i64 == EXPIRE_BATCH;
+                voided.extend(ids);
+                if !full {
+                    break;
+                }
+            }
+            if !voided.is_empty() {
+                out.by_pool.push((pool, voided));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Applies an SMS receipt to the code of `order_id`. `receipt_id` (the
+    /// AMQP message id, when the SMS service sets one) makes a redelivered
+    /// receipt a no-op; without it a repeated `sent` is still a no-op, and a
+    /// repeated `failed` counts again.
+    pub async fn apply_sms_receipt(
+        &self,
+        order_id: &str,
+        kind: ReceiptKind,
+        error: Option<&str>,
+        receipt_id: Option<&str>,
+    ) -> Result<ReceiptOutcome, StoreError> {
+        let now = DateTime::now();
+        let mut filter = doc! {"order_id": order_id};
+        match receipt_id {
+            Some(id) => {
+                filter.insert("sms_history.receipt_id", doc! {"$ne": id});
+            }
+            None if kind == ReceiptKind::Sent => {
+                filter.insert("is_sms", doc! {"$ne": 1});
+            }
+            None => {}
+        }
+        let mut entry = doc! {"event": kind.as_str(), "at": now};
+        if let Some(e) = error {
+            entry.insert("error", e);
+        }
+        if let Some(id) = receipt_id {
+            entry.insert("receipt_id", id);
+        }
+        let push = doc! {"sms_history": {"$each": [entry], "$slice": -SMS_HISTORY_LEN}};
+        let update = match kind {
+            ReceiptKind::Sent => doc! {
+                "$set": {"is_sms": 1},
+                "$min": {"sms_sent_at": now},
+                "$push": push,
+            },
+            ReceiptKind::Failed => doc! {
+                "$set": {"sms_failed_at": now, "sms_error": error.unwrap_or("unknown error")},
+                "$inc": {"sms_failures": 1_i64},
+                "$push": push,
+            },
+        };
+        let r = self.collection(CODES).update_one(filter, update).await?;
+        if r.matched_count == 1 {
+            return Ok(ReceiptOutcome::Applied);
+        }
+        let known = self
+            .collection(CODES)
+            .count_documents(doc! {"order_id": order_id})
+            .await?;
+        Ok(if known > 0 {
+            ReceiptOutcome::Duplicate
+        } else {
+            ReceiptOutcome::UnknownOrder
+        })
+    }
+
+    /// Records that an order's SMS-pending event was published again by an
+    /// operator (`codepool resend`), confirmed by the broker.
+    pub async fn record_sms_resent(&self, code_id: ObjectId) -> Result<(), StoreError> {
+        let now = DateTime::now();
+        self.collection(CODES)
+            .update_one(
+                doc! {"_id": code_id},
+                doc! {
+                    "$set": {"sms_published_at": now, "sms_resent_at": now},
+                    "$unset": {"sms_pending": ""},
+                    "$inc": {"sms_resends": 1_i64},
+                    "$push": {"sms_history": {"$each": [{"event": "resent", "at": now}], "$slice": -SMS_HISTORY_LEN}},
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The SMS side of a code document.
+    pub async fn sms_status(&self, code_id: ObjectId) -> Result<SmsStatus, StoreError> {
+        let doc = self
+            .collection(CODES)
+            .find_one(doc! {"_id": code_id})
+            .await?
+            .unwrap_or_default();
+        bson::from_document(doc).map_err(|e| StoreError::Corrupt {
+            collection: CODES.into(),
+            message: format!("SMS fields of {code_id}: {e}"),
+        })
+    }
+}

@@ -1,0 +1,122 @@
+//! A pool's operator settings (low-stock threshold, grant-number prefix) and
+//! the low-stock alert state that makes `pool.low_stock` fire once per
+//! crossing, not once per claim, however many dispatchers watch the pool.
+//!
+//! The state is one boolean on the pool document, `low_stock_alerted`. The
+//! dispatcher that flips it from false to true (a conditional update, so at
+//! most one wins) publishes the event; whoever sees stock back at or above
+//! the threshold flips it back (re-arms).
+
+use bson::doc;
+
+use crate::pools::POOLS;
+use crate::{durable, Store, StoreError};
+
+/// Longest grant-number prefix: grant numbers are prefix + date + counter
+/// and end up on receipts, so they stay short.
+pub const MAX_GRANT_PREFIX_LEN: usize = 16;
+
+/// What an operator may change about a pool. `None` leaves a setting as it is.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PoolSettings {
+    /// Alert when unissued stock falls below this (0 turns alerts off).
+    pub low_stock: Option<i64>,
+    pub grant_prefix: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolSettingsError {
+    #[error("pool {0:?} does not exist; import codes into it first with `codepool import FILE --pool {0}`")]
+    UnknownPool(String),
+    #[error("--low-stock must be 0 (off) or more, not {0}")]
+    NegativeThreshold(i64),
+    #[error("grant prefix {0:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX")]
+    BadPrefix(String),
+    #[error("nothing to change; give --low-stock N and/or --grant-prefix P")]
+    Nothing,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Checks a grant-number prefix: ASCII letters and digits only.
+pub fn valid_grant_prefix(p: &str) -> bool {
+    (1..=MAX_GRANT_PREFIX_LEN).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+impl Store {
+    /// Changes a pool's settings. A new threshold re-arms the alert, so the
+    /// next stock check judges the pool against it afresh.
+    pub async fn set_pool_settings(
+        &self,
+        pool: &str,
+        settings: &PoolSettings,
+    ) -> Result<(), PoolSettingsError> {
+        let mut set = doc! {};
+        if let Some(n) = settings.low_stock {
+            if n < 0 {
+                return Err(PoolSettingsError::NegativeThreshold(n));
+            }
+            set.insert("low_stock", n);
+            set.insert("low_stock_alerted", false);
+        }
+        if let Some(p) = &settings.grant_prefix {
+            if !valid_grant_prefix(p) {
+                return Err(PoolSettingsError::BadPrefix(p.chars().take(40).collect()));
+            }
+            set.insert("grant_prefix", p);
+        }
+        if set.is_empty() {
+            return Err(PoolSettingsError::Nothing);
+        }
+        let r = self
+            .collection(POOLS)
+            .update_one(doc! {"_id": pool}, doc! {"$set": set})
+            .write_concern(durable())
+            .await
+            .map_err(StoreError::from)?;
+        if r.matched_count == 0 {
+            return Err(PoolSettingsError::UnknownPool(pool.to_owned()));
+        }
+        Ok(())
+    }
+
+    /// Marks the pool's low-stock alert as sent. True only for the one
+    /// caller that flipped it: that caller publishes `pool.low_stock`.
+    pub async fn claim_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "low_stock_alerted": {"$ne": true}},
+                doc! {"$set": {"low_stock_alerted": true, "low_stock_alerted_at": bson::DateTime::now()}},
+            )
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// Re-arms the low-stock alert (stock is back at or above the
+    /// threshold, or the alert could not be published). True if it was set.
+    pub async fn rearm_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "low_stock_alerted": true},
+                doc! {"$set": {"low_stock_alerted": false}},
+            )
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grant_prefixes_are_short_and_alphanumeric() {
+        assert!(valid_grant_prefix("GX"));
+        assert!(valid_grant_prefix("G2026"));
+        assert!(!valid_grant_prefix(""));
+        assert!(!valid_grant_prefix("G-X"));
+        assert!(!valid_grant_prefix(&"G".repeat(17)));
+    }
+}

@@ -1,0 +1,149 @@
+//! The claim engine against real MongoDB and Redis: one code per order,
+//! one order per code, backorders when the pool runs dry.
+
+use std::collections::HashSet;
+
+use bson::doc;
+use codepool_dispatcher::ClaimOutcome;
+use codepool_domain::Purchase;
+
+use crate::common::{purchase, TestEnv};
+
+/// `claimers` tasks each claim `per_claimer` orders in batches of `batch`.
+async fn run_claimers(
+    env: &TestEnv,
+    pool: &str,
+    claimers: usize,
+    per_claimer: usize,
+    batch: usize,
+) -> Vec<(Purchase, ClaimOutcome)> {
+    let mut tasks = Vec::new();
+    for c in 0..claimers {
+        let engine = env.engine();
+        let pool = pool.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let purchases: Vec<Purchase> = (0..per_claimer)
+                .map(|i| purchase(&format!("O-{c:02}-{i:04}"), &pool))
+                .collect();
+            let mut out = Vec::new();
+            for chunk in purchases.chunks(batch) {
+                let refs: Vec<&Purchase> = chunk.iter().collect();
+                let outcomes = engine.claim_batch(&refs).await.expect("claim");
+                out.extend(chunk.iter().cloned().zip(outcomes));
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("claimer"));
+    }
+    all
+}
+
+#[tokio::test]
+async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
+    let env = TestEnv::new("claims_distinct").await;
+    env.fill_pool("distinct", 2000).await;
+    let results = run_claimers(&env, "distinct", 20, 100, 10).await;
+    let mut codes = HashSet::new();
+    let mut orders = HashSet::new();
+    for (p, outcome) in &results {
+        let ClaimOutcome::Granted { grant, fresh } = outcome else {
+            panic!("order {} got no code from a pool with enough codes", p.order_id);
+        };
+        assert!(fresh);
+        assert_eq!(grant.order_id, p.order_id);
+        assert!(codes.insert(grant.code.clone()), "code {} issued twice", grant.code);
+        orders.insert(p.order_id.clone());
+    }
+    assert_eq!(codes.len(), 2000);
+    assert_eq!(orders.len(), 2000);
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(coll.count_documents(doc! {"pool": "distinct", "status": 1}).await.unwrap(), 2000);
+    assert_eq!(coll.count_documents(doc! {"pool": "distinct", "status": 0}).await.unwrap(), 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_backorder_the_rest() {
+    let env = TestEnv::new("claims_backorder").await;
+    env.fill_pool("small", 100).await;
+    let results = run_claimers(&env, "small", 20, 100, 10).await;
+    let exhausted: Vec<&Purchase> = results
+        .iter()
+        .filter(|(_, o)| matches!(o, ClaimOutcome::Exhausted))
+        .map(|(p, _)| p)
+        .collect();
+    let granted: HashSet<String> = results
+        .iter()
+        .filter_map(|(_, o)| match o {
+            ClaimOutcome::Granted { grant, .. } => Some(grant.code.clone()),
+            ClaimOutcome::Exhausted => None,
+        })
+        .collect();
+    assert_eq!(granted.len(), 100);
+    assert_eq!(exhausted.len(), 1900);
+    // The dispatcher records exhausted purchases as backorders, durably.
+    assert_eq!(env.store.record_backorders(&exhausted).await.unwrap(), 1900);
+    assert_eq!(env.store.record_backorders(&exhausted[..10]).await.unwrap(), 0);
+    let backorders = env.store.database().collection::<bson::Document>("backorders");
+    assert_eq!(backorders.count_documents(doc! {"pool": "small"}).await.unwrap(), 1900);
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(coll.count_documents(doc! {"pool": "small", "status": 1}).await.unwrap(), 100);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
+    let env = TestEnv::new("claims_dupes").await;
+    env.fill_pool("dupes", 50).await;
+    let engine = env.engine();
+    let p = purchase("DUP-1", "dupes");
+    let q = purchase("DUP-2", "dupes");
+    // Duplicates inside one batch, then redeliveries in later batches.
+    let first = engine.claim_batch(&[&p, &p, &q, &p]).await.unwrap();
+    let code_of = |o: &ClaimOutcome| match o {
+        ClaimOutcome::Granted { grant, .. } => grant.code.clone(),
+        ClaimOutcome::Exhausted => panic!("exhausted"),
+    };
+    assert_eq!(code_of(&first[0]), code_of(&first[1]));
+    assert_eq!(code_of(&first[0]), code_of(&first[3]));
+    assert_ne!(code_of(&first[0]), code_of(&first[2]));
+    let again = engine.claim_batch(&[&p]).await.unwrap();
+    assert_eq!(code_of(&again[0]), code_of(&first[0]));
+    assert!(matches!(again[0], ClaimOutcome::Granted { fresh: false, .. }));
+    // Concurrent redeliveries from several claimers.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let engine = env.engine();
+        let p = p.clone();
+        tasks.push(tokio::spawn(async move { engine.claim_batch(&[&p]).await.unwrap() }));
+    }
+    for t in tasks {
+        assert_eq!(code_of(&t.await.unwrap()[0]), code_of(&first[0]));
+    }
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(coll.count_documents(doc! {"order_id": "DUP-1"}).await.unwrap(), 1);
+    assert_eq!(coll.count_documents(doc! {"pool": "dupes", "status": 1}).await.unwrap(), 2);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
+    let env = TestEnv::new("claims_grantno").await;
+    env.fill_pool("gno", 10).await;
+    let engine = env.engine();
+    let p = purchase("GNO-1", "gno");
+    let first = engine.claim_batch(&[&p]).await.unwrap();
+    let ClaimOutcome::Granted { grant, .. } = &first[0] else { panic!("no grant") };
+    let no = grant.grant_no.clone().expect("grant number");
+    let today = chrono::Utc::now().format("%Y%m%d").to_string();
+    assert!(no.starts_with(&format!("G{today}")), "{no}");
+    assert!(no.len() >= 1 + 8 + 4);
+    let again = engine.claim_batch(&[&p]).await.unwrap();
+    let ClaimOutcome::Granted { grant: g2, .. } = &again[0] else { panic!("no grant") };
+    assert_eq!(g2.grant_no.as_deref(), Some(no.as_str()));
+    assert_eq!(g2.sms_pending().event_id, "sms:GNO-1");
+    env.cleanup().await;
+}

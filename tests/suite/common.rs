@@ -1,0 +1,287 @@
+//! Shared test fixtures: isolated namespaces on the real servers, a code
+//! pool filler, the built binary, and a private Redis for fault tests.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use codepool_broker::Topology;
+use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
+use codepool_domain::Purchase;
+use codepool_hotpool::HotPool;
+use codepool_store::{NewCode, ObjectId, Store};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+
+pub const MONGO_URI: &str = "mongodb://127.0.0.1:27017/?directConnection=true";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The `codepool` binary built for this test run.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_codepool")
+}
+
+/// A short random suffix.
+pub fn suffix() -> String {
+    format!("{:08x}", rand::random::<u32>())
+}
+
+/// One test's private namespace on the shared servers.
+pub struct TestEnv {
+    pub name: String,
+    pub db: String,
+    pub redis_url: String,
+    pub redis_prefix: String,
+    pub amqp_prefix: String,
+    pub store: Store,
+}
+
+impl TestEnv {
+    pub async fn new(test: &str) -> Self {
+        Self::with_redis(test, REDIS_URL).await
+    }
+
+    pub async fn with_redis(test: &str, redis_url: &str) -> Self {
+        let s = suffix();
+        let short: String = test.chars().filter(|c| c.is_ascii_alphanumeric()).take(24).collect();
+        let db = format!("cpt_{short}_{s}");
+        let store = Store::connect(MONGO_URI, &db)
+            .await
+            .expect("MongoDB must run on 127.0.0.1:27017 (make services)");
+        codepool_store::migrate::migrate(&store).await.expect("migrate");
+        Self {
+            name: test.to_owned(),
+            redis_url: redis_url.to_owned(),
+            redis_prefix: format!("cpt:{short}:{s}"),
+            amqp_prefix: format!("cpt.{short}.{s}."),
+            db,
+            store,
+        }
+    }
+
+    pub fn topology(&self) -> Topology {
+        Topology::with_prefix(&self.amqp_prefix)
+    }
+
+    pub fn hot_pool(&self) -> HotPool {
+        HotPool::new(&self.redis_url, &self.redis_prefix).expect("redis url")
+    }
+
+    pub fn engine(&self) -> ClaimEngine {
+        let client = redis::Client::open(self.redis_url.as_str()).expect("redis url");
+        let daily = codepool_sequence::DailyNumbers::new(
+            Some(client),
+            self.store.database().clone(),
+            &self.redis_prefix,
+            chrono_tz::UTC,
+        );
+        ClaimEngine::new(
+            self.store.clone(),
+            self.hot_pool(),
+            Arc::new(GrantNumbers::new(daily, self.store.clone())),
+            ClaimConfig {
+                refill_batch: 500,
+                ..ClaimConfig::default()
+            },
+        )
+    }
+
+    /// Environment for a `codepool` child process in this namespace.
+    pub fn command(&self, args: &[&str]) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(bin());
+        cmd.args(args)
+            .env("CODEPOOL_MONGODB_URI", MONGO_URI)
+            .env("CODEPOOL_DB", &self.db)
+            .env("CODEPOOL_REDIS_URL", &self.redis_url)
+            .env("CODEPOOL_REDIS_PREFIX", &self.redis_prefix)
+            .env("CODEPOOL_AMQP_URL", AMQP_URL)
+            .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
+            .env("RUST_LOG", "info")
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// Creates `pool` with `n` codes `PREFIX-000001`…, returns the codes.
+    pub async fn fill_pool(&self, pool: &str, n: usize) -> Vec<String> {
+        self.store.ensure_pool(pool).await.expect("pool");
+        let codes: Vec<String> = (1..=n).map(|i| format!("{pool}-{i:06}")).collect();
+        let batch = ObjectId::new();
+        for chunk in codes.chunks(1000) {
+            let new: Vec<NewCode> = chunk
+                .iter()
+                .map(|c| NewCode {
+                    code: c.clone(),
+                    expires_at: None,
+                })
+                .collect();
+            let out = self.store.insert_codes(pool, batch, &new).await.expect("insert");
+            assert_eq!(out.inserted as usize, chunk.len());
+        }
+        codes
+    }
+
+    /// Drops the database and this test's queues and exchanges.
+    pub async fn cleanup(self) {
+        let _ = self.store.drop_database().await;
+        if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
+            if let Ok(ch) = conn.create_channel().await {
+                let t = self.topology();
+                for q in [&t.purchases, &t.purchases_dead, &t.sms_pending, &t.sms_receipts] {
+                    let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
+                }
+                for e in [&t.sms_exchange, &t.events_exchange] {
+                    let _ = ch.exchange_delete(e, Default::default()).await;
+                }
+            }
+            let _ = conn.close(200, "bye").await;
+        }
+    }
+}
+
+pub fn purchase(order_id: &str, pool: &str) -> Purchase {
+    Purchase {
+        order_id: order_id.to_owned(),
+        uid: format!("uid-{order_id}"),
+        phone: "+8613800000000".into(),
+        pool: pool.to_owned(),
+        purchased_at: None,
+    }
+}
+
+/// Messages in a queue right now (ready, not unacked).
+pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or(0)
+}
+
+/// A message taken off a queue.
+pub struct Taken {
+    pub body: Vec<u8>,
+    pub reason: Option<String>,
+    pub message_id: Option<String>,
+}
+
+/// Takes (and acks) every message in `queue`.
+pub async fn drain(channel: &lapin::Channel, queue: &str) -> Vec<Taken> {
+    let mut out = Vec::new();
+    while let Ok(Some(msg)) = channel.basic_get(queue, BasicGetOptions::default()).await {
+        let d = msg.delivery;
+        let reason = d
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(codepool_broker::REASON_HEADER).cloned())
+            .map(|v| match v {
+                lapin::types::AMQPValue::LongString(s) => s.to_string(),
+                other => format!("{other:?}"),
+            });
+        let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
+        let _ = d.acker.ack(BasicAckOptions::default()).await;
+        out.push(Taken {
+            body: d.data,
+            reason,
+            message_id,
+        });
+    }
+    out
+}
+
+/// Polls `check` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A Redis server of this test's own, so a test can flush or stop it
+/// without disturbing the others.
+pub struct PrivateRedis {
+    pub port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateRedis {
+    pub async fn start() -> Self {
+        let mut r = Self {
+            port: free_port(),
+            child: None,
+        };
+        r.restart().await;
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub async fn restart(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (make services installs it)");
+        self.child = Some(child);
+        let url = self.url();
+        eventually(Duration::from_secs(10), "private redis to answer", || {
+            let url = url.clone();
+            async move {
+                let Ok(client) = redis::Client::open(url.as_str()) else { return false };
+                match client.get_multiplexed_async_connection().await {
+                    Ok(mut c) => redis::cmd("PING").query_async::<String>(&mut c).await.is_ok(),
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub async fn flushall(&self) {
+        let client = redis::Client::open(self.url().as_str()).expect("url");
+        let mut c = client.get_multiplexed_async_connection().await.expect("connect");
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.expect("flushall");
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,195 @@
+//! The dispatcher end to end through RabbitMQ, as a real process.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bson::doc;
+use codepool_broker::Publisher;
+use codepool_domain::SmsPending;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::common::{drain, eventually, purchase, queue_depth, TestEnv, AMQP_URL};
+
+/// Starts `codepool dispatch` in this test's namespace; returns the child
+/// once it consumes.
+pub async fn start_dispatcher(env: &TestEnv) -> tokio::process::Child {
+    let mut child = env
+        .command(&["dispatch", "--http", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn dispatcher");
+    let stderr = child.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut tx = Some(tx);
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("consuming purchases") {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(30), rx)
+        .await
+        .expect("dispatcher did not start consuming within 30s")
+        .expect("dispatcher exited before consuming");
+    child
+}
+
+pub fn sigterm(child: &tokio::process::Child) {
+    let pid = child.id().expect("running");
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(ok.success());
+}
+
+#[tokio::test]
+async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are_dead_lettered() {
+    let env = TestEnv::new("dispatch_e2e").await;
+    env.fill_pool("e2e", 1200).await;
+    let mut dispatcher = start_dispatcher(&env).await;
+
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..1000).map(|i| purchase(&format!("E2E-{i:05}"), "e2e")).collect();
+    let mut confirms = Vec::new();
+    for p in &orders {
+        confirms.push(publisher.publish_purchase(p).await.unwrap());
+    }
+    // 100 duplicates of earlier orders.
+    for p in orders.iter().step_by(10) {
+        confirms.push(publisher.publish_purchase(p).await.unwrap());
+    }
+    let invalid: Vec<&[u8]> = vec![
+        b"not json",
+        br#"{"order_id":7,"uid":"u","phone":"+8613800000000","pool":"e2e"}"#,
+        br#"{"uid":"u","phone":"+8613800000000","pool":"e2e"}"#,
+        br#"{"order_id":"BAD-POOL","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#,
+        br#"{"order_id":"BAD-PHONE","uid":"u","phone":"call me","pool":"e2e"}"#,
+    ];
+    for body in &invalid {
+        confirms.push(publisher.publish_purchase_bytes(body, None).await.unwrap());
+    }
+    for c in confirms {
+        c.wait().await.unwrap();
+    }
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(60), "all purchases processed", || {
+        let ch = ch.clone();
+        let t = t.clone();
+        async move {
+            queue_depth(&ch, &t.sms_pending).await >= 1100
+                && queue_depth(&ch, &t.purchases_dead).await >= 5
+                && queue_depth(&ch, &t.purchases).await == 0
+        }
+    })
+    .await;
+
+    // SIGTERM: clean exit, quickly.
+    let stopping = Instant::now();
+    sigterm(&dispatcher);
+    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
+        .await
+        .expect("dispatcher must exit within 10s of SIGTERM")
+        .unwrap();
+    assert!(status.success(), "exit status {status}");
+    assert!(stopping.elapsed() < Duration::from_secs(10));
+
+    // Nothing left unacked: after the consumer is gone, the queue is empty.
+    assert_eq!(queue_depth(&ch, &t.purchases).await, 0);
+
+    // In MongoDB: every order exactly one code.
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(codes.count_documents(doc! {"pool": "e2e", "status": 1}).await.unwrap(), 1000);
+    let ids: Vec<&str> = orders.iter().map(|p| p.order_id.as_str()).collect();
+    let grants = env.store.grants_for_orders(&ids).await.unwrap();
+    assert_eq!(grants.len(), 1000);
+
+    // Events: one code per order, never one code for two orders.
+    let events = drain(&ch, &t.sms_pending).await;
+    assert_eq!(events.len(), 1100, "one event per delivery, duplicates re-sent");
+    let mut code_of: HashMap<String, String> = HashMap::new();
+    for e in &events {
+        let ev: SmsPending = serde_json::from_slice(&e.body).unwrap();
+        assert_eq!(ev.event_id, format!("sms:{}", ev.order_id));
+        assert_eq!(e.message_id.as_deref(), Some(ev.event_id.as_str()));
+        let prev = code_of.insert(ev.order_id.clone(), ev.code.clone());
+        assert!(prev.is_none_or(|c| c == ev.code), "order {} got two codes", ev.order_id);
+        assert_eq!(grants[&ev.order_id].code, ev.code);
+    }
+    let distinct: HashSet<&String> = code_of.values().collect();
+    assert_eq!(distinct.len(), 1000, "a code went to two orders");
+
+    // Exactly the invalid messages are dead-lettered, each with a reason.
+    let dead = drain(&ch, &t.purchases_dead).await;
+    assert_eq!(dead.len(), invalid.len());
+    let reasons: Vec<String> = dead.iter().map(|d| d.reason.clone().unwrap_or_default()).collect();
+    for expected in ["not_json", "wrong_type", "missing_field", "unknown_pool", "invalid_phone"] {
+        assert!(
+            reasons.iter().any(|r| r.starts_with(expected)),
+            "no dead letter with reason {expected}: {reasons:?}"
+        );
+    }
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_import() {
+    let env = TestEnv::new("dispatch_backorder").await;
+    env.fill_pool("bo", 5).await;
+    let mut dispatcher = start_dispatcher(&env).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..20).map(|i| purchase(&format!("BO-{i:03}"), "bo")).collect();
+    for p in &orders {
+        publisher.publish_purchase(p).await.unwrap().wait().await.unwrap();
+    }
+    let backorders = env.store.database().collection::<bson::Document>("backorders");
+    eventually(Duration::from_secs(30), "15 backorders", || {
+        let b = backorders.clone();
+        async move { b.count_documents(doc! {"pool": "bo", "status": "waiting"}).await.unwrap() == 15 }
+    })
+    .await;
+
+    // New codes arrive through `codepool import`, which announces them.
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    for i in 0..30 {
+        use std::io::Write;
+        writeln!(f, "BO-NEW-{i:03}").unwrap();
+    }
+    let out = env
+        .command(&["import", f.path().to_str().unwrap(), "--pool", "bo"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    eventually(Duration::from_secs(30), "backorders fulfilled", || {
+        let b = backorders.clone();
+        async move { b.count_documents(doc! {"pool": "bo", "status": "fulfilled"}).await.unwrap() == 15 }
+    })
+    .await;
+    let ids: Vec<&str> = orders.iter().map(|p| p.order_id.as_str()).collect();
+    let grants = env.store.grants_for_orders(&ids).await.unwrap();
+    assert_eq!(grants.len(), 20, "every order holds a code");
+    let distinct: HashSet<&String> = grants.values().map(|g| &g.code).collect();
+    assert_eq!(distinct.len(), 20);
+    let ch = conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(10), "20 SMS events", || {
+        let ch = ch.clone();
+        let q = env.topology().sms_pending;
+        async move { queue_depth(&ch, &q).await == 20 }
+    })
+    .await;
+    sigterm(&dispatcher);
+    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait()).await.unwrap().unwrap();
+    assert!(status.success());
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

@@ -1,0 +1,173 @@
+//! The Redis hot pool is only an accelerator: flushing or stopping Redis
+//! mid-run loses nothing and issues nothing twice, and a stale candidate is
+//! simply skipped.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bson::doc;
+use codepool_dispatcher::ClaimOutcome;
+use codepool_domain::Purchase;
+use codepool_store::codes::ScanClaim;
+
+use crate::common::{purchase, PrivateRedis, TestEnv};
+
+/// Claims `claimers × per_claimer` orders concurrently, calling `during`
+/// once roughly half-way.
+async fn claims_with_fault<F, Fut>(
+    env: &TestEnv,
+    pool: &str,
+    claimers: usize,
+    per_claimer: usize,
+    during: F,
+) -> Vec<ClaimOutcome>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tasks = Vec::new();
+    for c in 0..claimers {
+        let engine = env.engine();
+        let pool = pool.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let purchases: Vec<Purchase> = (0..per_claimer)
+                .map(|i| purchase(&format!("F-{c:02}-{i:04}"), &pool))
+                .collect();
+            for chunk in purchases.chunks(5) {
+                let refs: Vec<&Purchase> = chunk.iter().collect();
+                out.extend(engine.claim_batch(&refs).await.expect("claims never fail on Redis trouble"));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    during().await;
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("claimer"));
+    }
+    all
+}
+
+fn assert_all_distinct(outcomes: &[ClaimOutcome], expected: usize) {
+    let mut codes = HashSet::new();
+    let mut orders = HashSet::new();
+    for o in outcomes {
+        let ClaimOutcome::Granted { grant, .. } = o else {
+            panic!("a purchase went without a code while the pool had enough");
+        };
+        assert!(codes.insert(grant.code.clone()), "code issued twice: {}", grant.code);
+        assert!(orders.insert(grant.order_id.clone()));
+    }
+    assert_eq!(codes.len(), expected);
+}
+
+async fn issued_count(env: &TestEnv, pool: &str) -> u64 {
+    env.store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(doc! {"pool": pool, "status": 1})
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
+    let redis = PrivateRedis::start().await;
+    let env = TestEnv::with_redis("hot_concurrent", &redis.url()).await;
+    env.fill_pool("hot", 1500).await;
+    let outcomes = claims_with_fault(&env, "hot", 16, 80, || async {}).await;
+    assert_all_distinct(&outcomes, 1280);
+    assert_eq!(issued_count(&env, "hot").await, 1280);
+    // The candidates came from Redis: its set holds exactly the rest.
+    assert!(!env.hot_pool().is_degraded());
+    assert_eq!(env.hot_pool().len("hot").await.unwrap(), 1500 - 1280);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_redis_flushall_mid_run_loses_nothing_and_issues_nothing_twice() {
+    let redis = PrivateRedis::start().await;
+    let env = TestEnv::with_redis("hot_flush", &redis.url()).await;
+    env.fill_pool("flush", 1200).await;
+    let outcomes = claims_with_fault(&env, "flush", 10, 100, || redis.flushall()).await;
+    assert_all_distinct(&outcomes, 1000);
+    assert_eq!(issued_count(&env, "flush").await, 1000);
+    // The hot set was rebuilt from MongoDB after the flush.
+    let engine = env.engine();
+    let more = engine.claim_batch(&[&purchase("AFTER-1", "flush")]).await.unwrap();
+    assert!(matches!(more[0], ClaimOutcome::Granted { fresh: true, .. }));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stopped_redis_mid_run_falls_back_to_mongodb_and_comes_back() {
+    let mut redis = PrivateRedis::start().await;
+    let env = TestEnv::with_redis("hot_stop", &redis.url()).await;
+    env.fill_pool("stop", 1200).await;
+    let hot = env.hot_pool();
+    let outcomes = {
+        let redis = &mut redis;
+        claims_with_fault(&env, "stop", 10, 100, || async move {
+            redis.stop();
+            tokio::time::sleep(Duration::from_millis(800)).await;
+        })
+        .await
+    };
+    assert_all_distinct(&outcomes, 1000);
+    assert_eq!(issued_count(&env, "stop").await, 1000);
+    assert!(hot.len("stop").await.is_err(), "Redis is stopped");
+    assert!(hot.is_degraded());
+    // Claims keep working with Redis down…
+    let engine = env.engine();
+    let down = engine.claim_batch(&[&purchase("DOWN-1", "stop")]).await.unwrap();
+    assert!(matches!(down[0], ClaimOutcome::Granted { fresh: true, .. }));
+    // …and the hot pool comes back on its own when Redis does.
+    redis.restart().await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let up = engine.claim_batch(&[&purchase("UP-1", "stop")]).await.unwrap();
+    assert!(matches!(up[0], ClaimOutcome::Granted { fresh: true, .. }));
+    assert!(hot.len("stop").await.unwrap() > 0, "hot set rebuilt after the restart");
+    assert!(!hot.is_degraded());
+    assert_eq!(issued_count(&env, "stop").await, 1002);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
+    let redis = PrivateRedis::start().await;
+    let env = TestEnv::with_redis("hot_stale", &redis.url()).await;
+    env.fill_pool("stale", 40).await;
+    let engine = env.engine();
+    // Load the hot set, then issue the oldest codes behind Redis's back.
+    engine.refill("stale").await.unwrap();
+    assert_eq!(env.hot_pool().len("stale").await.unwrap(), 40);
+    let mut fallback_codes = HashSet::new();
+    for i in 0..10 {
+        let ScanClaim::Granted(doc) = env
+            .store
+            .claim_by_scan("stale", &format!("SCAN-{i}"), "u", "+8613800000000", None)
+            .await
+            .unwrap()
+        else {
+            panic!("scan found no code");
+        };
+        fallback_codes.insert(doc.code);
+    }
+    // The oldest candidates in Redis are now stale; claims must skip them.
+    let purchases: Vec<Purchase> = (0..30).map(|i| purchase(&format!("HOT-{i}"), "stale")).collect();
+    let refs: Vec<&Purchase> = purchases.iter().collect();
+    let outcomes = engine.claim_batch(&refs).await.unwrap();
+    assert_all_distinct(&outcomes, 30);
+    for o in &outcomes {
+        if let ClaimOutcome::Granted { grant, .. } = o {
+            assert!(!fallback_codes.contains(&grant.code), "a code issued by the fallback was issued again");
+        }
+    }
+    // The pool is now empty: one more is exhausted, not double-issued.
+    let last = engine.claim_batch(&[&purchase("HOT-LAST", "stale")]).await.unwrap();
+    assert_eq!(last[0], ClaimOutcome::Exhausted);
+    env.cleanup().await;
+}
