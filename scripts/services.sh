@@ -491,7 +491,7 @@ rabbitmq_launch() {
 	if rabbit_registered; then
 		# a node is up or booting but not (yet) serving AMQP: decide what it is
 		local running
-		running=$(RABBITCTL_TIMEOUT=20 rabbitctl -q eval 'rabbit:is_booting() orelse rabbit:is_running().' 2>/dev/null || true)
+		running=$(RABBITCTL_TIMEOUT=15 rabbitctl -q eval 'rabbit:is_booting() orelse rabbit:is_running().' 2>/dev/null || true)
 		case $running in
 		true)
 			log "rabbitmq node $node is booting; waiting for it"
@@ -506,9 +506,13 @@ rabbitmq_launch() {
 			fi
 			;;
 		esac
-		log "rabbitmq node $node does not respond; stopping the leftover node"
-		RABBITCTL_TIMEOUT=20 rabbitctl -q stop >/dev/null 2>&1 || true
-		wait_until 15 not rabbit_registered || true
+		if [[ -n $running ]]; then # it answered: ask it to stop
+			log "rabbitmq node $node does not start; stopping the leftover node"
+			RABBITCTL_TIMEOUT=20 rabbitctl -q stop >/dev/null 2>&1 || true
+			wait_until 15 not rabbit_registered || true
+		else
+			log "rabbitmq node $node does not respond (rabbitmqctl eval timed out or failed)"
+		fi
 	fi
 	local pids
 	pids=$(rabbit_beams)
@@ -516,7 +520,7 @@ rabbitmq_launch() {
 		log "killing leftover RabbitMQ VM(s): ${pids//$'\n'/ }"
 		# shellcheck disable=SC2086
 		kill -TERM $pids 2>/dev/null || true
-		wait_until 15 no_rabbit_beams || {
+		wait_until 10 no_rabbit_beams || {
 			pids=$(rabbit_beams)
 			# shellcheck disable=SC2086
 			[[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
@@ -553,7 +557,6 @@ rabbitmq_wait() {
 	RESULT[rabbitmq]="$LOCAL:$AMQP_PORT up ($how, $(since "$RABBIT_T0"))"
 }
 
-rabbitmq_start() { rabbitmq_launch && rabbitmq_wait; }
 
 rabbitmq_stop() {
 	if ! is_local "${CODEPOOL_AMQP_URL:-}" "$AMQP_PORT"; then

@@ -67,10 +67,7 @@ pub async fn run(
     redis_url: &str,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
-    let run_id = format!(
-        "bench-{}",
-        chrono::Utc::now().format("%Y%m%d%H%M%S%3f")
-    );
+    let run_id = format!("bench-{}", chrono::Utc::now().format("%Y%m%d%H%M%S%3f"));
     let concurrency = args.concurrency as usize;
     let ids = args.ids as usize;
     let counters: Collection<Document> = db.collection(COLLECTION);
@@ -99,16 +96,22 @@ pub async fn run(
 
     let segments = SegmentAllocator::new(db.clone(), &run_id, 1_000)?;
     results.push(
-        measure("segment allocator (step 1000)", concurrency, ids, 1, move |quota| {
-            let segments = segments.clone();
-            async move {
-                let mut drawn = Drawn::default();
-                for _ in 0..quota {
-                    drawn.values.push(segments.next().await?.to_string());
+        measure(
+            "segment allocator (step 1000)",
+            concurrency,
+            ids,
+            1,
+            move |quota| {
+                let segments = segments.clone();
+                async move {
+                    let mut drawn = Drawn::default();
+                    for _ in 0..quota {
+                        drawn.values.push(segments.next().await?.to_string());
+                    }
+                    Ok(drawn)
                 }
-                Ok(drawn)
-            }
-        })
+            },
+        )
         .await?,
     );
 
@@ -152,30 +155,42 @@ pub async fn run(
 
     let mongo_daily = DailyNumbers::new(None, db.clone(), &redis_prefix, chrono_tz::UTC);
     results.push(
-        measure("daily number (MongoDB fallback)", concurrency, ids, 1, move |quota| {
-            let daily = mongo_daily.clone();
-            async move {
-                let mut drawn = Drawn::default();
-                for _ in 0..quota {
-                    drawn.values.push(daily.next("BM").await?);
+        measure(
+            "daily number (MongoDB fallback)",
+            concurrency,
+            ids,
+            1,
+            move |quota| {
+                let daily = mongo_daily.clone();
+                async move {
+                    let mut drawn = Drawn::default();
+                    for _ in 0..quota {
+                        drawn.values.push(daily.next("BM").await?);
+                    }
+                    Ok(drawn)
                 }
-                Ok(drawn)
-            }
-        })
+            },
+        )
         .await?,
     );
 
     let cyclic = CyclicCounter::new(db.clone(), &run_id, 99)?;
-    let mut cyclic_result = measure("cyclic counter (0..=99)", concurrency, ids, 1, move |quota| {
-        let cyclic = cyclic.clone();
-        async move {
-            let mut drawn = Drawn::default();
-            for _ in 0..quota {
-                drawn.values.push(cyclic.next().await?.to_string());
+    let mut cyclic_result = measure(
+        "cyclic counter (0..=99)",
+        concurrency,
+        ids,
+        1,
+        move |quota| {
+            let cyclic = cyclic.clone();
+            async move {
+                let mut drawn = Drawn::default();
+                for _ in 0..quota {
+                    drawn.values.push(cyclic.next().await?.to_string());
+                }
+                Ok(drawn)
             }
-            Ok(drawn)
-        }
-    })
+        },
+    )
     .await?;
     cyclic_result.distinct = None;
     results.push(cyclic_result);
@@ -354,12 +369,20 @@ fn print_table(results: &[Measured], concurrency: usize, classic: f64) {
 }
 
 /// Removes this run's counters; best effort, the Redis keys expire anyway.
-async fn clean_up(counters: &Collection<Document>, run_id: &str, redis_url: &str, redis_prefix: &str) {
+async fn clean_up(
+    counters: &Collection<Document>,
+    run_id: &str,
+    redis_url: &str,
+    redis_prefix: &str,
+) {
     let pattern = mongodb::bson::Regex {
         pattern: regex_escape(run_id),
         options: String::new(),
     };
-    if let Err(err) = counters.delete_many(doc! { "_id": { "$regex": pattern } }).await {
+    if let Err(err) = counters
+        .delete_many(doc! { "_id": { "$regex": pattern } })
+        .await
+    {
         tracing::warn!(%err, "could not remove the benchmark counters");
     }
     let removed = async {
@@ -370,7 +393,10 @@ async fn clean_up(counters: &Collection<Document>, run_id: &str, redis_url: &str
             .query_async(&mut conn)
             .await?;
         if !keys.is_empty() {
-            redis::cmd("DEL").arg(keys).query_async::<()>(&mut conn).await?;
+            redis::cmd("DEL")
+                .arg(keys)
+                .query_async::<()>(&mut conn)
+                .await?;
         }
         Ok::<_, redis::RedisError>(())
     };

@@ -77,9 +77,9 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
         (_, Some(u), _, _) => doc! {"uid": u},
         (_, _, Some(c), Some(p)) => doc! {"pool": p, "code": c},
         (_, _, _, Some(p)) => doc! {"pool": p, "order_id": {"$type": "string"}},
-        _ => anyhow::bail!(
-            "say what to look up: --order O, --uid U, --code C --pool P, or --pool P"
-        ),
+        _ => {
+            anyhow::bail!("say what to look up: --order O, --uid U, --code C --pool P, or --pool P")
+        }
     };
     let store = crate::context::store(cfg).await?;
     let raw: Vec<Document> = store

@@ -62,13 +62,13 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
         return Ok(crate::exit::OK);
     }
     println!(
-        "{:<20} {:>9} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
+        "{:<20} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
         "POOL", "UNISSUED", "ISSUED", "USED", "VOID", "EXPIRED", "BACKORDERS", "HOT", "1H", "24H", "LASTS"
     );
     for r in &rows {
         let s = &r.stats;
         println!(
-            "{:<20} {:>9} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
+            "{:<20} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
             s.pool,
             match r.low_stock {
                 Some(n) if (s.unissued as i64) < n => format!("{} LOW", s.unissued),
@@ -85,7 +85,10 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
             r.hours_left.map_or("-".to_string(), |h| format!("{h:.1}h")),
         );
     }
-    if rows.iter().any(|r| r.low_stock.is_some_and(|n| (r.stats.unissued as i64) < n)) {
+    if rows
+        .iter()
+        .any(|r| r.low_stock.is_some_and(|n| (r.stats.unissued as i64) < n))
+    {
         println!("LOW: unissued stock below the pool's threshold; import more codes (`codepool import FILE --pool P`)");
     }
     if rows.is_empty() {

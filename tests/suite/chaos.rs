@@ -1,0 +1,394 @@
+//! The chaos test: three real dispatcher processes, tens of thousands of
+//! purchases (a smaller run inside `make test`, the full one in
+//! `make chaos`), and every fault a deployment meets while they run:
+//! `kill -9` of random dispatchers, a Redis FLUSHALL and a Redis outage,
+//! every RabbitMQ connection closed, a MongoDB restart, and a pool smaller
+//! than the demand until a second import. At the end everything is checked
+//! directly in MongoDB and in the queues.
+//!
+//! It restarts the shared servers, so it runs on its own (the Makefile runs
+//! it after the rest of the suite).
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bson::doc;
+use codepool_broker::Publisher;
+use codepool_domain::{Purchase, SmsPending};
+use futures::TryStreamExt;
+use rand::Rng;
+
+use crate::common::{drain, eventually, purchase, queue_depth, TestEnv, AMQP_URL};
+
+struct Scale {
+    orders: usize,
+    first_import: usize,
+    second_import: usize,
+    invalid: usize,
+    publish_secs: u64,
+    kill_every: Duration,
+}
+
+fn scale() -> Scale {
+    if std::env::var("CODEPOOL_CHAOS").as_deref() == Ok("full") {
+        Scale {
+            orders: 30_000,
+            first_import: 20_000,
+            second_import: 12_000,
+            invalid: 40,
+            publish_secs: 60,
+            kill_every: Duration::from_secs(3),
+        }
+    } else {
+        Scale {
+            orders: 3_000,
+            first_import: 2_000,
+            second_import: 1_200,
+            invalid: 10,
+            publish_secs: 20,
+            kill_every: Duration::from_secs(4),
+        }
+    }
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs `scripts/services.sh ARGS` (stop/start one shared server).
+async fn services(args: &[&str]) {
+    let status = tokio::process::Command::new("bash")
+        .arg(repo_root().join("scripts/services.sh"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await
+        .expect("run scripts/services.sh");
+    assert!(status.success(), "scripts/services.sh {args:?} failed");
+}
+
+struct Dispatchers<'a> {
+    env: &'a TestEnv,
+    logs: PathBuf,
+    running: Vec<tokio::process::Child>,
+    started: usize,
+    kills: usize,
+}
+
+impl<'a> Dispatchers<'a> {
+    fn spawn(&mut self) {
+        self.started += 1;
+        let log = std::fs::File::create(self.logs.join(format!("dispatcher-{}.log", self.started)))
+            .expect("log file");
+        let child = self
+            .env
+            .command(&["dispatch", "--no-http"])
+            .stderr(log)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn dispatcher");
+        self.running.push(child);
+    }
+
+    async fn kill_one(&mut self) {
+        let i = rand::rng().random_range(0..self.running.len());
+        let mut victim = self.running.swap_remove(i);
+        let _ = victim.start_kill(); // SIGKILL
+        let _ = victim.wait().await;
+        self.kills += 1;
+        self.spawn();
+    }
+
+    async fn stop_all(&mut self) -> Vec<std::process::ExitStatus> {
+        for c in &self.running {
+            if let Some(pid) = c.id() {
+                let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+            }
+        }
+        let mut statuses = Vec::new();
+        for mut c in self.running.drain(..) {
+            let s = tokio::time::timeout(Duration::from_secs(15), c.wait())
+                .await
+                .expect("a dispatcher did not stop within 15s of SIGTERM")
+                .expect("wait");
+            statuses.push(s);
+        }
+        statuses
+    }
+}
+
+/// Publishes with confirms, reconnecting and re-sending unconfirmed windows
+/// (purchases are idempotent by order id, so re-sending is safe).
+async fn publish_all(env: &TestEnv, bodies: Vec<(Vec<u8>, Option<String>)>, over: Duration) -> usize {
+    let per_window = 100;
+    let windows = bodies.len().div_ceil(per_window).max(1);
+    let pause = over / windows as u32;
+    let mut reconnects = 0;
+    let mut conn = None;
+    for window in bodies.chunks(per_window) {
+        loop {
+            if conn.is_none() {
+                match codepool_broker::connect(AMQP_URL, "chaos-publisher").await {
+                    Ok(c) => conn = Some(c),
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        continue;
+                    }
+                }
+            }
+            let result = async {
+                let c = conn.as_ref().expect("connected");
+                let publisher = Publisher::new(c, env.topology()).await?;
+                let mut confirms = Vec::new();
+                for (body, id) in window {
+                    confirms.push(publisher.publish_purchase_bytes(body, id.as_deref()).await?);
+                }
+                for c in confirms {
+                    c.wait().await?;
+                }
+                Ok::<_, codepool_broker::BrokerError>(())
+            }
+            .await;
+            match result {
+                Ok(()) => break,
+                Err(_) => {
+                    conn = None;
+                    reconnects += 1;
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            }
+        }
+        tokio::time::sleep(pause).await;
+    }
+    reconnects
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_keeps_every_invariant() {
+    let s = scale();
+    let env = TestEnv::new("chaos").await;
+    let logs = std::env::temp_dir().join(format!("codepool-chaos-{}", env.db));
+    std::fs::create_dir_all(&logs).unwrap();
+    env.fill_pool("chaos", s.first_import).await;
+    // Declare the topology before anything is published.
+    {
+        let conn = codepool_broker::connect(AMQP_URL, "chaos-setup").await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        env.topology().declare(&ch).await.unwrap();
+        let _ = conn.close(200, "ok").await;
+    }
+
+    // The workload: valid orders, ~5% duplicates, a few invalid messages.
+    let orders: Vec<Purchase> = (0..s.orders).map(|i| purchase(&format!("CH-{i:06}"), "chaos")).collect();
+    let mut bodies: Vec<(Vec<u8>, Option<String>)> = Vec::new();
+    let mut rng = rand::rng();
+    let mut duplicates = 0;
+    for (i, p) in orders.iter().enumerate() {
+        bodies.push((p.to_json(), Some(p.order_id.clone())));
+        if i > 0 && rng.random_bool(0.05) {
+            let earlier = &orders[rng.random_range(0..i)];
+            bodies.push((earlier.to_json(), Some(earlier.order_id.clone())));
+            duplicates += 1;
+        }
+    }
+    let invalid_ids: HashSet<String> = (0..s.invalid).map(|i| format!("BAD-{i:03}")).collect();
+    let invalid: Vec<(Vec<u8>, Option<String>)> = invalid_ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let body = match i % 3 {
+                0 => b"{not json".to_vec(),
+                1 => br#"{"order_id":1,"uid":"u","phone":"+8613800000000","pool":"chaos"}"#.to_vec(),
+                _ => br#"{"order_id":"X","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#.to_vec(),
+            };
+            (body, Some(id.clone()))
+        })
+        .collect();
+
+    let mut d = Dispatchers {
+        env: &env,
+        logs: logs.clone(),
+        running: Vec::new(),
+        started: 0,
+        kills: 0,
+    };
+    for _ in 0..3 {
+        d.spawn();
+    }
+    publish_all(&env, invalid, Duration::from_millis(10)).await;
+
+    let started = Instant::now();
+    let publisher = {
+        let env_ref: &TestEnv = &env;
+        let bodies = bodies.clone();
+        let over = Duration::from_secs(s.publish_secs);
+        async move { publish_all(env_ref, bodies, over).await }
+    };
+    let faults = async {
+        let mut restarts = 0;
+        let mut next_kill = Instant::now() + s.kill_every;
+        let plan = s.publish_secs as f64;
+        let mut done = [false; 5];
+        let at = |f: f64| started + Duration::from_secs_f64(plan * f);
+        while Instant::now() < started + Duration::from_secs(s.publish_secs + 5) {
+            if Instant::now() >= next_kill {
+                d.kill_one().await;
+                next_kill = Instant::now() + s.kill_every;
+            }
+            if !done[0] && Instant::now() >= at(0.2) {
+                done[0] = true;
+                let client = redis::Client::open(env.redis_url.as_str()).unwrap();
+                let mut c = client.get_multiplexed_async_connection().await.unwrap();
+                let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+            }
+            if !done[1] && Instant::now() >= at(0.35) {
+                done[1] = true;
+                services(&["stop", "--force", "redis"]).await;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                services(&["start", "redis"]).await;
+                restarts += 1;
+            }
+            if !done[2] && Instant::now() >= at(0.5) {
+                done[2] = true;
+                let status = tokio::process::Command::new("rabbitmqctl")
+                    .arg("close_all_connections")
+                    .arg("chaos test")
+                    .stdout(std::process::Stdio::null())
+                    .status()
+                    .await
+                    .expect("rabbitmqctl");
+                assert!(status.success(), "rabbitmqctl close_all_connections failed");
+            }
+            if !done[3] && Instant::now() >= at(0.65) {
+                done[3] = true;
+                services(&["stop", "--force", "mongo"]).await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                services(&["start", "mongo"]).await;
+                restarts += 1;
+            }
+            if !done[4] && Instant::now() >= at(0.8) {
+                done[4] = true;
+                let mut f = tempfile::NamedTempFile::new().unwrap();
+                for i in 0..s.second_import {
+                    writeln!(f, "CHAOS-NEW-{i:06}").unwrap();
+                }
+                let out = env
+                    .command(&["import", f.path().to_str().unwrap(), "--pool", "chaos"])
+                    .output()
+                    .await
+                    .unwrap();
+                assert!(out.status.success(), "second import: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        restarts
+    };
+    let (publisher_reconnects, restarts) = tokio::join!(publisher, faults);
+
+    // Let the survivors finish: every valid order ends with a code.
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let expected = s.orders as u64;
+    eventually(Duration::from_secs(120), "every order to hold a code", || {
+        let codes = codes.clone();
+        async move {
+            codes
+                .count_documents(doc! {"pool": "chaos", "order_id": {"$type": "string"}})
+                .await
+                .unwrap_or(0)
+                == expected
+        }
+    })
+    .await;
+    let conn = codepool_broker::connect(AMQP_URL, "chaos-check").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(60), "the purchases queue to drain", || {
+        let ch = ch.clone();
+        let q = t.purchases.clone();
+        async move { queue_depth(&ch, &q).await == 0 }
+    })
+    .await;
+    // Give in-flight acks a moment, then stop everyone gracefully.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let statuses = d.stop_all().await;
+    for st in &statuses {
+        assert!(st.success(), "a dispatcher exited with {st} on SIGTERM; logs in {}", logs.display());
+    }
+    // Nothing was left unacked: with every consumer gone, the queue is empty.
+    assert_eq!(queue_depth(&ch, &t.purchases).await, 0, "unacked purchases were left behind");
+
+    // In MongoDB: one code per order, one order per code.
+    let issued: Vec<bson::Document> = codes
+        .find(doc! {"pool": "chaos", "order_id": {"$type": "string"}})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let mut code_by_order: HashMap<String, String> = HashMap::new();
+    let mut order_by_code: HashMap<String, String> = HashMap::new();
+    let mut violations = 0;
+    for doc in &issued {
+        let order = doc.get_str("order_id").unwrap().to_owned();
+        let code = doc.get_str("code").unwrap().to_owned();
+        if code_by_order.insert(order.clone(), code.clone()).is_some() {
+            violations += 1;
+        }
+        if order_by_code.insert(code, order).is_some() {
+            violations += 1;
+        }
+    }
+    for p in &orders {
+        if !code_by_order.contains_key(&p.order_id) {
+            violations += 1;
+        }
+    }
+    // Backorders: created only while codes ran out, all fulfilled since.
+    let backorders = env.store.database().collection::<bson::Document>("backorders");
+    let bo_total = backorders.count_documents(doc! {}).await.unwrap();
+    let bo_waiting = backorders.count_documents(doc! {"status": "waiting"}).await.unwrap();
+    violations += bo_waiting as usize;
+
+    // Every grant has an SMS-pending event, always with its own code.
+    let events = drain(&ch, &t.sms_pending).await;
+    let mut evented: HashSet<String> = HashSet::new();
+    for e in &events {
+        let ev: SmsPending = serde_json::from_slice(&e.body).unwrap();
+        if code_by_order.get(&ev.order_id) != Some(&ev.code) {
+            violations += 1;
+        }
+        evented.insert(ev.order_id);
+    }
+    let missing_events = orders.iter().filter(|p| !evented.contains(&p.order_id)).count();
+    violations += missing_events;
+
+    // Exactly the invalid messages are dead-lettered (a redelivery after a
+    // kill may dead-letter one twice; what counts is which messages).
+    let dead = drain(&ch, &t.purchases_dead).await;
+    let dead_ids: HashSet<String> = dead.iter().filter_map(|m| m.message_id.clone()).collect();
+    if dead_ids != invalid_ids {
+        violations += 1;
+    }
+    assert!(dead.iter().all(|m| m.reason.is_some()));
+
+    println!(
+        "chaos: purchases {} (valid orders {}, duplicates {duplicates}, invalid {}), dispatcher kills {}, server restarts {restarts}, publisher reconnects {publisher_reconnects}, grants {}, backorders {bo_total} (waiting {bo_waiting}), sms events {}, dead letters {} ({} distinct), violations {violations}, {:.0}s",
+        bodies.len() + s.invalid,
+        s.orders,
+        s.invalid,
+        d.kills,
+        issued.len(),
+        events.len(),
+        dead.len(),
+        dead_ids.len(),
+        started.elapsed().as_secs_f64(),
+    );
+    assert_eq!(missing_events, 0, "grants without an SMS-pending event");
+    assert_eq!(dead_ids, invalid_ids, "dead letters are not exactly the invalid messages");
+    assert_eq!(violations, 0, "invariants violated; dispatcher logs in {}", logs.display());
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+    let _ = std::fs::remove_dir_all(&logs);
+}

@@ -1,0 +1,1315 @@
+//! Operating codepool: the code lifecycle (redeem, void, expiry), SMS
+//! receipts, low-stock alerts, `/metrics` and `/readyz`, against the real
+//! servers and the built binary.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::doc;
+use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
+use codepool_broker::{Publisher, Topology};
+use codepool_dispatcher::{ClaimOutcome, StockConfig, StockLevel, StockWatch};
+use codepool_domain::{CodeStatus, Grant, PoolEvent, SmsPending};
+use codepool_hotpool::Candidate;
+use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome, EXPIRED_REASON};
+use codepool_store::pool_settings::PoolSettings;
+use codepool_store::{CodeDoc, NewCode, ObjectId, Store};
+use futures::StreamExt;
+use lapin::options::{
+    BasicPublishOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::BasicProperties;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use crate::common::{drain, eventually, free_port, purchase, queue_depth, TestEnv, AMQP_URL};
+
+// ---------------------------------------------------------------- helpers
+
+/// Claims a code for `order` through the real claim engine.
+async fn grant(env: &TestEnv, order: &str, pool: &str) -> Grant {
+    let p = purchase(order, pool);
+    let outcomes = env.engine().claim_batch(&[&p]).await.expect("claim");
+    match outcomes.into_iter().next() {
+        Some(ClaimOutcome::Granted { grant, .. }) => grant,
+        other => panic!("pool {pool} gave no code to {order}: {other:?}"),
+    }
+}
+
+async fn code_doc(store: &Store, pool: &str, code: &str) -> CodeDoc {
+    store
+        .database()
+        .collection::<CodeDoc>("codes")
+        .find_one(doc! {"pool": pool, "code": code})
+        .await
+        .expect("find")
+        .expect("the code exists")
+}
+
+/// Drops what [`TestEnv::cleanup`] does not know about, then cleans up.
+async fn cleanup(env: TestEnv) {
+    if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
+        if let Ok(ch) = conn.create_channel().await {
+            let _ = ch
+                .queue_delete(&env.topology().code_redeemed, QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = conn.close(200, "bye").await;
+    }
+    env.cleanup().await;
+}
+
+/// Declares the topology and binds a private queue to `routing_key` on
+/// the events exchange; returns the queue name.
+async fn listen_events(ch: &lapin::Channel, topology: &Topology, routing_key: &str) -> String {
+    topology.declare(ch).await.expect("declare");
+    let q = ch
+        .queue_declare(
+            "",
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    ch.queue_bind(
+        q.name().as_str(),
+        &topology.events_exchange,
+        routing_key,
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("bind");
+    q.name().to_string()
+}
+
+/// A `codepool dispatch` child process with its HTTP address.
+struct Daemon {
+    child: tokio::process::Child,
+    addr: String,
+}
+
+/// Starts `codepool dispatch --http 127.0.0.1:0` and waits until it
+/// consumes; the address comes from `codepool: http listening on ADDR`.
+async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
+    let mut child = cmd
+        .args(["dispatch", "--http", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn codepool dispatch");
+    let stderr = child.stderr.take().expect("stderr");
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        let (mut addr_tx, mut ready_tx) = (Some(addr_tx), Some(ready_tx));
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(addr) = line.strip_prefix("codepool: http listening on ") {
+                if let Some(tx) = addr_tx.take() {
+                    let _ = tx.send(addr.trim().to_owned());
+                }
+            }
+            if line.contains("consuming purchases") {
+                if let Some(tx) = ready_tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    let addr = tokio::time::timeout(Duration::from_secs(30), addr_rx)
+        .await
+        .expect("no `http listening` line within 30s")
+        .expect("dispatcher exited before listening");
+    tokio::time::timeout(Duration::from_secs(60), ready_rx)
+        .await
+        .expect("dispatcher did not consume within 60s")
+        .expect("dispatcher exited before consuming");
+    Daemon { child, addr }
+}
+
+impl Daemon {
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+            .await
+            .expect("dispatcher stops within 15s of SIGTERM")
+            .expect("wait");
+        assert!(status.success(), "dispatcher exit status {status}");
+    }
+}
+
+/// A raw HTTP/1.0 GET: (status code, body). `None` if nothing answers.
+async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut raw = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut raw))
+        .await
+        .ok()?
+        .ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+/// One sample of a Prometheus text page.
+#[derive(Debug, Clone, PartialEq)]
+struct Sample {
+    name: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+/// Parses the Prometheus text exposition format strictly enough to catch
+/// a broken page: `# HELP`/`# TYPE` lines, metric and label names, quoted
+/// label values with escapes, float values; returns the samples.
+fn parse_prometheus(page: &str) -> Result<(Vec<Sample>, HashMap<String, String>), String> {
+    fn is_name(s: &str) -> bool {
+        let mut chars = s.chars();
+        chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    }
+    let mut samples = Vec::new();
+    let mut types = HashMap::new();
+    for (n, line) in page.lines().enumerate() {
+        let err = |what: &str| format!("line {}: {what}: {line:?}", n + 1);
+        if line.trim().is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# ") {
+            let mut parts = rest.splitn(3, ' ');
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("HELP"), Some(name), _) if is_name(name) => {}
+                (Some("TYPE"), Some(name), Some(t)) if is_name(name) => {
+                    if !["counter", "gauge", "histogram", "summary", "untyped"].contains(&t) {
+                        return Err(err("unknown type"));
+                    }
+                    types.insert(name.to_owned(), t.to_owned());
+                }
+                _ => return Err(err("bad comment")),
+            }
+            continue;
+        }
+        let (name_labels, value) = match line.find('}') {
+            Some(end) => (&line[..=end], line[end + 1..].trim()),
+            None => line.split_once(' ').ok_or_else(|| err("no value"))?,
+        };
+        let (name, labels) = match name_labels.split_once('{') {
+            Some((name, rest)) => {
+                let body = rest
+                    .strip_suffix('}')
+                    .ok_or_else(|| err("unclosed labels"))?;
+                let mut labels = Vec::new();
+                let mut rest = body;
+                while !rest.is_empty() {
+                    let (key, after) = rest.split_once("=\"").ok_or_else(|| err("bad label"))?;
+                    if !is_name(key) {
+                        return Err(err("bad label name"));
+                    }
+                    let mut value = String::new();
+                    let mut chars = after.char_indices();
+                    let mut end = None;
+                    while let Some((i, c)) = chars.next() {
+                        match c {
+                            '\\' => match chars.next() {
+                                Some((_, 'n')) => value.push('\n'),
+                                Some((_, c @ ('\\' | '"'))) => value.push(c),
+                                _ => return Err(err("bad escape")),
+                            },
+                            '"' => {
+                                end = Some(i);
+                                break;
+                            }
+                            c => value.push(c),
+                        }
+                    }
+                    let end = end.ok_or_else(|| err("unterminated label value"))?;
+                    labels.push((key.to_owned(), value));
+                    rest = after[end + 1..].trim_start_matches(',');
+                }
+                (name, labels)
+            }
+            None => (name_labels, Vec::new()),
+        };
+        if !is_name(name) {
+            return Err(err("bad metric name"));
+        }
+        let value = value
+            .split_whitespace()
+            .next()
+            .ok_or_else(|| err("no value"))?;
+        let value = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse::<f64>().map_err(|_| err("bad value"))?,
+        };
+        samples.push(Sample {
+            name: name.to_owned(),
+            labels,
+            value,
+        });
+    }
+    Ok((samples, types))
+}
+
+/// The value of `name` with exactly these labels (0 if absent).
+fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .find(|s| {
+            s.name == name
+                && s.labels.len() == labels.len()
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
+        })
+        .map_or(0.0, |s| s.value)
+}
+
+async fn scrape(addr: &str) -> Vec<Sample> {
+    let (status, body) = http_get(addr, "/metrics").await.expect("/metrics answers");
+    assert_eq!(status, 200);
+    parse_prometheus(&body)
+        .expect("/metrics is Prometheus text")
+        .0
+}
+
+async fn publish_receipt(publisher: &Publisher, key: &str, body: &[u8], message_id: Option<&str>) {
+    let mut props = BasicProperties::default().with_delivery_mode(2);
+    if let Some(id) = message_id {
+        props = props.with_message_id(id.into());
+    }
+    let exchange = publisher.topology().sms_exchange.clone();
+    publisher
+        .publish(&exchange, key, body, props)
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirmed");
+}
+
+// ---------------------------------------------------------------- lifecycle
+
+#[tokio::test]
+async fn every_allowed_lifecycle_transition_is_recorded() {
+    let env = TestEnv::new("ops_transitions").await;
+    let codes = env.fill_pool("lc", 6).await;
+    let store = &env.store;
+
+    // 1 → 2 by code and pool.
+    let g1 = grant(&env, "LC-1", "lc").await;
+    let t = store
+        .redeem(CodeRef::Code {
+            pool: "lc",
+            code: &g1.code,
+        })
+        .await
+        .expect("redeem by code");
+    assert_eq!(t.before.status, 1);
+    let d = code_doc(store, "lc", &g1.code).await;
+    assert_eq!(d.status(), Some(CodeStatus::Used));
+    assert!(d.used_at.is_some());
+    assert_eq!(d.order_id.as_deref(), Some("LC-1"));
+
+    // 1 → 2 by order.
+    let g2 = grant(&env, "LC-2", "lc").await;
+    store
+        .redeem(CodeRef::Order("LC-2"))
+        .await
+        .expect("redeem by order");
+    assert_eq!(
+        code_doc(store, "lc", &g2.code).await.status(),
+        Some(CodeStatus::Used)
+    );
+
+    // 1 → 3 by order (a refund) and by code.
+    let g3 = grant(&env, "LC-3", "lc").await;
+    match store
+        .void(CodeRef::Order("LC-3"), "refund")
+        .await
+        .expect("void")
+    {
+        VoidOutcome::Voided(t) => assert_eq!(t.before.status(), Some(CodeStatus::Issued)),
+        other => panic!("expected a void, got {other:?}"),
+    }
+    let d = code_doc(store, "lc", &g3.code).await;
+    assert_eq!(d.status(), Some(CodeStatus::Void));
+    assert_eq!(d.void_reason.as_deref(), Some("refund"));
+    assert!(d.voided_at.is_some());
+    assert_eq!(
+        d.order_id.as_deref(),
+        Some("LC-3"),
+        "the order stays on the void code"
+    );
+    let g4 = grant(&env, "LC-4", "lc").await;
+    store
+        .void(
+            CodeRef::Code {
+                pool: "lc",
+                code: &g4.code,
+            },
+            "fraud",
+        )
+        .await
+        .expect("void by code");
+    assert_eq!(
+        code_doc(store, "lc", &g4.code).await.status(),
+        Some(CodeStatus::Void)
+    );
+
+    // 0 → 3: an unissued code withdrawn.
+    let unissued: Vec<&String> = codes
+        .iter()
+        .filter(|c| ![&g1.code, &g2.code, &g3.code, &g4.code].contains(c))
+        .collect();
+    store
+        .void(
+            CodeRef::Code {
+                pool: "lc",
+                code: unissued[0],
+            },
+            "withdrawn by partner",
+        )
+        .await
+        .expect("void unissued");
+    let d = code_doc(store, "lc", unissued[0]).await;
+    assert_eq!(d.status(), Some(CodeStatus::Void));
+    assert!(d.order_id.is_none());
+
+    // The CLI says the same in words, masking the code.
+    let out = env
+        .command(&[
+            "void",
+            "--pool",
+            "lc",
+            "--code",
+            unissued[1],
+            "--reason",
+            "test",
+        ])
+        .output()
+        .await
+        .expect("run codepool void");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("voided unissued code") && !stdout.contains(unissued[1].as_str()),
+        "{stdout}"
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn forbidden_lifecycle_transitions_are_refused_with_the_reason() {
+    let env = TestEnv::new("ops_forbidden").await;
+    let codes = env.fill_pool("fb", 4).await;
+    let store = &env.store;
+    let used = grant(&env, "FB-USED", "fb").await;
+    store
+        .redeem(CodeRef::Order("FB-USED"))
+        .await
+        .expect("redeem");
+    let void = grant(&env, "FB-VOID", "fb").await;
+    store
+        .void(CodeRef::Order("FB-VOID"), "refund")
+        .await
+        .expect("void");
+    let unissued = codes
+        .iter()
+        .find(|c| **c != used.code && **c != void.code)
+        .expect("an unissued code");
+    let code = |c: &'static str| CodeRef::Code {
+        pool: "fb",
+        code: c,
+    };
+    let unissued_ref = CodeRef::Code {
+        pool: "fb",
+        code: unissued,
+    };
+
+    // Redeem: only issued codes.
+    assert!(matches!(
+        store.redeem(unissued_ref).await,
+        Err(LifecycleError::Unissued { .. })
+    ));
+    assert!(matches!(
+        store.redeem(CodeRef::Order("FB-USED")).await,
+        Err(LifecycleError::AlreadyUsed { .. })
+    ));
+    let e = store.redeem(CodeRef::Order("FB-VOID")).await.unwrap_err();
+    assert!(matches!(e, LifecycleError::Void { .. }), "{e}");
+    assert!(e.to_string().contains("refund"), "{e}");
+    assert!(matches!(
+        store.redeem(code("NO-SUCH-CODE")).await,
+        Err(LifecycleError::NotFound { .. })
+    ));
+    assert!(matches!(
+        store.redeem(CodeRef::Order("NO-SUCH-ORDER")).await,
+        Err(LifecycleError::NotFound { .. })
+    ));
+
+    // Void: not a used code, not twice.
+    assert!(matches!(
+        store.void(CodeRef::Order("FB-USED"), "x").await,
+        Err(LifecycleError::Used { .. })
+    ));
+    assert!(matches!(
+        store.void(CodeRef::Order("FB-VOID"), "x").await,
+        Err(LifecycleError::Void { .. })
+    ));
+    assert!(matches!(
+        store.void(CodeRef::Order("NO-SUCH-ORDER"), "x").await,
+        Err(LifecycleError::NotFound { .. })
+    ));
+
+    // Nothing moved.
+    assert_eq!(
+        code_doc(store, "fb", &used.code).await.status(),
+        Some(CodeStatus::Used)
+    );
+    let v = code_doc(store, "fb", &void.code).await;
+    assert_eq!(
+        (v.status(), v.void_reason.as_deref()),
+        (Some(CodeStatus::Void), Some("refund"))
+    );
+    assert_eq!(
+        code_doc(store, "fb", unissued).await.status(),
+        Some(CodeStatus::Unissued)
+    );
+
+    // The CLI fails with exit code 1 and a sentence that says what to do.
+    for (args, expect) in [
+        (
+            vec!["redeem", "--pool", "fb", "--code", unissued.as_str()],
+            "never issued",
+        ),
+        (vec!["redeem", "--order", "FB-USED"], "already redeemed"),
+        (vec!["redeem", "--order", "FB-VOID"], "voided"),
+        (
+            vec!["redeem", "--order", "NO-SUCH-ORDER"],
+            "codepool lookup",
+        ),
+        (
+            vec!["void", "--order", "FB-USED", "--reason", "x"],
+            "cannot be voided",
+        ),
+        (
+            vec!["pool", "set", "--pool", "nope", "--low-stock", "5"],
+            "codepool import",
+        ),
+        (vec!["resend", "--order", "FB-VOID"], "never sent again"),
+    ] {
+        let out = env.command(&args).output().await.expect("run codepool");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(expect), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains(unissued.as_str()),
+            "codes are masked: {stderr}"
+        );
+    }
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_refund_voided_code_is_never_issued_again() {
+    let env = TestEnv::new("ops_refund").await;
+    env.fill_pool("rf", 5).await;
+    let engine = env.engine();
+    let refunded = grant(&env, "RF-REFUND", "rf").await;
+    env.store
+        .void(CodeRef::Order("RF-REFUND"), "refund")
+        .await
+        .expect("void");
+
+    // Even if a stale hot pool still offers the void code…
+    let id = ObjectId::parse_str(&refunded.code_id).expect("id");
+    let hot = env.hot_pool();
+    hot.put_back(
+        "rf",
+        &[Candidate {
+            id: id.to_hex(),
+            seq: 0,
+        }],
+    )
+    .await
+    .expect("redis");
+
+    // …every other order gets one of the other four codes, then the pool is empty.
+    let purchases: Vec<_> = (0..6).map(|i| purchase(&format!("RF-{i}"), "rf")).collect();
+    let refs: Vec<_> = purchases.iter().collect();
+    let outcomes = engine.claim_batch(&refs).await.expect("claim");
+    let granted: Vec<&Grant> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ClaimOutcome::Granted { grant, .. } => Some(grant),
+            ClaimOutcome::Exhausted => None,
+        })
+        .collect();
+    assert_eq!(granted.len(), 4);
+    assert!(granted.iter().all(|g| g.code != refunded.code));
+    // A redelivered purchase of the refunded order never gets a new code.
+    let again = purchase("RF-REFUND", "rf");
+    let _ = engine.claim_batch(&[&again]).await.expect("claim");
+    let codes = env.store.database().collection::<CodeDoc>("codes");
+    assert_eq!(
+        codes
+            .count_documents(doc! {"order_id": "RF-REFUND"})
+            .await
+            .unwrap(),
+        1
+    );
+    let d = code_doc(&env.store, "rf", &refunded.code).await;
+    assert_eq!(
+        (d.status(), d.order_id.as_deref()),
+        (Some(CodeStatus::Void), Some("RF-REFUND"))
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn voiding_an_order_still_waiting_for_stock_cancels_its_backorder() {
+    let env = TestEnv::new("ops_cancel_bo").await;
+    env.fill_pool("cb", 1).await;
+    grant(&env, "CB-1", "cb").await;
+    let p = purchase("CB-2", "cb");
+    assert_eq!(
+        env.engine().claim_batch(&[&p]).await.unwrap(),
+        vec![ClaimOutcome::Exhausted]
+    );
+    env.store.record_backorders(&[&p]).await.expect("backorder");
+    let out = env
+        .command(&["void", "--order", "CB-2", "--reason", "refund"])
+        .output()
+        .await
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("backorder is cancelled"));
+    assert!(env
+        .store
+        .waiting_backorders("cb", 10)
+        .await
+        .unwrap()
+        .is_empty());
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
+    let env = TestEnv::new("ops_expiry").await;
+    let store = &env.store;
+    store.ensure_pool("ex").await.unwrap();
+    let past = chrono::Utc::now() - chrono::Duration::hours(1);
+    let future = chrono::Utc::now() + chrono::Duration::days(30);
+    let mut new = Vec::new();
+    for i in 0..20 {
+        new.push(NewCode {
+            code: format!("EXP-{i:03}"),
+            expires_at: Some(past),
+        });
+    }
+    for i in 0..5 {
+        new.push(NewCode {
+            code: format!("LIVE-{i:03}"),
+            expires_at: Some(future),
+        });
+    }
+    for i in 0..5 {
+        new.push(NewCode {
+            code: format!("FOREVER-{i:03}"),
+            expires_at: None,
+        });
+    }
+    store
+        .insert_codes("ex", ObjectId::new(), &new)
+        .await
+        .unwrap();
+
+    // The hot pool may hold expired candidates loaded before they expired.
+    let codes = store.database().collection::<bson::Document>("codes");
+    let mut expired_ids = Vec::new();
+    let mut cursor = codes
+        .find(doc! {"pool": "ex", "code": {"$regex": "^EXP-"}})
+        .await
+        .unwrap();
+    while let Some(d) = cursor.next().await {
+        let d = d.unwrap();
+        expired_ids.push(Candidate {
+            id: d.get_object_id("_id").unwrap().to_hex(),
+            seq: d.get_i64("seq").unwrap(),
+        });
+    }
+    let hot = env.hot_pool();
+    hot.put_back("ex", &expired_ids).await.unwrap();
+
+    // 40 orders: exactly the 10 live codes are issued, never an expired one.
+    let purchases: Vec<_> = (0..40)
+        .map(|i| purchase(&format!("EX-{i:02}"), "ex"))
+        .collect();
+    let engine = env.engine();
+    let mut granted = Vec::new();
+    for chunk in purchases.chunks(8) {
+        let refs: Vec<_> = chunk.iter().collect();
+        for o in engine.claim_batch(&refs).await.unwrap() {
+            if let ClaimOutcome::Granted { grant, .. } = o {
+                granted.push(grant.code);
+            }
+        }
+    }
+    granted.sort();
+    assert_eq!(granted.len(), 10, "{granted:?}");
+    assert!(
+        granted.iter().all(|c| !c.starts_with("EXP-")),
+        "{granted:?}"
+    );
+
+    // The sweep (as `codepool expire`) voids the expired ones with reason
+    // `expired` and drops them from the hot pool.
+    hot.put_back("ex", &expired_ids).await.unwrap();
+    let out = env
+        .command(&["expire", "--pool", "ex"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("voided 20 expired code(s)"), "{stdout}");
+    assert_eq!(
+        codes
+            .count_documents(doc! {"pool": "ex", "status": 3, "void_reason": EXPIRED_REASON})
+            .await
+            .unwrap(),
+        20
+    );
+    assert_eq!(hot.len("ex").await.unwrap(), 0);
+    // A second run finds nothing.
+    assert_eq!(
+        codepool_dispatcher::expiry::expire_codes(store, &hot, None)
+            .await
+            .unwrap(),
+        0
+    );
+    // The expiry query uses the partial index, not a collection scan.
+    let plan = store
+        .database()
+        .run_command(doc! {"explain": {"find": "codes", "filter": {"pool": "ex", "status": 0, "expires_at": {"$exists": true, "$lte": bson::DateTime::now()}}}, "verbosity": "queryPlanner"})
+        .await
+        .unwrap();
+    assert!(plan.to_string().contains("unissued_expiry"), "{plan}");
+    cleanup(env).await;
+}
+
+// ---------------------------------------------------------------- stock
+
+#[tokio::test]
+async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
+    let env = TestEnv::new("ops_low_stock").await;
+    env.fill_pool("ls", 60).await;
+    let settings = PoolSettings {
+        low_stock: Some(20),
+        grant_prefix: None,
+    };
+    env.store.set_pool_settings("ls", &settings).await.unwrap();
+
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let topology = env.topology();
+    let queue = listen_events(&ch, &topology, "pool.low_stock").await;
+    let publisher = Publisher::new(&conn, topology).await.unwrap();
+    // Three "dispatchers", each with its own stock watch.
+    let watches: Vec<Arc<StockWatch>> = (0..3)
+        .map(|_| StockWatch::new(env.store.clone(), StockConfig::default()))
+        .collect();
+
+    // 45 claims by 9 concurrent claimers, each checking stock after every
+    // batch without throttling: stock crosses 20 once, on the way to 15.
+    let claim_and_check = |from: usize, batches: usize, throttled: bool| {
+        let mut tasks = Vec::new();
+        for t in 0..9 {
+            let engine = env.engine();
+            let watch = watches[t % 3].clone();
+            let publisher = publisher.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut alerts = 0;
+                for b in 0..batches {
+                    let ps: Vec<_> = (0..1)
+                        .map(|i| purchase(&format!("LS-{from}-{t}-{b}-{i}"), "ls"))
+                        .collect();
+                    let refs: Vec<_> = ps.iter().collect();
+                    engine.claim_batch(&refs).await.unwrap();
+                    if throttled {
+                        watch.after_grants(["ls"], &publisher);
+                    } else if let StockLevel::Low { alerted: true, .. } =
+                        watch.check("ls", &publisher).await.unwrap()
+                    {
+                        alerts += 1;
+                    }
+                }
+                alerts
+            }));
+        }
+        tasks
+    };
+    let mut alerts = 0;
+    for t in claim_and_check(1, 5, false) {
+        alerts += t.await.unwrap();
+    }
+    assert_eq!(alerts, 1, "one check, among all, publishes the crossing");
+    assert_eq!(env.store.unissued_count("ls").await.unwrap(), 15);
+    eventually(Duration::from_secs(5), "the low-stock event", || async {
+        queue_depth(&ch, &queue).await == 1
+    })
+    .await;
+
+    // More checks below the threshold publish nothing new.
+    for w in &watches {
+        assert_eq!(
+            w.check("ls", &publisher).await.unwrap(),
+            StockLevel::Low {
+                unissued: 15,
+                alerted: false
+            }
+        );
+    }
+
+    // An import re-arms the alert once stock is back at or above 20.
+    let more: Vec<NewCode> = (0..30)
+        .map(|i| NewCode {
+            code: format!("ls-more-{i:03}"),
+            expires_at: None,
+        })
+        .collect();
+    env.store
+        .insert_codes("ls", ObjectId::new(), &more)
+        .await
+        .unwrap();
+    assert_eq!(
+        watches[0].check("ls", &publisher).await.unwrap(),
+        StockLevel::Ok { unissued: 45 }
+    );
+    assert!(
+        !env.store
+            .pool("ls")
+            .await
+            .unwrap()
+            .unwrap()
+            .low_stock_alerted
+    );
+
+    // The second crossing (45 → 18) goes through the throttled path the
+    // dispatcher uses; the trailing check still catches it, once.
+    for t in claim_and_check(2, 3, true) {
+        t.await.unwrap();
+    }
+    assert_eq!(env.store.unissued_count("ls").await.unwrap(), 18);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let events = drain(&ch, &queue).await;
+    assert_eq!(events.len(), 2, "one event per crossing");
+    let unissued: Vec<u64> = events
+        .iter()
+        .map(|e| {
+            serde_json::from_slice::<PoolEvent>(&e.body)
+                .unwrap()
+                .unissued
+                .unwrap()
+        })
+        .collect();
+    assert!(unissued.iter().all(|n| *n < 20), "{unissued:?}");
+    let _ = conn.close(200, "bye").await;
+    cleanup(env).await;
+}
+
+// ---------------------------------------------------------------- over AMQP
+
+#[tokio::test]
+async fn receipts_and_redemptions_over_amqp_update_the_code() {
+    let env = TestEnv::new("ops_receipts").await;
+    env.fill_pool("rc", 10).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    for i in 0..3 {
+        publisher
+            .publish_purchase(&purchase(&format!("RC-{i}"), "rc"))
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    let grants = env.store.clone();
+    eventually(Duration::from_secs(20), "three grants", || {
+        let s = grants.clone();
+        async move {
+            s.grants_for_orders(&["RC-0", "RC-1", "RC-2"])
+                .await
+                .unwrap()
+                .len()
+                == 3
+        }
+    })
+    .await;
+
+    // sms.sent sets is_sms; a redelivered copy changes nothing.
+    let sent = br#"{"event_id":"sms:RC-0","order_id":"RC-0"}"#;
+    publish_receipt(&publisher, SMS_SENT_KEY, sent, Some("r-1")).await;
+    publish_receipt(&publisher, SMS_SENT_KEY, sent, Some("r-1")).await;
+    // sms.failed twice (distinct receipts) and once redelivered.
+    let failed = br#"{"event_id":"sms:RC-1","order_id":"RC-1","error":"carrier timeout"}"#;
+    publish_receipt(&publisher, SMS_FAILED_KEY, failed, Some("f-1")).await;
+    publish_receipt(&publisher, SMS_FAILED_KEY, failed, Some("f-2")).await;
+    publish_receipt(&publisher, SMS_FAILED_KEY, failed, Some("f-2")).await;
+    // Malformed receipts are acked and dropped.
+    publish_receipt(&publisher, SMS_SENT_KEY, b"not json", None).await;
+    // code.redeemed by order and by code; repeated.
+    let rc2 = env.store.grants_for_orders(&["RC-2"]).await.unwrap()["RC-2"]
+        .code
+        .clone();
+    let events = env.topology().events_exchange;
+    for body in [
+        serde_json::json!({"order_id": "RC-0"}).to_string(),
+        serde_json::json!({"pool": "rc", "code": rc2}).to_string(),
+        serde_json::json!({"order_id": "RC-0"}).to_string(),
+        "{}".to_string(),
+    ] {
+        publisher
+            .channel()
+            .basic_publish(
+                &events,
+                "code.redeemed",
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    let t = env.topology();
+    eventually(
+        Duration::from_secs(20),
+        "receipts and redemptions consumed",
+        || {
+            let (ch, t) = (ch.clone(), t.clone());
+            async move {
+                queue_depth(&ch, &t.sms_receipts).await == 0
+                    && queue_depth(&ch, &t.code_redeemed).await == 0
+            }
+        },
+    )
+    .await;
+    let store = env.store.clone();
+    eventually(Duration::from_secs(10), "receipts applied", || {
+        let s = store.clone();
+        async move {
+            let g = s
+                .grants_for_orders(&["RC-0", "RC-1", "RC-2"])
+                .await
+                .unwrap();
+            g["RC-0"].is_sms == 1 && g["RC-0"].status == 2 && g["RC-2"].status == 2
+        }
+    })
+    .await;
+    let g = env
+        .store
+        .grants_for_orders(&["RC-0", "RC-1"])
+        .await
+        .unwrap();
+    assert!(g["RC-0"].sms_sent_at.is_some());
+    let s0 = env.store.sms_status(g["RC-0"].id).await.unwrap();
+    assert_eq!(
+        s0.sms_history.iter().filter(|h| h.event == "sent").count(),
+        1
+    );
+    let s1 = env.store.sms_status(g["RC-1"].id).await.unwrap();
+    assert_eq!(g["RC-1"].is_sms, 0);
+    assert_eq!(s1.sms_failures, 2, "a redelivered failure counts once");
+    assert_eq!(s1.sms_error.as_deref(), Some("carrier timeout"));
+    assert!(s1.sms_failed_at.is_some());
+
+    // `codepool resend` publishes the same event again, confirmed.
+    let _ = drain(&ch, &t.sms_pending).await;
+    let out = env
+        .command(&["resend", "--order", "RC-1"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let again = drain(&ch, &t.sms_pending).await;
+    assert_eq!(again.len(), 1);
+    let event: SmsPending = serde_json::from_slice(&again[0].body).unwrap();
+    assert_eq!(
+        (event.event_id.as_str(), event.order_id.as_str()),
+        ("sms:RC-1", "RC-1")
+    );
+
+    // `codepool lookup` tells the SMS story, with the code masked.
+    let out = env
+        .command(&["lookup", "--order", "RC-1"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        stdout.contains("2 failure(s)")
+            && stdout.contains("carrier timeout")
+            && stdout.contains("re-sent 1 time(s)"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(&g["RC-1"].code), "{stdout}");
+    let out = env
+        .command(&["lookup", "--order", "RC-0", "--json"])
+        .output()
+        .await
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["codes"][0]["sms"]["state"], "sent");
+    assert_eq!(json["codes"][0]["status"], "used");
+
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    cleanup(env).await;
+}
+
+// ---------------------------------------------------------------- monitoring
+
+#[tokio::test]
+async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
+    let env = TestEnv::new("ops_metrics").await;
+    env.fill_pool("mx", 20).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let addr = daemon.addr.clone();
+
+    // Before any purchase, the counters are there at zero, and the stock
+    // gauge appears with the first sweep.
+    let a = addr.clone();
+    eventually(Duration::from_secs(10), "the stock gauge", || {
+        let a = a.clone();
+        async move {
+            value(
+                &scrape(&a).await,
+                "codepool_pool_unissued",
+                &[("pool", "mx")],
+            ) == 20.0
+        }
+    })
+    .await;
+    let before = scrape(&addr).await;
+    assert!(before
+        .iter()
+        .any(|s| s.name == "codepool_grants_total" && s.value == 0.0));
+    assert!(before
+        .iter()
+        .any(|s| s.name == "codepool_dead_letters_total"
+            && s.labels == [("reason".to_owned(), "not_json".to_owned())]
+            && s.value == 0.0));
+
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..20)
+        .map(|i| purchase(&format!("MX-{i:02}"), "mx"))
+        .collect();
+    for p in &orders {
+        publisher
+            .publish_purchase(p)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    let a = addr.clone();
+    eventually(Duration::from_secs(30), "20 grants", || {
+        let a = a.clone();
+        async move { value(&scrape(&a).await, "codepool_grants_total", &[]) == 20.0 }
+    })
+    .await;
+    // Then: 5 duplicates, 5 purchases of an empty pool, 4 invalid messages.
+    for p in orders.iter().take(5) {
+        publisher
+            .publish_purchase(p)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    for i in 0..5 {
+        let p = purchase(&format!("MX-LATE-{i}"), "mx");
+        publisher
+            .publish_purchase(&p)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    let invalid: [&[u8]; 4] = [
+        b"not json",
+        b"{also not json",
+        br#"{"uid":"u","phone":"+8613800000000","pool":"mx"}"#,
+        br#"{"order_id":"MX-NOPOOL","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#,
+    ];
+    for body in invalid {
+        publisher
+            .publish_purchase_bytes(body, None)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    let a = addr.clone();
+    eventually(Duration::from_secs(30), "34 purchases settled", || {
+        let a = a.clone();
+        async move { value(&scrape(&a).await, "codepool_end_to_end_seconds_count", &[]) == 34.0 }
+    })
+    .await;
+    // The stock gauge follows within the check interval.
+    let a = addr.clone();
+    eventually(Duration::from_secs(10), "stock gauge at 0", || {
+        let a = a.clone();
+        async move {
+            value(
+                &scrape(&a).await,
+                "codepool_pool_unissued",
+                &[("pool", "mx")],
+            ) == 0.0
+        }
+    })
+    .await;
+
+    let (status, page) = http_get(&addr, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    let (m, types) = parse_prometheus(&page).expect("Prometheus text");
+    assert_eq!(value(&m, "codepool_purchases_consumed_total", &[]), 34.0);
+    assert_eq!(value(&m, "codepool_grants_total", &[]), 20.0);
+    assert_eq!(value(&m, "codepool_duplicate_deliveries_total", &[]), 5.0);
+    assert_eq!(value(&m, "codepool_backorders_total", &[]), 5.0);
+    assert_eq!(
+        value(&m, "codepool_dead_letters_total", &[("reason", "not_json")]),
+        2.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            "codepool_dead_letters_total",
+            &[("reason", "missing_field")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            "codepool_dead_letters_total",
+            &[("reason", "unknown_pool")]
+        ),
+        1.0
+    );
+    assert_eq!(value(&m, "codepool_redis_fallback_active", &[]), 0.0);
+    for h in [
+        "codepool_claim_batch_seconds",
+        "codepool_end_to_end_seconds",
+    ] {
+        assert_eq!(types.get(h).map(String::as_str), Some("histogram"), "{h}");
+        let buckets: Vec<&Sample> = m
+            .iter()
+            .filter(|s| s.name == format!("{h}_bucket"))
+            .collect();
+        assert!(buckets.len() > 3, "{h} has buckets");
+        let mut last = 0.0;
+        for b in &buckets {
+            assert!(b.value >= last, "{h} buckets are cumulative");
+            last = b.value;
+        }
+        let inf = value(&m, &format!("{h}_bucket"), &[("le", "+Inf")]);
+        assert_eq!(
+            inf,
+            value(&m, &format!("{h}_count"), &[]),
+            "{h}: +Inf bucket = count"
+        );
+        assert!(inf > 0.0);
+    }
+    assert_eq!(
+        types.get("codepool_grants_total").map(String::as_str),
+        Some("counter")
+    );
+    assert_eq!(
+        types.get("codepool_pool_unissued").map(String::as_str),
+        Some("gauge")
+    );
+    // Codes never appear in metrics.
+    assert!(!page.contains("mx-0000"), "a code leaked into /metrics");
+    assert_eq!(queue_depth(&ch, &env.topology().purchases).await, 0);
+
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    cleanup(env).await;
+}
+
+/// A `mongod` of this test's own, so it can be stopped without disturbing
+/// the other tests.
+struct PrivateMongo {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateMongo {
+    fn binary() -> std::path::PathBuf {
+        if let Ok(p) = std::env::var("CODEPOOL_TEST_MONGOD") {
+            return p.into();
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let venv = root.join(".services/venv/lib");
+        if let Ok(entries) = std::fs::read_dir(&venv) {
+            for e in entries.flatten() {
+                let p = e.path().join("site-packages/fiftyone/db/bin/mongod");
+                if p.exists() {
+                    return p;
+                }
+            }
+        }
+        "mongod".into()
+    }
+
+    async fn start() -> Self {
+        let mut m = Self {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+        };
+        m.restart().await;
+        m
+    }
+
+    fn uri(&self) -> String {
+        format!(
+            "mongodb://127.0.0.1:{}/?directConnection=true&serverSelectionTimeoutMS=2000",
+            self.port
+        )
+    }
+
+    async fn restart(&mut self) {
+        let child = std::process::Command::new(Self::binary())
+            .arg("--dbpath")
+            .arg(self.dir.path())
+            .args(["--port", &self.port.to_string(), "--bind_ip", "127.0.0.1", "--wiredTigerCacheSizeGB", "0.25"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mongod must be installed (make services installs it into .services/venv; or set CODEPOOL_TEST_MONGOD)");
+        self.child = Some(child);
+        let uri = self.uri();
+        eventually(Duration::from_secs(30), "private mongod to answer", || {
+            let uri = uri.clone();
+            async move {
+                match Store::connect_lazy(&uri, "ping").await {
+                    Ok(s) => s.ping().await.is_ok(),
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateMongo {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[tokio::test]
+async fn readyz_turns_unready_while_mongodb_is_stopped_and_ready_when_it_returns() {
+    let env = TestEnv::new("ops_readyz").await;
+    let mut mongo = PrivateMongo::start().await;
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_MONGODB_URI", mongo.uri());
+    let daemon = start_daemon(cmd).await;
+    let addr = daemon.addr.clone();
+
+    let readyz_is = |code: u16| {
+        let addr = addr.clone();
+        move || {
+            let addr = addr.clone();
+            async move { http_get(&addr, "/readyz").await.map(|(s, _)| s) == Some(code) }
+        }
+    };
+    eventually(Duration::from_secs(15), "ready", readyz_is(200)).await;
+    assert_eq!(http_get(&addr, "/healthz").await.map(|(s, _)| s), Some(200));
+
+    mongo.stop();
+    eventually(
+        Duration::from_secs(30),
+        "unready while MongoDB is down",
+        readyz_is(503),
+    )
+    .await;
+    let (_, body) = http_get(&addr, "/readyz").await.unwrap();
+    assert!(body.contains("mongodb: down"), "{body}");
+    assert_eq!(
+        http_get(&addr, "/healthz").await.map(|(s, _)| s),
+        Some(200),
+        "alive all along"
+    );
+
+    mongo.restart().await;
+    eventually(
+        Duration::from_secs(30),
+        "ready again once MongoDB is back",
+        readyz_is(200),
+    )
+    .await;
+
+    daemon.stop().await;
+    drop(mongo);
+    cleanup(env).await;
+}
