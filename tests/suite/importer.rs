@@ -53,7 +53,7 @@ async fn import_handles_bom_crlf_quotes_blank_lines_and_spaces() {
 async fn invalid_rows_are_reported_by_line_and_skipped_with_exit_2() {
     let env = TestEnv::new("import_invalid").await;
     let long = "x".repeat(129);
-    let content = format!("GOOD-1\n\"\"\n{long}\n\"A\u{7}B\"\nGOOD-2\n");
+    let content = format!("code,batch\nGOOD-1,a\n,b\n{long},c\n\"A\u{7}B\",d\nGOOD-2,e\n");
     let f = csv_file(content.as_bytes());
     let (code, s) = run_import(&env, f.path(), "invalid").await;
     assert_eq!(code, 2, "{s}");
@@ -65,7 +65,9 @@ async fn invalid_rows_are_reported_by_line_and_skipped_with_exit_2() {
         .iter()
         .map(|r| r["line"].as_u64().unwrap())
         .collect();
-    assert_eq!(lines, vec![2, 3, 4]);
+    assert_eq!(lines, vec![3, 4, 5]);
+    let reasons: Vec<&str> = s["invalid_rows"].as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap()).collect();
+    assert!(reasons[0].contains("empty") && reasons[1].contains("129") && reasons[2].contains("control"), "{reasons:?}");
     env.cleanup().await;
 }
 

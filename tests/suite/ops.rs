@@ -61,15 +61,20 @@ async fn cleanup(env: TestEnv) {
     env.cleanup().await;
 }
 
-/// Declares the topology and binds a private queue to `routing_key` on
-/// the events exchange; returns the queue name.
+/// Declares the topology and binds a test queue (durable, named after the
+/// test's prefix, so a dropped connection does not lose what it counted)
+/// to `routing_key` on the events exchange; returns the queue name.
 async fn listen_events(ch: &lapin::Channel, topology: &Topology, routing_key: &str) -> String {
     topology.declare(ch).await.expect("declare");
+    let name = format!(
+        "{}test.{routing_key}",
+        topology.purchases.trim_end_matches("purchases")
+    );
     let q = ch
         .queue_declare(
-            "",
+            &name,
             QueueDeclareOptions {
-                exclusive: true,
+                durable: true,
                 ..QueueDeclareOptions::default()
             },
             FieldTable::default(),
@@ -841,6 +846,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
         })
         .collect();
     assert!(unissued.iter().all(|n| *n < 20), "{unissued:?}");
+    let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
     let _ = conn.close(200, "bye").await;
     cleanup(env).await;
 }
