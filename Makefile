@@ -31,11 +31,14 @@ run: services build
 
 # One build for the whole suite (nextest builds every test binary in one
 # cargo invocation, including the codepool binary the tests spawn).
+# The chaos test restarts the shared servers, so it runs alone, after the rest.
 test: services
 ifeq ($(NEXTEST),yes)
-	$(CARGO) nextest run --locked --workspace --no-fail-fast
+	$(CARGO) nextest run --locked --workspace --no-fail-fast -E 'not test(/^chaos::/)'
+	$(CARGO) nextest run --locked -p codepool --test suite -E 'test(/^chaos::/)'
 else
-	$(CARGO) test --locked --workspace --no-fail-fast
+	$(CARGO) test --locked --workspace --no-fail-fast -- --skip chaos::
+	$(CARGO) test --locked -p codepool --test suite chaos:: -- --test-threads 1
 endif
 
 chaos: services
@@ -47,7 +50,7 @@ bench: services
 	$(RELEASE_BIN) bench claim --concurrency 1,8,32
 	$(RELEASE_BIN) bench dispatch --purchases 20000
 	$(RELEASE_BIN) bench import --codes 200000
-	$(RELEASE_BIN) bench seq
+	$(RELEASE_BIN) bench seq --ids 4000
 	@echo "results: target/bench/*.json"
 
 lint:

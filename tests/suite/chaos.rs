@@ -35,8 +35,8 @@ fn scale() -> Scale {
     if std::env::var("CODEPOOL_CHAOS").as_deref() == Ok("full") {
         Scale {
             orders: 30_000,
-            first_import: 20_000,
-            second_import: 12_000,
+            first_import: 12_000,
+            second_import: 20_000,
             invalid: 40,
             publish_secs: 60,
             kill_every: Duration::from_secs(3),
@@ -44,8 +44,8 @@ fn scale() -> Scale {
     } else {
         Scale {
             orders: 3_000,
-            first_import: 2_000,
-            second_import: 1_200,
+            first_import: 1_200,
+            second_import: 2_000,
             invalid: 10,
             publish_secs: 20,
             kill_every: Duration::from_secs(4),
@@ -226,66 +226,59 @@ async fn chaos_keeps_every_invariant() {
         let over = Duration::from_secs(s.publish_secs);
         async move { publish_all(env_ref, bodies, over).await }
     };
+    let deadline = started + Duration::from_secs(s.publish_secs + 5);
+    let kills = async {
+        while Instant::now() + s.kill_every < deadline {
+            tokio::time::sleep(s.kill_every).await;
+            d.kill_one().await;
+        }
+    };
     let faults = async {
         let mut restarts = 0;
-        let mut next_kill = Instant::now() + s.kill_every;
         let plan = s.publish_secs as f64;
-        let mut done = [false; 5];
-        let at = |f: f64| started + Duration::from_secs_f64(plan * f);
-        while Instant::now() < started + Duration::from_secs(s.publish_secs + 5) {
-            if Instant::now() >= next_kill {
-                d.kill_one().await;
-                next_kill = Instant::now() + s.kill_every;
-            }
-            if !done[0] && Instant::now() >= at(0.2) {
-                done[0] = true;
-                let client = redis::Client::open(env.redis_url.as_str()).unwrap();
-                let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
-            }
-            if !done[1] && Instant::now() >= at(0.35) {
-                done[1] = true;
-                services(&["stop", "--force", "redis"]).await;
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                services(&["start", "redis"]).await;
-                restarts += 1;
-            }
-            if !done[2] && Instant::now() >= at(0.5) {
-                done[2] = true;
-                let status = tokio::process::Command::new("rabbitmqctl")
-                    .arg("close_all_connections")
-                    .arg("chaos test")
-                    .stdout(std::process::Stdio::null())
-                    .status()
-                    .await
-                    .expect("rabbitmqctl");
-                assert!(status.success(), "rabbitmqctl close_all_connections failed");
-            }
-            if !done[3] && Instant::now() >= at(0.65) {
-                done[3] = true;
-                services(&["stop", "--force", "mongo"]).await;
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                services(&["start", "mongo"]).await;
-                restarts += 1;
-            }
-            if !done[4] && Instant::now() >= at(0.8) {
-                done[4] = true;
-                let mut f = tempfile::NamedTempFile::new().unwrap();
-                for i in 0..s.second_import {
-                    writeln!(f, "CHAOS-NEW-{i:06}").unwrap();
-                }
-                let out = env
-                    .command(&["import", f.path().to_str().unwrap(), "--pool", "chaos"])
-                    .output()
-                    .await
-                    .unwrap();
-                assert!(out.status.success(), "second import: {}", String::from_utf8_lossy(&out.stderr));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let until = |f: f64| tokio::time::sleep_until((started + Duration::from_secs_f64(plan * f)).into());
+        until(0.2).await;
+        let client = redis::Client::open(env.redis_url.as_str()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+
+        until(0.35).await;
+        services(&["stop", "--force", "redis"]).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        services(&["start", "redis"]).await;
+        restarts += 1;
+
+        until(0.5).await;
+        let status = tokio::process::Command::new("rabbitmqctl")
+            .arg("close_all_connections")
+            .arg("chaos test")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .await
+            .expect("rabbitmqctl");
+        assert!(status.success(), "rabbitmqctl close_all_connections failed");
+
+        until(0.65).await;
+        services(&["stop", "--force", "mongo"]).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        services(&["start", "mongo"]).await;
+        restarts += 1;
+
+        // Codes ran out long ago: backorders pile up until this import.
+        until(0.85).await;
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for i in 0..s.second_import {
+            writeln!(f, "CHAOS-NEW-{i:06}").unwrap();
         }
+        let out = env
+            .command(&["import", f.path().to_str().unwrap(), "--pool", "chaos"])
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "second import: {}", String::from_utf8_lossy(&out.stderr));
         restarts
     };
-    let (publisher_reconnects, restarts) = tokio::join!(publisher, faults);
+    let (publisher_reconnects, (), restarts) = tokio::join!(publisher, kills, faults);
 
     // Let the survivors finish: every valid order ends with a code.
     let codes = env.store.database().collection::<bson::Document>("codes");
@@ -386,6 +379,7 @@ async fn chaos_keeps_every_invariant() {
         started.elapsed().as_secs_f64(),
     );
     assert_eq!(missing_events, 0, "grants without an SMS-pending event");
+    assert!(bo_total > 0, "the pool never ran out, so backorders were not exercised");
     assert_eq!(dead_ids, invalid_ids, "dead letters are not exactly the invalid messages");
     assert_eq!(violations, 0, "invariants violated; dispatcher logs in {}", logs.display());
     let _ = conn.close(200, "bye").await;

@@ -91,7 +91,7 @@ pub struct Transition {
 #[derive(Debug, Clone, PartialEq)]
 pub enum VoidOutcome {
     /// The code is void now.
-    Voided(Transition),
+    Voided(Box<Transition>),
     /// The order held no code yet: its waiting backorder was cancelled, so
     /// it will not be fulfilled when stock arrives.
     BackorderCancelled { order_id: String },
@@ -273,7 +273,10 @@ impl Store {
             .await
             .map_err(StoreError::from)?;
         if let Some(before) = before {
-            return Ok(VoidOutcome::Voided(Transition { before, at: now }));
+            return Ok(VoidOutcome::Voided(Box::new(Transition {
+                before,
+                at: now,
+            })));
         }
         let existing = self.find_code(target).await?;
         if let (None, CodeRef::Order(order_id)) = (&existing, target) {
