@@ -24,18 +24,60 @@ pub enum Row {
 
 /// Wraps the file to hash it and count bytes as they stream past, so the
 /// audit record gets the file's sha256 without a second read.
+///
+/// It also hands the CSV parser a normalized stream: a CR before an LF and
+/// a leading UTF-8 BOM become spaces (which trimming removes). Lengths stay
+/// the same, and the parser's line numbers stay true for CRLF files (its own
+/// count is off for CRLF).
 pub struct Tap<R> {
     inner: R,
     hasher: Sha256,
     bytes: Arc<AtomicU64>,
+    emitted: u64,
+    pending_cr: bool,
 }
 
 impl<R: Read> Read for Tap<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hasher.update(&buf[..n]);
-        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let start = usize::from(self.pending_cr);
+            if start == 1 {
+                buf[0] = b'\r';
+            }
+            let n = if start < buf.len() {
+                self.inner.read(&mut buf[start..])?
+            } else {
+                0
+            };
+            self.hasher.update(&buf[start..start + n]);
+            self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+            self.pending_cr = false;
+            let mut total = start + n;
+            if total == 0 {
+                return Ok(0);
+            }
+            for i in 0..total - 1 {
+                if buf[i] == b'\r' && buf[i + 1] == b'\n' {
+                    buf[i] = b' ';
+                }
+            }
+            // A CR at the end may be the first half of a CRLF: hold it back.
+            if n > 0 && buf[total - 1] == b'\r' {
+                self.pending_cr = true;
+                total -= 1;
+                if total == 0 {
+                    continue;
+                }
+            }
+            if self.emitted == 0 && buf[..total].starts_with(b"\xEF\xBB\xBF") {
+                buf[..3].copy_from_slice(b"   ");
+            }
+            self.emitted += total as u64;
+            return Ok(total);
+        }
     }
 }
 
@@ -59,6 +101,8 @@ impl<R: Read> CodeRows<R> {
             inner: input,
             hasher: Sha256::new(),
             bytes: bytes.clone(),
+            emitted: 0,
+            pending_cr: false,
         };
         let reader = csv::ReaderBuilder::new()
             .has_headers(false)
@@ -256,6 +300,32 @@ mod tests {
         assert_eq!(r, vec![code(2, "AAA-1"), code(4, "BB,B-2"), code(6, "CCC")]);
     }
 
+    /// A reader that hands out one byte per read, to split every CRLF.
+    struct OneByte<'a>(&'a [u8]);
+
+    impl Read for OneByte<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            match self.0.split_first() {
+                Some((b, rest)) if !buf.is_empty() => {
+                    buf[0] = *b;
+                    self.0 = rest;
+                    Ok(1)
+                }
+                _ => Ok(0),
+            }
+        }
+    }
+
+    #[test]
+    fn crlf_split_across_reads_keeps_lines_and_hash() {
+        let input = b"\xEF\xBB\xBFcode\r\nA-1\r\n\r\nB-2\r\nC\r3\r";
+        let mut reader = CodeRows::new(OneByte(input));
+        let rows: Vec<Row> = reader.by_ref().map(|r| r.unwrap()).collect();
+        assert_eq!(rows[0], code(2, "A-1"));
+        assert_eq!(rows[1], code(4, "B-2"));
+        assert_eq!(reader.finish_sha256(), hex::encode(Sha256::digest(input)));
+    }
+
     #[test]
     fn a_bom_before_a_headerless_code_is_not_part_of_the_code() {
         assert_eq!(rows(b"\xEF\xBB\xBFAAA-1\n"), vec![code(1, "AAA-1")]);
@@ -264,7 +334,7 @@ mod tests {
     #[test]
     fn invalid_rows_are_reported_with_their_line() {
         let long = "x".repeat(129);
-        let input = format!("code\nGOOD-1\n\"\"\n{long}\n\"A\tB\"\nGOOD-2\n");
+        let input = format!("code,note\nGOOD-1,a\n,b\n{long},c\n\"A\tB\",d\nGOOD-2,e\n");
         let r = rows(input.as_bytes());
         assert_eq!(r[0], code(2, "GOOD-1"));
         assert!(matches!(&r[1], Row::Invalid { line: 3, reason } if reason.contains("empty")), "{:?}", r[1]);
@@ -302,7 +372,8 @@ mod tests {
         fn huge_fields_are_invalid_not_fatal(len in 129usize..20_000) {
             let input = format!("{}\nOK\n", "z".repeat(len));
             let r = rows(input.as_bytes());
-            prop_assert!(matches!(r[0], Row::Invalid { line: 1, .. }));
+            let first_is_invalid = matches!(r[0], Row::Invalid { line: 1, .. });
+            prop_assert!(first_is_invalid);
             prop_assert_eq!(&r[1], &code(2, "OK"));
         }
     }
