@@ -31,18 +31,20 @@ run: services build
 
 # One build for the whole suite (nextest builds every test binary in one
 # cargo invocation, including the codepool binary the tests spawn).
-# The chaos test restarts the shared servers, so it runs alone, after the rest.
+# Every unit test, the integration suite and the sequence tests first; then
+# the chaos test, which restarts the shared servers and so runs alone.
+TEST_TARGETS := --workspace --lib --bins --test suite --test generators
 test: services
 ifeq ($(NEXTEST),yes)
-	$(CARGO) nextest run --locked --workspace --no-fail-fast -E 'not test(/^chaos::/)'
-	$(CARGO) nextest run --locked -p codepool --test suite -E 'test(/^chaos::/)'
+	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
+	$(CARGO) nextest run --locked -p codepool --test chaos
 else
-	$(CARGO) test --locked --workspace --no-fail-fast -- --skip chaos::
-	$(CARGO) test --locked -p codepool --test suite chaos:: -- --test-threads 1
+	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast
+	$(CARGO) test --locked -p codepool --test chaos
 endif
 
 chaos: services
-	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test suite chaos:: -- --nocapture --test-threads 1
+	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture
 
 bench: services
 	$(CARGO) build --locked --release -p codepool

@@ -3,7 +3,6 @@
 //! database, queue prefix and Redis key prefix, so tests run in parallel
 //! and can be re-run. One test binary keeps the build to a single link.
 
-mod chaos;
 mod claims;
 mod common;
 mod dispatcher;

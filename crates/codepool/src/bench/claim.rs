@@ -414,7 +414,10 @@ async fn classic(
                         .write_concern(durable())
                         .await?;
                     anyhow::ensure!(r.modified_count == 1, "pool {} ran dry", work.pool);
-                    coll.find_one(doc! {"order_id": &p.order_id})
+                    // `$type` lets MongoDB 6.0 use the partial `order_id`
+                    // index (filter `{$type: "string"}`); without it this
+                    // find scans the whole collection.
+                    coll.find_one(doc! {"order_id": {"$eq": &p.order_id, "$type": "string"}})
                         .projection(doc! {"_id": 1})
                         .await?
                         .with_context(|| format!("order {} vanished after its update", p.order_id))?

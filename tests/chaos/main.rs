@@ -6,8 +6,11 @@
 //! than the demand until a second import. At the end everything is checked
 //! directly in MongoDB and in the queues.
 //!
-//! It restarts the shared servers, so it runs on its own (the Makefile runs
-//! it after the rest of the suite).
+//! It restarts the shared servers, so it is a test binary of its own that
+//! the Makefile runs after the rest of the suite.
+
+#[path = "../suite/common.rs"]
+mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
