@@ -130,7 +130,7 @@ impl TestEnv {
         if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
             if let Ok(ch) = conn.create_channel().await {
                 let t = self.topology();
-                for q in [&t.purchases, &t.purchases_dead, &t.sms_pending, &t.sms_receipts] {
+                for q in [&t.purchases, &t.purchases_dead, &t.sms_pending, &t.sms_receipts, &t.code_redeemed] {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }
                 for e in [&t.sms_exchange, &t.events_exchange] {
