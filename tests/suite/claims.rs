@@ -147,3 +147,28 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
     assert_eq!(g2.sms_pending().event_id, "sms:GNO-1");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_text() {
+    let env = TestEnv::new("claims_refund").await;
+    env.fill_pool("refund", 5).await;
+    let engine = env.engine();
+    let p = purchase("REFUND-1", "refund");
+    let first = engine.claim_batch(&[&p]).await.unwrap();
+    let ClaimOutcome::Granted { grant, .. } = &first[0] else { panic!("no grant") };
+    assert!(!grant.revoked);
+    env.store
+        .void(codepool_store::lifecycle::CodeRef::Order("REFUND-1"), "refund")
+        .await
+        .unwrap();
+    let again = engine.claim_batch(&[&p]).await.unwrap();
+    let ClaimOutcome::Granted { grant: g2, fresh } = &again[0] else { panic!("no outcome") };
+    assert!(!fresh);
+    assert!(g2.revoked, "the order's code is void: the dispatcher must not text it");
+    assert_eq!(g2.code, grant.code);
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(coll.count_documents(doc! {"order_id": "REFUND-1"}).await.unwrap(), 1);
+    assert_eq!(coll.count_documents(doc! {"pool": "refund", "status": 1}).await.unwrap(), 0);
+    assert_eq!(coll.count_documents(doc! {"pool": "refund", "status": 0}).await.unwrap(), 4);
+    env.cleanup().await;
+}

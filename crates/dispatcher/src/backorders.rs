@@ -44,6 +44,9 @@ pub async fn fulfil_backorders(
                 ClaimOutcome::Granted { grant, .. } => {
                     if let Ok(id) = codepool_store::ObjectId::parse_str(&grant.code_id) {
                         fulfilled.push((p.order_id.clone(), id));
+                        if grant.revoked {
+                            continue;
+                        }
                         if let Ok(c) = publisher.publish_sms_pending(&grant.sms_pending()).await {
                             confirms.push((id, c));
                         }

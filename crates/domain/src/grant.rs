@@ -19,6 +19,9 @@ pub struct Grant {
     pub phone: String,
     pub grant_no: Option<String>,
     pub issued_at: DateTime<Utc>,
+    /// The code was voided after it was issued (a refund). The order keeps
+    /// it, so it never gets a second code, but it is never texted again.
+    pub revoked: bool,
 }
 
 impl Grant {

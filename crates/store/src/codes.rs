@@ -75,6 +75,7 @@ impl CodeDoc {
             phone: self.phone.clone().unwrap_or_default(),
             grant_no: self.grant_no.clone(),
             issued_at: self.issued_at?.to_chrono(),
+            revoked: self.status() == Some(CodeStatus::Void),
         })
     }
 }
