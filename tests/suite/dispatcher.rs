@@ -193,3 +193,62 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_exists() {
+    let env = TestEnv::new("dispatch_replay").await;
+    env.fill_pool("known", 5).await;
+    let mut dispatcher = start_dispatcher(&env).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let late = purchase("LATE-1", "late-pool");
+    publisher.publish_purchase(&late).await.unwrap().wait().await.unwrap();
+    publisher
+        .publish_purchase_bytes(b"garbage", Some("GARBAGE-1"))
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let dead_q = env.topology().purchases_dead;
+    eventually(Duration::from_secs(20), "two dead letters", || {
+        let ch = ch.clone();
+        let q = dead_q.clone();
+        async move { queue_depth(&ch, &q).await == 2 }
+    })
+    .await;
+
+    let out = env.command(&["dead-letters", "list", "--json"]).output().await.unwrap();
+    assert!(out.status.success());
+    let listed: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().any(|m| m["message_id"] == "LATE-1"
+        && m["reason"].as_str().unwrap().starts_with("unknown_pool")));
+    assert_eq!(queue_depth(&ch, &dead_q).await, 2, "listing must not consume");
+
+    // Fix the cause (the pool gets codes), then replay only that reason.
+    env.fill_pool("late-pool", 3).await;
+    let out = env
+        .command(&["dead-letters", "replay", "--reason", "unknown_pool"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    eventually(Duration::from_secs(20), "the replayed purchase to be granted", || {
+        let store = env.store.clone();
+        async move { store.grants_for_orders(&["LATE-1"]).await.unwrap().len() == 1 }
+    })
+    .await;
+    let left = drain(&ch, &dead_q).await;
+    assert_eq!(left.len(), 1, "the garbage message stays dead-lettered");
+    assert_eq!(left[0].message_id.as_deref(), Some("GARBAGE-1"));
+    sigterm(&dispatcher);
+    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait()).await.unwrap().unwrap();
+    assert!(status.success());
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
