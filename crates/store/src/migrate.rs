@@ -6,7 +6,6 @@
 use bson::{doc, Bson, Document};
 use tracing::info;
 
-use crate::error::DUPLICATE_KEY;
 use crate::{Store, StoreError};
 
 /// The migration files, compiled into the binary so `codepool` runs from
@@ -67,7 +66,6 @@ pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
         info!(migration = name, "applied migration");
         report.applied.push((*name).to_owned());
     }
-    let _ = DUPLICATE_KEY;
     Ok(report)
 }
 
