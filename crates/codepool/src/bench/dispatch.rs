@@ -34,7 +34,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{metric_sum, proc_status_kb, Scratch};
+use super::{describe_cpu, metric_sum, proc_status_kb, CpuSnapshot, Scratch};
 
 /// Publishes in flight at once while preloading.
 const PRELOAD_WINDOW: usize = 2000;
@@ -50,9 +50,32 @@ pub struct DispatchBenchArgs {
     /// Purchases the dispatcher handles (and messages / updates per baseline).
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=2_000_000))]
     pub purchases: u64,
+    /// Dispatcher prefetch (and the pass-through's); default as `codepool dispatch`.
+    #[arg(long)]
+    pub prefetch: Option<u16>,
+    /// Purchases per batch (and statements per raw update command).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Batches in flight (and raw update commands in flight).
+    #[arg(long)]
+    pub workers: Option<usize>,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+impl DispatchBenchArgs {
+    /// The dispatcher's defaults with this run's overrides; the baselines
+    /// use the same prefetch, batch size and concurrency.
+    fn dispatcher_config(&self) -> DispatcherConfig {
+        let d = DispatcherConfig::default();
+        DispatcherConfig {
+            prefetch: self.prefetch.unwrap_or(d.prefetch).max(1),
+            batch_size: self.batch_size.unwrap_or(d.batch_size).max(1),
+            workers: self.workers.unwrap_or(d.workers).max(1),
+            ..d
+        }
+    }
 }
 
 /// One measured contender.
@@ -61,6 +84,8 @@ struct Measured {
     what: &'static str,
     items: usize,
     elapsed: Duration,
+    /// CPU seconds per process during the measurement.
+    cpu: Vec<(&'static str, f64)>,
 }
 
 impl Measured {
@@ -76,12 +101,28 @@ pub async fn run(
     out_dir: &Path,
 ) -> anyhow::Result<()> {
     let cfg = &scratch.cfg;
-    let store = &scratch.store;
-    let n = args.purchases as usize;
-    let defaults = DispatcherConfig::default();
-    let topology = cfg.topology();
     let pass_in = format!("{}passthrough.in", cfg.amqp_prefix);
     let pass_out = format!("{}passthrough.out", cfg.amqp_prefix);
+    let result = measure_all(&args, scratch, out_dir, &pass_in, &pass_out).await;
+    if let Err(e) = super::delete_topology(cfg, &[pass_in.clone(), pass_out.clone()]).await {
+        tracing::warn!(error = %e, "could not remove the pass-through queues");
+    }
+    result
+}
+
+/// Preloads, runs both baselines and the dispatcher, checks, reports.
+async fn measure_all(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+    pass_in: &str,
+    pass_out: &str,
+) -> anyhow::Result<()> {
+    let cfg = &scratch.cfg;
+    let store = &scratch.store;
+    let n = args.purchases as usize;
+    let config = args.dispatcher_config();
+    let topology = cfg.topology();
     let say = |s: String| {
         if !args.json {
             eprintln!("{s}");
@@ -89,213 +130,250 @@ pub async fn run(
     };
     let metrics = super::metrics();
 
-    let result = async {
-        say(format!("importing 2 × {n} codes into {} …", cfg.db));
-        super::fill_pool(store, "dispatch", n).await?;
-        super::fill_pool(store, "raw", n).await?;
+    say(format!("importing 2 × {n} codes into {} …", cfg.db));
+    super::fill_pool(store, "dispatch", n).await?;
+    super::fill_pool(store, "raw", n).await?;
 
-        say(format!("preloading 2 × {n} messages (persistent, confirmed) …"));
-        let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-dispatch-setup").await?;
-        let ch = conn.create_channel().await?;
-        topology.declare(&ch).await?;
-        for q in [&pass_in, &pass_out] {
-            ch.queue_declare(q, durable_queue(), FieldTable::default()).await?;
+    say(format!(
+        "preloading 2 × {n} messages (persistent, confirmed) …"
+    ));
+    let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-dispatch-setup").await?;
+    let ch = conn.create_channel().await?;
+    topology.declare(&ch).await?;
+    for q in [pass_in, pass_out] {
+        ch.queue_declare(q, durable_queue(), FieldTable::default())
+            .await?;
+    }
+    let publisher = Publisher::new(&conn, topology.clone()).await?;
+    preload(n, |i| {
+        let p = purchase("dispatch", i);
+        let publisher = publisher.clone();
+        async move { Ok(publisher.publish_purchase(&p).await?) }
+    })
+    .await?;
+    preload(n, |i| {
+        let p = purchase("passthrough", i);
+        let publisher = publisher.clone();
+        let q = pass_in.to_owned();
+        async move {
+            Ok(publisher
+                .publish("", &q, &p.to_json(), persistent(&p.order_id))
+                .await?)
         }
-        let publisher = Publisher::new(&conn, topology.clone()).await?;
-        preload(n, |i| {
-            let p = purchase("dispatch", i);
-            let publisher = publisher.clone();
-            async move { Ok(publisher.publish_purchase(&p).await?) }
-        })
-        .await?;
-        preload(n, |i| {
-            let p = purchase("passthrough", i);
-            let publisher = publisher.clone();
-            let q = pass_in.clone();
-            async move { Ok(publisher.publish("", &q, &p.to_json(), persistent(&p.order_id)).await?) }
-        })
-        .await?;
-        anyhow::ensure!(
-            depth(&conn, &topology.purchases).await? == n as u32 && depth(&conn, &pass_in).await? == n as u32,
-            "the preloaded queues do not hold {n} messages each"
-        );
+    })
+    .await?;
+    anyhow::ensure!(
+        depth(&conn, &topology.purchases).await? == n as u32
+            && depth(&conn, pass_in).await? == n as u32,
+        "the preloaded queues do not hold {n} messages each"
+    );
 
-        say("(b) raw MongoDB bulk updates by _id …".into());
-        let raw = raw_updates(scratch, n, defaults.batch_size, defaults.workers).await?;
+    say("(b) raw MongoDB bulk updates by _id …".into());
+    let cpu = CpuSnapshot::take();
+    let mut raw = raw_updates(scratch, n, config.batch_size, config.workers).await?;
+    raw.cpu = CpuSnapshot::take().since(&cpu);
 
-        say("(a) pass-through: consume, publish with confirms, ack …".into());
-        let pass = pass_through(cfg, &pass_in, &pass_out, n, &defaults).await?;
-        anyhow::ensure!(
-            depth(&conn, &pass_out).await? == n as u32,
-            "the pass-through did not deliver {n} confirmed messages"
-        );
+    say("(a) pass-through: consume, publish with confirms, ack …".into());
+    let cpu = CpuSnapshot::take();
+    let mut pass = pass_through(cfg, pass_in, pass_out, n, &config).await?;
+    pass.cpu = CpuSnapshot::take().since(&cpu);
+    anyhow::ensure!(
+        depth(&conn, pass_out).await? == n as u32,
+        "the pass-through did not deliver {n} confirmed messages"
+    );
 
-        say("dispatcher …".into());
-        let rss_before = proc_status_kb(None, "VmRSS");
-        let hwm_reset = super::reset_peak_rss();
-        let engine = crate::context::claim_engine(cfg, store)?;
-        let dispatcher = Dispatcher::new(
-            engine,
-            DispatcherConfig {
-                amqp_url: cfg.amqp_url.clone(),
-                topology: topology.clone(),
-                name: "codepool-bench-dispatch".into(),
-                ..DispatcherConfig::default()
-            },
-            Arc::new(Health::default()),
-        );
-        let stop = CancellationToken::new();
-        let started = Instant::now();
-        let daemon = tokio::spawn(dispatcher.run(stop.clone()));
-        let mut rss_max = 0u64;
-        let mut last = (0usize, Instant::now());
-        loop {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
-            let done = match metrics {
-                Some(m) => metric_sum(m, "codepool_end_to_end_seconds_count", None) as usize,
-                None => {
-                    // Without metrics: all granted and none left unacked.
-                    let granted = issued(scratch, "dispatch").await? as usize;
-                    if granted == n && depth(&conn, &topology.purchases).await? == 0 {
-                        n
-                    } else {
-                        granted.min(n - 1)
-                    }
+    say("dispatcher …".into());
+    let rss_before = proc_status_kb(None, "VmRSS");
+    let hwm_reset = super::reset_peak_rss();
+    let engine = crate::context::claim_engine(cfg, store)?;
+    let dispatcher = Dispatcher::new(
+        engine,
+        DispatcherConfig {
+            amqp_url: cfg.amqp_url.clone(),
+            topology: topology.clone(),
+            name: "codepool-bench-dispatch".into(),
+            ..config.clone()
+        },
+        Arc::new(Health::default()),
+    );
+    let stop = CancellationToken::new();
+    let cpu = CpuSnapshot::take();
+    let started = Instant::now();
+    let daemon = tokio::spawn(dispatcher.run(stop.clone()));
+    let mut rss_max = 0u64;
+    let mut last = (0usize, Instant::now());
+    loop {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
+        let done = match metrics {
+            Some(m) => metric_sum(m, "codepool_end_to_end_seconds_count", None) as usize,
+            None => {
+                // Without metrics: all granted and none left unacked.
+                let granted = issued(scratch, "dispatch").await? as usize;
+                if granted == n && depth(&conn, &topology.purchases).await? == 0 {
+                    n
+                } else {
+                    granted.min(n - 1)
                 }
-            };
-            if done >= n {
-                break;
             }
-            if done > last.0 {
-                last = (done, Instant::now());
-            } else if last.1.elapsed() > STALL_LIMIT {
-                stop.cancel();
-                let _ = daemon.await;
-                anyhow::bail!("the dispatcher made no progress for {STALL_LIMIT:?} at {done} of {n} purchases");
-            }
-        }
-        let mut elapsed = started.elapsed();
-        stop.cancel();
-        daemon.await.context("the dispatcher panicked")?;
-        if metrics.is_none() {
-            // Ready 0 is not acked 0: count the drain of in-flight batches.
-            elapsed = started.elapsed();
-        }
-        let hwm = proc_status_kb(None, "VmHWM");
-        let dispatcher = Measured {
-            name: "dispatcher",
-            what: "consume, claim (hot pool, batched), publish SMS-pending with confirms, ack",
-            items: n,
-            elapsed,
         };
-
-        // Everything granted once, every event confirmed, every purchase acked
-        // (unacked ones would be back in the queue now that it stopped).
-        let (granted, orders) = super::issued_and_distinct_orders(store, "dispatch").await?;
-        let left = depth(&conn, &topology.purchases).await?;
-        let events = depth(&conn, &topology.sms_pending).await?;
-        let dead = depth(&conn, &topology.purchases_dead).await?;
-        let ok = granted == n as u64 && orders == granted && left == 0 && events == n as u32 && dead == 0;
-        let _ = conn.close(200, "benchmark done").await;
-
-        let stages = metrics.map(|m| {
-            let mean = |name: &str| {
-                let count = metric_sum(m, &format!("{name}_count"), None);
-                (count > 0.0).then(|| metric_sum(m, &format!("{name}_sum"), None) / count * 1000.0)
-            };
-            json!({
-                "batches": metric_sum(m, "codepool_batch_seconds_count", None),
-                "mean_batch_ms": mean("codepool_batch_seconds"),
-                "mean_claim_batch_ms": mean("codepool_claim_batch_seconds"),
-                "claims_hot": metric_sum(m, "codepool_claims_total", Some("path=\"hot\"")),
-                "claims_scan": metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")),
-                "races": metric_sum(m, "codepool_claim_races_total", None),
-            })
-        });
-
-        let slower = if raw.per_sec() < pass.per_sec() { &raw } else { &pass };
-        let ratio = dispatcher.per_sec() / slower.per_sec().max(1e-9);
-        let mb = |kb: Option<u64>| kb.map(|k| k as f64 / 1024.0);
-        let report = json!({
-            "benchmark": "dispatch",
-            "purchases": n,
-            "write_concern": {"w": "majority", "j": true},
-            "prefetch": defaults.prefetch,
-            "batch_size": defaults.batch_size,
-            "workers": defaults.workers,
-            "linger_ms": defaults.linger.as_millis() as u64,
-            "results": ([&dispatcher, &pass, &raw]).iter().map(|m| json!({
-                "name": m.name,
-                "what": m.what,
-                "items": m.items,
-                "seconds": m.elapsed.as_secs_f64(),
-                "per_sec": m.per_sec(),
-            })).collect::<Vec<_>>(),
-            "slower_baseline": slower.name,
-            "dispatcher_over_slower_baseline": ratio,
-            "target": 0.5,
-            "target_met": ratio >= 0.5,
-            "checks": {
-                "granted": granted, "distinct_orders": orders, "left_in_queue": left,
-                "sms_pending_events": events, "dead_letters": dead, "ok": ok,
-            },
-            "memory": {
-                "rss_before_mb": mb(rss_before),
-                "rss_max_sampled_mb": mb(Some(rss_max)),
-                "peak_rss_mb": mb(hwm),
-                "peak_is_dispatcher_phase_only": hwm_reset,
-                "note": "the dispatcher runs inside the benchmark process; the peak includes the benchmark's own memory",
-            },
-            "stages": stages,
-        });
-        let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
-        if args.json {
-            println!("{rendered}");
-        } else {
-            println!(
-                "dispatcher end to end vs its two baselines, {n} purchases each; writes journaled (w:majority, j:true); prefetch {}, batches of {}, {} workers, linger {} ms\n",
-                defaults.prefetch,
-                defaults.batch_size,
-                defaults.workers,
-                defaults.linger.as_millis()
-            );
-            println!("{:<12} {:>9} {:>10}  what", "", "seconds", "per sec");
-            for m in [&dispatcher, &pass, &raw] {
-                println!("{:<12} {:>9.2} {:>10.0}  {}", m.name, m.elapsed.as_secs_f64(), m.per_sec(), m.what);
-            }
-            println!(
-                "\ndispatcher / slower baseline ({}) = {ratio:.2}x (target >= 0.5x {})",
-                slower.name,
-                if ratio >= 0.5 { "✓" } else { "✗" }
-            );
-            println!(
-                "checks {}: {granted} granted, {orders} distinct orders, {events} SMS-pending events, {left} left in the queue, {dead} dead letters",
-                if ok { "✓" } else { "✗" }
-            );
-            println!(
-                "memory: RSS {:.1} MB before the dispatcher, peak {:.1} MB while it ran ({}; includes the benchmark's own memory)",
-                mb(rss_before).unwrap_or(0.0),
-                mb(hwm).unwrap_or(0.0).max(mb(Some(rss_max)).unwrap_or(0.0)),
-                if hwm_reset { "VmHWM reset before the start" } else { "sampled VmRSS" },
-            );
-            if let Some(s) = &report["stages"].as_object() {
-                println!(
-                    "stages: {} batches, mean batch {:.1} ms of which claim_batch {:.1} ms; claims hot {} / scan {}, races {}",
-                    s["batches"], s["mean_batch_ms"].as_f64().unwrap_or(0.0),
-                    s["mean_claim_batch_ms"].as_f64().unwrap_or(0.0), s["claims_hot"], s["claims_scan"], s["races"]
-                );
-            }
-            println!("written to {}", path.display());
+        if done >= n {
+            break;
         }
-        anyhow::ensure!(ok, "the dispatcher's results are inconsistent (see checks in {})", path.display());
-        Ok(())
+        if done > last.0 {
+            last = (done, Instant::now());
+        } else if last.1.elapsed() > STALL_LIMIT {
+            stop.cancel();
+            let _ = daemon.await;
+            anyhow::bail!(
+                "the dispatcher made no progress for {STALL_LIMIT:?} at {done} of {n} purchases"
+            );
+        }
     }
-    .await;
-    if let Err(e) = super::delete_topology(cfg, &[pass_in.clone(), pass_out.clone()]).await {
-        tracing::warn!(error = %e, "could not remove the pass-through queues");
+    let mut elapsed = started.elapsed();
+    stop.cancel();
+    daemon.await.context("the dispatcher panicked")?;
+    if metrics.is_none() {
+        // Ready 0 is not acked 0: count the drain of in-flight batches.
+        elapsed = started.elapsed();
     }
-    result
+    let cpu = CpuSnapshot::take().since(&cpu);
+    let hwm = proc_status_kb(None, "VmHWM");
+    let dispatcher = Measured {
+        name: "dispatcher",
+        what: "consume, claim (hot pool, batched), publish SMS-pending with confirms, ack",
+        items: n,
+        elapsed,
+        cpu,
+    };
+
+    // Everything granted once, every event confirmed, every purchase acked
+    // (unacked ones would be back in the queue now that it stopped).
+    let (granted, orders) = super::issued_and_distinct_orders(store, "dispatch").await?;
+    let left = depth(&conn, &topology.purchases).await?;
+    let events = depth(&conn, &topology.sms_pending).await?;
+    let dead = depth(&conn, &topology.purchases_dead).await?;
+    let ok =
+        granted == n as u64 && orders == granted && left == 0 && events == n as u32 && dead == 0;
+    let _ = conn.close(200, "benchmark done").await;
+
+    let stages = metrics.map(|m| {
+        let mean = |name: &str| {
+            let count = metric_sum(m, &format!("{name}_count"), None);
+            (count > 0.0).then(|| metric_sum(m, &format!("{name}_sum"), None) / count * 1000.0)
+        };
+        json!({
+            "batches": metric_sum(m, "codepool_batch_seconds_count", None) as u64,
+            "mean_batch_ms": mean("codepool_batch_seconds"),
+            "mean_claim_batch_ms": mean("codepool_claim_batch_seconds"),
+            "claims_hot": metric_sum(m, "codepool_claims_total", Some("path=\"hot\"")) as u64,
+            "claims_scan": metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")) as u64,
+            "races": metric_sum(m, "codepool_claim_races_total", None) as u64,
+        })
+    });
+
+    let slower = if raw.per_sec() < pass.per_sec() {
+        &raw
+    } else {
+        &pass
+    };
+    let ratio = dispatcher.per_sec() / slower.per_sec().max(1e-9);
+    let mb = |kb: Option<u64>| kb.map(|k| k as f64 / 1024.0);
+    let report = json!({
+        "benchmark": "dispatch",
+        "purchases": n,
+        "write_concern": {"w": "majority", "j": true},
+        "prefetch": config.prefetch,
+        "batch_size": config.batch_size,
+        "workers": config.workers,
+        "linger_ms": config.linger.as_millis() as u64,
+        "results": ([&dispatcher, &pass, &raw]).iter().map(|m| json!({
+            "name": m.name,
+            "what": m.what,
+            "items": m.items,
+            "seconds": m.elapsed.as_secs_f64(),
+            "per_sec": m.per_sec(),
+            "cpu_seconds": super::cpu_json(&m.cpu),
+        })).collect::<Vec<_>>(),
+        "cpu_note": "CPU seconds of this process and the local servers during each measurement; the machine has this many cores in total",
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "slower_baseline": slower.name,
+        "dispatcher_over_slower_baseline": ratio,
+        "target": 0.5,
+        "target_met": ratio >= 0.5,
+        "checks": {
+            "granted": granted, "distinct_orders": orders, "left_in_queue": left,
+            "sms_pending_events": events, "dead_letters": dead, "ok": ok,
+        },
+        "memory": {
+            "rss_before_mb": mb(rss_before),
+            "rss_max_sampled_mb": mb(Some(rss_max)),
+            "peak_rss_mb": mb(hwm),
+            "peak_is_dispatcher_phase_only": hwm_reset,
+            "note": "the dispatcher runs inside the benchmark process; the peak includes the benchmark's own memory",
+        },
+        "stages": stages,
+    });
+    let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        println!(
+            "dispatcher end to end vs its two baselines, {n} purchases each; writes journaled (w:majority, j:true); prefetch {}, batches of {}, {} workers, linger {} ms\n",
+            config.prefetch,
+            config.batch_size,
+            config.workers,
+            config.linger.as_millis()
+        );
+        println!("{:<12} {:>9} {:>10}  what", "", "seconds", "per sec");
+        for m in [&dispatcher, &pass, &raw] {
+            println!(
+                "{:<12} {:>9.2} {:>10.0}  {}",
+                m.name,
+                m.elapsed.as_secs_f64(),
+                m.per_sec(),
+                m.what
+            );
+        }
+        println!(
+            "\nCPU seconds while each ran ({} cores):",
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0)
+        );
+        for m in [&dispatcher, &pass, &raw] {
+            println!("{:<12} {}", m.name, describe_cpu(&m.cpu));
+        }
+        println!(
+            "\ndispatcher / slower baseline ({}) = {ratio:.2}x (target >= 0.5x {})",
+            slower.name,
+            if ratio >= 0.5 { "✓" } else { "✗" }
+        );
+        println!(
+            "checks {}: {granted} granted, {orders} distinct orders, {events} SMS-pending events, {left} left in the queue, {dead} dead letters",
+            if ok { "✓" } else { "✗" }
+        );
+        println!(
+            "memory: RSS {:.1} MB before the dispatcher, peak {:.1} MB while it ran ({}; includes the benchmark's own memory)",
+            mb(rss_before).unwrap_or(0.0),
+            mb(hwm).unwrap_or(0.0).max(mb(Some(rss_max)).unwrap_or(0.0)),
+            if hwm_reset { "VmHWM reset before the start" } else { "sampled VmRSS" },
+        );
+        if let Some(s) = &report["stages"].as_object() {
+            println!(
+                "stages: {} batches, mean batch {:.1} ms of which claim_batch {:.1} ms; claims hot {} / scan {}, races {}",
+                s["batches"], s["mean_batch_ms"].as_f64().unwrap_or(0.0),
+                s["mean_claim_batch_ms"].as_f64().unwrap_or(0.0), s["claims_hot"], s["claims_scan"], s["races"]
+            );
+        }
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(
+        ok,
+        "the dispatcher's results are inconsistent (see checks in {})",
+        path.display()
+    );
+    Ok(())
 }
 
 fn purchase(pool: &str, i: usize) -> Purchase {
@@ -451,6 +529,7 @@ async fn raw_updates(
         what: "bulk update by _id {_id,status:0} -> issued, one command per batch, no broker",
         items: n,
         elapsed,
+        cpu: Vec::new(),
     })
 }
 
@@ -462,11 +541,11 @@ async fn pass_through(
     input: &str,
     out: &str,
     n: usize,
-    defaults: &DispatcherConfig,
+    config: &DispatcherConfig,
 ) -> anyhow::Result<Measured> {
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-passthrough").await?;
     let ch = conn.create_channel().await?;
-    ch.basic_qos(defaults.prefetch, BasicQosOptions::default())
+    ch.basic_qos(config.prefetch, BasicQosOptions::default())
         .await?;
     let publisher = Publisher::new(&conn, Topology::with_prefix(&cfg.amqp_prefix)).await?;
     let mut consumer = ch
@@ -477,7 +556,7 @@ async fn pass_through(
             FieldTable::default(),
         )
         .await?;
-    let permits = Arc::new(Semaphore::new(defaults.workers.max(1)));
+    let permits = Arc::new(Semaphore::new(config.workers.max(1)));
     let acked = Arc::new(AtomicUsize::new(0));
     let mut inflight: JoinSet<anyhow::Result<()>> = JoinSet::new();
     let mut consumed = 0;
@@ -488,8 +567,8 @@ async fn pass_through(
             .await
             .context("the broker closed the pass-through consumer")??;
         let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + defaults.linger;
-        while batch.len() < defaults.batch_size && consumed + batch.len() < n {
+        let deadline = tokio::time::Instant::now() + config.linger;
+        while batch.len() < config.batch_size && consumed + batch.len() < n {
             match tokio::time::timeout_at(deadline, consumer.next()).await {
                 Ok(Some(d)) => batch.push(d?),
                 Ok(None) | Err(_) => break,
@@ -524,6 +603,7 @@ async fn pass_through(
         what: "consume, publish with confirms in flight together, ack; no database",
         items: n,
         elapsed,
+        cpu: Vec::new(),
     })
 }
 

@@ -20,7 +20,7 @@ use mongodb::bson::{doc, DateTime, Document};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
 
-use super::{proc_status_kb, Scratch};
+use super::{describe_cpu, proc_status_kb, CpuSnapshot, Scratch};
 
 /// Peak memory the import may use (issue target, for 1,000,000 codes).
 const MEMORY_TARGET_MB: f64 = 100.0;
@@ -66,12 +66,14 @@ pub async fn run(
     let file_mb = std::fs::metadata(&file.0).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
 
     say(format!("raw insert_many of {n} documents into pool raw …"));
-    let raw_seconds = raw_insert_many(scratch, n, options.batch_size, options.concurrency).await?;
+    let (raw_seconds, raw_cpu) =
+        raw_insert_many(scratch, n, options.batch_size, options.concurrency).await?;
 
-    say(format!(
-        "codepool import into pool import (child process) …"
-    ));
+    say("codepool import into pool import (child process) …".into());
+    let cpu = CpuSnapshot::take();
     let child = import_child(scratch, &file.0, "import").await?;
+    // "codepool" includes the child process, reaped by now.
+    let import_cpu = CpuSnapshot::take().since(&cpu);
     // The import announces `pool.replenished`, which declares the topology.
     if let Err(e) = super::delete_topology(&scratch.cfg, &[]).await {
         tracing::warn!(error = %e, "could not remove the benchmark queues");
@@ -110,13 +112,14 @@ pub async fn run(
         "batch_size": options.batch_size,
         "concurrency": options.concurrency,
         "order": "raw insert_many first, then the import (which therefore writes into the larger collection)",
-        "raw_insert_many": {"seconds": raw_seconds, "codes_per_sec": raw_rate},
+        "raw_insert_many": {"seconds": raw_seconds, "codes_per_sec": raw_rate, "cpu_seconds": super::cpu_json(&raw_cpu)},
         "import": {
             "seconds": import_seconds,
             "codes_per_sec": import_rate,
             "process_wall_seconds": child.wall.as_secs_f64(),
             "codes_per_sec_process_wall": wall_rate,
             "peak_rss_mb": peak_mb,
+            "cpu_seconds": super::cpu_json(&import_cpu),
             "summary": summary,
         },
         "import_over_raw": ratio,
@@ -149,6 +152,11 @@ pub async fn run(
             "codepool import (whole process)",
             child.wall.as_secs_f64(),
             wall_rate
+        );
+        println!(
+            "\nCPU seconds: raw insert_many {}; import {}",
+            describe_cpu(&raw_cpu),
+            describe_cpu(&import_cpu)
         );
         println!(
             "\nimport / raw insert_many = {ratio:.2}x (target >= 0.7x {}); whole process {:.2}x",
@@ -195,13 +203,14 @@ fn code(i: usize) -> String {
 
 /// The baseline: the same documents `Store::insert_codes` writes, built
 /// before the clock starts, inserted unordered in batches of `batch`,
-/// `concurrency` in flight. Returns seconds.
+/// `concurrency` in flight. Returns seconds and CPU seconds per process,
+/// both counted from after the documents were built.
 async fn raw_insert_many(
     scratch: &Scratch,
     n: usize,
     batch: usize,
     concurrency: usize,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Vec<(&'static str, f64)>)> {
     let batch_id = ObjectId::new();
     let now = DateTime::now();
     let docs: Vec<Document> = (0..n)
@@ -227,6 +236,7 @@ async fn raw_insert_many(
         .store
         .database()
         .collection::<Document>(codepool_store::codes::CODES);
+    let cpu = CpuSnapshot::take();
     let started = Instant::now();
     let mut inserted = 0;
     let mut stream = futures::stream::iter(chunks)
@@ -244,11 +254,12 @@ async fn raw_insert_many(
         inserted += r.context("raw insert_many failed")?.inserted_ids.len();
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu = CpuSnapshot::take().since(&cpu);
     anyhow::ensure!(
         inserted == n,
         "raw insert_many inserted {inserted} instead of {n}"
     );
-    Ok(seconds)
+    Ok((seconds, cpu))
 }
 
 /// What the import child process did.

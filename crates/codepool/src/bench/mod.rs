@@ -133,27 +133,46 @@ async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
 /// Each delete gets its own channel: deleting what does not exist closes
 /// the channel on some brokers.
 pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::Result<()> {
-    let t = cfg.topology();
+    // Spelled out field by field: a new queue or exchange in the topology
+    // does not compile here until its cleanup is added.
+    let codepool_broker::Topology {
+        purchases,
+        purchases_dead,
+        sms_exchange,
+        sms_pending,
+        sms_receipts,
+        events_exchange,
+        code_redeemed,
+    } = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
     let queues = [
-        &t.purchases,
-        &t.purchases_dead,
-        &t.sms_pending,
-        &t.sms_receipts,
+        &purchases,
+        &purchases_dead,
+        &sms_pending,
+        &sms_receipts,
+        &code_redeemed,
     ]
     .into_iter()
     .chain(extra_queues);
     for q in queues {
         let ch = conn.create_channel().await?;
-        let _ = ch
+        if ch
             .queue_delete(q, lapin::options::QueueDeleteOptions::default())
-            .await;
+            .await
+            .is_ok()
+        {
+            let _ = ch.close(200, "deleted").await;
+        }
     }
-    for x in [&t.sms_exchange, &t.events_exchange] {
+    for x in [&sms_exchange, &events_exchange] {
         let ch = conn.create_channel().await?;
-        let _ = ch
+        if ch
             .exchange_delete(x, lapin::options::ExchangeDeleteOptions::default())
-            .await;
+            .await
+            .is_ok()
+        {
+            let _ = ch.close(200, "deleted").await;
+        }
     }
     let _ = conn.close(200, "benchmark done").await;
     Ok(())
@@ -241,6 +260,91 @@ pub fn proc_status_kb(pid: Option<u32>, field: &str) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// CPU seconds used so far by this process and by the local servers
+/// (`mongod`, RabbitMQ's `beam.smp`, `redis-server`), read from procfs.
+/// Servers on other machines are simply absent. Two snapshots around a
+/// phase show which process the time went to.
+#[derive(Debug, Clone, Default)]
+pub struct CpuSnapshot(Vec<(&'static str, u32, f64)>);
+
+/// Clock ticks per second of `/proc/<pid>/stat` (`USER_HZ`, 100 on Linux).
+const USER_HZ: f64 = 100.0;
+
+impl CpuSnapshot {
+    pub fn take() -> Self {
+        let mut found = vec![("codepool", std::process::id())];
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let Some(pid) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse::<u32>().ok())
+                else {
+                    continue;
+                };
+                let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                let name = match comm.trim() {
+                    "mongod" => "mongod",
+                    "beam.smp" => "rabbitmq",
+                    "redis-server" => "redis",
+                    _ => continue,
+                };
+                found.push((name, pid));
+            }
+        }
+        Self(
+            found
+                .into_iter()
+                .filter_map(|(name, pid)| Some((name, pid, cpu_seconds(pid)?)))
+                .collect(),
+        )
+    }
+
+    /// CPU seconds per process since `before`, summed by name.
+    pub fn since(&self, before: &CpuSnapshot) -> Vec<(&'static str, f64)> {
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        for (name, pid, now) in &self.0 {
+            let Some((_, _, then)) = before.0.iter().find(|(_, p, _)| p == pid) else {
+                continue;
+            };
+            match out.iter_mut().find(|(n, _)| n == name) {
+                Some((_, total)) => *total += now - then,
+                None => out.push((name, now - then)),
+            }
+        }
+        out
+    }
+}
+
+/// `utime + stime` of a process and of its waited-for children (the
+/// import child process), in seconds.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces), from field 3.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = (11..=14)
+        .filter_map(|i| fields.get(i)?.parse::<f64>().ok())
+        .sum();
+    Some(ticks / USER_HZ)
+}
+
+/// `name 1.2 s, …` for a table line.
+pub fn describe_cpu(used: &[(&'static str, f64)]) -> String {
+    used.iter()
+        .map(|(n, s)| format!("{n} {s:.1} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn cpu_json(used: &[(&'static str, f64)]) -> serde_json::Value {
+    serde_json::Value::Object(
+        used.iter()
+            .map(|(n, s)| ((*n).to_owned(), serde_json::json!(s)))
+            .collect(),
+    )
+}
+
 /// Resets this process's peak RSS (`VmHWM`) to its current RSS, so a later
 /// reading is the peak of what came after. False if the kernel refused.
 pub fn reset_peak_rss() -> bool {
@@ -282,7 +386,7 @@ pub fn metric_sum(handle: &PrometheusHandle, name: &str, label: Option<&str>) ->
             }
             value.parse::<f64>().ok()
         })
-        .sum()
+        .fold(0.0, |a, b| a + b)
 }
 
 /// Writes `report` to `out_dir/name` and returns the rendered JSON.

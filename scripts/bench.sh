@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Side-by-side benchmarks on the local servers (see `codepool bench --help`).
+# Builds the release binary, runs every benchmark once, and leaves the JSON
+# results in target/bench/ (or $OUT_DIR). Each benchmark works in its own
+# scratch database, Redis prefix and queue prefix, and removes them after.
+#
+#   bash scripts/bench.sh                # all of them, default sizes
+#   bash scripts/bench.sh claim dispatch # only these
+#   CLAIM_CODES=50000 bash scripts/bench.sh claim
+#
+# RUST_LOG defaults to warn: the dispatcher logs every grant at info level,
+# and a terminal printing 20,000 lines would be part of the measurement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR=${OUT_DIR:-target/bench}
+CLAIM_CONCURRENCY=${CLAIM_CONCURRENCY:-1,8,32}
+CLAIM_CODES=${CLAIM_CODES:-20000}
+DISPATCH_PURCHASES=${DISPATCH_PURCHASES:-20000}
+IMPORT_CODES=${IMPORT_CODES:-200000}
+export RUST_LOG=${RUST_LOG:-warn}
+
+which=("$@")
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch import seq)
+
+cargo build --locked --release -p codepool
+bin=target/release/codepool
+mkdir -p "$OUT_DIR"
+
+for b in "${which[@]}"; do
+	echo "== codepool bench $b"
+	case $b in
+	claim) "$bin" bench --out-dir "$OUT_DIR" claim --concurrency "$CLAIM_CONCURRENCY" --codes "$CLAIM_CODES" ;;
+	dispatch) "$bin" bench --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
+	import) "$bin" bench --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
+	seq) "$bin" bench --out-dir "$OUT_DIR" seq ;;
+	*)
+		echo "unknown benchmark $b (claim, dispatch, import, seq)" >&2
+		exit 2
+		;;
+	esac
+	echo
+done
+echo "results: $OUT_DIR/*.json"
