@@ -85,6 +85,7 @@ impl TestEnv {
             Arc::new(GrantNumbers::new(daily, self.store.clone())),
             ClaimConfig {
                 refill_batch: 500,
+                low_water: 250,
                 ..ClaimConfig::default()
             },
         )

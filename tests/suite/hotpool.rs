@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bson::doc;
+use futures::TryStreamExt;
 use codepool_dispatcher::ClaimOutcome;
 use codepool_domain::Purchase;
 use codepool_store::codes::ScanClaim;
@@ -81,9 +82,26 @@ async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
     let outcomes = claims_with_fault(&env, "hot", 16, 80, || async {}).await;
     assert_all_distinct(&outcomes, 1280);
     assert_eq!(issued_count(&env, "hot").await, 1280);
-    // The candidates came from Redis: its set holds exactly the rest.
+    // The candidates came from Redis: its set holds every unissued code.
     assert!(!env.hot_pool().is_degraded());
-    assert_eq!(env.hot_pool().len("hot").await.unwrap(), 1500 - 1280);
+    let client = redis::Client::open(redis.url().as_str()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!("{}:{{hot}}:hot", env.redis_prefix);
+    let members: HashSet<String> = redis::cmd("ZRANGE").arg(&key).arg(0).arg(-1).query_async(&mut c).await.unwrap();
+    let unissued: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(doc! {"pool": "hot", "status": 0})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(unissued.len(), 1500 - 1280);
+    for d in &unissued {
+        assert!(members.contains(&d.get_object_id("_id").unwrap().to_hex()), "an unissued code is missing from the hot set");
+    }
     env.cleanup().await;
 }
 

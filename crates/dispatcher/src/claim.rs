@@ -1,17 +1,16 @@
 //! The claim: how a purchase gets exactly one code. Read this file top to
 //! bottom to know how ownership is decided.
 //!
-//! 1. Orders that already hold a code get that code again (a redelivery or
-//!    a duplicate), never a second one.
-//! 2. Every other order is paired with a *distinct* candidate popped from
+//! 1. Every order is paired with a *distinct* candidate popped from
 //!    the pool's Redis hot set, and all pairs are written in one journaled
 //!    `update` command: "code `_id` goes to this order if it is still
 //!    unissued". MongoDB's condition is the only arbiter; the unique
-//!    `order_id` index forbids a second code per order.
-//! 3. Which pairs won is read back by order. Orders whose candidate was
+//!    `order_id` index forbids a second code per order, so an order that
+//!    already holds one (a redelivery or a duplicate) gets that one back.
+//! 2. Which pairs won is read back by order. Orders whose candidate was
 //!    already taken (by another dispatcher, or through the fallback path)
 //!    try again with fresh candidates, a few rounds.
-//! 4. Orders still without a code, or all orders when Redis is away, claim
+//! 3. Orders still without a code, or all orders when Redis is away, claim
 //!    by scanning the pool in MongoDB (`findOneAndUpdate` on
 //!    `(pool, status, seq)`). If that finds nothing, the pool is exhausted.
 
@@ -62,8 +61,11 @@ pub struct ClaimConfig {
     pub race_rounds: usize,
     /// Candidates loaded into the hot set per refill.
     pub refill_batch: i64,
-    /// How long a refiller may hold a pool's refill lock.
+    /// How long a refiller may hold a pool's refill lock (and how long a
+    /// claimer waits for someone else's refill).
     pub refill_lock_ttl: Duration,
+    /// Below this many candidates, the set is topped up in the background.
+    pub low_water: u64,
 }
 
 impl Default for ClaimConfig {
@@ -72,6 +74,7 @@ impl Default for ClaimConfig {
             race_rounds: 3,
             refill_batch: 5000,
             refill_lock_ttl: Duration::from_secs(10),
+            low_water: 2500,
         }
     }
 }
@@ -83,6 +86,8 @@ pub struct ClaimEngine {
     hot: HotPool,
     numbers: Arc<GrantNumbers>,
     config: ClaimConfig,
+    /// When a refill of each pool last found nothing.
+    dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
 }
 
 /// One order being claimed in a batch.
@@ -98,6 +103,7 @@ impl ClaimEngine {
             hot,
             numbers,
             config,
+            dry: Arc::default(),
         }
     }
 
@@ -124,16 +130,10 @@ impl ClaimEngine {
         }
         let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; unique.len()];
 
-        // 1. Orders that already hold a code keep it.
-        let orders: Vec<&str> = unique.iter().map(|p| p.order_id.as_str()).collect();
-        let existing = self.store.grants_for_orders(&orders).await?;
-        let mut todo: Vec<usize> = Vec::new();
-        for (i, p) in unique.iter().enumerate() {
-            match existing.get(&p.order_id).and_then(CodeDoc::grant) {
-                Some(grant) => outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: false }),
-                None => todo.push(i),
-            }
-        }
+        // 1. Every order tries for a fresh code. One that already holds a
+        //    code is refused by the unique order_id index, and the read-back
+        //    below returns the code it holds (`fresh: false`).
+        let mut todo: Vec<usize> = (0..unique.len()).collect();
 
         // 2–3. Distinct candidates from the hot set, claimed in bulk.
         let mut scan: Vec<usize> = Vec::new();
@@ -180,7 +180,7 @@ impl ClaimEngine {
         }
         scan.extend(todo);
 
-        // 4. The scan: Redis away, hot set empty, or races kept being lost.
+        // 3. The scan: Redis away, hot set empty, or races kept being lost.
         if !scan.is_empty() {
             self.claim_by_scan(&unique, &scan, &mut outcomes).await?;
         }
@@ -257,11 +257,20 @@ impl ClaimEngine {
             .collect();
         let grants = self.store.grants_for_orders(&orders).await?;
         let mut retry = Vec::new();
-        for ((i, p), candidate) in pending.iter().zip(candidate_ids) {
+        // A grant is ours (fresh) when it carries the grant number this very
+        // write assigned; comparing code ids is not enough, because a stale
+        // candidate can be the order's own, already issued, code.
+        let assigned: HashMap<&str, (Option<ObjectId>, Option<&str>)> = assignments
+            .iter()
+            .map(|a| (a.order_id.as_str(), (Some(a.code_id), a.grant_no.as_deref())))
+            .collect();
+        for ((i, p), _) in pending.iter().zip(candidate_ids) {
             match grants.get(&p.purchase.order_id) {
                 Some(doc) => {
                     if let Some(grant) = doc.grant() {
-                        let fresh = candidate == Some(doc.id);
+                        let fresh = assigned.get(p.purchase.order_id.as_str()).is_some_and(
+                            |(id, no)| *id == Some(doc.id) && no.is_some_and(|n| doc.grant_no.as_deref() == Some(n)),
+                        );
                         if fresh {
                             metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
                         }
@@ -287,17 +296,21 @@ impl ClaimEngine {
     }
 
     /// Pops `k` distinct candidates, refilling the hot set from MongoDB when
-    /// it runs dry. Fewer than `k` means the pool has no more candidates
-    /// right now. An error means Redis is away.
+    /// it runs dry (or waiting for the refill another claimer is doing).
+    /// Fewer than `k` means the pool has no more candidates right now. When
+    /// the set runs low, a background refill tops it up before it is empty.
+    /// An error means Redis is away.
     async fn take_candidates(&self, pool: &str, k: usize) -> Result<Vec<Candidate>, HotPoolError> {
-        let mut got = self.hot.pop(pool, k).await?;
-        for _ in 0..3 {
-            if got.len() >= k {
-                break;
-            }
+        let deadline = Instant::now() + self.config.refill_lock_ttl;
+        let (mut got, mut remaining) = self.hot.pop(pool, k).await?;
+        while got.len() < k {
             match self.refill(pool).await {
-                Ok(0) => break,
-                Ok(_) => {}
+                Ok(Refill::Added(0)) => break,
+                Ok(Refill::Added(_)) => {}
+                Ok(Refill::Busy) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(Refill::Busy) => break,
                 Err(RefillError::Store(e)) => {
                     warn!(pool, error = %e, "hot pool refill failed");
                     break;
@@ -307,9 +320,34 @@ impl ClaimEngine {
                     return Err(e);
                 }
             }
-            got.extend(self.hot.pop(pool, k - got.len()).await?);
+            let (more, left) = self.hot.pop(pool, k - got.len()).await?;
+            got.extend(more);
+            remaining = left;
+        }
+        if remaining < self.config.low_water && got.len() == k {
+            self.refill_in_background(pool);
         }
         Ok(got)
+    }
+
+    /// Tops the hot set up without making anyone wait. Skipped for a while
+    /// after a refill found nothing, so an empty pool costs no queries.
+    fn refill_in_background(&self, pool: &str) {
+        if let Ok(mut dry) = self.dry.lock() {
+            if dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF) {
+                return;
+            }
+            dry.remove(pool);
+        }
+        let engine = self.clone();
+        let pool = pool.to_owned();
+        tokio::spawn(async move {
+            if let Ok(Refill::Added(0)) = engine.top_up(&pool).await {
+                if let Ok(mut dry) = engine.dry.lock() {
+                    dry.insert(pool, Instant::now());
+                }
+            }
+        });
     }
 
     async fn give_back_candidates(&self, pool: &str, candidates: &[Candidate]) {
@@ -320,28 +358,42 @@ impl ClaimEngine {
     /// the high-water mark, or, once the end is reached, a rescan from the
     /// start (which picks up candidates lost by crashed claimers). One
     /// refiller per pool at a time; others wait briefly and pop again.
-    /// Returns how many candidates were added (a waiting caller reports 1).
-    pub async fn refill(&self, pool: &str) -> Result<usize, RefillError> {
+    pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
         let Some(lock) = self
             .hot
             .try_lock_refill(pool, self.config.refill_lock_ttl)
             .await?
         else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            return Ok(1);
+            return Ok(Refill::Busy);
         };
-        let result = self.refill_locked(pool).await;
+        let result = self.refill_locked(pool, true).await;
         let _ = self.hot.unlock_refill(lock).await;
-        result
+        result.map(Refill::Added)
     }
 
-    async fn refill_locked(&self, pool: &str) -> Result<usize, RefillError> {
+    /// A refill that only moves forward past the high-water mark: for
+    /// topping up in the background, where a rescan would re-add codes that
+    /// other claimers hold right now.
+    async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
+        let Some(lock) = self
+            .hot
+            .try_lock_refill(pool, self.config.refill_lock_ttl)
+            .await?
+        else {
+            return Ok(Refill::Busy);
+        };
+        let result = self.refill_locked(pool, false).await;
+        let _ = self.hot.unlock_refill(lock).await;
+        result.map(Refill::Added)
+    }
+
+    async fn refill_locked(&self, pool: &str, rescan: bool) -> Result<usize, RefillError> {
         let hwm = self.hot.high_water_mark(pool).await?;
         let mut found = self
             .store
             .candidates_after(pool, hwm, self.config.refill_batch)
             .await?;
-        if found.is_empty() && hwm > 0 {
+        if found.is_empty() && hwm > 0 && rescan {
             found = self
                 .store
                 .candidates_after(pool, 0, self.config.refill_batch)
@@ -408,6 +460,18 @@ impl ClaimEngine {
         Ok(())
     }
 }
+
+/// What a refill did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refill {
+    /// This many candidates were loaded (0: the pool has none left).
+    Added(usize),
+    /// Another claimer is refilling this pool right now.
+    Busy,
+}
+
+/// After a refill finds nothing, background refills of that pool pause this long.
+const DRY_BACKOFF: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RefillError {

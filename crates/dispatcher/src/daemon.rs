@@ -55,8 +55,8 @@ impl Default for DispatcherConfig {
         Self {
             amqp_url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             topology: Topology::default(),
-            prefetch: 512,
-            batch_size: 128,
+            prefetch: 1024,
+            batch_size: 256,
             workers: 4,
             linger: Duration::from_millis(3),
             grace: Duration::from_secs(8),
@@ -78,6 +78,8 @@ pub struct Dispatcher {
     amqp: Outage,
     /// Stock gauges and low-stock alerts (stock.rs).
     stock: Arc<StockWatch>,
+    /// Codes whose SMS-pending event was confirmed, not yet marked in MongoDB.
+    sms_marks: std::sync::Mutex<Vec<ObjectId>>,
 }
 
 enum SessionEnd {
@@ -96,6 +98,7 @@ impl Dispatcher {
             known_pools: RwLock::new(HashSet::new()),
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
+            sms_marks: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -141,18 +144,38 @@ impl Dispatcher {
         info!("dispatcher stopped");
     }
 
-    /// Keeps `/readyz` honest while no purchase arrives.
+    /// Writes the pending "SMS event confirmed" marks (see `process`).
+    async fn flush_sms_marks(&self) {
+        let marks = match self.sms_marks.lock() {
+            Ok(mut m) => std::mem::take(&mut *m),
+            Err(_) => return,
+        };
+        for chunk in marks.chunks(5000) {
+            if let Err(e) = self.store.mark_sms_published(chunk).await {
+                debug!(error = %e, "SMS marks not written; the relay will re-send those events");
+            }
+        }
+    }
+
+    /// Keeps `/readyz` honest while no purchase arrives, and flushes the
+    /// SMS marks a few times a second.
     async fn probe_loop(&self, stop: CancellationToken) {
+        let mut last_probe = Instant::now() - Duration::from_secs(10);
         loop {
+            self.flush_sms_marks().await;
+            if last_probe.elapsed() < Duration::from_secs(2) {
+                tokio::select! {
+                    _ = stop.cancelled() => { self.flush_sms_marks().await; return; }
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                }
+                continue;
+            }
+            last_probe = Instant::now();
             let up = tokio::time::timeout(Duration::from_secs(3), self.store.ping())
                 .await
                 .is_ok_and(|r| r.is_ok());
             self.health.set_mongo(up);
             self.health.set_redis_degraded(self.engine.hot_pool().is_degraded());
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-            }
         }
     }
 
@@ -503,13 +526,10 @@ impl Dispatcher {
             metrics::histogram!("codepool_end_to_end_seconds").record(received.elapsed().as_secs_f64());
         }
 
-        // Take confirmed grants off the relay's list; not needed for
-        // correctness, so it does not hold the ack.
-        if !published.is_empty() {
-            let store = self.store.clone();
-            tokio::spawn(async move {
-                let _ = store.mark_sms_published(&published).await;
-            });
+        // Take confirmed grants off the relay's list, in one write for many
+        // batches; not needed for correctness, so it does not hold the ack.
+        if let Ok(mut marks) = self.sms_marks.lock() {
+            marks.extend(published);
         }
 
         // Pools that just lost stock get a (throttled) stock check (stock.rs).

@@ -155,23 +155,31 @@ impl HotPool {
         result
     }
 
-    /// Takes up to `k` distinct candidates, oldest first. Each candidate is
-    /// handed to exactly one caller (until it is put back).
-    pub async fn pop(&self, pool: &str, k: usize) -> Result<Vec<Candidate>, HotPoolError> {
+    /// Takes up to `k` distinct candidates, oldest first, and reports how
+    /// many remain in the set (one round trip). Each candidate is handed to
+    /// exactly one caller (until it is put back).
+    pub async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError> {
         if k == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), self.len(pool).await?));
         }
         let key = self.key(pool, "hot");
-        let raw: Vec<(String, f64)> = self
-            .run(|mut c| async move { c.zpopmin(key, k as isize).await })
+        let (raw, remaining): (Vec<(String, f64)>, u64) = self
+            .run(|mut c| async move {
+                redis::pipe()
+                    .zpopmin(&key, k as isize)
+                    .zcard(&key)
+                    .query_async(&mut c)
+                    .await
+            })
             .await?;
-        Ok(raw
+        let got = raw
             .into_iter()
             .map(|(id, score)| Candidate {
                 id,
                 seq: score as i64,
             })
-            .collect())
+            .collect();
+        Ok((got, remaining))
     }
 
     /// Returns candidates that were popped but not used.

@@ -412,11 +412,14 @@ impl Store {
         if code_ids.is_empty() {
             return Ok(());
         }
+        // Not a decision, only bookkeeping for the relay: a lost mark means
+        // one duplicate event (with the same event_id), so w:1 is enough.
         self.collection(CODES)
             .update_many(
-                doc! {"_id": {"$in": code_ids}},
+                doc! {"_id": {"$in": code_ids}, "sms_pending": true},
                 doc! {"$set": {"sms_published_at": DateTime::now()}, "$unset": {"sms_pending": ""}},
             )
+            .write_concern(mongodb::options::WriteConcern::builder().w(mongodb::options::Acknowledgment::Nodes(1)).build())
             .await?;
         Ok(())
     }

@@ -29,10 +29,10 @@ pub struct DispatchArgs {
     #[arg(long)]
     pub no_http: bool,
     /// Unacked purchases the broker may hand this dispatcher at once.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 1024)]
     pub prefetch: u16,
     /// Purchases claimed together in one bulk write.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 256)]
     pub batch_size: usize,
     /// Batches processed concurrently.
     #[arg(long, default_value_t = 4)]
