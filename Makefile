@@ -47,13 +47,7 @@ chaos: services
 	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture
 
 bench: services
-	$(CARGO) build --locked --release -p codepool
-	@mkdir -p target/bench
-	$(RELEASE_BIN) bench claim --concurrency 1,8,32
-	$(RELEASE_BIN) bench dispatch --purchases 20000
-	$(RELEASE_BIN) bench import --codes 200000
-	$(RELEASE_BIN) bench seq --ids 4000
-	@echo "results: target/bench/*.json"
+	@bash scripts/bench.sh
 
 lint:
 	$(CARGO) fmt --all -- --check

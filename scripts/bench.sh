@@ -18,6 +18,7 @@ CLAIM_CONCURRENCY=${CLAIM_CONCURRENCY:-1,8,32}
 CLAIM_CODES=${CLAIM_CODES:-20000}
 DISPATCH_PURCHASES=${DISPATCH_PURCHASES:-20000}
 IMPORT_CODES=${IMPORT_CODES:-200000}
+SEQ_IDS=${SEQ_IDS:-4000}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
@@ -33,7 +34,7 @@ for b in "${which[@]}"; do
 	claim) "$bin" bench --out-dir "$OUT_DIR" claim --concurrency "$CLAIM_CONCURRENCY" --codes "$CLAIM_CODES" ;;
 	dispatch) "$bin" bench --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
 	import) "$bin" bench --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
-	seq) "$bin" bench --out-dir "$OUT_DIR" seq ;;
+	seq) "$bin" bench --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	*)
 		echo "unknown benchmark $b (claim, dispatch, import, seq)" >&2
 		exit 2
