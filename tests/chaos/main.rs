@@ -107,7 +107,9 @@ impl<'a> Dispatchers<'a> {
     async fn stop_all(&mut self) -> Vec<std::process::ExitStatus> {
         for c in &self.running {
             if let Some(pid) = c.id() {
-                let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
             }
         }
         let mut statuses = Vec::new();
@@ -124,7 +126,11 @@ impl<'a> Dispatchers<'a> {
 
 /// Publishes with confirms, reconnecting and re-sending unconfirmed windows
 /// (purchases are idempotent by order id, so re-sending is safe).
-async fn publish_all(env: &TestEnv, bodies: Vec<(Vec<u8>, Option<String>)>, over: Duration) -> usize {
+async fn publish_all(
+    env: &TestEnv,
+    bodies: Vec<(Vec<u8>, Option<String>)>,
+    over: Duration,
+) -> usize {
     let per_window = 100;
     let windows = bodies.len().div_ceil(per_window).max(1);
     let pause = over / windows as u32;
@@ -146,7 +152,11 @@ async fn publish_all(env: &TestEnv, bodies: Vec<(Vec<u8>, Option<String>)>, over
                 let publisher = Publisher::new(c, env.topology()).await?;
                 let mut confirms = Vec::new();
                 for (body, id) in window {
-                    confirms.push(publisher.publish_purchase_bytes(body, id.as_deref()).await?);
+                    confirms.push(
+                        publisher
+                            .publish_purchase_bytes(body, id.as_deref())
+                            .await?,
+                    );
                 }
                 for c in confirms {
                     c.wait().await?;
@@ -177,14 +187,18 @@ async fn chaos_keeps_every_invariant() {
     env.fill_pool("chaos", s.first_import).await;
     // Declare the topology before anything is published.
     {
-        let conn = codepool_broker::connect(AMQP_URL, "chaos-setup").await.unwrap();
+        let conn = codepool_broker::connect(AMQP_URL, "chaos-setup")
+            .await
+            .unwrap();
         let ch = conn.create_channel().await.unwrap();
         env.topology().declare(&ch).await.unwrap();
         let _ = conn.close(200, "ok").await;
     }
 
     // The workload: valid orders, ~5% duplicates, a few invalid messages.
-    let orders: Vec<Purchase> = (0..s.orders).map(|i| purchase(&format!("CH-{i:06}"), "chaos")).collect();
+    let orders: Vec<Purchase> = (0..s.orders)
+        .map(|i| purchase(&format!("CH-{i:06}"), "chaos"))
+        .collect();
     let mut bodies: Vec<(Vec<u8>, Option<String>)> = Vec::new();
     let mut rng = rand::rng();
     let mut duplicates = 0;
@@ -203,8 +217,13 @@ async fn chaos_keeps_every_invariant() {
         .map(|(i, id)| {
             let body = match i % 3 {
                 0 => b"{not json".to_vec(),
-                1 => br#"{"order_id":1,"uid":"u","phone":"+8613800000000","pool":"chaos"}"#.to_vec(),
-                _ => br#"{"order_id":"X","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#.to_vec(),
+                1 => {
+                    br#"{"order_id":1,"uid":"u","phone":"+8613800000000","pool":"chaos"}"#.to_vec()
+                }
+                _ => {
+                    br#"{"order_id":"X","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#
+                        .to_vec()
+                }
             };
             (body, Some(id.clone()))
         })
@@ -239,7 +258,8 @@ async fn chaos_keeps_every_invariant() {
     let faults = async {
         let mut restarts = 0;
         let plan = s.publish_secs as f64;
-        let until = |f: f64| tokio::time::sleep_until((started + Duration::from_secs_f64(plan * f)).into());
+        let until =
+            |f: f64| tokio::time::sleep_until((started + Duration::from_secs_f64(plan * f)).into());
         until(0.2).await;
         let client = redis::Client::open(env.redis_url.as_str()).unwrap();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
@@ -278,7 +298,11 @@ async fn chaos_keeps_every_invariant() {
             .output()
             .await
             .unwrap();
-        assert!(out.status.success(), "second import: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "second import: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         restarts
     };
     let (publisher_reconnects, (), restarts) = tokio::join!(publisher, kills, faults);
@@ -286,34 +310,52 @@ async fn chaos_keeps_every_invariant() {
     // Let the survivors finish: every valid order ends with a code.
     let codes = env.store.database().collection::<bson::Document>("codes");
     let expected = s.orders as u64;
-    eventually(Duration::from_secs(120), "every order to hold a code", || {
-        let codes = codes.clone();
-        async move {
-            codes
-                .count_documents(doc! {"pool": "chaos", "order_id": {"$type": "string"}})
-                .await
-                .unwrap_or(0)
-                == expected
-        }
-    })
+    eventually(
+        Duration::from_secs(120),
+        "every order to hold a code",
+        || {
+            let codes = codes.clone();
+            async move {
+                codes
+                    .count_documents(doc! {"pool": "chaos", "order_id": {"$type": "string"}})
+                    .await
+                    .unwrap_or(0)
+                    == expected
+            }
+        },
+    )
     .await;
-    let conn = codepool_broker::connect(AMQP_URL, "chaos-check").await.unwrap();
+    let conn = codepool_broker::connect(AMQP_URL, "chaos-check")
+        .await
+        .unwrap();
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(Duration::from_secs(60), "the purchases queue to drain", || {
-        let ch = ch.clone();
-        let q = t.purchases.clone();
-        async move { queue_depth(&ch, &q).await == 0 }
-    })
+    eventually(
+        Duration::from_secs(60),
+        "the purchases queue to drain",
+        || {
+            let ch = ch.clone();
+            let q = t.purchases.clone();
+            async move { queue_depth(&ch, &q).await == 0 }
+        },
+    )
     .await;
     // Give in-flight acks a moment, then stop everyone gracefully.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let statuses = d.stop_all().await;
     for st in &statuses {
-        assert!(st.success(), "a dispatcher exited with {st} on SIGTERM; logs in {}", logs.display());
+        assert!(
+            st.success(),
+            "a dispatcher exited with {st} on SIGTERM; logs in {}",
+            logs.display()
+        );
     }
     // Nothing was left unacked: with every consumer gone, the queue is empty.
-    assert_eq!(queue_depth(&ch, &t.purchases).await, 0, "unacked purchases were left behind");
+    assert_eq!(
+        queue_depth(&ch, &t.purchases).await,
+        0,
+        "unacked purchases were left behind"
+    );
 
     // In MongoDB: one code per order, one order per code.
     let issued: Vec<bson::Document> = codes
@@ -342,9 +384,15 @@ async fn chaos_keeps_every_invariant() {
         }
     }
     // Backorders: created only while codes ran out, all fulfilled since.
-    let backorders = env.store.database().collection::<bson::Document>("backorders");
+    let backorders = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders");
     let bo_total = backorders.count_documents(doc! {}).await.unwrap();
-    let bo_waiting = backorders.count_documents(doc! {"status": "waiting"}).await.unwrap();
+    let bo_waiting = backorders
+        .count_documents(doc! {"status": "waiting"})
+        .await
+        .unwrap();
     violations += bo_waiting as usize;
 
     // Every grant has an SMS-pending event, always with its own code.
@@ -357,7 +405,10 @@ async fn chaos_keeps_every_invariant() {
         }
         evented.insert(ev.order_id);
     }
-    let missing_events = orders.iter().filter(|p| !evented.contains(&p.order_id)).count();
+    let missing_events = orders
+        .iter()
+        .filter(|p| !evented.contains(&p.order_id))
+        .count();
     violations += missing_events;
 
     // Exactly the invalid messages are dead-lettered (a redelivery after a
@@ -382,9 +433,20 @@ async fn chaos_keeps_every_invariant() {
         started.elapsed().as_secs_f64(),
     );
     assert_eq!(missing_events, 0, "grants without an SMS-pending event");
-    assert!(bo_total > 0, "the pool never ran out, so backorders were not exercised");
-    assert_eq!(dead_ids, invalid_ids, "dead letters are not exactly the invalid messages");
-    assert_eq!(violations, 0, "invariants violated; dispatcher logs in {}", logs.display());
+    assert!(
+        bo_total > 0,
+        "the pool never ran out, so backorders were not exercised"
+    );
+    assert_eq!(
+        dead_ids, invalid_ids,
+        "dead letters are not exactly the invalid messages"
+    );
+    assert_eq!(
+        violations,
+        0,
+        "invariants violated; dispatcher logs in {}",
+        logs.display()
+    );
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
     let _ = std::fs::remove_dir_all(&logs);

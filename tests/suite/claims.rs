@@ -50,18 +50,35 @@ async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
     let mut orders = HashSet::new();
     for (p, outcome) in &results {
         let ClaimOutcome::Granted { grant, fresh } = outcome else {
-            panic!("order {} got no code from a pool with enough codes", p.order_id);
+            panic!(
+                "order {} got no code from a pool with enough codes",
+                p.order_id
+            );
         };
         assert!(fresh);
         assert_eq!(grant.order_id, p.order_id);
-        assert!(codes.insert(grant.code.clone()), "code {} issued twice", grant.code);
+        assert!(
+            codes.insert(grant.code.clone()),
+            "code {} issued twice",
+            grant.code
+        );
         orders.insert(p.order_id.clone());
     }
     assert_eq!(codes.len(), 2000);
     assert_eq!(orders.len(), 2000);
     let coll = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(coll.count_documents(doc! {"pool": "distinct", "status": 1}).await.unwrap(), 2000);
-    assert_eq!(coll.count_documents(doc! {"pool": "distinct", "status": 0}).await.unwrap(), 0);
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "distinct", "status": 1})
+            .await
+            .unwrap(),
+        2000
+    );
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "distinct", "status": 0})
+            .await
+            .unwrap(),
+        0
+    );
     env.cleanup().await;
 }
 
@@ -86,11 +103,28 @@ async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_back
     assert_eq!(exhausted.len(), 1900);
     // The dispatcher records exhausted purchases as backorders, durably.
     assert_eq!(env.store.record_backorders(&exhausted).await.unwrap(), 1900);
-    assert_eq!(env.store.record_backorders(&exhausted[..10]).await.unwrap(), 0);
-    let backorders = env.store.database().collection::<bson::Document>("backorders");
-    assert_eq!(backorders.count_documents(doc! {"pool": "small"}).await.unwrap(), 1900);
+    assert_eq!(
+        env.store.record_backorders(&exhausted[..10]).await.unwrap(),
+        0
+    );
+    let backorders = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders");
+    assert_eq!(
+        backorders
+            .count_documents(doc! {"pool": "small"})
+            .await
+            .unwrap(),
+        1900
+    );
     let coll = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(coll.count_documents(doc! {"pool": "small", "status": 1}).await.unwrap(), 100);
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "small", "status": 1})
+            .await
+            .unwrap(),
+        100
+    );
     env.cleanup().await;
 }
 
@@ -112,20 +146,35 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
     assert_ne!(code_of(&first[0]), code_of(&first[2]));
     let again = engine.claim_batch(&[&p]).await.unwrap();
     assert_eq!(code_of(&again[0]), code_of(&first[0]));
-    assert!(matches!(again[0], ClaimOutcome::Granted { fresh: false, .. }));
+    assert!(matches!(
+        again[0],
+        ClaimOutcome::Granted { fresh: false, .. }
+    ));
     // Concurrent redeliveries from several claimers.
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let engine = env.engine();
         let p = p.clone();
-        tasks.push(tokio::spawn(async move { engine.claim_batch(&[&p]).await.unwrap() }));
+        tasks.push(tokio::spawn(async move {
+            engine.claim_batch(&[&p]).await.unwrap()
+        }));
     }
     for t in tasks {
         assert_eq!(code_of(&t.await.unwrap()[0]), code_of(&first[0]));
     }
     let coll = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(coll.count_documents(doc! {"order_id": "DUP-1"}).await.unwrap(), 1);
-    assert_eq!(coll.count_documents(doc! {"pool": "dupes", "status": 1}).await.unwrap(), 2);
+    assert_eq!(
+        coll.count_documents(doc! {"order_id": "DUP-1"})
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "dupes", "status": 1})
+            .await
+            .unwrap(),
+        2
+    );
     env.cleanup().await;
 }
 
@@ -136,13 +185,17 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
     let engine = env.engine();
     let p = purchase("GNO-1", "gno");
     let first = engine.claim_batch(&[&p]).await.unwrap();
-    let ClaimOutcome::Granted { grant, .. } = &first[0] else { panic!("no grant") };
+    let ClaimOutcome::Granted { grant, .. } = &first[0] else {
+        panic!("no grant")
+    };
     let no = grant.grant_no.clone().expect("grant number");
     let today = chrono::Utc::now().format("%Y%m%d").to_string();
     assert!(no.starts_with(&format!("G{today}")), "{no}");
     assert!(no.len() >= 1 + 8 + 4);
     let again = engine.claim_batch(&[&p]).await.unwrap();
-    let ClaimOutcome::Granted { grant: g2, .. } = &again[0] else { panic!("no grant") };
+    let ClaimOutcome::Granted { grant: g2, .. } = &again[0] else {
+        panic!("no grant")
+    };
     assert_eq!(g2.grant_no.as_deref(), Some(no.as_str()));
     assert_eq!(g2.sms_pending().event_id, "sms:GNO-1");
     env.cleanup().await;
@@ -155,20 +208,45 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
     let engine = env.engine();
     let p = purchase("REFUND-1", "refund");
     let first = engine.claim_batch(&[&p]).await.unwrap();
-    let ClaimOutcome::Granted { grant, .. } = &first[0] else { panic!("no grant") };
+    let ClaimOutcome::Granted { grant, .. } = &first[0] else {
+        panic!("no grant")
+    };
     assert!(!grant.revoked);
     env.store
-        .void(codepool_store::lifecycle::CodeRef::Order("REFUND-1"), "refund")
+        .void(
+            codepool_store::lifecycle::CodeRef::Order("REFUND-1"),
+            "refund",
+        )
         .await
         .unwrap();
     let again = engine.claim_batch(&[&p]).await.unwrap();
-    let ClaimOutcome::Granted { grant: g2, fresh } = &again[0] else { panic!("no outcome") };
+    let ClaimOutcome::Granted { grant: g2, fresh } = &again[0] else {
+        panic!("no outcome")
+    };
     assert!(!fresh);
-    assert!(g2.revoked, "the order's code is void: the dispatcher must not text it");
+    assert!(
+        g2.revoked,
+        "the order's code is void: the dispatcher must not text it"
+    );
     assert_eq!(g2.code, grant.code);
     let coll = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(coll.count_documents(doc! {"order_id": "REFUND-1"}).await.unwrap(), 1);
-    assert_eq!(coll.count_documents(doc! {"pool": "refund", "status": 1}).await.unwrap(), 0);
-    assert_eq!(coll.count_documents(doc! {"pool": "refund", "status": 0}).await.unwrap(), 4);
+    assert_eq!(
+        coll.count_documents(doc! {"order_id": "REFUND-1"})
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "refund", "status": 1})
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        coll.count_documents(doc! {"pool": "refund", "status": 0})
+            .await
+            .unwrap(),
+        4
+    );
     env.cleanup().await;
 }

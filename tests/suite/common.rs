@@ -47,12 +47,18 @@ impl TestEnv {
 
     pub async fn with_redis(test: &str, redis_url: &str) -> Self {
         let s = suffix();
-        let short: String = test.chars().filter(|c| c.is_ascii_alphanumeric()).take(24).collect();
+        let short: String = test
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .take(24)
+            .collect();
         let db = format!("cpt_{short}_{s}");
         let store = Store::connect(MONGO_URI, &db)
             .await
             .expect("MongoDB must run on 127.0.0.1:27017 (make services)");
-        codepool_store::migrate::migrate(&store).await.expect("migrate");
+        codepool_store::migrate::migrate(&store)
+            .await
+            .expect("migrate");
         Self {
             name: test.to_owned(),
             redis_url: redis_url.to_owned(),
@@ -119,7 +125,11 @@ impl TestEnv {
                     expires_at: None,
                 })
                 .collect();
-            let out = self.store.insert_codes(pool, batch, &new).await.expect("insert");
+            let out = self
+                .store
+                .insert_codes(pool, batch, &new)
+                .await
+                .expect("insert");
             assert_eq!(out.inserted as usize, chunk.len());
         }
         codes
@@ -131,7 +141,13 @@ impl TestEnv {
         if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
             if let Ok(ch) = conn.create_channel().await {
                 let t = self.topology();
-                for q in [&t.purchases, &t.purchases_dead, &t.sms_pending, &t.sms_receipts, &t.code_redeemed] {
+                for q in [
+                    &t.purchases,
+                    &t.purchases_dead,
+                    &t.sms_pending,
+                    &t.sms_receipts,
+                    &t.code_redeemed,
+                ] {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }
                 for e in [&t.sms_exchange, &t.events_exchange] {
@@ -212,7 +228,10 @@ where
         if check().await {
             return;
         }
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -247,7 +266,16 @@ impl PrivateRedis {
 
     pub async fn restart(&mut self) {
         let child = std::process::Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -257,9 +285,14 @@ impl PrivateRedis {
         eventually(Duration::from_secs(10), "private redis to answer", || {
             let url = url.clone();
             async move {
-                let Ok(client) = redis::Client::open(url.as_str()) else { return false };
+                let Ok(client) = redis::Client::open(url.as_str()) else {
+                    return false;
+                };
                 match client.get_multiplexed_async_connection().await {
-                    Ok(mut c) => redis::cmd("PING").query_async::<String>(&mut c).await.is_ok(),
+                    Ok(mut c) => redis::cmd("PING")
+                        .query_async::<String>(&mut c)
+                        .await
+                        .is_ok(),
                     Err(_) => false,
                 }
             }
@@ -276,8 +309,14 @@ impl PrivateRedis {
 
     pub async fn flushall(&self) {
         let client = redis::Client::open(self.url().as_str()).expect("url");
-        let mut c = client.get_multiplexed_async_connection().await.expect("connect");
-        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.expect("flushall");
+        let mut c = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect");
+        let _: () = redis::cmd("FLUSHALL")
+            .query_async(&mut c)
+            .await
+            .expect("flushall");
     }
 }
 

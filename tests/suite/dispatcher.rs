@@ -55,7 +55,9 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
-    let orders: Vec<_> = (0..1000).map(|i| purchase(&format!("E2E-{i:05}"), "e2e")).collect();
+    let orders: Vec<_> = (0..1000)
+        .map(|i| purchase(&format!("E2E-{i:05}"), "e2e"))
+        .collect();
     let mut confirms = Vec::new();
     for p in &orders {
         confirms.push(publisher.publish_purchase(p).await.unwrap());
@@ -106,21 +108,35 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 
     // In MongoDB: every order exactly one code.
     let codes = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(codes.count_documents(doc! {"pool": "e2e", "status": 1}).await.unwrap(), 1000);
+    assert_eq!(
+        codes
+            .count_documents(doc! {"pool": "e2e", "status": 1})
+            .await
+            .unwrap(),
+        1000
+    );
     let ids: Vec<&str> = orders.iter().map(|p| p.order_id.as_str()).collect();
     let grants = env.store.grants_for_orders(&ids).await.unwrap();
     assert_eq!(grants.len(), 1000);
 
     // Events: one code per order, never one code for two orders.
     let events = drain(&ch, &t.sms_pending).await;
-    assert_eq!(events.len(), 1100, "one event per delivery, duplicates re-sent");
+    assert_eq!(
+        events.len(),
+        1100,
+        "one event per delivery, duplicates re-sent"
+    );
     let mut code_of: HashMap<String, String> = HashMap::new();
     for e in &events {
         let ev: SmsPending = serde_json::from_slice(&e.body).unwrap();
         assert_eq!(ev.event_id, format!("sms:{}", ev.order_id));
         assert_eq!(e.message_id.as_deref(), Some(ev.event_id.as_str()));
         let prev = code_of.insert(ev.order_id.clone(), ev.code.clone());
-        assert!(prev.is_none_or(|c| c == ev.code), "order {} got two codes", ev.order_id);
+        assert!(
+            prev.is_none_or(|c| c == ev.code),
+            "order {} got two codes",
+            ev.order_id
+        );
         assert_eq!(grants[&ev.order_id].code, ev.code);
     }
     let distinct: HashSet<&String> = code_of.values().collect();
@@ -129,8 +145,17 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
     // Exactly the invalid messages are dead-lettered, each with a reason.
     let dead = drain(&ch, &t.purchases_dead).await;
     assert_eq!(dead.len(), invalid.len());
-    let reasons: Vec<String> = dead.iter().map(|d| d.reason.clone().unwrap_or_default()).collect();
-    for expected in ["not_json", "wrong_type", "missing_field", "unknown_pool", "invalid_phone"] {
+    let reasons: Vec<String> = dead
+        .iter()
+        .map(|d| d.reason.clone().unwrap_or_default())
+        .collect();
+    for expected in [
+        "not_json",
+        "wrong_type",
+        "missing_field",
+        "unknown_pool",
+        "invalid_phone",
+    ] {
         assert!(
             reasons.iter().any(|r| r.starts_with(expected)),
             "no dead letter with reason {expected}: {reasons:?}"
@@ -147,14 +172,30 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
     let mut dispatcher = start_dispatcher(&env).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
-    let orders: Vec<_> = (0..20).map(|i| purchase(&format!("BO-{i:03}"), "bo")).collect();
+    let orders: Vec<_> = (0..20)
+        .map(|i| purchase(&format!("BO-{i:03}"), "bo"))
+        .collect();
     for p in &orders {
-        publisher.publish_purchase(p).await.unwrap().wait().await.unwrap();
+        publisher
+            .publish_purchase(p)
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
     }
-    let backorders = env.store.database().collection::<bson::Document>("backorders");
+    let backorders = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders");
     eventually(Duration::from_secs(30), "15 backorders", || {
         let b = backorders.clone();
-        async move { b.count_documents(doc! {"pool": "bo", "status": "waiting"}).await.unwrap() == 15 }
+        async move {
+            b.count_documents(doc! {"pool": "bo", "status": "waiting"})
+                .await
+                .unwrap()
+                == 15
+        }
     })
     .await;
 
@@ -169,10 +210,19 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
         .output()
         .await
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     eventually(Duration::from_secs(30), "backorders fulfilled", || {
         let b = backorders.clone();
-        async move { b.count_documents(doc! {"pool": "bo", "status": "fulfilled"}).await.unwrap() == 15 }
+        async move {
+            b.count_documents(doc! {"pool": "bo", "status": "fulfilled"})
+                .await
+                .unwrap()
+                == 15
+        }
     })
     .await;
     let ids: Vec<&str> = orders.iter().map(|p| p.order_id.as_str()).collect();
@@ -188,7 +238,10 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
     })
     .await;
     sigterm(&dispatcher);
-    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait()).await.unwrap().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(status.success());
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
@@ -202,7 +255,13 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let late = purchase("LATE-1", "late-pool");
-    publisher.publish_purchase(&late).await.unwrap().wait().await.unwrap();
+    publisher
+        .publish_purchase(&late)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
     publisher
         .publish_purchase_bytes(b"garbage", Some("GARBAGE-1"))
         .await
@@ -219,7 +278,11 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     })
     .await;
 
-    let out = env.command(&["dead-letters", "list", "--json"]).output().await.unwrap();
+    let out = env
+        .command(&["dead-letters", "list", "--json"])
+        .output()
+        .await
+        .unwrap();
     assert!(out.status.success());
     let listed: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -228,7 +291,11 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     assert_eq!(listed.len(), 2);
     assert!(listed.iter().any(|m| m["message_id"] == "LATE-1"
         && m["reason"].as_str().unwrap().starts_with("unknown_pool")));
-    assert_eq!(queue_depth(&ch, &dead_q).await, 2, "listing must not consume");
+    assert_eq!(
+        queue_depth(&ch, &dead_q).await,
+        2,
+        "listing must not consume"
+    );
 
     // Fix the cause (the pool gets codes), then replay only that reason.
     env.fill_pool("late-pool", 3).await;
@@ -237,17 +304,28 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
         .output()
         .await
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    eventually(Duration::from_secs(20), "the replayed purchase to be granted", || {
-        let store = env.store.clone();
-        async move { store.grants_for_orders(&["LATE-1"]).await.unwrap().len() == 1 }
-    })
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually(
+        Duration::from_secs(20),
+        "the replayed purchase to be granted",
+        || {
+            let store = env.store.clone();
+            async move { store.grants_for_orders(&["LATE-1"]).await.unwrap().len() == 1 }
+        },
+    )
     .await;
     let left = drain(&ch, &dead_q).await;
     assert_eq!(left.len(), 1, "the garbage message stays dead-lettered");
     assert_eq!(left[0].message_id.as_deref(), Some("GARBAGE-1"));
     sigterm(&dispatcher);
-    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait()).await.unwrap().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(status.success());
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;

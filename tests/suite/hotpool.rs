@@ -6,10 +6,10 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bson::doc;
-use futures::TryStreamExt;
 use codepool_dispatcher::ClaimOutcome;
 use codepool_domain::Purchase;
 use codepool_store::codes::ScanClaim;
+use futures::TryStreamExt;
 
 use crate::common::{purchase, PrivateRedis, TestEnv};
 
@@ -37,7 +37,12 @@ where
                 .collect();
             for chunk in purchases.chunks(5) {
                 let refs: Vec<&Purchase> = chunk.iter().collect();
-                out.extend(engine.claim_batch(&refs).await.expect("claims never fail on Redis trouble"));
+                out.extend(
+                    engine
+                        .claim_batch(&refs)
+                        .await
+                        .expect("claims never fail on Redis trouble"),
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             out
@@ -59,7 +64,11 @@ fn assert_all_distinct(outcomes: &[ClaimOutcome], expected: usize) {
         let ClaimOutcome::Granted { grant, .. } = o else {
             panic!("a purchase went without a code while the pool had enough");
         };
-        assert!(codes.insert(grant.code.clone()), "code issued twice: {}", grant.code);
+        assert!(
+            codes.insert(grant.code.clone()),
+            "code issued twice: {}",
+            grant.code
+        );
         assert!(orders.insert(grant.order_id.clone()));
     }
     assert_eq!(codes.len(), expected);
@@ -87,7 +96,13 @@ async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
     let client = redis::Client::open(redis.url().as_str()).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
     let key = format!("{}:{{hot}}:hot", env.redis_prefix);
-    let members: HashSet<String> = redis::cmd("ZRANGE").arg(&key).arg(0).arg(-1).query_async(&mut c).await.unwrap();
+    let members: HashSet<String> = redis::cmd("ZRANGE")
+        .arg(&key)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
     let unissued: Vec<bson::Document> = env
         .store
         .database()
@@ -100,7 +115,10 @@ async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
         .unwrap();
     assert_eq!(unissued.len(), 1500 - 1280);
     for d in &unissued {
-        assert!(members.contains(&d.get_object_id("_id").unwrap().to_hex()), "an unissued code is missing from the hot set");
+        assert!(
+            members.contains(&d.get_object_id("_id").unwrap().to_hex()),
+            "an unissued code is missing from the hot set"
+        );
     }
     env.cleanup().await;
 }
@@ -115,7 +133,10 @@ async fn a_redis_flushall_mid_run_loses_nothing_and_issues_nothing_twice() {
     assert_eq!(issued_count(&env, "flush").await, 1000);
     // The hot set was rebuilt from MongoDB after the flush.
     let engine = env.engine();
-    let more = engine.claim_batch(&[&purchase("AFTER-1", "flush")]).await.unwrap();
+    let more = engine
+        .claim_batch(&[&purchase("AFTER-1", "flush")])
+        .await
+        .unwrap();
     assert!(matches!(more[0], ClaimOutcome::Granted { fresh: true, .. }));
     env.cleanup().await;
 }
@@ -140,14 +161,23 @@ async fn a_stopped_redis_mid_run_falls_back_to_mongodb_and_comes_back() {
     assert!(hot.is_degraded());
     // Claims keep working with Redis down…
     let engine = env.engine();
-    let down = engine.claim_batch(&[&purchase("DOWN-1", "stop")]).await.unwrap();
+    let down = engine
+        .claim_batch(&[&purchase("DOWN-1", "stop")])
+        .await
+        .unwrap();
     assert!(matches!(down[0], ClaimOutcome::Granted { fresh: true, .. }));
     // …and the hot pool comes back on its own when Redis does.
     redis.restart().await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let up = engine.claim_batch(&[&purchase("UP-1", "stop")]).await.unwrap();
+    let up = engine
+        .claim_batch(&[&purchase("UP-1", "stop")])
+        .await
+        .unwrap();
     assert!(matches!(up[0], ClaimOutcome::Granted { fresh: true, .. }));
-    assert!(hot.len("stop").await.unwrap() > 0, "hot set rebuilt after the restart");
+    assert!(
+        hot.len("stop").await.unwrap() > 0,
+        "hot set rebuilt after the restart"
+    );
     assert!(!hot.is_degraded());
     assert_eq!(issued_count(&env, "stop").await, 1002);
     env.cleanup().await;
@@ -175,17 +205,25 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
         fallback_codes.insert(doc.code);
     }
     // The oldest candidates in Redis are now stale; claims must skip them.
-    let purchases: Vec<Purchase> = (0..30).map(|i| purchase(&format!("HOT-{i}"), "stale")).collect();
+    let purchases: Vec<Purchase> = (0..30)
+        .map(|i| purchase(&format!("HOT-{i}"), "stale"))
+        .collect();
     let refs: Vec<&Purchase> = purchases.iter().collect();
     let outcomes = engine.claim_batch(&refs).await.unwrap();
     assert_all_distinct(&outcomes, 30);
     for o in &outcomes {
         if let ClaimOutcome::Granted { grant, .. } = o {
-            assert!(!fallback_codes.contains(&grant.code), "a code issued by the fallback was issued again");
+            assert!(
+                !fallback_codes.contains(&grant.code),
+                "a code issued by the fallback was issued again"
+            );
         }
     }
     // The pool is now empty: one more is exhausted, not double-issued.
-    let last = engine.claim_batch(&[&purchase("HOT-LAST", "stale")]).await.unwrap();
+    let last = engine
+        .claim_batch(&[&purchase("HOT-LAST", "stale")])
+        .await
+        .unwrap();
     assert_eq!(last[0], ClaimOutcome::Exhausted);
     env.cleanup().await;
 }

@@ -39,12 +39,19 @@ async fn import_handles_bom_crlf_quotes_blank_lines_and_spaces() {
     assert_eq!(s["invalid"], 0);
     let codes = env.store.database().collection::<bson::Document>("codes");
     for c in ["AAA-1", "BB,B-2", "CCC-3"] {
-        let d = codes.find_one(doc! {"pool": "shapes", "code": c}).await.unwrap();
+        let d = codes
+            .find_one(doc! {"pool": "shapes", "code": c})
+            .await
+            .unwrap();
         let d = d.unwrap_or_else(|| panic!("{c} missing"));
         assert_eq!(d.get_i32("status").unwrap(), 0);
         assert_eq!(d.get_i32("is_sms").unwrap(), 0);
     }
-    let with_expiry = codes.find_one(doc! {"code": "BB,B-2"}).await.unwrap().unwrap();
+    let with_expiry = codes
+        .find_one(doc! {"code": "BB,B-2"})
+        .await
+        .unwrap()
+        .unwrap();
     assert!(with_expiry.get_datetime("expires_at").is_ok());
     env.cleanup().await;
 }
@@ -66,8 +73,18 @@ async fn invalid_rows_are_reported_by_line_and_skipped_with_exit_2() {
         .map(|r| r["line"].as_u64().unwrap())
         .collect();
     assert_eq!(lines, vec![3, 4, 5]);
-    let reasons: Vec<&str> = s["invalid_rows"].as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap()).collect();
-    assert!(reasons[0].contains("empty") && reasons[1].contains("129") && reasons[2].contains("control"), "{reasons:?}");
+    let reasons: Vec<&str> = s["invalid_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        reasons[0].contains("empty")
+            && reasons[1].contains("129")
+            && reasons[2].contains("control"),
+        "{reasons:?}"
+    );
     env.cleanup().await;
 }
 
@@ -90,7 +107,10 @@ async fn importing_the_same_file_twice_inserts_nothing_the_second_time() {
     assert_eq!(second["duplicates"], 2501);
     assert_eq!(first["sha256"], second["sha256"]);
     let codes = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(codes.count_documents(doc! {"pool": "twice"}).await.unwrap(), 2500);
+    assert_eq!(
+        codes.count_documents(doc! {"pool": "twice"}).await.unwrap(),
+        2500
+    );
     // seq increases per pool and is unique.
     let seqs: Vec<i64> = codes
         .distinct("seq", doc! {"pool": "twice"})
@@ -102,7 +122,9 @@ async fn importing_the_same_file_twice_inserts_nothing_the_second_time() {
     assert_eq!(seqs.len(), 2500);
     let audits = env.store.recent_imports(10).await.unwrap();
     assert_eq!(audits.len(), 2);
-    assert!(audits.iter().all(|a| a.status == "done" && a.sha256.is_some()));
+    assert!(audits
+        .iter()
+        .all(|a| a.status == "done" && a.sha256.is_some()));
     env.cleanup().await;
 }
 
@@ -128,7 +150,10 @@ async fn import_peak_rss_mb(env: &TestEnv, path: &std::path::Path, pool: &str) -
             }
         }
         if let Ok(Some(status)) = child.try_wait() {
-            assert!(status.success() || status.code() == Some(0), "import failed: {status}");
+            assert!(
+                status.success() || status.code() == Some(0),
+                "import failed: {status}"
+            );
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -154,7 +179,13 @@ async fn a_200k_code_file_imports_with_flat_memory() {
     let small_mb = import_peak_rss_mb(&env, small.path(), "mem-small").await;
     let big_mb = import_peak_rss_mb(&env, big.path(), "mem-big").await;
     let codes = env.store.database().collection::<bson::Document>("codes");
-    assert_eq!(codes.count_documents(doc! {"pool": "mem-big"}).await.unwrap(), 200_000);
+    assert_eq!(
+        codes
+            .count_documents(doc! {"pool": "mem-big"})
+            .await
+            .unwrap(),
+        200_000
+    );
     // Ten times the rows must not mean noticeably more memory.
     assert!(
         big_mb < small_mb + 25.0 && big_mb < 100.0,

@@ -55,6 +55,8 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection, BrokerError> {
     match tokio::time::timeout(std::time::Duration::from_secs(10), connect).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(BrokerError::Unavailable(e.to_string())),
-        Err(_) => Err(BrokerError::Unavailable("connection timed out after 10s".into())),
+        Err(_) => Err(BrokerError::Unavailable(
+            "connection timed out after 10s".into(),
+        )),
     }
 }

@@ -94,7 +94,10 @@ impl Publisher {
     }
 
     /// A purchase onto the purchases queue, `message_id` = `order_id`.
-    pub async fn publish_purchase(&self, purchase: &Purchase) -> Result<PendingConfirm, BrokerError> {
+    pub async fn publish_purchase(
+        &self,
+        purchase: &Purchase,
+    ) -> Result<PendingConfirm, BrokerError> {
         self.publish_purchase_bytes(&purchase.to_json(), Some(&purchase.order_id))
             .await
     }
@@ -115,7 +118,10 @@ impl Publisher {
 
     /// The SMS-pending event of a grant, with its stable `event_id` as the
     /// message id so the SMS service can drop duplicates.
-    pub async fn publish_sms_pending(&self, event: &SmsPending) -> Result<PendingConfirm, BrokerError> {
+    pub async fn publish_sms_pending(
+        &self,
+        event: &SmsPending,
+    ) -> Result<PendingConfirm, BrokerError> {
         let props = persistent_json().with_message_id(event.event_id.as_str().into());
         let exchange = self.topology.sms_exchange.clone();
         self.publish(&exchange, SMS_PENDING_KEY, &event.to_json(), props)
@@ -124,7 +130,10 @@ impl Publisher {
 
     /// A pool event on the events exchange. Not mandatory: nobody may be
     /// listening for pool events, and that is fine.
-    pub async fn publish_pool_event(&self, event: &PoolEvent) -> Result<PendingConfirm, BrokerError> {
+    pub async fn publish_pool_event(
+        &self,
+        event: &PoolEvent,
+    ) -> Result<PendingConfirm, BrokerError> {
         let inner = self
             .channel
             .basic_publish(
@@ -151,10 +160,7 @@ impl Publisher {
         reason: &str,
     ) -> Result<PendingConfirm, BrokerError> {
         let mut headers = FieldTable::default();
-        headers.insert(
-            REASON_HEADER.into(),
-            AMQPValue::LongString(reason.into()),
-        );
+        headers.insert(REASON_HEADER.into(), AMQPValue::LongString(reason.into()));
         let mut props = persistent_json().with_headers(headers);
         if let Some(id) = message_id {
             props = props.with_message_id(id.clone());

@@ -95,17 +95,16 @@ impl Topology {
 
         for exchange in [&self.sms_exchange, &self.events_exchange] {
             channel
-                .exchange_declare(
-                    exchange,
-                    ExchangeKind::Topic,
-                    topic,
-                    FieldTable::default(),
-                )
+                .exchange_declare(exchange, ExchangeKind::Topic, topic, FieldTable::default())
                 .await
                 .map_err(|e| fail(exchange, e))?;
         }
         for (queue, exchange, keys) in [
-            (&self.sms_pending, &self.sms_exchange, &[SMS_PENDING_KEY][..]),
+            (
+                &self.sms_pending,
+                &self.sms_exchange,
+                &[SMS_PENDING_KEY][..],
+            ),
             (
                 &self.sms_receipts,
                 &self.sms_exchange,

@@ -88,7 +88,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Pool(args) => commands::pool::run(&cfg, args).await,
         Command::Seq(args) => {
             let store = crate::context::store(&cfg).await?;
-            commands::seq::run(args, store.database().clone(), &cfg.redis_url, &cfg.redis_prefix).await?;
+            commands::seq::run(
+                args,
+                store.database().clone(),
+                &cfg.redis_url,
+                &cfg.redis_prefix,
+            )
+            .await?;
             Ok(crate::exit::OK)
         }
         Command::Bench(args) => crate::bench::run(&cfg, args).await,

@@ -51,7 +51,13 @@ pub struct Config {
     pub amqp_prefix: String,
 
     /// Log format on stderr.
-    #[arg(long, env = "CODEPOOL_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "CODEPOOL_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
     pub log_format: LogFormat,
 }
 

@@ -54,11 +54,18 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
         "mongodb: {}\nrabbitmq: {}\nredis: {}\n",
         if h.mongo() { "up" } else { "down" },
         if h.amqp() { "up" } else { "down" },
-        if h.redis_degraded() { "degraded (claims fall back to MongoDB)" } else { "up" },
+        if h.redis_degraded() {
+            "degraded (claims fall back to MongoDB)"
+        } else {
+            "up"
+        },
     );
     if h.ready() {
         (StatusCode::OK, format!("ready\n{body}"))
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready\n{body}"))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\n{body}"),
+        )
     }
 }

@@ -28,7 +28,10 @@ pub mod exit {
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     telemetry::init(cli.config.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

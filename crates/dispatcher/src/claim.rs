@@ -97,7 +97,12 @@ struct Pending<'a> {
 }
 
 impl ClaimEngine {
-    pub fn new(store: Store, hot: HotPool, numbers: Arc<GrantNumbers>, config: ClaimConfig) -> Self {
+    pub fn new(
+        store: Store,
+        hot: HotPool,
+        numbers: Arc<GrantNumbers>,
+        config: ClaimConfig,
+    ) -> Self {
         Self {
             store,
             hot,
@@ -117,7 +122,10 @@ impl ClaimEngine {
 
     /// Claims one code for every purchase, returning outcomes aligned with
     /// the input. Purchases of the same order share one outcome.
-    pub async fn claim_batch(&self, purchases: &[&Purchase]) -> Result<Vec<ClaimOutcome>, ClaimError> {
+    pub async fn claim_batch(
+        &self,
+        purchases: &[&Purchase],
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let started = Instant::now();
         // One entry per distinct order; duplicates in the batch point at it.
         let mut first_of: HashMap<&str, usize> = HashMap::new();
@@ -175,7 +183,10 @@ impl ClaimEngine {
             todo = self.claim_candidates(&mut pending, &mut outcomes).await?;
             if !todo.is_empty() {
                 metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
-                debug!(lost = todo.len(), "candidates already taken; retrying with fresh ones");
+                debug!(
+                    lost = todo.len(),
+                    "candidates already taken; retrying with fresh ones"
+                );
             }
         }
         scan.extend(todo);
@@ -207,7 +218,11 @@ impl ClaimEngine {
         let mut assignments = Vec::with_capacity(pending.len());
         let mut candidate_ids = Vec::with_capacity(pending.len());
         for ((_, p), grant_no) in pending.iter().zip(numbers) {
-            let c = p.candidate.as_ref().map(|c| c.id.as_str()).unwrap_or_default();
+            let c = p
+                .candidate
+                .as_ref()
+                .map(|c| c.id.as_str())
+                .unwrap_or_default();
             let Ok(code_id) = ObjectId::parse_str(c) else {
                 // Not an id we wrote: skip it; the order retries.
                 candidate_ids.push(None);
@@ -242,7 +257,10 @@ impl ClaimEngine {
                     .find(|(_, p)| p.purchase.order_id == a.order_id)
                 {
                     if let Some(c) = &p.candidate {
-                        unused.entry(p.purchase.pool.as_str()).or_default().push(c.clone());
+                        unused
+                            .entry(p.purchase.pool.as_str())
+                            .or_default()
+                            .push(c.clone());
                     }
                 }
             }
@@ -262,17 +280,27 @@ impl ClaimEngine {
         // candidate can be the order's own, already issued, code.
         let assigned: HashMap<&str, (Option<ObjectId>, Option<&str>)> = assignments
             .iter()
-            .map(|a| (a.order_id.as_str(), (Some(a.code_id), a.grant_no.as_deref())))
+            .map(|a| {
+                (
+                    a.order_id.as_str(),
+                    (Some(a.code_id), a.grant_no.as_deref()),
+                )
+            })
             .collect();
         for ((i, p), _) in pending.iter().zip(candidate_ids) {
             match grants.get(&p.purchase.order_id) {
                 Some(doc) => {
                     if let Some(grant) = doc.grant() {
-                        let fresh = assigned.get(p.purchase.order_id.as_str()).is_some_and(
-                            |(id, no)| *id == Some(doc.id) && no.is_some_and(|n| doc.grant_no.as_deref() == Some(n)),
-                        );
+                        let fresh =
+                            assigned
+                                .get(p.purchase.order_id.as_str())
+                                .is_some_and(|(id, no)| {
+                                    *id == Some(doc.id)
+                                        && no.is_some_and(|n| doc.grant_no.as_deref() == Some(n))
+                                });
                         if fresh {
-                            metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
+                            metrics::counter!("codepool_claims_total", "path" => "hot")
+                                .increment(1);
                         }
                         outcomes[*i] = Some(ClaimOutcome::Granted { grant, fresh });
                     }
@@ -287,7 +315,10 @@ impl ClaimEngine {
         let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();
         for (_, p) in pending {
             if let Some(c) = &p.candidate {
-                by_pool.entry(p.purchase.pool.as_str()).or_default().push(c.clone());
+                by_pool
+                    .entry(p.purchase.pool.as_str())
+                    .or_default()
+                    .push(c.clone());
             }
         }
         for (pool, candidates) in by_pool {
@@ -402,7 +433,10 @@ impl ClaimEngine {
         let new_hwm = found.iter().map(|(_, s)| *s).max().unwrap_or(0).max(hwm);
         let candidates: Vec<Candidate> = found
             .into_iter()
-            .map(|(id, seq)| Candidate { id: id.to_hex(), seq })
+            .map(|(id, seq)| Candidate {
+                id: id.to_hex(),
+                seq,
+            })
             .collect();
         self.hot.add(pool, &candidates, new_hwm).await?;
         debug!(pool, added = candidates.len(), "hot pool refilled");
@@ -452,10 +486,15 @@ impl ClaimEngine {
             .collect();
         let grants = self.store.grants_for_orders(&orders).await?;
         for i in maybe_exhausted {
-            outcomes[i] = Some(match grants.get(&unique[i].order_id).and_then(CodeDoc::grant) {
-                Some(grant) => ClaimOutcome::Granted { grant, fresh: false },
-                None => ClaimOutcome::Exhausted,
-            });
+            outcomes[i] = Some(
+                match grants.get(&unique[i].order_id).and_then(CodeDoc::grant) {
+                    Some(grant) => ClaimOutcome::Granted {
+                        grant,
+                        fresh: false,
+                    },
+                    None => ClaimOutcome::Exhausted,
+                },
+            );
         }
         Ok(())
     }

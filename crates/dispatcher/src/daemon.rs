@@ -175,11 +175,15 @@ impl Dispatcher {
                 .await
                 .is_ok_and(|r| r.is_ok());
             self.health.set_mongo(up);
-            self.health.set_redis_degraded(self.engine.hot_pool().is_degraded());
+            self.health
+                .set_redis_degraded(self.engine.hot_pool().is_degraded());
         }
     }
 
-    async fn session(self: Arc<Self>, shutdown: &CancellationToken) -> Result<SessionEnd, BrokerError> {
+    async fn session(
+        self: Arc<Self>,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, BrokerError> {
         let cfg = &self.config;
         let conn = codepool_broker::connect(&cfg.amqp_url, &cfg.name).await?;
         let channel = conn.create_channel().await?;
@@ -354,7 +358,9 @@ impl Dispatcher {
                 if stop.is_cancelled() {
                     return;
                 }
-                if let Err(e) = fulfil_backorders(&self.engine, &self.store, &publisher, &pool).await {
+                if let Err(e) =
+                    fulfil_backorders(&self.engine, &self.store, &publisher, &pool).await
+                {
                     warn!(pool, error = %e, "fulfilling backorders failed; will retry at the next sweep");
                 }
             }
@@ -374,7 +380,12 @@ impl Dispatcher {
 
     /// Handles one batch of deliveries end to end. Never acks a purchase
     /// before its outcome is durable and its events are confirmed.
-    async fn process(&self, deliveries: Vec<Delivery>, publisher: &Publisher, stop: &CancellationToken) {
+    async fn process(
+        &self,
+        deliveries: Vec<Delivery>,
+        publisher: &Publisher,
+        stop: &CancellationToken,
+    ) {
         let received = Instant::now();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
 
@@ -439,7 +450,10 @@ impl Dispatcher {
             }
             let pools: HashSet<&str> = exhausted.iter().map(|p| p.pool.as_str()).collect();
             for pool in pools {
-                warn!(pool, "pool exhausted; purchases are backordered until codes are imported");
+                warn!(
+                    pool,
+                    "pool exhausted; purchases are backordered until codes are imported"
+                );
                 if let Ok(c) = publisher
                     .publish_pool_event(&PoolEvent::new(PoolEventKind::Exhausted, pool))
                     .await
@@ -471,13 +485,18 @@ impl Dispatcher {
                 }
                 info!(order_id = %p.order_id, pool = %p.pool, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh = is_new, "granted");
                 let id = ObjectId::parse_str(&grant.code_id).ok();
-                confirms.push((*i, id, publisher.publish_sms_pending(&grant.sms_pending()).await));
+                confirms.push((
+                    *i,
+                    id,
+                    publisher.publish_sms_pending(&grant.sms_pending()).await,
+                ));
             }
         }
         for (i, e) in &dead {
             let d = &deliveries[*i];
             warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = ?d.properties.message_id(), "purchase dead-lettered");
-            metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str()).increment(1);
+            metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str())
+                .increment(1);
             confirms.push((
                 *i,
                 None,
@@ -523,7 +542,8 @@ impl Dispatcher {
         metrics::counter!("codepool_duplicate_deliveries_total").increment(repeats);
         metrics::histogram!("codepool_batch_seconds").record(received.elapsed().as_secs_f64());
         for _ in 0..deliveries.len() - failed.len() {
-            metrics::histogram!("codepool_end_to_end_seconds").record(received.elapsed().as_secs_f64());
+            metrics::histogram!("codepool_end_to_end_seconds")
+                .record(received.elapsed().as_secs_f64());
         }
 
         // Take confirmed grants off the relay's list, in one write for many

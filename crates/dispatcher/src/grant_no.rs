@@ -38,7 +38,9 @@ impl GrantNumbers {
             }
         }
         let prefix = match self.store.pool(pool).await {
-            Ok(Some(doc)) => doc.grant_prefix.unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into()),
+            Ok(Some(doc)) => doc
+                .grant_prefix
+                .unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into()),
             _ => DEFAULT_GRANT_PREFIX.into(),
         };
         self.prefixes
@@ -49,7 +51,10 @@ impl GrantNumbers {
     }
 
     /// One number per purchase, aligned with the input.
-    pub async fn for_purchases(&self, purchases: &[&Purchase]) -> Result<Vec<Option<String>>, ClaimError> {
+    pub async fn for_purchases(
+        &self,
+        purchases: &[&Purchase],
+    ) -> Result<Vec<Option<String>>, ClaimError> {
         let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
         for (i, p) in purchases.iter().enumerate() {
             by_pool.entry(p.pool.as_str()).or_default().push(i);

@@ -36,7 +36,10 @@ pub async fn relay_unconfirmed(
     }
     store.mark_sms_published(&published).await?;
     if !published.is_empty() {
-        info!(count = published.len(), "relayed SMS-pending events that were never confirmed");
+        info!(
+            count = published.len(),
+            "relayed SMS-pending events that were never confirmed"
+        );
         metrics::counter!("codepool_sms_relayed_total").increment(published.len() as u64);
     }
     Ok(published.len() as u64)

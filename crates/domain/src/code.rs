@@ -129,9 +129,15 @@ mod tests {
     fn codes_are_trimmed_and_checked() {
         assert_eq!(validate_code("  AB-12 "), Ok("AB-12"));
         assert_eq!(validate_code("   "), Err(InvalidCode::Empty));
-        assert_eq!(validate_code(&"x".repeat(129)), Err(InvalidCode::TooLong(129)));
+        assert_eq!(
+            validate_code(&"x".repeat(129)),
+            Err(InvalidCode::TooLong(129))
+        );
         assert!(validate_code(&"x".repeat(128)).is_ok());
-        assert_eq!(validate_code("AB\u{7}C"), Err(InvalidCode::ControlCharacter(3)));
+        assert_eq!(
+            validate_code("AB\u{7}C"),
+            Err(InvalidCode::ControlCharacter(3))
+        );
     }
 
     #[test]

@@ -230,16 +230,39 @@ mod tests {
     fn invalid_messages_say_why() {
         assert_eq!(reason("nope"), RejectReason::NotJson);
         assert_eq!(reason("[1,2]"), RejectReason::NotObject);
-        assert_eq!(reason(r#"{"uid":"u","phone":"+123456","pool":"p"}"#), RejectReason::MissingField);
-        assert_eq!(reason(r#"{"order_id":7,"uid":"u","phone":"+123456","pool":"p"}"#), RejectReason::WrongType);
-        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"call me","pool":"p"}"#), RejectReason::InvalidPhone);
-        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"a b"}"#), RejectReason::InvalidPool);
-        assert_eq!(reason(r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"p","purchased_at":"yesterday"}"#), RejectReason::InvalidTime);
-        let long = format!(r#"{{"order_id":"{}","uid":"u","phone":"+123456","pool":"p"}}"#, "o".repeat(200));
+        assert_eq!(
+            reason(r#"{"uid":"u","phone":"+123456","pool":"p"}"#),
+            RejectReason::MissingField
+        );
+        assert_eq!(
+            reason(r#"{"order_id":7,"uid":"u","phone":"+123456","pool":"p"}"#),
+            RejectReason::WrongType
+        );
+        assert_eq!(
+            reason(r#"{"order_id":"o","uid":"u","phone":"call me","pool":"p"}"#),
+            RejectReason::InvalidPhone
+        );
+        assert_eq!(
+            reason(r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"a b"}"#),
+            RejectReason::InvalidPool
+        );
+        assert_eq!(
+            reason(
+                r#"{"order_id":"o","uid":"u","phone":"+123456","pool":"p","purchased_at":"yesterday"}"#
+            ),
+            RejectReason::InvalidTime
+        );
+        let long = format!(
+            r#"{{"order_id":"{}","uid":"u","phone":"+123456","pool":"p"}}"#,
+            "o".repeat(200)
+        );
         assert_eq!(reason(&long), RejectReason::TooLong);
         let huge = format!(r#"{{"order_id":"{}"}}"#, "o".repeat(MAX_MESSAGE_BYTES));
         assert_eq!(reason(&huge), RejectReason::TooLarge);
-        assert_eq!(Purchase::parse(&[0xff, 0xfe, b'{']).unwrap_err().reason, RejectReason::NotJson);
+        assert_eq!(
+            Purchase::parse(&[0xff, 0xfe, b'{']).unwrap_err().reason,
+            RejectReason::NotJson
+        );
     }
 
     #[test]

@@ -176,7 +176,9 @@ impl<R: Read> CodeRows<R> {
     }
 
     fn is_blank(&self) -> bool {
-        self.record.iter().all(|f| f.iter().all(u8::is_ascii_whitespace))
+        self.record
+            .iter()
+            .all(|f| f.iter().all(u8::is_ascii_whitespace))
     }
 }
 
@@ -248,7 +250,10 @@ fn strip_bom(record: &mut csv::ByteRecord) {
         let mut fixed = csv::ByteRecord::new();
         for (i, f) in record.iter().enumerate() {
             let f = if i == 0 { &f[BOM.len()..] } else { f };
-            let trimmed = std::str::from_utf8(f).map(str::trim).map(str::as_bytes).unwrap_or(f);
+            let trimmed = std::str::from_utf8(f)
+                .map(str::trim)
+                .map(str::as_bytes)
+                .unwrap_or(f);
             fixed.push_field(trimmed);
         }
         fixed.set_position(record.position().cloned());
@@ -275,7 +280,10 @@ mod tests {
 
     #[test]
     fn a_single_column_without_header_is_all_codes() {
-        assert_eq!(rows(b"AAA-1\nBBB-2\n"), vec![code(1, "AAA-1"), code(2, "BBB-2")]);
+        assert_eq!(
+            rows(b"AAA-1\nBBB-2\n"),
+            vec![code(1, "AAA-1"), code(2, "BBB-2")]
+        );
     }
 
     #[test]
@@ -337,7 +345,11 @@ mod tests {
         let input = format!("code,note\nGOOD-1,a\n,b\n{long},c\n\"A\tB\",d\nGOOD-2,e\n");
         let r = rows(input.as_bytes());
         assert_eq!(r[0], code(2, "GOOD-1"));
-        assert!(matches!(&r[1], Row::Invalid { line: 3, reason } if reason.contains("empty")), "{:?}", r[1]);
+        assert!(
+            matches!(&r[1], Row::Invalid { line: 3, reason } if reason.contains("empty")),
+            "{:?}",
+            r[1]
+        );
         assert!(matches!(&r[2], Row::Invalid { line: 4, reason } if reason.contains("129")));
         assert!(matches!(&r[3], Row::Invalid { line: 5, reason } if reason.contains("control")));
         assert_eq!(r[4], code(6, "GOOD-2"));
@@ -354,7 +366,10 @@ mod tests {
     fn the_hash_covers_the_whole_file() {
         let mut reader = CodeRows::new(&b"A\nB\n"[..]);
         while reader.next().is_some() {}
-        assert_eq!(reader.finish_sha256(), hex::encode(Sha256::digest(b"A\nB\n")));
+        assert_eq!(
+            reader.finish_sha256(),
+            hex::encode(Sha256::digest(b"A\nB\n"))
+        );
     }
 
     proptest! {

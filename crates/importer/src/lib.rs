@@ -16,4 +16,6 @@ pub mod csv_rows;
 pub mod import;
 
 pub use csv_rows::{CodeRows, Row};
-pub use import::{import_file, ImportError, ImportOptions, ImportProgress, ImportSummary, InvalidRow};
+pub use import::{
+    import_file, ImportError, ImportOptions, ImportProgress, ImportSummary, InvalidRow,
+};

@@ -84,7 +84,9 @@ fn parse(name: &str, text: &str) -> Result<Vec<Document>, StoreError> {
         .into_iter()
         .map(|item| match item {
             Bson::Document(d) => Ok(d),
-            other => Err(bad(format!("each command must be an object, found {other}"))),
+            other => Err(bad(format!(
+                "each command must be an object, found {other}"
+            ))),
         })
         .collect()
 }

@@ -81,9 +81,15 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 let body: String = body.chars().take(200).collect();
                 let id = d.properties.message_id().as_ref().map(|s| s.to_string());
                 if json {
-                    println!("{}", serde_json::json!({"message_id": id, "reason": reason, "body": body}));
+                    println!(
+                        "{}",
+                        serde_json::json!({"message_id": id, "reason": reason, "body": body})
+                    );
                 } else {
-                    println!("{}  reason: {reason}\n    body: {body}", id.as_deref().unwrap_or("-"));
+                    println!(
+                        "{}  reason: {reason}\n    body: {body}",
+                        id.as_deref().unwrap_or("-")
+                    );
                 }
                 shown += 1;
             }
@@ -126,7 +132,10 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                     })
                     .await?;
             }
-            println!("replayed {replayed} purchase(s) to {:?}", topology.purchases);
+            println!(
+                "replayed {replayed} purchase(s) to {:?}",
+                topology.purchases
+            );
         }
     }
     let _ = conn.close(200, "done").await;

@@ -86,7 +86,9 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
     .await;
     match result {
         Ok(()) => info!(pool = %summary.pool, "published pool.replenished"),
-        Err(e) => warn!(error = %e, "could not publish pool.replenished; dispatchers will still fulfil backorders at their next sweep"),
+        Err(e) => {
+            warn!(error = %e, "could not publish pool.replenished; dispatchers will still fulfil backorders at their next sweep")
+        }
     }
 }
 
@@ -105,7 +107,10 @@ fn print_summary(s: &ImportSummary) {
             println!("  line {}: {}", row.line, row.reason);
         }
         if s.invalid > 20 {
-            println!("  … and {} more (use --json for up to 1000)", s.invalid - 20);
+            println!(
+                "  … and {} more (use --json for up to 1000)",
+                s.invalid - 20
+            );
         }
     }
 }

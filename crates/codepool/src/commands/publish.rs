@@ -69,7 +69,10 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
     cfg.topology().declare(publisher.channel()).await?;
     let n = publish_all(&publisher, &bodies).await?;
     let _ = conn.close(200, "done").await;
-    println!("published {n} purchase(s) to queue {:?}", cfg.topology().purchases);
+    println!(
+        "published {n} purchase(s) to queue {:?}",
+        cfg.topology().purchases
+    );
     Ok(crate::exit::OK)
 }
 
@@ -81,7 +84,11 @@ pub async fn publish_all(
     let mut window: Vec<PendingConfirm> = Vec::with_capacity(1000);
     let mut done = 0;
     for (body, id) in bodies {
-        window.push(publisher.publish_purchase_bytes(body, id.as_deref()).await?);
+        window.push(
+            publisher
+                .publish_purchase_bytes(body, id.as_deref())
+                .await?,
+        );
         if window.len() >= 1000 {
             for c in window.drain(..) {
                 c.wait().await?;

@@ -43,13 +43,19 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
                 }
                 println!("{}", serde_json::to_string(&event)?);
             }
-            Err(_) => println!("(not an SMS-pending event: {} bytes)", msg.delivery.data.len()),
+            Err(_) => println!(
+                "(not an SMS-pending event: {} bytes)",
+                msg.delivery.data.len()
+            ),
         }
         shown += 1;
     }
     // Closing without acks puts every peeked event back.
     let _ = channel.close(200, "peeked").await;
     let _ = conn.close(200, "done").await;
-    println!("{shown} event(s) shown from {:?} (still queued)", topology.sms_pending);
+    println!(
+        "{shown} event(s) shown from {:?} (still queued)",
+        topology.sms_pending
+    );
     Ok(crate::exit::OK)
 }

@@ -63,7 +63,17 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
     }
     println!(
         "{:<20} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
-        "POOL", "UNISSUED", "ISSUED", "USED", "VOID", "EXPIRED", "BACKORDERS", "HOT", "1H", "24H", "LASTS"
+        "POOL",
+        "UNISSUED",
+        "ISSUED",
+        "USED",
+        "VOID",
+        "EXPIRED",
+        "BACKORDERS",
+        "HOT",
+        "1H",
+        "24H",
+        "LASTS"
     );
     for r in &rows {
         let s = &r.stats;
