@@ -47,6 +47,16 @@ pub fn sigterm(child: &tokio::process::Child) {
     assert!(ok.success());
 }
 
+/// SIGTERM, then insist on exit status 0 within 10 seconds.
+pub async fn stop_cleanly(child: &mut tokio::process::Child) {
+    sigterm(child);
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("dispatcher must exit within 10s of SIGTERM")
+        .expect("wait for the dispatcher");
+    assert!(status.success(), "exit status {status} after SIGTERM");
+}
+
 #[tokio::test]
 async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are_dead_lettered() {
     let env = TestEnv::new("dispatch_e2e").await;
@@ -95,12 +105,7 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 
     // SIGTERM: clean exit, quickly.
     let stopping = Instant::now();
-    sigterm(&dispatcher);
-    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
-        .await
-        .expect("dispatcher must exit within 10s of SIGTERM")
-        .unwrap();
-    assert!(status.success(), "exit status {status}");
+    stop_cleanly(&mut dispatcher).await;
     assert!(stopping.elapsed() < Duration::from_secs(10));
 
     // Nothing left unacked: after the consumer is gone, the queue is empty.
@@ -237,12 +242,7 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
         async move { queue_depth(&ch, &q).await == 20 }
     })
     .await;
-    sigterm(&dispatcher);
-    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success());
+    stop_cleanly(&mut dispatcher).await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
@@ -321,12 +321,7 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     let left = drain(&ch, &dead_q).await;
     assert_eq!(left.len(), 1, "the garbage message stays dead-lettered");
     assert_eq!(left[0].message_id.as_deref(), Some("GARBAGE-1"));
-    sigterm(&dispatcher);
-    let status = tokio::time::timeout(Duration::from_secs(10), dispatcher.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success());
+    stop_cleanly(&mut dispatcher).await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

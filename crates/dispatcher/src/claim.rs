@@ -388,24 +388,19 @@ impl ClaimEngine {
     /// Loads the next candidates of `pool` into its hot set: codes after
     /// the high-water mark, or, once the end is reached, a rescan from the
     /// start (which picks up candidates lost by crashed claimers). One
-    /// refiller per pool at a time; others wait briefly and pop again.
+    /// refiller per pool at a time; the others get [`Refill::Busy`].
     pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
-        let Some(lock) = self
-            .hot
-            .try_lock_refill(pool, self.config.refill_lock_ttl)
-            .await?
-        else {
-            return Ok(Refill::Busy);
-        };
-        let result = self.refill_locked(pool, true).await;
-        let _ = self.hot.unlock_refill(lock).await;
-        result.map(Refill::Added)
+        self.refill_under_lock(pool, true).await
     }
 
     /// A refill that only moves forward past the high-water mark: for
     /// topping up in the background, where a rescan would re-add codes that
     /// other claimers hold right now.
     async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
+        self.refill_under_lock(pool, false).await
+    }
+
+    async fn refill_under_lock(&self, pool: &str, rescan: bool) -> Result<Refill, RefillError> {
         let Some(lock) = self
             .hot
             .try_lock_refill(pool, self.config.refill_lock_ttl)
@@ -413,7 +408,7 @@ impl ClaimEngine {
         else {
             return Ok(Refill::Busy);
         };
-        let result = self.refill_locked(pool, false).await;
+        let result = self.refill_locked(pool, rescan).await;
         let _ = self.hot.unlock_refill(lock).await;
         result.map(Refill::Added)
     }
