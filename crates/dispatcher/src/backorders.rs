@@ -6,22 +6,24 @@
 use codepool_broker::Publisher;
 use codepool_domain::Purchase;
 use codepool_store::Store;
+use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
 
 const BATCH: u64 = 100;
 
-/// Fulfils waiting backorders of `pool` while it has stock. Returns how
-/// many were fulfilled.
+/// Fulfils waiting backorders of `pool` while it has stock, until `stop`.
+/// Returns how many were fulfilled.
 pub async fn fulfil_backorders(
     engine: &ClaimEngine,
     store: &Store,
     publisher: &Publisher,
     pool: &str,
+    stop: &CancellationToken,
 ) -> Result<u64, ClaimError> {
     let mut total = 0;
-    loop {
+    while !stop.is_cancelled() {
         // Ask only for as many as there is stock, so the oldest are served
         // first even when stock is short.
         let stock = store.unissued_count(pool).await?;

@@ -27,6 +27,10 @@ use crate::outage::{backoff, Outage};
 use crate::relay::relay_unconfirmed;
 use crate::stock::{StockConfig, StockWatch};
 
+/// How long background tasks get to finish after a stop signal; together
+/// with the grace period for in-flight batches this keeps a stop under 10 s.
+const BACKGROUND_STOP: Duration = Duration::from_millis(500);
+
 /// How the daemon runs. Defaults suit one dispatcher on a small machine.
 #[derive(Debug, Clone)]
 pub struct DispatcherConfig {
@@ -59,7 +63,7 @@ impl Default for DispatcherConfig {
             batch_size: 256,
             workers: 4,
             linger: Duration::from_millis(3),
-            grace: Duration::from_secs(8),
+            grace: Duration::from_secs(7),
             sweep_every: Duration::from_secs(10),
             relay_after: Duration::from_secs(30),
             name: format!("codepool-dispatch-{}", std::process::id()),
@@ -317,9 +321,25 @@ impl Dispatcher {
             warn!("grace period over with batches in flight; their purchases will be redelivered");
             inflight.abort_all();
         }
+        // Background work (sweeps, backorder fulfilment, receipts) may be
+        // mid-way through a long backlog: give it a moment, then abort it.
+        // Nothing is lost: an unmarked backorder or unconfirmed event is
+        // picked up again by the next sweep or the relay.
         session_stop.cancel();
-        let _ = sweeper.await;
-        while upkeep.join_next().await.is_some() {}
+        let mut sweeper = sweeper;
+        if tokio::time::timeout(BACKGROUND_STOP, &mut sweeper)
+            .await
+            .is_err()
+        {
+            sweeper.abort();
+        }
+        let upkeep_done = tokio::time::timeout(BACKGROUND_STOP, async {
+            while upkeep.join_next().await.is_some() {}
+        })
+        .await;
+        if upkeep_done.is_err() {
+            upkeep.abort_all();
+        }
         let _ = channel.close(200, "codepool dispatcher stopping").await;
         let _ = conn.close(200, "codepool dispatcher stopping").await;
         Ok(end)
@@ -359,7 +379,7 @@ impl Dispatcher {
                     return;
                 }
                 if let Err(e) =
-                    fulfil_backorders(&self.engine, &self.store, &publisher, &pool).await
+                    fulfil_backorders(&self.engine, &self.store, &publisher, &pool, &stop).await
                 {
                     warn!(pool, error = %e, "fulfilling backorders failed; will retry at the next sweep");
                 }

@@ -27,6 +27,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0004_codes_expiry_index",
         include_str!("../../../migrations/0004_codes_expiry_index.json"),
     ),
+    (
+        "0005_backorders_fifo_index",
+        include_str!("../../../migrations/0005_backorders_fifo_index.json"),
+    ),
 ];
 
 /// What a migration run did.
@@ -47,6 +51,10 @@ pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
         }
         for command in parse(name, text)? {
             if let Err(e) = store.database().run_command(command).await {
+                if already_done(&e) {
+                    // Another process applied this step a moment ago.
+                    continue;
+                }
                 let err = StoreError::from(e);
                 if err.is_unavailable() {
                     return Err(err);
@@ -67,6 +75,12 @@ pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
         report.applied.push((*name).to_owned());
     }
     Ok(report)
+}
+
+/// Errors that mean the step's effect is already in place: an index that
+/// was already dropped (27) or a collection that already exists (48).
+fn already_done(e: &mongodb::error::Error) -> bool {
+    matches!(e.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == 27 || c.code == 48)
 }
 
 fn parse(name: &str, text: &str) -> Result<Vec<Document>, StoreError> {
