@@ -90,10 +90,12 @@ pub struct ClaimEngine {
     dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
 }
 
-/// One order being claimed in a batch.
-struct Pending<'a> {
+/// One order of a batch paired with the candidate it tries to claim.
+struct Pairing<'a> {
+    /// Position of the order among the batch's distinct orders.
+    index: usize,
     purchase: &'a Purchase,
-    candidate: Option<Candidate>,
+    candidate: Candidate,
 }
 
 impl ClaimEngine {
@@ -153,34 +155,32 @@ impl ClaimEngine {
             for &i in &todo {
                 by_pool.entry(unique[i].pool.as_str()).or_default().push(i);
             }
-            let mut pending: Vec<(usize, Pending)> = Vec::new();
+            let mut pairs: Vec<Pairing> = Vec::new();
             for (pool, idxs) in by_pool {
                 match self.take_candidates(pool, idxs.len()).await {
                     Ok(candidates) => {
-                        // Oldest candidates go to the first orders.
+                        // Oldest candidates go to the first orders; orders
+                        // left without one (the set ran dry) go to the scan.
                         let mut candidates = candidates.into_iter();
-                        for &i in &idxs {
+                        for &index in &idxs {
                             match candidates.next() {
-                                Some(c) => pending.push((
-                                    i,
-                                    Pending {
-                                        purchase: unique[i],
-                                        candidate: Some(c),
-                                    },
-                                )),
-                                // The hot set ran dry: let the scan decide.
-                                None => scan.push(i),
+                                Some(candidate) => pairs.push(Pairing {
+                                    index,
+                                    purchase: unique[index],
+                                    candidate,
+                                }),
+                                None => scan.push(index),
                             }
                         }
                     }
                     Err(_) => scan.extend(idxs),
                 }
             }
-            if pending.is_empty() {
+            if pairs.is_empty() {
                 todo.clear();
                 break;
             }
-            todo = self.claim_candidates(&mut pending, &mut outcomes).await?;
+            todo = self.claim_candidates(&pairs, &mut outcomes).await?;
             if !todo.is_empty() {
                 metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
                 debug!(
@@ -210,116 +210,84 @@ impl ClaimEngine {
     /// indexes of orders that must try again.
     async fn claim_candidates(
         &self,
-        pending: &mut [(usize, Pending<'_>)],
+        pairs: &[Pairing<'_>],
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<Vec<usize>, ClaimError> {
-        let purchases: Vec<&Purchase> = pending.iter().map(|(_, p)| p.purchase).collect();
+        let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
         let numbers = self.numbers.for_purchases(&purchases).await?;
-        let mut assignments = Vec::with_capacity(pending.len());
-        let mut candidate_ids = Vec::with_capacity(pending.len());
-        for ((_, p), grant_no) in pending.iter().zip(numbers) {
-            let c = p
-                .candidate
-                .as_ref()
-                .map(|c| c.id.as_str())
-                .unwrap_or_default();
-            let Ok(code_id) = ObjectId::parse_str(c) else {
-                // Not an id we wrote: skip it; the order retries.
-                candidate_ids.push(None);
-                continue;
-            };
-            candidate_ids.push(Some(code_id));
-            assignments.push(ClaimAssignment {
-                code_id,
-                order_id: p.purchase.order_id.clone(),
-                uid: p.purchase.uid.clone(),
-                phone: p.purchase.phone.clone(),
-                grant_no,
-            });
-        }
+        // A candidate that is not an id we wrote is skipped; its order retries.
+        let (written, assignments): (Vec<&Pairing>, Vec<ClaimAssignment>) = pairs
+            .iter()
+            .zip(numbers)
+            .filter_map(|(p, grant_no)| {
+                let code_id = ObjectId::parse_str(&p.candidate.id).ok()?;
+                Some((
+                    p,
+                    ClaimAssignment {
+                        code_id,
+                        order_id: p.purchase.order_id.clone(),
+                        uid: p.purchase.uid.clone(),
+                        phone: p.purchase.phone.clone(),
+                        grant_no,
+                    },
+                ))
+            })
+            .unzip();
         let write = match self.store.claim_candidates(&assignments).await {
             Ok(w) => w,
             Err(e) => {
                 // Unknown which landed: give candidates back; the retry reads
                 // grants by order, and conditions keep it exact.
-                self.give_back(pending).await;
+                self.put_back(pairs).await;
                 return Err(e.into());
             }
         };
-
         // Orders refused by the unique index already hold a code elsewhere;
         // their candidate is still unissued and goes back to the set.
-        let mut unused: HashMap<&str, Vec<Candidate>> = HashMap::new();
-        for &k in &write.order_taken {
-            if let Some(a) = assignments.get(k) {
-                if let Some((_, p)) = pending
-                    .iter()
-                    .find(|(_, p)| p.purchase.order_id == a.order_id)
-                {
-                    if let Some(c) = &p.candidate {
-                        unused
-                            .entry(p.purchase.pool.as_str())
-                            .or_default()
-                            .push(c.clone());
-                    }
-                }
-            }
-        }
-        for (pool, candidates) in unused {
-            let _ = self.hot.put_back(pool, &candidates).await;
-        }
+        self.put_back(
+            write
+                .order_taken
+                .iter()
+                .filter_map(|&k| written.get(k).copied()),
+        )
+        .await;
 
-        let orders: Vec<&str> = pending
-            .iter()
-            .map(|(_, p)| p.purchase.order_id.as_str())
-            .collect();
+        let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
         let grants = self.store.grants_for_orders(&orders).await?;
-        let mut retry = Vec::new();
-        // A grant is ours (fresh) when it carries the grant number this very
-        // write assigned; comparing code ids is not enough, because a stale
-        // candidate can be the order's own, already issued, code.
-        let assigned: HashMap<&str, (Option<ObjectId>, Option<&str>)> = assignments
+        // A grant is ours (fresh) when it carries the code and the grant
+        // number this very write assigned; the code id alone is not enough,
+        // because a stale candidate can be the order's own, already issued,
+        // code.
+        let assigned: HashMap<&str, &ClaimAssignment> = assignments
             .iter()
-            .map(|a| {
-                (
-                    a.order_id.as_str(),
-                    (Some(a.code_id), a.grant_no.as_deref()),
-                )
-            })
+            .map(|a| (a.order_id.as_str(), a))
             .collect();
-        for ((i, p), _) in pending.iter().zip(candidate_ids) {
-            match grants.get(&p.purchase.order_id) {
-                Some(doc) => {
-                    if let Some(grant) = doc.grant() {
-                        let fresh =
-                            assigned
-                                .get(p.purchase.order_id.as_str())
-                                .is_some_and(|(id, no)| {
-                                    *id == Some(doc.id)
-                                        && no.is_some_and(|n| doc.grant_no.as_deref() == Some(n))
-                                });
-                        if fresh {
-                            metrics::counter!("codepool_claims_total", "path" => "hot")
-                                .increment(1);
-                        }
-                        outcomes[*i] = Some(ClaimOutcome::Granted { grant, fresh });
-                    }
-                }
-                None => retry.push(*i),
+        let mut retry = Vec::new();
+        for p in pairs {
+            let Some(doc) = grants.get(&p.purchase.order_id) else {
+                retry.push(p.index);
+                continue;
+            };
+            let Some(grant) = doc.grant() else { continue };
+            let fresh = assigned.get(p.purchase.order_id.as_str()).is_some_and(|a| {
+                a.code_id == doc.id && a.grant_no.is_some() && a.grant_no == doc.grant_no
+            });
+            if fresh {
+                metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
             }
+            outcomes[p.index] = Some(ClaimOutcome::Granted { grant, fresh });
         }
         Ok(retry)
     }
 
-    async fn give_back(&self, pending: &[(usize, Pending<'_>)]) {
+    /// Returns the candidates of these pairs to their pools' hot sets.
+    async fn put_back<'p, 'a: 'p>(&self, pairs: impl IntoIterator<Item = &'p Pairing<'a>>) {
         let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();
-        for (_, p) in pending {
-            if let Some(c) = &p.candidate {
-                by_pool
-                    .entry(p.purchase.pool.as_str())
-                    .or_default()
-                    .push(c.clone());
-            }
+        for p in pairs {
+            by_pool
+                .entry(p.purchase.pool.as_str())
+                .or_default()
+                .push(p.candidate.clone());
         }
         for (pool, candidates) in by_pool {
             let _ = self.hot.put_back(pool, &candidates).await;
@@ -347,7 +315,7 @@ impl ClaimEngine {
                     break;
                 }
                 Err(RefillError::Redis(e)) => {
-                    self.give_back_candidates(pool, &got).await;
+                    let _ = self.hot.put_back(pool, &got).await;
                     return Err(e);
                 }
             }
@@ -379,10 +347,6 @@ impl ClaimEngine {
                 }
             }
         });
-    }
-
-    async fn give_back_candidates(&self, pool: &str, candidates: &[Candidate]) {
-        let _ = self.hot.put_back(pool, candidates).await;
     }
 
     /// Loads the next candidates of `pool` into its hot set: codes after
