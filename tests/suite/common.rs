@@ -4,17 +4,18 @@
 #![allow(dead_code)]
 
 use std::net::TcpListener;
+
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::io::AsyncBufReadExt;
 
 use codepool_broker::Topology;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_domain::Purchase;
 use codepool_hotpool::HotPool;
 use codepool_store::{NewCode, ObjectId, Store};
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 
 pub const MONGO_URI: &str = "mongodb://127.0.0.1:27017/?directConnection=true";
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -169,19 +170,83 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
     }
 }
 
+/// A `codepool dispatch` child process with its HTTP address.
+pub struct Daemon {
+    pub child: tokio::process::Child,
+    pub addr: String,
+}
+
+/// Starts `codepool dispatch --http 127.0.0.1:0` and waits until it
+/// consumes; the address comes from `codepool: http listening on ADDR`.
+pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
+    let mut child = cmd
+        .args(["dispatch", "--http", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn codepool dispatch");
+    let stderr = child.stderr.take().expect("stderr");
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        let (mut addr_tx, mut ready_tx) = (Some(addr_tx), Some(ready_tx));
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(addr) = line.strip_prefix("codepool: http listening on ") {
+                if let Some(tx) = addr_tx.take() {
+                    let _ = tx.send(addr.trim().to_owned());
+                }
+            }
+            if line.contains("consuming purchases") {
+                if let Some(tx) = ready_tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    let addr = tokio::time::timeout(Duration::from_secs(30), addr_rx)
+        .await
+        .expect("no `http listening` line within 30s")
+        .expect("dispatcher exited before listening");
+    tokio::time::timeout(Duration::from_secs(60), ready_rx)
+        .await
+        .expect("dispatcher did not consume within 60s")
+        .expect("dispatcher exited before consuming");
+    Daemon { child, addr }
+}
+
+impl Daemon {
+    /// SIGTERM, then insist on exit status 0 within 10 seconds.
+    pub async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .expect("dispatcher stops within 10s of SIGTERM")
+            .expect("wait");
+        assert!(status.success(), "dispatcher exit status {status}");
+    }
+}
+
+/// Publishes purchases one by one, each confirmed by the broker.
+pub async fn publish_confirmed(publisher: &codepool_broker::Publisher, purchases: &[Purchase]) {
+    for p in purchases {
+        publisher
+            .publish_purchase(p)
+            .await
+            .expect("publish")
+            .wait()
+            .await
+            .expect("confirm");
+    }
+}
+
 /// Messages in a queue right now (ready, not unacked).
 pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> u32 {
-    channel
-        .queue_declare(
-            queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    codepool_broker::queue_depth(channel, queue)
         .await
-        .map(|q| q.message_count())
         .unwrap_or(0)
 }
 
@@ -197,15 +262,7 @@ pub async fn drain(channel: &lapin::Channel, queue: &str) -> Vec<Taken> {
     let mut out = Vec::new();
     while let Ok(Some(msg)) = channel.basic_get(queue, BasicGetOptions::default()).await {
         let d = msg.delivery;
-        let reason = d
-            .properties
-            .headers()
-            .as_ref()
-            .and_then(|h| h.inner().get(codepool_broker::REASON_HEADER).cloned())
-            .map(|v| match v {
-                lapin::types::AMQPValue::LongString(s) => s.to_string(),
-                other => format!("{other:?}"),
-            });
+        let reason = codepool_broker::dead_letter_reason(&d.properties);
         let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
         let _ = d.acker.ack(BasicAckOptions::default()).await;
         out.push(Taken {

@@ -6,62 +6,16 @@ use std::time::{Duration, Instant};
 use bson::doc;
 use codepool_broker::Publisher;
 use codepool_domain::SmsPending;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::common::{drain, eventually, purchase, queue_depth, TestEnv, AMQP_URL};
-
-/// Starts `codepool dispatch` in this test's namespace; returns the child
-/// once it consumes.
-pub async fn start_dispatcher(env: &TestEnv) -> tokio::process::Child {
-    let mut child = env
-        .command(&["dispatch", "--http", "127.0.0.1:0"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn dispatcher");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let mut tx = Some(tx);
-        while let Ok(Some(line)) = lines.next_line().await {
-            if line.contains("consuming purchases") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(());
-                }
-            }
-        }
-    });
-    tokio::time::timeout(Duration::from_secs(30), rx)
-        .await
-        .expect("dispatcher did not start consuming within 30s")
-        .expect("dispatcher exited before consuming");
-    child
-}
-
-pub fn sigterm(child: &tokio::process::Child) {
-    let pid = child.id().expect("running");
-    let ok = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(ok.success());
-}
-
-/// SIGTERM, then insist on exit status 0 within 10 seconds.
-pub async fn stop_cleanly(child: &mut tokio::process::Child) {
-    sigterm(child);
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
-        .await
-        .expect("dispatcher must exit within 10s of SIGTERM")
-        .expect("wait for the dispatcher");
-    assert!(status.success(), "exit status {status} after SIGTERM");
-}
+use crate::common::{
+    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+};
 
 #[tokio::test]
 async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are_dead_lettered() {
     let env = TestEnv::new("dispatch_e2e").await;
     env.fill_pool("e2e", 1200).await;
-    let mut dispatcher = start_dispatcher(&env).await;
+    let dispatcher = start_daemon(env.command(&[])).await;
 
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
@@ -105,7 +59,7 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 
     // SIGTERM: clean exit, quickly.
     let stopping = Instant::now();
-    stop_cleanly(&mut dispatcher).await;
+    dispatcher.stop().await;
     assert!(stopping.elapsed() < Duration::from_secs(10));
 
     // Nothing left unacked: after the consumer is gone, the queue is empty.
@@ -174,21 +128,13 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_import() {
     let env = TestEnv::new("dispatch_backorder").await;
     env.fill_pool("bo", 5).await;
-    let mut dispatcher = start_dispatcher(&env).await;
+    let dispatcher = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let orders: Vec<_> = (0..20)
         .map(|i| purchase(&format!("BO-{i:03}"), "bo"))
         .collect();
-    for p in &orders {
-        publisher
-            .publish_purchase(p)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
-    }
+    publish_confirmed(&publisher, &orders).await;
     let backorders = env
         .store
         .database()
@@ -242,7 +188,7 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
         async move { queue_depth(&ch, &q).await == 20 }
     })
     .await;
-    stop_cleanly(&mut dispatcher).await;
+    dispatcher.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
@@ -251,7 +197,7 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
 async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_exists() {
     let env = TestEnv::new("dispatch_replay").await;
     env.fill_pool("known", 5).await;
-    let mut dispatcher = start_dispatcher(&env).await;
+    let dispatcher = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let late = purchase("LATE-1", "late-pool");
@@ -321,7 +267,7 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     let left = drain(&ch, &dead_q).await;
     assert_eq!(left.len(), 1, "the garbage message stays dead-lettered");
     assert_eq!(left[0].message_id.as_deref(), Some("GARBAGE-1"));
-    stop_cleanly(&mut dispatcher).await;
+    dispatcher.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

@@ -22,9 +22,12 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::common::{drain, eventually, free_port, purchase, queue_depth, TestEnv, AMQP_URL};
+use crate::common::{
+    drain, eventually, free_port, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
+    AMQP_URL,
+};
 
 // ---------------------------------------------------------------- helpers
 
@@ -91,65 +94,6 @@ async fn listen_events(ch: &lapin::Channel, topology: &Topology, routing_key: &s
     .await
     .expect("bind");
     q.name().to_string()
-}
-
-/// A `codepool dispatch` child process with its HTTP address.
-struct Daemon {
-    child: tokio::process::Child,
-    addr: String,
-}
-
-/// Starts `codepool dispatch --http 127.0.0.1:0` and waits until it
-/// consumes; the address comes from `codepool: http listening on ADDR`.
-async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
-    let mut child = cmd
-        .args(["dispatch", "--http", "127.0.0.1:0"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn codepool dispatch");
-    let stderr = child.stderr.take().expect("stderr");
-    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(stderr).lines();
-        let (mut addr_tx, mut ready_tx) = (Some(addr_tx), Some(ready_tx));
-        while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(addr) = line.strip_prefix("codepool: http listening on ") {
-                if let Some(tx) = addr_tx.take() {
-                    let _ = tx.send(addr.trim().to_owned());
-                }
-            }
-            if line.contains("consuming purchases") {
-                if let Some(tx) = ready_tx.take() {
-                    let _ = tx.send(());
-                }
-            }
-        }
-    });
-    let addr = tokio::time::timeout(Duration::from_secs(30), addr_rx)
-        .await
-        .expect("no `http listening` line within 30s")
-        .expect("dispatcher exited before listening");
-    tokio::time::timeout(Duration::from_secs(60), ready_rx)
-        .await
-        .expect("dispatcher did not consume within 60s")
-        .expect("dispatcher exited before consuming");
-    Daemon { child, addr }
-}
-
-impl Daemon {
-    async fn stop(mut self) {
-        if let Some(pid) = self.child.id() {
-            let _ = std::process::Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status();
-        }
-        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
-            .await
-            .expect("dispatcher stops within 15s of SIGTERM")
-            .expect("wait");
-        assert!(status.success(), "dispatcher exit status {status}");
-    }
 }
 
 /// A raw HTTP/1.0 GET: (status code, body). `None` if nothing answers.
@@ -1050,15 +994,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
     let orders: Vec<_> = (0..20)
         .map(|i| purchase(&format!("MX-{i:02}"), "mx"))
         .collect();
-    for p in &orders {
-        publisher
-            .publish_purchase(p)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
-    }
+    publish_confirmed(&publisher, &orders).await;
     let a = addr.clone();
     eventually(Duration::from_secs(30), "20 grants", || {
         let a = a.clone();
@@ -1066,15 +1002,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
     })
     .await;
     // Then: 5 duplicates, 5 purchases of an empty pool, 4 invalid messages.
-    for p in orders.iter().take(5) {
-        publisher
-            .publish_purchase(p)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
-    }
+    publish_confirmed(&publisher, &orders[..5]).await;
     for i in 0..5 {
         let p = purchase(&format!("MX-LATE-{i}"), "mx");
         publisher

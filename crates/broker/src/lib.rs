@@ -19,6 +19,16 @@ pub use topology::Topology;
 /// Header that carries why a purchase was dead-lettered.
 pub const REASON_HEADER: &str = "x-codepool-reason";
 
+/// The `x-codepool-reason` of a dead-lettered message, if it has one.
+pub fn dead_letter_reason(properties: &lapin::BasicProperties) -> Option<String> {
+    let value = properties.headers().as_ref()?.inner().get(REASON_HEADER)?;
+    Some(match value {
+        lapin::types::AMQPValue::LongString(s) => s.to_string(),
+        lapin::types::AMQPValue::ShortString(s) => s.to_string(),
+        other => format!("{other:?}"),
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
     #[error("RabbitMQ is unreachable ({0}); check that rabbitmq-server runs and CODEPOOL_AMQP_URL points at it (`make services` starts a local one)")]
@@ -38,6 +48,22 @@ impl From<lapin::Error> for BrokerError {
     fn from(e: lapin::Error) -> Self {
         BrokerError::Unavailable(e.to_string())
     }
+}
+
+/// Ready messages in `queue` right now (a passive declare: unacked
+/// messages are not counted, and a missing queue is an error).
+pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> Result<u32, BrokerError> {
+    let q = channel
+        .queue_declare(
+            queue,
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    Ok(q.message_count())
 }
 
 /// Connects to RabbitMQ on the tokio runtime. The vhost comes from the URL

@@ -403,19 +403,11 @@ fn persistent(message_id: &str) -> BasicProperties {
 /// Ready messages in `queue` (a passive declare; unacked ones are not counted).
 async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
     let ch = conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let n = codepool_broker::queue_depth(&ch, queue)
         .await
         .with_context(|| format!("reading the depth of {queue}"))?;
     let _ = ch.close(200, "done").await;
-    Ok(q.message_count())
+    Ok(n)
 }
 
 async fn issued(scratch: &Scratch, pool: &str) -> anyhow::Result<u64> {

@@ -2,9 +2,8 @@
 //! them back through the queue once their cause is fixed.
 
 use clap::{Args, Subcommand};
-use codepool_broker::{Publisher, REASON_HEADER};
+use codepool_broker::Publisher;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
-use lapin::types::AMQPValue;
 
 use crate::config::Config;
 
@@ -46,16 +45,18 @@ pub enum Action {
 }
 
 fn reason_of(props: &lapin::BasicProperties) -> String {
-    props
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(REASON_HEADER).cloned())
-        .map(|v| match v {
-            AMQPValue::LongString(s) => s.to_string(),
-            AMQPValue::ShortString(s) => s.to_string(),
-            other => format!("{other:?}"),
-        })
-        .unwrap_or_else(|| "(no reason header)".into())
+    codepool_broker::dead_letter_reason(props).unwrap_or_else(|| "(no reason header)".into())
+}
+
+/// Takes the next dead letter without acking it (None when the queue is empty).
+async fn next_dead_letter(
+    channel: &lapin::Channel,
+    queue: &str,
+) -> anyhow::Result<Option<lapin::message::Delivery>> {
+    Ok(channel
+        .basic_get(queue, BasicGetOptions::default())
+        .await?
+        .map(|m| m.delivery))
 }
 
 pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
@@ -69,13 +70,9 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             // Get without ack; closing the channel puts them all back.
             let mut shown = 0;
             while shown < limit {
-                let Some(msg) = channel
-                    .basic_get(&topology.purchases_dead, BasicGetOptions::default())
-                    .await?
-                else {
+                let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? else {
                     break;
                 };
-                let d = msg.delivery;
                 let reason = reason_of(&d.properties);
                 let body = String::from_utf8_lossy(&d.data);
                 let body: String = body.chars().take(200).collect();
@@ -102,13 +99,9 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             let mut replayed = 0;
             let mut kept = Vec::new();
             while replayed + kept.len() < limit {
-                let Some(msg) = channel
-                    .basic_get(&topology.purchases_dead, BasicGetOptions::default())
-                    .await?
-                else {
+                let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? else {
                     break;
                 };
-                let d = msg.delivery;
                 if let Some(r) = &reason {
                     if !reason_of(&d.properties).starts_with(r.as_str()) {
                         kept.push(d);
