@@ -103,7 +103,9 @@ impl Scratch {
     }
 }
 
-async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
+/// Deletes every key under `prefix:` (SCAN, never KEYS, so a shared Redis
+/// is not blocked).
+pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
     let client = redis::Client::open(url)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     let mut cursor: u64 = 0;

@@ -385,22 +385,7 @@ async fn clean_up(
     {
         tracing::warn!(%err, "could not remove the benchmark counters");
     }
-    let removed = async {
-        let client = redis::Client::open(redis_url)?;
-        let mut conn = client.get_multiplexed_async_connection().await?;
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{redis_prefix}:*"))
-            .query_async(&mut conn)
-            .await?;
-        if !keys.is_empty() {
-            redis::cmd("DEL")
-                .arg(keys)
-                .query_async::<()>(&mut conn)
-                .await?;
-        }
-        Ok::<_, redis::RedisError>(())
-    };
-    if let Err(err) = removed.await {
+    if let Err(err) = super::delete_redis_keys(redis_url, redis_prefix).await {
         tracing::warn!(%err, "could not remove the benchmark Redis keys");
     }
 }
