@@ -197,7 +197,12 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
         panic!("no grant")
     };
     assert_eq!(g2.grant_no.as_deref(), Some(no.as_str()));
-    assert_eq!(g2.sms_pending().event_id, "sms:GNO-1");
+    assert_eq!(
+        g2.sms_pending()
+            .expect("an issued grant has an SMS")
+            .event_id,
+        "sms:GNO-1"
+    );
     env.cleanup().await;
 }
 

@@ -46,10 +46,10 @@ pub async fn fulfil_backorders(
                 ClaimOutcome::Granted { grant, .. } => {
                     if let Ok(id) = codepool_store::ObjectId::parse_str(&grant.code_id) {
                         fulfilled.push((p.order_id.clone(), id));
-                        if grant.revoked {
+                        let Some(event) = grant.sms_pending() else {
                             continue;
-                        }
-                        if let Ok(c) = publisher.publish_sms_pending(&grant.sms_pending()).await {
+                        };
+                        if let Ok(c) = publisher.publish_sms_pending(&event).await {
                             confirms.push((id, c));
                         }
                     }

@@ -498,18 +498,14 @@ impl Dispatcher {
                 } else {
                     repeats += 1;
                 }
-                if grant.revoked {
+                let Some(event) = grant.sms_pending() else {
                     // Refunded: the order keeps its (void) code, nothing is sent.
                     info!(order_id = %p.order_id, pool = %p.pool, "order's code was revoked; not texted again");
                     continue;
-                }
+                };
                 info!(order_id = %p.order_id, pool = %p.pool, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh = is_new, "granted");
                 let id = ObjectId::parse_str(&grant.code_id).ok();
-                confirms.push((
-                    *i,
-                    id,
-                    publisher.publish_sms_pending(&grant.sms_pending()).await,
-                ));
+                confirms.push((*i, id, publisher.publish_sms_pending(&event).await));
             }
         }
         for (i, e) in &dead {

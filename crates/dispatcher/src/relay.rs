@@ -22,8 +22,8 @@ pub async fn relay_unconfirmed(
     let grants = store.unconfirmed_grants(cutoff, limit).await?;
     let mut confirms = Vec::new();
     for doc in &grants {
-        if let Some(grant) = doc.grant() {
-            if let Ok(c) = publisher.publish_sms_pending(&grant.sms_pending()).await {
+        if let Some(event) = doc.grant().and_then(|g| g.sms_pending()) {
+            if let Ok(c) = publisher.publish_sms_pending(&event).await {
                 confirms.push((doc.id, c));
             }
         }

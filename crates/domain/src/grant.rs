@@ -27,9 +27,14 @@ pub struct Grant {
 impl Grant {
     /// The event that asks the SMS service to text the code. Its `event_id`
     /// is derived from the order, so every re-send of the same grant carries
-    /// the same id and the SMS service can drop duplicates.
-    pub fn sms_pending(&self) -> SmsPending {
-        SmsPending {
+    /// the same id and the SMS service can drop duplicates. A revoked grant
+    /// has nothing to send: `None`, whoever asks (dispatcher, fulfilment,
+    /// relay, resend).
+    pub fn sms_pending(&self) -> Option<SmsPending> {
+        if self.revoked {
+            return None;
+        }
+        Some(SmsPending {
             event_id: SmsPending::event_id_for(&self.order_id),
             order_id: self.order_id.clone(),
             uid: self.uid.clone(),
@@ -38,7 +43,7 @@ impl Grant {
             code: self.code.clone(),
             grant_no: self.grant_no.clone(),
             issued_at: self.issued_at.to_rfc3339_opts(SecondsFormat::Millis, true),
-        }
+        })
     }
 
     /// The code as it may appear in logs.

@@ -64,7 +64,9 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-resend").await?;
     let publisher = Publisher::new(&conn, cfg.topology()).await?;
     cfg.topology().declare(publisher.channel()).await?;
-    let event = grant.sms_pending();
+    let Some(event) = grant.sms_pending() else {
+        anyhow::bail!("order {order}'s code was revoked; it is never texted again");
+    };
     publisher
         .publish_sms_pending(&event)
         .await?
