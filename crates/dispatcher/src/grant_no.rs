@@ -73,9 +73,4 @@ impl GrantNumbers {
         }
         Ok(out)
     }
-
-    /// Forgets cached prefixes (after `codepool pool set`).
-    pub async fn forget_prefixes(&self) {
-        self.prefixes.lock().await.clear();
-    }
 }

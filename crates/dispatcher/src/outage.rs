@@ -34,10 +34,6 @@ impl Outage {
             info!(dependency = self.name, "{} is back", self.name);
         }
     }
-
-    pub fn is_down(&self) -> bool {
-        self.down.load(Ordering::Relaxed)
-    }
 }
 
 /// Capped exponential backoff: 100 ms, 200 ms, … up to 5 s.

@@ -247,13 +247,6 @@ impl HotPool {
             .await
     }
 
-    /// Forgets a pool's set and mark (tests, and after bulk voids).
-    pub async fn clear(&self, pool: &str) -> Result<(), HotPoolError> {
-        let keys = vec![self.key(pool, "hot"), self.key(pool, "hwm")];
-        self.run(|mut c| async move { c.del::<_, ()>(keys).await })
-            .await
-    }
-
     /// Tries to become the pool's only refiller for `ttl`. `None` means
     /// another process is refilling right now.
     pub async fn try_lock_refill(

@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use codepool_domain::Pool;
-use codepool_store::imports::ImportRecord;
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -115,9 +114,10 @@ pub async fn import_file(
     let total_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
     let started = Instant::now();
     store.ensure_pool(pool.as_str()).await?;
-    let import_id = store
+    let mut record = store
         .start_import(pool.as_str(), &path.display().to_string())
         .await?;
+    let import_id = record.id;
 
     // The reader runs on a blocking thread and hands over batches through a
     // small channel: memory is bounded by (channel + in-flight) batches.
@@ -178,28 +178,21 @@ pub async fn import_file(
     on_progress(progress);
 
     let seconds = started.elapsed().as_secs_f64();
-    let mut record = ImportRecord {
-        id: import_id,
-        pool: pool.as_str().to_owned(),
-        file: path.display().to_string(),
-        sha256: (!sha256.is_empty()).then(|| sha256.clone()),
-        status: if failure.is_some() { "failed" } else { "done" }.into(),
-        started_at: bson_now_minus(seconds),
-        finished_at: Some(bson::DateTime::now()),
-        rows: progress.rows,
-        inserted: progress.inserted,
-        duplicates: progress.duplicates,
-        invalid: progress.invalid,
-        seconds,
-        error: failure.as_ref().map(ToString::to_string),
-    };
+    record.sha256 = (!sha256.is_empty()).then(|| sha256.clone());
+    record.status = if failure.is_some() { "failed" } else { "done" }.into();
+    record.finished_at = Some(bson::DateTime::now());
+    record.rows = progress.rows;
+    record.inserted = progress.inserted;
+    record.duplicates = progress.duplicates;
+    record.invalid = progress.invalid;
+    record.seconds = seconds;
+    record.error = failure.as_ref().map(ToString::to_string);
     if let Err(e) = store.finish_import(&record).await {
         warn!(error = %e, "could not write the import audit record");
     }
     if let Some(e) = failure {
         return Err(e);
     }
-    record.status = "done".into();
     Ok(ImportSummary {
         import_id: import_id.to_hex(),
         pool: record.pool,
@@ -217,11 +210,6 @@ pub async fn import_file(
             0.0
         },
     })
-}
-
-fn bson_now_minus(seconds: f64) -> bson::DateTime {
-    let ms = bson::DateTime::now().timestamp_millis() - (seconds * 1000.0) as i64;
-    bson::DateTime::from_millis(ms)
 }
 
 fn absorb(

@@ -109,8 +109,6 @@ pub struct ClaimAssignment {
 /// update command only reports totals.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ClaimWrite {
-    /// Updates that matched `{_id, status: 0}` and were applied.
-    pub modified: u64,
     /// Positions (in the input) whose order already holds a code: the unique
     /// `order_id` index refused them, so their candidate is still unissued.
     pub order_taken: Vec<usize>,
@@ -296,14 +294,7 @@ impl Store {
                 wce.get_str("errmsg").unwrap_or("unknown")
             )));
         }
-        let mut out = ClaimWrite {
-            modified: reply
-                .get("nModified")
-                .and_then(Bson::as_i32)
-                .map(|n| n as u64)
-                .unwrap_or(0),
-            order_taken: Vec::new(),
-        };
+        let mut out = ClaimWrite::default();
         if let Ok(errors) = reply.get_array("writeErrors") {
             for e in errors.iter().filter_map(Bson::as_document) {
                 let code = e.get_i32("code").unwrap_or(-1);

@@ -39,11 +39,11 @@ pub struct ImportRecord {
 }
 
 impl Store {
-    /// Opens the audit record of a run.
-    pub async fn start_import(&self, pool: &str, file: &str) -> Result<ObjectId, StoreError> {
-        let id = ObjectId::new();
+    /// Opens the audit record of a run; the caller fills in the counts and
+    /// closes it with [`Store::finish_import`].
+    pub async fn start_import(&self, pool: &str, file: &str) -> Result<ImportRecord, StoreError> {
         let record = ImportRecord {
-            id,
+            id: ObjectId::new(),
             pool: pool.into(),
             file: file.into(),
             sha256: None,
@@ -58,9 +58,9 @@ impl Store {
             error: None,
         };
         self.typed::<ImportRecord>(IMPORTS)
-            .insert_one(record)
+            .insert_one(&record)
             .await?;
-        Ok(id)
+        Ok(record)
     }
 
     /// Closes the audit record with the run's counts.
