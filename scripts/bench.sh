@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side-by-side benchmarks on the local servers (see `codepool bench --help`).
+# Side-by-side benchmarks on the local servers (see `codepool-bench --help`).
 # Builds the release binary, runs every benchmark once, and leaves the JSON
 # results in target/bench/ (or $OUT_DIR). Each benchmark works in its own
 # scratch database, Redis prefix and queue prefix, and removes them after.
@@ -24,17 +24,17 @@ export RUST_LOG=${RUST_LOG:-warn}
 which=("$@")
 [[ ${#which[@]} -gt 0 ]] || which=(claim dispatch import seq)
 
-cargo build --locked --release -p codepool
-bin=target/release/codepool
+cargo build --locked --release -p codepool -p codepool-bench
+bin=target/release/codepool-bench
 mkdir -p "$OUT_DIR"
 
 for b in "${which[@]}"; do
-	echo "== codepool bench $b"
+	echo "== codepool-bench $b"
 	case $b in
-	claim) "$bin" bench --out-dir "$OUT_DIR" claim --concurrency "$CLAIM_CONCURRENCY" --codes "$CLAIM_CODES" ;;
-	dispatch) "$bin" bench --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
-	import) "$bin" bench --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
-	seq) "$bin" bench --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
+	claim) "$bin" --out-dir "$OUT_DIR" claim --concurrency "$CLAIM_CONCURRENCY" --codes "$CLAIM_CODES" ;;
+	dispatch) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
+	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
+	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	*)
 		echo "unknown benchmark $b (claim, dispatch, import, seq)" >&2
 		exit 2

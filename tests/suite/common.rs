@@ -87,8 +87,8 @@ impl TestEnv {
             chrono_tz::UTC,
         );
         ClaimEngine::new(
-            self.store.clone(),
-            self.hot_pool(),
+            Arc::new(self.store.clone()),
+            Arc::new(self.hot_pool()),
             Arc::new(GrantNumbers::new(daily, self.store.clone())),
             ClaimConfig {
                 refill_batch: 500,

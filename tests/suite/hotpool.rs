@@ -9,6 +9,7 @@ use bson::doc;
 use codepool_dispatcher::ClaimOutcome;
 use codepool_domain::Purchase;
 use codepool_store::codes::ScanClaim;
+use codepool_store::{ClaimAssignment, CodeId};
 use futures::TryStreamExt;
 
 use crate::common::{purchase, PrivateRedis, TestEnv};
@@ -196,7 +197,16 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
     for i in 0..10 {
         let ScanClaim::Granted(doc) = env
             .store
-            .claim_by_scan("stale", &format!("SCAN-{i}"), "u", "+8613800000000", None)
+            .claim_by_scan(
+                "stale",
+                &ClaimAssignment {
+                    code_id: CodeId::from_bytes([0; 12]),
+                    order_id: format!("SCAN-{i}"),
+                    uid: "u".into(),
+                    phone: "+8613800000000".into(),
+                    grant_no: None,
+                },
+            )
             .await
             .unwrap()
         else {

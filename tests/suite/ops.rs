@@ -268,7 +268,7 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
         })
         .await
         .expect("redeem by code");
-    assert_eq!(t.before.status, 1);
+    assert_eq!(t.before.status, CodeStatus::Issued);
     let d = code_doc(store, "lc", &g1.code).await;
     assert_eq!(d.status(), Some(CodeStatus::Used));
     assert!(d.used_at.is_some());
@@ -292,7 +292,7 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
         .await
         .expect("void")
     {
-        VoidOutcome::Voided(t) => assert_eq!(t.before.status(), Some(CodeStatus::Issued)),
+        VoidOutcome::Voided(t) => assert_eq!(t.before.status, CodeStatus::Issued),
         other => panic!("expected a void, got {other:?}"),
     }
     let d = code_doc(store, "lc", &g3.code).await;
@@ -490,7 +490,7 @@ async fn a_refund_voided_code_is_never_issued_again() {
         .expect("void");
 
     // Even if a stale hot pool still offers the void code…
-    let id = ObjectId::parse_str(&refunded.code_id).expect("id");
+    let id = codepool_store::object_id(refunded.code_id);
     let hot = env.hot_pool();
     hot.put_back(
         "rf",
@@ -885,7 +885,9 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
                 .grants_for_orders(&["RC-0", "RC-1", "RC-2"])
                 .await
                 .unwrap();
-            g["RC-0"].is_sms == 1 && g["RC-0"].status == 2 && g["RC-2"].status == 2
+            g["RC-0"].sms.sent
+                && g["RC-0"].status == CodeStatus::Used
+                && g["RC-2"].status == CodeStatus::Used
         }
     })
     .await;
@@ -894,17 +896,14 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
         .grants_for_orders(&["RC-0", "RC-1"])
         .await
         .unwrap();
-    assert!(g["RC-0"].sms_sent_at.is_some());
-    let s0 = env.store.sms_status(g["RC-0"].id).await.unwrap();
-    assert_eq!(
-        s0.sms_history.iter().filter(|h| h.event == "sent").count(),
-        1
-    );
-    let s1 = env.store.sms_status(g["RC-1"].id).await.unwrap();
-    assert_eq!(g["RC-1"].is_sms, 0);
-    assert_eq!(s1.sms_failures, 2, "a redelivered failure counts once");
-    assert_eq!(s1.sms_error.as_deref(), Some("carrier timeout"));
-    assert!(s1.sms_failed_at.is_some());
+    let s0 = &g["RC-0"].sms;
+    assert!(s0.sent_at.is_some());
+    assert_eq!(s0.history.iter().filter(|h| h.event == "sent").count(), 1);
+    let s1 = &g["RC-1"].sms;
+    assert!(!s1.sent);
+    assert_eq!(s1.failures, 2, "a redelivered failure counts once");
+    assert_eq!(s1.error.as_deref(), Some("carrier timeout"));
+    assert!(s1.failed_at.is_some());
 
     // `codepool resend` publishes the same event again, confirmed.
     let _ = drain(&ch, &t.sms_pending).await;

@@ -8,11 +8,13 @@
 //! get the confirmation as a future, so many publishes can be in flight
 //! together and awaited at once.
 
+pub mod consume;
 pub mod publisher;
 pub mod topology;
 
 use lapin::{Connection, ConnectionProperties};
 
+pub use consume::{consume_purchases, subscribe, PurchaseConsumer};
 pub use publisher::{PendingConfirm, Publisher};
 pub use topology::Topology;
 

@@ -16,7 +16,6 @@ Examples:
   codepool lookup --order O-1001
   codepool void --order O-1001 --reason refund
   codepool pool set --pool game-x --low-stock 500
-  codepool bench claim --concurrency 1,8,32 --codes 20000
 
 Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
 CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
@@ -66,8 +65,6 @@ pub enum Command {
     Pool(commands::pool::PoolArgs),
     /// Sequence generators: segments, daily numbers, cyclic counters, time ids.
     Seq(commands::seq::SeqArgs),
-    /// Side-by-side benchmarks (claim strategies, dispatcher, import, sequences).
-    Bench(crate::bench::BenchArgs),
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<u8> {
@@ -97,6 +94,5 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
             .await?;
             Ok(crate::exit::OK)
         }
-        Command::Bench(args) => crate::bench::run(&cfg, args).await,
     }
 }

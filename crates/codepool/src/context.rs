@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use codepool_broker::Publisher;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
@@ -33,11 +34,30 @@ pub fn grant_numbers(cfg: &Config, store: &Store) -> anyhow::Result<Arc<GrantNum
     Ok(Arc::new(GrantNumbers::new(daily, store.clone())))
 }
 
+/// The claim engine over the production adapters: MongoDB, the Redis hot
+/// pool, and grant numbers.
 pub fn claim_engine(cfg: &Config, store: &Store) -> anyhow::Result<ClaimEngine> {
+    claim_engine_with(store, hot_pool(cfg)?, grant_numbers(cfg, store)?)
+}
+
+/// [`claim_engine`] over an existing hot pool (the daemon shares it).
+pub fn claim_engine_with(
+    store: &Store,
+    hot: HotPool,
+    numbers: Arc<GrantNumbers>,
+) -> anyhow::Result<ClaimEngine> {
     Ok(ClaimEngine::new(
-        store.clone(),
-        hot_pool(cfg)?,
-        grant_numbers(cfg, store)?,
+        Arc::new(store.clone()),
+        Arc::new(hot),
+        numbers,
         ClaimConfig::default(),
     ))
+}
+
+/// A publisher on a fresh connection, with the topology declared.
+pub async fn publisher(cfg: &Config, name: &str) -> anyhow::Result<(lapin::Connection, Publisher)> {
+    let conn = codepool_broker::connect(&cfg.amqp_url, name).await?;
+    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    cfg.topology().declare(publisher.channel()).await?;
+    Ok((conn, publisher))
 }

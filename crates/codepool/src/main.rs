@@ -2,28 +2,16 @@
 //! every purchase. `main` only wires things: parse the command line, start
 //! telemetry, run the command, map the outcome to an exit code.
 
-mod bench;
 mod cli;
 mod commands;
-mod config;
-mod context;
 mod http;
 mod shutdown;
-mod telemetry;
+
+use codepool::{config, context, exit, telemetry};
 
 use std::process::ExitCode;
 
 use clap::Parser;
-
-/// Exit codes that mean something to scripts.
-pub mod exit {
-    /// Everything worked.
-    pub const OK: u8 = 0;
-    /// The command failed (a server unreachable, a file unreadable, …).
-    pub const FAILURE: u8 = 1;
-    /// It worked, but some input was invalid and skipped (import).
-    pub const PARTIAL: u8 = 2;
-}
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();

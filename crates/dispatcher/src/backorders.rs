@@ -1,15 +1,16 @@
 //! Fulfilling backorders when codes arrive: oldest first, through the same
-//! claim path as live purchases, each with its SMS-pending event. Several
-//! dispatchers may do this at once; the unique `order_id` index still
-//! gives every order at most one code.
+//! claim path as live purchases, each with its SMS-pending event sent
+//! through the outbox. Several dispatchers may do this at once; the unique
+//! `order_id` index still gives every order at most one code.
 
-use codepool_broker::Publisher;
 use codepool_domain::Purchase;
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
+use crate::outbox::{Marking, Outbox};
+use crate::ports::EventSink;
 
 const BATCH: u64 = 100;
 
@@ -18,7 +19,8 @@ const BATCH: u64 = 100;
 pub async fn fulfil_backorders(
     engine: &ClaimEngine,
     store: &Store,
-    publisher: &Publisher,
+    outbox: &Outbox,
+    sink: &dyn EventSink,
     pool: &str,
     stop: &CancellationToken,
 ) -> Result<u64, ClaimError> {
@@ -38,33 +40,29 @@ pub async fn fulfil_backorders(
         let purchases: Vec<Purchase> = waiting.iter().map(|b| b.purchase()).collect();
         let refs: Vec<&Purchase> = purchases.iter().collect();
         let outcomes = engine.claim_batch(&refs).await?;
-        let mut fulfilled = Vec::new();
-        let mut confirms = Vec::new();
-        let mut exhausted = false;
-        for (p, outcome) in purchases.iter().zip(outcomes) {
-            match outcome {
-                ClaimOutcome::Granted { grant, .. } => {
-                    if let Ok(id) = codepool_store::ObjectId::parse_str(&grant.code_id) {
-                        fulfilled.push((p.order_id.clone(), id));
-                        let Some(event) = grant.sms_pending() else {
-                            continue;
-                        };
-                        if let Ok(c) = publisher.publish_sms_pending(&event).await {
-                            confirms.push((id, c));
-                        }
-                    }
-                }
-                ClaimOutcome::Exhausted => exhausted = true,
-            }
+        let exhausted = outcomes
+            .iter()
+            .any(|o| matches!(o, ClaimOutcome::Exhausted));
+        let grants: Vec<_> = outcomes
+            .into_iter()
+            .filter_map(|o| match o {
+                ClaimOutcome::Granted { grant, .. } => Some(grant),
+                ClaimOutcome::Exhausted => None,
+            })
+            .collect();
+        // Events that are not confirmed stay on the relay's list.
+        let sent = outbox.send(sink, &grants, Marking::Now).await?;
+        if sent.confirmed() < grants.len() {
+            warn!(
+                pool,
+                unconfirmed = grants.len() - sent.confirmed(),
+                "some fulfilled backorders' events were not confirmed; the relay re-sends them"
+            );
         }
-        let mut published = Vec::new();
-        for (id, c) in confirms {
-            if c.wait().await.is_ok() {
-                published.push(id);
-            }
-        }
-        // Events that were not confirmed stay on the relay's list.
-        store.mark_sms_published(&published).await?;
+        let fulfilled: Vec<_> = grants
+            .iter()
+            .map(|g| (g.order_id.clone(), g.code_id))
+            .collect();
         store.mark_backorders_fulfilled(&fulfilled).await?;
         total += fulfilled.len() as u64;
         metrics::counter!("codepool_backorders_fulfilled_total").increment(fulfilled.len() as u64);

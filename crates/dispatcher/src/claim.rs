@@ -18,13 +18,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use codepool_domain::{Grant, Purchase};
-use codepool_hotpool::{Candidate, HotPool, HotPoolError};
+use codepool_domain::{Code, Grant, Purchase};
+use codepool_hotpool::HotPoolError;
+use codepool_sequence::SequenceError;
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, CodeDoc, ObjectId, Store, StoreError};
+use codepool_store::{ClaimAssignment, StoreError};
 use tracing::{debug, warn};
 
-use crate::grant_no::GrantNumbers;
+use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
 
 /// What a purchase got.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,8 +41,14 @@ pub enum ClaimOutcome {
 pub enum ClaimError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("grant numbers unavailable: {0}")]
-    GrantNumbers(String),
+    #[error("grant numbers unavailable")]
+    GrantNumbers(#[from] SequenceError),
+    /// The store answered something the claim cannot be built on (a grant
+    /// read back without its fields). Never turned into "exhausted".
+    #[error(transparent)]
+    Plan(#[from] crate::plan::OutcomeMismatch),
+    #[error("inconsistent claim result for order {order_id:?}: {detail}; the purchase stays unacked and is retried")]
+    Inconsistent { order_id: String, detail: String },
 }
 
 impl ClaimError {
@@ -50,8 +57,26 @@ impl ClaimError {
         match self {
             ClaimError::Store(e) => e.is_unavailable(),
             ClaimError::GrantNumbers(_) => true,
+            ClaimError::Inconsistent { .. } | ClaimError::Plan(_) => false,
         }
     }
+
+    fn inconsistent(order_id: &str, detail: impl Into<String>) -> Self {
+        metrics::counter!("codepool_internal_errors_total", "kind" => "inconsistent_claim")
+            .increment(1);
+        ClaimError::Inconsistent {
+            order_id: order_id.to_owned(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// The grant a code read back for `order_id` carries; an error when the
+/// code has none (it would otherwise look like "no code").
+fn grant_of(order_id: &str, code: &Code) -> Result<Grant, ClaimError> {
+    code.grant().ok_or_else(|| {
+        ClaimError::inconsistent(order_id, format!("code {} has no holder", code.id))
+    })
 }
 
 /// Knobs of the claim engine.
@@ -82,9 +107,9 @@ impl Default for ClaimConfig {
 /// Claims codes for purchases. Cheap to share between tasks.
 #[derive(Clone)]
 pub struct ClaimEngine {
-    store: Store,
-    hot: HotPool,
-    numbers: Arc<GrantNumbers>,
+    store: Arc<dyn ClaimStore>,
+    hot: Arc<dyn CandidatePool>,
+    numbers: Arc<dyn Numbering>,
     config: ClaimConfig,
     /// When a refill of each pool last found nothing.
     dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
@@ -100,9 +125,9 @@ struct Pairing<'a> {
 
 impl ClaimEngine {
     pub fn new(
-        store: Store,
-        hot: HotPool,
-        numbers: Arc<GrantNumbers>,
+        store: Arc<dyn ClaimStore>,
+        hot: Arc<dyn CandidatePool>,
+        numbers: Arc<dyn Numbering>,
         config: ClaimConfig,
     ) -> Self {
         Self {
@@ -114,12 +139,9 @@ impl ClaimEngine {
         }
     }
 
-    pub fn hot_pool(&self) -> &HotPool {
-        &self.hot
-    }
-
-    pub fn store(&self) -> &Store {
-        &self.store
+    /// True while the candidate pool is away and claims scan MongoDB.
+    pub fn is_degraded(&self) -> bool {
+        self.hot.is_degraded()
     }
 
     /// Claims one code for every purchase, returning outcomes aligned with
@@ -197,13 +219,15 @@ impl ClaimEngine {
         }
 
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
-        Ok(purchases
+        purchases
             .iter()
             .map(|p| {
                 let i = first_of[p.order_id.as_str()];
-                outcomes[i].clone().unwrap_or(ClaimOutcome::Exhausted)
+                outcomes[i]
+                    .clone()
+                    .ok_or_else(|| ClaimError::inconsistent(&p.order_id, "no outcome was decided"))
             })
-            .collect())
+            .collect()
     }
 
     /// Writes all pairs in one command, reads back which won, returns the
@@ -215,24 +239,11 @@ impl ClaimEngine {
     ) -> Result<Vec<usize>, ClaimError> {
         let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
         let numbers = self.numbers.for_purchases(&purchases).await?;
-        // A candidate that is not an id we wrote is skipped; its order retries.
-        let (written, assignments): (Vec<&Pairing>, Vec<ClaimAssignment>) = pairs
+        let assignments: Vec<ClaimAssignment> = pairs
             .iter()
             .zip(numbers)
-            .filter_map(|(p, grant_no)| {
-                let code_id = ObjectId::parse_str(&p.candidate.id).ok()?;
-                Some((
-                    p,
-                    ClaimAssignment {
-                        code_id,
-                        order_id: p.purchase.order_id.clone(),
-                        uid: p.purchase.uid.clone(),
-                        phone: p.purchase.phone.clone(),
-                        grant_no,
-                    },
-                ))
-            })
-            .unzip();
+            .map(|(p, grant_no)| assignment(p.purchase, p.candidate, grant_no))
+            .collect();
         let write = match self.store.claim_candidates(&assignments).await {
             Ok(w) => w,
             Err(e) => {
@@ -244,13 +255,8 @@ impl ClaimEngine {
         };
         // Orders refused by the unique index already hold a code elsewhere;
         // their candidate is still unissued and goes back to the set.
-        self.put_back(
-            write
-                .order_taken
-                .iter()
-                .filter_map(|&k| written.get(k).copied()),
-        )
-        .await;
+        self.put_back(write.order_taken.iter().filter_map(|&k| pairs.get(k)))
+            .await;
 
         let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
         let grants = self.store.grants_for_orders(&orders).await?;
@@ -264,13 +270,13 @@ impl ClaimEngine {
             .collect();
         let mut retry = Vec::new();
         for p in pairs {
-            let Some(doc) = grants.get(&p.purchase.order_id) else {
+            let Some(code) = grants.get(&p.purchase.order_id) else {
                 retry.push(p.index);
                 continue;
             };
-            let Some(grant) = doc.grant() else { continue };
+            let grant = grant_of(&p.purchase.order_id, code)?;
             let fresh = assigned.get(p.purchase.order_id.as_str()).is_some_and(|a| {
-                a.code_id == doc.id && a.grant_no.is_some() && a.grant_no == doc.grant_no
+                a.code_id == grant.code_id && a.grant_no.is_some() && a.grant_no == grant.grant_no
             });
             if fresh {
                 metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
@@ -287,7 +293,7 @@ impl ClaimEngine {
             by_pool
                 .entry(p.purchase.pool.as_str())
                 .or_default()
-                .push(p.candidate.clone());
+                .push(p.candidate);
         }
         for (pool, candidates) in by_pool {
             let _ = self.hot.put_back(pool, &candidates).await;
@@ -389,14 +395,8 @@ impl ClaimEngine {
                 .candidates_after(pool, 0, self.config.refill_batch)
                 .await?;
         }
-        let new_hwm = found.iter().map(|(_, s)| *s).max().unwrap_or(0).max(hwm);
-        let candidates: Vec<Candidate> = found
-            .into_iter()
-            .map(|(id, seq)| Candidate {
-                id: id.to_hex(),
-                seq,
-            })
-            .collect();
+        let new_hwm = found.iter().map(|c| c.seq).max().unwrap_or(0).max(hwm);
+        let candidates = found;
         self.hot.add(pool, &candidates, new_hwm).await?;
         debug!(pool, added = candidates.len(), "hot pool refilled");
         Ok(candidates.len())
@@ -419,16 +419,12 @@ impl ClaimEngine {
                 continue;
             }
             let grant_no = self.numbers.for_purchases(&[p]).await?.pop().flatten();
-            match self
-                .store
-                .claim_by_scan(&p.pool, &p.order_id, &p.uid, &p.phone, grant_no)
-                .await?
-            {
-                ScanClaim::Granted(doc) => {
-                    if let Some(grant) = doc.grant() {
-                        metrics::counter!("codepool_claims_total", "path" => "scan").increment(1);
-                        outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: true });
-                    }
+            let claim = assignment(p, SCAN_PLACEHOLDER, grant_no);
+            match self.store.claim_by_scan(&p.pool, &claim).await? {
+                ScanClaim::Granted(code) => {
+                    let grant = grant_of(&p.order_id, &code)?;
+                    metrics::counter!("codepool_claims_total", "path" => "scan").increment(1);
+                    outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: true });
                 }
                 ScanClaim::OrderAlreadyGranted => maybe_exhausted.push(i),
                 ScanClaim::Empty => {
@@ -445,17 +441,34 @@ impl ClaimEngine {
             .collect();
         let grants = self.store.grants_for_orders(&orders).await?;
         for i in maybe_exhausted {
-            outcomes[i] = Some(
-                match grants.get(&unique[i].order_id).and_then(CodeDoc::grant) {
-                    Some(grant) => ClaimOutcome::Granted {
-                        grant,
-                        fresh: false,
-                    },
-                    None => ClaimOutcome::Exhausted,
+            let order_id = &unique[i].order_id;
+            outcomes[i] = Some(match grants.get(order_id) {
+                Some(code) => ClaimOutcome::Granted {
+                    grant: grant_of(order_id, code)?,
+                    fresh: false,
                 },
-            );
+                None => ClaimOutcome::Exhausted,
+            });
         }
         Ok(())
+    }
+}
+
+/// The candidate of a scan claim is chosen by the store; this one is
+/// never written.
+const SCAN_PLACEHOLDER: Candidate = Candidate {
+    id: codepool_domain::CodeId::from_bytes([0; 12]),
+    seq: 0,
+};
+
+/// "Give `candidate` to this purchase's order."
+fn assignment(p: &Purchase, candidate: Candidate, grant_no: Option<String>) -> ClaimAssignment {
+    ClaimAssignment {
+        code_id: candidate.id,
+        order_id: p.order_id.clone(),
+        uid: p.uid.clone(),
+        phone: p.phone.clone(),
+        grant_no,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use codepool_hotpool::HotPool;
 use codepool_store::{Store, StoreError};
-use tracing::info;
+use tracing::{debug, info};
 
 /// Voids expired unissued codes (of one pool, or all) and drops them from
 /// the hot pool. Returns how many were voided. Redis being away only
@@ -18,7 +18,9 @@ pub async fn expire_codes(
     let expired = store.expire(pool, bson::DateTime::now()).await?;
     for (pool, ids) in &expired.by_pool {
         let ids: Vec<String> = ids.iter().map(|id| id.to_hex()).collect();
-        let _ = hot.remove(pool, &ids).await;
+        if let Err(e) = hot.remove(pool, &ids).await {
+            debug!(pool, error = %e, "expired codes stay hot-pool candidates until Redis is back; claims refuse them");
+        }
         info!(pool, count = ids.len(), "expired codes voided");
         metrics::counter!("codepool_codes_expired_total", "pool" => pool.clone())
             .increment(ids.len() as u64);

@@ -31,23 +31,26 @@ impl GrantNumbers {
         }
     }
 
-    async fn prefix(&self, pool: &str) -> String {
+    /// The pool's prefix (cached for a while). A store error is an error:
+    /// numbering a grant with the wrong prefix would be a different grant
+    /// number, not a fallback.
+    async fn prefix(&self, pool: &str) -> Result<String, ClaimError> {
         if let Some((p, at)) = self.prefixes.lock().await.get(pool) {
             if at.elapsed() < PREFIX_TTL {
-                return p.clone();
+                return Ok(p.clone());
             }
         }
-        let prefix = match self.store.pool(pool).await {
-            Ok(Some(doc)) => doc
-                .grant_prefix
-                .unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into()),
-            _ => DEFAULT_GRANT_PREFIX.into(),
-        };
+        let prefix = self
+            .store
+            .pool(pool)
+            .await?
+            .and_then(|doc| doc.grant_prefix)
+            .unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into());
         self.prefixes
             .lock()
             .await
             .insert(pool.to_owned(), (prefix.clone(), Instant::now()));
-        prefix
+        Ok(prefix)
     }
 
     /// One number per purchase, aligned with the input.
@@ -61,12 +64,8 @@ impl GrantNumbers {
         }
         let mut out = vec![None; purchases.len()];
         for (pool, idxs) in by_pool {
-            let prefix = self.prefix(pool).await;
-            let numbers = self
-                .daily
-                .next_n(&prefix, idxs.len() as u32)
-                .await
-                .map_err(|e| ClaimError::GrantNumbers(e.to_string()))?;
+            let prefix = self.prefix(pool).await?;
+            let numbers = self.daily.next_n(&prefix, idxs.len() as u32).await?;
             for (i, n) in idxs.into_iter().zip(numbers) {
                 out[i] = Some(n);
             }

@@ -15,16 +15,23 @@
 //! runs its [`upkeep`]: SMS receipts, `code.redeemed` events, the expiry
 //! sweep and low-stock alerts ([`stock`]).
 
+pub mod adapters;
 pub mod backorders;
+mod batch;
 pub mod claim;
 pub mod daemon;
 pub mod expiry;
 pub mod grant_no;
 pub mod health;
+pub mod ops;
 pub mod outage;
+pub mod outbox;
+pub mod plan;
+pub mod ports;
 pub mod receipts;
 pub mod redemptions;
 pub mod relay;
+mod session;
 pub mod stock;
 pub mod telemetry;
 pub mod upkeep;
@@ -33,4 +40,5 @@ pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use daemon::{Dispatcher, DispatcherConfig};
 pub use grant_no::GrantNumbers;
 pub use health::Health;
+pub use outbox::{Marking, Outbox};
 pub use stock::{StockConfig, StockLevel, StockWatch};

@@ -26,7 +26,7 @@ pub async fn apply_redemption(store: &Store, delivery: &Delivery) -> Result<(), 
     };
     let result = match store.redeem(target).await {
         Ok(t) => {
-            info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.order_id.as_deref().unwrap_or(""), "code redeemed");
+            info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.holder.as_ref().map_or("", |h| h.order_id.as_str()), "code redeemed");
             "redeemed"
         }
         Err(LifecycleError::AlreadyUsed { .. }) => {

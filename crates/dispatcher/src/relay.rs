@@ -5,42 +5,42 @@
 
 use std::time::Duration;
 
-use codepool_broker::Publisher;
+use codepool_domain::Code;
 use codepool_store::{Store, StoreError};
-use tracing::info;
+use tracing::{info, warn};
 
-/// Re-publishes unconfirmed events of grants older than `older_than`.
-/// Returns how many were confirmed now.
+use crate::outbox::{Marking, Outbox};
+use crate::ports::EventSink;
+
+/// Re-publishes unconfirmed events of grants older than `older_than`,
+/// through the outbox. Returns how many were confirmed now.
 pub async fn relay_unconfirmed(
     store: &Store,
-    publisher: &Publisher,
+    outbox: &Outbox,
+    sink: &dyn EventSink,
     older_than: Duration,
     limit: i64,
 ) -> Result<u64, StoreError> {
     let cutoff = chrono::Utc::now()
         - chrono::Duration::from_std(older_than).unwrap_or_else(|_| chrono::Duration::seconds(30));
-    let grants = store.unconfirmed_grants(cutoff, limit).await?;
-    let mut confirms = Vec::new();
-    for doc in &grants {
-        if let Some(event) = doc.grant().and_then(|g| g.sms_pending()) {
-            if let Ok(c) = publisher.publish_sms_pending(&event).await {
-                confirms.push((doc.id, c));
-            }
-        }
+    let codes = store.unconfirmed_grants(cutoff, limit).await?;
+    let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
+    if grants.len() < codes.len() {
+        // Only the claim sets `sms_pending`, together with the holder.
+        warn!(
+            without_holder = codes.len() - grants.len(),
+            "codes awaiting an SMS relay have no order; they are skipped"
+        );
+        metrics::counter!("codepool_internal_errors_total", "kind" => "relay_without_holder")
+            .increment((codes.len() - grants.len()) as u64);
     }
-    let mut published = Vec::new();
-    for (id, c) in confirms {
-        if c.wait().await.is_ok() {
-            published.push(id);
-        }
-    }
-    store.mark_sms_published(&published).await?;
-    if !published.is_empty() {
+    let confirmed = outbox.send(sink, &grants, Marking::Now).await?.confirmed() as u64;
+    if confirmed > 0 {
         info!(
-            count = published.len(),
+            count = confirmed,
             "relayed SMS-pending events that were never confirmed"
         );
-        metrics::counter!("codepool_sms_relayed_total").increment(published.len() as u64);
+        metrics::counter!("codepool_sms_relayed_total").increment(confirmed);
     }
-    Ok(published.len() as u64)
+    Ok(confirmed)
 }

@@ -9,9 +9,10 @@ pub const MAX_CODE_LEN: usize = 128;
 /// Where a code is in its life. Stored as a small integer in MongoDB
 /// (`status`), because the claim's conditional update matches on it.
 ///
-/// Allowed moves: 0→1 claim, 1→2 redeem, 0→3 and 1→3 void. An issued code
-/// never returns to 0: the buyer has already seen it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The allowed moves are the [`Transition`]s: 0→1 claim, 1→2 redeem, 0→3
+/// and 1→3 void, 0→3 expire. An issued code never returns to 0: the buyer
+/// has already seen it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CodeStatus {
     Unissued = 0,
     Issued = 1,
@@ -20,18 +21,14 @@ pub enum CodeStatus {
 }
 
 impl CodeStatus {
+    pub const ALL: [CodeStatus; 4] = [Self::Unissued, Self::Issued, Self::Used, Self::Void];
+
     pub fn as_i32(self) -> i32 {
         self as i32
     }
 
     pub fn from_i32(v: i32) -> Option<Self> {
-        match v {
-            0 => Some(Self::Unissued),
-            1 => Some(Self::Issued),
-            2 => Some(Self::Used),
-            3 => Some(Self::Void),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|s| s.as_i32() == v)
     }
 
     pub fn name(self) -> &'static str {
@@ -43,19 +40,108 @@ impl CodeStatus {
         }
     }
 
-    /// Whether the lifecycle allows moving from `self` to `to`.
+    /// Parses a status name as operators type it (`issued`, `used`, …).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name.trim())
+    }
+
+    /// Whether some [`Transition`] moves a code from `self` to `to`.
     pub fn can_become(self, to: CodeStatus) -> bool {
-        use CodeStatus::*;
-        matches!(
-            (self, to),
-            (Unissued, Issued) | (Issued, Used) | (Unissued, Void) | (Issued, Void)
-        )
+        Transition::ALL
+            .iter()
+            .any(|t| t.to() == to && t.from().contains(&self))
     }
 }
 
 impl fmt::Display for CodeStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// The moves of a code's lifecycle, defined once. The store builds its
+/// conditional updates from [`Transition::from`] and [`Transition::to`], so
+/// what MongoDB enforces and what the domain says are the same rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transition {
+    /// An order receives an unissued code.
+    Claim,
+    /// The buyer used the code.
+    Redeem,
+    /// An operator revoked the code (refund, leak, recall).
+    Void,
+    /// An unissued code passed its `expires_at`.
+    Expire,
+}
+
+impl Transition {
+    pub const ALL: [Transition; 4] = [Self::Claim, Self::Redeem, Self::Void, Self::Expire];
+
+    /// The statuses this transition may start from.
+    pub fn from(self) -> &'static [CodeStatus] {
+        use CodeStatus::*;
+        match self {
+            Self::Claim | Self::Expire => &[Unissued],
+            Self::Redeem => &[Issued],
+            Self::Void => &[Unissued, Issued],
+        }
+    }
+
+    /// The status it ends in.
+    pub fn to(self) -> CodeStatus {
+        match self {
+            Self::Claim => CodeStatus::Issued,
+            Self::Redeem => CodeStatus::Used,
+            Self::Void | Self::Expire => CodeStatus::Void,
+        }
+    }
+
+    /// [`Transition::from`] as the integers stored in MongoDB.
+    pub fn from_codes(self) -> Vec<i32> {
+        self.from().iter().map(|s| s.as_i32()).collect()
+    }
+}
+
+/// The identity of a code document: MongoDB's 12-byte ObjectId, kept as
+/// bytes so the domain needs no database types. Parsing is strict: a
+/// malformed id is an error, never skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CodeId([u8; 12]);
+
+/// A string that is not a code id (24 hex digits).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a code id (24 hexadecimal digits)")]
+pub struct InvalidCodeId(pub String);
+
+impl CodeId {
+    pub const fn from_bytes(bytes: [u8; 12]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn bytes(&self) -> [u8; 12] {
+        self.0
+    }
+
+    pub fn parse(hex: &str) -> Result<Self, InvalidCodeId> {
+        let bad = || InvalidCodeId(hex.chars().take(40).collect());
+        if hex.len() != 24 || !hex.is_ascii() {
+            return Err(bad());
+        }
+        let mut out = [0u8; 12];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Self(out))
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Display for CodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
     }
 }
 
@@ -155,5 +241,59 @@ mod tests {
             assert_eq!(CodeStatus::from_i32(s.as_i32()), Some(s));
         }
         assert_eq!(CodeStatus::from_i32(7), None);
+    }
+
+    #[test]
+    fn every_transition_is_an_allowed_move_and_nothing_returns_to_unissued() {
+        for t in Transition::ALL {
+            for from in t.from() {
+                assert!(from.can_become(t.to()), "{t:?} from {from}");
+            }
+            assert_ne!(t.to(), CodeStatus::Unissued);
+        }
+        for s in CodeStatus::ALL {
+            assert!(!s.can_become(CodeStatus::Unissued));
+        }
+    }
+
+    #[test]
+    fn transitions_start_where_the_lifecycle_says() {
+        assert_eq!(Transition::Claim.from_codes(), vec![0]);
+        assert_eq!(Transition::Redeem.from_codes(), vec![1]);
+        assert_eq!(Transition::Void.from_codes(), vec![0, 1]);
+        assert_eq!(Transition::Expire.from_codes(), vec![0]);
+        assert_eq!(Transition::Expire.to(), CodeStatus::Void);
+    }
+
+    #[test]
+    fn status_names_round_trip() {
+        for s in CodeStatus::ALL {
+            assert_eq!(CodeStatus::from_name(s.name()), Some(s));
+        }
+        assert_eq!(CodeStatus::from_name("sold"), None);
+    }
+
+    #[test]
+    fn code_ids_parse_strictly() {
+        let id = CodeId::parse("65a1b2c3d4e5f60718293a4b").unwrap();
+        assert_eq!(id.to_hex(), "65a1b2c3d4e5f60718293a4b");
+        assert_eq!(CodeId::from_bytes(id.bytes()), id);
+        for bad in [
+            "",
+            "65a1",
+            "65a1b2c3d4e5f60718293a4g",
+            "65a1b2c3d4e5f60718293a4b00",
+            "é5a1b2c3d4e5f60718293a4",
+        ] {
+            assert!(CodeId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_code_id_survives_hex(bytes in proptest::array::uniform12(proptest::num::u8::ANY)) {
+            let id = CodeId::from_bytes(bytes);
+            proptest::prop_assert_eq!(CodeId::parse(&id.to_hex()), Ok(id));
+        }
     }
 }

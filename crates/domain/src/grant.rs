@@ -3,15 +3,15 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 
-use crate::code::mask;
+use crate::code::{mask, CodeId};
 use crate::events::SmsPending;
 
 /// One code issued to one order. Created only by the claim (a conditional
 /// update from status 0 to 1 in MongoDB); everything else reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
-    /// MongoDB `_id` of the code document, as hex.
-    pub code_id: String,
+    /// The code document that carries the grant.
+    pub code_id: CodeId,
     pub pool: String,
     pub code: String,
     pub order_id: String,

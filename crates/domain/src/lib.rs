@@ -15,11 +15,15 @@ pub mod events;
 pub mod grant;
 pub mod pool;
 pub mod purchase;
+pub mod record;
 pub mod redemption;
 
-pub use code::{mask, validate_code, CodeStatus, InvalidCode, MAX_CODE_LEN};
+pub use code::{
+    mask, validate_code, CodeId, CodeStatus, InvalidCode, InvalidCodeId, Transition, MAX_CODE_LEN,
+};
 pub use events::{PoolEvent, PoolEventKind, SmsPending, SmsReceipt};
 pub use grant::Grant;
 pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
+pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};

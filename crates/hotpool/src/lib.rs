@@ -47,11 +47,13 @@ pub enum HotPoolError {
     Config(String),
 }
 
-/// Proof of holding a pool's refill lock; released only by its holder.
+/// Proof of holding a pool's refill lock; released only by its holder
+/// (the unlock compares `token`). Public so that in-memory stand-ins of the
+/// hot pool can hand out locks of their own in tests.
 #[derive(Debug)]
 pub struct RefillLock {
-    key: String,
-    token: String,
+    pub key: String,
+    pub token: String,
 }
 
 /// The Redis hot pools of all pools, behind one connection.

@@ -129,10 +129,11 @@ impl Store {
     /// Marks backorders fulfilled by the given codes.
     pub async fn mark_backorders_fulfilled(
         &self,
-        fulfilled: &[(String, ObjectId)],
+        fulfilled: &[(String, codepool_domain::CodeId)],
     ) -> Result<(), StoreError> {
         let now = DateTime::now();
         for (order_id, code_id) in fulfilled {
+            let code_id = crate::codes::object_id(*code_id);
             self.collection(BACKORDERS)
                 .update_one(
                     doc! {"order_id": order_id, "status": WAITING},

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
-use codepool_domain::{CodeStatus, Grant};
+use codepool_domain::{Code, CodeId, CodeStatus, Holder, SmsEvent, SmsRecord, Transition};
 use futures::TryStreamExt;
 use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
@@ -21,7 +21,9 @@ use crate::{durable, durable_doc, Store, StoreError};
 pub const CODES: &str = "codes";
 const SEQUENCES: &str = "sequences";
 
-/// A code document as stored.
+/// A code document as stored. The persistence form only: the store reads
+/// it into the domain's [`Code`] ([`CodeDoc::into_code`]), and a document
+/// that does not make a valid `Code` is an error, never skipped.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CodeDoc {
     #[serde(rename = "_id")]
@@ -54,28 +56,108 @@ pub struct CodeDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sms_sent_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_failed_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_error: Option<String>,
+    #[serde(default)]
+    pub sms_failures: i64,
+    #[serde(default)]
+    pub sms_resends: i64,
+    #[serde(default)]
+    pub sms_history: Vec<SmsHistoryEntry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub voided_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub void_reason: Option<String>,
 }
 
+/// One stored step of a code's SMS history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SmsHistoryEntry {
+    pub event: String,
+    pub at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_id: Option<String>,
+}
+
+/// The domain id of a stored code.
+pub fn code_id(id: ObjectId) -> CodeId {
+    CodeId::from_bytes(id.bytes())
+}
+
+/// The stored `_id` of a domain code id.
+pub fn object_id(id: CodeId) -> ObjectId {
+    ObjectId::from_bytes(id.bytes())
+}
+
+fn utc(t: Option<DateTime>) -> Option<chrono::DateTime<chrono::Utc>> {
+    t.map(DateTime::to_chrono)
+}
+
 impl CodeDoc {
+    /// The stored status, if it is one codepool knows.
     pub fn status(&self) -> Option<CodeStatus> {
         CodeStatus::from_i32(self.status)
     }
 
-    /// The grant this document records, if it has been issued.
-    pub fn grant(&self) -> Option<Grant> {
-        Some(Grant {
-            code_id: self.id.to_hex(),
-            pool: self.pool.clone(),
-            code: self.code.clone(),
-            order_id: self.order_id.clone()?,
-            uid: self.uid.clone().unwrap_or_default(),
-            phone: self.phone.clone().unwrap_or_default(),
-            grant_no: self.grant_no.clone(),
-            issued_at: self.issued_at?.to_chrono(),
-            revoked: self.status() == Some(CodeStatus::Void),
+    /// Reads the document as a domain [`Code`]. An unknown status, or an
+    /// issued code without its order, is corruption: an error naming the
+    /// document, so no caller mistakes it for "no grant".
+    pub fn into_code(self) -> Result<Code, StoreError> {
+        let corrupt = |what: &str| StoreError::Corrupt {
+            collection: CODES.into(),
+            message: format!("code {} {what}", self.id),
+        };
+        let status = CodeStatus::from_i32(self.status)
+            .ok_or_else(|| corrupt(&format!("has unknown status {}", self.status)))?;
+        let holder = match (&self.order_id, self.issued_at) {
+            (Some(order_id), Some(issued_at)) => Some(Holder {
+                order_id: order_id.clone(),
+                uid: self
+                    .uid
+                    .clone()
+                    .ok_or_else(|| corrupt("is issued without uid"))?,
+                phone: self.phone.clone().unwrap_or_default(),
+                issued_at: issued_at.to_chrono(),
+                grant_no: self.grant_no.clone(),
+            }),
+            (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
+            (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
+                return Err(corrupt(&format!("is {status} but has no order_id")))
+            }
+            (None, _) => None,
+        };
+        Ok(Code {
+            id: code_id(self.id),
+            pool: self.pool,
+            code: self.code,
+            status,
+            seq: self.seq,
+            expires_at: utc(self.expires_at),
+            holder,
+            used_at: utc(self.used_at),
+            voided_at: utc(self.voided_at),
+            void_reason: self.void_reason,
+            sms: SmsRecord {
+                sent: self.is_sms == 1,
+                published_at: utc(self.sms_published_at),
+                sent_at: utc(self.sms_sent_at),
+                failed_at: utc(self.sms_failed_at),
+                error: self.sms_error,
+                failures: self.sms_failures,
+                resends: self.sms_resends,
+                history: self
+                    .sms_history
+                    .into_iter()
+                    .map(|h| SmsEvent {
+                        event: h.event,
+                        at: h.at.to_chrono(),
+                        error: h.error,
+                    })
+                    .collect(),
+            },
         })
     }
 }
@@ -97,7 +179,7 @@ pub struct InsertOutcome {
 /// One intended claim: give the code `code_id` to this order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimAssignment {
-    pub code_id: ObjectId,
+    pub code_id: CodeId,
     pub order_id: String,
     pub uid: String,
     pub phone: String,
@@ -114,10 +196,23 @@ pub struct ClaimWrite {
     pub order_taken: Vec<usize>,
 }
 
+/// Which codes `lookup` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeQuery<'a> {
+    Order(&'a str),
+    Uid(&'a str),
+    Code {
+        pool: &'a str,
+        code: &'a str,
+    },
+    /// The latest grants of a pool.
+    GrantsOf(&'a str),
+}
+
 /// Outcome of a claim by scanning the pool (the path without Redis).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ScanClaim {
-    Granted(Box<CodeDoc>),
+    Granted(Box<Code>),
     /// The order already holds a code; read it with `grants_for_orders`.
     OrderAlreadyGranted,
     /// No unissued, unexpired code is left in the pool.
@@ -131,7 +226,7 @@ pub fn not_expired(now: DateTime) -> Document {
 
 fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
     let mut set = doc! {
-        "status": CodeStatus::Issued.as_i32(),
+        "status": Transition::Claim.to().as_i32(),
         "order_id": &a.order_id,
         "uid": &a.uid,
         "phone": &a.phone,
@@ -274,7 +369,7 @@ impl Store {
         let updates: Vec<Document> = assignments
             .iter()
             .map(|a| {
-                let mut q = doc! {"_id": a.code_id, "status": CodeStatus::Unissued.as_i32()};
+                let mut q = doc! {"_id": object_id(a.code_id), "status": {"$in": Transition::Claim.from_codes()}};
                 q.extend(expiry.clone());
                 doc! {"q": q, "u": issue_set(a, now)}
             })
@@ -315,33 +410,24 @@ impl Store {
     /// Claims the oldest unissued, unexpired code of `pool` for one order by
     /// scanning `(pool, status, seq)` with `findOneAndUpdate`. The path used
     /// when Redis is unavailable, and the final word on "the pool is empty".
+    /// `claim.code_id` is ignored: the scan picks the code.
     pub async fn claim_by_scan(
         &self,
         pool: &str,
-        order_id: &str,
-        uid: &str,
-        phone: &str,
-        grant_no: Option<String>,
+        claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError> {
         let now = DateTime::now();
-        let mut filter = doc! {"pool": pool, "status": CodeStatus::Unissued.as_i32()};
+        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
         filter.extend(not_expired(now));
-        let assignment = ClaimAssignment {
-            code_id: ObjectId::new(),
-            order_id: order_id.to_owned(),
-            uid: uid.to_owned(),
-            phone: phone.to_owned(),
-            grant_no,
-        };
         let result = self
             .typed::<CodeDoc>(CODES)
-            .find_one_and_update(filter, issue_set(&assignment, now))
+            .find_one_and_update(filter, issue_set(claim, now))
             .sort(doc! {"seq": 1})
             .return_document(ReturnDocument::After)
             .write_concern(durable())
             .await;
         match result {
-            Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc))),
+            Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc.into_code()?))),
             Ok(None) => Ok(ScanClaim::Empty),
             Err(e) if is_duplicate_key(&e) => Ok(ScanClaim::OrderAlreadyGranted),
             Err(e) => Err(e.into()),
@@ -352,7 +438,7 @@ impl Store {
     pub async fn grants_for_orders(
         &self,
         order_ids: &[&str],
-    ) -> Result<HashMap<String, CodeDoc>, StoreError> {
+    ) -> Result<HashMap<String, Code>, StoreError> {
         if order_ids.is_empty() {
             return Ok(HashMap::new());
         }
@@ -362,10 +448,16 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        Ok(docs
-            .into_iter()
-            .filter_map(|d| Some((d.order_id.clone()?, d)))
-            .collect())
+        let mut out = HashMap::with_capacity(docs.len());
+        for d in docs {
+            let code = d.into_code()?;
+            // The filter matched on order_id, so a holder is always there;
+            // `into_code` has already refused one without issued_at.
+            if let Some(order) = code.holder.as_ref().map(|h| h.order_id.clone()) {
+                out.insert(order, code);
+            }
+        }
+        Ok(out)
     }
 
     /// Unissued, unexpired codes of `pool` after `after_seq`, oldest first:
@@ -375,10 +467,10 @@ impl Store {
         pool: &str,
         after_seq: i64,
         limit: i64,
-    ) -> Result<Vec<(ObjectId, i64)>, StoreError> {
+    ) -> Result<Vec<(CodeId, i64)>, StoreError> {
         let mut filter = doc! {
             "pool": pool,
-            "status": CodeStatus::Unissued.as_i32(),
+            "status": {"$in": Transition::Claim.from_codes()},
             "seq": {"$gt": after_seq},
         };
         filter.extend(not_expired(DateTime::now()));
@@ -391,18 +483,26 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        Ok(docs
-            .into_iter()
-            .filter_map(|d| Some((d.get_object_id("_id").ok()?, d.get_i64("seq").ok()?)))
-            .collect())
+        docs.into_iter()
+            .map(|d| match (d.get_object_id("_id"), d.get_i64("seq")) {
+                (Ok(id), Ok(seq)) => Ok((code_id(id), seq)),
+                _ => Err(StoreError::Corrupt {
+                    collection: CODES.into(),
+                    message: format!(
+                        "a code of pool {pool:?} lacks an ObjectId _id or a 64-bit seq: {d}"
+                    ),
+                }),
+            })
+            .collect()
     }
 
     /// Records that the SMS-pending events of these codes were confirmed by
     /// the broker, which takes them off the relay's list.
-    pub async fn mark_sms_published(&self, code_ids: &[ObjectId]) -> Result<(), StoreError> {
+    pub async fn mark_sms_published(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
         if code_ids.is_empty() {
             return Ok(());
         }
+        let code_ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
         // Not a decision, only bookkeeping for the relay: a lost mark means
         // one duplicate event (with the same event_id), so w:1 is enough.
         self.collection(CODES)
@@ -425,20 +525,44 @@ impl Store {
         &self,
         before: chrono::DateTime<chrono::Utc>,
         limit: i64,
-    ) -> Result<Vec<CodeDoc>, StoreError> {
-        Ok(self
+    ) -> Result<Vec<Code>, StoreError> {
+        let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
             .find(doc! {"sms_pending": true, "issued_at": {"$lt": DateTime::from_chrono(before)}})
             .sort(doc! {"issued_at": 1})
             .limit(limit)
             .await?
             .try_collect()
-            .await?)
+            .await?;
+        docs.into_iter().map(CodeDoc::into_code).collect()
+    }
+
+    /// The codes an operator asked about, newest grant first.
+    pub async fn find_codes(
+        &self,
+        query: &CodeQuery<'_>,
+        limit: i64,
+    ) -> Result<Vec<Code>, StoreError> {
+        let filter = match query {
+            CodeQuery::Order(o) => doc! {"order_id": *o},
+            CodeQuery::Uid(u) => doc! {"uid": *u},
+            CodeQuery::Code { pool, code } => doc! {"pool": *pool, "code": *code},
+            CodeQuery::GrantsOf(pool) => doc! {"pool": *pool, "order_id": {"$type": "string"}},
+        };
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(filter)
+            .sort(doc! {"issued_at": -1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        docs.into_iter().map(CodeDoc::into_code).collect()
     }
 
     /// Number of unissued, unexpired codes in `pool`.
     pub async fn unissued_count(&self, pool: &str) -> Result<u64, StoreError> {
-        let mut filter = doc! {"pool": pool, "status": CodeStatus::Unissued.as_i32()};
+        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
         filter.extend(not_expired(DateTime::now()));
         Ok(self.collection(CODES).count_documents(filter).await?)
     }

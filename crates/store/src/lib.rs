@@ -32,7 +32,8 @@ use mongodb::options::{Acknowledgment, ClientOptions, WriteConcern};
 use mongodb::{Client, Collection, Database};
 
 pub use bson::oid::ObjectId;
-pub use codes::{ClaimAssignment, ClaimWrite, CodeDoc, NewCode};
+pub use codepool_domain::CodeId;
+pub use codes::{code_id, object_id, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode};
 pub use error::StoreError;
 
 /// A handle on codepool's database. Cheap to clone.

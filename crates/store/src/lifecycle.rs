@@ -10,13 +10,12 @@
 
 use bson::oid::ObjectId;
 use bson::{doc, DateTime, Document};
-use codepool_domain::{mask, CodeStatus};
+use codepool_domain::{mask, when, Code, CodeId, CodeStatus, Transition};
 use futures::TryStreamExt;
 use mongodb::options::ReturnDocument;
-use serde::{Deserialize, Serialize};
 
 use crate::backorders::{BACKORDERS, WAITING};
-use crate::codes::CODES;
+use crate::codes::{code_id, object_id, CODES};
 use crate::{durable, CodeDoc, Store, StoreError};
 
 /// The reason recorded on codes voided by the expiry sweep.
@@ -80,10 +79,10 @@ pub enum LifecycleError {
     Store(#[from] StoreError),
 }
 
-/// A transition that happened: the document as it was before, and when.
+/// A transition that happened: the code as it was before, and when.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Transition {
-    pub before: CodeDoc,
+pub struct Applied {
+    pub before: Code,
     pub at: DateTime,
 }
 
@@ -91,7 +90,7 @@ pub struct Transition {
 #[derive(Debug, Clone, PartialEq)]
 pub enum VoidOutcome {
     /// The code is void now.
-    Voided(Box<Transition>),
+    Voided(Box<Applied>),
     /// The order held no code yet: its waiting backorder was cancelled, so
     /// it will not be fulfilled when stock arrives.
     BackorderCancelled { order_id: String },
@@ -101,7 +100,7 @@ pub enum VoidOutcome {
 /// from the hot pool.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Expired {
-    pub by_pool: Vec<(String, Vec<ObjectId>)>,
+    pub by_pool: Vec<(String, Vec<CodeId>)>,
 }
 
 impl Expired {
@@ -137,104 +136,72 @@ pub enum ReceiptOutcome {
     UnknownOrder,
 }
 
-/// One step in the SMS history of a code (`published`, `resent`, `sent`,
-/// `failed`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SmsHistoryEntry {
-    pub event: String,
-    pub at: DateTime,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub receipt_id: Option<String>,
-}
-
-/// The SMS side of a code document: when its text was published, sent or
-/// failed, how often, and the recent history. Read from the same document
-/// as [`CodeDoc`].
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SmsStatus {
-    #[serde(default)]
-    pub is_sms: i32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sms_published_at: Option<DateTime>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sms_sent_at: Option<DateTime>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sms_failed_at: Option<DateTime>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sms_error: Option<String>,
-    #[serde(default)]
-    pub sms_failures: i64,
-    #[serde(default)]
-    pub sms_resends: i64,
-    #[serde(default)]
-    pub sms_history: Vec<SmsHistoryEntry>,
-}
-
-fn time(t: Option<DateTime>) -> String {
-    t.map(|t| {
-        t.to_chrono()
-            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-    })
-    .unwrap_or_else(|| "an unknown time".into())
-}
-
 /// Explains why a conditional transition on `doc` matched nothing.
-fn refusal(what: String, doc: Option<CodeDoc>, redeeming: bool) -> LifecycleError {
-    let Some(doc) = doc else {
+fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError {
+    let Some(code) = code else {
         return LifecycleError::NotFound { what };
     };
-    match doc.status() {
-        Some(CodeStatus::Used) if redeeming => LifecycleError::AlreadyUsed {
+    match code.status {
+        CodeStatus::Used if redeeming => LifecycleError::AlreadyUsed {
             what,
-            at: time(doc.used_at),
+            at: when(code.used_at),
         },
-        Some(CodeStatus::Used) => LifecycleError::Used {
+        CodeStatus::Used => LifecycleError::Used {
             what,
-            at: time(doc.used_at),
+            at: when(code.used_at),
         },
-        Some(CodeStatus::Void) => LifecycleError::Void {
+        CodeStatus::Void => LifecycleError::Void {
             what,
-            at: time(doc.voided_at),
-            reason: doc.void_reason.unwrap_or_else(|| "no reason given".into()),
+            at: when(code.voided_at),
+            reason: code.void_reason.unwrap_or_else(|| "no reason given".into()),
         },
-        Some(CodeStatus::Unissued) => LifecycleError::Unissued { what },
+        CodeStatus::Unissued => LifecycleError::Unissued { what },
         // The status changed between the update and the read: the caller
         // may simply run the command again.
-        Some(CodeStatus::Issued) | None => LifecycleError::Store(StoreError::Rejected(format!(
-            "{what} changed while it was being updated (status {}); run the command again",
-            doc.status
+        CodeStatus::Issued => LifecycleError::Store(StoreError::Rejected(format!(
+            "{what} changed while it was being updated (now {}); run the command again",
+            code.status
         ))),
     }
 }
 
 impl Store {
-    async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<CodeDoc>, StoreError> {
-        Ok(self
-            .typed::<CodeDoc>(CODES)
+    async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
+        self.typed::<CodeDoc>(CODES)
             .find_one(target.filter())
-            .await?)
+            .await?
+            .map(CodeDoc::into_code)
+            .transpose()
+    }
+
+    /// Applies `transition` to the code `target` names, in one conditional
+    /// update on the statuses the transition starts from; returns the code
+    /// as it was before, or `None` when nothing matched.
+    async fn apply(
+        &self,
+        target: CodeRef<'_>,
+        transition: Transition,
+        update: Document,
+    ) -> Result<Option<Code>, StoreError> {
+        let mut filter = target.filter();
+        filter.insert("status", doc! {"$in": transition.from_codes()});
+        self.typed::<CodeDoc>(CODES)
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::Before)
+            .write_concern(durable())
+            .await?
+            .map(CodeDoc::into_code)
+            .transpose()
     }
 
     /// Redeems an issued code: status 1 → 2 with `used_at`. Unissued, used
     /// and void codes are refused with the reason.
-    pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Transition, LifecycleError> {
+    pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Applied, LifecycleError> {
         let now = DateTime::now();
-        let mut filter = target.filter();
-        filter.insert("status", CodeStatus::Issued.as_i32());
-        let before = self
-            .typed::<CodeDoc>(CODES)
-            .find_one_and_update(
-                filter,
-                doc! {"$set": {"status": CodeStatus::Used.as_i32(), "used_at": now}},
-            )
-            .return_document(ReturnDocument::Before)
-            .write_concern(durable())
-            .await
-            .map_err(StoreError::from)?;
-        match before {
-            Some(before) => Ok(Transition { before, at: now }),
+        let to = Transition::Redeem.to().as_i32();
+        let update = doc! {"$set": {"status": to, "used_at": now}};
+        match self.apply(target, Transition::Redeem, update).await? {
+            Some(before) => Ok(Applied { before, at: now }),
             None => Err(refusal(
                 target.describe(),
                 self.find_code(target).await?,
@@ -254,29 +221,12 @@ impl Store {
         reason: &str,
     ) -> Result<VoidOutcome, LifecycleError> {
         let now = DateTime::now();
-        let mut filter = target.filter();
-        filter.insert(
-            "status",
-            doc! {"$in": [CodeStatus::Unissued.as_i32(), CodeStatus::Issued.as_i32()]},
-        );
-        let before = self
-            .typed::<CodeDoc>(CODES)
-            .find_one_and_update(
-                filter,
-                doc! {
-                    "$set": {"status": CodeStatus::Void.as_i32(), "voided_at": now, "void_reason": reason},
-                    "$unset": {"sms_pending": ""},
-                },
-            )
-            .return_document(ReturnDocument::Before)
-            .write_concern(durable())
-            .await
-            .map_err(StoreError::from)?;
-        if let Some(before) = before {
-            return Ok(VoidOutcome::Voided(Box::new(Transition {
-                before,
-                at: now,
-            })));
+        let update = doc! {
+            "$set": {"status": Transition::Void.to().as_i32(), "voided_at": now, "void_reason": reason},
+            "$unset": {"sms_pending": ""},
+        };
+        if let Some(before) = self.apply(target, Transition::Void, update).await? {
+            return Ok(VoidOutcome::Voided(Box::new(Applied { before, at: now })));
         }
         let existing = self.find_code(target).await?;
         if let (None, CodeRef::Order(order_id)) = (&existing, target) {
@@ -321,20 +271,26 @@ impl Store {
                 // `unissued_expiry` (status 0, expires_at present) is usable.
                 let filter = doc! {
                     "pool": &pool,
-                    "status": CodeStatus::Unissued.as_i32(),
+                    "status": {"$in": Transition::Expire.from_codes()},
                     "expires_at": {"$exists": true, "$lte": now},
                 };
-                let ids: Vec<ObjectId> = self
+                let docs: Vec<Document> = self
                     .collection(CODES)
                     .find(filter.clone())
                     .projection(doc! {"_id": 1})
                     .limit(EXPIRE_BATCH)
                     .await?
-                    .try_collect::<Vec<Document>>()
-                    .await?
-                    .into_iter()
-                    .filter_map(|d| d.get_object_id("_id").ok())
-                    .collect();
+                    .try_collect()
+                    .await?;
+                let ids = docs
+                    .iter()
+                    .map(|d| {
+                        d.get_object_id("_id").map_err(|e| StoreError::Corrupt {
+                            collection: CODES.into(),
+                            message: format!("a code of pool {pool:?} has no ObjectId _id: {e}"),
+                        })
+                    })
+                    .collect::<Result<Vec<ObjectId>, _>>()?;
                 if ids.is_empty() {
                     break;
                 }
@@ -344,7 +300,7 @@ impl Store {
                     .update_many(
                         batch,
                         doc! {"$set": {
-                            "status": CodeStatus::Void.as_i32(),
+                            "status": Transition::Expire.to().as_i32(),
                             "voided_at": DateTime::now(),
                             "void_reason": EXPIRED_REASON,
                         }},
@@ -354,7 +310,7 @@ impl Store {
                 // Whatever matched is void now, whoever voided it: none of
                 // these ids may stay a claim candidate.
                 let full = ids.len() as i64 == EXPIRE_BATCH;
-                voided.extend(ids);
+                voided.extend(ids.into_iter().map(code_id));
                 if !full {
                     break;
                 }
@@ -425,11 +381,12 @@ impl Store {
 
     /// Records that an order's SMS-pending event was published again by an
     /// operator (`codepool resend`), confirmed by the broker.
-    pub async fn record_sms_resent(&self, code_id: ObjectId) -> Result<(), StoreError> {
+    pub async fn record_sms_resent(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
         let now = DateTime::now();
+        let ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
         self.collection(CODES)
-            .update_one(
-                doc! {"_id": code_id},
+            .update_many(
+                doc! {"_id": {"$in": ids}},
                 doc! {
                     "$set": {"sms_published_at": now, "sms_resent_at": now},
                     "$unset": {"sms_pending": ""},
@@ -439,18 +396,5 @@ impl Store {
             )
             .await?;
         Ok(())
-    }
-
-    /// The SMS side of a code document.
-    pub async fn sms_status(&self, code_id: ObjectId) -> Result<SmsStatus, StoreError> {
-        let doc = self
-            .collection(CODES)
-            .find_one(doc! {"_id": code_id})
-            .await?
-            .unwrap_or_default();
-        bson::from_document(doc).map_err(|e| StoreError::Corrupt {
-            collection: CODES.into(),
-            message: format!("SMS fields of {code_id}: {e}"),
-        })
     }
 }

@@ -29,16 +29,16 @@ pub struct DispatchArgs {
     #[arg(long)]
     pub no_http: bool,
     /// Unacked purchases the broker may hand this dispatcher at once.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = DispatcherConfig::DEFAULT_PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
     /// Purchases claimed together in one bulk write.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = DispatcherConfig::DEFAULT_BATCH_SIZE, value_parser = positive)]
     pub batch_size: usize,
     /// Batches processed concurrently.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DispatcherConfig::DEFAULT_WORKERS, value_parser = positive)]
     pub workers: usize,
     /// Milliseconds to let a batch fill after its first purchase.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = DispatcherConfig::DEFAULT_LINGER_MS)]
     pub linger_ms: u64,
 }
 
@@ -81,17 +81,27 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         }
     }
     health.set_mongo(true);
-    let engine = crate::context::claim_engine(cfg, &store)?;
+    let hot = crate::context::hot_pool(cfg)?;
+    let numbers = crate::context::grant_numbers(cfg, &store)?;
+    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
     let config = DispatcherConfig {
         amqp_url: cfg.amqp_url.clone(),
         topology: cfg.topology(),
         prefetch: args.prefetch,
-        batch_size: args.batch_size.max(1),
-        workers: args.workers.max(1),
+        batch_size: args.batch_size,
+        workers: args.workers,
         linger: Duration::from_millis(args.linger_ms),
         ..DispatcherConfig::default()
     };
-    let dispatcher = Dispatcher::new(engine, config, health);
+    let dispatcher = Dispatcher::new(engine, store, hot, config, health);
     dispatcher.run(stop).await;
     Ok(crate::exit::OK)
+}
+
+/// A count of at least 1.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
 }

@@ -21,13 +21,8 @@ pub struct ExpireArgs {
 
 pub async fn run(cfg: &Config, args: ExpireArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
-    if let Some(pool) = &args.pool {
-        if store.pool(pool).await?.is_none() {
-            anyhow::bail!("pool {pool:?} does not exist; `codepool pool show` lists the pools");
-        }
-    }
     let hot = crate::context::hot_pool(cfg)?;
-    let n = codepool_dispatcher::expiry::expire_codes(&store, &hot, args.pool.as_deref()).await?;
+    let n = codepool_dispatcher::ops::expire(&store, &hot, args.pool.as_deref()).await?;
     println!("voided {n} expired code(s)");
     Ok(crate::exit::OK)
 }

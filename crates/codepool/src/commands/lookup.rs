@@ -1,12 +1,11 @@
 //! `codepool lookup`: who got which code and when, and what became of the
 //! SMS that carried it (published, sent, failed, re-sent).
 
-use bson::{doc, Document};
+use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
-use codepool_domain::mask;
-use codepool_store::lifecycle::SmsStatus;
-use codepool_store::CodeDoc;
-use futures::TryStreamExt;
+use codepool_dispatcher::ops;
+use codepool_domain::Code;
+use codepool_store::CodeQuery;
 
 use super::target::when;
 use crate::config::Config;
@@ -48,93 +47,29 @@ pub struct LookupArgs {
     pub json: bool,
 }
 
-/// One code document, read as its grant and its SMS side.
-struct Found {
-    code: CodeDoc,
-    sms: SmsStatus,
-}
-
-impl Found {
-    /// One word for where the SMS is.
-    fn sms_state(&self) -> &'static str {
-        if self.sms.is_sms == 1 {
-            "sent"
-        } else if self.sms.sms_failures > 0 {
-            "failed"
-        } else if self.sms.sms_published_at.is_some() {
-            "queued"
-        } else if self.code.order_id.is_some() {
-            "pending"
-        } else {
-            "-"
-        }
-    }
-}
-
 pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
-    let filter = match (&args.order, &args.uid, &args.code, &args.pool) {
-        (Some(o), _, _, _) => doc! {"order_id": o},
-        (_, Some(u), _, _) => doc! {"uid": u},
-        (_, _, Some(c), Some(p)) => doc! {"pool": p, "code": c},
-        (_, _, _, Some(p)) => doc! {"pool": p, "order_id": {"$type": "string"}},
+    let query = match (&args.order, &args.uid, &args.code, &args.pool) {
+        (Some(o), _, _, _) => CodeQuery::Order(o),
+        (_, Some(u), _, _) => CodeQuery::Uid(u),
+        (_, _, Some(code), Some(pool)) => CodeQuery::Code { pool, code },
+        (_, _, _, Some(p)) => CodeQuery::GrantsOf(p),
         _ => {
             anyhow::bail!("say what to look up: --order O, --uid U, --code C --pool P, or --pool P")
         }
     };
     let store = crate::context::store(cfg).await?;
-    let raw: Vec<Document> = store
-        .database()
-        .collection::<Document>("codes")
-        .find(filter)
-        .sort(doc! {"issued_at": -1})
-        .limit(args.limit)
-        .await?
-        .try_collect()
-        .await?;
-    let mut found = Vec::with_capacity(raw.len());
-    for d in raw {
-        found.push(Found {
-            code: bson::from_document(d.clone())?,
-            sms: bson::from_document(d)?,
-        });
-    }
-    let backorders = match &args.order {
-        Some(o) => store.backorders_for_orders(&[o.as_str()]).await?,
-        None => Vec::new(),
+    let found = ops::lookup(&store, query, args.limit).await?;
+    let show = |c: &Code| {
+        if args.reveal {
+            c.code.clone()
+        } else {
+            c.masked()
+        }
     };
-    let show = |c: &str| if args.reveal { c.to_owned() } else { mask(c) };
-    let iso = |t: Option<bson::DateTime>| t.map(|t| t.to_chrono().to_rfc3339());
-
     if args.json {
-        let rows: Vec<serde_json::Value> = found
-            .iter()
-            .map(|f| {
-                let (d, s) = (&f.code, &f.sms);
-                serde_json::json!({
-                    "pool": d.pool, "code": show(&d.code), "status": d.status().map(|s| s.name()),
-                    "order_id": d.order_id, "uid": d.uid, "phone": d.phone, "grant_no": d.grant_no,
-                    "issued_at": iso(d.issued_at),
-                    "expires_at": iso(d.expires_at),
-                    "used_at": iso(d.used_at),
-                    "voided_at": iso(d.voided_at),
-                    "void_reason": d.void_reason,
-                    "sms": {
-                        "state": f.sms_state(),
-                        "is_sms": s.is_sms,
-                        "published_at": iso(s.sms_published_at),
-                        "sent_at": iso(s.sms_sent_at),
-                        "failed_at": iso(s.sms_failed_at),
-                        "error": s.sms_error,
-                        "failures": s.sms_failures,
-                        "resends": s.sms_resends,
-                        "history": s.sms_history.iter().map(|h| serde_json::json!({
-                            "event": h.event, "at": iso(Some(h.at)), "error": h.error,
-                        })).collect::<Vec<_>>(),
-                    },
-                })
-            })
-            .collect();
-        let bo: Vec<serde_json::Value> = backorders
+        let rows: Vec<_> = found.codes.iter().map(|c| code_json(c, show(c))).collect();
+        let bo: Vec<_> = found
+            .backorders
             .iter()
             .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "created_at": b.created_at.to_chrono().to_rfc3339()}))
             .collect();
@@ -142,35 +77,73 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({"codes": rows, "backorders": bo}))?
         );
-        return Ok(if rows.is_empty() && bo.is_empty() {
-            crate::exit::FAILURE
-        } else {
-            crate::exit::OK
-        });
+    } else {
+        print_table(&found, show);
     }
-    if found.is_empty() && backorders.is_empty() {
+    Ok(if found.is_empty() {
+        crate::exit::FAILURE
+    } else {
+        crate::exit::OK
+    })
+}
+
+fn iso(t: Option<DateTime<Utc>>) -> Option<String> {
+    t.map(|t| t.to_rfc3339())
+}
+
+/// One code as `--json` prints it.
+fn code_json(c: &Code, shown: String) -> serde_json::Value {
+    let h = c.holder.as_ref();
+    let s = &c.sms;
+    serde_json::json!({
+        "pool": c.pool, "code": shown, "status": c.status.name(),
+        "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid), "phone": h.map(|h| &h.phone),
+        "grant_no": h.and_then(|h| h.grant_no.as_ref()),
+        "issued_at": iso(h.map(|h| h.issued_at)),
+        "expires_at": iso(c.expires_at),
+        "used_at": iso(c.used_at),
+        "voided_at": iso(c.voided_at),
+        "void_reason": c.void_reason,
+        "sms": {
+            "state": c.sms_state().name(),
+            "is_sms": i32::from(s.sent),
+            "published_at": iso(s.published_at),
+            "sent_at": iso(s.sent_at),
+            "failed_at": iso(s.failed_at),
+            "error": s.error,
+            "failures": s.failures,
+            "resends": s.resends,
+            "history": s.history.iter().map(|h| serde_json::json!({
+                "event": h.event, "at": iso(Some(h.at)), "error": h.error,
+            })).collect::<Vec<_>>(),
+        },
+    })
+}
+
+fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
+    if found.is_empty() {
         println!("nothing found");
-        return Ok(crate::exit::FAILURE);
+        return;
     }
     println!(
         "{:<16} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
         "ORDER", "CODE", "STATUS", "POOL", "GRANT NO", "ISSUED AT", "SMS"
     );
-    for f in &found {
-        let d = &f.code;
+    for c in &found.codes {
+        let h = c.holder.as_ref();
         println!(
             "{:<16} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
-            d.order_id.as_deref().unwrap_or("-"),
-            show(&d.code),
-            d.status().map_or("?", |s| s.name()),
-            d.pool,
-            d.grant_no.as_deref().unwrap_or("-"),
-            when(d.issued_at),
-            f.sms_state()
+            h.map_or("-", |h| h.order_id.as_str()),
+            show(c),
+            c.status.name(),
+            c.pool,
+            h.and_then(|h| h.grant_no.as_deref()).unwrap_or("-"),
+            h.map_or_else(|| "-".to_owned(), |h| short(Some(h.issued_at))),
+            c.sms_state().name()
         );
-        print_details(f);
+        print_details(c);
     }
-    for b in &backorders {
+    for b in &found.backorders {
         println!(
             "backorder: order {} in pool {} is {} (since {})",
             b.order_id,
@@ -179,45 +152,52 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             when(Some(b.created_at))
         );
     }
-    Ok(crate::exit::OK)
+}
+
+/// A time in a table cell.
+fn short(t: Option<DateTime<Utc>>) -> String {
+    t.map_or_else(
+        || "-".to_owned(),
+        |t| t.to_rfc3339_opts(SecondsFormat::Secs, true),
+    )
 }
 
 /// The indented lines under a row: lifecycle times and the SMS story.
-fn print_details(f: &Found) {
-    let (d, s) = (&f.code, &f.sms);
-    if let Some(t) = d.used_at {
-        println!("    used      {}", when(Some(t)));
+fn print_details(c: &Code) {
+    let s = &c.sms;
+    if let Some(t) = c.used_at {
+        println!("    used      {}", short(Some(t)));
     }
-    if let Some(t) = d.voided_at {
+    if let Some(t) = c.voided_at {
         println!(
             "    voided    {} ({})",
-            when(Some(t)),
-            d.void_reason.as_deref().unwrap_or("no reason given")
+            short(Some(t)),
+            c.void_reason.as_deref().unwrap_or("no reason given")
         );
     }
-    if d.order_id.is_none() {
+    if c.holder.is_none() {
         return;
     }
-    let mut sms = vec![format!("published {}", when(s.sms_published_at))];
-    if s.sms_sent_at.is_some() {
-        sms.push(format!("sent {}", when(s.sms_sent_at)));
+    let mut sms = vec![format!("published {}", short(s.published_at))];
+    if s.sent_at.is_some() {
+        sms.push(format!("sent {}", short(s.sent_at)));
     }
-    if s.sms_failures > 0 {
+    if s.failures > 0 {
         sms.push(format!(
             "{} failure(s), last {} ({})",
-            s.sms_failures,
-            when(s.sms_failed_at),
-            s.sms_error.as_deref().unwrap_or("no error given")
+            s.failures,
+            short(s.failed_at),
+            s.error.as_deref().unwrap_or("no error given")
         ));
     }
-    if s.sms_resends > 0 {
-        sms.push(format!("re-sent {} time(s)", s.sms_resends));
+    if s.resends > 0 {
+        sms.push(format!("re-sent {} time(s)", s.resends));
     }
     println!("    sms       {}", sms.join("; "));
-    for h in &s.sms_history {
+    for h in &s.history {
         match &h.error {
-            Some(e) => println!("      {} {} ({e})", when(Some(h.at)), h.event),
-            None => println!("      {} {}", when(Some(h.at)), h.event),
+            Some(e) => println!("      {} {} ({e})", short(Some(h.at)), h.event),
+            None => println!("      {} {}", short(Some(h.at)), h.event),
         }
     }
 }

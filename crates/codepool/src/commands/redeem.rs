@@ -25,12 +25,13 @@ pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
     let t = store.redeem(target).await?;
+    let holder = t.before.holder.as_ref();
     println!(
         "redeemed {} in pool {} (order {}, issued {}) at {}",
         mask(&t.before.code),
         t.before.pool,
-        t.before.order_id.as_deref().unwrap_or("-"),
-        super::target::when(t.before.issued_at),
+        holder.map_or("-", |h| h.order_id.as_str()),
+        codepool_domain::when(holder.map(|h| h.issued_at)),
         super::target::when(Some(t.at)),
     );
     Ok(crate::exit::OK)

@@ -3,10 +3,11 @@
 //! has already seen it.
 
 use clap::Args;
-use codepool_domain::{mask, CodeStatus};
+use codepool_dispatcher::ops;
+use codepool_domain::when;
 use codepool_store::lifecycle::VoidOutcome;
 
-use super::target::{when, CodeTarget};
+use super::target::CodeTarget;
 use crate::config::Config;
 
 #[derive(Debug, Args)]
@@ -29,32 +30,26 @@ pub struct VoidArgs {
 }
 
 pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
-    let reason = args.reason.trim();
-    if reason.is_empty() || reason.chars().count() > 200 {
-        anyhow::bail!("--reason must say why in 1 to 200 characters, e.g. --reason refund");
-    }
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
-    match store.void(target, reason).await? {
+    let hot = crate::context::hot_pool(cfg)?;
+    let reason = args.reason.trim();
+    match ops::void(&store, &hot, target, reason).await? {
         VoidOutcome::Voided(t) => {
-            let d = &t.before;
-            if d.status() == Some(CodeStatus::Unissued) {
-                // Best effort: the claim's condition refuses void codes anyway.
-                let hot = crate::context::hot_pool(cfg)?;
-                let _ = hot.remove(&d.pool, &[d.id.to_hex()]).await;
-                println!(
+            let c = &t.before;
+            match &c.holder {
+                None => println!(
                     "voided unissued code {} in pool {} ({reason}); it will never be issued",
-                    mask(&d.code),
-                    d.pool
-                );
-            } else {
-                println!(
+                    c.masked(),
+                    c.pool
+                ),
+                Some(h) => println!(
                     "voided code {} in pool {} ({reason}); it was issued to order {} at {} and will never be issued again",
-                    mask(&d.code),
-                    d.pool,
-                    d.order_id.as_deref().unwrap_or("-"),
-                    when(d.issued_at),
-                );
+                    c.masked(),
+                    c.pool,
+                    h.order_id,
+                    when(Some(h.issued_at)),
+                ),
             }
         }
         VoidOutcome::BackorderCancelled { order_id } => {

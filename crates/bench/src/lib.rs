@@ -1,4 +1,6 @@
-//! `codepool bench …`: side-by-side benchmarks. Each compares approaches in
+//! # codepool-bench
+//!
+//! Side-by-side benchmarks. Each compares approaches in
 //! one process and one run, because absolute times drift on shared
 //! machines; results are printed and written as JSON under target/bench/.
 //!
@@ -23,7 +25,7 @@ use codepool_store::{NewCode, ObjectId, Store};
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::config::Config;
+use codepool::config::Config;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -57,7 +59,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
     }
-    Ok(crate::exit::OK)
+    Ok(codepool::exit::OK)
 }
 
 /// A benchmark's private corner of the servers: the configuration with the
@@ -79,7 +81,7 @@ where
     cfg.db = format!("codepool_bench_{id}");
     cfg.redis_prefix = format!("codepool-bench-{id}");
     cfg.amqp_prefix = format!("bench-{id}.");
-    let store = crate::context::store(&cfg)
+    let store = codepool::context::store(&cfg)
         .await
         .context("preparing the benchmark database")?;
     // Leaked on purpose (one per process): spawned tasks may borrow it.

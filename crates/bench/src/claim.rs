@@ -200,7 +200,7 @@ pub async fn run(
             let scans_before =
                 metrics.map(|m| metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")));
             // One engine shared by all claimers, as in one dispatcher.
-            let engine = crate::context::claim_engine(&scratch.cfg, store)?;
+            let engine = codepool::context::claim_engine(&scratch.cfg, store)?;
             let started = Instant::now();
             let mut tasks = Vec::new();
             for _ in 0..c {
@@ -457,7 +457,7 @@ async fn hot_pool_batched(
         for (p, o) in purchases.iter().zip(outcomes) {
             match o {
                 ClaimOutcome::Granted { grant, fresh: true } => {
-                    out.code_ids.push(ObjectId::parse_str(&grant.code_id)?);
+                    out.code_ids.push(codepool_store::object_id(grant.code_id));
                     out.latencies.push(took);
                 }
                 ClaimOutcome::Granted { fresh: false, .. } => {

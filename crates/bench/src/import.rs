@@ -262,6 +262,18 @@ async fn raw_insert_many(
     Ok((seconds, cpu))
 }
 
+/// The `codepool` binary built next to this one (`make bench` builds both).
+fn codepool_binary() -> anyhow::Result<std::path::PathBuf> {
+    let me = std::env::current_exe().context("cannot find the benchmark binary's own path")?;
+    let exe = me.with_file_name("codepool");
+    anyhow::ensure!(
+        exe.exists(),
+        "{} not found; build it first with `cargo build --release -p codepool` (make bench does)",
+        exe.display()
+    );
+    Ok(exe)
+}
+
 /// What the import child process did.
 struct Child {
     status_ok: bool,
@@ -275,8 +287,7 @@ struct Child {
 /// servers, reading its `VmHWM` every few milliseconds until it exits.
 async fn import_child(scratch: &Scratch, file: &Path, pool: &str) -> anyhow::Result<Child> {
     let cfg = &scratch.cfg;
-    let exe =
-        std::env::current_exe().context("cannot find the codepool binary to run the import")?;
+    let exe = codepool_binary()?;
     let started = Instant::now();
     let mut child = tokio::process::Command::new(exe)
         .args(["--mongodb-uri", &cfg.mongodb_uri, "--db", &cfg.db])

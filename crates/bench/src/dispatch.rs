@@ -185,9 +185,13 @@ async fn measure_all(
     say("dispatcher …".into());
     let rss_before = proc_status_kb(None, "VmRSS");
     let hwm_reset = super::reset_peak_rss();
-    let engine = crate::context::claim_engine(cfg, store)?;
+    let hot = codepool::context::hot_pool(cfg)?;
+    let numbers = codepool::context::grant_numbers(cfg, store)?;
+    let engine = codepool::context::claim_engine_with(store, hot.clone(), numbers)?;
     let dispatcher = Dispatcher::new(
         engine,
+        store.clone(),
+        hot,
         DispatcherConfig {
             amqp_url: cfg.amqp_url.clone(),
             topology: topology.clone(),
@@ -529,7 +533,7 @@ async fn raw_updates(
 /// prefetch, batching and workers, publish each to `out` with confirms in
 /// flight together, then ack the batch. No database.
 async fn pass_through(
-    cfg: &crate::config::Config,
+    cfg: &codepool::config::Config,
     input: &str,
     out: &str,
     n: usize,

@@ -1,0 +1,50 @@
+//! `codepool-bench`: side-by-side benchmarks, kept out of the product
+//! binary. `make bench` (scripts/bench.sh) runs every one of them.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use codepool::config::Config;
+use codepool::exit;
+
+const EXAMPLES: &str = "\
+Examples:
+  codepool-bench claim --concurrency 1,8,32 --codes 20000
+  codepool-bench dispatch --purchases 20000
+  codepool-bench import --codes 200000
+  codepool-bench seq --ids 4000
+
+Each benchmark compares approaches in one run and writes JSON under
+target/bench/ (or --out-dir). `make bench` runs them all.";
+
+/// Side-by-side benchmarks of codepool against its baselines.
+#[derive(Debug, Parser)]
+#[command(name = "codepool-bench", version, about, after_help = EXAMPLES)]
+struct Cli {
+    #[command(flatten)]
+    config: Config,
+    #[command(flatten)]
+    bench: codepool_bench::BenchArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    codepool::telemetry::init(cli.config.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    };
+    match runtime.block_on(codepool_bench::run(&cli.config, cli.bench)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(exit::FAILURE)
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! # codepool (library part)
+//!
+//! What the `codepool` binary and the separate benchmark binary
+//! (`crates/bench`) share: the typed configuration, how adapters are built
+//! from it, telemetry, and the exit codes scripts rely on. The commands
+//! themselves live in the binary (`src/commands/`).
+
+pub mod config;
+pub mod context;
+pub mod telemetry;
+
+/// Exit codes that mean something to scripts.
+pub mod exit {
+    /// Everything worked.
+    pub const OK: u8 = 0;
+    /// The command failed (a server unreachable, a file unreadable, …).
+    pub const FAILURE: u8 = 1;
+    /// It worked, but some input was invalid and skipped (import).
+    pub const PARTIAL: u8 = 2;
+}

@@ -1,0 +1,164 @@
+//! The production adapters of the [`crate::ports`]: MongoDB, Redis, the
+//! daily sequence and RabbitMQ. Thin translations only; every decision is
+//! in the core.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use codepool_broker::{BrokerError, Publisher};
+use codepool_domain::{Code, CodeId, Purchase, SmsPending};
+use codepool_hotpool::{HotPool, HotPoolError, RefillLock};
+use codepool_store::codes::ScanClaim;
+use codepool_store::{ClaimAssignment, ClaimWrite, Store, StoreError};
+use tracing::warn;
+
+use crate::claim::ClaimError;
+use crate::ports::{Candidate, CandidatePool, ClaimStore, EventSink, Numbering, SmsLedger};
+use crate::GrantNumbers;
+
+#[async_trait]
+impl ClaimStore for Store {
+    async fn claim_candidates(&self, claims: &[ClaimAssignment]) -> Result<ClaimWrite, StoreError> {
+        Store::claim_candidates(self, claims).await
+    }
+
+    async fn claim_by_scan(
+        &self,
+        pool: &str,
+        claim: &ClaimAssignment,
+    ) -> Result<ScanClaim, StoreError> {
+        Store::claim_by_scan(self, pool, claim).await
+    }
+
+    async fn grants_for_orders(
+        &self,
+        orders: &[&str],
+    ) -> Result<HashMap<String, Code>, StoreError> {
+        Store::grants_for_orders(self, orders).await
+    }
+
+    async fn candidates_after(
+        &self,
+        pool: &str,
+        after_seq: i64,
+        limit: i64,
+    ) -> Result<Vec<Candidate>, StoreError> {
+        let found = Store::candidates_after(self, pool, after_seq, limit).await?;
+        Ok(found
+            .into_iter()
+            .map(|(id, seq)| Candidate { id, seq })
+            .collect())
+    }
+}
+
+#[async_trait]
+impl SmsLedger for Store {
+    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+        self.mark_sms_published(ids).await
+    }
+
+    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+        self.record_sms_resent(ids).await
+    }
+}
+
+fn to_redis(c: &[Candidate]) -> Vec<codepool_hotpool::Candidate> {
+    c.iter()
+        .map(|c| codepool_hotpool::Candidate {
+            id: c.id.to_hex(),
+            seq: c.seq,
+        })
+        .collect()
+}
+
+/// Reads candidates from Redis. One that is not a code id was not written
+/// by codepool: it is dropped (it is out of the set already), counted and
+/// logged; its order simply draws another candidate.
+fn from_redis(pool: &str, raw: Vec<codepool_hotpool::Candidate>) -> Vec<Candidate> {
+    raw.into_iter()
+        .filter_map(|c| match CodeId::parse(&c.id) {
+            Ok(id) => Some(Candidate { id, seq: c.seq }),
+            Err(e) => {
+                warn!(pool, error = %e, "dropped a hot-pool entry that is not a code id");
+                metrics::counter!("codepool_internal_errors_total", "kind" => "bad_candidate")
+                    .increment(1);
+                None
+            }
+        })
+        .collect()
+}
+
+#[async_trait]
+impl CandidatePool for HotPool {
+    async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError> {
+        let (raw, left) = HotPool::pop(self, pool, k).await?;
+        Ok((from_redis(pool, raw), left))
+    }
+
+    async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError> {
+        HotPool::put_back(self, pool, &to_redis(candidates)).await
+    }
+
+    async fn add(
+        &self,
+        pool: &str,
+        candidates: &[Candidate],
+        hwm: i64,
+    ) -> Result<(), HotPoolError> {
+        HotPool::add(self, pool, &to_redis(candidates), hwm).await
+    }
+
+    async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError> {
+        HotPool::high_water_mark(self, pool).await
+    }
+
+    async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError> {
+        let ids: Vec<String> = ids.iter().map(CodeId::to_hex).collect();
+        HotPool::remove(self, pool, &ids).await
+    }
+
+    async fn try_lock_refill(
+        &self,
+        pool: &str,
+        ttl: Duration,
+    ) -> Result<Option<RefillLock>, HotPoolError> {
+        HotPool::try_lock_refill(self, pool, ttl).await
+    }
+
+    async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError> {
+        HotPool::unlock_refill(self, lock).await
+    }
+
+    fn is_degraded(&self) -> bool {
+        HotPool::is_degraded(self)
+    }
+}
+
+#[async_trait]
+impl Numbering for GrantNumbers {
+    async fn for_purchases(
+        &self,
+        purchases: &[&Purchase],
+    ) -> Result<Vec<Option<String>>, ClaimError> {
+        GrantNumbers::for_purchases(self, purchases).await
+    }
+}
+
+#[async_trait]
+impl EventSink for Publisher {
+    async fn publish_sms(&self, events: &[SmsPending]) -> Vec<Result<(), BrokerError>> {
+        let mut pending = Vec::with_capacity(events.len());
+        for e in events {
+            pending.push(self.publish_sms_pending(e).await);
+        }
+        let mut out = Vec::with_capacity(events.len());
+        for p in pending {
+            out.push(match p {
+                Ok(confirm) => confirm.wait().await,
+                Err(e) => Err(e),
+            });
+        }
+        out
+    }
+}

@@ -1,0 +1,261 @@
+//! Carrying out one batch: decide ([`crate::plan`]) with the claim engine,
+//! make backorders durable, publish events and dead letters with confirms,
+//! then ack or requeue exactly as [`settle`] says. Read `process` top to
+//! bottom: nothing is acked before its outcome is durable.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use codepool_broker::{BrokerError, Publisher};
+use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_store::StoreError;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::claim::ClaimError;
+use crate::daemon::Dispatcher;
+use crate::outage::backoff;
+use crate::outbox::Marking;
+use crate::plan::{
+    admit, parse_all, plan_batch, pools_of, settle, to_claim, BatchPlan, Settlement, Step,
+};
+
+impl Dispatcher {
+    /// Handles one batch of deliveries end to end. Returning early leaves
+    /// the batch unacked: the broker redelivers it.
+    pub(crate) async fn process(
+        &self,
+        deliveries: Vec<Delivery>,
+        publisher: &Publisher,
+        stop: &CancellationToken,
+    ) {
+        let received = Instant::now();
+        metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
+        let Some(plan) = self.decide(&deliveries, stop).await else {
+            return;
+        };
+        if !self.record_backorders(&plan, stop).await {
+            return;
+        }
+        self.announce_exhausted(&plan, publisher).await;
+        let unconfirmed = self.publish(&plan, &deliveries, publisher).await;
+        let settlements = settle(&plan, &unconfirmed);
+        acknowledge(&deliveries, &settlements).await;
+
+        metrics::counter!("codepool_grants_total").increment(plan.fresh_grants);
+        metrics::counter!("codepool_duplicate_deliveries_total").increment(plan.repeats);
+        let elapsed = received.elapsed().as_secs_f64();
+        metrics::histogram!("codepool_batch_seconds").record(elapsed);
+        metrics::histogram!("codepool_end_to_end_seconds")
+            .record_many(elapsed, deliveries.len() - unconfirmed.len());
+        // Pools that just lost stock get a (throttled) stock check (stock.rs).
+        self.stock
+            .after_grants(plan.granted_pools.iter().map(String::as_str), publisher);
+    }
+
+    /// The plan for the batch, retried while MongoDB is away. `None` when
+    /// stopped first.
+    async fn decide(&self, deliveries: &[Delivery], stop: &CancellationToken) -> Option<BatchPlan> {
+        let mut attempt = 0;
+        loop {
+            match self.try_decide(deliveries).await {
+                Ok(plan) => {
+                    self.mongo.ok();
+                    self.health.set_mongo(true);
+                    self.health.set_redis_degraded(self.engine.is_degraded());
+                    return Some(plan);
+                }
+                Err(e) if e.is_unavailable() => {
+                    self.health.set_mongo(false);
+                    self.mongo.failed(&e);
+                }
+                Err(e) => {
+                    error!(error = ?e, "claim failed; the batch stays unacked and is retried")
+                }
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = tokio::time::sleep(backoff(attempt)) => {}
+            }
+        }
+    }
+
+    async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
+        let parsed = parse_all(deliveries.iter().map(|d| d.data.as_slice()));
+        let mut known = HashSet::new();
+        for pool in pools_of(&parsed) {
+            if self.pool_exists(pool).await? {
+                known.insert(pool.to_owned());
+            }
+        }
+        let intake = admit(parsed, |p| known.contains(p));
+        let claims = to_claim(&intake);
+        let outcomes = if claims.is_empty() {
+            Vec::new()
+        } else {
+            self.engine.claim_batch(&claims).await?
+        };
+        Ok(plan_batch(intake, outcomes)?)
+    }
+
+    async fn pool_exists(&self, pool: &str) -> Result<bool, StoreError> {
+        if self.known_pools.read().await.contains(pool) {
+            return Ok(true);
+        }
+        let exists = self.store.pool(pool).await?.is_some();
+        if exists {
+            self.known_pools.write().await.insert(pool.to_owned());
+        }
+        Ok(exists)
+    }
+
+    /// Records the plan's backorders, retrying while MongoDB is away.
+    /// False when stopped first (nothing may be acked then).
+    async fn record_backorders(&self, plan: &BatchPlan, stop: &CancellationToken) -> bool {
+        let backorders = plan.backorders();
+        if backorders.is_empty() {
+            return true;
+        }
+        let mut attempt = 0;
+        loop {
+            match self.store.record_backorders(&backorders).await {
+                Ok(n) => {
+                    metrics::counter!("codepool_backorders_total").increment(n);
+                    return true;
+                }
+                Err(e) => self.mongo.failed(&e),
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = stop.cancelled() => return false,
+                _ = tokio::time::sleep(backoff(attempt)) => {}
+            }
+        }
+    }
+
+    /// `pool.exhausted` for each pool that ran dry. A notification, not a
+    /// state: a failure is logged and counted, and does not hold the ack.
+    async fn announce_exhausted(&self, plan: &BatchPlan, publisher: &Publisher) {
+        for pool in &plan.exhausted_pools {
+            warn!(
+                pool,
+                "pool exhausted; purchases are backordered until codes are imported"
+            );
+            let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
+            let published = match publisher.publish_pool_event(&event).await {
+                Ok(confirm) => confirm.wait().await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = published {
+                warn!(pool, error = %e, "pool.exhausted event not published");
+                metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
+                    .increment(1);
+            }
+        }
+    }
+
+    /// Publishes the SMS-pending events (through the outbox) and the dead
+    /// letters, confirms in flight together. Returns the positions whose
+    /// publish was not confirmed.
+    async fn publish(
+        &self,
+        plan: &BatchPlan,
+        deliveries: &[Delivery],
+        publisher: &Publisher,
+    ) -> HashSet<usize> {
+        let sms = plan.sms_events();
+        plan.steps.iter().for_each(log_step);
+        let grants: Vec<_> = sms.iter().map(|(_, g, _)| (*g).clone()).collect();
+        let (sent, mut unconfirmed) = tokio::join!(
+            self.outbox.send(publisher, &grants, Marking::Deferred),
+            dead_letter(plan, deliveries, publisher),
+        );
+        match sent {
+            Ok(sent) => unconfirmed.extend(
+                sms.iter()
+                    .zip(sent.results)
+                    .filter(|(_, r)| r.is_err())
+                    .map(|((i, _, _), _)| *i),
+            ),
+            Err(e) => {
+                debug!(error = %e, "SMS marks not recorded; the batch is requeued");
+                unconfirmed.extend(sms.iter().map(|(i, _, _)| *i));
+            }
+        }
+        unconfirmed
+    }
+}
+
+/// One line per delivery at info (grants, revoked orders) or warn (dead
+/// letters). Codes are masked.
+fn log_step(step: &Step) {
+    match step {
+        Step::Sms { grant, fresh, .. } => {
+            info!(order_id = %grant.order_id, pool = %grant.pool, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh, "granted")
+        }
+        Step::Revoked { order_id } => {
+            info!(order_id = %order_id, "order's code was revoked; not texted again")
+        }
+        Step::DeadLetter(e) => {
+            warn!(reason = e.reason.as_str(), detail = %e.detail, "purchase dead-lettered")
+        }
+        Step::Backorder(_) => {}
+    }
+}
+
+/// Publishes the plan's dead letters, each with its reason; returns the
+/// positions the broker did not confirm.
+async fn dead_letter(
+    plan: &BatchPlan,
+    deliveries: &[Delivery],
+    publisher: &Publisher,
+) -> HashSet<usize> {
+    let mut pending = Vec::new();
+    for (i, e) in plan.dead_letters() {
+        metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str())
+            .increment(1);
+        let d = &deliveries[i];
+        let message_id = d.properties.message_id().as_ref();
+        pending.push((
+            i,
+            publisher
+                .dead_letter(&d.data, message_id, &e.to_string())
+                .await,
+        ));
+    }
+    let mut failed = HashSet::new();
+    for (i, p) in pending {
+        let confirmed: Result<(), BrokerError> = match p {
+            Ok(c) => c.wait().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = confirmed {
+            debug!(error = %e, "dead letter not confirmed; the purchase will be redelivered");
+            failed.insert(i);
+        }
+    }
+    failed
+}
+
+/// Acks or requeues each delivery as settled.
+async fn acknowledge(deliveries: &[Delivery], settlements: &[Settlement]) {
+    for (d, s) in deliveries.iter().zip(settlements) {
+        let result = match s {
+            Settlement::Ack => d.acker.ack(BasicAckOptions::default()).await,
+            Settlement::Requeue => {
+                d.acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..BasicNackOptions::default()
+                    })
+                    .await
+            }
+        };
+        if let Err(e) = result {
+            debug!(error = %e, "ack failed; the broker will redeliver");
+        }
+    }
+}

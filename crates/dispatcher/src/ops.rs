@@ -1,0 +1,154 @@
+//! Application services for operators: what `codepool lookup`, `void`,
+//! `expire` and `resend` do. The CLI parses flags and prints; the rules
+//! (which codes may be re-sent, that a voided unissued code leaves the hot
+//! pool, that a reason is required) are here, once.
+
+use codepool_broker::BrokerError;
+use codepool_domain::{when, Code, NotSendable, SmsPending};
+use codepool_hotpool::HotPool;
+use codepool_store::backorders::BackorderDoc;
+use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::{CodeQuery, Store, StoreError};
+use tracing::debug;
+
+use crate::outbox::{Marking, Outbox};
+use crate::ports::{CandidatePool, EventSink};
+
+/// Longest void reason accepted.
+pub const MAX_REASON_CHARS: usize = 200;
+
+/// Codes and backorders matching an operator's question.
+#[derive(Debug)]
+pub struct Lookup {
+    pub codes: Vec<Code>,
+    /// Backorders of the order asked about (only for an order query).
+    pub backorders: Vec<BackorderDoc>,
+}
+
+impl Lookup {
+    pub fn is_empty(&self) -> bool {
+        self.codes.is_empty() && self.backorders.is_empty()
+    }
+}
+
+/// Who got which code, and for an order, whether it waits as a backorder.
+pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<Lookup, StoreError> {
+    let codes = store.find_codes(&query, limit).await?;
+    let backorders = match query {
+        CodeQuery::Order(o) => store.backorders_for_orders(&[o]).await?,
+        _ => Vec::new(),
+    };
+    Ok(Lookup { codes, backorders })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VoidError {
+    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters, e.g. --reason refund")]
+    Reason,
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError),
+}
+
+/// Voids a code (or cancels the order's backorder). An unissued code also
+/// leaves the hot pool, best effort: the claim's condition refuses a void
+/// code anyway.
+pub async fn void(
+    store: &Store,
+    hot: &dyn CandidatePool,
+    target: CodeRef<'_>,
+    reason: &str,
+) -> Result<VoidOutcome, VoidError> {
+    let reason = reason.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_REASON_CHARS {
+        return Err(VoidError::Reason);
+    }
+    let outcome = store.void(target, reason).await?;
+    if let VoidOutcome::Voided(applied) = &outcome {
+        let code = &applied.before;
+        if code.holder.is_none() {
+            if let Err(e) = hot.remove(&code.pool, &[code.id]).await {
+                debug!(error = %e, "voided code stays a hot-pool candidate until Redis is back; claims refuse it");
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExpireError {
+    #[error("pool {0:?} does not exist; `codepool pool show` lists the pools")]
+    UnknownPool(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Voids expired unissued codes now (of one pool, or all).
+pub async fn expire(store: &Store, hot: &HotPool, pool: Option<&str>) -> Result<u64, ExpireError> {
+    if let Some(pool) = pool {
+        if store.pool(pool).await?.is_none() {
+            return Err(ExpireError::UnknownPool(pool.to_owned()));
+        }
+    }
+    Ok(crate::expiry::expire_codes(store, hot, pool).await?)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResendError {
+    #[error("order {order} has no code yet (backorder {status} since {since}); it gets one, with its SMS, when codes are imported into pool {pool}")]
+    Backordered {
+        order: String,
+        status: String,
+        since: String,
+        pool: String,
+    },
+    #[error("no code was granted to order {0}; check the id with `codepool lookup --order {0}`, or whether the purchase was dead-lettered (`codepool dead-letters list`)")]
+    NotGranted(String),
+    #[error("order {order}: {reason}")]
+    NotSendable { order: String, reason: NotSendable },
+    #[error("RabbitMQ did not confirm the event; run the command again")]
+    Unconfirmed(#[source] BrokerError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Publishes an order's SMS-pending event again, through the outbox, and
+/// records the re-send. Returns the event that went out.
+pub async fn resend(
+    store: &Store,
+    outbox: &Outbox,
+    sink: &dyn EventSink,
+    order: &str,
+) -> Result<(SmsPending, Code), ResendError> {
+    let Some(code) = store.grants_for_orders(&[order]).await?.remove(order) else {
+        return Err(
+            match store
+                .backorders_for_orders(&[order])
+                .await?
+                .into_iter()
+                .next()
+            {
+                Some(b) => ResendError::Backordered {
+                    order: order.to_owned(),
+                    status: b.status,
+                    since: when(Some(b.created_at.to_chrono())),
+                    pool: b.pool,
+                },
+                None => ResendError::NotGranted(order.to_owned()),
+            },
+        );
+    };
+    let not_sendable = |reason| ResendError::NotSendable {
+        order: order.to_owned(),
+        reason,
+    };
+    let grant = code.resendable().map_err(not_sendable)?;
+    let event = grant
+        .sms_pending()
+        .ok_or(not_sendable(NotSendable::Unissued))?;
+    let sent = outbox.send(sink, &[grant], Marking::Resent).await?;
+    match sent.results.into_iter().next() {
+        Some(Ok(())) => Ok((event, code)),
+        Some(Err(e)) => Err(ResendError::Unconfirmed(e)),
+        None => Err(ResendError::Unconfirmed(BrokerError::Nacked)),
+    }
+}

@@ -1,0 +1,494 @@
+//! The decision for a batch of purchases, as pure functions. Given what
+//! the deliveries say and what the claim engine answered, [`plan_batch`]
+//! returns what to publish, backorder and dead-letter; after the daemon has
+//! done that, [`settle`] says which deliveries to ack and which to requeue.
+//! Nothing here does I/O, so every branch is tested without servers.
+//!
+//! The one rule all of this serves: a purchase is acked only once its
+//! outcome is durable — its SMS-pending event or dead letter confirmed by
+//! the broker, or its backorder journaled — and never otherwise.
+
+use std::collections::{BTreeSet, HashSet};
+
+use codepool_domain::{Grant, Purchase, PurchaseError, SmsPending};
+
+use crate::claim::ClaimOutcome;
+
+/// What a delivery turned out to be before any claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Intake {
+    /// A valid purchase of a known pool: claim a code for it.
+    Claim(Purchase),
+    /// Invalid, or of an unknown pool: dead-letter it with this reason.
+    Reject(PurchaseError),
+}
+
+/// A delivery's body, parsed and validated.
+pub type Parsed = Result<Purchase, PurchaseError>;
+
+/// Parses every body of a batch.
+pub fn parse_all<'a>(bodies: impl IntoIterator<Item = &'a [u8]>) -> Vec<Parsed> {
+    bodies.into_iter().map(Purchase::parse).collect()
+}
+
+/// The distinct pools a batch needs to know about, in first-seen order.
+pub fn pools_of(parsed: &[Parsed]) -> Vec<&str> {
+    let mut seen = HashSet::new();
+    parsed
+        .iter()
+        .filter_map(|p| p.as_ref().ok())
+        .map(|p| p.pool.as_str())
+        .filter(|pool| seen.insert(*pool))
+        .collect()
+}
+
+/// Turns purchases of pools that do not exist into `unknown_pool`
+/// rejections. `known` answers for every pool of [`pools_of`].
+pub fn admit(parsed: Vec<Parsed>, known: impl Fn(&str) -> bool) -> Vec<Intake> {
+    parsed
+        .into_iter()
+        .map(|p| match p {
+            Ok(p) if known(&p.pool) => Intake::Claim(p),
+            Ok(p) => Intake::Reject(PurchaseError::unknown_pool(&p.pool)),
+            Err(e) => Intake::Reject(e),
+        })
+        .collect()
+}
+
+/// The purchases to claim codes for, in order.
+pub fn to_claim(intake: &[Intake]) -> Vec<&Purchase> {
+    intake
+        .iter()
+        .filter_map(|i| match i {
+            Intake::Claim(p) => Some(p),
+            Intake::Reject(_) => None,
+        })
+        .collect()
+}
+
+/// What to do with one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Publish the grant's SMS-pending event; ack once confirmed.
+    Sms {
+        grant: Grant,
+        event: SmsPending,
+        /// This batch issued the code (not a redelivery or a duplicate).
+        fresh: bool,
+    },
+    /// The order holds a revoked (voided) code: nothing is sent, ack.
+    Revoked { order_id: String },
+    /// The pool is empty: record a backorder durably, then ack.
+    Backorder(Purchase),
+    /// Publish to the dead-letter queue with the reason; ack once confirmed.
+    DeadLetter(PurchaseError),
+}
+
+/// The plan for a batch: one step per delivery, in delivery order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchPlan {
+    pub steps: Vec<Step>,
+    /// Pools that ran dry in this batch (`pool.exhausted` events).
+    pub exhausted_pools: BTreeSet<String>,
+    /// Pools that issued fresh codes (their stock is re-checked).
+    pub granted_pools: BTreeSet<String>,
+    pub fresh_grants: u64,
+    /// Deliveries of orders that already held a code.
+    pub repeats: u64,
+}
+
+/// The claim engine answered a different number of outcomes than there
+/// were purchases to claim for: a bug, never guessed around.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the claim returned {got} outcomes for {expected} purchases; the batch stays unacked")]
+pub struct OutcomeMismatch {
+    pub expected: usize,
+    pub got: usize,
+}
+
+impl BatchPlan {
+    /// The purchases to record as backorders before anything is acked.
+    pub fn backorders(&self) -> Vec<&Purchase> {
+        self.steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Backorder(p) => Some(p),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The SMS-pending events to publish, with their delivery positions.
+    pub fn sms_events(&self) -> Vec<(usize, &Grant, &SmsPending)> {
+        self.steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Step::Sms { grant, event, .. } => Some((i, grant, event)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The dead letters to publish, with their delivery positions.
+    pub fn dead_letters(&self) -> Vec<(usize, &PurchaseError)> {
+        self.steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Step::DeadLetter(e) => Some((i, e)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Decides every delivery's step. `outcomes` holds one claim outcome per
+/// [`Intake::Claim`], in order.
+pub fn plan_batch(
+    intake: Vec<Intake>,
+    outcomes: Vec<ClaimOutcome>,
+) -> Result<BatchPlan, OutcomeMismatch> {
+    let expected = intake
+        .iter()
+        .filter(|i| matches!(i, Intake::Claim(_)))
+        .count();
+    if expected != outcomes.len() {
+        return Err(OutcomeMismatch {
+            expected,
+            got: outcomes.len(),
+        });
+    }
+    let mut plan = BatchPlan::default();
+    let mut outcomes = outcomes.into_iter();
+    let mut granted_orders: HashSet<String> = HashSet::new();
+    for item in intake {
+        let step = match (item, outcomes.next()) {
+            (Intake::Reject(e), _) => Step::DeadLetter(e),
+            (Intake::Claim(p), Some(ClaimOutcome::Exhausted)) => {
+                plan.exhausted_pools.insert(p.pool.clone());
+                Step::Backorder(p)
+            }
+            (Intake::Claim(p), Some(ClaimOutcome::Granted { grant, fresh })) => {
+                // A second delivery of the same order in this batch is a repeat.
+                let fresh = fresh && granted_orders.insert(p.order_id.clone());
+                if fresh {
+                    plan.fresh_grants += 1;
+                    plan.granted_pools.insert(p.pool.clone());
+                } else {
+                    plan.repeats += 1;
+                }
+                match grant.sms_pending() {
+                    Some(event) => Step::Sms {
+                        grant,
+                        event,
+                        fresh,
+                    },
+                    None => Step::Revoked {
+                        order_id: p.order_id,
+                    },
+                }
+            }
+            // Counted above: there is an outcome for every claim.
+            (Intake::Claim(_), None) => unreachable!("outcome count checked"),
+        };
+        plan.steps.push(step);
+    }
+    Ok(plan)
+}
+
+/// What finally happens to a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    Ack,
+    /// Back to the queue: a redelivery re-publishes the same grant's event.
+    Requeue,
+}
+
+/// The ack decision, once backorders are durable and publishes have been
+/// waited for: `unconfirmed` holds the positions whose publish the broker
+/// did not confirm.
+pub fn settle(plan: &BatchPlan, unconfirmed: &HashSet<usize>) -> Vec<Settlement> {
+    plan.steps
+        .iter()
+        .enumerate()
+        .map(|(i, step)| match step {
+            Step::Sms { .. } | Step::DeadLetter(_) if unconfirmed.contains(&i) => {
+                Settlement::Requeue
+            }
+            _ => Settlement::Ack,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+    use codepool_domain::{CodeId, RejectReason};
+    use proptest::prelude::*;
+
+    fn body(order: &str, pool: &str) -> Vec<u8> {
+        format!(r#"{{"order_id":"{order}","uid":"u1","phone":"+8613800000000","pool":"{pool}"}}"#)
+            .into_bytes()
+    }
+
+    fn purchase(order: &str, pool: &str) -> Purchase {
+        Purchase::parse(&body(order, pool)).unwrap()
+    }
+
+    fn grant(order: &str, pool: &str, revoked: bool) -> Grant {
+        Grant {
+            code_id: CodeId::from_bytes([1; 12]),
+            pool: pool.into(),
+            code: "QWER-1234".into(),
+            order_id: order.into(),
+            uid: "u1".into(),
+            phone: "+8613800000000".into(),
+            grant_no: Some("G202611200001".into()),
+            issued_at: Utc::now(),
+            revoked,
+        }
+    }
+
+    fn granted(order: &str, pool: &str, fresh: bool) -> ClaimOutcome {
+        ClaimOutcome::Granted {
+            grant: grant(order, pool, false),
+            fresh,
+        }
+    }
+
+    #[test]
+    fn admit_parses_and_rejects_unknown_pools_and_garbage() {
+        let bodies = [body("O-1", "game-x"), body("O-2", "nope"), b"{".to_vec()];
+        let intake = admit(parse_all(bodies.iter().map(Vec::as_slice)), |p| {
+            p == "game-x"
+        });
+        assert_eq!(to_claim(&intake).len(), 1);
+        assert!(matches!(&intake[0], Intake::Claim(p) if p.order_id == "O-1"));
+        assert!(matches!(&intake[1], Intake::Reject(e) if e.reason == RejectReason::UnknownPool));
+        assert!(matches!(&intake[2], Intake::Reject(e) if e.reason == RejectReason::NotJson));
+    }
+
+    #[test]
+    fn pools_are_asked_about_once_each() {
+        let bodies = [
+            body("1", "a"),
+            body("2", "b"),
+            body("3", "a"),
+            b"x".to_vec(),
+        ];
+        let parsed = parse_all(bodies.iter().map(Vec::as_slice));
+        assert_eq!(pools_of(&parsed), vec!["a", "b"]);
+    }
+
+    /// (intake, outcome) → step kind, one row per branch.
+    #[test]
+    fn every_branch_of_the_plan() {
+        let rows: Vec<(Intake, Option<ClaimOutcome>, &str)> = vec![
+            (
+                Intake::Claim(purchase("O-1", "x")),
+                Some(granted("O-1", "x", true)),
+                "sms",
+            ),
+            (
+                Intake::Claim(purchase("O-2", "x")),
+                Some(granted("O-2", "x", false)),
+                "sms",
+            ),
+            (
+                Intake::Claim(purchase("O-3", "x")),
+                Some(ClaimOutcome::Granted {
+                    grant: grant("O-3", "x", true),
+                    fresh: false,
+                }),
+                "revoked",
+            ),
+            (
+                Intake::Claim(purchase("O-4", "y")),
+                Some(ClaimOutcome::Exhausted),
+                "backorder",
+            ),
+            (
+                Intake::Reject(PurchaseError::unknown_pool("z")),
+                None,
+                "dead",
+            ),
+        ];
+        for (intake, outcome, want) in rows {
+            let plan = plan_batch(vec![intake], outcome.into_iter().collect()).unwrap();
+            let got = match &plan.steps[0] {
+                Step::Sms { .. } => "sms",
+                Step::Revoked { .. } => "revoked",
+                Step::Backorder(_) => "backorder",
+                Step::DeadLetter(_) => "dead",
+            };
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn counts_fresh_grants_repeats_and_pools() {
+        let intake = vec![
+            Intake::Claim(purchase("O-1", "x")),
+            Intake::Claim(purchase("O-1", "x")),
+            Intake::Claim(purchase("O-2", "x")),
+            Intake::Claim(purchase("O-3", "y")),
+        ];
+        let outcomes = vec![
+            granted("O-1", "x", true),
+            granted("O-1", "x", true),
+            granted("O-2", "x", false),
+            ClaimOutcome::Exhausted,
+        ];
+        let plan = plan_batch(intake, outcomes).unwrap();
+        assert_eq!(
+            plan.fresh_grants, 1,
+            "a duplicate in the batch is not a second grant"
+        );
+        assert_eq!(plan.repeats, 2);
+        assert_eq!(plan.granted_pools, BTreeSet::from(["x".to_owned()]));
+        assert_eq!(plan.exhausted_pools, BTreeSet::from(["y".to_owned()]));
+        assert_eq!(plan.backorders().len(), 1);
+        assert_eq!(
+            plan.sms_events().len(),
+            3,
+            "repeats get the same event again"
+        );
+    }
+
+    #[test]
+    fn a_wrong_number_of_outcomes_is_an_error_not_a_guess() {
+        let intake = vec![Intake::Claim(purchase("O-1", "x"))];
+        assert_eq!(
+            plan_batch(intake, vec![]),
+            Err(OutcomeMismatch {
+                expected: 1,
+                got: 0
+            })
+        );
+    }
+
+    #[test]
+    fn unconfirmed_publishes_are_requeued_and_the_rest_acked() {
+        let intake = vec![
+            Intake::Claim(purchase("O-1", "x")),
+            Intake::Reject(PurchaseError::unknown_pool("z")),
+            Intake::Claim(purchase("O-2", "y")),
+            Intake::Claim(purchase("O-3", "x")),
+        ];
+        let outcomes = vec![
+            granted("O-1", "x", true),
+            ClaimOutcome::Exhausted,
+            granted("O-3", "x", true),
+        ];
+        let plan = plan_batch(intake, outcomes).unwrap();
+        let all_ok = settle(&plan, &HashSet::new());
+        assert!(all_ok.iter().all(|s| *s == Settlement::Ack));
+        let failed = settle(&plan, &HashSet::from([0, 1, 2]));
+        assert_eq!(
+            failed,
+            vec![
+                Settlement::Requeue,
+                Settlement::Requeue,
+                Settlement::Ack,
+                Settlement::Ack
+            ],
+            "a backorder is settled by its durable record, not by a publish"
+        );
+    }
+
+    #[test]
+    fn a_revoked_grant_is_acked_without_any_event() {
+        let plan = plan_batch(
+            vec![Intake::Claim(purchase("O-1", "x"))],
+            vec![ClaimOutcome::Granted {
+                grant: grant("O-1", "x", true),
+                fresh: false,
+            }],
+        )
+        .unwrap();
+        assert!(plan.sms_events().is_empty());
+        assert_eq!(settle(&plan, &HashSet::from([0])), vec![Settlement::Ack]);
+    }
+
+    /// A random batch: per delivery, 0 invalid, 1 unknown pool, 2 exhausted,
+    /// 3 granted fresh, 4 granted before, 5 revoked; orders drawn from a
+    /// small set so duplicates happen.
+    fn batch() -> impl Strategy<Value = Vec<(u8, u8)>> {
+        proptest::collection::vec((0u8..6, 0u8..5), 0..40)
+    }
+
+    fn build(rows: &[(u8, u8)]) -> (Vec<Intake>, Vec<ClaimOutcome>) {
+        let mut intake = Vec::new();
+        let mut outcomes = Vec::new();
+        for (kind, order) in rows {
+            let order = format!("O-{order}");
+            match kind {
+                0 => intake.push(Intake::Reject(PurchaseError::unknown_pool("bad"))),
+                1 => intake.push(Intake::Reject(PurchaseError::unknown_pool("gone"))),
+                k => {
+                    intake.push(Intake::Claim(purchase(&order, "x")));
+                    outcomes.push(match k {
+                        2 => ClaimOutcome::Exhausted,
+                        3 => granted(&order, "x", true),
+                        4 => granted(&order, "x", false),
+                        _ => ClaimOutcome::Granted {
+                            grant: grant(&order, "x", true),
+                            fresh: false,
+                        },
+                    });
+                }
+            }
+        }
+        (intake, outcomes)
+    }
+
+    proptest! {
+        #[test]
+        fn every_delivery_gets_exactly_one_step(rows in batch()) {
+            let (intake, outcomes) = build(&rows);
+            let plan = plan_batch(intake, outcomes).unwrap();
+            prop_assert_eq!(plan.steps.len(), rows.len());
+            let published = plan.sms_events().len() + plan.dead_letters().len();
+            let silent = plan.steps.iter().filter(|s| matches!(s, Step::Revoked { .. } | Step::Backorder(_))).count();
+            prop_assert_eq!(published + silent, rows.len());
+        }
+
+        #[test]
+        fn nothing_unconfirmed_is_ever_acked(rows in batch(), fail in proptest::collection::hash_set(0usize..40, 0..40)) {
+            let (intake, outcomes) = build(&rows);
+            let plan = plan_batch(intake, outcomes).unwrap();
+            let settled = settle(&plan, &fail);
+            for (i, step) in plan.steps.iter().enumerate() {
+                let needs_confirm = matches!(step, Step::Sms { .. } | Step::DeadLetter(_));
+                if needs_confirm && fail.contains(&i) {
+                    prop_assert_eq!(settled[i], Settlement::Requeue);
+                } else {
+                    prop_assert_eq!(settled[i], Settlement::Ack);
+                }
+            }
+        }
+
+        #[test]
+        fn an_order_counts_as_fresh_at_most_once(rows in batch()) {
+            let (intake, outcomes) = build(&rows);
+            let plan = plan_batch(intake, outcomes).unwrap();
+            let mut fresh_orders = HashSet::new();
+            for step in &plan.steps {
+                if let Step::Sms { grant, fresh: true, .. } = step {
+                    prop_assert!(fresh_orders.insert(grant.order_id.clone()));
+                }
+            }
+            prop_assert_eq!(fresh_orders.len() as u64, plan.fresh_grants);
+        }
+
+        #[test]
+        fn exactly_the_exhausted_purchases_are_backordered(rows in batch()) {
+            let (intake, outcomes) = build(&rows);
+            let exhausted = outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Exhausted)).count();
+            let plan = plan_batch(intake, outcomes).unwrap();
+            prop_assert_eq!(plan.backorders().len(), exhausted);
+        }
+    }
+}

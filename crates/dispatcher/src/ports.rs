@@ -1,0 +1,105 @@
+//! The ports of the claim engine and the dispatcher: what the core needs
+//! from the outside world, as traits the core owns. The adapters in
+//! [`crate::adapters`] implement them over MongoDB ([`Store`]), Redis
+//! ([`HotPool`]), the daily sequence ([`GrantNumbers`]) and RabbitMQ
+//! ([`Publisher`]); unit tests implement them in memory, so every rule of
+//! the claim engine (race rounds, put-back, fallback) runs without servers.
+//!
+//! [`Store`]: codepool_store::Store
+//! [`HotPool`]: codepool_hotpool::HotPool
+//! [`GrantNumbers`]: crate::GrantNumbers
+//! [`Publisher`]: codepool_broker::Publisher
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use codepool_broker::BrokerError;
+use codepool_domain::{Code, CodeId, Purchase, SmsPending};
+use codepool_hotpool::{HotPoolError, RefillLock};
+use codepool_store::codes::ScanClaim;
+use codepool_store::{ClaimAssignment, ClaimWrite, StoreError};
+
+use crate::claim::ClaimError;
+
+/// A code offered to claimers: its id and its `seq` (import order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Candidate {
+    pub id: CodeId,
+    pub seq: i64,
+}
+
+/// The source of truth for claims: conditional writes and reads by order.
+#[async_trait]
+pub trait ClaimStore: Send + Sync {
+    /// All assignments in one journaled write, each "if still unissued".
+    async fn claim_candidates(&self, claims: &[ClaimAssignment]) -> Result<ClaimWrite, StoreError>;
+    /// Claims the oldest unissued code of `pool` (its `code_id` is ignored).
+    async fn claim_by_scan(
+        &self,
+        pool: &str,
+        claim: &ClaimAssignment,
+    ) -> Result<ScanClaim, StoreError>;
+    /// The codes these orders hold, by order id.
+    async fn grants_for_orders(&self, orders: &[&str])
+        -> Result<HashMap<String, Code>, StoreError>;
+    /// Unissued codes of `pool` after `after_seq`, oldest first.
+    async fn candidates_after(
+        &self,
+        pool: &str,
+        after_seq: i64,
+        limit: i64,
+    ) -> Result<Vec<Candidate>, StoreError>;
+}
+
+/// Where claimers draw distinct candidates from (Redis in production). It
+/// holds no truth: any error means "claim from the store instead".
+#[async_trait]
+pub trait CandidatePool: Send + Sync {
+    /// Up to `k` candidates, oldest first, and how many remain.
+    async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError>;
+    /// Returns unused candidates.
+    async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError>;
+    /// Adds candidates and raises the pool's high-water mark.
+    async fn add(&self, pool: &str, candidates: &[Candidate], hwm: i64)
+        -> Result<(), HotPoolError>;
+    /// The highest `seq` ever loaded for `pool`.
+    async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError>;
+    /// Drops candidates that must never be offered again.
+    async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError>;
+    /// One refiller per pool at a time; `None` when someone else holds it.
+    async fn try_lock_refill(
+        &self,
+        pool: &str,
+        ttl: Duration,
+    ) -> Result<Option<RefillLock>, HotPoolError>;
+    async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError>;
+    /// True while the pool is unreachable (claims are on the fallback).
+    fn is_degraded(&self) -> bool;
+}
+
+/// Grant numbers for purchases, aligned with the input.
+#[async_trait]
+pub trait Numbering: Send + Sync {
+    async fn for_purchases(
+        &self,
+        purchases: &[&Purchase],
+    ) -> Result<Vec<Option<String>>, ClaimError>;
+}
+
+/// Where SMS-pending events go (RabbitMQ in production).
+#[async_trait]
+pub trait EventSink: Send + Sync {
+    /// Publishes every event with confirms in flight together, then waits
+    /// for each: one result per event, aligned with the input.
+    async fn publish_sms(&self, events: &[SmsPending]) -> Vec<Result<(), BrokerError>>;
+}
+
+/// How it is recorded that an SMS-pending event was confirmed.
+#[async_trait]
+pub trait SmsLedger: Send + Sync {
+    /// The events of these codes were confirmed: off the relay's list.
+    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+    /// An operator re-sent these codes' events (`codepool resend`).
+    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+}

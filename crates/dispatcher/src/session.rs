@@ -1,0 +1,276 @@
+//! One connection's worth of dispatching: open the consumers, gather
+//! deliveries into batches and hand each to a worker ([`crate::batch`]),
+//! run the background sweeps; on a stop or a lost connection, finish what
+//! is in flight and close. Whatever is still unacked goes back to the
+//! queue and is redelivered.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use codepool_broker::{BrokerError, Publisher, PurchaseConsumer};
+use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_store::ObjectId;
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::BasicCancelOptions;
+use lapin::{Connection, Consumer};
+use tokio::sync::Semaphore;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::backorders::fulfil_backorders;
+use crate::daemon::Dispatcher;
+use crate::relay::relay_unconfirmed;
+
+/// How long background tasks get to finish after a stop signal; together
+/// with the grace period for in-flight batches this keeps a stop under 10 s.
+const BACKGROUND_STOP: Duration = Duration::from_millis(500);
+
+/// Why a session ended.
+pub(crate) enum SessionEnd {
+    Shutdown,
+    Lost(String),
+}
+
+/// The background work of a session, stopped with it.
+struct Background {
+    stop: CancellationToken,
+    sweeper: JoinHandle<()>,
+    upkeep: JoinSet<()>,
+}
+
+impl Dispatcher {
+    pub(crate) async fn session(
+        self: Arc<Self>,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, BrokerError> {
+        let cfg = &self.config;
+        let conn = codepool_broker::connect(&cfg.amqp_url, &cfg.name).await?;
+        let tag = format!("{}-{}", cfg.name, ObjectId::new().to_hex());
+        let purchases =
+            codepool_broker::consume_purchases(&conn, &cfg.topology, cfg.prefetch, &tag).await?;
+        let publisher = Publisher::new(&conn, cfg.topology.clone()).await?;
+        let background = self
+            .clone()
+            .start_background(&conn, &publisher, shutdown)
+            .await?;
+        self.health.set_amqp(true);
+        self.amqp.ok();
+        info!(queue = %cfg.topology.purchases, prefetch = cfg.prefetch, batch = cfg.batch_size, "consuming purchases");
+
+        let PurchaseConsumer {
+            channel,
+            consumer,
+            tag,
+        } = purchases;
+        let mut inflight = JoinSet::new();
+        let end = self
+            .clone()
+            .consume(consumer, &publisher, &mut inflight, shutdown)
+            .await;
+        let _ = channel
+            .basic_cancel(&tag, BasicCancelOptions::default())
+            .await;
+        self.wind_down(inflight, background).await;
+        let _ = channel.close(200, "codepool dispatcher stopping").await;
+        let _ = conn.close(200, "codepool dispatcher stopping").await;
+        Ok(end)
+    }
+
+    /// Receipts, redemptions, expiry and stock sweeps (upkeep.rs), and the
+    /// relay and backorder sweep.
+    async fn start_background(
+        self: Arc<Self>,
+        conn: &Connection,
+        publisher: &Publisher,
+        shutdown: &CancellationToken,
+    ) -> Result<Background, BrokerError> {
+        let cfg = &self.config;
+        let replenished = codepool_broker::subscribe(
+            conn,
+            &cfg.topology.events_exchange,
+            PoolEventKind::Replenished.routing_key(),
+        )
+        .await?;
+        let stop = shutdown.child_token();
+        let upkeep = crate::upkeep::spawn(
+            conn,
+            &cfg.topology,
+            self.store.clone(),
+            self.hot.clone(),
+            self.stock.clone(),
+            publisher.clone(),
+            stop.clone(),
+        )
+        .await?;
+        let sweeper = tokio::spawn(self.clone().sweep_loop(
+            publisher.clone(),
+            replenished,
+            stop.clone(),
+        ));
+        Ok(Background {
+            stop,
+            sweeper,
+            upkeep,
+        })
+    }
+
+    /// Gathers batches (up to `batch_size`, waiting at most `linger` for
+    /// one to fill) and hands each to a worker, `workers` at a time.
+    async fn consume(
+        self: Arc<Self>,
+        mut consumer: Consumer,
+        publisher: &Publisher,
+        inflight: &mut JoinSet<()>,
+        shutdown: &CancellationToken,
+    ) -> SessionEnd {
+        let permits = Arc::new(Semaphore::new(self.config.workers.max(1)));
+        loop {
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+                next = consumer.next() => next,
+            };
+            let first = match first {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => return SessionEnd::Lost(e.to_string()),
+                None => return SessionEnd::Lost("the broker closed the consumer".into()),
+            };
+            let (batch, lost) = self.fill_batch(first, &mut consumer).await;
+            let permit = tokio::select! {
+                p = permits.clone().acquire_owned() => p,
+                _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+            };
+            let Ok(permit) = permit else {
+                return SessionEnd::Shutdown;
+            };
+            let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
+            inflight.spawn(async move {
+                this.process(batch, &publisher, &stop).await;
+                drop(permit);
+            });
+            while inflight.try_join_next().is_some() {}
+            if let Some(reason) = lost {
+                return SessionEnd::Lost(reason);
+            }
+        }
+    }
+
+    /// Adds deliveries to `first` until the batch is full or `linger` is
+    /// over. Returns the batch, and why the consumer failed if it did.
+    async fn fill_batch(
+        &self,
+        first: Delivery,
+        consumer: &mut Consumer,
+    ) -> (Vec<Delivery>, Option<String>) {
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + self.config.linger;
+        while batch.len() < self.config.batch_size {
+            match tokio::time::timeout_at(deadline, consumer.next()).await {
+                Ok(Some(Ok(d))) => batch.push(d),
+                Ok(Some(Err(e))) => return (batch, Some(e.to_string())),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        (batch, None)
+    }
+
+    /// Finishes in-flight batches within the grace period, then gives the
+    /// background work a moment and aborts it. Nothing is lost: an unacked
+    /// purchase is redelivered, an unmarked backorder or unconfirmed event
+    /// is picked up again by the next sweep or the relay.
+    async fn wind_down(&self, mut inflight: JoinSet<()>, background: Background) {
+        let drained = tokio::time::timeout(self.config.grace, async {
+            while inflight.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!("grace period over with batches in flight; their purchases will be redelivered");
+            inflight.abort_all();
+        }
+        let Background {
+            stop,
+            mut sweeper,
+            mut upkeep,
+        } = background;
+        stop.cancel();
+        if tokio::time::timeout(BACKGROUND_STOP, &mut sweeper)
+            .await
+            .is_err()
+        {
+            sweeper.abort();
+        }
+        let upkeep_done = tokio::time::timeout(BACKGROUND_STOP, async {
+            while upkeep.join_next().await.is_some() {}
+        })
+        .await;
+        if upkeep_done.is_err() {
+            upkeep.abort_all();
+        }
+    }
+
+    /// Periodically re-publishes unconfirmed events and fulfils backorders;
+    /// also fulfils a pool's backorders as soon as it is replenished.
+    async fn sweep_loop(
+        self: Arc<Self>,
+        publisher: Publisher,
+        mut replenished: Consumer,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(self.config.sweep_every);
+        loop {
+            let pools: Vec<String> = tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => match self.sweep_tick(&publisher).await {
+                    Some(pools) => pools,
+                    None => continue,
+                },
+                ev = replenished.next() => match ev {
+                    Some(Ok(d)) => match serde_json::from_slice::<PoolEvent>(&d.data) {
+                        Ok(e) => vec![e.pool],
+                        Err(e) => {
+                            warn!(error = %e, "ignored a pool.replenished event that is not a pool event");
+                            continue;
+                        }
+                    },
+                    _ => { stop.cancelled().await; return; }
+                },
+            };
+            for pool in pools {
+                if stop.is_cancelled() {
+                    return;
+                }
+                if let Err(e) = fulfil_backorders(
+                    &self.engine,
+                    &self.store,
+                    &self.outbox,
+                    &publisher,
+                    &pool,
+                    &stop,
+                )
+                .await
+                {
+                    warn!(pool, error = %e, "fulfilling backorders failed; will retry at the next sweep");
+                }
+            }
+        }
+    }
+
+    /// The relay, then the pools that have backorders waiting.
+    async fn sweep_tick(&self, publisher: &Publisher) -> Option<Vec<String>> {
+        let cfg = &self.config;
+        if let Err(e) =
+            relay_unconfirmed(&self.store, &self.outbox, publisher, cfg.relay_after, 1000).await
+        {
+            debug!(error = %e, "relay skipped; retried at the next sweep");
+        }
+        match self.store.pools_with_backorders().await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                debug!(error = %e, "backorder sweep skipped; retried at the next sweep");
+                None
+            }
+        }
+    }
+}

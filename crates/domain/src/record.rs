@@ -1,0 +1,236 @@
+//! [`Code`]: one code as codepool knows it — its value, where it is in its
+//! lifecycle, which order holds it, and what became of the SMS that carries
+//! it. Adapters read their documents into this type; everything that
+//! decides (the claim engine, resend, lookup) works on it.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+
+use crate::code::{mask, CodeId, CodeStatus};
+use crate::grant::Grant;
+
+/// The order a code was issued to, written by the claim in the same update
+/// that moved the code from unissued to issued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub order_id: String,
+    pub uid: String,
+    pub phone: String,
+    pub issued_at: DateTime<Utc>,
+    pub grant_no: Option<String>,
+}
+
+/// One step in the SMS story of a code (`published`, `resent`, `sent`,
+/// `failed`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SmsEvent {
+    pub event: String,
+    pub at: DateTime<Utc>,
+    pub error: Option<String>,
+}
+
+/// What became of the text that carries a code.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SmsRecord {
+    /// The SMS service reported the text as sent (`is_sms` = 1).
+    pub sent: bool,
+    /// The broker confirmed the SMS-pending event.
+    pub published_at: Option<DateTime<Utc>>,
+    pub sent_at: Option<DateTime<Utc>>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+    pub failures: i64,
+    pub resends: i64,
+    /// The most recent events, oldest first.
+    pub history: Vec<SmsEvent>,
+}
+
+/// Where the SMS of a code is, in one word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmsState {
+    /// The code was never issued: there is nothing to text.
+    None,
+    /// Issued, but the broker has not confirmed the event yet.
+    Pending,
+    /// Confirmed by the broker; waiting for the SMS service.
+    Queued,
+    Sent,
+    Failed,
+}
+
+impl SmsState {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "-",
+            Self::Pending => "pending",
+            Self::Queued => "queued",
+            Self::Sent => "sent",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// One code of one pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Code {
+    pub id: CodeId,
+    pub pool: String,
+    /// The secret itself. Only [`Code::masked`] may reach a log.
+    pub code: String,
+    pub status: CodeStatus,
+    /// Import order within the pool: claims hand out the oldest first.
+    pub seq: i64,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub holder: Option<Holder>,
+    pub used_at: Option<DateTime<Utc>>,
+    pub voided_at: Option<DateTime<Utc>>,
+    pub void_reason: Option<String>,
+    pub sms: SmsRecord,
+}
+
+/// Why a code's SMS cannot be sent (again). Each says what is true instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotSendable {
+    #[error("the code was never issued, so there is no SMS to send")]
+    Unissued,
+    #[error("the code was voided at {at} ({reason}); a void code is never sent again")]
+    Void { at: String, reason: String },
+    #[error("the code was already redeemed at {at}; there is nothing to re-send")]
+    Used { at: String },
+}
+
+/// A time as operators read it, or "an unknown time".
+pub fn when(t: Option<DateTime<Utc>>) -> String {
+    t.map(|t| t.to_rfc3339_opts(SecondsFormat::Secs, true))
+        .unwrap_or_else(|| "an unknown time".into())
+}
+
+impl Code {
+    /// The grant this code records: `None` while it was never issued. A
+    /// voided grant is still a grant (its order keeps it), marked revoked.
+    pub fn grant(&self) -> Option<Grant> {
+        let h = self.holder.as_ref()?;
+        Some(Grant {
+            code_id: self.id,
+            pool: self.pool.clone(),
+            code: self.code.clone(),
+            order_id: h.order_id.clone(),
+            uid: h.uid.clone(),
+            phone: h.phone.clone(),
+            grant_no: h.grant_no.clone(),
+            issued_at: h.issued_at,
+            revoked: self.status == CodeStatus::Void,
+        })
+    }
+
+    /// The code as it may appear in logs and listings.
+    pub fn masked(&self) -> String {
+        mask(&self.code)
+    }
+
+    pub fn sms_state(&self) -> SmsState {
+        if self.sms.sent {
+            SmsState::Sent
+        } else if self.sms.failures > 0 {
+            SmsState::Failed
+        } else if self.sms.published_at.is_some() {
+            SmsState::Queued
+        } else if self.holder.is_some() {
+            SmsState::Pending
+        } else {
+            SmsState::None
+        }
+    }
+
+    /// The grant whose SMS an operator may send again: only an issued
+    /// code's, since a used code has served and a void one is revoked.
+    pub fn resendable(&self) -> Result<Grant, NotSendable> {
+        match (self.status, self.grant()) {
+            (CodeStatus::Issued, Some(grant)) => Ok(grant),
+            (CodeStatus::Void, _) => Err(NotSendable::Void {
+                at: when(self.voided_at),
+                reason: self
+                    .void_reason
+                    .clone()
+                    .unwrap_or_else(|| "no reason given".into()),
+            }),
+            (CodeStatus::Used, _) => Err(NotSendable::Used {
+                at: when(self.used_at),
+            }),
+            _ => Err(NotSendable::Unissued),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(status: CodeStatus, held: bool) -> Code {
+        Code {
+            id: CodeId::from_bytes([7; 12]),
+            pool: "game-x".into(),
+            code: "QWER-1234".into(),
+            status,
+            seq: 1,
+            expires_at: None,
+            holder: held.then(|| Holder {
+                order_id: "O-1".into(),
+                uid: "u".into(),
+                phone: "+8613800000000".into(),
+                issued_at: Utc::now(),
+                grant_no: Some("G202611200001".into()),
+            }),
+            used_at: None,
+            voided_at: None,
+            void_reason: Some("refund".into()),
+            sms: SmsRecord::default(),
+        }
+    }
+
+    #[test]
+    fn an_unissued_code_has_no_grant_and_nothing_to_send() {
+        let c = code(CodeStatus::Unissued, false);
+        assert_eq!(c.grant(), None);
+        assert_eq!(c.resendable(), Err(NotSendable::Unissued));
+        assert_eq!(c.sms_state(), SmsState::None);
+    }
+
+    #[test]
+    fn an_issued_code_is_a_grant_that_can_be_resent() {
+        let c = code(CodeStatus::Issued, true);
+        let g = c.resendable().unwrap();
+        assert_eq!(g.order_id, "O-1");
+        assert!(!g.revoked);
+        assert_eq!(g.sms_pending().unwrap().event_id, "sms:O-1");
+        assert_eq!(c.sms_state(), SmsState::Pending);
+    }
+
+    #[test]
+    fn a_voided_grant_stays_with_its_order_but_is_never_texted() {
+        let c = code(CodeStatus::Void, true);
+        let g = c.grant().unwrap();
+        assert!(g.revoked);
+        assert_eq!(g.sms_pending(), None);
+        assert!(
+            matches!(c.resendable(), Err(NotSendable::Void { reason, .. }) if reason == "refund")
+        );
+    }
+
+    #[test]
+    fn a_used_code_is_not_resent() {
+        let c = code(CodeStatus::Used, true);
+        assert!(matches!(c.resendable(), Err(NotSendable::Used { .. })));
+    }
+
+    #[test]
+    fn sms_state_follows_the_record() {
+        let mut c = code(CodeStatus::Issued, true);
+        c.sms.published_at = Some(Utc::now());
+        assert_eq!(c.sms_state(), SmsState::Queued);
+        c.sms.failures = 1;
+        assert_eq!(c.sms_state(), SmsState::Failed);
+        c.sms.sent = true;
+        assert_eq!(c.sms_state(), SmsState::Sent);
+        assert_eq!(c.masked(), "QW*****34");
+    }
+}
