@@ -173,31 +173,7 @@ impl ClaimEngine {
             if todo.is_empty() {
                 break;
             }
-            let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
-            for &i in &todo {
-                by_pool.entry(unique[i].pool.as_str()).or_default().push(i);
-            }
-            let mut pairs: Vec<Pairing> = Vec::new();
-            for (pool, idxs) in by_pool {
-                match self.take_candidates(pool, idxs.len()).await {
-                    Ok(candidates) => {
-                        // Oldest candidates go to the first orders; orders
-                        // left without one (the set ran dry) go to the scan.
-                        let mut candidates = candidates.into_iter();
-                        for &index in &idxs {
-                            match candidates.next() {
-                                Some(candidate) => pairs.push(Pairing {
-                                    index,
-                                    purchase: unique[index],
-                                    candidate,
-                                }),
-                                None => scan.push(index),
-                            }
-                        }
-                    }
-                    Err(_) => scan.extend(idxs),
-                }
-            }
+            let pairs = self.pair_with_candidates(&unique, &todo, &mut scan).await;
             if pairs.is_empty() {
                 todo.clear();
                 break;
@@ -228,6 +204,40 @@ impl ClaimEngine {
                     .ok_or_else(|| ClaimError::inconsistent(&p.order_id, "no outcome was decided"))
             })
             .collect()
+    }
+
+    /// Pairs each order of `todo` with a distinct candidate of its pool.
+    /// Oldest candidates go to the first orders; orders left without one
+    /// (the set ran dry, or Redis is away) go to `scan`.
+    async fn pair_with_candidates<'a>(
+        &self,
+        unique: &[&'a Purchase],
+        todo: &[usize],
+        scan: &mut Vec<usize>,
+    ) -> Vec<Pairing<'a>> {
+        let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
+        for &i in todo {
+            by_pool.entry(unique[i].pool.as_str()).or_default().push(i);
+        }
+        let mut pairs = Vec::new();
+        for (pool, idxs) in by_pool {
+            let Ok(candidates) = self.take_candidates(pool, idxs.len()).await else {
+                scan.extend(idxs);
+                continue;
+            };
+            let mut candidates = candidates.into_iter();
+            for index in idxs {
+                match candidates.next() {
+                    Some(candidate) => pairs.push(Pairing {
+                        index,
+                        purchase: unique[index],
+                        candidate,
+                    }),
+                    None => scan.push(index),
+                }
+            }
+        }
+        pairs
     }
 
     /// Writes all pairs in one command, reads back which won, returns the

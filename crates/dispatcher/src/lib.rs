@@ -42,3 +42,8 @@ pub use grant_no::GrantNumbers;
 pub use health::Health;
 pub use outbox::{Marking, Outbox};
 pub use stock::{StockConfig, StockLevel, StockWatch};
+
+#[cfg(test)]
+mod claim_tests;
+#[cfg(test)]
+mod fakes;

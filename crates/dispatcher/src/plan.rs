@@ -71,8 +71,8 @@ pub fn to_claim(intake: &[Intake]) -> Vec<&Purchase> {
 pub enum Step {
     /// Publish the grant's SMS-pending event; ack once confirmed.
     Sms {
-        grant: Grant,
-        event: SmsPending,
+        grant: Box<Grant>,
+        event: Box<SmsPending>,
         /// This batch issued the code (not a redelivery or a duplicate).
         fresh: bool,
     },
@@ -124,7 +124,7 @@ impl BatchPlan {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
-                Step::Sms { grant, event, .. } => Some((i, grant, event)),
+                Step::Sms { grant, event, .. } => Some((i, &**grant, &**event)),
                 _ => None,
             })
             .collect()
@@ -163,25 +163,45 @@ pub fn plan_batch(
     let mut outcomes = outcomes.into_iter();
     let mut granted_orders: HashSet<String> = HashSet::new();
     for item in intake {
-        let step = match (item, outcomes.next()) {
-            (Intake::Reject(e), _) => Step::DeadLetter(e),
-            (Intake::Claim(p), Some(ClaimOutcome::Exhausted)) => {
-                plan.exhausted_pools.insert(p.pool.clone());
+        let step = match item {
+            Intake::Reject(e) => Step::DeadLetter(e),
+            // Counted above: there is an outcome for every claim.
+            Intake::Claim(p) => match outcomes.next() {
+                Some(outcome) => plan.decide(p, outcome, &mut granted_orders),
+                None => unreachable!("outcome count checked"),
+            },
+        };
+        plan.steps.push(step);
+    }
+    Ok(plan)
+}
+
+impl BatchPlan {
+    /// The step of one claimed purchase.
+    fn decide(
+        &mut self,
+        p: Purchase,
+        outcome: ClaimOutcome,
+        granted: &mut HashSet<String>,
+    ) -> Step {
+        match outcome {
+            ClaimOutcome::Exhausted => {
+                self.exhausted_pools.insert(p.pool.clone());
                 Step::Backorder(p)
             }
-            (Intake::Claim(p), Some(ClaimOutcome::Granted { grant, fresh })) => {
+            ClaimOutcome::Granted { grant, fresh } => {
                 // A second delivery of the same order in this batch is a repeat.
-                let fresh = fresh && granted_orders.insert(p.order_id.clone());
+                let fresh = fresh && granted.insert(p.order_id.clone());
                 if fresh {
-                    plan.fresh_grants += 1;
-                    plan.granted_pools.insert(p.pool.clone());
+                    self.fresh_grants += 1;
+                    self.granted_pools.insert(p.pool.clone());
                 } else {
-                    plan.repeats += 1;
+                    self.repeats += 1;
                 }
                 match grant.sms_pending() {
                     Some(event) => Step::Sms {
-                        grant,
-                        event,
+                        grant: Box::new(grant),
+                        event: Box::new(event),
                         fresh,
                     },
                     None => Step::Revoked {
@@ -189,12 +209,8 @@ pub fn plan_batch(
                     },
                 }
             }
-            // Counted above: there is an outcome for every claim.
-            (Intake::Claim(_), None) => unreachable!("outcome count checked"),
-        };
-        plan.steps.push(step);
+        }
     }
-    Ok(plan)
 }
 
 /// What finally happens to a delivery.

@@ -1,0 +1,199 @@
+//! The claim engine's rules, run against in-memory fakes of its ports
+//! (crate::fakes): distinct candidates, race rounds, put-back, the MongoDB
+//! fallback, exhaustion, and errors that must never become outcomes.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use codepool_domain::{CodeStatus, Purchase};
+
+use crate::claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
+use crate::fakes::{id, FakeHot, FakeNumbers, FakeStore};
+use crate::ports::Candidate;
+
+struct Rig {
+    store: Arc<FakeStore>,
+    hot: Arc<FakeHot>,
+    engine: ClaimEngine,
+}
+
+fn rig(store: FakeStore) -> Rig {
+    let store = Arc::new(store);
+    let hot = Arc::new(FakeHot::default());
+    let config = ClaimConfig {
+        refill_batch: 50,
+        low_water: 0,
+        ..ClaimConfig::default()
+    };
+    let engine = ClaimEngine::new(
+        store.clone(),
+        hot.clone(),
+        Arc::new(FakeNumbers::default()),
+        config,
+    );
+    Rig { store, hot, engine }
+}
+
+fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
+    orders
+        .iter()
+        .map(|o| Purchase {
+            order_id: (*o).into(),
+            uid: format!("u-{o}"),
+            phone: "+8613800000000".into(),
+            pool: pool.into(),
+            purchased_at: None,
+        })
+        .collect()
+}
+
+async fn claim(r: &Rig, ps: &[Purchase]) -> Result<Vec<ClaimOutcome>, ClaimError> {
+    let refs: Vec<&Purchase> = ps.iter().collect();
+    r.engine.claim_batch(&refs).await
+}
+
+fn granted_ids(outcomes: &[ClaimOutcome]) -> Vec<codepool_domain::CodeId> {
+    outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ClaimOutcome::Granted { grant, .. } => Some(grant.code_id),
+            ClaimOutcome::Exhausted => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn every_order_gets_a_distinct_code_oldest_first() {
+    let r = rig(FakeStore::with_pool("x", 1, 20));
+    let ps = purchases("x", &["A", "B", "C", "D"]);
+    let out = claim(&r, &ps).await.unwrap();
+    let ids = granted_ids(&out);
+    assert_eq!(ids, vec![id(1), id(2), id(3), id(4)]);
+    assert!(out
+        .iter()
+        .all(|o| matches!(o, ClaimOutcome::Granted { fresh: true, .. })));
+    assert_eq!(
+        r.store.scans.load(Ordering::SeqCst),
+        0,
+        "the hot path needs no scan"
+    );
+}
+
+#[tokio::test]
+async fn duplicates_in_one_batch_share_one_code() {
+    let r = rig(FakeStore::with_pool("x", 1, 5));
+    let out = claim(&r, &purchases("x", &["A", "A", "B"])).await.unwrap();
+    let ids = granted_ids(&out);
+    assert_eq!(ids[0], ids[1]);
+    assert_ne!(ids[0], ids[2]);
+    assert_eq!(r.store.issued().len(), 2);
+}
+
+#[tokio::test]
+async fn a_redelivered_order_gets_its_code_back_and_the_candidate_returns() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    let first = claim(&r, &purchases("x", &["A"])).await.unwrap();
+    let before = r.hot.len("x");
+    let again = claim(&r, &purchases("x", &["A"])).await.unwrap();
+    assert_eq!(granted_ids(&first), granted_ids(&again));
+    assert!(matches!(
+        again[0],
+        ClaimOutcome::Granted { fresh: false, .. }
+    ));
+    assert_eq!(r.hot.len("x"), before, "the unused candidate is put back");
+    assert_eq!(r.store.issued().len(), 1);
+}
+
+#[tokio::test]
+async fn candidates_taken_behind_the_hot_pools_back_are_retried_with_fresh_ones() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    // The first three are offered but were issued elsewhere meanwhile.
+    r.hot.offer(
+        "x",
+        &(1..=3)
+            .map(|i| Candidate {
+                id: id(i),
+                seq: i as i64,
+            })
+            .collect::<Vec<_>>(),
+    );
+    for i in 1..=3 {
+        r.store.set_status(id(i), CodeStatus::Void);
+    }
+    let out = claim(&r, &purchases("x", &["A", "B", "C"])).await.unwrap();
+    let ids: HashSet<_> = granted_ids(&out).into_iter().collect();
+    assert_eq!(ids.len(), 3);
+    assert!(
+        ids.iter().all(|i| ![id(1), id(2), id(3)].contains(i)),
+        "void codes are never issued"
+    );
+}
+
+#[tokio::test]
+async fn redis_away_means_the_mongodb_scan_not_an_error() {
+    let r = rig(FakeStore::with_pool("x", 1, 5));
+    r.hot.down.store(true, Ordering::SeqCst);
+    let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(1), id(2)]);
+    assert_eq!(r.store.scans.load(Ordering::SeqCst), 2);
+    assert!(r.engine.is_degraded());
+}
+
+#[tokio::test]
+async fn an_empty_pool_is_exhausted_only_after_the_scan_finds_nothing() {
+    let r = rig(FakeStore::with_pool("x", 1, 3));
+    let out = claim(&r, &purchases("x", &["A", "B", "C", "D", "E"]))
+        .await
+        .unwrap();
+    assert_eq!(granted_ids(&out).len(), 3);
+    assert_eq!(
+        out.iter()
+            .filter(|o| **o == ClaimOutcome::Exhausted)
+            .count(),
+        2
+    );
+}
+
+#[tokio::test]
+async fn a_store_outage_is_an_error_and_the_candidates_go_back() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    r.store.outages.store(1, Ordering::SeqCst);
+    let err = claim(&r, &purchases("x", &["A", "B"])).await.unwrap_err();
+    assert!(err.is_unavailable());
+    assert_eq!(r.hot.len("x"), 10, "popped candidates were put back");
+    assert!(r.store.issued().is_empty());
+    let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    assert_eq!(granted_ids(&out).len(), 2, "the retry succeeds");
+}
+
+#[tokio::test]
+async fn a_grant_read_back_without_its_fields_is_an_error_never_exhausted() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    r.store.drop_holders.store(true, Ordering::SeqCst);
+    let err = claim(&r, &purchases("x", &["A"])).await.unwrap_err();
+    assert!(matches!(err, ClaimError::Inconsistent { ref order_id, .. } if order_id == "A"));
+    assert!(!err.is_unavailable());
+}
+
+#[tokio::test]
+async fn a_refill_rescans_from_the_start_once_past_the_high_water_mark() {
+    let r = rig(FakeStore::with_pool("x", 1, 3));
+    claim(&r, &purchases("x", &["A"])).await.unwrap();
+    // Candidates 2 and 3 are lost from Redis (a flush); the high-water mark
+    // says everything up to 3 was loaded already.
+    r.hot.sets.lock().unwrap().clear();
+    let out = claim(&r, &purchases("x", &["B", "C"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(2), id(3)]);
+}
+
+#[tokio::test]
+async fn pools_do_not_share_candidates() {
+    let store = FakeStore::with_pool("x", 1, 2);
+    store.add("y", 100, 2);
+    let r = rig(store);
+    let mut ps = purchases("x", &["A"]);
+    ps.extend(purchases("y", &["B"]));
+    let out = claim(&r, &ps).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(1), id(100)]);
+}
