@@ -22,7 +22,9 @@ Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
 CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
 servers on 127.0.0.1, which `make services` starts.
 
-Exit codes: 0 success, 1 failure, 2 partial success (import skipped invalid rows).";
+Exit codes: 0 success; 1 failure (the message says what to do next); 2 usage
+error (a wrong or missing flag); 3 partial success (import skipped invalid
+rows); 130 or 143 stopped by SIGINT or SIGTERM (import).";
 
 /// Hands out pre-issued activation codes: one per purchase, never twice.
 #[derive(Debug, Parser)]

@@ -341,7 +341,7 @@ impl Dispatcher {
             upkeep.abort_all();
         }
         let _ = channel.close(200, "codepool dispatcher stopping").await;
-        let _ = conn.close(200, "codepool dispatcher stopping").await;
+        codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
     }
 

@@ -73,7 +73,7 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
         .wait()
         .await
         .context("RabbitMQ did not confirm the event; run the command again")?;
-    let _ = conn.close(200, "done").await;
+    codepool_broker::close(conn, "done").await;
     store.record_sms_resent(doc.id).await?;
     println!(
         "re-published the SMS-pending event of order {order} (event id {}, code {}, pool {})",
