@@ -15,6 +15,7 @@ Examples:
   codepool stats --pool game-x
   codepool lookup --order O-1001
   codepool void --order O-1001 --reason refund
+  codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
   codepool bench claim --concurrency 1,8,32 --codes 20000
 
@@ -64,7 +65,7 @@ pub enum Command {
     Expire(commands::expire::ExpireArgs),
     /// Publish an order's SMS-pending event again.
     Resend(commands::resend::ResendArgs),
-    /// Pool settings (low-stock threshold, grant prefix) and stock.
+    /// Create a pool, change its settings (low-stock threshold, grant prefix), show stock.
     Pool(commands::pool::PoolArgs),
     /// Sequence generators: segments, daily numbers, cyclic counters, time ids.
     Seq(commands::seq::SeqArgs),

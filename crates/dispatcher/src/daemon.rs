@@ -510,7 +510,7 @@ impl Dispatcher {
         }
         for (i, e) in &dead {
             let d = &deliveries[*i];
-            warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = ?d.properties.message_id(), "purchase dead-lettered");
+            warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = d.properties.message_id().as_ref().map_or("", |id| id.as_str()), "purchase dead-lettered");
             metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str())
                 .increment(1);
             confirms.push((
