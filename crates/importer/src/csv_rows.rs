@@ -429,8 +429,8 @@ mod tests {
     #[test]
     fn a_single_column_without_header_is_all_codes_with_no_header() {
         assert_eq!(
-            rows_with(b"\nAAA-1\nBBB-2\n", &Header::None),
-            vec![code(2, "AAA-1"), code(3, "BBB-2")]
+            rows_with(b"AAA-1\nBBB-2\n", &Header::None),
+            vec![code(1, "AAA-1"), code(2, "BBB-2")]
         );
     }
 
