@@ -290,6 +290,7 @@ async fn chaos_keeps_every_invariant() {
         // Codes ran out long ago: backorders pile up until this import.
         until(0.85).await;
         let mut f = tempfile::NamedTempFile::new().unwrap();
+        writeln!(f, "code").unwrap();
         for i in 0..s.second_import {
             writeln!(f, "CHAOS-NEW-{i:06}").unwrap();
         }

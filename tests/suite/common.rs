@@ -174,6 +174,8 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
 pub struct Daemon {
     pub child: tokio::process::Child,
     pub addr: String,
+    /// Every line the daemon wrote to stderr so far (its logs).
+    pub log: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// Starts `codepool dispatch --http 127.0.0.1:0` and waits until it
@@ -187,10 +189,15 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
     let stderr = child.stderr.take().expect("stderr");
     let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = log.clone();
     tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(stderr).lines();
         let (mut addr_tx, mut ready_tx) = (Some(addr_tx), Some(ready_tx));
         while let Ok(Some(line)) = lines.next_line().await {
+            if let Ok(mut kept) = kept.lock() {
+                kept.push(line.clone());
+            }
             if let Some(addr) = line.strip_prefix("codepool: http listening on ") {
                 if let Some(tx) = addr_tx.take() {
                     let _ = tx.send(addr.trim().to_owned());
@@ -211,10 +218,15 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
         .await
         .expect("dispatcher did not consume within 60s")
         .expect("dispatcher exited before consuming");
-    Daemon { child, addr }
+    Daemon { child, addr, log }
 }
 
 impl Daemon {
+    /// The daemon's log so far, one string.
+    pub fn log_text(&self) -> String {
+        self.log.lock().map(|l| l.join("\n")).unwrap_or_default()
+    }
+
     /// SIGTERM, then insist on exit status 0 within 10 seconds.
     pub async fn stop(mut self) {
         if let Some(pid) = self.child.id() {

@@ -152,8 +152,9 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
 
     // New codes arrive through `codepool import`, which announces them.
     let mut f = tempfile::NamedTempFile::new().unwrap();
+    use std::io::Write;
+    writeln!(f, "code").unwrap();
     for i in 0..30 {
-        use std::io::Write;
         writeln!(f, "BO-NEW-{i:03}").unwrap();
     }
     let out = env

@@ -57,13 +57,13 @@ async fn import_handles_bom_crlf_quotes_blank_lines_and_spaces() {
 }
 
 #[tokio::test]
-async fn invalid_rows_are_reported_by_line_and_skipped_with_exit_2() {
+async fn invalid_rows_are_reported_by_line_and_skipped_with_exit_3() {
     let env = TestEnv::new("import_invalid").await;
     let long = "x".repeat(129);
     let content = format!("code,batch\nGOOD-1,a\n,b\n{long},c\n\"A\u{7}B\",d\nGOOD-2,e\n");
     let f = csv_file(content.as_bytes());
     let (code, s) = run_import(&env, f.path(), "invalid").await;
-    assert_eq!(code, 2, "{s}");
+    assert_eq!(code, 3, "partial success has its own exit code: {s}");
     assert_eq!(s["inserted"], 2);
     assert_eq!(s["invalid"], 3);
     let lines: Vec<u64> = s["invalid_rows"]
@@ -191,5 +191,238 @@ async fn a_200k_code_file_imports_with_flat_memory() {
         big_mb < small_mb + 25.0 && big_mb < 100.0,
         "peak RSS grew with the file: 20k rows {small_mb:.1} MB, 200k rows {big_mb:.1} MB"
     );
+    env.cleanup().await;
+}
+
+/// Runs `codepool ARGS…`, returning the exit code and stderr.
+async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let out = env.command(args).output().await.expect("run codepool");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn count_codes(env: &TestEnv, filter: bson::Document) -> u64 {
+    env.store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(filter)
+        .await
+        .unwrap()
+}
+
+/// Nothing at all happened: no code, no pool, no audit record.
+async fn assert_nothing_imported(env: &TestEnv, pool: &str) {
+    assert_eq!(count_codes(env, doc! {}).await, 0, "no code is stored");
+    assert!(
+        env.store.pool(pool).await.unwrap().is_none(),
+        "pool {pool} must not exist"
+    );
+}
+
+#[tokio::test]
+async fn a_first_row_that_does_not_name_the_code_column_is_refused_and_nothing_is_imported() {
+    let env = TestEnv::new("import_header_rule").await;
+    let codes = csv_file(b"codes\nHDR-01\n");
+    let serial = csv_file(b"serial,expires_at\nSER-01,2030-01-01\n");
+    let headerless = csv_file(b"AAA-1\nBBB-2\n");
+    for f in [&codes, &serial, &headerless] {
+        let path = f.path().to_str().unwrap();
+        let (code, _, err) = codepool(&env, &["import", path, "--pool", "p"]).await;
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("--column") && err.contains("--no-header"),
+            "the message says which flag to use: {err}"
+        );
+    }
+    assert_nothing_imported(&env, "p").await;
+    assert!(env.store.recent_imports(10).await.unwrap().is_empty());
+
+    // --column picks the code column and keeps expires_at.
+    let path = serial.path().to_str().unwrap();
+    let (code, _, err) =
+        codepool(&env, &["import", path, "--pool", "p", "--column", "serial"]).await;
+    assert_eq!(code, 0, "{err}");
+    let d = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find_one(doc! {"pool": "p"})
+        .await
+        .unwrap()
+        .expect("SER-01 stored");
+    assert_eq!(d.get_str("code").unwrap(), "SER-01");
+    assert!(d.get_datetime("expires_at").is_ok(), "expires_at kept: {d}");
+    assert_eq!(count_codes(&env, doc! {"code": "serial"}).await, 0);
+
+    // --no-header is for a single column without a header.
+    let path = headerless.path().to_str().unwrap();
+    let (code, _, err) = codepool(&env, &["import", path, "--pool", "p", "--no-header"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(count_codes(&env, doc! {"pool": "p"}).await, 3);
+    let path = serial.path().to_str().unwrap();
+    let (code, _, err) = codepool(&env, &["import", path, "--pool", "q", "--no-header"]).await;
+    assert_eq!(code, 1, "a two-column file is not for --no-header: {err}");
+    assert!(env.store.pool("q").await.unwrap().is_none());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_ambiguous_header_is_refused() {
+    let env = TestEnv::new("import_ambiguous").await;
+    let f = csv_file(b"code,batch,code\nA-1,x,B-1\n");
+    let (code, _, err) = codepool(
+        &env,
+        &["import", f.path().to_str().unwrap(), "--pool", "amb"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("ambiguous"), "{err}");
+    assert_nothing_imported(&env, "amb").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn failed_and_all_invalid_imports_create_no_pool() {
+    let env = TestEnv::new("import_no_ghost").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &["import", dir.path().to_str().unwrap(), "--pool", "ghost"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    let utf16: Vec<u8> = "\u{feff}code\nAAA-1\nBBB-2\n"
+        .encode_utf16()
+        .flat_map(u16::to_le_bytes)
+        .collect();
+    let f = csv_file(&utf16);
+    for extra in [&[][..], &["--no-header"][..]] {
+        let mut args = vec!["import", f.path().to_str().unwrap(), "--pool", "ghost"];
+        args.extend_from_slice(extra);
+        let (code, _, err) = codepool(&env, &args).await;
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("UTF-16"), "{err}");
+    }
+    let all_invalid = csv_file(b"code\n\"A\x01\"\n\"B\x02\"\n");
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "import",
+            all_invalid.path().to_str().unwrap(),
+            "--pool",
+            "ghost",
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "every row invalid is a failure: {err}");
+    assert_nothing_imported(&env, "ghost").await;
+    let (code, out, _) = codepool(&env, &["pool", "show", "--json"]).await;
+    assert_eq!(code, 0);
+    assert!(!out.contains("ghost"), "{out}");
+
+    // Created on purpose, an empty pool exists.
+    let (code, out, err) = codepool(&env, &["pool", "create", "--pool", "later"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("created"), "{out}");
+    assert!(env.store.pool("later").await.unwrap().is_some());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_and_partial_imports_exit_3() {
+    let env = TestEnv::new("import_exit_codes").await;
+    let f = csv_file(b"code\nGOOD-1\n\"BAD\x07\"\n");
+    let path = f.path().to_str().unwrap();
+    let (code, _, err) = codepool(&env, &["import", path]).await;
+    assert_eq!(code, 2, "a missing --pool is a usage error: {err}");
+    let (code, _, err) =
+        codepool(&env, &["import", path, "--pool", "x", "--batch-size", "0"]).await;
+    assert_eq!(code, 2, "--batch-size 0 is refused: {err}");
+    assert!(err.contains("batch-size"), "{err}");
+    assert_nothing_imported(&env, "x").await;
+    let (code, _, err) = codepool(&env, &["import", path, "--pool", "x"]).await;
+    assert_eq!(code, 3, "{err}");
+    for help in [&["--help"][..], &["import", "--help"][..]] {
+        let (code, out, _) = codepool(&env, help).await;
+        assert_eq!(code, 0);
+        assert!(
+            out.contains("3 partial") || out.contains("3 some rows invalid"),
+            "{out}"
+        );
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_missing_file_is_reported_once_with_what_to_do() {
+    let env = TestEnv::new("import_missing").await;
+    let (code, _, err) = codepool(&env, &["import", "/nonexistent/codes.csv", "--pool", "m"]).await;
+    assert_eq!(code, 1);
+    assert_eq!(err.matches("No such file").count(), 1, "{err}");
+    assert!(err.contains("check the path"), "{err}");
+    assert_nothing_imported(&env, "m").await;
+    env.cleanup().await;
+}
+
+/// Starts a big import, signals it once codes are landing, and checks the
+/// exit code and the audit record against the database.
+async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u64) {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    {
+        let mut w = std::io::BufWriter::new(f.as_file_mut());
+        writeln!(w, "code").unwrap();
+        for i in 0..400_000 {
+            writeln!(w, "SIG-{i:08}").unwrap();
+        }
+    }
+    let path = f.path().to_str().unwrap().to_owned();
+    let mut child = env
+        .command(&["import", &path, "--pool", pool, "--batch-size", "500"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap().to_string();
+    let started = std::time::Instant::now();
+    while count_codes(env, doc! {"pool": pool}).await < 5_000 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "import too slow"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::process::Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("the import stops within 20s of the signal")
+        .unwrap();
+    let stored = count_codes(env, doc! {"pool": pool}).await;
+    assert!(stored < 400_000, "it stopped early ({stored} codes)");
+    (status.code().unwrap_or(-1), stored)
+}
+
+#[tokio::test]
+async fn sigterm_and_sigint_during_an_import_record_interrupted_with_the_true_counts() {
+    let env = TestEnv::new("import_sigterm").await;
+    let (code, stored) = interrupt_an_import(&env, "-TERM", "sigterm").await;
+    assert_eq!(code, 143);
+    let (code_int, stored_int) = interrupt_an_import(&env, "-INT", "sigint").await;
+    assert_eq!(code_int, 130);
+    let audits = env.store.recent_imports(10).await.unwrap();
+    for (pool, stored) in [("sigterm", stored), ("sigint", stored_int)] {
+        let a = audits
+            .iter()
+            .find(|a| a.pool == pool)
+            .expect("audit record");
+        assert_eq!(a.status, "interrupted", "{a:?}");
+        assert_eq!(a.inserted, stored, "the record holds the true count: {a:?}");
+        assert!(a.finished_at.is_some() && a.sha256.is_none(), "{a:?}");
+    }
     env.cleanup().await;
 }

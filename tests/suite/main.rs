@@ -6,6 +6,7 @@
 mod claims;
 mod common;
 mod dispatcher;
+mod hostile_input;
 mod hotpool;
 mod importer;
 mod ops;

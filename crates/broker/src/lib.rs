@@ -68,6 +68,28 @@ pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> Result<u32, B
     Ok(q.message_count())
 }
 
+/// How long [`close`] waits for a connection's I/O thread to end.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Closes a connection and waits for lapin's I/O thread to end, so that the
+/// thread never outlives the tokio runtime (it would log `ERROR io_loop … A
+/// Tokio 1.x context was found, but it is being shutdown` at exit). Best
+/// effort and bounded: a connection that is already gone is fine.
+pub async fn close(conn: Connection, reason: &str) {
+    let _ = conn.close(200, reason).await;
+    let (done, ended) = tokio::sync::oneshot::channel();
+    // A plain thread, not spawn_blocking: the runtime must never wait on it.
+    let joined = std::thread::Builder::new()
+        .name("codepool-amqp-close".into())
+        .spawn(move || {
+            let _ = conn.run();
+            let _ = done.send(());
+        });
+    if joined.is_ok() {
+        let _ = tokio::time::timeout(CLOSE_WAIT, ended).await;
+    }
+}
+
 /// Connects to RabbitMQ on the tokio runtime. The vhost comes from the URL
 /// (`amqp://user:pass@host:5672/%2f` is the default vhost `/`).
 pub async fn connect(url: &str, name: &str) -> Result<Connection, BrokerError> {

@@ -15,13 +15,16 @@ Examples:
   codepool stats --pool game-x
   codepool lookup --order O-1001
   codepool void --order O-1001 --reason refund
+  codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
 
 Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
 CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
 servers on 127.0.0.1, which `make services` starts.
 
-Exit codes: 0 success, 1 failure, 2 partial success (import skipped invalid rows).";
+Exit codes: 0 success; 1 failure (the message says what to do next); 2 usage
+error (a wrong or missing flag); 3 partial success (import skipped invalid
+rows); 130 or 143 stopped by SIGINT or SIGTERM (import).";
 
 /// Hands out pre-issued activation codes: one per purchase, never twice.
 #[derive(Debug, Parser)]
@@ -61,7 +64,7 @@ pub enum Command {
     Expire(commands::expire::ExpireArgs),
     /// Publish an order's SMS-pending event again.
     Resend(commands::resend::ResendArgs),
-    /// Pool settings (low-stock threshold, grant prefix) and stock.
+    /// Create a pool, change its settings (low-stock threshold, grant prefix), show stock.
     Pool(commands::pool::PoolArgs),
     /// Sequence generators: segments, daily numbers, cyclic counters, time ids.
     Seq(commands::seq::SeqArgs),

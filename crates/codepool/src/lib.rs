@@ -9,12 +9,16 @@ pub mod config;
 pub mod context;
 pub mod telemetry;
 
-/// Exit codes that mean something to scripts.
+/// Exit codes that mean something to scripts (documented in the README and
+/// in `codepool --help`).
 pub mod exit {
     /// Everything worked.
     pub const OK: u8 = 0;
-    /// The command failed (a server unreachable, a file unreadable, …).
+    /// The command failed (a server unreachable, a file unreadable or
+    /// refused, …); the message says what to do next.
     pub const FAILURE: u8 = 1;
+    /// The command line was wrong (clap's code, as POSIX tools use it).
+    pub const USAGE: u8 = 2;
     /// It worked, but some input was invalid and skipped (import).
-    pub const PARTIAL: u8 = 2;
+    pub const PARTIAL: u8 = 3;
 }

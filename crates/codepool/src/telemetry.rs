@@ -1,7 +1,15 @@
 //! Logging through `tracing`: text for people, JSON for log shippers.
 //! `RUST_LOG` filters (default `info`). Codes never reach a log unmasked:
 //! every log site passes `codepool_domain::mask`ed values.
+//!
+//! Order ids, message ids and other fields come from untrusted producers. A
+//! bidi control such as U+202E would make a log line read differently from
+//! what it says, so every line passes through [`SafeStderr`], which escapes
+//! such characters wherever they appear.
 
+use std::io::{IsTerminal, Write};
+
+use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
@@ -9,12 +17,130 @@ use crate::config::LogFormat;
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,mongodb=warn"));
+    let ansi = std::io::stderr().is_terminal() && format == LogFormat::Text;
+    let writer = SafeStderr {
+        json: format == LogFormat::Json,
+        ansi,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
+        .with_ansi(ansi)
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+}
+
+/// Standard error, with characters that could disguise a log line escaped.
+#[derive(Debug, Clone, Copy)]
+pub struct SafeStderr {
+    /// Escape as `\u202e` (valid inside JSON strings) instead of `\u{202e}`.
+    pub json: bool,
+    /// Colours are on: the ANSI escape character is the formatter's own.
+    pub ansi: bool,
+}
+
+impl<'a> MakeWriter<'a> for SafeStderr {
+    type Writer = SafeWriter;
+
+    fn make_writer(&'a self) -> SafeWriter {
+        SafeWriter {
+            style: *self,
+            out: std::io::stderr(),
+        }
+    }
+}
+
+/// One log line's writer (the formatter writes a whole event at once).
+pub struct SafeWriter {
+    style: SafeStderr,
+    out: std::io::Stderr,
+}
+
+impl Write for SafeWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match std::str::from_utf8(buf) {
+            Ok(text) if text.chars().any(|c| self.style.must_escape(c)) => {
+                self.out.write_all(self.style.escape(text).as_bytes())?;
+            }
+            _ => self.out.write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl SafeStderr {
+    /// Bidi controls, invisible format characters, line separators and
+    /// control characters other than the line's own newline and tab.
+    fn must_escape(self, c: char) -> bool {
+        match c {
+            '\n' | '\t' => false,
+            '\u{1b}' => !self.ansi,
+            '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' => true,
+            '\u{2060}'..='\u{2069}' | '\u{feff}' => true,
+            c => c.is_control(),
+        }
+    }
+
+    pub fn escape(self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len() + 16);
+        for c in text.chars() {
+            if !self.must_escape(c) {
+                out.push(c);
+            } else if self.json {
+                out.push_str(&format!("\\u{:04x}", u32::from(c)));
+            } else {
+                out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: SafeStderr = SafeStderr {
+        json: false,
+        ansi: false,
+    };
+
+    #[test]
+    fn bidi_and_control_characters_are_escaped_in_text_logs() {
+        let line = "granted order_id=O-\u{202e}1001 pool=x\u{7}\n";
+        assert_eq!(
+            TEXT.escape(line),
+            "granted order_id=O-\\u{202e}1001 pool=x\\u{7}\n"
+        );
+    }
+
+    #[test]
+    fn json_logs_get_json_escapes_and_stay_valid_json() {
+        let json = SafeStderr {
+            json: true,
+            ansi: false,
+        };
+        let line = "{\"order_id\":\"O-\u{202e}1\u{2066}\"}\n";
+        let escaped = json.escape(line);
+        assert_eq!(escaped, "{\"order_id\":\"O-\\u202e1\\u2066\"}\n");
+        let v: serde_json::Value = serde_json::from_str(&escaped).unwrap();
+        assert_eq!(v["order_id"], "O-\u{202e}1\u{2066}");
+    }
+
+    #[test]
+    fn colours_survive_only_when_they_are_ours() {
+        let ansi = SafeStderr {
+            json: false,
+            ansi: true,
+        };
+        assert_eq!(ansi.escape("\u{1b}[32mINFO"), "\u{1b}[32mINFO");
+        assert_eq!(TEXT.escape("\u{1b}[32mINFO"), "\\u{1b}[32mINFO");
+    }
 }

@@ -219,6 +219,7 @@ async fn dead_letter(
             .increment(1);
         let d = &deliveries[i];
         let message_id = d.properties.message_id().as_ref();
+        warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = message_id.map_or("", |id| id.as_str()), "purchase dead-lettered");
         pending.push((
             i,
             publisher

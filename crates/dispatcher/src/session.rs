@@ -74,7 +74,7 @@ impl Dispatcher {
             .await;
         self.wind_down(inflight, background).await;
         let _ = channel.close(200, "codepool dispatcher stopping").await;
-        let _ = conn.close(200, "codepool dispatcher stopping").await;
+        codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
     }
 

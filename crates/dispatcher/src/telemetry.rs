@@ -99,6 +99,7 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::InvalidPool,
     RejectReason::InvalidTime,
     RejectReason::UnknownPool,
+    RejectReason::DuplicateField,
 ];
 
 /// Describes every metric and registers the unlabelled ones (and dead

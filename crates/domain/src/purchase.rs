@@ -39,6 +39,7 @@ pub enum RejectReason {
     InvalidPool,
     InvalidTime,
     UnknownPool,
+    DuplicateField,
 }
 
 impl RejectReason {
@@ -54,6 +55,7 @@ impl RejectReason {
             Self::InvalidPool => "invalid_pool",
             Self::InvalidTime => "invalid_time",
             Self::UnknownPool => "unknown_pool",
+            Self::DuplicateField => "duplicate_field",
         }
     }
 }
@@ -96,18 +98,7 @@ impl Purchase {
                 ),
             ));
         }
-        let value: Value = serde_json::from_slice(body).map_err(|e| {
-            PurchaseError::new(
-                RejectReason::NotJson,
-                format!("body is not valid UTF-8 JSON ({e}); send one JSON object per message"),
-            )
-        })?;
-        let Value::Object(map) = value else {
-            return Err(PurchaseError::new(
-                RejectReason::NotObject,
-                "body must be a JSON object like {\"order_id\":…,\"uid\":…,\"phone\":…,\"pool\":…}",
-            ));
-        };
+        let map = parse_object(body)?;
         let order_id = required(&map, "order_id", MAX_ID_LEN)?;
         let uid = required(&map, "uid", MAX_ID_LEN)?;
         let pool = required(&map, "pool", Pool::MAX_LEN)?;
@@ -144,6 +135,67 @@ impl Purchase {
     pub fn to_json(&self) -> Vec<u8> {
         // Serializing a struct of strings cannot fail.
         serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// Parses the body as one JSON object whose keys are all different. JSON
+/// allows a repeated key and serde keeps the last one, so `order_id` twice
+/// would be granted under whichever value a parser picks: refuse it instead.
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, PurchaseError> {
+    use serde::de::Deserializer;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let parsed = de
+        .deserialize_map(UniqueKeys)
+        .and_then(|fields| de.end().map(|()| fields));
+    match parsed {
+        Ok(Fields {
+            duplicate: Some(key),
+            ..
+        }) => Err(PurchaseError::new(
+            RejectReason::DuplicateField,
+            format!(
+                "field {:?} appears more than once; send each field once",
+                key.chars().take(40).collect::<String>()
+            ),
+        )),
+        Ok(Fields { map, .. }) => Ok(map),
+        Err(e) if e.classify() == serde_json::error::Category::Data => Err(PurchaseError::new(
+            RejectReason::NotObject,
+            "body must be a JSON object like {\"order_id\":…,\"uid\":…,\"phone\":…,\"pool\":…}",
+        )),
+        Err(e) => Err(PurchaseError::new(
+            RejectReason::NotJson,
+            format!("body is not valid UTF-8 JSON ({e}); send one JSON object per message"),
+        )),
+    }
+}
+
+/// A top-level JSON object, and its first repeated key if any.
+struct Fields {
+    map: Map<String, Value>,
+    duplicate: Option<String>,
+}
+
+/// Visits a JSON object keeping every key, so a repeated one is seen.
+struct UniqueKeys;
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys {
+    type Value = Fields;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut access: A) -> Result<Fields, A::Error> {
+        let mut map = Map::new();
+        let mut duplicate = None;
+        while let Some((key, value)) = access.next_entry::<String, Value>()? {
+            if map.contains_key(&key) {
+                duplicate.get_or_insert_with(|| key.clone());
+            }
+            map.insert(key, value);
+        }
+        Ok(Fields { map, duplicate })
     }
 }
 
@@ -263,6 +315,35 @@ mod tests {
             Purchase::parse(&[0xff, 0xfe, b'{']).unwrap_err().reason,
             RejectReason::NotJson
         );
+    }
+
+    #[test]
+    fn a_repeated_field_is_refused_not_last_one_wins() {
+        let e = Purchase::parse(
+            br#"{"order_id":"O-1","uid":"u","phone":"+123456","pool":"p","order_id":"O-2"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.reason, RejectReason::DuplicateField);
+        assert!(e.detail.contains("order_id"), "{e}");
+        // The same key spelled with an escape is the same key.
+        assert_eq!(
+            reason(
+                r#"{"order_id":"O-1","uid":"u","phone":"+123456","pool":"p","order\u005fid":"O-2"}"#
+            ),
+            RejectReason::DuplicateField
+        );
+        assert_eq!(
+            reason(r#"{"order_id":"O-1","uid":"u","phone":"+123456","pool":"p","x":1,"x":2}"#),
+            RejectReason::DuplicateField
+        );
+        // Nested objects are values: their keys are not the purchase's.
+        assert_eq!(
+            reason(r#"{"order_id":{"a":1,"a":2},"uid":"u","phone":"+123456","pool":"p"}"#),
+            RejectReason::WrongType
+        );
+        assert_eq!(reason(r#"{"order_id":"O-1"} {}"#), RejectReason::NotJson);
+        assert_eq!(reason("\"text\""), RejectReason::NotObject);
+        assert_eq!(reason("null"), RejectReason::NotObject);
     }
 
     #[test]

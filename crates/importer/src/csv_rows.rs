@@ -81,21 +81,67 @@ impl<R: Read> Read for Tap<R> {
     }
 }
 
+/// How the first row of a file is read. There is no guessing: a header that
+/// does not name the code column is refused, never imported as a code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Header {
+    /// The first row is a header; the column with this name (compared
+    /// without case) holds the codes. `code` unless `--column` says otherwise.
+    Named(String),
+    /// No header: every row is a code, and the file has a single column.
+    None,
+}
+
+impl Default for Header {
+    fn default() -> Self {
+        Self::Named(CODE_COLUMN.into())
+    }
+}
+
+/// The default name of the code column.
+pub const CODE_COLUMN: &str = "code";
+/// The optional column of expiry times.
+pub const EXPIRES_COLUMN: &str = "expires_at";
+
+/// Why the first row of a file cannot start an import. Nothing is imported.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeaderError {
+    #[error("the file is empty; give a CSV file whose first row is a header naming the code column (`code`)")]
+    Empty,
+    #[error("the file is UTF-16, codepool reads UTF-8; convert it first, e.g. `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8.csv`, and import the converted file")]
+    Utf16,
+    #[error("the first row {row:?} has no column named {column:?}, and the first row must be a header naming the code column; pass --column NAME if the codes are in another column, or --no-header if the file is a single column of codes without a header")]
+    NoCodeColumn { row: String, column: String },
+    #[error("the header names {count} columns {column:?}, so it is ambiguous which one to use; rename or remove all but one and import again")]
+    Ambiguous { column: String, count: usize },
+    #[error("--no-header is for a file with a single column of codes, but the first row has {columns} columns; add a header row naming the code column (`code`, or any name with --column NAME) and drop --no-header")]
+    NotSingleColumn { columns: usize },
+    #[error(
+        "the first row is {row:?}, a header, but --no-header says there is none; drop --no-header"
+    )]
+    HeaderWithNoHeader { row: String },
+    #[error("reading the first row failed: {0}; check the file and run the same command again")]
+    Read(String),
+}
+
 /// The rows of a CSV file of codes.
 ///
-/// Accepted shapes: a header row naming a `code` column (and optionally
-/// `expires_at`), or a headerless file whose first column is the code.
+/// [`CodeRows::open`] reads the first row and applies the [`Header`] rule
+/// before any row is handed out, so a refused file imports nothing.
 pub struct CodeRows<R: Read> {
     reader: csv::Reader<Tap<R>>,
     record: csv::ByteRecord,
     code_col: usize,
     expires_col: Option<usize>,
-    started: bool,
+    /// Without a header, the first row read by `open` is a code still to hand out.
+    pending_first: bool,
+    single_column: bool,
     bytes: Arc<AtomicU64>,
 }
 
 impl<R: Read> CodeRows<R> {
-    pub fn new(input: R) -> Self {
+    /// Reads the first non-blank row of `input` and checks it against `header`.
+    pub fn open(input: R, header: &Header) -> Result<Self, HeaderError> {
         let bytes = Arc::new(AtomicU64::new(0));
         let tap = Tap {
             inner: input,
@@ -109,14 +155,100 @@ impl<R: Read> CodeRows<R> {
             .flexible(true)
             .trim(csv::Trim::All)
             .from_reader(tap);
-        Self {
+        let mut rows = Self {
             reader,
             record: csv::ByteRecord::new(),
             code_col: 0,
             expires_col: None,
-            started: false,
+            pending_first: false,
+            single_column: false,
             bytes,
+        };
+        rows.read_first_row()?;
+        match header {
+            Header::Named(column) => rows.apply_header(column)?,
+            Header::None => rows.apply_no_header()?,
         }
+        Ok(rows)
+    }
+
+    fn read_first_row(&mut self) -> Result<(), HeaderError> {
+        loop {
+            match self.reader.read_byte_record(&mut self.record) {
+                Ok(false) => return Err(HeaderError::Empty),
+                Ok(true) => {}
+                Err(e) => return Err(HeaderError::Read(e.to_string())),
+            }
+            let first = self.record.get(0).unwrap_or_default();
+            if first.starts_with(b"\xFF\xFE")
+                || first.starts_with(b"\xFE\xFF")
+                || self.record.iter().any(|f| f.contains(&0))
+            {
+                return Err(HeaderError::Utf16);
+            }
+            strip_bom(&mut self.record);
+            if !self.is_blank() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn apply_header(&mut self, column: &str) -> Result<(), HeaderError> {
+        let names: Vec<String> = self
+            .record
+            .iter()
+            .map(|f| String::from_utf8_lossy(f).trim().to_lowercase())
+            .collect();
+        let find = |wanted: &str| -> Result<Option<usize>, HeaderError> {
+            let wanted = wanted.trim().to_lowercase();
+            let at: Vec<usize> = (0..names.len()).filter(|i| names[*i] == wanted).collect();
+            match at.as_slice() {
+                [] => Ok(None),
+                [i] => Ok(Some(*i)),
+                _ => Err(HeaderError::Ambiguous {
+                    column: wanted,
+                    count: at.len(),
+                }),
+            }
+        };
+        self.code_col = find(column)?.ok_or_else(|| HeaderError::NoCodeColumn {
+            row: self.first_row_text(),
+            column: column.to_owned(),
+        })?;
+        self.expires_col = find(EXPIRES_COLUMN)?.filter(|i| *i != self.code_col);
+        Ok(())
+    }
+
+    fn apply_no_header(&mut self) -> Result<(), HeaderError> {
+        if self.record.len() > 1 {
+            return Err(HeaderError::NotSingleColumn {
+                columns: self.record.len(),
+            });
+        }
+        let first = String::from_utf8_lossy(self.record.get(0).unwrap_or_default());
+        if first.trim().eq_ignore_ascii_case(CODE_COLUMN) {
+            return Err(HeaderError::HeaderWithNoHeader {
+                row: first.trim().to_owned(),
+            });
+        }
+        self.single_column = true;
+        self.pending_first = true;
+        Ok(())
+    }
+
+    /// The first row as text for a message, shortened and without controls.
+    fn first_row_text(&self) -> String {
+        let fields: Vec<String> = self
+            .record
+            .iter()
+            .map(|f| String::from_utf8_lossy(f).into_owned())
+            .collect();
+        fields
+            .join(",")
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(80)
+            .collect()
     }
 
     /// Bytes read so far (for progress).
@@ -136,6 +268,15 @@ impl<R: Read> CodeRows<R> {
     }
 
     fn classify(&self, line: u64) -> Row {
+        if self.single_column && self.record.len() > 1 {
+            return Row::Invalid {
+                line,
+                reason: format!(
+                    "the row has {} columns, but --no-header is for a single column of codes",
+                    self.record.len()
+                ),
+            };
+        }
         let code = match self.field(self.code_col) {
             Ok(c) => c,
             Err(reason) => return Row::Invalid { line, reason },
@@ -201,6 +342,10 @@ impl<R: Read> Iterator for CodeRows<R> {
     type Item = Result<Row, csv::Error>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if std::mem::take(&mut self.pending_first) {
+            let line = self.record.position().map(|p| p.line()).unwrap_or(0);
+            return Some(Ok(self.classify(line)));
+        }
         loop {
             match self.reader.read_byte_record(&mut self.record) {
                 Ok(false) => return None,
@@ -217,28 +362,10 @@ impl<R: Read> Iterator for CodeRows<R> {
                     }));
                 }
             }
-            let line = self.record.position().map(|p| p.line()).unwrap_or(0);
-            if !self.started {
-                self.started = true;
-                strip_bom(&mut self.record);
-                if self.is_blank() {
-                    self.started = false;
-                    continue;
-                }
-                let names: Vec<String> = self
-                    .record
-                    .iter()
-                    .map(|f| String::from_utf8_lossy(f).trim().to_ascii_lowercase())
-                    .collect();
-                if let Some(i) = names.iter().position(|n| n == "code") {
-                    self.code_col = i;
-                    self.expires_col = names.iter().position(|n| n == "expires_at");
-                    continue;
-                }
-            }
             if self.is_blank() {
                 continue;
             }
+            let line = self.record.position().map(|p| p.line()).unwrap_or(0);
             return Some(Ok(self.classify(line)));
         }
     }
@@ -267,7 +394,28 @@ mod tests {
     use proptest::prelude::*;
 
     fn rows(input: &[u8]) -> Vec<Row> {
-        CodeRows::new(input).map(|r| r.unwrap()).collect()
+        rows_with(input, &Header::default())
+    }
+
+    fn rows_with(input: &[u8], header: &Header) -> Vec<Row> {
+        CodeRows::open(input, header)
+            .unwrap()
+            .map(|r| r.unwrap())
+            .collect()
+    }
+
+    fn refusal(input: &[u8], header: &Header) -> HeaderError {
+        match CodeRows::open(input, header) {
+            Ok(rows) => panic!(
+                "accepted: {:?}",
+                rows.map(|r| r.unwrap()).collect::<Vec<_>>()
+            ),
+            Err(e) => e,
+        }
+    }
+
+    fn named(column: &str) -> Header {
+        Header::Named(column.into())
     }
 
     fn code(line: u64, c: &str) -> Row {
@@ -279,11 +427,81 @@ mod tests {
     }
 
     #[test]
-    fn a_single_column_without_header_is_all_codes() {
+    fn a_single_column_without_header_is_all_codes_with_no_header() {
         assert_eq!(
-            rows(b"AAA-1\nBBB-2\n"),
+            rows_with(b"AAA-1\nBBB-2\n", &Header::None),
             vec![code(1, "AAA-1"), code(2, "BBB-2")]
         );
+    }
+
+    #[test]
+    fn a_first_row_not_naming_the_code_column_is_refused() {
+        let e = refusal(b"codes\nHDR-01\n", &Header::default());
+        assert!(matches!(&e, HeaderError::NoCodeColumn { row, .. } if row == "codes"));
+        assert!(e.to_string().contains("--column") && e.to_string().contains("--no-header"));
+        let e = refusal(
+            b"serial,expires_at\nSER-01,2030-01-01\n",
+            &Header::default(),
+        );
+        assert!(matches!(e, HeaderError::NoCodeColumn { .. }), "{e}");
+        // A headerless file is refused too: its first code is not a header.
+        let e = refusal(b"AAA-1\nBBB-2\n", &Header::default());
+        assert!(matches!(e, HeaderError::NoCodeColumn { .. }), "{e}");
+    }
+
+    #[test]
+    fn column_picks_another_code_column_and_keeps_expires_at() {
+        let r = rows_with(b"serial,expires_at\nSER-01,2030-01-01\n", &named("Serial"));
+        assert_eq!(
+            r,
+            vec![Row::Code {
+                line: 2,
+                code: "SER-01".into(),
+                expires_at: parse_time("2030-01-01"),
+            }]
+        );
+    }
+
+    #[test]
+    fn an_ambiguous_header_is_refused() {
+        let e = refusal(b"code,code\nA,B\n", &Header::default());
+        assert_eq!(
+            e,
+            HeaderError::Ambiguous {
+                column: "code".into(),
+                count: 2
+            }
+        );
+        let e = refusal(b"code,expires_at,EXPIRES_AT\nA,,\n", &Header::default());
+        assert!(matches!(e, HeaderError::Ambiguous { .. }), "{e}");
+    }
+
+    #[test]
+    fn no_header_is_for_one_column_without_a_header() {
+        let e = refusal(b"serial,expires_at\nSER-01,2030-01-01\n", &Header::None);
+        assert_eq!(e, HeaderError::NotSingleColumn { columns: 2 });
+        let e = refusal(b"Code\nAAA-1\n", &Header::None);
+        assert!(matches!(e, HeaderError::HeaderWithNoHeader { .. }), "{e}");
+        let r = rows_with(b"AAA-1\n\"B,1\"\nC,2\n", &Header::None);
+        assert_eq!(r[0], code(1, "AAA-1"));
+        assert_eq!(r[1], code(2, "B,1"));
+        assert!(
+            matches!(&r[2], Row::Invalid { line: 3, reason } if reason.contains("single column"))
+        );
+    }
+
+    #[test]
+    fn empty_and_utf16_files_are_refused() {
+        assert_eq!(refusal(b"", &Header::default()), HeaderError::Empty);
+        assert_eq!(refusal(b"\n \r\n", &Header::None), HeaderError::Empty);
+        let utf16: Vec<u8> = "\u{feff}code\nA-1\n"
+            .encode_utf16()
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        assert_eq!(refusal(&utf16, &Header::default()), HeaderError::Utf16);
+        assert_eq!(refusal(&utf16, &Header::None), HeaderError::Utf16);
+        let no_bom: Vec<u8> = "A-1\n".encode_utf16().flat_map(u16::to_be_bytes).collect();
+        assert_eq!(refusal(&no_bom, &Header::None), HeaderError::Utf16);
     }
 
     #[test]
@@ -327,7 +545,7 @@ mod tests {
     #[test]
     fn crlf_split_across_reads_keeps_lines_and_hash() {
         let input = b"\xEF\xBB\xBFcode\r\nA-1\r\n\r\nB-2\r\nC\r3\r";
-        let mut reader = CodeRows::new(OneByte(input));
+        let mut reader = CodeRows::open(OneByte(input), &Header::default()).unwrap();
         let rows: Vec<Row> = reader.by_ref().map(|r| r.unwrap()).collect();
         assert_eq!(rows[0], code(2, "A-1"));
         assert_eq!(rows[1], code(4, "B-2"));
@@ -336,7 +554,10 @@ mod tests {
 
     #[test]
     fn a_bom_before_a_headerless_code_is_not_part_of_the_code() {
-        assert_eq!(rows(b"\xEF\xBB\xBFAAA-1\n"), vec![code(1, "AAA-1")]);
+        assert_eq!(
+            rows_with(b"\xEF\xBB\xBFAAA-1\n", &Header::None),
+            vec![code(1, "AAA-1")]
+        );
     }
 
     #[test]
@@ -364,7 +585,7 @@ mod tests {
 
     #[test]
     fn the_hash_covers_the_whole_file() {
-        let mut reader = CodeRows::new(&b"A\nB\n"[..]);
+        let mut reader = CodeRows::open(&b"A\nB\n"[..], &Header::None).unwrap();
         while reader.next().is_some() {}
         assert_eq!(
             reader.finish_sha256(),
@@ -375,7 +596,10 @@ mod tests {
     proptest! {
         #[test]
         fn random_bytes_never_panic(input in proptest::collection::vec(any::<u8>(), 0..2048)) {
-            for row in CodeRows::new(&input[..]) {
+            let Ok(rows) = CodeRows::open(&input[..], &Header::None) else {
+                return Ok(());
+            };
+            for row in rows {
                 if let Ok(Row::Code { code, .. }) = row {
                     prop_assert!(!code.is_empty() && code.chars().count() <= 128);
                     prop_assert!(!code.chars().any(char::is_control));
@@ -386,7 +610,7 @@ mod tests {
         #[test]
         fn huge_fields_are_invalid_not_fatal(len in 129usize..20_000) {
             let input = format!("{}\nOK\n", "z".repeat(len));
-            let r = rows(input.as_bytes());
+            let r = rows_with(input.as_bytes(), &Header::None);
             let first_is_invalid = matches!(r[0], Row::Invalid { line: 1, .. });
             prop_assert!(first_is_invalid);
             prop_assert_eq!(&r[1], &code(2, "OK"));

@@ -2,9 +2,12 @@
 //!
 //! Streams a partner's CSV file of codes into a pool.
 //!
-//! - [`csv_rows`] reads the file row by row (header or not, BOM, CRLF,
-//!   quotes, blank lines, spaces) and classifies each row as a code or an
-//!   invalid row with its line number. It never holds more than one row.
+//! - [`csv_rows`] reads the file row by row (BOM, CRLF, quotes, blank
+//!   lines, spaces) and classifies each row as a code or an invalid row with
+//!   its line number. It never holds more than one row. The first row is a
+//!   header that must name the code column (or, on request, there is no
+//!   header and the file has one column): anything else is refused before
+//!   a single code is written.
 //! - [`import`] batches valid codes into unordered inserts, with a couple of
 //!   batches in flight, counts duplicates (codes already in the pool or
 //!   repeated in the file), and records the run in `imports`.
@@ -15,7 +18,7 @@
 pub mod csv_rows;
 pub mod import;
 
-pub use csv_rows::{CodeRows, Row};
+pub use csv_rows::{CodeRows, Header, HeaderError, Row};
 pub use import::{
     import_file, ImportError, ImportOptions, ImportProgress, ImportSummary, InvalidRow,
 };

@@ -567,3 +567,99 @@ impl Store {
         Ok(self.collection(CODES).count_documents(filter).await?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(status: i32) -> CodeDoc {
+        CodeDoc {
+            id: ObjectId::new(),
+            pool: "x".into(),
+            code: "QWER-1234".into(),
+            status,
+            seq: 7,
+            batch_id: None,
+            created_at: DateTime::now(),
+            expires_at: None,
+            order_id: None,
+            uid: None,
+            phone: None,
+            issued_at: None,
+            grant_no: None,
+            used_at: None,
+            is_sms: 0,
+            sms_published_at: None,
+            sms_sent_at: None,
+            sms_failed_at: None,
+            sms_error: None,
+            sms_failures: 0,
+            sms_resends: 0,
+            sms_history: Vec::new(),
+            voided_at: None,
+            void_reason: None,
+        }
+    }
+
+    fn issued(status: i32) -> CodeDoc {
+        CodeDoc {
+            order_id: Some("O-1".into()),
+            uid: Some("u".into()),
+            phone: Some("+8613800000000".into()),
+            issued_at: Some(DateTime::now()),
+            grant_no: Some("G202611200001".into()),
+            is_sms: 1,
+            ..doc(status)
+        }
+    }
+
+    #[test]
+    fn an_unissued_document_reads_as_a_code_without_holder() {
+        let d = doc(0);
+        let id = d.id;
+        let c = d.into_code().unwrap();
+        assert_eq!(c.status, CodeStatus::Unissued);
+        assert_eq!(c.holder, None);
+        assert_eq!(object_id(c.id), id, "ids survive the round trip");
+    }
+
+    #[test]
+    fn an_issued_document_reads_with_its_holder_and_sms_record() {
+        let c = issued(1).into_code().unwrap();
+        let h = c.holder.as_ref().unwrap();
+        assert_eq!(h.order_id, "O-1");
+        assert_eq!(h.grant_no.as_deref(), Some("G202611200001"));
+        assert!(c.sms.sent);
+        assert_eq!(c.grant().unwrap().order_id, "O-1");
+    }
+
+    #[test]
+    fn an_unknown_status_is_corruption_not_a_guess() {
+        assert!(matches!(
+            doc(9).into_code(),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn an_issued_code_without_its_order_or_time_is_corruption() {
+        assert!(matches!(
+            doc(1).into_code(),
+            Err(StoreError::Corrupt { .. })
+        ));
+        let mut no_time = issued(1);
+        no_time.issued_at = None;
+        assert!(matches!(
+            no_time.into_code(),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn a_void_code_keeps_its_order_and_is_a_revoked_grant() {
+        let c = issued(3).into_code().unwrap();
+        assert!(c.grant().unwrap().revoked);
+        let never_issued = doc(3).into_code().unwrap();
+        assert_eq!(never_issued.grant(), None);
+    }
+}

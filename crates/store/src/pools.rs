@@ -1,6 +1,8 @@
 //! The `pools` collection: which pools exist and their settings. A pool
-//! exists once codes have been imported into it; a purchase for any other
-//! pool is dead-lettered as `unknown_pool`.
+//! exists once it has held a code (an import creates it when its first code
+//! lands) or once it was created on purpose (`codepool pool create`); a
+//! purchase for any other pool is dead-lettered as `unknown_pool`, never
+//! backordered forever.
 
 use bson::{doc, DateTime};
 use futures::TryStreamExt;
@@ -30,14 +32,21 @@ pub struct PoolDoc {
 impl Store {
     /// Creates the pool if it does not exist yet.
     pub async fn ensure_pool(&self, name: &str) -> Result<(), StoreError> {
-        self.collection(POOLS)
+        self.create_pool(name).await.map(|_| ())
+    }
+
+    /// Creates the pool if it does not exist yet; true when this call
+    /// created it.
+    pub async fn create_pool(&self, name: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(POOLS)
             .update_one(
                 doc! {"_id": name},
                 doc! {"$setOnInsert": {"created_at": DateTime::now(), "low_stock_alerted": false}},
             )
             .upsert(true)
             .await?;
-        Ok(())
+        Ok(r.upserted_id.is_some())
     }
 
     pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {

@@ -131,6 +131,6 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             );
         }
     }
-    let _ = conn.close(200, "done").await;
+    codepool_broker::close(conn, "done").await;
     Ok(crate::exit::OK)
 }

@@ -7,34 +7,52 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use codepool_domain::{PoolEvent, PoolEventKind};
-use codepool_importer::{import_file, ImportOptions, ImportProgress, ImportSummary};
+use codepool_importer::csv_rows::CODE_COLUMN;
+use codepool_importer::{import_file, Header, ImportOptions, ImportProgress, ImportSummary};
 use indicatif::{ProgressBar, ProgressStyle};
 use tracing::{info, warn};
 
 use crate::config::Config;
+use crate::shutdown::Interrupt;
 
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
   codepool import codes.csv --pool game-x
+  codepool import partner.csv --pool game-x --column serial
+  codepool import plain-list.txt --pool game-x --no-header
   codepool import partner-2026-11.csv --pool game-x --json > summary.json
 
-The file has a header row with a `code` column (and optionally `expires_at`),
-or a single column of codes without a header. Invalid rows (empty, longer than
-128 characters, control characters, bad dates) are reported with their line
-number and skipped. Importing the same file again inserts nothing new.
+The first row is a header, and it must name the code column: `code` (any
+case), or the name given with --column. An `expires_at` column (2027-01-31 or
+RFC 3339) is optional. A file without a header must be a single column of
+codes and needs --no-header. Any other first row (no such column, the column
+named twice, a UTF-16 file, an empty file) is refused: nothing is imported.
 
-Exit codes: 0 every row imported or already present, 2 some rows invalid
-(the valid ones are imported), 1 failure (run the same command again to finish).")]
+Invalid rows (empty, longer than 128 characters, control characters, bad
+dates) are reported with their line number and skipped. Importing the same
+file again inserts nothing new. The pool is created when its first code is
+imported (or beforehand with `codepool pool create`).
+
+Exit codes: 0 every row imported or already present; 3 some rows invalid (the
+valid ones are imported); 1 failure or refused file (nothing more to import
+from it as is; the message says what to do); 2 usage error; 130/143 stopped
+by SIGINT/SIGTERM (the codes so far are kept; run the same command again).")]
 pub struct ImportArgs {
     /// CSV file of codes.
     pub file: PathBuf,
-    /// Pool to import into (created if new), e.g. game-x.
+    /// Pool to import into (created when its first code lands), e.g. game-x.
     #[arg(long)]
     pub pool: String,
-    /// Codes per insert.
-    #[arg(long, default_value_t = 1000)]
-    pub batch_size: usize,
+    /// The header's name of the column that holds the codes.
+    #[arg(long, value_name = "NAME", default_value = CODE_COLUMN, conflicts_with = "no_header")]
+    pub column: String,
+    /// The file has no header row: a single column of codes.
+    #[arg(long)]
+    pub no_header: bool,
+    /// Codes per insert (1 to 100000).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub batch_size: u32,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -42,8 +60,15 @@ pub struct ImportArgs {
 
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
+    let interrupt = Interrupt::on_signals();
     let options = ImportOptions {
-        batch_size: args.batch_size,
+        header: if args.no_header {
+            Header::None
+        } else {
+            Header::Named(args.column.clone())
+        },
+        batch_size: args.batch_size as usize,
+        stop: interrupt.token.clone(),
         ..ImportOptions::default()
     };
     let reporter = Reporter::new(std::io::stderr().is_terminal() && !args.json);
@@ -60,11 +85,30 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     } else {
         print_summary(&summary);
     }
-    Ok(if summary.invalid > 0 {
-        crate::exit::PARTIAL
-    } else {
-        crate::exit::OK
-    })
+    Ok(exit_code(&summary, &interrupt))
+}
+
+/// Maps what the import did to an exit code, saying why on stderr.
+fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
+    if let (true, Some(code)) = (s.interrupted(), interrupt.exit_code()) {
+        eprintln!(
+            "import interrupted by {} after {} codes inserted; run the same command again to finish (codes already imported count as duplicates)",
+            interrupt.name(),
+            s.inserted
+        );
+        return code;
+    }
+    if s.invalid > 0 && s.inserted + s.duplicates == 0 {
+        eprintln!(
+            "error: every row of {} was invalid, nothing was imported; fix the rows listed above and import the file again",
+            s.file
+        );
+        return crate::exit::FAILURE;
+    }
+    if s.invalid > 0 {
+        return crate::exit::PARTIAL;
+    }
+    crate::exit::OK
 }
 
 /// Tells dispatchers that new codes arrived (they fulfil backorders). Best
@@ -80,7 +124,7 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
         let mut event = PoolEvent::new(PoolEventKind::Replenished, &summary.pool);
         event.inserted = Some(summary.inserted);
         publisher.publish_pool_event(&event).await?.wait().await?;
-        let _ = conn.close(200, "done").await;
+        codepool_broker::close(conn, "done").await;
         Ok::<_, codepool_broker::BrokerError>(())
     }
     .await;
@@ -93,7 +137,12 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
 }
 
 fn print_summary(s: &ImportSummary) {
-    println!("imported {} into pool {:?}", s.file, s.pool);
+    let verb = if s.interrupted() {
+        "partly imported (interrupted)"
+    } else {
+        "imported"
+    };
+    println!("{verb} {} into pool {:?}", s.file, s.pool);
     println!("  rows        {}", s.rows);
     println!("  inserted    {}", s.inserted);
     println!("  duplicates  {}", s.duplicates);

@@ -1,5 +1,6 @@
-//! `codepool pool set|show`: a pool's settings (low-stock threshold,
-//! grant-number prefix) and its stock at a glance.
+//! `codepool pool create|set|show`: create a pool before its codes arrive,
+//! a pool's settings (low-stock threshold, grant-number prefix) and its
+//! stock at a glance.
 
 use clap::{Args, Subcommand};
 use codepool_store::pool_settings::PoolSettings;
@@ -10,6 +11,7 @@ use crate::config::Config;
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
+  codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
   codepool pool set --pool game-x --grant-prefix GX
   codepool pool set --pool game-x --low-stock 0        (alerts off)
@@ -18,7 +20,12 @@ Examples:
 
 When unissued stock falls below --low-stock, dispatchers publish one
 `pool.low_stock` event on the codepool.events exchange and log a warning;
-the alert re-arms once stock is back at or above the threshold (an import).")]
+the alert re-arms once stock is back at or above the threshold (an import).
+
+A pool exists once it has held a code (an import creates it when the first
+code lands) or once it is created here. Purchases for a pool that exists but
+has no stock are backordered; purchases for any other pool are dead-lettered
+as unknown_pool.")]
 pub struct PoolArgs {
     #[command(subcommand)]
     pub action: PoolAction,
@@ -26,6 +33,13 @@ pub struct PoolArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum PoolAction {
+    /// Create an empty pool on purpose: its purchases are backordered until
+    /// codes are imported (idempotent).
+    Create {
+        /// The pool, e.g. game-x (A-Z a-z 0-9 . _ -).
+        #[arg(long)]
+        pool: String,
+    },
     /// Change a pool's settings.
     Set {
         /// The pool (it must exist: import codes into it first).
@@ -49,6 +63,16 @@ pub enum PoolAction {
     },
 }
 
+async fn create(store: &codepool_store::Store, pool: &str) -> anyhow::Result<()> {
+    let pool = codepool_domain::Pool::new(pool)?;
+    if store.create_pool(pool.as_str()).await? {
+        println!("pool {pool} created; it has no codes yet, so its purchases are backordered until `codepool import FILE --pool {pool}`");
+    } else {
+        println!("pool {pool} already exists; nothing changed");
+    }
+    Ok(())
+}
+
 #[derive(Serialize)]
 struct PoolRow {
     pool: String,
@@ -62,6 +86,7 @@ struct PoolRow {
 pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     match args.action {
+        PoolAction::Create { pool } => create(&store, &pool).await?,
         PoolAction::Set {
             pool,
             low_stock,
@@ -132,7 +157,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
                 );
             }
             if rows.is_empty() {
-                println!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
+                println!("(no pools yet: `codepool import FILE --pool NAME` or `codepool pool create --pool NAME` creates one)");
             }
         }
     }

@@ -68,7 +68,7 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
     let publisher = Publisher::new(&conn, cfg.topology()).await?;
     cfg.topology().declare(publisher.channel()).await?;
     let n = publish_all(&publisher, &bodies).await?;
-    let _ = conn.close(200, "done").await;
+    codepool_broker::close(conn, "done").await;
     println!(
         "published {n} purchase(s) to queue {:?}",
         cfg.topology().purchases

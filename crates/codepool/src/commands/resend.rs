@@ -28,7 +28,7 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
     let (conn, publisher) = crate::context::publisher(cfg, "codepool-resend").await?;
     let outbox = Outbox::new(Arc::new(store.clone()));
     let result = ops::resend(&store, &outbox, &publisher, &args.order).await;
-    let _ = conn.close(200, "done").await;
+    codepool_broker::close(conn, "done").await;
     let (event, code) = result?;
     println!(
         "re-published the SMS-pending event of order {} (event id {}, code {}, pool {})",

@@ -52,7 +52,7 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
     }
     // Closing without acks puts every peeked event back.
     let _ = channel.close(200, "peeked").await;
-    let _ = conn.close(200, "done").await;
+    codepool_broker::close(conn, "done").await;
     println!(
         "{shown} event(s) shown from {:?} (still queued)",
         topology.sms_pending
