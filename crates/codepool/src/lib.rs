@@ -21,4 +21,29 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// It worked, but some input was invalid and skipped (import).
     pub const PARTIAL: u8 = 3;
+
+    /// Runs a command on a multi-threaded runtime and maps its outcome to
+    /// the process's exit code; an error is printed with its whole chain.
+    pub fn run_to_exit(
+        command: impl std::future::Future<Output = anyhow::Result<u8>>,
+    ) -> std::process::ExitCode {
+        use std::process::ExitCode;
+        let runtime = match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("error: cannot start the async runtime: {e}");
+                return ExitCode::from(FAILURE);
+            }
+        };
+        match runtime.block_on(command) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(FAILURE)
+            }
+        }
+    }
 }

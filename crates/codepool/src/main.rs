@@ -28,21 +28,5 @@ fn main() -> ExitCode {
         }
     };
     telemetry::init(cli.config.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::from(exit::FAILURE);
-        }
-    };
-    match runtime.block_on(cli::run(cli)) {
-        Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(exit::FAILURE)
-        }
-    }
+    exit::run_to_exit(cli::run(cli))
 }
