@@ -5,6 +5,7 @@
 //! backordered forever.
 
 use bson::{doc, DateTime};
+use codepool_domain::PoolPolicy;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,26 @@ pub struct PoolDoc {
     /// Set while stock is below `low_stock` and the alert has been sent.
     #[serde(default)]
     pub low_stock_alerted: bool,
+    /// Orders one user may hold in this pool; absent or 0 is unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_user: Option<i64>,
+    /// While true, purchases wait as backorders (`codepool pool pause`).
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<DateTime>,
+}
+
+impl PoolDoc {
+    /// The pool's policy as the dispatcher applies it.
+    pub fn policy(&self) -> PoolPolicy {
+        PoolPolicy {
+            per_user: self
+                .per_user
+                .map_or(0, |n| u32::try_from(n.max(0)).unwrap_or(u32::MAX)),
+            paused: self.paused,
+        }
+    }
 }
 
 impl Store {
