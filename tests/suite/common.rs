@@ -148,6 +148,7 @@ impl TestEnv {
                     &t.sms_pending,
                     &t.sms_receipts,
                     &t.code_redeemed,
+                    &t.purchases_refused,
                 ] {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }

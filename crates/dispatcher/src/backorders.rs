@@ -1,7 +1,8 @@
 //! Fulfilling backorders when codes arrive: oldest first, through the same
 //! claim path as live purchases, each with its SMS-pending event sent
 //! through the outbox. Several dispatchers may do this at once; the unique
-//! `order_id` index still gives every order at most one code.
+//! `order_id` index still gives every order at most one code. A paused
+//! pool's backorders wait until it is resumed.
 
 use codepool_domain::Purchase;
 use codepool_store::Store;
@@ -14,8 +15,8 @@ use crate::ports::EventSink;
 
 const BATCH: u64 = 100;
 
-/// Fulfils waiting backorders of `pool` while it has stock, until `stop`.
-/// Returns how many were fulfilled.
+/// Fulfils waiting backorders of `pool` while it has stock and is not
+/// paused, until `stop`. Returns how many were fulfilled.
 pub async fn fulfil_backorders(
     engine: &ClaimEngine,
     store: &Store,
@@ -26,6 +27,11 @@ pub async fn fulfil_backorders(
 ) -> Result<u64, ClaimError> {
     let mut total = 0;
     while !stop.is_cancelled() {
+        // A paused pool issues nothing; its backorders wait for `pool
+        // resume` (checked every round, so a pause stops a fulfilment).
+        if store.pool(pool).await?.is_none_or(|p| p.paused) {
+            break;
+        }
         // Ask only for as many as there is stock, so the oldest are served
         // first even when stock is short.
         let stock = store.unissued_count(pool).await?;

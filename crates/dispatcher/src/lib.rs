@@ -27,6 +27,7 @@ pub mod ops;
 pub mod outage;
 pub mod outbox;
 pub mod plan;
+pub mod policy;
 pub mod ports;
 pub mod receipts;
 pub mod redemptions;

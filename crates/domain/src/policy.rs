@@ -2,7 +2,10 @@
 //! pool and when. They live on the pool document; the dispatcher applies
 //! them before any claim, so a refused or held purchase never takes a code.
 
+use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
+
+use crate::purchase::Purchase;
 
 /// What a pool's operator has decided about issuing.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +73,33 @@ impl PurchaseRefused {
 
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// A purchase a pool policy refused: no code, ever, for this order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub purchase: Purchase,
+    pub reason: RefusalReason,
+    pub limit: Option<u32>,
+    /// When the order was first refused; a redelivery keeps this time, so
+    /// its event is the same event again.
+    pub at: DateTime<Utc>,
+}
+
+impl Refusal {
+    /// The `purchase.refused` event that tells the shop.
+    pub fn event(&self) -> PurchaseRefused {
+        PurchaseRefused {
+            event: PURCHASE_REFUSED_KEY.into(),
+            event_id: PurchaseRefused::event_id_for(&self.purchase.order_id),
+            order_id: self.purchase.order_id.clone(),
+            pool: self.purchase.pool.clone(),
+            uid: self.purchase.uid.clone(),
+            reason: self.reason,
+            limit: self.limit,
+            refused_at: self.at.to_rfc3339_opts(SecondsFormat::Millis, true),
+        }
     }
 }
 
