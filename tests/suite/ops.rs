@@ -682,7 +682,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
     env.fill_pool("ls", 60).await;
     let settings = PoolSettings {
         low_stock: Some(20),
-        grant_prefix: None,
+        ..PoolSettings::default()
     };
     env.store.set_pool_settings("ls", &settings).await.unwrap();
 

@@ -19,6 +19,7 @@ pub mod adapters;
 pub mod backorders;
 mod batch;
 pub mod claim;
+pub mod controls;
 pub mod daemon;
 pub mod expiry;
 pub mod grant_no;
