@@ -97,14 +97,7 @@ async fn refuse_over_limit(
         return Ok(HashMap::new());
     }
     let orders: Vec<&str> = limited.iter().map(|p| p.order_id.as_str()).collect();
-    let mut refused: HashMap<String, Refusal> = HashMap::new();
-    for r in store.refusals_for_orders(&orders).await? {
-        if let Some(p) = limited.iter().find(|p| p.order_id == r.order_id) {
-            let limit = r.limit.and_then(|n| u32::try_from(n).ok());
-            let at = r.refused_at.to_chrono();
-            refused.insert(r.order_id, refusal(p, r.reason, limit, at));
-        }
-    }
+    let mut refused = recorded_refusals(store, limited, &orders).await?;
     let asks: Vec<QuotaAsk> = limited
         .iter()
         .filter(|p| !refused.contains_key(&p.order_id))
@@ -116,7 +109,8 @@ async fn refuse_over_limit(
         })
         .collect();
     let slots = store.take_quota_slots(&asks).await?;
-    let now = Utc::now();
+    // Millisecond precision, as stored: a redelivery's event is identical.
+    let now = bson::DateTime::now().to_chrono();
     let mut fresh = Vec::new();
     for a in asks.iter().filter(|a| !slots.contains(a.order_id)) {
         if let Some(p) = limited.iter().find(|p| p.order_id == a.order_id) {
@@ -128,6 +122,29 @@ async fn refuse_over_limit(
     let new = store.record_refusals(&fresh).await?;
     metrics::counter!("codepool_refusals_total", "reason" => RefusalReason::PerUserLimit.as_str())
         .increment(new);
+    if new < fresh.len() as u64 {
+        // Another dispatcher (or a duplicate in this batch) recorded some
+        // first: announce the refusal as recorded, the same event.
+        let raced: Vec<&str> = fresh.iter().map(|r| r.order_id.as_str()).collect();
+        refused.extend(recorded_refusals(store, limited, &raced).await?);
+    }
+    Ok(refused)
+}
+
+/// The recorded refusals of `orders`, as refusals of the purchases.
+async fn recorded_refusals(
+    store: &Store,
+    limited: &[&Purchase],
+    orders: &[&str],
+) -> Result<HashMap<String, Refusal>, StoreError> {
+    let mut refused = HashMap::new();
+    for r in store.refusals_for_orders(orders).await? {
+        if let Some(p) = limited.iter().find(|p| p.order_id == r.order_id) {
+            let limit = r.limit.and_then(|n| u32::try_from(n).ok());
+            let at = r.refused_at.to_chrono();
+            refused.insert(r.order_id, refusal(p, r.reason, limit, at));
+        }
+    }
     Ok(refused)
 }
 
