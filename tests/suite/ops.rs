@@ -24,9 +24,8 @@ use lapin::types::FieldTable;
 use lapin::BasicProperties;
 
 use crate::common::{
-    http_get,
-    drain, eventually, free_port, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
+    drain, eventually, free_port, http_get, publish_confirmed, purchase, queue_depth, start_daemon,
+    TestEnv, AMQP_URL,
 };
 
 // ---------------------------------------------------------------- helpers

@@ -7,8 +7,8 @@ use codepool_broker::BrokerError;
 use codepool_domain::{when, Code, NotSendable, SmsPending};
 use codepool_hotpool::HotPool;
 use codepool_store::backorders::BackorderDoc;
-use codepool_store::policies::RefusalDoc;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::policies::RefusalDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::debug;
 

@@ -68,7 +68,11 @@ pub async fn enforce(
         return Ok(intake);
     }
     let orders: Vec<&str> = gated.iter().map(|p| p.order_id.as_str()).collect();
-    let holders: HashSet<String> = store.grants_for_orders(&orders).await?.into_keys().collect();
+    let holders: HashSet<String> = store
+        .grants_for_orders(&orders)
+        .await?
+        .into_keys()
+        .collect();
     let limited: Vec<&Purchase> = gated
         .into_iter()
         .filter(|p| policy(&p.pool).limits_users() && !holders.contains(&p.order_id))

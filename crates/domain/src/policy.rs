@@ -130,7 +130,15 @@ mod tests {
     #[test]
     fn zero_means_unlimited() {
         assert!(!PoolPolicy::default().is_active());
-        assert!(PoolPolicy { per_user: 1, paused: false }.limits_users());
-        assert!(PoolPolicy { per_user: 0, paused: true }.is_active());
+        assert!(PoolPolicy {
+            per_user: 1,
+            paused: false
+        }
+        .limits_users());
+        assert!(PoolPolicy {
+            per_user: 0,
+            paused: true
+        }
+        .is_active());
     }
 }

@@ -68,6 +68,11 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(crate::exit::OK);
     }
+    print_table(&rows);
+    Ok(crate::exit::OK)
+}
+
+fn print_table(rows: &[Row]) {
     println!(
         "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
         "POOL",
@@ -84,7 +89,7 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
         "24H",
         "LASTS"
     );
-    for r in &rows {
+    for r in rows {
         let s = &r.stats;
         println!(
             "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
@@ -118,5 +123,4 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
     if rows.is_empty() {
         println!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
     }
-    Ok(crate::exit::OK)
 }
