@@ -39,8 +39,8 @@ pub struct VoidArgs {
     /// Why (stored with the code, shown by `codepool lookup`).
     #[arg(long)]
     pub reason: String,
-    /// Print JSON (with --import).
-    #[arg(long, requires = "import")]
+    /// Print JSON (only with --import).
+    #[arg(long, conflicts_with_all = ["order", "code"])]
     pub json: bool,
 }
 
