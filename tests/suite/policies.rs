@@ -431,3 +431,68 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrives() {
+    let env = TestEnv::new("policies_backorder_limit").await;
+    codepool(&env, &["pool", "create", "--pool", "late"]).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..3)
+        .map(|i| of_user(&format!("L-{i}"), "late", "buyer-9"))
+        .collect();
+    publish_confirmed(&publisher, &orders).await;
+    eventually(Duration::from_secs(20), "3 backorders", || async {
+        count(
+            &env,
+            "backorders",
+            doc! {"pool": "late", "status": "waiting"},
+        )
+        .await
+            == 3
+    })
+    .await;
+
+    codepool(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    {
+        use std::io::Write;
+        writeln!(f, "code\nLATE-1\nLATE-2\nLATE-3\nLATE-4").unwrap();
+    }
+    codepool(
+        &env,
+        &["import", f.path().to_str().unwrap(), "--pool", "late"],
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "1 fulfilled, 2 refused",
+        || async {
+            count(
+                &env,
+                "backorders",
+                doc! {"pool": "late", "status": "fulfilled"},
+            )
+            .await
+                == 1
+                && count(
+                    &env,
+                    "backorders",
+                    doc! {"pool": "late", "status": "refused"},
+                )
+                .await
+                    == 2
+        },
+    )
+    .await;
+    assert_eq!(count(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
+    assert_eq!(count(&env, "refusals", doc! {"uid": "buyer-9"}).await, 2);
+    let ch = conn.create_channel().await.unwrap();
+    let refused = drain(&ch, &env.topology().purchases_refused).await;
+    assert_eq!(refused.len(), 2);
+
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

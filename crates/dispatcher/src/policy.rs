@@ -90,6 +90,29 @@ pub async fn enforce(
     Ok(apply_policies(intake, &verdicts))
 }
 
+/// The orders among `purchases` (all of one pool with a per-user limit)
+/// that are over their buyer's limit, recorded durably. Orders that hold a
+/// code are never refused. Used by backorder fulfilment, for backorders
+/// recorded before the limit was set.
+pub async fn over_limit(
+    store: &Store,
+    purchases: &[&Purchase],
+    per_user: u32,
+) -> Result<HashMap<String, Refusal>, StoreError> {
+    let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
+    let holders = store.grants_for_orders(&orders).await?;
+    let limited: Vec<&Purchase> = purchases
+        .iter()
+        .copied()
+        .filter(|p| !holders.contains_key(&p.order_id))
+        .collect();
+    let policy = |_: &str| PoolPolicy {
+        per_user,
+        paused: false,
+    };
+    refuse_over_limit(store, &limited, &policy).await
+}
+
 /// The orders among `limited` that are over their buyer's limit: refused
 /// before (the same refusal again), or refused now (recorded durably).
 async fn refuse_over_limit(

@@ -34,8 +34,8 @@ as unknown_pool.
 
 --per-user N: a user (uid) gets codes for at most N orders of the pool;
 further purchases are refused (acked, no code, a `purchase.refused` event
-with reason per_user_limit). A voided grant still counts. It counts orders
-from when the limit is set.
+with reason per_user_limit). A voided grant still counts. Orders granted
+before the limit was set take no slot; waiting backorders are held to it.
 
 pause: purchases wait as backorders (nothing is issued) until resume,
 which fulfils them oldest first. Both publish pool.paused / pool.resumed;
