@@ -194,3 +194,22 @@ fn write_errors(reply: &Document, allow_duplicates: bool) -> Result<u64, StoreEr
     }
     Ok(duplicates)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicates_are_counted_only_where_allowed_and_other_errors_refuse() {
+        let dup =
+            doc! {"n": 1, "writeErrors": [{"index": 0, "code": DUPLICATE_KEY, "errmsg": "E11000"}]};
+        assert_eq!(write_errors(&dup, true).unwrap(), 1);
+        assert!(matches!(
+            write_errors(&dup, false),
+            Err(StoreError::Rejected(_))
+        ));
+        let wce = doc! {"n": 1, "writeConcernError": {"code": 64, "errmsg": "waiting"}};
+        assert!(write_errors(&wce, true).unwrap_err().is_unavailable());
+        assert_eq!(write_errors(&doc! {"n": 3}, false).unwrap(), 0);
+    }
+}

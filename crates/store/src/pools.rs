@@ -87,3 +87,37 @@ impl Store {
             .await?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(per_user: Option<i64>, paused: bool) -> PoolDoc {
+        PoolDoc {
+            name: "p".into(),
+            created_at: DateTime::now(),
+            low_stock: None,
+            grant_prefix: None,
+            low_stock_alerted: false,
+            per_user,
+            paused,
+            paused_at: None,
+        }
+    }
+
+    #[test]
+    fn a_pool_without_settings_has_no_policy() {
+        assert!(!pool(None, false).policy().is_active());
+        assert!(!pool(Some(0), false).policy().is_active());
+        assert_eq!(pool(Some(3), true).policy().per_user, 3);
+        assert!(pool(Some(3), true).policy().paused);
+        assert_eq!(pool(Some(-1), false).policy().per_user, 0, "never negative");
+    }
+
+    #[test]
+    fn an_old_pool_document_reads_as_active_and_unlimited() {
+        let doc = doc! {"_id": "p", "created_at": DateTime::now()};
+        let p: PoolDoc = bson::from_document(doc).unwrap();
+        assert_eq!(p.policy(), PoolPolicy::default());
+    }
+}
