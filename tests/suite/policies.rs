@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bson::doc;
 use codepool_broker::Publisher;
-use codepool_domain::{PoolEvent, Purchase, PurchaseRefused, SmsPending};
+use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
 use futures::StreamExt;
 
 use crate::common::{
@@ -223,8 +223,15 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         count(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
     })
     .await;
-    // The sweep must not fulfil them while paused (it runs every 10 s; the
-    // pool has 2 codes).
+    // Stock news must not fulfil them while paused (the pool has 2 codes):
+    // dispatchers fulfil on pool.replenished, and must skip a paused pool.
+    publisher
+        .publish_pool_event(&PoolEvent::new(PoolEventKind::Replenished, "p"))
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
         count(&env, "codes", doc! {"pool": "p", "status": 1}).await,

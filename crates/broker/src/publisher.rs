@@ -33,6 +33,12 @@ impl PendingConfirm {
     }
 }
 
+/// The broker's verdict on a publish that may not have left: `Ok` only
+/// when it was handed over and confirmed.
+pub async fn confirmed(published: Result<PendingConfirm, BrokerError>) -> Result<(), BrokerError> {
+    published?.wait().await
+}
+
 /// Publishes codepool's messages on one confirm-mode channel.
 #[derive(Clone)]
 pub struct Publisher {

@@ -170,10 +170,7 @@ async fn confirmed(
 ) -> Vec<Result<(), BrokerError>> {
     let mut out = Vec::with_capacity(pending.len());
     for p in pending {
-        out.push(match p {
-            Ok(confirm) => confirm.wait().await,
-            Err(e) => Err(e),
-        });
+        out.push(codepool_broker::confirmed(p).await);
     }
     out
 }

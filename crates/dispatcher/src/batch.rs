@@ -219,11 +219,7 @@ async fn unconfirmed(
 ) -> HashSet<usize> {
     let mut failed = HashSet::new();
     for (i, p) in pending {
-        let confirmed: Result<(), BrokerError> = match p {
-            Ok(c) => c.wait().await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = confirmed {
+        if let Err(e) = codepool_broker::confirmed(p).await {
             debug!(error = %e, what, "not confirmed; the purchase will be redelivered");
             failed.insert(i);
         }
