@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::AsyncBufReadExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 use codepool_broker::Topology;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
@@ -148,6 +148,7 @@ impl TestEnv {
                     &t.sms_pending,
                     &t.sms_receipts,
                     &t.code_redeemed,
+                    &t.purchases_refused,
                 ] {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }
@@ -393,4 +394,20 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A raw HTTP/1.0 GET: (status code, body). `None` if nothing answers.
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut raw = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut raw))
+        .await
+        .ok()?
+        .ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
 }

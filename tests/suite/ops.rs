@@ -22,11 +22,10 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::common::{
-    drain, eventually, free_port, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
+    drain, eventually, free_port, http_get, publish_confirmed, purchase, queue_depth, start_daemon,
+    TestEnv, AMQP_URL,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -94,22 +93,6 @@ async fn listen_events(ch: &lapin::Channel, topology: &Topology, routing_key: &s
     .await
     .expect("bind");
     q.name().to_string()
-}
-
-/// A raw HTTP/1.0 GET: (status code, body). `None` if nothing answers.
-async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut raw = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut raw))
-        .await
-        .ok()?
-        .ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((status, body.to_owned()))
 }
 
 /// One sample of a Prometheus text page.
@@ -682,7 +665,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
     env.fill_pool("ls", 60).await;
     let settings = PoolSettings {
         low_stock: Some(20),
-        grant_prefix: None,
+        ..PoolSettings::default()
     };
     env.store.set_pool_settings("ls", &settings).await.unwrap();
 

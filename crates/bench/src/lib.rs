@@ -147,6 +147,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         sms_receipts,
         events_exchange,
         code_redeemed,
+        purchases_refused,
     } = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
     let queues = [
@@ -155,6 +156,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         &sms_pending,
         &sms_receipts,
         &code_redeemed,
+        &purchases_refused,
     ]
     .into_iter()
     .chain(extra_queues);

@@ -15,7 +15,7 @@ pub mod topology;
 use lapin::{Connection, ConnectionProperties};
 
 pub use consume::{consume_purchases, subscribe, PurchaseConsumer};
-pub use publisher::{PendingConfirm, Publisher};
+pub use publisher::{confirmed, PendingConfirm, Publisher};
 pub use topology::Topology;
 
 /// Header that carries why a purchase was dead-lettered.

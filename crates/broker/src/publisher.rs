@@ -2,7 +2,7 @@
 //! confirm mode; `publish_*` hands the message to the broker and returns a
 //! [`PendingConfirm`], which resolves once the broker has stored it.
 
-use codepool_domain::{PoolEvent, Purchase, SmsPending};
+use codepool_domain::{PoolEvent, Purchase, PurchaseRefused, SmsPending, PURCHASE_REFUSED_KEY};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
@@ -31,6 +31,12 @@ impl PendingConfirm {
             Confirmation::Nack(_) => Err(BrokerError::Nacked),
         }
     }
+}
+
+/// The broker's verdict on a publish that may not have left: `Ok` only
+/// when it was handed over and confirmed.
+pub async fn confirmed(published: Result<PendingConfirm, BrokerError>) -> Result<(), BrokerError> {
+    published?.wait().await
 }
 
 /// Publishes codepool's messages on one confirm-mode channel.
@@ -149,6 +155,19 @@ impl Publisher {
             exchange: self.topology.events_exchange.clone(),
             routing_key: event.event.clone(),
         })
+    }
+
+    /// A purchase refused by a pool policy, on the events exchange with
+    /// routing key `purchase.refused`, mandatory (the `purchases.refused`
+    /// queue is bound to it) and with its stable `event_id` as message id.
+    pub async fn publish_refused(
+        &self,
+        event: &PurchaseRefused,
+    ) -> Result<PendingConfirm, BrokerError> {
+        let props = persistent_json().with_message_id(event.event_id.as_str().into());
+        let exchange = self.topology.events_exchange.clone();
+        self.publish(&exchange, PURCHASE_REFUSED_KEY, &event.to_json(), props)
+            .await
     }
 
     /// Puts an invalid purchase on the dead-letter queue with the reason in

@@ -6,6 +6,8 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
+use codepool_domain::PURCHASE_REFUSED_KEY;
+
 use crate::BrokerError;
 
 /// Names of codepool's queues and exchanges. Production uses the plain
@@ -31,6 +33,10 @@ pub struct Topology {
     /// Durable queue bound to `code.redeemed` on the events exchange:
     /// redemptions reported by the platform, shared by all dispatchers.
     pub code_redeemed: String,
+    /// Durable queue bound to `purchase.refused` on the events exchange:
+    /// purchases refused by a pool policy wait here for the shop (a refund)
+    /// even before anyone consumes them.
+    pub purchases_refused: String,
 }
 
 pub const SMS_PENDING_KEY: &str = "sms.pending";
@@ -56,6 +62,7 @@ impl Topology {
             sms_receipts: n("sms.receipts"),
             events_exchange: n("codepool.events"),
             code_redeemed: n("code.redeemed"),
+            purchases_refused: n("purchases.refused"),
         }
     }
 
@@ -114,6 +121,11 @@ impl Topology {
                 &self.code_redeemed,
                 &self.events_exchange,
                 &[CODE_REDEEMED_KEY][..],
+            ),
+            (
+                &self.purchases_refused,
+                &self.events_exchange,
+                &[PURCHASE_REFUSED_KEY][..],
             ),
         ] {
             channel

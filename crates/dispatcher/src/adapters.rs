@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use codepool_broker::{BrokerError, Publisher};
-use codepool_domain::{Code, CodeId, Purchase, SmsPending};
+use codepool_domain::{Code, CodeId, Purchase, PurchaseRefused, SmsPending};
 use codepool_hotpool::{HotPool, HotPoolError, RefillLock};
 use codepool_store::codes::ScanClaim;
 use codepool_store::{ClaimAssignment, ClaimWrite, Store, StoreError};
@@ -152,13 +152,25 @@ impl EventSink for Publisher {
         for e in events {
             pending.push(self.publish_sms_pending(e).await);
         }
-        let mut out = Vec::with_capacity(events.len());
-        for p in pending {
-            out.push(match p {
-                Ok(confirm) => confirm.wait().await,
-                Err(e) => Err(e),
-            });
-        }
-        out
+        confirmed(pending).await
     }
+
+    async fn publish_refused(&self, events: &[PurchaseRefused]) -> Vec<Result<(), BrokerError>> {
+        let mut pending = Vec::with_capacity(events.len());
+        for e in events {
+            pending.push(Publisher::publish_refused(self, e).await);
+        }
+        confirmed(pending).await
+    }
+}
+
+/// Waits for each publish's confirm, in order.
+async fn confirmed(
+    pending: Vec<Result<codepool_broker::PendingConfirm, BrokerError>>,
+) -> Vec<Result<(), BrokerError>> {
+    let mut out = Vec::with_capacity(pending.len());
+    for p in pending {
+        out.push(codepool_broker::confirmed(p).await);
+    }
+    out
 }

@@ -3,12 +3,11 @@
 //! then ack or requeue exactly as [`settle`] says. Read `process` top to
 //! bottom: nothing is acked before its outcome is durable.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use codepool_broker::{BrokerError, Publisher};
+use codepool_broker::{BrokerError, PendingConfirm, Publisher};
 use codepool_domain::{PoolEvent, PoolEventKind};
-use codepool_store::StoreError;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use tokio_util::sync::CancellationToken;
@@ -46,6 +45,7 @@ impl Dispatcher {
 
         metrics::counter!("codepool_grants_total").increment(plan.fresh_grants);
         metrics::counter!("codepool_duplicate_deliveries_total").increment(plan.repeats);
+        metrics::counter!("codepool_held_purchases_total").increment(plan.held);
         let elapsed = received.elapsed().as_secs_f64();
         metrics::histogram!("codepool_batch_seconds").record(elapsed);
         metrics::histogram!("codepool_end_to_end_seconds")
@@ -85,13 +85,15 @@ impl Dispatcher {
 
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
         let parsed = parse_all(deliveries.iter().map(|d| d.data.as_slice()));
-        let mut known = HashSet::new();
+        let mut policies = HashMap::new();
         for pool in pools_of(&parsed) {
-            if self.pool_exists(pool).await? {
-                known.insert(pool.to_owned());
+            if let Some(policy) = self.policies.get(&self.store, pool).await? {
+                policies.insert(pool.to_owned(), policy);
             }
         }
-        let intake = admit(parsed, |p| known.contains(p));
+        let intake = admit(parsed, |p| policies.contains_key(p));
+        // Per-user limits and pauses (policy.rs); refusals are durable now.
+        let intake = crate::policy::enforce(&self.store, intake, &policies).await?;
         let claims = to_claim(&intake);
         let outcomes = if claims.is_empty() {
             Vec::new()
@@ -99,17 +101,6 @@ impl Dispatcher {
             self.engine.claim_batch(&claims).await?
         };
         Ok(plan_batch(intake, outcomes)?)
-    }
-
-    async fn pool_exists(&self, pool: &str) -> Result<bool, StoreError> {
-        if self.known_pools.read().await.contains(pool) {
-            return Ok(true);
-        }
-        let exists = self.store.pool(pool).await?.is_some();
-        if exists {
-            self.known_pools.write().await.insert(pool.to_owned());
-        }
-        Ok(exists)
     }
 
     /// Records the plan's backorders, retrying while MongoDB is away.
@@ -169,10 +160,12 @@ impl Dispatcher {
         let sms = plan.sms_events();
         plan.steps.iter().for_each(log_step);
         let grants: Vec<_> = sms.iter().map(|(_, g, _)| (*g).clone()).collect();
-        let (sent, mut unconfirmed) = tokio::join!(
+        let (sent, mut unconfirmed, refused) = tokio::join!(
             self.outbox.send(publisher, &grants, Marking::Deferred),
             dead_letter(plan, deliveries, publisher),
+            announce_refusals(plan, publisher),
         );
+        unconfirmed.extend(refused);
         match sent {
             Ok(sent) => unconfirmed.extend(
                 sms.iter()
@@ -202,8 +195,36 @@ fn log_step(step: &Step) {
         Step::DeadLetter(e) => {
             warn!(reason = e.reason.as_str(), detail = %e.detail, "purchase dead-lettered")
         }
+        Step::Refused(r) => {
+            info!(order_id = %r.purchase.order_id, pool = %r.purchase.pool, uid = %r.purchase.uid, reason = r.reason.as_str(), "purchase refused by the pool's policy")
+        }
         Step::Backorder(_) => {}
     }
+}
+
+/// Publishes the plan's `purchase.refused` events; returns the positions
+/// the broker did not confirm.
+async fn announce_refusals(plan: &BatchPlan, publisher: &Publisher) -> HashSet<usize> {
+    let mut pending = Vec::new();
+    for (i, r) in plan.refusals() {
+        pending.push((i, publisher.publish_refused(&r.event()).await));
+    }
+    unconfirmed(pending, "purchase.refused event").await
+}
+
+/// Waits for every publish; returns the positions that were not confirmed.
+async fn unconfirmed(
+    pending: Vec<(usize, Result<PendingConfirm, BrokerError>)>,
+    what: &str,
+) -> HashSet<usize> {
+    let mut failed = HashSet::new();
+    for (i, p) in pending {
+        if let Err(e) = codepool_broker::confirmed(p).await {
+            debug!(error = %e, what, "not confirmed; the purchase will be redelivered");
+            failed.insert(i);
+        }
+    }
+    failed
 }
 
 /// Publishes the plan's dead letters, each with its reason; returns the
@@ -227,18 +248,7 @@ async fn dead_letter(
                 .await,
         ));
     }
-    let mut failed = HashSet::new();
-    for (i, p) in pending {
-        let confirmed: Result<(), BrokerError> = match p {
-            Ok(c) => c.wait().await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = confirmed {
-            debug!(error = %e, "dead letter not confirmed; the purchase will be redelivered");
-            failed.insert(i);
-        }
-    }
-    failed
+    unconfirmed(pending, "dead letter").await
 }
 
 /// Acks or requeues each delivery as settled.

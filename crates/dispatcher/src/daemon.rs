@@ -3,14 +3,12 @@
 //! One broker connection's work is a [`crate::session`]; one batch of
 //! purchases is carried out by [`crate::batch`].
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use codepool_broker::Topology;
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
-use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -18,6 +16,7 @@ use crate::claim::ClaimEngine;
 use crate::health::Health;
 use crate::outage::{backoff, Outage};
 use crate::outbox::Outbox;
+use crate::policy::PolicyCache;
 use crate::session::SessionEnd;
 use crate::stock::{StockConfig, StockWatch};
 
@@ -78,7 +77,8 @@ pub struct Dispatcher {
     pub(crate) outbox: Outbox,
     pub(crate) config: DispatcherConfig,
     pub(crate) health: Arc<Health>,
-    pub(crate) known_pools: RwLock<HashSet<String>>,
+    /// Pools that exist and their policies, re-read every second.
+    pub(crate) policies: PolicyCache,
     pub(crate) mongo: Outage,
     pub(crate) amqp: Outage,
     /// Stock gauges and low-stock alerts (stock.rs).
@@ -101,7 +101,7 @@ impl Dispatcher {
             engine,
             config,
             health,
-            known_pools: RwLock::new(HashSet::new()),
+            policies: PolicyCache::default(),
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
         })

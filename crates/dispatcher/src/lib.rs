@@ -14,11 +14,17 @@
 //! waited out and logged once ([`outage`]). Beside purchases each session
 //! runs its [`upkeep`]: SMS receipts, `code.redeemed` events, the expiry
 //! sweep and low-stock alerts ([`stock`]).
+//!
+//! Before any claim, the pools' policies apply ([`policy`]): a buyer over
+//! the pool's per-user limit is refused (`purchase.refused`), and a paused
+//! pool's purchases wait as backorders. [`controls`] holds the operator's
+//! pause, resume and recall of an import.
 
 pub mod adapters;
 pub mod backorders;
 mod batch;
 pub mod claim;
+pub mod controls;
 pub mod daemon;
 pub mod expiry;
 pub mod grant_no;
@@ -27,6 +33,7 @@ pub mod ops;
 pub mod outage;
 pub mod outbox;
 pub mod plan;
+pub mod policy;
 pub mod ports;
 pub mod receipts;
 pub mod redemptions;

@@ -8,6 +8,7 @@ use codepool_domain::{when, Code, NotSendable, SmsPending};
 use codepool_hotpool::HotPool;
 use codepool_store::backorders::BackorderDoc;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::policies::RefusalDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::debug;
 
@@ -23,22 +24,31 @@ pub struct Lookup {
     pub codes: Vec<Code>,
     /// Backorders of the order asked about (only for an order query).
     pub backorders: Vec<BackorderDoc>,
+    /// Whether a pool policy refused the order (only for an order query).
+    pub refusals: Vec<RefusalDoc>,
 }
 
 impl Lookup {
     pub fn is_empty(&self) -> bool {
-        self.codes.is_empty() && self.backorders.is_empty()
+        self.codes.is_empty() && self.backorders.is_empty() && self.refusals.is_empty()
     }
 }
 
 /// Who got which code, and for an order, whether it waits as a backorder.
 pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<Lookup, StoreError> {
     let codes = store.find_codes(&query, limit).await?;
-    let backorders = match query {
-        CodeQuery::Order(o) => store.backorders_for_orders(&[o]).await?,
-        _ => Vec::new(),
+    let (backorders, refusals) = match query {
+        CodeQuery::Order(o) => (
+            store.backorders_for_orders(&[o]).await?,
+            store.refusals_for_orders(&[o]).await?,
+        ),
+        _ => (Vec::new(), Vec::new()),
     };
-    Ok(Lookup { codes, backorders })
+    Ok(Lookup {
+        codes,
+        backorders,
+        refusals,
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -58,10 +68,7 @@ pub async fn void(
     target: CodeRef<'_>,
     reason: &str,
 ) -> Result<VoidOutcome, VoidError> {
-    let reason = reason.trim();
-    if reason.is_empty() || reason.chars().count() > MAX_REASON_CHARS {
-        return Err(VoidError::Reason);
-    }
+    let reason = checked_reason(reason).ok_or(VoidError::Reason)?;
     let outcome = store.void(target, reason).await?;
     if let VoidOutcome::Voided(applied) = &outcome {
         let code = &applied.before;
@@ -72,6 +79,12 @@ pub async fn void(
         }
     }
     Ok(outcome)
+}
+
+/// A void or recall reason, trimmed; `None` when empty or too long.
+pub fn checked_reason(reason: &str) -> Option<&str> {
+    let reason = reason.trim();
+    (!reason.is_empty() && reason.chars().count() <= MAX_REASON_CHARS).then_some(reason)
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -8,9 +8,9 @@
 //! outcome is durable — its SMS-pending event or dead letter confirmed by
 //! the broker, or its backorder journaled — and never otherwise.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
-use codepool_domain::{Grant, Purchase, PurchaseError, SmsPending};
+use codepool_domain::{Grant, Purchase, PurchaseError, Refusal, SmsPending};
 
 use crate::claim::ClaimOutcome;
 
@@ -19,6 +19,10 @@ use crate::claim::ClaimOutcome;
 pub enum Intake {
     /// A valid purchase of a known pool: claim a code for it.
     Claim(Purchase),
+    /// Its pool is paused: it waits as a backorder, nothing is claimed.
+    Hold(Purchase),
+    /// A pool policy refused it: no code, a `purchase.refused` event.
+    Refuse(Box<Refusal>),
     /// Invalid, or of an unknown pool: dead-letter it with this reason.
     Reject(PurchaseError),
 }
@@ -61,7 +65,41 @@ pub fn to_claim(intake: &[Intake]) -> Vec<&Purchase> {
         .iter()
         .filter_map(|i| match i {
             Intake::Claim(p) => Some(p),
-            Intake::Reject(_) => None,
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the database said about a batch's purchases in pools with a policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verdicts {
+    /// Orders that already hold a code: they get it again, whatever the
+    /// policy says now (a redelivery must never lose its grant).
+    pub holders: HashSet<String>,
+    /// Orders over their buyer's limit (now or before), by order id.
+    pub refused: HashMap<String, Refusal>,
+    /// Pools that are paused.
+    pub paused: HashSet<String>,
+}
+
+/// Applies the pool policies to the purchases to claim: an order that
+/// holds a code is claimed (and finds it); a refused order is refused, even
+/// in a paused pool (it would be refused on resume); a purchase of a paused
+/// pool is held as a backorder.
+pub fn apply_policies(intake: Vec<Intake>, verdicts: &Verdicts) -> Vec<Intake> {
+    intake
+        .into_iter()
+        .map(|i| match i {
+            Intake::Claim(p) if verdicts.holders.contains(&p.order_id) => Intake::Claim(p),
+            Intake::Claim(p) => match verdicts.refused.get(&p.order_id) {
+                Some(r) => Intake::Refuse(Box::new(Refusal {
+                    purchase: p,
+                    ..r.clone()
+                })),
+                None if verdicts.paused.contains(&p.pool) => Intake::Hold(p),
+                None => Intake::Claim(p),
+            },
+            other => other,
         })
         .collect()
 }
@@ -78,8 +116,11 @@ pub enum Step {
     },
     /// The order holds a revoked (voided) code: nothing is sent, ack.
     Revoked { order_id: String },
-    /// The pool is empty: record a backorder durably, then ack.
+    /// The pool is empty or paused: record a backorder durably, then ack.
     Backorder(Purchase),
+    /// Refused by a pool policy: publish `purchase.refused` (the refusal is
+    /// already recorded); ack once confirmed.
+    Refused(Box<Refusal>),
     /// Publish to the dead-letter queue with the reason; ack once confirmed.
     DeadLetter(PurchaseError),
 }
@@ -95,6 +136,8 @@ pub struct BatchPlan {
     pub fresh_grants: u64,
     /// Deliveries of orders that already held a code.
     pub repeats: u64,
+    /// Purchases held as backorders because their pool is paused.
+    pub held: u64,
 }
 
 /// The claim engine answered a different number of outcomes than there
@@ -125,6 +168,18 @@ impl BatchPlan {
             .enumerate()
             .filter_map(|(i, s)| match s {
                 Step::Sms { grant, event, .. } => Some((i, &**grant, &**event)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The `purchase.refused` events to publish, with their positions.
+    pub fn refusals(&self) -> Vec<(usize, &Refusal)> {
+        self.steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Step::Refused(r) => Some((i, &**r)),
                 _ => None,
             })
             .collect()
@@ -165,6 +220,11 @@ pub fn plan_batch(
     for item in intake {
         let step = match item {
             Intake::Reject(e) => Step::DeadLetter(e),
+            Intake::Refuse(r) => Step::Refused(r),
+            Intake::Hold(p) => {
+                plan.held += 1;
+                Step::Backorder(p)
+            }
             // Counted above: there is an outcome for every claim.
             Intake::Claim(p) => match outcomes.next() {
                 Some(outcome) => plan.decide(p, outcome, &mut granted_orders),
@@ -222,14 +282,16 @@ pub enum Settlement {
 }
 
 /// The ack decision, once backorders are durable and publishes have been
-/// waited for: `unconfirmed` holds the positions whose publish the broker
+/// waited for (a refusal needs its event confirmed, like a grant): `unconfirmed` holds the positions whose publish the broker
 /// did not confirm.
 pub fn settle(plan: &BatchPlan, unconfirmed: &HashSet<usize>) -> Vec<Settlement> {
     plan.steps
         .iter()
         .enumerate()
         .map(|(i, step)| match step {
-            Step::Sms { .. } | Step::DeadLetter(_) if unconfirmed.contains(&i) => {
+            Step::Sms { .. } | Step::DeadLetter(_) | Step::Refused(_)
+                if unconfirmed.contains(&i) =>
+            {
                 Settlement::Requeue
             }
             _ => Settlement::Ack,
@@ -241,8 +303,21 @@ pub fn settle(plan: &BatchPlan, unconfirmed: &HashSet<usize>) -> Vec<Settlement>
 mod tests {
     use super::*;
     use chrono::Utc;
-    use codepool_domain::{CodeId, RejectReason};
+    use codepool_domain::{CodeId, RefusalReason, RejectReason};
     use proptest::prelude::*;
+
+    fn refusal(order: &str, pool: &str) -> Refusal {
+        Refusal {
+            purchase: purchase(order, pool),
+            reason: RefusalReason::PerUserLimit,
+            limit: Some(1),
+            at: Utc::now(),
+        }
+    }
+
+    fn refused(order: &str, pool: &str) -> Intake {
+        Intake::Refuse(Box::new(refusal(order, pool)))
+    }
 
     fn body(order: &str, pool: &str) -> Vec<u8> {
         format!(r#"{{"order_id":"{order}","uid":"u1","phone":"+8613800000000","pool":"{pool}"}}"#)
@@ -330,6 +405,8 @@ mod tests {
                 None,
                 "dead",
             ),
+            (refused("O-5", "x"), None, "refused"),
+            (Intake::Hold(purchase("O-6", "p")), None, "backorder"),
         ];
         for (intake, outcome, want) in rows {
             let plan = plan_batch(vec![intake], outcome.into_iter().collect()).unwrap();
@@ -338,6 +415,7 @@ mod tests {
                 Step::Revoked { .. } => "revoked",
                 Step::Backorder(_) => "backorder",
                 Step::DeadLetter(_) => "dead",
+                Step::Refused(_) => "refused",
             };
             assert_eq!(got, want);
         }
@@ -415,6 +493,40 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_is_acked_only_once_its_event_is_confirmed() {
+        let plan = plan_batch(vec![refused("O-1", "x")], vec![]).unwrap();
+        assert_eq!(plan.refusals().len(), 1);
+        assert!(plan.backorders().is_empty() && plan.sms_events().is_empty());
+        assert_eq!(settle(&plan, &HashSet::new()), vec![Settlement::Ack]);
+        assert_eq!(
+            settle(&plan, &HashSet::from([0])),
+            vec![Settlement::Requeue]
+        );
+        let event = plan.refusals()[0].1.event();
+        assert_eq!(event.reason, RefusalReason::PerUserLimit);
+        assert_eq!(event.event_id, "refused:O-1");
+    }
+
+    #[test]
+    fn a_paused_pool_holds_purchases_without_claiming_and_is_not_exhausted() {
+        let plan = plan_batch(vec![Intake::Hold(purchase("O-1", "p"))], vec![]).unwrap();
+        assert_eq!(plan.backorders().len(), 1);
+        assert_eq!(plan.held, 1);
+        assert!(plan.exhausted_pools.is_empty(), "a pause is not a shortage");
+    }
+
+    #[test]
+    fn an_order_holding_a_code_is_claimed_whatever_the_policy() {
+        let verdicts = Verdicts {
+            holders: HashSet::from(["O-1".to_owned()]),
+            refused: HashMap::from([("O-1".to_owned(), refusal("O-1", "p"))]),
+            paused: HashSet::from(["p".to_owned()]),
+        };
+        let out = apply_policies(vec![Intake::Claim(purchase("O-1", "p"))], &verdicts);
+        assert!(matches!(&out[0], Intake::Claim(_)));
+    }
+
+    #[test]
     fn a_revoked_grant_is_acked_without_any_event() {
         let plan = plan_batch(
             vec![Intake::Claim(purchase("O-1", "x"))],
@@ -429,10 +541,11 @@ mod tests {
     }
 
     /// A random batch: per delivery, 0 invalid, 1 unknown pool, 2 exhausted,
-    /// 3 granted fresh, 4 granted before, 5 revoked; orders drawn from a
-    /// small set so duplicates happen.
+    /// 3 granted fresh, 4 granted before, 5 revoked, 6 refused by a policy,
+    /// 7 held (paused pool); orders drawn from a small set so duplicates
+    /// happen.
     fn batch() -> impl Strategy<Value = Vec<(u8, u8)>> {
-        proptest::collection::vec((0u8..6, 0u8..5), 0..40)
+        proptest::collection::vec((0u8..8, 0u8..5), 0..40)
     }
 
     fn build(rows: &[(u8, u8)]) -> (Vec<Intake>, Vec<ClaimOutcome>) {
@@ -443,6 +556,8 @@ mod tests {
             match kind {
                 0 => intake.push(Intake::Reject(PurchaseError::unknown_pool("bad"))),
                 1 => intake.push(Intake::Reject(PurchaseError::unknown_pool("gone"))),
+                6 => intake.push(refused(&order, "x")),
+                7 => intake.push(Intake::Hold(purchase(&order, "x"))),
                 k => {
                     intake.push(Intake::Claim(purchase(&order, "x")));
                     outcomes.push(match k {
@@ -466,7 +581,7 @@ mod tests {
             let (intake, outcomes) = build(&rows);
             let plan = plan_batch(intake, outcomes).unwrap();
             prop_assert_eq!(plan.steps.len(), rows.len());
-            let published = plan.sms_events().len() + plan.dead_letters().len();
+            let published = plan.sms_events().len() + plan.dead_letters().len() + plan.refusals().len();
             let silent = plan.steps.iter().filter(|s| matches!(s, Step::Revoked { .. } | Step::Backorder(_))).count();
             prop_assert_eq!(published + silent, rows.len());
         }
@@ -477,7 +592,7 @@ mod tests {
             let plan = plan_batch(intake, outcomes).unwrap();
             let settled = settle(&plan, &fail);
             for (i, step) in plan.steps.iter().enumerate() {
-                let needs_confirm = matches!(step, Step::Sms { .. } | Step::DeadLetter(_));
+                let needs_confirm = matches!(step, Step::Sms { .. } | Step::DeadLetter(_) | Step::Refused(_));
                 if needs_confirm && fail.contains(&i) {
                     prop_assert_eq!(settled[i], Settlement::Requeue);
                 } else {
@@ -500,11 +615,58 @@ mod tests {
         }
 
         #[test]
-        fn exactly_the_exhausted_purchases_are_backordered(rows in batch()) {
+        fn exactly_the_exhausted_and_held_purchases_are_backordered(rows in batch()) {
             let (intake, outcomes) = build(&rows);
             let exhausted = outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Exhausted)).count();
+            let held = rows.iter().filter(|(k, _)| *k == 7).count();
             let plan = plan_batch(intake, outcomes).unwrap();
-            prop_assert_eq!(plan.backorders().len(), exhausted);
+            prop_assert_eq!(plan.backorders().len(), exhausted + held);
+            prop_assert_eq!(plan.held as usize, held);
+        }
+
+        #[test]
+        fn a_refused_purchase_never_gets_a_code_or_a_backorder(rows in batch()) {
+            let (intake, outcomes) = build(&rows);
+            let plan = plan_batch(intake, outcomes).unwrap();
+            for ((kind, _), step) in rows.iter().zip(&plan.steps) {
+                prop_assert_eq!(*kind == 6, matches!(step, Step::Refused(_)));
+            }
+        }
+
+        #[test]
+        fn policies_only_ever_narrow_what_is_claimed(
+            rows in proptest::collection::vec((0u8..5, 0u8..3), 0..30),
+            refused_orders in proptest::collection::hash_set(0u8..5, 0..5),
+            holder_orders in proptest::collection::hash_set(0u8..5, 0..5),
+            paused in any::<bool>(),
+        ) {
+            let intake: Vec<Intake> = rows.iter().map(|(o, pool)| Intake::Claim(purchase(&format!("O-{o}"), &format!("p{pool}")))).collect();
+            let verdicts = Verdicts {
+                holders: holder_orders.iter().map(|o| format!("O-{o}")).collect(),
+                refused: refused_orders.iter().map(|o| (format!("O-{o}"), refusal(&format!("O-{o}"), "p0"))).collect(),
+                paused: if paused { HashSet::from(["p1".to_owned()]) } else { HashSet::new() },
+            };
+            let out = apply_policies(intake, &verdicts);
+            prop_assert_eq!(out.len(), rows.len());
+            for ((o, pool), i) in rows.iter().zip(&out) {
+                let order = format!("O-{o}");
+                let want = if holder_orders.contains(o) {
+                    "claim"
+                } else if refused_orders.contains(o) {
+                    "refuse"
+                } else if paused && *pool == 1 {
+                    "hold"
+                } else {
+                    "claim"
+                };
+                let got = match i {
+                    Intake::Claim(p) => { prop_assert_eq!(&p.order_id, &order); "claim" }
+                    Intake::Refuse(r) => { prop_assert_eq!(&r.purchase.order_id, &order); "refuse" }
+                    Intake::Hold(_) => "hold",
+                    Intake::Reject(_) => "reject",
+                };
+                prop_assert_eq!(got, want);
+            }
         }
     }
 }

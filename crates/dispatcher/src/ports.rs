@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use codepool_broker::BrokerError;
-use codepool_domain::{Code, CodeId, Purchase, SmsPending};
+use codepool_domain::{Code, CodeId, Purchase, PurchaseRefused, SmsPending};
 use codepool_hotpool::{HotPoolError, RefillLock};
 use codepool_store::codes::ScanClaim;
 use codepool_store::{ClaimAssignment, ClaimWrite, StoreError};
@@ -93,6 +93,12 @@ pub trait EventSink: Send + Sync {
     /// Publishes every event with confirms in flight together, then waits
     /// for each: one result per event, aligned with the input.
     async fn publish_sms(&self, events: &[SmsPending]) -> Vec<Result<(), BrokerError>>;
+    /// Publishes `purchase.refused` events the same way. Sinks that carry
+    /// only SMS refuse them, so the refused backorders wait for a sink that
+    /// can announce them.
+    async fn publish_refused(&self, events: &[PurchaseRefused]) -> Vec<Result<(), BrokerError>> {
+        events.iter().map(|_| Err(BrokerError::Nacked)).collect()
+    }
 }
 
 /// How it is recorded that an SMS-pending event was confirmed.

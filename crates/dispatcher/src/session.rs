@@ -10,6 +10,7 @@ use std::time::Duration;
 use codepool_broker::{BrokerError, Publisher, PurchaseConsumer};
 use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_store::ObjectId;
+use futures::stream::SelectAll;
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
@@ -87,12 +88,15 @@ impl Dispatcher {
         shutdown: &CancellationToken,
     ) -> Result<Background, BrokerError> {
         let cfg = &self.config;
-        let replenished = codepool_broker::subscribe(
-            conn,
-            &cfg.topology.events_exchange,
-            PoolEventKind::Replenished.routing_key(),
-        )
-        .await?;
+        // Stock arrived, or the pool was resumed: its backorders can go.
+        let mut stock_events = Vec::new();
+        for kind in [PoolEventKind::Replenished, PoolEventKind::Resumed] {
+            stock_events.push(
+                codepool_broker::subscribe(conn, &cfg.topology.events_exchange, kind.routing_key())
+                    .await?,
+            );
+        }
+        let replenished = futures::stream::select_all(stock_events);
         let stop = shutdown.child_token();
         let upkeep = crate::upkeep::spawn(
             conn,
@@ -211,11 +215,12 @@ impl Dispatcher {
     }
 
     /// Periodically re-publishes unconfirmed events and fulfils backorders;
-    /// also fulfils a pool's backorders as soon as it is replenished.
+    /// also fulfils a pool's backorders as soon as it is replenished or
+    /// resumed.
     async fn sweep_loop(
         self: Arc<Self>,
         publisher: Publisher,
-        mut replenished: Consumer,
+        mut replenished: SelectAll<Consumer>,
         stop: CancellationToken,
     ) {
         let mut tick = tokio::time::interval(self.config.sweep_every);
@@ -230,7 +235,7 @@ impl Dispatcher {
                     Some(Ok(d)) => match serde_json::from_slice::<PoolEvent>(&d.data) {
                         Ok(e) => vec![e.pool],
                         Err(e) => {
-                            warn!(error = %e, "ignored a pool.replenished event that is not a pool event");
+                            warn!(error = %e, "ignored a pool.replenished/pool.resumed event that is not a pool event");
                             continue;
                         }
                     },

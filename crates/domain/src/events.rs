@@ -42,6 +42,10 @@ pub enum PoolEventKind {
     LowStock,
     Exhausted,
     Replenished,
+    /// An operator paused the pool: purchases wait as backorders.
+    Paused,
+    /// An operator resumed the pool: dispatchers fulfil its backorders.
+    Resumed,
 }
 
 impl PoolEventKind {
@@ -51,6 +55,8 @@ impl PoolEventKind {
             Self::LowStock => "pool.low_stock",
             Self::Exhausted => "pool.exhausted",
             Self::Replenished => "pool.replenished",
+            Self::Paused => "pool.paused",
+            Self::Resumed => "pool.resumed",
         }
     }
 }

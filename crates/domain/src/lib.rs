@@ -13,6 +13,7 @@
 pub mod code;
 pub mod events;
 pub mod grant;
+pub mod policy;
 pub mod pool;
 pub mod purchase;
 pub mod record;
@@ -23,6 +24,7 @@ pub use code::{
 };
 pub use events::{PoolEvent, PoolEventKind, SmsPending, SmsReceipt};
 pub use grant::Grant;
+pub use policy::{PoolPolicy, PurchaseRefused, Refusal, RefusalReason, PURCHASE_REFUSED_KEY};
 pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};

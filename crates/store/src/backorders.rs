@@ -16,6 +16,9 @@ use crate::{durable, Store, StoreError};
 pub const BACKORDERS: &str = "backorders";
 pub const WAITING: &str = "waiting";
 pub const FULFILLED: &str = "fulfilled";
+/// A backorder whose order a pool policy refused (the per-user limit was
+/// set while it waited); see the `refusals` collection.
+pub const REFUSED: &str = "refused";
 
 /// A purchase waiting for stock.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -141,6 +144,21 @@ impl Store {
                 )
                 .await?;
         }
+        Ok(())
+    }
+
+    /// Marks waiting backorders refused by a pool policy.
+    pub async fn mark_backorders_refused(&self, order_ids: &[&str]) -> Result<(), StoreError> {
+        if order_ids.is_empty() {
+            return Ok(());
+        }
+        self.collection(BACKORDERS)
+            .update_many(
+                doc! {"order_id": {"$in": order_ids}, "status": WAITING},
+                doc! {"$set": {"status": REFUSED, "refused_at": DateTime::now()}},
+            )
+            .write_concern(durable())
+            .await?;
         Ok(())
     }
 

@@ -9,6 +9,8 @@
 //! - [`backorders`]: purchases that arrived while a pool was empty;
 //! - [`pools`]: which pools exist and their settings;
 //! - [`lifecycle`]: redeem, void and expire codes; SMS receipts;
+//! - [`policies`]: per-user quotas and refused orders;
+//! - [`recall`]: withdrawing an import's unissued codes;
 //! - [`pool_settings`]: a pool's thresholds and its low-stock alert state;
 //! - [`imports`]: the audit record of each import run;
 //! - [`migrate`]: the ordered index/validator files in `migrations/`.
@@ -22,8 +24,10 @@ pub mod error;
 pub mod imports;
 pub mod lifecycle;
 pub mod migrate;
+pub mod policies;
 pub mod pool_settings;
 pub mod pools;
+pub mod recall;
 pub mod stats;
 
 use std::time::Duration;

@@ -31,6 +31,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0005_backorders_fifo_index",
         include_str!("../../../migrations/0005_backorders_fifo_index.json"),
     ),
+    (
+        "0006_policies_indexes",
+        include_str!("../../../migrations/0006_policies_indexes.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -22,6 +22,8 @@ pub struct PoolSettings {
     /// Alert when unissued stock falls below this (0 turns alerts off).
     pub low_stock: Option<i64>,
     pub grant_prefix: Option<String>,
+    /// Orders one user may hold in the pool (0: unlimited).
+    pub per_user: Option<i64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -32,7 +34,9 @@ pub enum PoolSettingsError {
     NegativeThreshold(i64),
     #[error("grant prefix {0:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX")]
     BadPrefix(String),
-    #[error("nothing to change; give --low-stock N and/or --grant-prefix P")]
+    #[error("--per-user must be 0 (unlimited) or more, not {0}")]
+    NegativePerUser(i64),
+    #[error("nothing to change; give --low-stock N, --grant-prefix P and/or --per-user N")]
     Nothing,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -65,6 +69,12 @@ impl Store {
             }
             set.insert("grant_prefix", p);
         }
+        if let Some(n) = settings.per_user {
+            if !(0..=i64::from(u32::MAX)).contains(&n) {
+                return Err(PoolSettingsError::NegativePerUser(n));
+            }
+            set.insert("per_user", n);
+        }
         if set.is_empty() {
             return Err(PoolSettingsError::Nothing);
         }
@@ -78,6 +88,30 @@ impl Store {
             return Err(PoolSettingsError::UnknownPool(pool.to_owned()));
         }
         Ok(())
+    }
+
+    /// Pauses (`true`) or resumes (`false`) a pool. Returns whether the
+    /// state changed: pausing a paused pool changes nothing and announces
+    /// nothing.
+    pub async fn set_paused(&self, pool: &str, paused: bool) -> Result<bool, PoolSettingsError> {
+        let update = if paused {
+            doc! {"$set": {"paused": true, "paused_at": bson::DateTime::now()}}
+        } else {
+            doc! {"$set": {"paused": false}, "$unset": {"paused_at": ""}}
+        };
+        let r = self
+            .collection(POOLS)
+            .update_one(doc! {"_id": pool, "paused": {"$ne": paused}}, update)
+            .write_concern(durable())
+            .await
+            .map_err(StoreError::from)?;
+        if r.matched_count == 1 {
+            return Ok(true);
+        }
+        match self.pool(pool).await? {
+            Some(_) => Ok(false),
+            None => Err(PoolSettingsError::UnknownPool(pool.to_owned())),
+        }
     }
 
     /// Marks the pool's low-stock alert as sent. True only for the one

@@ -5,6 +5,7 @@
 //! backordered forever.
 
 use bson::{doc, DateTime};
+use codepool_domain::PoolPolicy;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,26 @@ pub struct PoolDoc {
     /// Set while stock is below `low_stock` and the alert has been sent.
     #[serde(default)]
     pub low_stock_alerted: bool,
+    /// Orders one user may hold in this pool; absent or 0 is unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_user: Option<i64>,
+    /// While true, purchases wait as backorders (`codepool pool pause`).
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<DateTime>,
+}
+
+impl PoolDoc {
+    /// The pool's policy as the dispatcher applies it.
+    pub fn policy(&self) -> PoolPolicy {
+        PoolPolicy {
+            per_user: self
+                .per_user
+                .map_or(0, |n| u32::try_from(n.max(0)).unwrap_or(u32::MAX)),
+            paused: self.paused,
+        }
+    }
 }
 
 impl Store {
@@ -64,5 +85,39 @@ impl Store {
             .await?
             .try_collect()
             .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(per_user: Option<i64>, paused: bool) -> PoolDoc {
+        PoolDoc {
+            name: "p".into(),
+            created_at: DateTime::now(),
+            low_stock: None,
+            grant_prefix: None,
+            low_stock_alerted: false,
+            per_user,
+            paused,
+            paused_at: None,
+        }
+    }
+
+    #[test]
+    fn a_pool_without_settings_has_no_policy() {
+        assert!(!pool(None, false).policy().is_active());
+        assert!(!pool(Some(0), false).policy().is_active());
+        assert_eq!(pool(Some(3), true).policy().per_user, 3);
+        assert!(pool(Some(3), true).policy().paused);
+        assert_eq!(pool(Some(-1), false).policy().per_user, 0, "never negative");
+    }
+
+    #[test]
+    fn an_old_pool_document_reads_as_active_and_unlimited() {
+        let doc = doc! {"_id": "p", "created_at": DateTime::now()};
+        let p: PoolDoc = bson::from_document(doc).unwrap();
+        assert_eq!(p.policy(), PoolPolicy::default());
     }
 }

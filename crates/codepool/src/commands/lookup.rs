@@ -5,6 +5,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
 use codepool_dispatcher::ops;
 use codepool_domain::Code;
+use codepool_store::policies::RefusalDoc;
 use codepool_store::CodeQuery;
 
 use super::target::when;
@@ -73,9 +74,12 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             .iter()
             .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "created_at": b.created_at.to_chrono().to_rfc3339()}))
             .collect();
+        let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"codes": rows, "backorders": bo}))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused})
+            )?
         );
     } else {
         print_table(&found, show);
@@ -152,6 +156,22 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
             when(Some(b.created_at))
         );
     }
+    for r in &found.refusals {
+        println!(
+            "refused: order {} of user {} in pool {}: {} (limit {}) at {}; it gets no code",
+            r.order_id,
+            r.uid,
+            r.pool,
+            r.reason.as_str(),
+            r.limit.map_or("-".into(), |n| n.to_string()),
+            when(Some(r.refused_at))
+        );
+    }
+}
+
+/// A refused order as `--json` prints it.
+fn refusal_json(r: &RefusalDoc) -> serde_json::Value {
+    serde_json::json!({"order_id": r.order_id, "pool": r.pool, "uid": r.uid, "reason": r.reason.as_str(), "limit": r.limit, "refused_at": r.refused_at.to_chrono().to_rfc3339()})
 }
 
 /// A time in a table cell.

@@ -1,6 +1,7 @@
-//! `codepool pool create|set|show`: create a pool before its codes arrive,
-//! a pool's settings (low-stock threshold, grant-number prefix) and its
-//! stock at a glance.
+//! `codepool pool create|set|pause|resume|show`: create a pool before its
+//! codes arrive, a pool's settings (low-stock threshold, grant-number
+//! prefix, per-user limit), stop and restart its issuing, and its stock
+//! and state at a glance.
 
 use clap::{Args, Subcommand};
 use codepool_store::pool_settings::PoolSettings;
@@ -15,6 +16,10 @@ Examples:
   codepool pool set --pool game-x --low-stock 500
   codepool pool set --pool game-x --grant-prefix GX
   codepool pool set --pool game-x --low-stock 0        (alerts off)
+  codepool pool set --pool game-x --per-user 1         (one code per user)
+  codepool pool set --pool game-x --per-user 0         (unlimited, the default)
+  codepool pool pause --pool game-x
+  codepool pool resume --pool game-x
   codepool pool show
   codepool pool show --pool game-x --json
 
@@ -25,7 +30,16 @@ the alert re-arms once stock is back at or above the threshold (an import).
 A pool exists once it has held a code (an import creates it when the first
 code lands) or once it is created here. Purchases for a pool that exists but
 has no stock are backordered; purchases for any other pool are dead-lettered
-as unknown_pool.")]
+as unknown_pool.
+
+--per-user N: a user (uid) gets codes for at most N orders of the pool;
+further purchases are refused (acked, no code, a `purchase.refused` event
+with reason per_user_limit). A voided grant still counts. Orders granted
+before the limit was set take no slot; waiting backorders are held to it.
+
+pause: purchases wait as backorders (nothing is issued) until resume,
+which fulfils them oldest first. Both publish pool.paused / pool.resumed;
+running dispatchers see the change within a second.")]
 pub struct PoolArgs {
     #[command(subcommand)]
     pub action: PoolAction,
@@ -51,6 +65,19 @@ pub enum PoolAction {
         /// Prefix of grant numbers, e.g. GX gives GX202611200001.
         #[arg(long, value_name = "PREFIX")]
         grant_prefix: Option<String>,
+        /// Orders one user (uid) may get a code for; 0 is unlimited.
+        #[arg(long, value_name = "N")]
+        per_user: Option<i64>,
+    },
+    /// Stop issuing: purchases wait as backorders until `resume`.
+    Pause {
+        #[arg(long)]
+        pool: String,
+    },
+    /// Issue again: waiting backorders are fulfilled, oldest first.
+    Resume {
+        #[arg(long)]
+        pool: String,
     },
     /// Show pools with their settings and stock.
     Show {
@@ -81,6 +108,9 @@ struct PoolRow {
     low_stock: Option<i64>,
     low_stock_alerted: bool,
     grant_prefix: String,
+    /// Orders per user; null is unlimited.
+    per_user: Option<i64>,
+    paused: bool,
 }
 
 pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
@@ -91,75 +121,126 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             pool,
             low_stock,
             grant_prefix,
+            per_user,
         } => {
             let settings = PoolSettings {
                 low_stock,
                 grant_prefix,
+                per_user,
             };
-            store.set_pool_settings(&pool, &settings).await?;
-            if let Some(n) = settings.low_stock {
-                if n == 0 {
-                    println!("pool {pool}: low-stock alerts off");
-                } else {
-                    let unissued = store.unissued_count(&pool).await?;
-                    println!(
-                        "pool {pool}: alert when unissued stock falls below {n} (now {unissued})"
-                    );
-                }
-            }
-            if let Some(p) = &settings.grant_prefix {
-                println!("pool {pool}: grant numbers start with {p} (running dispatchers switch within 30 s)");
-            }
+            set(&store, &pool, &settings).await?
         }
-        PoolAction::Show { pool, json } => {
-            let mut rows = Vec::new();
-            for p in store.pools().await? {
-                if pool.as_ref().is_some_and(|x| *x != p.name) {
-                    continue;
-                }
-                rows.push(PoolRow {
-                    unissued: store.unissued_count(&p.name).await?,
-                    created_at: super::target::when(Some(p.created_at)),
-                    low_stock: p.low_stock.filter(|n| *n > 0),
-                    low_stock_alerted: p.low_stock_alerted,
-                    grant_prefix: p.grant_prefix.unwrap_or_else(|| {
-                        codepool_dispatcher::grant_no::DEFAULT_GRANT_PREFIX.into()
-                    }),
-                    pool: p.name,
-                });
-            }
-            if let Some(p) = &pool {
-                if rows.is_empty() {
-                    anyhow::bail!("pool {p:?} does not exist; import codes into it with `codepool import FILE --pool {p}`");
-                }
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-                return Ok(crate::exit::OK);
-            }
-            println!(
-                "{:<20} {:>9} {:>10} {:<8} {:<8} {:<20}",
-                "POOL", "UNISSUED", "LOW STOCK", "ALERT", "PREFIX", "CREATED"
-            );
-            for r in &rows {
-                println!(
-                    "{:<20} {:>9} {:>10} {:<8} {:<8} {:<20}",
-                    r.pool,
-                    r.unissued,
-                    r.low_stock.map_or("-".into(), |n| n.to_string()),
-                    match (r.low_stock, r.low_stock_alerted) {
-                        (None, _) => "off",
-                        (Some(_), true) => "SENT",
-                        (Some(_), false) => "armed",
-                    },
-                    r.grant_prefix,
-                    r.created_at
-                );
-            }
-            if rows.is_empty() {
-                println!("(no pools yet: `codepool import FILE --pool NAME` or `codepool pool create --pool NAME` creates one)");
-            }
-        }
+        PoolAction::Pause { pool } => pause(cfg, &store, &pool, true).await?,
+        PoolAction::Resume { pool } => pause(cfg, &store, &pool, false).await?,
+        PoolAction::Show { pool, json } => show(&store, pool, json).await?,
     }
     Ok(crate::exit::OK)
+}
+
+async fn set(
+    store: &codepool_store::Store,
+    pool: &str,
+    settings: &PoolSettings,
+) -> anyhow::Result<()> {
+    store.set_pool_settings(pool, settings).await?;
+    if let Some(n) = settings.low_stock {
+        if n == 0 {
+            println!("pool {pool}: low-stock alerts off");
+        } else {
+            let unissued = store.unissued_count(pool).await?;
+            println!("pool {pool}: alert when unissued stock falls below {n} (now {unissued})");
+        }
+    }
+    if let Some(p) = &settings.grant_prefix {
+        println!(
+            "pool {pool}: grant numbers start with {p} (running dispatchers switch within 30 s)"
+        );
+    }
+    match settings.per_user {
+        Some(0) => println!("pool {pool}: no per-user limit"),
+        Some(n) => println!("pool {pool}: at most {n} order(s) per user get a code; further purchases are refused (running dispatchers apply it within a second)"),
+        None => {}
+    }
+    Ok(())
+}
+
+async fn pause(
+    cfg: &Config,
+    store: &codepool_store::Store,
+    pool: &str,
+    paused: bool,
+) -> anyhow::Result<()> {
+    let (conn, publisher) = crate::context::publisher(cfg, "codepool-pool").await?;
+    let changed = codepool_dispatcher::controls::set_paused(store, &publisher, pool, paused).await;
+    codepool_broker::close(conn, "codepool pool done").await;
+    match (changed?, paused) {
+        (true, true) => println!("pool {pool} paused: purchases wait as backorders until `codepool pool resume --pool {pool}`"),
+        (false, true) => println!("pool {pool} was already paused; pool.paused announced again"),
+        (true, false) => println!("pool {pool} resumed: dispatchers fulfil its backorders, oldest first"),
+        (false, false) => println!("pool {pool} was not paused; pool.resumed announced again"),
+    }
+    Ok(())
+}
+
+async fn show(
+    store: &codepool_store::Store,
+    pool: Option<String>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for p in store.pools().await? {
+        if pool.as_ref().is_some_and(|x| *x != p.name) {
+            continue;
+        }
+        rows.push(PoolRow {
+            unissued: store.unissued_count(&p.name).await?,
+            created_at: super::target::when(Some(p.created_at)),
+            low_stock: p.low_stock.filter(|n| *n > 0),
+            low_stock_alerted: p.low_stock_alerted,
+            per_user: p.per_user.filter(|n| *n > 0),
+            paused: p.paused,
+            grant_prefix: p
+                .grant_prefix
+                .unwrap_or_else(|| codepool_dispatcher::grant_no::DEFAULT_GRANT_PREFIX.into()),
+            pool: p.name,
+        });
+    }
+    if let Some(p) = &pool {
+        if rows.is_empty() {
+            anyhow::bail!("pool {p:?} does not exist; import codes into it with `codepool import FILE --pool {p}`");
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    print_rows(&rows);
+    Ok(())
+}
+
+fn print_rows(rows: &[PoolRow]) {
+    println!(
+        "{:<20} {:<7} {:>9} {:>10} {:<8} {:>8} {:<8} {:<20}",
+        "POOL", "STATE", "UNISSUED", "LOW STOCK", "ALERT", "PER USER", "PREFIX", "CREATED"
+    );
+    for r in rows {
+        println!(
+            "{:<20} {:<7} {:>9} {:>10} {:<8} {:>8} {:<8} {:<20}",
+            r.pool,
+            if r.paused { "PAUSED" } else { "active" },
+            r.unissued,
+            r.low_stock.map_or("-".into(), |n| n.to_string()),
+            match (r.low_stock, r.low_stock_alerted) {
+                (None, _) => "off",
+                (Some(_), true) => "SENT",
+                (Some(_), false) => "armed",
+            },
+            r.per_user.map_or("-".into(), |n| n.to_string()),
+            r.grant_prefix,
+            r.created_at
+        );
+    }
+    if rows.is_empty() {
+        println!("(no pools yet: `codepool import FILE --pool NAME` or `codepool pool create --pool NAME` creates one)");
+    }
 }

@@ -7,6 +7,7 @@ use super::target::CodeTarget;
 use crate::config::Config;
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["order", "code"])))]
 #[command(after_help = "\
 Examples:
   codepool redeem --code QWER-1234 --pool game-x

@@ -29,24 +29,31 @@ struct Row {
     hours_left: Option<f64>,
     /// The pool's low-stock threshold (`codepool pool set --low-stock`).
     low_stock: Option<i64>,
+    /// Paused pools issue nothing (`codepool pool pause`).
+    paused: bool,
+    /// Orders refused by the per-user limit.
+    refused: u64,
 }
 
 pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
-    let thresholds: std::collections::HashMap<String, i64> = store
+    let pools: std::collections::HashMap<String, codepool_store::pools::PoolDoc> = store
         .pools()
         .await?
         .into_iter()
-        .filter_map(|p| Some((p.name, p.low_stock.filter(|n| *n > 0)?)))
+        .map(|p| (p.name.clone(), p))
         .collect();
     let mut rows = Vec::new();
     for stats in store.pool_stats(args.pool.as_deref()).await? {
         let hot_pool = hot.len(&stats.pool).await.ok();
         let hours_left = (stats.issued_last_hour > 0)
             .then(|| stats.unissued as f64 / stats.issued_last_hour as f64);
+        let pool = pools.get(&stats.pool);
         rows.push(Row {
-            low_stock: thresholds.get(&stats.pool).copied(),
+            low_stock: pool.and_then(|p| p.low_stock.filter(|n| *n > 0)),
+            paused: pool.is_some_and(|p| p.paused),
+            refused: store.refusal_count(&stats.pool).await?,
             stats,
             hot_pool,
             hours_left,
@@ -61,25 +68,33 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(crate::exit::OK);
     }
+    print_table(&rows);
+    Ok(crate::exit::OK)
+}
+
+fn print_table(rows: &[Row]) {
     println!(
-        "{:<20} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
+        "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
         "POOL",
+        "STATE",
         "UNISSUED",
         "ISSUED",
         "USED",
         "VOID",
         "EXPIRED",
         "BACKORDERS",
+        "REFUSED",
         "HOT",
         "1H",
         "24H",
         "LASTS"
     );
-    for r in &rows {
+    for r in rows {
         let s = &r.stats;
         println!(
-            "{:<20} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>7} {:>7} {:>9}",
+            "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
             s.pool,
+            if r.paused { "PAUSED" } else { "active" },
             match r.low_stock {
                 Some(n) if (s.unissued as i64) < n => format!("{} LOW", s.unissued),
                 _ => s.unissued.to_string(),
@@ -89,6 +104,7 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
             s.void,
             s.expired,
             s.backorders_waiting,
+            r.refused,
             r.hot_pool.map_or("-".to_string(), |n| n.to_string()),
             s.issued_last_hour,
             s.issued_last_day,
@@ -101,8 +117,10 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
     {
         println!("LOW: unissued stock below the pool's threshold; import more codes (`codepool import FILE --pool P`)");
     }
+    if rows.iter().any(|r| r.paused) {
+        println!("PAUSED: nothing is issued, purchases wait as backorders; `codepool pool resume --pool P` fulfils them");
+    }
     if rows.is_empty() {
         println!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
     }
-    Ok(crate::exit::OK)
 }

@@ -3,9 +3,10 @@
 use clap::Args;
 use codepool_store::lifecycle::CodeRef;
 
-/// Which code a lifecycle command acts on.
+/// Which code a lifecycle command acts on. The command requires one of
+/// `--order`/`--code` (a group of its own, so `void` can add `--import`).
 #[derive(Debug, Args)]
-#[group(id = "target", required = true, multiple = true)]
+#[group(id = "target", required = false, multiple = true)]
 pub struct CodeTarget {
     /// The code, as printed on the buyer's SMS (with --pool).
     #[arg(long, requires = "pool", conflicts_with = "order")]

@@ -1,9 +1,9 @@
 //! `codepool void`: take a code back (a refund, a withdrawn batch). Status
 //! 0 or 1 → 3. A voided issued code never returns to the pool: its buyer
-//! has already seen it.
+//! has already seen it. `--import` recalls a whole delivery.
 
-use clap::Args;
-use codepool_dispatcher::ops;
+use clap::{ArgGroup, Args};
+use codepool_dispatcher::{controls, ops};
 use codepool_domain::when;
 use codepool_store::lifecycle::VoidOutcome;
 
@@ -11,25 +11,43 @@ use super::target::CodeTarget;
 use crate::config::Config;
 
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("what").required(true).args(["order", "code", "import"])))]
 #[command(after_help = "\
 Examples:
   codepool void --order O-1001 --reason refund
   codepool void --code QWER-1234 --pool game-x --reason \"leaked in a forum\"
+  codepool void --import 6740a1b2c3d4e5f601234567 --reason \"partner leak\"
+  codepool void --import 6740a1b2c3d4e5f601234567 --reason leak --json
 
 An unissued code is withdrawn from the pool (and from the Redis hot pool).
 An issued code stays with its order but is void: it is never issued again,
 and the order can never receive another code. An order that is still
 waiting for stock (a backorder) has its backorder cancelled instead.
-A used code cannot be voided.")]
+A used code cannot be voided.
+
+--import recalls a delivery: every still-unissued code of that import run
+(the import_id `codepool import --json` prints) is voided. Codes already
+issued are left with their buyers and listed, masked, so they can be
+contacted. Safe while dispatchers run: each code is either issued before
+the recall or voided, never both. Running it again voids nothing more.")]
 pub struct VoidArgs {
     #[command(flatten)]
     pub target: CodeTarget,
+    /// Recall every unissued code of this import run (its import_id).
+    #[arg(long, value_name = "IMPORT_ID", conflicts_with_all = ["order", "code", "pool"])]
+    pub import: Option<String>,
     /// Why (stored with the code, shown by `codepool lookup`).
     #[arg(long)]
     pub reason: String,
+    /// Print JSON (only with --import).
+    #[arg(long, conflicts_with_all = ["order", "code"])]
+    pub json: bool,
 }
 
 pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
+    if let Some(import) = &args.import {
+        return recall(cfg, import, &args.reason, args.json).await;
+    }
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
@@ -54,6 +72,56 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
         }
         VoidOutcome::BackorderCancelled { order_id } => {
             println!("order {order_id} had no code yet; its backorder is cancelled and will not be fulfilled");
+        }
+    }
+    Ok(crate::exit::OK)
+}
+
+/// `--import`: recall the import's unissued codes, list the issued ones.
+async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow::Result<u8> {
+    let store = crate::context::store(cfg).await?;
+    let hot = crate::context::hot_pool(cfg)?;
+    let r = controls::recall_import(&store, &hot, import, reason).await?;
+    let held: Vec<_> = r
+        .held
+        .iter()
+        .map(|c| {
+            let h = c.holder.as_ref();
+            serde_json::json!({
+                "code": c.masked(), "status": c.status.name(),
+                "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid),
+                "phone": h.map(|h| &h.phone), "issued_at": h.map(|h| when(Some(h.issued_at))),
+            })
+        })
+        .collect();
+    if json {
+        let out = serde_json::json!({
+            "import_id": r.import.id.to_hex(), "pool": r.import.pool, "file": r.import.file,
+            "voided": r.voided, "issued": held.len(), "held": held,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(crate::exit::OK);
+    }
+    println!(
+        "import {} ({} into pool {}): {} unissued code(s) voided ({}); {} already issued, left with their buyers:",
+        r.import.id.to_hex(),
+        r.import.file,
+        r.import.pool,
+        r.voided,
+        reason.trim(),
+        held.len()
+    );
+    for c in &r.held {
+        if let Some(h) = &c.holder {
+            println!(
+                "  {:<20} {:<9} order {} uid {} phone {} issued {}",
+                c.masked(),
+                c.status.name(),
+                h.order_id,
+                h.uid,
+                h.phone,
+                when(Some(h.issued_at))
+            );
         }
     }
     Ok(crate::exit::OK)

@@ -1,0 +1,134 @@
+//! Operator controls over a whole pool or delivery: pause and resume a
+//! pool (`codepool pool pause|resume`), and recall an import (`codepool
+//! void --import`). The CLI parses flags and prints; the rules are here.
+
+use std::collections::BTreeMap;
+
+use codepool_broker::{BrokerError, Publisher};
+use codepool_domain::{Code, CodeId, PoolEvent, PoolEventKind};
+use codepool_store::imports::ImportRecord;
+use codepool_store::pool_settings::PoolSettingsError;
+use codepool_store::{ObjectId, Store, StoreError};
+use tracing::{debug, info};
+
+use crate::ops::{checked_reason, MAX_REASON_CHARS};
+use crate::ports::CandidatePool;
+
+/// Codes voided per round of a recall.
+const RECALL_ROUND: i64 = 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    #[error(transparent)]
+    Pool(#[from] PoolSettingsError),
+    #[error("the pool is {state} in MongoDB, but RabbitMQ did not confirm the {event} event ({source}); run the command again so dispatchers hear it")]
+    Unconfirmed {
+        state: &'static str,
+        event: &'static str,
+        #[source]
+        source: BrokerError,
+    },
+}
+
+/// Pauses (`true`) or resumes (`false`) a pool and announces it with
+/// `pool.paused` / `pool.resumed`. The event goes out even when the state
+/// did not change, so running the command again repairs a lost event
+/// (dispatchers fulfil a resumed pool's backorders when they hear it, and
+/// their sweep does within seconds anyway). Returns whether it changed.
+pub async fn set_paused(
+    store: &Store,
+    publisher: &Publisher,
+    pool: &str,
+    paused: bool,
+) -> Result<bool, PauseError> {
+    let changed = store.set_paused(pool, paused).await?;
+    let (kind, state) = if paused {
+        (PoolEventKind::Paused, "paused")
+    } else {
+        (PoolEventKind::Resumed, "resumed")
+    };
+    let unconfirmed = |source| PauseError::Unconfirmed {
+        state,
+        event: kind.routing_key(),
+        source,
+    };
+    publisher
+        .publish_pool_event(&PoolEvent::new(kind, pool))
+        .await
+        .map_err(unconfirmed)?
+        .wait()
+        .await
+        .map_err(unconfirmed)?;
+    info!(pool, changed, "pool {state}");
+    Ok(changed)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecallError {
+    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters, e.g. --reason leaked")]
+    Reason,
+    #[error("{0:?} is not an import id; `codepool import --json` prints it as import_id (24 hexadecimal digits)")]
+    BadId(String),
+    #[error("no import {0}; check the id `codepool import --json` printed")]
+    UnknownImport(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What a recall did.
+#[derive(Debug)]
+pub struct Recall {
+    pub import: ImportRecord,
+    /// Unissued codes voided by this run.
+    pub voided: u64,
+    /// Codes buyers already hold (issued or used), left alone: contact them.
+    pub held: Vec<Code>,
+}
+
+/// Voids every still-unissued code of an import run, each by the
+/// conditional update on its status, so a concurrent claim either got the
+/// code first (it is listed in `held`) or finds it void. The voided codes
+/// leave the hot pool (best effort: claims refuse them anyway).
+pub async fn recall_import(
+    store: &Store,
+    hot: &dyn CandidatePool,
+    import_id: &str,
+    reason: &str,
+) -> Result<Recall, RecallError> {
+    let reason = checked_reason(reason).ok_or(RecallError::Reason)?;
+    let id = ObjectId::parse_str(import_id.trim())
+        .map_err(|_| RecallError::BadId(import_id.chars().take(40).collect()))?;
+    let import = store
+        .import_record(id)
+        .await?
+        .ok_or_else(|| RecallError::UnknownImport(id.to_hex()))?;
+    let mut voided = 0;
+    loop {
+        let round = store.recall_round(id, reason, RECALL_ROUND).await?;
+        if round.seen.is_empty() {
+            break;
+        }
+        voided += round.voided;
+        drop_candidates(hot, round.seen).await;
+    }
+    store.mark_import_recalled(id, reason, voided).await?;
+    let held = store.held_codes_of_import(id).await?;
+    info!(import_id = %id, pool = %import.pool, voided, held = held.len(), "import recalled");
+    Ok(Recall {
+        import,
+        voided,
+        held,
+    })
+}
+
+async fn drop_candidates(hot: &dyn CandidatePool, seen: Vec<(String, CodeId)>) {
+    let mut by_pool: BTreeMap<String, Vec<CodeId>> = BTreeMap::new();
+    for (pool, id) in seen {
+        by_pool.entry(pool).or_default().push(id);
+    }
+    for (pool, ids) in by_pool {
+        if let Err(e) = hot.remove(&pool, &ids).await {
+            debug!(pool, error = %e, "recalled codes stay hot-pool candidates until Redis is back; claims refuse them");
+        }
+    }
+}

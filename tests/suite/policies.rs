@@ -1,0 +1,505 @@
+//! Pool policies and controls against the real servers: the per-user limit
+//! across two dispatcher processes with redeliveries, pause and resume,
+//! and recalling an import while purchases are being dispatched.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use bson::doc;
+use codepool_broker::Publisher;
+use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
+use futures::StreamExt;
+
+use crate::common::{
+    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
+    AMQP_URL,
+};
+
+/// Runs a `codepool` command in the test's namespace; panics unless it
+/// exits 0. Returns its stdout.
+async fn codepool(env: &TestEnv, args: &[&str]) -> String {
+    let out = env.command(args).output().await.expect("run codepool");
+    assert!(
+        out.status.success(),
+        "codepool {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
+    Purchase {
+        uid: uid.to_owned(),
+        ..purchase(order, pool)
+    }
+}
+
+async fn count(env: &TestEnv, collection: &str, filter: bson::Document) -> u64 {
+    env.store
+        .database()
+        .collection::<bson::Document>(collection)
+        .count_documents(filter)
+        .await
+        .expect("count")
+}
+
+/// The sum of one counter over the daemons' `/metrics` pages.
+async fn metric_sum(addrs: &[&str], line_prefix: &str) -> f64 {
+    let mut sum = 0.0;
+    for addr in addrs {
+        let (_, page) = http_get(addr, "/metrics").await.expect("/metrics answers");
+        sum += page
+            .lines()
+            .filter(|l| l.starts_with(line_prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    sum
+}
+
+#[tokio::test]
+async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
+    let env = TestEnv::new("policies_per_user").await;
+    env.fill_pool("one", 100).await;
+    env.fill_pool("three", 100).await;
+    codepool(&env, &["pool", "set", "--pool", "one", "--per-user", "1"]).await;
+    codepool(&env, &["pool", "set", "--pool", "three", "--per-user", "3"]).await;
+    let a = start_daemon(env.command(&[])).await;
+    let b = start_daemon(env.command(&[])).await;
+
+    // 30 orders of one user per pool at once, and every tenth order twice
+    // (a redelivery), interleaved so both dispatchers see both pools.
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut orders = Vec::new();
+    for i in 0..30 {
+        orders.push(of_user(&format!("ONE-{i:02}"), "one", "buyer-1"));
+        orders.push(of_user(&format!("THREE-{i:02}"), "three", "buyer-1"));
+    }
+    let repeats: Vec<Purchase> = orders.iter().step_by(10).cloned().collect();
+    let mut confirms = Vec::new();
+    for p in orders.iter().chain(&repeats) {
+        confirms.push(publisher.publish_purchase(p).await.unwrap());
+    }
+    for c in confirms {
+        c.wait().await.unwrap();
+    }
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    let deliveries = (orders.len() + repeats.len()) as u32;
+    eventually(Duration::from_secs(60), "every delivery settled", || {
+        let (ch, t) = (ch.clone(), t.clone());
+        async move {
+            let settled = queue_depth(&ch, &t.sms_pending).await
+                + queue_depth(&ch, &t.purchases_refused).await;
+            settled >= deliveries && queue_depth(&ch, &t.purchases).await == 0
+        }
+    })
+    .await;
+
+    for (pool, limit) in [("one", 1u64), ("three", 3)] {
+        let granted = count(&env, "codes", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        let refused = count(&env, "refusals", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        assert_eq!(granted, limit, "pool {pool}: exactly {limit} grant(s)");
+        assert_eq!(refused, 30 - limit, "pool {pool}: the rest refused");
+    }
+    assert_eq!(count(&env, "backorders", doc! {}).await, 0);
+    assert_eq!(
+        queue_depth(&ch, &t.purchases_dead).await,
+        0,
+        "a refusal is not a dead letter"
+    );
+
+    // The events: one per refused delivery, every refused order, the same
+    // event again for a redelivery; never for an order that got a code.
+    let refused_events = drain(&ch, &t.purchases_refused).await;
+    let sms = drain(&ch, &t.sms_pending).await;
+    let granted: HashSet<String> = sms
+        .iter()
+        .map(|m| {
+            serde_json::from_slice::<SmsPending>(&m.body)
+                .unwrap()
+                .order_id
+        })
+        .collect();
+    assert_eq!(granted.len(), 4);
+    let mut refused_orders: HashMap<String, String> = HashMap::new();
+    for m in &refused_events {
+        let e: PurchaseRefused = serde_json::from_slice(&m.body).unwrap();
+        assert_eq!(e.reason.as_str(), "per_user_limit");
+        assert_eq!(e.uid, "buyer-1");
+        assert_eq!(m.message_id.as_deref(), Some(e.event_id.as_str()));
+        assert!(
+            !granted.contains(&e.order_id),
+            "{} both granted and refused",
+            e.order_id
+        );
+        let before = refused_orders.insert(e.order_id.clone(), e.refused_at.clone());
+        assert!(
+            before.is_none_or(|at| at == e.refused_at),
+            "a redelivery is refused the same way"
+        );
+    }
+    assert_eq!(refused_orders.len(), 29 + 27);
+    assert_eq!(refused_events.len() + sms.len(), deliveries as usize);
+    assert_eq!(
+        metric_sum(
+            &[&a.addr, &b.addr],
+            "codepool_refusals_total{reason=\"per_user_limit\"}"
+        )
+        .await,
+        56.0
+    );
+
+    // `lookup --order` tells the operator why an order got nothing.
+    let refused_order = refused_orders.keys().next().unwrap().clone();
+    let out = codepool(&env, &["lookup", "--order", &refused_order, "--json"]).await;
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["refusals"][0]["reason"], "per_user_limit");
+    assert_eq!(v["codes"].as_array().map(Vec::len), Some(0));
+
+    // A voided grant still counts: the buyer of pool "one" stays at its limit.
+    let holder = granted
+        .iter()
+        .find(|o| o.starts_with("ONE-"))
+        .unwrap()
+        .clone();
+    codepool(&env, &["void", "--order", &holder, "--reason", "refund"]).await;
+    publish_confirmed(&publisher, &[of_user("ONE-LATE", "one", "buyer-1")]).await;
+    eventually(
+        Duration::from_secs(20),
+        "the late order refused",
+        || async { count(&env, "refusals", doc! {"_id": "ONE-LATE"}).await == 1 },
+    )
+    .await;
+
+    a.stop().await;
+    b.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_oldest_first() {
+    let env = TestEnv::new("policies_pause").await;
+    env.fill_pool("p", 3).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let t = env.topology();
+    let mut paused_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.paused")
+        .await
+        .unwrap();
+    let mut resumed_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.resumed")
+        .await
+        .unwrap();
+
+    // One grant first, so the dispatcher has the pool's policy cached.
+    publish_confirmed(&publisher, &[purchase("P-FIRST", "p")]).await;
+    eventually(Duration::from_secs(20), "the first grant", || async {
+        count(&env, "codes", doc! {"pool": "p", "status": 1}).await == 1
+    })
+    .await;
+
+    codepool(&env, &["pool", "pause", "--pool", "p"]).await;
+    let ev = tokio::time::timeout(Duration::from_secs(5), paused_events.next())
+        .await
+        .expect("pool.paused published")
+        .unwrap()
+        .unwrap();
+    let ev: PoolEvent = serde_json::from_slice(&ev.data).unwrap();
+    assert_eq!((ev.event.as_str(), ev.pool.as_str()), ("pool.paused", "p"));
+    let shown = codepool(&env, &["pool", "show", "--pool", "p", "--json"]).await;
+    assert!(shown.contains(r#""paused": true"#), "{shown}");
+    let stats = codepool(&env, &["stats", "--pool", "p", "--json"]).await;
+    assert!(stats.contains(r#""paused": true"#), "{stats}");
+
+    // A dispatcher sees the pause within a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiting: Vec<_> = (0..6).map(|i| purchase(&format!("P-{i}"), "p")).collect();
+    publish_confirmed(&publisher, &waiting).await;
+    eventually(Duration::from_secs(20), "6 backorders", || async {
+        count(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
+    })
+    .await;
+    // Stock news must not fulfil them while paused (the pool has 2 codes):
+    // dispatchers fulfil on pool.replenished, and must skip a paused pool.
+    publisher
+        .publish_pool_event(&PoolEvent::new(PoolEventKind::Replenished, "p"))
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        count(&env, "codes", doc! {"pool": "p", "status": 1}).await,
+        1,
+        "nothing issued while paused"
+    );
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(
+        queue_depth(&ch, &t.purchases_dead).await,
+        0,
+        "not dead-lettered"
+    );
+
+    codepool(&env, &["pool", "resume", "--pool", "p"]).await;
+    tokio::time::timeout(Duration::from_secs(5), resumed_events.next())
+        .await
+        .expect("pool.resumed published");
+    eventually(
+        Duration::from_secs(20),
+        "2 backorders fulfilled",
+        || async {
+            count(
+                &env,
+                "backorders",
+                doc! {"pool": "p", "status": "fulfilled"},
+            )
+            .await
+                == 2
+        },
+    )
+    .await;
+    // Oldest first: the two fulfilled are the first two recorded.
+    let backorders = env.store.waiting_backorders("p", 10).await.unwrap();
+    assert_eq!(backorders.len(), 4, "no stock for the rest");
+    let all: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders")
+        .find(doc! {"pool": "p"})
+        .sort(doc! {"created_at": 1, "_id": 1})
+        .await
+        .unwrap()
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let statuses: Vec<&str> = all.iter().map(|d| d.get_str("status").unwrap()).collect();
+    assert_eq!(
+        statuses,
+        [
+            "fulfilled",
+            "fulfilled",
+            "waiting",
+            "waiting",
+            "waiting",
+            "waiting"
+        ]
+    );
+
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_both() {
+    let env = TestEnv::new("policies_recall").await;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    {
+        use std::io::Write;
+        writeln!(f, "code").unwrap();
+        for i in 0..1000 {
+            writeln!(f, "RECALL-{i:05}").unwrap();
+        }
+    }
+    let out = codepool(
+        &env,
+        &[
+            "import",
+            f.path().to_str().unwrap(),
+            "--pool",
+            "r",
+            "--json",
+        ],
+    )
+    .await;
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let import_id = summary["import_id"].as_str().unwrap().to_owned();
+    let a = start_daemon(env.command(&[])).await;
+    let b = start_daemon(env.command(&[])).await;
+
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..800)
+        .map(|i| purchase(&format!("R-{i:04}"), "r"))
+        .collect();
+    let publishing = {
+        let (publisher, orders) = (publisher.clone(), orders.clone());
+        tokio::spawn(async move { publish_confirmed(&publisher, &orders).await })
+    };
+    eventually(Duration::from_secs(30), "dispatch under way", || async {
+        count(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
+    })
+    .await;
+    let out = codepool(
+        &env,
+        &[
+            "void",
+            "--import",
+            &import_id,
+            "--reason",
+            "partner leak",
+            "--json",
+        ],
+    )
+    .await;
+    let recall: serde_json::Value = serde_json::from_str(&out).unwrap();
+    publishing.await.unwrap();
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(
+        Duration::from_secs(60),
+        "every purchase granted or backordered",
+        || async {
+            let granted = count(
+                &env,
+                "codes",
+                doc! {"pool": "r", "order_id": {"$exists": true}},
+            )
+            .await;
+            let waiting = count(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
+            granted + waiting == 800 && queue_depth(&ch, &t.purchases).await == 0
+        },
+    )
+    .await;
+
+    let issued = count(&env, "codes", doc! {"pool": "r", "status": 1}).await;
+    let void = count(&env, "codes", doc! {"pool": "r", "status": 3}).await;
+    assert_eq!(
+        count(&env, "codes", doc! {"pool": "r", "status": 0}).await,
+        0
+    );
+    assert_eq!(issued + void, 1000, "every code issued or voided");
+    assert!(
+        (50..800).contains(&issued),
+        "the recall raced with dispatch ({issued} issued)"
+    );
+    assert_eq!(
+        count(
+            &env,
+            "codes",
+            doc! {"pool": "r", "status": 3, "order_id": {"$exists": true}}
+        )
+        .await,
+        0,
+        "no voided code was ever issued"
+    );
+    // What the recall reported is exactly what happened: after it, no
+    // code of the import could be issued any more.
+    assert_eq!(recall["voided"].as_u64(), Some(void));
+    assert_eq!(recall["issued"].as_u64(), Some(issued));
+    let listed = recall["held"].as_array().unwrap();
+    assert!(
+        listed
+            .iter()
+            .all(|h| h["code"].as_str().unwrap().contains('*')),
+        "codes masked"
+    );
+    assert!(listed.iter().all(|h| h["order_id"].is_string()));
+
+    // Every SMS event carries an issued code.
+    let events = drain(&ch, &t.sms_pending).await;
+    let grants = env
+        .store
+        .grants_for_orders(
+            &orders
+                .iter()
+                .map(|p| p.order_id.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(grants.len() as u64, issued);
+    for e in &events {
+        let ev: SmsPending = serde_json::from_slice(&e.body).unwrap();
+        assert_eq!(grants[&ev.order_id].code, ev.code);
+    }
+
+    // Running it again voids nothing more.
+    let again = codepool(
+        &env,
+        &[
+            "void", "--import", &import_id, "--reason", "again", "--json",
+        ],
+    )
+    .await;
+    let again: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(again["voided"].as_u64(), Some(0));
+
+    a.stop().await;
+    b.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrives() {
+    let env = TestEnv::new("policies_backorder_limit").await;
+    codepool(&env, &["pool", "create", "--pool", "late"]).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let orders: Vec<_> = (0..3)
+        .map(|i| of_user(&format!("L-{i}"), "late", "buyer-9"))
+        .collect();
+    publish_confirmed(&publisher, &orders).await;
+    eventually(Duration::from_secs(20), "3 backorders", || async {
+        count(
+            &env,
+            "backorders",
+            doc! {"pool": "late", "status": "waiting"},
+        )
+        .await
+            == 3
+    })
+    .await;
+
+    codepool(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    {
+        use std::io::Write;
+        writeln!(f, "code\nLATE-1\nLATE-2\nLATE-3\nLATE-4").unwrap();
+    }
+    codepool(
+        &env,
+        &["import", f.path().to_str().unwrap(), "--pool", "late"],
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "1 fulfilled, 2 refused",
+        || async {
+            count(
+                &env,
+                "backorders",
+                doc! {"pool": "late", "status": "fulfilled"},
+            )
+            .await
+                == 1
+                && count(
+                    &env,
+                    "backorders",
+                    doc! {"pool": "late", "status": "refused"},
+                )
+                .await
+                    == 2
+        },
+    )
+    .await;
+    assert_eq!(count(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
+    assert_eq!(count(&env, "refusals", doc! {"uid": "buyer-9"}).await, 2);
+    let ch = conn.create_channel().await.unwrap();
+    let refused = drain(&ch, &env.topology().purchases_refused).await;
+    assert_eq!(refused.len(), 2);
+
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
