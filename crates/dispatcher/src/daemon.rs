@@ -31,6 +31,9 @@ use crate::stock::{StockConfig, StockWatch};
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
 const BACKGROUND_STOP: Duration = Duration::from_millis(500);
 
+/// How often a broker set-up that retrying cannot fix is checked again.
+const PERMANENT_RETRY: Duration = Duration::from_secs(60);
+
 /// How the daemon runs. Defaults suit one dispatcher on a small machine.
 #[derive(Debug, Clone)]
 pub struct DispatcherConfig {
@@ -128,6 +131,16 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     self.amqp.failed(&reason);
                     attempt = 0;
+                }
+                Err(e) if e.is_permanent() => {
+                    // e.g. a classic queue where quorum queues are configured:
+                    // stay up and unready, say how to fix it, check again later.
+                    self.health.set_amqp(false);
+                    error!(error = %e, "not consuming purchases until this is fixed; checking again every minute");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(PERMANENT_RETRY) => continue,
+                    }
                 }
                 Err(e) => {
                     self.health.set_amqp(false);
@@ -387,6 +400,20 @@ impl Dispatcher {
         }
     }
 
+    /// A delivery's purchase, unless it is invalid or has reached the
+    /// queue's delivery limit (a poison message: dead-lettered with reason
+    /// `delivery_limit` before the broker would drop it without one).
+    fn parse(&self, delivery: &Delivery) -> Result<Purchase, PurchaseError> {
+        let topology = &self.config.topology;
+        if let Some(count) = topology.over_delivery_limit(&delivery.properties) {
+            return Err(PurchaseError::delivery_limit(
+                count,
+                topology.queues.delivery_limit,
+            ));
+        }
+        Purchase::parse(&delivery.data)
+    }
+
     async fn pool_exists(&self, pool: &str) -> Result<bool, codepool_store::StoreError> {
         if self.known_pools.read().await.contains(pool) {
             return Ok(true);
@@ -412,7 +439,7 @@ impl Dispatcher {
         let mut valid: Vec<(usize, Purchase)> = Vec::new();
         let mut dead: Vec<(usize, PurchaseError)> = Vec::new();
         for (i, d) in deliveries.iter().enumerate() {
-            match Purchase::parse(&d.data) {
+            match self.parse(d) {
                 Ok(p) => valid.push((i, p)),
                 Err(e) => dead.push((i, e)),
             }

@@ -99,6 +99,7 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::InvalidPool,
     RejectReason::InvalidTime,
     RejectReason::UnknownPool,
+    RejectReason::DeliveryLimit,
 ];
 
 /// Describes every metric and registers the unlabelled ones (and dead

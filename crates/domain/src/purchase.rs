@@ -39,6 +39,9 @@ pub enum RejectReason {
     InvalidPool,
     InvalidTime,
     UnknownPool,
+    /// Valid or not, the message was delivered (and not settled) more often
+    /// than the queue's delivery limit allows: a poison message.
+    DeliveryLimit,
 }
 
 impl RejectReason {
@@ -54,6 +57,7 @@ impl RejectReason {
             Self::InvalidPool => "invalid_pool",
             Self::InvalidTime => "invalid_time",
             Self::UnknownPool => "unknown_pool",
+            Self::DeliveryLimit => "delivery_limit",
         }
     }
 }
@@ -80,6 +84,15 @@ impl PurchaseError {
         Self::new(
             RejectReason::UnknownPool,
             format!("pool {pool:?} has no codes; import codes into it with `codepool import FILE --pool {pool}`, then `codepool dead-letters replay`"),
+        )
+    }
+
+    /// The message was delivered `count` times without being settled and
+    /// reached the queue's delivery limit.
+    pub fn delivery_limit(count: u64, limit: u32) -> Self {
+        Self::new(
+            RejectReason::DeliveryLimit,
+            format!("delivered {count} times without being settled (the delivery limit is {limit}); find the cause in the dispatchers' logs (a crash or an outage on every attempt), fix it, then `codepool dead-letters replay --reason delivery_limit`"),
         )
     }
 }

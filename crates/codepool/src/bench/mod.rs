@@ -145,6 +145,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         sms_receipts,
         events_exchange,
         code_redeemed,
+        queues: _,
     } = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
     let queues = [
