@@ -40,19 +40,26 @@ run: services build
 # One build for the whole suite (nextest builds every test binary in one
 # cargo invocation, including the codepool binary the tests spawn).
 # Every unit test, the integration suite and the sequence tests first; then
-# the chaos test, which restarts the shared servers and so runs alone.
+# the chaos test, which restarts the shared servers and so runs alone; then
+# the failover test, which starts the replicated servers (scripts/cluster.sh,
+# idempotent, ports apart) and kills their members.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
 test: services
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) nextest run --locked -p codepool --test chaos
+	$(CARGO) nextest run --locked -p codepool --test failover --no-capture
 else
 	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) test --locked -p codepool --test chaos
+	$(CARGO) test --locked -p codepool --test failover -- --nocapture
 endif
 
 chaos: services
 	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture
+
+chaos-cluster: cluster
+	CODEPOOL_FAILOVER=full $(CARGO) test --locked --release -p codepool --test failover -- --nocapture
 
 bench: services
 	@bash scripts/bench.sh

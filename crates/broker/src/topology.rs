@@ -49,7 +49,9 @@ impl std::str::FromStr for QueueType {
         match s {
             "quorum" => Ok(QueueType::Quorum),
             "classic" => Ok(QueueType::Classic),
-            other => Err(format!("unknown queue type {other:?}; use quorum or classic")),
+            other => Err(format!(
+                "unknown queue type {other:?}; use quorum or classic"
+            )),
         }
     }
 }
@@ -150,7 +152,12 @@ impl Topology {
         if self.queues.queue_type != QueueType::Quorum {
             return None;
         }
-        let count = match properties.headers().as_ref()?.inner().get("x-delivery-count")? {
+        let count = match properties
+            .headers()
+            .as_ref()?
+            .inner()
+            .get("x-delivery-count")?
+        {
             AMQPValue::LongLongInt(n) => u64::try_from(*n).ok()?,
             AMQPValue::LongInt(n) => u64::try_from(*n).ok()?,
             AMQPValue::LongUInt(n) => u64::from(*n),
@@ -167,9 +174,8 @@ impl Topology {
     fn queue_args(&self, queue: &str, queue_type: QueueType) -> FieldTable {
         let mut args = FieldTable::default();
         let str_arg = |s: &str| AMQPValue::LongString(s.into());
-        let limited = queue == self.purchases
-            || queue == self.sms_receipts
-            || queue == self.code_redeemed;
+        let limited =
+            queue == self.purchases || queue == self.sms_receipts || queue == self.code_redeemed;
         let dead_letters = queue == self.purchases || (limited && queue_type == QueueType::Quorum);
         if dead_letters {
             args.insert("x-dead-letter-exchange".into(), str_arg(""));
@@ -273,15 +279,17 @@ fn existing_queue_type(error: &str) -> Option<&'static str> {
         .split_once("inequivalent arg 'x-queue-type'")?
         .1
         .split_once("but current is ")?;
-    Some(if current.starts_with("none") || current.starts_with("the value 'classic'") {
-        "classic"
-    } else if current.starts_with("the value 'quorum'") {
-        "quorum"
-    } else if current.starts_with("the value 'stream'") {
-        "stream"
-    } else {
-        "another type"
-    })
+    Some(
+        if current.starts_with("none") || current.starts_with("the value 'classic'") {
+            "classic"
+        } else if current.starts_with("the value 'quorum'") {
+            "quorum"
+        } else if current.starts_with("the value 'stream'") {
+            "stream"
+        } else {
+            "another type"
+        },
+    )
 }
 
 #[cfg(test)]
@@ -294,7 +302,10 @@ mod tests {
         let quorum = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received none but current is the value 'quorum' of type 'longstr'";
         assert_eq!(existing_queue_type(classic), Some("classic"));
         assert_eq!(existing_queue_type(quorum), Some("quorum"));
-        assert_eq!(existing_queue_type("PRECONDITION_FAILED - inequivalent arg 'x-max-length'"), None);
+        assert_eq!(
+            existing_queue_type("PRECONDITION_FAILED - inequivalent arg 'x-max-length'"),
+            None
+        );
     }
 
     #[test]
@@ -307,7 +318,13 @@ mod tests {
         assert!(!limit(&t.purchases_dead, QueueType::Quorum));
         assert!(!limit(&t.purchases, QueueType::Classic));
         // classic queues keep exactly what older versions declared
-        assert_eq!(t.queue_args(&t.sms_pending, QueueType::Classic), FieldTable::default());
-        assert!(t.queue_args(&t.purchases, QueueType::Classic).inner().contains_key("x-dead-letter-exchange"));
+        assert_eq!(
+            t.queue_args(&t.sms_pending, QueueType::Classic),
+            FieldTable::default()
+        );
+        assert!(t
+            .queue_args(&t.purchases, QueueType::Classic)
+            .inner()
+            .contains_key("x-dead-letter-exchange"));
     }
 }

@@ -122,13 +122,11 @@ impl HotPool {
             .set_response_timeout(OP_TIMEOUT)
             .set_number_of_retries(1)
             .set_max_delay(200);
-        let conn = tokio::time::timeout(
-            OP_TIMEOUT * 2,
-            self.inner.target.connection_manager(config),
-        )
-        .await
-        .map_err(|_| HotPoolError::Unavailable("connect timed out".into()))?
-        .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
+        let conn =
+            tokio::time::timeout(OP_TIMEOUT * 2, self.inner.target.connection_manager(config))
+                .await
+                .map_err(|_| HotPoolError::Unavailable("connect timed out".into()))?
+                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
         state.conn = Some(conn.clone());
         Ok(conn)
     }

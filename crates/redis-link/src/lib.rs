@@ -13,7 +13,9 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisFuture, RedisResult, Value};
@@ -92,10 +94,15 @@ impl RedisTarget {
     /// A plain multiplexed connection with `config` on one server (it does
     /// not reconnect: the caller drops it on error), the cluster connection
     /// on a cluster.
-    pub async fn multiplexed(&self, config: &AsyncConnectionConfig) -> RedisResult<RedisConnection> {
+    pub async fn multiplexed(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<RedisConnection> {
         match self {
             RedisTarget::Server(client) => Ok(RedisConnection::Multiplexed(
-                client.get_multiplexed_async_connection_with_config(config).await?,
+                client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await?,
             )),
             RedisTarget::Cluster(client) => Ok(RedisConnection::Cluster(
                 client.get_async_connection().await?,
@@ -151,8 +158,12 @@ mod tests {
     #[test]
     fn one_url_is_a_server_and_several_are_a_cluster() {
         let t = Duration::from_millis(500);
-        assert!(!RedisTarget::open("redis://127.0.0.1:6379", t).unwrap().is_cluster());
-        assert!(!RedisTarget::open(" redis://127.0.0.1:6379 ,", t).unwrap().is_cluster());
+        assert!(!RedisTarget::open("redis://127.0.0.1:6379", t)
+            .unwrap()
+            .is_cluster());
+        assert!(!RedisTarget::open(" redis://127.0.0.1:6379 ,", t)
+            .unwrap()
+            .is_cluster());
         let cluster = "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003";
         assert!(RedisTarget::open(cluster, t).unwrap().is_cluster());
         assert!(RedisTarget::open("", t).is_err());

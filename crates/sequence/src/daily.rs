@@ -171,12 +171,7 @@ impl DailyNumbers {
     }
 
     /// Like [`DailyNumbers::new`] on one Redis server or a Redis Cluster.
-    pub fn with_target(
-        redis: Option<RedisTarget>,
-        db: Database,
-        key_prefix: &str,
-        tz: Tz,
-    ) -> Self {
+    pub fn with_target(redis: Option<RedisTarget>, db: Database, key_prefix: &str, tz: Tz) -> Self {
         let redis = redis.map(|target| RedisLeases::new(target, KEY_TTL));
         DailyNumbers {
             counters: counters::collection(&db),
