@@ -147,15 +147,28 @@ c_rabbit_prepare() {
 	local conf=$RABBIT_DIR/rabbitmq.conf
 	if [[ ! -e $conf ]]; then
 		# three nodes share this machine: each may use a tenth of the memory
-		printf '%s\n' 'vm_memory_high_watermark.relative = 0.1' \
-			'cluster_partition_handling = pause_minority' >"$conf"
+		printf '%s\n' 'vm_memory_high_watermark.relative = 0.1' >"$conf"
 		chown rabbitmq:rabbitmq "$conf"
 	fi
+}
+
+# c_rabbit_registered N: the node's name is registered with epmd (its VM runs)
+c_rabbit_registered() {
+	local names
+	names=$(epmd -names 2>/dev/null) || return 1
+	[[ $'\n'$names == *$'\n'"name rabbit-c$1 at port"* ]]
 }
 
 c_rabbit_start() { # N
 	local n=$1 plugins
 	c_rabbit_up "$n" && return 0
+	if c_rabbit_registered "$n"; then
+		local running
+		running=$(RABBITCTL_TIMEOUT=15 c_rabbitctl "$n" eval 'rabbit:is_booting() orelse rabbit:is_running().' 2>/dev/null || true)
+		[[ $running != true ]] || return 0 # booting: c_rabbit_wait waits for it
+		clog "rabbitmq node $n runs without serving AMQP; stopping it to start it afresh"
+		c_rabbit_stop "$n"
+	fi
 	plugins=$RABBIT_DIR/enabled_plugins-$n
 	[[ -e $plugins ]] || { echo '[].' >"$plugins" && chown rabbitmq:rabbitmq "$plugins"; }
 	clog "starting rabbitmq node $(c_rabbit_node "$n") on $LOCAL:$((C_AMQP_PORT + n))"
@@ -196,16 +209,23 @@ c_rabbit_join() { # N
 		die "node $1 could not join the cluster" "scripts/cluster.sh reset starts over"
 }
 
-c_rabbit_stop() { # N
+# c_rabbit_stop N: stop the node's VM (not just its AMQP listener: a node
+# that lost its peers may have closed that already), SIGKILL if it hangs
+c_rabbit_stop() {
+	c_rabbit_registered "$1" || return 0
 	c_rabbitctl "$1" shutdown >/dev/null 2>&1 || c_rabbitctl "$1" stop >/dev/null 2>&1 || true
-	wait_until 30 not c_rabbit_up "$1" || die "rabbitmq node $1 still answers after stop"
+	if ! wait_until 30 not c_rabbit_registered "$1"; then
+		clog "rabbitmq node $1 did not stop; killing it"
+		c_rabbit_kill "$1"
+	fi
+	wait_until 10 not c_rabbit_up "$1" || die "rabbitmq node $1 still answers after stop"
 }
 
 c_rabbit_kill() { # N: SIGKILL the node's VM
 	local pid
 	pid=$(cat "$RABBIT_DIR/mnesia/$(c_rabbit_node "$1").pid" 2>/dev/null) || return 0
 	pid_alive "$pid" && kill -KILL "$pid" || true
-	wait_until 10 not c_rabbit_up "$1" || true
+	wait_until 10 not c_rabbit_registered "$1" || true
 }
 
 # ---------------------------------------------------------------- redis
@@ -309,7 +329,7 @@ cluster_stop() {
 	if command -v rabbitmqctl >/dev/null; then
 		# the last node to stop is the first to start again: stop 1 last
 		for n in $(printf '%s\n' "${MEMBERS[@]}" | sort -rn); do
-			c_rabbit_up "$n" && c_rabbit_stop "$n"
+			c_rabbit_stop "$n"
 		done
 	fi
 	for n in "${MEMBERS[@]}"; do c_redis_stop "$n"; done

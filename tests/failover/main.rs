@@ -62,13 +62,14 @@ fn repo_root() -> PathBuf {
 
 /// Runs `scripts/cluster.sh ARGS` and returns its stdout.
 async fn cluster(args: &[&str]) -> String {
-    let out = tokio::process::Command::new("bash")
+    let child = tokio::process::Command::new("bash")
         .arg(repo_root().join("scripts/cluster.sh"))
         .args(args)
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
-        .output()
-        .await
+        .spawn()
         .expect("run scripts/cluster.sh");
+    let out = child.wait_with_output().await.expect("scripts/cluster.sh");
     assert!(out.status.success(), "scripts/cluster.sh {args:?} failed");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
