@@ -92,12 +92,17 @@ async fn start_cluster() -> Servers {
 }
 
 /// The RabbitMQ node (1..=3) most dispatcher connections are on, read from
-/// the server port of each connection.
+/// the server port of each connection (the list is cluster-wide).
 async fn dispatchers_rabbit_node() -> String {
     for node in 1..=3 {
         let out = tokio::process::Command::new("rabbitmqctl")
             .args(["-q", "-n", &format!("rabbit-c{node}@localhost")])
-            .args(["list_connections", "user_provided_name", "port"])
+            .args([
+                "list_connections",
+                "--no-table-headers",
+                "port",
+                "client_properties",
+            ])
             .output()
             .await;
         let Ok(out) = out else { continue };
@@ -106,11 +111,9 @@ async fn dispatchers_rabbit_node() -> String {
         }
         let mut by_port: HashMap<String, usize> = HashMap::new();
         for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let mut cols = line.split_whitespace();
-            if let (Some(name), Some(port)) = (cols.next(), cols.next()) {
-                if name.starts_with("codepool-dispatch") {
-                    *by_port.entry(port.to_owned()).or_default() += 1;
-                }
+            let port = line.split_whitespace().next().unwrap_or_default();
+            if line.contains(r#"{"connection_name","codepool-dispatch"#) {
+                *by_port.entry(port.to_owned()).or_default() += 1;
             }
         }
         if let Some((port, _)) = by_port.into_iter().max_by_key(|(_, n)| *n) {
