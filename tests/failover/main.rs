@@ -125,11 +125,12 @@ async fn dispatchers_rabbit_node() -> String {
     "1".to_owned()
 }
 
-/// One round of faults, spread over `span`: kill the MongoDB primary, shut
+/// One round of faults within `span`: kill the MongoDB primary, shut
 /// down the Redis master of the pool, stop the dispatchers' RabbitMQ node;
 /// each comes back a few seconds later.
 async fn fault_round(span: Duration, log: &mut Vec<String>) {
-    let step = span / 4;
+    // three faults, each with ~5 s down and a restart, inside the publishing window
+    let step = span / 6;
     tokio::time::sleep(step).await;
     let primary = cluster(&["mongo-primary"]).await.trim().to_owned();
     cluster(&["kill", "mongo", &primary]).await;
