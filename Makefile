@@ -7,7 +7,7 @@ BIN := target/debug/codepool
 RELEASE_BIN := target/release/codepool
 NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help services services-stop build run test test-unit chaos bench lint fmt clean
+.PHONY: help services services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
 
 help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
@@ -15,6 +15,8 @@ help:
 	@echo "make chaos     the long chaos test (kills, flushes, restarts) — about 5 minutes"
 	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, import, sequences)"
 	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
+	@echo "make cluster   a 3-member replica set, a 3-node RabbitMQ cluster and a 3-master Redis Cluster (prints CODEPOOL_*)"
+	@echo "make chaos-cluster  the long failover test on the cluster (repeated faults)"
 	@echo "make lint      cargo fmt --check and clippy -D warnings"
 
 services:
@@ -22,6 +24,12 @@ services:
 
 services-stop:
 	@bash scripts/services.sh stop
+
+cluster:
+	@bash scripts/cluster.sh start
+
+cluster-stop:
+	@bash scripts/cluster.sh stop
 
 build:
 	$(CARGO) build --locked -p codepool
@@ -32,19 +40,26 @@ run: services build
 # One build for the whole suite (nextest builds every test binary in one
 # cargo invocation, including the codepool binary the tests spawn).
 # Every unit test, the integration suite and the sequence tests first; then
-# the chaos test, which restarts the shared servers and so runs alone.
+# the chaos test, which restarts the shared servers and so runs alone; then
+# the failover test, which starts the replicated servers (scripts/cluster.sh,
+# idempotent, ports apart) and kills their members.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
 test: services
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) nextest run --locked -p codepool --test chaos
+	$(CARGO) nextest run --locked -p codepool --test failover --no-capture
 else
 	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) test --locked -p codepool --test chaos
+	$(CARGO) test --locked -p codepool --test failover -- --nocapture
 endif
 
 chaos: services
 	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture
+
+chaos-cluster: cluster
+	CODEPOOL_FAILOVER=full $(CARGO) test --locked --release -p codepool --test failover -- --nocapture
 
 bench: services
 	@bash scripts/bench.sh

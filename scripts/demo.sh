@@ -18,6 +18,22 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "migrate (database $CODEPOOL_DB)"
 "$BIN" migrate
 
+# Queues are quorum queues now; a demo run by an older version left classic
+# ones, and a queue's type cannot change. Run the demo on them, and say how
+# to move to quorum queues.
+if ! out=$("$BIN" sms-pending --limit 0 2>&1); then
+  if [[ -z ${CODEPOOL_QUEUE_TYPE:-} ]] && grep -q "exists as a classic queue" <<<"$out"; then
+    printf '%s\n' "note: the demo's queues (${CODEPOOL_AMQP_PREFIX}*) are classic queues from an older" \
+      "      version; this run uses them as they are (CODEPOOL_QUEUE_TYPE=classic). To move" \
+      "      to quorum queues, delete them and run again: for q in purchases purchases.dead" \
+      "      sms.pending sms.receipts code.redeemed; do rabbitmqctl delete_queue ${CODEPOOL_AMQP_PREFIX}\$q; done"
+    export CODEPOOL_QUEUE_TYPE=classic
+  else
+    echo "$out" >&2
+    exit 1
+  fi
+fi
+
 step "import fixtures/codes.csv into pool demo"
 "$BIN" import fixtures/codes.csv --pool demo
 

@@ -213,9 +213,11 @@ try:
             admin.command("shutdown", force=True)
         except PyMongoError:
             pass  # the connection drops when the server goes away
-    elif cmd == "ensure-rs":  # local server: be (or become) a replica set primary
+    elif cmd == "ensure-rs":  # local server: be (or become) a replica set primary;
+        # argv[4]: host:port of this server, or a comma-separated list of every
+        # member (this server first) for a replica set of several members
         hello = admin.command("hello")
-        if hello.get("isWritablePrimary") and hello.get("setName"):
+        if hello.get("isWritablePrimary") and len(hello.get("hosts", [])) == 1:
             print(hello["setName"])
             finish(0)
         if not hello.get("setName") and not hello.get("isreplicaset"):
@@ -229,18 +231,22 @@ try:
                 opts = admin.command("getCmdLineOpts")["parsed"]
                 name = opts.get("replication", {}).get("replSet") or \
                     opts.get("replication", {}).get("replSetName") or "rs0"
-                host = sys.argv[4]
-                print(f"initiating replica set {name} ({host})", file=sys.stderr)
+                hosts = sys.argv[4].split(",")  # this server first
+                print(f"initiating replica set {name} ({', '.join(hosts)})", file=sys.stderr)
+                members = [{"_id": i, "host": h} for i, h in enumerate(hosts)]
                 try:
-                    admin.command("replSetInitiate",
-                                  {"_id": name, "members": [{"_id": 0, "host": host}]})
+                    admin.command("replSetInitiate", {"_id": name, "members": members})
                 except OperationFailure as e2:
                     if e2.code != 23:  # AlreadyInitialized (a concurrent initiate)
                         raise
         deadline = time.monotonic() + timeout
         while True:
             hello = admin.command("hello")
-            if hello.get("isWritablePrimary"):
+            # several members: any one PRIMARY, every other one SECONDARY
+            healthy = len(hello.get("hosts", [])) > 1 and hello.get("primary") and all(
+                m.get("state") in (1, 2)
+                for m in admin.command("replSetGetStatus")["members"])
+            if hello.get("isWritablePrimary") and len(hello.get("hosts", [])) <= 1 or healthy:
                 print(hello.get("setName", ""))
                 break
             if time.monotonic() > deadline:
@@ -772,82 +778,88 @@ usage() {
 	exit 2
 }
 
-ACTION=start
-FORCE=
-SERVICES=()
-if (($#)); then
-	case $1 in
-	start | stop | status) ACTION=$1 && shift ;;
-	-h | --help | help) usage ;;
-	esac
-fi
-for a in "$@"; do
-	case $a in
-	--force | -f) FORCE=1 ;;
-	all) SERVICES+=(redis rabbitmq mongo) ;;
-	redis) SERVICES+=(redis) ;;
-	rabbitmq | rabbit | amqp) SERVICES+=(rabbitmq) ;;
-	mongo | mongodb | mongod) SERVICES+=(mongo) ;;
-	*)
-		echo "services: unknown argument: $a" >&2
-		usage
+# main ARGS...: what running this script does. scripts/cluster.sh sources this
+# file for its helpers (apt, python venv, mongod install, waiting) instead.
+main() {
+	ACTION=start
+	FORCE=
+	SERVICES=()
+	if (($#)); then
+		case $1 in
+		start | stop | status) ACTION=$1 && shift ;;
+		-h | --help | help) usage ;;
+		esac
+	fi
+	for a in "$@"; do
+		case $a in
+		--force | -f) FORCE=1 ;;
+		all) SERVICES+=(redis rabbitmq mongo) ;;
+		redis) SERVICES+=(redis) ;;
+		rabbitmq | rabbit | amqp) SERVICES+=(rabbitmq) ;;
+		mongo | mongodb | mongod) SERVICES+=(mongo) ;;
+		*)
+			echo "services: unknown argument: $a" >&2
+			usage
+			;;
+		esac
+	done
+	((${#SERVICES[@]})) || SERVICES=(redis rabbitmq mongo)
+	declare -A WANT=()
+	for s in "${SERVICES[@]}"; do WANT[$s]=1; done
+
+	mkdir -p "$STATE"
+	[[ -e $STATE/.gitignore ]] || echo '*' >"$STATE/.gitignore"
+	if [[ $ACTION != status ]]; then
+		# fd 9 holds the lock; every daemon is started with 9>&- so it does not inherit it
+		exec 9>"$STATE/.lock"
+		if ! flock -n 9; then
+			log "another scripts/services.sh is running; waiting for it"
+			flock -w 900 9 || {
+				log "ERROR: could not get $STATE/.lock"
+				exit 1
+			}
+		fi
+	fi
+
+	case $ACTION in
+	start)
+		# one apt run for the Debian packages that are missing and needed
+		pkgs=()
+		if [[ -n ${WANT[redis]:-} ]] && is_local "${CODEPOOL_REDIS_URL:-}" "$REDIS_PORT" &&
+			! command -v redis-server >/dev/null && ! redis_local_up; then
+			pkgs+=(redis-server)
+		fi
+		if [[ -n ${WANT[rabbitmq]:-} ]] && is_local "${CODEPOOL_AMQP_URL:-}" "$AMQP_PORT" &&
+			! command -v rabbitmq-server >/dev/null && ! rabbit_local_up; then
+			pkgs+=(rabbitmq-server)
+		fi
+		((${#pkgs[@]} < 2)) || apt_install "${pkgs[@]}" || true # retried per service on failure
+
+		# RabbitMQ boots slowly: launch it first, set up the others meanwhile
+		[[ -z ${WANT[rabbitmq]:-} ]] || rabbitmq_launch || true
+		[[ -z ${WANT[redis]:-} ]] || redis_start || true
+		[[ -z ${WANT[mongo]:-} ]] || mongo_start || true
+		[[ -z ${WANT[rabbitmq]:-} ]] || rabbitmq_wait || true
+		;;
+	stop)
+		for s in mongo rabbitmq redis; do
+			[[ -z ${WANT[$s]:-} ]] || "${s}_stop" || true
+		done
+		;;
+	status)
+		for s in redis rabbitmq mongo; do
+			[[ -z ${WANT[$s]:-} ]] || "${s}_status" || true
+		done
 		;;
 	esac
-done
-((${#SERVICES[@]})) || SERVICES=(redis rabbitmq mongo)
-declare -A WANT=()
-for s in "${SERVICES[@]}"; do WANT[$s]=1; done
 
-mkdir -p "$STATE"
-[[ -e $STATE/.gitignore ]] || echo '*' >"$STATE/.gitignore"
-if [[ $ACTION != status ]]; then
-	# fd 9 holds the lock; every daemon is started with 9>&- so it does not inherit it
-	exec 9>"$STATE/.lock"
-	if ! flock -n 9; then
-		log "another scripts/services.sh is running; waiting for it"
-		flock -w 900 9 || {
-			log "ERROR: could not get $STATE/.lock"
-			exit 1
-		}
-	fi
-fi
-
-case $ACTION in
-start)
-	# one apt run for the Debian packages that are missing and needed
-	pkgs=()
-	if [[ -n ${WANT[redis]:-} ]] && is_local "${CODEPOOL_REDIS_URL:-}" "$REDIS_PORT" &&
-		! command -v redis-server >/dev/null && ! redis_local_up; then
-		pkgs+=(redis-server)
-	fi
-	if [[ -n ${WANT[rabbitmq]:-} ]] && is_local "${CODEPOOL_AMQP_URL:-}" "$AMQP_PORT" &&
-		! command -v rabbitmq-server >/dev/null && ! rabbit_local_up; then
-		pkgs+=(rabbitmq-server)
-	fi
-	((${#pkgs[@]} < 2)) || apt_install "${pkgs[@]}" || true # retried per service on failure
-
-	# RabbitMQ boots slowly: launch it first, set up the others meanwhile
-	[[ -z ${WANT[rabbitmq]:-} ]] || rabbitmq_launch || true
-	[[ -z ${WANT[redis]:-} ]] || redis_start || true
-	[[ -z ${WANT[mongo]:-} ]] || mongo_start || true
-	[[ -z ${WANT[rabbitmq]:-} ]] || rabbitmq_wait || true
-	;;
-stop)
-	for s in mongo rabbitmq redis; do
-		[[ -z ${WANT[$s]:-} ]] || "${s}_stop" || true
-	done
-	;;
-status)
 	for s in redis rabbitmq mongo; do
-		[[ -z ${WANT[$s]:-} ]] || "${s}_status" || true
+		[[ -z ${WANT[$s]:-} ]] || printf 'services: %-8s %s\n' "$s" "${RESULT[$s]:-?}"
 	done
-	;;
-esac
+	if ((FAILED)); then
+		[[ $ACTION != start ]] || echo "services: ERROR: not all services are up (details above); rerun: $0 start" >&2
+		exit 1
+	fi
+}
 
-for s in redis rabbitmq mongo; do
-	[[ -z ${WANT[$s]:-} ]] || printf 'services: %-8s %s\n' "$s" "${RESULT[$s]:-?}"
-done
-if ((FAILED)); then
-	[[ $ACTION != start ]] || echo "services: ERROR: not all services are up (details above); rerun: $0 start" >&2
-	exit 1
-fi
+[[ ${BASH_SOURCE[0]} != "$0" ]] || main "$@"

@@ -18,12 +18,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use bson::doc;
-use codepool_broker::Publisher;
 use codepool_domain::{Purchase, SmsPending};
 use futures::TryStreamExt;
 use rand::Rng;
 
-use crate::common::{drain, eventually, purchase, queue_depth, TestEnv, AMQP_URL};
+use crate::common::{
+    drain, eventually, publish_with_retries, purchase, queue_depth, TestEnv, AMQP_URL,
+};
 
 struct Scale {
     orders: usize,
@@ -124,60 +125,6 @@ impl<'a> Dispatchers<'a> {
     }
 }
 
-/// Publishes with confirms, reconnecting and re-sending unconfirmed windows
-/// (purchases are idempotent by order id, so re-sending is safe).
-async fn publish_all(
-    env: &TestEnv,
-    bodies: Vec<(Vec<u8>, Option<String>)>,
-    over: Duration,
-) -> usize {
-    let per_window = 100;
-    let windows = bodies.len().div_ceil(per_window).max(1);
-    let pause = over / windows as u32;
-    let mut reconnects = 0;
-    let mut conn = None;
-    for window in bodies.chunks(per_window) {
-        loop {
-            if conn.is_none() {
-                match codepool_broker::connect(AMQP_URL, "chaos-publisher").await {
-                    Ok(c) => conn = Some(c),
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        continue;
-                    }
-                }
-            }
-            let result = async {
-                let c = conn.as_ref().expect("connected");
-                let publisher = Publisher::new(c, env.topology()).await?;
-                let mut confirms = Vec::new();
-                for (body, id) in window {
-                    confirms.push(
-                        publisher
-                            .publish_purchase_bytes(body, id.as_deref())
-                            .await?,
-                    );
-                }
-                for c in confirms {
-                    c.wait().await?;
-                }
-                Ok::<_, codepool_broker::BrokerError>(())
-            }
-            .await;
-            match result {
-                Ok(()) => break,
-                Err(_) => {
-                    conn = None;
-                    reconnects += 1;
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-            }
-        }
-        tokio::time::sleep(pause).await;
-    }
-    reconnects
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_keeps_every_invariant() {
     let s = scale();
@@ -239,14 +186,14 @@ async fn chaos_keeps_every_invariant() {
     for _ in 0..3 {
         d.spawn();
     }
-    publish_all(&env, invalid, Duration::from_millis(10)).await;
+    publish_with_retries(&env, invalid, Duration::from_millis(10)).await;
 
     let started = Instant::now();
     let publisher = {
         let env_ref: &TestEnv = &env;
         let bodies = bodies.clone();
         let over = Duration::from_secs(s.publish_secs);
-        async move { publish_all(env_ref, bodies, over).await }
+        async move { publish_with_retries(env_ref, bodies, over).await }
     };
     let deadline = started + Duration::from_secs(s.publish_secs + 5);
     let kills = async {

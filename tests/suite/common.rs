@@ -31,9 +31,30 @@ pub fn suffix() -> String {
     format!("{:08x}", rand::random::<u32>())
 }
 
+/// Where a test's servers are: the single-node servers by default, the
+/// replicated ones (`scripts/cluster.sh`) for the failover test.
+#[derive(Debug, Clone)]
+pub struct Servers {
+    pub mongo_uri: String,
+    pub redis_url: String,
+    pub amqp_url: String,
+}
+
+impl Default for Servers {
+    fn default() -> Self {
+        Self {
+            mongo_uri: MONGO_URI.to_owned(),
+            redis_url: REDIS_URL.to_owned(),
+            amqp_url: AMQP_URL.to_owned(),
+        }
+    }
+}
+
 /// One test's private namespace on the shared servers.
 pub struct TestEnv {
     pub name: String,
+    pub mongo_uri: String,
+    pub amqp_url: String,
     pub db: String,
     pub redis_url: String,
     pub redis_prefix: String,
@@ -47,6 +68,15 @@ impl TestEnv {
     }
 
     pub async fn with_redis(test: &str, redis_url: &str) -> Self {
+        let servers = Servers {
+            redis_url: redis_url.to_owned(),
+            ..Servers::default()
+        };
+        Self::on(test, servers).await
+    }
+
+    /// A namespace on `servers`.
+    pub async fn on(test: &str, servers: Servers) -> Self {
         let s = suffix();
         let short: String = test
             .chars()
@@ -54,7 +84,7 @@ impl TestEnv {
             .take(24)
             .collect();
         let db = format!("cpt_{short}_{s}");
-        let store = Store::connect(MONGO_URI, &db)
+        let store = Store::connect(&servers.mongo_uri, &db)
             .await
             .expect("MongoDB must run on 127.0.0.1:27017 (make services)");
         codepool_store::migrate::migrate(&store)
@@ -62,7 +92,9 @@ impl TestEnv {
             .expect("migrate");
         Self {
             name: test.to_owned(),
-            redis_url: redis_url.to_owned(),
+            mongo_uri: servers.mongo_uri,
+            amqp_url: servers.amqp_url,
+            redis_url: servers.redis_url,
             redis_prefix: format!("cpt:{short}:{s}"),
             amqp_prefix: format!("cpt.{short}.{s}."),
             db,
@@ -102,11 +134,11 @@ impl TestEnv {
     pub fn command(&self, args: &[&str]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(bin());
         cmd.args(args)
-            .env("CODEPOOL_MONGODB_URI", MONGO_URI)
+            .env("CODEPOOL_MONGODB_URI", &self.mongo_uri)
             .env("CODEPOOL_DB", &self.db)
             .env("CODEPOOL_REDIS_URL", &self.redis_url)
             .env("CODEPOOL_REDIS_PREFIX", &self.redis_prefix)
-            .env("CODEPOOL_AMQP_URL", AMQP_URL)
+            .env("CODEPOOL_AMQP_URL", &self.amqp_url)
             .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
@@ -139,7 +171,7 @@ impl TestEnv {
     /// Drops the database and this test's queues and exchanges.
     pub async fn cleanup(self) {
         let _ = self.store.drop_database().await;
-        if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
+        if let Ok(conn) = codepool_broker::connect(&self.amqp_url, "cleanup").await {
             if let Ok(ch) = conn.create_channel().await {
                 let t = self.topology();
                 for q in [
@@ -254,6 +286,65 @@ pub async fn publish_confirmed(publisher: &codepool_broker::Publisher, purchases
             .await
             .expect("confirm");
     }
+}
+
+/// Publishes raw purchases with confirms in windows of 100, spread over
+/// `over`, reconnecting (to any node of `env.amqp_url`) and re-sending a
+/// window that was not confirmed: purchases are idempotent by order id, so
+/// re-sending is safe. Returns how many times it reconnected.
+pub async fn publish_with_retries(
+    env: &TestEnv,
+    bodies: Vec<(Vec<u8>, Option<String>)>,
+    over: Duration,
+) -> usize {
+    let per_window = 100;
+    let windows = bodies.len().div_ceil(per_window).max(1);
+    let pause = over / windows as u32;
+    let mut reconnects = 0;
+    let mut conn: Option<lapin::Connection> = None;
+    for window in bodies.chunks(per_window) {
+        loop {
+            let c = match &conn {
+                Some(c) => c,
+                None => match codepool_broker::connect(&env.amqp_url, "test-publisher").await {
+                    Ok(c) => conn.insert(c),
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        continue;
+                    }
+                },
+            };
+            if publish_window(c, env.topology(), window).await.is_ok() {
+                break;
+            }
+            conn = None;
+            reconnects += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    reconnects
+}
+
+async fn publish_window(
+    conn: &lapin::Connection,
+    topology: Topology,
+    window: &[(Vec<u8>, Option<String>)],
+) -> Result<(), codepool_broker::BrokerError> {
+    let publisher = codepool_broker::Publisher::new(conn, topology).await?;
+    let mut confirms = Vec::new();
+    for (body, id) in window {
+        confirms.push(
+            publisher
+                .publish_purchase_bytes(body, id.as_deref())
+                .await?,
+        );
+    }
+    for c in confirms {
+        c.wait().await?;
+    }
+    let _ = publisher.channel().close(200, "window published").await;
+    Ok(())
 }
 
 /// Messages in a queue right now (ready, not unacked).

@@ -272,3 +272,57 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_its_reason() {
+    let env = TestEnv::new("delivery_limit").await;
+    env.fill_pool("limit", 10).await;
+    let mut topology = env.topology();
+    topology.queues.delivery_limit = 2;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
+    topology.declare(publisher.channel()).await.unwrap();
+    let poison = purchase("POISON-1", "limit");
+    publish_confirmed(&publisher, std::slice::from_ref(&poison)).await;
+
+    // Two deliveries that are never settled (as if a dispatcher crashed on it).
+    for _ in 0..2 {
+        let ch = conn.create_channel().await.unwrap();
+        let got = ch
+            .basic_get(
+                &topology.purchases,
+                lapin::options::BasicGetOptions::default(),
+            )
+            .await
+            .unwrap();
+        assert!(got.is_some(), "the purchase is still queued");
+        let _ = ch.close(200, "crashed").await;
+    }
+
+    // The third delivery reaches the limit: dead-lettered with its reason, no code.
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
+    let dispatcher = start_daemon(cmd).await;
+    let ch = conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(30), "the dead letter", || {
+        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    dispatcher.stop().await;
+    let dead = drain(&ch, &topology.purchases_dead).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message_id.as_deref(), Some("POISON-1"));
+    let reason = dead[0].reason.clone().unwrap_or_default();
+    assert!(reason.starts_with("delivery_limit"), "reason: {reason}");
+    let granted = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(doc! {"order_id": "POISON-1"})
+        .await
+        .unwrap();
+    assert_eq!(granted, 0, "a dead-lettered purchase gets no code");
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

@@ -148,6 +148,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         events_exchange,
         code_redeemed,
         purchases_refused,
+        queues: _,
     } = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
     let queues = [

@@ -16,18 +16,31 @@ use lapin::{Connection, ConnectionProperties};
 
 pub use consume::{consume_purchases, subscribe, PurchaseConsumer};
 pub use publisher::{confirmed, PendingConfirm, Publisher};
-pub use topology::Topology;
+pub use topology::{QueueSettings, QueueType, Topology, DEFAULT_DELIVERY_LIMIT};
 
 /// Header that carries why a purchase was dead-lettered.
 pub const REASON_HEADER: &str = "x-codepool-reason";
 
-/// The `x-codepool-reason` of a dead-lettered message, if it has one.
+/// Why a message was dead-lettered: its `x-codepool-reason` (set by the
+/// dispatcher), else the broker's own (`x-first-death-reason`, e.g.
+/// `delivery_limit` when a quorum queue gave up on it, with the queue it
+/// came from).
 pub fn dead_letter_reason(properties: &lapin::BasicProperties) -> Option<String> {
-    let value = properties.headers().as_ref()?.inner().get(REASON_HEADER)?;
-    Some(match value {
-        lapin::types::AMQPValue::LongString(s) => s.to_string(),
-        lapin::types::AMQPValue::ShortString(s) => s.to_string(),
-        other => format!("{other:?}"),
+    let headers = properties.headers().as_ref()?.inner();
+    let text = |key: &str| {
+        Some(match headers.get(key)? {
+            lapin::types::AMQPValue::LongString(s) => s.to_string(),
+            lapin::types::AMQPValue::ShortString(s) => s.to_string(),
+            other => format!("{other:?}"),
+        })
+    };
+    if let Some(reason) = text(REASON_HEADER) {
+        return Some(reason);
+    }
+    let reason = text("x-first-death-reason")?;
+    Some(match text("x-first-death-queue") {
+        Some(queue) => format!("{reason}: dead-lettered by RabbitMQ from queue {queue:?}"),
+        None => format!("{reason}: dead-lettered by RabbitMQ"),
     })
 }
 
@@ -44,6 +57,23 @@ pub enum BrokerError {
     },
     #[error("RabbitMQ topology: {0}")]
     Topology(String),
+    #[error("RabbitMQ queue {queue:?} exists as a {existing} queue, but codepool is set to declare {wanted} queues, and a queue's type cannot change. \
+Either keep {existing} queues: set CODEPOOL_QUEUE_TYPE={existing} (or --queue-type {existing}); \
+or migrate: stop every dispatcher, let {queue:?} drain (or move its messages, e.g. with a shovel), delete it (rabbitmqctl delete_queue {queue}), \
+do the same for codepool's other queues, and start codepool again: it declares {wanted} queues. See docs/scaling.md")]
+    QueueType {
+        queue: String,
+        existing: &'static str,
+        wanted: &'static str,
+    },
+}
+
+impl BrokerError {
+    /// True when retrying cannot help: the broker's topology contradicts
+    /// the configuration until an operator changes one of them.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, BrokerError::QueueType { .. })
+    }
 }
 
 impl From<lapin::Error> for BrokerError {
@@ -90,9 +120,41 @@ pub async fn close(conn: Connection, reason: &str) {
     }
 }
 
-/// Connects to RabbitMQ on the tokio runtime. The vhost comes from the URL
-/// (`amqp://user:pass@host:5672/%2f` is the default vhost `/`).
-pub async fn connect(url: &str, name: &str) -> Result<Connection, BrokerError> {
+/// How long one node may take to accept a connection before the next one
+/// in the list is tried.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Connects to RabbitMQ on the tokio runtime. `urls` is one AMQP URL or a
+/// comma-separated list of the nodes of a cluster: the first node that
+/// answers wins, so after losing a node a reconnect lands on another one.
+/// The vhost comes from the URL (`amqp://user:pass@host:5672/%2f` is the
+/// default vhost `/`).
+pub async fn connect(urls: &str, name: &str) -> Result<Connection, BrokerError> {
+    let nodes: Vec<&str> = urls
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect();
+    let mut failures = Vec::new();
+    for url in &nodes {
+        match connect_one(url, name).await {
+            Ok(conn) => {
+                if !failures.is_empty() {
+                    tracing::info!(node = %redact(url), "connected to another RabbitMQ node");
+                }
+                return Ok(conn);
+            }
+            Err(e) => failures.push(format!("{}: {e}", redact(url))),
+        }
+    }
+    Err(BrokerError::Unavailable(match failures.as_slice() {
+        [] => "no AMQP URL given".to_owned(),
+        [one] => one.clone(),
+        all => format!("no node answered ({})", all.join("; ")),
+    }))
+}
+
+async fn connect_one(url: &str, name: &str) -> Result<Connection, String> {
     let mut props = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
@@ -101,12 +163,41 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection, BrokerError> {
         "product".into(),
         lapin::types::AMQPValue::LongString("codepool".into()),
     );
-    let connect = Connection::connect(url, props);
-    match tokio::time::timeout(std::time::Duration::from_secs(10), connect).await {
+    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)).await {
         Ok(Ok(conn)) => Ok(conn),
-        Ok(Err(e)) => Err(BrokerError::Unavailable(e.to_string())),
-        Err(_) => Err(BrokerError::Unavailable(
-            "connection timed out after 10s".into(),
-        )),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("connection timed out after {CONNECT_TIMEOUT:?}")),
+    }
+}
+
+/// `url` without its password, for logs and errors.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(
+            redact("amqp://guest:guest@127.0.0.1:5701/%2f"),
+            "amqp://guest:***@127.0.0.1:5701/%2f"
+        );
+        assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+    }
+
+    #[tokio::test]
+    async fn an_empty_list_is_an_error_that_says_so() {
+        let e = connect(" , ", "test").await.err().map(|e| e.to_string());
+        assert!(e.is_some_and(|e| e.contains("no AMQP URL")));
     }
 }

@@ -18,7 +18,9 @@ pub struct Config {
     #[arg(long, env = "CODEPOOL_DB", default_value = "codepool", global = true)]
     pub db: String,
 
-    /// Redis URL (hot pool, grant-number counters; never the truth).
+    /// Redis URL (hot pool, grant-number counters; never the truth). A
+    /// comma-separated list of URLs means a Redis Cluster reached through
+    /// any of them.
     #[arg(
         long,
         env = "CODEPOOL_REDIS_URL",
@@ -36,7 +38,9 @@ pub struct Config {
     )]
     pub redis_prefix: String,
 
-    /// AMQP URL of RabbitMQ; the vhost is the URL's path (%2f is "/").
+    /// AMQP URL of RabbitMQ; the vhost is the URL's path (%2f is "/"). A
+    /// comma-separated list names the nodes of a cluster: codepool connects
+    /// to the first that answers and fails over to the others.
     #[arg(
         long,
         env = "CODEPOOL_AMQP_URL",
@@ -49,6 +53,29 @@ pub struct Config {
     /// use it so that runs never share queues).
     #[arg(long, env = "CODEPOOL_AMQP_PREFIX", default_value = "", global = true)]
     pub amqp_prefix: String,
+
+    /// Type of the queues codepool declares: quorum (replicated, with a
+    /// delivery limit) or classic (single node, as before). A queue keeps
+    /// the type it was created with.
+    #[arg(
+        long,
+        env = "CODEPOOL_QUEUE_TYPE",
+        default_value = "quorum",
+        value_parser = ["quorum", "classic"],
+        global = true
+    )]
+    pub queue_type: String,
+
+    /// Quorum queues: deliveries of one purchase without an ack before it
+    /// goes to purchases.dead with reason delivery_limit.
+    #[arg(
+        long,
+        env = "CODEPOOL_DELIVERY_LIMIT",
+        default_value_t = codepool_broker::DEFAULT_DELIVERY_LIMIT,
+        value_parser = clap::value_parser!(u32).range(1..),
+        global = true
+    )]
+    pub delivery_limit: u32,
 
     /// Log format on stderr.
     #[arg(
@@ -69,6 +96,12 @@ pub enum LogFormat {
 
 impl Config {
     pub fn topology(&self) -> codepool_broker::Topology {
-        codepool_broker::Topology::with_prefix(&self.amqp_prefix)
+        let mut topology = codepool_broker::Topology::with_prefix(&self.amqp_prefix);
+        topology.queues = codepool_broker::QueueSettings {
+            // the value parser admits only the two names
+            queue_type: self.queue_type.parse().unwrap_or_default(),
+            delivery_limit: self.delivery_limit,
+        };
+        topology
     }
 }

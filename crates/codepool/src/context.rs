@@ -23,14 +23,13 @@ pub fn hot_pool(cfg: &Config) -> anyhow::Result<HotPool> {
 }
 
 pub fn grant_numbers(cfg: &Config, store: &Store) -> anyhow::Result<Arc<GrantNumbers>> {
-    let client = redis::Client::open(cfg.redis_url.as_str())
-        .context("invalid CODEPOOL_REDIS_URL; use something like redis://127.0.0.1:6379")?;
-    let daily = codepool_sequence::DailyNumbers::new(
-        Some(client),
+    let daily = codepool_sequence::DailyNumbers::from_url(
+        Some(&cfg.redis_url),
         store.database().clone(),
         &cfg.redis_prefix,
         chrono_tz::UTC,
-    );
+    )
+    .context("invalid CODEPOOL_REDIS_URL")?;
     Ok(Arc::new(GrantNumbers::new(daily, store.clone())))
 }
 

@@ -18,8 +18,9 @@ use crate::daemon::Dispatcher;
 use crate::outage::backoff;
 use crate::outbox::Marking;
 use crate::plan::{
-    admit, parse_all, plan_batch, pools_of, settle, to_claim, BatchPlan, Settlement, Step,
+    admit, plan_batch, pools_of, settle, to_claim, BatchPlan, Parsed, Settlement, Step,
 };
+use codepool_domain::{Purchase, PurchaseError};
 
 impl Dispatcher {
     /// Handles one batch of deliveries end to end. Returning early leaves
@@ -83,8 +84,25 @@ impl Dispatcher {
         }
     }
 
+    /// Each delivery's purchase, unless it is invalid or has reached the
+    /// queue's delivery limit (a poison message: dead-lettered with reason
+    /// `delivery_limit` before the broker would drop it without one).
+    fn parse(&self, deliveries: &[Delivery]) -> Vec<Parsed> {
+        let topology = &self.config.topology;
+        deliveries
+            .iter()
+            .map(|d| match topology.over_delivery_limit(&d.properties) {
+                Some(count) => Err(PurchaseError::delivery_limit(
+                    count,
+                    topology.queues.delivery_limit,
+                )),
+                None => Purchase::parse(&d.data),
+            })
+            .collect()
+    }
+
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
-        let parsed = parse_all(deliveries.iter().map(|d| d.data.as_slice()));
+        let parsed = self.parse(deliveries);
         let mut policies = HashMap::new();
         for pool in pools_of(&parsed) {
             if let Some(policy) = self.policies.get(&self.store, pool).await? {

@@ -10,7 +10,7 @@ use codepool_broker::Topology;
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::claim::ClaimEngine;
 use crate::health::Health;
@@ -19,6 +19,9 @@ use crate::outbox::Outbox;
 use crate::policy::PolicyCache;
 use crate::session::SessionEnd;
 use crate::stock::{StockConfig, StockWatch};
+
+/// How often a broker set-up that retrying cannot fix is checked again.
+const PERMANENT_RETRY: Duration = Duration::from_secs(60);
 
 /// How the daemon runs. Defaults suit one dispatcher on a small machine;
 /// the CLI's defaults are these constants, written once.
@@ -128,6 +131,16 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     self.amqp.failed(&reason);
                     attempt = 0;
+                }
+                Err(e) if e.is_permanent() => {
+                    // e.g. a classic queue where quorum queues are configured:
+                    // stay up and unready, say how to fix it, check again later.
+                    self.health.set_amqp(false);
+                    error!(error = %e, "not consuming purchases until this is fixed; checking again every minute");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(PERMANENT_RETRY) => continue,
+                    }
                 }
                 Err(e) => {
                     self.health.set_amqp(false);

@@ -100,6 +100,7 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::InvalidTime,
     RejectReason::UnknownPool,
     RejectReason::DuplicateField,
+    RejectReason::DeliveryLimit,
 ];
 
 /// Describes every metric and registers the unlabelled ones (and dead

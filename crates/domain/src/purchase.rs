@@ -40,6 +40,9 @@ pub enum RejectReason {
     InvalidTime,
     UnknownPool,
     DuplicateField,
+    /// Valid or not, the message was delivered (and not settled) more often
+    /// than the queue's delivery limit allows: a poison message.
+    DeliveryLimit,
 }
 
 impl RejectReason {
@@ -56,6 +59,7 @@ impl RejectReason {
             Self::InvalidTime => "invalid_time",
             Self::UnknownPool => "unknown_pool",
             Self::DuplicateField => "duplicate_field",
+            Self::DeliveryLimit => "delivery_limit",
         }
     }
 }
@@ -82,6 +86,15 @@ impl PurchaseError {
         Self::new(
             RejectReason::UnknownPool,
             format!("pool {pool:?} has no codes; import codes into it with `codepool import FILE --pool {pool}`, then `codepool dead-letters replay`"),
+        )
+    }
+
+    /// The message was delivered `count` times without being settled and
+    /// reached the queue's delivery limit.
+    pub fn delivery_limit(count: u64, limit: u32) -> Self {
+        Self::new(
+            RejectReason::DeliveryLimit,
+            format!("delivered {count} times without being settled (the delivery limit is {limit}); find the cause in the dispatchers' logs (a crash or an outage on every attempt), fix it, then `codepool dead-letters replay --reason delivery_limit`"),
         )
     }
 }

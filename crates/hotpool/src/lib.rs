@@ -11,14 +11,18 @@
 //! returns [`HotPoolError::Unavailable`] quickly and the caller claims
 //! straight from MongoDB. Outages are logged once, not once per call.
 //!
-//! Keys of one pool share a hash tag (`codepool:{game-x}:hot`), so the
-//! module works on a Redis cluster too.
+//! Keys of one pool share a hash tag (`codepool:{game-x}:hot`), so every
+//! pipeline and script stays in one hash slot and the module works on a
+//! Redis Cluster too: give [`HotPool::new`] a comma-separated list of URLs.
+//! A cluster that lost a master (no coverage for a pool's slot) is an outage
+//! like any other for that pool: its claims go to MongoDB.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use codepool_redis::{RedisConnection, RedisTarget};
+use redis::aio::ConnectionManagerConfig;
 use redis::AsyncCommands;
 use tokio::sync::Mutex;
 use tracing::{info, warn};
@@ -43,7 +47,7 @@ pub struct Candidate {
 pub enum HotPoolError {
     #[error("Redis is unavailable ({0}); claims fall back to MongoDB until it is back (check CODEPOOL_REDIS_URL and that redis-server runs)")]
     Unavailable(String),
-    #[error("invalid Redis URL: {0}; use something like redis://127.0.0.1:6379")]
+    #[error("invalid Redis URL: {0}; use something like redis://127.0.0.1:6379 (a comma-separated list for a Redis Cluster)")]
     Config(String),
 }
 
@@ -56,32 +60,35 @@ pub struct RefillLock {
     pub token: String,
 }
 
-/// The Redis hot pools of all pools, behind one connection.
+/// The Redis hot pools of all pools, behind one connection (to one server or
+/// to a Redis Cluster).
 #[derive(Clone)]
 pub struct HotPool {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    client: redis::Client,
+    target: RedisTarget,
     prefix: String,
     conn: Mutex<ConnState>,
     down: AtomicBool,
 }
 
 struct ConnState {
-    conn: Option<ConnectionManager>,
+    conn: Option<RedisConnection>,
     last_attempt: Option<Instant>,
 }
 
 impl HotPool {
-    /// Prepares the hot pool. Does not connect: Redis may be down at start,
-    /// and the daemon must start anyway.
+    /// Prepares the hot pool on `url`: one Redis URL, or several separated
+    /// by commas for a Redis Cluster. Does not connect: Redis may be down at
+    /// start, and the daemon must start anyway.
     pub fn new(url: &str, prefix: &str) -> Result<Self, HotPoolError> {
-        let client = redis::Client::open(url).map_err(|e| HotPoolError::Config(e.to_string()))?;
+        let target =
+            RedisTarget::open(url, OP_TIMEOUT).map_err(|e| HotPoolError::Config(e.to_string()))?;
         Ok(Self {
             inner: Arc::new(Inner {
-                client,
+                target,
                 prefix: prefix.to_owned(),
                 conn: Mutex::new(ConnState {
                     conn: None,
@@ -101,7 +108,7 @@ impl HotPool {
         format!("{}:{{{pool}}}:{what}", self.inner.prefix)
     }
 
-    async fn connection(&self) -> Result<ConnectionManager, HotPoolError> {
+    async fn connection(&self) -> Result<RedisConnection, HotPoolError> {
         let mut state = self.inner.conn.lock().await;
         if let Some(conn) = &state.conn {
             return Ok(conn.clone());
@@ -117,13 +124,11 @@ impl HotPool {
             .set_response_timeout(OP_TIMEOUT)
             .set_number_of_retries(1)
             .set_max_delay(200);
-        let conn = tokio::time::timeout(
-            OP_TIMEOUT * 2,
-            self.inner.client.get_connection_manager_with_config(config),
-        )
-        .await
-        .map_err(|_| HotPoolError::Unavailable("connect timed out".into()))?
-        .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
+        let conn =
+            tokio::time::timeout(OP_TIMEOUT * 2, self.inner.target.connection_manager(config))
+                .await
+                .map_err(|_| HotPoolError::Unavailable("connect timed out".into()))?
+                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
         state.conn = Some(conn.clone());
         Ok(conn)
     }
@@ -131,7 +136,7 @@ impl HotPool {
     /// Runs one Redis call with a deadline and records the outage state.
     async fn run<T, F, Fut>(&self, f: F) -> Result<T, HotPoolError>
     where
-        F: FnOnce(ConnectionManager) -> Fut,
+        F: FnOnce(RedisConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let result = match self.connection().await {

@@ -88,6 +88,7 @@ use std::time::Duration;
 
 use bson::{doc, Document};
 use chrono_tz::Tz;
+use codepool_redis::RedisTarget;
 use mongodb::options::ReturnDocument;
 use mongodb::{Collection, Database};
 
@@ -166,7 +167,12 @@ impl DailyNumbers {
     /// Numbers counted in `redis` (when given) and MongoDB `db`, with Redis
     /// keys under `key_prefix`, days in time zone `tz`. Does no I/O.
     pub fn new(redis: Option<redis::Client>, db: Database, key_prefix: &str, tz: Tz) -> Self {
-        let redis = redis.map(|client| RedisLeases::new(client, KEY_TTL));
+        Self::with_target(redis.map(RedisTarget::Server), db, key_prefix, tz)
+    }
+
+    /// Like [`DailyNumbers::new`] on one Redis server or a Redis Cluster.
+    pub fn with_target(redis: Option<RedisTarget>, db: Database, key_prefix: &str, tz: Tz) -> Self {
+        let redis = redis.map(|target| RedisLeases::new(target, KEY_TTL));
         DailyNumbers {
             counters: counters::collection(&db),
             key_prefix: key_prefix.to_owned(),
@@ -185,22 +191,25 @@ impl DailyNumbers {
         }
     }
 
-    /// Like [`DailyNumbers::new`] with a Redis URL (`None`: MongoDB only).
+    /// Like [`DailyNumbers::new`] with a Redis URL, or a comma-separated
+    /// list of them for a Redis Cluster (`None`: MongoDB only).
     pub fn from_url(
         redis_url: Option<&str>,
         db: Database,
         key_prefix: &str,
         tz: Tz,
     ) -> Result<Self, SequenceError> {
-        let client = redis_url
+        let target = redis_url
             .map(|url| {
-                redis::Client::open(url).map_err(|source| SequenceError::RedisUrl {
-                    url: url.to_owned(),
-                    source,
+                RedisTarget::open(url, DEFAULT_REDIS_TIMEOUT).map_err(|source| {
+                    SequenceError::RedisUrl {
+                        url: url.to_owned(),
+                        source,
+                    }
                 })
             })
             .transpose()?;
-        Ok(Self::new(client, db, key_prefix, tz))
+        Ok(Self::with_target(target, db, key_prefix, tz))
     }
 
     /// Reads the time from `clock` instead of the system clock.

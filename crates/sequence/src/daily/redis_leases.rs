@@ -6,10 +6,15 @@
 //! used) and `run_id` (the Redis server incarnation that last wrote it). One
 //! Lua script reads and writes it atomically; see the parent module for why
 //! this never repeats a number.
+//!
+//! On one server the run id is read once per connection and passed to the
+//! script. On a Redis Cluster the hash lives on whichever master serves its
+//! slot, which changes with failovers without the connection changing, so
+//! the script reads the run id of the server that runs it (`INFO server`).
 
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
+use codepool_redis::{RedisConnection, RedisTarget};
 use redis::AsyncConnectionConfig;
 use tokio::time::Instant;
 
@@ -34,13 +39,16 @@ pub(crate) enum Outcome {
 pub(crate) struct Unavailable(pub String);
 
 /// The issue script. Keys and arguments:
-/// `KEYS[1]` the day's hash; `ARGV` = n, floor, run_id, ttl seconds,
-/// lease start, lease end (`0 0` when no lease is offered).
+/// `KEYS[1]` the day's hash; `ARGV` = n, floor, run_id (empty: this
+/// server's), ttl seconds, lease start, lease end (`0 0` when no lease is offered).
 const ISSUE_SCRIPT: &str = r#"
 local key = KEYS[1]
 local n = tonumber(ARGV[1])
 local floor = tonumber(ARGV[2])
 local run_id = ARGV[3]
+if run_id == '' then
+  run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+end
 local ttl = tonumber(ARGV[4])
 local lease_start = tonumber(ARGV[5])
 local lease_end = tonumber(ARGV[6])
@@ -83,9 +91,9 @@ pub(crate) struct Patience {
     pub retry_after: Duration,
 }
 
-/// One Redis server, with the connection used to reach it.
+/// One Redis server (or a Redis Cluster), with the connection used to reach it.
 pub(crate) struct RedisLeases {
-    client: redis::Client,
+    target: RedisTarget,
     script: redis::Script,
     key_ttl: Duration,
     link: tokio::sync::Mutex<Link>,
@@ -101,15 +109,16 @@ struct Link {
 
 #[derive(Clone)]
 struct Live {
-    conn: MultiplexedConnection,
+    conn: RedisConnection,
+    /// Empty on a cluster: the script asks the server that runs it.
     run_id: String,
     generation: u64,
 }
 
 impl RedisLeases {
-    pub(crate) fn new(client: redis::Client, key_ttl: Duration) -> Self {
+    pub(crate) fn new(target: RedisTarget, key_ttl: Duration) -> Self {
         RedisLeases {
-            client,
+            target,
             script: redis::Script::new(ISSUE_SCRIPT),
             key_ttl,
             link: tokio::sync::Mutex::new(Link::default()),
@@ -193,17 +202,14 @@ impl RedisLeases {
         }
     }
 
-    async fn connect(
-        &self,
-        timeout: Duration,
-    ) -> redis::RedisResult<(MultiplexedConnection, String)> {
+    async fn connect(&self, timeout: Duration) -> redis::RedisResult<(RedisConnection, String)> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(timeout)
             .set_response_timeout(timeout);
-        let mut conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
+        let mut conn = self.target.multiplexed(&config).await?;
+        if self.target.is_cluster() {
+            return Ok((conn, String::new()));
+        }
         let info: String = redis::cmd("INFO")
             .arg("server")
             .query_async(&mut conn)
