@@ -31,6 +31,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0005_backorders_fifo_index",
         include_str!("../../../migrations/0005_backorders_fifo_index.json"),
     ),
+    (
+        "0006_codes_encrypted",
+        include_str!("../../../migrations/0006_codes_encrypted.json"),
+    ),
 ];
 
 /// What a migration run did.

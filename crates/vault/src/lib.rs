@@ -43,7 +43,9 @@ pub enum VaultError {
     Missing { path: String },
     #[error("cannot use key file {path}: {message}")]
     Io { path: String, message: String },
-    #[error("{path} is not a codepool key file ({message}); restore the key file from your backup")]
+    #[error(
+        "{path} is not a codepool key file ({message}); restore the key file from your backup"
+    )]
     Invalid { path: String, message: String },
     #[error("key file {path} can be read by other users (mode {mode:o}); run `chmod 600 {path}`")]
     Permissions { path: String, mode: u32 },
@@ -51,6 +53,8 @@ pub enum VaultError {
     Exists { path: String },
     #[error("key {0:?} is used in the database but missing from the key file; restore the key file that holds it from your backup")]
     UnknownKey(String),
+    #[error("the key file's HMAC key does not match the codes in the database: this key file is not the one the database was created with; point CODEPOOL_KEY_FILE at the right one")]
+    WrongHmacKey,
     #[error("key {key_id:?} does not decrypt the stored codes: this key file is not the one the database was encrypted with; point CODEPOOL_KEY_FILE at the right one")]
     Decrypt { key_id: String },
 }
@@ -246,7 +250,11 @@ mod tests {
         let old = ring.seal(b"a", "X");
         assert_eq!(ring.add_key(), "k2");
         assert_eq!(ring.active_id(), "k2");
-        assert_eq!(ring.code_hmac("p", "QWER"), h, "rotation keeps the HMAC key");
+        assert_eq!(
+            ring.code_hmac("p", "QWER"),
+            h,
+            "rotation keeps the HMAC key"
+        );
         assert_eq!(ring.open("k1", b"a", &old.bytes).unwrap(), "X");
         assert_eq!(ring.seal(b"a", "X").key_id, "k2");
     }
