@@ -14,7 +14,7 @@ use codepool_broker::Topology;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_domain::Purchase;
 use codepool_hotpool::HotPool;
-use codepool_store::{NewCode, ObjectId, Store};
+use codepool_store::{CodeKeys, NewCode, ObjectId, Store};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 
 pub const MONGO_URI: &str = "mongodb://127.0.0.1:27017/?directConnection=true";
@@ -39,6 +39,9 @@ pub struct TestEnv {
     pub redis_prefix: String,
     pub amqp_prefix: String,
     pub store: Store,
+    /// This test's key file (`CODEPOOL_KEY_FILE` of every child process).
+    pub key_file: std::path::PathBuf,
+    _key_dir: Arc<tempfile::TempDir>,
 }
 
 impl TestEnv {
@@ -60,7 +63,13 @@ impl TestEnv {
         codepool_store::migrate::migrate(&store)
             .await
             .expect("migrate");
+        let key_dir = tempfile::tempdir().expect("a temporary folder");
+        let key_file = key_dir.path().join("keys.json");
+        let ring = codepool_vault::keyfile::init(&key_file).expect("key file");
+        let store = store.with_keys(CodeKeys::new(ring, Some(key_file.clone())));
         Self {
+            key_file,
+            _key_dir: Arc::new(key_dir),
             name: test.to_owned(),
             redis_url: redis_url.to_owned(),
             redis_prefix: format!("cpt:{short}:{s}"),
@@ -98,6 +107,18 @@ impl TestEnv {
         )
     }
 
+    /// The filter that finds `code` in `pool` (by its HMAC).
+    pub fn code_filter(&self, pool: &str, code: &str) -> bson::Document {
+        self.store.code_filter(pool, code).expect("keys")
+    }
+
+    /// The plaintext code of a raw `codes` document, decrypted with this
+    /// test's keys.
+    pub fn plain_code(&self, d: &bson::Document) -> String {
+        let doc: codepool_store::CodeDoc = bson::from_document(d.clone()).expect("a code document");
+        doc.into_code(self.store.keys()).expect("decrypts").code
+    }
+
     /// Environment for a `codepool` child process in this namespace.
     pub fn command(&self, args: &[&str]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(bin());
@@ -108,6 +129,7 @@ impl TestEnv {
             .env("CODEPOOL_REDIS_PREFIX", &self.redis_prefix)
             .env("CODEPOOL_AMQP_URL", AMQP_URL)
             .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
+            .env("CODEPOOL_KEY_FILE", &self.key_file)
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
         cmd

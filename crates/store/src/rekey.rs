@@ -74,14 +74,29 @@ impl Store {
 
     /// Whether any code is still stored in plaintext.
     pub async fn has_plaintext(&self) -> Result<bool, StoreError> {
-        Ok(self.count_plaintext(Some(1)).await? > 0)
+        Ok(self.count_plaintext(None, Some(1)).await? > 0)
     }
 
-    /// Codes still stored in plaintext (at most `limit` counted).
-    pub async fn count_plaintext(&self, limit: Option<u64>) -> Result<u64, StoreError> {
+    /// Whether a code of `pool` is still stored in plaintext: importing
+    /// into it now could store a code twice (plaintext and sealed).
+    pub async fn pool_has_plaintext(&self, pool: &str) -> Result<bool, StoreError> {
+        Ok(self.count_plaintext(Some(pool), Some(1)).await? > 0)
+    }
+
+    /// Codes still stored in plaintext, in `pool` or in every pool (at most
+    /// `limit` counted).
+    pub async fn count_plaintext(
+        &self,
+        pool: Option<&str>,
+        limit: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let mut filter = plaintext_filter();
+        if let Some(p) = pool {
+            filter.insert("pool", p);
+        }
         let codes = self.collection(CODES);
         let mut count = codes
-            .count_documents(plaintext_filter())
+            .count_documents(filter)
             .hint(Hint::Name(PLAINTEXT_INDEX.into()));
         if let Some(l) = limit {
             count = count.limit(l);

@@ -61,8 +61,8 @@ pub struct ImportArgs {
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     store.keys().ring()?;
-    if store.has_plaintext().await? {
-        anyhow::bail!("this database still holds codes in plaintext; run `codepool migrate` to encrypt them first, then import again (a plaintext and an encrypted copy of one code would not be recognised as duplicates)");
+    if store.pool_has_plaintext(&args.pool).await? {
+        anyhow::bail!("pool {:?} still holds codes in plaintext; run `codepool migrate` to encrypt them first, then import again (a plaintext and an encrypted copy of one code would not be recognised as duplicates)", args.pool);
     }
     let interrupt = Interrupt::on_signals();
     let options = ImportOptions {

@@ -37,7 +37,7 @@ pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
         cfg.db
     );
     let store = store.with_keys(crate::context::code_keys(cfg)?);
-    let plaintext = store.count_plaintext(None).await?;
+    let plaintext = store.count_plaintext(None, None).await?;
     if plaintext == 0 {
         return Ok(crate::exit::OK);
     }
