@@ -10,3 +10,4 @@ mod hostile_input;
 mod hotpool;
 mod importer;
 mod ops;
+mod secrets;
