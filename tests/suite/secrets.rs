@@ -442,3 +442,146 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
     );
     env.cleanup().await;
 }
+
+/// The reveal records in `audit`.
+async fn audit_records(env: &TestEnv) -> Vec<Document> {
+    env.store
+        .database()
+        .collection::<Document>("audit")
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn secrets_codes_show_masked_unless_revealed_and_every_reveal_is_audited() {
+    let env = TestEnv::new("secrets_reveal").await;
+    let codes = env.fill_pool("rv", 40).await;
+    let engine = env.engine();
+    let buyers: Vec<_> = (0..10)
+        .map(|i| purchase(&format!("RV-{i}"), "rv"))
+        .collect();
+    engine
+        .claim_batch(&buyers.iter().collect::<Vec<_>>())
+        .await
+        .unwrap();
+    let (_, out, _) = codepool(&env, &["lookup", "--pool", "rv", "--json"]).await;
+    assert!(!codes.iter().any(|c| out.contains(c.as_str())), "{out}");
+    assert!(audit_records(&env).await.is_empty(), "no reveal, no record");
+
+    let (code, out, err) = codepool(&env, &["lookup", "--order", "RV-3", "--reveal"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(codes.iter().any(|c| out.contains(c.as_str())), "{out}");
+    let audit = audit_records(&env).await;
+    assert_eq!(audit.len(), 1);
+    let a = &audit[0];
+    assert_eq!(a.get_str("command").unwrap(), "lookup --reveal");
+    assert!(a.get_str("what").unwrap().contains("RV-3"));
+    assert!(!a.get_str("os_user").unwrap().is_empty() && !a.get_str("host").unwrap().is_empty());
+    assert!(a.get_datetime("at").is_ok());
+    assert_eq!(a.get_array("code_ids").unwrap().len(), 1);
+
+    // export: masked by default, clear with --reveal (audited), mode 0600.
+    let dir = tempfile::tempdir().unwrap();
+    let masked = dir.path().join("masked.csv");
+    let (code, out, err) = codepool(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "rv",
+            "--status",
+            "issued",
+            "--out",
+            masked.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let text = std::fs::read_to_string(&masked).unwrap();
+    assert_eq!(text.lines().count(), 11, "{text}");
+    assert!(!codes.iter().any(|c| text.contains(c.as_str())), "{text}");
+    let clear = dir.path().join("clear.csv");
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "rv",
+            "--status",
+            "unissued,issued",
+            "--reveal",
+            "--out",
+            clear.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&clear).unwrap();
+    assert!(codes.iter().all(|c| text.contains(c.as_str())));
+    let mode = std::fs::metadata(&clear).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let audit = audit_records(&env).await;
+    assert_eq!(audit.len(), 2);
+    assert_eq!(audit[1].get_str("command").unwrap(), "export --reveal");
+    assert_eq!(audit[1].get_i64("count").unwrap(), 40);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn secrets_help_never_prints_credentials_from_the_environment() {
+    let env = TestEnv::new("secrets_help").await;
+    for cmd in [
+        &["stats", "--help"][..],
+        &["--help"],
+        &["dispatch", "--help"],
+    ] {
+        let out = env
+            .command(cmd)
+            .env(
+                "CODEPOOL_MONGODB_URI",
+                "mongodb://admin:m0ngoS3cret@db:27017",
+            )
+            .env("CODEPOOL_AMQP_URL", "amqp://app:rabb1tS3cret@mq:5672/%2f")
+            .env("CODEPOOL_REDIS_URL", "redis://:red1sS3cret@cache:6379")
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("CODEPOOL_AMQP_URL"), "{text}");
+        for secret in ["m0ngoS3cret", "rabb1tS3cret", "red1sS3cret"] {
+            assert!(!text.contains(secret), "{cmd:?} printed {secret}");
+        }
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn secrets_keys_init_writes_a_private_file_and_never_overwrites_one() {
+    let env = TestEnv::new("secrets_init").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("conf/keys.json");
+    let init = |p: &std::path::Path| {
+        let mut cmd = env.command(&["keys", "init"]);
+        cmd.env("CODEPOOL_KEY_FILE", p);
+        cmd
+    };
+    let out = init(&path).output().await.unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("back it up"));
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let before = std::fs::read(&path).unwrap();
+    let out = init(&path).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("never overwrites"));
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the key file is untouched"
+    );
+    env.cleanup().await;
+}
