@@ -45,7 +45,7 @@ async fn code_doc(store: &Store, pool: &str, code: &str) -> CodeDoc {
     store
         .database()
         .collection::<CodeDoc>("codes")
-        .find_one(store.code_filter(pool, code).expect("keys"))
+        .find_one(store.code_filter(pool, code).await.expect("keys"))
         .await
         .expect("find")
         .expect("the code exists")

@@ -408,6 +408,9 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
     .await;
     assert_eq!(code, 1);
     assert!(err.contains("codepool migrate"), "{err}");
+    // Before the migration, a plaintext code is still found by value.
+    let (code, out, err) = codepool(&env, &["lookup", "--pool", "old", "--code", &codes[7]]).await;
+    assert_eq!(code, 0, "{out}{err}");
 
     let engine = env.engine();
     let claiming = async {

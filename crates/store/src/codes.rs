@@ -570,7 +570,7 @@ impl Store {
         let filter = match query {
             CodeQuery::Order(o) => doc! {"order_id": *o},
             CodeQuery::Uid(u) => doc! {"uid": *u},
-            CodeQuery::Code { pool, code } => self.code_filter(pool, code)?,
+            CodeQuery::Code { pool, code } => self.code_filter(pool, code).await?,
             CodeQuery::GrantsOf(pool) => doc! {"pool": *pool, "order_id": {"$type": "string"}},
         };
         let docs: Vec<CodeDoc> = self

@@ -118,16 +118,16 @@ pub fn sealed_fields(ring: &Keyring, pool: &str, id: ObjectId, code: &str) -> Do
     }
 }
 
-/// The filter that finds `code` in `pool`: by its HMAC, or by plaintext
-/// in a document `codepool migrate` has not sealed yet.
-pub fn code_filter(ring: &Keyring, pool: &str, code: &str) -> Document {
-    doc! {
-        "pool": pool,
-        "$or": [
-            {"code_hmac": binary(ring.code_hmac(pool, code).to_vec())},
-            {"code": code},
-        ],
+/// The filter that finds `code` in `pool` by its HMAC; with `plaintext`,
+/// also in a document `codepool migrate` has not sealed yet.
+pub fn code_filter(ring: &Keyring, pool: &str, code: &str, plaintext: bool) -> Document {
+    let hmac = doc! {"code_hmac": binary(ring.code_hmac(pool, code).to_vec())};
+    if !plaintext {
+        let mut filter = doc! {"pool": pool};
+        filter.extend(hmac);
+        return filter;
     }
+    doc! {"pool": pool, "$or": [hmac, {"code": code}]}
 }
 
 /// Opens a stored code: `code_enc` under `key_id`, or a legacy plaintext.
@@ -162,8 +162,42 @@ impl crate::Store {
         &self.keys
     }
 
-    /// The filter that finds `code` in `pool` (see [`code_filter`]).
-    pub fn code_filter(&self, pool: &str, code: &str) -> Result<Document, StoreError> {
-        Ok(code_filter(&*self.keys.ring()?, pool, code))
+    /// The filter that finds `code` in `pool` (see [`code_filter`]). The
+    /// plaintext is only sent to MongoDB while the pool still holds
+    /// plaintext codes (before `codepool migrate`), so it never lands in a
+    /// server log otherwise.
+    pub async fn code_filter(&self, pool: &str, code: &str) -> Result<Document, StoreError> {
+        let ring = self.keys.ring()?;
+        let plaintext = self.pool_has_plaintext(pool).await?;
+        Ok(code_filter(&ring, pool, code, plaintext))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lookup_filter_carries_the_plaintext_only_while_plaintext_is_stored() {
+        let ring = Keyring::generate();
+        let sealed_only = code_filter(&ring, "p", "QWER-1234", false).to_string();
+        assert!(!sealed_only.contains("QWER-1234"), "{sealed_only}");
+        let during_migration = code_filter(&ring, "p", "QWER-1234", true).to_string();
+        assert!(during_migration.contains("QWER-1234"));
+    }
+
+    #[test]
+    fn sealed_fields_hold_no_plaintext_and_open_with_the_same_aad() {
+        let ring = Keyring::generate();
+        let id = ObjectId::new();
+        let fields = sealed_fields(&ring, "p", id, "QWER-1234");
+        let Some(Bson::Binary(enc)) = fields.get("code_enc") else {
+            panic!("no code_enc in {fields}");
+        };
+        assert!(!enc.bytes.windows(9).any(|w| w == b"QWER-1234"));
+        let keys = CodeKeys::new(ring, None);
+        let code = open_code(&keys, "p", id, Some(("k1", &enc.bytes)), None).unwrap();
+        assert_eq!(code, "QWER-1234");
+        assert!(open_code(&keys, "q", id, Some(("k1", &enc.bytes)), None).is_err());
     }
 }

@@ -41,9 +41,9 @@ pub enum CodeRef<'a> {
 
 impl CodeRef<'_> {
     /// The filter that finds the code: by its HMAC when named by value.
-    fn filter(&self, store: &Store) -> Result<Document, StoreError> {
+    async fn filter(&self, store: &Store) -> Result<Document, StoreError> {
         match self {
-            CodeRef::Code { pool, code } => store.code_filter(pool, code),
+            CodeRef::Code { pool, code } => store.code_filter(pool, code).await,
             CodeRef::Order(order) => Ok(doc! {"order_id": *order}),
         }
     }
@@ -169,7 +169,7 @@ fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError 
 impl Store {
     async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
         self.typed::<CodeDoc>(CODES)
-            .find_one(target.filter(self)?)
+            .find_one(target.filter(self).await?)
             .await?
             .map(|d| d.into_code(&self.keys))
             .transpose()
@@ -184,7 +184,7 @@ impl Store {
         transition: Transition,
         update: Document,
     ) -> Result<Option<Code>, StoreError> {
-        let mut filter = target.filter(self)?;
+        let mut filter = target.filter(self).await?;
         filter.insert("status", doc! {"$in": transition.from_codes()});
         self.typed::<CodeDoc>(CODES)
             .find_one_and_update(filter, update)

@@ -20,7 +20,7 @@ use futures::TryStreamExt;
 use mongodb::options::Hint;
 
 use crate::codes::{CodeDoc, CODES};
-use crate::crypto::{binary, code_aad, sealed_fields};
+use crate::crypto::{binary, code_aad, open_code, sealed_fields};
 use crate::{durable_doc, Store, StoreError};
 
 /// The partial index over documents that still hold a plaintext `code`.
@@ -59,10 +59,17 @@ impl Store {
                 .find_one(doc! {"key_id": id})
                 .await?;
             if let Some(d) = sample {
-                let stored = d.code_hmac.as_ref().map(|b| b.bytes.clone());
-                let pool = d.pool.clone();
-                let code = d.into_code(&self.keys)?;
-                if stored.as_deref() != Some(&ring.code_hmac(&pool, &code.code)[..]) {
+                let (Some(enc), Some(stored)) = (&d.code_enc, &d.code_hmac) else {
+                    return Err(StoreError::Corrupt {
+                        collection: CODES.into(),
+                        message: format!(
+                            "code {} has key_id {id:?} but no code_enc or code_hmac",
+                            d.id
+                        ),
+                    });
+                };
+                let code = open_code(&self.keys, &d.pool, d.id, Some((id, &enc.bytes)), None)?;
+                if stored.bytes[..] != ring.code_hmac(&d.pool, &code)[..] {
                     return Err(VaultError::WrongHmacKey.into());
                 }
             }
