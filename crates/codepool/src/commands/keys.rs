@@ -1,9 +1,11 @@
 //! `codepool keys`: the key file that encrypts codes at rest, and moving
 //! codes from one key to the next.
 
+use std::future::Future;
 use std::io::IsTerminal;
 
 use clap::{Args, Subcommand};
+use codepool_store::StoreError;
 use codepool_vault::keyfile;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -86,22 +88,46 @@ pub fn progress(total: u64, what: &str) -> ProgressBar {
     bar
 }
 
-async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
-    let store = crate::context::store(cfg).await?;
-    store.check_keys().await?;
-    let ring = store.keys().ring()?;
-    let total = store.count_to_rotate().await?;
-    let bar = progress(total, "re-encrypting");
+/// Runs `batch` until it changes nothing and `more` says none is left,
+/// with a progress bar of `total`; returns how many documents changed.
+pub async fn in_batches<B, BF, M, MF>(
+    what: &str,
+    total: u64,
+    mut batch: B,
+    mut more: M,
+) -> Result<u64, StoreError>
+where
+    B: FnMut() -> BF,
+    BF: Future<Output = Result<u64, StoreError>>,
+    M: FnMut() -> MF,
+    MF: Future<Output = Result<bool, StoreError>>,
+{
+    let bar = progress(total, what);
     let mut done = 0;
     loop {
-        let n = store.rotate_batch(batch).await?;
-        if n == 0 && store.count_to_rotate().await? == 0 {
+        let n = batch().await?;
+        if n == 0 && !more().await? {
             break;
         }
         done += n;
         bar.inc(n);
     }
     bar.finish_and_clear();
+    Ok(done)
+}
+
+async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
+    let store = crate::context::store(cfg).await?;
+    store.check_keys().await?;
+    let ring = store.keys().ring()?;
+    let total = store.count_to_rotate().await?;
+    let done = in_batches(
+        "re-encrypting",
+        total,
+        || store.rotate_batch(batch),
+        || async { Ok(store.count_to_rotate().await? > 0) },
+    )
+    .await?;
     println!(
         "re-encrypted {done} code(s) under key {}; every code now uses it",
         ring.active_id()

@@ -46,17 +46,13 @@ pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
             "{plaintext} code(s) are stored in plaintext and need a key to be encrypted: {e}"
         )
     })?;
-    let bar = super::keys::progress(plaintext, "encrypting");
-    let mut sealed = 0;
-    loop {
-        let n = store.seal_plaintext_batch(args.batch_size).await?;
-        if n == 0 && !store.has_plaintext().await? {
-            break;
-        }
-        sealed += n;
-        bar.inc(n);
-    }
-    bar.finish_and_clear();
+    let sealed = super::keys::in_batches(
+        "encrypting",
+        plaintext,
+        || store.seal_plaintext_batch(args.batch_size),
+        || store.has_plaintext(),
+    )
+    .await?;
     println!("encrypted {sealed} plaintext code(s) in place; no plaintext code is left");
     Ok(crate::exit::OK)
 }
