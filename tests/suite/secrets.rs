@@ -271,6 +271,16 @@ async fn secrets_a_wrong_missing_or_outdated_key_file_consumes_nothing() {
     let (code, err) = dispatch_with_key_file(&env, &wrong).await;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not the one"), "{err}");
+    // Nor does an import seal codes with it.
+    let f = csv_of(&secret_codes(30)[25..]);
+    let out = env
+        .command(&["import", f.path().to_str().unwrap(), "--pool", "wk"])
+        .env("CODEPOOL_KEY_FILE", &wrong)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not the one"));
 
     // A key added (and used) after this copy was taken: k2 is missing.
     let outdated = copy_key_file(&env, "outdated.json");
