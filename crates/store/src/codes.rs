@@ -3,7 +3,8 @@
 //! The one operation that decides ownership is [`Store::claim_candidates`]:
 //! a batch of conditional updates `{_id, status: 0} → status 1` in a single
 //! journaled command. The unique partial index on `order_id` makes "one code
-//! per order" a database guarantee.
+//! per order" a database guarantee. Codes are stored sealed and found by
+//! their HMAC ([`crate::crypto`]); [`CodeDoc::into_code`] opens them.
 
 use std::collections::HashMap;
 
@@ -284,8 +285,10 @@ impl Store {
 
     /// Inserts a batch of new codes (status 0, increasing `seq`), unordered.
     /// Codes already in the pool are counted as duplicates, never inserted
-    /// twice. `batch_id` ties the codes to their import run, which makes a
-    /// retried batch count exactly.
+    /// twice: the unique index is on `(pool, code_hmac)`. Each code is stored
+    /// sealed under the active key ([`crate::crypto`]), never in plaintext.
+    /// `batch_id` ties the codes to their import run, which makes a retried
+    /// batch count exactly.
     pub async fn insert_codes(
         &self,
         pool: &str,
