@@ -39,13 +39,17 @@ pub struct CryptoBenchArgs {
     pub json: bool,
 }
 
-/// Nanoseconds per code of `f` over `n` codes.
-fn per_code(n: usize, mut f: impl FnMut(usize)) -> f64 {
-    let started = Instant::now();
+/// Nanoseconds per code of `f` over `n` codes: (wall, CPU of this
+/// process). On a loaded machine wall time includes waiting for a core;
+/// CPU time is the work itself (10 ms resolution, so `n` must be large).
+fn per_code(n: usize, mut f: impl FnMut(usize)) -> (f64, f64) {
+    let cpu = || super::cpu_seconds(std::process::id()).unwrap_or(0.0);
+    let (started, cpu_before) = (Instant::now(), cpu());
     for i in 0..n {
         f(i);
     }
-    started.elapsed().as_nanos() as f64 / n as f64
+    let wall = started.elapsed().as_nanos() as f64 / n as f64;
+    (wall, (cpu() - cpu_before) * 1e9 / n as f64)
 }
 
 /// A measured rate from an earlier report, if that report is there.
@@ -75,17 +79,17 @@ pub fn run(args: CryptoBenchArgs, out_dir: &Path) -> anyhow::Result<()> {
     let codes: Vec<String> = (0..n)
         .map(|i| format!("BN{:04X}-{i:011}", i & 0xFFFF))
         .collect();
-    let seal_ns = per_code(n, |i| {
+    let (seal_ns, seal_cpu) = per_code(n, |i| {
         black_box(sealed_fields(&ring, "bench", ids[i], &codes[i]));
     });
     let sealed: Vec<Vec<u8>> = (0..n)
         .map(|i| ring.seal(&code_aad("bench", ids[i]), &codes[i]).bytes)
         .collect();
-    let open_ns = per_code(n, |i| {
+    let (open_ns, open_cpu) = per_code(n, |i| {
         let aad = code_aad("bench", ids[i]);
         black_box(ring.open("k1", &aad, &sealed[i]).ok());
     });
-    let hmac_ns = per_code(n, |i| {
+    let (hmac_ns, _) = per_code(n, |i| {
         black_box(ring.code_hmac("bench", &codes[i]));
     });
     let import = rate(out_dir, "import.json", |v| {
@@ -99,8 +103,11 @@ pub fn run(args: CryptoBenchArgs, out_dir: &Path) -> anyhow::Result<()> {
         "codes": n,
         "cipher": "XChaCha20-Poly1305 (random 24-byte nonce, AAD pool+_id) + HMAC-SHA-256",
         "ns_per_code": {"import_seal_and_hmac": seal_ns, "hmac_alone": hmac_ns, "dispatch_open": open_ns},
+        "cpu_ns_per_code": {"import_seal_and_hmac": seal_cpu, "dispatch_open": open_cpu},
         "import": bound(import, seal_ns),
         "dispatch": bound(dispatch, open_ns),
+        "import_by_cpu_time": bound(import, seal_cpu),
+        "dispatch_by_cpu_time": bound(dispatch, open_cpu),
         "target": 0.9,
         "note": "ratio = 1 - measured_rate x crypto_time_per_code: the bound if all crypto were serial on the critical path; import.json / dispatch.json must come from the same run (make bench runs crypto last)",
     });
@@ -109,14 +116,19 @@ pub fn run(args: CryptoBenchArgs, out_dir: &Path) -> anyhow::Result<()> {
         println!("{rendered}");
     } else {
         println!("encryption at rest, per code over {n} codes:");
-        println!("  import:   seal + HMAC  {seal_ns:>8.0} ns (HMAC alone {hmac_ns:.0} ns)");
-        println!("  dispatch: open         {open_ns:>8.0} ns");
-        for (name, r, ns) in [("import", import, seal_ns), ("dispatch", dispatch, open_ns)] {
+        println!("  import:   seal + HMAC  {seal_ns:>8.0} ns wall, {seal_cpu:>6.0} ns CPU (HMAC alone {hmac_ns:.0} ns)");
+        println!("  dispatch: open         {open_ns:>8.0} ns wall, {open_cpu:>6.0} ns CPU");
+        let cases = [
+            ("import", import, seal_ns, seal_cpu),
+            ("dispatch", dispatch, open_ns, open_cpu),
+        ];
+        for (name, r, ns, cpu) in cases {
             match r {
                 Some(r) => println!(
-                    "  {name}: measured {r:.0}/s with encryption; without it at most {:.0}/s; ratio >= {:.3} (target 0.9)",
+                    "  {name}: measured {r:.0}/s with encryption; without it at most {:.0}/s; ratio >= {:.3} by wall time, {:.3} by CPU time (target 0.9)",
                     1.0 / (1.0 / r - ns * 1e-9),
-                    1.0 - r * ns * 1e-9
+                    1.0 - r * ns * 1e-9,
+                    1.0 - r * cpu * 1e-9
                 ),
                 None => println!("  {name}: no {name}.json in {} yet (run `codepool-bench {name}` first)", out_dir.display()),
             }
