@@ -22,7 +22,7 @@ SEQ_IDS=${SEQ_IDS:-4000}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch import seq)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=target/release/codepool-bench
@@ -35,8 +35,9 @@ for b in "${which[@]}"; do
 	dispatch) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
+	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, import, seq)" >&2
+		echo "unknown benchmark $b (claim, dispatch, import, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

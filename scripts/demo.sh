@@ -15,6 +15,17 @@ export RUST_LOG=${RUST_LOG:-warn}
 LOG=$(mktemp -t codepool-demo.XXXXXX.log)
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
+# Codes are encrypted at rest: the demo keeps its own key file, created on
+# the first run (a real deployment runs `codepool keys init` once and backs
+# the file up: losing it loses the codes).
+export CODEPOOL_KEY_FILE=${CODEPOOL_KEY_FILE:-$ROOT/.services/demo-keys.json}
+step "key file $CODEPOOL_KEY_FILE"
+if [ -f "$CODEPOOL_KEY_FILE" ]; then
+  echo "present (created by an earlier run)"
+else
+  "$BIN" keys init
+fi
+
 step "migrate (database $CODEPOOL_DB)"
 "$BIN" migrate
 
@@ -69,6 +80,9 @@ step "SMS-pending events waiting for the SMS service (queue ${CODEPOOL_AMQP_PREF
 
 step "stock"
 "$BIN" stats --pool demo
+
+step "codes per encryption key"
+"$BIN" keys status
 
 step "stop the dispatcher (SIGTERM)"
 kill -TERM $DISPATCHER

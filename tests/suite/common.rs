@@ -14,7 +14,7 @@ use codepool_broker::Topology;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_domain::Purchase;
 use codepool_hotpool::HotPool;
-use codepool_store::{NewCode, ObjectId, Store};
+use codepool_store::{CodeKeys, NewCode, ObjectId, Store};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 
 pub const MONGO_URI: &str = "mongodb://127.0.0.1:27017/?directConnection=true";
@@ -60,6 +60,9 @@ pub struct TestEnv {
     pub redis_prefix: String,
     pub amqp_prefix: String,
     pub store: Store,
+    /// This test's key file (`CODEPOOL_KEY_FILE` of every child process).
+    pub key_file: std::path::PathBuf,
+    _key_dir: Arc<tempfile::TempDir>,
 }
 
 impl TestEnv {
@@ -90,7 +93,13 @@ impl TestEnv {
         codepool_store::migrate::migrate(&store)
             .await
             .expect("migrate");
+        let key_dir = tempfile::tempdir().expect("a temporary folder");
+        let key_file = key_dir.path().join("keys.json");
+        let ring = codepool_vault::keyfile::init(&key_file).expect("key file");
+        let store = store.with_keys(CodeKeys::new(ring, Some(key_file.clone())));
         Self {
+            key_file,
+            _key_dir: Arc::new(key_dir),
             name: test.to_owned(),
             mongo_uri: servers.mongo_uri,
             amqp_url: servers.amqp_url,
@@ -130,6 +139,19 @@ impl TestEnv {
         )
     }
 
+    /// The filter that finds `code` in `pool` (by its HMAC).
+    pub fn code_filter(&self, pool: &str, code: &str) -> bson::Document {
+        let ring = self.store.keys().ring().expect("keys");
+        codepool_store::crypto::code_filter(&ring, pool, code, false)
+    }
+
+    /// The plaintext code of a raw `codes` document, decrypted with this
+    /// test's keys.
+    pub fn plain_code(&self, d: &bson::Document) -> String {
+        let doc: codepool_store::CodeDoc = bson::from_document(d.clone()).expect("a code document");
+        doc.into_code(self.store.keys()).expect("decrypts").code
+    }
+
     /// Environment for a `codepool` child process in this namespace.
     pub fn command(&self, args: &[&str]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(bin());
@@ -140,6 +162,7 @@ impl TestEnv {
             .env("CODEPOOL_REDIS_PREFIX", &self.redis_prefix)
             .env("CODEPOOL_AMQP_URL", &self.amqp_url)
             .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
+            .env("CODEPOOL_KEY_FILE", &self.key_file)
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
         cmd

@@ -11,3 +11,4 @@ mod hotpool;
 mod importer;
 mod ops;
 mod policies;
+mod secrets;

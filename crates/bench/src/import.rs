@@ -243,7 +243,10 @@ async fn raw_insert_many(
         .map(|chunk| {
             let coll = coll.clone();
             async move {
+                // Plaintext on purpose: the baseline without encryption
+                // (the validator would refuse it otherwise).
                 coll.insert_many(chunk)
+                    .bypass_document_validation(true)
                     .ordered(false)
                     .write_concern(durable())
                     .await
@@ -303,6 +306,8 @@ async fn import_child(scratch: &Scratch, file: &Path, pool: &str) -> anyhow::Res
             "--amqp-prefix",
             &cfg.amqp_prefix,
         ])
+        .arg("--key-file")
+        .args(cfg.key_file.iter())
         .arg("import")
         .arg(file)
         .args(["--pool", pool, "--json"])

@@ -10,6 +10,7 @@
 //! next to a live deployment on the same servers.
 
 pub mod claim;
+pub mod crypto;
 pub mod dispatch;
 pub mod import;
 pub mod seq;
@@ -46,6 +47,8 @@ pub enum Which {
     Dispatch(dispatch::DispatchBenchArgs),
     /// `codepool import` against raw insert_many of the same documents.
     Import(import::ImportBenchArgs),
+    /// What encryption at rest costs per code, against import and dispatch.
+    Crypto(crypto::CryptoBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -58,6 +61,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Claim(a) => scratch(cfg, |s| claim::run(a, s, &args.out_dir)).await?,
         Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
+        Which::Crypto(a) => crypto::run(a, &args.out_dir)?,
     }
     Ok(codepool::exit::OK)
 }
@@ -81,6 +85,10 @@ where
     cfg.db = format!("codepool_bench_{id}");
     cfg.redis_prefix = format!("codepool-bench-{id}");
     cfg.amqp_prefix = format!("bench-{id}.");
+    // A throwaway key file of this run (child processes get it too).
+    let key_file = std::env::temp_dir().join(format!("codepool-bench-{id}.keys.json"));
+    codepool_vault::keyfile::init(&key_file).context("creating the benchmark key file")?;
+    cfg.key_file = Some(key_file);
     let store = codepool::context::store(&cfg)
         .await
         .context("preparing the benchmark database")?;
@@ -96,6 +104,9 @@ impl Scratch {
     /// effort: failures are logged. (Benchmarks that declare queues delete
     /// them themselves, with [`delete_topology`].)
     async fn clean_up(&self) {
+        if let Some(k) = &self.cfg.key_file {
+            let _ = std::fs::remove_file(k);
+        }
         if let Err(e) = self.store.drop_database().await {
             tracing::warn!(error = %e, db = %self.cfg.db, "could not drop the benchmark database");
         }

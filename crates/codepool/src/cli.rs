@@ -7,6 +7,7 @@ use crate::config::Config;
 
 const EXAMPLES: &str = "\
 Examples:
+  codepool keys init
   codepool migrate
   codepool import codes.csv --pool game-x
   codepool dispatch --http 127.0.0.1:9464
@@ -17,10 +18,13 @@ Examples:
   codepool void --order O-1001 --reason refund
   codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
+  codepool export --pool game-x --out game-x.csv
 
 Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
 CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
-servers on 127.0.0.1, which `make services` starts.
+servers on 127.0.0.1, which `make services` starts. Codes are encrypted at
+rest with the key file CODEPOOL_KEY_FILE (`codepool keys init`); back it up:
+losing it loses the codes.
 
 Exit codes: 0 success; 1 failure (the message says what to do next); 2 usage
 error (a wrong or missing flag); 3 partial success (import skipped invalid
@@ -38,8 +42,12 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Apply the index and validator definitions in migrations/ (idempotent).
-    Migrate,
+    /// Apply migrations/ (idempotent) and encrypt codes stored in plaintext.
+    Migrate(commands::migrate::MigrateArgs),
+    /// The key file that encrypts codes at rest: init, add, rotate, status.
+    Keys(commands::keys::KeysArgs),
+    /// Export a pool's codes as CSV for reconciliation (masked unless --reveal).
+    Export(commands::export::ExportArgs),
     /// Stream a CSV file of codes into a pool.
     Import(commands::import::ImportArgs),
     /// Run the daemon: consume purchases, claim codes, publish SMS-pending events.
@@ -73,7 +81,9 @@ pub enum Command {
 pub async fn run(cli: Cli) -> anyhow::Result<u8> {
     let cfg = cli.config;
     match cli.command {
-        Command::Migrate => commands::migrate::run(&cfg).await,
+        Command::Migrate(args) => commands::migrate::run(&cfg, args).await,
+        Command::Keys(args) => commands::keys::run(&cfg, args).await,
+        Command::Export(args) => commands::export::run(&cfg, args).await,
         Command::Import(args) => commands::import::run(&cfg, args).await,
         Command::Dispatch(args) => commands::dispatch::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,

@@ -1,5 +1,7 @@
 //! Configuration, by flag or environment, loaded once into one typed struct.
 
+use std::path::PathBuf;
+
 use clap::Args;
 
 /// Where codepool's servers are and how its names are scoped.
@@ -9,6 +11,7 @@ pub struct Config {
     #[arg(
         long,
         env = "CODEPOOL_MONGODB_URI",
+        hide_env_values = true,
         default_value = "mongodb://127.0.0.1:27017/?directConnection=true",
         global = true
     )]
@@ -24,6 +27,7 @@ pub struct Config {
     #[arg(
         long,
         env = "CODEPOOL_REDIS_URL",
+        hide_env_values = true,
         default_value = "redis://127.0.0.1:6379",
         global = true
     )]
@@ -44,6 +48,7 @@ pub struct Config {
     #[arg(
         long,
         env = "CODEPOOL_AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
         global = true
     )]
@@ -76,6 +81,10 @@ pub struct Config {
         global = true
     )]
     pub delivery_limit: u32,
+    /// Key file that encrypts codes at rest [default: ~/.config/codepool/keys.json].
+    /// Back it up: losing it loses the codes.
+    #[arg(long, env = "CODEPOOL_KEY_FILE", value_name = "FILE", global = true)]
+    pub key_file: Option<PathBuf>,
 
     /// Log format on stderr.
     #[arg(
@@ -95,6 +104,14 @@ pub enum LogFormat {
 }
 
 impl Config {
+    /// The key file: `--key-file`, `CODEPOOL_KEY_FILE`, or the default
+    /// under the user's configuration directory.
+    pub fn key_path(&self) -> PathBuf {
+        self.key_file
+            .clone()
+            .unwrap_or_else(codepool_vault::keyfile::default_path)
+    }
+
     pub fn topology(&self) -> codepool_broker::Topology {
         let mut topology = codepool_broker::Topology::with_prefix(&self.amqp_prefix);
         topology.queues = codepool_broker::QueueSettings {

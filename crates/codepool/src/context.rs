@@ -6,16 +6,29 @@ use anyhow::Context;
 use codepool_broker::Publisher;
 use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_hotpool::HotPool;
-use codepool_store::Store;
+use codepool_store::{CodeKeys, Store};
 
 use crate::config::Config;
 
-/// Connects to MongoDB (failing clearly if it is unreachable) and applies
-/// pending migrations.
+/// Connects to MongoDB (failing clearly if it is unreachable), applies
+/// pending migrations, and loads the key file (see [`code_keys`]).
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
     let store = Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
     codepool_store::migrate::migrate(&store).await?;
-    Ok(store)
+    Ok(store.with_keys(code_keys(cfg)?))
+}
+
+/// The keys codes are sealed with. A missing key file is not an error
+/// yet: commands that never touch a code (stats, pools) work without one,
+/// and the others fail saying how to create it. A file that exists but is
+/// unreadable, malformed or readable by others is refused now.
+pub fn code_keys(cfg: &Config) -> anyhow::Result<CodeKeys> {
+    let path = cfg.key_path();
+    match codepool_vault::keyfile::load(&path) {
+        Ok(ring) => Ok(CodeKeys::new(ring, Some(path))),
+        Err(codepool_vault::VaultError::Missing { .. }) => Ok(CodeKeys::none(Some(path))),
+        Err(e) => Err(e.into()),
+    }
 }
 
 pub fn hot_pool(cfg: &Config) -> anyhow::Result<HotPool> {

@@ -173,19 +173,21 @@ pub fn validate_code(raw: &str) -> Result<&str, InvalidCode> {
     Ok(code)
 }
 
-/// Masks a code for logs and metrics: the first two and last two characters
-/// stay, the rest become `*` (`QWER-1234` → `QW*****34`). Codes of four
-/// characters or fewer are fully masked, since showing four of them would
-/// show them all.
+/// Masks a code for logs, listings and metrics. At most a quarter of its
+/// characters stay visible, split between the two ends (`QWER-1234` →
+/// `Q*******4`, `83917` → `8****`); codes under four characters are fully
+/// masked, and never shown shorter than four stars.
 pub fn mask(code: &str) -> String {
     let chars: Vec<char> = code.chars().collect();
-    if chars.len() <= 4 {
+    let shown = chars.len() / 4;
+    if shown == 0 {
         return "*".repeat(chars.len().max(4));
     }
+    let (head, tail) = (shown.div_ceil(2), shown / 2);
     let mut out = String::with_capacity(chars.len());
-    out.extend(&chars[..2]);
-    out.extend(std::iter::repeat_n('*', chars.len() - 4));
-    out.extend(&chars[chars.len() - 2..]);
+    out.extend(&chars[..head]);
+    out.extend(std::iter::repeat_n('*', chars.len() - shown));
+    out.extend(&chars[chars.len() - tail..]);
     out
 }
 
@@ -194,21 +196,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn masking_keeps_two_characters_at_each_end() {
-        assert_eq!(mask("QWER-1234"), "QW*****34");
-        assert_eq!(mask("QWERTY34"), "QW****34");
+    fn masking_shows_at_most_a_quarter_split_between_the_ends() {
+        assert_eq!(mask("QWER-1234"), "Q*******4");
+        assert_eq!(mask("QWERTY34"), "Q******4");
+        assert_eq!(mask("83917"), "8****");
+        assert_eq!(mask("ABCDEFGHIJKL"), "AB*********L");
     }
 
     #[test]
     fn short_codes_are_fully_masked() {
         assert_eq!(mask("AB"), "****");
-        assert_eq!(mask("ABCD"), "****");
-        assert_eq!(mask("ABCDE"), "AB*DE");
+        assert_eq!(mask("ABC"), "****");
+        assert_eq!(mask("ABCD"), "A***");
     }
 
     #[test]
     fn masking_counts_characters_not_bytes() {
-        assert_eq!(mask("ÄÖÜßéè"), "ÄÖ**éè");
+        assert_eq!(mask("ÄÖÜßéè"), "Ä*****");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_mask_never_shows_more_than_a_quarter(code in "\\PC{0,40}") {
+            let shown = mask(&code).chars().filter(|c| *c != '*').count();
+            proptest::prop_assert!(shown <= code.chars().count() / 4);
+        }
     }
 
     #[test]

@@ -231,6 +231,6 @@ mod tests {
         assert_eq!(c.sms_state(), SmsState::Failed);
         c.sms.sent = true;
         assert_eq!(c.sms_state(), SmsState::Sent);
-        assert_eq!(c.masked(), "QW*****34");
+        assert_eq!(c.masked(), "Q*******4");
     }
 }

@@ -3,20 +3,22 @@
 //! The one operation that decides ownership is [`Store::claim_candidates`]:
 //! a batch of conditional updates `{_id, status: 0} → status 1` in a single
 //! journaled command. The unique partial index on `order_id` makes "one code
-//! per order" a database guarantee.
+//! per order" a database guarantee. Codes are stored sealed and found by
+//! their HMAC ([`crate::crypto`]); [`CodeDoc::into_code`] opens them.
 
 use std::collections::HashMap;
 
 use bson::oid::ObjectId;
-use bson::{doc, Bson, DateTime, Document};
+use bson::{doc, Binary, Bson, DateTime, Document};
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, SmsEvent, SmsRecord, Transition};
 use futures::TryStreamExt;
 use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
+use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
-use crate::{durable, durable_doc, Store, StoreError};
+use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
 
 pub const CODES: &str = "codes";
 const SEQUENCES: &str = "sequences";
@@ -29,7 +31,19 @@ pub struct CodeDoc {
     #[serde(rename = "_id")]
     pub id: ObjectId,
     pub pool: String,
-    pub code: String,
+    /// Plaintext, only in documents from before encryption that
+    /// `codepool migrate` has not sealed yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    /// `1 ‖ nonce ‖ ciphertext+tag`, see [`crate::crypto`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code_enc: Option<Binary>,
+    /// Which key sealed `code_enc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
+    /// HMAC-SHA-256 of `pool ‖ 0 ‖ code`: the unique index and lookups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code_hmac: Option<Binary>,
     pub status: i32,
     pub seq: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -102,10 +116,16 @@ impl CodeDoc {
         CodeStatus::from_i32(self.status)
     }
 
-    /// Reads the document as a domain [`Code`]. An unknown status, or an
-    /// issued code without its order, is corruption: an error naming the
-    /// document, so no caller mistakes it for "no grant".
-    pub fn into_code(self) -> Result<Code, StoreError> {
+    /// Reads the document as a domain [`Code`], opening the sealed code
+    /// with `keys`. An unknown status, or an issued code without its order,
+    /// is corruption: an error naming the document, so no caller mistakes
+    /// it for "no grant". A code the keys cannot open is an error too.
+    pub fn into_code(self, keys: &CodeKeys) -> Result<Code, StoreError> {
+        let sealed = match (&self.key_id, &self.code_enc) {
+            (Some(k), Some(b)) => Some((k.as_str(), b.bytes.as_slice())),
+            _ => None,
+        };
+        let code = open_code(keys, &self.pool, self.id, sealed, self.code.as_deref())?;
         let corrupt = |what: &str| StoreError::Corrupt {
             collection: CODES.into(),
             message: format!("code {} {what}", self.id),
@@ -132,7 +152,7 @@ impl CodeDoc {
         Ok(Code {
             id: code_id(self.id),
             pool: self.pool,
-            code: self.code,
+            code,
             status,
             seq: self.seq,
             expires_at: utc(self.expires_at),
@@ -265,8 +285,10 @@ impl Store {
 
     /// Inserts a batch of new codes (status 0, increasing `seq`), unordered.
     /// Codes already in the pool are counted as duplicates, never inserted
-    /// twice. `batch_id` ties the codes to their import run, which makes a
-    /// retried batch count exactly.
+    /// twice: the unique index is on `(pool, code_hmac)`. Each code is stored
+    /// sealed under the active key ([`crate::crypto`]), never in plaintext.
+    /// `batch_id` ties the codes to their import run, which makes a retried
+    /// batch count exactly.
     pub async fn insert_codes(
         &self,
         pool: &str,
@@ -276,22 +298,23 @@ impl Store {
         if codes.is_empty() {
             return Ok(InsertOutcome::default());
         }
+        let ring = self.keys.ring()?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
         let now = DateTime::now();
         let docs: Vec<Document> = codes
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let mut d = doc! {
-                    "_id": ObjectId::new(),
-                    "pool": pool,
-                    "code": &c.code,
+                let id = ObjectId::new();
+                let mut d = doc! {"_id": id, "pool": pool};
+                d.extend(sealed_fields(&ring, pool, id, &c.code));
+                d.extend(doc! {
                     "status": CodeStatus::Unissued.as_i32(),
                     "seq": first_seq + i as i64,
                     "batch_id": batch_id,
                     "created_at": now,
                     "is_sms": 0,
-                };
+                });
                 if let Some(t) = c.expires_at {
                     d.insert("expires_at", DateTime::from_chrono(t));
                 }
@@ -346,10 +369,14 @@ impl Store {
         batch_id: ObjectId,
         codes: &[NewCode],
     ) -> Result<u64, StoreError> {
-        let list: Vec<&str> = codes.iter().map(|c| c.code.as_str()).collect();
+        let ring = self.keys.ring()?;
+        let list: Vec<Bson> = codes
+            .iter()
+            .map(|c| binary(ring.code_hmac(pool, &c.code).to_vec()))
+            .collect();
         Ok(self
             .collection(CODES)
-            .count_documents(doc! {"pool": pool, "code": {"$in": list}, "batch_id": batch_id})
+            .count_documents(doc! {"pool": pool, "code_hmac": {"$in": list}, "batch_id": batch_id})
             .await?)
     }
 
@@ -427,7 +454,7 @@ impl Store {
             .write_concern(durable())
             .await;
         match result {
-            Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc.into_code()?))),
+            Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc.into_code(&self.keys)?))),
             Ok(None) => Ok(ScanClaim::Empty),
             Err(e) if is_duplicate_key(&e) => Ok(ScanClaim::OrderAlreadyGranted),
             Err(e) => Err(e.into()),
@@ -450,7 +477,7 @@ impl Store {
             .await?;
         let mut out = HashMap::with_capacity(docs.len());
         for d in docs {
-            let code = d.into_code()?;
+            let code = d.into_code(&self.keys)?;
             // The filter matched on order_id, so a holder is always there;
             // `into_code` has already refused one without issued_at.
             if let Some(order) = code.holder.as_ref().map(|h| h.order_id.clone()) {
@@ -534,7 +561,7 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        docs.into_iter().map(CodeDoc::into_code).collect()
+        docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
     /// The codes an operator asked about, newest grant first.
@@ -546,7 +573,7 @@ impl Store {
         let filter = match query {
             CodeQuery::Order(o) => doc! {"order_id": *o},
             CodeQuery::Uid(u) => doc! {"uid": *u},
-            CodeQuery::Code { pool, code } => doc! {"pool": *pool, "code": *code},
+            CodeQuery::Code { pool, code } => self.code_filter(pool, code).await?,
             CodeQuery::GrantsOf(pool) => doc! {"pool": *pool, "order_id": {"$type": "string"}},
         };
         let docs: Vec<CodeDoc> = self
@@ -557,7 +584,7 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        docs.into_iter().map(CodeDoc::into_code).collect()
+        docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
     /// Number of unissued, unexpired codes in `pool`.
@@ -576,7 +603,10 @@ mod tests {
         CodeDoc {
             id: ObjectId::new(),
             pool: "x".into(),
-            code: "QWER-1234".into(),
+            code: Some("QWER-1234".into()),
+            code_enc: None,
+            key_id: None,
+            code_hmac: None,
             status,
             seq: 7,
             batch_id: None,
@@ -617,7 +647,7 @@ mod tests {
     fn an_unissued_document_reads_as_a_code_without_holder() {
         let d = doc(0);
         let id = d.id;
-        let c = d.into_code().unwrap();
+        let c = d.into_code(&CodeKeys::none(None)).unwrap();
         assert_eq!(c.status, CodeStatus::Unissued);
         assert_eq!(c.holder, None);
         assert_eq!(object_id(c.id), id, "ids survive the round trip");
@@ -625,7 +655,7 @@ mod tests {
 
     #[test]
     fn an_issued_document_reads_with_its_holder_and_sms_record() {
-        let c = issued(1).into_code().unwrap();
+        let c = issued(1).into_code(&CodeKeys::none(None)).unwrap();
         let h = c.holder.as_ref().unwrap();
         assert_eq!(h.order_id, "O-1");
         assert_eq!(h.grant_no.as_deref(), Some("G202611200001"));
@@ -636,7 +666,7 @@ mod tests {
     #[test]
     fn an_unknown_status_is_corruption_not_a_guess() {
         assert!(matches!(
-            doc(9).into_code(),
+            doc(9).into_code(&CodeKeys::none(None)),
             Err(StoreError::Corrupt { .. })
         ));
     }
@@ -644,22 +674,70 @@ mod tests {
     #[test]
     fn an_issued_code_without_its_order_or_time_is_corruption() {
         assert!(matches!(
-            doc(1).into_code(),
+            doc(1).into_code(&CodeKeys::none(None)),
             Err(StoreError::Corrupt { .. })
         ));
         let mut no_time = issued(1);
         no_time.issued_at = None;
         assert!(matches!(
-            no_time.into_code(),
+            no_time.into_code(&CodeKeys::none(None)),
             Err(StoreError::Corrupt { .. })
         ));
     }
 
     #[test]
     fn a_void_code_keeps_its_order_and_is_a_revoked_grant() {
-        let c = issued(3).into_code().unwrap();
+        let c = issued(3).into_code(&CodeKeys::none(None)).unwrap();
         assert!(c.grant().unwrap().revoked);
-        let never_issued = doc(3).into_code().unwrap();
+        let never_issued = doc(3).into_code(&CodeKeys::none(None)).unwrap();
         assert_eq!(never_issued.grant(), None);
+    }
+
+    fn sealed(ring: &codepool_vault::Keyring, status: i32) -> CodeDoc {
+        let mut d = doc(status);
+        let fields = sealed_fields(ring, &d.pool, d.id, "QWER-1234");
+        let bin = |k: &str| match fields.get(k) {
+            Some(Bson::Binary(b)) => Some(b.clone()),
+            _ => None,
+        };
+        d.code = None;
+        d.code_enc = bin("code_enc");
+        d.code_hmac = bin("code_hmac");
+        d.key_id = fields.get_str("key_id").ok().map(str::to_owned);
+        d
+    }
+
+    #[test]
+    fn a_sealed_document_opens_with_its_keys_only() {
+        let ring = codepool_vault::Keyring::generate();
+        let keys = CodeKeys::new(ring.clone(), None);
+        let d = sealed(&ring, 0);
+        assert_eq!(d.clone().into_code(&keys).unwrap().code, "QWER-1234");
+        let wrong = CodeKeys::new(codepool_vault::Keyring::generate(), None);
+        assert!(matches!(
+            d.clone().into_code(&wrong),
+            Err(StoreError::Keys(codepool_vault::VaultError::Decrypt { .. }))
+        ));
+        let e = d.into_code(&CodeKeys::none(None)).unwrap_err();
+        assert!(e.to_string().contains("codepool keys init"), "{e}");
+    }
+
+    #[test]
+    fn a_ciphertext_moved_to_another_document_does_not_open() {
+        let ring = codepool_vault::Keyring::generate();
+        let keys = CodeKeys::new(ring.clone(), None);
+        let mut other = sealed(&ring, 0);
+        other.code_enc = sealed(&ring, 0).code_enc;
+        assert!(other.into_code(&keys).is_err());
+    }
+
+    #[test]
+    fn a_document_with_no_code_at_all_is_corruption() {
+        let mut d = doc(0);
+        d.code = None;
+        assert!(matches!(
+            d.into_code(&CodeKeys::none(None)),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 }

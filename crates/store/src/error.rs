@@ -17,6 +17,9 @@ pub enum StoreError {
     Rejected(String),
     #[error("unexpected document in {collection}: {message}")]
     Corrupt { collection: String, message: String },
+    /// The key file is missing, wrong, or lacks a key the data needs.
+    #[error(transparent)]
+    Keys(#[from] codepool_vault::VaultError),
 }
 
 impl StoreError {

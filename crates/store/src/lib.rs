@@ -13,14 +13,20 @@
 //! - [`recall`]: withdrawing an import's unissued codes;
 //! - [`pool_settings`]: a pool's thresholds and its low-stock alert state;
 //! - [`imports`]: the audit record of each import run;
+//! - [`crypto`]: codes sealed at rest (AEAD + key id) and found by HMAC;
+//! - [`rekey`]: sealing plaintext codes, rotating keys, checking the key file;
+//! - [`audit`]: who revealed which codes, when;
 //! - [`migrate`]: the ordered index/validator files in `migrations/`.
 //!
 //! Writes that decide ownership use journaled, majority write concern, so a
 //! grant that was acknowledged survives a crash of the database.
 
+pub mod audit;
 pub mod backorders;
 pub mod codes;
+pub mod crypto;
 pub mod error;
+pub mod export;
 pub mod imports;
 pub mod lifecycle;
 pub mod migrate;
@@ -28,8 +34,10 @@ pub mod policies;
 pub mod pool_settings;
 pub mod pools;
 pub mod recall;
+pub mod rekey;
 pub mod stats;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::options::{Acknowledgment, ClientOptions, WriteConcern};
@@ -38,6 +46,7 @@ use mongodb::{Client, Collection, Database};
 pub use bson::oid::ObjectId;
 pub use codepool_domain::CodeId;
 pub use codes::{code_id, object_id, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode};
+pub use crypto::CodeKeys;
 pub use error::StoreError;
 
 /// A handle on codepool's database. Cheap to clone.
@@ -45,6 +54,8 @@ pub use error::StoreError;
 pub struct Store {
     client: Client,
     db: Database,
+    /// The keyring codes are sealed and opened with ([`Store::with_keys`]).
+    keys: Arc<CodeKeys>,
 }
 
 impl Store {
@@ -73,7 +84,11 @@ impl Store {
         let client = Client::with_options(options)
             .map_err(|e| StoreError::Config(format!("invalid MongoDB options: {e}")))?;
         let db = client.database(db_name);
-        Ok(Self { client, db })
+        Ok(Self {
+            client,
+            db,
+            keys: Arc::new(CodeKeys::none(None)),
+        })
     }
 
     /// Round trip to the server; `Err` means MongoDB is unreachable now.

@@ -40,10 +40,11 @@ pub enum CodeRef<'a> {
 }
 
 impl CodeRef<'_> {
-    fn filter(&self) -> Document {
+    /// The filter that finds the code: by its HMAC when named by value.
+    async fn filter(&self, store: &Store) -> Result<Document, StoreError> {
         match self {
-            CodeRef::Code { pool, code } => doc! {"pool": *pool, "code": *code},
-            CodeRef::Order(order) => doc! {"order_id": *order},
+            CodeRef::Code { pool, code } => store.code_filter(pool, code).await,
+            CodeRef::Order(order) => Ok(doc! {"order_id": *order}),
         }
     }
 
@@ -168,9 +169,9 @@ fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError 
 impl Store {
     async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
         self.typed::<CodeDoc>(CODES)
-            .find_one(target.filter())
+            .find_one(target.filter(self).await?)
             .await?
-            .map(CodeDoc::into_code)
+            .map(|d| d.into_code(&self.keys))
             .transpose()
     }
 
@@ -183,14 +184,14 @@ impl Store {
         transition: Transition,
         update: Document,
     ) -> Result<Option<Code>, StoreError> {
-        let mut filter = target.filter();
+        let mut filter = target.filter(self).await?;
         filter.insert("status", doc! {"$in": transition.from_codes()});
         self.typed::<CodeDoc>(CODES)
             .find_one_and_update(filter, update)
             .return_document(ReturnDocument::Before)
             .write_concern(durable())
             .await?
-            .map(CodeDoc::into_code)
+            .map(|d| d.into_code(&self.keys))
             .transpose()
     }
 

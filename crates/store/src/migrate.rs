@@ -35,6 +35,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0006_policies_indexes",
         include_str!("../../../migrations/0006_policies_indexes.json"),
     ),
+    (
+        "0007_codes_encrypted",
+        include_str!("../../../migrations/0007_codes_encrypted.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -90,7 +90,7 @@ impl Store {
             .try_collect::<Vec<_>>()
             .await?
             .into_iter()
-            .map(CodeDoc::into_code)
+            .map(|d| d.into_code(&self.keys))
             .collect()
     }
 

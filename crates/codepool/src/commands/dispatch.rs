@@ -80,6 +80,18 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
             Err(e) => return Err(e.into()),
         }
     }
+    // Before anything is consumed: the key file must open the codes.
+    let store = store.with_keys(crate::context::code_keys(cfg)?);
+    let keys = store
+        .check_keys()
+        .await
+        .map_err(|e| anyhow::anyhow!("refusing to start, nothing was consumed: {e}"))?;
+    if keys.plaintext {
+        tracing::warn!(
+            "some codes are still stored in plaintext; run `codepool migrate` to encrypt them"
+        );
+    }
+    info!(keys = ?keys.key_ids, "key file verified against the stored codes");
     health.set_mongo(true);
     let hot = crate::context::hot_pool(cfg)?;
     let numbers = crate::context::grant_numbers(cfg, &store)?;

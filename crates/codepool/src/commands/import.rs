@@ -60,6 +60,12 @@ pub struct ImportArgs {
 
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
+    // A wrong key file would seal codes nobody else can open, and its HMAC
+    // would not see duplicates: check it against the stored codes first.
+    store.check_keys().await?;
+    if store.pool_has_plaintext(&args.pool).await? {
+        anyhow::bail!("pool {:?} still holds codes in plaintext; run `codepool migrate` to encrypt them first, then import again (a plaintext and an encrypted copy of one code would not be recognised as duplicates)", args.pool);
+    }
     let interrupt = Interrupt::on_signals();
     let options = ImportOptions {
         header: if args.no_header {

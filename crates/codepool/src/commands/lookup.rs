@@ -4,7 +4,7 @@
 use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
 use codepool_dispatcher::ops;
-use codepool_domain::Code;
+use codepool_domain::{mask, Code};
 use codepool_store::policies::RefusalDoc;
 use codepool_store::CodeQuery;
 
@@ -60,6 +60,11 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
     };
     let store = crate::context::store(cfg).await?;
     let found = ops::lookup(&store, query, args.limit).await?;
+    if args.reveal && !found.codes.is_empty() {
+        let ids = found.codes.iter().map(|c| c.id).collect::<Vec<_>>();
+        let n = ids.len() as u64;
+        super::reveal::record(&store, "lookup --reveal", describe(&query), ids, n).await?;
+    }
     let show = |c: &Code| {
         if args.reveal {
             c.code.clone()
@@ -89,6 +94,16 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
     } else {
         crate::exit::OK
     })
+}
+
+/// What was looked up, in words (a code masked).
+fn describe(query: &CodeQuery<'_>) -> String {
+    match query {
+        CodeQuery::Order(o) => format!("order {o:?}"),
+        CodeQuery::Uid(u) => format!("uid {u:?}"),
+        CodeQuery::Code { pool, code } => format!("code {} in pool {pool:?}", mask(code)),
+        CodeQuery::GrantsOf(p) => format!("latest grants of pool {p:?}"),
+    }
 }
 
 fn iso(t: Option<DateTime<Utc>>) -> Option<String> {

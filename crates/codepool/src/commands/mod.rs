@@ -3,13 +3,16 @@
 pub mod dead_letters;
 pub mod dispatch;
 pub mod expire;
+pub mod export;
 pub mod import;
+pub mod keys;
 pub mod lookup;
 pub mod migrate;
 pub mod pool;
 pub mod publish;
 pub mod redeem;
 pub mod resend;
+pub mod reveal;
 pub mod seq;
 pub mod sms_pending;
 pub mod stats;

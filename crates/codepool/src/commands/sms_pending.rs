@@ -25,6 +25,21 @@ pub struct SmsPendingArgs {
 
 pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
     let topology = cfg.topology();
+    if args.reveal {
+        let store = crate::context::store(cfg).await?;
+        let what = format!(
+            "up to {} SMS-pending event(s) in {:?}",
+            args.limit, topology.sms_pending
+        );
+        super::reveal::record(
+            &store,
+            "sms-pending --reveal",
+            what,
+            Vec::new(),
+            args.limit as u64,
+        )
+        .await?;
+    }
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-sms-pending").await?;
     let channel = conn.create_channel().await?;
     topology.declare(&channel).await?;
