@@ -95,7 +95,8 @@ async fn compare(
     let ch = conn.create_channel().await?;
     scratch.cfg.topology().declare(&ch).await?;
     let (m_base, c_base) = run_side(args, scratch, &conn, &base, 0).await?;
-    let (m_other, c_other) = run_side(args, scratch, &conn, &other, n as u32).await?;
+    let events_before = depth(&conn, &scratch.cfg.topology().sms_pending).await?;
+    let (m_other, c_other) = run_side(args, scratch, &conn, &other, events_before).await?;
     let _ = conn.close(200, "benchmark done").await;
     let ratio = m_other.per_sec() / m_base.per_sec().max(1e-9);
     let ok = c_base.ok && c_other.ok;

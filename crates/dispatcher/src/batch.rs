@@ -85,12 +85,7 @@ impl Dispatcher {
 
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
         let parsed = parse_all(deliveries.iter().map(|d| d.data.as_slice()));
-        let mut known = HashSet::new();
-        for pool in pools_of(&parsed) {
-            if self.pool_exists(pool).await? {
-                known.insert(pool.to_owned());
-            }
-        }
+        let known = self.existing_pools(pools_of(&parsed)).await?;
         let intake = admit(parsed, |p| known.contains(p));
         let claims = to_claim(&intake);
         let outcomes = if claims.is_empty() {
@@ -101,15 +96,31 @@ impl Dispatcher {
         Ok(plan_batch(intake, outcomes)?)
     }
 
-    async fn pool_exists(&self, pool: &str) -> Result<bool, StoreError> {
-        if self.known_pools.read().await.contains(pool) {
-            return Ok(true);
+    /// Which of `pools` exist: known ones from the cache, the others in
+    /// one query (a batch over a thousand new pools costs one round trip).
+    async fn existing_pools(&self, pools: Vec<&str>) -> Result<HashSet<String>, StoreError> {
+        let mut known = HashSet::new();
+        let mut unknown = Vec::new();
+        {
+            let cache = self.known_pools.read().await;
+            for pool in pools {
+                if cache.contains(pool) {
+                    known.insert(pool.to_owned());
+                } else {
+                    unknown.push(pool);
+                }
+            }
         }
-        let exists = self.store.pool(pool).await?.is_some();
-        if exists {
-            self.known_pools.write().await.insert(pool.to_owned());
+        if unknown.is_empty() {
+            return Ok(known);
         }
-        Ok(exists)
+        let found = self.store.pools_named(&unknown).await?;
+        let mut cache = self.known_pools.write().await;
+        for doc in found {
+            cache.insert(doc.name.clone());
+            known.insert(doc.name);
+        }
+        Ok(known)
     }
 
     /// Records the plan's backorders, retrying while MongoDB is away.

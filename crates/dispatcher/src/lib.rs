@@ -20,6 +20,7 @@ pub mod backorders;
 mod batch;
 pub mod claim;
 pub mod daemon;
+mod demand;
 pub mod expiry;
 pub mod grant_no;
 pub mod health;
