@@ -37,7 +37,7 @@ pub struct StockConfig {
 impl Default for StockConfig {
     fn default() -> Self {
         Self {
-            min_interval: Duration::from_secs(5),
+            min_interval: Duration::from_secs(1),
             sweep_every: Duration::from_secs(60),
         }
     }
