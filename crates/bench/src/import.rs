@@ -212,8 +212,16 @@ fn print_table(o: &Outcome, options: &ImportOptions) {
     println!("{:<34} {:>9} {:>10}", "", "seconds", "codes/s");
     let rows = [
         ("raw insert_many", o.raw_seconds, o.raw_rate()),
-        ("codepool import (import_file)", o.import_seconds, o.import_rate()),
-        ("codepool import (whole process)", o.child.wall.as_secs_f64(), o.wall_rate()),
+        (
+            "codepool import (import_file)",
+            o.import_seconds,
+            o.import_rate(),
+        ),
+        (
+            "codepool import (whole process)",
+            o.child.wall.as_secs_f64(),
+            o.wall_rate(),
+        ),
     ];
     for (name, secs, rate) in rows {
         println!("{name:<34} {secs:>9.2} {rate:>10.0}");

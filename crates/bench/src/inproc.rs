@@ -188,7 +188,11 @@ pub async fn fill_pools(
     let mut work: Vec<(&str, usize, usize)> = Vec::new();
     for (pool, n) in sizes {
         store.ensure_pool(pool).await?;
-        work.extend((0..*n).step_by(CHUNK).map(|s| (pool.as_str(), s, (s + CHUNK).min(*n))));
+        work.extend(
+            (0..*n)
+                .step_by(CHUNK)
+                .map(|s| (pool.as_str(), s, (s + CHUNK).min(*n))),
+        );
     }
     let mut stream = futures::stream::iter(work)
         .map(|(pool, from, to)| async move {
@@ -205,7 +209,10 @@ pub async fn fill_pools(
         .buffer_unordered(parallel.max(1));
     while let Some(r) = stream.next().await {
         let (inserted, wanted) = r?;
-        anyhow::ensure!(inserted == wanted, "filling: {inserted} of {wanted} codes inserted");
+        anyhow::ensure!(
+            inserted == wanted,
+            "filling: {inserted} of {wanted} codes inserted"
+        );
     }
     Ok(())
 }

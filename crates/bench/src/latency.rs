@@ -202,7 +202,11 @@ async fn one_rate(
     wait_drained(ledger, Duration::from_secs(60)).await?;
     let mut lat = take_latencies(ledger);
     lat.sort();
-    anyhow::ensure!(lat.len() == sent, "{} of {sent} events came back", lat.len());
+    anyhow::ensure!(
+        lat.len() == sent,
+        "{} of {sent} events came back",
+        lat.len()
+    );
     let p = |q: f64| ms(percentile(&lat, q));
     Ok(json!({
         "rate": rate, "sent": sent, "received": lat.len(),
@@ -257,7 +261,8 @@ async fn final_checks(
         .map(|l| (l.codes.len(), l.duplicates))
         .unwrap_or_default();
     let expected = total as u64 + 50;
-    let ok = granted == expected && orders == granted && duplicates == 0 && codes as u64 == expected;
+    let ok =
+        granted == expected && orders == granted && duplicates == 0 && codes as u64 == expected;
     Ok((
         ok,
         json!({"granted": granted, "distinct_orders": orders, "distinct_codes_in_events": codes,

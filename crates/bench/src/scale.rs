@@ -117,10 +117,17 @@ async fn compare(
         print_side(&base, &m_base, &c_base);
         print_side(&other, &m_other, &c_other);
         let tick = if ratio >= target { "✓" } else { "✗" };
-        println!("\n{} / {} = {ratio:.2}x (target >= {target}x {tick})", other.tag, base.tag);
+        println!(
+            "\n{} / {} = {ratio:.2}x (target >= {target}x {tick})",
+            other.tag, base.tag
+        );
         println!("written to {}", path.display());
     }
-    anyhow::ensure!(ok, "inconsistent results (see checks in {})", path.display());
+    anyhow::ensure!(
+        ok,
+        "inconsistent results (see checks in {})",
+        path.display()
+    );
     Ok(())
 }
 
@@ -151,7 +158,12 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
             .collect(),
     };
     let name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
-    (single("single", with_headroom(n)), many, name, TARGET_MANY_POOLS)
+    (
+        single("single", with_headroom(n)),
+        many,
+        name,
+        TARGET_MANY_POOLS,
+    )
 }
 
 fn with_headroom(demand: usize) -> usize {

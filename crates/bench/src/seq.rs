@@ -119,16 +119,29 @@ async fn measure_counters(
 ) -> anyhow::Result<Vec<Measured>> {
     let counters: Collection<Document> = db.collection(COLLECTION);
     let id = names.classic_id.clone();
-    let classic = measure("classic read-then-update", concurrency, ids, 1, move |quota| {
-        classic_loop(counters.clone(), id.clone(), quota)
-    })
+    let classic = measure(
+        "classic read-then-update",
+        concurrency,
+        ids,
+        1,
+        move |quota| classic_loop(counters.clone(), id.clone(), quota),
+    )
     .await?;
     let segments = SegmentAllocator::new(db.clone(), &names.run_id, 1_000)?;
-    let segment = measure("segment allocator (step 1000)", concurrency, ids, 1, move |quota| {
-        let segments = segments.clone();
-        async move { one_by_one(quota, || async { Ok(segments.next().await?.to_string()) }).await }
-    })
-    .await?;
+    let segment =
+        measure(
+            "segment allocator (step 1000)",
+            concurrency,
+            ids,
+            1,
+            move |quota| {
+                let segments = segments.clone();
+                async move {
+                    one_by_one(quota, || async { Ok(segments.next().await?.to_string()) }).await
+                }
+            },
+        )
+        .await?;
     Ok(vec![classic, segment])
 }
 
@@ -140,7 +153,12 @@ async fn measure_daily(
     concurrency: usize,
     ids: usize,
 ) -> anyhow::Result<Vec<Measured>> {
-    let daily = DailyNumbers::from_url(Some(redis_url), db.clone(), &names.redis_prefix, chrono_tz::UTC)?;
+    let daily = DailyNumbers::from_url(
+        Some(redis_url),
+        db.clone(),
+        &names.redis_prefix,
+        chrono_tz::UTC,
+    )?;
     let redis_daily = daily.clone();
     let single = measure("daily number (Redis)", concurrency, ids, 1, move |quota| {
         let daily = redis_daily.clone();
@@ -148,25 +166,37 @@ async fn measure_daily(
     })
     .await?;
     let batch = DAILY_BATCH as usize;
-    let batched = measure("daily number (Redis, batches of 100)", concurrency, ids, batch, move |quota| {
-        let daily = daily.clone();
-        async move {
-            let mut drawn = Drawn::default();
-            let mut left = quota;
-            while left > 0 {
-                let n = left.min(batch);
-                drawn.values.extend(daily.next_n("BB", n as u32).await?);
-                left -= n;
+    let batched = measure(
+        "daily number (Redis, batches of 100)",
+        concurrency,
+        ids,
+        batch,
+        move |quota| {
+            let daily = daily.clone();
+            async move {
+                let mut drawn = Drawn::default();
+                let mut left = quota;
+                while left > 0 {
+                    let n = left.min(batch);
+                    drawn.values.extend(daily.next_n("BB", n as u32).await?);
+                    left -= n;
+                }
+                Ok(drawn)
             }
-            Ok(drawn)
-        }
-    })
+        },
+    )
     .await?;
     let mongo_daily = DailyNumbers::new(None, db.clone(), &names.redis_prefix, chrono_tz::UTC);
-    let mongo = measure("daily number (MongoDB fallback)", concurrency, ids, 1, move |quota| {
-        let daily = mongo_daily.clone();
-        async move { one_by_one(quota, || async { Ok(daily.next("BM").await?) }).await }
-    })
+    let mongo = measure(
+        "daily number (MongoDB fallback)",
+        concurrency,
+        ids,
+        1,
+        move |quota| {
+            let daily = mongo_daily.clone();
+            async move { one_by_one(quota, || async { Ok(daily.next("BM").await?) }).await }
+        },
+    )
     .await?;
     Ok(vec![single, batched, mongo])
 }

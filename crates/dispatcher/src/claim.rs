@@ -375,7 +375,10 @@ impl ClaimEngine {
             got.extend(more);
             remaining = left;
         }
-        let low_water = self.config.low_water.min(self.refill_size(pool, 0) as u64 / 2);
+        let low_water = self
+            .config
+            .low_water
+            .min(self.refill_size(pool, 0) as u64 / 2);
         if remaining < low_water && got.len() == k {
             self.refill_in_background(pool);
         }

@@ -211,6 +211,14 @@ async fn a_batch_over_many_pools_grants_every_order_a_code_of_its_own_pool() {
     let out = claim(&r, &ps).await.unwrap();
     let ids = granted_ids(&out);
     assert_eq!(ids.len(), 80, "every order of every pool is granted");
-    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 80, "no code twice");
-    assert_eq!(r.store.scans.load(Ordering::SeqCst), 0, "cold pools refill, no scan");
+    assert_eq!(
+        ids.iter().collect::<HashSet<_>>().len(),
+        80,
+        "no code twice"
+    );
+    assert_eq!(
+        r.store.scans.load(Ordering::SeqCst),
+        0,
+        "cold pools refill, no scan"
+    );
 }

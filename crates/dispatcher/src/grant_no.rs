@@ -79,7 +79,9 @@ impl GrantNumbers {
         let prefixes = self.prefixes(&pools).await?;
         let mut by_prefix: HashMap<&str, Vec<usize>> = HashMap::new();
         for (i, p) in purchases.iter().enumerate() {
-            let prefix = prefixes.get(p.pool.as_str()).map_or(DEFAULT_GRANT_PREFIX, String::as_str);
+            let prefix = prefixes
+                .get(p.pool.as_str())
+                .map_or(DEFAULT_GRANT_PREFIX, String::as_str);
             by_prefix.entry(prefix).or_default().push(i);
         }
         let mut out = vec![None; purchases.len()];
