@@ -317,7 +317,7 @@ fn mb(kb: Option<u64>) -> Option<f64> {
 }
 
 /// The slower of the two baselines, and the dispatcher's ratio to it.
-fn versus_slower<'a>(all: [&'a Measured; 3]) -> (&'a Measured, f64) {
+fn versus_slower(all: [&Measured; 3]) -> (&Measured, f64) {
     let [dispatcher, pass, raw] = all;
     let slower = if raw.per_sec() < pass.per_sec() {
         raw
