@@ -7,6 +7,9 @@
 #   bash scripts/bench.sh                # all of them, default sizes
 #   bash scripts/bench.sh claim dispatch # only these
 #   CLAIM_CODES=50000 bash scripts/bench.sh claim
+#   HUGE_POOL=10000000 bash scripts/bench.sh huge   # the 10M pool of issue 10 (slow to fill)
+#
+# `dispatch` runs first: `latency` sends at half of its measured maximum.
 #
 # RUST_LOG defaults to warn: the dispatcher logs every grant at info level,
 # and a terminal printing 20,000 lines would be part of the measurement.
@@ -19,10 +22,13 @@ CLAIM_CODES=${CLAIM_CODES:-20000}
 DISPATCH_PURCHASES=${DISPATCH_PURCHASES:-20000}
 IMPORT_CODES=${IMPORT_CODES:-200000}
 SEQ_IDS=${SEQ_IDS:-4000}
+SCALE_POOLS=${SCALE_POOLS:-1000}
+HUGE_POOL=${HUGE_POOL:-1000000}
+LATENCY_SECONDS=${LATENCY_SECONDS:-10}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch pools huge latency import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=target/release/codepool-bench
@@ -33,11 +39,22 @@ for b in "${which[@]}"; do
 	case $b in
 	claim) "$bin" --out-dir "$OUT_DIR" claim --concurrency "$CLAIM_CONCURRENCY" --codes "$CLAIM_CODES" ;;
 	dispatch) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
+	pools)
+		for spread in uniform zipf; do
+			"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pools "$SCALE_POOLS" --spread "$spread"
+		done
+		;;
+	huge) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pool-size "$HUGE_POOL" ;;
+	latency)
+		# Half the dispatcher's measured maximum (dispatch.json), or 2000/s.
+		half=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"][0]["per_sec"]; print(int(r/2))' "$OUT_DIR/dispatch.json" 2>/dev/null || echo 2000)
+		"$bin" --out-dir "$OUT_DIR" latency --rate "100,1000,$half" --seconds "$LATENCY_SECONDS"
+		;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, import, seq, crypto)" >&2
+		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, import, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

@@ -158,16 +158,33 @@ pub async fn run(
     scratch: &'static Scratch,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
-    let store = &scratch.store;
-    let codes = args.codes as usize;
     let mut concurrencies = args.concurrency.clone();
     concurrencies.retain(|c| *c > 0);
     anyhow::ensure!(
         !concurrencies.is_empty(),
         "give at least one concurrency, e.g. --concurrency 1,8,32"
     );
-    let metrics = super::metrics();
+    let setup_seconds = prepare(&args, scratch, &concurrencies).await?;
+    let mut runs = Vec::new();
+    for &c in &concurrencies {
+        for s in Strategy::ALL {
+            if !args.json {
+                eprintln!("running {} with {c} claimers …", s.label());
+            }
+            runs.push(one_run(&args, scratch, c, s).await?);
+        }
+    }
+    report(&args, &runs, &concurrencies, setup_seconds, out_dir)
+}
 
+/// Fills one pool per concurrency and strategy, warms up; returns the
+/// seconds it took.
+async fn prepare(
+    args: &ClaimBenchArgs,
+    scratch: &'static Scratch,
+    concurrencies: &[usize],
+) -> anyhow::Result<f64> {
+    let codes = args.codes as usize;
     if !args.json {
         eprintln!(
             "preparing {} pools of {codes} codes in {} …",
@@ -176,83 +193,87 @@ pub async fn run(
         );
     }
     let prepared = Instant::now();
-    for &c in &concurrencies {
+    for &c in concurrencies {
         for s in Strategy::ALL {
-            super::fill_pool(store, &pool_name(c, s), codes).await?;
+            super::fill_pool(&scratch.store, &pool_name(c, s), codes).await?;
         }
     }
     let setup_seconds = prepared.elapsed().as_secs_f64();
     warm_up(scratch, concurrencies.iter().copied().max().unwrap_or(1)).await?;
+    Ok(setup_seconds)
+}
 
-    let mut runs = Vec::new();
-    for &c in &concurrencies {
-        for s in Strategy::ALL {
-            if !args.json {
-                eprintln!("running {} with {c} claimers …", s.label());
-            }
-            let work = Arc::new(Work {
-                pool: pool_name(c, s),
-                total: codes,
-                next: AtomicUsize::new(0),
-                deadline: Instant::now() + Duration::from_secs_f64(args.max_seconds),
-            });
-            let races_before = metrics.map(|m| metric_sum(m, "codepool_claim_races_total", None));
-            let scans_before =
-                metrics.map(|m| metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")));
-            // One engine shared by all claimers, as in one dispatcher.
-            let engine = codepool::context::claim_engine(&scratch.cfg, store)?;
-            let started = Instant::now();
-            let mut tasks = Vec::new();
-            for _ in 0..c {
-                let work = work.clone();
-                let batch = args.batch as usize;
-                tasks.push(match s {
-                    Strategy::HotPoolBatched => {
-                        tokio::spawn(hot_pool_batched(engine.clone(), work, batch))
-                    }
-                    _ => tokio::spawn(classic(codes_collection(scratch), work, s)),
-                });
-            }
-            let mut all = Claimed::default();
-            for t in tasks {
-                let claimed = t.await.context("a claimer panicked")??;
-                all.code_ids.extend(claimed.code_ids);
-                all.latencies.extend(claimed.latencies);
-                all.retries += claimed.retries;
-            }
-            let elapsed = started.elapsed();
-            if let (Some(m), Some(before)) = (metrics, races_before) {
-                all.retries += (metric_sum(m, "codepool_claim_races_total", None) - before) as u64;
-            }
-            let scan_claims = match (metrics, scans_before, s) {
-                (Some(m), Some(before), Strategy::HotPoolBatched) => Some(
-                    (metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")) - before) as u64,
-                ),
-                _ => None,
-            };
+/// Engine counters read before and after a run.
+fn engine_counts() -> Option<(f64, f64)> {
+    let m = super::metrics()?;
+    Some((
+        metric_sum(m, "codepool_claim_races_total", None),
+        metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")),
+    ))
+}
 
-            all.latencies.sort_unstable();
-            let distinct_codes =
-                all.code_ids.iter().collect::<HashSet<_>>().len() == all.code_ids.len();
-            let (issued_in_db, distinct_orders) =
-                super::issued_and_distinct_orders(store, &work.pool).await?;
-            runs.push(Run {
-                strategy: s,
-                concurrency: c,
-                claims: all.code_ids.len(),
-                elapsed,
-                retries: all.retries,
-                scan_claims,
-                p50: percentile(&all.latencies, 0.50),
-                p99: percentile(&all.latencies, 0.99),
-                distinct_codes,
-                issued_in_db,
-                distinct_orders,
-            });
-        }
+/// `c` claimers of strategy `s` drain their pool; the run's numbers.
+async fn one_run(
+    args: &ClaimBenchArgs,
+    scratch: &'static Scratch,
+    c: usize,
+    s: Strategy,
+) -> anyhow::Result<Run> {
+    let work = Arc::new(Work {
+        pool: pool_name(c, s),
+        total: args.codes as usize,
+        next: AtomicUsize::new(0),
+        deadline: Instant::now() + Duration::from_secs_f64(args.max_seconds),
+    });
+    let before = engine_counts();
+    // One engine shared by all claimers, as in one dispatcher.
+    let engine = codepool::context::claim_engine(&scratch.cfg, &scratch.store)?;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..c)
+        .map(|_| match s {
+            Strategy::HotPoolBatched => tokio::spawn(hot_pool_batched(
+                engine.clone(),
+                work.clone(),
+                args.batch as usize,
+            )),
+            _ => tokio::spawn(classic(codes_collection(scratch), work.clone(), s)),
+        })
+        .collect();
+    let mut all = Claimed::default();
+    for t in tasks {
+        let claimed = t.await.context("a claimer panicked")??;
+        all.code_ids.extend(claimed.code_ids);
+        all.latencies.extend(claimed.latencies);
+        all.retries += claimed.retries;
     }
+    let elapsed = started.elapsed();
+    let mut scan_claims = None;
+    if let (Some((races0, scans0)), Some((races1, scans1))) = (before, engine_counts()) {
+        all.retries += (races1 - races0) as u64;
+        scan_claims = (s == Strategy::HotPoolBatched).then_some((scans1 - scans0) as u64);
+    }
+    all.latencies.sort_unstable();
+    let distinct_codes = all.code_ids.iter().collect::<HashSet<_>>().len() == all.code_ids.len();
+    let (issued_in_db, distinct_orders) =
+        super::issued_and_distinct_orders(&scratch.store, &work.pool).await?;
+    Ok(Run {
+        strategy: s,
+        concurrency: c,
+        claims: all.code_ids.len(),
+        elapsed,
+        retries: all.retries,
+        scan_claims,
+        p50: percentile(&all.latencies, 0.50),
+        p99: percentile(&all.latencies, 0.99),
+        distinct_codes,
+        issued_in_db,
+        distinct_orders,
+    })
+}
 
-    // Ratios at concurrency 32 (or the highest one measured).
+/// Ratios at concurrency 32 (or the highest one measured): the hot pool
+/// over find-then-update and over findOneAndUpdate.
+fn ratios(runs: &[Run], concurrencies: &[usize]) -> (usize, f64, f64) {
     let at = if concurrencies.contains(&32) {
         32
     } else {
@@ -266,32 +287,47 @@ pub async fn run(
     };
     let over_1 = rate(Strategy::HotPoolBatched) / rate(Strategy::FindThenUpdate).max(1e-9);
     let over_3 = rate(Strategy::HotPoolBatched) / rate(Strategy::FindOneAndUpdate).max(1e-9);
+    (at, over_1, over_3)
+}
 
+fn run_json(r: &Run) -> serde_json::Value {
+    json!({
+        "concurrency": r.concurrency,
+        "strategy": r.strategy.number(),
+        "label": r.strategy.label(),
+        "claims": r.claims,
+        "seconds": r.elapsed.as_secs_f64(),
+        "claims_per_sec": r.per_sec(),
+        "retries": r.retries,
+        "scan_claims": r.scan_claims,
+        "p50_ms": ms(r.p50),
+        "p99_ms": ms(r.p99),
+        "distinct_codes": r.distinct_codes,
+        "issued_in_db": r.issued_in_db,
+        "distinct_orders": r.distinct_orders,
+        "no_code_twice": r.ok(),
+    })
+}
+
+/// Writes `claim.json`, prints the table, fails on a code issued twice.
+fn report(
+    args: &ClaimBenchArgs,
+    runs: &[Run],
+    concurrencies: &[usize],
+    setup_seconds: f64,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let (at, over_1, over_3) = ratios(runs, concurrencies);
     let report = json!({
         "benchmark": "claim",
         "write_concern": {"w": "majority", "j": true},
-        "codes_per_pool": codes,
+        "codes_per_pool": args.codes,
         "max_seconds_per_run": args.max_seconds,
         "batch": args.batch,
         "setup_seconds": setup_seconds,
         "latency_note": "per claim for (1)-(3); for (4) every purchase's latency is its claim_batch call's latency",
         "retries_note": "(1): misses of the conditional update; (2),(3): none visible (MongoDB retries write conflicts inside the server); (4): orders that lost a race and took fresh candidates (codepool_claim_races_total)",
-        "results": runs.iter().map(|r| json!({
-            "concurrency": r.concurrency,
-            "strategy": r.strategy.number(),
-            "label": r.strategy.label(),
-            "claims": r.claims,
-            "seconds": r.elapsed.as_secs_f64(),
-            "claims_per_sec": r.per_sec(),
-            "retries": r.retries,
-            "scan_claims": r.scan_claims,
-            "p50_ms": ms(r.p50),
-            "p99_ms": ms(r.p99),
-            "distinct_codes": r.distinct_codes,
-            "issued_in_db": r.issued_in_db,
-            "distinct_orders": r.distinct_orders,
-            "no_code_twice": r.ok(),
-        })).collect::<Vec<_>>(),
+        "results": runs.iter().map(run_json).collect::<Vec<_>>(),
         "ratios": {
             "concurrency": at,
             "hot_pool_over_find_then_update": over_1,
@@ -305,7 +341,7 @@ pub async fn run(
     if args.json {
         println!("{rendered}");
     } else {
-        print_table(&args, &runs, setup_seconds);
+        print_table(args, runs, setup_seconds);
         println!(
             "\nat concurrency {at}: (4)/(1) = {over_1:.1}x (target >= 20x {}), (4)/(3) = {over_3:.1}x (target >= 5x {})",
             mark(over_1 >= 20.0),

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use codepool_broker::{PendingConfirm, Publisher, Topology};
-use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
+use codepool_broker::{Publisher, Topology};
+use codepool_dispatcher::DispatcherConfig;
 use codepool_domain::{CodeStatus, Purchase};
 use codepool_store::ObjectId;
 use futures::{StreamExt, TryStreamExt};
@@ -32,14 +32,9 @@ use mongodb::bson::{doc, DateTime, Document};
 use serde_json::json;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 
 use super::{describe_cpu, metric_sum, proc_status_kb, CpuSnapshot, Scratch};
-
-/// Publishes in flight at once while preloading.
-const PRELOAD_WINDOW: usize = 2000;
-/// Longest the dispatcher may go without progress before the run fails.
-const STALL_LIMIT: Duration = Duration::from_secs(30);
+use crate::inproc::{self, depth};
 
 /// Measure the dispatcher against a pass-through and raw bulk updates.
 #[derive(Debug, clap::Args)]
@@ -62,12 +57,14 @@ pub struct DispatchBenchArgs {
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub scale: crate::scale::ScaleArgs,
 }
 
 impl DispatchBenchArgs {
     /// The dispatcher's defaults with this run's overrides; the baselines
     /// use the same prefetch, batch size and concurrency.
-    fn dispatcher_config(&self) -> DispatcherConfig {
+    pub(crate) fn dispatcher_config(&self) -> DispatcherConfig {
         let d = DispatcherConfig::default();
         DispatcherConfig {
             prefetch: self.prefetch.unwrap_or(d.prefetch).max(1),
@@ -79,27 +76,31 @@ impl DispatchBenchArgs {
 }
 
 /// One measured contender.
-struct Measured {
-    name: &'static str,
-    what: &'static str,
-    items: usize,
-    elapsed: Duration,
+pub(crate) struct Measured {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub items: usize,
+    pub elapsed: Duration,
     /// CPU seconds per process during the measurement.
-    cpu: Vec<(&'static str, f64)>,
+    pub cpu: Vec<(&'static str, f64)>,
 }
 
 impl Measured {
-    fn per_sec(&self) -> f64 {
+    pub fn per_sec(&self) -> f64 {
         self.items as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
 
-/// Runs `codepool bench dispatch`; writes `out_dir/dispatch.json`.
+/// Runs `codepool bench dispatch`; writes `out_dir/dispatch.json` (or,
+/// with `--pools`/`--pool-size`, the scale comparison of [`crate::scale`]).
 pub async fn run(
     args: DispatchBenchArgs,
     scratch: &'static Scratch,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
+    if args.scale.is_scale_run() {
+        return crate::scale::run(&args, scratch, out_dir).await;
+    }
     let cfg = &scratch.cfg;
     let pass_in = format!("{}passthrough.in", cfg.amqp_prefix);
     let pass_out = format!("{}passthrough.out", cfg.amqp_prefix);
@@ -118,25 +119,70 @@ async fn measure_all(
     pass_in: &str,
     pass_out: &str,
 ) -> anyhow::Result<()> {
-    let cfg = &scratch.cfg;
-    let store = &scratch.store;
     let n = args.purchases as usize;
     let config = args.dispatcher_config();
-    let topology = cfg.topology();
-    let say = |s: String| {
-        if !args.json {
-            eprintln!("{s}");
-        }
+    let conn = prepare(args, scratch, pass_in, pass_out).await?;
+    let (raw, pass) = baselines(args, scratch, &conn, pass_in, pass_out, &config).await?;
+    say(args, "dispatcher …".into());
+    let rss_before = proc_status_kb(None, "VmRSS");
+    let hwm_reset = super::reset_peak_rss();
+    let running = inproc::start(scratch, &config)?;
+    let run = running.finish(scratch, n as u64).await?;
+    let dispatcher = Measured {
+        name: "dispatcher",
+        what: "consume, claim (hot pool, batched), publish SMS-pending with confirms, ack",
+        items: n,
+        elapsed: run.elapsed,
+        cpu: run.cpu,
     };
-    let metrics = super::metrics();
+    let checks = check_dispatched(scratch, &conn, doc! {"pool": "dispatch"}, n, 0).await?;
+    let _ = conn.close(200, "benchmark done").await;
+    let memory = Memory {
+        rss_before_kb: rss_before,
+        rss_max_kb: run.rss_max_kb,
+        hwm_kb: proc_status_kb(None, "VmHWM"),
+        hwm_reset,
+    };
+    let report = report_json(args, &config, [&dispatcher, &pass, &raw], &checks, &memory);
+    let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        print_table(n, &config, [&dispatcher, &pass, &raw], &report, &memory);
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(
+        checks.ok,
+        "the dispatcher's results are inconsistent (see checks in {})",
+        path.display()
+    );
+    Ok(())
+}
 
-    say(format!("importing 2 × {n} codes into {} …", cfg.db));
-    super::fill_pool(store, "dispatch", n).await?;
-    super::fill_pool(store, "raw", n).await?;
+fn say(args: &DispatchBenchArgs, s: String) {
+    if !args.json {
+        eprintln!("{s}");
+    }
+}
 
-    say(format!(
-        "preloading 2 × {n} messages (persistent, confirmed) …"
-    ));
+/// Fills the two pools and preloads both input queues; returns the
+/// connection the checks use afterwards.
+async fn prepare(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    pass_in: &str,
+    pass_out: &str,
+) -> anyhow::Result<Connection> {
+    let cfg = &scratch.cfg;
+    let n = args.purchases as usize;
+    let topology = cfg.topology();
+    say(args, format!("importing 2 × {n} codes into {} …", cfg.db));
+    super::fill_pool(&scratch.store, "dispatch", n).await?;
+    super::fill_pool(&scratch.store, "raw", n).await?;
+    say(
+        args,
+        format!("preloading 2 × {n} messages (persistent, confirmed) …"),
+    );
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-dispatch-setup").await?;
     let ch = conn.create_channel().await?;
     topology.declare(&ch).await?;
@@ -145,13 +191,13 @@ async fn measure_all(
             .await?;
     }
     let publisher = Publisher::new(&conn, topology.clone()).await?;
-    preload(n, |i| {
+    inproc::preload(n, |i| {
         let p = purchase("dispatch", i);
         let publisher = publisher.clone();
         async move { Ok(publisher.publish_purchase(&p).await?) }
     })
     .await?;
-    preload(n, |i| {
+    inproc::preload(n, |i| {
         let p = purchase("passthrough", i);
         let publisher = publisher.clone();
         let q = pass_in.to_owned();
@@ -167,131 +213,167 @@ async fn measure_all(
             && depth(&conn, pass_in).await? == n as u32,
         "the preloaded queues do not hold {n} messages each"
     );
+    Ok(conn)
+}
 
-    say("(b) raw MongoDB bulk updates by _id …".into());
+/// Runs raw MongoDB, then the pass-through; returns them in that order.
+async fn baselines(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    conn: &Connection,
+    pass_in: &str,
+    pass_out: &str,
+    config: &DispatcherConfig,
+) -> anyhow::Result<(Measured, Measured)> {
+    let n = args.purchases as usize;
+    say(args, "(b) raw MongoDB bulk updates by _id …".into());
     let cpu = CpuSnapshot::take();
     let mut raw = raw_updates(scratch, n, config.batch_size, config.workers).await?;
     raw.cpu = CpuSnapshot::take().since(&cpu);
 
-    say("(a) pass-through: consume, publish with confirms, ack …".into());
+    say(
+        args,
+        "(a) pass-through: consume, publish with confirms, ack …".into(),
+    );
     let cpu = CpuSnapshot::take();
-    let mut pass = pass_through(cfg, pass_in, pass_out, n, &config).await?;
+    let mut pass = pass_through(&scratch.cfg, pass_in, pass_out, n, config).await?;
     pass.cpu = CpuSnapshot::take().since(&cpu);
     anyhow::ensure!(
-        depth(&conn, pass_out).await? == n as u32,
+        depth(conn, pass_out).await? == n as u32,
         "the pass-through did not deliver {n} confirmed messages"
     );
+    Ok((raw, pass))
+}
 
-    say("dispatcher …".into());
-    let rss_before = proc_status_kb(None, "VmRSS");
-    let hwm_reset = super::reset_peak_rss();
-    let hot = codepool::context::hot_pool(cfg)?;
-    let numbers = codepool::context::grant_numbers(cfg, store)?;
-    let engine = codepool::context::claim_engine_with(store, hot.clone(), numbers)?;
-    let dispatcher = Dispatcher::new(
-        engine,
-        store.clone(),
-        hot,
-        DispatcherConfig {
-            amqp_url: cfg.amqp_url.clone(),
-            topology: topology.clone(),
-            name: "codepool-bench-dispatch".into(),
-            ..config.clone()
-        },
-        Arc::new(Health::default()),
-    );
-    let stop = CancellationToken::new();
-    let cpu = CpuSnapshot::take();
-    let started = Instant::now();
-    let daemon = tokio::spawn(dispatcher.run(stop.clone()));
-    let mut rss_max = 0u64;
-    let mut last = (0usize, Instant::now());
-    loop {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
-        let done = match metrics {
-            Some(m) => metric_sum(m, "codepool_end_to_end_seconds_count", None) as usize,
-            None => {
-                // Without metrics: all granted and none left unacked.
-                let granted = issued(scratch, "dispatch").await? as usize;
-                if granted == n && depth(&conn, &topology.purchases).await? == 0 {
-                    n
-                } else {
-                    granted.min(n - 1)
-                }
-            }
-        };
-        if done >= n {
-            break;
-        }
-        if done > last.0 {
-            last = (done, Instant::now());
-        } else if last.1.elapsed() > STALL_LIMIT {
-            stop.cancel();
-            let _ = daemon.await;
-            anyhow::bail!(
-                "the dispatcher made no progress for {STALL_LIMIT:?} at {done} of {n} purchases"
-            );
-        }
-    }
-    let mut elapsed = started.elapsed();
-    stop.cancel();
-    daemon.await.context("the dispatcher panicked")?;
-    if metrics.is_none() {
-        // Ready 0 is not acked 0: count the drain of in-flight batches.
-        elapsed = started.elapsed();
-    }
-    let cpu = CpuSnapshot::take().since(&cpu);
-    let hwm = proc_status_kb(None, "VmHWM");
-    let dispatcher = Measured {
-        name: "dispatcher",
-        what: "consume, claim (hot pool, batched), publish SMS-pending with confirms, ack",
-        items: n,
-        elapsed,
-        cpu,
-    };
+/// The correctness checks of a dispatcher run on one pool.
+pub(crate) struct Checks {
+    pub granted: u64,
+    pub orders: u64,
+    pub left: u32,
+    pub events: u32,
+    pub dead: u32,
+    pub ok: bool,
+}
 
-    // Everything granted once, every event confirmed, every purchase acked
-    // (unacked ones would be back in the queue now that it stopped).
-    let (granted, orders) = super::issued_and_distinct_orders(store, "dispatch").await?;
-    let left = depth(&conn, &topology.purchases).await?;
-    let events = depth(&conn, &topology.sms_pending).await?;
-    let dead = depth(&conn, &topology.purchases_dead).await?;
-    let ok =
-        granted == n as u64 && orders == granted && left == 0 && events == n as u32 && dead == 0;
-    let _ = conn.close(200, "benchmark done").await;
-
-    let stages = metrics.map(|m| {
-        let mean = |name: &str| {
-            let count = metric_sum(m, &format!("{name}_count"), None);
-            (count > 0.0).then(|| metric_sum(m, &format!("{name}_sum"), None) / count * 1000.0)
-        };
+impl Checks {
+    pub fn json(&self) -> serde_json::Value {
         json!({
-            "batches": metric_sum(m, "codepool_batch_seconds_count", None) as u64,
-            "mean_batch_ms": mean("codepool_batch_seconds"),
-            "mean_claim_batch_ms": mean("codepool_claim_batch_seconds"),
-            "claims_hot": metric_sum(m, "codepool_claims_total", Some("path=\"hot\"")) as u64,
-            "claims_scan": metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")) as u64,
-            "races": metric_sum(m, "codepool_claim_races_total", None) as u64,
+            "granted": self.granted, "distinct_orders": self.orders, "left_in_queue": self.left,
+            "sms_pending_events": self.events, "dead_letters": self.dead, "ok": self.ok,
         })
-    });
+    }
 
+    pub fn line(&self) -> String {
+        format!(
+            "checks {}: {} granted, {} distinct orders, {} SMS-pending events, {} left in the queue, {} dead letters",
+            if self.ok { "✓" } else { "✗" },
+            self.granted, self.orders, self.events, self.left, self.dead
+        )
+    }
+}
+
+/// Everything granted once, every event confirmed, every purchase acked
+/// (unacked ones would be back in the queue now that it stopped).
+/// `filter` selects the run's codes; `events_before` SMS-pending events
+/// were already waiting from earlier runs.
+pub(crate) async fn check_dispatched(
+    scratch: &Scratch,
+    conn: &Connection,
+    filter: Document,
+    n: usize,
+    events_before: u32,
+) -> anyhow::Result<Checks> {
+    let topology = scratch.cfg.topology();
+    let (granted, orders) = super::issued_and_distinct_orders_where(&scratch.store, filter).await?;
+    let left = depth(conn, &topology.purchases).await?;
+    // The relay may re-send an event whose mark was not written yet (same
+    // event_id, by design): at least one event per purchase.
+    let events = depth(conn, &topology.sms_pending)
+        .await?
+        .saturating_sub(events_before);
+    let dead = depth(conn, &topology.purchases_dead).await?;
+    let ok =
+        granted == n as u64 && orders == granted && left == 0 && events >= n as u32 && dead == 0;
+    Ok(Checks {
+        granted,
+        orders,
+        left,
+        events,
+        dead,
+        ok,
+    })
+}
+
+/// Memory of the benchmark process while the dispatcher ran.
+struct Memory {
+    rss_before_kb: Option<u64>,
+    rss_max_kb: u64,
+    hwm_kb: Option<u64>,
+    hwm_reset: bool,
+}
+
+fn mb(kb: Option<u64>) -> Option<f64> {
+    kb.map(|k| k as f64 / 1024.0)
+}
+
+/// The slower of the two baselines, and the dispatcher's ratio to it.
+fn versus_slower(all: [&Measured; 3]) -> (&Measured, f64) {
+    let [dispatcher, pass, raw] = all;
     let slower = if raw.per_sec() < pass.per_sec() {
-        &raw
+        raw
     } else {
-        &pass
+        pass
     };
-    let ratio = dispatcher.per_sec() / slower.per_sec().max(1e-9);
-    let mb = |kb: Option<u64>| kb.map(|k| k as f64 / 1024.0);
-    let report = json!({
+    (slower, dispatcher.per_sec() / slower.per_sec().max(1e-9))
+}
+
+/// mongod CPU seconds per item of a measurement.
+fn mongod_cpu_per_item(m: &Measured) -> Option<f64> {
+    let s = m.cpu.iter().find(|(n, _)| *n == "mongod")?.1;
+    Some(s / m.items.max(1) as f64)
+}
+
+fn stages_json() -> Option<serde_json::Value> {
+    let m = super::metrics()?;
+    let mean = |name: &str| {
+        let count = metric_sum(m, &format!("{name}_count"), None);
+        (count > 0.0).then(|| metric_sum(m, &format!("{name}_sum"), None) / count * 1000.0)
+    };
+    Some(json!({
+        "batches": metric_sum(m, "codepool_batch_seconds_count", None) as u64,
+        "mean_batch_ms": mean("codepool_batch_seconds"),
+        "mean_claim_batch_ms": mean("codepool_claim_batch_seconds"),
+        "claims_hot": metric_sum(m, "codepool_claims_total", Some("path=\"hot\"")) as u64,
+        "claims_scan": metric_sum(m, "codepool_claims_total", Some("path=\"scan\"")) as u64,
+        "races": metric_sum(m, "codepool_claim_races_total", None) as u64,
+    }))
+}
+
+/// Goal 3 of issue 10: the dispatcher at least this fraction of the slower baseline.
+const TARGET_RATIO: f64 = 0.75;
+/// Goal 3: mongod CPU per grant at most this multiple of the raw update's.
+const TARGET_MONGOD_CPU: f64 = 2.0;
+
+fn report_json(
+    args: &DispatchBenchArgs,
+    config: &DispatcherConfig,
+    all: [&Measured; 3],
+    checks: &Checks,
+    memory: &Memory,
+) -> serde_json::Value {
+    let (slower, ratio) = versus_slower(all);
+    let cpu_ratio = mongod_cpu_per_item(all[0])
+        .zip(mongod_cpu_per_item(all[2]))
+        .map(|(d, r)| d / r.max(1e-12));
+    json!({
         "benchmark": "dispatch",
-        "purchases": n,
+        "purchases": args.purchases,
         "write_concern": {"w": "majority", "j": true},
         "prefetch": config.prefetch,
         "batch_size": config.batch_size,
         "workers": config.workers,
         "linger_ms": config.linger.as_millis() as u64,
-        "results": ([&dispatcher, &pass, &raw]).iter().map(|m| json!({
+        "results": all.iter().map(|m| json!({
             "name": m.name,
             "what": m.what,
             "items": m.items,
@@ -300,94 +382,98 @@ async fn measure_all(
             "cpu_seconds": super::cpu_json(&m.cpu),
         })).collect::<Vec<_>>(),
         "cpu_note": "CPU seconds of this process and the local servers during each measurement; the machine has this many cores in total",
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cores": cores(),
         "slower_baseline": slower.name,
         "dispatcher_over_slower_baseline": ratio,
-        "target": 0.5,
-        "target_met": ratio >= 0.5,
-        "checks": {
-            "granted": granted, "distinct_orders": orders, "left_in_queue": left,
-            "sms_pending_events": events, "dead_letters": dead, "ok": ok,
-        },
+        "target": TARGET_RATIO,
+        "target_met": ratio >= TARGET_RATIO,
+        "mongod_cpu_per_grant_over_raw": cpu_ratio,
+        "mongod_cpu_target": TARGET_MONGOD_CPU,
+        "mongod_cpu_target_met": cpu_ratio.is_some_and(|r| r <= TARGET_MONGOD_CPU),
+        "checks": checks.json(),
         "memory": {
-            "rss_before_mb": mb(rss_before),
-            "rss_max_sampled_mb": mb(Some(rss_max)),
-            "peak_rss_mb": mb(hwm),
-            "peak_is_dispatcher_phase_only": hwm_reset,
+            "rss_before_mb": mb(memory.rss_before_kb),
+            "rss_max_sampled_mb": mb(Some(memory.rss_max_kb)),
+            "peak_rss_mb": mb(memory.hwm_kb),
+            "peak_is_dispatcher_phase_only": memory.hwm_reset,
             "note": "the dispatcher runs inside the benchmark process; the peak includes the benchmark's own memory",
         },
-        "stages": stages,
-    });
-    let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
-    if args.json {
-        println!("{rendered}");
-    } else {
-        println!(
-            "dispatcher end to end vs its two baselines, {n} purchases each; writes journaled (w:majority, j:true); prefetch {}, batches of {}, {} workers, linger {} ms\n",
-            config.prefetch,
-            config.batch_size,
-            config.workers,
-            config.linger.as_millis()
-        );
-        println!("{:<12} {:>9} {:>10}  what", "", "seconds", "per sec");
-        for m in [&dispatcher, &pass, &raw] {
-            println!(
-                "{:<12} {:>9.2} {:>10.0}  {}",
-                m.name,
-                m.elapsed.as_secs_f64(),
-                m.per_sec(),
-                m.what
-            );
-        }
-        println!(
-            "\nCPU seconds while each ran ({} cores):",
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(0)
-        );
-        for m in [&dispatcher, &pass, &raw] {
-            println!("{:<12} {}", m.name, describe_cpu(&m.cpu));
-        }
-        println!(
-            "\ndispatcher / slower baseline ({}) = {ratio:.2}x (target >= 0.5x {})",
-            slower.name,
-            if ratio >= 0.5 { "✓" } else { "✗" }
-        );
-        println!(
-            "checks {}: {granted} granted, {orders} distinct orders, {events} SMS-pending events, {left} left in the queue, {dead} dead letters",
-            if ok { "✓" } else { "✗" }
-        );
-        println!(
-            "memory: RSS {:.1} MB before the dispatcher, peak {:.1} MB while it ran ({}; includes the benchmark's own memory)",
-            mb(rss_before).unwrap_or(0.0),
-            mb(hwm).unwrap_or(0.0).max(mb(Some(rss_max)).unwrap_or(0.0)),
-            if hwm_reset { "VmHWM reset before the start" } else { "sampled VmRSS" },
-        );
-        if let Some(s) = &report["stages"].as_object() {
-            println!(
-                "stages: {} batches, mean batch {:.1} ms of which claim_batch {:.1} ms; claims hot {} / scan {}, races {}",
-                s["batches"], s["mean_batch_ms"].as_f64().unwrap_or(0.0),
-                s["mean_claim_batch_ms"].as_f64().unwrap_or(0.0), s["claims_hot"], s["claims_scan"], s["races"]
-            );
-        }
-        println!("written to {}", path.display());
-    }
-    anyhow::ensure!(
-        ok,
-        "the dispatcher's results are inconsistent (see checks in {})",
-        path.display()
+        "stages": stages_json(),
+    })
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0)
+}
+
+fn print_table(
+    n: usize,
+    config: &DispatcherConfig,
+    all: [&Measured; 3],
+    report: &serde_json::Value,
+    memory: &Memory,
+) {
+    println!(
+        "dispatcher end to end vs its two baselines, {n} purchases each; writes journaled (w:majority, j:true); prefetch {}, batches of up to {}, {} workers, linger {} ms\n",
+        config.prefetch, config.batch_size, config.workers, config.linger.as_millis()
     );
-    Ok(())
+    println!("{:<12} {:>9} {:>10}  what", "", "seconds", "per sec");
+    for m in all {
+        let (secs, rate) = (m.elapsed.as_secs_f64(), m.per_sec());
+        println!("{:<12} {secs:>9.2} {rate:>10.0}  {}", m.name, m.what);
+    }
+    println!("\nCPU seconds while each ran ({} cores):", cores());
+    for m in all {
+        println!("{:<12} {}", m.name, describe_cpu(&m.cpu));
+    }
+    let (slower, ratio) = versus_slower(all);
+    let tick = |ok: bool| if ok { "✓" } else { "✗" };
+    println!(
+        "\ndispatcher / slower baseline ({}) = {ratio:.2}x (target >= {TARGET_RATIO}x {})",
+        slower.name,
+        tick(ratio >= TARGET_RATIO)
+    );
+    if let Some(r) = report["mongod_cpu_per_grant_over_raw"].as_f64() {
+        println!(
+            "mongod CPU per grant / per raw update = {r:.2}x (target <= {TARGET_MONGOD_CPU}x {})",
+            tick(r <= TARGET_MONGOD_CPU)
+        );
+    }
+    let c = &report["checks"];
+    println!(
+        "checks {}: {} granted, {} distinct orders, {} SMS-pending events, {} left in the queue, {} dead letters",
+        tick(c["ok"].as_bool() == Some(true)), c["granted"], c["distinct_orders"],
+        c["sms_pending_events"], c["left_in_queue"], c["dead_letters"]
+    );
+    print_memory(memory);
+    if let Some(s) = report["stages"].as_object() {
+        println!(
+            "stages: {} batches, mean batch {:.1} ms of which claim_batch {:.1} ms; claims hot {} / scan {}, races {}",
+            s["batches"], s["mean_batch_ms"].as_f64().unwrap_or(0.0),
+            s["mean_claim_batch_ms"].as_f64().unwrap_or(0.0), s["claims_hot"], s["claims_scan"], s["races"]
+        );
+    }
+}
+
+fn print_memory(memory: &Memory) {
+    println!(
+        "memory: RSS {:.1} MB before the dispatcher, peak {:.1} MB while it ran ({}; includes the benchmark's own memory)",
+        mb(memory.rss_before_kb).unwrap_or(0.0),
+        mb(memory.hwm_kb)
+            .unwrap_or(0.0)
+            .max(mb(Some(memory.rss_max_kb)).unwrap_or(0.0)),
+        if memory.hwm_reset {
+            "VmHWM reset before the start"
+        } else {
+            "sampled VmRSS"
+        },
+    );
 }
 
 fn purchase(pool: &str, i: usize) -> Purchase {
-    Purchase {
-        order_id: format!("{pool}-o{i}"),
-        uid: format!("u{i}"),
-        phone: format!("+86138{:08}", i % 100_000_000),
-        pool: pool.to_owned(),
-        purchased_at: None,
-    }
+    inproc::purchase(pool, pool, i)
 }
 
 fn durable_queue() -> QueueDeclareOptions {
@@ -404,46 +490,6 @@ fn persistent(message_id: &str) -> BasicProperties {
         .with_message_id(message_id.into())
 }
 
-/// Ready messages in `queue` (a passive declare; unacked ones are not counted).
-async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
-    let ch = conn.create_channel().await?;
-    let n = codepool_broker::queue_depth(&ch, queue)
-        .await
-        .with_context(|| format!("reading the depth of {queue}"))?;
-    let _ = ch.close(200, "done").await;
-    Ok(n)
-}
-
-async fn issued(scratch: &Scratch, pool: &str) -> anyhow::Result<u64> {
-    Ok(scratch
-        .store
-        .database()
-        .collection::<Document>(codepool_store::codes::CODES)
-        .count_documents(doc! {"pool": pool, "status": CodeStatus::Issued.as_i32()})
-        .await?)
-}
-
-/// Publishes `n` messages, `PRELOAD_WINDOW` confirms in flight at a time.
-async fn preload<F, Fut>(n: usize, publish: F) -> anyhow::Result<()>
-where
-    F: Fn(usize) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<PendingConfirm>>,
-{
-    let mut start = 0;
-    while start < n {
-        let end = (start + PRELOAD_WINDOW).min(n);
-        let mut confirms = Vec::with_capacity(end - start);
-        for i in start..end {
-            confirms.push(publish(i).await?);
-        }
-        for c in confirms {
-            c.wait().await?;
-        }
-        start = end;
-    }
-    Ok(())
-}
-
 /// Baseline (b): `n` fresh codes claimed by `_id` in bulk `update`
 /// commands of `batch` statements, `workers` in flight, journaled.
 async fn raw_updates(
@@ -453,21 +499,7 @@ async fn raw_updates(
     workers: usize,
 ) -> anyhow::Result<Measured> {
     let db = scratch.store.database();
-    let ids: Vec<ObjectId> = db
-        .collection::<Document>(codepool_store::codes::CODES)
-        .find(doc! {"pool": "raw", "status": CodeStatus::Unissued.as_i32()})
-        .sort(doc! {"seq": 1})
-        .projection(doc! {"_id": 1})
-        .await?
-        .map_ok(|d| d.get_object_id("_id").ok())
-        .try_filter_map(|id| async move { Ok(id) })
-        .try_collect()
-        .await?;
-    anyhow::ensure!(
-        ids.len() == n,
-        "pool raw holds {} codes instead of {n}",
-        ids.len()
-    );
+    let ids = raw_pool_ids(scratch, n).await?;
     let chunks: Vec<(usize, Vec<ObjectId>)> = ids
         .chunks(batch.max(1))
         .enumerate()
@@ -477,25 +509,9 @@ async fn raw_updates(
     let mut modified = 0i64;
     let mut stream = futures::stream::iter(chunks)
         .map(|(first, ids)| async move {
-            let now = DateTime::now();
-            let updates: Vec<Document> = ids
-                .iter()
-                .enumerate()
-                .map(|(k, id)| {
-                    let p = purchase("raw", first + k);
-                    doc! {
-                        "q": {"_id": id, "status": CodeStatus::Unissued.as_i32()},
-                        "u": {"$set": {
-                            "status": CodeStatus::Issued.as_i32(),
-                            "order_id": &p.order_id, "uid": &p.uid, "phone": &p.phone,
-                            "issued_at": now, "sms_pending": true,
-                        }},
-                    }
-                })
-                .collect();
             db.run_command(doc! {
                 "update": codepool_store::codes::CODES,
-                "updates": updates,
+                "updates": raw_statements(first, &ids),
                 "ordered": false,
                 // `codepool_store::durable()`, in command form.
                 "writeConcern": {"w": "majority", "j": true},
@@ -527,6 +543,47 @@ async fn raw_updates(
         elapsed,
         cpu: Vec::new(),
     })
+}
+
+/// The ids of pool `raw`, oldest first (exactly `n` of them).
+async fn raw_pool_ids(scratch: &Scratch, n: usize) -> anyhow::Result<Vec<ObjectId>> {
+    let ids: Vec<ObjectId> = scratch
+        .store
+        .database()
+        .collection::<Document>(codepool_store::codes::CODES)
+        .find(doc! {"pool": "raw", "status": CodeStatus::Unissued.as_i32()})
+        .sort(doc! {"seq": 1})
+        .projection(doc! {"_id": 1})
+        .await?
+        .map_ok(|d| d.get_object_id("_id").ok())
+        .try_filter_map(|id| async move { Ok(id) })
+        .try_collect()
+        .await?;
+    anyhow::ensure!(
+        ids.len() == n,
+        "pool raw holds {} codes instead of {n}",
+        ids.len()
+    );
+    Ok(ids)
+}
+
+/// One raw claim statement per id: `{_id, status: 0}` → issued.
+fn raw_statements(first: usize, ids: &[ObjectId]) -> Vec<Document> {
+    let now = DateTime::now();
+    ids.iter()
+        .enumerate()
+        .map(|(k, id)| {
+            let p = purchase("raw", first + k);
+            doc! {
+                "q": {"_id": id, "status": CodeStatus::Unissued.as_i32()},
+                "u": {"$set": {
+                    "status": CodeStatus::Issued.as_i32(),
+                    "order_id": &p.order_id, "uid": &p.uid, "phone": &p.phone,
+                    "issued_at": now, "sms_pending": true,
+                }},
+            }
+        })
+        .collect()
 }
 
 /// Baseline (a): consume `n` preloaded messages with the dispatcher's

@@ -13,6 +13,9 @@ pub mod claim;
 pub mod crypto;
 pub mod dispatch;
 pub mod import;
+pub mod inproc;
+pub mod latency;
+pub mod scale;
 pub mod seq;
 
 use std::path::{Path, PathBuf};
@@ -49,6 +52,8 @@ pub enum Which {
     Import(import::ImportBenchArgs),
     /// What encryption at rest costs per code, against import and dispatch.
     Crypto(crypto::CryptoBenchArgs),
+    /// Open-loop latency, purchase published → SMS-pending event.
+    Latency(latency::LatencyBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -62,6 +67,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
         Which::Crypto(a) => crypto::run(a, &args.out_dir)?,
+        Which::Latency(a) => scratch(cfg, |s| latency::run(a, s, &args.out_dir)).await?,
     }
     Ok(codepool::exit::OK)
 }
@@ -231,12 +237,21 @@ pub async fn fill_pool(store: &Store, pool: &str, n: usize) -> anyhow::Result<()
 /// when no order holds two codes. (That no code went to two claimers is
 /// checked on the claimers' own lists of code ids.)
 pub async fn issued_and_distinct_orders(store: &Store, pool: &str) -> anyhow::Result<(u64, u64)> {
+    issued_and_distinct_orders_where(store, mongodb::bson::doc! {"pool": pool}).await
+}
+
+/// [`issued_and_distinct_orders`] of the codes matching `filter`.
+pub async fn issued_and_distinct_orders_where(
+    store: &Store,
+    mut filter: mongodb::bson::Document,
+) -> anyhow::Result<(u64, u64)> {
     use mongodb::bson::doc;
+    filter.insert("status", CodeStatus::Issued.as_i32());
     let mut cursor = store
         .database()
         .collection::<mongodb::bson::Document>(codepool_store::codes::CODES)
         .aggregate(vec![
-            doc! {"$match": {"pool": pool, "status": CodeStatus::Issued.as_i32()}},
+            doc! {"$match": filter},
             doc! {"$group": {"_id": null, "n": {"$sum": 1}, "orders": {"$addToSet": "$order_id"}}},
             doc! {"$project": {"n": 1, "orders": {"$size": "$orders"}}},
         ])

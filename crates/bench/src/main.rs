@@ -11,6 +11,9 @@ const EXAMPLES: &str = "\
 Examples:
   codepool-bench claim --concurrency 1,8,32 --codes 20000
   codepool-bench dispatch --purchases 20000
+  codepool-bench dispatch --pools 1000 --spread zipf
+  codepool-bench dispatch --pool-size 10000000
+  codepool-bench latency --rate 100,1000 --seconds 10
   codepool-bench import --codes 200000
   codepool-bench seq --ids 4000
 

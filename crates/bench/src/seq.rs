@@ -60,6 +60,26 @@ struct Drawn {
     retries: u64,
 }
 
+/// Draws `quota` values one call at a time.
+async fn one_by_one<F, Fut>(quota: usize, mut next: F) -> anyhow::Result<Drawn>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<String>>,
+{
+    let mut drawn = Drawn::default();
+    for _ in 0..quota {
+        drawn.values.push(next().await?);
+    }
+    Ok(drawn)
+}
+
+/// The names this run uses in MongoDB and Redis.
+struct RunNames {
+    run_id: String,
+    classic_id: String,
+    redis_prefix: String,
+}
+
 /// Runs `codepool bench seq`; writes `out_dir/seq.json`.
 pub async fn run(
     args: SeqBenchArgs,
@@ -68,34 +88,47 @@ pub async fn run(
     out_dir: &Path,
 ) -> anyhow::Result<()> {
     let run_id = format!("bench-{}", chrono::Utc::now().format("%Y%m%d%H%M%S%3f"));
-    let concurrency = args.concurrency as usize;
-    let ids = args.ids as usize;
+    let names = RunNames {
+        classic_id: format!("classic:{run_id}"),
+        redis_prefix: format!("codepool-{run_id}"),
+        run_id,
+    };
     let counters: Collection<Document> = db.collection(COLLECTION);
-    let classic_id = format!("classic:{run_id}");
-    let redis_prefix = format!("codepool-{run_id}");
-
     counters
         .update_one(
-            doc! { "_id": &classic_id },
+            doc! { "_id": &names.classic_id },
             doc! { "$setOnInsert": { "value": 0_i64 } },
         )
         .upsert(true)
         .await
         .context("creating the classic counter")?;
+    let (c, n) = (args.concurrency as usize, args.ids as usize);
+    let mut results = measure_counters(&db, &names, c, n).await?;
+    results.extend(measure_daily(&db, redis_url, &names, c, n).await?);
+    results.extend(measure_others(&db, &names, c, n).await?);
+    clean_up(&counters, &names.run_id, redis_url, &names.redis_prefix).await;
+    report(&args, &results, out_dir)
+}
 
-    let mut results = Vec::new();
-
-    results.push(
-        measure("classic read-then-update", concurrency, ids, 1, {
-            let counters = counters.clone();
-            let id = classic_id.clone();
-            move |quota| classic_loop(counters.clone(), id.clone(), quota)
-        })
-        .await?,
-    );
-
-    let segments = SegmentAllocator::new(db.clone(), &run_id, 1_000)?;
-    results.push(
+/// The classic read-then-update loop and the segment allocator.
+async fn measure_counters(
+    db: &Database,
+    names: &RunNames,
+    concurrency: usize,
+    ids: usize,
+) -> anyhow::Result<Vec<Measured>> {
+    let counters: Collection<Document> = db.collection(COLLECTION);
+    let id = names.classic_id.clone();
+    let classic = measure(
+        "classic read-then-update",
+        concurrency,
+        ids,
+        1,
+        move |quota| classic_loop(counters.clone(), id.clone(), quota),
+    )
+    .await?;
+    let segments = SegmentAllocator::new(db.clone(), &names.run_id, 1_000)?;
+    let segment =
         measure(
             "segment allocator (step 1000)",
             concurrency,
@@ -104,119 +137,100 @@ pub async fn run(
             move |quota| {
                 let segments = segments.clone();
                 async move {
-                    let mut drawn = Drawn::default();
-                    for _ in 0..quota {
-                        drawn.values.push(segments.next().await?.to_string());
-                    }
-                    Ok(drawn)
+                    one_by_one(quota, || async { Ok(segments.next().await?.to_string()) }).await
                 }
             },
         )
-        .await?,
-    );
+        .await?;
+    Ok(vec![classic, segment])
+}
 
-    let daily = DailyNumbers::from_url(Some(redis_url), db.clone(), &redis_prefix, chrono_tz::UTC)?;
+/// Daily numbers: from Redis one by one and in batches, and from MongoDB.
+async fn measure_daily(
+    db: &Database,
+    redis_url: &str,
+    names: &RunNames,
+    concurrency: usize,
+    ids: usize,
+) -> anyhow::Result<Vec<Measured>> {
+    let daily = DailyNumbers::from_url(
+        Some(redis_url),
+        db.clone(),
+        &names.redis_prefix,
+        chrono_tz::UTC,
+    )?;
     let redis_daily = daily.clone();
-    results.push(
-        measure("daily number (Redis)", concurrency, ids, 1, move |quota| {
-            let daily = redis_daily.clone();
-            async move {
-                let mut drawn = Drawn::default();
-                for _ in 0..quota {
-                    drawn.values.push(daily.next("B").await?);
-                }
-                Ok(drawn)
-            }
-        })
-        .await?,
-    );
-    results.push(
-        measure(
-            "daily number (Redis, batches of 100)",
-            concurrency,
-            ids,
-            DAILY_BATCH as usize,
-            move |quota| {
-                let daily = daily.clone();
-                async move {
-                    let mut drawn = Drawn::default();
-                    let mut left = quota;
-                    while left > 0 {
-                        let n = left.min(DAILY_BATCH as usize);
-                        drawn.values.extend(daily.next_n("BB", n as u32).await?);
-                        left -= n;
-                    }
-                    Ok(drawn)
-                }
-            },
-        )
-        .await?,
-    );
-
-    let mongo_daily = DailyNumbers::new(None, db.clone(), &redis_prefix, chrono_tz::UTC);
-    results.push(
-        measure(
-            "daily number (MongoDB fallback)",
-            concurrency,
-            ids,
-            1,
-            move |quota| {
-                let daily = mongo_daily.clone();
-                async move {
-                    let mut drawn = Drawn::default();
-                    for _ in 0..quota {
-                        drawn.values.push(daily.next("BM").await?);
-                    }
-                    Ok(drawn)
-                }
-            },
-        )
-        .await?,
-    );
-
-    let cyclic = CyclicCounter::new(db.clone(), &run_id, 99)?;
-    let mut cyclic_result = measure(
-        "cyclic counter (0..=99)",
+    let single = measure("daily number (Redis)", concurrency, ids, 1, move |quota| {
+        let daily = redis_daily.clone();
+        async move { one_by_one(quota, || async { Ok(daily.next("B").await?) }).await }
+    })
+    .await?;
+    let batch = DAILY_BATCH as usize;
+    let batched = measure(
+        "daily number (Redis, batches of 100)",
         concurrency,
         ids,
-        1,
+        batch,
         move |quota| {
-            let cyclic = cyclic.clone();
+            let daily = daily.clone();
             async move {
                 let mut drawn = Drawn::default();
-                for _ in 0..quota {
-                    drawn.values.push(cyclic.next().await?.to_string());
+                let mut left = quota;
+                while left > 0 {
+                    let n = left.min(batch);
+                    drawn.values.extend(daily.next_n("BB", n as u32).await?);
+                    left -= n;
                 }
                 Ok(drawn)
             }
         },
     )
     .await?;
+    let mongo_daily = DailyNumbers::new(None, db.clone(), &names.redis_prefix, chrono_tz::UTC);
+    let mongo = measure(
+        "daily number (MongoDB fallback)",
+        concurrency,
+        ids,
+        1,
+        move |quota| {
+            let daily = mongo_daily.clone();
+            async move { one_by_one(quota, || async { Ok(daily.next("BM").await?) }).await }
+        },
+    )
+    .await?;
+    Ok(vec![single, batched, mongo])
+}
+
+/// The cyclic counter (values repeat by design) and time ids.
+async fn measure_others(
+    db: &Database,
+    names: &RunNames,
+    concurrency: usize,
+    ids: usize,
+) -> anyhow::Result<Vec<Measured>> {
+    let cyclic = CyclicCounter::new(db.clone(), &names.run_id, 99)?;
+    let mut cyclic_result = measure("cyclic counter (0..=99)", concurrency, ids, 1, move |quota| {
+        let cyclic = cyclic.clone();
+        async move { one_by_one(quota, || async { Ok(cyclic.next().await?.to_string()) }).await }
+    })
+    .await?;
     cyclic_result.distinct = None;
-    results.push(cyclic_result);
+    let time_ids = TimeId::new(db.clone(), &format!("{}-timeid", names.run_id))?;
+    let time = measure("time id", concurrency, ids, 1, move |quota| {
+        let time_ids = time_ids.clone();
+        async move { one_by_one(quota, || async { Ok(time_ids.next().await?) }).await }
+    })
+    .await?;
+    Ok(vec![cyclic_result, time])
+}
 
-    let time_ids = TimeId::new(db.clone(), &format!("{run_id}-timeid"))?;
-    results.push(
-        measure("time id", concurrency, ids, 1, move |quota| {
-            let time_ids = time_ids.clone();
-            async move {
-                let mut drawn = Drawn::default();
-                for _ in 0..quota {
-                    drawn.values.push(time_ids.next().await?);
-                }
-                Ok(drawn)
-            }
-        })
-        .await?,
-    );
-
-    clean_up(&counters, &run_id, redis_url, &redis_prefix).await;
-
+/// Writes `seq.json`, prints the table, fails on a repeated value.
+fn report(args: &SeqBenchArgs, results: &[Measured], out_dir: &Path) -> anyhow::Result<()> {
     let classic = results[0].ids_per_sec();
     let report = json!({
         "benchmark": "seq",
-        "concurrency": concurrency,
-        "ids_per_generator": ids,
+        "concurrency": args.concurrency,
+        "ids_per_generator": args.ids,
         "results": results.iter().map(|r| json!({
             "generator": r.generator,
             "ids": r.ids,
@@ -227,17 +241,11 @@ pub async fn run(
             "distinct": r.distinct,
         })).collect::<Vec<_>>(),
     });
-    let rendered = serde_json::to_string_pretty(&report).context("rendering the JSON report")?;
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("creating the output folder {}", out_dir.display()))?;
-    let path = out_dir.join("seq.json");
-    std::fs::write(&path, format!("{rendered}\n"))
-        .with_context(|| format!("writing {}", path.display()))?;
-
+    let (rendered, path) = crate::write_report(out_dir, "seq.json", &report)?;
     if args.json {
         println!("{rendered}");
     } else {
-        print_table(&results, concurrency, classic);
+        print_table(results, args.concurrency as usize, classic);
         println!("\nwritten to {}", path.display());
     }
     if let Some(bad) = results.iter().find(|r| r.distinct == Some(false)) {

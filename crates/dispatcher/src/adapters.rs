@@ -96,6 +96,18 @@ impl CandidatePool for HotPool {
         Ok((from_redis(pool, raw), left))
     }
 
+    async fn pop_many(
+        &self,
+        wants: &[(&str, usize)],
+    ) -> Result<Vec<(Vec<Candidate>, u64)>, HotPoolError> {
+        let popped = HotPool::pop_many(self, wants).await?;
+        Ok(wants
+            .iter()
+            .zip(popped)
+            .map(|((pool, _), (raw, left))| (from_redis(pool, raw), left))
+            .collect())
+    }
+
     async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError> {
         HotPool::put_back(self, pool, &to_redis(candidates)).await
     }

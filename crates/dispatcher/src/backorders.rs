@@ -41,7 +41,7 @@ pub async fn fulfil_backorders(
         }
         // Ask only for as many as there is stock, so the oldest are served
         // first even when stock is short.
-        let stock = store.unissued_count(pool).await?;
+        let stock = store.unissued_count_upto(pool, BATCH).await?;
         let limit = stock.min(BATCH);
         if limit == 0 {
             break;

@@ -3,7 +3,7 @@
 //! then ack or requeue exactly as [`settle`] says. Read `process` top to
 //! bottom: nothing is acked before its outcome is durable.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Instant;
 
 use codepool_broker::{BrokerError, PendingConfirm, Publisher};
@@ -103,12 +103,10 @@ impl Dispatcher {
 
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
         let parsed = self.parse(deliveries);
-        let mut policies = HashMap::new();
-        for pool in pools_of(&parsed) {
-            if let Some(policy) = self.policies.get(&self.store, pool).await? {
-                policies.insert(pool.to_owned(), policy);
-            }
-        }
+        let policies = self
+            .policies
+            .get_many(&self.store, &pools_of(&parsed))
+            .await?;
         let intake = admit(parsed, |p| policies.contains_key(p));
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies).await?;

@@ -84,12 +84,15 @@ fn grant_of(order_id: &str, code: &Code) -> Result<Grant, ClaimError> {
 pub struct ClaimConfig {
     /// Rounds of fresh candidates for orders that lost a race.
     pub race_rounds: usize,
-    /// Candidates loaded into the hot set per refill.
+    /// Most candidates loaded into a hot set per refill (a busy pool's).
     pub refill_batch: i64,
+    /// Fewest candidates loaded per refill (a quiet pool's).
+    pub min_refill: i64,
     /// How long a refiller may hold a pool's refill lock (and how long a
     /// claimer waits for someone else's refill).
     pub refill_lock_ttl: Duration,
-    /// Below this many candidates, the set is topped up in the background.
+    /// Below this many candidates (or half a refill, if less), the set
+    /// is topped up in the background.
     pub low_water: u64,
 }
 
@@ -98,6 +101,7 @@ impl Default for ClaimConfig {
         Self {
             race_rounds: 3,
             refill_batch: 5000,
+            min_refill: 64,
             refill_lock_ttl: Duration::from_secs(10),
             low_water: 2500,
         }
@@ -113,6 +117,8 @@ pub struct ClaimEngine {
     config: ClaimConfig,
     /// When a refill of each pool last found nothing.
     dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+    /// Recent demand per pool, which sizes its refills.
+    demand: Arc<crate::demand::Demand>,
 }
 
 /// One order of a batch paired with the candidate it tries to claim.
@@ -136,6 +142,7 @@ impl ClaimEngine {
             numbers,
             config,
             dry: Arc::default(),
+            demand: Arc::default(),
         }
     }
 
@@ -208,20 +215,43 @@ impl ClaimEngine {
 
     /// Pairs each order of `todo` with a distinct candidate of its pool.
     /// Oldest candidates go to the first orders; orders left without one
-    /// (the set ran dry, or Redis is away) go to `scan`.
+    /// (the set ran dry, or Redis is away) go to `scan`. Every pool of the
+    /// batch pops in one round trip; pools that came up short are refilled
+    /// concurrently.
     async fn pair_with_candidates<'a>(
         &self,
         unique: &[&'a Purchase],
         todo: &[usize],
         scan: &mut Vec<usize>,
     ) -> Vec<Pairing<'a>> {
-        let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
+        let mut by_pool: Vec<(&str, Vec<usize>)> = Vec::new();
+        let mut slot: HashMap<&str, usize> = HashMap::new();
         for &i in todo {
-            by_pool.entry(unique[i].pool.as_str()).or_default().push(i);
+            let pool = unique[i].pool.as_str();
+            let at = *slot.entry(pool).or_insert_with(|| {
+                by_pool.push((pool, Vec::new()));
+                by_pool.len() - 1
+            });
+            by_pool[at].1.push(i);
+        }
+        let wants: Vec<(&str, usize)> = by_pool.iter().map(|(p, idxs)| (*p, idxs.len())).collect();
+        self.demand.record(&wants);
+        let Ok(popped) = self.hot.pop_many(&wants).await else {
+            scan.extend(by_pool.into_iter().flat_map(|(_, idxs)| idxs));
+            return Vec::new();
+        };
+        let mut topped = Vec::with_capacity(wants.len());
+        let mut popped = popped.into_iter();
+        for chunk in wants.chunks(PARALLEL_REFILLS) {
+            let mut pending = Vec::with_capacity(chunk.len());
+            for (&(pool, k), (got, left)) in chunk.iter().zip(popped.by_ref()) {
+                pending.push(self.complete(pool, k, got, left));
+            }
+            topped.extend(futures::future::join_all(pending).await);
         }
         let mut pairs = Vec::new();
-        for (pool, idxs) in by_pool {
-            let Ok(candidates) = self.take_candidates(pool, idxs.len()).await else {
+        for ((_, idxs), candidates) in by_pool.into_iter().zip(topped) {
+            let Ok(candidates) = candidates else {
                 scan.extend(idxs);
                 continue;
             };
@@ -310,16 +340,22 @@ impl ClaimEngine {
         }
     }
 
-    /// Pops `k` distinct candidates, refilling the hot set from MongoDB when
-    /// it runs dry (or waiting for the refill another claimer is doing).
-    /// Fewer than `k` means the pool has no more candidates right now. When
-    /// the set runs low, a background refill tops it up before it is empty.
-    /// An error means Redis is away.
-    async fn take_candidates(&self, pool: &str, k: usize) -> Result<Vec<Candidate>, HotPoolError> {
+    /// Completes a pool's pop of `k` candidates (`got` so far, `remaining`
+    /// left in its set): refills the hot set from MongoDB while it runs
+    /// dry (or waits for the refill another claimer is doing). Fewer than
+    /// `k` means the pool has no more candidates right now. When the set
+    /// runs low, a background refill tops it up before it is empty. An
+    /// error means Redis is away.
+    async fn complete(
+        &self,
+        pool: &str,
+        k: usize,
+        mut got: Vec<Candidate>,
+        mut remaining: u64,
+    ) -> Result<Vec<Candidate>, HotPoolError> {
         let deadline = Instant::now() + self.config.refill_lock_ttl;
-        let (mut got, mut remaining) = self.hot.pop(pool, k).await?;
         while got.len() < k {
-            match self.refill(pool).await {
+            match self.refill_for(pool, k - got.len()).await {
                 Ok(Refill::Added(0)) => break,
                 Ok(Refill::Added(_)) => {}
                 Ok(Refill::Busy) if Instant::now() < deadline => {
@@ -339,10 +375,25 @@ impl ClaimEngine {
             got.extend(more);
             remaining = left;
         }
-        if remaining < self.config.low_water && got.len() == k {
+        let low_water = self
+            .config
+            .low_water
+            .min(self.refill_size(pool, 0) as u64 / 2);
+        if remaining < low_water && got.len() == k {
             self.refill_in_background(pool);
         }
         Ok(got)
+    }
+
+    /// How many candidates a refill of `pool` loads: twice its recent
+    /// demand per second, within `[min_refill, refill_batch]`, and at least
+    /// what a waiting claimer needs. A pool that sells little keeps a small
+    /// hot set; a busy one a set of a few seconds.
+    fn refill_size(&self, pool: &str, needed: usize) -> i64 {
+        let max = self.config.refill_batch.max(1);
+        let min = self.config.min_refill.clamp(1, max);
+        let wanted = (2.0 * self.demand.per_sec(pool)).ceil() as i64;
+        wanted.clamp(min, max).max(needed as i64)
     }
 
     /// Tops the hot set up without making anyone wait. Skipped for a while
@@ -370,17 +421,30 @@ impl ClaimEngine {
     /// start (which picks up candidates lost by crashed claimers). One
     /// refiller per pool at a time; the others get [`Refill::Busy`].
     pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_under_lock(pool, true).await
+        self.refill_under_lock(pool, true, self.refill_size(pool, 0))
+            .await
+    }
+
+    /// [`ClaimEngine::refill`] for a claimer that needs `needed` more.
+    async fn refill_for(&self, pool: &str, needed: usize) -> Result<Refill, RefillError> {
+        self.refill_under_lock(pool, true, self.refill_size(pool, needed))
+            .await
     }
 
     /// A refill that only moves forward past the high-water mark: for
     /// topping up in the background, where a rescan would re-add codes that
     /// other claimers hold right now.
     async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_under_lock(pool, false).await
+        self.refill_under_lock(pool, false, self.refill_size(pool, 0))
+            .await
     }
 
-    async fn refill_under_lock(&self, pool: &str, rescan: bool) -> Result<Refill, RefillError> {
+    async fn refill_under_lock(
+        &self,
+        pool: &str,
+        rescan: bool,
+        size: i64,
+    ) -> Result<Refill, RefillError> {
         let Some(lock) = self
             .hot
             .try_lock_refill(pool, self.config.refill_lock_ttl)
@@ -388,22 +452,21 @@ impl ClaimEngine {
         else {
             return Ok(Refill::Busy);
         };
-        let result = self.refill_locked(pool, rescan).await;
+        let result = self.refill_locked(pool, rescan, size).await;
         let _ = self.hot.unlock_refill(lock).await;
         result.map(Refill::Added)
     }
 
-    async fn refill_locked(&self, pool: &str, rescan: bool) -> Result<usize, RefillError> {
+    async fn refill_locked(
+        &self,
+        pool: &str,
+        rescan: bool,
+        size: i64,
+    ) -> Result<usize, RefillError> {
         let hwm = self.hot.high_water_mark(pool).await?;
-        let mut found = self
-            .store
-            .candidates_after(pool, hwm, self.config.refill_batch)
-            .await?;
+        let mut found = self.store.candidates_after(pool, hwm, size).await?;
         if found.is_empty() && hwm > 0 && rescan {
-            found = self
-                .store
-                .candidates_after(pool, 0, self.config.refill_batch)
-                .await?;
+            found = self.store.candidates_after(pool, 0, size).await?;
         }
         let new_hwm = found.iter().map(|c| c.seq).max().unwrap_or(0).max(hwm);
         let candidates = found;
@@ -490,6 +553,9 @@ pub enum Refill {
     /// Another claimer is refilling this pool right now.
     Busy,
 }
+
+/// Pools whose hot sets are refilled at once when a batch finds them short.
+const PARALLEL_REFILLS: usize = 16;
 
 /// After a refill finds nothing, background refills of that pool pause this long.
 const DRY_BACKOFF: Duration = Duration::from_secs(1);

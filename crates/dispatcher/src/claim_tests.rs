@@ -197,3 +197,28 @@ async fn pools_do_not_share_candidates() {
     let out = claim(&r, &ps).await.unwrap();
     assert_eq!(granted_ids(&out), vec![id(1), id(100)]);
 }
+
+#[tokio::test]
+async fn a_batch_over_many_pools_grants_every_order_a_code_of_its_own_pool() {
+    let store = FakeStore::with_pool("p0", 1, 3);
+    for k in 1..40 {
+        store.add(&format!("p{k}"), 1 + k * 5, 3);
+    }
+    let r = rig(store);
+    let ps: Vec<Purchase> = (0..40)
+        .flat_map(|k| purchases(&format!("p{k}"), &[&format!("A{k}"), &format!("B{k}")]))
+        .collect();
+    let out = claim(&r, &ps).await.unwrap();
+    let ids = granted_ids(&out);
+    assert_eq!(ids.len(), 80, "every order of every pool is granted");
+    assert_eq!(
+        ids.iter().collect::<HashSet<_>>().len(),
+        80,
+        "no code twice"
+    );
+    assert_eq!(
+        r.store.scans.load(Ordering::SeqCst),
+        0,
+        "cold pools refill, no scan"
+    );
+}

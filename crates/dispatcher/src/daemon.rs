@@ -23,6 +23,11 @@ use crate::stock::{StockConfig, StockWatch};
 /// How often a broker set-up that retrying cannot fix is checked again.
 const PERMANENT_RETRY: Duration = Duration::from_secs(60);
 
+/// A dispatcher checks each pool's stock at most this often: with a
+/// thousand busy pools, a check a second per pool (a pool read and a
+/// bounded count each) was thousands of queries a second.
+const DISPATCH_STOCK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// How the daemon runs. Defaults suit one dispatcher on a small machine;
 /// the CLI's defaults are these constants, written once.
 #[derive(Debug, Clone)]
@@ -97,7 +102,13 @@ impl Dispatcher {
         health: Arc<Health>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            stock: StockWatch::new(store.clone(), StockConfig::default()),
+            stock: StockWatch::new(
+                store.clone(),
+                StockConfig {
+                    min_interval: DISPATCH_STOCK_INTERVAL,
+                    ..StockConfig::default()
+                },
+            ),
             outbox: Outbox::new(Arc::new(store.clone())),
             store,
             hot,

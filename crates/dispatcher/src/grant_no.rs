@@ -15,7 +15,7 @@ use crate::claim::ClaimError;
 pub const DEFAULT_GRANT_PREFIX: &str = "G";
 const PREFIX_TTL: Duration = Duration::from_secs(30);
 
-/// Hands out grant numbers for purchases, one round trip per pool per call.
+/// Hands out grant numbers for purchases, one round trip per prefix per call.
 pub struct GrantNumbers {
     daily: DailyNumbers,
     store: Store,
@@ -31,41 +31,62 @@ impl GrantNumbers {
         }
     }
 
-    /// The pool's prefix (cached for a while). A store error is an error:
-    /// numbering a grant with the wrong prefix would be a different grant
-    /// number, not a fallback.
-    async fn prefix(&self, pool: &str) -> Result<String, ClaimError> {
-        if let Some((p, at)) = self.prefixes.lock().await.get(pool) {
-            if at.elapsed() < PREFIX_TTL {
-                return Ok(p.clone());
+    /// Each pool's prefix (cached for a while; the pools not cached are
+    /// read in one query). A store error is an error: numbering a grant
+    /// with the wrong prefix would be a different grant number, not a
+    /// fallback.
+    async fn prefixes(&self, pools: &[&str]) -> Result<HashMap<String, String>, ClaimError> {
+        let mut out = HashMap::with_capacity(pools.len());
+        let mut missing = Vec::new();
+        {
+            let cache = self.prefixes.lock().await;
+            for pool in pools {
+                match cache.get(*pool) {
+                    Some((p, at)) if at.elapsed() < PREFIX_TTL => {
+                        out.insert((*pool).to_owned(), p.clone());
+                    }
+                    _ => missing.push(*pool),
+                }
             }
         }
-        let prefix = self
-            .store
-            .pool(pool)
-            .await?
-            .and_then(|doc| doc.grant_prefix)
-            .unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into());
-        self.prefixes
-            .lock()
-            .await
-            .insert(pool.to_owned(), (prefix.clone(), Instant::now()));
-        Ok(prefix)
+        if missing.is_empty() {
+            return Ok(out);
+        }
+        let docs = self.store.pools_named(&missing).await?;
+        let mut cache = self.prefixes.lock().await;
+        for pool in missing {
+            let prefix = docs
+                .iter()
+                .find(|d| d.name == pool)
+                .and_then(|d| d.grant_prefix.clone())
+                .unwrap_or_else(|| DEFAULT_GRANT_PREFIX.into());
+            cache.insert(pool.to_owned(), (prefix.clone(), Instant::now()));
+            out.insert(pool.to_owned(), prefix);
+        }
+        Ok(out)
     }
 
-    /// One number per purchase, aligned with the input.
+    /// One number per purchase, aligned with the input: one round trip per
+    /// distinct prefix (pools without a prefix of their own share one), not
+    /// per pool.
     pub async fn for_purchases(
         &self,
         purchases: &[&Purchase],
     ) -> Result<Vec<Option<String>>, ClaimError> {
-        let mut by_pool: HashMap<&str, Vec<usize>> = HashMap::new();
+        let mut pools: Vec<&str> = purchases.iter().map(|p| p.pool.as_str()).collect();
+        pools.sort_unstable();
+        pools.dedup();
+        let prefixes = self.prefixes(&pools).await?;
+        let mut by_prefix: HashMap<&str, Vec<usize>> = HashMap::new();
         for (i, p) in purchases.iter().enumerate() {
-            by_pool.entry(p.pool.as_str()).or_default().push(i);
+            let prefix = prefixes
+                .get(p.pool.as_str())
+                .map_or(DEFAULT_GRANT_PREFIX, String::as_str);
+            by_prefix.entry(prefix).or_default().push(i);
         }
         let mut out = vec![None; purchases.len()];
-        for (pool, idxs) in by_pool {
-            let prefix = self.prefix(pool).await?;
-            let numbers = self.daily.next_n(&prefix, idxs.len() as u32).await?;
+        for (prefix, idxs) in by_prefix {
+            let numbers = self.daily.next_n(prefix, idxs.len() as u32).await?;
             for (i, n) in idxs.into_iter().zip(numbers) {
                 out[i] = Some(n);
             }

@@ -26,6 +26,7 @@ mod batch;
 pub mod claim;
 pub mod controls;
 pub mod daemon;
+mod demand;
 pub mod expiry;
 pub mod grant_no;
 pub mod health;

@@ -58,6 +58,18 @@ pub trait ClaimStore: Send + Sync {
 pub trait CandidatePool: Send + Sync {
     /// Up to `k` candidates, oldest first, and how many remain.
     async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError>;
+    /// [`CandidatePool::pop`] for several pools at once (one round trip in
+    /// production), aligned with `wants`.
+    async fn pop_many(
+        &self,
+        wants: &[(&str, usize)],
+    ) -> Result<Vec<(Vec<Candidate>, u64)>, HotPoolError> {
+        let mut out = Vec::with_capacity(wants.len());
+        for (pool, k) in wants {
+            out.push(self.pop(pool, *k).await?);
+        }
+        Ok(out)
+    }
     /// Returns unused candidates.
     async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError>;
     /// Adds candidates and raises the pool's high-water mark.

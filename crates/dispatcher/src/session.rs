@@ -11,7 +11,7 @@ use codepool_broker::{BrokerError, Publisher, PurchaseConsumer};
 use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_store::ObjectId;
 use futures::stream::SelectAll;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
 use lapin::{Connection, Consumer};
@@ -27,6 +27,9 @@ use crate::relay::relay_unconfirmed;
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
 const BACKGROUND_STOP: Duration = Duration::from_millis(500);
+/// A batch lingers for more only when the deliveries already waiting fill
+/// at least this fraction of it: the window is filling fast.
+const LINGER_FROM: f64 = 0.5;
 
 /// Why a session ended.
 pub(crate) enum SessionEnd {
@@ -120,8 +123,10 @@ impl Dispatcher {
         })
     }
 
-    /// Gathers batches (up to `batch_size`, waiting at most `linger` for
-    /// one to fill) and hands each to a worker, `workers` at a time.
+    /// Gathers batches and hands each to a worker, `workers` at a time.
+    /// A worker is secured first, then the batch is gathered: while every
+    /// worker is busy, purchases wait in the prefetch window, so batches
+    /// grow with load by themselves (see [`Self::fill_batch`]).
     async fn consume(
         self: Arc<Self>,
         mut consumer: Consumer,
@@ -131,6 +136,13 @@ impl Dispatcher {
     ) -> SessionEnd {
         let permits = Arc::new(Semaphore::new(self.config.workers.max(1)));
         loop {
+            let permit = tokio::select! {
+                p = permits.clone().acquire_owned() => p,
+                _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+            };
+            let Ok(permit) = permit else {
+                return SessionEnd::Shutdown;
+            };
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return SessionEnd::Shutdown,
@@ -142,13 +154,6 @@ impl Dispatcher {
                 None => return SessionEnd::Lost("the broker closed the consumer".into()),
             };
             let (batch, lost) = self.fill_batch(first, &mut consumer).await;
-            let permit = tokio::select! {
-                p = permits.clone().acquire_owned() => p,
-                _ = shutdown.cancelled() => return SessionEnd::Shutdown,
-            };
-            let Ok(permit) = permit else {
-                return SessionEnd::Shutdown;
-            };
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
             inflight.spawn(async move {
                 this.process(batch, &publisher, &stop).await;
@@ -161,14 +166,28 @@ impl Dispatcher {
         }
     }
 
-    /// Adds deliveries to `first` until the batch is full or `linger` is
-    /// over. Returns the batch, and why the consumer failed if it did.
+    /// Adds to `first` every delivery already waiting, up to `batch_size`.
+    /// At low load that is nothing: the purchase goes alone, at once. Only
+    /// when the window is filling fast (this drain found at least
+    /// [`LINGER_FROM`] of a batch) does it linger, at most `linger`, for
+    /// the rest of the batch. Returns the batch, and why the consumer
+    /// failed if it did.
     async fn fill_batch(
         &self,
         first: Delivery,
         consumer: &mut Consumer,
     ) -> (Vec<Delivery>, Option<String>) {
         let mut batch = vec![first];
+        while batch.len() < self.config.batch_size {
+            match consumer.next().now_or_never() {
+                Some(Some(Ok(d))) => batch.push(d),
+                Some(Some(Err(e))) => return (batch, Some(e.to_string())),
+                Some(None) | None => break,
+            }
+        }
+        if (batch.len() as f64) < self.config.batch_size as f64 * LINGER_FROM {
+            return (batch, None);
+        }
         let deadline = tokio::time::Instant::now() + self.config.linger;
         while batch.len() < self.config.batch_size {
             match tokio::time::timeout_at(deadline, consumer.next()).await {

@@ -19,6 +19,12 @@ use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_store::{Store, StoreError};
 use tracing::{debug, info, warn};
 
+/// Stock is counted up to this many codes (or the pool's low-stock
+/// threshold + 1, if higher), so a check costs the same for a pool of ten
+/// million codes as for one of a thousand. `codepool_pool_unissued` is
+/// exact below the cap and reads the cap at or above it.
+pub const STOCK_COUNT_CAP: u64 = 1000;
+
 /// How often stock may be counted and expired codes swept.
 #[derive(Debug, Clone)]
 pub struct StockConfig {
@@ -42,7 +48,8 @@ impl Default for StockConfig {
 pub enum StockLevel {
     /// The pool does not exist (any more).
     UnknownPool,
-    /// At or above the threshold, or no threshold set.
+    /// At or above the threshold, or no threshold set. `unissued` is
+    /// counted up to [`STOCK_COUNT_CAP`] (or the threshold + 1).
     Ok { unissued: u64 },
     /// Below the threshold. `alerted` is true for the one check that
     /// published `pool.low_stock` for this crossing.
@@ -122,9 +129,10 @@ impl StockWatch {
         let Some(doc) = self.store.pool(pool).await? else {
             return Ok(StockLevel::UnknownPool);
         };
-        let unissued = self.store.unissued_count(pool).await?;
-        metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
         let threshold = doc.low_stock.unwrap_or(0);
+        let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
+        let unissued = self.store.unissued_count_upto(pool, cap).await?;
+        metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
         if threshold <= 0 || unissued >= threshold as u64 {
             if doc.low_stock_alerted && self.store.rearm_low_stock_alert(pool).await? {
                 info!(

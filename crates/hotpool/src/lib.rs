@@ -189,6 +189,53 @@ impl HotPool {
         Ok((got, remaining))
     }
 
+    /// [`HotPool::pop`] for several pools in one round trip: a pipeline of
+    /// `ZPOPMIN` + `ZCARD` per pool (each pool's keys share its hash tag).
+    /// Results are aligned with `wants`; a `k` of 0 pops nothing.
+    pub async fn pop_many(
+        &self,
+        wants: &[(&str, usize)],
+    ) -> Result<Vec<(Vec<Candidate>, u64)>, HotPoolError> {
+        if wants.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<(String, usize)> = wants
+            .iter()
+            .map(|(pool, k)| (self.key(pool, "hot"), *k))
+            .collect();
+        let raw: Vec<redis::Value> = self
+            .run(|mut c| async move {
+                let mut pipe = redis::pipe();
+                for (key, k) in &keys {
+                    pipe.zpopmin(key, *k as isize).zcard(key);
+                }
+                pipe.query_async(&mut c).await
+            })
+            .await?;
+        let mut out = Vec::with_capacity(wants.len());
+        for pair in raw.chunks(2) {
+            let [popped, left] = pair else {
+                return Err(HotPoolError::Unavailable("short pipeline reply".into()));
+            };
+            let popped: Vec<(String, f64)> = redis::from_redis_value(popped)
+                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
+            let left: u64 = redis::from_redis_value(left)
+                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
+            let got = popped
+                .into_iter()
+                .map(|(id, score)| Candidate {
+                    id,
+                    seq: score as i64,
+                })
+                .collect();
+            out.push((got, left));
+        }
+        if out.len() != wants.len() {
+            return Err(HotPoolError::Unavailable("short pipeline reply".into()));
+        }
+        Ok(out)
+    }
+
     /// Returns candidates that were popped but not used.
     pub async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError> {
         if candidates.is_empty() {

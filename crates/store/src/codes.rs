@@ -587,11 +587,26 @@ impl Store {
         docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
-    /// Number of unissued, unexpired codes in `pool`.
+    /// Number of unissued, unexpired codes in `pool`. Costs as much as
+    /// the pool is large: for operators, never on the claim path (there,
+    /// [`Store::unissued_count_upto`]).
     pub async fn unissued_count(&self, pool: &str) -> Result<u64, StoreError> {
         let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
         filter.extend(not_expired(DateTime::now()));
         Ok(self.collection(CODES).count_documents(filter).await?)
+    }
+
+    /// Unissued, unexpired codes in `pool`, counted up to `cap`: exact
+    /// below it, `cap` at or above it. Its cost is bounded by `cap`, not by
+    /// the pool's size.
+    pub async fn unissued_count_upto(&self, pool: &str, cap: u64) -> Result<u64, StoreError> {
+        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
+        filter.extend(not_expired(DateTime::now()));
+        Ok(self
+            .collection(CODES)
+            .count_documents(filter)
+            .limit(cap)
+            .await?)
     }
 }
 

@@ -77,6 +77,19 @@ impl Store {
             .await?)
     }
 
+    /// The pools of `names` that exist, in one query (a batch's pools).
+    pub async fn pools_named(&self, names: &[&str]) -> Result<Vec<PoolDoc>, StoreError> {
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .typed::<PoolDoc>(POOLS)
+            .find(doc! {"_id": {"$in": names}})
+            .await?
+            .try_collect()
+            .await?)
+    }
+
     pub async fn pools(&self) -> Result<Vec<PoolDoc>, StoreError> {
         Ok(self
             .typed::<PoolDoc>(POOLS)

@@ -1,4 +1,6 @@
-//! Inventory per pool, computed from MongoDB in two aggregations.
+//! Inventory per pool, computed from MongoDB with index count scans (the
+//! cost does not grow with a pool's unissued stock) and one aggregation
+//! of waiting backorders.
 
 use std::collections::BTreeMap;
 
@@ -35,6 +37,44 @@ fn as_u64(v: Option<&Bson>) -> u64 {
 }
 
 impl Store {
+    /// The `count` command: a count scan of an index, without fetching a
+    /// document (tens of millions of keys a second), unlike
+    /// `count_documents`, which is an aggregation.
+    async fn count_scan(&self, query: Document) -> Result<u64, StoreError> {
+        let reply = self
+            .database()
+            .run_command(doc! {"count": CODES, "query": query})
+            .await?;
+        Ok(as_u64(reply.get("n")))
+    }
+
+    /// Fills in one pool's code counts, each answered from an index:
+    /// `(pool, status, seq)` for the statuses, the partial expiry index
+    /// for expired codes, and issued codes only for the recent grants. No
+    /// query reads the pool's unissued documents.
+    async fn count_codes(
+        &self,
+        s: &mut PoolStats,
+        now: DateTime,
+        hour_ago: DateTime,
+        day_ago: DateTime,
+    ) -> Result<(), StoreError> {
+        let pool = s.pool.clone();
+        let status = |st: i32| doc! {"pool": &pool, "status": st};
+        let unissued_all = self.count_scan(status(0)).await?;
+        s.expired = self
+            .count_scan(doc! {"pool": &pool, "status": 0, "expires_at": {"$lte": now}})
+            .await?;
+        s.unissued = unissued_all.saturating_sub(s.expired);
+        s.issued = self.count_scan(status(1)).await?;
+        s.used = self.count_scan(status(2)).await?;
+        s.void = self.count_scan(status(3)).await?;
+        let since = |t: DateTime| doc! {"pool": &pool, "status": {"$in": [1, 2, 3]}, "issued_at": {"$gte": t}};
+        s.issued_last_hour = self.count_scan(since(hour_ago)).await?;
+        s.issued_last_day = self.count_scan(since(day_ago)).await?;
+        Ok(())
+    }
+
     /// Inventory of every pool (or one), sorted by name.
     pub async fn pool_stats(&self, pool: Option<&str>) -> Result<Vec<PoolStats>, StoreError> {
         let now = DateTime::now();
@@ -52,48 +92,13 @@ impl Store {
                 );
             }
         }
+        for s in stats.values_mut() {
+            self.count_codes(s, now, hour_ago, day_ago).await?;
+        }
         let matcher = match pool {
             Some(p) => doc! {"pool": p},
             None => doc! {},
         };
-        let pipeline = vec![
-            doc! {"$match": matcher.clone()},
-            doc! {"$group": {
-                "_id": "$pool",
-                "unissued": {"$sum": {"$cond": [{"$and": [
-                    {"$eq": ["$status", 0]},
-                    {"$or": [{"$lte": ["$expires_at", null]}, {"$gt": ["$expires_at", now]}]}
-                ]}, 1, 0]}},
-                "expired": {"$sum": {"$cond": [{"$and": [
-                    {"$eq": ["$status", 0]}, {"$gt": ["$expires_at", null]}, {"$lte": ["$expires_at", now]}
-                ]}, 1, 0]}},
-                "issued": {"$sum": {"$cond": [{"$eq": ["$status", 1]}, 1, 0]}},
-                "used": {"$sum": {"$cond": [{"$eq": ["$status", 2]}, 1, 0]}},
-                "void": {"$sum": {"$cond": [{"$eq": ["$status", 3]}, 1, 0]}},
-                "hour": {"$sum": {"$cond": [{"$gte": ["$issued_at", hour_ago]}, 1, 0]}},
-                "day": {"$sum": {"$cond": [{"$gte": ["$issued_at", day_ago]}, 1, 0]}},
-            }},
-        ];
-        let rows: Vec<Document> = self
-            .collection(CODES)
-            .aggregate(pipeline)
-            .await?
-            .try_collect()
-            .await?;
-        for r in rows {
-            let Ok(name) = r.get_str("_id") else { continue };
-            let s = stats.entry(name.to_owned()).or_insert_with(|| PoolStats {
-                pool: name.to_owned(),
-                ..PoolStats::default()
-            });
-            s.unissued = as_u64(r.get("unissued"));
-            s.expired = as_u64(r.get("expired"));
-            s.issued = as_u64(r.get("issued"));
-            s.used = as_u64(r.get("used"));
-            s.void = as_u64(r.get("void"));
-            s.issued_last_hour = as_u64(r.get("hour"));
-            s.issued_last_day = as_u64(r.get("day"));
-        }
         let mut waiting = matcher;
         waiting.insert("status", WAITING);
         let rows: Vec<Document> = self

@@ -1,0 +1,218 @@
+//! A dispatcher run inside the benchmark process, on the scratch space:
+//! started fresh (cold hot pools, cold caches), stopped once a given number
+//! of purchases went end to end. Shared by `dispatch`, its scale variants
+//! and `latency`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
+use codepool_domain::{CodeStatus, Purchase};
+use codepool_store::ObjectId;
+use futures::StreamExt;
+use lapin::Connection;
+use mongodb::bson::{doc, Document};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{metric_sum, proc_status_kb, CpuSnapshot, Scratch};
+
+/// Longest the dispatcher may go without progress before the run fails.
+const STALL_LIMIT: Duration = Duration::from_secs(30);
+/// Publishes in flight at once while preloading.
+const PRELOAD_WINDOW: usize = 2000;
+
+/// A running in-process dispatcher.
+pub struct Running {
+    stop: CancellationToken,
+    daemon: JoinHandle<()>,
+    /// Purchases done (end to end) before it started: the metrics are
+    /// process-wide and several dispatchers run one after the other.
+    done_before: u64,
+    pub started: Instant,
+    cpu: CpuSnapshot,
+}
+
+/// What one dispatcher run measured.
+pub struct DispatcherRun {
+    pub elapsed: Duration,
+    pub cpu: Vec<(&'static str, f64)>,
+    pub rss_max_kb: u64,
+}
+
+/// Starts a fresh dispatcher with `config` (its AMQP URL and topology are
+/// the scratch space's).
+pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Result<Running> {
+    let cfg = &scratch.cfg;
+    let hot = codepool::context::hot_pool(cfg)?;
+    let numbers = codepool::context::grant_numbers(cfg, &scratch.store)?;
+    let engine = codepool::context::claim_engine_with(&scratch.store, hot.clone(), numbers)?;
+    let dispatcher = Dispatcher::new(
+        engine,
+        scratch.store.clone(),
+        hot,
+        DispatcherConfig {
+            amqp_url: cfg.amqp_url.clone(),
+            topology: cfg.topology(),
+            name: "codepool-bench-dispatcher".into(),
+            ..config.clone()
+        },
+        Arc::new(Health::default()),
+    );
+    let stop = CancellationToken::new();
+    let done_before = super::metrics().map_or(0, done_count);
+    let cpu = CpuSnapshot::take();
+    let daemon = tokio::spawn(dispatcher.run(stop.clone()));
+    Ok(Running {
+        stop,
+        daemon,
+        done_before,
+        started: Instant::now(),
+        cpu,
+    })
+}
+
+fn done_count(m: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+    metric_sum(m, "codepool_end_to_end_seconds_count", None) as u64
+}
+
+impl Running {
+    /// Purchases this dispatcher took end to end so far (from its metrics,
+    /// or, without them, issued codes in the scratch database).
+    pub async fn done(&self, scratch: &Scratch) -> anyhow::Result<u64> {
+        match super::metrics() {
+            Some(m) => Ok(done_count(m).saturating_sub(self.done_before)),
+            None => issued(scratch).await,
+        }
+    }
+
+    /// Waits until `n` purchases are done, then stops the dispatcher.
+    pub async fn finish(self, scratch: &Scratch, n: u64) -> anyhow::Result<DispatcherRun> {
+        let mut rss_max = 0u64;
+        let mut last = (0u64, Instant::now());
+        loop {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
+            let done = self.done(scratch).await?;
+            if done >= n {
+                break;
+            }
+            if done > last.0 {
+                last = (done, Instant::now());
+            } else if last.1.elapsed() > STALL_LIMIT {
+                self.stop().await?;
+                anyhow::bail!(
+                    "the dispatcher made no progress for {STALL_LIMIT:?} at {done} of {n} purchases"
+                );
+            }
+        }
+        let elapsed = self.started.elapsed();
+        let cpu = CpuSnapshot::take().since(&self.cpu);
+        self.stop().await?;
+        Ok(DispatcherRun {
+            elapsed,
+            cpu,
+            rss_max_kb: rss_max,
+        })
+    }
+
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        self.daemon.await.context("the dispatcher panicked")
+    }
+}
+
+/// Issued codes in the whole scratch database.
+async fn issued(scratch: &Scratch) -> anyhow::Result<u64> {
+    Ok(scratch
+        .store
+        .database()
+        .collection::<Document>(codepool_store::codes::CODES)
+        .count_documents(doc! {"status": CodeStatus::Issued.as_i32()})
+        .await?)
+}
+
+/// A purchase of `pool`, numbered `i` (order ids are unique per tag).
+pub fn purchase(tag: &str, pool: &str, i: usize) -> Purchase {
+    Purchase {
+        order_id: format!("{tag}-o{i}"),
+        uid: format!("u{i}"),
+        phone: format!("+86138{:08}", i % 100_000_000),
+        pool: pool.to_owned(),
+        purchased_at: None,
+    }
+}
+
+/// Publishes `n` messages, `PRELOAD_WINDOW` confirms in flight at a time.
+pub async fn preload<F, Fut>(n: usize, publish: F) -> anyhow::Result<()>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<codepool_broker::PendingConfirm>>,
+{
+    let mut start = 0;
+    while start < n {
+        let end = (start + PRELOAD_WINDOW).min(n);
+        let mut confirms = Vec::with_capacity(end - start);
+        for i in start..end {
+            confirms.push(publish(i).await?);
+        }
+        for c in confirms {
+            c.wait().await?;
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// Ready messages in `queue` (a passive declare; unacked ones are not counted).
+pub async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
+    let ch = conn.create_channel().await?;
+    let n = codepool_broker::queue_depth(&ch, queue)
+        .await
+        .with_context(|| format!("reading the depth of {queue}"))?;
+    let _ = ch.close(200, "done").await;
+    Ok(n)
+}
+
+/// Fills several pools at once: `(pool, codes)` pairs, written with the
+/// store's own insert path, `parallel` batches in flight.
+pub async fn fill_pools(
+    scratch: &Scratch,
+    sizes: &[(String, usize)],
+    parallel: usize,
+) -> anyhow::Result<()> {
+    const CHUNK: usize = 5000;
+    let store = &scratch.store;
+    let batch_id = ObjectId::new();
+    let mut work: Vec<(&str, usize, usize)> = Vec::new();
+    for (pool, n) in sizes {
+        store.ensure_pool(pool).await?;
+        work.extend(
+            (0..*n)
+                .step_by(CHUNK)
+                .map(|s| (pool.as_str(), s, (s + CHUNK).min(*n))),
+        );
+    }
+    let mut stream = futures::stream::iter(work)
+        .map(|(pool, from, to)| async move {
+            let codes: Vec<codepool_store::NewCode> = (from..to)
+                .map(|i| codepool_store::NewCode {
+                    code: format!("{pool}-{i:09}"),
+                    expires_at: None,
+                })
+                .collect();
+            let done = store.insert_codes(pool, batch_id, &codes).await;
+            done.with_context(|| format!("filling pool {pool}"))
+                .map(|o| (o.inserted, (to - from) as u64))
+        })
+        .buffer_unordered(parallel.max(1));
+    while let Some(r) = stream.next().await {
+        let (inserted, wanted) = r?;
+        anyhow::ensure!(
+            inserted == wanted,
+            "filling: {inserted} of {wanted} codes inserted"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,267 @@
+//! `codepool-bench dispatch --pools N --spread uniform|zipf` and
+//! `--pool-size M`: does the dispatcher keep its rate as the catalogue
+//! grows? Two dispatcher runs in one process, one after the other, each
+//! from a cold start (fresh dispatcher, empty hot sets, empty caches):
+//!
+//! - many pools: the same purchases on one pool, then spread over N pools
+//!   (uniformly, or Zipf(1.1): a few pools take most of the demand);
+//! - huge pool: the same purchases on a pool of `purchases` + 10% codes,
+//!   then on a pool of M codes.
+//!
+//! Each pool holds its demand plus 10% (at least 10 codes more), so no
+//! run drains a pool to exhaustion. The report is the ratio of the two
+//! rates, with the usual checks: no code twice, every order granted once,
+//! every SMS-pending event confirmed, nothing left unacked.
+
+use std::path::Path;
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use lapin::Connection;
+use mongodb::bson::doc;
+use serde_json::json;
+
+use crate::dispatch::{check_dispatched, Checks, DispatchBenchArgs, Measured};
+use crate::inproc::{self, depth};
+use crate::{describe_cpu, Scratch};
+
+/// How purchases are spread over the pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Spread {
+    Uniform,
+    /// Zipf with exponent 1.1: pool k gets demand ∝ 1 / k^1.1.
+    Zipf,
+}
+
+/// The scale variants of `dispatch`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScaleArgs {
+    /// Spread the purchases over this many pools and compare with one pool.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub pools: Option<u32>,
+    /// How demand is spread over `--pools`.
+    #[arg(long, value_enum, default_value_t = Spread::Uniform)]
+    pub spread: Spread,
+    /// Compare a pool of this many codes with a pool just large enough.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1_000..=100_000_000))]
+    pub pool_size: Option<u64>,
+}
+
+impl ScaleArgs {
+    pub fn is_scale_run(&self) -> bool {
+        self.pools.is_some_and(|p| p > 1) || self.pool_size.is_some()
+    }
+}
+
+/// Goal 1 and 2 of issue 10.
+const TARGET_MANY_POOLS: f64 = 0.9;
+const TARGET_HUGE_POOL: f64 = 0.95;
+
+/// One side of the comparison: purchases per pool and codes per pool.
+struct Side {
+    tag: &'static str,
+    what: String,
+    /// Pool of each purchase, in publishing order.
+    purchases: Vec<usize>,
+    /// Pool names and their sizes.
+    pools: Vec<(String, usize)>,
+}
+
+/// Runs the comparison; writes `dispatch-pools-N-SPREAD.json` or
+/// `dispatch-pool-size-M.json`.
+pub async fn run(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let result = compare(args, scratch, out_dir).await;
+    if let Err(e) = crate::delete_topology(&scratch.cfg, &[]).await {
+        tracing::warn!(error = %e, "could not remove the benchmark queues");
+    }
+    result
+}
+
+async fn compare(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.purchases as usize;
+    let (base, other, name, target) = sides(args, n);
+    eprintln!("importing {} + {} codes …", total(&base), total(&other));
+    inproc::fill_pools(scratch, &base.pools, 4).await?;
+    inproc::fill_pools(scratch, &other.pools, 4).await?;
+    let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-scale").await?;
+    let ch = conn.create_channel().await?;
+    scratch.cfg.topology().declare(&ch).await?;
+    let (m_base, c_base) = run_side(args, scratch, &conn, &base, 0).await?;
+    let events_before = depth(&conn, &scratch.cfg.topology().sms_pending).await?;
+    let (m_other, c_other) = run_side(args, scratch, &conn, &other, events_before).await?;
+    let _ = conn.close(200, "benchmark done").await;
+    let ratio = m_other.per_sec() / m_base.per_sec().max(1e-9);
+    let ok = c_base.ok && c_other.ok;
+    let report = json!({
+        "benchmark": name,
+        "purchases": n,
+        "results": [side_json(&base, &m_base, &c_base), side_json(&other, &m_other, &c_other)],
+        "ratio": ratio,
+        "target": target,
+        "target_met": ratio >= target,
+        "checks_ok": ok,
+        "note": "each side starts a fresh dispatcher on cold pools (cold start counted); both in one run",
+    });
+    let (rendered, path) = crate::write_report(out_dir, &format!("{name}.json"), &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        print_side(&base, &m_base, &c_base);
+        print_side(&other, &m_other, &c_other);
+        let tick = if ratio >= target { "✓" } else { "✗" };
+        println!(
+            "\n{} / {} = {ratio:.2}x (target >= {target}x {tick})",
+            other.tag, base.tag
+        );
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(
+        ok,
+        "inconsistent results (see checks in {})",
+        path.display()
+    );
+    Ok(())
+}
+
+/// The two sides, the report's name and the target ratio.
+fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
+    let single = |tag: &'static str, size: usize| Side {
+        tag,
+        what: format!("{n} purchases on 1 pool of {size} codes"),
+        purchases: vec![0; n],
+        pools: vec![(format!("{tag}-pool"), size)],
+    };
+    if let Some(size) = args.scale.pool_size {
+        let name = format!("dispatch-pool-size-{size}");
+        let small = single("small", with_headroom(n));
+        return (small, single("huge", size as usize), name, TARGET_HUGE_POOL);
+    }
+    let pools = args.scale.pools.unwrap_or(1) as usize;
+    let spread = args.scale.spread;
+    let purchases = spread_purchases(n, pools, spread);
+    let mut demand = vec![0usize; pools];
+    purchases.iter().for_each(|&p| demand[p] += 1);
+    let many = Side {
+        tag: "many",
+        what: format!("{n} purchases over {pools} pools ({spread:?})"),
+        purchases,
+        pools: (0..pools)
+            .map(|k| (format!("many-{k:05}"), with_headroom(demand[k])))
+            .collect(),
+    };
+    let name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
+    (
+        single("single", with_headroom(n)),
+        many,
+        name,
+        TARGET_MANY_POOLS,
+    )
+}
+
+fn with_headroom(demand: usize) -> usize {
+    demand + demand / 10 + 10
+}
+
+fn total(side: &Side) -> usize {
+    side.pools.iter().map(|(_, n)| n).sum()
+}
+
+/// The pool of each of `n` purchases: uniform or Zipf(1.1), drawn from a
+/// fixed-seed generator so every run publishes the same sequence.
+pub fn spread_purchases(n: usize, pools: usize, spread: Spread) -> Vec<usize> {
+    let weights: Vec<f64> = (1..=pools)
+        .map(|k| match spread {
+            Spread::Uniform => 1.0,
+            Spread::Zipf => 1.0 / (k as f64).powf(1.1),
+        })
+        .collect();
+    let sum: f64 = weights.iter().sum();
+    let mut cumulative = Vec::with_capacity(pools);
+    let mut acc = 0.0;
+    for w in &weights {
+        acc += w / sum;
+        cumulative.push(acc);
+    }
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            // xorshift64*: deterministic, good enough to spread demand.
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let x = (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
+            cumulative.partition_point(|&c| c < x).min(pools - 1)
+        })
+        .collect()
+}
+
+/// Preloads one side's purchases, runs a fresh dispatcher until they are
+/// all done, checks them.
+async fn run_side(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    conn: &Connection,
+    side: &Side,
+    events_before: u32,
+) -> anyhow::Result<(Measured, Checks)> {
+    let n = side.purchases.len();
+    eprintln!("{}: preloading {n} purchases …", side.tag);
+    let publisher = Publisher::new(conn, scratch.cfg.topology()).await?;
+    inproc::preload(n, |i| {
+        let pool = &side.pools[side.purchases[i]].0;
+        let p = inproc::purchase(side.tag, pool, i);
+        let publisher = publisher.clone();
+        async move { Ok(publisher.publish_purchase(&p).await?) }
+    })
+    .await?;
+    let queue = scratch.cfg.topology().purchases;
+    anyhow::ensure!(depth(conn, &queue).await? == n as u32, "preload incomplete");
+    eprintln!("{}: dispatching …", side.tag);
+    let running = inproc::start(scratch, &args.dispatcher_config())?;
+    let run = running.finish(scratch, n as u64).await?;
+    // Let the acks of the last batch land before counting what is left.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let filter = doc! {"order_id": {"$regex": format!("^{}-o", side.tag)}};
+    let checks = check_dispatched(scratch, conn, filter, n, events_before).await?;
+    let measured = Measured {
+        name: side.tag,
+        what: "",
+        items: n,
+        elapsed: run.elapsed,
+        cpu: run.cpu,
+    };
+    Ok((measured, checks))
+}
+
+fn side_json(side: &Side, m: &Measured, c: &Checks) -> serde_json::Value {
+    json!({
+        "name": side.tag,
+        "what": side.what,
+        "pools": side.pools.len(),
+        "codes": total(side),
+        "seconds": m.elapsed.as_secs_f64(),
+        "per_sec": m.per_sec(),
+        "cpu_seconds": crate::cpu_json(&m.cpu),
+        "checks": c.json(),
+    })
+}
+
+fn print_side(side: &Side, m: &Measured, c: &Checks) {
+    println!(
+        "{:<7} {:>8.2} s {:>8.0}/s  {}\n        cpu: {}\n        {}",
+        side.tag,
+        m.elapsed.as_secs_f64(),
+        m.per_sec(),
+        side.what,
+        describe_cpu(&m.cpu),
+        c.line()
+    );
+}
