@@ -260,6 +260,24 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
 }
 
 impl Store {
+    /// Runs `updates` on `codes` as ONE unordered, journaled `update`
+    /// command (majority write concern) and returns the server's reply, so
+    /// the caller reads its per-statement write errors.
+    pub(crate) async fn update_codes(
+        &self,
+        updates: Vec<Document>,
+    ) -> Result<Document, StoreError> {
+        Ok(self
+            .database()
+            .run_command(doc! {
+                "update": CODES,
+                "updates": updates,
+                "ordered": false,
+                "writeConcern": durable_doc(),
+            })
+            .await?)
+    }
+
     /// Reserves `n` consecutive `seq` values for `pool` with one atomic
     /// `$inc`; returns the first. Gaps are fine, order is what matters.
     pub async fn reserve_seq(&self, pool: &str, n: u64) -> Result<i64, StoreError> {
@@ -401,15 +419,7 @@ impl Store {
                 doc! {"q": q, "u": issue_set(a, now)}
             })
             .collect();
-        let reply = self
-            .database()
-            .run_command(doc! {
-                "update": CODES,
-                "updates": updates,
-                "ordered": false,
-                "writeConcern": durable_doc(),
-            })
-            .await?;
+        let reply = self.update_codes(updates).await?;
         if let Ok(wce) = reply.get_document("writeConcernError") {
             return Err(StoreError::Unavailable(format!(
                 "claim write concern not satisfied: {}",

@@ -21,7 +21,7 @@ use mongodb::options::Hint;
 
 use crate::codes::{CodeDoc, CODES};
 use crate::crypto::{binary, code_aad, open_code, sealed_fields};
-use crate::{durable_doc, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// The partial index over documents that still hold a plaintext `code`.
 const PLAINTEXT_INDEX: &str = "pool_code_plain";
@@ -203,15 +203,7 @@ impl Store {
         if updates.is_empty() {
             return Ok(0);
         }
-        let reply = self
-            .database()
-            .run_command(doc! {
-                "update": CODES,
-                "updates": updates,
-                "ordered": false,
-                "writeConcern": durable_doc(),
-            })
-            .await?;
+        let reply = self.update_codes(updates).await?;
         if let Ok(errors) = reply.get_array("writeErrors") {
             let first = errors
                 .iter()
