@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use codepool_broker::{BrokerError, PendingConfirm, Publisher};
-use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_domain::{Grant, PoolEvent, PoolEventKind};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use tokio_util::sync::CancellationToken;
@@ -175,7 +175,7 @@ impl Dispatcher {
     ) -> HashSet<usize> {
         let sms = plan.sms_events();
         plan.steps.iter().for_each(log_step);
-        let grants: Vec<_> = sms.iter().map(|(_, g, _)| (*g).clone()).collect();
+        let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
         let (sent, mut unconfirmed, refused) = tokio::join!(
             self.outbox.send(publisher, &grants, Marking::Deferred),
             dead_letter(plan, deliveries, publisher),
@@ -187,11 +187,11 @@ impl Dispatcher {
                 sms.iter()
                     .zip(sent.results)
                     .filter(|(_, r)| r.is_err())
-                    .map(|((i, _, _), _)| *i),
+                    .map(|((i, _), _)| *i),
             ),
             Err(e) => {
                 debug!(error = %e, "SMS marks not recorded; the batch is requeued");
-                unconfirmed.extend(sms.iter().map(|(i, _, _)| *i));
+                unconfirmed.extend(sms.iter().map(|(i, _)| *i));
             }
         }
         unconfirmed

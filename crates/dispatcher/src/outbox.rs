@@ -4,6 +4,7 @@
 //! them. The dispatcher, backorder fulfilment, the relay and `codepool
 //! resend` all send through [`Outbox::send`].
 
+use std::borrow::Borrow;
 use std::sync::{Arc, Mutex};
 
 use codepool_broker::BrokerError;
@@ -58,20 +59,22 @@ impl Outbox {
     /// records the confirmed ones as `marking` says. A store error while
     /// recording is returned: the events went out, and the relay will
     /// send them again (same `event_id`) until a mark lands.
-    pub async fn send(
+    pub async fn send<G: Borrow<Grant>>(
         &self,
         sink: &dyn EventSink,
-        grants: &[Grant],
+        grants: &[G],
         marking: Marking,
     ) -> Result<Sent, StoreError> {
         let (ids, events): (Vec<CodeId>, Vec<_>) = grants
             .iter()
-            .filter_map(|g| Some((g.code_id, g.sms_pending()?)))
+            .map(Borrow::borrow)
+            .filter_map(|g: &Grant| Some((g.code_id, g.sms_pending()?)))
             .unzip();
         let mut published = sink.publish_sms(&events).await.into_iter();
         let mut confirmed = Vec::with_capacity(ids.len());
         let mut results = Vec::with_capacity(grants.len());
-        for g in grants {
+        for g in grants.iter().map(Borrow::borrow) {
+            let g: &Grant = g;
             if g.revoked {
                 results.push(Ok(()));
                 continue;

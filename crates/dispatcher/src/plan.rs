@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use codepool_domain::{Grant, Purchase, PurchaseError, Refusal, SmsPending};
+use codepool_domain::{Grant, Purchase, PurchaseError, Refusal};
 
 use crate::claim::ClaimOutcome;
 
@@ -110,7 +110,6 @@ pub enum Step {
     /// Publish the grant's SMS-pending event; ack once confirmed.
     Sms {
         grant: Box<Grant>,
-        event: Box<SmsPending>,
         /// This batch issued the code (not a redelivery or a duplicate).
         fresh: bool,
     },
@@ -161,13 +160,14 @@ impl BatchPlan {
             .collect()
     }
 
-    /// The SMS-pending events to publish, with their delivery positions.
-    pub fn sms_events(&self) -> Vec<(usize, &Grant, &SmsPending)> {
+    /// The grants whose SMS-pending events to publish (the outbox builds
+    /// each event once), with their delivery positions.
+    pub fn sms_events(&self) -> Vec<(usize, &Grant)> {
         self.steps
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
-                Step::Sms { grant, event, .. } => Some((i, &**grant, &**event)),
+                Step::Sms { grant, .. } => Some((i, &**grant)),
                 _ => None,
             })
             .collect()
@@ -258,15 +258,16 @@ impl BatchPlan {
                 } else {
                     self.repeats += 1;
                 }
-                match grant.sms_pending() {
-                    Some(event) => Step::Sms {
-                        grant: Box::new(grant),
-                        event: Box::new(event),
-                        fresh,
-                    },
-                    None => Step::Revoked {
+                // A revoked grant keeps its code but has nothing to send.
+                if grant.revoked {
+                    Step::Revoked {
                         order_id: p.order_id,
-                    },
+                    }
+                } else {
+                    Step::Sms {
+                        grant: Box::new(grant),
+                        fresh,
+                    }
                 }
             }
         }
