@@ -167,14 +167,6 @@ impl Store {
         &self,
         order_ids: &[&str],
     ) -> Result<Vec<BackorderDoc>, StoreError> {
-        if order_ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(self
-            .typed::<BackorderDoc>(BACKORDERS)
-            .find(doc! {"order_id": {"$in": order_ids}})
-            .await?
-            .try_collect()
-            .await?)
+        self.find_in(BACKORDERS, "order_id", order_ids).await
     }
 }

@@ -120,6 +120,29 @@ impl Store {
     pub(crate) fn typed<T: Send + Sync>(&self, name: &str) -> Collection<T> {
         self.db.collection(name)
     }
+
+    /// The documents of `collection` whose `field` is one of `values`, in
+    /// one query; none (and no query) for an empty list.
+    pub(crate) async fn find_in<T>(
+        &self,
+        collection: &str,
+        field: &str,
+        values: &[&str],
+    ) -> Result<Vec<T>, StoreError>
+    where
+        T: serde::de::DeserializeOwned + Send + Sync + Unpin,
+    {
+        if values.is_empty() {
+            return Ok(Vec::new());
+        }
+        use futures::TryStreamExt;
+        Ok(self
+            .typed::<T>(collection)
+            .find(bson::doc! {field: {"$in": values}})
+            .await?
+            .try_collect()
+            .await?)
+    }
 }
 
 /// The write concern for every write that decides or records ownership: a

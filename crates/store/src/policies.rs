@@ -133,15 +133,7 @@ impl Store {
         &self,
         orders: &[&str],
     ) -> Result<Vec<RefusalDoc>, StoreError> {
-        if orders.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(self
-            .typed::<RefusalDoc>(REFUSALS)
-            .find(doc! {"_id": {"$in": orders}})
-            .await?
-            .try_collect()
-            .await?)
+        self.find_in(REFUSALS, "_id", orders).await
     }
 
     /// Refused orders per pool (for `stats`).

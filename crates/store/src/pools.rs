@@ -79,15 +79,7 @@ impl Store {
 
     /// The pools of `names` that exist, in one query (a batch's pools).
     pub async fn pools_named(&self, names: &[&str]) -> Result<Vec<PoolDoc>, StoreError> {
-        if names.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(self
-            .typed::<PoolDoc>(POOLS)
-            .find(doc! {"_id": {"$in": names}})
-            .await?
-            .try_collect()
-            .await?)
+        self.find_in(POOLS, "_id", names).await
     }
 
     pub async fn pools(&self) -> Result<Vec<PoolDoc>, StoreError> {
