@@ -326,3 +326,103 @@ async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_i
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+/// A queue that refuses publishes for a while (a quorum queue electing a
+/// new leader after a node loss does) must not send valid purchases round
+/// a requeue loop to the delivery limit: the batch publishes its events
+/// again, with backoff, and the purchase is settled from its first
+/// delivery once the queue accepts them.
+#[tokio::test]
+async fn events_the_broker_refuses_are_published_again_without_requeueing_the_purchase() {
+    let env = TestEnv::new("republish").await;
+    env.fill_pool("rp", 10).await;
+    let t = env.topology();
+    let policy = format!("{}refuse", env.amqp_prefix);
+    let pattern = format!("^{}$", t.sms_pending.replace('.', "\\."));
+    rabbitmqctl(&[
+        "set_policy",
+        "--apply-to",
+        "queues",
+        "--priority",
+        "100",
+        &policy,
+        &pattern,
+        r#"{"max-length":1,"overflow":"reject-publish"}"#,
+    ])
+    .await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, t.clone()).await.unwrap();
+    t.declare(publisher.channel()).await.unwrap();
+    // A queue at its length limit refuses publishes: fill it until the
+    // broker refuses one.
+    let mut fillers = 0;
+    loop {
+        let confirm = publisher
+            .publish("", &t.sms_pending, b"filler", Default::default())
+            .await
+            .unwrap();
+        if confirm.wait().await.is_err() {
+            break;
+        }
+        fillers += 1;
+        assert!(fillers < 10, "the policy does not refuse publishes");
+    }
+    let dispatcher = start_daemon(env.command(&[])).await;
+    publish_confirmed(&publisher, &[purchase("RP-1", "rp")]).await;
+
+    // The event is refused for a few seconds; nothing is dead-lettered.
+    let ch = conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(30), "the grant", || async {
+        dispatcher.log_text().contains("order_id=RP-1")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(queue_depth(&ch, &t.purchases_dead).await, 0);
+    // Room in the queue again: the next publish goes through.
+    assert_eq!(
+        drain(&ch, &t.sms_pending).await.len(),
+        fillers,
+        "the fillers"
+    );
+    eventually(Duration::from_secs(30), "the SMS event", || {
+        let (ch, q) = (ch.clone(), t.sms_pending.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    eventually(Duration::from_secs(10), "the purchase acked", || {
+        let (ch, q) = (ch.clone(), t.purchases.clone());
+        async move { queue_depth(&ch, &q).await == 0 }
+    })
+    .await;
+    let log = dispatcher.log_text();
+    dispatcher.stop().await;
+    let grants = log
+        .lines()
+        .filter(|l| l.contains("granted") && l.contains("order_id=RP-1"))
+        .count();
+    assert_eq!(grants, 1, "the purchase was redelivered:\n{log}");
+    assert!(
+        log.contains("did not confirm"),
+        "the refused publishes are reported:\n{log}"
+    );
+    assert_eq!(queue_depth(&ch, &t.purchases_dead).await, 0);
+    assert_eq!(drain(&ch, &t.sms_pending).await.len(), 1, "one event");
+    rabbitmqctl(&["clear_policy", &policy]).await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// Runs `rabbitmqctl ARGS` against the local node; panics if it fails.
+async fn rabbitmqctl(args: &[&str]) {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .current_dir("/")
+        .output()
+        .await
+        .expect("rabbitmqctl (make services installs it)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

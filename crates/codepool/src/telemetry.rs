@@ -15,8 +15,12 @@ use tracing_subscriber::EnvFilter;
 use crate::config::LogFormat;
 
 pub fn init(format: LogFormat) {
+    // lapin's I/O thread logs every lost connection at error level, and
+    // the redis cluster client warns on every retry to a node that is
+    // down; both failures reach codepool as results and are logged once
+    // per outage, with what to do. RUST_LOG brings them back.
     let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,mongodb=warn"));
+        .unwrap_or_else(|_| EnvFilter::new("info,lapin=off,redis=error,mongodb=warn"));
     let ansi = std::io::stderr().is_terminal() && format == LogFormat::Text;
     let writer = SafeStderr {
         json: format == LogFormat::Json,

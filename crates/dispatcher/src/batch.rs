@@ -4,7 +4,7 @@
 //! bottom: nothing is acked before its outcome is durable.
 
 use std::collections::HashSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use codepool_broker::{BrokerError, PendingConfirm, Publisher};
 use codepool_domain::{Grant, PoolEvent, PoolEventKind};
@@ -40,7 +40,10 @@ impl Dispatcher {
             return;
         }
         self.announce_exhausted(&plan, publisher).await;
-        let unconfirmed = self.publish(&plan, &deliveries, publisher).await;
+        plan.steps.iter().for_each(log_step);
+        let unconfirmed = self
+            .publish_until_confirmed(&plan, &deliveries, publisher, stop)
+            .await;
         let settlements = settle(&plan, &unconfirmed);
         acknowledge(&deliveries, &settlements).await;
 
@@ -164,22 +167,67 @@ impl Dispatcher {
         }
     }
 
+    /// Publishes the plan's events and dead letters, and publishes again,
+    /// with backoff, what the broker did not confirm, for up to
+    /// [`REPUBLISH_FOR`] while the channel stays open. A quorum queue that
+    /// lost its leader with a node refuses publishes for some seconds;
+    /// requeueing at once would redeliver the purchase in a tight loop and
+    /// push a valid purchase to the delivery limit. Returns the positions
+    /// still unconfirmed (requeued by [`settle`]).
+    async fn publish_until_confirmed(
+        &self,
+        plan: &BatchPlan,
+        deliveries: &[Delivery],
+        publisher: &Publisher,
+        stop: &CancellationToken,
+    ) -> HashSet<usize> {
+        let mut unconfirmed = self.publish(plan, deliveries, publisher, None).await;
+        let started = Instant::now();
+        let mut attempt = 0;
+        while !unconfirmed.is_empty() {
+            self.amqp.failed(&format_args!(
+                "the broker did not confirm {} publishes of a batch",
+                unconfirmed.len()
+            ));
+            if started.elapsed() >= REPUBLISH_FOR || !publisher.channel().status().connected() {
+                break;
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(backoff(attempt)) => {}
+            }
+            unconfirmed = self
+                .publish(plan, deliveries, publisher, Some(&unconfirmed))
+                .await;
+        }
+        if attempt > 0 && unconfirmed.is_empty() {
+            self.amqp.ok();
+        }
+        unconfirmed
+    }
+
     /// Publishes the SMS-pending events (through the outbox) and the dead
-    /// letters, confirms in flight together. Returns the positions whose
-    /// publish was not confirmed.
+    /// letters of the positions in `only` (all when `None`), confirms in
+    /// flight together. Returns the positions whose publish was not
+    /// confirmed.
     async fn publish(
         &self,
         plan: &BatchPlan,
         deliveries: &[Delivery],
         publisher: &Publisher,
+        only: Option<&HashSet<usize>>,
     ) -> HashSet<usize> {
-        let sms = plan.sms_events();
-        plan.steps.iter().for_each(log_step);
+        let sms: Vec<_> = plan
+            .sms_events()
+            .into_iter()
+            .filter(|(i, _)| wanted(only, *i))
+            .collect();
         let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
         let (sent, mut unconfirmed, refused) = tokio::join!(
             self.outbox.send(publisher, &grants, Marking::Deferred),
-            dead_letter(plan, deliveries, publisher),
-            announce_refusals(plan, publisher),
+            dead_letter(plan, deliveries, publisher, only),
+            announce_refusals(plan, publisher, only),
         );
         unconfirmed.extend(refused);
         match sent {
@@ -198,8 +246,18 @@ impl Dispatcher {
     }
 }
 
-/// One line per delivery at info (grants, revoked orders) or warn (dead
-/// letters). Codes are masked.
+/// How long a batch keeps publishing what the broker did not confirm
+/// before it requeues those purchases.
+const REPUBLISH_FOR: Duration = Duration::from_secs(30);
+
+/// Whether position `i` is among those to publish.
+fn wanted(only: Option<&HashSet<usize>>, i: usize) -> bool {
+    only.is_none_or(|set| set.contains(&i))
+}
+
+/// One line per delivery at info (grants, revoked orders, refusals).
+/// Dead letters are logged where they are published, with their message
+/// id. Codes are masked.
 fn log_step(step: &Step) {
     match step {
         Step::Sms { grant, fresh, .. } => {
@@ -208,21 +266,26 @@ fn log_step(step: &Step) {
         Step::Revoked { order_id } => {
             info!(order_id = %order_id, "order's code was revoked; not texted again")
         }
-        Step::DeadLetter(e) => {
-            warn!(reason = e.reason.as_str(), detail = %e.detail, "purchase dead-lettered")
-        }
         Step::Refused(r) => {
             info!(order_id = %r.purchase.order_id, pool = %r.purchase.pool, uid = %r.purchase.uid, reason = r.reason.as_str(), "purchase refused by the pool's policy")
         }
-        Step::Backorder(_) => {}
+        Step::Backorder(_) | Step::DeadLetter(_) => {}
     }
 }
 
 /// Publishes the plan's `purchase.refused` events; returns the positions
 /// the broker did not confirm.
-async fn announce_refusals(plan: &BatchPlan, publisher: &Publisher) -> HashSet<usize> {
+async fn announce_refusals(
+    plan: &BatchPlan,
+    publisher: &Publisher,
+    only: Option<&HashSet<usize>>,
+) -> HashSet<usize> {
     let mut pending = Vec::new();
-    for (i, r) in plan.refusals() {
+    for (i, r) in plan
+        .refusals()
+        .into_iter()
+        .filter(|(i, _)| wanted(only, *i))
+    {
         pending.push((i, publisher.publish_refused(&r.event()).await));
     }
     unconfirmed(pending, "purchase.refused event").await
@@ -249,14 +312,22 @@ async fn dead_letter(
     plan: &BatchPlan,
     deliveries: &[Delivery],
     publisher: &Publisher,
+    only: Option<&HashSet<usize>>,
 ) -> HashSet<usize> {
     let mut pending = Vec::new();
-    for (i, e) in plan.dead_letters() {
-        metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str())
-            .increment(1);
+    for (i, e) in plan
+        .dead_letters()
+        .into_iter()
+        .filter(|(i, _)| wanted(only, *i))
+    {
         let d = &deliveries[i];
         let message_id = d.properties.message_id().as_ref();
-        warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = message_id.map_or("", |id| id.as_str()), "purchase dead-lettered");
+        if only.is_none() {
+            // Counted and logged once, not again when published again.
+            metrics::counter!("codepool_dead_letters_total", "reason" => e.reason.as_str())
+                .increment(1);
+            warn!(reason = e.reason.as_str(), detail = %e.detail, message_id = message_id.map_or("", |id| id.as_str()), "purchase dead-lettered");
+        }
         pending.push((
             i,
             publisher
