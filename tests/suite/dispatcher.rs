@@ -58,12 +58,28 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
     .await;
 
     // SIGTERM: clean exit, quickly.
+    let log = dispatcher.log.clone();
     let stopping = Instant::now();
     dispatcher.stop().await;
     assert!(stopping.elapsed() < Duration::from_secs(10));
 
     // Nothing left unacked: after the consumer is gone, the queue is empty.
-    assert_eq!(queue_depth(&ch, &t.purchases).await, 0);
+    let left = queue_depth(&ch, &t.purchases).await;
+    let warnings: Vec<String> = log
+        .lock()
+        .map(|l| {
+            l.iter()
+                .filter(|line| !line.contains(" INFO "))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        left,
+        0,
+        "purchases back in the queue after the stop; the dispatcher's warnings:\n{}",
+        warnings.join("\n")
+    );
 
     // In MongoDB: every order exactly one code.
     let codes = env.store.database().collection::<bson::Document>("codes");
