@@ -122,9 +122,13 @@ impl Scratch {
     }
 }
 
-/// Deletes every key under `prefix:` (SCAN, never KEYS, so a shared Redis
-/// is not blocked).
-pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
+/// Calls `each` with every batch of keys under `prefix:` (SCAN, never
+/// KEYS, so a shared Redis is not blocked).
+async fn for_redis_keys<F, Fut>(url: &str, prefix: &str, mut each: F) -> redis::RedisResult<()>
+where
+    F: FnMut(redis::aio::MultiplexedConnection, Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = redis::RedisResult<()>>,
+{
     let client = redis::Client::open(url)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     let mut cursor: u64 = 0;
@@ -138,16 +142,50 @@ pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisRe
             .query_async(&mut conn)
             .await?;
         if !keys.is_empty() {
-            redis::cmd("DEL")
-                .arg(keys)
-                .query_async::<()>(&mut conn)
-                .await?;
+            each(conn.clone(), keys).await?;
         }
         if next == 0 {
             return Ok(());
         }
         cursor = next;
     }
+}
+
+/// Deletes every key under `prefix:`.
+pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
+    for_redis_keys(url, prefix, |mut conn, keys| async move {
+        redis::cmd("DEL")
+            .arg(keys)
+            .query_async::<()>(&mut conn)
+            .await
+    })
+    .await
+}
+
+/// How many keys are under `prefix:` and the bytes they take
+/// (`MEMORY USAGE` of each, so other users of the server do not count).
+pub(crate) async fn redis_footprint(url: &str, prefix: &str) -> redis::RedisResult<(u64, u64)> {
+    let total = std::sync::Arc::new(std::sync::Mutex::new((0u64, 0u64)));
+    for_redis_keys(url, prefix, |mut conn, keys| {
+        let total = total.clone();
+        async move {
+            let mut pipe = redis::pipe();
+            for k in &keys {
+                pipe.cmd("MEMORY").arg("USAGE").arg(k).arg("SAMPLES").arg(0);
+            }
+            let sizes: Vec<Option<u64>> = pipe.query_async(&mut conn).await?;
+            if let Ok(mut t) = total.lock() {
+                t.0 += keys.len() as u64;
+                t.1 += sizes.into_iter().flatten().sum::<u64>();
+            }
+            Ok(())
+        }
+    })
+    .await?;
+    let t = *total
+        .lock()
+        .map_err(|_| redis::RedisError::from((redis::ErrorKind::ClientError, "poisoned")))?;
+    Ok(t)
 }
 
 /// Deletes the run's topology (and `extra_queues`) if it was declared.

@@ -94,16 +94,16 @@ async fn compare(
     let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-scale").await?;
     let ch = conn.create_channel().await?;
     scratch.cfg.topology().declare(&ch).await?;
-    let (m_base, c_base) = run_side(args, scratch, &conn, &base, 0).await?;
+    let (m_base, c_base, r_base) = run_side(args, scratch, &conn, &base, 0).await?;
     let events_before = depth(&conn, &scratch.cfg.topology().sms_pending).await?;
-    let (m_other, c_other) = run_side(args, scratch, &conn, &other, events_before).await?;
+    let (m_other, c_other, r_other) = run_side(args, scratch, &conn, &other, events_before).await?;
     let _ = conn.close(200, "benchmark done").await;
     let ratio = m_other.per_sec() / m_base.per_sec().max(1e-9);
     let ok = c_base.ok && c_other.ok;
     let report = json!({
         "benchmark": name,
         "purchases": n,
-        "results": [side_json(&base, &m_base, &c_base), side_json(&other, &m_other, &c_other)],
+        "results": [side_json(&base, &m_base, &c_base, &r_base), side_json(&other, &m_other, &c_other, &r_other)],
         "ratio": ratio,
         "target": target,
         "target_met": ratio >= target,
@@ -114,8 +114,8 @@ async fn compare(
     if args.json {
         println!("{rendered}");
     } else {
-        print_side(&base, &m_base, &c_base);
-        print_side(&other, &m_other, &c_other);
+        print_side(&base, &m_base, &c_base, &r_base);
+        print_side(&other, &m_other, &c_other, &r_other);
         let tick = if ratio >= target { "✓" } else { "✗" };
         println!(
             "\n{} / {} = {ratio:.2}x (target >= {target}x {tick})",
@@ -203,15 +203,27 @@ pub fn spread_purchases(n: usize, pools: usize, spread: Spread) -> Vec<usize> {
         .collect()
 }
 
+/// What one side left in Redis: hot sets, high-water marks, demand.
+struct Redis {
+    keys: u64,
+    bytes: u64,
+}
+
+impl Redis {
+    fn per_pool(&self, pools: usize) -> f64 {
+        self.bytes as f64 / pools.max(1) as f64
+    }
+}
+
 /// Preloads one side's purchases, runs a fresh dispatcher until they are
-/// all done, checks them.
+/// all done, checks them, and measures the Redis keys it added.
 async fn run_side(
     args: &DispatchBenchArgs,
     scratch: &'static Scratch,
     conn: &Connection,
     side: &Side,
     events_before: u32,
-) -> anyhow::Result<(Measured, Checks)> {
+) -> anyhow::Result<(Measured, Checks, Redis)> {
     let n = side.purchases.len();
     eprintln!("{}: preloading {n} purchases …", side.tag);
     let publisher = Publisher::new(conn, scratch.cfg.topology()).await?;
@@ -225,8 +237,11 @@ async fn run_side(
     let queue = scratch.cfg.topology().purchases;
     anyhow::ensure!(depth(conn, &queue).await? == n as u32, "preload incomplete");
     eprintln!("{}: dispatching …", side.tag);
+    let cfg = &scratch.cfg;
+    let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(scratch, n as u64).await?;
+    let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     // Let the acks of the last batch land before counting what is left.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let filter = doc! {"order_id": {"$regex": format!("^{}-o", side.tag)}};
@@ -238,11 +253,16 @@ async fn run_side(
         elapsed: run.elapsed,
         cpu: run.cpu,
     };
-    Ok((measured, checks))
+    let redis = Redis {
+        keys: redis_after.0.saturating_sub(redis_before.0),
+        bytes: redis_after.1.saturating_sub(redis_before.1),
+    };
+    Ok((measured, checks, redis))
 }
 
-fn side_json(side: &Side, m: &Measured, c: &Checks) -> serde_json::Value {
+fn side_json(side: &Side, m: &Measured, c: &Checks, r: &Redis) -> serde_json::Value {
     json!({
+        "redis": {"keys": r.keys, "bytes": r.bytes, "bytes_per_pool": r.per_pool(side.pools.len())},
         "name": side.tag,
         "what": side.what,
         "pools": side.pools.len(),
@@ -254,14 +274,17 @@ fn side_json(side: &Side, m: &Measured, c: &Checks) -> serde_json::Value {
     })
 }
 
-fn print_side(side: &Side, m: &Measured, c: &Checks) {
+fn print_side(side: &Side, m: &Measured, c: &Checks, r: &Redis) {
     println!(
-        "{:<7} {:>8.2} s {:>8.0}/s  {}\n        cpu: {}\n        {}",
+        "{:<7} {:>8.2} s {:>8.0}/s  {}\n        cpu: {}\n        redis: {} keys, {} bytes after the run ({:.0} bytes per pool)\n        {}",
         side.tag,
         m.elapsed.as_secs_f64(),
         m.per_sec(),
         side.what,
         describe_cpu(&m.cpu),
+        r.keys,
+        r.bytes,
+        r.per_pool(side.pools.len()),
         c.line()
     );
 }

@@ -397,7 +397,10 @@ impl ClaimEngine {
     }
 
     /// Tops the hot set up without making anyone wait. Skipped for a while
-    /// after a refill found nothing, so an empty pool costs no queries.
+    /// after a top-up reached the end of the pool (found fewer than it
+    /// asked for): the set then holds every candidate there is, and a pool
+    /// that is fully loaded, or empty, costs no queries until new codes
+    /// could have arrived. A claimer that runs out still refills at once.
     fn refill_in_background(&self, pool: &str) {
         if let Ok(mut dry) = self.dry.lock() {
             if dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF) {
@@ -408,7 +411,9 @@ impl ClaimEngine {
         let engine = self.clone();
         let pool = pool.to_owned();
         tokio::spawn(async move {
-            if let Ok(Refill::Added(0)) = engine.top_up(&pool).await {
+            let size = engine.refill_size(&pool, 0);
+            let added = engine.top_up(&pool).await;
+            if matches!(added, Ok(Refill::Added(n)) if (n as i64) < size) {
                 if let Ok(mut dry) = engine.dry.lock() {
                     dry.insert(pool, Instant::now());
                 }
@@ -557,8 +562,9 @@ pub enum Refill {
 /// Pools whose hot sets are refilled at once when a batch finds them short.
 const PARALLEL_REFILLS: usize = 16;
 
-/// After a refill finds nothing, background refills of that pool pause this long.
-const DRY_BACKOFF: Duration = Duration::from_secs(1);
+/// After a top-up reaches the end of a pool, background refills of that
+/// pool pause this long.
+const DRY_BACKOFF: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RefillError {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use codepool_broker::Publisher;
 use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
 use tracing::{debug, info, warn};
 
@@ -126,9 +127,15 @@ impl StockWatch {
     /// below the threshold since it was last above (or re-arms the alert if
     /// stock is back).
     pub async fn check(&self, pool: &str, publisher: &Publisher) -> Result<StockLevel, StoreError> {
-        let Some(doc) = self.store.pool(pool).await? else {
-            return Ok(StockLevel::UnknownPool);
-        };
+        match self.store.pool(pool).await? {
+            Some(doc) => self.judge(&doc, publisher).await,
+            None => Ok(StockLevel::UnknownPool),
+        }
+    }
+
+    /// [`Self::check`] of a pool whose document was just read.
+    async fn judge(&self, doc: &PoolDoc, publisher: &Publisher) -> Result<StockLevel, StoreError> {
+        let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
         let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
         let unissued = self.store.unissued_count_upto(pool, cap).await?;
@@ -180,7 +187,7 @@ impl StockWatch {
     /// Checks every pool (the periodic sweep; also refreshes every gauge).
     pub async fn check_all(&self, publisher: &Publisher) -> Result<(), StoreError> {
         for pool in self.store.pools().await? {
-            self.check(&pool.name, publisher).await?;
+            self.judge(&pool, publisher).await?;
         }
         Ok(())
     }

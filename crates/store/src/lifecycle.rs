@@ -8,6 +8,8 @@
 //! used, void) in words an operator can act on. Nothing here ever moves a
 //! code back to status 0: an issued code has been seen by its buyer.
 
+use std::collections::HashMap;
+
 use bson::oid::ObjectId;
 use bson::{doc, DateTime, Document};
 use codepool_domain::{mask, when, Code, CodeId, CodeStatus, Transition};
@@ -264,63 +266,70 @@ impl Store {
             Some(p) => vec![p.to_owned()],
             None => self.pools().await?.into_iter().map(|p| p.name).collect(),
         };
-        let mut out = Expired::default();
-        for pool in pools {
-            let mut voided = Vec::new();
-            loop {
-                // `$exists` spelled out so the partial index
-                // `unissued_expiry` (status 0, expires_at present) is usable.
-                let filter = doc! {
-                    "pool": &pool,
-                    "status": {"$in": Transition::Expire.from_codes()},
-                    "expires_at": {"$exists": true, "$lte": now},
-                };
-                let docs: Vec<Document> = self
-                    .collection(CODES)
-                    .find(filter.clone())
-                    .projection(doc! {"_id": 1})
-                    .limit(EXPIRE_BATCH)
-                    .await?
-                    .try_collect()
-                    .await?;
-                let ids = docs
-                    .iter()
-                    .map(|d| {
-                        d.get_object_id("_id").map_err(|e| StoreError::Corrupt {
-                            collection: CODES.into(),
-                            message: format!("a code of pool {pool:?} has no ObjectId _id: {e}"),
-                        })
-                    })
-                    .collect::<Result<Vec<ObjectId>, _>>()?;
-                if ids.is_empty() {
-                    break;
-                }
-                let mut batch = filter;
-                batch.insert("_id", doc! {"$in": &ids});
-                self.collection(CODES)
-                    .update_many(
-                        batch,
-                        doc! {"$set": {
-                            "status": Transition::Expire.to().as_i32(),
-                            "voided_at": DateTime::now(),
-                            "void_reason": EXPIRED_REASON,
-                        }},
-                    )
-                    .write_concern(durable())
-                    .await?;
-                // Whatever matched is void now, whoever voided it: none of
-                // these ids may stay a claim candidate.
-                let full = ids.len() as i64 == EXPIRE_BATCH;
-                voided.extend(ids.into_iter().map(code_id));
-                if !full {
-                    break;
-                }
+        // One query for every pool: `pool: {$in}` with the range on
+        // `expires_at` gives the partial index `unissued_expiry` (status 0,
+        // expires_at present) one short range per pool, so the sweep costs
+        // what has expired, not one round trip per pool.
+        let filter = doc! {
+            "pool": {"$in": &pools},
+            "status": {"$in": Transition::Expire.from_codes()},
+            "expires_at": {"$exists": true, "$lte": now},
+        };
+        let mut by_pool: HashMap<String, Vec<CodeId>> = HashMap::new();
+        loop {
+            let docs: Vec<Document> = self
+                .collection(CODES)
+                .find(filter.clone())
+                .projection(doc! {"_id": 1, "pool": 1})
+                .limit(EXPIRE_BATCH)
+                .await?
+                .try_collect()
+                .await?;
+            let found = docs
+                .iter()
+                .map(|d| {
+                    let corrupt = |e: bson::document::ValueAccessError| StoreError::Corrupt {
+                        collection: CODES.into(),
+                        message: format!("an expired code without an ObjectId _id or a pool: {e}"),
+                    };
+                    Ok((
+                        d.get_object_id("_id").map_err(corrupt)?,
+                        d.get_str("pool").map_err(corrupt)?,
+                    ))
+                })
+                .collect::<Result<Vec<(ObjectId, &str)>, StoreError>>()?;
+            if found.is_empty() {
+                break;
             }
-            if !voided.is_empty() {
-                out.by_pool.push((pool, voided));
+            let ids: Vec<ObjectId> = found.iter().map(|(id, _)| *id).collect();
+            let mut batch = filter.clone();
+            batch.insert("_id", doc! {"$in": &ids});
+            self.collection(CODES)
+                .update_many(
+                    batch,
+                    doc! {"$set": {
+                        "status": Transition::Expire.to().as_i32(),
+                        "voided_at": DateTime::now(),
+                        "void_reason": EXPIRED_REASON,
+                    }},
+                )
+                .write_concern(durable())
+                .await?;
+            // Whatever matched is void now, whoever voided it: none of
+            // these ids may stay a claim candidate.
+            for (id, pool) in &found {
+                by_pool
+                    .entry((*pool).to_owned())
+                    .or_default()
+                    .push(code_id(*id));
+            }
+            if (found.len() as i64) < EXPIRE_BATCH {
+                break;
             }
         }
-        Ok(out)
+        let mut by_pool: Vec<(String, Vec<CodeId>)> = by_pool.into_iter().collect();
+        by_pool.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Expired { by_pool })
     }
 
     /// Applies an SMS receipt to the code of `order_id`. `receipt_id` (the
