@@ -696,7 +696,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
                     let refs: Vec<_> = ps.iter().collect();
                     engine.claim_batch(&refs).await.unwrap();
                     if throttled {
-                        watch.after_grants(["ls"], &publisher);
+                        watch.after_grants([("ls", 1)], &publisher);
                     } else if let StockLevel::Low { alerted: true, .. } =
                         watch.check("ls", &publisher).await.unwrap()
                     {

@@ -127,7 +127,7 @@ async fn measure_all(
     let rss_before = proc_status_kb(None, "VmRSS");
     let hwm_reset = super::reset_peak_rss();
     let running = inproc::start(scratch, &config)?;
-    let run = running.finish(scratch, n as u64).await?;
+    let run = running.finish(n as u64).await?;
     let dispatcher = Measured {
         name: "dispatcher",
         what: "consume, claim (hot pool, batched), publish SMS-pending with confirms, ack",

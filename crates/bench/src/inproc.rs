@@ -8,15 +8,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
-use codepool_domain::{CodeStatus, Purchase};
+use codepool_domain::Purchase;
 use codepool_store::ObjectId;
 use futures::StreamExt;
 use lapin::Connection;
-use mongodb::bson::{doc, Document};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{metric_sum, proc_status_kb, CpuSnapshot, Scratch};
+use super::{proc_status_kb, CpuSnapshot, Scratch};
 
 /// Longest the dispatcher may go without progress before the run fails.
 const STALL_LIMIT: Duration = Duration::from_secs(30);
@@ -61,7 +60,7 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
         Arc::new(Health::default()),
     );
     let stop = CancellationToken::new();
-    let done_before = super::metrics().map_or(0, done_count);
+    let done_before = codepool_dispatcher::telemetry::settled_purchases();
     let cpu = CpuSnapshot::take();
     let daemon = tokio::spawn(dispatcher.run(stop.clone()));
     Ok(Running {
@@ -73,28 +72,21 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
     })
 }
 
-fn done_count(m: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
-    metric_sum(m, "codepool_end_to_end_seconds_count", None) as u64
-}
-
 impl Running {
-    /// Purchases this dispatcher took end to end so far (from its metrics,
-    /// or, without them, issued codes in the scratch database).
-    pub async fn done(&self, scratch: &Scratch) -> anyhow::Result<u64> {
-        match super::metrics() {
-            Some(m) => Ok(done_count(m).saturating_sub(self.done_before)),
-            None => issued(scratch).await,
-        }
+    /// Purchases this dispatcher took end to end so far (a counter read,
+    /// so polling it costs nothing, however many pools the metrics hold).
+    pub fn done(&self) -> u64 {
+        codepool_dispatcher::telemetry::settled_purchases().saturating_sub(self.done_before)
     }
 
     /// Waits until `n` purchases are done, then stops the dispatcher.
-    pub async fn finish(self, scratch: &Scratch, n: u64) -> anyhow::Result<DispatcherRun> {
+    pub async fn finish(self, n: u64) -> anyhow::Result<DispatcherRun> {
         let mut rss_max = 0u64;
         let mut last = (0u64, Instant::now());
         loop {
             tokio::time::sleep(Duration::from_millis(10)).await;
             rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
-            let done = self.done(scratch).await?;
+            let done = self.done();
             if done >= n {
                 break;
             }
@@ -121,16 +113,6 @@ impl Running {
         self.stop.cancel();
         self.daemon.await.context("the dispatcher panicked")
     }
-}
-
-/// Issued codes in the whole scratch database.
-async fn issued(scratch: &Scratch) -> anyhow::Result<u64> {
-    Ok(scratch
-        .store
-        .database()
-        .collection::<Document>(codepool_store::codes::CODES)
-        .count_documents(doc! {"status": CodeStatus::Issued.as_i32()})
-        .await?)
 }
 
 /// A purchase of `pool`, numbered `i` (order ids are unique per tag).

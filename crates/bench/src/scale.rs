@@ -240,7 +240,7 @@ async fn run_side(
     let cfg = &scratch.cfg;
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     let running = inproc::start(scratch, &args.dispatcher_config())?;
-    let run = running.finish(scratch, n as u64).await?;
+    let run = running.finish(n as u64).await?;
     let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     // Let the acks of the last batch land before counting what is left.
     tokio::time::sleep(Duration::from_millis(200)).await;

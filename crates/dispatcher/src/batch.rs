@@ -52,11 +52,14 @@ impl Dispatcher {
         metrics::counter!("codepool_held_purchases_total").increment(plan.held);
         let elapsed = received.elapsed().as_secs_f64();
         metrics::histogram!("codepool_batch_seconds").record(elapsed);
-        metrics::histogram!("codepool_end_to_end_seconds")
-            .record_many(elapsed, deliveries.len() - unconfirmed.len());
+        let settled = deliveries.len() - unconfirmed.len();
+        metrics::histogram!("codepool_end_to_end_seconds").record_many(elapsed, settled);
+        crate::telemetry::record_settled(settled as u64);
         // Pools that just lost stock get a (throttled) stock check (stock.rs).
-        self.stock
-            .after_grants(plan.granted_pools.iter().map(String::as_str), publisher);
+        self.stock.after_grants(
+            plan.granted_pools.iter().map(|(p, n)| (p.as_str(), *n)),
+            publisher,
+        );
     }
 
     /// The plan for the batch, retried while MongoDB is away. `None` when

@@ -397,7 +397,7 @@ impl ClaimEngine {
     }
 
     /// Tops the hot set up without making anyone wait. Skipped for a while
-    /// after a top-up reached the end of the pool (found fewer than it
+    /// after any refill reached the end of the pool (found fewer than it
     /// asked for): the set then holds every candidate there is, and a pool
     /// that is fully loaded, or empty, costs no queries until new codes
     /// could have arrived. A claimer that runs out still refills at once.
@@ -411,13 +411,7 @@ impl ClaimEngine {
         let engine = self.clone();
         let pool = pool.to_owned();
         tokio::spawn(async move {
-            let size = engine.refill_size(&pool, 0);
-            let added = engine.top_up(&pool).await;
-            if matches!(added, Ok(Refill::Added(n)) if (n as i64) < size) {
-                if let Ok(mut dry) = engine.dry.lock() {
-                    dry.insert(pool, Instant::now());
-                }
-            }
+            let _ = engine.top_up(&pool).await;
         });
     }
 
@@ -476,6 +470,12 @@ impl ClaimEngine {
         let new_hwm = found.iter().map(|c| c.seq).max().unwrap_or(0).max(hwm);
         let candidates = found;
         self.hot.add(pool, &candidates, new_hwm).await?;
+        if (candidates.len() as i64) < size {
+            // The end of the pool: the set holds every candidate there is.
+            if let Ok(mut dry) = self.dry.lock() {
+                dry.insert(pool.to_owned(), Instant::now());
+            }
+        }
         debug!(pool, added = candidates.len(), "hot pool refilled");
         Ok(candidates.len())
     }
@@ -562,7 +562,7 @@ pub enum Refill {
 /// Pools whose hot sets are refilled at once when a batch finds them short.
 const PARALLEL_REFILLS: usize = 16;
 
-/// After a top-up reaches the end of a pool, background refills of that
+/// After a refill reaches the end of a pool, background refills of that
 /// pool pause this long.
 const DRY_BACKOFF: Duration = Duration::from_secs(5);
 

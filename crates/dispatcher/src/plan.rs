@@ -8,7 +8,7 @@
 //! outcome is durable — its SMS-pending event or dead letter confirmed by
 //! the broker, or its backorder journaled — and never otherwise.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use codepool_domain::{Grant, Purchase, PurchaseError, Refusal};
 
@@ -130,8 +130,8 @@ pub struct BatchPlan {
     pub steps: Vec<Step>,
     /// Pools that ran dry in this batch (`pool.exhausted` events).
     pub exhausted_pools: BTreeSet<String>,
-    /// Pools that issued fresh codes (their stock is re-checked).
-    pub granted_pools: BTreeSet<String>,
+    /// Fresh grants per pool (their stock goes down).
+    pub granted_pools: BTreeMap<String, u64>,
     pub fresh_grants: u64,
     /// Deliveries of orders that already held a code.
     pub repeats: u64,
@@ -254,7 +254,7 @@ impl BatchPlan {
                 let fresh = fresh && granted.insert(p.order_id.clone());
                 if fresh {
                     self.fresh_grants += 1;
-                    self.granted_pools.insert(p.pool.clone());
+                    *self.granted_pools.entry(p.pool.clone()).or_default() += 1;
                 } else {
                     self.repeats += 1;
                 }
@@ -442,7 +442,7 @@ mod tests {
             "a duplicate in the batch is not a second grant"
         );
         assert_eq!(plan.repeats, 2);
-        assert_eq!(plan.granted_pools, BTreeSet::from(["x".to_owned()]));
+        assert_eq!(plan.granted_pools, BTreeMap::from([("x".to_owned(), 1)])); // one fresh grant in x
         assert_eq!(plan.exhausted_pools, BTreeSet::from(["y".to_owned()]));
         assert_eq!(plan.backorders().len(), 1);
         assert_eq!(

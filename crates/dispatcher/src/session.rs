@@ -252,7 +252,10 @@ impl Dispatcher {
                 },
                 ev = replenished.next() => match ev {
                     Some(Ok(d)) => match serde_json::from_slice::<PoolEvent>(&d.data) {
-                        Ok(e) => vec![e.pool],
+                        Ok(e) => {
+                            self.stock.forget(&e.pool);
+                            vec![e.pool]
+                        }
                         Err(e) => {
                             warn!(error = %e, "ignored a pool.replenished/pool.resumed event that is not a pool event");
                             continue;

@@ -57,6 +57,25 @@ pub enum StockLevel {
     Low { unissued: u64, alerted: bool },
 }
 
+/// A pool's threshold and stock as its last check found them.
+#[derive(Debug, Clone, Copy)]
+struct Known {
+    /// The low-stock threshold (0: none).
+    threshold: i64,
+    /// Unissued codes, exact when below `cap`.
+    unissued: u64,
+    cap: u64,
+}
+
+impl Known {
+    /// A pool without a threshold whose stock was counted exactly needs
+    /// no query after grants: its gauge goes down by what was granted. (The
+    /// periodic sweep counts again, and picks up a threshold set since.)
+    fn follows_grants(&self) -> bool {
+        self.threshold <= 0 && self.unissued < self.cap
+    }
+}
+
 #[derive(Debug, Default)]
 struct Schedule {
     last: Option<Instant>,
@@ -68,6 +87,8 @@ pub struct StockWatch {
     store: Store,
     config: StockConfig,
     schedule: Mutex<HashMap<String, Schedule>>,
+    /// What the last check of each pool found.
+    known: Mutex<HashMap<String, Known>>,
 }
 
 impl StockWatch {
@@ -76,6 +97,7 @@ impl StockWatch {
             store,
             config,
             schedule: Mutex::new(HashMap::new()),
+            known: Mutex::new(HashMap::new()),
         })
     }
 
@@ -83,13 +105,41 @@ impl StockWatch {
         &self.config
     }
 
-    /// Asks for a check of each pool after a batch granted codes from it.
-    /// Returns at once; the checks run in the background, throttled.
+    /// Accounts for `(pool, fresh grants)` of a batch: a pool known to have
+    /// no low-stock threshold and fewer codes than the count's cap has its
+    /// gauge lowered by its grants; every other pool gets a check. Returns
+    /// at once; the checks run in the background, throttled.
     pub fn after_grants<'a>(
         self: &Arc<Self>,
-        pools: impl IntoIterator<Item = &'a str>,
+        grants: impl IntoIterator<Item = (&'a str, u64)>,
         publisher: &Publisher,
     ) {
+        let mut to_check = Vec::new();
+        if let Ok(mut known) = self.known.lock() {
+            for (pool, n) in grants {
+                match known.get_mut(pool).filter(|k| k.follows_grants()) {
+                    Some(k) => {
+                        k.unissued = k.unissued.saturating_sub(n);
+                        metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned())
+                            .set(k.unissued as f64);
+                    }
+                    None => to_check.push(pool),
+                }
+            }
+        }
+        self.schedule_checks(to_check, publisher);
+    }
+
+    /// Forgets what was known of `pool` (codes were imported, or its
+    /// settings changed): its next grants bring a check.
+    pub fn forget(&self, pool: &str) {
+        if let Ok(mut known) = self.known.lock() {
+            known.remove(pool);
+        }
+    }
+
+    /// A check of each pool, at most one per pool per `min_interval`.
+    fn schedule_checks(self: &Arc<Self>, pools: Vec<&str>, publisher: &Publisher) {
         let Ok(mut schedule) = self.schedule.lock() else {
             return;
         };
@@ -137,9 +187,18 @@ impl StockWatch {
     async fn judge(&self, doc: &PoolDoc, publisher: &Publisher) -> Result<StockLevel, StoreError> {
         let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
+
         let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
         let unissued = self.store.unissued_count_upto(pool, cap).await?;
         metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
+        if let Ok(mut known) = self.known.lock() {
+            let k = Known {
+                threshold,
+                unissued,
+                cap,
+            };
+            known.insert(pool.to_owned(), k);
+        }
         if threshold <= 0 || unissued >= threshold as u64 {
             if doc.low_stock_alerted && self.store.rearm_low_stock_alert(pool).await? {
                 info!(

@@ -130,3 +130,17 @@ pub fn describe() {
     }
     metrics::gauge!("codepool_redis_fallback_active").set(0.0);
 }
+
+/// Purchases settled (acked with their outcome durable) by every
+/// dispatcher of this process: what `codepool_end_to_end_seconds_count`
+/// counts, readable without rendering the metrics (a benchmark polls it).
+static SETTLED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub(crate) fn record_settled(n: u64) {
+    SETTLED.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`SETTLED`].
+pub fn settled_purchases() -> u64 {
+    SETTLED.load(std::sync::atomic::Ordering::Relaxed)
+}
