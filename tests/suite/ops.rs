@@ -640,6 +640,26 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
         20
     );
     assert_eq!(hot.len("ex").await.unwrap(), 0);
+    // The daemon's sweep covers every pool in one query: another pool's
+    // expired codes are voided, its live one is kept.
+    store.ensure_pool("ex2").await.unwrap();
+    let other: Vec<NewCode> = (0..4)
+        .map(|i| NewCode {
+            code: format!("EX2-{i}"),
+            expires_at: Some(if i == 0 { future } else { past }),
+        })
+        .collect();
+    store
+        .insert_codes("ex2", ObjectId::new(), &other)
+        .await
+        .unwrap();
+    let swept = store.expire(None, bson::DateTime::now()).await.unwrap();
+    let by_pool: Vec<(&str, usize)> = swept
+        .by_pool
+        .iter()
+        .map(|(p, ids)| (p.as_str(), ids.len()))
+        .collect();
+    assert_eq!(by_pool, [("ex2", 3)]);
     // A second run finds nothing.
     assert_eq!(
         codepool_dispatcher::expiry::expire_codes(store, &hot, None)
@@ -650,7 +670,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     // The expiry query uses the partial index, not a collection scan.
     let plan = store
         .database()
-        .run_command(doc! {"explain": {"find": "codes", "filter": {"pool": "ex", "status": 0, "expires_at": {"$exists": true, "$lte": bson::DateTime::now()}}}, "verbosity": "queryPlanner"})
+        .run_command(doc! {"explain": {"find": "codes", "filter": {"pool": {"$in": ["ex", "ex2"]}, "status": {"$in": [0]}, "expires_at": {"$exists": true, "$lte": bson::DateTime::now()}}}, "verbosity": "queryPlanner"})
         .await
         .unwrap();
     assert!(plan.to_string().contains("unissued_expiry"), "{plan}");
