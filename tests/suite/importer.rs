@@ -364,19 +364,26 @@ async fn a_missing_file_is_reported_once_with_what_to_do() {
     env.cleanup().await;
 }
 
-/// Starts a big import, signals it once codes are landing, and checks the
-/// exit code and the audit record against the database.
-async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u64) {
+/// Writes a file of `rows` codes, starts `codepool import` on it, and
+/// sends `signal` once `at` codes are in. Returns the file (kept until
+/// dropped) and the child.
+async fn signal_an_import(
+    env: &TestEnv,
+    pool: &str,
+    rows: u64,
+    at: u64,
+    signal: &str,
+) -> (tempfile::NamedTempFile, tokio::process::Child) {
     let mut f = tempfile::NamedTempFile::new().unwrap();
     {
         let mut w = std::io::BufWriter::new(f.as_file_mut());
         writeln!(w, "code").unwrap();
-        for i in 0..400_000 {
-            writeln!(w, "SIG-{i:08}").unwrap();
+        for i in 0..rows {
+            writeln!(w, "{pool}-{i:08}").unwrap();
         }
     }
     let path = f.path().to_str().unwrap().to_owned();
-    let mut child = env
+    let child = env
         .command(&["import", &path, "--pool", pool, "--batch-size", "500"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -384,9 +391,9 @@ async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u
         .unwrap();
     let pid = child.id().unwrap().to_string();
     let started = std::time::Instant::now();
-    while count_codes(env, doc! {"pool": pool}).await < 5_000 {
+    while count_codes(env, doc! {"pool": pool}).await < at {
         assert!(
-            started.elapsed() < Duration::from_secs(60),
+            started.elapsed() < Duration::from_secs(120),
             "import too slow"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -395,6 +402,13 @@ async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u
         .args([signal, &pid])
         .status()
         .unwrap();
+    (f, child)
+}
+
+/// Starts a big import, signals it once codes are landing, and checks the
+/// exit code and the audit record against the database.
+async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u64) {
+    let (_file, mut child) = signal_an_import(env, pool, 400_000, 5_000, signal).await;
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
         .await
         .expect("the import stops within 20s of the signal")
@@ -421,5 +435,45 @@ async fn sigterm_and_sigint_during_an_import_record_interrupted_with_the_true_co
         assert_eq!(a.inserted, stored, "the record holds the true count: {a:?}");
         assert!(a.finished_at.is_some() && a.sha256.is_none(), "{a:?}");
     }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_import_killed_halfway_is_finished_by_the_same_command_without_inserting_twice() {
+    let env = TestEnv::new("import_kill9").await;
+    let (f, mut child) = signal_an_import(&env, "kill9", 100_000, 20_000, "-KILL").await;
+    child.wait().await.unwrap();
+    let path = f.path().to_str().unwrap().to_owned();
+    let stored = count_codes(&env, doc! {"pool": "kill9"}).await;
+    assert!(stored < 100_000, "killed before the end ({stored} codes)");
+    let killed = env.store.recent_imports(1).await.unwrap().remove(0);
+    assert_eq!(
+        killed.status, "running",
+        "a killed run cannot close its record"
+    );
+
+    // The same command finishes it: each code once, the codes already in
+    // looked up and skipped (not rejected one by one), the record linked.
+    let out = env
+        .command(&["import", &path, "--pool", "kill9", "--json"])
+        .output()
+        .await
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{log}");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["status"], "done");
+    assert_eq!(summary["inserted"], 100_000 - stored);
+    assert_eq!(summary["duplicates"], stored);
+    assert_eq!(summary["resumed_from"], killed.id.to_hex());
+    assert!(log.contains("looked up and skipped"), "{log}");
+    assert!(log.contains("plain inserts from here"), "{log}");
+    assert_eq!(count_codes(&env, doc! {"pool": "kill9"}).await, 100_000);
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let distinct = codes
+        .distinct("code_hmac", doc! {"pool": "kill9"})
+        .await
+        .unwrap();
+    assert_eq!(distinct.len(), 100_000, "no code twice");
     env.cleanup().await;
 }

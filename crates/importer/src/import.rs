@@ -13,7 +13,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::csv_rows::{CodeRows, Header, HeaderError, Row};
 
@@ -70,6 +70,9 @@ pub struct ImportSummary {
     pub invalid_rows: Vec<InvalidRow>,
     pub seconds: f64,
     pub codes_per_second: f64,
+    /// The unfinished run of the same file and pool this run completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<String>,
 }
 
 impl ImportSummary {
@@ -144,9 +147,13 @@ pub async fn import_file(
     let pool = Pool::new(pool)?;
     let (rows, total_bytes) = open_rows(path, &options.header).await?;
     let started = Instant::now();
-    let mut record = store
-        .start_import(pool.as_str(), &path.display().to_string())
-        .await?;
+    let file = path.display().to_string();
+    let earlier = store.unfinished_import(pool.as_str(), &file).await?;
+    let mut record = store.start_import(pool.as_str(), &file).await?;
+    if let Some(e) = &earlier {
+        info!(earlier = %e.id, status = %e.status, "an earlier import of this file into this pool did not finish; the codes it inserted are looked up and skipped, not inserted again");
+        record.resumed_from = Some(e.id);
+    }
 
     // The reader runs on a blocking thread and hands over batches through a
     // small channel: memory is bounded by (channel + in-flight) batches.
@@ -156,6 +163,7 @@ pub async fn import_file(
     let reader = tokio::task::spawn_blocking(move || read_rows(rows, batch_size, tx));
 
     let mut run = Run::new(store, pool.as_str(), record.id, options, total_bytes);
+    run.lookup = earlier.is_some();
     let interrupted = run.consume(&mut rx, &bytes, on_progress).await;
     drop(rx);
     while run.absorb_next().await {}
@@ -206,7 +214,12 @@ struct Run<'a> {
     progress: ImportProgress,
     invalid_rows: Vec<InvalidRow>,
     sha256: String,
-    inflight: JoinSet<Result<(u64, u64), StoreError>>,
+    inflight: JoinSet<Result<Inserted, StoreError>>,
+    /// Look codes up before inserting them: this run finishes one that was
+    /// killed. Off again after [`RESUME_MISSES`] batches in a row found
+    /// none of their codes in (past the rows the earlier run inserted).
+    lookup: bool,
+    misses: u32,
     failure: Option<ImportError>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
@@ -232,6 +245,8 @@ impl<'a> Run<'a> {
             invalid_rows: Vec::new(),
             sha256: String::new(),
             inflight: JoinSet::new(),
+            lookup: false,
+            misses: 0,
             failure: None,
             pool_ready: false,
         }
@@ -261,8 +276,9 @@ impl<'a> Run<'a> {
                         return false;
                     }
                     let (store, pool, id) = (self.store.clone(), self.pool.clone(), self.import_id);
+                    let lookup = self.lookup;
                     self.inflight
-                        .spawn(async move { insert_batch(&store, &pool, id, batch).await });
+                        .spawn(async move { insert_batch(&store, &pool, id, batch, lookup).await });
                 }
                 Some(Piece::Invalid(row)) => {
                     self.progress.invalid += 1;
@@ -291,9 +307,10 @@ impl<'a> Run<'a> {
             return false;
         };
         match done {
-            Ok(Ok((inserted, duplicates))) => {
-                self.progress.inserted += inserted;
-                self.progress.duplicates += duplicates;
+            Ok(Ok(done)) => {
+                self.progress.inserted += done.inserted;
+                self.progress.duplicates += done.duplicates;
+                self.count_lookup(done.found);
             }
             Ok(Err(e)) => {
                 self.failure.get_or_insert(ImportError::Store(e));
@@ -307,6 +324,24 @@ impl<'a> Run<'a> {
         }
         self.ensure_pool().await;
         true
+    }
+
+    /// Turns the lookups off once enough batches in a row found nothing.
+    fn count_lookup(&mut self, found: Option<u64>) {
+        match found {
+            Some(0) if self.lookup => {
+                self.misses += 1;
+                if self.misses >= RESUME_MISSES {
+                    self.lookup = false;
+                    info!(
+                        rows = self.progress.inserted + self.progress.duplicates,
+                        "past the codes the earlier run inserted; plain inserts from here"
+                    );
+                }
+            }
+            Some(_) => self.misses = 0,
+            None => {}
+        }
     }
 
     /// A pool exists once it has held a code: created after the first
@@ -379,25 +414,60 @@ impl<'a> Run<'a> {
             } else {
                 0.0
             },
+            resumed_from: record.resumed_from.map(|id| id.to_hex()),
         })
     }
 }
 
-/// Inserts one batch, retrying while MongoDB is away. A retried batch is
-/// counted exactly: codes of this run already present were ours.
+/// What one batch did. `found` is how many of its codes a lookup found
+/// in the pool already (`None` without a lookup).
+struct Inserted {
+    inserted: u64,
+    duplicates: u64,
+    found: Option<u64>,
+}
+
+/// Batches in a row whose lookup found nothing before lookups stop.
+const RESUME_MISSES: u32 = 8;
+
+/// Inserts one batch (after a lookup of the codes already in, when
+/// `lookup`), retrying while MongoDB is away. A retried batch is counted
+/// exactly: codes of this run already present were ours.
 async fn insert_batch(
     store: &Store,
     pool: &str,
     import_id: ObjectId,
     batch: Vec<NewCode>,
-) -> Result<(u64, u64), StoreError> {
+    lookup: bool,
+) -> Result<Inserted, StoreError> {
     let mut attempt = 0;
     loop {
-        match store.insert_codes(pool, import_id, &batch).await {
-            Ok(outcome) if attempt == 0 => return Ok((outcome.inserted, outcome.duplicates)),
-            Ok(_) => {
+        let result = if lookup {
+            store
+                .insert_missing_codes(pool, import_id, &batch)
+                .await
+                .map(|(o, found)| (o, Some(found)))
+        } else {
+            store
+                .insert_codes(pool, import_id, &batch)
+                .await
+                .map(|o| (o, None))
+        };
+        match result {
+            Ok((o, found)) if attempt == 0 => {
+                return Ok(Inserted {
+                    inserted: o.inserted,
+                    duplicates: o.duplicates,
+                    found,
+                })
+            }
+            Ok((_, found)) => {
                 let ours = store.count_from_batch(pool, import_id, &batch).await?;
-                return Ok((ours, batch.len() as u64 - ours));
+                return Ok(Inserted {
+                    inserted: ours,
+                    duplicates: batch.len() as u64 - ours,
+                    found,
+                });
             }
             Err(e) if e.is_unavailable() && attempt < INSERT_RETRIES => {
                 attempt += 1;

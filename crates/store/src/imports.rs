@@ -36,6 +36,9 @@ pub struct ImportRecord {
     pub seconds: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The unfinished run of the same file and pool this run completes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<ObjectId>,
 }
 
 impl Store {
@@ -56,6 +59,7 @@ impl Store {
             invalid: 0,
             seconds: 0.0,
             error: None,
+            resumed_from: None,
         };
         self.typed::<ImportRecord>(IMPORTS)
             .insert_one(&record)
@@ -69,6 +73,22 @@ impl Store {
             .replace_one(doc! {"_id": record.id}, record)
             .await?;
         Ok(())
+    }
+
+    /// The newest run of `file` into `pool`, when it did not finish: it
+    /// failed, was interrupted, or still says `running` because its
+    /// process was killed.
+    pub async fn unfinished_import(
+        &self,
+        pool: &str,
+        file: &str,
+    ) -> Result<Option<ImportRecord>, StoreError> {
+        let newest = self
+            .typed::<ImportRecord>(IMPORTS)
+            .find_one(doc! {"pool": pool, "file": file})
+            .sort(doc! {"started_at": -1})
+            .await?;
+        Ok(newest.filter(|r| r.status != "done"))
     }
 
     /// The most recent runs, newest first.
