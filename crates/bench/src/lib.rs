@@ -122,16 +122,15 @@ impl Scratch {
     }
 }
 
-/// Calls `each` with every batch of keys under `prefix:` (SCAN, never
-/// KEYS, so a shared Redis is not blocked).
-async fn for_redis_keys<F, Fut>(url: &str, prefix: &str, mut each: F) -> redis::RedisResult<()>
-where
-    F: FnMut(redis::aio::MultiplexedConnection, Vec<String>) -> Fut,
-    Fut: std::future::Future<Output = redis::RedisResult<()>>,
-{
+/// Every key under `prefix:` (SCAN, never KEYS, so a shared Redis is not
+/// blocked), with a connection to act on them.
+async fn redis_keys(
+    url: &str,
+    prefix: &str,
+) -> redis::RedisResult<(redis::aio::MultiplexedConnection, Vec<String>)> {
     let client = redis::Client::open(url)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cursor: u64 = 0;
+    let (mut cursor, mut all) = (0u64, Vec::new());
     loop {
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
@@ -141,11 +140,9 @@ where
             .arg(1000)
             .query_async(&mut conn)
             .await?;
-        if !keys.is_empty() {
-            each(conn.clone(), keys).await?;
-        }
+        all.extend(keys);
         if next == 0 {
-            return Ok(());
+            return Ok((conn, all));
         }
         cursor = next;
     }
@@ -153,39 +150,30 @@ where
 
 /// Deletes every key under `prefix:`.
 pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
-    for_redis_keys(url, prefix, |mut conn, keys| async move {
+    let (mut conn, keys) = redis_keys(url, prefix).await?;
+    for chunk in keys.chunks(1000) {
         redis::cmd("DEL")
-            .arg(keys)
+            .arg(chunk)
             .query_async::<()>(&mut conn)
-            .await
-    })
-    .await
+            .await?;
+    }
+    Ok(())
 }
 
 /// How many keys are under `prefix:` and the bytes they take
 /// (`MEMORY USAGE` of each, so other users of the server do not count).
 pub(crate) async fn redis_footprint(url: &str, prefix: &str) -> redis::RedisResult<(u64, u64)> {
-    let total = std::sync::Arc::new(std::sync::Mutex::new((0u64, 0u64)));
-    for_redis_keys(url, prefix, |mut conn, keys| {
-        let total = total.clone();
-        async move {
-            let mut pipe = redis::pipe();
-            for k in &keys {
-                pipe.cmd("MEMORY").arg("USAGE").arg(k).arg("SAMPLES").arg(0);
-            }
-            let sizes: Vec<Option<u64>> = pipe.query_async(&mut conn).await?;
-            if let Ok(mut t) = total.lock() {
-                t.0 += keys.len() as u64;
-                t.1 += sizes.into_iter().flatten().sum::<u64>();
-            }
-            Ok(())
+    let (mut conn, keys) = redis_keys(url, prefix).await?;
+    let mut bytes = 0;
+    for chunk in keys.chunks(1000) {
+        let mut pipe = redis::pipe();
+        for k in chunk {
+            pipe.cmd("MEMORY").arg("USAGE").arg(k).arg("SAMPLES").arg(0);
         }
-    })
-    .await?;
-    let t = *total
-        .lock()
-        .map_err(|_| redis::RedisError::from((redis::ErrorKind::ClientError, "poisoned")))?;
-    Ok(t)
+        let sizes: Vec<Option<u64>> = pipe.query_async(&mut conn).await?;
+        bytes += sizes.into_iter().flatten().sum::<u64>();
+    }
+    Ok((keys.len() as u64, bytes))
 }
 
 /// Deletes the run's topology (and `extra_queues`) if it was declared.

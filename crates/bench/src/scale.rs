@@ -100,11 +100,11 @@ async fn compare(
     let _ = conn.close(200, "benchmark done").await;
     // `codepool stats` of the larger side's biggest pool (goal 2: under 1 s
     // on a pool of 10,000,000 codes).
-    let biggest = other
+    let (biggest, biggest_size) = other
         .pools
         .iter()
         .max_by_key(|(_, n)| *n)
-        .map(|(p, _)| p.as_str());
+        .map_or((None, 0), |(p, n)| (Some(p.as_str()), *n));
     let stats_started = std::time::Instant::now();
     scratch.store.pool_stats(biggest).await?;
     let stats_seconds = stats_started.elapsed().as_secs_f64();
@@ -130,7 +130,7 @@ async fn compare(
         println!(
             "codepool stats of {} ({} codes): {stats_seconds:.3} s",
             biggest.unwrap_or("-"),
-            other.pools.iter().map(|(_, n)| *n).max().unwrap_or(0)
+            biggest_size
         );
         let tick = if ratio >= target { "✓" } else { "✗" };
         println!(

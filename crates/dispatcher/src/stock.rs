@@ -62,17 +62,17 @@ pub enum StockLevel {
 struct Known {
     /// The low-stock threshold (0: none).
     threshold: i64,
-    /// Unissued codes, exact when below `cap`.
+    /// Unissued codes as counted (up to the count's cap).
     unissued: u64,
-    cap: u64,
 }
 
 impl Known {
-    /// A pool without a threshold whose stock was counted exactly needs
-    /// no query after grants: its gauge goes down by what was granted. (The
+    /// A pool without a threshold whose stock was counted exactly (below
+    /// [`STOCK_COUNT_CAP`], its cap when there is no threshold) needs no
+    /// query after grants: its gauge goes down by what was granted. (The
     /// periodic sweep counts again, and picks up a threshold set since.)
     fn follows_grants(&self) -> bool {
-        self.threshold <= 0 && self.unissued < self.cap
+        self.threshold <= 0 && self.unissued < STOCK_COUNT_CAP
     }
 }
 
@@ -187,17 +187,17 @@ impl StockWatch {
     async fn judge(&self, doc: &PoolDoc, publisher: &Publisher) -> Result<StockLevel, StoreError> {
         let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
-
         let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
         let unissued = self.store.unissued_count_upto(pool, cap).await?;
         metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
         if let Ok(mut known) = self.known.lock() {
-            let k = Known {
-                threshold,
-                unissued,
-                cap,
-            };
-            known.insert(pool.to_owned(), k);
+            known.insert(
+                pool.to_owned(),
+                Known {
+                    threshold,
+                    unissued,
+                },
+            );
         }
         if threshold <= 0 || unissued >= threshold as u64 {
             if doc.low_stock_alerted && self.store.rearm_low_stock_alert(pool).await? {

@@ -381,18 +381,15 @@ impl Store {
     /// [`Store::insert_codes`] of the codes not in `pool` yet, found with
     /// one indexed lookup first. For finishing an import that was killed:
     /// most of its codes are in already, and a rejected insert costs far
-    /// more per code than the lookup. `existing` says how many were found.
+    /// more per code than the lookup. Also returns how many the lookup
+    /// found (counted as duplicates in the outcome).
     pub async fn insert_missing_codes(
         &self,
         pool: &str,
         batch_id: ObjectId,
         codes: &[NewCode],
     ) -> Result<(InsertOutcome, u64), StoreError> {
-        let ring = self.keys.ring()?;
-        let hmacs: Vec<Vec<u8>> = codes
-            .iter()
-            .map(|c| ring.code_hmac(pool, &c.code).to_vec())
-            .collect();
+        let hmacs = self.code_hmacs(pool, codes)?;
         let list: Vec<Bson> = hmacs.iter().map(|h| binary(h.clone())).collect();
         let found: Vec<Document> = self
             .collection(CODES)
@@ -420,6 +417,15 @@ impl Store {
         Ok((outcome, skipped))
     }
 
+    /// The HMAC of each code in `pool`: what the unique index holds.
+    fn code_hmacs(&self, pool: &str, codes: &[NewCode]) -> Result<Vec<Vec<u8>>, StoreError> {
+        let ring = self.keys.ring()?;
+        Ok(codes
+            .iter()
+            .map(|c| ring.code_hmac(pool, &c.code).to_vec())
+            .collect())
+    }
+
     /// How many of `codes` are in `pool` from import run `batch_id`: used to
     /// count a batch exactly after a retry whose first attempt may have
     /// landed.
@@ -429,10 +435,10 @@ impl Store {
         batch_id: ObjectId,
         codes: &[NewCode],
     ) -> Result<u64, StoreError> {
-        let ring = self.keys.ring()?;
-        let list: Vec<Bson> = codes
-            .iter()
-            .map(|c| binary(ring.code_hmac(pool, &c.code).to_vec()))
+        let list: Vec<Bson> = self
+            .code_hmacs(pool, codes)?
+            .into_iter()
+            .map(binary)
             .collect();
         Ok(self
             .collection(CODES)
