@@ -21,7 +21,7 @@ use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
 
 pub const CODES: &str = "codes";
-const SEQUENCES: &str = "sequences";
+pub(crate) const SEQUENCES: &str = "sequences";
 
 /// A code document as stored. The persistence form only: the store reads
 /// it into the domain's [`Code`] ([`CodeDoc::into_code`]), and a document
@@ -340,6 +340,22 @@ impl Store {
             })
             .collect();
         let total = docs.len() as u64;
+        let outcome = self.insert_docs(docs).await?;
+        let last_seq = first_seq + total as i64 - 1;
+        if let Err(e) = self
+            .record_range(pool, first_seq, last_seq, outcome.inserted)
+            .await
+        {
+            // The range is then counted from the index instead.
+            tracing::debug!(pool, first_seq, last_seq, error = %e, "could not record an inserted seq range");
+        }
+        Ok(outcome)
+    }
+
+    /// `insert_many` of new code documents, unordered: duplicates are
+    /// counted, any other refusal is an error.
+    async fn insert_docs(&self, docs: Vec<Document>) -> Result<InsertOutcome, StoreError> {
+        let total = docs.len() as u64;
         match self
             .collection(CODES)
             .insert_many(docs)
@@ -645,9 +661,10 @@ impl Store {
         docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
-    /// Number of unissued, unexpired codes in `pool`. Costs as much as
-    /// the pool is large: for operators, never on the claim path (there,
-    /// [`Store::unissued_count_upto`]).
+    /// Number of unissued, unexpired codes in `pool`, counted document by
+    /// document. Costs as much as the pool is large: a reference for tests
+    /// and checks; operators get [`Store::unissued_stock`], the claim path
+    /// [`Store::unissued_count_upto`].
     pub async fn unissued_count(&self, pool: &str) -> Result<u64, StoreError> {
         let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
         filter.extend(not_expired(DateTime::now()));

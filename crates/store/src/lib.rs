@@ -13,6 +13,7 @@
 //! - [`recall`]: withdrawing an import's unissued codes;
 //! - [`pool_settings`]: a pool's thresholds and its low-stock alert state;
 //! - [`imports`]: the audit record of each import run;
+//! - [`ledger`]: how many codes each pool holds, without counting them;
 //! - [`crypto`]: codes sealed at rest (AEAD + key id) and found by HMAC;
 //! - [`rekey`]: sealing plaintext codes, rotating keys, checking the key file;
 //! - [`audit`]: who revealed which codes, when;
@@ -28,6 +29,7 @@ pub mod crypto;
 pub mod error;
 pub mod export;
 pub mod imports;
+pub mod ledger;
 pub mod lifecycle;
 pub mod migrate;
 pub mod policies;

@@ -39,6 +39,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0007_codes_encrypted",
         include_str!("../../../migrations/0007_codes_encrypted.json"),
     ),
+    (
+        "0008_code_ranges",
+        include_str!("../../../migrations/0008_code_ranges.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -1,5 +1,6 @@
-//! Inventory per pool, computed from MongoDB with index count scans (the
-//! cost does not grow with a pool's unissued stock) and one aggregation
+//! Inventory per pool, computed from MongoDB with index count scans of
+//! the codes handed out, the pool's total from [`crate::ledger`] (so the
+//! cost does not grow with a pool's unissued stock), and one aggregation
 //! of waiting backorders.
 
 use std::collections::BTreeMap;
@@ -40,7 +41,7 @@ impl Store {
     /// The `count` command: a count scan of an index, without fetching a
     /// document (tens of millions of keys a second), unlike
     /// `count_documents`, which is an aggregation.
-    async fn count_scan(&self, query: Document) -> Result<u64, StoreError> {
+    pub(crate) async fn count_scan(&self, query: Document) -> Result<u64, StoreError> {
         let reply = self
             .database()
             .run_command(doc! {"count": CODES, "query": query})
@@ -48,10 +49,42 @@ impl Store {
         Ok(as_u64(reply.get("n")))
     }
 
-    /// Fills in one pool's code counts, each answered from an index:
-    /// `(pool, status, seq)` for the statuses, the partial expiry index
-    /// for expired codes, and issued codes only for the recent grants. No
-    /// query reads the pool's unissued documents.
+    /// One pool's codes by status, each answered from an index:
+    /// `(pool, status, seq)` for the codes handed out, the partial expiry
+    /// index for expired codes, and the [`crate::ledger`] for the pool's
+    /// total. The unissued stock is what remains, so no query reads or
+    /// counts the pool's unissued codes: the cost follows the codes
+    /// handed out, not the stock.
+    async fn count_statuses(&self, s: &mut PoolStats, now: DateTime) -> Result<(), StoreError> {
+        let pool = s.pool.clone();
+        let status = |st: i32| doc! {"pool": &pool, "status": st};
+        s.expired = self
+            .count_scan(doc! {"pool": &pool, "status": 0, "expires_at": {"$lte": now}})
+            .await?;
+        s.issued = self.count_scan(status(1)).await?;
+        s.used = self.count_scan(status(2)).await?;
+        s.void = self.count_scan(status(3)).await?;
+        // Counted last: a code inserted meanwhile shows as unissued, and a
+        // code claimed meanwhile was unissued when `issued` was counted.
+        let total = self.codes_in_pool(&pool).await?;
+        s.unissued = total.saturating_sub(s.issued + s.used + s.void + s.expired);
+        Ok(())
+    }
+
+    /// Unissued, unexpired codes in `pool`, from the same counts as
+    /// `codepool stats` (cheap on a pool of any size); see
+    /// [`Store::unissued_count`] for a count of the documents themselves.
+    pub async fn unissued_stock(&self, pool: &str) -> Result<u64, StoreError> {
+        let mut s = PoolStats {
+            pool: pool.to_owned(),
+            ..PoolStats::default()
+        };
+        self.count_statuses(&mut s, DateTime::now()).await?;
+        Ok(s.unissued)
+    }
+
+    /// Fills in one pool's code counts and its grants of the last hour
+    /// and day.
     async fn count_codes(
         &self,
         s: &mut PoolStats,
@@ -59,16 +92,8 @@ impl Store {
         hour_ago: DateTime,
         day_ago: DateTime,
     ) -> Result<(), StoreError> {
+        self.count_statuses(s, now).await?;
         let pool = s.pool.clone();
-        let status = |st: i32| doc! {"pool": &pool, "status": st};
-        let unissued_all = self.count_scan(status(0)).await?;
-        s.expired = self
-            .count_scan(doc! {"pool": &pool, "status": 0, "expires_at": {"$lte": now}})
-            .await?;
-        s.unissued = unissued_all.saturating_sub(s.expired);
-        s.issued = self.count_scan(status(1)).await?;
-        s.used = self.count_scan(status(2)).await?;
-        s.void = self.count_scan(status(3)).await?;
         let since = |t: DateTime| doc! {"pool": &pool, "status": {"$in": [1, 2, 3]}, "issued_at": {"$gte": t}};
         s.issued_last_hour = self.count_scan(since(hour_ago)).await?;
         s.issued_last_day = self.count_scan(since(day_ago)).await?;

@@ -147,7 +147,7 @@ async fn set(
         if n == 0 {
             println!("pool {pool}: low-stock alerts off");
         } else {
-            let unissued = store.unissued_count(pool).await?;
+            let unissued = store.unissued_stock(pool).await?;
             println!("pool {pool}: alert when unissued stock falls below {n} (now {unissued})");
         }
     }
@@ -193,7 +193,7 @@ async fn show(
             continue;
         }
         rows.push(PoolRow {
-            unissued: store.unissued_count(&p.name).await?,
+            unissued: store.unissued_stock(&p.name).await?,
             created_at: super::target::when(Some(p.created_at)),
             low_stock: p.low_stock.filter(|n| *n > 0),
             low_stock_alerted: p.low_stock_alerted,
