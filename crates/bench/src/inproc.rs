@@ -43,6 +43,9 @@ pub struct DispatcherRun {
 /// Starts a fresh dispatcher with `config` (its AMQP URL and topology are
 /// the scratch space's).
 pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Result<Running> {
+    // The metrics recorder must be in place before the dispatcher records
+    // anything: the reports' stage timings read it afterwards.
+    let _ = crate::metrics();
     let cfg = &scratch.cfg;
     let hot = codepool::context::hot_pool(cfg)?;
     let numbers = codepool::context::grant_numbers(cfg, &scratch.store)?;

@@ -31,6 +31,12 @@ pub struct LatencyBenchArgs {
     /// Seconds of sending at each rate.
     #[arg(long, default_value_t = 10)]
     pub seconds: u32,
+    /// Batches the dispatcher processes at the same time.
+    #[arg(long, default_value_t = codepool_dispatcher::DispatcherConfig::DEFAULT_WORKERS)]
+    pub workers: usize,
+    /// How long a filling batch may wait for more purchases, in ms.
+    #[arg(long, default_value_t = codepool_dispatcher::DispatcherConfig::DEFAULT_LINGER_MS)]
+    pub linger_ms: u64,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -78,16 +84,21 @@ async fn measure(
     scratch.cfg.topology().declare(&ch).await?;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let listener = listen(&ch, &scratch.cfg.topology().sms_pending, ledger.clone()).await?;
-    let config = codepool_dispatcher::DispatcherConfig::default();
-    let running = inproc::start(scratch, &config)?;
     let publisher = Publisher::new(&conn, scratch.cfg.topology()).await?;
+    let config = codepool_dispatcher::DispatcherConfig {
+        workers: args.workers,
+        linger: Duration::from_millis(args.linger_ms),
+        ..codepool_dispatcher::DispatcherConfig::default()
+    };
+    let running = inproc::start(scratch, &config)?;
     warm_up(&publisher, &ledger).await?;
     let mut rows = Vec::new();
     for &rate in &args.rate {
-        rows.push(one_rate(&publisher, &ledger, rate, args.seconds).await?);
+        let row = one_rate(&publisher, &ledger, rate, args.seconds).await?;
         if !args.json {
-            print_row(&rows[rows.len() - 1]);
+            print_row(&row);
         }
+        rows.push(row);
     }
     running.stop().await?;
     listener.abort();

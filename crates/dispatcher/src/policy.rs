@@ -27,8 +27,6 @@ pub struct PolicyCache {
 }
 
 impl PolicyCache {
-    /// The pool's policy, `None` when the pool does not exist (never
-    /// cached: a pool may be created any moment).
     /// The policies of `pools` that exist: fresh ones from the cache, the
     /// others in one query (a batch over a thousand cold pools costs one
     /// round trip, not a thousand).
@@ -67,6 +65,8 @@ impl PolicyCache {
         Ok(found)
     }
 
+    /// The pool's policy, `None` when the pool does not exist (never
+    /// cached: a pool may be created any moment).
     pub async fn get(&self, store: &Store, pool: &str) -> Result<Option<PoolPolicy>, StoreError> {
         if let Some((policy, at)) = self.pools.read().await.get(pool) {
             if at.elapsed() < POLICY_TTL {
