@@ -23,7 +23,9 @@ use crate::{ms, percentile, Scratch};
 
 /// Open-loop latency, purchase published → SMS-pending event consumed.
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Example:\n  codepool-bench latency --rate 100,1000,2000 --seconds 10")]
+#[command(
+    after_help = "Examples:\n  codepool-bench latency --rate 100,1000,2000 --seconds 10\n  codepool-bench latency --rate 1000 --workers 1 --linger-ms 0   # another dispatcher setting"
+)]
 pub struct LatencyBenchArgs {
     /// Purchases per second; a comma-separated list runs each in turn.
     #[arg(long, value_delimiter = ',', default_value = "100,1000")]
