@@ -59,7 +59,9 @@ impl Store {
         if last_seq == 0 {
             return Ok(0);
         }
-        let covered = self.covered(pool).await?;
+        // Ranges recorded after `last_seq` was read are left out, so a
+        // range above it cannot stand in for a gap below it.
+        let covered = self.covered(pool, last_seq).await?;
         if covered.span >= last_seq as u64 {
             return Ok(covered.codes);
         }
@@ -79,11 +81,12 @@ impl Store {
         Ok(d.and_then(|d| d.get_i64("value").ok()).unwrap_or(0))
     }
 
-    async fn covered(&self, pool: &str) -> Result<Covered, StoreError> {
+    /// The ranges of `pool` up to `last_seq`, summed.
+    async fn covered(&self, pool: &str, last_seq: i64) -> Result<Covered, StoreError> {
         let rows: Vec<Document> = self
             .collection(CODE_RANGES)
             .aggregate(vec![
-                doc! {"$match": {"pool": pool}},
+                doc! {"$match": {"pool": pool, "last": {"$lte": last_seq}}},
                 doc! {"$group": {
                     "_id": Bson::Null,
                     "codes": {"$sum": "$codes"},
@@ -111,7 +114,7 @@ impl Store {
     async fn gaps(&self, pool: &str, last_seq: i64) -> Result<Vec<(i64, i64)>, StoreError> {
         let mut ranges = self
             .collection(CODE_RANGES)
-            .find(doc! {"pool": pool})
+            .find(doc! {"pool": pool, "last": {"$lte": last_seq}})
             .sort(doc! {"first": 1})
             .projection(doc! {"_id": 0, "first": 1, "last": 1})
             .await?;
