@@ -19,6 +19,7 @@ use futures::TryStreamExt;
 
 use crate::codes::SEQUENCES;
 use crate::error::is_duplicate_key;
+use crate::stats::as_u64;
 use crate::{Store, StoreError};
 
 pub(crate) const CODE_RANGES: &str = "code_ranges";
@@ -96,16 +97,11 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        let read = |d: &Document, k: &str| match d.get(k) {
-            Some(Bson::Int32(n)) => *n as u64,
-            Some(Bson::Int64(n)) => *n as u64,
-            _ => 0,
-        };
         Ok(rows
             .first()
             .map(|d| Covered {
-                codes: read(d, "codes"),
-                span: read(d, "span"),
+                codes: as_u64(d.get("codes")),
+                span: as_u64(d.get("span")),
             })
             .unwrap_or_default())
     }

@@ -28,7 +28,7 @@ pub struct PoolStats {
     pub issued_last_day: u64,
 }
 
-fn as_u64(v: Option<&Bson>) -> u64 {
+pub(crate) fn as_u64(v: Option<&Bson>) -> u64 {
     match v {
         Some(Bson::Int32(n)) => *n as u64,
         Some(Bson::Int64(n)) => *n as u64,
