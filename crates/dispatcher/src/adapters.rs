@@ -121,8 +121,8 @@ impl CandidatePool for HotPool {
         HotPool::add(self, pool, &to_redis(candidates), hwm).await
     }
 
-    async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError> {
-        HotPool::high_water_mark(self, pool).await
+    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
+        HotPool::refill_state(self, pool).await
     }
 
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError> {

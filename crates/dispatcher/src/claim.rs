@@ -357,7 +357,7 @@ impl ClaimEngine {
         while got.len() < k {
             match self.refill_for(pool, k - got.len()).await {
                 Ok(Refill::Added(0)) => break,
-                Ok(Refill::Added(_)) => {}
+                Ok(Refill::Added(_) | Refill::Stocked) => {}
                 Ok(Refill::Busy) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
@@ -375,11 +375,7 @@ impl ClaimEngine {
             got.extend(more);
             remaining = left;
         }
-        let low_water = self
-            .config
-            .low_water
-            .min(self.refill_size(pool, 0) as u64 / 2);
-        if remaining < low_water && got.len() == k {
+        if remaining < self.low_water(pool) && got.len() == k {
             self.refill_in_background(pool);
         }
         Ok(got)
@@ -396,11 +392,20 @@ impl ClaimEngine {
         wanted.clamp(min, max).max(needed as i64)
     }
 
-    /// Tops the hot set up without making anyone wait. Skipped for a while
-    /// after any refill reached the end of the pool (found fewer than it
-    /// asked for): the set then holds every candidate there is, and a pool
-    /// that is fully loaded, or empty, costs no queries until new codes
-    /// could have arrived. A claimer that runs out still refills at once.
+    /// Below this many candidates, `pool`'s set is topped up: the
+    /// configured low-water mark, or half a refill if less.
+    fn low_water(&self, pool: &str) -> u64 {
+        self.config
+            .low_water
+            .min(self.refill_size(pool, 0) as u64 / 2)
+    }
+
+    /// Tops the hot set up without making anyone wait. Skipped after any
+    /// refill reached the end of the pool (found fewer than it asked for):
+    /// the set then holds every candidate there is, and a pool that is
+    /// fully loaded, or empty, costs no queries until new codes arrive
+    /// ([`ClaimEngine::replenished`]) or [`DRY_BACKOFF`] has passed. A
+    /// claimer that runs out still refills at once.
     fn refill_in_background(&self, pool: &str) {
         if let Ok(mut dry) = self.dry.lock() {
             if dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF) {
@@ -420,22 +425,36 @@ impl ClaimEngine {
     /// start (which picks up candidates lost by crashed claimers). One
     /// refiller per pool at a time; the others get [`Refill::Busy`].
     pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_under_lock(pool, true, self.refill_size(pool, 0))
-            .await
+        let size = self.refill_size(pool, 0);
+        self.refill_under_lock(pool, true, size, None).await
     }
 
-    /// [`ClaimEngine::refill`] for a claimer that needs `needed` more.
+    /// [`ClaimEngine::refill`] for a claimer that needs `needed` more: none
+    /// if the set holds that many by the time the lock is taken (a refill
+    /// by another claimer, which this one waited for, already loaded them).
     async fn refill_for(&self, pool: &str, needed: usize) -> Result<Refill, RefillError> {
-        self.refill_under_lock(pool, true, self.refill_size(pool, needed))
+        let size = self.refill_size(pool, needed);
+        self.refill_under_lock(pool, true, size, Some(needed as u64))
             .await
     }
 
     /// A refill that only moves forward past the high-water mark: for
     /// topping up in the background, where a rescan would re-add codes that
-    /// other claimers hold right now.
+    /// other claimers hold right now. None if another top-up has already
+    /// lifted the set above the low-water mark.
     async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_under_lock(pool, false, self.refill_size(pool, 0))
+        let (size, enough) = (self.refill_size(pool, 0), self.low_water(pool));
+        self.refill_under_lock(pool, false, size, Some(enough))
             .await
+    }
+
+    /// Lets background top-ups of `pool` run again: codes were imported
+    /// into it (`pool.replenished`), so a set that held every candidate
+    /// there was may now be short of new ones.
+    pub fn replenished(&self, pool: &str) {
+        if let Ok(mut dry) = self.dry.lock() {
+            dry.remove(pool);
+        }
     }
 
     async fn refill_under_lock(
@@ -443,6 +462,7 @@ impl ClaimEngine {
         pool: &str,
         rescan: bool,
         size: i64,
+        enough: Option<u64>,
     ) -> Result<Refill, RefillError> {
         let Some(lock) = self
             .hot
@@ -451,18 +471,29 @@ impl ClaimEngine {
         else {
             return Ok(Refill::Busy);
         };
-        let result = self.refill_locked(pool, rescan, size).await;
+        let result = self.refill_locked(pool, rescan, size, enough).await;
         let _ = self.hot.unlock_refill(lock).await;
-        result.map(Refill::Added)
+        result
     }
 
+    /// Loads up to `size` candidates, unless the set already holds
+    /// `enough`: a claimer that waited for another's refill takes what that
+    /// refill loaded, where a query past the high-water mark would find
+    /// nothing and rescan, offering again every code other claimers have
+    /// popped and are claiming right now (each one a lost race). Past the
+    /// high-water mark, a rescan from the start (if allowed) picks up
+    /// candidates lost by crashed claimers.
     async fn refill_locked(
         &self,
         pool: &str,
         rescan: bool,
         size: i64,
-    ) -> Result<usize, RefillError> {
-        let hwm = self.hot.high_water_mark(pool).await?;
+        enough: Option<u64>,
+    ) -> Result<Refill, RefillError> {
+        let (hwm, waiting) = self.hot.refill_state(pool).await?;
+        if enough.is_some_and(|n| waiting >= n.max(1)) {
+            return Ok(Refill::Stocked);
+        }
         let mut found = self.store.candidates_after(pool, hwm, size).await?;
         if found.is_empty() && hwm > 0 && rescan {
             found = self.store.candidates_after(pool, 0, size).await?;
@@ -477,7 +508,7 @@ impl ClaimEngine {
             }
         }
         debug!(pool, added = candidates.len(), "hot pool refilled");
-        Ok(candidates.len())
+        Ok(Refill::Added(candidates.len()))
     }
 
     /// Claims one by one by scanning MongoDB; the first "nothing left" marks
@@ -555,6 +586,9 @@ fn assignment(p: &Purchase, candidate: Candidate, grant_no: Option<String>) -> C
 pub enum Refill {
     /// This many candidates were loaded (0: the pool has none left).
     Added(usize),
+    /// None were needed: by the time the lock was taken, the set held
+    /// enough (another refill, which this one waited for, loaded them).
+    Stocked,
     /// Another claimer is refilling this pool right now.
     Busy,
 }
@@ -563,8 +597,10 @@ pub enum Refill {
 const PARALLEL_REFILLS: usize = 16;
 
 /// After a refill reaches the end of a pool, background refills of that
-/// pool pause this long.
-const DRY_BACKOFF: Duration = Duration::from_secs(5);
+/// pool pause this long, or until `pool.replenished` says codes arrived.
+/// Only a safety net for a lost event: a claimer that finds the set empty
+/// refills at once whatever this says.
+const DRY_BACKOFF: Duration = Duration::from_secs(60);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RefillError {

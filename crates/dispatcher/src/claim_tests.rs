@@ -188,6 +188,27 @@ async fn a_refill_rescans_from_the_start_once_past_the_high_water_mark() {
 }
 
 #[tokio::test]
+async fn a_claimer_that_waited_for_another_refill_takes_its_candidates() {
+    let r = rig(FakeStore::with_pool("x", 1, 5));
+    // The set was empty when this claimer popped; by the time it holds the
+    // refill lock, another claimer's refill has loaded every code.
+    *r.hot.loaded_meanwhile.lock().unwrap() = (1..=5)
+        .map(|i| Candidate {
+            id: id(i),
+            seq: i as i64,
+        })
+        .collect();
+    let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(1), id(2)]);
+    assert_eq!(
+        r.store.refills.load(Ordering::SeqCst),
+        0,
+        "no second query for what the set already holds"
+    );
+    assert_eq!(r.hot.len("x"), 3, "the others stay offered, once each");
+}
+
+#[tokio::test]
 async fn pools_do_not_share_candidates() {
     let store = FakeStore::with_pool("x", 1, 2);
     store.add("y", 100, 2);

@@ -33,6 +33,8 @@ pub struct FakeStore {
     /// Read-backs return codes without their holder (corrupt data).
     pub drop_holders: AtomicBool,
     pub scans: AtomicUsize,
+    /// Queries for candidates (refills).
+    pub refills: AtomicUsize,
 }
 
 impl FakeStore {
@@ -173,6 +175,7 @@ impl ClaimStore for FakeStore {
         after_seq: i64,
         limit: i64,
     ) -> Result<Vec<Candidate>, StoreError> {
+        self.refills.fetch_add(1, Ordering::SeqCst);
         let codes = self.codes.lock().unwrap();
         let mut found: Vec<Candidate> = codes
             .iter()
@@ -195,6 +198,10 @@ pub struct FakeHot {
     hwm: Mutex<HashMap<String, i64>>,
     locks: Mutex<HashMap<String, String>>,
     pub down: AtomicBool,
+    /// Candidates another refiller loads (with the high-water mark moved
+    /// to the last one) just before the next refill lock is taken: what a
+    /// claimer that waited for someone else's refill finds.
+    pub loaded_meanwhile: Mutex<Vec<Candidate>>,
 }
 
 impl FakeHot {
@@ -256,9 +263,10 @@ impl CandidatePool for FakeHot {
         Ok(())
     }
 
-    async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError> {
+    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
         self.check()?;
-        Ok(self.hwm.lock().unwrap().get(pool).copied().unwrap_or(0))
+        let mark = self.hwm.lock().unwrap().get(pool).copied().unwrap_or(0);
+        Ok((mark, self.len(pool) as u64))
     }
 
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError> {
@@ -275,6 +283,10 @@ impl CandidatePool for FakeHot {
         _ttl: Duration,
     ) -> Result<Option<RefillLock>, HotPoolError> {
         self.check()?;
+        let meanwhile = std::mem::take(&mut *self.loaded_meanwhile.lock().unwrap());
+        if let Some(last) = meanwhile.last() {
+            self.add(pool, &meanwhile, last.seq).await?;
+        }
         let mut locks = self.locks.lock().unwrap();
         if locks.contains_key(pool) {
             return Ok(None);

@@ -75,8 +75,9 @@ pub trait CandidatePool: Send + Sync {
     /// Adds candidates and raises the pool's high-water mark.
     async fn add(&self, pool: &str, candidates: &[Candidate], hwm: i64)
         -> Result<(), HotPoolError>;
-    /// The highest `seq` ever loaded for `pool`.
-    async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError>;
+    /// The highest `seq` ever loaded for `pool`, and how many candidates
+    /// its set holds now.
+    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError>;
     /// Drops candidates that must never be offered again.
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError>;
     /// One refiller per pool at a time; `None` when someone else holds it.

@@ -254,6 +254,7 @@ impl Dispatcher {
                     Some(Ok(d)) => match serde_json::from_slice::<PoolEvent>(&d.data) {
                         Ok(e) => {
                             self.stock.forget(&e.pool);
+                            self.engine.replenished(&e.pool);
                             vec![e.pool]
                         }
                         Err(e) => {

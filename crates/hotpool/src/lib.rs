@@ -276,12 +276,22 @@ impl HotPool {
         .await
     }
 
-    /// The largest `seq` ever loaded into the pool's set (0 when unknown,
-    /// for example after a flush: then the refill starts from the beginning).
-    pub async fn high_water_mark(&self, pool: &str) -> Result<i64, HotPoolError> {
-        let hwm = self.key(pool, "hwm");
-        let v: Option<i64> = self.run(|mut c| async move { c.get(hwm).await }).await?;
-        Ok(v.unwrap_or(0))
+    /// What a refiller reads once it holds the pool's lock, in one round
+    /// trip: the largest `seq` ever loaded into the pool's set (0 when
+    /// unknown, for example after a flush: then the refill starts from the
+    /// beginning), and how many candidates the set holds right now.
+    pub async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
+        let (hwm, key) = (self.key(pool, "hwm"), self.key(pool, "hot"));
+        let (mark, waiting): (Option<i64>, u64) = self
+            .run(|mut c| async move {
+                redis::pipe()
+                    .get(&hwm)
+                    .zcard(&key)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok((mark.unwrap_or(0), waiting))
     }
 
     /// Number of candidates waiting in the pool's set.
