@@ -64,6 +64,8 @@ struct Known {
     threshold: i64,
     /// Unissued codes as counted (up to the count's cap).
     unissued: u64,
+    /// When the count began: it saw every grant made before then.
+    counted_at: Instant,
 }
 
 impl Known {
@@ -150,8 +152,9 @@ impl StockWatch {
                 continue;
             }
             s.queued = true;
+            let scheduled = Instant::now();
             let delay = s.last.map_or(Duration::ZERO, |t| {
-                (t + self.config.min_interval).saturating_duration_since(Instant::now())
+                (t + self.config.min_interval).saturating_duration_since(scheduled)
             });
             let this = self.clone();
             let publisher = publisher.clone();
@@ -165,11 +168,23 @@ impl StockWatch {
                     s.queued = false;
                     s.last = Some(Instant::now());
                 }
+                // A count that began after these grants (the sweep's) has
+                // already judged them.
+                if this.counted_since(&pool, scheduled) {
+                    return;
+                }
                 if let Err(e) = this.check(&pool, &publisher).await {
                     debug!(pool, error = %e, "stock check skipped");
                 }
             });
         }
+    }
+
+    /// True when a count of `pool` began at or after `t`.
+    fn counted_since(&self, pool: &str, t: Instant) -> bool {
+        self.known
+            .lock()
+            .is_ok_and(|k| k.get(pool).is_some_and(|k| k.counted_at >= t))
     }
 
     /// Counts the pool's unissued stock now, updates the gauge, and
@@ -188,6 +203,7 @@ impl StockWatch {
         let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
         let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
+        let counted_at = Instant::now();
         let unissued = self.store.unissued_count_upto(pool, cap).await?;
         metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
         if let Ok(mut known) = self.known.lock() {
@@ -196,6 +212,7 @@ impl StockWatch {
                 Known {
                     threshold,
                     unissued,
+                    counted_at,
                 },
             );
         }
@@ -244,9 +261,14 @@ impl StockWatch {
     }
 
     /// Checks every pool (the periodic sweep; also refreshes every gauge).
+    /// A pool counted since the sweep began (after its grants) is not
+    /// counted again.
     pub async fn check_all(&self, publisher: &Publisher) -> Result<(), StoreError> {
+        let started = Instant::now();
         for pool in self.store.pools().await? {
-            self.judge(&pool, publisher).await?;
+            if !self.counted_since(&pool.name, started) {
+                self.judge(&pool, publisher).await?;
+            }
         }
         Ok(())
     }
