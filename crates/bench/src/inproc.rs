@@ -22,6 +22,20 @@ const STALL_LIMIT: Duration = Duration::from_secs(30);
 /// Publishes in flight at once while preloading.
 const PRELOAD_WINDOW: usize = 2000;
 
+/// Has MongoDB write its dirty data to disk now (a checkpoint), so the run
+/// that follows does not pay for flushing what came before it: a
+/// 10,000,000-code import, or the other side's grants.
+pub async fn checkpoint(scratch: &Scratch) -> anyhow::Result<()> {
+    scratch
+        .store
+        .client()
+        .database("admin")
+        .run_command(bson::doc! {"fsync": 1})
+        .await
+        .context("fsync (checkpoint) before the run")?;
+    Ok(())
+}
+
 /// A running in-process dispatcher.
 pub struct Running {
     stop: CancellationToken,

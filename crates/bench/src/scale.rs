@@ -119,7 +119,7 @@ async fn compare(
         "target_met": ratio >= target,
         "checks_ok": ok,
         "stats_seconds": {"pool": biggest, "seconds": stats_seconds},
-        "note": "each side starts a fresh dispatcher on cold pools (cold start counted); both in one run",
+        "note": "each side starts a fresh dispatcher on cold pools (cold start counted), after a MongoDB checkpoint; both in one run",
     });
     let (rendered, path) = crate::write_report(out_dir, &format!("{name}.json"), &report)?;
     if args.json {
@@ -255,6 +255,7 @@ async fn run_side(
     eprintln!("{}: dispatching …", side.tag);
     let cfg = &scratch.cfg;
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
+    inproc::checkpoint(scratch).await?;
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(n as u64).await?;
     let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;

@@ -82,6 +82,8 @@ impl Known {
 struct Schedule {
     last: Option<Instant>,
     queued: bool,
+    /// When the latest grants that wait for the queued check were made.
+    latest_grants: Option<Instant>,
 }
 
 /// Stock checks of all pools of one dispatcher. Shared by its sessions.
@@ -147,30 +149,33 @@ impl StockWatch {
         };
         for pool in pools {
             let s = schedule.entry(pool.to_owned()).or_default();
+            let now = Instant::now();
+            s.latest_grants = Some(now);
             if s.queued {
                 // A check is coming and will see this batch's grants.
                 continue;
             }
             s.queued = true;
-            let scheduled = Instant::now();
             let delay = s.last.map_or(Duration::ZERO, |t| {
-                (t + self.config.min_interval).saturating_duration_since(scheduled)
+                (t + self.config.min_interval).saturating_duration_since(now)
             });
             let this = self.clone();
             let publisher = publisher.clone();
             let pool = pool.to_owned();
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
+                let mut latest_grants = None;
                 if let Ok(mut schedule) = this.schedule.lock() {
                     // From here on a new batch schedules a new check: this
                     // one may count before that batch's grants.
                     let s = schedule.entry(pool.clone()).or_default();
                     s.queued = false;
                     s.last = Some(Instant::now());
+                    latest_grants = s.latest_grants.take();
                 }
-                // A count that began after these grants (the sweep's) has
-                // already judged them.
-                if this.counted_since(&pool, scheduled) {
+                // A count that began after every grant waiting for this
+                // check (the sweep's, say) has already judged them.
+                if latest_grants.is_some_and(|t| this.counted_since(&pool, t)) {
                     return;
                 }
                 if let Err(e) = this.check(&pool, &publisher).await {
