@@ -525,3 +525,17 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     let status = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((status, body.to_owned()))
 }
+
+/// The sum of one counter over the daemons' `/metrics` pages.
+pub async fn metric_sum(addrs: &[&str], line_prefix: &str) -> f64 {
+    let mut sum = 0.0;
+    for addr in addrs {
+        let (_, page) = http_get(addr, "/metrics").await.expect("/metrics answers");
+        sum += page
+            .lines()
+            .filter(|l| l.starts_with(line_prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    sum
+}

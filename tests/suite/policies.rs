@@ -11,7 +11,7 @@ use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPe
 use futures::StreamExt;
 
 use crate::common::{
-    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
+    drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
     AMQP_URL,
 };
 
@@ -41,20 +41,6 @@ async fn count(env: &TestEnv, collection: &str, filter: bson::Document) -> u64 {
         .count_documents(filter)
         .await
         .expect("count")
-}
-
-/// The sum of one counter over the daemons' `/metrics` pages.
-async fn metric_sum(addrs: &[&str], line_prefix: &str) -> f64 {
-    let mut sum = 0.0;
-    for addr in addrs {
-        let (_, page) = http_get(addr, "/metrics").await.expect("/metrics answers");
-        sum += page
-            .lines()
-            .filter(|l| l.starts_with(line_prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
-    }
-    sum
 }
 
 #[tokio::test]
