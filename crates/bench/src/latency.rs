@@ -96,9 +96,6 @@ async fn measure(
     warm_up(&publisher, &ledger).await?;
     let mut rows = Vec::new();
     for &rate in &args.rate {
-        // Each rate starts with nothing left to flush from what came before
-        // (the fill, the previous rate), as on a server in steady state.
-        inproc::checkpoint(scratch).await?;
         let row = one_rate(&publisher, &ledger, rate, args.seconds).await?;
         if !args.json {
             print_row(&row);
