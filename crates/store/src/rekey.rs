@@ -126,11 +126,7 @@ impl Store {
             .iter()
             .map(|r| KeyUsage {
                 key_id: r.get_str("_id").ok().map(str::to_owned),
-                codes: match r.get("codes") {
-                    Some(Bson::Int32(n)) => *n as u64,
-                    Some(Bson::Int64(n)) => *n as u64,
-                    _ => 0,
-                },
+                codes: crate::stats::as_u64(r.get("codes")),
             })
             .collect())
     }
