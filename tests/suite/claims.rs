@@ -255,3 +255,72 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
     );
     env.cleanup().await;
 }
+
+/// "Give `code` to `order`", as the claim engine writes it.
+fn assign(code: codepool_domain::CodeId, order: &str) -> codepool_store::ClaimAssignment {
+    codepool_store::ClaimAssignment {
+        code_id: code,
+        order_id: order.into(),
+        uid: format!("u-{order}"),
+        phone: "+8613800000000".into(),
+        grant_no: Some(format!("G-{order}")),
+    }
+}
+
+#[tokio::test]
+async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
+    let env = TestEnv::new("claims_write_grants").await;
+    env.fill_pool("wg", 4).await;
+    let ids: Vec<_> = env
+        .store
+        .candidates_after("wg", 0, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    let store = &env.store;
+
+    // Every statement lands: the write's grants are the stored ones.
+    let write = store
+        .claim_candidates(&[assign(ids[0], "A"), assign(ids[1], "B")])
+        .await
+        .unwrap();
+    assert!(write.order_taken.is_empty());
+    let granted = write.granted.expect("a write that landed whole");
+    let stored = store.grants_for_orders(&["A", "B"]).await.unwrap();
+    assert_eq!(granted.len(), 2);
+    for order in ["A", "B"] {
+        assert_eq!(
+            granted[order].grant(),
+            stored[order].grant(),
+            "order {order}: the write's grant differs from the stored one"
+        );
+    }
+
+    // One candidate was taken already: which won is unknown to the write.
+    let write = store
+        .claim_candidates(&[assign(ids[1], "C"), assign(ids[2], "D")])
+        .await
+        .unwrap();
+    assert!(write.order_taken.is_empty());
+    assert!(
+        write.granted.is_none(),
+        "a write that lost a race guesses nothing"
+    );
+    let stored = store.grants_for_orders(&["C", "D"]).await.unwrap();
+    assert!(!stored.contains_key("C"));
+    assert_eq!(stored["D"].id, ids[2]);
+
+    // An order that holds a code is refused by the unique index; the rest
+    // of the write still lands whole, without it.
+    let write = store
+        .claim_candidates(&[assign(ids[3], "A"), assign(ids[3], "E")])
+        .await
+        .unwrap();
+    assert_eq!(write.order_taken, vec![0]);
+    let granted = write.granted.expect("every statement not refused landed");
+    assert_eq!(granted.keys().collect::<Vec<_>>(), vec!["E"]);
+    assert_eq!(granted["E"].id, ids[3]);
+    env.cleanup().await;
+}

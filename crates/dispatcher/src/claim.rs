@@ -7,9 +7,12 @@
 //!    unissued". MongoDB's condition is the only arbiter; the unique
 //!    `order_id` index forbids a second code per order, so an order that
 //!    already holds one (a redelivery or a duplicate) gets that one back.
-//! 2. Which pairs won is read back by order. Orders whose candidate was
-//!    already taken (by another dispatcher, or through the fallback path)
-//!    try again with fresh candidates, a few rounds.
+//! 2. When the server reports that every statement landed, every pair
+//!    won, and the candidates' codes (read while the write was in flight)
+//!    make the grants. Otherwise which pairs won is read back by order.
+//!    Orders whose candidate was already taken (by another dispatcher, or
+//!    through the fallback path) try again with fresh candidates, a few
+//!    rounds.
 //! 3. Orders still without a code, or all orders when Redis is away, claim
 //!    by scanning the pool in MongoDB (`findOneAndUpdate` on
 //!    `(pool, status, seq)`). If that finds nothing, the pool is exhausted.
@@ -270,8 +273,9 @@ impl ClaimEngine {
         pairs
     }
 
-    /// Writes all pairs in one command, reads back which won, returns the
-    /// indexes of orders that must try again.
+    /// Writes all pairs in one command, learns which won (from the write
+    /// itself when every pair landed, else by reading grants back by
+    /// order), and returns the indexes of orders that must try again.
     async fn claim_candidates(
         &self,
         pairs: &[Pairing<'_>],
@@ -298,8 +302,19 @@ impl ClaimEngine {
         self.put_back(write.order_taken.iter().filter_map(|&k| pairs.get(k)))
             .await;
 
-        let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
-        let grants = self.store.grants_for_orders(&orders).await?;
+        // When every statement landed, the write already knows its grants;
+        // only orders that held a code before are read back.
+        let read_back: Vec<&str> = match &write.granted {
+            Some(_) => write
+                .order_taken
+                .iter()
+                .filter_map(|&k| pairs.get(k))
+                .map(|p| p.purchase.order_id.as_str())
+                .collect(),
+            None => purchases.iter().map(|p| p.order_id.as_str()).collect(),
+        };
+        let mut grants = self.store.grants_for_orders(&read_back).await?;
+        grants.extend(write.granted.unwrap_or_default());
         // A grant is ours (fresh) when it carries the code and the grant
         // number this very write assigned; the code id alone is not enough,
         // because a stale candidate can be the order's own, already issued,

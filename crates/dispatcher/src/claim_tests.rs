@@ -78,6 +78,26 @@ async fn every_order_gets_a_distinct_code_oldest_first() {
         0,
         "the hot path needs no scan"
     );
+    assert_eq!(
+        r.store.read_backs.load(Ordering::SeqCst),
+        0,
+        "a write that landed whole needs no read-back"
+    );
+}
+
+#[tokio::test]
+async fn a_write_that_lost_a_race_reads_back_which_orders_won() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    r.hot.offer("x", &[Candidate { id: id(1), seq: 1 }]);
+    r.store.set_status(id(1), CodeStatus::Void);
+    let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    assert!(
+        r.store.read_backs.load(Ordering::SeqCst) >= 2,
+        "both orders of the write that lost are read back"
+    );
+    let ids: HashSet<_> = granted_ids(&out).into_iter().collect();
+    assert_eq!(ids.len(), 2);
+    assert!(!ids.contains(&id(1)));
 }
 
 #[tokio::test]
@@ -170,6 +190,8 @@ async fn a_store_outage_is_an_error_and_the_candidates_go_back() {
 #[tokio::test]
 async fn a_grant_read_back_without_its_fields_is_an_error_never_exhausted() {
     let r = rig(FakeStore::with_pool("x", 1, 10));
+    claim(&r, &purchases("x", &["A"])).await.unwrap();
+    // The redelivery's code is read back by order, and comes back corrupt.
     r.store.drop_holders.store(true, Ordering::SeqCst);
     let err = claim(&r, &purchases("x", &["A"])).await.unwrap_err();
     assert!(matches!(err, ClaimError::Inconsistent { ref order_id, .. } if order_id == "A"));

@@ -35,6 +35,8 @@ pub struct FakeStore {
     pub scans: AtomicUsize,
     /// Queries for candidates (refills).
     pub refills: AtomicUsize,
+    /// Orders read back by `grants_for_orders`.
+    pub read_backs: AtomicUsize,
 }
 
 impl FakeStore {
@@ -110,18 +112,27 @@ impl ClaimStore for FakeStore {
         }
         let mut codes = self.codes.lock().unwrap();
         let mut out = ClaimWrite::default();
+        let mut granted = HashMap::new();
+        let mut lost = false;
         for (k, a) in claims.iter().enumerate() {
             if Self::holds(&codes, &a.order_id) {
                 out.order_taken.push(k);
                 continue;
             }
-            if let Some(c) = codes
+            match codes
                 .iter_mut()
                 .find(|c| c.id == a.code_id && c.status == CodeStatus::Unissued)
             {
-                Self::issue(c, a);
+                Some(c) => {
+                    Self::issue(c, a);
+                    granted.insert(a.order_id.clone(), c.clone());
+                }
+                None => lost = true,
             }
         }
+        // Like the server: a write knows its grants only when every
+        // statement it was not refused landed.
+        out.granted = (!lost).then_some(granted);
         Ok(out)
     }
 
@@ -152,6 +163,7 @@ impl ClaimStore for FakeStore {
         &self,
         orders: &[&str],
     ) -> Result<HashMap<String, Code>, StoreError> {
+        self.read_backs.fetch_add(orders.len(), Ordering::SeqCst);
         let codes = self.codes.lock().unwrap();
         let drop = self.drop_holders.load(Ordering::SeqCst);
         Ok(codes

@@ -206,14 +206,48 @@ pub struct ClaimAssignment {
     pub grant_no: Option<String>,
 }
 
-/// What a batch of conditional claim updates did. Which claims won is read
-/// back by order afterwards ([`Store::grants_for_orders`]), because the
-/// update command only reports totals.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// What a batch of conditional claim updates did. The update command only
+/// reports how many statements matched, not which: when every statement
+/// the unique index did not refuse matched, every one of them won, and
+/// `granted` holds those codes as the write left them. Otherwise which
+/// claims won is read back by order ([`Store::grants_for_orders`]).
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct ClaimWrite {
     /// Positions (in the input) whose order already holds a code: the unique
     /// `order_id` index refused them, so their candidate is still unissued.
     pub order_taken: Vec<usize>,
+    /// The codes this write granted, by order, when it is known that every
+    /// statement outside `order_taken` won; `None` when some lost (their
+    /// candidate was taken meanwhile) or their codes could not be read.
+    pub granted: Option<HashMap<String, Code>>,
+}
+
+/// The codes of a claim write of which every statement outside
+/// `order_taken` won, as the write left them, by order; `None` if one of
+/// them was not read.
+fn issued_by(
+    mut codes: HashMap<CodeId, Code>,
+    assignments: &[ClaimAssignment],
+    order_taken: &[usize],
+    at: DateTime,
+) -> Option<HashMap<String, Code>> {
+    let mut out = HashMap::with_capacity(assignments.len());
+    for (k, a) in assignments.iter().enumerate() {
+        if order_taken.contains(&k) {
+            continue;
+        }
+        let mut code = codes.remove(&a.code_id)?;
+        code.status = Transition::Claim.to();
+        code.holder = Some(Holder {
+            order_id: a.order_id.clone(),
+            uid: a.uid.clone(),
+            phone: a.phone.clone(),
+            issued_at: at.to_chrono(),
+            grant_no: a.grant_no.clone(),
+        });
+        out.insert(a.order_id.clone(), code);
+    }
+    Some(out)
 }
 
 /// Which codes `lookup` shows.
@@ -483,7 +517,13 @@ impl Store {
                 doc! {"q": q, "u": issue_set(a, now)}
             })
             .collect();
-        let reply = self.update_codes(updates).await?;
+        // The candidates' sealed codes are read while the journaled write is
+        // in flight: a code's value, pool, seq and expiry never change, so
+        // the read need not follow the write, and a fully landed write
+        // needs no read-back by order afterwards.
+        let ids: Vec<ObjectId> = assignments.iter().map(|a| object_id(a.code_id)).collect();
+        let (reply, read) = futures::join!(self.update_codes(updates), self.codes_by_id(&ids));
+        let reply = reply?;
         if let Ok(wce) = reply.get_document("writeConcernError") {
             return Err(StoreError::Unavailable(format!(
                 "claim write concern not satisfied: {}",
@@ -505,7 +545,26 @@ impl Store {
                 }
             }
         }
+        let landed = crate::stats::as_u64(reply.get("n"));
+        if landed == (assignments.len() - out.order_taken.len()) as u64 {
+            out.granted = read
+                .ok()
+                .and_then(|codes| issued_by(codes, assignments, &out.order_taken, now));
+        }
         Ok(out)
+    }
+
+    /// The codes with these ids, opened, by id.
+    async fn codes_by_id(&self, ids: &[ObjectId]) -> Result<HashMap<CodeId, Code>, StoreError> {
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"_id": {"$in": ids}})
+            .await?
+            .try_collect()
+            .await?;
+        docs.into_iter()
+            .map(|d| d.into_code(&self.keys).map(|c| (c.id, c)))
+            .collect()
     }
 
     /// Claims the oldest unissued, unexpired code of `pool` for one order by
