@@ -341,9 +341,10 @@ async fn dead_letter(
     unconfirmed(pending, "dead letter").await
 }
 
-/// Acks or requeues each delivery as settled.
+/// Acks or requeues each delivery as settled, all frames handed to the
+/// connection together (one wake-up of its I/O loop, not one per delivery).
 async fn acknowledge(deliveries: &[Delivery], settlements: &[Settlement]) {
-    for (d, s) in deliveries.iter().zip(settlements) {
+    let settled = deliveries.iter().zip(settlements).map(|(d, s)| async move {
         let result = match s {
             Settlement::Ack => d.acker.ack(BasicAckOptions::default()).await,
             Settlement::Requeue => {
@@ -358,5 +359,6 @@ async fn acknowledge(deliveries: &[Delivery], settlements: &[Settlement]) {
         if let Err(e) = result {
             debug!(error = %e, "ack failed; the broker will redeliver");
         }
-    }
+    });
+    futures::future::join_all(settled).await;
 }
