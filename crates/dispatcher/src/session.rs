@@ -15,7 +15,7 @@ use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
 use lapin::{Connection, Consumer};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -27,8 +27,8 @@ use crate::relay::relay_unconfirmed;
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
 const BACKGROUND_STOP: Duration = Duration::from_millis(500);
-/// A batch lingers for more only when the deliveries already waiting fill
-/// at least this fraction of it: the window is filling fast.
+/// A batch whose waiting deliveries fill at least this fraction of it is
+/// filling fast, and lingers for the rest.
 const LINGER_FROM: f64 = 0.5;
 
 /// Why a session ended.
@@ -126,7 +126,8 @@ impl Dispatcher {
     /// Gathers batches and hands each to a worker, `workers` at a time.
     /// A worker is secured first, then the batch is gathered: while every
     /// worker is busy, purchases wait in the prefetch window, so batches
-    /// grow with load by themselves (see [`Self::fill_batch`]).
+    /// grow with load by themselves; and a batch gathered while others are
+    /// in flight waits a moment for company (see [`Self::fill_batch`]).
     async fn consume(
         self: Arc<Self>,
         mut consumer: Consumer,
@@ -135,6 +136,7 @@ impl Dispatcher {
         shutdown: &CancellationToken,
     ) -> SessionEnd {
         let permits = Arc::new(Semaphore::new(self.config.workers.max(1)));
+        let finished = Arc::new(Notify::new());
         loop {
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => p,
@@ -153,11 +155,15 @@ impl Dispatcher {
                 Some(Err(e)) => return SessionEnd::Lost(e.to_string()),
                 None => return SessionEnd::Lost("the broker closed the consumer".into()),
             };
-            let (batch, lost) = self.fill_batch(first, &mut consumer).await;
+            let (batch, lost) = self
+                .fill_batch(first, &mut consumer, &permits, &finished)
+                .await;
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
+            let finished = finished.clone();
             inflight.spawn(async move {
                 this.process(batch, &publisher, &stop).await;
                 drop(permit);
+                finished.notify_waiters();
             });
             while inflight.try_join_next().is_some() {}
             if let Some(reason) = lost {
@@ -167,33 +173,58 @@ impl Dispatcher {
     }
 
     /// Adds to `first` every delivery already waiting, up to `batch_size`.
-    /// At low load that is nothing: the purchase goes alone, at once. Only
-    /// when the window is filling fast (this drain found at least
-    /// [`LINGER_FROM`] of a batch) does it linger, at most `linger`, for
-    /// the rest of the batch. Returns the batch, and why the consumer
-    /// failed if it did.
+    /// Then it lingers, at most `linger`, for more, only when that saves
+    /// work:
+    /// - the window is filling fast (this drain found at least
+    ///   [`LINGER_FROM`] of a batch), or
+    /// - another batch is in flight: a batch started now would run beside
+    ///   it with a handful of purchases, and each batch costs a journaled
+    ///   write and a publish round, whatever its size. Under load those
+    ///   tiny concurrent batches are what the machine spends its time on.
+    ///   This wait ends as soon as a batch in flight finishes.
+    ///
+    /// At low load nothing is in flight: the purchase goes alone, at once.
+    /// Returns the batch, and why the consumer failed if it did.
     async fn fill_batch(
         &self,
         first: Delivery,
         consumer: &mut Consumer,
+        permits: &Semaphore,
+        finished: &Notify,
     ) -> (Vec<Delivery>, Option<String>) {
+        let size = self.config.batch_size;
         let mut batch = vec![first];
-        while batch.len() < self.config.batch_size {
+        while batch.len() < size {
             match consumer.next().now_or_never() {
                 Some(Some(Ok(d))) => batch.push(d),
                 Some(Some(Err(e))) => return (batch, Some(e.to_string())),
                 Some(None) | None => break,
             }
         }
-        if (batch.len() as f64) < self.config.batch_size as f64 * LINGER_FROM {
+        // Registered before the count is read, so a batch that finishes in
+        // between still ends the wait.
+        let batch_done = finished.notified();
+        tokio::pin!(batch_done);
+        batch_done.as_mut().enable();
+        let filling_fast = batch.len() as f64 >= size as f64 * LINGER_FROM;
+        // This call holds one permit; the others taken are batches in flight.
+        let in_flight = self
+            .config
+            .workers
+            .max(1)
+            .saturating_sub(permits.available_permits() + 1);
+        if !filling_fast && in_flight == 0 {
             return (batch, None);
         }
         let deadline = tokio::time::Instant::now() + self.config.linger;
-        while batch.len() < self.config.batch_size {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(Ok(d))) => batch.push(d),
-                Ok(Some(Err(e))) => return (batch, Some(e.to_string())),
-                Ok(None) | Err(_) => break,
+        while batch.len() < size {
+            tokio::select! {
+                next = tokio::time::timeout_at(deadline, consumer.next()) => match next {
+                    Ok(Some(Ok(d))) => batch.push(d),
+                    Ok(Some(Err(e))) => return (batch, Some(e.to_string())),
+                    Ok(None) | Err(_) => break,
+                },
+                _ = &mut batch_done, if !filling_fast => break,
             }
         }
         (batch, None)
