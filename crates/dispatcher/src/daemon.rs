@@ -40,7 +40,8 @@ pub struct DispatcherConfig {
     pub batch_size: usize,
     /// Batches processed at the same time.
     pub workers: usize,
-    /// How long to wait for a batch to fill once its first purchase arrived.
+    /// Most time a batch waits for more purchases once its first arrived
+    /// (only while it is filling fast or other batches are in flight).
     pub linger: Duration,
     /// Time allowed to finish in-flight batches after a stop signal.
     pub grace: Duration,

@@ -37,7 +37,10 @@ pub struct DispatchArgs {
     /// Batches processed concurrently.
     #[arg(long, default_value_t = DispatcherConfig::DEFAULT_WORKERS, value_parser = positive)]
     pub workers: usize,
-    /// Milliseconds to let a batch fill after its first purchase.
+    /// Most milliseconds a batch waits for more purchases: when it is
+    /// filling fast, or when other batches are in flight (it then stops
+    /// waiting as soon as one of them finishes). A purchase that arrives
+    /// while nothing is in flight goes at once.
     #[arg(long, default_value_t = DispatcherConfig::DEFAULT_LINGER_MS)]
     pub linger_ms: u64,
 }
