@@ -97,6 +97,7 @@ async fn compare(
     let (m_base, c_base, r_base) = run_side(args, scratch, &conn, &base, 0).await?;
     let events_before = depth(&conn, &scratch.cfg.topology().sms_pending).await?;
     let (m_other, c_other, r_other) = run_side(args, scratch, &conn, &other, events_before).await?;
+    let _ = ch.close(200, "benchmark done").await;
     let _ = conn.close(200, "benchmark done").await;
     // `codepool stats` of the larger side's biggest pool (goal 2: under 1 s
     // on a pool of 10,000,000 codes).
@@ -250,6 +251,9 @@ async fn run_side(
         async move { Ok(publisher.publish_purchase(&p).await?) }
     })
     .await?;
+    // Closed before the connection is: lapin logs a channel still open at
+    // the connection's close as an error.
+    let _ = publisher.channel().close(200, "preloaded").await;
     let queue = scratch.cfg.topology().purchases;
     anyhow::ensure!(depth(conn, &queue).await? == n as u32, "preload incomplete");
     eprintln!("{}: dispatching …", side.tag);
