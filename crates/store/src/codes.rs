@@ -556,15 +556,20 @@ impl Store {
 
     /// The codes with these ids, opened, by id.
     async fn codes_by_id(&self, ids: &[ObjectId]) -> Result<HashMap<CodeId, Code>, StoreError> {
+        let codes = self.opened_codes(doc! {"_id": {"$in": ids}}).await?;
+        Ok(codes.into_iter().map(|c| (c.id, c)).collect())
+    }
+
+    /// The codes matching `filter`, opened with the store's keys; one that
+    /// does not open (or is corrupt) is an error, never skipped.
+    async fn opened_codes(&self, filter: Document) -> Result<Vec<Code>, StoreError> {
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
-            .find(doc! {"_id": {"$in": ids}})
+            .find(filter)
             .await?
             .try_collect()
             .await?;
-        docs.into_iter()
-            .map(|d| d.into_code(&self.keys).map(|c| (c.id, c)))
-            .collect()
+        docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
     /// Claims the oldest unissued, unexpired code of `pool` for one order by
@@ -602,22 +607,15 @@ impl Store {
         if order_ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let docs: Vec<CodeDoc> = self
-            .typed::<CodeDoc>(CODES)
-            .find(doc! {"order_id": {"$in": order_ids}})
-            .await?
-            .try_collect()
+        let codes = self
+            .opened_codes(doc! {"order_id": {"$in": order_ids}})
             .await?;
-        let mut out = HashMap::with_capacity(docs.len());
-        for d in docs {
-            let code = d.into_code(&self.keys)?;
-            // The filter matched on order_id, so a holder is always there;
-            // `into_code` has already refused one without issued_at.
-            if let Some(order) = code.holder.as_ref().map(|h| h.order_id.clone()) {
-                out.insert(order, code);
-            }
-        }
-        Ok(out)
+        // The filter matched on order_id, so a holder is always there;
+        // `into_code` has already refused one without issued_at.
+        Ok(codes
+            .into_iter()
+            .filter_map(|c| Some((c.holder.as_ref()?.order_id.clone(), c)))
+            .collect())
     }
 
     /// Unissued, unexpired codes of `pool` after `after_seq`, oldest first:
