@@ -4,8 +4,9 @@
 use std::collections::HashSet;
 
 use bson::doc;
-use codepool_dispatcher::ClaimOutcome;
+use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
+use codepool_store::ClaimAssignment;
 
 use crate::common::{purchase, TestEnv};
 
@@ -28,7 +29,10 @@ async fn run_claimers(
             let mut out = Vec::new();
             for chunk in purchases.chunks(batch) {
                 let refs: Vec<&Purchase> = chunk.iter().collect();
-                let outcomes = engine.claim_batch(&refs).await.expect("claim");
+                let outcomes = engine
+                    .claim_batch(&refs, Resend::ByRedelivery)
+                    .await
+                    .expect("claim");
                 out.extend(chunk.iter().cloned().zip(outcomes));
             }
             out
@@ -136,7 +140,10 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
     let p = purchase("DUP-1", "dupes");
     let q = purchase("DUP-2", "dupes");
     // Duplicates inside one batch, then redeliveries in later batches.
-    let first = engine.claim_batch(&[&p, &p, &q, &p]).await.unwrap();
+    let first = engine
+        .claim_batch(&[&p, &p, &q, &p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     let code_of = |o: &ClaimOutcome| match o {
         ClaimOutcome::Granted { grant, .. } => grant.code.clone(),
         ClaimOutcome::Exhausted => panic!("exhausted"),
@@ -144,7 +151,10 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
     assert_eq!(code_of(&first[0]), code_of(&first[1]));
     assert_eq!(code_of(&first[0]), code_of(&first[3]));
     assert_ne!(code_of(&first[0]), code_of(&first[2]));
-    let again = engine.claim_batch(&[&p]).await.unwrap();
+    let again = engine
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     assert_eq!(code_of(&again[0]), code_of(&first[0]));
     assert!(matches!(
         again[0],
@@ -156,7 +166,10 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
         let engine = env.engine();
         let p = p.clone();
         tasks.push(tokio::spawn(async move {
-            engine.claim_batch(&[&p]).await.unwrap()
+            engine
+                .claim_batch(&[&p], Resend::ByRedelivery)
+                .await
+                .unwrap()
         }));
     }
     for t in tasks {
@@ -184,7 +197,10 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
     env.fill_pool("gno", 10).await;
     let engine = env.engine();
     let p = purchase("GNO-1", "gno");
-    let first = engine.claim_batch(&[&p]).await.unwrap();
+    let first = engine
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     let ClaimOutcome::Granted { grant, .. } = &first[0] else {
         panic!("no grant")
     };
@@ -192,7 +208,10 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
     let today = chrono::Utc::now().format("%Y%m%d").to_string();
     assert!(no.starts_with(&format!("G{today}")), "{no}");
     assert!(no.len() >= 1 + 8 + 4);
-    let again = engine.claim_batch(&[&p]).await.unwrap();
+    let again = engine
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     let ClaimOutcome::Granted { grant: g2, .. } = &again[0] else {
         panic!("no grant")
     };
@@ -212,7 +231,10 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
     env.fill_pool("refund", 5).await;
     let engine = env.engine();
     let p = purchase("REFUND-1", "refund");
-    let first = engine.claim_batch(&[&p]).await.unwrap();
+    let first = engine
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     let ClaimOutcome::Granted { grant, .. } = &first[0] else {
         panic!("no grant")
     };
@@ -224,7 +246,10 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
         )
         .await
         .unwrap();
-    let again = engine.claim_batch(&[&p]).await.unwrap();
+    let again = engine
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .unwrap();
     let ClaimOutcome::Granted { grant: g2, fresh } = &again[0] else {
         panic!("no outcome")
     };
@@ -257,13 +282,14 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
 }
 
 /// "Give `code` to `order`", as the claim engine writes it.
-fn assign(code: codepool_domain::CodeId, order: &str) -> codepool_store::ClaimAssignment {
-    codepool_store::ClaimAssignment {
+fn assign(code: codepool_domain::CodeId, order: &str) -> ClaimAssignment {
+    ClaimAssignment {
         code_id: code,
         order_id: order.into(),
         uid: format!("u-{order}"),
         phone: "+8613800000000".into(),
         grant_no: Some(format!("G-{order}")),
+        resend: Resend::ByRedelivery,
     }
 }
 
@@ -281,9 +307,14 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         .collect();
     let store = &env.store;
 
-    // Every statement lands: the write's grants are the stored ones.
+    // Every statement lands: the write's grants are the stored ones. B's
+    // event is owed by the relay (a backorder's), A's by its purchase.
+    let by_relay = ClaimAssignment {
+        resend: Resend::ByRelay,
+        ..assign(ids[1], "B")
+    };
     let write = store
-        .claim_candidates(&[assign(ids[0], "A"), assign(ids[1], "B")])
+        .claim_candidates(&[assign(ids[0], "A"), by_relay])
         .await
         .unwrap();
     assert!(write.order_taken.is_empty());
@@ -292,11 +323,17 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     assert_eq!(granted.len(), 2);
     for order in ["A", "B"] {
         assert_eq!(
-            granted[order].grant(),
-            stored[order].grant(),
-            "order {order}: the write's grant differs from the stored one"
+            granted[order], stored[order],
+            "order {order}: the write's code differs from the stored one"
         );
     }
+    assert!(!stored["A"].sms.awaiting_relay);
+    assert!(stored["B"].sms.awaiting_relay);
+    let soon = chrono::Utc::now() + chrono::Duration::seconds(5);
+    let owed = store.unconfirmed_grants(soon, 10).await.unwrap();
+    assert_eq!(owed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![ids[1]]);
+    store.mark_sms_published(&[ids[1]]).await.unwrap();
+    assert!(store.unconfirmed_grants(soon, 10).await.unwrap().is_empty());
 
     // One candidate was taken already: which won is unknown to the write.
     let write = store

@@ -4,8 +4,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use bson::doc;
+use std::sync::Arc;
+
 use codepool_broker::Publisher;
-use codepool_domain::SmsPending;
+use codepool_dispatcher::relay::relay_unconfirmed;
+use codepool_dispatcher::{ClaimOutcome, Outbox, Resend};
+use codepool_domain::{SmsPending, SmsState};
+use lapin::options::BasicGetOptions;
 
 use crate::common::{
     drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
@@ -347,6 +352,97 @@ async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_i
         .await
         .unwrap();
     assert_eq!(granted, 0, "a dead-lettered purchase gets no code");
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// A purchase's grant leaves nothing for the relay: the purchase is its
+/// outbox, redelivered until its event is confirmed. When it is not
+/// redelivered again (dead-lettered at its delivery limit, after a delivery
+/// that claimed a code and crashed before its confirm), its grant is handed
+/// to the relay, which sends the event and records it.
+#[tokio::test]
+async fn a_grant_whose_purchase_hit_the_delivery_limit_gets_its_event_from_the_relay() {
+    let env = TestEnv::new("limit_relay").await;
+    env.fill_pool("lr", 10).await;
+    let mut topology = env.topology();
+    topology.queues.delivery_limit = 2;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
+    topology.declare(publisher.channel()).await.unwrap();
+    let crashed = purchase("LR-1", "lr");
+    publish_confirmed(&publisher, std::slice::from_ref(&crashed)).await;
+
+    // The first delivery claims a code, then "crashes" before its confirm.
+    let outcome = env
+        .engine()
+        .claim_batch(&[&crashed], Resend::ByRedelivery)
+        .await
+        .unwrap();
+    let ClaimOutcome::Granted { grant, fresh: true } = &outcome[0] else {
+        panic!("no fresh grant: {outcome:?}")
+    };
+    let soon = chrono::Utc::now() + chrono::Duration::seconds(5);
+    assert!(
+        env.store
+            .unconfirmed_grants(soon, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a purchase's grant is not on the relay's list"
+    );
+    for _ in 0..2 {
+        let ch = conn.create_channel().await.unwrap();
+        let got = ch
+            .basic_get(&topology.purchases, BasicGetOptions::default())
+            .await
+            .unwrap();
+        assert!(got.is_some(), "the purchase is still queued");
+        let _ = ch.close(200, "crashed").await;
+    }
+
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
+    let dispatcher = start_daemon(cmd).await;
+    let ch = conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(30), "the dead letter", || {
+        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    dispatcher.stop().await;
+    assert_eq!(drain(&ch, &topology.purchases_dead).await.len(), 1);
+    assert!(
+        drain(&ch, &topology.sms_pending).await.is_empty(),
+        "no event yet"
+    );
+
+    // The grant is the relay's now; the relay sends it once and records it.
+    let owed = env.store.unconfirmed_grants(soon, 10).await.unwrap();
+    assert_eq!(owed.len(), 1, "handed to the relay");
+    assert_eq!(owed[0].id, grant.code_id);
+    assert_eq!(owed[0].sms_state(), SmsState::Pending);
+    let outbox = Outbox::new(Arc::new(env.store.clone()));
+    let relayed = relay_unconfirmed(&env.store, &outbox, &publisher, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!(relayed, 1);
+    let events = drain(&ch, &topology.sms_pending).await;
+    assert_eq!(events.len(), 1);
+    let event: SmsPending = serde_json::from_slice(&events[0].body).unwrap();
+    assert_eq!(
+        (event.order_id.as_str(), event.code.as_str()),
+        ("LR-1", grant.code.as_str())
+    );
+    assert!(env
+        .store
+        .unconfirmed_grants(soon, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    let code = env.store.grants_for_orders(&["LR-1"]).await.unwrap()["LR-1"].clone();
+    assert!(code.sms.published_at.is_some());
+    assert_eq!(code.sms_state(), SmsState::Queued);
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bson::doc;
-use codepool_dispatcher::ClaimOutcome;
+use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
 use codepool_store::codes::ScanClaim;
 use codepool_store::{ClaimAssignment, CodeId};
@@ -40,7 +40,7 @@ where
                 let refs: Vec<&Purchase> = chunk.iter().collect();
                 out.extend(
                     engine
-                        .claim_batch(&refs)
+                        .claim_batch(&refs, Resend::ByRedelivery)
                         .await
                         .expect("claims never fail on Redis trouble"),
                 );
@@ -144,7 +144,7 @@ async fn a_redis_flushall_mid_run_loses_nothing_and_issues_nothing_twice() {
     // The hot set was rebuilt from MongoDB after the flush.
     let engine = env.engine();
     let more = engine
-        .claim_batch(&[&purchase("AFTER-1", "flush")])
+        .claim_batch(&[&purchase("AFTER-1", "flush")], Resend::ByRedelivery)
         .await
         .unwrap();
     assert!(matches!(more[0], ClaimOutcome::Granted { fresh: true, .. }));
@@ -172,7 +172,7 @@ async fn a_stopped_redis_mid_run_falls_back_to_mongodb_and_comes_back() {
     // Claims keep working with Redis down…
     let engine = env.engine();
     let down = engine
-        .claim_batch(&[&purchase("DOWN-1", "stop")])
+        .claim_batch(&[&purchase("DOWN-1", "stop")], Resend::ByRedelivery)
         .await
         .unwrap();
     assert!(matches!(down[0], ClaimOutcome::Granted { fresh: true, .. }));
@@ -180,7 +180,7 @@ async fn a_stopped_redis_mid_run_falls_back_to_mongodb_and_comes_back() {
     redis.restart().await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let up = engine
-        .claim_batch(&[&purchase("UP-1", "stop")])
+        .claim_batch(&[&purchase("UP-1", "stop")], Resend::ByRedelivery)
         .await
         .unwrap();
     assert!(matches!(up[0], ClaimOutcome::Granted { fresh: true, .. }));
@@ -214,6 +214,7 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
                     uid: "u".into(),
                     phone: "+8613800000000".into(),
                     grant_no: None,
+                    resend: Resend::ByRedelivery,
                 },
             )
             .await
@@ -228,7 +229,10 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
         .map(|i| purchase(&format!("HOT-{i}"), "stale"))
         .collect();
     let refs: Vec<&Purchase> = purchases.iter().collect();
-    let outcomes = engine.claim_batch(&refs).await.unwrap();
+    let outcomes = engine
+        .claim_batch(&refs, Resend::ByRedelivery)
+        .await
+        .unwrap();
     assert_all_distinct(&outcomes, 30);
     for o in &outcomes {
         if let ClaimOutcome::Granted { grant, .. } = o {
@@ -240,7 +244,7 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
     }
     // The pool is now empty: one more is exhausted, not double-issued.
     let last = engine
-        .claim_batch(&[&purchase("HOT-LAST", "stale")])
+        .claim_batch(&[&purchase("HOT-LAST", "stale")], Resend::ByRedelivery)
         .await
         .unwrap();
     assert_eq!(last[0], ClaimOutcome::Exhausted);

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bson::doc;
 use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
 use codepool_broker::{Publisher, Topology};
-use codepool_dispatcher::{ClaimOutcome, StockConfig, StockLevel, StockWatch};
+use codepool_dispatcher::{ClaimOutcome, Resend, StockConfig, StockLevel, StockWatch};
 use codepool_domain::{CodeStatus, Grant, PoolEvent, SmsPending};
 use codepool_hotpool::Candidate;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome, EXPIRED_REASON};
@@ -33,7 +33,11 @@ use crate::common::{
 /// Claims a code for `order` through the real claim engine.
 async fn grant(env: &TestEnv, order: &str, pool: &str) -> Grant {
     let p = purchase(order, pool);
-    let outcomes = env.engine().claim_batch(&[&p]).await.expect("claim");
+    let outcomes = env
+        .engine()
+        .claim_batch(&[&p], Resend::ByRedelivery)
+        .await
+        .expect("claim");
     match outcomes.into_iter().next() {
         Some(ClaimOutcome::Granted { grant, .. }) => grant,
         other => panic!("pool {pool} gave no code to {order}: {other:?}"),
@@ -488,7 +492,10 @@ async fn a_refund_voided_code_is_never_issued_again() {
     // …every other order gets one of the other four codes, then the pool is empty.
     let purchases: Vec<_> = (0..6).map(|i| purchase(&format!("RF-{i}"), "rf")).collect();
     let refs: Vec<_> = purchases.iter().collect();
-    let outcomes = engine.claim_batch(&refs).await.expect("claim");
+    let outcomes = engine
+        .claim_batch(&refs, Resend::ByRedelivery)
+        .await
+        .expect("claim");
     let granted: Vec<&Grant> = outcomes
         .iter()
         .filter_map(|o| match o {
@@ -500,7 +507,10 @@ async fn a_refund_voided_code_is_never_issued_again() {
     assert!(granted.iter().all(|g| g.code != refunded.code));
     // A redelivered purchase of the refunded order never gets a new code.
     let again = purchase("RF-REFUND", "rf");
-    let _ = engine.claim_batch(&[&again]).await.expect("claim");
+    let _ = engine
+        .claim_batch(&[&again], Resend::ByRedelivery)
+        .await
+        .expect("claim");
     let codes = env.store.database().collection::<CodeDoc>("codes");
     assert_eq!(
         codes
@@ -524,7 +534,10 @@ async fn voiding_an_order_still_waiting_for_stock_cancels_its_backorder() {
     grant(&env, "CB-1", "cb").await;
     let p = purchase("CB-2", "cb");
     assert_eq!(
-        env.engine().claim_batch(&[&p]).await.unwrap(),
+        env.engine()
+            .claim_batch(&[&p], Resend::ByRedelivery)
+            .await
+            .unwrap(),
         vec![ClaimOutcome::Exhausted]
     );
     env.store.record_backorders(&[&p]).await.expect("backorder");
@@ -604,7 +617,11 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     let mut granted = Vec::new();
     for chunk in purchases.chunks(8) {
         let refs: Vec<_> = chunk.iter().collect();
-        for o in engine.claim_batch(&refs).await.unwrap() {
+        for o in engine
+            .claim_batch(&refs, Resend::ByRedelivery)
+            .await
+            .unwrap()
+        {
             if let ClaimOutcome::Granted { grant, .. } = o {
                 granted.push(grant.code);
             }
@@ -714,7 +731,10 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
                         .map(|i| purchase(&format!("LS-{from}-{t}-{b}-{i}"), "ls"))
                         .collect();
                     let refs: Vec<_> = ps.iter().collect();
-                    engine.claim_batch(&refs).await.unwrap();
+                    engine
+                        .claim_batch(&refs, Resend::ByRedelivery)
+                        .await
+                        .unwrap();
                     if throttled {
                         watch.after_grants([("ls", 1)], &publisher);
                     } else if let StockLevel::Low { alerted: true, .. } =

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use codepool_broker::Publisher;
-use codepool_dispatcher::ClaimOutcome;
+use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::{mask, SmsPending};
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
@@ -430,7 +430,10 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
                 .map(|i| purchase(&format!("MIG-{b:03}-{i}"), "old"))
                 .collect();
             let refs: Vec<_> = batch.iter().collect();
-            let outcomes = engine.claim_batch(&refs).await.expect("claim");
+            let outcomes = engine
+                .claim_batch(&refs, Resend::ByRedelivery)
+                .await
+                .expect("claim");
             n += outcomes
                 .iter()
                 .filter(|o| matches!(o, ClaimOutcome::Granted { .. }))
@@ -478,7 +481,7 @@ async fn secrets_codes_show_masked_unless_revealed_and_every_reveal_is_audited()
         .map(|i| purchase(&format!("RV-{i}"), "rv"))
         .collect();
     engine
-        .claim_batch(&buyers.iter().collect::<Vec<_>>())
+        .claim_batch(&buyers.iter().collect::<Vec<_>>(), Resend::ByRedelivery)
         .await
         .unwrap();
     let (_, out, _) = codepool(&env, &["lookup", "--pool", "rv", "--json"]).await;

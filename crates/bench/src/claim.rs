@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use codepool_dispatcher::{ClaimEngine, ClaimOutcome};
+use codepool_dispatcher::{ClaimEngine, ClaimOutcome, Resend};
 use codepool_domain::{CodeStatus, Purchase};
 use codepool_store::{durable, ObjectId};
 use mongodb::bson::{doc, DateTime, Document};
@@ -488,7 +488,7 @@ async fn hot_pool_batched(
         let purchases: Vec<Purchase> = range.map(|i| work.purchase(i)).collect();
         let refs: Vec<&Purchase> = purchases.iter().collect();
         let started = Instant::now();
-        let outcomes = engine.claim_batch(&refs).await?;
+        let outcomes = engine.claim_batch(&refs, Resend::ByRedelivery).await?;
         let took = started.elapsed();
         for (p, o) in purchases.iter().zip(outcomes) {
             match o {

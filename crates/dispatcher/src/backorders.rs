@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
+use crate::Resend;
 
 const BATCH: u64 = 100;
 
@@ -78,7 +79,8 @@ async fn fulfil(
         return Ok((0, false));
     }
     let refs: Vec<&Purchase> = purchases.iter().collect();
-    let outcomes = engine.claim_batch(&refs).await?;
+    // No message of a backorder is redelivered: the relay owes its event.
+    let outcomes = engine.claim_batch(&refs, Resend::ByRelay).await?;
     let exhausted = outcomes
         .iter()
         .any(|o| matches!(o, ClaimOutcome::Exhausted));

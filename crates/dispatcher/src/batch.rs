@@ -20,6 +20,7 @@ use crate::outbox::Marking;
 use crate::plan::{
     admit, plan_batch, pools_of, settle, to_claim, BatchPlan, Parsed, Settlement, Step,
 };
+use crate::Resend;
 use codepool_domain::{Purchase, PurchaseError};
 
 impl Dispatcher {
@@ -107,8 +108,28 @@ impl Dispatcher {
             .collect()
     }
 
+    /// The orders of the purchases at their delivery limit (see
+    /// [`Self::parse`]) that name one.
+    fn orders_at_delivery_limit(&self, deliveries: &[Delivery]) -> Vec<String> {
+        let topology = &self.config.topology;
+        deliveries
+            .iter()
+            .filter(|d| topology.over_delivery_limit(&d.properties).is_some())
+            .filter_map(|d| Purchase::parse(&d.data).ok())
+            .map(|p| p.order_id)
+            .collect()
+    }
+
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
         let parsed = self.parse(deliveries);
+        // A purchase dead-lettered at its delivery limit is not redelivered
+        // again: a grant an earlier delivery made for it (and crashed before
+        // its confirm) is handed to the relay, which sends its event.
+        let at_limit = self.orders_at_delivery_limit(deliveries);
+        if !at_limit.is_empty() {
+            let orders: Vec<&str> = at_limit.iter().map(String::as_str).collect();
+            self.store.hand_to_relay(&orders).await?;
+        }
         let policies = self
             .policies
             .get_many(&self.store, &pools_of(&parsed))
@@ -120,7 +141,9 @@ impl Dispatcher {
         let outcomes = if claims.is_empty() {
             Vec::new()
         } else {
-            self.engine.claim_batch(&claims).await?
+            self.engine
+                .claim_batch(&claims, Resend::ByRedelivery)
+                .await?
         };
         Ok(plan_batch(intake, outcomes)?)
     }
@@ -228,7 +251,7 @@ impl Dispatcher {
             .collect();
         let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
         let (sent, mut unconfirmed, refused) = tokio::join!(
-            self.outbox.send(publisher, &grants, Marking::Deferred),
+            self.outbox.send(publisher, &grants, Marking::Unneeded),
             dead_letter(plan, deliveries, publisher, only),
             announce_refusals(plan, publisher, only),
         );

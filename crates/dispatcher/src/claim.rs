@@ -25,7 +25,7 @@ use codepool_domain::{Code, Grant, Purchase};
 use codepool_hotpool::HotPoolError;
 use codepool_sequence::SequenceError;
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, StoreError};
+use codepool_store::{ClaimAssignment, Resend, StoreError};
 use tracing::{debug, warn};
 
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
@@ -155,10 +155,13 @@ impl ClaimEngine {
     }
 
     /// Claims one code for every purchase, returning outcomes aligned with
-    /// the input. Purchases of the same order share one outcome.
+    /// the input. Purchases of the same order share one outcome. `resend`
+    /// says what sends a fresh grant's event again if this process stops
+    /// before it is confirmed.
     pub async fn claim_batch(
         &self,
         purchases: &[&Purchase],
+        resend: Resend,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let started = Instant::now();
         // One entry per distinct order; duplicates in the batch point at it.
@@ -188,7 +191,7 @@ impl ClaimEngine {
                 todo.clear();
                 break;
             }
-            todo = self.claim_candidates(&pairs, &mut outcomes).await?;
+            todo = self.claim_candidates(&pairs, resend, &mut outcomes).await?;
             if !todo.is_empty() {
                 metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
                 debug!(
@@ -201,7 +204,8 @@ impl ClaimEngine {
 
         // 3. The scan: Redis away, hot set empty, or races kept being lost.
         if !scan.is_empty() {
-            self.claim_by_scan(&unique, &scan, &mut outcomes).await?;
+            self.claim_by_scan(&unique, &scan, resend, &mut outcomes)
+                .await?;
         }
 
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
@@ -279,6 +283,7 @@ impl ClaimEngine {
     async fn claim_candidates(
         &self,
         pairs: &[Pairing<'_>],
+        resend: Resend,
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<Vec<usize>, ClaimError> {
         let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
@@ -286,7 +291,7 @@ impl ClaimEngine {
         let assignments: Vec<ClaimAssignment> = pairs
             .iter()
             .zip(numbers)
-            .map(|(p, grant_no)| assignment(p.purchase, p.candidate, grant_no))
+            .map(|(p, grant_no)| assignment(p.purchase, p.candidate, grant_no, resend))
             .collect();
         let write = match self.store.claim_candidates(&assignments).await {
             Ok(w) => w,
@@ -532,6 +537,7 @@ impl ClaimEngine {
         &self,
         unique: &[&Purchase],
         idxs: &[usize],
+        resend: Resend,
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<(), ClaimError> {
         let mut empty_pools: Vec<&str> = Vec::new();
@@ -543,7 +549,7 @@ impl ClaimEngine {
                 continue;
             }
             let grant_no = self.numbers.for_purchases(&[p]).await?.pop().flatten();
-            let claim = assignment(p, SCAN_PLACEHOLDER, grant_no);
+            let claim = assignment(p, SCAN_PLACEHOLDER, grant_no, resend);
             match self.store.claim_by_scan(&p.pool, &claim).await? {
                 ScanClaim::Granted(code) => {
                     let grant = grant_of(&p.order_id, &code)?;
@@ -586,13 +592,19 @@ const SCAN_PLACEHOLDER: Candidate = Candidate {
 };
 
 /// "Give `candidate` to this purchase's order."
-fn assignment(p: &Purchase, candidate: Candidate, grant_no: Option<String>) -> ClaimAssignment {
+fn assignment(
+    p: &Purchase,
+    candidate: Candidate,
+    grant_no: Option<String>,
+    resend: Resend,
+) -> ClaimAssignment {
     ClaimAssignment {
         code_id: candidate.id,
         order_id: p.order_id.clone(),
         uid: p.uid.clone(),
         phone: p.phone.clone(),
         grant_no,
+        resend,
     }
 }
 

@@ -11,6 +11,7 @@ use codepool_domain::{CodeStatus, Purchase};
 use crate::claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::fakes::{id, FakeHot, FakeNumbers, FakeStore};
 use crate::ports::Candidate;
+use crate::Resend;
 
 struct Rig {
     store: Arc<FakeStore>,
@@ -50,7 +51,7 @@ fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
 
 async fn claim(r: &Rig, ps: &[Purchase]) -> Result<Vec<ClaimOutcome>, ClaimError> {
     let refs: Vec<&Purchase> = ps.iter().collect();
-    r.engine.claim_batch(&refs).await
+    r.engine.claim_batch(&refs, Resend::ByRedelivery).await
 }
 
 fn granted_ids(outcomes: &[ClaimOutcome]) -> Vec<codepool_domain::CodeId> {

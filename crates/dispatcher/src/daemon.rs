@@ -4,13 +4,13 @@
 //! purchases is carried out by [`crate::batch`].
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use codepool_broker::Topology;
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{error, info};
 
 use crate::claim::ClaimEngine;
 use crate::health::Health;
@@ -173,32 +173,19 @@ impl Dispatcher {
         info!("dispatcher stopped");
     }
 
-    /// Writes the deferred "SMS event confirmed" marks of the outbox.
-    async fn flush_sms_marks(&self) {
-        if let Err(e) = self.outbox.flush().await {
-            warn!(error = %e, "SMS marks not written yet; kept for the next flush (the relay may re-send those events meanwhile)");
-        }
-    }
-
-    /// Keeps `/readyz` honest while no purchase arrives, and flushes the
-    /// SMS marks a few times a second.
+    /// Keeps `/readyz` honest while no purchase arrives: probes MongoDB
+    /// every 2 seconds.
     async fn probe_loop(&self, stop: CancellationToken) {
-        let mut last_probe = Instant::now() - Duration::from_secs(10);
         loop {
-            self.flush_sms_marks().await;
-            if last_probe.elapsed() < Duration::from_secs(2) {
-                tokio::select! {
-                    _ = stop.cancelled() => { self.flush_sms_marks().await; return; }
-                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
-                }
-                continue;
-            }
-            last_probe = Instant::now();
             let up = tokio::time::timeout(Duration::from_secs(3), self.store.ping())
                 .await
                 .is_ok_and(|r| r.is_ok());
             self.health.set_mongo(up);
             self.health.set_redis_degraded(self.engine.is_degraded());
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
         }
     }
 }

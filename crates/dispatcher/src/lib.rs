@@ -45,6 +45,7 @@ pub mod telemetry;
 pub mod upkeep;
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
+pub use codepool_store::Resend;
 pub use daemon::{Dispatcher, DispatcherConfig};
 pub use grant_no::GrantNumbers;
 pub use health::Health;

@@ -1,11 +1,11 @@
 //! The outbox: the one path by which an SMS-pending event leaves codepool.
 //! Publish every event with confirms in flight together, wait for each
-//! confirm, and record the confirmed ones so the relay stops re-sending
-//! them. The dispatcher, backorder fulfilment, the relay and `codepool
-//! resend` all send through [`Outbox::send`].
+//! confirm, and record the confirmed ones where the relay owes them (so it
+//! stops re-sending them). The dispatcher, backorder fulfilment, the relay
+//! and `codepool resend` all send through [`Outbox::send`].
 
 use std::borrow::Borrow;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use codepool_broker::BrokerError;
 use codepool_domain::{CodeId, Grant};
@@ -17,12 +17,15 @@ use crate::ports::{EventSink, SmsLedger};
 /// How confirmed events are recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Marking {
-    /// Recorded before `send` returns.
+    /// Recorded before `send` returns: the grant is on the relay's list
+    /// ([`crate::Resend::ByRelay`]) and leaves it now.
     Now,
-    /// Queued and recorded by the next [`Outbox::flush`]: the dispatcher's
-    /// hot path, where the mark is bookkeeping only (a lost mark costs one
-    /// duplicate event with the same `event_id`).
-    Deferred,
+    /// Not recorded: the caller's own input sends the event again until it
+    /// is confirmed. The dispatcher acks a purchase only after its event
+    /// is confirmed, and the broker redelivers it until then
+    /// ([`crate::Resend::ByRedelivery`]): a mark would be a second write
+    /// per grant that nothing reads.
+    Unneeded,
     /// Recorded as an operator's re-send (`codepool resend`).
     Resent,
 }
@@ -41,18 +44,14 @@ impl Sent {
     }
 }
 
-/// See the module documentation. Cheap to share; holds the deferred marks.
+/// See the module documentation. Cheap to share.
 pub struct Outbox {
     ledger: Arc<dyn SmsLedger>,
-    deferred: Mutex<Vec<CodeId>>,
 }
 
 impl Outbox {
     pub fn new(ledger: Arc<dyn SmsLedger>) -> Self {
-        Self {
-            ledger,
-            deferred: Mutex::new(Vec::new()),
-        }
+        Self { ledger }
     }
 
     /// Sends the SMS-pending event of every grant through `sink` and
@@ -99,38 +98,10 @@ impl Outbox {
         match marking {
             Marking::Now => self.ledger.mark_published(&confirmed).await,
             Marking::Resent => self.ledger.mark_resent(&confirmed).await,
-            Marking::Deferred => {
-                if let Ok(mut d) = self.deferred.lock() {
-                    d.extend(confirmed);
-                }
-                Ok(())
-            }
+            Marking::Unneeded => Ok(()),
         }
-    }
-
-    /// Records the deferred marks, in chunks. On error the unwritten marks
-    /// are kept for the next flush.
-    pub async fn flush(&self) -> Result<usize, StoreError> {
-        let marks = match self.deferred.lock() {
-            Ok(mut m) => std::mem::take(&mut *m),
-            Err(_) => return Ok(0),
-        };
-        let mut written = 0;
-        for (i, chunk) in marks.chunks(FLUSH_CHUNK).enumerate() {
-            if let Err(e) = self.ledger.mark_published(chunk).await {
-                if let Ok(mut d) = self.deferred.lock() {
-                    d.extend_from_slice(&marks[i * FLUSH_CHUNK..]);
-                }
-                return Err(e);
-            }
-            written += chunk.len();
-        }
-        Ok(written)
     }
 }
-
-/// Marks written per update.
-const FLUSH_CHUNK: usize = 5000;
 
 #[cfg(test)]
 mod tests {
@@ -138,6 +109,7 @@ mod tests {
     use async_trait::async_trait;
     use chrono::Utc;
     use codepool_domain::SmsPending;
+    use std::sync::Mutex;
 
     /// Confirms every event except those of the orders in `refuse`.
     struct Sink {
@@ -228,25 +200,32 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn deferred_marks_wait_for_flush_and_survive_a_failed_flush() {
+    async fn events_a_purchase_carries_are_sent_and_not_marked() {
         let ledger = Arc::new(Ledger::default());
         let outbox = Outbox::new(ledger.clone());
+        let s = sink(vec!["O-2"]);
         let grants = [grant(1, "O-1", false), grant(2, "O-2", false)];
-        outbox
-            .send(&sink(vec![]), &grants, Marking::Deferred)
-            .await
-            .unwrap();
+        let sent = outbox.send(&s, &grants, Marking::Unneeded).await.unwrap();
+        assert_eq!(sent.confirmed(), 1);
+        assert!(sent.results[1].is_err(), "the caller requeues what failed");
+        assert_eq!(*s.seen.lock().unwrap(), vec!["sms:O-1", "sms:O-2"]);
         assert!(ledger.published.lock().unwrap().is_empty());
+        assert!(ledger.resent.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_mark_that_cannot_be_written_is_an_error_for_the_caller() {
+        let ledger = Arc::new(Ledger::default());
         ledger
             .fail
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        assert!(outbox.flush().await.is_err());
-        ledger
-            .fail
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(outbox.flush().await.unwrap(), 2);
-        assert_eq!(ledger.published.lock().unwrap().len(), 2);
-        assert_eq!(outbox.flush().await.unwrap(), 0);
+        let outbox = Outbox::new(ledger.clone());
+        let s = sink(vec![]);
+        let sent = outbox
+            .send(&s, &[grant(1, "O-1", false)], Marking::Now)
+            .await;
+        assert!(matches!(sent, Err(StoreError::Unavailable(_))));
+        assert_eq!(s.seen.lock().unwrap().len(), 1, "the event went out");
     }
 
     #[tokio::test]

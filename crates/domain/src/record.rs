@@ -33,8 +33,13 @@ pub struct SmsEvent {
 pub struct SmsRecord {
     /// The SMS service reported the text as sent (`is_sms` = 1).
     pub sent: bool,
-    /// The broker confirmed the SMS-pending event.
+    /// The broker confirmed the SMS-pending event (recorded by the relay,
+    /// backorders and re-sends; a purchase's own grant is confirmed before
+    /// the purchase is acked, and records nothing).
     pub published_at: Option<DateTime<Utc>>,
+    /// The relay owes this grant its event (`sms_pending`): it was issued
+    /// without a message that the broker would redeliver.
+    pub awaiting_relay: bool,
     pub sent_at: Option<DateTime<Utc>>,
     pub failed_at: Option<DateTime<Utc>>,
     pub error: Option<String>,
@@ -49,9 +54,11 @@ pub struct SmsRecord {
 pub enum SmsState {
     /// The code was never issued: there is nothing to text.
     None,
-    /// Issued, but the broker has not confirmed the event yet.
+    /// Issued, and the relay owes it its event: not confirmed yet.
     Pending,
-    /// Confirmed by the broker; waiting for the SMS service.
+    /// Confirmed by the broker, or carried by its purchase (acked only once
+    /// the event is confirmed, redelivered until then); waiting for the
+    /// SMS service.
     Queued,
     Sent,
     Failed,
@@ -132,12 +139,12 @@ impl Code {
             SmsState::Sent
         } else if self.sms.failures > 0 {
             SmsState::Failed
-        } else if self.sms.published_at.is_some() {
-            SmsState::Queued
-        } else if self.holder.is_some() {
+        } else if self.holder.is_none() {
+            SmsState::None
+        } else if self.sms.awaiting_relay && self.sms.published_at.is_none() {
             SmsState::Pending
         } else {
-            SmsState::None
+            SmsState::Queued
         }
     }
 
@@ -202,7 +209,17 @@ mod tests {
         assert_eq!(g.order_id, "O-1");
         assert!(!g.revoked);
         assert_eq!(g.sms_pending().unwrap().event_id, "sms:O-1");
+        // Issued for a purchase: the purchase carries the event.
+        assert_eq!(c.sms_state(), SmsState::Queued);
+    }
+
+    #[test]
+    fn a_grant_the_relay_owes_its_event_is_pending_until_confirmed() {
+        let mut c = code(CodeStatus::Issued, true);
+        c.sms.awaiting_relay = true;
         assert_eq!(c.sms_state(), SmsState::Pending);
+        c.sms.published_at = Some(Utc::now());
+        assert_eq!(c.sms_state(), SmsState::Queued);
     }
 
     #[test]

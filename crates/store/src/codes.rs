@@ -65,6 +65,9 @@ pub struct CodeDoc {
     pub used_at: Option<DateTime>,
     #[serde(default)]
     pub is_sms: i32,
+    /// Set while the relay owes this grant its SMS-pending event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms_pending: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sms_published_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,6 +166,7 @@ impl CodeDoc {
             sms: SmsRecord {
                 sent: self.is_sms == 1,
                 published_at: utc(self.sms_published_at),
+                awaiting_relay: self.sms_pending == Some(true),
                 sent_at: utc(self.sms_sent_at),
                 failed_at: utc(self.sms_failed_at),
                 error: self.sms_error,
@@ -204,6 +208,22 @@ pub struct ClaimAssignment {
     pub uid: String,
     pub phone: String,
     pub grant_no: Option<String>,
+    pub resend: Resend,
+}
+
+/// What sends a grant's SMS-pending event again when the process that
+/// claimed it stops before the broker confirms the event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resend {
+    /// The purchase message itself: the dispatcher acks it only once the
+    /// event is confirmed, so until then the broker redelivers it and the
+    /// redelivery publishes the event again. The claim records nothing
+    /// more, and nothing is marked after the confirm.
+    ByRedelivery,
+    /// The relay: the claim flags the grant `sms_pending` in the same
+    /// write, and the relay re-sends flagged grants whose event stays
+    /// unconfirmed (backorders: no message of theirs is redelivered).
+    ByRelay,
 }
 
 /// What a batch of conditional claim updates did. The update command only
@@ -245,6 +265,7 @@ fn issued_by(
             issued_at: at.to_chrono(),
             grant_no: a.grant_no.clone(),
         });
+        code.sms.awaiting_relay = a.resend == Resend::ByRelay;
         out.insert(a.order_id.clone(), code);
     }
     Some(out)
@@ -285,8 +306,10 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
         "uid": &a.uid,
         "phone": &a.phone,
         "issued_at": now,
-        "sms_pending": true,
     };
+    if a.resend == Resend::ByRelay {
+        set.insert("sms_pending", true);
+    }
     if let Some(no) = &a.grant_no {
         set.insert("grant_no", no);
     }
@@ -677,6 +700,26 @@ impl Store {
         Ok(())
     }
 
+    /// Hands the grants these orders hold to the relay (`sms_pending`), for
+    /// purchases settled without publishing their event: a purchase
+    /// dead-lettered at its delivery limit may hold a grant from a delivery
+    /// that crashed before its confirm, and no redelivery follows. Journaled
+    /// before the caller acks. Returns how many grants were handed over.
+    pub async fn hand_to_relay(&self, order_ids: &[&str]) -> Result<u64, StoreError> {
+        if order_ids.is_empty() {
+            return Ok(0);
+        }
+        let handed = self
+            .collection(CODES)
+            .update_many(
+                doc! {"order_id": {"$in": order_ids}, "status": CodeStatus::Issued.as_i32()},
+                doc! {"$set": {"sms_pending": true}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(handed.modified_count)
+    }
+
     /// Grants issued before `before` whose SMS-pending event was never
     /// confirmed: the relay's work list.
     pub async fn unconfirmed_grants(
@@ -766,6 +809,7 @@ mod tests {
             grant_no: None,
             used_at: None,
             is_sms: 0,
+            sms_pending: None,
             sms_published_at: None,
             sms_sent_at: None,
             sms_failed_at: None,
