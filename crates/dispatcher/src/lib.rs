@@ -9,9 +9,9 @@
 //!
 //! Around that core: invalid purchases are dead-lettered with a reason, an
 //! empty pool turns purchases into backorders ([`backorders`]) that are
-//! fulfilled when codes arrive, a relay ([`relay`]) re-publishes events that
-//! were never confirmed, and every outage (MongoDB, RabbitMQ, Redis) is
-//! waited out and logged once ([`outage`]). Beside purchases each session
+//! fulfilled when codes arrive, a relay ([`relay`]) re-publishes the events
+//! of grants no purchase will be redelivered for, and every outage
+//! (MongoDB, RabbitMQ, Redis) is waited out and logged once ([`outage`]). Beside purchases each session
 //! runs its [`upkeep`]: SMS receipts, `code.redeemed` events, the expiry
 //! sweep and low-stock alerts ([`stock`]).
 //!

@@ -1,6 +1,9 @@
-//! The relay: re-publishes SMS-pending events of grants whose publish was
-//! never confirmed (a crash or a broker outage between the grant's write
-//! and its confirm). The event id is stable, so the SMS service drops any
+//! The relay: re-publishes the SMS-pending events of grants that no message
+//! will bring back, flagged `sms_pending` ([`codepool_store::Resend::ByRelay`]):
+//! backorders fulfilled after an import, and grants of purchases
+//! dead-lettered at their delivery limit. A purchase's own grant needs no
+//! relay: the purchase stays unacked, and is redelivered, until its event
+//! is confirmed. The event id is stable, so the SMS service drops any
 //! duplicate this creates.
 
 use std::time::Duration;
@@ -26,7 +29,7 @@ pub async fn relay_unconfirmed(
     let codes = store.unconfirmed_grants(cutoff, limit).await?;
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     if grants.len() < codes.len() {
-        // Only the claim sets `sms_pending`, together with the holder.
+        // `sms_pending` is only ever set on an issued code, which has a holder.
         warn!(
             without_holder = codes.len() - grants.len(),
             "codes awaiting an SMS relay have no order; they are skipped"

@@ -720,8 +720,8 @@ impl Store {
         Ok(handed.modified_count)
     }
 
-    /// Grants issued before `before` whose SMS-pending event was never
-    /// confirmed: the relay's work list.
+    /// Grants issued before `before` that the relay owes their SMS-pending
+    /// event (`sms_pending`, see [`Resend::ByRelay`]): its work list.
     pub async fn unconfirmed_grants(
         &self,
         before: chrono::DateTime<chrono::Utc>,

@@ -127,6 +127,7 @@ fn code_json(c: &Code, shown: String) -> serde_json::Value {
             "state": c.sms_state().name(),
             "is_sms": i32::from(s.sent),
             "published_at": iso(s.published_at),
+            "awaiting_relay": s.awaiting_relay,
             "sent_at": iso(s.sent_at),
             "failed_at": iso(s.failed_at),
             "error": s.error,
@@ -213,7 +214,12 @@ fn print_details(c: &Code) {
     if c.holder.is_none() {
         return;
     }
-    let mut sms = vec![format!("published {}", short(s.published_at))];
+    let mut sms = vec![match (s.published_at, s.awaiting_relay) {
+        (Some(t), _) => format!("published {}", short(Some(t))),
+        (None, true) => "not confirmed yet; the relay re-sends it".to_owned(),
+        // The purchase was acked only once its event was confirmed.
+        (None, false) => "published with its purchase".to_owned(),
+    }];
     if s.sent_at.is_some() {
         sms.push(format!("sent {}", short(s.sent_at)));
     }
