@@ -296,7 +296,7 @@ fn assign(code: codepool_domain::CodeId, order: &str) -> ClaimAssignment {
 #[tokio::test]
 async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     let env = TestEnv::new("claims_write_grants").await;
-    env.fill_pool("wg", 4).await;
+    env.fill_pool("wg", 6).await;
     let ids: Vec<_> = env
         .store
         .candidates_after("wg", 0, 10)
@@ -359,5 +359,29 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     let granted = write.granted.expect("every statement not refused landed");
     assert_eq!(granted.keys().collect::<Vec<_>>(), vec!["E"]);
     assert_eq!(granted["E"].id, ids[3]);
+
+    // A holder stops the batch's single statement wherever it stands: the
+    // claims before it landed, the rest land when claimed one by one, and
+    // the refused order is named either way.
+    let write = store
+        .claim_candidates(&[assign(ids[4], "F"), assign(ids[5], "A")])
+        .await
+        .unwrap();
+    assert_eq!(write.order_taken, vec![1]);
+    let stored = store.grants_for_orders(&["F", "A"]).await.unwrap();
+    assert_eq!(stored["F"].id, ids[4]);
+    assert_eq!(stored["A"].id, ids[0], "A keeps its code");
+    if let Some(granted) = write.granted {
+        assert_eq!(granted["F"], stored["F"]);
+    }
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    let unissued = coll
+        .count_documents(doc! {"_id": codepool_store::object_id(ids[5]), "status": 0})
+        .await
+        .unwrap();
+    assert_eq!(
+        unissued, 1,
+        "the refused order's candidate stays in the pool"
+    );
     env.cleanup().await;
 }

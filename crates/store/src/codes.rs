@@ -316,6 +316,92 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
     doc! {"$set": set}
 }
 
+/// The filter "code `_id` is still claimable at `now`" for these ids.
+fn claimable(ids: Bson, now: DateTime) -> Document {
+    let mut q = doc! {"_id": ids, "status": {"$in": Transition::Claim.from_codes()}};
+    q.extend(not_expired(now));
+    q
+}
+
+/// One claim as its own update statement.
+fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
+    doc! {"q": claimable(Bson::ObjectId(object_id(a.code_id)), now), "u": issue_set(a, now)}
+}
+
+/// Every claim of a batch as ONE multi-document update statement: each
+/// claimable document among `ids` takes the holder at its own position
+/// (`$indexOfArray`), so it sets exactly what [`issue_set`] would. Fields
+/// an assignment leaves empty (no grant number, no relay) are not set.
+fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateTime) -> Document {
+    let column = |f: &dyn Fn(&ClaimAssignment) -> Bson| {
+        let values: Vec<Bson> = assignments.iter().map(f).collect();
+        doc! {"$ifNull": [{"$arrayElemAt": [{"$literal": values}, "$$i"]}, "$$REMOVE"]}
+    };
+    let holder = doc! {
+        "status": Transition::Claim.to().as_i32(),
+        "order_id": column(&|a| Bson::String(a.order_id.clone())),
+        "uid": column(&|a| Bson::String(a.uid.clone())),
+        "phone": column(&|a| Bson::String(a.phone.clone())),
+        "issued_at": now,
+        "grant_no": column(&|a| a.grant_no.clone().map_or(Bson::Null, Bson::String)),
+        "sms_pending": column(&|a| match a.resend {
+            Resend::ByRelay => Bson::Boolean(true),
+            Resend::ByRedelivery => Bson::Null,
+        }),
+    };
+    let ids: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
+    let position = doc! {"$indexOfArray": [{"$literal": ids.clone()}, "$_id"]};
+    let merged =
+        doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position}, "in": holder}}]};
+    doc! {
+        "q": claimable(Bson::Document(doc! {"$in": ids}), now),
+        "u": [{"$replaceWith": merged}],
+        "multi": true,
+    }
+}
+
+/// True when the unique `order_id` index stopped a claim statement: some
+/// order of the batch already holds a code.
+fn stopped_by_a_holder(reply: &Document) -> bool {
+    reply.get_array("writeErrors").is_ok_and(|errors| {
+        errors
+            .iter()
+            .filter_map(Bson::as_document)
+            .any(|e| e.get_i32("code") == Ok(DUPLICATE_KEY))
+    })
+}
+
+/// What an `update` reply says of a batch of claims: the positions whose
+/// order already holds a code, or the error that leaves the outcome
+/// unknown (the caller reads grants back by order).
+fn claim_reply(reply: &Document) -> Result<ClaimWrite, StoreError> {
+    if let Ok(wce) = reply.get_document("writeConcernError") {
+        return Err(StoreError::Unavailable(format!(
+            "claim write concern not satisfied: {}",
+            wce.get_str("errmsg").unwrap_or("unknown")
+        )));
+    }
+    let mut out = ClaimWrite::default();
+    for e in reply
+        .get_array("writeErrors")
+        .into_iter()
+        .flatten()
+        .filter_map(Bson::as_document)
+    {
+        let code = e.get_i32("code").unwrap_or(-1);
+        let index = e.get_i32("index").unwrap_or(-1);
+        let message = e.get_str("errmsg").unwrap_or("unknown");
+        if code == DUPLICATE_KEY && index >= 0 {
+            out.order_taken.push(index as usize);
+        } else if is_transient_code(code) {
+            return Err(StoreError::Unavailable(message.to_owned()));
+        } else {
+            return Err(StoreError::Rejected(format!("claim refused: {message}")));
+        }
+    }
+    Ok(out)
+}
+
 impl Store {
     /// Runs `updates` on `codes` as ONE unordered, journaled `update`
     /// command (majority write concern) and returns the server's reply, so
@@ -522,7 +608,16 @@ impl Store {
     /// Applies a batch of claims in ONE journaled `update` command: each is
     /// "give code `_id` to this order if it is still unissued and unexpired".
     /// This is the only write that moves a code from 0 to 1 besides
-    /// [`Store::claim_by_scan`]; MongoDB's condition is the sole arbiter.
+    /// [`Store::claim_by_scan`]; MongoDB's condition, checked per document
+    /// as it is written, is the sole arbiter.
+    ///
+    /// The claims go as one multi-document statement ([`claim_statement`]):
+    /// a third of the server's work of one statement per claim, which it
+    /// parses, plans and commits one by one. An order that already holds a
+    /// code (a redelivery) stops that statement at the unique index, so the
+    /// batch is then written again one statement per claim, which names
+    /// each refused order; claims that landed before the stop no longer
+    /// match, and are read back by order.
     pub async fn claim_candidates(
         &self,
         assignments: &[ClaimAssignment],
@@ -531,43 +626,23 @@ impl Store {
             return Ok(ClaimWrite::default());
         }
         let now = DateTime::now();
-        let expiry = not_expired(now);
-        let updates: Vec<Document> = assignments
-            .iter()
-            .map(|a| {
-                let mut q = doc! {"_id": object_id(a.code_id), "status": {"$in": Transition::Claim.from_codes()}};
-                q.extend(expiry.clone());
-                doc! {"q": q, "u": issue_set(a, now)}
-            })
-            .collect();
         // The candidates' sealed codes are read while the journaled write is
         // in flight: a code's value, pool, seq and expiry never change, so
         // the read need not follow the write, and a fully landed write
         // needs no read-back by order afterwards.
         let ids: Vec<ObjectId> = assignments.iter().map(|a| object_id(a.code_id)).collect();
-        let (reply, read) = futures::join!(self.update_codes(updates), self.codes_by_id(&ids));
-        let reply = reply?;
-        if let Ok(wce) = reply.get_document("writeConcernError") {
-            return Err(StoreError::Unavailable(format!(
-                "claim write concern not satisfied: {}",
-                wce.get_str("errmsg").unwrap_or("unknown")
-            )));
+        let one = vec![claim_statement(assignments, &ids, now)];
+        let (reply, read) = futures::join!(self.update_codes(one), self.codes_by_id(&ids));
+        let mut reply = reply?;
+        if stopped_by_a_holder(&reply) {
+            tracing::debug!("an order of the batch already holds a code; claiming one by one");
+            let each = assignments.iter().map(|a| claim_each(a, now)).collect();
+            reply = self.update_codes(each).await?;
         }
-        let mut out = ClaimWrite::default();
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            for e in errors.iter().filter_map(Bson::as_document) {
-                let code = e.get_i32("code").unwrap_or(-1);
-                let index = e.get_i32("index").unwrap_or(-1);
-                let message = e.get_str("errmsg").unwrap_or("unknown");
-                if code == DUPLICATE_KEY && index >= 0 {
-                    out.order_taken.push(index as usize);
-                } else if is_transient_code(code) {
-                    return Err(StoreError::Unavailable(message.to_owned()));
-                } else {
-                    return Err(StoreError::Rejected(format!("claim refused: {message}")));
-                }
-            }
-        }
+        let mut out = claim_reply(&reply)?;
+        // Every statement the index did not refuse matched: every claim won
+        // (in a second write, a claim that landed in the first no longer
+        // matches, so this holds only when the second write did it all).
         let landed = crate::stats::as_u64(reply.get("n"));
         if landed == (assignments.len() - out.order_taken.len()) as u64 {
             out.granted = read
