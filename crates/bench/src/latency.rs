@@ -81,6 +81,9 @@ async fn measure(
         .map(|r| *r as usize * args.seconds as usize)
         .sum();
     inproc::fill_pools(scratch, &[(POOL.to_owned(), total + total / 10 + 1000)], 4).await?;
+    // The import's dirty pages are written now, not by a checkpoint in the
+    // middle of the measurement.
+    inproc::checkpoint(scratch).await?;
     let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-latency").await?;
     let ch = conn.create_channel().await?;
     scratch.cfg.topology().declare(&ch).await?;
