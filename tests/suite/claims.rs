@@ -313,8 +313,13 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         resend: Resend::ByRelay,
         ..assign(ids[1], "B")
     };
+    // A has no grant number (numbering was away): the field stays unset.
+    let unnumbered = ClaimAssignment {
+        grant_no: None,
+        ..assign(ids[0], "A")
+    };
     let write = store
-        .claim_candidates(&[assign(ids[0], "A"), by_relay])
+        .claim_candidates(&[unnumbered, by_relay])
         .await
         .unwrap();
     assert!(write.order_taken.is_empty());
@@ -328,6 +333,16 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         );
     }
     assert!(!stored["A"].sms.awaiting_relay);
+    assert_eq!(stored["A"].holder.as_ref().unwrap().grant_no, None);
+    let raw = env.store.database().collection::<bson::Document>("codes");
+    let absent =
+        doc! {"order_id": "A", "grant_no": {"$exists": false}, "sms_pending": {"$exists": false}};
+    assert_eq!(
+        raw.count_documents(absent).await.unwrap(),
+        1,
+        "not even null"
+    );
+    assert!(stored["B"].holder.as_ref().unwrap().grant_no.is_some());
     assert!(stored["B"].sms.awaiting_relay);
     let soon = chrono::Utc::now() + chrono::Duration::seconds(5);
     let owed = store.unconfirmed_grants(soon, 10).await.unwrap();
