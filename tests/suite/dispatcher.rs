@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use bson::doc;
 use std::sync::Arc;
 
-use codepool_broker::Publisher;
+use codepool_broker::{Publisher, Topology};
 use codepool_dispatcher::relay::relay_unconfirmed;
 use codepool_dispatcher::{ClaimOutcome, Outbox, Resend};
 use codepool_domain::{SmsPending, SmsState};
@@ -306,39 +306,12 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
 async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_its_reason() {
     let env = TestEnv::new("delivery_limit").await;
     env.fill_pool("limit", 10).await;
-    let mut topology = env.topology();
-    topology.queues.delivery_limit = 2;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
-    topology.declare(publisher.channel()).await.unwrap();
+    let (conn, publisher, topology) = with_delivery_limit(&env).await;
     let poison = purchase("POISON-1", "limit");
     publish_confirmed(&publisher, std::slice::from_ref(&poison)).await;
 
-    // Two deliveries that are never settled (as if a dispatcher crashed on it).
-    for _ in 0..2 {
-        let ch = conn.create_channel().await.unwrap();
-        let got = ch
-            .basic_get(
-                &topology.purchases,
-                lapin::options::BasicGetOptions::default(),
-            )
-            .await
-            .unwrap();
-        assert!(got.is_some(), "the purchase is still queued");
-        let _ = ch.close(200, "crashed").await;
-    }
-
     // The third delivery reaches the limit: dead-lettered with its reason, no code.
-    let mut cmd = env.command(&[]);
-    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
-    let dispatcher = start_daemon(cmd).await;
-    let ch = conn.create_channel().await.unwrap();
-    eventually(Duration::from_secs(30), "the dead letter", || {
-        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await >= 1 }
-    })
-    .await;
-    dispatcher.stop().await;
+    let ch = deliver_past_the_limit(&env, &conn, &topology).await;
     let dead = drain(&ch, &topology.purchases_dead).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].message_id.as_deref(), Some("POISON-1"));
@@ -365,11 +338,7 @@ async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_i
 async fn a_grant_whose_purchase_hit_the_delivery_limit_gets_its_event_from_the_relay() {
     let env = TestEnv::new("limit_relay").await;
     env.fill_pool("lr", 10).await;
-    let mut topology = env.topology();
-    topology.queues.delivery_limit = 2;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
-    topology.declare(publisher.channel()).await.unwrap();
+    let (conn, publisher, topology) = with_delivery_limit(&env).await;
     let crashed = purchase("LR-1", "lr");
     publish_confirmed(&publisher, std::slice::from_ref(&crashed)).await;
 
@@ -391,26 +360,7 @@ async fn a_grant_whose_purchase_hit_the_delivery_limit_gets_its_event_from_the_r
             .is_empty(),
         "a purchase's grant is not on the relay's list"
     );
-    for _ in 0..2 {
-        let ch = conn.create_channel().await.unwrap();
-        let got = ch
-            .basic_get(&topology.purchases, BasicGetOptions::default())
-            .await
-            .unwrap();
-        assert!(got.is_some(), "the purchase is still queued");
-        let _ = ch.close(200, "crashed").await;
-    }
-
-    let mut cmd = env.command(&[]);
-    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
-    let dispatcher = start_daemon(cmd).await;
-    let ch = conn.create_channel().await.unwrap();
-    eventually(Duration::from_secs(30), "the dead letter", || {
-        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await >= 1 }
-    })
-    .await;
-    dispatcher.stop().await;
+    let ch = deliver_past_the_limit(&env, &conn, &topology).await;
     assert_eq!(drain(&ch, &topology.purchases_dead).await.len(), 1);
     assert!(
         drain(&ch, &topology.sms_pending).await.is_empty(),
@@ -445,6 +395,48 @@ async fn a_grant_whose_purchase_hit_the_delivery_limit_gets_its_event_from_the_r
     assert_eq!(code.sms_state(), SmsState::Queued);
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
+}
+
+/// A connection, a publisher and this test's topology with a delivery
+/// limit of 2 on `purchases`, declared.
+async fn with_delivery_limit(env: &TestEnv) -> (lapin::Connection, Publisher, Topology) {
+    let mut topology = env.topology();
+    topology.queues.delivery_limit = 2;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
+    topology.declare(publisher.channel()).await.unwrap();
+    (conn, publisher, topology)
+}
+
+/// Takes the queued purchase twice without settling it (as if a dispatcher
+/// crashed on it each time), then runs a dispatcher with the same limit
+/// until the third delivery is dead-lettered, and stops it. Returns a
+/// channel to drain the queues with.
+async fn deliver_past_the_limit(
+    env: &TestEnv,
+    conn: &lapin::Connection,
+    topology: &Topology,
+) -> lapin::Channel {
+    for _ in 0..2 {
+        let ch = conn.create_channel().await.unwrap();
+        let got = ch
+            .basic_get(&topology.purchases, BasicGetOptions::default())
+            .await
+            .unwrap();
+        assert!(got.is_some(), "the purchase is still queued");
+        let _ = ch.close(200, "crashed").await;
+    }
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
+    let dispatcher = start_daemon(cmd).await;
+    let ch = conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(30), "the dead letter", || {
+        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    dispatcher.stop().await;
+    ch
 }
 
 /// A queue that refuses publishes for a while (a quorum queue electing a
