@@ -93,43 +93,35 @@ impl Dispatcher {
 
     /// Each delivery's purchase, unless it is invalid or has reached the
     /// queue's delivery limit (a poison message: dead-lettered with reason
-    /// `delivery_limit` before the broker would drop it without one).
-    fn parse(&self, deliveries: &[Delivery]) -> Vec<Parsed> {
+    /// `delivery_limit` before the broker would drop it without one). Also
+    /// the orders those poison messages name: an earlier delivery may have
+    /// granted them a code.
+    fn parse(&self, deliveries: &[Delivery]) -> (Vec<Parsed>, Vec<String>) {
         let topology = &self.config.topology;
-        deliveries
+        let mut at_limit = Vec::new();
+        let parsed = deliveries
             .iter()
             .map(|d| match topology.over_delivery_limit(&d.properties) {
-                Some(count) => Err(PurchaseError::delivery_limit(
-                    count,
-                    topology.queues.delivery_limit,
-                )),
+                Some(count) => {
+                    at_limit.extend(Purchase::parse(&d.data).ok().map(|p| p.order_id));
+                    Err(PurchaseError::delivery_limit(
+                        count,
+                        topology.queues.delivery_limit,
+                    ))
+                }
                 None => Purchase::parse(&d.data),
             })
-            .collect()
-    }
-
-    /// The orders of the purchases at their delivery limit (see
-    /// [`Self::parse`]) that name one.
-    fn orders_at_delivery_limit(&self, deliveries: &[Delivery]) -> Vec<String> {
-        let topology = &self.config.topology;
-        deliveries
-            .iter()
-            .filter(|d| topology.over_delivery_limit(&d.properties).is_some())
-            .filter_map(|d| Purchase::parse(&d.data).ok())
-            .map(|p| p.order_id)
-            .collect()
+            .collect();
+        (parsed, at_limit)
     }
 
     async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
-        let parsed = self.parse(deliveries);
+        let (parsed, at_limit) = self.parse(deliveries);
         // A purchase dead-lettered at its delivery limit is not redelivered
         // again: a grant an earlier delivery made for it (and crashed before
         // its confirm) is handed to the relay, which sends its event.
-        let at_limit = self.orders_at_delivery_limit(deliveries);
-        if !at_limit.is_empty() {
-            let orders: Vec<&str> = at_limit.iter().map(String::as_str).collect();
-            self.store.hand_to_relay(&orders).await?;
-        }
+        let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
+        self.store.hand_to_relay(&at_limit).await?;
         let policies = self
             .policies
             .get_many(&self.store, &pools_of(&parsed))

@@ -13,7 +13,7 @@ use chrono::Utc;
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, Purchase, SmsRecord};
 use codepool_hotpool::{HotPoolError, RefillLock};
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, ClaimWrite, Resend, StoreError};
+use codepool_store::{ClaimAssignment, ClaimWrite, StoreError};
 
 use crate::claim::ClaimError;
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
@@ -91,7 +91,6 @@ impl FakeStore {
             issued_at: Utc::now(),
             grant_no: a.grant_no.clone(),
         });
-        c.sms.awaiting_relay = a.resend == Resend::ByRelay;
     }
 
     fn holds(codes: &[Code], order: &str) -> bool {
