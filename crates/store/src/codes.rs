@@ -300,20 +300,36 @@ pub fn not_expired(now: DateTime) -> Document {
 }
 
 fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
-    let mut set = doc! {
-        "status": Transition::Claim.to().as_i32(),
-        "order_id": &a.order_id,
-        "uid": &a.uid,
-        "phone": &a.phone,
-        "issued_at": now,
-    };
-    if a.resend == Resend::ByRelay {
-        set.insert("sms_pending", true);
-    }
-    if let Some(no) = &a.grant_no {
-        set.insert("grant_no", no);
+    let mut set = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
+    for (field, value) in holder_fields(a) {
+        if value != Bson::Null {
+            set.insert(field, value);
+        }
     }
     doc! {"$set": set}
+}
+
+/// What a claim records of its holder, field by field; `Null` for a field
+/// the claim leaves unset (no grant number; no relay owed). The one list
+/// both claim writes ([`issue_set`], [`claim_statement`]) take their
+/// fields from.
+fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 5] {
+    [
+        ("order_id", Bson::String(a.order_id.clone())),
+        ("uid", Bson::String(a.uid.clone())),
+        ("phone", Bson::String(a.phone.clone())),
+        (
+            "grant_no",
+            a.grant_no.clone().map_or(Bson::Null, Bson::String),
+        ),
+        (
+            "sms_pending",
+            match a.resend {
+                Resend::ByRelay => Bson::Boolean(true),
+                Resend::ByRedelivery => Bson::Null,
+            },
+        ),
+    ]
 }
 
 /// The filter "code `_id` is still claimable at `now`" for these ids.
@@ -333,22 +349,21 @@ fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
 /// (`$indexOfArray`), so it sets exactly what [`issue_set`] would. Fields
 /// an assignment leaves empty (no grant number, no relay) are not set.
 fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateTime) -> Document {
-    let column = |f: &dyn Fn(&ClaimAssignment) -> Bson| {
-        let values: Vec<Bson> = assignments.iter().map(f).collect();
-        doc! {"$ifNull": [{"$arrayElemAt": [{"$literal": values}, "$$i"]}, "$$REMOVE"]}
-    };
-    let holder = doc! {
-        "status": Transition::Claim.to().as_i32(),
-        "order_id": column(&|a| Bson::String(a.order_id.clone())),
-        "uid": column(&|a| Bson::String(a.uid.clone())),
-        "phone": column(&|a| Bson::String(a.phone.clone())),
-        "issued_at": now,
-        "grant_no": column(&|a| a.grant_no.clone().map_or(Bson::Null, Bson::String)),
-        "sms_pending": column(&|a| match a.resend {
-            Resend::ByRelay => Bson::Boolean(true),
-            Resend::ByRedelivery => Bson::Null,
-        }),
-    };
+    // The holders' fields as columns, one value per assignment.
+    let mut columns: Vec<(&str, Vec<Bson>)> = Vec::new();
+    for (r, row) in assignments.iter().map(holder_fields).enumerate() {
+        for (k, (field, value)) in row.into_iter().enumerate() {
+            if r == 0 {
+                columns.push((field, Vec::with_capacity(assignments.len())));
+            }
+            columns[k].1.push(value);
+        }
+    }
+    let mut holder = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
+    for (field, column) in columns {
+        let at = doc! {"$arrayElemAt": [{"$literal": column}, "$$i"]};
+        holder.insert(field, doc! {"$ifNull": [at, "$$REMOVE"]});
+    }
     let ids: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
     let position = doc! {"$indexOfArray": [{"$literal": ids.clone()}, "$_id"]};
     let merged =
