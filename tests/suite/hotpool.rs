@@ -8,8 +8,10 @@ use std::time::Duration;
 use bson::doc;
 use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
+use codepool_hotpool::{Candidate, RefillLock, Refilled};
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, CodeId};
+use codepool_store::codes::ASKS_PER_QUERY;
+use codepool_store::{CandidateAsk, ClaimAssignment, CodeId};
 use futures::TryStreamExt;
 
 use crate::common::{purchase, PrivateRedis, TestEnv};
@@ -248,5 +250,159 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
         .await
         .unwrap();
     assert_eq!(last[0], ClaimOutcome::Exhausted);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_batch_over_a_hundred_cold_pools_refills_them_together_and_each_order_gets_its_own_pools_code(
+) {
+    let env = TestEnv::new("hot_cold_pools").await;
+    let pools: Vec<String> = (0..100).map(|k| format!("cold-{k:03}")).collect();
+    for pool in &pools {
+        env.fill_pool(pool, 3).await;
+    }
+    let purchases: Vec<Purchase> = pools
+        .iter()
+        .flat_map(|pool| [1, 2].map(|i| purchase(&format!("{pool}-order-{i}"), pool)))
+        .collect();
+    let refs: Vec<&Purchase> = purchases.iter().collect();
+    let out = env
+        .engine()
+        .claim_batch(&refs, Resend::ByRedelivery)
+        .await
+        .expect("claim");
+
+    let mut codes = HashSet::new();
+    for (p, o) in purchases.iter().zip(&out) {
+        let ClaimOutcome::Granted { grant, fresh: true } = o else {
+            panic!("{} was not granted a fresh code: {o:?}", p.order_id);
+        };
+        assert_eq!(grant.pool, p.pool);
+        assert!(
+            grant.code.starts_with(&format!("{}-", p.pool)),
+            "{} got {} of another pool",
+            p.order_id,
+            grant.code
+        );
+        assert!(codes.insert(grant.code.clone()), "{} twice", grant.code);
+    }
+    // Each refill loaded the whole pool (three codes); one is left per set.
+    let hot = env.hot_pool();
+    for pool in &pools {
+        assert_eq!(hot.len(pool).await.expect("redis"), 1, "{pool}'s set");
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn refill_locks_are_exclusive_and_go_back_with_what_was_loaded() {
+    let env = TestEnv::new("hot_refill_locks").await;
+    let hot = env.hot_pool();
+    let ttl = Duration::from_secs(10);
+    let held = hot.lock_refills(&["a", "b"], ttl).await.expect("redis");
+    assert!(held.iter().all(Option::is_some), "both free at first");
+    let again = hot
+        .lock_refills(&["a", "b", "c"], ttl)
+        .await
+        .expect("redis");
+    assert!(
+        again[0].is_none() && again[1].is_none(),
+        "held ones are busy"
+    );
+    let [a, b] = <[_; 2]>::try_from(held).expect("two").map(Option::unwrap);
+    let c = again.into_iter().nth(2).flatten().expect("c was free");
+
+    // More candidates than one Lua `unpack` takes; the mark moves up.
+    let loaded: Vec<Candidate> = (1..=2500)
+        .map(|seq| Candidate {
+            id: format!("{seq:024x}"),
+            seq,
+        })
+        .collect();
+    let fill = |pool: &str, lock, candidates, mark| Refilled {
+        pool: pool.to_owned(),
+        candidates,
+        high_water_mark: mark,
+        lock,
+    };
+    // `b`'s lock is stale (its token changed hands): it stays locked.
+    let stale_b = RefillLock {
+        key: b.lock.key.clone(),
+        token: "someone-else".into(),
+    };
+    hot.finish_refills(vec![
+        fill("a", a.lock, loaded, 2500),
+        fill("b", stale_b, Vec::new(), 0),
+        fill("c", c.lock, Vec::new(), 7),
+    ])
+    .await
+    .expect("redis");
+    assert_eq!(hot.len("a").await.expect("redis"), 2500);
+
+    let after = hot
+        .lock_refills(&["a", "b", "c"], ttl)
+        .await
+        .expect("redis");
+    let a = after[0].as_ref().expect("a released");
+    assert_eq!((a.hwm, a.waiting), (2500, 2500));
+    assert!(after[1].is_none(), "a stale token releases nothing");
+    assert_eq!(after[2].as_ref().expect("c released").hwm, 7);
+
+    // A refill that loaded less (a rescan) never lowers the mark.
+    let [a, _, c] = <[_; 3]>::try_from(after).expect("three");
+    hot.finish_refills(vec![
+        fill("a", a.expect("a").lock, Vec::new(), 10),
+        fill("c", c.expect("c").lock, Vec::new(), 7),
+    ])
+    .await
+    .expect("redis");
+    let a = hot.lock_refills(&["a"], ttl).await.expect("redis");
+    assert_eq!(a[0].as_ref().expect("a released").hwm, 2500);
+    drop(b);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
+    let env = TestEnv::new("hot_candidates_many").await;
+    // More pools than one query asks for, so the asks span two queries.
+    let pools: Vec<String> = (0..ASKS_PER_QUERY + 6)
+        .map(|k| format!("m-{k:03}"))
+        .collect();
+    for pool in &pools {
+        env.fill_pool(pool, 5).await;
+    }
+    let first = env
+        .store
+        .candidates_after("m-000", 0, 5)
+        .await
+        .expect("mongo");
+    let after = first[1].1;
+    let asks: Vec<CandidateAsk> = pools
+        .iter()
+        .rev()
+        .map(|pool| CandidateAsk {
+            pool,
+            after_seq: after,
+            limit: 2,
+        })
+        .chain([CandidateAsk {
+            pool: "no-such-pool",
+            after_seq: 0,
+            limit: 2,
+        }])
+        .collect();
+    let found = env.store.candidates_after_many(&asks).await.expect("mongo");
+    assert_eq!(found.len(), asks.len());
+    assert!(found.last().expect("unknown pool").is_empty());
+    for (ask, codes) in asks.iter().zip(&found).take(pools.len()) {
+        let all = env
+            .store
+            .candidates_after(ask.pool, 0, 5)
+            .await
+            .expect("mongo");
+        let expected: Vec<_> = all.into_iter().filter(|c| c.1 > after).take(2).collect();
+        assert_eq!(codes, &expected, "{}", ask.pool);
+    }
     env.cleanup().await;
 }

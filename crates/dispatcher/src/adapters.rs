@@ -8,9 +8,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use codepool_broker::{BrokerError, Publisher};
 use codepool_domain::{Code, CodeId, Purchase, PurchaseRefused, SmsPending};
-use codepool_hotpool::{HotPool, HotPoolError, RefillLock};
+use codepool_hotpool::{HeldRefill, HotPool, HotPoolError, Refilled};
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, ClaimWrite, Store, StoreError};
+use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, Store, StoreError};
 use futures::future::join_all;
 use tracing::warn;
 
@@ -39,16 +39,19 @@ impl ClaimStore for Store {
         Store::grants_for_orders(self, orders).await
     }
 
-    async fn candidates_after(
+    async fn candidates_after_many(
         &self,
-        pool: &str,
-        after_seq: i64,
-        limit: i64,
-    ) -> Result<Vec<Candidate>, StoreError> {
-        let found = Store::candidates_after(self, pool, after_seq, limit).await?;
+        asks: &[CandidateAsk<'_>],
+    ) -> Result<Vec<Vec<Candidate>>, StoreError> {
+        let found = Store::candidates_after_many(self, asks).await?;
         Ok(found
             .into_iter()
-            .map(|(id, seq)| Candidate { id, seq })
+            .map(|codes| {
+                codes
+                    .into_iter()
+                    .map(|(id, seq)| Candidate { id, seq })
+                    .collect()
+            })
             .collect())
     }
 }
@@ -65,12 +68,14 @@ impl SmsLedger for Store {
 }
 
 fn to_redis(c: &[Candidate]) -> Vec<codepool_hotpool::Candidate> {
-    c.iter()
-        .map(|c| codepool_hotpool::Candidate {
-            id: c.id.to_hex(),
-            seq: c.seq,
-        })
-        .collect()
+    c.iter().copied().map(redis_candidate).collect()
+}
+
+fn redis_candidate(c: Candidate) -> codepool_hotpool::Candidate {
+    codepool_hotpool::Candidate {
+        id: c.id.to_hex(),
+        seq: c.seq,
+    }
 }
 
 /// Reads candidates from Redis. One that is not a code id was not written
@@ -113,34 +118,22 @@ impl CandidatePool for HotPool {
         HotPool::put_back(self, pool, &to_redis(candidates)).await
     }
 
-    async fn add(
-        &self,
-        pool: &str,
-        candidates: &[Candidate],
-        hwm: i64,
-    ) -> Result<(), HotPoolError> {
-        HotPool::add(self, pool, &to_redis(candidates), hwm).await
-    }
-
-    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
-        HotPool::refill_state(self, pool).await
-    }
-
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError> {
         let ids: Vec<String> = ids.iter().map(CodeId::to_hex).collect();
         HotPool::remove(self, pool, &ids).await
     }
 
-    async fn try_lock_refill(
+    async fn lock_refills(
         &self,
-        pool: &str,
+        pools: &[&str],
         ttl: Duration,
-    ) -> Result<Option<RefillLock>, HotPoolError> {
-        HotPool::try_lock_refill(self, pool, ttl).await
+    ) -> Result<Vec<Option<HeldRefill>>, HotPoolError> {
+        HotPool::lock_refills(self, pools, ttl).await
     }
 
-    async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError> {
-        HotPool::unlock_refill(self, lock).await
+    async fn finish_refills(&self, fills: Vec<Refilled<Candidate>>) -> Result<(), HotPoolError> {
+        let fills = fills.into_iter().map(|f| f.map(redis_candidate)).collect();
+        HotPool::finish_refills(self, fills).await
     }
 
     fn is_degraded(&self) -> bool {

@@ -22,10 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use codepool_domain::{Code, Grant, Purchase};
-use codepool_hotpool::HotPoolError;
+use codepool_hotpool::{HeldRefill, HotPoolError, Refilled};
 use codepool_sequence::SequenceError;
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, Resend, StoreError};
+use codepool_store::{CandidateAsk, ClaimAssignment, Resend, StoreError};
 use tracing::{debug, warn};
 
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
@@ -243,10 +243,11 @@ impl ClaimEngine {
         }
         let wants: Vec<(&str, usize)> = by_pool.iter().map(|(p, idxs)| (*p, idxs.len())).collect();
         self.demand.record(&wants);
-        let Ok(popped) = self.hot.pop_many(&wants).await else {
+        let Ok(mut popped) = self.hot.pop_many(&wants).await else {
             scan.extend(by_pool.into_iter().flat_map(|(_, idxs)| idxs));
             return Vec::new();
         };
+        self.refill_short(&wants, &mut popped).await;
         let mut topped = Vec::with_capacity(wants.len());
         let mut popped = popped.into_iter();
         for chunk in wants.chunks(PARALLEL_REFILLS) {
@@ -445,17 +446,29 @@ impl ClaimEngine {
     /// start (which picks up candidates lost by crashed claimers). One
     /// refiller per pool at a time; the others get [`Refill::Busy`].
     pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
-        let size = self.refill_size(pool, 0);
-        self.refill_under_lock(pool, true, size, None).await
+        self.refill_one(RefillAsk {
+            pool,
+            size: self.refill_size(pool, 0),
+            enough: None,
+            rescan: true,
+        })
+        .await
     }
 
     /// [`ClaimEngine::refill`] for a claimer that needs `needed` more: none
     /// if the set holds that many by the time the lock is taken (a refill
     /// by another claimer, which this one waited for, already loaded them).
     async fn refill_for(&self, pool: &str, needed: usize) -> Result<Refill, RefillError> {
-        let size = self.refill_size(pool, needed);
-        self.refill_under_lock(pool, true, size, Some(needed as u64))
-            .await
+        self.refill_one(self.ask_for(pool, needed)).await
+    }
+
+    fn ask_for<'p>(&self, pool: &'p str, needed: usize) -> RefillAsk<'p> {
+        RefillAsk {
+            pool,
+            size: self.refill_size(pool, needed),
+            enough: Some(needed as u64),
+            rescan: true,
+        }
     }
 
     /// A refill that only moves forward past the high-water mark: for
@@ -463,9 +476,13 @@ impl ClaimEngine {
     /// other claimers hold right now. None if another top-up has already
     /// lifted the set above the low-water mark.
     async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
-        let (size, enough) = (self.refill_size(pool, 0), self.low_water(pool));
-        self.refill_under_lock(pool, false, size, Some(enough))
-            .await
+        self.refill_one(RefillAsk {
+            pool,
+            size: self.refill_size(pool, 0),
+            enough: Some(self.low_water(pool)),
+            rescan: false,
+        })
+        .await
     }
 
     /// Lets background top-ups of `pool` run again: codes were imported
@@ -477,58 +494,151 @@ impl ClaimEngine {
         }
     }
 
-    async fn refill_under_lock(
-        &self,
-        pool: &str,
-        rescan: bool,
-        size: i64,
-        enough: Option<u64>,
-    ) -> Result<Refill, RefillError> {
-        let Some(lock) = self
-            .hot
-            .try_lock_refill(pool, self.config.refill_lock_ttl)
-            .await?
-        else {
-            return Ok(Refill::Busy);
-        };
-        let result = self.refill_locked(pool, rescan, size, enough).await;
-        let _ = self.hot.unlock_refill(lock).await;
-        result
+    async fn refill_one(&self, ask: RefillAsk<'_>) -> Result<Refill, RefillError> {
+        let mut done = self.refill_pools(&[ask]).await?;
+        Ok(done.pop().unwrap_or(Refill::Busy))
     }
 
-    /// Loads up to `size` candidates, unless the set already holds
-    /// `enough`: a claimer that waited for another's refill takes what that
-    /// refill loaded, where a query past the high-water mark would find
-    /// nothing and rescan, offering again every code other claimers have
-    /// popped and are claiming right now (each one a lost race). Past the
-    /// high-water mark, a rescan from the start (if allowed) picks up
-    /// candidates lost by crashed claimers.
-    async fn refill_locked(
-        &self,
-        pool: &str,
-        rescan: bool,
-        size: i64,
-        enough: Option<u64>,
-    ) -> Result<Refill, RefillError> {
-        let (hwm, waiting) = self.hot.refill_state(pool).await?;
-        if enough.is_some_and(|n| waiting >= n.max(1)) {
-            return Ok(Refill::Stocked);
+    /// Refills the pools of a batch that came up short, together, and pops
+    /// again what each still needs. A pool still short after this (its lock
+    /// was busy, or a server failed) is left to [`ClaimEngine::complete`],
+    /// which retries it alone.
+    async fn refill_short(&self, wants: &[(&str, usize)], popped: &mut [(Vec<Candidate>, u64)]) {
+        let short: Vec<(usize, usize)> = wants
+            .iter()
+            .zip(popped.iter())
+            .enumerate()
+            .map(|(i, ((_, k), (got, _)))| (i, k.saturating_sub(got.len())))
+            .filter(|&(_, needed)| needed > 0)
+            .collect();
+        if short.is_empty() {
+            return;
         }
-        let mut found = self.store.candidates_after(pool, hwm, size).await?;
-        if found.is_empty() && hwm > 0 && rescan {
-            found = self.store.candidates_after(pool, 0, size).await?;
+        let asks: Vec<RefillAsk> = short
+            .iter()
+            .map(|&(i, needed)| self.ask_for(wants[i].0, needed))
+            .collect();
+        let refills = match self.refill_pools(&asks).await {
+            Ok(r) => r,
+            Err(e) => {
+                debug!(error = %e, pools = asks.len(), "refill of short pools failed; retrying them one by one");
+                return;
+            }
+        };
+        let again: Vec<(usize, (&str, usize))> = short
+            .iter()
+            .zip(refills)
+            .filter(|(_, r)| {
+                matches!(r, Refill::Stocked) || matches!(r, Refill::Added(n) if *n > 0)
+            })
+            .map(|(&(i, needed), _)| (i, (wants[i].0, needed)))
+            .collect();
+        let wants_again: Vec<(&str, usize)> = again.iter().map(|(_, w)| *w).collect();
+        let Ok(more) = self.hot.pop_many(&wants_again).await else {
+            return;
+        };
+        for ((i, _), (got, left)) in again.into_iter().zip(more) {
+            popped[i].0.extend(got);
+            popped[i].1 = left;
         }
-        let new_hwm = found.iter().map(|c| c.seq).max().unwrap_or(0).max(hwm);
-        let candidates = found;
-        self.hot.add(pool, &candidates, new_hwm).await?;
-        if (candidates.len() as i64) < size {
-            // The end of the pool: the set holds every candidate there is.
-            if let Ok(mut dry) = self.dry.lock() {
-                dry.insert(pool.to_owned(), Instant::now());
+    }
+
+    /// Refills the hot sets of several pools in four round trips whatever
+    /// their number: their locks and states (Redis), their candidates (one
+    /// MongoDB query, plus one for pools that rescan), and the loaded
+    /// candidates with each lock's release (Redis). Results are aligned
+    /// with `asks`; a pool whose lock someone else holds is
+    /// [`Refill::Busy`]. Every lock taken here is released, also on error.
+    async fn refill_pools(&self, asks: &[RefillAsk<'_>]) -> Result<Vec<Refill>, RefillError> {
+        let pools: Vec<&str> = asks.iter().map(|a| a.pool).collect();
+        let held = self
+            .hot
+            .lock_refills(&pools, self.config.refill_lock_ttl)
+            .await?;
+        let mut out = vec![Refill::Busy; asks.len()];
+        let mut fills = Vec::new();
+        let mut loading = Vec::new();
+        for (i, (ask, held)) in asks.iter().zip(held).enumerate() {
+            let Some(held) = held else { continue };
+            if ask.enough.is_some_and(|n| held.waiting >= n.max(1)) {
+                out[i] = Refill::Stocked;
+                fills.push(release(ask.pool, held));
+            } else {
+                loading.push((i, held));
             }
         }
-        debug!(pool, added = candidates.len(), "hot pool refilled");
-        Ok(Refill::Added(candidates.len()))
+        let found = match self.load_candidates(asks, &loading).await {
+            Ok(found) => found,
+            Err(e) => {
+                fills.extend(
+                    loading
+                        .into_iter()
+                        .map(|(i, held)| release(asks[i].pool, held)),
+                );
+                let _ = self.hot.finish_refills(fills).await;
+                return Err(e.into());
+            }
+        };
+        for ((i, held), candidates) in loading.into_iter().zip(found) {
+            let ask = &asks[i];
+            if (candidates.len() as i64) < ask.size {
+                // The end of the pool: the set holds every candidate there is.
+                if let Ok(mut dry) = self.dry.lock() {
+                    dry.insert(ask.pool.to_owned(), Instant::now());
+                }
+            }
+            debug!(
+                pool = ask.pool,
+                added = candidates.len(),
+                "hot pool refilled"
+            );
+            out[i] = Refill::Added(candidates.len());
+            let high_water_mark = candidates.iter().map(|c| c.seq).fold(held.hwm, i64::max);
+            fills.push(Refilled {
+                pool: ask.pool.to_owned(),
+                candidates,
+                high_water_mark,
+                lock: held.lock,
+            });
+        }
+        self.hot.finish_refills(fills).await?;
+        Ok(out)
+    }
+
+    /// The candidates of each pool being loaded: codes past its high-water
+    /// mark, or, for a pool that has none there and may rescan, from the
+    /// start. Aligned with `loading`.
+    async fn load_candidates(
+        &self,
+        asks: &[RefillAsk<'_>],
+        loading: &[(usize, HeldRefill)],
+    ) -> Result<Vec<Vec<Candidate>>, StoreError> {
+        let first: Vec<CandidateAsk> = loading
+            .iter()
+            .map(|(i, held)| CandidateAsk {
+                pool: asks[*i].pool,
+                after_seq: held.hwm,
+                limit: asks[*i].size,
+            })
+            .collect();
+        let mut found = self.store.candidates_after_many(&first).await?;
+        let rescan: Vec<usize> = (0..first.len())
+            .filter(|&k| found[k].is_empty() && first[k].after_seq > 0 && asks[loading[k].0].rescan)
+            .collect();
+        if !rescan.is_empty() {
+            let from_start: Vec<CandidateAsk> = rescan
+                .iter()
+                .map(|&k| CandidateAsk {
+                    after_seq: 0,
+                    ..first[k]
+                })
+                .collect();
+            let again = self.store.candidates_after_many(&from_start).await?;
+            for (k, codes) in rescan.into_iter().zip(again) {
+                found[k] = codes;
+            }
+        }
+        Ok(found)
     }
 
     /// Claims one by one by scanning MongoDB; the first "nothing left" marks
@@ -618,6 +728,28 @@ pub enum Refill {
     Stocked,
     /// Another claimer is refilling this pool right now.
     Busy,
+}
+
+/// One pool's part of [`ClaimEngine::refill_pools`].
+#[derive(Debug, Clone, Copy)]
+struct RefillAsk<'a> {
+    pool: &'a str,
+    /// Candidates to load.
+    size: i64,
+    /// Load none if the set holds this many when the lock is taken.
+    enough: Option<u64>,
+    /// With nothing past the high-water mark, read the pool from the start.
+    rescan: bool,
+}
+
+/// A refill that loads nothing: it only gives the lock back.
+fn release(pool: &str, held: HeldRefill) -> Refilled<Candidate> {
+    Refilled {
+        pool: pool.to_owned(),
+        candidates: Vec::new(),
+        high_water_mark: held.hwm,
+        lock: held.lock,
+    }
 }
 
 /// Pools whose hot sets are refilled at once when a batch finds them short.

@@ -265,4 +265,9 @@ async fn a_batch_over_many_pools_grants_every_order_a_code_of_its_own_pool() {
         0,
         "cold pools refill, no scan"
     );
+    assert_eq!(
+        r.store.refill_queries.load(Ordering::SeqCst),
+        1,
+        "the forty cold pools are refilled by one query"
+    );
 }

@@ -11,9 +11,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::Utc;
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, Purchase, SmsRecord};
-use codepool_hotpool::{HotPoolError, RefillLock};
+use codepool_hotpool::{HeldRefill, HotPoolError, RefillLock, Refilled};
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, ClaimWrite, StoreError};
+use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, StoreError};
 
 use crate::claim::ClaimError;
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
@@ -33,8 +33,10 @@ pub struct FakeStore {
     /// Read-backs return codes without their holder (corrupt data).
     pub drop_holders: AtomicBool,
     pub scans: AtomicUsize,
-    /// Queries for candidates (refills).
+    /// Pools whose candidates were queried (refills).
     pub refills: AtomicUsize,
+    /// Calls that queried candidates, of one pool or several.
+    pub refill_queries: AtomicUsize,
     /// Orders read back by `grants_for_orders`.
     pub read_backs: AtomicUsize,
 }
@@ -181,25 +183,33 @@ impl ClaimStore for FakeStore {
             .collect())
     }
 
-    async fn candidates_after(
+    async fn candidates_after_many(
         &self,
-        pool: &str,
-        after_seq: i64,
-        limit: i64,
-    ) -> Result<Vec<Candidate>, StoreError> {
-        self.refills.fetch_add(1, Ordering::SeqCst);
+        asks: &[CandidateAsk<'_>],
+    ) -> Result<Vec<Vec<Candidate>>, StoreError> {
+        self.refills.fetch_add(asks.len(), Ordering::SeqCst);
+        self.refill_queries.fetch_add(1, Ordering::SeqCst);
         let codes = self.codes.lock().unwrap();
-        let mut found: Vec<Candidate> = codes
+        Ok(asks
             .iter()
-            .filter(|c| c.pool == pool && c.status == CodeStatus::Unissued && c.seq > after_seq)
-            .map(|c| Candidate {
-                id: c.id,
-                seq: c.seq,
+            .map(|ask| {
+                let mut found: Vec<Candidate> = codes
+                    .iter()
+                    .filter(|c| {
+                        c.pool == ask.pool
+                            && c.status == CodeStatus::Unissued
+                            && c.seq > ask.after_seq
+                    })
+                    .map(|c| Candidate {
+                        id: c.id,
+                        seq: c.seq,
+                    })
+                    .collect();
+                found.sort_by_key(|c| c.seq);
+                found.truncate(ask.limit as usize);
+                found
             })
-            .collect();
-        found.sort_by_key(|c| c.seq);
-        found.truncate(limit as usize);
-        Ok(found)
+            .collect())
     }
 }
 
@@ -227,6 +237,14 @@ impl FakeHot {
 
     pub fn len(&self, pool: &str) -> usize {
         self.sets.lock().unwrap().get(pool).map_or(0, BTreeMap::len)
+    }
+
+    /// Adds candidates loaded by a refill and raises the high-water mark.
+    fn load(&self, pool: &str, candidates: &[Candidate], hwm: i64) {
+        self.offer(pool, candidates);
+        let mut marks = self.hwm.lock().unwrap();
+        let mark = marks.entry(pool.into()).or_default();
+        *mark = (*mark).max(hwm);
     }
 
     /// Offers these candidates directly (a stale set, as after a crash).
@@ -261,26 +279,6 @@ impl CandidatePool for FakeHot {
         Ok(())
     }
 
-    async fn add(
-        &self,
-        pool: &str,
-        candidates: &[Candidate],
-        hwm: i64,
-    ) -> Result<(), HotPoolError> {
-        self.check()?;
-        self.offer(pool, candidates);
-        let mut marks = self.hwm.lock().unwrap();
-        let mark = marks.entry(pool.into()).or_default();
-        *mark = (*mark).max(hwm);
-        Ok(())
-    }
-
-    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
-        self.check()?;
-        let mark = self.hwm.lock().unwrap().get(pool).copied().unwrap_or(0);
-        Ok((mark, self.len(pool) as u64))
-    }
-
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError> {
         self.check()?;
         if let Some(set) = self.sets.lock().unwrap().get_mut(pool) {
@@ -289,29 +287,46 @@ impl CandidatePool for FakeHot {
         Ok(())
     }
 
-    async fn try_lock_refill(
+    async fn lock_refills(
         &self,
-        pool: &str,
+        pools: &[&str],
         _ttl: Duration,
-    ) -> Result<Option<RefillLock>, HotPoolError> {
+    ) -> Result<Vec<Option<HeldRefill>>, HotPoolError> {
         self.check()?;
-        let meanwhile = std::mem::take(&mut *self.loaded_meanwhile.lock().unwrap());
-        if let Some(last) = meanwhile.last() {
-            self.add(pool, &meanwhile, last.seq).await?;
+        let mut out = Vec::with_capacity(pools.len());
+        for pool in pools {
+            let meanwhile = std::mem::take(&mut *self.loaded_meanwhile.lock().unwrap());
+            if let Some(last) = meanwhile.last() {
+                self.load(pool, &meanwhile, last.seq);
+            }
+            if self
+                .locks
+                .lock()
+                .unwrap()
+                .insert(pool.to_string(), "t".into())
+                .is_some()
+            {
+                out.push(None);
+                continue;
+            }
+            out.push(Some(HeldRefill {
+                lock: RefillLock {
+                    key: pool.to_string(),
+                    token: "t".into(),
+                },
+                hwm: self.hwm.lock().unwrap().get(*pool).copied().unwrap_or(0),
+                waiting: self.len(pool) as u64,
+            }));
         }
-        let mut locks = self.locks.lock().unwrap();
-        if locks.contains_key(pool) {
-            return Ok(None);
-        }
-        locks.insert(pool.into(), "t".into());
-        Ok(Some(RefillLock {
-            key: pool.into(),
-            token: "t".into(),
-        }))
+        Ok(out)
     }
 
-    async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError> {
-        self.locks.lock().unwrap().remove(&lock.key);
+    async fn finish_refills(&self, fills: Vec<Refilled<Candidate>>) -> Result<(), HotPoolError> {
+        self.check()?;
+        for f in fills {
+            self.load(&f.pool, &f.candidates, f.high_water_mark);
+            self.locks.lock().unwrap().remove(&f.lock.key);
+        }
         Ok(())
     }
 

@@ -16,9 +16,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use codepool_broker::BrokerError;
 use codepool_domain::{Code, CodeId, Purchase, PurchaseRefused, SmsPending};
-use codepool_hotpool::{HotPoolError, RefillLock};
+use codepool_hotpool::{HeldRefill, HotPoolError, Refilled};
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, ClaimWrite, StoreError};
+use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, StoreError};
 
 use crate::claim::ClaimError;
 
@@ -43,13 +43,12 @@ pub trait ClaimStore: Send + Sync {
     /// The codes these orders hold, by order id.
     async fn grants_for_orders(&self, orders: &[&str])
         -> Result<HashMap<String, Code>, StoreError>;
-    /// Unissued codes of `pool` after `after_seq`, oldest first.
-    async fn candidates_after(
+    /// Unissued codes after each ask's `after_seq` in its pool, oldest
+    /// first, aligned with `asks` (one round trip in production).
+    async fn candidates_after_many(
         &self,
-        pool: &str,
-        after_seq: i64,
-        limit: i64,
-    ) -> Result<Vec<Candidate>, StoreError>;
+        asks: &[CandidateAsk<'_>],
+    ) -> Result<Vec<Vec<Candidate>>, StoreError>;
 }
 
 /// Where claimers draw distinct candidates from (Redis in production). It
@@ -72,21 +71,19 @@ pub trait CandidatePool: Send + Sync {
     }
     /// Returns unused candidates.
     async fn put_back(&self, pool: &str, candidates: &[Candidate]) -> Result<(), HotPoolError>;
-    /// Adds candidates and raises the pool's high-water mark.
-    async fn add(&self, pool: &str, candidates: &[Candidate], hwm: i64)
-        -> Result<(), HotPoolError>;
-    /// The highest `seq` ever loaded for `pool`, and how many candidates
-    /// its set holds now.
-    async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError>;
     /// Drops candidates that must never be offered again.
     async fn remove(&self, pool: &str, ids: &[CodeId]) -> Result<(), HotPoolError>;
-    /// One refiller per pool at a time; `None` when someone else holds it.
-    async fn try_lock_refill(
+    /// One refiller per pool at a time: takes each pool's refill lock and
+    /// reads its high-water mark and set size (one round trip in
+    /// production). `None` where someone else holds the lock.
+    async fn lock_refills(
         &self,
-        pool: &str,
+        pools: &[&str],
         ttl: Duration,
-    ) -> Result<Option<RefillLock>, HotPoolError>;
-    async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError>;
+    ) -> Result<Vec<Option<HeldRefill>>, HotPoolError>;
+    /// Adds what each refill loaded, raises its high-water mark, and
+    /// releases its lock.
+    async fn finish_refills(&self, fills: Vec<Refilled<Candidate>>) -> Result<(), HotPoolError>;
     /// True while the pool is unreachable (claims are on the fallback).
     fn is_degraded(&self) -> bool;
 }

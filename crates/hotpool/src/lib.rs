@@ -250,50 +250,6 @@ impl HotPool {
             .await
     }
 
-    /// Adds freshly loaded candidates and moves the pool's high-water mark
-    /// (the largest `seq` loaded so far) in one atomic step.
-    pub async fn add(
-        &self,
-        pool: &str,
-        candidates: &[Candidate],
-        high_water_mark: i64,
-    ) -> Result<(), HotPoolError> {
-        let key = self.key(pool, "hot");
-        let hwm = self.key(pool, "hwm");
-        let items: Vec<(f64, String)> = candidates
-            .iter()
-            .map(|c| (c.seq as f64, c.id.clone()))
-            .collect();
-        self.run(|mut c| async move {
-            let mut pipe = redis::pipe();
-            pipe.atomic();
-            if !items.is_empty() {
-                pipe.zadd_multiple(&key, &items).ignore();
-            }
-            pipe.set(&hwm, high_water_mark).ignore();
-            pipe.query_async::<()>(&mut c).await
-        })
-        .await
-    }
-
-    /// What a refiller reads once it holds the pool's lock, in one round
-    /// trip: the largest `seq` ever loaded into the pool's set (0 when
-    /// unknown, for example after a flush: then the refill starts from the
-    /// beginning), and how many candidates the set holds right now.
-    pub async fn refill_state(&self, pool: &str) -> Result<(i64, u64), HotPoolError> {
-        let (hwm, key) = (self.key(pool, "hwm"), self.key(pool, "hot"));
-        let (mark, waiting): (Option<i64>, u64) = self
-            .run(|mut c| async move {
-                redis::pipe()
-                    .get(&hwm)
-                    .zcard(&key)
-                    .query_async(&mut c)
-                    .await
-            })
-            .await?;
-        Ok((mark.unwrap_or(0), waiting))
-    }
-
     /// Number of candidates waiting in the pool's set.
     pub async fn len(&self, pool: &str) -> Result<u64, HotPoolError> {
         let key = self.key(pool, "hot");
@@ -311,45 +267,160 @@ impl HotPool {
             .await
     }
 
-    /// Tries to become the pool's only refiller for `ttl`. `None` means
-    /// another process is refilling right now.
-    pub async fn try_lock_refill(
+    /// Tries to become the only refiller of each pool for `ttl`, and reads
+    /// what a refiller needs once it holds a pool's lock, all in one round
+    /// trip: per pool `SET lock NX PX`, then the largest `seq` ever loaded
+    /// into its set (0 when unknown, for example after a flush: the refill
+    /// then starts from the beginning) and how many candidates the set holds.
+    /// Aligned with `pools`; `None` where another refiller holds the lock.
+    pub async fn lock_refills(
         &self,
-        pool: &str,
+        pools: &[&str],
         ttl: Duration,
-    ) -> Result<Option<RefillLock>, HotPoolError> {
-        let key = self.key(pool, "refill");
-        let token = format!("{:032x}", rand::random::<u128>());
-        let (k, t) = (key.clone(), token.clone());
-        let ok: Option<String> = self
-            .run(|mut c| async move {
-                redis::cmd("SET")
-                    .arg(&k)
-                    .arg(&t)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(ttl.as_millis() as u64)
-                    .query_async(&mut c)
-                    .await
+    ) -> Result<Vec<Option<HeldRefill>>, HotPoolError> {
+        if pools.is_empty() {
+            return Ok(Vec::new());
+        }
+        let asks: Vec<[String; 4]> = pools
+            .iter()
+            .map(|pool| {
+                [
+                    self.key(pool, "refill"),
+                    format!("{:032x}", rand::random::<u128>()),
+                    self.key(pool, "hwm"),
+                    self.key(pool, "hot"),
+                ]
+            })
+            .collect();
+        let ms = ttl.as_millis() as u64;
+        let raw: Vec<redis::Value> = self
+            .run(|mut c| {
+                let asks = &asks;
+                async move {
+                    let mut pipe = redis::pipe();
+                    for [lock, token, hwm, hot] in asks {
+                        pipe.cmd("SET")
+                            .arg(lock)
+                            .arg(token)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(ms);
+                        pipe.get(hwm).zcard(hot);
+                    }
+                    pipe.query_async(&mut c).await
+                }
             })
             .await?;
-        Ok(ok.map(|_| RefillLock { key, token }))
+        if raw.len() != 3 * asks.len() {
+            return Err(HotPoolError::Unavailable("short pipeline reply".into()));
+        }
+        let parse = |e: redis::RedisError| HotPoolError::Unavailable(e.to_string());
+        let mut out = Vec::with_capacity(asks.len());
+        for ([key, token, ..], reply) in asks.into_iter().zip(raw.chunks(3)) {
+            let [locked, hwm, waiting] = reply else {
+                unreachable!("chunks of 3")
+            };
+            if *locked == redis::Value::Nil {
+                out.push(None);
+                continue;
+            }
+            let hwm: Option<i64> = redis::from_redis_value(hwm).map_err(parse)?;
+            out.push(Some(HeldRefill {
+                lock: RefillLock { key, token },
+                hwm: hwm.unwrap_or(0),
+                waiting: redis::from_redis_value(waiting).map_err(parse)?,
+            }));
+        }
+        Ok(out)
     }
 
-    /// Releases the refill lock if (and only if) we still hold it: a lock
-    /// that expired and was taken by another refiller is left alone.
-    pub async fn unlock_refill(&self, lock: RefillLock) -> Result<(), HotPoolError> {
-        let script = redis::Script::new(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end",
-        );
-        self.run(|mut c| async move {
-            script
-                .key(&lock.key)
-                .arg(&lock.token)
-                .invoke_async::<i64>(&mut c)
-                .await
-                .map(|_| ())
+    /// Ends refills taken with [`HotPool::lock_refills`], in one round trip:
+    /// per pool, one script adds the loaded candidates, raises the pool's
+    /// high-water mark (never lowers it) and releases the lock if (and only
+    /// if) this refiller still holds it. A lock that expired and was taken
+    /// by another refiller is left alone.
+    pub async fn finish_refills(&self, fills: Vec<Refilled>) -> Result<(), HotPoolError> {
+        if fills.is_empty() {
+            return Ok(());
+        }
+        let calls: Vec<(String, String, Refilled)> = fills
+            .into_iter()
+            .map(|f| (self.key(&f.pool, "hot"), self.key(&f.pool, "hwm"), f))
+            .collect();
+        self.run(|mut c| {
+            let calls = &calls;
+            async move {
+                let mut pipe = redis::pipe();
+                for (hot, hwm, f) in calls {
+                    let call = pipe
+                        .cmd("EVAL")
+                        .arg(FINISH_REFILL)
+                        .arg(3)
+                        .arg(hot)
+                        .arg(hwm)
+                        .arg(&f.lock.key)
+                        .arg(&f.lock.token)
+                        .arg(f.high_water_mark);
+                    for c in &f.candidates {
+                        call.arg(c.seq).arg(&c.id);
+                    }
+                    call.ignore();
+                }
+                pipe.query_async::<()>(&mut c).await
+            }
         })
         .await
+    }
+}
+
+/// KEYS: the pool's set, its high-water mark, its refill lock. ARGV: the
+/// lock's token, the new mark, then score/member pairs. `ZADD` takes them
+/// in slices: Lua's `unpack` is limited to a few thousand values.
+const FINISH_REFILL: &str = r"
+local i = 3
+while i <= #ARGV do
+  local j = math.min(i + 999, #ARGV)
+  redis.call('ZADD', KEYS[1], unpack(ARGV, i, j))
+  i = j + 1
+end
+if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[2]) then
+  redis.call('SET', KEYS[2], ARGV[2])
+end
+if redis.call('GET', KEYS[3]) == ARGV[1] then
+  redis.call('DEL', KEYS[3])
+end
+return 1
+";
+
+/// A pool's refill lock, with what its set looked like when it was taken.
+#[derive(Debug)]
+pub struct HeldRefill {
+    pub lock: RefillLock,
+    /// The largest `seq` ever loaded into the set (0: unknown).
+    pub hwm: i64,
+    /// Candidates waiting in the set.
+    pub waiting: u64,
+}
+
+/// What a refill loaded into a pool's set, and the lock it releases.
+/// Callers with candidates of their own type map them with [`Refilled::map`].
+#[derive(Debug)]
+pub struct Refilled<C = Candidate> {
+    pub pool: String,
+    pub candidates: Vec<C>,
+    /// The largest `seq` loaded so far (the set's mark is never lowered).
+    pub high_water_mark: i64,
+    pub lock: RefillLock,
+}
+
+impl<C> Refilled<C> {
+    /// The same refill with its candidates converted.
+    pub fn map<D>(self, f: impl FnMut(C) -> D) -> Refilled<D> {
+        Refilled {
+            pool: self.pool,
+            candidates: self.candidates.into_iter().map(f).collect(),
+            high_water_mark: self.high_water_mark,
+            lock: self.lock,
+        }
     }
 }

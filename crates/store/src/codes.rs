@@ -299,6 +299,48 @@ pub fn not_expired(now: DateTime) -> Document {
     doc! {"$or": [{"expires_at": Bson::Null}, {"expires_at": {"$gt": now}}]}
 }
 
+/// Pools per refill query: enough to start a batch's cold pools together,
+/// few enough that one query's reply stays well under a cursor batch.
+pub const ASKS_PER_QUERY: usize = 64;
+
+/// One pool's part of [`Store::candidates_after_many`]: up to `limit`
+/// candidates with `seq` above `after_seq`.
+#[derive(Debug, Clone, Copy)]
+pub struct CandidateAsk<'a> {
+    pub pool: &'a str,
+    pub after_seq: i64,
+    pub limit: i64,
+}
+
+impl CandidateAsk<'_> {
+    /// The bounded scan of `(pool, status, seq)` that answers this ask.
+    fn pipeline(&self, now: DateTime) -> Vec<Document> {
+        let mut filter = doc! {
+            "pool": self.pool,
+            "status": {"$in": Transition::Claim.from_codes()},
+            "seq": {"$gt": self.after_seq},
+        };
+        filter.extend(not_expired(now));
+        vec![
+            doc! {"$match": filter},
+            doc! {"$sort": {"seq": 1}},
+            doc! {"$limit": self.limit.max(1)},
+            doc! {"$project": {"_id": 1, "seq": 1, "pool": 1}},
+        ]
+    }
+}
+
+/// The id, seq and pool of a candidate read by a refill.
+fn candidate_fields(d: &Document) -> Result<(CodeId, i64, &str), StoreError> {
+    match (d.get_object_id("_id"), d.get_i64("seq"), d.get_str("pool")) {
+        (Ok(id), Ok(seq), Ok(pool)) => Ok((code_id(id), seq, pool)),
+        _ => Err(StoreError::Corrupt {
+            collection: CODES.into(),
+            message: format!("a code lacks an ObjectId _id, a 64-bit seq or a pool: {d}"),
+        }),
+    }
+}
+
 fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
     let mut set = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
     for (field, value) in holder_fields(a) {
@@ -739,32 +781,60 @@ impl Store {
         after_seq: i64,
         limit: i64,
     ) -> Result<Vec<(CodeId, i64)>, StoreError> {
-        let mut filter = doc! {
-            "pool": pool,
-            "status": {"$in": Transition::Claim.from_codes()},
-            "seq": {"$gt": after_seq},
-        };
-        filter.extend(not_expired(DateTime::now()));
-        let docs: Vec<Document> = self
-            .collection(CODES)
-            .find(filter)
-            .sort(doc! {"seq": 1})
-            .limit(limit)
-            .projection(doc! {"_id": 1, "seq": 1})
-            .await?
-            .try_collect()
+        let mut found = self
+            .candidates_after_many(&[CandidateAsk {
+                pool,
+                after_seq,
+                limit,
+            }])
             .await?;
-        docs.into_iter()
-            .map(|d| match (d.get_object_id("_id"), d.get_i64("seq")) {
-                (Ok(id), Ok(seq)) => Ok((code_id(id), seq)),
-                _ => Err(StoreError::Corrupt {
-                    collection: CODES.into(),
-                    message: format!(
-                        "a code of pool {pool:?} lacks an ObjectId _id or a 64-bit seq: {d}"
-                    ),
-                }),
+        Ok(found.pop().unwrap_or_default())
+    }
+
+    /// [`Store::candidates_after`] for several pools, aligned with `asks`,
+    /// in one `aggregate` per [`ASKS_PER_QUERY`] pools: each pool's bounded
+    /// index scan is a `$unionWith` branch of the first one. Pools that
+    /// start cold together (a batch of purchases over many pools) cost one
+    /// round trip and one command, not one each.
+    pub async fn candidates_after_many(
+        &self,
+        asks: &[CandidateAsk<'_>],
+    ) -> Result<Vec<Vec<(CodeId, i64)>>, StoreError> {
+        let now = DateTime::now();
+        let mut found: HashMap<&str, Vec<(CodeId, i64)>> = HashMap::new();
+        for chunk in asks.chunks(ASKS_PER_QUERY) {
+            let mut branches = chunk.iter().map(|ask| ask.pipeline(now));
+            let Some(mut pipeline) = branches.next() else {
+                continue;
+            };
+            pipeline.extend(branches.map(|branch| {
+                doc! {"$unionWith": {"coll": CODES, "pipeline": branch}}
+            }));
+            let docs: Vec<Document> = self
+                .collection(CODES)
+                .aggregate(pipeline)
+                .await?
+                .try_collect()
+                .await?;
+            for d in docs {
+                let (id, seq, pool) = candidate_fields(&d)?;
+                let ask = chunk.iter().find(|a| a.pool == pool).ok_or_else(|| {
+                    StoreError::Corrupt {
+                        collection: CODES.into(),
+                        message: format!("a refill returned a code of pool {pool:?}, which it did not ask for: {d}"),
+                    }
+                })?;
+                found.entry(ask.pool).or_default().push((id, seq));
+            }
+        }
+        Ok(asks
+            .iter()
+            .map(|a| {
+                let mut codes = found.remove(a.pool).unwrap_or_default();
+                codes.sort_unstable_by_key(|&(_, seq)| seq);
+                codes
             })
-            .collect()
+            .collect())
     }
 
     /// Records that the SMS-pending events of these codes were confirmed by

@@ -48,7 +48,8 @@ use mongodb::{Client, Collection, Database};
 pub use bson::oid::ObjectId;
 pub use codepool_domain::CodeId;
 pub use codes::{
-    code_id, object_id, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode, Resend,
+    code_id, object_id, CandidateAsk, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode,
+    Resend,
 };
 pub use crypto::CodeKeys;
 pub use error::StoreError;
