@@ -818,6 +818,72 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
     cleanup(env).await;
 }
 
+/// The dispatcher checks the pools of a batch together (their documents
+/// in one query, their counts in one): each pool still gets its own
+/// verdict, and its own alert.
+#[tokio::test]
+async fn a_batch_over_several_pools_raises_one_low_stock_alert_for_each_pool_that_crossed() {
+    let env = TestEnv::new("ops_low_stock_many").await;
+    let settings = PoolSettings {
+        low_stock: Some(8),
+        ..PoolSettings::default()
+    };
+    for pool in ["la", "lb", "lc", "ld"] {
+        env.fill_pool(pool, 10).await;
+        if pool != "ld" {
+            env.store.set_pool_settings(pool, &settings).await.unwrap();
+        }
+    }
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let topology = env.topology();
+    let queue = listen_events(&ch, &topology, "pool.low_stock").await;
+    let publisher = Publisher::new(&conn, topology).await.unwrap();
+    let watch = StockWatch::new(env.store.clone(), StockConfig::default());
+
+    // la and lb fall to 7, below 8; lc to 9, still above; ld has no threshold.
+    let taken = [("la", 3), ("lb", 3), ("lc", 1), ("ld", 5)];
+    let ps: Vec<_> = taken
+        .iter()
+        .flat_map(|&(pool, n)| (0..n).map(move |i| purchase(&format!("LM-{pool}-{i}"), pool)))
+        .collect();
+    let refs: Vec<_> = ps.iter().collect();
+    env.engine()
+        .claim_batch(&refs, Resend::ByRedelivery)
+        .await
+        .unwrap();
+    watch.after_grants(taken.map(|(p, n)| (p, n as u64)), &publisher);
+    eventually(Duration::from_secs(5), "two low-stock events", || async {
+        queue_depth(&ch, &queue).await >= 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut alerted: Vec<(String, u64)> = drain(&ch, &queue)
+        .await
+        .iter()
+        .map(|e| {
+            let event: PoolEvent = serde_json::from_slice(&e.body).unwrap();
+            (event.pool, event.unissued.unwrap())
+        })
+        .collect();
+    alerted.sort();
+    assert_eq!(alerted, vec![("la".into(), 7), ("lb".into(), 7)]);
+    for (pool, level) in [
+        ("lc", StockLevel::Ok { unissued: 9 }),
+        ("ld", StockLevel::Ok { unissued: 5 }),
+        ("nowhere", StockLevel::UnknownPool),
+    ] {
+        assert_eq!(
+            watch.check(pool, &publisher).await.unwrap(),
+            level,
+            "{pool}"
+        );
+    }
+    let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+    let _ = conn.close(200, "bye").await;
+    cleanup(env).await;
+}
+
 // ---------------------------------------------------------------- over AMQP
 
 #[tokio::test]
@@ -1312,6 +1378,13 @@ async fn stats_count_the_stock_exactly_without_counting_it() {
         let stats = store.pool_stats(Some("lg")).await.unwrap();
         assert_eq!(stats[0].unissued, want, "stats: {stats:?}");
         assert_eq!(store.unissued_stock("lg").await.unwrap(), want);
+        // The bounded counts of the stock watch: exact below their cap, the
+        // cap at or above it, several pools in one call.
+        let bounded = store
+            .unissued_counts_upto(&[("lg", 1000), ("lg", 50), ("no-such-pool", 10)])
+            .await
+            .unwrap();
+        assert_eq!(bounded, vec![want, want.min(50), 0], "bounded counts");
         stats[0].clone()
     };
     let s = stock(115).await;

@@ -26,6 +26,10 @@ use tracing::{debug, info, warn};
 /// exact below the cap and reads the cap at or above it.
 pub const STOCK_COUNT_CAP: u64 = 1000;
 
+/// Pools counted together by the sweep, between looks at which of them a
+/// check after grants has counted meanwhile.
+const SWEEP_CHUNK: usize = 256;
+
 /// How often stock may be counted and expired codes swept.
 #[derive(Debug, Clone)]
 pub struct StockConfig {
@@ -143,10 +147,14 @@ impl StockWatch {
     }
 
     /// A check of each pool, at most one per pool per `min_interval`.
+    /// Pools due at the same moment are checked together
+    /// ([`Self::check_many`]): a batch over many cold pools costs a few
+    /// queries, not two per pool.
     fn schedule_checks(self: &Arc<Self>, pools: Vec<&str>, publisher: &Publisher) {
         let Ok(mut schedule) = self.schedule.lock() else {
             return;
         };
+        let mut due: HashMap<Duration, Vec<String>> = HashMap::new();
         for pool in pools {
             let s = schedule.entry(pool.to_owned()).or_default();
             let now = Instant::now();
@@ -159,30 +167,43 @@ impl StockWatch {
             let delay = s.last.map_or(Duration::ZERO, |t| {
                 (t + self.config.min_interval).saturating_duration_since(now)
             });
+            due.entry(delay).or_default().push(pool.to_owned());
+        }
+        drop(schedule);
+        for (delay, pools) in due {
             let this = self.clone();
             let publisher = publisher.clone();
-            let pool = pool.to_owned();
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                let mut latest_grants = None;
-                if let Ok(mut schedule) = this.schedule.lock() {
-                    // From here on a new batch schedules a new check: this
-                    // one may count before that batch's grants.
-                    let s = schedule.entry(pool.clone()).or_default();
-                    s.queued = false;
-                    s.last = Some(Instant::now());
-                    latest_grants = s.latest_grants.take();
-                }
-                // A count that began after every grant waiting for this
-                // check (the sweep's, say) has already judged them.
-                if latest_grants.is_some_and(|t| this.counted_since(&pool, t)) {
-                    return;
-                }
-                if let Err(e) = this.check(&pool, &publisher).await {
-                    debug!(pool, error = %e, "stock check skipped");
+                let pools = this.still_unjudged(pools);
+                let names: Vec<&str> = pools.iter().map(String::as_str).collect();
+                if let Err(e) = this.check_many(&names, &publisher).await {
+                    debug!(pools = names.len(), error = %e, "stock check skipped");
                 }
             });
         }
+    }
+
+    /// Of `pools` whose scheduled check is starting, those a count has not
+    /// judged since their latest grants. From here on a new batch schedules
+    /// a new check: this one may count before that batch's grants.
+    fn still_unjudged(&self, pools: Vec<String>) -> Vec<String> {
+        let mut waiting = Vec::with_capacity(pools.len());
+        if let Ok(mut schedule) = self.schedule.lock() {
+            for pool in pools {
+                let s = schedule.entry(pool.clone()).or_default();
+                s.queued = false;
+                s.last = Some(Instant::now());
+                waiting.push((pool, s.latest_grants.take()));
+            }
+        }
+        // A count that began after every grant waiting for this check (the
+        // sweep's, say) has already judged them.
+        waiting
+            .into_iter()
+            .filter(|(pool, latest)| !latest.is_some_and(|t| self.counted_since(pool, t)))
+            .map(|(pool, _)| pool)
+            .collect()
     }
 
     /// True when a count of `pool` began at or after `t`.
@@ -197,19 +218,66 @@ impl StockWatch {
     /// below the threshold since it was last above (or re-arms the alert if
     /// stock is back).
     pub async fn check(&self, pool: &str, publisher: &Publisher) -> Result<StockLevel, StoreError> {
-        match self.store.pool(pool).await? {
-            Some(doc) => self.judge(&doc, publisher).await,
-            None => Ok(StockLevel::UnknownPool),
-        }
+        let mut levels = self.check_many(&[pool], publisher).await?;
+        Ok(levels.pop().unwrap_or(StockLevel::UnknownPool))
     }
 
-    /// [`Self::check`] of a pool whose document was just read.
-    async fn judge(&self, doc: &PoolDoc, publisher: &Publisher) -> Result<StockLevel, StoreError> {
+    /// [`Self::check`] of several pools: their documents in one query, their
+    /// counts in a few. Aligned with `pools`.
+    async fn check_many(
+        &self,
+        pools: &[&str],
+        publisher: &Publisher,
+    ) -> Result<Vec<StockLevel>, StoreError> {
+        if pools.is_empty() {
+            return Ok(Vec::new());
+        }
+        let docs = self.store.pools_named(pools).await?;
+        let judged = self.judge_many(&docs, publisher).await?;
+        Ok(pools
+            .iter()
+            .map(|p| {
+                docs.iter()
+                    .zip(&judged)
+                    .find(|(d, _)| d.name == *p)
+                    .map_or(StockLevel::UnknownPool, |(_, level)| *level)
+            })
+            .collect())
+    }
+
+    /// Counts the stock of pools whose documents were just read, then
+    /// judges each ([`Self::judge`]). Aligned with `docs`.
+    async fn judge_many(
+        &self,
+        docs: &[PoolDoc],
+        publisher: &Publisher,
+    ) -> Result<Vec<StockLevel>, StoreError> {
+        let counted_at = Instant::now();
+        let asks: Vec<(&str, u64)> = docs
+            .iter()
+            .map(|d| {
+                let threshold = d.low_stock.unwrap_or(0).max(0) as u64;
+                (d.name.as_str(), STOCK_COUNT_CAP.max(threshold + 1))
+            })
+            .collect();
+        let counts = self.store.unissued_counts_upto(&asks).await?;
+        let mut levels = Vec::with_capacity(docs.len());
+        for (doc, unissued) in docs.iter().zip(counts) {
+            levels.push(self.judge(doc, unissued, counted_at, publisher).await?);
+        }
+        Ok(levels)
+    }
+
+    /// Records a pool's count (begun at `counted_at`) and acts on it.
+    async fn judge(
+        &self,
+        doc: &PoolDoc,
+        unissued: u64,
+        counted_at: Instant,
+        publisher: &Publisher,
+    ) -> Result<StockLevel, StoreError> {
         let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
-        let cap = STOCK_COUNT_CAP.max(threshold.max(0) as u64 + 1);
-        let counted_at = Instant::now();
-        let unissued = self.store.unissued_count_upto(pool, cap).await?;
         metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
         if let Ok(mut known) = self.known.lock() {
             known.insert(
@@ -270,10 +338,14 @@ impl StockWatch {
     /// counted again.
     pub async fn check_all(&self, publisher: &Publisher) -> Result<(), StoreError> {
         let started = Instant::now();
-        for pool in self.store.pools().await? {
-            if !self.counted_since(&pool.name, started) {
-                self.judge(&pool, publisher).await?;
-            }
+        let pools = self.store.pools().await?;
+        for chunk in pools.chunks(SWEEP_CHUNK) {
+            let due: Vec<PoolDoc> = chunk
+                .iter()
+                .filter(|p| !self.counted_since(&p.name, started))
+                .cloned()
+                .collect();
+            self.judge_many(&due, publisher).await?;
         }
         Ok(())
     }

@@ -313,8 +313,9 @@ pub struct CandidateAsk<'a> {
 }
 
 impl CandidateAsk<'_> {
-    /// The bounded scan of `(pool, status, seq)` that answers this ask.
-    fn pipeline(&self, now: DateTime) -> Vec<Document> {
+    /// The bounded scan of `(pool, status, seq)` that answers this ask;
+    /// each code it returns carries `at`, the position of the ask.
+    fn pipeline(&self, at: usize, now: DateTime) -> Vec<Document> {
         let mut filter = doc! {
             "pool": self.pool,
             "status": {"$in": Transition::Claim.from_codes()},
@@ -325,18 +326,38 @@ impl CandidateAsk<'_> {
             doc! {"$match": filter},
             doc! {"$sort": {"seq": 1}},
             doc! {"$limit": self.limit.max(1)},
-            doc! {"$project": {"_id": 1, "seq": 1, "pool": 1}},
+            doc! {"$project": {"_id": 1, "seq": 1, "at": {"$literal": at as i64}}},
         ]
     }
 }
 
-/// The id, seq and pool of a candidate read by a refill.
-fn candidate_fields(d: &Document) -> Result<(CodeId, i64, &str), StoreError> {
-    match (d.get_object_id("_id"), d.get_i64("seq"), d.get_str("pool")) {
-        (Ok(id), Ok(seq), Ok(pool)) => Ok((code_id(id), seq, pool)),
+/// One `aggregate` pipeline answering every branch: the first branch runs
+/// on `codes`, each other one is a `$unionWith` of it.
+fn union_of(branches: impl IntoIterator<Item = Vec<Document>>) -> Vec<Document> {
+    let mut branches = branches.into_iter();
+    let mut pipeline = branches.next().unwrap_or_default();
+    pipeline.extend(branches.map(|b| doc! {"$unionWith": {"coll": CODES, "pipeline": b}}));
+    pipeline
+}
+
+/// The integer field `key` of `d`, as `$literal` and `$sum` write it.
+fn int_field(d: &Document, key: &str) -> Option<i64> {
+    match d.get(key) {
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        Some(Bson::Int64(n)) => Some(*n),
+        _ => None,
+    }
+}
+
+/// The ask position (below `asks`), id and seq of a candidate read by a
+/// refill.
+fn candidate_fields(d: &Document, asks: usize) -> Result<(usize, CodeId, i64), StoreError> {
+    let at = int_field(d, "at").and_then(|i| usize::try_from(i).ok());
+    match (at, d.get_object_id("_id"), d.get_i64("seq")) {
+        (Some(i), Ok(id), Ok(seq)) if i < asks => Ok((i, code_id(id), seq)),
         _ => Err(StoreError::Corrupt {
             collection: CODES.into(),
-            message: format!("a code lacks an ObjectId _id, a 64-bit seq or a pool: {d}"),
+            message: format!("a code lacks an ObjectId _id or a 64-bit seq: {d}"),
         }),
     }
 }
@@ -801,40 +822,25 @@ impl Store {
         asks: &[CandidateAsk<'_>],
     ) -> Result<Vec<Vec<(CodeId, i64)>>, StoreError> {
         let now = DateTime::now();
-        let mut found: HashMap<&str, Vec<(CodeId, i64)>> = HashMap::new();
-        for chunk in asks.chunks(ASKS_PER_QUERY) {
-            let mut branches = chunk.iter().map(|ask| ask.pipeline(now));
-            let Some(mut pipeline) = branches.next() else {
-                continue;
-            };
-            pipeline.extend(branches.map(|branch| {
-                doc! {"$unionWith": {"coll": CODES, "pipeline": branch}}
-            }));
-            let docs: Vec<Document> = self
-                .collection(CODES)
-                .aggregate(pipeline)
-                .await?
-                .try_collect()
-                .await?;
-            for d in docs {
-                let (id, seq, pool) = candidate_fields(&d)?;
-                let ask = chunk.iter().find(|a| a.pool == pool).ok_or_else(|| {
-                    StoreError::Corrupt {
-                        collection: CODES.into(),
-                        message: format!("a refill returned a code of pool {pool:?}, which it did not ask for: {d}"),
-                    }
-                })?;
-                found.entry(ask.pool).or_default().push((id, seq));
+        let mut found = vec![Vec::new(); asks.len()];
+        for (c, chunk) in asks.chunks(ASKS_PER_QUERY).enumerate() {
+            let at = c * ASKS_PER_QUERY;
+            let pipeline = union_of(
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(k, ask)| ask.pipeline(at + k, now)),
+            );
+            let mut cursor = self.collection(CODES).aggregate(pipeline).await?;
+            while let Some(d) = cursor.try_next().await? {
+                let (i, id, seq) = candidate_fields(&d, found.len())?;
+                found[i].push((id, seq));
             }
         }
-        Ok(asks
-            .iter()
-            .map(|a| {
-                let mut codes = found.remove(a.pool).unwrap_or_default();
-                codes.sort_unstable_by_key(|&(_, seq)| seq);
-                codes
-            })
-            .collect())
+        for codes in &mut found {
+            codes.sort_unstable_by_key(|&(_, seq)| seq);
+        }
+        Ok(found)
     }
 
     /// Records that the SMS-pending events of these codes were confirmed by
@@ -935,13 +941,50 @@ impl Store {
     /// below it, `cap` at or above it. Its cost is bounded by `cap`, not by
     /// the pool's size.
     pub async fn unissued_count_upto(&self, pool: &str, cap: u64) -> Result<u64, StoreError> {
-        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
-        filter.extend(not_expired(DateTime::now()));
-        Ok(self
-            .collection(CODES)
-            .count_documents(filter)
-            .limit(cap)
-            .await?)
+        let mut counts = self.unissued_counts_upto(&[(pool, cap)]).await?;
+        Ok(counts.pop().unwrap_or(0))
+    }
+
+    /// [`Store::unissued_count_upto`] of several `(pool, cap)`, aligned
+    /// with the input, in one `aggregate` per [`ASKS_PER_QUERY`] pools (each
+    /// pool's bounded count a `$unionWith` branch): a stock sweep over
+    /// thousands of pools is a few dozen commands, not thousands.
+    pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
+        let now = DateTime::now();
+        // Each branch's count carries the position of its ask.
+        let branch = |at: usize, pool: &str, cap: u64| {
+            let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
+            filter.extend(not_expired(now));
+            vec![
+                doc! {"$match": filter},
+                doc! {"$limit": cap.max(1) as i64},
+                doc! {"$group": {"_id": {"$literal": at as i64}, "n": {"$sum": 1}}},
+            ]
+        };
+        let mut counts = vec![0u64; asks.len()];
+        for (c, chunk) in asks.chunks(ASKS_PER_QUERY).enumerate() {
+            let at = c * ASKS_PER_QUERY;
+            let pipeline = union_of(
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &(pool, cap))| branch(at + k, pool, cap)),
+            );
+            let mut cursor = self.collection(CODES).aggregate(pipeline).await?;
+            while let Some(d) = cursor.try_next().await? {
+                let at = int_field(&d, "_id").and_then(|i| usize::try_from(i).ok());
+                match (at, int_field(&d, "n")) {
+                    (Some(i), Some(n)) if i < counts.len() => counts[i] = n as u64,
+                    _ => {
+                        return Err(StoreError::Corrupt {
+                            collection: CODES.into(),
+                            message: format!("a stock count answered {d}"),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(counts)
     }
 }
 
