@@ -831,7 +831,13 @@ impl Store {
                     .enumerate()
                     .map(|(k, ask)| ask.pipeline(at + k, now)),
             );
-            let mut cursor = self.collection(CODES).aggregate(pipeline).await?;
+            // Every candidate in the first reply: no getMore round trip.
+            let most: i64 = chunk.iter().map(|a| a.limit.max(1)).sum();
+            let mut cursor = self
+                .collection(CODES)
+                .aggregate(pipeline)
+                .batch_size(u32::try_from(most).unwrap_or(u32::MAX))
+                .await?;
             while let Some(d) = cursor.try_next().await? {
                 let (i, id, seq) = candidate_fields(&d, found.len())?;
                 found[i].push((id, seq));
