@@ -613,6 +613,9 @@ impl ClaimEngine {
         asks: &[RefillAsk<'_>],
         loading: &[(usize, HeldRefill)],
     ) -> Result<Vec<Vec<Candidate>>, StoreError> {
+        if loading.is_empty() {
+            return Ok(Vec::new());
+        }
         let first: Vec<CandidateAsk> = loading
             .iter()
             .map(|(i, held)| CandidateAsk {

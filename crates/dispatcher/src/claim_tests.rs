@@ -228,6 +228,7 @@ async fn a_claimer_that_waited_for_another_refill_takes_its_candidates() {
         0,
         "no second query for what the set already holds"
     );
+    assert_eq!(r.store.refill_queries.load(Ordering::SeqCst), 0);
     assert_eq!(r.hot.len("x"), 3, "the others stay offered, once each");
 }
 
