@@ -395,6 +395,46 @@ fn outages_seen(logs: &std::path::Path) -> HashMap<&'static str, usize> {
     seen
 }
 
+/// Before any fault: a batch over pools whose keys live in different hash
+/// slots claims through the Redis Cluster, not the MongoDB fallback. Every
+/// Redis pipeline of the claim spans those pools, and a cluster refuses a
+/// pipeline that crosses slots; the refills leave each pool's remaining
+/// candidates in its hot set, which the fallback would not.
+async fn many_pools_claim_through_the_hot_pool(env: &TestEnv) {
+    let pools: Vec<String> = (0..12).map(|k| format!("slots-{k:02}")).collect();
+    for pool in &pools {
+        env.fill_pool(pool, 5).await;
+    }
+    let purchases: Vec<Purchase> = pools
+        .iter()
+        .flat_map(|pool| (0..2).map(move |i| purchase(&format!("{pool}-order-{i}"), pool)))
+        .collect();
+    let refs: Vec<&Purchase> = purchases.iter().collect();
+    let engine = env.engine();
+    let out = engine
+        .claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+        .await
+        .expect("claims on the cluster");
+    let granted = out
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                codepool_dispatcher::ClaimOutcome::Granted { fresh: true, .. }
+            )
+        })
+        .count();
+    assert_eq!(granted, purchases.len(), "every order granted: {out:?}");
+    assert!(!engine.is_degraded(), "the claims fell back to MongoDB");
+    let hot = env.hot_pool();
+    for pool in &pools {
+        assert_eq!(
+            hot.len(pool).await.expect("redis cluster"),
+            3,
+            "{pool}'s hot set"
+        );
+    }
+}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatchers_survive_failover_of_every_server() {
     let started = Instant::now();
@@ -402,6 +442,7 @@ async fn dispatchers_survive_failover_of_every_server() {
     let servers = start_cluster().await;
     let cluster_up = started.elapsed();
     let env = TestEnv::on("failover", servers).await;
+    many_pools_claim_through_the_hot_pool(&env).await;
     let logs = std::env::temp_dir().join(format!("codepool-failover-{}", env.db));
     std::fs::create_dir_all(&logs).expect("log dir");
     env.fill_pool(POOL, s.orders + 500).await;

@@ -120,13 +120,14 @@ impl TestEnv {
     }
 
     pub fn engine(&self) -> ClaimEngine {
-        let client = redis::Client::open(self.redis_url.as_str()).expect("redis url");
-        let daily = codepool_sequence::DailyNumbers::new(
-            Some(client),
+        // One server, or the comma-separated nodes of a Redis Cluster.
+        let daily = codepool_sequence::DailyNumbers::from_url(
+            Some(&self.redis_url),
             self.store.database().clone(),
             &self.redis_prefix,
             chrono_tz::UTC,
-        );
+        )
+        .expect("redis url");
         ClaimEngine::new(
             Arc::new(self.store.clone()),
             Arc::new(self.hot_pool()),

@@ -2,7 +2,7 @@
 //! mid-run loses nothing and issues nothing twice, and a stale candidate is
 //! simply skipped.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::doc;
@@ -372,12 +372,30 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
     for pool in &pools {
         env.fill_pool(pool, 5).await;
     }
-    let first = env
-        .store
-        .candidates_after("m-000", 0, 5)
-        .await
-        .expect("mongo");
-    let after = first[1].1;
+    // What each pool holds, read directly: (id, seq) oldest first.
+    let mut stored = HashMap::new();
+    for pool in &pools {
+        let docs: Vec<bson::Document> = env
+            .store
+            .database()
+            .collection::<bson::Document>(codepool_store::codes::CODES)
+            .find(doc! {"pool": pool})
+            .sort(doc! {"seq": 1})
+            .await
+            .expect("mongo")
+            .try_collect()
+            .await
+            .expect("mongo");
+        let codes: Vec<(CodeId, i64)> = docs
+            .iter()
+            .map(|d| {
+                let id = codepool_store::code_id(d.get_object_id("_id").unwrap());
+                (id, d.get_i64("seq").unwrap())
+            })
+            .collect();
+        stored.insert(pool.as_str(), codes);
+    }
+    let after = stored["m-000"][1].1;
     let asks: Vec<CandidateAsk> = pools
         .iter()
         .rev()
@@ -396,12 +414,13 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
     assert_eq!(found.len(), asks.len());
     assert!(found.last().expect("unknown pool").is_empty());
     for (ask, codes) in asks.iter().zip(&found).take(pools.len()) {
-        let all = env
-            .store
-            .candidates_after(ask.pool, 0, 5)
-            .await
-            .expect("mongo");
-        let expected: Vec<_> = all.into_iter().filter(|c| c.1 > after).take(2).collect();
+        let expected: Vec<_> = stored[ask.pool]
+            .iter()
+            .copied()
+            .filter(|c| c.1 > after)
+            .take(2)
+            .collect();
+        assert_eq!(expected.len(), 2, "{} has codes past the mark", ask.pool);
         assert_eq!(codes, &expected, "{}", ask.pool);
     }
     env.cleanup().await;

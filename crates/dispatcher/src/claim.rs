@@ -247,12 +247,14 @@ impl ClaimEngine {
             scan.extend(by_pool.into_iter().flat_map(|(_, idxs)| idxs));
             return Vec::new();
         };
-        self.refill_short(&wants, &mut popped).await;
+        let empty = self.refill_short(&wants, &mut popped).await;
         let mut topped = Vec::with_capacity(wants.len());
-        let mut popped = popped.into_iter();
+        let mut popped = popped.into_iter().zip(empty);
         for chunk in wants.chunks(PARALLEL_REFILLS) {
             let mut pending = Vec::with_capacity(chunk.len());
-            for (&(pool, k), (got, left)) in chunk.iter().zip(popped.by_ref()) {
+            for (&(pool, k), ((got, left), empty)) in chunk.iter().zip(popped.by_ref()) {
+                // A pool its refill just found empty is not refilled again.
+                let k = if empty { got.len() } else { k };
                 pending.push(self.complete(pool, k, got, left));
             }
             topped.extend(futures::future::join_all(pending).await);
@@ -502,8 +504,14 @@ impl ClaimEngine {
     /// Refills the pools of a batch that came up short, together, and pops
     /// again what each still needs. A pool still short after this (its lock
     /// was busy, or a server failed) is left to [`ClaimEngine::complete`],
-    /// which retries it alone.
-    async fn refill_short(&self, wants: &[(&str, usize)], popped: &mut [(Vec<Candidate>, u64)]) {
+    /// which retries it alone. Returns, aligned with `wants`, which pools
+    /// the refill found without a single candidate.
+    async fn refill_short(
+        &self,
+        wants: &[(&str, usize)],
+        popped: &mut [(Vec<Candidate>, u64)],
+    ) -> Vec<bool> {
+        let mut empty = vec![false; wants.len()];
         let short: Vec<(usize, usize)> = wants
             .iter()
             .zip(popped.iter())
@@ -512,7 +520,7 @@ impl ClaimEngine {
             .filter(|&(_, needed)| needed > 0)
             .collect();
         if short.is_empty() {
-            return;
+            return empty;
         }
         let asks: Vec<RefillAsk> = short
             .iter()
@@ -522,9 +530,12 @@ impl ClaimEngine {
             Ok(r) => r,
             Err(e) => {
                 debug!(error = %e, pools = asks.len(), "refill of short pools failed; retrying them one by one");
-                return;
+                return empty;
             }
         };
+        for (&(i, _), r) in short.iter().zip(&refills) {
+            empty[i] = *r == Refill::Added(0);
+        }
         let again: Vec<(usize, (&str, usize))> = short
             .iter()
             .zip(refills)
@@ -535,12 +546,13 @@ impl ClaimEngine {
             .collect();
         let wants_again: Vec<(&str, usize)> = again.iter().map(|(_, w)| *w).collect();
         let Ok(more) = self.hot.pop_many(&wants_again).await else {
-            return;
+            return empty;
         };
         for ((i, _), (got, left)) in again.into_iter().zip(more) {
             popped[i].0.extend(got);
             popped[i].1 = left;
         }
+        empty
     }
 
     /// Refills the hot sets of several pools in four round trips whatever
@@ -579,13 +591,12 @@ impl ClaimEngine {
                 return Err(e.into());
             }
         };
+        let mut ended = Vec::new();
         for ((i, held), candidates) in loading.into_iter().zip(found) {
             let ask = &asks[i];
             if (candidates.len() as i64) < ask.size {
                 // The end of the pool: the set holds every candidate there is.
-                if let Ok(mut dry) = self.dry.lock() {
-                    dry.insert(ask.pool.to_owned(), Instant::now());
-                }
+                ended.push(ask.pool);
             }
             debug!(
                 pool = ask.pool,
@@ -602,6 +613,9 @@ impl ClaimEngine {
             });
         }
         self.hot.finish_refills(fills).await?;
+        if let Ok(mut dry) = self.dry.lock() {
+            dry.extend(ended.into_iter().map(|p| (p.to_owned(), Instant::now())));
+        }
         Ok(out)
     }
 

@@ -30,6 +30,9 @@ pub const STOCK_COUNT_CAP: u64 = 1000;
 /// check after grants has counted meanwhile.
 const SWEEP_CHUNK: usize = 256;
 
+/// Checks due within this many milliseconds of each other run together.
+const GROUP_MS: u128 = 10;
+
 /// How often stock may be counted and expired codes swept.
 #[derive(Debug, Clone)]
 pub struct StockConfig {
@@ -155,9 +158,9 @@ impl StockWatch {
             return;
         };
         let mut due: HashMap<Duration, Vec<String>> = HashMap::new();
+        let now = Instant::now();
         for pool in pools {
             let s = schedule.entry(pool.to_owned()).or_default();
-            let now = Instant::now();
             s.latest_grants = Some(now);
             if s.queued {
                 // A check is coming and will see this batch's grants.
@@ -167,6 +170,10 @@ impl StockWatch {
             let delay = s.last.map_or(Duration::ZERO, |t| {
                 (t + self.config.min_interval).saturating_duration_since(now)
             });
+            // Pools due within the same few milliseconds go together.
+            let delay = Duration::from_millis(
+                delay.as_millis().div_ceil(GROUP_MS) as u64 * GROUP_MS as u64,
+            );
             due.entry(delay).or_default().push(pool.to_owned());
         }
         drop(schedule);
@@ -177,7 +184,11 @@ impl StockWatch {
                 tokio::time::sleep(delay).await;
                 let pools = this.still_unjudged(pools);
                 let names: Vec<&str> = pools.iter().map(String::as_str).collect();
-                if let Err(e) = this.check_many(&names, &publisher).await {
+                let failed = match this.check_many(&names, &publisher).await {
+                    Ok(levels) => levels.into_iter().filter_map(Result::err).collect(),
+                    Err(e) => vec![e],
+                };
+                for e in failed {
                     debug!(pools = names.len(), error = %e, "stock check skipped");
                 }
             });
@@ -189,11 +200,12 @@ impl StockWatch {
     /// a new check: this one may count before that batch's grants.
     fn still_unjudged(&self, pools: Vec<String>) -> Vec<String> {
         let mut waiting = Vec::with_capacity(pools.len());
+        let now = Instant::now();
         if let Ok(mut schedule) = self.schedule.lock() {
             for pool in pools {
                 let s = schedule.entry(pool.clone()).or_default();
                 s.queued = false;
-                s.last = Some(Instant::now());
+                s.last = Some(now);
                 waiting.push((pool, s.latest_grants.take()));
             }
         }
@@ -219,29 +231,29 @@ impl StockWatch {
     /// stock is back).
     pub async fn check(&self, pool: &str, publisher: &Publisher) -> Result<StockLevel, StoreError> {
         let mut levels = self.check_many(&[pool], publisher).await?;
-        Ok(levels.pop().unwrap_or(StockLevel::UnknownPool))
+        levels.pop().unwrap_or(Ok(StockLevel::UnknownPool))
     }
 
     /// [`Self::check`] of several pools: their documents in one query, their
-    /// counts in a few. Aligned with `pools`.
+    /// counts in a few. Aligned with `pools`; one pool's failure (to publish
+    /// its alert, say) does not keep the others from being judged.
     async fn check_many(
         &self,
         pools: &[&str],
         publisher: &Publisher,
-    ) -> Result<Vec<StockLevel>, StoreError> {
+    ) -> Result<Vec<Result<StockLevel, StoreError>>, StoreError> {
         if pools.is_empty() {
             return Ok(Vec::new());
         }
         let docs = self.store.pools_named(pools).await?;
-        let judged = self.judge_many(&docs, publisher).await?;
+        let mut judged: HashMap<String, Result<StockLevel, StoreError>> = docs
+            .iter()
+            .map(|d| d.name.clone())
+            .zip(self.judge_many(&docs, publisher).await?)
+            .collect();
         Ok(pools
             .iter()
-            .map(|p| {
-                docs.iter()
-                    .zip(&judged)
-                    .find(|(d, _)| d.name == *p)
-                    .map_or(StockLevel::UnknownPool, |(_, level)| *level)
-            })
+            .map(|p| judged.remove(*p).unwrap_or(Ok(StockLevel::UnknownPool)))
             .collect())
     }
 
@@ -251,7 +263,7 @@ impl StockWatch {
         &self,
         docs: &[PoolDoc],
         publisher: &Publisher,
-    ) -> Result<Vec<StockLevel>, StoreError> {
+    ) -> Result<Vec<Result<StockLevel, StoreError>>, StoreError> {
         let counted_at = Instant::now();
         let asks: Vec<(&str, u64)> = docs
             .iter()
@@ -263,7 +275,7 @@ impl StockWatch {
         let counts = self.store.unissued_counts_upto(&asks).await?;
         let mut levels = Vec::with_capacity(docs.len());
         for (doc, unissued) in docs.iter().zip(counts) {
-            levels.push(self.judge(doc, unissued, counted_at, publisher).await?);
+            levels.push(self.judge(doc, unissued, counted_at, publisher).await);
         }
         Ok(levels)
     }
@@ -345,7 +357,14 @@ impl StockWatch {
                 .filter(|p| !self.counted_since(&p.name, started))
                 .cloned()
                 .collect();
-            self.judge_many(&due, publisher).await?;
+            let judged = self.judge_many(&due, publisher).await?;
+            for (pool, e) in due
+                .iter()
+                .zip(judged)
+                .filter_map(|(p, r)| Some((p, r.err()?)))
+            {
+                warn!(pool = %pool.name, error = %e, "stock check failed; the next sweep tries again");
+            }
         }
         Ok(())
     }

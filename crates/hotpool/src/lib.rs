@@ -166,74 +166,92 @@ impl HotPool {
     /// many remain in the set (one round trip). Each candidate is handed to
     /// exactly one caller (until it is put back).
     pub async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError> {
-        if k == 0 {
-            return Ok((Vec::new(), self.len(pool).await?));
-        }
-        let key = self.key(pool, "hot");
-        let (raw, remaining): (Vec<(String, f64)>, u64) = self
-            .run(|mut c| async move {
-                redis::pipe()
-                    .zpopmin(&key, k as isize)
-                    .zcard(&key)
-                    .query_async(&mut c)
-                    .await
-            })
-            .await?;
-        let got = raw
-            .into_iter()
-            .map(|(id, score)| Candidate {
-                id,
-                seq: score as i64,
-            })
-            .collect();
-        Ok((got, remaining))
+        let mut popped = self.pop_many(&[(pool, k)]).await?;
+        popped
+            .pop()
+            .ok_or_else(|| HotPoolError::Unavailable("short pipeline reply".into()))
     }
 
-    /// [`HotPool::pop`] for several pools in one round trip: a pipeline of
-    /// `ZPOPMIN` + `ZCARD` per pool (each pool's keys share its hash tag).
-    /// Results are aligned with `wants`; a `k` of 0 pops nothing.
+    /// [`HotPool::pop`] for several pools in one round trip: `ZPOPMIN` +
+    /// `ZCARD` per pool ([`HotPool::per_pool`]). Results are aligned with
+    /// `wants`; a `k` of 0 pops nothing.
     pub async fn pop_many(
         &self,
         wants: &[(&str, usize)],
     ) -> Result<Vec<(Vec<Candidate>, u64)>, HotPoolError> {
-        if wants.is_empty() {
-            return Ok(Vec::new());
-        }
         let keys: Vec<(String, usize)> = wants
             .iter()
             .map(|(pool, k)| (self.key(pool, "hot"), *k))
             .collect();
-        let raw: Vec<redis::Value> = self
-            .run(|mut c| async move {
-                let mut pipe = redis::pipe();
-                for (key, k) in &keys {
-                    pipe.zpopmin(key, *k as isize).zcard(key);
-                }
-                pipe.query_async(&mut c).await
+        let replies = self
+            .per_pool(keys.len(), 2, |pipe, i| {
+                let (key, k) = &keys[i];
+                pipe.zpopmin(key, *k as isize).zcard(key);
             })
             .await?;
-        let mut out = Vec::with_capacity(wants.len());
-        for pair in raw.chunks(2) {
-            let [popped, left] = pair else {
-                return Err(HotPoolError::Unavailable("short pipeline reply".into()));
-            };
-            let popped: Vec<(String, f64)> = redis::from_redis_value(popped)
-                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
-            let left: u64 = redis::from_redis_value(left)
-                .map_err(|e| HotPoolError::Unavailable(e.to_string()))?;
-            let got = popped
-                .into_iter()
-                .map(|(id, score)| Candidate {
-                    id,
-                    seq: score as i64,
-                })
-                .collect();
-            out.push((got, left));
+        replies
+            .into_iter()
+            .map(|reply| {
+                let [popped, left] = &reply[..] else {
+                    return Err(HotPoolError::Unavailable("short pipeline reply".into()));
+                };
+                let popped: Vec<(String, f64)> = parse(popped)?;
+                let got = popped
+                    .into_iter()
+                    .map(|(id, score)| Candidate {
+                        id,
+                        seq: score as i64,
+                    })
+                    .collect();
+                Ok((got, parse(left)?))
+            })
+            .collect()
+    }
+
+    /// Runs `replies_each` commands for each of `n` pools (`add` appends
+    /// pool `i`'s) and returns each pool's replies, in order, in one round
+    /// trip: one pipeline on a single server; on a Redis Cluster, where a
+    /// pipeline must stay in one hash slot, one pipeline per pool (a pool's
+    /// keys share its hash tag), all sent at once.
+    async fn per_pool(
+        &self,
+        n: usize,
+        replies_each: usize,
+        add: impl Fn(&mut redis::Pipeline, usize),
+    ) -> Result<Vec<Vec<redis::Value>>, HotPoolError> {
+        if n == 0 {
+            return Ok(Vec::new());
         }
-        if out.len() != wants.len() {
+        let groups: Vec<std::ops::Range<usize>> = if self.inner.target.is_cluster() {
+            (0..n).map(|i| i..i + 1).collect()
+        } else {
+            std::iter::once(0..n).collect()
+        };
+        let pipes: Vec<redis::Pipeline> = groups
+            .into_iter()
+            .map(|group| {
+                let mut pipe = redis::pipe();
+                group.for_each(|i| add(&mut pipe, i));
+                pipe
+            })
+            .collect();
+        let replies: Vec<Vec<redis::Value>> = self
+            .run(|c| {
+                let pipes = &pipes;
+                async move {
+                    futures::future::try_join_all(pipes.iter().map(|pipe| {
+                        let mut c = c.clone();
+                        async move { pipe.query_async::<Vec<redis::Value>>(&mut c).await }
+                    }))
+                    .await
+                }
+            })
+            .await?;
+        let flat: Vec<redis::Value> = replies.into_iter().flatten().collect();
+        if flat.len() != n * replies_each {
             return Err(HotPoolError::Unavailable("short pipeline reply".into()));
         }
-        Ok(out)
+        Ok(flat.chunks(replies_each).map(<[_]>::to_vec).collect())
     }
 
     /// Returns candidates that were popped but not used.
@@ -293,44 +311,55 @@ impl HotPool {
             })
             .collect();
         let ms = ttl.as_millis() as u64;
-        let raw: Vec<redis::Value> = self
-            .run(|mut c| {
-                let asks = &asks;
-                async move {
-                    let mut pipe = redis::pipe();
-                    for [lock, token, hwm, hot] in asks {
-                        pipe.cmd("SET")
-                            .arg(lock)
-                            .arg(token)
-                            .arg("NX")
-                            .arg("PX")
-                            .arg(ms);
-                        pipe.get(hwm).zcard(hot);
-                    }
-                    pipe.query_async(&mut c).await
-                }
+        let sent = self
+            .per_pool(asks.len(), 3, |pipe, i| {
+                let [lock, token, hwm, hot] = &asks[i];
+                pipe.cmd("SET")
+                    .arg(lock)
+                    .arg(token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ms);
+                pipe.get(hwm).zcard(hot);
             })
-            .await?;
-        if raw.len() != 3 * asks.len() {
-            return Err(HotPoolError::Unavailable("short pipeline reply".into()));
-        }
-        let parse = |e: redis::RedisError| HotPoolError::Unavailable(e.to_string());
+            .await;
+        let replies = match sent {
+            Ok(r) => r,
+            Err(e) => {
+                // Some locks may be set: give back whichever are ours.
+                let _ = self.finish_refills(release_all(pools, asks)).await;
+                return Err(e);
+            }
+        };
         let mut out = Vec::with_capacity(asks.len());
-        for ([key, token, ..], reply) in asks.into_iter().zip(raw.chunks(3)) {
-            let [locked, hwm, waiting] = reply else {
-                unreachable!("chunks of 3")
+        let mut unreadable = Vec::new();
+        for ((pool, [key, token, ..]), reply) in pools.iter().zip(asks).zip(replies) {
+            let lock = RefillLock { key, token };
+            let [locked, hwm, waiting] = &reply[..] else {
+                unreachable!("three replies per pool")
             };
             if *locked == redis::Value::Nil {
                 out.push(None);
                 continue;
             }
-            let hwm: Option<i64> = redis::from_redis_value(hwm).map_err(parse)?;
-            out.push(Some(HeldRefill {
-                lock: RefillLock { key, token },
-                hwm: hwm.unwrap_or(0),
-                waiting: redis::from_redis_value(waiting).map_err(parse)?,
-            }));
+            match (parse::<Option<i64>>(hwm), parse::<u64>(waiting)) {
+                (Ok(hwm), Ok(waiting)) => out.push(Some(HeldRefill {
+                    lock,
+                    hwm: hwm.unwrap_or(0),
+                    waiting,
+                })),
+                _ => {
+                    // Not what codepool writes: leave the pool alone.
+                    warn!(
+                        pool,
+                        "unreadable hot-pool state; this refill skips the pool"
+                    );
+                    unreadable.push(unlocked(pool, lock));
+                    out.push(None);
+                }
+            }
         }
+        let _ = self.finish_refills(unreadable).await;
         Ok(out)
     }
 
@@ -347,30 +376,49 @@ impl HotPool {
             .into_iter()
             .map(|f| (self.key(&f.pool, "hot"), self.key(&f.pool, "hwm"), f))
             .collect();
-        self.run(|mut c| {
-            let calls = &calls;
-            async move {
-                let mut pipe = redis::pipe();
-                for (hot, hwm, f) in calls {
-                    let call = pipe
-                        .cmd("EVAL")
-                        .arg(FINISH_REFILL)
-                        .arg(3)
-                        .arg(hot)
-                        .arg(hwm)
-                        .arg(&f.lock.key)
-                        .arg(&f.lock.token)
-                        .arg(f.high_water_mark);
-                    for c in &f.candidates {
-                        call.arg(c.seq).arg(&c.id);
-                    }
-                    call.ignore();
-                }
-                pipe.query_async::<()>(&mut c).await
+        self.per_pool(calls.len(), 1, |pipe, i| {
+            let (hot, hwm, f) = &calls[i];
+            let call = pipe
+                .cmd("EVAL")
+                .arg(FINISH_REFILL)
+                .arg(3)
+                .arg(hot)
+                .arg(hwm)
+                .arg(&f.lock.key)
+                .arg(&f.lock.token)
+                .arg(f.high_water_mark);
+            for c in &f.candidates {
+                call.arg(c.seq).arg(&c.id);
             }
         })
         .await
+        .map(|_| ())
     }
+}
+
+/// A reply of the type codepool wrote, or "unavailable".
+fn parse<T: redis::FromRedisValue>(v: &redis::Value) -> Result<T, HotPoolError> {
+    redis::from_redis_value(v).map_err(|e| HotPoolError::Unavailable(e.to_string()))
+}
+
+/// A refill that loads nothing and only gives its lock back.
+fn unlocked(pool: &str, lock: RefillLock) -> Refilled {
+    Refilled {
+        pool: pool.to_owned(),
+        candidates: Vec::new(),
+        high_water_mark: 0,
+        lock,
+    }
+}
+
+/// Releases of every lock `lock_refills` tried to take (each released only
+/// if it was taken: the release compares the token).
+fn release_all(pools: &[&str], asks: Vec<[String; 4]>) -> Vec<Refilled> {
+    pools
+        .iter()
+        .zip(asks)
+        .map(|(pool, [key, token, ..])| unlocked(pool, RefillLock { key, token }))
+        .collect()
 }
 
 /// KEYS: the pool's set, its high-water mark, its refill lock. ARGV: the
