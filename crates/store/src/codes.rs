@@ -299,6 +299,13 @@ pub fn not_expired(now: DateTime) -> Document {
     doc! {"$or": [{"expires_at": Bson::Null}, {"expires_at": {"$gt": now}}]}
 }
 
+/// The codes of `pool` a claim may take at `now`: unissued and unexpired.
+fn claimable_in(pool: &str, now: DateTime) -> Document {
+    let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
+    filter.extend(not_expired(now));
+    filter
+}
+
 /// Pools per refill query: enough to start a batch's cold pools together,
 /// few enough that one query's reply stays well under a cursor batch.
 pub const ASKS_PER_QUERY: usize = 64;
@@ -316,12 +323,8 @@ impl CandidateAsk<'_> {
     /// The bounded scan of `(pool, status, seq)` that answers this ask;
     /// each code it returns carries `at`, the position of the ask.
     fn pipeline(&self, at: usize, now: DateTime) -> Vec<Document> {
-        let mut filter = doc! {
-            "pool": self.pool,
-            "status": {"$in": Transition::Claim.from_codes()},
-            "seq": {"$gt": self.after_seq},
-        };
-        filter.extend(not_expired(now));
+        let mut filter = claimable_in(self.pool, now);
+        filter.insert("seq", doc! {"$gt": self.after_seq});
         vec![
             doc! {"$match": filter},
             doc! {"$sort": {"seq": 1}},
@@ -758,8 +761,7 @@ impl Store {
         claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError> {
         let now = DateTime::now();
-        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
-        filter.extend(not_expired(now));
+        let filter = claimable_in(pool, now);
         let result = self
             .typed::<CodeDoc>(CODES)
             .find_one_and_update(filter, issue_set(claim, now))
@@ -823,26 +825,18 @@ impl Store {
     ) -> Result<Vec<Vec<(CodeId, i64)>>, StoreError> {
         let now = DateTime::now();
         let mut found = vec![Vec::new(); asks.len()];
-        for (c, chunk) in asks.chunks(ASKS_PER_QUERY).enumerate() {
-            let at = c * ASKS_PER_QUERY;
-            let pipeline = union_of(
-                chunk
-                    .iter()
-                    .enumerate()
-                    .map(|(k, ask)| ask.pipeline(at + k, now)),
-            );
+        self.each_union_reply(
+            asks.len(),
+            |at| asks[at].pipeline(at, now),
             // Every candidate in the first reply: no getMore round trip.
-            let most: i64 = chunk.iter().map(|a| a.limit.max(1)).sum();
-            let mut cursor = self
-                .collection(CODES)
-                .aggregate(pipeline)
-                .batch_size(u32::try_from(most).unwrap_or(u32::MAX))
-                .await?;
-            while let Some(d) = cursor.try_next().await? {
-                let (i, id, seq) = candidate_fields(&d, found.len())?;
+            |chunk| chunk.map(|at| asks[at].limit.max(1)).sum(),
+            |d| {
+                let (i, id, seq) = candidate_fields(&d, asks.len())?;
                 found[i].push((id, seq));
-            }
-        }
+                Ok(())
+            },
+        )
+        .await?;
         for codes in &mut found {
             codes.sort_unstable_by_key(|&(_, seq)| seq);
         }
@@ -938,8 +932,7 @@ impl Store {
     /// and checks; operators get [`Store::unissued_stock`], the claim path
     /// [`Store::unissued_count_upto`].
     pub async fn unissued_count(&self, pool: &str) -> Result<u64, StoreError> {
-        let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
-        filter.extend(not_expired(DateTime::now()));
+        let filter = claimable_in(pool, DateTime::now());
         Ok(self.collection(CODES).count_documents(filter).await?)
     }
 
@@ -957,40 +950,62 @@ impl Store {
     /// thousands of pools is a few dozen commands, not thousands.
     pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
         let now = DateTime::now();
-        // Each branch's count carries the position of its ask.
-        let branch = |at: usize, pool: &str, cap: u64| {
-            let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
-            filter.extend(not_expired(now));
-            vec![
-                doc! {"$match": filter},
-                doc! {"$limit": cap.max(1) as i64},
-                doc! {"$group": {"_id": {"$literal": at as i64}, "n": {"$sum": 1}}},
-            ]
-        };
         let mut counts = vec![0u64; asks.len()];
-        for (c, chunk) in asks.chunks(ASKS_PER_QUERY).enumerate() {
-            let at = c * ASKS_PER_QUERY;
-            let pipeline = union_of(
-                chunk
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &(pool, cap))| branch(at + k, pool, cap)),
-            );
-            let mut cursor = self.collection(CODES).aggregate(pipeline).await?;
-            while let Some(d) = cursor.try_next().await? {
+        self.each_union_reply(
+            asks.len(),
+            |at| {
+                let (pool, cap) = asks[at];
+                // Each branch's count carries the position of its ask.
+                vec![
+                    doc! {"$match": claimable_in(pool, now)},
+                    doc! {"$limit": cap.max(1) as i64},
+                    doc! {"$group": {"_id": {"$literal": at as i64}, "n": {"$sum": 1}}},
+                ]
+            },
+            |chunk| chunk.len() as i64,
+            |d| {
                 let at = int_field(&d, "_id").and_then(|i| usize::try_from(i).ok());
                 match (at, int_field(&d, "n")) {
-                    (Some(i), Some(n)) if i < counts.len() => counts[i] = n as u64,
-                    _ => {
-                        return Err(StoreError::Corrupt {
-                            collection: CODES.into(),
-                            message: format!("a stock count answered {d}"),
-                        })
+                    (Some(i), Some(n)) if i < counts.len() => {
+                        counts[i] = n as u64;
+                        Ok(())
                     }
+                    _ => Err(StoreError::Corrupt {
+                        collection: CODES.into(),
+                        message: format!("a stock count answered {d}"),
+                    }),
                 }
+            },
+        )
+        .await?;
+        Ok(counts)
+    }
+
+    /// Runs `n` asks as one `aggregate` per [`ASKS_PER_QUERY`]: `branch(at)`
+    /// is ask `at`'s pipeline (its replies carry `at`), the first of a chunk
+    /// runs on `codes` and the others are `$unionWith` branches of it.
+    /// `most` bounds a chunk's replies (the size of its first batch);
+    /// `each` takes every reply.
+    async fn each_union_reply(
+        &self,
+        n: usize,
+        branch: impl Fn(usize) -> Vec<Document>,
+        most: impl Fn(std::ops::Range<usize>) -> i64,
+        mut each: impl FnMut(Document) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        for start in (0..n).step_by(ASKS_PER_QUERY) {
+            let chunk = start..(start + ASKS_PER_QUERY).min(n);
+            let batch = u32::try_from(most(chunk.clone()).max(1)).unwrap_or(u32::MAX);
+            let mut cursor = self
+                .collection(CODES)
+                .aggregate(union_of(chunk.map(&branch)))
+                .batch_size(batch)
+                .await?;
+            while let Some(d) = cursor.try_next().await? {
+                each(d)?;
             }
         }
-        Ok(counts)
+        Ok(())
     }
 }
 
