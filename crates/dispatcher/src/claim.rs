@@ -574,7 +574,7 @@ impl ClaimEngine {
             let Some(held) = held else { continue };
             if ask.enough.is_some_and(|n| held.waiting >= n.max(1)) {
                 out[i] = Refill::Stocked;
-                fills.push(release(ask.pool, held));
+                fills.push(Refilled::release(ask.pool, held.lock));
             } else {
                 loading.push((i, held));
             }
@@ -585,7 +585,7 @@ impl ClaimEngine {
                 fills.extend(
                     loading
                         .into_iter()
-                        .map(|(i, held)| release(asks[i].pool, held)),
+                        .map(|(i, held)| Refilled::release(asks[i].pool, held.lock)),
                 );
                 let _ = self.hot.finish_refills(fills).await;
                 return Err(e.into());
@@ -757,16 +757,6 @@ struct RefillAsk<'a> {
     enough: Option<u64>,
     /// With nothing past the high-water mark, read the pool from the start.
     rescan: bool,
-}
-
-/// A refill that loads nothing: it only gives the lock back.
-fn release(pool: &str, held: HeldRefill) -> Refilled<Candidate> {
-    Refilled {
-        pool: pool.to_owned(),
-        candidates: Vec::new(),
-        high_water_mark: held.hwm,
-        lock: held.lock,
-    }
 }
 
 /// Pools whose hot sets are refilled at once when a batch finds them short.

@@ -354,7 +354,7 @@ impl HotPool {
                         pool,
                         "unreadable hot-pool state; this refill skips the pool"
                     );
-                    unreadable.push(unlocked(pool, lock));
+                    unreadable.push(Refilled::release(pool, lock));
                     out.push(None);
                 }
             }
@@ -401,23 +401,13 @@ fn parse<T: redis::FromRedisValue>(v: &redis::Value) -> Result<T, HotPoolError> 
     redis::from_redis_value(v).map_err(|e| HotPoolError::Unavailable(e.to_string()))
 }
 
-/// A refill that loads nothing and only gives its lock back.
-fn unlocked(pool: &str, lock: RefillLock) -> Refilled {
-    Refilled {
-        pool: pool.to_owned(),
-        candidates: Vec::new(),
-        high_water_mark: 0,
-        lock,
-    }
-}
-
 /// Releases of every lock `lock_refills` tried to take (each released only
 /// if it was taken: the release compares the token).
 fn release_all(pools: &[&str], asks: Vec<[String; 4]>) -> Vec<Refilled> {
     pools
         .iter()
         .zip(asks)
-        .map(|(pool, [key, token, ..])| unlocked(pool, RefillLock { key, token }))
+        .map(|(pool, [key, token, ..])| Refilled::release(pool, RefillLock { key, token }))
         .collect()
 }
 
@@ -462,6 +452,17 @@ pub struct Refilled<C = Candidate> {
 }
 
 impl<C> Refilled<C> {
+    /// A refill that loads nothing and only gives its lock back (the mark
+    /// is never lowered, so none is needed).
+    pub fn release(pool: &str, lock: RefillLock) -> Self {
+        Refilled {
+            pool: pool.to_owned(),
+            candidates: Vec::new(),
+            high_water_mark: 0,
+            lock,
+        }
+    }
+
     /// The same refill with its candidates converted.
     pub fn map<D>(self, f: impl FnMut(C) -> D) -> Refilled<D> {
         Refilled {
