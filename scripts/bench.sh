@@ -10,6 +10,9 @@
 #   HUGE_POOL=10000000 bash scripts/bench.sh huge   # the 10M pool of issue 10 (slow to fill)
 #
 # `dispatch` runs first: `latency` sends at half of its measured maximum.
+# `latency` runs right after it, before `pools` and `huge` leave MongoDB
+# with gigabytes of dropped collections to reclaim and dirty pages to write:
+# that cleanup would land in the middle of an open-loop measurement.
 #
 # RUST_LOG defaults to warn: the dispatcher logs every grant at info level,
 # and a terminal printing 20,000 lines would be part of the measurement.
@@ -28,7 +31,7 @@ LATENCY_SECONDS=${LATENCY_SECONDS:-10}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch pools huge latency import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency pools huge import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=target/release/codepool-bench

@@ -214,8 +214,13 @@ async fn one_rate(
     rate: u32,
     seconds: u32,
 ) -> anyhow::Result<serde_json::Value> {
+    let (cpu, machine) = (crate::CpuSnapshot::take(), crate::MachineCpu::take());
     let (sent, lag) = send_at(publisher, ledger, "r", rate, seconds).await?;
     wait_drained(ledger, Duration::from_secs(60)).await?;
+    let cpu_seconds = crate::CpuSnapshot::take().since(&cpu);
+    let machine = machine
+        .zip(crate::MachineCpu::take())
+        .map(|(before, after)| after.since(&before));
     let mut lat = take_latencies(ledger);
     lat.sort();
     anyhow::ensure!(
@@ -228,6 +233,8 @@ async fn one_rate(
         "rate": rate, "sent": sent, "received": lat.len(),
         "p50_ms": p(0.50), "p90_ms": p(0.90), "p99_ms": p(0.99), "max_ms": p(1.0),
         "sender_worst_lag_ms": ms(lag),
+        "cpu_seconds": crate::cpu_json(&cpu_seconds),
+        "machine": machine,
     }))
 }
 
@@ -252,14 +259,28 @@ fn take_latencies(ledger: &Arc<Mutex<Ledger>>) -> Vec<Duration> {
 }
 
 fn print_row(r: &serde_json::Value) {
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
     println!(
         "{:>6}/s  sent {:>6}  p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms",
         r["rate"],
         r["sent"],
-        r["p50_ms"].as_f64().unwrap_or(0.0),
-        r["p90_ms"].as_f64().unwrap_or(0.0),
-        r["p99_ms"].as_f64().unwrap_or(0.0),
-        r["max_ms"].as_f64().unwrap_or(0.0),
+        f(&r["p50_ms"]),
+        f(&r["p90_ms"]),
+        f(&r["p99_ms"]),
+        f(&r["max_ms"]),
+    );
+    let m = &r["machine"];
+    let cpu = r["cpu_seconds"].as_object().map_or(String::new(), |o| {
+        o.iter()
+            .map(|(k, v)| format!("{k} {:.1} s", f(v)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
+    println!(
+        "          machine busy {:.2} of {} cores, steal {:.1}%; cpu: {cpu}",
+        f(&m["busy_cores"]),
+        f(&m["cores"]),
+        f(&m["steal_pct"]),
     );
 }
 

@@ -388,6 +388,52 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / USER_HZ)
 }
 
+/// The whole machine's CPU time from `/proc/stat`, in clock ticks: busy
+/// (user, nice, system, irq, softirq), idle (with iowait), and stolen by
+/// the hypervisor for other guests. Two readings around a phase say how
+/// loaded the machine was, and how much of it a noisy neighbour took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MachineCpu {
+    busy: u64,
+    idle: u64,
+    steal: u64,
+}
+
+impl MachineCpu {
+    /// `None` without procfs.
+    pub fn take() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let f: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        let at = |i: usize| f.get(i).copied().unwrap_or(0);
+        Some(Self {
+            busy: at(0) + at(1) + at(2) + at(5) + at(6),
+            idle: at(3) + at(4),
+            steal: at(7),
+        })
+    }
+
+    /// Busy cores (of all of them) and the percentage of time stolen, since
+    /// `before`.
+    pub fn since(&self, before: &MachineCpu) -> serde_json::Value {
+        let busy = self.busy.saturating_sub(before.busy) as f64;
+        let idle = self.idle.saturating_sub(before.idle) as f64;
+        let steal = self.steal.saturating_sub(before.steal) as f64;
+        let total = busy + idle + steal;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let share = |x: f64| if total > 0.0 { x / total } else { 0.0 };
+        serde_json::json!({
+            "busy_cores": share(busy) * cores,
+            "cores": cores,
+            "steal_pct": share(steal) * 100.0,
+        })
+    }
+}
+
 /// `name 1.2 s, …` for a table line.
 pub fn describe_cpu(used: &[(&'static str, f64)]) -> String {
     used.iter()
