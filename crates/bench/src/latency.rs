@@ -99,9 +99,10 @@ async fn measure(
     warm_up(&publisher, &ledger).await?;
     let mut rows = Vec::new();
     for &rate in &args.rate {
-        let row = one_rate(&publisher, &ledger, rate, args.seconds).await?;
+        let (row, load) = one_rate(&publisher, &ledger, rate, args.seconds).await?;
         if !args.json {
             print_row(&row);
+            println!("          {load}");
         }
         rows.push(row);
     }
@@ -213,7 +214,7 @@ async fn one_rate(
     ledger: &Arc<Mutex<Ledger>>,
     rate: u32,
     seconds: u32,
-) -> anyhow::Result<serde_json::Value> {
+) -> anyhow::Result<(serde_json::Value, String)> {
     let (cpu, machine) = (crate::CpuSnapshot::take(), crate::MachineCpu::take());
     let (sent, lag) = send_at(publisher, ledger, "r", rate, seconds).await?;
     wait_drained(ledger, Duration::from_secs(60)).await?;
@@ -221,6 +222,13 @@ async fn one_rate(
     let machine = machine
         .zip(crate::MachineCpu::take())
         .map(|(before, after)| after.since(&before));
+    let load = format!(
+        "{}; cpu: {}",
+        machine
+            .as_ref()
+            .map_or("machine load unknown".into(), |m| m.to_string()),
+        crate::describe_cpu(&cpu_seconds)
+    );
     let mut lat = take_latencies(ledger);
     lat.sort();
     anyhow::ensure!(
@@ -229,13 +237,14 @@ async fn one_rate(
         lat.len()
     );
     let p = |q: f64| ms(percentile(&lat, q));
-    Ok(json!({
+    let row = json!({
         "rate": rate, "sent": sent, "received": lat.len(),
         "p50_ms": p(0.50), "p90_ms": p(0.90), "p99_ms": p(0.99), "max_ms": p(1.0),
         "sender_worst_lag_ms": ms(lag),
         "cpu_seconds": crate::cpu_json(&cpu_seconds),
         "machine": machine,
-    }))
+    });
+    Ok((row, load))
 }
 
 /// Waits until every sent order's event came back.
@@ -268,19 +277,6 @@ fn print_row(r: &serde_json::Value) {
         f(&r["p90_ms"]),
         f(&r["p99_ms"]),
         f(&r["max_ms"]),
-    );
-    let m = &r["machine"];
-    let cpu = r["cpu_seconds"].as_object().map_or(String::new(), |o| {
-        o.iter()
-            .map(|(k, v)| format!("{k} {:.1} s", f(v)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    });
-    println!(
-        "          machine busy {:.2} of {} cores, steal {:.1}%; cpu: {cpu}",
-        f(&m["busy_cores"]),
-        f(&m["cores"]),
-        f(&m["steal_pct"]),
     );
 }
 

@@ -388,15 +388,35 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / USER_HZ)
 }
 
-/// The whole machine's CPU time from `/proc/stat`, in clock ticks: busy
-/// (user, nice, system, irq, softirq), idle (with iowait), and stolen by
-/// the hypervisor for other guests. Two readings around a phase say how
-/// loaded the machine was, and how much of it a noisy neighbour took.
-#[derive(Debug, Clone, Copy, Default)]
+/// The whole machine's CPU time from `/proc/stat`, in clock ticks summed
+/// over its CPUs: busy (user, nice, system, irq, softirq), idle (with
+/// iowait), and stolen by the hypervisor for other guests. Two readings
+/// around a phase say how loaded the machine was, and how much of it a
+/// noisy neighbour took.
+#[derive(Debug, Clone, Copy)]
 pub struct MachineCpu {
     busy: u64,
     idle: u64,
     steal: u64,
+    cpus: usize,
+}
+
+/// The load between two [`MachineCpu`] readings.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct MachineLoad {
+    pub busy_cores: f64,
+    pub cores: usize,
+    pub steal_pct: f64,
+}
+
+impl std::fmt::Display for MachineLoad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "machine busy {:.2} of {} cores, steal {:.1}%",
+            self.busy_cores, self.cores, self.steal_pct
+        )
+    }
 }
 
 impl MachineCpu {
@@ -410,27 +430,34 @@ impl MachineCpu {
             .filter_map(|v| v.parse().ok())
             .collect();
         let at = |i: usize| f.get(i).copied().unwrap_or(0);
+        let cpus = stat
+            .lines()
+            .filter(|l| {
+                l.strip_prefix("cpu")
+                    .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()))
+            })
+            .count();
         Some(Self {
             busy: at(0) + at(1) + at(2) + at(5) + at(6),
             idle: at(3) + at(4),
             steal: at(7),
+            cpus: cpus.max(1),
         })
     }
 
-    /// Busy cores (of all of them) and the percentage of time stolen, since
+    /// Busy cores (of the machine's) and the share of time stolen, since
     /// `before`.
-    pub fn since(&self, before: &MachineCpu) -> serde_json::Value {
+    pub fn since(&self, before: &MachineCpu) -> MachineLoad {
         let busy = self.busy.saturating_sub(before.busy) as f64;
         let idle = self.idle.saturating_sub(before.idle) as f64;
         let steal = self.steal.saturating_sub(before.steal) as f64;
         let total = busy + idle + steal;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         let share = |x: f64| if total > 0.0 { x / total } else { 0.0 };
-        serde_json::json!({
-            "busy_cores": share(busy) * cores,
-            "cores": cores,
-            "steal_pct": share(steal) * 100.0,
-        })
+        MachineLoad {
+            busy_cores: share(busy) * self.cpus as f64,
+            cores: self.cpus,
+            steal_pct: share(steal) * 100.0,
+        }
     }
 }
 
