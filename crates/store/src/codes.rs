@@ -301,9 +301,35 @@ pub fn not_expired(now: DateTime) -> Document {
 
 /// The codes of `pool` a claim may take at `now`: unissued and unexpired.
 fn claimable_in(pool: &str, now: DateTime) -> Document {
-    let mut filter = doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}};
+    let mut filter = unissued_in(pool);
     filter.extend(not_expired(now));
     filter
+}
+
+/// The unissued codes of `pool`, expired or not: answered from
+/// `pool_status_seq` alone, without reading a document.
+fn unissued_in(pool: &str) -> Document {
+    doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}}
+}
+
+/// The unissued codes of `pool` that have expired by `now` and are not
+/// voided yet: answered from the partial index `unissued_expiry`, which
+/// holds only unissued codes that carry an expiry. (`expires_at` is a date
+/// or absent, so this is exactly the complement of [`not_expired`].)
+fn expired_unissued_in(pool: &str, now: DateTime) -> Document {
+    let mut filter = unissued_in(pool);
+    filter.insert("expires_at", doc! {"$lte": now});
+    filter
+}
+
+/// A count of the documents the pipeline so far passes, up to `limit`,
+/// tagged with `at` (how [`Store::each_union_reply`] tells replies apart).
+fn count_upto(filter: Document, limit: i64, at: usize) -> Vec<Document> {
+    vec![
+        doc! {"$match": filter},
+        doc! {"$limit": limit.max(1)},
+        doc! {"$group": {"_id": {"$literal": at as i64}, "n": {"$sum": 1}}},
+    ]
 }
 
 /// Pools per refill query: enough to start a batch's cold pools together,
@@ -945,29 +971,64 @@ impl Store {
     }
 
     /// [`Store::unissued_count_upto`] of several `(pool, cap)`, aligned
-    /// with the input, in one `aggregate` per [`ASKS_PER_QUERY`] pools (each
-    /// pool's bounded count a `$unionWith` branch): a stock sweep over
-    /// thousands of pools is a few dozen commands, not thousands.
+    /// with the input, in one `aggregate` per [`ASKS_PER_QUERY`] counts
+    /// (each a `$unionWith` branch): a stock sweep over thousands of pools
+    /// is a few dozen commands, not thousands.
+    ///
+    /// No document is read: each pool's unissued codes are counted in
+    /// `pool_status_seq` (up to twice the cap) and its expired unissued
+    /// ones in `unissued_expiry` (up to the cap), and the difference is the
+    /// stock. Only a pool holding at least `cap` expired codes the expiry
+    /// sweep has not voided yet is counted document by document.
     pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
         let now = DateTime::now();
-        let mut counts = vec![0u64; asks.len()];
+        let cap = |i: usize| asks[i].1.max(1);
+        // Count `2i` is pool i's unissued codes, `2i + 1` its expired ones.
+        let counts = self
+            .counts_upto(asks.len() * 2, |at| {
+                let (pool, limit) = (asks[at / 2].0, cap(at / 2) as i64);
+                match at % 2 {
+                    0 => count_upto(unissued_in(pool), limit.saturating_mul(2), at),
+                    _ => count_upto(expired_unissued_in(pool, now), limit, at),
+                }
+            })
+            .await?;
+        let mut stock: Vec<u64> = (0..asks.len())
+            .map(|i| counts[2 * i].saturating_sub(counts[2 * i + 1]).min(cap(i)))
+            .collect();
+        let unswept: Vec<usize> = (0..asks.len())
+            .filter(|&i| counts[2 * i + 1] >= cap(i))
+            .collect();
+        if !unswept.is_empty() {
+            let exact = self
+                .counts_upto(unswept.len(), |at| {
+                    let i = unswept[at];
+                    count_upto(claimable_in(asks[i].0, now), cap(i) as i64, at)
+                })
+                .await?;
+            for (i, n) in unswept.into_iter().zip(exact) {
+                stock[i] = n;
+            }
+        }
+        Ok(stock)
+    }
+
+    /// The `n` counts `branch(at)` describes ([`count_upto`]), aligned.
+    async fn counts_upto(
+        &self,
+        n: usize,
+        branch: impl Fn(usize) -> Vec<Document>,
+    ) -> Result<Vec<u64>, StoreError> {
+        let mut counts = vec![0u64; n];
         self.each_union_reply(
-            asks.len(),
-            |at| {
-                let (pool, cap) = asks[at];
-                // Each branch's count carries the position of its ask.
-                vec![
-                    doc! {"$match": claimable_in(pool, now)},
-                    doc! {"$limit": cap.max(1) as i64},
-                    doc! {"$group": {"_id": {"$literal": at as i64}, "n": {"$sum": 1}}},
-                ]
-            },
+            n,
+            branch,
             |chunk| chunk.len() as i64,
             |d| {
                 let at = int_field(&d, "_id").and_then(|i| usize::try_from(i).ok());
                 match (at, int_field(&d, "n")) {
-                    (Some(i), Some(n)) if i < counts.len() => {
-                        counts[i] = n as u64;
+                    (Some(i), Some(c)) if i < counts.len() => {
+                        counts[i] = c as u64;
                         Ok(())
                     }
                     _ => Err(StoreError::Corrupt {
