@@ -979,10 +979,13 @@ impl Store {
     /// `pool_status_seq` (up to twice the cap) and its expired unissued
     /// ones in `unissued_expiry` (up to the cap), and the difference is the
     /// stock. Only a pool holding at least `cap` expired codes the expiry
-    /// sweep has not voided yet is counted document by document.
+    /// sweep has not voided yet is counted document by document. (The two
+    /// counts are a moment apart, like any count beside running claims: a
+    /// code the sweep voids in between is counted once too many until the
+    /// next check.)
     pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
         let now = DateTime::now();
-        let cap = |i: usize| asks[i].1.max(1);
+        let cap = |i: usize| asks[i].1.clamp(1, i64::MAX as u64);
         // Count `2i` is pool i's unissued codes, `2i + 1` its expired ones.
         let counts = self
             .counts_upto(asks.len() * 2, |at| {
