@@ -1468,3 +1468,71 @@ async fn stats_count_the_stock_exactly_without_counting_it() {
     assert_eq!(store.codes_in_pool("lg").await.unwrap(), 153);
     env.cleanup().await;
 }
+
+/// The dispatcher's bounded stock counts (checks after grants, the sweep,
+/// backorders) read no document and stop near their cap, however large the
+/// pool and however many of its codes were claimed: mongod's profiler
+/// records what each count examined.
+#[tokio::test]
+async fn bounded_stock_counts_read_no_document_and_stop_at_their_cap() {
+    use futures::TryStreamExt;
+    let env = TestEnv::new("ops_cover").await;
+    let store = &env.store;
+    store.ensure_pool("big").await.unwrap();
+    let codes = |from: usize, n: usize, expires| -> Vec<NewCode> {
+        (from..from + n)
+            .map(|i| NewCode {
+                code: format!("BG-{i:05}"),
+                expires_at: expires,
+            })
+            .collect()
+    };
+    let past = Some(chrono::Utc::now() - chrono::Duration::hours(1));
+    store
+        .insert_codes("big", ObjectId::new(), &codes(0, 5000, None))
+        .await
+        .unwrap();
+    store
+        .insert_codes("big", ObjectId::new(), &codes(5000, 7, past))
+        .await
+        .unwrap();
+    // Claims take the oldest codes; their index keys become tombstones.
+    for i in 0..20 {
+        grant(&env, &format!("BG-O{i}"), "big").await;
+    }
+
+    let db = store.database();
+    let examined = |cap: u64| async move {
+        db.run_command(doc! {"profile": 2}).await.unwrap();
+        let n = store.unissued_counts_upto(&[("big", cap)]).await.unwrap();
+        db.run_command(doc! {"profile": 0}).await.unwrap();
+        let counts: Vec<bson::Document> = db
+            .collection("system.profile")
+            .find(doc! {"command.aggregate": "codes", "command.pipeline.$group": {"$exists": true}})
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        db.collection::<bson::Document>("system.profile")
+            .drop()
+            .await
+            .unwrap();
+        assert_eq!(counts.len(), 1, "one aggregate per count: {counts:?}");
+        let field = |k: &str| match counts[0].get(k) {
+            Some(bson::Bson::Int32(v)) => i64::from(*v),
+            Some(bson::Bson::Int64(v)) => *v,
+            other => panic!("{k} is {other:?} in {:?}", counts[0]),
+        };
+        (n[0], field("docsExamined"), field("keysExamined"))
+    };
+    // Below the cap: 5,000 - 20 claimed; the 7 expired ones are not stock.
+    let (n, docs, _) = examined(10_000).await;
+    assert_eq!((n, docs), (4980, 0), "an exact count from the indexes");
+    // At the cap: up to twice the cap of unissued keys plus the 7 expired
+    // (and a key or two where a scan stops), never the pool's 5,007.
+    let (n, docs, keys) = examined(100).await;
+    assert_eq!((n, docs), (100, 0), "the cap, from the indexes");
+    assert!(keys < 250, "{keys} keys examined for a cap of 100");
+    cleanup(env).await;
+}
