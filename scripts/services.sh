@@ -691,6 +691,10 @@ mongo_start() {
 			--pidfilepath "$MONGO_DIR/mongod.pid" --wiredTigerCacheSizeGB "$MONGO_CACHE_GB")
 		# Tests and benchmarks create and drop databases by the thousand, and
 		# mongod logs every index build and drop: keep one previous log.
+		[[ $MONGO_LOG_MB =~ ^[1-9][0-9]{0,6}$ ]] || {
+			fail mongo "MONGO_LOG_MB=$MONGO_LOG_MB is not a number of megabytes" "unset it (default 256) or set e.g. MONGO_LOG_MB=512"
+			return 1
+		}
 		if [[ $(stat -c %s "$MONGO_DIR/mongod.log" 2>/dev/null || echo 0) -gt $((MONGO_LOG_MB << 20)) ]]; then
 			mv -f "$MONGO_DIR/mongod.log" "$MONGO_DIR/mongod.log.1"
 			log "mongod.log passed ${MONGO_LOG_MB} MB; the previous one is mongod.log.1"

@@ -306,16 +306,16 @@ fn claimable_in(pool: &str, now: DateTime) -> Document {
     filter
 }
 
-/// The unissued codes of `pool`, expired or not: answered from
+/// The unissued codes of `pool`, expired or not: counted from
 /// `pool_status_seq` alone, without reading a document.
 fn unissued_in(pool: &str) -> Document {
     doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}}
 }
 
 /// The unissued codes of `pool` that have expired by `now` and are not
-/// voided yet: answered from the partial index `unissued_expiry`, which
-/// holds only unissued codes that carry an expiry. (`expires_at` is a date
-/// or absent, so this is exactly the complement of [`not_expired`].)
+/// voided yet: found in the partial index `unissued_expiry`, which holds
+/// only unissued codes that carry an expiry. (`expires_at` is a date or
+/// absent, so this is exactly the complement of [`not_expired`].)
 fn expired_unissued_in(pool: &str, now: DateTime) -> Document {
     let mut filter = unissued_in(pool);
     filter.insert("expires_at", doc! {"$lte": now});
@@ -995,38 +995,43 @@ impl Store {
     /// (each a `$unionWith` branch): a stock sweep over thousands of pools
     /// is a few dozen commands, not thousands.
     ///
-    /// No document is read: each pool's unissued codes are counted in
-    /// `pool_status_seq` (up to twice the cap) and its expired unissued
-    /// ones in `unissued_expiry` (up to the cap), and the difference is the
-    /// stock. Only a pool holding at least `cap` expired codes the expiry
-    /// sweep has not voided yet is counted document by document. (The two
-    /// counts are a moment apart, like any count beside running claims: a
-    /// code the sweep voids in between is counted once too many until the
-    /// next check.)
+    /// The stock is two counts in index order: the pool's expired
+    /// unissued codes in `unissued_expiry` (up to the cap), then its
+    /// unissued codes in `pool_status_seq` (up to twice the cap; an
+    /// index-only scan), and the difference. MongoDB 6.0 reads each expired
+    /// code to check the status its partial index already implies, so the
+    /// count reads only the expired codes the expiry sweep has not voided
+    /// yet (none in the usual case), never the stock. A pool holding `cap`
+    /// or more of those is counted document by document instead.
+    ///
+    /// The two counts are a moment apart, like any count beside running
+    /// claims. Expired codes are counted first, so a code the sweep voids
+    /// in between lowers the answer until the next check, never raises it:
+    /// a backorder sweep then fulfils fewer, not more than there is.
     pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
         let now = DateTime::now();
         let cap = |i: usize| asks[i].1.clamp(1, i64::MAX as u64);
-        // Count `2i` is pool i's unissued codes, `2i + 1` its expired ones.
+        // Count `2i` is pool i's expired codes, `2i + 1` its unissued ones;
+        // a chunk's branches run in this order.
         let counts = self
             .counts_upto(asks.len() * 2, |at| {
                 let (pool, limit) = (asks[at / 2].0, cap(at / 2) as i64);
                 match at % 2 {
-                    0 => count_upto(
+                    0 => count_upto(expired_unissued_in(pool, now), CountFrom::Any, limit, at),
+                    _ => count_upto(
                         unissued_in(pool),
                         CountFrom::NewestFirst,
                         limit.saturating_mul(2),
                         at,
                     ),
-                    _ => count_upto(expired_unissued_in(pool, now), CountFrom::Any, limit, at),
                 }
             })
             .await?;
+        let (expired, unissued) = (|i: usize| counts[2 * i], |i: usize| counts[2 * i + 1]);
         let mut stock: Vec<u64> = (0..asks.len())
-            .map(|i| counts[2 * i].saturating_sub(counts[2 * i + 1]).min(cap(i)))
+            .map(|i| unissued(i).saturating_sub(expired(i)).min(cap(i)))
             .collect();
-        let unswept: Vec<usize> = (0..asks.len())
-            .filter(|&i| counts[2 * i + 1] >= cap(i))
-            .collect();
+        let unswept: Vec<usize> = (0..asks.len()).filter(|&i| expired(i) >= cap(i)).collect();
         if !unswept.is_empty() {
             let exact = self
                 .counts_upto(unswept.len(), |at| {
@@ -1074,7 +1079,9 @@ impl Store {
     /// Runs `n` asks as one `aggregate` per [`ASKS_PER_QUERY`]: `branch(at)`
     /// is ask `at`'s pipeline (its replies carry `at`), the first of a chunk
     /// runs on `codes` and the others are `$unionWith` branches of it.
-    /// `most` bounds a chunk's replies (the size of its first batch);
+    /// `most` bounds a chunk's replies; the first batch holds one more, so
+    /// it also ends the cursor (a batch filled exactly leaves the cursor
+    /// open, and a getMore round trip would only learn that it is done).
     /// `each` takes every reply.
     async fn each_union_reply(
         &self,
@@ -1085,7 +1092,8 @@ impl Store {
     ) -> Result<(), StoreError> {
         for start in (0..n).step_by(ASKS_PER_QUERY) {
             let chunk = start..(start + ASKS_PER_QUERY).min(n);
-            let batch = u32::try_from(most(chunk.clone()).max(1)).unwrap_or(u32::MAX);
+            let most = most(chunk.clone()).max(0).saturating_add(1);
+            let batch = u32::try_from(most).unwrap_or(u32::MAX);
             let mut cursor = self
                 .collection(CODES)
                 .aggregate(union_of(chunk.map(&branch)))
