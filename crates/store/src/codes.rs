@@ -781,16 +781,23 @@ impl Store {
 
     /// The codes with these ids, opened, by id.
     async fn codes_by_id(&self, ids: &[ObjectId]) -> Result<HashMap<CodeId, Code>, StoreError> {
-        let codes = self.opened_codes(doc! {"_id": {"$in": ids}}).await?;
+        let codes = self
+            .opened_codes(doc! {"_id": {"$in": ids}}, ids.len())
+            .await?;
         Ok(codes.into_iter().map(|c| (c.id, c)).collect())
     }
 
-    /// The codes matching `filter`, opened with the store's keys; one that
-    /// does not open (or is corrupt) is an error, never skipped.
-    async fn opened_codes(&self, filter: Document) -> Result<Vec<Code>, StoreError> {
+    /// The codes matching `filter`, at most `most` of them, opened with the
+    /// store's keys; one that does not open (or is corrupt) is an error,
+    /// never skipped. They come in one batch: the server's default first
+    /// batch (101 documents) made a full claim batch of 256 pay a getMore
+    /// round trip on the claim path.
+    async fn opened_codes(&self, filter: Document, most: usize) -> Result<Vec<Code>, StoreError> {
+        let batch = u32::try_from(most.saturating_add(1)).unwrap_or(u32::MAX);
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
             .find(filter)
+            .batch_size(batch)
             .await?
             .try_collect()
             .await?;
@@ -832,7 +839,7 @@ impl Store {
             return Ok(HashMap::new());
         }
         let codes = self
-            .opened_codes(doc! {"order_id": {"$in": order_ids}})
+            .opened_codes(doc! {"order_id": {"$in": order_ids}}, order_ids.len())
             .await?;
         // The filter matched on order_id, so a holder is always there;
         // `into_code` has already refused one without issued_at.

@@ -127,7 +127,10 @@ impl Store {
     }
 
     /// The documents of `collection` whose `field` is one of `values`, in
-    /// one query; none (and no query) for an empty list.
+    /// one query; none (and no query) for an empty list. Every caller's
+    /// `field` is unique, so the first batch is sized to hold them all and
+    /// end the cursor (the server's default of 101 cost a getMore round
+    /// trip whenever a batch named more pools than that).
     pub(crate) async fn find_in<T>(
         &self,
         collection: &str,
@@ -144,6 +147,7 @@ impl Store {
         Ok(self
             .typed::<T>(collection)
             .find(bson::doc! {field: {"$in": values}})
+            .batch_size(u32::try_from(values.len() + 1).unwrap_or(u32::MAX))
             .await?
             .try_collect()
             .await?)

@@ -93,9 +93,11 @@ impl Store {
         self.run_updates(USER_QUOTAS, take, true).await?;
         // 3. Who holds a slot, read back (slots are never given back).
         let mut holders = HashSet::new();
+        let batch = u32::try_from(keys.len() + 1).unwrap_or(u32::MAX);
         let mut cursor = self
             .collection(USER_QUOTAS)
             .find(doc! {"_id": {"$in": keys}})
+            .batch_size(batch)
             .await?;
         while let Some(d) = cursor.try_next().await? {
             if let Ok(orders) = d.get_array("orders") {
