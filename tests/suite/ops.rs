@@ -44,6 +44,22 @@ async fn grant(env: &TestEnv, order: &str, pool: &str) -> Grant {
     }
 }
 
+/// Codes `PREFIX-00000`… numbered from `from`, `n` of them, all with
+/// the same expiry.
+fn numbered_codes(
+    prefix: &str,
+    from: usize,
+    n: usize,
+    expires_at: Option<chrono::DateTime<chrono::Utc>>,
+) -> Vec<NewCode> {
+    (from..from + n)
+        .map(|i| NewCode {
+            code: format!("{prefix}-{i:05}"),
+            expires_at,
+        })
+        .collect()
+}
+
 async fn code_doc(store: &Store, pool: &str, code: &str) -> CodeDoc {
     store
         .database()
@@ -1349,14 +1365,7 @@ async fn stats_count_the_stock_exactly_without_counting_it() {
     let env = TestEnv::new("ops_ledger").await;
     let store = &env.store;
     store.ensure_pool("lg").await.unwrap();
-    let batch = |from: usize, n: usize, expires| -> Vec<NewCode> {
-        (from..from + n)
-            .map(|i| NewCode {
-                code: format!("LG-{i:05}"),
-                expires_at: expires,
-            })
-            .collect()
-    };
+    let batch = |from, n, expires| numbered_codes("LG", from, n, expires);
     let past = Some(chrono::Utc::now() - chrono::Duration::hours(1));
     let import = ObjectId::new();
     store
@@ -1481,14 +1490,7 @@ async fn bounded_stock_counts_read_only_unswept_expired_codes_and_stop_at_their_
     let env = TestEnv::new("ops_cover").await;
     let store = &env.store;
     store.ensure_pool("big").await.unwrap();
-    let codes = |from: usize, n: usize, expires| -> Vec<NewCode> {
-        (from..from + n)
-            .map(|i| NewCode {
-                code: format!("BG-{i:05}"),
-                expires_at: expires,
-            })
-            .collect()
-    };
+    let codes = |from, n, expires| numbered_codes("BG", from, n, expires);
     let past = Some(chrono::Utc::now() - chrono::Duration::hours(1));
     store
         .insert_codes("big", ObjectId::new(), &codes(0, 5000, None))

@@ -787,17 +787,14 @@ impl Store {
         Ok(codes.into_iter().map(|c| (c.id, c)).collect())
     }
 
-    /// The codes matching `filter`, at most `most` of them, opened with the
-    /// store's keys; one that does not open (or is corrupt) is an error,
-    /// never skipped. They come in one batch: the server's default first
-    /// batch (101 documents) made a full claim batch of 256 pay a getMore
-    /// round trip on the claim path.
+    /// The codes matching `filter`, at most `most` of them (in one reply),
+    /// opened with the store's keys; one that does not open (or is
+    /// corrupt) is an error, never skipped.
     async fn opened_codes(&self, filter: Document, most: usize) -> Result<Vec<Code>, StoreError> {
-        let batch = u32::try_from(most.saturating_add(1)).unwrap_or(u32::MAX);
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
             .find(filter)
-            .batch_size(batch)
+            .batch_size(crate::one_batch_for(most))
             .await?
             .try_collect()
             .await?;
@@ -1086,10 +1083,8 @@ impl Store {
     /// Runs `n` asks as one `aggregate` per [`ASKS_PER_QUERY`]: `branch(at)`
     /// is ask `at`'s pipeline (its replies carry `at`), the first of a chunk
     /// runs on `codes` and the others are `$unionWith` branches of it.
-    /// `most` bounds a chunk's replies; the first batch holds one more, so
-    /// it also ends the cursor (a batch filled exactly leaves the cursor
-    /// open, and a getMore round trip would only learn that it is done).
-    /// `each` takes every reply.
+    /// `most` bounds a chunk's replies, which come in one reply
+    /// ([`crate::one_batch_for`]); `each` takes every reply.
     async fn each_union_reply(
         &self,
         n: usize,
@@ -1099,8 +1094,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         for start in (0..n).step_by(ASKS_PER_QUERY) {
             let chunk = start..(start + ASKS_PER_QUERY).min(n);
-            let most = most(chunk.clone()).max(0).saturating_add(1);
-            let batch = u32::try_from(most).unwrap_or(u32::MAX);
+            let batch = crate::one_batch_for(usize::try_from(most(chunk.clone())).unwrap_or(0));
             let mut cursor = self
                 .collection(CODES)
                 .aggregate(union_of(chunk.map(&branch)))

@@ -127,10 +127,8 @@ impl Store {
     }
 
     /// The documents of `collection` whose `field` is one of `values`, in
-    /// one query; none (and no query) for an empty list. Every caller's
-    /// `field` is unique, so the first batch is sized to hold them all and
-    /// end the cursor (the server's default of 101 cost a getMore round
-    /// trip whenever a batch named more pools than that).
+    /// one query and one reply (every caller's `field` is unique); none
+    /// (and no query) for an empty list.
     pub(crate) async fn find_in<T>(
         &self,
         collection: &str,
@@ -147,7 +145,7 @@ impl Store {
         Ok(self
             .typed::<T>(collection)
             .find(bson::doc! {field: {"$in": values}})
-            .batch_size(u32::try_from(values.len() + 1).unwrap_or(u32::MAX))
+            .batch_size(one_batch_for(values.len()))
             .await?
             .try_collect()
             .await?)
@@ -167,4 +165,13 @@ pub fn durable() -> WriteConcern {
 /// `durable()` as the document form used inside raw commands.
 pub(crate) fn durable_doc() -> bson::Document {
     bson::doc! {"w": "majority", "j": true}
+}
+
+/// A first batch that holds every one of at most `most` replies, and one
+/// more, so the server ends the cursor in its first reply. A find's default
+/// first batch is 101 documents, and a batch filled exactly leaves the
+/// cursor open: either way the caller pays a getMore round trip (on the
+/// claim path, once per full batch of 256).
+pub(crate) fn one_batch_for(most: usize) -> u32 {
+    u32::try_from(most.saturating_add(1)).unwrap_or(u32::MAX)
 }

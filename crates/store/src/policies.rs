@@ -93,7 +93,7 @@ impl Store {
         self.run_updates(USER_QUOTAS, take, true).await?;
         // 3. Who holds a slot, read back (slots are never given back).
         let mut holders = HashSet::new();
-        let batch = u32::try_from(keys.len() + 1).unwrap_or(u32::MAX);
+        let batch = crate::one_batch_for(keys.len());
         let mut cursor = self
             .collection(USER_QUOTAS)
             .find(doc! {"_id": {"$in": keys}})
