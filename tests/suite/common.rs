@@ -171,15 +171,23 @@ impl TestEnv {
 
     /// Creates `pool` with `n` codes `PREFIX-000001`…, returns the codes.
     pub async fn fill_pool(&self, pool: &str, n: usize) -> Vec<String> {
+        self.fill_pool_expiring(pool, 0, n).await
+    }
+
+    /// [`Self::fill_pool`] with `expired` codes that expired an hour ago
+    /// first (the lowest `seq`s), then `n - expired` that never expire.
+    pub async fn fill_pool_expiring(&self, pool: &str, expired: usize, n: usize) -> Vec<String> {
         self.store.ensure_pool(pool).await.expect("pool");
         let codes: Vec<String> = (1..=n).map(|i| format!("{pool}-{i:06}")).collect();
         let batch = ObjectId::new();
-        for chunk in codes.chunks(1000) {
+        let past = chrono::Utc::now() - chrono::Duration::hours(1);
+        for (k, chunk) in codes.chunks(1000).enumerate() {
             let new: Vec<NewCode> = chunk
                 .iter()
-                .map(|c| NewCode {
+                .enumerate()
+                .map(|(i, c)| NewCode {
                     code: c.clone(),
-                    expires_at: None,
+                    expires_at: (k * 1000 + i < expired).then_some(past),
                 })
                 .collect();
             let out = self

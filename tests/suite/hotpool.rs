@@ -375,25 +375,10 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
     // What each pool holds, read directly: (id, seq) oldest first.
     let mut stored = HashMap::new();
     for pool in &pools {
-        let docs: Vec<bson::Document> = env
-            .store
-            .database()
-            .collection::<bson::Document>(codepool_store::codes::CODES)
-            .find(doc! {"pool": pool})
-            .sort(doc! {"seq": 1})
-            .await
-            .expect("mongo")
-            .try_collect()
-            .await
-            .expect("mongo");
-        let codes: Vec<(CodeId, i64)> = docs
-            .iter()
-            .map(|d| {
-                let id = codepool_store::code_id(d.get_object_id("_id").unwrap());
-                (id, d.get_i64("seq").unwrap())
-            })
-            .collect();
-        stored.insert(pool.as_str(), codes);
+        stored.insert(
+            pool.as_str(),
+            stored_codes(&env, doc! {"pool": pool}, 0).await,
+        );
     }
     let after = stored["m-000"][1].1;
     let asks: Vec<CandidateAsk> = pools
@@ -424,4 +409,64 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
         assert_eq!(codes, &expected, "{}", ask.pool);
     }
     env.cleanup().await;
+}
+
+/// Pools refilled from their start share one scan in pool order, budgeted
+/// at their limits added up; the pools its budget did not reach, or cut
+/// short, are asked one by one. "a" (20 codes) and "b" take the budget of
+/// 5 + 30 + 10 + 4 = 49 twenty-nine codes into "b", which wants 30; "c"
+/// and "d" are never reached. Taking a partial answer would show: "b"
+/// with 29, "c" and "d" with none.
+#[tokio::test]
+async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
+    let env = TestEnv::new("hot_candidates_cold").await;
+    // (pool, expired codes, codes, limit)
+    let pools = [
+        ("a", 0, 20, 5),
+        ("b", 0, 40, 30),
+        ("c", 3, 10, 10),
+        ("d", 0, 0, 4),
+    ];
+    let mut expected = Vec::new();
+    for &(pool, expired, n, limit) in &pools {
+        env.fill_pool_expiring(pool, expired, n).await;
+        let unexpired = doc! {"pool": pool, "expires_at": null};
+        expected.push(stored_codes(&env, unexpired, limit).await);
+    }
+    let asks: Vec<CandidateAsk> = pools
+        .iter()
+        .map(|&(pool, _, _, limit)| CandidateAsk {
+            pool,
+            after_seq: 0,
+            limit,
+        })
+        .collect();
+    let found = env.store.candidates_after_many(&asks).await.expect("mongo");
+    let sizes: Vec<usize> = found.iter().map(Vec::len).collect();
+    assert_eq!(sizes, vec![5, 30, 7, 0]);
+    assert_eq!(found, expected);
+    env.cleanup().await;
+}
+
+/// The codes matching `filter` as (id, seq), oldest first, at most
+/// `limit` of them (0: all), read directly from MongoDB.
+async fn stored_codes(env: &TestEnv, filter: bson::Document, limit: i64) -> Vec<(CodeId, i64)> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>(codepool_store::codes::CODES)
+        .find(filter)
+        .sort(doc! {"seq": 1})
+        .limit(limit)
+        .await
+        .expect("mongo")
+        .try_collect()
+        .await
+        .expect("mongo");
+    docs.iter()
+        .map(|d| {
+            let id = codepool_store::code_id(d.get_object_id("_id").unwrap());
+            (id, d.get_i64("seq").unwrap())
+        })
+        .collect()
 }

@@ -1541,3 +1541,51 @@ async fn bounded_stock_counts_read_only_unswept_expired_codes_and_stop_at_their_
     assert!(keys < 250, "{keys} keys examined for a cap of 100");
     cleanup(env).await;
 }
+
+/// Stock counts of several pools are one budgeted scan per index, from the
+/// highest pool name down; the pools its budget did not reach, or cut
+/// short, are counted one by one. Each case below is built so that taking
+/// a cut-short or unreached pool's partial count as its answer gives a
+/// different number.
+#[tokio::test]
+async fn stock_counts_of_many_pools_are_exact_where_the_scan_budget_runs_out() {
+    let env = TestEnv::new("ops_across").await;
+    let store = &env.store;
+    // (pool, expired codes, codes, cap), highest name first as scanned.
+    // Unissued keys: the budget is 2 × (10 + 5 + 50 + 10) = 150. "e" and
+    // "d" take 103 of it, so the scan stops 47 keys into "b" (stock 50,
+    // not 47) and never reaches "a" (stock 5, not 0).
+    let unissued_cut = [
+        ("e", 0, 3, 10),
+        ("d", 0, 100, 5),
+        ("b", 0, 120, 50),
+        ("a", 0, 5, 10),
+    ];
+    // Expired keys: the budget is 5 + 100 = 105. "z" holds 60, so the scan
+    // stops 45 into "y"'s 50 (stock 120 - 50 = 70, not 75). "z" is all
+    // expired: 0, counted document by document past its cap.
+    let expired_cut = [("z", 60, 60, 5), ("y", 50, 120, 100)];
+    for case in [&unissued_cut[..], &expired_cut[..]] {
+        for &(pool, expired, n, _) in case {
+            env.fill_pool_expiring(pool, expired, n).await;
+        }
+        let asks: Vec<(&str, u64)> = case.iter().map(|&(p, _, _, cap)| (p, cap)).collect();
+        let together = store.unissued_counts_upto(&asks).await.unwrap();
+        let mut exact = Vec::new();
+        for &(pool, cap) in &asks {
+            exact.push(store.unissued_count(pool).await.unwrap().min(cap));
+        }
+        assert_eq!(
+            together, exact,
+            "counted together vs the documents: {asks:?}"
+        );
+    }
+    assert_eq!(
+        store
+            .unissued_counts_upto(&[("b", 50), ("y", 100), ("a", 10), ("no-such-pool", 3)])
+            .await
+            .unwrap(),
+        vec![50, 70, 5, 0]
+    );
+    cleanup(env).await;
+}

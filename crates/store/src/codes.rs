@@ -16,6 +16,7 @@ use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
+use crate::across::{PoolOrder, PoolScan};
 use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
@@ -299,28 +300,51 @@ pub fn not_expired(now: DateTime) -> Document {
     doc! {"$or": [{"expires_at": Bson::Null}, {"expires_at": {"$gt": now}}]}
 }
 
-/// The codes of `pool` a claim may take at `now`: unissued and unexpired.
-fn claimable_in(pool: &str, now: DateTime) -> Document {
-    let mut filter = unissued_in(pool);
+/// The codes a claim may take at `now`: unissued and unexpired.
+fn claimable(now: DateTime) -> Document {
+    let mut filter = unissued();
     filter.extend(not_expired(now));
     filter
 }
 
-/// The unissued codes of `pool`, expired or not: counted from
-/// `pool_status_seq` alone, without reading a document.
-fn unissued_in(pool: &str) -> Document {
-    doc! {"pool": pool, "status": {"$in": Transition::Claim.from_codes()}}
+/// [`claimable`] in `pool`.
+fn claimable_in(pool: &str, now: DateTime) -> Document {
+    in_pool(pool, claimable(now))
 }
 
-/// The unissued codes of `pool` that have expired by `now` and are not
-/// voided yet: found in the partial index `unissued_expiry`, which holds
-/// only unissued codes that carry an expiry. (`expires_at` is a date or
-/// absent, so this is exactly the complement of [`not_expired`].)
-fn expired_unissued_in(pool: &str, now: DateTime) -> Document {
-    let mut filter = unissued_in(pool);
+/// The unissued codes, expired or not: counted from `pool_status_seq`
+/// alone, without reading a document.
+fn unissued() -> Document {
+    doc! {"status": {"$in": Transition::Claim.from_codes()}}
+}
+
+/// [`unissued`] in `pool`.
+fn unissued_in(pool: &str) -> Document {
+    in_pool(pool, unissued())
+}
+
+/// The unissued codes that have expired by `now` and are not voided yet:
+/// found in the partial index `unissued_expiry`, which holds only unissued
+/// codes that carry an expiry. (`expires_at` is a date or absent, so this
+/// is exactly the complement of [`not_expired`].)
+fn expired_unissued(now: DateTime) -> Document {
+    let mut filter = unissued();
     filter.insert("expires_at", doc! {"$lte": now});
     filter
 }
+
+/// `filter` narrowed to `pool`.
+fn in_pool(pool: &str, filter: Document) -> Document {
+    let mut narrowed = doc! {"pool": pool};
+    narrowed.extend(filter);
+    narrowed
+}
+
+/// The key of `pool_status_seq`, which answers scans of unissued codes
+/// over several pools in pool order.
+const POOL_STATUS_SEQ: &[&str] = &["pool", "status", "seq"];
+/// The key of `unissued_expiry`.
+const UNISSUED_EXPIRY: &[&str] = &["pool", "expires_at"];
 
 /// Which end of `(pool, status, seq)` a bounded count starts from.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -375,7 +399,7 @@ impl CandidateAsk<'_> {
             doc! {"$match": filter},
             doc! {"$sort": {"seq": 1}},
             doc! {"$limit": self.limit.max(1)},
-            doc! {"$project": {"_id": 1, "seq": 1, "at": {"$literal": at as i64}}},
+            doc! {"$project": {"_id": 1, "seq": 1, "pool": 1, "at": {"$literal": at as i64}}},
         ]
     }
 }
@@ -398,15 +422,26 @@ fn int_field(d: &Document, key: &str) -> Option<i64> {
     }
 }
 
-/// The ask position (below `asks`), id and seq of a candidate read by a
-/// refill.
-fn candidate_fields(d: &Document, asks: usize) -> Result<(usize, CodeId, i64), StoreError> {
-    let at = int_field(d, "at").and_then(|i| usize::try_from(i).ok());
-    match (at, d.get_object_id("_id"), d.get_i64("seq")) {
-        (Some(i), Ok(id), Ok(seq)) if i < asks => Ok((i, code_id(id), seq)),
+/// The id, seq and pool of a candidate read by a refill.
+fn candidate_of(d: &Document) -> Result<(CodeId, i64, &str), StoreError> {
+    match (d.get_object_id("_id"), d.get_i64("seq"), d.get_str("pool")) {
+        (Ok(id), Ok(seq), Ok(pool)) => Ok((code_id(id), seq, pool)),
         _ => Err(StoreError::Corrupt {
             collection: CODES.into(),
-            message: format!("a code lacks an ObjectId _id or a 64-bit seq: {d}"),
+            message: format!("a code lacks an ObjectId _id, a 64-bit seq or its pool: {d}"),
+        }),
+    }
+}
+
+/// The ask position (below `asks`), id and seq of a candidate read by a
+/// refill's per-pool branch.
+fn candidate_fields(d: &Document, asks: usize) -> Result<(usize, CodeId, i64), StoreError> {
+    let (id, seq, _) = candidate_of(d)?;
+    match int_field(d, "at").and_then(|i| usize::try_from(i).ok()) {
+        Some(i) if i < asks => Ok((i, id, seq)),
+        _ => Err(StoreError::Corrupt {
+            collection: CODES.into(),
+            message: format!("a candidate answers no ask: {d}"),
         }),
     }
 }
@@ -445,15 +480,15 @@ fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 5] {
 }
 
 /// The filter "code `_id` is still claimable at `now`" for these ids.
-fn claimable(ids: Bson, now: DateTime) -> Document {
-    let mut q = doc! {"_id": ids, "status": {"$in": Transition::Claim.from_codes()}};
-    q.extend(not_expired(now));
+fn claimable_ids(ids: Bson, now: DateTime) -> Document {
+    let mut q = doc! {"_id": ids};
+    q.extend(claimable(now));
     q
 }
 
 /// One claim as its own update statement.
 fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
-    doc! {"q": claimable(Bson::ObjectId(object_id(a.code_id)), now), "u": issue_set(a, now)}
+    doc! {"q": claimable_ids(Bson::ObjectId(object_id(a.code_id)), now), "u": issue_set(a, now)}
 }
 
 /// Every claim of a batch as ONE multi-document update statement: each
@@ -481,7 +516,7 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
     let merged =
         doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position}, "in": holder}}]};
     doc! {
-        "q": claimable(Bson::Document(doc! {"$in": ids}), now),
+        "q": claimable_ids(Bson::Document(doc! {"$in": ids}), now),
         "u": [{"$replaceWith": merged}],
         "multi": true,
     }
@@ -864,25 +899,37 @@ impl Store {
         Ok(found.pop().unwrap_or_default())
     }
 
-    /// [`Store::candidates_after`] for several pools, aligned with `asks`,
-    /// in one `aggregate` per [`ASKS_PER_QUERY`] pools: each pool's bounded
-    /// index scan is a `$unionWith` branch of the first one. Pools that
-    /// start cold together (a batch of purchases over many pools) cost one
-    /// round trip and one command, not one each.
+    /// [`Store::candidates_after`] for several pools, aligned with `asks`.
+    /// Pools asked from their start (cold ones, and rescans) share one
+    /// budgeted scan of `pool_status_seq` ([`crate::across`]); the others,
+    /// and any the scan's budget did not reach, go in one `aggregate` per
+    /// [`ASKS_PER_QUERY`] pools, each pool's bounded scan a `$unionWith`
+    /// branch. Pools that start cold together (a batch of purchases over
+    /// many pools) cost one command, not one each.
     pub async fn candidates_after_many(
         &self,
         asks: &[CandidateAsk<'_>],
     ) -> Result<Vec<Vec<(CodeId, i64)>>, StoreError> {
         let now = DateTime::now();
         let mut found = vec![Vec::new(); asks.len()];
+        let (from_start, mut rest): (Vec<usize>, Vec<usize>) =
+            (0..asks.len()).partition(|&i| asks[i].after_seq == 0);
+        if from_start.len() > 1 {
+            rest.extend(
+                self.first_candidates(asks, &from_start, now, &mut found)
+                    .await?,
+            );
+        } else {
+            rest.extend(from_start);
+        }
         self.each_union_reply(
-            asks.len(),
-            |at| asks[at].pipeline(at, now),
+            rest.len(),
+            |at| asks[rest[at]].pipeline(at, now),
             // Every candidate in the first reply: no getMore round trip.
-            |chunk| chunk.map(|at| asks[at].limit.max(1)).sum(),
+            |chunk| chunk.map(|at| asks[rest[at]].limit.max(1)).sum(),
             |d| {
-                let (i, id, seq) = candidate_fields(&d, asks.len())?;
-                found[i].push((id, seq));
+                let (at, id, seq) = candidate_fields(&d, rest.len())?;
+                found[rest[at]].push((id, seq));
                 Ok(())
             },
         )
@@ -891,6 +938,45 @@ impl Store {
             codes.sort_unstable_by_key(|&(_, seq)| seq);
         }
         Ok(found)
+    }
+
+    /// The first candidates of the asks `which` (all from the start), in
+    /// one scan of their pools in index order, budgeted at their limits
+    /// added up. Returns the asks the scan did not answer.
+    async fn first_candidates(
+        &self,
+        asks: &[CandidateAsk<'_>],
+        which: &[usize],
+        now: DateTime,
+        found: &mut [Vec<(CodeId, i64)>],
+    ) -> Result<Vec<usize>, StoreError> {
+        let limit = |i: usize| u64::try_from(asks[i].limit.max(1)).unwrap_or(1);
+        let pools: Vec<&str> = which.iter().map(|&i| asks[i].pool).collect();
+        let scan = PoolScan {
+            pools: &pools,
+            filter: claimable(now),
+            index_order: POOL_STATUS_SEQ,
+            order: PoolOrder::Ascending,
+            budget: which.iter().map(|&i| limit(i)).sum(),
+        };
+        let project = doc! {"_id": 1, "seq": 1, "pool": 1};
+        let (rows, reach) = self.scan_pools(&scan, project).await?;
+        let mut by_pool: HashMap<&str, Vec<(CodeId, i64)>> = HashMap::new();
+        for d in &rows {
+            let (id, seq, pool) = candidate_of(d)?;
+            by_pool.entry(pool).or_default().push((id, seq));
+        }
+        let mut missed = Vec::new();
+        for &i in which {
+            let got = by_pool.get(asks[i].pool).map_or(&[][..], Vec::as_slice);
+            if reach.answered(asks[i].pool, got.len() as u64, limit(i)) {
+                let n = got.len().min(limit(i) as usize);
+                found[i] = got[..n].to_vec();
+            } else {
+                missed.push(i);
+            }
+        }
+        Ok(missed)
     }
 
     /// Records that the SMS-pending events of these codes were confirmed by
@@ -1014,28 +1100,45 @@ impl Store {
     /// a backorder sweep then fulfils fewer, not more than there is.
     pub async fn unissued_counts_upto(&self, asks: &[(&str, u64)]) -> Result<Vec<u64>, StoreError> {
         let now = DateTime::now();
-        let cap = |i: usize| asks[i].1.clamp(1, i64::MAX as u64);
-        // Count `2i` is pool i's expired codes, `2i + 1` its unissued ones;
-        // a chunk's branches run in this order.
+        let cap = |i: usize| asks[i].1.clamp(1, i64::MAX as u64 / 2);
+        let n = asks.len();
+        let (mut expired, mut unissued) = (vec![None; n], vec![None; n]);
+        if n > 1 {
+            let pools: Vec<&str> = asks.iter().map(|a| a.0).collect();
+            let caps: Vec<u64> = (0..n).map(cap).collect();
+            self.count_across(&pools, &caps, now, &mut expired, &mut unissued)
+                .await?;
+        }
+        // Pools counted one by one: a single pool, or those the scans'
+        // budgets did not reach. Count `2k` is pool `rest[k]`'s expired
+        // codes, `2k + 1` its unissued ones; a chunk's branches run in
+        // this order.
+        let rest: Vec<usize> = (0..n)
+            .filter(|&i| expired[i].is_none() || unissued[i].is_none())
+            .collect();
         let counts = self
-            .counts_upto(asks.len() * 2, |at| {
-                let (pool, limit) = (asks[at / 2].0, cap(at / 2) as i64);
+            .counts_upto(rest.len() * 2, |at| {
+                let (pool, limit) = (asks[rest[at / 2]].0, cap(rest[at / 2]) as i64);
                 match at % 2 {
-                    0 => count_upto(expired_unissued_in(pool, now), CountFrom::Any, limit, at),
-                    _ => count_upto(
-                        unissued_in(pool),
-                        CountFrom::NewestFirst,
-                        limit.saturating_mul(2),
+                    0 => count_upto(
+                        in_pool(pool, expired_unissued(now)),
+                        CountFrom::Any,
+                        limit,
                         at,
                     ),
+                    _ => count_upto(unissued_in(pool), CountFrom::NewestFirst, limit * 2, at),
                 }
             })
             .await?;
-        let (expired, unissued) = (|i: usize| counts[2 * i], |i: usize| counts[2 * i + 1]);
-        let mut stock: Vec<u64> = (0..asks.len())
+        for (k, &i) in rest.iter().enumerate() {
+            (expired[i], unissued[i]) = (Some(counts[2 * k]), Some(counts[2 * k + 1]));
+        }
+        let expired = |i: usize| expired[i].unwrap_or(0).min(cap(i));
+        let unissued = |i: usize| unissued[i].unwrap_or(0).min(cap(i) * 2);
+        let mut stock: Vec<u64> = (0..n)
             .map(|i| unissued(i).saturating_sub(expired(i)).min(cap(i)))
             .collect();
-        let unswept: Vec<usize> = (0..asks.len()).filter(|&i| expired(i) >= cap(i)).collect();
+        let unswept: Vec<usize> = (0..n).filter(|&i| expired(i) >= cap(i)).collect();
         if !unswept.is_empty() {
             let exact = self
                 .counts_upto(unswept.len(), |at| {
@@ -1049,6 +1152,39 @@ impl Store {
             }
         }
         Ok(stock)
+    }
+
+    /// The two counts of [`Store::unissued_counts_upto`] for all `pools`
+    /// at once: one budgeted scan each ([`crate::across`]), expired codes
+    /// first, both from the highest pool name and `seq` down (see
+    /// [`CountFrom::NewestFirst`]). Fills in the counts of the pools the
+    /// scans answered.
+    async fn count_across(
+        &self,
+        pools: &[&str],
+        caps: &[u64],
+        now: DateTime,
+        expired_of: &mut [Option<u64>],
+        unissued_of: &mut [Option<u64>],
+    ) -> Result<(), StoreError> {
+        let scan = |filter: Document, index_order, per_pool: u64| PoolScan {
+            pools,
+            filter,
+            index_order,
+            order: PoolOrder::Descending,
+            budget: caps.iter().map(|c| c * per_pool).sum(),
+        };
+        let e = self
+            .count_pools(&scan(expired_unissued(now), UNISSUED_EXPIRY, 1))
+            .await?;
+        let u = self
+            .count_pools(&scan(unissued(), POOL_STATUS_SEQ, 2))
+            .await?;
+        for (i, pool) in pools.iter().enumerate() {
+            expired_of[i] = e.of(pool, caps[i]);
+            unissued_of[i] = u.of(pool, caps[i] * 2);
+        }
+        Ok(())
     }
 
     /// The `n` counts `branch(at)` describes ([`count_upto`]), aligned.

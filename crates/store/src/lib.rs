@@ -22,6 +22,7 @@
 //! Writes that decide ownership use journaled, majority write concern, so a
 //! grant that was acknowledged survives a crash of the database.
 
+mod across;
 pub mod audit;
 pub mod backorders;
 pub mod codes;
