@@ -20,69 +20,111 @@ use crate::plan::{apply_policies, Intake, Verdicts};
 /// between `codepool pool pause` and the last grant of the pool.
 pub const POLICY_TTL: Duration = Duration::from_secs(1);
 
+/// A pool read again while others are read is refreshed ahead of its
+/// time once it is this old, so the pools in use are read together,
+/// about twice a [`POLICY_TTL`], rather than a few in every batch.
+const REFRESH_AHEAD: Duration = Duration::from_millis(500);
+/// Only pools a batch asked for this recently are refreshed ahead; the
+/// others are read again on their next use.
+const REFRESH_IF_USED_WITHIN: Duration = Duration::from_secs(10);
+/// Most pools one read refreshes ahead, so that read stays small.
+const REFRESH_AHEAD_MOST: usize = 5000;
+
+/// A pool's policy as last read, and when it was read and last asked for.
+#[derive(Debug, Clone, Copy)]
+struct Cached {
+    policy: PoolPolicy,
+    read_at: Instant,
+    used_at: Instant,
+}
+
 /// Pools known to exist, with their policy as last read.
 #[derive(Debug, Default)]
 pub struct PolicyCache {
-    pools: RwLock<HashMap<String, (PoolPolicy, Instant)>>,
+    pools: RwLock<HashMap<String, Cached>>,
+}
+
+/// What a batch's lookup found in the cache: the fresh policies, and the
+/// pools to read (its own stale or unknown ones first, then any in use
+/// that are due soon).
+#[derive(Debug, Default, PartialEq)]
+struct Lookup {
+    found: HashMap<String, PoolPolicy>,
+    read: Vec<String>,
+}
+
+/// Looks `pools` up in `cache` at `now`, marking them used.
+fn look_up(cache: &mut HashMap<String, Cached>, pools: &[&str], now: Instant) -> Lookup {
+    let mut out = Lookup::default();
+    for pool in pools {
+        match cache.get_mut(*pool) {
+            Some(c) if now.duration_since(c.read_at) < POLICY_TTL => {
+                c.used_at = now;
+                out.found.insert((*pool).to_owned(), c.policy);
+            }
+            _ => out.read.push((*pool).to_owned()),
+        }
+    }
+    if out.read.is_empty() {
+        return out;
+    }
+    let due = cache
+        .iter()
+        .filter(|(name, c)| {
+            now.duration_since(c.read_at) >= REFRESH_AHEAD
+                && now.duration_since(c.used_at) < REFRESH_IF_USED_WITHIN
+                && !out.found.contains_key(*name)
+        })
+        .map(|(name, _)| name.clone())
+        .filter(|name| !out.read.contains(name))
+        .take(REFRESH_AHEAD_MOST);
+    out.read.extend(due.collect::<Vec<_>>());
+    out
 }
 
 impl PolicyCache {
     /// The policies of `pools` that exist: fresh ones from the cache, the
     /// others in one query (a batch over a thousand cold pools costs one
-    /// round trip, not a thousand).
+    /// round trip, not a thousand). That query also reads the pools in use
+    /// whose policies are due soon, so a busy catalogue is read about
+    /// twice a second, not a little in every batch.
     pub async fn get_many(
         &self,
         store: &Store,
         pools: &[&str],
     ) -> Result<HashMap<String, PoolPolicy>, StoreError> {
-        let mut found = HashMap::new();
-        let mut stale = Vec::new();
-        {
-            let cache = self.pools.read().await;
-            for pool in pools {
-                match cache.get(*pool) {
-                    Some((policy, at)) if at.elapsed() < POLICY_TTL => {
-                        found.insert((*pool).to_owned(), *policy);
-                    }
-                    _ => stale.push(*pool),
-                }
-            }
-        }
-        if stale.is_empty() {
+        let Lookup { mut found, read } =
+            look_up(&mut *self.pools.write().await, pools, Instant::now());
+        if read.is_empty() {
             return Ok(found);
         }
-        let docs = store.pools_named(&stale).await?;
-        let mut cache = self.pools.write().await;
-        for pool in &stale {
-            cache.remove(*pool);
-        }
+        let names: Vec<&str> = read.iter().map(String::as_str).collect();
+        let docs = store.pools_named(&names).await?;
         let now = Instant::now();
+        let mut cache = self.pools.write().await;
+        let used: HashMap<&str, Instant> = names
+            .iter()
+            .map(|p| (*p, cache.remove(*p).map_or(now, |c| c.used_at)))
+            .collect();
+        let asked: HashSet<&str> = pools.iter().copied().collect();
         for doc in docs {
             let policy = doc.policy();
-            cache.insert(doc.name.clone(), (policy, now));
-            found.insert(doc.name, policy);
+            let used_at = if asked.contains(doc.name.as_str()) {
+                now
+            } else {
+                used.get(doc.name.as_str()).copied().unwrap_or(now)
+            };
+            let cached = Cached {
+                policy,
+                read_at: now,
+                used_at,
+            };
+            if asked.contains(doc.name.as_str()) {
+                found.insert(doc.name.clone(), policy);
+            }
+            cache.insert(doc.name, cached);
         }
         Ok(found)
-    }
-
-    /// The pool's policy, `None` when the pool does not exist (never
-    /// cached: a pool may be created any moment).
-    pub async fn get(&self, store: &Store, pool: &str) -> Result<Option<PoolPolicy>, StoreError> {
-        if let Some((policy, at)) = self.pools.read().await.get(pool) {
-            if at.elapsed() < POLICY_TTL {
-                return Ok(Some(*policy));
-            }
-        }
-        let Some(doc) = store.pool(pool).await? else {
-            self.pools.write().await.remove(pool);
-            return Ok(None);
-        };
-        let policy = doc.policy();
-        self.pools
-            .write()
-            .await
-            .insert(pool.to_owned(), (policy, Instant::now()));
-        Ok(Some(policy))
     }
 }
 
@@ -235,5 +277,60 @@ fn record_of(r: &Refusal) -> RefusalDoc {
         reason: r.reason,
         limit: r.limit.map(i64::from),
         refused_at: bson::DateTime::from_chrono(r.at),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cached(read_ago: Duration, used_ago: Duration, now: Instant) -> Cached {
+        Cached {
+            policy: PoolPolicy::default(),
+            read_at: now - read_ago,
+            used_at: now - used_ago,
+        }
+    }
+
+    fn sorted(mut v: Vec<String>) -> Vec<String> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn fresh_policies_come_from_the_cache_and_nothing_is_read() {
+        let now = Instant::now() + Duration::from_secs(60);
+        let ms = Duration::from_millis;
+        let mut cache = HashMap::from([
+            ("a".to_owned(), cached(ms(100), ms(100), now)),
+            ("b".to_owned(), cached(ms(900), ms(0), now)),
+        ]);
+        let got = look_up(&mut cache, &["a"], now);
+        assert_eq!(got.found.keys().collect::<Vec<_>>(), vec!["a"]);
+        assert!(
+            got.read.is_empty(),
+            "b is due soon, but nothing needs a read"
+        );
+        assert_eq!(cache["a"].used_at, now, "a was asked for");
+    }
+
+    #[test]
+    fn a_read_also_refreshes_the_pools_in_use_that_are_due_soon() {
+        let now = Instant::now() + Duration::from_secs(60);
+        let ms = Duration::from_millis;
+        let mut cache = HashMap::from([
+            ("stale".to_owned(), cached(ms(1500), ms(1500), now)),
+            ("due".to_owned(), cached(ms(700), ms(300), now)),
+            ("young".to_owned(), cached(ms(200), ms(200), now)),
+            ("idle".to_owned(), cached(ms(700), ms(20_000), now)),
+        ]);
+        let got = look_up(&mut cache, &["stale", "unknown", "young"], now);
+        assert_eq!(got.found.keys().collect::<Vec<_>>(), vec!["young"]);
+        assert_eq!(
+            &got.read[..2],
+            ["stale", "unknown"],
+            "the batch's own first"
+        );
+        assert_eq!(sorted(got.read), ["due", "stale", "unknown"]);
     }
 }
