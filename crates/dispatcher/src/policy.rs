@@ -20,9 +20,10 @@ use crate::plan::{apply_policies, Intake, Verdicts};
 /// between `codepool pool pause` and the last grant of the pool.
 pub const POLICY_TTL: Duration = Duration::from_secs(1);
 
-/// A pool read again while others are read is refreshed ahead of its
-/// time once it is this old, so the pools in use are read together,
-/// about twice a [`POLICY_TTL`], rather than a few in every batch.
+/// A read of policies also refreshes, ahead of their time, the pools in
+/// use that are this old, at most once in this long; so the pools in use
+/// are read together, about twice a [`POLICY_TTL`], rather than a few in
+/// every batch.
 const REFRESH_AHEAD: Duration = Duration::from_millis(500);
 /// Only pools a batch asked for this recently are refreshed ahead; the
 /// others are read again on their next use.
@@ -41,7 +42,15 @@ struct Cached {
 /// Pools known to exist, with their policy as last read.
 #[derive(Debug, Default)]
 pub struct PolicyCache {
-    pools: RwLock<HashMap<String, Cached>>,
+    state: RwLock<Known>,
+}
+
+/// What [`PolicyCache`] holds.
+#[derive(Debug, Default)]
+struct Known {
+    pools: HashMap<String, Cached>,
+    /// When a read last refreshed pools ahead of their time.
+    ahead_at: Option<Instant>,
 }
 
 /// What a batch's lookup found in the cache: the fresh policies, and the
@@ -53,11 +62,11 @@ struct Lookup {
     read: Vec<String>,
 }
 
-/// Looks `pools` up in `cache` at `now`, marking them used.
-fn look_up(cache: &mut HashMap<String, Cached>, pools: &[&str], now: Instant) -> Lookup {
+/// Looks `pools` up in `known` at `now`, marking them used.
+fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
     let mut out = Lookup::default();
     for pool in pools {
-        match cache.get_mut(*pool) {
+        match known.pools.get_mut(*pool) {
             Some(c) if now.duration_since(c.read_at) < POLICY_TTL => {
                 c.used_at = now;
                 out.found.insert((*pool).to_owned(), c.policy);
@@ -65,10 +74,15 @@ fn look_up(cache: &mut HashMap<String, Cached>, pools: &[&str], now: Instant) ->
             _ => out.read.push((*pool).to_owned()),
         }
     }
-    if out.read.is_empty() {
+    let ahead_due = known
+        .ahead_at
+        .is_none_or(|t| now.duration_since(t) >= REFRESH_AHEAD);
+    if out.read.is_empty() || !ahead_due {
         return out;
     }
-    let due = cache
+    known.ahead_at = Some(now);
+    let due = known
+        .pools
         .iter()
         .filter(|(name, c)| {
             now.duration_since(c.read_at) >= REFRESH_AHEAD
@@ -94,14 +108,14 @@ impl PolicyCache {
         pools: &[&str],
     ) -> Result<HashMap<String, PoolPolicy>, StoreError> {
         let Lookup { mut found, read } =
-            look_up(&mut *self.pools.write().await, pools, Instant::now());
+            look_up(&mut *self.state.write().await, pools, Instant::now());
         if read.is_empty() {
             return Ok(found);
         }
         let names: Vec<&str> = read.iter().map(String::as_str).collect();
         let docs = store.pools_named(&names).await?;
         let now = Instant::now();
-        let mut cache = self.pools.write().await;
+        let cache = &mut self.state.write().await.pools;
         let used: HashMap<&str, Instant> = names
             .iter()
             .map(|p| (*p, cache.remove(*p).map_or(now, |c| c.used_at)))
@@ -297,34 +311,41 @@ mod tests {
         v
     }
 
+    fn known(pools: Vec<(&str, Cached)>) -> Known {
+        Known {
+            pools: pools.into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
+            ahead_at: None,
+        }
+    }
+
     #[test]
     fn fresh_policies_come_from_the_cache_and_nothing_is_read() {
         let now = Instant::now() + Duration::from_secs(60);
         let ms = Duration::from_millis;
-        let mut cache = HashMap::from([
-            ("a".to_owned(), cached(ms(100), ms(100), now)),
-            ("b".to_owned(), cached(ms(900), ms(0), now)),
+        let mut known = known(vec![
+            ("a", cached(ms(100), ms(100), now)),
+            ("b", cached(ms(900), ms(0), now)),
         ]);
-        let got = look_up(&mut cache, &["a"], now);
+        let got = look_up(&mut known, &["a"], now);
         assert_eq!(got.found.keys().collect::<Vec<_>>(), vec!["a"]);
         assert!(
             got.read.is_empty(),
             "b is due soon, but nothing needs a read"
         );
-        assert_eq!(cache["a"].used_at, now, "a was asked for");
+        assert_eq!(known.pools["a"].used_at, now, "a was asked for");
     }
 
     #[test]
     fn a_read_also_refreshes_the_pools_in_use_that_are_due_soon() {
         let now = Instant::now() + Duration::from_secs(60);
         let ms = Duration::from_millis;
-        let mut cache = HashMap::from([
-            ("stale".to_owned(), cached(ms(1500), ms(1500), now)),
-            ("due".to_owned(), cached(ms(700), ms(300), now)),
-            ("young".to_owned(), cached(ms(200), ms(200), now)),
-            ("idle".to_owned(), cached(ms(700), ms(20_000), now)),
+        let mut known = known(vec![
+            ("stale", cached(ms(1500), ms(1500), now)),
+            ("due", cached(ms(700), ms(300), now)),
+            ("young", cached(ms(200), ms(200), now)),
+            ("idle", cached(ms(700), ms(20_000), now)),
         ]);
-        let got = look_up(&mut cache, &["stale", "unknown", "young"], now);
+        let got = look_up(&mut known, &["stale", "unknown", "young"], now);
         assert_eq!(got.found.keys().collect::<Vec<_>>(), vec!["young"]);
         assert_eq!(
             &got.read[..2],
@@ -332,5 +353,13 @@ mod tests {
             "the batch's own first"
         );
         assert_eq!(sorted(got.read), ["due", "stale", "unknown"]);
+        // Another batch meets a new pool soon after: it reads that one
+        // alone, since pools were refreshed ahead less than 0.5 s ago.
+        let got = look_up(&mut known, &["new"], now + ms(100));
+        assert_eq!(got.read, ["new"]);
+        // Past the gate, every pool in use over 0.5 s old comes along (no
+        // read landed in between here), never the idle one.
+        let got = look_up(&mut known, &["new"], now + ms(600));
+        assert_eq!(sorted(got.read), ["due", "new", "stale", "young"]);
     }
 }
