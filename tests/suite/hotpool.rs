@@ -411,12 +411,14 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
     env.cleanup().await;
 }
 
-/// Pools refilled from their start share one scan in pool order, budgeted
-/// at their limits added up; the pools its budget did not reach, or cut
-/// short, are asked one by one. "a" (20 codes) and "b" take the budget of
-/// 5 + 30 + 10 + 4 = 49 twenty-nine codes into "b", which wants 30; "c"
-/// and "d" are never reached. Taking a partial answer would show: "b"
-/// with 29, "c" and "d" with none.
+/// Pools refilled from their start share a scan in pool order, budgeted at
+/// their limits added up; the pools its budget did not reach, or cut
+/// short, are scanned again, and after four scans asked one by one. "a"
+/// (20 codes) and "b" take the budget of 5 + 30 + 10 + 4 = 49 twenty-nine
+/// codes into "b", which wants 30; "c" and "d" are never reached. Taking a
+/// partial answer would show: "b" with 29, "c" and "d" with none. Then six
+/// pools of 100 codes that want 5 each: every scan ends inside the first
+/// pool it meets, so "f5" and "f6" are asked one by one.
 #[tokio::test]
 async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
     let env = TestEnv::new("hot_candidates_cold").await;
@@ -427,11 +429,22 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
         ("c", 3, 10, 10),
         ("d", 0, 0, 4),
     ];
+    let many = ["f1", "f2", "f3", "f4", "f5", "f6"].map(|f| (f, 0, 100, 5));
+    for (case, sizes) in [(&pools[..], vec![5, 30, 7, 0]), (&many[..], vec![5; 6])] {
+        cold_refill_case(&env, case, sizes).await;
+    }
+    env.cleanup().await;
+}
+
+/// Fills `pools` (pool, expired codes, codes, limit), refills them all
+/// from their start together, and checks that each got its oldest
+/// claimable codes, `sizes` of them.
+async fn cold_refill_case(env: &TestEnv, pools: &[(&str, usize, usize, i64)], sizes: Vec<usize>) {
     let mut expected = Vec::new();
-    for &(pool, expired, n, limit) in &pools {
+    for &(pool, expired, n, limit) in pools {
         env.fill_pool_expiring(pool, expired, n).await;
         let unexpired = doc! {"pool": pool, "expires_at": null};
-        expected.push(stored_codes(&env, unexpired, limit).await);
+        expected.push(stored_codes(env, unexpired, limit).await);
     }
     let asks: Vec<CandidateAsk> = pools
         .iter()
@@ -442,10 +455,8 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
         })
         .collect();
     let found = env.store.candidates_after_many(&asks).await.expect("mongo");
-    let sizes: Vec<usize> = found.iter().map(Vec::len).collect();
-    assert_eq!(sizes, vec![5, 30, 7, 0]);
+    assert_eq!(found.iter().map(Vec::len).collect::<Vec<_>>(), sizes);
     assert_eq!(found, expected);
-    env.cleanup().await;
 }
 
 /// The codes matching `filter` as (id, seq), oldest first, at most

@@ -10,9 +10,12 @@
 //! Such a scan has no bound per pool, so it carries a budget instead: it
 //! stops after as many matches as the per-pool bounds add up to. Its cost
 //! stays bounded by the number of pools and their bounds, not by any
-//! pool's size. When the budget runs out, the pool the scan was in and
-//! those it had not reached are left to the per-pool query
-//! ([`Reach::answered`]).
+//! pool's size. When the budget runs out, the pools the scan did not
+//! answer ([`Reach::answered`]) are scanned again, up to [`SCANS_MOST`]
+//! scans in all, and what is left goes to the per-pool query. Every scan
+//! answers at least the pool it starts with (the budget covers that pool's
+//! bound), so a big pool costs one more scan, not a query for every pool
+//! behind it.
 
 use std::collections::HashMap;
 
@@ -22,6 +25,10 @@ use futures::TryStreamExt;
 use crate::codes::CODES;
 use crate::stats::as_u64;
 use crate::{Store, StoreError};
+
+/// Most budgeted scans of the same pools before the ones still unanswered
+/// go to the per-pool query.
+pub(crate) const SCANS_MOST: usize = 4;
 
 /// Which way a scan walks the pools: by name, compared bytewise, as
 /// MongoDB compares strings without a collation.
@@ -170,6 +177,43 @@ impl Store {
         };
         let reach = Reach::new(scan.order, spent, scan.budget, last.map(String::as_str));
         Ok(PoolCounts { counts, reach })
+    }
+}
+
+impl Store {
+    /// Per pool of `pools` (aligned), its matches of `filter` counted up to
+    /// at least `wanted[i]`, by budgeted scans in `order` along
+    /// `index_order`; `None` for a pool still unanswered after
+    /// [`SCANS_MOST`] scans.
+    pub(crate) async fn count_each(
+        &self,
+        pools: &[&str],
+        wanted: &[u64],
+        filter: &Document,
+        index_order: &[&str],
+        order: PoolOrder,
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        let mut counts = vec![None; pools.len()];
+        let mut pending: Vec<usize> = (0..pools.len()).collect();
+        for _ in 0..SCANS_MOST {
+            if pending.is_empty() {
+                break;
+            }
+            let names: Vec<&str> = pending.iter().map(|&i| pools[i]).collect();
+            let scan = PoolScan {
+                pools: &names,
+                filter: filter.clone(),
+                index_order,
+                order,
+                budget: pending.iter().map(|&i| wanted[i]).sum(),
+            };
+            let counted = self.count_pools(&scan).await?;
+            pending.retain(|&i| {
+                counts[i] = counted.of(pools[i], wanted[i]);
+                counts[i].is_none()
+            });
+        }
+        Ok(counts)
     }
 }
 

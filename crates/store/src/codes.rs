@@ -16,7 +16,7 @@ use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::across::{PoolOrder, PoolScan};
+use crate::across::{PoolOrder, PoolScan, SCANS_MOST};
 use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
@@ -940,10 +940,31 @@ impl Store {
         Ok(found)
     }
 
-    /// The first candidates of the asks `which` (all from the start), in
-    /// one scan of their pools in index order, budgeted at their limits
-    /// added up. Returns the asks the scan did not answer.
+    /// The first candidates of the asks `which` (all from the start), in a
+    /// scan of their pools in index order, budgeted at their limits added
+    /// up, and again for the asks its budget did not answer (up to
+    /// [`SCANS_MOST`] scans). Returns the asks still unanswered.
     async fn first_candidates(
+        &self,
+        asks: &[CandidateAsk<'_>],
+        which: &[usize],
+        now: DateTime,
+        found: &mut [Vec<(CodeId, i64)>],
+    ) -> Result<Vec<usize>, StoreError> {
+        let mut pending = which.to_vec();
+        for _ in 0..SCANS_MOST {
+            if pending.is_empty() {
+                break;
+            }
+            pending = self
+                .first_candidates_once(asks, &pending, now, found)
+                .await?;
+        }
+        Ok(pending)
+    }
+
+    /// One scan of [`Store::first_candidates`].
+    async fn first_candidates_once(
         &self,
         asks: &[CandidateAsk<'_>],
         which: &[usize],
@@ -1102,13 +1123,13 @@ impl Store {
         let now = DateTime::now();
         let cap = |i: usize| asks[i].1.clamp(1, i64::MAX as u64 / 2);
         let n = asks.len();
-        let (mut expired, mut unissued) = (vec![None; n], vec![None; n]);
-        if n > 1 {
+        let (mut expired, mut unissued) = if n > 1 {
             let pools: Vec<&str> = asks.iter().map(|a| a.0).collect();
             let caps: Vec<u64> = (0..n).map(cap).collect();
-            self.count_across(&pools, &caps, now, &mut expired, &mut unissued)
-                .await?;
-        }
+            self.count_across(&pools, &caps, now).await?
+        } else {
+            (vec![None; n], vec![None; n])
+        };
         // Pools counted one by one: a single pool, or those the scans'
         // budgets did not reach. Count `2k` is pool `rest[k]`'s expired
         // codes, `2k + 1` its unissued ones; a chunk's branches run in
@@ -1155,36 +1176,26 @@ impl Store {
     }
 
     /// The two counts of [`Store::unissued_counts_upto`] for all `pools`
-    /// at once: one budgeted scan each ([`crate::across`]), expired codes
-    /// first, both from the highest pool name and `seq` down (see
-    /// [`CountFrom::NewestFirst`]). Fills in the counts of the pools the
-    /// scans answered.
+    /// at once, in budgeted scans ([`crate::across`]): expired codes first,
+    /// both from the highest pool name and `seq` down (see
+    /// [`CountFrom::NewestFirst`]). `None` for a pool the scans did not
+    /// answer.
     async fn count_across(
         &self,
         pools: &[&str],
         caps: &[u64],
         now: DateTime,
-        expired_of: &mut [Option<u64>],
-        unissued_of: &mut [Option<u64>],
-    ) -> Result<(), StoreError> {
-        let scan = |filter: Document, index_order, per_pool: u64| PoolScan {
-            pools,
-            filter,
-            index_order,
-            order: PoolOrder::Descending,
-            budget: caps.iter().map(|c| c * per_pool).sum(),
-        };
+    ) -> Result<(Vec<Option<u64>>, Vec<Option<u64>>), StoreError> {
+        let down = PoolOrder::Descending;
+        let filter = expired_unissued(now);
         let e = self
-            .count_pools(&scan(expired_unissued(now), UNISSUED_EXPIRY, 1))
+            .count_each(pools, caps, &filter, UNISSUED_EXPIRY, down)
             .await?;
+        let twice: Vec<u64> = caps.iter().map(|c| c * 2).collect();
         let u = self
-            .count_pools(&scan(unissued(), POOL_STATUS_SEQ, 2))
+            .count_each(pools, &twice, &unissued(), POOL_STATUS_SEQ, down)
             .await?;
-        for (i, pool) in pools.iter().enumerate() {
-            expired_of[i] = e.of(pool, caps[i]);
-            unissued_of[i] = u.of(pool, caps[i] * 2);
-        }
-        Ok(())
+        Ok((e, u))
     }
 
     /// The `n` counts `branch(at)` describes ([`count_upto`]), aligned.
