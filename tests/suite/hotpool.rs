@@ -413,12 +413,13 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
 
 /// Pools refilled from their start share a scan in pool order, budgeted at
 /// their limits added up; the pools its budget did not reach, or cut
-/// short, are scanned again, and after four scans asked one by one. "a"
-/// (20 codes) and "b" take the budget of 5 + 30 + 10 + 4 = 49 twenty-nine
-/// codes into "b", which wants 30; "c" and "d" are never reached. Taking a
-/// partial answer would show: "b" with 29, "c" and "d" with none. Then six
-/// pools of 100 codes that want 5 each: every scan ends inside the first
-/// pool it meets, so "f5" and "f6" are asked one by one.
+/// short, are scanned again, or asked one by one. "a" (20 codes) and "b"
+/// take the budget of 5 + 30 + 10 + 4 = 49 twenty-nine codes into "b",
+/// which wants 30; "c" and "d" are never reached. Taking a partial answer
+/// would show: "b" with 29, "c" and "d" with none. Then six pools of 100
+/// codes that want 5 each: the scan ends inside "f1", so the other five
+/// are asked one by one. Last, a scan that answers most of its pools
+/// scans again for the rest.
 #[tokio::test]
 async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
     let env = TestEnv::new("hot_candidates_cold").await;
@@ -430,7 +431,20 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
         ("d", 0, 0, 4),
     ];
     let many = ["f1", "f2", "f3", "f4", "f5", "f6"].map(|f| (f, 0, 100, 5));
-    for (case, sizes) in [(&pools[..], vec![5, 30, 7, 0]), (&many[..], vec![5; 6])] {
+    // The budget of 40 ends 30 codes into "g3", which wants 10: three of
+    // four answered, so "g4" gets a scan of its own.
+    let rescan = [
+        ("g1", 0, 5, 10),
+        ("g2", 0, 5, 10),
+        ("g3", 0, 100, 10),
+        ("g4", 0, 5, 10),
+    ];
+    let cases = [
+        (&pools[..], vec![5, 30, 7, 0]),
+        (&many[..], vec![5; 6]),
+        (&rescan[..], vec![5, 5, 10, 5]),
+    ];
+    for (case, sizes) in cases {
         cold_refill_case(&env, case, sizes).await;
     }
     env.cleanup().await;

@@ -11,11 +11,14 @@
 //! stops after as many matches as the per-pool bounds add up to. Its cost
 //! stays bounded by the number of pools and their bounds, not by any
 //! pool's size. When the budget runs out, the pools the scan did not
-//! answer ([`Reach::answered`]) are scanned again, up to [`SCANS_MOST`]
-//! scans in all, and what is left goes to the per-pool query. Every scan
-//! answers at least the pool it starts with (the budget covers that pool's
-//! bound), so a big pool costs one more scan, not a query for every pool
-//! behind it.
+//! answer ([`Reach::answered`]) are scanned again, and what is left goes
+//! to the per-pool query. Every scan answers at least the pool it starts
+//! with (the budget covers that pool's bound), so one big pool costs one
+//! more scan, not a query for every pool behind it. A scan that answered
+//! fewer than half its pools met big pools one after another (a catalogue
+//! whose best sellers sort first): scanning again would answer a few at a
+//! time, so the rest go to the per-pool query at once; and there are at
+//! most [`SCANS_MOST`] scans.
 
 use std::collections::HashMap;
 
@@ -29,6 +32,12 @@ use crate::{Store, StoreError};
 /// Most budgeted scans of the same pools before the ones still unanswered
 /// go to the per-pool query.
 pub(crate) const SCANS_MOST: usize = 4;
+
+/// Whether the pools a scan of `scanned` left unanswered, `left` of them,
+/// are worth another scan: only when it answered at least half.
+pub(crate) fn worth_another_scan(scanned: usize, left: usize) -> bool {
+    left > 0 && left * 2 <= scanned
+}
 
 /// Which way a scan walks the pools: by name, compared bytewise, as
 /// MongoDB compares strings without a collation.
@@ -208,10 +217,14 @@ impl Store {
                 budget: pending.iter().map(|&i| wanted[i]).sum(),
             };
             let counted = self.count_pools(&scan).await?;
+            let scanned = pending.len();
             pending.retain(|&i| {
                 counts[i] = counted.of(pools[i], wanted[i]);
                 counts[i].is_none()
             });
+            if !worth_another_scan(scanned, pending.len()) {
+                break;
+            }
         }
         Ok(counts)
     }
@@ -242,6 +255,13 @@ mod tests {
         assert!(down.answered("z", 0, 5));
         assert!(!down.answered("m", 4, 5));
         assert!(!down.answered("a", 0, 5));
+    }
+
+    #[test]
+    fn another_scan_only_after_one_that_answered_half() {
+        assert!(worth_another_scan(10, 5));
+        assert!(!worth_another_scan(10, 6), "a run of big pools");
+        assert!(!worth_another_scan(10, 0), "nothing left");
     }
 
     #[test]
