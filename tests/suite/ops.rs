@@ -1544,7 +1544,7 @@ async fn bounded_stock_counts_read_only_unswept_expired_codes_and_stop_at_their_
 
 /// Stock counts of several pools are budgeted scans of each index, from
 /// the highest pool name down; the pools a scan's budget did not reach, or
-/// cut short, are scanned again, and after four scans counted one by one.
+/// cut short, are scanned again, or counted one by one.
 /// Each case below is built so that taking a cut-short or unreached pool's
 /// partial count as its answer gives a different number.
 #[tokio::test]
@@ -1565,9 +1565,9 @@ async fn stock_counts_of_many_pools_are_exact_where_the_scan_budget_runs_out() {
     // stops 45 into "y"'s 50 (stock 120 - 50 = 70, not 75). "z" is all
     // expired: 0, counted document by document past its cap.
     let expired_cut = [("z", 60, 60, 5), ("y", 50, 120, 100)];
-    // Each scan's budget (10 per pool left) ends inside the first pool it
-    // meets: four scans answer "w6" to "w3", and "w2" and "w1" (stock 5,
-    // not 0) are counted one by one.
+    // The budget (10 per pool) ends inside "w6", the first pool scanned:
+    // one pool of six answered, so "w5" to "w1" (stock 5, not 0) are
+    // counted one by one.
     let scans_run_out: Vec<(&str, usize, usize, u64)> = ["w1", "w2", "w3", "w4", "w5", "w6"]
         .map(|w| (w, 0, 100, 5))
         .to_vec();

@@ -16,7 +16,7 @@ use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::across::{PoolOrder, PoolScan, SCANS_MOST};
+use crate::across::{worth_another_scan, PoolOrder, PoolScan, SCANS_MOST};
 use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
@@ -942,8 +942,8 @@ impl Store {
 
     /// The first candidates of the asks `which` (all from the start), in a
     /// scan of their pools in index order, budgeted at their limits added
-    /// up, and again for the asks its budget did not answer (up to
-    /// [`SCANS_MOST`] scans). Returns the asks still unanswered.
+    /// up, and again for the asks its budget did not answer while that is
+    /// worth it ([`crate::across`]). Returns the asks still unanswered.
     async fn first_candidates(
         &self,
         asks: &[CandidateAsk<'_>],
@@ -953,12 +953,13 @@ impl Store {
     ) -> Result<Vec<usize>, StoreError> {
         let mut pending = which.to_vec();
         for _ in 0..SCANS_MOST {
-            if pending.is_empty() {
-                break;
-            }
+            let scanned = pending.len();
             pending = self
                 .first_candidates_once(asks, &pending, now, found)
                 .await?;
+            if !worth_another_scan(scanned, pending.len()) {
+                break;
+            }
         }
         Ok(pending)
     }
