@@ -81,18 +81,19 @@ fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
         return out;
     }
     known.ahead_at = Some(now);
-    let due = known
+    let reading: HashSet<&str> = out.read.iter().map(String::as_str).collect();
+    let due: Vec<String> = known
         .pools
         .iter()
         .filter(|(name, c)| {
             now.duration_since(c.read_at) >= REFRESH_AHEAD
                 && now.duration_since(c.used_at) < REFRESH_IF_USED_WITHIN
-                && !out.found.contains_key(*name)
+                && !reading.contains(name.as_str())
         })
         .map(|(name, _)| name.clone())
-        .filter(|name| !out.read.contains(name))
-        .take(REFRESH_AHEAD_MOST);
-    out.read.extend(due.collect::<Vec<_>>());
+        .take(REFRESH_AHEAD_MOST)
+        .collect();
+    out.read.extend(due);
     out
 }
 
@@ -107,14 +108,16 @@ impl PolicyCache {
         store: &Store,
         pools: &[&str],
     ) -> Result<HashMap<String, PoolPolicy>, StoreError> {
-        let Lookup { mut found, read } =
-            look_up(&mut *self.state.write().await, pools, Instant::now());
+        let started = Instant::now();
+        let Lookup { mut found, read } = look_up(&mut *self.state.write().await, pools, started);
         if read.is_empty() {
             return Ok(found);
         }
         let names: Vec<&str> = read.iter().map(String::as_str).collect();
         let docs = store.pools_named(&names).await?;
-        let now = Instant::now();
+        // A policy is as old as the read that began before it: a pause
+        // that lands during the read is seen within POLICY_TTL of it.
+        let now = started;
         let cache = &mut self.state.write().await.pools;
         let used: HashMap<&str, Instant> = names
             .iter()
