@@ -431,10 +431,11 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
         ("d", 0, 0, 4),
     ];
     let many = ["f1", "f2", "f3", "f4", "f5", "f6"].map(|f| (f, 0, 100, 5));
-    // The budget of 40 ends 30 codes into "g3", which wants 10: three of
-    // four answered, so "g4" gets a scan of its own.
+    // "g1" holds 3 expired codes the scan skips. The budget of 40 ends 30
+    // codes into "g3", which wants 10: three of four answered, so "g4"
+    // gets a scan of its own.
     let rescan = [
-        ("g1", 0, 5, 10),
+        ("g1", 3, 8, 10),
         ("g2", 0, 5, 10),
         ("g3", 0, 100, 10),
         ("g4", 0, 5, 10),

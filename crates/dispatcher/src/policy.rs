@@ -74,10 +74,27 @@ fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
             _ => out.read.push((*pool).to_owned()),
         }
     }
+    if out.read.is_empty() {
+        return out;
+    }
+    // The batch uses its fresh policies after the read: any over
+    // REFRESH_AHEAD old come along, so none is used past POLICY_TTL.
+    let own_due: Vec<String> = pools
+        .iter()
+        .filter(|p| {
+            known
+                .pools
+                .get(**p)
+                .is_some_and(|c| now.duration_since(c.read_at) >= REFRESH_AHEAD)
+                && out.found.contains_key(**p)
+        })
+        .map(|p| (*p).to_owned())
+        .collect();
+    out.read.extend(own_due);
     let ahead_due = known
         .ahead_at
         .is_none_or(|t| now.duration_since(t) >= REFRESH_AHEAD);
-    if out.read.is_empty() || !ahead_due {
+    if !ahead_due {
         return out;
     }
     known.ahead_at = Some(now);
@@ -113,33 +130,54 @@ impl PolicyCache {
         if read.is_empty() {
             return Ok(found);
         }
-        let names: Vec<&str> = read.iter().map(String::as_str).collect();
+        let mut seen = HashSet::new();
+        let names: Vec<&str> = read
+            .iter()
+            .map(String::as_str)
+            .filter(|n| seen.insert(*n))
+            .collect();
         let docs = store.pools_named(&names).await?;
         // A policy is as old as the read that began before it: a pause
         // that lands during the read is seen within POLICY_TTL of it.
         let now = started;
         let cache = &mut self.state.write().await.pools;
-        let used: HashMap<&str, Instant> = names
-            .iter()
-            .map(|p| (*p, cache.remove(*p).map_or(now, |c| c.used_at)))
-            .collect();
         let asked: HashSet<&str> = pools.iter().copied().collect();
-        for doc in docs {
-            let policy = doc.policy();
-            let used_at = if asked.contains(doc.name.as_str()) {
-                now
-            } else {
-                used.get(doc.name.as_str()).copied().unwrap_or(now)
+        let mut read_docs: HashMap<String, PoolPolicy> = docs
+            .into_iter()
+            .map(|d| (d.name.clone(), d.policy()))
+            .collect();
+        for name in names {
+            // A read that began after this one has already landed: its
+            // answer is the newer one.
+            let newer = cache.get(name).filter(|c| c.read_at > started).copied();
+            let policy = match newer {
+                Some(c) => Some(c.policy),
+                None => {
+                    let previous = cache.remove(name);
+                    read_docs.remove(name).inspect(|&policy| {
+                        let used_at = match previous {
+                            Some(c) if !asked.contains(name) => c.used_at,
+                            _ => now,
+                        };
+                        let read_at = now;
+                        cache.insert(
+                            name.to_owned(),
+                            Cached {
+                                policy,
+                                read_at,
+                                used_at,
+                            },
+                        );
+                    })
+                }
             };
-            let cached = Cached {
-                policy,
-                read_at: now,
-                used_at,
-            };
-            if asked.contains(doc.name.as_str()) {
-                found.insert(doc.name.clone(), policy);
+            if asked.contains(name) {
+                // A pool read and not found is gone, even if it was cached.
+                match policy {
+                    Some(p) => found.insert(name.to_owned(), p),
+                    None => found.remove(name),
+                };
             }
-            cache.insert(doc.name, cached);
         }
         Ok(found)
     }
@@ -360,6 +398,10 @@ mod tests {
         // alone, since pools were refreshed ahead less than 0.5 s ago.
         let got = look_up(&mut known, &["new"], now + ms(100));
         assert_eq!(got.read, ["new"]);
+        // The gate is closed, but a batch's own policies over 0.5 s old
+        // are read with its new pool: it uses them after that read.
+        let got = look_up(&mut known, &["new", "due"], now + ms(200));
+        assert_eq!(got.read, ["new", "due"]);
         // Past the gate, every pool in use over 0.5 s old comes along (no
         // read landed in between here), never the idle one.
         let got = look_up(&mut known, &["new"], now + ms(600));

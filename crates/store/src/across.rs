@@ -8,9 +8,12 @@
 //! already runs, they are one plan and one index scan, a third of that.
 //!
 //! Such a scan has no bound per pool, so it carries a budget instead: it
-//! stops after as many matches as the per-pool bounds add up to. Its cost
-//! stays bounded by the number of pools and their bounds, not by any
-//! pool's size. When the budget runs out, the pools the scan did not
+//! stops after as many matches as the per-pool bounds add up to. What it
+//! returns is bounded by the number of pools and their bounds, not by any
+//! pool's size; what it walks past besides is what a per-pool query walks
+//! past too: the keys of codes claimed moments ago, not yet reconciled,
+//! and, for candidates, expired codes the sweep has not voided yet (read
+//! and skipped, since `expires_at` is not in the index). When the budget runs out, the pools the scan did not
 //! answer ([`Reach::answered`]) are scanned again, and what is left goes
 //! to the per-pool query. Every scan answers at least the pool it starts
 //! with (the budget covers that pool's bound), so one big pool costs one
@@ -54,6 +57,21 @@ impl PoolOrder {
             PoolOrder::Descending => -1,
         }
     }
+
+    /// Of the pools a scan matched (in any order, as `$group` returns
+    /// them), the one it reached last: the furthest in this order.
+    fn furthest<'p>(self, pools: impl Iterator<Item = &'p str>) -> Option<&'p str> {
+        match self {
+            PoolOrder::Ascending => pools.max(),
+            PoolOrder::Descending => pools.min(),
+        }
+    }
+}
+
+/// Adds up per-pool bounds into a budget, saturating: a threshold set near
+/// `i64::MAX` must not wrap a budget around to a small one.
+pub(crate) fn budget_of(bounds: impl Iterator<Item = u64>) -> u64 {
+    bounds.fold(0, u64::saturating_add)
 }
 
 /// How far a budgeted scan of several pools got.
@@ -178,13 +196,9 @@ impl Store {
             };
             counts.insert(pool.to_owned(), n);
         }
-        let spent = counts.values().sum();
-        // The pool the scan reached last is the furthest in its order.
-        let last = match scan.order {
-            PoolOrder::Ascending => counts.keys().max(),
-            PoolOrder::Descending => counts.keys().min(),
-        };
-        let reach = Reach::new(scan.order, spent, scan.budget, last.map(String::as_str));
+        let spent = counts.values().fold(0, |a: u64, n| a.saturating_add(*n));
+        let last = scan.order.furthest(counts.keys().map(String::as_str));
+        let reach = Reach::new(scan.order, spent, scan.budget, last);
         Ok(PoolCounts { counts, reach })
     }
 }
@@ -214,7 +228,7 @@ impl Store {
                 filter: filter.clone(),
                 index_order,
                 order,
-                budget: pending.iter().map(|&i| wanted[i]).sum(),
+                budget: budget_of(pending.iter().map(|&i| wanted[i])),
             };
             let counted = self.count_pools(&scan).await?;
             let scanned = pending.len();
@@ -255,6 +269,29 @@ mod tests {
         assert!(down.answered("z", 0, 5));
         assert!(!down.answered("m", 4, 5));
         assert!(!down.answered("a", 0, 5));
+    }
+
+    #[test]
+    fn the_cut_is_at_the_pool_a_scan_reached_last() {
+        let matched = ["b", "d", "a", "c"];
+        assert_eq!(
+            PoolOrder::Ascending.furthest(matched.into_iter()),
+            Some("d")
+        );
+        assert_eq!(
+            PoolOrder::Descending.furthest(matched.into_iter()),
+            Some("a")
+        );
+        assert_eq!(PoolOrder::Ascending.furthest(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn budgets_saturate() {
+        assert_eq!(
+            budget_of([u64::MAX / 2, u64::MAX / 2, 5].into_iter()),
+            u64::MAX
+        );
+        assert_eq!(budget_of([2, 3].into_iter()), 5);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::across::{worth_another_scan, PoolOrder, PoolScan, SCANS_MOST};
+use crate::across::{budget_of, worth_another_scan, PoolOrder, PoolScan, SCANS_MOST};
 use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
@@ -974,12 +974,17 @@ impl Store {
     ) -> Result<Vec<usize>, StoreError> {
         let limit = |i: usize| u64::try_from(asks[i].limit.max(1)).unwrap_or(1);
         let pools: Vec<&str> = which.iter().map(|&i| asks[i].pool).collect();
+        // Along (pool, status, seq), a pool's codes come in `seq` order
+        // only because a claim takes codes of one status.
+        debug_assert_eq!(Transition::Claim.from_codes().len(), 1);
+        let mut filter = claimable(now);
+        filter.insert("seq", doc! {"$gt": 0_i64});
         let scan = PoolScan {
             pools: &pools,
-            filter: claimable(now),
+            filter,
             index_order: POOL_STATUS_SEQ,
             order: PoolOrder::Ascending,
-            budget: which.iter().map(|&i| limit(i)).sum(),
+            budget: budget_of(which.iter().map(|&i| limit(i))),
         };
         let project = doc! {"_id": 1, "seq": 1, "pool": 1};
         let (rows, reach) = self.scan_pools(&scan, project).await?;
@@ -1155,6 +1160,7 @@ impl Store {
         for (k, &i) in rest.iter().enumerate() {
             (expired[i], unissued[i]) = (Some(counts[2 * k]), Some(counts[2 * k + 1]));
         }
+        // Every count is known here: `rest` held each pool still without one.
         let expired = |i: usize| expired[i].unwrap_or(0).min(cap(i));
         let unissued = |i: usize| unissued[i].unwrap_or(0).min(cap(i) * 2);
         let mut stock: Vec<u64> = (0..n)
@@ -1178,9 +1184,9 @@ impl Store {
 
     /// The two counts of [`Store::unissued_counts_upto`] for all `pools`
     /// at once, in budgeted scans ([`crate::across`]): expired codes first,
-    /// both from the highest pool name and `seq` down (see
-    /// [`CountFrom::NewestFirst`]). `None` for a pool the scans did not
-    /// answer.
+    /// both from the highest pool name down (unissued keys from the
+    /// highest `seq` down, see [`CountFrom::NewestFirst`]). `None` for a
+    /// pool the scans did not answer.
     async fn count_across(
         &self,
         pools: &[&str],
