@@ -53,6 +53,38 @@ struct Known {
     ahead_at: Option<Instant>,
 }
 
+impl Known {
+    /// Records what a read begun at `started` found of pool `name` (`None`:
+    /// no such pool) and returns the policy to use: a newer read's if one
+    /// landed meanwhile. A policy is as old as the read that began before
+    /// it, so a pause landing during the read is seen within POLICY_TTL of
+    /// it. `asked`: the reading batch uses the pool now.
+    fn record(
+        &mut self,
+        name: &str,
+        read: Option<PoolPolicy>,
+        started: Instant,
+        asked: bool,
+    ) -> Option<PoolPolicy> {
+        if let Some(newer) = self.pools.get(name).filter(|c| c.read_at > started) {
+            return Some(newer.policy);
+        }
+        let previous = self.pools.remove(name);
+        let policy = read?;
+        let used_at = match previous {
+            Some(c) if !asked => c.used_at,
+            _ => started,
+        };
+        let cached = Cached {
+            policy,
+            read_at: started,
+            used_at,
+        };
+        self.pools.insert(name.to_owned(), cached);
+        Some(policy)
+    }
+}
+
 /// What a batch's lookup found in the cache: the fresh policies, and the
 /// pools to read (its own stale or unknown ones first, then any in use
 /// that are due soon).
@@ -137,41 +169,16 @@ impl PolicyCache {
             .filter(|n| seen.insert(*n))
             .collect();
         let docs = store.pools_named(&names).await?;
-        // A policy is as old as the read that began before it: a pause
-        // that lands during the read is seen within POLICY_TTL of it.
-        let now = started;
-        let cache = &mut self.state.write().await.pools;
-        let asked: HashSet<&str> = pools.iter().copied().collect();
         let mut read_docs: HashMap<String, PoolPolicy> = docs
             .into_iter()
             .map(|d| (d.name.clone(), d.policy()))
             .collect();
+        let asked: HashSet<&str> = pools.iter().copied().collect();
+        let known = &mut *self.state.write().await;
         for name in names {
-            // A read that began after this one has already landed: its
-            // answer is the newer one.
-            let newer = cache.get(name).filter(|c| c.read_at > started).copied();
-            let policy = match newer {
-                Some(c) => Some(c.policy),
-                None => {
-                    let previous = cache.remove(name);
-                    read_docs.remove(name).inspect(|&policy| {
-                        let used_at = match previous {
-                            Some(c) if !asked.contains(name) => c.used_at,
-                            _ => now,
-                        };
-                        let read_at = now;
-                        cache.insert(
-                            name.to_owned(),
-                            Cached {
-                                policy,
-                                read_at,
-                                used_at,
-                            },
-                        );
-                    })
-                }
-            };
-            if asked.contains(name) {
+            let asked = asked.contains(name);
+            let policy = known.record(name, read_docs.remove(name), started, asked);
+            if asked {
                 // A pool read and not found is gone, even if it was cached.
                 match policy {
                     Some(p) => found.insert(name.to_owned(), p),
@@ -357,6 +364,32 @@ mod tests {
             pools: pools.into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
             ahead_at: None,
         }
+    }
+
+    #[test]
+    fn a_read_keeps_a_newer_answer_and_forgets_a_pool_gone() {
+        let now = Instant::now() + Duration::from_secs(60);
+        let ms = Duration::from_millis;
+        let mut known = known(vec![
+            ("newer", cached(ms(0), ms(0), now + ms(5))),
+            ("gone", cached(ms(700), ms(0), now)),
+            ("idle", cached(ms(700), ms(3000), now)),
+        ]);
+        let paused = PoolPolicy {
+            paused: true,
+            ..PoolPolicy::default()
+        };
+        let started = now;
+        let kept = known.record("newer", Some(paused), started, true);
+        assert_eq!(kept, Some(PoolPolicy::default()), "the newer read's answer");
+        assert_eq!(known.record("gone", None, started, true), None);
+        assert!(!known.pools.contains_key("gone"));
+        assert_eq!(
+            known.record("idle", Some(paused), started, false),
+            Some(paused)
+        );
+        let idle = known.pools["idle"];
+        assert_eq!((idle.read_at, idle.used_at), (started, now - ms(3000)));
     }
 
     #[test]

@@ -203,11 +203,40 @@ impl Store {
     }
 }
 
+/// Runs `once` (one budgeted scan of the given asks, answering each with
+/// `Some` or leaving it `None`) over `pending`, then again over what it
+/// left while [`worth_another_scan`], up to [`SCANS_MOST`] scans. Returns
+/// the answers, and the asks still unanswered.
+pub(crate) async fn rescanning<T, F, Fut>(
+    mut pending: Vec<usize>,
+    mut once: F,
+) -> Result<(Vec<(usize, T)>, Vec<usize>), StoreError>
+where
+    F: FnMut(Vec<usize>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<(usize, Option<T>)>, StoreError>>,
+{
+    let mut answered = Vec::with_capacity(pending.len());
+    for _ in 0..SCANS_MOST {
+        let scanned = pending.len();
+        let mut left = Vec::new();
+        for (i, answer) in once(pending).await? {
+            match answer {
+                Some(a) => answered.push((i, a)),
+                None => left.push(i),
+            }
+        }
+        pending = left;
+        if !worth_another_scan(scanned, pending.len()) {
+            break;
+        }
+    }
+    Ok((answered, pending))
+}
+
 impl Store {
     /// Per pool of `pools` (aligned), its matches of `filter` counted up to
     /// at least `wanted[i]`, by budgeted scans in `order` along
-    /// `index_order`; `None` for a pool still unanswered after
-    /// [`SCANS_MOST`] scans.
+    /// `index_order` ([`rescanning`]); `None` for a pool still unanswered.
     pub(crate) async fn count_each(
         &self,
         pools: &[&str],
@@ -216,12 +245,7 @@ impl Store {
         index_order: &[&str],
         order: PoolOrder,
     ) -> Result<Vec<Option<u64>>, StoreError> {
-        let mut counts = vec![None; pools.len()];
-        let mut pending: Vec<usize> = (0..pools.len()).collect();
-        for _ in 0..SCANS_MOST {
-            if pending.is_empty() {
-                break;
-            }
+        let once = |pending: Vec<usize>| async move {
             let names: Vec<&str> = pending.iter().map(|&i| pools[i]).collect();
             let scan = PoolScan {
                 pools: &names,
@@ -231,14 +255,15 @@ impl Store {
                 budget: budget_of(pending.iter().map(|&i| wanted[i])),
             };
             let counted = self.count_pools(&scan).await?;
-            let scanned = pending.len();
-            pending.retain(|&i| {
-                counts[i] = counted.of(pools[i], wanted[i]);
-                counts[i].is_none()
-            });
-            if !worth_another_scan(scanned, pending.len()) {
-                break;
-            }
+            Ok(pending
+                .into_iter()
+                .map(|i| (i, counted.of(pools[i], wanted[i])))
+                .collect())
+        };
+        let (answered, _) = rescanning((0..pools.len()).collect(), once).await?;
+        let mut counts = vec![None; pools.len()];
+        for (i, n) in answered {
+            counts[i] = Some(n);
         }
         Ok(counts)
     }

@@ -16,7 +16,7 @@ use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::across::{budget_of, worth_another_scan, PoolOrder, PoolScan, SCANS_MOST};
+use crate::across::{budget_of, rescanning, PoolOrder, PoolScan};
 use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
@@ -399,7 +399,7 @@ impl CandidateAsk<'_> {
             doc! {"$match": filter},
             doc! {"$sort": {"seq": 1}},
             doc! {"$limit": self.limit.max(1)},
-            doc! {"$project": {"_id": 1, "seq": 1, "pool": 1, "at": {"$literal": at as i64}}},
+            doc! {"$project": {"_id": 1, "seq": 1, "at": {"$literal": at as i64}}},
         ]
     }
 }
@@ -422,10 +422,18 @@ fn int_field(d: &Document, key: &str) -> Option<i64> {
     }
 }
 
-/// The id, seq and pool of a candidate read by a refill.
+/// The id and seq of a candidate read by a refill.
+fn id_and_seq(d: &Document) -> Option<(CodeId, i64)> {
+    Some((
+        code_id(d.get_object_id("_id").ok()?),
+        d.get_i64("seq").ok()?,
+    ))
+}
+
+/// The id, seq and pool of a candidate read by a scan of several pools.
 fn candidate_of(d: &Document) -> Result<(CodeId, i64, &str), StoreError> {
-    match (d.get_object_id("_id"), d.get_i64("seq"), d.get_str("pool")) {
-        (Ok(id), Ok(seq), Ok(pool)) => Ok((code_id(id), seq, pool)),
+    match (id_and_seq(d), d.get_str("pool")) {
+        (Some((id, seq)), Ok(pool)) => Ok((id, seq, pool)),
         _ => Err(StoreError::Corrupt {
             collection: CODES.into(),
             message: format!("a code lacks an ObjectId _id, a 64-bit seq or its pool: {d}"),
@@ -436,12 +444,12 @@ fn candidate_of(d: &Document) -> Result<(CodeId, i64, &str), StoreError> {
 /// The ask position (below `asks`), id and seq of a candidate read by a
 /// refill's per-pool branch.
 fn candidate_fields(d: &Document, asks: usize) -> Result<(usize, CodeId, i64), StoreError> {
-    let (id, seq, _) = candidate_of(d)?;
-    match int_field(d, "at").and_then(|i| usize::try_from(i).ok()) {
-        Some(i) if i < asks => Ok((i, id, seq)),
+    let at = int_field(d, "at").and_then(|i| usize::try_from(i).ok());
+    match (at, id_and_seq(d)) {
+        (Some(i), Some((id, seq))) if i < asks => Ok((i, id, seq)),
         _ => Err(StoreError::Corrupt {
             collection: CODES.into(),
-            message: format!("a candidate answers no ask: {d}"),
+            message: format!("a code lacks an ObjectId _id or a 64-bit seq: {d}"),
         }),
     }
 }
@@ -900,9 +908,9 @@ impl Store {
     }
 
     /// [`Store::candidates_after`] for several pools, aligned with `asks`.
-    /// Pools asked from their start (cold ones, and rescans) share one
-    /// budgeted scan of `pool_status_seq` ([`crate::across`]); the others,
-    /// and any the scan's budget did not reach, go in one `aggregate` per
+    /// Pools asked from their start (cold ones, and rescans) share
+    /// budgeted scans of `pool_status_seq` ([`crate::across`]); the others,
+    /// and any the scans' budgets did not answer, go in one `aggregate` per
     /// [`ASKS_PER_QUERY`] pools, each pool's bounded scan a `$unionWith`
     /// branch. Pools that start cold together (a batch of purchases over
     /// many pools) cost one command, not one each.
@@ -915,10 +923,12 @@ impl Store {
         let (from_start, mut rest): (Vec<usize>, Vec<usize>) =
             (0..asks.len()).partition(|&i| asks[i].after_seq == 0);
         if from_start.len() > 1 {
-            rest.extend(
-                self.first_candidates(asks, &from_start, now, &mut found)
-                    .await?,
-            );
+            let once = |pending| self.first_candidates(asks, pending, now);
+            let (answered, missed) = rescanning(from_start, once).await?;
+            for (i, codes) in answered {
+                found[i] = codes;
+            }
+            rest.extend(missed);
         } else {
             rest.extend(from_start);
         }
@@ -940,38 +950,16 @@ impl Store {
         Ok(found)
     }
 
-    /// The first candidates of the asks `which` (all from the start), in a
-    /// scan of their pools in index order, budgeted at their limits added
-    /// up, and again for the asks its budget did not answer while that is
-    /// worth it ([`crate::across`]). Returns the asks still unanswered.
+    /// The first candidates of the asks `which` (all from the start), in
+    /// one scan of their pools in index order, budgeted at their limits
+    /// added up ([`crate::across`]): each ask's candidates, or `None` where
+    /// the budget did not answer it.
     async fn first_candidates(
         &self,
         asks: &[CandidateAsk<'_>],
-        which: &[usize],
+        which: Vec<usize>,
         now: DateTime,
-        found: &mut [Vec<(CodeId, i64)>],
-    ) -> Result<Vec<usize>, StoreError> {
-        let mut pending = which.to_vec();
-        for _ in 0..SCANS_MOST {
-            let scanned = pending.len();
-            pending = self
-                .first_candidates_once(asks, &pending, now, found)
-                .await?;
-            if !worth_another_scan(scanned, pending.len()) {
-                break;
-            }
-        }
-        Ok(pending)
-    }
-
-    /// One scan of [`Store::first_candidates`].
-    async fn first_candidates_once(
-        &self,
-        asks: &[CandidateAsk<'_>],
-        which: &[usize],
-        now: DateTime,
-        found: &mut [Vec<(CodeId, i64)>],
-    ) -> Result<Vec<usize>, StoreError> {
+    ) -> Result<Vec<(usize, Option<Vec<(CodeId, i64)>>)>, StoreError> {
         let limit = |i: usize| u64::try_from(asks[i].limit.max(1)).unwrap_or(1);
         let pools: Vec<&str> = which.iter().map(|&i| asks[i].pool).collect();
         // Along (pool, status, seq), a pool's codes come in `seq` order
@@ -993,17 +981,15 @@ impl Store {
             let (id, seq, pool) = candidate_of(d)?;
             by_pool.entry(pool).or_default().push((id, seq));
         }
-        let mut missed = Vec::new();
-        for &i in which {
-            let got = by_pool.get(asks[i].pool).map_or(&[][..], Vec::as_slice);
-            if reach.answered(asks[i].pool, got.len() as u64, limit(i)) {
+        Ok(which
+            .into_iter()
+            .map(|i| {
+                let got = by_pool.get(asks[i].pool).map_or(&[][..], Vec::as_slice);
+                let answered = reach.answered(asks[i].pool, got.len() as u64, limit(i));
                 let n = got.len().min(limit(i) as usize);
-                found[i] = got[..n].to_vec();
-            } else {
-                missed.push(i);
-            }
-        }
-        Ok(missed)
+                (i, answered.then(|| got[..n].to_vec()))
+            })
+            .collect())
     }
 
     /// Records that the SMS-pending events of these codes were confirmed by
