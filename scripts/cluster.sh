@@ -238,14 +238,21 @@ c_redis_cli() { # N ARGS...
 }
 
 c_redis_start() { # N
-	local n=$1 dir
-	c_redis_up "$n" && return 0
+	local n=$1 dir port=$((C_REDIS_PORT + $1))
+	if c_redis_up "$n"; then
+		# Ours (its pid file is in this checkout's cluster dir): keep it. A
+		# stranger, say a node of an earlier cluster whose files are gone,
+		# would hang `redis-cli --cluster create` waiting for it to join.
+		pidfile_alive "$(c_redis_dir "$n")/redis.pid" redis-server && return 0
+		die "$LOCAL:$port answers but is not a redis-server this checkout started (a node of an earlier cluster?)" \
+			"stop it (redis-cli -h $LOCAL -p $port shutdown nosave), then run scripts/cluster.sh start again"
+	fi
 	command -v redis-server >/dev/null || apt_install redis-server ||
 		die "apt-get install redis-server failed" "try: apt-get update && apt-get install -y redis-server"
 	dir=$(c_redis_dir "$n")
 	mkdir -p "$dir"
-	clog "starting redis $n on $LOCAL:$((C_REDIS_PORT + n)) (cluster mode)"
-	redis-server --daemonize yes --bind "$LOCAL" --port "$((C_REDIS_PORT + n))" \
+	clog "starting redis $n on $LOCAL:$port (cluster mode)"
+	redis-server --daemonize yes --bind "$LOCAL" --port "$port" \
 		--cluster-enabled yes --cluster-config-file "$dir/nodes.conf" \
 		--cluster-node-timeout 2000 --cluster-require-full-coverage no \
 		--save '' --appendonly no --dir "$dir" \
@@ -262,7 +269,7 @@ c_redis_create() {
 	if [[ $(c_redis_info cluster_slots_assigned) == 0 ]]; then
 		for n in "${MEMBERS[@]}"; do nodes+=("$LOCAL:$((C_REDIS_PORT + n))"); done
 		clog "creating the Redis Cluster (${nodes[*]})"
-		redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2 9>&- ||
+		timeout 60 redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >&2 9>&- ||
 			die "redis-cli --cluster create failed" "scripts/cluster.sh reset starts over"
 	fi
 	wait_until 30 c_redis_ok || die "the Redis Cluster is not ok: $(c_redis_cli 1 cluster info | tr -d '\r' | head -n 3 | tr '\n' ' ')" \
