@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use codepool_broker::{Publisher, Topology};
-use codepool_dispatcher::DispatcherConfig;
+use codepool_dispatcher::plan::Settlement;
+use codepool_dispatcher::{AckWindow, DispatcherConfig};
 use codepool_domain::{CodeStatus, Purchase};
 use codepool_store::ObjectId;
 use futures::{StreamExt, TryStreamExt};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use mongodb::bson::{doc, DateTime, Document};
@@ -611,6 +612,8 @@ async fn pass_through(
         .await?;
     let permits = Arc::new(Semaphore::new(config.workers.max(1)));
     let acked = Arc::new(AtomicUsize::new(0));
+    // Acked as the dispatcher acks: one `multiple` ack per batch in order.
+    let acks = Arc::new(AckWindow::new(usize::from(config.prefetch) / 2));
     let mut inflight: JoinSet<anyhow::Result<()>> = JoinSet::new();
     let mut consumed = 0;
     let started = Instant::now();
@@ -628,12 +631,13 @@ async fn pass_through(
             }
         }
         consumed += batch.len();
+        acks.opened(&batch);
         let permit = permits.clone().acquire_owned().await?;
         let publisher = publisher.clone();
         let out = out.to_owned();
-        let acked = acked.clone();
+        let (acked, acks) = (acked.clone(), acks.clone());
         inflight.spawn(async move {
-            forward(&publisher, &out, &batch).await?;
+            forward(&publisher, &out, &batch, &acks).await?;
             acked.fetch_add(batch.len(), Ordering::Relaxed);
             drop(permit);
             Ok(())
@@ -645,6 +649,7 @@ async fn pass_through(
     while let Some(done) = inflight.join_next().await {
         done??;
     }
+    acks.flush().await;
     let elapsed = started.elapsed();
     let _ = conn.close(200, "benchmark done").await;
     anyhow::ensure!(
@@ -660,7 +665,12 @@ async fn pass_through(
     })
 }
 
-async fn forward(publisher: &Publisher, out: &str, batch: &[Delivery]) -> anyhow::Result<()> {
+async fn forward(
+    publisher: &Publisher,
+    out: &str,
+    batch: &[Delivery],
+    acks: &AckWindow,
+) -> anyhow::Result<()> {
     let mut confirms = Vec::with_capacity(batch.len());
     for d in batch {
         let id = d
@@ -674,8 +684,7 @@ async fn forward(publisher: &Publisher, out: &str, batch: &[Delivery]) -> anyhow
     for c in confirms {
         c.wait().await?;
     }
-    for d in batch {
-        d.acker.ack(BasicAckOptions::default()).await?;
-    }
+    acks.settle(batch, &vec![Settlement::Ack; batch.len()])
+        .await;
     Ok(())
 }

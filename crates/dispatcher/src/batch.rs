@@ -9,17 +9,15 @@ use std::time::{Duration, Instant};
 use codepool_broker::{BrokerError, PendingConfirm, Publisher};
 use codepool_domain::{Grant, PoolEvent, PoolEventKind};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::acks::AckWindow;
 use crate::claim::ClaimError;
 use crate::daemon::Dispatcher;
 use crate::outage::backoff;
 use crate::outbox::Marking;
-use crate::plan::{
-    admit, plan_batch, pools_of, settle, to_claim, BatchPlan, Parsed, Settlement, Step,
-};
+use crate::plan::{admit, plan_batch, pools_of, settle, to_claim, BatchPlan, Parsed, Step};
 use crate::Resend;
 use codepool_domain::{Purchase, PurchaseError};
 
@@ -30,6 +28,7 @@ impl Dispatcher {
         &self,
         deliveries: Vec<Delivery>,
         publisher: &Publisher,
+        acks: &AckWindow,
         stop: &CancellationToken,
     ) {
         let received = Instant::now();
@@ -46,7 +45,7 @@ impl Dispatcher {
             .publish_until_confirmed(&plan, &deliveries, publisher, stop)
             .await;
         let settlements = settle(&plan, &unconfirmed);
-        acknowledge(&deliveries, &settlements).await;
+        acks.settle(&deliveries, &settlements).await;
 
         metrics::counter!("codepool_grants_total").increment(plan.fresh_grants);
         metrics::counter!("codepool_duplicate_deliveries_total").increment(plan.repeats);
@@ -354,26 +353,4 @@ async fn dead_letter(
         ));
     }
     unconfirmed(pending, "dead letter").await
-}
-
-/// Acks or requeues each delivery as settled, all frames handed to the
-/// connection together (one wake-up of its I/O loop, not one per delivery).
-async fn acknowledge(deliveries: &[Delivery], settlements: &[Settlement]) {
-    let settled = deliveries.iter().zip(settlements).map(|(d, s)| async move {
-        let result = match s {
-            Settlement::Ack => d.acker.ack(BasicAckOptions::default()).await,
-            Settlement::Requeue => {
-                d.acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..BasicNackOptions::default()
-                    })
-                    .await
-            }
-        };
-        if let Err(e) = result {
-            debug!(error = %e, "ack failed; the broker will redeliver");
-        }
-    });
-    futures::future::join_all(settled).await;
 }

@@ -20,6 +20,7 @@
 //! pool's purchases wait as backorders. [`controls`] holds the operator's
 //! pause, resume and recall of an import.
 
+pub mod acks;
 pub mod adapters;
 pub mod backorders;
 mod batch;
@@ -44,6 +45,7 @@ pub mod stock;
 pub mod telemetry;
 pub mod upkeep;
 
+pub use acks::AckWindow;
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use codepool_store::Resend;
 pub use daemon::{Dispatcher, DispatcherConfig};

@@ -20,6 +20,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::acks::AckWindow;
 use crate::backorders::fulfil_backorders;
 use crate::daemon::Dispatcher;
 use crate::relay::relay_unconfirmed;
@@ -69,14 +70,17 @@ impl Dispatcher {
             tag,
         } = purchases;
         let mut inflight = JoinSet::new();
+        // Half the prefetch window may wait for an older batch (acks.rs).
+        let acks = Arc::new(AckWindow::new(usize::from(cfg.prefetch) / 2));
         let end = self
             .clone()
-            .consume(consumer, &publisher, &mut inflight, shutdown)
+            .consume(consumer, &publisher, &acks, &mut inflight, shutdown)
             .await;
         let _ = channel
             .basic_cancel(&tag, BasicCancelOptions::default())
             .await;
         self.wind_down(inflight, background).await;
+        acks.flush().await;
         let _ = channel.close(200, "codepool dispatcher stopping").await;
         codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
@@ -132,6 +136,7 @@ impl Dispatcher {
         self: Arc<Self>,
         mut consumer: Consumer,
         publisher: &Publisher,
+        acks: &Arc<AckWindow>,
         inflight: &mut JoinSet<()>,
         shutdown: &CancellationToken,
     ) -> SessionEnd {
@@ -158,10 +163,11 @@ impl Dispatcher {
             let (batch, lost) = self
                 .fill_batch(first, &mut consumer, &permits, &finished)
                 .await;
+            acks.opened(&batch);
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
-            let finished = finished.clone();
+            let (finished, acks) = (finished.clone(), acks.clone());
             inflight.spawn(async move {
-                this.process(batch, &publisher, &stop).await;
+                this.process(batch, &publisher, &acks, &stop).await;
                 drop(permit);
                 finished.notify_waiters();
             });
