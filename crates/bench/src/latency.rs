@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
 use lapin::Channel;
 use serde_json::json;
+use tokio::sync::Semaphore;
 
 use crate::inproc;
 use crate::{ms, percentile, Scratch};
@@ -24,12 +26,13 @@ use crate::{ms, percentile, Scratch};
 /// Open-loop latency, purchase published → SMS-pending event consumed.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Examples:\n  codepool-bench latency --rate 100,1000,2000 --seconds 10\n  codepool-bench latency --rate 1000 --workers 1 --linger-ms 0   # another dispatcher setting"
+    after_help = "Examples:\n  codepool-bench latency --rate 100,1000,half --seconds 10\n  codepool-bench latency --rate 100,1000,2000 --seconds 10\n  codepool-bench latency --rate 1000 --workers 1 --linger-ms 0   # another dispatcher setting"
 )]
 pub struct LatencyBenchArgs {
     /// Purchases per second; a comma-separated list runs each in turn.
-    #[arg(long, value_delimiter = ',', default_value = "100,1000")]
-    pub rate: Vec<u32>,
+    /// `half` is half the maximum, measured first in the same run.
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,half")]
+    pub rate: Vec<Rate>,
     /// Seconds of sending at each rate.
     #[arg(long, default_value_t = 10)]
     pub seconds: u32,
@@ -44,6 +47,29 @@ pub struct LatencyBenchArgs {
     pub json: bool,
 }
 
+/// A rate to send at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rate {
+    PerSec(u32),
+    /// Half the maximum measured in the same run.
+    HalfMax,
+}
+
+impl FromStr for Rate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "half" => Ok(Rate::HalfMax),
+            n => match n.parse::<u32>() {
+                Ok(r) if r > 0 => Ok(Rate::PerSec(r)),
+                _ => Err(format!(
+                    "`{n}` is not a rate: give purchases per second (a whole number above 0) or `half`"
+                )),
+            },
+        }
+    }
+}
+
 /// When each order was sent, and when its event came back (with its code).
 #[derive(Default)]
 struct Ledger {
@@ -51,7 +77,18 @@ struct Ledger {
     latencies: Vec<Duration>,
     codes: HashSet<String>,
     duplicates: u64,
+    /// Events received so far.
+    received: u64,
+    /// Closed loop only: one permit back per event received.
+    room: Option<Arc<Semaphore>>,
 }
+
+/// The most purchases one rate can send (sizes the pool up front): the
+/// maximum phase and `half` are bounded by this rate.
+const MOST_PER_SEC: usize = 12_000;
+/// Purchases kept in flight while measuring the maximum: twice the
+/// dispatcher's prefetch window, so it always has full batches to take.
+const MAX_IN_FLIGHT: usize = 2 * codepool_dispatcher::DispatcherConfig::DEFAULT_PREFETCH as usize;
 
 /// Latency targets of issue 10 (p99, ms) at 1,000/s and at half the maximum.
 const P99_AT_1000_MS: f64 = 25.0;
@@ -75,12 +112,15 @@ async fn measure(
     scratch: &'static Scratch,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
-    let total: usize = args
-        .rate
-        .iter()
-        .map(|r| *r as usize * args.seconds as usize)
-        .sum();
-    inproc::fill_pools(scratch, &[(POOL.to_owned(), total + total / 10 + 1000)], 4).await?;
+    let wants_max = args.rate.contains(&Rate::HalfMax);
+    let per_sec = |r: &Rate| match r {
+        Rate::PerSec(n) => *n as usize,
+        Rate::HalfMax => MOST_PER_SEC / 2,
+    };
+    let most = (args.rate.iter().map(per_sec).sum::<usize>()
+        + if wants_max { MOST_PER_SEC } else { 0 })
+        * args.seconds as usize;
+    inproc::fill_pools(scratch, &[(POOL.to_owned(), most + most / 10 + 1000)], 4).await?;
     // The import's dirty pages are written now, not by a checkpoint in the
     // middle of the measurement.
     inproc::checkpoint(scratch).await?;
@@ -97,9 +137,29 @@ async fn measure(
     };
     let running = inproc::start(scratch, &config)?;
     warm_up(&publisher, &ledger).await?;
+    let (mut total, mut max) = (0, None);
+    if wants_max {
+        let (row, load) = saturate(&publisher, &ledger, args.seconds).await?;
+        total += row["sent"].as_u64().unwrap_or_default() as usize;
+        if !args.json {
+            print_max(&row);
+            println!("          {load}");
+        }
+        max = Some(row);
+    }
+    let max_per_sec = max.as_ref().and_then(|m| m["per_sec"].as_f64());
     let mut rows = Vec::new();
-    for &rate in &args.rate {
-        let (row, load) = one_rate(&publisher, &ledger, rate, args.seconds).await?;
+    for rate in &args.rate {
+        let (rate, tag) = match (rate, max_per_sec) {
+            (Rate::PerSec(r), _) => (*r, "r"),
+            (Rate::HalfMax, Some(m)) => (((m / 2.0) as u32).max(1), "h"),
+            (Rate::HalfMax, None) => anyhow::bail!("no maximum was measured"),
+        };
+        let (mut row, load) = one_rate(&publisher, &ledger, tag, rate, args.seconds).await?;
+        total += row["sent"].as_u64().unwrap_or_default() as usize;
+        if tag == "h" {
+            row["half_of_max_per_sec"] = json!(max_per_sec);
+        }
         if !args.json {
             print_row(&row);
             println!("          {load}");
@@ -115,8 +175,9 @@ async fn measure(
         "seconds_per_rate": args.seconds,
         "dispatcher": {"batch_size": config.batch_size, "workers": config.workers,
                        "linger_ms": config.linger.as_millis() as u64, "prefetch": config.prefetch},
+        "maximum": max,
         "results": rows,
-        "targets": {"p99_ms_at_1000_per_sec": P99_AT_1000_MS, "p99_ms_at_half_max": P99_AT_HALF_MAX_MS},
+        "targets": targets(&rows),
         "checks": checks,
     });
     let (rendered, path) = crate::write_report(out_dir, "latency.json", &report)?;
@@ -127,6 +188,23 @@ async fn measure(
     }
     anyhow::ensure!(checks_ok, "inconsistent results: {checks}");
     Ok(())
+}
+
+/// Issue 10's latency targets, each with whether this run met it.
+fn targets(rows: &[serde_json::Value]) -> serde_json::Value {
+    let p99_where = |f: &dyn Fn(&serde_json::Value) -> bool| {
+        rows.iter()
+            .find(|r| f(r))
+            .and_then(|r| r["p99_ms"].as_f64())
+    };
+    let at_1000 = p99_where(&|r| r["rate"] == 1000 && r.get("half_of_max_per_sec").is_none());
+    let at_half = p99_where(&|r| r.get("half_of_max_per_sec").is_some());
+    json!({
+        "p99_ms_at_1000_per_sec": P99_AT_1000_MS,
+        "p99_ms_at_1000_per_sec_met": at_1000.map(|p| p <= P99_AT_1000_MS),
+        "p99_ms_at_half_max": P99_AT_HALF_MAX_MS,
+        "p99_ms_at_half_max_met": at_half.map(|p| p <= P99_AT_HALF_MAX_MS),
+    })
 }
 
 /// Consumes `sms.pending` (auto-ack) and records each event's latency.
@@ -155,6 +233,10 @@ async fn listen(
             let order = v["order_id"].as_str().unwrap_or_default();
             let code = v["code"].as_str().unwrap_or_default().to_owned();
             let Ok(mut l) = ledger.lock() else { return };
+            l.received += 1;
+            if let Some(room) = &l.room {
+                room.add_permits(1);
+            }
             if let Some(sent) = l.sent.remove(order) {
                 l.latencies.push(at - sent);
             } else {
@@ -212,23 +294,14 @@ async fn send_at(
 async fn one_rate(
     publisher: &Publisher,
     ledger: &Arc<Mutex<Ledger>>,
+    tag: &str,
     rate: u32,
     seconds: u32,
 ) -> anyhow::Result<(serde_json::Value, String)> {
-    let (cpu, machine) = (crate::CpuSnapshot::take(), crate::MachineCpu::take());
-    let (sent, lag) = send_at(publisher, ledger, "r", rate, seconds).await?;
+    let meter = Meter::start();
+    let (sent, lag) = send_at(publisher, ledger, tag, rate, seconds).await?;
     wait_drained(ledger, Duration::from_secs(60)).await?;
-    let cpu_seconds = crate::CpuSnapshot::take().since(&cpu);
-    let machine = machine
-        .zip(crate::MachineCpu::take())
-        .map(|(before, after)| after.since(&before));
-    let load = format!(
-        "{}; cpu: {}",
-        machine
-            .as_ref()
-            .map_or("machine load unknown".into(), |m| m.to_string()),
-        crate::describe_cpu(&cpu_seconds)
-    );
+    let (load, load_json) = meter.finish();
     let mut lat = take_latencies(ledger);
     lat.sort();
     anyhow::ensure!(
@@ -237,14 +310,102 @@ async fn one_rate(
         lat.len()
     );
     let p = |q: f64| ms(percentile(&lat, q));
-    let row = json!({
+    let mut row = json!({
         "rate": rate, "sent": sent, "received": lat.len(),
         "p50_ms": p(0.50), "p90_ms": p(0.90), "p99_ms": p(0.99), "max_ms": p(1.0),
         "sender_worst_lag_ms": ms(lag),
-        "cpu_seconds": crate::cpu_json(&cpu_seconds),
-        "machine": machine,
     });
+    merge(&mut row, load_json);
     Ok((row, load))
+}
+
+/// The maximum of this loop: [`MAX_IN_FLIGHT`] purchases kept in flight
+/// for `seconds`, a new one sent as each event comes back. The rate is
+/// events per second after the first second (which fills the pipeline).
+async fn saturate(
+    publisher: &Publisher,
+    ledger: &Arc<Mutex<Ledger>>,
+    seconds: u32,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    anyhow::ensure!(
+        seconds >= 2,
+        "measuring the maximum needs --seconds 2 or more"
+    );
+    let room = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let received = || ledger.lock().map(|l| l.received).unwrap_or_default();
+    if let Ok(mut l) = ledger.lock() {
+        l.room = Some(room.clone());
+    }
+    let meter = Meter::start();
+    let started = tokio::time::Instant::now();
+    let end = started + Duration::from_secs(seconds.into());
+    let (mut sent, mut from) = (0usize, None);
+    while sent < MOST_PER_SEC * seconds as usize {
+        match tokio::time::timeout_at(end, room.acquire()).await {
+            Ok(Ok(permit)) => permit.forget(),
+            _ => break,
+        }
+        if from.is_none() && started.elapsed() >= Duration::from_secs(1) {
+            from = Some((Instant::now(), received()));
+        }
+        let p = inproc::purchase("max", POOL, sent);
+        if let Ok(mut l) = ledger.lock() {
+            l.sent.insert(p.order_id.clone(), Instant::now());
+        }
+        let confirm = publisher.publish_purchase(&p).await?;
+        tokio::spawn(async move { confirm.wait().await });
+        sent += 1;
+    }
+    let (since, before) = from.context("the sender never got past the first second")?;
+    let per_sec = (received() - before) as f64 / since.elapsed().as_secs_f64();
+    if let Ok(mut l) = ledger.lock() {
+        l.room = None;
+    }
+    wait_drained(ledger, Duration::from_secs(60)).await?;
+    let (load, load_json) = meter.finish();
+    take_latencies(ledger);
+    let mut row = json!({"in_flight": MAX_IN_FLIGHT, "sent": sent, "per_sec": per_sec});
+    merge(&mut row, load_json);
+    Ok((row, load))
+}
+
+/// CPU used by each server and the machine between `start` and `finish`.
+struct Meter {
+    cpu: crate::CpuSnapshot,
+    machine: Option<crate::MachineCpu>,
+}
+
+impl Meter {
+    fn start() -> Self {
+        Self {
+            cpu: crate::CpuSnapshot::take(),
+            machine: crate::MachineCpu::take(),
+        }
+    }
+
+    /// A line for the terminal, and the same as JSON fields.
+    fn finish(self) -> (String, serde_json::Value) {
+        let cpu_seconds = crate::CpuSnapshot::take().since(&self.cpu);
+        let machine = self
+            .machine
+            .zip(crate::MachineCpu::take())
+            .map(|(before, after)| after.since(&before));
+        let line = format!(
+            "{}; cpu: {}",
+            machine
+                .as_ref()
+                .map_or("machine load unknown".into(), |m| m.to_string()),
+            crate::describe_cpu(&cpu_seconds)
+        );
+        let fields = json!({"cpu_seconds": crate::cpu_json(&cpu_seconds), "machine": machine});
+        (line, fields)
+    }
+}
+
+fn merge(row: &mut serde_json::Value, fields: serde_json::Value) {
+    if let (Some(row), serde_json::Value::Object(fields)) = (row.as_object_mut(), fields) {
+        row.extend(fields);
+    }
 }
 
 /// Waits until every sent order's event came back.
@@ -267,10 +428,24 @@ fn take_latencies(ledger: &Arc<Mutex<Ledger>>) -> Vec<Duration> {
         .unwrap_or_default()
 }
 
+fn print_max(r: &serde_json::Value) {
+    println!(
+        "maximum  {:>7.0}/s  closed loop, {} in flight, {} sent",
+        r["per_sec"].as_f64().unwrap_or(0.0),
+        r["in_flight"],
+        r["sent"],
+    );
+}
+
 fn print_row(r: &serde_json::Value) {
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let half = if r.get("half_of_max_per_sec").is_some() {
+        "  (half the maximum)"
+    } else {
+        ""
+    };
     println!(
-        "{:>6}/s  sent {:>6}  p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms",
+        "{:>6}/s  sent {:>6}  p50 {:>7.1} ms  p90 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms{half}",
         r["rate"],
         r["sent"],
         f(&r["p50_ms"]),
@@ -293,6 +468,7 @@ async fn final_checks(
         .lock()
         .map(|l| (l.codes.len(), l.duplicates))
         .unwrap_or_default();
+    // The warm-up's 50 too.
     let expected = total as u64 + 50;
     let ok =
         granted == expected && orders == granted && duplicates == 0 && codes as u64 == expected;
