@@ -148,24 +148,11 @@ async fn measure(
         max = Some(row);
     }
     let max_per_sec = max.as_ref().and_then(|m| m["per_sec"].as_f64());
-    let mut rows = Vec::new();
-    for rate in &args.rate {
-        let (rate, tag) = match (rate, max_per_sec) {
-            (Rate::PerSec(r), _) => (*r, "r"),
-            (Rate::HalfMax, Some(m)) => (((m / 2.0) as u32).max(1), "h"),
-            (Rate::HalfMax, None) => anyhow::bail!("no maximum was measured"),
-        };
-        let (mut row, load) = one_rate(&publisher, &ledger, tag, rate, args.seconds).await?;
-        total += row["sent"].as_u64().unwrap_or_default() as usize;
-        if tag == "h" {
-            row["half_of_max_per_sec"] = json!(max_per_sec);
-        }
-        if !args.json {
-            print_row(&row);
-            println!("          {load}");
-        }
-        rows.push(row);
-    }
+    let rows = each_rate(&args, &publisher, &ledger, max_per_sec).await?;
+    total += rows
+        .iter()
+        .map(|r| r["sent"].as_u64().unwrap_or_default() as usize)
+        .sum::<usize>();
     running.stop().await?;
     listener.abort();
     let _ = conn.close(200, "benchmark done").await;
@@ -188,6 +175,33 @@ async fn measure(
     }
     anyhow::ensure!(checks_ok, "inconsistent results: {checks}");
     Ok(())
+}
+
+/// Each rate of `--rate` in turn, `half` resolved against `max_per_sec`.
+async fn each_rate(
+    args: &LatencyBenchArgs,
+    publisher: &Publisher,
+    ledger: &Arc<Mutex<Ledger>>,
+    max_per_sec: Option<f64>,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut rows = Vec::new();
+    for rate in &args.rate {
+        let (rate, tag) = match (rate, max_per_sec) {
+            (Rate::PerSec(r), _) => (*r, "r"),
+            (Rate::HalfMax, Some(m)) => (((m / 2.0) as u32).max(1), "h"),
+            (Rate::HalfMax, None) => anyhow::bail!("no maximum was measured"),
+        };
+        let (mut row, load) = one_rate(publisher, ledger, tag, rate, args.seconds).await?;
+        if tag == "h" {
+            row["half_of_max_per_sec"] = json!(max_per_sec);
+        }
+        if !args.json {
+            print_row(&row);
+            println!("          {load}");
+        }
+        rows.push(row);
+    }
+    Ok(rows)
 }
 
 /// Issue 10's latency targets, each with whether this run met it.
@@ -477,4 +491,35 @@ async fn final_checks(
         json!({"granted": granted, "distinct_orders": orders, "distinct_codes_in_events": codes,
                "duplicate_or_unknown_events": duplicates, "ok": ok}),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_whole_numbers_above_zero_or_half() {
+        assert_eq!("half".parse::<Rate>(), Ok(Rate::HalfMax));
+        assert_eq!(" 1000".parse::<Rate>(), Ok(Rate::PerSec(1000)));
+        for bad in ["0", "-5", "fast", "1.5"] {
+            let err = bad.parse::<Rate>().unwrap_err();
+            assert!(err.contains("`half`"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn targets_judge_1000_per_sec_and_the_half_maximum_rows() {
+        let rows = [
+            json!({"rate": 100, "p99_ms": 9.0}),
+            json!({"rate": 1000, "p99_ms": 30.0}),
+            json!({"rate": 2845, "p99_ms": 90.0, "half_of_max_per_sec": 5691.0}),
+        ];
+        let t = targets(&rows);
+        assert_eq!(t["p99_ms_at_1000_per_sec_met"], json!(false));
+        assert_eq!(t["p99_ms_at_half_max_met"], json!(true));
+        // Neither row sent: nothing to judge.
+        let t = targets(&rows[..1]);
+        assert!(t["p99_ms_at_1000_per_sec_met"].is_null());
+        assert!(t["p99_ms_at_half_max_met"].is_null());
+    }
 }
