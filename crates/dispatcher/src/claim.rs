@@ -178,33 +178,16 @@ impl ClaimEngine {
         // 1. Every order tries for a fresh code. One that already holds a
         //    code is refused by the unique order_id index, and the read-back
         //    below returns the code it holds (`fresh: false`).
-        let mut todo: Vec<usize> = (0..unique.len()).collect();
+        let todo: Vec<usize> = (0..unique.len()).collect();
 
         // 2–3. Distinct candidates from the hot set, claimed in bulk.
-        let mut scan: Vec<usize> = Vec::new();
-        for _round in 0..self.config.race_rounds {
-            if todo.is_empty() {
-                break;
-            }
-            let pairs = self.pair_with_candidates(&unique, &todo, &mut scan).await;
-            if pairs.is_empty() {
-                todo.clear();
-                break;
-            }
-            todo = self.claim_candidates(&pairs, resend, &mut outcomes).await?;
-            if !todo.is_empty() {
-                metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
-                debug!(
-                    lost = todo.len(),
-                    "candidates already taken; retrying with fresh ones"
-                );
-            }
-        }
-        scan.extend(todo);
+        let (scan, spare) = self
+            .claim_from_hot_set(&unique, todo, resend, &mut outcomes)
+            .await?;
 
         // 3. The scan: Redis away, hot set empty, or races kept being lost.
         if !scan.is_empty() {
-            self.claim_by_scan(&unique, &scan, resend, &mut outcomes)
+            self.claim_by_scan(&unique, &scan, spare, resend, &mut outcomes)
                 .await?;
         }
 
@@ -218,6 +201,73 @@ impl ClaimEngine {
                     .ok_or_else(|| ClaimError::inconsistent(&p.order_id, "no outcome was decided"))
             })
             .collect()
+    }
+
+    /// Rounds of pairing orders with candidates and claiming them in bulk.
+    /// Returns the orders left for the scan, and the grant numbers fetched
+    /// for them but not used.
+    async fn claim_from_hot_set(
+        &self,
+        unique: &[&Purchase],
+        mut todo: Vec<usize>,
+        resend: Resend,
+        outcomes: &mut [Option<ClaimOutcome>],
+    ) -> Result<(Vec<usize>, HashMap<usize, Option<String>>), ClaimError> {
+        let mut scan: Vec<usize> = Vec::new();
+        let mut spare: HashMap<usize, Option<String>> = HashMap::new();
+        for _round in 0..self.config.race_rounds {
+            if todo.is_empty() {
+                break;
+            }
+            // Grant numbers come while candidates are paired, not after:
+            // one round trip less per batch. An order that ends up scanning
+            // leaves its number unused (numbers are unique, not gap-free).
+            let (pairs, numbers) = futures::join!(
+                self.pair_with_candidates(unique, &todo, &mut scan),
+                self.numbers_for(unique, &todo)
+            );
+            let mut numbers = match numbers {
+                Ok(n) => n,
+                Err(_) if pairs.is_empty() => HashMap::new(),
+                Err(e) => {
+                    self.put_back(&pairs).await;
+                    return Err(e);
+                }
+            };
+            if pairs.is_empty() {
+                spare.extend(numbers);
+                todo.clear();
+                break;
+            }
+            todo = self
+                .claim_candidates(&pairs, &numbers, resend, outcomes)
+                .await?;
+            // The numbers of orders sent to the scan are theirs to use.
+            for p in &pairs {
+                numbers.remove(&p.index);
+            }
+            spare.extend(numbers);
+            if !todo.is_empty() {
+                metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
+                debug!(
+                    lost = todo.len(),
+                    "candidates already taken; retrying with fresh ones"
+                );
+            }
+        }
+        scan.extend(todo);
+        Ok((scan, spare))
+    }
+
+    /// A grant number for each order of `todo`, by its index.
+    async fn numbers_for(
+        &self,
+        unique: &[&Purchase],
+        todo: &[usize],
+    ) -> Result<HashMap<usize, Option<String>>, ClaimError> {
+        let purchases: Vec<&Purchase> = todo.iter().map(|&i| unique[i]).collect();
+        let numbers = self.numbers.for_purchases(&purchases).await?;
+        Ok(todo.iter().copied().zip(numbers).collect())
     }
 
     /// Pairs each order of `todo` with a distinct candidate of its pool.
@@ -286,15 +336,17 @@ impl ClaimEngine {
     async fn claim_candidates(
         &self,
         pairs: &[Pairing<'_>],
+        numbers: &HashMap<usize, Option<String>>,
         resend: Resend,
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<Vec<usize>, ClaimError> {
         let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
-        let numbers = self.numbers.for_purchases(&purchases).await?;
         let assignments: Vec<ClaimAssignment> = pairs
             .iter()
-            .zip(numbers)
-            .map(|(p, grant_no)| assignment(p.purchase, p.candidate, grant_no, resend))
+            .map(|p| {
+                let grant_no = numbers.get(&p.index).cloned().flatten();
+                assignment(p.purchase, p.candidate, grant_no, resend)
+            })
             .collect();
         let write = match self.store.claim_candidates(&assignments).await {
             Ok(w) => w,
@@ -664,6 +716,7 @@ impl ClaimEngine {
         &self,
         unique: &[&Purchase],
         idxs: &[usize],
+        mut numbers: HashMap<usize, Option<String>>,
         resend: Resend,
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<(), ClaimError> {
@@ -675,7 +728,10 @@ impl ClaimEngine {
                 maybe_exhausted.push(i);
                 continue;
             }
-            let grant_no = self.numbers.for_purchases(&[p]).await?.pop().flatten();
+            let grant_no = match numbers.remove(&i) {
+                Some(n) => n,
+                None => self.numbers.for_purchases(&[p]).await?.pop().flatten(),
+            };
             let claim = assignment(p, SCAN_PLACEHOLDER, grant_no, resend);
             match self.store.claim_by_scan(&p.pool, &claim).await? {
                 ScanClaim::Granted(code) => {
