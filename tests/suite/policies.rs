@@ -489,3 +489,60 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+/// Pauses `pool` directly in MongoDB, behind the policy cache's back.
+async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
+    env.store
+        .database()
+        .collection::<bson::Document>("pools")
+        .update_one(doc! {"_id": pool}, doc! {"$set": {"paused": true}})
+        .await
+        .expect("pause");
+}
+
+#[tokio::test]
+async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_large_one() {
+    use codepool_dispatcher::policy::PolicyCache;
+    let env = TestEnv::new("policies_catalogue").await;
+    for pool in ["a", "b"] {
+        env.store.create_pool(pool).await.expect("create pool");
+    }
+    let cache = PolicyCache::default();
+    let got = cache.get_many(&env.store, &["a", "missing"]).await.unwrap();
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        ["a"],
+        "an unknown pool is not found"
+    );
+    // `b` came with the whole catalogue: within a second it is answered
+    // from the cache, not read (the pause is not seen yet); after that it is.
+    pause_behind_the_cache(&env, "b").await;
+    let got = cache.get_many(&env.store, &["b"]).await.unwrap();
+    assert!(
+        !got["b"].paused,
+        "b was read with the catalogue, before the pause"
+    );
+    tokio::time::sleep(codepool_dispatcher::policy::POLICY_TTL).await;
+    let got = cache.get_many(&env.store, &["b"]).await.unwrap();
+    assert!(got["b"].paused, "read again once its policy aged");
+
+    // A catalogue too large to read whole: every pool a batch meets is
+    // read by name, so a pause behind the cache is seen at once.
+    let now = bson::DateTime::now();
+    let many: Vec<bson::Document> = (0..2001)
+        .map(|i| doc! {"_id": format!("p{i:04}"), "created_at": now, "low_stock_alerted": false})
+        .collect();
+    env.store
+        .database()
+        .collection::<bson::Document>("pools")
+        .insert_many(many)
+        .await
+        .expect("insert pools");
+    let cache = PolicyCache::default();
+    let got = cache.get_many(&env.store, &["p0000"]).await.unwrap();
+    assert!(got.contains_key("p0000"));
+    pause_behind_the_cache(&env, "p0001").await;
+    let got = cache.get_many(&env.store, &["p0001"]).await.unwrap();
+    assert!(got["p0001"].paused, "not cached from a whole read");
+    env.cleanup().await;
+}

@@ -6,10 +6,12 @@ use std::time::{Duration, Instant};
 
 use codepool_domain::Purchase;
 use codepool_sequence::DailyNumbers;
+use codepool_store::pools::PoolDoc;
 use codepool_store::Store;
 use tokio::sync::Mutex;
 
 use crate::claim::ClaimError;
+use crate::policy::{CATALOGUE_MOST, CATALOGUE_RECHECK};
 
 /// The prefix of grant numbers when a pool sets none.
 pub const DEFAULT_GRANT_PREFIX: &str = "G";
@@ -20,6 +22,8 @@ pub struct GrantNumbers {
     daily: DailyNumbers,
     store: Store,
     prefixes: Mutex<HashMap<String, (String, Instant)>>,
+    /// When a whole read of the catalogue last found it too large.
+    large_at: std::sync::Mutex<Option<Instant>>,
 }
 
 impl GrantNumbers {
@@ -28,6 +32,7 @@ impl GrantNumbers {
             daily,
             store,
             prefixes: Mutex::new(HashMap::new()),
+            large_at: std::sync::Mutex::new(None),
         }
     }
 
@@ -52,8 +57,16 @@ impl GrantNumbers {
         if missing.is_empty() {
             return Ok(out);
         }
-        let docs = self.store.pools_named(&missing).await?;
+        let docs = self.read(&missing).await?;
         let mut cache = self.prefixes.lock().await;
+        if self.whole_ok() {
+            // The whole catalogue came back: every pool's prefix is cached.
+            let now = Instant::now();
+            for d in &docs {
+                let prefix = d.grant_prefix.as_deref().unwrap_or(DEFAULT_GRANT_PREFIX);
+                cache.insert(d.name.clone(), (prefix.to_owned(), now));
+            }
+        }
         for pool in missing {
             let prefix = docs
                 .iter()
@@ -64,6 +77,30 @@ impl GrantNumbers {
             out.insert(pool.to_owned(), prefix);
         }
         Ok(out)
+    }
+
+    /// The pools of `missing`, or the whole catalogue when it is small
+    /// (as the policy cache reads it): a batch over many pools then rarely
+    /// meets a prefix that is not cached.
+    async fn read(&self, missing: &[&str]) -> Result<Vec<PoolDoc>, ClaimError> {
+        if self.whole_ok() {
+            let docs = self.store.pools_up_to(CATALOGUE_MOST + 1).await?;
+            if docs.len() <= CATALOGUE_MOST {
+                return Ok(docs);
+            }
+            if let Ok(mut at) = self.large_at.lock() {
+                *at = Some(Instant::now());
+            }
+        }
+        Ok(self.store.pools_named(missing).await?)
+    }
+
+    /// Whether the catalogue was not found large lately.
+    fn whole_ok(&self) -> bool {
+        self.large_at
+            .lock()
+            .map(|at| at.is_none_or(|t| t.elapsed() >= CATALOGUE_RECHECK))
+            .unwrap_or(false)
     }
 
     /// One number per purchase, aligned with the input: one round trip per

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use codepool_domain::{PoolPolicy, Purchase, Refusal, RefusalReason};
 use codepool_store::policies::{QuotaAsk, RefusalDoc};
+use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
 use tokio::sync::RwLock;
 
@@ -30,6 +31,15 @@ const REFRESH_AHEAD: Duration = Duration::from_millis(500);
 const REFRESH_IF_USED_WITHIN: Duration = Duration::from_secs(10);
 /// Most pools one read refreshes ahead, so that read stays small.
 const REFRESH_AHEAD_MOST: usize = 5000;
+/// A catalogue of at most this many pools is read whole when pools are
+/// refreshed ahead: a pool a batch meets for the first time is then
+/// usually cached already (many pools with long-tail demand meet new ones
+/// in every batch), for one reply of about 200 bytes per pool twice a
+/// second.
+pub(crate) const CATALOGUE_MOST: usize = 2000;
+/// After a whole read found more pools than [`CATALOGUE_MOST`], reads name
+/// their pools for this long before the catalogue's size is tried again.
+pub(crate) const CATALOGUE_RECHECK: Duration = Duration::from_secs(60);
 
 /// A pool's policy as last read, and when it was read and last asked for.
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +61,8 @@ struct Known {
     pools: HashMap<String, Cached>,
     /// When a read last refreshed pools ahead of their time.
     ahead_at: Option<Instant>,
+    /// When a whole read last found more than [`CATALOGUE_MOST`] pools.
+    large_at: Option<Instant>,
 }
 
 impl Known {
@@ -72,8 +84,12 @@ impl Known {
         let previous = self.pools.remove(name);
         let policy = read?;
         let used_at = match previous {
-            Some(c) if !asked => c.used_at,
-            _ => started,
+            _ if asked => started,
+            Some(c) => c.used_at,
+            // Read with the whole catalogue, never used: not in use.
+            None => started
+                .checked_sub(REFRESH_IF_USED_WITHIN)
+                .unwrap_or(started),
         };
         let cached = Cached {
             policy,
@@ -92,6 +108,9 @@ impl Known {
 struct Lookup {
     found: HashMap<String, PoolPolicy>,
     read: Vec<String>,
+    /// Read the whole catalogue if it is small (pools are refreshed ahead
+    /// and it was not found large lately).
+    whole: bool,
 }
 
 /// Looks `pools` up in `known` at `now`, marking them used.
@@ -130,6 +149,9 @@ fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
         return out;
     }
     known.ahead_at = Some(now);
+    out.whole = known
+        .large_at
+        .is_none_or(|t| now.duration_since(t) >= CATALOGUE_RECHECK);
     let reading: HashSet<&str> = out.read.iter().map(String::as_str).collect();
     let due: Vec<String> = known
         .pools
@@ -150,43 +172,79 @@ impl PolicyCache {
     /// The policies of `pools` that exist: fresh ones from the cache, the
     /// others in one query (a batch over a thousand cold pools costs one
     /// round trip, not a thousand). That query also reads the pools in use
-    /// whose policies are due soon, so a busy catalogue is read about
-    /// twice a second, not a little in every batch.
+    /// whose policies are due soon, or the whole catalogue when it is
+    /// small, so a busy catalogue is read about twice a second, not a
+    /// little in every batch.
     pub async fn get_many(
         &self,
         store: &Store,
         pools: &[&str],
     ) -> Result<HashMap<String, PoolPolicy>, StoreError> {
         let started = Instant::now();
-        let Lookup { mut found, read } = look_up(&mut *self.state.write().await, pools, started);
+        let Lookup {
+            mut found,
+            read,
+            whole,
+        } = look_up(&mut *self.state.write().await, pools, started);
         if read.is_empty() {
             return Ok(found);
         }
+        let mut names: Vec<String> = Vec::with_capacity(read.len());
         let mut seen = HashSet::new();
-        let names: Vec<&str> = read
-            .iter()
-            .map(String::as_str)
-            .filter(|n| seen.insert(*n))
-            .collect();
-        let docs = store.pools_named(&names).await?;
+        for name in read {
+            if seen.insert(name.clone()) {
+                names.push(name);
+            }
+        }
+        let (docs, complete) = self.read(store, &names, whole).await?;
         let mut read_docs: HashMap<String, PoolPolicy> = docs
             .into_iter()
             .map(|d| (d.name.clone(), d.policy()))
             .collect();
         let asked: HashSet<&str> = pools.iter().copied().collect();
         let known = &mut *self.state.write().await;
-        for name in names {
-            let asked = asked.contains(name);
+        if complete {
+            // Every pool there is came back: cache them all, and forget
+            // the cached ones that are gone.
+            let more: Vec<String> = (read_docs.keys())
+                .chain(known.pools.keys())
+                .filter(|n| seen.insert((*n).clone()))
+                .cloned()
+                .collect();
+            names.extend(more);
+        }
+        for name in &names {
+            let asked = asked.contains(name.as_str());
             let policy = known.record(name, read_docs.remove(name), started, asked);
             if asked {
                 // A pool read and not found is gone, even if it was cached.
                 match policy {
-                    Some(p) => found.insert(name.to_owned(), p),
+                    Some(p) => found.insert(name.clone(), p),
                     None => found.remove(name),
                 };
             }
         }
         Ok(found)
+    }
+
+    /// The pools of `names`, or, when `whole`, every pool if there are at
+    /// most [`CATALOGUE_MOST`]. Also says whether the pools returned are
+    /// every pool there is.
+    async fn read(
+        &self,
+        store: &Store,
+        names: &[String],
+        whole: bool,
+    ) -> Result<(Vec<PoolDoc>, bool), StoreError> {
+        if whole {
+            let docs = store.pools_up_to(CATALOGUE_MOST + 1).await?;
+            if docs.len() <= CATALOGUE_MOST {
+                return Ok((docs, true));
+            }
+            self.state.write().await.large_at = Some(Instant::now());
+        }
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        Ok((store.pools_named(&names).await?, false))
     }
 }
 
@@ -363,6 +421,7 @@ mod tests {
         Known {
             pools: pools.into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
             ahead_at: None,
+            large_at: None,
         }
     }
 
@@ -439,5 +498,35 @@ mod tests {
         // read landed in between here), never the idle one.
         let got = look_up(&mut known, &["new"], now + ms(600));
         assert_eq!(sorted(got.read), ["due", "new", "stale", "young"]);
+    }
+
+    #[test]
+    fn the_whole_catalogue_is_read_ahead_unless_it_was_found_large_lately() {
+        let now = Instant::now() + Duration::from_secs(600);
+        let ms = Duration::from_millis;
+        let mut known = known(vec![]);
+        let got = look_up(&mut known, &["a"], now);
+        assert!(got.whole, "the first read takes the whole catalogue");
+        let got = look_up(&mut known, &["b"], now + ms(100));
+        assert!(!got.whole, "within the refresh gate: the pool alone");
+        known.large_at = Some(now + ms(500));
+        let got = look_up(&mut known, &["c"], now + ms(600));
+        assert!(!got.whole, "found large a moment ago");
+        let got = look_up(&mut known, &["d"], now + ms(500) + CATALOGUE_RECHECK);
+        assert!(got.whole, "found large long ago: tried again");
+    }
+
+    #[test]
+    fn a_pool_read_with_the_catalogue_and_never_asked_for_is_not_in_use() {
+        let now = Instant::now() + Duration::from_secs(600);
+        let mut known = known(vec![]);
+        known.record("quiet", Some(PoolPolicy::default()), now, false);
+        known.record("asked", Some(PoolPolicy::default()), now, true);
+        assert!(now.duration_since(known.pools["quiet"].used_at) >= REFRESH_IF_USED_WITHIN);
+        assert_eq!(known.pools["asked"].used_at, now);
+        // Not refreshed ahead with the pools in use when the catalogue is large.
+        known.large_at = Some(now);
+        let got = look_up(&mut known, &["new"], now + Duration::from_millis(600));
+        assert_eq!(sorted(got.read), ["asked", "new"]);
     }
 }

@@ -82,6 +82,19 @@ impl Store {
         self.find_in(POOLS, "_id", names).await
     }
 
+    /// Up to `most` pools, in one reply: the whole catalogue when fewer
+    /// come back.
+    pub async fn pools_up_to(&self, most: usize) -> Result<Vec<PoolDoc>, StoreError> {
+        Ok(self
+            .typed::<PoolDoc>(POOLS)
+            .find(doc! {})
+            .limit(i64::try_from(most).unwrap_or(i64::MAX))
+            .batch_size(crate::one_batch_for(most))
+            .await?
+            .try_collect()
+            .await?)
+    }
+
     pub async fn pools(&self) -> Result<Vec<PoolDoc>, StoreError> {
         Ok(self
             .typed::<PoolDoc>(POOLS)
