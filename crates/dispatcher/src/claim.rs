@@ -2,7 +2,8 @@
 //! bottom to know how ownership is decided.
 //!
 //! 1. Every order is paired with a *distinct* candidate popped from
-//!    the pool's Redis hot set, and all pairs are written in one journaled
+//!    the pool's Redis hot set (for a set that ran short, taken from the
+//!    refill that loads it), and all pairs are written in one journaled
 //!    `update` command: "code `_id` goes to this order if it is still
 //!    unissued". MongoDB's condition is the only arbiter; the unique
 //!    `order_id` index forbids a second code per order, so an order that
@@ -431,12 +432,17 @@ impl ClaimEngine {
         let deadline = Instant::now() + self.config.refill_lock_ttl;
         while got.len() < k {
             match self.refill_for(pool, k - got.len()).await {
-                Ok(Refill::Added(0)) => break,
-                Ok(Refill::Added(_) | Refill::Stocked) => {}
-                Ok(Refill::Busy) if Instant::now() < deadline => {
+                Ok((Refill::Added(0), _)) => break,
+                Ok((Refill::Added(n), kept)) => {
+                    remaining = (n - kept.len()) as u64;
+                    got.extend(kept);
+                    continue;
+                }
+                Ok((Refill::Stocked, _)) => {}
+                Ok((Refill::Busy, _)) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                Ok(Refill::Busy) => break,
+                Ok((Refill::Busy, _)) => break,
                 Err(RefillError::Store(e)) => {
                     warn!(pool, error = %e, "hot pool refill failed");
                     break;
@@ -500,19 +506,27 @@ impl ClaimEngine {
     /// start (which picks up candidates lost by crashed claimers). One
     /// refiller per pool at a time; the others get [`Refill::Busy`].
     pub async fn refill(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_one(RefillAsk {
-            pool,
-            size: self.refill_size(pool, 0),
-            enough: None,
-            rescan: true,
-        })
-        .await
+        let (refill, _) = self
+            .refill_one(RefillAsk {
+                pool,
+                size: self.refill_size(pool, 0),
+                enough: None,
+                rescan: true,
+                keep: 0,
+            })
+            .await?;
+        Ok(refill)
     }
 
     /// [`ClaimEngine::refill`] for a claimer that needs `needed` more: none
     /// if the set holds that many by the time the lock is taken (a refill
     /// by another claimer, which this one waited for, already loaded them).
-    async fn refill_for(&self, pool: &str, needed: usize) -> Result<Refill, RefillError> {
+    /// The candidates it loaded for the claimer come with it.
+    async fn refill_for(
+        &self,
+        pool: &str,
+        needed: usize,
+    ) -> Result<(Refill, Vec<Candidate>), RefillError> {
         self.refill_one(self.ask_for(pool, needed)).await
     }
 
@@ -522,6 +536,7 @@ impl ClaimEngine {
             size: self.refill_size(pool, needed),
             enough: Some(needed as u64),
             rescan: true,
+            keep: needed,
         }
     }
 
@@ -530,13 +545,16 @@ impl ClaimEngine {
     /// other claimers hold right now. None if another top-up has already
     /// lifted the set above the low-water mark.
     async fn top_up(&self, pool: &str) -> Result<Refill, RefillError> {
-        self.refill_one(RefillAsk {
-            pool,
-            size: self.refill_size(pool, 0),
-            enough: Some(self.low_water(pool)),
-            rescan: false,
-        })
-        .await
+        let (refill, _) = self
+            .refill_one(RefillAsk {
+                pool,
+                size: self.refill_size(pool, 0),
+                enough: Some(self.low_water(pool)),
+                rescan: false,
+                keep: 0,
+            })
+            .await?;
+        Ok(refill)
     }
 
     /// Lets background top-ups of `pool` run again: codes were imported
@@ -548,13 +566,17 @@ impl ClaimEngine {
         }
     }
 
-    async fn refill_one(&self, ask: RefillAsk<'_>) -> Result<Refill, RefillError> {
+    async fn refill_one(
+        &self,
+        ask: RefillAsk<'_>,
+    ) -> Result<(Refill, Vec<Candidate>), RefillError> {
         let mut done = self.refill_pools(&[ask]).await?;
-        Ok(done.pop().unwrap_or(Refill::Busy))
+        Ok(done.pop().unwrap_or((Refill::Busy, Vec::new())))
     }
 
-    /// Refills the pools of a batch that came up short, together, and pops
-    /// again what each still needs. A pool still short after this (its lock
+    /// Refills the pools of a batch that came up short, together, taking
+    /// what each still needs from its load (or, where another refill had
+    /// just stocked the set, popping it). A pool still short after this (its lock
     /// was busy, or a server failed) is left to [`ClaimEngine::complete`],
     /// which retries it alone. Returns, aligned with `wants`, which pools
     /// the refill found without a single candidate.
@@ -585,17 +607,22 @@ impl ClaimEngine {
                 return empty;
             }
         };
-        for (&(i, _), r) in short.iter().zip(&refills) {
-            empty[i] = *r == Refill::Added(0);
+        let mut again: Vec<(usize, (&str, usize))> = Vec::new();
+        for (&(i, needed), (refill, kept)) in short.iter().zip(refills) {
+            empty[i] = refill == Refill::Added(0);
+            match refill {
+                Refill::Stocked => again.push((i, (wants[i].0, needed))),
+                Refill::Added(n) => {
+                    // The set holds the rest of the load (it was empty).
+                    popped[i].1 = (n - kept.len()) as u64;
+                    popped[i].0.extend(kept);
+                }
+                Refill::Busy => {}
+            }
         }
-        let again: Vec<(usize, (&str, usize))> = short
-            .iter()
-            .zip(refills)
-            .filter(|(_, r)| {
-                matches!(r, Refill::Stocked) || matches!(r, Refill::Added(n) if *n > 0)
-            })
-            .map(|(&(i, needed), _)| (i, (wants[i].0, needed)))
-            .collect();
+        if again.is_empty() {
+            return empty;
+        }
         let wants_again: Vec<(&str, usize)> = again.iter().map(|(_, w)| *w).collect();
         let Ok(more) = self.hot.pop_many(&wants_again).await else {
             return empty;
@@ -613,19 +640,25 @@ impl ClaimEngine {
     /// candidates with each lock's release (Redis). Results are aligned
     /// with `asks`; a pool whose lock someone else holds is
     /// [`Refill::Busy`]. Every lock taken here is released, also on error.
-    async fn refill_pools(&self, asks: &[RefillAsk<'_>]) -> Result<Vec<Refill>, RefillError> {
+    /// Each result comes with the candidates its ask keeps (see
+    /// [`RefillAsk::keep`]), which the set never holds.
+    async fn refill_pools(
+        &self,
+        asks: &[RefillAsk<'_>],
+    ) -> Result<Vec<(Refill, Vec<Candidate>)>, RefillError> {
         let pools: Vec<&str> = asks.iter().map(|a| a.pool).collect();
         let held = self
             .hot
             .lock_refills(&pools, self.config.refill_lock_ttl)
             .await?;
-        let mut out = vec![Refill::Busy; asks.len()];
+        let mut out: Vec<(Refill, Vec<Candidate>)> =
+            asks.iter().map(|_| (Refill::Busy, Vec::new())).collect();
         let mut fills = Vec::new();
         let mut loading = Vec::new();
         for (i, (ask, held)) in asks.iter().zip(held).enumerate() {
             let Some(held) = held else { continue };
             if ask.enough.is_some_and(|n| held.waiting >= n.max(1)) {
-                out[i] = Refill::Stocked;
+                out[i].0 = Refill::Stocked;
                 fills.push(Refilled::release(ask.pool, held.lock));
             } else {
                 loading.push((i, held));
@@ -644,7 +677,7 @@ impl ClaimEngine {
             }
         };
         let mut ended = Vec::new();
-        for ((i, held), candidates) in loading.into_iter().zip(found) {
+        for ((i, held), mut candidates) in loading.into_iter().zip(found) {
             let ask = &asks[i];
             if (candidates.len() as i64) < ask.size {
                 // The end of the pool: the set holds every candidate there is.
@@ -655,8 +688,11 @@ impl ClaimEngine {
                 added = candidates.len(),
                 "hot pool refilled"
             );
-            out[i] = Refill::Added(candidates.len());
             let high_water_mark = candidates.iter().map(|c| c.seq).fold(held.hwm, i64::max);
+            // Oldest first: the caller's share is the front.
+            let rest = candidates.split_off(ask.keep.min(candidates.len()));
+            out[i] = (Refill::Added(candidates.len() + rest.len()), candidates);
+            let candidates = rest;
             fills.push(Refilled {
                 pool: ask.pool.to_owned(),
                 candidates,
@@ -813,6 +849,10 @@ struct RefillAsk<'a> {
     enough: Option<u64>,
     /// With nothing past the high-water mark, read the pool from the start.
     rescan: bool,
+    /// Of the candidates loaded, the oldest this many go to the caller
+    /// instead of the set: a claimer that found the set short takes them
+    /// without popping them again.
+    keep: usize,
 }
 
 /// Pools whose hot sets are refilled at once when a batch finds them short.

@@ -272,3 +272,18 @@ async fn a_batch_over_many_pools_grants_every_order_a_code_of_its_own_pool() {
         "the forty cold pools are refilled by one query"
     );
 }
+
+#[tokio::test]
+async fn a_cold_pool_hands_its_claimer_the_oldest_of_the_load_without_a_second_pop() {
+    let r = rig(FakeStore::with_pool("x", 1, 10));
+    let out = claim(&r, &purchases("x", &["A", "B", "C"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(1), id(2), id(3)]);
+    assert_eq!(
+        r.hot.pops.load(Ordering::SeqCst),
+        1,
+        "one pop found the set empty; the load itself supplied the claim"
+    );
+    assert_eq!(r.hot.len("x"), 7, "the rest of the load waits in the set");
+    let out = claim(&r, &purchases("x", &["D"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(4)], "the set's oldest next");
+}

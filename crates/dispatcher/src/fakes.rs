@@ -224,6 +224,8 @@ pub struct FakeHot {
     /// to the last one) just before the next refill lock is taken: what a
     /// claimer that waited for someone else's refill finds.
     pub loaded_meanwhile: Mutex<Vec<Candidate>>,
+    /// Pops asked of the set (one per pool per round trip).
+    pub pops: AtomicUsize,
 }
 
 impl FakeHot {
@@ -261,6 +263,7 @@ impl FakeHot {
 impl CandidatePool for FakeHot {
     async fn pop(&self, pool: &str, k: usize) -> Result<(Vec<Candidate>, u64), HotPoolError> {
         self.check()?;
+        self.pops.fetch_add(1, Ordering::SeqCst);
         let mut sets = self.sets.lock().unwrap();
         let set = sets.entry(pool.into()).or_default();
         let mut out = Vec::new();
