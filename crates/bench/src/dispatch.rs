@@ -317,15 +317,12 @@ fn mb(kb: Option<u64>) -> Option<f64> {
     kb.map(|k| k as f64 / 1024.0)
 }
 
-/// The slower of the two baselines, and the dispatcher's ratio to it.
-fn versus_slower(all: [&Measured; 3]) -> (&Measured, f64) {
+/// The dispatcher's rate over the pass-through's (goal 3) and over raw
+/// MongoDB's.
+fn ratios(all: [&Measured; 3]) -> (f64, f64) {
     let [dispatcher, pass, raw] = all;
-    let slower = if raw.per_sec() < pass.per_sec() {
-        raw
-    } else {
-        pass
-    };
-    (slower, dispatcher.per_sec() / slower.per_sec().max(1e-9))
+    let over = |base: &Measured| dispatcher.per_sec() / base.per_sec().max(1e-9);
+    (over(pass), over(raw))
 }
 
 /// mongod CPU seconds per item of a measurement.
@@ -350,7 +347,7 @@ fn stages_json() -> Option<serde_json::Value> {
     }))
 }
 
-/// Goal 3 of issue 10: the dispatcher at least this fraction of the slower baseline.
+/// Goal 3 of issue 10: the dispatcher at least this fraction of the pass-through.
 const TARGET_RATIO: f64 = 0.75;
 /// Goal 3: mongod CPU per grant at most this multiple of the raw update's.
 const TARGET_MONGOD_CPU: f64 = 2.0;
@@ -362,7 +359,7 @@ fn report_json(
     checks: &Checks,
     memory: &Memory,
 ) -> serde_json::Value {
-    let (slower, ratio) = versus_slower(all);
+    let (ratio, over_raw) = ratios(all);
     let cpu_ratio = mongod_cpu_per_item(all[0])
         .zip(mongod_cpu_per_item(all[2]))
         .map(|(d, r)| d / r.max(1e-12));
@@ -384,8 +381,8 @@ fn report_json(
         })).collect::<Vec<_>>(),
         "cpu_note": "CPU seconds of this process and the local servers during each measurement; the machine has this many cores in total",
         "cores": cores(),
-        "slower_baseline": slower.name,
-        "dispatcher_over_slower_baseline": ratio,
+        "dispatcher_over_pass_through": ratio,
+        "dispatcher_over_raw_mongodb": over_raw,
         "target": TARGET_RATIO,
         "target_met": ratio >= TARGET_RATIO,
         "mongod_cpu_per_grant_over_raw": cpu_ratio,
@@ -429,11 +426,10 @@ fn print_table(
     for m in all {
         println!("{:<12} {}", m.name, describe_cpu(&m.cpu));
     }
-    let (slower, ratio) = versus_slower(all);
+    let (ratio, over_raw) = ratios(all);
     let tick = |ok: bool| if ok { "✓" } else { "✗" };
     println!(
-        "\ndispatcher / slower baseline ({}) = {ratio:.2}x (target >= {TARGET_RATIO}x {})",
-        slower.name,
+        "\ndispatcher / pass-through = {ratio:.2}x (target >= {TARGET_RATIO}x {}); dispatcher / raw MongoDB = {over_raw:.2}x",
         tick(ratio >= TARGET_RATIO)
     );
     if let Some(r) = report["mongod_cpu_per_grant_over_raw"].as_f64() {
@@ -671,18 +667,20 @@ async fn forward(
     batch: &[Delivery],
     acks: &AckWindow,
 ) -> anyhow::Result<()> {
-    let mut confirms = Vec::with_capacity(batch.len());
-    for d in batch {
+    // Started together, as the dispatcher publishes its events: the
+    // connection writes the frames in one go.
+    let confirms = futures::future::join_all(batch.iter().map(|d| {
         let id = d
             .properties
             .message_id()
             .as_ref()
             .map(|s| s.as_str().to_owned())
             .unwrap_or_default();
-        confirms.push(publisher.publish("", out, &d.data, persistent(&id)).await?);
-    }
+        publisher.publish("", out, &d.data, persistent(&id))
+    }))
+    .await;
     for c in confirms {
-        c.wait().await?;
+        c?.wait().await?;
     }
     acks.settle(batch, &vec![Settlement::Ack; batch.len()])
         .await;
