@@ -27,6 +27,9 @@ IMPORT_CODES=${IMPORT_CODES:-200000}
 SEQ_IDS=${SEQ_IDS:-4000}
 SCALE_POOLS=${SCALE_POOLS:-1000}
 HUGE_POOL=${HUGE_POOL:-1000000}
+# The scale comparisons alternate their two sides this many times and judge
+# the median ratio: one pair of runs moves by ±0.1 with the host's load.
+SCALE_ROUNDS=${SCALE_ROUNDS:-3}
 LATENCY_SECONDS=${LATENCY_SECONDS:-10}
 export RUST_LOG=${RUST_LOG:-warn}
 
@@ -44,10 +47,10 @@ for b in "${which[@]}"; do
 	dispatch) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" ;;
 	pools)
 		for spread in uniform zipf; do
-			"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pools "$SCALE_POOLS" --spread "$spread"
+			"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pools "$SCALE_POOLS" --spread "$spread" --rounds "$SCALE_ROUNDS"
 		done
 		;;
-	huge) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pool-size "$HUGE_POOL" ;;
+	huge) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pool-size "$HUGE_POOL" --rounds "$SCALE_ROUNDS" ;;
 	latency)
 		# `half`: half the maximum of the same loop (sender and listener on
 		# the machine too), measured first in the same run.

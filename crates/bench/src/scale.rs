@@ -12,6 +12,12 @@
 //! run drains a pool to exhaustion. The report is the ratio of the two
 //! rates, with the usual checks: no code twice, every order granted once,
 //! every SMS-pending event confirmed, nothing left unacked.
+//!
+//! With `--rounds R` the two sides alternate R times (A B, B A, A B, …),
+//! each round on pools of its own (the huge pool is shared; Redis is
+//! emptied before every run, so each starts cold), and the verdict is the
+//! median of the rounds' ratios: on a shared machine one pair of runs
+//! moves by ±0.1 with the host's load.
 
 use std::path::Path;
 use std::time::Duration;
@@ -45,6 +51,9 @@ pub struct ScaleArgs {
     /// Compare a pool of this many codes with a pool just large enough.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1_000..=100_000_000))]
     pub pool_size: Option<u64>,
+    /// Alternate the two sides this many times and judge the median ratio.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+    pub rounds: u32,
 }
 
 impl ScaleArgs {
@@ -58,6 +67,7 @@ const TARGET_MANY_POOLS: f64 = 0.9;
 const TARGET_HUGE_POOL: f64 = 0.95;
 
 /// One side of the comparison: purchases per pool and codes per pool.
+#[derive(Clone)]
 struct Side {
     tag: &'static str,
     what: String,
@@ -65,6 +75,29 @@ struct Side {
     purchases: Vec<usize>,
     /// Pool names and their sizes.
     pools: Vec<(String, usize)>,
+    /// Every round uses these same pools (the huge pool: too slow to fill
+    /// once per round, and large enough for all of them).
+    shared: bool,
+}
+
+impl Side {
+    /// This side in round `r`: pools of its own unless shared.
+    fn for_round(&self, r: u32) -> Side {
+        let mut side = self.clone();
+        if r > 0 && !self.shared {
+            for (name, _) in &mut side.pools {
+                *name = format!("r{r}-{name}");
+            }
+        }
+        side
+    }
+}
+
+/// One run of one side.
+struct Run {
+    measured: Measured,
+    checks: Checks,
+    redis: Redis,
 }
 
 /// Runs the comparison; writes `dispatch-pools-N-SPREAD.json` or
@@ -87,16 +120,41 @@ async fn compare(
     out_dir: &Path,
 ) -> anyhow::Result<()> {
     let n = args.purchases as usize;
+    let rounds = args.scale.rounds.max(1);
     let (base, other, name, target) = sides(args, n);
-    eprintln!("importing {} + {} codes …", total(&base), total(&other));
-    inproc::fill_pools(scratch, &base.pools, 4).await?;
-    inproc::fill_pools(scratch, &other.pools, 4).await?;
+    let (mut bases, mut others) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        bases.push(base.for_round(r));
+        others.push(other.for_round(r));
+    }
+    // A shared pool appears once per round: filled once.
+    let to_fill: Vec<(String, usize)> = (bases.iter().chain(&others))
+        .flat_map(|side| side.pools.clone())
+        .collect::<std::collections::BTreeMap<_, _>>()
+        .into_iter()
+        .collect();
+    eprintln!(
+        "importing {} codes ({rounds} round(s)) …",
+        to_fill.iter().map(|(_, n)| n).sum::<usize>()
+    );
+    inproc::fill_pools(scratch, &to_fill, 4).await?;
     let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-scale").await?;
     let ch = conn.create_channel().await?;
     scratch.cfg.topology().declare(&ch).await?;
-    let (m_base, c_base, r_base) = run_side(args, scratch, &conn, &base, 0).await?;
-    let events_before = depth(&conn, &scratch.cfg.topology().sms_pending).await?;
-    let (m_other, c_other, r_other) = run_side(args, scratch, &conn, &other, events_before).await?;
+    let mut pairs = Vec::new();
+    for r in 0..rounds {
+        let (b, o) = (&bases[r as usize], &others[r as usize]);
+        // Alternate which side goes first, so a drift of the host's speed
+        // during the run does not favour one side.
+        let pair = if r % 2 == 0 {
+            let b = run_side(args, scratch, &conn, b, r).await?;
+            (b, run_side(args, scratch, &conn, o, r).await?)
+        } else {
+            let o = run_side(args, scratch, &conn, o, r).await?;
+            (run_side(args, scratch, &conn, b, r).await?, o)
+        };
+        pairs.push(pair);
+    }
     let _ = ch.close(200, "benchmark done").await;
     let _ = conn.close(200, "benchmark done").await;
     // `codepool stats` of the larger side's biggest pool (goal 2: under 1 s
@@ -109,34 +167,58 @@ async fn compare(
     let stats_started = std::time::Instant::now();
     scratch.store.pool_stats(biggest).await?;
     let stats_seconds = stats_started.elapsed().as_secs_f64();
-    let ratio = m_other.per_sec() / m_base.per_sec().max(1e-9);
-    let ok = c_base.ok && c_other.ok;
+    let ratios: Vec<f64> = pairs
+        .iter()
+        .map(|(b, o)| o.measured.per_sec() / b.measured.per_sec().max(1e-9))
+        .collect();
+    let ratio = median(&ratios);
+    let ok = pairs.iter().all(|(b, o)| b.checks.ok && o.checks.ok);
     let report = json!({
         "benchmark": name,
         "purchases": n,
-        "results": [side_json(&base, &m_base, &c_base, &r_base), side_json(&other, &m_other, &c_other, &r_other)],
+        "rounds": pairs.iter().zip(&ratios).map(|((b, o), r)| json!({
+            "results": [side_json(&base, b), side_json(&other, o)],
+            "ratio": r,
+        })).collect::<Vec<_>>(),
         "ratio": ratio,
+        "ratios": ratios,
         "target": target,
         "target_met": ratio >= target,
         "checks_ok": ok,
         "stats_seconds": {"pool": biggest, "seconds": stats_seconds},
-        "note": "each side starts a fresh dispatcher on cold pools (cold start counted), after a MongoDB checkpoint; both in one run",
+        "note": "each run starts a fresh dispatcher on cold pools (cold start counted) with Redis emptied, after a MongoDB checkpoint; with several rounds the sides alternate (A B, B A, ...) and ratio is the median of the rounds' ratios",
     });
     let (rendered, path) = crate::write_report(out_dir, &format!("{name}.json"), &report)?;
     if args.json {
         println!("{rendered}");
     } else {
-        print_side(&base, &m_base, &c_base, &r_base);
-        print_side(&other, &m_other, &c_other, &r_other);
+        for (i, (b, o)) in pairs.iter().enumerate() {
+            if pairs.len() > 1 {
+                println!(
+                    "round {} ({} first):",
+                    i + 1,
+                    if i % 2 == 0 { base.tag } else { other.tag }
+                );
+            }
+            print_side(&base, b);
+            print_side(&other, o);
+        }
         println!(
             "codepool stats of {} ({} codes): {stats_seconds:.3} s",
             biggest.unwrap_or("-"),
             biggest_size
         );
         let tick = if ratio >= target { "✓" } else { "✗" };
+        let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}x")).collect();
         println!(
-            "\n{} / {} = {ratio:.2}x (target >= {target}x {tick})",
-            other.tag, base.tag
+            "\n{} / {} = {ratio:.2}x (target >= {target}x {tick}){}",
+            other.tag,
+            base.tag,
+            if ratios.len() > 1 {
+                format!("; median of rounds {}", each.join(", "))
+            } else {
+                String::new()
+            }
         );
         println!("written to {}", path.display());
     }
@@ -148,6 +230,17 @@ async fn compare(
     Ok(())
 }
 
+/// The median of `xs` (the mean of the middle two for an even count).
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// The two sides, the report's name and the target ratio.
 fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
     let single = |tag: &'static str, size: usize| Side {
@@ -155,11 +248,18 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
         what: format!("{n} purchases on 1 pool of {size} codes"),
         purchases: vec![0; n],
         pools: vec![(format!("{tag}-pool"), size)],
+        shared: false,
     };
     if let Some(size) = args.scale.pool_size {
         let name = format!("dispatch-pool-size-{size}");
         let small = single("small", with_headroom(n));
-        return (small, single("huge", size as usize), name, TARGET_HUGE_POOL);
+        // Every round takes its purchases from the one huge pool.
+        let rounds = args.scale.rounds.max(1) as usize;
+        let huge = Side {
+            shared: true,
+            ..single("huge", (size as usize).max(n * rounds + n / 10))
+        };
+        return (small, huge, name, TARGET_HUGE_POOL);
     }
     let pools = args.scale.pools.unwrap_or(1) as usize;
     let spread = args.scale.spread;
@@ -173,6 +273,7 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
         pools: (0..pools)
             .map(|k| (format!("many-{k:05}"), with_headroom(demand[k])))
             .collect(),
+        shared: false,
     };
     let name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
     (
@@ -239,14 +340,19 @@ async fn run_side(
     scratch: &'static Scratch,
     conn: &Connection,
     side: &Side,
-    events_before: u32,
-) -> anyhow::Result<(Measured, Checks, Redis)> {
+    round: u32,
+) -> anyhow::Result<Run> {
     let n = side.purchases.len();
-    eprintln!("{}: preloading {n} purchases …", side.tag);
+    let tag = format!("{}{round}", side.tag);
+    let cfg = &scratch.cfg;
+    // Cold: no hot set, mark or lease left by an earlier run.
+    crate::delete_redis_keys(&cfg.redis_url, &cfg.redis_prefix).await?;
+    let events_before = depth(conn, &cfg.topology().sms_pending).await?;
+    eprintln!("{tag}: preloading {n} purchases …");
     let publisher = Publisher::new(conn, scratch.cfg.topology()).await?;
     inproc::preload(n, |i| {
         let pool = &side.pools[side.purchases[i]].0;
-        let p = inproc::purchase(side.tag, pool, i);
+        let p = inproc::purchase(&tag, pool, i);
         let publisher = publisher.clone();
         async move { Ok(publisher.publish_purchase(&p).await?) }
     })
@@ -256,8 +362,7 @@ async fn run_side(
     let _ = publisher.channel().close(200, "preloaded").await;
     let queue = scratch.cfg.topology().purchases;
     anyhow::ensure!(depth(conn, &queue).await? == n as u32, "preload incomplete");
-    eprintln!("{}: dispatching …", side.tag);
-    let cfg = &scratch.cfg;
+    eprintln!("{tag}: dispatching …");
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     inproc::checkpoint(scratch).await?;
     let running = inproc::start(scratch, &args.dispatcher_config())?;
@@ -265,7 +370,7 @@ async fn run_side(
     let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     // Let the acks of the last batch land before counting what is left.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let filter = doc! {"order_id": {"$regex": format!("^{}-o", side.tag)}};
+    let filter = doc! {"order_id": {"$regex": format!("^{tag}-o")}};
     let checks = check_dispatched(scratch, conn, filter, n, events_before).await?;
     let measured = Measured {
         name: side.tag,
@@ -278,10 +383,19 @@ async fn run_side(
         keys: redis_after.0.saturating_sub(redis_before.0),
         bytes: redis_after.1.saturating_sub(redis_before.1),
     };
-    Ok((measured, checks, redis))
+    Ok(Run {
+        measured,
+        checks,
+        redis,
+    })
 }
 
-fn side_json(side: &Side, m: &Measured, c: &Checks, r: &Redis) -> serde_json::Value {
+fn side_json(side: &Side, run: &Run) -> serde_json::Value {
+    let Run {
+        measured: m,
+        checks: c,
+        redis: r,
+    } = run;
     json!({
         "redis": {"keys": r.keys, "bytes": r.bytes, "bytes_per_pool": r.per_pool(side.pools.len())},
         "name": side.tag,
@@ -295,7 +409,12 @@ fn side_json(side: &Side, m: &Measured, c: &Checks, r: &Redis) -> serde_json::Va
     })
 }
 
-fn print_side(side: &Side, m: &Measured, c: &Checks, r: &Redis) {
+fn print_side(side: &Side, run: &Run) {
+    let Run {
+        measured: m,
+        checks: c,
+        redis: r,
+    } = run;
     println!(
         "{:<7} {:>8.2} s {:>8.0}/s  {}\n        cpu: {}\n        redis: {} keys, {} bytes after the run ({:.0} bytes per pool)\n        {}",
         side.tag,
@@ -308,4 +427,35 @@ fn print_side(side: &Side, m: &Measured, c: &Checks, r: &Redis) {
         r.per_pool(side.pools.len()),
         c.line()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_verdict_is_the_median_of_the_rounds() {
+        assert_eq!(median(&[0.8]), 0.8);
+        assert_eq!(median(&[1.1, 0.7, 0.9]), 0.9);
+        assert!((median(&[1.0, 0.8, 0.9, 0.7]) - 0.85).abs() < 1e-12);
+    }
+
+    #[test]
+    fn each_round_has_pools_of_its_own_except_a_shared_pool() {
+        let side = Side {
+            tag: "many",
+            what: String::new(),
+            purchases: vec![0, 1],
+            pools: vec![("many-00000".into(), 5), ("many-00001".into(), 5)],
+            shared: false,
+        };
+        assert_eq!(side.for_round(0).pools, side.pools);
+        let names: Vec<String> = side.for_round(2).pools.into_iter().map(|p| p.0).collect();
+        assert_eq!(names, ["r2-many-00000", "r2-many-00001"]);
+        let huge = Side {
+            shared: true,
+            ..side
+        };
+        assert_eq!(huge.for_round(2).pools, huge.pools);
+    }
 }
