@@ -529,8 +529,9 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
     // A catalogue too large to read whole: every pool a batch meets is
     // read by name, so a pause behind the cache is seen at once.
     let now = bson::DateTime::now();
-    let many: Vec<bson::Document> = (0..2001)
-        .map(|i| doc! {"_id": format!("p{i:04}"), "created_at": now, "low_stock_alerted": false})
+    let most = codepool_dispatcher::policy::CATALOGUE_MOST;
+    let many: Vec<bson::Document> = (0..=most)
+        .map(|i| doc! {"_id": format!("p{i:05}"), "created_at": now, "low_stock_alerted": false})
         .collect();
     env.store
         .database()
@@ -539,10 +540,10 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
         .await
         .expect("insert pools");
     let cache = PolicyCache::default();
-    let got = cache.get_many(&env.store, &["p0000"]).await.unwrap();
-    assert!(got.contains_key("p0000"));
-    pause_behind_the_cache(&env, "p0001").await;
-    let got = cache.get_many(&env.store, &["p0001"]).await.unwrap();
-    assert!(got["p0001"].paused, "not cached from a whole read");
+    let got = cache.get_many(&env.store, &["p00000"]).await.unwrap();
+    assert!(got.contains_key("p00000"));
+    pause_behind_the_cache(&env, "p00001").await;
+    let got = cache.get_many(&env.store, &["p00001"]).await.unwrap();
+    assert!(got["p00001"].paused, "not cached from a whole read");
     env.cleanup().await;
 }

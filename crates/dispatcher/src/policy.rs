@@ -34,9 +34,10 @@ const REFRESH_AHEAD_MOST: usize = 5000;
 /// A catalogue of at most this many pools is read whole when pools are
 /// refreshed ahead: a pool a batch meets for the first time is then
 /// usually cached already (many pools with long-tail demand meet new ones
-/// in every batch), for one reply of about 200 bytes per pool twice a
-/// second.
-pub(crate) const CATALOGUE_MOST: usize = 2000;
+/// in every batch), for one reply of about 100 bytes per pool about once
+/// a second while purchases flow (10,000 pools: about 1 MB, a few ms of
+/// mongod's time).
+pub const CATALOGUE_MOST: usize = 10_000;
 /// After a whole read found more pools than [`CATALOGUE_MOST`], reads name
 /// their pools for this long before the catalogue's size is tried again.
 pub(crate) const CATALOGUE_RECHECK: Duration = Duration::from_secs(60);
