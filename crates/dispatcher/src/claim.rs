@@ -613,7 +613,9 @@ impl ClaimEngine {
             match refill {
                 Refill::Stocked => again.push((i, (wants[i].0, needed))),
                 Refill::Added(n) => {
-                    // The set holds the rest of the load (it was empty).
+                    // The set holds the rest of the load, and what it
+                    // held when locked: fewer than needed, nearly always
+                    // none (the count only decides a background top-up).
                     popped[i].1 = (n - kept.len()) as u64;
                     popped[i].0.extend(kept);
                 }
