@@ -547,3 +547,27 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
     assert!(got["p00001"].paused, "not cached from a whole read");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_pool_document_that_does_not_decode_holds_up_only_its_own_pool() {
+    use codepool_dispatcher::policy::PolicyCache;
+    let env = TestEnv::new("policies_bad_pool").await;
+    env.store.create_pool("good").await.expect("create pool");
+    env.store
+        .database()
+        .collection::<bson::Document>("pools")
+        .insert_one(doc! {"_id": "bad", "paused": "not a bool"})
+        .await
+        .expect("insert a malformed pool");
+    let cache = PolicyCache::default();
+    let got = cache
+        .get_many(&env.store, &["good"])
+        .await
+        .expect("the whole read fails to decode; the read by name answers");
+    assert!(got.contains_key("good"));
+    assert!(
+        cache.get_many(&env.store, &["bad"]).await.is_err(),
+        "the malformed pool's own purchases wait"
+    );
+    env.cleanup().await;
+}

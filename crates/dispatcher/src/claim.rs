@@ -221,29 +221,35 @@ impl ClaimEngine {
                 break;
             }
             // Grant numbers come while candidates are paired, not after:
-            // one round trip less per batch. An order that ends up scanning
-            // leaves its number unused (numbers are unique, not gap-free).
+            // one round trip less per batch. Orders of a pool whose last
+            // refill reached its end (it may be sold out) are numbered once
+            // paired, so a sell-out does not spend a number per purchase.
+            let early: Vec<usize> = (todo.iter().copied())
+                .filter(|&i| !self.at_end(&unique[i].pool))
+                .collect();
             let (pairs, numbers) = futures::join!(
                 self.pair_with_candidates(unique, &todo, &mut scan),
-                self.numbers_for(unique, &todo)
+                self.numbers_for(unique, &early)
             );
-            let mut numbers = match numbers {
-                Ok(n) => n,
-                Err(_) if pairs.is_empty() => HashMap::new(),
-                Err(e) => {
-                    self.put_back(&pairs).await;
-                    return Err(e);
-                }
-            };
+            // Failed early: the pairs ask again below.
+            let numbers = numbers.unwrap_or_default();
             if pairs.is_empty() {
                 spare.extend(numbers);
                 todo.clear();
                 break;
             }
+            let mut numbers = match self.number_the_rest(unique, &pairs, numbers).await {
+                Ok(n) => n,
+                Err(e) => {
+                    self.put_back(&pairs).await;
+                    return Err(e);
+                }
+            };
             todo = self
                 .claim_candidates(&pairs, &numbers, resend, outcomes)
                 .await?;
-            // The numbers of orders sent to the scan are theirs to use.
+            // A pair's number went into the write (one that lost its race
+            // is not used again); orders sent to the scan use theirs there.
             for p in &pairs {
                 numbers.remove(&p.index);
             }
@@ -258,6 +264,29 @@ impl ClaimEngine {
         }
         scan.extend(todo);
         Ok((scan, spare))
+    }
+
+    /// `numbers` with a number for every pair that has none yet.
+    async fn number_the_rest(
+        &self,
+        unique: &[&Purchase],
+        pairs: &[Pairing<'_>],
+        mut numbers: HashMap<usize, Option<String>>,
+    ) -> Result<HashMap<usize, Option<String>>, ClaimError> {
+        let missing: Vec<usize> = (pairs.iter().map(|p| p.index))
+            .filter(|i| !numbers.contains_key(i))
+            .collect();
+        if !missing.is_empty() {
+            numbers.extend(self.numbers_for(unique, &missing).await?);
+        }
+        Ok(numbers)
+    }
+
+    /// Whether a refill of `pool` lately found the end of its codes.
+    fn at_end(&self, pool: &str) -> bool {
+        self.dry
+            .lock()
+            .is_ok_and(|dry| dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF))
     }
 
     /// A grant number for each order of `todo`, by its index.
@@ -342,13 +371,15 @@ impl ClaimEngine {
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<Vec<usize>, ClaimError> {
         let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
-        let assignments: Vec<ClaimAssignment> = pairs
+        let assignments = pairs
             .iter()
             .map(|p| {
-                let grant_no = numbers.get(&p.index).cloned().flatten();
-                assignment(p.purchase, p.candidate, grant_no, resend)
+                let grant_no = numbers.get(&p.index).cloned().ok_or_else(|| {
+                    ClaimError::inconsistent(&p.purchase.order_id, "no grant number was fetched")
+                })?;
+                Ok(assignment(p.purchase, p.candidate, grant_no, resend))
             })
-            .collect();
+            .collect::<Result<Vec<ClaimAssignment>, ClaimError>>()?;
         let write = match self.store.claim_candidates(&assignments).await {
             Ok(w) => w,
             Err(e) => {
@@ -434,9 +465,12 @@ impl ClaimEngine {
             match self.refill_for(pool, k - got.len()).await {
                 Ok((Refill::Added(0), _)) => break,
                 Ok((Refill::Added(n), kept)) => {
-                    remaining = (n - kept.len()) as u64;
+                    let installed = n - kept.len();
+                    remaining = installed as u64;
                     got.extend(kept);
-                    continue;
+                    if got.len() >= k || installed == 0 {
+                        continue;
+                    }
                 }
                 Ok((Refill::Stocked, _)) => {}
                 Ok((Refill::Busy, _)) if Instant::now() < deadline => {
@@ -613,11 +647,15 @@ impl ClaimEngine {
             match refill {
                 Refill::Stocked => again.push((i, (wants[i].0, needed))),
                 Refill::Added(n) => {
-                    // The set holds the rest of the load, and what it
-                    // held when locked: fewer than needed, nearly always
-                    // none (the count only decides a background top-up).
-                    popped[i].1 = (n - kept.len()) as u64;
+                    // The set holds the rest of the load (the count only
+                    // decides a background top-up).
+                    let installed = n - kept.len();
+                    let still = needed - kept.len();
+                    popped[i].1 = installed as u64;
                     popped[i].0.extend(kept);
+                    if still > 0 && installed > 0 {
+                        again.push((i, (wants[i].0, still)));
+                    }
                 }
                 Refill::Busy => {}
             }
@@ -643,7 +681,9 @@ impl ClaimEngine {
     /// with `asks`; a pool whose lock someone else holds is
     /// [`Refill::Busy`]. Every lock taken here is released, also on error.
     /// Each result comes with the candidates its ask keeps (see
-    /// [`RefillAsk::keep`]), which the set never holds.
+    /// [`RefillAsk::keep`]): only from a set that was empty when locked,
+    /// so a load that reads the pool from the start does not hand the
+    /// claimer a candidate the set still offers.
     async fn refill_pools(
         &self,
         asks: &[RefillAsk<'_>],
@@ -692,7 +732,8 @@ impl ClaimEngine {
             );
             let high_water_mark = candidates.iter().map(|c| c.seq).fold(held.hwm, i64::max);
             // Oldest first: the caller's share is the front.
-            let rest = candidates.split_off(ask.keep.min(candidates.len()));
+            let keep = if held.waiting == 0 { ask.keep } else { 0 };
+            let rest = candidates.split_off(keep.min(candidates.len()));
             out[i] = (Refill::Added(candidates.len() + rest.len()), candidates);
             let candidates = rest;
             fills.push(Refilled {
@@ -832,7 +873,8 @@ fn assignment(
 /// What a refill did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refill {
-    /// This many candidates were loaded (0: the pool has none left).
+    /// This many candidates were loaded (0: the pool has none left),
+    /// counting those handed to the claimer rather than the set.
     Added(usize),
     /// None were needed: by the time the lock was taken, the set held
     /// enough (another refill, which this one waited for, loaded them).

@@ -287,3 +287,15 @@ async fn a_cold_pool_hands_its_claimer_the_oldest_of_the_load_without_a_second_p
     let out = claim(&r, &purchases("x", &["D"])).await.unwrap();
     assert_eq!(granted_ids(&out), vec![id(4)], "the set's oldest next");
 }
+
+#[tokio::test]
+async fn a_refiller_takes_the_sets_older_candidates_before_its_own_load() {
+    let r = rig(FakeStore::with_pool("x", 1, 5));
+    // The set was empty when this claimer popped; by the time it holds the
+    // refill lock, another refill has put candidate 1 there. Its own load
+    // (2 to 5) goes to the set too, and the claimer pops the oldest.
+    *r.hot.loaded_meanwhile.lock().unwrap() = vec![Candidate { id: id(1), seq: 1 }];
+    let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    assert_eq!(granted_ids(&out), vec![id(1), id(2)]);
+    assert_eq!(r.hot.len("x"), 3, "3, 4 and 5 wait, once each");
+}

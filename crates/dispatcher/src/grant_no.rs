@@ -11,7 +11,7 @@ use codepool_store::Store;
 use tokio::sync::Mutex;
 
 use crate::claim::ClaimError;
-use crate::policy::{CATALOGUE_MOST, CATALOGUE_RECHECK};
+use crate::policy::{whole_catalogue, CATALOGUE_RECHECK, REFRESH_AHEAD};
 
 /// The prefix of grant numbers when a pool sets none.
 pub const DEFAULT_GRANT_PREFIX: &str = "G";
@@ -22,8 +22,16 @@ pub struct GrantNumbers {
     daily: DailyNumbers,
     store: Store,
     prefixes: Mutex<HashMap<String, (String, Instant)>>,
-    /// When a whole read of the catalogue last found it too large.
-    large_at: std::sync::Mutex<Option<Instant>>,
+    /// When whole reads of the catalogue were last tried and refused.
+    catalogue: std::sync::Mutex<CatalogueGate>,
+}
+
+/// When the catalogue was last read whole, and last found too large (or
+/// unreadable) to read whole.
+#[derive(Debug, Default)]
+struct CatalogueGate {
+    whole_at: Option<Instant>,
+    large_at: Option<Instant>,
 }
 
 impl GrantNumbers {
@@ -32,7 +40,7 @@ impl GrantNumbers {
             daily,
             store,
             prefixes: Mutex::new(HashMap::new()),
-            large_at: std::sync::Mutex::new(None),
+            catalogue: std::sync::Mutex::default(),
         }
     }
 
@@ -57,9 +65,9 @@ impl GrantNumbers {
         if missing.is_empty() {
             return Ok(out);
         }
-        let docs = self.read(&missing).await?;
+        let (docs, complete) = self.read(&missing).await?;
         let mut cache = self.prefixes.lock().await;
-        if self.whole_ok() {
+        if complete {
             // The whole catalogue came back: every pool's prefix is cached.
             let now = Instant::now();
             for d in &docs {
@@ -80,27 +88,38 @@ impl GrantNumbers {
     }
 
     /// The pools of `missing`, or the whole catalogue when it is small
-    /// (as the policy cache reads it): a batch over many pools then rarely
-    /// meets a prefix that is not cached.
-    async fn read(&self, missing: &[&str]) -> Result<Vec<PoolDoc>, ClaimError> {
-        if self.whole_ok() {
-            let docs = self.store.pools_up_to(CATALOGUE_MOST + 1).await?;
-            if docs.len() <= CATALOGUE_MOST {
-                return Ok(docs);
+    /// (as the policy cache reads it, at most every
+    /// [`REFRESH_AHEAD`]): a batch over many pools then rarely meets a
+    /// prefix that is not cached. Also says whether it is the whole
+    /// catalogue.
+    async fn read(&self, missing: &[&str]) -> Result<(Vec<PoolDoc>, bool), ClaimError> {
+        if self.take_whole_read() {
+            if let Some(docs) = whole_catalogue(&self.store).await {
+                return Ok((docs, true));
             }
-            if let Ok(mut at) = self.large_at.lock() {
-                *at = Some(Instant::now());
+            if let Ok(mut gate) = self.catalogue.lock() {
+                gate.large_at = Some(Instant::now());
             }
         }
-        Ok(self.store.pools_named(missing).await?)
+        Ok((self.store.pools_named(missing).await?, false))
     }
 
-    /// Whether the catalogue was not found large lately.
-    fn whole_ok(&self) -> bool {
-        self.large_at
-            .lock()
-            .map(|at| at.is_none_or(|t| t.elapsed() >= CATALOGUE_RECHECK))
-            .unwrap_or(false)
+    /// Whether this read may take the whole catalogue: it was not found
+    /// large (or unreadable) lately, and no whole read began in the last
+    /// [`REFRESH_AHEAD`] (prefixes read together expire together).
+    fn take_whole_read(&self) -> bool {
+        let Ok(mut gate) = self.catalogue.lock() else {
+            return false;
+        };
+        let now = Instant::now();
+        let due = |at: Option<Instant>, after: Duration| {
+            at.is_none_or(|t| now.duration_since(t) >= after)
+        };
+        if due(gate.large_at, CATALOGUE_RECHECK) && due(gate.whole_at, REFRESH_AHEAD) {
+            gate.whole_at = Some(now);
+            return true;
+        }
+        false
     }
 
     /// One number per purchase, aligned with the input: one round trip per

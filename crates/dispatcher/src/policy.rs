@@ -25,7 +25,7 @@ pub const POLICY_TTL: Duration = Duration::from_secs(1);
 /// use that are this old, at most once in this long; so the pools in use
 /// are read together, about twice a [`POLICY_TTL`], rather than a few in
 /// every batch.
-const REFRESH_AHEAD: Duration = Duration::from_millis(500);
+pub(crate) const REFRESH_AHEAD: Duration = Duration::from_millis(500);
 /// Only pools a batch asked for this recently are refreshed ahead; the
 /// others are read again on their next use.
 const REFRESH_IF_USED_WITHIN: Duration = Duration::from_secs(10);
@@ -174,7 +174,7 @@ impl PolicyCache {
     /// others in one query (a batch over a thousand cold pools costs one
     /// round trip, not a thousand). That query also reads the pools in use
     /// whose policies are due soon, or the whole catalogue when it is
-    /// small, so a busy catalogue is read about twice a second, not a
+    /// small, so a busy catalogue is read about once a second, not a
     /// little in every batch.
     pub async fn get_many(
         &self,
@@ -238,14 +238,28 @@ impl PolicyCache {
         whole: bool,
     ) -> Result<(Vec<PoolDoc>, bool), StoreError> {
         if whole {
-            let docs = store.pools_up_to(CATALOGUE_MOST + 1).await?;
-            if docs.len() <= CATALOGUE_MOST {
+            if let Some(docs) = whole_catalogue(store).await {
                 return Ok((docs, true));
             }
             self.state.write().await.large_at = Some(Instant::now());
         }
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         Ok((store.pools_named(&names).await?, false))
+    }
+}
+
+/// Every pool in one reply, if there are at most [`CATALOGUE_MOST`].
+/// `None` when there are more, or when the read failed: the caller then
+/// reads its pools by name, so a pool document that does not decode holds
+/// up the batches of that pool only, not every batch.
+pub(crate) async fn whole_catalogue(store: &Store) -> Option<Vec<PoolDoc>> {
+    match store.pools_up_to(CATALOGUE_MOST + 1).await {
+        Ok(docs) if docs.len() <= CATALOGUE_MOST => Some(docs),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the whole pool catalogue; reading pools by name");
+            None
+        }
     }
 }
 
