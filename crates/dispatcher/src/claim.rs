@@ -121,6 +121,8 @@ pub struct ClaimEngine {
     config: ClaimConfig,
     /// When a refill of each pool last found nothing.
     dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+    /// When a refill of each pool last found no candidate at all.
+    sold_out: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
     /// Recent demand per pool, which sizes its refills.
     demand: Arc<crate::demand::Demand>,
 }
@@ -146,6 +148,7 @@ impl ClaimEngine {
             numbers,
             config,
             dry: Arc::default(),
+            sold_out: Arc::default(),
             demand: Arc::default(),
         }
     }
@@ -222,10 +225,10 @@ impl ClaimEngine {
             }
             // Grant numbers come while candidates are paired, not after:
             // one round trip less per batch. Orders of a pool whose last
-            // refill reached its end (it may be sold out) are numbered once
+            // refill found nothing (sold out, lately) are numbered once
             // paired, so a sell-out does not spend a number per purchase.
             let early: Vec<usize> = (todo.iter().copied())
-                .filter(|&i| !self.at_end(&unique[i].pool))
+                .filter(|&i| !self.sold_out(&unique[i].pool))
                 .collect();
             let (pairs, numbers) = futures::join!(
                 self.pair_with_candidates(unique, &todo, &mut scan),
@@ -282,11 +285,11 @@ impl ClaimEngine {
         Ok(numbers)
     }
 
-    /// Whether a refill of `pool` lately found the end of its codes.
-    fn at_end(&self, pool: &str) -> bool {
-        self.dry
+    /// Whether a refill of `pool` lately found no candidate at all.
+    fn sold_out(&self, pool: &str) -> bool {
+        self.sold_out
             .lock()
-            .is_ok_and(|dry| dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF))
+            .is_ok_and(|s| s.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF))
     }
 
     /// A grant number for each order of `todo`, by its index.
@@ -598,6 +601,9 @@ impl ClaimEngine {
         if let Ok(mut dry) = self.dry.lock() {
             dry.remove(pool);
         }
+        if let Ok(mut sold_out) = self.sold_out.lock() {
+            sold_out.remove(pool);
+        }
     }
 
     async fn refill_one(
@@ -745,7 +751,16 @@ impl ClaimEngine {
         }
         self.hot.finish_refills(fills).await?;
         if let Ok(mut dry) = self.dry.lock() {
-            dry.extend(ended.into_iter().map(|p| (p.to_owned(), Instant::now())));
+            dry.extend(ended.iter().map(|p| ((*p).to_owned(), Instant::now())));
+        }
+        if let Ok(mut sold_out) = self.sold_out.lock() {
+            for (ask, (refill, _)) in asks.iter().zip(&out) {
+                match refill {
+                    Refill::Added(0) => sold_out.insert(ask.pool.to_owned(), Instant::now()),
+                    Refill::Added(_) => sold_out.remove(ask.pool),
+                    Refill::Stocked | Refill::Busy => None,
+                };
+            }
         }
         Ok(out)
     }

@@ -16,6 +16,7 @@ use crate::Resend;
 struct Rig {
     store: Arc<FakeStore>,
     hot: Arc<FakeHot>,
+    numbers: Arc<FakeNumbers>,
     engine: ClaimEngine,
 }
 
@@ -27,13 +28,14 @@ fn rig(store: FakeStore) -> Rig {
         low_water: 0,
         ..ClaimConfig::default()
     };
-    let engine = ClaimEngine::new(
-        store.clone(),
-        hot.clone(),
-        Arc::new(FakeNumbers::default()),
-        config,
-    );
-    Rig { store, hot, engine }
+    let numbers = Arc::new(FakeNumbers::default());
+    let engine = ClaimEngine::new(store.clone(), hot.clone(), numbers.clone(), config);
+    Rig {
+        store,
+        hot,
+        numbers,
+        engine,
+    }
 }
 
 fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
@@ -298,4 +300,21 @@ async fn a_refiller_takes_the_sets_older_candidates_before_its_own_load() {
     let out = claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
     assert_eq!(granted_ids(&out), vec![id(1), id(2)]);
     assert_eq!(r.hot.len("x"), 3, "3, 4 and 5 wait, once each");
+}
+
+#[tokio::test]
+async fn a_sold_out_pool_spends_no_grant_number_per_purchase() {
+    let r = rig(FakeStore::with_pool("x", 1, 2));
+    claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
+    // This batch finds the pool empty (its refill loads nothing).
+    let out = claim(&r, &purchases("x", &["C", "D", "E"])).await.unwrap();
+    assert!(out.iter().all(|o| *o == ClaimOutcome::Exhausted));
+    let before = r.numbers.issued();
+    let out = claim(&r, &purchases("x", &["F", "G", "H"])).await.unwrap();
+    assert!(out.iter().all(|o| *o == ClaimOutcome::Exhausted));
+    assert_eq!(
+        r.numbers.issued() - before,
+        1,
+        "only the scan that found the pool empty took a number"
+    );
 }

@@ -342,6 +342,13 @@ impl CandidatePool for FakeHot {
 #[derive(Default)]
 pub struct FakeNumbers(AtomicU64);
 
+impl FakeNumbers {
+    /// Numbers handed out so far.
+    pub fn issued(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
 #[async_trait]
 impl Numbering for FakeNumbers {
     async fn for_purchases(
