@@ -119,12 +119,25 @@ pub struct ClaimEngine {
     hot: Arc<dyn CandidatePool>,
     numbers: Arc<dyn Numbering>,
     config: ClaimConfig,
-    /// When a refill of each pool last found nothing.
-    dry: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
-    /// When a refill of each pool last found no candidate at all.
-    sold_out: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+    /// Pools whose last refill reached their end, and whether it found
+    /// nothing at all.
+    dry: Arc<std::sync::Mutex<HashMap<String, Dry>>>,
     /// Recent demand per pool, which sizes its refills.
     demand: Arc<crate::demand::Demand>,
+}
+
+/// A refill that reached the end of its pool: when, and whether it found
+/// no candidate at all (the pool is sold out).
+#[derive(Debug, Clone, Copy)]
+struct Dry {
+    at: Instant,
+    empty: bool,
+}
+
+impl Dry {
+    fn recent(&self) -> bool {
+        self.at.elapsed() < DRY_BACKOFF
+    }
 }
 
 /// One order of a batch paired with the candidate it tries to claim.
@@ -148,7 +161,6 @@ impl ClaimEngine {
             numbers,
             config,
             dry: Arc::default(),
-            sold_out: Arc::default(),
             demand: Arc::default(),
         }
     }
@@ -189,7 +201,8 @@ impl ClaimEngine {
             .claim_from_hot_set(&unique, todo, resend, &mut outcomes)
             .await?;
 
-        // 3. The scan: Redis away, hot set empty, or races kept being lost.
+        // 3. The scan: Redis away, hot set empty, or races kept being lost
+        //    (with the numbers fetched for these orders and not used).
         if !scan.is_empty() {
             self.claim_by_scan(&unique, &scan, spare, resend, &mut outcomes)
                 .await?;
@@ -218,7 +231,8 @@ impl ClaimEngine {
         outcomes: &mut [Option<ClaimOutcome>],
     ) -> Result<(Vec<usize>, HashMap<usize, Option<String>>), ClaimError> {
         let mut scan: Vec<usize> = Vec::new();
-        let mut spare: HashMap<usize, Option<String>> = HashMap::new();
+        // Numbers fetched and not yet written, by order.
+        let mut numbers: HashMap<usize, Option<String>> = HashMap::new();
         for _round in 0..self.config.race_rounds {
             if todo.is_empty() {
                 break;
@@ -227,27 +241,21 @@ impl ClaimEngine {
             // one round trip less per batch. Orders of a pool whose last
             // refill found nothing (sold out, lately) are numbered once
             // paired, so a sell-out does not spend a number per purchase.
-            let early: Vec<usize> = (todo.iter().copied())
-                .filter(|&i| !self.sold_out(&unique[i].pool))
-                .collect();
-            let (pairs, numbers) = futures::join!(
+            let early = self.not_sold_out(unique, &todo);
+            let (pairs, early) = futures::join!(
                 self.pair_with_candidates(unique, &todo, &mut scan),
                 self.numbers_for(unique, &early)
             );
             // Failed early: the pairs ask again below.
-            let numbers = numbers.unwrap_or_default();
+            numbers.extend(early.unwrap_or_default());
             if pairs.is_empty() {
-                spare.extend(numbers);
                 todo.clear();
                 break;
             }
-            let mut numbers = match self.number_the_rest(unique, &pairs, numbers).await {
-                Ok(n) => n,
-                Err(e) => {
-                    self.put_back(&pairs).await;
-                    return Err(e);
-                }
-            };
+            if let Err(e) = self.number_the_rest(unique, &pairs, &mut numbers).await {
+                self.put_back(&pairs).await;
+                return Err(e);
+            }
             todo = self
                 .claim_candidates(&pairs, &numbers, resend, outcomes)
                 .await?;
@@ -256,7 +264,6 @@ impl ClaimEngine {
             for p in &pairs {
                 numbers.remove(&p.index);
             }
-            spare.extend(numbers);
             if !todo.is_empty() {
                 metrics::counter!("codepool_claim_races_total").increment(todo.len() as u64);
                 debug!(
@@ -266,30 +273,37 @@ impl ClaimEngine {
             }
         }
         scan.extend(todo);
-        Ok((scan, spare))
+        Ok((scan, numbers))
     }
 
-    /// `numbers` with a number for every pair that has none yet.
+    /// Adds to `numbers` one for every pair that has none yet.
     async fn number_the_rest(
         &self,
         unique: &[&Purchase],
         pairs: &[Pairing<'_>],
-        mut numbers: HashMap<usize, Option<String>>,
-    ) -> Result<HashMap<usize, Option<String>>, ClaimError> {
+        numbers: &mut HashMap<usize, Option<String>>,
+    ) -> Result<(), ClaimError> {
         let missing: Vec<usize> = (pairs.iter().map(|p| p.index))
             .filter(|i| !numbers.contains_key(i))
             .collect();
         if !missing.is_empty() {
             numbers.extend(self.numbers_for(unique, &missing).await?);
         }
-        Ok(numbers)
+        Ok(())
     }
 
-    /// Whether a refill of `pool` lately found no candidate at all.
-    fn sold_out(&self, pool: &str) -> bool {
-        self.sold_out
-            .lock()
-            .is_ok_and(|s| s.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF))
+    /// The orders of `todo` whose pool a refill did not lately find
+    /// without a single candidate.
+    fn not_sold_out(&self, unique: &[&Purchase], todo: &[usize]) -> Vec<usize> {
+        let dry = self.dry.lock().ok();
+        let sold_out = |pool: &str| {
+            dry.as_ref()
+                .and_then(|d| d.get(pool))
+                .is_some_and(|d| d.empty && d.recent())
+        };
+        (todo.iter().copied())
+            .filter(|&i| !sold_out(&unique[i].pool))
+            .collect()
     }
 
     /// A grant number for each order of `todo`, by its index.
@@ -526,7 +540,7 @@ impl ClaimEngine {
     /// claimer that runs out still refills at once.
     fn refill_in_background(&self, pool: &str) {
         if let Ok(mut dry) = self.dry.lock() {
-            if dry.get(pool).is_some_and(|at| at.elapsed() < DRY_BACKOFF) {
+            if dry.get(pool).is_some_and(Dry::recent) {
                 return;
             }
             dry.remove(pool);
@@ -600,9 +614,6 @@ impl ClaimEngine {
     pub fn replenished(&self, pool: &str) {
         if let Ok(mut dry) = self.dry.lock() {
             dry.remove(pool);
-        }
-        if let Ok(mut sold_out) = self.sold_out.lock() {
-            sold_out.remove(pool);
         }
     }
 
@@ -724,13 +735,14 @@ impl ClaimEngine {
                 return Err(e.into());
             }
         };
-        let mut ended = Vec::new();
+        // Per pool loaded: whether the load reached its end, and found nothing.
+        let mut loaded = Vec::new();
         for ((i, held), mut candidates) in loading.into_iter().zip(found) {
             let ask = &asks[i];
-            if (candidates.len() as i64) < ask.size {
-                // The end of the pool: the set holds every candidate there is.
-                ended.push(ask.pool);
-            }
+            // Fewer than asked: the end of the pool, the set (and the
+            // claimer) hold every candidate there is.
+            let ended = (candidates.len() as i64) < ask.size;
+            loaded.push((ask.pool, ended, candidates.is_empty()));
             debug!(
                 pool = ask.pool,
                 added = candidates.len(),
@@ -751,15 +763,14 @@ impl ClaimEngine {
         }
         self.hot.finish_refills(fills).await?;
         if let Ok(mut dry) = self.dry.lock() {
-            dry.extend(ended.iter().map(|p| ((*p).to_owned(), Instant::now())));
-        }
-        if let Ok(mut sold_out) = self.sold_out.lock() {
-            for (ask, (refill, _)) in asks.iter().zip(&out) {
-                match refill {
-                    Refill::Added(0) => sold_out.insert(ask.pool.to_owned(), Instant::now()),
-                    Refill::Added(_) => sold_out.remove(ask.pool),
-                    Refill::Stocked | Refill::Busy => None,
-                };
+            let at = Instant::now();
+            for (pool, ended, empty) in loaded {
+                if ended {
+                    dry.insert(pool.to_owned(), Dry { at, empty });
+                } else if let Some(d) = dry.get_mut(pool) {
+                    // Codes were found: the pool is not sold out.
+                    d.empty = false;
+                }
             }
         }
         Ok(out)

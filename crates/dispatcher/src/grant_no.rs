@@ -11,7 +11,7 @@ use codepool_store::Store;
 use tokio::sync::Mutex;
 
 use crate::claim::ClaimError;
-use crate::policy::{whole_catalogue, CATALOGUE_RECHECK, REFRESH_AHEAD};
+use crate::policy::{whole_catalogue, CatalogueGate, REFRESH_AHEAD};
 
 /// The prefix of grant numbers when a pool sets none.
 pub const DEFAULT_GRANT_PREFIX: &str = "G";
@@ -22,16 +22,9 @@ pub struct GrantNumbers {
     daily: DailyNumbers,
     store: Store,
     prefixes: Mutex<HashMap<String, (String, Instant)>>,
-    /// When whole reads of the catalogue were last tried and refused.
+    /// Whole reads of the catalogue, at most every [`REFRESH_AHEAD`]
+    /// (prefixes read together expire together).
     catalogue: std::sync::Mutex<CatalogueGate>,
-}
-
-/// When the catalogue was last read whole, and last found too large (or
-/// unreadable) to read whole.
-#[derive(Debug, Default)]
-struct CatalogueGate {
-    whole_at: Option<Instant>,
-    large_at: Option<Instant>,
 }
 
 impl GrantNumbers {
@@ -93,33 +86,17 @@ impl GrantNumbers {
     /// prefix that is not cached. Also says whether it is the whole
     /// catalogue.
     async fn read(&self, missing: &[&str]) -> Result<(Vec<PoolDoc>, bool), ClaimError> {
-        if self.take_whole_read() {
+        let whole =
+            (self.catalogue.lock()).is_ok_and(|mut g| g.take(Instant::now(), REFRESH_AHEAD));
+        if whole {
             if let Some(docs) = whole_catalogue(&self.store).await {
                 return Ok((docs, true));
             }
             if let Ok(mut gate) = self.catalogue.lock() {
-                gate.large_at = Some(Instant::now());
+                gate.refused();
             }
         }
         Ok((self.store.pools_named(missing).await?, false))
-    }
-
-    /// Whether this read may take the whole catalogue: it was not found
-    /// large (or unreadable) lately, and no whole read began in the last
-    /// [`REFRESH_AHEAD`] (prefixes read together expire together).
-    fn take_whole_read(&self) -> bool {
-        let Ok(mut gate) = self.catalogue.lock() else {
-            return false;
-        };
-        let now = Instant::now();
-        let due = |at: Option<Instant>, after: Duration| {
-            at.is_none_or(|t| now.duration_since(t) >= after)
-        };
-        if due(gate.large_at, CATALOGUE_RECHECK) && due(gate.whole_at, REFRESH_AHEAD) {
-            gate.whole_at = Some(now);
-            return true;
-        }
-        false
     }
 
     /// One number per purchase, aligned with the input: one round trip per

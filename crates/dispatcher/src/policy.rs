@@ -40,7 +40,35 @@ const REFRESH_AHEAD_MOST: usize = 5000;
 pub const CATALOGUE_MOST: usize = 10_000;
 /// After a whole read found more pools than [`CATALOGUE_MOST`], reads name
 /// their pools for this long before the catalogue's size is tried again.
-pub(crate) const CATALOGUE_RECHECK: Duration = Duration::from_secs(60);
+const CATALOGUE_RECHECK: Duration = Duration::from_secs(60);
+
+/// When a reader of the `pools` catalogue (the policy cache, the grant
+/// prefixes) last read it whole, and last found it too large or
+/// unreadable to read whole.
+#[derive(Debug, Default)]
+pub(crate) struct CatalogueGate {
+    whole_at: Option<Instant>,
+    large_at: Option<Instant>,
+}
+
+impl CatalogueGate {
+    /// Whether a read at `now` may take the whole catalogue: it was not
+    /// found large lately, and no whole read began in the last `every`.
+    /// If so, that read is counted as begun.
+    pub(crate) fn take(&mut self, now: Instant, every: Duration) -> bool {
+        let due = |at: Option<Instant>, after| at.is_none_or(|t| now.duration_since(t) >= after);
+        let ok = due(self.large_at, CATALOGUE_RECHECK) && due(self.whole_at, every);
+        if ok {
+            self.whole_at = Some(now);
+        }
+        ok
+    }
+
+    /// The whole read could not be used: read by name for a while.
+    pub(crate) fn refused(&mut self) {
+        self.large_at = Some(Instant::now());
+    }
+}
 
 /// A pool's policy as last read, and when it was read and last asked for.
 #[derive(Debug, Clone, Copy)]
@@ -62,8 +90,8 @@ struct Known {
     pools: HashMap<String, Cached>,
     /// When a read last refreshed pools ahead of their time.
     ahead_at: Option<Instant>,
-    /// When a whole read last found more than [`CATALOGUE_MOST`] pools.
-    large_at: Option<Instant>,
+    /// Whole reads of the catalogue (paced by `ahead_at` already).
+    catalogue: CatalogueGate,
 }
 
 impl Known {
@@ -150,9 +178,7 @@ fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
         return out;
     }
     known.ahead_at = Some(now);
-    out.whole = known
-        .large_at
-        .is_none_or(|t| now.duration_since(t) >= CATALOGUE_RECHECK);
+    out.whole = known.catalogue.take(now, Duration::ZERO);
     let reading: HashSet<&str> = out.read.iter().map(String::as_str).collect();
     let due: Vec<String> = known
         .pools
@@ -241,7 +267,7 @@ impl PolicyCache {
             if let Some(docs) = whole_catalogue(store).await {
                 return Ok((docs, true));
             }
-            self.state.write().await.large_at = Some(Instant::now());
+            self.state.write().await.catalogue.refused();
         }
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         Ok((store.pools_named(&names).await?, false))
@@ -436,7 +462,7 @@ mod tests {
         Known {
             pools: pools.into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
             ahead_at: None,
-            large_at: None,
+            catalogue: CatalogueGate::default(),
         }
     }
 
@@ -524,7 +550,7 @@ mod tests {
         assert!(got.whole, "the first read takes the whole catalogue");
         let got = look_up(&mut known, &["b"], now + ms(100));
         assert!(!got.whole, "within the refresh gate: the pool alone");
-        known.large_at = Some(now + ms(500));
+        known.catalogue.large_at = Some(now + ms(500));
         let got = look_up(&mut known, &["c"], now + ms(600));
         assert!(!got.whole, "found large a moment ago");
         let got = look_up(&mut known, &["d"], now + ms(500) + CATALOGUE_RECHECK);
@@ -540,7 +566,7 @@ mod tests {
         assert!(now.duration_since(known.pools["quiet"].used_at) >= REFRESH_IF_USED_WITHIN);
         assert_eq!(known.pools["asked"].used_at, now);
         // Not refreshed ahead with the pools in use when the catalogue is large.
-        known.large_at = Some(now);
+        known.catalogue.large_at = Some(now);
         let got = look_up(&mut known, &["new"], now + Duration::from_millis(600));
         assert_eq!(sorted(got.read), ["asked", "new"]);
     }
