@@ -1478,6 +1478,117 @@ async fn stats_count_the_stock_exactly_without_counting_it() {
     env.cleanup().await;
 }
 
+/// `codepool stats` counts the grants of the last hour and day from the
+/// partial `(pool, issued_at)` index: exactly, whatever became of the codes
+/// since, and reading the keys of the period only, not every grant the
+/// pool ever made. `codepool lookup --pool` reads the newest grants from
+/// the same index, without sorting the pool's grants.
+#[tokio::test]
+async fn stats_count_recent_grants_from_the_grant_time_index_alone() {
+    let env = TestEnv::new("ops_recent").await;
+    let store = &env.store;
+    env.fill_pool("rc", 40).await;
+    env.fill_pool("rc-other", 5).await;
+    for i in 0..30 {
+        grant(&env, &format!("RC-O{i}"), "rc").await;
+    }
+    for i in 0..5 {
+        grant(&env, &format!("RC-X{i}"), "rc-other").await;
+    }
+    let now = bson::DateTime::now().timestamp_millis();
+    let ago = |hours: i64| bson::DateTime::from_millis(now - hours * 3_600_000);
+    // 10 grants two hours old, 10 two days old, 10 of now; one of each
+    // redeemed, voided after the grant, or still issued.
+    let codes = store.database().collection::<bson::Document>("codes");
+    for (from, hours) in [(0, 2), (10, 48)] {
+        let orders: Vec<String> = (from..from + 10).map(|i| format!("RC-O{i}")).collect();
+        let moved = codes
+            .update_many(
+                doc! {"order_id": {"$in": orders}},
+                doc! {"$set": {"issued_at": ago(hours)}},
+            )
+            .await
+            .unwrap();
+        assert_eq!(moved.modified_count, 10);
+    }
+    for order in ["RC-O1", "RC-O11", "RC-O21"] {
+        store.redeem(CodeRef::Order(order)).await.unwrap();
+    }
+    for order in ["RC-O2", "RC-O12", "RC-O22"] {
+        store.void(CodeRef::Order(order), "refund").await.unwrap();
+    }
+    let s = &store.pool_stats(Some("rc")).await.unwrap()[0];
+    assert_eq!((s.issued_last_hour, s.issued_last_day), (10, 20), "{s:?}");
+    assert_eq!((s.issued, s.used, s.void), (24, 3, 3), "{s:?}");
+
+    // The last hour's count reads its own 10 keys (and the one that ends
+    // the range), not the pool's 30 grants.
+    let plan = store
+        .database()
+        .run_command(doc! {
+            "explain": {"count": "codes", "query": codepool_store::stats::grants_since("rc", ago(1))},
+            "verbosity": "executionStats",
+        })
+        .await
+        .unwrap();
+    let text = plan.to_string();
+    assert!(
+        text.contains("COUNT_SCAN") && text.contains("pool_issued_at"),
+        "{plan}"
+    );
+    let stats = plan.get_document("executionStats").unwrap();
+    assert_eq!(
+        stats.get_i32("nReturned").ok(),
+        Some(0),
+        "a count scan: {plan}"
+    );
+    let keys = stats.get_i32("totalKeysExamined").unwrap();
+    assert!((10..=11).contains(&keys), "{keys} keys examined: {plan}");
+
+    // The newest grants come first, from the index, with no sort stage.
+    let newest = store
+        .find_codes(&codepool_store::CodeQuery::GrantsOf("rc"), 12)
+        .await
+        .unwrap();
+    let times: Vec<_> = newest
+        .iter()
+        .map(|c| c.holder.as_ref().unwrap().issued_at)
+        .collect();
+    assert!(
+        times.windows(2).all(|w| w[0] >= w[1]),
+        "newest first: {times:?}"
+    );
+    let two_hours = chrono::Utc::now() - chrono::Duration::minutes(119);
+    assert_eq!(
+        times.iter().filter(|t| **t > two_hours).count(),
+        10,
+        "{times:?}"
+    );
+    let plan = store
+        .database()
+        .run_command(doc! {
+            "explain": {
+                "find": "codes",
+                "filter": {"pool": "rc", "issued_at": {"$exists": true}, "order_id": {"$type": "string"}},
+                "sort": {"issued_at": -1},
+                "limit": 12,
+            },
+            "verbosity": "queryPlanner",
+        })
+        .await
+        .unwrap();
+    let winning = plan
+        .get_document("queryPlanner")
+        .and_then(|q| q.get_document("winningPlan"))
+        .unwrap()
+        .to_string();
+    assert!(
+        winning.contains("pool_issued_at") && !winning.contains("\"SORT\""),
+        "{plan}"
+    );
+    env.cleanup().await;
+}
+
 /// The dispatcher's bounded stock counts (checks after grants, the sweep,
 /// backorders) read no code of the stock, only the expired ones the expiry
 /// sweep has not voided yet, and stop near their cap, however large the

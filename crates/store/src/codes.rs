@@ -1063,7 +1063,11 @@ impl Store {
             CodeQuery::Order(o) => doc! {"order_id": *o},
             CodeQuery::Uid(u) => doc! {"uid": *u},
             CodeQuery::Code { pool, code } => self.code_filter(pool, code).await?,
-            CodeQuery::GrantsOf(pool) => doc! {"pool": *pool, "order_id": {"$type": "string"}},
+            // `issued_at` lets the partial `(pool, issued_at)` index serve
+            // the newest grants first, without sorting a pool's grants.
+            CodeQuery::GrantsOf(pool) => doc! {
+                "pool": *pool, "issued_at": {"$exists": true}, "order_id": {"$type": "string"},
+            },
         };
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)

@@ -43,6 +43,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0008_code_ranges",
         include_str!("../../../migrations/0008_code_ranges.json"),
     ),
+    (
+        "0009_codes_grant_time_index",
+        include_str!("../../../migrations/0009_codes_grant_time_index.json"),
+    ),
 ];
 
 /// What a migration run did.
