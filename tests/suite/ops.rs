@@ -70,6 +70,40 @@ async fn code_doc(store: &Store, pool: &str, code: &str) -> CodeDoc {
         .expect("the code exists")
 }
 
+/// Runs `work` with mongod's profiler on for the test's database, and
+/// returns its result with the profiled operations that match `filter`
+/// (what the store really sent, and what mongod examined for it).
+async fn profiled<T>(
+    store: &Store,
+    filter: bson::Document,
+    work: impl std::future::Future<Output = T>,
+) -> (T, Vec<bson::Document>) {
+    use futures::TryStreamExt;
+    let db = store.database();
+    db.run_command(doc! {"profile": 2}).await.unwrap();
+    let out = work.await;
+    db.run_command(doc! {"profile": 0}).await.unwrap();
+    let profile = db.collection::<bson::Document>("system.profile");
+    let ops: Vec<bson::Document> = profile
+        .find(filter)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    profile.drop().await.unwrap();
+    (out, ops)
+}
+
+/// An integer field of a profiler entry (mongod writes Int32 or Int64).
+fn profiled_int(op: &bson::Document, key: &str) -> i64 {
+    match op.get(key) {
+        Some(bson::Bson::Int32(v)) => i64::from(*v),
+        Some(bson::Bson::Int64(v)) => *v,
+        other => panic!("{key} is {other:?} in {op:?}"),
+    }
+}
+
 /// Drops what [`TestEnv::cleanup`] does not know about, then cleans up.
 async fn cleanup(env: TestEnv) {
     if let Ok(conn) = codepool_broker::connect(AMQP_URL, "cleanup").await {
@@ -1517,40 +1551,45 @@ async fn stats_count_recent_grants_from_the_grant_time_index_alone() {
     for order in ["RC-O2", "RC-O12", "RC-O22"] {
         store.void(CodeRef::Order(order), "refund").await.unwrap();
     }
-    let s = &store.pool_stats(Some("rc")).await.unwrap()[0];
+    // What stats sent for the two periods: count scans of the grant-time
+    // index that read the period's keys (and the one that ends the range),
+    // not the pool's 30 grants.
+    let (stats, counts) = profiled(
+        store,
+        doc! {"command.count": "codes", "command.query.issued_at": {"$exists": true}},
+        store.pool_stats(Some("rc")),
+    )
+    .await;
+    let s = &stats.unwrap()[0];
     assert_eq!((s.issued_last_hour, s.issued_last_day), (10, 20), "{s:?}");
     assert_eq!((s.issued, s.used, s.void), (24, 3, 3), "{s:?}");
-
-    // The last hour's count reads its own 10 keys (and the one that ends
-    // the range), not the pool's 30 grants.
-    let plan = store
-        .database()
-        .run_command(doc! {
-            "explain": {"count": "codes", "query": codepool_store::stats::grants_since("rc", ago(1))},
-            "verbosity": "executionStats",
-        })
-        .await
-        .unwrap();
-    let text = plan.to_string();
+    assert_eq!(counts.len(), 2, "{counts:?}");
+    let mut keys = Vec::new();
+    for op in &counts {
+        let plan = op.get_str("planSummary").unwrap_or_default();
+        assert!(
+            plan.starts_with("COUNT_SCAN { pool: 1, issued_at: 1 }"),
+            "{op:?}"
+        );
+        assert_eq!(profiled_int(op, "docsExamined"), 0, "{op:?}");
+        keys.push(profiled_int(op, "keysExamined"));
+    }
+    keys.sort_unstable();
     assert!(
-        text.contains("COUNT_SCAN") && text.contains("pool_issued_at"),
-        "{plan}"
+        (10..=11).contains(&keys[0]) && (20..=21).contains(&keys[1]),
+        "keys examined for the hour and the day: {keys:?}"
     );
-    let stats = plan.get_document("executionStats").unwrap();
-    assert_eq!(
-        stats.get_i32("nReturned").ok(),
-        Some(0),
-        "a count scan: {plan}"
-    );
-    let keys = stats.get_i32("totalKeysExamined").unwrap();
-    assert!((10..=11).contains(&keys), "{keys} keys examined: {plan}");
 
-    // The newest grants come first, from the index, with no sort stage.
-    let newest = store
-        .find_codes(&codepool_store::CodeQuery::GrantsOf("rc"), 12)
-        .await
-        .unwrap();
+    // `lookup --pool`: the newest grants first, read in the index's order
+    // with no sort stage.
+    let (newest, finds) = profiled(
+        store,
+        doc! {"command.find": "codes"},
+        store.find_codes(&codepool_store::CodeQuery::GrantsOf("rc"), 12),
+    )
+    .await;
     let times: Vec<_> = newest
+        .unwrap()
         .iter()
         .map(|c| c.holder.as_ref().unwrap().issued_at)
         .collect();
@@ -1564,27 +1603,15 @@ async fn stats_count_recent_grants_from_the_grant_time_index_alone() {
         10,
         "{times:?}"
     );
-    let plan = store
-        .database()
-        .run_command(doc! {
-            "explain": {
-                "find": "codes",
-                "filter": {"pool": "rc", "issued_at": {"$exists": true}, "order_id": {"$type": "string"}},
-                "sort": {"issued_at": -1},
-                "limit": 12,
-            },
-            "verbosity": "queryPlanner",
-        })
-        .await
-        .unwrap();
-    let winning = plan
-        .get_document("queryPlanner")
-        .and_then(|q| q.get_document("winningPlan"))
-        .unwrap()
-        .to_string();
+    assert_eq!(finds.len(), 1, "{finds:?}");
+    let plan = finds[0].get_str("planSummary").unwrap_or_default();
     assert!(
-        winning.contains("pool_issued_at") && !winning.contains("\"SORT\""),
-        "{plan}"
+        plan.starts_with("IXSCAN { pool: 1, issued_at: 1 }"),
+        "{finds:?}"
+    );
+    assert!(
+        !finds[0].get_bool("hasSortStage").unwrap_or(false),
+        "{finds:?}"
     );
     env.cleanup().await;
 }
@@ -1597,7 +1624,6 @@ async fn stats_count_recent_grants_from_the_grant_time_index_alone() {
 /// every `$unionWith` branch is in the one entry).
 #[tokio::test]
 async fn bounded_stock_counts_read_only_unswept_expired_codes_and_stop_at_their_cap() {
-    use futures::TryStreamExt;
     let env = TestEnv::new("ops_cover").await;
     let store = &env.store;
     store.ensure_pool("big").await.unwrap();
@@ -1616,30 +1642,20 @@ async fn bounded_stock_counts_read_only_unswept_expired_codes_and_stop_at_their_
         grant(&env, &format!("BG-O{i}"), "big").await;
     }
 
-    let db = store.database();
     let examined = |cap: u64| async move {
-        db.run_command(doc! {"profile": 2}).await.unwrap();
-        let n = store.unissued_counts_upto(&[("big", cap)]).await.unwrap();
-        db.run_command(doc! {"profile": 0}).await.unwrap();
-        let counts: Vec<bson::Document> = db
-            .collection("system.profile")
-            .find(doc! {"command.aggregate": "codes", "command.pipeline.$group": {"$exists": true}})
-            .await
-            .unwrap()
-            .try_collect()
-            .await
-            .unwrap();
-        db.collection::<bson::Document>("system.profile")
-            .drop()
-            .await
-            .unwrap();
+        let (n, counts) = profiled(
+            store,
+            doc! {"command.aggregate": "codes", "command.pipeline.$group": {"$exists": true}},
+            store.unissued_counts_upto(&[("big", cap)]),
+        )
+        .await;
         assert_eq!(counts.len(), 1, "one aggregate per count: {counts:?}");
-        let field = |k: &str| match counts[0].get(k) {
-            Some(bson::Bson::Int32(v)) => i64::from(*v),
-            Some(bson::Bson::Int64(v)) => *v,
-            other => panic!("{k} is {other:?} in {:?}", counts[0]),
-        };
-        (n[0], field("docsExamined"), field("keysExamined"))
+        let n = n.unwrap();
+        (
+            n[0],
+            profiled_int(&counts[0], "docsExamined"),
+            profiled_int(&counts[0], "keysExamined"),
+        )
     };
     // Below the cap: 5,000 - 20 claimed; the 7 expired ones are not stock,
     // and they are the only documents read.

@@ -40,9 +40,8 @@ pub(crate) fn as_u64(v: Option<&Bson>) -> u64 {
 /// The filter of `pool`'s codes handed out at `since` or later. Only codes
 /// handed out have `issued_at`, and none loses it, so this is a count scan
 /// of the partial `(pool, issued_at)` index: its cost follows the grants of
-/// the period, not every grant the pool ever made. Public so that a test
-/// can ask MongoDB for its plan.
-pub fn grants_since(pool: &str, since: DateTime) -> Document {
+/// the period, not every grant the pool ever made.
+fn grants_since(pool: &str, since: DateTime) -> Document {
     doc! {"pool": pool, "issued_at": {"$gte": since}}
 }
 
@@ -102,9 +101,8 @@ impl Store {
         day_ago: DateTime,
     ) -> Result<(), StoreError> {
         self.count_statuses(s, now).await?;
-        let pool = s.pool.clone();
-        s.issued_last_hour = self.count_scan(grants_since(&pool, hour_ago)).await?;
-        s.issued_last_day = self.count_scan(grants_since(&pool, day_ago)).await?;
+        s.issued_last_hour = self.count_scan(grants_since(&s.pool, hour_ago)).await?;
+        s.issued_last_day = self.count_scan(grants_since(&s.pool, day_ago)).await?;
         Ok(())
     }
 
