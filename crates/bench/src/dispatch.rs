@@ -3,7 +3,8 @@
 //!
 //! - a pass-through: consume preloaded messages with the same prefetch,
 //!   batching and workers, publish each to a queue with confirms in flight
-//!   together, ack; no database at all;
+//!   together, ack; no database at all. Its queues are of the same type as
+//!   the dispatcher's (quorum unless `--queue-type classic`);
 //! - raw MongoDB: the same number of codes updated by `_id` with bulk
 //!   `update` commands of one batch each, journaled with majority
 //!   acknowledgement, as many in flight as the dispatcher has workers; no
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use codepool_broker::{Publisher, Topology};
+use codepool_broker::{Publisher, QueueType, Topology};
 use codepool_dispatcher::plan::Settlement;
 use codepool_dispatcher::{AckWindow, DispatcherConfig};
 use codepool_domain::{CodeStatus, Purchase};
@@ -27,7 +28,7 @@ use codepool_store::ObjectId;
 use futures::{StreamExt, TryStreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use mongodb::bson::{doc, DateTime, Document};
 use serde_json::json;
@@ -144,7 +145,9 @@ async fn measure_all(
         hwm_kb: proc_status_kb(None, "VmHWM"),
         hwm_reset,
     };
-    let report = report_json(args, &config, [&dispatcher, &pass, &raw], &checks, &memory);
+    let mut report = report_json(args, &config, [&dispatcher, &pass, &raw], &checks, &memory);
+    // Both broker sides (dispatcher, pass-through) declare this type.
+    report["queue_type"] = json!(scratch.cfg.topology().queues.queue_type.as_str());
     let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
     if args.json {
         println!("{rendered}");
@@ -188,7 +191,7 @@ async fn prepare(
     let ch = conn.create_channel().await?;
     topology.declare(&ch).await?;
     for q in [pass_in, pass_out] {
-        ch.queue_declare(q, durable_queue(), FieldTable::default())
+        ch.queue_declare(q, durable_queue(), same_type_as(&topology))
             .await?;
     }
     let publisher = Publisher::new(&conn, topology.clone()).await?;
@@ -414,7 +417,8 @@ fn print_table(
     memory: &Memory,
 ) {
     println!(
-        "dispatcher end to end vs its two baselines, {n} purchases each; writes journaled (w:majority, j:true); prefetch {}, batches of up to {}, {} workers, linger {} ms\n",
+        "dispatcher end to end vs its two baselines, {n} purchases each; {} queues on both broker sides; writes journaled (w:majority, j:true); prefetch {}, batches of up to {}, {} workers, linger {} ms\n",
+        report["queue_type"].as_str().unwrap_or("?"),
         config.prefetch, config.batch_size, config.workers, config.linger.as_millis()
     );
     println!("{:<12} {:>9} {:>10}  what", "", "seconds", "per sec");
@@ -471,6 +475,21 @@ fn print_memory(memory: &Memory) {
 
 fn purchase(pool: &str, i: usize) -> Purchase {
     inproc::purchase(pool, pool, i)
+}
+
+/// The pass-through's queues are of the type the dispatcher's are
+/// (`--queue-type`, quorum by default), so the two sides pay the broker
+/// the same: on one node a quorum queue moves a persistent message for
+/// about half the CPU of a classic one.
+fn same_type_as(topology: &Topology) -> FieldTable {
+    let mut args = FieldTable::default();
+    if topology.queues.queue_type == QueueType::Quorum {
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(QueueType::Quorum.as_str().into()),
+        );
+    }
+    args
 }
 
 fn durable_queue() -> QueueDeclareOptions {
