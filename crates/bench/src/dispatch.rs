@@ -147,8 +147,13 @@ async fn measure_all(
     };
     let mut report = report_json(args, &config, [&dispatcher, &pass, &raw], &checks, &memory);
     // Both broker sides (dispatcher, pass-through) declare this type.
-    report["queue_type"] = json!(scratch.cfg.topology().queues.queue_type.as_str());
-    let (rendered, path) = super::write_report(out_dir, "dispatch.json", &report)?;
+    let queue_type = scratch.cfg.topology().queues.queue_type;
+    report["queue_type"] = json!(queue_type.as_str());
+    let file = match queue_type {
+        QueueType::Quorum => "dispatch.json".to_owned(),
+        other => format!("dispatch-{}.json", other.as_str()),
+    };
+    let (rendered, path) = super::write_report(out_dir, &file, &report)?;
     if args.json {
         println!("{rendered}");
     } else {
