@@ -48,7 +48,8 @@ for b in "${which[@]}"; do
 		# Quorum queues (the default) on both broker sides, then classic
 		# ones (dispatch-classic.json): the pass-through's rate, and so goal
 		# 3's ratio, depends on the queue type far more than the dispatcher's.
-		"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES"
+		# Named explicitly: CODEPOOL_QUEUE_TYPE may be set for the product.
+		"$bin" --out-dir "$OUT_DIR" --queue-type quorum dispatch --purchases "$DISPATCH_PURCHASES"
 		"$bin" --out-dir "$OUT_DIR" --queue-type classic dispatch --purchases "$DISPATCH_PURCHASES"
 		;;
 	pools)

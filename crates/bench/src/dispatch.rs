@@ -93,8 +93,9 @@ impl Measured {
     }
 }
 
-/// Runs `codepool bench dispatch`; writes `out_dir/dispatch.json` (or,
-/// with `--pools`/`--pool-size`, the scale comparison of [`crate::scale`]).
+/// Runs `codepool bench dispatch`; writes `out_dir/dispatch.json`
+/// (`dispatch-classic.json` with `--queue-type classic`), or, with
+/// `--pools`/`--pool-size`, the scale comparison of [`crate::scale`].
 pub async fn run(
     args: DispatchBenchArgs,
     scratch: &'static Scratch,
