@@ -28,7 +28,7 @@ use codepool_store::ObjectId;
 use futures::{StreamExt, TryStreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use mongodb::bson::{doc, DateTime, Document};
 use serde_json::json;
@@ -146,10 +146,10 @@ async fn measure_all(
         hwm_kb: proc_status_kb(None, "VmHWM"),
         hwm_reset,
     };
-    let mut report = report_json(args, &config, [&dispatcher, &pass, &raw], &checks, &memory);
     // Both broker sides (dispatcher, pass-through) declare this type.
     let queue_type = scratch.cfg.topology().queues.queue_type;
-    report["queue_type"] = json!(queue_type.as_str());
+    let all = [&dispatcher, &pass, &raw];
+    let report = report_json(args, &config, queue_type, all, &checks, &memory);
     let file = match queue_type {
         QueueType::Quorum => "dispatch.json".to_owned(),
         other => format!("dispatch-{}.json", other.as_str()),
@@ -158,7 +158,7 @@ async fn measure_all(
     if args.json {
         println!("{rendered}");
     } else {
-        print_table(n, &config, [&dispatcher, &pass, &raw], &report, &memory);
+        print_table(n, &config, all, &report, &memory);
         println!("written to {}", path.display());
     }
     anyhow::ensure!(
@@ -196,8 +196,12 @@ async fn prepare(
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-dispatch-setup").await?;
     let ch = conn.create_channel().await?;
     topology.declare(&ch).await?;
+    // The pass-through's queues are of the dispatcher's type, so the two
+    // sides pay the broker the same: on one node a quorum queue moves a
+    // persistent message for about half a classic queue's CPU.
+    let queue_type = topology.queues.queue_type;
     for q in [pass_in, pass_out] {
-        ch.queue_declare(q, durable_queue(), same_type_as(&topology))
+        ch.queue_declare(q, durable_queue(), queue_type.declare_args())
             .await?;
     }
     let publisher = Publisher::new(&conn, topology.clone()).await?;
@@ -364,6 +368,7 @@ const TARGET_MONGOD_CPU: f64 = 2.0;
 fn report_json(
     args: &DispatchBenchArgs,
     config: &DispatcherConfig,
+    queue_type: QueueType,
     all: [&Measured; 3],
     checks: &Checks,
     memory: &Memory,
@@ -376,6 +381,7 @@ fn report_json(
         "benchmark": "dispatch",
         "purchases": args.purchases,
         "write_concern": {"w": "majority", "j": true},
+        "queue_type": queue_type.as_str(),
         "prefetch": config.prefetch,
         "batch_size": config.batch_size,
         "workers": config.workers,
@@ -481,21 +487,6 @@ fn print_memory(memory: &Memory) {
 
 fn purchase(pool: &str, i: usize) -> Purchase {
     inproc::purchase(pool, pool, i)
-}
-
-/// The pass-through's queues are of the type the dispatcher's are
-/// (`--queue-type`, quorum by default), so the two sides pay the broker
-/// the same: on one node a quorum queue moves a persistent message for
-/// about half the CPU of a classic one.
-fn same_type_as(topology: &Topology) -> FieldTable {
-    let mut args = FieldTable::default();
-    if topology.queues.queue_type == QueueType::Quorum {
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString(QueueType::Quorum.as_str().into()),
-        );
-    }
-    args
 }
 
 fn durable_queue() -> QueueDeclareOptions {

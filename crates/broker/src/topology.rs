@@ -43,6 +43,19 @@ impl QueueType {
             QueueType::Classic => "classic",
         }
     }
+
+    /// The declare arguments that make a queue of this type, and nothing
+    /// else (no limit, no dead-lettering): an empty table is a classic queue.
+    pub fn declare_args(self) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self == QueueType::Quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(self.as_str().into()),
+            );
+        }
+        args
+    }
 }
 
 impl std::str::FromStr for QueueType {
@@ -180,7 +193,7 @@ impl Topology {
     /// poison a consumer get the delivery limit and dead-letter to
     /// `purchases.dead`; classic ones keep what older versions declared.
     fn queue_args(&self, queue: &str, queue_type: QueueType) -> FieldTable {
-        let mut args = FieldTable::default();
+        let mut args = queue_type.declare_args();
         let str_arg = |s: &str| AMQPValue::LongString(s.into());
         let limited =
             queue == self.purchases || queue == self.sms_receipts || queue == self.code_redeemed;
@@ -192,12 +205,9 @@ impl Topology {
                 str_arg(&self.purchases_dead),
             );
         }
-        if queue_type == QueueType::Quorum {
-            args.insert("x-queue-type".into(), str_arg("quorum"));
-            if limited {
-                let limit = i64::from(self.queues.delivery_limit);
-                args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
-            }
+        if queue_type == QueueType::Quorum && limited {
+            let limit = i64::from(self.queues.delivery_limit);
+            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
         }
         args
     }
