@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use bson::doc;
 use codepool_broker::Publisher;
+use codepool_dispatcher::Resend;
 use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
+use codepool_store::ClaimAssignment;
 use futures::StreamExt;
 
 use crate::common::{
@@ -498,6 +500,72 @@ async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
         .update_one(doc! {"_id": pool}, doc! {"$set": {"paused": true}})
         .await
         .expect("pause");
+}
+
+#[tokio::test]
+async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
+    let env = TestEnv::new("policies_recall_rounds").await;
+    env.fill_pool("rw", 23).await;
+    env.fill_pool("other", 5).await;
+    let store = &env.store;
+    let codes = store.database().collection::<bson::Document>("codes");
+    let of_rw = codes.find_one(doc! {"pool": "rw"}).await.unwrap().unwrap();
+    let batch = of_rw.get_object_id("batch_id").unwrap();
+    // Hand out seven codes spread over the import, so rounds read past them.
+    let candidates = store.candidates_after("rw", 0, 23).await.unwrap();
+    let held: Vec<_> = candidates.iter().step_by(3).map(|(id, _)| *id).collect();
+    let assignments: Vec<ClaimAssignment> = held
+        .iter()
+        .enumerate()
+        .map(|(i, id)| ClaimAssignment {
+            code_id: *id,
+            order_id: format!("W-{i}"),
+            uid: format!("u-{i}"),
+            phone: "+8613800000000".into(),
+            grant_no: None,
+            resend: Resend::ByRedelivery,
+        })
+        .collect();
+    let write = store.claim_candidates(&assignments).await.unwrap();
+    assert!(write.order_taken.is_empty());
+    assert_eq!(held.len(), 8);
+
+    // Rounds of 4: 15 unissued codes take 4 rounds, each after the last.
+    let (mut after, mut seen, mut voided, mut rounds) = (None, Vec::new(), 0, 0);
+    loop {
+        let round = store.recall_round(batch, "leak", 4, after).await.unwrap();
+        rounds += 1;
+        assert!(round.seen.iter().all(|(pool, _)| pool == "rw"));
+        voided += round.voided;
+        seen.extend(round.seen.into_iter().map(|(_, id)| id));
+        after = round.next;
+        if after.is_none() {
+            break;
+        }
+        assert!(rounds < 10, "the walk ends");
+    }
+    assert_eq!(rounds, 4);
+    assert_eq!(voided, 15);
+    let distinct: HashSet<_> = seen.iter().collect();
+    assert_eq!(distinct.len(), 15, "each code seen once");
+    assert!(held.iter().all(|id| !distinct.contains(id)));
+    assert_eq!(
+        count(&env, "codes", doc! {"pool": "rw", "status": 3}).await,
+        15
+    );
+    assert_eq!(
+        count(&env, "codes", doc! {"pool": "rw", "status": 1}).await,
+        8
+    );
+    assert_eq!(
+        count(&env, "codes", doc! {"pool": "other", "status": 0}).await,
+        5
+    );
+    // A second walk finds nothing left, and the held codes are listed.
+    let again = store.recall_round(batch, "leak", 4, None).await.unwrap();
+    assert_eq!((again.seen.len(), again.voided, again.next), (0, 0, None));
+    assert_eq!(store.held_codes_of_import(batch).await.unwrap().len(), 8);
+    env.cleanup().await;
 }
 
 #[tokio::test]

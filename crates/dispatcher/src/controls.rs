@@ -102,14 +102,15 @@ pub async fn recall_import(
         .import_record(id)
         .await?
         .ok_or_else(|| RecallError::UnknownImport(id.to_hex()))?;
-    let mut voided = 0;
+    let (mut voided, mut after) = (0, None);
     loop {
-        let round = store.recall_round(id, reason, RECALL_ROUND).await?;
-        if round.seen.is_empty() {
-            break;
-        }
+        let round = store.recall_round(id, reason, RECALL_ROUND, after).await?;
         voided += round.voided;
         drop_candidates(hot, round.seen).await;
+        after = round.next;
+        if after.is_none() {
+            break;
+        }
     }
     store.mark_import_recalled(id, reason, voided).await?;
     let held = store.held_codes_of_import(id).await?;

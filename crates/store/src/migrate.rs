@@ -47,6 +47,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0009_codes_grant_time_index",
         include_str!("../../../migrations/0009_codes_grant_time_index.json"),
     ),
+    (
+        "0010_codes_batch_index",
+        include_str!("../../../migrations/0010_codes_batch_index.json"),
+    ),
 ];
 
 /// What a migration run did.

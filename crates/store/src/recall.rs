@@ -9,18 +9,26 @@ use bson::oid::ObjectId;
 use bson::{doc, DateTime};
 use codepool_domain::{Code, CodeId, CodeStatus, Transition};
 use futures::TryStreamExt;
+use mongodb::options::Hint;
 
-use crate::codes::{code_id, CODES};
+use crate::codes::{code_id, object_id, CODES};
 use crate::imports::{ImportRecord, IMPORTS};
 use crate::{durable, CodeDoc, Store, StoreError};
+
+/// The index a recall walks: an import's codes in `_id` order
+/// (migration 0010).
+const BATCH_INDEX: &str = "batch_id";
 
 /// One round of a recall: the codes it looked at and how many it voided.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RecallRound {
-    /// Unissued candidates found, by pool; drop them from the hot pool (the
-    /// ones a claim took meanwhile left it already).
+    /// Unissued candidates found, by pool, in `_id` order; drop them from
+    /// the hot pool (the ones a claim took meanwhile left it already).
     pub seen: Vec<(String, CodeId)>,
     pub voided: u64,
+    /// Where the next round starts (`after`); `None` once the walk has
+    /// passed the import's last code.
+    pub next: Option<CodeId>,
 }
 
 impl Store {
@@ -32,25 +40,45 @@ impl Store {
             .await?)
     }
 
-    /// Voids up to `limit` still-unissued codes of import `batch`. Call it
-    /// until `seen` comes back empty: then no code of the import is unissued.
+    /// Voids up to `limit` still-unissued codes of import `batch`, the
+    /// first ones after code `after` in `_id` order (from the start when
+    /// `None`). Call it again after `next` until `next` is `None`: then the
+    /// import's codes have been walked once, on the `(batch_id, _id)`
+    /// index, and none was left unissued.
+    ///
+    /// The index holds no status on purpose: a claim then changes none of
+    /// its keys. A round reads past the codes already handed out, and the
+    /// walk reads each code of the import once.
     pub async fn recall_round(
         &self,
         batch: ObjectId,
         reason: &str,
         limit: i64,
+        after: Option<CodeId>,
     ) -> Result<RecallRound, StoreError> {
         let unissued = CodeStatus::Unissued.as_i32();
         debug_assert!(Transition::Void.from().contains(&CodeStatus::Unissued));
+        let mut filter = doc! {"batch_id": batch, "status": unissued};
+        if let Some(after) = after {
+            filter.insert("_id", doc! {"$gt": object_id(after)});
+        }
         let found: Vec<bson::Document> = self
             .collection(CODES)
-            .find(doc! {"batch_id": batch, "status": unissued})
+            .find(filter)
+            .sort(doc! {"batch_id": 1, "_id": 1})
+            .hint(Hint::Name(BATCH_INDEX.into()))
             .projection(doc! {"_id": 1, "pool": 1})
             .limit(limit)
             .await?
             .try_collect()
             .await?;
         let mut round = RecallRound::default();
+        if found.len() as i64 >= limit {
+            round.next = found
+                .last()
+                .and_then(|d| d.get_object_id("_id").ok())
+                .map(code_id);
+        }
         let mut ids = Vec::with_capacity(found.len());
         for d in found {
             let (Ok(id), Ok(pool)) = (d.get_object_id("_id"), d.get_str("pool")) else {
@@ -80,7 +108,8 @@ impl Store {
     }
 
     /// Codes of import `batch` that buyers hold (issued or used), oldest
-    /// grant first.
+    /// grant first. Reads the import's codes on the `(batch_id, _id)` index:
+    /// a recall's last step, never on the claim path.
     pub async fn held_codes_of_import(&self, batch: ObjectId) -> Result<Vec<Code>, StoreError> {
         let held = [CodeStatus::Issued.as_i32(), CodeStatus::Used.as_i32()];
         self.typed::<CodeDoc>(CODES)
