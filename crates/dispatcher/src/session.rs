@@ -82,6 +82,11 @@ impl Dispatcher {
         self.wind_down(inflight, background).await;
         acks.flush().await;
         let _ = channel.close(200, "codepool dispatcher stopping").await;
+        // Every confirm in before the close: one arriving on a channel the
+        // connection's close has marked closing is logged as an error.
+        let events = publisher.channel();
+        let _ = events.wait_for_confirms().await;
+        let _ = events.close(200, "codepool dispatcher stopping").await;
         codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
     }
