@@ -84,9 +84,11 @@ impl Dispatcher {
         let _ = channel.close(200, "codepool dispatcher stopping").await;
         // Every confirm in before the close: one arriving on a channel the
         // connection's close has marked closing is logged as an error.
+        // Bounded: a broker that stopped answering must not hold the stop.
         let events = publisher.channel();
-        let _ = events.wait_for_confirms().await;
-        let _ = events.close(200, "codepool dispatcher stopping").await;
+        let _ = tokio::time::timeout(BACKGROUND_STOP, events.wait_for_confirms()).await;
+        let closing = events.close(200, "codepool dispatcher stopping");
+        let _ = tokio::time::timeout(BACKGROUND_STOP, closing).await;
         codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
     }
