@@ -8,7 +8,7 @@ use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
 use codepool_store::ClaimAssignment;
 
-use crate::common::{purchase, TestEnv};
+use crate::common::{assign, purchase, TestEnv};
 
 /// `claimers` tasks each claim `per_claimer` orders in batches of `batch`.
 async fn run_claimers(
@@ -279,18 +279,6 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
         4
     );
     env.cleanup().await;
-}
-
-/// "Give `code` to `order`", as the claim engine writes it.
-fn assign(code: codepool_domain::CodeId, order: &str) -> ClaimAssignment {
-    ClaimAssignment {
-        code_id: code,
-        order_id: order.into(),
-        uid: format!("u-{order}"),
-        phone: "+8613800000000".into(),
-        grant_no: Some(format!("G-{order}")),
-        resend: Resend::ByRedelivery,
-    }
 }
 
 #[tokio::test]

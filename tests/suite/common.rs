@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 use codepool_broker::Topology;
-use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
+use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers, Resend};
 use codepool_domain::Purchase;
 use codepool_hotpool::HotPool;
-use codepool_store::{CodeKeys, NewCode, ObjectId, Store};
+use codepool_store::{ClaimAssignment, CodeKeys, NewCode, ObjectId, Store};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 
 pub const MONGO_URI: &str = "mongodb://127.0.0.1:27017/?directConnection=true";
@@ -235,6 +235,18 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
     }
 }
 
+/// "Give `code` to `order`", as the claim engine writes it.
+pub fn assign(code: codepool_domain::CodeId, order: &str) -> ClaimAssignment {
+    ClaimAssignment {
+        code_id: code,
+        order_id: order.into(),
+        uid: format!("u-{order}"),
+        phone: "+8613800000000".into(),
+        grant_no: Some(format!("G-{order}")),
+        resend: Resend::ByRedelivery,
+    }
+}
+
 /// A `codepool dispatch` child process with its HTTP address.
 pub struct Daemon {
     pub child: tokio::process::Child,
@@ -375,7 +387,7 @@ async fn publish_window(
     for c in confirms {
         c.wait().await?;
     }
-    let _ = publisher.channel().close(200, "window published").await;
+    publisher.close("window published").await;
     Ok(())
 }
 

@@ -7,14 +7,12 @@ use std::time::Duration;
 
 use bson::doc;
 use codepool_broker::Publisher;
-use codepool_dispatcher::Resend;
 use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
-use codepool_store::ClaimAssignment;
 use futures::StreamExt;
 
 use crate::common::{
-    drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
+    assign, drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon,
+    TestEnv, AMQP_URL,
 };
 
 /// Runs a `codepool` command in the test's namespace; panics unless it
@@ -511,20 +509,13 @@ async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
     let codes = store.database().collection::<bson::Document>("codes");
     let of_rw = codes.find_one(doc! {"pool": "rw"}).await.unwrap().unwrap();
     let batch = of_rw.get_object_id("batch_id").unwrap();
-    // Hand out seven codes spread over the import, so rounds read past them.
+    // Hand out eight codes spread over the import, so rounds read past them.
     let candidates = store.candidates_after("rw", 0, 23).await.unwrap();
     let held: Vec<_> = candidates.iter().step_by(3).map(|(id, _)| *id).collect();
-    let assignments: Vec<ClaimAssignment> = held
+    let assignments: Vec<_> = held
         .iter()
         .enumerate()
-        .map(|(i, id)| ClaimAssignment {
-            code_id: *id,
-            order_id: format!("W-{i}"),
-            uid: format!("u-{i}"),
-            phone: "+8613800000000".into(),
-            grant_no: None,
-            resend: Resend::ByRedelivery,
-        })
+        .map(|(i, id)| assign(*id, &format!("W-{i}")))
         .collect();
     let write = store.claim_candidates(&assignments).await.unwrap();
     assert!(write.order_taken.is_empty());

@@ -377,9 +377,7 @@ async fn run_side(
         async move { Ok(publisher.publish_purchase(&p).await?) }
     })
     .await?;
-    // Closed before the connection is: lapin logs a channel still open at
-    // the connection's close as an error.
-    let _ = publisher.channel().close(200, "preloaded").await;
+    publisher.close("preloaded").await;
     let queue = scratch.cfg.topology().purchases;
     anyhow::ensure!(depth(conn, &queue).await? == n as u32, "preload incomplete");
     eprintln!("{tag}: dispatching …");

@@ -99,7 +99,7 @@ pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> Result<u32, B
 }
 
 /// How long [`close`] waits for a connection's I/O thread to end.
-const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Closes a connection and waits for lapin's I/O thread to end, so that the
 /// thread never outlives the tokio runtime (it would log `ERROR io_loop … A

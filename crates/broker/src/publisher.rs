@@ -66,6 +66,19 @@ impl Publisher {
         &self.channel
     }
 
+    /// Closes the channel once the broker has confirmed (or refused) every
+    /// message published on it, before the connection closes: a confirm
+    /// that reaches a channel the connection's close has marked closing
+    /// makes lapin log `ERROR Connection error`. Bounded and best effort:
+    /// a broker that stopped answering must not hold a shutdown.
+    pub async fn close(&self, reason: &str) {
+        let _ = tokio::time::timeout(crate::CLOSE_WAIT, async {
+            let _ = self.channel.wait_for_confirms().await;
+            let _ = self.channel.close(200, reason).await;
+        })
+        .await;
+    }
+
     pub fn topology(&self) -> &Topology {
         &self.topology
     }

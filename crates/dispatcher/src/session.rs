@@ -82,13 +82,7 @@ impl Dispatcher {
         self.wind_down(inflight, background).await;
         acks.flush().await;
         let _ = channel.close(200, "codepool dispatcher stopping").await;
-        // Every confirm in before the close: one arriving on a channel the
-        // connection's close has marked closing is logged as an error.
-        // Bounded: a broker that stopped answering must not hold the stop.
-        let events = publisher.channel();
-        let _ = tokio::time::timeout(BACKGROUND_STOP, events.wait_for_confirms()).await;
-        let closing = events.close(200, "codepool dispatcher stopping");
-        let _ = tokio::time::timeout(BACKGROUND_STOP, closing).await;
+        publisher.close("codepool dispatcher stopping").await;
         codepool_broker::close(conn, "codepool dispatcher stopping").await;
         Ok(end)
     }

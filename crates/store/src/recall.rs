@@ -72,13 +72,8 @@ impl Store {
             .await?
             .try_collect()
             .await?;
+        let full = found.len() as i64 >= limit;
         let mut round = RecallRound::default();
-        if found.len() as i64 >= limit {
-            round.next = found
-                .last()
-                .and_then(|d| d.get_object_id("_id").ok())
-                .map(code_id);
-        }
         let mut ids = Vec::with_capacity(found.len());
         for d in found {
             let (Ok(id), Ok(pool)) = (d.get_object_id("_id"), d.get_str("pool")) else {
@@ -86,6 +81,9 @@ impl Store {
             };
             ids.push(id);
             round.seen.push((pool.to_owned(), code_id(id)));
+        }
+        if full {
+            round.next = ids.last().copied().map(code_id);
         }
         if ids.is_empty() {
             return Ok(round);
