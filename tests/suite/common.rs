@@ -253,6 +253,8 @@ pub struct Daemon {
     pub addr: String,
     /// Every line the daemon wrote to stderr so far (its logs).
     pub log: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Reads stderr into `log`; ends when the daemon closes it.
+    reader: tokio::task::JoinHandle<()>,
 }
 
 /// Starts `codepool dispatch --http 127.0.0.1:0` and waits until it
@@ -268,7 +270,7 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
     let log = Arc::new(std::sync::Mutex::new(Vec::new()));
     let kept = log.clone();
-    tokio::spawn(async move {
+    let reader = tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(stderr).lines();
         let (mut addr_tx, mut ready_tx) = (Some(addr_tx), Some(ready_tx));
         while let Ok(Some(line)) = lines.next_line().await {
@@ -295,7 +297,12 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
         .await
         .expect("dispatcher did not consume within 60s")
         .expect("dispatcher exited before consuming");
-    Daemon { child, addr, log }
+    Daemon {
+        child,
+        addr,
+        log,
+        reader,
+    }
 }
 
 impl Daemon {
@@ -304,7 +311,8 @@ impl Daemon {
         self.log.lock().map(|l| l.join("\n")).unwrap_or_default()
     }
 
-    /// SIGTERM, then insist on exit status 0 within 10 seconds.
+    /// SIGTERM, then insist on exit status 0 within 10 seconds and on a
+    /// stop that logs no error: an operator reads one as a failure.
     pub async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
             let _ = std::process::Command::new("kill")
@@ -316,6 +324,19 @@ impl Daemon {
             .expect("dispatcher stops within 10s of SIGTERM")
             .expect("wait");
         assert!(status.success(), "dispatcher exit status {status}");
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.reader).await;
+        let log = self.log_text();
+        let stopping = log
+            .find("stop requested")
+            .expect("the daemon logged its stop");
+        let errors: Vec<&str> = log[stopping..]
+            .lines()
+            .filter(|l| l.contains(" ERROR "))
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "errors logged while stopping: {errors:#?}"
+        );
     }
 }
 

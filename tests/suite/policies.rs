@@ -176,10 +176,12 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     let t = env.topology();
     let mut paused_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.paused")
         .await
-        .unwrap();
+        .unwrap()
+        .consumer;
     let mut resumed_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.resumed")
         .await
-        .unwrap();
+        .unwrap()
+        .consumer;
 
     // One grant first, so the dispatcher has the pool's policy cached.
     publish_confirmed(&publisher, &[purchase("P-FIRST", "p")]).await;

@@ -14,7 +14,7 @@ pub mod topology;
 
 use lapin::{Connection, ConnectionProperties};
 
-pub use consume::{consume_purchases, subscribe, PurchaseConsumer};
+pub use consume::{consume, consume_purchases, subscribe, ConsumerHandle, OpenConsumer};
 pub use publisher::{confirmed, PendingConfirm, Publisher};
 pub use topology::{QueueSettings, QueueType, Topology, DEFAULT_DELIVERY_LIMIT};
 
@@ -105,6 +105,15 @@ pub(crate) const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_sec
 /// thread never outlives the tokio runtime (it would log `ERROR io_loop … A
 /// Tokio 1.x context was found, but it is being shutdown` at exit). Best
 /// effort and bounded: a connection that is already gone is fine.
+///
+/// The connection's close closes its channels. Closing them one by one
+/// just before would race lapin: a channel's close removes it from the
+/// connection in a task of its own, and the connection's close removes it
+/// again if it comes first, which lapin logs as `ERROR Connection error
+/// error=invalid channel`. So: cancel consumers
+/// ([`ConsumerHandle::cancel`]), settle publishers ([`Publisher::settle`]),
+/// keep every channel handle until this returns (a channel dropped while
+/// open is closed by lapin in a task that races this close), then close.
 pub async fn close(conn: Connection, reason: &str) {
     let _ = conn.close(200, reason).await;
     let (done, ended) = tokio::sync::oneshot::channel();

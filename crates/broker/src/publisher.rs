@@ -66,17 +66,19 @@ impl Publisher {
         &self.channel
     }
 
-    /// Closes the channel once the broker has confirmed (or refused) every
-    /// message published on it, before the connection closes: a confirm
-    /// that reaches a channel the connection's close has marked closing
-    /// makes lapin log `ERROR Connection error`. Bounded and best effort:
-    /// a broker that stopped answering must not hold a shutdown.
+    /// Waits until the broker has confirmed (or refused) every message
+    /// published on this channel. Bounded and best effort: a broker that
+    /// stopped answering must not hold a shutdown. Before closing the
+    /// connection, settle and keep the publisher until the connection is
+    /// closed (see [`crate::close`]).
+    pub async fn settle(&self) {
+        let _ = tokio::time::timeout(crate::CLOSE_WAIT, self.channel.wait_for_confirms()).await;
+    }
+
+    /// Settles, then closes the channel, for a connection that stays open.
     pub async fn close(&self, reason: &str) {
-        let _ = tokio::time::timeout(crate::CLOSE_WAIT, async {
-            let _ = self.channel.wait_for_confirms().await;
-            let _ = self.channel.close(200, reason).await;
-        })
-        .await;
+        self.settle().await;
+        let _ = tokio::time::timeout(crate::CLOSE_WAIT, self.channel.close(200, reason)).await;
     }
 
     pub fn topology(&self) -> &Topology {

@@ -7,13 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use codepool_broker::{BrokerError, Publisher, PurchaseConsumer};
+use codepool_broker::{BrokerError, ConsumerHandle, OpenConsumer, Publisher};
 use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_store::ObjectId;
 use futures::stream::SelectAll;
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
-use lapin::options::BasicCancelOptions;
 use lapin::{Connection, Consumer};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
@@ -31,6 +30,8 @@ const BACKGROUND_STOP: Duration = Duration::from_millis(500);
 /// A batch whose waiting deliveries fill at least this fraction of it is
 /// filling fast, and lingers for the rest.
 const LINGER_FROM: f64 = 0.5;
+/// What the broker is told when a session closes its connection.
+const STOPPING: &str = "codepool dispatcher stopping";
 
 /// Why a session ended.
 pub(crate) enum SessionEnd {
@@ -38,11 +39,14 @@ pub(crate) enum SessionEnd {
     Lost(String),
 }
 
-/// The background work of a session, stopped with it.
+/// The background work of a session, stopped with it. Kept until the
+/// connection is closed: it holds the consumers' channels.
 struct Background {
     stop: CancellationToken,
     sweeper: JoinHandle<()>,
     upkeep: JoinSet<()>,
+    /// The consumers the tasks read: receipts, redemptions, pool events.
+    consumers: Vec<ConsumerHandle>,
 }
 
 impl Dispatcher {
@@ -53,10 +57,12 @@ impl Dispatcher {
         let cfg = &self.config;
         let conn = codepool_broker::connect(&cfg.amqp_url, &cfg.name).await?;
         let tag = format!("{}-{}", cfg.name, ObjectId::new().to_hex());
-        let purchases =
-            codepool_broker::consume_purchases(&conn, &cfg.topology, cfg.prefetch, &tag).await?;
+        let OpenConsumer {
+            mut consumer,
+            handle: purchases,
+        } = codepool_broker::consume_purchases(&conn, &cfg.topology, cfg.prefetch, &tag).await?;
         let publisher = Publisher::new(&conn, cfg.topology.clone()).await?;
-        let background = self
+        let mut background = self
             .clone()
             .start_background(&conn, &publisher, shutdown)
             .await?;
@@ -64,26 +70,22 @@ impl Dispatcher {
         self.amqp.ok();
         info!(queue = %cfg.topology.purchases, prefetch = cfg.prefetch, batch = cfg.batch_size, "consuming purchases");
 
-        let PurchaseConsumer {
-            channel,
-            consumer,
-            tag,
-        } = purchases;
         let mut inflight = JoinSet::new();
         // Half the prefetch window may wait for an older batch (acks.rs).
         let acks = Arc::new(AckWindow::new(usize::from(cfg.prefetch) / 2));
         let end = self
             .clone()
-            .consume(consumer, &publisher, &acks, &mut inflight, shutdown)
+            .consume(&mut consumer, &publisher, &acks, &mut inflight, shutdown)
             .await;
-        let _ = channel
-            .basic_cancel(&tag, BasicCancelOptions::default())
-            .await;
-        self.wind_down(inflight, background).await;
+        // Consumers cancelled, confirms settled, channels kept open until
+        // the connection closes them all (see codepool_broker::close).
+        purchases.cancel().await;
+        drop(consumer);
+        self.wind_down(inflight, &mut background).await;
         acks.flush().await;
-        let _ = channel.close(200, "codepool dispatcher stopping").await;
-        publisher.close("codepool dispatcher stopping").await;
-        codepool_broker::close(conn, "codepool dispatcher stopping").await;
+        publisher.settle().await;
+        codepool_broker::close(conn, STOPPING).await;
+        drop((purchases, background, publisher));
         Ok(end)
     }
 
@@ -97,12 +99,13 @@ impl Dispatcher {
     ) -> Result<Background, BrokerError> {
         let cfg = &self.config;
         // Stock arrived, or the pool was resumed: its backorders can go.
-        let mut stock_events = Vec::new();
+        let (mut stock_events, mut consumers) = (Vec::new(), Vec::new());
         for kind in [PoolEventKind::Replenished, PoolEventKind::Resumed] {
-            stock_events.push(
+            let events =
                 codepool_broker::subscribe(conn, &cfg.topology.events_exchange, kind.routing_key())
-                    .await?,
-            );
+                    .await?;
+            stock_events.push(events.consumer);
+            consumers.push(events.handle);
         }
         let replenished = futures::stream::select_all(stock_events);
         let stop = shutdown.child_token();
@@ -116,6 +119,7 @@ impl Dispatcher {
             stop.clone(),
         )
         .await?;
+        consumers.extend(upkeep.consumers);
         let sweeper = tokio::spawn(self.clone().sweep_loop(
             publisher.clone(),
             replenished,
@@ -124,7 +128,8 @@ impl Dispatcher {
         Ok(Background {
             stop,
             sweeper,
-            upkeep,
+            upkeep: upkeep.tasks,
+            consumers,
         })
     }
 
@@ -135,7 +140,7 @@ impl Dispatcher {
     /// in flight waits a moment for company (see [`Self::fill_batch`]).
     async fn consume(
         self: Arc<Self>,
-        mut consumer: Consumer,
+        consumer: &mut Consumer,
         publisher: &Publisher,
         acks: &Arc<AckWindow>,
         inflight: &mut JoinSet<()>,
@@ -161,9 +166,7 @@ impl Dispatcher {
                 Some(Err(e)) => return SessionEnd::Lost(e.to_string()),
                 None => return SessionEnd::Lost("the broker closed the consumer".into()),
             };
-            let (batch, lost) = self
-                .fill_batch(first, &mut consumer, &permits, &finished)
-                .await;
+            let (batch, lost) = self.fill_batch(first, consumer, &permits, &finished).await;
             acks.opened(&batch);
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
             let (finished, acks) = (finished.clone(), acks.clone());
@@ -237,11 +240,12 @@ impl Dispatcher {
         (batch, None)
     }
 
-    /// Finishes in-flight batches within the grace period, then gives the
-    /// background work a moment and aborts it. Nothing is lost: an unacked
+    /// Finishes in-flight batches within the grace period, then cancels
+    /// the background consumers, gives the background work a moment and
+    /// aborts it. Nothing is lost: an unacked
     /// purchase is redelivered, an unmarked backorder or unconfirmed event
     /// is picked up again by the next sweep or the relay.
-    async fn wind_down(&self, mut inflight: JoinSet<()>, background: Background) {
+    async fn wind_down(&self, mut inflight: JoinSet<()>, background: &mut Background) {
         let drained = tokio::time::timeout(self.config.grace, async {
             while inflight.join_next().await.is_some() {}
         })
@@ -252,11 +256,15 @@ impl Dispatcher {
         }
         let Background {
             stop,
-            mut sweeper,
-            mut upkeep,
+            sweeper,
+            upkeep,
+            consumers,
         } = background;
+        // Cancelled while the tasks still hold them: a consumer dropped
+        // active would be cancelled by lapin behind the connection's close.
+        futures::future::join_all(consumers.iter().map(ConsumerHandle::cancel)).await;
         stop.cancel();
-        if tokio::time::timeout(BACKGROUND_STOP, &mut sweeper)
+        if tokio::time::timeout(BACKGROUND_STOP, &mut *sweeper)
             .await
             .is_err()
         {

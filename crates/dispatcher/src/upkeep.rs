@@ -8,13 +8,12 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use codepool_broker::{BrokerError, Publisher, Topology};
+use codepool_broker::{BrokerError, ConsumerHandle, Publisher, Topology};
 use codepool_hotpool::HotPool;
 use codepool_store::{Store, StoreError};
 use futures::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::options::BasicAckOptions;
 use lapin::{Connection, Consumer};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -29,8 +28,15 @@ use crate::stock::StockWatch;
 /// Unacked receipts or redemptions one session holds at once.
 const PREFETCH: u16 = 64;
 
+/// The upkeep tasks of a session, and the consumers they read.
+pub struct Upkeep {
+    pub tasks: JoinSet<()>,
+    /// Cancel these before stopping the tasks, close them after.
+    pub consumers: Vec<ConsumerHandle>,
+}
+
 /// Opens the consumers (which may fail: nothing is spawned then) and
-/// spawns the upkeep tasks. Await the returned set after cancelling `stop`.
+/// spawns the upkeep tasks. Await the tasks after cancelling `stop`.
 pub async fn spawn(
     conn: &Connection,
     topology: &Topology,
@@ -39,12 +45,13 @@ pub async fn spawn(
     stock: Arc<StockWatch>,
     publisher: Publisher,
     stop: CancellationToken,
-) -> Result<JoinSet<()>, BrokerError> {
-    let receipts = open_consumer(conn, &topology.sms_receipts).await?;
-    let redemptions = open_consumer(conn, &topology.code_redeemed).await?;
+) -> Result<Upkeep, BrokerError> {
+    let receipts = codepool_broker::consume(conn, &topology.sms_receipts, PREFETCH).await?;
+    let redemptions = codepool_broker::consume(conn, &topology.code_redeemed, PREFETCH).await?;
+    let consumers = vec![receipts.handle, redemptions.handle];
     let mut tasks = JoinSet::new();
     tasks.spawn(consume(
-        receipts,
+        receipts.consumer,
         store.clone(),
         stop.clone(),
         |s, d| async move {
@@ -53,7 +60,7 @@ pub async fn spawn(
         },
     ));
     tasks.spawn(consume(
-        redemptions,
+        redemptions.consumer,
         store.clone(),
         stop.clone(),
         |s, d| async move {
@@ -62,22 +69,7 @@ pub async fn spawn(
         },
     ));
     tasks.spawn(sweep(store, hot, stock, publisher, stop));
-    Ok(tasks)
-}
-
-async fn open_consumer(conn: &Connection, queue: &str) -> Result<Consumer, BrokerError> {
-    let channel = conn.create_channel().await?;
-    channel
-        .basic_qos(PREFETCH, BasicQosOptions::default())
-        .await?;
-    Ok(channel
-        .basic_consume(
-            queue,
-            "",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?)
+    Ok(Upkeep { tasks, consumers })
 }
 
 /// Applies deliveries one by one, acking each once it is applied. While
