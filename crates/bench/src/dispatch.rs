@@ -330,12 +330,27 @@ fn mb(kb: Option<u64>) -> Option<f64> {
     kb.map(|k| k as f64 / 1024.0)
 }
 
-/// The dispatcher's rate over the pass-through's (goal 3) and over raw
-/// MongoDB's.
-fn ratios(all: [&Measured; 3]) -> (f64, f64) {
+/// The dispatcher's rate over its baselines.
+struct Ratios {
+    /// Over the pass-through's (goal 3).
+    pass: f64,
+    /// Over raw MongoDB's.
+    raw: f64,
+    /// Over both in series: the rate of grants that each cost the
+    /// pass-through's broker work and then the raw update's database work,
+    /// on the same cores, with nothing else: 1 / (1/pass + 1/raw).
+    serial: f64,
+}
+
+fn ratios(all: [&Measured; 3]) -> Ratios {
     let [dispatcher, pass, raw] = all;
-    let over = |base: &Measured| dispatcher.per_sec() / base.per_sec().max(1e-9);
-    (over(pass), over(raw))
+    let rate = |m: &Measured| m.per_sec().max(1e-9);
+    let serial = 1.0 / (1.0 / rate(pass) + 1.0 / rate(raw));
+    Ratios {
+        pass: dispatcher.per_sec() / rate(pass),
+        raw: dispatcher.per_sec() / rate(raw),
+        serial: dispatcher.per_sec() / serial,
+    }
 }
 
 /// mongod CPU seconds per item of a measurement.
@@ -373,7 +388,7 @@ fn report_json(
     checks: &Checks,
     memory: &Memory,
 ) -> serde_json::Value {
-    let (ratio, over_raw) = ratios(all);
+    let r = ratios(all);
     let cpu_ratio = mongod_cpu_per_item(all[0])
         .zip(mongod_cpu_per_item(all[2]))
         .map(|(d, r)| d / r.max(1e-12));
@@ -396,10 +411,12 @@ fn report_json(
         })).collect::<Vec<_>>(),
         "cpu_note": "CPU seconds of this process and the local servers during each measurement; the machine has this many cores in total",
         "cores": cores(),
-        "dispatcher_over_pass_through": ratio,
-        "dispatcher_over_raw_mongodb": over_raw,
+        "dispatcher_over_pass_through": r.pass,
+        "dispatcher_over_raw_mongodb": r.raw,
+        "dispatcher_over_both_in_series": r.serial,
+        "both_in_series_note": "1 / (1/pass-through + 1/raw MongoDB): each grant's broker work, then its database work, on the same cores; reported, the target is against the pass-through",
         "target": TARGET_RATIO,
-        "target_met": ratio >= TARGET_RATIO,
+        "target_met": r.pass >= TARGET_RATIO,
         "mongod_cpu_per_grant_over_raw": cpu_ratio,
         "mongod_cpu_target": TARGET_MONGOD_CPU,
         "mongod_cpu_target_met": cpu_ratio.is_some_and(|r| r <= TARGET_MONGOD_CPU),
@@ -442,11 +459,14 @@ fn print_table(
     for m in all {
         println!("{:<12} {}", m.name, describe_cpu(&m.cpu));
     }
-    let (ratio, over_raw) = ratios(all);
+    let r = ratios(all);
     let tick = |ok: bool| if ok { "✓" } else { "✗" };
     println!(
-        "\ndispatcher / pass-through = {ratio:.2}x (target >= {TARGET_RATIO}x {}); dispatcher / raw MongoDB = {over_raw:.2}x",
-        tick(ratio >= TARGET_RATIO)
+        "\ndispatcher / pass-through = {:.2}x (target >= {TARGET_RATIO}x {}); dispatcher / raw MongoDB = {:.2}x; dispatcher / both in series = {:.2}x",
+        r.pass,
+        tick(r.pass >= TARGET_RATIO),
+        r.raw,
+        r.serial
     );
     if let Some(r) = report["mongod_cpu_per_grant_over_raw"].as_f64() {
         println!(
