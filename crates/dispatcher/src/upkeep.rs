@@ -86,7 +86,8 @@ where
             _ = stop.cancelled() => return,
             next = consumer.next() => match next {
                 Some(Ok(d)) => d,
-                // The connection is gone; the session notices and reconnects.
+                // Cancelled (the session is stopping), or the connection is
+                // gone (the session notices and reconnects).
                 _ => return,
             },
         };
