@@ -24,9 +24,8 @@ pub struct OpenConsumer {
     pub handle: ConsumerHandle,
 }
 
-/// What it takes to end a consumer: its channel and its tag. Cheap to
-/// clone; keep one until the connection is closed.
-#[derive(Clone)]
+/// What it takes to end a consumer: its channel and its tag. Keep it
+/// until the connection is closed.
 pub struct ConsumerHandle {
     channel: Channel,
     tag: String,

@@ -31,7 +31,8 @@ const PREFETCH: u16 = 64;
 /// The upkeep tasks of a session, and the consumers they read.
 pub struct Upkeep {
     pub tasks: JoinSet<()>,
-    /// Cancel these before stopping the tasks, close them after.
+    /// Cancel these before stopping the tasks; keep them until the
+    /// connection is closed (they hold the consumers' channels).
     pub consumers: Vec<ConsumerHandle>,
 }
 
