@@ -299,12 +299,12 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     // event is owed by the relay (a backorder's), A's by its purchase.
     let by_relay = ClaimAssignment {
         resend: Resend::ByRelay,
-        ..assign(ids[1], "B")
+        ..assign(ids[1], "wg", "B")
     };
     // A has no grant number (numbering was away): the field stays unset.
     let unnumbered = ClaimAssignment {
         grant_no: None,
-        ..assign(ids[0], "A")
+        ..assign(ids[0], "wg", "A")
     };
     let write = store
         .claim_candidates(&[unnumbered, by_relay])
@@ -340,7 +340,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
 
     // One candidate was taken already: which won is unknown to the write.
     let write = store
-        .claim_candidates(&[assign(ids[1], "C"), assign(ids[2], "D")])
+        .claim_candidates(&[assign(ids[1], "wg", "C"), assign(ids[2], "wg", "D")])
         .await
         .unwrap();
     assert!(write.order_taken.is_empty());
@@ -355,7 +355,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     // An order that holds a code is refused by the unique index; the rest
     // of the write still lands whole, without it.
     let write = store
-        .claim_candidates(&[assign(ids[3], "A"), assign(ids[3], "E")])
+        .claim_candidates(&[assign(ids[3], "wg", "A"), assign(ids[3], "wg", "E")])
         .await
         .unwrap();
     assert_eq!(write.order_taken, vec![0]);
@@ -367,7 +367,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     // claims before it landed, the rest land when claimed one by one, and
     // the refused order is named either way.
     let write = store
-        .claim_candidates(&[assign(ids[4], "F"), assign(ids[5], "A")])
+        .claim_candidates(&[assign(ids[4], "wg", "F"), assign(ids[5], "wg", "A")])
         .await
         .unwrap();
     assert_eq!(write.order_taken, vec![1]);

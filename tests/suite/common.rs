@@ -235,10 +235,11 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
     }
 }
 
-/// "Give `code` to `order`", as the claim engine writes it.
-pub fn assign(code: codepool_domain::CodeId, order: &str) -> ClaimAssignment {
+/// "Give `code` of `pool` to `order`", as the claim engine writes it.
+pub fn assign(code: codepool_domain::CodeId, pool: &str, order: &str) -> ClaimAssignment {
     ClaimAssignment {
         code_id: code,
+        pool: pool.into(),
         order_id: order.into(),
         uid: format!("u-{order}"),
         phone: "+8613800000000".into(),

@@ -212,6 +212,7 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
                 "stale",
                 &ClaimAssignment {
                     code_id: CodeId::from_bytes([0; 12]),
+                    pool: "stale".into(),
                     order_id: format!("SCAN-{i}"),
                     uid: "u".into(),
                     phone: "+8613800000000".into(),

@@ -12,3 +12,4 @@ mod importer;
 mod ops;
 mod policies;
 mod secrets;
+mod strays;

@@ -517,7 +517,7 @@ async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
     let assignments: Vec<_> = held
         .iter()
         .enumerate()
-        .map(|(i, id)| assign(*id, &format!("W-{i}")))
+        .map(|(i, id)| assign(*id, "rw", &format!("W-{i}")))
         .collect();
     let write = store.claim_candidates(&assignments).await.unwrap();
     assert!(write.order_taken.is_empty());

@@ -424,6 +424,7 @@ impl ClaimEngine {
         };
         let mut grants = self.store.grants_for_orders(&read_back).await?;
         grants.extend(write.granted.unwrap_or_default());
+        drop_strays(&write.strays);
         // A grant is ours (fresh) when it carries the code and the grant
         // number this very write assigned; the code id alone is not enough,
         // because a stale candidate can be the order's own, already issued,
@@ -880,6 +881,25 @@ const SCAN_PLACEHOLDER: Candidate = Candidate {
 };
 
 /// "Give `candidate` to this purchase's order."
+/// Counts the candidates the hot set offered that failed the claim's
+/// condition for good (another pool's code, a retired or expired one, an
+/// id of nothing). They were popped, so they are already gone from the
+/// set; they are never put back.
+fn drop_strays(strays: &[(usize, codepool_store::Stray)]) {
+    if strays.is_empty() {
+        return;
+    }
+    for (_, why) in strays {
+        metrics::counter!("codepool_hot_candidates_dropped_total", "reason" => why.as_str())
+            .increment(1);
+    }
+    warn!(
+        dropped = strays.len(),
+        "the hot set offered candidates that are not unissued codes of the order's pool; \
+         dropped them (a stale or tampered Redis set: check CODEPOOL_REDIS_PREFIX is not shared)"
+    );
+}
+
 fn assignment(
     p: &Purchase,
     candidate: Candidate,
@@ -888,6 +908,7 @@ fn assignment(
 ) -> ClaimAssignment {
     ClaimAssignment {
         code_id: candidate.id,
+        pool: p.pool.clone(),
         order_id: p.order_id.clone(),
         uid: p.uid.clone(),
         phone: p.phone.clone(),

@@ -123,7 +123,7 @@ impl ClaimStore for FakeStore {
             }
             match codes
                 .iter_mut()
-                .find(|c| c.id == a.code_id && c.status == CodeStatus::Unissued)
+                .find(|c| c.id == a.code_id && c.pool == a.pool && c.status == CodeStatus::Unissued)
             {
                 Some(c) => {
                     Self::issue(c, a);

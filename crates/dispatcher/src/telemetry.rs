@@ -62,6 +62,10 @@ const COUNTERS: &[(&str, &str)] = &[
         "codepool_claims_total",
         "Codes claimed, by path (hot pool or scan).",
     ),
+    (
+        "codepool_hot_candidates_dropped_total",
+        "Hot-pool candidates that were never claimable by their order (other_pool, retired, expired, missing): a stale or tampered Redis set.",
+    ),
 ];
 
 const HISTOGRAMS: &[(&str, &str)] = &[
@@ -127,6 +131,15 @@ pub fn describe() {
     }
     for reason in REJECT_REASONS {
         metrics::counter!("codepool_dead_letters_total", "reason" => reason.as_str()).increment(0);
+    }
+    for why in [
+        codepool_store::Stray::Missing,
+        codepool_store::Stray::OtherPool,
+        codepool_store::Stray::Retired,
+        codepool_store::Stray::Expired,
+    ] {
+        metrics::counter!("codepool_hot_candidates_dropped_total", "reason" => why.as_str())
+            .increment(0);
     }
     metrics::gauge!("codepool_redis_fallback_active").set(0.0);
 }

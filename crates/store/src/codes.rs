@@ -201,10 +201,13 @@ pub struct InsertOutcome {
     pub duplicates: u64,
 }
 
-/// One intended claim: give the code `code_id` to this order.
+/// One intended claim: give the code `code_id`, if it is an unissued and
+/// unexpired code of `pool`, to this order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimAssignment {
     pub code_id: CodeId,
+    /// The order's pool: a candidate of any other pool never matches.
+    pub pool: String,
     pub order_id: String,
     pub uid: String,
     pub phone: String,
@@ -241,6 +244,62 @@ pub struct ClaimWrite {
     /// statement outside `order_taken` won; `None` when some lost (their
     /// candidate was taken meanwhile) or their codes could not be read.
     pub granted: Option<HashMap<String, Code>>,
+    /// Positions whose candidate can never be claimed by its order, and
+    /// why, as the codes read beside the write show them: another pool's
+    /// code, a redeemed or void one, an expired one, or no code at all. A
+    /// hot set that offered them was stale or tampered with; they are
+    /// dropped, never put back.
+    pub strays: Vec<(usize, Stray)>,
+}
+
+/// Why a candidate offered by a hot set failed the claim's condition for
+/// good (as opposed to losing a race to another claimer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stray {
+    /// No code has this id.
+    Missing,
+    /// A code of another pool.
+    OtherPool,
+    /// Redeemed or void: it left the pool for good.
+    Retired,
+    /// Unissued but past its expiry.
+    Expired,
+}
+
+impl Stray {
+    /// The label of `codepool_hot_candidates_dropped_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stray::Missing => "missing",
+            Stray::OtherPool => "other_pool",
+            Stray::Retired => "retired",
+            Stray::Expired => "expired",
+        }
+    }
+}
+
+/// The candidates of `assignments` (outside `order_taken`) that the codes
+/// read beside the write show to be unclaimable by their order for good.
+fn strays_among(
+    codes: &HashMap<CodeId, Code>,
+    assignments: &[ClaimAssignment],
+    order_taken: &[usize],
+    at: DateTime,
+) -> Vec<(usize, Stray)> {
+    let now = at.to_chrono();
+    let why = |a: &ClaimAssignment| match codes.get(&a.code_id) {
+        None => Some(Stray::Missing),
+        Some(c) if c.pool != a.pool => Some(Stray::OtherPool),
+        Some(c) if matches!(c.status, CodeStatus::Used | CodeStatus::Void) => Some(Stray::Retired),
+        Some(c) if c.status == CodeStatus::Unissued && c.expires_at.is_some_and(|t| t <= now) => {
+            Some(Stray::Expired)
+        }
+        Some(_) => None,
+    };
+    (assignments.iter().enumerate())
+        .filter(|(k, _)| !order_taken.contains(k))
+        .filter_map(|(k, a)| Some((k, why(a)?)))
+        .collect()
 }
 
 /// The codes of a claim write of which every statement outside
@@ -494,9 +553,12 @@ fn claimable_ids(ids: Bson, now: DateTime) -> Document {
     q
 }
 
-/// One claim as its own update statement.
+/// One claim as its own update statement: code `_id`, of the order's
+/// pool, still claimable.
 fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
-    doc! {"q": claimable_ids(Bson::ObjectId(object_id(a.code_id)), now), "u": issue_set(a, now)}
+    let mut q = claimable_ids(Bson::ObjectId(object_id(a.code_id)), now);
+    q.insert("pool", a.pool.as_str());
+    doc! {"q": q, "u": issue_set(a, now)}
 }
 
 /// Every claim of a batch as ONE multi-document update statement: each
@@ -521,10 +583,18 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
     }
     let ids: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
     let position = doc! {"$indexOfArray": [{"$literal": ids.clone()}, "$_id"]};
-    let merged =
-        doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position}, "in": holder}}]};
+    let merged = doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position.clone()}, "in": holder}}]};
+    // Each document must be a code of the pool of the order at its own
+    // position: a hot set holding another pool's id grants nothing.
+    let pools: Vec<Bson> = assignments
+        .iter()
+        .map(|a| Bson::String(a.pool.clone()))
+        .collect();
+    let own_pool = doc! {"$eq": ["$pool", {"$arrayElemAt": [{"$literal": pools}, position]}]};
+    let mut q = claimable_ids(Bson::Document(doc! {"$in": ids}), now);
+    q.insert("$expr", own_pool);
     doc! {
-        "q": claimable_ids(Bson::Document(doc! {"$in": ids}), now),
+        "q": q,
         "u": [{"$replaceWith": merged}],
         "multi": true,
     }
@@ -814,10 +884,12 @@ impl Store {
         // (in a second write, a claim that landed in the first no longer
         // matches, so this holds only when the second write did it all).
         let landed = crate::stats::as_u64(reply.get("n"));
-        if landed == (assignments.len() - out.order_taken.len()) as u64 {
-            out.granted = read
-                .ok()
-                .and_then(|codes| issued_by(codes, assignments, &out.order_taken, now));
+        match read {
+            Ok(codes) if landed == (assignments.len() - out.order_taken.len()) as u64 => {
+                out.granted = issued_by(codes, assignments, &out.order_taken, now);
+            }
+            Ok(codes) => out.strays = strays_among(&codes, assignments, &out.order_taken, now),
+            Err(_) => {}
         }
         Ok(out)
     }
