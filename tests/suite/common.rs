@@ -187,6 +187,7 @@ impl TestEnv {
                 .enumerate()
                 .map(|(i, c)| NewCode {
                     code: c.clone(),
+                    line: None,
                     expires_at: (k * 1000 + i < expired).then_some(past),
                 })
                 .collect();

@@ -99,34 +99,50 @@ async fn a_repeated_key_and_a_pool_left_by_a_failed_import_are_dead_lettered() {
 }
 
 #[tokio::test]
-async fn bidi_controls_from_order_ids_are_escaped_in_text_logs() {
+async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_logs() {
     let env = TestEnv::new("hostile_bidi").await;
     env.fill_pool("bidi", 5).await;
     let daemon = start_daemon(env.command(&["--log-format", "text"])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
-    let order = "O-\u{202e}1001";
-    let body = format!(r#"{{"order_id":"{order}","uid":"u","phone":"{PHONE}","pool":"bidi"}}"#);
-    publish_raw(&publisher, body.as_bytes(), order).await;
+    // A bidi override in an order id, a uid that shows as "exe.txt", a
+    // zero-width space and a soft hyphen: none is granted.
+    let bodies = [
+        ("O-\u{202e}1001", "u"),
+        ("O-1002", "\u{202e}txt.exe"),
+        ("O-\u{200b}1003", "u"),
+        ("O-1004", "u\u{ad}4"),
+    ];
+    for (order, uid) in bodies {
+        let body =
+            serde_json::json!({"order_id": order, "uid": uid, "phone": PHONE, "pool": "bidi"});
+        publish_raw(&publisher, body.to_string().as_bytes(), order).await;
+    }
+    let dead = dead_letters(&env, &conn, 4).await;
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for (id, reason) in &dead {
+        assert!(
+            reason.starts_with("invalid_chars: field"),
+            "{id:?}: {reason}"
+        );
+        assert!(reason.contains("U+"), "the code point is named: {reason}");
+    }
     let codes = env.store.database().collection::<bson::Document>("codes");
-    eventually(Duration::from_secs(30), "the order granted", || {
-        let codes = codes.clone();
-        async move {
-            codes
-                .count_documents(bson::doc! {"order_id": order})
-                .await
-                .unwrap_or(0)
-                == 1
-        }
-    })
-    .await;
+    assert_eq!(
+        codes
+            .count_documents(bson::doc! {"status": 1})
+            .await
+            .unwrap(),
+        0
+    );
     let log = daemon.log.clone();
     codepool_broker::close(conn, "done").await;
     daemon.stop().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let log = log.lock().unwrap().join("\n");
-    assert!(log.contains("O-\\u{202e}1001"), "escaped in the log: {log}");
-    assert!(!log.contains('\u{202e}'), "no raw bidi control: {log}");
+    for raw in ['\u{202e}', '\u{200b}', '\u{ad}'] {
+        assert!(!log.contains(raw), "no raw {raw:?} in the log: {log}");
+    }
     assert!(
         !log.contains("io_loop") && !log.contains("being shutdown"),
         "a clean stop logs no lapin error: {log}"

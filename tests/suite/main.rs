@@ -11,5 +11,6 @@ mod hotpool;
 mod importer;
 mod ops;
 mod policies;
+mod readable;
 mod secrets;
 mod strays;

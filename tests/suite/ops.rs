@@ -55,6 +55,7 @@ fn numbered_codes(
     (from..from + n)
         .map(|i| NewCode {
             code: format!("{prefix}-{i:05}"),
+            line: None,
             expires_at,
         })
         .collect()
@@ -622,18 +623,21 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     for i in 0..20 {
         new.push(NewCode {
             code: format!("EXP-{i:03}"),
+            line: None,
             expires_at: Some(past),
         });
     }
     for i in 0..5 {
         new.push(NewCode {
             code: format!("LIVE-{i:03}"),
+            line: None,
             expires_at: Some(future),
         });
     }
     for i in 0..5 {
         new.push(NewCode {
             code: format!("FOREVER-{i:03}"),
+            line: None,
             expires_at: None,
         });
     }
@@ -713,6 +717,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     let other: Vec<NewCode> = (0..4)
         .map(|i| NewCode {
             code: format!("EX2-{i}"),
+            line: None,
             expires_at: Some(if i == 0 { future } else { past }),
         })
         .collect();
@@ -824,6 +829,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
     let more: Vec<NewCode> = (0..30)
         .map(|i| NewCode {
             code: format!("ls-more-{i:03}"),
+            line: None,
             expires_at: None,
         })
         .collect();

@@ -198,6 +198,7 @@ pub async fn fill_pools(
             let codes: Vec<codepool_store::NewCode> = (from..to)
                 .map(|i| codepool_store::NewCode {
                     code: format!("{pool}-{i:09}"),
+                    line: None,
                     expires_at: None,
                 })
                 .collect();

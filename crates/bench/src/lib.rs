@@ -240,6 +240,7 @@ pub async fn fill_pool(store: &Store, pool: &str, n: usize) -> anyhow::Result<()
             c.iter()
                 .map(|i| NewCode {
                     code: format!("{pool}-{i:09}"),
+                    line: None,
                     expires_at: None,
                 })
                 .collect()

@@ -104,6 +104,7 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::InvalidTime,
     RejectReason::UnknownPool,
     RejectReason::DuplicateField,
+    RejectReason::InvalidChars,
     RejectReason::DeliveryLimit,
 ];
 

@@ -152,14 +152,18 @@ pub enum InvalidCode {
     Empty,
     #[error("the code is {0} characters long; at most {MAX_CODE_LEN} are allowed")]
     TooLong(usize),
-    #[error("the code contains a control character (position {0})")]
-    ControlCharacter(usize),
+    /// A character a buyer cannot see or type ([`crate::text`]).
+    #[error("the code contains {0}; a buyer can neither see nor type it, so ask the partner for a clean file")]
+    Unreadable(crate::text::UnreadableChar),
 }
 
-/// Trims a raw field and checks it is a code codepool can store and send:
-/// not empty, at most [`MAX_CODE_LEN`] characters, no control characters.
+/// Trims a raw field (ASCII whitespace at its ends) and checks it is a code
+/// codepool can store and send: not empty, at most [`MAX_CODE_LEN`]
+/// characters, and no character a buyer cannot read or type: controls,
+/// format characters, private-use or unassigned code points, or whitespace
+/// other than an inner ASCII space.
 pub fn validate_code(raw: &str) -> Result<&str, InvalidCode> {
-    let code = raw.trim();
+    let code = raw.trim_ascii();
     if code.is_empty() {
         return Err(InvalidCode::Empty);
     }
@@ -167,8 +171,8 @@ pub fn validate_code(raw: &str) -> Result<&str, InvalidCode> {
     if len > MAX_CODE_LEN {
         return Err(InvalidCode::TooLong(len));
     }
-    if let Some(pos) = code.chars().position(char::is_control) {
-        return Err(InvalidCode::ControlCharacter(pos + 1));
+    if let Some(bad) = crate::text::first_unreadable(code) {
+        return Err(InvalidCode::Unreadable(bad));
     }
     Ok(code)
 }
@@ -232,10 +236,23 @@ mod tests {
             Err(InvalidCode::TooLong(129))
         );
         assert!(validate_code(&"x".repeat(128)).is_ok());
-        assert_eq!(
-            validate_code("AB\u{7}C"),
-            Err(InvalidCode::ControlCharacter(3))
-        );
+        let Err(InvalidCode::Unreadable(bad)) = validate_code("AB\u{7}C") else {
+            panic!("a control character passed");
+        };
+        assert_eq!((bad.position, bad.ch), (3, '\u{7}'));
+        for hidden in [
+            "LOOK\u{200b}123",
+            "LO\u{ad}OK123",
+            "\u{202e}LOOK123",
+            "LOOK123\u{a0}",
+        ] {
+            assert!(
+                matches!(validate_code(hidden), Err(InvalidCode::Unreadable(_))),
+                "{hidden:?}"
+            );
+        }
+        let reason = validate_code("LOOK\u{200b}123").unwrap_err().to_string();
+        assert!(reason.contains("U+200B"), "{reason}");
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod purchase;
 pub mod record;
 pub mod redemption;
+pub mod text;
 
 pub use code::{
     mask, validate_code, CodeId, CodeStatus, InvalidCode, InvalidCodeId, Transition, MAX_CODE_LEN,
@@ -29,3 +30,4 @@ pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
+pub use text::{first_unreadable, fold, Unreadable, UnreadableChar};

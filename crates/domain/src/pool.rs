@@ -9,7 +9,7 @@ pub struct Pool(String);
 
 /// Why a string is not a usable pool name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid pool name {name:?}: use 1 to {max} characters from A-Z a-z 0-9 . _ -")]
+#[error("invalid pool name {name:?}: use 1 to {max} characters from A-Z a-z 0-9 . _ -, starting with a letter or a digit")]
 pub struct InvalidPoolName {
     pub name: String,
     pub max: usize,
@@ -19,8 +19,11 @@ impl Pool {
     pub const MAX_LEN: usize = 64;
 
     pub fn new(name: &str) -> Result<Self, InvalidPoolName> {
-        let ok = !name.is_empty()
-            && name.len() <= Self::MAX_LEN
+        let ok = name.len() <= Self::MAX_LEN
+            && name
+                .bytes()
+                .next()
+                .is_some_and(|b| b.is_ascii_alphanumeric())
             && name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
@@ -57,5 +60,9 @@ mod tests {
         assert!(Pool::new("a b").is_err());
         assert!(Pool::new("x{y}").is_err());
         assert!(Pool::new(&"p".repeat(65)).is_err());
+        for leading in [".", "..", "-x", "_x", ".hidden"] {
+            assert!(Pool::new(leading).is_err(), "{leading:?}");
+        }
+        assert!(Pool::new("9lives").is_ok());
     }
 }

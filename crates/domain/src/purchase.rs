@@ -40,6 +40,10 @@ pub enum RejectReason {
     InvalidTime,
     UnknownPool,
     DuplicateField,
+    /// A field holds a character nobody can see or type: a control, a
+    /// format character such as a bidi override, a private-use or
+    /// unassigned code point, or unusual whitespace ([`crate::text`]).
+    InvalidChars,
     /// Valid or not, the message was delivered (and not settled) more often
     /// than the queue's delivery limit allows: a poison message.
     DeliveryLimit,
@@ -59,6 +63,7 @@ impl RejectReason {
             Self::InvalidTime => "invalid_time",
             Self::UnknownPool => "unknown_pool",
             Self::DuplicateField => "duplicate_field",
+            Self::InvalidChars => "invalid_chars",
             Self::DeliveryLimit => "delivery_limit",
         }
     }
@@ -238,10 +243,10 @@ fn optional(
                     RejectReason::TooLong,
                     format!("field {field:?} is longer than {max} characters"),
                 ))
-            } else if s.chars().any(char::is_control) {
+            } else if let Some(bad) = crate::text::first_unreadable(s) {
                 Err(PurchaseError::new(
-                    RejectReason::WrongType,
-                    format!("field {field:?} contains control characters"),
+                    RejectReason::InvalidChars,
+                    format!("field {field:?} contains {bad}; send it as plain visible text"),
                 ))
             } else {
                 Ok(Some(s.to_owned()))
@@ -289,6 +294,29 @@ mod tests {
         assert_eq!(p.pool, "game-x");
         assert_eq!(p.purchased_at.as_deref(), Some("2026-11-20T10:00:00Z"));
         assert_eq!(Purchase::parse(&p.to_json()).unwrap(), p);
+    }
+
+    #[test]
+    fn ids_with_invisible_characters_are_invalid_chars() {
+        for (field, value) in [
+            ("order_id", "O-\u{202e}1001"),
+            ("uid", "\u{202e}txt.exe"),
+            ("uid", "u\u{200b}1"),
+            ("order_id", "O-\u{ad}1"),
+            ("order_id", "O-\u{7}1"),
+            ("uid", "u\u{a0}1"),
+        ] {
+            let mut body =
+                serde_json::json!({"order_id":"o","uid":"u","phone":"+123456","pool":"p"});
+            body[field] = value.into();
+            let err = Purchase::parse(body.to_string().as_bytes()).unwrap_err();
+            assert_eq!(err.reason, RejectReason::InvalidChars, "{field}={value:?}");
+            assert!(err.to_string().starts_with("invalid_chars: field"), "{err}");
+            assert!(err.to_string().contains("U+"), "{err}");
+        }
+        // Other scripts and inner spaces are plain text.
+        let body = r#"{"order_id":"订单 1","uid":"ключ","phone":"+123456","pool":"p"}"#;
+        assert!(Purchase::parse(body.as_bytes()).is_ok());
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use codepool_domain::Pool;
+use codepool_store::codes::LookAlike;
 use codepool_store::imports::ImportRecord;
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use serde::Serialize;
@@ -65,8 +66,14 @@ pub struct ImportSummary {
     pub rows: u64,
     pub inserted: u64,
     pub duplicates: u64,
+    /// Rows refused: unreadable or malformed (with their reason), and
+    /// look-alikes of a code the pool holds (`lookalikes` of them).
     pub invalid: u64,
-    /// The first invalid rows (up to `keep_invalid`), with line numbers.
+    /// Of `invalid`, the codes refused as look-alikes: equal to a code of
+    /// the pool under NFKC and case folding (NFKC only in a case-sensitive
+    /// pool).
+    pub lookalikes: u64,
+    /// The first invalid rows (up to `keep_invalid`), by line number.
     pub invalid_rows: Vec<InvalidRow>,
     pub seconds: f64,
     pub codes_per_second: f64,
@@ -94,6 +101,7 @@ pub struct ImportProgress {
     pub inserted: u64,
     pub duplicates: u64,
     pub invalid: u64,
+    pub lookalikes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -310,6 +318,13 @@ impl<'a> Run<'a> {
             Ok(Ok(done)) => {
                 self.progress.inserted += done.inserted;
                 self.progress.duplicates += done.duplicates;
+                self.progress.lookalikes += done.lookalikes.len() as u64;
+                self.progress.invalid += done.lookalikes.len() as u64;
+                for row in done.lookalikes {
+                    if self.invalid_rows.len() < self.options.keep_invalid {
+                        self.invalid_rows.push(row);
+                    }
+                }
                 self.count_lookup(done.found);
             }
             Ok(Err(e)) => {
@@ -397,6 +412,8 @@ impl<'a> Run<'a> {
         if let Some(e) = self.failure {
             return Err(e);
         }
+        let mut invalid_rows = self.invalid_rows;
+        invalid_rows.sort_by_key(|r| r.line);
         Ok(ImportSummary {
             import_id: self.import_id.to_hex(),
             pool: self.pool,
@@ -407,7 +424,8 @@ impl<'a> Run<'a> {
             inserted: p.inserted,
             duplicates: p.duplicates,
             invalid: p.invalid,
-            invalid_rows: self.invalid_rows,
+            lookalikes: p.lookalikes,
+            invalid_rows,
             seconds,
             codes_per_second: if seconds > 0.0 {
                 p.inserted as f64 / seconds
@@ -424,7 +442,27 @@ impl<'a> Run<'a> {
 struct Inserted {
     inserted: u64,
     duplicates: u64,
+    /// Rows refused as look-alikes, with the line they match.
+    lookalikes: Vec<InvalidRow>,
     found: Option<u64>,
+}
+
+/// The refused row of a look-alike, naming the code it reads like.
+fn lookalike_row(batch: &[NewCode], import_id: ObjectId, l: &LookAlike) -> InvalidRow {
+    let line = batch.get(l.index).and_then(|c| c.line).unwrap_or(0);
+    let matched = match (l.of_line, l.of_import) {
+        (Some(of), Some(id)) if id == import_id => format!("the code on line {of} of this file"),
+        (Some(of), Some(id)) => format!("the code on line {of} of import {id}"),
+        (_, Some(id)) => format!("a code of import {id}"),
+        _ => "a code the pool holds".to_owned(),
+    };
+    InvalidRow {
+        line,
+        reason: format!(
+            "lookalike: reads the same as {matched} (equal under Unicode NFKC and case folding); \
+             ask the partner which one is meant"
+        ),
+    }
 }
 
 /// Batches in a row whose lookup found nothing before lookups stop.
@@ -455,17 +493,24 @@ async fn insert_batch(
         };
         match result {
             Ok((o, found)) if attempt == 0 => {
+                let lookalikes = (o.lookalikes.iter())
+                    .map(|l| lookalike_row(&batch, import_id, l))
+                    .collect();
                 return Ok(Inserted {
                     inserted: o.inserted,
                     duplicates: o.duplicates,
+                    lookalikes,
                     found,
-                })
+                });
             }
             Ok((_, found)) => {
+                // A retry cannot tell look-alikes from codes its first
+                // attempt inserted: the rest count as duplicates.
                 let ours = store.count_from_batch(pool, import_id, &batch).await?;
                 return Ok(Inserted {
                     inserted: ours,
                     duplicates: batch.len() as u64 - ours,
+                    lookalikes: Vec::new(),
                     found,
                 });
             }
@@ -486,10 +531,16 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
     for row in rows.by_ref() {
         match row {
             Ok(Row::Code {
-                code, expires_at, ..
+                code,
+                expires_at,
+                line,
             }) => {
                 count += 1;
-                batch.push(NewCode { code, expires_at });
+                batch.push(NewCode {
+                    code,
+                    expires_at,
+                    line: Some(line),
+                });
                 if batch.len() >= batch_size {
                     let full = std::mem::replace(&mut batch, Vec::with_capacity(batch_size));
                     if !send(Piece::Codes(full)) || !send(Piece::Rows(count)) {

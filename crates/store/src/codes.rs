@@ -192,14 +192,36 @@ impl CodeDoc {
 pub struct NewCode {
     pub code: String,
     pub expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its line in the file (kept on the code, so that a later look-alike
+    /// can name the line it matches).
+    pub line: Option<u64>,
 }
 
 /// What inserting one batch of new codes did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct InsertOutcome {
     pub inserted: u64,
+    /// Codes already in the pool, exactly as given.
     pub duplicates: u64,
+    /// Codes refused because the pool holds one that reads the same
+    /// (equal under NFKC and, unless the pool is case-sensitive, case
+    /// folding): not counted in `duplicates`.
+    pub lookalikes: Vec<LookAlike>,
 }
+
+/// A code refused as a look-alike of one the pool holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookAlike {
+    /// Its position in the batch given to the insert.
+    pub index: usize,
+    /// The line of the code it matches, when that code came from a file.
+    pub of_line: Option<u64>,
+    /// The import run that brought the code it matches.
+    pub of_import: Option<ObjectId>,
+}
+
+/// The unique index that refuses a look-alike (migration 0011).
+const FOLD_INDEX: &str = "pool_code_fold_unique";
 
 /// One intended claim: give the code `code_id`, if it is an unissued and
 /// unexpired code of `pool`, to this order.
@@ -642,6 +664,12 @@ fn claim_reply(reply: &Document) -> Result<ClaimWrite, StoreError> {
     Ok(out)
 }
 
+/// The positions of an unordered `update` command's statements that a
+/// unique index refused; any other error is an error.
+pub(crate) fn duplicate_positions(reply: &Document) -> Result<Vec<usize>, StoreError> {
+    claim_reply(reply).map(|w| w.order_taken)
+}
+
 impl Store {
     /// Runs `updates` on `codes` as ONE unordered, journaled `update`
     /// command (majority write concern) and returns the server's reply, so
@@ -700,6 +728,7 @@ impl Store {
             return Ok(InsertOutcome::default());
         }
         let ring = self.keys.ring()?;
+        let case_sensitive = self.case_sensitive_codes(pool).await?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
         let now = DateTime::now();
         let docs: Vec<Document> = codes
@@ -709,6 +738,14 @@ impl Store {
                 let id = ObjectId::new();
                 let mut d = doc! {"_id": id, "pool": pool};
                 d.extend(sealed_fields(&ring, pool, id, &c.code));
+                let folded = codepool_domain::fold(&c.code, case_sensitive);
+                d.insert(
+                    "code_fold_hmac",
+                    binary(ring.fold_hmac(pool, &folded).to_vec()),
+                );
+                if let Some(line) = c.line.and_then(|l| i64::try_from(l).ok()) {
+                    d.insert("line", line);
+                }
                 d.extend(doc! {
                     "status": CodeStatus::Unissued.as_i32(),
                     "seq": first_seq + i as i64,
@@ -723,7 +760,11 @@ impl Store {
             })
             .collect();
         let total = docs.len() as u64;
-        let outcome = self.insert_docs(docs).await?;
+        let (mut outcome, refused) = self.insert_docs(&docs).await?;
+        if !refused.is_empty() {
+            outcome.lookalikes = self.look_alikes_among(pool, &docs, &refused).await?;
+            outcome.duplicates -= outcome.lookalikes.len() as u64;
+        }
         let last_seq = first_seq + total as i64 - 1;
         if let Err(e) = self
             .record_range(pool, first_seq, last_seq, outcome.inserted)
@@ -736,8 +777,12 @@ impl Store {
     }
 
     /// `insert_many` of new code documents, unordered: duplicates are
-    /// counted, any other refusal is an error.
-    async fn insert_docs(&self, docs: Vec<Document>) -> Result<InsertOutcome, StoreError> {
+    /// counted, any other refusal is an error. Also returns the positions
+    /// the look-alike index refused.
+    async fn insert_docs(
+        &self,
+        docs: &[Document],
+    ) -> Result<(InsertOutcome, Vec<usize>), StoreError> {
         let total = docs.len() as u64;
         match self
             .collection(CODES)
@@ -746,10 +791,14 @@ impl Store {
             .write_concern(durable())
             .await
         {
-            Ok(r) => Ok(InsertOutcome {
-                inserted: r.inserted_ids.len() as u64,
-                duplicates: total - r.inserted_ids.len() as u64,
-            }),
+            Ok(r) => Ok((
+                InsertOutcome {
+                    inserted: r.inserted_ids.len() as u64,
+                    duplicates: total - r.inserted_ids.len() as u64,
+                    lookalikes: Vec::new(),
+                },
+                Vec::new(),
+            )),
             Err(e) => {
                 let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
                     return Err(e.into());
@@ -769,12 +818,62 @@ impl Store {
                     });
                 }
                 let duplicates = errors.len() as u64;
-                Ok(InsertOutcome {
-                    inserted: total - duplicates,
-                    duplicates,
-                })
+                // The server names the index that refused a document.
+                let by_fold = errors
+                    .iter()
+                    .filter(|w| w.message.contains(FOLD_INDEX))
+                    .map(|w| w.index)
+                    .collect();
+                Ok((
+                    InsertOutcome {
+                        inserted: total - duplicates,
+                        duplicates,
+                        lookalikes: Vec::new(),
+                    },
+                    by_fold,
+                ))
             }
         }
+    }
+
+    /// Which of the documents at `refused` (turned away by the look-alike
+    /// index) are look-alikes, and of which code: one whose stored code
+    /// differs from theirs. A document whose exact code is in the pool is
+    /// a plain duplicate, whichever index refused it first.
+    async fn look_alikes_among(
+        &self,
+        pool: &str,
+        docs: &[Document],
+        refused: &[usize],
+    ) -> Result<Vec<LookAlike>, StoreError> {
+        let folds: Vec<Bson> = (refused.iter())
+            .filter_map(|&i| docs.get(i)?.get("code_fold_hmac").cloned())
+            .collect();
+        let held: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"pool": pool, "code_fold_hmac": {"$in": folds}})
+            .projection(doc! {"code_hmac": 1, "code_fold_hmac": 1, "line": 1, "batch_id": 1})
+            .await?
+            .try_collect()
+            .await?;
+        let mut out = Vec::new();
+        for &index in refused {
+            let Some(ours) = docs.get(index) else {
+                continue;
+            };
+            let matched = held
+                .iter()
+                .find(|h| h.get("code_fold_hmac") == ours.get("code_fold_hmac"));
+            match matched {
+                Some(h) if h.get("code_hmac") != ours.get("code_hmac") => out.push(LookAlike {
+                    index,
+                    of_line: int_field(h, "line").and_then(|l| u64::try_from(l).ok()),
+                    of_import: h.get_object_id("batch_id").ok(),
+                }),
+                _ => {}
+            }
+        }
+        Ok(out)
     }
 
     /// [`Store::insert_codes`] of the codes not in `pool` yet, found with

@@ -32,6 +32,7 @@ pub mod export;
 pub mod imports;
 pub mod ledger;
 pub mod lifecycle;
+pub mod lookalikes;
 pub mod migrate;
 pub mod policies;
 pub mod pool_settings;

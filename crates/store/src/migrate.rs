@@ -51,6 +51,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0010_codes_batch_index",
         include_str!("../../../migrations/0010_codes_batch_index.json"),
     ),
+    (
+        "0011_codes_lookalike_index",
+        include_str!("../../../migrations/0011_codes_lookalike_index.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -24,6 +24,9 @@ pub struct PoolSettings {
     pub grant_prefix: Option<String>,
     /// Orders one user may hold in the pool (0: unlimited).
     pub per_user: Option<i64>,
+    /// The pool's platform tells `ABC` from `abc`: look-alike codes fold by
+    /// NFKC only, not by case. Fixed once the pool holds a code.
+    pub case_sensitive_codes: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,8 +39,10 @@ pub enum PoolSettingsError {
     BadPrefix(String),
     #[error("--per-user must be 0 (unlimited) or more, not {0}")]
     NegativePerUser(i64),
-    #[error("nothing to change; give --low-stock N, --grant-prefix P and/or --per-user N")]
+    #[error("nothing to change; give --low-stock N, --grant-prefix P, --per-user N and/or --case-sensitive-codes")]
     Nothing,
+    #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
+    CaseRuleFixed(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -74,6 +79,12 @@ impl Store {
                 return Err(PoolSettingsError::NegativePerUser(n));
             }
             set.insert("per_user", n);
+        }
+        if let Some(sensitive) = settings.case_sensitive_codes {
+            if self.pool_holds_codes(pool).await? {
+                return Err(PoolSettingsError::CaseRuleFixed(pool.to_owned()));
+            }
+            set.insert("case_sensitive_codes", sensitive);
         }
         if set.is_empty() {
             return Err(PoolSettingsError::Nothing);

@@ -36,6 +36,10 @@ pub struct PoolDoc {
     pub paused: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_at: Option<DateTime>,
+    /// Codes of this pool differ by case on its platform: look-alikes fold
+    /// by NFKC only (`codepool pool set --case-sensitive-codes`).
+    #[serde(default)]
+    pub case_sensitive_codes: bool,
 }
 
 impl PoolDoc {
@@ -68,6 +72,27 @@ impl Store {
             .upsert(true)
             .await?;
         Ok(r.upserted_id.is_some())
+    }
+
+    /// True when at least one code (of any status) belongs to `pool`.
+    pub async fn pool_holds_codes(&self, pool: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .collection(crate::codes::CODES)
+            .find_one(doc! {"pool": pool})
+            .projection(doc! {"_id": 1})
+            .await?
+            .is_some())
+    }
+
+    /// Whether `pool`'s codes tell case apart (false for a pool that does
+    /// not exist yet: an import creates it with the default).
+    pub async fn case_sensitive_codes(&self, pool: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .collection(POOLS)
+            .find_one(doc! {"_id": pool})
+            .projection(doc! {"case_sensitive_codes": 1})
+            .await?
+            .is_some_and(|d| d.get_bool("case_sensitive_codes").unwrap_or(false)))
     }
 
     pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {
@@ -120,6 +145,7 @@ mod tests {
             per_user,
             paused,
             paused_at: None,
+            case_sensitive_codes: false,
         }
     }
 

@@ -206,6 +206,20 @@ impl Keyring {
         mac.update(code.as_bytes());
         mac.finalize().into_bytes().into()
     }
+
+    /// HMAC-SHA-256 of `"fold" ‖ 0x00 ‖ pool ‖ 0x00 ‖ key`, where `key` is a
+    /// code's look-alike key (`codepool_domain::fold`): what the unique
+    /// look-alike index holds. Tagged apart from [`Keyring::code_hmac`], so
+    /// the two columns never compare equal for different inputs.
+    pub fn fold_hmac(&self, pool: &str, key: &str) -> [u8; 32] {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.hmac.as_ref())
+            .expect("HMAC accepts any key length");
+        mac.update(b"fold\0");
+        mac.update(pool.as_bytes());
+        mac.update(&[0]);
+        mac.update(key.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
 }
 
 #[cfg(test)]

@@ -153,6 +153,9 @@ fn print_summary(s: &ImportSummary) {
     println!("  inserted    {}", s.inserted);
     println!("  duplicates  {}", s.duplicates);
     println!("  invalid     {}", s.invalid);
+    if s.lookalikes > 0 {
+        println!("  lookalikes  {} (of the invalid)", s.lookalikes);
+    }
     println!("  seconds     {:.2}", s.seconds);
     println!("  codes/s     {:.0}", s.codes_per_second);
     println!("  sha256      {}", s.sha256);

@@ -14,7 +14,11 @@ Examples:
 Codes stored in plaintext (by versions before encryption at rest) are
 encrypted in place with the active key of the key file, in batches. It is
 resumable (run it again after an interruption) and safe while dispatchers
-run: claims never read the code, so none is skipped or issued twice.")]
+run: claims never read the code, so none is skipped or issued twice.
+
+Codes imported before look-alike checks get their look-alike key, and any
+look-alike pairs a pool already holds (codes equal under Unicode NFKC and
+case folding) are listed. Neither code of a pair is voided.")]
 pub struct MigrateArgs {
     /// Plaintext codes encrypted per batch.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
@@ -38,9 +42,58 @@ pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
     );
     let store = store.with_keys(crate::context::code_keys(cfg)?);
     let plaintext = store.count_plaintext(None, None).await?;
-    if plaintext == 0 {
-        return Ok(crate::exit::OK);
+    if plaintext > 0 {
+        seal_plaintext(&store, plaintext, args.batch_size).await?;
     }
+    key_lookalikes(&store, args.batch_size).await?;
+    Ok(crate::exit::OK)
+}
+
+/// Gives every code imported before look-alikes were refused its
+/// look-alike key, and lists the look-alike pairs pools already hold.
+/// Nothing is voided: which code the partner meant is an operator's call.
+async fn key_lookalikes(store: &codepool_store::Store, batch_size: i64) -> anyhow::Result<()> {
+    if !store.has_unkeyed_folds().await? {
+        return store.finish_fold_backfill().await.map_err(Into::into);
+    }
+    store.keys().ring().map_err(|e| {
+        anyhow::anyhow!("codes imported before look-alike checks need a key to be checked: {e}")
+    })?;
+    let (mut after, mut keyed, mut pairs) = (None, 0u64, Vec::new());
+    loop {
+        let batch = store.fold_backfill_batch(after, batch_size).await?;
+        if batch.read == 0 {
+            break;
+        }
+        keyed += batch.keyed;
+        pairs.extend(batch.pairs);
+        after = batch.next_after;
+    }
+    store.finish_fold_backfill().await?;
+    println!("checked {keyed} code(s) imported before look-alike checks");
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "{} look-alike pair(s): codes that read the same to a buyer (Unicode NFKC and case folding). \
+         Both stay issuable; void the one the partner did not mean with \
+         `codepool void --pool POOL --code CODE --reason lookalike`:",
+        pairs.len()
+    );
+    for p in &pairs {
+        println!(
+            "  pool {:?}: {} (id {}) reads like {} (id {})",
+            p.pool, p.lookalike_masked, p.lookalike, p.kept_masked, p.kept
+        );
+    }
+    Ok(())
+}
+
+async fn seal_plaintext(
+    store: &codepool_store::Store,
+    plaintext: u64,
+    batch_size: i64,
+) -> anyhow::Result<()> {
     store.keys().ring().map_err(|e| {
         anyhow::anyhow!(
             "{plaintext} code(s) are stored in plaintext and need a key to be encrypted: {e}"
@@ -49,10 +102,10 @@ pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
     let sealed = super::keys::in_batches(
         "encrypting",
         plaintext,
-        || store.seal_plaintext_batch(args.batch_size),
+        || store.seal_plaintext_batch(batch_size),
         || store.has_plaintext(),
     )
     .await?;
     println!("encrypted {sealed} plaintext code(s) in place; no plaintext code is left");
-    Ok(crate::exit::OK)
+    Ok(())
 }

@@ -68,6 +68,11 @@ pub enum PoolAction {
         /// Orders one user (uid) may get a code for; 0 is unlimited.
         #[arg(long, value_name = "N")]
         per_user: Option<i64>,
+        /// The pool's platform tells ABC from abc: look-alike codes are then
+        /// folded by Unicode NFKC only, not by case. Only before the pool's
+        /// first import (`--case-sensitive-codes=false` turns it off).
+        #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+        case_sensitive_codes: Option<bool>,
     },
     /// Stop issuing: purchases wait as backorders until `resume`.
     Pause {
@@ -122,11 +127,13 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             low_stock,
             grant_prefix,
             per_user,
+            case_sensitive_codes,
         } => {
             let settings = PoolSettings {
                 low_stock,
                 grant_prefix,
                 per_user,
+                case_sensitive_codes,
             };
             set(&store, &pool, &settings).await?
         }
@@ -159,6 +166,11 @@ async fn set(
     match settings.per_user {
         Some(0) => println!("pool {pool}: no per-user limit"),
         Some(n) => println!("pool {pool}: at most {n} order(s) per user get a code; further purchases are refused (running dispatchers apply it within a second)"),
+        None => {}
+    }
+    match settings.case_sensitive_codes {
+        Some(true) => println!("pool {pool}: codes are case-sensitive; look-alikes are folded by Unicode NFKC only"),
+        Some(false) => println!("pool {pool}: codes ignore case; look-alikes are folded by Unicode NFKC and case folding"),
         None => {}
     }
     Ok(())

@@ -1,0 +1,168 @@
+//! Text that people read: codes texted to buyers, ids shown in pages,
+//! logs and spreadsheets. What a buyer or partner sends is shown as text,
+//! never obeyed, so two rules hold at every door:
+//!
+//! - **No unreadable characters.** A character nobody can see or type — a
+//!   control, a format character (zero-width space, soft hyphen, bidi
+//!   controls such as U+202E), a private-use or unassigned code point, or
+//!   whitespace other than a plain inner space — makes a code or an id
+//!   invalid. A buyer cannot type a zero-width space, and a right-to-left
+//!   override shows the code reversed on their phone.
+//! - **Look-alikes are one code.** Two codes equal under NFKC and case
+//!   folding (`LOOK123`, `look123`, `ＬＯＯＫ１２３`) read the same to a person and,
+//!   on a platform that ignores case, redeem as the same code. [`fold`]
+//!   gives the key they share; a pool whose platform tells case apart
+//!   folds by NFKC only.
+
+use std::fmt;
+
+use unicode_normalization::UnicodeNormalization;
+use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+
+/// What kind of unreadable character a text holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreadable {
+    Control,
+    /// Zero-width characters, soft hyphen, bidi controls (Unicode Cf).
+    Format,
+    PrivateUse,
+    Unassigned,
+    /// Whitespace other than an inner ASCII space (no-break, ideographic,
+    /// line separators …).
+    Whitespace,
+}
+
+impl Unreadable {
+    fn describe(self) -> &'static str {
+        match self {
+            Unreadable::Control => "a control character",
+            Unreadable::Format => {
+                "an invisible format character (zero-width, soft hyphen or bidi control)"
+            }
+            Unreadable::PrivateUse => "a private-use character",
+            Unreadable::Unassigned => "an unassigned code point",
+            Unreadable::Whitespace => "whitespace other than a plain space",
+        }
+    }
+}
+
+/// The first unreadable character of a text: which, where, and what kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnreadableChar {
+    /// 1-based position among the text's characters.
+    pub position: usize,
+    pub ch: char,
+    pub kind: Unreadable,
+}
+
+impl fmt::Display for UnreadableChar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "U+{:04X} ({}) at position {}",
+            u32::from(self.ch),
+            self.kind.describe(),
+            self.position
+        )
+    }
+}
+
+/// The kind of unreadable character `c` is, if it is one. A plain ASCII
+/// space is readable (callers trim the ends of what they read).
+pub fn unreadable_kind(c: char) -> Option<Unreadable> {
+    if c == ' ' {
+        return None;
+    }
+    match c.general_category() {
+        GeneralCategory::Control => Some(Unreadable::Control),
+        GeneralCategory::Format => Some(Unreadable::Format),
+        GeneralCategory::PrivateUse => Some(Unreadable::PrivateUse),
+        GeneralCategory::Unassigned | GeneralCategory::Surrogate => Some(Unreadable::Unassigned),
+        GeneralCategory::SpaceSeparator
+        | GeneralCategory::LineSeparator
+        | GeneralCategory::ParagraphSeparator => Some(Unreadable::Whitespace),
+        _ if c.is_whitespace() => Some(Unreadable::Whitespace),
+        _ => None,
+    }
+}
+
+/// The first unreadable character of `text`, if any.
+pub fn first_unreadable(text: &str) -> Option<UnreadableChar> {
+    text.chars().enumerate().find_map(|(i, ch)| {
+        unreadable_kind(ch).map(|kind| UnreadableChar {
+            position: i + 1,
+            ch,
+            kind,
+        })
+    })
+}
+
+/// The key two look-alike codes share: NFKC, then (unless the pool's
+/// platform tells case apart) full case folding and NFKC again, which is
+/// Unicode's compatibility caseless match. Equal keys, one code.
+pub fn fold(code: &str, case_sensitive: bool) -> String {
+    let compatible: String = code.nfkc().collect();
+    if case_sensitive {
+        return compatible;
+    }
+    caseless::default_case_fold_str(&compatible)
+        .nfkc()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invisible_and_unassigned_characters_are_found_with_their_code_point() {
+        let cases = [
+            ("LOOK\u{200b}123", 5, Unreadable::Format),
+            ("LO\u{00ad}OK123", 3, Unreadable::Format),
+            ("\u{202e}LOOK123", 1, Unreadable::Format),
+            ("LOOK\u{0007}", 5, Unreadable::Control),
+            ("A\u{e000}", 2, Unreadable::PrivateUse),
+            ("A\u{0378}", 2, Unreadable::Unassigned),
+            ("LOOK123\u{00a0}", 8, Unreadable::Whitespace),
+            ("LOOK\u{3000}123", 5, Unreadable::Whitespace),
+            ("LOOK\t123", 5, Unreadable::Control),
+            ("a\u{2028}b", 2, Unreadable::Whitespace),
+        ];
+        for (text, position, kind) in cases {
+            let found = first_unreadable(text).expect(text);
+            assert_eq!((found.position, found.kind), (position, kind), "{text:?}");
+        }
+        let shown = first_unreadable("LOOK\u{200b}123").unwrap().to_string();
+        assert!(shown.starts_with("U+200B (an invisible format"), "{shown}");
+    }
+
+    #[test]
+    fn readable_text_passes_including_inner_spaces_and_other_scripts() {
+        for text in [
+            "QWER-1234",
+            "ABCD EFGH",
+            "兑换码-甲乙",
+            "ключ-42",
+            "ＬＯＯＫ１２３",
+            "é",
+        ] {
+            assert_eq!(first_unreadable(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn look_alikes_fold_to_one_key() {
+        let key = fold("LOOK123", false);
+        for alike in ["look123", "ＬＯＯＫ１２３", "LoOk123", "ｌｏｏｋ１２３"] {
+            assert_eq!(fold(alike, false), key, "{alike:?}");
+        }
+        assert_eq!(fold("STRASSE", false), fold("straße", false));
+        assert_ne!(fold("LOOK124", false), key);
+    }
+
+    #[test]
+    fn a_case_sensitive_pool_folds_width_but_not_case() {
+        assert_eq!(fold("ＬＯＯＫ１２３", true), fold("LOOK123", true));
+        assert_ne!(fold("look123", true), fold("LOOK123", true));
+    }
+}
