@@ -6,6 +6,7 @@
 mod claims;
 mod common;
 mod dispatcher;
+mod export_rules;
 mod hostile_input;
 mod hotpool;
 mod importer;

@@ -30,4 +30,4 @@ pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
-pub use text::{first_unreadable, fold, Unreadable, UnreadableChar};
+pub use text::{first_unreadable, fold, spreadsheet_cell, Unreadable, UnreadableChar};

