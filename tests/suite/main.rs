@@ -13,5 +13,6 @@ mod importer;
 mod ops;
 mod policies;
 mod readable;
+mod replay;
 mod secrets;
 mod strays;

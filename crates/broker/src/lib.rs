@@ -21,6 +21,23 @@ pub use topology::{QueueSettings, QueueType, Topology, DEFAULT_DELIVERY_LIMIT};
 /// Header that carries why a purchase was dead-lettered.
 pub const REASON_HEADER: &str = "x-codepool-reason";
 
+/// How often `codepool dead-letters replay` sent a purchase back; carried
+/// over when it is dead-lettered again, so a replay can tell its own output.
+pub const REPLAYS_HEADER: &str = "x-codepool-replays";
+
+/// The replay count a message carries (0 when it was never replayed).
+pub fn replay_count(properties: &lapin::BasicProperties) -> u32 {
+    let Some(headers) = properties.headers().as_ref() else {
+        return 0;
+    };
+    match headers.inner().get(REPLAYS_HEADER) {
+        Some(lapin::types::AMQPValue::LongUInt(n)) => *n,
+        Some(lapin::types::AMQPValue::LongLongInt(n)) => u32::try_from(*n).unwrap_or(0),
+        Some(lapin::types::AMQPValue::LongInt(n)) => u32::try_from(*n).unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Why a message was dead-lettered: its `x-codepool-reason` (set by the
 /// dispatcher), else the broker's own (`x-first-death-reason`, e.g.
 /// `delivery_limit` when a quorum queue gave up on it, with the queue it

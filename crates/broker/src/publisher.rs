@@ -9,7 +9,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::topology::{Topology, SMS_PENDING_KEY};
-use crate::{BrokerError, REASON_HEADER};
+use crate::{BrokerError, REASON_HEADER, REPLAYS_HEADER};
 
 /// A publish the broker has not confirmed yet.
 pub struct PendingConfirm {
@@ -137,6 +137,24 @@ impl Publisher {
         self.publish("", &queue, body, props).await
     }
 
+    /// A dead-lettered purchase sent back to the purchases queue, marked
+    /// with how often it has been replayed (`replays`, at least 1).
+    pub async fn replay_purchase(
+        &self,
+        body: &[u8],
+        message_id: Option<&str>,
+        replays: u32,
+    ) -> Result<PendingConfirm, BrokerError> {
+        let mut headers = FieldTable::default();
+        headers.insert(REPLAYS_HEADER.into(), AMQPValue::LongUInt(replays));
+        let mut props = persistent_json().with_headers(headers);
+        if let Some(id) = message_id {
+            props = props.with_message_id(id.into());
+        }
+        let queue = self.topology.purchases.clone();
+        self.publish("", &queue, body, props).await
+    }
+
     /// The SMS-pending event of a grant, with its stable `event_id` as the
     /// message id so the SMS service can drop duplicates.
     pub async fn publish_sms_pending(
@@ -192,9 +210,13 @@ impl Publisher {
         body: &[u8],
         message_id: Option<&ShortString>,
         reason: &str,
+        replays: u32,
     ) -> Result<PendingConfirm, BrokerError> {
         let mut headers = FieldTable::default();
         headers.insert(REASON_HEADER.into(), AMQPValue::LongString(reason.into()));
+        if replays > 0 {
+            headers.insert(REPLAYS_HEADER.into(), AMQPValue::LongUInt(replays));
+        }
         let mut props = persistent_json().with_headers(headers);
         if let Some(id) = message_id {
             props = props.with_message_id(id.clone());

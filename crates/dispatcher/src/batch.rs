@@ -348,7 +348,12 @@ async fn dead_letter(
         pending.push((
             i,
             publisher
-                .dead_letter(&d.data, message_id, &e.to_string())
+                .dead_letter(
+                    &d.data,
+                    message_id,
+                    &e.to_string(),
+                    codepool_broker::replay_count(&d.properties),
+                )
                 .await,
         ));
     }

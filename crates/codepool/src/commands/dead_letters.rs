@@ -16,7 +16,11 @@ Examples:
   codepool dead-letters replay --reason unknown_pool
 
 Replayed messages go back to the purchases queue; those still invalid come
-back to the dead-letter queue with their reason.")]
+back to the dead-letter queue with their reason. A replay takes at most the
+messages that were dead-lettered when it started, so it never replays its own
+output; each replayed message carries its replay count (x-codepool-replays),
+kept when it is dead-lettered again and shown by `list`. With --wait SECS it
+then waits and reports how many of the replayed came back dead.")]
 pub struct DeadLettersArgs {
     #[command(subcommand)]
     pub action: Action,
@@ -41,7 +45,27 @@ pub enum Action {
         /// Most messages to replay.
         #[arg(long, default_value_t = 100_000)]
         limit: usize,
+        /// After replaying, wait up to SECS for the dispatchers and report
+        /// how many of the replayed messages came back dead.
+        #[arg(long, value_name = "SECS")]
+        wait: Option<u64>,
     },
+}
+
+/// How many messages `queue` holds now (a passive declare: it changes
+/// nothing).
+async fn depth(channel: &lapin::Channel, queue: &str) -> anyhow::Result<u32> {
+    let q = channel
+        .queue_declare(
+            queue,
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    Ok(q.message_count())
 }
 
 fn reason_of(props: &lapin::BasicProperties) -> String {
@@ -77,14 +101,15 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 let body = String::from_utf8_lossy(&d.data);
                 let body: String = body.chars().take(200).collect();
                 let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+                let replays = codepool_broker::replay_count(&d.properties);
                 if json {
                     println!(
                         "{}",
-                        serde_json::json!({"message_id": id, "reason": reason, "body": body})
+                        serde_json::json!({"message_id": id, "reason": reason, "replays": replays, "body": body})
                     );
                 } else {
                     println!(
-                        "{}  reason: {reason}\n    body: {body}",
+                        "{}  reason: {reason}  replays: {replays}\n    body: {body}",
                         id.as_deref().unwrap_or("-")
                     );
                 }
@@ -95,10 +120,18 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 println!("{shown} dead-lettered purchase(s) shown (still queued)");
             }
         }
-        Action::Replay { reason, limit } => {
+        Action::Replay {
+            reason,
+            limit,
+            wait,
+        } => {
+            // Only what was dead when the replay started: messages that
+            // fail again land behind them and are not taken again.
+            let budget = limit.min(depth(&channel, &topology.purchases_dead).await? as usize);
             let mut replayed = 0;
+            let mut sent = std::collections::HashSet::new();
             let mut kept = Vec::new();
-            while replayed + kept.len() < limit {
+            while replayed + kept.len() < budget {
                 let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? else {
                     break;
                 };
@@ -109,12 +142,14 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                     }
                 }
                 let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+                let replays = codepool_broker::replay_count(&d.properties).saturating_add(1);
                 publisher
-                    .publish_purchase_bytes(&d.data, id.as_deref())
+                    .replay_purchase(&d.data, id.as_deref(), replays)
                     .await?
                     .wait()
                     .await?;
                 d.acker.ack(BasicAckOptions::default()).await?;
+                sent.insert((id, replays));
                 replayed += 1;
             }
             for d in kept {
@@ -129,8 +164,45 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 "replayed {replayed} purchase(s) to {:?}",
                 topology.purchases
             );
+            if let Some(secs) = wait {
+                let again = dead_again(&conn, &topology, &sent, secs).await?;
+                println!("{again} of them came back dead (see `codepool dead-letters list`)");
+            }
         }
     }
     codepool_broker::close(conn, "done").await;
     Ok(crate::exit::OK)
+}
+
+/// Waits up to `secs` for the replayed messages (`sent`: message id and
+/// replay count) to be settled, then counts those back in the dead-letter
+/// queue. It returns early once the purchases queue is empty and the
+/// count stays the same for a second.
+async fn dead_again(
+    conn: &lapin::Connection,
+    topology: &codepool_broker::Topology,
+    sent: &std::collections::HashSet<(Option<String>, u32)>,
+    secs: u64,
+) -> anyhow::Result<usize> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let mut last = None;
+    loop {
+        let channel = conn.create_channel().await?;
+        let mut found = 0;
+        while let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? {
+            let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+            if sent.contains(&(id, codepool_broker::replay_count(&d.properties))) {
+                found += 1;
+            }
+        }
+        let waiting = depth(&channel, &topology.purchases).await?;
+        // Closing the channel puts every message it got back.
+        let _ = channel.close(200, "counted").await;
+        let settled = waiting == 0 && last == Some(found);
+        if settled || found == sent.len() || tokio::time::Instant::now() >= deadline {
+            return Ok(found);
+        }
+        last = Some(found);
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
 }
