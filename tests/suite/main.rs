@@ -10,6 +10,7 @@ mod export_rules;
 mod hostile_input;
 mod hotpool;
 mod importer;
+mod messages;
 mod ops;
 mod policies;
 mod readable;

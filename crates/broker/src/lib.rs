@@ -74,6 +74,10 @@ pub enum BrokerError {
     },
     #[error("RabbitMQ topology: {0}")]
     Topology(String),
+    /// CODEPOOL_AMQP_URL names something RabbitMQ will never accept (not
+    /// an AMQP URL, a vhost that does not exist): retrying cannot help.
+    #[error("{0}")]
+    Url(String),
     #[error("RabbitMQ queue {queue:?} exists as a {existing} queue, but codepool is set to declare {wanted} queues, and a queue's type cannot change. \
 Either keep {existing} queues: set CODEPOOL_QUEUE_TYPE={existing} (or --queue-type {existing}); \
 or migrate: stop every dispatcher, let {queue:?} drain (or move its messages, e.g. with a shovel), delete it (rabbitmqctl delete_queue {queue}), \
@@ -89,7 +93,7 @@ impl BrokerError {
     /// True when retrying cannot help: the broker's topology contradicts
     /// the configuration until an operator changes one of them.
     pub fn is_permanent(&self) -> bool {
-        matches!(self, BrokerError::QueueType { .. })
+        matches!(self, BrokerError::QueueType { .. } | BrokerError::Url(_))
     }
 }
 
@@ -163,6 +167,9 @@ pub async fn connect(urls: &str, name: &str) -> Result<Connection, BrokerError> 
         .collect();
     let mut failures = Vec::new();
     for url in &nodes {
+        if let Some(problem) = not_amqp(url) {
+            return Err(BrokerError::Url(problem));
+        }
         match connect_one(url, name).await {
             Ok(conn) => {
                 if !failures.is_empty() {
@@ -170,6 +177,7 @@ pub async fn connect(urls: &str, name: &str) -> Result<Connection, BrokerError> 
                 }
                 return Ok(conn);
             }
+            Err(e) if e.contains("vhost") => return Err(BrokerError::Url(no_vhost(url, &e))),
             Err(e) => failures.push(format!("{}: {e}", redact(url))),
         }
     }
@@ -197,6 +205,60 @@ async fn connect_one(url: &str, name: &str) -> Result<Connection, String> {
 }
 
 /// `url` without its password, for logs and errors.
+/// Why `url` is not an AMQP URL at all, if it is not.
+fn not_amqp(url: &str) -> Option<String> {
+    let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
+    (scheme != "amqp" && scheme != "amqps").then(|| {
+        format!(
+            "{} is not an amqp:// or amqps:// URL; set CODEPOOL_AMQP_URL to RabbitMQ's AMQP address, e.g. amqp://guest:guest@127.0.0.1:5672/%2f",
+            redact(url)
+        )
+    })
+}
+
+/// The vhost an AMQP URL names: its path, percent-decoded; "/" when it has
+/// none, "" when it is a bare "/".
+fn vhost_of(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split(['?', '#']).next().unwrap_or("");
+    let Some((_, path)) = rest.split_once('/') else {
+        return "/".to_owned();
+    };
+    let mut out = Vec::with_capacity(path.len());
+    let bytes = path.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The message for a vhost RabbitMQ does not have.
+fn no_vhost(url: &str, error: &str) -> String {
+    let vhost = vhost_of(url);
+    let hint = if vhost.is_empty() {
+        "the URL ends with '/', which names the empty vhost; the default vhost \"/\" is written %2f, e.g. amqp://guest:guest@127.0.0.1:5672/%2f"
+    } else {
+        "create it (rabbitmqctl add_vhost NAME, then set_permissions) or fix the URL's path; the default vhost \"/\" is written %2f"
+    };
+    format!(
+        "RabbitMQ at {} has no vhost {vhost:?} ({error}); {hint}",
+        redact(url)
+    )
+}
+
 fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
@@ -205,6 +267,29 @@ fn redact(url: &str) -> String {
             format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
         }
         _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+
+    #[test]
+    fn the_vhost_is_the_decoded_path() {
+        assert_eq!(vhost_of("amqp://g:g@h:5672/%2f"), "/");
+        assert_eq!(vhost_of("amqp://g:g@h:5672/"), "");
+        assert_eq!(vhost_of("amqp://g:g@h:5672"), "/");
+        assert_eq!(vhost_of("amqp://h/shop%2Dx?heartbeat=10"), "shop-x");
+    }
+
+    #[test]
+    fn only_amqp_urls_pass() {
+        assert!(not_amqp("amqp://h").is_none() && not_amqp("AMQPS://h").is_none());
+        let e = not_amqp("http://guest:secret@h:15672/").unwrap();
+        assert!(
+            e.contains("not an amqp:// or amqps:// URL") && !e.contains("secret"),
+            "{e}"
+        );
     }
 }
 

@@ -13,12 +13,19 @@ pub struct Config {
         env = "CODEPOOL_MONGODB_URI",
         hide_env_values = true,
         default_value = "mongodb://127.0.0.1:27017/?directConnection=true",
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub mongodb_uri: String,
 
     /// MongoDB database name.
-    #[arg(long, env = "CODEPOOL_DB", default_value = "codepool", global = true)]
+    #[arg(
+        long,
+        env = "CODEPOOL_DB",
+        default_value = "codepool",
+        global = true,
+        help_heading = "Connection"
+    )]
     pub db: String,
 
     /// Redis URL (hot pool, grant-number counters; never the truth). A
@@ -29,7 +36,8 @@ pub struct Config {
         env = "CODEPOOL_REDIS_URL",
         hide_env_values = true,
         default_value = "redis://127.0.0.1:6379",
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub redis_url: String,
 
@@ -38,7 +46,8 @@ pub struct Config {
         long,
         env = "CODEPOOL_REDIS_PREFIX",
         default_value = "codepool",
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub redis_prefix: String,
 
@@ -50,13 +59,20 @@ pub struct Config {
         env = "CODEPOOL_AMQP_URL",
         hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub amqp_url: String,
 
     /// Prefix of every queue and exchange name (empty in production; tests
     /// use it so that runs never share queues).
-    #[arg(long, env = "CODEPOOL_AMQP_PREFIX", default_value = "", global = true)]
+    #[arg(
+        long,
+        env = "CODEPOOL_AMQP_PREFIX",
+        default_value = "",
+        global = true,
+        help_heading = "Connection"
+    )]
     pub amqp_prefix: String,
 
     /// Type of the queues codepool declares: quorum (replicated, with a
@@ -67,7 +83,8 @@ pub struct Config {
         env = "CODEPOOL_QUEUE_TYPE",
         default_value = "quorum",
         value_parser = ["quorum", "classic"],
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub queue_type: String,
 
@@ -78,12 +95,19 @@ pub struct Config {
         env = "CODEPOOL_DELIVERY_LIMIT",
         default_value_t = codepool_broker::DEFAULT_DELIVERY_LIMIT,
         value_parser = clap::value_parser!(u32).range(1..),
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub delivery_limit: u32,
     /// Key file that encrypts codes at rest [default: ~/.config/codepool/keys.json].
     /// Back it up: losing it loses the codes.
-    #[arg(long, env = "CODEPOOL_KEY_FILE", value_name = "FILE", global = true)]
+    #[arg(
+        long,
+        env = "CODEPOOL_KEY_FILE",
+        value_name = "FILE",
+        global = true,
+        help_heading = "Connection"
+    )]
     pub key_file: Option<PathBuf>,
 
     /// Log format on stderr.
@@ -92,7 +116,8 @@ pub struct Config {
         env = "CODEPOOL_LOG_FORMAT",
         value_enum,
         default_value = "text",
-        global = true
+        global = true,
+        help_heading = "Connection"
     )]
     pub log_format: LogFormat,
 }

@@ -69,6 +69,12 @@ pub fn load(path: &Path) -> Result<Keyring, VaultError> {
         }
         Err(e) => return Err(io(path, e)),
     };
+    if meta.is_dir() {
+        return Err(VaultError::Io {
+            path: shown(path),
+            message: "it is a directory, not a key file; point CODEPOOL_KEY_FILE (or --key-file) at the key file itself, e.g. a keys.json created by `codepool keys init`".into(),
+        });
+    }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(VaultError::Permissions {
@@ -196,5 +202,7 @@ mod tests {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
         let e = load(&path).unwrap_err();
         assert!(e.to_string().contains("chmod 600"), "{e}");
+        let e = load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("is a directory") && !e.contains("chmod"), "{e}");
     }
 }
