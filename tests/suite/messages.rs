@@ -62,3 +62,24 @@ async fn help_lists_the_command_options_before_the_connection_ones() {
     let redis = help.find("--redis-url").expect("the shared option");
     assert!(own < heading && heading < redis, "{help}");
 }
+
+#[tokio::test]
+async fn a_silent_mongodb_gets_one_line_with_its_address_and_what_to_do() {
+    let env = TestEnv::new("messages_mongo").await;
+    let port = crate::common::free_port();
+    let uri =
+        format!("mongodb://127.0.0.1:{port}/?directConnection=true&serverSelectionTimeoutMS=500");
+    let mut cmd = env.command(&["stats"]);
+    cmd.env("CODEPOOL_MONGODB_URI", &uri);
+    let (code, err) = stderr_of(cmd).await;
+    assert_eq!(code, Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].contains(&format!("127.0.0.1:{port}")), "{err}");
+    assert!(lines[0].contains("make services"), "{err}");
+    assert!(
+        !err.contains("Topology") && !err.contains("labels"),
+        "{err}"
+    );
+    env.cleanup().await;
+}

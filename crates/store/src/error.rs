@@ -72,12 +72,57 @@ pub(crate) fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
     }
 }
 
+/// One line for "no server answered": the addresses tried and the first
+/// cause, instead of the driver's whole topology description (servers,
+/// labels, nested error structures).
+fn server_selection_line(message: &str) -> String {
+    let after = |key: &str| {
+        message
+            .match_indices(key)
+            .map(|(i, _)| &message[i + key.len()..])
+            .collect::<Vec<_>>()
+    };
+    let addresses: Vec<&str> = after("Address: ")
+        .into_iter()
+        .filter_map(|rest| rest.split([',', ' ', '}']).next())
+        .collect();
+    let cause = after("Error: ")
+        .first()
+        .map(|rest| rest.split(", labels").next().unwrap_or(rest))
+        .map(|c| c.trim_start_matches("Kind: ").trim().to_owned());
+    let head = message.split(". Topology").next().unwrap_or(message);
+    match (addresses.is_empty(), cause) {
+        (false, Some(cause)) => format!("{} at {}: {cause}", head, addresses.join(", ")),
+        (false, None) => format!("{} at {}", head, addresses.join(", ")),
+        (true, _) => head.to_owned(),
+    }
+}
+
 impl From<mongodb::error::Error> for StoreError {
     fn from(e: mongodb::error::Error) -> Self {
+        if let ErrorKind::ServerSelection { message, .. } = e.kind.as_ref() {
+            return StoreError::Unavailable(server_selection_line(message));
+        }
         if is_transient(&e) {
             StoreError::Unavailable(e.to_string())
         } else {
             StoreError::Rejected(e.to_string())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_selection_failure_reads_as_one_line() {
+        let driver = "Server selection timeout: No available servers. Topology: { Type: Single, Servers: [ { Address: 127.0.0.1:1, Type: Unknown, Error: Kind: I/O error: Connection refused (os error 111), labels: {\"SystemOverloadedError\"} } ] }";
+        let line = server_selection_line(driver);
+        assert_eq!(
+            line,
+            "Server selection timeout: No available servers at 127.0.0.1:1: I/O error: Connection refused (os error 111)"
+        );
+        assert!(!line.contains("Topology") && !line.contains('\n'));
     }
 }
