@@ -487,3 +487,64 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     assert_eq!(distinct.len(), 100_000, "no code twice");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
+    use std::process::Stdio;
+    use tokio::io::AsyncWriteExt;
+    let env = TestEnv::new("import_stdin").await;
+    let body: String = std::iter::once("code\n".to_owned())
+        .chain((0..500).map(|i| format!("STDIN-{i:04}\n")))
+        .collect();
+    let mut counts = Vec::new();
+    for _ in 0..2 {
+        let mut child = env
+            .command(&["import", "-", "--pool", "in", "--json"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(body.as_bytes()).await.unwrap();
+        drop(stdin);
+        let out = child.wait_with_output().await.unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(s["file"], "(stdin)");
+        assert_eq!(
+            s["sha256"].as_str().unwrap().len(),
+            64,
+            "hashed as it streamed"
+        );
+        counts.push((
+            s["inserted"].as_u64().unwrap(),
+            s["duplicates"].as_u64().unwrap(),
+        ));
+    }
+    assert_eq!(counts, vec![(500, 0), (0, 500)]);
+    let imports = env.store.database().collection::<bson::Document>("imports");
+    assert_eq!(
+        imports
+            .count_documents(doc! {"file": "(stdin)", "status": "done"})
+            .await
+            .unwrap(),
+        2
+    );
+
+    // A FIFO streams like a file.
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("codes.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(fifo, "code\nFIFO-1\nFIFO-2\n").unwrap())
+    };
+    let (code, s) = run_import(&env, &fifo, "in").await;
+    writer.join().unwrap();
+    assert_eq!((code, s["inserted"].as_u64()), (0, Some(2)), "{s}");
+    env.cleanup().await;
+}

@@ -110,7 +110,9 @@ pub enum ImportError {
     // print it twice.
     #[error("cannot read {path}: {error}; check the path and permissions")]
     Open { path: String, error: std::io::Error },
-    #[error("{path} is not a file (a directory?); give the path of a CSV file of codes")]
+    #[error(
+        "{path} is a directory; give the path of a CSV file of codes (or - for standard input)"
+    )]
     NotAFile { path: String },
     #[error("cannot import {path}: {error}")]
     Header { path: String, error: HeaderError },
@@ -155,7 +157,11 @@ pub async fn import_file(
     let pool = Pool::new(pool)?;
     let (rows, total_bytes) = open_rows(path, &options.header).await?;
     let started = Instant::now();
-    let file = path.display().to_string();
+    let file = if is_stdin(path) {
+        STDIN_NAME.to_owned()
+    } else {
+        path.display().to_string()
+    };
     let earlier = store.unfinished_import(pool.as_str(), &file).await?;
     let mut record = store.start_import(pool.as_str(), &file).await?;
     if let Some(e) = &earlier {
@@ -182,14 +188,29 @@ pub async fn import_file(
         .await
 }
 
-/// Opens the file and applies the header rule (on a blocking thread: it
-/// reads). Nothing is written before this succeeds.
+/// The name an import from standard input is recorded under.
+pub const STDIN_NAME: &str = "(stdin)";
+
+/// `-` means standard input.
+fn is_stdin(path: &Path) -> bool {
+    path.as_os_str() == "-"
+}
+
+/// Opens the file (standard input for `-`; a FIFO or a pipe streams like
+/// a file) and applies the header rule (on a blocking thread: it reads).
+/// Nothing is written before this succeeds. The size is 0 when it cannot
+/// be known beforehand.
 async fn open_rows(
     path: &Path,
     header: &Header,
 ) -> Result<(CodeRows<BufReader<File>>, u64), ImportError> {
     let shown = path.display().to_string();
-    let file = File::open(path).map_err(|error| ImportError::Open {
+    let opened = if is_stdin(path) {
+        Path::new("/dev/stdin")
+    } else {
+        path
+    };
+    let file = File::open(opened).map_err(|error| ImportError::Open {
         path: shown.clone(),
         error,
     })?;
@@ -197,9 +218,10 @@ async fn open_rows(
         path: shown.clone(),
         error,
     })?;
-    if !meta.is_file() {
+    if meta.is_dir() {
         return Err(ImportError::NotAFile { path: shown });
     }
+    let size = if meta.is_file() { meta.len() } else { 0 };
     let header = header.clone();
     let opened = tokio::task::spawn_blocking(move || {
         CodeRows::open(BufReader::with_capacity(1 << 16, file), &header)
@@ -210,7 +232,7 @@ async fn open_rows(
         message: format!("the reader thread failed: {e}"),
     })?;
     let rows = opened.map_err(|error| ImportError::Header { path: shown, error })?;
-    Ok((rows, meta.len()))
+    Ok((rows, size))
 }
 
 /// One run between its first row and its audit record.

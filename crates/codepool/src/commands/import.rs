@@ -39,7 +39,8 @@ valid ones are imported); 1 failure or refused file (nothing more to import
 from it as is; the message says what to do); 2 usage error; 130/143 stopped
 by SIGINT/SIGTERM (the codes so far are kept; run the same command again).")]
 pub struct ImportArgs {
-    /// CSV file of codes.
+    /// CSV file of codes; - reads standard input (e.g. `gunzip -c codes.csv.gz |
+    /// codepool import - --pool game-x`).
     pub file: PathBuf,
     /// Pool to import into (created when its first code lands), e.g. game-x.
     #[arg(long)]
