@@ -13,7 +13,11 @@ fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
     f
 }
 
-async fn run_import(env: &TestEnv, path: &std::path::Path, pool: &str) -> (i32, serde_json::Value) {
+pub(crate) async fn run_import(
+    env: &TestEnv,
+    path: &std::path::Path,
+    pool: &str,
+) -> (i32, serde_json::Value) {
     let out = env
         .command(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
         .output()

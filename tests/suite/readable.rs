@@ -7,31 +7,12 @@ use std::io::Write;
 use bson::doc;
 
 use crate::common::TestEnv;
+use crate::importer::run_import as import_json;
 
 fn csv_file(content: &str) -> tempfile::NamedTempFile {
     let mut f = tempfile::NamedTempFile::new().expect("temp file");
     f.write_all(content.as_bytes()).expect("write");
     f
-}
-
-async fn import_json(
-    env: &TestEnv,
-    path: &std::path::Path,
-    pool: &str,
-) -> (i32, serde_json::Value) {
-    let out = env
-        .command(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
-        .output()
-        .await
-        .expect("run codepool import");
-    let code = out.status.code().unwrap_or(-1);
-    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
-        panic!(
-            "no JSON summary (exit {code}): {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (code, json)
 }
 
 /// The invalid rows of a summary: line → reason.

@@ -52,22 +52,6 @@ pub enum Action {
     },
 }
 
-/// How many messages `queue` holds now (a passive declare: it changes
-/// nothing).
-async fn depth(channel: &lapin::Channel, queue: &str) -> anyhow::Result<u32> {
-    let q = channel
-        .queue_declare(
-            queue,
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await?;
-    Ok(q.message_count())
-}
-
 fn reason_of(props: &lapin::BasicProperties) -> String {
     codepool_broker::dead_letter_reason(props).unwrap_or_else(|| "(no reason header)".into())
 }
@@ -125,45 +109,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             limit,
             wait,
         } => {
-            // Only what was dead when the replay started: messages that
-            // fail again land behind them and are not taken again.
-            let budget = limit.min(depth(&channel, &topology.purchases_dead).await? as usize);
-            let mut replayed = 0;
-            let mut sent = std::collections::HashSet::new();
-            let mut kept = Vec::new();
-            while replayed + kept.len() < budget {
-                let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? else {
-                    break;
-                };
-                if let Some(r) = &reason {
-                    if !reason_of(&d.properties).starts_with(r.as_str()) {
-                        kept.push(d);
-                        continue;
-                    }
-                }
-                let id = d.properties.message_id().as_ref().map(|s| s.to_string());
-                let replays = codepool_broker::replay_count(&d.properties).saturating_add(1);
-                publisher
-                    .replay_purchase(&d.data, id.as_deref(), replays)
-                    .await?
-                    .wait()
-                    .await?;
-                d.acker.ack(BasicAckOptions::default()).await?;
-                sent.insert((id, replays));
-                replayed += 1;
-            }
-            for d in kept {
-                d.acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..BasicNackOptions::default()
-                    })
-                    .await?;
-            }
-            println!(
-                "replayed {replayed} purchase(s) to {:?}",
-                topology.purchases
-            );
+            let sent = replay(&channel, &publisher, &topology, reason.as_deref(), limit).await?;
             if let Some(secs) = wait {
                 let again = dead_again(&conn, &topology, &sent, secs).await?;
                 println!("{again} of them came back dead (see `codepool dead-letters list`)");
@@ -195,7 +141,7 @@ async fn dead_again(
                 found += 1;
             }
         }
-        let waiting = depth(&channel, &topology.purchases).await?;
+        let waiting = codepool_broker::queue_depth(&channel, &topology.purchases).await?;
         // Closing the channel puts every message it got back.
         let _ = channel.close(200, "counted").await;
         let settled = waiting == 0 && last == Some(found);
@@ -205,4 +151,55 @@ async fn dead_again(
         last = Some(found);
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
+}
+
+/// Sends dead letters (those whose reason starts with `reason`, if given)
+/// back to the purchases queue, each with its replay count one higher;
+/// returns the message ids and counts sent. Only what was dead when it
+/// started: messages that fail again land behind them and are not taken
+/// again.
+async fn replay(
+    channel: &lapin::Channel,
+    publisher: &Publisher,
+    topology: &codepool_broker::Topology,
+    reason: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<std::collections::HashSet<(Option<String>, u32)>> {
+    let budget =
+        limit.min(codepool_broker::queue_depth(channel, &topology.purchases_dead).await? as usize);
+    let mut sent = std::collections::HashSet::new();
+    let mut kept = Vec::new();
+    let mut replayed = 0;
+    while replayed + kept.len() < budget {
+        let Some(d) = next_dead_letter(channel, &topology.purchases_dead).await? else {
+            break;
+        };
+        if reason.is_some_and(|r| !reason_of(&d.properties).starts_with(r)) {
+            kept.push(d);
+            continue;
+        }
+        let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+        let replays = codepool_broker::replay_count(&d.properties).saturating_add(1);
+        publisher
+            .replay_purchase(&d.data, id.as_deref(), replays)
+            .await?
+            .wait()
+            .await?;
+        d.acker.ack(BasicAckOptions::default()).await?;
+        sent.insert((id, replays));
+        replayed += 1;
+    }
+    for d in kept {
+        d.acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await?;
+    }
+    println!(
+        "replayed {replayed} purchase(s) to {:?}",
+        topology.purchases
+    );
+    Ok(sent)
 }
