@@ -8,7 +8,9 @@ use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
 use codepool_store::ClaimAssignment;
 
+use crate::common::Line0;
 use crate::common::{assign, purchase, TestEnv};
+use codepool_store::backorders::{Recorded, Waiting};
 
 /// `claimers` tasks each claim `per_claimer` orders in batches of `batch`.
 async fn run_claimers(
@@ -53,7 +55,7 @@ async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
     let mut codes = HashSet::new();
     let mut orders = HashSet::new();
     for (p, outcome) in &results {
-        let ClaimOutcome::Granted { grant, fresh } = outcome else {
+        let Some((grant, fresh)) = outcome.single() else {
             panic!(
                 "order {} got no code from a pool with enough codes",
                 p.order_id
@@ -93,23 +95,30 @@ async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_back
     let results = run_claimers(&env, "small", 20, 100, 10).await;
     let exhausted: Vec<&Purchase> = results
         .iter()
-        .filter(|(_, o)| matches!(o, ClaimOutcome::Exhausted))
+        .filter(|(_, o)| o.is_exhausted())
         .map(|(p, _)| p)
         .collect();
     let granted: HashSet<String> = results
         .iter()
-        .filter_map(|(_, o)| match o {
-            ClaimOutcome::Granted { grant, .. } => Some(grant.code.clone()),
-            ClaimOutcome::Exhausted => None,
-        })
+        .filter_map(|(_, o)| o.single().map(|(grant, _)| grant.code))
         .collect();
     assert_eq!(granted.len(), 100);
     assert_eq!(exhausted.len(), 1900);
     // The dispatcher records exhausted purchases as backorders, durably.
-    assert_eq!(env.store.record_backorders(&exhausted).await.unwrap(), 1900);
+    let waiting: Vec<Waiting> = exhausted
+        .iter()
+        .map(|p| Waiting {
+            purchase: p,
+            lines: &[0],
+        })
+        .collect();
     assert_eq!(
-        env.store.record_backorders(&exhausted[..10]).await.unwrap(),
-        0
+        env.store.record_backorders(&waiting).await.unwrap().new,
+        1900
+    );
+    assert_eq!(
+        env.store.record_backorders(&waiting[..10]).await.unwrap(),
+        Recorded::default()
     );
     let backorders = env
         .store
@@ -144,10 +153,7 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
         .claim_batch(&[&p, &p, &q, &p], Resend::ByRedelivery)
         .await
         .unwrap();
-    let code_of = |o: &ClaimOutcome| match o {
-        ClaimOutcome::Granted { grant, .. } => grant.code.clone(),
-        ClaimOutcome::Exhausted => panic!("exhausted"),
-    };
+    let code_of = |o: &ClaimOutcome| o.single().expect("granted, not exhausted").0.code;
     assert_eq!(code_of(&first[0]), code_of(&first[1]));
     assert_eq!(code_of(&first[0]), code_of(&first[3]));
     assert_ne!(code_of(&first[0]), code_of(&first[2]));
@@ -156,10 +162,7 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
         .await
         .unwrap();
     assert_eq!(code_of(&again[0]), code_of(&first[0]));
-    assert!(matches!(
-        again[0],
-        ClaimOutcome::Granted { fresh: false, .. }
-    ));
+    assert_eq!(again[0].single().map(|(_, fresh)| fresh), Some(false));
     // Concurrent redeliveries from several claimers.
     let mut tasks = Vec::new();
     for _ in 0..8 {
@@ -201,7 +204,7 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
         .claim_batch(&[&p], Resend::ByRedelivery)
         .await
         .unwrap();
-    let ClaimOutcome::Granted { grant, .. } = &first[0] else {
+    let Some((grant, _)) = first[0].single() else {
         panic!("no grant")
     };
     let no = grant.grant_no.clone().expect("grant number");
@@ -212,7 +215,7 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
         .claim_batch(&[&p], Resend::ByRedelivery)
         .await
         .unwrap();
-    let ClaimOutcome::Granted { grant: g2, .. } = &again[0] else {
+    let Some((g2, _)) = again[0].single() else {
         panic!("no grant")
     };
     assert_eq!(g2.grant_no.as_deref(), Some(no.as_str()));
@@ -235,7 +238,7 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
         .claim_batch(&[&p], Resend::ByRedelivery)
         .await
         .unwrap();
-    let ClaimOutcome::Granted { grant, .. } = &first[0] else {
+    let Some((grant, _)) = first[0].single() else {
         panic!("no grant")
     };
     assert!(!grant.revoked);
@@ -250,7 +253,7 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
         .claim_batch(&[&p], Resend::ByRedelivery)
         .await
         .unwrap();
-    let ClaimOutcome::Granted { grant: g2, fresh } = &again[0] else {
+    let Some((g2, fresh)) = again[0].single() else {
         panic!("no outcome")
     };
     assert!(!fresh);
@@ -312,11 +315,12 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         .unwrap();
     assert!(write.order_taken.is_empty());
     let granted = write.granted.expect("a write that landed whole");
-    let stored = store.grants_for_orders(&["A", "B"]).await.unwrap();
+    let stored = store.grants_for_orders(&["A", "B"]).await.unwrap().line0();
     assert_eq!(granted.len(), 2);
     for order in ["A", "B"] {
         assert_eq!(
-            granted[order], stored[order],
+            granted[&(order.to_owned(), 0)],
+            stored[order],
             "order {order}: the write's code differs from the stored one"
         );
     }
@@ -348,7 +352,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         write.granted.is_none(),
         "a write that lost a race guesses nothing"
     );
-    let stored = store.grants_for_orders(&["C", "D"]).await.unwrap();
+    let stored = store.grants_for_orders(&["C", "D"]).await.unwrap().line0();
     assert!(!stored.contains_key("C"));
     assert_eq!(stored["D"].id, ids[2]);
 
@@ -360,8 +364,11 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         .unwrap();
     assert_eq!(write.order_taken, vec![0]);
     let granted = write.granted.expect("every statement not refused landed");
-    assert_eq!(granted.keys().collect::<Vec<_>>(), vec!["E"]);
-    assert_eq!(granted["E"].id, ids[3]);
+    assert_eq!(
+        granted.keys().collect::<Vec<_>>(),
+        vec![&("E".to_owned(), 0)]
+    );
+    assert_eq!(granted[&("E".to_owned(), 0)].id, ids[3]);
 
     // A holder stops the batch's single statement wherever it stands: the
     // claims before it landed, the rest land when claimed one by one, and
@@ -371,11 +378,11 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
         .await
         .unwrap();
     assert_eq!(write.order_taken, vec![1]);
-    let stored = store.grants_for_orders(&["F", "A"]).await.unwrap();
+    let stored = store.grants_for_orders(&["F", "A"]).await.unwrap().line0();
     assert_eq!(stored["F"].id, ids[4]);
     assert_eq!(stored["A"].id, ids[0], "A keeps its code");
     if let Some(granted) = write.granted {
-        assert_eq!(granted["F"], stored["F"]);
+        assert_eq!(granted[&("F".to_owned(), 0)], stored["F"]);
     }
     let coll = env.store.database().collection::<bson::Document>("codes");
     let unissued = coll

@@ -233,6 +233,7 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
         phone: "+8613800000000".into(),
         pool: pool.to_owned(),
         purchased_at: None,
+        quantity: 1,
     }
 }
 
@@ -246,6 +247,9 @@ pub fn assign(code: codepool_domain::CodeId, pool: &str, order: &str) -> ClaimAs
         phone: "+8613800000000".into(),
         grant_no: Some(format!("G-{order}")),
         resend: Resend::ByRedelivery,
+        line: 0,
+        quantity: 1,
+        part: 0,
     }
 }
 
@@ -582,4 +586,18 @@ pub async fn metric_sum(addrs: &[&str], line_prefix: &str) -> f64 {
             .sum::<f64>();
     }
     sum
+}
+
+/// Line 0 of each order's codes, as `grants_for_orders` reads them: the
+/// one code of an order of one.
+pub trait Line0 {
+    fn line0(self) -> std::collections::HashMap<String, codepool_domain::Code>;
+}
+
+impl Line0 for std::collections::HashMap<String, Vec<codepool_domain::Code>> {
+    fn line0(self) -> std::collections::HashMap<String, codepool_domain::Code> {
+        self.into_iter()
+            .filter_map(|(order, codes)| Some((order, codes.into_iter().next()?)))
+            .collect()
+    }
 }

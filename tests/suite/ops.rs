@@ -23,6 +23,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
 
+use crate::common::Line0;
 use crate::common::{
     drain, eventually, free_port, http_get, publish_confirmed, purchase, queue_depth, start_daemon,
     TestEnv, AMQP_URL,
@@ -39,7 +40,7 @@ async fn grant(env: &TestEnv, order: &str, pool: &str) -> Grant {
         .await
         .expect("claim");
     match outcomes.into_iter().next() {
-        Some(ClaimOutcome::Granted { grant, .. }) => grant,
+        Some(o) if o.single().is_some() => o.single().unwrap().0,
         other => panic!("pool {pool} gave no code to {order}: {other:?}"),
     }
 }
@@ -547,13 +548,7 @@ async fn a_refund_voided_code_is_never_issued_again() {
         .claim_batch(&refs, Resend::ByRedelivery)
         .await
         .expect("claim");
-    let granted: Vec<&Grant> = outcomes
-        .iter()
-        .filter_map(|o| match o {
-            ClaimOutcome::Granted { grant, .. } => Some(grant),
-            ClaimOutcome::Exhausted => None,
-        })
-        .collect();
+    let granted: Vec<&Grant> = outcomes.iter().flat_map(|o| o.grants()).collect();
     assert_eq!(granted.len(), 4);
     assert!(granted.iter().all(|g| g.code != refunded.code));
     // A redelivered purchase of the refunded order never gets a new code.
@@ -589,9 +584,15 @@ async fn voiding_an_order_still_waiting_for_stock_cancels_its_backorder() {
             .claim_batch(&[&p], Resend::ByRedelivery)
             .await
             .unwrap(),
-        vec![ClaimOutcome::Exhausted]
+        vec![ClaimOutcome::exhausted(vec![0])]
     );
-    env.store.record_backorders(&[&p]).await.expect("backorder");
+    env.store
+        .record_backorders(&[codepool_store::backorders::Waiting {
+            purchase: &p,
+            lines: &[0],
+        }])
+        .await
+        .expect("backorder");
     let out = env
         .command(&["void", "--order", "CB-2", "--reason", "refund"])
         .output()
@@ -676,7 +677,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
             .await
             .unwrap()
         {
-            if let ClaimOutcome::Granted { grant, .. } = o {
+            if let Some((grant, _)) = o.single() {
                 granted.push(grant.code);
             }
         }
@@ -966,6 +967,7 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
             s.grants_for_orders(&["RC-0", "RC-1", "RC-2"])
                 .await
                 .unwrap()
+                .line0()
                 .len()
                 == 3
         }
@@ -984,7 +986,12 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
     // Malformed receipts are acked and dropped.
     publish_receipt(&publisher, SMS_SENT_KEY, b"not json", None).await;
     // code.redeemed by order and by code; repeated.
-    let rc2 = env.store.grants_for_orders(&["RC-2"]).await.unwrap()["RC-2"]
+    let rc2 = env
+        .store
+        .grants_for_orders(&["RC-2"])
+        .await
+        .unwrap()
+        .line0()["RC-2"]
         .code
         .clone();
     let events = env.topology().events_exchange;
@@ -1029,7 +1036,8 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
             let g = s
                 .grants_for_orders(&["RC-0", "RC-1", "RC-2"])
                 .await
-                .unwrap();
+                .unwrap()
+                .line0();
             // Ready-queue depth 0 does not mean the last receipts are
             // applied (they may be in flight): wait for what is asserted.
             g["RC-0"].sms.sent
@@ -1043,7 +1051,8 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
         .store
         .grants_for_orders(&["RC-0", "RC-1"])
         .await
-        .unwrap();
+        .unwrap()
+        .line0();
     let s0 = &g["RC-0"].sms;
     assert!(s0.sent_at.is_some());
     assert_eq!(s0.history.iter().filter(|h| h.event == "sent").count(), 1);

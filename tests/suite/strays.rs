@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use bson::doc;
 use codepool_broker::Publisher;
-use codepool_dispatcher::{ClaimOutcome, Resend};
+use codepool_dispatcher::Resend;
 use codepool_hotpool::Candidate;
 use codepool_store::ObjectId;
 
+use crate::common::Line0;
 use crate::common::{
     eventually, metric_sum, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
 };
@@ -60,7 +61,7 @@ async fn strays_for(env: &TestEnv, pool: &str, other: &str) -> Vec<Candidate> {
     let issued: Vec<ObjectId> = outcomes
         .iter()
         .map(|o| match o {
-            ClaimOutcome::Granted { grant, .. } => codepool_store::object_id(grant.code_id),
+            o if o.single().is_some() => codepool_store::object_id(o.single().unwrap().0.code_id),
             other => panic!("a pre-order got {other:?}"),
         })
         .collect();
@@ -128,7 +129,7 @@ async fn stray_ids_in_a_hot_set_never_grant_a_code_of_another_pool_or_state() {
     // Every order holds one code of its own pool, none twice, no stray.
     let mut seen = HashSet::new();
     for (order, outcome) in &outcomes {
-        let ClaimOutcome::Granted { grant, .. } = outcome else {
+        let Some((grant, _)) = outcome.single() else {
             panic!("order {order} got {outcome:?}");
         };
         assert!(seen.insert(grant.code_id), "code {} twice", grant.code_id);
@@ -139,7 +140,7 @@ async fn stray_ids_in_a_hot_set_never_grant_a_code_of_another_pool_or_state() {
         );
     }
     let orders: Vec<&str> = outcomes.iter().map(|(o, _)| o.as_str()).collect();
-    let held = env.store.grants_for_orders(&orders).await.unwrap();
+    let held = env.store.grants_for_orders(&orders).await.unwrap().line0();
     assert_eq!(held.len(), 200);
     assert!(
         held.values().all(|c| c.pool == "hp"),
@@ -168,7 +169,7 @@ async fn stray_ids_in_a_hot_set_never_grant_a_code_of_another_pool_or_state() {
         .await
         .unwrap()
     {
-        let ClaimOutcome::Granted { grant, .. } = o else {
+        let Some((grant, _)) = o.single() else {
             panic!("{o:?}")
         };
         assert!(!stray_ids.contains(&grant.code_id.to_hex()));
@@ -203,6 +204,7 @@ async fn a_dispatcher_drops_another_pools_ids_and_counts_them() {
             .grants_for_orders(&["W-hp", "W-hugep"])
             .await
             .unwrap()
+            .line0()
             .len()
             == 2
     })
@@ -226,10 +228,16 @@ async fn a_dispatcher_drops_another_pools_ids_and_counts_them() {
     publish_confirmed(&publisher, &orders).await;
     let ids: Vec<&str> = orders.iter().map(|p| p.order_id.as_str()).collect();
     eventually(Duration::from_secs(30), "thirty grants", || async {
-        env.store.grants_for_orders(&ids).await.unwrap().len() == 30
+        env.store
+            .grants_for_orders(&ids)
+            .await
+            .unwrap()
+            .line0()
+            .len()
+            == 30
     })
     .await;
-    let held = env.store.grants_for_orders(&ids).await.unwrap();
+    let held = env.store.grants_for_orders(&ids).await.unwrap().line0();
     assert!(
         held.values().all(|c| c.pool == "hp"),
         "an hp order got a hugep code"

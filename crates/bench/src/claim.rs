@@ -147,6 +147,7 @@ impl Work {
             phone: format!("+86138{:08}", i % 100_000_000),
             pool: self.pool.clone(),
             purchased_at: None,
+            quantity: 1,
         }
     }
 }
@@ -492,18 +493,26 @@ async fn hot_pool_batched(
         let took = started.elapsed();
         for (p, o) in purchases.iter().zip(outcomes) {
             match o {
-                ClaimOutcome::Granted { grant, fresh: true } => {
-                    out.code_ids.push(codepool_store::object_id(grant.code_id));
+                ClaimOutcome::Claimed {
+                    grants,
+                    fresh,
+                    missing,
+                } if missing.is_empty() => {
+                    if fresh as usize != grants.len() {
+                        anyhow::bail!(
+                            "order {} already held a code before its first claim",
+                            p.order_id
+                        )
+                    }
+                    out.code_ids
+                        .extend(grants.iter().map(|g| codepool_store::object_id(g.code_id)));
                     out.latencies.push(took);
                 }
-                ClaimOutcome::Granted { fresh: false, .. } => {
-                    anyhow::bail!(
-                        "order {} already held a code before its first claim",
-                        p.order_id
-                    )
-                }
-                ClaimOutcome::Exhausted => {
+                ClaimOutcome::Claimed { .. } => {
                     anyhow::bail!("pool {} reported exhausted with codes left", work.pool)
+                }
+                ClaimOutcome::Conflict { what } => {
+                    anyhow::bail!("order {} conflicts with itself ({what})", p.order_id)
                 }
             }
         }

@@ -140,6 +140,7 @@ pub fn purchase(tag: &str, pool: &str, i: usize) -> Purchase {
         phone: format!("+86138{:08}", i % 100_000_000),
         pool: pool.to_owned(),
         purchased_at: None,
+        quantity: 1,
     }
 }
 

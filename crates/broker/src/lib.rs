@@ -61,7 +61,7 @@ pub fn dead_letter_reason(properties: &lapin::BasicProperties) -> Option<String>
     })
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum BrokerError {
     #[error("RabbitMQ is unreachable ({0}); check that rabbitmq-server runs and CODEPOOL_AMQP_URL points at it (`make services` starts a local one)")]
     Unavailable(String),

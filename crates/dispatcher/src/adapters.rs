@@ -35,7 +35,7 @@ impl ClaimStore for Store {
     async fn grants_for_orders(
         &self,
         orders: &[&str],
-    ) -> Result<HashMap<String, Code>, StoreError> {
+    ) -> Result<HashMap<String, Vec<Code>>, StoreError> {
         Store::grants_for_orders(self, orders).await
     }
 

@@ -1,19 +1,21 @@
 //! Fulfilling backorders when codes arrive: oldest first, through the same
 //! claim path as live purchases, each with its SMS-pending event sent
 //! through the outbox. Several dispatchers may do this at once; the unique
-//! `order_id` index still gives every order at most one code. A paused
+//! `(order_id, line)` index still gives every line at most one code. An
+//! order that gets part of its waiting lines keeps waiting for the rest,
+//! and each part it gets travels in its own event. A paused
 //! pool's backorders wait until it is resumed; a pool's per-user limit
 //! applies to backorders too (those recorded before the limit was set
 //! hold no slot yet).
 
 use std::collections::HashSet;
 
-use codepool_domain::{PoolPolicy, Purchase};
+use codepool_domain::{Grant, PoolPolicy, Purchase};
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
+use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
 use crate::Resend;
@@ -51,7 +53,10 @@ pub async fn fulfil_backorders(
         if waiting.is_empty() {
             break;
         }
-        let purchases: Vec<Purchase> = waiting.iter().map(|b| b.purchase()).collect();
+        let purchases: Vec<(Purchase, Vec<u32>)> = waiting
+            .iter()
+            .map(|b| (b.purchase(), b.waiting_lines()))
+            .collect();
         let (purchases, refusals_settled) = refuse(store, sink, policy, purchases).await?;
         let (fulfilled, exhausted) = fulfil(engine, store, outbox, sink, pool, &purchases).await?;
         total += fulfilled;
@@ -65,32 +70,28 @@ pub async fn fulfil_backorders(
     Ok(total)
 }
 
-/// Claims codes for `purchases` (waiting backorders) and sends their
-/// events. Returns how many were fulfilled and whether the pool ran dry.
+/// Claims codes for the waiting lines of `purchases` (waiting backorders)
+/// and sends their events. Returns how many orders got every line they
+/// waited for, and whether the pool ran dry.
 async fn fulfil(
     engine: &ClaimEngine,
     store: &Store,
     outbox: &Outbox,
     sink: &dyn EventSink,
     pool: &str,
-    purchases: &[Purchase],
+    purchases: &[(Purchase, Vec<u32>)],
 ) -> Result<(u64, bool), ClaimError> {
     if purchases.is_empty() {
         return Ok((0, false));
     }
-    let refs: Vec<&Purchase> = purchases.iter().collect();
-    // No message of a backorder is redelivered: the relay owes its event.
-    let outcomes = engine.claim_batch(&refs, Resend::ByRelay).await?;
-    let exhausted = outcomes
+    let asks: Vec<ClaimAsk> = purchases
         .iter()
-        .any(|o| matches!(o, ClaimOutcome::Exhausted));
-    let grants: Vec<_> = outcomes
-        .into_iter()
-        .filter_map(|o| match o {
-            ClaimOutcome::Granted { grant, .. } => Some(grant),
-            ClaimOutcome::Exhausted => None,
-        })
+        .map(|(p, lines)| ClaimAsk { purchase: p, lines })
         .collect();
+    // No message of a backorder is redelivered: the relay owes its event.
+    let outcomes = engine.claim_asks(&asks, Resend::ByRelay).await?;
+    let exhausted = outcomes.iter().any(|o| !o.missing().is_empty());
+    let grants: Vec<&Grant> = outcomes.iter().flat_map(|o| o.grants()).collect();
     // Events that are not confirmed stay on the relay's list.
     let sent = outbox.send(sink, &grants, Marking::Now).await?;
     if sent.confirmed() < grants.len() {
@@ -100,13 +101,19 @@ async fn fulfil(
             "some fulfilled backorders' events were not confirmed; the relay re-sends them"
         );
     }
-    let fulfilled: Vec<_> = grants
+    // An order that got codes records the lines it still waits for; one
+    // whose id turned out to be another order's is settled as fulfilled
+    // by none (the first order stands and holds the codes).
+    let settled: Vec<(&str, Vec<u32>)> = purchases
         .iter()
-        .map(|g| (g.order_id.clone(), g.code_id))
+        .zip(&outcomes)
+        .filter(|(_, o)| !o.grants().is_empty() || matches!(o, ClaimOutcome::Conflict { .. }))
+        .map(|((p, _), o)| (p.order_id.as_str(), o.missing().to_vec()))
         .collect();
-    store.mark_backorders_fulfilled(&fulfilled).await?;
-    metrics::counter!("codepool_backorders_fulfilled_total").increment(fulfilled.len() as u64);
-    Ok((fulfilled.len() as u64, exhausted))
+    store.settle_backorders(&settled).await?;
+    let fulfilled = settled.iter().filter(|(_, m)| m.is_empty()).count() as u64;
+    metrics::counter!("codepool_backorders_fulfilled_total").increment(fulfilled);
+    Ok((fulfilled, exhausted))
 }
 
 /// Applies the pool's per-user limit to waiting backorders: the refused
@@ -117,12 +124,12 @@ async fn refuse(
     store: &Store,
     sink: &dyn EventSink,
     policy: PoolPolicy,
-    purchases: Vec<Purchase>,
-) -> Result<(Vec<Purchase>, bool), ClaimError> {
+    purchases: Vec<(Purchase, Vec<u32>)>,
+) -> Result<(Vec<(Purchase, Vec<u32>)>, bool), ClaimError> {
     if !policy.limits_users() {
         return Ok((purchases, true));
     }
-    let refs: Vec<&Purchase> = purchases.iter().collect();
+    let refs: Vec<&Purchase> = purchases.iter().map(|(p, _)| p).collect();
     let refused = crate::policy::over_limit(store, &refs, policy.per_user).await?;
     if refused.is_empty() {
         return Ok((purchases, true));
@@ -145,9 +152,8 @@ async fn refuse(
     }
     let skip: HashSet<&String> = refused.keys().collect();
     let rest = purchases
-        .iter()
-        .filter(|p| !skip.contains(&p.order_id))
-        .cloned()
+        .into_iter()
+        .filter(|(p, _)| !skip.contains(&p.order_id))
         .collect();
     Ok((rest, settled))
 }

@@ -17,7 +17,9 @@ use crate::claim::ClaimError;
 use crate::daemon::Dispatcher;
 use crate::outage::backoff;
 use crate::outbox::Marking;
-use crate::plan::{admit, plan_batch, pools_of, settle, to_claim, BatchPlan, Parsed, Step};
+use crate::plan::{
+    admit, plan_batch, pools_of, reject_conflicting, settle, to_claim, BatchPlan, Parsed, Step,
+};
 use crate::Resend;
 use codepool_domain::{Purchase, PurchaseError};
 
@@ -33,10 +35,10 @@ impl Dispatcher {
     ) {
         let received = Instant::now();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
-        let Some(plan) = self.decide(&deliveries, stop).await else {
+        let Some(mut plan) = self.decide(&deliveries, stop).await else {
             return;
         };
-        if !self.record_backorders(&plan, stop).await {
+        if !self.record_backorders(&mut plan, stop).await {
             return;
         }
         self.announce_exhausted(&plan, publisher).await;
@@ -120,12 +122,28 @@ impl Dispatcher {
         // again: a grant an earlier delivery made for it (and crashed before
         // its confirm) is handed to the relay, which sends its event.
         let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
-        self.store.hand_to_relay(&at_limit).await?;
-        let policies = self
-            .policies
-            .get_many(&self.store, &pools_of(&parsed))
-            .await?;
-        let intake = admit(parsed, |p| policies.contains_key(p));
+        // The batch's backorders are read with its pools' policies: an
+        // order id that waits as a backorder of another order is a
+        // conflict, and gets nothing.
+        let orders: Vec<&str> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
+            .map(|p| p.order_id.as_str())
+            .collect();
+        let pools = pools_of(&parsed);
+        let (relayed, policies, backordered) = futures::join!(
+            self.store.hand_to_relay(&at_limit),
+            self.policies.get_many(&self.store, &pools),
+            self.store.backorders_for_orders(&orders),
+        );
+        relayed?;
+        let policies = policies?;
+        let backordered = backordered?
+            .into_iter()
+            .map(|b| {
+                let q = b.quantity();
+                (b.order_id, (b.pool, b.uid, q))
+            })
+            .collect();
+        let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies).await?;
         let claims = to_claim(&intake);
@@ -139,18 +157,32 @@ impl Dispatcher {
         Ok(plan_batch(intake, outcomes)?)
     }
 
-    /// Records the plan's backorders, retrying while MongoDB is away.
-    /// False when stopped first (nothing may be acked then).
-    async fn record_backorders(&self, plan: &BatchPlan, stop: &CancellationToken) -> bool {
+    /// Records the plan's backorders, retrying while MongoDB is away. A
+    /// backorder that finds another order's under its id turns its step
+    /// into a `conflicting_order` dead letter. False when stopped first
+    /// (nothing may be acked then).
+    async fn record_backorders(&self, plan: &mut BatchPlan, stop: &CancellationToken) -> bool {
         let backorders = plan.backorders();
         if backorders.is_empty() {
             return true;
         }
+        let waiting: Vec<_> = backorders.iter().map(|(_, w)| *w).collect();
         let mut attempt = 0;
         loop {
-            match self.store.record_backorders(&backorders).await {
-                Ok(n) => {
-                    metrics::counter!("codepool_backorders_total").increment(n);
+            match self.store.record_backorders(&waiting).await {
+                Ok(recorded) => {
+                    metrics::counter!("codepool_backorders_total").increment(recorded.new);
+                    let conflicts: Vec<(usize, &'static str)> = (backorders.iter())
+                        .filter_map(|(i, w)| {
+                            let (_, what) = recorded
+                                .conflicts
+                                .iter()
+                                .find(|(o, _)| *o == w.purchase.order_id)?;
+                            Some((*i, *what))
+                        })
+                        .collect();
+                    drop(backorders);
+                    plan.reject_conflicts(&conflicts);
                     return true;
                 }
                 Err(e) => self.mongo.failed(&e),
@@ -277,16 +309,27 @@ fn wanted(only: Option<&HashSet<usize>>, i: usize) -> bool {
 /// id. Codes are masked.
 fn log_step(step: &Step) {
     match step {
-        Step::Sms { grant, fresh, .. } => {
-            info!(order_id = %grant.order_id, pool = %grant.pool, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh, "granted")
-        }
-        Step::Revoked { order_id } => {
-            info!(order_id = %order_id, "order's code was revoked; not texted again")
+        Step::Grant {
+            purchase,
+            grants,
+            fresh,
+            missing,
+        } => {
+            for grant in grants {
+                if grant.revoked {
+                    info!(order_id = %grant.order_id, line = grant.line, "order's code was revoked; not texted again")
+                } else {
+                    info!(order_id = %grant.order_id, pool = %grant.pool, line = grant.line, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh = *fresh > 0, "granted")
+                }
+            }
+            if !missing.is_empty() {
+                info!(order_id = %purchase.order_id, pool = %purchase.pool, waiting = missing.len(), quantity = purchase.quantity, "order partly granted; the rest is backordered");
+            }
         }
         Step::Refused(r) => {
             info!(order_id = %r.purchase.order_id, pool = %r.purchase.pool, uid = %r.purchase.uid, reason = r.reason.as_str(), "purchase refused by the pool's policy")
         }
-        Step::Backorder(_) | Step::DeadLetter(_) => {}
+        Step::Backorder { .. } | Step::DeadLetter(_) => {}
     }
 }
 

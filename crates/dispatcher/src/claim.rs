@@ -1,22 +1,32 @@
-//! The claim: how a purchase gets exactly one code. Read this file top to
-//! bottom to know how ownership is decided.
+//! The claim: how a purchase gets exactly the codes it asked for. Read this
+//! file top to bottom to know how ownership is decided.
 //!
-//! 1. Every order is paired with a *distinct* candidate popped from
+//! Each line of an order (0 to quantity − 1) is a *slot*: the unique
+//! `(order_id, line)` index allows one code per slot. A batch claims the
+//! first line each order asks for (its anchor) before any other: an order
+//! id already taken by a different order (pool, buyer or quantity) shows
+//! there, and that purchase gets nothing more. Only an order whose anchor
+//! it holds, as the same order, claims its other lines, in a second write.
+//! So no order ever gets more codes than its first purchase asked for.
+//!
+//! 1. Every slot is paired with a *distinct* candidate popped from
 //!    the pool's Redis hot set (for a set that ran short, taken from the
 //!    refill that loads it), and all pairs are written in one journaled
-//!    `update` command: "code `_id` goes to this order if it is still
-//!    unissued". MongoDB's condition is the only arbiter; the unique
-//!    `order_id` index forbids a second code per order, so an order that
-//!    already holds one (a redelivery or a duplicate) gets that one back.
+//!    `update` command: "code `_id` goes to this line of this order if it
+//!    is still unissued". MongoDB's condition is the only arbiter; the
+//!    unique `(order_id, line)` index forbids a second code per line, so a
+//!    line that already holds one (a redelivery or a duplicate) gets that
+//!    one back.
 //! 2. When the server reports that every statement landed, every pair
 //!    won, and the candidates' codes (read while the write was in flight)
 //!    make the grants. Otherwise which pairs won is read back by order.
-//!    Orders whose candidate was already taken (by another dispatcher, or
+//!    Slots whose candidate was already taken (by another dispatcher, or
 //!    through the fallback path) try again with fresh candidates, a few
 //!    rounds.
-//! 3. Orders still without a code, or all orders when Redis is away, claim
+//! 3. Slots still without a code, or all slots when Redis is away, claim
 //!    by scanning the pool in MongoDB (`findOneAndUpdate` on
-//!    `(pool, status, seq)`). If that finds nothing, the pool is exhausted.
+//!    `(pool, status, seq)`). If that finds nothing, the pool is exhausted
+//!    and the slots left wait as a backorder.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,11 +44,102 @@ use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
 /// What a purchase got.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
-    /// The order holds this code. `fresh` is false when it already held it
-    /// before this call (a redelivery or duplicate).
+    /// The order holds `grants` (by line) on the lines asked; `fresh` of
+    /// them were issued by this call (the others it held before: a
+    /// redelivery or a duplicate). `missing` lines have no code: the pool
+    /// had no unissued, unexpired code left for them.
+    Claimed {
+        grants: Vec<Grant>,
+        fresh: u32,
+        missing: Vec<u32>,
+    },
+    /// The order id is held by a different order: `what` differs (pool,
+    /// buyer or quantity). Nothing was claimed.
+    Conflict { what: &'static str },
+}
+
+impl ClaimOutcome {
+    /// Nothing could be claimed: every line asked waits for stock.
+    pub fn exhausted(lines: Vec<u32>) -> Self {
+        Self::Claimed {
+            grants: Vec::new(),
+            fresh: 0,
+            missing: lines,
+        }
+    }
+
+    /// The grants the order holds (none for a conflict).
+    pub fn grants(&self) -> &[Grant] {
+        match self {
+            Self::Claimed { grants, .. } => grants,
+            Self::Conflict { .. } => &[],
+        }
+    }
+
+    /// The lines left without a code.
+    pub fn missing(&self) -> &[u32] {
+        match self {
+            Self::Claimed { missing, .. } => missing,
+            Self::Conflict { .. } => &[],
+        }
+    }
+
+    /// How many codes this call issued.
+    pub fn fresh(&self) -> u32 {
+        match self {
+            Self::Claimed { fresh, .. } => *fresh,
+            Self::Conflict { .. } => 0,
+        }
+    }
+
+    /// The one grant of an order of one code, and whether this call issued
+    /// it: `None` when it holds none (or several).
+    pub fn single(&self) -> Option<(Grant, bool)> {
+        match self {
+            Self::Claimed { grants, fresh, .. } if grants.len() == 1 => {
+                Some((grants[0].clone(), *fresh == 1))
+            }
+            _ => None,
+        }
+    }
+
+    /// The pool had nothing for this order: no code held, lines missing.
+    pub fn is_exhausted(&self) -> bool {
+        self.grants().is_empty() && !self.missing().is_empty()
+    }
+}
+
+/// One order and the lines it asks codes for: every line for a purchase
+/// (`0..quantity`), the waiting ones for a backorder.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimAsk<'a> {
+    pub purchase: &'a Purchase,
+    /// Ascending and below the purchase's quantity; empty asks for none.
+    pub lines: &'a [u32],
+}
+
+/// What one slot got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum SlotOutcome {
     Granted { grant: Grant, fresh: bool },
-    /// The pool had no unissued, unexpired code left.
     Exhausted,
+}
+
+/// One line of one order, in a claim.
+#[derive(Debug, Clone, Copy)]
+struct Slot<'a> {
+    purchase: &'a Purchase,
+    line: u32,
+    /// The first line the claim asks for (see [`Grant::part`]).
+    part: u32,
+}
+
+/// Every line `0..quantity` of each purchase.
+pub fn all_lines(purchases: &[&Purchase]) -> Vec<Vec<u32>> {
+    purchases
+        .iter()
+        .map(|p| (0..p.quantity).collect())
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +182,15 @@ fn grant_of(order_id: &str, code: &Code) -> Result<Grant, ClaimError> {
     code.grant().ok_or_else(|| {
         ClaimError::inconsistent(order_id, format!("code {} has no holder", code.id))
     })
+}
+
+/// The code on `line` among an order's codes read back. A code read back
+/// without its holder matches any line, so [`grant_of`] reports it rather
+/// than the line looking empty.
+fn on_line(codes: Option<&Vec<Code>>, line: u32) -> Option<&Code> {
+    codes?
+        .iter()
+        .find(|c| c.holder.as_ref().is_none_or(|h| h.line == line))
 }
 
 /// Knobs of the claim engine.
@@ -140,11 +250,11 @@ impl Dry {
     }
 }
 
-/// One order of a batch paired with the candidate it tries to claim.
+/// One slot of a batch paired with the candidate it tries to claim.
 struct Pairing<'a> {
-    /// Position of the order among the batch's distinct orders.
+    /// Position of the slot among the claim's slots.
     index: usize,
-    purchase: &'a Purchase,
+    slot: Slot<'a>,
     candidate: Candidate,
 }
 
@@ -170,54 +280,207 @@ impl ClaimEngine {
         self.hot.is_degraded()
     }
 
-    /// Claims one code for every purchase, returning outcomes aligned with
-    /// the input. Purchases of the same order share one outcome. `resend`
-    /// says what sends a fresh grant's event again if this process stops
-    /// before it is confirmed.
+    /// Claims every line of every purchase (`quantity` codes each),
+    /// returning outcomes aligned with the input. Purchases of the same
+    /// order share one outcome. `resend` says what sends a fresh grant's
+    /// event again if this process stops before it is confirmed.
     pub async fn claim_batch(
         &self,
         purchases: &[&Purchase],
         resend: Resend,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        let lines = all_lines(purchases);
+        let asks: Vec<ClaimAsk> = purchases
+            .iter()
+            .zip(&lines)
+            .map(|(p, l)| ClaimAsk {
+                purchase: p,
+                lines: l,
+            })
+            .collect();
+        self.claim_asks(&asks, resend).await
+    }
+
+    /// Claims the lines each ask names, returning outcomes aligned with the
+    /// input. Asks of the same order share the first one's outcome, unless
+    /// they are a different order under the same id (a conflict).
+    pub async fn claim_asks(
+        &self,
+        asks: &[ClaimAsk<'_>],
+        resend: Resend,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let started = Instant::now();
         // One entry per distinct order; duplicates in the batch point at it.
         let mut first_of: HashMap<&str, usize> = HashMap::new();
-        let mut unique: Vec<&Purchase> = Vec::new();
-        for p in purchases {
-            first_of.entry(p.order_id.as_str()).or_insert_with(|| {
-                unique.push(p);
-                unique.len() - 1
-            });
+        let mut unique: Vec<ClaimAsk> = Vec::new();
+        for a in asks {
+            first_of
+                .entry(a.purchase.order_id.as_str())
+                .or_insert_with(|| {
+                    unique.push(*a);
+                    unique.len() - 1
+                });
         }
-        let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; unique.len()];
+        let outcomes = self.claim_unique(&unique, resend).await?;
+        metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
+        Ok(asks
+            .iter()
+            .map(|a| {
+                let first = &unique[first_of[a.purchase.order_id.as_str()]];
+                let p = first.purchase;
+                match a.purchase.differs_from(&p.pool, &p.uid, p.quantity) {
+                    Some(what) => ClaimOutcome::Conflict { what },
+                    None => outcomes[first_of[a.purchase.order_id.as_str()]].clone(),
+                }
+            })
+            .collect())
+    }
 
-        // 1. Every order tries for a fresh code. One that already holds a
-        //    code is refused by the unique order_id index, and the read-back
-        //    below returns the code it holds (`fresh: false`).
-        let todo: Vec<usize> = (0..unique.len()).collect();
+    /// The claim of distinct orders: anchors first, then the other lines
+    /// of the orders that hold their anchor as the same order.
+    async fn claim_unique(
+        &self,
+        asks: &[ClaimAsk<'_>],
+        resend: Resend,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        let anchors: Vec<Slot> = asks
+            .iter()
+            .filter_map(|a| {
+                let line = *a.lines.first()?;
+                Some(Slot {
+                    purchase: a.purchase,
+                    line,
+                    part: line,
+                })
+            })
+            .collect();
+        let (anchored, held) = self.claim_slots(&anchors, resend).await?;
+        let mut outcomes: Vec<ClaimOutcome> = Vec::with_capacity(asks.len());
+        let mut rest: Vec<Slot> = Vec::new();
+        let mut anchored = anchored.into_iter();
+        for a in asks {
+            let Some(&first) = a.lines.first() else {
+                outcomes.push(ClaimOutcome::exhausted(Vec::new()));
+                continue;
+            };
+            let outcome = match anchored.next() {
+                Some(SlotOutcome::Granted { grant, fresh }) => {
+                    let p = a.purchase;
+                    if let Some(what) = p.differs_from(&grant.pool, &grant.uid, grant.quantity) {
+                        ClaimOutcome::Conflict { what }
+                    } else {
+                        // Lines the order held before need no claim.
+                        let before = held.get(&p.order_id);
+                        rest.extend(
+                            a.lines[1..]
+                                .iter()
+                                .filter(|&&line| on_line(before, line).is_none())
+                                .map(|&line| Slot {
+                                    purchase: p,
+                                    line,
+                                    part: first,
+                                }),
+                        );
+                        ClaimOutcome::Claimed {
+                            grants: vec![grant],
+                            fresh: u32::from(fresh),
+                            missing: Vec::new(),
+                        }
+                    }
+                }
+                // The pool is empty for the anchor: it is for the others.
+                Some(SlotOutcome::Exhausted) => ClaimOutcome::exhausted(a.lines.to_vec()),
+                None => {
+                    return Err(ClaimError::inconsistent(
+                        &a.purchase.order_id,
+                        "no outcome was decided for its first line",
+                    ))
+                }
+            };
+            outcomes.push(outcome);
+        }
+        let (more, _) = self.claim_slots(&rest, resend).await?;
+        let by_order: HashMap<&str, usize> = asks
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (a.purchase.order_id.as_str(), i))
+            .collect();
+        for (slot, got) in rest.iter().zip(more) {
+            let i = by_order[slot.purchase.order_id.as_str()];
+            if let ClaimOutcome::Claimed {
+                grants,
+                fresh,
+                missing,
+            } = &mut outcomes[i]
+            {
+                match got {
+                    SlotOutcome::Granted { grant, fresh: f } => {
+                        *fresh += u32::from(f);
+                        grants.push(grant);
+                    }
+                    SlotOutcome::Exhausted => missing.push(slot.line),
+                }
+            }
+        }
+        // Lines held before this call come back with the rest.
+        for (i, a) in asks.iter().enumerate() {
+            let ClaimOutcome::Claimed { grants, .. } = &mut outcomes[i] else {
+                continue;
+            };
+            if grants.is_empty() {
+                continue;
+            }
+            if let Some(before) = held.get(&a.purchase.order_id) {
+                for code in before {
+                    let line = code.holder.as_ref().map_or(0, |h| h.line);
+                    if a.lines[1..].contains(&line) && !grants.iter().any(|g| g.line == line) {
+                        grants.push(grant_of(&a.purchase.order_id, code)?);
+                    }
+                }
+            }
+            grants.sort_by_key(|g| g.line);
+        }
+        Ok(outcomes)
+    }
+
+    /// Claims one code for every slot, returning outcomes aligned with the
+    /// input, and the codes read back of orders that held some before.
+    async fn claim_slots(
+        &self,
+        slots: &[Slot<'_>],
+        resend: Resend,
+    ) -> Result<(Vec<SlotOutcome>, HashMap<String, Vec<Code>>), ClaimError> {
+        let mut outcomes: Vec<Option<SlotOutcome>> = vec![None; slots.len()];
+        let mut held: HashMap<String, Vec<Code>> = HashMap::new();
+        if slots.is_empty() {
+            return Ok((Vec::new(), held));
+        }
+        // 1. Every slot tries for a fresh code. One that already holds a
+        //    code is refused by the unique (order_id, line) index, and the
+        //    read-back below returns the code it holds (`fresh: false`).
+        let todo: Vec<usize> = (0..slots.len()).collect();
 
         // 2–3. Distinct candidates from the hot set, claimed in bulk.
         let (scan, spare) = self
-            .claim_from_hot_set(&unique, todo, resend, &mut outcomes)
+            .claim_from_hot_set(slots, todo, resend, &mut outcomes, &mut held)
             .await?;
 
         // 3. The scan: Redis away, hot set empty, or races kept being lost
-        //    (with the numbers fetched for these orders and not used).
+        //    (with the numbers fetched for these slots and not used).
         if !scan.is_empty() {
-            self.claim_by_scan(&unique, &scan, spare, resend, &mut outcomes)
+            self.claim_by_scan(slots, &scan, spare, resend, &mut outcomes, &mut held)
                 .await?;
         }
-
-        metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
-        purchases
+        let outcomes = slots
             .iter()
-            .map(|p| {
-                let i = first_of[p.order_id.as_str()];
-                outcomes[i]
-                    .clone()
-                    .ok_or_else(|| ClaimError::inconsistent(&p.order_id, "no outcome was decided"))
+            .zip(outcomes)
+            .map(|(s, o)| {
+                o.ok_or_else(|| {
+                    ClaimError::inconsistent(&s.purchase.order_id, "no outcome was decided")
+                })
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok((outcomes, held))
     }
 
     /// Rounds of pairing orders with candidates and claiming them in bulk.
@@ -225,10 +488,11 @@ impl ClaimEngine {
     /// for them but not used.
     async fn claim_from_hot_set(
         &self,
-        unique: &[&Purchase],
+        slots: &[Slot<'_>],
         mut todo: Vec<usize>,
         resend: Resend,
-        outcomes: &mut [Option<ClaimOutcome>],
+        outcomes: &mut [Option<SlotOutcome>],
+        held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<(Vec<usize>, HashMap<usize, Option<String>>), ClaimError> {
         let mut scan: Vec<usize> = Vec::new();
         // Numbers fetched and not yet written, by order.
@@ -241,10 +505,10 @@ impl ClaimEngine {
             // one round trip less per batch. Orders of a pool whose last
             // refill found nothing (sold out, lately) are numbered once
             // paired, so a sell-out does not spend a number per purchase.
-            let early = self.not_sold_out(unique, &todo);
+            let early = self.not_sold_out(slots, &todo);
             let (pairs, early) = futures::join!(
-                self.pair_with_candidates(unique, &todo, &mut scan),
-                self.numbers_for(unique, &early)
+                self.pair_with_candidates(slots, &todo, &mut scan),
+                self.numbers_for(slots, &early)
             );
             // Failed early: the pairs ask again below.
             numbers.extend(early.unwrap_or_default());
@@ -252,12 +516,12 @@ impl ClaimEngine {
                 todo.clear();
                 break;
             }
-            if let Err(e) = self.number_the_rest(unique, &pairs, &mut numbers).await {
+            if let Err(e) = self.number_the_rest(slots, &pairs, &mut numbers).await {
                 self.put_back(&pairs).await;
                 return Err(e);
             }
             todo = self
-                .claim_candidates(&pairs, &numbers, resend, outcomes)
+                .claim_candidates(&pairs, &numbers, resend, outcomes, held)
                 .await?;
             // A pair's number went into the write (one that lost its race
             // is not used again); orders sent to the scan use theirs there.
@@ -279,7 +543,7 @@ impl ClaimEngine {
     /// Adds to `numbers` one for every pair that has none yet.
     async fn number_the_rest(
         &self,
-        unique: &[&Purchase],
+        slots: &[Slot<'_>],
         pairs: &[Pairing<'_>],
         numbers: &mut HashMap<usize, Option<String>>,
     ) -> Result<(), ClaimError> {
@@ -287,14 +551,14 @@ impl ClaimEngine {
             .filter(|i| !numbers.contains_key(i))
             .collect();
         if !missing.is_empty() {
-            numbers.extend(self.numbers_for(unique, &missing).await?);
+            numbers.extend(self.numbers_for(slots, &missing).await?);
         }
         Ok(())
     }
 
-    /// The orders of `todo` whose pool a refill did not lately find
+    /// The slots of `todo` whose pool a refill did not lately find
     /// without a single candidate.
-    fn not_sold_out(&self, unique: &[&Purchase], todo: &[usize]) -> Vec<usize> {
+    fn not_sold_out(&self, slots: &[Slot<'_>], todo: &[usize]) -> Vec<usize> {
         let dry = self.dry.lock().ok();
         let sold_out = |pool: &str| {
             dry.as_ref()
@@ -302,17 +566,17 @@ impl ClaimEngine {
                 .is_some_and(|d| d.empty && d.recent())
         };
         (todo.iter().copied())
-            .filter(|&i| !sold_out(&unique[i].pool))
+            .filter(|&i| !sold_out(&slots[i].purchase.pool))
             .collect()
     }
 
-    /// A grant number for each order of `todo`, by its index.
+    /// A grant number for each slot of `todo`, by its index.
     async fn numbers_for(
         &self,
-        unique: &[&Purchase],
+        slots: &[Slot<'_>],
         todo: &[usize],
     ) -> Result<HashMap<usize, Option<String>>, ClaimError> {
-        let purchases: Vec<&Purchase> = todo.iter().map(|&i| unique[i]).collect();
+        let purchases: Vec<&Purchase> = todo.iter().map(|&i| slots[i].purchase).collect();
         let numbers = self.numbers.for_purchases(&purchases).await?;
         Ok(todo.iter().copied().zip(numbers).collect())
     }
@@ -324,14 +588,14 @@ impl ClaimEngine {
     /// concurrently.
     async fn pair_with_candidates<'a>(
         &self,
-        unique: &[&'a Purchase],
+        slots: &[Slot<'a>],
         todo: &[usize],
         scan: &mut Vec<usize>,
     ) -> Vec<Pairing<'a>> {
         let mut by_pool: Vec<(&str, Vec<usize>)> = Vec::new();
         let mut slot: HashMap<&str, usize> = HashMap::new();
         for &i in todo {
-            let pool = unique[i].pool.as_str();
+            let pool = slots[i].purchase.pool.as_str();
             let at = *slot.entry(pool).or_insert_with(|| {
                 by_pool.push((pool, Vec::new()));
                 by_pool.len() - 1
@@ -367,7 +631,7 @@ impl ClaimEngine {
                 match candidates.next() {
                     Some(candidate) => pairs.push(Pairing {
                         index,
-                        purchase: unique[index],
+                        slot: slots[index],
                         candidate,
                     }),
                     None => scan.push(index),
@@ -379,22 +643,26 @@ impl ClaimEngine {
 
     /// Writes all pairs in one command, learns which won (from the write
     /// itself when every pair landed, else by reading grants back by
-    /// order), and returns the indexes of orders that must try again.
+    /// order), and returns the indexes of slots that must try again. The
+    /// codes read back are kept in `held`, by order.
     async fn claim_candidates(
         &self,
         pairs: &[Pairing<'_>],
         numbers: &HashMap<usize, Option<String>>,
         resend: Resend,
-        outcomes: &mut [Option<ClaimOutcome>],
+        outcomes: &mut [Option<SlotOutcome>],
+        held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<Vec<usize>, ClaimError> {
-        let purchases: Vec<&Purchase> = pairs.iter().map(|p| p.purchase).collect();
         let assignments = pairs
             .iter()
             .map(|p| {
                 let grant_no = numbers.get(&p.index).cloned().ok_or_else(|| {
-                    ClaimError::inconsistent(&p.purchase.order_id, "no grant number was fetched")
+                    ClaimError::inconsistent(
+                        &p.slot.purchase.order_id,
+                        "no grant number was fetched",
+                    )
                 })?;
-                Ok(assignment(p.purchase, p.candidate, grant_no, resend))
+                Ok(assignment(&p.slot, p.candidate, grant_no, resend))
             })
             .collect::<Result<Vec<ClaimAssignment>, ClaimError>>()?;
         let write = match self.store.claim_candidates(&assignments).await {
@@ -406,47 +674,51 @@ impl ClaimEngine {
                 return Err(e.into());
             }
         };
-        // Orders refused by the unique index already hold a code elsewhere;
+        // Slots refused by the unique index already hold a code elsewhere;
         // their candidate is still unissued and goes back to the set.
         self.put_back(write.order_taken.iter().filter_map(|&k| pairs.get(k)))
             .await;
 
         // When every statement landed, the write already knows its grants;
         // only orders that held a code before are read back.
-        let read_back: Vec<&str> = match &write.granted {
+        let mut read_back: Vec<&str> = match &write.granted {
             Some(_) => write
                 .order_taken
                 .iter()
                 .filter_map(|&k| pairs.get(k))
-                .map(|p| p.purchase.order_id.as_str())
+                .map(|p| p.slot.purchase.order_id.as_str())
                 .collect(),
-            None => purchases.iter().map(|p| p.order_id.as_str()).collect(),
+            None => pairs
+                .iter()
+                .map(|p| p.slot.purchase.order_id.as_str())
+                .collect(),
         };
-        let mut grants = self.store.grants_for_orders(&read_back).await?;
-        grants.extend(write.granted.unwrap_or_default());
+        read_back.sort_unstable();
+        read_back.dedup();
+        held.extend(self.store.grants_for_orders(&read_back).await?);
+        let granted = write.granted.unwrap_or_default();
         drop_strays(&write.strays);
         // A grant is ours (fresh) when it carries the code and the grant
         // number this very write assigned; the code id alone is not enough,
         // because a stale candidate can be the order's own, already issued,
         // code.
-        let assigned: HashMap<&str, &ClaimAssignment> = assignments
-            .iter()
-            .map(|a| (a.order_id.as_str(), a))
-            .collect();
         let mut retry = Vec::new();
-        for p in pairs {
-            let Some(code) = grants.get(&p.purchase.order_id) else {
+        for (p, a) in pairs.iter().zip(&assignments) {
+            let order_id = &p.slot.purchase.order_id;
+            let code = granted
+                .get(&a.slot())
+                .or_else(|| on_line(held.get(order_id), p.slot.line));
+            let Some(code) = code else {
                 retry.push(p.index);
                 continue;
             };
-            let grant = grant_of(&p.purchase.order_id, code)?;
-            let fresh = assigned.get(p.purchase.order_id.as_str()).is_some_and(|a| {
-                a.code_id == grant.code_id && a.grant_no.is_some() && a.grant_no == grant.grant_no
-            });
+            let grant = grant_of(order_id, code)?;
+            let fresh =
+                a.code_id == grant.code_id && a.grant_no.is_some() && a.grant_no == grant.grant_no;
             if fresh {
                 metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
             }
-            outcomes[p.index] = Some(ClaimOutcome::Granted { grant, fresh });
+            outcomes[p.index] = Some(SlotOutcome::Granted { grant, fresh });
         }
         Ok(retry)
     }
@@ -456,7 +728,7 @@ impl ClaimEngine {
         let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();
         for p in pairs {
             by_pool
-                .entry(p.purchase.pool.as_str())
+                .entry(p.slot.purchase.pool.as_str())
                 .or_default()
                 .push(p.candidate);
         }
@@ -817,19 +1089,21 @@ impl ClaimEngine {
     }
 
     /// Claims one by one by scanning MongoDB; the first "nothing left" marks
-    /// the rest of that pool's orders in this batch as exhausted.
+    /// the rest of that pool's slots in this batch as exhausted.
     async fn claim_by_scan(
         &self,
-        unique: &[&Purchase],
+        slots: &[Slot<'_>],
         idxs: &[usize],
         mut numbers: HashMap<usize, Option<String>>,
         resend: Resend,
-        outcomes: &mut [Option<ClaimOutcome>],
+        outcomes: &mut [Option<SlotOutcome>],
+        held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<(), ClaimError> {
         let mut empty_pools: Vec<&str> = Vec::new();
         let mut maybe_exhausted: Vec<usize> = Vec::new();
         for &i in idxs {
-            let p = unique[i];
+            let slot = &slots[i];
+            let p = slot.purchase;
             if empty_pools.contains(&p.pool.as_str()) {
                 maybe_exhausted.push(i);
                 continue;
@@ -838,12 +1112,12 @@ impl ClaimEngine {
                 Some(n) => n,
                 None => self.numbers.for_purchases(&[p]).await?.pop().flatten(),
             };
-            let claim = assignment(p, SCAN_PLACEHOLDER, grant_no, resend);
+            let claim = assignment(slot, SCAN_PLACEHOLDER, grant_no, resend);
             match self.store.claim_by_scan(&p.pool, &claim).await? {
                 ScanClaim::Granted(code) => {
                     let grant = grant_of(&p.order_id, &code)?;
                     metrics::counter!("codepool_claims_total", "path" => "scan").increment(1);
-                    outcomes[i] = Some(ClaimOutcome::Granted { grant, fresh: true });
+                    outcomes[i] = Some(SlotOutcome::Granted { grant, fresh: true });
                 }
                 ScanClaim::OrderAlreadyGranted => maybe_exhausted.push(i),
                 ScanClaim::Empty => {
@@ -852,23 +1126,26 @@ impl ClaimEngine {
                 }
             }
         }
-        // Before calling an order exhausted, look once more: another
+        // Before calling a slot exhausted, look once more: another
         // dispatcher may have just granted it (a concurrent duplicate).
-        let orders: Vec<&str> = maybe_exhausted
+        let mut orders: Vec<&str> = maybe_exhausted
             .iter()
-            .map(|&i| unique[i].order_id.as_str())
+            .map(|&i| slots[i].purchase.order_id.as_str())
             .collect();
+        orders.sort_unstable();
+        orders.dedup();
         let grants = self.store.grants_for_orders(&orders).await?;
         for i in maybe_exhausted {
-            let order_id = &unique[i].order_id;
-            outcomes[i] = Some(match grants.get(order_id) {
-                Some(code) => ClaimOutcome::Granted {
+            let order_id = &slots[i].purchase.order_id;
+            outcomes[i] = Some(match on_line(grants.get(order_id), slots[i].line) {
+                Some(code) => SlotOutcome::Granted {
                     grant: grant_of(order_id, code)?,
                     fresh: false,
                 },
-                None => ClaimOutcome::Exhausted,
+                None => SlotOutcome::Exhausted,
             });
         }
+        held.extend(grants);
         Ok(())
     }
 }
@@ -880,7 +1157,6 @@ const SCAN_PLACEHOLDER: Candidate = Candidate {
     seq: 0,
 };
 
-/// "Give `candidate` to this purchase's order."
 /// Counts the candidates the hot set offered that failed the claim's
 /// condition for good (another pool's code, a retired or expired one, an
 /// id of nothing). They were popped, so they are already gone from the
@@ -900,12 +1176,14 @@ fn drop_strays(strays: &[(usize, codepool_store::Stray)]) {
     );
 }
 
+/// "Give `candidate` to this line of this order."
 fn assignment(
-    p: &Purchase,
+    slot: &Slot<'_>,
     candidate: Candidate,
     grant_no: Option<String>,
     resend: Resend,
 ) -> ClaimAssignment {
+    let p = slot.purchase;
     ClaimAssignment {
         code_id: candidate.id,
         pool: p.pool.clone(),
@@ -914,6 +1192,9 @@ fn assignment(
         phone: p.phone.clone(),
         grant_no,
         resend,
+        line: slot.line,
+        quantity: p.quantity,
+        part: slot.part,
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use codepool_domain::{CodeStatus, Purchase};
 
-use crate::claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
+use crate::claim::{ClaimAsk, ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::fakes::{id, FakeHot, FakeNumbers, FakeStore};
 use crate::ports::Candidate;
 use crate::Resend;
@@ -47,6 +47,7 @@ fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
             phone: "+8613800000000".into(),
             pool: pool.into(),
             purchased_at: None,
+            quantity: 1,
         })
         .collect()
 }
@@ -59,10 +60,7 @@ async fn claim(r: &Rig, ps: &[Purchase]) -> Result<Vec<ClaimOutcome>, ClaimError
 fn granted_ids(outcomes: &[ClaimOutcome]) -> Vec<codepool_domain::CodeId> {
     outcomes
         .iter()
-        .filter_map(|o| match o {
-            ClaimOutcome::Granted { grant, .. } => Some(grant.code_id),
-            ClaimOutcome::Exhausted => None,
-        })
+        .flat_map(|o| o.grants().iter().map(|g| g.code_id))
         .collect()
 }
 
@@ -73,9 +71,7 @@ async fn every_order_gets_a_distinct_code_oldest_first() {
     let out = claim(&r, &ps).await.unwrap();
     let ids = granted_ids(&out);
     assert_eq!(ids, vec![id(1), id(2), id(3), id(4)]);
-    assert!(out
-        .iter()
-        .all(|o| matches!(o, ClaimOutcome::Granted { fresh: true, .. })));
+    assert!(out.iter().all(|o| o.fresh() == 1 && o.grants().len() == 1));
     assert_eq!(
         r.store.scans.load(Ordering::SeqCst),
         0,
@@ -120,10 +116,8 @@ async fn a_redelivered_order_gets_its_code_back_and_the_candidate_returns() {
     let before = r.hot.len("x");
     let again = claim(&r, &purchases("x", &["A"])).await.unwrap();
     assert_eq!(granted_ids(&first), granted_ids(&again));
-    assert!(matches!(
-        again[0],
-        ClaimOutcome::Granted { fresh: false, .. }
-    ));
+    assert_eq!(again[0].fresh(), 0);
+    assert_eq!(again[0].grants().len(), 1);
     assert_eq!(r.hot.len("x"), before, "the unused candidate is put back");
     assert_eq!(r.store.issued().len(), 1);
 }
@@ -170,12 +164,7 @@ async fn an_empty_pool_is_exhausted_only_after_the_scan_finds_nothing() {
         .await
         .unwrap();
     assert_eq!(granted_ids(&out).len(), 3);
-    assert_eq!(
-        out.iter()
-            .filter(|o| **o == ClaimOutcome::Exhausted)
-            .count(),
-        2
-    );
+    assert_eq!(out.iter().filter(|o| o.is_exhausted()).count(), 2);
 }
 
 #[tokio::test]
@@ -308,13 +297,89 @@ async fn a_sold_out_pool_spends_no_grant_number_per_purchase() {
     claim(&r, &purchases("x", &["A", "B"])).await.unwrap();
     // This batch finds the pool empty (its refill loads nothing).
     let out = claim(&r, &purchases("x", &["C", "D", "E"])).await.unwrap();
-    assert!(out.iter().all(|o| *o == ClaimOutcome::Exhausted));
+    assert!(out.iter().all(ClaimOutcome::is_exhausted));
     let before = r.numbers.issued();
     let out = claim(&r, &purchases("x", &["F", "G", "H"])).await.unwrap();
-    assert!(out.iter().all(|o| *o == ClaimOutcome::Exhausted));
+    assert!(out.iter().all(ClaimOutcome::is_exhausted));
     assert_eq!(
         r.numbers.issued() - before,
         1,
         "only the scan that found the pool empty took a number"
     );
+}
+
+fn with_quantity(mut ps: Vec<Purchase>, q: u32) -> Vec<Purchase> {
+    for p in &mut ps {
+        p.quantity = q;
+    }
+    ps
+}
+
+#[tokio::test]
+async fn an_order_of_several_gets_that_many_distinct_codes_one_per_line() {
+    let r = rig(FakeStore::with_pool("x", 1, 20));
+    let ps = with_quantity(purchases("x", &["A", "B"]), 3);
+    let out = claim(&r, &ps).await.unwrap();
+    for o in &out {
+        let lines: Vec<u32> = o.grants().iter().map(|g| g.line).collect();
+        assert_eq!(lines, [0, 1, 2]);
+        assert!(o.grants().iter().all(|g| g.quantity == 3 && g.part == 0));
+        assert_eq!(o.fresh(), 3);
+        assert!(o.missing().is_empty());
+    }
+    let ids: HashSet<_> = granted_ids(&out).into_iter().collect();
+    assert_eq!(ids.len(), 6, "no code twice");
+    // Again: the same codes, none fresh, none more issued.
+    let again = claim(&r, &ps).await.unwrap();
+    assert_eq!(granted_ids(&again), granted_ids(&out));
+    assert!(again.iter().all(|o| o.fresh() == 0));
+    assert_eq!(r.store.issued().len(), 6);
+}
+
+#[tokio::test]
+async fn an_order_larger_than_the_stock_gets_what_there_is_and_the_rest_waits() {
+    let r = rig(FakeStore::with_pool("x", 1, 4));
+    let ps = with_quantity(purchases("x", &["A"]), 10);
+    let out = claim(&r, &ps).await.unwrap();
+    assert_eq!(out[0].grants().len(), 4);
+    assert_eq!(out[0].missing(), [4, 5, 6, 7, 8, 9]);
+    assert!(!out[0].is_exhausted(), "partly granted is not exhausted");
+    // Codes arrive; the backorder asks for its waiting lines only.
+    r.store.add("x", 100, 10);
+    r.engine.replenished("x");
+    let lines: Vec<u32> = (4..10).collect();
+    let asks = [ClaimAsk {
+        purchase: &ps[0],
+        lines: &lines,
+    }];
+    let later = r.engine.claim_asks(&asks, Resend::ByRelay).await.unwrap();
+    let got: Vec<(u32, u32)> = later[0].grants().iter().map(|g| (g.line, g.part)).collect();
+    assert_eq!(got, [(4, 4), (5, 4), (6, 4), (7, 4), (8, 4), (9, 4)]);
+    assert_eq!(r.store.issued().len(), 10, "never beyond the quantity");
+}
+
+#[tokio::test]
+async fn the_same_order_id_with_another_quantity_pool_or_buyer_gets_nothing() {
+    let r = rig(FakeStore::with_pool("x", 1, 30));
+    let first = with_quantity(purchases("x", &["A"]), 2);
+    claim(&r, &first).await.unwrap();
+    let mut more = with_quantity(purchases("x", &["A"]), 5);
+    let mut buyer = first.clone();
+    buyer[0].uid = "someone-else".into();
+    more.extend(buyer);
+    for p in more {
+        let out = claim(&r, std::slice::from_ref(&p)).await.unwrap();
+        assert!(matches!(out[0], ClaimOutcome::Conflict { .. }), "{out:?}");
+    }
+    assert_eq!(r.store.issued().len(), 2, "the first order stands, alone");
+    // In one batch: the first of the batch stands, the other conflicts.
+    let mut batch = with_quantity(purchases("x", &["B"]), 1);
+    batch.extend(with_quantity(purchases("x", &["B"]), 3));
+    let out = claim(&r, &batch).await.unwrap();
+    assert_eq!(out[0].grants().len(), 1);
+    assert!(matches!(
+        out[1],
+        ClaimOutcome::Conflict { what: "quantity" }
+    ));
+    assert_eq!(r.store.issued().len(), 3);
 }

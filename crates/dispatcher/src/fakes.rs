@@ -92,13 +92,19 @@ impl FakeStore {
             phone: a.phone.clone(),
             issued_at: Utc::now(),
             grant_no: a.grant_no.clone(),
+            line: a.line,
+            quantity: a.quantity,
+            part: a.part,
         });
     }
 
-    fn holds(codes: &[Code], order: &str) -> bool {
-        codes
-            .iter()
-            .any(|c| c.holder.as_ref().is_some_and(|h| h.order_id == order))
+    /// Like the unique `(order_id, line)` index.
+    fn holds(codes: &[Code], order: &str, line: u32) -> bool {
+        codes.iter().any(|c| {
+            c.holder
+                .as_ref()
+                .is_some_and(|h| h.order_id == order && h.line == line)
+        })
     }
 }
 
@@ -117,7 +123,7 @@ impl ClaimStore for FakeStore {
         let mut granted = HashMap::new();
         let mut lost = false;
         for (k, a) in claims.iter().enumerate() {
-            if Self::holds(&codes, &a.order_id) {
+            if Self::holds(&codes, &a.order_id, a.line) {
                 out.order_taken.push(k);
                 continue;
             }
@@ -127,7 +133,7 @@ impl ClaimStore for FakeStore {
             {
                 Some(c) => {
                     Self::issue(c, a);
-                    granted.insert(a.order_id.clone(), c.clone());
+                    granted.insert(a.slot(), c.clone());
                 }
                 None => lost = true,
             }
@@ -145,7 +151,7 @@ impl ClaimStore for FakeStore {
     ) -> Result<ScanClaim, StoreError> {
         self.scans.fetch_add(1, Ordering::SeqCst);
         let mut codes = self.codes.lock().unwrap();
-        if Self::holds(&codes, &claim.order_id) {
+        if Self::holds(&codes, &claim.order_id, claim.line) {
             return Ok(ScanClaim::OrderAlreadyGranted);
         }
         let oldest = codes
@@ -164,23 +170,22 @@ impl ClaimStore for FakeStore {
     async fn grants_for_orders(
         &self,
         orders: &[&str],
-    ) -> Result<HashMap<String, Code>, StoreError> {
+    ) -> Result<HashMap<String, Vec<Code>>, StoreError> {
         self.read_backs.fetch_add(orders.len(), Ordering::SeqCst);
         let codes = self.codes.lock().unwrap();
         let drop = self.drop_holders.load(Ordering::SeqCst);
-        Ok(codes
-            .iter()
-            .filter_map(|c| {
-                let order = c.holder.as_ref()?.order_id.clone();
-                orders.contains(&order.as_str()).then(|| {
-                    let mut c = c.clone();
-                    if drop {
-                        c.holder = None;
-                    }
-                    (order, c)
-                })
-            })
-            .collect())
+        let mut out: HashMap<String, Vec<Code>> = HashMap::new();
+        for c in codes.iter() {
+            let Some(h) = &c.holder else { continue };
+            if orders.contains(&h.order_id.as_str()) {
+                let mut c = c.clone();
+                if drop {
+                    c.holder = None;
+                }
+                out.entry(h.order_id.clone()).or_default().push(c);
+            }
+        }
+        Ok(out)
     }
 
     async fn candidates_after_many(

@@ -124,15 +124,17 @@ pub enum ResendError {
     Store(#[from] StoreError),
 }
 
-/// Publishes an order's SMS-pending event again, through the outbox, and
-/// records the re-send. Returns the event that went out.
+/// Publishes an order's SMS-pending events again (one per part of an
+/// order of several codes; its revoked and redeemed codes are not sent),
+/// through the outbox, and records the re-send. Returns the events that
+/// went out and the codes they carry.
 pub async fn resend(
     store: &Store,
     outbox: &Outbox,
     sink: &dyn EventSink,
     order: &str,
-) -> Result<(SmsPending, Code), ResendError> {
-    let Some(code) = store.grants_for_orders(&[order]).await?.remove(order) else {
+) -> Result<(Vec<SmsPending>, Vec<Code>), ResendError> {
+    let Some(codes) = store.grants_for_orders(&[order]).await?.remove(order) else {
         return Err(
             match store
                 .backorders_for_orders(&[order])
@@ -154,14 +156,31 @@ pub async fn resend(
         order: order.to_owned(),
         reason,
     };
-    let grant = code.resendable().map_err(not_sendable)?;
-    let event = grant
-        .sms_pending()
-        .ok_or(not_sendable(NotSendable::Unissued))?;
-    let sent = outbox.send(sink, &[grant], Marking::Resent).await?;
-    match sent.results.into_iter().next() {
-        Some(Ok(())) => Ok((event, code)),
+    let mut grants = Vec::new();
+    let mut sendable = Vec::new();
+    let mut first_refusal = None;
+    for code in codes {
+        match code.resendable() {
+            Ok(g) => {
+                grants.push(g);
+                sendable.push(code);
+            }
+            Err(e) => {
+                first_refusal.get_or_insert(e);
+            }
+        }
+    }
+    if grants.is_empty() {
+        return Err(not_sendable(first_refusal.unwrap_or(NotSendable::Unissued)));
+    }
+    let events: Vec<SmsPending> = codepool_domain::sms_events(&grants)
+        .into_iter()
+        .map(|(e, _)| e)
+        .collect();
+    let sent = outbox.send(sink, &grants, Marking::Resent).await?;
+    match sent.results.into_iter().find(|r| r.is_err()) {
+        None => Ok((events, sendable)),
         Some(Err(e)) => Err(ResendError::Unconfirmed(e)),
-        None => Err(ResendError::Unconfirmed(BrokerError::Nacked)),
+        Some(Ok(())) => Err(ResendError::Unconfirmed(BrokerError::Nacked)),
     }
 }

@@ -8,7 +8,7 @@ use std::borrow::Borrow;
 use std::sync::Arc;
 
 use codepool_broker::BrokerError;
-use codepool_domain::{CodeId, Grant};
+use codepool_domain::{sms_events, CodeId, Grant};
 use codepool_store::StoreError;
 use tracing::debug;
 
@@ -64,32 +64,31 @@ impl Outbox {
         grants: &[G],
         marking: Marking,
     ) -> Result<Sent, StoreError> {
-        let (ids, events): (Vec<CodeId>, Vec<_>) = grants
-            .iter()
-            .map(Borrow::borrow)
-            .filter_map(|g: &Grant| Some((g.code_id, g.sms_pending()?)))
-            .unzip();
-        let mut published = sink.publish_sms(&events).await.into_iter();
-        let mut confirmed = Vec::with_capacity(ids.len());
-        let mut results = Vec::with_capacity(grants.len());
-        for g in grants.iter().map(Borrow::borrow) {
-            let g: &Grant = g;
-            if g.revoked {
-                results.push(Ok(()));
-                continue;
-            }
-            let r = published.next().unwrap_or_else(|| {
+        // One event per grant of a one-code order, one per part of an
+        // order of several; each grant's result is its event's.
+        let (events, carried): (Vec<_>, Vec<_>) = sms_events(grants).into_iter().unzip();
+        let published = sink.publish_sms(&events).await;
+        let mut results: Vec<Result<(), BrokerError>> = (0..grants.len()).map(|_| Ok(())).collect();
+        for (k, carried) in carried.iter().enumerate() {
+            let r = published.get(k).cloned().unwrap_or_else(|| {
                 Err(BrokerError::Unavailable(
                     "the broker returned no confirm".into(),
                 ))
             });
-            if r.is_ok() {
-                confirmed.push(g.code_id);
-            } else if let Err(e) = &r {
-                debug!(order_id = %g.order_id, error = %e, "SMS-pending event not confirmed");
+            if let Err(e) = &r {
+                debug!(event_id = %events[k].event_id, error = %e, "SMS-pending event not confirmed");
             }
-            results.push(r);
+            for &i in carried {
+                results[i] = r.clone();
+            }
         }
+        let confirmed: Vec<CodeId> = grants
+            .iter()
+            .map(Borrow::borrow)
+            .zip(&results)
+            .filter(|(g, r)| !g.revoked && r.is_ok())
+            .map(|(g, _)| g.code_id)
+            .collect();
         self.record(confirmed, marking).await?;
         Ok(Sent { results })
     }
@@ -168,6 +167,9 @@ mod tests {
             grant_no: None,
             issued_at: Utc::now(),
             revoked,
+            line: 0,
+            quantity: 1,
+            part: 0,
         }
     }
 

@@ -11,6 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use codepool_domain::{Grant, Purchase, PurchaseError, Refusal};
+use codepool_store::backorders::Waiting;
 
 use crate::claim::ClaimOutcome;
 
@@ -107,16 +108,21 @@ pub fn apply_policies(intake: Vec<Intake>, verdicts: &Verdicts) -> Vec<Intake> {
 /// What to do with one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
-    /// Publish the grant's SMS-pending event; ack once confirmed.
-    Sms {
-        grant: Box<Grant>,
-        /// This batch issued the code (not a redelivery or a duplicate).
-        fresh: bool,
+    /// The order holds `grants` (by line): publish their SMS-pending
+    /// events (one per part; none for a revoked grant), ack once confirmed.
+    /// `missing` lines got no code (stock ran short): they wait as a
+    /// backorder, recorded durably before the ack.
+    Grant {
+        purchase: Box<Purchase>,
+        grants: Vec<Grant>,
+        /// How many of the grants this batch issued (not a redelivery or a
+        /// duplicate).
+        fresh: u32,
+        missing: Vec<u32>,
     },
-    /// The order holds a revoked (voided) code: nothing is sent, ack.
-    Revoked { order_id: String },
-    /// The pool is empty or paused: record a backorder durably, then ack.
-    Backorder(Purchase),
+    /// The pool is empty or paused: record a backorder for `lines` durably,
+    /// then ack.
+    Backorder { purchase: Purchase, lines: Vec<u32> },
     /// Refused by a pool policy: publish `purchase.refused` (the refusal is
     /// already recorded); ack once confirmed.
     Refused(Box<Refusal>),
@@ -130,10 +136,11 @@ pub struct BatchPlan {
     pub steps: Vec<Step>,
     /// Pools that ran dry in this batch (`pool.exhausted` events).
     pub exhausted_pools: BTreeSet<String>,
-    /// Fresh grants per pool (their stock goes down).
+    /// Fresh grants (codes) per pool (their stock goes down).
     pub granted_pools: BTreeMap<String, u64>,
+    /// Codes this batch issued.
     pub fresh_grants: u64,
-    /// Deliveries of orders that already held a code.
+    /// Deliveries of orders that already held their codes.
     pub repeats: u64,
     /// Purchases held as backorders because their pool is paused.
     pub held: u64,
@@ -149,26 +156,37 @@ pub struct OutcomeMismatch {
 }
 
 impl BatchPlan {
-    /// The purchases to record as backorders before anything is acked.
-    pub fn backorders(&self) -> Vec<&Purchase> {
+    /// The purchases to record as backorders before anything is acked,
+    /// with the lines each still needs, and their positions.
+    pub fn backorders(&self) -> Vec<(usize, Waiting<'_>)> {
         self.steps
             .iter()
-            .filter_map(|s| match s {
-                Step::Backorder(p) => Some(p),
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Step::Backorder { purchase, lines } => Some((i, Waiting { purchase, lines })),
+                Step::Grant {
+                    purchase, missing, ..
+                } if !missing.is_empty() => Some((
+                    i,
+                    Waiting {
+                        purchase,
+                        lines: missing,
+                    },
+                )),
                 _ => None,
             })
             .collect()
     }
 
-    /// The grants whose SMS-pending events to publish (the outbox builds
-    /// each event once), with their delivery positions.
+    /// The grants whose SMS-pending events to publish (the outbox groups
+    /// them into events), with their delivery positions.
     pub fn sms_events(&self) -> Vec<(usize, &Grant)> {
         self.steps
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| match s {
-                Step::Sms { grant, .. } => Some((i, &**grant)),
-                _ => None,
+            .flat_map(|(i, s)| match s {
+                Step::Grant { grants, .. } => grants.iter().map(|g| (i, g)).collect(),
+                _ => Vec::new(),
             })
             .collect()
     }
@@ -196,6 +214,46 @@ impl BatchPlan {
             })
             .collect()
     }
+
+    /// Turns the steps at `conflicts` (positions, with what differs) into
+    /// `conflicting_order` dead letters: recording their backorder found
+    /// another order under the same id.
+    pub fn reject_conflicts(&mut self, conflicts: &[(usize, &'static str)]) {
+        for &(i, what) in conflicts {
+            let order_id = match &self.steps[i] {
+                Step::Backorder { purchase, .. } => purchase.order_id.clone(),
+                Step::Grant { purchase, .. } => purchase.order_id.clone(),
+                _ => continue,
+            };
+            self.steps[i] = Step::DeadLetter(PurchaseError::conflicting_order(&order_id, what));
+        }
+    }
+}
+
+/// Turns purchases whose order id already has a backorder of a different
+/// order (another pool, buyer or quantity) into `conflicting_order`
+/// rejections, before anything is claimed for them: the first order
+/// stands. `backordered` holds, by order id, the pool, buyer and quantity
+/// of the backorders of the batch's orders.
+pub fn reject_conflicting(
+    intake: Vec<Intake>,
+    backordered: &HashMap<String, (String, String, u32)>,
+) -> Vec<Intake> {
+    intake
+        .into_iter()
+        .map(|i| match i {
+            Intake::Claim(p) => match backordered.get(&p.order_id) {
+                Some((pool, uid, q)) => match p.differs_from(pool, uid, *q) {
+                    Some(what) => {
+                        Intake::Reject(PurchaseError::conflicting_order(&p.order_id, what))
+                    }
+                    None => Intake::Claim(p),
+                },
+                None => Intake::Claim(p),
+            },
+            other => other,
+        })
+        .collect()
 }
 
 /// Decides every delivery's step. `outcomes` holds one claim outcome per
@@ -223,7 +281,8 @@ pub fn plan_batch(
             Intake::Refuse(r) => Step::Refused(r),
             Intake::Hold(p) => {
                 plan.held += 1;
-                Step::Backorder(p)
+                let lines = (0..p.quantity).collect();
+                Step::Backorder { purchase: p, lines }
             }
             // Counted above: there is an outcome for every claim.
             Intake::Claim(p) => match outcomes.next() {
@@ -244,32 +303,42 @@ impl BatchPlan {
         outcome: ClaimOutcome,
         granted: &mut HashSet<String>,
     ) -> Step {
-        match outcome {
-            ClaimOutcome::Exhausted => {
-                self.exhausted_pools.insert(p.pool.clone());
-                Step::Backorder(p)
+        let (grants, fresh, missing) = match outcome {
+            ClaimOutcome::Conflict { what } => {
+                return Step::DeadLetter(PurchaseError::conflicting_order(&p.order_id, what))
             }
-            ClaimOutcome::Granted { grant, fresh } => {
-                // A second delivery of the same order in this batch is a repeat.
-                let fresh = fresh && granted.insert(p.order_id.clone());
-                if fresh {
-                    self.fresh_grants += 1;
-                    *self.granted_pools.entry(p.pool.clone()).or_default() += 1;
-                } else {
-                    self.repeats += 1;
-                }
-                // A revoked grant keeps its code but has nothing to send.
-                if grant.revoked {
-                    Step::Revoked {
-                        order_id: p.order_id,
-                    }
-                } else {
-                    Step::Sms {
-                        grant: Box::new(grant),
-                        fresh,
-                    }
-                }
-            }
+            ClaimOutcome::Claimed {
+                grants,
+                fresh,
+                missing,
+            } => (grants, fresh, missing),
+        };
+        if !missing.is_empty() {
+            self.exhausted_pools.insert(p.pool.clone());
+        }
+        if grants.is_empty() {
+            return Step::Backorder {
+                purchase: p,
+                lines: missing,
+            };
+        }
+        // A second delivery of the same order in this batch is a repeat.
+        let fresh = if fresh > 0 && granted.insert(p.order_id.clone()) {
+            fresh
+        } else {
+            0
+        };
+        if fresh > 0 {
+            self.fresh_grants += u64::from(fresh);
+            *self.granted_pools.entry(p.pool.clone()).or_default() += u64::from(fresh);
+        } else {
+            self.repeats += 1;
+        }
+        Step::Grant {
+            purchase: Box::new(p),
+            grants,
+            fresh,
+            missing,
         }
     }
 }
@@ -290,7 +359,7 @@ pub fn settle(plan: &BatchPlan, unconfirmed: &HashSet<usize>) -> Vec<Settlement>
         .iter()
         .enumerate()
         .map(|(i, step)| match step {
-            Step::Sms { .. } | Step::DeadLetter(_) | Step::Refused(_)
+            Step::Grant { .. } | Step::DeadLetter(_) | Step::Refused(_)
                 if unconfirmed.contains(&i) =>
             {
                 Settlement::Requeue
@@ -340,13 +409,40 @@ mod tests {
             grant_no: Some("G202611200001".into()),
             issued_at: Utc::now(),
             revoked,
+            line: 0,
+            quantity: 1,
+            part: 0,
         }
     }
 
     fn granted(order: &str, pool: &str, fresh: bool) -> ClaimOutcome {
-        ClaimOutcome::Granted {
-            grant: grant(order, pool, false),
-            fresh,
+        ClaimOutcome::Claimed {
+            grants: vec![grant(order, pool, false)],
+            fresh: u32::from(fresh),
+            missing: Vec::new(),
+        }
+    }
+
+    fn revoked(order: &str, pool: &str) -> ClaimOutcome {
+        ClaimOutcome::Claimed {
+            grants: vec![grant(order, pool, true)],
+            fresh: 0,
+            missing: Vec::new(),
+        }
+    }
+
+    fn exhausted() -> ClaimOutcome {
+        ClaimOutcome::exhausted(vec![0])
+    }
+
+    /// The kind of a step, in a word.
+    fn kind(step: &Step) -> &'static str {
+        match step {
+            Step::Grant { grants, .. } if grants.iter().all(|g| g.revoked) => "revoked",
+            Step::Grant { .. } => "sms",
+            Step::Backorder { .. } => "backorder",
+            Step::DeadLetter(_) => "dead",
+            Step::Refused(_) => "refused",
         }
     }
 
@@ -390,15 +486,12 @@ mod tests {
             ),
             (
                 Intake::Claim(purchase("O-3", "x")),
-                Some(ClaimOutcome::Granted {
-                    grant: grant("O-3", "x", true),
-                    fresh: false,
-                }),
+                Some(revoked("O-3", "x")),
                 "revoked",
             ),
             (
                 Intake::Claim(purchase("O-4", "y")),
-                Some(ClaimOutcome::Exhausted),
+                Some(exhausted()),
                 "backorder",
             ),
             (
@@ -411,14 +504,7 @@ mod tests {
         ];
         for (intake, outcome, want) in rows {
             let plan = plan_batch(vec![intake], outcome.into_iter().collect()).unwrap();
-            let got = match &plan.steps[0] {
-                Step::Sms { .. } => "sms",
-                Step::Revoked { .. } => "revoked",
-                Step::Backorder(_) => "backorder",
-                Step::DeadLetter(_) => "dead",
-                Step::Refused(_) => "refused",
-            };
-            assert_eq!(got, want);
+            assert_eq!(kind(&plan.steps[0]), want);
         }
     }
 
@@ -434,7 +520,7 @@ mod tests {
             granted("O-1", "x", true),
             granted("O-1", "x", true),
             granted("O-2", "x", false),
-            ClaimOutcome::Exhausted,
+            exhausted(),
         ];
         let plan = plan_batch(intake, outcomes).unwrap();
         assert_eq!(
@@ -474,7 +560,7 @@ mod tests {
         ];
         let outcomes = vec![
             granted("O-1", "x", true),
-            ClaimOutcome::Exhausted,
+            exhausted(),
             granted("O-3", "x", true),
         ];
         let plan = plan_batch(intake, outcomes).unwrap();
@@ -531,14 +617,14 @@ mod tests {
     fn a_revoked_grant_is_acked_without_any_event() {
         let plan = plan_batch(
             vec![Intake::Claim(purchase("O-1", "x"))],
-            vec![ClaimOutcome::Granted {
-                grant: grant("O-1", "x", true),
-                fresh: false,
-            }],
+            vec![revoked("O-1", "x")],
         )
         .unwrap();
-        assert!(plan.sms_events().is_empty());
-        assert_eq!(settle(&plan, &HashSet::from([0])), vec![Settlement::Ack]);
+        assert!(
+            plan.sms_events().iter().all(|(_, g)| g.revoked),
+            "the outbox sends nothing for it"
+        );
+        assert!(plan.backorders().is_empty());
     }
 
     /// A random batch: per delivery, 0 invalid, 1 unknown pool, 2 exhausted,
@@ -562,13 +648,10 @@ mod tests {
                 k => {
                     intake.push(Intake::Claim(purchase(&order, "x")));
                     outcomes.push(match k {
-                        2 => ClaimOutcome::Exhausted,
+                        2 => exhausted(),
                         3 => granted(&order, "x", true),
                         4 => granted(&order, "x", false),
-                        _ => ClaimOutcome::Granted {
-                            grant: grant(&order, "x", true),
-                            fresh: false,
-                        },
+                        _ => revoked(&order, "x"),
                     });
                 }
             }
@@ -582,8 +665,9 @@ mod tests {
             let (intake, outcomes) = build(&rows);
             let plan = plan_batch(intake, outcomes).unwrap();
             prop_assert_eq!(plan.steps.len(), rows.len());
-            let published = plan.sms_events().len() + plan.dead_letters().len() + plan.refusals().len();
-            let silent = plan.steps.iter().filter(|s| matches!(s, Step::Revoked { .. } | Step::Backorder(_))).count();
+            let kinds: Vec<&str> = plan.steps.iter().map(kind).collect();
+            let published = kinds.iter().filter(|k| **k == "sms").count() + plan.dead_letters().len() + plan.refusals().len();
+            let silent = kinds.iter().filter(|k| matches!(**k, "revoked" | "backorder")).count();
             prop_assert_eq!(published + silent, rows.len());
         }
 
@@ -593,7 +677,7 @@ mod tests {
             let plan = plan_batch(intake, outcomes).unwrap();
             let settled = settle(&plan, &fail);
             for (i, step) in plan.steps.iter().enumerate() {
-                let needs_confirm = matches!(step, Step::Sms { .. } | Step::DeadLetter(_) | Step::Refused(_));
+                let needs_confirm = matches!(step, Step::Grant { .. } | Step::DeadLetter(_) | Step::Refused(_));
                 if needs_confirm && fail.contains(&i) {
                     prop_assert_eq!(settled[i], Settlement::Requeue);
                 } else {
@@ -608,8 +692,10 @@ mod tests {
             let plan = plan_batch(intake, outcomes).unwrap();
             let mut fresh_orders = HashSet::new();
             for step in &plan.steps {
-                if let Step::Sms { grant, fresh: true, .. } = step {
-                    prop_assert!(fresh_orders.insert(grant.order_id.clone()));
+                if let Step::Grant { purchase, fresh, .. } = step {
+                    if *fresh > 0 {
+                        prop_assert!(fresh_orders.insert(purchase.order_id.clone()));
+                    }
                 }
             }
             prop_assert_eq!(fresh_orders.len() as u64, plan.fresh_grants);
@@ -618,7 +704,7 @@ mod tests {
         #[test]
         fn exactly_the_exhausted_and_held_purchases_are_backordered(rows in batch()) {
             let (intake, outcomes) = build(&rows);
-            let exhausted = outcomes.iter().filter(|o| matches!(o, ClaimOutcome::Exhausted)).count();
+            let exhausted = outcomes.iter().filter(|o| o.is_exhausted()).count();
             let held = rows.iter().filter(|(k, _)| *k == 7).count();
             let plan = plan_batch(intake, outcomes).unwrap();
             prop_assert_eq!(plan.backorders().len(), exhausted + held);

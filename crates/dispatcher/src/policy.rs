@@ -373,6 +373,7 @@ async fn refuse_over_limit(
             pool: &p.pool,
             uid: &p.uid,
             order_id: &p.order_id,
+            codes: p.quantity,
             limit: policy(&p.pool).per_user,
         })
         .collect();

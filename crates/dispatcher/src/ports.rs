@@ -40,9 +40,11 @@ pub trait ClaimStore: Send + Sync {
         pool: &str,
         claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError>;
-    /// The codes these orders hold, by order id.
-    async fn grants_for_orders(&self, orders: &[&str])
-        -> Result<HashMap<String, Code>, StoreError>;
+    /// The codes these orders hold, by order id, each order's by line.
+    async fn grants_for_orders(
+        &self,
+        orders: &[&str],
+    ) -> Result<HashMap<String, Vec<Code>>, StoreError>;
     /// Unissued codes after each ask's `after_seq` in its pool, oldest
     /// first, aligned with `asks` (one round trip in production).
     async fn candidates_after_many(

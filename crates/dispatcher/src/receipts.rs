@@ -9,7 +9,7 @@
 //! acked and logged, never retried forever.
 
 use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
-use codepool_domain::SmsReceipt;
+use codepool_domain::{SmsPending, SmsReceipt};
 use codepool_store::lifecycle::{ReceiptKind, ReceiptOutcome};
 use codepool_store::{Store, StoreError};
 use lapin::message::Delivery;
@@ -40,9 +40,17 @@ pub async fn apply_receipt(store: &Store, delivery: &Delivery) -> Result<(), Sto
         .message_id()
         .as_ref()
         .map(|m| m.as_str());
+    // The event id names the lines its event carried (an order of several
+    // codes); the receipt applies to those codes only. An id codepool did
+    // not give names the whole order, as receipts always have.
+    let lines = SmsPending::lines_of(&receipt.event_id, &receipt.order_id).unwrap_or_else(|e| {
+        debug!(order_id = %receipt.order_id, error = %e, "SMS receipt applies to every code of its order");
+        None
+    });
     let outcome = match store
         .apply_sms_receipt(
             &receipt.order_id,
+            lines.as_deref(),
             kind,
             receipt.error.as_deref(),
             receipt_id,

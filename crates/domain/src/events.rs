@@ -2,8 +2,14 @@
 
 use serde::{Deserialize, Serialize};
 
-/// "Text this code to this buyer." Published persistent and confirmed to the
-/// `sms` exchange with routing key `sms.pending`.
+/// "Text these codes to this buyer." Published persistent and confirmed to
+/// the `sms` exchange with routing key `sms.pending`.
+///
+/// An order of one code gets the shape SMS services have always read: one
+/// `code`, `grant_no` and `issued_at`. An order of several codes gets
+/// `quantity` and a `codes` list instead, one entry per code of this part
+/// of the order; it has no top-level `code`, so a service that only knows
+/// the first shape refuses it rather than texting one code of several.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SmsPending {
     pub event_id: String,
@@ -11,6 +17,25 @@ pub struct SmsPending {
     pub uid: String,
     pub phone: String,
     pub pool: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant_no: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_at: Option<String>,
+    /// The order's quantity, when it asked for more than one code.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantity: Option<u32>,
+    /// The codes of this part of a several-code order, by line.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub codes: Vec<SmsCode>,
+}
+
+/// One code of a several-code SMS-pending event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SmsCode {
+    /// The code's line in its order: 0 to quantity − 1.
+    pub line: u32,
     pub code: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant_no: Option<String>,
@@ -18,13 +43,81 @@ pub struct SmsPending {
 }
 
 impl SmsPending {
+    /// The id of the event of an order of one code.
     pub fn event_id_for(order_id: &str) -> String {
         format!("sms:{order_id}")
+    }
+
+    /// The id of the event that carries `lines` (ascending) of a
+    /// several-code order: `sms:O-1:0-3`, `sms:O-1:4-9`, `sms:O-1:0-1,3`.
+    /// It names exactly what the event carries, so the same id always
+    /// carries the same codes, and a part sent again is the same event.
+    pub fn event_id_for_lines(order_id: &str, lines: &[u32]) -> String {
+        format!("sms:{order_id}:{}", line_ranges(lines))
+    }
+
+    /// The lines an event id names, for an order of `order_id`: `None` for
+    /// the id of a one-code order (`sms:O-1`), which names the whole order;
+    /// an error when the id is not one codepool gives.
+    pub fn lines_of(event_id: &str, order_id: &str) -> Result<Option<Vec<u32>>, String> {
+        let bad = || format!("event_id {event_id:?} is not an SMS event id of order {order_id:?}");
+        let rest = event_id
+            .strip_prefix("sms:")
+            .and_then(|r| r.strip_prefix(order_id))
+            .ok_or_else(bad)?;
+        if rest.is_empty() {
+            return Ok(None);
+        }
+        let ranges = rest.strip_prefix(':').ok_or_else(bad)?;
+        let mut lines = Vec::new();
+        for part in ranges.split(',') {
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+            if b < a || b - a > crate::purchase::MAX_QUANTITY {
+                return Err(bad());
+            }
+            lines.extend(a..=b);
+        }
+        Ok(Some(lines))
+    }
+
+    /// Every code the event carries, by line (one for a one-code order).
+    pub fn all_codes(&self) -> Vec<SmsCode> {
+        match &self.code {
+            Some(code) => vec![SmsCode {
+                line: 0,
+                code: code.clone(),
+                grant_no: self.grant_no.clone(),
+                issued_at: self.issued_at.clone().unwrap_or_default(),
+            }],
+            None => self.codes.clone(),
+        }
     }
 
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
     }
+}
+
+/// Ascending lines as ranges: `[0,1,2,3]` → `0-3`, `[0,1,3]` → `0-1,3`.
+fn line_ranges(lines: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let start = lines[i];
+        let mut end = start;
+        while i + 1 < lines.len() && lines[i + 1] == end + 1 {
+            i += 1;
+            end = lines[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
 }
 
 /// The SMS service's report on one event (`sms.sent` / `sms.failed`).
@@ -86,5 +179,39 @@ impl PoolEvent {
 
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_ranges_name_exactly_the_lines() {
+        assert_eq!(
+            SmsPending::event_id_for_lines("O-1", &[0, 1, 2, 3]),
+            "sms:O-1:0-3"
+        );
+        assert_eq!(SmsPending::event_id_for_lines("O-1", &[4]), "sms:O-1:4");
+        assert_eq!(
+            SmsPending::event_id_for_lines("O-1", &[0, 1, 3, 5, 6]),
+            "sms:O-1:0-1,3,5-6"
+        );
+        for lines in [vec![0, 1, 2, 3], vec![4], vec![0, 1, 3, 5, 6], vec![99]] {
+            let id = SmsPending::event_id_for_lines("O:1", &lines);
+            assert_eq!(SmsPending::lines_of(&id, "O:1"), Ok(Some(lines)));
+        }
+        assert_eq!(SmsPending::lines_of("sms:O-1", "O-1"), Ok(None));
+        for bad in [
+            "sms:O-2",
+            "sms:O-1x",
+            "sms:O-1:",
+            "sms:O-1:3-1",
+            "sms:O-1:a",
+            "sms:O-1:0-4000000000",
+            "O-1",
+        ] {
+            assert!(SmsPending::lines_of(bad, "O-1").is_err(), "{bad}");
+        }
     }
 }

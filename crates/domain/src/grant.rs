@@ -1,13 +1,17 @@
-//! Grants: the binding of one code to one order, the fact codepool exists
-//! to produce exactly once per purchase.
+//! Grants: the binding of one code to one line of one order, the fact
+//! codepool exists to produce exactly once per line.
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 
 use crate::code::{mask, CodeId};
-use crate::events::SmsPending;
+use crate::events::{SmsCode, SmsPending};
 
-/// One code issued to one order. Created only by the claim (a conditional
-/// update from status 0 to 1 in MongoDB); everything else reads it.
+/// One code issued to one line of one order. Created only by the claim (a
+/// conditional update from status 0 to 1 in MongoDB); everything else reads
+/// it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
     /// The code document that carries the grant.
@@ -22,11 +26,21 @@ pub struct Grant {
     /// The code was voided after it was issued (a refund). The order keeps
     /// it, so it never gets a second code, but it is never texted again.
     pub revoked: bool,
+    /// Which of the order's codes this is: 0 to `quantity` − 1. The unique
+    /// `(order_id, line)` index allows one code per line.
+    pub line: u32,
+    /// How many codes the order asked for.
+    pub quantity: u32,
+    /// The first line of the claim that issued this code: the codes of an
+    /// order issued together share a part, and travel in one event. An
+    /// order served in two goes (stock ran short) has two parts.
+    pub part: u32,
 }
 
 impl Grant {
-    /// The event that asks the SMS service to text the code. Its `event_id`
-    /// is derived from the order, so every re-send of the same grant carries
+    /// The event that asks the SMS service to text the code of a one-code
+    /// order (see [`sms_events`] for orders of several). Its `event_id` is
+    /// derived from the order, so every re-send of the same grant carries
     /// the same id and the SMS service can drop duplicates. A revoked grant
     /// has nothing to send: `None`, whoever asks (dispatcher, fulfilment,
     /// relay, resend).
@@ -40,14 +54,158 @@ impl Grant {
             uid: self.uid.clone(),
             phone: self.phone.clone(),
             pool: self.pool.clone(),
-            code: self.code.clone(),
+            code: Some(self.code.clone()),
             grant_no: self.grant_no.clone(),
-            issued_at: self.issued_at.to_rfc3339_opts(SecondsFormat::Millis, true),
+            issued_at: Some(self.issued_at_text()),
+            quantity: None,
+            codes: Vec::new(),
         })
     }
 
     /// The code as it may appear in logs.
     pub fn masked_code(&self) -> String {
         mask(&self.code)
+    }
+
+    fn issued_at_text(&self) -> String {
+        self.issued_at.to_rfc3339_opts(SecondsFormat::Millis, true)
+    }
+}
+
+/// The SMS-pending events of `grants`, each with the positions (in
+/// `grants`) of the grants it carries. A one-code order's grant gets the
+/// one-code event; the grants of a several-code order travel together by
+/// part, one event per part, lines ascending, its id naming its lines.
+/// Revoked grants are carried by none. Events come in the order of their
+/// first grant.
+pub fn sms_events<G: Borrow<Grant>>(grants: &[G]) -> Vec<(SmsPending, Vec<usize>)> {
+    let mut out: Vec<(SmsPending, Vec<usize>)> = Vec::new();
+    let mut part_at: HashMap<(&str, u32), usize> = HashMap::new();
+    for (i, g) in grants.iter().map(Borrow::borrow).enumerate() {
+        if g.revoked {
+            continue;
+        }
+        if g.quantity <= 1 {
+            out.extend(g.sms_pending().map(|e| (e, vec![i])));
+            continue;
+        }
+        let at = *part_at.entry((&g.order_id, g.part)).or_insert_with(|| {
+            out.push((
+                SmsPending {
+                    event_id: String::new(),
+                    order_id: g.order_id.clone(),
+                    uid: g.uid.clone(),
+                    phone: g.phone.clone(),
+                    pool: g.pool.clone(),
+                    code: None,
+                    grant_no: None,
+                    issued_at: None,
+                    quantity: Some(g.quantity),
+                    codes: Vec::new(),
+                },
+                Vec::new(),
+            ));
+            out.len() - 1
+        });
+        let (event, carried) = &mut out[at];
+        carried.push(i);
+        // The same line twice (a batch that read an order twice) travels
+        // once; both grants are carried by the event.
+        if !event.codes.iter().any(|c| c.line == g.line) {
+            event.codes.push(SmsCode {
+                line: g.line,
+                code: g.code.clone(),
+                grant_no: g.grant_no.clone(),
+                issued_at: g.issued_at_text(),
+            });
+        }
+    }
+    for (event, _) in &mut out {
+        if event.code.is_none() {
+            event.codes.sort_by_key(|c| c.line);
+            let lines: Vec<u32> = event.codes.iter().map(|c| c.line).collect();
+            event.event_id = SmsPending::event_id_for_lines(&event.order_id, &lines);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(order: &str, line: u32, quantity: u32, part: u32) -> Grant {
+        Grant {
+            code_id: CodeId::from_bytes([line as u8; 12]),
+            pool: "p".into(),
+            code: format!("CODE-{line}"),
+            order_id: order.into(),
+            uid: "u".into(),
+            phone: "+8613800000000".into(),
+            grant_no: Some(format!("G{line}")),
+            issued_at: Utc::now(),
+            revoked: false,
+            line,
+            quantity,
+            part,
+        }
+    }
+
+    #[test]
+    fn a_one_code_order_keeps_its_event_shape() {
+        let events = sms_events(&[grant("O-1", 0, 1, 0)]);
+        assert_eq!(events.len(), 1);
+        let json: serde_json::Value = serde_json::from_slice(&events[0].0.to_json()).unwrap();
+        let keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "code",
+                "event_id",
+                "grant_no",
+                "issued_at",
+                "order_id",
+                "phone",
+                "pool",
+                "uid"
+            ]
+        );
+        assert_eq!(json["event_id"], "sms:O-1");
+    }
+
+    #[test]
+    fn several_codes_travel_by_part_lines_ascending() {
+        let mut revoked = grant("O-2", 9, 10, 4);
+        revoked.revoked = true;
+        let grants = [
+            grant("O-2", 5, 10, 4),
+            grant("O-2", 1, 10, 0),
+            grant("O-2", 0, 10, 0),
+            grant("O-3", 0, 1, 0),
+            grant("O-2", 4, 10, 4),
+            revoked,
+            grant("O-2", 1, 10, 0),
+        ];
+        let events = sms_events(&grants);
+        let ids: Vec<&str> = events.iter().map(|(e, _)| e.event_id.as_str()).collect();
+        assert_eq!(ids, ["sms:O-2:4-5", "sms:O-2:0-1", "sms:O-3"]);
+        assert_eq!(events[0].1, vec![0, 4]);
+        assert_eq!(
+            events[1].1,
+            vec![1, 2, 6],
+            "a line read twice is carried, and sent once"
+        );
+        assert_eq!(events[1].0.codes.len(), 2);
+        let first = &events[1].0;
+        assert_eq!(first.quantity, Some(10));
+        assert!(first.code.is_none());
+        let lines: Vec<u32> = first.codes.iter().map(|c| c.line).collect();
+        assert_eq!(lines, [0, 1]);
+        assert_eq!(first.all_codes()[1].code, "CODE-1");
     }
 }

@@ -23,11 +23,11 @@ pub mod text;
 pub use code::{
     mask, validate_code, CodeId, CodeStatus, InvalidCode, InvalidCodeId, Transition, MAX_CODE_LEN,
 };
-pub use events::{PoolEvent, PoolEventKind, SmsPending, SmsReceipt};
-pub use grant::Grant;
+pub use events::{PoolEvent, PoolEventKind, SmsCode, SmsPending, SmsReceipt};
+pub use grant::{sms_events, Grant};
 pub use policy::{PoolPolicy, PurchaseRefused, Refusal, RefusalReason, PURCHASE_REFUSED_KEY};
 pub use pool::{InvalidPoolName, Pool};
-pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES};
+pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES, MAX_QUANTITY};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
 pub use text::{first_unreadable, fold, spreadsheet_cell, Unreadable, UnreadableChar};

@@ -14,7 +14,12 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 const MAX_ID_LEN: usize = 128;
 const MAX_TIME_LEN: usize = 64;
 
-/// A valid purchase: one order of one buyer for one code of one pool.
+/// The most codes one order may ask for. A reseller's order of a hundred
+/// cards is real; an order of a million is a typo that would empty a pool.
+pub const MAX_QUANTITY: u32 = 100;
+
+/// A valid purchase: one order of one buyer for `quantity` codes of one
+/// pool.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Purchase {
     pub order_id: String,
@@ -23,6 +28,19 @@ pub struct Purchase {
     pub pool: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub purchased_at: Option<String>,
+    /// How many distinct codes the order gets: 1 to [`MAX_QUANTITY`].
+    /// Absent on the wire when 1, so a purchase of one code reads exactly
+    /// as before quantities existed.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub quantity: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 /// The machine-readable class of a rejection. Used as a metric label and as
@@ -40,6 +58,11 @@ pub enum RejectReason {
     InvalidTime,
     UnknownPool,
     DuplicateField,
+    /// `quantity` is not a whole number from 1 to [`MAX_QUANTITY`].
+    InvalidQuantity,
+    /// The order id was seen before with another pool, buyer or quantity:
+    /// the first order stands, this one is not granted.
+    ConflictingOrder,
     /// A field holds a character nobody can see or type: a control, a
     /// format character such as a bidi override, a private-use or
     /// unassigned code point, or unusual whitespace ([`crate::text`]).
@@ -63,6 +86,8 @@ impl RejectReason {
             Self::InvalidTime => "invalid_time",
             Self::UnknownPool => "unknown_pool",
             Self::DuplicateField => "duplicate_field",
+            Self::InvalidQuantity => "invalid_quantity",
+            Self::ConflictingOrder => "conflicting_order",
             Self::InvalidChars => "invalid_chars",
             Self::DeliveryLimit => "delivery_limit",
         }
@@ -94,6 +119,15 @@ impl PurchaseError {
         )
     }
 
+    /// The order id is taken by an order that differs from this one in
+    /// `what` (its pool, buyer or quantity).
+    pub fn conflicting_order(order_id: &str, what: &str) -> Self {
+        Self::new(
+            RejectReason::ConflictingOrder,
+            format!("order {order_id:?} was already placed with another {what}; the first order stands and this one gets nothing. Send a new order_id for a new order"),
+        )
+    }
+
     /// The message was delivered `count` times without being settled and
     /// reached the queue's delivery limit.
     pub fn delivery_limit(count: u64, limit: u32) -> Self {
@@ -122,6 +156,7 @@ impl Purchase {
         let pool = required(&map, "pool", Pool::MAX_LEN)?;
         let phone = required(&map, "phone", 32)?;
         let purchased_at = optional(&map, "purchased_at", MAX_TIME_LEN)?;
+        let quantity = quantity(&map)?;
 
         if let Err(e) = Pool::new(&pool) {
             return Err(PurchaseError::new(RejectReason::InvalidPool, e.to_string()));
@@ -146,7 +181,24 @@ impl Purchase {
             phone,
             pool,
             purchased_at,
+            quantity,
         })
+    }
+
+    /// What in `self` differs from `other`, an order with the same id:
+    /// `None` when they are the same order (a redelivery or a duplicate).
+    /// The phone may differ (a buyer may change it); the pool, the buyer
+    /// and the quantity may not.
+    pub fn differs_from(&self, pool: &str, uid: &str, quantity: u32) -> Option<&'static str> {
+        if self.pool != pool {
+            Some("pool")
+        } else if self.uid != uid {
+            Some("buyer (uid)")
+        } else if self.quantity != quantity {
+            Some("quantity")
+        } else {
+            None
+        }
     }
 
     /// The wire form, as `codepool publish` sends it.
@@ -262,6 +314,25 @@ fn optional(
     }
 }
 
+/// The optional `quantity`: a JSON integer from 1 to [`MAX_QUANTITY`];
+/// 1 when absent or null.
+fn quantity(map: &Map<String, Value>) -> Result<u32, PurchaseError> {
+    let bad = |got: String| {
+        PurchaseError::new(
+            RejectReason::InvalidQuantity,
+            format!("field \"quantity\" must be a whole number from 1 to {MAX_QUANTITY}, not {got}; leave it out for one code"),
+        )
+    };
+    match map.get("quantity") {
+        None | Some(Value::Null) => Ok(1),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(q) if (1..=u64::from(MAX_QUANTITY)).contains(&q) => Ok(q as u32),
+            _ => Err(bad(n.to_string())),
+        },
+        Some(other) => Err(bad(json_type_name(other).to_owned())),
+    }
+}
+
 fn json_type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -294,6 +365,64 @@ mod tests {
         assert_eq!(p.pool, "game-x");
         assert_eq!(p.purchased_at.as_deref(), Some("2026-11-20T10:00:00Z"));
         assert_eq!(Purchase::parse(&p.to_json()).unwrap(), p);
+    }
+
+    #[test]
+    fn quantity_is_a_whole_number_from_one_to_the_maximum() {
+        let with = |q: &str| {
+            Purchase::parse(
+                format!(r#"{{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"p","quantity":{q}}}"#)
+                    .as_bytes(),
+            )
+        };
+        assert_eq!(with("1").unwrap().quantity, 1);
+        assert_eq!(with("null").unwrap().quantity, 1);
+        assert_eq!(with("7").unwrap().quantity, 7);
+        assert_eq!(
+            with(&MAX_QUANTITY.to_string()).unwrap().quantity,
+            MAX_QUANTITY
+        );
+        for bad in [
+            "0",
+            "-1",
+            "2.0",
+            "1.5",
+            "\"2\"",
+            "true",
+            "[2]",
+            "101",
+            "1e2",
+            "18446744073709551616",
+        ] {
+            let e = with(bad).unwrap_err();
+            assert_eq!(e.reason, RejectReason::InvalidQuantity, "{bad}");
+            assert!(e.detail.contains("1 to 100"), "{}", e.detail);
+        }
+        let one = Purchase::parse(
+            br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"p"}"#,
+        )
+        .unwrap();
+        assert_eq!(one.quantity, 1);
+        assert!(
+            !String::from_utf8(one.to_json())
+                .unwrap()
+                .contains("quantity"),
+            "one code reads as before"
+        );
+        let five = with("5").unwrap();
+        assert_eq!(Purchase::parse(&five.to_json()).unwrap(), five);
+    }
+
+    #[test]
+    fn an_order_differs_by_pool_buyer_or_quantity_not_phone() {
+        let p = Purchase::parse(
+            br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"p","quantity":2}"#,
+        )
+        .unwrap();
+        assert_eq!(p.differs_from("p", "u1", 2), None);
+        assert_eq!(p.differs_from("q", "u1", 2), Some("pool"));
+        assert_eq!(p.differs_from("p", "u2", 2), Some("buyer (uid)"));
+        assert_eq!(p.differs_from("p", "u1", 3), Some("quantity"));
     }
 
     #[test]

@@ -17,6 +17,13 @@ pub struct Holder {
     pub phone: String,
     pub issued_at: DateTime<Utc>,
     pub grant_no: Option<String>,
+    /// Which of the order's codes this is (0 to `quantity` − 1).
+    pub line: u32,
+    /// How many codes the order asked for.
+    pub quantity: u32,
+    /// The first line of the claim that issued it (see
+    /// [`crate::Grant::part`]).
+    pub part: u32,
 }
 
 /// One step in the SMS story of a code (`published`, `resent`, `sent`,
@@ -126,6 +133,9 @@ impl Code {
             grant_no: h.grant_no.clone(),
             issued_at: h.issued_at,
             revoked: self.status == CodeStatus::Void,
+            line: h.line,
+            quantity: h.quantity,
+            part: h.part,
         })
     }
 
@@ -186,6 +196,9 @@ mod tests {
                 phone: "+8613800000000".into(),
                 issued_at: Utc::now(),
                 grant_no: Some("G202611200001".into()),
+                line: 0,
+                quantity: 1,
+                part: 0,
             }),
             used_at: None,
             voided_at: None,

@@ -1,7 +1,9 @@
 //! The `backorders` collection: purchases that arrived while their pool had
 //! no code left. A backorder is fulfilled, oldest first, through the normal
 //! claim path when codes arrive; the unique `order_id` index keeps one
-//! backorder per order however often the purchase is delivered.
+//! backorder per order however often the purchase is delivered. An order of
+//! several codes that got some of them waits for the rest: its backorder
+//! lists the lines still without a code.
 
 use bson::oid::ObjectId;
 use bson::{doc, DateTime};
@@ -37,6 +39,12 @@ pub struct BackorderDoc {
     pub fulfilled_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code_id: Option<ObjectId>,
+    /// The order's quantity; absent for 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantity: Option<i64>,
+    /// The lines still waiting for a code, ascending; absent for every line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lines: Option<Vec<i64>>,
 }
 
 impl BackorderDoc {
@@ -47,21 +55,96 @@ impl BackorderDoc {
             phone: self.phone.clone(),
             pool: self.pool.clone(),
             purchased_at: self.purchased_at.clone(),
+            quantity: self.quantity(),
+        }
+    }
+
+    pub fn quantity(&self) -> u32 {
+        self.quantity
+            .and_then(|q| u32::try_from(q).ok())
+            .unwrap_or(1)
+            .clamp(1, codepool_domain::MAX_QUANTITY)
+    }
+
+    /// The lines of the order still waiting for a code.
+    pub fn waiting_lines(&self) -> Vec<u32> {
+        let q = self.quantity();
+        match &self.lines {
+            Some(lines) => lines
+                .iter()
+                .filter_map(|&l| u32::try_from(l).ok())
+                .filter(|&l| l < q)
+                .collect(),
+            None => (0..q).collect(),
         }
     }
 }
 
+/// A purchase to record as a backorder, and the lines it still needs.
+#[derive(Debug, Clone, Copy)]
+pub struct Waiting<'a> {
+    pub purchase: &'a Purchase,
+    pub lines: &'a [u32],
+}
+
+/// What [`Store::record_backorders`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    /// New backorders written.
+    pub new: u64,
+    /// Orders whose id already had a backorder of a different order (pool,
+    /// buyer or quantity), with what differs: the first order stands.
+    pub conflicts: Vec<(String, &'static str)>,
+}
+
+/// Lines as stored: absent when they are every line of the order.
+fn stored_lines(lines: &[u32], quantity: u32) -> Option<Vec<i64>> {
+    let every = lines.len() == quantity as usize && lines.iter().copied().eq(0..quantity);
+    (!every).then(|| lines.iter().map(|&l| i64::from(l)).collect())
+}
+
 impl Store {
     /// Records purchases as backorders (durably). Orders already backordered
-    /// are left as they are. Returns how many new backorders were written.
-    pub async fn record_backorders(&self, purchases: &[&Purchase]) -> Result<u64, StoreError> {
-        if purchases.is_empty() {
+    /// are left as they are; those whose backorder is of another order are
+    /// reported as conflicts.
+    pub async fn record_backorders(&self, waiting: &[Waiting<'_>]) -> Result<Recorded, StoreError> {
+        let new = self.insert_backorders(waiting).await?;
+        let mut out = Recorded {
+            new,
+            conflicts: Vec::new(),
+        };
+        if new == waiting.len() as u64 {
+            return Ok(out);
+        }
+        let orders: Vec<&str> = waiting
+            .iter()
+            .map(|w| w.purchase.order_id.as_str())
+            .collect();
+        for existing in self.backorders_for_orders(&orders).await? {
+            for w in waiting
+                .iter()
+                .filter(|w| w.purchase.order_id == existing.order_id)
+            {
+                if let Some(what) =
+                    w.purchase
+                        .differs_from(&existing.pool, &existing.uid, existing.quantity())
+                {
+                    out.conflicts.push((existing.order_id.clone(), what));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Inserts the backorders; returns how many were new.
+    async fn insert_backorders(&self, waiting: &[Waiting<'_>]) -> Result<u64, StoreError> {
+        if waiting.is_empty() {
             return Ok(0);
         }
         let now = DateTime::now();
-        let docs: Vec<BackorderDoc> = purchases
+        let docs: Vec<BackorderDoc> = waiting
             .iter()
-            .map(|p| BackorderDoc {
+            .map(|&Waiting { purchase: p, lines }| BackorderDoc {
                 id: ObjectId::new(),
                 order_id: p.order_id.clone(),
                 pool: p.pool.clone(),
@@ -72,6 +155,8 @@ impl Store {
                 status: WAITING.into(),
                 fulfilled_at: None,
                 code_id: None,
+                quantity: (p.quantity > 1).then_some(i64::from(p.quantity)),
+                lines: stored_lines(lines, p.quantity),
             })
             .collect();
         let total = docs.len() as u64;
@@ -129,19 +214,20 @@ impl Store {
             .collect())
     }
 
-    /// Marks backorders fulfilled by the given codes.
-    pub async fn mark_backorders_fulfilled(
-        &self,
-        fulfilled: &[(String, codepool_domain::CodeId)],
-    ) -> Result<(), StoreError> {
+    /// Records what a fulfilment got for waiting backorders: per order,
+    /// the lines still without a code. None left: fulfilled. Some: it keeps
+    /// waiting for those.
+    pub async fn settle_backorders(&self, settled: &[(&str, Vec<u32>)]) -> Result<(), StoreError> {
         let now = DateTime::now();
-        for (order_id, code_id) in fulfilled {
-            let code_id = crate::codes::object_id(*code_id);
+        for (order_id, missing) in settled {
+            let update = if missing.is_empty() {
+                doc! {"$set": {"status": FULFILLED, "fulfilled_at": now}}
+            } else {
+                let lines: Vec<i64> = missing.iter().map(|&l| i64::from(l)).collect();
+                doc! {"$set": {"lines": lines}}
+            };
             self.collection(BACKORDERS)
-                .update_one(
-                    doc! {"order_id": order_id, "status": WAITING},
-                    doc! {"$set": {"status": FULFILLED, "fulfilled_at": now, "code_id": code_id}},
-                )
+                .update_one(doc! {"order_id": *order_id, "status": WAITING}, update)
                 .await?;
         }
         Ok(())

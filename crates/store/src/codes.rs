@@ -2,8 +2,8 @@
 //!
 //! The one operation that decides ownership is [`Store::claim_candidates`]:
 //! a batch of conditional updates `{_id, status: 0} → status 1` in a single
-//! journaled command. The unique partial index on `order_id` makes "one code
-//! per order" a database guarantee. Codes are stored sealed and found by
+//! journaled command. The unique partial index on `(order_id, line)` makes
+//! "one code per line of an order" a database guarantee. Codes are stored sealed and found by
 //! their HMAC ([`crate::crypto`]); [`CodeDoc::into_code`] opens them.
 
 use std::collections::{HashMap, HashSet};
@@ -62,6 +62,16 @@ pub struct CodeDoc {
     pub issued_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant_no: Option<String>,
+    /// The code's line in its order; absent for line 0 (every code issued
+    /// before orders had quantities is line 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line: Option<i64>,
+    /// The order's quantity; absent for 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qty: Option<i64>,
+    /// The first line of the claim that issued it; absent for 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used_at: Option<DateTime>,
     #[serde(default)]
@@ -146,6 +156,10 @@ impl CodeDoc {
                 phone: self.phone.clone().unwrap_or_default(),
                 issued_at: issued_at.to_chrono(),
                 grant_no: self.grant_no.clone(),
+                line: small(self.line, 0).ok_or_else(|| corrupt("has a line out of range"))?,
+                quantity: small(self.qty, 1)
+                    .ok_or_else(|| corrupt("has a quantity out of range"))?,
+                part: small(self.part, 0).ok_or_else(|| corrupt("has a part out of range"))?,
             }),
             (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
             (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
@@ -185,6 +199,12 @@ impl CodeDoc {
             },
         })
     }
+}
+
+/// A stored line, quantity or part: `default` when absent, `None` when it
+/// does not fit.
+fn small(v: Option<i64>, default: u32) -> Option<u32> {
+    v.map_or(Some(default), |n| u32::try_from(n).ok())
 }
 
 /// A code read from a partner's file, ready to insert.
@@ -235,6 +255,22 @@ pub struct ClaimAssignment {
     pub phone: String,
     pub grant_no: Option<String>,
     pub resend: Resend,
+    /// Which line of the order this code is for.
+    pub line: u32,
+    /// The order's quantity.
+    pub quantity: u32,
+    /// The first line the claim that issues this code asks for.
+    pub part: u32,
+}
+
+/// One line of one order: what the unique `(order_id, line)` index keys.
+pub type Slot = (String, u32);
+
+impl ClaimAssignment {
+    /// The line of the order this assignment is for.
+    pub fn slot(&self) -> Slot {
+        (self.order_id.clone(), self.line)
+    }
 }
 
 /// What sends a grant's SMS-pending event again when the process that
@@ -259,13 +295,15 @@ pub enum Resend {
 /// claims won is read back by order ([`Store::grants_for_orders`]).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ClaimWrite {
-    /// Positions (in the input) whose order already holds a code: the unique
-    /// `order_id` index refused them, so their candidate is still unissued.
+    /// Positions (in the input) whose order already holds a code on their
+    /// line: the unique `(order_id, line)` index refused them, so their
+    /// candidate is still unissued.
     pub order_taken: Vec<usize>,
-    /// The codes this write granted, by order, when it is known that every
-    /// statement outside `order_taken` won; `None` when some lost (their
-    /// candidate was taken meanwhile) or their codes could not be read.
-    pub granted: Option<HashMap<String, Code>>,
+    /// The codes this write granted, by order and line, when it is known
+    /// that every statement outside `order_taken` won; `None` when some
+    /// lost (their candidate was taken meanwhile) or their codes could not
+    /// be read.
+    pub granted: Option<HashMap<Slot, Code>>,
     /// Positions whose candidate can never be claimed by its order, and
     /// why, as the codes read beside the write show them: another pool's
     /// code, a redeemed or void one, an expired one, or no code at all. A
@@ -325,14 +363,14 @@ fn strays_among(
 }
 
 /// The codes of a claim write of which every statement outside
-/// `order_taken` won, as the write left them, by order; `None` if one of
-/// them was not read.
+/// `order_taken` won, as the write left them, by order and line; `None`
+/// if one of them was not read.
 fn issued_by(
     mut codes: HashMap<CodeId, Code>,
     assignments: &[ClaimAssignment],
     order_taken: &[usize],
     at: DateTime,
-) -> Option<HashMap<String, Code>> {
+) -> Option<HashMap<Slot, Code>> {
     let mut out = HashMap::with_capacity(assignments.len());
     for (k, a) in assignments.iter().enumerate() {
         if order_taken.contains(&k) {
@@ -346,9 +384,12 @@ fn issued_by(
             phone: a.phone.clone(),
             issued_at: at.to_chrono(),
             grant_no: a.grant_no.clone(),
+            line: a.line,
+            quantity: a.quantity,
+            part: a.part,
         });
         code.sms.awaiting_relay = a.resend == Resend::ByRelay;
-        out.insert(a.order_id.clone(), code);
+        out.insert(a.slot(), code);
     }
     Some(out)
 }
@@ -546,10 +587,18 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
 }
 
 /// What a claim records of its holder, field by field; `Null` for a field
-/// the claim leaves unset (no grant number; no relay owed). The one list
-/// both claim writes ([`issue_set`], [`claim_statement`]) take their
-/// fields from.
-fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 5] {
+/// the claim leaves unset (no grant number; no relay owed; line 0 of an
+/// order of one, as every code was before quantities). The one list both
+/// claim writes ([`issue_set`], [`claim_statement`]) take their fields
+/// from.
+fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 8] {
+    let unless = |n: u32, default: u32| {
+        if n == default {
+            Bson::Null
+        } else {
+            Bson::Int64(i64::from(n))
+        }
+    };
     [
         ("order_id", Bson::String(a.order_id.clone())),
         ("uid", Bson::String(a.uid.clone())),
@@ -565,6 +614,9 @@ fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 5] {
                 Resend::ByRedelivery => Bson::Null,
             },
         ),
+        ("line", unless(a.line, 0)),
+        ("qty", unless(a.quantity, 1)),
+        ("part", unless(a.part, 0)),
     ]
 }
 
@@ -622,8 +674,8 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
     }
 }
 
-/// True when the unique `order_id` index stopped a claim statement: some
-/// order of the batch already holds a code.
+/// True when the unique `(order_id, line)` index stopped a claim statement:
+/// some line of the batch already holds a code.
 fn stopped_by_a_holder(reply: &Document) -> bool {
     reply.get_array("writeErrors").is_ok_and(|errors| {
         errors
@@ -1041,11 +1093,12 @@ impl Store {
         }
     }
 
-    /// The codes held by these orders, keyed by order id.
+    /// The codes held by these orders, keyed by order id, each order's
+    /// codes by line.
     pub async fn grants_for_orders(
         &self,
         order_ids: &[&str],
-    ) -> Result<HashMap<String, Code>, StoreError> {
+    ) -> Result<HashMap<String, Vec<Code>>, StoreError> {
         if order_ids.is_empty() {
             return Ok(HashMap::new());
         }
@@ -1054,10 +1107,16 @@ impl Store {
             .await?;
         // The filter matched on order_id, so a holder is always there;
         // `into_code` has already refused one without issued_at.
-        Ok(codes
-            .into_iter()
-            .filter_map(|c| Some((c.holder.as_ref()?.order_id.clone(), c)))
-            .collect())
+        let mut out: HashMap<String, Vec<Code>> = HashMap::new();
+        for c in codes {
+            if let Some(h) = &c.holder {
+                out.entry(h.order_id.clone()).or_default().push(c);
+            }
+        }
+        for codes in out.values_mut() {
+            codes.sort_by_key(|c| c.holder.as_ref().map_or(0, |h| h.line));
+        }
+        Ok(out)
     }
 
     /// Unissued, unexpired codes of `pool` after `after_seq`, oldest first:
@@ -1445,6 +1504,9 @@ mod tests {
             phone: None,
             issued_at: None,
             grant_no: None,
+            line: None,
+            qty: None,
+            part: None,
             used_at: None,
             is_sms: 0,
             sms_pending: None,

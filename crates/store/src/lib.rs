@@ -51,7 +51,7 @@ pub use bson::oid::ObjectId;
 pub use codepool_domain::CodeId;
 pub use codes::{
     code_id, object_id, CandidateAsk, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode,
-    Resend, Stray,
+    Resend, Slot, Stray,
 };
 pub use crypto::CodeKeys;
 pub use error::StoreError;

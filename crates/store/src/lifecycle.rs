@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use bson::oid::ObjectId;
-use bson::{doc, DateTime, Document};
+use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::{mask, when, Code, CodeId, CodeStatus, Transition};
 use futures::TryStreamExt;
 use mongodb::options::ReturnDocument;
@@ -332,19 +332,36 @@ impl Store {
         Ok(Expired { by_pool })
     }
 
-    /// Applies an SMS receipt to the code of `order_id`. `receipt_id` (the
-    /// AMQP message id, when the SMS service sets one) makes a redelivered
-    /// receipt a no-op; without it a repeated `sent` is still a no-op, and a
-    /// repeated `failed` counts again.
+    /// Applies an SMS receipt to the codes of `order_id` its event carried:
+    /// those on `lines`, or every code of the order (`None`: the event of a
+    /// one-code order). `receipt_id` (the AMQP message id, when the SMS
+    /// service sets one) makes a redelivered receipt a no-op; without it a
+    /// repeated `sent` is still a no-op, and a repeated `failed` counts
+    /// again.
     pub async fn apply_sms_receipt(
         &self,
         order_id: &str,
+        lines: Option<&[u32]>,
         kind: ReceiptKind,
         error: Option<&str>,
         receipt_id: Option<&str>,
     ) -> Result<ReceiptOutcome, StoreError> {
         let now = DateTime::now();
         let mut filter = doc! {"order_id": order_id};
+        if let Some(lines) = lines {
+            // Line 0 is stored as no line at all.
+            let lines: Vec<Bson> = lines
+                .iter()
+                .map(|&l| {
+                    if l == 0 {
+                        Bson::Null
+                    } else {
+                        Bson::Int64(i64::from(l))
+                    }
+                })
+                .collect();
+            filter.insert("line", doc! {"$in": lines});
+        }
         match receipt_id {
             Some(id) => {
                 filter.insert("sms_history.receipt_id", doc! {"$ne": id});
@@ -374,8 +391,8 @@ impl Store {
                 "$push": push,
             },
         };
-        let r = self.collection(CODES).update_one(filter, update).await?;
-        if r.matched_count == 1 {
+        let r = self.collection(CODES).update_many(filter, update).await?;
+        if r.matched_count > 0 {
             return Ok(ReceiptOutcome::Applied);
         }
         let known = self

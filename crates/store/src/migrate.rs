@@ -55,6 +55,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0011_codes_lookalike_index",
         include_str!("../../../migrations/0011_codes_lookalike_index.json"),
     ),
+    (
+        "0012_codes_order_lines",
+        include_str!("../../../migrations/0012_codes_order_lines.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -1,9 +1,12 @@
 //! The per-user limit's database side: `user_quotas` (one document per
-//! pool and buyer, listing the orders that hold one of the buyer's slots)
-//! and `refusals` (one document per refused order).
+//! pool and buyer, listing the orders that hold the buyer's slots, and how
+//! many codes they take together) and `refusals` (one document per refused
+//! order).
 //!
-//! A slot is taken by ONE conditional update, exactly like a claim: "add
-//! this order if it is already there or if fewer than N orders are", so
+//! An order's slots (one per code it asks for) are taken by ONE
+//! conditional update, exactly like a claim: "add this order if it is
+//! already there, or if its codes still fit under the limit", so an order
+//! is taken whole or refused whole, never cut down, and
 //! MongoDB decides, across any number of dispatchers. Slots are never
 //! given back (a voided grant still counts), so the decision is stable:
 //! an order that was refused stays refused, and its `refusals` record makes
@@ -28,7 +31,9 @@ pub struct QuotaAsk<'a> {
     pub pool: &'a str,
     pub uid: &'a str,
     pub order_id: &'a str,
-    /// The pool's per-user limit (at least 1).
+    /// How many codes the order asks for (its quantity).
+    pub codes: u32,
+    /// The pool's per-user limit, in codes (at least 1).
     pub limit: u32,
 }
 
@@ -77,16 +82,33 @@ impl Store {
             .collect();
         self.run_updates(USER_QUOTAS, ensure, false).await?;
         // 2. The slots, in delivery order (ordered: the N-th order of a
-        //    buyer in this batch sees the N-1 before it).
+        //    buyer in this batch sees the N-1 before it). `codes` counts
+        //    the codes the orders take; a quota written before quantities
+        //    has none, and each of its orders took one.
         let take: Vec<Document> = asks
             .iter()
             .map(|a| {
+                let taken = doc! {"$ifNull": ["$codes", {"$size": "$orders"}]};
+                // An order id is the buyer's text: never read as a path.
+                let held = doc! {"$in": [{"$literal": a.order_id}, "$orders"]};
+                let fits = doc! {"$lte": [{"$add": [taken.clone(), i64::from(a.codes)]}, i64::from(a.limit)]};
                 doc! {
                     "q": {"_id": quota_id(a.pool, a.uid), "$or": [
                         {"orders": a.order_id},
-                        {"$expr": {"$lt": [{"$size": "$orders"}, i64::from(a.limit)]}},
+                        {"$expr": fits},
                     ]},
-                    "u": {"$addToSet": {"orders": a.order_id}},
+                    "u": [{"$set": {
+                        "codes": {"$cond": [
+                            held.clone(),
+                            taken.clone(),
+                            {"$add": [taken, i64::from(a.codes)]},
+                        ]},
+                        "orders": {"$cond": [
+                            held,
+                            "$orders",
+                            {"$concatArrays": ["$orders", {"$literal": [a.order_id]}]},
+                        ]},
+                    }}],
                 }
             })
             .collect();

@@ -14,10 +14,12 @@ use crate::config::Config;
 #[command(after_help = "\
 Examples:
   codepool publish --pool game-x --order-id O-1001 --uid 123213 --phone +8613800000000
+  codepool publish --pool game-x --order-id O-1002 --uid 123213 --phone +8613800000000 --quantity 3
   codepool publish --file purchases.jsonl
 
-A JSON-lines file holds one purchase per line:
+A JSON-lines file holds one purchase per line (\"quantity\" is optional, 1 to 100):
   {\"order_id\":\"O-1001\",\"uid\":\"123213\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\"}
+  {\"order_id\":\"O-1002\",\"uid\":\"123213\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\",\"quantity\":3}
 Lines are validated first and invalid lines are reported with their number
 (nothing is sent if any is invalid), unless --raw sends them as they are.")]
 pub struct PublishArgs {
@@ -36,8 +38,11 @@ pub struct PublishArgs {
     /// Purchase time (RFC 3339); default now.
     #[arg(long)]
     pub purchased_at: Option<String>,
+    /// How many codes the order gets, 1 to 100.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(codepool_domain::MAX_QUANTITY)))]
+    pub quantity: u32,
     /// JSON-lines file of purchases.
-    #[arg(long, conflicts_with_all = ["pool", "order_id", "uid", "phone"])]
+    #[arg(long, conflicts_with_all = ["pool", "order_id", "uid", "phone", "quantity"])]
     pub file: Option<PathBuf>,
     /// Send file lines unvalidated (to test dead-lettering).
     #[arg(long, requires = "file")]
@@ -56,6 +61,7 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
                 purchased_at: Some(args.purchased_at.clone().unwrap_or_else(|| {
                     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
                 })),
+                quantity: args.quantity,
             };
             let body = purchase.to_json();
             if let Err(e) = Purchase::parse(&body) {

@@ -29,13 +29,21 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
     let outbox = Outbox::new(Arc::new(store.clone()));
     let result = ops::resend(&store, &outbox, &publisher, &args.order).await;
     codepool_broker::close(conn, "done").await;
-    let (event, code) = result?;
-    println!(
-        "re-published the SMS-pending event of order {} (event id {}, code {}, pool {})",
-        args.order,
-        event.event_id,
-        code.masked(),
-        code.pool
-    );
+    let (events, codes) = result?;
+    for event in &events {
+        let lines: Vec<u32> = event.all_codes().iter().map(|c| c.line).collect();
+        let masked: Vec<String> = (codes.iter())
+            .filter(|c| c.holder.as_ref().is_some_and(|h| lines.contains(&h.line)))
+            .map(|c| c.masked())
+            .collect();
+        println!(
+            "re-published the SMS-pending event of order {} (event id {}, {} {}, pool {})",
+            args.order,
+            event.event_id,
+            if masked.len() == 1 { "code" } else { "codes" },
+            masked.join(" "),
+            event.pool
+        );
+    }
     Ok(crate::exit::OK)
 }

@@ -54,7 +54,10 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
         match serde_json::from_slice::<SmsPending>(&msg.delivery.data) {
             Ok(mut event) => {
                 if !args.reveal {
-                    event.code = mask(&event.code);
+                    event.code = event.code.as_deref().map(mask);
+                    for c in &mut event.codes {
+                        c.code = mask(&c.code);
+                    }
                 }
                 println!("{}", serde_json::to_string(&event)?);
             }
