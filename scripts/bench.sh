@@ -49,7 +49,7 @@ for b in "${which[@]}"; do
 		# ones (dispatch-classic.json): the pass-through's rate, and so goal
 		# 3's ratio, depends on the queue type far more than the dispatcher's.
 		# Named explicitly: CODEPOOL_QUEUE_TYPE may be set for the product.
-		"$bin" --out-dir "$OUT_DIR" --queue-type quorum dispatch --purchases "$DISPATCH_PURCHASES"
+		"$bin" --out-dir "$OUT_DIR" --queue-type quorum dispatch --purchases "$DISPATCH_PURCHASES" --quantity 5
 		"$bin" --out-dir "$OUT_DIR" --queue-type classic dispatch --purchases "$DISPATCH_PURCHASES"
 		;;
 	pools)

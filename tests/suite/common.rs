@@ -311,6 +311,31 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
     }
 }
 
+/// A test that fails with a daemon running shows the daemon's warnings and
+/// errors (and its last lines): the daemon's side of what went wrong.
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let log = self.log_text();
+        let lines: Vec<&str> = log.lines().collect();
+        let loud: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        let tail = &lines[lines.len().saturating_sub(20)..];
+        eprintln!(
+            "--- daemon {}: {} warnings and errors, then its last lines ---\n{}\n...\n{}",
+            self.addr,
+            loud.len(),
+            loud[loud.len().saturating_sub(40)..].join("\n"),
+            tail.join("\n")
+        );
+    }
+}
+
 impl Daemon {
     /// The daemon's log so far, one string.
     pub fn log_text(&self) -> String {

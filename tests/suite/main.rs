@@ -13,6 +13,7 @@ mod importer;
 mod messages;
 mod ops;
 mod policies;
+mod quantity;
 mod readable;
 mod replay;
 mod secrets;

@@ -307,7 +307,8 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
         })
         .await
         .expect("redeem by code");
-    assert_eq!(t.before.status, CodeStatus::Issued);
+    assert_eq!(t.len(), 1);
+    assert_eq!(t[0].before.status, CodeStatus::Issued);
     let d = code_doc(store, "lc", &g1.code).await;
     assert_eq!(d.status(), Some(CodeStatus::Used));
     assert!(d.used_at.is_some());
@@ -331,7 +332,10 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
         .await
         .expect("void")
     {
-        VoidOutcome::Voided(t) => assert_eq!(t.before.status, CodeStatus::Issued),
+        VoidOutcome::Voided { applied, .. } => {
+            assert_eq!(applied.len(), 1);
+            assert_eq!(applied[0].before.status, CodeStatus::Issued)
+        }
         other => panic!("expected a void, got {other:?}"),
     }
     let d = code_doc(store, "lc", &g3.code).await;

@@ -343,21 +343,28 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
 
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(
-        Duration::from_secs(60),
-        "every purchase granted or backordered",
-        || async {
-            let granted = count(
-                &env,
-                "codes",
-                doc! {"pool": "r", "order_id": {"$exists": true}},
-            )
-            .await;
-            let waiting = count(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
-            granted + waiting == 800 && queue_depth(&ch, &t.purchases).await == 0
-        },
-    )
-    .await;
+    let started = std::time::Instant::now();
+    loop {
+        let granted = count(
+            &env,
+            "codes",
+            doc! {"pool": "r", "order_id": {"$exists": true}},
+        )
+        .await;
+        let waiting = count(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
+        if granted + waiting == 800 && queue_depth(&ch, &t.purchases).await == 0 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let logs = format!("{}\n----\n{}", a.log_text(), b.log_text());
+            let bad: Vec<&str> = logs.lines().filter(|l| !l.contains(" INFO ")).collect();
+            panic!(
+                "DEBUG granted {granted} waiting {waiting}; logs:\n{}",
+                bad.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     let issued = count(&env, "codes", doc! {"pool": "r", "status": 1}).await;
     let void = count(&env, "codes", doc! {"pool": "r", "status": 3}).await;

@@ -56,6 +56,11 @@ pub struct DispatchBenchArgs {
     /// Batches in flight (and raw update commands in flight).
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Also run the dispatcher on orders of this many codes each (as many
+    /// codes as the quantity-1 run grants), and compare the two in codes
+    /// per second.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(codepool_domain::MAX_QUANTITY)))]
+    pub quantity: u32,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -139,6 +144,10 @@ async fn measure_all(
         cpu: run.cpu,
     };
     let checks = check_dispatched(scratch, &conn, doc! {"pool": "dispatch"}, n, 0).await?;
+    let several = match args.quantity {
+        1 => None,
+        q => Some(quantity_run(args, scratch, &conn, &config, q).await?),
+    };
     let _ = conn.close(200, "benchmark done").await;
     let memory = Memory {
         rss_before_kb: rss_before,
@@ -149,7 +158,21 @@ async fn measure_all(
     // Both broker sides (dispatcher, pass-through) declare this type.
     let queue_type = scratch.cfg.topology().queues.queue_type;
     let all = [&dispatcher, &pass, &raw];
-    let report = report_json(args, &config, queue_type, all, &checks, &memory);
+    let mut report = report_json(args, &config, queue_type, all, &checks, &memory);
+    if let Some((m, ok)) = &several {
+        report["quantity"] = json!({
+            "quantity": args.quantity,
+            "orders": m.items / args.quantity as usize,
+            "codes": m.items,
+            "seconds": m.elapsed.as_secs_f64(),
+            "codes_per_sec": m.per_sec(),
+            "quantity_1_codes_per_sec": dispatcher.per_sec(),
+            "codes_per_sec_over_quantity_1": m.per_sec() / dispatcher.per_sec().max(1e-9),
+            "target": QUANTITY_TARGET,
+            "target_met": m.per_sec() / dispatcher.per_sec().max(1e-9) >= QUANTITY_TARGET,
+            "checks_ok": ok,
+        });
+    }
     let file = match queue_type {
         QueueType::Quorum => "dispatch.json".to_owned(),
         other => format!("dispatch-{}.json", other.as_str()),
@@ -159,14 +182,88 @@ async fn measure_all(
         println!("{rendered}");
     } else {
         print_table(n, &config, all, &report, &memory);
+        if let Some((m, _)) = &several {
+            println!(
+                "orders of {} codes: {:.0} codes/s vs {:.0} codes/s for orders of 1 ({:.2}×, target ≥ {QUANTITY_TARGET}×)",
+                args.quantity,
+                m.per_sec(),
+                dispatcher.per_sec(),
+                m.per_sec() / dispatcher.per_sec().max(1e-9)
+            );
+        }
         println!("written to {}", path.display());
     }
+    anyhow::ensure!(
+        several.as_ref().is_none_or(|(_, ok)| *ok),
+        "orders of {} codes were not granted exactly (see quantity in {})",
+        args.quantity,
+        path.display()
+    );
     anyhow::ensure!(
         checks.ok,
         "the dispatcher's results are inconsistent (see checks in {})",
         path.display()
     );
     Ok(())
+}
+
+/// Orders of several codes must be granted at least this fraction of the
+/// rate of orders of one, counted in codes.
+const QUANTITY_TARGET: f64 = 0.9;
+
+/// The dispatcher again, on orders of `q` codes each, as many codes in all
+/// as the quantity-1 run: its rate counts codes. Also whether every order
+/// got exactly `q` distinct codes, nothing was left and nothing died.
+async fn quantity_run(
+    args: &DispatchBenchArgs,
+    scratch: &'static Scratch,
+    conn: &Connection,
+    config: &DispatcherConfig,
+    q: u32,
+) -> anyhow::Result<(Measured, bool)> {
+    let orders = (args.purchases as usize / q as usize).max(1);
+    let codes = orders * q as usize;
+    let topology = scratch.cfg.topology();
+    say(
+        args,
+        format!("orders of {q}: importing {codes} codes, preloading {orders} orders …"),
+    );
+    super::fill_pool(&scratch.store, "dispatchq", codes).await?;
+    let publisher = Publisher::new(conn, topology.clone()).await?;
+    inproc::preload(orders, |i| {
+        let p = Purchase {
+            quantity: q,
+            ..purchase("dispatchq", i)
+        };
+        let publisher = publisher.clone();
+        async move { Ok(publisher.publish_purchase(&p).await?) }
+    })
+    .await?;
+    let events_before = depth(conn, &topology.sms_pending).await?;
+    say(args, format!("dispatcher, orders of {q} …"));
+    let run = inproc::start(scratch, config)?
+        .finish(orders as u64)
+        .await?;
+    let (granted, distinct) =
+        super::issued_and_distinct_orders_where(&scratch.store, doc! {"pool": "dispatchq"}).await?;
+    let left = depth(conn, &topology.purchases).await?;
+    let dead = depth(conn, &topology.purchases_dead).await?;
+    let events = depth(conn, &topology.sms_pending)
+        .await?
+        .saturating_sub(events_before);
+    let ok = granted == codes as u64
+        && distinct == orders as u64
+        && left == 0
+        && dead == 0
+        && events >= orders as u32;
+    let m = Measured {
+        name: "dispatcher, orders of several",
+        what: "the dispatcher on orders of --quantity codes; items are codes",
+        items: codes,
+        elapsed: run.elapsed,
+        cpu: run.cpu,
+    };
+    Ok((m, ok))
 }
 
 fn say(args: &DispatchBenchArgs, s: String) {

@@ -36,7 +36,16 @@ impl Lookup {
 
 /// Who got which code, and for an order, whether it waits as a backorder.
 pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<Lookup, StoreError> {
-    let codes = store.find_codes(&query, limit).await?;
+    let codes = match query {
+        // Every code of an order, by line, whatever the limit.
+        CodeQuery::Order(_) => {
+            let most = limit.max(i64::from(codepool_domain::MAX_QUANTITY));
+            let mut codes = store.find_codes(&query, most).await?;
+            codes.sort_by_key(|c| c.holder.as_ref().map_or(0, |h| h.line));
+            codes
+        }
+        _ => store.find_codes(&query, limit).await?,
+    };
     let (backorders, refusals) = match query {
         CodeQuery::Order(o) => (
             store.backorders_for_orders(&[o]).await?,
@@ -70,11 +79,12 @@ pub async fn void(
 ) -> Result<VoidOutcome, VoidError> {
     let reason = checked_reason(reason).ok_or(VoidError::Reason)?;
     let outcome = store.void(target, reason).await?;
-    if let VoidOutcome::Voided(applied) = &outcome {
-        let code = &applied.before;
-        if code.holder.is_none() {
-            if let Err(e) = hot.remove(&code.pool, &[code.id]).await {
-                debug!(error = %e, "voided code stays a hot-pool candidate until Redis is back; claims refuse it");
+    if let VoidOutcome::Voided { applied, .. } = &outcome {
+        for code in applied.iter().map(|a| &a.before) {
+            if code.holder.is_none() {
+                if let Err(e) = hot.remove(&code.pool, &[code.id]).await {
+                    debug!(error = %e, "voided code stays a hot-pool candidate until Redis is back; claims refuse it");
+                }
             }
         }
     }

@@ -25,8 +25,10 @@ pub async fn apply_redemption(store: &Store, delivery: &Delivery) -> Result<(), 
         Redemption::Order { order_id } => CodeRef::Order(order_id),
     };
     let result = match store.redeem(target).await {
-        Ok(t) => {
-            info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.holder.as_ref().map_or("", |h| h.order_id.as_str()), "code redeemed");
+        Ok(done) => {
+            for t in done {
+                info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.holder.as_ref().map_or("", |h| h.order_id.as_str()), "code redeemed");
+            }
             "redeemed"
         }
         Err(LifecycleError::AlreadyUsed { .. }) => {

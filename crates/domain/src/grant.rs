@@ -156,12 +156,13 @@ mod tests {
         let events = sms_events(&[grant("O-1", 0, 1, 0)]);
         assert_eq!(events.len(), 1);
         let json: serde_json::Value = serde_json::from_slice(&events[0].0.to_json()).unwrap();
-        let keys: Vec<&str> = json
+        let mut keys: Vec<&str> = json
             .as_object()
             .unwrap()
             .keys()
             .map(String::as_str)
             .collect();
+        keys.sort_unstable();
         assert_eq!(
             keys,
             [

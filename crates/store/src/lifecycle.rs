@@ -37,7 +37,7 @@ const EXPIRE_BATCH: i64 = 1000;
 pub enum CodeRef<'a> {
     /// A code of a pool, as printed on the buyer's SMS.
     Code { pool: &'a str, code: &'a str },
-    /// The code granted to an order.
+    /// The codes granted to an order (every one of an order of several).
     Order(&'a str),
 }
 
@@ -54,7 +54,7 @@ impl CodeRef<'_> {
     pub fn describe(&self) -> String {
         match self {
             CodeRef::Code { pool, code } => format!("code {} in pool {pool:?}", mask(code)),
-            CodeRef::Order(order) => format!("the code of order {order:?}"),
+            CodeRef::Order(order) => format!("the codes of order {order:?}"),
         }
     }
 }
@@ -92,8 +92,13 @@ pub struct Applied {
 /// What happened to a voided code's hot-pool candidate, and to the order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum VoidOutcome {
-    /// The code is void now.
-    Voided(Box<Applied>),
+    /// These codes are void now: the one named, or every code of the
+    /// order that was not void or used. `backorder_cancelled`: the order
+    /// also waited for more codes (stock ran short), and no longer does.
+    Voided {
+        applied: Vec<Applied>,
+        backorder_cancelled: bool,
+    },
     /// The order held no code yet: its waiting backorder was cancelled, so
     /// it will not be fulfilled when stock arrives.
     BackorderCancelled { order_id: String },
@@ -197,27 +202,57 @@ impl Store {
             .transpose()
     }
 
-    /// Redeems an issued code: status 1 → 2 with `used_at`. Unissued, used
-    /// and void codes are refused with the reason.
-    pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Applied, LifecycleError> {
+    /// Applies `transition` to every code `target` names that it can take:
+    /// the code named, or each code of the order, one conditional update
+    /// each. Empty when none could.
+    async fn apply_all(
+        &self,
+        target: CodeRef<'_>,
+        transition: Transition,
+        update: Document,
+        at: DateTime,
+    ) -> Result<Vec<Applied>, StoreError> {
+        let mut done = Vec::new();
+        // An order holds at most MAX_QUANTITY codes; the bound only guards
+        // against a loop that a bug would make endless.
+        for _ in 0..=codepool_domain::MAX_QUANTITY {
+            match self.apply(target, transition, update.clone()).await? {
+                Some(before) => done.push(Applied { before, at }),
+                None => break,
+            }
+            if matches!(target, CodeRef::Code { .. }) {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Redeems an issued code, or every issued code of an order: status
+    /// 1 → 2 with `used_at`. When none is issued, the refusal says why
+    /// (unissued, used or void).
+    pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Vec<Applied>, LifecycleError> {
         let now = DateTime::now();
         let to = Transition::Redeem.to().as_i32();
         let update = doc! {"$set": {"status": to, "used_at": now}};
-        match self.apply(target, Transition::Redeem, update).await? {
-            Some(before) => Ok(Applied { before, at: now }),
-            None => Err(refusal(
+        let done = self
+            .apply_all(target, Transition::Redeem, update, now)
+            .await?;
+        if done.is_empty() {
+            return Err(refusal(
                 target.describe(),
                 self.find_code(target).await?,
                 true,
-            )),
+            ));
         }
+        Ok(done)
     }
 
-    /// Voids an unissued or issued code: status → 3 with `voided_at` and
-    /// `void_reason`. The order stays recorded on the code (so the order can
-    /// never be granted another one by a redelivered purchase), and a
-    /// pending SMS relay is called off. Voiding by an order that holds no
-    /// code cancels its waiting backorder instead.
+    /// Voids an unissued or issued code, or every such code of an order:
+    /// status → 3 with `voided_at` and `void_reason`. The order stays
+    /// recorded on the code (so the order can never be granted another one
+    /// by a redelivered purchase), and a pending SMS relay is called off.
+    /// An order's waiting backorder (all of it, or the lines stock did not
+    /// cover) is cancelled too.
     pub async fn void(
         &self,
         target: CodeRef<'_>,
@@ -228,18 +263,29 @@ impl Store {
             "$set": {"status": Transition::Void.to().as_i32(), "voided_at": now, "void_reason": reason},
             "$unset": {"sms_pending": ""},
         };
-        if let Some(before) = self.apply(target, Transition::Void, update).await? {
-            return Ok(VoidOutcome::Voided(Box::new(Applied { before, at: now })));
+        let applied = self
+            .apply_all(target, Transition::Void, update, now)
+            .await?;
+        let cancelled = match target {
+            CodeRef::Order(order_id) => self.cancel_backorder(order_id, reason).await?,
+            CodeRef::Code { .. } => false,
+        };
+        if !applied.is_empty() {
+            return Ok(VoidOutcome::Voided {
+                applied,
+                backorder_cancelled: cancelled,
+            });
         }
-        let existing = self.find_code(target).await?;
-        if let (None, CodeRef::Order(order_id)) = (&existing, target) {
-            if self.cancel_backorder(order_id, reason).await? {
-                return Ok(VoidOutcome::BackorderCancelled {
-                    order_id: order_id.to_owned(),
-                });
-            }
+        if let (true, CodeRef::Order(order_id)) = (cancelled, target) {
+            return Ok(VoidOutcome::BackorderCancelled {
+                order_id: order_id.to_owned(),
+            });
         }
-        Err(refusal(target.describe(), existing, false))
+        Err(refusal(
+            target.describe(),
+            self.find_code(target).await?,
+            false,
+        ))
     }
 
     /// Withdraws a waiting backorder so it is never fulfilled. Returns

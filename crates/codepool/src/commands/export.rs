@@ -21,8 +21,9 @@ Examples:
   codepool export --pool game-x --status used --since 2026-11-01T00:00:00Z --out used.csv
   codepool export --pool game-x --status issued,used,void --reveal --out reconcile.csv
 
-Columns: pool, code, status, order_id, uid, grant_no, issued_at, used_at,
-voided_at, void_reason, sms. Codes are masked unless --reveal; a reveal is
+Columns: pool, code, status, order_id, line, uid, grant_no, issued_at,
+used_at, voided_at, void_reason, sms: one row per code, so an order of
+several codes has a row for each of its lines (0 to quantity - 1). Codes are masked unless --reveal; a reveal is
 recorded in the audit collection (user, host, what, when) before the file is
 written. The file is created with mode 0600 and appears only when complete:
 rows go to a new temporary file beside it (created exclusively), which is
@@ -63,11 +64,12 @@ fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
         .map_err(|e| format!("{s:?} is not an RFC 3339 time like 2026-11-01T00:00:00Z: {e}"))
 }
 
-const HEADER: [&str; 11] = [
+const HEADER: [&str; 12] = [
     "pool",
     "code",
     "status",
     "order_id",
+    "line",
     "uid",
     "grant_no",
     "issued_at",
@@ -77,7 +79,7 @@ const HEADER: [&str; 11] = [
     "sms",
 ];
 
-fn row(c: &Code, reveal: bool) -> [String; 11] {
+fn row(c: &Code, reveal: bool) -> [String; 12] {
     let h = c.holder.as_ref();
     let t = |t: Option<DateTime<Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_default();
     let cells = [
@@ -85,6 +87,7 @@ fn row(c: &Code, reveal: bool) -> [String; 11] {
         if reveal { c.code.clone() } else { c.masked() },
         c.status.name().to_owned(),
         h.map(|h| h.order_id.clone()).unwrap_or_default(),
+        h.map(|h| h.line.to_string()).unwrap_or_default(),
         h.map(|h| h.uid.clone()).unwrap_or_default(),
         h.and_then(|h| h.grant_no.clone()).unwrap_or_default(),
         t(h.map(|h| h.issued_at)),

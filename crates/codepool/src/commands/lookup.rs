@@ -77,7 +77,7 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
         let bo: Vec<_> = found
             .backorders
             .iter()
-            .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "created_at": b.created_at.to_chrono().to_rfc3339()}))
+            .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "quantity": b.quantity(), "waiting_lines": b.waiting_lines(), "created_at": b.created_at.to_chrono().to_rfc3339()}))
             .collect();
         let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
         println!(
@@ -117,6 +117,7 @@ fn code_json(c: &Code, shown: String) -> serde_json::Value {
     serde_json::json!({
         "pool": c.pool, "code": shown, "status": c.status.name(),
         "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid), "phone": h.map(|h| &h.phone),
+        "line": h.map(|h| h.line), "quantity": h.map(|h| h.quantity),
         "grant_no": h.and_then(|h| h.grant_no.as_ref()),
         "issued_at": iso(h.map(|h| h.issued_at)),
         "expires_at": iso(c.expires_at),
@@ -146,14 +147,18 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         return;
     }
     println!(
-        "{:<16} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
-        "ORDER", "CODE", "STATUS", "POOL", "GRANT NO", "ISSUED AT", "SMS"
+        "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
+        "ORDER", "CODE #", "CODE", "STATUS", "POOL", "GRANT NO", "ISSUED AT", "SMS"
     );
     for c in &found.codes {
         let h = c.holder.as_ref();
         println!(
-            "{:<16} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
+            "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
             h.map_or("-", |h| h.order_id.as_str()),
+            h.map_or_else(
+                || "-".to_owned(),
+                |h| format!("{}/{}", h.line + 1, h.quantity)
+            ),
             show(c),
             c.status.name(),
             c.pool,
@@ -164,8 +169,14 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         print_details(c);
     }
     for b in &found.backorders {
+        let waiting = b.waiting_lines().len();
+        let of = if b.quantity() > 1 {
+            format!(" for {waiting} of its {} codes", b.quantity())
+        } else {
+            String::new()
+        };
         println!(
-            "backorder: order {} in pool {} is {} (since {})",
+            "backorder: order {} in pool {} is {}{of} (since {})",
             b.order_id,
             b.pool,
             b.status,

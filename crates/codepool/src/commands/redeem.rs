@@ -13,6 +13,7 @@ Examples:
   codepool redeem --code QWER-1234 --pool game-x
   codepool redeem --order O-1001
 
+--order redeems every issued code of the order; --code that one code.
 Only an issued code can be redeemed. Redeeming an unissued, void or already
 used code is an error that says which (exit code 1). The platform can also
 send `code.redeemed` events ({\"pool\":…,\"code\":…} or {\"order_id\":…}) on the
@@ -25,15 +26,16 @@ pub struct RedeemArgs {
 pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
-    let t = store.redeem(target).await?;
-    let holder = t.before.holder.as_ref();
-    println!(
-        "redeemed {} in pool {} (order {}, issued {}) at {}",
-        mask(&t.before.code),
-        t.before.pool,
-        holder.map_or("-", |h| h.order_id.as_str()),
-        codepool_domain::when(holder.map(|h| h.issued_at)),
-        super::target::when(Some(t.at)),
-    );
+    for t in store.redeem(target).await? {
+        let holder = t.before.holder.as_ref();
+        println!(
+            "redeemed {} in pool {} (order {}, issued {}) at {}",
+            mask(&t.before.code),
+            t.before.pool,
+            holder.map_or("-", |h| h.order_id.as_str()),
+            codepool_domain::when(holder.map(|h| h.issued_at)),
+            super::target::when(Some(t.at)),
+        );
+    }
     Ok(crate::exit::OK)
 }

@@ -21,9 +21,10 @@ Examples:
 
 An unissued code is withdrawn from the pool (and from the Redis hot pool).
 An issued code stays with its order but is void: it is never issued again,
-and the order can never receive another code. An order that is still
-waiting for stock (a backorder) has its backorder cancelled instead.
-A used code cannot be voided.
+and the order can never receive another code. --order voids every code of
+the order (an order may hold several) and cancels what it still waits for
+(its backorder); --code voids that one code only. A used code cannot be
+voided.
 
 --import recalls a delivery: every still-unissued code of that import run
 (the import_id `codepool import --json` prints) is voided. Codes already
@@ -53,21 +54,32 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
     let hot = crate::context::hot_pool(cfg)?;
     let reason = args.reason.trim();
     match ops::void(&store, &hot, target, reason).await? {
-        VoidOutcome::Voided(t) => {
-            let c = &t.before;
-            match &c.holder {
-                None => println!(
-                    "voided unissued code {} in pool {} ({reason}); it will never be issued",
-                    c.masked(),
-                    c.pool
-                ),
-                Some(h) => println!(
-                    "voided code {} in pool {} ({reason}); it was issued to order {} at {} and will never be issued again",
-                    c.masked(),
-                    c.pool,
-                    h.order_id,
-                    when(Some(h.issued_at)),
-                ),
+        VoidOutcome::Voided {
+            applied,
+            backorder_cancelled,
+        } => {
+            for t in &applied {
+                let c = &t.before;
+                match &c.holder {
+                    None => println!(
+                        "voided unissued code {} in pool {} ({reason}); it will never be issued",
+                        c.masked(),
+                        c.pool
+                    ),
+                    Some(h) => println!(
+                        "voided code {} in pool {} ({reason}); it was issued to order {} (line {}) at {} and will never be issued again",
+                        c.masked(),
+                        c.pool,
+                        h.order_id,
+                        h.line,
+                        when(Some(h.issued_at)),
+                    ),
+                }
+            }
+            if backorder_cancelled {
+                println!(
+                    "the order's backorder for the codes it still waited for is cancelled too"
+                );
             }
         }
         VoidOutcome::BackorderCancelled { order_id } => {
