@@ -59,10 +59,11 @@ for _ in $(seq 1 100); do
 done
 grep -o "http listening on .*" "$LOG" || true
 
-step "publish fixtures/purchases.jsonl (10 orders + 1 duplicate delivery)"
+step "publish fixtures/purchases.jsonl (10 orders, two of several codes, + 1 duplicate delivery)"
 "$BIN" publish --file fixtures/purchases.jsonl
 
-ORDERS=$(grep -o '"order_id": *"[^"]*"' fixtures/purchases.jsonl | sort -u | wc -l)
+# Codes to wait for: one per order, plus the extra codes of orders of several.
+ORDERS=$(( $(grep -o '"order_id": *"[^"]*"' fixtures/purchases.jsonl | sort -u | wc -l) + 3 ))
 for _ in $(seq 1 100); do
   n=$("$BIN" lookup --pool demo --json --limit 1000 | grep -c '"order_id": "DEMO-' || true)
   [ "$n" -ge "$ORDERS" ] && break
@@ -76,7 +77,7 @@ step "the dispatcher's log of grants and SMS-pending events"
 grep -E "granted|dead-lettered" "$LOG" | sed -E 's/\x1b\[[0-9;]*m//g' || true
 
 step "SMS-pending events waiting for the SMS service (queue ${CODEPOOL_AMQP_PREFIX}sms.pending)"
-"$BIN" sms-pending --limit 11 || true
+"$BIN" sms-pending --limit 12 || true
 
 step "stock"
 "$BIN" stats --pool demo

@@ -40,7 +40,7 @@ fn scale() -> Scale {
         Scale {
             orders: 30_000,
             first_import: 12_000,
-            second_import: 20_000,
+            second_import: 60_000,
             invalid: 40,
             publish_secs: 60,
             kill_every: Duration::from_secs(3),
@@ -49,7 +49,7 @@ fn scale() -> Scale {
         Scale {
             orders: 3_000,
             first_import: 1_200,
-            second_import: 2_000,
+            second_import: 6_000,
             invalid: 10,
             publish_secs: 20,
             kill_every: Duration::from_secs(4),
@@ -142,9 +142,13 @@ async fn chaos_keeps_every_invariant() {
         let _ = conn.close(200, "ok").await;
     }
 
-    // The workload: valid orders, ~5% duplicates, a few invalid messages.
+    // The workload: valid orders of 1 to 3 codes, ~5% duplicates, a few
+    // invalid messages.
     let orders: Vec<Purchase> = (0..s.orders)
-        .map(|i| purchase(&format!("CH-{i:06}"), "chaos"))
+        .map(|i| Purchase {
+            quantity: (i % 3 + 1) as u32,
+            ..purchase(&format!("CH-{i:06}"), "chaos")
+        })
         .collect();
     let mut bodies: Vec<(Vec<u8>, Option<String>)> = Vec::new();
     let mut rng = rand::rng();
@@ -255,12 +259,12 @@ async fn chaos_keeps_every_invariant() {
     };
     let (publisher_reconnects, (), restarts) = tokio::join!(publisher, kills, faults);
 
-    // Let the survivors finish: every valid order ends with a code.
+    // Let the survivors finish: every valid order ends with its codes.
     let codes = env.store.database().collection::<bson::Document>("codes");
-    let expected = s.orders as u64;
+    let expected: u64 = orders.iter().map(|p| u64::from(p.quantity)).sum();
     eventually(
         Duration::from_secs(120),
-        "every order to hold a code",
+        "every order to hold its codes",
         || {
             let codes = codes.clone();
             async move {
@@ -305,7 +309,7 @@ async fn chaos_keeps_every_invariant() {
         "unacked purchases were left behind"
     );
 
-    // In MongoDB: one code per order, one order per code.
+    // In MongoDB: one code per line of an order, one line per code.
     let issued: Vec<bson::Document> = codes
         .find(doc! {"pool": "chaos", "order_id": {"$type": "string"}})
         .await
@@ -313,23 +317,32 @@ async fn chaos_keeps_every_invariant() {
         .try_collect()
         .await
         .unwrap();
-    let mut code_by_order: HashMap<String, String> = HashMap::new();
-    let mut order_by_code: HashMap<String, String> = HashMap::new();
+    let mut code_by_line: HashMap<(String, u32), String> = HashMap::new();
+    let mut line_by_code: HashMap<String, (String, u32)> = HashMap::new();
     let mut violations = 0;
     for doc in &issued {
         let order = doc.get_str("order_id").unwrap().to_owned();
+        let line = doc.get_i64("line").unwrap_or(0) as u32;
         let code = env.plain_code(doc);
-        if code_by_order.insert(order.clone(), code.clone()).is_some() {
+        if code_by_line
+            .insert((order.clone(), line), code.clone())
+            .is_some()
+        {
             violations += 1;
         }
-        if order_by_code.insert(code, order).is_some() {
+        if line_by_code.insert(code, (order, line)).is_some() {
             violations += 1;
         }
     }
     for p in &orders {
-        if !code_by_order.contains_key(&p.order_id) {
-            violations += 1;
+        for line in 0..p.quantity {
+            if !code_by_line.contains_key(&(p.order_id.clone(), line)) {
+                violations += 1;
+            }
         }
+    }
+    if code_by_line.len() as u64 != expected {
+        violations += 1;
     }
     // Backorders: created only while codes ran out, all fulfilled since.
     let backorders = env
@@ -345,17 +358,20 @@ async fn chaos_keeps_every_invariant() {
 
     // Every grant has an SMS-pending event, always with its own code.
     let events = drain(&ch, &t.sms_pending).await;
-    let mut evented: HashSet<String> = HashSet::new();
+    let mut evented: HashSet<(String, u32)> = HashSet::new();
     for e in &events {
         let ev: SmsPending = serde_json::from_slice(&e.body).unwrap();
-        if code_by_order.get(&ev.order_id) != ev.code.as_ref() {
-            violations += 1;
+        for c in ev.all_codes() {
+            let line = (ev.order_id.clone(), c.line);
+            if code_by_line.get(&line) != Some(&c.code) {
+                violations += 1;
+            }
+            evented.insert(line);
         }
-        evented.insert(ev.order_id);
     }
-    let missing_events = orders
-        .iter()
-        .filter(|p| !evented.contains(&p.order_id))
+    let missing_events = code_by_line
+        .keys()
+        .filter(|line| !evented.contains(*line))
         .count();
     violations += missing_events;
 

@@ -164,8 +164,12 @@ struct Workload {
 }
 
 fn workload(s: &Scale) -> Workload {
+    // Orders of 1, 2 and 3 codes in turn.
     let orders: Vec<Purchase> = (0..s.orders)
-        .map(|i| purchase(&format!("FO-{i:06}"), POOL))
+        .map(|i| Purchase {
+            quantity: (i % 3 + 1) as u32,
+            ..purchase(&format!("FO-{i:06}"), POOL)
+        })
         .collect();
     let mut bodies = Vec::new();
     let mut rng = rand::rng();
@@ -274,7 +278,10 @@ impl Findings {
 
 /// Reads every grant from MongoDB and checks one code per order, one order
 /// per code; returns the code of each order.
-async fn check_grants(env: &TestEnv, w: &Workload, f: &mut Findings) -> HashMap<String, String> {
+/// A line of an order: what one code is granted to.
+type Line = (String, u32);
+
+async fn check_grants(env: &TestEnv, w: &Workload, f: &mut Findings) -> HashMap<Line, String> {
     let codes = env.store.database().collection::<bson::Document>("codes");
     let issued: Vec<bson::Document> = codes
         .find(doc! {"pool": POOL, "order_id": {"$type": "string"}})
@@ -284,34 +291,35 @@ async fn check_grants(env: &TestEnv, w: &Workload, f: &mut Findings) -> HashMap<
         .await
         .expect("read grants");
     f.grants = issued.len();
-    let mut code_by_order: HashMap<String, String> = HashMap::new();
-    let mut order_by_code: HashMap<String, String> = HashMap::new();
+    let mut code_by_line: HashMap<Line, String> = HashMap::new();
+    let mut line_by_code: HashMap<String, Line> = HashMap::new();
     for d in &issued {
         let Ok(order) = d.get_str("order_id") else {
             continue;
         };
+        let line = (order.to_owned(), d.get_i64("line").unwrap_or(0) as u32);
         // Codes are sealed at rest: open them with the test's key file.
         let code = env.plain_code(d);
-        let code = code.as_str();
-        if code_by_order
-            .insert(order.to_owned(), code.to_owned())
-            .is_some()
-        {
+        if code_by_line.insert(line.clone(), code.clone()).is_some() {
             f.orders_with_two_codes += 1;
         }
-        if order_by_code
-            .insert(code.to_owned(), order.to_owned())
-            .is_some()
-        {
+        if line_by_code.insert(code, line).is_some() {
             f.codes_issued_twice += 1;
         }
     }
+    let quantity: HashMap<&str, u32> = (w.orders.iter())
+        .map(|p| (p.order_id.as_str(), p.quantity))
+        .collect();
+    // A line past its order's quantity is a code too many.
+    f.orders_with_two_codes += (code_by_line.keys())
+        .filter(|(o, l)| quantity.get(o.as_str()).is_none_or(|q| l >= q))
+        .count();
     f.orders_without_code = w
         .orders
         .iter()
-        .filter(|p| !code_by_order.contains_key(&p.order_id))
+        .filter(|p| (0..p.quantity).any(|l| !code_by_line.contains_key(&(p.order_id.clone(), l))))
         .count();
-    code_by_order
+    code_by_line
 }
 
 /// Drains the SMS-pending and dead-letter queues and checks them against
@@ -320,28 +328,30 @@ async fn check_queues(
     channel: &lapin::Channel,
     env: &TestEnv,
     w: &Workload,
-    code_by_order: &HashMap<String, String>,
+    code_by_line: &HashMap<Line, String>,
     f: &mut Findings,
 ) {
     let t = env.topology();
     f.purchases_left = queue_depth(channel, &t.purchases).await;
     let events = drain(channel, &t.sms_pending).await;
     f.events = events.len();
-    let mut evented: HashSet<String> = HashSet::new();
+    let mut evented: HashSet<Line> = HashSet::new();
     for e in &events {
         let Ok(ev) = serde_json::from_slice::<SmsPending>(&e.body) else {
             f.events_with_wrong_code += 1;
             continue;
         };
-        if code_by_order.get(&ev.order_id) != ev.code.as_ref() {
-            f.events_with_wrong_code += 1;
+        for c in ev.all_codes() {
+            let line = (ev.order_id.clone(), c.line);
+            if code_by_line.get(&line) != Some(&c.code) {
+                f.events_with_wrong_code += 1;
+            }
+            evented.insert(line);
         }
-        evented.insert(ev.order_id);
     }
-    f.orders_without_event = w
-        .orders
-        .iter()
-        .filter(|p| !evented.contains(&p.order_id))
+    f.orders_without_event = code_by_line
+        .keys()
+        .filter(|line| !evented.contains(*line))
         .count();
     let dead = drain(channel, &t.purchases_dead).await;
     f.dead_letters = dead.len();
@@ -440,7 +450,7 @@ async fn dispatchers_survive_failover_of_every_server() {
     many_pools_claim_through_the_hot_pool(&env).await;
     let logs = std::env::temp_dir().join(format!("codepool-failover-{}", env.db));
     std::fs::create_dir_all(&logs).expect("log dir");
-    env.fill_pool(POOL, s.orders + 500).await;
+    env.fill_pool(POOL, 2 * s.orders + 500).await;
     declare_topology(&env).await;
 
     let w = workload(&s);
@@ -456,12 +466,12 @@ async fn dispatchers_survive_failover_of_every_server() {
             }
         });
     let codes = env.store.database().collection::<bson::Document>("codes");
+    let expected: u64 = w.orders.iter().map(|p| u64::from(p.quantity)).sum();
     eventually(
         Duration::from_secs(120),
-        "every order to hold a code",
+        "every order to hold its codes",
         || {
             let codes = codes.clone();
-            let expected = s.orders as u64;
             async move {
                 let filter = doc! {"pool": POOL, "order_id": {"$type": "string"}};
                 codes.count_documents(filter).await.unwrap_or(0) >= expected
@@ -490,8 +500,8 @@ async fn dispatchers_survive_failover_of_every_server() {
 
     let outages = outages_seen(&logs);
     let mut f = Findings::default();
-    let code_by_order = check_grants(&env, &w, &mut f).await;
-    check_queues(&channel, &env, &w, &code_by_order, &mut f).await;
+    let code_by_line = check_grants(&env, &w, &mut f).await;
+    check_queues(&channel, &env, &w, &code_by_line, &mut f).await;
     println!(
         "failover: {} orders (+{} duplicates, {} invalid), faults [{}], publisher reconnects {reconnects}, dispatchers that saw an outage {outages:?}, cluster up in {:.0}s, work {:.0}s, total {:.0}s; {f:?}",
         s.orders, w.duplicates, s.invalid, faults.join(", "),

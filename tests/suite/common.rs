@@ -326,9 +326,15 @@ impl Drop for Daemon {
             .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
             .collect();
         let tail = &lines[lines.len().saturating_sub(20)..];
+        let whole = std::env::temp_dir().join(format!(
+            "codepool-daemon-{}.log",
+            self.addr.replace([':', '.'], "-")
+        ));
+        let _ = std::fs::write(&whole, &log);
         eprintln!(
-            "--- daemon {}: {} warnings and errors, then its last lines ---\n{}\n...\n{}",
+            "--- daemon {} (whole log in {}): {} warnings and errors, then its last lines ---\n{}\n...\n{}",
             self.addr,
+            whole.display(),
             loud.len(),
             loud[loud.len().saturating_sub(40)..].join("\n"),
             tail.join("\n")

@@ -484,3 +484,39 @@ async fn void_and_redeem_by_order_act_on_every_code_and_by_code_on_one() {
     assert_eq!(exported[1], ("QO-1".to_owned(), "1".to_owned()));
     env.cleanup().await;
 }
+
+/// The last code of a pool, raced by two batches at once (their refills
+/// both find it): exactly one order gets it, every round.
+#[tokio::test]
+async fn the_last_code_raced_by_two_batches_goes_to_exactly_one_order() {
+    let env = TestEnv::new("quantity_race").await;
+    for round in 0..40 {
+        let pool = format!("t{round}");
+        env.fill_pool(&pool, 1).await;
+        let (e1, e2) = (env.engine(), env.engine());
+        let a = [purchase(&format!("A{round}"), &pool)];
+        let b = [
+            purchase(&format!("B{round}"), &pool),
+            purchase(&format!("C{round}"), &pool),
+        ];
+        let (ra, rb) = tokio::join!(
+            async {
+                let refs: Vec<&Purchase> = a.iter().collect();
+                e1.claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+                    .await
+            },
+            async {
+                let refs: Vec<&Purchase> = b.iter().collect();
+                e2.claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+                    .await
+            }
+        );
+        let granted = ra
+            .unwrap()
+            .iter()
+            .chain(rb.unwrap().iter())
+            .filter(|o| !o.grants().is_empty())
+            .count();
+        assert_eq!(granted, 1, "round {round}");
+    }
+}

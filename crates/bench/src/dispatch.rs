@@ -160,18 +160,7 @@ async fn measure_all(
     let all = [&dispatcher, &pass, &raw];
     let mut report = report_json(args, &config, queue_type, all, &checks, &memory);
     if let Some((m, ok)) = &several {
-        report["quantity"] = json!({
-            "quantity": args.quantity,
-            "orders": m.items / args.quantity as usize,
-            "codes": m.items,
-            "seconds": m.elapsed.as_secs_f64(),
-            "codes_per_sec": m.per_sec(),
-            "quantity_1_codes_per_sec": dispatcher.per_sec(),
-            "codes_per_sec_over_quantity_1": m.per_sec() / dispatcher.per_sec().max(1e-9),
-            "target": QUANTITY_TARGET,
-            "target_met": m.per_sec() / dispatcher.per_sec().max(1e-9) >= QUANTITY_TARGET,
-            "checks_ok": ok,
-        });
+        report["quantity"] = quantity_json(args.quantity, m, *ok, &dispatcher);
     }
     let file = match queue_type {
         QueueType::Quorum => "dispatch.json".to_owned(),
@@ -182,13 +171,10 @@ async fn measure_all(
         println!("{rendered}");
     } else {
         print_table(n, &config, all, &report, &memory);
-        if let Some((m, _)) = &several {
+        if let Some(q) = report.get("quantity") {
             println!(
                 "orders of {} codes: {:.0} codes/s vs {:.0} codes/s for orders of 1 ({:.2}×, target ≥ {QUANTITY_TARGET}×)",
-                args.quantity,
-                m.per_sec(),
-                dispatcher.per_sec(),
-                m.per_sec() / dispatcher.per_sec().max(1e-9)
+                q["quantity"], q["codes_per_sec"].as_f64().unwrap_or(0.0), q["quantity_1_codes_per_sec"].as_f64().unwrap_or(0.0), q["codes_per_sec_over_quantity_1"].as_f64().unwrap_or(0.0),
             );
         }
         println!("written to {}", path.display());
@@ -264,6 +250,24 @@ async fn quantity_run(
         cpu: run.cpu,
     };
     Ok((m, ok))
+}
+
+/// The `quantity` part of the report: orders of `q` codes against orders of
+/// one (`base`), in codes per second.
+fn quantity_json(q: u32, m: &Measured, ok: bool, base: &Measured) -> serde_json::Value {
+    let ratio = m.per_sec() / base.per_sec().max(1e-9);
+    json!({
+        "quantity": q,
+        "orders": m.items / q as usize,
+        "codes": m.items,
+        "seconds": m.elapsed.as_secs_f64(),
+        "codes_per_sec": m.per_sec(),
+        "quantity_1_codes_per_sec": base.per_sec(),
+        "codes_per_sec_over_quantity_1": ratio,
+        "target": QUANTITY_TARGET,
+        "target_met": ratio >= QUANTITY_TARGET,
+        "checks_ok": ok,
+    })
 }
 
 fn say(args: &DispatchBenchArgs, s: String) {

@@ -11,6 +11,11 @@ use lapin::{BasicProperties, Channel, Connection};
 use crate::topology::{Topology, SMS_PENDING_KEY};
 use crate::{BrokerError, REASON_HEADER, REPLAYS_HEADER};
 
+/// The longest wait for one publisher confirm. A quorum queue that lost its
+/// leader confirms within seconds once a new one is elected; far longer
+/// means the confirm will not come.
+pub const CONFIRM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A publish the broker has not confirmed yet.
 pub struct PendingConfirm {
     inner: PublisherConfirm,
@@ -20,9 +25,20 @@ pub struct PendingConfirm {
 
 impl PendingConfirm {
     /// Waits for the broker's verdict: stored (Ok), refused (nack), or not
-    /// routable to any queue (the topology is missing).
+    /// routable to any queue (the topology is missing). A verdict that does
+    /// not come within [`CONFIRM_TIMEOUT`] counts as no confirm: the caller
+    /// publishes again (same message id) or leaves the delivery unacked,
+    /// rather than waiting forever on a channel that lost track of it.
     pub async fn wait(self) -> Result<(), BrokerError> {
-        match self.inner.await? {
+        let verdict = tokio::time::timeout(CONFIRM_TIMEOUT, self.inner)
+            .await
+            .map_err(|_| {
+                BrokerError::Unavailable(format!(
+                    "no publisher confirm for {:?} / {:?} within {CONFIRM_TIMEOUT:?}",
+                    self.exchange, self.routing_key
+                ))
+            })?;
+        match verdict? {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
             Confirmation::Ack(Some(_)) => Err(BrokerError::Unroutable {
                 exchange: self.exchange,

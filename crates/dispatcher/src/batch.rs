@@ -204,8 +204,15 @@ impl Dispatcher {
                 "pool exhausted; purchases are backordered until codes are imported"
             );
             let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
+            // Bounded: a notification never holds the batch's acks.
             let published = match publisher.publish_pool_event(&event).await {
-                Ok(confirm) => confirm.wait().await,
+                Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(BrokerError::Unavailable(format!(
+                            "no confirm within {NOTICE_CONFIRM_WAIT:?}"
+                        )))
+                    }),
                 Err(e) => Err(e),
             };
             if let Err(e) = published {
@@ -294,6 +301,10 @@ impl Dispatcher {
         unconfirmed
     }
 }
+
+/// How long a batch waits for the broker to confirm a notification (a
+/// `pool.exhausted` event) before it goes on without it.
+const NOTICE_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
 /// How long a batch keeps publishing what the broker did not confirm
 /// before it requeues those purchases.

@@ -355,50 +355,7 @@ impl ClaimEngine {
             })
             .collect();
         let (anchored, held) = self.claim_slots(&anchors, resend).await?;
-        let mut outcomes: Vec<ClaimOutcome> = Vec::with_capacity(asks.len());
-        let mut rest: Vec<Slot> = Vec::new();
-        let mut anchored = anchored.into_iter();
-        for a in asks {
-            let Some(&first) = a.lines.first() else {
-                outcomes.push(ClaimOutcome::exhausted(Vec::new()));
-                continue;
-            };
-            let outcome = match anchored.next() {
-                Some(SlotOutcome::Granted { grant, fresh }) => {
-                    let p = a.purchase;
-                    if let Some(what) = p.differs_from(&grant.pool, &grant.uid, grant.quantity) {
-                        ClaimOutcome::Conflict { what }
-                    } else {
-                        // Lines the order held before need no claim.
-                        let before = held.get(&p.order_id);
-                        rest.extend(
-                            a.lines[1..]
-                                .iter()
-                                .filter(|&&line| on_line(before, line).is_none())
-                                .map(|&line| Slot {
-                                    purchase: p,
-                                    line,
-                                    part: first,
-                                }),
-                        );
-                        ClaimOutcome::Claimed {
-                            grants: vec![grant],
-                            fresh: u32::from(fresh),
-                            missing: Vec::new(),
-                        }
-                    }
-                }
-                // The pool is empty for the anchor: it is for the others.
-                Some(SlotOutcome::Exhausted) => ClaimOutcome::exhausted(a.lines.to_vec()),
-                None => {
-                    return Err(ClaimError::inconsistent(
-                        &a.purchase.order_id,
-                        "no outcome was decided for its first line",
-                    ))
-                }
-            };
-            outcomes.push(outcome);
-        }
+        let (mut outcomes, rest) = after_anchors(asks, anchored, &held)?;
         let (more, _) = self.claim_slots(&rest, resend).await?;
         let by_order: HashMap<&str, usize> = asks
             .iter()
@@ -422,24 +379,7 @@ impl ClaimEngine {
                 }
             }
         }
-        // Lines held before this call come back with the rest.
-        for (i, a) in asks.iter().enumerate() {
-            let ClaimOutcome::Claimed { grants, .. } = &mut outcomes[i] else {
-                continue;
-            };
-            if grants.is_empty() {
-                continue;
-            }
-            if let Some(before) = held.get(&a.purchase.order_id) {
-                for code in before {
-                    let line = code.holder.as_ref().map_or(0, |h| h.line);
-                    if a.lines[1..].contains(&line) && !grants.iter().any(|g| g.line == line) {
-                        grants.push(grant_of(&a.purchase.order_id, code)?);
-                    }
-                }
-            }
-            grants.sort_by_key(|g| g.line);
-        }
+        add_held_before(asks, &mut outcomes, &held)?;
         Ok(outcomes)
     }
 
@@ -1148,6 +1088,88 @@ impl ClaimEngine {
         held.extend(grants);
         Ok(())
     }
+}
+
+/// Each ask's outcome from its anchor's, and the other lines to claim: those
+/// of the orders that hold their anchor as the same order and did not hold
+/// them before (`held`: codes read back by order). An anchor held by a
+/// different order is a conflict; an anchor the pool had no code for
+/// leaves every line of its ask waiting.
+fn after_anchors<'a>(
+    asks: &[ClaimAsk<'a>],
+    anchored: Vec<SlotOutcome>,
+    held: &HashMap<String, Vec<Code>>,
+) -> Result<(Vec<ClaimOutcome>, Vec<Slot<'a>>), ClaimError> {
+    let mut outcomes: Vec<ClaimOutcome> = Vec::with_capacity(asks.len());
+    let mut rest: Vec<Slot> = Vec::new();
+    let mut anchored = anchored.into_iter();
+    for a in asks {
+        let Some(&first) = a.lines.first() else {
+            outcomes.push(ClaimOutcome::exhausted(Vec::new()));
+            continue;
+        };
+        let p = a.purchase;
+        let outcome = match anchored.next() {
+            Some(SlotOutcome::Granted { grant, fresh }) => {
+                match p.differs_from(&grant.pool, &grant.uid, grant.quantity) {
+                    Some(what) => ClaimOutcome::Conflict { what },
+                    None => {
+                        let before = held.get(&p.order_id);
+                        rest.extend(
+                            (a.lines[1..].iter())
+                                .filter(|&&line| on_line(before, line).is_none())
+                                .map(|&line| Slot {
+                                    purchase: p,
+                                    line,
+                                    part: first,
+                                }),
+                        );
+                        ClaimOutcome::Claimed {
+                            grants: vec![grant],
+                            fresh: u32::from(fresh),
+                            missing: Vec::new(),
+                        }
+                    }
+                }
+            }
+            // The pool is empty for the anchor: it is for the others.
+            Some(SlotOutcome::Exhausted) => ClaimOutcome::exhausted(a.lines.to_vec()),
+            None => {
+                return Err(ClaimError::inconsistent(
+                    &p.order_id,
+                    "no outcome was decided for its first line",
+                ))
+            }
+        };
+        outcomes.push(outcome);
+    }
+    Ok((outcomes, rest))
+}
+
+/// Adds to each granted outcome the codes its order held before this call
+/// on the lines it asked for (read back while claiming its anchor), and
+/// puts its grants in line order.
+fn add_held_before(
+    asks: &[ClaimAsk<'_>],
+    outcomes: &mut [ClaimOutcome],
+    held: &HashMap<String, Vec<Code>>,
+) -> Result<(), ClaimError> {
+    for (a, outcome) in asks.iter().zip(outcomes) {
+        let ClaimOutcome::Claimed { grants, .. } = outcome else {
+            continue;
+        };
+        if grants.is_empty() {
+            continue;
+        }
+        for code in held.get(&a.purchase.order_id).into_iter().flatten() {
+            let line = code.holder.as_ref().map_or(0, |h| h.line);
+            if a.lines[1..].contains(&line) && !grants.iter().any(|g| g.line == line) {
+                grants.push(grant_of(&a.purchase.order_id, code)?);
+            }
+        }
+        grants.sort_by_key(|g| g.line);
+    }
+    Ok(())
 }
 
 /// The candidate of a scan claim is chosen by the store; this one is
