@@ -322,7 +322,7 @@ async fn chaos_keeps_every_invariant() {
     let mut violations = 0;
     for doc in &issued {
         let order = doc.get_str("order_id").unwrap().to_owned();
-        let line = doc.get_i64("line").unwrap_or(0) as u32;
+        let line = doc.get_i64("order_line").unwrap_or(0) as u32;
         let code = env.plain_code(doc);
         if code_by_line
             .insert((order.clone(), line), code.clone())

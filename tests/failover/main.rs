@@ -297,7 +297,10 @@ async fn check_grants(env: &TestEnv, w: &Workload, f: &mut Findings) -> HashMap<
         let Ok(order) = d.get_str("order_id") else {
             continue;
         };
-        let line = (order.to_owned(), d.get_i64("line").unwrap_or(0) as u32);
+        let line = (
+            order.to_owned(),
+            d.get_i64("order_line").unwrap_or(0) as u32,
+        );
         // Codes are sealed at rest: open them with the test's key file.
         let code = env.plain_code(d);
         if code_by_line.insert(line.clone(), code.clone()).is_some() {

@@ -35,6 +35,17 @@ async fn codepool(env: &TestEnv, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A CSV file of these codes, with a header.
+fn csv(codes: &[String]) -> tempfile::NamedTempFile {
+    use std::io::Write;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    writeln!(f, "code").unwrap();
+    for c in codes {
+        writeln!(f, "{c}").unwrap();
+    }
+    f
+}
+
 /// The issued codes of `pool` in MongoDB: (order, line) → code.
 async fn held(env: &TestEnv, pool: &str) -> HashMap<(String, u32), String> {
     let codes = env
@@ -182,7 +193,14 @@ async fn orders_of_one_to_ten_codes_over_three_dispatchers_with_kill_9s_get_exac
 #[tokio::test]
 async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_import() {
     let env = TestEnv::new("quantity_partial").await;
-    env.fill_pool("qp", 4).await;
+    // Imported from a file, as partners deliver them: each code carries
+    // its line in the file, which has nothing to do with its order's lines.
+    let first = csv(&(0..4).map(|i| format!("QP-OLD-{i:03}")).collect::<Vec<_>>());
+    codepool(
+        &env,
+        &["import", first.path().to_str().unwrap(), "--pool", "qp"],
+    )
+    .await;
     let d = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
@@ -205,15 +223,12 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
     // A redelivery meanwhile changes nothing: the same four, the same event.
     publish_confirmed(&publisher, std::slice::from_ref(&order)).await;
 
-    let mut f = tempfile::NamedTempFile::new().unwrap();
-    use std::io::Write;
-    writeln!(f, "code").unwrap();
-    for i in 0..20 {
-        writeln!(f, "QP-NEW-{i:03}").unwrap();
-    }
+    let more = csv(&(0..20)
+        .map(|i| format!("QP-NEW-{i:03}"))
+        .collect::<Vec<_>>());
     codepool(
         &env,
-        &["import", f.path().to_str().unwrap(), "--pool", "qp"],
+        &["import", more.path().to_str().unwrap(), "--pool", "qp"],
     )
     .await;
     let backorders = env

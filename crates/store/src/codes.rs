@@ -2,7 +2,7 @@
 //!
 //! The one operation that decides ownership is [`Store::claim_candidates`]:
 //! a batch of conditional updates `{_id, status: 0} → status 1` in a single
-//! journaled command. The unique partial index on `(order_id, line)` makes
+//! journaled command. The unique partial index on `(order_id, order_line)` makes
 //! "one code per line of an order" a database guarantee. Codes are stored sealed and found by
 //! their HMAC ([`crate::crypto`]); [`CodeDoc::into_code`] opens them.
 
@@ -63,15 +63,16 @@ pub struct CodeDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant_no: Option<String>,
     /// The code's line in its order; absent for line 0 (every code issued
-    /// before orders had quantities is line 0).
+    /// before orders had quantities is line 0). Not `line`, which is the
+    /// code's line in its CSV file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub line: Option<i64>,
+    pub order_line: Option<i64>,
     /// The order's quantity; absent for 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub qty: Option<i64>,
+    pub order_qty: Option<i64>,
     /// The first line of the claim that issued it; absent for 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub part: Option<i64>,
+    pub order_part: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used_at: Option<DateTime>,
     #[serde(default)]
@@ -156,10 +157,12 @@ impl CodeDoc {
                 phone: self.phone.clone().unwrap_or_default(),
                 issued_at: issued_at.to_chrono(),
                 grant_no: self.grant_no.clone(),
-                line: small(self.line, 0).ok_or_else(|| corrupt("has a line out of range"))?,
-                quantity: small(self.qty, 1)
-                    .ok_or_else(|| corrupt("has a quantity out of range"))?,
-                part: small(self.part, 0).ok_or_else(|| corrupt("has a part out of range"))?,
+                line: small(self.order_line, 0)
+                    .ok_or_else(|| corrupt("has an order line out of range"))?,
+                quantity: small(self.order_qty, 1)
+                    .ok_or_else(|| corrupt("has an order quantity out of range"))?,
+                part: small(self.order_part, 0)
+                    .ok_or_else(|| corrupt("has an order part out of range"))?,
             }),
             (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
             (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
@@ -614,9 +617,9 @@ fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 8] {
                 Resend::ByRedelivery => Bson::Null,
             },
         ),
-        ("line", unless(a.line, 0)),
-        ("qty", unless(a.quantity, 1)),
-        ("part", unless(a.part, 0)),
+        ("order_line", unless(a.line, 0)),
+        ("order_qty", unless(a.quantity, 1)),
+        ("order_part", unless(a.part, 0)),
     ]
 }
 
@@ -1504,9 +1507,9 @@ mod tests {
             phone: None,
             issued_at: None,
             grant_no: None,
-            line: None,
-            qty: None,
-            part: None,
+            order_line: None,
+            order_qty: None,
+            order_part: None,
             used_at: None,
             is_sms: 0,
             sms_pending: None,

@@ -406,7 +406,7 @@ impl Store {
                     }
                 })
                 .collect();
-            filter.insert("line", doc! {"$in": lines});
+            filter.insert("order_line", doc! {"$in": lines});
         }
         match receipt_id {
             Some(id) => {
