@@ -3,6 +3,7 @@
 //! database, queue prefix and Redis key prefix, so tests run in parallel
 //! and can be re-run. One test binary keeps the build to a single link.
 
+mod api;
 mod claims;
 mod common;
 mod dispatcher;

@@ -52,6 +52,11 @@ pub enum Command {
     Import(commands::import::ImportArgs),
     /// Run the daemon: consume purchases, claim codes, publish SMS-pending events.
     Dispatch(commands::dispatch::DispatchArgs),
+    /// Serve the HTTP API for shop backends (orders, with API keys).
+    Api(commands::api::ApiArgs),
+    /// Create, list and revoke the HTTP API's keys.
+    #[command(name = "api-keys")]
+    ApiKeys(commands::api_keys::ApiKeysArgs),
     /// Publish purchases (one from flags, or many from a JSON-lines file).
     Publish(commands::publish::PublishArgs),
     /// Inventory per pool: unissued, issued, used, void, expired, backorders, hot-pool size.
@@ -86,6 +91,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Export(args) => commands::export::run(&cfg, args).await,
         Command::Import(args) => commands::import::run(&cfg, args).await,
         Command::Dispatch(args) => commands::dispatch::run(&cfg, args).await,
+        Command::Api(args) => commands::api::run(&cfg, args).await,
+        Command::ApiKeys(args) => commands::api_keys::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,
         Command::Lookup(args) => commands::lookup::run(&cfg, args).await,

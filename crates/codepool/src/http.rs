@@ -31,17 +31,36 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {addr} for /metrics; pick another with --http ADDR (port 0 picks a free one) or turn it off with --no-http"))?;
     let bound = listener.local_addr()?;
-    let app = Router::new()
-        .route("/metrics", get(metrics_page))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(AppState { health, metrics });
+    let app = routes(health, metrics);
     tokio::spawn(async move {
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await })
             .await;
     });
     Ok(bound)
+}
+
+/// `/metrics`, `/healthz` and `/readyz`, to serve alone or beside the API.
+pub fn routes(health: Arc<Health>, metrics: PrometheusHandle) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(AppState { health, metrics })
+}
+
+/// The Prometheus recorder, with codepool's histogram buckets.
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            codepool_dispatcher::telemetry::LATENCY_BUCKETS,
+        )
+        .context("invalid histogram buckets")?
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    codepool_dispatcher::telemetry::describe();
+    Ok(handle)
 }
 
 async fn metrics_page(State(s): State<AppState>) -> String {

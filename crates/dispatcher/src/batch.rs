@@ -17,9 +17,7 @@ use crate::claim::ClaimError;
 use crate::daemon::Dispatcher;
 use crate::outage::backoff;
 use crate::outbox::Marking;
-use crate::plan::{
-    admit, plan_batch, pools_of, reject_conflicting, settle, to_claim, BatchPlan, Parsed, Step,
-};
+use crate::plan::{settle, BatchPlan, Parsed, Step};
 use crate::Resend;
 use codepool_domain::{Purchase, PurchaseError};
 
@@ -122,39 +120,9 @@ impl Dispatcher {
         // again: a grant an earlier delivery made for it (and crashed before
         // its confirm) is handed to the relay, which sends its event.
         let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
-        // The batch's backorders are read with its pools' policies: an
-        // order id that waits as a backorder of another order is a
-        // conflict, and gets nothing.
-        let orders: Vec<&str> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
-            .map(|p| p.order_id.as_str())
-            .collect();
-        let pools = pools_of(&parsed);
-        let (relayed, policies, backordered) = futures::join!(
-            self.store.hand_to_relay(&at_limit),
-            self.policies.get_many(&self.store, &pools),
-            self.store.backorders_for_orders(&orders),
-        );
-        relayed?;
-        let policies = policies?;
-        let backordered = backordered?
-            .into_iter()
-            .map(|b| {
-                let q = b.quantity();
-                (b.order_id, (b.pool, b.uid, q))
-            })
-            .collect();
-        let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
-        // Per-user limits and pauses (policy.rs); refusals are durable now.
-        let intake = crate::policy::enforce(&self.store, intake, &policies).await?;
-        let claims = to_claim(&intake);
-        let outcomes = if claims.is_empty() {
-            Vec::new()
-        } else {
-            self.engine
-                .claim_batch(&claims, Resend::ByRedelivery)
-                .await?
-        };
-        Ok(plan_batch(intake, outcomes)?)
+        self.intake
+            .decide(parsed, &at_limit, Resend::ByRedelivery)
+            .await
     }
 
     /// Records the plan's backorders, retrying while MongoDB is away. A
@@ -162,29 +130,10 @@ impl Dispatcher {
     /// into a `conflicting_order` dead letter. False when stopped first
     /// (nothing may be acked then).
     async fn record_backorders(&self, plan: &mut BatchPlan, stop: &CancellationToken) -> bool {
-        let backorders = plan.backorders();
-        if backorders.is_empty() {
-            return true;
-        }
-        let waiting: Vec<_> = backorders.iter().map(|(_, w)| *w).collect();
         let mut attempt = 0;
         loop {
-            match self.store.record_backorders(&waiting).await {
-                Ok(recorded) => {
-                    metrics::counter!("codepool_backorders_total").increment(recorded.new);
-                    let conflicts: Vec<(usize, &'static str)> = (backorders.iter())
-                        .filter_map(|(i, w)| {
-                            let (_, what) = recorded
-                                .conflicts
-                                .iter()
-                                .find(|(o, _)| *o == w.purchase.order_id)?;
-                            Some((*i, *what))
-                        })
-                        .collect();
-                    drop(backorders);
-                    plan.reject_conflicts(&conflicts);
-                    return true;
-                }
+            match self.intake.record_backorders(plan).await {
+                Ok(_) => return true,
                 Err(e) => self.mongo.failed(&e),
             }
             attempt += 1;

@@ -14,9 +14,9 @@ use tracing::{error, info};
 
 use crate::claim::ClaimEngine;
 use crate::health::Health;
+use crate::intake::Intake;
 use crate::outage::{backoff, Outage};
 use crate::outbox::Outbox;
-use crate::policy::PolicyCache;
 use crate::session::SessionEnd;
 use crate::stock::{StockConfig, StockWatch};
 
@@ -95,8 +95,8 @@ pub struct Dispatcher {
     pub(crate) outbox: Outbox,
     pub(crate) config: DispatcherConfig,
     pub(crate) health: Arc<Health>,
-    /// Pools that exist and their policies, re-read every second.
-    pub(crate) policies: PolicyCache,
+    /// The core that decides batches (shared with the HTTP door).
+    pub(crate) intake: Intake,
     pub(crate) mongo: Outage,
     pub(crate) amqp: Outage,
     /// Stock gauges and low-stock alerts (stock.rs).
@@ -120,12 +120,12 @@ impl Dispatcher {
                 },
             ),
             outbox: Outbox::new(Arc::new(store.clone())),
+            intake: Intake::new(store.clone(), engine.clone()),
             store,
             hot,
             engine,
             config,
             health,
-            policies: PolicyCache::default(),
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
         })

@@ -31,6 +31,7 @@ mod demand;
 pub mod expiry;
 pub mod grant_no;
 pub mod health;
+pub mod intake;
 pub mod ops;
 pub mod outage;
 pub mod outbox;
@@ -51,6 +52,7 @@ pub use codepool_store::Resend;
 pub use daemon::{Dispatcher, DispatcherConfig};
 pub use grant_no::GrantNumbers;
 pub use health::Health;
+pub use intake::Intake;
 pub use outbox::{Marking, Outbox};
 pub use stock::{StockConfig, StockLevel, StockWatch};
 

@@ -4,7 +4,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
 use tracing::info;
@@ -49,22 +48,41 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
     let stop = crate::shutdown::on_signals();
     let health = Arc::new(Health::default());
     if !args.no_http {
-        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
-                codepool_dispatcher::telemetry::LATENCY_BUCKETS,
-            )
-            .context("invalid histogram buckets")?
-            .install_recorder()
-            .context("cannot install the metrics recorder")?;
-        codepool_dispatcher::telemetry::describe();
+        let handle = crate::http::install_metrics()?;
         let addr = crate::http::serve(args.http, health.clone(), handle, stop.clone()).await?;
         info!(%addr, "serving /metrics, /healthz and /readyz");
         // Scripts starting several dispatchers read the port from here.
         eprintln!("codepool: http listening on {addr}");
     }
-    // The daemon starts even if MongoDB is down: it waits and reports
-    // unready. Migrations run as soon as MongoDB answers.
+    let Some(store) = ready_store(cfg, &stop).await? else {
+        return Ok(crate::exit::OK);
+    };
+    health.set_mongo(true);
+    let hot = crate::context::hot_pool(cfg)?;
+    let numbers = crate::context::grant_numbers(cfg, &store)?;
+    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
+    let config = DispatcherConfig {
+        amqp_url: cfg.amqp_url.clone(),
+        topology: cfg.topology(),
+        prefetch: args.prefetch,
+        batch_size: args.batch_size,
+        workers: args.workers,
+        linger: Duration::from_millis(args.linger_ms),
+        ..DispatcherConfig::default()
+    };
+    let dispatcher = Dispatcher::new(engine, store, hot, config, health);
+    dispatcher.run(stop).await;
+    Ok(crate::exit::OK)
+}
+
+/// The store, migrated and with a key file that opens its codes: what a
+/// daemon needs before it takes any work. Starts even if MongoDB is down:
+/// waits (the caller reports unready) and migrates as soon as it answers.
+/// `None` when stopped first.
+pub async fn ready_store(
+    cfg: &Config,
+    stop: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Option<codepool_store::Store>> {
     let store = codepool_store::Store::connect_lazy(&cfg.mongodb_uri, &cfg.db).await?;
     let mut attempt = 0;
     loop {
@@ -76,7 +94,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
                 }
                 attempt += 1;
                 tokio::select! {
-                    _ = stop.cancelled() => return Ok(crate::exit::OK),
+                    _ = stop.cancelled() => return Ok(None),
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
             }
@@ -95,22 +113,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         );
     }
     info!(keys = ?keys.key_ids, "key file verified against the stored codes");
-    health.set_mongo(true);
-    let hot = crate::context::hot_pool(cfg)?;
-    let numbers = crate::context::grant_numbers(cfg, &store)?;
-    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
-    let config = DispatcherConfig {
-        amqp_url: cfg.amqp_url.clone(),
-        topology: cfg.topology(),
-        prefetch: args.prefetch,
-        batch_size: args.batch_size,
-        workers: args.workers,
-        linger: Duration::from_millis(args.linger_ms),
-        ..DispatcherConfig::default()
-    };
-    let dispatcher = Dispatcher::new(engine, store, hot, config, health);
-    dispatcher.run(stop).await;
-    Ok(crate::exit::OK)
+    Ok(Some(store))
 }
 
 /// A count of at least 1.

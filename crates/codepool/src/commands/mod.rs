@@ -1,5 +1,7 @@
 //! One module per subcommand.
 
+pub mod api;
+pub mod api_keys;
 pub mod dead_letters;
 pub mod dispatch;
 pub mod expire;

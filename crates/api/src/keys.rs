@@ -1,0 +1,268 @@
+//! API keys: a name, scopes, and a secret shown once. Only a SHA-256 hash
+//! of the secret is stored (the secret is 256 random bits, so a fast hash
+//! is enough: there is nothing to guess). A key reads as
+//! `cpk_<id>_<secret>`; the id finds the key, the hash proves the secret.
+//! Revoked keys stop working within [`KEY_TTL`] on every API process.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bson::{doc, DateTime};
+use futures::TryStreamExt;
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use codepool_store::{Store, StoreError};
+
+pub const API_KEYS: &str = "api_keys";
+
+/// How long a process trusts what it read of a key: a revocation takes
+/// effect within this long everywhere.
+pub const KEY_TTL: Duration = Duration::from_secs(1);
+
+/// What a key may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Scope {
+    /// Place orders (`POST /v1/orders`); the answer carries their codes.
+    #[serde(rename = "orders:write")]
+    OrdersWrite,
+    /// Read orders, codes masked; redeem, void and resend them.
+    #[serde(rename = "orders:read")]
+    OrdersRead,
+    /// See codes in plaintext when reading an order (every reveal is
+    /// audited with the key's name).
+    #[serde(rename = "codes:reveal")]
+    CodesReveal,
+    /// Administer pools, imports and dead letters.
+    #[serde(rename = "admin")]
+    Admin,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 4] = [
+        Scope::OrdersWrite,
+        Scope::OrdersRead,
+        Scope::CodesReveal,
+        Scope::Admin,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::OrdersWrite => "orders:write",
+            Scope::OrdersRead => "orders:read",
+            Scope::CodesReveal => "codes:reveal",
+            Scope::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Scope> {
+        Scope::ALL.into_iter().find(|x| x.as_str() == s.trim())
+    }
+}
+
+/// A key as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyDoc {
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub name: String,
+    /// Hex SHA-256 of the secret.
+    pub hash: String,
+    pub scopes: Vec<Scope>,
+    pub created_at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<DateTime>,
+}
+
+impl KeyDoc {
+    pub fn allows(&self, scope: Scope) -> bool {
+        self.revoked_at.is_none() && self.scopes.contains(&scope)
+    }
+}
+
+/// A new key: its record and the token to hand to the shop, once.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    pub key: KeyDoc,
+    pub token: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("a key named {0:?} exists already; pick another name, or revoke it first")]
+    NameTaken(String),
+    #[error("the name must be 1 to 64 letters, digits, '.', '_' or '-'")]
+    BadName,
+    #[error("name at least one scope: {}", Scope::ALL.map(Scope::as_str).join(", "))]
+    NoScope,
+    #[error("no key is named {0:?}; `codepool api-keys list` shows them")]
+    Unknown(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+fn sha256_hex(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    hex::encode(buf)
+}
+
+/// Equal in time that does not depend on where they differ.
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// The id and secret of a token `cpk_<id>_<secret>`.
+fn split_token(token: &str) -> Option<(&str, &str)> {
+    let rest = token.strip_prefix("cpk_")?;
+    let (id, secret) = rest.split_once('_')?;
+    (id.len() == 16 && secret.len() == 64).then_some((id, secret))
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn keys(store: &Store) -> mongodb::Collection<KeyDoc> {
+    store.database().collection::<KeyDoc>(API_KEYS)
+}
+
+/// Creates a key. Names are unique among keys not revoked.
+pub async fn create(store: &Store, name: &str, scopes: &[Scope]) -> Result<NewKey, KeyError> {
+    if !valid_name(name) {
+        return Err(KeyError::BadName);
+    }
+    if scopes.is_empty() {
+        return Err(KeyError::NoScope);
+    }
+    let live = doc! {"name": name, "revoked_at": {"$exists": false}};
+    if keys(store)
+        .find_one(live)
+        .await
+        .map_err(StoreError::from)?
+        .is_some()
+    {
+        return Err(KeyError::NameTaken(name.to_owned()));
+    }
+    let (id, secret) = (random_hex(8), random_hex(32));
+    let mut scopes = scopes.to_vec();
+    scopes.dedup();
+    let key = KeyDoc {
+        id: id.clone(),
+        name: name.to_owned(),
+        hash: sha256_hex(&secret),
+        scopes,
+        created_at: DateTime::now(),
+        revoked_at: None,
+    };
+    keys(store)
+        .insert_one(&key)
+        .await
+        .map_err(StoreError::from)?;
+    Ok(NewKey {
+        key,
+        token: format!("cpk_{id}_{secret}"),
+    })
+}
+
+/// Every key, newest first.
+pub async fn list(store: &Store) -> Result<Vec<KeyDoc>, KeyError> {
+    let found = keys(store)
+        .find(doc! {})
+        .sort(doc! {"created_at": -1})
+        .await
+        .map_err(StoreError::from)?
+        .try_collect()
+        .await
+        .map_err(StoreError::from)?;
+    Ok(found)
+}
+
+/// Revokes the live key named `name`.
+pub async fn revoke(store: &Store, name: &str) -> Result<KeyDoc, KeyError> {
+    let live = doc! {"name": name, "revoked_at": {"$exists": false}};
+    let revoked = keys(store)
+        .find_one_and_update(live, doc! {"$set": {"revoked_at": DateTime::now()}})
+        .return_document(mongodb::options::ReturnDocument::After)
+        .await
+        .map_err(StoreError::from)?;
+    revoked.ok_or_else(|| KeyError::Unknown(name.to_owned()))
+}
+
+/// Verifies tokens against the stored keys, each key read at most once a
+/// [`KEY_TTL`] per process.
+#[derive(Default)]
+pub struct Verifier {
+    cache: Mutex<HashMap<String, (Instant, Option<KeyDoc>)>>,
+}
+
+impl Verifier {
+    /// The key a token proves, if any (`None`: no such key, a wrong
+    /// secret, or a revoked key).
+    pub async fn verify(&self, store: &Store, token: &str) -> Result<Option<KeyDoc>, StoreError> {
+        let Some((id, secret)) = split_token(token) else {
+            return Ok(None);
+        };
+        let cached = self.cache.lock().ok().and_then(|c| {
+            c.get(id)
+                .filter(|(at, _)| at.elapsed() < KEY_TTL)
+                .map(|(_, k)| k.clone())
+        });
+        let key = match cached {
+            Some(k) => k,
+            None => {
+                let k = keys(store).find_one(doc! {"_id": id}).await?;
+                if let Ok(mut c) = self.cache.lock() {
+                    if c.len() > 10_000 {
+                        c.clear();
+                    }
+                    c.insert(id.to_owned(), (Instant::now(), k.clone()));
+                }
+                k
+            }
+        };
+        Ok(key.filter(|k| k.revoked_at.is_none() && same(&k.hash, &sha256_hex(secret))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_split_only_in_their_own_shape() {
+        let token = format!("cpk_{}_{}", "a".repeat(16), "b".repeat(64));
+        assert_eq!(split_token(&token).map(|(i, _)| i.len()), Some(16));
+        for bad in [
+            "",
+            "cpk_",
+            "Bearer x",
+            "cpk_short_secret",
+            &token[..token.len() - 1],
+        ] {
+            assert!(split_token(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn scopes_read_as_they_print() {
+        for s in Scope::ALL {
+            assert_eq!(Scope::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(Scope::parse("orders:delete"), None);
+        assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+    }
+}

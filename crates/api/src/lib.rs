@@ -1,0 +1,235 @@
+//! # codepool-api
+//!
+//! The HTTP door for shop backends. `POST /v1/orders` decides a purchase
+//! through the same [`Intake`] as the dispatcher (known pool, conflicting
+//! order, pause, per-user limit, the batched claim), publishes the same
+//! SMS-pending events with the same `event_id`s through the same outbox,
+//! and answers with the codes. The same request again gets the same codes;
+//! an order sent by AMQP and by HTTP still gets its codes once.
+//!
+//! Every request needs an API key ([`keys`]) with the route's scope. Every
+//! error is RFC 9457 `application/problem+json` whose `detail` says what to
+//! do next, and every response carries `x-request-id`, which the logs
+//! carry too.
+
+pub mod keys;
+mod orders;
+mod problem;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use codepool_broker::Publisher;
+use codepool_dispatcher::{Intake, Outbox};
+use codepool_store::Store;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use keys::{KeyDoc, Scope};
+pub use problem::Problem;
+
+/// How the API server runs.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// Largest request body accepted (an order is a few hundred bytes).
+    pub body_limit: usize,
+    /// Longest a request may take, reading its body included.
+    pub request_timeout: Duration,
+    /// Requests per second each key may make (a burst of twice as many).
+    pub rate_per_key: u32,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            body_limit: 16 * 1024,
+            request_timeout: Duration::from_secs(30),
+            rate_per_key: 200,
+        }
+    }
+}
+
+/// What every handler shares.
+pub struct Api {
+    pub(crate) store: Store,
+    pub(crate) intake: Intake,
+    pub(crate) outbox: Outbox,
+    pub(crate) publisher: Publisher,
+    pub(crate) keys: keys::Verifier,
+    pub(crate) config: ApiConfig,
+    limits: Mutex<HashMap<String, Bucket>>,
+}
+
+impl Api {
+    pub fn new(store: Store, intake: Intake, publisher: Publisher, config: ApiConfig) -> Arc<Self> {
+        Arc::new(Self {
+            outbox: Outbox::new(Arc::new(store.clone())),
+            store,
+            intake,
+            publisher,
+            keys: keys::Verifier::default(),
+            config,
+            limits: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Takes one request from `key`'s bucket; the seconds to wait when it
+    /// is empty.
+    fn take(&self, key: &str) -> Result<(), u64> {
+        let rate = f64::from(self.config.rate_per_key.max(1));
+        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let b = limits.entry(key.to_owned()).or_insert(Bucket {
+            tokens: 2.0 * rate,
+            at: now,
+        });
+        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * rate).min(2.0 * rate);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(((1.0 - b.tokens) / rate).ceil().max(1.0) as u64)
+        }
+    }
+}
+
+/// A key's token bucket.
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+/// The `/v1` routes, with their limits, request ids and keys.
+pub fn router(api: Arc<Api>) -> Router {
+    let timeout = api.config.request_timeout;
+    let v1 = Router::new()
+        .route("/v1/orders", post(orders::place))
+        .route("/v1/orders/{order_id}", get(orders::read))
+        .route("/v1/orders/{order_id}/redeem", post(orders::redeem))
+        .route("/v1/orders/{order_id}/void", post(orders::void))
+        .route("/v1/orders/{order_id}/resend", post(orders::resend))
+        .fallback(
+            |axum::Extension(id): axum::Extension<RequestId>| async move {
+                Problem::new(
+                    StatusCode::NOT_FOUND,
+                    "not-found",
+                    "no such route",
+                    "the API's routes are under /v1; see docs/http-api.md",
+                )
+                .at(&id.0)
+            },
+        )
+        .layer(DefaultBodyLimit::max(api.config.body_limit))
+        .layer(middleware::from_fn_with_state(api.clone(), authenticate))
+        .with_state(api);
+    v1.layer(middleware::from_fn(move |req, next| {
+        with_request_id(req, next, timeout)
+    }))
+}
+
+/// Binds `addr` now (a taken port fails at start) and serves the API and
+/// `extra` (health and metrics) until `stop`; in-flight requests finish,
+/// new connections are refused. Returns the bound address and the task.
+pub async fn serve(
+    addr: SocketAddr,
+    api: Arc<Api>,
+    extra: Router,
+    stop: CancellationToken,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = extra.merge(router(api));
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await
+    });
+    Ok((bound, task))
+}
+
+/// The id of the request being served (also in `x-request-id`).
+#[derive(Debug, Clone)]
+pub(crate) struct RequestId(pub String);
+
+/// Gives every request an id (the client's `x-request-id` if it is short
+/// and plain, else a new one), logs the request under it, bounds its time,
+/// and puts the id on the response.
+async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| (1..=64).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| bson::oid::ObjectId::new().to_hex());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let span = tracing::info_span!("request", request_id = %id, %method, path = %path);
+    let started = Instant::now();
+    let mut res = match tokio::time::timeout(timeout, next.run(req).instrument(span.clone())).await {
+        Ok(res) => res,
+        Err(_) => Problem::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "timeout",
+            "request timed out",
+            format!("the request took longer than {timeout:?}; send it again (the same order gets the same codes)"),
+        )
+        .at(&id)
+        .into_response(),
+    };
+    let status = res.status().as_u16();
+    span.in_scope(|| tracing::info!(status, ms = started.elapsed().as_millis() as u64, "served"));
+    metrics::counter!("codepool_api_requests_total", "status" => status.to_string()).increment(1);
+    metrics::histogram!("codepool_api_request_seconds").record(started.elapsed().as_secs_f64());
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        res.headers_mut().insert("x-request-id", v);
+    }
+    res
+}
+
+/// Requires a valid key (`Authorization: Bearer cpk_…`) and under its rate.
+async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Response {
+    let id = req
+        .extensions()
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_default();
+    let token = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(token) = token else {
+        return Problem::unauthorized(
+            "send an API key: Authorization: Bearer cpk_… (`codepool api-keys create` makes one)",
+        )
+        .at(&id)
+        .into_response();
+    };
+    let key = match api.keys.verify(&api.store, token).await {
+        Ok(Some(key)) => key,
+        Ok(None) => return Problem::unauthorized(
+            "this API key is not valid (unknown, revoked or mistyped); ask an operator for a key",
+        )
+        .at(&id)
+        .into_response(),
+        Err(e) => return Problem::unavailable(&e).at(&id).into_response(),
+    };
+    if let Err(wait) = api.take(&key.id) {
+        metrics::counter!("codepool_api_rate_limited_total").increment(1);
+        return Problem::too_many(wait).at(&id).into_response();
+    }
+    req.extensions_mut().insert(key);
+    next.run(req).await
+}

@@ -1,0 +1,406 @@
+//! `/v1/orders`: place an order, read it, redeem, void and resend it. Placing
+//! goes through the dispatcher's [`codepool_dispatcher::Intake`]; the rest
+//! through the same operations as the CLI ([`codepool_dispatcher::ops`]).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use chrono::SecondsFormat;
+use codepool_dispatcher::plan::Step;
+use codepool_dispatcher::{ops, Marking, Resend};
+use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
+use codepool_store::audit::Reveal;
+use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::CodeQuery;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::keys::{KeyDoc, Scope};
+use crate::{Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+/// The key must hold `scope`: the 403 to answer when it does not.
+fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
+    (!key.allows(scope)).then(|| {
+        Problem::forbidden(scope.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}
+
+/// The request field a purchase error names.
+fn field_of(e: &PurchaseError) -> Option<String> {
+    match e.reason {
+        RejectReason::InvalidPhone => Some("phone".into()),
+        RejectReason::InvalidPool | RejectReason::UnknownPool => Some("pool".into()),
+        RejectReason::InvalidTime => Some("purchased_at".into()),
+        RejectReason::InvalidQuantity => Some("quantity".into()),
+        RejectReason::ConflictingOrder => Some("order_id".into()),
+        _ => {
+            let rest = e.detail.split_once("field \"")?.1;
+            Some(rest.split_once('"')?.0.to_owned())
+        }
+    }
+}
+
+/// A purchase the core refused to take: 409 for an order id of another
+/// order, 422 for anything the request says wrong.
+fn rejected(e: &PurchaseError, rid: &RequestId) -> Response {
+    let status = match e.reason {
+        RejectReason::ConflictingOrder => StatusCode::CONFLICT,
+        RejectReason::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    let slug = e.reason.as_str().replace('_', "-");
+    let mut p = Problem::new(status, &slug, "the order was not taken", e.detail.clone()).at(&rid.0);
+    if let Some(f) = field_of(e) {
+        p = p.field(f);
+    }
+    p.into_response()
+}
+
+fn failed(e: &dyn std::fmt::Display, unavailable: bool, rid: &RequestId) -> Response {
+    if unavailable {
+        return Problem::unavailable(e).at(&rid.0).into_response();
+    }
+    tracing::error!(error = %e, "request failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "codepool could not finish the request",
+        format!("{e}; nothing was granted twice. Send the request again; if it fails again, give the request id to an operator"),
+    )
+    .at(&rid.0)
+    .into_response()
+}
+
+fn time(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// One code of an order as the API shows it.
+fn grant_json(g: &Grant, reveal: bool) -> Value {
+    json!({
+        "line": g.line,
+        "code": if reveal && !g.revoked { g.code.clone() } else { mask(&g.code) },
+        "grant_no": g.grant_no,
+        "issued_at": time(g.issued_at),
+        "status": if g.revoked { "void" } else { "issued" },
+    })
+}
+
+/// `POST /v1/orders`: the purchase fields as JSON, `quantity` optional.
+pub(crate) async fn place(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    let purchase = match Purchase::parse(&body) {
+        Ok(p) => p,
+        Err(e) => return rejected(&e, &rid),
+    };
+    // No message of an HTTP order is redelivered: the relay owes the
+    // events of a grant this process did not see confirmed.
+    let mut plan = match api
+        .intake
+        .decide(vec![Ok(purchase.clone())], &[], Resend::ByRelay)
+        .await
+    {
+        Ok(plan) => plan,
+        Err(e) => return failed(&e, e.is_unavailable(), &rid),
+    };
+    if let Err(e) = api.intake.record_backorders(&mut plan).await {
+        return failed(&e, e.is_unavailable(), &rid);
+    }
+    for pool in &plan.exhausted_pools {
+        announce_exhausted(&api, pool).await;
+    }
+    let Some(step) = plan.steps.into_iter().next() else {
+        return failed(&"the core decided nothing for the order", false, &rid);
+    };
+    tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
+    match step {
+        Step::DeadLetter(e) => rejected(&e, &rid),
+        Step::Refused(r) => {
+            let confirmed = codepool_broker::confirmed(api.publisher.publish_refused(&r.event()).await).await;
+            if let Err(e) = confirmed {
+                tracing::warn!(error = %e, "purchase.refused not confirmed; the refusal stands and is recorded");
+            }
+            Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                r.reason.as_str().replace('_', "-").as_str(),
+                "the order was refused by the pool's policy",
+                format!("the buyer {:?} would go over the pool's limit of {} codes; the order gets no code. A new order within the limit is taken", r.purchase.uid, r.limit.unwrap_or_default()),
+            )
+            .with("limit", json!(r.limit))
+            .at(&rid.0)
+            .into_response()
+        }
+        Step::Backorder { purchase, lines } => (
+            StatusCode::ACCEPTED,
+            Json(json!({
+                "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
+                "quantity": purchase.quantity, "state": "waiting", "codes": [], "waiting_lines": lines,
+            })),
+        )
+            .into_response(),
+        Step::Grant {
+            purchase,
+            grants,
+            fresh,
+            missing,
+        } => {
+            // Marked now: what the broker did not confirm stays on the
+            // relay's list, which sends it again.
+            if let Err(e) = api.outbox.send(&api.publisher, &grants, Marking::Now).await {
+                tracing::warn!(error = %e, "SMS marks not recorded; the relay sends the events again");
+            }
+            let status = if !missing.is_empty() {
+                StatusCode::ACCEPTED
+            } else if fresh > 0 {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            let state = if missing.is_empty() { "granted" } else { "partly_granted" };
+            (
+                status,
+                Json(json!({
+                    "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
+                    "quantity": purchase.quantity, "state": state,
+                    "codes": grants.iter().map(|g| grant_json(g, true)).collect::<Vec<_>>(),
+                    "waiting_lines": missing,
+                })),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// `pool.exhausted`, bounded: a notice never holds an answer long.
+async fn announce_exhausted(api: &Api, pool: &str) {
+    let event = codepool_domain::PoolEvent::new(codepool_domain::PoolEventKind::Exhausted, pool);
+    let sent = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        codepool_broker::confirmed(api.publisher.publish_pool_event(&event).await).await
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        tracing::warn!(pool, "pool.exhausted event not published");
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ReadQuery {
+    #[serde(default)]
+    reveal: bool,
+}
+
+/// `GET /v1/orders/{order_id}`: state, codes (masked unless `?reveal=true`
+/// with `codes:reveal`, audited), grant numbers, SMS state.
+pub(crate) async fn read(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(order_id): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersRead, &rid) {
+        return r;
+    }
+    if q.reveal {
+        if let Some(r) = need(&key, Scope::CodesReveal, &rid) {
+            return r;
+        }
+    }
+    let found = match ops::lookup(&api.store, CodeQuery::Order(&order_id), 100).await {
+        Ok(f) => f,
+        Err(e) => return failed(&e, e.is_unavailable(), &rid),
+    };
+    if found.is_empty() {
+        return Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-order",
+            "no such order",
+            format!("codepool has no order {order_id:?}: no code, no backorder, no refusal. Check the id, or place it with POST /v1/orders"),
+        )
+        .at(&rid.0)
+        .into_response();
+    }
+    if q.reveal && !found.codes.is_empty() {
+        let reveal = Reveal {
+            os_user: format!("api-key:{}", key.name),
+            host: hostname(),
+            command: format!(
+                "GET /v1/orders/{{order_id}}?reveal=true (request {})",
+                rid.0
+            ),
+            what: format!("order {order_id:?}"),
+            code_ids: found.codes.iter().map(|c| c.id).collect(),
+            count: found.codes.len() as u64,
+        };
+        // No record, no reveal.
+        if let Err(e) = api.store.record_reveal(&reveal).await {
+            return failed(&e, e.is_unavailable(), &rid);
+        }
+    }
+    Json(order_json(&order_id, &found, q.reveal)).into_response()
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// An order as the API shows it.
+fn order_json(order_id: &str, found: &ops::Lookup, reveal: bool) -> Value {
+    let waiting: Vec<u32> = (found.backorders.iter())
+        .filter(|b| b.status == "waiting")
+        .flat_map(|b| b.waiting_lines())
+        .collect();
+    let state = if !found.refusals.is_empty() {
+        "refused"
+    } else if found.codes.is_empty() {
+        found
+            .backorders
+            .first()
+            .map_or("unknown", |b| b.status.as_str())
+    } else if !waiting.is_empty() {
+        "partly_granted"
+    } else if found.codes.iter().all(|c| c.status == CodeStatus::Void) {
+        "void"
+    } else {
+        "granted"
+    };
+    let first = found.codes.first().and_then(|c| c.holder.as_ref());
+    json!({
+        "order_id": order_id,
+        "pool": found.codes.first().map(|c| c.pool.clone()).or_else(|| found.backorders.first().map(|b| b.pool.clone())),
+        "uid": first.map(|h| h.uid.clone()),
+        "quantity": first.map(|h| h.quantity).or_else(|| found.backorders.first().map(|b| b.quantity())),
+        "state": state,
+        "codes": found.codes.iter().map(|c| code_json(c, reveal)).collect::<Vec<_>>(),
+        "waiting_lines": waiting,
+        "refusal": found.refusals.first().map(|r| json!({"reason": r.reason.as_str(), "limit": r.limit})),
+    })
+}
+
+fn code_json(c: &Code, reveal: bool) -> Value {
+    let h = c.holder.as_ref();
+    json!({
+        "line": h.map(|h| h.line),
+        "code": if reveal { c.code.clone() } else { c.masked() },
+        "status": c.status.name(),
+        "grant_no": h.and_then(|h| h.grant_no.clone()),
+        "issued_at": h.map(|h| time(h.issued_at)),
+        "sms": c.sms_state().name(),
+    })
+}
+
+/// A lifecycle refusal: 404 for an order without codes, 409 otherwise.
+fn refused(e: LifecycleError, rid: &RequestId) -> Response {
+    let (status, slug) = match &e {
+        LifecycleError::NotFound { .. } => (StatusCode::NOT_FOUND, "unknown-order"),
+        LifecycleError::Store(s) => return failed(s, s.is_unavailable(), rid),
+        _ => (StatusCode::CONFLICT, "invalid-transition"),
+    };
+    Problem::new(
+        status,
+        slug,
+        "the order's codes cannot take this change",
+        e.to_string(),
+    )
+    .at(&rid.0)
+    .into_response()
+}
+
+/// `POST /v1/orders/{order_id}/redeem`: every issued code of the order.
+pub(crate) async fn redeem(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(order_id): Path<String>,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    match api.store.redeem(CodeRef::Order(&order_id)).await {
+        Ok(done) => Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response(),
+        Err(e) => refused(e, &rid),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct VoidBody {
+    reason: String,
+}
+
+/// `POST /v1/orders/{order_id}/void` with `{"reason": …}`: every code of
+/// the order, and what it still waits for.
+pub(crate) async fn void(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(order_id): Path<String>,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    let reason = serde_json::from_slice::<VoidBody>(&body)
+        .ok()
+        .and_then(|b| ops::checked_reason(&b.reason).map(str::to_owned));
+    let Some(reason) = reason else {
+        return Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-reason",
+            "a void needs a reason",
+            format!(
+                "send {{\"reason\": \"refund\"}}: 1 to {} characters saying why",
+                ops::MAX_REASON_CHARS
+            ),
+        )
+        .field("reason")
+        .at(&rid.0)
+        .into_response();
+    };
+    match api.store.void(CodeRef::Order(&order_id), &reason).await {
+        Ok(VoidOutcome::Voided {
+            applied,
+            backorder_cancelled,
+        }) => Json(json!({"order_id": order_id, "voided": applied.len(), "backorder_cancelled": backorder_cancelled})).into_response(),
+        Ok(VoidOutcome::BackorderCancelled { order_id }) => {
+            Json(json!({"order_id": order_id, "voided": 0, "backorder_cancelled": true})).into_response()
+        }
+        Err(e) => refused(e, &rid),
+    }
+}
+
+/// `POST /v1/orders/{order_id}/resend`: the order's SMS-pending events
+/// again, confirmed.
+pub(crate) async fn resend(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(order_id): Path<String>,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    match ops::resend(&api.store, &api.outbox, &api.publisher, &order_id).await {
+        Ok((events, _)) => Json(json!({
+            "order_id": order_id,
+            "events": events.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(ops::ResendError::Store(e)) => failed(&e, e.is_unavailable(), &rid),
+        Err(ops::ResendError::Unconfirmed(e)) => failed(&e, true, &rid),
+        Err(e) => Problem::new(
+            StatusCode::CONFLICT,
+            "not-sendable",
+            "nothing to send",
+            e.to_string(),
+        )
+        .at(&rid.0)
+        .into_response(),
+    }
+}

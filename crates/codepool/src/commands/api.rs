@@ -1,0 +1,94 @@
+//! `codepool api`: the HTTP door for shop backends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use codepool_api::{Api, ApiConfig};
+use codepool_broker::Publisher;
+use codepool_dispatcher::{Health, Intake};
+use tracing::info;
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool api --listen 127.0.0.1:8080
+  curl -H \"Authorization: Bearer $KEY\" -d '{\"order_id\":\"O-1\",\"uid\":\"u1\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\"}' \\
+       http://127.0.0.1:8080/v1/orders
+
+Stateless: run as many as you like behind a load balancer, beside at least
+one `codepool dispatch` (its relay re-sends the events of HTTP orders whose
+confirm this process did not see). Every request needs an API key
+(`codepool api-keys create`). /healthz, /readyz and /metrics are served on
+the same port, without a key. SIGTERM finishes in-flight requests, refuses
+new ones and exits 0. Routes: docs/http-api.md.")]
+pub struct ApiArgs {
+    /// Address to listen on (port 0 picks a free port, logged).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = ApiConfig::default().body_limit)]
+    pub body_limit: usize,
+    /// Longest a request may take, in seconds (reading it included).
+    #[arg(long, default_value_t = ApiConfig::default().request_timeout.as_secs())]
+    pub request_timeout: u64,
+    /// Requests per second per API key (bursts of twice as many); over it,
+    /// 429 with Retry-After.
+    #[arg(long, default_value_t = ApiConfig::default().rate_per_key)]
+    pub rate_per_key: u32,
+}
+
+pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
+    let stop = crate::shutdown::on_signals();
+    let health = Arc::new(Health::default());
+    let metrics = crate::http::install_metrics()?;
+    let Some(store) = super::dispatch::ready_store(cfg, &stop).await? else {
+        return Ok(crate::exit::OK);
+    };
+    health.set_mongo(true);
+    let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-api").await?;
+    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    cfg.topology().declare(publisher.channel()).await?;
+    health.set_amqp(true);
+    let hot = crate::context::hot_pool(cfg)?;
+    let numbers = crate::context::grant_numbers(cfg, &store)?;
+    let engine = crate::context::claim_engine_with(&store, hot, numbers)?;
+    let config = ApiConfig {
+        body_limit: args.body_limit,
+        request_timeout: Duration::from_secs(args.request_timeout.max(1)),
+        rate_per_key: args.rate_per_key,
+    };
+    let api = Api::new(
+        store.clone(),
+        Intake::new(store, engine),
+        publisher.clone(),
+        config,
+    );
+    let extra = crate::http::routes(health.clone(), metrics);
+    let (addr, server) = codepool_api::serve(args.listen, api, extra, stop.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;
+    info!(%addr, "serving the HTTP API, /metrics, /healthz and /readyz");
+    // Scripts and tests read the port from here.
+    eprintln!("codepool: api listening on {addr}");
+    // The connection's state shows in /readyz.
+    let watch = {
+        let (health, publisher, stop) = (health.clone(), publisher.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                health.set_amqp(publisher.channel().status().connected());
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        })
+    };
+    let served = server.await;
+    info!("stop requested; in-flight requests finished");
+    watch.abort();
+    publisher.settle().await;
+    codepool_broker::close(conn, "api stopped").await;
+    served??;
+    Ok(crate::exit::OK)
+}

@@ -1,0 +1,107 @@
+//! The application core both doors share. A purchase that arrives by AMQP
+//! (the dispatcher) or by HTTP (the API server) is decided here: known pool,
+//! conflicting order, pause and per-user limit, the batched claim, and the
+//! plan of what to publish, backorder and refuse. Only the last step
+//! differs by door: an AMQP delivery is acked, an HTTP request answered.
+
+use std::collections::HashMap;
+
+use codepool_store::{Store, StoreError};
+
+use crate::claim::{ClaimEngine, ClaimError};
+use crate::plan::{admit, plan_batch, pools_of, reject_conflicting, to_claim, BatchPlan, Parsed};
+use crate::policy::PolicyCache;
+use crate::Resend;
+
+/// Decides batches of purchases. Cheap to share between tasks.
+pub struct Intake {
+    pub(crate) store: Store,
+    pub(crate) engine: ClaimEngine,
+    /// Pools that exist and their policies, re-read every second.
+    pub(crate) policies: PolicyCache,
+}
+
+impl Intake {
+    pub fn new(store: Store, engine: ClaimEngine) -> Self {
+        Self {
+            store,
+            engine,
+            policies: PolicyCache::default(),
+        }
+    }
+
+    pub fn engine(&self) -> &ClaimEngine {
+        &self.engine
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The plan for a batch of parsed purchases. `relay` names orders whose
+    /// purchase is settled without publishing (dead-lettered at its
+    /// delivery limit): a grant an earlier delivery made for one is handed
+    /// to the relay, which sends its event. `resend` says what sends a
+    /// fresh grant's event again if this process stops before it is
+    /// confirmed: the redelivered message (AMQP) or the relay (HTTP).
+    pub async fn decide(
+        &self,
+        parsed: Vec<Parsed>,
+        relay: &[&str],
+        resend: Resend,
+    ) -> Result<BatchPlan, ClaimError> {
+        // The batch's backorders are read with its pools' policies: an
+        // order id that waits as a backorder of another order is a
+        // conflict, and gets nothing.
+        let orders: Vec<&str> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
+            .map(|p| p.order_id.as_str())
+            .collect();
+        let pools = pools_of(&parsed);
+        let (relayed, policies, backordered) = futures::join!(
+            self.store.hand_to_relay(relay),
+            self.policies.get_many(&self.store, &pools),
+            self.store.backorders_for_orders(&orders),
+        );
+        relayed?;
+        let policies = policies?;
+        let backordered = backordered?
+            .into_iter()
+            .map(|b| {
+                let q = b.quantity();
+                (b.order_id, (b.pool, b.uid, q))
+            })
+            .collect();
+        let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
+        // Per-user limits and pauses (policy.rs); refusals are durable now.
+        let intake = crate::policy::enforce(&self.store, intake, &policies).await?;
+        let claims = to_claim(&intake);
+        let outcomes = if claims.is_empty() {
+            Vec::new()
+        } else {
+            self.engine.claim_batch(&claims, resend).await?
+        };
+        Ok(plan_batch(intake, outcomes)?)
+    }
+
+    /// Records the plan's backorders durably (one try). A backorder that
+    /// finds another order's under its id turns its step into a
+    /// `conflicting_order` dead letter. Returns how many are new.
+    pub async fn record_backorders(&self, plan: &mut BatchPlan) -> Result<u64, StoreError> {
+        let backorders = plan.backorders();
+        if backorders.is_empty() {
+            return Ok(0);
+        }
+        let waiting: Vec<_> = backorders.iter().map(|(_, w)| *w).collect();
+        let recorded = self.store.record_backorders(&waiting).await?;
+        let position: HashMap<&str, usize> = (backorders.iter())
+            .map(|(i, w)| (w.purchase.order_id.as_str(), *i))
+            .collect();
+        let conflicts: Vec<(usize, &'static str)> = (recorded.conflicts.iter())
+            .filter_map(|(order, what)| Some((*position.get(order.as_str())?, *what)))
+            .collect();
+        drop(backorders);
+        plan.reject_conflicts(&conflicts);
+        metrics::counter!("codepool_backorders_total").increment(recorded.new);
+        Ok(recorded.new)
+    }
+}

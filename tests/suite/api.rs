@@ -1,0 +1,441 @@
+//! The HTTP API against the real servers, through a real `codepool api`
+//! process: keys and scopes, idempotent orders that share the dispatcher's
+//! core and events, problems that name the field, limits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use codepool_domain::SmsPending;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+use crate::common::{drain, eventually, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL};
+
+/// A `codepool api` child process with its address.
+struct ApiServer {
+    child: tokio::process::Child,
+    addr: String,
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl ApiServer {
+    async fn start(env: &TestEnv, extra: &[&str]) -> Self {
+        let mut args = vec!["api", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let mut child = env
+            .command(&args)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn codepool api");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = log.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            let mut tx = Some(tx);
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(addr) = line.strip_prefix("codepool: api listening on ") {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.trim().to_owned());
+                    }
+                }
+                kept.lock().unwrap().push(line);
+            }
+        });
+        let addr = tokio::time::timeout(Duration::from_secs(60), rx)
+            .await
+            .expect("the API listens within 60 s")
+            .expect("the API exited before listening");
+        Self { child, addr, log }
+    }
+
+    /// SIGTERM; the API must exit 0 within 10 s.
+    async fn stop(mut self) {
+        let pid = self.child.id().unwrap().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status();
+        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .expect("the API stops within 10 s of SIGTERM")
+            .unwrap();
+        assert!(
+            status.success(),
+            "exit {status}: {:?}",
+            self.log.lock().unwrap()
+        );
+    }
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): status, headers, body.
+async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &[u8],
+) -> (u16, HashMap<String, String>, Vec<u8>) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(k) = key {
+        req.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, raw[split + 4..].to_vec())
+}
+
+fn json_of(body: &[u8]) -> Value {
+    serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
+}
+
+/// `codepool api-keys create`; returns the secret.
+async fn key(env: &TestEnv, name: &str, scopes: &str) -> String {
+    let out = env
+        .command(&["api-keys", "create", "--name", name, "--scopes", scopes])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
+    json!({"order_id": id, "uid": "u-api", "phone": "+8613800000000", "pool": pool, "quantity": quantity})
+        .to_string()
+        .into_bytes()
+}
+
+#[tokio::test]
+async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once() {
+    let env = TestEnv::new("api_orders").await;
+    env.fill_pool("web", 20).await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    let (status, headers, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("W-1", "web", 3),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    assert!(headers.contains_key("x-request-id"));
+    let first = json_of(&body);
+    assert_eq!(first["state"], "granted");
+    let codes: Vec<String> = first["codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["code"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(codes.len(), 3);
+    assert!(
+        codes.iter().all(|c| c.starts_with("web-")),
+        "plaintext for the shop: {codes:?}"
+    );
+
+    // A naive retry loop: the same codes, 200 this time.
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("W-1", "web", 3),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(json_of(&body)["codes"], first["codes"]);
+    // The same order id with another quantity: a conflict, nothing granted.
+    let (status, headers, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("W-1", "web", 4),
+    )
+    .await;
+    assert_eq!(status, 409);
+    assert_eq!(headers["content-type"], "application/problem+json");
+    let p = json_of(&body);
+    assert_eq!(p["field"], "order_id");
+    assert!(
+        p["detail"].as_str().unwrap().contains("new order_id"),
+        "{p}"
+    );
+    assert_eq!(
+        p["request_id"].as_str(),
+        headers.get("x-request-id").map(String::as_str)
+    );
+
+    // The same order over AMQP: a dispatcher finds it granted; one code set.
+    let d = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut p = purchase("W-1", "web");
+    p.uid = "u-api".into();
+    p.quantity = 3;
+    publisher
+        .publish_purchase(&p)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(30), "the AMQP delivery settled", || {
+        let (ch, q) = (ch.clone(), t.sms_pending.clone());
+        async move { queue_depth(&ch, &q).await >= 3 }
+    })
+    .await;
+    d.stop().await;
+    let issued = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(bson::doc! {"order_id": "W-1"})
+        .await
+        .unwrap();
+    assert_eq!(issued, 3, "one set of codes, whichever door");
+    // Every event of the order, whichever door sent it, is the same event.
+    let events: Vec<SmsPending> = drain(&ch, &t.sms_pending)
+        .await
+        .iter()
+        .map(|e| serde_json::from_slice(&e.body).unwrap())
+        .collect();
+    assert!(
+        events.iter().all(|e| e.event_id == "sms:W-1:0-2"),
+        "{events:?}"
+    );
+    let sent: Vec<String> = events[0].all_codes().into_iter().map(|c| c.code).collect();
+    assert_eq!(sent, codes);
+
+    // Read it back: masked, with grant numbers and SMS state.
+    let (status, _, body) = http(&api.addr, "GET", "/v1/orders/W-1", Some(&shop), b"").await;
+    assert_eq!(status, 200);
+    let read = json_of(&body);
+    assert_eq!(read["state"], "granted");
+    assert!(read["codes"][0]["code"].as_str().unwrap().contains('*'));
+    assert!(read["codes"][0]["grant_no"].is_string());
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
+    let env = TestEnv::new("api_keys").await;
+    env.fill_pool("web", 5).await;
+    let reader = key(&env, "reader", "orders:read").await;
+    let writer = key(&env, "writer", "orders:write").await;
+    let api = ApiServer::start(&env, &["--rate-per-key", "5"]).await;
+    let post = |k: Option<String>, body: Vec<u8>| {
+        let addr = api.addr.clone();
+        async move { http(&addr, "POST", "/v1/orders", k.as_deref(), &body).await }
+    };
+
+    // No key, a wrong key: 401 with a challenge.
+    let (status, h, _) = post(None, order("K-1", "web", 1)).await;
+    assert_eq!(status, 401);
+    assert!(h["www-authenticate"].starts_with("Bearer"));
+    let (status, _, _) = post(
+        Some(format!("cpk_{}_{}", "0".repeat(16), "1".repeat(64))),
+        order("K-1", "web", 1),
+    )
+    .await;
+    assert_eq!(status, 401);
+    // A key without the scope: 403, naming it.
+    let (status, _, body) = post(Some(reader.clone()), order("K-1", "web", 1)).await;
+    assert_eq!(status, 403);
+    assert_eq!(json_of(&body)["scope"], "orders:write");
+    // Reveal needs its own scope.
+    let (status, _, _) = http(
+        &api.addr,
+        "GET",
+        "/v1/orders/K-1?reveal=true",
+        Some(&reader),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 403);
+
+    // Bad input names the field; an unknown pool too.
+    for (body, field) in [
+        (
+            br#"{"order_id":"K-2","uid":"u","phone":"call me","pool":"web"}"#.to_vec(),
+            "phone",
+        ),
+        (
+            br#"{"order_id":"K-3","uid":"u","phone":"+8613800000000","pool":"web","quantity":0}"#
+                .to_vec(),
+            "quantity",
+        ),
+        (
+            br#"{"order_id":"K-4","uid":"u","phone":"+8613800000000","pool":"nowhere"}"#.to_vec(),
+            "pool",
+        ),
+        (
+            br#"{"uid":"u","phone":"+8613800000000","pool":"web"}"#.to_vec(),
+            "order_id",
+        ),
+    ] {
+        let (status, h, b) = post(Some(writer.clone()), body).await;
+        assert_eq!(status, 422, "{}", String::from_utf8_lossy(&b));
+        assert_eq!(h["content-type"], "application/problem+json");
+        assert_eq!(json_of(&b)["field"], field);
+    }
+    // Not JSON, and a body over the limit: 4xx, never 500.
+    let (status, _, _) = post(Some(writer.clone()), b"{not json".to_vec()).await;
+    assert_eq!(status, 422);
+    let (status, _, _) = post(Some(writer.clone()), vec![b'x'; 64 * 1024]).await;
+    assert!((400..500).contains(&status), "{status}");
+
+    // Over the rate: 429 with Retry-After.
+    let mut limited = None;
+    for _ in 0..30 {
+        let (status, h, _) = post(Some(writer.clone()), b"{}".to_vec()).await;
+        if status == 429 {
+            limited = Some(h);
+            break;
+        }
+    }
+    let h = limited.expect("the key was rate-limited");
+    assert!(h["retry-after"].parse::<u64>().unwrap() >= 1);
+
+    // A revoked key stops working within a second.
+    let out = env
+        .command(&["api-keys", "revoke", "--name", "reader"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/K-1", Some(&reader), b"").await;
+    assert_eq!(status, 401);
+    // Only the hash is stored.
+    let stored = env
+        .store
+        .database()
+        .collection::<bson::Document>("api_keys")
+        .find_one(bson::doc! {"name": "writer"})
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!stored
+        .to_string()
+        .contains(writer.rsplit('_').next().unwrap()));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_empty_pool_answers_accepted_and_a_reveal_is_audited_with_the_key() {
+    let env = TestEnv::new("api_waiting").await;
+    env.fill_pool("few", 1).await;
+    let shop = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("E-1", "few", 3),
+    )
+    .await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
+    let b = json_of(&body);
+    assert_eq!(b["state"], "partly_granted");
+    assert_eq!(b["waiting_lines"], json!([1, 2]));
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("E-2", "few", 1),
+    )
+    .await;
+    assert_eq!(status, 202);
+    assert_eq!(json_of(&body)["state"], "waiting");
+
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/orders/E-1?reveal=true",
+        Some(&shop),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let read = json_of(&body);
+    assert_eq!(read["codes"][0]["code"], "few-000001");
+    assert_eq!(read["waiting_lines"], json!([1, 2]));
+    let audit = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find_one(bson::doc! {"os_user": "api-key:shop"})
+        .await
+        .unwrap()
+        .expect("the reveal is audited with the key's name");
+    assert_eq!(audit.get_str("what").unwrap(), "order \"E-1\"");
+
+    // Void with a reason: its code and what it waits for.
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders/E-1/void", Some(&shop), b"{}").await;
+    assert_eq!(status, 422);
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders/E-1/void",
+        Some(&shop),
+        br#"{"reason":"refund"}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    assert_eq!(
+        (v["voided"].as_u64(), v["backorder_cancelled"].as_bool()),
+        (Some(1), Some(true))
+    );
+    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/NOPE", Some(&shop), b"").await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}
