@@ -2,8 +2,9 @@
 # `make run`: the whole product path on local servers, start to finish.
 # Imports fixtures/codes.csv into pool "demo", starts a dispatcher, publishes
 # fixtures/purchases.jsonl (10 orders plus one duplicate delivery), waits
-# until every order has its code, shows the grants (codes masked) and the
-# SMS-pending events, and stops the dispatcher cleanly.
+# until every order has its codes, shows the grants (codes masked) and the
+# SMS-pending events, places an order over the HTTP API with curl, and stops
+# the API and the dispatcher cleanly.
 set -euo pipefail
 BIN=${1:-target/debug/codepool}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -78,6 +79,35 @@ grep -E "granted|dead-lettered" "$LOG" | sed -E 's/\x1b\[[0-9;]*m//g' || true
 
 step "SMS-pending events waiting for the SMS service (queue ${CODEPOOL_AMQP_PREFIX}sms.pending)"
 "$BIN" sms-pending --limit 12 || true
+
+step "the HTTP API: a key for the shop, then an order of 2 codes placed with curl"
+if ! command -v curl >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then apt-get install -y -qq curl >/dev/null; else sudo apt-get install -y -qq curl >/dev/null; fi
+fi
+SHOP="demo-shop-$$"
+KEY=$("$BIN" api-keys create --name "$SHOP" --scopes orders:write,orders:read)
+API_LOG=$(mktemp -t codepool-api.XXXXXX.log)
+RUST_LOG=info "$BIN" api --listen 127.0.0.1:0 >"$API_LOG" 2>&1 &
+API=$!
+trap 'kill -TERM $DISPATCHER $API 2>/dev/null || true' EXIT
+ADDR=
+for _ in $(seq 1 100); do
+  ADDR=$(grep -o "api listening on .*" "$API_LOG" | awk '{print $4}' || true)
+  [ -n "$ADDR" ] && break
+  kill -0 $API 2>/dev/null || { cat "$API_LOG"; echo "the API failed to start" >&2; exit 1; }
+  sleep 0.1
+done
+echo "codepool api on $ADDR (log: $API_LOG)"
+BODY='{"order_id":"DEMO-WEB-1","uid":"user-web","phone":"+8613800000011","pool":"demo","quantity":2}'
+echo "\$ curl -X POST http://$ADDR/v1/orders -H 'Authorization: Bearer \$KEY' -d '$BODY'"
+curl -sS -X POST "http://$ADDR/v1/orders" -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' -d "$BODY"
+echo
+echo "\$ curl http://$ADDR/v1/orders/DEMO-WEB-1 -H 'Authorization: Bearer \$KEY'"
+curl -sS "http://$ADDR/v1/orders/DEMO-WEB-1" -H "Authorization: Bearer $KEY"
+echo
+kill -TERM $API
+wait $API && echo "API exited cleanly (status 0)"
+"$BIN" api-keys revoke --name "$SHOP" >/dev/null
 
 step "stock"
 "$BIN" stats --pool demo
