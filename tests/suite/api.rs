@@ -325,8 +325,13 @@ async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
     // Not JSON, and a body over the limit: 4xx, never 500.
     let (status, _, _) = post(Some(writer.clone()), b"{not json".to_vec()).await;
     assert_eq!(status, 422);
-    let (status, _, _) = post(Some(writer.clone()), vec![b'x'; 64 * 1024]).await;
-    assert!((400..500).contains(&status), "{status}");
+    let (status, h, b) = post(Some(writer.clone()), vec![b'x'; 64 * 1024]).await;
+    assert_eq!(status, 413, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(h["content-type"], "application/problem+json");
+    assert!(json_of(&b)["detail"]
+        .as_str()
+        .unwrap()
+        .contains("body-limit"));
 
     // Over the rate: 429 with Retry-After.
     let mut limited = None;

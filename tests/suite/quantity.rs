@@ -408,7 +408,15 @@ async fn void_and_redeem_by_order_act_on_every_code_and_by_code_on_one() {
     let d = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
-    publish_confirmed(&publisher, &[of("QO-1", "qo", 2), of("QO-2", "qo", 3)]).await;
+    // QO-1 first and whole, then QO-2 gets the last code and waits for two.
+    publish_confirmed(&publisher, &[of("QO-1", "qo", 2)]).await;
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    eventually(Duration::from_secs(30), "QO-1 granted", || {
+        let c = codes.clone();
+        async move { c.count_documents(doc! {"order_id": "QO-1"}).await.unwrap() == 2 }
+    })
+    .await;
+    publish_confirmed(&publisher, &[of("QO-2", "qo", 3)]).await;
     let backorders = env
         .store
         .database()

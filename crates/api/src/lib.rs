@@ -176,7 +176,7 @@ async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Res
     let path = req.uri().path().to_owned();
     let span = tracing::info_span!("request", request_id = %id, %method, path = %path);
     let started = Instant::now();
-    let mut res = match tokio::time::timeout(timeout, next.run(req).instrument(span.clone())).await {
+    let res = match tokio::time::timeout(timeout, next.run(req).instrument(span.clone())).await {
         Ok(res) => res,
         Err(_) => Problem::new(
             StatusCode::REQUEST_TIMEOUT,
@@ -187,14 +187,54 @@ async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Res
         .at(&id)
         .into_response(),
     };
+    let res = as_problem(res, &id).await;
     let status = res.status().as_u16();
     span.in_scope(|| tracing::info!(status, ms = started.elapsed().as_millis() as u64, "served"));
     metrics::counter!("codepool_api_requests_total", "status" => status.to_string()).increment(1);
     metrics::histogram!("codepool_api_request_seconds").record(started.elapsed().as_secs_f64());
+    let mut res = res;
     if let Ok(v) = HeaderValue::from_str(&id) {
         res.headers_mut().insert("x-request-id", v);
     }
     res
+}
+
+/// An error answered by axum itself (a body over the limit, a path or a
+/// method it cannot route) as a problem, like every other error.
+async fn as_problem(res: Response, id: &str) -> Response {
+    let status = res.status();
+    let is_problem = res
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes() == b"application/problem+json");
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return res;
+    }
+    let (parts, body) = res.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let said = String::from_utf8_lossy(&text).trim().to_owned();
+    let detail = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "the body is larger than this API accepts (--body-limit); an order is a few hundred bytes".to_owned(),
+        StatusCode::METHOD_NOT_ALLOWED => "this route does not take that method; see docs/http-api.md".to_owned(),
+        _ if said.is_empty() => "see docs/http-api.md for what this route takes".to_owned(),
+        _ => format!("{said}; see docs/http-api.md for what this route takes"),
+    };
+    let mut out = Problem::new(
+        status,
+        "http-error",
+        status.canonical_reason().unwrap_or("error"),
+        detail,
+    )
+    .at(id)
+    .into_response();
+    for (k, v) in parts
+        .headers
+        .iter()
+        .filter(|(k, _)| *k == axum::http::header::ALLOW)
+    {
+        out.headers_mut().insert(k.clone(), v.clone());
+    }
+    out
 }
 
 /// Requires a valid key (`Authorization: Bearer cpk_…`) and under its rate.
