@@ -632,3 +632,15 @@ impl Line0 for std::collections::HashMap<String, Vec<codepool_domain::Code>> {
             .collect()
     }
 }
+
+/// Runs a `codepool` command in the test's namespace; panics unless it
+/// exits 0. Returns its stdout.
+pub async fn codepool_ok(env: &TestEnv, args: &[&str]) -> String {
+    let out = env.command(args).output().await.expect("run codepool");
+    assert!(
+        out.status.success(),
+        "codepool {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -12,21 +12,9 @@ use futures::StreamExt;
 
 use crate::common::Line0;
 use crate::common::{
-    assign, drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon,
-    TestEnv, AMQP_URL,
+    assign, codepool_ok, drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth,
+    start_daemon, TestEnv, AMQP_URL,
 };
-
-/// Runs a `codepool` command in the test's namespace; panics unless it
-/// exits 0. Returns its stdout.
-async fn codepool(env: &TestEnv, args: &[&str]) -> String {
-    let out = env.command(args).output().await.expect("run codepool");
-    assert!(
-        out.status.success(),
-        "codepool {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     Purchase {
@@ -49,8 +37,8 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     let env = TestEnv::new("policies_per_user").await;
     env.fill_pool("one", 100).await;
     env.fill_pool("three", 100).await;
-    codepool(&env, &["pool", "set", "--pool", "one", "--per-user", "1"]).await;
-    codepool(&env, &["pool", "set", "--pool", "three", "--per-user", "3"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "one", "--per-user", "1"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "three", "--per-user", "3"]).await;
     let a = start_daemon(env.command(&[])).await;
     let b = start_daemon(env.command(&[])).await;
 
@@ -141,7 +129,7 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
 
     // `lookup --order` tells the operator why an order got nothing.
     let refused_order = refused_orders.keys().next().unwrap().clone();
-    let out = codepool(&env, &["lookup", "--order", &refused_order, "--json"]).await;
+    let out = codepool_ok(&env, &["lookup", "--order", &refused_order, "--json"]).await;
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["refusals"][0]["reason"], "per_user_limit");
     assert_eq!(v["codes"].as_array().map(Vec::len), Some(0));
@@ -152,7 +140,7 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
         .find(|o| o.starts_with("ONE-"))
         .unwrap()
         .clone();
-    codepool(&env, &["void", "--order", &holder, "--reason", "refund"]).await;
+    codepool_ok(&env, &["void", "--order", &holder, "--reason", "refund"]).await;
     publish_confirmed(&publisher, &[of_user("ONE-LATE", "one", "buyer-1")]).await;
     eventually(
         Duration::from_secs(20),
@@ -191,7 +179,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     })
     .await;
 
-    codepool(&env, &["pool", "pause", "--pool", "p"]).await;
+    codepool_ok(&env, &["pool", "pause", "--pool", "p"]).await;
     let ev = tokio::time::timeout(Duration::from_secs(5), paused_events.next())
         .await
         .expect("pool.paused published")
@@ -199,9 +187,9 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         .unwrap();
     let ev: PoolEvent = serde_json::from_slice(&ev.data).unwrap();
     assert_eq!((ev.event.as_str(), ev.pool.as_str()), ("pool.paused", "p"));
-    let shown = codepool(&env, &["pool", "show", "--pool", "p", "--json"]).await;
+    let shown = codepool_ok(&env, &["pool", "show", "--pool", "p", "--json"]).await;
     assert!(shown.contains(r#""paused": true"#), "{shown}");
-    let stats = codepool(&env, &["stats", "--pool", "p", "--json"]).await;
+    let stats = codepool_ok(&env, &["stats", "--pool", "p", "--json"]).await;
     assert!(stats.contains(r#""paused": true"#), "{stats}");
 
     // A dispatcher sees the pause within a second.
@@ -234,7 +222,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         "not dead-lettered"
     );
 
-    codepool(&env, &["pool", "resume", "--pool", "p"]).await;
+    codepool_ok(&env, &["pool", "resume", "--pool", "p"]).await;
     tokio::time::timeout(Duration::from_secs(5), resumed_events.next())
         .await
         .expect("pool.resumed published");
@@ -297,7 +285,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
             writeln!(f, "RECALL-{i:05}").unwrap();
         }
     }
-    let out = codepool(
+    let out = codepool_ok(
         &env,
         &[
             "import",
@@ -326,7 +314,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         count(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
     })
     .await;
-    let out = codepool(
+    let out = codepool_ok(
         &env,
         &[
             "void",
@@ -420,7 +408,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     }
 
     // Running it again voids nothing more.
-    let again = codepool(
+    let again = codepool_ok(
         &env,
         &[
             "void", "--import", &import_id, "--reason", "again", "--json",
@@ -439,7 +427,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
 #[tokio::test]
 async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrives() {
     let env = TestEnv::new("policies_backorder_limit").await;
-    codepool(&env, &["pool", "create", "--pool", "late"]).await;
+    codepool_ok(&env, &["pool", "create", "--pool", "late"]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
@@ -458,13 +446,13 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     })
     .await;
 
-    codepool(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
     let mut f = tempfile::NamedTempFile::new().unwrap();
     {
         use std::io::Write;
         writeln!(f, "code\nLATE-1\nLATE-2\nLATE-3\nLATE-4").unwrap();
     }
-    codepool(
+    codepool_ok(
         &env,
         &["import", f.path().to_str().unwrap(), "--pool", "late"],
     )

@@ -12,8 +12,8 @@ use codepool_broker::Publisher;
 use codepool_domain::{Purchase, SmsPending};
 
 use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, Daemon, TestEnv,
-    AMQP_URL,
+    codepool_ok, drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, Daemon,
+    TestEnv, AMQP_URL,
 };
 
 fn of(order: &str, pool: &str, quantity: u32) -> Purchase {
@@ -21,18 +21,6 @@ fn of(order: &str, pool: &str, quantity: u32) -> Purchase {
         quantity,
         ..purchase(order, pool)
     }
-}
-
-/// Runs a `codepool` command in the test's namespace; panics unless it
-/// exits 0. Returns its stdout.
-async fn codepool(env: &TestEnv, args: &[&str]) -> String {
-    let out = env.command(args).output().await.expect("run codepool");
-    assert!(
-        out.status.success(),
-        "codepool {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A CSV file of these codes, with a header.
@@ -196,7 +184,7 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
     // Imported from a file, as partners deliver them: each code carries
     // its line in the file, which has nothing to do with its order's lines.
     let first = csv(&(0..4).map(|i| format!("QP-OLD-{i:03}")).collect::<Vec<_>>());
-    codepool(
+    codepool_ok(
         &env,
         &["import", first.path().to_str().unwrap(), "--pool", "qp"],
     )
@@ -213,7 +201,7 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
         async move { queue_depth(&ch, &q).await >= 1 }
     })
     .await;
-    let lookup = codepool(&env, &["lookup", "--order", "QP-1", "--json"]).await;
+    let lookup = codepool_ok(&env, &["lookup", "--order", "QP-1", "--json"]).await;
     let found: serde_json::Value = serde_json::from_str(&lookup).unwrap();
     assert_eq!(found["codes"].as_array().unwrap().len(), 4, "{lookup}");
     assert_eq!(
@@ -226,7 +214,7 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
     let more = csv(&(0..20)
         .map(|i| format!("QP-NEW-{i:03}"))
         .collect::<Vec<_>>());
-    codepool(
+    codepool_ok(
         &env,
         &["import", more.path().to_str().unwrap(), "--pool", "qp"],
     )
@@ -278,7 +266,7 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
 async fn a_per_user_limit_counts_codes_and_refuses_an_order_whole() {
     let env = TestEnv::new("quantity_limit").await;
     env.fill_pool("ql", 50).await;
-    codepool(&env, &["pool", "set", "--pool", "ql", "--per-user", "3"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "ql", "--per-user", "3"]).await;
     let d = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
@@ -437,13 +425,13 @@ async fn void_and_redeem_by_order_act_on_every_code_and_by_code_on_one() {
 
     // redeem --code: that one code only.
     let one = &held[&("QO-1".to_owned(), 1)];
-    let out = codepool(&env, &["redeem", "--pool", "qo", "--code", one]).await;
+    let out = codepool_ok(&env, &["redeem", "--pool", "qo", "--code", one]).await;
     assert_eq!(out.lines().count(), 1, "{out}");
     // void --order: every code it holds, and what it still waits for.
-    let out = codepool(&env, &["void", "--order", "QO-2", "--reason", "refund"]).await;
+    let out = codepool_ok(&env, &["void", "--order", "QO-2", "--reason", "refund"]).await;
     assert!(out.contains("backorder"), "{out}");
     // redeem --order: the one code of QO-1 still issued.
-    let out = codepool(&env, &["redeem", "--order", "QO-1"]).await;
+    let out = codepool_ok(&env, &["redeem", "--order", "QO-1"]).await;
     assert_eq!(out.lines().count(), 1, "{out}");
 
     let statuses: HashMap<(String, u32), String> = env
@@ -474,7 +462,7 @@ async fn void_and_redeem_by_order_act_on_every_code_and_by_code_on_one() {
     // export: one row per code, with its line.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("qo.csv");
-    codepool(
+    codepool_ok(
         &env,
         &[
             "export",

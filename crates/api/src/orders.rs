@@ -119,9 +119,7 @@ pub(crate) async fn place(
     if let Err(e) = api.intake.record_backorders(&mut plan).await {
         return failed(&e, e.is_unavailable(), &rid);
     }
-    for pool in &plan.exhausted_pools {
-        announce_exhausted(&api, pool).await;
-    }
+    codepool_dispatcher::batch::announce_exhausted(&plan, &api.publisher).await;
     let Some(step) = plan.steps.into_iter().next() else {
         return failed(&"the core decided nothing for the order", false, &rid);
     };
@@ -181,18 +179,6 @@ pub(crate) async fn place(
             )
                 .into_response()
         }
-    }
-}
-
-/// `pool.exhausted`, bounded: a notice never holds an answer long.
-async fn announce_exhausted(api: &Api, pool: &str) {
-    let event = codepool_domain::PoolEvent::new(codepool_domain::PoolEventKind::Exhausted, pool);
-    let sent = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        codepool_broker::confirmed(api.publisher.publish_pool_event(&event).await).await
-    })
-    .await;
-    if !matches!(sent, Ok(Ok(()))) {
-        tracing::warn!(pool, "pool.exhausted event not published");
     }
 }
 

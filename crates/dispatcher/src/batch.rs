@@ -39,7 +39,7 @@ impl Dispatcher {
         if !self.record_backorders(&mut plan, stop).await {
             return;
         }
-        self.announce_exhausted(&plan, publisher).await;
+        announce_exhausted(&plan, publisher).await;
         plan.steps.iter().for_each(log_step);
         let unconfirmed = self
             .publish_until_confirmed(&plan, &deliveries, publisher, stop)
@@ -144,34 +144,6 @@ impl Dispatcher {
         }
     }
 
-    /// `pool.exhausted` for each pool that ran dry. A notification, not a
-    /// state: a failure is logged and counted, and does not hold the ack.
-    async fn announce_exhausted(&self, plan: &BatchPlan, publisher: &Publisher) {
-        for pool in &plan.exhausted_pools {
-            warn!(
-                pool,
-                "pool exhausted; purchases are backordered until codes are imported"
-            );
-            let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
-            // Bounded: a notification never holds the batch's acks.
-            let published = match publisher.publish_pool_event(&event).await {
-                Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(BrokerError::Unavailable(format!(
-                            "no confirm within {NOTICE_CONFIRM_WAIT:?}"
-                        )))
-                    }),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = published {
-                warn!(pool, error = %e, "pool.exhausted event not published");
-                metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
-                    .increment(1);
-            }
-        }
-    }
-
     /// Publishes the plan's events and dead letters, and publishes again,
     /// with backoff, what the broker did not confirm, for up to
     /// [`REPUBLISH_FOR`] while the channel stays open. A quorum queue that
@@ -248,6 +220,35 @@ impl Dispatcher {
             }
         }
         unconfirmed
+    }
+}
+
+/// `pool.exhausted` for each pool that ran dry in `plan`, whichever door
+/// the purchases came in by. A notification, not a state: a failure is
+/// logged and counted, and does not hold the acks or the answer.
+pub async fn announce_exhausted(plan: &BatchPlan, publisher: &Publisher) {
+    for pool in &plan.exhausted_pools {
+        warn!(
+            pool,
+            "pool exhausted; purchases are backordered until codes are imported"
+        );
+        let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
+        // Bounded: a notification never holds a batch long.
+        let published = match publisher.publish_pool_event(&event).await {
+            Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(BrokerError::Unavailable(format!(
+                        "no confirm within {NOTICE_CONFIRM_WAIT:?}"
+                    )))
+                }),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = published {
+            warn!(pool, error = %e, "pool.exhausted event not published");
+            metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
+                .increment(1);
+        }
     }
 }
 

@@ -23,7 +23,7 @@
 pub mod acks;
 pub mod adapters;
 pub mod backorders;
-mod batch;
+pub mod batch;
 pub mod claim;
 pub mod controls;
 pub mod daemon;
