@@ -444,3 +444,140 @@ async fn an_empty_pool_answers_accepted_and_a_reveal_is_audited_with_the_key() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn pools_are_listed_by_page_with_their_stock_and_administered_with_the_admin_scope() {
+    let env = TestEnv::new("api_pools").await;
+    for p in ["pa", "pb", "pc"] {
+        env.fill_pool(p, 4).await;
+    }
+    let admin = key(&env, "ops", "admin").await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let call = |method: &'static str, path: String, k: String, body: Vec<u8>| {
+        let addr = api.addr.clone();
+        async move { http(&addr, method, &path, Some(&k), &body).await }
+    };
+    // An order takes a code of pa: its stock shows it.
+    let (status, _, _) = call(
+        "POST",
+        "/v1/orders".into(),
+        shop.clone(),
+        order("P-1", "pa", 1),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let (status, _, _) = call("GET", "/v1/pools".into(), shop.clone(), vec![]).await;
+    assert_eq!(status, 403, "pools need the admin scope");
+
+    let (status, _, body) = call(
+        "POST",
+        "/v1/pools".into(),
+        admin.clone(),
+        br#"{"name":"pd"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let (status, _, _) = call(
+        "POST",
+        "/v1/pools".into(),
+        admin.clone(),
+        br#"{"name":"pd"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 200, "creating it again changes nothing");
+    let (status, _, body) = call(
+        "POST",
+        "/v1/pools".into(),
+        admin.clone(),
+        br#"{"name":"-bad"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(json_of(&body)["field"], "name");
+
+    // Two pages of two, then the end.
+    let (status, _, body) = call("GET", "/v1/pools?limit=2".into(), admin.clone(), vec![]).await;
+    assert_eq!(status, 200);
+    let first = json_of(&body);
+    let names: Vec<&str> = first["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["pa", "pb"]);
+    assert_eq!(first["pools"][0]["stats"]["unissued"], 3);
+    assert_eq!(first["pools"][0]["stats"]["issued"], 1);
+    assert_eq!(first["next"], "pb");
+    let (_, _, body) = call(
+        "GET",
+        "/v1/pools?limit=2&after=pb".into(),
+        admin.clone(),
+        vec![],
+    )
+    .await;
+    let second = json_of(&body);
+    let names: Vec<&str> = second["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["pc", "pd"]);
+    let (_, _, body) = call(
+        "GET",
+        "/v1/pools?limit=2&after=pd".into(),
+        admin.clone(),
+        vec![],
+    )
+    .await;
+    assert_eq!(json_of(&body)["next"], Value::Null);
+    let (status, _, _) = call("GET", "/v1/pools?limit=0".into(), admin.clone(), vec![]).await;
+    assert_eq!(status, 422);
+
+    // Settings, a bad one naming its field, an unknown pool.
+    let (status, _, body) = call(
+        "PATCH",
+        "/v1/pools/pb".into(),
+        admin.clone(),
+        br#"{"per_user":2,"grant_prefix":"PB"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let pb = json_of(&body);
+    assert_eq!(
+        (pb["per_user"].as_i64(), pb["grant_prefix"].as_str()),
+        (Some(2), Some("PB"))
+    );
+    let (status, _, body) = call(
+        "PATCH",
+        "/v1/pools/pb".into(),
+        admin.clone(),
+        br#"{"grant_prefix":"P-B"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(json_of(&body)["field"], "grant_prefix");
+    let (status, _, _) = call("GET", "/v1/pools/nope".into(), admin.clone(), vec![]).await;
+    assert_eq!(status, 404);
+
+    // Pause: an order waits; resume.
+    let (status, _, body) = call("POST", "/v1/pools/pc/pause".into(), admin.clone(), vec![]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, _, body) = call(
+        "POST",
+        "/v1/orders".into(),
+        shop.clone(),
+        order("P-2", "pc", 1),
+    )
+    .await;
+    assert_eq!(status, 202);
+    assert_eq!(json_of(&body)["state"], "waiting");
+    let (status, _, body) = call("POST", "/v1/pools/pc/resume".into(), admin.clone(), vec![]).await;
+    assert_eq!(status, 200);
+    assert_eq!(json_of(&body)["changed"], true);
+    api.stop().await;
+    env.cleanup().await;
+}

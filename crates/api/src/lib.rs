@@ -14,6 +14,7 @@
 
 pub mod keys;
 mod orders;
+mod pools;
 mod problem;
 
 use std::collections::HashMap;
@@ -117,6 +118,10 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/v1/orders/{order_id}/redeem", post(orders::redeem))
         .route("/v1/orders/{order_id}/void", post(orders::void))
         .route("/v1/orders/{order_id}/resend", post(orders::resend))
+        .route("/v1/pools", get(pools::list).post(pools::create))
+        .route("/v1/pools/{pool}", get(pools::show).patch(pools::settings))
+        .route("/v1/pools/{pool}/pause", post(pools::pause))
+        .route("/v1/pools/{pool}/resume", post(pools::resume))
         .fallback(
             |axum::Extension(id): axum::Extension<RequestId>| async move {
                 Problem::new(

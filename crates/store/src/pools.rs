@@ -107,6 +107,27 @@ impl Store {
         self.find_in(POOLS, "_id", names).await
     }
 
+    /// A page of pools by name: up to `limit` after `after` (from the
+    /// first when `None`), read along the `_id` index.
+    pub async fn pools_page(
+        &self,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<PoolDoc>, StoreError> {
+        let filter = match after {
+            Some(a) => doc! {"_id": {"$gt": a}},
+            None => doc! {},
+        };
+        Ok(self
+            .typed::<PoolDoc>(POOLS)
+            .find(filter)
+            .sort(doc! {"_id": 1})
+            .limit(limit.max(1))
+            .await?
+            .try_collect()
+            .await?)
+    }
+
     /// Up to `most` pools, in one reply: the whole catalogue when fewer
     /// come back.
     pub async fn pools_up_to(&self, most: usize) -> Result<Vec<PoolDoc>, StoreError> {

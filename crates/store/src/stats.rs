@@ -108,34 +108,39 @@ impl Store {
 
     /// Inventory of every pool (or one), sorted by name.
     pub async fn pool_stats(&self, pool: Option<&str>) -> Result<Vec<PoolStats>, StoreError> {
+        let pools: Vec<String> = match pool {
+            Some(p) => self.pool(p).await?.into_iter().map(|d| d.name).collect(),
+            None => self.pools().await?.into_iter().map(|d| d.name).collect(),
+        };
+        let names: Vec<&str> = pools.iter().map(String::as_str).collect();
+        self.stats_of(&names).await
+    }
+
+    /// Inventory of these pools, sorted by name: a few bounded counts per
+    /// pool and one query for their backorders, whatever the number of
+    /// other pools (a page of the API's pool list costs the same with
+    /// 10,000 pools as with ten).
+    pub async fn stats_of(&self, pools: &[&str]) -> Result<Vec<PoolStats>, StoreError> {
         let now = DateTime::now();
         let hour_ago = DateTime::from_millis(now.timestamp_millis() - 3_600_000);
         let day_ago = DateTime::from_millis(now.timestamp_millis() - 86_400_000);
-        let mut stats: BTreeMap<String, PoolStats> = BTreeMap::new();
-        for p in self.pools().await? {
-            if pool.is_none_or(|x| x == p.name) {
-                stats.insert(
-                    p.name.clone(),
-                    PoolStats {
-                        pool: p.name,
-                        ..PoolStats::default()
-                    },
-                );
-            }
-        }
+        let mut stats: BTreeMap<String, PoolStats> = pools
+            .iter()
+            .map(|p| {
+                let s = PoolStats {
+                    pool: (*p).to_owned(),
+                    ..PoolStats::default()
+                };
+                ((*p).to_owned(), s)
+            })
+            .collect();
         for s in stats.values_mut() {
             self.count_codes(s, now, hour_ago, day_ago).await?;
         }
-        let matcher = match pool {
-            Some(p) => doc! {"pool": p},
-            None => doc! {},
-        };
-        let mut waiting = matcher;
-        waiting.insert("status", WAITING);
         let rows: Vec<Document> = self
             .collection(BACKORDERS)
             .aggregate(vec![
-                doc! {"$match": waiting},
+                doc! {"$match": {"pool": {"$in": pools}, "status": WAITING}},
                 doc! {"$group": {"_id": "$pool", "n": {"$sum": 1}}},
             ])
             .await?

@@ -1,0 +1,307 @@
+//! `/v1/pools` (scope `admin`): stock and stats by page, a pool's detail,
+//! create, settings, pause and resume, through the same operations as
+//! `codepool pool` and `codepool stats`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use codepool_domain::Pool;
+use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
+use codepool_store::pools::PoolDoc;
+use codepool_store::stats::PoolStats;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::keys::{KeyDoc, Scope};
+use crate::{Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+/// Most pools one page returns.
+pub const MAX_PAGE: i64 = 500;
+
+fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
+    (!key.allows(Scope::Admin)).then(|| {
+        Problem::forbidden(Scope::Admin.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}
+
+fn failed(e: &codepool_store::StoreError, rid: &RequestId) -> Response {
+    if e.is_unavailable() {
+        return Problem::unavailable(e).at(&rid.0).into_response();
+    }
+    tracing::error!(error = %e, "request failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "codepool could not finish the request",
+        format!(
+            "{e}; send the request again; if it fails again, give the request id to an operator"
+        ),
+    )
+    .at(&rid.0)
+    .into_response()
+}
+
+fn unknown(pool: &str, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-pool",
+        "no such pool",
+        format!(
+            "pool {pool:?} does not exist; create it with POST /v1/pools or import codes into it"
+        ),
+    )
+    .field("pool")
+    .at(&rid.0)
+    .into_response()
+}
+
+/// A pool as the API shows it: its settings and its stats.
+fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
+    json!({
+        "name": d.name,
+        "paused": d.paused,
+        "per_user": d.per_user.unwrap_or(0),
+        "low_stock": d.low_stock,
+        "low_stock_alerted": d.low_stock_alerted,
+        "grant_prefix": d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
+        "case_sensitive_codes": d.case_sensitive_codes,
+        "created_at": d.created_at.to_chrono().to_rfc3339(),
+        "stats": s.map(|s| json!({
+            "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void,
+            "expired": s.expired, "backorders_waiting": s.backorders_waiting,
+            "issued_last_hour": s.issued_last_hour, "issued_last_day": s.issued_last_day,
+        })),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct Page {
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+/// `GET /v1/pools?after=NAME&limit=N`: pools by name with their stats; `next`
+/// is the `after` of the next page (null on the last).
+pub(crate) async fn list(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Query(page): Query<Page>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let limit = page.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-limit",
+            "the page size is out of range",
+            format!("limit must be 1 to {MAX_PAGE}; follow `next` for more"),
+        )
+        .field("limit")
+        .at(&rid.0)
+        .into_response();
+    }
+    let docs = match api.store.pools_page(page.after.as_deref(), limit).await {
+        Ok(d) => d,
+        Err(e) => return failed(&e, &rid),
+    };
+    let names: Vec<&str> = docs.iter().map(|d| d.name.as_str()).collect();
+    let stats = match api.store.stats_of(&names).await {
+        Ok(s) => s,
+        Err(e) => return failed(&e, &rid),
+    };
+    let pools: Vec<Value> = docs
+        .iter()
+        .map(|d| pool_json(d, stats.iter().find(|s| s.pool == d.name)))
+        .collect();
+    let next = (docs.len() as i64 == limit).then(|| docs.last().map(|d| d.name.clone()));
+    Json(json!({"pools": pools, "next": next.flatten()})).into_response()
+}
+
+/// `GET /v1/pools/{pool}`.
+pub(crate) async fn show(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(pool): Path<String>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let doc = match api.store.pool(&pool).await {
+        Ok(Some(d)) => d,
+        Ok(None) => return unknown(&pool, &rid),
+        Err(e) => return failed(&e, &rid),
+    };
+    match api.store.stats_of(&[pool.as_str()]).await {
+        Ok(stats) => Json(pool_json(&doc, stats.first())).into_response(),
+        Err(e) => failed(&e, &rid),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct NewPool {
+    name: String,
+}
+
+/// `POST /v1/pools` with `{"name": …}`: 201 created, 200 if it existed.
+pub(crate) async fn create(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let name = match serde_json::from_slice::<NewPool>(&body) {
+        Ok(b) => b.name,
+        Err(e) => {
+            return Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid-body",
+                "the body is not a pool",
+                format!("send {{\"name\": \"game-x\"}} ({e})"),
+            )
+            .field("name")
+            .at(&rid.0)
+            .into_response()
+        }
+    };
+    if let Err(e) = Pool::new(&name) {
+        return Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-pool",
+            "the pool name is not usable",
+            e.to_string(),
+        )
+        .field("name")
+        .at(&rid.0)
+        .into_response();
+    }
+    let created = match api.store.create_pool(&name).await {
+        Ok(c) => c,
+        Err(e) => return failed(&e, &rid),
+    };
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(json!({"name": name, "created": created}))).into_response()
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    low_stock: Option<i64>,
+    grant_prefix: Option<String>,
+    per_user: Option<i64>,
+    case_sensitive_codes: Option<bool>,
+}
+
+/// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
+/// `per_user`, `case_sensitive_codes`.
+pub(crate) async fn settings(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(pool): Path<String>,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let s = match serde_json::from_slice::<Settings>(&body) {
+        Ok(s) => s,
+        Err(e) => {
+            return Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid-body",
+                "the body is not a pool's settings",
+                format!(
+                    "send any of low_stock, grant_prefix, per_user, case_sensitive_codes ({e})"
+                ),
+            )
+            .at(&rid.0)
+            .into_response()
+        }
+    };
+    let settings = PoolSettings {
+        low_stock: s.low_stock,
+        grant_prefix: s.grant_prefix,
+        per_user: s.per_user,
+        case_sensitive_codes: s.case_sensitive_codes,
+    };
+    match api.store.set_pool_settings(&pool, &settings).await {
+        Ok(()) => show((State(api), Extension(key), Extension(rid)), Path(pool)).await,
+        Err(e) => settings_error(e, &pool, &rid),
+    }
+}
+
+fn settings_error(e: PoolSettingsError, pool: &str, rid: &RequestId) -> Response {
+    let field = match &e {
+        PoolSettingsError::UnknownPool(_) => return unknown(pool, rid),
+        PoolSettingsError::Store(s) => return failed(s, rid),
+        PoolSettingsError::NegativeThreshold(_) => Some("low_stock"),
+        PoolSettingsError::BadPrefix(_) => Some("grant_prefix"),
+        PoolSettingsError::NegativePerUser(_) => Some("per_user"),
+        PoolSettingsError::CaseRuleFixed(_) => Some("case_sensitive_codes"),
+        PoolSettingsError::Nothing => None,
+    };
+    let status = if matches!(e, PoolSettingsError::CaseRuleFixed(_)) {
+        StatusCode::CONFLICT
+    } else {
+        StatusCode::UNPROCESSABLE_ENTITY
+    };
+    // The CLI's words name its flags; the API's fields are the same names.
+    let detail = e
+        .to_string()
+        .replace("--low-stock", "low_stock")
+        .replace("--grant-prefix", "grant_prefix")
+        .replace("--per-user", "per_user")
+        .replace("--case-sensitive-codes", "case_sensitive_codes");
+    let mut p = Problem::new(
+        status,
+        "invalid-settings",
+        "the settings were not changed",
+        detail,
+    )
+    .at(&rid.0);
+    if let Some(f) = field {
+        p = p.field(f);
+    }
+    p.into_response()
+}
+
+/// `POST /v1/pools/{pool}/pause` and `/resume`: announced with
+/// `pool.paused` / `pool.resumed`, like `codepool pool pause`.
+pub(crate) async fn pause(ctx: Ctx, Path(pool): Path<String>) -> Response {
+    set_paused(ctx, pool, true).await
+}
+
+pub(crate) async fn resume(ctx: Ctx, Path(pool): Path<String>) -> Response {
+    set_paused(ctx, pool, false).await
+}
+
+async fn set_paused(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    pool: String,
+    paused: bool,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    use codepool_dispatcher::controls::{self, PauseError};
+    match controls::set_paused(&api.store, &api.publisher, &pool, paused).await {
+        Ok(changed) => {
+            Json(json!({"name": pool, "paused": paused, "changed": changed})).into_response()
+        }
+        Err(PauseError::Pool(e)) => settings_error(e, &pool, &rid),
+        Err(e @ PauseError::Unconfirmed { .. }) => {
+            Problem::unavailable(&e).at(&rid.0).into_response()
+        }
+    }
+}
