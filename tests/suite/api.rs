@@ -581,3 +581,24 @@ async fn pools_are_listed_by_page_with_their_stock_and_administered_with_the_adm
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_request_head_is_disconnected() {
+    let env = TestEnv::new("api_slow").await;
+    let api = ApiServer::start(&env, &["--header-timeout", "1"]).await;
+    let mut s = tokio::net::TcpStream::connect(&api.addr).await.unwrap();
+    // Half a request head, then nothing (a slow-loris client).
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the connection is still open after 5 s");
+    // The server still serves everyone else.
+    let (status, _) = crate::common::http_get(&api.addr, "/healthz")
+        .await
+        .expect("healthz");
+    assert_eq!(status, 200);
+    api.stop().await;
+    env.cleanup().await;
+}

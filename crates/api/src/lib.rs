@@ -46,6 +46,9 @@ pub struct ApiConfig {
     pub request_timeout: Duration,
     /// Requests per second each key may make (a burst of twice as many).
     pub rate_per_key: u32,
+    /// Longest a client may take to send a request's head (and longest an
+    /// idle keep-alive connection stays open).
+    pub header_timeout: Duration,
 }
 
 impl Default for ApiConfig {
@@ -54,6 +57,7 @@ impl Default for ApiConfig {
             body_limit: 16 * 1024,
             request_timeout: Duration::from_secs(30),
             rate_per_key: 200,
+            header_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -142,8 +146,11 @@ pub fn router(api: Arc<Api>) -> Router {
 }
 
 /// Binds `addr` now (a taken port fails at start) and serves the API and
-/// `extra` (health and metrics) until `stop`; in-flight requests finish,
-/// new connections are refused. Returns the bound address and the task.
+/// `extra` (health and metrics) until `stop`; in-flight requests finish
+/// (for up to [`ApiConfig::request_timeout`]), new connections are
+/// refused. A client that does not send a request's head within
+/// [`ApiConfig::header_timeout`] is disconnected, idle or slow: it cannot
+/// hold a connection forever. Returns the bound address and the task.
 pub async fn serve(
     addr: SocketAddr,
     api: Arc<Api>,
@@ -152,11 +159,37 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
+    let (grace, header_timeout) = (api.config.request_timeout, api.config.header_timeout);
     let app = extra.merge(router(api));
     let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
+        let connections = hyper_util::server::graceful::GracefulShutdown::new();
+        loop {
+            let stream = tokio::select! {
+                _ = stop.cancelled() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of file descriptors and the like: wait, go on.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let conn = connections.watch(conn);
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+        }
+        drop(listener);
+        let _ = tokio::time::timeout(grace, connections.shutdown()).await;
+        Ok(())
     });
     Ok((bound, task))
 }

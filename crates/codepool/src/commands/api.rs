@@ -39,6 +39,10 @@ pub struct ApiArgs {
     /// 429 with Retry-After.
     #[arg(long, default_value_t = ApiConfig::default().rate_per_key)]
     pub rate_per_key: u32,
+    /// Seconds a client may take to send a request's head; a slower or
+    /// idle connection is closed.
+    #[arg(long, default_value_t = ApiConfig::default().header_timeout.as_secs())]
+    pub header_timeout: u64,
 }
 
 pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
@@ -60,6 +64,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         body_limit: args.body_limit,
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         rate_per_key: args.rate_per_key,
+        header_timeout: Duration::from_secs(args.header_timeout.max(1)),
     };
     let api = Api::new(
         store.clone(),
