@@ -602,3 +602,93 @@ async fn a_client_that_never_finishes_its_request_head_is_disconnected() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn dead_letters_are_listed_by_reason_and_replayed_once_the_cause_is_fixed() {
+    let env = TestEnv::new("api_dead").await;
+    env.fill_pool("known", 5).await;
+    let admin = key(&env, "ops", "admin").await;
+    let d = start_daemon(env.command(&[])).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publisher
+        .publish_purchase(&purchase("DL-1", "later"))
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    publisher
+        .publish_purchase_bytes(b"garbage", Some("DL-2"))
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(20), "two dead letters", || {
+        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
+        async move { queue_depth(&ch, &q).await == 2 }
+    })
+    .await;
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?reason=unknown_pool",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let listed = json_of(&body);
+    assert_eq!(listed["dead_letters"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["dead_letters"][0]["message_id"], "DL-1");
+    eventually(Duration::from_secs(5), "the listing took nothing", || {
+        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
+        async move { queue_depth(&ch, &q).await == 2 }
+    })
+    .await;
+
+    // Fix the cause, replay that reason only: DL-1 gets a code, DL-2 stays.
+    env.fill_pool("later", 2).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/dead-letters/replay",
+        Some(&admin),
+        br#"{"reason":"unknown_pool"}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["replayed"], 1);
+    eventually(Duration::from_secs(20), "DL-1 granted", || {
+        let codes = env.store.database().collection::<bson::Document>("codes");
+        async move {
+            codes
+                .count_documents(bson::doc! {"order_id": "DL-1"})
+                .await
+                .unwrap()
+                == 1
+        }
+    })
+    .await;
+    let (_, _, body) = http(&api.addr, "GET", "/v1/dead-letters", Some(&admin), b"").await;
+    let left = json_of(&body);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1);
+    assert_eq!(left["dead_letters"][0]["message_id"], "DL-2");
+    let (status, _, _) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?limit=0",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 422);
+    api.stop().await;
+    d.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

@@ -12,6 +12,7 @@
 //! do next, and every response carries `x-request-id`, which the logs
 //! carry too.
 
+mod dead_letters;
 pub mod keys;
 mod orders;
 mod pools;
@@ -68,14 +69,23 @@ pub struct Api {
     pub(crate) intake: Intake,
     pub(crate) outbox: Outbox,
     pub(crate) publisher: Publisher,
+    /// The broker connection, for channels of their own (dead letters).
+    pub(crate) conn: Arc<lapin::Connection>,
     pub(crate) keys: keys::Verifier,
     pub(crate) config: ApiConfig,
     limits: Mutex<HashMap<String, Bucket>>,
 }
 
 impl Api {
-    pub fn new(store: Store, intake: Intake, publisher: Publisher, config: ApiConfig) -> Arc<Self> {
+    pub fn new(
+        store: Store,
+        intake: Intake,
+        conn: Arc<lapin::Connection>,
+        publisher: Publisher,
+        config: ApiConfig,
+    ) -> Arc<Self> {
         Arc::new(Self {
+            conn,
             outbox: Outbox::new(Arc::new(store.clone())),
             store,
             intake,
@@ -126,6 +136,8 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/v1/pools/{pool}", get(pools::show).patch(pools::settings))
         .route("/v1/pools/{pool}/pause", post(pools::pause))
         .route("/v1/pools/{pool}/resume", post(pools::resume))
+        .route("/v1/dead-letters", get(dead_letters::list))
+        .route("/v1/dead-letters/replay", post(dead_letters::replay))
         .fallback(
             |axum::Extension(id): axum::Extension<RequestId>| async move {
                 Problem::new(

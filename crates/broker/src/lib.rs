@@ -9,6 +9,7 @@
 //! together and awaited at once.
 
 pub mod consume;
+pub mod dead_letters;
 pub mod publisher;
 pub mod topology;
 

@@ -53,7 +53,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         return Ok(crate::exit::OK);
     };
     health.set_mongo(true);
-    let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-api").await?;
+    let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-api").await?);
     let publisher = Publisher::new(&conn, cfg.topology()).await?;
     cfg.topology().declare(publisher.channel()).await?;
     health.set_amqp(true);
@@ -69,6 +69,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let api = Api::new(
         store.clone(),
         Intake::new(store, engine),
+        conn.clone(),
         publisher.clone(),
         config,
     );
@@ -93,7 +94,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     info!("stop requested; in-flight requests finished");
     watch.abort();
     publisher.settle().await;
-    codepool_broker::close(conn, "api stopped").await;
+    let _ = conn.close(200, "api stopped").await;
     served??;
     Ok(crate::exit::OK)
 }

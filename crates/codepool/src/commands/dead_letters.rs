@@ -2,8 +2,7 @@
 //! them back through the queue once their cause is fixed.
 
 use clap::{Args, Subcommand};
-use codepool_broker::Publisher;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use codepool_broker::{dead_letters, Publisher};
 
 use crate::config::Config;
 
@@ -52,56 +51,35 @@ pub enum Action {
     },
 }
 
-fn reason_of(props: &lapin::BasicProperties) -> String {
-    codepool_broker::dead_letter_reason(props).unwrap_or_else(|| "(no reason header)".into())
-}
-
-/// Takes the next dead letter without acking it (None when the queue is empty).
-async fn next_dead_letter(
-    channel: &lapin::Channel,
-    queue: &str,
-) -> anyhow::Result<Option<lapin::message::Delivery>> {
-    Ok(channel
-        .basic_get(queue, BasicGetOptions::default())
-        .await?
-        .map(|m| m.delivery))
-}
-
 pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
     let topology = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-dead-letters").await?;
     let publisher = Publisher::new(&conn, topology.clone()).await?;
     topology.declare(publisher.channel()).await?;
-    let channel = conn.create_channel().await?;
     match args.action {
         Action::List { limit, json } => {
-            // Get without ack; closing the channel puts them all back.
-            let mut shown = 0;
-            while shown < limit {
-                let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? else {
-                    break;
-                };
-                let reason = reason_of(&d.properties);
-                let body = String::from_utf8_lossy(&d.data);
-                let body: String = body.chars().take(200).collect();
-                let id = d.properties.message_id().as_ref().map(|s| s.to_string());
-                let replays = codepool_broker::replay_count(&d.properties);
+            let listed = dead_letters::peek(&conn, &topology, None, limit).await?;
+            for d in &listed {
                 if json {
                     println!(
                         "{}",
-                        serde_json::json!({"message_id": id, "reason": reason, "replays": replays, "body": body})
+                        serde_json::json!({"message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body})
                     );
                 } else {
                     println!(
-                        "{}  reason: {reason}  replays: {replays}\n    body: {body}",
-                        id.as_deref().unwrap_or("-")
+                        "{}  reason: {}  replays: {}\n    body: {}",
+                        d.message_id.as_deref().unwrap_or("-"),
+                        d.reason,
+                        d.replays,
+                        d.body
                     );
                 }
-                shown += 1;
             }
-            let _ = channel.close(200, "listed").await;
             if !json {
-                println!("{shown} dead-lettered purchase(s) shown (still queued)");
+                println!(
+                    "{} dead-lettered purchase(s) shown (still queued)",
+                    listed.len()
+                );
             }
         }
         Action::Replay {
@@ -109,97 +87,19 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             limit,
             wait,
         } => {
-            let sent = replay(&channel, &publisher, &topology, reason.as_deref(), limit).await?;
+            let sent = dead_letters::replay(&conn, &publisher, &topology, reason.as_deref(), limit)
+                .await?;
+            println!(
+                "replayed {} purchase(s) to {:?}",
+                sent.len(),
+                topology.purchases
+            );
             if let Some(secs) = wait {
-                let again = dead_again(&conn, &topology, &sent, secs).await?;
+                let again = dead_letters::dead_again(&conn, &topology, &sent, secs).await?;
                 println!("{again} of them came back dead (see `codepool dead-letters list`)");
             }
         }
     }
     codepool_broker::close(conn, "done").await;
     Ok(crate::exit::OK)
-}
-
-/// Waits up to `secs` for the replayed messages (`sent`: message id and
-/// replay count) to be settled, then counts those back in the dead-letter
-/// queue. It returns early once the purchases queue is empty and the
-/// count stays the same for a second.
-async fn dead_again(
-    conn: &lapin::Connection,
-    topology: &codepool_broker::Topology,
-    sent: &std::collections::HashSet<(Option<String>, u32)>,
-    secs: u64,
-) -> anyhow::Result<usize> {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
-    let mut last = None;
-    loop {
-        let channel = conn.create_channel().await?;
-        let mut found = 0;
-        while let Some(d) = next_dead_letter(&channel, &topology.purchases_dead).await? {
-            let id = d.properties.message_id().as_ref().map(|s| s.to_string());
-            if sent.contains(&(id, codepool_broker::replay_count(&d.properties))) {
-                found += 1;
-            }
-        }
-        let waiting = codepool_broker::queue_depth(&channel, &topology.purchases).await?;
-        // Closing the channel puts every message it got back.
-        let _ = channel.close(200, "counted").await;
-        let settled = waiting == 0 && last == Some(found);
-        if settled || found == sent.len() || tokio::time::Instant::now() >= deadline {
-            return Ok(found);
-        }
-        last = Some(found);
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    }
-}
-
-/// Sends dead letters (those whose reason starts with `reason`, if given)
-/// back to the purchases queue, each with its replay count one higher;
-/// returns the message ids and counts sent. Only what was dead when it
-/// started: messages that fail again land behind them and are not taken
-/// again.
-async fn replay(
-    channel: &lapin::Channel,
-    publisher: &Publisher,
-    topology: &codepool_broker::Topology,
-    reason: Option<&str>,
-    limit: usize,
-) -> anyhow::Result<std::collections::HashSet<(Option<String>, u32)>> {
-    let budget =
-        limit.min(codepool_broker::queue_depth(channel, &topology.purchases_dead).await? as usize);
-    let mut sent = std::collections::HashSet::new();
-    let mut kept = Vec::new();
-    let mut replayed = 0;
-    while replayed + kept.len() < budget {
-        let Some(d) = next_dead_letter(channel, &topology.purchases_dead).await? else {
-            break;
-        };
-        if reason.is_some_and(|r| !reason_of(&d.properties).starts_with(r)) {
-            kept.push(d);
-            continue;
-        }
-        let id = d.properties.message_id().as_ref().map(|s| s.to_string());
-        let replays = codepool_broker::replay_count(&d.properties).saturating_add(1);
-        publisher
-            .replay_purchase(&d.data, id.as_deref(), replays)
-            .await?
-            .wait()
-            .await?;
-        d.acker.ack(BasicAckOptions::default()).await?;
-        sent.insert((id, replays));
-        replayed += 1;
-    }
-    for d in kept {
-        d.acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await?;
-    }
-    println!(
-        "replayed {replayed} purchase(s) to {:?}",
-        topology.purchases
-    );
-    Ok(sent)
 }

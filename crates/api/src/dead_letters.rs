@@ -1,0 +1,121 @@
+//! `/v1/dead-letters` (scope `admin`): what was dead-lettered and why, and
+//! a replay once the cause is fixed, as `codepool dead-letters`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use codepool_broker::dead_letters;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::keys::{KeyDoc, Scope};
+use crate::{Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+/// Most dead letters one call lists or replays.
+const MOST: usize = 1000;
+
+fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
+    (!key.allows(Scope::Admin)).then(|| {
+        Problem::forbidden(Scope::Admin.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}
+
+fn bad_limit(rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid-limit",
+        "the limit is out of range",
+        format!("limit must be 1 to {MOST}"),
+    )
+    .field("limit")
+    .at(&rid.0)
+    .into_response()
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Filter {
+    reason: Option<String>,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/dead-letters?reason=unknown_pool&limit=N`: they stay queued.
+pub(crate) async fn list(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Query(f): Query<Filter>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let limit = f.limit.unwrap_or(100);
+    if !(1..=MOST).contains(&limit) {
+        return bad_limit(&rid);
+    }
+    let topology = api.publisher.topology();
+    match dead_letters::peek(&api.conn, topology, f.reason.as_deref(), limit).await {
+        Ok(found) => Json(json!({
+            "dead_letters": found.iter().map(|d| json!({
+                "message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body,
+            })).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}
+
+/// `POST /v1/dead-letters/replay` with optional `{"reason": …, "limit": N}`:
+/// back to the purchases queue; those still invalid come back dead.
+pub(crate) async fn replay(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let f: Filter =
+        if body.is_empty() {
+            Filter::default()
+        } else {
+            match serde_json::from_slice(&body) {
+                Ok(f) => f,
+                Err(e) => return Problem::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid-body",
+                    "the body is not a replay",
+                    format!(
+                        "send nothing, or {{\"reason\": \"unknown_pool\", \"limit\": 100}} ({e})"
+                    ),
+                )
+                .at(&rid.0)
+                .into_response(),
+            }
+        };
+    let limit = f.limit.unwrap_or(MOST);
+    if !(1..=MOST).contains(&limit) {
+        return bad_limit(&rid);
+    }
+    let topology = api.publisher.topology();
+    match dead_letters::replay(
+        &api.conn,
+        &api.publisher,
+        topology,
+        f.reason.as_deref(),
+        limit,
+    )
+    .await
+    {
+        Ok(sent) => {
+            tracing::info!(replayed = sent.len(), key = %key.name, "dead letters replayed");
+            Json(json!({"replayed": sent.len()})).into_response()
+        }
+        Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}

@@ -1,0 +1,153 @@
+//! The dead-letter queue as operators use it, from the CLI and the API:
+//! peek at what is there (nothing is taken), and send it back to the
+//! purchases queue once the cause is fixed.
+
+use std::collections::HashSet;
+
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use lapin::{Channel, Connection};
+
+use crate::publisher::Publisher;
+use crate::topology::Topology;
+use crate::{dead_letter_reason, queue_depth, replay_count, BrokerError};
+
+/// One dead-lettered purchase as shown: its id, reason, replays and the
+/// start of its body (at most 200 characters).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    pub message_id: Option<String>,
+    pub reason: String,
+    pub replays: u32,
+    pub body: String,
+}
+
+/// The message ids and replay counts a replay sent.
+pub type Replayed = HashSet<(Option<String>, u32)>;
+
+fn reason_of(props: &lapin::BasicProperties) -> String {
+    dead_letter_reason(props).unwrap_or_else(|| "(no reason header)".into())
+}
+
+/// Takes the next dead letter without acking it (None when the queue is empty).
+async fn next(
+    channel: &Channel,
+    queue: &str,
+) -> Result<Option<lapin::message::Delivery>, BrokerError> {
+    Ok(channel
+        .basic_get(queue, BasicGetOptions::default())
+        .await?
+        .map(|m| m.delivery))
+}
+
+/// Up to `limit` dead letters, oldest first, whose reason starts with
+/// `reason` (all when `None`). They stay queued: they are got on a channel
+/// of their own, which is closed, so the broker puts them all back.
+pub async fn peek(
+    conn: &Connection,
+    topology: &Topology,
+    reason: Option<&str>,
+    limit: usize,
+) -> Result<Vec<DeadLetter>, BrokerError> {
+    let channel = conn.create_channel().await?;
+    // What is there now, each message got once: the ones got are not
+    // offered again on this channel, and the queue's depth bounds the walk.
+    let depth = queue_depth(&channel, &topology.purchases_dead).await? as usize;
+    let mut out = Vec::new();
+    let mut seen = 0;
+    while out.len() < limit && seen < depth {
+        let Some(d) = next(&channel, &topology.purchases_dead).await? else {
+            break;
+        };
+        seen += 1;
+        let why = reason_of(&d.properties);
+        if reason.is_some_and(|r| !why.starts_with(r)) {
+            continue;
+        }
+        out.push(DeadLetter {
+            message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+            reason: why,
+            replays: replay_count(&d.properties),
+            body: String::from_utf8_lossy(&d.data).chars().take(200).collect(),
+        });
+    }
+    let _ = channel.close(200, "peeked").await;
+    Ok(out)
+}
+
+/// Sends dead letters (those whose reason starts with `reason`, if given)
+/// back to the purchases queue, each with its replay count one higher;
+/// returns the message ids and counts sent. Only what was dead when it
+/// started: messages that fail again land behind them and are not taken
+/// again.
+pub async fn replay(
+    conn: &Connection,
+    publisher: &Publisher,
+    topology: &Topology,
+    reason: Option<&str>,
+    limit: usize,
+) -> Result<Replayed, BrokerError> {
+    let channel = conn.create_channel().await?;
+    let budget = limit.min(queue_depth(&channel, &topology.purchases_dead).await? as usize);
+    let mut sent = HashSet::new();
+    let mut kept = Vec::new();
+    while sent.len() + kept.len() < budget {
+        let Some(d) = next(&channel, &topology.purchases_dead).await? else {
+            break;
+        };
+        if reason.is_some_and(|r| !reason_of(&d.properties).starts_with(r)) {
+            kept.push(d);
+            continue;
+        }
+        let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+        let replays = replay_count(&d.properties).saturating_add(1);
+        publisher
+            .replay_purchase(&d.data, id.as_deref(), replays)
+            .await?
+            .wait()
+            .await?;
+        d.acker.ack(BasicAckOptions::default()).await?;
+        sent.insert((id, replays));
+    }
+    for d in kept {
+        d.acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await?;
+    }
+    let _ = channel.close(200, "replayed").await;
+    Ok(sent)
+}
+
+/// Waits up to `secs` for the replayed messages (`sent`) to be settled,
+/// then counts those back in the dead-letter queue. It returns early once
+/// the purchases queue is empty and the count stays the same for a second.
+pub async fn dead_again(
+    conn: &Connection,
+    topology: &Topology,
+    sent: &Replayed,
+    secs: u64,
+) -> Result<usize, BrokerError> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let mut last = None;
+    loop {
+        let channel = conn.create_channel().await?;
+        let mut found = 0;
+        while let Some(d) = next(&channel, &topology.purchases_dead).await? {
+            let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+            if sent.contains(&(id, replay_count(&d.properties))) {
+                found += 1;
+            }
+        }
+        let waiting = queue_depth(&channel, &topology.purchases).await?;
+        // Closing the channel puts every message it got back.
+        let _ = channel.close(200, "counted").await;
+        let settled = waiting == 0 && last == Some(found);
+        if settled || found == sent.len() || tokio::time::Instant::now() >= deadline {
+            return Ok(found);
+        }
+        last = Some(found);
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
