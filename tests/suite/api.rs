@@ -692,3 +692,103 @@ async fn dead_letters_are_listed_by_reason_and_replayed_once_the_cause_is_fixed(
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_recalled() {
+    let env = TestEnv::new("api_imports").await;
+    let admin = key(&env, "ops", "admin").await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let mut csv = String::from("code,expires_at\n");
+    for i in 0..500 {
+        csv.push_str(&format!("UP-{i:05}-ABCD,\n"));
+    }
+    csv.push_str("bad code with spaces and \u{200b},\n");
+    let path = "/v1/pools/up/imports?file=partner-1.csv";
+    let (status, _, body) = http(&api.addr, "POST", path, Some(&admin), csv.as_bytes()).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let s = json_of(&body);
+    assert_eq!(
+        (s["inserted"].as_u64(), s["invalid"].as_u64()),
+        (Some(500), Some(1))
+    );
+    assert_eq!(
+        s["invalid_rows"][0]["line"], 502,
+        "invalid rows by line number"
+    );
+    let id = s["import_id"].as_str().unwrap().to_owned();
+    // The same file again changes nothing.
+    let (status, _, body) = http(&api.addr, "POST", path, Some(&admin), csv.as_bytes()).await;
+    assert_eq!(status, 200);
+    assert_eq!(json_of(&body)["duplicates"], 500);
+    // A file whose header does not name the code column: nothing imported.
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/pools/up/imports",
+        Some(&admin),
+        b"serial\nX-1\n",
+    )
+    .await;
+    assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/pools/up/imports",
+        Some(&shop),
+        csv.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 403);
+
+    // Orders take two codes; the recall voids the rest and lists those two.
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("UP-O", "up", 2),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        &format!("/v1/imports/{id}"),
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let record = json_of(&body);
+    assert_eq!(
+        (record["status"].as_str(), record["file"].as_str()),
+        (Some("done"), Some("partner-1.csv"))
+    );
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        &format!("/v1/imports/{id}/recall"),
+        Some(&admin),
+        br#"{"reason":"partner leak"}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let r = json_of(&body);
+    assert_eq!(
+        (r["voided"].as_u64(), r["issued"].as_u64()),
+        (Some(498), Some(2))
+    );
+    assert!(r["held"][0]["code"].as_str().unwrap().contains('*'));
+    let (status, _, _) = http(
+        &api.addr,
+        "GET",
+        "/v1/imports/0123456789abcdef01234567",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -80,13 +80,13 @@ pub(crate) async fn replay(
     if let Some(r) = admin(&key, &rid) {
         return r;
     }
-    let f: Filter =
-        if body.is_empty() {
-            Filter::default()
-        } else {
-            match serde_json::from_slice(&body) {
-                Ok(f) => f,
-                Err(e) => return Problem::new(
+    let f: Filter = if body.is_empty() {
+        Filter::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(f) => f,
+            Err(e) => {
+                return Problem::new(
                     StatusCode::UNPROCESSABLE_ENTITY,
                     "invalid-body",
                     "the body is not a replay",
@@ -95,9 +95,10 @@ pub(crate) async fn replay(
                     ),
                 )
                 .at(&rid.0)
-                .into_response(),
+                .into_response()
             }
-        };
+        }
+    };
     let limit = f.limit.unwrap_or(MOST);
     if !(1..=MOST).contains(&limit) {
         return bad_limit(&rid);

@@ -13,6 +13,7 @@
 //! carry too.
 
 mod dead_letters;
+mod imports;
 pub mod keys;
 mod orders;
 mod pools;
@@ -71,6 +72,8 @@ pub struct Api {
     pub(crate) publisher: Publisher,
     /// The broker connection, for channels of their own (dead letters).
     pub(crate) conn: Arc<lapin::Connection>,
+    /// The hot pool, which a recall clears of the codes it voids.
+    pub(crate) hot: Arc<dyn codepool_dispatcher::ports::CandidatePool>,
     pub(crate) keys: keys::Verifier,
     pub(crate) config: ApiConfig,
     limits: Mutex<HashMap<String, Bucket>>,
@@ -80,12 +83,14 @@ impl Api {
     pub fn new(
         store: Store,
         intake: Intake,
+        hot: Arc<dyn codepool_dispatcher::ports::CandidatePool>,
         conn: Arc<lapin::Connection>,
         publisher: Publisher,
         config: ApiConfig,
     ) -> Arc<Self> {
         Arc::new(Self {
             conn,
+            hot,
             outbox: Outbox::new(Arc::new(store.clone())),
             store,
             intake,
@@ -136,6 +141,9 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/v1/pools/{pool}", get(pools::show).patch(pools::settings))
         .route("/v1/pools/{pool}/pause", post(pools::pause))
         .route("/v1/pools/{pool}/resume", post(pools::resume))
+        .route("/v1/pools/{pool}/imports", post(imports::upload))
+        .route("/v1/imports/{import_id}", get(imports::show))
+        .route("/v1/imports/{import_id}/recall", post(imports::recall))
         .route("/v1/dead-letters", get(dead_letters::list))
         .route("/v1/dead-letters/replay", post(dead_letters::replay))
         .fallback(
@@ -206,6 +214,9 @@ pub async fn serve(
     Ok((bound, task))
 }
 
+/// Longest an import upload may take.
+pub const IMPORT_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// The id of the request being served (also in `x-request-id`).
 #[derive(Debug, Clone)]
 pub(crate) struct RequestId(pub String);
@@ -225,6 +236,12 @@ async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Res
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let span = tracing::info_span!("request", request_id = %id, %method, path = %path);
+    // An upload of a partner's file takes as long as the file is large.
+    let timeout = if method == axum::http::Method::POST && path.ends_with("/imports") {
+        timeout.max(IMPORT_TIMEOUT)
+    } else {
+        timeout
+    };
     let started = Instant::now();
     let res = match tokio::time::timeout(timeout, next.run(req).instrument(span.clone())).await {
         Ok(res) => res,

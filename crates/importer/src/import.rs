@@ -156,14 +156,55 @@ pub async fn import_file(
 ) -> Result<ImportSummary, ImportError> {
     let pool = Pool::new(pool)?;
     let (rows, total_bytes) = open_rows(path, &options.header).await?;
-    let started = Instant::now();
     let file = if is_stdin(path) {
         STDIN_NAME.to_owned()
     } else {
         path.display().to_string()
     };
-    let earlier = store.unfinished_import(pool.as_str(), &file).await?;
-    let mut record = store.start_import(pool.as_str(), &file).await?;
+    import_rows(store, rows, &file, total_bytes, &pool, options, on_progress).await
+}
+
+/// [`import_file`] for any reader (an HTTP upload), recorded under `name`.
+/// The reader is read on a blocking thread, a batch at a time: the input
+/// is never held whole in memory. `size` is 0 when unknown.
+pub async fn import_reader<R: std::io::Read + Send + 'static>(
+    store: &Store,
+    input: R,
+    name: &str,
+    size: u64,
+    pool: &str,
+    options: &ImportOptions,
+    on_progress: &(dyn Fn(ImportProgress) + Send + Sync),
+) -> Result<ImportSummary, ImportError> {
+    let pool = Pool::new(pool)?;
+    let header = options.header.clone();
+    let opened = tokio::task::spawn_blocking(move || CodeRows::open(input, &header))
+        .await
+        .map_err(|e| ImportError::Read {
+            bytes: 0,
+            message: format!("the reader thread failed: {e}"),
+        })?;
+    let rows = opened.map_err(|error| ImportError::Header {
+        path: name.to_owned(),
+        error,
+    })?;
+    import_rows(store, rows, name, size, &pool, options, on_progress).await
+}
+
+/// The run of an import whose header rule passed: nothing was written
+/// before this.
+async fn import_rows<R: std::io::Read + Send + 'static>(
+    store: &Store,
+    rows: CodeRows<R>,
+    file: &str,
+    total_bytes: u64,
+    pool: &Pool,
+    options: &ImportOptions,
+    on_progress: &(dyn Fn(ImportProgress) + Send + Sync),
+) -> Result<ImportSummary, ImportError> {
+    let started = Instant::now();
+    let earlier = store.unfinished_import(pool.as_str(), file).await?;
+    let mut record = store.start_import(pool.as_str(), file).await?;
     if let Some(e) = &earlier {
         info!(earlier = %e.id, status = %e.status, "an earlier import of this file into this pool did not finish; the codes it inserted are looked up and skipped, not inserted again");
         record.resumed_from = Some(e.id);

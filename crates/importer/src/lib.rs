@@ -20,5 +20,6 @@ pub mod import;
 
 pub use csv_rows::{CodeRows, Header, HeaderError, Row};
 pub use import::{
-    import_file, ImportError, ImportOptions, ImportProgress, ImportSummary, InvalidRow,
+    import_file, import_reader, ImportError, ImportOptions, ImportProgress, ImportSummary,
+    InvalidRow,
 };

@@ -59,7 +59,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     health.set_amqp(true);
     let hot = crate::context::hot_pool(cfg)?;
     let numbers = crate::context::grant_numbers(cfg, &store)?;
-    let engine = crate::context::claim_engine_with(&store, hot, numbers)?;
+    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
     let config = ApiConfig {
         body_limit: args.body_limit,
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
@@ -69,6 +69,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let api = Api::new(
         store.clone(),
         Intake::new(store, engine),
+        Arc::new(hot),
         conn.clone(),
         publisher.clone(),
         config,

@@ -1,0 +1,203 @@
+//! `/v1/pools/{pool}/imports`, `/v1/imports/{id}` and its recall (scope
+//! `admin`): a partner's CSV uploaded as the request body, streamed into
+//! the pool by the same importer as `codepool import` (same rules, same
+//! summary, same audit record), never held whole in memory.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use codepool_domain::{PoolEvent, PoolEventKind};
+use codepool_importer::{import_reader, Header, ImportError, ImportOptions};
+use futures::TryStreamExt;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::keys::{KeyDoc, Scope};
+use crate::{Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
+    (!key.allows(Scope::Admin)).then(|| {
+        Problem::forbidden(Scope::Admin.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Upload {
+    /// The name the import is recorded under (the partner's file name);
+    /// the same name and pool resumes an interrupted upload.
+    file: Option<String>,
+    /// The body has no header row: every row is a code.
+    #[serde(default)]
+    no_header: bool,
+    /// The header of the code column (default `code`).
+    column: Option<String>,
+}
+
+/// `POST /v1/pools/{pool}/imports?file=NAME`: the CSV is the body.
+pub(crate) async fn upload(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(pool): Path<String>,
+    Query(q): Query<Upload>,
+    body: Body,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let name = q
+        .file
+        .clone()
+        .unwrap_or_else(|| format!("(upload by api-key {})", key.name));
+    let header = if q.no_header {
+        Header::None
+    } else {
+        Header::Named(q.column.clone().unwrap_or_else(|| "code".into()))
+    };
+    let stream = body
+        .into_data_stream()
+        .map_err(std::io::Error::other);
+    let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+    let options = ImportOptions {
+        header,
+        ..ImportOptions::default()
+    };
+    let summary = match import_reader(&api.store, input, &name, 0, &pool, &options, &|_| {}).await {
+        Ok(s) => s,
+        Err(e) => return import_failed(e, &rid),
+    };
+    tracing::info!(pool = %pool, import_id = %summary.import_id, inserted = summary.inserted, invalid = summary.invalid, key = %key.name, "import uploaded");
+    if summary.inserted > 0 {
+        let mut event = PoolEvent::new(PoolEventKind::Replenished, &pool);
+        event.inserted = Some(summary.inserted);
+        let sent = codepool_broker::confirmed(api.publisher.publish_pool_event(&event).await).await;
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "pool.replenished not published; dispatchers fulfil backorders at their next sweep");
+        }
+    }
+    if summary.invalid > 0 && summary.inserted + summary.duplicates == 0 {
+        return Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "all-rows-invalid",
+            "every row was invalid, nothing was imported",
+            "fix the rows listed in invalid_rows and upload the file again",
+        )
+        .with("summary", json!(summary))
+        .at(&rid.0)
+        .into_response();
+    }
+    let status = if summary.inserted > 0 {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(json!(summary))).into_response()
+}
+
+fn import_failed(e: ImportError, rid: &RequestId) -> Response {
+    let (status, slug) = match &e {
+        ImportError::Store(s) if s.is_unavailable() => {
+            return Problem::unavailable(&e).at(&rid.0).into_response()
+        }
+        ImportError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ImportError::Pool(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-pool"),
+        ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
+        _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
+    };
+    let detail = e.to_string().replace(
+        "run the same command again",
+        "upload the same file again with the same ?file=",
+    );
+    Problem::new(status, slug, "the import did not run", detail)
+        .at(&rid.0)
+        .into_response()
+}
+
+fn bad_id(id: &str, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-import",
+        "no such import",
+        format!(
+            "no import {:?}; use the import_id an upload answered (24 hexadecimal digits)",
+            id.chars().take(40).collect::<String>()
+        ),
+    )
+    .at(&rid.0)
+    .into_response()
+}
+
+/// `GET /v1/imports/{id}`: the audit record of an import run.
+pub(crate) async fn show(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {
+        return bad_id(&id, &rid);
+    };
+    match api.store.import_record(oid).await {
+        Ok(Some(r)) => Json(json!({
+            "import_id": r.id.to_hex(), "pool": r.pool, "file": r.file, "status": r.status,
+            "sha256": r.sha256, "rows": r.rows, "inserted": r.inserted, "duplicates": r.duplicates,
+            "invalid": r.invalid, "seconds": r.seconds, "error": r.error,
+            "started_at": r.started_at.to_chrono().to_rfc3339(),
+            "finished_at": r.finished_at.map(|t| t.to_chrono().to_rfc3339()),
+        }))
+        .into_response(),
+        Ok(None) => bad_id(&id, &rid),
+        Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct RecallBody {
+    reason: String,
+}
+
+/// `POST /v1/imports/{id}/recall` with `{"reason": …}`: voids every
+/// still-unissued code of the import; lists the issued ones, masked.
+pub(crate) async fn recall(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    use codepool_dispatcher::controls::{recall_import, RecallError};
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let reason = serde_json::from_slice::<RecallBody>(&body)
+        .map(|b| b.reason)
+        .unwrap_or_default();
+    match recall_import(&api.store, api.hot.as_ref(), &id, &reason).await {
+        Ok(r) => Json(json!({
+            "import_id": r.import.id.to_hex(), "pool": r.import.pool, "voided": r.voided,
+            "issued": r.held.len(),
+            "held": r.held.iter().map(|c| json!({
+                "code": c.masked(), "status": c.status.name(),
+                "order_id": c.holder.as_ref().map(|h| &h.order_id),
+            })).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(RecallError::Reason) => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-reason",
+            "a recall needs a reason",
+            "send {\"reason\": \"partner leak\"}: 1 to 200 characters saying why",
+        )
+        .field("reason")
+        .at(&rid.0)
+        .into_response(),
+        Err(RecallError::BadId(_) | RecallError::UnknownImport(_)) => bad_id(&id, &rid),
+        Err(RecallError::Store(e)) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}
