@@ -792,3 +792,96 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
     api.stop().await;
     env.cleanup().await;
 }
+
+/// The RabbitMQ connection pids whose client named them `name` (the
+/// `connection_name` client property).
+async fn connections_named(name: &str) -> Vec<String> {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "pid",
+            "client_properties",
+            "-q",
+            "--no-table-headers",
+        ])
+        .current_dir("/")
+        .output()
+        .await
+        .expect("rabbitmqctl (make services installs it)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl list_connections: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let (pid, props) = l.split_once('\t')?;
+            let named = format!("{{\"connection_name\",\"{name}\"}}");
+            props.contains(&named).then(|| pid.trim().to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
+    let env = TestEnv::new("api_reconnect").await;
+    env.fill_pool("rc", 10).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let name = format!("codepool-api-{}", api.child.id().unwrap());
+    eventually(
+        Duration::from_secs(10),
+        "the API's connection listed",
+        || {
+            let name = name.clone();
+            async move { connections_named(&name).await.len() == 1 }
+        },
+    )
+    .await;
+    let before = connections_named(&name).await;
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(["close_connection", &before[0], "test: broker restarted"])
+        .current_dir("/")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually(Duration::from_secs(20), "a new connection", || {
+        let (name, old) = (name.clone(), before[0].clone());
+        async move {
+            let now = connections_named(&name).await;
+            now.len() == 1 && now[0] != old
+        }
+    })
+    .await;
+    eventually(Duration::from_secs(10), "ready again", || {
+        let addr = api.addr.clone();
+        async move {
+            crate::common::http_get(&addr, "/readyz")
+                .await
+                .is_some_and(|(s, _)| s == 200)
+        }
+    })
+    .await;
+    // An order after the outage gets its event from the API itself.
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &order("RC-1", "rc", 1),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(queue_depth(&ch, &env.topology().sms_pending).await, 1);
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

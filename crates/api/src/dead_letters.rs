@@ -59,8 +59,9 @@ pub(crate) async fn list(
     if !(1..=MOST).contains(&limit) {
         return bad_limit(&rid);
     }
-    let topology = api.publisher.topology();
-    match dead_letters::peek(&api.conn, topology, f.reason.as_deref(), limit).await {
+    let broker = api.broker();
+    let topology = broker.publisher.topology();
+    match dead_letters::peek(&broker.conn, topology, f.reason.as_deref(), limit).await {
         Ok(found) => Json(json!({
             "dead_letters": found.iter().map(|d| json!({
                 "message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body,
@@ -103,10 +104,11 @@ pub(crate) async fn replay(
     if !(1..=MOST).contains(&limit) {
         return bad_limit(&rid);
     }
-    let topology = api.publisher.topology();
+    let broker = api.broker();
+    let topology = broker.publisher.topology();
     match dead_letters::replay(
-        &api.conn,
-        &api.publisher,
+        &broker.conn,
+        &broker.publisher,
         topology,
         f.reason.as_deref(),
         limit,

@@ -61,9 +61,7 @@ pub(crate) async fn upload(
     } else {
         Header::Named(q.column.clone().unwrap_or_else(|| "code".into()))
     };
-    let stream = body
-        .into_data_stream()
-        .map_err(std::io::Error::other);
+    let stream = body.into_data_stream().map_err(std::io::Error::other);
     let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
     let options = ImportOptions {
         header,
@@ -77,7 +75,9 @@ pub(crate) async fn upload(
     if summary.inserted > 0 {
         let mut event = PoolEvent::new(PoolEventKind::Replenished, &pool);
         event.inserted = Some(summary.inserted);
-        let sent = codepool_broker::confirmed(api.publisher.publish_pool_event(&event).await).await;
+        let broker = api.broker();
+        let sent =
+            codepool_broker::confirmed(broker.publisher.publish_pool_event(&event).await).await;
         if let Err(e) = sent {
             tracing::warn!(error = %e, "pool.replenished not published; dispatchers fulfil backorders at their next sweep");
         }

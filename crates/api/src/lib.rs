@@ -69,9 +69,9 @@ pub struct Api {
     pub(crate) store: Store,
     pub(crate) intake: Intake,
     pub(crate) outbox: Outbox,
-    pub(crate) publisher: Publisher,
-    /// The broker connection, for channels of their own (dead letters).
-    pub(crate) conn: Arc<lapin::Connection>,
+    /// The broker connection (for channels of their own: dead letters)
+    /// and the confirm-mode publisher on it; replaced after an outage.
+    broker: std::sync::RwLock<Broker>,
     /// The hot pool, which a recall clears of the codes it voids.
     pub(crate) hot: Arc<dyn codepool_dispatcher::ports::CandidatePool>,
     pub(crate) keys: keys::Verifier,
@@ -89,16 +89,28 @@ impl Api {
         config: ApiConfig,
     ) -> Arc<Self> {
         Arc::new(Self {
-            conn,
+            broker: std::sync::RwLock::new(Broker { conn, publisher }),
             hot,
             outbox: Outbox::new(Arc::new(store.clone())),
             store,
             intake,
-            publisher,
             keys: keys::Verifier::default(),
             config,
             limits: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The broker connection and publisher in use now.
+    pub fn broker(&self) -> Broker {
+        self.broker
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Puts a new connection and publisher in use (after an outage).
+    pub fn set_broker(&self, broker: Broker) {
+        *self.broker.write().unwrap_or_else(|e| e.into_inner()) = broker;
     }
 
     /// Takes one request from `key`'s bucket; the seconds to wait when it
@@ -120,6 +132,13 @@ impl Api {
             Err(((1.0 - b.tokens) / rate).ceil().max(1.0) as u64)
         }
     }
+}
+
+/// A broker connection and the confirm-mode publisher on it.
+#[derive(Clone)]
+pub struct Broker {
+    pub conn: Arc<lapin::Connection>,
+    pub publisher: Publisher,
 }
 
 /// A key's token bucket.

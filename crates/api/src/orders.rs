@@ -119,7 +119,8 @@ pub(crate) async fn place(
     if let Err(e) = api.intake.record_backorders(&mut plan).await {
         return failed(&e, e.is_unavailable(), &rid);
     }
-    codepool_dispatcher::batch::announce_exhausted(&plan, &api.publisher).await;
+    let broker = api.broker();
+    codepool_dispatcher::batch::announce_exhausted(&plan, &broker.publisher).await;
     let Some(step) = plan.steps.into_iter().next() else {
         return failed(&"the core decided nothing for the order", false, &rid);
     };
@@ -127,7 +128,7 @@ pub(crate) async fn place(
     match step {
         Step::DeadLetter(e) => rejected(&e, &rid),
         Step::Refused(r) => {
-            let confirmed = codepool_broker::confirmed(api.publisher.publish_refused(&r.event()).await).await;
+            let confirmed = codepool_broker::confirmed(broker.publisher.publish_refused(&r.event()).await).await;
             if let Err(e) = confirmed {
                 tracing::warn!(error = %e, "purchase.refused not confirmed; the refusal stands and is recorded");
             }
@@ -157,7 +158,7 @@ pub(crate) async fn place(
         } => {
             // Marked now: what the broker did not confirm stays on the
             // relay's list, which sends it again.
-            if let Err(e) = api.outbox.send(&api.publisher, &grants, Marking::Now).await {
+            if let Err(e) = api.outbox.send(&broker.publisher, &grants, Marking::Now).await {
                 tracing::warn!(error = %e, "SMS marks not recorded; the relay sends the events again");
             }
             let status = if !missing.is_empty() {
@@ -372,7 +373,8 @@ pub(crate) async fn resend(
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
-    match ops::resend(&api.store, &api.outbox, &api.publisher, &order_id).await {
+    let broker = api.broker();
+    match ops::resend(&api.store, &api.outbox, &broker.publisher, &order_id).await {
         Ok((events, _)) => Json(json!({
             "order_id": order_id,
             "events": events.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>(),

@@ -295,7 +295,8 @@ async fn set_paused(
         return r;
     }
     use codepool_dispatcher::controls::{self, PauseError};
-    match controls::set_paused(&api.store, &api.publisher, &pool, paused).await {
+    let broker = api.broker();
+    match controls::set_paused(&api.store, &broker.publisher, &pool, paused).await {
         Ok(changed) => {
             Json(json!({"name": pool, "paused": paused, "changed": changed})).into_response()
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use codepool_api::{Api, ApiConfig};
+use codepool_api::{Api, ApiConfig, Broker};
 use codepool_broker::Publisher;
 use codepool_dispatcher::{Health, Intake};
 use tracing::info;
@@ -53,9 +53,8 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         return Ok(crate::exit::OK);
     };
     health.set_mongo(true);
-    let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-api").await?);
-    let publisher = Publisher::new(&conn, cfg.topology()).await?;
-    cfg.topology().declare(publisher.channel()).await?;
+    let name = connection_name();
+    let broker = connect(cfg, &name).await?;
     health.set_amqp(true);
     let hot = crate::context::hot_pool(cfg)?;
     let numbers = crate::context::grant_numbers(cfg, &store)?;
@@ -70,32 +69,83 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         store.clone(),
         Intake::new(store, engine),
         Arc::new(hot),
-        conn.clone(),
-        publisher.clone(),
+        broker.conn,
+        broker.publisher,
         config,
     );
     let extra = crate::http::routes(health.clone(), metrics);
-    let (addr, server) = codepool_api::serve(args.listen, api, extra, stop.clone())
+    let (addr, server) = codepool_api::serve(args.listen, api.clone(), extra, stop.clone())
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;
     info!(%addr, "serving the HTTP API, /metrics, /healthz and /readyz");
     // Scripts and tests read the port from here.
     eprintln!("codepool: api listening on {addr}");
-    // The connection's state shows in /readyz.
-    let watch = {
-        let (health, publisher, stop) = (health.clone(), publisher.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.is_cancelled() {
-                health.set_amqp(publisher.channel().status().connected());
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        })
-    };
+    // The connection's state shows in /readyz; a lost one is replaced.
+    let watch = tokio::spawn(keep_connected(
+        cfg.clone(),
+        name,
+        api.clone(),
+        health.clone(),
+        stop.clone(),
+    ));
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
-    publisher.settle().await;
-    let _ = conn.close(200, "api stopped").await;
+    let broker = api.broker();
+    broker.publisher.settle().await;
+    let _ = broker.conn.close(200, "api stopped").await;
     served??;
     Ok(crate::exit::OK)
+}
+
+/// This process's broker connection name, as RabbitMQ lists it.
+fn connection_name() -> String {
+    format!("codepool-api-{}", std::process::id())
+}
+
+/// A connection, its confirm-mode publisher, and the topology declared.
+async fn connect(cfg: &Config, name: &str) -> anyhow::Result<Broker> {
+    let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, name).await?);
+    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    cfg.topology().declare(publisher.channel()).await?;
+    Ok(Broker { conn, publisher })
+}
+
+/// Checks the broker connection every second; when it is lost, reports
+/// unready and connects again with backoff. Events not confirmed meanwhile
+/// stay with the relay, which sends them.
+async fn keep_connected(
+    cfg: Config,
+    name: String,
+    api: Arc<Api>,
+    health: Arc<Health>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut attempt = 0u32;
+    while !stop.is_cancelled() {
+        let up = api.broker().publisher.channel().status().connected();
+        health.set_amqp(up);
+        if up {
+            attempt = 0;
+        } else {
+            if attempt == 0 {
+                tracing::warn!("lost RabbitMQ; orders are still granted, their events wait for the relay; reconnecting");
+            }
+            attempt += 1;
+            match connect(&cfg, &name).await {
+                Ok(broker) => {
+                    api.set_broker(broker);
+                    health.set_amqp(true);
+                    info!(attempts = attempt, "RabbitMQ connection restored");
+                    attempt = 0;
+                }
+                Err(e) => tracing::debug!(error = %e, "RabbitMQ still unreachable"),
+            }
+        }
+        let pause = Duration::from_secs(u64::from(attempt.min(5)).max(1));
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
 }
