@@ -14,14 +14,14 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use crate::common::{drain, eventually, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL};
 
 /// A `codepool api` child process with its address.
-struct ApiServer {
-    child: tokio::process::Child,
-    addr: String,
+pub(crate) struct ApiServer {
+    pub(crate) child: tokio::process::Child,
+    pub(crate) addr: String,
     log: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl ApiServer {
-    async fn start(env: &TestEnv, extra: &[&str]) -> Self {
+    pub(crate) async fn start(env: &TestEnv, extra: &[&str]) -> Self {
         let mut args = vec!["api", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
         let mut child = env
@@ -53,7 +53,7 @@ impl ApiServer {
     }
 
     /// SIGTERM; the API must exit 0 within 10 s.
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let pid = self.child.id().unwrap().to_string();
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &pid])
@@ -71,7 +71,7 @@ impl ApiServer {
 }
 
 /// One HTTP/1.1 exchange (`Connection: close`): status, headers, body.
-async fn http(
+pub(crate) async fn http(
     addr: &str,
     method: &str,
     path: &str,
@@ -115,13 +115,13 @@ async fn http(
     (status, headers, raw[split + 4..].to_vec())
 }
 
-fn json_of(body: &[u8]) -> Value {
+pub(crate) fn json_of(body: &[u8]) -> Value {
     serde_json::from_slice(body)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
 }
 
 /// `codepool api-keys create`; returns the secret.
-async fn key(env: &TestEnv, name: &str, scopes: &str) -> String {
+pub(crate) async fn key(env: &TestEnv, name: &str, scopes: &str) -> String {
     let out = env
         .command(&["api-keys", "create", "--name", name, "--scopes", scopes])
         .output()
@@ -135,7 +135,7 @@ async fn key(env: &TestEnv, name: &str, scopes: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
-fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
+pub(crate) fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
     json!({"order_id": id, "uid": "u-api", "phone": "+8613800000000", "pool": pool, "quantity": quantity})
         .to_string()
         .into_bytes()

@@ -100,6 +100,26 @@ impl Api {
         })
     }
 
+    /// The store every door shares.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The intake (known pool, conflicting order, pause, limit, claim).
+    pub fn intake(&self) -> &Intake {
+        &self.intake
+    }
+
+    /// The outbox that sends SMS-pending events and marks them sent.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    /// The hot pool (a recall clears the codes it voids from it).
+    pub fn hot(&self) -> &Arc<dyn codepool_dispatcher::ports::CandidatePool> {
+        &self.hot
+    }
+
     /// The broker connection and publisher in use now.
     pub fn broker(&self) -> Broker {
         self.broker
