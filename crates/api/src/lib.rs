@@ -12,6 +12,7 @@
 //! do next, and every response carries `x-request-id`, which the logs
 //! carry too.
 
+mod batcher;
 mod dead_letters;
 mod imports;
 pub mod keys;
@@ -77,6 +78,8 @@ pub struct Api {
     pub(crate) keys: keys::Verifier,
     pub(crate) config: ApiConfig,
     limits: Mutex<HashMap<String, Bucket>>,
+    /// Concurrent orders, decided together.
+    pub(crate) orders: batcher::Batcher,
 }
 
 impl Api {
@@ -88,7 +91,8 @@ impl Api {
         publisher: Publisher,
         config: ApiConfig,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
+            orders: batcher::Batcher::start(me.clone()),
             broker: std::sync::RwLock::new(Broker { conn, publisher }),
             hot,
             outbox: Outbox::new(Arc::new(store.clone())),

@@ -10,8 +10,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::SecondsFormat;
+use codepool_dispatcher::ops;
 use codepool_dispatcher::plan::Step;
-use codepool_dispatcher::{ops, Marking, Resend};
 use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
 use codepool_store::audit::Reveal;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
@@ -106,33 +106,14 @@ pub(crate) async fn place(
         Ok(p) => p,
         Err(e) => return rejected(&e, &rid),
     };
-    // No message of an HTTP order is redelivered: the relay owes the
-    // events of a grant this process did not see confirmed.
-    let mut plan = match api
-        .intake
-        .decide(vec![Ok(purchase.clone())], &[], Resend::ByRelay)
-        .await
-    {
-        Ok(plan) => plan,
-        Err(e) => return failed(&e, e.is_unavailable(), &rid),
-    };
-    if let Err(e) = api.intake.record_backorders(&mut plan).await {
-        return failed(&e, e.is_unavailable(), &rid);
-    }
-    let broker = api.broker();
-    codepool_dispatcher::batch::announce_exhausted(&plan, &broker.publisher).await;
-    let Some(step) = plan.steps.into_iter().next() else {
-        return failed(&"the core decided nothing for the order", false, &rid);
+    let step = match api.orders.decide(purchase.clone()).await {
+        Ok(step) => step,
+        Err(e) => return failed(&e, e.unavailable, &rid),
     };
     tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
     match step {
         Step::DeadLetter(e) => rejected(&e, &rid),
-        Step::Refused(r) => {
-            let confirmed = codepool_broker::confirmed(broker.publisher.publish_refused(&r.event()).await).await;
-            if let Err(e) = confirmed {
-                tracing::warn!(error = %e, "purchase.refused not confirmed; the refusal stands and is recorded");
-            }
-            Problem::new(
+        Step::Refused(r) => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 r.reason.as_str().replace('_', "-").as_str(),
                 "the order was refused by the pool's policy",
@@ -140,8 +121,7 @@ pub(crate) async fn place(
             )
             .with("limit", json!(r.limit))
             .at(&rid.0)
-            .into_response()
-        }
+            .into_response(),
         Step::Backorder { purchase, lines } => (
             StatusCode::ACCEPTED,
             Json(json!({
@@ -156,11 +136,6 @@ pub(crate) async fn place(
             fresh,
             missing,
         } => {
-            // Marked now: what the broker did not confirm stays on the
-            // relay's list, which sends it again.
-            if let Err(e) = api.outbox.send(&broker.publisher, &grants, Marking::Now).await {
-                tracing::warn!(error = %e, "SMS marks not recorded; the relay sends the events again");
-            }
             let status = if !missing.is_empty() {
                 StatusCode::ACCEPTED
             } else if fresh > 0 {
