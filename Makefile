@@ -7,7 +7,7 @@ BIN := target/debug/codepool
 RELEASE_BIN := target/release/codepool
 NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help services services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
+.PHONY: help services deploy-tools services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
 
 help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
@@ -24,6 +24,10 @@ services:
 
 services-stop:
 	@bash scripts/services.sh stop
+
+# promtool, prometheus and systemd-analyze, for the suite's checks of deploy/
+deploy-tools:
+	@bash scripts/deploy-tools.sh
 
 cluster:
 	@bash scripts/cluster.sh start
@@ -44,7 +48,7 @@ run: services build
 # the failover test, which starts the replicated servers (scripts/cluster.sh,
 # idempotent, ports apart) and kills their members.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
-test: services
+test: services deploy-tools
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) nextest run --locked -p codepool --test chaos
