@@ -14,10 +14,17 @@ pub struct Health {
 impl Health {
     pub fn set_mongo(&self, up: bool) {
         self.mongo.store(up, Ordering::Relaxed);
+        self.export_ready();
     }
 
     pub fn set_amqp(&self, up: bool) {
         self.amqp.store(up, Ordering::Relaxed);
+        self.export_ready();
+    }
+
+    /// `codepool_ready`: what `/readyz` answers, for alerting on.
+    fn export_ready(&self) {
+        metrics::gauge!("codepool_ready").set(if self.ready() { 1.0 } else { 0.0 });
     }
 
     pub fn set_redis_degraded(&self, degraded: bool) {

@@ -27,6 +27,7 @@ pub async fn relay_unconfirmed(
     let cutoff = chrono::Utc::now()
         - chrono::Duration::from_std(older_than).unwrap_or_else(|_| chrono::Duration::seconds(30));
     let codes = store.unconfirmed_grants(cutoff, limit).await?;
+    metrics::gauge!("codepool_sms_relay_backlog").set(codes.len() as f64);
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     if grants.len() < codes.len() {
         // `sms_pending` is only ever set on an issued code, which has a holder.

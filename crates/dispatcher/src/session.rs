@@ -340,7 +340,10 @@ impl Dispatcher {
             debug!(error = %e, "relay skipped; retried at the next sweep");
         }
         match self.store.pools_with_backorders().await {
-            Ok(p) => Some(p),
+            Ok(p) => {
+                crate::telemetry::record_backorders_waiting(&p);
+                Some(p)
+            }
             Err(e) => {
                 debug!(error = %e, "backorder sweep skipped; retried at the next sweep");
                 None

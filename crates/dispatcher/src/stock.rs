@@ -291,6 +291,8 @@ impl StockWatch {
         let pool = doc.name.as_str();
         let threshold = doc.low_stock.unwrap_or(0);
         metrics::gauge!("codepool_pool_unissued", "pool" => pool.to_owned()).set(unissued as f64);
+        metrics::gauge!("codepool_pool_low_stock_threshold", "pool" => pool.to_owned())
+            .set(threshold.max(0) as f64);
         if let Ok(mut known) = self.known.lock() {
             known.insert(
                 pool.to_owned(),

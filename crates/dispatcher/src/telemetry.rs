@@ -4,7 +4,7 @@
 //! dashboard never has to guess whether a series is missing or zero.
 //! Labels never carry a code (codes are secrets); pools and reasons only.
 
-use codepool_domain::RejectReason;
+use codepool_domain::{RefusalReason, RejectReason};
 
 /// Bucket bounds (seconds) of the latency histograms: claims take
 /// milliseconds when healthy and seconds while a server fails over.
@@ -13,6 +13,10 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 const COUNTERS: &[(&str, &str)] = &[
+    (
+        "codepool_refusals_total",
+        "Valid purchases refused by a pool policy (purchase.refused), by reason.",
+    ),
     (
         "codepool_purchases_consumed_total",
         "Purchase messages received from the queue.",
@@ -89,6 +93,22 @@ const GAUGES: &[(&str, &str)] = &[
         "codepool_redis_fallback_active",
         "1 while Redis is unavailable and claims scan MongoDB instead.",
     ),
+    (
+        "codepool_ready",
+        "1 while MongoDB and RabbitMQ are reachable (what /readyz answers 200 for).",
+    ),
+    (
+        "codepool_pool_low_stock_threshold",
+        "Each pool's low-stock threshold (0: none), as its last stock check read it.",
+    ),
+    (
+        "codepool_pool_backorders_waiting",
+        "1 while a pool has backorders waiting, as the last backorder sweep found.",
+    ),
+    (
+        "codepool_sms_relay_backlog",
+        "Grants whose SMS-pending event was never confirmed, found by the relay's last round (at most one round).",
+    ),
 ];
 
 /// Every dead-letter reason, so each series starts at zero.
@@ -142,7 +162,30 @@ pub fn describe() {
         metrics::counter!("codepool_hot_candidates_dropped_total", "reason" => why.as_str())
             .increment(0);
     }
+    metrics::counter!("codepool_refusals_total", "reason" => RefusalReason::PerUserLimit.as_str())
+        .increment(0);
     metrics::gauge!("codepool_redis_fallback_active").set(0.0);
+    metrics::gauge!("codepool_ready").set(0.0);
+    metrics::gauge!("codepool_sms_relay_backlog").set(0.0);
+}
+
+/// The pools that had backorders waiting at the last sweep, so a pool
+/// whose backorders were all fulfilled goes back to 0.
+static WAITING_POOLS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Sets `codepool_pool_backorders_waiting` from a sweep's pools with
+/// backorders waiting: 1 for those, 0 for pools that had some before.
+pub(crate) fn record_backorders_waiting(pools: &[String]) {
+    let Ok(mut before) = WAITING_POOLS.lock() else {
+        return;
+    };
+    for pool in before.iter().filter(|p| !pools.contains(p)) {
+        metrics::gauge!("codepool_pool_backorders_waiting", "pool" => pool.clone()).set(0.0);
+    }
+    for pool in pools {
+        metrics::gauge!("codepool_pool_backorders_waiting", "pool" => pool.clone()).set(1.0);
+    }
+    *before = pools.to_vec();
 }
 
 /// Purchases settled (acked with their outcome durable) by every
