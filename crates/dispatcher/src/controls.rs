@@ -133,3 +133,21 @@ async fn drop_candidates(hot: &dyn CandidatePool, seen: Vec<(String, CodeId)>) {
         }
     }
 }
+
+/// Announces that `inserted` new codes arrived in `pool` (`pool.replenished`),
+/// confirmed, so dispatchers fulfil its backorders now rather than at their
+/// next sweep. Nothing is announced for no new code.
+pub async fn announce_replenished(
+    publisher: &Publisher,
+    pool: &str,
+    inserted: u64,
+) -> Result<(), BrokerError> {
+    if inserted == 0 {
+        return Ok(());
+    }
+    let mut event = PoolEvent::new(PoolEventKind::Replenished, pool);
+    event.inserted = Some(inserted);
+    publisher.publish_pool_event(&event).await?.wait().await?;
+    info!(pool, inserted, "published pool.replenished");
+    Ok(())
+}

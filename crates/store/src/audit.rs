@@ -49,3 +49,99 @@ impl Store {
         Ok(id)
     }
 }
+
+/// One change an operator made (a void, a resend, a recall, a setting):
+/// who, what, and how it ended. Written after the change, with its
+/// outcome; a reveal is written before, with [`Store::record_reveal`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Action {
+    /// Who, e.g. `operator:alice`.
+    pub who: String,
+    /// What kind of change, e.g. `void`, `resend`, `recall`.
+    pub kind: String,
+    /// Where it came from, e.g. `console POST /console/orders/{id}/void`.
+    pub command: String,
+    /// What it was done to and how it ended, in words (codes masked).
+    pub what: String,
+}
+
+/// One audit record as read back, a reveal or an action.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditEntry {
+    pub id: ObjectId,
+    pub kind: String,
+    pub at: DateTime,
+    pub who: String,
+    pub command: String,
+    pub what: String,
+    pub count: u64,
+}
+
+/// Which audit records to read: by who and kind, newest first, before an id.
+#[derive(Debug, Clone, Default)]
+pub struct AuditFilter<'a> {
+    pub who: Option<&'a str>,
+    pub kind: Option<&'a str>,
+    pub before: Option<ObjectId>,
+}
+
+impl Store {
+    /// Records an operator's change, durably.
+    pub async fn record_action(&self, a: &Action) -> Result<ObjectId, StoreError> {
+        let id = ObjectId::new();
+        self.collection(AUDIT)
+            .insert_one(doc! {
+                "_id": id,
+                "kind": &a.kind,
+                "at": DateTime::now(),
+                "os_user": &a.who,
+                "command": &a.command,
+                "what": &a.what,
+            })
+            .write_concern(durable())
+            .await?;
+        Ok(id)
+    }
+
+    /// A page of audit records, newest first; follow with `before` = the
+    /// last id. Served by the `(os_user, _id)` and `(kind, _id)` indexes.
+    pub async fn audit_page(
+        &self,
+        f: &AuditFilter<'_>,
+        limit: i64,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        use futures::TryStreamExt;
+        let mut filter = doc! {};
+        if let Some(w) = f.who {
+            filter.insert("os_user", w);
+        }
+        if let Some(k) = f.kind {
+            filter.insert("kind", k);
+        }
+        if let Some(b) = f.before {
+            filter.insert("_id", doc! {"$lt": b});
+        }
+        let docs: Vec<bson::Document> = self
+            .collection(AUDIT)
+            .find(filter)
+            .sort(doc! {"_id": -1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs.iter().filter_map(entry_of).collect())
+    }
+}
+
+fn entry_of(d: &bson::Document) -> Option<AuditEntry> {
+    let text = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
+    Some(AuditEntry {
+        id: d.get_object_id("_id").ok()?,
+        kind: text("kind"),
+        at: *d.get_datetime("at").ok()?,
+        who: text("os_user"),
+        command: text("command"),
+        what: text("what"),
+        count: crate::stats::as_u64(d.get("count")),
+    })
+}

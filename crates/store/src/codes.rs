@@ -402,6 +402,8 @@ fn issued_by(
 pub enum CodeQuery<'a> {
     Order(&'a str),
     Uid(&'a str),
+    /// The buyer's phone number, as the purchase carried it.
+    Phone(&'a str),
     Code {
         pool: &'a str,
         code: &'a str,
@@ -1295,6 +1297,7 @@ impl Store {
         let filter = match query {
             CodeQuery::Order(o) => doc! {"order_id": *o},
             CodeQuery::Uid(u) => doc! {"uid": *u},
+            CodeQuery::Phone(p) => doc! {"phone": *p},
             CodeQuery::Code { pool, code } => self.code_filter(pool, code).await?,
             // `issued_at` lets the partial `(pool, issued_at)` index serve
             // the newest grants first, without sorting a pool's grants.

@@ -102,4 +102,20 @@ impl Store {
             .try_collect()
             .await?)
     }
+
+    /// A pool's runs, newest first, by the `(pool, started_at)` index.
+    pub async fn imports_of(
+        &self,
+        pool: &str,
+        limit: i64,
+    ) -> Result<Vec<ImportRecord>, StoreError> {
+        Ok(self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(doc! {"pool": pool})
+            .sort(doc! {"started_at": -1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
 }

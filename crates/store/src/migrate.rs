@@ -59,6 +59,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0012_codes_order_lines",
         include_str!("../../../migrations/0012_codes_order_lines.json"),
     ),
+    (
+        "0013_console",
+        include_str!("../../../migrations/0013_console.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -154,3 +154,35 @@ impl Store {
         Ok(stats.into_values().collect())
     }
 }
+
+impl Store {
+    /// `pool`'s grants per hour since `since` (hours without a grant left
+    /// out), oldest first: one covered scan of the `(pool, issued_at)`
+    /// index over the period's grants, whatever the pool's stock.
+    pub async fn grants_by_hour(
+        &self,
+        pool: &str,
+        since: DateTime,
+    ) -> Result<Vec<(DateTime, u64)>, StoreError> {
+        let pipeline = vec![
+            doc! {"$match": {"pool": pool, "issued_at": {"$gte": since}}},
+            doc! {"$project": {"_id": 0, "issued_at": 1}},
+            doc! {"$group": {
+                "_id": {"$dateTrunc": {"date": "$issued_at", "unit": "hour"}},
+                "n": {"$sum": 1},
+            }},
+            doc! {"$sort": {"_id": 1}},
+        ];
+        let rows: Vec<Document> = self
+            .collection(CODES)
+            .aggregate(pipeline)
+            .hint(mongodb::options::Hint::Name("pool_issued_at".into()))
+            .await?
+            .try_collect()
+            .await?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| Some((*r.get_datetime("_id").ok()?, as_u64(r.get("n")))))
+            .collect())
+    }
+}

@@ -43,6 +43,13 @@ pub struct ApiArgs {
     /// idle connection is closed.
     #[arg(long, default_value_t = ApiConfig::default().header_timeout.as_secs())]
     pub header_timeout: u64,
+    /// Hours an operator's console session lasts (/console).
+    #[arg(long, default_value_t = 8)]
+    pub console_session_hours: u64,
+    /// Mark console cookies Secure (served over TLS, or behind a
+    /// TLS-terminating proxy).
+    #[arg(long, env = "CODEPOOL_CONSOLE_SECURE_COOKIE")]
+    pub console_secure_cookie: bool,
 }
 
 pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
@@ -73,7 +80,13 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         broker.publisher,
         config,
     );
-    let extra = crate::http::routes(health.clone(), metrics);
+    let console = codepool_console::ConsoleConfig {
+        session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
+        secure_cookie: args.console_secure_cookie,
+        ..codepool_console::ConsoleConfig::default()
+    };
+    let extra = crate::http::routes(health.clone(), metrics)
+        .merge(codepool_console::router(api.clone(), console));
     let (addr, server) = codepool_api::serve(args.listen, api.clone(), extra, stop.clone())
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;

@@ -101,6 +101,7 @@ fn describe(query: &CodeQuery<'_>) -> String {
     match query {
         CodeQuery::Order(o) => format!("order {o:?}"),
         CodeQuery::Uid(u) => format!("uid {u:?}"),
+        CodeQuery::Phone(p) => format!("phone {p:?}"),
         CodeQuery::Code { pool, code } => format!("code {} in pool {pool:?}", mask(code)),
         CodeQuery::GrantsOf(p) => format!("latest grants of pool {p:?}"),
     }

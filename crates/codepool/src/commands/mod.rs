@@ -10,6 +10,7 @@ pub mod import;
 pub mod keys;
 pub mod lookup;
 pub mod migrate;
+pub mod operators;
 pub mod pool;
 pub mod publish;
 pub mod redeem;

@@ -1,0 +1,76 @@
+//! What a console page answers when it cannot do what was asked: one
+//! type, rendered once as a page that says what to do next.
+
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Response};
+use maud::html;
+
+use codepool_store::StoreError;
+
+use crate::operators::Role;
+
+#[derive(Debug)]
+pub enum Failure {
+    /// The operator's role does not hold this.
+    Forbidden(Role),
+    /// A state-changing form without this session's CSRF token.
+    Csrf,
+    /// Nothing by that name or id.
+    NotFound(String),
+    /// The form says something the operation refuses; what to fix.
+    Invalid(String),
+    /// The change cannot apply to what it names now.
+    Conflict(String),
+    /// A server codepool needs is away: try again.
+    Unavailable(String),
+    /// Anything else; logged.
+    Internal(String),
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        if e.is_unavailable() {
+            Failure::Unavailable(e.to_string())
+        } else {
+            Failure::Internal(e.to_string())
+        }
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let (status, title, detail) = match self {
+            Failure::Forbidden(role) => (
+                StatusCode::FORBIDDEN,
+                "Not allowed",
+                format!("this needs the {} role; ask an admin", role.as_str()),
+            ),
+            Failure::Csrf => (
+                StatusCode::FORBIDDEN,
+                "Form refused",
+                "the form did not carry this session's CSRF token; go back, reload the page and send it again".to_owned(),
+            ),
+            Failure::NotFound(d) => (StatusCode::NOT_FOUND, "Not found", d),
+            Failure::Invalid(d) => (StatusCode::UNPROCESSABLE_ENTITY, "Not done", d),
+            Failure::Conflict(d) => (StatusCode::CONFLICT, "Not done", d),
+            Failure::Unavailable(d) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Try again",
+                format!("{d}; nothing was changed twice, try again in a moment"),
+            ),
+            Failure::Internal(d) => {
+                tracing::error!(error = %d, "console request failed");
+                (StatusCode::INTERNAL_SERVER_ERROR, "Failed", d)
+            }
+        };
+        let body = crate::layout::bare(
+            title,
+            html! {
+                h1 { (title) }
+                p.problem role="alert" { (detail) }
+                p { a href="/console/pools" { "Back to the pools" } }
+            },
+        );
+        (status, Html(body.into_string())).into_response()
+    }
+}

@@ -1,0 +1,279 @@
+//! Operator accounts: a name, a role and an argon2id hash of a password.
+//! Accounts come from the CLI (`codepool operators add|list|disable|passwd`)
+//! or from an admin's console page; a disabled account cannot sign in and
+//! its sessions end at once.
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use bson::{doc, DateTime};
+use futures::TryStreamExt;
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+
+use codepool_store::{Store, StoreError};
+
+pub const OPERATORS: &str = "console_operators";
+
+/// Shortest and longest password accepted.
+pub const MIN_PASSWORD: usize = 10;
+pub const MAX_PASSWORD: usize = 1024;
+
+/// What an operator may do. Each role holds everything of the roles
+/// before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Stock and stats.
+    Viewer,
+    /// And order lookup (codes masked), resend, void with a reason.
+    Support,
+    /// And imports, recall, pause/resume, settings, reveal, dead letters,
+    /// API keys, operators, the audit log.
+    Admin,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Viewer, Role::Support, Role::Admin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Support => "support",
+            Role::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s.trim())
+    }
+}
+
+/// An operator as stored (the name is the `_id`: unique).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OperatorDoc {
+    #[serde(rename = "_id")]
+    pub name: String,
+    pub role: Role,
+    /// The argon2id PHC string (salt and parameters included).
+    pub hash: String,
+    pub created_at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_changed_at: Option<DateTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disabled_at: Option<DateTime>,
+}
+
+impl OperatorDoc {
+    pub fn may(&self, role: Role) -> bool {
+        self.disabled_at.is_none() && self.role >= role
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("an operator named {0:?} exists already; pick another name, or change its password with `codepool operators passwd`")]
+    NameTaken(String),
+    #[error("the name must be 1 to 64 letters, digits, '.', '_' or '-'")]
+    BadName,
+    #[error("the password must be {MIN_PASSWORD} to {MAX_PASSWORD} characters")]
+    BadPassword,
+    #[error("no operator is named {0:?}; `codepool operators list` shows them")]
+    Unknown(String),
+    #[error("the password could not be hashed: {0}")]
+    Hash(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn operators(store: &Store) -> mongodb::Collection<OperatorDoc> {
+    store.database().collection::<OperatorDoc>(OPERATORS)
+}
+
+fn store_err(e: mongodb::error::Error) -> OperatorError {
+    OperatorError::Store(StoreError::from(e))
+}
+
+fn is_duplicate(e: &mongodb::error::Error) -> bool {
+    use mongodb::error::{ErrorKind, WriteFailure};
+    matches!(e.kind.as_ref(), ErrorKind::Write(WriteFailure::WriteError(w)) if w.code == 11000)
+}
+
+/// An argon2id hash of `password` (OWASP's default parameters), computed
+/// off the async threads.
+pub async fn hash_password(password: &str) -> Result<String, OperatorError> {
+    let chars = password.chars().count();
+    if !(MIN_PASSWORD..=MAX_PASSWORD).contains(&chars) {
+        return Err(OperatorError::BadPassword);
+    }
+    let password = password.to_owned();
+    let mut salt = [0u8; 16];
+    rand::rng().fill_bytes(&mut salt);
+    tokio::task::spawn_blocking(move || {
+        let salt = SaltString::encode_b64(&salt).map_err(|e| OperatorError::Hash(e.to_string()))?;
+        Argon2::default()
+            .hash_password(password.as_bytes(), &salt)
+            .map(|h| h.to_string())
+            .map_err(|e| OperatorError::Hash(e.to_string()))
+    })
+    .await
+    .map_err(|e| OperatorError::Hash(e.to_string()))?
+}
+
+/// A hash that matches no password anyone types, checked when the name
+/// is unknown so that a wrong name takes as long as a wrong password.
+fn decoy() -> &'static str {
+    static DECOY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DECOY.get_or_init(|| {
+        let salt = SaltString::encode_b64(b"codepool-decoy!!").expect("16 bytes encode");
+        Argon2::default()
+            .hash_password(b"\0no operator has this password\0", &salt)
+            .map(|h| h.to_string())
+            .unwrap_or_default()
+    })
+}
+
+/// Whether `password` matches `hash` (argon2id, constant time), off the
+/// async threads; `None` checks against a decoy and is false.
+pub async fn verify_password(hash: Option<&str>, password: &str) -> bool {
+    let (hash, password) = (hash.map(str::to_owned), password.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let known = hash.is_some();
+        let hash = hash.unwrap_or_else(|| decoy().to_owned());
+        let ok = PasswordHash::new(&hash)
+            .map(|h| {
+                Argon2::default()
+                    .verify_password(password.as_bytes(), &h)
+                    .is_ok()
+            })
+            .unwrap_or(false);
+        ok && known
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// Creates an operator.
+pub async fn add(
+    store: &Store,
+    name: &str,
+    role: Role,
+    password: &str,
+) -> Result<OperatorDoc, OperatorError> {
+    if !valid_name(name) {
+        return Err(OperatorError::BadName);
+    }
+    let op = OperatorDoc {
+        name: name.to_owned(),
+        role,
+        hash: hash_password(password).await?,
+        created_at: DateTime::now(),
+        password_changed_at: None,
+        disabled_at: None,
+    };
+    match operators(store).insert_one(&op).await {
+        Ok(_) => Ok(op),
+        Err(e) if is_duplicate(&e) => Err(OperatorError::NameTaken(name.to_owned())),
+        Err(e) => Err(store_err(e)),
+    }
+}
+
+/// Every operator, by name.
+pub async fn list(store: &Store) -> Result<Vec<OperatorDoc>, OperatorError> {
+    operators(store)
+        .find(doc! {})
+        .sort(doc! {"_id": 1})
+        .await
+        .map_err(store_err)?
+        .try_collect()
+        .await
+        .map_err(store_err)
+}
+
+/// The operator named `name`, enabled or not.
+pub async fn find(store: &Store, name: &str) -> Result<Option<OperatorDoc>, StoreError> {
+    Ok(operators(store).find_one(doc! {"_id": name}).await?)
+}
+
+/// Disables an operator and ends its sessions.
+pub async fn disable(store: &Store, name: &str) -> Result<OperatorDoc, OperatorError> {
+    let op = operators(store)
+        .find_one_and_update(
+            doc! {"_id": name},
+            doc! {"$set": {"disabled_at": DateTime::now()}},
+        )
+        .return_document(mongodb::options::ReturnDocument::After)
+        .await
+        .map_err(store_err)?
+        .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
+    crate::sessions::end_all(store, name).await?;
+    Ok(op)
+}
+
+/// Sets a new password (and enables the account again); its sessions end.
+pub async fn passwd(store: &Store, name: &str, password: &str) -> Result<(), OperatorError> {
+    let hash = hash_password(password).await?;
+    let done = operators(store)
+        .update_one(
+            doc! {"_id": name},
+            doc! {"$set": {"hash": hash, "password_changed_at": DateTime::now()},
+            "$unset": {"disabled_at": ""}},
+        )
+        .await
+        .map_err(store_err)?;
+    if done.matched_count == 0 {
+        return Err(OperatorError::Unknown(name.to_owned()));
+    }
+    crate::sessions::end_all(store, name).await?;
+    Ok(())
+}
+
+/// The enabled operator `name` if `password` is its password. An unknown
+/// name costs the same hash as a known one.
+pub async fn authenticate(
+    store: &Store,
+    name: &str,
+    password: &str,
+) -> Result<Option<OperatorDoc>, StoreError> {
+    let op = if valid_name(name) {
+        find(store, name).await?
+    } else {
+        None
+    };
+    let ok = verify_password(op.as_ref().map(|o| o.hash.as_str()), password).await;
+    Ok(op.filter(|o| ok && o.disabled_at.is_none()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_password_verifies_against_its_own_hash_only() {
+        let h = hash_password("correct horse battery").await.unwrap();
+        assert!(h.starts_with("$argon2id$"), "{h}");
+        assert!(verify_password(Some(&h), "correct horse battery").await);
+        assert!(!verify_password(Some(&h), "correct horse batterz").await);
+        assert!(!verify_password(None, "correct horse battery").await);
+        assert!(matches!(
+            hash_password("short").await,
+            Err(OperatorError::BadPassword)
+        ));
+    }
+
+    #[test]
+    fn roles_hold_the_roles_below_them() {
+        assert!(Role::Admin > Role::Support && Role::Support > Role::Viewer);
+        for r in Role::ALL {
+            assert_eq!(Role::parse(r.as_str()), Some(r));
+        }
+        assert_eq!(Role::parse("root"), None);
+        assert!(valid_name("alice.b-2") && !valid_name("a b") && !valid_name(""));
+    }
+}

@@ -1,0 +1,44 @@
+//! One module per console page: its GET and the POSTs of its forms.
+
+pub mod api_keys;
+pub mod assets;
+pub mod audit;
+pub mod dead_letters;
+pub mod imports;
+pub mod operators;
+pub mod orders;
+pub mod pool;
+pub mod pools;
+pub mod signin;
+
+use crate::failure::Failure;
+use crate::sessions::Session;
+use crate::Console;
+
+/// Writes an operator's change to the audit log; a change that was made
+/// but could not be recorded is reported, loudly, not hidden.
+pub(crate) async fn audit(
+    console: &Console,
+    s: &Session,
+    kind: &str,
+    command: &str,
+    what: String,
+) -> Result<(), Failure> {
+    let action = codepool_store::audit::Action {
+        who: s.who(),
+        kind: kind.to_owned(),
+        command: format!("console {command}"),
+        what,
+    };
+    tracing::info!(operator = %s.operator.name, kind, command, "console action");
+    console
+        .api
+        .store()
+        .record_action(&action)
+        .await
+        .map(|_| ())
+        .map_err(|e| {
+            tracing::error!(error = %e, kind, "console action done but not audited");
+            Failure::from(e)
+        })
+}

@@ -1,0 +1,335 @@
+//! `/console/orders` (support): find an order by its id, the buyer's uid
+//! or phone; its page shows the codes masked, grant numbers, SMS state and
+//! receipts, with resend and void (support) and reveal (admin: audited
+//! before it is shown, shown once in the answer to a POST, never in a URL).
+//! Every action is `codepool lookup|resend|void`'s own operation.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use codepool_dispatcher::ops::{self, Lookup, ResendError};
+use codepool_domain::Code;
+use codepool_store::audit::Reveal;
+use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::CodeQuery;
+use maud::{html, Markup};
+use serde::Deserialize;
+
+use crate::failure::Failure;
+use crate::layout::{self, csrf, url_part, when_chrono};
+use crate::operators::Role;
+use crate::sessions::Session;
+use crate::Console;
+
+/// Codes a uid or phone search lists at most (newest grants first).
+const SEARCH_LIMIT: i64 = 50;
+
+#[derive(Debug, Default, Deserialize)]
+pub struct SearchQuery {
+    #[serde(default)]
+    q: String,
+    /// `order` (default), `uid` or `phone`.
+    by: Option<String>,
+}
+
+fn search_form(q: &SearchQuery) -> Markup {
+    let by = q.by.as_deref().unwrap_or("order");
+    html! {
+        form.search method="get" action="/console/orders" role="search" {
+            label { "Find " select name="by" {
+                option value="order" selected[by == "order"] { "order id" }
+                option value="uid" selected[by == "uid"] { "uid" }
+                option value="phone" selected[by == "phone"] { "phone" }
+            } }
+            input name="q" value=(q.q) maxlength="256" required autofocus;
+            button type="submit" { "Search" }
+        }
+    }
+}
+
+fn code_rows(codes: &[Code], with_order: bool) -> Markup {
+    html! {
+        table.codes {
+            thead { tr {
+                @if with_order { th { "Order" } th { "Pool" } }
+                th { "Line" } th { "Code" } th { "Status" } th { "Grant no." } th { "Issued" } th { "SMS" } th { "Receipts" }
+            } }
+            tbody { @for c in codes {
+                @let h = c.holder.as_ref();
+                tr {
+                    @if with_order {
+                        td { @if let Some(h) = h { a href={"/console/orders/" (url_part(&h.order_id))} { (h.order_id) } } }
+                        td { (c.pool) }
+                    }
+                    td.num { (h.map_or(0, |h| h.line)) }
+                    td.code { (c.masked()) }
+                    td.status { (c.status.name()) @if let Some(r) = &c.void_reason { " (" (r) ")" } }
+                    td { (h.and_then(|h| h.grant_no.clone()).unwrap_or_default()) }
+                    td { (h.map(|h| when_chrono(h.issued_at)).unwrap_or_default()) }
+                    td.sms { (c.sms_state().name()) }
+                    td.receipts { @for e in &c.sms.history {
+                        span.receipt { (e.event) " " (when_chrono(e.at)) @if let Some(err) = &e.error { ": " (err) } } br;
+                    } }
+                }
+            } }
+        }
+    }
+}
+
+/// `GET /console/orders?by=order|uid|phone&q=…`.
+pub async fn search(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Query(q): Query<SearchQuery>,
+) -> Result<Response, Failure> {
+    s.need(Role::Support)?;
+    let text = q.q.trim().to_owned();
+    let store = console.api.store();
+    let found = match (q.by.as_deref().unwrap_or("order"), text.is_empty()) {
+        (_, true) => None,
+        ("uid", _) => Some(ops::lookup(store, CodeQuery::Uid(&text), SEARCH_LIMIT).await?),
+        ("phone", _) => Some(ops::lookup(store, CodeQuery::Phone(&text), SEARCH_LIMIT).await?),
+        _ => {
+            let l = ops::lookup(store, CodeQuery::Order(&text), SEARCH_LIMIT).await?;
+            if !l.is_empty() {
+                return Ok(
+                    Redirect::to(&format!("/console/orders/{}", url_part(&text))).into_response(),
+                );
+            }
+            Some(l)
+        }
+    };
+    let body = html! {
+        h1 { "Orders" }
+        (search_form(&q))
+        @match &found {
+            None => p.hint { "An order id opens the order; a uid or a phone number lists the latest "
+                (SEARCH_LIMIT) " codes granted to that buyer." },
+            Some(l) if l.codes.is_empty() => p.problem role="status" { "Nothing found for " q { (text) } "." },
+            Some(l) => (code_rows(&l.codes, true)),
+        }
+    };
+    Ok(layout::page(&s, "Orders", body).into_response())
+}
+
+fn order_state(l: &Lookup) -> &'static str {
+    use codepool_domain::CodeStatus;
+    if !l.refusals.is_empty() {
+        "refused"
+    } else if l.codes.is_empty() {
+        if l.backorders.iter().any(|b| b.status == "waiting") {
+            "waiting"
+        } else {
+            "cancelled"
+        }
+    } else if l.backorders.iter().any(|b| b.status == "waiting") {
+        "partly granted"
+    } else if l.codes.iter().all(|c| c.status == CodeStatus::Void) {
+        "void"
+    } else {
+        "granted"
+    }
+}
+
+fn actions(s: &Session, id: &str) -> Markup {
+    let base = format!("/console/orders/{}", url_part(id));
+    html! {
+        section.actions {
+            @if s.operator.may(Role::Support) {
+                form.inline method="post" action={(base) "/resend"} {
+                    (csrf(s)) button type="submit" #resend { "Resend SMS" }
+                }
+                form.inline method="post" action={(base) "/void"} {
+                    (csrf(s))
+                    input name="reason" placeholder="reason, e.g. refund" required maxlength="200";
+                    button.danger type="submit" #void { "Void the order" }
+                }
+            }
+            @if s.operator.may(Role::Admin) {
+                form.inline method="post" action={(base) "/reveal"} {
+                    (csrf(s)) button type="submit" #reveal { "Reveal codes (audited)" }
+                }
+            }
+        }
+    }
+}
+
+async fn order_page(
+    console: &Console,
+    s: &Session,
+    id: &str,
+    notice: Option<String>,
+) -> Result<Response, Failure> {
+    let l = ops::lookup(console.api.store(), CodeQuery::Order(id), 100).await?;
+    if l.is_empty() {
+        return Err(Failure::NotFound(format!("codepool knows no order {id:?}: no code, no backorder, no refusal. Check the id, or whether the purchase was dead-lettered")));
+    }
+    let first = l.codes.first().and_then(|c| c.holder.as_ref());
+    let waiting: Vec<u32> = l
+        .backorders
+        .iter()
+        .filter(|b| b.status == "waiting")
+        .flat_map(|b| b.waiting_lines())
+        .collect();
+    let body = html! {
+        h1 { "Order " q.order-id { (id) } }
+        @if let Some(n) = &notice { (layout::notice(n)) }
+        dl.order {
+            dt { "State" } dd.state { (order_state(&l)) }
+            dt { "Pool" } dd { (l.codes.first().map(|c| c.pool.clone()).or_else(|| l.backorders.first().map(|b| b.pool.clone())).unwrap_or_default()) }
+            dt { "Buyer (uid)" } dd.uid { (first.map(|h| h.uid.clone()).or_else(|| l.backorders.first().map(|b| b.uid.clone())).unwrap_or_default()) }
+            dt { "Phone" } dd.phone { (first.map(|h| h.phone.clone()).or_else(|| l.backorders.first().map(|b| b.phone.clone())).unwrap_or_default()) }
+            @if !waiting.is_empty() { dt { "Lines waiting for stock" } dd { (format!("{waiting:?}")) } }
+            @for r in &l.refusals { dt { "Refused" } dd { (r.reason.as_str()) @if let Some(n) = r.limit { " (limit " (n) ")" } } }
+        }
+        @if !l.codes.is_empty() { (code_rows(&l.codes, false)) }
+        (actions(s, id))
+    };
+    Ok(layout::page(s, &format!("Order {id}"), body).into_response())
+}
+
+/// `GET /console/orders/{id}`.
+pub async fn show(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Path(id): Path<String>,
+) -> Result<Response, Failure> {
+    s.need(Role::Support)?;
+    order_page(&console, &s, &id, None).await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ActionForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    reason: String,
+}
+
+/// `POST /console/orders/{id}/resend` (support): the order's SMS-pending
+/// events again, confirmed, as `codepool resend`.
+pub async fn resend(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<ActionForm>,
+) -> Result<Response, Failure> {
+    s.check_csrf(&f.csrf)?;
+    s.need(Role::Support)?;
+    let api = &console.api;
+    let broker = api.broker();
+    let events = match ops::resend(api.store(), api.outbox(), &broker.publisher, &id).await {
+        Ok((events, _)) => events,
+        Err(ResendError::Store(e)) => return Err(e.into()),
+        Err(e @ ResendError::Unconfirmed(_)) => return Err(Failure::Unavailable(e.to_string())),
+        Err(e) => return Err(Failure::Conflict(e.to_string())),
+    };
+    let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let what = format!("order {id:?}: SMS resent ({})", ids.join(", "));
+    super::audit(
+        &console,
+        &s,
+        "resend",
+        "POST /console/orders/{id}/resend",
+        what,
+    )
+    .await?;
+    order_page(
+        &console,
+        &s,
+        &id,
+        Some(format!(
+            "SMS sent again: {} event(s) published.",
+            events.len()
+        )),
+    )
+    .await
+}
+
+/// `POST /console/orders/{id}/void` (support): every code of the order,
+/// and what it still waits for, with a reason, as `codepool void --order`.
+pub async fn void(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<ActionForm>,
+) -> Result<Response, Failure> {
+    s.check_csrf(&f.csrf)?;
+    s.need(Role::Support)?;
+    let reason = ops::checked_reason(&f.reason).ok_or_else(|| {
+        Failure::Invalid(format!(
+            "a void needs a reason: 1 to {} characters saying why",
+            ops::MAX_REASON_CHARS
+        ))
+    })?;
+    let done = match console.api.store().void(CodeRef::Order(&id), reason).await {
+        Ok(VoidOutcome::Voided {
+            applied,
+            backorder_cancelled,
+        }) => format!(
+            "{} code(s) voided{}",
+            applied.len(),
+            if backorder_cancelled {
+                ", the backorder cancelled"
+            } else {
+                ""
+            }
+        ),
+        Ok(VoidOutcome::BackorderCancelled { .. }) => "the backorder cancelled".to_owned(),
+        Err(LifecycleError::Store(e)) => return Err(e.into()),
+        Err(e @ LifecycleError::NotFound { .. }) => return Err(Failure::NotFound(e.to_string())),
+        Err(e) => return Err(Failure::Conflict(e.to_string())),
+    };
+    let what = format!("order {id:?}: {done}; reason {reason:?}");
+    super::audit(&console, &s, "void", "POST /console/orders/{id}/void", what).await?;
+    order_page(&console, &s, &id, Some(format!("Voided: {done}."))).await
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// `POST /console/orders/{id}/reveal` (admin): written to the audit log
+/// first (no record, no reveal), then the codes in this answer only.
+pub async fn reveal(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Path(id): Path<String>,
+    Form(f): Form<ActionForm>,
+) -> Result<Response, Failure> {
+    s.check_csrf(&f.csrf)?;
+    s.need(Role::Admin)?;
+    let store = console.api.store();
+    let l = ops::lookup(store, CodeQuery::Order(&id), 100).await?;
+    if l.codes.is_empty() {
+        return Err(Failure::NotFound(format!(
+            "order {id:?} holds no code to reveal"
+        )));
+    }
+    let reveal = Reveal {
+        os_user: s.who(),
+        host: hostname(),
+        command: "console POST /console/orders/{id}/reveal".into(),
+        what: format!("order {id:?}"),
+        code_ids: l.codes.iter().map(|c| c.id).collect(),
+        count: l.codes.len() as u64,
+    };
+    store.record_reveal(&reveal).await?;
+    tracing::info!(operator = %s.operator.name, order_id = %id, count = l.codes.len(), "codes revealed in the console");
+    let body = html! {
+        h1 { "Codes of order " q { (id) } }
+        p.problem role="alert" { "Shown once, and recorded in the audit log with your name. Leaving or reloading this page hides them." }
+        table.revealed { thead { tr { th { "Line" } th { "Code" } th { "Status" } } }
+            tbody { @for c in &l.codes { tr {
+                td.num { (c.holder.as_ref().map_or(0, |h| h.line)) }
+                td.code.plain { (c.code) }
+                td { (c.status.name()) }
+            } } } }
+        p { a href={"/console/orders/" (url_part(&id))} { "Back to the order (codes masked)" } }
+    };
+    Ok(layout::page(&s, "Revealed codes", body).into_response())
+}

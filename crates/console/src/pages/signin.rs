@@ -1,0 +1,169 @@
+//! `/console/signin` and `/console/signout`.
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::Form;
+use maud::html;
+use serde::Deserialize;
+
+use crate::failure::Failure;
+use crate::sessions::{self, Session};
+use crate::{layout, operators, Console};
+
+#[derive(Debug, Default, Deserialize)]
+pub struct Next {
+    next: Option<String>,
+}
+
+/// Only a console page may be where sign-in leads.
+fn safe_next(next: Option<&str>) -> &str {
+    next.filter(|n| n.starts_with("/console/") && !n.contains("//") && !n.contains('\\'))
+        .unwrap_or("/console/pools")
+}
+
+fn signin_page(status: StatusCode, next: &str, name: &str, problem: Option<&str>) -> Response {
+    let body = layout::bare(
+        "Sign in",
+        html! {
+            h1 { "codepool console" }
+            @if let Some(p) = problem { p.problem role="alert" { (p) } }
+            form.signin method="post" action="/console/signin" {
+                input type="hidden" name="next" value=(next);
+                label { "Name" input name="name" value=(name) autocomplete="username" required autofocus; }
+                label { "Password" input name="password" type="password" autocomplete="current-password" required; }
+                button type="submit" { "Sign in" }
+            }
+            p.hint { "Accounts come from " code { "codepool operators add" } "." }
+        },
+    );
+    (status, Html(body.into_string())).into_response()
+}
+
+/// `GET /console/signin`.
+pub async fn form(Query(q): Query<Next>) -> Response {
+    signin_page(StatusCode::OK, safe_next(q.next.as_deref()), "", None)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Credentials {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    password: String,
+    next: Option<String>,
+}
+
+/// A sign-in posted from another site is refused (with `SameSite=Strict`
+/// a cross-site form would not carry a session anyway; this stops login
+/// CSRF, which needs none).
+fn same_origin(headers: &HeaderMap) -> bool {
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    match (
+        headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()),
+        host,
+    ) {
+        (None, _) | (Some("null"), _) => true,
+        (Some(origin), Some(host)) => origin
+            .split_once("://")
+            .is_some_and(|(_, rest)| rest == host),
+        (Some(_), None) => false,
+    }
+}
+
+/// `POST /console/signin`: a session cookie, or the form again. Failures
+/// slow the name down ([`crate::throttle`]).
+pub async fn submit(
+    State(console): State<Arc<Console>>,
+    headers: HeaderMap,
+    Form(c): Form<Credentials>,
+) -> Response {
+    let next = safe_next(c.next.as_deref()).to_owned();
+    if !same_origin(&headers) {
+        return signin_page(
+            StatusCode::FORBIDDEN,
+            &next,
+            "",
+            Some("this sign-in came from another site; open the console's own page"),
+        );
+    }
+    let keys = vec![format!("name:{}", c.name)];
+    let wait = console.throttle.wait(&keys);
+    if !wait.is_zero() {
+        tracing::warn!(name = %c.name, wait_s = wait.as_secs(), "console sign-in refused: too many failures");
+        let text = format!(
+            "too many failed sign-ins for this name; wait {} seconds and try again",
+            wait.as_secs().max(1)
+        );
+        return signin_page(StatusCode::TOO_MANY_REQUESTS, &next, &c.name, Some(&text));
+    }
+    let store = console.api.store();
+    let op = match operators::authenticate(store, &c.name, &c.password).await {
+        Ok(op) => op,
+        Err(e) => return Failure::from(e).into_response(),
+    };
+    let Some(op) = op else {
+        console.throttle.failed(&keys);
+        tracing::warn!(name = %c.name, "console sign-in failed");
+        return signin_page(
+            StatusCode::UNAUTHORIZED,
+            &next,
+            &c.name,
+            Some("wrong name or password, or the account is disabled"),
+        );
+    };
+    console.throttle.succeeded(&keys[0]);
+    let token = match sessions::start(store, &op.name, console.cfg.session_ttl).await {
+        Ok(t) => t,
+        Err(e) => return Failure::from(e).into_response(),
+    };
+    let action = codepool_store::audit::Action {
+        who: format!("operator:{}", op.name),
+        kind: "sign-in".into(),
+        command: "console POST /console/signin".into(),
+        what: format!("signed in as {}", op.role.as_str()),
+    };
+    if let Err(e) = store.record_action(&action).await {
+        return Failure::from(e).into_response();
+    }
+    tracing::info!(operator = %op.name, "console sign-in");
+    let cookie = sessions::cookie(
+        Some(&token),
+        console.cfg.session_ttl,
+        console.cfg.secure_cookie,
+    );
+    ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CsrfOnly {
+    #[serde(default)]
+    csrf: String,
+}
+
+/// `POST /console/signout`: the session ends on the server, the cookie is
+/// cleared.
+pub async fn signout(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Form(f): Form<CsrfOnly>,
+) -> Result<Response, Failure> {
+    s.check_csrf(&f.csrf)?;
+    sessions::end(console.api.store(), &s.doc.id).await?;
+    super::audit(
+        &console,
+        &s,
+        "sign-out",
+        "POST /console/signout",
+        "signed out".into(),
+    )
+    .await?;
+    let cookie = sessions::cookie(None, console.cfg.session_ttl, console.cfg.secure_cookie);
+    Ok((
+        [(header::SET_COOKIE, cookie)],
+        Redirect::to("/console/signin"),
+    )
+        .into_response())
+}

@@ -1,0 +1,209 @@
+//! Console sessions: a random 256-bit token in an `HttpOnly`,
+//! `SameSite=Strict` cookie scoped to `/console` (`Secure` under TLS); only
+//! its SHA-256 is stored, with the operator, a CSRF token of its own, and
+//! an expiry that a TTL index enforces (and every read checks). Signing
+//! out deletes it; disabling an operator deletes all of theirs.
+
+use std::sync::Arc;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Redirect, Response};
+use bson::{doc, DateTime};
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use codepool_store::{Store, StoreError};
+
+use crate::failure::Failure;
+use crate::operators::{OperatorDoc, Role};
+use crate::Console;
+
+pub const SESSIONS: &str = "console_sessions";
+pub const COOKIE: &str = "codepool_session";
+
+/// A session as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionDoc {
+    /// Hex SHA-256 of the cookie's token.
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub operator: String,
+    /// The token every state-changing form of this session carries.
+    pub csrf: String,
+    pub created_at: DateTime,
+    pub expires_at: DateTime,
+}
+
+fn sessions(store: &Store) -> mongodb::Collection<SessionDoc> {
+    store.database().collection::<SessionDoc>(SESSIONS)
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    hex::encode(buf)
+}
+
+fn sha256_hex(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+/// Equal in time that does not depend on where they differ.
+pub(crate) fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// Opens a session for `operator`; returns the cookie's token.
+pub async fn start(
+    store: &Store,
+    operator: &str,
+    ttl: std::time::Duration,
+) -> Result<String, StoreError> {
+    let token = random_hex(32);
+    let now = chrono::Utc::now();
+    let ttl = chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::hours(8));
+    let doc = SessionDoc {
+        id: sha256_hex(&token),
+        operator: operator.to_owned(),
+        csrf: random_hex(32),
+        created_at: DateTime::from_chrono(now),
+        expires_at: DateTime::from_chrono(now + ttl),
+    };
+    sessions(store).insert_one(&doc).await?;
+    Ok(token)
+}
+
+/// The live session of a cookie token.
+pub async fn find(store: &Store, token: &str) -> Result<Option<SessionDoc>, StoreError> {
+    if token.len() != 64 {
+        return Ok(None);
+    }
+    let found = sessions(store)
+        .find_one(doc! {"_id": sha256_hex(token), "expires_at": {"$gt": DateTime::now()}})
+        .await?;
+    Ok(found)
+}
+
+/// Ends one session.
+pub async fn end(store: &Store, id: &str) -> Result<(), StoreError> {
+    sessions(store).delete_one(doc! {"_id": id}).await?;
+    Ok(())
+}
+
+/// Ends every session of `operator`.
+pub async fn end_all(store: &Store, operator: &str) -> Result<u64, StoreError> {
+    let done = sessions(store)
+        .delete_many(doc! {"operator": operator})
+        .await?;
+    Ok(done.deleted_count)
+}
+
+/// The `Set-Cookie` value of a new session, or of its removal (`None`).
+pub fn cookie(token: Option<&str>, ttl: std::time::Duration, secure: bool) -> HeaderValue {
+    let secure = if secure { "; Secure" } else { "" };
+    let text = match token {
+        Some(t) => format!(
+            "{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/console; Max-Age={}{secure}",
+            ttl.as_secs()
+        ),
+        None => format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/console; Max-Age=0{secure}"),
+    };
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// The session token a request carries, if any.
+fn token_of(parts: &Parts) -> Option<String> {
+    parts
+        .headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == COOKIE)
+        .map(|(_, v)| v.to_owned())
+}
+
+/// A signed-in operator: handlers that take it are reached only with a
+/// live session of an enabled operator; anyone else is sent to sign in.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub doc: SessionDoc,
+    pub operator: OperatorDoc,
+}
+
+impl Session {
+    /// The operator's name as the audit log records it.
+    pub fn who(&self) -> String {
+        format!("operator:{}", self.operator.name)
+    }
+
+    /// Refuses (403) unless the operator's role holds `role`.
+    pub fn need(&self, role: Role) -> Result<(), Failure> {
+        if self.operator.may(role) {
+            Ok(())
+        } else {
+            Err(Failure::Forbidden(role))
+        }
+    }
+
+    /// Refuses (403) a form whose CSRF token is not this session's.
+    pub fn check_csrf(&self, token: &str) -> Result<(), Failure> {
+        if same(token, &self.doc.csrf) {
+            Ok(())
+        } else {
+            Err(Failure::Csrf)
+        }
+    }
+
+    pub fn csrf(&self) -> &str {
+        &self.doc.csrf
+    }
+}
+
+/// Where an unsigned request goes: the sign-in page, then back here.
+fn to_signin(parts: &Parts) -> Response {
+    let back = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .filter(|p| parts.method == axum::http::Method::GET && p.starts_with("/console/"))
+        .unwrap_or("/console/pools");
+    Redirect::to(&format!(
+        "/console/signin?next={}",
+        crate::layout::url_part(back)
+    ))
+    .into_response()
+}
+
+impl FromRequestParts<Arc<Console>> for Session {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        console: &Arc<Console>,
+    ) -> Result<Self, Self::Rejection> {
+        let Some(token) = token_of(parts) else {
+            return Err(to_signin(parts));
+        };
+        let store = console.api.store();
+        let doc = match find(store, &token).await {
+            Ok(Some(d)) => d,
+            Ok(None) => return Err(to_signin(parts)),
+            Err(e) => return Err(Failure::from(e).into_response()),
+        };
+        let operator = match crate::operators::find(store, &doc.operator).await {
+            Ok(Some(o)) if o.disabled_at.is_none() => o,
+            Ok(_) => return Err(to_signin(parts)),
+            Err(e) => return Err(Failure::from(e).into_response()),
+        };
+        Ok(Session { doc, operator })
+    }
+}
