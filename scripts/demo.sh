@@ -99,7 +99,7 @@ for _ in $(seq 1 100); do
 done
 echo "codepool api on $ADDR (log: $API_LOG)"
 BODY='{"order_id":"DEMO-WEB-1","uid":"user-web","phone":"+8613800000011","pool":"demo","quantity":2}'
-echo "\$ curl -X POST http://$ADDR/v1/orders -H 'Authorization: Bearer \$KEY' -d '$BODY'"
+echo "\$ curl -X POST http://$ADDR/v1/orders -H 'Authorization: Bearer \$KEY' -H 'Content-Type: application/json' -d '$BODY'"
 curl -sS -X POST "http://$ADDR/v1/orders" -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' -d "$BODY"
 echo
 echo "\$ curl http://$ADDR/v1/orders/DEMO-WEB-1 -H 'Authorization: Bearer \$KEY'"

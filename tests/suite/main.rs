@@ -13,6 +13,7 @@ mod hostile_input;
 mod hotpool;
 mod importer;
 mod messages;
+mod openapi;
 mod ops;
 mod policies;
 mod quantity;

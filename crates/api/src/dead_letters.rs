@@ -48,6 +48,17 @@ pub(crate) struct Filter {
 }
 
 /// `GET /v1/dead-letters?reason=unknown_pool&limit=N`: they stay queued.
+#[utoipa::path(
+    get, path = "/v1/dead-letters", tag = "dead-letters",
+    operation_id = "list_dead_letters",
+    params(("reason" = Option<String>, Query, description = "only letters of this reason (e.g. unknown_pool)"),
+           ("limit" = Option<usize>, Query, description = "at most this many (default 100)")),
+    responses(
+        (status = 200, description = "dead letters, oldest first; they stay queued", body = crate::openapi::DeadLetters),
+        (status = 422, description = "an invalid `limit`", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn list(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Query(f): Query<Filter>,
@@ -74,6 +85,16 @@ pub(crate) async fn list(
 
 /// `POST /v1/dead-letters/replay` with optional `{"reason": …, "limit": N}`:
 /// back to the purchases queue; those still invalid come back dead.
+#[utoipa::path(
+    post, path = "/v1/dead-letters/replay", tag = "dead-letters",
+    operation_id = "replay_dead_letters",
+    request_body(content = Option<crate::openapi::ReplayIn>, content_type = "application/json"),
+    responses(
+        (status = 200, description = "letters sent back to the purchases queue; those still invalid come back dead", body = crate::openapi::Replayed),
+        (status = 422, description = "the body is not a replay", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn replay(
     (State(api), Extension(key), Extension(rid)): Ctx,
     body: Bytes,

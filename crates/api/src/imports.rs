@@ -43,6 +43,21 @@ pub(crate) struct Upload {
 }
 
 /// `POST /v1/pools/{pool}/imports?file=NAME`: the CSV is the body.
+#[utoipa::path(
+    post, path = "/v1/pools/{pool}/imports", tag = "imports",
+    operation_id = "upload_import",
+    params(("pool" = String, Path, description = "the pool the codes go to"),
+           ("file" = Option<String>, Query, description = "the name the import is recorded under; the same name resumes an interrupted upload"),
+           ("no_header" = Option<bool>, Query, description = "the body has no header row"),
+           ("column" = Option<String>, Query, description = "the header of the code column (default `code`)")),
+    request_body(content = String, content_type = "text/csv", description = "the partner's CSV, streamed"),
+    responses(
+        (status = 201, description = "imported: the summary, invalid rows by line number", body = crate::openapi::ImportSummary),
+        (status = 200, description = "nothing new (every code already in the pool): the summary", body = crate::openapi::ImportSummary),
+        (status = 422, description = "the file cannot be imported (a bad header, an unknown column)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn upload(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(pool): Path<String>,
@@ -135,6 +150,16 @@ fn bad_id(id: &str, rid: &RequestId) -> Response {
 }
 
 /// `GET /v1/imports/{id}`: the audit record of an import run.
+#[utoipa::path(
+    get, path = "/v1/imports/{import_id}", tag = "imports",
+    operation_id = "show_import",
+    params(("import_id" = String, Path, description = "the id an upload answered")),
+    responses(
+        (status = 200, description = "the import's record", body = crate::openapi::ImportOut),
+        (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn show(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(id): Path<String>,
@@ -166,6 +191,18 @@ struct RecallBody {
 
 /// `POST /v1/imports/{id}/recall` with `{"reason": …}`: voids every
 /// still-unissued code of the import; lists the issued ones, masked.
+#[utoipa::path(
+    post, path = "/v1/imports/{import_id}/recall", tag = "imports",
+    operation_id = "recall_import",
+    params(("import_id" = String, Path, description = "the id an upload answered")),
+    request_body(content = crate::openapi::ReasonIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = crate::openapi::Recalled),
+        (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "no reason, or one too long", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn recall(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(id): Path<String>,

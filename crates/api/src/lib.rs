@@ -16,6 +16,7 @@ mod batcher;
 mod dead_letters;
 mod imports;
 pub mod keys;
+mod openapi;
 mod orders;
 mod pools;
 mod problem;
@@ -29,13 +30,16 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::Router;
 use codepool_broker::Publisher;
 use codepool_dispatcher::{Intake, Outbox};
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 pub use keys::{KeyDoc, Scope};
 pub use problem::Problem;
@@ -52,6 +56,8 @@ pub struct ApiConfig {
     /// Longest a client may take to send a request's head (and longest an
     /// idle keep-alive connection stays open).
     pub header_timeout: Duration,
+    /// Serve HTTPS with these settings (`--tls-cert`, `--tls-key`).
+    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
 }
 
 impl Default for ApiConfig {
@@ -61,6 +67,7 @@ impl Default for ApiConfig {
             request_timeout: Duration::from_secs(30),
             rate_per_key: 200,
             header_timeout: Duration::from_secs(10),
+            tls: None,
         }
     }
 }
@@ -174,21 +181,9 @@ struct Bucket {
 /// The `/v1` routes, with their limits, request ids and keys.
 pub fn router(api: Arc<Api>) -> Router {
     let timeout = api.config.request_timeout;
-    let v1 = Router::new()
-        .route("/v1/orders", post(orders::place))
-        .route("/v1/orders/{order_id}", get(orders::read))
-        .route("/v1/orders/{order_id}/redeem", post(orders::redeem))
-        .route("/v1/orders/{order_id}/void", post(orders::void))
-        .route("/v1/orders/{order_id}/resend", post(orders::resend))
-        .route("/v1/pools", get(pools::list).post(pools::create))
-        .route("/v1/pools/{pool}", get(pools::show).patch(pools::settings))
-        .route("/v1/pools/{pool}/pause", post(pools::pause))
-        .route("/v1/pools/{pool}/resume", post(pools::resume))
-        .route("/v1/pools/{pool}/imports", post(imports::upload))
-        .route("/v1/imports/{import_id}", get(imports::show))
-        .route("/v1/imports/{import_id}/recall", post(imports::recall))
-        .route("/v1/dead-letters", get(dead_letters::list))
-        .route("/v1/dead-letters/replay", post(dead_letters::replay))
+    let (v1, doc) = documented().split_for_parts();
+    let doc = Arc::new(openapi::complete(doc));
+    let v1 = v1
         .fallback(
             |axum::Extension(id): axum::Extension<RequestId>| async move {
                 Problem::new(
@@ -203,9 +198,41 @@ pub fn router(api: Arc<Api>) -> Router {
         .layer(DefaultBodyLimit::max(api.config.body_limit))
         .layer(middleware::from_fn_with_state(api.clone(), authenticate))
         .with_state(api);
-    v1.layer(middleware::from_fn(move |req, next| {
+    let doc = Router::new().route(
+        "/openapi.json",
+        get(move || {
+            let doc = doc.clone();
+            async move { axum::Json(doc.as_ref().clone()) }
+        }),
+    );
+    v1.merge(doc).layer(middleware::from_fn(move |req, next| {
         with_request_id(req, next, timeout)
     }))
+}
+
+/// The `/v1` routes with their OpenAPI annotations: the document is made
+/// from the very routes served.
+fn documented() -> OpenApiRouter<Arc<Api>> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(orders::place))
+        .routes(routes!(orders::read))
+        .routes(routes!(orders::redeem))
+        .routes(routes!(orders::void))
+        .routes(routes!(orders::resend))
+        .routes(routes!(pools::list, pools::create))
+        .routes(routes!(pools::show, pools::settings))
+        .routes(routes!(pools::pause))
+        .routes(routes!(pools::resume))
+        .routes(routes!(imports::upload))
+        .routes(routes!(imports::show))
+        .routes(routes!(imports::recall))
+        .routes(routes!(dead_letters::list))
+        .routes(routes!(dead_letters::replay))
+}
+
+/// The OpenAPI document of the API (as `GET /openapi.json` serves it).
+pub fn openapi_document() -> utoipa::openapi::OpenApi {
+    openapi::complete(documented().into_openapi())
 }
 
 /// Binds `addr` now (a taken port fails at start) and serves the API and
@@ -223,6 +250,7 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let (grace, header_timeout) = (api.config.request_timeout, api.config.header_timeout);
+    let tls = api.config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let app = extra.merge(router(api));
     let task = tokio::spawn(async move {
         let connections = hyper_util::server::graceful::GracefulShutdown::new();
@@ -240,14 +268,18 @@ pub async fn serve(
                 },
             };
             let _ = stream.set_nodelay(true);
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            let conn = connections.watch(conn);
+            let (app, watcher) = (app.clone(), connections.watcher());
+            let Some(tls) = tls.clone() else {
+                tokio::spawn(serve_connection(stream, app, header_timeout, watcher));
+                continue;
+            };
             tokio::spawn(async move {
-                let _ = conn.await;
+                // The handshake is bounded like a request's head.
+                match tokio::time::timeout(header_timeout, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => serve_connection(stream, app, header_timeout, watcher).await,
+                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
             });
         }
         drop(listener);
@@ -255,6 +287,62 @@ pub async fn serve(
         Ok(())
     });
     Ok((bound, task))
+}
+
+/// One HTTP/1.1 connection, plain or TLS, until it closes or the server
+/// stops (then it finishes what it serves).
+async fn serve_connection<I>(
+    io: I,
+    app: Router,
+    header_timeout: Duration,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    let _ = watcher.watch(conn).await;
+}
+
+/// The TLS settings for `cert` and `key` (PEM files: the certificate chain
+/// and its private key).
+pub fn tls_config(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
+    use tokio_rustls::rustls;
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+    };
+    let certs: Vec<_> = rustls_pemfile::certs(&mut read(cert)?.as_slice())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{}: not a PEM certificate chain: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "{}: no certificate in it (PEM, BEGIN CERTIFICATE)",
+            cert.display()
+        ));
+    }
+    let private = rustls_pemfile::private_key(&mut read(key)?.as_slice())
+        .map_err(|e| format!("{}: not a PEM private key: {e}", key.display()))?
+        .ok_or_else(|| {
+            format!(
+                "{}: no private key in it (PEM, BEGIN PRIVATE KEY)",
+                key.display()
+            )
+        })?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, private)
+        .map_err(|e| format!("the key does not fit the certificate: {e}"))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 /// Longest an import upload may take.
@@ -286,7 +374,14 @@ async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Res
         timeout
     };
     let started = Instant::now();
-    let res = match tokio::time::timeout(timeout, next.run(req).instrument(span.clone())).await {
+    let early = refused_early(&req).map(|p| p.at(&id).into_response());
+    let run = async move {
+        match early {
+            Some(res) => res,
+            None => next.run(req).await,
+        }
+    };
+    let res = match tokio::time::timeout(timeout, run.instrument(span.clone())).await {
         Ok(res) => res,
         Err(_) => Problem::new(
             StatusCode::REQUEST_TIMEOUT,
@@ -307,6 +402,64 @@ async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Res
         res.headers_mut().insert("x-request-id", v);
     }
     res
+}
+
+/// Most bytes of request headers the API reads (hyper refuses far larger
+/// heads itself).
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// A request refused before its route sees it: headers too large, or a
+/// body that is not of the route's content type.
+fn refused_early(req: &Request) -> Option<Problem> {
+    let size: usize = (req.headers().iter())
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    if size > MAX_HEADER_BYTES {
+        return Some(Problem::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers-too-large",
+            "the request's headers are too large",
+            format!("send at most {MAX_HEADER_BYTES} bytes of headers; an API request needs only Authorization and Content-Type"),
+        ));
+    }
+    let method = req.method();
+    let writes = *method == axum::http::Method::POST || *method == axum::http::Method::PATCH;
+    let empty = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .is_some_and(|v| v.as_bytes() == b"0");
+    if !writes || empty || !req.uri().path().starts_with("/v1/") {
+        return None;
+    }
+    let ct = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if req.uri().path().ends_with("/imports") {
+        // A partner's CSV comes as the raw body, whatever it is labelled.
+        return (essence.starts_with("multipart/") || essence.contains("json")).then(|| {
+            Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-media-type",
+                "the upload is not a CSV body",
+                "send the file itself as the body: curl --data-binary @codes.csv -H 'Content-Type: text/csv'",
+            )
+        });
+    }
+    (essence != "application/json" && !essence.ends_with("+json")).then(|| {
+        Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "the body is not JSON",
+            format!(
+                "send the body as JSON with Content-Type: application/json (got {:?})",
+                ct.chars().take(80).collect::<String>()
+            ),
+        )
+    })
 }
 
 /// An error answered by axum itself (a body over the limit, a path or a

@@ -95,6 +95,19 @@ fn grant_json(g: &Grant, reveal: bool) -> Value {
 }
 
 /// `POST /v1/orders`: the purchase fields as JSON, `quantity` optional.
+#[utoipa::path(
+    post, path = "/v1/orders", tag = "orders",
+    operation_id = "place_order",
+    request_body(content = crate::openapi::PurchaseIn, content_type = "application/json"),
+    responses(
+        (status = 201, description = "the codes were issued now, in plaintext", body = crate::openapi::Placed),
+        (status = 200, description = "the same order again: the same codes, no second SMS", body = crate::openapi::Placed),
+        (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = crate::openapi::Placed),
+        (status = 409, description = "the order id belongs to another order (pool, buyer or quantity); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer over the pool's per-user limit", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
 pub(crate) async fn place(
     (State(api), Extension(key), Extension(rid)): Ctx,
     body: Bytes,
@@ -166,6 +179,17 @@ pub(crate) struct ReadQuery {
 
 /// `GET /v1/orders/{order_id}`: state, codes (masked unless `?reveal=true`
 /// with `codes:reveal`, audited), grant numbers, SMS state.
+#[utoipa::path(
+    get, path = "/v1/orders/{order_id}", tag = "orders",
+    operation_id = "read_order",
+    params(("order_id" = String, Path, description = "the shop's order id"),
+           ("reveal" = Option<bool>, Query, description = "show codes in plaintext (needs codes:reveal; audited)")),
+    responses(
+        (status = 200, description = "the order: state, codes (masked unless revealed), grant numbers, SMS state", body = crate::openapi::Order),
+        (status = 404, description = "codepool knows nothing of the order", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:read"]))
+)]
 pub(crate) async fn read(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,
@@ -282,6 +306,17 @@ fn refused(e: LifecycleError, rid: &RequestId) -> Response {
 }
 
 /// `POST /v1/orders/{order_id}/redeem`: every issued code of the order.
+#[utoipa::path(
+    post, path = "/v1/orders/{order_id}/redeem", tag = "orders",
+    operation_id = "redeem_order",
+    params(("order_id" = String, Path, description = "the shop's order id")),
+    responses(
+        (status = 200, description = "every issued code of the order is now used", body = crate::openapi::Redeemed),
+        (status = 404, description = "the order has no code", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "a code of the order cannot be redeemed (void, already used)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
 pub(crate) async fn redeem(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,
@@ -302,6 +337,19 @@ pub(crate) struct VoidBody {
 
 /// `POST /v1/orders/{order_id}/void` with `{"reason": …}`: every code of
 /// the order, and what it still waits for.
+#[utoipa::path(
+    post, path = "/v1/orders/{order_id}/void", tag = "orders",
+    operation_id = "void_order",
+    params(("order_id" = String, Path, description = "the shop's order id")),
+    request_body(content = crate::openapi::VoidIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "the order's codes are void and what it waited for is cancelled", body = crate::openapi::Voided),
+        (status = 404, description = "the order has no code and no backorder", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "a code of the order cannot be voided", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "no reason, or one too long (`field`: reason)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
 pub(crate) async fn void(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,
@@ -341,6 +389,16 @@ pub(crate) async fn void(
 
 /// `POST /v1/orders/{order_id}/resend`: the order's SMS-pending events
 /// again, confirmed.
+#[utoipa::path(
+    post, path = "/v1/orders/{order_id}/resend", tag = "orders",
+    operation_id = "resend_order",
+    params(("order_id" = String, Path, description = "the shop's order id")),
+    responses(
+        (status = 200, description = "the order's SMS-pending events were sent again and confirmed", body = crate::openapi::Resent),
+        (status = 409, description = "nothing to send (no code, or every code void)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
 pub(crate) async fn resend(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,

@@ -90,6 +90,17 @@ pub(crate) struct Page {
 
 /// `GET /v1/pools?after=NAME&limit=N`: pools by name with their stats; `next`
 /// is the `after` of the next page (null on the last).
+#[utoipa::path(
+    get, path = "/v1/pools", tag = "pools",
+    operation_id = "list_pools",
+    params(("after" = Option<String>, Query, description = "the `next` of the previous page"),
+           ("limit" = Option<i64>, Query, description = "pools per page, 1 to 500 (default 100)")),
+    responses(
+        (status = 200, description = "a page of pools by name, with their stock", body = crate::openapi::PoolPage),
+        (status = 422, description = "an invalid `limit`", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn list(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Query(page): Query<Page>,
@@ -127,6 +138,16 @@ pub(crate) async fn list(
 }
 
 /// `GET /v1/pools/{pool}`.
+#[utoipa::path(
+    get, path = "/v1/pools/{pool}", tag = "pools",
+    operation_id = "show_pool",
+    params(("pool" = String, Path, description = "the pool's name")),
+    responses(
+        (status = 200, description = "the pool's settings and stock", body = crate::openapi::PoolOut),
+        (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn show(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(pool): Path<String>,
@@ -151,6 +172,17 @@ struct NewPool {
 }
 
 /// `POST /v1/pools` with `{"name": …}`: 201 created, 200 if it existed.
+#[utoipa::path(
+    post, path = "/v1/pools", tag = "pools",
+    operation_id = "create_pool",
+    request_body(content = crate::openapi::NewPool, content_type = "application/json"),
+    responses(
+        (status = 201, description = "the pool was created", body = crate::openapi::Created),
+        (status = 200, description = "the pool already existed", body = crate::openapi::Created),
+        (status = 422, description = "an unusable name (`field`: name)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn create(
     (State(api), Extension(key), Extension(rid)): Ctx,
     body: Bytes,
@@ -206,6 +238,18 @@ struct Settings {
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
 /// `per_user`, `case_sensitive_codes`.
+#[utoipa::path(
+    patch, path = "/v1/pools/{pool}", tag = "pools",
+    operation_id = "set_pool",
+    params(("pool" = String, Path, description = "the pool's name")),
+    request_body(content = crate::openapi::SettingsIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "the pool with its new settings", body = crate::openapi::PoolOut),
+        (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "an invalid setting (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn settings(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(pool): Path<String>,
@@ -278,10 +322,30 @@ fn settings_error(e: PoolSettingsError, pool: &str, rid: &RequestId) -> Response
 
 /// `POST /v1/pools/{pool}/pause` and `/resume`: announced with
 /// `pool.paused` / `pool.resumed`, like `codepool pool pause`.
+#[utoipa::path(
+    post, path = "/v1/pools/{pool}/pause", tag = "pools",
+    operation_id = "pause_pool",
+    params(("pool" = String, Path, description = "the pool's name")),
+    responses(
+        (status = 200, description = "the pool is paused: its orders wait as backorders", body = crate::openapi::Paused),
+        (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn pause(ctx: Ctx, Path(pool): Path<String>) -> Response {
     set_paused(ctx, pool, true).await
 }
 
+#[utoipa::path(
+    post, path = "/v1/pools/{pool}/resume", tag = "pools",
+    operation_id = "resume_pool",
+    params(("pool" = String, Path, description = "the pool's name")),
+    responses(
+        (status = 200, description = "the pool is resumed: its backorders are served", body = crate::openapi::Paused),
+        (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
 pub(crate) async fn resume(ctx: Ctx, Path(pool): Path<String>) -> Response {
     set_paused(ctx, pool, false).await
 }

@@ -16,7 +16,7 @@ use crate::config::Config;
 #[command(after_help = "\
 Examples:
   codepool api --listen 127.0.0.1:8080
-  curl -H \"Authorization: Bearer $KEY\" -d '{\"order_id\":\"O-1\",\"uid\":\"u1\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\"}' \\
+  curl -H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' -d '{\"order_id\":\"O-1\",\"uid\":\"u1\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\"}' \\
        http://127.0.0.1:8080/v1/orders
 
 Stateless: run as many as you like behind a load balancer, beside at least
@@ -43,16 +43,30 @@ pub struct ApiArgs {
     /// idle connection is closed.
     #[arg(long, default_value_t = ApiConfig::default().header_timeout.as_secs())]
     pub header_timeout: u64,
+    /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
+    /// Without it, serve plain HTTP behind a TLS-terminating proxy.
+    #[arg(long, requires = "tls_key", env = "CODEPOOL_API_TLS_CERT")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The certificate's private key (PEM, PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, requires = "tls_cert", env = "CODEPOOL_API_TLS_KEY")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// Hours an operator's console session lasts (/console).
     #[arg(long, default_value_t = 8)]
     pub console_session_hours: u64,
-    /// Mark console cookies Secure (served over TLS, or behind a
-    /// TLS-terminating proxy).
+    /// Mark console cookies Secure behind a TLS-terminating proxy (always
+    /// with --tls-cert).
     #[arg(long, env = "CODEPOOL_CONSOLE_SECURE_COOKIE")]
     pub console_secure_cookie: bool,
 }
 
 pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
+    // A bad certificate is found before any server is contacted.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(codepool_api::tls_config(cert, key).map_err(|e| {
+            anyhow::anyhow!("{e}; give --tls-cert and --tls-key as PEM files, or leave both out to serve plain HTTP behind a proxy")
+        })?),
+        _ => None,
+    };
     let stop = crate::shutdown::on_signals();
     let health = Arc::new(Health::default());
     let metrics = crate::http::install_metrics()?;
@@ -71,6 +85,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         rate_per_key: args.rate_per_key,
         header_timeout: Duration::from_secs(args.header_timeout.max(1)),
+        tls,
     };
     let api = Api::new(
         store.clone(),
@@ -82,7 +97,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     );
     let console = codepool_console::ConsoleConfig {
         session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
-        secure_cookie: args.console_secure_cookie,
+        secure_cookie: args.console_secure_cookie || args.tls_cert.is_some(),
         ..codepool_console::ConsoleConfig::default()
     };
     let extra = crate::http::routes(health.clone(), metrics)

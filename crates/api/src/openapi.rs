@@ -1,0 +1,480 @@
+//! The API's OpenAPI 3.1 document, generated from the handlers'
+//! `#[utoipa::path]` annotations and the schemas below; served at
+//! `GET /openapi.json`. The suite holds real traffic to it: every answer's
+//! status is documented for its route, and every JSON body validates
+//! against the documented schema (which refuses unknown members).
+
+#![allow(dead_code)] // The shapes below exist to be documented.
+
+use serde::Serialize;
+use utoipa::openapi::path::{HttpMethod, Operation, PathItem};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{
+    Content, ContentBuilder, OpenApi as Document, RefOr, Response, ResponseBuilder,
+};
+use utoipa::{Modify, OpenApi, ToSchema};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "codepool",
+        description = "Pre-issued activation codes for shop backends: an order gets exactly its codes, once, however often it is sent. Every /v1 route needs `Authorization: Bearer cpk_…` with the route's scope (orders:write, orders:read, codes:reveal, admin). Errors are RFC 9457 problems whose `detail` says what to do next.",
+        license(name = "Apache-2.0"),
+    ),
+    tags(
+        (name = "orders", description = "Place an order, read it, redeem, void, resend"),
+        (name = "pools", description = "Pools, their stock and settings (admin)"),
+        (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
+        (name = "dead-letters", description = "Purchases codepool could not take (admin)"),
+        (name = "operations", description = "Health, readiness and metrics (no key)"),
+    ),
+    components(schemas(ProblemDoc)),
+)]
+pub(crate) struct ApiDoc;
+
+/// A purchase: the fields and rules of the AMQP purchase (docs/messages.md).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PurchaseIn {
+    /// The shop's order id: the same id is the same order.
+    #[schema(min_length = 1, max_length = 128)]
+    order_id: String,
+    /// The buyer.
+    #[schema(min_length = 1, max_length = 128)]
+    uid: String,
+    /// E.164 phone number the codes are texted to.
+    #[schema(example = "+8613800000000")]
+    phone: String,
+    /// The pool the codes come from.
+    pool: String,
+    /// RFC 3339 time of the purchase.
+    #[schema(nullable = false)]
+    purchased_at: Option<String>,
+    /// How many distinct codes: 1 to 100 (default 1).
+    #[schema(minimum = 1, maximum = 100, nullable = false)]
+    quantity: Option<u32>,
+}
+
+/// A code granted by `POST /v1/orders`, in plaintext (the shop shows it).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GrantedCode {
+    line: u32,
+    code: String,
+    grant_no: Option<String>,
+    issued_at: String,
+    #[schema(pattern = "^(issued|void)$")]
+    status: String,
+}
+
+/// The answer to `POST /v1/orders`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Placed {
+    order_id: String,
+    pool: String,
+    uid: String,
+    quantity: u32,
+    /// `granted`, `partly_granted` or `waiting`.
+    #[schema(pattern = "^(granted|partly_granted|waiting)$")]
+    state: String,
+    codes: Vec<GrantedCode>,
+    /// Lines that wait for stock; their codes follow as SMS events.
+    waiting_lines: Vec<u32>,
+}
+
+/// One code of an order as `GET /v1/orders/{order_id}` shows it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OrderCode {
+    line: Option<u32>,
+    /// Masked unless revealed.
+    code: String,
+    status: String,
+    grant_no: Option<String>,
+    issued_at: Option<String>,
+    /// `pending`, `queued`, `sent` or `failed`.
+    sms: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Refusal {
+    reason: String,
+    limit: Option<i64>,
+}
+
+/// An order as codepool knows it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Order {
+    order_id: String,
+    pool: Option<String>,
+    uid: Option<String>,
+    quantity: Option<u32>,
+    /// `granted`, `partly_granted`, `waiting`, `refused`, `void`, `cancelled`.
+    state: String,
+    codes: Vec<OrderCode>,
+    waiting_lines: Vec<u32>,
+    refusal: Option<Refusal>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Redeemed {
+    order_id: String,
+    redeemed: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct VoidIn {
+    /// Why (a refund, a chargeback): 1 to 200 characters.
+    reason: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Voided {
+    order_id: String,
+    voided: u64,
+    backorder_cancelled: bool,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Resent {
+    order_id: String,
+    /// The `event_id`s sent again (the same ids as the first time).
+    events: Vec<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolStats {
+    unissued: u64,
+    issued: u64,
+    used: u64,
+    void: u64,
+    expired: u64,
+    backorders_waiting: u64,
+    issued_last_hour: u64,
+    issued_last_day: u64,
+}
+
+/// A pool: its settings and stock.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolOut {
+    name: String,
+    paused: bool,
+    /// Codes one buyer may hold (0: no limit).
+    per_user: i64,
+    low_stock: Option<i64>,
+    low_stock_alerted: bool,
+    grant_prefix: String,
+    case_sensitive_codes: bool,
+    created_at: String,
+    stats: Option<PoolStats>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolPage {
+    pools: Vec<PoolOut>,
+    /// The `after` of the next page; null on the last.
+    next: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewPool {
+    name: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Created {
+    name: String,
+    created: bool,
+}
+
+/// Any of the settings; the others stay.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SettingsIn {
+    #[schema(nullable = false)]
+    low_stock: Option<i64>,
+    #[schema(nullable = false)]
+    grant_prefix: Option<String>,
+    #[schema(nullable = false)]
+    per_user: Option<i64>,
+    #[schema(nullable = false)]
+    case_sensitive_codes: Option<bool>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Paused {
+    name: String,
+    paused: bool,
+    changed: bool,
+}
+
+/// An import's record: the same as `codepool import` writes.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ImportOut {
+    import_id: String,
+    pool: String,
+    file: String,
+    /// `running`, `done`, `interrupted` or `failed`.
+    status: String,
+    sha256: Option<String>,
+    rows: u64,
+    inserted: u64,
+    duplicates: u64,
+    invalid: u64,
+    seconds: f64,
+    error: Option<String>,
+    started_at: String,
+    finished_at: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct InvalidRow {
+    /// The row's line number in the file (the header is line 1).
+    line: u64,
+    reason: String,
+}
+
+/// What an upload did: the summary `codepool import` prints.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ImportSummary {
+    import_id: String,
+    pool: String,
+    file: String,
+    status: String,
+    sha256: String,
+    rows: u64,
+    inserted: u64,
+    duplicates: u64,
+    /// Rows refused (malformed, or look-alikes of a code the pool holds).
+    invalid: u64,
+    lookalikes: u64,
+    /// The first invalid rows, by line number.
+    invalid_rows: Vec<InvalidRow>,
+    seconds: f64,
+    codes_per_second: f64,
+    /// The unfinished run of the same file this upload completed.
+    #[schema(nullable = false)]
+    resumed_from: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HeldCode {
+    code: String,
+    status: String,
+    order_id: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Recalled {
+    import_id: String,
+    pool: String,
+    voided: u64,
+    issued: u64,
+    held: Vec<HeldCode>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReasonIn {
+    reason: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeadLetter {
+    message_id: Option<String>,
+    reason: String,
+    replays: u64,
+    /// The purchase as it came (text).
+    body: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeadLetters {
+    dead_letters: Vec<DeadLetter>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReplayIn {
+    #[schema(nullable = false)]
+    reason: Option<String>,
+    #[schema(nullable = false)]
+    limit: Option<u64>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Replayed {
+    replayed: u64,
+}
+
+/// An RFC 9457 problem.
+#[derive(Serialize, ToSchema)]
+pub(crate) struct ProblemDoc {
+    /// A URI naming the problem's kind.
+    #[serde(rename = "type")]
+    kind: String,
+    title: String,
+    status: u16,
+    /// What to do next.
+    detail: String,
+    #[schema(nullable = false)]
+    request_id: Option<String>,
+    /// The request field at fault.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    field: Option<String>,
+}
+
+/// What every `/v1` route may also answer, whatever it does.
+const COMMON: &[(&str, &str)] = &[
+    (
+        "400",
+        "the request cannot be read (a path or query that does not parse)",
+    ),
+    (
+        "401",
+        "no key, or an unknown or revoked one (with `WWW-Authenticate: Bearer`)",
+    ),
+    ("403", "the key lacks the route's scope (named in `detail`)"),
+    ("405", "the route does not take that method"),
+    ("408", "the request took longer than `--request-timeout`"),
+    ("413", "the body is over `--body-limit`"),
+    ("415", "the body is not of the route's content type"),
+    (
+        "429",
+        "the key is over its rate (`Retry-After` says when to come back)",
+    ),
+    (
+        "500",
+        "a fault; nothing was granted twice, send the request again",
+    ),
+    (
+        "503",
+        "MongoDB or RabbitMQ is away; send the request again (`Retry-After`)",
+    ),
+];
+
+/// Adds the bearer scheme, the common problems of every `/v1` operation,
+/// and the operations routes (health, readiness, metrics, this document).
+struct Common;
+
+impl Modify for Common {
+    fn modify(&self, doc: &mut Document) {
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("cpk_<id>_<secret>")
+                    .build(),
+            ),
+        );
+        for (path, item) in doc.paths.paths.iter_mut() {
+            if path.starts_with("/v1/") {
+                for op in operations(item) {
+                    add_common(op);
+                }
+            }
+        }
+        for (path, id, what, content_type) in [
+            ("/healthz", "healthz", "the process is alive", "text/plain"),
+            (
+                "/readyz",
+                "readyz",
+                "ready: MongoDB and RabbitMQ reachable (503 when not)",
+                "text/plain",
+            ),
+            ("/metrics", "metrics", "Prometheus metrics", "text/plain"),
+            (
+                "/openapi.json",
+                "openapi",
+                "this document",
+                "application/json",
+            ),
+        ] {
+            let item = operations_item(id, what, content_type);
+            doc.paths.paths.insert(path.to_owned(), item);
+        }
+    }
+}
+
+fn operations(item: &mut PathItem) -> impl Iterator<Item = &mut Operation> {
+    [
+        item.get.as_mut(),
+        item.post.as_mut(),
+        item.patch.as_mut(),
+        item.put.as_mut(),
+        item.delete.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
+}
+
+fn problem_content() -> Content {
+    ContentBuilder::new()
+        .schema(Some(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
+            "ProblemDoc",
+        ))))
+        .build()
+}
+
+fn add_common(op: &mut Operation) {
+    for (status, what) in COMMON {
+        op.responses
+            .responses
+            .entry((*status).to_owned())
+            .or_insert_with(|| {
+                RefOr::T(
+                    ResponseBuilder::new()
+                        .description(*what)
+                        .content("application/problem+json", problem_content())
+                        .build(),
+                )
+            });
+    }
+}
+
+fn operations_item(id: &str, what: &str, content_type: &str) -> PathItem {
+    let ok: Response = ResponseBuilder::new()
+        .description(what)
+        .content(content_type, ContentBuilder::new().build())
+        .build();
+    let unready: Response = ResponseBuilder::new().description("not ready").build();
+    let op = utoipa::openapi::path::OperationBuilder::new()
+        .tag("operations")
+        .summary(Some(what))
+        .operation_id(Some(id))
+        .response("200", ok)
+        .response("503", unready)
+        .build();
+    PathItem::new(HttpMethod::Get, op)
+}
+
+/// The document the router's annotations made, completed: the key scheme,
+/// the common problems of every `/v1` operation, the operations routes.
+pub(crate) fn complete(mut doc: Document) -> Document {
+    Common.modify(&mut doc);
+    doc
+}
