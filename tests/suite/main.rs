@@ -6,6 +6,7 @@
 mod api;
 mod claims;
 mod common;
+mod console;
 mod deploy;
 mod dispatcher;
 mod export_rules;

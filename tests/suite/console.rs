@@ -1,0 +1,459 @@
+//! The operator console in a real browser: headless Debian chromium driven
+//! through chromedriver (fantoccini), against a real `codepool api` process
+//! on the real servers (`scripts/browser.sh` installs the browser). Every
+//! page the tests visit is saved to target/console-screenshots/.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::api::{http, key, order, ApiServer};
+use crate::common::{codepool_ok, eventually, free_port, TestEnv};
+
+const PASSWORD: &str = "a long enough password";
+
+/// A chromedriver of this test's own and a headless chromium session.
+struct Browser {
+    client: Client,
+    base: String,
+    _driver: tokio::process::Child,
+}
+
+impl Browser {
+    async fn start(api_addr: &str) -> Self {
+        let port = free_port();
+        let driver_bin = std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into());
+        let driver = tokio::process::Command::new(&driver_bin)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("chromedriver must be installed (scripts/browser.sh)");
+        let addr = format!("127.0.0.1:{port}");
+        eventually(Duration::from_secs(30), "chromedriver to listen", || {
+            let addr = addr.clone();
+            async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
+        })
+        .await;
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".into(),
+            json!({"args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                            "--disable-dev-shm-usage", "--window-size=1280,900"]}),
+        );
+        let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        let client = ClientBuilder::new(connector)
+            .capabilities(caps)
+            .connect(&format!("http://{addr}"))
+            .await
+            .expect("a chromium session");
+        Self {
+            client,
+            base: format!("http://{api_addr}"),
+            _driver: driver,
+        }
+    }
+
+    async fn goto(&self, path: &str) {
+        self.client
+            .goto(&format!("{}{path}", self.base))
+            .await
+            .expect("page loads");
+    }
+
+    /// Waits for an element (after a navigation) and returns its text.
+    async fn text(&self, css: &str) -> String {
+        let el = self
+            .client
+            .wait()
+            .at_most(Duration::from_secs(20))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no {css} on the page: {e}"));
+        el.text().await.expect("element text")
+    }
+
+    async fn has(&self, css: &str) -> bool {
+        !self
+            .client
+            .find_all(Locator::Css(css))
+            .await
+            .expect("find")
+            .is_empty()
+    }
+
+    async fn fill(&self, css: &str, value: &str) {
+        let el = self.client.find(Locator::Css(css)).await.expect(css);
+        el.clear().await.ok();
+        el.send_keys(value).await.expect("typing");
+    }
+
+    async fn click(&self, css: &str) {
+        self.client
+            .find(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no {css}: {e}"))
+            .click()
+            .await
+            .expect("click");
+    }
+
+    async fn shot(&self, name: &str) {
+        let png = self.client.screenshot().await.expect("screenshot");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/console-screenshots");
+        std::fs::create_dir_all(&dir).expect("screenshot folder");
+        std::fs::write(dir.join(format!("{name}.png")), png).expect("screenshot written");
+    }
+
+    async fn sign_in(&self, name: &str) {
+        self.goto("/console/signin").await;
+        self.fill("input[name=name]", name).await;
+        self.fill("input[name=password]", PASSWORD).await;
+        self.click("form.signin button").await;
+        let who = self.text("header .who").await;
+        assert!(who.starts_with(name), "signed in as {name}: {who}");
+    }
+
+    /// The session cookie chromium holds (HttpOnly: no script sees it).
+    async fn session_cookie(&self) -> String {
+        let cookies = self.client.get_all_cookies().await.expect("cookies");
+        let c = cookies
+            .iter()
+            .find(|c| c.name() == "codepool_session")
+            .expect("a session cookie");
+        assert_eq!(c.http_only(), Some(true));
+        assert_eq!(format!("{:?}", c.same_site()), "Some(Strict)");
+        assert_eq!(c.path(), Some("/console"));
+        format!("codepool_session={}", c.value())
+    }
+
+    async fn csrf(&self) -> String {
+        let el = self
+            .client
+            .find(Locator::Css("input[name=csrf]"))
+            .await
+            .expect("a form with a CSRF token");
+        el.attr("value").await.unwrap().expect("token")
+    }
+
+    async fn close(self) {
+        let _ = self.client.close().await;
+    }
+}
+
+/// `codepool operators add` with the password on standard input.
+async fn operator(env: &TestEnv, name: &str, role: &str) {
+    let mut child = env
+        .command(&[
+            "operators",
+            "add",
+            "--name",
+            name,
+            "--role",
+            role,
+            "--password-stdin",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{PASSWORD}\n").as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A form POST with a cookie, as a page (or a forger) would send it:
+/// status, `location` and body.
+async fn post_form(addr: &str, path: &str, cookie: &str, body: &str) -> (u16, String, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let location = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("location:")
+                .map(|v| v.trim().to_owned())
+        })
+        .unwrap_or_default();
+    (status, location, body.to_owned())
+}
+
+async fn get_with(addr: &str, path: &str, cookie: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, text)
+}
+
+fn unissued_of(text: &str) -> u64 {
+    text.replace(',', "").trim().parse().unwrap_or(u64::MAX)
+}
+
+#[tokio::test]
+async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are_granted() {
+    let env = TestEnv::new("console_stock").await;
+    operator(&env, "ada", "admin").await;
+    codepool_ok(&env, &["pool", "create", "--pool", "game-x"]).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let b = Browser::start(&api.addr).await;
+
+    b.goto("/console/pools").await;
+    assert!(b.has("form.signin").await, "a page needs a session");
+    b.shot("signin").await;
+    b.sign_in("ada").await;
+
+    // Upload a CSV with two bad rows; the summary names them by line.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("partner.csv");
+    let mut rows = String::from("code\n");
+    for i in 0..40 {
+        rows.push_str(&format!("GX-{i:06}\n"));
+    }
+    // Line 42 hides a bidi override, line 43 is far too long.
+    rows.push_str(&format!("BAD\u{202e}CODE\n{}\n", "X".repeat(300)));
+    std::fs::write(&csv, rows).unwrap();
+    b.goto("/console/pools/game-x").await;
+    b.shot("pool").await;
+    let file = b
+        .client
+        .find(Locator::Css("form.upload input[type=file]"))
+        .await
+        .unwrap();
+    file.send_keys(csv.to_str().unwrap()).await.unwrap();
+    b.click("form.upload button").await;
+    assert_eq!(b.text("#import-summary dd.inserted").await, "40");
+    let invalid = b.text("table.invalid-rows").await;
+    assert!(
+        invalid.contains("42") && invalid.contains("43"),
+        "invalid rows by line number: {invalid}"
+    );
+    b.shot("import-summary").await;
+
+    // The pools page refreshes its numbers by itself while orders arrive.
+    b.goto("/console/pools").await;
+    let cell = "tr[data-pool=\"game-x\"] td.unissued";
+    assert_eq!(unissued_of(&b.text(cell).await), 40);
+    b.shot("pools").await;
+    for i in 0..5 {
+        let (status, _, body) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&shop),
+            &order(&format!("W-{i}"), "game-x", 1),
+        )
+        .await;
+        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    }
+    eventually(
+        Duration::from_secs(30),
+        "the pools page to show 35 unissued without a reload",
+        || async { unissued_of(&b.text(cell).await) == 35 },
+    )
+    .await;
+    assert_eq!(
+        b.client.current_url().await.unwrap().path(),
+        "/console/pools"
+    );
+    assert!(
+        b.has("svg.chart polyline").await,
+        "the stock chart is a picture"
+    );
+    b.shot("pools-live").await;
+
+    // Every action is in the audit log with the operator's name.
+    b.goto("/console/audit?who=operator:ada&kind=import").await;
+    let audit = b.text("table.audit tbody").await;
+    assert!(
+        audit.contains("operator:ada") && audit.contains("40 inserted"),
+        "{audit}"
+    );
+    b.shot("audit").await;
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall() {
+    let env = TestEnv::new("console_support").await;
+    env.fill_pool("game-y", 10).await;
+    operator(&env, "sam", "support").await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let hostile = "<script>alert('uid')</script>";
+    let body =
+        json!({"order_id": "O-77", "uid": hostile, "phone": "+8613800000077", "pool": "game-y"});
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("sam").await;
+
+    // Find it by uid: the uid shows as text, not as a script.
+    b.goto(&format!("/console/orders?by=uid&q={}", crate_url(hostile)))
+        .await;
+    b.shot("orders-search").await;
+    b.click("table.codes a").await;
+    assert_eq!(b.text("dd.uid").await, hostile);
+    assert!(b.client.get_alert_text().await.is_err(), "no script ran");
+    assert!(b
+        .client
+        .source()
+        .await
+        .unwrap()
+        .contains("&lt;script&gt;alert"));
+    let masked = b.text("td.code").await;
+    assert!(
+        masked.contains('*') && !masked.contains("game-y-0000"),
+        "masked: {masked}"
+    );
+    b.shot("order").await;
+
+    // Resend its SMS, then void it with a reason.
+    b.click("#resend").await;
+    assert!(b.text("p.notice").await.contains("SMS sent again"));
+    b.shot("order-resent").await;
+    let cookie = b.session_cookie().await;
+    let csrf = b.csrf().await;
+    // A POST without its CSRF token is refused, and changes nothing.
+    let (status, _, _) = post_form(
+        &api.addr,
+        "/console/orders/O-77/void",
+        &cookie,
+        "reason=forged",
+    )
+    .await;
+    assert_eq!(status, 403);
+    let (status, _, _) = post_form(
+        &api.addr,
+        "/console/orders/O-77/void",
+        &cookie,
+        "reason=forged&csrf=0000",
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert_eq!(b.text("dd.state").await, "granted");
+    b.fill("form input[name=reason]", "refund").await;
+    b.click("#void").await;
+    assert!(b.text("p.notice").await.contains("1 code(s) voided"));
+    assert_eq!(b.text("dd.state").await, "void");
+    b.shot("order-voided").await;
+
+    // Support may not reveal or recall: no button, and the POST is refused.
+    assert!(!b.has("#reveal").await);
+    let form = format!("csrf={csrf}");
+    let (status, _, body) =
+        post_form(&api.addr, "/console/orders/O-77/reveal", &cookie, &form).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(!body.contains("game-y-0000"), "no code in a refusal");
+    let import = bson::oid::ObjectId::new().to_hex();
+    let recall = format!("csrf={csrf}&reason=leak&confirm=yes");
+    let (status, _, _) = post_form(
+        &api.addr,
+        &format!("/console/imports/{import}/recall"),
+        &cookie,
+        &recall,
+    )
+    .await;
+    assert_eq!(status, 403);
+    b.goto("/console/pools/game-y").await;
+    assert!(!b.has("form.recall").await && !b.has("form.upload").await);
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+fn crate_url(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_signed_out_session_cannot_reach_a_page_and_admin_pages_render() {
+    let env = TestEnv::new("console_signout").await;
+    env.fill_pool("game-z", 5).await;
+    operator(&env, "ada", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("ada").await;
+    let cookie = b.session_cookie().await;
+
+    // The admin pages render; a key's secret is shown once.
+    b.goto("/console/api-keys").await;
+    b.fill("form.grid input[name=name]", "shop-2").await;
+    b.click("form.grid input[value=\"orders:read\"]").await;
+    b.click("form.grid button").await;
+    assert!(b.text("#new-secret").await.starts_with("cpk_"));
+    b.shot("api-keys").await;
+    b.goto("/console/operators").await;
+    assert!(b.text("table.operators").await.contains("ada"));
+    b.shot("operators").await;
+    b.goto("/console/dead-letters").await;
+    assert_eq!(b.text("h1").await, "Dead letters");
+    b.shot("dead-letters").await;
+
+    let (status, _) = get_with(&api.addr, "/console/pools", &cookie).await;
+    assert_eq!(status, 200);
+    b.click("form.signout button").await;
+    assert!(b.has("form.signin").await || b.text("form.signin button").await == "Sign in");
+    // The old cookie no longer opens a page: the session is gone on the server.
+    let (status, text) = get_with(&api.addr, "/console/pools", &cookie).await;
+    assert_eq!(status, 303, "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("location: /console/signin"),
+        "{text}"
+    );
+    let (status, _, _) = post_form(&api.addr, "/console/pools", &cookie, "name=x").await;
+    assert_eq!(status, 303);
+    b.goto("/console/orders").await;
+    assert!(b.has("form.signin").await);
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}
