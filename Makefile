@@ -7,7 +7,7 @@ BIN := target/debug/codepool
 RELEASE_BIN := target/release/codepool
 NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help services deploy-tools services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
+.PHONY: help services deploy-tools browser services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
 
 help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
@@ -15,12 +15,17 @@ help:
 	@echo "make chaos     the long chaos test (kills, flushes, restarts) — about 5 minutes"
 	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, import, sequences)"
 	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
+	@echo "make browser   install Debian's chromium and chromedriver for the console's browser tests (idempotent)"
 	@echo "make cluster   a 3-member replica set, a 3-node RabbitMQ cluster and a 3-master Redis Cluster (prints CODEPOOL_*)"
 	@echo "make chaos-cluster  the long failover test on the cluster (repeated faults)"
 	@echo "make lint      cargo fmt --check and clippy -D warnings"
 
 services:
 	@bash scripts/services.sh
+
+# Debian's chromium and chromedriver, for the console's browser tests.
+browser:
+	@bash scripts/browser.sh
 
 services-stop:
 	@bash scripts/services.sh stop
@@ -48,7 +53,7 @@ run: services build
 # the failover test, which starts the replicated servers (scripts/cluster.sh,
 # idempotent, ports apart) and kills their members.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
-test: services deploy-tools
+test: services deploy-tools browser
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) nextest run --locked -p codepool --test chaos

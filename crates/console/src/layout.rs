@@ -95,15 +95,13 @@ pub fn when_chrono(t: chrono::DateTime<chrono::Utc>) -> String {
 
 /// 1234567 as "1,234,567".
 pub fn count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    let digits: Vec<char> = n.to_string().chars().rev().collect();
+    let groups: Vec<String> = digits
+        .chunks(3)
+        .map(|g| g.iter().rev().collect())
+        .rev()
+        .collect();
+    groups.join(",")
 }
 
 /// A notice at the top of a page (the outcome of an action).
