@@ -1,0 +1,248 @@
+//! The dashboard and the alert rules in `deploy/` work on real metrics: a
+//! real Prometheus (Debian's package, `scripts/deploy-tools.sh`) scrapes a
+//! real dispatcher and API server every second while they grant, back
+//! order, refuse and dead-letter, loads `deploy/prometheus/alerts.yml`,
+//! and answers every query of `deploy/grafana/codepool.json` with data.
+
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use serde_json::Value;
+
+use crate::api::{http, key, order, ApiServer};
+use crate::common::{
+    codepool_ok, eventually, free_port, http_get, publish_confirmed, purchase, start_daemon,
+    TestEnv, AMQP_URL,
+};
+use crate::deploy::{repo, tool};
+
+/// A Prometheus of this test's own: its own folder, a free port, a
+/// one-second scrape and evaluation interval, codepool's alert rules.
+struct Prometheus {
+    child: tokio::process::Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    async fn start(targets: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let rules = repo().join("deploy/prometheus/alerts.yml");
+        let mut config = format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n",
+            rules.display()
+        );
+        for (job, addr) in targets {
+            config.push_str(&format!(
+                "  - job_name: {job}\n    static_configs:\n      - targets: [\"{addr}\"]\n"
+            ));
+        }
+        let config_file = dir.path().join("prometheus.yml");
+        std::fs::write(&config_file, config).expect("write the configuration");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let child = tokio::process::Command::new(tool("prometheus"))
+            .arg(format!("--config.file={}", config_file.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("prometheus starts");
+        let prometheus = Self {
+            child,
+            addr,
+            _dir: dir,
+        };
+        eventually(Duration::from_secs(30), "prometheus ready", || async {
+            matches!(http_get(&prometheus.addr, "/-/ready").await, Some((200, _)))
+        })
+        .await;
+        prometheus
+    }
+
+    /// An instant query through the HTTP API: its `data.result`, or why not.
+    async fn query(&self, expr: &str) -> Result<Vec<Value>, String> {
+        let path = format!("/api/v1/query?query={}", percent_encode(expr));
+        let (status, body) = http_get(&self.addr, &path)
+            .await
+            .ok_or("prometheus does not answer")?;
+        let v: Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        if status != 200 || v["status"] != "success" {
+            return Err(format!("{status} {body}"));
+        }
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+
+    async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Every query of the dashboard, with Grafana's variables as Grafana
+/// would fill them in: every pool, a one-minute rate window.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let path = repo().join("deploy/grafana/codepool.json");
+    let text = std::fs::read_to_string(path).expect("the dashboard");
+    let dashboard: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut out = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("an expr").to_owned();
+            let filled = expr
+                .replace("$__rate_interval", "1m")
+                .replace("$pool", ".+");
+            assert!(!filled.contains('$'), "an unknown variable in {expr}");
+            out.push((panel["title"].as_str().unwrap_or("").to_owned(), filled));
+        }
+    }
+    out
+}
+
+/// Grants in two pools, backorders in a pool of one code, a refusal, a
+/// dead letter, and API orders with one unauthorized request.
+async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) {
+    let mut purchases: Vec<_> = (0..5)
+        .map(|i| purchase(&format!("M-{round}-{i}"), "m"))
+        .collect();
+    purchases.push(purchase(&format!("T-{round}"), "tiny"));
+    let mut limited = purchase(&format!("L-{round}"), "lim");
+    limited.uid = "one-buyer".into();
+    purchases.push(limited);
+    publish_confirmed(publisher, &purchases).await;
+    let junk = format!("not json {round}");
+    publisher
+        .publish_purchase_bytes(junk.as_bytes(), Some(&junk))
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+    let (status, _, _) = http(
+        api,
+        "POST",
+        "/v1/orders",
+        Some(api_key),
+        &order(&format!("API-{round}"), "m", 1),
+    )
+    .await;
+    assert!(status < 500, "API order: {status}");
+    let (status, _, _) = http(api, "POST", "/v1/orders", None, &order("API-X", "m", 1)).await;
+    assert_eq!(status, 401);
+}
+
+#[tokio::test]
+async fn a_real_prometheus_answers_every_dashboard_query_and_loads_every_alert() {
+    let env = TestEnv::new("monitoring").await;
+    env.fill_pool("m", 300).await;
+    env.fill_pool("tiny", 1).await;
+    env.fill_pool("lim", 20).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "m", "--low-stock", "50"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "lim", "--per-user", "1"]).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let api_key = key(&env, "monitoring", "orders:write,orders:read").await;
+    let prometheus = Prometheus::start(&[
+        ("codepool-dispatch", daemon.addr.as_str()),
+        ("codepool-api", api.addr.as_str()),
+    ])
+    .await;
+    let conn = codepool_broker::connect(AMQP_URL, "test")
+        .await
+        .expect("amqp");
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .expect("publisher");
+
+    // Traffic until the dispatcher's backorder sweep (every 10 s) has seen
+    // the empty pool's backorders, and every dashboard query has data.
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 15, "{queries:?}");
+    let mut round = 0;
+    let mut empty: Vec<String> = Vec::new();
+    for _ in 0..40 {
+        traffic(&publisher, &api.addr, &api_key, round).await;
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        empty.clear();
+        for (title, expr) in &queries {
+            match prometheus.query(expr).await {
+                Ok(result) if result.is_empty() => empty.push(format!("{title}: {expr}")),
+                Ok(_) => {}
+                Err(e) => panic!("dashboard panel {title:?}: {expr} does not run: {e}"),
+            }
+        }
+        if empty.is_empty() && round >= 4 {
+            break;
+        }
+    }
+    assert!(empty.is_empty(), "queries without data: {empty:#?}");
+
+    check_alert_rules(&prometheus).await;
+
+    prometheus.stop().await;
+    codepool_broker::close(conn, "done").await;
+    api.stop().await;
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// Prometheus loaded every rule of alerts.yml, evaluated each without an
+/// error, and each rule's expression runs as a query.
+async fn check_alert_rules(prometheus: &Prometheus) {
+    let text = std::fs::read_to_string(repo().join("deploy/prometheus/alerts.yml")).expect("rules");
+    let names: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(names.len() >= 9, "{names:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let rules = loop {
+        let rules = loaded_rules(prometheus).await;
+        if rules.len() == names.len() && rules.iter().all(|r| r["health"] != "unknown") {
+            break rules;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "prometheus did not load and evaluate {names:?}: {rules:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for rule in &rules {
+        let name = rule["name"].as_str().unwrap_or("");
+        assert!(names.contains(&name), "{name} is not in alerts.yml");
+        assert_eq!(rule["health"], "ok", "{name}: {}", rule["lastError"]);
+        let expr = rule["query"].as_str().expect("the rule's query");
+        if let Err(e) = prometheus.query(expr).await {
+            panic!("{name}: {expr} does not run: {e}");
+        }
+    }
+}
+
+/// The rules Prometheus has loaded, from `/api/v1/rules`.
+async fn loaded_rules(prometheus: &Prometheus) -> Vec<Value> {
+    let Some((200, body)) = http_get(&prometheus.addr, "/api/v1/rules").await else {
+        return Vec::new();
+    };
+    let v: Value = serde_json::from_str(&body).unwrap_or_default();
+    v["data"]["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
