@@ -98,6 +98,17 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 echo "codepool api on $ADDR (log: $API_LOG)"
+
+# The operator console is served by the same process, under /console. The
+# demo operator is an admin of the demo database only.
+DEMO_OPERATOR_PASSWORD=${DEMO_OPERATOR_PASSWORD:-demo-console-1}
+if ! printf '%s\n' "$DEMO_OPERATOR_PASSWORD" | "$BIN" operators add --name demo --role admin --password-stdin >/dev/null 2>&1; then
+  printf '%s\n' "$DEMO_OPERATOR_PASSWORD" | "$BIN" operators passwd --name demo --password-stdin >/dev/null
+fi
+echo "operator console: http://$ADDR/console  (sign in as demo / $DEMO_OPERATOR_PASSWORD, role admin)"
+SIGNIN=$(curl -s -o /dev/null -w '%{http_code} %{redirect_url}' -d "name=demo&password=$DEMO_OPERATOR_PASSWORD" "http://$ADDR/console/signin")
+echo "sign-in check: $SIGNIN (303 to the pools page: signed in)"
+echo "(this API stops at the end of the demo; to keep the console: $BIN api --listen 127.0.0.1:8080, then open http://127.0.0.1:8080/console)"
 BODY='{"order_id":"DEMO-WEB-1","uid":"user-web","phone":"+8613800000011","pool":"demo","quantity":2}'
 echo "\$ curl -X POST http://$ADDR/v1/orders -H 'Authorization: Bearer \$KEY' -H 'Content-Type: application/json' -d '$BODY'"
 curl -sS -X POST "http://$ADDR/v1/orders" -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' -d "$BODY"
