@@ -4,6 +4,8 @@
 //! and can be re-run. One test binary keeps the build to a single link.
 
 mod api;
+mod api_hostile;
+mod api_load;
 mod claims;
 mod common;
 mod console;

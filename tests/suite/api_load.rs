@@ -1,0 +1,303 @@
+//! The HTTP door under load, beside the AMQP door, with two API processes
+//! and a dispatcher on one pool: every order gets exactly its codes, once,
+//! whichever door and process it came by and however often it was sent;
+//! an API process killed mid-load loses nothing.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use codepool_domain::SmsPending;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::api::{key, order, ApiServer};
+use crate::common::{drain, eventually, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL};
+
+/// One HTTP exchange that reports a dead server instead of panicking.
+async fn try_post(addr: &str, path: &str, key: &str, body: &[u8]) -> Result<(u16, Value), String> {
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {key}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(body).await.map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .map_err(|_| "no answer within 30 s".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let split = (raw.windows(4).position(|w| w == b"\r\n\r\n")).ok_or("no head")?;
+    let status = String::from_utf8_lossy(&raw[..split])
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no status")?;
+    let body = serde_json::from_slice(&raw[split + 4..]).map_err(|e| e.to_string())?;
+    Ok((status, body))
+}
+
+/// The codes an order's answer carries, by line.
+fn codes_of(answer: &Value) -> Vec<String> {
+    (answer["codes"].as_array().into_iter().flatten())
+        .map(|c| c["code"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Every code the database holds for orders whose id starts with one of
+/// `prefixes`: order id → codes (plaintext), and each order's quantity.
+async fn holdings(env: &TestEnv) -> HashMap<String, Vec<String>> {
+    let mut out: HashMap<String, Vec<String>> = HashMap::new();
+    let mut cursor = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(bson::doc! {"order_id": {"$exists": true}})
+        .await
+        .unwrap();
+    while let Some(d) = cursor.next().await {
+        let d = d.unwrap();
+        let order = d.get_str("order_id").unwrap().to_owned();
+        out.entry(order).or_default().push(env.plain_code(&d));
+    }
+    out
+}
+
+/// Asserts every order holds exactly its quantity and no code is held
+/// twice.
+fn exactly_once(held: &HashMap<String, Vec<String>>, wanted: &HashMap<String, u32>) {
+    let mut seen = HashSet::new();
+    for (order, quantity) in wanted {
+        let codes = held.get(order).map(Vec::as_slice).unwrap_or_default();
+        assert_eq!(codes.len(), *quantity as usize, "order {order}: {codes:?}");
+        for c in codes {
+            assert!(seen.insert(c.clone()), "code {c} held twice");
+        }
+    }
+    assert_eq!(
+        held.len(),
+        wanted.len(),
+        "no order codepool was not asked for"
+    );
+}
+
+/// The SMS-pending events on the queue: event id → its codes.
+async fn events(env: &TestEnv) -> Vec<SmsPending> {
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let out = drain(&ch, &env.topology().sms_pending)
+        .await
+        .iter()
+        .map(|t| serde_json::from_slice(&t.body).unwrap())
+        .collect();
+    let _ = conn.close(200, "bye").await;
+    out
+}
+
+fn quantity_of(i: usize) -> u32 {
+    if i % 10 == 3 {
+        2
+    } else {
+        1
+    }
+}
+
+#[tokio::test]
+async fn http_and_amqp_orders_over_two_api_processes_and_a_dispatcher_each_get_exactly_their_codes()
+{
+    let env = TestEnv::new("api_two_doors").await;
+    env.fill_pool("mix", 4_600).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let (a, b) = (
+        ApiServer::start(&env, &["--rate-per-key", "100000"]).await,
+        ApiServer::start(&env, &["--rate-per-key", "100000"]).await,
+    );
+    let d = start_daemon(env.command(&[])).await;
+    let mut wanted: HashMap<String, u32> = HashMap::new();
+    for i in 0..2_000 {
+        wanted.insert(format!("H-{i}"), quantity_of(i));
+        wanted.insert(format!("Q-{i}"), quantity_of(i));
+    }
+
+    // 2,000 over AMQP while 2,000 go over HTTP, 10% of them sent to both
+    // API processes at the same moment.
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let amqp = async {
+        for i in 0..2_000 {
+            let mut p = purchase(&format!("Q-{i}"), "mix");
+            p.quantity = quantity_of(i);
+            publisher
+                .publish_purchase(&p)
+                .await
+                .unwrap()
+                .wait()
+                .await
+                .unwrap();
+        }
+    };
+    let http = futures::stream::iter(0..2_000)
+        .map(|i| {
+            let (a, b, shop) = (&a.addr, &b.addr, &shop);
+            async move {
+                let body = order(&format!("H-{i}"), "mix", quantity_of(i));
+                let first = try_post(a, "/v1/orders", shop, &body);
+                if i % 10 == 0 {
+                    let (x, y) = tokio::join!(first, try_post(b, "/v1/orders", shop, &body));
+                    let (x, y) = (x.unwrap(), y.unwrap());
+                    assert_eq!(
+                        codes_of(&x.1),
+                        codes_of(&y.1),
+                        "H-{i}: one order, one set of codes"
+                    );
+                    let mut statuses = [x.0, y.0];
+                    statuses.sort();
+                    assert_eq!(statuses, [200, 201], "H-{i}: one grant, one repeat");
+                    x.1
+                } else {
+                    let (status, answer) = first.await.unwrap();
+                    assert_eq!(status, 201, "H-{i}: {answer}");
+                    answer
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<Value>>();
+    let (answers, ()) = tokio::join!(http, amqp);
+    assert!(answers.iter().all(|a| a["state"] == "granted"));
+
+    eventually(Duration::from_secs(60), "the AMQP orders granted", || {
+        let env = &env;
+        async move {
+            let held = holdings(env).await;
+            (0..2_000)
+                .all(|i| held.get(&format!("Q-{i}")).map(Vec::len) == Some(quantity_of(i) as usize))
+        }
+    })
+    .await;
+    d.stop().await;
+    a.stop().await;
+    b.stop().await;
+
+    let held = holdings(&env).await;
+    exactly_once(&held, &wanted);
+    // Each order's answer is what the database holds for it.
+    for answer in &answers {
+        let id = answer["order_id"].as_str().unwrap();
+        let mut mine = codes_of(answer);
+        let mut stored = held[id].clone();
+        mine.sort();
+        stored.sort();
+        assert_eq!(mine, stored, "{id}");
+    }
+    // One sms.pending event per grant, carrying its codes, whichever door.
+    let sent = events(&env).await;
+    let mut by_order: HashMap<String, Vec<String>> = HashMap::new();
+    for e in &sent {
+        let codes = e.all_codes().into_iter().map(|c| c.code);
+        by_order
+            .entry(e.order_id.clone())
+            .or_default()
+            .extend(codes);
+    }
+    for (order, mut codes) in by_order.clone() {
+        let mut stored = held[&order].clone();
+        codes.sort();
+        stored.sort();
+        assert_eq!(
+            codes, stored,
+            "{order}: one event with its codes, no second SMS"
+        );
+    }
+    assert_eq!(by_order.len(), wanted.len(), "every order texted");
+    // Nothing left unacked or dead.
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(queue_depth(&ch, &env.topology().purchases).await, 0);
+    assert_eq!(queue_depth(&ch, &env.topology().purchases_dead).await, 0);
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_gets_the_same_codes() {
+    let env = TestEnv::new("api_kill").await;
+    env.fill_pool("kp", 500).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let a = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
+    let b = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
+    // The dispatcher's relay sends the events the killed process owed.
+    let d = start_daemon(env.command(&[])).await;
+    let pid = a.child.id().unwrap().to_string();
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid])
+            .status();
+    };
+    let load = futures::stream::iter(0..400)
+        .map(|i| {
+            let (addr, shop) = (&a.addr, &shop);
+            async move {
+                let body = order(&format!("K-{i}"), "kp", 1);
+                (i, try_post(addr, "/v1/orders", shop, &body).await)
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>();
+    let (first, ()) = tokio::join!(load, killer);
+    let answered = first.iter().filter(|(_, r)| r.is_ok()).count();
+    assert!(
+        answered > 0 && answered < 400,
+        "killed mid-load: {answered} of 400 answered"
+    );
+
+    // The shop retries every order on the other process.
+    for (i, was) in &first {
+        let body = order(&format!("K-{i}"), "kp", 1);
+        let (status, again) = try_post(&b.addr, "/v1/orders", &shop, &body).await.unwrap();
+        assert!(status == 200 || status == 201, "K-{i}: {status} {again}");
+        if let Ok((_, before)) = was {
+            assert_eq!(
+                codes_of(&again),
+                codes_of(before),
+                "K-{i}: the same code after the crash"
+            );
+        }
+    }
+    let held = holdings(&env).await;
+    let wanted = (0..400).map(|i| (format!("K-{i}"), 1)).collect();
+    exactly_once(&held, &wanted);
+    // Every grant reaches its event: sent by a process, or by the relay
+    // for those the killed process never confirmed.
+    let mut texted: HashSet<String> = HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        for e in events(&env).await {
+            texted.extend(e.all_codes().into_iter().map(|c| c.code));
+        }
+        let owed: Vec<&String> = held
+            .values()
+            .flatten()
+            .filter(|c| !texted.contains(*c))
+            .collect();
+        if owed.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} grants never texted, e.g. {:?}",
+            owed.len(),
+            owed.first()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    d.stop().await;
+    b.stop().await;
+    env.cleanup().await;
+}
