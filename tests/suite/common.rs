@@ -253,6 +253,15 @@ pub fn assign(code: codepool_domain::CodeId, pool: &str, order: &str) -> ClaimAs
     }
 }
 
+/// What a log line says: the line itself, or the `message` of a JSON line
+/// (`--log-format json`).
+pub fn announced(line: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| line.to_owned())
+}
+
 /// A `codepool dispatch` child process with its HTTP address.
 pub struct Daemon {
     pub child: tokio::process::Child,
@@ -283,7 +292,7 @@ pub async fn start_daemon(mut cmd: tokio::process::Command) -> Daemon {
             if let Ok(mut kept) = kept.lock() {
                 kept.push(line.clone());
             }
-            if let Some(addr) = line.strip_prefix("codepool: http listening on ") {
+            if let Some(addr) = announced(&line).strip_prefix("codepool: http listening on ") {
                 if let Some(tx) = addr_tx.take() {
                     let _ = tx.send(addr.trim().to_owned());
                 }

@@ -246,3 +246,115 @@ async fn loaded_rules(prometheus: &Prometheus) -> Vec<Value> {
         .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
         .collect()
 }
+
+/// Grants of one code and of three, a low-stock crossing, two dead
+/// letters, then a redemption, with `--log-format json`.
+async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
+    let mut three = purchase("J-2", "j");
+    three.quantity = 3;
+    publish_confirmed(publisher, &[purchase("J-1", "j"), three]).await;
+    let t = env.topology();
+    let dead = [
+        (b"not json".to_vec(), "J-junk"),
+        (
+            serde_json::json!({"order_id": "J-\u{202e}3", "uid": "u", "phone": "+8613800000000", "pool": "j"})
+                .to_string()
+                .into_bytes(),
+            "J-bidi",
+        ),
+    ];
+    for (body, id) in dead {
+        publisher
+            .publish_purchase_bytes(&body, Some(id))
+            .await
+            .expect("publish")
+            .wait()
+            .await
+            .expect("confirm");
+    }
+    let granted = || async {
+        env.store
+            .database()
+            .collection::<bson::Document>("codes")
+            .count_documents(bson::doc! {"pool": "j", "order_id": {"$exists": true}})
+            .await
+            .unwrap_or(0)
+            == 4
+    };
+    eventually(Duration::from_secs(30), "4 codes granted", granted).await;
+    // J-1's code is used: the redemption logs it, masked.
+    let redeemed = serde_json::json!({"order_id": "J-1"}).to_string();
+    publisher
+        .publish(
+            &t.events_exchange,
+            "code.redeemed",
+            redeemed.as_bytes(),
+            Default::default(),
+        )
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_a_line_and_never_carry_a_code() {
+    let env = TestEnv::new("monitoring_logs").await;
+    let codes = env.fill_pool("j", 6).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "j", "--low-stock", "4"]).await;
+    let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test")
+        .await
+        .expect("amqp");
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .expect("publisher");
+    logged_traffic(&env, &publisher).await;
+    eventually(
+        Duration::from_secs(20),
+        "the redemption and the dead letters",
+        || async {
+            let log = daemon.log_text();
+            log.contains("code redeemed") && log.matches("purchase dead-lettered").count() == 2
+        },
+    )
+    .await;
+    let log = daemon.log.clone();
+    codepool_broker::close(conn, "done").await;
+    daemon.stop().await;
+
+    let lines = log.lock().map(|l| l.clone()).unwrap_or_default();
+    let mut granted = 0;
+    for line in &lines {
+        let v: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line that is not JSON ({e}): {line}"));
+        for field in ["timestamp", "level", "message"] {
+            assert!(v[field].is_string(), "no {field}: {line}");
+        }
+        for code in &codes {
+            assert!(
+                !line.contains(code.as_str()),
+                "a plaintext code in the log: {line}"
+            );
+        }
+        if v["message"] == "granted" {
+            granted += 1;
+            let masked = v["code"].as_str().expect("a granted line names its code");
+            assert!(masked.contains('*'), "{line}");
+            assert!(v["order_id"].is_string() && v["pool"] == "j", "{line}");
+        }
+    }
+    assert_eq!(granted, 4, "one line per code granted: {lines:#?}");
+    let text = lines.join("\n");
+    for message in [
+        "low stock",
+        "code redeemed",
+        "purchase dead-lettered",
+        "dispatcher stopped",
+    ] {
+        assert!(text.contains(message), "no {message:?} line");
+    }
+    assert!(!text.contains('\u{202e}'), "a raw bidi control in the log");
+    env.cleanup().await;
+}

@@ -37,6 +37,26 @@ pub fn init(format: LogFormat) {
     };
 }
 
+/// Tells scripts and tests where a server listens: `codepool: WHAT
+/// listening on ADDR` on stderr. With JSON logs those words are the
+/// `message` of a JSON line (with `addr`), so every line stays JSON.
+pub fn announce_listening(format: LogFormat, what: &str, addr: std::net::SocketAddr) {
+    let line = format!("codepool: {what} listening on {addr}");
+    match format {
+        LogFormat::Text => eprintln!("{line}"),
+        LogFormat::Json => {
+            let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let event = serde_json::json!({
+                "timestamp": timestamp,
+                "level": "INFO",
+                "message": line,
+                "addr": addr.to_string(),
+            });
+            eprintln!("{event}");
+        }
+    }
+}
+
 /// Standard error, with characters that could disguise a log line escaped.
 #[derive(Debug, Clone, Copy)]
 pub struct SafeStderr {

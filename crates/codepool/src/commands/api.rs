@@ -107,7 +107,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;
     info!(%addr, "serving the HTTP API, /metrics, /healthz and /readyz");
     // Scripts and tests read the port from here.
-    eprintln!("codepool: api listening on {addr}");
+    crate::telemetry::announce_listening(cfg.log_format, "api", addr);
     // The connection's state shows in /readyz; a lost one is replaced.
     let watch = tokio::spawn(keep_connected(
         cfg.clone(),

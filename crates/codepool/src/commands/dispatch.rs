@@ -52,7 +52,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         let addr = crate::http::serve(args.http, health.clone(), handle, stop.clone()).await?;
         info!(%addr, "serving /metrics, /healthz and /readyz");
         // Scripts starting several dispatchers read the port from here.
-        eprintln!("codepool: http listening on {addr}");
+        crate::telemetry::announce_listening(cfg.log_format, "http", addr);
     }
     let Some(store) = ready_store(cfg, &stop).await? else {
         return Ok(crate::exit::OK);
