@@ -65,16 +65,24 @@ impl Browser {
             .expect("page loads");
     }
 
-    /// Waits for an element (after a navigation) and returns its text.
+    /// Waits for an element (after a navigation) and returns its text. An
+    /// element that htmx swapped out meanwhile is looked up again.
     async fn text(&self, css: &str) -> String {
-        let el = self
-            .client
-            .wait()
-            .at_most(Duration::from_secs(20))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no {css} on the page: {e}"));
-        el.text().await.expect("element text")
+        let mut last = None;
+        for _ in 0..5 {
+            let el = self
+                .client
+                .wait()
+                .at_most(Duration::from_secs(20))
+                .for_element(Locator::Css(css))
+                .await
+                .unwrap_or_else(|e| panic!("no {css} on the page: {e}"));
+            match el.text().await {
+                Ok(t) => return t,
+                Err(e) => last = Some(e),
+            }
+        }
+        panic!("{css} kept going stale: {last:?}")
     }
 
     async fn has(&self, css: &str) -> bool {

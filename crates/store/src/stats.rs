@@ -6,12 +6,15 @@
 use std::collections::BTreeMap;
 
 use bson::{doc, Bson, DateTime, Document};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 use crate::backorders::{BACKORDERS, WAITING};
 use crate::codes::CODES;
 use crate::{Store, StoreError};
+
+/// Pools whose counts are in flight at once in [`Store::stats_of`].
+const STATS_CONCURRENCY: usize = 16;
 
 /// Counts of one pool's codes and backorders.
 #[derive(Debug, Default, Clone, PartialEq, Serialize)]
@@ -106,6 +109,22 @@ impl Store {
         Ok(())
     }
 
+    /// One pool's counts ([`Store::count_codes`]).
+    async fn counted(
+        &self,
+        pool: String,
+        now: DateTime,
+        hour_ago: DateTime,
+        day_ago: DateTime,
+    ) -> Result<PoolStats, StoreError> {
+        let mut s = PoolStats {
+            pool,
+            ..PoolStats::default()
+        };
+        self.count_codes(&mut s, now, hour_ago, day_ago).await?;
+        Ok(s)
+    }
+
     /// Inventory of every pool (or one), sorted by name.
     pub async fn pool_stats(&self, pool: Option<&str>) -> Result<Vec<PoolStats>, StoreError> {
         let pools: Vec<String> = match pool {
@@ -124,19 +143,18 @@ impl Store {
         let now = DateTime::now();
         let hour_ago = DateTime::from_millis(now.timestamp_millis() - 3_600_000);
         let day_ago = DateTime::from_millis(now.timestamp_millis() - 86_400_000);
-        let mut stats: BTreeMap<String, PoolStats> = pools
+        // A page's pools are counted a few at a time: each count is a
+        // round trip, and a page of 50 pools is 350 of them.
+        let counts: Vec<_> = pools
             .iter()
-            .map(|p| {
-                let s = PoolStats {
-                    pool: (*p).to_owned(),
-                    ..PoolStats::default()
-                };
-                ((*p).to_owned(), s)
-            })
+            .map(|p| self.counted((*p).to_owned(), now, hour_ago, day_ago))
             .collect();
-        for s in stats.values_mut() {
-            self.count_codes(s, now, hour_ago, day_ago).await?;
-        }
+        let counted: Vec<PoolStats> = futures::stream::iter(counts)
+            .buffered(STATS_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let mut stats: BTreeMap<String, PoolStats> =
+            counted.into_iter().map(|s| (s.pool.clone(), s)).collect();
         let rows: Vec<Document> = self
             .collection(BACKORDERS)
             .aggregate(vec![
