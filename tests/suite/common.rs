@@ -472,7 +472,9 @@ pub struct Taken {
     pub message_id: Option<String>,
 }
 
-/// Takes (and acks) every message in `queue`.
+/// Takes (and acks) every message in `queue`. What codepool publishes to
+/// `sms.pending` and `purchases.refused` must match its schema in
+/// `docs/schemas/`, in every test that drains those queues.
 pub async fn drain(channel: &lapin::Channel, queue: &str) -> Vec<Taken> {
     let mut out = Vec::new();
     while let Ok(Some(msg)) = channel.basic_get(queue, BasicGetOptions::default()).await {
@@ -486,7 +488,61 @@ pub async fn drain(channel: &lapin::Channel, queue: &str) -> Vec<Taken> {
             message_id,
         });
     }
+    check_drained(queue, &out);
     out
+}
+
+/// Events codepool published (its event id as the message id), drained
+/// from `sms.pending` or `purchases.refused`, match their schema in `docs/schemas/` (the full
+/// checks are in `tests/suite/schemas.rs`).
+fn check_drained(queue: &str, taken: &[Taken]) {
+    static SCHEMAS: std::sync::OnceLock<Vec<(&str, jsonschema::Validator)>> =
+        std::sync::OnceLock::new();
+    let name = if queue.ends_with("sms.pending") {
+        "sms-pending"
+    } else if queue.ends_with("purchases.refused") {
+        "purchase-refused"
+    } else {
+        return;
+    };
+    let schemas = SCHEMAS.get_or_init(|| {
+        ["sms-pending", "purchase-refused"]
+            .into_iter()
+            .map(|name| {
+                let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join(format!("../../docs/schemas/{name}.schema.json"));
+                let text = std::fs::read_to_string(&path).expect("a schema of docs/schemas");
+                let schema: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+                let validator = jsonschema::options()
+                    .should_validate_formats(true)
+                    .build(&schema)
+                    .expect("the schema compiles");
+                (name, validator)
+            })
+            .collect()
+    });
+    let Some((_, validator)) = schemas.iter().find(|(n, _)| *n == name) else {
+        return;
+    };
+    // codepool's events carry their event_id as the message id; a test's
+    // own filler messages carry none.
+    let ours = |t: &&Taken| {
+        t.message_id
+            .as_deref()
+            .is_some_and(|id| id.starts_with("sms:") || id.starts_with("refused:"))
+    };
+    for t in taken.iter().filter(ours) {
+        let body: serde_json::Value = serde_json::from_slice(&t.body)
+            .unwrap_or_else(|e| panic!("{queue} holds a message that is not JSON ({e})"));
+        let errors: Vec<String> = validator
+            .iter_errors(&body)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "a message of {queue} breaks docs/schemas/{name}.schema.json: {errors:?}\n{body}"
+        );
+    }
 }
 
 /// Polls `check` until it returns true or `timeout` passes.
