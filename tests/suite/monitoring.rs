@@ -1,8 +1,10 @@
 //! The dashboard and the alert rules in `deploy/` work on real metrics: a
 //! real Prometheus (Debian's package, `scripts/deploy-tools.sh`) scrapes a
 //! real dispatcher and API server every second while they grant, back
-//! order, refuse and dead-letter, loads `deploy/prometheus/alerts.yml`,
-//! and answers every query of `deploy/grafana/codepool.json` with data.
+//! order, refuse and dead-letter, loads `deploy/prometheus/alerts.yml`
+//! and raises the alerts that traffic calls for, and answers every query
+//! of `deploy/grafana/codepool.json` with data. The logs, in JSON, are
+//! one object a line and never carry a code.
 
 use std::time::Duration;
 
@@ -146,13 +148,15 @@ async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) 
 }
 
 #[tokio::test]
-async fn a_real_prometheus_answers_every_dashboard_query_and_loads_every_alert() {
+async fn a_real_prometheus_answers_every_dashboard_query_and_raises_the_right_alerts() {
     let env = TestEnv::new("monitoring").await;
     env.fill_pool("m", 300).await;
     env.fill_pool("tiny", 1).await;
     env.fill_pool("lim", 20).await;
     codepool_ok(&env, &["pool", "set", "--pool", "m", "--low-stock", "50"]).await;
     codepool_ok(&env, &["pool", "set", "--pool", "lim", "--per-user", "1"]).await;
+    // Already below its threshold: the low-stock alert has something to say.
+    codepool_ok(&env, &["pool", "set", "--pool", "lim", "--low-stock", "25"]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let api = ApiServer::start(&env, &[]).await;
     let api_key = key(&env, "monitoring", "orders:write,orders:read").await;
@@ -193,6 +197,7 @@ async fn a_real_prometheus_answers_every_dashboard_query_and_loads_every_alert()
     assert!(empty.is_empty(), "queries without data: {empty:#?}");
 
     check_alert_rules(&prometheus).await;
+    check_alerts_fire(&prometheus).await;
 
     prometheus.stop().await;
     codepool_broker::close(conn, "done").await;
@@ -357,4 +362,59 @@ async fn json_logs_are_one_object_a_line_and_never_carry_a_code() {
     }
     assert!(!text.contains('\u{202e}'), "a raw bidi control in the log");
     env.cleanup().await;
+}
+
+/// The alerts this traffic should raise, and only those: dead letters
+/// (firing at once), the empty pool with backorders and the pool below its
+/// threshold (pending: their `for` is minutes). Nothing is down, unready,
+/// on Redis fallback or failing.
+async fn check_alerts_fire(prometheus: &Prometheus) {
+    let expected = [
+        ("CodepoolDeadLettersRising", "reason", "not_json", "firing"),
+        (
+            "CodepoolPoolExhaustedWithBackorders",
+            "pool",
+            "tiny",
+            "pending",
+        ),
+        ("CodepoolPoolLowStock", "pool", "lim", "pending"),
+    ];
+    let mut alerts: Vec<Value> = Vec::new();
+    for _ in 0..100 {
+        let Some((200, body)) = http_get(&prometheus.addr, "/api/v1/alerts").await else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(&body).unwrap_or_default();
+        alerts = v["data"]["alerts"].as_array().cloned().unwrap_or_default();
+        let raised = |(name, label, value, state): &(&str, &str, &str, &str)| {
+            alerts.iter().any(|a| {
+                a["labels"]["alertname"] == *name
+                    && a["labels"][*label] == *value
+                    && a["state"] == *state
+            })
+        };
+        if expected.iter().all(raised) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut names: Vec<String> = alerts
+        .iter()
+        .map(|a| {
+            format!(
+                "{} {} {} {}",
+                a["labels"]["alertname"].as_str().unwrap_or(""),
+                a["labels"]["pool"].as_str().unwrap_or(""),
+                a["labels"]["reason"].as_str().unwrap_or(""),
+                a["state"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    names.sort();
+    let want = [
+        "CodepoolDeadLettersRising  not_json firing",
+        "CodepoolPoolExhaustedWithBackorders tiny  pending",
+        "CodepoolPoolLowStock lim  pending",
+    ];
+    assert_eq!(names, want, "the alerts raised: {alerts:#?}");
 }
