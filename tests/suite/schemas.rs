@@ -562,7 +562,7 @@ fn changed(mut v: Value, field: &str, value: Option<Value>) -> Vec<u8> {
 }
 
 #[test]
-fn the_documented_examples_match_and_broken_messages_do_not() {
+fn the_documented_examples_and_fixtures_match_and_broken_messages_do_not() {
     let schemas = Schemas::load();
     let examples = documented_examples();
     assert!(examples.len() >= 5, "{examples:?}");
@@ -582,6 +582,12 @@ fn the_documented_examples_match_and_broken_messages_do_not() {
         } else {
             assert_eq!(schemas.purchase_errors(&body), None, "{e}");
         }
+    }
+    // The sample purchases `make run` publishes.
+    let fixtures =
+        std::fs::read_to_string(repo().join("fixtures/purchases.jsonl")).expect("fixtures");
+    for line in fixtures.lines().filter(|l| !l.trim().is_empty()) {
+        assert_eq!(schemas.purchase_errors(line.as_bytes()), None, "{line}");
     }
     let sms = schemas.for_key("sms.pending");
     let at = "2026-11-20T10:00:00.123Z";
