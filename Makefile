@@ -13,7 +13,7 @@ help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
 	@echo "make test      set up local servers and run the whole test suite"
 	@echo "make chaos     the long chaos test (kills, flushes, restarts) — about 5 minutes"
-	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, import, sequences)"
+	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, HTTP API, import, sequences)"
 	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
 	@echo "make browser   install Debian's chromium and chromedriver for the console's browser tests (idempotent)"
 	@echo "make cluster   a 3-member replica set, a 3-node RabbitMQ cluster and a 3-master Redis Cluster (prints CODEPOOL_*)"

@@ -10,9 +10,10 @@
 #   HUGE_POOL=10000000 bash scripts/bench.sh huge   # the 10M pool of issue 10 (slow to fill)
 #
 # `latency` measures its own maximum first (closed loop) and sends at half
-# of it. It runs right after `dispatch`, before `pools` and `huge` leave MongoDB
-# with gigabytes of dropped collections to reclaim and dirty pages to write:
-# that cleanup would land in the middle of an open-loop measurement.
+# of it. It and `api` (also open loop) run right after `dispatch`, before
+# `pools` and `huge` leave MongoDB with gigabytes of dropped collections to
+# reclaim and dirty pages to write: that cleanup would land in the middle of
+# an open-loop measurement.
 #
 # RUST_LOG defaults to warn: the dispatcher logs every grant at info level,
 # and a terminal printing 20,000 lines would be part of the measurement.
@@ -31,10 +32,16 @@ HUGE_POOL=${HUGE_POOL:-1000000}
 # the median ratio: one pair of runs moves by ±0.1 with the host's load.
 SCALE_ROUNDS=${SCALE_ROUNDS:-3}
 LATENCY_SECONDS=${LATENCY_SECONDS:-10}
+# The HTTP API (issue 33): fresh orders from API_CLIENTS keep-alive clients
+# against the AMQP dispatcher and a findOneAndUpdate handler, repeats, and
+# the p99 at API_RATE requests/s open loop for LATENCY_SECONDS.
+API_ORDERS=${API_ORDERS:-20000}
+API_CLIENTS=${API_CLIENTS:-64}
+API_RATE=${API_RATE:-1000}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency pools huge import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api pools huge import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=target/release/codepool-bench
@@ -63,11 +70,12 @@ for b in "${which[@]}"; do
 		# the machine too), measured first in the same run.
 		"$bin" --out-dir "$OUT_DIR" latency --rate "100,1000,half" --seconds "$LATENCY_SECONDS"
 		;;
+	api) "$bin" --out-dir "$OUT_DIR" api --orders "$API_ORDERS" --clients "$API_CLIENTS" --rate "$API_RATE" --seconds "$LATENCY_SECONDS" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, import, seq, crypto)" >&2
+		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, import, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

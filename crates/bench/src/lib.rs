@@ -9,6 +9,7 @@
 //! named `bench-<id>.…`) and removes it at the end, so a benchmark can run
 //! next to a live deployment on the same servers.
 
+pub mod api;
 pub mod claim;
 pub mod crypto;
 pub mod dispatch;
@@ -54,6 +55,9 @@ pub enum Which {
     Crypto(crypto::CryptoBenchArgs),
     /// Open-loop latency, purchase published → SMS-pending event.
     Latency(latency::LatencyBenchArgs),
+    /// The HTTP API's grants against the AMQP dispatcher and a
+    /// findOneAndUpdate handler; repeats; open-loop latency.
+    Api(api::ApiBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -68,6 +72,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
         Which::Crypto(a) => crypto::run(a, &args.out_dir)?,
         Which::Latency(a) => scratch(cfg, |s| latency::run(a, s, &args.out_dir)).await?,
+        Which::Api(a) => scratch(cfg, |s| api::run(a, s, &args.out_dir)).await?,
     }
     Ok(codepool::exit::OK)
 }

@@ -16,6 +16,7 @@ Examples:
   codepool-bench latency --rate 100,1000 --seconds 10
   codepool-bench import --codes 200000
   codepool-bench seq --ids 4000
+  codepool-bench api --orders 20000 --clients 64 --rate 1000 --seconds 10
 
 Each benchmark compares approaches in one run and writes JSON under
 target/bench/ (or --out-dir). `make bench` runs them all.";

@@ -1,0 +1,830 @@
+//! `codepool-bench api`: the HTTP door (issue 33's "Speed"), measured in one
+//! run on the same servers against
+//!
+//! - the AMQP dispatcher on the same number of purchases (quantity 1),
+//!   preloaded before its clock starts, as `dispatch` runs it;
+//! - a baseline handler on the same HTTP stack (axum on hyper, the same
+//!   client) doing what the peers do: one journaled `findOneAndUpdate` per
+//!   request on a pool of the same `codes` collection (same shape, indexes
+//!   and validator), opening the sealed code for the answer.
+//!
+//! Then the same orders again (already granted: repeats), and the latency
+//! of a grant at a fixed rate, open loop: requests start on a schedule
+//! whatever the server does, and each counts from its scheduled start.
+//!
+//! The API runs in this process, built as `codepool api` builds it, with
+//! the per-key rate limit raised out of the way. Its clients are hyper's
+//! pooling client with keep-alive: `--clients` tasks, each sending its
+//! next order as soon as the last is answered. No dispatcher runs during
+//! the HTTP phases (the API publishes its own events with confirms), and
+//! the API is idle while the dispatcher runs.
+
+use std::collections::HashSet;
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use codepool_api::{Api, ApiConfig, Scope};
+use codepool_broker::Publisher;
+use codepool_dispatcher::{DispatcherConfig, Intake};
+use codepool_domain::{CodeStatus, Purchase};
+use codepool_store::Store;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use mongodb::bson::{doc, DateTime, Document};
+use serde_json::{json, Value};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::{check_dispatched, Measured};
+use crate::inproc::{self, depth};
+use crate::{describe_cpu, metric_sum, ms, percentile, CpuSnapshot, MachineCpu, Scratch};
+
+/// HTTP grants against the AMQP dispatcher and a findOneAndUpdate handler.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Example:\n  RUST_LOG=warn codepool-bench --out-dir target/bench api --orders 20000 --clients 64\n\nWrites api.json. RUST_LOG=warn keeps per-request logging out of the measurement."
+)]
+pub struct ApiBenchArgs {
+    /// Fresh orders over HTTP (and purchases over AMQP, requests to the
+    /// baseline handler, repeats).
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
+    pub orders: u64,
+    /// Concurrent keep-alive clients of the closed-loop phases.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub clients: u64,
+    /// Requests per second of the open-loop latency phase.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=20_000))]
+    pub rate: u32,
+    /// Seconds of the open-loop latency phase.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=600))]
+    pub seconds: u32,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Issue 33's goals.
+const HTTP_OVER_AMQP: f64 = 0.8;
+const HTTP_OVER_BASELINE: f64 = 5.0;
+const P99_MS: f64 = 20.0;
+const REPEATS_OVER_FRESH: f64 = 3.0;
+/// The per-key limit of the benchmark's API (the product's default, 200/s,
+/// would answer most of the load with 429).
+const RATE_PER_KEY: u32 = 10_000_000;
+/// Orders sent before a measurement (connections, hot pool, caches).
+const WARM: usize = 200;
+const POOL: &str = "api";
+const BASELINE_POOL: &str = "baseline";
+const AMQP_POOL: &str = "amqp";
+
+pub async fn run(
+    args: ApiBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let result = measure(&args, scratch, out_dir).await;
+    if let Err(e) = crate::delete_topology(&scratch.cfg, &[]).await {
+        tracing::warn!(error = %e, "could not remove the benchmark queues");
+    }
+    result
+}
+
+fn say(args: &ApiBenchArgs, s: impl std::fmt::Display) {
+    if !args.json {
+        eprintln!("{s}");
+    }
+}
+
+async fn measure(
+    args: &ApiBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.orders as usize;
+    let (api, token) = prepare(args, scratch).await?;
+    let http = Http::new(api.addr, &token, args.clients as usize);
+    say(
+        args,
+        format!(
+            "HTTP grants: {n} fresh orders from {} keep-alive clients …",
+            args.clients
+        ),
+    );
+    let fresh = http_phase(scratch, &http, args, Phase::Fresh, None).await?;
+    say(args, format!("HTTP repeats: the same {n} orders again …"));
+    let repeats = http_phase(scratch, &http, args, Phase::Repeat, Some(&fresh.codes)).await?;
+    say(args, format!("AMQP dispatcher: {n} purchases, preloaded …"));
+    let amqp = amqp_phase(scratch, n).await?;
+    say(
+        args,
+        format!("baseline handler: {n} requests, one findOneAndUpdate each …"),
+    );
+    let baseline = baseline_phase(scratch, args, &token).await?;
+    say(
+        args,
+        format!(
+            "latency: {}/s for {} s, open loop …",
+            args.rate, args.seconds
+        ),
+    );
+    let latency = latency_phase(
+        scratch,
+        args,
+        &Http::new(api.addr, &token, args.clients as usize),
+    )
+    .await?;
+    api.stop().await?;
+    let granted = crate::issued_and_distinct_orders(&scratch.store, POOL).await?;
+    let report = report_json(
+        args,
+        [&fresh, &repeats, &baseline],
+        &amqp,
+        &latency,
+        granted,
+    );
+    let (rendered, path) = crate::write_report(out_dir, "api.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        print_table(args, &report);
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(
+        report["checks"]["ok"].as_bool() == Some(true),
+        "inconsistent results (see checks in {})",
+        path.display()
+    );
+    Ok(())
+}
+
+/// Fills the three pools, creates the API key and starts the API.
+async fn prepare(
+    args: &ApiBenchArgs,
+    scratch: &'static Scratch,
+) -> anyhow::Result<(ApiServer, String)> {
+    let n = args.orders as usize;
+    let open = args.rate as usize * args.seconds as usize;
+    let sizes = [
+        (POOL.to_owned(), WARM + n + open),
+        (BASELINE_POOL.to_owned(), WARM + n),
+        (AMQP_POOL.to_owned(), n),
+    ];
+    let total: usize = sizes.iter().map(|(_, k)| k).sum();
+    say(
+        args,
+        format!("importing {total} codes into {} …", scratch.cfg.db),
+    );
+    inproc::fill_pools(scratch, &sizes, 4).await?;
+    // The metrics recorder first: the phases read the batch sizes from it.
+    let _ = crate::metrics();
+    let scopes = [Scope::OrdersWrite];
+    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes)
+        .await?
+        .token;
+    Ok((ApiServer::start(scratch).await?, token))
+}
+
+/// The API server in this process, built as `codepool api` builds it.
+struct ApiServer {
+    addr: SocketAddr,
+    api: Arc<Api>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl ApiServer {
+    async fn start(scratch: &'static Scratch) -> anyhow::Result<Self> {
+        let (cfg, store) = (&scratch.cfg, &scratch.store);
+        let hot = codepool::context::hot_pool(cfg)?;
+        let numbers = codepool::context::grant_numbers(cfg, store)?;
+        let engine = codepool::context::claim_engine_with(store, hot.clone(), numbers)?;
+        let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-bench-api").await?);
+        let publisher = Publisher::new(&conn, cfg.topology()).await?;
+        cfg.topology().declare(publisher.channel()).await?;
+        let config = ApiConfig {
+            rate_per_key: RATE_PER_KEY,
+            ..ApiConfig::default()
+        };
+        let intake = Intake::new(store.clone(), engine);
+        let api = Api::new(
+            store.clone(),
+            intake,
+            Arc::new(hot),
+            conn,
+            publisher,
+            config,
+        );
+        let stop = CancellationToken::new();
+        let listen: SocketAddr = "127.0.0.1:0".parse()?;
+        let (addr, task) =
+            codepool_api::serve(listen, api.clone(), axum::Router::new(), stop.clone()).await?;
+        Ok(Self {
+            addr,
+            api,
+            stop,
+            task,
+        })
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        self.task.await.context("the API server panicked")??;
+        let broker = self.api.broker();
+        broker.publisher.settle().await;
+        let _ = broker.conn.close(200, "benchmark done").await;
+        Ok(())
+    }
+}
+
+/// hyper's pooling client (keep-alive) posting orders to one server.
+#[derive(Clone)]
+struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+    uri: Uri,
+    auth: Arc<str>,
+}
+
+/// What one request got back.
+struct Answer {
+    status: u16,
+    /// The first code of the answer.
+    code: Option<String>,
+    /// The client's port: which connection carried it.
+    port: Option<u16>,
+}
+
+impl Http {
+    fn new(addr: SocketAddr, token: &str, clients: usize) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(clients)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Self {
+            client,
+            uri: format!("http://{addr}/v1/orders")
+                .parse()
+                .expect("a valid URI"),
+            auth: format!("Bearer {token}").into(),
+        }
+    }
+
+    async fn post(&self, body: Vec<u8>) -> anyhow::Result<Answer> {
+        let req = axum::http::Request::post(self.uri.clone())
+            .header(header::AUTHORIZATION, &*self.auth)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let res = self.client.request(req).await.context("POST /v1/orders")?;
+        let status = res.status().as_u16();
+        let port = res
+            .extensions()
+            .get::<HttpInfo>()
+            .map(|i| i.local_addr().port());
+        let bytes = res.into_body().collect().await?.to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let code = v["codes"][0]["code"].as_str().map(str::to_owned);
+        Ok(Answer { status, code, port })
+    }
+}
+
+/// The body of order `i` of `tag` in `pool`.
+fn order(tag: &str, pool: &str, i: usize) -> Vec<u8> {
+    inproc::purchase(tag, pool, i).to_json()
+}
+
+/// `n` orders from `clients` tasks, each sending its next as soon as its
+/// last is answered; the answers by order number, and the time it took.
+async fn closed_loop(
+    http: &Http,
+    clients: usize,
+    n: usize,
+    body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync>,
+) -> anyhow::Result<(Vec<Option<Answer>>, Duration)> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = JoinSet::new();
+    for _ in 0..clients {
+        let (http, next, body) = (http.clone(), next.clone(), body.clone());
+        tasks.spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return anyhow::Ok(got);
+                }
+                got.push((i, http.post(body(i)).await?));
+            }
+        });
+    }
+    let mut answers: Vec<Option<Answer>> = (0..n).map(|_| None).collect();
+    while let Some(done) = tasks.join_next().await {
+        for (i, a) in done?? {
+            answers[i] = Some(a);
+        }
+    }
+    Ok((answers, started.elapsed()))
+}
+
+/// Batch sizes and claim times recorded so far (process-wide).
+#[derive(Debug, Clone, Copy, Default)]
+struct Stages {
+    batches: f64,
+    batched: f64,
+    claims: f64,
+    claim_seconds: f64,
+}
+
+impl Stages {
+    fn take() -> Self {
+        let Some(m) = crate::metrics() else {
+            return Self::default();
+        };
+        Self {
+            batches: metric_sum(m, "codepool_api_batch_size_count", None),
+            batched: metric_sum(m, "codepool_api_batch_size_sum", None),
+            claims: metric_sum(m, "codepool_claim_batch_seconds_count", None),
+            claim_seconds: metric_sum(m, "codepool_claim_batch_seconds_sum", None),
+        }
+    }
+
+    fn since(&self, before: &Stages) -> Value {
+        let batches = self.batches - before.batches;
+        let claims = self.claims - before.claims;
+        json!({
+            "api_batches": batches as u64,
+            "mean_api_batch_size": (batches > 0.0).then(|| (self.batched - before.batched) / batches),
+            "claim_batches": claims as u64,
+            "mean_claim_batch_ms": (claims > 0.0).then(|| (self.claim_seconds - before.claim_seconds) / claims * 1000.0),
+        })
+    }
+}
+
+/// CPU per process, the machine's load and the stages during a phase.
+struct Meter {
+    cpu: CpuSnapshot,
+    machine: Option<MachineCpu>,
+    stages: Stages,
+}
+
+impl Meter {
+    fn start() -> Self {
+        Self {
+            cpu: CpuSnapshot::take(),
+            machine: MachineCpu::take(),
+            stages: Stages::take(),
+        }
+    }
+
+    fn finish(self) -> (Vec<(&'static str, f64)>, Value) {
+        let cpu = CpuSnapshot::take().since(&self.cpu);
+        let machine = self
+            .machine
+            .zip(MachineCpu::take())
+            .map(|(b, a)| a.since(&b));
+        (
+            cpu,
+            json!({"machine": machine, "stages": Stages::take().since(&self.stages)}),
+        )
+    }
+}
+
+/// A closed-loop phase: what it measured, its extras (connections, load,
+/// stages, checks) and the codes answered, by order number.
+struct HttpRun {
+    m: Measured,
+    extra: Value,
+    codes: Vec<Option<String>>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    Fresh,
+    Repeat,
+    Baseline,
+}
+
+impl Phase {
+    fn tag(self) -> &'static str {
+        match self {
+            Phase::Fresh | Phase::Repeat => "http",
+            Phase::Baseline => "base",
+        }
+    }
+
+    fn pool(self) -> &'static str {
+        if self == Phase::Baseline {
+            BASELINE_POOL
+        } else {
+            POOL
+        }
+    }
+
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Phase::Fresh => ("HTTP grants", "POST /v1/orders, fresh orders: batched claim, journaled, SMS-pending confirmed, answered with the code"),
+            Phase::Repeat => ("HTTP repeats", "POST /v1/orders again for the same orders: the same codes, nothing written"),
+            Phase::Baseline => ("baseline handler", "axum on hyper: one findOneAndUpdate per request (journaled, w:majority), code opened and answered"),
+        }
+    }
+
+    /// The status every answer must have.
+    fn status(self) -> u16 {
+        if self == Phase::Repeat {
+            200
+        } else {
+            201
+        }
+    }
+}
+
+/// Warms up (fresh phases), checkpoints, then sends `--orders` orders of
+/// `phase` from `--clients` clients and checks every answer: the right
+/// status, a code each, no code twice, and for repeats the first answer's.
+async fn http_phase(
+    scratch: &Scratch,
+    http: &Http,
+    args: &ApiBenchArgs,
+    phase: Phase,
+    first: Option<&[Option<String>]>,
+) -> anyhow::Result<HttpRun> {
+    let (n, clients) = (args.orders as usize, args.clients as usize);
+    let pool = phase.pool();
+    if phase != Phase::Repeat {
+        let tag = if phase == Phase::Baseline {
+            "warmb"
+        } else {
+            "warm"
+        };
+        let warm = Arc::new(move |i| order(tag, pool, i));
+        let (answers, _) = closed_loop(http, clients, WARM, warm).await?;
+        anyhow::ensure!(
+            answers.iter().flatten().all(|a| a.status == 201),
+            "the warm-up of {} was not granted",
+            phase.names().0
+        );
+    }
+    inproc::checkpoint(scratch).await?;
+    let meter = Meter::start();
+    let (answers, elapsed) = closed_loop(
+        http,
+        clients,
+        n,
+        Arc::new(move |i| order(phase.tag(), pool, i)),
+    )
+    .await?;
+    let (cpu, mut extra) = meter.finish();
+    let (name, what) = phase.names();
+    let answers: Vec<Answer> = answers.into_iter().flatten().collect();
+    let right = answers
+        .iter()
+        .filter(|a| a.status == phase.status())
+        .count();
+    let ports: HashSet<u16> = answers.iter().filter_map(|a| a.port).collect();
+    let codes: Vec<Option<String>> = answers.iter().map(|a| a.code.clone()).collect();
+    let distinct: HashSet<&String> = codes.iter().flatten().collect();
+    let same = first.map(|f| {
+        f.iter()
+            .zip(&codes)
+            .filter(|(a, b)| a.is_some() && a == b)
+            .count()
+    });
+    let ok = answers.len() == n && right == n && distinct.len() == n && same.is_none_or(|s| s == n);
+    extra["connections"] = json!(ports.len());
+    extra["checks"] = json!({
+        "answered": answers.len(), "expected_status": phase.status(), "with_expected_status": right,
+        "distinct_codes": distinct.len(), "same_codes_as_first_answer": same, "ok": ok,
+    });
+    let m = Measured {
+        name,
+        what,
+        items: n,
+        elapsed,
+        cpu,
+    };
+    Ok(HttpRun { m, extra, codes })
+}
+
+/// The dispatcher on `n` preloaded purchases (quantity 1), as `dispatch`
+/// runs it, with its checks.
+async fn amqp_phase(scratch: &'static Scratch, n: usize) -> anyhow::Result<HttpRun> {
+    let topology = scratch.cfg.topology();
+    let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-api-amqp").await?;
+    let publisher = Publisher::new(&conn, topology.clone()).await?;
+    inproc::preload(n, |i| {
+        let p = inproc::purchase("amqp", AMQP_POOL, i);
+        let publisher = publisher.clone();
+        async move { Ok(publisher.publish_purchase(&p).await?) }
+    })
+    .await?;
+    let events_before = depth(&conn, &topology.sms_pending).await?;
+    inproc::checkpoint(scratch).await?;
+    let meter = Meter::start();
+    let run = inproc::start(scratch, &DispatcherConfig::default())?
+        .finish(n as u64)
+        .await?;
+    let (_, mut extra) = meter.finish();
+    let checks =
+        check_dispatched(scratch, &conn, doc! {"pool": AMQP_POOL}, n, events_before).await?;
+    let _ = conn.close(200, "benchmark done").await;
+    extra["checks"] = checks.json();
+    let m = Measured {
+        name: "AMQP dispatcher",
+        what: "preloaded purchases, quantity 1: consume, batched claim, SMS-pending confirmed, ack",
+        items: n,
+        elapsed: run.elapsed,
+        cpu: run.cpu,
+    };
+    Ok(HttpRun {
+        m,
+        extra,
+        codes: Vec::new(),
+    })
+}
+
+/// The baseline server on its own port, measured like the API.
+async fn baseline_phase(
+    scratch: &Scratch,
+    args: &ApiBenchArgs,
+    token: &str,
+) -> anyhow::Result<HttpRun> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    // As the API's server does: no Nagle delay on the answers.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let app = axum::Router::new()
+        .route("/v1/orders", axum::routing::post(baseline_place))
+        .with_state(scratch.store.clone());
+    let stop = CancellationToken::new();
+    let done = stop.clone();
+    let server = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { done.cancelled().await })
+            .into_future(),
+    );
+    let http = Http::new(addr, token, args.clients as usize);
+    let run = http_phase(scratch, &http, args, Phase::Baseline, None).await;
+    stop.cancel();
+    server.await.context("the baseline server panicked")??;
+    run
+}
+
+/// `POST /v1/orders` of the baseline: what the peers do, one atomic
+/// read-and-write of the first free code per request.
+async fn baseline_place(State(store): State<Store>, body: Bytes) -> Response {
+    let purchase = match Purchase::parse(&body) {
+        Ok(p) => p,
+        Err(e) => return (StatusCode::UNPROCESSABLE_ENTITY, e.detail).into_response(),
+    };
+    match baseline_grant(&store, &purchase).await {
+        Ok(Some(code)) => (
+            StatusCode::CREATED,
+            axum::Json(json!({"order_id": purchase.order_id, "codes": [{"code": code}]})),
+        )
+            .into_response(),
+        Ok(None) => (StatusCode::CONFLICT, "the pool is empty").into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn baseline_grant(store: &Store, p: &Purchase) -> anyhow::Result<Option<String>> {
+    let codes = store
+        .database()
+        .collection::<Document>(codepool_store::codes::CODES);
+    let found = codes
+        .find_one_and_update(
+            doc! {"pool": &p.pool, "status": CodeStatus::Unissued.as_i32()},
+            doc! {"$set": {
+                "status": CodeStatus::Issued.as_i32(), "order_id": &p.order_id, "uid": &p.uid,
+                "phone": &p.phone, "issued_at": DateTime::now(), "sms_pending": true,
+            }},
+        )
+        .sort(doc! {"seq": 1})
+        .return_document(mongodb::options::ReturnDocument::After)
+        .write_concern(codepool_store::durable())
+        .await?;
+    let Some(d) = found else { return Ok(None) };
+    let id = d.get_object_id("_id")?;
+    let key_id = d.get_str("key_id")?;
+    let sealed = d.get_binary_generic("code_enc")?;
+    let ring = store.keys().ring_with(key_id)?;
+    let aad = codepool_store::crypto::code_aad(&p.pool, id);
+    Ok(Some(ring.open(key_id, &aad, sealed)?))
+}
+
+/// Fresh orders at `--rate` a second for `--seconds`, each started on its
+/// schedule whatever came back; latency from the scheduled start.
+async fn latency_phase(
+    scratch: &Scratch,
+    args: &ApiBenchArgs,
+    http: &Http,
+) -> anyhow::Result<Value> {
+    let (rate, n) = (args.rate, args.rate as usize * args.seconds as usize);
+    // Connections opened and the code paths warm: the warm-up orders again.
+    closed_loop(
+        http,
+        args.clients as usize,
+        WARM,
+        Arc::new(|i| order("warm", POOL, i)),
+    )
+    .await?;
+    inproc::checkpoint(scratch).await?;
+    let meter = Meter::start();
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    let (mut sent, mut lag, mut tasks) = (0usize, Duration::ZERO, JoinSet::new());
+    while sent < n {
+        tick.tick().await;
+        let due = ((started.elapsed().as_secs_f64() * f64::from(rate)) as usize + 1).min(n);
+        while sent < due {
+            let scheduled = started + Duration::from_secs_f64(sent as f64 / f64::from(rate));
+            lag = lag.max(scheduled.elapsed());
+            let (http, body) = (http.clone(), order("lat", POOL, sent));
+            tasks.spawn(async move {
+                let a = http.post(body).await;
+                (scheduled.elapsed(), a)
+            });
+            sent += 1;
+        }
+    }
+    let (mut lat, mut ok, mut ports) = (Vec::with_capacity(n), 0, HashSet::new());
+    while let Some(done) = tasks.join_next().await {
+        let (took, answer) = done?;
+        let a = answer?;
+        ok += usize::from(a.status == 201 && a.code.is_some());
+        ports.extend(a.port);
+        lat.push(took);
+    }
+    let (cpu, mut row) = meter.finish();
+    lat.sort();
+    let p = |q: f64| ms(percentile(&lat, q));
+    merge(
+        &mut row,
+        json!({
+            "rate": rate, "seconds": args.seconds, "sent": n, "granted": ok, "connections": ports.len(),
+            "p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99), "max_ms": p(1.0),
+            "sender_worst_lag_ms": ms(lag), "cpu_seconds": crate::cpu_json(&cpu),
+            "target_p99_ms": P99_MS, "target_met": p(0.99) <= P99_MS,
+        }),
+    );
+    Ok(row)
+}
+
+fn merge(row: &mut Value, fields: Value) {
+    if let (Some(row), Value::Object(fields)) = (row.as_object_mut(), fields) {
+        row.extend(fields);
+    }
+}
+
+fn result_json(r: &HttpRun) -> Value {
+    let mut v = json!({
+        "name": r.m.name, "what": r.m.what, "items": r.m.items,
+        "seconds": r.m.elapsed.as_secs_f64(), "per_sec": r.m.per_sec(),
+        "cpu_seconds": crate::cpu_json(&r.m.cpu),
+    });
+    merge(&mut v, r.extra.clone());
+    v
+}
+
+fn ratio(value: f64, target: f64, at_least: bool) -> Value {
+    let met = if at_least {
+        value >= target
+    } else {
+        value <= target
+    };
+    json!({"value": value, "target": target, "met": met})
+}
+
+fn report_json(
+    args: &ApiBenchArgs,
+    [fresh, repeats, baseline]: [&HttpRun; 3],
+    amqp: &HttpRun,
+    latency: &Value,
+    (granted, orders): (u64, u64),
+) -> Value {
+    let rate = |r: &HttpRun| r.m.per_sec().max(1e-9);
+    // The warm-up, the fresh orders and the open-loop ones.
+    let expected = (WARM as u64 + args.orders) + latency["sent"].as_u64().unwrap_or(0);
+    let pool_ok = granted == orders && granted == expected;
+    let ok = [fresh, repeats, baseline, amqp]
+        .iter()
+        .all(|r| r.extra["checks"]["ok"].as_bool() == Some(true))
+        && latency["granted"] == latency["sent"]
+        && pool_ok;
+    let p99 = latency["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
+    let results: Vec<Value> = [fresh, amqp, baseline, repeats].map(result_json).into();
+    json!({
+        "benchmark": "api",
+        "orders": args.orders,
+        "clients": args.clients,
+        "write_concern": {"w": "majority", "j": true},
+        "api_rate_per_key": RATE_PER_KEY,
+        "dispatcher": {"batch_size": DispatcherConfig::default().batch_size, "workers": DispatcherConfig::default().workers},
+        "fairness": "one process on the same cores: the HTTP clients run in it during the HTTP phases, the AMQP purchases are preloaded before the dispatcher's clock; no dispatcher runs during the HTTP phases (the API publishes and confirms its own events); a checkpoint (fsync) before each measurement",
+        "results": results,
+        "latency": latency,
+        "ratios": {
+            "http_over_amqp": ratio(rate(fresh) / rate(amqp), HTTP_OVER_AMQP, true),
+            "http_over_baseline": ratio(rate(fresh) / rate(baseline), HTTP_OVER_BASELINE, true),
+            "repeats_over_fresh": ratio(rate(repeats) / rate(fresh), REPEATS_OVER_FRESH, true),
+            "p99_ms_at_rate": ratio(p99, P99_MS, false),
+        },
+        "checks": {"api_pool_granted": granted, "api_pool_distinct_orders": orders,
+                   "api_pool_expected": expected, "ok": ok},
+    })
+}
+
+fn print_table(args: &ApiBenchArgs, report: &Value) {
+    println!(
+        "HTTP API against the AMQP dispatcher and a findOneAndUpdate handler, {} orders each, {} keep-alive clients; writes journaled (w:majority, j:true)\nno dispatcher ran during the HTTP phases (the API publishes and confirms its own events); the API's per-key limit raised to {RATE_PER_KEY}/s\n",
+        args.orders, args.clients
+    );
+    println!(
+        "{:<17} {:>8} {:>9} {:>6} {:>10}  what",
+        "", "seconds", "per sec", "conns", "mean batch"
+    );
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    for r in report["results"].as_array().into_iter().flatten() {
+        let batch = r["stages"]["mean_api_batch_size"]
+            .as_f64()
+            .map_or("-".into(), |b| format!("{b:.1}"));
+        let conns = r["connections"]
+            .as_u64()
+            .map_or("-".into(), |c| c.to_string());
+        println!(
+            "{:<17} {:>8.2} {:>9.0} {conns:>6} {batch:>10}  {}",
+            r["name"].as_str().unwrap_or("?"),
+            f(&r["seconds"]),
+            f(&r["per_sec"]),
+            r["what"].as_str().unwrap_or("")
+        );
+    }
+    println!("\nCPU seconds and machine load while each ran:");
+    for r in report["results"].as_array().into_iter().flatten() {
+        let cpu: Vec<(&'static str, f64)> = ["codepool", "mongod", "rabbitmq", "redis"]
+            .into_iter()
+            .filter_map(|k| Some((k, r["cpu_seconds"][k].as_f64()?)))
+            .collect();
+        let load = &r["machine"];
+        println!(
+            "{:<17} {}; busy {:.2} of {} cores, steal {:.1}%; mean claim batch {:.1} ms",
+            r["name"].as_str().unwrap_or("?"),
+            describe_cpu(&cpu),
+            f(&load["busy_cores"]),
+            load["cores"],
+            f(&load["steal_pct"]),
+            f(&r["stages"]["mean_claim_batch_ms"])
+        );
+    }
+    print_goals(report);
+}
+
+fn print_goals(report: &Value) {
+    let l = &report["latency"];
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    println!(
+        "\nlatency at {}/s open loop for {} s: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} granted of {}, {} connections, mean batch {:.1}, sender lag ≤ {:.1} ms)",
+        l["rate"], l["seconds"], f(&l["p50_ms"]), f(&l["p90_ms"]), f(&l["p99_ms"]), f(&l["max_ms"]),
+        l["granted"], l["sent"], l["connections"], f(&l["stages"]["mean_api_batch_size"]), f(&l["sender_worst_lag_ms"])
+    );
+    let tick = |r: &Value| {
+        if r["met"].as_bool() == Some(true) {
+            "✓"
+        } else {
+            "✗"
+        }
+    };
+    let r = &report["ratios"];
+    for (label, key, unit, cmp) in [
+        ("HTTP / AMQP dispatcher", "http_over_amqp", "×", "≥"),
+        ("HTTP / baseline handler", "http_over_baseline", "×", "≥"),
+        ("repeats / fresh grants", "repeats_over_fresh", "×", "≥"),
+        ("p99 at the open-loop rate", "p99_ms_at_rate", " ms", "≤"),
+    ] {
+        let v = &r[key];
+        println!(
+            "{label:<26} = {:.2}{unit} (target {cmp} {}{unit} {})",
+            f(&v["value"]),
+            v["target"],
+            tick(v)
+        );
+    }
+    let c = &report["checks"];
+    println!(
+        "checks {}: every answer of its status with its own code, repeats got the first answers' codes, the dispatcher's checks; pool {}: {} granted to {} distinct orders",
+        if c["ok"].as_bool() == Some(true) { "✓" } else { "✗" }, POOL, c["api_pool_granted"], c["api_pool_distinct_orders"]
+    );
+}
