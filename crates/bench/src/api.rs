@@ -725,6 +725,12 @@ fn report_json(
         && latency["granted"] == latency["sent"]
         && pool_ok;
     let p99 = latency["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
+    // Each closed-loop client has one order in flight: no rate beats
+    // clients / the latency of one grant, and the p50 at the open-loop
+    // rate (small batches, a quiet machine) is a generous floor for it.
+    let ceiling = latency["p50_ms"]
+        .as_f64()
+        .map(|p50| args.clients as f64 / (p50 / 1000.0).max(1e-9));
     let results: Vec<Value> = [fresh, amqp, baseline, repeats].map(result_json).into();
     json!({
         "benchmark": "api",
@@ -736,6 +742,11 @@ fn report_json(
         "fairness": "one process on the same cores: the HTTP clients run in it during the HTTP phases, the AMQP purchases are preloaded before the dispatcher's clock; no dispatcher runs during the HTTP phases (the API publishes and confirms its own events); a checkpoint (fsync) before each measurement",
         "results": results,
         "latency": latency,
+        "closed_loop_ceiling": {
+            "per_sec": ceiling,
+            "over_amqp": ceiling.map(|c| c / rate(amqp)),
+            "note": "clients / p50 latency of a grant at the open-loop rate (Little's law): no closed loop of this many clients is faster",
+        },
         "ratios": {
             "http_over_amqp": ratio(rate(fresh) / rate(amqp), HTTP_OVER_AMQP, true),
             "http_over_baseline": ratio(rate(fresh) / rate(baseline), HTTP_OVER_BASELINE, true),
@@ -799,6 +810,11 @@ fn print_goals(report: &Value) {
         "\nlatency at {}/s open loop for {} s: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} granted of {}, {} connections, mean batch {:.1}, sender lag ≤ {:.1} ms)",
         l["rate"], l["seconds"], f(&l["p50_ms"]), f(&l["p90_ms"]), f(&l["p99_ms"]), f(&l["max_ms"]),
         l["granted"], l["sent"], l["connections"], f(&l["stages"]["mean_api_batch_size"]), f(&l["sender_worst_lag_ms"])
+    );
+    let c = &report["closed_loop_ceiling"];
+    println!(
+        "closed-loop ceiling: {} clients / p50 {:.1} ms = {:.0}/s, {:.2}× the dispatcher (Little's law; the HTTP grants reached {:.0}/s)",
+        report["clients"], f(&l["p50_ms"]), f(&c["per_sec"]), f(&c["over_amqp"]), f(&report["results"][0]["per_sec"])
     );
     let tick = |r: &Value| {
         if r["met"].as_bool() == Some(true) {
