@@ -289,6 +289,17 @@ impl ClaimEngine {
         purchases: &[&Purchase],
         resend: Resend,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        self.claim_known(purchases, resend, &HashMap::new()).await
+    }
+
+    /// [`Self::claim_batch`], given what some of the orders held when the
+    /// caller read them (see [`Self::claim_asks_known`]).
+    pub async fn claim_known(
+        &self,
+        purchases: &[&Purchase],
+        resend: Resend,
+        known: &HashMap<String, Vec<Code>>,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let lines = all_lines(purchases);
         let asks: Vec<ClaimAsk> = purchases
             .iter()
@@ -298,7 +309,7 @@ impl ClaimEngine {
                 lines: l,
             })
             .collect();
-        self.claim_asks(&asks, resend).await
+        self.claim_asks_known(&asks, resend, known).await
     }
 
     /// Claims the lines each ask names, returning outcomes aligned with the
@@ -308,6 +319,23 @@ impl ClaimEngine {
         &self,
         asks: &[ClaimAsk<'_>],
         resend: Resend,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        self.claim_asks_known(asks, resend, &HashMap::new()).await
+    }
+
+    /// [`Self::claim_asks`], given what some of the orders held.
+    ///
+    /// `known` holds the codes some of these orders held when the caller
+    /// read them (by order, as `grants_for_orders` returns them). An order
+    /// that held every line it asks then, or whose first line was held by
+    /// a different order, is settled by that read and claims nothing: a
+    /// code once held stays held, so the read cannot be stale. Empty is
+    /// always correct; it only costs retries the whole claim path.
+    pub async fn claim_asks_known(
+        &self,
+        asks: &[ClaimAsk<'_>],
+        resend: Resend,
+        known: &HashMap<String, Vec<Code>>,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let started = Instant::now();
         // One entry per distinct order; duplicates in the batch point at it.
@@ -321,7 +349,7 @@ impl ClaimEngine {
                     unique.len() - 1
                 });
         }
-        let outcomes = self.claim_unique(&unique, resend).await?;
+        let outcomes = self.claim_open(&unique, resend, known).await?;
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
         Ok(asks
             .iter()
@@ -334,6 +362,35 @@ impl ClaimEngine {
                 }
             })
             .collect())
+    }
+
+    /// The claim of distinct orders: those `known` settles take their
+    /// outcome from it, the others go through [`Self::claim_unique`].
+    async fn claim_open(
+        &self,
+        asks: &[ClaimAsk<'_>],
+        resend: Resend,
+        known: &HashMap<String, Vec<Code>>,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        let mut settled = (asks.iter())
+            .map(|a| settled_by(a, known))
+            .collect::<Result<Vec<_>, _>>()?;
+        let open: Vec<ClaimAsk> = (asks.iter().zip(&settled))
+            .filter(|(_, s)| s.is_none())
+            .map(|(a, _)| *a)
+            .collect();
+        if open.len() < asks.len() {
+            metrics::counter!("codepool_claims_settled_by_read_total")
+                .increment((asks.len() - open.len()) as u64);
+        }
+        let mut claimed = self.claim_unique(&open, resend).await?.into_iter();
+        (settled.iter_mut())
+            .map(|s| {
+                s.take().or_else(|| claimed.next()).ok_or_else(|| {
+                    ClaimError::inconsistent("", "the claim returned fewer outcomes than asks")
+                })
+            })
+            .collect()
     }
 
     /// The claim of distinct orders: anchors first, then the other lines
@@ -1144,6 +1201,38 @@ fn after_anchors<'a>(
         outcomes.push(outcome);
     }
     Ok((outcomes, rest))
+}
+
+/// The outcome a read of what `a`'s order holds (`known`) settles: every
+/// line asked already held (a retry, a redelivery), or the first line held
+/// by a different order (a conflict). `None` when the order must claim.
+fn settled_by(
+    a: &ClaimAsk<'_>,
+    known: &HashMap<String, Vec<Code>>,
+) -> Result<Option<ClaimOutcome>, ClaimError> {
+    let p = a.purchase;
+    let (Some(&first), Some(codes)) = (a.lines.first(), known.get(&p.order_id)) else {
+        return Ok(None);
+    };
+    let Some(anchor) = on_line(Some(codes), first) else {
+        return Ok(None);
+    };
+    let anchor = grant_of(&p.order_id, anchor)?;
+    if let Some(what) = p.differs_from(&anchor.pool, &anchor.uid, anchor.quantity) {
+        return Ok(Some(ClaimOutcome::Conflict { what }));
+    }
+    let mut grants = Vec::with_capacity(a.lines.len());
+    for &line in a.lines {
+        match on_line(Some(codes), line) {
+            Some(code) => grants.push(grant_of(&p.order_id, code)?),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(ClaimOutcome::Claimed {
+        grants,
+        fresh: 0,
+        missing: Vec::new(),
+    }))
 }
 
 /// Adds to each granted outcome the codes its order held before this call

@@ -383,3 +383,48 @@ async fn the_same_order_id_with_another_quantity_pool_or_buyer_gets_nothing() {
     ));
     assert_eq!(r.store.issued().len(), 3);
 }
+
+#[tokio::test]
+async fn orders_a_read_shows_holding_every_line_claim_nothing_and_spend_no_number() {
+    use crate::ports::ClaimStore;
+    let r = rig(FakeStore::with_pool("x", 1, 30));
+    let first = with_quantity(purchases("x", &["A", "B", "E"]), 2);
+    let out = claim(&r, &first).await.unwrap();
+    let numbers = r.numbers.issued();
+    let pops = r.hot.pops.load(Ordering::SeqCst);
+    let mut known = r.store.grants_for_orders(&["A", "B", "E"]).await.unwrap();
+    // E's read shows one line of two: it goes the whole path.
+    known.get_mut("E").unwrap().truncate(1);
+    let mut again = with_quantity(purchases("x", &["A", "B", "E", "D"]), 2);
+    again[1].uid = "someone-else".into();
+    let refs: Vec<&Purchase> = again.iter().collect();
+    let got = (r.engine)
+        .claim_known(&refs, Resend::ByRedelivery, &known)
+        .await
+        .unwrap();
+    assert_eq!(
+        got[0].grants(),
+        out[0].grants(),
+        "A: the same codes, none fresh"
+    );
+    assert_eq!(got[0].fresh(), 0);
+    assert!(
+        matches!(
+            got[1],
+            ClaimOutcome::Conflict {
+                what: "buyer (uid)"
+            }
+        ),
+        "{:?}",
+        got[1]
+    );
+    assert_eq!(got[2].grants(), out[2].grants(), "E: its codes, read back");
+    assert_eq!(got[2].fresh(), 0);
+    assert_eq!(got[3].grants().len(), 2);
+    assert_eq!(got[3].fresh(), 2, "D is new");
+    assert_eq!(r.store.issued().len(), 8);
+    // Only E (which claimed again) and D took candidates and numbers.
+    // E's first line, D's two.
+    assert_eq!(r.numbers.issued() - numbers, 3, "A and B spent no number");
+    assert!(r.hot.pops.load(Ordering::SeqCst) > pops);
+}

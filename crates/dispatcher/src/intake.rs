@@ -57,13 +57,19 @@ impl Intake {
             .map(|p| p.order_id.as_str())
             .collect();
         let pools = pools_of(&parsed);
-        let (relayed, policies, backordered) = futures::join!(
+        // What the orders hold already is read alongside: a retry or a
+        // redelivery of an order that holds all its codes is answered from
+        // this read and claims nothing, and a holder passes its pool's
+        // policy.
+        let (relayed, policies, backordered, held) = futures::join!(
             self.store.hand_to_relay(relay),
             self.policies.get_many(&self.store, &pools),
             self.store.backorders_for_orders(&orders),
+            self.store.grants_for_orders(&orders),
         );
         relayed?;
         let policies = policies?;
+        let held = held?;
         let backordered = backordered?
             .into_iter()
             .map(|b| {
@@ -73,12 +79,12 @@ impl Intake {
             .collect();
         let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
         // Per-user limits and pauses (policy.rs); refusals are durable now.
-        let intake = crate::policy::enforce(&self.store, intake, &policies).await?;
+        let intake = crate::policy::enforce(&self.store, intake, &policies, &held).await?;
         let claims = to_claim(&intake);
         let outcomes = if claims.is_empty() {
             Vec::new()
         } else {
-            self.engine.claim_batch(&claims, resend).await?
+            self.engine.claim_known(&claims, resend, &held).await?
         };
         Ok(plan_batch(intake, outcomes)?)
     }

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use codepool_domain::{PoolPolicy, Purchase, Refusal, RefusalReason};
+use codepool_domain::{Code, PoolPolicy, Purchase, Refusal, RefusalReason};
 use codepool_store::policies::{QuotaAsk, RefusalDoc};
 use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
@@ -289,13 +289,15 @@ pub(crate) async fn whole_catalogue(store: &Store) -> Option<Vec<PoolDoc>> {
     }
 }
 
-/// Applies the pools' policies to a batch's intake: asks MongoDB which
-/// orders already hold a code, which were refused before, and takes quota
-/// slots for the rest; new refusals are recorded (durably) here.
+/// Applies the pools' policies to a batch's intake: given which orders
+/// already hold a code (`held`, read by the caller), asks MongoDB which
+/// were refused before, and takes quota slots for the rest; new refusals
+/// are recorded (durably) here.
 pub async fn enforce(
     store: &Store,
     intake: Vec<Intake>,
     policies: &HashMap<String, PoolPolicy>,
+    held: &HashMap<String, Vec<Code>>,
 ) -> Result<Vec<Intake>, StoreError> {
     let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
     let gated: Vec<&Purchase> = intake
@@ -308,11 +310,9 @@ pub async fn enforce(
     if gated.is_empty() {
         return Ok(intake);
     }
-    let orders: Vec<&str> = gated.iter().map(|p| p.order_id.as_str()).collect();
-    let holders: HashSet<String> = store
-        .grants_for_orders(&orders)
-        .await?
-        .into_keys()
+    let holders: HashSet<String> = (gated.iter())
+        .filter(|p| held.contains_key(&p.order_id))
+        .map(|p| p.order_id.clone())
         .collect();
     let limited: Vec<&Purchase> = gated
         .into_iter()
