@@ -9,6 +9,11 @@
 //! it holds, as the same order, claims its other lines, in a second write.
 //! So no order ever gets more codes than its first purchase asked for.
 //!
+//! 0. An order that held every line it asks when the caller read it (a
+//!    retry, a redelivery), or whose first line another order held, is
+//!    settled by that read and claims nothing: a code once held stays
+//!    held, so the read cannot be stale. The intake makes this read
+//!    alongside the batch's policies.
 //! 1. Every slot is paired with a *distinct* candidate popped from
 //!    the pool's Redis hot set (for a set that ran short, taken from the
 //!    refill that loads it), and all pairs are written in one journaled
