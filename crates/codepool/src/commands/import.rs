@@ -6,11 +6,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_importer::csv_rows::CODE_COLUMN;
 use codepool_importer::{import_file, Header, ImportOptions, ImportProgress, ImportSummary};
 use indicatif::{ProgressBar, ProgressStyle};
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::config::Config;
 use crate::shutdown::Interrupt;
@@ -128,18 +127,18 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
         let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-import").await?;
         let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
-        let mut event = PoolEvent::new(PoolEventKind::Replenished, &summary.pool);
-        event.inserted = Some(summary.inserted);
-        publisher.publish_pool_event(&event).await?.wait().await?;
+        let announced = codepool_dispatcher::controls::announce_replenished(
+            &publisher,
+            &summary.pool,
+            summary.inserted,
+        )
+        .await;
         codepool_broker::close(conn, "done").await;
-        Ok::<_, codepool_broker::BrokerError>(())
+        announced
     }
     .await;
-    match result {
-        Ok(()) => info!(pool = %summary.pool, "published pool.replenished"),
-        Err(e) => {
-            warn!(error = %e, "could not publish pool.replenished; dispatchers will still fulfil backorders at their next sweep")
-        }
+    if let Err(e) = result {
+        warn!(error = %e, "could not publish pool.replenished; dispatchers will still fulfil backorders at their next sweep");
     }
 }
 
