@@ -9,11 +9,11 @@
 //! it holds, as the same order, claims its other lines, in a second write.
 //! So no order ever gets more codes than its first purchase asked for.
 //!
-//! 0. An order that held every line it asks when the caller read it (a
-//!    retry, a redelivery), or whose first line another order held, is
-//!    settled by that read and claims nothing: a code once held stays
-//!    held, so the read cannot be stale. The intake makes this read
-//!    alongside the batch's policies.
+//! 0. The caller may hand in what the orders held when it read them (the
+//!    intake reads it alongside the batch's policies). A line that read
+//!    shows held is not claimed: a code once held stays held, so the read
+//!    is what a claim's read-back would say. An order holding every line
+//!    it asks (a retry, a redelivery) claims nothing.
 //! 1. Every slot is paired with a *distinct* candidate popped from
 //!    the pool's Redis hot set (for a set that ran short, taken from the
 //!    refill that loads it), and all pairs are written in one journaled
@@ -331,11 +331,12 @@ impl ClaimEngine {
     /// [`Self::claim_asks`], given what some of the orders held.
     ///
     /// `known` holds the codes some of these orders held when the caller
-    /// read them (by order, as `grants_for_orders` returns them). An order
-    /// that held every line it asks then, or whose first line was held by
-    /// a different order, is settled by that read and claims nothing: a
-    /// code once held stays held, so the read cannot be stale. Empty is
-    /// always correct; it only costs retries the whole claim path.
+    /// read them (by order, as `grants_for_orders` returns them). The lines
+    /// it shows held are not claimed again: a code once held stays held,
+    /// so the read cannot be stale. An order holding every line it asks
+    /// (a retry, a redelivery), or whose first line another order holds,
+    /// claims nothing. Empty is always correct; it only costs a repeat
+    /// the whole claim path.
     pub async fn claim_asks_known(
         &self,
         asks: &[ClaimAsk<'_>],
@@ -354,7 +355,7 @@ impl ClaimEngine {
                     unique.len() - 1
                 });
         }
-        let outcomes = self.claim_open(&unique, resend, known).await?;
+        let outcomes = self.claim_unique(&unique, resend, known).await?;
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
         Ok(asks
             .iter()
@@ -369,41 +370,15 @@ impl ClaimEngine {
             .collect())
     }
 
-    /// The claim of distinct orders: those `known` settles take their
-    /// outcome from it, the others go through [`Self::claim_unique`].
-    async fn claim_open(
-        &self,
-        asks: &[ClaimAsk<'_>],
-        resend: Resend,
-        known: &HashMap<String, Vec<Code>>,
-    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
-        let mut settled = (asks.iter())
-            .map(|a| settled_by(a, known))
-            .collect::<Result<Vec<_>, _>>()?;
-        let open: Vec<ClaimAsk> = (asks.iter().zip(&settled))
-            .filter(|(_, s)| s.is_none())
-            .map(|(a, _)| *a)
-            .collect();
-        if open.len() < asks.len() {
-            metrics::counter!("codepool_claims_settled_by_read_total")
-                .increment((asks.len() - open.len()) as u64);
-        }
-        let mut claimed = self.claim_unique(&open, resend).await?.into_iter();
-        (settled.iter_mut())
-            .map(|s| {
-                s.take().or_else(|| claimed.next()).ok_or_else(|| {
-                    ClaimError::inconsistent("", "the claim returned fewer outcomes than asks")
-                })
-            })
-            .collect()
-    }
-
     /// The claim of distinct orders: anchors first, then the other lines
-    /// of the orders that hold their anchor as the same order.
+    /// of the orders that hold their anchor as the same order. An anchor
+    /// `known` shows held is not claimed: that read is its outcome, as a
+    /// claim's read-back would be.
     async fn claim_unique(
         &self,
         asks: &[ClaimAsk<'_>],
         resend: Resend,
+        known: &HashMap<String, Vec<Code>>,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let anchors: Vec<Slot> = asks
             .iter()
@@ -416,7 +391,35 @@ impl ClaimEngine {
                 })
             })
             .collect();
-        let (anchored, held) = self.claim_slots(&anchors, resend).await?;
+        let read: Vec<Option<SlotOutcome>> = (anchors.iter())
+            .map(|s| {
+                let order_id = &s.purchase.order_id;
+                on_line(known.get(order_id), s.line)
+                    .map(|code| {
+                        let grant = grant_of(order_id, code)?;
+                        Ok(SlotOutcome::Granted {
+                            grant,
+                            fresh: false,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<_, ClaimError>>()?;
+        let open: Vec<Slot> = (anchors.iter().zip(&read))
+            .filter(|(_, r)| r.is_none())
+            .map(|(s, _)| *s)
+            .collect();
+        let (claimed, mut held) = self.claim_slots(&open, resend).await?;
+        let mut claimed = claimed.into_iter();
+        let anchored: Vec<SlotOutcome> = read
+            .into_iter()
+            .filter_map(|r| r.or_else(|| claimed.next()))
+            .collect();
+        for a in asks {
+            if let Some(codes) = known.get(&a.purchase.order_id) {
+                (held.entry(a.purchase.order_id.clone())).or_insert_with(|| codes.clone());
+            }
+        }
         let (mut outcomes, rest) = after_anchors(asks, anchored, &held)?;
         let (more, _) = self.claim_slots(&rest, resend).await?;
         let by_order: HashMap<&str, usize> = asks
@@ -1206,38 +1209,6 @@ fn after_anchors<'a>(
         outcomes.push(outcome);
     }
     Ok((outcomes, rest))
-}
-
-/// The outcome a read of what `a`'s order holds (`known`) settles: every
-/// line asked already held (a retry, a redelivery), or the first line held
-/// by a different order (a conflict). `None` when the order must claim.
-fn settled_by(
-    a: &ClaimAsk<'_>,
-    known: &HashMap<String, Vec<Code>>,
-) -> Result<Option<ClaimOutcome>, ClaimError> {
-    let p = a.purchase;
-    let (Some(&first), Some(codes)) = (a.lines.first(), known.get(&p.order_id)) else {
-        return Ok(None);
-    };
-    let Some(anchor) = on_line(Some(codes), first) else {
-        return Ok(None);
-    };
-    let anchor = grant_of(&p.order_id, anchor)?;
-    if let Some(what) = p.differs_from(&anchor.pool, &anchor.uid, anchor.quantity) {
-        return Ok(Some(ClaimOutcome::Conflict { what }));
-    }
-    let mut grants = Vec::with_capacity(a.lines.len());
-    for &line in a.lines {
-        match on_line(Some(codes), line) {
-            Some(code) => grants.push(grant_of(&p.order_id, code)?),
-            None => return Ok(None),
-        }
-    }
-    Ok(Some(ClaimOutcome::Claimed {
-        grants,
-        fresh: 0,
-        missing: Vec::new(),
-    }))
 }
 
 /// Adds to each granted outcome the codes its order held before this call
