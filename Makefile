@@ -51,17 +51,18 @@ run: services build
 # Every unit test, the integration suite and the sequence tests first; then
 # the chaos test, which restarts the shared servers and so runs alone; then
 # the failover test, which starts the replicated servers (scripts/cluster.sh,
-# idempotent, ports apart) and kills their members.
+# idempotent, ports apart) and kills their members; the cluster is stopped
+# after it, pass or fail, so no server of this checkout outlives `make test`.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
 test: services deploy-tools browser
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) nextest run --locked -p codepool --test chaos
-	$(CARGO) nextest run --locked -p codepool --test failover --no-capture
+	$(CARGO) nextest run --locked -p codepool --test failover --no-capture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 else
 	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast
 	$(CARGO) test --locked -p codepool --test chaos
-	$(CARGO) test --locked -p codepool --test failover -- --nocapture
+	$(CARGO) test --locked -p codepool --test failover -- --nocapture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 endif
 
 chaos: services
