@@ -24,5 +24,6 @@ mod quantity;
 mod readable;
 mod replay;
 mod schemas;
+mod seams;
 mod secrets;
 mod strays;

@@ -103,7 +103,7 @@ fn grant_json(g: &Grant, reveal: bool) -> Value {
         (status = 201, description = "the codes were issued now, in plaintext", body = crate::openapi::Placed),
         (status = 200, description = "the same order again: the same codes, no second SMS", body = crate::openapi::Placed),
         (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = crate::openapi::Placed),
-        (status = 409, description = "the order id belongs to another order (pool, buyer or quantity); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the order id belongs to another order (pool, buyer or quantity), or the order was voided (`order-cancelled`); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer over the pool's per-user limit", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
@@ -126,6 +126,15 @@ pub(crate) async fn place(
     tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
     match step {
         Step::DeadLetter(e) => rejected(&e, &rid),
+        Step::Cancelled(p) => Problem::new(
+            StatusCode::CONFLICT,
+            "order-cancelled",
+            "the order was voided",
+            format!("order {:?} was voided while it waited for codes, and a void is final: it gets nothing again. Place the purchase under a new order id", p.order_id),
+        )
+        .field("order_id")
+        .at(&rid.0)
+        .into_response(),
         Step::Refused(r) => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 r.reason.as_str().replace('_', "-").as_str(),

@@ -16,7 +16,7 @@ pub mod topology;
 use lapin::{Connection, ConnectionProperties};
 
 pub use consume::{consume, consume_purchases, subscribe, ConsumerHandle, OpenConsumer};
-pub use publisher::{confirmed, PendingConfirm, Publisher};
+pub use publisher::{amqp_message_id, confirmed, PendingConfirm, Publisher};
 pub use topology::{QueueSettings, QueueType, Topology, DEFAULT_DELIVERY_LIMIT};
 
 /// Header that carries why a purchase was dead-lettered.

@@ -62,6 +62,21 @@ pub struct Publisher {
     topology: Topology,
 }
 
+/// AMQP's message id is a short string: at most 255 bytes, and RabbitMQ
+/// closes the whole connection on a longer one. An id that fits is sent as
+/// it is; a longer one (a 128-character order id of two-byte letters in
+/// `sms:<order_id>:<lines>`) as `sha256:` and its digest in hex, which is
+/// as stable as the id itself, so duplicates still share one message id.
+/// The event's own `event_id`, in the body, is never shortened.
+pub fn amqp_message_id(id: &str) -> ShortString {
+    const MAX: usize = 255;
+    if id.len() <= MAX {
+        return id.into();
+    }
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(id.as_bytes()))).into()
+}
+
 fn persistent_json() -> BasicProperties {
     BasicProperties::default()
         .with_delivery_mode(2)
@@ -147,7 +162,7 @@ impl Publisher {
     ) -> Result<PendingConfirm, BrokerError> {
         let mut props = persistent_json();
         if let Some(id) = message_id {
-            props = props.with_message_id(id.into());
+            props = props.with_message_id(amqp_message_id(id));
         }
         let queue = self.topology.purchases.clone();
         self.publish("", &queue, body, props).await
@@ -165,7 +180,7 @@ impl Publisher {
         headers.insert(REPLAYS_HEADER.into(), AMQPValue::LongUInt(replays));
         let mut props = persistent_json().with_headers(headers);
         if let Some(id) = message_id {
-            props = props.with_message_id(id.into());
+            props = props.with_message_id(amqp_message_id(id));
         }
         let queue = self.topology.purchases.clone();
         self.publish("", &queue, body, props).await
@@ -177,7 +192,7 @@ impl Publisher {
         &self,
         event: &SmsPending,
     ) -> Result<PendingConfirm, BrokerError> {
-        let props = persistent_json().with_message_id(event.event_id.as_str().into());
+        let props = persistent_json().with_message_id(amqp_message_id(&event.event_id));
         let exchange = self.topology.sms_exchange.clone();
         self.publish(&exchange, SMS_PENDING_KEY, &event.to_json(), props)
             .await
@@ -213,7 +228,7 @@ impl Publisher {
         &self,
         event: &PurchaseRefused,
     ) -> Result<PendingConfirm, BrokerError> {
-        let props = persistent_json().with_message_id(event.event_id.as_str().into());
+        let props = persistent_json().with_message_id(amqp_message_id(&event.event_id));
         let exchange = self.topology.events_exchange.clone();
         self.publish(&exchange, PURCHASE_REFUSED_KEY, &event.to_json(), props)
             .await

@@ -10,7 +10,7 @@
 
 use std::collections::HashSet;
 
-use codepool_domain::{Grant, PoolPolicy, Purchase};
+use codepool_domain::{CodeId, Grant, PoolPolicy, Purchase};
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -92,6 +92,27 @@ async fn fulfil(
     let outcomes = engine.claim_asks(&asks, Resend::ByRelay).await?;
     let exhausted = outcomes.iter().any(|o| !o.missing().is_empty());
     let grants: Vec<&Grant> = outcomes.iter().flat_map(|o| o.grants()).collect();
+    // An order voided while this claim ran keeps none of these codes, and
+    // no event is sent for them: a cancelled backorder is final.
+    let issued: Vec<(CodeId, &str)> = (grants.iter())
+        .filter(|g| !g.revoked)
+        .map(|g| (g.code_id, g.order_id.as_str()))
+        .collect();
+    let withdrawn: HashSet<CodeId> = store
+        .withdraw_cancelled(&issued)
+        .await?
+        .into_iter()
+        .collect();
+    if !withdrawn.is_empty() {
+        info!(
+            pool,
+            withdrawn = withdrawn.len(),
+            "codes claimed for orders voided meanwhile were voided; nothing sent for them"
+        );
+    }
+    let grants: Vec<&Grant> = (grants.into_iter())
+        .filter(|g| !withdrawn.contains(&g.code_id))
+        .collect();
     // Events that are not confirmed stay on the relay's list.
     let sent = outbox.send(sink, &grants, Marking::Now).await?;
     if sent.confirmed() < grants.len() {

@@ -290,6 +290,9 @@ fn log_step(step: &Step) {
         Step::Refused(r) => {
             info!(order_id = %r.purchase.order_id, pool = %r.purchase.pool, uid = %r.purchase.uid, reason = r.reason.as_str(), "purchase refused by the pool's policy")
         }
+        Step::Cancelled(p) => {
+            info!(order_id = %p.order_id, pool = %p.pool, "order was voided while it waited; a cancelled order gets nothing again")
+        }
         Step::Backorder { .. } | Step::DeadLetter(_) => {}
     }
 }

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use codepool_store::{Store, StoreError};
 
 use crate::claim::{ClaimEngine, ClaimError};
-use crate::plan::{admit, plan_batch, pools_of, reject_conflicting, to_claim, BatchPlan, Parsed};
+use crate::plan::{
+    admit, plan_batch, pools_of, reject_conflicting, settle_cancelled, to_claim, BatchPlan, Parsed,
+};
 use crate::policy::PolicyCache;
 use crate::Resend;
 
@@ -70,7 +72,14 @@ impl Intake {
         relayed?;
         let policies = policies?;
         let held = held?;
-        let backordered = backordered?
+        let backordered = backordered?;
+        // A void is final: an order whose backorder was cancelled gets
+        // nothing again, whichever door it comes back through.
+        let cancelled: std::collections::HashSet<String> = (backordered.iter())
+            .filter(|b| b.status == codepool_store::lifecycle::CANCELLED)
+            .map(|b| b.order_id.clone())
+            .collect();
+        let backordered = backordered
             .into_iter()
             .map(|b| {
                 let q = b.quantity();
@@ -78,6 +87,7 @@ impl Intake {
             })
             .collect();
         let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
+        let intake = settle_cancelled(intake, &cancelled);
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies, &held).await?;
         let claims = to_claim(&intake);

@@ -26,6 +26,9 @@ pub enum Intake {
     Refuse(Box<Refusal>),
     /// Invalid, or of an unknown pool: dead-letter it with this reason.
     Reject(PurchaseError),
+    /// The order was voided while it waited: its backorder is cancelled,
+    /// and a cancelled order is final. Nothing is claimed or published.
+    Cancelled(Purchase),
 }
 
 /// A delivery's body, parsed and validated.
@@ -128,6 +131,9 @@ pub enum Step {
     Refused(Box<Refusal>),
     /// Publish to the dead-letter queue with the reason; ack once confirmed.
     DeadLetter(PurchaseError),
+    /// The order was voided (its backorder cancelled): it gets nothing
+    /// again, whichever door it comes back through. Acked at once.
+    Cancelled(Purchase),
 }
 
 /// The plan for a batch: one step per delivery, in delivery order.
@@ -256,6 +262,22 @@ pub fn reject_conflicting(
         .collect()
 }
 
+/// Turns purchases of orders whose backorder was cancelled (the order was
+/// voided while it waited) into [`Intake::Cancelled`]: a void is final, so
+/// the same order sent again is neither claimed nor backordered.
+pub fn settle_cancelled(intake: Vec<Intake>, cancelled: &HashSet<String>) -> Vec<Intake> {
+    if cancelled.is_empty() {
+        return intake;
+    }
+    intake
+        .into_iter()
+        .map(|i| match i {
+            Intake::Claim(p) if cancelled.contains(&p.order_id) => Intake::Cancelled(p),
+            other => other,
+        })
+        .collect()
+}
+
 /// Decides every delivery's step. `outcomes` holds one claim outcome per
 /// [`Intake::Claim`], in order.
 pub fn plan_batch(
@@ -279,6 +301,7 @@ pub fn plan_batch(
         let step = match item {
             Intake::Reject(e) => Step::DeadLetter(e),
             Intake::Refuse(r) => Step::Refused(r),
+            Intake::Cancelled(p) => Step::Cancelled(p),
             Intake::Hold(p) => {
                 plan.held += 1;
                 let lines = (0..p.quantity).collect();
@@ -443,7 +466,24 @@ mod tests {
             Step::Backorder { .. } => "backorder",
             Step::DeadLetter(_) => "dead",
             Step::Refused(_) => "refused",
+            Step::Cancelled(_) => "cancelled",
         }
+    }
+
+    #[test]
+    fn an_order_whose_backorder_was_cancelled_is_settled_as_cancelled() {
+        let intake = vec![
+            Intake::Claim(purchase("O-1", "a")),
+            Intake::Claim(purchase("O-2", "a")),
+        ];
+        let cancelled: HashSet<String> = ["O-1".to_owned()].into();
+        let intake = settle_cancelled(intake, &cancelled);
+        assert_eq!(to_claim(&intake).len(), 1);
+        let plan = plan_batch(intake, vec![granted("O-2", "a", true)]).unwrap();
+        assert_eq!(kind(&plan.steps[0]), "cancelled");
+        assert_eq!(kind(&plan.steps[1]), "sms");
+        assert!(plan.backorders().is_empty() && plan.sms_events().len() == 1);
+        assert_eq!(settle(&plan, &HashSet::new()), vec![Settlement::Ack; 2]);
     }
 
     #[test]

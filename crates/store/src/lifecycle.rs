@@ -263,13 +263,19 @@ impl Store {
             "$set": {"status": Transition::Void.to().as_i32(), "voided_at": now, "void_reason": reason},
             "$unset": {"sms_pending": ""},
         };
-        let applied = self
-            .apply_all(target, Transition::Void, update, now)
-            .await?;
+        // The backorder is cancelled before the codes are voided: a
+        // fulfilment that claims for the order after this write finds it
+        // cancelled and withdraws its codes itself (see
+        // [`Store::withdraw_cancelled`]), and one that claimed before it
+        // has its codes voided by the step below. Either way the order
+        // keeps no live code.
         let cancelled = match target {
             CodeRef::Order(order_id) => self.cancel_backorder(order_id, reason).await?,
             CodeRef::Code { .. } => false,
         };
+        let applied = self
+            .apply_all(target, Transition::Void, update, now)
+            .await?;
         if !applied.is_empty() {
             return Ok(VoidOutcome::Voided {
                 applied,
@@ -300,6 +306,57 @@ impl Store {
             .write_concern(durable())
             .await?;
         Ok(r.modified_count == 1)
+    }
+
+    /// Of the codes just issued to `grants` (code id, order id) by a
+    /// backorder's fulfilment, voids those whose order's backorder was
+    /// cancelled meanwhile (an operator voided the order while the pool
+    /// resumed), before any event is published for them, and returns
+    /// their ids. Cancelling a backorder and fulfilling it exclude each
+    /// other: see [`Store::void`].
+    pub async fn withdraw_cancelled(
+        &self,
+        grants: &[(CodeId, &str)],
+    ) -> Result<Vec<CodeId>, StoreError> {
+        if grants.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut orders: Vec<&str> = grants.iter().map(|(_, o)| *o).collect();
+        orders.sort_unstable();
+        orders.dedup();
+        let cancelled: HashMap<String, Option<String>> = self
+            .collection(BACKORDERS)
+            .find(doc! {"order_id": {"$in": &orders}, "status": CANCELLED})
+            .projection(doc! {"order_id": 1, "cancel_reason": 1})
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .into_iter()
+            .filter_map(|d| {
+                let order = d.get_str("order_id").ok()?.to_owned();
+                Some((order, d.get_str("cancel_reason").ok().map(str::to_owned)))
+            })
+            .collect();
+        let ids: Vec<CodeId> = (grants.iter())
+            .filter(|(_, o)| cancelled.contains_key(*o))
+            .map(|(id, _)| *id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(ids);
+        }
+        let oids: Vec<ObjectId> = ids.iter().copied().map(object_id).collect();
+        self.collection(CODES)
+            .update_many(
+                doc! {"_id": {"$in": oids}, "status": CodeStatus::Issued.as_i32()},
+                doc! {
+                    "$set": {"status": Transition::Void.to().as_i32(), "voided_at": DateTime::now(),
+                             "void_reason": "order voided while it waited"},
+                    "$unset": {"sms_pending": ""},
+                },
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(ids)
     }
 
     /// Voids unissued codes whose `expires_at` is at or before `now`, with

@@ -1,0 +1,295 @@
+//! The seams between the doors (issue 43, round three): rules that one door
+//! kept and another did not. Each test is a hostile user's move against the
+//! real servers.
+
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use codepool_store::pool_settings::PoolSettings;
+
+use crate::common::{
+    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+};
+
+/// A 128-character order id of two-byte letters is valid, yet `sms:<id>`
+/// is longer than AMQP's 255-byte message id. Every event of such an order
+/// is published (with a hashed message id), and the other orders of the
+/// same batches still get theirs: nothing closes the connection.
+#[tokio::test]
+async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing_others() {
+    let env = TestEnv::new("seam_long_id").await;
+    env.fill_pool("game", 20).await;
+    env.fill_pool("limited", 5).await;
+    env.store
+        .set_pool_settings(
+            "limited",
+            &PoolSettings {
+                per_user: Some(1),
+                ..PoolSettings::default()
+            },
+        )
+        .await
+        .expect("settings");
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+
+    let long = "ü".repeat(128);
+    let mut batch = vec![purchase(&long, "game")];
+    batch[0].uid = "u-long".into();
+    batch.extend((0..5).map(|i| purchase(&format!("N-{i}"), "game")));
+    // The same buyer twice in a limited pool: the second is refused, and
+    // `refused:<id>` is as long as the grant's event id.
+    let mut first = purchase(&format!("{}1", "ß".repeat(127)), "limited");
+    let mut second = purchase(&format!("{}2", "ß".repeat(127)), "limited");
+    first.uid = "same-buyer".into();
+    second.uid = "same-buyer".into();
+    batch.push(first);
+    publish_confirmed(&publisher, &batch).await;
+    publish_confirmed(&publisher, &[second.clone()]).await;
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(30), "7 SMS events and 1 refusal", || {
+        let ch = ch.clone();
+        let (sms, refused) = (t.sms_pending.clone(), t.purchases_refused.clone());
+        async move { queue_depth(&ch, &sms).await >= 7 && queue_depth(&ch, &refused).await >= 1 }
+    })
+    .await;
+    // Nothing more comes: no event is sent twice by a relay that never
+    // got its confirm.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sms = drain(&ch, &t.sms_pending).await;
+    let mut orders: Vec<String> = sms
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+            v["order_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    orders.sort();
+    let mut expected: Vec<String> = batch.iter().map(|p| p.order_id.clone()).collect();
+    expected.sort();
+    assert_eq!(orders, expected, "every order texted exactly once");
+    let long_event = sms
+        .iter()
+        .find(|m| m.body.windows(long.len()).any(|w| w == long.as_bytes()))
+        .unwrap();
+    let id = long_event.message_id.as_deref().unwrap();
+    assert!(id.starts_with("sha256:") && id.len() <= 255, "{id}");
+    let refused = drain(&ch, &t.purchases_refused).await;
+    assert_eq!(refused.len(), 1);
+    let v: serde_json::Value = serde_json::from_slice(&refused[0].body).unwrap();
+    assert_eq!(v["order_id"], second.order_id.as_str());
+    assert_eq!(v["event_id"], format!("refused:{}", second.order_id));
+    assert!(
+        !daemon.log_text().contains("connection closed")
+            && !daemon.log_text().contains("reconnect"),
+        "the broker connection was never dropped"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// Adds `n` codes `PREFIX-000001`… to an existing pool.
+async fn add_codes(env: &TestEnv, pool: &str, prefix: &str, n: usize) {
+    let new: Vec<codepool_store::NewCode> = (1..=n)
+        .map(|i| codepool_store::NewCode {
+            code: format!("{prefix}-{i:06}"),
+            line: None,
+            expires_at: None,
+        })
+        .collect();
+    let out = env
+        .store
+        .insert_codes(pool, bson::oid::ObjectId::new(), &new)
+        .await
+        .expect("insert");
+    assert_eq!(out.inserted as usize, n);
+}
+
+/// Codes of `order` by status (0 unissued … 3 void).
+async fn statuses(env: &TestEnv, order: &str) -> Vec<i32> {
+    use futures::TryStreamExt;
+    let mut s: Vec<i32> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(bson::doc! {"order_id": order})
+        .await
+        .unwrap()
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.get_i32("status").unwrap())
+        .collect();
+    s.sort();
+    s
+}
+
+/// A void is final: a waiting order voided, and a partly granted one
+/// voided as a refund, get nothing when they come back after stock
+/// arrives, over HTTP (409 `order-cancelled`) or over AMQP (no event).
+#[tokio::test]
+async fn a_cancelled_backorder_never_comes_back_through_either_door() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_cancelled").await;
+    env.fill_pool("few", 2).await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let place = |id: &'static str, q: u32| {
+        let addr = api.addr.clone();
+        let shop = shop.clone();
+        async move {
+            http(
+                &addr,
+                "POST",
+                "/v1/orders",
+                Some(&shop),
+                &order(id, "few", q),
+            )
+            .await
+        }
+    };
+    let (status, _, body) = place("P-5", 5).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["state"], "partly_granted");
+    let (status, _, _) = place("W-1", 1).await;
+    assert_eq!(status, 202);
+    for id in ["P-5", "W-1"] {
+        let (status, _, body) = http(
+            &api.addr,
+            "POST",
+            &format!("/v1/orders/{id}/void"),
+            Some(&shop),
+            br#"{"reason":"refund"}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["backorder_cancelled"], true);
+    }
+    add_codes(&env, "few", "more", 10).await;
+    for (id, q) in [("P-5", 5), ("W-1", 1)] {
+        let (status, _, body) = place(id, q).await;
+        assert_eq!(status, 409, "{id}: {}", String::from_utf8_lossy(&body));
+        let b = json_of(&body);
+        assert!(
+            b["type"].as_str().unwrap().ends_with("order-cancelled"),
+            "{b}"
+        );
+        assert!(
+            body.windows(5).all(|w| w != b"more-"),
+            "no code in the answer"
+        );
+    }
+    api.stop().await;
+
+    // The same purchases over AMQP: acked, nothing granted, nothing texted.
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut again = vec![
+        purchase("W-1", "few"),
+        purchase("P-5", "few"),
+        purchase("FRESH", "few"),
+    ];
+    for p in &mut again {
+        p.uid = "u-api".into();
+    }
+    again[1].quantity = 5;
+    publish_confirmed(&publisher, &again).await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(30), "the fresh order's event", || {
+        let (ch, q) = (ch.clone(), t.sms_pending.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    eventually(Duration::from_secs(30), "every purchase acked", || {
+        let (ch, q) = (ch.clone(), t.purchases.clone());
+        async move { queue_depth(&ch, &q).await == 0 }
+    })
+    .await;
+    let sms = drain(&ch, &t.sms_pending).await;
+    assert_eq!(sms.len(), 1, "only FRESH is texted");
+    assert_eq!(statuses(&env, "W-1").await, Vec::<i32>::new());
+    assert_eq!(
+        statuses(&env, "P-5").await,
+        vec![3, 3],
+        "the two voided codes, nothing new"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// Cancelling a backorder and fulfilling it exclude each other: orders
+/// voided while their paused pool resumes keep no live code, and one whose
+/// void answered "nothing voided" is never texted.
+#[tokio::test]
+async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_void_race").await;
+    env.fill_pool("race", 60).await;
+    env.store.set_paused("race", true).await.expect("pause");
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let ids: Vec<String> = (0..40).map(|i| format!("R-{i}")).collect();
+    for id in &ids {
+        let (status, _, _) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&shop),
+            &order(id, "race", 1),
+        )
+        .await;
+        assert_eq!(status, 202);
+    }
+    let daemon = start_daemon(env.command(&[])).await;
+    let resume = env.command(&["pool", "resume", "--pool", "race"]).output();
+    let voids = futures::future::join_all(ids.iter().map(|id| {
+        let (addr, shop) = (api.addr.clone(), shop.clone());
+        async move {
+            let (status, _, body) = http(
+                &addr,
+                "POST",
+                &format!("/v1/orders/{id}/void"),
+                Some(&shop),
+                br#"{"reason":"refund"}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            json_of(&body)["voided"].as_u64().unwrap()
+        }
+    }));
+    let (resumed, voided) = tokio::join!(resume, voids);
+    assert!(resumed.unwrap().status.success());
+    // Let any fulfilment in flight finish.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let texted: Vec<String> = drain(&ch, &env.topology().sms_pending)
+        .await
+        .iter()
+        .map(|m| {
+            serde_json::from_slice::<serde_json::Value>(&m.body).unwrap()["order_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    for (id, n) in ids.iter().zip(voided) {
+        let s = statuses(&env, id).await;
+        assert!(!s.contains(&1), "{id} keeps a live code: {s:?}");
+        if n == 0 {
+            assert!(
+                !texted.contains(id),
+                "{id}: void said 0 voided, yet it was texted"
+            );
+        }
+    }
+    daemon.stop().await;
+    api.stop().await;
+    env.cleanup().await;
+}
