@@ -791,6 +791,7 @@ mod tests {
                     Intake::Refuse(r) => { prop_assert_eq!(&r.purchase.order_id, &order); "refuse" }
                     Intake::Hold(_) => "hold",
                     Intake::Reject(_) => "reject",
+                    Intake::Cancelled(_) => "cancelled",
                 };
                 prop_assert_eq!(got, want);
             }
