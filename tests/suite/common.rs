@@ -164,6 +164,9 @@ impl TestEnv {
             .env("CODEPOOL_AMQP_URL", &self.amqp_url)
             .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
             .env("CODEPOOL_KEY_FILE", &self.key_file)
+            // The test publishes code.redeemed as the platform would: with
+            // user_id set to the broker user it connects as.
+            .env("CODEPOOL_REDEEMERS", "guest")
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
         cmd
@@ -234,6 +237,7 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
         pool: pool.to_owned(),
         purchased_at: None,
         quantity: 1,
+        owner: None,
     }
 }
 
@@ -250,6 +254,7 @@ pub fn assign(code: codepool_domain::CodeId, pool: &str, order: &str) -> ClaimAs
         line: 0,
         quantity: 1,
         part: 0,
+        owner: None,
     }
 }
 

@@ -86,6 +86,7 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             pool: "ex".into(),
             purchased_at: None,
             quantity: 1,
+            owner: None,
         },
         Purchase {
             order_id: "-2+3".into(),
@@ -94,6 +95,7 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             pool: "ex".into(),
             purchased_at: None,
             quantity: 1,
+            owner: None,
         },
     ];
     let refs: Vec<&Purchase> = orders.iter().collect();

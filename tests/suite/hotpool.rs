@@ -221,6 +221,7 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
                     line: 0,
                     quantity: 1,
                     part: 0,
+                    owner: None,
                 },
             )
             .await

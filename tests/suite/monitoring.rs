@@ -294,7 +294,7 @@ async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
             &t.events_exchange,
             "code.redeemed",
             redeemed.as_bytes(),
-            Default::default(),
+            lapin::BasicProperties::default().with_user_id("guest".into()),
         )
         .await
         .expect("publish")

@@ -1012,7 +1012,7 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
                 "code.redeemed",
                 BasicPublishOptions::default(),
                 body.as_bytes(),
-                BasicProperties::default(),
+                BasicProperties::default().with_user_id("guest".into()),
             )
             .await
             .unwrap()

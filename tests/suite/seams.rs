@@ -184,10 +184,17 @@ async fn a_cancelled_backorder_never_comes_back_through_either_door() {
         );
     }
     api.stop().await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    // P-5's first two codes were texted when they were granted.
+    let first = drain(&ch, &t.sms_pending).await;
+    assert!(first
+        .iter()
+        .all(|m| String::from_utf8_lossy(&m.body).contains("P-5")));
 
     // The same purchases over AMQP: acked, nothing granted, nothing texted.
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let mut again = vec![
         purchase("W-1", "few"),
@@ -199,8 +206,6 @@ async fn a_cancelled_backorder_never_comes_back_through_either_door() {
     }
     again[1].quantity = 5;
     publish_confirmed(&publisher, &again).await;
-    let ch = conn.create_channel().await.unwrap();
-    let t = env.topology();
     eventually(Duration::from_secs(30), "the fresh order's event", || {
         let (ch, q) = (ch.clone(), t.sms_pending.clone());
         async move { queue_depth(&ch, &q).await >= 1 }
@@ -213,6 +218,7 @@ async fn a_cancelled_backorder_never_comes_back_through_either_door() {
     .await;
     let sms = drain(&ch, &t.sms_pending).await;
     assert_eq!(sms.len(), 1, "only FRESH is texted");
+    assert!(String::from_utf8_lossy(&sms[0].body).contains("FRESH"));
     assert_eq!(statuses(&env, "W-1").await, Vec::<i32>::new());
     assert_eq!(
         statuses(&env, "P-5").await,
@@ -291,5 +297,283 @@ async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
     }
     daemon.stop().await;
     api.stop().await;
+    env.cleanup().await;
+}
+
+/// An order's codes go back only to the key that placed it: another key
+/// posting the same order gets 409 and no code, and cannot void, redeem or
+/// resend it; an order that came over AMQP is nobody's to repeat over
+/// HTTP. The owner's own repeat is answered, and audited.
+#[tokio::test]
+async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_audited() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_owner").await;
+    env.fill_pool("own", 10).await;
+    let a = key(&env, "shop-a", "orders:write,orders:read").await;
+    let b = key(&env, "shop-b", "orders:write,orders:read").await;
+    let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let codes: Vec<String> = json_of(&body)["codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["code"].as_str().unwrap().to_owned())
+        .collect();
+    let leaks = |body: &[u8]| {
+        codes
+            .iter()
+            .any(|c| String::from_utf8_lossy(body).contains(c.as_str()))
+    };
+
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&b),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+    assert!(json_of(&body)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("conflicting-order"));
+    assert!(!leaks(&body), "another key's repeat shows no code");
+    for action in ["void", "redeem", "resend"] {
+        let (status, _, body) = http(
+            &api.addr,
+            "POST",
+            &format!("/v1/orders/O-1/{action}"),
+            Some(&b),
+            br#"{"reason":"refund"}"#,
+        )
+        .await;
+        assert_eq!(
+            status,
+            404,
+            "{action} by another key: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    assert_eq!(statuses(&env, "O-1").await, vec![1, 1], "nothing changed");
+
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(leaks(&body), "the owner's repeat gets its codes");
+    let audited = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find_one(bson::doc! {"os_user": "api-key:shop-a", "command": {"$regex": "^POST /v1/orders, a repeat"}})
+        .await
+        .unwrap()
+        .expect("the repeat is audited");
+    assert_eq!(audited.get_i64("count").unwrap(), 2);
+
+    // An order that came over AMQP is nobody's to repeat over HTTP.
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut amqp = purchase("AM-1", "own");
+    amqp.uid = "u-api".into();
+    publish_confirmed(&publisher, &[amqp]).await;
+    eventually(Duration::from_secs(30), "AM-1 granted", || async {
+        statuses(&env, "AM-1").await == vec![1]
+    })
+    .await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("AM-1", "own", 1),
+    )
+    .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        !String::from_utf8_lossy(&body).contains("own-0"),
+        "no code in the answer"
+    );
+    // A key with the admin scope acts on any order.
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders/O-1/void",
+        Some(&admin),
+        br#"{"reason":"refund"}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    daemon.stop().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// Publishes `{"order_id": order}` as a `code.redeemed` event, with
+/// `user_id` set or not, confirmed.
+async fn publish_redeemed(publisher: &Publisher, env: &TestEnv, order: &str, user: Option<&str>) {
+    let mut props = lapin::BasicProperties::default();
+    if let Some(u) = user {
+        props = props.with_user_id(u.into());
+    }
+    let body = serde_json::json!({ "order_id": order }).to_string();
+    publisher
+        .publish(
+            &env.topology().events_exchange,
+            "code.redeemed",
+            body.as_bytes(),
+            props,
+        )
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+}
+
+/// A purchase producer cannot mark an order used (and so block its
+/// refund): `code.redeemed` is applied only from the broker users named by
+/// `--redeemers`, checked through RabbitMQ's validated `user_id`, and each
+/// redemption applied is audited with that user.
+#[tokio::test]
+async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited() {
+    let env = TestEnv::new("seam_redeem").await;
+    env.fill_pool("red", 5).await;
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_REDEEMERS", "platform");
+    let daemon = start_daemon(cmd).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("RD-1", "red")]).await;
+    eventually(Duration::from_secs(30), "RD-1 granted", || async {
+        statuses(&env, "RD-1").await == vec![1]
+    })
+    .await;
+    // The shop's producer (guest): without user_id, and as itself.
+    publish_redeemed(&publisher, &env, "RD-1", None).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = env.topology().code_redeemed;
+    eventually(Duration::from_secs(30), "both events consumed", || {
+        let (ch, q) = (ch.clone(), q.clone());
+        async move { queue_depth(&ch, &q).await == 0 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(statuses(&env, "RD-1").await, vec![1], "still issued");
+    assert!(daemon.log_text().contains("code.redeemed event refused"));
+    daemon.stop().await;
+
+    // The platform's user may.
+    let daemon = start_daemon(env.command(&[])).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    eventually(Duration::from_secs(30), "RD-1 used", || async {
+        statuses(&env, "RD-1").await == vec![2]
+    })
+    .await;
+    let audit = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find_one(bson::doc! {"os_user": "amqp-user:guest", "kind": "redeem"})
+        .await
+        .unwrap()
+        .expect("the redemption is audited with the broker user");
+    assert!(audit.get_str("what").unwrap().contains("RD-1"));
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// A dispatcher whose key file lacks the key another host now seals codes
+/// with claims nothing: it goes unready, hands the purchase back and stops
+/// consuming, with one error naming the key; once its key file holds the
+/// key it serves the purchase.
+#[tokio::test]
+async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
+    use crate::common::http_get;
+    let env = TestEnv::new("seam_keys").await;
+    env.fill_pool("k", 3).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    // Another host: a copy of the key file, a new key, codes sealed with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    let as_other = |args: &[&str]| {
+        let mut c = env.command(args);
+        c.env("CODEPOOL_KEY_FILE", &other);
+        c
+    };
+    assert!(as_other(&["keys", "add"])
+        .output()
+        .await
+        .unwrap()
+        .status
+        .success());
+    let out = as_other(&["keys", "rotate"]).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    eventually(
+        Duration::from_secs(15),
+        "the dispatcher goes unready",
+        || async {
+            http_get(&daemon.addr, "/readyz")
+                .await
+                .is_some_and(|(s, body)| s == 503 && body.contains("keys"))
+        },
+    )
+    .await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("K-1", "k")]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        statuses(&env, "K-1").await,
+        Vec::<i32>::new(),
+        "nothing claimed"
+    );
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(
+        queue_depth(&ch, &env.topology().purchases).await,
+        1,
+        "the purchase waits in the queue, for any dispatcher"
+    );
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("that this process's key file lacks").count(),
+        1,
+        "one error naming the key:\n{log}"
+    );
+    assert!(log.contains("k2"), "{log}");
+
+    // The key file is brought up to date: the same process serves it.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "K-1 granted", || async {
+        statuses(&env, "K-1").await == vec![1]
+    })
+    .await;
+    assert!(http_get(&daemon.addr, "/readyz")
+        .await
+        .is_some_and(|(s, _)| s == 200));
+    daemon.stop().await;
     env.cleanup().await;
 }

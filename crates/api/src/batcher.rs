@@ -145,7 +145,11 @@ async fn decide_batch(
     let parsed = purchases.into_iter().map(Ok).collect();
     let mut plan =
         (api.intake.decide(parsed, &[], Resend::ByRelay).await).map_err(|e| Failure {
-            unavailable: e.is_unavailable(),
+            // A key missing from this process's key file: nothing was
+            // claimed, and another API process (or this one, once its key
+            // file is complete) takes the same request.
+            unavailable: e.is_unavailable()
+                || matches!(e, codepool_dispatcher::claim::ClaimError::KeysMissing(_)),
             message: e.to_string(),
         })?;
     (api.intake.record_backorders(&mut plan).await).map_err(|e| Failure {

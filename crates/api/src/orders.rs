@@ -115,10 +115,13 @@ pub(crate) async fn place(
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
-    let purchase = match Purchase::parse(&body) {
+    let mut purchase = match Purchase::parse(&body) {
         Ok(p) => p,
         Err(e) => return rejected(&e, &rid),
     };
+    // The order belongs to the key that placed it: a repeat by any other
+    // key (or of an order that came over AMQP) is a conflict, with no code.
+    purchase.owner = Some(key_owner(&key));
     let step = match api.orders.decide(purchase.clone()).await {
         Ok(step) => step,
         Err(e) => return failed(&e, e.unavailable, &rid),
@@ -166,6 +169,13 @@ pub(crate) async fn place(
                 StatusCode::OK
             };
             let state = if missing.is_empty() { "granted" } else { "partly_granted" };
+            // A repeat shows codes issued before this request: recorded
+            // before it is answered, like any other reveal.
+            if (fresh as usize) < grants.len() {
+                if let Err(r) = audit_repeat(&api, &key, &purchase.order_id, &grants, &rid).await {
+                    return r;
+                }
+            }
             (
                 status,
                 Json(json!({
@@ -244,6 +254,69 @@ pub(crate) async fn read(
         }
     }
     Json(order_json(&order_id, &found, q.reveal)).into_response()
+}
+
+/// The owner recorded with the orders `key` places.
+fn key_owner(key: &KeyDoc) -> String {
+    format!("api-key:{}", key.name)
+}
+
+/// Records that a repeat of `order_id` shows its codes again to `key`
+/// (which placed it): no record, no answer.
+async fn audit_repeat(
+    api: &Api,
+    key: &KeyDoc,
+    order_id: &str,
+    grants: &[Grant],
+    rid: &RequestId,
+) -> Result<(), Response> {
+    let shown: Vec<_> = (grants.iter())
+        .filter(|g| !g.revoked)
+        .map(|g| g.code_id)
+        .collect();
+    if shown.is_empty() {
+        return Ok(());
+    }
+    let reveal = Reveal {
+        os_user: key_owner(key),
+        host: hostname(),
+        command: format!("POST /v1/orders, a repeat (request {})", rid.0),
+        what: format!("order {order_id:?}"),
+        count: shown.len() as u64,
+        code_ids: shown,
+    };
+    match api.store.record_reveal(&reveal).await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(failed(&e, e.is_unavailable(), rid)),
+    }
+}
+
+/// The 404 to answer when `key` may not change `order_id`: a key acts on
+/// the orders it placed, a key with the `admin` scope on any. Another
+/// key's order (or one that came over AMQP) is not shown to exist.
+async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> Option<Response> {
+    if key.allows(Scope::Admin) {
+        return None;
+    }
+    let found = match ops::lookup(&api.store, CodeQuery::Order(order_id), 1).await {
+        Ok(f) => f,
+        Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
+    };
+    let me = key_owner(key);
+    let owner = (found.codes.first())
+        .and_then(|c| c.holder.as_ref())
+        .and_then(|h| h.owner.clone())
+        .or_else(|| found.backorders.first().and_then(|b| b.owner.clone()));
+    (owner.as_deref() != Some(me.as_str())).then(|| {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-order",
+            "no such order",
+            format!("this key placed no order {order_id:?}. A key changes only the orders it placed; a key with the admin scope changes any"),
+        )
+        .at(&rid.0)
+        .into_response()
+    })
 }
 
 fn hostname() -> String {
@@ -333,6 +406,9 @@ pub(crate) async fn redeem(
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
+    if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
+        return r;
+    }
     match api.store.redeem(CodeRef::Order(&order_id)).await {
         Ok(done) => Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response(),
         Err(e) => refused(e, &rid),
@@ -384,6 +460,9 @@ pub(crate) async fn void(
         .at(&rid.0)
         .into_response();
     };
+    if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
+        return r;
+    }
     match api.store.void(CodeRef::Order(&order_id), &reason).await {
         Ok(VoidOutcome::Voided {
             applied,
@@ -404,6 +483,7 @@ pub(crate) async fn void(
     params(("order_id" = String, Path, description = "the shop's order id")),
     responses(
         (status = 200, description = "the order's SMS-pending events were sent again and confirmed", body = crate::openapi::Resent),
+        (status = 404, description = "this key placed no such order (a key changes only its own orders, or any with the admin scope)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "nothing to send (no code, or every code void)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
@@ -413,6 +493,9 @@ pub(crate) async fn resend(
     Path(order_id): Path<String>,
 ) -> Response {
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }
     let broker = api.broker();

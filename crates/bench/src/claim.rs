@@ -148,6 +148,7 @@ impl Work {
             pool: self.pool.clone(),
             purchased_at: None,
             quantity: 1,
+            owner: None,
         }
     }
 }

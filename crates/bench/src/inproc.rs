@@ -141,6 +141,7 @@ pub fn purchase(tag: &str, pool: &str, i: usize) -> Purchase {
         pool: pool.to_owned(),
         purchased_at: None,
         quantity: 1,
+        owner: None,
     }
 }
 

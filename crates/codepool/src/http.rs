@@ -69,7 +69,7 @@ async fn metrics_page(State(s): State<AppState>) -> String {
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
     let h = &s.health;
-    let body = format!(
+    let mut body = format!(
         "mongodb: {}\nrabbitmq: {}\nredis: {}\n",
         if h.mongo() { "up" } else { "down" },
         if h.amqp() { "up" } else { "down" },
@@ -79,6 +79,9 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
             "up"
         },
     );
+    if h.keys_missing() {
+        body.push_str("keys: the key file lacks a key codes are sealed with (see the log); nothing is claimed\n");
+    }
     if h.ready() {
         (StatusCode::OK, format!("ready\n{body}"))
     } else {

@@ -86,7 +86,7 @@ pub struct SafeWriter {
 impl Write for SafeWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match std::str::from_utf8(buf) {
-            Ok(text) if text.chars().any(|c| self.style.must_escape(c)) => {
+            Ok(text) if self.style.needs_escape(text) => {
                 self.out.write_all(self.style.escape(text).as_bytes())?;
             }
             _ => self.out.write_all(buf)?,
@@ -100,8 +100,17 @@ impl Write for SafeWriter {
 }
 
 impl SafeStderr {
+    /// Whether `text` (one whole event) holds a character to escape: a
+    /// newline or carriage return anywhere but at its very end, where the
+    /// formatter ends the line, could start a forged line of its own.
+    fn needs_escape(self, text: &str) -> bool {
+        let body = text.strip_suffix('\n').unwrap_or(text);
+        body.contains('\n') || body.chars().any(|c| self.must_escape(c))
+    }
+
     /// Bidi controls, invisible format characters, line separators and
-    /// control characters other than the line's own newline and tab.
+    /// control characters other than tab (a newline is judged by
+    /// [`Self::escape`], by where it stands).
     fn must_escape(self, c: char) -> bool {
         match c {
             '\n' | '\t' => false,
@@ -113,9 +122,13 @@ impl SafeStderr {
     }
 
     pub fn escape(self, text: &str) -> String {
+        let (body, end) = match text.strip_suffix('\n') {
+            Some(body) => (body, "\n"),
+            None => (text, ""),
+        };
         let mut out = String::with_capacity(text.len() + 16);
-        for c in text.chars() {
-            if !self.must_escape(c) {
+        for c in body.chars() {
+            if c != '\n' && !self.must_escape(c) {
                 out.push(c);
             } else if self.json {
                 out.push_str(&format!("\\u{:04x}", u32::from(c)));
@@ -123,6 +136,7 @@ impl SafeStderr {
                 out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
             }
         }
+        out.push_str(end);
         out
     }
 }
@@ -143,6 +157,18 @@ mod tests {
             TEXT.escape(line),
             "granted order_id=O-\\u{202e}1001 pool=x\\u{7}\n"
         );
+    }
+
+    #[test]
+    fn a_newline_inside_a_field_cannot_start_a_forged_line() {
+        let line = "INFO sign-in failed name=x\n2026-11-25T00:00:00Z  INFO console sign-in operator=admin1\r\n";
+        let escaped = TEXT.escape(line);
+        assert_eq!(escaped.matches('\n').count(), 1, "{escaped}");
+        assert!(
+            escaped.ends_with("\\u{d}\n") && escaped.contains("x\\u{a}2026"),
+            "{escaped}"
+        );
+        assert!(TEXT.needs_escape(line) && !TEXT.needs_escape("INFO fine\n"));
     }
 
     #[test]

@@ -34,6 +34,12 @@ impl Dispatcher {
         let received = Instant::now();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
         let Some(mut plan) = self.decide(&deliveries, stop).await else {
+            // Handed back at once when this process cannot open codes:
+            // another dispatcher takes them (this one stops consuming).
+            if !self.intake.keys().missing().is_empty() {
+                let back = vec![crate::plan::Settlement::Requeue; deliveries.len()];
+                acks.settle(&deliveries, &back).await;
+            }
             return;
         };
         if !self.record_backorders(&mut plan, stop).await {
@@ -77,6 +83,11 @@ impl Dispatcher {
                 Err(e) if e.is_unavailable() => {
                     self.health.set_mongo(false);
                     self.mongo.failed(&e);
+                }
+                // Logged by the key watch, once; nothing was claimed.
+                Err(ClaimError::KeysMissing(_)) => {
+                    self.health.set_keys_missing(true);
+                    return None;
                 }
                 Err(e) => {
                     error!(error = ?e, "claim failed; the batch stays unacked and is retried")

@@ -159,6 +159,9 @@ pub enum ClaimError {
     Plan(#[from] crate::plan::OutcomeMismatch),
     #[error("inconsistent claim result for order {order_id:?}: {detail}; the purchase stays unacked and is retried")]
     Inconsistent { order_id: String, detail: String },
+    /// The key file lacks a key codes are sealed with: nothing was claimed.
+    #[error(transparent)]
+    KeysMissing(#[from] crate::keywatch::KeysMissing),
 }
 
 impl ClaimError {
@@ -167,7 +170,9 @@ impl ClaimError {
         match self {
             ClaimError::Store(e) => e.is_unavailable(),
             ClaimError::GrantNumbers(_) => true,
-            ClaimError::Inconsistent { .. } | ClaimError::Plan(_) => false,
+            ClaimError::Inconsistent { .. } | ClaimError::Plan(_) | ClaimError::KeysMissing(_) => {
+                false
+            }
         }
     }
 
@@ -362,7 +367,7 @@ impl ClaimEngine {
             .map(|a| {
                 let first = &unique[first_of[a.purchase.order_id.as_str()]];
                 let p = first.purchase;
-                match a.purchase.differs_from(&p.pool, &p.uid, p.quantity) {
+                match (a.purchase).conflicts_with(&p.pool, &p.uid, p.quantity, p.owner.as_deref()) {
                     Some(what) => ClaimOutcome::Conflict { what },
                     None => outcomes[first_of[a.purchase.order_id.as_str()]].clone(),
                 }
@@ -1176,7 +1181,12 @@ fn after_anchors<'a>(
         let p = a.purchase;
         let outcome = match anchored.next() {
             Some(SlotOutcome::Granted { grant, fresh }) => {
-                match p.differs_from(&grant.pool, &grant.uid, grant.quantity) {
+                match p.conflicts_with(
+                    &grant.pool,
+                    &grant.uid,
+                    grant.quantity,
+                    grant.owner.as_deref(),
+                ) {
                     Some(what) => ClaimOutcome::Conflict { what },
                     None => {
                         let before = held.get(&p.order_id);
@@ -1282,6 +1292,7 @@ fn assignment(
         line: slot.line,
         quantity: p.quantity,
         part: slot.part,
+        owner: p.owner.clone(),
     }
 }
 

@@ -48,6 +48,7 @@ fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
             pool: pool.into(),
             purchased_at: None,
             quantity: 1,
+            owner: None,
         })
         .collect()
 }

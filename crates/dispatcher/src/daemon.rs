@@ -10,7 +10,7 @@ use codepool_broker::Topology;
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 use crate::claim::ClaimEngine;
 use crate::health::Health;
@@ -51,6 +51,10 @@ pub struct DispatcherConfig {
     pub relay_after: Duration,
     /// Connection name shown in RabbitMQ.
     pub name: String,
+    /// Broker users whose `code.redeemed` events are applied (RabbitMQ
+    /// validates a message's `user_id` against the user that published
+    /// it). Empty: every redemption event is refused.
+    pub redeemers: Vec<String>,
 }
 
 impl DispatcherConfig {
@@ -83,6 +87,7 @@ impl Default for DispatcherConfig {
             sweep_every: Duration::from_secs(10),
             relay_after: Duration::from_secs(30),
             name: format!("codepool-dispatch-{}", std::process::id()),
+            redeemers: Vec::new(),
         }
     }
 }
@@ -148,6 +153,15 @@ impl Dispatcher {
         loop {
             match self.clone().session(&shutdown).await {
                 Ok(SessionEnd::Shutdown) => break,
+                Ok(SessionEnd::KeysMissing) => {
+                    // Unready and not consuming until the key file holds
+                    // every key; checked again every few seconds.
+                    if !self.wait_for_keys(&shutdown).await {
+                        break;
+                    }
+                    attempt = 0;
+                    continue;
+                }
                 Ok(SessionEnd::Lost(reason)) => {
                     self.health.set_amqp(false);
                     self.amqp.failed(&reason);
@@ -182,10 +196,34 @@ impl Dispatcher {
         info!("dispatcher stopped");
     }
 
+    /// Waits, unready, until the key file holds every key codes are sealed
+    /// with (see [`crate::keywatch`]). False when stopped first.
+    async fn wait_for_keys(&self, shutdown: &CancellationToken) -> bool {
+        loop {
+            self.health.set_keys_missing(true);
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(crate::keywatch::RECHECK) => {}
+            }
+            if let Err(e) = self.intake.keys().refresh(&self.store).await {
+                debug!(error = %e, "key registry not read; trying again");
+                continue;
+            }
+            if self.intake.keys().missing().is_empty() {
+                self.health.set_keys_missing(false);
+                return true;
+            }
+        }
+    }
+
     /// Keeps `/readyz` honest while no purchase arrives: probes MongoDB
     /// every 2 seconds.
     async fn probe_loop(&self, stop: CancellationToken) {
         loop {
+            if self.intake.keys().refresh(&self.store).await.is_ok() {
+                self.health
+                    .set_keys_missing(!self.intake.keys().missing().is_empty());
+            }
             let up = tokio::time::timeout(Duration::from_secs(3), self.store.ping())
                 .await
                 .is_ok_and(|r| r.is_ok());

@@ -95,6 +95,7 @@ impl FakeStore {
             line: a.line,
             quantity: a.quantity,
             part: a.part,
+            owner: None,
         });
     }
 

@@ -9,6 +9,7 @@ pub struct Health {
     mongo: AtomicBool,
     amqp: AtomicBool,
     redis_degraded: AtomicBool,
+    keys_missing: AtomicBool,
 }
 
 impl Health {
@@ -25,6 +26,16 @@ impl Health {
     /// `codepool_ready`: what `/readyz` answers, for alerting on.
     fn export_ready(&self) {
         metrics::gauge!("codepool_ready").set(if self.ready() { 1.0 } else { 0.0 });
+    }
+
+    /// The key file lacks a key codes are sealed with: unready.
+    pub fn set_keys_missing(&self, missing: bool) {
+        self.keys_missing.store(missing, Ordering::Relaxed);
+        self.export_ready();
+    }
+
+    pub fn keys_missing(&self) -> bool {
+        self.keys_missing.load(Ordering::Relaxed)
     }
 
     pub fn set_redis_degraded(&self, degraded: bool) {
@@ -47,6 +58,6 @@ impl Health {
     /// Ready to take purchases: MongoDB and RabbitMQ reachable. Redis down
     /// is degraded (slower claims), still ready.
     pub fn ready(&self) -> bool {
-        self.mongo() && self.amqp()
+        self.mongo() && self.amqp() && !self.keys_missing()
     }
 }

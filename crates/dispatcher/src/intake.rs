@@ -21,6 +21,8 @@ pub struct Intake {
     pub(crate) engine: ClaimEngine,
     /// Pools that exist and their policies, re-read every second.
     pub(crate) policies: PolicyCache,
+    /// Whether the key file opens every code there is.
+    pub(crate) keys: crate::keywatch::KeyWatch,
 }
 
 impl Intake {
@@ -29,6 +31,7 @@ impl Intake {
             store,
             engine,
             policies: PolicyCache::default(),
+            keys: Default::default(),
         }
     }
 
@@ -38,6 +41,12 @@ impl Intake {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Whether this process's key file opens every code (see
+    /// [`crate::keywatch`]).
+    pub fn keys(&self) -> &crate::keywatch::KeyWatch {
+        &self.keys
     }
 
     /// The plan for a batch of parsed purchases. `relay` names orders whose
@@ -52,6 +61,8 @@ impl Intake {
         relay: &[&str],
         resend: Resend,
     ) -> Result<BatchPlan, ClaimError> {
+        // Nothing is claimed that this process could not open.
+        self.keys.ensure(&self.store).await??;
         // The batch's backorders are read with its pools' policies: an
         // order id that waits as a backorder of another order is a
         // conflict, and gets nothing.
@@ -83,7 +94,7 @@ impl Intake {
             .into_iter()
             .map(|b| {
                 let q = b.quantity();
-                (b.order_id, (b.pool, b.uid, q))
+                (b.order_id, (b.pool, b.uid, q, b.owner))
             })
             .collect();
         let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);

@@ -32,6 +32,7 @@ pub mod expiry;
 pub mod grant_no;
 pub mod health;
 pub mod intake;
+pub mod keywatch;
 pub mod ops;
 pub mod outage;
 pub mod outbox;

@@ -170,6 +170,7 @@ mod tests {
             line: 0,
             quantity: 1,
             part: 0,
+            owner: None,
         }
     }
 

@@ -236,25 +236,30 @@ impl BatchPlan {
     }
 }
 
+/// What a backorder says of its order: pool, buyer, quantity and owner.
+pub type Backordered = (String, String, u32, Option<String>);
+
 /// Turns purchases whose order id already has a backorder of a different
 /// order (another pool, buyer or quantity) into `conflicting_order`
 /// rejections, before anything is claimed for them: the first order
-/// stands. `backordered` holds, by order id, the pool, buyer and quantity
-/// of the backorders of the batch's orders.
+/// stands. `backordered` holds, by order id, the pool, buyer, quantity
+/// and owner of the backorders of the batch's orders.
 pub fn reject_conflicting(
     intake: Vec<Intake>,
-    backordered: &HashMap<String, (String, String, u32)>,
+    backordered: &HashMap<String, Backordered>,
 ) -> Vec<Intake> {
     intake
         .into_iter()
         .map(|i| match i {
             Intake::Claim(p) => match backordered.get(&p.order_id) {
-                Some((pool, uid, q)) => match p.differs_from(pool, uid, *q) {
-                    Some(what) => {
-                        Intake::Reject(PurchaseError::conflicting_order(&p.order_id, what))
+                Some((pool, uid, q, owner)) => {
+                    match p.conflicts_with(pool, uid, *q, owner.as_deref()) {
+                        Some(what) => {
+                            Intake::Reject(PurchaseError::conflicting_order(&p.order_id, what))
+                        }
+                        None => Intake::Claim(p),
                     }
-                    None => Intake::Claim(p),
-                },
+                }
                 None => Intake::Claim(p),
             },
             other => other,
@@ -435,6 +440,7 @@ mod tests {
             line: 0,
             quantity: 1,
             part: 0,
+            owner: None,
         }
     }
 

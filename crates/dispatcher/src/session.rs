@@ -37,6 +37,9 @@ const STOPPING: &str = "codepool dispatcher stopping";
 pub(crate) enum SessionEnd {
     Shutdown,
     Lost(String),
+    /// The key file lacks a key codes are sealed with: consuming stopped,
+    /// and what was taken went back to the queue for other dispatchers.
+    KeysMissing,
 }
 
 /// The background work of a session, stopped with it. Kept until the
@@ -116,6 +119,7 @@ impl Dispatcher {
             self.hot.clone(),
             self.stock.clone(),
             publisher.clone(),
+            std::sync::Arc::new(cfg.redeemers.clone()),
             stop.clone(),
         )
         .await?;
@@ -156,6 +160,9 @@ impl Dispatcher {
             let Ok(permit) = permit else {
                 return SessionEnd::Shutdown;
             };
+            if !self.intake.keys().missing().is_empty() {
+                return SessionEnd::KeysMissing;
+            }
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return SessionEnd::Shutdown,

@@ -45,6 +45,7 @@ pub async fn spawn(
     hot: HotPool,
     stock: Arc<StockWatch>,
     publisher: Publisher,
+    redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
 ) -> Result<Upkeep, BrokerError> {
     let receipts = codepool_broker::consume(conn, &topology.sms_receipts, PREFETCH).await?;
@@ -64,9 +65,12 @@ pub async fn spawn(
         redemptions.consumer,
         store.clone(),
         stop.clone(),
-        |s, d| async move {
-            let r = apply_redemption(&s, &d).await;
-            (d, r)
+        move |s, d| {
+            let redeemers = redeemers.clone();
+            async move {
+                let r = apply_redemption(&s, &d, &redeemers).await;
+                (d, r)
+            }
         },
     ));
     tasks.spawn(sweep(store, hot, stock, publisher, stop));

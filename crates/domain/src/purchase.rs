@@ -33,6 +33,12 @@ pub struct Purchase {
     /// as before quantities existed.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub quantity: u32,
+    /// Who placed the order, set by the door and never read from the
+    /// message: `api-key:NAME` for an order placed over HTTP, `None` for a
+    /// purchase that came over AMQP. A repeat of an order answers its codes
+    /// only to its owner; see [`Purchase::owned_elsewhere`].
+    #[serde(skip)]
+    pub owner: Option<String>,
 }
 
 fn one() -> u32 {
@@ -182,6 +188,7 @@ impl Purchase {
             pool,
             purchased_at,
             quantity,
+            owner: None,
         })
     }
 
@@ -199,6 +206,31 @@ impl Purchase {
         } else {
             None
         }
+    }
+
+    /// Whether an order held by `holder` (the owner recorded with its codes
+    /// or backorder) is someone else's for this purchase. A purchase with an
+    /// owner (an API key) may only repeat an order it placed itself: any
+    /// other key, and an order that came over AMQP, is a conflict and gets
+    /// no code. A purchase without one (AMQP) repeats any order: its answer
+    /// goes to the SMS service, never back to the sender.
+    pub fn owned_elsewhere(&self, holder: Option<&str>) -> bool {
+        self.owner.is_some() && self.owner.as_deref() != holder
+    }
+
+    /// [`Self::differs_from`], then the owner: `"owner"` when the order
+    /// is someone else's (see [`Self::owned_elsewhere`]).
+    pub fn conflicts_with(
+        &self,
+        pool: &str,
+        uid: &str,
+        quantity: u32,
+        owner: Option<&str>,
+    ) -> Option<&'static str> {
+        self.differs_from(pool, uid, quantity).or_else(|| {
+            self.owned_elsewhere(owner)
+                .then_some("owner (it was placed by another key or over AMQP)")
+        })
     }
 
     /// The wire form, as `codepool publish` sends it.
@@ -287,7 +319,11 @@ fn optional(
     match map.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => {
-            let s = s.trim();
+            // Ids are compared as NFC: `café` composed and decomposed print
+            // the same, so they are the same order and the same buyer.
+            use unicode_normalization::UnicodeNormalization;
+            let s: String = s.trim().nfc().collect();
+            let s = s.as_str();
             if s.is_empty() {
                 Ok(None)
             } else if s.chars().count() > max {
@@ -356,6 +392,16 @@ mod tests {
 
     fn reason(body: &str) -> RejectReason {
         Purchase::parse(body.as_bytes()).unwrap_err().reason
+    }
+
+    #[test]
+    fn ids_sent_composed_or_decomposed_are_the_same_order() {
+        let nfc =
+            br#"{"order_id":"NF-caf\u00e9","uid":"b\u00e9a","phone":"+8613800000000","pool":"p"}"#;
+        let nfd = br#"{"order_id":"NF-cafe\u0301","uid":"be\u0301a","phone":"+8613800000000","pool":"p"}"#;
+        let (a, b) = (Purchase::parse(nfc).unwrap(), Purchase::parse(nfd).unwrap());
+        assert_eq!(a, b);
+        assert_eq!(a.order_id, "NF-caf\u{e9}");
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct Holder {
     /// The first line of the claim that issued it (see
     /// [`crate::Grant::part`]).
     pub part: u32,
+    /// Who placed the order (`api-key:NAME`), `None` for one over AMQP.
+    pub owner: Option<String>,
 }
 
 /// One step in the SMS story of a code (`published`, `resent`, `sent`,
@@ -136,6 +138,7 @@ impl Code {
             line: h.line,
             quantity: h.quantity,
             part: h.part,
+            owner: h.owner.clone(),
         })
     }
 
@@ -199,6 +202,7 @@ mod tests {
                 line: 0,
                 quantity: 1,
                 part: 0,
+                owner: None,
             }),
             used_at: None,
             voided_at: None,

@@ -45,6 +45,9 @@ pub struct BackorderDoc {
     /// The lines still waiting for a code, ascending; absent for every line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lines: Option<Vec<i64>>,
+    /// Who placed the order (`api-key:NAME`); absent for one over AMQP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 impl BackorderDoc {
@@ -56,6 +59,7 @@ impl BackorderDoc {
             pool: self.pool.clone(),
             purchased_at: self.purchased_at.clone(),
             quantity: self.quantity(),
+            owner: self.owner.clone(),
         }
     }
 
@@ -157,6 +161,7 @@ impl Store {
                 code_id: None,
                 quantity: (p.quantity > 1).then_some(i64::from(p.quantity)),
                 lines: stored_lines(lines, p.quantity),
+                owner: p.owner.clone(),
             })
             .collect();
         let total = docs.len() as u64;

@@ -73,6 +73,9 @@ pub struct CodeDoc {
     /// The first line of the claim that issued it; absent for 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_part: Option<i64>,
+    /// Who placed the order (`api-key:NAME`); absent for one over AMQP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used_at: Option<DateTime>,
     #[serde(default)]
@@ -163,6 +166,7 @@ impl CodeDoc {
                     .ok_or_else(|| corrupt("has an order quantity out of range"))?,
                 part: small(self.order_part, 0)
                     .ok_or_else(|| corrupt("has an order part out of range"))?,
+                owner: self.owner.clone(),
             }),
             (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
             (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
@@ -264,6 +268,8 @@ pub struct ClaimAssignment {
     pub quantity: u32,
     /// The first line the claim that issues this code asks for.
     pub part: u32,
+    /// Who placed the order (see [`codepool_domain::Purchase::owner`]).
+    pub owner: Option<String>,
 }
 
 /// One line of one order: what the unique `(order_id, line)` index keys.
@@ -390,6 +396,7 @@ fn issued_by(
             line: a.line,
             quantity: a.quantity,
             part: a.part,
+            owner: a.owner.clone(),
         });
         code.sms.awaiting_relay = a.resend == Resend::ByRelay;
         out.insert(a.slot(), code);
@@ -596,7 +603,7 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
 /// order of one, as every code was before quantities). The one list both
 /// claim writes ([`issue_set`], [`claim_statement`]) take their fields
 /// from.
-fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 8] {
+fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 9] {
     let unless = |n: u32, default: u32| {
         if n == default {
             Bson::Null
@@ -622,6 +629,7 @@ fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 8] {
         ("order_line", unless(a.line, 0)),
         ("order_qty", unless(a.quantity, 1)),
         ("order_part", unless(a.part, 0)),
+        ("owner", a.owner.clone().map_or(Bson::Null, Bson::String)),
     ]
 }
 
@@ -785,6 +793,7 @@ impl Store {
             return Ok(InsertOutcome::default());
         }
         let ring = self.keys.ring()?;
+        self.register_key_id(ring.active_id()).await?;
         let case_sensitive = self.case_sensitive_codes(pool).await?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
         let now = DateTime::now();
@@ -1525,6 +1534,7 @@ mod tests {
             sms_history: Vec::new(),
             voided_at: None,
             void_reason: None,
+            owner: None,
         }
     }
 

@@ -25,6 +25,9 @@ use crate::StoreError;
 pub struct CodeKeys {
     path: Option<PathBuf>,
     ring: RwLock<Option<Arc<Keyring>>>,
+    /// Key ids this process has recorded in the `key_ids` registry (see
+    /// [`crate::rekey`]), so each is written once per process.
+    pub(crate) registered: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl CodeKeys {
@@ -34,6 +37,7 @@ impl CodeKeys {
         Self {
             path,
             ring: RwLock::new(None),
+            registered: Default::default(),
         }
     }
 
@@ -41,6 +45,7 @@ impl CodeKeys {
         Self {
             path,
             ring: RwLock::new(Some(Arc::new(ring))),
+            registered: Default::default(),
         }
     }
 

@@ -23,6 +23,13 @@ use crate::codes::{CodeDoc, CODES};
 use crate::crypto::{binary, code_aad, open_code, sealed_fields};
 use crate::{Store, StoreError};
 
+/// The registry of key ids that seal codes: one tiny document per key id,
+/// written by whatever seals with a key (import, rotate, migrate) and by
+/// every daemon's start-up check. A process reads it every few seconds to
+/// learn, before it claims anything, that another host sealed codes with
+/// a key its own key file lacks.
+pub const KEY_IDS: &str = "key_ids";
+
 /// The partial index over documents that still hold a plaintext `code`.
 const PLAINTEXT_INDEX: &str = "pool_code_plain";
 
@@ -47,6 +54,49 @@ fn plaintext_filter() -> Document {
 }
 
 impl Store {
+    /// Records that codes are (about to be) sealed under `key_id`, once per
+    /// process and key.
+    pub async fn register_key_id(&self, key_id: &str) -> Result<(), StoreError> {
+        let known = (self.keys.registered.lock())
+            .map(|r| r.contains(key_id))
+            .unwrap_or(false);
+        if known {
+            return Ok(());
+        }
+        self.collection(KEY_IDS)
+            .update_one(
+                doc! {"_id": key_id},
+                doc! {"$setOnInsert": {"at": bson::DateTime::now()}},
+            )
+            .upsert(true)
+            .write_concern(crate::durable())
+            .await?;
+        if let Ok(mut r) = self.keys.registered.lock() {
+            r.insert(key_id.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Every key id the registry holds that this process's key file lacks,
+    /// after reading the file again once: the codes sealed under them
+    /// cannot be opened here, so nothing may be claimed here.
+    pub async fn missing_key_ids(&self) -> Result<Vec<String>, StoreError> {
+        let ring = self.keys.ring()?;
+        let ids: Vec<Bson> = self.collection(KEY_IDS).distinct("_id", doc! {}).await?;
+        let lacking: Vec<&str> = (ids.iter().filter_map(Bson::as_str))
+            .filter(|id| !ring.has_key(id))
+            .collect();
+        if lacking.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ring = self.keys.reload().unwrap_or(ring);
+        Ok(lacking
+            .into_iter()
+            .filter(|id| !ring.has_key(id))
+            .map(str::to_owned)
+            .collect())
+    }
+
     /// Verifies the key file against the database; see the module doc.
     pub async fn check_keys(&self) -> Result<KeyCheck, StoreError> {
         let ring = self.keys.ring()?;
@@ -73,6 +123,7 @@ impl Store {
                     return Err(VaultError::WrongHmacKey.into());
                 }
             }
+            self.register_key_id(id).await?;
             out.key_ids.push(id.to_owned());
         }
         out.plaintext = self.has_plaintext().await?;
@@ -135,6 +186,7 @@ impl Store {
     /// sealed (0: none left).
     pub async fn seal_plaintext_batch(&self, limit: i64) -> Result<u64, StoreError> {
         let ring = self.keys.ring()?;
+        self.register_key_id(ring.active_id()).await?;
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
             .find(plaintext_filter())
@@ -170,6 +222,7 @@ impl Store {
     /// HMAC stays: it does not depend on the encryption key.
     pub async fn rotate_batch(&self, limit: i64) -> Result<u64, StoreError> {
         let ring = self.keys.ring()?;
+        self.register_key_id(ring.active_id()).await?;
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
             .find(doc! {"key_id": {"$exists": true, "$ne": ring.active_id()}})

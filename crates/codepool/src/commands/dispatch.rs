@@ -42,6 +42,12 @@ pub struct DispatchArgs {
     /// while nothing is in flight goes at once.
     #[arg(long, default_value_t = DispatcherConfig::DEFAULT_LINGER_MS)]
     pub linger_ms: u64,
+    /// Broker users whose code.redeemed events are applied, comma
+    /// separated (RabbitMQ checks a message's user_id against the user
+    /// that published it). Without it, redemption events are refused: a
+    /// purchase producer must not be able to mark codes used.
+    #[arg(long, env = "CODEPOOL_REDEEMERS", value_delimiter = ',')]
+    pub redeemers: Vec<String>,
 }
 
 pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
@@ -68,6 +74,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         batch_size: args.batch_size,
         workers: args.workers,
         linger: Duration::from_millis(args.linger_ms),
+        redeemers: args.redeemers.clone(),
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::new(engine, store, hot, config, health);

@@ -62,6 +62,7 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
                     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
                 })),
                 quantity: args.quantity,
+                owner: None,
             };
             let body = purchase.to_json();
             if let Err(e) = Purchase::parse(&body) {
