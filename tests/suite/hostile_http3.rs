@@ -1,0 +1,306 @@
+//! Bad input at the HTTP doors, round three, against a real `codepool api`
+//! (and a real `codepool dispatch`) on the real servers: sign-in bursts,
+//! slow clients, oversized form fields, curl's bodiless POSTs, the
+//! bearer scheme's case, redirects after sign-in, long dead-letter walks,
+//! caching of plaintext codes, and `Origin: null`.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use codepool_broker::Publisher;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::api::{http, json_of, key, order, ApiServer};
+use crate::common::{eventually, queue_depth, start_daemon, TestEnv, AMQP_URL};
+
+const PASSWORD: &str = "a long enough password";
+
+/// What one exchange got.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: String,
+}
+
+/// A connection to `addr` from the loopback address `from` (the whole of
+/// 127.0.0.0/8 is this host), so that a test can be many clients.
+async fn connect_from(addr: &str, from: Ipv4Addr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    socket.connect(addr.parse().unwrap()).await.unwrap()
+}
+
+/// Reads one answer: its head, then `Content-Length` bytes (or up to the
+/// close). `None` when the server closes without answering or nothing
+/// comes within `within`.
+async fn read_answer(s: &mut TcpStream, within: Duration) -> Option<Answer> {
+    let mut raw = Vec::new();
+    let deadline = tokio::time::Instant::now() + within;
+    let mut buf = [0u8; 8192];
+    loop {
+        if let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+            let mut lines = head.lines();
+            let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+            let headers: HashMap<String, String> = lines
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+                .collect();
+            let len = headers.get("content-length").and_then(|v| v.parse().ok());
+            if len.is_none_or(|n: usize| raw.len() >= split + 4 + n) {
+                let end = len.map_or(raw.len(), |n| split + 4 + n);
+                let body = String::from_utf8_lossy(&raw[split + 4..end]).into_owned();
+                return Some(Answer {
+                    status,
+                    headers,
+                    body,
+                });
+            }
+        }
+        let n = tokio::time::timeout_at(deadline, s.read(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        if n == 0 {
+            return None;
+        }
+        raw.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// Sends `bytes` on a new connection from `from` and reads the answer.
+async fn exchange_from(addr: &str, from: Ipv4Addr, bytes: &[u8]) -> Answer {
+    let mut s = connect_from(addr, from).await;
+    s.write_all(bytes).await.unwrap();
+    read_answer(&mut s, Duration::from_secs(30))
+        .await
+        .expect("an answer within 30 s")
+}
+
+/// Percent-encodes a form value.
+fn form_value(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A sign-in form POST, with `extra` header lines (each ending in CRLF).
+fn sign_in_request(name: &str, password: &str, next: &str, extra: &str) -> Vec<u8> {
+    let body = format!(
+        "name={}&password={}&next={}",
+        form_value(name),
+        form_value(password),
+        form_value(next)
+    );
+    format!(
+        "POST /console/signin HTTP/1.1\r\nHost: console\r\nConnection: close\r\n{extra}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+async fn sign_in_from(addr: &str, from: Ipv4Addr, name: &str, password: &str) -> Answer {
+    exchange_from(addr, from, &sign_in_request(name, password, "", "")).await
+}
+
+/// The session cookie (`codepool_session=…`) an answer sets, if any.
+fn session_cookie(a: &Answer) -> Option<String> {
+    a.headers
+        .get("set-cookie")
+        .and_then(|c| c.split(';').next())
+        .filter(|c| c.starts_with("codepool_session=") && c.len() > "codepool_session=".len())
+        .map(str::to_owned)
+}
+
+/// `codepool operators add` with the password on standard input.
+async fn operator(env: &TestEnv, name: &str, role: &str) {
+    let mut child = env
+        .command(&[
+            "operators",
+            "add",
+            "--name",
+            name,
+            "--role",
+            role,
+            "--password-stdin",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{PASSWORD}\n").as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Signs `name` in from 127.0.0.1; its session cookie.
+async fn signed_in(addr: &str, name: &str) -> String {
+    let a = sign_in_from(addr, Ipv4Addr::LOCALHOST, name, PASSWORD).await;
+    assert_eq!(a.status, 303, "{name} signs in: {}", a.body);
+    session_cookie(&a).expect("a session cookie")
+}
+
+async fn sessions_of(env: &TestEnv, name: &str) -> u64 {
+    env.store
+        .database()
+        .collection::<bson::Document>("console_sessions")
+        .count_documents(bson::doc! {"operator": name})
+        .await
+        .unwrap()
+}
+
+/// Sign-ins sent all at once, each `(from, name, password)`: the answers.
+async fn burst(addr: &str, tries: Vec<(Ipv4Addr, String, String)>) -> Vec<Answer> {
+    let tasks: Vec<_> = tries
+        .into_iter()
+        .map(|(from, name, password)| {
+            let addr = addr.to_owned();
+            tokio::spawn(async move { sign_in_from(&addr, from, &name, &password).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn retry_after(a: &Answer) -> Duration {
+    let secs = a.headers.get("retry-after").and_then(|v| v.parse().ok());
+    Duration::from_secs(secs.expect("a Retry-After in seconds"))
+}
+
+/// Asserts every answer but the checked ones (401) was refused at once
+/// with `Retry-After`; returns how many were checked.
+fn checked_of(answers: &[Answer]) -> usize {
+    for a in answers.iter().filter(|a| a.status != 401) {
+        assert!(matches!(a.status, 429 | 503), "{} {}", a.status, a.body);
+        assert!(a.headers.contains_key("retry-after"), "{:?}", a.headers);
+    }
+    answers.iter().filter(|a| a.status == 401).count()
+}
+
+#[tokio::test]
+async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
+    let env = TestEnv::new("http3_slow").await;
+    let api = ApiServer::start(&env, &["--request-timeout", "2"]).await;
+    let head = "POST /console/signin HTTP/1.1\r\nHost: console\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\n";
+    let (got, took) = stalled(&api.addr, head, Duration::from_secs(15)).await;
+    let got = got.expect("a slow sign-in is answered, not held");
+    assert_eq!(got.status, 408, "{}", got.body);
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+    let head = "GET /healthz HTTP/1.1\r\nHost: api\r\nContent-Length: 100\r\n\r\n";
+    let mut s = TcpStream::connect(&api.addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(b"n").await.unwrap();
+    assert!(
+        closed_within(&mut s, Duration::from_secs(8)).await,
+        "a probe whose body never ends is closed"
+    );
+    // The dispatcher's probe port cuts idle and half-sent clients too.
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_HTTP_TIMEOUT", "2");
+    let daemon = start_daemon(cmd).await;
+    let mut idle = TcpStream::connect(&daemon.addr).await.unwrap();
+    let mut half = TcpStream::connect(&daemon.addr).await.unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: d")
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut idle, Duration::from_secs(8)).await,
+        "an idle connection is closed"
+    );
+    assert!(
+        closed_within(&mut half, Duration::from_secs(8)).await,
+        "a half-sent head is closed"
+    );
+    daemon.stop().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_wait_until_one_closes() {
+    let env = TestEnv::new("http3_cap").await;
+    let api = ApiServer::start(&env, &["--max-connections", "2", "--header-timeout", "30"]).await;
+    let held = [
+        TcpStream::connect(&api.addr).await.unwrap(),
+        TcpStream::connect(&api.addr).await.unwrap(),
+    ];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut third = TcpStream::connect(&api.addr).await.unwrap();
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let waited = read_answer(&mut third, Duration::from_millis(1500)).await;
+    assert!(
+        waited.is_none(),
+        "a third connection is not served while two are open: {waited:?}"
+    );
+    drop(held);
+    let got = read_answer(&mut third, Duration::from_secs(10)).await;
+    assert_eq!(got.map(|a| a.status), Some(200));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A viewer's or admin's upload whose `csrf` field is 20 MB: the head and
+/// the start of the field are sent; the rest only if the server reads on.
+async fn huge_csrf_upload(addr: &str, cookie: &str) -> (Option<Answer>, usize) {
+    let boundary = "XhugeX";
+    let start = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"csrf\"\r\n\r\n");
+    let total = start.len() + 20 * 1024 * 1024;
+    let head = format!(
+        "POST /console/pools/p/imports HTTP/1.1\r\nHost: console\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n\r\n{start}"
+    );
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let (mut reader, mut writer) = s.into_split();
+    // Send the field slowly, a chunk every 50 ms, while waiting for an answer.
+    let writing = tokio::spawn(async move {
+        let chunk = vec![b'a'; 64 * 1024];
+        let mut sent = 0;
+        while sent < 20 * 1024 * 1024 {
+            if writer.write_all(&chunk).await.is_err() {
+                break;
+            }
+            sent += chunk.len();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        sent
+    });
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), reader.read_to_end(&mut raw)).await;
+    writing.abort();
+    let sent = writing.await.unwrap_or(0);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    let answer = status.map(|status| Answer {
+        status,
+        headers: HashMap::new(),
+        body: text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    });
+    (answer, sent)
+}
