@@ -199,6 +199,112 @@ fn checked_of(answers: &[Answer]) -> usize {
 }
 
 #[tokio::test]
+async fn a_burst_of_wrong_passwords_is_refused_before_the_check_and_the_right_one_does_not_slip_in()
+{
+    let env = TestEnv::new("http3_burst").await;
+    operator(&env, "alice", "support").await;
+    let api = ApiServer::start(&env, &[]).await;
+    // 40 guesses at once for one name, each from an address of its own.
+    let guesses = (0..40)
+        .map(|i| {
+            (
+                Ipv4Addr::new(127, 0, 1, i + 1),
+                "alice".into(),
+                format!("wrong guess {i}"),
+            )
+        })
+        .collect();
+    let answers = burst(&api.addr, guesses).await;
+    let checked = checked_of(&answers);
+    // Three failures are free; a burst slower than a second may get a
+    // fourth or fifth through after the first waits.
+    assert!(checked <= 5, "{checked} of 40 passwords were checked");
+    // Two more failures, each after its wait: the name then waits 4 s or more.
+    let mut failures = 0;
+    for i in 50..60 {
+        let a = sign_in_from(
+            &api.addr,
+            Ipv4Addr::new(127, 0, 1, i),
+            "alice",
+            "wrong again",
+        )
+        .await;
+        match a.status {
+            401 => failures += 1,
+            429 => tokio::time::sleep(retry_after(&a) + Duration::from_millis(100)).await,
+            s => panic!("{s}: {}", a.body),
+        }
+        if failures == 2 {
+            break;
+        }
+    }
+    assert_eq!(failures, 2);
+    // While it waits, the right password among wrong ones signs no one in.
+    let tries = (0..10)
+        .map(|i| {
+            let pw = if i == 4 {
+                PASSWORD.into()
+            } else {
+                format!("wrong {i}")
+            };
+            (Ipv4Addr::new(127, 0, 2, i + 1), "alice".into(), pw)
+        })
+        .collect();
+    let answers = burst(&api.addr, tries).await;
+    for a in &answers {
+        assert_eq!(a.status, 429, "{}", a.body);
+        assert_eq!(session_cookie(a), None);
+    }
+    assert_eq!(sessions_of(&env, "alice").await, 0);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn one_client_trying_many_names_is_throttled_whether_the_names_exist_or_not() {
+    let env = TestEnv::new("http3_client").await;
+    operator(&env, "bob", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let from = Ipv4Addr::new(127, 0, 3, 1);
+    let tries = (0..25)
+        .map(|i| (from, format!("nobody-{i}"), "wrong password".into()))
+        .collect();
+    let answers = burst(&api.addr, tries).await;
+    let checked = checked_of(&answers);
+    assert!(checked <= 10, "{checked} of 25 checked");
+    let throttled = answers.iter().filter(|a| a.status == 429).count();
+    assert!(throttled >= 14, "{throttled} of 25 throttled");
+    // A real name with its right password waits too, from that client.
+    let a = sign_in_from(&api.addr, from, "bob", PASSWORD).await;
+    assert_eq!(a.status, 429, "{}", a.body);
+    // Another client is not held up by it.
+    let a = sign_in_from(&api.addr, Ipv4Addr::new(127, 0, 3, 2), "bob", PASSWORD).await;
+    assert_eq!(a.status, 303, "{}", a.body);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// Sends `head` and then one byte of its body, never the rest; the answer
+/// and how long it took, or `None` if the connection is still open after
+/// `within`.
+async fn stalled(addr: &str, head: &str, within: Duration) -> (Option<Answer>, Duration) {
+    let started = Instant::now();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(b"n").await.unwrap();
+    let got = read_answer(&mut s, within).await;
+    (got, started.elapsed())
+}
+
+/// Whether the server closes `s` within `within` (reading whatever comes).
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut sink = Vec::new();
+    tokio::time::timeout(within, s.read_to_end(&mut sink))
+        .await
+        .is_ok()
+}
+
+#[tokio::test]
 async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
     let env = TestEnv::new("http3_slow").await;
     let api = ApiServer::start(&env, &["--request-timeout", "2"]).await;
