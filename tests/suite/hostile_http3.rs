@@ -410,3 +410,29 @@ async fn huge_csrf_upload(addr: &str, cookie: &str) -> (Option<Answer>, usize) {
     });
     (answer, sent)
 }
+
+#[tokio::test]
+async fn an_upload_form_field_is_never_buffered_beyond_its_cap() {
+    let env = TestEnv::new("http3_upload").await;
+    operator(&env, "vera", "viewer").await;
+    operator(&env, "ada", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let viewer = signed_in(&api.addr, "vera").await;
+    let (got, _) = huge_csrf_upload(&api.addr, &viewer).await;
+    let got = got.expect("a viewer's upload is answered before its 20 MB are sent");
+    assert_eq!(got.status, 403, "{}", got.body);
+    assert!(got.body.contains("admin role"), "{}", got.body);
+    let admin = signed_in(&api.addr, "ada").await;
+    let (got, _) = huge_csrf_upload(&api.addr, &admin).await;
+    let got = got.expect("an admin's oversized field is answered before its 20 MB are sent");
+    assert_eq!(got.status, 413, "{}", got.body);
+    assert!(got.body.contains("csrf"), "{}", got.body);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A POST as `curl -X POST URL -H "Authorization: Bearer KEY"` sends it:
+/// no body, no `Content-Length`, no `Content-Type`.
+fn curl_post(path: &str, key: &str) -> Vec<u8> {
+    format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\nAuthorization: Bearer {key}\r\n\r\n").into_bytes()
+}
