@@ -436,3 +436,31 @@ async fn an_upload_form_field_is_never_buffered_beyond_its_cap() {
 fn curl_post(path: &str, key: &str) -> Vec<u8> {
     format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\nAuthorization: Bearer {key}\r\n\r\n").into_bytes()
 }
+
+#[tokio::test]
+async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
+    let env = TestEnv::new("http3_curl").await;
+    env.fill_pool("cp", 5).await;
+    let k = key(&env, "shop", "orders:write,orders:read,admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("C-1", "cp", 1),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    for path in [
+        "/v1/orders/C-1/resend",
+        "/v1/orders/C-1/redeem",
+        "/v1/pools/cp/pause",
+        "/v1/pools/cp/resume",
+    ] {
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &curl_post(path, &k)).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.body);
+    }
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -352,10 +352,12 @@ fn refused_early(req: &Request) -> Option<Problem> {
     }
     let method = req.method();
     let writes = *method == axum::http::Method::POST || *method == axum::http::Method::PATCH;
-    let empty = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .is_some_and(|v| v.as_bytes() == b"0");
+    // No body at all (curl -X POST sends neither a length nor a type).
+    let headers = req.headers();
+    let empty = match headers.get(axum::http::header::CONTENT_LENGTH) {
+        Some(len) => len.as_bytes() == b"0",
+        None => !headers.contains_key(axum::http::header::TRANSFER_ENCODING),
+    };
     if !writes || empty || !req.uri().path().starts_with("/v1/") {
         return None;
     }
