@@ -464,3 +464,36 @@ async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
+    let env = TestEnv::new("http3_bearer").await;
+    env.fill_pool("bp", 2).await;
+    let k = key(
+        &env,
+        "shop",
+        "orders:read,orders:write,orders:read,orders:write",
+    )
+    .await;
+    let api = ApiServer::start(&env, &[]).await;
+    for scheme in ["bearer", "BEARER", "BeArEr"] {
+        let req = format!("GET /v1/orders/none HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: {scheme} {k}\r\n\r\n");
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, req.as_bytes()).await;
+        assert_eq!(a.status, 404, "{scheme}: {}", a.body);
+    }
+    let out = env
+        .command(&["api-keys", "list", "--json"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let listed: Value = serde_json::from_slice(&out.stdout).expect("the keys as JSON");
+    let scopes = listed[0]["scopes"].clone();
+    assert_eq!(
+        scopes,
+        serde_json::json!(["orders:read", "orders:write"]),
+        "{listed}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -430,6 +430,15 @@ async fn as_problem(res: Response, id: &str) -> Response {
     out
 }
 
+/// The token of `Bearer TOKEN`, the scheme in any case (RFC 9110 11.1).
+fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
+        .filter(|t| !t.is_empty())
+}
+
 /// Requires a valid key (`Authorization: Bearer cpk_…`) and under its rate.
 async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Response {
     let id = req
@@ -441,8 +450,7 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(bearer_token);
     let Some(token) = token else {
         return Problem::unauthorized(
             "send an API key: Authorization: Bearer cpk_… (`codepool api-keys create` makes one)",
