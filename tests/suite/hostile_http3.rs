@@ -497,3 +497,34 @@ async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_sign_in_whose_next_holds_cr_lf_leads_to_the_pools_and_nowhere_else() {
+    let env = TestEnv::new("http3_next").await;
+    operator(&env, "nia", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    for next in [
+        "/console/pools\r\nSet-Cookie: evil=1",
+        "/console/pools\n",
+        "https://evil.example/console/",
+        "/console/../../etc",
+    ] {
+        let req = sign_in_request("nia", PASSWORD, next, "");
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+        assert_eq!(a.status, 303, "{next:?}: {}", a.body);
+        assert_eq!(
+            a.headers.get("location").map(String::as_str),
+            Some("/console/pools"),
+            "{next:?}"
+        );
+        assert!(!a.headers.contains_key("evil"), "{:?}", a.headers);
+    }
+    let req = sign_in_request("nia", PASSWORD, "/console/orders?q=O-1", "");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(
+        a.headers.get("location").map(String::as_str),
+        Some("/console/orders?q=O-1")
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -20,10 +20,21 @@ pub struct Next {
     next: Option<String>,
 }
 
-/// Only a console page may be where sign-in leads.
+/// Only a console page may be where sign-in leads: a local path under
+/// `/console`, of visible ASCII (no control character that could split
+/// the `Location` header), no `//`, `\\` or dot segment; anything else
+/// leads to the pools.
 fn safe_next(next: Option<&str>) -> &str {
-    next.filter(|n| n.starts_with("/console/") && !n.contains("//") && !n.contains('\\'))
-        .unwrap_or("/console/pools")
+    next.filter(|n| {
+        (n.starts_with("/console/") || *n == "/console")
+            && n.len() <= 2048
+            && n.bytes().all(|b| b.is_ascii_graphic())
+            && !n.contains("//")
+            && !n.contains('\\')
+            && !n.contains("/.")
+            && !n.to_ascii_lowercase().contains("%2e")
+    })
+    .unwrap_or("/console/pools")
 }
 
 fn signin_page(status: StatusCode, next: &str, name: &str, problem: Option<&str>) -> Response {
