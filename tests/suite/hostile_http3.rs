@@ -528,3 +528,87 @@ async fn a_sign_in_whose_next_holds_cr_lf_leads_to_the_pools_and_nowhere_else() 
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
+    let env = TestEnv::new("http3_dead").await;
+    let admin = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test-http3")
+        .await
+        .unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut pending = Vec::new();
+    for i in 0..3000 {
+        let reason = if i < 2990 {
+            "invalid_json"
+        } else {
+            "unknown_pool"
+        };
+        pending.push(
+            publisher
+                .dead_letter(b"junk", None, reason, 0)
+                .await
+                .unwrap(),
+        );
+    }
+    for p in pending {
+        p.wait().await.unwrap();
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let q = env.topology().purchases_dead;
+    eventually(Duration::from_secs(20), "3000 dead letters", || {
+        let (ch, q) = (ch.clone(), q.clone());
+        async move { queue_depth(&ch, &q).await == 3000 }
+    })
+    .await;
+    let started = Instant::now();
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?reason=unknown_pool",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let got = json_of(&body);
+    assert_eq!(got["scanned"], 1000, "{got}");
+    assert_eq!(got["stopped_early"], true, "{got}");
+    assert_eq!(
+        got["dead_letters"].as_array().map(Vec::len),
+        Some(0),
+        "{got}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    // Without a filter the limit ends the walk, and nothing is left out.
+    let (_, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?limit=5",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    let got = json_of(&body);
+    assert_eq!(
+        (got["scanned"].clone(), got["stopped_early"].clone()),
+        (5.into(), false.into()),
+        "{got}"
+    );
+    eventually(
+        Duration::from_secs(20),
+        "every letter back in the queue",
+        || {
+            let (ch, q) = (ch.clone(), q.clone());
+            async move { queue_depth(&ch, &q).await == 3000 }
+        },
+    )
+    .await;
+    api.stop().await;
+    env.cleanup().await;
+}
