@@ -612,3 +612,51 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn answers_that_carry_plaintext_codes_are_never_stored_by_caches() {
+    let env = TestEnv::new("http3_cache").await;
+    env.fill_pool("cc", 5).await;
+    let k = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let placed = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("N-1", "cc", 2),
+    )
+    .await;
+    let again = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("N-1", "cc", 2),
+    )
+    .await;
+    let revealed = http(
+        &api.addr,
+        "GET",
+        "/v1/orders/N-1?reveal=true",
+        Some(&k),
+        b"",
+    )
+    .await;
+    let missing = http(&api.addr, "GET", "/v1/orders/nothing", Some(&k), b"").await;
+    for (what, (status, headers, _), want) in [
+        ("the first answer", placed, 201),
+        ("the repeat", again, 200),
+        ("the reveal", revealed, 200),
+        ("a 404", missing, 404),
+    ] {
+        assert_eq!(status, want, "{what}");
+        assert_eq!(
+            headers.get("cache-control").map(String::as_str),
+            Some("no-store"),
+            "{what}"
+        );
+    }
+    api.stop().await;
+    env.cleanup().await;
+}

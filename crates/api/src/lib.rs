@@ -303,7 +303,8 @@ pub(crate) struct RequestId(pub String);
 
 /// Gives every request an id (the port's, see [`port`]; else the client's
 /// `x-request-id` if it is short and plain, else a new one), logs the
-/// request under it, and puts the id on the response.
+/// request under it, and puts the id on the response. Every answer is
+/// `Cache-Control: no-store`: many carry codes in plaintext.
 async fn with_request_id(mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -326,9 +327,14 @@ async fn with_request_id(mut req: Request, next: Next) -> Response {
     span.in_scope(|| tracing::info!(status, ms = started.elapsed().as_millis() as u64, "served"));
     metrics::counter!("codepool_api_requests_total", "status" => status.to_string()).increment(1);
     metrics::histogram!("codepool_api_request_seconds").record(started.elapsed().as_secs_f64());
+    let h = res.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&id) {
-        res.headers_mut().insert("x-request-id", v);
+        h.insert("x-request-id", v);
     }
+    h.insert(
+        axum::http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
     res
 }
 
