@@ -660,3 +660,21 @@ async fn answers_that_carry_plaintext_codes_are_never_stored_by_caches() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_sign_in_from_origin_null_is_refused() {
+    let env = TestEnv::new("http3_origin").await;
+    operator(&env, "omar", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let req = sign_in_request("omar", PASSWORD, "", "Origin: null\r\n");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert_eq!(session_cookie(&a), None);
+    assert_eq!(sessions_of(&env, "omar").await, 0);
+    // From the console's own page it works.
+    let req = sign_in_request("omar", PASSWORD, "", "Origin: http://console\r\n");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(a.status, 303, "{}", a.body);
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -78,7 +78,9 @@ fn same_origin(headers: &HeaderMap) -> bool {
         headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()),
         host,
     ) {
-        (None, _) | (Some("null"), _) => true,
+        (None, _) => true,
+        // Sandboxed frames and data: pages send "null": not our page.
+        (Some("null"), _) => false,
         (Some(origin), Some(host)) => origin
             .split_once("://")
             .is_some_and(|(_, rest)| rest == host),
