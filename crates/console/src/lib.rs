@@ -10,7 +10,8 @@
 //!   roles viewer < support < admin;
 //! - [`sessions`]: a random cookie, its SHA-256 in MongoDB, a CSRF token
 //!   per session, expiry and sign-out;
-//! - [`throttle`]: repeated failed sign-ins wait longer and longer;
+//! - [`throttle`]: sign-in attempts rationed per name and per client
+//!   before the password check, and few checks at once;
 //! - `pages/`: one module per page, GET and POST handlers side by side.
 //!
 //! Every read page works without JavaScript; the vendored htmx (served
