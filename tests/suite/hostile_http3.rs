@@ -671,7 +671,14 @@ async fn a_sign_in_from_origin_null_is_refused() {
     assert_eq!(a.status, 403, "{}", a.body);
     assert_eq!(session_cookie(&a), None);
     assert_eq!(sessions_of(&env, "omar").await, 0);
-    // From the console's own page it works.
+    // The console's own page makes browsers send its origin (under
+    // no-referrer they would send null), and from there sign-in works.
+    let page = b"GET /console/signin HTTP/1.1\r\nHost: console\r\nConnection: close\r\n\r\n";
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, page).await;
+    assert_eq!(
+        a.headers.get("referrer-policy").map(String::as_str),
+        Some("same-origin")
+    );
     let req = sign_in_request("omar", PASSWORD, "", "Origin: http://console\r\n");
     let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
     assert_eq!(a.status, 303, "{}", a.body);
