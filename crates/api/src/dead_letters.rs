@@ -48,6 +48,8 @@ pub(crate) struct Filter {
 }
 
 /// `GET /v1/dead-letters?reason=unknown_pool&limit=N`: they stay queued.
+/// At most [`dead_letters::MOST_SCANNED`] letters are examined; the answer
+/// says how many (`scanned`) and whether more were left (`stopped_early`).
 #[utoipa::path(
     get, path = "/v1/dead-letters", tag = "dead-letters",
     operation_id = "list_dead_letters",
@@ -74,9 +76,11 @@ pub(crate) async fn list(
     let topology = broker.publisher.topology();
     match dead_letters::peek(&broker.conn, topology, f.reason.as_deref(), limit).await {
         Ok(found) => Json(json!({
-            "dead_letters": found.iter().map(|d| json!({
+            "dead_letters": found.letters.iter().map(|d| json!({
                 "message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body,
             })).collect::<Vec<_>>(),
+            "scanned": found.scanned,
+            "stopped_early": found.stopped_early,
         }))
         .into_response(),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),

@@ -158,8 +158,10 @@ pub async fn create(store: &Store, name: &str, scopes: &[Scope]) -> Result<NewKe
         return Err(KeyError::NameTaken(name.to_owned()));
     }
     let (id, secret) = (random_hex(8), random_hex(32));
+    // Each scope once, in the order first given.
     let mut scopes = scopes.to_vec();
-    scopes.dedup();
+    let mut seen = std::collections::HashSet::new();
+    scopes.retain(|s| seen.insert(*s));
     let key = KeyDoc {
         id: id.clone(),
         name: name.to_owned(),

@@ -19,6 +19,7 @@ pub mod keys;
 mod openapi;
 mod orders;
 mod pools;
+pub mod port;
 mod problem;
 
 use std::collections::HashMap;
@@ -42,6 +43,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 pub use keys::{KeyDoc, Scope};
+pub use port::{serve_port, PortLimits, IMPORT_TIMEOUT};
 pub use problem::Problem;
 
 /// How the API server runs.
@@ -56,6 +58,8 @@ pub struct ApiConfig {
     /// Longest a client may take to send a request's head (and longest an
     /// idle keep-alive connection stays open).
     pub header_timeout: Duration,
+    /// Connections served at once; further ones wait to be accepted.
+    pub max_connections: usize,
     /// Serve HTTPS with these settings (`--tls-cert`, `--tls-key`).
     pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
 }
@@ -67,6 +71,7 @@ impl Default for ApiConfig {
             request_timeout: Duration::from_secs(30),
             rate_per_key: 200,
             header_timeout: Duration::from_secs(10),
+            max_connections: 1024,
             tls: None,
         }
     }
@@ -178,9 +183,9 @@ struct Bucket {
     at: Instant,
 }
 
-/// The `/v1` routes, with their limits, request ids and keys.
+/// The `/v1` routes, with their limits, request ids and keys; their time
+/// is bounded by the port they are served on ([`serve`]).
 pub fn router(api: Arc<Api>) -> Router {
-    let timeout = api.config.request_timeout;
     let (v1, doc) = documented().split_for_parts();
     let doc = Arc::new(openapi::complete(doc));
     let v1 = v1
@@ -205,9 +210,7 @@ pub fn router(api: Arc<Api>) -> Router {
             async move { axum::Json(doc.as_ref().clone()) }
         }),
     );
-    v1.merge(doc).layer(middleware::from_fn(move |req, next| {
-        with_request_id(req, next, timeout)
-    }))
+    v1.merge(doc).layer(middleware::from_fn(with_request_id))
 }
 
 /// The `/v1` routes with their OpenAPI annotations: the document is made
@@ -236,75 +239,24 @@ pub fn openapi_document() -> utoipa::openapi::OpenApi {
 }
 
 /// Binds `addr` now (a taken port fails at start) and serves the API and
-/// `extra` (health and metrics) until `stop`; in-flight requests finish
-/// (for up to [`ApiConfig::request_timeout`]), new connections are
-/// refused. A client that does not send a request's head within
-/// [`ApiConfig::header_timeout`] is disconnected, idle or slow: it cannot
-/// hold a connection forever. Returns the bound address and the task.
+/// `extra` (the console, health and metrics) until `stop`, within the
+/// port's limits ([`port::serve_port`]): every route's request is bounded
+/// by [`ApiConfig::request_timeout`], a request's head by
+/// [`ApiConfig::header_timeout`], the open connections by
+/// [`ApiConfig::max_connections`]. Returns the bound address and the task.
 pub async fn serve(
     addr: SocketAddr,
     api: Arc<Api>,
     extra: Router,
     stop: CancellationToken,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let (grace, header_timeout) = (api.config.request_timeout, api.config.header_timeout);
-    let tls = api.config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
-    let app = extra.merge(router(api));
-    let task = tokio::spawn(async move {
-        let connections = hyper_util::server::graceful::GracefulShutdown::new();
-        loop {
-            let stream = tokio::select! {
-                _ = stop.cancelled() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        // Out of file descriptors and the like: wait, go on.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let _ = stream.set_nodelay(true);
-            let (app, watcher) = (app.clone(), connections.watcher());
-            let Some(tls) = tls.clone() else {
-                tokio::spawn(serve_connection(stream, app, header_timeout, watcher));
-                continue;
-            };
-            tokio::spawn(async move {
-                // The handshake is bounded like a request's head.
-                match tokio::time::timeout(header_timeout, tls.accept(stream)).await {
-                    Ok(Ok(stream)) => serve_connection(stream, app, header_timeout, watcher).await,
-                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!("TLS handshake timed out"),
-                }
-            });
-        }
-        drop(listener);
-        let _ = tokio::time::timeout(grace, connections.shutdown()).await;
-        Ok(())
-    });
-    Ok((bound, task))
-}
-
-/// One HTTP/1.1 connection, plain or TLS, until it closes or the server
-/// stops (then it finishes what it serves).
-async fn serve_connection<I>(
-    io: I,
-    app: Router,
-    header_timeout: Duration,
-    watcher: hyper_util::server::graceful::Watcher,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let service = hyper_util::service::TowerToHyperService::new(app);
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .serve_connection(hyper_util::rt::TokioIo::new(io), service);
-    let _ = watcher.watch(conn).await;
+    let limits = PortLimits {
+        request_timeout: api.config.request_timeout,
+        header_timeout: api.config.header_timeout,
+        max_connections: api.config.max_connections,
+        tls: api.config.tls.clone(),
+    };
+    port::serve_port(addr, extra.merge(router(api)), limits, stop).await
 }
 
 /// The TLS settings for `cert` and `key` (PEM files: the certificate chain
@@ -345,62 +297,44 @@ pub fn tls_config(
     Ok(Arc::new(config))
 }
 
-/// Longest an import upload may take.
-pub const IMPORT_TIMEOUT: Duration = Duration::from_secs(3600);
-
 /// The id of the request being served (also in `x-request-id`).
 #[derive(Debug, Clone)]
 pub(crate) struct RequestId(pub String);
 
-/// Gives every request an id (the client's `x-request-id` if it is short
-/// and plain, else a new one), logs the request under it, bounds its time,
-/// and puts the id on the response.
-async fn with_request_id(mut req: Request, next: Next, timeout: Duration) -> Response {
+/// Gives every request an id (the port's, see [`port`]; else the client's
+/// `x-request-id` if it is short and plain, else a new one), logs the
+/// request under it, and puts the id on the response. Every answer is
+/// `Cache-Control: no-store`: many carry codes in plaintext.
+async fn with_request_id(mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
         .get("x-request-id")
+        .filter(|v| port::fit_request_id(v))
         .and_then(|v| v.to_str().ok())
-        .filter(|v| (1..=64).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_owned)
         .unwrap_or_else(|| bson::oid::ObjectId::new().to_hex());
     req.extensions_mut().insert(RequestId(id.clone()));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let span = tracing::info_span!("request", request_id = %id, %method, path = %path);
-    // An upload of a partner's file takes as long as the file is large.
-    let timeout = if method == axum::http::Method::POST && path.ends_with("/imports") {
-        timeout.max(IMPORT_TIMEOUT)
-    } else {
-        timeout
-    };
     let started = Instant::now();
-    let early = refused_early(&req).map(|p| p.at(&id).into_response());
-    let run = async move {
-        match early {
-            Some(res) => res,
-            None => next.run(req).await,
-        }
+    let res = match refused_early(&req) {
+        Some(p) => p.at(&id).into_response(),
+        None => next.run(req).instrument(span.clone()).await,
     };
-    let res = match tokio::time::timeout(timeout, run.instrument(span.clone())).await {
-        Ok(res) => res,
-        Err(_) => Problem::new(
-            StatusCode::REQUEST_TIMEOUT,
-            "timeout",
-            "request timed out",
-            format!("the request took longer than {timeout:?}; send it again (the same order gets the same codes)"),
-        )
-        .at(&id)
-        .into_response(),
-    };
-    let res = as_problem(res, &id).await;
+    let mut res = as_problem(res, &id).await;
     let status = res.status().as_u16();
     span.in_scope(|| tracing::info!(status, ms = started.elapsed().as_millis() as u64, "served"));
     metrics::counter!("codepool_api_requests_total", "status" => status.to_string()).increment(1);
     metrics::histogram!("codepool_api_request_seconds").record(started.elapsed().as_secs_f64());
-    let mut res = res;
+    let h = res.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&id) {
-        res.headers_mut().insert("x-request-id", v);
+        h.insert("x-request-id", v);
     }
+    h.insert(
+        axum::http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
     res
 }
 
@@ -424,10 +358,12 @@ fn refused_early(req: &Request) -> Option<Problem> {
     }
     let method = req.method();
     let writes = *method == axum::http::Method::POST || *method == axum::http::Method::PATCH;
-    let empty = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .is_some_and(|v| v.as_bytes() == b"0");
+    // No body at all (curl -X POST sends neither a length nor a type).
+    let headers = req.headers();
+    let empty = match headers.get(axum::http::header::CONTENT_LENGTH) {
+        Some(len) => len.as_bytes() == b"0",
+        None => !headers.contains_key(axum::http::header::TRANSFER_ENCODING),
+    };
     if !writes || empty || !req.uri().path().starts_with("/v1/") {
         return None;
     }
@@ -500,6 +436,15 @@ async fn as_problem(res: Response, id: &str) -> Response {
     out
 }
 
+/// The token of `Bearer TOKEN`, the scheme in any case (RFC 9110 11.1).
+fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
+        .filter(|t| !t.is_empty())
+}
+
 /// Requires a valid key (`Authorization: Bearer cpk_…`) and under its rate.
 async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Response {
     let id = req
@@ -511,8 +456,7 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(bearer_token);
     let Some(token) = token else {
         return Problem::unauthorized(
             "send an API key: Authorization: Bearer cpk_… (`codepool api-keys create` makes one)",

@@ -311,6 +311,11 @@ pub(crate) struct DeadLetter {
 #[serde(deny_unknown_fields)]
 pub(crate) struct DeadLetters {
     dead_letters: Vec<DeadLetter>,
+    /// Letters examined, matching or not (at most 1,000, or `limit`).
+    scanned: u64,
+    /// The walk stopped at its bound with letters left unexamined: older
+    /// matches may lie beyond.
+    stopped_early: bool,
 }
 
 #[derive(Serialize, ToSchema)]

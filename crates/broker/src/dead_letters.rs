@@ -39,37 +39,56 @@ async fn next(
         .map(|m| m.delivery))
 }
 
+/// Most dead letters one peek examines (more when `limit` is larger):
+/// each is held unacked until the peek ends, and a filter that matches
+/// nothing must not walk a queue of millions.
+pub const MOST_SCANNED: usize = 1000;
+
+/// What a peek found, and how far it looked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Peeked {
+    /// The letters that matched, oldest first.
+    pub letters: Vec<DeadLetter>,
+    /// Messages examined, matching or not.
+    pub scanned: usize,
+    /// The walk stopped at [`MOST_SCANNED`] with letters left unexamined
+    /// (and fewer than `limit` found): older matches may lie beyond.
+    pub stopped_early: bool,
+}
+
 /// Up to `limit` dead letters, oldest first, whose reason starts with
-/// `reason` (all when `None`). They stay queued: they are got on a channel
-/// of their own, which is closed, so the broker puts them all back.
+/// `reason` (all when `None`), among the first [`MOST_SCANNED`] (or
+/// `limit`, if larger) of the queue. They stay queued: they are got on a
+/// channel of their own, which is closed, so the broker puts them all back.
 pub async fn peek(
     conn: &Connection,
     topology: &Topology,
     reason: Option<&str>,
     limit: usize,
-) -> Result<Vec<DeadLetter>, BrokerError> {
+) -> Result<Peeked, BrokerError> {
     let channel = conn.create_channel().await?;
     // What is there now, each message got once: the ones got are not
     // offered again on this channel, and the queue's depth bounds the walk.
     let depth = queue_depth(&channel, &topology.purchases_dead).await? as usize;
-    let mut out = Vec::new();
-    let mut seen = 0;
-    while out.len() < limit && seen < depth {
+    let bound = depth.min(MOST_SCANNED.max(limit));
+    let mut out = Peeked::default();
+    while out.letters.len() < limit && out.scanned < bound {
         let Some(d) = next(&channel, &topology.purchases_dead).await? else {
             break;
         };
-        seen += 1;
+        out.scanned += 1;
         let why = reason_of(&d.properties);
         if reason.is_some_and(|r| !why.starts_with(r)) {
             continue;
         }
-        out.push(DeadLetter {
+        out.letters.push(DeadLetter {
             message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
             reason: why,
             replays: replay_count(&d.properties),
             body: String::from_utf8_lossy(&d.data).chars().take(200).collect(),
         });
     }
+    out.stopped_early = out.letters.len() < limit && out.scanned == bound && bound < depth;
     let _ = channel.close(200, "peeked").await;
     Ok(out)
 }

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::State;
@@ -19,24 +20,30 @@ struct AppState {
     metrics: PrometheusHandle,
 }
 
+/// Connections a dispatcher's probe port serves at once (scrapers and
+/// health checks need a few).
+const PROBE_CONNECTIONS: usize = 64;
+
 /// Binds `addr` now (so a taken port fails at start) and serves until
-/// `stop`. Returns the bound address (port 0 picks a free one).
+/// `stop`. Returns the bound address (port 0 picks a free one). A request
+/// (its head included) that takes longer than `timeout` is cut, so an idle
+/// or half-sent connection cannot hold the port.
 pub async fn serve(
     addr: SocketAddr,
     health: Arc<Health>,
     metrics: PrometheusHandle,
+    timeout: Duration,
     stop: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr)
+    let limits = codepool_api::PortLimits {
+        request_timeout: timeout,
+        header_timeout: timeout,
+        max_connections: PROBE_CONNECTIONS,
+        tls: None,
+    };
+    let (bound, _task) = codepool_api::serve_port(addr, routes(health, metrics), limits, stop)
         .await
         .with_context(|| format!("cannot listen on {addr} for /metrics; pick another with --http ADDR (port 0 picks a free one) or turn it off with --no-http"))?;
-    let bound = listener.local_addr()?;
-    let app = routes(health, metrics);
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-    });
     Ok(bound)
 }
 

@@ -19,6 +19,8 @@ pub enum Failure {
     NotFound(String),
     /// The form says something the operation refuses; what to fix.
     Invalid(String),
+    /// A part of the request is larger than the console reads.
+    TooLarge(String),
     /// The change cannot apply to what it names now.
     Conflict(String),
     /// A server codepool needs is away: try again.
@@ -52,6 +54,7 @@ impl IntoResponse for Failure {
             ),
             Failure::NotFound(d) => (StatusCode::NOT_FOUND, "Not found", d),
             Failure::Invalid(d) => (StatusCode::UNPROCESSABLE_ENTITY, "Not done", d),
+            Failure::TooLarge(d) => (StatusCode::PAYLOAD_TOO_LARGE, "Too large", d),
             Failure::Conflict(d) => (StatusCode::CONFLICT, "Not done", d),
             Failure::Unavailable(d) => (
                 StatusCode::SERVICE_UNAVAILABLE,

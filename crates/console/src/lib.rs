@@ -10,7 +10,8 @@
 //!   roles viewer < support < admin;
 //! - [`sessions`]: a random cookie, its SHA-256 in MongoDB, a CSRF token
 //!   per session, expiry and sign-out;
-//! - [`throttle`]: repeated failed sign-ins wait longer and longer;
+//! - [`throttle`]: sign-in attempts rationed per name and per client
+//!   before the password check, and few checks at once;
 //! - `pages/`: one module per page, GET and POST handlers side by side.
 //!
 //! Every read page works without JavaScript; the vendored htmx (served
@@ -147,8 +148,11 @@ pub fn router(api: Arc<Api>, cfg: ConsoleConfig) -> Router {
 }
 
 /// The headers every console response carries: the CSP, no sniffing, no
-/// referrer, no framing, and no caching of pages (a page may hold a
-/// buyer's phone number, or a code an admin revealed).
+/// referrer to other sites, no framing, and no caching of pages (a page
+/// may hold a buyer's phone number, or a code an admin revealed). The
+/// referrer policy is `same-origin`, not `no-referrer`: under
+/// `no-referrer` browsers send `Origin: null` with the console's own
+/// forms, which sign-in refuses.
 async fn guard_headers(req: Request, next: Next) -> Response {
     let is_static = req.uri().path().starts_with("/console/static/");
     let mut res = next.run(req).await.into_response();
@@ -158,7 +162,7 @@ async fn guard_headers(req: Request, next: Next) -> Response {
         "x-content-type-options",
         HeaderValue::from_static("nosniff"),
     );
-    h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
+    h.insert("referrer-policy", HeaderValue::from_static("same-origin"));
     h.insert("x-frame-options", HeaderValue::from_static("DENY"));
     if !is_static {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));

@@ -1,19 +1,40 @@
-//! Failed sign-ins slow down: after [`FREE_FAILURES`] failures for a name
-//! (or from one client address, when the server knows it), each further
-//! attempt must wait twice as long as the one before, up to
-//! [`MAX_WAIT`]; an attempt during the wait is refused without checking
-//! the password. A success clears the name. Kept per process: several API
-//! processes each slow an attacker down on their own.
+//! Sign-in attempts are rationed before the slow password check, never
+//! after it, so a burst of guesses is refused as surely as a sequence:
+//!
+//! - **per client** (the peer's IP address): at most [`CLIENT_BURST`]
+//!   attempts at once, then one every [`CLIENT_PERIOD`], whatever names
+//!   they try (known or not);
+//! - **per name**: after [`FREE_FAILURES`] failures, each further attempt
+//!   must wait twice as long as the one before, up to [`MAX_WAIT`]. An
+//!   attempt is counted as a failure when it is let through, under the
+//!   same lock that read the count; a success clears the name;
+//! - **at once**: at most [`CHECKS`] argon2id checks run (19 MiB each);
+//!   an attempt beyond them is refused at once, uncounted.
+//!
+//! A refused attempt's password is never checked. Kept per process:
+//! several API processes each slow an attacker down on their own.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
+use std::num::NonZeroU32;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultKeyedRateLimiter, Quota};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// Failures allowed before the waits begin.
 pub const FREE_FAILURES: u32 = 3;
 /// Longest wait between two attempts.
 pub const MAX_WAIT: Duration = Duration::from_secs(300);
-/// Keys kept at most (the oldest are dropped past it).
+/// Attempts a client may make at once.
+pub const CLIENT_BURST: u32 = 10;
+/// Then one attempt per this long.
+pub const CLIENT_PERIOD: Duration = Duration::from_secs(6);
+/// Password checks running at once.
+pub const CHECKS: usize = 2;
+/// Names and clients kept at most (the stale ones are dropped past it).
 const MOST_KEYS: usize = 100_000;
 
 #[derive(Debug, Clone, Copy)]
@@ -22,10 +43,34 @@ struct Failures {
     last: Instant,
 }
 
-/// Failed sign-ins by key (`name:alice`, `ip:10.0.0.1`).
-#[derive(Debug, Default)]
+/// Why an attempt was refused without checking its password.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Too many attempts for the name or from the client: wait this long.
+    Throttled(Duration),
+    /// Every password check slot is busy: try again in a moment.
+    Busy,
+}
+
+/// Sign-in attempts by name and by client, and the password check slots.
 pub struct Throttle {
     failures: Mutex<HashMap<String, Failures>>,
+    clients: DefaultKeyedRateLimiter<IpAddr>,
+    checks: Semaphore,
+}
+
+impl Default for Throttle {
+    fn default() -> Self {
+        let burst = NonZeroU32::new(CLIENT_BURST).unwrap_or(NonZeroU32::MIN);
+        let quota = Quota::with_period(CLIENT_PERIOD)
+            .unwrap_or_else(|| Quota::per_second(NonZeroU32::MIN))
+            .allow_burst(burst);
+        Self {
+            failures: Mutex::new(HashMap::new()),
+            clients: DefaultKeyedRateLimiter::keyed(quota),
+            checks: Semaphore::new(CHECKS),
+        }
+    }
 }
 
 /// How long after the last failure the next attempt may come.
@@ -37,38 +82,61 @@ pub fn wait_after(count: u32) -> Duration {
     Duration::from_secs(1u64 << doublings).min(MAX_WAIT)
 }
 
+/// An attempt let through: it holds a password check slot, and counts as
+/// a failure of its name unless [`Attempt::succeeded`] says otherwise.
+pub struct Attempt<'a> {
+    throttle: &'a Throttle,
+    name: String,
+    _check: SemaphorePermit<'a>,
+}
+
+impl Attempt<'_> {
+    /// The password was right: the name's failures are forgotten.
+    pub fn succeeded(self) {
+        let mut map = self.throttle.lock();
+        map.remove(&self.name);
+    }
+}
+
 impl Throttle {
-    /// The time left to wait before `keys` may try again (zero: go on).
-    pub fn wait(&self, keys: &[String]) -> Duration {
-        let map = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        keys.iter()
-            .filter_map(|k| map.get(k))
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Failures>> {
+        self.failures.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lets an attempt for `name` from `client` through, or says why not.
+    pub fn attempt(&self, name: &str, client: Option<IpAddr>) -> Result<Attempt<'_>, Refusal> {
+        if let Some(ip) = client {
+            if self.clients.len() > MOST_KEYS {
+                self.clients.retain_recent();
+            }
+            if let Err(not_until) = self.clients.check_key(&ip) {
+                let wait = not_until.wait_time_from(DefaultClock::default().now());
+                return Err(Refusal::Throttled(wait));
+            }
+        }
+        let mut map = self.lock();
+        let wait = map
+            .get(name)
             .map(|f| wait_after(f.count).saturating_sub(f.last.elapsed()))
-            .max()
-            .unwrap_or(Duration::ZERO)
-    }
-
-    /// Counts a failure against every key.
-    pub fn failed(&self, keys: &[String]) {
-        let mut map = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            .unwrap_or(Duration::ZERO);
+        if !wait.is_zero() {
+            return Err(Refusal::Throttled(wait));
+        }
+        let check = self.checks.try_acquire().map_err(|_| Refusal::Busy)?;
         if map.len() > MOST_KEYS {
-            let cutoff = MAX_WAIT * 2;
-            map.retain(|_, f| f.last.elapsed() < cutoff);
+            map.retain(|_, f| f.last.elapsed() < MAX_WAIT * 2);
         }
-        for k in keys {
-            let f = map.entry(k.clone()).or_insert(Failures {
-                count: 0,
-                last: Instant::now(),
-            });
-            f.count += 1;
-            f.last = Instant::now();
-        }
-    }
-
-    /// Clears a key after a success.
-    pub fn succeeded(&self, key: &str) {
-        let mut map = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        map.remove(key);
+        let f = map.entry(name.to_owned()).or_insert(Failures {
+            count: 0,
+            last: Instant::now(),
+        });
+        f.count += 1;
+        f.last = Instant::now();
+        Ok(Attempt {
+            throttle: self,
+            name: name.to_owned(),
+            _check: check,
+        })
     }
 }
 
@@ -88,14 +156,50 @@ mod tests {
     #[test]
     fn a_name_waits_once_it_failed_too_often_and_is_free_after_a_success() {
         let t = Throttle::default();
-        let keys = vec!["name:alice".to_owned()];
         for _ in 0..FREE_FAILURES {
-            assert_eq!(t.wait(&keys), Duration::ZERO);
-            t.failed(&keys);
+            drop(t.attempt("alice", None).expect("a free attempt"));
         }
-        assert!(t.wait(&keys) > Duration::from_millis(500));
-        assert_eq!(t.wait(&["name:bob".to_owned()]), Duration::ZERO);
-        t.succeeded("name:alice");
-        assert_eq!(t.wait(&keys), Duration::ZERO);
+        assert!(
+            matches!(t.attempt("alice", None), Err(Refusal::Throttled(w)) if w > Duration::from_millis(500))
+        );
+        assert!(t.attempt("bob", None).is_ok());
+        t.lock().remove("alice");
+        t.attempt("alice", None).expect("free again").succeeded();
+        assert!(t.lock().get("alice").is_none());
+    }
+
+    #[test]
+    fn attempts_held_at_once_count_before_their_check_and_beyond_the_slots_are_busy() {
+        let t = Throttle::default();
+        let held: Vec<_> = (0..CHECKS)
+            .map(|_| t.attempt("carol", None).expect("a slot"))
+            .collect();
+        assert_eq!(t.attempt("dave", None).err(), Some(Refusal::Busy));
+        assert_eq!(t.lock().get("carol").map(|f| f.count), Some(CHECKS as u32));
+        assert!(
+            t.lock().get("dave").is_none(),
+            "a busy refusal is not counted"
+        );
+        drop(held);
+        assert!(t.attempt("dave", None).is_ok());
+    }
+
+    #[test]
+    fn a_client_gets_its_burst_then_waits_whatever_names_it_tries() {
+        let t = Throttle::default();
+        let ip: IpAddr = [10, 0, 0, 1].into();
+        for n in 0..CLIENT_BURST {
+            drop(
+                t.attempt(&format!("nobody-{n}"), Some(ip))
+                    .expect("within the burst"),
+            );
+        }
+        assert!(matches!(
+            t.attempt("someone-else", Some(ip)),
+            Err(Refusal::Throttled(w)) if w > Duration::ZERO
+        ));
+        assert!(t
+            .attempt("someone-else", Some([10, 0, 0, 2].into()))
+            .is_ok());
     }
 }

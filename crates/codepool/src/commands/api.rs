@@ -32,7 +32,9 @@ pub struct ApiArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = ApiConfig::default().body_limit)]
     pub body_limit: usize,
-    /// Longest a request may take, in seconds (reading it included).
+    /// Longest a request may take, in seconds (reading it included), on
+    /// every route of the port: /v1, /console, the probes (an import
+    /// upload: an hour); then 408.
     #[arg(long, default_value_t = ApiConfig::default().request_timeout.as_secs())]
     pub request_timeout: u64,
     /// Requests per second per API key (bursts of twice as many); over it,
@@ -43,6 +45,9 @@ pub struct ApiArgs {
     /// idle connection is closed.
     #[arg(long, default_value_t = ApiConfig::default().header_timeout.as_secs())]
     pub header_timeout: u64,
+    /// Connections served at once; further ones wait to be accepted.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
     /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
     /// Without it, serve plain HTTP behind a TLS-terminating proxy.
     #[arg(long, requires = "tls_key", env = "CODEPOOL_API_TLS_CERT")]
@@ -85,6 +90,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         request_timeout: Duration::from_secs(args.request_timeout.max(1)),
         rate_per_key: args.rate_per_key,
         header_timeout: Duration::from_secs(args.header_timeout.max(1)),
+        max_connections: args.max_connections as usize,
         tls,
     };
     let api = Api::new(

@@ -58,7 +58,9 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
     topology.declare(publisher.channel()).await?;
     match args.action {
         Action::List { limit, json } => {
-            let listed = dead_letters::peek(&conn, &topology, None, limit).await?;
+            let listed = dead_letters::peek(&conn, &topology, None, limit)
+                .await?
+                .letters;
             for d in &listed {
                 if json {
                     println!(

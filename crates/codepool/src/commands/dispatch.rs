@@ -24,6 +24,10 @@ pub struct DispatchArgs {
     /// Address for /metrics, /healthz and /readyz (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub http: SocketAddr,
+    /// Seconds a client of --http may take for a request, its head
+    /// included; a slower or idle connection is closed.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), env = "CODEPOOL_HTTP_TIMEOUT")]
+    pub http_timeout: u64,
     /// Do not serve /metrics, /healthz and /readyz.
     #[arg(long)]
     pub no_http: bool,
@@ -55,7 +59,14 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
     let health = Arc::new(Health::default());
     if !args.no_http {
         let handle = crate::http::install_metrics()?;
-        let addr = crate::http::serve(args.http, health.clone(), handle, stop.clone()).await?;
+        let addr = crate::http::serve(
+            args.http,
+            health.clone(),
+            handle,
+            Duration::from_secs(args.http_timeout),
+            stop.clone(),
+        )
+        .await?;
         info!(%addr, "serving /metrics, /healthz and /readyz");
         // Scripts starting several dispatchers read the port from here.
         crate::telemetry::announce_listening(cfg.log_format, "http", addr);

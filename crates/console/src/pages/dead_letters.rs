@@ -13,7 +13,7 @@ use maud::html;
 use serde::Deserialize;
 
 use crate::failure::Failure;
-use crate::layout::{self, csrf};
+use crate::layout::{self, count, csrf};
 use crate::operators::Role;
 use crate::sessions::Session;
 use crate::Console;
@@ -47,11 +47,12 @@ async fn list_page(
     notice: Option<String>,
 ) -> Result<Response, Failure> {
     let broker = console.api.broker();
-    let found = dead_letters::peek(&broker.conn, broker.publisher.topology(), reason, MOST)
+    let peeked = dead_letters::peek(&broker.conn, broker.publisher.topology(), reason, MOST)
         .await
         .map_err(|e| Failure::Unavailable(e.to_string()))?;
+    let found = &peeked.letters;
     let mut by_reason: BTreeMap<&str, usize> = BTreeMap::new();
-    for d in &found {
+    for d in found {
         *by_reason.entry(d.reason.as_str()).or_default() += 1;
     }
     let body = html! {
@@ -60,6 +61,9 @@ async fn list_page(
         form.search method="get" action="/console/dead-letters" {
             label { "Reason starts with " input name="reason" value=(reason.unwrap_or_default()); }
             button type="submit" { "Filter" }
+        }
+        @if peeked.stopped_early {
+            p.hint { "Only the oldest " (count(peeked.scanned as u64)) " letters were examined; replay or narrow them to see further." }
         }
         @if found.is_empty() { p { "No dead letter" @if let Some(r) = reason { " with reason " q { (r) } } "." } }
         @else {
@@ -71,7 +75,7 @@ async fn list_page(
                 } } } }
             h2 { "Oldest first (up to " (MOST) ")" }
             table.dead { thead { tr { th { "Message id" } th { "Reason" } th { "Replays" } th { "Body (start)" } } }
-                tbody { @for d in &found { tr {
+                tbody { @for d in found { tr {
                     td { (d.message_id.clone().unwrap_or_default()) } td { (d.reason) }
                     td.num { (d.replays) } td { code { (d.body) } }
                 } } } }

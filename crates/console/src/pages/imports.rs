@@ -2,8 +2,10 @@
 //! upload form, streamed into the pool by the importer of `codepool
 //! import` (same header rule, validation, look-alikes, duplicates, audit
 //! record), never held whole in memory; then the summary with the invalid
-//! rows by line number. The form sends its CSRF token and options before
-//! the file, so the token is checked before a byte of the file is read.
+//! rows by line number. The role is checked before the body is read; the
+//! form sends its CSRF token and options before the file, each at most
+//! [`FIELD_LIMIT`] bytes (else 413), so the token is checked before a
+//! byte of the file is read.
 
 use std::sync::Arc;
 
@@ -29,10 +31,29 @@ struct Options {
     no_header: bool,
 }
 
-fn unreadable(e: impl std::fmt::Display) -> Failure {
-    Failure::Invalid(format!(
-        "the upload could not be read ({e}); send the form again"
-    ))
+/// Largest field of the form other than the file (the CSRF token, the
+/// column name, the header flag).
+pub const FIELD_LIMIT: u64 = 4 * 1024;
+
+fn unreadable(e: multer::Error) -> Failure {
+    match e {
+        multer::Error::FieldSizeExceeded { field_name, .. } => Failure::TooLarge(format!(
+            "the form field {:?} is larger than {FIELD_LIMIT} bytes; send the console's own upload form",
+            field_name.unwrap_or_default()
+        )),
+        e => Failure::Invalid(format!(
+            "the upload could not be read ({e}); send the form again"
+        )),
+    }
+}
+
+/// The form's fields, each but the file bounded by [`FIELD_LIMIT`].
+fn form_constraints() -> multer::Constraints {
+    multer::Constraints::new().size_limit(
+        multer::SizeLimit::new()
+            .per_field(FIELD_LIMIT)
+            .for_field("file", u64::MAX),
+    )
 }
 
 /// Reads the text fields up to the file; returns them and the file field.
@@ -78,10 +99,11 @@ pub async fn upload(
         .and_then(|v| v.to_str().ok())
         .and_then(|ct| multer::parse_boundary(ct).ok())
         .ok_or_else(|| Failure::Invalid("send the upload form (multipart/form-data)".into()))?;
-    let form = multer::Multipart::new(body.into_data_stream(), boundary);
+    s.need(Role::Admin)?;
+    let form =
+        multer::Multipart::with_constraints(body.into_data_stream(), boundary, form_constraints());
     let (o, file) = fields_then_file(form).await?;
     s.check_csrf(&o.csrf)?;
-    s.need(Role::Admin)?;
     let name = file
         .file_name()
         .map(str::to_owned)

@@ -1,16 +1,18 @@
 //! `/console/signin` and `/console/signout`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{ConnectInfo, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use axum::Form;
+use axum::{Extension, Form};
 use maud::html;
 use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::sessions::{self, Session};
+use crate::throttle::Refusal;
 use crate::{layout, operators, Console};
 
 #[derive(Debug, Default, Deserialize)]
@@ -18,10 +20,21 @@ pub struct Next {
     next: Option<String>,
 }
 
-/// Only a console page may be where sign-in leads.
+/// Only a console page may be where sign-in leads: a local path under
+/// `/console`, of visible ASCII (no control character that could split
+/// the `Location` header), no `//`, `\\` or dot segment; anything else
+/// leads to the pools.
 fn safe_next(next: Option<&str>) -> &str {
-    next.filter(|n| n.starts_with("/console/") && !n.contains("//") && !n.contains('\\'))
-        .unwrap_or("/console/pools")
+    next.filter(|n| {
+        (n.starts_with("/console/") || *n == "/console")
+            && n.len() <= 2048
+            && n.bytes().all(|b| b.is_ascii_graphic())
+            && !n.contains("//")
+            && !n.contains('\\')
+            && !n.contains("/.")
+            && !n.to_ascii_lowercase().contains("%2e")
+    })
+    .unwrap_or("/console/pools")
 }
 
 fn signin_page(status: StatusCode, next: &str, name: &str, problem: Option<&str>) -> Response {
@@ -65,7 +78,9 @@ fn same_origin(headers: &HeaderMap) -> bool {
         headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()),
         host,
     ) {
-        (None, _) | (Some("null"), _) => true,
+        (None, _) => true,
+        // Sandboxed frames and data: pages send "null": not our page.
+        (Some("null"), _) => false,
         (Some(origin), Some(host)) => origin
             .split_once("://")
             .is_some_and(|(_, rest)| rest == host),
@@ -73,10 +88,35 @@ fn same_origin(headers: &HeaderMap) -> bool {
     }
 }
 
-/// `POST /console/signin`: a session cookie, or the form again. Failures
-/// slow the name down ([`crate::throttle`]).
+/// An attempt refused before its password is checked: 429 or 503, with
+/// `Retry-After`.
+fn refused(refusal: Refusal, next: &str, name: &str) -> Response {
+    let (status, wait, text) = match refusal {
+        Refusal::Throttled(wait) => {
+            let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+            tracing::warn!(name = %name, wait_s = secs, "console sign-in refused: too many attempts");
+            let text = format!("too many sign-in attempts for this name or from this address; wait {secs} seconds and try again");
+            (StatusCode::TOO_MANY_REQUESTS, secs, text)
+        }
+        Refusal::Busy => {
+            tracing::warn!(name = %name, "console sign-in refused: every password check is busy");
+            let text =
+                "the server is busy checking other sign-ins; try again in a second".to_owned();
+            (StatusCode::SERVICE_UNAVAILABLE, 1, text)
+        }
+    };
+    let mut res = signin_page(status, next, name, Some(&text));
+    res.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(wait));
+    res
+}
+
+/// `POST /console/signin`: a session cookie, or the form again. Attempts
+/// are rationed by client and by name before the password is checked
+/// ([`crate::throttle`]).
 pub async fn submit(
     State(console): State<Arc<Console>>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     headers: HeaderMap,
     Form(c): Form<Credentials>,
 ) -> Response {
@@ -89,23 +129,18 @@ pub async fn submit(
             Some("this sign-in came from another site; open the console's own page"),
         );
     }
-    let keys = vec![format!("name:{}", c.name)];
-    let wait = console.throttle.wait(&keys);
-    if !wait.is_zero() {
-        tracing::warn!(name = %c.name, wait_s = wait.as_secs(), "console sign-in refused: too many failures");
-        let text = format!(
-            "too many failed sign-ins for this name; wait {} seconds and try again",
-            wait.as_secs().max(1)
-        );
-        return signin_page(StatusCode::TOO_MANY_REQUESTS, &next, &c.name, Some(&text));
-    }
+    let client = peer.map(|Extension(ConnectInfo(addr))| addr.ip());
+    let attempt = match console.throttle.attempt(&c.name, client) {
+        Ok(a) => a,
+        Err(refusal) => return refused(refusal, &next, &c.name),
+    };
     let store = console.api.store();
     let op = match operators::authenticate(store, &c.name, &c.password).await {
         Ok(op) => op,
         Err(e) => return Failure::from(e).into_response(),
     };
     let Some(op) = op else {
-        console.throttle.failed(&keys);
+        drop(attempt);
         tracing::warn!(name = %c.name, "console sign-in failed");
         return signin_page(
             StatusCode::UNAUTHORIZED,
@@ -114,27 +149,33 @@ pub async fn submit(
             Some("wrong name or password, or the account is disabled"),
         );
     };
-    console.throttle.succeeded(&keys[0]);
-    let token = match sessions::start(store, &op.name, console.cfg.session_ttl).await {
-        Ok(t) => t,
-        Err(e) => return Failure::from(e).into_response(),
-    };
+    attempt.succeeded();
+    match open_session(&console, &op).await {
+        Ok(cookie) => ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A new session for `op`, audited; its cookie.
+async fn open_session(
+    console: &Console,
+    op: &operators::OperatorDoc,
+) -> Result<HeaderValue, Failure> {
+    let store = console.api.store();
+    let token = sessions::start(store, &op.name, console.cfg.session_ttl).await?;
     let action = codepool_store::audit::Action {
         who: format!("operator:{}", op.name),
         kind: "sign-in".into(),
         command: "console POST /console/signin".into(),
         what: format!("signed in as {}", op.role.as_str()),
     };
-    if let Err(e) = store.record_action(&action).await {
-        return Failure::from(e).into_response();
-    }
+    store.record_action(&action).await?;
     tracing::info!(operator = %op.name, "console sign-in");
-    let cookie = sessions::cookie(
+    Ok(sessions::cookie(
         Some(&token),
         console.cfg.session_ttl,
         console.cfg.secure_cookie,
-    );
-    ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response()
+    ))
 }
 
 #[derive(Debug, Deserialize)]
