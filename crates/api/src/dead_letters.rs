@@ -130,13 +130,15 @@ pub(crate) async fn replay(
         return bad_limit(&rid);
     }
     let broker = api.broker();
-    let topology = broker.publisher.topology();
-    match dead_letters::replay(
+    let actor =
+        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/dead-letters/replay");
+    match codepool_dispatcher::controls::replay_dead_letters(
+        &api.store,
         &broker.conn,
         &broker.publisher,
-        topology,
         f.reason.as_deref(),
         limit,
+        &actor,
     )
     .await
     {

@@ -10,7 +10,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_importer::{import_reader, Header, ImportError, ImportOptions};
 use futures::TryStreamExt;
 use serde::Deserialize;
@@ -87,15 +86,24 @@ pub(crate) async fn upload(
         Err(e) => return import_failed(e, &rid),
     };
     tracing::info!(pool = %pool, import_id = %summary.import_id, inserted = summary.inserted, invalid = summary.invalid, key = %key.name, "import uploaded");
-    if summary.inserted > 0 {
-        let mut event = PoolEvent::new(PoolEventKind::Replenished, &pool);
-        event.inserted = Some(summary.inserted);
-        let broker = api.broker();
-        let sent =
-            codepool_broker::confirmed(broker.publisher.publish_pool_event(&event).await).await;
-        if let Err(e) = sent {
-            tracing::warn!(error = %e, "pool.replenished not published; dispatchers fulfil backorders at their next sweep");
-        }
+    let what = format!(
+        "import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
+        summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid
+    );
+    let actor =
+        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/imports");
+    let broker = api.broker();
+    if let Err(e) = codepool_dispatcher::controls::imported(
+        &api.store,
+        &broker.publisher,
+        &pool,
+        summary.inserted,
+        what,
+        &actor,
+    )
+    .await
+    {
+        tracing::warn!(error = %e, "import done; {e}");
     }
     if summary.invalid > 0 && summary.inserted + summary.duplicates == 0 {
         return Problem::new(
@@ -215,7 +223,9 @@ pub(crate) async fn recall(
     let reason = serde_json::from_slice::<RecallBody>(&body)
         .map(|b| b.reason)
         .unwrap_or_default();
-    match recall_import(&api.store, api.hot.as_ref(), &id, &reason).await {
+    let actor =
+        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/imports/{id}/recall");
+    match recall_import(&api.store, api.hot.as_ref(), &id, &reason, &actor).await {
         Ok(r) => Json(json!({
             "import_id": r.import.id.to_hex(), "pool": r.import.pool, "voided": r.voided,
             "issued": r.held.len(),

@@ -10,6 +10,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::SecondsFormat;
+use codepool_dispatcher::audit::Actor;
 use codepool_dispatcher::ops;
 use codepool_dispatcher::plan::Step;
 use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
@@ -409,7 +410,8 @@ pub(crate) async fn redeem(
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }
-    match api.store.redeem(CodeRef::Order(&order_id)).await {
+    let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/redeem");
+    match ops::redeem(&api.store, CodeRef::Order(&order_id), &actor).await {
         Ok(done) => Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response(),
         Err(e) => refused(e, &rid),
     }
@@ -463,7 +465,19 @@ pub(crate) async fn void(
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }
-    match api.store.void(CodeRef::Order(&order_id), &reason).await {
+    let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/void");
+    let voided = ops::void(
+        &api.store,
+        api.hot.as_ref(),
+        CodeRef::Order(&order_id),
+        &reason,
+        &actor,
+    )
+    .await;
+    match voided.map_err(|e| match e {
+        ops::VoidError::Lifecycle(e) => e,
+        ops::VoidError::Reason => LifecycleError::Store(codepool_store::StoreError::Rejected("invalid reason".into())),
+    }) {
         Ok(VoidOutcome::Voided {
             applied,
             backorder_cancelled,
@@ -499,7 +513,16 @@ pub(crate) async fn resend(
         return r;
     }
     let broker = api.broker();
-    match ops::resend(&api.store, &api.outbox, &broker.publisher, &order_id).await {
+    let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/resend");
+    match ops::resend(
+        &api.store,
+        &api.outbox,
+        &broker.publisher,
+        &order_id,
+        &actor,
+    )
+    .await
+    {
         Ok((events, _)) => Json(json!({
             "order_id": order_id,
             "events": events.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>(),

@@ -215,7 +215,9 @@ pub(crate) async fn create(
         .at(&rid.0)
         .into_response();
     }
-    let created = match api.store.create_pool(&name).await {
+    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/pools");
+    let created = match codepool_dispatcher::controls::create_pool(&api.store, &name, &actor).await
+    {
         Ok(c) => c,
         Err(e) => return failed(&e, &rid),
     };
@@ -279,9 +281,16 @@ pub(crate) async fn settings(
         per_user: s.per_user,
         case_sensitive_codes: s.case_sensitive_codes,
     };
-    match api.store.set_pool_settings(&pool, &settings).await {
+    let what = format!("{settings:?}");
+    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");
+    match codepool_dispatcher::controls::set_pool_settings(
+        &api.store, &pool, &settings, &what, &actor,
+    )
+    .await
+    {
         Ok(()) => show((State(api), Extension(key), Extension(rid)), Path(pool)).await,
-        Err(e) => settings_error(e, &pool, &rid),
+        Err(codepool_dispatcher::controls::PauseError::Pool(e)) => settings_error(e, &pool, &rid),
+        Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
 }
 
@@ -360,12 +369,18 @@ async fn set_paused(
     }
     use codepool_dispatcher::controls::{self, PauseError};
     let broker = api.broker();
-    match controls::set_paused(&api.store, &broker.publisher, &pool, paused).await {
+    let route = if paused {
+        "POST /v1/pools/{name}/pause"
+    } else {
+        "POST /v1/pools/{name}/resume"
+    };
+    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, route);
+    match controls::set_paused(&api.store, &broker.publisher, &pool, paused, &actor).await {
         Ok(changed) => {
             Json(json!({"name": pool, "paused": paused, "changed": changed})).into_response()
         }
         Err(PauseError::Pool(e)) => settings_error(e, &pool, &rid),
-        Err(e @ PauseError::Unconfirmed { .. }) => {
+        Err(e @ (PauseError::Unconfirmed { .. } | PauseError::Audit(_))) => {
             Problem::unavailable(&e).at(&rid.0).into_response()
         }
     }

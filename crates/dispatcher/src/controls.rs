@@ -11,6 +11,7 @@ use codepool_store::pool_settings::PoolSettingsError;
 use codepool_store::{ObjectId, Store, StoreError};
 use tracing::{debug, info};
 
+use crate::audit::{self, Actor};
 use crate::ops::{checked_reason, MAX_REASON_CHARS};
 use crate::ports::CandidatePool;
 
@@ -21,6 +22,8 @@ const RECALL_ROUND: i64 = 1000;
 pub enum PauseError {
     #[error(transparent)]
     Pool(#[from] PoolSettingsError),
+    #[error("the pool is changed, but the change was not audited: {0}")]
+    Audit(#[from] StoreError),
     #[error("the pool is {state} in MongoDB, but RabbitMQ did not confirm the {event} event ({source}); run the command again so dispatchers hear it")]
     Unconfirmed {
         state: &'static str,
@@ -40,6 +43,7 @@ pub async fn set_paused(
     publisher: &Publisher,
     pool: &str,
     paused: bool,
+    actor: &Actor,
 ) -> Result<bool, PauseError> {
     let changed = store.set_paused(pool, paused).await?;
     let (kind, state) = if paused {
@@ -60,6 +64,11 @@ pub async fn set_paused(
         .await
         .map_err(unconfirmed)?;
     info!(pool, changed, "pool {state}");
+    let what = format!(
+        "pool {pool:?} {state}{}",
+        if changed { "" } else { " (it already was)" }
+    );
+    audit::record(store, actor, if paused { "pause" } else { "resume" }, what).await?;
     Ok(changed)
 }
 
@@ -94,6 +103,7 @@ pub async fn recall_import(
     hot: &dyn CandidatePool,
     import_id: &str,
     reason: &str,
+    actor: &Actor,
 ) -> Result<Recall, RecallError> {
     let reason = checked_reason(reason).ok_or(RecallError::Reason)?;
     let id = ObjectId::parse_str(import_id.trim())
@@ -115,6 +125,13 @@ pub async fn recall_import(
     store.mark_import_recalled(id, reason, voided).await?;
     let held = store.held_codes_of_import(id).await?;
     info!(import_id = %id, pool = %import.pool, voided, held = held.len(), "import recalled");
+    let what = format!(
+        "import {} of pool {:?}: {voided} voided, {} held by buyers; reason {reason:?}",
+        id.to_hex(),
+        import.pool,
+        held.len()
+    );
+    audit::record(store, actor, "recall", what).await?;
     Ok(Recall {
         import,
         voided,
@@ -134,6 +151,61 @@ async fn drop_candidates(hot: &dyn CandidatePool, seen: Vec<(String, CodeId)>) {
     }
 }
 
+/// Changes a pool's settings, audited with `actor` (`what` says the
+/// change in the door's own words, e.g. `low_stock=500`).
+pub async fn set_pool_settings(
+    store: &Store,
+    pool: &str,
+    settings: &codepool_store::pool_settings::PoolSettings,
+    what: &str,
+    actor: &Actor,
+) -> Result<(), PauseError> {
+    store.set_pool_settings(pool, settings).await?;
+    let what = format!("pool {pool:?}: {what}");
+    audit::record(store, actor, "pool-settings", what).await?;
+    Ok(())
+}
+
+/// Creates a pool, audited with `actor`. Returns whether it is new.
+pub async fn create_pool(store: &Store, pool: &str, actor: &Actor) -> Result<bool, StoreError> {
+    let created = store.create_pool(pool).await?;
+    let what = format!(
+        "pool {pool:?} {}",
+        if created {
+            "created"
+        } else {
+            "already existed"
+        }
+    );
+    audit::record(store, actor, "pool-create", what).await?;
+    Ok(created)
+}
+
+/// Records an import run (`what`: its id, pool, file and counts) with
+/// `actor`, then announces its new codes (see [`announce_replenished`]).
+/// The import is durable before this: an error here means the codes are
+/// in, but unaudited or unannounced.
+pub async fn imported(
+    store: &Store,
+    publisher: &Publisher,
+    pool: &str,
+    inserted: u64,
+    what: String,
+    actor: &Actor,
+) -> Result<(), ImportedError> {
+    audit::record(store, actor, "import", what).await?;
+    announce_replenished(publisher, pool, inserted).await?;
+    Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImportedError {
+    #[error("the codes are imported, but the import was not audited: {0}")]
+    Audit(#[from] StoreError),
+    #[error("the codes are imported, but RabbitMQ did not confirm pool.replenished ({0}); dispatchers fulfil backorders at their next sweep")]
+    Announce(#[from] BrokerError),
+}
+
 /// Announces that `inserted` new codes arrived in `pool` (`pool.replenished`),
 /// confirmed, so dispatchers fulfil its backorders now rather than at their
 /// next sweep. Nothing is announced for no new code.
@@ -150,4 +222,34 @@ pub async fn announce_replenished(
     publisher.publish_pool_event(&event).await?.wait().await?;
     info!(pool, inserted, "published pool.replenished");
     Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    #[error("the dead letters were replayed, but the replay was not audited: {0}")]
+    Audit(#[from] StoreError),
+}
+
+/// Sends dead letters (those whose reason starts with `reason`) back to
+/// the purchases queue (see [`codepool_broker::dead_letters::replay`]),
+/// audited with `actor`. Returns what was replayed.
+pub async fn replay_dead_letters(
+    store: &Store,
+    conn: &lapin::Connection,
+    publisher: &Publisher,
+    reason: Option<&str>,
+    limit: usize,
+    actor: &Actor,
+) -> Result<codepool_broker::dead_letters::Replayed, ReplayError> {
+    let topology = publisher.topology();
+    let sent =
+        codepool_broker::dead_letters::replay(conn, publisher, topology, reason, limit).await?;
+    let what = format!(
+        "{} dead letter(s) replayed (reason filter {reason:?})",
+        sent.len()
+    );
+    audit::record(store, actor, "dead-letter-replay", what).await?;
+    Ok(sent)
 }

@@ -22,6 +22,7 @@
 
 pub mod acks;
 pub mod adapters;
+pub mod audit;
 pub mod backorders;
 pub mod batch;
 pub mod claim;

@@ -12,6 +12,7 @@ use codepool_store::policies::RefusalDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::debug;
 
+use crate::audit::{self, Actor};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::{CandidatePool, EventSink};
 
@@ -68,17 +69,39 @@ pub enum VoidError {
     Lifecycle(#[from] LifecycleError),
 }
 
-/// Voids a code (or cancels the order's backorder). An unissued code also
-/// leaves the hot pool, best effort: the claim's condition refuses a void
-/// code anyway.
+/// Voids a code (or cancels the order's backorder), audited with `actor`.
+/// An unissued code also leaves the hot pool, best effort: the claim's
+/// condition refuses a void code anyway.
 pub async fn void(
     store: &Store,
     hot: &dyn CandidatePool,
     target: CodeRef<'_>,
     reason: &str,
+    actor: &Actor,
 ) -> Result<VoidOutcome, VoidError> {
     let reason = checked_reason(reason).ok_or(VoidError::Reason)?;
     let outcome = store.void(target, reason).await?;
+    let what = match &outcome {
+        VoidOutcome::Voided {
+            applied,
+            backorder_cancelled,
+        } => format!(
+            "{}: {} code(s) voided{}; reason {reason:?}",
+            target.describe(),
+            applied.len(),
+            if *backorder_cancelled {
+                ", backorder cancelled"
+            } else {
+                ""
+            }
+        ),
+        VoidOutcome::BackorderCancelled { order_id } => {
+            format!("order {order_id:?}: backorder cancelled; reason {reason:?}")
+        }
+    };
+    audit::record(store, actor, "void", what)
+        .await
+        .map_err(LifecycleError::Store)?;
     if let VoidOutcome::Voided { applied, .. } = &outcome {
         for code in applied.iter().map(|a| &a.before) {
             if code.holder.is_none() {
@@ -95,6 +118,19 @@ pub async fn void(
 pub fn checked_reason(reason: &str) -> Option<&str> {
     let reason = reason.trim();
     (!reason.is_empty() && reason.chars().count() <= MAX_REASON_CHARS).then_some(reason)
+}
+
+/// Redeems an issued code, or every issued code of an order, audited with
+/// `actor`. Returns the codes redeemed, as they were before.
+pub async fn redeem(
+    store: &Store,
+    target: CodeRef<'_>,
+    actor: &Actor,
+) -> Result<Vec<codepool_store::lifecycle::Applied>, LifecycleError> {
+    let done = store.redeem(target).await?;
+    let what = format!("{}: {} code(s) used", target.describe(), done.len());
+    audit::record(store, actor, "redeem", what).await?;
+    Ok(done)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -143,6 +179,7 @@ pub async fn resend(
     outbox: &Outbox,
     sink: &dyn EventSink,
     order: &str,
+    actor: &Actor,
 ) -> Result<(Vec<SmsPending>, Vec<Code>), ResendError> {
     let Some(codes) = store.grants_for_orders(&[order]).await?.remove(order) else {
         return Err(
@@ -189,7 +226,11 @@ pub async fn resend(
         .collect();
     let sent = outbox.send(sink, &grants, Marking::Resent).await?;
     match sent.results.into_iter().find(|r| r.is_err()) {
-        None => Ok((events, sendable)),
+        None => {
+            let what = format!("order {order:?}: {} event(s) sent again", events.len());
+            audit::record(store, actor, "resend", what).await?;
+            Ok((events, sendable))
+        }
         Some(Err(e)) => Err(ResendError::Unconfirmed(e)),
         Some(Ok(())) => Err(ResendError::Unconfirmed(BrokerError::Nacked)),
     }

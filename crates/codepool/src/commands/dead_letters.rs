@@ -89,8 +89,17 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             limit,
             wait,
         } => {
-            let sent = dead_letters::replay(&conn, &publisher, &topology, reason.as_deref(), limit)
-                .await?;
+            let store = crate::context::store(cfg).await?;
+            let actor = super::actor("dead-letters replay");
+            let sent = codepool_dispatcher::controls::replay_dead_letters(
+                &store,
+                &conn,
+                &publisher,
+                reason.as_deref(),
+                limit,
+                &actor,
+            )
+            .await?;
             println!(
                 "replayed {} purchase(s) to {:?}",
                 sent.len(),

@@ -84,6 +84,17 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     .await;
     reporter.finish();
     let summary = summary?;
+    let what = format!(
+        "import {} into pool {:?} from {:?}: {} rows, {} inserted, {} duplicates, {} invalid",
+        summary.import_id,
+        summary.pool,
+        summary.file,
+        summary.rows,
+        summary.inserted,
+        summary.duplicates,
+        summary.invalid
+    );
+    codepool_dispatcher::audit::record(&store, &super::actor("import"), "import", what).await?;
     announce_replenished(cfg, &summary).await;
 
     if args.json {

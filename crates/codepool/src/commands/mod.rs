@@ -21,3 +21,8 @@ pub mod sms_pending;
 pub mod stats;
 pub mod target;
 pub mod void;
+
+/// The operating-system user running `command`, as the core audits it.
+pub fn actor(command: &str) -> codepool_dispatcher::audit::Actor {
+    codepool_dispatcher::audit::Actor::os_user(&reveal::os_user(), &reveal::host(), command)
+}

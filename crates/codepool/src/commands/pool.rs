@@ -97,7 +97,8 @@ pub enum PoolAction {
 
 async fn create(store: &codepool_store::Store, pool: &str) -> anyhow::Result<()> {
     let pool = codepool_domain::Pool::new(pool)?;
-    if store.create_pool(pool.as_str()).await? {
+    let actor = super::actor("pool create");
+    if codepool_dispatcher::controls::create_pool(store, pool.as_str(), &actor).await? {
         println!("pool {pool} created; it has no codes yet, so its purchases are backordered until `codepool import FILE --pool {pool}`");
     } else {
         println!("pool {pool} already exists; nothing changed");
@@ -149,7 +150,9 @@ async fn set(
     pool: &str,
     settings: &PoolSettings,
 ) -> anyhow::Result<()> {
-    store.set_pool_settings(pool, settings).await?;
+    let actor = super::actor("pool set");
+    let what = format!("{settings:?}");
+    codepool_dispatcher::controls::set_pool_settings(store, pool, settings, &what, &actor).await?;
     if let Some(n) = settings.low_stock {
         if n == 0 {
             println!("pool {pool}: low-stock alerts off");
@@ -183,7 +186,9 @@ async fn pause(
     paused: bool,
 ) -> anyhow::Result<()> {
     let (conn, publisher) = crate::context::publisher(cfg, "codepool-pool").await?;
-    let changed = codepool_dispatcher::controls::set_paused(store, &publisher, pool, paused).await;
+    let actor = super::actor(if paused { "pool pause" } else { "pool resume" });
+    let changed =
+        codepool_dispatcher::controls::set_paused(store, &publisher, pool, paused, &actor).await;
     codepool_broker::close(conn, "codepool pool done").await;
     match (changed?, paused) {
         (true, true) => println!("pool {pool} paused: purchases wait as backorders until `codepool pool resume --pool {pool}`"),

@@ -26,7 +26,8 @@ pub struct RedeemArgs {
 pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
-    for t in store.redeem(target).await? {
+    let actor = super::actor("redeem");
+    for t in codepool_dispatcher::ops::redeem(&store, target, &actor).await? {
         let holder = t.before.holder.as_ref();
         println!(
             "redeemed {} in pool {} (order {}, issued {}) at {}",

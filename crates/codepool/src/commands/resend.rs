@@ -27,7 +27,8 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let (conn, publisher) = crate::context::publisher(cfg, "codepool-resend").await?;
     let outbox = Outbox::new(Arc::new(store.clone()));
-    let result = ops::resend(&store, &outbox, &publisher, &args.order).await;
+    let actor = super::actor("resend");
+    let result = ops::resend(&store, &outbox, &publisher, &args.order, &actor).await;
     codepool_broker::close(conn, "done").await;
     let (events, codes) = result?;
     for event in &events {

@@ -53,7 +53,8 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
     let reason = args.reason.trim();
-    match ops::void(&store, &hot, target, reason).await? {
+    let actor = super::actor("void");
+    match ops::void(&store, &hot, target, reason, &actor).await? {
         VoidOutcome::Voided {
             applied,
             backorder_cancelled,
@@ -93,7 +94,8 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
 async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
-    let r = controls::recall_import(&store, &hot, import, reason).await?;
+    let actor = super::actor("void --import");
+    let r = controls::recall_import(&store, &hot, import, reason, &actor).await?;
     let held: Vec<_> = r
         .held
         .iter()

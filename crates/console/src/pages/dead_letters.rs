@@ -107,28 +107,17 @@ pub async fn replay(
     s.need(Role::Admin)?;
     let reason = reason_filter(&f.reason);
     let broker = console.api.broker();
-    let sent = dead_letters::replay(
+    let actor = super::actor(&s, "POST /console/dead-letters/replay");
+    let sent = codepool_dispatcher::controls::replay_dead_letters(
+        console.api.store(),
         &broker.conn,
         &broker.publisher,
-        broker.publisher.topology(),
         reason,
         MOST,
+        &actor,
     )
     .await
     .map_err(|e| Failure::Unavailable(e.to_string()))?;
-    let what = format!(
-        "{} dead letter(s) replayed (reason filter {:?})",
-        sent.len(),
-        reason
-    );
-    super::audit(
-        &console,
-        &s,
-        "dead-letter-replay",
-        "POST /console/dead-letters/replay",
-        what,
-    )
-    .await?;
     list_page(
         &console,
         &s,

@@ -129,25 +129,24 @@ pub async fn upload(
         .await
         .map_err(import_failure)?;
     let broker = api.broker();
-    if let Err(e) = codepool_dispatcher::controls::announce_replenished(
+    let what = format!("import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
+        summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid);
+    let actor = super::actor(&s, "POST /console/pools/{pool}/imports");
+    let done = codepool_dispatcher::controls::imported(
+        api.store(),
         &broker.publisher,
         &pool,
         summary.inserted,
-    )
-    .await
-    {
-        tracing::warn!(error = %e, "pool.replenished not published; dispatchers fulfil backorders at their next sweep");
-    }
-    let what = format!("import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
-        summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid);
-    super::audit(
-        &console,
-        &s,
-        "import",
-        "POST /console/pools/{pool}/imports",
         what,
-    )
-    .await?;
+        &actor,
+    );
+    match done.await {
+        Ok(()) => {}
+        Err(e @ codepool_dispatcher::controls::ImportedError::Audit(_)) => {
+            return Err(Failure::Unavailable(e.to_string()))
+        }
+        Err(e) => tracing::warn!(error = %e, "import done; {e}"),
+    }
     let status = if summary.invalid > 0 && summary.inserted + summary.duplicates == 0 {
         StatusCode::UNPROCESSABLE_ENTITY
     } else {

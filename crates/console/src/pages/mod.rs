@@ -15,6 +15,12 @@ use crate::failure::Failure;
 use crate::sessions::Session;
 use crate::Console;
 
+/// The operator of `s`, acting through `route`: the core audits the
+/// change it makes with this.
+pub(crate) fn actor(s: &Session, route: &str) -> codepool_dispatcher::audit::Actor {
+    codepool_dispatcher::audit::Actor::operator(&s.operator.name, route)
+}
+
 /// Writes an operator's change to the audit log; a change that was made
 /// but could not be recorded is reported, loudly, not hidden.
 pub(crate) async fn audit(

@@ -220,22 +220,14 @@ pub async fn resend(
     s.need(Role::Support)?;
     let api = &console.api;
     let broker = api.broker();
-    let events = match ops::resend(api.store(), api.outbox(), &broker.publisher, &id).await {
+    let actor = super::actor(&s, "POST /console/orders/{id}/resend");
+    let events = match ops::resend(api.store(), api.outbox(), &broker.publisher, &id, &actor).await
+    {
         Ok((events, _)) => events,
         Err(ResendError::Store(e)) => return Err(e.into()),
         Err(e @ ResendError::Unconfirmed(_)) => return Err(Failure::Unavailable(e.to_string())),
         Err(e) => return Err(Failure::Conflict(e.to_string())),
     };
-    let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
-    let what = format!("order {id:?}: SMS resent ({})", ids.join(", "));
-    super::audit(
-        &console,
-        &s,
-        "resend",
-        "POST /console/orders/{id}/resend",
-        what,
-    )
-    .await?;
     order_page(
         &console,
         &s,
@@ -264,7 +256,17 @@ pub async fn void(
             ops::MAX_REASON_CHARS
         ))
     })?;
-    let done = match console.api.store().void(CodeRef::Order(&id), reason).await {
+    let actor = super::actor(&s, "POST /console/orders/{id}/void");
+    let api = &console.api;
+    let voided = ops::void(
+        api.store(),
+        api.hot().as_ref(),
+        CodeRef::Order(&id),
+        reason,
+        &actor,
+    )
+    .await;
+    let done = match voided {
         Ok(VoidOutcome::Voided {
             applied,
             backorder_cancelled,
@@ -278,12 +280,12 @@ pub async fn void(
             }
         ),
         Ok(VoidOutcome::BackorderCancelled { .. }) => "the backorder cancelled".to_owned(),
-        Err(LifecycleError::Store(e)) => return Err(e.into()),
-        Err(e @ LifecycleError::NotFound { .. }) => return Err(Failure::NotFound(e.to_string())),
+        Err(ops::VoidError::Lifecycle(LifecycleError::Store(e))) => return Err(e.into()),
+        Err(ops::VoidError::Lifecycle(e @ LifecycleError::NotFound { .. })) => {
+            return Err(Failure::NotFound(e.to_string()))
+        }
         Err(e) => return Err(Failure::Conflict(e.to_string())),
     };
-    let what = format!("order {id:?}: {done}; reason {reason:?}");
-    super::audit(&console, &s, "void", "POST /console/orders/{id}/void", what).await?;
     order_page(&console, &s, &id, Some(format!("Voided: {done}."))).await
 }
 

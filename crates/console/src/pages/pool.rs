@@ -219,21 +219,13 @@ pub async fn settings(
         per_user: number("codes per user", &f.per_user)?,
         case_sensitive_codes: None,
     };
-    let what = format!("pool {pool:?}: {settings:?}");
-    console
-        .api
-        .store()
-        .set_pool_settings(&pool, &settings)
-        .await
-        .map_err(settings_failure)?;
-    super::audit(
-        &console,
-        &s,
-        "pool-settings",
-        "POST /console/pools/{pool}/settings",
-        what,
-    )
-    .await?;
+    let what = format!("{settings:?}");
+    let actor = super::actor(&s, "POST /console/pools/{pool}/settings");
+    match controls::set_pool_settings(console.api.store(), &pool, &settings, &what, &actor).await {
+        Ok(()) => {}
+        Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
+        Err(e) => return Err(Failure::Unavailable(e.to_string())),
+    }
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(&pool))).into_response())
 }
 
@@ -273,30 +265,20 @@ async fn set_paused(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let broker = console.api.broker();
-    let changed = match controls::set_paused(console.api.store(), &broker.publisher, &pool, paused)
-        .await
-    {
-        Ok(c) => c,
-        Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
-        Err(e @ PauseError::Unconfirmed { .. }) => return Err(Failure::Unavailable(e.to_string())),
-    };
-    let (kind, verb) = if paused {
-        ("pause", "paused")
-    } else {
-        ("resume", "resumed")
-    };
-    let what = format!(
-        "pool {pool:?} {verb}{}",
-        if changed { "" } else { " (it was already)" }
+    let kind = if paused { "pause" } else { "resume" };
+    let actor = super::actor(&s, &format!("POST /console/pools/{{pool}}/{kind}"));
+    let set = controls::set_paused(
+        console.api.store(),
+        &broker.publisher,
+        &pool,
+        paused,
+        &actor,
     );
-    super::audit(
-        &console,
-        &s,
-        kind,
-        &format!("POST /console/pools/{{pool}}/{kind}"),
-        what,
-    )
-    .await?;
+    match set.await {
+        Ok(_) => {}
+        Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
+        Err(e) => return Err(Failure::Unavailable(e.to_string())),
+    };
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(&pool))).into_response())
 }
 
@@ -324,7 +306,9 @@ pub async fn recall(
         return Err(Failure::Invalid("tick the box that confirms the recall: it voids every unissued code of the import, for good".into()));
     }
     let api = &console.api;
-    let r = match controls::recall_import(api.store(), api.hot().as_ref(), &id, &f.reason).await {
+    let actor = super::actor(&s, "POST /console/imports/{id}/recall");
+    let recalled = controls::recall_import(api.store(), api.hot().as_ref(), &id, &f.reason, &actor);
+    let r = match recalled.await {
         Ok(r) => r,
         Err(e @ RecallError::Reason) => return Err(Failure::Invalid(e.to_string())),
         Err(e @ (RecallError::BadId(_) | RecallError::UnknownImport(_))) => {
@@ -332,22 +316,6 @@ pub async fn recall(
         }
         Err(RecallError::Store(e)) => return Err(e.into()),
     };
-    let what = format!(
-        "import {} of pool {:?}: {} voided, {} held by buyers; reason {:?}",
-        r.import.id.to_hex(),
-        r.import.pool,
-        r.voided,
-        r.held.len(),
-        f.reason
-    );
-    super::audit(
-        &console,
-        &s,
-        "recall",
-        "POST /console/imports/{id}/recall",
-        what,
-    )
-    .await?;
     let body = html! {
         h1 { "Import recalled" }
         (layout::notice(&format!("{} unissued codes of {} voided; they are never issued.", count(r.voided), r.import.file)))

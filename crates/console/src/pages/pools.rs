@@ -151,15 +151,7 @@ pub async fn create(
     s.need(Role::Admin)?;
     let name = f.name.trim();
     Pool::new(name).map_err(|e| Failure::Invalid(e.to_string()))?;
-    let created = console.api.store().create_pool(name).await?;
-    let what = format!(
-        "pool {name:?}: {}",
-        if created {
-            "created"
-        } else {
-            "existed already"
-        }
-    );
-    super::audit(&console, &s, "pool-create", "POST /console/pools", what).await?;
+    let actor = super::actor(&s, "POST /console/pools");
+    codepool_dispatcher::controls::create_pool(console.api.store(), name, &actor).await?;
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(name))).into_response())
 }

@@ -1,0 +1,65 @@
+//! Who changed what, from whichever door. Every change the core makes —
+//! a void, a redemption, a resend, a recall, a pause or resume, a pool's
+//! settings, an import, a replay of dead letters — is recorded here by
+//! the operation itself, so the CLI, the HTTP API and the console leave
+//! the same trace, and a door cannot forget it.
+
+use codepool_store::audit::Action;
+use codepool_store::{Store, StoreError};
+use tracing::error;
+
+/// Who asks for a change, and through which door and command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actor {
+    /// `operator:NAME`, `api-key:NAME`, `os-user:NAME@HOST` or
+    /// `amqp-user:NAME`.
+    pub who: String,
+    /// The door and command, e.g. `POST /v1/orders/{id}/void`.
+    pub via: String,
+}
+
+impl Actor {
+    /// An API key, through an HTTP route.
+    pub fn api_key(name: &str, route: &str) -> Self {
+        Self {
+            who: format!("api-key:{name}"),
+            via: route.to_owned(),
+        }
+    }
+
+    /// A console operator, through a console route.
+    pub fn operator(name: &str, route: &str) -> Self {
+        Self {
+            who: format!("operator:{name}"),
+            via: format!("console {route}"),
+        }
+    }
+
+    /// The operating-system user running a CLI command.
+    pub fn os_user(user: &str, host: &str, command: &str) -> Self {
+        Self {
+            who: format!("os-user:{user}@{host}"),
+            via: format!("codepool {command}"),
+        }
+    }
+}
+
+/// Records a change that was made. A change made but not recorded is
+/// reported loudly (the caller answers an error), never hidden.
+pub async fn record(
+    store: &Store,
+    actor: &Actor,
+    kind: &str,
+    what: String,
+) -> Result<(), StoreError> {
+    let action = Action {
+        who: actor.who.clone(),
+        kind: kind.to_owned(),
+        command: actor.via.clone(),
+        what,
+    };
+    store.record_action(&action).await.map(|_| ()).map_err(|e| {
+        error!(error = %e, kind, who = %actor.who, "change made but not audited");
+        e
+    })
+}
