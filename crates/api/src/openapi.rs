@@ -288,7 +288,18 @@ pub(crate) struct Recalled {
     pool: String,
     voided: u64,
     issued: u64,
+    /// Every run of the same file into the pool that the recall covered.
+    runs: Vec<RecalledRun>,
     held: Vec<HeldCode>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RecalledRun {
+    import_id: String,
+    status: String,
+    codes: u64,
+    voided: u64,
 }
 
 #[derive(Serialize, ToSchema)]

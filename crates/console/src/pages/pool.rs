@@ -326,7 +326,11 @@ pub async fn recall(
     let api = &console.api;
     let r = match controls::recall_import(api.store(), api.hot().as_ref(), &id, &f.reason).await {
         Ok(r) => r,
-        Err(e @ RecallError::Reason) => return Err(Failure::Invalid(e.to_string())),
+        Err(
+            e @ (RecallError::Reason
+            | RecallError::NothingRecalled { .. }
+            | RecallError::Empty { .. }),
+        ) => return Err(Failure::Invalid(e.to_string())),
         Err(e @ (RecallError::BadId(_) | RecallError::UnknownImport(_))) => {
             return Err(Failure::NotFound(e.to_string()))
         }
