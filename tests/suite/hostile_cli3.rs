@@ -154,5 +154,37 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowed() {
+    let env = TestEnv::new("cli3_cross_pool").await;
+    let file = codes_file("XP", 50);
+    let (code, first) = import_json(&env, file.path(), "xa", &[]).await;
+    assert_eq!((code, first["inserted"].as_u64()), (0, Some(50)), "{first}");
+    // Into a second pool: every code is a cross-pool duplicate, named.
+    let (code, second) = import_json(&env, file.path(), "xb", &[]).await;
+    assert_eq!(code, 1, "{second}");
+    assert_eq!(second["inserted"], 0, "{second}");
+    assert_eq!(second["cross_pool"], 50, "{second}");
+    assert_eq!(second["cross_pool_pools"], serde_json::json!(["xa"]));
+    let reason = second["invalid_rows"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("cross_pool") && reason.contains("\"xa\""),
+        "{reason}"
+    );
+    assert_eq!(count(&env, doc! {"pool": "xb"}).await, 0);
+    // A file with some new codes: those go in, exit 3 (rows skipped).
+    let mixed = csv_file(b"code\nXP-00001\nNEW-1\n");
+    let (code, s) = import_json(&env, mixed.path(), "xb", &[]).await;
+    assert_eq!(
+        (code, s["inserted"].as_u64(), s["cross_pool"].as_u64()),
+        (3, Some(1), Some(1)),
+        "{s}"
+    );
+    // On purpose: the operator says so.
+    let (code, third) = import_json(&env, file.path(), "xc", &["--allow-cross-pool"]).await;
+    assert_eq!((code, third["inserted"].as_u64()), (0, Some(50)), "{third}");
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
 fn unused(_: ObjectId, _: Instant, _: Duration) {}

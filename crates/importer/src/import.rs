@@ -32,6 +32,9 @@ pub struct ImportOptions {
     /// Cancelled to stop early (a signal): in-flight batches finish, the
     /// audit record says `interrupted` with the true counts.
     pub stop: CancellationToken,
+    /// Import codes another pool holds already (an operator's deliberate
+    /// choice); by default they are refused as cross-pool duplicates.
+    pub allow_cross_pool: bool,
 }
 
 impl Default for ImportOptions {
@@ -42,6 +45,7 @@ impl Default for ImportOptions {
             concurrency: 3,
             keep_invalid: 1000,
             stop: CancellationToken::new(),
+            allow_cross_pool: false,
         }
     }
 }
@@ -73,6 +77,11 @@ pub struct ImportSummary {
     /// the pool under NFKC and case folding (NFKC only in a case-sensitive
     /// pool).
     pub lookalikes: u64,
+    /// Of `invalid`, the codes refused because another pool holds them
+    /// already (a code sits in one pool; `--allow-cross-pool` imports them).
+    pub cross_pool: u64,
+    /// The pools that hold the codes refused as cross-pool duplicates.
+    pub cross_pool_pools: Vec<String>,
     /// The first invalid rows (up to `keep_invalid`), by line number.
     pub invalid_rows: Vec<InvalidRow>,
     pub seconds: f64,
@@ -102,6 +111,7 @@ pub struct ImportProgress {
     pub duplicates: u64,
     pub invalid: u64,
     pub lookalikes: u64,
+    pub cross_pool: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -292,6 +302,8 @@ struct Run<'a> {
     lookup: bool,
     misses: u32,
     failure: Option<ImportError>,
+    /// The other pools that hold codes refused as cross-pool duplicates.
+    other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
 }
@@ -319,6 +331,7 @@ impl<'a> Run<'a> {
             lookup: false,
             misses: 0,
             failure: None,
+            other_pools: Default::default(),
             pool_ready: false,
         }
     }
@@ -347,9 +360,12 @@ impl<'a> Run<'a> {
                         return false;
                     }
                     let (store, pool, id) = (self.store.clone(), self.pool.clone(), self.import_id);
-                    let lookup = self.lookup;
+                    let mode = Mode {
+                        lookup: self.lookup,
+                        cross_pool: self.options.allow_cross_pool,
+                    };
                     self.inflight
-                        .spawn(async move { insert_batch(&store, &pool, id, batch, lookup).await });
+                        .spawn(async move { insert_batch(&store, &pool, id, batch, mode).await });
                 }
                 Some(Piece::Invalid(row)) => {
                     self.progress.invalid += 1;
@@ -383,7 +399,10 @@ impl<'a> Run<'a> {
                 self.progress.duplicates += done.duplicates;
                 self.progress.lookalikes += done.lookalikes.len() as u64;
                 self.progress.invalid += done.lookalikes.len() as u64;
-                for row in done.lookalikes {
+                self.progress.cross_pool += done.cross_pool.len() as u64;
+                self.progress.invalid += done.cross_pool.len() as u64;
+                self.other_pools.extend(done.other_pools);
+                for row in done.lookalikes.into_iter().chain(done.cross_pool) {
                     if self.invalid_rows.len() < self.options.keep_invalid {
                         self.invalid_rows.push(row);
                     }
@@ -488,6 +507,8 @@ impl<'a> Run<'a> {
             duplicates: p.duplicates,
             invalid: p.invalid,
             lookalikes: p.lookalikes,
+            cross_pool: p.cross_pool,
+            cross_pool_pools: self.other_pools.into_iter().collect(),
             invalid_rows,
             seconds,
             codes_per_second: if seconds > 0.0 {
@@ -507,7 +528,60 @@ struct Inserted {
     duplicates: u64,
     /// Rows refused as look-alikes, with the line they match.
     lookalikes: Vec<InvalidRow>,
+    /// Rows refused because another pool holds their code.
+    cross_pool: Vec<InvalidRow>,
+    other_pools: Vec<String>,
     found: Option<u64>,
+}
+
+/// How a batch is inserted.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    /// Look the codes up first (finishing a killed run).
+    lookup: bool,
+    /// Codes other pools hold are imported too (`--allow-cross-pool`).
+    cross_pool: bool,
+}
+
+/// Splits a batch into the codes no other pool holds and the refused rows
+/// of those another pool does (with the pools' names): one lookup on the
+/// `code_any_hmac` index, retried while MongoDB is away.
+async fn refuse_cross_pool(
+    store: &Store,
+    pool: &str,
+    batch: Vec<NewCode>,
+) -> Result<(Vec<NewCode>, Vec<InvalidRow>, Vec<String>), StoreError> {
+    let mut attempt = 0;
+    let elsewhere = loop {
+        match store.codes_in_other_pools(pool, &batch).await {
+            Ok(found) => break found,
+            Err(e) if e.is_unavailable() && attempt < INSERT_RETRIES => {
+                attempt += 1;
+                warn!(error = %e, attempt, "cross-pool lookup failed; retrying");
+                tokio::time::sleep(INSERT_BACKOFF * 2u32.pow(attempt)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let (mut kept, mut refused, mut pools) = (Vec::new(), Vec::new(), Vec::new());
+    for (code, other) in batch.into_iter().zip(elsewhere) {
+        let Some((other, import)) = other else {
+            kept.push(code);
+            continue;
+        };
+        let from = import
+            .map(|id| format!(" (import {id})"))
+            .unwrap_or_default();
+        refused.push(InvalidRow {
+            line: code.line.unwrap_or(0),
+            reason: format!(
+                "cross_pool: the code sits in pool {other:?} already{from}; a code sits in one pool. \
+                 Pass --allow-cross-pool if it is meant for both"
+            ),
+        });
+        pools.push(other);
+    }
+    Ok((kept, refused, pools))
 }
 
 /// The refused row of a look-alike, naming the code it reads like.
@@ -539,11 +613,16 @@ async fn insert_batch(
     pool: &str,
     import_id: ObjectId,
     batch: Vec<NewCode>,
-    lookup: bool,
+    mode: Mode,
 ) -> Result<Inserted, StoreError> {
+    let (batch, cross_pool, other_pools) = if mode.cross_pool {
+        (batch, Vec::new(), Vec::new())
+    } else {
+        refuse_cross_pool(store, pool, batch).await?
+    };
     let mut attempt = 0;
     loop {
-        let result = if lookup {
+        let result = if mode.lookup {
             store
                 .insert_missing_codes(pool, import_id, &batch)
                 .await
@@ -563,6 +642,8 @@ async fn insert_batch(
                     inserted: o.inserted,
                     duplicates: o.duplicates,
                     lookalikes,
+                    cross_pool,
+                    other_pools,
                     found,
                 });
             }
@@ -574,6 +655,8 @@ async fn insert_batch(
                     inserted: ours,
                     duplicates: batch.len() as u64 - ours,
                     lookalikes: Vec::new(),
+                    cross_pool,
+                    other_pools,
                     found,
                 });
             }

@@ -29,7 +29,9 @@ codes and needs --no-header. Any other first row (no such column, the column
 named twice, a UTF-16 file, an empty file) is refused: nothing is imported.
 
 Invalid rows (empty, longer than 128 characters, control characters, bad
-dates) are reported with their line number and skipped. Importing the same
+dates) are reported with their line number and skipped. So is a code that
+another pool holds already (a cross-pool duplicate: a code sits in one
+pool), unless --allow-cross-pool says it is meant for both. Importing the same
 file again inserts nothing new. The pool is created when its first code is
 imported (or beforehand with `codepool pool create`).
 
@@ -56,6 +58,10 @@ pub struct ImportArgs {
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Import codes that another pool holds already. By default they are
+    /// refused as cross-pool duplicates: a code sits in one pool.
+    #[arg(long)]
+    pub allow_cross_pool: bool,
 }
 
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
@@ -75,6 +81,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
         },
         batch_size: args.batch_size as usize,
         stop: interrupt.token.clone(),
+        allow_cross_pool: args.allow_cross_pool,
         ..ImportOptions::default()
     };
     let reporter = Reporter::new(std::io::stderr().is_terminal() && !args.json);
@@ -103,6 +110,13 @@ fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
             s.inserted
         );
         return code;
+    }
+    if s.cross_pool > 0 {
+        eprintln!(
+            "warning: {} code(s) refused because pool(s) {} hold them already; a code sits in one pool (pass --allow-cross-pool to import them anyway)",
+            s.cross_pool,
+            s.cross_pool_pools.join(", ")
+        );
     }
     if s.invalid > 0 && s.inserted + s.duplicates == 0 {
         eprintln!(
@@ -155,6 +169,13 @@ fn print_summary(s: &ImportSummary) {
     println!("  invalid     {}", s.invalid);
     if s.lookalikes > 0 {
         println!("  lookalikes  {} (of the invalid)", s.lookalikes);
+    }
+    if s.cross_pool > 0 {
+        println!(
+            "  cross-pool  {} (of the invalid; held by pool {})",
+            s.cross_pool,
+            s.cross_pool_pools.join(", ")
+        );
     }
     println!("  seconds     {:.2}", s.seconds);
     println!("  codes/s     {:.0}", s.codes_per_second);
