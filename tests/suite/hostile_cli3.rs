@@ -186,5 +186,28 @@ async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowe
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallowed() {
+    let env = TestEnv::new("cli3_stray_quote").await;
+    let mut content = String::from("code\nOK-0002\n\"STRAY-0003\n");
+    for i in 4..=2001 {
+        content.push_str(&format!("CODE-{i:04}\n"));
+    }
+    let file = csv_file(content.as_bytes());
+    let (code, _, err) = codepool(
+        &env,
+        &["import", file.path().to_str().unwrap(), "--pool", "sq"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("line 3") && err.contains("1998 line(s)") && err.contains("line 2001"),
+        "{err}"
+    );
+    let record = (env.store.recent_imports(1).await.unwrap()).pop().unwrap();
+    assert_eq!(record.status, "failed");
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
 fn unused(_: ObjectId, _: Instant, _: Duration) {}

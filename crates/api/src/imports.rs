@@ -124,6 +124,7 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         ImportError::Pool(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-pool"),
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
+        ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
     let detail = e.to_string().replace(

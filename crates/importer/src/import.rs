@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::csv_rows::{CodeRows, Header, HeaderError, Row};
+use crate::csv_rows::{CodeRows, Header, HeaderError, Row, RowError};
 
 /// How an import runs. The defaults suit files of any size.
 #[derive(Debug, Clone)]
@@ -128,6 +128,8 @@ pub enum ImportError {
     Header { path: String, error: HeaderError },
     #[error("reading the file failed at byte {bytes}: {message}; fix the file and run the same command again (codes already imported count as duplicates)")]
     Read { bytes: u64, message: String },
+    #[error("the file cannot be imported as it is: {0}")]
+    Rows(RowError),
     #[error(transparent)]
     Pool(#[from] codepool_domain::InvalidPoolName),
     #[error("{0}. Nothing is half-written: run the same command again to finish the import (codes already imported count as duplicates)")]
@@ -700,12 +702,20 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
                     return;
                 }
             }
-            Err(e) => {
+            Err(RowError::Csv(e)) => {
                 let bytes = rows.bytes_counter().load(Ordering::Relaxed);
                 let _ = send(Piece::Failed(ImportError::Read {
                     bytes,
                     message: e.to_string(),
                 }));
+                return;
+            }
+            Err(error) => {
+                // The rows read before go in (a whole batch is sent first).
+                if !batch.is_empty() && !send(Piece::Codes(std::mem::take(&mut batch))) {
+                    return;
+                }
+                let _ = send(Piece::Failed(ImportError::Rows(error)));
                 return;
             }
         }
