@@ -209,5 +209,28 @@ async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallow
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn a_file_repeating_one_code_imports_in_bounded_time_counting_the_repeats() {
+    let env = TestEnv::new("cli3_repeats").await;
+    let content = format!("code\n{}", "SAME-CODE-1\n".repeat(100_000));
+    let file = csv_file(content.as_bytes());
+    let started = Instant::now();
+    let (code, s) = import_json(&env, file.path(), "rep", &[]).await;
+    let took = started.elapsed();
+    assert_eq!(code, 0, "{s}");
+    assert_eq!(
+        (s["inserted"].as_u64(), s["duplicates"].as_u64()),
+        (Some(1), Some(99_999)),
+        "{s}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "100,000 repeats took {took:?}"
+    );
+    let record = env.store.recent_imports(1).await.unwrap().pop().unwrap();
+    assert_eq!((record.inserted, record.duplicates), (1, 99_999));
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
-fn unused(_: ObjectId, _: Instant, _: Duration) {}
+fn unused(_: ObjectId) {}

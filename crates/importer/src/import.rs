@@ -148,6 +148,8 @@ const INSERT_BACKOFF: Duration = Duration::from_millis(250);
 
 enum Piece {
     Codes(Vec<NewCode>),
+    /// Rows whose code appeared earlier in the file: duplicates, never sent.
+    Repeats(u64),
     Invalid(InvalidRow),
     Rows(u64),
     Done(String),
@@ -308,7 +310,12 @@ struct Run<'a> {
     other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
+    /// When the progress was last written to the audit record.
+    saved: Instant,
 }
+
+/// How often a run's audit record gets its counts so far.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 impl<'a> Run<'a> {
     fn new(
@@ -335,6 +342,7 @@ impl<'a> Run<'a> {
             failure: None,
             other_pools: Default::default(),
             pool_ready: false,
+            saved: Instant::now(),
         }
     }
 
@@ -369,6 +377,7 @@ impl<'a> Run<'a> {
                     self.inflight
                         .spawn(async move { insert_batch(&store, &pool, id, batch, mode).await });
                 }
+                Some(Piece::Repeats(n)) => self.progress.duplicates += n,
                 Some(Piece::Invalid(row)) => {
                     self.progress.invalid += 1;
                     if self.invalid_rows.len() < self.options.keep_invalid {
@@ -422,7 +431,22 @@ impl<'a> Run<'a> {
             }
         }
         self.ensure_pool().await;
+        self.save_progress().await;
         true
+    }
+
+    /// Writes the counts so far to the run's audit record, at most once a
+    /// second: a killed run's record shows how far it got.
+    async fn save_progress(&mut self) {
+        if self.saved.elapsed() < PROGRESS_EVERY {
+            return;
+        }
+        self.saved = Instant::now();
+        let p = &self.progress;
+        let counts = (p.inserted, p.duplicates, p.invalid);
+        if let Err(e) = self.store.import_progress(self.import_id, counts).await {
+            warn!(error = %e, "could not record the import's progress");
+        }
     }
 
     /// Turns the lookups off once enough batches in a row found nothing.
@@ -672,9 +696,34 @@ async fn insert_batch(
     }
 }
 
+/// The codes a file has shown so far, to collapse repeats before they
+/// reach MongoDB (a repeat costs a rejected insert there). Each code is kept
+/// as 16 bytes of its SHA-256; past [`SEEN_LIMIT`] codes the set is
+/// cleared, so memory stays bounded and later repeats are still counted as
+/// duplicates by the unique index, just more slowly.
+struct Seen(std::collections::HashSet<[u8; 16]>);
+
+/// Codes remembered at most (about 50 MB).
+const SEEN_LIMIT: usize = 1 << 21;
+
+impl Seen {
+    /// True the first time a code is seen.
+    fn first(&mut self, code: &str) -> bool {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(code.as_bytes());
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&digest[..16]);
+        if self.0.len() >= SEEN_LIMIT {
+            self.0.clear();
+        }
+        self.0.insert(key)
+    }
+}
+
 fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mpsc::Sender<Piece>) {
     let mut batch = Vec::with_capacity(batch_size);
-    let mut count = 0u64;
+    let (mut count, mut repeats) = (0u64, 0u64);
+    let mut seen = Seen(Default::default());
     let send = |piece: Piece| tx.blocking_send(piece).is_ok();
     for row in rows.by_ref() {
         match row {
@@ -684,6 +733,16 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
                 line,
             }) => {
                 count += 1;
+                if !seen.first(&code) {
+                    repeats += 1;
+                    if repeats % 1024 == 0
+                        && !(send(Piece::Repeats(std::mem::take(&mut repeats)))
+                            && send(Piece::Rows(count)))
+                    {
+                        return;
+                    }
+                    continue;
+                }
                 batch.push(NewCode {
                     code,
                     expires_at,
@@ -721,6 +780,9 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
         }
     }
     if !batch.is_empty() && !send(Piece::Codes(batch)) {
+        return;
+    }
+    if repeats > 0 && !send(Piece::Repeats(repeats)) {
         return;
     }
     let _ = send(Piece::Rows(count));

@@ -75,6 +75,23 @@ impl Store {
         Ok(())
     }
 
+    /// Records a running import's counts so far: (inserted, duplicates,
+    /// invalid).
+    pub async fn import_progress(
+        &self,
+        id: ObjectId,
+        (inserted, duplicates, invalid): (u64, u64, u64),
+    ) -> Result<(), StoreError> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id, "status": "running"},
+                doc! {"$set": {"inserted": n(inserted), "duplicates": n(duplicates), "invalid": n(invalid)}},
+            )
+            .await?;
+        Ok(())
+    }
+
     /// The newest run of `file` into `pool`, when it did not finish: it
     /// failed, was interrupted, or still says `running` because its
     /// process was killed.
