@@ -232,5 +232,45 @@ async fn a_file_repeating_one_code_imports_in_bounded_time_counting_the_repeats(
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn the_key_file_is_never_an_export_target_even_with_force() {
+    let env = TestEnv::new("cli3_export_key").await;
+    env.fill_pool("ek", 3).await;
+    let before = std::fs::read(&env.key_file).unwrap();
+    let key = env.key_file.to_str().unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export", "--pool", "ek", "--status", "unissued", "--force", "--out", key,
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("key file"), "{err}");
+    assert_eq!(
+        std::fs::read(&env.key_file).unwrap(),
+        before,
+        "the key file is unchanged"
+    );
+    // A hard link to it is the same file.
+    let link = env.key_file.with_file_name("other-name.csv");
+    std::fs::hard_link(&env.key_file, &link).unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "ek",
+            "--force",
+            "--out",
+            link.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(std::fs::read(&env.key_file).unwrap(), before);
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
 fn unused(_: ObjectId) {}
