@@ -272,5 +272,78 @@ async fn the_key_file_is_never_an_export_target_even_with_force() {
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn read_only_commands_refuse_a_database_without_codepool_data_and_create_none() {
+    let env = TestEnv::new("cli3_no_db").await;
+    let typo = format!("{}_typo", env.db);
+    for args in [
+        &["stats"][..],
+        &["pool", "show"],
+        &["lookup", "--order", "O-1"],
+        &["export", "--pool", "p", "--out", "/tmp/never-written.csv"],
+    ] {
+        let out = env
+            .command(args)
+            .env("CODEPOOL_DB", &typo)
+            .output()
+            .await
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(&typo) && err.contains("no codepool data"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            err.contains(&env.db),
+            "the databases there are listed: {err}"
+        );
+    }
+    let names = env.store.client().list_database_names().await.unwrap();
+    assert!(!names.contains(&typo), "{typo} was created");
+    assert!(!std::path::Path::new("/tmp/never-written.csv").exists());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn dispatch_with_a_wrong_rabbitmq_password_says_so_and_exits_1() {
+    let env = TestEnv::new("cli3_amqp_auth").await;
+    let started = Instant::now();
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        env.command(&["dispatch", "--http", "127.0.0.1:0"])
+            .env("CODEPOOL_AMQP_URL", "amqp://guest:wrong@127.0.0.1:5672/%2f")
+            .output(),
+    )
+    .await
+    .expect("dispatch exits on its own")
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("RabbitMQ refused the user or password in CODEPOOL_AMQP_URL"),
+        "{err}"
+    );
+    assert!(!err.contains("wrong@"), "the password is not shown: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn short_commands_never_panic_at_exit() {
+    let env = TestEnv::new("cli3_exit").await;
+    env.fill_pool("ex", 3).await;
+    for i in 0..25 {
+        let (code, _, err) = codepool(&env, &["stats"]).await;
+        assert_eq!(code, 0, "run {i}: {err}");
+        assert!(!err.contains("panicked"), "run {i}: {err}");
+    }
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
 fn unused(_: ObjectId) {}

@@ -38,7 +38,9 @@ pub mod exit {
                 return ExitCode::from(FAILURE);
             }
         };
-        match runtime.block_on(command) {
+        let outcome = runtime.block_on(command);
+        runtime.block_on(crate::context::shutdown_clients());
+        match outcome {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
                 eprintln!("error: {e:#}");

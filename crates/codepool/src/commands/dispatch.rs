@@ -84,6 +84,7 @@ pub async fn ready_store(
     stop: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<codepool_store::Store>> {
     let store = codepool_store::Store::connect_lazy(&cfg.mongodb_uri, &cfg.db).await?;
+    crate::context::remember(&store);
     let mut attempt = 0;
     loop {
         match codepool_store::migrate::migrate(&store).await {

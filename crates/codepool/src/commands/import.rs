@@ -65,7 +65,7 @@ pub struct ImportArgs {
 }
 
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
-    let store = crate::context::store(cfg).await?;
+    let store = crate::context::store_creating(cfg).await?;
     // A wrong key file would seal codes nobody else can open, and its HMAC
     // would not see duplicates: check it against the stored codes first.
     store.check_keys().await?;

@@ -27,6 +27,7 @@ pub struct MigrateArgs {
 
 pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
     let store = codepool_store::Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
+    crate::context::remember(&store);
     let report = codepool_store::migrate::migrate(&store).await?;
     for name in &report.applied {
         println!("applied  {name}");
