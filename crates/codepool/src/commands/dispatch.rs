@@ -71,7 +71,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::new(engine, store, hot, config, health);
-    dispatcher.run(stop).await;
+    dispatcher.run(stop).await?;
     Ok(crate::exit::OK)
 }
 
