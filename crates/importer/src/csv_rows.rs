@@ -108,6 +108,8 @@ pub const EXPIRES_COLUMN: &str = "expires_at";
 pub enum HeaderError {
     #[error("the file is empty; give a CSV file whose first row is a header naming the code column (`code`)")]
     Empty,
+    #[error("the file is gzip-compressed (it starts with the bytes 1f 8b), codepool reads a plain CSV; decompress it first, e.g. `gunzip -c FILE.gz | codepool import - --pool POOL`")]
+    Gzip,
     #[error("the file is UTF-16, codepool reads UTF-8; convert it first, e.g. `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8.csv`, and import the converted file")]
     Utf16,
     #[error("the first row {row:?} has no column named {column:?}, and the first row must be a header naming the code column; pass --column NAME if the codes are in another column, or --no-header if the file is a single column of codes without a header")]
@@ -193,6 +195,9 @@ impl<R: Read> CodeRows<R> {
                 Err(e) => return Err(HeaderError::Read(e.to_string())),
             }
             let first = self.record.get(0).unwrap_or_default();
+            if first.starts_with(b"\x1F\x8B") {
+                return Err(HeaderError::Gzip);
+            }
             if first.starts_with(b"\xFF\xFE")
                 || first.starts_with(b"\xFE\xFF")
                 || self.record.iter().any(|f| f.contains(&0))
@@ -534,6 +539,13 @@ mod tests {
         assert_eq!(refusal(&utf16, &Header::None), HeaderError::Utf16);
         let no_bom: Vec<u8> = "A-1\n".encode_utf16().flat_map(u16::to_be_bytes).collect();
         assert_eq!(refusal(&no_bom, &Header::None), HeaderError::Utf16);
+    }
+
+    #[test]
+    fn a_gzip_file_is_named_gzip_not_utf16() {
+        let gz = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x4b\xce\x4f\x49\xe5\x02\x00";
+        assert_eq!(refusal(gz, &Header::default()), HeaderError::Gzip);
+        assert_eq!(refusal(gz, &Header::None), HeaderError::Gzip);
     }
 
     #[test]
