@@ -345,5 +345,146 @@ async fn short_commands_never_panic_at_exit() {
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn a_gzip_file_is_refused_as_gzip() {
+    let env = TestEnv::new("cli3_gzip").await;
+    let file =
+        csv_file(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x4b\xce\x4f\x49\xe5\x02\x00\x00\x00");
+    let (code, _, err) = codepool(
+        &env,
+        &["import", file.path().to_str().unwrap(), "--pool", "gz"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("gzip") && !err.contains("UTF-16"), "{err}");
+    env.cleanup().await;
+}
+
+const EVIL: &str = "x\u{1b}]0;owned\u{7}\u{1b}[2J\u{202e}gpj.exe";
+
+fn assert_no_raw_escapes(out: &str) {
+    assert!(
+        !out.contains('\u{1b}') && !out.contains('\u{202e}'),
+        "{out:?}"
+    );
+}
+
+#[tokio::test]
+async fn void_reasons_with_control_or_bidi_characters_are_refused() {
+    let env = TestEnv::new("cli3_reason").await;
+    let codes = env.fill_pool("vr", 2).await;
+    for reason in [EVIL, "refund\u{202e}", "a\u{200b}b"] {
+        let (code, _, err) = codepool(
+            &env,
+            &[
+                "void", "--pool", "vr", "--code", &codes[0], "--reason", reason,
+            ],
+        )
+        .await;
+        assert_eq!(code, 1, "{reason:?}: {err}");
+        assert!(err.contains("visible text"), "{err}");
+        assert_no_raw_escapes(&err);
+    }
+    assert_eq!(count(&env, doc! {"status": 3}).await, 0, "nothing voided");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn lookup_and_dead_letters_list_escape_terminal_controls() {
+    use lapin::options::BasicPublishOptions;
+    let env = TestEnv::new("cli3_escapes").await;
+    let codes = env.fill_pool("te", 2).await;
+    // A reason stored before reasons were checked.
+    let target = codepool_store::lifecycle::CodeRef::Code {
+        pool: "te",
+        code: &codes[0],
+    };
+    env.store.void(target, EVIL).await.unwrap();
+    let (code, out, err) = codepool(&env, &["lookup", "--pool", "te", "--code", &codes[0]]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\\u{1b}"), "{out}");
+    assert_no_raw_escapes(&out);
+
+    // A dead letter whose message id and body carry terminal commands.
+    let conn = codepool_broker::connect(&env.amqp_url, "test")
+        .await
+        .unwrap();
+    let publisher = codepool_broker::Publisher::new(&conn, env.topology())
+        .await
+        .unwrap();
+    env.topology().declare(publisher.channel()).await.unwrap();
+    let props = lapin::BasicProperties::default().with_message_id(EVIL.into());
+    (publisher.channel())
+        .basic_publish(
+            "",
+            &env.topology().purchases_dead,
+            BasicPublishOptions::default(),
+            format!("{{\"order_id\":\"{EVIL}\"}}").as_bytes(),
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    codepool_broker::close(conn, "done").await;
+    let (code, out, err) = codepool(&env, &["dead-letters", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("gpj.exe"), "{out}");
+    assert_no_raw_escapes(&out);
+    let (code, out, err) = codepool(&env, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_no_raw_escapes(&out);
+    let line: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        line["message_id"], EVIL,
+        "JSON output stays valid JSON of the same text"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn uploaded_file_names_are_base_names_of_visible_text() {
+    use codepool_importer::{import_reader, ImportError, ImportOptions};
+    let env = TestEnv::new("cli3_file_names").await;
+    for name in [
+        "../../etc/passwd",
+        "a/b.csv",
+        "x\u{1b}[2J.csv",
+        "gpj.\u{202e}exe.csv",
+    ] {
+        let body: &'static [u8] = b"code\nFN-1\n";
+        let r = import_reader(
+            &env.store,
+            body,
+            name,
+            0,
+            "fn",
+            &ImportOptions::default(),
+            &|_| {},
+        )
+        .await;
+        assert!(
+            matches!(r, Err(ImportError::FileName(_))),
+            "{name:?}: {r:?}"
+        );
+    }
+    assert!(
+        env.store.recent_imports(5).await.unwrap().is_empty(),
+        "no run recorded"
+    );
+    let r = import_reader(
+        &env.store,
+        &b"code\nFN-1\n"[..],
+        "partner.csv",
+        0,
+        "fn",
+        &ImportOptions::default(),
+        &|_| {},
+    )
+    .await;
+    assert_eq!(r.unwrap().file, "partner.csv");
+    env.cleanup().await;
+}
+
 #[allow(dead_code)]
 fn unused(_: ObjectId) {}

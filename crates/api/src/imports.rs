@@ -125,6 +125,7 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Pool(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-pool"),
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
         ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),
+        ImportError::FileName(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-file-name"),
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
     let detail = e.to_string().replace(

@@ -43,7 +43,8 @@ pub mod exit {
         match outcome {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
-                eprintln!("error: {e:#}");
+                let message = format!("{e:#}");
+                eprintln!("error: {}", codepool_domain::terminal_text(&message, false));
                 ExitCode::from(FAILURE)
             }
         }

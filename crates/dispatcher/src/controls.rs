@@ -65,7 +65,7 @@ pub async fn set_paused(
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecallError {
-    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters, e.g. --reason leaked")]
+    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters of plain visible text (no control or bidi characters), e.g. --reason leaked")]
     Reason,
     #[error("{0:?} is not an import id; `codepool import --json` prints it as import_id (24 hexadecimal digits)")]
     BadId(String),

@@ -132,6 +132,8 @@ pub enum ImportError {
     Rows(RowError),
     #[error(transparent)]
     Pool(#[from] codepool_domain::InvalidPoolName),
+    #[error(transparent)]
+    FileName(#[from] codepool_domain::FileNameError),
     #[error("{0}. Nothing is half-written: run the same command again to finish the import (codes already imported count as duplicates)")]
     Store(StoreError),
 }
@@ -191,6 +193,7 @@ pub async fn import_reader<R: std::io::Read + Send + 'static>(
     on_progress: &(dyn Fn(ImportProgress) + Send + Sync),
 ) -> Result<ImportSummary, ImportError> {
     let pool = Pool::new(pool)?;
+    let name = codepool_domain::checked_file_name(name)?;
     let header = options.header.clone();
     let opened = tokio::task::spawn_blocking(move || CodeRows::open(input, &header))
         .await

@@ -61,12 +61,12 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             let listed = dead_letters::peek(&conn, &topology, None, limit).await?;
             for d in &listed {
                 if json {
-                    println!(
-                        "{}",
+                    say_json!(
                         serde_json::json!({"message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body})
+                            .to_string()
                     );
                 } else {
-                    println!(
+                    say!(
                         "{}  reason: {}  replays: {}\n    body: {}",
                         d.message_id.as_deref().unwrap_or("-"),
                         d.reason,
@@ -76,7 +76,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 }
             }
             if !json {
-                println!(
+                say!(
                     "{} dead-lettered purchase(s) shown (still queued)",
                     listed.len()
                 );
@@ -89,14 +89,14 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
         } => {
             let sent = dead_letters::replay(&conn, &publisher, &topology, reason.as_deref(), limit)
                 .await?;
-            println!(
+            say!(
                 "replayed {} purchase(s) to {:?}",
                 sent.len(),
                 topology.purchases
             );
             if let Some(secs) = wait {
                 let again = dead_letters::dead_again(&conn, &topology, &sent, secs).await?;
-                println!("{again} of them came back dead (see `codepool dead-letters list`)");
+                say!("{again} of them came back dead (see `codepool dead-letters list`)");
             }
         }
     }

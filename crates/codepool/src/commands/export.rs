@@ -226,7 +226,7 @@ pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
     } else {
         "masked"
     };
-    println!(
+    say!(
         "exported {written} code(s) of pool {:?} to {} (codes {shown}; formula-like cells start with ')",
         args.pool,
         args.out.display()

@@ -94,7 +94,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     announce_replenished(cfg, &summary).await;
 
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        say_json!(serde_json::to_string_pretty(&summary)?);
     } else {
         print_summary(&summary);
     }
@@ -162,31 +162,31 @@ fn print_summary(s: &ImportSummary) {
     } else {
         "imported"
     };
-    println!("{verb} {} into pool {:?}", s.file, s.pool);
-    println!("  rows        {}", s.rows);
-    println!("  inserted    {}", s.inserted);
-    println!("  duplicates  {}", s.duplicates);
-    println!("  invalid     {}", s.invalid);
+    say!("{verb} {} into pool {:?}", s.file, s.pool);
+    say!("  rows        {}", s.rows);
+    say!("  inserted    {}", s.inserted);
+    say!("  duplicates  {}", s.duplicates);
+    say!("  invalid     {}", s.invalid);
     if s.lookalikes > 0 {
-        println!("  lookalikes  {} (of the invalid)", s.lookalikes);
+        say!("  lookalikes  {} (of the invalid)", s.lookalikes);
     }
     if s.cross_pool > 0 {
-        println!(
+        say!(
             "  cross-pool  {} (of the invalid; held by pool {})",
             s.cross_pool,
             s.cross_pool_pools.join(", ")
         );
     }
-    println!("  seconds     {:.2}", s.seconds);
-    println!("  codes/s     {:.0}", s.codes_per_second);
-    println!("  sha256      {}", s.sha256);
+    say!("  seconds     {:.2}", s.seconds);
+    say!("  codes/s     {:.0}", s.codes_per_second);
+    say!("  sha256      {}", s.sha256);
     if !s.invalid_rows.is_empty() {
-        println!("invalid rows (skipped; fix them and import the file again):");
+        say!("invalid rows (skipped; fix them and import the file again):");
         for row in s.invalid_rows.iter().take(20) {
-            println!("  line {}: {}", row.line, row.reason);
+            say!("  line {}: {}", row.line, row.reason);
         }
         if s.invalid > 20 {
-            println!(
+            say!(
                 "  … and {} more (use --json for up to 1000)",
                 s.invalid - 20
             );

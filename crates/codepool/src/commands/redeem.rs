@@ -28,7 +28,7 @@ pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     for t in store.redeem(target).await? {
         let holder = t.before.holder.as_ref();
-        println!(
+        say!(
             "redeemed {} in pool {} (order {}, issued {}) at {}",
             mask(&t.before.code),
             t.before.pool,

@@ -61,12 +61,12 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
             for t in &applied {
                 let c = &t.before;
                 match &c.holder {
-                    None => println!(
+                    None => say!(
                         "voided unissued code {} in pool {} ({reason}); it will never be issued",
                         c.masked(),
                         c.pool
                     ),
-                    Some(h) => println!(
+                    Some(h) => say!(
                         "voided code {} in pool {} ({reason}); it was issued to order {} (line {}) at {} and will never be issued again",
                         c.masked(),
                         c.pool,
@@ -77,13 +77,11 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
                 }
             }
             if backorder_cancelled {
-                println!(
-                    "the order's backorder for the codes it still waited for is cancelled too"
-                );
+                say!("the order's backorder for the codes it still waited for is cancelled too");
             }
         }
         VoidOutcome::BackorderCancelled { order_id } => {
-            println!("order {order_id} had no code yet; its backorder is cancelled and will not be fulfilled");
+            say!("order {order_id} had no code yet; its backorder is cancelled and will not be fulfilled");
         }
     }
     Ok(crate::exit::OK)
@@ -109,7 +107,7 @@ async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow:
             )
         })
         .collect();
-    println!(
+    say!(
         "import {} ({} into pool {}): {} unissued code(s) voided ({}); {} already issued, left with their buyers:",
         r.import.id.to_hex(),
         r.import.file,
@@ -120,7 +118,7 @@ async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow:
     );
     for c in &r.held {
         if let Some(h) = &c.holder {
-            println!(
+            say!(
                 "  {:<20} {:<9} order {} uid {} phone {} issued {}",
                 c.masked(),
                 c.status.name(),
@@ -131,7 +129,7 @@ async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow:
             );
         }
     }
-    println!(
+    say!(
         "the recall covered {} run(s) of the file in pool {}: {}",
         r.runs.len(),
         r.import.pool,
@@ -163,6 +161,6 @@ fn print_recall_json(r: &controls::Recall) -> anyhow::Result<u8> {
         "import_id": r.import.id.to_hex(), "pool": r.import.pool, "file": r.import.file,
         "voided": r.voided, "issued": held.len(), "held": held, "runs": runs,
     });
-    println!("{}", serde_json::to_string_pretty(&out)?);
+    say_json!(serde_json::to_string_pretty(&out)?);
     Ok(crate::exit::OK)
 }
