@@ -8,7 +8,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use bson::doc;
-use codepool_store::{NewCode, ObjectId};
+use codepool_store::NewCode;
 
 use crate::common::{codepool_ok, TestEnv};
 
@@ -542,6 +542,3 @@ async fn each_demo_key_file_gets_its_own_demo_database() {
     assert_eq!(demo_db(&a), db_a);
     env.cleanup().await;
 }
-
-#[allow(dead_code)]
-fn unused(_: ObjectId) {}
