@@ -9,9 +9,6 @@ set -euo pipefail
 BIN=${1:-target/debug/codepool}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-export CODEPOOL_DB=${CODEPOOL_DB:-codepool_demo}
-export CODEPOOL_AMQP_PREFIX=${CODEPOOL_AMQP_PREFIX:-demo.}
-export CODEPOOL_REDIS_PREFIX=${CODEPOOL_REDIS_PREFIX:-codepool_demo}
 export RUST_LOG=${RUST_LOG:-warn}
 LOG=$(mktemp -t codepool-demo.XXXXXX.log)
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -26,6 +23,13 @@ if [ -f "$CODEPOOL_KEY_FILE" ]; then
 else
   "$BIN" keys init
 fi
+# The demo's data belongs to its key file: the database (and the queue and
+# Redis prefixes) are named after the key file's HMAC key, so a second
+# checkout on this machine, with a key file of its own, gets its own.
+DEMO_DB=$(scripts/demo-db.sh "$CODEPOOL_KEY_FILE")
+export CODEPOOL_DB=${CODEPOOL_DB:-$DEMO_DB}
+export CODEPOOL_AMQP_PREFIX=${CODEPOOL_AMQP_PREFIX:-demo.${DEMO_DB#codepool_demo_}.}
+export CODEPOOL_REDIS_PREFIX=${CODEPOOL_REDIS_PREFIX:-$DEMO_DB}
 
 step "migrate (database $CODEPOOL_DB)"
 "$BIN" migrate

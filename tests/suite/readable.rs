@@ -76,9 +76,27 @@ async fn invisible_characters_are_invalid_rows_and_look_alikes_are_refused_with_
         (s["duplicates"].as_u64(), s["lookalikes"].as_u64()),
         (Some(1), Some(0))
     );
-    // Another pool may hold the same code.
+    // Another pool holds the same code only when the operator says so
+    // (a code sits in one pool).
     let (code, s) = import_json(&env, same.path(), "lk2").await;
-    assert_eq!((code, s["inserted"].as_u64()), (0, Some(1)));
+    assert_eq!((code, s["cross_pool"].as_u64()), (1, Some(1)), "{s}");
+    let out = env
+        .command(&[
+            "import",
+            same.path().to_str().unwrap(),
+            "--pool",
+            "lk2",
+            "--allow-cross-pool",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     env.cleanup().await;
 }
 

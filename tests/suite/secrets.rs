@@ -178,7 +178,13 @@ async fn secrets_no_plaintext_code_in_any_collection_or_redis_key_after_import_a
     buy(&env, "sec", "SCAN", 200).await;
     let ch = wait_for_events(&env, 200).await;
     // An unknown pool (dead letter) and an exhausted pool (backorder) too.
-    import(&env, &codes[..1], "tiny").await;
+    // The same secret code in a second pool, on purpose (a code sits in one
+    // pool unless the operator says otherwise).
+    let f = csv_of(&codes[..1]);
+    let path = f.path().to_str().unwrap();
+    let tiny = ["import", path, "--pool", "tiny", "--allow-cross-pool"];
+    let (code, out, err) = codepool(&env, &tiny).await;
+    assert_eq!(code, 0, "{out}{err}");
     buy(&env, "tiny", "TINY", 3).await;
     buy(&env, "nope", "DEAD", 1).await;
     wait_for_events(&env, 201).await;

@@ -132,6 +132,8 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         ImportError::Pool(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-pool"),
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
+        ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),
+        ImportError::FileName(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-file-name"),
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
     let detail = e.to_string().replace(
@@ -207,6 +209,7 @@ struct RecallBody {
     responses(
         (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = crate::openapi::Recalled),
         (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the import and its linked runs hold no code; the problem names other runs of the file that do", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "no reason, or one too long", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -229,6 +232,10 @@ pub(crate) async fn recall(
         Ok(r) => Json(json!({
             "import_id": r.import.id.to_hex(), "pool": r.import.pool, "voided": r.voided,
             "issued": r.held.len(),
+            "runs": r.runs.iter().map(|run| json!({
+                "import_id": run.id.to_hex(), "status": run.status,
+                "codes": run.codes, "voided": run.voided,
+            })).collect::<Vec<_>>(),
             "held": r.held.iter().map(|c| json!({
                 "code": c.masked(), "status": c.status.name(),
                 "order_id": c.holder.as_ref().map(|h| &h.order_id),
@@ -245,6 +252,14 @@ pub(crate) async fn recall(
         .at(&rid.0)
         .into_response(),
         Err(RecallError::BadId(_) | RecallError::UnknownImport(_)) => bad_id(&id, &rid),
+        Err(e @ (RecallError::NothingRecalled { .. } | RecallError::Empty { .. })) => Problem::new(
+            StatusCode::CONFLICT,
+            "nothing-to-recall",
+            "the import holds no code",
+            e.to_string(),
+        )
+        .at(&rid.0)
+        .into_response(),
         Err(RecallError::Store(e)) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
 }

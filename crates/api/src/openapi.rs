@@ -264,6 +264,10 @@ pub(crate) struct ImportSummary {
     /// Rows refused (malformed, or look-alikes of a code the pool holds).
     invalid: u64,
     lookalikes: u64,
+    /// Of `invalid`, codes refused because another pool holds them.
+    cross_pool: u64,
+    /// The pools that hold the codes refused as cross-pool duplicates.
+    cross_pool_pools: Vec<String>,
     /// The first invalid rows, by line number.
     invalid_rows: Vec<InvalidRow>,
     seconds: f64,
@@ -288,7 +292,18 @@ pub(crate) struct Recalled {
     pool: String,
     voided: u64,
     issued: u64,
+    /// Every run of the same file into the pool that the recall covered.
+    runs: Vec<RecalledRun>,
     held: Vec<HeldCode>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RecalledRun {
+    import_id: String,
+    status: String,
+    codes: u64,
+    voided: u64,
 }
 
 #[derive(Serialize, ToSchema)]

@@ -39,7 +39,7 @@ pub async fn checkpoint(scratch: &Scratch) -> anyhow::Result<()> {
 /// A running in-process dispatcher.
 pub struct Running {
     stop: CancellationToken,
-    daemon: JoinHandle<()>,
+    daemon: JoinHandle<Result<(), codepool_broker::BrokerError>>,
     /// Purchases done (end to end) before it started: the metrics are
     /// process-wide and several dispatchers run one after the other.
     done_before: u64,
@@ -128,7 +128,7 @@ impl Running {
 
     pub async fn stop(self) -> anyhow::Result<()> {
         self.stop.cancel();
-        self.daemon.await.context("the dispatcher panicked")
+        Ok(self.daemon.await.context("the dispatcher panicked")??)
     }
 }
 

@@ -66,6 +66,9 @@ pub fn dead_letter_reason(properties: &lapin::BasicProperties) -> Option<String>
 pub enum BrokerError {
     #[error("RabbitMQ is unreachable ({0}); check that rabbitmq-server runs and CODEPOOL_AMQP_URL points at it (`make services` starts a local one)")]
     Unavailable(String),
+    /// The broker refused the user or password: retrying cannot help.
+    #[error("RabbitMQ refused the user or password in CODEPOOL_AMQP_URL ({0}); check them (`rabbitmqctl list_users`, `rabbitmqctl authenticate_user USER PASSWORD`) and start again")]
+    AuthRefused(String),
     #[error("RabbitMQ refused the message (nack); it was not stored and will be retried")]
     Nacked,
     #[error("no queue is bound for {exchange:?} / {routing_key:?}; run `codepool dispatch` (or `codepool migrate`) once to declare the topology")]
@@ -94,7 +97,16 @@ impl BrokerError {
     /// True when retrying cannot help: the broker's topology contradicts
     /// the configuration until an operator changes one of them.
     pub fn is_permanent(&self) -> bool {
-        matches!(self, BrokerError::QueueType { .. } | BrokerError::Url(_))
+        matches!(
+            self,
+            BrokerError::QueueType { .. } | BrokerError::Url(_) | BrokerError::AuthRefused(_)
+        )
+    }
+
+    /// True when the process should stop rather than wait for a fix: the
+    /// broker refused who we are.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, BrokerError::AuthRefused(_))
     }
 }
 
@@ -178,8 +190,11 @@ pub async fn connect(urls: &str, name: &str) -> Result<Connection, BrokerError> 
                 }
                 return Ok(conn);
             }
-            Err(e) if e.contains("vhost") => return Err(BrokerError::Url(no_vhost(url, &e))),
-            Err(e) => failures.push(format!("{}: {e}", redact(url))),
+            Err(Refusal::Login) => return Err(BrokerError::AuthRefused(redact(url))),
+            Err(Refusal::Other(e)) if e.contains("vhost") => {
+                return Err(BrokerError::Url(no_vhost(url, &e)))
+            }
+            Err(Refusal::Other(e)) => failures.push(format!("{}: {e}", redact(url))),
         }
     }
     Err(BrokerError::Unavailable(match failures.as_slice() {
@@ -189,7 +204,23 @@ pub async fn connect(urls: &str, name: &str) -> Result<Connection, BrokerError> 
     }))
 }
 
-async fn connect_one(url: &str, name: &str) -> Result<Connection, String> {
+/// Why one node did not take the connection.
+enum Refusal {
+    /// ACCESS_REFUSED at login: the user or password is wrong.
+    Login,
+    Other(String),
+}
+
+/// True for the broker's answer to a wrong user or password: an
+/// ACCESS_REFUSED error while connecting (lapin asks RabbitMQ to say so
+/// with `authentication_failure_close`).
+fn is_login_refused(e: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    matches!(e, lapin::Error::ProtocolError(p)
+        if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)))
+}
+
+async fn connect_one(url: &str, name: &str) -> Result<Connection, Refusal> {
     let mut props = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
@@ -200,8 +231,11 @@ async fn connect_one(url: &str, name: &str) -> Result<Connection, String> {
     );
     match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)).await {
         Ok(Ok(conn)) => Ok(conn),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("connection timed out after {CONNECT_TIMEOUT:?}")),
+        Ok(Err(e)) if is_login_refused(&e) => Err(Refusal::Login),
+        Ok(Err(e)) => Err(Refusal::Other(e.to_string())),
+        Err(_) => Err(Refusal::Other(format!(
+            "connection timed out after {CONNECT_TIMEOUT:?}"
+        ))),
     }
 }
 

@@ -10,12 +10,63 @@ use codepool_store::{CodeKeys, Store};
 
 use crate::config::Config;
 
-/// Connects to MongoDB (failing clearly if it is unreachable), applies
-/// pending migrations, and loads the key file (see [`code_keys`]).
+/// Connects to MongoDB (failing clearly if it is unreachable) and to a
+/// database that holds codepool's data, applies pending migrations, and
+/// loads the key file (see [`code_keys`]). A database without codepool's
+/// data (a mistyped `CODEPOOL_DB`) is refused, never created: only
+/// `migrate`, `import` and the daemons create one ([`store_creating`]).
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
     let store = Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
+    remember(&store);
+    if !store.holds_codepool_data().await? {
+        let mut names = store.database_names().await;
+        names.retain(|n| !["admin", "config", "local"].contains(&n.as_str()));
+        let there = if names.is_empty() {
+            "none but MongoDB's own".to_owned()
+        } else {
+            names.join(", ")
+        };
+        anyhow::bail!(
+            "database {:?} holds no codepool data, and this command does not create one; check CODEPOOL_DB (or --db). The databases there: {there}. To start a new one, run `codepool migrate` (or `codepool import`) with that name",
+            cfg.db
+        );
+    }
     codepool_store::migrate::migrate(&store).await?;
     Ok(store.with_keys(code_keys(cfg)?))
+}
+
+/// [`store`] that creates and migrates the database when it is new: for
+/// `codepool import`, which brings the first codes.
+pub async fn store_creating(cfg: &Config) -> anyhow::Result<Store> {
+    let store = Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
+    remember(&store);
+    codepool_store::migrate::migrate(&store).await?;
+    Ok(store.with_keys(code_keys(cfg)?))
+}
+
+/// The MongoDB clients this process opened, shut down before it exits
+/// ([`shutdown_clients`]).
+static CLIENTS: std::sync::Mutex<Vec<mongodb::Client>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps the store's client for [`shutdown_clients`].
+pub fn remember(store: &Store) {
+    if let Ok(mut clients) = CLIENTS.lock() {
+        clients.push(store.client().clone());
+    }
+}
+
+/// Shuts the remembered MongoDB clients down while the runtime still
+/// runs: a client dropped as the runtime ends may panic in its own drop.
+/// Bounded: a handle still open does not hold the exit up.
+pub async fn shutdown_clients() {
+    let clients = CLIENTS.lock().map(|mut c| std::mem::take(&mut *c));
+    for client in clients.unwrap_or_default() {
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            client.shutdown().immediate(true),
+        )
+        .await;
+    }
 }
 
 /// The keys codes are sealed with. A missing key file is not an error

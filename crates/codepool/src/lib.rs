@@ -38,10 +38,13 @@ pub mod exit {
                 return ExitCode::from(FAILURE);
             }
         };
-        match runtime.block_on(command) {
+        let outcome = runtime.block_on(command);
+        runtime.block_on(crate::context::shutdown_clients());
+        match outcome {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
-                eprintln!("error: {e:#}");
+                let message = format!("{e:#}");
+                eprintln!("error: {}", codepool_domain::terminal_text(&message, false));
                 ExitCode::from(FAILURE)
             }
         }

@@ -113,11 +113,8 @@ impl SafeStderr {
     /// [`Self::escape`], by where it stands).
     fn must_escape(self, c: char) -> bool {
         match c {
-            '\n' | '\t' => false,
             '\u{1b}' => !self.ansi,
-            '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' => true,
-            '\u{2060}'..='\u{2069}' | '\u{feff}' => true,
-            c => c.is_control(),
+            c => codepool_domain::hidden_on_terminal(c),
         }
     }
 

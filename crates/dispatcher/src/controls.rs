@@ -74,30 +74,65 @@ pub async fn set_paused(
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecallError {
-    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters, e.g. --reason leaked")]
+    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters of plain visible text (no control or bidi characters), e.g. --reason leaked")]
     Reason,
     #[error("{0:?} is not an import id; `codepool import --json` prints it as import_id (24 hexadecimal digits)")]
     BadId(String),
     #[error("no import {0}; check the id `codepool import --json` printed")]
     UnknownImport(String),
+    /// The run (and the runs linked to it) hold no code, but other runs
+    /// of a file of that name in the pool do: they were not recalled.
+    #[error("import {import} ({file} into pool {pool}) and the runs linked to it hold no code, so nothing was voided; other runs of {file} in pool {pool} hold codes: {}; recall those by their id", others.iter().map(|(id, n)| format!("{id} ({n} code(s))")).collect::<Vec<_>>().join(", "))]
+    NothingRecalled {
+        import: String,
+        file: String,
+        pool: String,
+        /// The runs holding codes, with how many.
+        others: Vec<(String, u64)>,
+    },
+    #[error("import {import} ({file} into pool {pool}) and the runs linked to it hold no code; nothing to recall")]
+    Empty {
+        import: String,
+        file: String,
+        pool: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// One run of the recalled file, and what the recall did to it.
+#[derive(Debug, Clone)]
+pub struct RecalledRun {
+    pub id: ObjectId,
+    /// The run's status in `imports` (`done`, `interrupted`, `running` …).
+    pub status: String,
+    /// Codes the run put in (any status now).
+    pub codes: u64,
+    /// Unissued codes of the run voided by this recall.
+    pub voided: u64,
 }
 
 /// What a recall did.
 #[derive(Debug)]
 pub struct Recall {
+    /// The run named by the operator.
     pub import: ImportRecord,
+    /// Every run of the same file into the same pool the recall covered
+    /// (linked by `resumed_from` or by the file's sha256), oldest first.
+    pub runs: Vec<RecalledRun>,
     /// Unissued codes voided by this run.
     pub voided: u64,
     /// Codes buyers already hold (issued or used), left alone: contact them.
     pub held: Vec<Code>,
 }
 
-/// Voids every still-unissued code of an import run, each by the
-/// conditional update on its status, so a concurrent claim either got the
-/// code first (it is listed in `held`) or finds it void. The voided codes
-/// leave the hot pool (best effort: claims refuse them anyway).
+/// Voids every still-unissued code of an import, each by the conditional
+/// update on its status, so a concurrent claim either got the code first
+/// (it is listed in `held`) or finds it void. The recall covers the whole
+/// file in that pool: every run linked to the named one by `resumed_from`
+/// or by the same sha256 (an interrupted run, the run that finished it, a
+/// later re-import that inserted nothing). The voided codes leave the hot
+/// pool (best effort: claims refuse them anyway).
 pub async fn recall_import(
     store: &Store,
     hot: &dyn CandidatePool,
@@ -112,6 +147,48 @@ pub async fn recall_import(
         .import_record(id)
         .await?
         .ok_or_else(|| RecallError::UnknownImport(id.to_hex()))?;
+    let mut runs = Vec::new();
+    let mut held = Vec::new();
+    for run in store.runs_of_file(&import).await? {
+        let voided = recall_run(store, hot, run.id, reason).await?;
+        let codes = store.codes_of_import(run.id).await?;
+        held.extend(store.held_codes_of_import(run.id).await?);
+        runs.push(RecalledRun {
+            id: run.id,
+            status: run.status,
+            codes,
+            voided,
+        });
+    }
+    if runs.iter().all(|r| r.codes == 0) {
+        return Err(nothing_recalled(store, &import, &runs).await);
+    }
+    held.sort_by_key(|c| c.holder.as_ref().map(|h| h.issued_at));
+    let voided = runs.iter().map(|r| r.voided).sum();
+    info!(import_id = %id, pool = %import.pool, runs = runs.len(), voided, held = held.len(), "import recalled");
+    let what = format!(
+        "import {} of pool {:?} ({} run(s) of the file): {voided} voided, {} held by buyers; reason {reason:?}",
+        id.to_hex(),
+        import.pool,
+        runs.len(),
+        held.len()
+    );
+    audit::record(store, actor, "recall", what).await?;
+    Ok(Recall {
+        import,
+        runs,
+        voided,
+        held,
+    })
+}
+
+/// Voids the unissued codes of one run, in rounds; notes it on its record.
+async fn recall_run(
+    store: &Store,
+    hot: &dyn CandidatePool,
+    id: ObjectId,
+    reason: &str,
+) -> Result<u64, StoreError> {
     let (mut voided, mut after) = (0, None);
     loop {
         let round = store.recall_round(id, reason, RECALL_ROUND, after).await?;
@@ -123,20 +200,40 @@ pub async fn recall_import(
         }
     }
     store.mark_import_recalled(id, reason, voided).await?;
-    let held = store.held_codes_of_import(id).await?;
-    info!(import_id = %id, pool = %import.pool, voided, held = held.len(), "import recalled");
-    let what = format!(
-        "import {} of pool {:?}: {voided} voided, {} held by buyers; reason {reason:?}",
-        id.to_hex(),
-        import.pool,
-        held.len()
-    );
-    audit::record(store, actor, "recall", what).await?;
-    Ok(Recall {
+    Ok(voided)
+}
+
+/// The error of a recall whose runs hold no code: it names the other runs
+/// of a file of that name in the pool that do.
+async fn nothing_recalled(
+    store: &Store,
+    import: &ImportRecord,
+    runs: &[RecalledRun],
+) -> RecallError {
+    let covered: Vec<ObjectId> = runs.iter().map(|r| r.id).collect();
+    let mut others = Vec::new();
+    match store.runs_named(&import.pool, &import.file, &covered).await {
+        Ok(named) => {
+            for run in named {
+                match store.codes_of_import(run.id).await {
+                    Ok(0) => {}
+                    Ok(n) => others.push((run.id.to_hex(), n)),
+                    Err(e) => return e.into(),
+                }
+            }
+        }
+        Err(e) => return e.into(),
+    }
+    let (import, file, pool) = (import.id.to_hex(), import.file.clone(), import.pool.clone());
+    if others.is_empty() {
+        return RecallError::Empty { import, file, pool };
+    }
+    RecallError::NothingRecalled {
         import,
-        voided,
-        held,
-    })
+        file,
+        pool,
+        others,
+    }
 }
 
 async fn drop_candidates(hot: &dyn CandidatePool, seen: Vec<(String, CodeId)>) {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use codepool_broker::Topology;
+use codepool_broker::{BrokerError, Topology};
 use codepool_hotpool::HotPool;
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
@@ -142,8 +142,10 @@ impl Dispatcher {
 
     /// Runs until `shutdown` is cancelled, reconnecting to RabbitMQ as often
     /// as needed. Returns once in-flight work is drained (or the grace
-    /// period is over: what is left unacked is redelivered later).
-    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+    /// period is over: what is left unacked is redelivered later). Fails
+    /// only when RabbitMQ refuses who we are (the user or password):
+    /// retrying cannot help.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), BrokerError> {
         let mut attempt = 0;
         let probe_stop = shutdown.child_token();
         let prober = tokio::spawn({
@@ -166,6 +168,12 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     self.amqp.failed(&reason);
                     attempt = 0;
+                }
+                Err(e) if e.is_fatal() => {
+                    self.health.set_amqp(false);
+                    probe_stop.cancel();
+                    let _ = prober.await;
+                    return Err(e);
                 }
                 Err(e) if e.is_permanent() => {
                     // e.g. a classic queue where quorum queues are configured:
@@ -194,6 +202,7 @@ impl Dispatcher {
         probe_stop.cancel();
         let _ = prober.await;
         info!("dispatcher stopped");
+        Ok(())
     }
 
     /// Waits, unready, until the key file holds every key codes are sealed

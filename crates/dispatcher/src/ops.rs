@@ -63,7 +63,7 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
 
 #[derive(Debug, thiserror::Error)]
 pub enum VoidError {
-    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters, e.g. --reason refund")]
+    #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters of plain visible text (no control or bidi characters), e.g. --reason refund")]
     Reason,
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
@@ -114,10 +114,14 @@ pub async fn void(
     Ok(outcome)
 }
 
-/// A void or recall reason, trimmed; `None` when empty or too long.
+/// A void or recall reason, trimmed; `None` when empty, too long, or
+/// holding a character nobody can see (a control, a bidi control, an
+/// invisible format character): reasons are shown to operators and
+/// written to exports, so they are checked like ids.
 pub fn checked_reason(reason: &str) -> Option<&str> {
     let reason = reason.trim();
-    (!reason.is_empty() && reason.chars().count() <= MAX_REASON_CHARS).then_some(reason)
+    let readable = codepool_domain::first_unreadable(reason).is_none();
+    (readable && !reason.is_empty() && reason.chars().count() <= MAX_REASON_CHARS).then_some(reason)
 }
 
 /// Redeems an issued code, or every issued code of an order, audited with

@@ -30,4 +30,7 @@ pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES, MAX_QUANTITY};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
-pub use text::{first_unreadable, fold, spreadsheet_cell, Unreadable, UnreadableChar};
+pub use text::{
+    checked_file_name, first_unreadable, fold, hidden_on_terminal, spreadsheet_cell, terminal_text,
+    FileNameError, Unreadable, UnreadableChar,
+};

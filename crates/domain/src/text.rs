@@ -110,6 +110,68 @@ pub fn fold(code: &str, case_sensitive: bool) -> String {
         .collect()
 }
 
+/// True for a character a terminal would obey or hide rather than show:
+/// controls other than newline and tab (ESC starts a terminal command),
+/// bidi controls and invisible format characters, line separators.
+pub fn hidden_on_terminal(c: char) -> bool {
+    match c {
+        '\n' | '\t' => false,
+        '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' => true,
+        '\u{2060}'..='\u{2069}' | '\u{feff}' => true,
+        c => c.is_control(),
+    }
+}
+
+/// `text` with every [`hidden_on_terminal`] character escaped, as the
+/// logs do: `\u{202e}`, or `\u202e` (valid inside a JSON string) with
+/// `json`. What reaches an operator's terminal is shown, never obeyed.
+pub fn terminal_text(text: &str, json: bool) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(hidden_on_terminal) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if !hidden_on_terminal(c) {
+            out.push(c);
+        } else if json {
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        }
+    }
+    out.into()
+}
+
+/// Why a file name is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FileNameError {
+    #[error("the file name is empty or longer than 255 characters")]
+    Length,
+    #[error(
+        "the file name {0:?} is a path; give the file's base name only (no / or \\, not . or ..)"
+    )]
+    Path(String),
+    #[error("the file name holds {0}; give it as plain visible text")]
+    Unreadable(UnreadableChar),
+}
+
+/// A file name given with an upload (`?file=`): a base name of plain
+/// visible text, trimmed. It is shown to operators and recorded, so it is
+/// checked like an id.
+pub fn checked_file_name(name: &str) -> Result<&str, FileNameError> {
+    let name = name.trim();
+    if name.is_empty() || name.chars().count() > 255 {
+        return Err(FileNameError::Length);
+    }
+    if let Some(bad) = first_unreadable(name) {
+        return Err(FileNameError::Unreadable(bad));
+    }
+    if name.contains(['/', '\\']) || name == "." || name == ".." {
+        return Err(FileNameError::Path(name.chars().take(80).collect()));
+    }
+    Ok(name)
+}
+
 /// A CSV cell a spreadsheet will show as text, never run (OWASP "CSV
 /// Injection"): a cell starting with `=`, `+`, `-`, `@`, a tab or a
 /// carriage return gets a leading `'`. Every CSV codepool writes passes
@@ -118,6 +180,47 @@ pub fn spreadsheet_cell(cell: &str) -> std::borrow::Cow<'_, str> {
     match cell.chars().next() {
         Some('=' | '+' | '-' | '@' | '\t' | '\r') => format!("'{cell}").into(),
         _ => cell.into(),
+    }
+}
+
+#[cfg(test)]
+mod terminal_tests {
+    use super::*;
+
+    #[test]
+    fn terminal_text_escapes_escapes_and_bidi_as_the_logs_do() {
+        assert_eq!(
+            terminal_text("O-\u{1b}[2J\u{202e}1", false),
+            "O-\\u{1b}[2J\\u{202e}1"
+        );
+        assert_eq!(terminal_text("a\u{202e}b", true), "a\\u202eb");
+        assert_eq!(terminal_text("plain\tline\n", false), "plain\tline\n");
+    }
+
+    #[test]
+    fn file_names_are_base_names_of_visible_text() {
+        assert_eq!(checked_file_name(" partner.csv "), Ok("partner.csv"));
+        assert!(matches!(
+            checked_file_name("../../etc/passwd"),
+            Err(FileNameError::Path(_))
+        ));
+        assert!(matches!(
+            checked_file_name("a\\b.csv"),
+            Err(FileNameError::Path(_))
+        ));
+        assert!(matches!(
+            checked_file_name(".."),
+            Err(FileNameError::Path(_))
+        ));
+        assert!(matches!(
+            checked_file_name("x\u{1b}[31m.csv"),
+            Err(FileNameError::Unreadable(_))
+        ));
+        assert!(matches!(
+            checked_file_name("gpj.\u{202e}exe"),
+            Err(FileNameError::Unreadable(_))
+        ));
+        assert_eq!(checked_file_name(""), Err(FileNameError::Length));
     }
 }
 

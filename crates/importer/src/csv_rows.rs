@@ -108,6 +108,8 @@ pub const EXPIRES_COLUMN: &str = "expires_at";
 pub enum HeaderError {
     #[error("the file is empty; give a CSV file whose first row is a header naming the code column (`code`)")]
     Empty,
+    #[error("the file is gzip-compressed (it starts with the bytes 1f 8b), codepool reads a plain CSV; decompress it first, e.g. `gunzip -c FILE.gz | codepool import - --pool POOL`")]
+    Gzip,
     #[error("the file is UTF-16, codepool reads UTF-8; convert it first, e.g. `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8.csv`, and import the converted file")]
     Utf16,
     #[error("the first row {row:?} has no column named {column:?}, and the first row must be a header naming the code column; pass --column NAME if the codes are in another column, or --no-header if the file is a single column of codes without a header")]
@@ -122,6 +124,19 @@ pub enum HeaderError {
     HeaderWithNoHeader { row: String },
     #[error("reading the first row failed: {0}; check the file and run the same command again")]
     Read(String),
+}
+
+/// Why reading the rows stopped before the end of the file.
+#[derive(Debug, thiserror::Error)]
+pub enum RowError {
+    /// The file could not be read.
+    #[error(transparent)]
+    Csv(#[from] csv::Error),
+    /// A quoted field runs over several lines: almost always a stray `"`
+    /// that never closes, which swallows the rows after it. The file is
+    /// refused rather than those rows silently lost.
+    #[error("line {line}: a quote opens a field that runs over the next {swallowed} line(s), to line {end}; a stray \" that never closes swallows the rows after it, so the file is refused there. Fix or remove the quote on line {line} and import the file again (codes already imported count as duplicates)")]
+    SpansLines { line: u64, swallowed: u64, end: u64 },
 }
 
 /// The rows of a CSV file of codes.
@@ -180,6 +195,9 @@ impl<R: Read> CodeRows<R> {
                 Err(e) => return Err(HeaderError::Read(e.to_string())),
             }
             let first = self.record.get(0).unwrap_or_default();
+            if first.starts_with(b"\x1F\x8B") {
+                return Err(HeaderError::Gzip);
+            }
             if first.starts_with(b"\xFF\xFE")
                 || first.starts_with(b"\xFE\xFF")
                 || self.record.iter().any(|f| f.contains(&0))
@@ -338,8 +356,19 @@ pub fn parse_time(text: &str) -> Option<DateTime<Utc>> {
         .map(|t| t.and_utc())
 }
 
+impl<R: Read> CodeRows<R> {
+    /// The lines a field of the current record swallowed: a quoted field
+    /// holding line breaks (none in a valid row of codes).
+    fn swallowed_lines(&self) -> u64 {
+        (self.record.iter())
+            .map(|f| f.iter().filter(|b| **b == b'\n').count() as u64)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 impl<R: Read> Iterator for CodeRows<R> {
-    type Item = Result<Row, csv::Error>;
+    type Item = Result<Row, RowError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if std::mem::take(&mut self.pending_first) {
@@ -353,7 +382,7 @@ impl<R: Read> Iterator for CodeRows<R> {
                 Err(e) => {
                     // An I/O error ends the file; a malformed row does not.
                     if e.is_io_error() {
-                        return Some(Err(e));
+                        return Some(Err(e.into()));
                     }
                     let line = e.position().map(|p| p.line()).unwrap_or(0);
                     return Some(Ok(Row::Invalid {
@@ -366,6 +395,14 @@ impl<R: Read> Iterator for CodeRows<R> {
                 continue;
             }
             let line = self.record.position().map(|p| p.line()).unwrap_or(0);
+            let swallowed = self.swallowed_lines();
+            if swallowed > 0 {
+                return Some(Err(RowError::SpansLines {
+                    line,
+                    swallowed,
+                    end: line + swallowed,
+                }));
+            }
             return Some(Ok(self.classify(line)));
         }
     }
@@ -505,6 +542,13 @@ mod tests {
     }
 
     #[test]
+    fn a_gzip_file_is_named_gzip_not_utf16() {
+        let gz = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x4b\xce\x4f\x49\xe5\x02\x00";
+        assert_eq!(refusal(gz, &Header::default()), HeaderError::Gzip);
+        assert_eq!(refusal(gz, &Header::None), HeaderError::Gzip);
+    }
+
+    #[test]
     fn a_header_names_the_code_column() {
         let r = rows(b"batch,code,expires_at\nx,AAA-1,2027-01-31\ny,BBB-2,\n");
         assert_eq!(
@@ -581,6 +625,29 @@ mod tests {
         let r = rows(b"code,expires_at\n\xff\xfe,\nOK-1,someday\n");
         assert!(matches!(&r[0], Row::Invalid { line: 2, reason } if reason.contains("UTF-8")));
         assert!(matches!(&r[1], Row::Invalid { line: 3, reason } if reason.contains("expires_at")));
+    }
+
+    #[test]
+    fn a_quote_that_never_closes_stops_the_rows_naming_its_line_and_the_lines_it_took() {
+        let mut input = String::from("code\nOK-1\n\"STRAY-2\n");
+        for i in 3..=2000 {
+            input.push_str(&format!("CODE-{i}\n"));
+        }
+        let mut rows = CodeRows::open(input.as_bytes(), &Header::default()).unwrap();
+        assert_eq!(rows.next().unwrap().unwrap(), code(2, "OK-1"));
+        let e = rows.next().unwrap().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RowError::SpansLines {
+                    line: 3,
+                    swallowed: 1998,
+                    end: 2001
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("line 3"), "{e}");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::csv_rows::{CodeRows, Header, HeaderError, Row};
+use crate::csv_rows::{CodeRows, Header, HeaderError, Row, RowError};
 
 /// How an import runs. The defaults suit files of any size.
 #[derive(Debug, Clone)]
@@ -32,6 +32,9 @@ pub struct ImportOptions {
     /// Cancelled to stop early (a signal): in-flight batches finish, the
     /// audit record says `interrupted` with the true counts.
     pub stop: CancellationToken,
+    /// Import codes another pool holds already (an operator's deliberate
+    /// choice); by default they are refused as cross-pool duplicates.
+    pub allow_cross_pool: bool,
 }
 
 impl Default for ImportOptions {
@@ -42,6 +45,7 @@ impl Default for ImportOptions {
             concurrency: 3,
             keep_invalid: 1000,
             stop: CancellationToken::new(),
+            allow_cross_pool: false,
         }
     }
 }
@@ -73,6 +77,11 @@ pub struct ImportSummary {
     /// the pool under NFKC and case folding (NFKC only in a case-sensitive
     /// pool).
     pub lookalikes: u64,
+    /// Of `invalid`, the codes refused because another pool holds them
+    /// already (a code sits in one pool; `--allow-cross-pool` imports them).
+    pub cross_pool: u64,
+    /// The pools that hold the codes refused as cross-pool duplicates.
+    pub cross_pool_pools: Vec<String>,
     /// The first invalid rows (up to `keep_invalid`), by line number.
     pub invalid_rows: Vec<InvalidRow>,
     pub seconds: f64,
@@ -102,6 +111,7 @@ pub struct ImportProgress {
     pub duplicates: u64,
     pub invalid: u64,
     pub lookalikes: u64,
+    pub cross_pool: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -118,8 +128,12 @@ pub enum ImportError {
     Header { path: String, error: HeaderError },
     #[error("reading the file failed at byte {bytes}: {message}; fix the file and run the same command again (codes already imported count as duplicates)")]
     Read { bytes: u64, message: String },
+    #[error("the file cannot be imported as it is: {0}")]
+    Rows(RowError),
     #[error(transparent)]
     Pool(#[from] codepool_domain::InvalidPoolName),
+    #[error(transparent)]
+    FileName(#[from] codepool_domain::FileNameError),
     #[error("{0}. Nothing is half-written: run the same command again to finish the import (codes already imported count as duplicates)")]
     Store(StoreError),
 }
@@ -136,6 +150,8 @@ const INSERT_BACKOFF: Duration = Duration::from_millis(250);
 
 enum Piece {
     Codes(Vec<NewCode>),
+    /// Rows whose code appeared earlier in the file: duplicates, never sent.
+    Repeats(u64),
     Invalid(InvalidRow),
     Rows(u64),
     Done(String),
@@ -177,6 +193,7 @@ pub async fn import_reader<R: std::io::Read + Send + 'static>(
     on_progress: &(dyn Fn(ImportProgress) + Send + Sync),
 ) -> Result<ImportSummary, ImportError> {
     let pool = Pool::new(pool)?;
+    let name = codepool_domain::checked_file_name(name)?;
     let header = options.header.clone();
     let opened = tokio::task::spawn_blocking(move || CodeRows::open(input, &header))
         .await
@@ -292,9 +309,16 @@ struct Run<'a> {
     lookup: bool,
     misses: u32,
     failure: Option<ImportError>,
+    /// The other pools that hold codes refused as cross-pool duplicates.
+    other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
+    /// When the progress was last written to the audit record.
+    saved: Instant,
 }
+
+/// How often a run's audit record gets its counts so far.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 impl<'a> Run<'a> {
     fn new(
@@ -319,7 +343,9 @@ impl<'a> Run<'a> {
             lookup: false,
             misses: 0,
             failure: None,
+            other_pools: Default::default(),
             pool_ready: false,
+            saved: Instant::now(),
         }
     }
 
@@ -347,10 +373,14 @@ impl<'a> Run<'a> {
                         return false;
                     }
                     let (store, pool, id) = (self.store.clone(), self.pool.clone(), self.import_id);
-                    let lookup = self.lookup;
+                    let mode = Mode {
+                        lookup: self.lookup,
+                        cross_pool: self.options.allow_cross_pool,
+                    };
                     self.inflight
-                        .spawn(async move { insert_batch(&store, &pool, id, batch, lookup).await });
+                        .spawn(async move { insert_batch(&store, &pool, id, batch, mode).await });
                 }
+                Some(Piece::Repeats(n)) => self.progress.duplicates += n,
                 Some(Piece::Invalid(row)) => {
                     self.progress.invalid += 1;
                     if self.invalid_rows.len() < self.options.keep_invalid {
@@ -383,7 +413,10 @@ impl<'a> Run<'a> {
                 self.progress.duplicates += done.duplicates;
                 self.progress.lookalikes += done.lookalikes.len() as u64;
                 self.progress.invalid += done.lookalikes.len() as u64;
-                for row in done.lookalikes {
+                self.progress.cross_pool += done.cross_pool.len() as u64;
+                self.progress.invalid += done.cross_pool.len() as u64;
+                self.other_pools.extend(done.other_pools);
+                for row in done.lookalikes.into_iter().chain(done.cross_pool) {
                     if self.invalid_rows.len() < self.options.keep_invalid {
                         self.invalid_rows.push(row);
                     }
@@ -401,7 +434,22 @@ impl<'a> Run<'a> {
             }
         }
         self.ensure_pool().await;
+        self.save_progress().await;
         true
+    }
+
+    /// Writes the counts so far to the run's audit record, at most once a
+    /// second: a killed run's record shows how far it got.
+    async fn save_progress(&mut self) {
+        if self.saved.elapsed() < PROGRESS_EVERY {
+            return;
+        }
+        self.saved = Instant::now();
+        let p = &self.progress;
+        let counts = (p.inserted, p.duplicates, p.invalid);
+        if let Err(e) = self.store.import_progress(self.import_id, counts).await {
+            warn!(error = %e, "could not record the import's progress");
+        }
     }
 
     /// Turns the lookups off once enough batches in a row found nothing.
@@ -488,6 +536,8 @@ impl<'a> Run<'a> {
             duplicates: p.duplicates,
             invalid: p.invalid,
             lookalikes: p.lookalikes,
+            cross_pool: p.cross_pool,
+            cross_pool_pools: self.other_pools.into_iter().collect(),
             invalid_rows,
             seconds,
             codes_per_second: if seconds > 0.0 {
@@ -507,7 +557,60 @@ struct Inserted {
     duplicates: u64,
     /// Rows refused as look-alikes, with the line they match.
     lookalikes: Vec<InvalidRow>,
+    /// Rows refused because another pool holds their code.
+    cross_pool: Vec<InvalidRow>,
+    other_pools: Vec<String>,
     found: Option<u64>,
+}
+
+/// How a batch is inserted.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    /// Look the codes up first (finishing a killed run).
+    lookup: bool,
+    /// Codes other pools hold are imported too (`--allow-cross-pool`).
+    cross_pool: bool,
+}
+
+/// Splits a batch into the codes no other pool holds and the refused rows
+/// of those another pool does (with the pools' names): one lookup on the
+/// `code_any_hmac` index, retried while MongoDB is away.
+async fn refuse_cross_pool(
+    store: &Store,
+    pool: &str,
+    batch: Vec<NewCode>,
+) -> Result<(Vec<NewCode>, Vec<InvalidRow>, Vec<String>), StoreError> {
+    let mut attempt = 0;
+    let elsewhere = loop {
+        match store.codes_in_other_pools(pool, &batch).await {
+            Ok(found) => break found,
+            Err(e) if e.is_unavailable() && attempt < INSERT_RETRIES => {
+                attempt += 1;
+                warn!(error = %e, attempt, "cross-pool lookup failed; retrying");
+                tokio::time::sleep(INSERT_BACKOFF * 2u32.pow(attempt)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let (mut kept, mut refused, mut pools) = (Vec::new(), Vec::new(), Vec::new());
+    for (code, other) in batch.into_iter().zip(elsewhere) {
+        let Some((other, import)) = other else {
+            kept.push(code);
+            continue;
+        };
+        let from = import
+            .map(|id| format!(" (import {id})"))
+            .unwrap_or_default();
+        refused.push(InvalidRow {
+            line: code.line.unwrap_or(0),
+            reason: format!(
+                "cross_pool: the code sits in pool {other:?} already{from}; a code sits in one pool. \
+                 Pass --allow-cross-pool if it is meant for both"
+            ),
+        });
+        pools.push(other);
+    }
+    Ok((kept, refused, pools))
 }
 
 /// The refused row of a look-alike, naming the code it reads like.
@@ -539,11 +642,16 @@ async fn insert_batch(
     pool: &str,
     import_id: ObjectId,
     batch: Vec<NewCode>,
-    lookup: bool,
+    mode: Mode,
 ) -> Result<Inserted, StoreError> {
+    let (batch, cross_pool, other_pools) = if mode.cross_pool {
+        (batch, Vec::new(), Vec::new())
+    } else {
+        refuse_cross_pool(store, pool, batch).await?
+    };
     let mut attempt = 0;
     loop {
-        let result = if lookup {
+        let result = if mode.lookup {
             store
                 .insert_missing_codes(pool, import_id, &batch)
                 .await
@@ -563,6 +671,8 @@ async fn insert_batch(
                     inserted: o.inserted,
                     duplicates: o.duplicates,
                     lookalikes,
+                    cross_pool,
+                    other_pools,
                     found,
                 });
             }
@@ -574,6 +684,8 @@ async fn insert_batch(
                     inserted: ours,
                     duplicates: batch.len() as u64 - ours,
                     lookalikes: Vec::new(),
+                    cross_pool,
+                    other_pools,
                     found,
                 });
             }
@@ -587,9 +699,34 @@ async fn insert_batch(
     }
 }
 
+/// The codes a file has shown so far, to collapse repeats before they
+/// reach MongoDB (a repeat costs a rejected insert there). Each code is kept
+/// as 16 bytes of its SHA-256; past [`SEEN_LIMIT`] codes the set is
+/// cleared, so memory stays bounded and later repeats are still counted as
+/// duplicates by the unique index, just more slowly.
+struct Seen(std::collections::HashSet<[u8; 16]>);
+
+/// Codes remembered at most (about 50 MB).
+const SEEN_LIMIT: usize = 1 << 21;
+
+impl Seen {
+    /// True the first time a code is seen.
+    fn first(&mut self, code: &str) -> bool {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(code.as_bytes());
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&digest[..16]);
+        if self.0.len() >= SEEN_LIMIT {
+            self.0.clear();
+        }
+        self.0.insert(key)
+    }
+}
+
 fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mpsc::Sender<Piece>) {
     let mut batch = Vec::with_capacity(batch_size);
-    let mut count = 0u64;
+    let (mut count, mut repeats) = (0u64, 0u64);
+    let mut seen = Seen(Default::default());
     let send = |piece: Piece| tx.blocking_send(piece).is_ok();
     for row in rows.by_ref() {
         match row {
@@ -599,6 +736,16 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
                 line,
             }) => {
                 count += 1;
+                if !seen.first(&code) {
+                    repeats += 1;
+                    if repeats % 1024 == 0
+                        && !(send(Piece::Repeats(std::mem::take(&mut repeats)))
+                            && send(Piece::Rows(count)))
+                    {
+                        return;
+                    }
+                    continue;
+                }
                 batch.push(NewCode {
                     code,
                     expires_at,
@@ -617,7 +764,7 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
                     return;
                 }
             }
-            Err(e) => {
+            Err(RowError::Csv(e)) => {
                 let bytes = rows.bytes_counter().load(Ordering::Relaxed);
                 let _ = send(Piece::Failed(ImportError::Read {
                     bytes,
@@ -625,9 +772,20 @@ fn read_rows<R: std::io::Read>(mut rows: CodeRows<R>, batch_size: usize, tx: mps
                 }));
                 return;
             }
+            Err(error) => {
+                // The rows read before go in (a whole batch is sent first).
+                if !batch.is_empty() && !send(Piece::Codes(std::mem::take(&mut batch))) {
+                    return;
+                }
+                let _ = send(Piece::Failed(ImportError::Rows(error)));
+                return;
+            }
         }
     }
     if !batch.is_empty() && !send(Piece::Codes(batch)) {
+        return;
+    }
+    if repeats > 0 && !send(Piece::Repeats(repeats)) {
         return;
     }
     let _ = send(Piece::Rows(count));

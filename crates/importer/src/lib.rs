@@ -18,7 +18,7 @@
 pub mod csv_rows;
 pub mod import;
 
-pub use csv_rows::{CodeRows, Header, HeaderError, Row};
+pub use csv_rows::{CodeRows, Header, HeaderError, Row, RowError};
 pub use import::{
     import_file, import_reader, ImportError, ImportOptions, ImportProgress, ImportSummary,
     InvalidRow,

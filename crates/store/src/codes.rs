@@ -981,6 +981,39 @@ impl Store {
         Ok((outcome, skipped))
     }
 
+    /// For each of `codes`, another pool that holds it already (and the
+    /// import that brought it there), found with one lookup on the
+    /// `code_any_hmac` index (migration 0014): a code sits in one pool.
+    pub async fn codes_in_other_pools(
+        &self,
+        pool: &str,
+        codes: &[NewCode],
+    ) -> Result<Vec<Option<(String, Option<ObjectId>)>>, StoreError> {
+        let ring = self.keys.ring()?;
+        let hmacs: Vec<Vec<u8>> = (codes.iter())
+            .map(|c| ring.any_pool_hmac(&c.code).to_vec())
+            .collect();
+        let list: Vec<Bson> = hmacs.iter().map(|h| binary(h.clone())).collect();
+        let found: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"code_any_hmac": {"$in": list}, "pool": {"$ne": pool}})
+            .projection(doc! {"_id": 0, "code_any_hmac": 1, "pool": 1, "batch_id": 1})
+            .hint(mongodb::options::Hint::Name("code_any_hmac".into()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut elsewhere: HashMap<Vec<u8>, (String, Option<ObjectId>)> = HashMap::new();
+        for d in found {
+            if let (Some(Bson::Binary(b)), Ok(p)) = (d.get("code_any_hmac"), d.get_str("pool")) {
+                let batch = d.get_object_id("batch_id").ok();
+                elsewhere
+                    .entry(b.bytes.clone())
+                    .or_insert((p.to_owned(), batch));
+            }
+        }
+        Ok(hmacs.iter().map(|h| elsewhere.get(h).cloned()).collect())
+    }
+
     /// The HMAC of each code in `pool`: what the unique index holds.
     fn code_hmacs(&self, pool: &str, codes: &[NewCode]) -> Result<Vec<Vec<u8>>, StoreError> {
         let ring = self.keys.ring()?;

@@ -113,13 +113,16 @@ pub(crate) fn binary(bytes: Vec<u8>) -> Bson {
     })
 }
 
-/// The stored fields of a sealed code: `code_enc`, `key_id`, `code_hmac`.
+/// The stored fields of a sealed code: `code_enc`, `key_id`, `code_hmac`,
+/// and `code_any_hmac` (the same in every pool, to find a code offered to
+/// a second pool).
 pub fn sealed_fields(ring: &Keyring, pool: &str, id: ObjectId, code: &str) -> Document {
     let sealed = ring.seal(&code_aad(pool, id), code);
     doc! {
         "code_enc": binary(sealed.bytes),
         "key_id": sealed.key_id,
         "code_hmac": binary(ring.code_hmac(pool, code).to_vec()),
+        "code_any_hmac": binary(ring.any_pool_hmac(code).to_vec()),
     }
 }
 

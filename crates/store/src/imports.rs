@@ -75,6 +75,23 @@ impl Store {
         Ok(())
     }
 
+    /// Records a running import's counts so far: (inserted, duplicates,
+    /// invalid).
+    pub async fn import_progress(
+        &self,
+        id: ObjectId,
+        (inserted, duplicates, invalid): (u64, u64, u64),
+    ) -> Result<(), StoreError> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id, "status": "running"},
+                doc! {"$set": {"inserted": n(inserted), "duplicates": n(duplicates), "invalid": n(invalid)}},
+            )
+            .await?;
+        Ok(())
+    }
+
     /// The newest run of `file` into `pool`, when it did not finish: it
     /// failed, was interrupted, or still says `running` because its
     /// process was killed.
@@ -114,6 +131,59 @@ impl Store {
             .find(doc! {"pool": pool})
             .sort(doc! {"started_at": -1})
             .limit(limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
+}
+
+impl Store {
+    /// Every run of the same file into the same pool as `run`, `run`
+    /// included, oldest first: runs with the same sha256 in the pool, and
+    /// runs linked to those by `resumed_from` (an interrupted or killed run
+    /// has no sha256; the run that finished it names it). A file has few
+    /// runs, so the walk takes a few small queries on the pool's runs.
+    pub async fn runs_of_file(&self, run: &ImportRecord) -> Result<Vec<ImportRecord>, StoreError> {
+        let mut runs = vec![run.clone()];
+        loop {
+            let ids: Vec<ObjectId> = runs.iter().map(|r| r.id).collect();
+            let earlier: Vec<ObjectId> = runs.iter().filter_map(|r| r.resumed_from).collect();
+            let hashes: Vec<String> = runs.iter().filter_map(|r| r.sha256.clone()).collect();
+            let linked: Vec<ImportRecord> = self
+                .typed::<ImportRecord>(IMPORTS)
+                .find(doc! {
+                    "pool": &run.pool,
+                    "_id": {"$nin": &ids},
+                    "$or": [
+                        {"sha256": {"$in": hashes}},
+                        {"resumed_from": {"$in": &ids}},
+                        {"_id": {"$in": earlier}},
+                    ],
+                })
+                .await?
+                .try_collect()
+                .await?;
+            if linked.is_empty() {
+                break;
+            }
+            runs.extend(linked);
+        }
+        runs.sort_by_key(|r| (r.started_at, r.id));
+        Ok(runs)
+    }
+
+    /// The other runs of `file` in `pool` (same name, not in `except`).
+    pub async fn runs_named(
+        &self,
+        pool: &str,
+        file: &str,
+        except: &[ObjectId],
+    ) -> Result<Vec<ImportRecord>, StoreError> {
+        Ok(self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(doc! {"pool": pool, "file": file, "_id": {"$nin": except}})
+            .sort(doc! {"started_at": 1})
+            .limit(100)
             .await?
             .try_collect()
             .await?)

@@ -115,6 +115,23 @@ impl Store {
         &self.client
     }
 
+    /// True when the database holds codepool's data: `codepool migrate`
+    /// (or an import, or a daemon) has run on it.
+    pub async fn holds_codepool_data(&self) -> Result<bool, StoreError> {
+        let names = self
+            .db
+            .list_collection_names()
+            .filter(bson::doc! {"name": "_migrations"})
+            .await?;
+        Ok(!names.is_empty())
+    }
+
+    /// The names of the server's databases (empty when the user may not
+    /// list them).
+    pub async fn database_names(&self) -> Vec<String> {
+        self.client.list_database_names().await.unwrap_or_default()
+    }
+
     /// Drops the whole database. For tests and benchmarks only.
     pub async fn drop_database(&self) -> Result<(), StoreError> {
         self.db.drop().await.map_err(StoreError::from)

@@ -63,6 +63,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0013_console",
         include_str!("../../../migrations/0013_console.json"),
     ),
+    (
+        "0014_codes_any_pool_index",
+        include_str!("../../../migrations/0014_codes_any_pool_index.json"),
+    ),
 ];
 
 /// What a migration run did.

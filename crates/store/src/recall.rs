@@ -121,6 +121,16 @@ impl Store {
             .collect()
     }
 
+    /// How many codes import run `batch` put in, whatever their status
+    /// now (a count on the `(batch_id, _id)` index).
+    pub async fn codes_of_import(&self, batch: ObjectId) -> Result<u64, StoreError> {
+        Ok(self
+            .collection(CODES)
+            .count_documents(doc! {"batch_id": batch})
+            .hint(Hint::Name(BATCH_INDEX.into()))
+            .await?)
+    }
+
     /// Notes the recall on the import's audit record.
     pub async fn mark_import_recalled(
         &self,

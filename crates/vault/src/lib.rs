@@ -207,6 +207,18 @@ impl Keyring {
         mac.finalize().into_bytes().into()
     }
 
+    /// HMAC-SHA-256 of `"any" ‖ 0x00 ‖ code`: the same for a code in every
+    /// pool, so a code offered to a second pool is found in the first
+    /// (`code_any_hmac`). Tagged apart from [`Keyring::code_hmac`] (whose
+    /// input starts with a pool name, never empty and never NUL).
+    pub fn any_pool_hmac(&self, code: &str) -> [u8; 32] {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.hmac.as_ref())
+            .expect("HMAC accepts any key length");
+        mac.update(b"any\0");
+        mac.update(code.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
     /// HMAC-SHA-256 of `"fold" ‖ 0x00 ‖ pool ‖ 0x00 ‖ key`, where `key` is a
     /// code's look-alike key (`codepool_domain::fold`): what the unique
     /// look-alike index holds. Tagged apart from [`Keyring::code_hmac`], so

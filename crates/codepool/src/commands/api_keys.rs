@@ -67,7 +67,7 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
                 new.key.name,
                 new.key.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
             );
-            println!("{}", new.token);
+            say!("{}", new.token);
         }
         ApiKeysCommand::List { json } => {
             let all = keys::list(&store).await?;
@@ -83,14 +83,17 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
                         })
                     })
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                say_json!(serde_json::to_string_pretty(&rows)?);
             } else {
-                println!(
+                say!(
                     "{:<24} {:<16} {:<44} {:<21} REVOKED",
-                    "NAME", "ID", "SCOPES", "CREATED"
+                    "NAME",
+                    "ID",
+                    "SCOPES",
+                    "CREATED"
                 );
                 for k in &all {
-                    println!(
+                    say!(
                         "{:<24} {:<16} {:<44} {:<21} {}",
                         k.name,
                         k.id,
@@ -108,9 +111,10 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
         }
         ApiKeysCommand::Revoke { name } => {
             let k = keys::revoke(&store, &name).await?;
-            println!(
+            say!(
                 "revoked API key {:?} ({}); it stops working within a second",
-                k.name, k.id
+                k.name,
+                k.id
             );
         }
     }

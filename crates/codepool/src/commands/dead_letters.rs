@@ -63,12 +63,12 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 .letters;
             for d in &listed {
                 if json {
-                    println!(
-                        "{}",
+                    say_json!(
                         serde_json::json!({"message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body})
+                            .to_string()
                     );
                 } else {
-                    println!(
+                    say!(
                         "{}  reason: {}  replays: {}\n    body: {}",
                         d.message_id.as_deref().unwrap_or("-"),
                         d.reason,
@@ -78,7 +78,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 }
             }
             if !json {
-                println!(
+                say!(
                     "{} dead-lettered purchase(s) shown (still queued)",
                     listed.len()
                 );
@@ -100,14 +100,14 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 &actor,
             )
             .await?;
-            println!(
+            say!(
                 "replayed {} purchase(s) to {:?}",
                 sent.len(),
                 topology.purchases
             );
             if let Some(secs) = wait {
                 let again = dead_letters::dead_again(&conn, &topology, &sent, secs).await?;
-                println!("{again} of them came back dead (see `codepool dead-letters list`)");
+                say!("{again} of them came back dead (see `codepool dead-letters list`)");
             }
         }
     }

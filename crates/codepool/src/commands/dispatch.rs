@@ -89,7 +89,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::new(engine, store, hot, config, health);
-    dispatcher.run(stop).await;
+    dispatcher.run(stop).await?;
     Ok(crate::exit::OK)
 }
 
@@ -102,6 +102,7 @@ pub async fn ready_store(
     stop: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<codepool_store::Store>> {
     let store = codepool_store::Store::connect_lazy(&cfg.mongodb_uri, &cfg.db).await?;
+    crate::context::remember(&store);
     let mut attempt = 0;
     loop {
         match codepool_store::migrate::migrate(&store).await {

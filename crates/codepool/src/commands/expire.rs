@@ -23,6 +23,6 @@ pub async fn run(cfg: &Config, args: ExpireArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
     let n = codepool_dispatcher::ops::expire(&store, &hot, args.pool.as_deref()).await?;
-    println!("voided {n} expired code(s)");
+    say!("voided {n} expired code(s)");
     Ok(crate::exit::OK)
 }

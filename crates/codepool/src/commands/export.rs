@@ -29,7 +29,8 @@ written. The file is created with mode 0600 and appears only when complete:
 rows go to a new temporary file beside it (created exclusively), which is
 removed on any error, SIGINT or SIGTERM. A target that exists and is not a
 regular file (a directory, a device, a FIFO) is refused before anything is
-written; an existing file is replaced only with --force. A cell that starts
+written; an existing file is replaced only with --force, and the key file
+(CODEPOOL_KEY_FILE) never. A cell that starts
 with =, +, -, @, a tab or a carriage return gets a leading ' so that a
 spreadsheet shows it as text instead of running it (OWASP CSV injection).")]
 pub struct ExportArgs {
@@ -103,7 +104,9 @@ fn row(c: &Code, reveal: bool) -> [String; 12] {
 /// exists and is not a regular file (a directory, a device such as
 /// /dev/full, a FIFO), or an existing file without `--force`. Checked
 /// before anything is revealed or written, and again before the rename.
-fn check_target(out: &Path, force: bool) -> anyhow::Result<()> {
+fn check_target(out: &Path, force: bool, key_file: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let key = std::fs::metadata(key_file).ok();
     match std::fs::symlink_metadata(out) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => anyhow::bail!("cannot check {}: {e}; give a writable file path", out.display()),
@@ -114,6 +117,10 @@ fn check_target(out: &Path, force: bool) -> anyhow::Result<()> {
         ),
         Ok(m) if !m.is_file() => anyhow::bail!(
             "{} exists and is not a regular file (a device, a FIFO or a link); nothing was written. Give the path of a new file",
+            out.display()
+        ),
+        Ok(m) if key.is_some_and(|k| (k.dev(), k.ino()) == (m.dev(), m.ino())) => anyhow::bail!(
+            "{} is the key file that encrypts the codes (CODEPOOL_KEY_FILE); replacing it would make every code unreadable, so it is never an export target, not even with --force. Give another path",
             out.display()
         ),
         Ok(_) if !force => anyhow::bail!(
@@ -155,8 +162,8 @@ impl Partial {
         Ok((Self { path, kept: false }, file))
     }
 
-    fn move_to(mut self, out: &Path, force: bool) -> anyhow::Result<()> {
-        check_target(out, force)?;
+    fn move_to(mut self, out: &Path, force: bool, key_file: &Path) -> anyhow::Result<()> {
+        check_target(out, force, key_file)?;
         std::fs::rename(&self.path, out)
             .with_context(|| format!("cannot move the export to {}", out.display()))?;
         self.kept = true;
@@ -173,7 +180,8 @@ impl Drop for Partial {
 }
 
 pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
-    check_target(&args.out, args.force)?;
+    let key_file = cfg.key_path();
+    check_target(&args.out, args.force, &key_file)?;
     let store = crate::context::store(cfg).await?;
     store.keys().ring()?;
     let filter = ExportFilter {
@@ -212,13 +220,13 @@ pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
             args.out.display()
         )
     })?;
-    partial.move_to(&args.out, args.force)?;
+    partial.move_to(&args.out, args.force, &key_file)?;
     let shown = if args.reveal {
         "in clear text"
     } else {
         "masked"
     };
-    println!(
+    say!(
         "exported {written} code(s) of pool {:?} to {} (codes {shown}; formula-like cells start with ')",
         args.pool,
         args.out.display()

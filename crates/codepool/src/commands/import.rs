@@ -29,7 +29,9 @@ codes and needs --no-header. Any other first row (no such column, the column
 named twice, a UTF-16 file, an empty file) is refused: nothing is imported.
 
 Invalid rows (empty, longer than 128 characters, control characters, bad
-dates) are reported with their line number and skipped. Importing the same
+dates) are reported with their line number and skipped. So is a code that
+another pool holds already (a cross-pool duplicate: a code sits in one
+pool), unless --allow-cross-pool says it is meant for both. Importing the same
 file again inserts nothing new. The pool is created when its first code is
 imported (or beforehand with `codepool pool create`).
 
@@ -56,10 +58,14 @@ pub struct ImportArgs {
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Import codes that another pool holds already. By default they are
+    /// refused as cross-pool duplicates: a code sits in one pool.
+    #[arg(long)]
+    pub allow_cross_pool: bool,
 }
 
 pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
-    let store = crate::context::store(cfg).await?;
+    let store = crate::context::store_creating(cfg).await?;
     // A wrong key file would seal codes nobody else can open, and its HMAC
     // would not see duplicates: check it against the stored codes first.
     store.check_keys().await?;
@@ -75,6 +81,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
         },
         batch_size: args.batch_size as usize,
         stop: interrupt.token.clone(),
+        allow_cross_pool: args.allow_cross_pool,
         ..ImportOptions::default()
     };
     let reporter = Reporter::new(std::io::stderr().is_terminal() && !args.json);
@@ -98,7 +105,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     announce_replenished(cfg, &summary).await;
 
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        say_json!(serde_json::to_string_pretty(&summary)?);
     } else {
         print_summary(&summary);
     }
@@ -114,6 +121,13 @@ fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
             s.inserted
         );
         return code;
+    }
+    if s.cross_pool > 0 {
+        eprintln!(
+            "warning: {} code(s) refused because pool(s) {} hold them already; a code sits in one pool (pass --allow-cross-pool to import them anyway)",
+            s.cross_pool,
+            s.cross_pool_pools.join(", ")
+        );
     }
     if s.invalid > 0 && s.inserted + s.duplicates == 0 {
         eprintln!(
@@ -159,24 +173,31 @@ fn print_summary(s: &ImportSummary) {
     } else {
         "imported"
     };
-    println!("{verb} {} into pool {:?}", s.file, s.pool);
-    println!("  rows        {}", s.rows);
-    println!("  inserted    {}", s.inserted);
-    println!("  duplicates  {}", s.duplicates);
-    println!("  invalid     {}", s.invalid);
+    say!("{verb} {} into pool {:?}", s.file, s.pool);
+    say!("  rows        {}", s.rows);
+    say!("  inserted    {}", s.inserted);
+    say!("  duplicates  {}", s.duplicates);
+    say!("  invalid     {}", s.invalid);
     if s.lookalikes > 0 {
-        println!("  lookalikes  {} (of the invalid)", s.lookalikes);
+        say!("  lookalikes  {} (of the invalid)", s.lookalikes);
     }
-    println!("  seconds     {:.2}", s.seconds);
-    println!("  codes/s     {:.0}", s.codes_per_second);
-    println!("  sha256      {}", s.sha256);
+    if s.cross_pool > 0 {
+        say!(
+            "  cross-pool  {} (of the invalid; held by pool {})",
+            s.cross_pool,
+            s.cross_pool_pools.join(", ")
+        );
+    }
+    say!("  seconds     {:.2}", s.seconds);
+    say!("  codes/s     {:.0}", s.codes_per_second);
+    say!("  sha256      {}", s.sha256);
     if !s.invalid_rows.is_empty() {
-        println!("invalid rows (skipped; fix them and import the file again):");
+        say!("invalid rows (skipped; fix them and import the file again):");
         for row in s.invalid_rows.iter().take(20) {
-            println!("  line {}: {}", row.line, row.reason);
+            say!("  line {}: {}", row.line, row.reason);
         }
         if s.invalid > 20 {
-            println!(
+            say!(
                 "  … and {} more (use --json for up to 1000)",
                 s.invalid - 20
             );

@@ -52,20 +52,20 @@ pub async fn run(cfg: &Config, args: KeysArgs) -> anyhow::Result<u8> {
     match args.command {
         KeysCommand::Init => {
             let ring = keyfile::init(&path)?;
-            println!(
+            say!(
                 "created key file {} (mode 0600, active key {})",
                 path.display(),
                 ring.active_id()
             );
-            println!("back it up now: losing this file loses every code encrypted with it");
+            say!("back it up now: losing this file loses every code encrypted with it");
         }
         KeysCommand::Add => {
             let (_, id) = keyfile::add_key(&path)?;
-            println!(
+            say!(
                 "added key {id} to {}; new codes are encrypted with it",
                 path.display()
             );
-            println!("next: `codepool keys rotate` re-encrypts existing codes (keep the old keys until `codepool keys status` shows none left under them)");
+            say!("next: `codepool keys rotate` re-encrypts existing codes (keep the old keys until `codepool keys status` shows none left under them)");
         }
         KeysCommand::Rotate(a) => rotate(cfg, a.batch_size).await?,
         KeysCommand::Status => status(cfg).await?,
@@ -128,7 +128,7 @@ async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
         || async { Ok(store.count_to_rotate().await? > 0) },
     )
     .await?;
-    println!(
+    say!(
         "re-encrypted {done} code(s) under key {}; every code now uses it",
         ring.active_id()
     );
@@ -138,8 +138,8 @@ async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
 async fn status(cfg: &Config) -> anyhow::Result<()> {
     let store = crate::context::store(cfg).await?;
     let ring = store.keys().ring().ok();
-    println!("key file {}", cfg.key_path().display());
-    println!("{:<12} {:>12}  NOTE", "KEY", "CODES");
+    say!("key file {}", cfg.key_path().display());
+    say!("{:<12} {:>12}  NOTE", "KEY", "CODES");
     let usage = store.codes_per_key().await?;
     for u in &usage {
         let note = match (&u.key_id, &ring) {
@@ -149,7 +149,7 @@ async fn status(cfg: &Config) -> anyhow::Result<()> {
             (Some(_), _) => "MISSING from the key file: restore it from your backup".into(),
         };
         let id = u.key_id.as_deref().unwrap_or("-");
-        println!("{id:<12} {:>12}  {note}", u.codes);
+        say!("{id:<12} {:>12}  {note}", u.codes);
     }
     if let Some(r) = &ring {
         let unused = r
@@ -161,7 +161,7 @@ async fn status(cfg: &Config) -> anyhow::Result<()> {
             } else {
                 "no codes"
             };
-            println!("{k:<12} {:>12}  {note}", 0);
+            say!("{k:<12} {:>12}  {note}", 0);
         }
     }
     Ok(())

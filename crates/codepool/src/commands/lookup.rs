@@ -80,12 +80,9 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "quantity": b.quantity(), "waiting_lines": b.waiting_lines(), "created_at": b.created_at.to_chrono().to_rfc3339()}))
             .collect();
         let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
-        println!(
-            "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused})
-            )?
-        );
+        say_json!(serde_json::to_string_pretty(
+            &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused})
+        )?);
     } else {
         print_table(&found, show);
     }
@@ -144,16 +141,23 @@ fn code_json(c: &Code, shown: String) -> serde_json::Value {
 
 fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
     if found.is_empty() {
-        println!("nothing found");
+        say!("nothing found");
         return;
     }
-    println!(
+    say!(
         "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
-        "ORDER", "CODE #", "CODE", "STATUS", "POOL", "GRANT NO", "ISSUED AT", "SMS"
+        "ORDER",
+        "CODE #",
+        "CODE",
+        "STATUS",
+        "POOL",
+        "GRANT NO",
+        "ISSUED AT",
+        "SMS"
     );
     for c in &found.codes {
         let h = c.holder.as_ref();
-        println!(
+        say!(
             "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
             h.map_or("-", |h| h.order_id.as_str()),
             h.map_or_else(
@@ -176,7 +180,7 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         } else {
             String::new()
         };
-        println!(
+        say!(
             "backorder: order {} in pool {} is {}{of} (since {})",
             b.order_id,
             b.pool,
@@ -185,7 +189,7 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         );
     }
     for r in &found.refusals {
-        println!(
+        say!(
             "refused: order {} of user {} in pool {}: {} (limit {}) at {}; it gets no code",
             r.order_id,
             r.uid,
@@ -214,10 +218,10 @@ fn short(t: Option<DateTime<Utc>>) -> String {
 fn print_details(c: &Code) {
     let s = &c.sms;
     if let Some(t) = c.used_at {
-        println!("    used      {}", short(Some(t)));
+        say!("    used      {}", short(Some(t)));
     }
     if let Some(t) = c.voided_at {
-        println!(
+        say!(
             "    voided    {} ({})",
             short(Some(t)),
             c.void_reason.as_deref().unwrap_or("no reason given")
@@ -246,11 +250,11 @@ fn print_details(c: &Code) {
     if s.resends > 0 {
         sms.push(format!("re-sent {} time(s)", s.resends));
     }
-    println!("    sms       {}", sms.join("; "));
+    say!("    sms       {}", sms.join("; "));
     for h in &s.history {
         match &h.error {
-            Some(e) => println!("      {} {} ({e})", short(Some(h.at)), h.event),
-            None => println!("      {} {}", short(Some(h.at)), h.event),
+            Some(e) => say!("      {} {} ({e})", short(Some(h.at)), h.event),
+            None => say!("      {} {}", short(Some(h.at)), h.event),
         }
     }
 }

@@ -27,14 +27,15 @@ pub struct MigrateArgs {
 
 pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
     let store = codepool_store::Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
+    crate::context::remember(&store);
     let report = codepool_store::migrate::migrate(&store).await?;
     for name in &report.applied {
-        println!("applied  {name}");
+        say!("applied  {name}");
     }
     for name in &report.already_applied {
-        println!("present  {name}");
+        say!("present  {name}");
     }
-    println!(
+    say!(
         "migrations: {} applied, {} already present (database {:?})",
         report.applied.len(),
         report.already_applied.len(),
@@ -70,20 +71,24 @@ async fn key_lookalikes(store: &codepool_store::Store, batch_size: i64) -> anyho
         after = batch.next_after;
     }
     store.finish_fold_backfill().await?;
-    println!("checked {keyed} code(s) imported before look-alike checks");
+    say!("checked {keyed} code(s) imported before look-alike checks");
     if pairs.is_empty() {
         return Ok(());
     }
-    println!(
+    say!(
         "{} look-alike pair(s): codes that read the same to a buyer (Unicode NFKC and case folding). \
          Both stay issuable; void the one the partner did not mean with \
          `codepool void --pool POOL --code CODE --reason lookalike`:",
         pairs.len()
     );
     for p in &pairs {
-        println!(
+        say!(
             "  pool {:?}: {} (id {}) reads like {} (id {})",
-            p.pool, p.lookalike_masked, p.lookalike, p.kept_masked, p.kept
+            p.pool,
+            p.lookalike_masked,
+            p.lookalike,
+            p.kept_masked,
+            p.kept
         );
     }
     Ok(())
@@ -106,6 +111,6 @@ async fn seal_plaintext(
         || store.has_plaintext(),
     )
     .await?;
-    println!("encrypted {sealed} plaintext code(s) in place; no plaintext code is left");
+    say!("encrypted {sealed} plaintext code(s) in place; no plaintext code is left");
     Ok(())
 }

@@ -1,4 +1,27 @@
 //! One module per subcommand.
+//!
+//! Every line a command prints goes through [`say!`] (or [`say_json!`]):
+//! ids, reasons, file names and message bodies come from buyers, partners
+//! and operators, so control and bidi characters are escaped as in the
+//! logs, never handed to the terminal.
+
+/// `println!` with control and bidi characters escaped (`\u{1b}`).
+macro_rules! say {
+    () => {
+        println!()
+    };
+    ($($arg:tt)*) => {
+        println!("{}", codepool_domain::terminal_text(&format!($($arg)*), false))
+    };
+}
+
+/// Prints JSON text with control and bidi characters escaped as JSON
+/// escapes (`\u202e`), so it stays valid JSON.
+macro_rules! say_json {
+    ($json:expr) => {
+        println!("{}", codepool_domain::terminal_text(&$json, true))
+    };
+}
 
 pub mod api;
 pub mod api_keys;

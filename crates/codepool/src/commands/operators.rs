@@ -126,7 +126,7 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
         } => {
             let password = read_password(password_stdin)?;
             let op = operators::add(&store, &name, role, &password).await?;
-            println!(
+            say!(
                 "added operator {:?} as {}; they sign in at /console of `codepool api`",
                 op.name,
                 op.role.as_str()
@@ -135,7 +135,7 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
         OperatorsCommand::List { json } => list(&store, json).await?,
         OperatorsCommand::Disable { name } => {
             let op = operators::disable(&store, &name).await?;
-            println!("disabled operator {:?}; their sessions ended", op.name);
+            say!("disabled operator {:?}; their sessions ended", op.name);
         }
         OperatorsCommand::Passwd {
             name,
@@ -143,7 +143,7 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
         } => {
             let password = read_password(password_stdin)?;
             operators::passwd(&store, &name, &password).await?;
-            println!("changed the password of {name:?}; their sessions ended");
+            say!("changed the password of {name:?}; their sessions ended");
         }
     }
     Ok(crate::exit::OK)
@@ -162,12 +162,12 @@ async fn list(store: &codepool_store::Store, json: bool) -> anyhow::Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        say_json!(serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    println!("{:<24} {:<8} {:<21} DISABLED", "NAME", "ROLE", "CREATED");
+    say!("{:<24} {:<8} {:<21} DISABLED", "NAME", "ROLE", "CREATED");
     for o in &all {
-        println!(
+        say!(
             "{:<24} {:<8} {:<21} {}",
             o.name,
             o.role.as_str(),

@@ -99,9 +99,9 @@ async fn create(store: &codepool_store::Store, pool: &str) -> anyhow::Result<()>
     let pool = codepool_domain::Pool::new(pool)?;
     let actor = super::actor("pool create");
     if codepool_dispatcher::controls::create_pool(store, pool.as_str(), &actor).await? {
-        println!("pool {pool} created; it has no codes yet, so its purchases are backordered until `codepool import FILE --pool {pool}`");
+        say!("pool {pool} created; it has no codes yet, so its purchases are backordered until `codepool import FILE --pool {pool}`");
     } else {
-        println!("pool {pool} already exists; nothing changed");
+        say!("pool {pool} already exists; nothing changed");
     }
     Ok(())
 }
@@ -155,25 +155,23 @@ async fn set(
     codepool_dispatcher::controls::set_pool_settings(store, pool, settings, &what, &actor).await?;
     if let Some(n) = settings.low_stock {
         if n == 0 {
-            println!("pool {pool}: low-stock alerts off");
+            say!("pool {pool}: low-stock alerts off");
         } else {
             let unissued = store.unissued_stock(pool).await?;
-            println!("pool {pool}: alert when unissued stock falls below {n} (now {unissued})");
+            say!("pool {pool}: alert when unissued stock falls below {n} (now {unissued})");
         }
     }
     if let Some(p) = &settings.grant_prefix {
-        println!(
-            "pool {pool}: grant numbers start with {p} (running dispatchers switch within 30 s)"
-        );
+        say!("pool {pool}: grant numbers start with {p} (running dispatchers switch within 30 s)");
     }
     match settings.per_user {
-        Some(0) => println!("pool {pool}: no per-user limit"),
-        Some(n) => println!("pool {pool}: at most {n} order(s) per user get a code; further purchases are refused (running dispatchers apply it within a second)"),
+        Some(0) => say!("pool {pool}: no per-user limit"),
+        Some(n) => say!("pool {pool}: at most {n} order(s) per user get a code; further purchases are refused (running dispatchers apply it within a second)"),
         None => {}
     }
     match settings.case_sensitive_codes {
-        Some(true) => println!("pool {pool}: codes are case-sensitive; look-alikes are folded by Unicode NFKC only"),
-        Some(false) => println!("pool {pool}: codes ignore case; look-alikes are folded by Unicode NFKC and case folding"),
+        Some(true) => say!("pool {pool}: codes are case-sensitive; look-alikes are folded by Unicode NFKC only"),
+        Some(false) => say!("pool {pool}: codes ignore case; look-alikes are folded by Unicode NFKC and case folding"),
         None => {}
     }
     Ok(())
@@ -191,10 +189,10 @@ async fn pause(
         codepool_dispatcher::controls::set_paused(store, &publisher, pool, paused, &actor).await;
     codepool_broker::close(conn, "codepool pool done").await;
     match (changed?, paused) {
-        (true, true) => println!("pool {pool} paused: purchases wait as backorders until `codepool pool resume --pool {pool}`"),
-        (false, true) => println!("pool {pool} was already paused; pool.paused announced again"),
-        (true, false) => println!("pool {pool} resumed: dispatchers fulfil its backorders, oldest first"),
-        (false, false) => println!("pool {pool} was not paused; pool.resumed announced again"),
+        (true, true) => say!("pool {pool} paused: purchases wait as backorders until `codepool pool resume --pool {pool}`"),
+        (false, true) => say!("pool {pool} was already paused; pool.paused announced again"),
+        (true, false) => say!("pool {pool} resumed: dispatchers fulfil its backorders, oldest first"),
+        (false, false) => say!("pool {pool} was not paused; pool.resumed announced again"),
     }
     Ok(())
 }
@@ -228,7 +226,7 @@ async fn show(
         }
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        say_json!(serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
     print_rows(&rows);
@@ -236,12 +234,19 @@ async fn show(
 }
 
 fn print_rows(rows: &[PoolRow]) {
-    println!(
+    say!(
         "{:<20} {:<7} {:>9} {:>10} {:<8} {:>8} {:<8} {:<20}",
-        "POOL", "STATE", "UNISSUED", "LOW STOCK", "ALERT", "PER USER", "PREFIX", "CREATED"
+        "POOL",
+        "STATE",
+        "UNISSUED",
+        "LOW STOCK",
+        "ALERT",
+        "PER USER",
+        "PREFIX",
+        "CREATED"
     );
     for r in rows {
-        println!(
+        say!(
             "{:<20} {:<7} {:>9} {:>10} {:<8} {:>8} {:<8} {:<20}",
             r.pool,
             if r.paused { "PAUSED" } else { "active" },
@@ -258,6 +263,6 @@ fn print_rows(rows: &[PoolRow]) {
         );
     }
     if rows.is_empty() {
-        println!("(no pools yet: `codepool import FILE --pool NAME` or `codepool pool create --pool NAME` creates one)");
+        say!("(no pools yet: `codepool import FILE --pool NAME` or `codepool pool create --pool NAME` creates one)");
     }
 }

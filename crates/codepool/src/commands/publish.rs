@@ -76,7 +76,7 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
     cfg.topology().declare(publisher.channel()).await?;
     let n = publish_all(&publisher, &bodies).await?;
     codepool_broker::close(conn, "done").await;
-    println!(
+    say!(
         "published {n} purchase(s) to queue {:?}",
         cfg.topology().purchases
     );

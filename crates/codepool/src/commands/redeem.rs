@@ -29,7 +29,7 @@ pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let actor = super::actor("redeem");
     for t in codepool_dispatcher::ops::redeem(&store, target, &actor).await? {
         let holder = t.before.holder.as_ref();
-        println!(
+        say!(
             "redeemed {} in pool {} (order {}, issued {}) at {}",
             mask(&t.before.code),
             t.before.pool,

@@ -37,7 +37,7 @@ pub async fn run(cfg: &Config, args: ResendArgs) -> anyhow::Result<u8> {
             .filter(|c| c.holder.as_ref().is_some_and(|h| lines.contains(&h.line)))
             .map(|c| c.masked())
             .collect();
-        println!(
+        say!(
             "re-published the SMS-pending event of order {} (event id {}, {} {}, pool {})",
             args.order,
             event.event_id,

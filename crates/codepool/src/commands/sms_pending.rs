@@ -59,9 +59,9 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
                         c.code = mask(&c.code);
                     }
                 }
-                println!("{}", serde_json::to_string(&event)?);
+                say_json!(serde_json::to_string(&event)?);
             }
-            Err(_) => println!(
+            Err(_) => say!(
                 "(not an SMS-pending event: {} bytes)",
                 msg.delivery.data.len()
             ),
@@ -71,7 +71,7 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
     // Closing without acks puts every peeked event back.
     let _ = channel.close(200, "peeked").await;
     codepool_broker::close(conn, "done").await;
-    println!(
+    say!(
         "{shown} event(s) shown from {:?} (still queued)",
         topology.sms_pending
     );

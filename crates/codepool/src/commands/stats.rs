@@ -65,7 +65,7 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
         }
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        say_json!(serde_json::to_string_pretty(&rows)?);
         return Ok(crate::exit::OK);
     }
     print_table(&rows);
@@ -73,7 +73,7 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
 }
 
 fn print_table(rows: &[Row]) {
-    println!(
+    say!(
         "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
         "POOL",
         "STATE",
@@ -91,7 +91,7 @@ fn print_table(rows: &[Row]) {
     );
     for r in rows {
         let s = &r.stats;
-        println!(
+        say!(
             "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
             s.pool,
             if r.paused { "PAUSED" } else { "active" },
@@ -115,12 +115,12 @@ fn print_table(rows: &[Row]) {
         .iter()
         .any(|r| r.low_stock.is_some_and(|n| (r.stats.unissued as i64) < n))
     {
-        println!("LOW: unissued stock below the pool's threshold; import more codes (`codepool import FILE --pool P`)");
+        say!("LOW: unissued stock below the pool's threshold; import more codes (`codepool import FILE --pool P`)");
     }
     if rows.iter().any(|r| r.paused) {
-        println!("PAUSED: nothing is issued, purchases wait as backorders; `codepool pool resume --pool P` fulfils them");
+        say!("PAUSED: nothing is issued, purchases wait as backorders; `codepool pool resume --pool P` fulfils them");
     }
     if rows.is_empty() {
-        println!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
+        say!("(no pools yet: `codepool import FILE --pool NAME` creates one)");
     }
 }

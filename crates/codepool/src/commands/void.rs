@@ -62,12 +62,12 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
             for t in &applied {
                 let c = &t.before;
                 match &c.holder {
-                    None => println!(
+                    None => say!(
                         "voided unissued code {} in pool {} ({reason}); it will never be issued",
                         c.masked(),
                         c.pool
                     ),
-                    Some(h) => println!(
+                    Some(h) => say!(
                         "voided code {} in pool {} ({reason}); it was issued to order {} (line {}) at {} and will never be issued again",
                         c.masked(),
                         c.pool,
@@ -78,56 +78,49 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
                 }
             }
             if backorder_cancelled {
-                println!(
-                    "the order's backorder for the codes it still waited for is cancelled too"
-                );
+                say!("the order's backorder for the codes it still waited for is cancelled too");
             }
         }
         VoidOutcome::BackorderCancelled { order_id } => {
-            println!("order {order_id} had no code yet; its backorder is cancelled and will not be fulfilled");
+            say!("order {order_id} had no code yet; its backorder is cancelled and will not be fulfilled");
         }
     }
     Ok(crate::exit::OK)
 }
 
-/// `--import`: recall the import's unissued codes, list the issued ones.
+/// `--import`: recall the import's unissued codes (every run of the file
+/// in that pool), list the issued ones.
 async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
     let actor = super::actor("void --import");
     let r = controls::recall_import(&store, &hot, import, reason, &actor).await?;
-    let held: Vec<_> = r
-        .held
-        .iter()
-        .map(|c| {
-            let h = c.holder.as_ref();
-            serde_json::json!({
-                "code": c.masked(), "status": c.status.name(),
-                "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid),
-                "phone": h.map(|h| &h.phone), "issued_at": h.map(|h| when(Some(h.issued_at))),
-            })
+    if json {
+        return print_recall_json(&r);
+    }
+    let runs: Vec<String> = (r.runs.iter())
+        .map(|run| {
+            format!(
+                "{} ({}, {} code(s), {} voided)",
+                run.id.to_hex(),
+                run.status,
+                run.codes,
+                run.voided
+            )
         })
         .collect();
-    if json {
-        let out = serde_json::json!({
-            "import_id": r.import.id.to_hex(), "pool": r.import.pool, "file": r.import.file,
-            "voided": r.voided, "issued": held.len(), "held": held,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(crate::exit::OK);
-    }
-    println!(
+    say!(
         "import {} ({} into pool {}): {} unissued code(s) voided ({}); {} already issued, left with their buyers:",
         r.import.id.to_hex(),
         r.import.file,
         r.import.pool,
         r.voided,
         reason.trim(),
-        held.len()
+        r.held.len()
     );
     for c in &r.held {
         if let Some(h) = &c.holder {
-            println!(
+            say!(
                 "  {:<20} {:<9} order {} uid {} phone {} issued {}",
                 c.masked(),
                 c.status.name(),
@@ -138,5 +131,38 @@ async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow:
             );
         }
     }
+    say!(
+        "the recall covered {} run(s) of the file in pool {}: {}",
+        r.runs.len(),
+        r.import.pool,
+        runs.join(", ")
+    );
+    Ok(crate::exit::OK)
+}
+
+fn print_recall_json(r: &controls::Recall) -> anyhow::Result<u8> {
+    let held: Vec<_> = (r.held.iter())
+        .map(|c| {
+            let h = c.holder.as_ref();
+            serde_json::json!({
+                "code": c.masked(), "status": c.status.name(),
+                "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid),
+                "phone": h.map(|h| &h.phone), "issued_at": h.map(|h| when(Some(h.issued_at))),
+            })
+        })
+        .collect();
+    let runs: Vec<_> = (r.runs.iter())
+        .map(|run| {
+            serde_json::json!({
+                "import_id": run.id.to_hex(), "status": run.status,
+                "codes": run.codes, "voided": run.voided,
+            })
+        })
+        .collect();
+    let out = serde_json::json!({
+        "import_id": r.import.id.to_hex(), "pool": r.import.pool, "file": r.import.file,
+        "voided": r.voided, "issued": held.len(), "held": held, "runs": runs,
+    });
+    say_json!(serde_json::to_string_pretty(&out)?);
     Ok(crate::exit::OK)
 }

@@ -310,7 +310,11 @@ pub async fn recall(
     let recalled = controls::recall_import(api.store(), api.hot().as_ref(), &id, &f.reason, &actor);
     let r = match recalled.await {
         Ok(r) => r,
-        Err(e @ RecallError::Reason) => return Err(Failure::Invalid(e.to_string())),
+        Err(
+            e @ (RecallError::Reason
+            | RecallError::NothingRecalled { .. }
+            | RecallError::Empty { .. }),
+        ) => return Err(Failure::Invalid(e.to_string())),
         Err(e @ (RecallError::BadId(_) | RecallError::UnknownImport(_))) => {
             return Err(Failure::NotFound(e.to_string()))
         }
