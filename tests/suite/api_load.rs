@@ -226,13 +226,13 @@ async fn http_and_amqp_orders_over_two_api_processes_and_a_dispatcher_each_get_e
 
 #[tokio::test]
 async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_gets_the_same_codes() {
+    // An API-only deployment: no dispatcher runs. The other API process's
+    // relay sends the events the killed process owed.
     let env = TestEnv::new("api_kill").await;
     env.fill_pool("kp", 500).await;
     let shop = key(&env, "shop", "orders:write").await;
     let a = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
     let b = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
-    // The dispatcher's relay sends the events the killed process owed.
-    let d = start_daemon(env.command(&[])).await;
     let pid = a.child.id().unwrap().to_string();
     let killer = async {
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -297,7 +297,6 @@ async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_get
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    d.stop().await;
     b.stop().await;
     env.cleanup().await;
 }

@@ -114,7 +114,6 @@ impl Dispatcher {
         let stop = shutdown.child_token();
         let upkeep = crate::upkeep::spawn(
             conn,
-            &cfg.topology,
             self.store.clone(),
             self.hot.clone(),
             self.stock.clone(),

@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use codepool_broker::{BrokerError, ConsumerHandle, Publisher, Topology};
+use codepool_broker::{BrokerError, ConsumerHandle, Publisher};
 use codepool_hotpool::HotPool;
 use codepool_store::{Store, StoreError};
 use futures::StreamExt;
@@ -37,10 +37,10 @@ pub struct Upkeep {
 }
 
 /// Opens the consumers (which may fail: nothing is spawned then) and
-/// spawns the upkeep tasks. Await the tasks after cancelling `stop`.
+/// spawns the upkeep tasks (the queues are those of `publisher`'s
+/// topology). Await the tasks after cancelling `stop`.
 pub async fn spawn(
     conn: &Connection,
-    topology: &Topology,
     store: Store,
     hot: HotPool,
     stock: Arc<StockWatch>,
@@ -48,6 +48,7 @@ pub async fn spawn(
     redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
 ) -> Result<Upkeep, BrokerError> {
+    let topology = publisher.topology();
     let receipts = codepool_broker::consume(conn, &topology.sms_receipts, PREFETCH).await?;
     let redemptions = codepool_broker::consume(conn, &topology.code_redeemed, PREFETCH).await?;
     let consumers = vec![receipts.handle, redemptions.handle];

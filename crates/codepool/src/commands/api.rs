@@ -19,9 +19,11 @@ Examples:
   curl -H \"Authorization: Bearer $KEY\" -H 'Content-Type: application/json' -d '{\"order_id\":\"O-1\",\"uid\":\"u1\",\"phone\":\"+8613800000000\",\"pool\":\"game-x\"}' \\
        http://127.0.0.1:8080/v1/orders
 
-Stateless: run as many as you like behind a load balancer, beside at least
-one `codepool dispatch` (its relay re-sends the events of HTTP orders whose
-confirm this process did not see). Every request needs an API key
+Stateless: run as many as you like behind a load balancer, with or without
+`codepool dispatch`: each API process relays too (every 10 s it re-sends the
+SMS-pending events of grants whose confirm no process saw for 30 s, the
+same event ids, so a crash between a claim and its confirm loses no SMS).
+Every request needs an API key
 (`codepool api-keys create`). /healthz, /readyz and /metrics are served on
 the same port, without a key. SIGTERM finishes in-flight requests, refuses
 new ones and exits 0. Routes: docs/http-api.md.")]
@@ -122,14 +124,49 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         health.clone(),
         stop.clone(),
     ));
+    // Every process that grants also relays: a grant never waits on a
+    // dispatcher that may not exist.
+    let relay = tokio::spawn(relay_loop(api.clone(), health.clone(), stop.clone()));
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
+    relay.abort();
     let broker = api.broker();
     broker.publisher.settle().await;
     let _ = broker.conn.close(200, "api stopped").await;
     served??;
     Ok(crate::exit::OK)
+}
+
+/// How often the relay runs, and how old an unconfirmed grant must be
+/// before it is sent again (the dispatcher's defaults).
+const RELAY_EVERY: Duration = Duration::from_secs(10);
+const RELAY_AFTER: Duration = Duration::from_secs(30);
+
+/// Re-sends, every [`RELAY_EVERY`], the events of grants no process saw
+/// confirmed for [`RELAY_AFTER`] (this process's, or one that crashed),
+/// and keeps `/readyz` told whether the key file opens every code.
+async fn relay_loop(api: Arc<Api>, health: Arc<Health>, stop: tokio_util::sync::CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(RELAY_EVERY) => {}
+        }
+        if api.intake().keys().refresh(api.store()).await.is_ok() {
+            health.set_keys_missing(!api.intake().keys().missing().is_empty());
+        }
+        let broker = api.broker();
+        let relayed = codepool_dispatcher::relay::relay_unconfirmed(
+            api.store(),
+            api.outbox(),
+            &broker.publisher,
+            RELAY_AFTER,
+            1000,
+        );
+        if let Err(e) = relayed.await {
+            tracing::debug!(error = %e, "relay skipped; retried in {RELAY_EVERY:?}");
+        }
+    }
 }
 
 /// This process's broker connection name, as RabbitMQ lists it.
