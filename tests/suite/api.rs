@@ -52,6 +52,11 @@ impl ApiServer {
         Self { child, addr, log }
     }
 
+    /// The API's log so far, one string.
+    pub(crate) fn log_text(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
     /// SIGTERM; the API must exit 0 within 10 s.
     pub(crate) async fn stop(mut self) {
         let pid = self.child.id().unwrap().to_string();

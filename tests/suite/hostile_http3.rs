@@ -685,3 +685,37 @@ async fn a_sign_in_from_origin_null_is_refused() {
     api.stop().await;
     env.cleanup().await;
 }
+
+/// A sign-in name holding CR and LF cannot write a log line of its own:
+/// the text log escapes them inside the one line the event makes.
+#[tokio::test]
+async fn a_sign_in_name_holding_a_newline_cannot_forge_a_log_line() {
+    let env = TestEnv::new("h3_logforge").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let forged = "x\n2026-11-25T00:00:00.000000Z  INFO console sign-in operator=admin1\r";
+    let a = sign_in_from(&api.addr, Ipv4Addr::new(127, 0, 3, 1), forged, "wrong").await;
+    assert!(
+        a.status == 200 || a.status == 401 || a.status == 403,
+        "{}",
+        a.status
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the failed sign-in is logged",
+        || async { api.log_text().contains("console sign-in failed") },
+    )
+    .await;
+    let log = api.log_text();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("INFO console sign-in operator=admin1")
+                && !l.contains("sign-in failed")),
+        "a forged line:\n{log}"
+    );
+    assert!(
+        log.contains("x\\u{a}2026"),
+        "the newline is escaped in place:\n{log}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

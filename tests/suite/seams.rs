@@ -760,3 +760,40 @@ async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
     );
     env.cleanup().await;
 }
+
+/// `NF-café` sent composed and then decomposed is one order: the second
+/// post is a repeat with the same code, not a second grant.
+#[tokio::test]
+async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
+    use crate::api::{http, json_of, key, ApiServer};
+    let env = TestEnv::new("seam_nfc").await;
+    env.fill_pool("nf", 5).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = |id: &str| {
+        serde_json::json!({"order_id": id, "uid": "b\u{e9}a", "phone": "+8613800000000", "pool": "nf"})
+            .to_string()
+            .into_bytes()
+    };
+    let (s1, _, b1) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &body("NF-caf\u{e9}"),
+    )
+    .await;
+    let (s2, _, b2) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &body("NF-cafe\u{301}"),
+    )
+    .await;
+    assert_eq!((s1, s2), (201, 200), "{}", String::from_utf8_lossy(&b2));
+    assert_eq!(json_of(&b1)["codes"], json_of(&b2)["codes"]);
+    assert_eq!(statuses(&env, "NF-caf\u{e9}").await, vec![1]);
+    api.stop().await;
+    env.cleanup().await;
+}
