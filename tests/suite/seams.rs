@@ -797,3 +797,46 @@ async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
     api.stop().await;
     env.cleanup().await;
 }
+
+/// Read-only commands never migrate: a pending migration stays pending
+/// (and is named), and a schema a newer codepool wrote is refused by
+/// `migrate` and by every command, naming the migration it does not know.
+#[tokio::test]
+async fn commands_that_read_never_migrate_and_a_newer_schema_is_refused() {
+    let env = TestEnv::new("seam_schema").await;
+    env.fill_pool("sc", 1).await;
+    let log = env
+        .store
+        .database()
+        .collection::<bson::Document>("_migrations");
+    log.delete_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
+        .await
+        .unwrap();
+    let out = env.command(&["stats"]).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0014_codes_any_pool_index"));
+    assert!(
+        log.find_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
+            .await
+            .unwrap()
+            .is_none(),
+        "stats applied nothing"
+    );
+    log.insert_one(bson::doc! {"_id": "9999_from_the_future"})
+        .await
+        .unwrap();
+    for args in [&["stats"][..], &["migrate"][..]] {
+        let out = env.command(args).output().await.unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("9999_from_the_future") && err.contains("newer codepool"),
+            "{args:?}: {err}"
+        );
+    }
+    env.cleanup().await;
+}

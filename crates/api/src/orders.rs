@@ -104,7 +104,7 @@ fn grant_json(g: &Grant, reveal: bool) -> Value {
         (status = 201, description = "the codes were issued now, in plaintext", body = crate::openapi::Placed),
         (status = 200, description = "the same order again: the same codes, no second SMS", body = crate::openapi::Placed),
         (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = crate::openapi::Placed),
-        (status = 409, description = "the order id belongs to another order (pool, buyer or quantity), or the order was voided (`order-cancelled`); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the order id belongs to another order (pool, buyer or quantity) or to another key (or came over AMQP), or the order was voided (`order-cancelled`); nothing granted, no code shown", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer over the pool's per-user limit", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
@@ -130,24 +130,8 @@ pub(crate) async fn place(
     tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
     match step {
         Step::DeadLetter(e) => rejected(&e, &rid),
-        Step::Cancelled(p) => Problem::new(
-            StatusCode::CONFLICT,
-            "order-cancelled",
-            "the order was voided",
-            format!("order {:?} was voided while it waited for codes, and a void is final: it gets nothing again. Place the purchase under a new order id", p.order_id),
-        )
-        .field("order_id")
-        .at(&rid.0)
-        .into_response(),
-        Step::Refused(r) => Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                r.reason.as_str().replace('_', "-").as_str(),
-                "the order was refused by the pool's policy",
-                format!("the buyer {:?} would go over the pool's limit of {} codes; the order gets no code. A new order within the limit is taken", r.purchase.uid, r.limit.unwrap_or_default()),
-            )
-            .with("limit", json!(r.limit))
-            .at(&rid.0)
-            .into_response(),
+        Step::Cancelled(p) => cancelled(&p, &rid),
+        Step::Refused(r) => refused_by_policy(&r, &rid),
         Step::Backorder { purchase, lines } => (
             StatusCode::ACCEPTED,
             Json(json!({
@@ -189,6 +173,32 @@ pub(crate) async fn place(
                 .into_response()
         }
     }
+}
+
+/// 409 for an order voided while it waited: a void is final.
+fn cancelled(p: &Purchase, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::CONFLICT,
+        "order-cancelled",
+        "the order was voided",
+        format!("order {:?} was voided while it waited for codes, and a void is final: it gets nothing again. Place the purchase under a new order id", p.order_id),
+    )
+    .field("order_id")
+    .at(&rid.0)
+    .into_response()
+}
+
+/// 422 for an order a pool policy refused, with the limit.
+fn refused_by_policy(r: &codepool_domain::Refusal, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        r.reason.as_str().replace('_', "-").as_str(),
+        "the order was refused by the pool's policy",
+        format!("the buyer {:?} would go over the pool's limit of {} codes; the order gets no code. A new order within the limit is taken", r.purchase.uid, r.limit.unwrap_or_default()),
+    )
+    .with("limit", json!(r.limit))
+    .at(&rid.0)
+    .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -445,22 +455,22 @@ pub(crate) async fn void(
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
-    let reason = serde_json::from_slice::<VoidBody>(&body)
-        .ok()
-        .and_then(|b| ops::checked_reason(&b.reason).map(str::to_owned));
-    let Some(reason) = reason else {
-        return Problem::new(
+    let bad_reason = || {
+        Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid-reason",
             "a void needs a reason",
             format!(
-                "send {{\"reason\": \"refund\"}}: 1 to {} characters saying why",
+                "send {{\"reason\": \"refund\"}}: 1 to {} characters of plain visible text saying why",
                 ops::MAX_REASON_CHARS
             ),
         )
         .field("reason")
         .at(&rid.0)
-        .into_response();
+        .into_response()
+    };
+    let Ok(VoidBody { reason }) = serde_json::from_slice::<VoidBody>(&body) else {
+        return bad_reason();
     };
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
@@ -474,10 +484,12 @@ pub(crate) async fn void(
         &actor,
     )
     .await;
-    match voided.map_err(|e| match e {
-        ops::VoidError::Lifecycle(e) => e,
-        ops::VoidError::Reason => LifecycleError::Store(codepool_store::StoreError::Rejected("invalid reason".into())),
-    }) {
+    let voided = match voided {
+        Err(ops::VoidError::Reason) => return bad_reason(),
+        Err(ops::VoidError::Lifecycle(e)) => Err(e),
+        Ok(v) => Ok(v),
+    };
+    match voided {
         Ok(VoidOutcome::Voided {
             applied,
             backorder_cancelled,

@@ -11,8 +11,10 @@ use codepool_store::{CodeKeys, Store};
 use crate::config::Config;
 
 /// Connects to MongoDB (failing clearly if it is unreachable) and to a
-/// database that holds codepool's data, applies pending migrations, and
-/// loads the key file (see [`code_keys`]). A database without codepool's
+/// database that holds codepool's data, and loads the key file (see
+/// [`code_keys`]). It never migrates: only `migrate`, `import` and the
+/// daemons do; pending migrations are named on stderr, and a schema newer
+/// than this binary knows is refused. A database without codepool's
 /// data (a mistyped `CODEPOOL_DB`) is refused, never created: only
 /// `migrate`, `import` and the daemons create one ([`store_creating`]).
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
@@ -31,7 +33,22 @@ pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
             cfg.db
         );
     }
-    codepool_store::migrate::migrate(&store).await?;
+    let schema = codepool_store::migrate::schema_state(&store).await?;
+    if !schema.unknown.is_empty() {
+        anyhow::bail!(
+            "database {:?} was migrated by a newer codepool (migrations this binary does not know: {}); run that newer codepool binary",
+            cfg.db,
+            schema.unknown.join(", ")
+        );
+    }
+    if !schema.pending.is_empty() {
+        eprintln!(
+            "warning: database {:?} lacks {} migration(s) of this codepool ({}); run `codepool migrate`",
+            cfg.db,
+            schema.pending.len(),
+            schema.pending.join(", ")
+        );
+    }
     Ok(store.with_keys(code_keys(cfg)?))
 }
 

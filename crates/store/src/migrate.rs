@@ -76,8 +76,53 @@ pub struct MigrationReport {
     pub already_applied: Vec<String>,
 }
 
+/// Where the database's schema stands against this binary's migrations.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SchemaState {
+    /// Migrations this binary knows that the database has not had.
+    pub pending: Vec<String>,
+    /// Migrations the database has had that this binary does not know: a
+    /// newer codepool migrated it.
+    pub unknown: Vec<String>,
+}
+
+/// Reads where the schema stands, changing nothing (for commands that only
+/// read, or change data, but never migrate).
+pub async fn schema_state(store: &Store) -> Result<SchemaState, StoreError> {
+    let applied: Vec<String> = store
+        .collection("_migrations")
+        .distinct("_id", doc! {})
+        .await?
+        .into_iter()
+        .filter_map(|b| b.as_str().map(str::to_owned))
+        .collect();
+    let known: Vec<&str> = MIGRATIONS.iter().map(|(n, _)| *n).collect();
+    Ok(SchemaState {
+        pending: (known.iter())
+            .filter(|n| !applied.iter().any(|a| a == *n))
+            .map(|n| (*n).to_owned())
+            .collect(),
+        unknown: (applied.into_iter())
+            .filter(|a| !known.contains(&a.as_str()))
+            .collect(),
+    })
+}
+
 /// Applies every migration not yet recorded. Safe to call at every start.
+/// Refuses a database a newer codepool migrated: this binary does not know
+/// its schema.
 pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
+    let newer = schema_state(store).await?.unknown;
+    if let Some(first) = newer.first() {
+        return Err(StoreError::Migration {
+            name: first.clone(),
+            message: format!(
+                "the database was migrated by a newer codepool ({} migration(s) this binary does not know: {}); run the codepool binary that applied them, or a newer one",
+                newer.len(),
+                newer.join(", ")
+            ),
+        });
+    }
     let log = store.collection("_migrations");
     let mut report = MigrationReport::default();
     for (name, text) in MIGRATIONS {
