@@ -37,7 +37,9 @@ impl ApiServer {
             let mut lines = tokio::io::BufReader::new(stderr).lines();
             let mut tx = Some(tx);
             while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(addr) = line.strip_prefix("codepool: api listening on ") {
+                if let Some(addr) =
+                    crate::common::announced(&line).strip_prefix("codepool: api listening on ")
+                {
                     if let Some(tx) = tx.take() {
                         let _ = tx.send(addr.trim().to_owned());
                     }

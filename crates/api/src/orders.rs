@@ -123,6 +123,14 @@ pub(crate) async fn place(
     // The order belongs to the key that placed it: a repeat by any other
     // key (or of an order that came over AMQP) is a conflict, with no code.
     purchase.owner = Some(key_owner(&key));
+    // Every line logged for this order names it, its pool and the door.
+    let span = tracing::info_span!("order", order_id = %purchase.order_id, pool = %purchase.pool, door = "http");
+    tracing::Instrument::instrument(answer(&api, &key, &rid, purchase), span).await
+}
+
+/// Decides a placed order and translates its step into the answer.
+async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) -> Response {
+    let rid = rid.clone();
     let step = match api.orders.decide(purchase.clone()).await {
         Ok(step) => step,
         Err(e) => return failed(&e, e.unavailable, &rid),
@@ -157,7 +165,7 @@ pub(crate) async fn place(
             // A repeat shows codes issued before this request: recorded
             // before it is answered, like any other reveal.
             if (fresh as usize) < grants.len() {
-                if let Err(r) = audit_repeat(&api, &key, &purchase.order_id, &grants, &rid).await {
+                if let Err(r) = audit_repeat(api, key, &purchase.order_id, &grants, &rid).await {
                     return r;
                 }
             }

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId as TowerRequestId, SetRequestIdLayer,
 };
+use tower_http::trace::TraceLayer;
 
 use crate::Problem;
 
@@ -128,15 +129,26 @@ async fn serve_connection<I>(
     let _ = watcher.watch(conn).await;
 }
 
-/// `app` with the port's request id and whole-request timeout on every
-/// route.
+/// `app` with the port's request id, a tracing span per request (carrying
+/// that id, so every log line of the request names it) and the
+/// whole-request timeout on every route.
 fn bounded(app: Router, timeout: Duration) -> Router {
     app.layer(middleware::from_fn(move |req, next| {
         within(req, next, timeout)
     }))
+    .layer(TraceLayer::new_for_http().make_span_with(request_span))
     .layer(PropagateRequestIdLayer::x_request_id())
     .layer(SetRequestIdLayer::x_request_id(NewRequestId))
     .layer(middleware::map_request(drop_unfit_request_id))
+}
+
+/// The span of one request: its id, method and path (never a body: codes
+/// do not travel in paths).
+fn request_span<B>(req: &axum::http::Request<B>) -> tracing::Span {
+    let id = (req.headers().get("x-request-id"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path())
 }
 
 /// A client's `x-request-id` is kept only when short and plain.

@@ -33,7 +33,14 @@ pub fn init(format: LogFormat) {
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        // Each line carries the fields of the span it was logged in (the
+        // request, the batch, the order), so one grep follows an order.
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
     };
 }
 

@@ -176,11 +176,15 @@ impl Dispatcher {
             acks.opened(&batch);
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
             let (finished, acks) = (finished.clone(), acks.clone());
-            inflight.spawn(async move {
-                this.process(batch, &publisher, &acks, &stop).await;
-                drop(permit);
-                finished.notify_waiters();
-            });
+            let span = tracing::info_span!("batch", door = "amqp", size = batch.len());
+            inflight.spawn(tracing::Instrument::instrument(
+                async move {
+                    this.process(batch, &publisher, &acks, &stop).await;
+                    drop(permit);
+                    finished.notify_waiters();
+                },
+                span,
+            ));
             while inflight.try_join_next().is_some() {}
             if let Some(reason) = lost {
                 return SessionEnd::Lost(reason);
