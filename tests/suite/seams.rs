@@ -487,15 +487,20 @@ async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited(
         statuses(&env, "RD-1").await == vec![2]
     })
     .await;
-    let audit = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find_one(bson::doc! {"os_user": "amqp-user:guest", "kind": "redeem"})
-        .await
-        .unwrap()
-        .expect("the redemption is audited with the broker user");
-    assert!(audit.get_str("what").unwrap().contains("RD-1"));
+    // The record follows the redemption's own write.
+    let audit = env.store.database().collection::<bson::Document>("audit");
+    let by_guest = bson::doc! {"os_user": "amqp-user:guest", "kind": "redeem"};
+    eventually(
+        Duration::from_secs(10),
+        "the redemption is audited with the broker user",
+        || {
+            let (audit, by_guest) = (audit.clone(), by_guest.clone());
+            async move { audit.find_one(by_guest).await.unwrap().is_some() }
+        },
+    )
+    .await;
+    let record = audit.find_one(by_guest).await.unwrap().unwrap();
+    assert!(record.get_str("what").unwrap().contains("RD-1"));
     daemon.stop().await;
     env.cleanup().await;
 }
@@ -904,5 +909,69 @@ async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
         "{granted}"
     );
     daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// An upload sent gzip-compressed with `Content-Encoding: gzip` is read
+/// through a decoder; another encoding is refused with 415.
+#[tokio::test]
+async fn a_gzip_upload_with_its_content_encoding_is_imported() {
+    use crate::api::{json_of, key, ApiServer};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = TestEnv::new("seam_gzip").await;
+    let admin = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let csv: String = "code\n".to_owned()
+        + &(0..300)
+            .map(|i| format!("GZ-{i:05}-AB\n"))
+            .collect::<String>();
+    let mut gz = std::process::Command::new("gzip")
+        .arg("-c")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("gzip");
+    {
+        use std::io::Write;
+        gz.stdin.take().unwrap().write_all(csv.as_bytes()).unwrap();
+    }
+    let body = gz.wait_with_output().unwrap().stdout;
+    let send = |encoding: &'static str| {
+        let (addr, admin, body) = (api.addr.clone(), admin.clone(), body.clone());
+        async move {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let head = format!(
+                "POST /v1/pools/gz/imports?file=codes.csv.gz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {admin}\r\nContent-Type: text/csv\r\nContent-Encoding: {encoding}\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).await.unwrap();
+            s.write_all(&body).await.unwrap();
+            let mut raw = Vec::new();
+            s.read_to_end(&mut raw).await.unwrap();
+            let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+                return (0, raw);
+            };
+            let status: u16 = String::from_utf8_lossy(&raw[9..12]).parse().unwrap();
+            (status, raw[split + 4..].to_vec())
+        }
+    };
+    let (status, body) = send("br").await;
+    assert_eq!(
+        status,
+        415,
+        "{} {}",
+        String::from_utf8_lossy(&body),
+        api.log_text()
+    );
+    let (status, body) = send("gzip").await;
+    assert_eq!(
+        status,
+        201,
+        "{} {}",
+        String::from_utf8_lossy(&body),
+        api.log_text()
+    );
+    assert_eq!(json_of(&body)["inserted"], 300);
+    api.stop().await;
     env.cleanup().await;
 }

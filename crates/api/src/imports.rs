@@ -53,6 +53,7 @@ pub(crate) struct Upload {
     responses(
         (status = 201, description = "imported: the summary, invalid rows by line number", body = crate::openapi::ImportSummary),
         (status = 200, description = "nothing new (every code already in the pool): the summary", body = crate::openapi::ImportSummary),
+        (status = 415, description = "a Content-Encoding other than gzip", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "the file cannot be imported (a bad header, an unknown column)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -61,6 +62,7 @@ pub(crate) async fn upload(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(pool): Path<String>,
     Query(q): Query<Upload>,
+    headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
     if let Some(r) = admin(&key, &rid) {
@@ -77,6 +79,26 @@ pub(crate) async fn upload(
     };
     let stream = body.into_data_stream().map_err(std::io::Error::other);
     let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+    // `Content-Encoding: gzip` (curl --data-binary @codes.csv.gz -H
+    // 'Content-Encoding: gzip') is read through a decoder, streamed.
+    let encoding = headers
+        .get(axum::http::header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_ascii_lowercase());
+    let input: Box<dyn std::io::Read + Send> = match encoding.as_deref() {
+        None | Some("identity") => Box::new(input),
+        Some("gzip" | "x-gzip") => Box::new(Gunzip::Pending(Some(input))),
+        Some(other) => {
+            return Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-encoding",
+                "the upload's encoding is not supported",
+                format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
+            )
+            .at(&rid.0)
+            .into_response()
+        }
+    };
     let options = ImportOptions {
         header,
         ..ImportOptions::default()
@@ -261,5 +283,28 @@ pub(crate) async fn recall(
         .at(&rid.0)
         .into_response(),
         Err(RecallError::Store(e)) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}
+
+/// A gzip-compressed upload, decoded as it is read. The decoder is made on
+/// the first read, in the importer's blocking task: making it reads the
+/// gzip header, which must not block the runtime.
+enum Gunzip<R: std::io::Read> {
+    Pending(Option<R>),
+    Reading(flate2::read::MultiGzDecoder<R>),
+}
+
+impl<R: std::io::Read> std::io::Read for Gunzip<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Gunzip::Pending(input) = self {
+            let Some(input) = input.take() else {
+                return Ok(0);
+            };
+            *self = Gunzip::Reading(flate2::read::MultiGzDecoder::new(input));
+        }
+        match self {
+            Gunzip::Reading(d) => d.read(buf),
+            Gunzip::Pending(_) => Ok(0),
+        }
     }
 }

@@ -314,9 +314,9 @@ async fn with_request_id(mut req: Request, next: Next) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| bson::oid::ObjectId::new().to_hex());
     req.extensions_mut().insert(RequestId(id.clone()));
-    let method = req.method().clone();
-    let path = req.uri().path().to_owned();
-    let span = tracing::info_span!("request", request_id = %id, %method, path = %path);
+    // The port's request span (tower-http's TraceLayer, `port.rs`), with
+    // this request's id: every line of the request is logged in it.
+    let span = tracing::Span::current();
     let started = Instant::now();
     let res = match refused_early(&req) {
         Some(p) => p.at(&id).into_response(),
