@@ -411,10 +411,22 @@ async fn check_alerts_fire(prometheus: &Prometheus) {
         })
         .collect();
     names.sort();
-    let want = [
+    let mut want = vec![
         "CodepoolDeadLettersRising  not_json firing",
         "CodepoolPoolExhaustedWithBackorders tiny  pending",
         "CodepoolPoolLowStock lim  pending",
     ];
+    // On a machine busy with the rest of the suite, some batches of this
+    // traffic can take longer than the rule's 0.5 s: then the latency
+    // alert is right to be pending, and must be. Judged from the same data
+    // Prometheus evaluated the rule on.
+    let p99 =
+        "histogram_quantile(0.99, sum by (le) (rate(codepool_end_to_end_seconds_bucket[5m])))";
+    let slow = (prometheus.query(p99).await.unwrap_or_default().first())
+        .and_then(|r| r["value"][1].as_str().and_then(|v| v.parse::<f64>().ok()))
+        .is_some_and(|v| v > 0.5);
+    if slow {
+        want.insert(1, "CodepoolEndToEndLatencyHigh   pending");
+    }
     assert_eq!(names, want, "the alerts raised: {alerts:#?}");
 }

@@ -56,7 +56,7 @@ fn unkeyed() -> Document {
 
 /// The `_migrations` record of a finished backfill: every code imported
 /// since carries its key, so later runs skip the scan.
-const BACKFILL_DONE: &str = "0011_codes_lookalike_backfill";
+pub(crate) const BACKFILL_DONE: &str = "0011_codes_lookalike_backfill";
 
 impl Store {
     /// True when some sealed code has no look-alike key yet (and no

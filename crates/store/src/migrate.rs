@@ -96,9 +96,14 @@ pub async fn schema_state(store: &Store) -> Result<SchemaState, StoreError> {
         .into_iter()
         .filter_map(|b| b.as_str().map(str::to_owned))
         .collect();
-    let known: Vec<&str> = MIGRATIONS.iter().map(|(n, _)| *n).collect();
+    let steps: Vec<&str> = MIGRATIONS.iter().map(|(n, _)| *n).collect();
+    // Records of data steps this binary runs itself (not files of
+    // migrations/), such as the look-alike backfill, are known too.
+    let known: Vec<&str> = (steps.iter().copied())
+        .chain([crate::lookalikes::BACKFILL_DONE])
+        .collect();
     Ok(SchemaState {
-        pending: (known.iter())
+        pending: (steps.iter())
             .filter(|n| !applied.iter().any(|a| a == *n))
             .map(|n| (*n).to_owned())
             .collect(),
