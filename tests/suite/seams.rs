@@ -975,3 +975,31 @@ async fn a_gzip_upload_with_its_content_encoding_is_imported() {
     api.stop().await;
     env.cleanup().await;
 }
+
+/// A key that seals no code any more (rotated away, then dropped from the
+/// key file) does not hold a process unready: it leaves the registry.
+#[tokio::test]
+async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
+    let env = TestEnv::new("seam_retired").await;
+    env.fill_pool("rt", 2).await;
+    let registry = env.store.database().collection::<bson::Document>("key_ids");
+    registry
+        .insert_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap();
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("RT-1", "rt")]).await;
+    eventually(Duration::from_secs(20), "RT-1 granted", || async {
+        statuses(&env, "RT-1").await == vec![1]
+    })
+    .await;
+    assert!(registry
+        .find_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap()
+        .is_none());
+    daemon.stop().await;
+    env.cleanup().await;
+}

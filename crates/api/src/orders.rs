@@ -233,6 +233,8 @@ pub(crate) async fn read(
     Path(order_id): Path<String>,
     Query(q): Query<ReadQuery>,
 ) -> Response {
+    // Compared as stored: NFC.
+    let order_id = codepool_domain::text::nfc(&order_id);
     if let Some(r) = need(&key, Scope::OrdersRead, &rid) {
         return r;
     }
@@ -275,9 +277,10 @@ pub(crate) async fn read(
     Json(order_json(&order_id, &found, q.reveal)).into_response()
 }
 
-/// The owner recorded with the orders `key` places.
+/// The owner recorded with the orders `key` places: the key's id, not its
+/// name, which a new key may take once the old one is revoked.
 fn key_owner(key: &KeyDoc) -> String {
-    format!("api-key:{}", key.name)
+    format!("api-key-id:{}", key.id)
 }
 
 /// Records that a repeat of `order_id` shows its codes again to `key`
@@ -297,7 +300,7 @@ async fn audit_repeat(
         return Ok(());
     }
     let reveal = Reveal {
-        os_user: key_owner(key),
+        os_user: format!("api-key:{}", key.name),
         host: hostname(),
         command: format!("POST /v1/orders, a repeat (request {})", rid.0),
         what: format!("order {order_id:?}"),
@@ -422,6 +425,8 @@ pub(crate) async fn redeem(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,
 ) -> Response {
+    // Compared as stored: NFC.
+    let order_id = codepool_domain::text::nfc(&order_id);
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
@@ -460,6 +465,8 @@ pub(crate) async fn void(
     Path(order_id): Path<String>,
     body: Bytes,
 ) -> Response {
+    // Compared as stored: NFC.
+    let order_id = codepool_domain::text::nfc(&order_id);
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }
@@ -526,6 +533,8 @@ pub(crate) async fn resend(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(order_id): Path<String>,
 ) -> Response {
+    // Compared as stored: NFC.
+    let order_id = codepool_domain::text::nfc(&order_id);
     if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
         return r;
     }

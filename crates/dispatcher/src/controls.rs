@@ -46,11 +46,18 @@ pub async fn set_paused(
     actor: &Actor,
 ) -> Result<bool, PauseError> {
     let changed = store.set_paused(pool, paused).await?;
+    // Audited as soon as the state changed, whether or not the event is
+    // confirmed below.
     let (kind, state) = if paused {
         (PoolEventKind::Paused, "paused")
     } else {
         (PoolEventKind::Resumed, "resumed")
     };
+    let what = format!(
+        "pool {pool:?} {state}{}",
+        if changed { "" } else { " (it already was)" }
+    );
+    audit::record(store, actor, if paused { "pause" } else { "resume" }, what).await?;
     let unconfirmed = |source| PauseError::Unconfirmed {
         state,
         event: kind.routing_key(),
@@ -64,11 +71,6 @@ pub async fn set_paused(
         .await
         .map_err(unconfirmed)?;
     info!(pool, changed, "pool {state}");
-    let what = format!(
-        "pool {pool:?} {state}{}",
-        if changed { "" } else { " (it already was)" }
-    );
-    audit::record(store, actor, if paused { "pause" } else { "resume" }, what).await?;
     Ok(changed)
 }
 

@@ -11,6 +11,7 @@ use codepool_store::{Store, StoreError};
 use crate::claim::{ClaimEngine, ClaimError};
 use crate::plan::{
     admit, plan_batch, pools_of, reject_conflicting, settle_cancelled, to_claim, BatchPlan, Parsed,
+    Step,
 };
 use crate::policy::PolicyCache;
 use crate::Resend;
@@ -90,6 +91,10 @@ impl Intake {
             .filter(|b| b.status == codepool_store::lifecycle::CANCELLED)
             .map(|b| b.order_id.clone())
             .collect();
+        let waited: std::collections::HashSet<String> = (backordered.iter())
+            .filter(|b| b.status == codepool_store::backorders::WAITING)
+            .map(|b| b.order_id.clone())
+            .collect();
         let backordered = backordered
             .into_iter()
             .map(|b| {
@@ -107,7 +112,54 @@ impl Intake {
         } else {
             self.engine.claim_known(&claims, resend, &held).await?
         };
-        Ok(plan_batch(intake, outcomes)?)
+        let mut plan = plan_batch(intake, outcomes)?;
+        self.withdraw_if_cancelled(&mut plan, &waited).await?;
+        Ok(plan)
+    }
+
+    /// An order that waited when this batch read it may have been voided
+    /// (its backorder cancelled) while the batch claimed its missing lines:
+    /// those codes are voided again before any event, and the order is
+    /// settled as cancelled (see [`Store::withdraw_cancelled`]).
+    async fn withdraw_if_cancelled(
+        &self,
+        plan: &mut BatchPlan,
+        waited: &std::collections::HashSet<String>,
+    ) -> Result<(), StoreError> {
+        if waited.is_empty() {
+            return Ok(());
+        }
+        let issued: Vec<(codepool_domain::CodeId, String)> = (plan.steps.iter())
+            .filter_map(|s| match s {
+                Step::Grant { grants, .. } => Some(grants),
+                _ => None,
+            })
+            .flatten()
+            .filter(|g| !g.revoked && waited.contains(&g.order_id))
+            .map(|g| (g.code_id, g.order_id.clone()))
+            .collect();
+        if issued.is_empty() {
+            return Ok(());
+        }
+        let refs: Vec<(codepool_domain::CodeId, &str)> =
+            issued.iter().map(|(id, o)| (*id, o.as_str())).collect();
+        let withdrawn: std::collections::HashSet<_> = self
+            .store
+            .withdraw_cancelled(&refs)
+            .await?
+            .into_iter()
+            .collect();
+        for step in &mut plan.steps {
+            if let Step::Grant {
+                purchase, grants, ..
+            } = step
+            {
+                if grants.iter().any(|g| withdrawn.contains(&g.code_id)) {
+                    *step = Step::Cancelled((**purchase).clone());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Records the plan's backorders durably (one try). A backorder that

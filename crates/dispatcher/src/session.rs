@@ -321,6 +321,11 @@ impl Dispatcher {
                     _ => { stop.cancelled().await; return; }
                 },
             };
+            // Nothing is claimed here either while the key file lacks a
+            // key codes are sealed with (see keywatch.rs).
+            if !matches!(self.intake.keys().ensure(&self.store).await, Ok(Ok(()))) {
+                continue;
+            }
             for pool in pools {
                 if stop.is_cancelled() {
                     return;

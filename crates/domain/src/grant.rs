@@ -35,7 +35,7 @@ pub struct Grant {
     /// order issued together share a part, and travel in one event. An
     /// order served in two goes (stock ran short) has two parts.
     pub part: u32,
-    /// Who placed the order (`api-key:NAME`), `None` for one over AMQP:
+    /// Who placed the order (`api-key-id:ID`), `None` for one over AMQP:
     /// only its owner's repeat of the order is answered with the codes.
     pub owner: Option<String>,
 }

@@ -34,7 +34,7 @@ pub struct Purchase {
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub quantity: u32,
     /// Who placed the order, set by the door and never read from the
-    /// message: `api-key:NAME` for an order placed over HTTP, `None` for a
+    /// message: `api-key-id:ID` (the API key's id) for an order placed over HTTP, `None` for a
     /// purchase that came over AMQP. A repeat of an order answers its codes
     /// only to its owner; see [`Purchase::owned_elsewhere`].
     #[serde(skip)]

@@ -24,7 +24,7 @@ pub struct Holder {
     /// The first line of the claim that issued it (see
     /// [`crate::Grant::part`]).
     pub part: u32,
-    /// Who placed the order (`api-key:NAME`), `None` for one over AMQP.
+    /// Who placed the order (`api-key-id:ID`), `None` for one over AMQP.
     pub owner: Option<String>,
 }
 

@@ -86,6 +86,12 @@ pub fn unreadable_kind(c: char) -> Option<Unreadable> {
     }
 }
 
+/// An id as it is stored and compared: NFC (see [`crate::Purchase::parse`]),
+/// so an id typed or pasted decomposed finds the same order.
+pub fn nfc(id: &str) -> String {
+    id.nfc().collect()
+}
+
 /// The first unreadable character of `text`, if any.
 pub fn first_unreadable(text: &str) -> Option<UnreadableChar> {
     text.chars().enumerate().find_map(|(i, ch)| {

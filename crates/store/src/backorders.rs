@@ -45,7 +45,7 @@ pub struct BackorderDoc {
     /// The lines still waiting for a code, ascending; absent for every line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lines: Option<Vec<i64>>,
-    /// Who placed the order (`api-key:NAME`); absent for one over AMQP.
+    /// Who placed the order (`api-key-id:ID`); absent for one over AMQP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
 }

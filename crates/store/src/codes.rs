@@ -73,7 +73,7 @@ pub struct CodeDoc {
     /// The first line of the claim that issued it; absent for 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_part: Option<i64>,
-    /// Who placed the order (`api-key:NAME`); absent for one over AMQP.
+    /// Who placed the order (`api-key-id:ID`); absent for one over AMQP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

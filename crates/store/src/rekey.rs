@@ -90,11 +90,28 @@ impl Store {
             return Ok(Vec::new());
         }
         let ring = self.keys.reload().unwrap_or(ring);
-        Ok(lacking
-            .into_iter()
-            .filter(|id| !ring.has_key(id))
-            .map(str::to_owned)
-            .collect())
+        let mut missing = Vec::new();
+        for id in lacking.into_iter().filter(|id| !ring.has_key(id)) {
+            // A key no code uses any more (rotated away, then removed from
+            // the key file) is retired: it leaves the registry.
+            let used = self
+                .collection(CODES)
+                .find_one(doc! {"key_id": id})
+                .projection(doc! {"_id": 1})
+                .await?
+                .is_some();
+            if used {
+                missing.push(id.to_owned());
+            } else {
+                self.collection(KEY_IDS)
+                    .delete_one(doc! {"_id": id})
+                    .await?;
+                if let Ok(mut r) = self.keys.registered.lock() {
+                    r.remove(id);
+                }
+            }
+        }
+        Ok(missing)
     }
 
     /// Verifies the key file against the database; see the module doc.

@@ -26,7 +26,7 @@ sends it again). Each code keeps its last 20 SMS events as history.
 Exit code 1 when nothing is found.")]
 pub struct LookupArgs {
     /// An order id.
-    #[arg(long)]
+    #[arg(long, value_parser = super::target::order_id)]
     pub order: Option<String>,
     /// A buyer's user id.
     #[arg(long)]

@@ -19,7 +19,7 @@ The event is published persistent and confirmed by RabbitMQ before this
 returns. Void and used codes are not re-sent.")]
 pub struct ResendArgs {
     /// The order whose SMS-pending event to publish again.
-    #[arg(long)]
+    #[arg(long, value_parser = super::target::order_id)]
     pub order: String,
 }
 

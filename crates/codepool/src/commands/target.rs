@@ -15,7 +15,7 @@ pub struct CodeTarget {
     #[arg(long, requires = "code")]
     pub pool: Option<String>,
     /// The order whose code is meant.
-    #[arg(long, conflicts_with_all = ["code", "pool"])]
+    #[arg(long, conflicts_with_all = ["code", "pool"], value_parser = order_id)]
     pub order: Option<String>,
 }
 
@@ -27,6 +27,11 @@ impl CodeTarget {
             _ => anyhow::bail!("say which code: --code C --pool P, or --order O"),
         }
     }
+}
+
+/// An order id as given on the command line, compared as stored: NFC.
+pub fn order_id(s: &str) -> Result<String, String> {
+    Ok(codepool_domain::text::nfc(s.trim()))
 }
 
 /// A time as shown to operators (UTC, seconds).
