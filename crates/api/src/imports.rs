@@ -79,25 +79,9 @@ pub(crate) async fn upload(
     };
     let stream = body.into_data_stream().map_err(std::io::Error::other);
     let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
-    // `Content-Encoding: gzip` (curl --data-binary @codes.csv.gz -H
-    // 'Content-Encoding: gzip') is read through a decoder, streamed.
-    let encoding = headers
-        .get(axum::http::header::CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim().to_ascii_lowercase());
-    let input: Box<dyn std::io::Read + Send> = match encoding.as_deref() {
-        None | Some("identity") => Box::new(input),
-        Some("gzip" | "x-gzip") => Box::new(Gunzip::Pending(Some(input))),
-        Some(other) => {
-            return Problem::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported-encoding",
-                "the upload's encoding is not supported",
-                format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
-            )
-            .at(&rid.0)
-            .into_response()
-        }
+    let input = match decoded(&headers, input, &rid) {
+        Ok(input) => input,
+        Err(r) => return r,
     };
     let options = ImportOptions {
         header,
@@ -283,6 +267,32 @@ pub(crate) async fn recall(
         .at(&rid.0)
         .into_response(),
         Err(RecallError::Store(e)) => Problem::unavailable(&e).at(&rid.0).into_response(),
+    }
+}
+
+/// The upload's bytes as the importer reads them: `Content-Encoding: gzip`
+/// (curl --data-binary @codes.csv.gz -H 'Content-Encoding: gzip') through
+/// a decoder, streamed; any other encoding is a 415.
+fn decoded<R: std::io::Read + Send + 'static>(
+    headers: &axum::http::HeaderMap,
+    input: R,
+    rid: &RequestId,
+) -> Result<Box<dyn std::io::Read + Send>, Response> {
+    let encoding = headers
+        .get(axum::http::header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_ascii_lowercase());
+    match encoding.as_deref() {
+        None | Some("identity") => Ok(Box::new(input)),
+        Some("gzip" | "x-gzip") => Ok(Box::new(Gunzip::Pending(Some(input)))),
+        Some(other) => Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-encoding",
+            "the upload's encoding is not supported",
+            format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
+        )
+        .at(&rid.0)
+        .into_response()),
     }
 }
 
