@@ -79,9 +79,18 @@ pub(crate) async fn upload(
     };
     let stream = body.into_data_stream().map_err(std::io::Error::other);
     let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
-    let input = match decoded(&headers, input, &rid) {
+    let input = match decoded(&headers, input) {
         Ok(input) => input,
-        Err(r) => return r,
+        Err(other) => {
+            return Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-encoding",
+                "the upload's encoding is not supported",
+                format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
+            )
+            .at(&rid.0)
+            .into_response()
+        }
     };
     let options = ImportOptions {
         header,
@@ -272,12 +281,11 @@ pub(crate) async fn recall(
 
 /// The upload's bytes as the importer reads them: `Content-Encoding: gzip`
 /// (curl --data-binary @codes.csv.gz -H 'Content-Encoding: gzip') through
-/// a decoder, streamed; any other encoding is a 415.
+/// a decoder, streamed; any other encoding is refused (the `Err` names it).
 fn decoded<R: std::io::Read + Send + 'static>(
     headers: &axum::http::HeaderMap,
     input: R,
-    rid: &RequestId,
-) -> Result<Box<dyn std::io::Read + Send>, Response> {
+) -> Result<Box<dyn std::io::Read + Send>, String> {
     let encoding = headers
         .get(axum::http::header::CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
@@ -285,14 +293,7 @@ fn decoded<R: std::io::Read + Send + 'static>(
     match encoding.as_deref() {
         None | Some("identity") => Ok(Box::new(input)),
         Some("gzip" | "x-gzip") => Ok(Box::new(Gunzip::Pending(Some(input)))),
-        Some(other) => Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-encoding",
-            "the upload's encoding is not supported",
-            format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
-        )
-        .at(&rid.0)
-        .into_response()),
+        Some(other) => Err(other.to_owned()),
     }
 }
 
