@@ -107,7 +107,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Resend(args) => commands::resend::run(&cfg, args).await,
         Command::Pool(args) => commands::pool::run(&cfg, args).await,
         Command::Seq(args) => {
-            let store = crate::context::store(&cfg).await?;
+            // The generators stand alone: their counters may start a
+            // database of their own.
+            let store = crate::context::store_creating(&cfg).await?;
             commands::seq::run(
                 args,
                 store.database().clone(),
