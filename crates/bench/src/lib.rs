@@ -100,7 +100,8 @@ where
     let key_file = std::env::temp_dir().join(format!("codepool-bench-{id}.keys.json"));
     codepool_vault::keyfile::init(&key_file).context("creating the benchmark key file")?;
     cfg.key_file = Some(key_file);
-    let store = codepool::context::store(&cfg)
+    // A new scratch database: created and migrated here.
+    let store = codepool::context::store_creating(&cfg)
         .await
         .context("preparing the benchmark database")?;
     // Leaked on purpose (one per process): spawned tasks may borrow it.
