@@ -48,6 +48,10 @@ impl std::fmt::Display for Failure {
 
 struct Ask {
     purchase: Purchase,
+    /// Who asks (`api-key:NAME`) and the request id: a repeat answered
+    /// with codes is audited under them.
+    who: String,
+    request: String,
     reply: oneshot::Sender<Result<Step, Failure>>,
 }
 
@@ -68,14 +72,24 @@ impl Batcher {
     /// Decides one purchase in the next batch: its step, once the batch's
     /// grants are durable and their events published (or left to the
     /// relay when the broker did not confirm).
-    pub(crate) async fn decide(&self, purchase: Purchase) -> Result<Step, Failure> {
+    pub(crate) async fn decide(
+        &self,
+        purchase: Purchase,
+        who: String,
+        request: String,
+    ) -> Result<Step, Failure> {
         let (reply, answer) = oneshot::channel();
         let gone = || Failure {
             message: "the API is stopping".into(),
             unavailable: true,
         };
         self.tx
-            .send(Ask { purchase, reply })
+            .send(Ask {
+                purchase,
+                who,
+                request,
+                reply,
+            })
             .await
             .map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
@@ -100,12 +114,22 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>) {
         tokio::spawn(async move {
             let _permit = permit;
             metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
+            let whom: Vec<(String, String)> = (asks.iter())
+                .map(|a| (a.who.clone(), a.request.clone()))
+                .collect();
             let (purchases, replies): (Vec<_>, Vec<_>) =
                 asks.into_iter().map(|a| (a.purchase, a.reply)).unzip();
             match decide_batch(&api, purchases).await {
                 Ok((steps, confirmed)) => {
+                    // No record, no reveal: the repeats' audit records,
+                    // one write for the batch, before any answer.
+                    let audited = audit_repeats(&api, &steps, &whom).await;
                     for (reply, step) in replies.into_iter().zip(steps) {
-                        let _ = reply.send(Ok(step));
+                        let answer = match (&audited, is_repeat(&step)) {
+                            (Err(e), true) => Err(e.clone()),
+                            _ => Ok(step),
+                        };
+                        let _ = reply.send(answer);
                     }
                     mark_sent(&api, &confirmed).await;
                 }
@@ -117,6 +141,54 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>) {
             }
         });
     }
+}
+
+/// Whether a step answers codes issued before its request (a repeat).
+fn is_repeat(step: &Step) -> bool {
+    matches!(step, Step::Grant { grants, fresh, .. }
+        if (*fresh as usize) < grants.len() && grants.iter().any(|g| !g.revoked))
+}
+
+/// Records, in one durable write, every repeat of the batch that shows
+/// codes again, with the key and request that asked.
+async fn audit_repeats(
+    api: &Api,
+    steps: &[Step],
+    whom: &[(String, String)],
+) -> Result<(), Failure> {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into());
+    let reveals: Vec<codepool_store::audit::Reveal> = (steps.iter().zip(whom))
+        .filter(|(s, _)| is_repeat(s))
+        .filter_map(|(s, (who, request))| {
+            let Step::Grant {
+                purchase, grants, ..
+            } = s
+            else {
+                return None;
+            };
+            let shown: Vec<CodeId> = (grants.iter())
+                .filter(|g| !g.revoked)
+                .map(|g| g.code_id)
+                .collect();
+            Some(codepool_store::audit::Reveal {
+                os_user: who.clone(),
+                host: host.clone(),
+                command: format!("POST /v1/orders, a repeat (request {request})"),
+                what: format!("order {:?}", purchase.order_id),
+                count: shown.len() as u64,
+                code_ids: shown,
+            })
+        })
+        .collect();
+    api.store
+        .record_reveals(&reveals)
+        .await
+        .map_err(|e| Failure {
+            unavailable: e.is_unavailable(),
+            message: format!("{e}; the repeat was not audited, so its codes are not shown"),
+        })
 }
 
 /// Takes the codes whose events were confirmed off the relay's list. A

@@ -131,7 +131,12 @@ pub(crate) async fn place(
 /// Decides a placed order and translates its step into the answer.
 async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) -> Response {
     let rid = rid.clone();
-    let step = match api.orders.decide(purchase.clone()).await {
+    let who = format!("api-key:{}", key.name);
+    let step = match api
+        .orders
+        .decide(purchase.clone(), who, rid.0.clone())
+        .await
+    {
         Ok(step) => step,
         Err(e) => return failed(&e, e.unavailable, &rid),
     };
@@ -162,13 +167,8 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
                 StatusCode::OK
             };
             let state = if missing.is_empty() { "granted" } else { "partly_granted" };
-            // A repeat shows codes issued before this request: recorded
-            // before it is answered, like any other reveal.
-            if (fresh as usize) < grants.len() {
-                if let Err(r) = audit_repeat(api, key, &purchase.order_id, &grants, &rid).await {
-                    return r;
-                }
-            }
+            // A repeat that shows codes issued before this request was
+            // recorded by the batcher before it answered (batcher.rs).
             (
                 status,
                 Json(json!({
@@ -281,36 +281,6 @@ pub(crate) async fn read(
 /// name, which a new key may take once the old one is revoked.
 fn key_owner(key: &KeyDoc) -> String {
     format!("api-key-id:{}", key.id)
-}
-
-/// Records that a repeat of `order_id` shows its codes again to `key`
-/// (which placed it): no record, no answer.
-async fn audit_repeat(
-    api: &Api,
-    key: &KeyDoc,
-    order_id: &str,
-    grants: &[Grant],
-    rid: &RequestId,
-) -> Result<(), Response> {
-    let shown: Vec<_> = (grants.iter())
-        .filter(|g| !g.revoked)
-        .map(|g| g.code_id)
-        .collect();
-    if shown.is_empty() {
-        return Ok(());
-    }
-    let reveal = Reveal {
-        os_user: format!("api-key:{}", key.name),
-        host: hostname(),
-        command: format!("POST /v1/orders, a repeat (request {})", rid.0),
-        what: format!("order {order_id:?}"),
-        count: shown.len() as u64,
-        code_ids: shown,
-    };
-    match api.store.record_reveal(&reveal).await {
-        Ok(_) => Ok(()),
-        Err(e) => Err(failed(&e, e.is_unavailable(), rid)),
-    }
 }
 
 /// The 404 to answer when `key` may not change `order_id`: a key acts on

@@ -27,26 +27,47 @@ pub struct Reveal {
     pub count: u64,
 }
 
+fn reveal_doc(id: ObjectId, r: &Reveal) -> bson::Document {
+    let ids: Vec<ObjectId> = r.code_ids.iter().copied().map(object_id).collect();
+    doc! {
+        "_id": id,
+        "kind": "reveal",
+        "at": DateTime::now(),
+        "os_user": &r.os_user,
+        "host": &r.host,
+        "command": &r.command,
+        "what": &r.what,
+        "code_ids": ids,
+        "count": r.count as i64,
+    }
+}
+
 impl Store {
     /// Records a reveal before it happens; an error means: do not reveal.
     pub async fn record_reveal(&self, r: &Reveal) -> Result<ObjectId, StoreError> {
         let id = ObjectId::new();
-        let ids: Vec<ObjectId> = r.code_ids.iter().copied().map(object_id).collect();
         self.collection(AUDIT)
-            .insert_one(doc! {
-                "_id": id,
-                "kind": "reveal",
-                "at": DateTime::now(),
-                "os_user": &r.os_user,
-                "host": &r.host,
-                "command": &r.command,
-                "what": &r.what,
-                "code_ids": ids,
-                "count": r.count as i64,
-            })
+            .insert_one(reveal_doc(id, r))
             .write_concern(durable())
             .await?;
         Ok(id)
+    }
+
+    /// Records several reveals in one journaled write (the repeats of an
+    /// HTTP batch); an error means: reveal none of them.
+    pub async fn record_reveals(&self, reveals: &[Reveal]) -> Result<(), StoreError> {
+        if reveals.is_empty() {
+            return Ok(());
+        }
+        let docs: Vec<bson::Document> = reveals
+            .iter()
+            .map(|r| reveal_doc(ObjectId::new(), r))
+            .collect();
+        self.collection(AUDIT)
+            .insert_many(docs)
+            .write_concern(durable())
+            .await?;
+        Ok(())
     }
 }
 
