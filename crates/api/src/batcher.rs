@@ -156,9 +156,7 @@ async fn audit_repeats(
     steps: &[Step],
     whom: &[(String, String)],
 ) -> Result<(), Failure> {
-    let host = std::fs::read_to_string("/etc/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into());
+    let host = crate::orders::hostname();
     let reveals: Vec<codepool_store::audit::Reveal> = (steps.iter().zip(whom))
         .filter(|(s, _)| is_repeat(s))
         .filter_map(|(s, (who, request))| {

@@ -311,7 +311,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
     })
 }
 
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/etc/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_else(|_| "unknown".into())

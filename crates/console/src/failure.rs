@@ -66,7 +66,7 @@ impl IntoResponse for Failure {
                 (StatusCode::INTERNAL_SERVER_ERROR, "Failed", d)
             }
         };
-        let body = crate::layout::bare(
+        let body = crate::frame::bare(
             title,
             html! {
                 h1 { (title) }

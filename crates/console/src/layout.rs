@@ -3,8 +3,10 @@
 //! here writes unescaped text except the fixed markup of this file.
 
 use axum::response::Html;
-use maud::{html, Markup, DOCTYPE};
+use maud::{html, Markup};
 
+use crate::frame::head;
+pub use crate::frame::{bare, url_part};
 use crate::operators::Role;
 use crate::sessions::Session;
 
@@ -17,19 +19,6 @@ const NAV: &[(&str, &str, Role)] = &[
     ("Operators", "/console/operators", Role::Admin),
     ("Audit", "/console/audit", Role::Admin),
 ];
-
-fn head(title: &str) -> Markup {
-    html! {
-        (DOCTYPE)
-        meta charset="utf-8";
-        meta name="viewport" content="width=device-width, initial-scale=1";
-        // htmx must not inject its own <style>: the CSP allows none.
-        meta name="htmx-config" content=r#"{"includeIndicatorStyles":false,"allowEval":false}"#;
-        title { (title) " · codepool console" }
-        link rel="stylesheet" href="/console/static/console.css";
-        script src="/console/static/htmx.min.js" defer {}
-    }
-}
 
 /// A page for a signed-in operator.
 pub fn page(s: &Session, title: &str, body: Markup) -> Html<String> {
@@ -57,31 +46,9 @@ pub fn page(s: &Session, title: &str, body: Markup) -> Html<String> {
     Html(markup.into_string())
 }
 
-/// A page without navigation (sign-in, errors).
-pub fn bare(title: &str, body: Markup) -> Markup {
-    html! {
-        (head(title))
-        body.bare { main { (body) } }
-    }
-}
-
 /// The hidden CSRF field of a state-changing form.
 pub fn csrf(s: &Session) -> Markup {
     html! { input type="hidden" name="csrf" value=(s.csrf()); }
-}
-
-/// `s` for a URL path segment or query value: every byte but the
-/// unreserved ones percent-encoded.
-pub fn url_part(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// A time as operators read it (UTC, to the second).

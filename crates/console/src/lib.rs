@@ -23,6 +23,7 @@
 
 mod chart;
 mod failure;
+mod frame;
 mod layout;
 pub mod operators;
 mod pages;

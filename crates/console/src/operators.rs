@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 use codepool_store::{Store, StoreError};
 
 pub const OPERATORS: &str = "console_operators";
+/// The collection of console sessions. Each session is an operator's, and
+/// ends with that operator's account or password (see `end_sessions`), so
+/// the name lives with the operators; `sessions` reads and writes it.
+pub const SESSIONS: &str = "console_sessions";
 
 /// Shortest and longest password accepted.
 pub const MIN_PASSWORD: usize = 10;
@@ -212,8 +216,19 @@ pub async fn disable(store: &Store, name: &str) -> Result<OperatorDoc, OperatorE
         .await
         .map_err(store_err)?
         .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
-    crate::sessions::end_all(store, name).await?;
+    end_sessions(store, name).await?;
     Ok(op)
+}
+
+/// Ends every console session of `operator`: a disabled operator, or one
+/// whose password changed, is signed out everywhere.
+async fn end_sessions(store: &Store, operator: &str) -> Result<u64, StoreError> {
+    let done = store
+        .database()
+        .collection::<bson::Document>(SESSIONS)
+        .delete_many(doc! {"operator": operator})
+        .await?;
+    Ok(done.deleted_count)
 }
 
 /// Sets a new password (and enables the account again); its sessions end.
@@ -230,7 +245,7 @@ pub async fn passwd(store: &Store, name: &str, password: &str) -> Result<(), Ope
     if done.matched_count == 0 {
         return Err(OperatorError::Unknown(name.to_owned()));
     }
-    crate::sessions::end_all(store, name).await?;
+    end_sessions(store, name).await?;
     Ok(())
 }
 

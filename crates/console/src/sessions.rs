@@ -21,7 +21,7 @@ use crate::failure::Failure;
 use crate::operators::{OperatorDoc, Role};
 use crate::Console;
 
-pub const SESSIONS: &str = "console_sessions";
+pub use crate::operators::SESSIONS;
 pub const COOKIE: &str = "codepool_session";
 
 /// A session as stored.
@@ -97,14 +97,6 @@ pub async fn end(store: &Store, id: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Ends every session of `operator`.
-pub async fn end_all(store: &Store, operator: &str) -> Result<u64, StoreError> {
-    let done = sessions(store)
-        .delete_many(doc! {"operator": operator})
-        .await?;
-    Ok(done.deleted_count)
-}
-
 /// The `Set-Cookie` value of a new session, or of its removal (`None`).
 pub fn cookie(token: Option<&str>, ttl: std::time::Duration, secure: bool) -> HeaderValue {
     let secure = if secure { "; Secure" } else { "" };
@@ -178,7 +170,7 @@ fn to_signin(parts: &Parts) -> Response {
         .unwrap_or("/console/pools");
     Redirect::to(&format!(
         "/console/signin?next={}",
-        crate::layout::url_part(back)
+        crate::frame::url_part(back)
     ))
     .into_response()
 }

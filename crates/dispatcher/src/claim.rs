@@ -39,11 +39,11 @@ use std::time::{Duration, Instant};
 
 use codepool_domain::{Code, Grant, Purchase};
 use codepool_hotpool::{HeldRefill, HotPoolError, Refilled};
-use codepool_sequence::SequenceError;
 use codepool_store::codes::ScanClaim;
 use codepool_store::{CandidateAsk, ClaimAssignment, Resend, StoreError};
 use tracing::{debug, warn};
 
+pub use crate::claim_error::ClaimError;
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
 
 /// What a purchase got.
@@ -148,45 +148,6 @@ pub fn all_lines(purchases: &[&Purchase]) -> Vec<Vec<u32>> {
         .iter()
         .map(|p| (0..p.quantity).collect())
         .collect()
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("grant numbers unavailable")]
-    GrantNumbers(#[from] SequenceError),
-    /// The store answered something the claim cannot be built on (a grant
-    /// read back without its fields). Never turned into "exhausted".
-    #[error(transparent)]
-    Plan(#[from] crate::plan::OutcomeMismatch),
-    #[error("inconsistent claim result for order {order_id:?}: {detail}; the purchase stays unacked and is retried")]
-    Inconsistent { order_id: String, detail: String },
-    /// The key file lacks a key codes are sealed with: nothing was claimed.
-    #[error(transparent)]
-    KeysMissing(#[from] crate::keywatch::KeysMissing),
-}
-
-impl ClaimError {
-    /// Worth retrying later (a server is away), as opposed to a bug or bad data.
-    pub fn is_unavailable(&self) -> bool {
-        match self {
-            ClaimError::Store(e) => e.is_unavailable(),
-            ClaimError::GrantNumbers(_) => true,
-            ClaimError::Inconsistent { .. } | ClaimError::Plan(_) | ClaimError::KeysMissing(_) => {
-                false
-            }
-        }
-    }
-
-    fn inconsistent(order_id: &str, detail: impl Into<String>) -> Self {
-        metrics::counter!("codepool_internal_errors_total", "kind" => "inconsistent_claim")
-            .increment(1);
-        ClaimError::Inconsistent {
-            order_id: order_id.to_owned(),
-            detail: detail.into(),
-        }
-    }
 }
 
 /// The grant a code read back for `order_id` carries; an error when the

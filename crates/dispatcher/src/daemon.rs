@@ -17,7 +17,6 @@ use crate::health::Health;
 use crate::intake::Intake;
 use crate::outage::{backoff, Outage};
 use crate::outbox::Outbox;
-use crate::session::SessionEnd;
 use crate::stock::{StockConfig, StockWatch};
 
 /// How often a broker set-up that retrying cannot fix is checked again.
@@ -90,6 +89,16 @@ impl Default for DispatcherConfig {
             redeemers: Vec::new(),
         }
     }
+}
+
+/// Why a session ended (a session is one broker connection; see
+/// `session.rs`, which adds the session's methods to [`Dispatcher`]).
+pub(crate) enum SessionEnd {
+    Shutdown,
+    Lost(String),
+    /// The key file lacks a key codes are sealed with: consuming stopped,
+    /// and what was taken went back to the queue for other dispatchers.
+    KeysMissing,
 }
 
 /// The daemon. Stateless: run as many as needed on one queue.

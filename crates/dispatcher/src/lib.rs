@@ -26,6 +26,7 @@ pub mod audit;
 pub mod backorders;
 pub mod batch;
 pub mod claim;
+pub mod claim_error;
 pub mod controls;
 pub mod daemon;
 mod demand;

@@ -14,6 +14,7 @@ use codepool_domain::{Grant, Purchase, PurchaseError, Refusal};
 use codepool_store::backorders::Waiting;
 
 use crate::claim::ClaimOutcome;
+pub use crate::claim_error::OutcomeMismatch;
 
 /// What a delivery turned out to be before any claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,15 +151,6 @@ pub struct BatchPlan {
     pub repeats: u64,
     /// Purchases held as backorders because their pool is paused.
     pub held: u64,
-}
-
-/// The claim engine answered a different number of outcomes than there
-/// were purchases to claim for: a bug, never guessed around.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the claim returned {got} outcomes for {expected} purchases; the batch stays unacked")]
-pub struct OutcomeMismatch {
-    pub expected: usize,
-    pub got: usize,
 }
 
 impl BatchPlan {

@@ -20,7 +20,7 @@ use codepool_hotpool::{HeldRefill, HotPoolError, Refilled};
 use codepool_store::codes::ScanClaim;
 use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, StoreError};
 
-use crate::claim::ClaimError;
+use crate::claim_error::ClaimError;
 
 /// A code offered to claimers: its id and its `seq` (import order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::acks::AckWindow;
 use crate::backorders::fulfil_backorders;
-use crate::daemon::Dispatcher;
+use crate::daemon::{Dispatcher, SessionEnd};
 use crate::relay::relay_unconfirmed;
 
 /// How long background tasks get to finish after a stop signal; together
@@ -32,15 +32,6 @@ const BACKGROUND_STOP: Duration = Duration::from_millis(500);
 const LINGER_FROM: f64 = 0.5;
 /// What the broker is told when a session closes its connection.
 const STOPPING: &str = "codepool dispatcher stopping";
-
-/// Why a session ended.
-pub(crate) enum SessionEnd {
-    Shutdown,
-    Lost(String),
-    /// The key file lacks a key codes are sealed with: consuming stopped,
-    /// and what was taken went back to the queue for other dispatchers.
-    KeysMissing,
-}
 
 /// The background work of a session, stopped with it. Kept until the
 /// connection is closed: it holds the consumers' channels.

@@ -28,8 +28,7 @@ use std::collections::HashMap;
 use bson::{doc, Document};
 use futures::TryStreamExt;
 
-use crate::codes::CODES;
-use crate::stats::as_u64;
+use crate::collections::{as_u64, CODES};
 use crate::{Store, StoreError};
 
 /// Most budgeted scans of the same pools before the ones still unanswered

@@ -163,6 +163,6 @@ fn entry_of(d: &bson::Document) -> Option<AuditEntry> {
         who: text("os_user"),
         command: text("command"),
         what: text("what"),
-        count: crate::stats::as_u64(d.get("count")),
+        count: crate::collections::as_u64(d.get("count")),
     })
 }

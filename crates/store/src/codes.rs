@@ -21,7 +21,7 @@ use crate::crypto::{binary, open_code, sealed_fields};
 use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
 
-pub const CODES: &str = "codes";
+pub use crate::collections::CODES;
 pub(crate) const SEQUENCES: &str = "sequences";
 
 /// A code document as stored. The persistence form only: the store reads
@@ -1081,7 +1081,7 @@ impl Store {
         // Every statement the index did not refuse matched: every claim won
         // (in a second write, a claim that landed in the first no longer
         // matches, so this holds only when the second write did it all).
-        let landed = crate::stats::as_u64(reply.get("n"));
+        let landed = crate::collections::as_u64(reply.get("n"));
         match read {
             Ok(codes) if landed == (assignments.len() - out.order_taken.len()) as u64 => {
                 out.granted = issued_by(codes, assignments, &out.order_taken, now);

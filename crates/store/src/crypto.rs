@@ -153,7 +153,7 @@ pub(crate) fn open_code(
         }
         (None, Some(plain)) => Ok(plain.to_owned()),
         (None, None) => Err(StoreError::Corrupt {
-            collection: crate::codes::CODES.into(),
+            collection: crate::collections::CODES.into(),
             message: format!("code {id} has neither code_enc with key_id nor a plaintext code"),
         }),
     }

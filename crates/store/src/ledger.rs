@@ -18,8 +18,8 @@ use bson::{doc, Bson, Document};
 use futures::TryStreamExt;
 
 use crate::codes::SEQUENCES;
+use crate::collections::as_u64;
 use crate::error::is_duplicate_key;
-use crate::stats::as_u64;
 use crate::{Store, StoreError};
 
 pub(crate) const CODE_RANGES: &str = "code_ranges";

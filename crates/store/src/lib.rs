@@ -26,6 +26,7 @@ mod across;
 pub mod audit;
 pub mod backorders;
 pub mod codes;
+pub mod collections;
 pub mod crypto;
 pub mod error;
 pub mod export;

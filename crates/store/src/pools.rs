@@ -77,7 +77,7 @@ impl Store {
     /// True when at least one code (of any status) belongs to `pool`.
     pub async fn pool_holds_codes(&self, pool: &str) -> Result<bool, StoreError> {
         Ok(self
-            .collection(crate::codes::CODES)
+            .collection(crate::collections::CODES)
             .find_one(doc! {"pool": pool})
             .projection(doc! {"_id": 1})
             .await?

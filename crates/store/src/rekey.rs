@@ -194,7 +194,7 @@ impl Store {
             .iter()
             .map(|r| KeyUsage {
                 key_id: r.get_str("_id").ok().map(str::to_owned),
-                codes: crate::stats::as_u64(r.get("codes")),
+                codes: crate::collections::as_u64(r.get("codes")),
             })
             .collect())
     }

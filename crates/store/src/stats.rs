@@ -5,12 +5,12 @@
 
 use std::collections::BTreeMap;
 
-use bson::{doc, Bson, DateTime, Document};
+use bson::{doc, DateTime, Document};
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 use crate::backorders::{BACKORDERS, WAITING};
-use crate::codes::CODES;
+use crate::collections::{as_u64, CODES};
 use crate::{Store, StoreError};
 
 /// Pools whose counts are in flight at once in [`Store::stats_of`].
@@ -29,15 +29,6 @@ pub struct PoolStats {
     pub backorders_waiting: u64,
     pub issued_last_hour: u64,
     pub issued_last_day: u64,
-}
-
-pub(crate) fn as_u64(v: Option<&Bson>) -> u64 {
-    match v {
-        Some(Bson::Int32(n)) => *n as u64,
-        Some(Bson::Int64(n)) => *n as u64,
-        Some(Bson::Double(n)) => *n as u64,
-        _ => 0,
-    }
 }
 
 /// The filter of `pool`'s codes handed out at `since` or later. Only codes
