@@ -84,12 +84,22 @@ c_mongo_start() { # N
 	mongod_libs "$mongod" || die "$mongod is missing shared libraries" "apt-get install -y libcurl4 libssl3"
 	mkdir -p "$dir/data"
 	clog "starting mongod $n on $LOCAL:$port (replica set $C_MONGO_RS)"
-	rm -f "$dir/mongod.pid"
-	"$mongod" --replSet "$C_MONGO_RS" --bind_ip "$LOCAL" --port "$port" \
-		--dbpath "$dir/data" --logpath "$dir/mongod.log" --logappend \
-		--pidfilepath "$dir/mongod.pid" --wiredTigerCacheSizeGB 0.25 \
-		--fork >"$dir/fork.out" 2>&1 9>&- ||
-		die "mongod $n did not start: $(tail -n 3 "$dir/fork.out")" "see $dir/mongod.log"
+	# A mongod that exits while it starts (seen once on a loaded machine, with
+	# no second failure after it) is tried again twice; its own log's errors
+	# are printed each time, so a failure that persists says why.
+	local try
+	for try in 1 2 3; do
+		rm -f "$dir/mongod.pid"
+		"$mongod" --replSet "$C_MONGO_RS" --bind_ip "$LOCAL" --port "$port" \
+			--dbpath "$dir/data" --logpath "$dir/mongod.log" --logappend \
+			--pidfilepath "$dir/mongod.pid" --wiredTigerCacheSizeGB 0.25 \
+			--fork >"$dir/fork.out" 2>&1 9>&- && return 0
+		clog "mongod $n exited while starting (try $try of 3): $(tail -n 2 "$dir/fork.out" | tr '\n' ' ')"
+		grep -E '"s":"(E|F)"' "$dir/mongod.log" 2>/dev/null | tail -n 3 | cut -c1-400 >&2 || true
+		c_mongo_up "$n" && return 0
+		sleep 2
+	done
+	die "mongod $n did not start after 3 tries" "see $dir/mongod.log"
 }
 
 c_mongo_wait_set() {
