@@ -425,7 +425,7 @@ async fn many_pools_claim_through_the_hot_pool(env: &TestEnv) {
     let refs: Vec<&Purchase> = purchases.iter().collect();
     let engine = env.engine();
     let out = engine
-        .claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+        .claim_batch(&refs, codepool_issuance::Resend::ByRedelivery)
         .await
         .expect("claims on the cluster");
     let granted = out

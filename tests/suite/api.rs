@@ -841,7 +841,7 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
 
 /// The RabbitMQ connection pids whose client named them `name` (the
 /// `connection_name` client property).
-async fn connections_named(name: &str) -> Vec<String> {
+pub(crate) async fn connections_named(name: &str) -> Vec<String> {
     let out = tokio::process::Command::new("rabbitmqctl")
         .args([
             "list_connections",
@@ -926,7 +926,12 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     assert_eq!(status, 201);
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
-    assert_eq!(queue_depth(&ch, &env.topology().sms_pending).await, 1);
+    // Published once the answer is out (the answer waits for the claim).
+    eventually(Duration::from_secs(10), "RC-1's event", || {
+        let (ch, q) = (ch.clone(), env.topology().sms_pending.clone());
+        async move { queue_depth(&ch, &q).await == 1 }
+    })
+    .await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;

@@ -275,10 +275,18 @@ async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_get
     exactly_once(&held, &wanted);
     // Every grant reaches its event: sent by a process, or by the relay
     // for those the killed process never confirmed.
+    all_texted(&env, &held, Duration::from_secs(120)).await;
+    b.stop().await;
+    env.cleanup().await;
+}
+
+/// Waits until every code of `held` has been in an `sms.pending` event;
+/// panics after `within` with how many never were.
+async fn all_texted(env: &TestEnv, held: &HashMap<String, Vec<String>>, within: Duration) {
     let mut texted: HashSet<String> = HashSet::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let deadline = tokio::time::Instant::now() + within;
     loop {
-        for e in events(&env).await {
+        for e in events(env).await {
             texted.extend(e.all_codes().into_iter().map(|c| c.code));
         }
         let owed: Vec<&String> = held
@@ -287,16 +295,74 @@ async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_get
             .filter(|c| !texted.contains(*c))
             .collect();
         if owed.is_empty() {
-            break;
+            return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{} grants never texted, e.g. {:?}",
+            "{} grants never texted within {within:?}, e.g. {:?}",
             owed.len(),
             owed.first()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    b.stop().await;
+}
+
+#[tokio::test]
+async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_every_grant() {
+    // No dispatcher runs. The API answers each order once its claim is
+    // journaled; its events are owed by the outbox mark, and the API's own
+    // relay sends whatever a closed connection swallowed.
+    let env = TestEnv::new("api_flap").await;
+    env.fill_pool("fp", 400).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
+    let name = format!("codepool-api-{}", api.child.id().unwrap());
+    let closed = std::sync::atomic::AtomicUsize::new(0);
+    let closer = async {
+        for _ in 0..6 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            for pid in crate::api::connections_named(&name).await {
+                let out = tokio::process::Command::new("rabbitmqctl")
+                    .args(["close_connection", &pid, "test: connection closed again"])
+                    .current_dir("/")
+                    .output()
+                    .await
+                    .unwrap();
+                if out.status.success() {
+                    closed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    };
+    let load = futures::stream::iter(0..300)
+        .map(|i| {
+            let (addr, shop) = (&api.addr, &shop);
+            async move {
+                let body = order(&format!("F-{i}"), "fp", 1);
+                (i, try_post(addr, "/v1/orders", shop, &body).await)
+            }
+        })
+        .buffer_unordered(8)
+        .collect::<Vec<_>>();
+    let (first, ()) = tokio::join!(load, closer);
+    assert!(
+        closed.load(std::sync::atomic::Ordering::Relaxed) >= 2,
+        "the API's connection was closed while it took orders"
+    );
+    // An order answered 503 (none expected) is simply sent again.
+    for (i, was) in &first {
+        if !matches!(was, Ok((201, _))) {
+            let body = order(&format!("F-{i}"), "fp", 1);
+            let (status, again) = try_post(&api.addr, "/v1/orders", &shop, &body)
+                .await
+                .unwrap();
+            assert!(status == 200 || status == 201, "F-{i}: {status} {again}");
+        }
+    }
+    let held = holdings(&env).await;
+    let wanted = (0..300).map(|i| (format!("F-{i}"), 1)).collect();
+    exactly_once(&held, &wanted);
+    all_texted(&env, &held, Duration::from_secs(60)).await;
+    api.stop().await;
     env.cleanup().await;
 }

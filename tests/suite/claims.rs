@@ -4,8 +4,8 @@
 use std::collections::HashSet;
 
 use bson::doc;
-use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
+use codepool_issuance::{ClaimOutcome, Resend};
 use codepool_store::ClaimAssignment;
 
 use crate::common::Line0;

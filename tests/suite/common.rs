@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 use codepool_broker::Topology;
-use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers, Resend};
 use codepool_domain::Purchase;
 use codepool_hotpool::HotPool;
+use codepool_issuance::{ClaimConfig, ClaimEngine, GrantNumbers, Resend};
 use codepool_store::{ClaimAssignment, CodeKeys, NewCode, ObjectId, Store};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 

@@ -7,9 +7,9 @@ use bson::doc;
 use std::sync::Arc;
 
 use codepool_broker::{Publisher, Topology};
-use codepool_dispatcher::relay::relay_unconfirmed;
-use codepool_dispatcher::{Outbox, Resend};
 use codepool_domain::{SmsPending, SmsState};
+use codepool_issuance::relay::relay_unconfirmed;
+use codepool_issuance::{Outbox, Resend};
 use lapin::options::BasicGetOptions;
 
 use crate::common::Line0;

@@ -4,8 +4,8 @@
 
 use std::os::unix::fs::FileTypeExt;
 
-use codepool_dispatcher::Resend;
 use codepool_domain::Purchase;
+use codepool_issuance::Resend;
 
 use crate::common::TestEnv;
 

@@ -6,9 +6,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::doc;
-use codepool_dispatcher::{ClaimOutcome, Resend};
 use codepool_domain::Purchase;
 use codepool_hotpool::{Candidate, RefillLock, Refilled};
+use codepool_issuance::{ClaimOutcome, Resend};
 use codepool_store::codes::ScanClaim;
 use codepool_store::codes::ASKS_PER_QUERY;
 use codepool_store::{CandidateAsk, ClaimAssignment, CodeId};

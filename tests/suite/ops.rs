@@ -10,9 +10,9 @@ use std::time::Duration;
 use bson::doc;
 use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
 use codepool_broker::{Publisher, Topology};
-use codepool_dispatcher::{ClaimOutcome, Resend, StockConfig, StockLevel, StockWatch};
 use codepool_domain::{CodeStatus, Grant, PoolEvent, SmsPending};
 use codepool_hotpool::Candidate;
+use codepool_issuance::{ClaimOutcome, Resend, StockConfig, StockLevel, StockWatch};
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome, EXPIRED_REASON};
 use codepool_store::pool_settings::PoolSettings;
 use codepool_store::{CodeDoc, NewCode, ObjectId, Store};
@@ -739,7 +739,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     assert_eq!(by_pool, [("ex2", 3)]);
     // A second run finds nothing.
     assert_eq!(
-        codepool_dispatcher::expiry::expire_codes(store, &hot, None)
+        codepool_issuance::expiry::expire_codes(store, &hot, None)
             .await
             .unwrap(),
         0

@@ -560,7 +560,7 @@ async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
 
 #[tokio::test]
 async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_large_one() {
-    use codepool_dispatcher::policy::PolicyCache;
+    use codepool_issuance::policy::PolicyCache;
     let env = TestEnv::new("policies_catalogue").await;
     for pool in ["a", "b"] {
         env.store.create_pool(pool).await.expect("create pool");
@@ -580,14 +580,14 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
         !got["b"].paused,
         "b was read with the catalogue, before the pause"
     );
-    tokio::time::sleep(codepool_dispatcher::policy::POLICY_TTL).await;
+    tokio::time::sleep(codepool_issuance::policy::POLICY_TTL).await;
     let got = cache.get_many(&env.store, &["b"]).await.unwrap();
     assert!(got["b"].paused, "read again once its policy aged");
 
     // A catalogue too large to read whole: every pool a batch meets is
     // read by name, so a pause behind the cache is seen at once.
     let now = bson::DateTime::now();
-    let most = codepool_dispatcher::policy::CATALOGUE_MOST;
+    let most = codepool_issuance::policy::CATALOGUE_MOST;
     let many: Vec<bson::Document> = (0..=most)
         .map(|i| doc! {"_id": format!("p{i:05}"), "created_at": now, "low_stock_alerted": false})
         .collect();
@@ -608,7 +608,7 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
 
 #[tokio::test]
 async fn a_pool_document_that_does_not_decode_holds_up_only_its_own_pool() {
-    use codepool_dispatcher::policy::PolicyCache;
+    use codepool_issuance::policy::PolicyCache;
     let env = TestEnv::new("policies_bad_pool").await;
     env.store.create_pool("good").await.expect("create pool");
     env.store

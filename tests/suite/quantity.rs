@@ -513,12 +513,12 @@ async fn the_last_code_raced_by_two_batches_goes_to_exactly_one_order() {
         let (ra, rb) = tokio::join!(
             async {
                 let refs: Vec<&Purchase> = a.iter().collect();
-                e1.claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+                e1.claim_batch(&refs, codepool_issuance::Resend::ByRedelivery)
                     .await
             },
             async {
                 let refs: Vec<&Purchase> = b.iter().collect();
-                e2.claim_batch(&refs, codepool_dispatcher::Resend::ByRedelivery)
+                e2.claim_batch(&refs, codepool_issuance::Resend::ByRedelivery)
                     .await
             }
         );

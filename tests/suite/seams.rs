@@ -890,6 +890,19 @@ async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
         ),
         "{placed}"
     );
+    // The batch that placed it logs the grant with the door it came by.
+    eventually(
+        Duration::from_secs(10),
+        "SP-1 granted in the log",
+        || async { line(&api.log_text(), "granted", "SP-1").is_some() },
+    )
+    .await;
+    let granted = line(&api.log_text(), "granted", "SP-1").unwrap();
+    assert_eq!(
+        (&granted["order_id"], &granted["span"]["door"]),
+        (&serde_json::json!("SP-1"), &serde_json::json!("http")),
+        "{granted}"
+    );
     api.stop().await;
 
     let daemon = start_daemon(env.command(&["--log-format", "json"])).await;

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bson::{doc, Bson, Document};
 use codepool_broker::Publisher;
-use codepool_dispatcher::Resend;
 use codepool_domain::{mask, SmsPending};
+use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 

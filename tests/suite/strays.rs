@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use bson::doc;
 use codepool_broker::Publisher;
-use codepool_dispatcher::Resend;
 use codepool_hotpool::Candidate;
+use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 
 use crate::common::Line0;

@@ -2,35 +2,41 @@
 //!
 //! Each `POST /v1/orders` hands its purchase to the batcher and waits for
 //! its step. The batcher takes whatever has queued meanwhile (up to
-//! [`MAX_BATCH`]) as one batch, decides it through the same
-//! [`codepool_dispatcher::Intake`] as the dispatcher (one policy read, one
-//! batched, journaled claim, one backorder write), publishes the batch's
-//! events together, and answers every request once they are confirmed;
-//! then it records the confirmed events (off the relay's list), which the
-//! answer need not wait for. At most [`IN_FLIGHT`] batches run at once;
-//! while they do, new requests queue for the next.
+//! [`MAX_BATCH`]) as one batch and places it through the core
+//! ([`Intake::place`]: one policy read, one batched, journaled claim, one
+//! backorder write), the same as the dispatcher. Every request is answered
+//! as soon as that durable half is done. What the batch owes then
+//! (`sms.pending`, `purchase.refused`, `pool.exhausted`) is announced
+//! after the answers, by a task of its own ([`codepool_issuance::placing`]):
+//! each fresh grant's event is owed by its outbox mark (`Resend::ByRelay`),
+//! which the relay of every API process honours, exactly as for a process
+//! that died between its claim and its confirm. Nothing is lost, and the
+//! stable `event_id` makes a second send harmless.
 //!
-//! One batch at a time, recording included, is the fastest setting
+//! At most [`IN_FLIGHT`] batches are placed at once; while they are, new
+//! requests queue for the next. One at a time is the fastest setting
 //! measured (`codepool-bench api`, docs/benchmarks.md): the clients
-//! answered by one batch are back by the time it has recorded its events,
-//! so the next batch takes them all. Four at a time split 64 clients into
-//! batches of about 10: mongod spent twice the CPU per grant, and grants
-//! were 25–35% slower. Under more load a batch grows to [`MAX_BATCH`].
+//! answered by one batch are back by the time the next starts, so it takes
+//! them all. At most [`ANNOUNCING`] batches' announcements wait for the
+//! broker at once; a broker slower than that holds the next batch back.
 
 use std::sync::{Arc, Weak};
 
-use codepool_dispatcher::plan::{BatchPlan, Step};
-use codepool_dispatcher::ports::SmsLedger;
-use codepool_dispatcher::{Marking, Resend};
-use codepool_domain::{CodeId, Grant, Purchase};
+use codepool_domain::{CodeId, Purchase};
+use codepool_issuance::placing::{self, Texting};
+use codepool_issuance::plan::{BatchPlan, Step};
+use codepool_issuance::ports::SmsLedger;
+use codepool_issuance::{Intake, Resend};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::Api;
 
 /// Most orders decided together.
 pub const MAX_BATCH: usize = 256;
-/// Most batches decided at once.
+/// Most batches placed at once.
 pub const IN_FLIGHT: usize = 1;
+/// Most placed batches whose announcements wait for the broker at once.
+pub const ANNOUNCING: usize = 8;
 
 /// Why a batch could not be decided: every request in it gets this.
 #[derive(Debug, Clone)]
@@ -58,6 +64,8 @@ struct Ask {
 /// The queue of orders waiting to be decided.
 pub(crate) struct Batcher {
     tx: mpsc::Sender<Ask>,
+    /// One permit per batch being placed or announced.
+    announcing: Arc<Semaphore>,
 }
 
 impl Batcher {
@@ -65,8 +73,17 @@ impl Batcher {
     /// the API).
     pub(crate) fn start(api: Weak<Api>) -> Self {
         let (tx, rx) = mpsc::channel(MAX_BATCH * IN_FLIGHT * 4);
-        tokio::spawn(run(api, rx));
-        Self { tx }
+        let announcing = Arc::new(Semaphore::new(ANNOUNCING));
+        tokio::spawn(run(api, rx, announcing.clone()));
+        Self { tx, announcing }
+    }
+
+    /// Waits, for up to `limit`, until every batch placed so far has been
+    /// announced: a process that stops sends the events it owes instead of
+    /// leaving them to a relay 30 seconds later. Whether all were.
+    pub(crate) async fn settle(&self, limit: std::time::Duration) -> bool {
+        let all = self.announcing.acquire_many(ANNOUNCING as u32);
+        matches!(tokio::time::timeout(limit, all).await, Ok(Ok(_)))
     }
 
     /// Decides one purchase in the next batch: its step, once the batch's
@@ -96,10 +113,14 @@ impl Batcher {
     }
 }
 
-async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>) {
+async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaphore>) {
     let permits = Arc::new(Semaphore::new(IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        // Taken before the batch is placed, so that `settle` sees it.
+        let Ok(slot) = announcing.clone().acquire_owned().await else {
             break;
         };
         // Everything that queued while the batches in flight ran.
@@ -111,35 +132,52 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>) {
             }
         }
         let Some(api) = api.upgrade() else { break };
-        tokio::spawn(async move {
-            let _permit = permit;
-            metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
-            let whom: Vec<(String, String)> = (asks.iter())
-                .map(|a| (a.who.clone(), a.request.clone()))
-                .collect();
-            let (purchases, replies): (Vec<_>, Vec<_>) =
-                asks.into_iter().map(|a| (a.purchase, a.reply)).unzip();
-            match decide_batch(&api, purchases).await {
-                Ok((steps, confirmed)) => {
-                    // No record, no reveal: the repeats' audit records,
-                    // one write for the batch, before any answer.
-                    let audited = audit_repeats(&api, &steps, &whom).await;
-                    for (reply, step) in replies.into_iter().zip(steps) {
-                        let answer = match (&audited, is_repeat(&step)) {
-                            (Err(e), true) => Err(e.clone()),
-                            _ => Ok(step),
-                        };
-                        let _ = reply.send(answer);
-                    }
-                    mark_sent(&api, &confirmed).await;
-                }
-                Err(e) => {
-                    for reply in replies {
-                        let _ = reply.send(Err(e.clone()));
-                    }
-                }
+        // The batch's lines (grants, refusals, publishes) carry the door,
+        // as the AMQP door's do; each request's own lines carry its order.
+        let span = tracing::info_span!("batch", door = "http", size = asks.len());
+        let work = async move {
+            let plan = answer_batch(&api, asks).await;
+            drop(permit);
+            if let Some(plan) = plan {
+                announce(&api, &plan).await;
             }
-        });
+            drop(slot);
+        };
+        tokio::spawn(tracing::Instrument::instrument(work, span));
+    }
+}
+
+/// Places one batch and answers every request in it. The placed plan,
+/// whose announcements are still owed.
+async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
+    metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
+    let whom: Vec<(String, String)> = (asks.iter())
+        .map(|a| (a.who.clone(), a.request.clone()))
+        .collect();
+    let (purchases, replies): (Vec<_>, Vec<_>) =
+        asks.into_iter().map(|a| (a.purchase, a.reply)).unzip();
+    match place(api.intake(), purchases).await {
+        Ok(plan) => {
+            // No record, no reveal: the repeats' audit records, one write
+            // for the batch, before any answer.
+            let audited = audit_repeats(api, &plan.steps, &whom).await;
+            plan.steps.iter().for_each(placing::log_step);
+            placing::count(&plan);
+            for (reply, step) in replies.into_iter().zip(&plan.steps) {
+                let answer = match (&audited, is_repeat(step)) {
+                    (Err(e), true) => Err(e.clone()),
+                    _ => Ok(step.clone()),
+                };
+                let _ = reply.send(answer);
+            }
+            Some(plan)
+        }
+        Err(e) => {
+            for reply in replies {
+                let _ = reply.send(Err(e.clone()));
+            }
+            None
+        }
     }
 }
 
@@ -183,7 +221,7 @@ async fn audit_repeats(
             })
         })
         .collect();
-    api.store
+    api.store()
         .record_reveals(&reveals)
         .await
         .map_err(|e| Failure {
@@ -192,41 +230,39 @@ async fn audit_repeats(
         })
 }
 
-/// Takes the codes whose events were confirmed off the relay's list. A
-/// mark not recorded (this process stopped, MongoDB away) only means the
-/// relay sends the event again, with the same `event_id`.
-async fn mark_sent(api: &Api, confirmed: &[CodeId]) {
-    if confirmed.is_empty() {
+/// Publishes what a placed batch owes, then takes the codes whose events
+/// were confirmed off the relay's list. A mark not recorded (this process
+/// stopped, MongoDB away) only means the relay sends the event again, with
+/// the same `event_id`.
+async fn announce(api: &Api, plan: &BatchPlan) {
+    let broker = api.broker();
+    let announced =
+        placing::announce(plan, api.outbox(), &broker.publisher, Texting::Fresh, None).await;
+    if !announced.unconfirmed.is_empty() {
+        tracing::warn!(
+            unconfirmed = announced.unconfirmed.len(),
+            "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
+        );
+    }
+    if announced.confirmed.is_empty() {
         return;
     }
-    if let Err(e) = api.store.mark_published(confirmed).await {
+    if let Err(e) = api.store().mark_published(&announced.confirmed).await {
         tracing::warn!(error = %e, "SMS marks not recorded; the relay sends the events again");
     }
 }
 
-/// One batch through the shared core: plan, durable backorders, pool
-/// notices, refusals and the fresh grants' events. The steps, one per
-/// purchase, in order, and the codes whose events the broker confirmed
-/// (to mark once the requests are answered).
-async fn decide_batch(
-    api: &Api,
-    purchases: Vec<Purchase>,
-) -> Result<(Vec<Step>, Vec<CodeId>), Failure> {
+/// The durable half of one batch through the core: claimed, with its
+/// backorders recorded. No message of an HTTP order is redelivered: the
+/// relay owes the events of a grant no one saw confirmed.
+async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {
     let n = purchases.len();
-    // No message of an HTTP order is redelivered: the relay owes the
-    // events of a grant this process did not see confirmed.
     let parsed = purchases.into_iter().map(Ok).collect();
-    let mut plan =
-        (api.intake.decide(parsed, &[], Resend::ByRelay).await).map_err(|e| Failure {
-            // A key missing from this process's key file: nothing was
-            // claimed, and another API process (or this one, once its key
-            // file is complete) takes the same request.
-            unavailable: e.is_unavailable()
-                || matches!(e, codepool_dispatcher::claim::ClaimError::KeysMissing(_)),
-            message: e.to_string(),
-        })?;
-    (api.intake.record_backorders(&mut plan).await).map_err(|e| Failure {
-        unavailable: e.is_unavailable(),
+    let plan = (intake.place(parsed, &[], Resend::ByRelay).await).map_err(|e| Failure {
+        // A key missing from this process's key file: nothing was
+        // claimed, and another API process (or this one, once its key
+        // file is complete) takes the same request.
+        unavailable: e.is_retryable(),
         message: e.to_string(),
     })?;
     if plan.steps.len() != n {
@@ -235,63 +271,5 @@ async fn decide_batch(
             unavailable: false,
         });
     }
-    let broker = api.broker();
-    codepool_dispatcher::batch::announce_exhausted(&plan, &broker.publisher).await;
-    let refusals = plan.refusals().into_iter().map(|(_, r)| {
-        let publisher = &broker.publisher;
-        async move {
-            let event = r.event();
-            let confirmed = codepool_broker::confirmed(publisher.publish_refused(&event).await).await;
-            if let Err(e) = confirmed {
-                tracing::warn!(error = %e, order_id = %r.purchase.order_id, "purchase.refused not confirmed; the refusal stands and is recorded");
-            }
-        }
-    });
-    futures::future::join_all(refusals).await;
-    // Only what this batch issued is texted: a retried request gets its
-    // codes in the answer, not a second SMS (`/resend` is for that). Marked
-    // after the answers (see `mark_sent`): what the broker does not
-    // confirm stays on the relay's list.
-    let fresh: Vec<&Grant> = plan.steps.iter().flat_map(fresh_grants).collect();
-    let mut confirmed = Vec::new();
-    if !fresh.is_empty() {
-        // `Unneeded` records nothing, so it cannot fail.
-        if let Ok(sent) = (api.outbox)
-            .send(&broker.publisher, &fresh, Marking::Unneeded)
-            .await
-        {
-            confirmed = (fresh.iter().zip(&sent.results))
-                .filter(|(g, r)| !g.revoked && r.is_ok())
-                .map(|(g, _)| g.code_id)
-                .collect();
-        }
-    }
-    count(&plan);
-    Ok((plan.steps, confirmed))
-}
-
-fn count(plan: &BatchPlan) {
-    metrics::counter!("codepool_grants_total").increment(plan.fresh_grants);
-    metrics::counter!("codepool_duplicate_deliveries_total").increment(plan.repeats);
-    metrics::counter!("codepool_held_purchases_total").increment(plan.held);
-}
-
-/// The grants a step issued in this batch: the codes of one claim share a
-/// part (the first line it claimed), the newest part of the order.
-pub(crate) fn fresh_grants(step: &Step) -> Vec<&Grant> {
-    let Step::Grant { grants, fresh, .. } = step else {
-        return Vec::new();
-    };
-    if *fresh == 0 {
-        return Vec::new();
-    }
-    let newest = grants.iter().map(|g| g.part).max();
-    let issued: Vec<&Grant> = grants.iter().filter(|g| Some(g.part) == newest).collect();
-    if issued.len() == *fresh as usize {
-        issued
-    } else {
-        // Not one part (never expected): send them all; the same event
-        // ids make a second send harmless.
-        grants.iter().collect()
-    }
+    Ok(plan)
 }

@@ -130,10 +130,9 @@ pub(crate) async fn replay(
         return bad_limit(&rid);
     }
     let broker = api.broker();
-    let actor =
-        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/dead-letters/replay");
-    match codepool_dispatcher::controls::replay_dead_letters(
-        &api.store,
+    let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/dead-letters/replay");
+    match codepool_issuance::controls::replay_dead_letters(
+        api.store(),
         &broker.conn,
         &broker.publisher,
         f.reason.as_deref(),

@@ -96,7 +96,8 @@ pub(crate) async fn upload(
         header,
         ..ImportOptions::default()
     };
-    let summary = match import_reader(&api.store, input, &name, 0, &pool, &options, &|_| {}).await {
+    let summary = match import_reader(api.store(), input, &name, 0, &pool, &options, &|_| {}).await
+    {
         Ok(s) => s,
         Err(e) => return import_failed(e, &rid),
     };
@@ -106,10 +107,10 @@ pub(crate) async fn upload(
         summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid
     );
     let actor =
-        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/imports");
+        codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/imports");
     let broker = api.broker();
-    if let Err(e) = codepool_dispatcher::controls::imported(
-        &api.store,
+    if let Err(e) = codepool_issuance::controls::imported(
+        api.store(),
         &broker.publisher,
         &pool,
         summary.inserted,
@@ -151,10 +152,7 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::FileName(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-file-name"),
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
-    let detail = e.to_string().replace(
-        "run the same command again",
-        "upload the same file again with the same ?file=",
-    );
+    let detail = e.to_string();
     Problem::new(status, slug, "the import did not run", detail)
         .at(&rid.0)
         .into_response()
@@ -195,7 +193,7 @@ pub(crate) async fn show(
     let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {
         return bad_id(&id, &rid);
     };
-    match api.store.import_record(oid).await {
+    match api.store().import_record(oid).await {
         Ok(Some(r)) => Json(json!({
             "import_id": r.id.to_hex(), "pool": r.pool, "file": r.file, "status": r.status,
             "sha256": r.sha256, "rows": r.rows, "inserted": r.inserted, "duplicates": r.duplicates,
@@ -234,16 +232,15 @@ pub(crate) async fn recall(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    use codepool_dispatcher::controls::{recall_import, RecallError};
+    use codepool_issuance::controls::{recall_import, RecallError};
     if let Some(r) = admin(&key, &rid) {
         return r;
     }
     let reason = serde_json::from_slice::<RecallBody>(&body)
         .map(|b| b.reason)
         .unwrap_or_default();
-    let actor =
-        codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/imports/{id}/recall");
-    match recall_import(&api.store, api.hot.as_ref(), &id, &reason, &actor).await {
+    let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/imports/{id}/recall");
+    match recall_import(api.store(), api.hot().as_ref(), &id, &reason, &actor).await {
         Ok(r) => Json(json!({
             "import_id": r.import.id.to_hex(), "pool": r.import.pool, "voided": r.voided,
             "issued": r.held.len(),

@@ -15,16 +15,14 @@
 mod batcher;
 mod dead_letters;
 mod imports;
-pub mod keys;
 mod openapi;
 mod orders;
 mod pools;
 pub mod port;
 mod problem;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -33,16 +31,16 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use codepool_broker::Publisher;
-use codepool_dispatcher::{Intake, Outbox};
-use codepool_store::Store;
+use codepool_issuance::api_keys;
+use codepool_issuance::Core;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-pub use keys::{KeyDoc, Scope};
+pub use codepool_issuance::api_keys::{self as keys, KeyDoc, Scope};
+pub use codepool_issuance::Broker;
 pub use port::{serve_port, PortLimits, IMPORT_TIMEOUT};
 pub use problem::Problem;
 
@@ -77,110 +75,64 @@ impl Default for ApiConfig {
     }
 }
 
-/// What every handler shares.
+/// What every handler shares: the core's services, and the HTTP door's
+/// own keys, limits and order batcher.
 pub struct Api {
-    pub(crate) store: Store,
-    pub(crate) intake: Intake,
-    pub(crate) outbox: Outbox,
-    /// The broker connection (for channels of their own: dead letters)
-    /// and the confirm-mode publisher on it; replaced after an outage.
-    broker: std::sync::RwLock<Broker>,
-    /// The hot pool, which a recall clears of the codes it voids.
-    pub(crate) hot: Arc<dyn codepool_dispatcher::ports::CandidatePool>,
-    pub(crate) keys: keys::Verifier,
+    pub(crate) core: Arc<Core>,
+    pub(crate) keys: api_keys::Verifier,
     pub(crate) config: ApiConfig,
-    limits: Mutex<HashMap<String, Bucket>>,
-    /// Concurrent orders, decided together.
+    /// Each key's requests per second, a burst of twice as many.
+    limits: governor::DefaultKeyedRateLimiter<String>,
+    /// Concurrent orders, placed together.
     pub(crate) orders: batcher::Batcher,
 }
 
+impl std::ops::Deref for Api {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
 impl Api {
-    pub fn new(
-        store: Store,
-        intake: Intake,
-        hot: Arc<dyn codepool_dispatcher::ports::CandidatePool>,
-        conn: Arc<lapin::Connection>,
-        publisher: Publisher,
-        config: ApiConfig,
-    ) -> Arc<Self> {
+    pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             orders: batcher::Batcher::start(me.clone()),
-            broker: std::sync::RwLock::new(Broker { conn, publisher }),
-            hot,
-            outbox: Outbox::new(Arc::new(store.clone())),
-            store,
-            intake,
-            keys: keys::Verifier::default(),
+            core,
+            keys: api_keys::Verifier::default(),
+            limits: per_key_limiter(config.rate_per_key),
             config,
-            limits: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The store every door shares.
-    pub fn store(&self) -> &Store {
-        &self.store
+    /// Waits, for up to `limit`, until the orders answered so far have had
+    /// their events published. Whether they all have.
+    pub async fn settle(&self, limit: Duration) -> bool {
+        self.orders.settle(limit).await
     }
 
-    /// The intake (known pool, conflicting order, pause, limit, claim).
-    pub fn intake(&self) -> &Intake {
-        &self.intake
-    }
-
-    /// The outbox that sends SMS-pending events and marks them sent.
-    pub fn outbox(&self) -> &Outbox {
-        &self.outbox
-    }
-
-    /// The hot pool (a recall clears the codes it voids from it).
-    pub fn hot(&self) -> &Arc<dyn codepool_dispatcher::ports::CandidatePool> {
-        &self.hot
-    }
-
-    /// The broker connection and publisher in use now.
-    pub fn broker(&self) -> Broker {
-        self.broker
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Puts a new connection and publisher in use (after an outage).
-    pub fn set_broker(&self, broker: Broker) {
-        *self.broker.write().unwrap_or_else(|e| e.into_inner()) = broker;
+    /// The core this API serves (the console mounts on the same one).
+    pub fn core(&self) -> &Arc<Core> {
+        &self.core
     }
 
     /// Takes one request from `key`'s bucket; the seconds to wait when it
     /// is empty.
     fn take(&self, key: &str) -> Result<(), u64> {
-        let rate = f64::from(self.config.rate_per_key.max(1));
-        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let b = limits.entry(key.to_owned()).or_insert(Bucket {
-            tokens: 2.0 * rate,
-            at: now,
-        });
-        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * rate).min(2.0 * rate);
-        b.at = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
-            Ok(())
-        } else {
-            Err(((1.0 - b.tokens) / rate).ceil().max(1.0) as u64)
-        }
+        use governor::clock::Clock;
+        self.limits.check_key(&key.to_owned()).map_err(|not_until| {
+            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+            wait.as_secs_f64().ceil().max(1.0) as u64
+        })
     }
 }
 
-/// A broker connection and the confirm-mode publisher on it.
-#[derive(Clone)]
-pub struct Broker {
-    pub conn: Arc<lapin::Connection>,
-    pub publisher: Publisher,
-}
-
-/// A key's token bucket.
-struct Bucket {
-    tokens: f64,
-    at: Instant,
+/// A limiter of `rate` requests per second per key, with a burst of
+/// twice as many.
+fn per_key_limiter(rate: u32) -> governor::DefaultKeyedRateLimiter<String> {
+    let rate = std::num::NonZeroU32::new(rate.max(1)).unwrap_or(std::num::NonZeroU32::MIN);
+    let burst = rate.saturating_mul(std::num::NonZeroU32::new(2).unwrap_or(rate));
+    governor::RateLimiter::keyed(governor::Quota::per_second(rate).allow_burst(burst))
 }
 
 /// The `/v1` routes, with their limits, request ids and keys; their time
@@ -464,7 +416,7 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
         .at(&id)
         .into_response();
     };
-    let key = match api.keys.verify(&api.store, token).await {
+    let key = match api.keys.verify(api.store(), token).await {
         Ok(Some(key)) => key,
         Ok(None) => return Problem::unauthorized(
             "this API key is not valid (unknown, revoked or mistyped); ask an operator for a key",

@@ -1,6 +1,6 @@
 //! `/v1/orders`: place an order, read it, redeem, void and resend it. Placing
-//! goes through the dispatcher's [`codepool_dispatcher::Intake`]; the rest
-//! through the same operations as the CLI ([`codepool_dispatcher::ops`]).
+//! goes through the dispatcher's [`codepool_issuance::Intake`]; the rest
+//! through the same operations as the CLI ([`codepool_issuance::ops`]).
 
 use std::sync::Arc;
 
@@ -10,10 +10,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::SecondsFormat;
-use codepool_dispatcher::audit::Actor;
-use codepool_dispatcher::ops;
-use codepool_dispatcher::plan::Step;
 use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
+use codepool_issuance::audit::Actor;
+use codepool_issuance::ops;
+use codepool_issuance::plan::Step;
 use codepool_store::audit::Reveal;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::CodeQuery;
@@ -34,21 +34,6 @@ fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
     })
 }
 
-/// The request field a purchase error names.
-fn field_of(e: &PurchaseError) -> Option<String> {
-    match e.reason {
-        RejectReason::InvalidPhone => Some("phone".into()),
-        RejectReason::InvalidPool | RejectReason::UnknownPool => Some("pool".into()),
-        RejectReason::InvalidTime => Some("purchased_at".into()),
-        RejectReason::InvalidQuantity => Some("quantity".into()),
-        RejectReason::ConflictingOrder => Some("order_id".into()),
-        _ => {
-            let rest = e.detail.split_once("field \"")?.1;
-            Some(rest.split_once('"')?.0.to_owned())
-        }
-    }
-}
-
 /// A purchase the core refused to take: 409 for an order id of another
 /// order, 422 for anything the request says wrong.
 fn rejected(e: &PurchaseError, rid: &RequestId) -> Response {
@@ -59,8 +44,8 @@ fn rejected(e: &PurchaseError, rid: &RequestId) -> Response {
     };
     let slug = e.reason.as_str().replace('_', "-");
     let mut p = Problem::new(status, &slug, "the order was not taken", e.detail.clone()).at(&rid.0);
-    if let Some(f) = field_of(e) {
-        p = p.field(f);
+    if let Some(f) = e.field() {
+        p = p.field(f.to_owned());
     }
     p.into_response()
 }
@@ -243,7 +228,7 @@ pub(crate) async fn read(
             return r;
         }
     }
-    let found = match ops::lookup(&api.store, CodeQuery::Order(&order_id), 100).await {
+    let found = match ops::lookup(api.store(), CodeQuery::Order(&order_id), 100).await {
         Ok(f) => f,
         Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
@@ -270,7 +255,7 @@ pub(crate) async fn read(
             count: found.codes.len() as u64,
         };
         // No record, no reveal.
-        if let Err(e) = api.store.record_reveal(&reveal).await {
+        if let Err(e) = api.store().record_reveal(&reveal).await {
             return failed(&e, e.is_unavailable(), &rid);
         }
     }
@@ -290,7 +275,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
     if key.allows(Scope::Admin) {
         return None;
     }
-    let found = match ops::lookup(&api.store, CodeQuery::Order(order_id), 1).await {
+    let found = match ops::lookup(api.store(), CodeQuery::Order(order_id), 1).await {
         Ok(f) => f,
         Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
     };
@@ -404,7 +389,7 @@ pub(crate) async fn redeem(
         return r;
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/redeem");
-    match ops::redeem(&api.store, CodeRef::Order(&order_id), &actor).await {
+    match ops::redeem(api.store(), CodeRef::Order(&order_id), &actor).await {
         Ok(done) => Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response(),
         Err(e) => refused(e, &rid),
     }
@@ -462,8 +447,8 @@ pub(crate) async fn void(
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/void");
     let voided = ops::void(
-        &api.store,
-        api.hot.as_ref(),
+        api.store(),
+        api.hot().as_ref(),
         CodeRef::Order(&order_id),
         &reason,
         &actor,
@@ -514,8 +499,8 @@ pub(crate) async fn resend(
     let broker = api.broker();
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/resend");
     match ops::resend(
-        &api.store,
-        &api.outbox,
+        api.store(),
+        api.outbox(),
         &broker.publisher,
         &order_id,
         &actor,

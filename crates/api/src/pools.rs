@@ -120,12 +120,12 @@ pub(crate) async fn list(
         .at(&rid.0)
         .into_response();
     }
-    let docs = match api.store.pools_page(page.after.as_deref(), limit).await {
+    let docs = match api.store().pools_page(page.after.as_deref(), limit).await {
         Ok(d) => d,
         Err(e) => return failed(&e, &rid),
     };
     let names: Vec<&str> = docs.iter().map(|d| d.name.as_str()).collect();
-    let stats = match api.store.stats_of(&names).await {
+    let stats = match api.store().stats_of(&names).await {
         Ok(s) => s,
         Err(e) => return failed(&e, &rid),
     };
@@ -155,12 +155,12 @@ pub(crate) async fn show(
     if let Some(r) = admin(&key, &rid) {
         return r;
     }
-    let doc = match api.store.pool(&pool).await {
+    let doc = match api.store().pool(&pool).await {
         Ok(Some(d)) => d,
         Ok(None) => return unknown(&pool, &rid),
         Err(e) => return failed(&e, &rid),
     };
-    match api.store.stats_of(&[pool.as_str()]).await {
+    match api.store().stats_of(&[pool.as_str()]).await {
         Ok(stats) => Json(pool_json(&doc, stats.first())).into_response(),
         Err(e) => failed(&e, &rid),
     }
@@ -215,9 +215,8 @@ pub(crate) async fn create(
         .at(&rid.0)
         .into_response();
     }
-    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, "POST /v1/pools");
-    let created = match codepool_dispatcher::controls::create_pool(&api.store, &name, &actor).await
-    {
+    let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools");
+    let created = match codepool_issuance::controls::create_pool(api.store(), &name, &actor).await {
         Ok(c) => c,
         Err(e) => return failed(&e, &rid),
     };
@@ -282,40 +281,35 @@ pub(crate) async fn settings(
         case_sensitive_codes: s.case_sensitive_codes,
     };
     let what = format!("{settings:?}");
-    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");
-    match codepool_dispatcher::controls::set_pool_settings(
-        &api.store, &pool, &settings, &what, &actor,
+    let actor = codepool_issuance::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");
+    match codepool_issuance::controls::set_pool_settings(
+        api.store(),
+        &pool,
+        &settings,
+        &what,
+        &actor,
     )
     .await
     {
         Ok(()) => show((State(api), Extension(key), Extension(rid)), Path(pool)).await,
-        Err(codepool_dispatcher::controls::PauseError::Pool(e)) => settings_error(e, &pool, &rid),
+        Err(codepool_issuance::controls::PauseError::Pool(e)) => settings_error(e, &pool, &rid),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
 }
 
 fn settings_error(e: PoolSettingsError, pool: &str, rid: &RequestId) -> Response {
-    let field = match &e {
+    match &e {
         PoolSettingsError::UnknownPool(_) => return unknown(pool, rid),
         PoolSettingsError::Store(s) => return failed(s, rid),
-        PoolSettingsError::NegativeThreshold(_) => Some("low_stock"),
-        PoolSettingsError::BadPrefix(_) => Some("grant_prefix"),
-        PoolSettingsError::NegativePerUser(_) => Some("per_user"),
-        PoolSettingsError::CaseRuleFixed(_) => Some("case_sensitive_codes"),
-        PoolSettingsError::Nothing => None,
-    };
+        _ => {}
+    }
+    let field = e.setting().map(|s| s.field());
     let status = if matches!(e, PoolSettingsError::CaseRuleFixed(_)) {
         StatusCode::CONFLICT
     } else {
         StatusCode::UNPROCESSABLE_ENTITY
     };
-    // The CLI's words name its flags; the API's fields are the same names.
-    let detail = e
-        .to_string()
-        .replace("--low-stock", "low_stock")
-        .replace("--grant-prefix", "grant_prefix")
-        .replace("--per-user", "per_user")
-        .replace("--case-sensitive-codes", "case_sensitive_codes");
+    let detail = e.in_words(|s| s.field().to_owned());
     let mut p = Problem::new(
         status,
         "invalid-settings",
@@ -367,15 +361,15 @@ async fn set_paused(
     if let Some(r) = admin(&key, &rid) {
         return r;
     }
-    use codepool_dispatcher::controls::{self, PauseError};
+    use codepool_issuance::controls::{self, PauseError};
     let broker = api.broker();
     let route = if paused {
         "POST /v1/pools/{name}/pause"
     } else {
         "POST /v1/pools/{name}/resume"
     };
-    let actor = codepool_dispatcher::audit::Actor::api_key(&key.name, route);
-    match controls::set_paused(&api.store, &broker.publisher, &pool, paused, &actor).await {
+    let actor = codepool_issuance::audit::Actor::api_key(&key.name, route);
+    match controls::set_paused(api.store(), &broker.publisher, &pool, paused, &actor).await {
         Ok(changed) => {
             Json(json!({"name": pool, "paused": paused, "changed": changed})).into_response()
         }

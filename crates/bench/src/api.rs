@@ -34,8 +34,9 @@ use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use codepool_api::{Api, ApiConfig, Scope};
 use codepool_broker::Publisher;
-use codepool_dispatcher::{DispatcherConfig, Intake};
+use codepool_dispatcher::DispatcherConfig;
 use codepool_domain::{CodeStatus, Purchase};
+use codepool_issuance::Intake;
 use codepool_store::Store;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo};
@@ -217,14 +218,9 @@ impl ApiServer {
             ..ApiConfig::default()
         };
         let intake = Intake::new(store.clone(), engine);
-        let api = Api::new(
-            store.clone(),
-            intake,
-            Arc::new(hot),
-            conn,
-            publisher,
-            config,
-        );
+        let core =
+            codepool_issuance::Core::new(store.clone(), intake, Arc::new(hot), conn, publisher);
+        let api = Api::new(core, config);
         let stop = CancellationToken::new();
         let listen: SocketAddr = "127.0.0.1:0".parse()?;
         let (addr, task) =

@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use codepool_dispatcher::{ClaimEngine, ClaimOutcome, Resend};
 use codepool_domain::{CodeStatus, Purchase};
+use codepool_issuance::{ClaimEngine, ClaimOutcome, Resend};
 use codepool_store::{durable, ObjectId};
 use mongodb::bson::{doc, DateTime, Document};
 use mongodb::options::ReturnDocument;

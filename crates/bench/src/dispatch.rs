@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use codepool_broker::{Publisher, QueueType, Topology};
-use codepool_dispatcher::plan::Settlement;
 use codepool_dispatcher::{AckWindow, DispatcherConfig};
 use codepool_domain::{CodeStatus, Purchase};
+use codepool_issuance::plan::Settlement;
 use codepool_store::ObjectId;
 use futures::{StreamExt, TryStreamExt};
 use lapin::message::Delivery;

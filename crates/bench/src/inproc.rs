@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
+use codepool_dispatcher::{Dispatcher, DispatcherConfig};
 use codepool_domain::Purchase;
+use codepool_issuance::Health;
 use codepool_store::ObjectId;
 use futures::StreamExt;
 use lapin::Connection;
@@ -77,7 +78,7 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
         Arc::new(Health::default()),
     );
     let stop = CancellationToken::new();
-    let done_before = codepool_dispatcher::telemetry::settled_purchases();
+    let done_before = codepool_issuance::telemetry::settled_purchases();
     let cpu = CpuSnapshot::take();
     let daemon = tokio::spawn(dispatcher.run(stop.clone()));
     Ok(Running {
@@ -93,7 +94,7 @@ impl Running {
     /// Purchases this dispatcher took end to end so far (a counter read,
     /// so polling it costs nothing, however many pools the metrics hold).
     pub fn done(&self) -> u64 {
-        codepool_dispatcher::telemetry::settled_purchases().saturating_sub(self.done_before)
+        codepool_issuance::telemetry::settled_purchases().saturating_sub(self.done_before)
     }
 
     /// Waits until `n` purchases are done, then stops the dispatcher.

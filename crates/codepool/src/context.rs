@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use codepool_broker::Publisher;
-use codepool_dispatcher::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_hotpool::HotPool;
+use codepool_issuance::{ClaimConfig, ClaimEngine, GrantNumbers};
 use codepool_store::{CodeKeys, Store};
 
 use crate::config::Config;

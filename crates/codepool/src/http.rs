@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
-use codepool_dispatcher::Health;
+use codepool_issuance::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -61,12 +61,12 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
         .set_buckets_for_metric(
             metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
-            codepool_dispatcher::telemetry::LATENCY_BUCKETS,
+            codepool_issuance::telemetry::LATENCY_BUCKETS,
         )
         .context("invalid histogram buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    codepool_dispatcher::telemetry::describe();
+    codepool_issuance::telemetry::describe();
     Ok(handle)
 }
 

@@ -43,9 +43,58 @@ pub mod exit {
         match outcome {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
-                let message = format!("{e:#}");
+                let message = chain_text(&e);
                 eprintln!("error: {}", codepool_domain::terminal_text(&message, false));
                 ExitCode::from(FAILURE)
+            }
+        }
+    }
+
+    /// An error and its causes in one line, `outer: cause: …`, leaving out
+    /// a cause whose words the line already says, and MongoDB's driver
+    /// errors: the store error above one says its cause in one line, and
+    /// keeps it as its `source()` for code, not for people.
+    pub fn chain_text(e: &anyhow::Error) -> String {
+        let mut line = String::new();
+        for cause in e.chain() {
+            if cause.is::<mongodb::error::Error>() || cause.is::<Box<mongodb::error::Error>>() {
+                break;
+            }
+            let text = cause.to_string();
+            if !line.contains(&text) {
+                if !line.is_empty() {
+                    line.push_str(": ");
+                }
+                line.push_str(&text);
+            }
+        }
+        line
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_cause_the_message_quotes_is_said_once() {
+            let inner = std::io::Error::other("connection refused");
+            let quoted = anyhow::Error::new(Outer(inner));
+            assert_eq!(super::chain_text(&quoted), "outer (connection refused)");
+            let added = anyhow::anyhow!("disk full").context("cannot write the export");
+            assert_eq!(
+                super::chain_text(&added),
+                "cannot write the export: disk full"
+            );
+        }
+
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "outer ({})", self.0)
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
             }
         }
     }

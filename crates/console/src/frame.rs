@@ -30,13 +30,12 @@ pub fn bare(title: &str, body: Markup) -> Markup {
 /// `s` for a URL path segment or query value: every byte but the
 /// unreserved ones percent-encoded.
 pub fn url_part(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(s, UNRESERVED_KEPT).to_string()
 }
+
+/// Everything but RFC 3986's unreserved characters is encoded.
+const UNRESERVED_KEPT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');

@@ -39,7 +39,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use codepool_api::Api;
+use codepool_issuance::Core;
 
 pub use operators::{OperatorDoc, Role};
 
@@ -64,10 +64,10 @@ impl Default for ConsoleConfig {
     }
 }
 
-/// What every console handler shares: the API's core and the console's
+/// What every console handler shares: the core's services and the console's
 /// own settings and sign-in throttle.
 pub struct Console {
-    pub(crate) api: Arc<Api>,
+    pub(crate) core: Arc<Core>,
     pub(crate) cfg: ConsoleConfig,
     pub(crate) throttle: throttle::Throttle,
 }
@@ -81,9 +81,9 @@ const FORM_LIMIT: usize = 64 * 1024;
 pub const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'";
 
 /// Every console route, under `/console`.
-pub fn router(api: Arc<Api>, cfg: ConsoleConfig) -> Router {
+pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
     let console = Arc::new(Console {
-        api,
+        core,
         cfg,
         throttle: throttle::Throttle::default(),
     });

@@ -53,11 +53,7 @@ fn sha256_hex(s: &str) -> String {
 
 /// Equal in time that does not depend on where they differ.
 pub(crate) fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+    subtle::ConstantTimeEq::ct_eq(a.as_bytes(), b.as_bytes()).into()
 }
 
 /// Opens a session for `operator`; returns the cookie's token.
@@ -99,15 +95,17 @@ pub async fn end(store: &Store, id: &str) -> Result<(), StoreError> {
 
 /// The `Set-Cookie` value of a new session, or of its removal (`None`).
 pub fn cookie(token: Option<&str>, ttl: std::time::Duration, secure: bool) -> HeaderValue {
-    let secure = if secure { "; Secure" } else { "" };
-    let text = match token {
-        Some(t) => format!(
-            "{COOKIE}={t}; HttpOnly; SameSite=Strict; Path=/console; Max-Age={}{secure}",
-            ttl.as_secs()
-        ),
-        None => format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/console; Max-Age=0{secure}"),
-    };
-    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+    let max_age = if token.is_some() { ttl.as_secs() } else { 0 };
+    let c = cookie::Cookie::build((COOKIE, token.unwrap_or("")))
+        .http_only(true)
+        .same_site(cookie::SameSite::Strict)
+        .path("/console")
+        .max_age(cookie::time::Duration::seconds(
+            i64::try_from(max_age).unwrap_or(i64::MAX),
+        ))
+        .secure(secure)
+        .build();
+    HeaderValue::from_str(&c.to_string()).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
 /// The session token a request carries, if any.
@@ -117,10 +115,10 @@ fn token_of(parts: &Parts) -> Option<String> {
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|kv| kv.trim().split_once('='))
-        .find(|(k, _)| *k == COOKIE)
-        .map(|(_, v)| v.to_owned())
+        .flat_map(cookie::Cookie::split_parse)
+        .filter_map(Result::ok)
+        .find(|c| c.name() == COOKIE)
+        .map(|c| c.value().to_owned())
 }
 
 /// A signed-in operator: handlers that take it are reached only with a
@@ -185,7 +183,7 @@ impl FromRequestParts<Arc<Console>> for Session {
         let Some(token) = token_of(parts) else {
             return Err(to_signin(parts));
         };
-        let store = console.api.store();
+        let store = console.core.store();
         let doc = match find(store, &token).await {
             Ok(Some(d)) => d,
             Ok(None) => return Err(to_signin(parts)),

@@ -31,7 +31,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use tracing::debug;
 
-use crate::plan::Settlement;
+use codepool_issuance::plan::Settlement;
 
 /// The acks of one consumer channel; see the module docs.
 pub struct AckWindow {

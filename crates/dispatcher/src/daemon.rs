@@ -12,12 +12,12 @@ use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info};
 
-use crate::claim::ClaimEngine;
-use crate::health::Health;
-use crate::intake::Intake;
-use crate::outage::{backoff, Outage};
-use crate::outbox::Outbox;
-use crate::stock::{StockConfig, StockWatch};
+use codepool_issuance::claim::ClaimEngine;
+use codepool_issuance::health::Health;
+use codepool_issuance::intake::Intake;
+use codepool_issuance::outage::{Outage, Retry};
+use codepool_issuance::outbox::Outbox;
+use codepool_issuance::stock::{StockConfig, StockWatch};
 
 /// How often a broker set-up that retrying cannot fix is checked again.
 const PERMANENT_RETRY: Duration = Duration::from_secs(60);
@@ -155,7 +155,7 @@ impl Dispatcher {
     /// only when RabbitMQ refuses who we are (the user or password):
     /// retrying cannot help.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), BrokerError> {
-        let mut attempt = 0;
+        let mut retry = Retry::new();
         let probe_stop = shutdown.child_token();
         let prober = tokio::spawn({
             let (this, stop) = (self.clone(), probe_stop.clone());
@@ -170,13 +170,13 @@ impl Dispatcher {
                     if !self.wait_for_keys(&shutdown).await {
                         break;
                     }
-                    attempt = 0;
+                    retry.reset();
                     continue;
                 }
                 Ok(SessionEnd::Lost(reason)) => {
                     self.health.set_amqp(false);
                     self.amqp.failed(&reason);
-                    attempt = 0;
+                    retry.reset();
                 }
                 Err(e) if e.is_fatal() => {
                     self.health.set_amqp(false);
@@ -197,7 +197,6 @@ impl Dispatcher {
                 Err(e) => {
                     self.health.set_amqp(false);
                     self.amqp.failed(&e);
-                    attempt += 1;
                 }
             }
             if shutdown.is_cancelled() {
@@ -205,7 +204,7 @@ impl Dispatcher {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep(backoff(attempt)) => {}
+                _ = tokio::time::sleep(retry.delay()) => {}
             }
         }
         probe_stop.cancel();
@@ -221,7 +220,7 @@ impl Dispatcher {
             self.health.set_keys_missing(true);
             tokio::select! {
                 _ = shutdown.cancelled() => return false,
-                _ = tokio::time::sleep(crate::keywatch::RECHECK) => {}
+                _ = tokio::time::sleep(codepool_issuance::keywatch::RECHECK) => {}
             }
             if let Err(e) = self.intake.keys().refresh(&self.store).await {
                 debug!(error = %e, "key registry not read; trying again");

@@ -20,9 +20,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::acks::AckWindow;
-use crate::backorders::fulfil_backorders;
 use crate::daemon::{Dispatcher, SessionEnd};
-use crate::relay::relay_unconfirmed;
+use codepool_issuance::backorders::fulfil_backorders;
+use codepool_issuance::relay::relay_unconfirmed;
 
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
@@ -347,7 +347,7 @@ impl Dispatcher {
         }
         match self.store.pools_with_backorders().await {
             Ok(p) => {
-                crate::telemetry::record_backorders_waiting(&p);
+                codepool_issuance::telemetry::record_backorders_waiting(&p);
                 Some(p)
             }
             Err(e) => {

@@ -19,11 +19,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::expiry::expire_codes;
-use crate::outage::backoff;
 use crate::receipts::apply_receipt;
 use crate::redemptions::apply_redemption;
-use crate::stock::StockWatch;
+use codepool_issuance::expiry::expire_codes;
+use codepool_issuance::outage::Retry;
+use codepool_issuance::stock::StockWatch;
 
 /// Unacked receipts or redemptions one session holds at once.
 const PREFETCH: u16 = 64;
@@ -98,20 +98,19 @@ where
             },
         };
         let mut delivery = delivery;
-        let mut attempt = 0;
+        let mut retry = Retry::new();
         loop {
             let (d, result) = apply(store.clone(), delivery).await;
             delivery = d;
             match result {
                 Ok(()) => break,
                 Err(e) => {
-                    if attempt == 0 {
+                    if retry.tries() == 0 {
                         warn!(queue, error = %e, "MongoDB unavailable; holding the message until it returns");
                     }
-                    attempt += 1;
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = tokio::time::sleep(retry.delay()) => {}
                     }
                 }
             }

@@ -100,13 +100,16 @@ impl RejectReason {
     }
 }
 
-/// Why a message is not a valid purchase: a class and a sentence that tells
-/// the producer what to fix.
+/// Why a message is not a valid purchase: a class, the field at fault (as
+/// data, for a door to name: a JSON pointer, a form field) and a sentence
+/// that tells the producer what to fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{}: {detail}", reason.as_str())]
 pub struct PurchaseError {
     pub reason: RejectReason,
     pub detail: String,
+    /// The purchase field at fault, when the reason alone does not say.
+    field: Option<String>,
 }
 
 impl PurchaseError {
@@ -114,7 +117,27 @@ impl PurchaseError {
         Self {
             reason,
             detail: detail.into(),
+            field: None,
         }
+    }
+
+    /// The same error, about `field`.
+    pub fn on(mut self, field: &str) -> Self {
+        self.field = Some(field.to_owned());
+        self
+    }
+
+    /// The purchase field at fault, if one is: the one the error was made
+    /// about, else the one its reason is always about.
+    pub fn field(&self) -> Option<&str> {
+        self.field.as_deref().or(match self.reason {
+            RejectReason::InvalidPhone => Some("phone"),
+            RejectReason::InvalidPool | RejectReason::UnknownPool => Some("pool"),
+            RejectReason::InvalidTime => Some("purchased_at"),
+            RejectReason::InvalidQuantity => Some("quantity"),
+            RejectReason::ConflictingOrder => Some("order_id"),
+            _ => None,
+        })
     }
 
     /// The purchase names a pool that has never received codes.
@@ -253,13 +276,14 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, PurchaseError> {
         Ok(Fields {
             duplicate: Some(key),
             ..
-        }) => Err(PurchaseError::new(
-            RejectReason::DuplicateField,
-            format!(
-                "field {:?} appears more than once; send each field once",
-                key.chars().take(40).collect::<String>()
-            ),
-        )),
+        }) => {
+            let key: String = key.chars().take(40).collect();
+            Err(PurchaseError::new(
+                RejectReason::DuplicateField,
+                format!("field {key:?} appears more than once; send each field once"),
+            )
+            .on(&key))
+        }
         Ok(Fields { map, .. }) => Ok(map),
         Err(e) if e.classify() == serde_json::error::Category::Data => Err(PurchaseError::new(
             RejectReason::NotObject,
@@ -307,7 +331,8 @@ fn required(map: &Map<String, Value>, field: &str, max: usize) -> Result<String,
         None => Err(PurchaseError::new(
             RejectReason::MissingField,
             format!("field {field:?} is required and must be a non-empty string"),
-        )),
+        )
+        .on(field)),
     }
 }
 
@@ -330,12 +355,14 @@ fn optional(
                 Err(PurchaseError::new(
                     RejectReason::TooLong,
                     format!("field {field:?} is longer than {max} characters"),
-                ))
+                )
+                .on(field))
             } else if let Some(bad) = crate::text::first_unreadable(s) {
                 Err(PurchaseError::new(
                     RejectReason::InvalidChars,
                     format!("field {field:?} contains {bad}; send it as plain visible text"),
-                ))
+                )
+                .on(field))
             } else {
                 Ok(Some(s.to_owned()))
             }
@@ -346,7 +373,8 @@ fn optional(
                 "field {field:?} must be a string, not {}",
                 json_type_name(other)
             ),
-        )),
+        )
+        .on(field)),
     }
 }
 

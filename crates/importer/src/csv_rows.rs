@@ -122,7 +122,7 @@ pub enum HeaderError {
         "the first row is {row:?}, a header, but --no-header says there is none; drop --no-header"
     )]
     HeaderWithNoHeader { row: String },
-    #[error("reading the first row failed: {0}; check the file and run the same command again")]
+    #[error("reading the first row failed: {0}; check the file and import it again")]
     Read(String),
 }
 

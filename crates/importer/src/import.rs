@@ -126,7 +126,7 @@ pub enum ImportError {
     NotAFile { path: String },
     #[error("cannot import {path}: {error}")]
     Header { path: String, error: HeaderError },
-    #[error("reading the file failed at byte {bytes}: {message}; fix the file and run the same command again (codes already imported count as duplicates)")]
+    #[error("reading the file failed at byte {bytes}: {message}; fix the file and import it again (codes already imported count as duplicates)")]
     Read { bytes: u64, message: String },
     #[error("the file cannot be imported as it is: {0}")]
     Rows(RowError),
@@ -134,7 +134,7 @@ pub enum ImportError {
     Pool(#[from] codepool_domain::InvalidPoolName),
     #[error(transparent)]
     FileName(#[from] codepool_domain::FileNameError),
-    #[error("{0}. Nothing is half-written: run the same command again to finish the import (codes already imported count as duplicates)")]
+    #[error("{0}. Nothing is half-written: import the same file again to finish (codes already imported count as duplicates)")]
     Store(StoreError),
 }
 

@@ -15,6 +15,22 @@ pub enum StoreError {
     Migration { name: String, message: String },
     #[error("MongoDB rejected the operation: {0}")]
     Rejected(String),
+    /// The driver's error for a server that is away or changing: kept as
+    /// the `source()`, so its kind and labels are not lost.
+    #[error("MongoDB is unreachable ({message}); check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)")]
+    Unreachable {
+        message: String,
+        #[source]
+        source: Box<mongodb::error::Error>,
+    },
+    /// The driver's error for an operation the server refused, kept as the
+    /// `source()`.
+    #[error("MongoDB rejected the operation: {message}")]
+    Refused {
+        message: String,
+        #[source]
+        source: Box<mongodb::error::Error>,
+    },
     #[error("unexpected document in {collection}: {message}")]
     Corrupt { collection: String, message: String },
     /// The key file is missing, wrong, or lacks a key the data needs.
@@ -25,7 +41,7 @@ pub enum StoreError {
 impl StoreError {
     /// True when retrying later may succeed (network, failover, shutdown).
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, Self::Unavailable(_))
+        matches!(self, Self::Unavailable(_) | Self::Unreachable { .. })
     }
 }
 
@@ -100,13 +116,15 @@ fn server_selection_line(message: &str) -> String {
 
 impl From<mongodb::error::Error> for StoreError {
     fn from(e: mongodb::error::Error) -> Self {
-        if let ErrorKind::ServerSelection { message, .. } = e.kind.as_ref() {
-            return StoreError::Unavailable(server_selection_line(message));
-        }
-        if is_transient(&e) {
-            StoreError::Unavailable(e.to_string())
+        let message = match e.kind.as_ref() {
+            ErrorKind::ServerSelection { message, .. } => server_selection_line(message),
+            _ => e.to_string(),
+        };
+        let source = Box::new(e);
+        if is_transient(&source) {
+            StoreError::Unreachable { message, source }
         } else {
-            StoreError::Rejected(e.to_string())
+            StoreError::Refused { message, source }
         }
     }
 }

@@ -29,22 +29,114 @@ pub struct PoolSettings {
     pub case_sensitive_codes: Option<bool>,
 }
 
+/// One setting of a pool. Each door names it in its own words: the CLI's
+/// flag, the HTTP API's JSON field, the console's label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    LowStock,
+    GrantPrefix,
+    PerUser,
+    CaseSensitiveCodes,
+}
+
+impl Setting {
+    pub const ALL: [Setting; 4] = [
+        Setting::LowStock,
+        Setting::GrantPrefix,
+        Setting::PerUser,
+        Setting::CaseSensitiveCodes,
+    ];
+
+    /// The name in JSON (the HTTP API, the audit record).
+    pub fn field(self) -> &'static str {
+        match self {
+            Setting::LowStock => "low_stock",
+            Setting::GrantPrefix => "grant_prefix",
+            Setting::PerUser => "per_user",
+            Setting::CaseSensitiveCodes => "case_sensitive_codes",
+        }
+    }
+
+    /// The CLI's flag (`codepool pool set`).
+    pub fn flag(self) -> &'static str {
+        match self {
+            Setting::LowStock => "--low-stock",
+            Setting::GrantPrefix => "--grant-prefix",
+            Setting::PerUser => "--per-user",
+            Setting::CaseSensitiveCodes => "--case-sensitive-codes",
+        }
+    }
+
+    /// Words for a sentence (the console, logs).
+    pub fn label(self) -> &'static str {
+        match self {
+            Setting::LowStock => "the low-stock threshold",
+            Setting::GrantPrefix => "the grant prefix",
+            Setting::PerUser => "codes per user",
+            Setting::CaseSensitiveCodes => "whether codes are case-sensitive",
+        }
+    }
+}
+
+/// Why settings were not changed. The setting, the value and the rule are
+/// data ([`PoolSettingsError::setting`], [`PoolSettingsError::rule`]); the
+/// `Display` is a sentence in neutral words, and each door may name the
+/// setting its own way instead.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolSettingsError {
     #[error("pool {0:?} does not exist; import codes into it first with `codepool import FILE --pool {0}`")]
     UnknownPool(String),
-    #[error("--low-stock must be 0 (off) or more, not {0}")]
+    #[error("the low-stock threshold {}", self.rule().unwrap_or_default())]
     NegativeThreshold(i64),
-    #[error("grant prefix {0:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX")]
+    #[error("the grant prefix {}", self.rule().unwrap_or_default())]
     BadPrefix(String),
-    #[error("--per-user must be 0 (unlimited) or more, not {0}")]
+    #[error("codes per user {}", self.rule().unwrap_or_default())]
     NegativePerUser(i64),
-    #[error("nothing to change; give --low-stock N, --grant-prefix P, --per-user N and/or --case-sensitive-codes")]
+    #[error("nothing to change; give at least one setting")]
     Nothing,
     #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
     CaseRuleFixed(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl PoolSettingsError {
+    /// The setting at fault, if one is.
+    pub fn setting(&self) -> Option<Setting> {
+        match self {
+            Self::NegativeThreshold(_) => Some(Setting::LowStock),
+            Self::BadPrefix(_) => Some(Setting::GrantPrefix),
+            Self::NegativePerUser(_) => Some(Setting::PerUser),
+            Self::CaseRuleFixed(_) => Some(Setting::CaseSensitiveCodes),
+            _ => None,
+        }
+    }
+
+    /// What the value must be, after the setting's name ("must be 0 (off)
+    /// or more, not -1"), for a value that breaks a rule.
+    pub fn rule(&self) -> Option<String> {
+        match self {
+            Self::NegativeThreshold(n) => Some(format!("must be 0 (off) or more, not {n}")),
+            Self::BadPrefix(p) => Some(format!(
+                "{p:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX"
+            )),
+            Self::NegativePerUser(n) => Some(format!("must be 0 (unlimited) or more, not {n}")),
+            _ => None,
+        }
+    }
+
+    /// The error in a door's words: `name` names a setting (its flag, its
+    /// field); `choices` lists what may be given when nothing was.
+    pub fn in_words(&self, name: impl Fn(Setting) -> String) -> String {
+        match (self.setting(), self.rule()) {
+            (Some(s), Some(rule)) => format!("{} {rule}", name(s)),
+            _ if matches!(self, Self::Nothing) => {
+                let all: Vec<String> = Setting::ALL.into_iter().map(name).collect();
+                format!("nothing to change; give any of {}", all.join(", "))
+            }
+            _ => self.to_string(),
+        }
+    }
 }
 
 /// Checks a grant-number prefix: ASCII letters and digits only.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use codepool_api::{Api, ApiConfig, Broker};
 use codepool_broker::Publisher;
-use codepool_dispatcher::{Health, Intake};
+use codepool_issuance::{Core, Health, Intake};
 use tracing::info;
 
 use crate::config::Config;
@@ -95,21 +95,21 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         max_connections: args.max_connections as usize,
         tls,
     };
-    let api = Api::new(
+    let core = Core::new(
         store.clone(),
         Intake::new(store, engine),
         Arc::new(hot),
         broker.conn,
         broker.publisher,
-        config,
     );
+    let api = Api::new(core.clone(), config);
     let console = codepool_console::ConsoleConfig {
         session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
         secure_cookie: args.console_secure_cookie || args.tls_cert.is_some(),
         ..codepool_console::ConsoleConfig::default()
     };
-    let extra = crate::http::routes(health.clone(), metrics)
-        .merge(codepool_console::router(api.clone(), console));
+    let extra =
+        crate::http::routes(health.clone(), metrics).merge(codepool_console::router(core, console));
     let (addr, server) = codepool_api::serve(args.listen, api.clone(), extra, stop.clone())
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;
@@ -131,6 +131,11 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     info!("stop requested; in-flight requests finished");
     watch.abort();
     relay.abort();
+    // The events of the orders answered last go out now, not by a relay
+    // 30 seconds after.
+    if !api.settle(Duration::from_secs(10)).await {
+        tracing::warn!("some answered orders' events were not sent before stopping; the relay of any API process sends them");
+    }
     let broker = api.broker();
     broker.publisher.settle().await;
     let _ = broker.conn.close(200, "api stopped").await;
@@ -156,7 +161,7 @@ async fn relay_loop(api: Arc<Api>, health: Arc<Health>, stop: tokio_util::sync::
             health.set_keys_missing(!api.intake().keys().missing().is_empty());
         }
         let broker = api.broker();
-        let relayed = codepool_dispatcher::relay::relay_unconfirmed(
+        let relayed = codepool_issuance::relay::relay_unconfirmed(
             api.store(),
             api.outbox(),
             &broker.publisher,
@@ -192,28 +197,29 @@ async fn keep_connected(
     health: Arc<Health>,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut attempt = 0u32;
+    let mut retry = codepool_issuance::outage::Retry::new();
     while !stop.is_cancelled() {
         let up = api.broker().publisher.channel().status().connected();
         health.set_amqp(up);
-        if up {
-            attempt = 0;
+        let pause = if up {
+            retry.reset();
+            Duration::from_secs(1)
         } else {
-            if attempt == 0 {
+            if retry.tries() == 0 {
                 tracing::warn!("lost RabbitMQ; orders are still granted, their events wait for the relay; reconnecting");
             }
-            attempt += 1;
+            let pause = retry.delay();
             match connect(&cfg, &name).await {
                 Ok(broker) => {
                     api.set_broker(broker);
                     health.set_amqp(true);
-                    info!(attempts = attempt, "RabbitMQ connection restored");
-                    attempt = 0;
+                    info!(attempts = retry.tries(), "RabbitMQ connection restored");
+                    retry.reset();
                 }
                 Err(e) => tracing::debug!(error = %e, "RabbitMQ still unreachable"),
             }
-        }
-        let pause = Duration::from_secs(u64::from(attempt.min(5)).max(1));
+            pause
+        };
         tokio::select! {
             _ = stop.cancelled() => break,
             _ = tokio::time::sleep(pause) => {}

@@ -91,7 +91,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
         } => {
             let store = crate::context::store(cfg).await?;
             let actor = super::actor("dead-letters replay");
-            let sent = codepool_dispatcher::controls::replay_dead_letters(
+            let sent = codepool_issuance::controls::replay_dead_letters(
                 &store,
                 &conn,
                 &publisher,

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use codepool_dispatcher::{Dispatcher, DispatcherConfig, Health};
+use codepool_dispatcher::{Dispatcher, DispatcherConfig};
+use codepool_issuance::Health;
 use tracing::info;
 
 use crate::config::Config;

@@ -22,7 +22,7 @@ pub struct ExpireArgs {
 pub async fn run(cfg: &Config, args: ExpireArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let hot = crate::context::hot_pool(cfg)?;
-    let n = codepool_dispatcher::ops::expire(&store, &hot, args.pool.as_deref()).await?;
+    let n = codepool_issuance::ops::expire(&store, &hot, args.pool.as_deref()).await?;
     say!("voided {n} expired code(s)");
     Ok(crate::exit::OK)
 }

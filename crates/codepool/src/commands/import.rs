@@ -101,7 +101,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
         summary.duplicates,
         summary.invalid
     );
-    codepool_dispatcher::audit::record(&store, &super::actor("import"), "import", what).await?;
+    codepool_issuance::audit::record(&store, &super::actor("import"), "import", what).await?;
     announce_replenished(cfg, &summary).await;
 
     if args.json {
@@ -152,7 +152,7 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
         let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-import").await?;
         let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
-        let announced = codepool_dispatcher::controls::announce_replenished(
+        let announced = codepool_issuance::controls::announce_replenished(
             &publisher,
             &summary.pool,
             summary.inserted,

@@ -3,8 +3,8 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
-use codepool_dispatcher::ops;
 use codepool_domain::{mask, Code};
+use codepool_issuance::ops;
 use codepool_store::policies::RefusalDoc;
 use codepool_store::CodeQuery;
 

@@ -46,6 +46,6 @@ pub mod target;
 pub mod void;
 
 /// The operating-system user running `command`, as the core audits it.
-pub fn actor(command: &str) -> codepool_dispatcher::audit::Actor {
-    codepool_dispatcher::audit::Actor::os_user(&reveal::os_user(), &reveal::host(), command)
+pub fn actor(command: &str) -> codepool_issuance::audit::Actor {
+    codepool_issuance::audit::Actor::os_user(&reveal::os_user(), &reveal::host(), command)
 }

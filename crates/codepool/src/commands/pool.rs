@@ -98,7 +98,7 @@ pub enum PoolAction {
 async fn create(store: &codepool_store::Store, pool: &str) -> anyhow::Result<()> {
     let pool = codepool_domain::Pool::new(pool)?;
     let actor = super::actor("pool create");
-    if codepool_dispatcher::controls::create_pool(store, pool.as_str(), &actor).await? {
+    if codepool_issuance::controls::create_pool(store, pool.as_str(), &actor).await? {
         say!("pool {pool} created; it has no codes yet, so its purchases are backordered until `codepool import FILE --pool {pool}`");
     } else {
         say!("pool {pool} already exists; nothing changed");
@@ -152,7 +152,19 @@ async fn set(
 ) -> anyhow::Result<()> {
     let actor = super::actor("pool set");
     let what = format!("{settings:?}");
-    codepool_dispatcher::controls::set_pool_settings(store, pool, settings, &what, &actor).await?;
+    use codepool_issuance::controls::PauseError;
+    match codepool_issuance::controls::set_pool_settings(store, pool, settings, &what, &actor).await
+    {
+        Ok(()) => {}
+        // In the CLI's words: its flags name the settings.
+        Err(PauseError::Pool(e)) if e.setting().is_some() || e.rule().is_some() => {
+            anyhow::bail!(e.in_words(|s| s.flag().to_owned()))
+        }
+        Err(PauseError::Pool(e @ codepool_store::pool_settings::PoolSettingsError::Nothing)) => {
+            anyhow::bail!(e.in_words(|s| s.flag().to_owned()))
+        }
+        Err(e) => return Err(e.into()),
+    }
     if let Some(n) = settings.low_stock {
         if n == 0 {
             say!("pool {pool}: low-stock alerts off");
@@ -186,7 +198,7 @@ async fn pause(
     let (conn, publisher) = crate::context::publisher(cfg, "codepool-pool").await?;
     let actor = super::actor(if paused { "pool pause" } else { "pool resume" });
     let changed =
-        codepool_dispatcher::controls::set_paused(store, &publisher, pool, paused, &actor).await;
+        codepool_issuance::controls::set_paused(store, &publisher, pool, paused, &actor).await;
     codepool_broker::close(conn, "codepool pool done").await;
     match (changed?, paused) {
         (true, true) => say!("pool {pool} paused: purchases wait as backorders until `codepool pool resume --pool {pool}`"),
@@ -216,7 +228,7 @@ async fn show(
             paused: p.paused,
             grant_prefix: p
                 .grant_prefix
-                .unwrap_or_else(|| codepool_dispatcher::grant_no::DEFAULT_GRANT_PREFIX.into()),
+                .unwrap_or_else(|| codepool_issuance::grant_no::DEFAULT_GRANT_PREFIX.into()),
             pool: p.name,
         });
     }

@@ -27,7 +27,7 @@ pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
     let actor = super::actor("redeem");
-    for t in codepool_dispatcher::ops::redeem(&store, target, &actor).await? {
+    for t in codepool_issuance::ops::redeem(&store, target, &actor).await? {
         let holder = t.before.holder.as_ref();
         say!(
             "redeemed {} in pool {} (order {}, issued {}) at {}",

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use clap::Args;
-use codepool_dispatcher::{ops, Outbox};
+use codepool_issuance::{ops, Outbox};
 
 use crate::config::Config;
 

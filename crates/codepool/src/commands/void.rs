@@ -3,8 +3,8 @@
 //! has already seen it. `--import` recalls a whole delivery.
 
 use clap::{ArgGroup, Args};
-use codepool_dispatcher::{controls, ops};
 use codepool_domain::when;
+use codepool_issuance::{controls, ops};
 use codepool_store::lifecycle::VoidOutcome;
 
 use super::target::CodeTarget;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Form;
-use codepool_api::keys::{self, KeyError, Scope};
+use codepool_issuance::api_keys::{self as keys, KeyError, Scope};
 use maud::{html, Markup};
 
 use crate::failure::Failure;
@@ -30,7 +30,9 @@ pub async fn list(State(console): State<Arc<Console>>, s: Session) -> Result<Res
 }
 
 async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, Failure> {
-    let all = keys::list(console.api.store()).await.map_err(key_failure)?;
+    let all = keys::list(console.core.store())
+        .await
+        .map_err(key_failure)?;
     let body = html! {
         h1 { "API keys" }
         (top)
@@ -85,7 +87,7 @@ pub async fn create(
     let (token, name, scopes) = parse_form(&raw);
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
-    let new = keys::create(console.api.store(), name.trim(), &scopes)
+    let new = keys::create(console.core.store(), name.trim(), &scopes)
         .await
         .map_err(key_failure)?;
     let scopes = new
@@ -122,7 +124,7 @@ pub async fn revoke(
     let (token, name, _) = parse_form(&raw);
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
-    let k = keys::revoke(console.api.store(), &name)
+    let k = keys::revoke(console.core.store(), &name)
         .await
         .map_err(key_failure)?;
     let what = format!("API key {:?} ({}) revoked", k.name, k.id);

@@ -46,7 +46,7 @@ async fn list_page(
     reason: Option<&str>,
     notice: Option<String>,
 ) -> Result<Response, Failure> {
-    let broker = console.api.broker();
+    let broker = console.core.broker();
     let peeked = dead_letters::peek(&broker.conn, broker.publisher.topology(), reason, MOST)
         .await
         .map_err(|e| Failure::Unavailable(e.to_string()))?;
@@ -106,10 +106,10 @@ pub async fn replay(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let reason = reason_filter(&f.reason);
-    let broker = console.api.broker();
+    let broker = console.core.broker();
     let actor = super::actor(&s, "POST /console/dead-letters/replay");
-    let sent = codepool_dispatcher::controls::replay_dead_letters(
-        console.api.store(),
+    let sent = codepool_issuance::controls::replay_dead_letters(
+        console.core.store(),
         &broker.conn,
         &broker.publisher,
         reason,

@@ -78,11 +78,7 @@ async fn fields_then_file(
 fn import_failure(e: ImportError) -> Failure {
     match e {
         ImportError::Store(s) => s.into(),
-        other => Failure::Invalid(
-            other
-                .to_string()
-                .replace("run the same command again", "upload the same file again"),
-        ),
+        other => Failure::Invalid(other.to_string()),
     }
 }
 
@@ -124,16 +120,16 @@ pub async fn upload(
         header,
         ..ImportOptions::default()
     };
-    let api = &console.api;
-    let summary = import_reader(api.store(), input, &name, 0, &pool, &options, &|_| {})
+    let core = &console.core;
+    let summary = import_reader(core.store(), input, &name, 0, &pool, &options, &|_| {})
         .await
         .map_err(import_failure)?;
-    let broker = api.broker();
+    let broker = core.broker();
     let what = format!("import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
         summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid);
     let actor = super::actor(&s, "POST /console/pools/{pool}/imports");
-    let done = codepool_dispatcher::controls::imported(
-        api.store(),
+    let done = codepool_issuance::controls::imported(
+        core.store(),
         &broker.publisher,
         &pool,
         summary.inserted,
@@ -142,7 +138,7 @@ pub async fn upload(
     );
     match done.await {
         Ok(()) => {}
-        Err(e @ codepool_dispatcher::controls::ImportedError::Audit(_)) => {
+        Err(e @ codepool_issuance::controls::ImportedError::Audit(_)) => {
             return Err(Failure::Unavailable(e.to_string()))
         }
         Err(e) => tracing::warn!(error = %e, "import done; {e}"),

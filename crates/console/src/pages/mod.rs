@@ -17,8 +17,8 @@ use crate::Console;
 
 /// The operator of `s`, acting through `route`: the core audits the
 /// change it makes with this.
-pub(crate) fn actor(s: &Session, route: &str) -> codepool_dispatcher::audit::Actor {
-    codepool_dispatcher::audit::Actor::operator(&s.operator.name, route)
+pub(crate) fn actor(s: &Session, route: &str) -> codepool_issuance::audit::Actor {
+    codepool_issuance::audit::Actor::operator(&s.operator.name, route)
 }
 
 /// Writes an operator's change to the audit log; a change that was made
@@ -38,7 +38,7 @@ pub(crate) async fn audit(
     };
     tracing::info!(operator = %s.operator.name, kind, command, "console action");
     console
-        .api
+        .core
         .store()
         .record_action(&action)
         .await

@@ -31,7 +31,7 @@ pub async fn list(State(console): State<Arc<Console>>, s: Session) -> Result<Res
 }
 
 async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, Failure> {
-    let all = operators::list(console.api.store())
+    let all = operators::list(console.core.store())
         .await
         .map_err(op_failure)?;
     let body = html! {
@@ -83,7 +83,7 @@ pub async fn create(
     s.need(Role::Admin)?;
     let role = Role::parse(&f.role)
         .ok_or_else(|| Failure::Invalid("pick a role: viewer, support or admin".into()))?;
-    let op = operators::add(console.api.store(), f.name.trim(), role, &f.password)
+    let op = operators::add(console.core.store(), f.name.trim(), role, &f.password)
         .await
         .map_err(op_failure)?;
     let what = format!("operator {:?} added as {}", op.name, role.as_str());
@@ -123,7 +123,7 @@ pub async fn disable(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let op = operators::disable(console.api.store(), &f.name)
+    let op = operators::disable(console.core.store(), &f.name)
         .await
         .map_err(op_failure)?;
     let what = format!("operator {:?} disabled", op.name);

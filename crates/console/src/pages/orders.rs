@@ -9,8 +9,8 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
-use codepool_dispatcher::ops::{self, Lookup, ResendError};
 use codepool_domain::Code;
+use codepool_issuance::ops::{self, Lookup, ResendError};
 use codepool_store::audit::Reveal;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::CodeQuery;
@@ -86,7 +86,7 @@ pub async fn search(
 ) -> Result<Response, Failure> {
     s.need(Role::Support)?;
     let text = q.q.trim().to_owned();
-    let store = console.api.store();
+    let store = console.core.store();
     let found = match (q.by.as_deref().unwrap_or("order"), text.is_empty()) {
         (_, true) => None,
         ("uid", _) => Some(ops::lookup(store, CodeQuery::Uid(&text), SEARCH_LIMIT).await?),
@@ -162,7 +162,7 @@ async fn order_page(
     id: &str,
     notice: Option<String>,
 ) -> Result<Response, Failure> {
-    let l = ops::lookup(console.api.store(), CodeQuery::Order(id), 100).await?;
+    let l = ops::lookup(console.core.store(), CodeQuery::Order(id), 100).await?;
     if l.is_empty() {
         return Err(Failure::NotFound(format!("codepool knows no order {id:?}: no code, no backorder, no refusal. Check the id, or whether the purchase was dead-lettered")));
     }
@@ -218,10 +218,11 @@ pub async fn resend(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Support)?;
-    let api = &console.api;
-    let broker = api.broker();
+    let core = &console.core;
+    let broker = core.broker();
     let actor = super::actor(&s, "POST /console/orders/{id}/resend");
-    let events = match ops::resend(api.store(), api.outbox(), &broker.publisher, &id, &actor).await
+    let events = match ops::resend(core.store(), core.outbox(), &broker.publisher, &id, &actor)
+        .await
     {
         Ok((events, _)) => events,
         Err(ResendError::Store(e)) => return Err(e.into()),
@@ -257,10 +258,10 @@ pub async fn void(
         ))
     })?;
     let actor = super::actor(&s, "POST /console/orders/{id}/void");
-    let api = &console.api;
+    let core = &console.core;
     let voided = ops::void(
-        api.store(),
-        api.hot().as_ref(),
+        core.store(),
+        core.hot().as_ref(),
         CodeRef::Order(&id),
         reason,
         &actor,
@@ -305,7 +306,7 @@ pub async fn reveal(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let store = console.api.store();
+    let store = console.core.store();
     let l = ops::lookup(store, CodeQuery::Order(&id), 100).await?;
     if l.codes.is_empty() {
         return Err(Failure::NotFound(format!(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::Form;
-use codepool_dispatcher::controls::{self, PauseError, RecallError};
+use codepool_issuance::controls::{self, PauseError, RecallError};
 use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
 use codepool_store::stats::PoolStats;
 use maud::{html, Markup};
@@ -27,7 +27,7 @@ const IMPORTS_SHOWN: i64 = 20;
 
 /// The stock chart of `pool` ([`chart`]).
 pub(crate) async fn stock_chart(console: &Console, pool: &str) -> Result<Markup, Failure> {
-    let store = console.api.store();
+    let store = console.core.store();
     let now = chrono::Utc::now();
     let since = now - chrono::Duration::hours(chart::HOURS + 1);
     let stock = store.unissued_stock(pool).await?;
@@ -49,7 +49,7 @@ pub(crate) async fn stock_chart(console: &Console, pool: &str) -> Result<Markup,
 }
 
 async fn one_pool_stats(console: &Console, pool: &str) -> Result<PoolStats, Failure> {
-    let mut stats = console.api.store().stats_of(&[pool]).await?;
+    let mut stats = console.core.store().stats_of(&[pool]).await?;
     Ok(stats.pop().unwrap_or_default())
 }
 
@@ -146,7 +146,7 @@ pub async fn show(
     Path(pool): Path<String>,
 ) -> Result<Response, Failure> {
     s.need(Role::Viewer)?;
-    let store = console.api.store();
+    let store = console.core.store();
     let doc = store
         .pool(&pool)
         .await?
@@ -221,7 +221,7 @@ pub async fn settings(
     };
     let what = format!("{settings:?}");
     let actor = super::actor(&s, "POST /console/pools/{pool}/settings");
-    match controls::set_pool_settings(console.api.store(), &pool, &settings, &what, &actor).await {
+    match controls::set_pool_settings(console.core.store(), &pool, &settings, &what, &actor).await {
         Ok(()) => {}
         Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
         Err(e) => return Err(Failure::Unavailable(e.to_string())),
@@ -264,11 +264,11 @@ async fn set_paused(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let broker = console.api.broker();
+    let broker = console.core.broker();
     let kind = if paused { "pause" } else { "resume" };
     let actor = super::actor(&s, &format!("POST /console/pools/{{pool}}/{kind}"));
     let set = controls::set_paused(
-        console.api.store(),
+        console.core.store(),
         &broker.publisher,
         &pool,
         paused,
@@ -305,9 +305,10 @@ pub async fn recall(
     if f.confirm != "yes" {
         return Err(Failure::Invalid("tick the box that confirms the recall: it voids every unissued code of the import, for good".into()));
     }
-    let api = &console.api;
+    let core = &console.core;
     let actor = super::actor(&s, "POST /console/imports/{id}/recall");
-    let recalled = controls::recall_import(api.store(), api.hot().as_ref(), &id, &f.reason, &actor);
+    let recalled =
+        controls::recall_import(core.store(), core.hot().as_ref(), &id, &f.reason, &actor);
     let r = match recalled.await {
         Ok(r) => r,
         Err(

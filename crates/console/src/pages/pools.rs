@@ -82,7 +82,7 @@ pub async fn list(
     Query(q): Query<ListQuery>,
 ) -> Result<Response, Failure> {
     s.need(Role::Viewer)?;
-    let store = console.api.store();
+    let store = console.core.store();
     let docs = store.pools_page(q.after.as_deref(), PAGE).await?;
     let names: Vec<&str> = docs.iter().map(|d| d.name.as_str()).collect();
     let stats = store.stats_of(&names).await?;
@@ -152,6 +152,6 @@ pub async fn create(
     let name = f.name.trim();
     Pool::new(name).map_err(|e| Failure::Invalid(e.to_string()))?;
     let actor = super::actor(&s, "POST /console/pools");
-    codepool_dispatcher::controls::create_pool(console.api.store(), name, &actor).await?;
+    codepool_issuance::controls::create_pool(console.core.store(), name, &actor).await?;
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(name))).into_response())
 }

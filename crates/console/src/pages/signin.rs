@@ -134,7 +134,7 @@ pub async fn submit(
         Ok(a) => a,
         Err(refusal) => return refused(refusal, &next, &c.name),
     };
-    let store = console.api.store();
+    let store = console.core.store();
     let op = match operators::authenticate(store, &c.name, &c.password).await {
         Ok(op) => op,
         Err(e) => return Failure::from(e).into_response(),
@@ -161,7 +161,7 @@ async fn open_session(
     console: &Console,
     op: &operators::OperatorDoc,
 ) -> Result<HeaderValue, Failure> {
-    let store = console.api.store();
+    let store = console.core.store();
     let token = sessions::start(store, &op.name, console.cfg.session_ttl).await?;
     let action = codepool_store::audit::Action {
         who: format!("operator:{}", op.name),
@@ -192,7 +192,7 @@ pub async fn signout(
     Form(f): Form<CsrfOnly>,
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
-    sessions::end(console.api.store(), &s.doc.id).await?;
+    sessions::end(console.core.store(), &s.doc.id).await?;
     super::audit(
         &console,
         &s,

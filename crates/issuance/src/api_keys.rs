@@ -115,11 +115,7 @@ fn random_hex(bytes: usize) -> String {
 
 /// Equal in time that does not depend on where they differ.
 fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+    subtle::ConstantTimeEq::ct_eq(a.as_bytes(), b.as_bytes()).into()
 }
 
 /// The id and secret of a token `cpk_<id>_<secret>`.

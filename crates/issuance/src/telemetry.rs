@@ -175,7 +175,7 @@ static WAITING_POOLS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec:
 
 /// Sets `codepool_pool_backorders_waiting` from a sweep's pools with
 /// backorders waiting: 1 for those, 0 for pools that had some before.
-pub(crate) fn record_backorders_waiting(pools: &[String]) {
+pub fn record_backorders_waiting(pools: &[String]) {
     let Ok(mut before) = WAITING_POOLS.lock() else {
         return;
     };
@@ -193,7 +193,7 @@ pub(crate) fn record_backorders_waiting(pools: &[String]) {
 /// counts, readable without rendering the metrics (a benchmark polls it).
 static SETTLED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-pub(crate) fn record_settled(n: u64) {
+pub fn record_settled(n: u64) {
     SETTLED.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
 }
 

@@ -1,0 +1,60 @@
+//! # codepool-issuance
+//!
+//! The core of codepool: every promise it makes, kept once, whichever door
+//! a request came in by. The doors (the AMQP dispatcher, the HTTP API, the
+//! console and the CLI) only translate to and from it.
+//!
+//! - Placing orders: [`intake::Intake`] decides a batch of purchases
+//!   ([`plan`]) with the pools' policies ([`policy`]) and one batched,
+//!   journaled claim ([`claim`]); waiting orders become backorders
+//!   ([`backorders`]); [`placing`] publishes what a placed batch owes
+//!   (refusals, `pool.exhausted`, `sms.pending` through the [`outbox`]) and
+//!   counts it.
+//! - The relay ([`relay`]) re-publishes the events of grants no one saw
+//!   confirmed; every process that grants runs it.
+//! - Operations on orders ([`ops`]: void, redeem, resend, lookup) and on
+//!   pools and imports ([`controls`]: pause, resume, settings, recall,
+//!   imports announced, dead letters replayed) take an [`audit::Actor`] and
+//!   write their own audit record.
+//! - Around them: stock alerts ([`stock`]), expiry ([`expiry`]), grant
+//!   numbers ([`grant_no`]), the key watch ([`keywatch`]), outage logging
+//!   and retry policy ([`outage`]) and metrics ([`telemetry`]).
+
+pub mod adapters;
+pub mod api_keys;
+pub mod audit;
+pub mod backorders;
+pub mod claim;
+pub mod claim_error;
+pub mod controls;
+pub mod core;
+mod demand;
+pub mod expiry;
+pub mod grant_no;
+pub mod health;
+pub mod intake;
+pub mod keywatch;
+pub mod ops;
+pub mod outage;
+pub mod outbox;
+pub mod placing;
+pub mod plan;
+pub mod policy;
+pub mod ports;
+pub mod relay;
+pub mod stock;
+pub mod telemetry;
+
+pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
+pub use codepool_store::Resend;
+pub use core::{Broker, Core};
+pub use grant_no::GrantNumbers;
+pub use health::Health;
+pub use intake::Intake;
+pub use outbox::{Marking, Outbox};
+pub use stock::{StockConfig, StockLevel, StockWatch};
+
+#[cfg(test)]
+mod claim_tests;
+#[cfg(test)]
+mod fakes;

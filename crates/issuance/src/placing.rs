@@ -1,0 +1,264 @@
+//! What a placed batch owes, whichever door it came in by: the durable
+//! half ([`Intake::place`]: decide, claim, backorders), then the
+//! announcements (`pool.exhausted`, `purchase.refused`, `sms.pending`
+//! through the outbox), one log line per order and the counters. The AMQP
+//! door adds its dead letters and acks; the HTTP door answers as soon as
+//! the durable half is done and leaves the announcements to [`announce`].
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use codepool_broker::{BrokerError, PendingConfirm, Publisher};
+use codepool_domain::{CodeId, Grant, PoolEvent, PoolEventKind};
+use tracing::{debug, info, warn};
+
+use crate::claim::ClaimError;
+use crate::intake::Intake;
+use crate::outbox::{Marking, Outbox};
+use crate::plan::{BatchPlan, Parsed, Step};
+use crate::Resend;
+
+/// Why a batch could not be placed: nothing of it was claimed, or what
+/// was claimed is owed by the relay.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceError {
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    #[error("the backorders were not recorded: {0}")]
+    Backorders(#[source] codepool_store::StoreError),
+}
+
+impl PlaceError {
+    /// MongoDB is away, or this process misses a key: the same batch may
+    /// be tried again (here or by another process).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Claim(e) => e.is_unavailable() || matches!(e, ClaimError::KeysMissing(_)),
+            Self::Backorders(e) => e.is_unavailable(),
+        }
+    }
+}
+
+impl Intake {
+    /// The durable half of placing a batch: its plan, decided and claimed
+    /// ([`Intake::decide`]), with its backorders recorded. Once this
+    /// returns, every fresh grant is journaled and its event owed by the
+    /// outbox mark (`Resend::ByRelay`) or by redelivery
+    /// (`Resend::ByRedelivery`).
+    pub async fn place(
+        &self,
+        parsed: Vec<Parsed>,
+        at_limit: &[&str],
+        resend: Resend,
+    ) -> Result<BatchPlan, PlaceError> {
+        let mut plan = self.decide(parsed, at_limit, resend).await?;
+        self.record_backorders(&mut plan)
+            .await
+            .map_err(PlaceError::Backorders)?;
+        Ok(plan)
+    }
+}
+
+/// What [`announce`] published.
+#[derive(Debug, Default)]
+pub struct Announced {
+    /// Positions whose `sms.pending` or `purchase.refused` event the
+    /// broker did not confirm.
+    pub unconfirmed: HashSet<usize>,
+    /// Codes whose `sms.pending` event the broker confirmed (to take off
+    /// the relay's list).
+    pub confirmed: Vec<CodeId>,
+}
+
+/// Which grants of a step to text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Texting {
+    /// Every grant of the step: a redelivered purchase's event is sent
+    /// again with the same `event_id` (the AMQP door).
+    Every,
+    /// Only what this batch issued: a repeated request gets its codes in
+    /// the answer, not a second SMS (the HTTP door; `resend` is for that).
+    Fresh,
+}
+
+/// Publishes what a placed batch owes, for the positions in `only` (all
+/// when `None`): `pool.exhausted` once per pool run dry (first round
+/// only), `purchase.refused` per refusal and `sms.pending` per grant, the
+/// confirms in flight together.
+pub async fn announce(
+    plan: &BatchPlan,
+    outbox: &Outbox,
+    publisher: &Publisher,
+    texting: Texting,
+    only: Option<&HashSet<usize>>,
+) -> Announced {
+    if only.is_none() {
+        announce_exhausted(plan, publisher).await;
+    }
+    let sms: Vec<(usize, &Grant)> = match texting {
+        Texting::Every => plan.sms_events(),
+        Texting::Fresh => (plan.steps.iter().enumerate())
+            .flat_map(|(i, s)| fresh_grants(s).into_iter().map(move |g| (i, g)))
+            .collect(),
+    };
+    let sms: Vec<_> = sms.into_iter().filter(|(i, _)| wanted(only, *i)).collect();
+    let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
+    let (sent, mut unconfirmed) = tokio::join!(
+        outbox.send(publisher, &grants, Marking::Unneeded),
+        announce_refusals(plan, publisher, only),
+    );
+    let mut confirmed = Vec::new();
+    match sent {
+        Ok(sent) => {
+            for ((i, g), r) in sms.iter().zip(&sent.results) {
+                match r {
+                    Ok(()) if !g.revoked => confirmed.push(g.code_id),
+                    Ok(()) => {}
+                    Err(_) => {
+                        unconfirmed.insert(*i);
+                    }
+                }
+            }
+        }
+        // `Unneeded` records nothing; kept for a future marking.
+        Err(e) => {
+            debug!(error = %e, "SMS marks not recorded");
+            unconfirmed.extend(sms.iter().map(|(i, _)| *i));
+        }
+    }
+    Announced {
+        unconfirmed,
+        confirmed,
+    }
+}
+
+/// `pool.exhausted` for each pool that ran dry in `plan`. A notification,
+/// not a state: a failure is logged and counted, and does not hold the
+/// acks or the answer.
+pub async fn announce_exhausted(plan: &BatchPlan, publisher: &Publisher) {
+    for pool in &plan.exhausted_pools {
+        warn!(
+            pool,
+            "pool exhausted; purchases are backordered until codes are imported"
+        );
+        let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
+        // Bounded: a notification never holds a batch long.
+        let published = match publisher.publish_pool_event(&event).await {
+            Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(BrokerError::Unavailable(format!(
+                        "no confirm within {NOTICE_CONFIRM_WAIT:?}"
+                    )))
+                }),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = published {
+            warn!(pool, error = %e, "pool.exhausted event not published");
+            metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
+                .increment(1);
+        }
+    }
+}
+
+/// How long a batch waits for the broker to confirm a notification (a
+/// `pool.exhausted` event) before it goes on without it.
+const NOTICE_CONFIRM_WAIT: Duration = Duration::from_secs(5);
+
+/// Whether position `i` is among those to publish.
+pub fn wanted(only: Option<&HashSet<usize>>, i: usize) -> bool {
+    only.is_none_or(|set| set.contains(&i))
+}
+
+/// Publishes the plan's `purchase.refused` events; returns the positions
+/// the broker did not confirm. A refusal stands either way: it is
+/// recorded by the policy before it is announced.
+async fn announce_refusals(
+    plan: &BatchPlan,
+    publisher: &Publisher,
+    only: Option<&HashSet<usize>>,
+) -> HashSet<usize> {
+    let mut pending = Vec::new();
+    for (i, r) in plan
+        .refusals()
+        .into_iter()
+        .filter(|(i, _)| wanted(only, *i))
+    {
+        pending.push((i, publisher.publish_refused(&r.event()).await));
+    }
+    unconfirmed(pending, "purchase.refused event").await
+}
+
+/// Waits for every publish; returns the positions that were not confirmed.
+pub async fn unconfirmed(
+    pending: Vec<(usize, Result<PendingConfirm, BrokerError>)>,
+    what: &str,
+) -> HashSet<usize> {
+    let mut failed = HashSet::new();
+    for (i, p) in pending {
+        if let Err(e) = codepool_broker::confirmed(p).await {
+            debug!(error = %e, what, "not confirmed");
+            failed.insert(i);
+        }
+    }
+    failed
+}
+
+/// Counts a placed batch: fresh grants, repeats and held purchases.
+pub fn count(plan: &BatchPlan) {
+    metrics::counter!("codepool_grants_total").increment(plan.fresh_grants);
+    metrics::counter!("codepool_duplicate_deliveries_total").increment(plan.repeats);
+    metrics::counter!("codepool_held_purchases_total").increment(plan.held);
+}
+
+/// The grants a step issued in this batch: the codes of one claim share a
+/// part (the first line it claimed), the newest part of the order.
+pub fn fresh_grants(step: &Step) -> Vec<&Grant> {
+    let Step::Grant { grants, fresh, .. } = step else {
+        return Vec::new();
+    };
+    if *fresh == 0 {
+        return Vec::new();
+    }
+    let newest = grants.iter().map(|g| g.part).max();
+    let issued: Vec<&Grant> = grants.iter().filter(|g| Some(g.part) == newest).collect();
+    if issued.len() == *fresh as usize {
+        issued
+    } else {
+        // Not one part (never expected): send them all; the same event
+        // ids make a second send harmless.
+        grants.iter().collect()
+    }
+}
+
+/// One line per order at info (grants, revoked orders, refusals,
+/// cancelled orders), inside the order's span when the door opened one.
+/// Dead letters are logged where they are published. Codes are masked.
+pub fn log_step(step: &Step) {
+    match step {
+        Step::Grant {
+            purchase,
+            grants,
+            fresh,
+            missing,
+        } => {
+            for grant in grants {
+                if grant.revoked {
+                    info!(order_id = %grant.order_id, line = grant.line, "order's code was revoked; not texted again")
+                } else {
+                    info!(order_id = %grant.order_id, pool = %grant.pool, line = grant.line, code = %grant.masked_code(), grant_no = grant.grant_no.as_deref().unwrap_or(""), fresh = *fresh > 0, "granted")
+                }
+            }
+            if !missing.is_empty() {
+                info!(order_id = %purchase.order_id, pool = %purchase.pool, waiting = missing.len(), quantity = purchase.quantity, "order partly granted; the rest is backordered");
+            }
+        }
+        Step::Refused(r) => {
+            info!(order_id = %r.purchase.order_id, pool = %r.purchase.pool, uid = %r.purchase.uid, reason = r.reason.as_str(), "purchase refused by the pool's policy")
+        }
+        Step::Cancelled(p) => {
+            info!(order_id = %p.order_id, pool = %p.pool, "order was voided while it waited; a cancelled order gets nothing again")
+        }
+        Step::Backorder { .. } | Step::DeadLetter(_) => {}
+    }
+}
