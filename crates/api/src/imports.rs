@@ -81,16 +81,7 @@ pub(crate) async fn upload(
     let input = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
     let input = match decoded(&headers, input) {
         Ok(input) => input,
-        Err(other) => {
-            return Problem::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported-encoding",
-                "the upload's encoding is not supported",
-                format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
-            )
-            .at(&rid.0)
-            .into_response()
-        }
+        Err(other) => return unsupported_encoding(&other, &rid),
     };
     let options = ImportOptions {
         header,
@@ -138,6 +129,18 @@ pub(crate) async fn upload(
         StatusCode::OK
     };
     (status, Json(json!(summary))).into_response()
+}
+
+/// 415 for a Content-Encoding other than gzip.
+fn unsupported_encoding(other: &str, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported-encoding",
+        "the upload's encoding is not supported",
+        format!("Content-Encoding {other:?} is not read; send the CSV as it is, or gzip-compressed with Content-Encoding: gzip"),
+    )
+    .at(&rid.0)
+    .into_response()
 }
 
 fn import_failed(e: ImportError, rid: &RequestId) -> Response {
