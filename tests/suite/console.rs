@@ -308,9 +308,58 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
         "{audit}"
     );
     b.shot("audit").await;
+
+    // A pause, a resume and a recall from the console are audited by the
+    // core with the operator, as the same changes from the CLI and the API.
+    b.goto("/console/pools/game-x").await;
+    let (cookie, csrf) = (b.session_cookie().await, b.csrf().await);
+    let form = format!("csrf={csrf}");
+    for action in ["pause", "resume"] {
+        let path = format!("/console/pools/game-x/{action}");
+        let (status, _, body) = post_form(&api.addr, &path, &cookie, &form).await;
+        assert_eq!(status, 303, "{action}: {body}");
+    }
+    let import = env
+        .store
+        .database()
+        .collection::<bson::Document>("imports")
+        .find_one(bson::doc! {"pool": "game-x"})
+        .await
+        .unwrap()
+        .unwrap()
+        .get_object_id("_id")
+        .unwrap()
+        .to_hex();
+    let recall = format!("csrf={csrf}&reason=leak&confirm=yes");
+    let path = format!("/console/imports/{import}/recall");
+    let (status, _, body) = post_form(&api.addr, &path, &cookie, &recall).await;
+    assert!(status == 200 || status == 303, "recall: {status} {body}");
+    let kinds = audited_kinds(&env, "operator:ada").await;
+    for kind in ["import", "pause", "resume", "recall"] {
+        assert!(kinds.iter().any(|k| k == kind), "{kind} in {kinds:?}");
+    }
     b.close().await;
     api.stop().await;
     env.cleanup().await;
+}
+
+/// The kinds of the audit records of `who`, oldest first.
+async fn audited_kinds(env: &TestEnv, who: &str) -> Vec<String> {
+    use futures::TryStreamExt;
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find(bson::doc! {"os_user": who})
+        .sort(bson::doc! {"at": 1})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    docs.iter()
+        .map(|d| d.get_str("kind").unwrap_or_default().to_owned())
+        .collect()
 }
 
 #[tokio::test]
@@ -384,6 +433,11 @@ async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall
     assert!(b.text("p.notice").await.contains("1 code(s) voided"));
     assert_eq!(b.text("dd.state").await, "void");
     b.shot("order-voided").await;
+    let kinds = audited_kinds(&env, "operator:sam").await;
+    assert!(
+        kinds.iter().any(|k| k == "void") && kinds.iter().any(|k| k == "resend"),
+        "{kinds:?}"
+    );
 
     // Support may not reveal or recall: no button, and the POST is refused.
     assert!(!b.has("#reveal").await);
