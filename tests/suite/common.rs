@@ -238,6 +238,7 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
         purchased_at: None,
         quantity: 1,
         owner: None,
+        shop: None,
     }
 }
 

@@ -87,6 +87,7 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            shop: None,
         },
         Purchase {
             order_id: "-2+3".into(),
@@ -96,6 +97,7 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            shop: None,
         },
     ];
     let refs: Vec<&Purchase> = orders.iter().collect();

@@ -28,4 +28,5 @@ mod replay;
 mod schemas;
 mod seams;
 mod secrets;
+mod shops;
 mod strays;

@@ -20,6 +20,7 @@ mod orders;
 mod pools;
 pub mod port;
 mod problem;
+mod shops;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -183,6 +184,8 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(imports::recall))
         .routes(routes!(dead_letters::list))
         .routes(routes!(dead_letters::replay))
+        .routes(routes!(shops::list, shops::create))
+        .routes(routes!(shops::show, shops::set))
 }
 
 /// The OpenAPI document of the API (as `GET /openapi.json` serves it).

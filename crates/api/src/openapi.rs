@@ -25,6 +25,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "orders", description = "Place an order, read it, redeem, void, resend"),
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
+        (name = "shops", description = "Shops: the pools each may order from (admin)"),
         (name = "dead-letters", description = "Purchases codepool could not take (admin)"),
         (name = "operations", description = "Health, readiness and metrics (no key)"),
     ),
@@ -53,6 +54,10 @@ pub(crate) struct PurchaseIn {
     /// How many distinct codes: 1 to 100 (default 1).
     #[schema(minimum = 1, maximum = 100, nullable = false)]
     quantity: Option<u32>,
+    /// The shop the order is for. A shop's key orders for its own shop
+    /// only, and may leave this out.
+    #[schema(nullable = false)]
+    shop: Option<String>,
 }
 
 /// A code granted by `POST /v1/orders`, in plaintext (the shop shows it).
@@ -190,6 +195,38 @@ pub(crate) struct PoolPage {
 #[serde(deny_unknown_fields)]
 pub(crate) struct NewPool {
     name: String,
+}
+
+/// A new shop: its name and the pools it may order from (`["*"]`: every
+/// pool).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewShop {
+    name: String,
+    pools: Vec<String>,
+}
+
+/// A shop's new pool list (it replaces the old one).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ShopPools {
+    pools: Vec<String>,
+}
+
+/// A shop.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Shop {
+    name: String,
+    pools: Vec<String>,
+    /// RFC 3339.
+    created_at: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ShopList {
+    shops: Vec<Shop>,
 }
 
 #[derive(Serialize, ToSchema)]

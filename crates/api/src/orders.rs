@@ -39,6 +39,7 @@ fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
 fn rejected(e: &PurchaseError, rid: &RequestId) -> Response {
     let status = match e.reason {
         RejectReason::ConflictingOrder => StatusCode::CONFLICT,
+        RejectReason::PoolNotAllowed => StatusCode::FORBIDDEN,
         RejectReason::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         _ => StatusCode::UNPROCESSABLE_ENTITY,
     };
@@ -105,9 +106,21 @@ pub(crate) async fn place(
         Ok(p) => p,
         Err(e) => return rejected(&e, &rid),
     };
-    // The order belongs to the key that placed it: a repeat by any other
-    // key (or of an order that came over AMQP) is a conflict, with no code.
-    purchase.owner = Some(key_owner(&key));
+    // The order belongs to the key that placed it (to its shop, for a
+    // shop's key): a repeat by any other key (or of an order that came
+    // over AMQP) is a conflict, with no code.
+    if let Some(shop) = &key.shop {
+        if purchase.shop.as_ref().is_some_and(|s| s != shop) {
+            let e = PurchaseError::new(
+                RejectReason::UnknownShop,
+                format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
+            )
+            .on("shop");
+            return rejected(&e, &rid);
+        }
+        purchase.shop = Some(shop.clone());
+    }
+    purchase.owner = Some(key.owner());
     // Every line logged for this order names it, its pool and the door.
     let span = tracing::info_span!("order", order_id = %purchase.order_id, pool = %purchase.pool, door = "http");
     tracing::Instrument::instrument(answer(&api, &key, &rid, purchase), span).await
@@ -232,7 +245,8 @@ pub(crate) async fn read(
         Ok(f) => f,
         Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
-    if found.is_empty() {
+    // A shop's key reads only its shop's orders.
+    if found.is_empty() || (key.shop.is_some() && !owned_by(&found, &key)) {
         return Problem::new(
             StatusCode::NOT_FOUND,
             "unknown-order",
@@ -262,15 +276,10 @@ pub(crate) async fn read(
     Json(order_json(&order_id, &found, q.reveal)).into_response()
 }
 
-/// The owner recorded with the orders `key` places: the key's id, not its
-/// name, which a new key may take once the old one is revoked.
-fn key_owner(key: &KeyDoc) -> String {
-    format!("api-key-id:{}", key.id)
-}
-
 /// The 404 to answer when `key` may not change `order_id`: a key acts on
-/// the orders it placed, a key with the `admin` scope on any. Another
-/// key's order (or one that came over AMQP) is not shown to exist.
+/// the orders it placed (a shop's key on its shop's), a key with the
+/// `admin` scope on any. Another's order (or one that came over AMQP
+/// without the shop) is not shown to exist.
 async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> Option<Response> {
     if key.allows(Scope::Admin) {
         return None;
@@ -279,21 +288,27 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
         Ok(f) => f,
         Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
     };
-    let me = key_owner(key);
+    (!owned_by(&found, key)).then(|| not_yours(order_id, rid))
+}
+
+/// Whether the order `found` was placed by `key` (or its shop).
+fn owned_by(found: &ops::Lookup, key: &KeyDoc) -> bool {
     let owner = (found.codes.first())
         .and_then(|c| c.holder.as_ref())
         .and_then(|h| h.owner.clone())
         .or_else(|| found.backorders.first().and_then(|b| b.owner.clone()));
-    (owner.as_deref() != Some(me.as_str())).then(|| {
-        Problem::new(
-            StatusCode::NOT_FOUND,
-            "unknown-order",
-            "no such order",
-            format!("this key placed no order {order_id:?}. A key changes only the orders it placed; a key with the admin scope changes any"),
-        )
-        .at(&rid.0)
-        .into_response()
-    })
+    owner.as_deref() == Some(key.owner().as_str())
+}
+
+fn not_yours(order_id: &str, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-order",
+        "no such order",
+        format!("this key placed no order {order_id:?}. A key acts only on the orders it (or its shop) placed; a key with the admin scope on any"),
+    )
+    .at(&rid.0)
+    .into_response()
 }
 
 pub(crate) fn hostname() -> String {

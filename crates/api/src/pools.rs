@@ -99,15 +99,16 @@ pub(crate) struct Page {
         (status = 200, description = "a page of pools by name, with their stock", body = crate::openapi::PoolPage),
         (status = 422, description = "an invalid `limit`", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
-    security(("api_key" = ["admin"]))
+    security(("api_key" = ["admin"]), ("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn list(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Query(page): Query<Page>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
+    let only = match shop_pools(&api, &key, &rid).await {
+        Ok(only) => only,
+        Err(r) => return r,
+    };
     let limit = page.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Problem::new(
@@ -120,7 +121,10 @@ pub(crate) async fn list(
         .at(&rid.0)
         .into_response();
     }
-    let docs = match api.store().pools_page(page.after.as_deref(), limit).await {
+    let docs = match (api.store())
+        .pools_page_of(page.after.as_deref(), limit, only.as_deref())
+        .await
+    {
         Ok(d) => d,
         Err(e) => return failed(&e, &rid),
     };
@@ -146,14 +150,16 @@ pub(crate) async fn list(
         (status = 200, description = "the pool's settings and stock", body = crate::openapi::PoolOut),
         (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
-    security(("api_key" = ["admin"]))
+    security(("api_key" = ["admin"]), ("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn show(
     (State(api), Extension(key), Extension(rid)): Ctx,
     Path(pool): Path<String>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
+    match shop_pools(&api, &key, &rid).await {
+        Ok(Some(only)) if !only.contains(&pool) => return unknown(&pool, &rid),
+        Ok(_) => {}
+        Err(r) => return r,
     }
     let doc = match api.store().pool(&pool).await {
         Ok(Some(d)) => d,
@@ -163,6 +169,32 @@ pub(crate) async fn show(
     match api.store().stats_of(&[pool.as_str()]).await {
         Ok(stats) => Json(pool_json(&doc, stats.first())).into_response(),
         Err(e) => failed(&e, &rid),
+    }
+}
+
+/// The pools `key` may see: every pool for an admin key (`None`), its
+/// shop's for a shop's key with `orders:read` (only the pools that exist
+/// are listed, `*` is every pool); a 403 for any other.
+async fn shop_pools(
+    api: &Api,
+    key: &KeyDoc,
+    rid: &RequestId,
+) -> Result<Option<Vec<String>>, Response> {
+    let Some(shop) = key
+        .shop
+        .as_deref()
+        .filter(|_| key.allows(Scope::OrdersRead))
+    else {
+        return match admin(key, rid) {
+            Some(r) => Err(r),
+            None => Ok(None),
+        };
+    };
+    match api.store().shop(shop).await {
+        Ok(Some(s)) if s.every_pool() => Ok(None),
+        Ok(Some(s)) => Ok(Some(s.pools)),
+        Ok(None) => Ok(Some(Vec::new())),
+        Err(e) => Err(failed(&e, rid)),
     }
 }
 

@@ -149,6 +149,7 @@ impl Work {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            shop: None,
         }
     }
 }

@@ -143,6 +143,7 @@ pub fn purchase(tag: &str, pool: &str, i: usize) -> Purchase {
         purchased_at: None,
         quantity: 1,
         owner: None,
+        shop: None,
     }
 }
 

@@ -57,6 +57,8 @@ pub enum Command {
     /// Create, list and revoke the HTTP API's keys.
     #[command(name = "api-keys")]
     ApiKeys(commands::api_keys::ApiKeysArgs),
+    /// Shops: the pools each may order from; their keys see only their orders.
+    Shops(commands::shops::ShopsArgs),
     /// Add, list, disable operators of the console (/console) and set their passwords.
     Operators(commands::operators::OperatorsArgs),
     /// Publish purchases (one from flags, or many from a JSON-lines file).
@@ -96,6 +98,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Api(args) => commands::api::run(&cfg, args).await,
         Command::ApiKeys(args) => commands::api_keys::run(&cfg, args).await,
         Command::Operators(args) => commands::operators::run(&cfg, args).await,
+        Command::Shops(args) => commands::shops::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,
         Command::Lookup(args) => commands::lookup::run(&cfg, args).await,

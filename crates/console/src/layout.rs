@@ -15,6 +15,7 @@ const NAV: &[(&str, &str, Role)] = &[
     ("Pools", "/console/pools", Role::Viewer),
     ("Orders", "/console/orders", Role::Support),
     ("Dead letters", "/console/dead-letters", Role::Admin),
+    ("Shops", "/console/shops", Role::Admin),
     ("API keys", "/console/api-keys", Role::Admin),
     ("Operators", "/console/operators", Role::Admin),
     ("Audit", "/console/audit", Role::Admin),

@@ -129,6 +129,11 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             post(pages::dead_letters::replay),
         )
         .route(
+            "/console/shops",
+            get(pages::shops::list).post(pages::shops::create),
+        )
+        .route("/console/shops/pools", post(pages::shops::set_pools))
+        .route(
             "/console/api-keys",
             get(pages::api_keys::list).post(pages::api_keys::create),
         )

@@ -39,6 +39,11 @@ pub struct Purchase {
     /// only to its owner; see [`Purchase::owned_elsewhere`].
     #[serde(skip)]
     pub owner: Option<String>,
+    /// The shop the order is for, when the sender names one (AMQP) or the
+    /// API key belongs to one (HTTP): it may order only from the shop's
+    /// pools, and the order is the shop's (`owner` `shop:NAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shop: Option<String>,
 }
 
 fn one() -> u32 {
@@ -76,6 +81,10 @@ pub enum RejectReason {
     /// Valid or not, the message was delivered (and not settled) more often
     /// than the queue's delivery limit allows: a poison message.
     DeliveryLimit,
+    /// The purchase names a shop that does not exist.
+    UnknownShop,
+    /// The purchase's shop may not order from its pool.
+    PoolNotAllowed,
 }
 
 impl RejectReason {
@@ -96,6 +105,8 @@ impl RejectReason {
             Self::ConflictingOrder => "conflicting_order",
             Self::InvalidChars => "invalid_chars",
             Self::DeliveryLimit => "delivery_limit",
+            Self::UnknownShop => "unknown_shop",
+            Self::PoolNotAllowed => "pool_not_allowed",
         }
     }
 }
@@ -136,6 +147,8 @@ impl PurchaseError {
             RejectReason::InvalidTime => Some("purchased_at"),
             RejectReason::InvalidQuantity => Some("quantity"),
             RejectReason::ConflictingOrder => Some("order_id"),
+            RejectReason::UnknownShop => Some("shop"),
+            RejectReason::PoolNotAllowed => Some("pool"),
             _ => None,
         })
     }
@@ -154,6 +167,22 @@ impl PurchaseError {
         Self::new(
             RejectReason::ConflictingOrder,
             format!("order {order_id:?} was already placed with another {what}; the first order stands and this one gets nothing. Send a new order_id for a new order"),
+        )
+    }
+
+    /// The purchase names a shop that was never created.
+    pub fn unknown_shop(shop: &str) -> Self {
+        Self::new(
+            RejectReason::UnknownShop,
+            format!("shop {shop:?} does not exist; create it (`codepool shops create --name {shop} --pools …`) or send the purchase without a shop, then `codepool dead-letters replay`"),
+        )
+    }
+
+    /// The purchase's shop may not order from its pool.
+    pub fn pool_not_allowed(shop: &str, pool: &str) -> Self {
+        Self::new(
+            RejectReason::PoolNotAllowed,
+            format!("shop {shop:?} may not order from pool {pool:?}; order from one of the shop's pools, or add the pool to the shop (`codepool shops set --name {shop} --pools …`)"),
         )
     }
 
@@ -186,9 +215,17 @@ impl Purchase {
         let phone = required(&map, "phone", 32)?;
         let purchased_at = optional(&map, "purchased_at", MAX_TIME_LEN)?;
         let quantity = quantity(&map)?;
+        let shop = optional(&map, "shop", Pool::MAX_LEN)?;
 
         if let Err(e) = Pool::new(&pool) {
             return Err(PurchaseError::new(RejectReason::InvalidPool, e.to_string()));
+        }
+        if let Some(Err(e)) = shop.as_deref().map(Pool::new) {
+            return Err(PurchaseError::new(
+                RejectReason::UnknownShop,
+                format!("invalid shop name {:?}: a shop is named like a pool (1 to {} characters from A-Z a-z 0-9 . _ -, starting with a letter or a digit)", e.name, e.max),
+            )
+            .on("shop"));
         }
         if !is_valid_phone(&phone) {
             return Err(PurchaseError::new(
@@ -212,6 +249,7 @@ impl Purchase {
             purchased_at,
             quantity,
             owner: None,
+            shop,
         })
     }
 

@@ -74,11 +74,25 @@ pub struct KeyDoc {
     pub created_at: DateTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revoked_at: Option<DateTime>,
+    /// The shop the key belongs to: it acts on the shop's pools and orders
+    /// only. `None`: the operator's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shop: Option<String>,
 }
 
 impl KeyDoc {
     pub fn allows(&self, scope: Scope) -> bool {
         self.revoked_at.is_none() && self.scopes.contains(&scope)
+    }
+
+    /// The owner recorded with the orders this key places: its shop's, or
+    /// the key's own id (not its name, which a new key may take once the
+    /// old one is revoked).
+    pub fn owner(&self) -> String {
+        match &self.shop {
+            Some(shop) => crate::shops::owner_of(shop),
+            None => format!("api-key-id:{}", self.id),
+        }
     }
 }
 
@@ -99,6 +113,10 @@ pub enum KeyError {
     NoScope,
     #[error("no key is named {0:?}; `codepool api-keys list` shows them")]
     Unknown(String),
+    #[error("no shop {0:?}; create it first (`codepool shops create --name {0} --pools …`)")]
+    UnknownShop(String),
+    #[error("a shop's key cannot have the admin scope: admin acts on every shop's orders")]
+    ShopAdmin,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -136,13 +154,32 @@ fn keys(store: &Store) -> mongodb::Collection<KeyDoc> {
     store.database().collection::<KeyDoc>(API_KEYS)
 }
 
-/// Creates a key. Names are unique among keys not revoked.
+/// Creates an operator's key. Names are unique among keys not revoked.
 pub async fn create(store: &Store, name: &str, scopes: &[Scope]) -> Result<NewKey, KeyError> {
+    create_for(store, name, scopes, None).await
+}
+
+/// Creates a key, of `shop` when given (which must exist, and whose keys
+/// may not have the admin scope).
+pub async fn create_for(
+    store: &Store,
+    name: &str,
+    scopes: &[Scope],
+    shop: Option<&str>,
+) -> Result<NewKey, KeyError> {
     if !valid_name(name) {
         return Err(KeyError::BadName);
     }
     if scopes.is_empty() {
         return Err(KeyError::NoScope);
+    }
+    if let Some(shop) = shop {
+        if scopes.contains(&Scope::Admin) {
+            return Err(KeyError::ShopAdmin);
+        }
+        if store.shop(shop).await?.is_none() {
+            return Err(KeyError::UnknownShop(shop.to_owned()));
+        }
     }
     let live = doc! {"name": name, "revoked_at": {"$exists": false}};
     if keys(store)
@@ -165,6 +202,7 @@ pub async fn create(store: &Store, name: &str, scopes: &[Scope]) -> Result<NewKe
         scopes,
         created_at: DateTime::now(),
         revoked_at: None,
+        shop: shop.map(str::to_owned),
     };
     keys(store)
         .insert_one(&key)

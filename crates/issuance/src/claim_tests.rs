@@ -49,6 +49,7 @@ fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            shop: None,
         })
         .collect()
 }

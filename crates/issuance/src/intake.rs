@@ -24,6 +24,8 @@ pub struct Intake {
     pub(crate) policies: PolicyCache,
     /// Whether the key file opens every code there is.
     pub(crate) keys: crate::keywatch::KeyWatch,
+    /// The shops purchases name, re-read every second.
+    pub(crate) shops: crate::shops::Shops,
 }
 
 impl Intake {
@@ -33,6 +35,7 @@ impl Intake {
             engine,
             policies: PolicyCache::default(),
             keys: Default::default(),
+            shops: Default::default(),
         }
     }
 
@@ -102,7 +105,11 @@ impl Intake {
                 (b.order_id, (b.pool, b.uid, q, b.owner))
             })
             .collect();
-        let intake = reject_conflicting(admit(parsed, |p| policies.contains_key(p)), &backordered);
+        // A shop's purchase orders from its own pools, and its order is
+        // the shop's (shops.rs).
+        let admitted = admit(parsed, |p| policies.contains_key(p));
+        let admitted = self.shops.admit(&self.store, admitted).await?;
+        let intake = reject_conflicting(admitted, &backordered);
         let intake = settle_cancelled(intake, &cancelled);
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies, &held).await?;

@@ -42,6 +42,7 @@ pub mod plan;
 pub mod policy;
 pub mod ports;
 pub mod relay;
+pub mod shops;
 pub mod stock;
 pub mod telemetry;
 

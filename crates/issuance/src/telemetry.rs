@@ -126,6 +126,8 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::DuplicateField,
     RejectReason::InvalidChars,
     RejectReason::DeliveryLimit,
+    RejectReason::UnknownShop,
+    RejectReason::PoolNotAllowed,
 ];
 
 /// Describes every metric and registers the unlabelled ones (and dead

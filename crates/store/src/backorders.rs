@@ -60,6 +60,10 @@ impl BackorderDoc {
             purchased_at: self.purchased_at.clone(),
             quantity: self.quantity(),
             owner: self.owner.clone(),
+            // A shop's order is owned by the shop (`shop:NAME`).
+            shop: (self.owner.as_deref())
+                .and_then(|o| o.strip_prefix("shop:"))
+                .map(str::to_owned),
         }
     }
 

@@ -40,6 +40,7 @@ pub mod pool_settings;
 pub mod pools;
 pub mod recall;
 pub mod rekey;
+pub mod shops;
 pub mod stats;
 
 use std::sync::Arc;

@@ -114,10 +114,26 @@ impl Store {
         after: Option<&str>,
         limit: i64,
     ) -> Result<Vec<PoolDoc>, StoreError> {
-        let filter = match after {
+        self.pools_page_of(after, limit, None).await
+    }
+
+    /// [`Store::pools_page`] of the pools in `only` (every pool when
+    /// `None`): a shop's.
+    pub async fn pools_page_of(
+        &self,
+        after: Option<&str>,
+        limit: i64,
+        only: Option<&[String]>,
+    ) -> Result<Vec<PoolDoc>, StoreError> {
+        let mut filter = match after {
             Some(a) => doc! {"_id": {"$gt": a}},
             None => doc! {},
         };
+        if let Some(only) = only {
+            let mut id = filter.get_document("_id").cloned().unwrap_or_default();
+            id.insert("$in", only);
+            filter.insert("_id", id);
+        }
         Ok(self
             .typed::<PoolDoc>(POOLS)
             .find(filter)

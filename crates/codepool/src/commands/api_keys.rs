@@ -10,6 +10,7 @@ use crate::config::Config;
 Examples:
   codepool api-keys create --name shop --scopes orders:write,orders:read
   codepool api-keys create --name support --scopes orders:read,codes:reveal
+  codepool api-keys create --name acme-1 --shop acme --scopes orders:write,orders:read
   codepool api-keys list
   codepool api-keys revoke --name shop
 
@@ -34,6 +35,10 @@ pub enum ApiKeysCommand {
         /// Comma-separated scopes.
         #[arg(long, value_delimiter = ',', required = true, value_parser = parse_scope)]
         scopes: Vec<Scope>,
+        /// The shop the key belongs to (`codepool shops`): it acts on the
+        /// shop's pools and orders only.
+        #[arg(long)]
+        shop: Option<String>,
     },
     /// List keys: name, scopes, created, revoked.
     List {
@@ -60,11 +65,12 @@ fn parse_scope(s: &str) -> Result<Scope, String> {
 pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     match args.command {
-        ApiKeysCommand::Create { name, scopes } => {
-            let new = keys::create(&store, &name, &scopes).await?;
+        ApiKeysCommand::Create { name, scopes, shop } => {
+            let new = keys::create_for(&store, &name, &scopes, shop.as_deref()).await?;
             eprintln!(
-                "created API key {:?} with scopes {}; its secret (shown once, only a hash is kept):",
+                "created API key {:?}{} with scopes {}; its secret (shown once, only a hash is kept):",
                 new.key.name,
+                shop.map(|s| format!(" of shop {s:?}")).unwrap_or_default(),
                 new.key.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
             );
             say!("{}", new.token);
@@ -80,6 +86,7 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
                             "scopes": k.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
                             "created_at": k.created_at.to_chrono().to_rfc3339(),
                             "revoked_at": k.revoked_at.map(|t| t.to_chrono().to_rfc3339()),
+                            "shop": k.shop,
                         })
                     })
                     .collect();

@@ -40,6 +40,7 @@ pub mod redeem;
 pub mod resend;
 pub mod reveal;
 pub mod seq;
+pub mod shops;
 pub mod sms_pending;
 pub mod stats;
 pub mod target;

@@ -41,8 +41,12 @@ pub struct PublishArgs {
     /// How many codes the order gets, 1 to 100.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(codepool_domain::MAX_QUANTITY)))]
     pub quantity: u32,
+    /// The shop the order is for (`codepool shops`): it must be allowed the
+    /// pool, and the order is then the shop's.
+    #[arg(long)]
+    pub shop: Option<String>,
     /// JSON-lines file of purchases.
-    #[arg(long, conflicts_with_all = ["pool", "order_id", "uid", "phone", "quantity"])]
+    #[arg(long, conflicts_with_all = ["pool", "order_id", "uid", "phone", "quantity", "shop"])]
     pub file: Option<PathBuf>,
     /// Send file lines unvalidated (to test dead-lettering).
     #[arg(long, requires = "file")]
@@ -63,6 +67,7 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
                 })),
                 quantity: args.quantity,
                 owner: None,
+                shop: args.shop.clone(),
             };
             let body = purchase.to_json();
             if let Err(e) = Purchase::parse(&body) {

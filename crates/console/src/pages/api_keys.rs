@@ -36,9 +36,10 @@ async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, F
     let body = html! {
         h1 { "API keys" }
         (top)
-        table.keys { thead { tr { th { "Name" } th { "Id" } th { "Scopes" } th { "Created" } th { "Revoked" } th {} } }
+        table.keys { thead { tr { th { "Name" } th { "Id" } th { "Shop" } th { "Scopes" } th { "Created" } th { "Revoked" } th {} } }
             tbody { @for k in &all { tr {
                 td { (k.name) } td { code { (k.id) } }
+                td.shop { (k.shop.as_deref().unwrap_or("—")) }
                 td { (k.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")) }
                 td { (when(k.created_at)) }
                 td { (k.revoked_at.map(when).unwrap_or_else(|| "—".into())) }
@@ -53,6 +54,7 @@ async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, F
         form.grid method="post" action="/console/api-keys" {
             (csrf(s))
             label { "Name " input name="name" required maxlength="64"; }
+            label { "Shop " input name="shop" maxlength="64" placeholder="none: the operator's key"; }
             fieldset { legend { "Scopes" }
                 @for sc in Scope::ALL { label.check { input type="checkbox" name="scopes" value=(sc.as_str()); " " (sc.as_str()) } }
             }
@@ -62,8 +64,9 @@ async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, F
     Ok(layout::page(s, "API keys", body).into_response())
 }
 
-/// The fields of the new-key form (`scopes` repeats).
-fn parse_form(raw: &[(String, String)]) -> (String, String, Vec<Scope>) {
+/// The fields of the new-key form (`scopes` repeats): csrf, name, scopes,
+/// shop.
+fn parse_form(raw: &[(String, String)]) -> (String, String, Vec<Scope>, String) {
     let get = |k: &str| {
         raw.iter()
             .find(|(n, _)| n == k)
@@ -75,7 +78,7 @@ fn parse_form(raw: &[(String, String)]) -> (String, String, Vec<Scope>) {
         .filter(|(n, _)| n == "scopes")
         .filter_map(|(_, v)| Scope::parse(v))
         .collect();
-    (get("csrf"), get("name"), scopes)
+    (get("csrf"), get("name"), scopes, get("shop"))
 }
 
 /// `POST /console/api-keys`: the secret appears in this answer only.
@@ -84,10 +87,11 @@ pub async fn create(
     s: Session,
     Form(raw): Form<Vec<(String, String)>>,
 ) -> Result<Response, Failure> {
-    let (token, name, scopes) = parse_form(&raw);
+    let (token, name, scopes, shop) = parse_form(&raw);
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
-    let new = keys::create(console.core.store(), name.trim(), &scopes)
+    let shop = Some(shop.trim()).filter(|s| !s.is_empty());
+    let new = keys::create_for(console.core.store(), name.trim(), &scopes, shop)
         .await
         .map_err(key_failure)?;
     let scopes = new
@@ -97,7 +101,11 @@ pub async fn create(
         .map(|s| s.as_str())
         .collect::<Vec<_>>()
         .join(",");
-    let what = format!("API key {:?} created with scopes {scopes}", new.key.name);
+    let of = (new.key.shop.as_deref()).map_or(String::new(), |s| format!(" of shop {s:?}"));
+    let what = format!(
+        "API key {:?}{of} created with scopes {scopes}",
+        new.key.name
+    );
     super::audit(
         &console,
         &s,
@@ -121,7 +129,7 @@ pub async fn revoke(
     s: Session,
     Form(raw): Form<Vec<(String, String)>>,
 ) -> Result<Response, Failure> {
-    let (token, name, _) = parse_form(&raw);
+    let (token, name, _, _) = parse_form(&raw);
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
     let k = keys::revoke(console.core.store(), &name)

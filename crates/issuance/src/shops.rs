@@ -1,0 +1,225 @@
+//! Shops: each shop orders only from its own pools, and its orders are its
+//! own. The rules live here, once, for every door: a shop is created and
+//! changed here (audited), and [`Shops::admit`] holds every purchase that
+//! names a shop (an API key's shop over HTTP, the `shop` field over AMQP)
+//! to the shop's pools and makes the order the shop's (`owner`
+//! `shop:NAME`), so that only the shop's keys read, repeat, void, redeem or
+//! resend it.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use codepool_domain::{Pool, PurchaseError};
+use codepool_store::shops::{ShopDoc, EVERY_POOL};
+use codepool_store::{Store, StoreError};
+
+use crate::audit::{self, Actor};
+use crate::plan::Intake;
+
+/// How long a process trusts what it read of a shop: a change to a shop's
+/// pools holds everywhere within this.
+pub const SHOP_TTL: Duration = Duration::from_secs(1);
+
+/// The owner recorded with a shop's orders.
+pub fn owner_of(shop: &str) -> String {
+    format!("shop:{shop}")
+}
+
+/// Why a shop was not created or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShopError {
+    #[error("invalid shop name {0:?}: use 1 to 64 characters from A-Z a-z 0-9 . _ -, starting with a letter or a digit")]
+    BadName(String),
+    #[error("invalid pool {0:?} in the shop's pools: {1}")]
+    BadPool(String, String),
+    #[error("a shop needs at least one pool, or * for every pool")]
+    NoPools,
+    #[error("shop {0:?} exists already; change its pools with `shops set`")]
+    Exists(String),
+    #[error("no shop {0:?}; `codepool shops list` shows the shops")]
+    Unknown(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl ShopError {
+    /// The field at fault, for a door to name.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            Self::BadName(_) | Self::Exists(_) | Self::Unknown(_) => Some("name"),
+            Self::BadPool(..) | Self::NoPools => Some("pools"),
+            Self::Store(_) => None,
+        }
+    }
+}
+
+/// Checks a shop's name.
+pub fn valid_name(name: &str) -> Result<(), ShopError> {
+    Pool::new(name)
+        .map(|_| ())
+        .map_err(|_| ShopError::BadName(name.chars().take(80).collect()))
+}
+
+/// A pool list as given (`game-x,game-y`, `*`), checked, deduplicated and
+/// sorted; `*` alone when it is among them.
+pub fn pool_list<S: AsRef<str>>(pools: &[S]) -> Result<Vec<String>, ShopError> {
+    let mut out: Vec<String> = Vec::new();
+    for p in pools
+        .iter()
+        .map(|p| p.as_ref().trim())
+        .filter(|p| !p.is_empty())
+    {
+        if p == EVERY_POOL {
+            return Ok(vec![EVERY_POOL.to_owned()]);
+        }
+        Pool::new(p).map_err(|e| ShopError::BadPool(p.to_owned(), e.to_string()))?;
+        out.push(p.to_owned());
+    }
+    out.sort();
+    out.dedup();
+    if out.is_empty() {
+        return Err(ShopError::NoPools);
+    }
+    Ok(out)
+}
+
+/// Creates a shop, audited with `actor`.
+pub async fn create(
+    store: &Store,
+    name: &str,
+    pools: &[String],
+    actor: &Actor,
+) -> Result<ShopDoc, ShopError> {
+    valid_name(name)?;
+    let pools = pool_list(pools)?;
+    if !store.create_shop(name, &pools).await? {
+        return Err(ShopError::Exists(name.to_owned()));
+    }
+    let what = format!("shop {name:?} created with pools {}", pools.join(","));
+    audit::record(store, actor, "shop-create", what).await?;
+    store
+        .shop(name)
+        .await?
+        .ok_or_else(|| ShopError::Unknown(name.to_owned()))
+}
+
+/// Replaces a shop's pools, audited with `actor`.
+pub async fn set_pools(
+    store: &Store,
+    name: &str,
+    pools: &[String],
+    actor: &Actor,
+) -> Result<ShopDoc, ShopError> {
+    let pools = pool_list(pools)?;
+    let shop = (store.set_shop_pools(name, &pools).await?)
+        .ok_or_else(|| ShopError::Unknown(name.to_owned()))?;
+    let what = format!("shop {name:?} now orders from {}", pools.join(","));
+    audit::record(store, actor, "shop-set", what).await?;
+    Ok(shop)
+}
+
+/// The shops a process knows, each re-read after [`SHOP_TTL`].
+#[derive(Debug, Default)]
+pub struct Shops {
+    known: RwLock<HashMap<String, (Instant, Option<ShopDoc>)>>,
+}
+
+impl Shops {
+    /// The shops named in `names` (`None`: no such shop), read at most
+    /// once a [`SHOP_TTL`].
+    pub async fn get_many(
+        &self,
+        store: &Store,
+        names: &[&str],
+    ) -> Result<HashMap<String, Option<ShopDoc>>, StoreError> {
+        let mut out = HashMap::new();
+        let mut stale = Vec::new();
+        {
+            let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+            for name in names {
+                match known.get(*name).filter(|(at, _)| at.elapsed() < SHOP_TTL) {
+                    Some((_, shop)) => {
+                        out.insert((*name).to_owned(), shop.clone());
+                    }
+                    None => stale.push(*name),
+                }
+            }
+        }
+        if stale.is_empty() {
+            return Ok(out);
+        }
+        let read = store.shops_named(&stale).await?;
+        let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
+        if known.len() > 10_000 {
+            known.clear();
+        }
+        for name in stale {
+            let shop = read.iter().find(|s| s.name == name).cloned();
+            known.insert(name.to_owned(), (Instant::now(), shop.clone()));
+            out.insert(name.to_owned(), shop);
+        }
+        Ok(out)
+    }
+
+    /// Holds each purchase that names a shop to the shop's pools (an
+    /// unknown shop or another pool is refused, nothing is claimed for it)
+    /// and makes its order the shop's.
+    pub async fn admit(
+        &self,
+        store: &Store,
+        intake: Vec<Intake>,
+    ) -> Result<Vec<Intake>, StoreError> {
+        let mut names: Vec<&str> = (intake.iter())
+            .filter_map(|i| match i {
+                Intake::Claim(p) => p.shop.as_deref(),
+                _ => None,
+            })
+            .collect();
+        if names.is_empty() {
+            return Ok(intake);
+        }
+        names.sort_unstable();
+        names.dedup();
+        let shops = self.get_many(store, &names).await?;
+        Ok(intake
+            .into_iter()
+            .map(|i| match i {
+                Intake::Claim(mut p) => {
+                    let Some(name) = p.shop.clone() else {
+                        return Intake::Claim(p);
+                    };
+                    match shops.get(&name).and_then(Option::as_ref) {
+                        None => Intake::Reject(PurchaseError::unknown_shop(&name)),
+                        Some(shop) if !shop.allows(&p.pool) => {
+                            Intake::Reject(PurchaseError::pool_not_allowed(&name, &p.pool))
+                        }
+                        Some(_) => {
+                            p.owner = Some(owner_of(&name));
+                            Intake::Claim(p)
+                        }
+                    }
+                }
+                other => other,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_lists_are_checked_sorted_and_star_means_every_pool() {
+        let l = pool_list(&["game-y", " game-x", "game-y", ""]).unwrap();
+        assert_eq!(l, vec!["game-x", "game-y"]);
+        assert_eq!(pool_list(&["game-x", "*"]).unwrap(), vec!["*"]);
+        assert!(matches!(
+            pool_list(&["bad pool"]),
+            Err(ShopError::BadPool(..))
+        ));
+        assert!(matches!(pool_list::<&str>(&[]), Err(ShopError::NoPools)));
+        assert!(valid_name("acme").is_ok() && valid_name("-acme").is_err());
+    }
+}

@@ -1,0 +1,364 @@
+//! Shops: each shop's keys, pools and orders are its own, through both
+//! doors. A shop's key orders only from its pools, reads and changes only
+//! its shop's orders, and a shop's pool list shows only its pools; a
+//! purchase over AMQP that names a shop obeys the same rules.
+
+use std::time::Duration;
+
+use codepool_broker::Publisher;
+use serde_json::{json, Value};
+
+use crate::api::{http, json_of, key, order, ApiServer};
+use crate::common::{
+    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+};
+
+async fn cli(env: &TestEnv, args: &[&str]) -> String {
+    let out = env.command(args).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
+    cli(
+        env,
+        &[
+            "api-keys",
+            "create",
+            "--name",
+            name,
+            "--shop",
+            shop,
+            "--scopes",
+            "orders:write,orders:read",
+        ],
+    )
+    .await
+    .trim()
+    .to_owned()
+}
+
+/// The codes the database holds for `order`.
+async fn held(env: &TestEnv, order: &str) -> usize {
+    env.store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(bson::doc! {"order_id": order})
+        .await
+        .unwrap() as usize
+}
+
+fn codes_in(body: &[u8]) -> Vec<String> {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    (v["codes"].as_array().into_iter().flatten())
+        .filter_map(|c| c["code"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
+    let env = TestEnv::new("shops_http").await;
+    for pool in ["game-x", "game-y", "game-z"] {
+        env.fill_pool(pool, 10).await;
+    }
+    cli(
+        &env,
+        &[
+            "shops",
+            "create",
+            "--name",
+            "acme",
+            "--pools",
+            "game-x,game-y",
+        ],
+    )
+    .await;
+    cli(
+        &env,
+        &[
+            "shops",
+            "create",
+            "--name",
+            "bolt",
+            "--pools",
+            "game-x,game-z",
+        ],
+    )
+    .await;
+    let listed: Value =
+        serde_json::from_str(&cli(&env, &["shops", "list", "--json"]).await).unwrap();
+    assert_eq!(listed[0]["name"], "acme");
+    assert_eq!(listed[0]["pools"], json!(["game-x", "game-y"]));
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let acme2 = shop_key(&env, "acme-2", "acme").await;
+    let bolt = shop_key(&env, "bolt-1", "bolt").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // Another shop's pool: 403, and nothing is granted.
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&acme),
+        &order("A-0", "game-z", 1),
+    )
+    .await;
+    assert_eq!(status, 403, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        json_of(&body)["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("pool-not-allowed"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(held(&env, "A-0").await, 0);
+
+    let (status, _, first) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&acme),
+        &order("A-1", "game-x", 2),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&first));
+    let codes = codes_in(&first);
+    assert_eq!(codes.len(), 2);
+
+    // Another shop: 404 on every route, 409 with no code when it posts it.
+    for (method, path) in [
+        ("GET", "/v1/orders/A-1"),
+        ("POST", "/v1/orders/A-1/void"),
+        ("POST", "/v1/orders/A-1/redeem"),
+        ("POST", "/v1/orders/A-1/resend"),
+    ] {
+        let body = if method == "GET" {
+            b"".to_vec()
+        } else {
+            br#"{"reason":"test"}"#.to_vec()
+        };
+        let (status, _, answer) = http(&api.addr, method, path, Some(&bolt), &body).await;
+        assert_eq!(
+            status,
+            404,
+            "{method} {path}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    let (status, _, answer) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&bolt),
+        &order("A-1", "game-x", 2),
+    )
+    .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&answer));
+    assert!(json_of(&answer)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("conflicting-order"));
+    for c in &codes {
+        assert!(
+            !String::from_utf8_lossy(&answer).contains(c.as_str()),
+            "no code in a conflict"
+        );
+    }
+    assert_eq!(held(&env, "A-1").await, 2, "nothing more was claimed");
+
+    // The same shop's other key: the same codes, audited as a repeat.
+    let (status, _, again) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&acme2),
+        &order("A-1", "game-x", 2),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
+    assert_eq!(codes_in(&again), codes);
+    let repeat = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find_one(bson::doc! {"os_user": "api-key:acme-2"})
+        .await
+        .unwrap();
+    assert!(
+        repeat
+            .as_ref()
+            .is_some_and(|d| d.get_str("what").unwrap_or("").contains("A-1")),
+        "{repeat:?}"
+    );
+    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/A-1", Some(&acme2), b"").await;
+    assert_eq!(status, 200);
+
+    // A shop's pool list shows its pools only.
+    let (status, _, pools) = http(&api.addr, "GET", "/v1/pools", Some(&acme), b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&pools));
+    let names: Vec<String> = (json_of(&pools)["pools"].as_array().unwrap().iter())
+        .map(|p| p["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, vec!["game-x", "game-y"]);
+    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-z", Some(&acme), b"").await;
+    assert_eq!(status, 404);
+    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-y", Some(&acme), b"").await;
+    assert_eq!(status, 200);
+
+    // A shop's key cannot be an admin key, nor belong to no shop.
+    let out = env
+        .command(&[
+            "api-keys", "create", "--name", "x", "--shop", "acme", "--scopes", "admin",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admin"));
+    let out = env
+        .command(&[
+            "api-keys",
+            "create",
+            "--name",
+            "y",
+            "--shop",
+            "nope",
+            "--scopes",
+            "orders:read",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no shop \"nope\"")
+    );
+
+    // Shops through the admin API: created, listed, changed, refused.
+    let admin = key(&env, "ops", "admin").await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/shops",
+        Some(&admin),
+        br#"{"name":"cargo","pools":["*"]}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/shops",
+        Some(&admin),
+        br#"{"name":"cargo","pools":["*"]}"#,
+    )
+    .await;
+    assert_eq!(status, 409);
+    let (status, _, body) = http(
+        &api.addr,
+        "PATCH",
+        "/v1/shops/cargo",
+        Some(&admin),
+        br#"{"pools":["bad pool"]}"#,
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(json_of(&body)["field"], "pools");
+    let (status, _, body) = http(
+        &api.addr,
+        "PATCH",
+        "/v1/shops/cargo",
+        Some(&admin),
+        br#"{"pools":["game-y"]}"#,
+    )
+    .await;
+    assert_eq!(
+        (status, json_of(&body)["pools"].clone()),
+        (200, json!(["game-y"]))
+    );
+    let (status, _, body) = http(&api.addr, "GET", "/v1/shops", Some(&admin), b"").await;
+    assert_eq!(status, 200);
+    assert_eq!(json_of(&body)["shops"].as_array().unwrap().len(), 3);
+    let (status, _, _) = http(&api.addr, "GET", "/v1/shops", Some(&acme), b"").await;
+    assert_eq!(status, 403, "a shop's key is no admin");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_order() {
+    let env = TestEnv::new("shops_amqp").await;
+    env.fill_pool("game-x", 10).await;
+    env.fill_pool("game-z", 10).await;
+    cli(
+        &env,
+        &["shops", "create", "--name", "acme", "--pools", "game-x"],
+    )
+    .await;
+    cli(&env, &["shops", "create", "--name", "bolt", "--pools", "*"]).await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let bolt = shop_key(&env, "bolt-1", "bolt").await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut granted = purchase("M-1", "game-x");
+    granted.shop = Some("acme".into());
+    let mut other_pool = purchase("M-2", "game-z");
+    other_pool.shop = Some("acme".into());
+    let mut unknown = purchase("M-3", "game-x");
+    unknown.shop = Some("nope".into());
+    publish_confirmed(&publisher, &[granted.clone(), other_pool, unknown]).await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(
+        Duration::from_secs(30),
+        "one grant and two dead letters",
+        || {
+            let ch = ch.clone();
+            let (sms, dead) = (t.sms_pending.clone(), t.purchases_dead.clone());
+            async move { queue_depth(&ch, &sms).await >= 1 && queue_depth(&ch, &dead).await >= 2 }
+        },
+    )
+    .await;
+    let mut reasons: Vec<String> = drain(&ch, &t.purchases_dead)
+        .await
+        .iter()
+        .map(|d| {
+            d.reason
+                .clone()
+                .unwrap_or_default()
+                .split(':')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        })
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons, vec!["pool_not_allowed", "unknown_shop"]);
+    assert_eq!(held(&env, "M-2").await + held(&env, "M-3").await, 0);
+    daemon.stop().await;
+
+    // The shop's keys read it and post it again; another shop's do not.
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&acme), b"").await;
+    assert_eq!(status, 200);
+    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&bolt), b"").await;
+    assert_eq!(status, 404);
+    let body = serde_json::to_vec(
+        &json!({"order_id": "M-1", "uid": granted.uid, "phone": granted.phone, "pool": "game-x"}),
+    )
+    .unwrap();
+    let (status, _, again) = http(&api.addr, "POST", "/v1/orders", Some(&acme), &body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
+    assert_eq!(codes_in(&again).len(), 1);
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&bolt), &body).await;
+    assert_eq!(status, 409);
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
