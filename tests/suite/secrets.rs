@@ -501,9 +501,12 @@ async fn secrets_codes_show_masked_unless_revealed_and_every_reveal_is_audited()
     let audit = audit_records(&env).await;
     assert_eq!(audit.len(), 1);
     let a = &audit[0];
-    assert_eq!(a.get_str("command").unwrap(), "lookup --reveal");
+    // Recorded by the core like every other door's: who (the OS user at
+    // this host) and the command.
+    assert_eq!(a.get_str("command").unwrap(), "codepool lookup --reveal");
     assert!(a.get_str("what").unwrap().contains("RV-3"));
-    assert!(!a.get_str("os_user").unwrap().is_empty() && !a.get_str("host").unwrap().is_empty());
+    assert!(a.get_str("os_user").unwrap().starts_with("os-user:"));
+    assert!(!a.get_str("host").unwrap().is_empty());
     assert!(a.get_datetime("at").is_ok());
     assert_eq!(a.get_array("code_ids").unwrap().len(), 1);
 

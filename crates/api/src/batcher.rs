@@ -23,6 +23,7 @@
 use std::sync::{Arc, Weak};
 
 use codepool_domain::{CodeId, Purchase};
+use codepool_issuance::audit::{self, Actor};
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
 use codepool_issuance::ports::SmsLedger;
@@ -197,7 +198,6 @@ async fn audit_repeats(
     if !steps.iter().any(is_repeat) {
         return Ok(());
     }
-    let host = crate::orders::hostname();
     let reveals: Vec<codepool_store::audit::Reveal> = (steps.iter().zip(whom))
         .filter(|(s, _)| is_repeat(s))
         .filter_map(|(s, (who, request))| {
@@ -211,14 +211,13 @@ async fn audit_repeats(
                 .filter(|g| !g.revoked)
                 .map(|g| g.code_id)
                 .collect();
-            Some(codepool_store::audit::Reveal {
-                os_user: who.clone(),
-                host: host.clone(),
-                command: format!("POST /v1/orders, a repeat (request {request})"),
-                what: format!("order {:?}", purchase.order_id),
-                count: shown.len() as u64,
-                code_ids: shown,
-            })
+            let actor = Actor {
+                who: who.clone(),
+                via: format!("POST /v1/orders, a repeat (request {request})"),
+            };
+            let what = format!("order {:?}", purchase.order_id);
+            let count = shown.len() as u64;
+            Some(audit::reveal_of(&actor, what, shown, count))
         })
         .collect();
     api.store()

@@ -11,10 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::SecondsFormat;
 use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
-use codepool_issuance::audit::Actor;
+use codepool_issuance::audit::{self, Actor};
 use codepool_issuance::ops;
 use codepool_issuance::plan::Step;
-use codepool_store::audit::Reveal;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::CodeQuery;
 use serde::Deserialize;
@@ -257,19 +256,16 @@ pub(crate) async fn read(
         .into_response();
     }
     if q.reveal && !found.codes.is_empty() {
-        let reveal = Reveal {
-            os_user: format!("api-key:{}", key.name),
-            host: hostname(),
-            command: format!(
-                "GET /v1/orders/{{order_id}}?reveal=true (request {})",
-                rid.0
-            ),
-            what: format!("order {order_id:?}"),
-            code_ids: found.codes.iter().map(|c| c.id).collect(),
-            count: found.codes.len() as u64,
-        };
+        let route = format!(
+            "GET /v1/orders/{{order_id}}?reveal=true (request {})",
+            rid.0
+        );
+        let actor = Actor::api_key(&key.name, &route);
+        let ids = found.codes.iter().map(|c| c.id).collect();
+        let what = format!("order {order_id:?}");
+        let count = found.codes.len() as u64;
         // No record, no reveal.
-        if let Err(e) = api.store().record_reveal(&reveal).await {
+        if let Err(e) = audit::reveal(api.store(), &actor, what, ids, count).await {
             return failed(&e, e.is_unavailable(), &rid);
         }
     }
@@ -309,12 +305,6 @@ fn not_yours(order_id: &str, rid: &RequestId) -> Response {
     )
     .at(&rid.0)
     .into_response()
-}
-
-pub(crate) fn hostname() -> String {
-    std::fs::read_to_string("/etc/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// An order as the API shows it.

@@ -4,7 +4,8 @@
 //! the operation itself, so the CLI, the HTTP API and the console leave
 //! the same trace, and a door cannot forget it.
 
-use codepool_store::audit::Action;
+use codepool_domain::CodeId;
+use codepool_store::audit::{Action, Reveal};
 use codepool_store::{Store, StoreError};
 use tracing::error;
 
@@ -62,4 +63,43 @@ pub async fn record(
         error!(error = %e, kind, who = %actor.who, "change made but not audited");
         e
     })
+}
+
+/// This machine's host name, recorded with every reveal.
+pub fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The record of codes shown in plaintext to `actor`: `what` was asked
+/// for, in words (codes masked), `code_ids` were shown (none for an
+/// export, which counts them).
+pub fn reveal_of(actor: &Actor, what: String, code_ids: Vec<CodeId>, count: u64) -> Reveal {
+    Reveal {
+        os_user: actor.who.clone(),
+        host: host(),
+        command: actor.via.clone(),
+        what,
+        code_ids,
+        count,
+    }
+}
+
+/// Records that codes are shown to `actor`. No record, no reveal: a door
+/// shows the codes only once this succeeded, whichever door it is.
+pub async fn reveal(
+    store: &Store,
+    actor: &Actor,
+    what: String,
+    code_ids: Vec<CodeId>,
+    count: u64,
+) -> Result<(), StoreError> {
+    store
+        .record_reveal(&reveal_of(actor, what, code_ids, count))
+        .await
+        .map(|_| ())
 }

@@ -239,3 +239,19 @@ pub async fn resend(
         Some(Ok(())) => Err(ResendError::Unconfirmed(BrokerError::Nacked)),
     }
 }
+
+/// The codes of order `order_id`, to show in plaintext to `actor`: the
+/// reveal is recorded first (no record, no reveal).
+pub async fn reveal_order(
+    store: &Store,
+    order_id: &str,
+    actor: &crate::audit::Actor,
+) -> Result<Lookup, StoreError> {
+    let found = lookup(store, CodeQuery::Order(order_id), 100).await?;
+    if !found.codes.is_empty() {
+        let ids = found.codes.iter().map(|c| c.id).collect();
+        let what = format!("order {order_id:?}");
+        crate::audit::reveal(store, actor, what, ids, found.codes.len() as u64).await?;
+    }
+    Ok(found)
+}

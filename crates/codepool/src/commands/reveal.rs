@@ -2,7 +2,6 @@
 //! `audit` record is written before any code is shown.
 
 use codepool_domain::CodeId;
-use codepool_store::audit::Reveal;
 use codepool_store::Store;
 
 /// The operating-system user running this process.
@@ -19,12 +18,7 @@ pub fn os_user() -> String {
 
 /// This machine's host name.
 pub fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown".into())
+    codepool_issuance::audit::host()
 }
 
 /// Records the reveal; only when this succeeds may the caller show codes.
@@ -35,16 +29,10 @@ pub async fn record(
     code_ids: Vec<CodeId>,
     count: u64,
 ) -> anyhow::Result<()> {
-    let reveal = Reveal {
-        os_user: os_user(),
-        host: host(),
-        command: command.to_owned(),
-        what,
-        code_ids,
-        count,
-    };
-    store.record_reveal(&reveal).await.map_err(|e| {
-        anyhow::anyhow!("{e}; codes are only revealed once the reveal is recorded in the audit collection, so nothing was shown")
-    })?;
-    Ok(())
+    let actor = super::actor(command);
+    codepool_issuance::audit::reveal(store, &actor, what, code_ids, count)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("{e}; codes are only revealed once the reveal is recorded in the audit collection, so nothing was shown")
+        })
 }

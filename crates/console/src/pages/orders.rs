@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_domain::Code;
 use codepool_issuance::ops::{self, Lookup, ResendError};
-use codepool_store::audit::Reveal;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::CodeQuery;
 use maud::{html, Markup};
@@ -290,12 +289,6 @@ pub async fn void(
     order_page(&console, &s, &id, Some(format!("Voided: {done}."))).await
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/etc/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
 /// `POST /console/orders/{id}/reveal` (admin): written to the audit log
 /// first (no record, no reveal), then the codes in this answer only.
 pub async fn reveal(
@@ -306,22 +299,14 @@ pub async fn reveal(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let store = console.core.store();
-    let l = ops::lookup(store, CodeQuery::Order(&id), 100).await?;
+    let actor = super::actor(&s, "POST /console/orders/{id}/reveal");
+    // Recorded before anything is shown (no record, no reveal).
+    let l = ops::reveal_order(console.core.store(), &id, &actor).await?;
     if l.codes.is_empty() {
         return Err(Failure::NotFound(format!(
             "order {id:?} holds no code to reveal"
         )));
     }
-    let reveal = Reveal {
-        os_user: s.who(),
-        host: hostname(),
-        command: "console POST /console/orders/{id}/reveal".into(),
-        what: format!("order {id:?}"),
-        code_ids: l.codes.iter().map(|c| c.id).collect(),
-        count: l.codes.len() as u64,
-    };
-    store.record_reveal(&reveal).await?;
     tracing::info!(operator = %s.operator.name, order_id = %id, count = l.codes.len(), "codes revealed in the console");
     let body = html! {
         h1 { "Codes of order " q { (id) } }
