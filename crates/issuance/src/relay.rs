@@ -38,7 +38,16 @@ pub async fn relay_unconfirmed(
         metrics::counter!("codepool_internal_errors_total", "kind" => "relay_without_holder")
             .increment((codes.len() - grants.len()) as u64);
     }
-    let confirmed = outbox.send(sink, &grants, Marking::Now).await?.confirmed() as u64;
+    let sent = outbox.send(sink, &grants, Marking::Now).await?;
+    // One line per order relayed, with the fields its other lines carry:
+    // grepping an order id shows its event's way out too.
+    let mut logged = std::collections::HashSet::new();
+    for (g, r) in grants.iter().zip(&sent.results) {
+        if r.is_ok() && logged.insert(g.order_id.as_str()) {
+            info!(order_id = %g.order_id, pool = %g.pool, door = "relay", "sms.pending relayed");
+        }
+    }
+    let confirmed = sent.confirmed() as u64;
     if confirmed > 0 {
         info!(
             count = confirmed,
