@@ -1256,6 +1256,9 @@ impl Store {
         now: DateTime,
     ) -> Result<Vec<(usize, Option<Vec<(CodeId, i64)>>)>, StoreError> {
         let pools: Vec<&str> = which.iter().map(|&i| asks[i].pool).collect();
+        // Along (pool, status, seq), a pool's unissued codes come in `seq`
+        // order only because a claim takes codes of one status.
+        debug_assert_eq!(Transition::Claim.from_codes().len(), 1);
         let (lowest, highest) = futures::try_join!(
             self.unissued_end(&pools, PoolOrder::Ascending),
             self.unissued_end(&pools, PoolOrder::Descending),
@@ -1309,7 +1312,8 @@ impl Store {
                     // Nothing unissued: the pool's whole answer.
                     return (i, Some(Vec::new()));
                 };
-                let mut got = by_pool.remove(asks[i].pool).unwrap_or_default();
+                // By `get`: two asks of one pool each get its window.
+                let mut got = by_pool.get(asks[i].pool).cloned().unwrap_or_default();
                 got.sort_unstable_by_key(|&(_, seq)| seq);
                 let limit = usize::try_from(asks[i].limit.max(1)).unwrap_or(usize::MAX);
                 got.truncate(limit);
