@@ -31,6 +31,8 @@ HUGE_POOL=${HUGE_POOL:-1000000}
 # The scale comparisons alternate their two sides this many times and judge
 # the median ratio: one pair of runs moves by ±0.1 with the host's load.
 SCALE_ROUNDS=${SCALE_ROUNDS:-3}
+# The cold many-pool row (issue 47): codes in each of SCALE_POOLS pools.
+SCALE_CODES_PER_POOL=${SCALE_CODES_PER_POOL:-125}
 LATENCY_SECONDS=${LATENCY_SECONDS:-10}
 # The HTTP API (issue 33): fresh orders from API_CLIENTS keep-alive clients
 # against the AMQP dispatcher and a findOneAndUpdate handler, repeats, and
@@ -44,7 +46,7 @@ which=("$@")
 [[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api pools huge import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
-bin=target/release/codepool-bench
+bin=${CARGO_TARGET_DIR:-target}/release/codepool-bench
 mkdir -p "$OUT_DIR"
 
 for b in "${which[@]}"; do
@@ -63,6 +65,9 @@ for b in "${which[@]}"; do
 		for spread in uniform zipf; do
 			"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pools "$SCALE_POOLS" --spread "$spread" --rounds "$SCALE_ROUNDS"
 		done
+		# Issue 47: the cold start of a large catalogue with a backlog, pools
+		# of SCALE_CODES_PER_POOL codes, clock stopped at the last code issued.
+		"$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pools "$SCALE_POOLS" --spread uniform --cold --codes-per-pool "$SCALE_CODES_PER_POOL" --rounds "$SCALE_ROUNDS"
 		;;
 	huge) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --pool-size "$HUGE_POOL" --rounds "$SCALE_ROUNDS" ;;
 	latency)

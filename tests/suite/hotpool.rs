@@ -416,15 +416,14 @@ async fn candidates_of_many_pools_come_back_aligned_bounded_and_in_order() {
     env.cleanup().await;
 }
 
-/// Pools refilled from their start share a scan in pool order, budgeted at
-/// their limits added up; the pools its budget did not reach, or cut
-/// short, are scanned again, or asked one by one. "a" (20 codes) and "b"
-/// take the budget of 5 + 30 + 10 + 4 = 49 twenty-nine codes into "b",
-/// which wants 30; "c" and "d" are never reached. Taking a partial answer
-/// would show: "b" with 29, "c" and "d" with none. Then six pools of 100
-/// codes that want 5 each: the scan ends inside "f1", so the other five
-/// are asked one by one. Last, a scan that answers most of its pools
-/// scans again for the rest.
+/// Pools refilled from their start are read together, each by a window of
+/// `seq` from its lowest unissued code as wide as its limit; a window that
+/// neither found its limit nor reached the pool's last unissued code (one
+/// thinned by expired codes: "c", "g1") is asked again alone. "a" and "b"
+/// get their limits from pools larger than them, "d" (no code) nothing.
+/// Six pools of 100 codes that want 5 each read 5 each. Whatever the
+/// pools' sizes, each pool reads at most its limit in the shared window
+/// query.
 #[tokio::test]
 async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
     let env = TestEnv::new("hot_candidates_cold").await;
@@ -436,10 +435,9 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
         ("d", 0, 0, 4),
     ];
     let many = ["f1", "f2", "f3", "f4", "f5", "f6"].map(|f| (f, 0, 100, 5));
-    // "g1" holds 3 expired codes the scan skips. The budget of 40 ends 30
-    // codes into "g3", which wants 10: three of four answered, so "g4"
-    // gets a scan of its own.
-    let rescan = [
+    // "g1" holds 3 expired codes its window skips; "g3" reads 10 of its
+    // 100, and "g4" after it is answered by the same query.
+    let windows = [
         ("g1", 3, 8, 10),
         ("g2", 0, 5, 10),
         ("g3", 0, 100, 10),
@@ -448,7 +446,7 @@ async fn cold_pools_refilled_together_get_their_oldest_claimable_codes() {
     let cases = [
         (&pools[..], vec![5, 30, 7, 0]),
         (&many[..], vec![5; 6]),
-        (&rescan[..], vec![5, 5, 10, 5]),
+        (&windows[..], vec![5, 5, 10, 5]),
     ];
     for (case, sizes) in cases {
         cold_refill_case(&env, case, sizes).await;

@@ -44,6 +44,8 @@ pub struct Running {
     /// Purchases done (end to end) before it started: the metrics are
     /// process-wide and several dispatchers run one after the other.
     done_before: u64,
+    /// Codes issued before it started (same reason).
+    issued_before: u64,
     pub started: Instant,
     cpu: CpuSnapshot,
 }
@@ -51,6 +53,9 @@ pub struct Running {
 /// What one dispatcher run measured.
 pub struct DispatcherRun {
     pub elapsed: Duration,
+    /// From the start until the last of the `n` codes was issued (its
+    /// claim written), before its event and ack.
+    pub issued: Duration,
     pub cpu: Vec<(&'static str, f64)>,
     pub rss_max_kb: u64,
 }
@@ -61,6 +66,8 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
     // The metrics recorder must be in place before the dispatcher records
     // anything: the reports' stage timings read it afterwards.
     let _ = crate::metrics();
+    // The dispatcher's start is part of the measurement.
+    let started = Instant::now();
     let cfg = &scratch.cfg;
     let hot = codepool::context::hot_pool(cfg)?;
     let numbers = codepool::context::grant_numbers(cfg, &scratch.store)?;
@@ -79,13 +86,15 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
     );
     let stop = CancellationToken::new();
     let done_before = codepool_issuance::telemetry::settled_purchases();
+    let issued_before = codepool_issuance::telemetry::issued_codes();
     let cpu = CpuSnapshot::take();
     let daemon = tokio::spawn(dispatcher.run(stop.clone()));
     Ok(Running {
         stop,
         daemon,
         done_before,
-        started: Instant::now(),
+        issued_before,
+        started,
         cpu,
     })
 }
@@ -98,12 +107,20 @@ impl Running {
     }
 
     /// Waits until `n` purchases are done, then stops the dispatcher.
+    /// Also notes when the `n`th code was issued.
     pub async fn finish(self, n: u64) -> anyhow::Result<DispatcherRun> {
         let mut rss_max = 0u64;
         let mut last = (0u64, Instant::now());
-        loop {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
+        let mut issued = None;
+        for tick in 0u64.. {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let now = codepool_issuance::telemetry::issued_codes();
+            if issued.is_none() && now.saturating_sub(self.issued_before) >= n {
+                issued = Some(self.started.elapsed());
+            }
+            if tick % 5 == 0 {
+                rss_max = rss_max.max(proc_status_kb(None, "VmRSS").unwrap_or(0));
+            }
             let done = self.done();
             if done >= n {
                 break;
@@ -122,6 +139,9 @@ impl Running {
         self.stop().await?;
         Ok(DispatcherRun {
             elapsed,
+            // Fewer fresh codes than purchases (repeats, backorders):
+            // the clock stops with the last purchase.
+            issued: issued.unwrap_or(elapsed),
             cpu,
             rss_max_kb: rss_max,
         })

@@ -13,6 +13,19 @@
 //! rates, with the usual checks: no code twice, every order granted once,
 //! every SMS-pending event confirmed, nothing left unacked.
 //!
+//! With `--cold` (issue 47), the many-pool comparison is the cold start
+//! of a large catalogue with a backlog: every pool holds
+//! `--codes-per-pool` codes (125 by default, several refills' worth of its
+//! demand, so its first refill does not load it whole), the single pool
+//! holds as many codes as all of them, and the clock stops when the last
+//! code is issued (its claim written) rather than when the last purchase
+//! is acked. Both sides start from the same state: the purchases queued,
+//! Redis empty, a checkpoint, then the dispatcher started on the clock.
+//!
+//! Each run reports its stage timings: the dispatcher's own metrics
+//! (`codepool_claim_stage_seconds` by stage, refills per pool by path,
+//! pools found dry, pools per pairing round) read before and after it.
+//!
 //! With `--rounds R` the two sides alternate R times (A B, B A, A B, …),
 //! each round on pools of its own, all imported first (so the catalogue
 //! holds R times the pools), and the verdict is the median of the rounds'
@@ -54,6 +67,14 @@ pub struct ScaleArgs {
     /// Compare a pool of this many codes with a pool just large enough.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1_000..=100_000_000))]
     pub pool_size: Option<u64>,
+    /// The cold many-pool case of issue 47: pools of `--codes-per-pool`
+    /// codes, one pool of as many in all, clock stopped at the last code
+    /// issued.
+    #[arg(long, requires = "pools")]
+    pub cold: bool,
+    /// Codes in each pool with `--cold`.
+    #[arg(long, default_value_t = 125, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub codes_per_pool: u64,
     /// Alternate the two sides this many times and judge the median ratio.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub rounds: u32,
@@ -99,8 +120,13 @@ impl Side {
 /// One run of one side.
 struct Run {
     measured: Measured,
+    /// From the dispatcher's start to the last purchase acked (the same
+    /// as `measured` unless the clock stops at the last code issued).
+    settled_seconds: f64,
     checks: Checks,
     redis: Redis,
+    /// Stage timings and claim counters of this run (see [`stages`]).
+    stages: serde_json::Value,
 }
 
 /// Runs the comparison; writes `dispatch-pools-N-SPREAD.json` or
@@ -154,7 +180,9 @@ async fn compare(
         "target_met": ratio >= target,
         "checks_ok": ok,
         "stats_seconds": {"pool": biggest, "seconds": stats_seconds},
-        "note": "each run starts a fresh dispatcher on cold pools (cold start counted) with Redis emptied, after a MongoDB checkpoint; with several rounds the sides alternate (A B, B A, ...) and ratio is the median of the rounds' ratios",
+        "cold": args.scale.cold,
+        "clock": if args.scale.cold { "from the dispatcher's start to the last code issued" } else { "from the dispatcher's start to the last purchase acked" },
+        "note": "each run starts a fresh dispatcher on cold pools (cold start counted) with Redis emptied, after a MongoDB checkpoint; with several rounds the sides alternate (A B, B A, ...) and ratio is the median of the rounds' ratios; stages: seconds summed over concurrent tasks (they overlap), count of occurrences",
     });
     let (rendered, path) = crate::write_report(out_dir, &format!("{name}.json"), &report)?;
     if args.json {
@@ -286,22 +314,29 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
     let purchases = spread_purchases(n, pools, spread);
     let mut demand = vec![0usize; pools];
     purchases.iter().for_each(|&p| demand[p] += 1);
+    let cold = args.scale.cold;
+    let size = |k: usize| match cold {
+        // Never fewer than the pool's demand: no run drains a pool.
+        true => (args.scale.codes_per_pool as usize).max(with_headroom(demand[k])),
+        false => with_headroom(demand[k]),
+    };
     let many = Side {
         tag: "many",
         what: format!("{n} purchases over {pools} pools ({spread:?})"),
         purchases,
         pools: (0..pools)
-            .map(|k| (format!("many-{k:05}"), with_headroom(demand[k])))
+            .map(|k| (format!("many-{k:05}"), size(k)))
             .collect(),
         shared: false,
     };
-    let name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
-    (
-        single("single", with_headroom(n)),
-        many,
-        name,
-        TARGET_MANY_POOLS,
-    )
+    let mut name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
+    let single_size = if cold {
+        name.push_str("-cold");
+        total(&many)
+    } else {
+        with_headroom(n)
+    };
+    (single("single", single_size), many, name, TARGET_MANY_POOLS)
 }
 
 fn with_headroom(demand: usize) -> usize {
@@ -383,8 +418,10 @@ async fn run_side(
     eprintln!("{tag}: dispatching …");
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     inproc::checkpoint(scratch).await?;
+    let stages_before = stage_metrics();
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(n as u64).await?;
+    let stages = stages(&stages_before, &stage_metrics());
     let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     // Let the acks of the last batch land before counting what is left.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -394,7 +431,11 @@ async fn run_side(
         name: side.tag,
         what: "",
         items: n,
-        elapsed: run.elapsed,
+        elapsed: if args.scale.cold {
+            run.issued
+        } else {
+            run.elapsed
+        },
         cpu: run.cpu,
     };
     let redis = Redis {
@@ -403,8 +444,111 @@ async fn run_side(
     };
     Ok(Run {
         measured,
+        settled_seconds: run.elapsed.as_secs_f64(),
         checks,
         redis,
+        stages,
+    })
+}
+
+/// The series this benchmark's stage timings are read from.
+const STAGE_SERIES: &[&str] = &[
+    "codepool_claim_stage_seconds_sum",
+    "codepool_claim_stage_seconds_count",
+    "codepool_refill_pools_total",
+    "codepool_refill_dry_total",
+    "codepool_refill_dry_skips_total",
+    "codepool_claim_round_pools_total",
+    "codepool_claim_batch_seconds_sum",
+    "codepool_claim_batch_seconds_count",
+    "codepool_batch_seconds_sum",
+    "codepool_batch_seconds_count",
+    "codepool_claims_total",
+    "codepool_claim_races_total",
+];
+
+/// Every series of [`STAGE_SERIES`] in the process's metrics, by its
+/// full name with labels: the metrics are process-wide and cumulative, so a
+/// run's own share is the difference of two readings.
+fn stage_metrics() -> std::collections::BTreeMap<String, f64> {
+    let Some(m) = crate::metrics() else {
+        return Default::default();
+    };
+    m.render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let bare = series.split('{').next()?;
+            STAGE_SERIES.contains(&bare).then_some(())?;
+            Some((series.to_owned(), value.parse::<f64>().ok()?))
+        })
+        .collect()
+}
+
+/// One run's stage timings from two readings of [`stage_metrics`]: per
+/// claim stage its seconds (summed over concurrent tasks, so they overlap)
+/// and count; refills per pool by path; pools found dry; and the mean
+/// batch, claim and pools per pairing round.
+fn stages(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+) -> serde_json::Value {
+    let delta =
+        |k: &str| after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0);
+    let label = |series: &str| -> String {
+        series
+            .split_once('{')
+            .map(|(_, l)| {
+                l.trim_end_matches('}')
+                    .split('"')
+                    .nth(1)
+                    .unwrap_or("")
+                    .to_owned()
+            })
+            .unwrap_or_default()
+    };
+    let mut by_stage = serde_json::Map::new();
+    let mut counters = serde_json::Map::new();
+    for k in after.keys() {
+        let bare = k.split('{').next().unwrap_or("");
+        let d = delta(k);
+        match bare {
+            "codepool_claim_stage_seconds_sum" => {
+                let count = delta(&k.replacen("_sum", "_count", 1));
+                by_stage.insert(
+                    label(k),
+                    json!({"seconds": (d * 1000.0).round() / 1000.0, "count": count as u64}),
+                );
+            }
+            "codepool_claim_stage_seconds_count" => {}
+            _ if bare.ends_with("_sum") || bare.ends_with("_count") => {}
+            _ => {
+                let name = bare.trim_start_matches("codepool_");
+                let l = label(k);
+                let key = if l.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{name}.{l}")
+                };
+                counters.insert(key, json!(d as u64));
+            }
+        }
+    }
+    let mean_ms = |name: &str| {
+        let c = delta(&format!("{name}_count"));
+        (c > 0.0).then(|| delta(&format!("{name}_sum")) / c * 1000.0)
+    };
+    let batches = delta("codepool_batch_seconds_count");
+    let rounds = delta("codepool_claim_batch_seconds_count");
+    json!({
+        "batches": batches as u64,
+        "mean_batch_ms": mean_ms("codepool_batch_seconds"),
+        "mean_claim_batch_ms": mean_ms("codepool_claim_batch_seconds"),
+        "claim_batches": rounds as u64,
+        "pools_per_claim_round": (rounds > 0.0).then(|| delta("codepool_claim_round_pools_total") / rounds),
+        "claim_stages": by_stage,
+        "counters": counters,
     })
 }
 
@@ -413,6 +557,7 @@ fn side_json(side: &Side, run: &Run) -> serde_json::Value {
         measured: m,
         checks: c,
         redis: r,
+        ..
     } = run;
     json!({
         "redis": {"keys": r.keys, "bytes": r.bytes, "bytes_per_pool": r.per_pool(side.pools.len())},
@@ -422,6 +567,8 @@ fn side_json(side: &Side, run: &Run) -> serde_json::Value {
         "codes": total(side),
         "seconds": m.elapsed.as_secs_f64(),
         "per_sec": m.per_sec(),
+        "settled_seconds": run.settled_seconds,
+        "stages": run.stages,
         "cpu_seconds": crate::cpu_json(&m.cpu),
         "checks": c.json(),
     })
@@ -432,6 +579,8 @@ fn print_side(side: &Side, run: &Run) {
         measured: m,
         checks: c,
         redis: r,
+        stages,
+        ..
     } = run;
     println!(
         "{:<7} {:>8.2} s {:>8.0}/s  {}\n        cpu: {}\n        redis: {} keys, {} bytes after the run ({:.0} bytes per pool)\n        {}",
@@ -444,6 +593,27 @@ fn print_side(side: &Side, run: &Run) {
         r.bytes,
         r.per_pool(side.pools.len()),
         c.line()
+    );
+    let stage_line: Vec<String> = stages["claim_stages"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| {
+            format!(
+                "{k} {:.2}s/{}",
+                v["seconds"].as_f64().unwrap_or(0.0),
+                v["count"]
+            )
+        })
+        .collect();
+    println!(
+        "        stages: {} batches of {:.1} ms (claims {:.1} ms, {:.1} pools a round); {}\n        counters: {}",
+        stages["batches"],
+        stages["mean_batch_ms"].as_f64().unwrap_or(0.0),
+        stages["mean_claim_batch_ms"].as_f64().unwrap_or(0.0),
+        stages["pools_per_claim_round"].as_f64().unwrap_or(0.0),
+        stage_line.join(", "),
+        stages["counters"]
     );
 }
 

@@ -442,8 +442,12 @@ impl ClaimEngine {
         // 3. The scan: Redis away, hot set empty, or races kept being lost
         //    (with the numbers fetched for these slots and not used).
         if !scan.is_empty() {
-            self.claim_by_scan(slots, &scan, spare, resend, &mut outcomes, &mut held)
-                .await?;
+            let started = Instant::now();
+            let scanned = self
+                .claim_by_scan(slots, &scan, spare, resend, &mut outcomes, &mut held)
+                .await;
+            stage("scan", started);
+            scanned?;
         }
         let outcomes = slots
             .iter()
@@ -551,7 +555,10 @@ impl ClaimEngine {
         todo: &[usize],
     ) -> Result<HashMap<usize, Option<String>>, ClaimError> {
         let purchases: Vec<&Purchase> = todo.iter().map(|&i| slots[i].purchase).collect();
-        let numbers = self.numbers.for_purchases(&purchases).await?;
+        let started = Instant::now();
+        let numbers = self.numbers.for_purchases(&purchases).await;
+        stage("numbers", started);
+        let numbers = numbers?;
         Ok(todo.iter().copied().zip(numbers).collect())
     }
 
@@ -578,11 +585,18 @@ impl ClaimEngine {
         }
         let wants: Vec<(&str, usize)> = by_pool.iter().map(|(p, idxs)| (*p, idxs.len())).collect();
         self.demand.record(&wants);
-        let Ok(mut popped) = self.hot.pop_many(&wants).await else {
+        metrics::counter!("codepool_claim_round_pools_total").increment(wants.len() as u64);
+        let started = Instant::now();
+        let popped = self.hot.pop_many(&wants).await;
+        stage("pop", started);
+        let Ok(mut popped) = popped else {
             scan.extend(by_pool.into_iter().flat_map(|(_, idxs)| idxs));
             return Vec::new();
         };
+        let started = Instant::now();
         let empty = self.refill_short(&wants, &mut popped).await;
+        stage("refill_short", started);
+        let started = Instant::now();
         let mut topped = Vec::with_capacity(wants.len());
         let mut popped = popped.into_iter().zip(empty);
         for chunk in wants.chunks(PARALLEL_REFILLS) {
@@ -594,6 +608,7 @@ impl ClaimEngine {
             }
             topped.extend(futures::future::join_all(pending).await);
         }
+        stage("complete", started);
         let mut pairs = Vec::new();
         for ((_, idxs), candidates) in by_pool.into_iter().zip(topped) {
             let Ok(candidates) = candidates else {
@@ -639,7 +654,10 @@ impl ClaimEngine {
                 Ok(assignment(&p.slot, p.candidate, grant_no, resend))
             })
             .collect::<Result<Vec<ClaimAssignment>, ClaimError>>()?;
-        let write = match self.store.claim_candidates(&assignments).await {
+        let started = Instant::now();
+        let write = self.store.claim_candidates(&assignments).await;
+        stage("claim_write", started);
+        let write = match write {
             Ok(w) => w,
             Err(e) => {
                 // Unknown which landed: give candidates back; the retry reads
@@ -669,7 +687,12 @@ impl ClaimEngine {
         };
         read_back.sort_unstable();
         read_back.dedup();
-        held.extend(self.store.grants_for_orders(&read_back).await?);
+        if !read_back.is_empty() {
+            let started = Instant::now();
+            let read = self.store.grants_for_orders(&read_back).await;
+            stage("read_back", started);
+            held.extend(read?);
+        }
         let granted = write.granted.unwrap_or_default();
         drop_strays(&write.strays);
         // A grant is ours (fresh) when it carries the code and the grant
@@ -691,6 +714,7 @@ impl ClaimEngine {
                 a.code_id == grant.code_id && a.grant_no.is_some() && a.grant_no == grant.grant_no;
             if fresh {
                 metrics::counter!("codepool_claims_total", "path" => "hot").increment(1);
+                crate::telemetry::record_issued(1);
             }
             outcomes[p.index] = Some(SlotOutcome::Granted { grant, fresh });
         }
@@ -726,7 +750,11 @@ impl ClaimEngine {
     ) -> Result<Vec<Candidate>, HotPoolError> {
         let deadline = Instant::now() + self.config.refill_lock_ttl;
         while got.len() < k {
-            match self.refill_for(pool, k - got.len()).await {
+            let started = Instant::now();
+            let refill = self.refill_for(pool, k - got.len()).await;
+            stage("refill_one", started);
+            metrics::counter!("codepool_refill_pools_total", "path" => "one").increment(1);
+            match refill {
                 Ok((Refill::Added(0), _)) => break,
                 Ok((Refill::Added(n), kept)) => {
                     let installed = n - kept.len();
@@ -738,7 +766,9 @@ impl ClaimEngine {
                 }
                 Ok((Refill::Stocked, _)) => {}
                 Ok((Refill::Busy, _)) if Instant::now() < deadline => {
+                    let started = Instant::now();
                     tokio::time::sleep(Duration::from_millis(5)).await;
+                    stage("busy_wait", started);
                 }
                 Ok((Refill::Busy, _)) => break,
                 Err(RefillError::Store(e)) => {
@@ -788,6 +818,7 @@ impl ClaimEngine {
     fn refill_in_background(&self, pool: &str) {
         if let Ok(mut dry) = self.dry.lock() {
             if dry.get(pool).is_some_and(Dry::recent) {
+                metrics::counter!("codepool_refill_dry_skips_total").increment(1);
                 return;
             }
             dry.remove(pool);
@@ -795,7 +826,10 @@ impl ClaimEngine {
         let engine = self.clone();
         let pool = pool.to_owned();
         tokio::spawn(async move {
+            let started = Instant::now();
             let _ = engine.top_up(&pool).await;
+            stage("background", started);
+            metrics::counter!("codepool_refill_pools_total", "path" => "background").increment(1);
         });
     }
 
@@ -898,6 +932,8 @@ impl ClaimEngine {
             .iter()
             .map(|&(i, needed)| self.ask_for(wants[i].0, needed))
             .collect();
+        metrics::counter!("codepool_refill_pools_total", "path" => "batch")
+            .increment(asks.len() as u64);
         let refills = match self.refill_pools(&asks).await {
             Ok(r) => r,
             Err(e) => {
@@ -953,10 +989,13 @@ impl ClaimEngine {
         asks: &[RefillAsk<'_>],
     ) -> Result<Vec<(Refill, Vec<Candidate>)>, RefillError> {
         let pools: Vec<&str> = asks.iter().map(|a| a.pool).collect();
+        let started = Instant::now();
         let held = self
             .hot
             .lock_refills(&pools, self.config.refill_lock_ttl)
-            .await?;
+            .await;
+        stage("refill_lock", started);
+        let held = held?;
         let mut out: Vec<(Refill, Vec<Candidate>)> =
             asks.iter().map(|_| (Refill::Busy, Vec::new())).collect();
         let mut fills = Vec::new();
@@ -1008,11 +1047,16 @@ impl ClaimEngine {
                 lock: held.lock,
             });
         }
-        self.hot.finish_refills(fills).await?;
+        let started = Instant::now();
+        let finished = self.hot.finish_refills(fills).await;
+        stage("refill_finish", started);
+        finished?;
         if let Ok(mut dry) = self.dry.lock() {
             let at = Instant::now();
             for (pool, ended, empty) in loaded {
                 if ended {
+                    let what = if empty { "empty" } else { "ended" };
+                    metrics::counter!("codepool_refill_dry_total", "what" => what).increment(1);
                     dry.insert(pool.to_owned(), Dry { at, empty });
                 } else if let Some(d) = dry.get_mut(pool) {
                     // Codes were found: the pool is not sold out.
@@ -1042,7 +1086,10 @@ impl ClaimEngine {
                 limit: asks[*i].size,
             })
             .collect();
-        let mut found = self.store.candidates_after_many(&first).await?;
+        let started = Instant::now();
+        let found = self.store.candidates_after_many(&first).await;
+        stage("candidates_query", started);
+        let mut found = found?;
         let rescan: Vec<usize> = (0..first.len())
             .filter(|&k| found[k].is_empty() && first[k].after_seq > 0 && asks[loading[k].0].rescan)
             .collect();
@@ -1054,7 +1101,10 @@ impl ClaimEngine {
                     ..first[k]
                 })
                 .collect();
-            let again = self.store.candidates_after_many(&from_start).await?;
+            let started = Instant::now();
+            let again = self.store.candidates_after_many(&from_start).await;
+            stage("candidates_rescan", started);
+            let again = again?;
             for (k, codes) in rescan.into_iter().zip(again) {
                 found[k] = codes;
             }
@@ -1091,6 +1141,7 @@ impl ClaimEngine {
                 ScanClaim::Granted(code) => {
                     let grant = grant_of(&p.order_id, &code)?;
                     metrics::counter!("codepool_claims_total", "path" => "scan").increment(1);
+                    crate::telemetry::record_issued(1);
                     outcomes[i] = Some(SlotOutcome::Granted { grant, fresh: true });
                 }
                 ScanClaim::OrderAlreadyGranted => maybe_exhausted.push(i),
@@ -1209,6 +1260,13 @@ fn add_held_before(
         grants.sort_by_key(|g| g.line);
     }
     Ok(())
+}
+
+/// Adds the time since `started` to `stage` of
+/// `codepool_claim_stage_seconds`: where a claim's time goes.
+fn stage(name: &'static str, started: Instant) {
+    metrics::histogram!("codepool_claim_stage_seconds", "stage" => name)
+        .record(started.elapsed().as_secs_f64());
 }
 
 /// The candidate of a scan claim is chosen by the store; this one is

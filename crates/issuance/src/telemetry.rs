@@ -67,6 +67,22 @@ const COUNTERS: &[(&str, &str)] = &[
         "Codes claimed, by path (hot pool or scan).",
     ),
     (
+        "codepool_refill_pools_total",
+        "Hot-set refills per pool, by path (batch: the pools a batch found short, together; one: a pool alone on the claim path; background: top-ups).",
+    ),
+    (
+        "codepool_refill_dry_total",
+        "Refills that reached the end of their pool (ended) or found nothing (empty): background top-ups of the pool pause.",
+    ),
+    (
+        "codepool_refill_dry_skips_total",
+        "Background top-ups skipped because the pool's last refill reached its end.",
+    ),
+    (
+        "codepool_claim_round_pools_total",
+        "Pools per round of pairing orders with candidates, added up (one round per batch unless races are lost).",
+    ),
+    (
         "codepool_hot_candidates_dropped_total",
         "Hot-pool candidates that were never claimable by their order (other_pool, retired, expired, missing): a stale or tampered Redis set.",
     ),
@@ -78,6 +94,10 @@ const HISTOGRAMS: &[(&str, &str)] = &[
         "Claim latency: one batch of purchases, from candidates to grants read back.",
     ),
     ("codepool_batch_seconds", "One batch from receipt to acks."),
+    (
+        "codepool_claim_stage_seconds",
+        "Where claims spend their time, by stage (pop, refill_short, complete, refill_one, busy_wait, background, refill_lock, candidates_query, candidates_rescan, refill_finish, numbers, claim_write, read_back, scan); stages overlap across concurrent batches.",
+    ),
     (
         "codepool_end_to_end_seconds",
         "Per purchase: received from the broker until acked (granted and SMS event confirmed).",
@@ -202,4 +222,18 @@ pub fn record_settled(n: u64) {
 /// See [`SETTLED`].
 pub fn settled_purchases() -> u64 {
     SETTLED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Codes issued (claimed fresh) by every claim engine of this process,
+/// readable without rendering the metrics: a benchmark stops its clock
+/// when the last code is issued.
+static ISSUED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub(crate) fn record_issued(n: u64) {
+    ISSUED.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`ISSUED`].
+pub fn issued_codes() -> u64 {
+    ISSUED.load(std::sync::atomic::Ordering::Relaxed)
 }

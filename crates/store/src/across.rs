@@ -1,7 +1,10 @@
 //! Scans of several pools in one query.
 //!
-//! A batch of purchases over many cold pools needs each pool's first
-//! candidates, and a stock count of each. Asked pool by pool (a
+//! A batch of purchases over many pools needs a stock count of each. (Its
+//! cold pools' first candidates are read by windows of `seq` instead,
+//! each bounded by its pool's limit: see `Store::first_candidates`; a
+//! count walks index keys only, a candidate read fetches every document
+//! it passes.) Asked pool by pool (a
 //! `$unionWith` branch each, [`crate::codes`]), mongod parses, plans and
 //! runs every branch on its own: about 1 ms a pool at a 1,000-pool cold
 //! start. Asked as one `$in` over the pools, sorted the way an index
@@ -11,9 +14,8 @@
 //! stops after as many matches as the per-pool bounds add up to. What it
 //! returns is bounded by the number of pools and their bounds, not by any
 //! pool's size; what it walks past besides is what a per-pool query walks
-//! past too: the keys of codes claimed moments ago, not yet reconciled,
-//! and, for candidates, expired codes the sweep has not voided yet (read
-//! and skipped, since `expires_at` is not in the index). When the budget runs out, the pools the scan did not
+//! past too: the keys of codes claimed moments ago, not yet reconciled.
+//! When the budget runs out, the pools the scan did not
 //! answer ([`Reach::answered`]) are scanned again, and what is left goes
 //! to the per-pool query. Every scan answers at least the pool it starts
 //! with (the budget covers that pool's bound), so one big pool costs one
@@ -154,26 +156,6 @@ impl PoolCounts {
 }
 
 impl Store {
-    /// Runs `scan`, each match shaped by `project`; the matches come in
-    /// scan order, in one reply.
-    pub(crate) async fn scan_pools(
-        &self,
-        scan: &PoolScan<'_>,
-        project: Document,
-    ) -> Result<(Vec<Document>, Reach), StoreError> {
-        let most = usize::try_from(scan.budget).unwrap_or(usize::MAX);
-        let rows: Vec<Document> = self
-            .collection(CODES)
-            .aggregate(scan.pipeline(vec![doc! {"$project": project}]))
-            .batch_size(crate::one_batch_for(most))
-            .await?
-            .try_collect()
-            .await?;
-        let last = rows.last().and_then(|d| d.get_str("pool").ok());
-        let reach = Reach::new(scan.order, rows.len() as u64, scan.budget, last);
-        Ok((rows, reach))
-    }
-
     /// Runs `scan` and counts its matches per pool, in the index alone
     /// when the index covers the filter.
     pub(crate) async fn count_pools(&self, scan: &PoolScan<'_>) -> Result<PoolCounts, StoreError> {
