@@ -552,7 +552,10 @@ async fn secrets_codes_show_masked_unless_revealed_and_every_reveal_is_audited()
     assert_eq!(mode, 0o600);
     let audit = audit_records(&env).await;
     assert_eq!(audit.len(), 2);
-    assert_eq!(audit[1].get_str("command").unwrap(), "codepool export --reveal");
+    assert_eq!(
+        audit[1].get_str("command").unwrap(),
+        "codepool export --reveal"
+    );
     assert_eq!(audit[1].get_i64("count").unwrap(), 40);
     env.cleanup().await;
 }

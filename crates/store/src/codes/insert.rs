@@ -1,0 +1,298 @@
+//! Importing codes: sequence numbers reserved per pool, the insert of a batch (look-alikes and codes of other pools found first), and the rows a resumed import still needs.
+
+use super::*;
+
+impl Store {
+    /// Reserves `n` consecutive `seq` values for `pool` with one atomic
+    /// `$inc`; returns the first. Gaps are fine, order is what matters.
+    pub async fn reserve_seq(&self, pool: &str, n: u64) -> Result<i64, StoreError> {
+        let n = i64::try_from(n).map_err(|_| StoreError::Rejected("seq range too large".into()))?;
+        let updated = self
+            .collection(SEQUENCES)
+            .find_one_and_update(
+                doc! {"_id": format!("codes.seq:{pool}")},
+                doc! {"$inc": {"value": n}},
+            )
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await?;
+        let end = updated
+            .and_then(|d| d.get_i64("value").ok())
+            .ok_or_else(|| StoreError::Corrupt {
+                collection: SEQUENCES.into(),
+                message: format!("codes.seq:{pool} has no 64-bit value"),
+            })?;
+        Ok(end - n + 1)
+    }
+
+    /// Inserts a batch of new codes (status 0, increasing `seq`), unordered.
+    /// Codes already in the pool are counted as duplicates, never inserted
+    /// twice: the unique index is on `(pool, code_hmac)`. Each code is stored
+    /// sealed under the active key ([`crate::crypto`]), never in plaintext.
+    /// `batch_id` ties the codes to their import run, which makes a retried
+    /// batch count exactly.
+    pub async fn insert_codes(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<InsertOutcome, StoreError> {
+        if codes.is_empty() {
+            return Ok(InsertOutcome::default());
+        }
+        let ring = self.keys.ring()?;
+        self.register_key_id(ring.active_id()).await?;
+        let case_sensitive = self.case_sensitive_codes(pool).await?;
+        let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
+        let now = DateTime::now();
+        let docs: Vec<Document> = codes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let id = ObjectId::new();
+                let mut d = doc! {"_id": id, "pool": pool};
+                d.extend(sealed_fields(&ring, pool, id, &c.code));
+                let folded = codepool_domain::fold(&c.code, case_sensitive);
+                d.insert(
+                    "code_fold_hmac",
+                    binary(ring.fold_hmac(pool, &folded).to_vec()),
+                );
+                if let Some(line) = c.line.and_then(|l| i64::try_from(l).ok()) {
+                    d.insert("line", line);
+                }
+                d.extend(doc! {
+                    "status": CodeStatus::Unissued.as_i32(),
+                    "seq": first_seq + i as i64,
+                    "batch_id": batch_id,
+                    "created_at": now,
+                    "is_sms": 0,
+                });
+                if let Some(t) = c.expires_at {
+                    d.insert("expires_at", DateTime::from_chrono(t));
+                }
+                d
+            })
+            .collect();
+        let total = docs.len() as u64;
+        let (mut outcome, refused) = self.insert_docs(&docs).await?;
+        if !refused.is_empty() {
+            outcome.lookalikes = self.look_alikes_among(pool, &docs, &refused).await?;
+            outcome.duplicates -= outcome.lookalikes.len() as u64;
+        }
+        let last_seq = first_seq + total as i64 - 1;
+        if let Err(e) = self
+            .record_range(pool, first_seq, last_seq, outcome.inserted)
+            .await
+        {
+            // The range is then counted from the index instead.
+            tracing::debug!(pool, first_seq, last_seq, error = %e, "could not record an inserted seq range");
+        }
+        Ok(outcome)
+    }
+
+    /// `insert_many` of new code documents, unordered: duplicates are
+    /// counted, any other refusal is an error. Also returns the positions
+    /// the look-alike index refused.
+    pub(super) async fn insert_docs(
+        &self,
+        docs: &[Document],
+    ) -> Result<(InsertOutcome, Vec<usize>), StoreError> {
+        let total = docs.len() as u64;
+        match self
+            .collection(CODES)
+            .insert_many(docs)
+            .ordered(false)
+            .write_concern(durable())
+            .await
+        {
+            Ok(r) => Ok((
+                InsertOutcome {
+                    inserted: r.inserted_ids.len() as u64,
+                    duplicates: total - r.inserted_ids.len() as u64,
+                    lookalikes: Vec::new(),
+                },
+                Vec::new(),
+            )),
+            Err(e) => {
+                let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
+                    return Err(e.into());
+                };
+                if let Some(wce) = &failure.write_concern_error {
+                    return Err(StoreError::Unavailable(format!(
+                        "write concern not satisfied: {}",
+                        wce.message
+                    )));
+                }
+                let errors = failure.write_errors.as_deref().unwrap_or_default();
+                if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
+                    return Err(if is_transient_code(other.code) {
+                        StoreError::Unavailable(other.message.clone())
+                    } else {
+                        StoreError::Rejected(other.message.clone())
+                    });
+                }
+                let duplicates = errors.len() as u64;
+                // The server names the index that refused a document.
+                let by_fold = errors
+                    .iter()
+                    .filter(|w| w.message.contains(FOLD_INDEX))
+                    .map(|w| w.index)
+                    .collect();
+                Ok((
+                    InsertOutcome {
+                        inserted: total - duplicates,
+                        duplicates,
+                        lookalikes: Vec::new(),
+                    },
+                    by_fold,
+                ))
+            }
+        }
+    }
+
+    /// Which of the documents at `refused` (turned away by the look-alike
+    /// index) are look-alikes, and of which code: one whose stored code
+    /// differs from theirs. A document whose exact code is in the pool is
+    /// a plain duplicate, whichever index refused it first.
+    pub(super) async fn look_alikes_among(
+        &self,
+        pool: &str,
+        docs: &[Document],
+        refused: &[usize],
+    ) -> Result<Vec<LookAlike>, StoreError> {
+        let folds: Vec<Bson> = (refused.iter())
+            .filter_map(|&i| docs.get(i)?.get("code_fold_hmac").cloned())
+            .collect();
+        let held: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"pool": pool, "code_fold_hmac": {"$in": folds}})
+            .projection(doc! {"code_hmac": 1, "code_fold_hmac": 1, "line": 1, "batch_id": 1})
+            .await?
+            .try_collect()
+            .await?;
+        let mut out = Vec::new();
+        for &index in refused {
+            let Some(ours) = docs.get(index) else {
+                continue;
+            };
+            let matched = held
+                .iter()
+                .find(|h| h.get("code_fold_hmac") == ours.get("code_fold_hmac"));
+            match matched {
+                Some(h) if h.get("code_hmac") != ours.get("code_hmac") => out.push(LookAlike {
+                    index,
+                    of_line: int_field(h, "line").and_then(|l| u64::try_from(l).ok()),
+                    of_import: h.get_object_id("batch_id").ok(),
+                }),
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Store::insert_codes`] of the codes not in `pool` yet, found with
+    /// one indexed lookup first. For finishing an import that was killed:
+    /// most of its codes are in already, and a rejected insert costs far
+    /// more per code than the lookup. Also returns how many the lookup
+    /// found (counted as duplicates in the outcome).
+    pub async fn insert_missing_codes(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<(InsertOutcome, u64), StoreError> {
+        let hmacs = self.code_hmacs(pool, codes)?;
+        let list: Vec<Bson> = hmacs.iter().map(|h| binary(h.clone())).collect();
+        let found: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"pool": pool, "code_hmac": {"$in": list}})
+            .projection(doc! {"_id": 0, "code_hmac": 1})
+            .await?
+            .try_collect()
+            .await?;
+        let existing: HashSet<Vec<u8>> = found
+            .iter()
+            .filter_map(|d| match d.get("code_hmac") {
+                Some(Bson::Binary(b)) => Some(b.bytes.clone()),
+                _ => None,
+            })
+            .collect();
+        let missing: Vec<NewCode> = codes
+            .iter()
+            .zip(&hmacs)
+            .filter(|(_, h)| !existing.contains(*h))
+            .map(|(c, _)| c.clone())
+            .collect();
+        let skipped = (codes.len() - missing.len()) as u64;
+        let mut outcome = self.insert_codes(pool, batch_id, &missing).await?;
+        outcome.duplicates += skipped;
+        Ok((outcome, skipped))
+    }
+
+    /// For each of `codes`, another pool that holds it already (and the
+    /// import that brought it there), found with one lookup on the
+    /// `code_any_hmac` index (migration 0014): a code sits in one pool.
+    pub async fn codes_in_other_pools(
+        &self,
+        pool: &str,
+        codes: &[NewCode],
+    ) -> Result<Vec<Option<(String, Option<ObjectId>)>>, StoreError> {
+        let ring = self.keys.ring()?;
+        let hmacs: Vec<Vec<u8>> = (codes.iter())
+            .map(|c| ring.any_pool_hmac(&c.code).to_vec())
+            .collect();
+        let list: Vec<Bson> = hmacs.iter().map(|h| binary(h.clone())).collect();
+        let found: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"code_any_hmac": {"$in": list}, "pool": {"$ne": pool}})
+            .projection(doc! {"_id": 0, "code_any_hmac": 1, "pool": 1, "batch_id": 1})
+            .hint(mongodb::options::Hint::Name("code_any_hmac".into()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut elsewhere: HashMap<Vec<u8>, (String, Option<ObjectId>)> = HashMap::new();
+        for d in found {
+            if let (Some(Bson::Binary(b)), Ok(p)) = (d.get("code_any_hmac"), d.get_str("pool")) {
+                let batch = d.get_object_id("batch_id").ok();
+                elsewhere
+                    .entry(b.bytes.clone())
+                    .or_insert((p.to_owned(), batch));
+            }
+        }
+        Ok(hmacs.iter().map(|h| elsewhere.get(h).cloned()).collect())
+    }
+
+    /// The HMAC of each code in `pool`: what the unique index holds.
+    pub(super) fn code_hmacs(
+        &self,
+        pool: &str,
+        codes: &[NewCode],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let ring = self.keys.ring()?;
+        Ok(codes
+            .iter()
+            .map(|c| ring.code_hmac(pool, &c.code).to_vec())
+            .collect())
+    }
+
+    /// How many of `codes` are in `pool` from import run `batch_id`: used to
+    /// count a batch exactly after a retry whose first attempt may have
+    /// landed.
+    pub async fn count_from_batch(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<u64, StoreError> {
+        let list: Vec<Bson> = self
+            .code_hmacs(pool, codes)?
+            .into_iter()
+            .map(binary)
+            .collect();
+        Ok(self
+            .collection(CODES)
+            .count_documents(doc! {"pool": pool, "code_hmac": {"$in": list}, "batch_id": batch_id})
+            .await?)
+    }
+}
