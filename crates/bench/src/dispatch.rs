@@ -65,7 +65,7 @@ pub struct DispatchBenchArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub scale: crate::scale::ScaleArgs,
+    pub scale: crate::scale_args::ScaleArgs,
 }
 
 impl DispatchBenchArgs {
@@ -99,16 +99,13 @@ impl Measured {
 }
 
 /// Runs `codepool bench dispatch`; writes `out_dir/dispatch.json`
-/// (`dispatch-classic.json` with `--queue-type classic`), or, with
-/// `--pools`/`--pool-size`, the scale comparison of [`crate::scale`].
+/// (`dispatch-classic.json` with `--queue-type classic`). With
+/// `--pools`/`--pool-size` the scale comparison runs instead (`scale.rs`).
 pub async fn run(
     args: DispatchBenchArgs,
     scratch: &'static Scratch,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
-    if args.scale.is_scale_run() {
-        return crate::scale::run(&args, scratch, out_dir).await;
-    }
     let cfg = &scratch.cfg;
     let pass_in = format!("{}passthrough.in", cfg.amqp_prefix);
     let pass_out = format!("{}passthrough.out", cfg.amqp_prefix);

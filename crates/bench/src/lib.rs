@@ -17,6 +17,7 @@ pub mod import;
 pub mod inproc;
 pub mod latency;
 pub mod scale;
+pub mod scale_args;
 pub mod seq;
 
 use std::path::{Path, PathBuf};
@@ -68,6 +69,9 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
             seq::run(a, store.database().clone(), &cfg.redis_url, &args.out_dir).await?;
         }
         Which::Claim(a) => scratch(cfg, |s| claim::run(a, s, &args.out_dir)).await?,
+        Which::Dispatch(a) if a.scale.is_scale_run() => {
+            scratch(cfg, |s| scale::run_owned(a, s, &args.out_dir)).await?
+        }
         Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
         Which::Crypto(a) => crypto::run(a, &args.out_dir)?,

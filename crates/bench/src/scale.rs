@@ -47,44 +47,7 @@ use crate::dispatch::{check_dispatched, Checks, DispatchBenchArgs, Measured};
 use crate::inproc::{self, depth};
 use crate::{describe_cpu, Scratch};
 
-/// How purchases are spread over the pools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Spread {
-    Uniform,
-    /// Zipf with exponent 1.1: pool k gets demand ∝ 1 / k^1.1.
-    Zipf,
-}
-
-/// The scale variants of `dispatch`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ScaleArgs {
-    /// Spread the purchases over this many pools and compare with one pool.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub pools: Option<u32>,
-    /// How demand is spread over `--pools`.
-    #[arg(long, value_enum, default_value_t = Spread::Uniform)]
-    pub spread: Spread,
-    /// Compare a pool of this many codes with a pool just large enough.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1_000..=100_000_000))]
-    pub pool_size: Option<u64>,
-    /// The cold many-pool case of issue 47: pools of `--codes-per-pool`
-    /// codes, one pool of as many in all, clock stopped at the last code
-    /// issued.
-    #[arg(long, requires = "pools")]
-    pub cold: bool,
-    /// Codes in each pool with `--cold`.
-    #[arg(long, default_value_t = 125, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub codes_per_pool: u64,
-    /// Alternate the two sides this many times and judge the median ratio.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
-    pub rounds: u32,
-}
-
-impl ScaleArgs {
-    pub fn is_scale_run(&self) -> bool {
-        self.pools.is_some_and(|p| p > 1) || self.pool_size.is_some()
-    }
-}
+pub use crate::scale_args::{ScaleArgs, Spread};
 
 /// Goal 1 and 2 of issue 10.
 const TARGET_MANY_POOLS: f64 = 0.9;
@@ -131,6 +94,15 @@ struct Run {
 
 /// Runs the comparison; writes `dispatch-pools-N-SPREAD.json` or
 /// `dispatch-pool-size-M.json`.
+/// [`run`] of owned flags (as the command line hands them over).
+pub async fn run_owned(
+    args: DispatchBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    run(&args, scratch, out_dir).await
+}
+
 pub async fn run(
     args: &DispatchBenchArgs,
     scratch: &'static Scratch,

@@ -675,22 +675,7 @@ impl ClaimEngine {
         self.put_back(write.order_taken.iter().filter_map(|&k| pairs.get(k)))
             .await;
 
-        // When every statement landed, the write already knows its grants;
-        // only orders that held a code before are read back.
-        let mut read_back: Vec<&str> = match &write.granted {
-            Some(_) => write
-                .order_taken
-                .iter()
-                .filter_map(|&k| pairs.get(k))
-                .map(|p| p.slot.purchase.order_id.as_str())
-                .collect(),
-            None => pairs
-                .iter()
-                .map(|p| p.slot.purchase.order_id.as_str())
-                .collect(),
-        };
-        read_back.sort_unstable();
-        read_back.dedup();
+        let read_back = to_read_back(pairs, &write);
         if !read_back.is_empty() {
             let started = Instant::now();
             let read = self.store.grants_for_orders(&read_back).await;
@@ -855,6 +840,25 @@ impl ClaimEngine {
         held.extend(grants);
         Ok(())
     }
+}
+
+/// The orders a claim write must read back: when every statement landed
+/// the write already knows its grants, and only orders that held a code
+/// before are read; otherwise every order of the write.
+fn to_read_back<'p>(pairs: &'p [Pairing<'_>], write: &codepool_store::ClaimWrite) -> Vec<&'p str> {
+    let mut read_back: Vec<&str> = match &write.granted {
+        Some(_) => (write.order_taken.iter())
+            .filter_map(|&k| pairs.get(k))
+            .map(|p| p.slot.purchase.order_id.as_str())
+            .collect(),
+        None => pairs
+            .iter()
+            .map(|p| p.slot.purchase.order_id.as_str())
+            .collect(),
+    };
+    read_back.sort_unstable();
+    read_back.dedup();
+    read_back
 }
 
 /// Each ask's outcome from its anchor's, and the other lines to claim: those

@@ -276,20 +276,28 @@ impl ClaimEngine {
         let finished = self.hot.finish_refills(fills).await;
         stage("refill_finish", started);
         finished?;
-        if let Ok(mut dry) = self.dry.lock() {
-            let at = Instant::now();
-            for (pool, ended, empty) in loaded {
-                if ended {
-                    let what = if empty { "empty" } else { "ended" };
-                    metrics::counter!("codepool_refill_dry_total", "what" => what).increment(1);
-                    dry.insert(pool.to_owned(), Dry { at, empty });
-                } else if let Some(d) = dry.get_mut(pool) {
-                    // Codes were found: the pool is not sold out.
-                    d.empty = false;
-                }
+        self.mark_dry(&loaded);
+        Ok(out)
+    }
+
+    /// Records, per pool loaded (`pool`, reached its end, found nothing),
+    /// which pools ran dry: their background refills pause
+    /// ([`DRY_BACKOFF`]).
+    fn mark_dry(&self, loaded: &[(&str, bool, bool)]) {
+        let Ok(mut dry) = self.dry.lock() else {
+            return;
+        };
+        let at = Instant::now();
+        for &(pool, ended, empty) in loaded {
+            if ended {
+                let what = if empty { "empty" } else { "ended" };
+                metrics::counter!("codepool_refill_dry_total", "what" => what).increment(1);
+                dry.insert(pool.to_owned(), Dry { at, empty });
+            } else if let Some(d) = dry.get_mut(pool) {
+                // Codes were found: the pool is not sold out.
+                d.empty = false;
             }
         }
-        Ok(out)
     }
 
     /// The candidates of each pool being loaded: codes past its high-water
