@@ -35,7 +35,7 @@ use crate::Api;
 /// Most orders decided together.
 pub const MAX_BATCH: usize = 256;
 /// Most batches placed at once.
-pub const IN_FLIGHT: usize = 2;
+pub const IN_FLIGHT: usize = 1;
 /// Most placed batches whose announcements wait for the broker at once.
 pub const ANNOUNCING: usize = 8;
 
