@@ -429,7 +429,7 @@ impl Phase {
 
     fn names(self) -> (&'static str, &'static str) {
         match self {
-            Phase::Fresh => ("HTTP grants", "POST /v1/orders, fresh orders: batched claim, journaled, SMS-pending confirmed, answered with the code"),
+            Phase::Fresh => ("HTTP grants", "POST /v1/orders, fresh orders: batched claim, journaled, answered with the code; SMS-pending published and confirmed after the answer"),
             Phase::Repeat => ("HTTP repeats", "POST /v1/orders again for the same orders: the same codes, nothing written"),
             Phase::Baseline => ("baseline handler", "axum on hyper: one findOneAndUpdate per request (journaled, w:majority), code opened and answered"),
         }
