@@ -38,6 +38,8 @@ pub const MAX_BATCH: usize = 256;
 pub const IN_FLIGHT: usize = 1;
 /// Most placed batches whose announcements wait for the broker at once.
 pub const ANNOUNCING: usize = 8;
+/// Longest a batch's announcements wait for the broker's confirms.
+const ANNOUNCE_FOR: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Why a batch could not be decided: every request in it gets this.
 #[derive(Debug, Clone)]
@@ -235,8 +237,15 @@ async fn audit_repeats(
 /// the same `event_id`.
 async fn announce(api: &Api, plan: &BatchPlan) {
     let broker = api.broker();
-    let announced =
-        placing::announce(plan, api.outbox(), &broker.publisher, Texting::Fresh, None).await;
+    let announcing = placing::announce(plan, api.outbox(), &broker.publisher, Texting::Fresh, None);
+    // A broker that blocks publishes (a memory alarm) must not hold the
+    // next batches: what is not confirmed by then is the relay's.
+    let Ok(announced) = tokio::time::timeout(ANNOUNCE_FOR, announcing).await else {
+        tracing::warn!(
+            "the broker did not confirm a batch's events within {ANNOUNCE_FOR:?}; the relay sends them"
+        );
+        return;
+    };
     if !announced.unconfirmed.is_empty() {
         tracing::warn!(
             unconfirmed = announced.unconfirmed.len(),
