@@ -12,21 +12,13 @@ use codepool_broker::dead_letters;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::keys::{KeyDoc, Scope};
-use crate::{Api, Problem, RequestId};
+use crate::keys::KeyDoc;
+use crate::{need_admin as admin, Api, Problem, RequestId};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// Most dead letters one call lists or replays.
 const MOST: usize = 1000;
-
-fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    (!key.allows(Scope::Admin)).then(|| {
-        Problem::forbidden(Scope::Admin.as_str())
-            .at(&rid.0)
-            .into_response()
-    })
-}
 
 fn bad_limit(rid: &RequestId) -> Response {
     Problem::new(

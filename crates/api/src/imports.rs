@@ -15,18 +15,10 @@ use futures::TryStreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::keys::{KeyDoc, Scope};
-use crate::{Api, Problem, RequestId};
+use crate::keys::KeyDoc;
+use crate::{need_admin as admin, Api, Problem, RequestId};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
-
-fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    (!key.allows(Scope::Admin)).then(|| {
-        Problem::forbidden(Scope::Admin.as_str())
-            .at(&rid.0)
-            .into_response()
-    })
-}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

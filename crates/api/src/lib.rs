@@ -435,3 +435,12 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
     req.extensions_mut().insert(key);
     next.run(req).await
 }
+
+/// The 403 for a key without the `admin` scope, if `key` lacks it.
+pub(crate) fn need_admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
+    (!key.allows(Scope::Admin)).then(|| {
+        Problem::forbidden(Scope::Admin.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}

@@ -17,20 +17,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::keys::{KeyDoc, Scope};
-use crate::{Api, Problem, RequestId};
+use crate::{need_admin as admin, Api, Problem, RequestId};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// Most pools one page returns.
 pub const MAX_PAGE: i64 = 500;
-
-fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    (!key.allows(Scope::Admin)).then(|| {
-        Problem::forbidden(Scope::Admin.as_str())
-            .at(&rid.0)
-            .into_response()
-    })
-}
 
 fn failed(e: &codepool_store::StoreError, rid: &RequestId) -> Response {
     if e.is_unavailable() {

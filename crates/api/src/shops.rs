@@ -14,18 +14,10 @@ use codepool_store::shops::ShopDoc;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::keys::{KeyDoc, Scope};
-use crate::{Api, Problem, RequestId};
+use crate::keys::KeyDoc;
+use crate::{need_admin as admin, Api, Problem, RequestId};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
-
-fn admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    (!key.allows(Scope::Admin)).then(|| {
-        Problem::forbidden(Scope::Admin.as_str())
-            .at(&rid.0)
-            .into_response()
-    })
-}
 
 pub(crate) fn shop_json(s: &ShopDoc) -> Value {
     json!({
