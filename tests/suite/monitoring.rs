@@ -318,10 +318,13 @@ async fn json_logs_are_one_object_a_line_and_never_carry_a_code() {
     logged_traffic(&env, &publisher).await;
     eventually(
         Duration::from_secs(20),
-        "the redemption and the dead letters",
+        "the redemption, the dead letters and the low-stock alert",
         || async {
             let log = daemon.log_text();
-            log.contains("code redeemed") && log.matches("purchase dead-lettered").count() == 2
+            // The stock check runs after the grants, in the background.
+            log.contains("code redeemed")
+                && log.matches("purchase dead-lettered").count() == 2
+                && log.contains("low stock")
         },
     )
     .await;
