@@ -345,21 +345,8 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
 
 /// The kinds of the audit records of `who`, oldest first.
 async fn audited_kinds(env: &TestEnv, who: &str) -> Vec<String> {
-    use futures::TryStreamExt;
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(bson::doc! {"os_user": who})
-        .sort(bson::doc! {"at": 1})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    docs.iter()
-        .map(|d| d.get_str("kind").unwrap_or_default().to_owned())
-        .collect()
+    let records = crate::seams::audited(env, who).await;
+    records.into_iter().map(|(kind, _)| kind).collect()
 }
 
 #[tokio::test]

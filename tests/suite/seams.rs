@@ -584,7 +584,7 @@ async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
 }
 
 /// The audit records of `who`, as (kind, command), oldest first.
-async fn audited(env: &TestEnv, who: &str) -> Vec<(String, String)> {
+pub(crate) async fn audited(env: &TestEnv, who: &str) -> Vec<(String, String)> {
     use futures::TryStreamExt;
     env.store
         .database()
