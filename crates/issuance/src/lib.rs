@@ -45,6 +45,7 @@ pub mod relay;
 pub mod shops;
 pub mod stock;
 pub mod telemetry;
+pub mod webhooks;
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use codepool_store::Resend;

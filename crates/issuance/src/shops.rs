@@ -23,7 +23,13 @@ pub const SHOP_TTL: Duration = Duration::from_secs(1);
 
 /// The owner recorded with a shop's orders.
 pub fn owner_of(shop: &str) -> String {
-    format!("shop:{shop}")
+    format!("{}{shop}", codepool_store::codes::SHOP_OWNER_PREFIX)
+}
+
+/// The shop an order belongs to, from its owner; `None` for the
+/// operator's orders.
+pub fn shop_of(owner: Option<&str>) -> Option<&str> {
+    owner?.strip_prefix(codepool_store::codes::SHOP_OWNER_PREFIX)
 }
 
 /// Why a shop was not created or changed.

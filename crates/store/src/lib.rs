@@ -42,6 +42,7 @@ pub mod recall;
 pub mod rekey;
 pub mod shops;
 pub mod stats;
+pub mod webhooks;
 
 use std::sync::Arc;
 use std::time::Duration;

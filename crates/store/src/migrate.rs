@@ -67,6 +67,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0014_codes_any_pool_index",
         include_str!("../../../migrations/0014_codes_any_pool_index.json"),
     ),
+    (
+        "0015_webhooks",
+        include_str!("../../../migrations/0015_webhooks.json"),
+    ),
 ];
 
 /// What a migration run did.

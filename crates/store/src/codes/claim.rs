@@ -17,7 +17,7 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
 /// order of one, as every code was before quantities). The one list both
 /// claim writes ([`issue_set`], [`claim_statement`]) take their fields
 /// from.
-fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 9] {
+fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 10] {
     let unless = |n: u32, default: u32| {
         if n == default {
             Bson::Null
@@ -35,9 +35,22 @@ fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 9] {
         ),
         (
             "sms_pending",
-            match a.resend {
-                Resend::ByRelay => Bson::Boolean(true),
-                Resend::ByRedelivery => Bson::Null,
+            if a.resend.relays() {
+                Bson::Boolean(true)
+            } else {
+                Bson::Null
+            },
+        ),
+        (
+            "hook_pending",
+            if a.resend.owes_hook()
+                && a.owner
+                    .as_deref()
+                    .is_some_and(|o| o.starts_with(SHOP_OWNER_PREFIX))
+            {
+                Bson::Boolean(true)
+            } else {
+                Bson::Null
             },
         ),
         ("order_line", unless(a.line, 0)),

@@ -293,9 +293,29 @@ pub enum Resend {
     ByRedelivery,
     /// The relay: the claim flags the grant `sms_pending` in the same
     /// write, and the relay re-sends flagged grants whose event stays
-    /// unconfirmed (backorders: no message of theirs is redelivered).
+    /// unconfirmed. The HTTP door's grants: the answer carried the codes.
     ByRelay,
+    /// A backorder fulfilled: sent again by the relay like [`Resend::ByRelay`],
+    /// and nobody has seen its codes yet, so a shop's order also owes its
+    /// webhook (`hook_pending`), like a purchase over AMQP.
+    Backorder,
 }
+
+impl Resend {
+    /// Whether the claim hands the grant to the relay (`sms_pending`).
+    pub fn relays(self) -> bool {
+        matches!(self, Self::ByRelay | Self::Backorder)
+    }
+
+    /// Whether a shop's grant claimed this way owes the shop a webhook:
+    /// every grant but one the HTTP answer carried.
+    pub fn owes_hook(self) -> bool {
+        !matches!(self, Self::ByRelay)
+    }
+}
+
+/// The owner recorded with a shop's orders: `shop:NAME`.
+pub const SHOP_OWNER_PREFIX: &str = "shop:";
 
 /// What a batch of conditional claim updates did. The update command only
 /// reports how many statements matched, not which: when every statement
@@ -398,7 +418,7 @@ fn issued_by(
             part: a.part,
             owner: a.owner.clone(),
         });
-        code.sms.awaiting_relay = a.resend == Resend::ByRelay;
+        code.sms.awaiting_relay = a.resend.relays();
         out.insert(a.slot(), code);
     }
     Some(out)

@@ -63,4 +63,52 @@ impl Store {
             .await?;
         docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
+
+    /// Grants whose shop is owed a webhook (`hook_pending`, written by the
+    /// claim itself): the webhook stager's work list, the oldest orders
+    /// first (at most `limit` of them) and every flagged code of each, so
+    /// one claim's codes always travel together.
+    pub async fn grants_owing_hooks(&self, limit: i64) -> Result<Vec<Code>, StoreError> {
+        let firsts: Vec<Document> = self
+            .collection(CODES)
+            .find(doc! {"hook_pending": true})
+            .sort(doc! {"issued_at": 1})
+            .projection(doc! {"order_id": 1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        let mut orders: Vec<&str> = firsts
+            .iter()
+            .filter_map(|d| d.get_str("order_id").ok())
+            .collect();
+        orders.sort_unstable();
+        orders.dedup();
+        if orders.is_empty() {
+            return Ok(Vec::new());
+        }
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"order_id": {"$in": orders}, "hook_pending": true})
+            .await?
+            .try_collect()
+            .await?;
+        docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
+    }
+
+    /// Takes grants off the webhook stager's list once their events are
+    /// recorded.
+    pub async fn mark_hooks_recorded(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
+        if code_ids.is_empty() {
+            return Ok(());
+        }
+        let code_ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
+        self.collection(CODES)
+            .update_many(
+                doc! {"_id": {"$in": code_ids}, "hook_pending": true},
+                doc! {"$unset": {"hook_pending": ""}},
+            )
+            .await?;
+        Ok(())
+    }
 }

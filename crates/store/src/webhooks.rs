@@ -1,0 +1,638 @@
+//! Webhooks: a shop's endpoints (`webhook_endpoints`), the events owed to
+//! them (`webhook_events`, the body sealed like a code), one delivery task
+//! per event and endpoint (`webhook_tasks`, leased by the process that
+//! delivers it) and one record per attempt (`webhook_attempts`, kept 30
+//! days by a TTL index).
+//!
+//! Events and tasks have ids derived from what they announce, so writing
+//! them again (after a crash, by a second process) changes nothing.
+
+use bson::{doc, spec::BinarySubtype, Binary, Bson, DateTime, Document};
+use futures::TryStreamExt;
+use mongodb::error::ErrorKind;
+use mongodb::options::ReturnDocument;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{is_transient_code, DUPLICATE_KEY};
+use crate::{durable, Store, StoreError};
+
+pub const ENDPOINTS: &str = "webhook_endpoints";
+pub const EVENTS: &str = "webhook_events";
+pub const TASKS: &str = "webhook_tasks";
+pub const ATTEMPTS: &str = "webhook_attempts";
+
+/// A task's state.
+pub mod state {
+    /// Due at `next_at`.
+    pub const PENDING: &str = "pending";
+    /// A 2xx answer.
+    pub const DELIVERED: &str = "delivered";
+    /// Every attempt of the schedule failed, or the endpoint answered 410.
+    pub const FAILED: &str = "failed";
+    /// Its endpoint is disabled; enabling it makes the task due again.
+    pub const HELD: &str = "held";
+}
+
+/// One signing secret of an endpoint, sealed at rest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SecretDoc {
+    pub key_id: String,
+    pub sealed: Binary,
+    pub created_at: DateTime,
+    /// A rotated-out secret signs until then (both signatures are sent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retire_at: Option<DateTime>,
+}
+
+/// One endpoint of a shop.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EndpointDoc {
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub shop: String,
+    pub url: String,
+    /// The event types it receives, sorted.
+    pub events: Vec<String>,
+    pub enabled: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disabled_reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disabled_at: Option<DateTime>,
+    /// Newest first.
+    pub secrets: Vec<SecretDoc>,
+    /// The first failed attempt since the last delivered one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failing_since: Option<DateTime>,
+    pub created_at: DateTime,
+}
+
+impl EndpointDoc {
+    pub fn wants(&self, kind: &str) -> bool {
+        self.events.iter().any(|e| e == kind)
+    }
+}
+
+/// An event to record: its id, the shop it is for, its type and its body
+/// (JSON, sealed before it is written).
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    pub id: String,
+    pub shop: String,
+    pub kind: String,
+    pub body: String,
+}
+
+/// A recorded event, its body opened.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: String,
+    pub shop: String,
+    pub kind: String,
+    pub body: String,
+    pub created_at: DateTime,
+}
+
+/// One delivery task: an event for an endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskDoc {
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub event: String,
+    pub endpoint: String,
+    pub shop: String,
+    pub kind: String,
+    pub state: String,
+    /// Attempts made so far.
+    pub attempts: u32,
+    pub next_at: DateTime,
+    pub lease_until: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_by: Option<String>,
+    pub created_at: DateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done_at: Option<DateTime>,
+}
+
+/// One attempt of one task.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttemptDoc {
+    pub task: String,
+    pub event: String,
+    pub endpoint: String,
+    pub shop: String,
+    pub kind: String,
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    pub at: DateTime,
+    /// `delivered`, `failed`, `gone` (410), `refused` (the address).
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u32>,
+    pub latency_ms: u64,
+    /// The first 1 KiB of the answer, or the error.
+    pub response: String,
+    /// The process that made it.
+    pub by: String,
+}
+
+/// How a leased task ends its attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskEnd {
+    Delivered,
+    /// Due again at this time.
+    RetryAt(DateTime),
+    Failed,
+    Held,
+}
+
+/// Which events a replay sends again.
+#[derive(Debug, Clone)]
+pub enum ReplayScope {
+    /// One event.
+    Event(String),
+    /// A shop's events since a time.
+    Since(DateTime),
+}
+
+fn event_aad(id: &str) -> Vec<u8> {
+    format!("webhook-event:{id}").into_bytes()
+}
+
+fn secret_aad(endpoint: &str) -> Vec<u8> {
+    format!("webhook-secret:{endpoint}").into_bytes()
+}
+
+fn task_id(event: &str, endpoint: &str) -> String {
+    format!("{event}/{endpoint}")
+}
+
+fn binary(bytes: Vec<u8>) -> Binary {
+    Binary {
+        subtype: BinarySubtype::Generic,
+        bytes,
+    }
+}
+
+fn new_task(event: &str, endpoint: &EndpointDoc, kind: &str, now: DateTime) -> Document {
+    doc! {
+        "_id": task_id(event, &endpoint.id), "event": event, "endpoint": &endpoint.id,
+        "shop": &endpoint.shop, "kind": kind, "state": state::PENDING, "attempts": 0,
+        "next_at": now, "lease_until": DateTime::from_millis(0), "created_at": now,
+    }
+}
+
+impl Store {
+    /// Inserts `docs` unordered; documents already there (same `_id`) are
+    /// skipped. Returns how many were new.
+    async fn insert_new(&self, collection: &str, docs: Vec<Document>) -> Result<u64, StoreError> {
+        let total = docs.len() as u64;
+        if total == 0 {
+            return Ok(0);
+        }
+        match self
+            .collection(collection)
+            .insert_many(docs)
+            .ordered(false)
+            .write_concern(durable())
+            .await
+        {
+            Ok(r) => Ok(r.inserted_ids.len() as u64),
+            Err(e) => {
+                let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
+                    return Err(e.into());
+                };
+                if let Some(wce) = &failure.write_concern_error {
+                    return Err(StoreError::Unavailable(format!(
+                        "write concern not satisfied: {}",
+                        wce.message
+                    )));
+                }
+                let errors = failure.write_errors.as_deref().unwrap_or_default();
+                if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
+                    return Err(if is_transient_code(other.code) {
+                        StoreError::Unavailable(other.message.clone())
+                    } else {
+                        StoreError::Rejected(other.message.clone())
+                    });
+                }
+                Ok(total - errors.len() as u64)
+            }
+        }
+    }
+
+    /// Adds an endpoint with its first secret (plaintext here, sealed at
+    /// rest).
+    pub async fn add_webhook_endpoint(
+        &self,
+        id: &str,
+        shop: &str,
+        url: &str,
+        events: &[String],
+        secret: &str,
+    ) -> Result<EndpointDoc, StoreError> {
+        let ring = self.keys.ring()?;
+        let sealed = ring.seal(&secret_aad(id), secret);
+        let now = DateTime::now();
+        let endpoint = EndpointDoc {
+            id: id.to_owned(),
+            shop: shop.to_owned(),
+            url: url.to_owned(),
+            events: events.to_vec(),
+            enabled: true,
+            disabled_reason: None,
+            disabled_at: None,
+            secrets: vec![SecretDoc {
+                key_id: sealed.key_id,
+                sealed: binary(sealed.bytes),
+                created_at: now,
+                retire_at: None,
+            }],
+            failing_since: None,
+            created_at: now,
+        };
+        self.typed::<EndpointDoc>(ENDPOINTS)
+            .insert_one(&endpoint)
+            .write_concern(durable())
+            .await?;
+        Ok(endpoint)
+    }
+
+    /// One endpoint.
+    pub async fn webhook_endpoint(&self, id: &str) -> Result<Option<EndpointDoc>, StoreError> {
+        Ok(self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find_one(doc! {"_id": id})
+            .await?)
+    }
+
+    /// The endpoints of a shop (every shop's when `None`), oldest first.
+    pub async fn webhook_endpoints(
+        &self,
+        shop: Option<&str>,
+    ) -> Result<Vec<EndpointDoc>, StoreError> {
+        let filter = shop.map_or_else(Document::new, |s| doc! {"shop": s});
+        Ok(self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find(filter)
+            .sort(doc! {"created_at": 1, "_id": 1})
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// The signing secrets of an endpoint that sign now, newest first.
+    pub fn open_webhook_secrets(&self, endpoint: &EndpointDoc) -> Result<Vec<String>, StoreError> {
+        let now = DateTime::now();
+        let aad = secret_aad(&endpoint.id);
+        endpoint
+            .secrets
+            .iter()
+            .filter(|s| s.retire_at.is_none_or(|t| t > now))
+            .map(|s| {
+                let ring = self.keys.ring_with(&s.key_id)?;
+                ring.open(&s.key_id, &aad, &s.sealed.bytes)
+                    .map_err(StoreError::from)
+            })
+            .collect()
+    }
+
+    /// Makes `secret` the endpoint's signing secret; the ones before sign
+    /// too until `overlap_until`. `None` when there is no such endpoint.
+    pub async fn rotate_webhook_secret(
+        &self,
+        id: &str,
+        secret: &str,
+        overlap_until: DateTime,
+    ) -> Result<Option<EndpointDoc>, StoreError> {
+        let Some(mut endpoint) = self.webhook_endpoint(id).await? else {
+            return Ok(None);
+        };
+        let ring = self.keys.ring()?;
+        let sealed = ring.seal(&secret_aad(id), secret);
+        let now = DateTime::now();
+        for s in &mut endpoint.secrets {
+            s.retire_at = Some(s.retire_at.map_or(overlap_until, |t| t.min(overlap_until)));
+        }
+        endpoint
+            .secrets
+            .retain(|s| s.retire_at.is_none_or(|t| t > now));
+        endpoint.secrets.insert(
+            0,
+            SecretDoc {
+                key_id: sealed.key_id,
+                sealed: binary(sealed.bytes),
+                created_at: now,
+                retire_at: None,
+            },
+        );
+        let secrets = bson::to_bson(&endpoint.secrets)
+            .map_err(|e| StoreError::Rejected(format!("secrets do not encode: {e}")))?;
+        self.collection(ENDPOINTS)
+            .update_one(doc! {"_id": id}, doc! {"$set": {"secrets": secrets}})
+            .write_concern(durable())
+            .await?;
+        Ok(Some(endpoint))
+    }
+
+    /// Enables or disables an endpoint (with why). Enabling makes its held
+    /// tasks due now and clears its failure streak. `None` when there is
+    /// no such endpoint.
+    pub async fn set_webhook_enabled(
+        &self,
+        id: &str,
+        enabled: bool,
+        reason: &str,
+    ) -> Result<Option<EndpointDoc>, StoreError> {
+        let update = if enabled {
+            doc! {"$set": {"enabled": true}, "$unset": {"disabled_reason": "", "disabled_at": "", "failing_since": ""}}
+        } else {
+            doc! {"$set": {"enabled": false, "disabled_reason": reason, "disabled_at": DateTime::now()}}
+        };
+        let after = self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find_one_and_update(doc! {"_id": id}, update)
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await?;
+        if after.is_some() && enabled {
+            self.collection(TASKS)
+                .update_many(
+                    doc! {"endpoint": id, "state": state::HELD},
+                    doc! {"$set": {"state": state::PENDING, "next_at": DateTime::now(), "lease_until": DateTime::from_millis(0)}},
+                )
+                .await?;
+        }
+        Ok(after)
+    }
+
+    /// Disables an endpoint only while it is enabled (a delivery's
+    /// verdict: 410, or failing too long); `true` when this call did it.
+    pub async fn disable_webhook_if_enabled(
+        &self,
+        id: &str,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let r = self
+            .collection(ENDPOINTS)
+            .update_one(
+                doc! {"_id": id, "enabled": true},
+                doc! {"$set": {"enabled": false, "disabled_reason": reason, "disabled_at": DateTime::now()}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// Records an endpoint's answer: a delivery ends its failure streak, a
+    /// failure starts one. Returns when the streak began (`None` after a
+    /// delivery).
+    pub async fn note_webhook_result(
+        &self,
+        id: &str,
+        delivered: bool,
+    ) -> Result<Option<DateTime>, StoreError> {
+        if delivered {
+            self.collection(ENDPOINTS)
+                .update_one(
+                    doc! {"_id": id, "failing_since": {"$exists": true}},
+                    doc! {"$unset": {"failing_since": ""}},
+                )
+                .await?;
+            return Ok(None);
+        }
+        let after = self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find_one_and_update(
+                doc! {"_id": id},
+                vec![doc! {"$set": {"failing_since": {"$ifNull": ["$failing_since", "$$NOW"]}}}],
+            )
+            .return_document(ReturnDocument::After)
+            .await?;
+        Ok(after.and_then(|e| e.failing_since))
+    }
+
+    /// Records events (bodies sealed) and one task per enabled endpoint of
+    /// each event's shop that subscribed to its type. Events and tasks
+    /// already recorded are left as they are. Returns the tasks created.
+    pub async fn record_webhook_events(&self, events: &[NewEvent]) -> Result<u64, StoreError> {
+        if events.is_empty() {
+            return Ok(0);
+        }
+        let mut shops: Vec<&str> = events.iter().map(|e| e.shop.as_str()).collect();
+        shops.sort_unstable();
+        shops.dedup();
+        let endpoints: Vec<EndpointDoc> = self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find(doc! {"shop": {"$in": &shops}, "enabled": true})
+            .await?
+            .try_collect()
+            .await?;
+        let now = DateTime::now();
+        let mut tasks = Vec::new();
+        let mut docs = Vec::new();
+        let ring = self.keys.ring()?;
+        for e in events {
+            let wanting: Vec<&EndpointDoc> = endpoints
+                .iter()
+                .filter(|p| p.shop == e.shop && p.wants(&e.kind))
+                .collect();
+            if wanting.is_empty() {
+                continue;
+            }
+            let sealed = ring.seal(&event_aad(&e.id), &e.body);
+            docs.push(doc! {
+                "_id": &e.id, "shop": &e.shop, "kind": &e.kind, "key_id": sealed.key_id,
+                "body": binary(sealed.bytes), "created_at": now,
+            });
+            tasks.extend(
+                wanting
+                    .into_iter()
+                    .map(|p| new_task(&e.id, p, &e.kind, now)),
+            );
+        }
+        self.insert_new(EVENTS, docs).await?;
+        self.insert_new(TASKS, tasks).await
+    }
+
+    /// One event, its body opened.
+    pub async fn webhook_event(&self, id: &str) -> Result<Option<Event>, StoreError> {
+        let Some(d) = self.collection(EVENTS).find_one(doc! {"_id": id}).await? else {
+            return Ok(None);
+        };
+        self.open_event(&d).map(Some)
+    }
+
+    fn open_event(&self, d: &Document) -> Result<Event, StoreError> {
+        let field = |k: &str| d.get_str(k).map(str::to_owned).unwrap_or_default();
+        let id = field("_id");
+        let key_id = field("key_id");
+        let bytes = match d.get("body") {
+            Some(Bson::Binary(b)) => b.bytes.as_slice(),
+            _ => &[],
+        };
+        let ring = self.keys.ring_with(&key_id)?;
+        let body = ring
+            .open(&key_id, &event_aad(&id), bytes)
+            .map_err(StoreError::from)?;
+        Ok(Event {
+            shop: field("shop"),
+            kind: field("kind"),
+            created_at: d
+                .get_datetime("created_at")
+                .copied()
+                .unwrap_or(DateTime::MIN),
+            id,
+            body,
+        })
+    }
+
+    /// Leases the task due first for `lease_ms` to `by`; `None` when no
+    /// task is due. A leased task is nobody else's until the lease ends.
+    pub async fn lease_webhook_task(
+        &self,
+        by: &str,
+        lease_ms: i64,
+    ) -> Result<Option<TaskDoc>, StoreError> {
+        let now = DateTime::now();
+        Ok(self
+            .typed::<TaskDoc>(TASKS)
+            .find_one_and_update(
+                doc! {"state": state::PENDING, "next_at": {"$lte": now}, "lease_until": {"$lte": now}},
+                doc! {"$set": {"lease_until": DateTime::from_millis(now.timestamp_millis() + lease_ms), "lease_by": by}},
+            )
+            .sort(doc! {"next_at": 1})
+            .return_document(ReturnDocument::After)
+            .await?)
+    }
+
+    /// Ends the attempt `by` made on a task it leases, and records the
+    /// attempt. `false` when the lease was lost (another process took the
+    /// task over): nothing is changed then but the attempt record.
+    pub async fn end_webhook_attempt(
+        &self,
+        task: &TaskDoc,
+        by: &str,
+        end: TaskEnd,
+        attempt: &AttemptDoc,
+    ) -> Result<bool, StoreError> {
+        self.typed::<AttemptDoc>(ATTEMPTS)
+            .insert_one(attempt)
+            .await?;
+        let now = DateTime::now();
+        let set = match end {
+            TaskEnd::Delivered => doc! {"state": state::DELIVERED, "done_at": now},
+            TaskEnd::Failed => doc! {"state": state::FAILED, "done_at": now},
+            TaskEnd::Held => doc! {"state": state::HELD},
+            TaskEnd::RetryAt(at) => doc! {"next_at": at},
+        };
+        let mut set = set;
+        set.insert("lease_until", DateTime::from_millis(0));
+        let inc = if end == TaskEnd::Held { 0 } else { 1 };
+        let r = self
+            .collection(TASKS)
+            .update_one(
+                doc! {"_id": &task.id, "lease_by": by, "attempts": task.attempts},
+                doc! {"$set": set, "$inc": {"attempts": inc}, "$unset": {"lease_by": ""}},
+            )
+            .await?;
+        Ok(r.matched_count == 1)
+    }
+
+    /// The latest attempts for an endpoint (every endpoint of `shop` when
+    /// `endpoint` is `None`), newest first.
+    pub async fn webhook_attempts(
+        &self,
+        shop: Option<&str>,
+        endpoint: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<AttemptDoc>, StoreError> {
+        let mut filter = Document::new();
+        if let Some(s) = shop {
+            filter.insert("shop", s);
+        }
+        if let Some(e) = endpoint {
+            filter.insert("endpoint", e);
+        }
+        Ok(self
+            .typed::<AttemptDoc>(ATTEMPTS)
+            .find(filter)
+            .sort(doc! {"at": -1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// Makes a shop's events in `scope` due again now for `endpoint` (every
+    /// enabled endpoint of the shop subscribed to the event's type when
+    /// `None`), whatever became of them before. Returns the tasks made due.
+    pub async fn replay_webhooks(
+        &self,
+        shop: &str,
+        scope: &ReplayScope,
+        endpoint: Option<&str>,
+    ) -> Result<u64, StoreError> {
+        let mut filter = doc! {"shop": shop};
+        match scope {
+            ReplayScope::Event(id) => filter.insert("_id", id.as_str()),
+            ReplayScope::Since(t) => filter.insert("created_at", doc! {"$gte": *t}),
+        };
+        let mut targets = doc! {"shop": shop, "enabled": true};
+        if let Some(e) = endpoint {
+            targets.insert("_id", e);
+        }
+        let endpoints: Vec<EndpointDoc> = self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find(targets)
+            .await?
+            .try_collect()
+            .await?;
+        let mut events = self
+            .collection(EVENTS)
+            .find(filter)
+            .projection(doc! {"kind": 1})
+            .await?;
+        let now = DateTime::now();
+        let mut due = 0;
+        while let Some(e) = events.try_next().await? {
+            let id = e.get_str("_id").unwrap_or_default();
+            let kind = e.get_str("kind").unwrap_or_default();
+            for p in endpoints.iter().filter(|p| p.wants(kind)) {
+                self.collection(TASKS)
+                    .update_one(
+                        doc! {"_id": task_id(id, &p.id)},
+                        doc! {
+                            "$set": {"state": state::PENDING, "attempts": 0, "next_at": now, "lease_until": DateTime::from_millis(0)},
+                            "$unset": {"done_at": "", "lease_by": ""},
+                            "$setOnInsert": {"event": id, "endpoint": &p.id, "shop": &p.shop, "kind": kind, "created_at": now},
+                        },
+                    )
+                    .upsert(true)
+                    .write_concern(durable())
+                    .await?;
+                due += 1;
+            }
+        }
+        Ok(due)
+    }
+
+    /// When the oldest task still due was created; `None` when none is.
+    pub async fn oldest_undelivered_webhook(&self) -> Result<Option<DateTime>, StoreError> {
+        let oldest = self
+            .typed::<TaskDoc>(TASKS)
+            .find_one(doc! {"state": state::PENDING})
+            .sort(doc! {"created_at": 1})
+            .await?;
+        Ok(oldest.map(|t| t.created_at))
+    }
+
+    /// The tasks of an event, for tests and `webhooks deliveries`.
+    pub async fn webhook_tasks_of(&self, event: &str) -> Result<Vec<TaskDoc>, StoreError> {
+        Ok(self
+            .typed::<TaskDoc>(TASKS)
+            .find(doc! {"event": event})
+            .await?
+            .try_collect()
+            .await?)
+    }
+}
