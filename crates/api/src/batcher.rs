@@ -237,7 +237,14 @@ async fn audit_repeats(
 /// the same `event_id`.
 async fn announce(api: &Api, plan: &BatchPlan) {
     let broker = api.broker();
-    let announcing = placing::announce(plan, api.outbox(), &broker.publisher, Texting::Fresh, None);
+    let announcing = placing::announce(
+        plan,
+        api.outbox(),
+        &broker.publisher,
+        Texting::Fresh,
+        None,
+        api.store(),
+    );
     // A broker that blocks publishes (a memory alarm) must not hold the
     // next batches: what is not confirmed by then is the relay's.
     let Ok(announced) = tokio::time::timeout(ANNOUNCE_FOR, announcing).await else {

@@ -200,7 +200,14 @@ impl Dispatcher {
         only: Option<&HashSet<usize>>,
     ) -> HashSet<usize> {
         let (announced, dead) = tokio::join!(
-            placing::announce(plan, &self.outbox, publisher, Texting::Every, only),
+            placing::announce(
+                plan,
+                &self.outbox,
+                publisher,
+                Texting::Every,
+                only,
+                self.intake.store()
+            ),
             dead_letter(plan, deliveries, publisher, only),
         );
         let mut unconfirmed = announced.unconfirmed;

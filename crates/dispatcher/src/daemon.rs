@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use codepool_broker::{BrokerError, Topology};
 use codepool_hotpool::HotPool;
+use codepool_issuance::webhooks::{guard::AllowHosts, Deliverer};
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info};
@@ -161,6 +162,10 @@ impl Dispatcher {
             let (this, stop) = (self.clone(), probe_stop.clone());
             async move { this.probe_loop(stop).await }
         });
+        // Every process that grants also delivers its shops' webhooks.
+        let hooks = tokio::spawn(
+            Deliverer::new(self.store.clone(), AllowHosts::from_env()).run(probe_stop.clone()),
+        );
         loop {
             match self.clone().session(&shutdown).await {
                 Ok(SessionEnd::Shutdown) => break,
@@ -182,6 +187,7 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     probe_stop.cancel();
                     let _ = prober.await;
+                    let _ = hooks.await;
                     return Err(e);
                 }
                 Err(e) if e.is_permanent() => {
@@ -209,6 +215,7 @@ impl Dispatcher {
         }
         probe_stop.cancel();
         let _ = prober.await;
+        let _ = hooks.await;
         info!("dispatcher stopped");
         Ok(())
     }

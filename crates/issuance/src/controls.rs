@@ -293,7 +293,7 @@ pub async fn imported(
     actor: &Actor,
 ) -> Result<(), ImportedError> {
     audit::record(store, actor, "import", what).await?;
-    announce_replenished(publisher, pool, inserted).await?;
+    announce_replenished(store, publisher, pool, inserted).await?;
     Ok(())
 }
 
@@ -307,8 +307,10 @@ pub enum ImportedError {
 
 /// Announces that `inserted` new codes arrived in `pool` (`pool.replenished`),
 /// confirmed, so dispatchers fulfil its backorders now rather than at their
-/// next sweep. Nothing is announced for no new code.
+/// next sweep, and records the shops' `pool.replenished` webhooks. Nothing
+/// is announced for no new code.
 pub async fn announce_replenished(
+    store: &Store,
     publisher: &Publisher,
     pool: &str,
     inserted: u64,
@@ -318,6 +320,7 @@ pub async fn announce_replenished(
     }
     let mut event = PoolEvent::new(PoolEventKind::Replenished, pool);
     event.inserted = Some(inserted);
+    crate::webhooks::record_pool_event(store, &event).await;
     publisher.publish_pool_event(&event).await?.wait().await?;
     info!(pool, inserted, "published pool.replenished");
     Ok(())

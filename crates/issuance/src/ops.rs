@@ -10,7 +10,7 @@ use codepool_store::backorders::BackorderDoc;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::policies::RefusalDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::audit::{self, Actor};
 use crate::outbox::{Marking, Outbox};
@@ -81,6 +81,14 @@ pub async fn void(
 ) -> Result<VoidOutcome, VoidError> {
     let reason = checked_reason(reason).ok_or(VoidError::Reason)?;
     let outcome = store.void(target, reason).await?;
+    if let VoidOutcome::Voided { applied, .. } = &outcome {
+        let before: Vec<_> = applied.iter().map(|a| a.before.clone()).collect();
+        // The codes are void either way; the shop's event is owed, and a
+        // failure to record it is said, not hidden.
+        if let Err(e) = crate::webhooks::record_voided(store, &before, reason).await {
+            warn!(error = %e, "codes voided, but their order.voided webhook was not recorded");
+        }
+    }
     let what = match &outcome {
         VoidOutcome::Voided {
             applied,

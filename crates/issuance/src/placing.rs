@@ -91,9 +91,10 @@ pub async fn announce(
     publisher: &Publisher,
     texting: Texting,
     only: Option<&HashSet<usize>>,
+    store: &codepool_store::Store,
 ) -> Announced {
     if only.is_none() {
-        announce_exhausted(plan, publisher).await;
+        announce_exhausted(plan, publisher, store).await;
     }
     let sms: Vec<(usize, &Grant)> = match texting {
         Texting::Every => plan.sms_events(),
@@ -135,13 +136,18 @@ pub async fn announce(
 /// `pool.exhausted` for each pool that ran dry in `plan`. A notification,
 /// not a state: a failure is logged and counted, and does not hold the
 /// acks or the answer.
-pub async fn announce_exhausted(plan: &BatchPlan, publisher: &Publisher) {
+pub async fn announce_exhausted(
+    plan: &BatchPlan,
+    publisher: &Publisher,
+    store: &codepool_store::Store,
+) {
     for pool in &plan.exhausted_pools {
         warn!(
             pool,
             "pool exhausted; purchases are backordered until codes are imported"
         );
         let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
+        crate::webhooks::record_pool_event(store, &event).await;
         // Bounded: a notification never holds a batch long.
         let published = match publisher.publish_pool_event(&event).await {
             Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())

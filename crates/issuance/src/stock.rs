@@ -324,6 +324,7 @@ impl StockWatch {
             );
             let mut event = PoolEvent::new(PoolEventKind::LowStock, pool);
             event.unissued = Some(unissued);
+            crate::webhooks::record_pool_event(&self.store, &event).await;
             let published = match publisher.publish_pool_event(&event).await {
                 Ok(c) => c.wait().await,
                 Err(e) => Err(e),

@@ -1,5 +1,6 @@
 //! `codepool api`: the HTTP door for shop backends.
 
+use codepool_issuance::webhooks::{guard::AllowHosts, Deliverer};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,10 +128,13 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     // Every process that grants also relays: a grant never waits on a
     // dispatcher that may not exist.
     let relay = tokio::spawn(relay_loop(api.clone(), health.clone(), stop.clone()));
+    let hooks =
+        tokio::spawn(Deliverer::new(api.store().clone(), AllowHosts::from_env()).run(stop.clone()));
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
     relay.abort();
+    let _ = hooks.await;
     // The events of the orders answered last go out now, not by a relay
     // 30 seconds after.
     if !api.settle(Duration::from_secs(10)).await {

@@ -102,7 +102,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
         summary.invalid
     );
     codepool_issuance::audit::record(&store, &super::actor("import"), "import", what).await?;
-    announce_replenished(cfg, &summary).await;
+    announce_replenished(cfg, &store, &summary).await;
 
     if args.json {
         say_json!(serde_json::to_string_pretty(&summary)?);
@@ -144,7 +144,11 @@ fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
 
 /// Tells dispatchers that new codes arrived (they fulfil backorders). Best
 /// effort: dispatchers also sweep backorders periodically.
-async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
+async fn announce_replenished(
+    cfg: &Config,
+    store: &codepool_store::Store,
+    summary: &ImportSummary,
+) {
     if summary.inserted == 0 {
         return;
     }
@@ -153,6 +157,7 @@ async fn announce_replenished(cfg: &Config, summary: &ImportSummary) {
         let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
         let announced = codepool_issuance::controls::announce_replenished(
+            store,
             &publisher,
             &summary.pool,
             summary.inserted,

@@ -45,6 +45,7 @@ pub mod sms_pending;
 pub mod stats;
 pub mod target;
 pub mod void;
+pub mod webhooks;
 
 /// The operating-system user running `command`, as the core audits it.
 pub fn actor(command: &str) -> codepool_issuance::audit::Actor {
