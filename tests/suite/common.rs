@@ -167,6 +167,8 @@ impl TestEnv {
             // The test publishes code.redeemed as the platform would: with
             // user_id set to the broker user it connects as.
             .env("CODEPOOL_REDEEMERS", "guest")
+            // Webhook receivers in tests listen on loopback.
+            .env("CODEPOOL_WEBHOOK_ALLOW_HOSTS", "127.0.0.1")
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
         cmd

@@ -30,3 +30,4 @@ mod seams;
 mod secrets;
 mod shops;
 mod strays;
+mod webhooks;

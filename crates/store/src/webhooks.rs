@@ -173,10 +173,17 @@ fn binary(bytes: Vec<u8>) -> Binary {
     }
 }
 
+/// A task of `event` for `endpoint`: due now, or held while the endpoint
+/// is disabled (enabling it makes the task due).
 fn new_task(event: &str, endpoint: &EndpointDoc, kind: &str, now: DateTime) -> Document {
+    let state = if endpoint.enabled {
+        state::PENDING
+    } else {
+        state::HELD
+    };
     doc! {
         "_id": task_id(event, &endpoint.id), "event": event, "endpoint": &endpoint.id,
-        "shop": &endpoint.shop, "kind": kind, "state": state::PENDING, "attempts": 0,
+        "shop": &endpoint.shop, "kind": kind, "state": state, "attempts": 0,
         "next_at": now, "lease_until": DateTime::from_millis(0), "created_at": now,
     }
 }
@@ -411,9 +418,10 @@ impl Store {
         Ok(after.and_then(|e| e.failing_since))
     }
 
-    /// Records events (bodies sealed) and one task per enabled endpoint of
-    /// each event's shop that subscribed to its type. Events and tasks
-    /// already recorded are left as they are. Returns the tasks created.
+    /// Records events (bodies sealed) and one task per endpoint of each
+    /// event's shop that subscribed to its type (held while the endpoint is
+    /// disabled). Events and tasks already recorded are left as they are.
+    /// Returns the tasks created.
     pub async fn record_webhook_events(&self, events: &[NewEvent]) -> Result<u64, StoreError> {
         if events.is_empty() {
             return Ok(0);
@@ -423,7 +431,7 @@ impl Store {
         shops.dedup();
         let endpoints: Vec<EndpointDoc> = self
             .typed::<EndpointDoc>(ENDPOINTS)
-            .find(doc! {"shop": {"$in": &shops}, "enabled": true})
+            .find(doc! {"shop": {"$in": &shops}})
             .await?
             .try_collect()
             .await?;

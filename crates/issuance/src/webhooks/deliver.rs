@@ -34,8 +34,10 @@ pub const SCHEDULE: [Duration; 8] = [
 /// How long one attempt may take.
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// How long a leased task is one process's: longer than an attempt.
-const LEASE: Duration = Duration::from_secs(45);
+/// How long a leased task is one process's: longer than an attempt and
+/// its record. A process killed mid-attempt leaves the task to the next
+/// process after this.
+const LEASE: Duration = Duration::from_secs(20);
 
 /// An endpoint failing this long (no delivery in between) is disabled.
 pub const DISABLE_AFTER: chrono::Duration = chrono::Duration::days(5);
