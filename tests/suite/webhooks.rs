@@ -750,3 +750,145 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
+    let env = TestEnv::new("wh_api").await;
+    env.fill_pool("wa", 5).await;
+    shop(&env, "acme", "wa").await;
+    let admin = crate::api::key(&env, "ops", "orders:write,orders:read,admin").await;
+    let writer = crate::api::key(&env, "w", "orders:write").await;
+    let receiver = Receiver::start(Answer::Ok).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let new = |url: &str| {
+        serde_json::json!({"shop": "acme", "url": url, "events": ["order.granted", "order.voided"]})
+            .to_string()
+            .into_bytes()
+    };
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/webhooks",
+        Some(&writer),
+        &new(&receiver.url()),
+    )
+    .await;
+    assert_eq!(status, 403, "admin only");
+    for (url, field) in [
+        ("https://169.254.169.254/x", "url"),
+        ("http://shop.example/x", "url"),
+    ] {
+        let (status, _, body) =
+            http(&api.addr, "POST", "/v1/webhooks", Some(&admin), &new(url)).await;
+        assert_eq!(status, 422, "{url}: {}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["field"], field);
+    }
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/webhooks",
+        Some(&admin),
+        &new(&receiver.url()),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let added = json_of(&body);
+    let id = added["id"].as_str().unwrap().to_owned();
+    let secret = added["secret"].as_str().unwrap().to_owned();
+    let (_, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/webhooks?shop=acme",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    let listed = json_of(&body);
+    assert_eq!(listed["endpoints"][0]["id"], id.as_str());
+    assert!(
+        listed["endpoints"][0].get("secret").is_none(),
+        "the secret is shown once"
+    );
+
+    // A shop order over AMQP, delivered by the API process (every process
+    // that grants delivers), then replayed through the API.
+    let daemon = start_daemon(env.command(&[])).await;
+    let (conn, publisher) = publisher(&env).await;
+    publish_confirmed(&publisher, &[shop_purchase("WA-1", "wa", "acme")]).await;
+    eventually(Duration::from_secs(20), "delivered", || async {
+        !receiver.hits().is_empty()
+    })
+    .await;
+    let event = receiver.hits()[0].id.clone();
+    verified_by_the_python_library(&secret, &receiver.hits()[0])
+        .await
+        .unwrap();
+    let path = format!("/v1/webhooks/{id}/rotate-secret");
+    let (status, _, body) = http(&api.addr, "POST", &path, Some(&admin), b"").await;
+    assert_eq!(status, 200);
+    let rotated = json_of(&body)["secret"].as_str().unwrap().to_owned();
+    let replay = serde_json::json!({"shop": "acme", "event": event}).to_string();
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/webhooks/replay",
+        Some(&admin),
+        replay.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["due"], 1);
+    eventually(Duration::from_secs(20), "replayed", || async {
+        receiver.hits().len() >= 2
+    })
+    .await;
+    let again = &receiver.hits()[1];
+    assert_eq!(again.id, event);
+    verified_by_the_python_library(&rotated, again)
+        .await
+        .unwrap();
+    verified_by_the_python_library(&secret, again)
+        .await
+        .unwrap();
+    let (_, _, body) = http(
+        &api.addr,
+        "GET",
+        &format!("/v1/webhooks/{id}/deliveries"),
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(json_of(&body)["deliveries"].as_array().unwrap().len(), 2);
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        &format!("/v1/webhooks/{id}/disable"),
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(json_of(&body)["enabled"], false);
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/webhooks/ep_nope/enable",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 404);
+    let kinds: Vec<String> = audit(&env).await.into_iter().map(|(k, _)| k).collect();
+    for kind in [
+        "webhook-add",
+        "webhook-rotate",
+        "webhook-replay",
+        "webhook-disable",
+    ] {
+        assert!(kinds.iter().any(|k| k == kind), "{kind} audited: {kinds:?}");
+    }
+    daemon.stop().await;
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

@@ -21,6 +21,7 @@ mod pools;
 pub mod port;
 mod problem;
 mod shops;
+mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -186,6 +187,12 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(dead_letters::replay))
         .routes(routes!(shops::list, shops::create))
         .routes(routes!(shops::show, shops::set))
+        .routes(routes!(webhooks::list, webhooks::add))
+        .routes(routes!(webhooks::disable))
+        .routes(routes!(webhooks::enable))
+        .routes(routes!(webhooks::rotate))
+        .routes(routes!(webhooks::deliveries))
+        .routes(routes!(webhooks::replay))
 }
 
 /// The OpenAPI document of the API (as `GET /openapi.json` serves it).

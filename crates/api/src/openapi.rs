@@ -26,6 +26,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
         (name = "shops", description = "Shops: the pools each may order from (admin)"),
+        (name = "webhooks", description = "A shop's webhook endpoints, deliveries and replays, to the Standard Webhooks specification (admin)"),
         (name = "dead-letters", description = "Purchases codepool could not take (admin)"),
         (name = "operations", description = "Health, readiness and metrics (no key)"),
     ),
@@ -227,6 +228,113 @@ pub(crate) struct Shop {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ShopList {
     shops: Vec<Shop>,
+}
+
+/// A new webhook endpoint: its shop, where to post (https, a public
+/// address) and the event types it receives.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewWebhook {
+    shop: String,
+    url: String,
+    /// order.granted, order.partly_granted, order.voided, order.refused,
+    /// pool.low_stock, pool.exhausted, pool.replenished, or "*".
+    events: Vec<String>,
+}
+
+/// A webhook endpoint.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Webhook {
+    /// `ep_…`.
+    id: String,
+    shop: String,
+    url: String,
+    events: Vec<String>,
+    enabled: bool,
+    /// Why it is disabled (410 Gone, failing for 5 days, an operator).
+    disabled_reason: Option<String>,
+    /// The first failed attempt since the last delivery (RFC 3339).
+    failing_since: Option<String>,
+    /// RFC 3339.
+    created_at: String,
+}
+
+/// An endpoint just added, with its signing secret (`whsec_…`), shown
+/// this once.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AddedWebhook {
+    id: String,
+    shop: String,
+    url: String,
+    events: Vec<String>,
+    enabled: bool,
+    disabled_reason: Option<String>,
+    failing_since: Option<String>,
+    created_at: String,
+    secret: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WebhookList {
+    endpoints: Vec<Webhook>,
+}
+
+/// A new secret, shown this once; the old one signs too for 24 hours.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RotatedSecret {
+    id: String,
+    secret: String,
+}
+
+/// One delivery attempt.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Delivery {
+    /// The event's `webhook-id`.
+    event: String,
+    endpoint: String,
+    /// The event type.
+    #[serde(rename = "type")]
+    kind: String,
+    /// 1 for the first attempt.
+    attempt: u32,
+    /// RFC 3339.
+    at: String,
+    /// delivered, failed, gone (410), refused (the address), held.
+    outcome: String,
+    /// The HTTP status, when the endpoint answered.
+    status: Option<u32>,
+    latency_ms: u64,
+    /// The first 1 KiB of the answer, or the error.
+    response: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeliveryList {
+    deliveries: Vec<Delivery>,
+}
+
+/// Events to send again: one (`event`, a `msg_…` id) or every event of the
+/// shop since a time (`since`, RFC 3339); to one endpoint or to all.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WebhookReplay {
+    shop: String,
+    event: Option<String>,
+    since: Option<String>,
+    endpoint: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReplayedWebhooks {
+    /// Deliveries due again now.
+    due: u64,
 }
 
 #[derive(Serialize, ToSchema)]

@@ -1,0 +1,328 @@
+//! `/v1/webhooks` (scope `admin`): a shop's endpoints, their deliveries
+//! and replays, through the same operations as `codepool webhooks`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use codepool_issuance::audit::Actor;
+use codepool_issuance::webhooks::{self, guard::AllowHosts, WebhookError};
+use codepool_store::webhooks::{AttemptDoc, EndpointDoc};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::keys::KeyDoc;
+use crate::{need_admin as admin, Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+fn time(t: Option<bson::DateTime>) -> Value {
+    t.and_then(|t| t.try_to_rfc3339_string().ok())
+        .map_or(Value::Null, Value::String)
+}
+
+pub(crate) fn endpoint_json(e: &EndpointDoc) -> Value {
+    json!({
+        "id": e.id, "shop": e.shop, "url": e.url, "events": e.events, "enabled": e.enabled,
+        "disabled_reason": e.disabled_reason, "failing_since": time(e.failing_since),
+        "created_at": time(Some(e.created_at)),
+    })
+}
+
+pub(crate) fn attempt_json(a: &AttemptDoc) -> Value {
+    json!({
+        "event": a.event, "endpoint": a.endpoint, "type": a.kind, "attempt": a.attempt,
+        "at": time(Some(a.at)), "outcome": a.outcome, "status": a.status,
+        "latency_ms": a.latency_ms, "response": a.response,
+    })
+}
+
+fn failed(e: WebhookError, rid: &RequestId) -> Response {
+    let (status, slug, field) = match &e {
+        WebhookError::Store(s) if s.is_unavailable() => {
+            return Problem::unavailable(&e).at(&rid.0).into_response()
+        }
+        WebhookError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
+        WebhookError::UnknownShop(_) => (StatusCode::NOT_FOUND, "unknown-shop", Some("shop")),
+        WebhookError::UnknownEndpoint(_) => (StatusCode::NOT_FOUND, "unknown-webhook", None),
+        WebhookError::UnknownEvent(_) | WebhookError::NoEvents => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-webhook",
+            Some("events"),
+        ),
+        WebhookError::Address(_) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "address-refused",
+            Some("url"),
+        ),
+        WebhookError::Scope(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-replay", None),
+    };
+    let mut p = Problem::new(
+        status,
+        slug,
+        "the webhook request was not carried out",
+        e.to_string(),
+    )
+    .at(&rid.0);
+    if let Some(f) = field {
+        p = p.field(f);
+    }
+    p.into_response()
+}
+
+fn bad_body(e: &serde_json::Error, example: &str, rid: &RequestId) -> Response {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid-body",
+        "the body is not what this route takes",
+        format!("send {example} ({e})"),
+    )
+    .at(&rid.0)
+    .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewEndpoint {
+    shop: String,
+    url: String,
+    events: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ShopFilter {
+    shop: Option<String>,
+    limit: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Replay {
+    shop: String,
+    event: Option<String>,
+    since: Option<String>,
+    endpoint: Option<String>,
+}
+
+/// `GET /v1/webhooks?shop=…`.
+#[utoipa::path(
+    get, path = "/v1/webhooks", tag = "webhooks",
+    operation_id = "list_webhooks",
+    params(("shop" = Option<String>, Query, description = "only this shop's endpoints")),
+    responses((status = 200, description = "the endpoints, oldest first", body = crate::openapi::WebhookList)),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn list(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Query(q): Query<ShopFilter>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    match api.store().webhook_endpoints(q.shop.as_deref()).await {
+        Ok(all) => Json(json!({"endpoints": all.iter().map(endpoint_json).collect::<Vec<_>>()}))
+            .into_response(),
+        Err(e) => failed(e.into(), &rid),
+    }
+}
+
+/// `POST /v1/webhooks` with `{"shop", "url", "events"}`.
+#[utoipa::path(
+    post, path = "/v1/webhooks", tag = "webhooks",
+    operation_id = "add_webhook",
+    request_body(content = crate::openapi::NewWebhook, content_type = "application/json"),
+    responses(
+        (status = 201, description = "the endpoint, with its secret (shown once)", body = crate::openapi::AddedWebhook),
+        (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "an unknown event type, or an address refused (`field`: url)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn add(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let new = match serde_json::from_slice::<NewEndpoint>(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            let example = r#"{"shop": "acme", "url": "https://shop.example/hooks", "events": ["order.granted"]}"#;
+            return bad_body(&e, example, &rid);
+        }
+    };
+    let actor = Actor::api_key(&key.name, "POST /v1/webhooks");
+    let allow = AllowHosts::from_env();
+    match webhooks::add(
+        api.store(),
+        &new.shop,
+        &new.url,
+        &new.events.join(","),
+        &allow,
+        &actor,
+    )
+    .await
+    {
+        Ok(added) => {
+            let mut v = endpoint_json(&added.endpoint);
+            v["secret"] = added.secret.into();
+            (StatusCode::CREATED, Json(v)).into_response()
+        }
+        Err(e) => failed(e, &rid),
+    }
+}
+
+async fn set_enabled(api: &Api, key: &KeyDoc, rid: &RequestId, id: &str, on: bool) -> Response {
+    if let Some(r) = admin(key, rid) {
+        return r;
+    }
+    let route = if on {
+        "POST /v1/webhooks/{id}/enable"
+    } else {
+        "POST /v1/webhooks/{id}/disable"
+    };
+    match webhooks::set_enabled(api.store(), id, on, &Actor::api_key(&key.name, route)).await {
+        Ok(e) => Json(endpoint_json(&e)).into_response(),
+        Err(e) => failed(e, rid),
+    }
+}
+
+/// `POST /v1/webhooks/{id}/disable`.
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/disable", tag = "webhooks",
+    operation_id = "disable_webhook",
+    params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
+    responses(
+        (status = 200, description = "the endpoint, disabled; its events are held", body = crate::openapi::Webhook),
+        (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn disable(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+) -> Response {
+    set_enabled(&api, &key, &rid, &id, false).await
+}
+
+/// `POST /v1/webhooks/{id}/enable`.
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/enable", tag = "webhooks",
+    operation_id = "enable_webhook",
+    params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
+    responses(
+        (status = 200, description = "the endpoint, enabled; what was held is due now", body = crate::openapi::Webhook),
+        (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn enable(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+) -> Response {
+    set_enabled(&api, &key, &rid, &id, true).await
+}
+
+/// `POST /v1/webhooks/{id}/rotate-secret`.
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/rotate-secret", tag = "webhooks",
+    operation_id = "rotate_webhook_secret",
+    params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
+    responses(
+        (status = 200, description = "the new secret (shown once); the old one signs too for 24 hours", body = crate::openapi::RotatedSecret),
+        (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn rotate(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let actor = Actor::api_key(&key.name, "POST /v1/webhooks/{id}/rotate-secret");
+    match webhooks::rotate_secret(api.store(), &id, &actor).await {
+        Ok(secret) => Json(json!({"id": id, "secret": secret})).into_response(),
+        Err(e) => failed(e, &rid),
+    }
+}
+
+/// `GET /v1/webhooks/{id}/deliveries`.
+#[utoipa::path(
+    get, path = "/v1/webhooks/{id}/deliveries", tag = "webhooks",
+    operation_id = "webhook_deliveries",
+    params(
+        ("id" = String, Path, description = "the endpoint's id (ep_…)"),
+        ("limit" = Option<i64>, Query, description = "at most this many, newest first (default 50, at most 1000)"),
+    ),
+    responses(
+        (status = 200, description = "one record per attempt, newest first", body = crate::openapi::DeliveryList),
+        (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn deliveries(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(id): Path<String>,
+    Query(q): Query<ShopFilter>,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let found = async {
+        webhooks::endpoint(api.store(), &id, q.shop.as_deref()).await?;
+        webhooks::deliveries(
+            api.store(),
+            None,
+            Some(&id),
+            q.limit.unwrap_or(50).clamp(1, 1000),
+        )
+        .await
+    };
+    match found.await {
+        Ok(list) => Json(json!({"deliveries": list.iter().map(attempt_json).collect::<Vec<_>>()}))
+            .into_response(),
+        Err(e) => failed(e, &rid),
+    }
+}
+
+/// `POST /v1/webhooks/replay` with `{"shop", "event"}` or `{"shop", "since"}`.
+#[utoipa::path(
+    post, path = "/v1/webhooks/replay", tag = "webhooks",
+    operation_id = "replay_webhooks",
+    request_body(content = crate::openapi::WebhookReplay, content_type = "application/json"),
+    responses(
+        (status = 200, description = "how many deliveries are due again", body = crate::openapi::ReplayedWebhooks),
+        (status = 404, description = "no such shop or endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "neither an event id nor a time", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["admin"]))
+)]
+pub(crate) async fn replay(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = admin(&key, &rid) {
+        return r;
+    }
+    let example = r#"{"shop": "acme", "event": "msg_…"} or {"shop": "acme", "since": "2026-11-25T10:00:00Z"}"#;
+    let r = match serde_json::from_slice::<Replay>(&body) {
+        Ok(b) => b,
+        Err(e) => return bad_body(&e, example, &rid),
+    };
+    let scope = match r.event.or(r.since).as_deref().map(webhooks::replay_scope) {
+        Some(Ok(s)) => s,
+        Some(Err(e)) => return failed(e, &rid),
+        None => return failed(WebhookError::Scope(String::new()), &rid),
+    };
+    let actor = Actor::api_key(&key.name, "POST /v1/webhooks/replay");
+    match webhooks::replay(api.store(), &r.shop, &scope, r.endpoint.as_deref(), &actor).await {
+        Ok(due) => Json(json!({"due": due})).into_response(),
+        Err(e) => failed(e, &rid),
+    }
+}
