@@ -188,6 +188,22 @@ print("verified")
     }
 }
 
+/// Checks a delivery with the `standardwebhooks` crate, as a Rust receiver
+/// would (docs/webhooks.md).
+fn verified_by_the_rust_library(secret: &str, hit: &Hit) -> Result<(), String> {
+    let mut headers = axum::http::HeaderMap::new();
+    for (k, v) in [
+        ("webhook-id", &hit.id),
+        ("webhook-timestamp", &hit.timestamp),
+        ("webhook-signature", &hit.signature),
+    ] {
+        headers.insert(k, v.parse().unwrap());
+    }
+    let wh = standardwebhooks::Webhook::new(secret).map_err(|e| e.to_string())?;
+    wh.verify(hit.body.as_bytes(), &headers)
+        .map_err(|e| e.to_string())
+}
+
 async fn cli(env: &TestEnv, args: &[&str]) -> String {
     let out = env.command(args).output().await.unwrap();
     assert!(
@@ -525,6 +541,9 @@ async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
     );
     verified_by_the_python_library(&new, hit).await.unwrap();
     verified_by_the_python_library(&old, hit).await.unwrap();
+    verified_by_the_rust_library(&new, hit).unwrap();
+    verified_by_the_rust_library(&old, hit).unwrap();
+    assert!(verified_by_the_rust_library(&crate_secret_of_another(), hit).is_err());
     let audit = audit(&env).await;
     assert!(
         audit.iter().any(|(kind, _)| kind == "webhook-rotate"),
@@ -533,6 +552,10 @@ async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
     daemon.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
+}
+
+fn crate_secret_of_another() -> String {
+    codepool_issuance::webhooks::sign::new_secret()
 }
 
 #[tokio::test]
