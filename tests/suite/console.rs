@@ -506,3 +506,67 @@ async fn a_signed_out_session_cannot_reach_a_page_and_admin_pages_render() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
+    use crate::webhooks::{
+        publisher, shop_purchase, verified_by_the_python_library, Answer, Receiver,
+    };
+    let env = TestEnv::new("console_webhooks").await;
+    env.fill_pool("game-w", 5).await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "acme", "--pools", "game-w"],
+    )
+    .await;
+    operator(&env, "ada", "admin").await;
+    let receiver = Receiver::start(Answer::Ok).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("ada").await;
+    b.goto("/console/shops").await;
+    b.click("td.name a").await;
+    assert_eq!(b.text("h1").await, "Shop acme");
+    b.fill("form.new-endpoint input[name=url]", &receiver.url())
+        .await;
+    b.click("form.new-endpoint button").await;
+    let secret = b.text("code.secret").await;
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    assert!(b.text("table.endpoints").await.contains("enabled"));
+
+    // An AMQP order of the shop, delivered by the API process.
+    let (conn, publisher) = publisher(&env).await;
+    crate::common::publish_confirmed(&publisher, &[shop_purchase("CW-1", "game-w", "acme")]).await;
+    let daemon = crate::common::start_daemon(env.command(&[])).await;
+    eventually(Duration::from_secs(20), "delivered", || async {
+        !receiver.hits().is_empty()
+    })
+    .await;
+    verified_by_the_python_library(&secret, &receiver.hits()[0])
+        .await
+        .unwrap();
+    b.goto("/console/shops/acme").await;
+    assert!(b.text("table.deliveries").await.contains("delivered"));
+    b.shot("shop-webhooks").await;
+
+    let event = receiver.hits()[0].id.clone();
+    b.fill("form.replay input[name=what]", &event).await;
+    b.click("form.replay button").await;
+    assert!(b.text("p.notice").await.contains("1 deliveries due again"));
+    eventually(Duration::from_secs(20), "replayed", || async {
+        receiver.hits().len() >= 2
+    })
+    .await;
+    assert_eq!(receiver.hits()[1].id, event);
+    b.click("table.endpoints button").await;
+    assert!(b.text("p.notice").await.contains("disabled"));
+    let kinds = audited_kinds(&env, "operator:ada").await;
+    for kind in ["webhook-add", "webhook-replay", "webhook-disable"] {
+        assert!(kinds.iter().any(|k| k == kind), "{kind}: {kinds:?}");
+    }
+    b.close().await;
+    daemon.stop().await;
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

@@ -17,11 +17,11 @@ use crate::common::{eventually, publish_confirmed, purchase, start_daemon, TestE
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
-struct Hit {
-    id: String,
+pub(crate) struct Hit {
+    pub(crate) id: String,
     timestamp: String,
     signature: String,
-    body: String,
+    pub(crate) body: String,
     at: Instant,
 }
 
@@ -33,7 +33,7 @@ impl Hit {
 
 /// How the receiver answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Answer {
+pub(crate) enum Answer {
     Ok,
     /// 500 to the first request of each `webhook-id`, 200 after.
     FailFirst,
@@ -53,14 +53,14 @@ struct Seen {
 }
 
 /// A webhook receiver on 127.0.0.1 that records every request.
-struct Receiver {
+pub(crate) struct Receiver {
     addr: SocketAddr,
     seen: Arc<Mutex<Seen>>,
     answer: Arc<Mutex<Answer>>,
 }
 
 impl Receiver {
-    async fn start(answer: Answer) -> Self {
+    pub(crate) async fn start(answer: Answer) -> Self {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let answer = Arc::new(Mutex::new(answer));
         let (s, a) = (seen.clone(), answer.clone());
@@ -77,11 +77,11 @@ impl Receiver {
         Self { addr, seen, answer }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}/hooks", self.addr)
     }
 
-    fn hits(&self) -> Vec<Hit> {
+    pub(crate) fn hits(&self) -> Vec<Hit> {
         self.seen.lock().unwrap().hits.clone()
     }
 
@@ -152,7 +152,7 @@ async fn receive(
 
 /// Checks a delivery with the official `standardwebhooks` package (PyPI),
 /// as a receiver would. Returns the package's verdict.
-async fn verified_by_the_python_library(secret: &str, hit: &Hit) -> Result<(), String> {
+pub(crate) async fn verified_by_the_python_library(secret: &str, hit: &Hit) -> Result<(), String> {
     let python = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../.services/venv/bin/python"
@@ -233,13 +233,13 @@ async fn shop(env: &TestEnv, name: &str, pools: &str) {
     cli(env, &["shops", "create", "--name", name, "--pools", pools]).await;
 }
 
-fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
+pub(crate) fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
     let mut p = purchase(order, pool);
     p.shop = Some(shop.to_owned());
     p
 }
 
-async fn publisher(env: &TestEnv) -> (lapin::Connection, codepool_broker::Publisher) {
+pub(crate) async fn publisher(env: &TestEnv) -> (lapin::Connection, codepool_broker::Publisher) {
     let conn = codepool_broker::connect(AMQP_URL, "webhooks-test")
         .await
         .unwrap();

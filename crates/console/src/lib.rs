@@ -133,6 +133,16 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             get(pages::shops::list).post(pages::shops::create),
         )
         .route("/console/shops/pools", post(pages::shops::set_pools))
+        .route("/console/shops/{name}", get(pages::shop::show))
+        .route("/console/shops/{name}/webhooks/add", post(pages::shop::add))
+        .route(
+            "/console/shops/{name}/webhooks/toggle",
+            post(pages::shop::toggle),
+        )
+        .route(
+            "/console/shops/{name}/webhooks/replay",
+            post(pages::shop::replay),
+        )
         .route(
             "/console/api-keys",
             get(pages::api_keys::list).post(pages::api_keys::create),

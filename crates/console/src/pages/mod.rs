@@ -9,6 +9,7 @@ pub mod operators;
 pub mod orders;
 pub mod pool;
 pub mod pools;
+pub mod shop;
 pub mod shops;
 pub mod signin;
 

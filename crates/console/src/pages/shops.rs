@@ -56,7 +56,7 @@ async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, F
         p.hint { "A shop's API keys order only from its pools, and see only its orders." }
         table.shops { thead { tr { th { "Name" } th { "Pools" } th { "Created" } th { "Change pools" } } }
             tbody { @for shop in &all { tr data-shop=(shop.name) {
-                td.name { (shop.name) }
+                td.name { a href=(format!("/console/shops/{}", crate::frame::url_part(&shop.name))) { (shop.name) } }
                 td.pools { (shop.pools.join(", ")) }
                 td { (when(shop.created_at)) }
                 td { form.inline method="post" action="/console/shops/pools" {
