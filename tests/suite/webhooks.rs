@@ -91,6 +91,14 @@ impl Receiver {
             .collect()
     }
 
+    /// Every body received matches docs/schemas/webhook-event.schema.json.
+    fn assert_schema(&self) {
+        let schema = crate::schemas::Schema::load("webhook-event");
+        for h in self.hits() {
+            schema.assert_valid(h.body.as_bytes(), "a webhook body");
+        }
+    }
+
     fn set(&self, answer: Answer) {
         *self.answer.lock().unwrap() = answer;
     }
@@ -334,6 +342,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
         !hits.iter().any(|h| h.body.contains("WH-3")),
         "an order of no shop is no shop's webhook"
     );
+    receiver.assert_schema();
 
     // One record per attempt: the failure, then the delivery.
     let out = cli(
@@ -435,6 +444,7 @@ async fn audit(env: &TestEnv) -> Vec<(String, String)> {
 async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
     let env = TestEnv::new("wh_backorder").await;
     env.fill_pool("wb", 1).await;
+    cli(&env, &["pool", "set", "--pool", "wb", "--per-user", "2"]).await;
     shop(&env, "acme", "wb").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
@@ -507,6 +517,15 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
         },
     )
     .await;
+
+    // A refusal by the pool's policy (2 orders per uid) is told too.
+    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-3")).await;
+    assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
+    eventually(Duration::from_secs(20), "HB-3's order.refused", || async {
+        (receiver.of_type("order.refused").iter()).any(|h| h.json()["data"]["order_id"] == "HB-3")
+    })
+    .await;
+    receiver.assert_schema();
     daemon.stop().await;
     api.stop().await;
     env.cleanup().await;

@@ -155,12 +155,14 @@ pub fn pool_event(e: &PoolEvent, shops: &[String]) -> Vec<NewEvent> {
     shops
         .iter()
         .map(|shop| {
-            event(
-                &e.event,
-                &about,
-                shop,
-                json!({"pool": e.pool, "shop": shop, "at": e.at, "unissued": e.unissued, "inserted": e.inserted}),
-            )
+            let mut data = json!({"pool": e.pool, "shop": shop, "at": e.at});
+            if let Some(n) = e.unissued {
+                data["unissued"] = n.into();
+            }
+            if let Some(n) = e.inserted {
+                data["inserted"] = n.into();
+            }
+            event(&e.event, &about, shop, data)
         })
         .collect()
 }
