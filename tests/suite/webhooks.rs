@@ -568,6 +568,41 @@ async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
         audit.iter().any(|(kind, _)| kind == "webhook-rotate"),
         "{audit:?}"
     );
+
+    // A new encryption key and `keys rotate`: secrets and event bodies are
+    // sealed again under it, and still sign and open.
+    let key_ids = |collection: &'static str, field: &'static str| {
+        let env = &env;
+        async move {
+            env.store
+                .database()
+                .collection::<bson::Document>(collection)
+                .distinct(field, bson::doc! {})
+                .await
+                .unwrap()
+        }
+    };
+    let before = key_ids("webhook_endpoints", "secrets.key_id").await;
+    cli(&env, &["keys", "add"]).await;
+    cli(&env, &["keys", "rotate"]).await;
+    let after = key_ids("webhook_endpoints", "secrets.key_id").await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(!before.contains(&after[0]), "{before:?} -> {after:?}");
+    assert_eq!(key_ids("webhook_events", "key_id").await, after);
+    let event = hit.id.clone();
+    cli(
+        &env,
+        &["webhooks", "replay", "--shop", "acme", "--event", &event],
+    )
+    .await;
+    eventually(
+        Duration::from_secs(20),
+        "replayed after the key rotation",
+        || async { receiver.hits().len() >= 2 },
+    )
+    .await;
+    verified_by_the_rust_library(&new, &receiver.hits()[1]).unwrap();
+    assert_eq!(receiver.hits()[1].body, receiver.hits()[0].body);
     daemon.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;

@@ -86,6 +86,18 @@ const COUNTERS: &[(&str, &str)] = &[
         "codepool_hot_candidates_dropped_total",
         "Hot-pool candidates that were never claimable by their order (other_pool, retired, expired, missing): a stale or tampered Redis set.",
     ),
+    (
+        "codepool_webhook_deliveries_total",
+        "Webhook delivery attempts, by outcome (delivered, failed, gone, refused, held).",
+    ),
+    (
+        "codepool_webhook_endpoints_disabled_total",
+        "Webhook endpoints disabled by a delivery, by reason (gone: 410; failing: 5 days without a delivery).",
+    ),
+    (
+        "codepool_webhook_record_failures_total",
+        "Pool events whose webhook events could not be recorded, by event.",
+    ),
 ];
 
 const HISTOGRAMS: &[(&str, &str)] = &[
@@ -97,6 +109,10 @@ const HISTOGRAMS: &[(&str, &str)] = &[
     (
         "codepool_claim_stage_seconds",
         "Where claims spend their time, by stage (pop, refill_short, complete, refill_one, busy_wait, background, refill_lock, candidates_query, candidates_rescan, refill_finish, numbers, claim_write, read_back, scan); stages overlap across concurrent batches.",
+    ),
+    (
+        "codepool_webhook_delivery_seconds",
+        "One webhook attempt, from request to the answer read (at most 15 s).",
     ),
     (
         "codepool_end_to_end_seconds",
@@ -128,6 +144,10 @@ const GAUGES: &[(&str, &str)] = &[
     (
         "codepool_sms_relay_backlog",
         "Grants whose SMS-pending event was never confirmed, found by the relay's last round (at most one round).",
+    ),
+    (
+        "codepool_webhook_oldest_undelivered_seconds",
+        "Age of the oldest webhook delivery still due (0 when none is), checked every 5 s.",
     ),
 ];
 
@@ -189,6 +209,14 @@ pub fn describe() {
     metrics::gauge!("codepool_redis_fallback_active").set(0.0);
     metrics::gauge!("codepool_ready").set(0.0);
     metrics::gauge!("codepool_sms_relay_backlog").set(0.0);
+    for outcome in ["delivered", "failed", "gone", "refused", "held"] {
+        metrics::counter!("codepool_webhook_deliveries_total", "outcome" => outcome).increment(0);
+    }
+    for reason in ["gone", "failing"] {
+        metrics::counter!("codepool_webhook_endpoints_disabled_total", "reason" => reason)
+            .increment(0);
+    }
+    metrics::gauge!("codepool_webhook_oldest_undelivered_seconds").set(0.0);
 }
 
 /// The pools that had backorders waiting at the last sweep, so a pool

@@ -100,6 +100,7 @@ impl Store {
                 .projection(doc! {"_id": 1})
                 .await?
                 .is_some();
+            let used = used || self.webhooks_use_key(id).await?;
             if used {
                 missing.push(id.to_owned());
             } else {
@@ -228,10 +229,11 @@ impl Store {
     /// Codes sealed under a key other than the active one.
     pub async fn count_to_rotate(&self) -> Result<u64, StoreError> {
         let ring = self.keys.ring()?;
-        Ok(self
+        let codes = self
             .collection(CODES)
             .count_documents(doc! {"key_id": {"$exists": true, "$ne": ring.active_id()}})
-            .await?)
+            .await?;
+        Ok(codes + self.webhooks_to_rotate(ring.active_id()).await?)
     }
 
     /// Re-encrypts up to `limit` codes sealed under other keys with the
@@ -247,6 +249,11 @@ impl Store {
             .await?
             .try_collect()
             .await?;
+        if docs.is_empty() {
+            // The codes are done: webhook secrets and event bodies, which
+            // hold codes too, are sealed with the same keys.
+            return self.rotate_webhooks(limit).await;
+        }
         let mut updates = Vec::with_capacity(docs.len());
         for d in &docs {
             let (Some(old_key), Some(old)) = (&d.key_id, &d.code_enc) else {

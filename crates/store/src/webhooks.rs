@@ -643,4 +643,84 @@ impl Store {
             .try_collect()
             .await?)
     }
+
+    /// Whether an endpoint secret or an event body is sealed with `key_id`.
+    pub(crate) async fn webhooks_use_key(&self, key_id: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .collection(EVENTS)
+            .find_one(doc! {"key_id": key_id})
+            .await?
+            .is_some()
+            || self
+                .collection(ENDPOINTS)
+                .find_one(doc! {"secrets.key_id": key_id})
+                .await?
+                .is_some())
+    }
+
+    /// Endpoints and events sealed with a key other than `active`.
+    pub(crate) async fn webhooks_to_rotate(&self, active: &str) -> Result<u64, StoreError> {
+        let events = self
+            .collection(EVENTS)
+            .count_documents(doc! {"key_id": {"$ne": active}})
+            .await?;
+        let endpoints = self
+            .collection(ENDPOINTS)
+            .count_documents(doc! {"secrets.key_id": {"$ne": active}})
+            .await?;
+        Ok(events + endpoints)
+    }
+
+    /// Re-seals up to `limit` endpoints' secrets and events' bodies under
+    /// the active key; returns how many documents changed.
+    pub(crate) async fn rotate_webhooks(&self, limit: i64) -> Result<u64, StoreError> {
+        let ring = self.keys.ring()?;
+        let active = ring.active_id().to_owned();
+        let mut changed = 0;
+        let endpoints: Vec<EndpointDoc> = self
+            .typed::<EndpointDoc>(ENDPOINTS)
+            .find(doc! {"secrets.key_id": {"$ne": &active}})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        for mut e in endpoints {
+            let aad = secret_aad(&e.id);
+            for s in &mut e.secrets {
+                if s.key_id != active {
+                    let old = self.keys.ring_with(&s.key_id)?;
+                    let plain = old.open(&s.key_id, &aad, &s.sealed.bytes)?;
+                    let sealed = ring.seal(&aad, &plain);
+                    s.key_id = sealed.key_id;
+                    s.sealed = binary(sealed.bytes);
+                }
+            }
+            let secrets = bson::to_bson(&e.secrets)
+                .map_err(|err| StoreError::Rejected(format!("secrets do not encode: {err}")))?;
+            self.collection(ENDPOINTS)
+                .update_one(doc! {"_id": &e.id}, doc! {"$set": {"secrets": secrets}})
+                .write_concern(durable())
+                .await?;
+            changed += 1;
+        }
+        let events: Vec<Document> = self
+            .collection(EVENTS)
+            .find(doc! {"key_id": {"$ne": &active}})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        for d in events {
+            let event = self.open_event(&d)?;
+            let sealed = ring.seal(&event_aad(&event.id), &event.body);
+            self.collection(EVENTS)
+                .update_one(
+                    doc! {"_id": &event.id},
+                    doc! {"$set": {"key_id": sealed.key_id, "body": binary(sealed.bytes)}},
+                )
+                .await?;
+            changed += 1;
+        }
+        Ok(changed)
+    }
 }
