@@ -40,10 +40,13 @@ LATENCY_SECONDS=${LATENCY_SECONDS:-10}
 API_ORDERS=${API_ORDERS:-20000}
 API_CLIENTS=${API_CLIENTS:-64}
 API_RATE=${API_RATE:-1000}
+# Webhooks (issue 45): purchases of no shop against the same purchases of a
+# shop with WEBHOOK_ENDPOINTS endpoints subscribed to every event.
+WEBHOOK_ENDPOINTS=${WEBHOOK_ENDPOINTS:-100}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api pools huge import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api webhooks pools huge import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=${CARGO_TARGET_DIR:-target}/release/codepool-bench
@@ -75,6 +78,7 @@ for b in "${which[@]}"; do
 		# the machine too), measured first in the same run.
 		"$bin" --out-dir "$OUT_DIR" latency --rate "100,1000,half" --seconds "$LATENCY_SECONDS"
 		;;
+	webhooks) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --webhook-endpoints "$WEBHOOK_ENDPOINTS" --rounds "$SCALE_ROUNDS" ;;
 	api) "$bin" --out-dir "$OUT_DIR" api --orders "$API_ORDERS" --clients "$API_CLIENTS" --rate "$API_RATE" --seconds "$LATENCY_SECONDS" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;

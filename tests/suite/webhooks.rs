@@ -13,7 +13,9 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::Value;
 
 use crate::api::{http, json_of, ApiServer};
-use crate::common::{eventually, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL};
+use crate::common::{
+    codepool_ok, eventually, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
+};
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -212,19 +214,9 @@ fn verified_by_the_rust_library(secret: &str, hit: &Hit) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-async fn cli(env: &TestEnv, args: &[&str]) -> String {
-    let out = env.command(args).output().await.unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Adds an endpoint for `shop`; returns its id and secret.
 async fn add_endpoint(env: &TestEnv, shop: &str, url: &str, events: &str) -> (String, String) {
-    let out = cli(
+    let out = codepool_ok(
         env,
         &[
             "webhooks", "add", "--shop", shop, "--url", url, "--events", events, "--json",
@@ -238,7 +230,7 @@ async fn add_endpoint(env: &TestEnv, shop: &str, url: &str, events: &str) -> (St
 }
 
 async fn shop(env: &TestEnv, name: &str, pools: &str) {
-    cli(env, &["shops", "create", "--name", name, "--pools", pools]).await;
+    codepool_ok(env, &["shops", "create", "--name", name, "--pools", pools]).await;
 }
 
 pub(crate) fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
@@ -345,7 +337,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
     receiver.assert_schema();
 
     // One record per attempt: the failure, then the delivery.
-    let out = cli(
+    let out = codepool_ok(
         &env,
         &["webhooks", "deliveries", "--id", &endpoint, "--json"],
     )
@@ -372,7 +364,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
 
     // A void is told too, and a replay sends an event again, same id, audited.
     receiver.set(Answer::Ok);
-    cli(&env, &["void", "--order", "WH-1", "--reason", "refund"]).await;
+    codepool_ok(&env, &["void", "--order", "WH-1", "--reason", "refund"]).await;
     eventually(
         Duration::from_secs(20),
         "order.voided delivered",
@@ -384,7 +376,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
     assert_eq!(voided["data"]["reason"], "refund");
     let granted_id = hits[0].id.clone();
     let before = receiver.hits().len();
-    cli(
+    codepool_ok(
         &env,
         &[
             "webhooks",
@@ -444,11 +436,11 @@ async fn audit(env: &TestEnv) -> Vec<(String, String)> {
 async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
     let env = TestEnv::new("wh_backorder").await;
     env.fill_pool("wb", 1).await;
-    cli(&env, &["pool", "set", "--pool", "wb", "--per-user", "2"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "wb", "--per-user", "2"]).await;
     shop(&env, "acme", "wb").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
-    let key = cli(
+    let key = codepool_ok(
         &env,
         &[
             "api-keys",
@@ -481,7 +473,7 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
 
     let mut csv = tempfile::NamedTempFile::new().unwrap();
     std::io::Write::write_all(&mut csv, b"code\nWB-NEW-0001\nWB-NEW-0002\n").unwrap();
-    cli(
+    codepool_ok(
         &env,
         &["import", csv.path().to_str().unwrap(), "--pool", "wb"],
     )
@@ -538,7 +530,7 @@ async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
     shop(&env, "acme", "wr").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (endpoint, old) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
-    let out = cli(&env, &["webhooks", "rotate-secret", "--id", &endpoint]).await;
+    let out = codepool_ok(&env, &["webhooks", "rotate-secret", "--id", &endpoint]).await;
     let new = (out.split_whitespace())
         .find(|w| w.starts_with("whsec_"))
         .expect("the new secret is printed")
@@ -583,14 +575,14 @@ async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
         }
     };
     let before = key_ids("webhook_endpoints", "secrets.key_id").await;
-    cli(&env, &["keys", "add"]).await;
-    cli(&env, &["keys", "rotate"]).await;
+    codepool_ok(&env, &["keys", "add"]).await;
+    codepool_ok(&env, &["keys", "rotate"]).await;
     let after = key_ids("webhook_endpoints", "secrets.key_id").await;
     assert_eq!(after.len(), 1, "{after:?}");
     assert!(!before.contains(&after[0]), "{before:?} -> {after:?}");
     assert_eq!(key_ids("webhook_events", "key_id").await, after);
     let event = hit.id.clone();
-    cli(
+    codepool_ok(
         &env,
         &["webhooks", "replay", "--shop", "acme", "--event", &event],
     )
@@ -648,7 +640,7 @@ async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_deliver
             "{url}: {err}"
         );
     }
-    let listed = cli(&env, &["webhooks", "list", "--shop", "acme", "--json"]).await;
+    let listed = codepool_ok(&env, &["webhooks", "list", "--shop", "acme", "--json"]).await;
     assert_eq!(
         serde_json::from_str::<Vec<Value>>(&listed).unwrap().len(),
         0
@@ -667,7 +659,7 @@ async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_deliver
         Duration::from_secs(20),
         "a refused attempt recorded",
         || async {
-            let out = cli(
+            let out = codepool_ok(
                 &env,
                 &["webhooks", "deliveries", "--id", &endpoint, "--json"],
             )
@@ -758,12 +750,12 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
     receiver.set(Answer::Status(410));
     publish_confirmed(&publisher, &[shop_purchase("WL-GONE", "wl", "acme")]).await;
     eventually(Duration::from_secs(20), "the endpoint disabled", || async {
-        let out = cli(&env, &["webhooks", "list", "--shop", "acme", "--json"]).await;
+        let out = codepool_ok(&env, &["webhooks", "list", "--shop", "acme", "--json"]).await;
         let list: Vec<Value> = serde_json::from_str(&out).unwrap();
         list[0]["enabled"] == false
     })
     .await;
-    let out = cli(&env, &["webhooks", "list", "--json"]).await;
+    let out = codepool_ok(&env, &["webhooks", "list", "--json"]).await;
     assert!(out.contains("410"), "the reason says 410: {out}");
     let seen = receiver.hits().len();
     publish_confirmed(&publisher, &[shop_purchase("WL-AFTER", "wl", "acme")]).await;
@@ -776,7 +768,7 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
 
     // Enabled again: what waited for it is delivered.
     receiver.set(Answer::Ok);
-    cli(&env, &["webhooks", "enable", "--id", &endpoint]).await;
+    codepool_ok(&env, &["webhooks", "enable", "--id", &endpoint]).await;
     eventually(
         Duration::from_secs(20),
         "WL-AFTER delivered once enabled",
@@ -810,7 +802,7 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
     let (conn, publisher) = publisher(&env).await;
     publish_confirmed(&publisher, &[shop_purchase("WD-1", "wd", "acme")]).await;
     eventually(Duration::from_secs(20), "the endpoint disabled", || async {
-        let out = cli(&env, &["webhooks", "list", "--json"]).await;
+        let out = codepool_ok(&env, &["webhooks", "list", "--json"]).await;
         out.contains("failed for 5 days")
     })
     .await;

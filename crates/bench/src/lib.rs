@@ -13,6 +13,7 @@ pub mod api;
 pub mod claim;
 pub mod crypto;
 pub mod dispatch;
+pub mod hooks;
 pub mod import;
 pub mod inproc;
 pub mod latency;

@@ -65,6 +65,8 @@ struct Side {
     /// Every round uses these same pools (the huge pool: too slow to fill
     /// once per round, and large enough for all of them).
     shared: bool,
+    /// The shop the purchases name (its webhook endpoints subscribed).
+    shop: Option<&'static str>,
 }
 
 impl Side {
@@ -269,7 +271,22 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
         purchases: vec![0; n],
         pools: vec![(format!("{tag}-pool"), size)],
         shared: false,
+        shop: None,
     };
+    if let Some(endpoints) = args.scale.webhook_endpoints {
+        let hooks = Side {
+            what: format!("{n} purchases of a shop with {endpoints} webhook endpoints"),
+            shop: Some(crate::hooks::SHOP),
+            ..single("hooks", with_headroom(n))
+        };
+        let name = format!("dispatch-webhooks-{endpoints}");
+        return (
+            single("none", with_headroom(n)),
+            hooks,
+            name,
+            crate::hooks::TARGET,
+        );
+    }
     if let Some(size) = args.scale.pool_size {
         let name = format!("dispatch-pool-size-{size}");
         let small = single("small", with_headroom(n));
@@ -300,6 +317,7 @@ fn sides(args: &DispatchBenchArgs, n: usize) -> (Side, Side, String, f64) {
             .map(|k| (format!("many-{k:05}"), size(k)))
             .collect(),
         shared: false,
+        shop: None,
     };
     let mut name = format!("dispatch-pools-{pools}-{spread:?}").to_lowercase();
     let single_size = if cold {
@@ -377,9 +395,13 @@ async fn run_side(
     let events_before = depth(conn, &cfg.topology().sms_pending).await?;
     eprintln!("{tag}: preloading {n} purchases …");
     let publisher = Publisher::new(conn, scratch.cfg.topology()).await?;
+    if let (Some(shop), Some(endpoints)) = (side.shop, args.scale.webhook_endpoints) {
+        crate::hooks::prepare(scratch, shop, endpoints).await?;
+    }
     inproc::preload(n, |i| {
         let pool = &side.pools[side.purchases[i]].0;
-        let p = inproc::purchase(&tag, pool, i);
+        let mut p = inproc::purchase(&tag, pool, i);
+        p.shop = side.shop.map(str::to_owned);
         let publisher = publisher.clone();
         async move { Ok(publisher.publish_purchase(&p).await?) }
     })
@@ -393,7 +415,15 @@ async fn run_side(
     let stages_before = stage_metrics();
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(n as u64).await?;
-    let stages = stages(&stages_before, &stage_metrics());
+    let mut stages = stages(&stages_before, &stage_metrics());
+    if side.shop.is_some() {
+        // What the run's webhooks came to, then a clean slate for the
+        // next run: the other side must not deliver this side's backlog.
+        let hooks = crate::hooks::settle(scratch).await?;
+        if let Some(o) = stages.as_object_mut() {
+            o.insert("webhooks".into(), hooks);
+        }
+    }
     let redis_after = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     // Let the acks of the last batch land before counting what is left.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -587,6 +617,14 @@ fn print_side(side: &Side, run: &Run) {
         stage_line.join(", "),
         stages["counters"]
     );
+    if let Some(h) = stages.get("webhooks") {
+        println!(
+            "        webhooks: {} events recorded and {} deliveries during the run; then {:.0} deliveries/s catching up",
+            h["events_recorded"],
+            h["deliveries_during_run"],
+            h["catch_up_deliveries_per_second"].as_f64().unwrap_or(0.0)
+        );
+    }
 }
 
 #[cfg(test)]

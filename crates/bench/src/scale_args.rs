@@ -30,6 +30,11 @@ pub struct ScaleArgs {
     /// Codes in each pool with `--cold`.
     #[arg(long, default_value_t = 125, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub codes_per_pool: u64,
+    /// Compare orders of no shop with the same orders of a shop whose
+    /// this many webhook endpoints are subscribed to every event (issue
+    /// 45: webhooks must not slow grants).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    pub webhook_endpoints: Option<u32>,
     /// Alternate the two sides this many times and judge the median ratio.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub rounds: u32,
@@ -37,6 +42,8 @@ pub struct ScaleArgs {
 
 impl ScaleArgs {
     pub fn is_scale_run(&self) -> bool {
-        self.pools.is_some_and(|p| p > 1) || self.pool_size.is_some()
+        self.pools.is_some_and(|p| p > 1)
+            || self.pool_size.is_some()
+            || self.webhook_endpoints.is_some()
     }
 }

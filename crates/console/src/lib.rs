@@ -133,16 +133,7 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             get(pages::shops::list).post(pages::shops::create),
         )
         .route("/console/shops/pools", post(pages::shops::set_pools))
-        .route("/console/shops/{name}", get(pages::shop::show))
-        .route("/console/shops/{name}/webhooks/add", post(pages::shop::add))
-        .route(
-            "/console/shops/{name}/webhooks/toggle",
-            post(pages::shop::toggle),
-        )
-        .route(
-            "/console/shops/{name}/webhooks/replay",
-            post(pages::shop::replay),
-        )
+        .merge(shop_routes())
         .route(
             "/console/api-keys",
             get(pages::api_keys::list).post(pages::api_keys::create),
@@ -161,6 +152,21 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
         .merge(upload)
         .layer(middleware::from_fn(guard_headers))
         .with_state(console)
+}
+
+/// One shop's page and its webhook forms.
+fn shop_routes() -> Router<Arc<Console>> {
+    Router::new()
+        .route("/console/shops/{name}", get(pages::shop::show))
+        .route("/console/shops/{name}/webhooks/add", post(pages::shop::add))
+        .route(
+            "/console/shops/{name}/webhooks/toggle",
+            post(pages::shop::toggle),
+        )
+        .route(
+            "/console/shops/{name}/webhooks/replay",
+            post(pages::shop::replay),
+        )
 }
 
 /// The headers every console response carries: the CSP, no sniffing, no

@@ -80,6 +80,32 @@ pub(crate) fn is_transient_code(code: i32) -> bool {
 /// E11000: a unique index said no.
 pub(crate) const DUPLICATE_KEY: i32 = 11000;
 
+/// What an unordered `insert_many` that failed refused: `Ok` with the
+/// documents a unique index refused (they were there already), an error
+/// for anything else (a write concern not met, another refusal).
+pub(crate) fn duplicates_only(
+    e: mongodb::error::Error,
+) -> Result<Vec<mongodb::error::IndexedWriteError>, StoreError> {
+    let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
+        return Err(e.into());
+    };
+    if let Some(wce) = &failure.write_concern_error {
+        return Err(StoreError::Unavailable(format!(
+            "write concern not satisfied: {}",
+            wce.message
+        )));
+    }
+    let errors = failure.write_errors.clone().unwrap_or_default();
+    if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
+        return Err(if is_transient_code(other.code) {
+            StoreError::Unavailable(other.message.clone())
+        } else {
+            StoreError::Rejected(other.message.clone())
+        });
+    }
+    Ok(errors)
+}
+
 pub(crate) fn is_duplicate_key(e: &mongodb::error::Error) -> bool {
     match e.kind.as_ref() {
         ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == DUPLICATE_KEY,

@@ -9,11 +9,10 @@
 
 use bson::{doc, spec::BinarySubtype, Binary, Bson, DateTime, Document};
 use futures::TryStreamExt;
-use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{is_transient_code, DUPLICATE_KEY};
+use crate::error::duplicates_only;
 use crate::{durable, Store, StoreError};
 
 pub const ENDPOINTS: &str = "webhook_endpoints";
@@ -154,6 +153,18 @@ pub enum ReplayScope {
     Since(DateTime),
 }
 
+/// Leases, attempt records and task states are bookkeeping, not
+/// decisions: one lost in a crash means one more delivery of an event,
+/// which receivers drop by its `webhook-id`. So they are acknowledged by
+/// the primary alone, without waiting for the journal; events and tasks
+/// themselves are written [`durable`] before the grant flags are removed.
+fn bookkeeping() -> mongodb::options::WriteConcern {
+    mongodb::options::WriteConcern::builder()
+        .w(mongodb::options::Acknowledgment::Nodes(1))
+        .journal(false)
+        .build()
+}
+
 fn event_aad(id: &str) -> Vec<u8> {
     format!("webhook-event:{id}").into_bytes()
 }
@@ -204,26 +215,7 @@ impl Store {
             .await
         {
             Ok(r) => Ok(r.inserted_ids.len() as u64),
-            Err(e) => {
-                let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
-                    return Err(e.into());
-                };
-                if let Some(wce) = &failure.write_concern_error {
-                    return Err(StoreError::Unavailable(format!(
-                        "write concern not satisfied: {}",
-                        wce.message
-                    )));
-                }
-                let errors = failure.write_errors.as_deref().unwrap_or_default();
-                if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
-                    return Err(if is_transient_code(other.code) {
-                        StoreError::Unavailable(other.message.clone())
-                    } else {
-                        StoreError::Rejected(other.message.clone())
-                    });
-                }
-                Ok(total - errors.len() as u64)
-            }
+            Err(e) => Ok(total - duplicates_only(e)?.len() as u64),
         }
     }
 
@@ -494,37 +486,68 @@ impl Store {
         })
     }
 
-    /// Leases the task due first for `lease_ms` to `by`; `None` when no
-    /// task is due. A leased task is nobody else's until the lease ends.
-    pub async fn lease_webhook_task(
+    /// Leases up to `most` of the tasks due first for `lease_ms`, under
+    /// `token` (unique per call): a leased task is nobody else's until the
+    /// lease ends. Three round trips whatever `most` is.
+    pub async fn lease_webhook_tasks(
         &self,
-        by: &str,
+        token: &str,
         lease_ms: i64,
-    ) -> Result<Option<TaskDoc>, StoreError> {
+        most: i64,
+    ) -> Result<Vec<TaskDoc>, StoreError> {
         let now = DateTime::now();
+        let due =
+            doc! {"state": state::PENDING, "next_at": {"$lte": now}, "lease_until": {"$lte": now}};
+        let ids: Vec<Document> = self
+            .collection(TASKS)
+            .find(due.clone())
+            .sort(doc! {"next_at": 1})
+            .projection(doc! {"_id": 1})
+            .limit(most)
+            .await?
+            .try_collect()
+            .await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Bson> = ids
+            .into_iter()
+            .filter_map(|d| d.get("_id").cloned())
+            .collect();
+        let mut filter = due;
+        filter.insert("_id", doc! {"$in": &ids});
+        // Another process may lease some of them between the two steps:
+        // the condition leaves those to it.
+        self.collection(TASKS)
+            .update_many(
+                filter,
+                doc! {"$set": {"lease_until": DateTime::from_millis(now.timestamp_millis() + lease_ms), "lease_by": token}},
+            )
+            .write_concern(bookkeeping())
+            .await?;
+        // By `_id` (its index), then the token: which of them this call won.
         Ok(self
             .typed::<TaskDoc>(TASKS)
-            .find_one_and_update(
-                doc! {"state": state::PENDING, "next_at": {"$lte": now}, "lease_until": {"$lte": now}},
-                doc! {"$set": {"lease_until": DateTime::from_millis(now.timestamp_millis() + lease_ms), "lease_by": by}},
-            )
-            .sort(doc! {"next_at": 1})
-            .return_document(ReturnDocument::After)
+            .find(doc! {"_id": {"$in": ids}, "lease_by": token})
+            .await?
+            .try_collect()
             .await?)
     }
 
-    /// Ends the attempt `by` made on a task it leases, and records the
-    /// attempt. `false` when the lease was lost (another process took the
-    /// task over): nothing is changed then but the attempt record.
+    /// Ends the attempt made on a task leased with [`Store::lease_webhook_tasks`],
+    /// and records the attempt. `false` when the lease was lost (another
+    /// process took the task over): nothing is changed then but the
+    /// attempt record.
     pub async fn end_webhook_attempt(
         &self,
         task: &TaskDoc,
-        by: &str,
         end: TaskEnd,
         attempt: &AttemptDoc,
     ) -> Result<bool, StoreError> {
+        let by = task.lease_by.as_deref().unwrap_or_default();
         self.typed::<AttemptDoc>(ATTEMPTS)
             .insert_one(attempt)
+            .write_concern(bookkeeping())
             .await?;
         let now = DateTime::now();
         let set = match end {
@@ -542,6 +565,7 @@ impl Store {
                 doc! {"_id": &task.id, "lease_by": by, "attempts": task.attempts},
                 doc! {"$set": set, "$inc": {"attempts": inc}, "$unset": {"lease_by": ""}},
             )
+            .write_concern(bookkeeping())
             .await?;
         Ok(r.matched_count == 1)
     }

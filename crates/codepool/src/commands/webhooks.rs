@@ -5,6 +5,7 @@
 use clap::{Args, Subcommand};
 use codepool_issuance::webhooks::{self, guard::AllowHosts};
 use codepool_store::webhooks::{AttemptDoc, EndpointDoc};
+use codepool_store::Store;
 
 use crate::config::Config;
 
@@ -187,56 +188,15 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
             url,
             events,
             json,
-        } => {
-            let actor = super::actor("webhooks add");
-            let added = webhooks::add(
-                &store,
-                &shop,
-                &url,
-                &events,
-                &AllowHosts::from_env(),
-                &actor,
-            )
-            .await?;
-            if json {
-                let mut v = endpoint_json(&added.endpoint);
-                v["secret"] = added.secret.clone().into();
-                say_json!(serde_json::to_string_pretty(&v)?);
-            } else {
-                say!(
-                    "added webhook {} for shop {:?}: {} ({})",
-                    added.endpoint.id,
-                    shop,
-                    added.endpoint.url,
-                    added.endpoint.events.join(",")
-                );
-                say!(
-                    "secret (shown once; verify webhook-signature with it): {}",
-                    added.secret
-                );
-            }
-        }
+        } => add(&store, &shop, &url, &events, json).await?,
         WebhooksCommand::List { shop, json } => {
             print_endpoints(&store.webhook_endpoints(shop.as_deref()).await?, json)?
         }
-        WebhooksCommand::Disable { id } => {
-            let e = webhooks::set_enabled(&store, &id, false, &super::actor("webhooks disable"))
-                .await?;
-            say!("webhook {} of shop {:?} disabled; its events wait until `codepool webhooks enable --id {}`", e.id, e.shop, e.id);
-        }
-        WebhooksCommand::Enable { id } => {
-            let e =
-                webhooks::set_enabled(&store, &id, true, &super::actor("webhooks enable")).await?;
-            say!(
-                "webhook {} of shop {:?} enabled; what waited for it is due now",
-                e.id,
-                e.shop
-            );
-        }
+        WebhooksCommand::Disable { id } => set_enabled(&store, &id, false).await?,
+        WebhooksCommand::Enable { id } => set_enabled(&store, &id, true).await?,
         WebhooksCommand::RotateSecret { id } => {
-            let secret =
-                webhooks::rotate_secret(&store, &id, &super::actor("webhooks rotate-secret"))
-                    .await?;
+            let actor = super::actor("webhooks rotate-secret");
+            let secret = webhooks::rotate_secret(&store, &id, &actor).await?;
             say!("new secret for webhook {id} (shown once): {secret}");
             say!("deliveries carry both signatures for 24 hours; switch the receiver to the new secret within that time");
         }
@@ -249,9 +209,8 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
             if let Some(id) = &id {
                 webhooks::endpoint(&store, id, shop.as_deref()).await?;
             }
-            let list =
-                webhooks::deliveries(&store, shop.as_deref(), id.as_deref(), limit.clamp(1, 1000))
-                    .await?;
+            let limit = limit.clamp(1, 1000);
+            let list = webhooks::deliveries(&store, shop.as_deref(), id.as_deref(), limit).await?;
             print_attempts(&list, json)?
         }
         WebhooksCommand::Replay {
@@ -260,18 +219,53 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
             since,
             id,
         } => {
-            let what = event.or(since).unwrap_or_default();
-            let scope = webhooks::replay_scope(&what)?;
-            let due = webhooks::replay(
-                &store,
-                &shop,
-                &scope,
-                id.as_deref(),
-                &super::actor("webhooks replay"),
-            )
-            .await?;
+            let scope = webhooks::replay_scope(&event.or(since).unwrap_or_default())?;
+            let actor = super::actor("webhooks replay");
+            let due = webhooks::replay(&store, &shop, &scope, id.as_deref(), &actor).await?;
             say!("{due} deliveries due again for shop {shop:?}");
         }
     }
     Ok(crate::exit::OK)
+}
+
+async fn add(store: &Store, shop: &str, url: &str, events: &str, json: bool) -> anyhow::Result<()> {
+    let actor = super::actor("webhooks add");
+    let added = webhooks::add(store, shop, url, events, &AllowHosts::from_env(), &actor).await?;
+    let e = &added.endpoint;
+    if json {
+        let mut v = endpoint_json(e);
+        v["secret"] = added.secret.clone().into();
+        say_json!(serde_json::to_string_pretty(&v)?);
+    } else {
+        say!(
+            "added webhook {} for shop {shop:?}: {} ({})",
+            e.id,
+            e.url,
+            e.events.join(",")
+        );
+        say!(
+            "secret (shown once; verify webhook-signature with it): {}",
+            added.secret
+        );
+    }
+    Ok(())
+}
+
+async fn set_enabled(store: &Store, id: &str, on: bool) -> anyhow::Result<()> {
+    let command = if on {
+        "webhooks enable"
+    } else {
+        "webhooks disable"
+    };
+    let e = webhooks::set_enabled(store, id, on, &super::actor(command)).await?;
+    if on {
+        say!(
+            "webhook {} of shop {:?} enabled; what waited for it is due now",
+            e.id,
+            e.shop
+        );
+    } else {
+        say!("webhook {} of shop {:?} disabled; its events wait until `codepool webhooks enable --id {}`", e.id, e.shop, e.id);
+    }
+    Ok(())
 }

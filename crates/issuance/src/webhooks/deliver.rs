@@ -9,7 +9,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use codepool_store::webhooks::{AttemptDoc, EndpointDoc, TaskDoc, TaskEnd};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use codepool_store::webhooks::{AttemptDoc, EndpointDoc, Event, TaskDoc, TaskEnd};
 use codepool_store::{Store, StoreError};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -49,10 +52,75 @@ pub const RESPONSE_KEPT: usize = 1024;
 const IN_FLIGHT: usize = 16;
 
 /// Grant flags staged per round.
-const STAGE_LIMIT: i64 = 500;
+const STAGE_LIMIT: i64 = 100;
+
+/// How long an endpoint read (its state, its secrets) is trusted.
+const CACHED_FOR: Duration = Duration::from_secs(1);
+/// How long an opened event is kept, and how many at most.
+const EVENT_CACHED_FOR: Duration = Duration::from_secs(60);
+const EVENTS_CACHED: usize = 10_000;
 
 /// How often an idle deliverer looks for work.
 const IDLE: Duration = Duration::from_millis(200);
+
+/// Grants come first: while this process is granting (a code issued in
+/// the last [`BUSY_FOR`]), webhooks go at a trickle — this many
+/// attempts in flight, and staging at most every [`BUSY_STAGE_EVERY`], this
+/// many grants at a time — and catch up when granting pauses. Nothing is
+/// lost meanwhile: the flags and tasks wait in MongoDB.
+const BUSY_IN_FLIGHT: usize = 2;
+const BUSY_STAGE_LIMIT: i64 = 10;
+const BUSY_STAGE_EVERY: Duration = Duration::from_secs(1);
+
+/// How long after its last grant a process counts as granting.
+const BUSY_FOR: Duration = Duration::from_secs(1);
+
+/// How long a deliverer with every attempt slot taken waits to look again.
+const FULL: Duration = Duration::from_millis(5);
+
+/// Whether this process is granting, and when it may stage next.
+struct Pace {
+    issued: u64,
+    granted_at: Instant,
+    staged_at: Instant,
+}
+
+impl Pace {
+    fn new() -> Self {
+        Self {
+            issued: crate::telemetry::issued_codes(),
+            // A process that just started is likely draining a backlog: it
+            // counts as granting until it has seen a quiet [`BUSY_FOR`].
+            granted_at: Instant::now(),
+            staged_at: Instant::now() - BUSY_STAGE_EVERY,
+        }
+    }
+
+    /// A code issued in the last [`BUSY_FOR`].
+    fn busy(&mut self) -> bool {
+        let issued = crate::telemetry::issued_codes();
+        if issued != self.issued {
+            self.issued = issued;
+            self.granted_at = Instant::now();
+        }
+        self.granted_at.elapsed() < BUSY_FOR
+    }
+
+    /// How many grants to stage now: none while tasks are still due, a
+    /// few at most every [`BUSY_STAGE_EVERY`] while granting.
+    fn stage_limit(&mut self, busy: bool, nothing_due: bool) -> i64 {
+        let limit = match (busy, nothing_due) {
+            (_, false) => 0,
+            (false, true) => STAGE_LIMIT,
+            (true, true) if self.staged_at.elapsed() >= BUSY_STAGE_EVERY => BUSY_STAGE_LIMIT,
+            (true, true) => 0,
+        };
+        if limit > 0 {
+            self.staged_at = Instant::now();
+        }
+        limit
+    }
+}
 
 /// See the module documentation.
 pub struct Deliverer {
@@ -62,6 +130,10 @@ pub struct Deliverer {
     /// This process, in leases and attempt records.
     me: String,
     slots: Arc<Semaphore>,
+    /// Lease batches taken, for each batch's token.
+    leases: std::sync::atomic::AtomicU64,
+    endpoints: Mutex<HashMap<String, (Instant, Arc<(EndpointDoc, Vec<String>)>)>>,
+    events: Mutex<HashMap<String, (Instant, Arc<Event>)>>,
 }
 
 /// What one attempt came to.
@@ -96,6 +168,9 @@ impl Deliverer {
             allow,
             me,
             slots: Arc::new(Semaphore::new(IN_FLIGHT)),
+            leases: std::sync::atomic::AtomicU64::new(0),
+            endpoints: Mutex::new(HashMap::new()),
+            events: Mutex::new(HashMap::new()),
         })
     }
 
@@ -103,24 +178,45 @@ impl Deliverer {
     /// (each within [`ATTEMPT_TIMEOUT`]).
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut last_gauge = Instant::now() - Duration::from_secs(60);
+        let mut pace = Pace::new();
         while !stop.is_cancelled() {
-            let staged = match super::stage_grants(&self.store, STAGE_LIMIT).await {
-                Ok(n) => n,
-                Err(e) => {
-                    debug!(error = %e, "webhook staging waits for MongoDB");
-                    0
-                }
+            let busy = pace.busy();
+            let most = if busy { BUSY_IN_FLIGHT } else { IN_FLIGHT };
+            let room = most.saturating_sub(IN_FLIGHT - self.slots.available_permits());
+            // Leased in batches of at least half the slots: a lease costs
+            // three round trips however many it takes.
+            let batch = room >= most.div_ceil(2);
+            let leased = match batch {
+                false => 0,
+                true => self.deliver_due(room).await,
             };
-            let leased = self.deliver_due().await;
+            // Staged only once what is due is delivered: events wait as
+            // flags rather than as tasks nobody can take yet.
+            let staged = match pace.stage_limit(busy, batch && leased < room) {
+                0 => 0,
+                limit => super::stage_grants(&self.store, limit)
+                    .await
+                    .unwrap_or_else(|e| {
+                        debug!(error = %e, "webhook staging waits for MongoDB");
+                        0
+                    }),
+            };
             if last_gauge.elapsed() >= Duration::from_secs(5) {
                 last_gauge = Instant::now();
                 self.gauge_oldest().await;
             }
-            if staged == 0 && leased == 0 {
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(IDLE) => {}
-                }
+            // Granting, or nothing to do: look again later. Every slot
+            // taken: as soon as half are free again.
+            let wait = if busy || (batch && leased == 0 && staged == 0) {
+                IDLE
+            } else if !batch {
+                FULL
+            } else {
+                continue;
+            };
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
         let _ = tokio::time::timeout(
@@ -130,24 +226,32 @@ impl Deliverer {
         .await;
     }
 
-    /// Leases due tasks while attempt slots are free and starts their
+    /// Leases up to `room` due tasks, in one batch, and starts their
     /// attempts. Returns how many it leased.
-    pub async fn deliver_due(self: &Arc<Self>) -> usize {
-        let mut leased = 0;
-        while let Ok(permit) = self.slots.clone().try_acquire_owned() {
-            let task = match self
-                .store
-                .lease_webhook_task(&self.me, LEASE.as_millis() as i64)
-                .await
-            {
-                Ok(Some(t)) => t,
-                Ok(None) => break,
-                Err(e) => {
-                    debug!(error = %e, "webhook tasks wait for MongoDB");
-                    break;
-                }
+    pub async fn deliver_due(self: &Arc<Self>, room: usize) -> usize {
+        let token = format!(
+            "{}:{}",
+            self.me,
+            self.leases
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let tasks = match self
+            .store
+            .lease_webhook_tasks(&token, LEASE.as_millis() as i64, room as i64)
+            .await
+        {
+            Ok(t) => t,
+            Err(e) => {
+                debug!(error = %e, "webhook tasks wait for MongoDB");
+                return 0;
+            }
+        };
+        let leased = tasks.len();
+        for task in tasks {
+            // Leased within `room`: a permit is free for each.
+            let Ok(permit) = self.slots.clone().acquire_owned().await else {
+                break;
             };
-            leased += 1;
             let me = self.clone();
             tokio::spawn(async move {
                 if let Err(e) = me.attempt(&task).await {
@@ -158,6 +262,62 @@ impl Deliverer {
             });
         }
         leased
+    }
+
+    /// An endpoint and its secrets that sign now, read at most every
+    /// [`CACHED_FOR`]: 100 endpoints of one shop share each event, and a
+    /// change (disable, rotate) holds within that time. A disabled endpoint
+    /// is always read again: it may have just been enabled, its held tasks
+    /// made due.
+    async fn endpoint(
+        &self,
+        id: &str,
+    ) -> Result<Option<Arc<(EndpointDoc, Vec<String>)>>, StoreError> {
+        if let Some((at, e)) = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+        {
+            if at.elapsed() < CACHED_FOR && e.0.enabled {
+                return Ok(Some(e.clone()));
+            }
+        }
+        let Some(endpoint) = self.store.webhook_endpoint(id).await? else {
+            return Ok(None);
+        };
+        let secrets = self.store.open_webhook_secrets(&endpoint)?;
+        let e = Arc::new((endpoint, secrets));
+        let mut cache = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        cache.retain(|_, (at, _)| at.elapsed() < CACHED_FOR);
+        cache.insert(id.to_owned(), (Instant::now(), e.clone()));
+        Ok(Some(e))
+    }
+
+    /// An event, its body opened, kept a while: every endpoint of the
+    /// shop delivers the same one.
+    async fn event(&self, id: &str) -> Result<Option<Arc<Event>>, StoreError> {
+        if let Some((_, e)) = self
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+        {
+            return Ok(Some(e.clone()));
+        }
+        let Some(event) = self.store.webhook_event(id).await? else {
+            return Ok(None);
+        };
+        let e = Arc::new(event);
+        let mut cache = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= EVENTS_CACHED {
+            cache.retain(|_, (at, _)| at.elapsed() < EVENT_CACHED_FOR);
+            if cache.len() >= EVENTS_CACHED {
+                cache.clear();
+            }
+        }
+        cache.insert(id.to_owned(), (Instant::now(), e.clone()));
+        Ok(Some(e))
     }
 
     async fn gauge_oldest(&self) {
@@ -174,7 +334,7 @@ impl Deliverer {
 
     /// One attempt of one leased task, recorded.
     async fn attempt(&self, task: &TaskDoc) -> Result<(), StoreError> {
-        let Some(endpoint) = self.store.webhook_endpoint(&task.endpoint).await? else {
+        let Some(cached) = self.endpoint(&task.endpoint).await? else {
             return self
                 .end(
                     task,
@@ -184,6 +344,7 @@ impl Deliverer {
                 )
                 .await;
         };
+        let (endpoint, secrets) = &*cached;
         if !endpoint.enabled {
             return self
                 .end(
@@ -194,7 +355,7 @@ impl Deliverer {
                 )
                 .await;
         }
-        let Some(event) = self.store.webhook_event(&task.event).await? else {
+        let Some(event) = self.event(&task.event).await? else {
             return self
                 .end(
                     task,
@@ -204,13 +365,12 @@ impl Deliverer {
                 )
                 .await;
         };
-        let secrets = self.store.open_webhook_secrets(&endpoint)?;
         let started = Instant::now();
-        let v = self.post(&endpoint, &event.id, &event.body, &secrets).await;
+        let v = self.post(endpoint, &event.id, &event.body, secrets).await;
         let latency = started.elapsed();
         metrics::histogram!("codepool_webhook_delivery_seconds").record(latency.as_secs_f64());
         metrics::counter!("codepool_webhook_deliveries_total", "outcome" => v.outcome).increment(1);
-        let end = self.judge(task, &endpoint, &v).await?;
+        let end = self.judge(task, endpoint, &v).await?;
         if v.outcome == "delivered" {
             debug!(event = %event.id, endpoint = %endpoint.id, "webhook delivered");
         } else {
@@ -284,10 +444,15 @@ impl Deliverer {
         v: &Verdict,
     ) -> Result<TaskEnd, StoreError> {
         let delivered = v.outcome == "delivered";
-        let since = self
-            .store
-            .note_webhook_result(&endpoint.id, delivered)
-            .await?;
+        if delivered {
+            // A streak to end (as the endpoint was last read): one write,
+            // not one per delivery.
+            if endpoint.failing_since.is_some() {
+                self.store.note_webhook_result(&endpoint.id, true).await?;
+            }
+            return Ok(TaskEnd::Delivered);
+        }
+        let since = self.store.note_webhook_result(&endpoint.id, false).await?;
         if delivered {
             return Ok(TaskEnd::Delivered);
         }
@@ -349,11 +514,7 @@ impl Deliverer {
             response: v.response,
             by: self.me.clone(),
         };
-        if !self
-            .store
-            .end_webhook_attempt(task, &self.me, end, &attempt)
-            .await?
-        {
+        if !self.store.end_webhook_attempt(task, end, &attempt).await? {
             debug!(task = %task.id, "webhook task's lease ran out before its attempt ended");
         }
         Ok(())

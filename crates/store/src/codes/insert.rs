@@ -115,23 +115,7 @@ impl Store {
                 Vec::new(),
             )),
             Err(e) => {
-                let ErrorKind::InsertMany(failure) = e.kind.as_ref() else {
-                    return Err(e.into());
-                };
-                if let Some(wce) = &failure.write_concern_error {
-                    return Err(StoreError::Unavailable(format!(
-                        "write concern not satisfied: {}",
-                        wce.message
-                    )));
-                }
-                let errors = failure.write_errors.as_deref().unwrap_or_default();
-                if let Some(other) = errors.iter().find(|w| w.code != DUPLICATE_KEY) {
-                    return Err(if is_transient_code(other.code) {
-                        StoreError::Unavailable(other.message.clone())
-                    } else {
-                        StoreError::Rejected(other.message.clone())
-                    });
-                }
+                let errors = duplicates_only(e)?;
                 let duplicates = errors.len() as u64;
                 // The server names the index that refused a document.
                 let by_fold = errors

@@ -12,13 +12,12 @@ use bson::oid::ObjectId;
 use bson::{doc, Binary, Bson, DateTime, Document};
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, SmsEvent, SmsRecord, Transition};
 use futures::TryStreamExt;
-use mongodb::error::ErrorKind;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
 use crate::across::PoolOrder;
 use crate::crypto::{binary, open_code, sealed_fields};
-use crate::error::{is_duplicate_key, is_transient_code, DUPLICATE_KEY};
+use crate::error::{duplicates_only, is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
 
 pub use crate::collections::CODES;
