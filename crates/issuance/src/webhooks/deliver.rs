@@ -132,9 +132,15 @@ pub struct Deliverer {
     slots: Arc<Semaphore>,
     /// Lease batches taken, for each batch's token.
     leases: std::sync::atomic::AtomicU64,
-    endpoints: Mutex<HashMap<String, (Instant, Arc<(EndpointDoc, Vec<String>)>)>>,
+    endpoints: Mutex<HashMap<String, CachedEndpoint>>,
     events: Mutex<HashMap<String, (Instant, Arc<Event>)>>,
 }
+
+/// An endpoint and the secrets that sign for it now.
+type Signing = (EndpointDoc, Vec<String>);
+
+/// When an endpoint was read, and what.
+type CachedEndpoint = (Instant, Arc<Signing>);
 
 /// What one attempt came to.
 struct Verdict {
@@ -269,10 +275,7 @@ impl Deliverer {
     /// change (disable, rotate) holds within that time. A disabled endpoint
     /// is always read again: it may have just been enabled, its held tasks
     /// made due.
-    async fn endpoint(
-        &self,
-        id: &str,
-    ) -> Result<Option<Arc<(EndpointDoc, Vec<String>)>>, StoreError> {
+    async fn endpoint(&self, id: &str) -> Result<Option<Arc<Signing>>, StoreError> {
         if let Some((at, e)) = self
             .endpoints
             .lock()

@@ -64,7 +64,7 @@ pub struct OrderPart<'a> {
 
 /// Groups grants owing webhooks by order and part: each claim of an order
 /// is one event. Grants without a shop owner are left out.
-pub fn parts<'a>(grants: &'a [Grant]) -> BTreeMap<(String, u32), Vec<&'a Grant>> {
+pub fn parts(grants: &[Grant]) -> BTreeMap<(String, u32), Vec<&Grant>> {
     let mut out: BTreeMap<(String, u32), Vec<&Grant>> = BTreeMap::new();
     for g in grants {
         if shop_of(g.owner.as_deref()).is_some() {
