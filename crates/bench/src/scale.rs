@@ -646,6 +646,7 @@ mod tests {
             purchases: vec![0, 1],
             pools: vec![("many-00000".into(), 5), ("many-00001".into(), 5)],
             shared: false,
+            shop: None,
         };
         assert_eq!(side.for_round(0).pools, side.pools);
         let names: Vec<String> = side.for_round(2).pools.into_iter().map(|p| p.0).collect();

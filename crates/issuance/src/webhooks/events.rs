@@ -174,12 +174,12 @@ mod tests {
     #[test]
     fn ids_are_stable_per_subject_and_differ_between_events() {
         assert_eq!(
-            event_id(ORDER_GRANTED, "O-1\00"),
-            event_id(ORDER_GRANTED, "O-1\00")
+            event_id(ORDER_GRANTED, "O-1/0"),
+            event_id(ORDER_GRANTED, "O-1/0")
         );
         assert_ne!(
-            event_id(ORDER_GRANTED, "O-1\00"),
-            event_id(ORDER_GRANTED, "O-1\01")
+            event_id(ORDER_GRANTED, "O-1/0"),
+            event_id(ORDER_GRANTED, "O-1/1")
         );
         assert_ne!(
             event_id(ORDER_GRANTED, "O-1"),
