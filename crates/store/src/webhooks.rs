@@ -264,6 +264,14 @@ impl Store {
             .await?)
     }
 
+    /// The endpoints among `ids`, in one read.
+    pub async fn webhook_endpoints_named(
+        &self,
+        ids: &[&str],
+    ) -> Result<Vec<EndpointDoc>, StoreError> {
+        self.find_in(ENDPOINTS, "_id", ids).await
+    }
+
     /// The endpoints of a shop (every shop's when `None`), oldest first.
     pub async fn webhook_endpoints(
         &self,

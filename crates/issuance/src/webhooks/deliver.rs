@@ -253,6 +253,9 @@ impl Deliverer {
             }
         };
         let leased = tasks.len();
+        if let Err(e) = self.refresh_endpoints(&tasks).await {
+            debug!(error = %e, "webhook endpoints not read; each attempt reads its own");
+        }
         for task in tasks {
             // Leased within `room`: a permit is free for each.
             let Ok(permit) = self.slots.clone().acquire_owned().await else {
@@ -270,9 +273,27 @@ impl Deliverer {
         leased
     }
 
-    /// An endpoint and its secrets that sign now, read at most every
-    /// [`CACHED_FOR`]: 100 endpoints of one shop share each event, and a
-    /// change (disable, rotate) holds within that time. A disabled endpoint
+    /// Reads the endpoints of a leased batch, in one query, so that its
+    /// attempts sign with the secrets and obey the state of the moment
+    /// they were leased (a rotation or a disable just before counts).
+    async fn refresh_endpoints(&self, tasks: &[TaskDoc]) -> Result<(), StoreError> {
+        let mut ids: Vec<&str> = tasks.iter().map(|t| t.endpoint.as_str()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut fresh = Vec::with_capacity(ids.len());
+        for endpoint in self.store.webhook_endpoints_named(&ids).await? {
+            let secrets = self.store.open_webhook_secrets(&endpoint)?;
+            fresh.push((endpoint.id.clone(), Arc::new((endpoint, secrets))));
+        }
+        let mut cache = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        cache.retain(|id, (at, _)| at.elapsed() < CACHED_FOR && !ids.contains(&id.as_str()));
+        let now = Instant::now();
+        cache.extend(fresh.into_iter().map(|(id, e)| (id, (now, e))));
+        Ok(())
+    }
+
+    /// An endpoint and its secrets that sign now: as its batch's lease read
+    /// it ([`Self::refresh_endpoints`]), else read now. A disabled endpoint
     /// is always read again: it may have just been enabled, its held tasks
     /// made due.
     async fn endpoint(&self, id: &str) -> Result<Option<Arc<Signing>>, StoreError> {
