@@ -62,7 +62,7 @@ impl BackorderDoc {
             owner: self.owner.clone(),
             // A shop's order is owned by the shop (`shop:NAME`).
             shop: (self.owner.as_deref())
-                .and_then(|o| o.strip_prefix("shop:"))
+                .and_then(|o| o.strip_prefix(crate::codes::SHOP_OWNER_PREFIX))
                 .map(str::to_owned),
         }
     }

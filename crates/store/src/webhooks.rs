@@ -666,16 +666,6 @@ impl Store {
         Ok(oldest.map(|t| t.created_at))
     }
 
-    /// The tasks of an event, for tests and `webhooks deliveries`.
-    pub async fn webhook_tasks_of(&self, event: &str) -> Result<Vec<TaskDoc>, StoreError> {
-        Ok(self
-            .typed::<TaskDoc>(TASKS)
-            .find(doc! {"event": event})
-            .await?
-            .try_collect()
-            .await?)
-    }
-
     /// Whether an endpoint secret or an event body is sealed with `key_id`.
     pub(crate) async fn webhooks_use_key(&self, key_id: &str) -> Result<bool, StoreError> {
         Ok(self

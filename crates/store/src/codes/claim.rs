@@ -91,6 +91,9 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
         }
     }
     let mut holder = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
+    // A field no holder of the batch sets (no grant numbers, no relay, no
+    // shop's webhook, no owner) costs the server nothing per document.
+    columns.retain(|(_, column)| column.iter().any(|v| *v != Bson::Null));
     for (field, column) in columns {
         let at = doc! {"$arrayElemAt": [{"$literal": column}, "$$i"]};
         holder.insert(field, doc! {"$ifNull": [at, "$$REMOVE"]});
