@@ -104,16 +104,10 @@ pub(crate) async fn replay(
         match serde_json::from_slice(&body) {
             Ok(f) => f,
             Err(e) => {
-                return Problem::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid-body",
-                    "the body is not a replay",
-                    format!(
-                        "send nothing, or {{\"reason\": \"unknown_pool\", \"limit\": 100}} ({e})"
-                    ),
-                )
-                .at(&rid.0)
-                .into_response()
+                let send = r#"nothing, or {"reason": "unknown_pool", "limit": 100}"#;
+                return Problem::invalid_body("a replay", send, &e)
+                    .at(&rid.0)
+                    .into_response();
             }
         }
     };

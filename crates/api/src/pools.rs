@@ -217,15 +217,10 @@ pub(crate) async fn create(
     let name = match serde_json::from_slice::<NewPool>(&body) {
         Ok(b) => b.name,
         Err(e) => {
-            return Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid-body",
-                "the body is not a pool",
-                format!("send {{\"name\": \"game-x\"}} ({e})"),
-            )
-            .field("name")
-            .at(&rid.0)
-            .into_response()
+            return Problem::invalid_body("a pool", r#"{"name": "game-x"}"#, &e)
+                .field("name")
+                .at(&rid.0)
+                .into_response()
         }
     };
     if let Err(e) = Pool::new(&name) {
@@ -286,16 +281,10 @@ pub(crate) async fn settings(
     let s = match serde_json::from_slice::<Settings>(&body) {
         Ok(s) => s,
         Err(e) => {
-            return Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid-body",
-                "the body is not a pool's settings",
-                format!(
-                    "send any of low_stock, grant_prefix, per_user, case_sensitive_codes ({e})"
-                ),
-            )
-            .at(&rid.0)
-            .into_response()
+            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes";
+            return Problem::invalid_body("a pool's settings", send, &e)
+                .at(&rid.0)
+                .into_response();
         }
     };
     let settings = PoolSettings {

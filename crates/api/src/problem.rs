@@ -98,6 +98,17 @@ impl Problem {
         p
     }
 
+    /// 422 `invalid-body`: the body is not `what` this route takes; the
+    /// detail shows what to send, then the parser's words.
+    pub fn invalid_body(what: &str, send: &str, e: &serde_json::Error) -> Self {
+        Self::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-body",
+            &format!("the body is not {what}"),
+            format!("send {send} ({e})"),
+        )
+    }
+
     /// 503: a server codepool needs is away; the request changed nothing
     /// that a retry would repeat.
     pub fn unavailable(e: &dyn std::fmt::Display) -> Self {

@@ -45,16 +45,10 @@ fn shop_failed(e: ShopError, rid: &RequestId) -> Response {
 }
 
 fn bad_body(e: &serde_json::Error, rid: &RequestId) -> Response {
-    Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid-body",
-        "the body is not a shop",
-        format!(
-            "send {{\"name\": \"acme\", \"pools\": [\"game-x\"]}}, or [\"*\"] for every pool ({e})"
-        ),
-    )
-    .at(&rid.0)
-    .into_response()
+    let send = r#"{"name": "acme", "pools": ["game-x"]}, or ["*"] for every pool"#;
+    Problem::invalid_body("a shop", send, e)
+        .at(&rid.0)
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]

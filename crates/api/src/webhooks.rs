@@ -73,17 +73,6 @@ fn failed(e: WebhookError, rid: &RequestId) -> Response {
     p.into_response()
 }
 
-fn bad_body(e: &serde_json::Error, example: &str, rid: &RequestId) -> Response {
-    Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid-body",
-        "the body is not what this route takes",
-        format!("send {example} ({e})"),
-    )
-    .at(&rid.0)
-    .into_response()
-}
-
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NewEndpoint {
@@ -152,7 +141,9 @@ pub(crate) async fn add(
         Ok(b) => b,
         Err(e) => {
             let example = r#"{"shop": "acme", "url": "https://shop.example/hooks", "events": ["order.granted"]}"#;
-            return bad_body(&e, example, &rid);
+            return Problem::invalid_body("a webhook endpoint", example, &e)
+                .at(&rid.0)
+                .into_response();
         }
     };
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks");
@@ -313,7 +304,11 @@ pub(crate) async fn replay(
     let example = r#"{"shop": "acme", "event": "msg_…"} or {"shop": "acme", "since": "2026-11-25T10:00:00Z"}"#;
     let r = match serde_json::from_slice::<Replay>(&body) {
         Ok(b) => b,
-        Err(e) => return bad_body(&e, example, &rid),
+        Err(e) => {
+            return Problem::invalid_body("a replay", example, &e)
+                .at(&rid.0)
+                .into_response()
+        }
     };
     let scope = match r.event.or(r.since).as_deref().map(webhooks::replay_scope) {
         Some(Ok(s)) => s,

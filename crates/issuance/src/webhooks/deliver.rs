@@ -54,8 +54,6 @@ const IN_FLIGHT: usize = 16;
 /// Grant flags staged per round.
 const STAGE_LIMIT: i64 = 100;
 
-/// How long an endpoint read (its state, its secrets) is trusted.
-const CACHED_FOR: Duration = Duration::from_secs(1);
 /// How long an opened event is kept, and how many at most.
 const EVENT_CACHED_FOR: Duration = Duration::from_secs(60);
 const EVENTS_CACHED: usize = 10_000;
@@ -132,15 +130,11 @@ pub struct Deliverer {
     slots: Arc<Semaphore>,
     /// Lease batches taken, for each batch's token.
     leases: std::sync::atomic::AtomicU64,
-    endpoints: Mutex<HashMap<String, CachedEndpoint>>,
     events: Mutex<HashMap<String, (Instant, Arc<Event>)>>,
 }
 
 /// An endpoint and the secrets that sign for it now.
 type Signing = (EndpointDoc, Vec<String>);
-
-/// When an endpoint was read, and what.
-type CachedEndpoint = (Instant, Arc<Signing>);
 
 /// What one attempt came to.
 struct Verdict {
@@ -175,7 +169,6 @@ impl Deliverer {
             me,
             slots: Arc::new(Semaphore::new(IN_FLIGHT)),
             leases: std::sync::atomic::AtomicU64::new(0),
-            endpoints: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
         })
     }
@@ -253,17 +246,23 @@ impl Deliverer {
             }
         };
         let leased = tasks.len();
-        if let Err(e) = self.refresh_endpoints(&tasks).await {
-            debug!(error = %e, "webhook endpoints not read; each attempt reads its own");
-        }
+        let endpoints = match self.endpoints_of(&tasks).await {
+            Ok(e) => e,
+            Err(e) => {
+                // The leases run out and the tasks are due again.
+                debug!(error = %e, "webhook endpoints wait for MongoDB");
+                return 0;
+            }
+        };
         for task in tasks {
             // Leased within `room`: a permit is free for each.
             let Ok(permit) = self.slots.clone().acquire_owned().await else {
                 break;
             };
             let me = self.clone();
+            let endpoint = endpoints.get(&task.endpoint).cloned();
             tokio::spawn(async move {
-                if let Err(e) = me.attempt(&task).await {
+                if let Err(e) = me.attempt(&task, endpoint).await {
                     // The lease runs out and the task is due again.
                     warn!(task = %task.id, error = %e, "webhook attempt not recorded; it will be made again");
                 }
@@ -273,49 +272,22 @@ impl Deliverer {
         leased
     }
 
-    /// Reads the endpoints of a leased batch, in one query, so that its
-    /// attempts sign with the secrets and obey the state of the moment
-    /// they were leased (a rotation or a disable just before counts).
-    async fn refresh_endpoints(&self, tasks: &[TaskDoc]) -> Result<(), StoreError> {
+    /// The endpoints of a leased batch and the secrets that sign for them,
+    /// read in one query when the batch is leased: a rotation, a disable or
+    /// an enable just before holds for it.
+    async fn endpoints_of(
+        &self,
+        tasks: &[TaskDoc],
+    ) -> Result<HashMap<String, Arc<Signing>>, StoreError> {
         let mut ids: Vec<&str> = tasks.iter().map(|t| t.endpoint.as_str()).collect();
         ids.sort_unstable();
         ids.dedup();
-        let mut fresh = Vec::with_capacity(ids.len());
+        let mut out = HashMap::with_capacity(ids.len());
         for endpoint in self.store.webhook_endpoints_named(&ids).await? {
             let secrets = self.store.open_webhook_secrets(&endpoint)?;
-            fresh.push((endpoint.id.clone(), Arc::new((endpoint, secrets))));
+            out.insert(endpoint.id.clone(), Arc::new((endpoint, secrets)));
         }
-        let mut cache = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
-        cache.retain(|id, (at, _)| at.elapsed() < CACHED_FOR && !ids.contains(&id.as_str()));
-        let now = Instant::now();
-        cache.extend(fresh.into_iter().map(|(id, e)| (id, (now, e))));
-        Ok(())
-    }
-
-    /// An endpoint and its secrets that sign now: as its batch's lease read
-    /// it ([`Self::refresh_endpoints`]), else read now. A disabled endpoint
-    /// is always read again: it may have just been enabled, its held tasks
-    /// made due.
-    async fn endpoint(&self, id: &str) -> Result<Option<Arc<Signing>>, StoreError> {
-        if let Some((at, e)) = self
-            .endpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-        {
-            if at.elapsed() < CACHED_FOR && e.0.enabled {
-                return Ok(Some(e.clone()));
-            }
-        }
-        let Some(endpoint) = self.store.webhook_endpoint(id).await? else {
-            return Ok(None);
-        };
-        let secrets = self.store.open_webhook_secrets(&endpoint)?;
-        let e = Arc::new((endpoint, secrets));
-        let mut cache = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
-        cache.retain(|_, (at, _)| at.elapsed() < CACHED_FOR);
-        cache.insert(id.to_owned(), (Instant::now(), e.clone()));
-        Ok(Some(e))
+        Ok(out)
     }
 
     /// An event, its body opened, kept a while: every endpoint of the
@@ -357,8 +329,12 @@ impl Deliverer {
     }
 
     /// One attempt of one leased task, recorded.
-    async fn attempt(&self, task: &TaskDoc) -> Result<(), StoreError> {
-        let Some(cached) = self.endpoint(&task.endpoint).await? else {
+    async fn attempt(
+        &self,
+        task: &TaskDoc,
+        endpoint: Option<Arc<Signing>>,
+    ) -> Result<(), StoreError> {
+        let Some(cached) = endpoint else {
             return self
                 .end(
                     task,

@@ -185,14 +185,12 @@ pub async fn set_enabled(
         .set_webhook_enabled(id, enabled, &reason)
         .await?
         .ok_or_else(|| WebhookError::UnknownEndpoint(id.to_owned()))?;
-    let verb = if enabled { "enabled" } else { "disabled" };
-    audit::record(
-        store,
-        actor,
-        &format!("webhook-{}", &verb[..verb.len() - 1]),
-        format!("webhook {id} of shop {:?} {verb}", after.shop),
-    )
-    .await?;
+    let (kind, done) = match enabled {
+        true => ("webhook-enable", "enabled"),
+        false => ("webhook-disable", "disabled"),
+    };
+    let what = format!("webhook {id} of shop {:?} {done}", after.shop);
+    audit::record(store, actor, kind, what).await?;
     Ok(after)
 }
 
