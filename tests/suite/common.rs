@@ -241,6 +241,8 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
         quantity: 1,
         owner: None,
         shop: None,
+        hold_id: None,
+        items: Vec::new(),
     }
 }
 

@@ -88,6 +88,8 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             quantity: 1,
             owner: None,
             shop: None,
+            hold_id: None,
+            items: Vec::new(),
         },
         Purchase {
             order_id: "-2+3".into(),
@@ -98,6 +100,8 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             quantity: 1,
             owner: None,
             shop: None,
+            hold_id: None,
+            items: Vec::new(),
         },
     ];
     let refs: Vec<&Purchase> = orders.iter().collect();

@@ -14,6 +14,7 @@
 
 mod batcher;
 mod dead_letters;
+mod holds;
 mod imports;
 mod openapi;
 mod orders;
@@ -176,6 +177,8 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(orders::redeem))
         .routes(routes!(orders::void))
         .routes(routes!(orders::resend))
+        .routes(routes!(holds::place))
+        .routes(routes!(holds::read, holds::release))
         .routes(routes!(pools::list, pools::create))
         .routes(routes!(pools::show, pools::settings))
         .routes(routes!(pools::pause))

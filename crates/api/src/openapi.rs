@@ -23,6 +23,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
     ),
     tags(
         (name = "orders", description = "Place an order, read it, redeem, void, resend"),
+        (name = "holds", description = "Checkout holds: codes set aside while a buyer pays, shown to no one, turned into the order's codes by `POST /v1/orders` with `hold_id`"),
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
         (name = "shops", description = "Shops: the pools each may order from (admin)"),
@@ -47,18 +48,75 @@ pub(crate) struct PurchaseIn {
     /// E.164 phone number the codes are texted to.
     #[schema(example = "+8613800000000")]
     phone: String,
-    /// The pool the codes come from.
-    pool: String,
+    /// The pool the codes come from (leave out for a bundle).
+    #[schema(nullable = false)]
+    pool: Option<String>,
     /// RFC 3339 time of the purchase.
     #[schema(nullable = false)]
     purchased_at: Option<String>,
-    /// How many distinct codes: 1 to 100 (default 1).
+    /// How many distinct codes: 1 to 100 (default 1; leave out for a
+    /// bundle).
     #[schema(minimum = 1, maximum = 100, nullable = false)]
     quantity: Option<u32>,
     /// The shop the order is for. A shop's key orders for its own shop
     /// only, and may leave this out.
     #[schema(nullable = false)]
     shop: Option<String>,
+    /// A bundle instead of `pool` and `quantity`: 1 to 10 items of
+    /// different pools, at most 100 codes in all. Granted whole, or
+    /// waiting whole.
+    #[schema(nullable = false, min_items = 1, max_items = 10)]
+    items: Option<Vec<ItemIn>>,
+    /// The checkout hold this order pays for: its held codes become the
+    /// order's. Its items must be the order's. An expired or released
+    /// hold's order is granted from stock or waits; it is never refused
+    /// for that.
+    #[schema(nullable = false, min_length = 1, max_length = 128)]
+    hold_id: Option<String>,
+}
+
+/// One pool of a bundle or a hold.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ItemIn {
+    pool: String,
+    #[schema(minimum = 1, maximum = 100)]
+    quantity: u32,
+}
+
+/// `POST /v1/holds`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HoldIn {
+    /// The shop's id for this checkout: the same id is the same hold.
+    #[schema(min_length = 1, max_length = 128)]
+    hold_id: String,
+    /// The buyer.
+    #[schema(min_length = 1, max_length = 128)]
+    uid: String,
+    /// 1 to 10 items of different pools, at most 100 codes in all.
+    #[schema(min_items = 1, max_items = 10)]
+    items: Vec<ItemIn>,
+    /// Seconds until the hold expires: 1 to 3600 (default 900).
+    #[schema(minimum = 1, maximum = 3600, nullable = false)]
+    ttl_seconds: Option<u64>,
+}
+
+/// A hold. Its codes are never shown.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Hold {
+    hold_id: String,
+    uid: String,
+    /// `held`, `committed` (an order paid for it), `released` or `expired`.
+    #[schema(pattern = "^(held|committed|released|expired)$")]
+    state: String,
+    items: Vec<ItemIn>,
+    ttl_seconds: u64,
+    created_at: String,
+    expires_at: String,
+    /// The order that paid for it.
+    order_id: Option<String>,
 }
 
 /// A code granted by `POST /v1/orders`, in plaintext (the shop shows it).
@@ -66,6 +124,8 @@ pub(crate) struct PurchaseIn {
 #[serde(deny_unknown_fields)]
 pub(crate) struct GrantedCode {
     line: u32,
+    /// The pool of the code (a bundle's lines each keep their own).
+    pool: String,
     code: String,
     grant_no: Option<String>,
     issued_at: String,
@@ -87,6 +147,9 @@ pub(crate) struct Placed {
     codes: Vec<GrantedCode>,
     /// Lines that wait for stock; their codes follow as SMS events.
     waiting_lines: Vec<u32>,
+    /// A bundle's items (its `pool` is the first item's).
+    #[schema(nullable = false)]
+    items: Option<Vec<ItemIn>>,
 }
 
 /// One code of an order as `GET /v1/orders/{order_id}` shows it.
@@ -162,6 +225,8 @@ pub(crate) struct PoolStats {
     issued: u64,
     used: u64,
     void: u64,
+    /// Codes held for checkouts: no one's yet.
+    held: u64,
     expired: u64,
     backorders_waiting: u64,
     issued_last_hour: u64,
@@ -180,6 +245,10 @@ pub(crate) struct PoolOut {
     low_stock_alerted: bool,
     grant_prefix: String,
     case_sensitive_codes: bool,
+    /// Percent of the stock one buyer may hold in checkout holds.
+    hold_share: u32,
+    /// Open holds one buyer may have.
+    holds_per_uid: u32,
     created_at: String,
     stats: Option<PoolStats>,
 }
@@ -356,6 +425,13 @@ pub(crate) struct SettingsIn {
     per_user: Option<i64>,
     #[schema(nullable = false)]
     case_sensitive_codes: Option<bool>,
+    /// Percent of the pool's stock (free plus held) one buyer may hold at
+    /// once: 1 to 100.
+    #[schema(nullable = false, minimum = 1, maximum = 100)]
+    hold_share: Option<i64>,
+    /// Open holds one buyer may have: 1 or more.
+    #[schema(nullable = false, minimum = 1)]
+    holds_per_uid: Option<i64>,
 }
 
 #[derive(Serialize, ToSchema)]

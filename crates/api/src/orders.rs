@@ -73,6 +73,7 @@ fn time(t: chrono::DateTime<chrono::Utc>) -> String {
 fn grant_json(g: &Grant, reveal: bool) -> Value {
     json!({
         "line": g.line,
+        "pool": g.pool,
         "code": if reveal && !g.revoked { g.code.clone() } else { mask(&g.code) },
         "grant_no": g.grant_no,
         "issued_at": time(g.issued_at),
@@ -144,10 +145,10 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
         Step::Refused(r) => refused_by_policy(&r, &rid),
         Step::Backorder { purchase, lines } => (
             StatusCode::ACCEPTED,
-            Json(json!({
+            Json(with_items(json!({
                 "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
                 "quantity": purchase.quantity, "state": "waiting", "codes": [], "waiting_lines": lines,
-            })),
+            }), &purchase)),
         )
             .into_response(),
         Step::Grant {
@@ -168,16 +169,24 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
             // recorded by the batcher before it answered (batcher.rs).
             (
                 status,
-                Json(json!({
+                Json(with_items(json!({
                     "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
                     "quantity": purchase.quantity, "state": state,
                     "codes": grants.iter().map(|g| grant_json(g, true)).collect::<Vec<_>>(),
                     "waiting_lines": missing,
-                })),
+                }), &purchase)),
             )
                 .into_response()
         }
     }
+}
+
+/// A bundle's answer names its items.
+fn with_items(mut answer: Value, p: &Purchase) -> Value {
+    if p.is_bundle() {
+        answer["items"] = json!(p.items);
+    }
+    answer
 }
 
 /// 409 for an order voided while it waited: a void is final.

@@ -65,9 +65,11 @@ fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
         "low_stock_alerted": d.low_stock_alerted,
         "grant_prefix": d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
         "case_sensitive_codes": d.case_sensitive_codes,
+        "hold_share": d.hold_share(),
+        "holds_per_uid": d.holds_per_uid(),
         "created_at": d.created_at.to_chrono().to_rfc3339(),
         "stats": s.map(|s| json!({
-            "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void,
+            "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void, "held": s.held,
             "expired": s.expired, "backorders_waiting": s.backorders_waiting,
             "issued_last_hour": s.issued_last_hour, "issued_last_day": s.issued_last_day,
         })),
@@ -254,6 +256,8 @@ struct Settings {
     grant_prefix: Option<String>,
     per_user: Option<i64>,
     case_sensitive_codes: Option<bool>,
+    hold_share: Option<i64>,
+    holds_per_uid: Option<i64>,
 }
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
@@ -281,7 +285,7 @@ pub(crate) async fn settings(
     let s = match serde_json::from_slice::<Settings>(&body) {
         Ok(s) => s,
         Err(e) => {
-            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes";
+            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid";
             return Problem::invalid_body("a pool's settings", send, &e)
                 .at(&rid.0)
                 .into_response();
@@ -292,6 +296,8 @@ pub(crate) async fn settings(
         grant_prefix: s.grant_prefix,
         per_user: s.per_user,
         case_sensitive_codes: s.case_sensitive_codes,
+        hold_share: s.hold_share,
+        holds_per_uid: s.holds_per_uid,
     };
     let what = format!("{settings:?}");
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");

@@ -149,6 +149,8 @@ impl Work {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            hold_id: None,
+            items: Vec::new(),
             shop: None,
         }
     }

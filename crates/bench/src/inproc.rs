@@ -163,6 +163,8 @@ pub fn purchase(tag: &str, pool: &str, i: usize) -> Purchase {
         purchased_at: None,
         quantity: 1,
         owner: None,
+        hold_id: None,
+        items: Vec::new(),
         shop: None,
     }
 }

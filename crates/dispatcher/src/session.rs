@@ -345,6 +345,11 @@ impl Dispatcher {
         {
             debug!(error = %e, "relay skipped; retried at the next sweep");
         }
+        // Expired holds' codes go back to stock first, so the backorders
+        // below are served with them before anyone else takes them.
+        if let Err(e) = codepool_issuance::holds::expire_due(&self.intake).await {
+            debug!(error = %e, "hold sweep skipped; retried at the next sweep");
+        }
         match self.store.pools_with_backorders().await {
             Ok(p) => {
                 codepool_issuance::telemetry::record_backorders_waiting(&p);

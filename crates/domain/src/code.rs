@@ -10,18 +10,29 @@ pub const MAX_CODE_LEN: usize = 128;
 /// (`status`), because the claim's conditional update matches on it.
 ///
 /// The allowed moves are the [`Transition`]s: 0→1 claim, 1→2 redeem, 0→3
-/// and 1→3 void, 0→3 expire. An issued code never returns to 0: the buyer
-/// has already seen it.
+/// and 1→3 void, 0→3 expire, 0→4 hold, 4→0 release, 4→1 commit. An issued
+/// code never returns to 0: the buyer has already seen it. A held code
+/// (claimed for a checkout hold or a bundle that is not whole yet) was
+/// shown to no one, so it may.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CodeStatus {
     Unissued = 0,
     Issued = 1,
     Used = 2,
     Void = 3,
+    /// Claimed for a checkout hold (or a bundle being put together): no
+    /// one else gets it, and no one sees it until it is committed.
+    Held = 4,
 }
 
 impl CodeStatus {
-    pub const ALL: [CodeStatus; 4] = [Self::Unissued, Self::Issued, Self::Used, Self::Void];
+    pub const ALL: [CodeStatus; 5] = [
+        Self::Unissued,
+        Self::Issued,
+        Self::Used,
+        Self::Void,
+        Self::Held,
+    ];
 
     pub fn as_i32(self) -> i32 {
         self as i32
@@ -37,6 +48,7 @@ impl CodeStatus {
             Self::Issued => "issued",
             Self::Used => "used",
             Self::Void => "void",
+            Self::Held => "held",
         }
     }
 
@@ -72,18 +84,34 @@ pub enum Transition {
     Void,
     /// An unissued code passed its `expires_at`.
     Expire,
+    /// A checkout hold (or a bundle not whole yet) takes an unissued code.
+    Hold,
+    /// A hold ends unpaid (released, expired, or a bundle that could not
+    /// complete): its code goes back to stock.
+    Release,
+    /// A paid hold's code becomes its order's.
+    Commit,
 }
 
 impl Transition {
-    pub const ALL: [Transition; 4] = [Self::Claim, Self::Redeem, Self::Void, Self::Expire];
+    pub const ALL: [Transition; 7] = [
+        Self::Claim,
+        Self::Redeem,
+        Self::Void,
+        Self::Expire,
+        Self::Hold,
+        Self::Release,
+        Self::Commit,
+    ];
 
     /// The statuses this transition may start from.
     pub fn from(self) -> &'static [CodeStatus] {
         use CodeStatus::*;
         match self {
-            Self::Claim | Self::Expire => &[Unissued],
+            Self::Claim | Self::Expire | Self::Hold => &[Unissued],
             Self::Redeem => &[Issued],
             Self::Void => &[Unissued, Issued],
+            Self::Release | Self::Commit => &[Held],
         }
     }
 
@@ -93,6 +121,9 @@ impl Transition {
             Self::Claim => CodeStatus::Issued,
             Self::Redeem => CodeStatus::Used,
             Self::Void | Self::Expire => CodeStatus::Void,
+            Self::Hold => CodeStatus::Held,
+            Self::Release => CodeStatus::Unissued,
+            Self::Commit => CodeStatus::Issued,
         }
     }
 
@@ -273,16 +304,21 @@ mod tests {
     }
 
     #[test]
-    fn every_transition_is_an_allowed_move_and_nothing_returns_to_unissued() {
+    fn every_transition_is_an_allowed_move_and_only_a_held_code_returns_to_unissued() {
         for t in Transition::ALL {
             for from in t.from() {
                 assert!(from.can_become(t.to()), "{t:?} from {from}");
             }
-            assert_ne!(t.to(), CodeStatus::Unissued);
         }
         for s in CodeStatus::ALL {
-            assert!(!s.can_become(CodeStatus::Unissued));
+            assert_eq!(
+                s.can_become(CodeStatus::Unissued),
+                s == CodeStatus::Held,
+                "{s}"
+            );
         }
+        assert!(CodeStatus::Held.can_become(CodeStatus::Issued));
+        assert!(!CodeStatus::Held.can_become(CodeStatus::Void));
     }
 
     #[test]

@@ -27,7 +27,9 @@ pub use events::{PoolEvent, PoolEventKind, SmsCode, SmsPending, SmsReceipt};
 pub use grant::{sms_events, Grant};
 pub use policy::{PoolPolicy, PurchaseRefused, Refusal, RefusalReason, PURCHASE_REFUSED_KEY};
 pub use pool::{InvalidPoolName, Pool};
-pub use purchase::{Purchase, PurchaseError, RejectReason, MAX_MESSAGE_BYTES, MAX_QUANTITY};
+pub use purchase::{
+    Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_QUANTITY,
+};
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
 pub use text::{

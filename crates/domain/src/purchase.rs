@@ -44,7 +44,29 @@ pub struct Purchase {
     /// pools, and the order is the shop's (`owner` `shop:NAME`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shop: Option<String>,
+    /// The checkout hold this order pays for: its held codes become the
+    /// order's. A hold that expired or was released still leaves the
+    /// order to be granted from stock or backordered, never refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_id: Option<String>,
+    /// A bundle: the codes it takes from each pool. Empty for an order of
+    /// one pool. For a bundle, `pool` is its first item's pool and
+    /// `quantity` its total; its lines run item by item (item 0's lines
+    /// first), so every line keeps its own pool.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub items: Vec<Item>,
 }
+
+/// One pool of a bundle (or of a hold), and how many codes it takes from
+/// it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    pub pool: String,
+    pub quantity: u32,
+}
+
+/// The most items of a bundle or a hold.
+pub const MAX_ITEMS: usize = 10;
 
 fn one() -> u32 {
     1
@@ -211,11 +233,30 @@ impl Purchase {
         let map = parse_object(body)?;
         let order_id = required(&map, "order_id", MAX_ID_LEN)?;
         let uid = required(&map, "uid", MAX_ID_LEN)?;
-        let pool = required(&map, "pool", Pool::MAX_LEN)?;
+        let items = match map.get("items") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => parse_items(v)?,
+        };
+        let (pool, quantity) = if items.is_empty() {
+            (required(&map, "pool", Pool::MAX_LEN)?, quantity(&map)?)
+        } else if map.get("pool").is_some_and(|v| !v.is_null())
+            || map.get("quantity").is_some_and(|v| !v.is_null())
+        {
+            return Err(PurchaseError::new(
+                RejectReason::WrongType,
+                "a bundle names its pools in \"items\"; leave \"pool\" and \"quantity\" out",
+            )
+            .on("items"));
+        } else {
+            (
+                items[0].pool.clone(),
+                items.iter().map(|i| i.quantity).sum(),
+            )
+        };
         let phone = required(&map, "phone", 32)?;
         let purchased_at = optional(&map, "purchased_at", MAX_TIME_LEN)?;
-        let quantity = quantity(&map)?;
         let shop = optional(&map, "shop", Pool::MAX_LEN)?;
+        let hold_id = optional(&map, "hold_id", MAX_ID_LEN)?;
 
         if let Err(e) = Pool::new(&pool) {
             return Err(PurchaseError::new(RejectReason::InvalidPool, e.to_string()));
@@ -250,7 +291,53 @@ impl Purchase {
             quantity,
             owner: None,
             shop,
+            hold_id,
+            items,
         })
+    }
+
+    /// Whether the order is a bundle of several pools' codes.
+    pub fn is_bundle(&self) -> bool {
+        !self.items.is_empty()
+    }
+
+    /// The order's items: its own pool and quantity for an order of one
+    /// pool.
+    pub fn items(&self) -> Vec<Item> {
+        if self.items.is_empty() {
+            vec![Item {
+                pool: self.pool.clone(),
+                quantity: self.quantity,
+            }]
+        } else {
+            self.items.clone()
+        }
+    }
+
+    /// Every pool the order takes codes from, each once, in item order.
+    pub fn pools(&self) -> Vec<&str> {
+        if self.items.is_empty() {
+            return vec![self.pool.as_str()];
+        }
+        let mut out: Vec<&str> = Vec::new();
+        for i in &self.items {
+            if !out.contains(&i.pool.as_str()) {
+                out.push(&i.pool);
+            }
+        }
+        out
+    }
+
+    /// The pool of line `line` (item by item).
+    pub fn pool_of_line(&self, line: u32) -> &str {
+        let mut end = 0;
+        for i in &self.items {
+            end += i.quantity;
+            if line < end {
+                return &i.pool;
+            }
+        }
+        &self.pool
     }
 
     /// What in `self` differs from `other`, an order with the same id:
@@ -414,6 +501,56 @@ fn optional(
         )
         .on(field)),
     }
+}
+
+/// A bundle's `items`: 1 to [`MAX_ITEMS`] objects `{"pool", "quantity"}`,
+/// at most [`MAX_QUANTITY`] codes in all.
+pub fn parse_items(v: &Value) -> Result<Vec<Item>, PurchaseError> {
+    let bad = |detail: String| PurchaseError::new(RejectReason::WrongType, detail).on("items");
+    let Value::Array(list) = v else {
+        return Err(bad(format!(
+            "field \"items\" must be an array of {{\"pool\", \"quantity\"}}, not {}",
+            json_type_name(v)
+        )));
+    };
+    if list.is_empty() || list.len() > MAX_ITEMS {
+        return Err(bad(format!(
+            "field \"items\" must hold 1 to {MAX_ITEMS} items, not {}",
+            list.len()
+        )));
+    }
+    let mut items = Vec::with_capacity(list.len());
+    for (n, entry) in list.iter().enumerate() {
+        let Value::Object(map) = entry else {
+            return Err(bad(format!(
+                "items[{n}] must be an object {{\"pool\", \"quantity\"}}"
+            )));
+        };
+        let pool =
+            required(map, "pool", Pool::MAX_LEN).map_err(|e| e.on(&format!("items[{n}].pool")))?;
+        if let Err(e) = Pool::new(&pool) {
+            return Err(PurchaseError::new(RejectReason::InvalidPool, e.to_string())
+                .on(&format!("items[{n}].pool")));
+        }
+        let quantity = quantity(map).map_err(|e| e.on(&format!("items[{n}].quantity")))?;
+        if items.iter().any(|i: &Item| i.pool == pool) {
+            return Err(bad(format!(
+                "pool {pool:?} appears twice in \"items\"; name each pool once with its quantity"
+            )));
+        }
+        items.push(Item { pool, quantity });
+    }
+    let total: u32 = items.iter().map(|i| i.quantity).sum();
+    if total > MAX_QUANTITY {
+        return Err(PurchaseError::new(
+            RejectReason::InvalidQuantity,
+            format!(
+                "the items ask for {total} codes in all; an order takes at most {MAX_QUANTITY}"
+            ),
+        )
+        .on("items"));
+    }
+    Ok(items)
 }
 
 /// The optional `quantity`: a JSON integer from 1 to [`MAX_QUANTITY`];

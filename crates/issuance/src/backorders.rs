@@ -84,12 +84,7 @@ async fn fulfil(
     if purchases.is_empty() {
         return Ok((0, false));
     }
-    let asks: Vec<ClaimAsk> = purchases
-        .iter()
-        .map(|(p, lines)| ClaimAsk { purchase: p, lines })
-        .collect();
-    // No message of a backorder is redelivered: the relay owes its event.
-    let outcomes = engine.claim_asks(&asks, Resend::Backorder).await?;
+    let outcomes = claim_waiting(engine, store, purchases).await?;
     let exhausted = outcomes.iter().any(|o| !o.missing().is_empty());
     let grants: Vec<&Grant> = outcomes.iter().flat_map(|o| o.grants()).collect();
     // An order voided while this claim ran keeps none of these codes, and
@@ -135,6 +130,43 @@ async fn fulfil(
     let fulfilled = settled.iter().filter(|(_, m)| m.is_empty()).count() as u64;
     metrics::counter!("codepool_backorders_fulfilled_total").increment(fulfilled);
     Ok((fulfilled, exhausted))
+}
+
+/// Claims the waiting lines of backorders, outcomes aligned with the
+/// input: orders of one pool in one batched claim, bundles whole or not
+/// at all (they wait whole, so they ask every line).
+async fn claim_waiting(
+    engine: &ClaimEngine,
+    store: &Store,
+    purchases: &[(Purchase, Vec<u32>)],
+) -> Result<Vec<ClaimOutcome>, ClaimError> {
+    let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; purchases.len()];
+    let (bundles, plain): (Vec<usize>, Vec<usize>) =
+        (0..purchases.len()).partition(|&i| purchases[i].0.is_bundle());
+    if !plain.is_empty() {
+        let asks: Vec<ClaimAsk> = (plain.iter())
+            .map(|&i| ClaimAsk {
+                purchase: &purchases[i].0,
+                lines: &purchases[i].1,
+            })
+            .collect();
+        // No message of a backorder is redelivered: the relay owes its event.
+        let got = engine.claim_asks(&asks, Resend::Backorder).await?;
+        for (&i, o) in plain.iter().zip(got) {
+            outcomes[i] = Some(o);
+        }
+    }
+    if !bundles.is_empty() {
+        let bs: Vec<&Purchase> = bundles.iter().map(|&i| &purchases[i].0).collect();
+        let orders: Vec<&str> = bs.iter().map(|p| p.order_id.as_str()).collect();
+        let held = store.grants_for_orders(&orders).await?;
+        let got =
+            crate::bundles::claim_bundles(engine, store, &bs, Resend::Backorder, &held).await?;
+        for (&i, o) in bundles.iter().zip(got.outcomes) {
+            outcomes[i] = Some(o);
+        }
+    }
+    Ok(outcomes.into_iter().flatten().collect())
 }
 
 /// Applies the pool's per-user limit to waiting backorders: the refused

@@ -49,6 +49,8 @@ fn purchases(pool: &str, orders: &[&str]) -> Vec<Purchase> {
             purchased_at: None,
             quantity: 1,
             owner: None,
+            hold_id: None,
+            items: Vec::new(),
             shop: None,
         })
         .collect()

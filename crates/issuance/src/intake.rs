@@ -4,11 +4,12 @@
 //! plan of what to publish, backorder and refuse. Only the last step
 //! differs by door: an AMQP delivery is acked, an HTTP request answered.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
+use codepool_domain::{CodeId, Purchase};
 use codepool_store::{Store, StoreError};
 
-use crate::claim::{ClaimEngine, ClaimError};
+use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
 use crate::plan::{
     admit, plan_batch, pools_of, reject_conflicting, settle_cancelled, to_claim, BatchPlan, Parsed,
     Step,
@@ -86,8 +87,14 @@ impl Intake {
         );
         relayed?;
         let policies = policies?;
-        let held = held?;
+        let mut held = held?;
         let backordered = backordered?;
+        // Orders that pay for a checkout hold take its codes first (a new
+        // order only: one that holds codes or waits already is placed as
+        // it stands).
+        let committed = self
+            .commit_holds(&parsed, &policies, &backordered, &mut held, resend)
+            .await?;
         // A void is final: an order whose backorder was cancelled gets
         // nothing again, whichever door it comes back through.
         let cancelled: std::collections::HashSet<String> = (backordered.iter())
@@ -114,14 +121,79 @@ impl Intake {
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies, &held).await?;
         let claims = to_claim(&intake);
-        let outcomes = if claims.is_empty() {
-            Vec::new()
-        } else {
-            self.engine.claim_known(&claims, resend, &held).await?
-        };
+        let (outcomes, short_pools) = self.claim(&claims, resend, &held).await?;
         let mut plan = plan_batch(intake, outcomes)?;
+        plan.exhausted_pools.extend(short_pools);
+        plan.credit_committed(&committed);
         self.withdraw_if_cancelled(&mut plan, &waited).await?;
         Ok(plan)
+    }
+
+    /// Claims for the batch's orders, outcomes aligned with `claims`:
+    /// orders of one pool in one batched claim, bundles whole or not at
+    /// all (bundles.rs). Also returns the pools that left a bundle short.
+    async fn claim(
+        &self,
+        claims: &[&Purchase],
+        resend: Resend,
+        held: &HashMap<String, Vec<codepool_domain::Code>>,
+    ) -> Result<(Vec<ClaimOutcome>, BTreeSet<String>), ClaimError> {
+        let (bundles, plain): (Vec<(usize, &Purchase)>, Vec<(usize, &Purchase)>) = claims
+            .iter()
+            .copied()
+            .enumerate()
+            .partition(|(_, p)| p.is_bundle());
+        let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        let mut short = BTreeSet::new();
+        if !plain.is_empty() {
+            let ps: Vec<&Purchase> = plain.iter().map(|(_, p)| *p).collect();
+            let got = self.engine.claim_known(&ps, resend, held).await?;
+            for ((i, _), o) in plain.iter().zip(got) {
+                outcomes[*i] = Some(o);
+            }
+        }
+        if !bundles.is_empty() {
+            let bs: Vec<&Purchase> = bundles.iter().map(|(_, p)| *p).collect();
+            let got =
+                crate::bundles::claim_bundles(&self.engine, &self.store, &bs, resend, held).await?;
+            short = got.short_pools;
+            for ((i, _), o) in bundles.iter().zip(got.outcomes) {
+                outcomes[*i] = Some(o);
+            }
+        }
+        Ok((outcomes.into_iter().flatten().collect(), short))
+    }
+
+    /// Commits the holds the batch's new orders pay for, and adds what
+    /// they now hold to `held`. Returns the codes committed.
+    async fn commit_holds(
+        &self,
+        parsed: &[Parsed],
+        policies: &HashMap<String, codepool_domain::PoolPolicy>,
+        backordered: &[codepool_store::backorders::BackorderDoc],
+        held: &mut HashMap<String, Vec<codepool_domain::Code>>,
+        resend: Resend,
+    ) -> Result<HashSet<CodeId>, StoreError> {
+        let waiting: HashSet<&str> = backordered.iter().map(|b| b.order_id.as_str()).collect();
+        let paying: Vec<&Purchase> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
+            .filter(|p| p.hold_id.is_some())
+            .filter(|p| !held.contains_key(&p.order_id) && !waiting.contains(p.order_id.as_str()))
+            // A paused pool's order waits, and its hold with it.
+            .filter(|p| {
+                p.pools()
+                    .iter()
+                    .all(|x| policies.get(*x).is_some_and(|pol| !pol.paused))
+            })
+            .collect();
+        if paying.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let committed = crate::holds::commit_paid(&self.store, &paying, resend).await?;
+        if !committed.is_empty() {
+            let orders: Vec<&str> = paying.iter().map(|p| p.order_id.as_str()).collect();
+            held.extend(self.store.grants_for_orders(&orders).await?);
+        }
+        Ok(committed)
     }
 
     /// An order that waited when this batch read it may have been voided

@@ -27,11 +27,17 @@ pub struct Lookup {
     pub backorders: Vec<BackorderDoc>,
     /// Whether a pool policy refused the order (only for an order query).
     pub refusals: Vec<RefusalDoc>,
+    /// The buyer's latest holds (only for a buyer query); their codes are
+    /// never shown.
+    pub holds: Vec<codepool_store::holds::HoldDoc>,
 }
 
 impl Lookup {
     pub fn is_empty(&self) -> bool {
-        self.codes.is_empty() && self.backorders.is_empty() && self.refusals.is_empty()
+        self.codes.is_empty()
+            && self.backorders.is_empty()
+            && self.refusals.is_empty()
+            && self.holds.is_empty()
     }
 }
 
@@ -47,6 +53,15 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
         }
         _ => store.find_codes(&query, limit).await?,
     };
+    // A held code is shown to no one (its hold is, see `holds`).
+    let codes: Vec<Code> = codes
+        .into_iter()
+        .filter(|c| c.status != codepool_domain::CodeStatus::Held)
+        .collect();
+    let holds = match query {
+        CodeQuery::Uid(uid) => store.holds_of_uid(uid, 20).await?,
+        _ => Vec::new(),
+    };
     let (backorders, refusals) = match query {
         CodeQuery::Order(o) => (
             store.backorders_for_orders(&[o]).await?,
@@ -58,6 +73,7 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
         codes,
         backorders,
         refusals,
+        holds,
     })
 }
 

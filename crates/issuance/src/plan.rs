@@ -40,13 +40,14 @@ pub fn parse_all<'a>(bodies: impl IntoIterator<Item = &'a [u8]>) -> Vec<Parsed> 
     bodies.into_iter().map(Purchase::parse).collect()
 }
 
-/// The distinct pools a batch needs to know about, in first-seen order.
+/// The distinct pools a batch needs to know about (every item's of a
+/// bundle), in first-seen order.
 pub fn pools_of(parsed: &[Parsed]) -> Vec<&str> {
     let mut seen = HashSet::new();
     parsed
         .iter()
         .filter_map(|p| p.as_ref().ok())
-        .map(|p| p.pool.as_str())
+        .flat_map(|p| p.pools())
         .filter(|pool| seen.insert(*pool))
         .collect()
 }
@@ -57,8 +58,11 @@ pub fn admit(parsed: Vec<Parsed>, known: impl Fn(&str) -> bool) -> Vec<Intake> {
     parsed
         .into_iter()
         .map(|p| match p {
-            Ok(p) if known(&p.pool) => Intake::Claim(p),
-            Ok(p) => Intake::Reject(PurchaseError::unknown_pool(&p.pool)),
+            // A bundle with one unknown pool is refused whole.
+            Ok(p) => match p.pools().into_iter().find(|x| !known(x)) {
+                None => Intake::Claim(p),
+                Some(unknown) => Intake::Reject(PurchaseError::unknown_pool(unknown)),
+            },
             Err(e) => Intake::Reject(e),
         })
         .collect()
@@ -154,6 +158,34 @@ pub struct BatchPlan {
 }
 
 impl BatchPlan {
+    /// Counts the codes `committed` from paid holds as this batch's fresh
+    /// grants: the order got them now, like a claim's.
+    pub fn credit_committed(&mut self, committed: &HashSet<codepool_domain::CodeId>) {
+        if committed.is_empty() {
+            return;
+        }
+        for step in &mut self.steps {
+            let Step::Grant { grants, fresh, .. } = step else {
+                continue;
+            };
+            let n = grants
+                .iter()
+                .filter(|g| committed.contains(&g.code_id))
+                .count() as u32;
+            if n == 0 {
+                continue;
+            }
+            if *fresh == 0 {
+                self.repeats = self.repeats.saturating_sub(1);
+            }
+            *fresh += n;
+            self.fresh_grants += u64::from(n);
+            for g in grants.iter().filter(|g| committed.contains(&g.code_id)) {
+                *self.granted_pools.entry(g.pool.clone()).or_default() += 1;
+            }
+        }
+    }
+
     /// The purchases to record as backorders before anything is acked,
     /// with the lines each still needs, and their positions.
     pub fn backorders(&self) -> Vec<(usize, Waiting<'_>)> {
@@ -333,7 +365,8 @@ impl BatchPlan {
                 missing,
             } => (grants, fresh, missing),
         };
-        if !missing.is_empty() {
+        // A bundle's short pools are added by its claim (bundles.rs).
+        if !missing.is_empty() && !p.is_bundle() {
             self.exhausted_pools.insert(p.pool.clone());
         }
         if grants.is_empty() {
@@ -348,7 +381,12 @@ impl BatchPlan {
         } else {
             0
         };
-        if fresh > 0 {
+        if fresh > 0 && p.is_bundle() {
+            self.fresh_grants += u64::from(fresh);
+            for g in &grants {
+                *self.granted_pools.entry(g.pool.clone()).or_default() += 1;
+            }
+        } else if fresh > 0 {
             self.fresh_grants += u64::from(fresh);
             *self.granted_pools.entry(p.pool.clone()).or_default() += u64::from(fresh);
         } else {

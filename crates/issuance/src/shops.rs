@@ -197,8 +197,12 @@ impl Shops {
                     };
                     match shops.get(&name).and_then(Option::as_ref) {
                         None => Intake::Reject(PurchaseError::unknown_shop(&name)),
-                        Some(shop) if !shop.allows(&p.pool) => {
-                            Intake::Reject(PurchaseError::pool_not_allowed(&name, &p.pool))
+                        Some(shop) if p.pools().iter().any(|x| !shop.allows(x)) => {
+                            let pool = p.pools().into_iter().find(|x| !shop.allows(x));
+                            Intake::Reject(PurchaseError::pool_not_allowed(
+                                &name,
+                                pool.unwrap_or_default(),
+                            ))
                         }
                         Some(_) => {
                             p.owner = Some(owner_of(&name));

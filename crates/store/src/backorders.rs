@@ -48,6 +48,9 @@ pub struct BackorderDoc {
     /// Who placed the order (`api-key-id:ID`); absent for one over AMQP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// A bundle's items (`pool` is its first item's): it waits whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub items: Vec<codepool_domain::Item>,
 }
 
 impl BackorderDoc {
@@ -64,6 +67,8 @@ impl BackorderDoc {
             shop: (self.owner.as_deref())
                 .and_then(|o| o.strip_prefix(crate::codes::SHOP_OWNER_PREFIX))
                 .map(str::to_owned),
+            hold_id: None,
+            items: self.items.clone(),
         }
     }
 
@@ -166,6 +171,7 @@ impl Store {
                 quantity: (p.quantity > 1).then_some(i64::from(p.quantity)),
                 lines: stored_lines(lines, p.quantity),
                 owner: p.owner.clone(),
+                items: p.items.clone(),
             })
             .collect();
         let total = docs.len() as u64;

@@ -19,7 +19,11 @@ pub struct ExportFilter {
 
 impl ExportFilter {
     fn to_document(&self) -> Document {
-        let statuses: Vec<i32> = self.statuses.iter().map(|s| s.as_i32()).collect();
+        // A held code is no one's yet: no export shows it.
+        let statuses: Vec<i32> = (self.statuses.iter())
+            .filter(|s| **s != CodeStatus::Held)
+            .map(|s| s.as_i32())
+            .collect();
         let mut filter = doc! {"pool": &self.pool, "status": {"$in": statuses}};
         if let Some(t) = self.since {
             let t = DateTime::from_chrono(t);

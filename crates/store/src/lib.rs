@@ -30,6 +30,7 @@ pub mod collections;
 pub mod crypto;
 pub mod error;
 pub mod export;
+pub mod holds;
 pub mod imports;
 pub mod ledger;
 pub mod lifecycle;

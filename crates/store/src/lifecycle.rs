@@ -164,6 +164,8 @@ fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError 
             reason: code.void_reason.unwrap_or_else(|| "no reason given".into()),
         },
         CodeStatus::Unissued => LifecycleError::Unissued { what },
+        // Held for a checkout: nobody has it yet, like an unissued code.
+        CodeStatus::Held => LifecycleError::Unissued { what },
         // The status changed between the update and the read: the caller
         // may simply run the command again.
         CodeStatus::Issued => LifecycleError::Store(StoreError::Rejected(format!(

@@ -71,6 +71,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0015_webhooks",
         include_str!("../../../migrations/0015_webhooks.json"),
     ),
+    (
+        "0016_holds",
+        include_str!("../../../migrations/0016_holds.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -27,6 +27,11 @@ pub struct PoolSettings {
     /// The pool's platform tells `ABC` from `abc`: look-alike codes fold by
     /// NFKC only, not by case. Fixed once the pool holds a code.
     pub case_sensitive_codes: Option<bool>,
+    /// The largest share of the pool's stock (free plus held), in percent,
+    /// one buyer may hold at once: 1 to 100.
+    pub hold_share: Option<i64>,
+    /// Open holds one buyer may have: 1 or more.
+    pub holds_per_uid: Option<i64>,
 }
 
 /// One setting of a pool. Each door names it in its own words: the CLI's
@@ -37,14 +42,18 @@ pub enum Setting {
     GrantPrefix,
     PerUser,
     CaseSensitiveCodes,
+    HoldShare,
+    HoldsPerUid,
 }
 
 impl Setting {
-    pub const ALL: [Setting; 4] = [
+    pub const ALL: [Setting; 6] = [
         Setting::LowStock,
         Setting::GrantPrefix,
         Setting::PerUser,
         Setting::CaseSensitiveCodes,
+        Setting::HoldShare,
+        Setting::HoldsPerUid,
     ];
 
     /// The name in JSON (the HTTP API, the audit record).
@@ -54,6 +63,8 @@ impl Setting {
             Setting::GrantPrefix => "grant_prefix",
             Setting::PerUser => "per_user",
             Setting::CaseSensitiveCodes => "case_sensitive_codes",
+            Setting::HoldShare => "hold_share",
+            Setting::HoldsPerUid => "holds_per_uid",
         }
     }
 
@@ -64,6 +75,8 @@ impl Setting {
             Setting::GrantPrefix => "--grant-prefix",
             Setting::PerUser => "--per-user",
             Setting::CaseSensitiveCodes => "--case-sensitive-codes",
+            Setting::HoldShare => "--hold-share",
+            Setting::HoldsPerUid => "--holds-per-uid",
         }
     }
 
@@ -74,6 +87,8 @@ impl Setting {
             Setting::GrantPrefix => "the grant prefix",
             Setting::PerUser => "codes per user",
             Setting::CaseSensitiveCodes => "whether codes are case-sensitive",
+            Setting::HoldShare => "the share of stock one buyer may hold (percent)",
+            Setting::HoldsPerUid => "open holds per buyer",
         }
     }
 }
@@ -92,6 +107,10 @@ pub enum PoolSettingsError {
     BadPrefix(String),
     #[error("codes per user {}", self.rule().unwrap_or_default())]
     NegativePerUser(i64),
+    #[error("{} {}", Setting::HoldShare.label(), self.rule().unwrap_or_default())]
+    BadHoldShare(i64),
+    #[error("{} {}", Setting::HoldsPerUid.label(), self.rule().unwrap_or_default())]
+    BadHoldsPerUid(i64),
     #[error("nothing to change; give at least one setting")]
     Nothing,
     #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
@@ -108,6 +127,8 @@ impl PoolSettingsError {
             Self::BadPrefix(_) => Some(Setting::GrantPrefix),
             Self::NegativePerUser(_) => Some(Setting::PerUser),
             Self::CaseRuleFixed(_) => Some(Setting::CaseSensitiveCodes),
+            Self::BadHoldShare(_) => Some(Setting::HoldShare),
+            Self::BadHoldsPerUid(_) => Some(Setting::HoldsPerUid),
             _ => None,
         }
     }
@@ -121,6 +142,8 @@ impl PoolSettingsError {
                 "{p:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX"
             )),
             Self::NegativePerUser(n) => Some(format!("must be 0 (unlimited) or more, not {n}")),
+            Self::BadHoldShare(n) => Some(format!("must be 1 to 100, not {n}")),
+            Self::BadHoldsPerUid(n) => Some(format!("must be 1 or more, not {n}")),
             _ => None,
         }
     }
@@ -171,6 +194,18 @@ impl Store {
                 return Err(PoolSettingsError::NegativePerUser(n));
             }
             set.insert("per_user", n);
+        }
+        if let Some(n) = settings.hold_share {
+            if !(1..=100).contains(&n) {
+                return Err(PoolSettingsError::BadHoldShare(n));
+            }
+            set.insert("hold_share", n);
+        }
+        if let Some(n) = settings.holds_per_uid {
+            if !(1..=i64::from(u32::MAX)).contains(&n) {
+                return Err(PoolSettingsError::BadHoldsPerUid(n));
+            }
+            set.insert("holds_per_uid", n);
         }
         if let Some(sensitive) = settings.case_sensitive_codes {
             if self.pool_holds_codes(pool).await? {

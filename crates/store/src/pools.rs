@@ -40,10 +40,28 @@ pub struct PoolDoc {
     /// by NFKC only (`codepool pool set --case-sensitive-codes`).
     #[serde(default)]
     pub case_sensitive_codes: bool,
+    /// The largest share of the pool's stock (free plus held), in percent,
+    /// one buyer may hold at once; absent is 10.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_share: Option<i64>,
+    /// How many open holds one buyer may have; absent is 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holds_per_uid: Option<i64>,
 }
 
 impl PoolDoc {
     /// The pool's policy as the dispatcher applies it.
+    /// See [`PoolDoc::hold_share`] (the field); 1 to 100.
+    pub fn hold_share(&self) -> u32 {
+        self.hold_share.map_or(10, |n| n.clamp(1, 100) as u32)
+    }
+
+    /// See [`PoolDoc::holds_per_uid`] (the field); at least 1.
+    pub fn holds_per_uid(&self) -> u32 {
+        self.holds_per_uid
+            .map_or(5, |n| n.clamp(1, i64::from(u32::MAX)) as u32)
+    }
+
     pub fn policy(&self) -> PoolPolicy {
         PoolPolicy {
             per_user: self
@@ -183,6 +201,8 @@ mod tests {
             paused,
             paused_at: None,
             case_sensitive_codes: false,
+            hold_share: None,
+            holds_per_uid: None,
         }
     }
 

@@ -24,6 +24,9 @@ pub struct PoolStats {
     pub issued: u64,
     pub used: u64,
     pub void: u64,
+    /// Codes held for checkouts (or bundles being put together): no one's
+    /// yet, and no one else's.
+    pub held: u64,
     /// Unissued codes whose `expires_at` has passed (not yet voided).
     pub expired: u64,
     pub backorders_waiting: u64,
@@ -66,10 +69,11 @@ impl Store {
         s.issued = self.count_scan(status(1)).await?;
         s.used = self.count_scan(status(2)).await?;
         s.void = self.count_scan(status(3)).await?;
+        s.held = self.count_scan(status(4)).await?;
         // Counted last: a code inserted meanwhile shows as unissued, and a
         // code claimed meanwhile was unissued when `issued` was counted.
         let total = self.codes_in_pool(&pool).await?;
-        s.unissued = total.saturating_sub(s.issued + s.used + s.void + s.expired);
+        s.unissued = total.saturating_sub(s.issued + s.used + s.void + s.held + s.expired);
         Ok(())
     }
 

@@ -104,6 +104,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         broker.publisher,
     );
     let api = Api::new(core.clone(), config);
+    let held_core = core.clone();
     let console = codepool_console::ConsoleConfig {
         session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
         secure_cookie: args.console_secure_cookie || args.tls_cert.is_some(),
@@ -130,10 +131,16 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let relay = tokio::spawn(relay_loop(api.clone(), health.clone(), stop.clone()));
     let hooks =
         tokio::spawn(Deliverer::new(api.store().clone(), AllowHosts::from_env()).run(stop.clone()));
+    // Expired holds' codes go back to stock, waiting backorders first.
+    let holds = tokio::spawn(codepool_issuance::holds::sweep_loop(
+        held_core,
+        stop.clone(),
+    ));
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
     relay.abort();
+    holds.abort();
     let _ = hooks.await;
     // The events of the orders answered last go out now, not by a relay
     // 30 seconds after.

@@ -80,8 +80,9 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             .map(|b| serde_json::json!({"order_id": b.order_id, "pool": b.pool, "status": b.status, "quantity": b.quantity(), "waiting_lines": b.waiting_lines(), "created_at": b.created_at.to_chrono().to_rfc3339()}))
             .collect();
         let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
+        let holds: Vec<_> = found.holds.iter().map(hold_json).collect();
         say_json!(serde_json::to_string_pretty(
-            &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused})
+            &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused, "holds": holds})
         )?);
     } else {
         print_table(&found, show);
@@ -199,6 +200,31 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
             when(Some(r.refused_at))
         );
     }
+    for h in &found.holds {
+        let items: Vec<String> = (h.items.iter())
+            .map(|i| format!("{} × {}", i.quantity, i.pool))
+            .collect();
+        say!(
+            "hold: {} of user {} holds {} ({}); expires {}{}",
+            h.hold_id,
+            h.uid,
+            items.join(", "),
+            codepool_issuance::holds::state_now(h),
+            when(Some(h.expires_at)),
+            h.order_id
+                .as_deref()
+                .map_or(String::new(), |o| format!("; paid by order {o}"))
+        );
+    }
+}
+
+/// A hold as `--json` prints it (its codes are never shown).
+fn hold_json(h: &codepool_store::holds::HoldDoc) -> serde_json::Value {
+    serde_json::json!({
+        "hold_id": h.hold_id, "uid": h.uid, "state": codepool_issuance::holds::state_now(h),
+        "items": h.items, "expires_at": h.expires_at.to_chrono().to_rfc3339(),
+        "order_id": h.order_id,
+    })
 }
 
 /// A refused order as `--json` prints it.

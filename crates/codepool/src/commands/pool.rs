@@ -73,6 +73,14 @@ pub enum PoolAction {
         /// first import (`--case-sensitive-codes=false` turns it off).
         #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
         case_sensitive_codes: Option<bool>,
+        /// The largest share of the pool's stock (free plus held), in
+        /// percent, one buyer may hold in checkout holds at once (default
+        /// 10; never less than one code).
+        #[arg(long, value_name = "PERCENT")]
+        hold_share: Option<i64>,
+        /// Open checkout holds one buyer may have (default 5).
+        #[arg(long, value_name = "N")]
+        holds_per_uid: Option<i64>,
     },
     /// Stop issuing: purchases wait as backorders until `resume`.
     Pause {
@@ -129,12 +137,16 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             grant_prefix,
             per_user,
             case_sensitive_codes,
+            hold_share,
+            holds_per_uid,
         } => {
             let settings = PoolSettings {
                 low_stock,
                 grant_prefix,
                 per_user,
                 case_sensitive_codes,
+                hold_share,
+                holds_per_uid,
             };
             set(&store, &pool, &settings).await?
         }

@@ -67,6 +67,8 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
                 })),
                 quantity: args.quantity,
                 owner: None,
+                hold_id: None,
+                items: Vec::new(),
                 shop: args.shop.clone(),
             };
             let body = purchase.to_json();

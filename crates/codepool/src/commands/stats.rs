@@ -74,13 +74,14 @@ pub async fn run(cfg: &Config, args: StatsArgs) -> anyhow::Result<u8> {
 
 fn print_table(rows: &[Row]) {
     say!(
-        "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
+        "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
         "POOL",
         "STATE",
         "UNISSUED",
         "ISSUED",
         "USED",
         "VOID",
+        "HELD",
         "EXPIRED",
         "BACKORDERS",
         "REFUSED",
@@ -92,7 +93,7 @@ fn print_table(rows: &[Row]) {
     for r in rows {
         let s = &r.stats;
         say!(
-            "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
+            "{:<20} {:<7} {:>13} {:>9} {:>7} {:>7} {:>7} {:>8} {:>10} {:>8} {:>8} {:>7} {:>7} {:>9}",
             s.pool,
             if r.paused { "PAUSED" } else { "active" },
             match r.low_stock {
@@ -102,6 +103,7 @@ fn print_table(rows: &[Row]) {
             s.issued,
             s.used,
             s.void,
+            s.held,
             s.expired,
             s.backorders_waiting,
             r.refused,

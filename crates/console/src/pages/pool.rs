@@ -63,6 +63,7 @@ fn live_numbers(console: &Console, pool: &str, s: &PoolStats) -> Markup {
             dt { "Issued" } dd { (count(s.issued)) }
             dt { "Used" } dd { (count(s.used)) }
             dt { "Void" } dd { (count(s.void)) }
+            dt { "Held for checkouts" } dd { (count(s.held)) }
             dt { "Expired, not yet voided" } dd { (count(s.expired)) }
             dt { "Issued, last hour / 24 h" } dd { (count(s.issued_last_hour)) " / " (count(s.issued_last_day)) }
             dt { "Backorders waiting" } dd { (count(s.backorders_waiting)) }
@@ -218,6 +219,8 @@ pub async fn settings(
         grant_prefix: Some(f.grant_prefix.trim().to_owned()).filter(|p| !p.is_empty()),
         per_user: number("codes per user", &f.per_user)?,
         case_sensitive_codes: None,
+        hold_share: None,
+        holds_per_uid: None,
     };
     let what = format!("{settings:?}");
     let actor = super::actor(&s, "POST /console/pools/{pool}/settings");

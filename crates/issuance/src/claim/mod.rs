@@ -710,6 +710,23 @@ impl ClaimEngine {
         Ok(retry)
     }
 
+    /// Offers codes back in stock (a released hold's) to their pools' hot
+    /// sets, so the next claims find them at once. Best effort: a refill's
+    /// rescan finds them too, and the scan always does.
+    pub async fn offer(&self, codes: &[codepool_store::holds::HeldCode]) {
+        let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();
+        for c in codes {
+            by_pool.entry(c.pool.as_str()).or_default().push(Candidate {
+                id: c.id,
+                seq: c.seq,
+            });
+        }
+        for (pool, candidates) in by_pool {
+            let _ = self.hot.put_back(pool, &candidates).await;
+            self.replenished(pool);
+        }
+    }
+
     /// Returns the candidates of these pairs to their pools' hot sets.
     async fn put_back<'p, 'a: 'p>(&self, pairs: impl IntoIterator<Item = &'p Pairing<'a>>) {
         let mut by_pool: HashMap<&str, Vec<Candidate>> = HashMap::new();

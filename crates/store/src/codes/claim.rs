@@ -3,7 +3,7 @@
 use super::*;
 
 fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
-    let mut set = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
+    let mut set = doc! {"status": a.resend.claimed_status().as_i32(), "issued_at": now};
     for (field, value) in holder_fields(a) {
         if value != Bson::Null {
             set.insert(field, value);
@@ -17,7 +17,7 @@ fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
 /// order of one, as every code was before quantities). The one list both
 /// claim writes ([`issue_set`], [`claim_statement`]) take their fields
 /// from.
-fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 10] {
+pub(crate) fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 10] {
     let unless = |n: u32, default: u32| {
         if n == default {
             Bson::Null
@@ -90,7 +90,9 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
             columns[k].1.push(value);
         }
     }
-    let mut holder = doc! {"status": Transition::Claim.to().as_i32(), "issued_at": now};
+    // One call claims one way: every assignment shares its resend.
+    let status = assignments[0].resend.claimed_status().as_i32();
+    let mut holder = doc! {"status": status, "issued_at": now};
     // A field no holder of the batch sets (no grant numbers, no relay, no
     // shop's webhook, no owner) costs the server nothing per document.
     columns.retain(|(_, column)| column.iter().any(|v| *v != Bson::Null));

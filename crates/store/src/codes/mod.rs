@@ -298,9 +298,21 @@ pub enum Resend {
     /// and nobody has seen its codes yet, so a shop's order also owes its
     /// webhook (`hook_pending`), like a purchase over AMQP.
     Backorder,
+    /// Not a grant: a checkout hold, or a bundle being put together. The
+    /// code is claimed `held` (status 4): no one sees it, nothing is sent,
+    /// and it becomes an order's only by [`Store::commit_held`].
+    Hold,
 }
 
 impl Resend {
+    /// The status a claim made this way leaves its code in.
+    pub fn claimed_status(self) -> CodeStatus {
+        match self {
+            Self::Hold => Transition::Hold.to(),
+            _ => Transition::Claim.to(),
+        }
+    }
+
     /// Whether the claim hands the grant to the relay (`sms_pending`).
     pub fn relays(self) -> bool {
         matches!(self, Self::ByRelay | Self::Backorder)
@@ -309,7 +321,7 @@ impl Resend {
     /// Whether a shop's grant claimed this way owes the shop a webhook:
     /// every grant but one the HTTP answer carried.
     pub fn owes_hook(self) -> bool {
-        !matches!(self, Self::ByRelay)
+        !matches!(self, Self::ByRelay | Self::Hold)
     }
 }
 
@@ -405,7 +417,7 @@ fn issued_by(
             continue;
         }
         let mut code = codes.remove(&a.code_id)?;
-        code.status = Transition::Claim.to();
+        code.status = a.resend.claimed_status();
         code.holder = Some(Holder {
             order_id: a.order_id.clone(),
             uid: a.uid.clone(),
@@ -608,7 +620,7 @@ fn candidate_fields(d: &Document, asks: usize) -> Result<(usize, CodeId, i64), S
 }
 
 mod candidates;
-mod claim;
+pub(crate) mod claim;
 mod counts;
 mod insert;
 mod outbox;

@@ -1,0 +1,205 @@
+//! `/v1/holds`: checkout holds. A hold sets codes aside for a buyer while
+//! they pay; `POST /v1/orders` with its `hold_id` turns them into the
+//! order's codes. Everything is decided by [`codepool_issuance::holds`];
+//! this door only translates.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use codepool_issuance::holds::{self, HoldError, HoldRequest};
+use codepool_store::holds::HoldDoc;
+use serde_json::{json, Value};
+
+use crate::keys::{KeyDoc, Scope};
+use crate::{Api, Problem, RequestId};
+
+type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+
+fn time(t: bson::DateTime) -> String {
+    t.try_to_rfc3339_string().unwrap_or_default()
+}
+
+/// A hold as the API shows it. Its codes are never shown: they are no
+/// one's until the order that pays for it is placed.
+pub(crate) fn hold_json(h: &HoldDoc) -> Value {
+    json!({
+        "hold_id": h.hold_id,
+        "uid": h.uid,
+        "state": holds::state_now(h),
+        "items": h.items.iter().map(|i| json!({"pool": i.pool, "quantity": i.quantity})).collect::<Vec<_>>(),
+        "ttl_seconds": h.ttl_seconds,
+        "created_at": time(h.created_at),
+        "expires_at": time(h.expires_at),
+        "order_id": h.order_id,
+    })
+}
+
+fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
+    (!key.allows(scope)).then(|| {
+        Problem::forbidden(scope.as_str())
+            .at(&rid.0)
+            .into_response()
+    })
+}
+
+/// A hold error as its problem.
+fn failed(e: HoldError, rid: &RequestId) -> Response {
+    let title = "nothing was held";
+    let p = match &e {
+        HoldError::Invalid(pe) => {
+            let status = match pe.reason {
+                codepool_domain::RejectReason::PoolNotAllowed => StatusCode::FORBIDDEN,
+                _ => StatusCode::UNPROCESSABLE_ENTITY,
+            };
+            let slug = pe.reason.as_str().replace('_', "-");
+            let mut p = Problem::new(status, &slug, title, pe.detail.clone());
+            if let Some(f) = pe.field() {
+                p = p.field(f.to_owned());
+            }
+            p
+        }
+        HoldError::Conflict(_) => {
+            Problem::new(StatusCode::CONFLICT, "conflicting-hold", title, e.to_string())
+                .field("hold_id")
+        }
+        HoldError::InsufficientStock { free } => Problem::new(
+            StatusCode::CONFLICT,
+            "insufficient-stock",
+            title,
+            format!("{e}; ask for fewer codes, or try again after the next import"),
+        )
+        .with(
+            "free",
+            free.iter()
+                .map(|(pool, n)| json!({"pool": pool, "free": n}))
+                .collect(),
+        ),
+        HoldError::Paused(_) => {
+            Problem::new(StatusCode::CONFLICT, "pool-paused", title, e.to_string())
+        }
+        HoldError::OverShare { limit, .. } => Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "hold-limit",
+            title,
+            format!("{e}. Hold fewer codes, or pay for the codes held first"),
+        )
+        .with("limit", json!(limit)),
+        HoldError::TooManyHolds { limit, .. } => Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "hold-limit",
+            title,
+            e.to_string(),
+        )
+        .with("limit", json!(limit)),
+        HoldError::NotFound(id) => Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-hold",
+            "no such hold",
+            format!("codepool has no hold {id:?} of this key; check the id, or place one with POST /v1/holds"),
+        ),
+        _ if e.is_unavailable() => Problem::unavailable(&e),
+        _ => {
+            tracing::error!(error = %e, "hold failed");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "codepool could not finish the request",
+                format!("{e}; nothing was held twice. Send the request again; if it fails again, give the request id to an operator"),
+            )
+        }
+    };
+    p.at(&rid.0).into_response()
+}
+
+/// `POST /v1/holds`: hold codes for a buyer's checkout, all or nothing.
+#[utoipa::path(
+    post, path = "/v1/holds", tag = "holds",
+    operation_id = "place_hold",
+    request_body(content = crate::openapi::HoldIn, content_type = "application/json"),
+    responses(
+        (status = 201, description = "every item is held until `expires_at`; no code is shown", body = crate::openapi::Hold),
+        (status = 200, description = "the same hold again, as it stands now", body = crate::openapi::Hold),
+        (status = 409, description = "short stock (`insufficient-stock`, with what each pool has free), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "an invalid field or unknown pool (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "over the pool's share one buyer may hold, or the buyer's open holds (`hold-limit`); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
+pub(crate) async fn place(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    let req = match HoldRequest::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return failed(HoldError::Invalid(e), &rid),
+    };
+    match holds::place(api.intake(), req, Some(key.owner()), key.shop.clone()).await {
+        Ok((h, true)) => (StatusCode::CREATED, Json(hold_json(&h))).into_response(),
+        Ok((h, false)) => (StatusCode::OK, Json(hold_json(&h))).into_response(),
+        Err(e) => failed(e, &rid),
+    }
+}
+
+/// `GET /v1/holds/{hold_id}`: a hold of this key (or its shop).
+#[utoipa::path(
+    get, path = "/v1/holds/{hold_id}", tag = "holds",
+    operation_id = "read_hold",
+    params(("hold_id" = String, Path, description = "the hold's id")),
+    responses(
+        (status = 200, description = "the hold: state (held, committed, released or expired), items, expiry", body = crate::openapi::Hold),
+        (status = 404, description = "no such hold of this key", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:read"]))
+)]
+pub(crate) async fn read(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(hold_id): Path<String>,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersRead, &rid) {
+        return r;
+    }
+    let hold_id = codepool_domain::text::nfc(&hold_id);
+    match holds::get(api.store(), &hold_id, Some(&key.owner())).await {
+        Ok(h) => Json(hold_json(&h)).into_response(),
+        Err(e) => failed(e, &rid),
+    }
+}
+
+/// `DELETE /v1/holds/{hold_id}`: releases the hold; its codes go back to
+/// stock, waiting backorders first.
+#[utoipa::path(
+    delete, path = "/v1/holds/{hold_id}", tag = "holds",
+    operation_id = "release_hold",
+    params(("hold_id" = String, Path, description = "the hold's id")),
+    responses(
+        (status = 200, description = "released (or already ended: its state says how)", body = crate::openapi::Hold),
+        (status = 404, description = "no such hold of this key", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["orders:write"]))
+)]
+pub(crate) async fn release(
+    (State(api), Extension(key), Extension(rid)): Ctx,
+    Path(hold_id): Path<String>,
+) -> Response {
+    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
+        return r;
+    }
+    let hold_id = codepool_domain::text::nfc(&hold_id);
+    match holds::release(api.intake(), &hold_id, Some(&key.owner())).await {
+        Ok((h, returned)) => {
+            if !returned.is_empty() {
+                let pools = returned.iter().map(|c| c.pool.clone()).collect();
+                holds::serve_returned(api.core(), &pools).await;
+            }
+            Json(hold_json(&h)).into_response()
+        }
+        Err(e) => failed(e, &rid),
+    }
+}

@@ -1,0 +1,368 @@
+//! The `holds` collection and the held codes behind it. A checkout hold
+//! (or a bundle being put together) claims its codes through the same
+//! batched claim as an order, but `held` (status 4) and under a key of its
+//! own in `order_id` ([`hold_key`]): the unique `(order_id, line)` index
+//! keeps a retried hold from taking a line twice, exactly as it does for
+//! orders. A held code then either becomes an order's
+//! ([`Store::commit_held`], 4→1) or goes back to stock
+//! ([`Store::release_held`], 4→0); both are conditional on the code still
+//! being held under that key, so a commit and an expiry racing for one
+//! code give it to exactly one of them.
+
+use bson::oid::ObjectId;
+use bson::{doc, Bson, DateTime, Document};
+use codepool_domain::{CodeId, CodeStatus, Item, Transition};
+use futures::TryStreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::codes::{claim::holder_fields, code_id, object_id, CODES};
+use crate::error::is_duplicate_key;
+use crate::{durable, ClaimAssignment, Store, StoreError};
+
+pub const HOLDS: &str = "holds";
+/// A hold whose codes are held.
+pub const HELD: &str = "held";
+/// Paid: its codes are an order's.
+pub const COMMITTED: &str = "committed";
+/// Released by its owner before it expired.
+pub const RELEASED: &str = "released";
+/// Expired unpaid.
+pub const EXPIRED: &str = "expired";
+
+/// One hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HoldDoc {
+    #[serde(rename = "_id")]
+    pub hold_id: String,
+    pub uid: String,
+    pub items: Vec<Item>,
+    /// The key (`api-key-id:ID`) or shop (`shop:NAME`) that placed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    pub ttl_seconds: i64,
+    pub created_at: DateTime,
+    pub expires_at: DateTime,
+    pub state: String,
+    /// The order that paid for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<DateTime>,
+    /// Made by a bundle's own claim, not by a buyer: it counts against no
+    /// buyer's holds and is never shown.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bundle: bool,
+}
+
+impl HoldDoc {
+    /// The keys its items' codes are held under, item by item.
+    pub fn keys(&self) -> Vec<String> {
+        (0..self.items.len())
+            .map(|i| hold_key(&self.hold_id, i))
+            .collect()
+    }
+
+    /// How many codes it holds in all.
+    pub fn quantity(&self) -> u32 {
+        self.items.iter().map(|i| i.quantity).sum()
+    }
+
+    /// The codes it takes from `pool`.
+    pub fn quantity_in(&self, pool: &str) -> u32 {
+        self.items
+            .iter()
+            .filter(|i| i.pool == pool)
+            .map(|i| i.quantity)
+            .sum()
+    }
+}
+
+/// The `order_id` under which item `item` of hold `hold_id` holds its
+/// codes. It starts with a control character, which no order id may
+/// hold, so no order can ever be mistaken for a hold.
+pub fn hold_key(hold_id: &str, item: usize) -> String {
+    format!("\u{1}hold:{item}:{hold_id}")
+}
+
+/// How a bundle's keys begin.
+const BUNDLE_PREFIX: &str = "\u{1}bundle:";
+
+/// The key under which item `item` of bundle order `order_id` holds its
+/// codes until the bundle is whole.
+pub fn bundle_key(order_id: &str, item: usize) -> String {
+    format!("{BUNDLE_PREFIX}{item}:{order_id}")
+}
+
+/// Whether an `order_id` is a hold's key rather than an order's.
+pub fn is_hold_key(order_id: &str) -> bool {
+    order_id.starts_with('\u{1}')
+}
+
+/// A held code, to go back to stock or to an order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldCode {
+    pub id: CodeId,
+    pub pool: String,
+    pub seq: i64,
+    /// Its line within its item.
+    pub line: u32,
+    /// The key it is held under.
+    pub key: String,
+}
+
+#[derive(Deserialize)]
+struct HeldDoc {
+    #[serde(rename = "_id")]
+    id: ObjectId,
+    pool: String,
+    seq: i64,
+    order_id: String,
+    #[serde(default)]
+    order_line: Option<i64>,
+}
+
+/// The fields a claim writes of its holder, which a release takes off.
+const HOLDER_FIELDS: [&str; 11] = [
+    "order_id",
+    "uid",
+    "phone",
+    "issued_at",
+    "grant_no",
+    "sms_pending",
+    "hook_pending",
+    "order_line",
+    "order_qty",
+    "order_part",
+    "owner",
+];
+
+impl Store {
+    /// Records a new hold (durably) before anything is claimed for it, so
+    /// a process that dies mid-claim leaves codes that expire with it.
+    /// False when the id is taken.
+    pub async fn insert_hold(&self, hold: &HoldDoc) -> Result<bool, StoreError> {
+        match self
+            .typed::<HoldDoc>(HOLDS)
+            .insert_one(hold)
+            .write_concern(durable())
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if is_duplicate_key(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn hold(&self, hold_id: &str) -> Result<Option<HoldDoc>, StoreError> {
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find_one(doc! {"_id": hold_id})
+            .await?)
+    }
+
+    /// Forgets a hold that held nothing (short stock): the same request
+    /// may be made again later.
+    pub async fn forget_hold(&self, hold_id: &str) -> Result<(), StoreError> {
+        self.collection(HOLDS)
+            .delete_one(doc! {"_id": hold_id, "state": HELD})
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+
+    /// A buyer's open holds (not a bundle's).
+    pub async fn open_holds_of(&self, uid: &str) -> Result<Vec<HoldDoc>, StoreError> {
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find(doc! {"uid": uid, "state": HELD, "bundle": {"$ne": true}})
+            .limit(1000)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// A buyer's latest holds, any state, newest first (not bundles').
+    pub async fn holds_of_uid(&self, uid: &str, most: i64) -> Result<Vec<HoldDoc>, StoreError> {
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find(doc! {"uid": uid, "bundle": {"$ne": true}})
+            .sort(doc! {"created_at": -1})
+            .limit(most)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// Ends a held hold (`committed`, `released` or `expired`); false when
+    /// it was not held any more.
+    pub async fn end_hold(
+        &self,
+        hold_id: &str,
+        state: &str,
+        order_id: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        let mut set = doc! {"state": state, "ended_at": DateTime::now()};
+        if let Some(o) = order_id {
+            set.insert("order_id", o);
+        }
+        let r = self
+            .collection(HOLDS)
+            .update_one(doc! {"_id": hold_id, "state": HELD}, doc! {"$set": set})
+            .write_concern(durable())
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// Held holds whose time is up, oldest first.
+    pub async fn due_holds(&self, now: DateTime, most: i64) -> Result<Vec<HoldDoc>, StoreError> {
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find(doc! {"state": HELD, "expires_at": {"$lte": now}})
+            .sort(doc! {"expires_at": 1})
+            .limit(most)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// The codes held under `keys`, by key and line.
+    pub async fn held_codes(&self, keys: &[String]) -> Result<Vec<HeldCode>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let docs: Vec<HeldDoc> = self
+            .typed::<HeldDoc>(CODES)
+            .find(doc! {"order_id": {"$in": keys}, "status": CodeStatus::Held.as_i32()})
+            .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1})
+            .await?
+            .try_collect()
+            .await?;
+        let mut out: Vec<HeldCode> = docs
+            .into_iter()
+            .map(|d| HeldCode {
+                id: code_id(d.id),
+                pool: d.pool,
+                seq: d.seq,
+                line: d.order_line.unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
+                key: d.order_id,
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.key, a.line).cmp(&(&b.key, b.line)));
+        Ok(out)
+    }
+
+    /// Puts the codes held under `keys` back in stock (4→0), taking off
+    /// everything the hold wrote: they are unissued again, as if never
+    /// held, for nobody has seen them. Returns the codes it found held; a
+    /// code committed in between stays committed (the write is
+    /// conditional), and offering it again as a candidate is harmless.
+    pub async fn release_held(&self, keys: &[String]) -> Result<Vec<HeldCode>, StoreError> {
+        let held = self.held_codes(keys).await?;
+        if held.is_empty() {
+            return Ok(held);
+        }
+        let unset: Document = HOLDER_FIELDS
+            .iter()
+            .map(|f| (f.to_string(), Bson::from("")))
+            .collect();
+        self.collection(CODES)
+            .update_many(
+                doc! {
+                    "order_id": {"$in": keys},
+                    "status": {"$in": Transition::Release.from_codes()},
+                },
+                doc! {
+                    "$set": {"status": Transition::Release.to().as_i32()},
+                    "$unset": unset,
+                },
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(held)
+    }
+
+    /// Gives held codes to their orders (4→1): each `(code, key, claim)`
+    /// moves code `code`, still held under `key`, to the line `claim`
+    /// names, with everything a claim of that line writes. One unordered,
+    /// journaled command. A line its order already holds (a retry of a
+    /// commit that landed) is left as it is. Returns how many moved.
+    pub async fn commit_held(
+        &self,
+        commits: &[(CodeId, &str, ClaimAssignment)],
+    ) -> Result<u64, StoreError> {
+        if commits.is_empty() {
+            return Ok(0);
+        }
+        let now = DateTime::now();
+        let updates: Vec<Document> = commits
+            .iter()
+            .map(|(id, key, a)| {
+                let mut set = doc! {"status": Transition::Commit.to().as_i32(), "issued_at": now};
+                let mut unset = Document::new();
+                for (field, value) in holder_fields(a) {
+                    if value == Bson::Null {
+                        unset.insert(field, "");
+                    } else {
+                        set.insert(field, value);
+                    }
+                }
+                // The hold's own grant number stays the line's.
+                unset.remove("grant_no");
+                let mut u = doc! {"$set": set};
+                if !unset.is_empty() {
+                    u.insert("$unset", unset);
+                }
+                doc! {
+                    "q": {
+                        "_id": object_id(*id),
+                        "order_id": *key,
+                        "status": {"$in": Transition::Commit.from_codes()},
+                    },
+                    "u": u,
+                }
+            })
+            .collect();
+        let reply = self.update_codes(updates).await?;
+        // A duplicate line is a commit that landed before.
+        crate::codes::claim::duplicate_positions(&reply)?;
+        Ok(crate::collections::as_u64(reply.get("nModified")))
+    }
+
+    /// Holds by id (any state).
+    pub async fn holds_by_id(&self, ids: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
+        self.find_in(HOLDS, "_id", ids).await
+    }
+
+    /// Puts back in stock the codes a bundle held longer than `after` ago
+    /// and never committed: left by a process that died between a
+    /// bundle's two claims (a live bundle commits within milliseconds).
+    pub async fn release_stray_bundle_codes(
+        &self,
+        after: std::time::Duration,
+    ) -> Result<Vec<HeldCode>, StoreError> {
+        let before =
+            DateTime::from_millis(DateTime::now().timestamp_millis() - after.as_millis() as i64);
+        let docs: Vec<HeldDoc> = self
+            .typed::<HeldDoc>(CODES)
+            .find(doc! {
+                "status": CodeStatus::Held.as_i32(),
+                "issued_at": {"$lte": before},
+                "order_id": {"$regex": format!("^{BUNDLE_PREFIX}")},
+            })
+            .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1})
+            .limit(1000)
+            .await?
+            .try_collect()
+            .await?;
+        let mut keys: Vec<String> = docs.iter().map(|d| d.order_id.clone()).collect();
+        keys.sort();
+        keys.dedup();
+        self.release_held(&keys).await
+    }
+
+    /// How many codes of `pool` are held.
+    pub async fn held_count(&self, pool: &str) -> Result<u64, StoreError> {
+        self.count_scan(doc! {"pool": pool, "status": CodeStatus::Held.as_i32()})
+            .await
+    }
+}
