@@ -12,6 +12,7 @@ mod console;
 mod deploy;
 mod dispatcher;
 mod export_rules;
+mod holds;
 mod hostile_cli3;
 mod hostile_http3;
 mod hostile_input;

@@ -384,7 +384,13 @@ impl Purchase {
     /// The wire form, as `codepool publish` sends it.
     pub fn to_json(&self) -> Vec<u8> {
         // Serializing a struct of strings cannot fail.
-        serde_json::to_vec(self).unwrap_or_default()
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        // A bundle names its pools in `items` only.
+        if let (true, Some(map)) = (self.is_bundle(), v.as_object_mut()) {
+            map.remove("pool");
+            map.remove("quantity");
+        }
+        serde_json::to_vec(&v).unwrap_or_default()
     }
 }
 
@@ -605,6 +611,49 @@ mod tests {
         let (a, b) = (Purchase::parse(nfc).unwrap(), Purchase::parse(nfd).unwrap());
         assert_eq!(a, b);
         assert_eq!(a.order_id, "NF-caf\u{e9}");
+    }
+
+    #[test]
+    fn a_bundle_names_its_pools_in_items_and_round_trips() {
+        let p = Purchase::parse(br#"{"order_id":"B-1","uid":"u1","phone":"+8613800000000","items":[{"pool":"a","quantity":2},{"pool":"b","quantity":1}]}"#).unwrap();
+        assert!(p.is_bundle());
+        assert_eq!((p.pool.as_str(), p.quantity), ("a", 3));
+        assert_eq!(p.pools(), vec!["a", "b"]);
+        assert_eq!(
+            (p.pool_of_line(0), p.pool_of_line(1), p.pool_of_line(2)),
+            ("a", "a", "b")
+        );
+        assert_eq!(Purchase::parse(&p.to_json()).unwrap(), p);
+        for (bad, field) in [
+            (r#""items":[{"pool":"a","quantity":1}],"pool":"a""#, "items"),
+            (r#""items":[]"#, "items"),
+            (
+                r#""items":[{"pool":"a","quantity":1},{"pool":"a","quantity":2}]"#,
+                "items",
+            ),
+            (
+                r#""items":[{"pool":"a","quantity":60},{"pool":"b","quantity":41}]"#,
+                "items",
+            ),
+            (
+                r#""items":[{"pool":"a","quantity":0}]"#,
+                "items[0].quantity",
+            ),
+            (r#""items":[{"pool":"a b","quantity":1}]"#, "items[0].pool"),
+            (r#""items":"a""#, "items"),
+        ] {
+            let body = format!(r#"{{"order_id":"B-1","uid":"u1","phone":"+8613800000000",{bad}}}"#);
+            let e = Purchase::parse(body.as_bytes()).unwrap_err();
+            assert_eq!(e.field(), Some(field), "{bad}: {e}");
+        }
+        let eleven: Vec<String> = (0..11)
+            .map(|i| format!(r#"{{"pool":"p{i}","quantity":1}}"#))
+            .collect();
+        let body = format!(
+            r#"{{"order_id":"B-1","uid":"u1","phone":"+8613800000000","items":[{}]}}"#,
+            eleven.join(",")
+        );
+        assert!(Purchase::parse(body.as_bytes()).is_err());
     }
 
     #[test]
