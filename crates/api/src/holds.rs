@@ -140,7 +140,12 @@ pub(crate) async fn place(
         Ok(r) => r,
         Err(e) => return failed(HoldError::Invalid(e), &rid),
     };
-    match holds::place(api.intake(), req, Some(key.owner()), key.shop.clone()).await {
+    let ask = holds::HoldAsk {
+        req,
+        owner: Some(key.owner()),
+        shop: key.shop.clone(),
+    };
+    match api.holds.place(ask).await {
         Ok((h, true)) => (StatusCode::CREATED, Json(hold_json(&h))).into_response(),
         Ok((h, false)) => (StatusCode::OK, Json(hold_json(&h))).into_response(),
         Err(e) => failed(e, &rid),

@@ -88,6 +88,8 @@ pub struct Api {
     limits: governor::DefaultKeyedRateLimiter<String>,
     /// Concurrent orders, placed together.
     pub(crate) orders: batcher::Batcher,
+    /// Concurrent holds, placed together.
+    pub(crate) holds: codepool_issuance::holds::HoldBatcher,
 }
 
 impl std::ops::Deref for Api {
@@ -99,8 +101,10 @@ impl std::ops::Deref for Api {
 
 impl Api {
     pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
+        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone());
         Arc::new_cyclic(|me| Self {
             orders: batcher::Batcher::start(me.clone()),
+            holds,
             core,
             keys: api_keys::Verifier::default(),
             limits: per_key_limiter(config.rate_per_key),

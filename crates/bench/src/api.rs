@@ -197,15 +197,15 @@ async fn prepare(
 }
 
 /// The API server in this process, built as `codepool api` builds it.
-struct ApiServer {
-    addr: SocketAddr,
+pub(crate) struct ApiServer {
+    pub(crate) addr: SocketAddr,
     api: Arc<Api>,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 impl ApiServer {
-    async fn start(scratch: &'static Scratch) -> anyhow::Result<Self> {
+    pub(crate) async fn start(scratch: &'static Scratch) -> anyhow::Result<Self> {
         let (cfg, store) = (&scratch.cfg, &scratch.store);
         let hot = codepool::context::hot_pool(cfg)?;
         let numbers = codepool::context::grant_numbers(cfg, store)?;
@@ -233,7 +233,7 @@ impl ApiServer {
         })
     }
 
-    async fn stop(self) -> anyhow::Result<()> {
+    pub(crate) async fn stop(self) -> anyhow::Result<()> {
         self.stop.cancel();
         self.task.await.context("the API server panicked")??;
         let broker = self.api.broker();
@@ -245,15 +245,15 @@ impl ApiServer {
 
 /// hyper's pooling client (keep-alive) posting orders to one server.
 #[derive(Clone)]
-struct Http {
+pub(crate) struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     uri: Uri,
     auth: Arc<str>,
 }
 
 /// What one request got back.
-struct Answer {
-    status: u16,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
     /// The first code of the answer.
     code: Option<String>,
     /// The client's port: which connection carried it.
@@ -262,6 +262,11 @@ struct Answer {
 
 impl Http {
     fn new(addr: SocketAddr, token: &str, clients: usize) -> Self {
+        Self::to(addr, token, clients, "/v1/orders")
+    }
+
+    /// A client posting to `path` of the server at `addr`.
+    pub(crate) fn to(addr: SocketAddr, token: &str, clients: usize, path: &str) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
@@ -270,7 +275,7 @@ impl Http {
             .build(connector);
         Self {
             client,
-            uri: format!("http://{addr}/v1/orders")
+            uri: format!("http://{addr}{path}")
                 .parse()
                 .expect("a valid URI"),
             auth: format!("Bearer {token}").into(),
@@ -302,7 +307,7 @@ fn order(tag: &str, pool: &str, i: usize) -> Vec<u8> {
 
 /// `n` orders from `clients` tasks, each sending its next as soon as its
 /// last is answered; the answers by order number, and the time it took.
-async fn closed_loop(
+pub(crate) async fn closed_loop(
     http: &Http,
     clients: usize,
     n: usize,

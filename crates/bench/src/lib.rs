@@ -13,6 +13,7 @@ pub mod api;
 pub mod claim;
 pub mod crypto;
 pub mod dispatch;
+pub mod holds;
 pub mod hooks;
 pub mod import;
 pub mod inproc;
@@ -60,6 +61,9 @@ pub enum Which {
     /// The HTTP API's grants against the AMQP dispatcher and a
     /// findOneAndUpdate handler; repeats; open-loop latency.
     Api(api::ApiBenchArgs),
+    /// Checkout holds against HTTP orders, and 2-item bundles against
+    /// orders of 2, in codes per second.
+    Holds(holds::HoldsBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -78,6 +82,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Crypto(a) => crypto::run(a, &args.out_dir)?,
         Which::Latency(a) => scratch(cfg, |s| latency::run(a, s, &args.out_dir)).await?,
         Which::Api(a) => scratch(cfg, |s| api::run(a, s, &args.out_dir)).await?,
+        Which::Holds(a) => scratch(cfg, |s| holds::run(a, s, &args.out_dir)).await?,
     }
     Ok(codepool::exit::OK)
 }
@@ -269,6 +274,15 @@ pub async fn fill_pool(store: &Store, pool: &str, n: usize) -> anyhow::Result<()
         "pool {pool}: inserted {inserted} codes instead of {n}"
     );
     Ok(())
+}
+
+/// How many codes match `filter`.
+pub async fn count_codes(store: &Store, filter: mongodb::bson::Document) -> anyhow::Result<u64> {
+    Ok(store
+        .database()
+        .collection::<mongodb::bson::Document>(codepool_store::codes::CODES)
+        .count_documents(filter)
+        .await?)
 }
 
 /// Issued codes of `pool` and how many distinct orders hold them: equal

@@ -40,6 +40,10 @@ pub struct SmsCode {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant_no: Option<String>,
     pub issued_at: String,
+    /// A bundle's code from another pool than the event's (its first
+    /// item's): its own pool. Absent for the event's pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
 }
 
 impl SmsPending {
@@ -89,6 +93,7 @@ impl SmsPending {
                 code: code.clone(),
                 grant_no: self.grant_no.clone(),
                 issued_at: self.issued_at.clone().unwrap_or_default(),
+                pool: None,
             }],
             None => self.codes.clone(),
         }

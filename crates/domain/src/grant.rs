@@ -120,6 +120,8 @@ pub fn sms_events<G: Borrow<Grant>>(grants: &[G]) -> Vec<(SmsPending, Vec<usize>
                 code: g.code.clone(),
                 grant_no: g.grant_no.clone(),
                 issued_at: g.issued_at_text(),
+                // A bundle's line of another pool names its own.
+                pool: (g.pool != event.pool).then(|| g.pool.clone()),
             });
         }
     }

@@ -19,7 +19,7 @@ use codepool_domain::{CodeId, Grant, Item, Purchase, PurchaseError, RejectReason
 use codepool_store::holds::{HeldCode, HoldDoc, COMMITTED, EXPIRED, HELD, RELEASED};
 use codepool_store::{ClaimAssignment, Store, StoreError};
 use serde_json::{Map, Value};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::claim::{ClaimAsk, ClaimError};
 use crate::intake::Intake;
@@ -176,6 +176,16 @@ fn same_hold(h: &HoldDoc, req: &HoldRequest, owner: Option<&str>) -> bool {
         && h.owner.as_deref() == owner
 }
 
+/// A request for a hold and who makes it, as a batch takes it.
+#[derive(Debug, Clone)]
+pub struct HoldAsk {
+    pub req: HoldRequest,
+    /// The key (`api-key-id:ID`) that asks; a shop's key's holds are the
+    /// shop's.
+    pub owner: Option<String>,
+    pub shop: Option<String>,
+}
+
 /// Places a hold, all or nothing. `Ok((hold, true))` when this call made
 /// it, `Ok((hold, false))` for the same request again.
 pub async fn place(
@@ -184,43 +194,135 @@ pub async fn place(
     owner: Option<String>,
     shop: Option<String>,
 ) -> Result<(HoldDoc, bool), HoldError> {
+    let mut out = place_many(intake, vec![HoldAsk { req, owner, shop }]).await?;
+    out.pop().unwrap_or_else(|| Err(HoldError::Store(StoreError::Rejected("no answer".into()))))
+}
+
+/// What one hold of a batch came to.
+pub type Placed = Result<(HoldDoc, bool), HoldError>;
+
+/// Places a batch of holds through one batched claim, each all or nothing,
+/// answers aligned with `asks`: one read of the ids, the buyers' open holds
+/// and the pools' stock, one journaled insert of the new holds, one
+/// journaled claim of every item, and one release of what short holds
+/// took. An error is the batch's: nothing of it is held.
+pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Placed>, HoldError> {
     let store = intake.store();
-    // The hold's pools must exist and be the shop's; the owner of a shop's
-    // hold is the shop, like its orders'.
-    let probe = Purchase {
-        order_id: req.hold_id.clone(),
-        uid: req.uid.clone(),
-        phone: String::new(),
-        pool: req.items[0].pool.clone(),
-        purchased_at: None,
-        quantity: req.items.iter().map(|i| i.quantity).sum(),
-        owner: owner.clone(),
-        shop,
-        hold_id: None,
-        items: req.items.clone(),
-    };
-    let pools: Vec<String> = probe.pools().into_iter().map(str::to_owned).collect();
-    let names: Vec<&str> = pools.iter().map(String::as_str).collect();
+    let mut out: Vec<Option<Placed>> = asks.iter().map(|_| None).collect();
+    // The pools must exist and be the shop's (a shop's hold is the shop's).
+    let probes: Vec<Purchase> = asks.iter().map(probe).collect();
+    let mut names: Vec<&str> = probes.iter().flat_map(|p| p.pools()).collect();
+    names.sort_unstable();
+    names.dedup();
     let policies = intake.policies.get_many(store, &names).await?;
-    let admitted = admit(vec![Ok(probe)], |p| policies.contains_key(p));
+    let admitted = admit(probes.into_iter().map(Ok).collect(), |p| policies.contains_key(p));
     let admitted = intake.shops.admit(store, admitted).await?;
-    let owner = match admitted.into_iter().next() {
-        Some(Admitted::Claim(p)) => p.owner,
-        Some(Admitted::Reject(e)) => return Err(HoldError::Invalid(e)),
-        _ => owner,
-    };
-    if let Some(h) = store.hold(&req.hold_id).await? {
-        return again(h, &req, owner.as_deref());
+    let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
+    for (k, a) in admitted.into_iter().enumerate() {
+        match a {
+            Admitted::Claim(p) => owners.push(p.owner),
+            Admitted::Reject(e) => {
+                out[k] = Some(Err(HoldError::Invalid(e)));
+                owners.push(None);
+            }
+            _ => owners.push(asks[k].owner.clone()),
+        }
     }
-    if let Some(p) = pools
-        .iter()
-        .find(|p| policies.get(*p).is_some_and(|x| x.paused))
-    {
-        return Err(HoldError::Paused(p.clone()));
+    // The same hold id again (before, or earlier in this batch).
+    let ids: Vec<&str> = asks.iter().map(|a| a.req.hold_id.as_str()).collect();
+    let existing: HashMap<String, HoldDoc> = (store.holds_by_id(&ids).await?.into_iter())
+        .map(|h| (h.hold_id.clone(), h))
+        .collect();
+    let mut first: HashMap<&str, usize> = HashMap::new();
+    let mut todo: Vec<usize> = Vec::new();
+    for (k, a) in asks.iter().enumerate() {
+        if out[k].is_some() {
+            continue;
+        }
+        if let Some(h) = existing.get(&a.req.hold_id) {
+            out[k] = Some(again(h.clone(), &a.req, owners[k].as_deref()));
+        } else if let Some(p) = (a.req.items.iter()).find(|i| policies.get(&i.pool).is_some_and(|x| x.paused)) {
+            out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
+        } else if first.contains_key(a.req.hold_id.as_str()) {
+            // Answered once the first is placed.
+        } else {
+            first.insert(&a.req.hold_id, k);
+            todo.push(k);
+        }
     }
-    within_limits(store, &req).await?;
+    let todo = within_limits(store, &asks, todo, &mut out).await?;
     let now = DateTime::now();
-    let hold = HoldDoc {
+    let mut holds: Vec<HoldDoc> = (todo.iter())
+        .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
+        .collect();
+    // Recorded before anything is claimed: a process that dies mid-claim
+    // leaves codes that expire with their holds.
+    let taken = store.insert_holds(&holds).await?;
+    if !taken.is_empty() {
+        let again_ids: Vec<&str> = taken.iter().map(String::as_str).collect();
+        let raced: HashMap<String, HoldDoc> = (store.holds_by_id(&again_ids).await?.into_iter())
+            .map(|h| (h.hold_id.clone(), h))
+            .collect();
+        for &k in &todo {
+            if let Some(h) = raced.get(&asks[k].req.hold_id) {
+                out[k] = Some(again(h.clone(), &asks[k].req, owners[k].as_deref()));
+            }
+        }
+        holds.retain(|h| !raced.contains_key(&h.hold_id));
+    }
+    let short = hold_codes(intake, &holds).await?;
+    let mut put_back = Vec::new();
+    for h in &holds {
+        if short.contains(&h.hold_id) {
+            put_back.push(h);
+        }
+    }
+    let free = release_short(intake, &put_back).await?;
+    for h in holds {
+        let k = first[h.hold_id.as_str()];
+        if short.contains(&h.hold_id) {
+            metrics::counter!("codepool_holds_total", "outcome" => "short").increment(1);
+            let free = (h.items.iter())
+                .map(|i| (i.pool.clone(), free.get(&i.pool).copied().unwrap_or(0)))
+                .collect();
+            out[k] = Some(Err(HoldError::InsufficientStock { free }));
+        } else {
+            debug!(hold_id = %h.hold_id, uid = %h.uid, codes = h.quantity(), "hold placed");
+            metrics::counter!("codepool_holds_total", "outcome" => "held").increment(1);
+            out[k] = Some(Ok((h, true)));
+        }
+    }
+    // Repeats within the batch get what the first got.
+    for (k, a) in asks.iter().enumerate() {
+        if out[k].is_none() {
+            let f = first[a.req.hold_id.as_str()];
+            out[k] = Some(match &out[f] {
+                Some(Ok((h, _))) => again(h.clone(), &a.req, owners[k].as_deref()),
+                _ => Err(HoldError::Conflict(a.req.hold_id.clone())),
+            });
+        }
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// The hold's pools as a purchase, for the checks every order passes.
+fn probe(a: &HoldAsk) -> Purchase {
+    Purchase {
+        order_id: a.req.hold_id.clone(),
+        uid: a.req.uid.clone(),
+        phone: String::new(),
+        pool: a.req.items[0].pool.clone(),
+        purchased_at: None,
+        quantity: a.req.items.iter().map(|i| i.quantity).sum(),
+        owner: a.owner.clone(),
+        shop: a.shop.clone(),
+        hold_id: None,
+        items: a.req.items.clone(),
+    }
+}
+
+fn new_hold(req: &HoldRequest, owner: Option<String>, now: DateTime) -> HoldDoc {
+    HoldDoc {
         hold_id: req.hold_id.clone(),
         uid: req.uid.clone(),
         items: req.items.clone(),
@@ -232,81 +334,122 @@ pub async fn place(
         order_id: None,
         ended_at: None,
         bundle: false,
-    };
-    // Recorded before anything is claimed: a process that dies mid-claim
-    // leaves codes that expire with the hold.
-    if !store.insert_hold(&hold).await? {
-        let h = store
-            .hold(&req.hold_id)
-            .await?
-            .ok_or_else(|| HoldError::NotFound(req.hold_id.clone()))?;
-        return again(h, &req, hold.owner.as_deref());
     }
-    let short = hold_codes(intake, &hold).await?;
+}
+
+/// Puts back what short holds took, and forgets them so the same request
+/// may be made again later. Returns what each pool has free now.
+async fn release_short(
+    intake: &Intake,
+    short: &[&HoldDoc],
+) -> Result<HashMap<String, u64>, StoreError> {
     if short.is_empty() {
-        info!(hold_id = %hold.hold_id, uid = %hold.uid, codes = hold.quantity(), "hold placed");
-        metrics::counter!("codepool_holds_total", "outcome" => "held").increment(1);
-        return Ok((hold, true));
+        return Ok(HashMap::new());
     }
-    // All or nothing: what was taken goes back, and the hold is forgotten
-    // so the same request may be made again later.
-    let released = store.release_held(&hold.keys()).await?;
+    let store = intake.store();
+    let keys: Vec<String> = short.iter().flat_map(|h| h.keys()).collect();
+    let released = store.release_held(&keys).await?;
     intake.engine().offer(&released).await;
-    store.forget_hold(&hold.hold_id).await?;
-    metrics::counter!("codepool_holds_total", "outcome" => "short").increment(1);
-    let mut free = Vec::new();
-    for i in &hold.items {
-        free.push((
-            i.pool.clone(),
-            store.unissued_count_upto(&i.pool, 1_000_000).await?,
-        ));
-    }
-    Err(HoldError::InsufficientStock { free })
+    let ids: Vec<&str> = short.iter().map(|h| h.hold_id.as_str()).collect();
+    store.forget_holds(&ids).await?;
+    let mut pools: Vec<&str> = short.iter().flat_map(|h| h.items.iter().map(|i| i.pool.as_str())).collect();
+    pools.sort_unstable();
+    pools.dedup();
+    let asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, 1_000_000)).collect();
+    let counts = store.unissued_counts_upto(&asks).await?;
+    Ok(pools.into_iter().map(str::to_owned).zip(counts).collect())
 }
 
 /// The same hold id again: the hold as it is, or a conflict.
-fn again(h: HoldDoc, req: &HoldRequest, owner: Option<&str>) -> Result<(HoldDoc, bool), HoldError> {
+fn again(h: HoldDoc, req: &HoldRequest, owner: Option<&str>) -> Placed {
     if h.bundle || !same_hold(&h, req, owner) {
         return Err(HoldError::Conflict(req.hold_id.clone()));
     }
     Ok((h, false))
 }
 
-/// The buyer's caps: open holds, and each pool's share.
-async fn within_limits(store: &Store, req: &HoldRequest) -> Result<(), HoldError> {
-    let open = store.open_holds_of(&req.uid).await?;
-    for item in &req.items {
-        let (share, per_uid) = match store.pool(&item.pool).await? {
-            Some(p) => (p.hold_share(), p.holds_per_uid()),
-            None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
-        };
-        if open.len() as u64 >= u64::from(per_uid) {
-            return Err(HoldError::TooManyHolds {
-                uid: req.uid.clone(),
-                limit: u64::from(per_uid),
-            });
-        }
-        let mine: u64 = open
-            .iter()
-            .map(|h| u64::from(h.quantity_in(&item.pool)))
-            .sum();
-        let wanted = mine + u64::from(item.quantity);
-        // The stock is counted only as far as this question needs.
-        let enough = wanted.saturating_mul(100) / u64::from(share.max(1)) + 1;
-        let held = store.held_count(&item.pool).await?;
-        let free = store.unissued_count_upto(&item.pool, enough).await?;
-        let limit = ((free + held) * u64::from(share) / 100).max(1);
-        if wanted > limit {
-            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
-            return Err(HoldError::OverShare {
-                uid: req.uid.clone(),
-                pool: item.pool.clone(),
-                wanted,
-                limit,
-            });
+/// The buyers' caps, for the holds at `todo`: open holds, and each pool's
+/// share, counting the batch's earlier holds. Returns the holds within
+/// them; the others are answered in `out`.
+async fn within_limits(
+    store: &Store,
+    asks: &[HoldAsk],
+    todo: Vec<usize>,
+    out: &mut [Option<Placed>],
+) -> Result<Vec<usize>, HoldError> {
+    if todo.is_empty() {
+        return Ok(todo);
+    }
+    let mut uids: Vec<&str> = todo.iter().map(|&k| asks[k].req.uid.as_str()).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    let open = store.open_holds_of_many(&uids).await?;
+    let mut pools: Vec<&str> = (todo.iter())
+        .flat_map(|&k| asks[k].req.items.iter().map(|i| i.pool.as_str()))
+        .collect();
+    pools.sort_unstable();
+    pools.dedup();
+    let docs: HashMap<String, codepool_store::pools::PoolDoc> = (store.pools_named(&pools).await?.into_iter())
+        .map(|p| (p.name.clone(), p))
+        .collect();
+    let setting = |pool: &str| match docs.get(pool) {
+        Some(p) => (p.hold_share(), p.holds_per_uid()),
+        None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
+    };
+    // Stock (free plus held) per pool, counted only as far as the largest
+    // share asked needs.
+    let mut need: HashMap<&str, u64> = HashMap::new();
+    for &k in &todo {
+        for i in &asks[k].req.items {
+            let mine: u64 = (open.iter().filter(|h| h.uid == asks[k].req.uid))
+                .map(|h| u64::from(h.quantity_in(&i.pool)))
+                .sum();
+            let (share, _) = setting(&i.pool);
+            let enough = (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
+            let e = need.entry(i.pool.as_str()).or_default();
+            *e = (*e).max(enough);
         }
     }
-    Ok(())
+    let count_asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, need.get(p).copied().unwrap_or(1))).collect();
+    let (free, held) = futures::join!(
+        store.unissued_counts_upto(&count_asks),
+        futures::future::try_join_all(pools.iter().map(|p| store.held_count(p))),
+    );
+    let stock: HashMap<&str, u64> = pools.iter().copied().zip(free?.into_iter().zip(held?).map(|(f, h)| f + h)).collect();
+    // What each buyer holds, open holds and codes per pool, as the batch
+    // adds its own.
+    let mut open_count: HashMap<&str, u64> = HashMap::new();
+    let mut holding: HashMap<(&str, &str), u64> = HashMap::new();
+    for h in &open {
+        *open_count.entry(h.uid.as_str()).or_default() += 1;
+        for i in &h.items {
+            *holding.entry((h.uid.as_str(), i.pool.as_str())).or_default() += u64::from(i.quantity);
+        }
+    }
+    let mut within = Vec::with_capacity(todo.len());
+    'asks: for k in todo {
+        let req = &asks[k].req;
+        for i in &req.items {
+            let (share, per_uid) = setting(&i.pool);
+            if open_count.get(req.uid.as_str()).copied().unwrap_or(0) >= u64::from(per_uid) {
+                out[k] = Some(Err(HoldError::TooManyHolds { uid: req.uid.clone(), limit: u64::from(per_uid) }));
+                continue 'asks;
+            }
+            let wanted = holding.get(&(req.uid.as_str(), i.pool.as_str())).copied().unwrap_or(0) + u64::from(i.quantity);
+            let limit = (stock.get(i.pool.as_str()).copied().unwrap_or(0) * u64::from(share) / 100).max(1);
+            if wanted > limit {
+                metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
+                out[k] = Some(Err(HoldError::OverShare { uid: req.uid.clone(), pool: i.pool.clone(), wanted, limit }));
+                continue 'asks;
+            }
+        }
+        *open_count.entry(req.uid.as_str()).or_default() += 1;
+        for i in &req.items {
+            *holding.entry((req.uid.as_str(), i.pool.as_str())).or_default() += u64::from(i.quantity);
+        }
+        within.push(k);
+    }
+    Ok(within)
 }
 
 /// One claim "purchase" per item of a hold, under the item's key.
@@ -333,23 +476,34 @@ pub(crate) fn item_claims(
         .collect()
 }
 
-/// Claims every item of `hold`, held. Returns the pools that fell short.
-async fn hold_codes(intake: &Intake, hold: &HoldDoc) -> Result<BTreeSet<String>, ClaimError> {
-    let claims = item_claims(&hold.keys(), &hold.items, &hold.uid, hold.owner.as_ref());
-    let lines: Vec<Vec<u32>> = claims.iter().map(|p| (0..p.quantity).collect()).collect();
+/// Claims every item of `holds`, held, in one batched claim. Returns the
+/// holds that fell short.
+async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String>, ClaimError> {
+    if holds.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let claims: Vec<(usize, Purchase)> = (holds.iter().enumerate())
+        .flat_map(|(n, h)| {
+            item_claims(&h.keys(), &h.items, &h.uid, h.owner.as_ref())
+                .into_iter()
+                .map(move |p| (n, p))
+        })
+        .collect();
+    let lines: Vec<Vec<u32>> = claims.iter().map(|(_, p)| (0..p.quantity).collect()).collect();
     let asks: Vec<ClaimAsk> = claims
         .iter()
         .zip(&lines)
-        .map(|(purchase, lines)| ClaimAsk { purchase, lines })
+        .map(|((_, purchase), lines)| ClaimAsk { purchase, lines })
         .collect();
     let outcomes = intake.engine().claim_asks(&asks, Resend::Hold).await?;
     Ok(claims
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| !o.missing().is_empty() || o.grants().is_empty())
-        .map(|(p, _)| p.pool.clone())
+        .map(|((n, _), _)| holds[*n].hold_id.clone())
         .collect())
 }
+
 
 /// A hold, if it is `owner`'s.
 pub async fn get(store: &Store, hold_id: &str, owner: Option<&str>) -> Result<HoldDoc, HoldError> {
@@ -573,5 +727,67 @@ pub async fn sweep_loop(
             Ok(_) => {}
             Err(e) => tracing::debug!(error = %e, "hold sweep skipped; retried in {SWEEP_EVERY:?}"),
         }
+    }
+}
+
+/// Most holds placed together.
+pub const MAX_HOLD_BATCH: usize = 256;
+
+/// Concurrent holds share one claim, as concurrent orders do: each
+/// request hands its hold to the batcher and waits for its answer; the
+/// batcher places whatever has queued meanwhile (up to
+/// [`MAX_HOLD_BATCH`]) as one batch ([`place_many`]), one batch at a time.
+pub struct HoldBatcher {
+    tx: tokio::sync::mpsc::Sender<(HoldAsk, tokio::sync::oneshot::Sender<Placed>)>,
+}
+
+impl HoldBatcher {
+    /// Starts the batching task; it ends when the batcher is dropped.
+    pub fn start(core: std::sync::Arc<crate::Core>) -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(HoldAsk, tokio::sync::oneshot::Sender<Placed>)>(
+            MAX_HOLD_BATCH * 4,
+        );
+        tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                while batch.len() < MAX_HOLD_BATCH {
+                    match rx.try_recv() {
+                        Ok(next) => batch.push(next),
+                        Err(_) => break,
+                    }
+                }
+                let (asks, replies): (Vec<HoldAsk>, Vec<_>) = batch.into_iter().unzip();
+                metrics::histogram!("codepool_hold_batch_size").record(asks.len() as f64);
+                match place_many(core.intake(), asks).await {
+                    Ok(placed) => {
+                        for (reply, p) in replies.into_iter().zip(placed) {
+                            let _ = reply.send(p);
+                        }
+                    }
+                    Err(e) => {
+                        let unavailable = e.is_unavailable();
+                        let message = e.to_string();
+                        for reply in replies {
+                            let _ = reply.send(Err(if unavailable {
+                                HoldError::Store(StoreError::Unavailable(message.clone()))
+                            } else {
+                                HoldError::Store(StoreError::Rejected(message.clone()))
+                            }));
+                        }
+                    }
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Places one hold with whatever else is asked meanwhile.
+    pub async fn place(&self, ask: HoldAsk) -> Placed {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let stopped = || HoldError::Store(StoreError::Unavailable("the hold batcher stopped".into()));
+        if self.tx.send((ask, reply)).await.is_err() {
+            return Err(stopped());
+        }
+        answer.await.unwrap_or_else(|_| Err(stopped()))
     }
 }

@@ -153,6 +153,30 @@ impl Store {
         }
     }
 
+    /// Records new holds (durably), one journaled write. Returns the ids
+    /// another process took first.
+    pub async fn insert_holds(&self, holds: &[HoldDoc]) -> Result<Vec<String>, StoreError> {
+        if holds.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self
+            .typed::<HoldDoc>(HOLDS)
+            .insert_many(holds)
+            .ordered(false)
+            .write_concern(durable())
+            .await
+        {
+            Ok(_) => Ok(Vec::new()),
+            Err(e) => {
+                let dups = crate::error::duplicates_only(e)?;
+                Ok((dups.iter())
+                    .filter_map(|w| holds.get(w.index))
+                    .map(|h| h.hold_id.clone())
+                    .collect())
+            }
+        }
+    }
+
     pub async fn hold(&self, hold_id: &str) -> Result<Option<HoldDoc>, StoreError> {
         Ok(self
             .typed::<HoldDoc>(HOLDS)
@@ -170,12 +194,20 @@ impl Store {
         Ok(())
     }
 
-    /// A buyer's open holds (not a bundle's).
-    pub async fn open_holds_of(&self, uid: &str) -> Result<Vec<HoldDoc>, StoreError> {
+    /// Forgets holds that held nothing.
+    pub async fn forget_holds(&self, hold_ids: &[&str]) -> Result<(), StoreError> {
+        self.collection(HOLDS)
+            .delete_many(doc! {"_id": {"$in": hold_ids}, "state": HELD})
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+
+    /// These buyers' open holds (not bundles').
+    pub async fn open_holds_of_many(&self, uids: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
         Ok(self
             .typed::<HoldDoc>(HOLDS)
-            .find(doc! {"uid": uid, "state": HELD, "bundle": {"$ne": true}})
-            .limit(1000)
+            .find(doc! {"uid": {"$in": uids}, "state": HELD, "bundle": {"$ne": true}})
             .await?
             .try_collect()
             .await?)

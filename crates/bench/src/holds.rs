@@ -1,0 +1,249 @@
+//! `codepool-bench holds`: checkout holds and bundles against the orders
+//! they ride on (issue 46's "Speed"), in one run on the same servers and
+//! the same in-process API:
+//!
+//! - holds of one code per second against HTTP orders of one code per
+//!   second (goal: at least 0.8×);
+//! - 2-item bundles (one code from each of two pools) in codes per second
+//!   against HTTP orders of quantity 2 (goal: at least 0.8×).
+//!
+//! Each comparison alternates its two sides `--rounds` times (the side that
+//! goes first alternates too) and judges the median of the rounds' ratios:
+//! one pair of runs moves with the host's load. Every request must answer
+//! 201, and every hold and bundle must hold or get distinct codes.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use codepool_api::Scope;
+use serde_json::{json, Value};
+
+use crate::api::{closed_loop, ApiServer, Http};
+use crate::{inproc, Scratch};
+
+/// Holds and bundles against the orders they ride on.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Example:\n  RUST_LOG=warn codepool-bench holds --requests 10000 --clients 64 --rounds 3\n\nWrites holds.json."
+)]
+pub struct HoldsBenchArgs {
+    /// Requests of each side in each round.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
+    pub requests: u64,
+    /// Concurrent keep-alive clients.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub clients: u64,
+    /// Alternating rounds of each comparison (the median ratio is judged).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=20))]
+    pub rounds: u64,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Issue 46's goals.
+const HOLDS_OVER_ORDERS: f64 = 0.8;
+const BUNDLES_OVER_PAIRS: f64 = 0.8;
+/// Requests sent before the measurement (connections, hot sets, caches).
+const WARM: usize = 200;
+
+/// One side of a comparison: what it sends.
+#[derive(Clone, Copy)]
+enum Side {
+    Orders,
+    Holds,
+    Pairs,
+    Bundles,
+}
+
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Orders => "HTTP orders of 1",
+            Side::Holds => "holds of 1",
+            Side::Pairs => "HTTP orders of 2",
+            Side::Bundles => "2-item bundles",
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Side::Holds => "/v1/holds",
+            _ => "/v1/orders",
+        }
+    }
+
+    /// Codes each request gets.
+    fn codes(self) -> u64 {
+        match self {
+            Side::Orders | Side::Holds => 1,
+            Side::Pairs | Side::Bundles => 2,
+        }
+    }
+
+    /// The body of request `i` of round tag `tag`.
+    fn body(self, tag: &str, i: usize) -> Vec<u8> {
+        let phone = format!("+86138{:08}", i % 100_000_000);
+        match self {
+            Side::Orders => json!({"order_id": format!("{tag}-o{i}"), "uid": format!("u{tag}{i}"), "phone": phone, "pool": "ho"}),
+            Side::Pairs => json!({"order_id": format!("{tag}-p{i}"), "uid": format!("u{tag}{i}"), "phone": phone, "pool": "hq", "quantity": 2}),
+            Side::Holds => json!({"hold_id": format!("{tag}-h{i}"), "uid": format!("u{tag}{i}"), "items": [{"pool": "hh", "quantity": 1}]}),
+            Side::Bundles => json!({"order_id": format!("{tag}-b{i}"), "uid": format!("u{tag}{i}"), "phone": phone,
+                                    "items": [{"pool": "hb1", "quantity": 1}, {"pool": "hb2", "quantity": 1}]}),
+        }
+        .to_string()
+        .into_bytes()
+    }
+}
+
+pub async fn run(
+    args: HoldsBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let result = measure(&args, scratch, out_dir).await;
+    if let Err(e) = crate::delete_topology(&scratch.cfg, &[]).await {
+        tracing::warn!(error = %e, "could not remove the benchmark queues");
+    }
+    result
+}
+
+fn say(args: &HoldsBenchArgs, s: impl std::fmt::Display) {
+    if !args.json {
+        eprintln!("{s}");
+    }
+}
+
+/// One side's run: requests per second and codes per second.
+struct Run {
+    seconds: f64,
+    requests: u64,
+    codes: u64,
+}
+
+impl Run {
+    fn codes_per_sec(&self) -> f64 {
+        self.codes as f64 / self.seconds
+    }
+}
+
+async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> anyhow::Result<Run> {
+    let tag = Arc::<str>::from(tag);
+    let body = Arc::new(move |i: usize| side.body(&tag, i));
+    let (answers, took) = closed_loop(http, clients, n, body).await?;
+    let bad: Vec<u16> = (answers.iter().flatten())
+        .map(|a| a.status)
+        .filter(|s| *s != 201)
+        .take(5)
+        .collect();
+    anyhow::ensure!(bad.is_empty(), "{}: answers other than 201: {bad:?}", side.name());
+    Ok(Run {
+        seconds: took.as_secs_f64(),
+        requests: n as u64,
+        codes: n as u64 * side.codes(),
+    })
+}
+
+async fn measure(
+    args: &HoldsBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.requests as usize * args.rounds as usize;
+    let sizes = [
+        ("ho".to_owned(), n + WARM),
+        ("hh".to_owned(), n + WARM),
+        ("hq".to_owned(), 2 * n + WARM),
+        ("hb1".to_owned(), n + WARM),
+        ("hb2".to_owned(), n + WARM),
+    ];
+    say(args, format!("importing {} codes into {} …", sizes.iter().map(|s| s.1).sum::<usize>(), scratch.cfg.db));
+    inproc::fill_pools(scratch, &sizes, 4).await?;
+    let _ = crate::metrics();
+    let scopes = [Scope::OrdersWrite, Scope::OrdersRead];
+    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes).await?.token;
+    let api = ApiServer::start(scratch).await?;
+    let http = |side: Side| Http::to(api.addr, &token, args.clients as usize, side.path());
+    // Warm every path once.
+    for s in [Side::Orders, Side::Holds, Side::Pairs, Side::Bundles] {
+        side(&http(s), args.clients as usize, s, "warm", WARM / 2).await?;
+    }
+    let holds = compare_paths(args, scratch, &http(Side::Orders), &http(Side::Holds), (Side::Orders, Side::Holds)).await?;
+    let bundles = compare_paths(args, scratch, &http(Side::Pairs), &http(Side::Bundles), (Side::Pairs, Side::Bundles)).await?;
+    api.stop().await?;
+    // Every hold holds distinct codes, and every bundle got one code of
+    // each pool.
+    let held = crate::count_codes(&scratch.store, mongodb::bson::doc! {"pool": "hh", "status": 4}).await?;
+    let bundled = crate::count_codes(&scratch.store, mongodb::bson::doc! {"pool": {"$in": ["hb1", "hb2"]}, "status": 1}).await?;
+    let want_held = (n + WARM / 2) as u64;
+    let report = json!({
+        "benchmark": "holds",
+        "requests_per_round": args.requests,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "holds_vs_orders": holds,
+        "bundles_vs_pairs": bundles,
+        "goals": {
+            "holds_over_orders": {"target": HOLDS_OVER_ORDERS, "value": holds["median_ratio"], "met": holds["median_ratio"].as_f64().unwrap_or(0.0) >= HOLDS_OVER_ORDERS},
+            "bundles_over_pairs": {"target": BUNDLES_OVER_PAIRS, "value": bundles["median_ratio"], "met": bundles["median_ratio"].as_f64().unwrap_or(0.0) >= BUNDLES_OVER_PAIRS},
+        },
+        "checks": {"held": held, "held_expected": want_held, "bundled_codes": bundled, "bundled_expected": 2 * want_held,
+                   "ok": held == want_held && bundled == 2 * want_held},
+    });
+    let (rendered, path) = crate::write_report(out_dir, "holds.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        for (what, c) in [("holds of 1 / HTTP orders of 1", &holds), ("2-item bundles / HTTP orders of 2 (codes/s)", &bundles)] {
+            let rounds: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
+                .map(|r| format!("{:.2}", r["ratio"].as_f64().unwrap_or(0.0)))
+                .collect();
+            println!("{what}: median {:.2}× (rounds {})", c["median_ratio"].as_f64().unwrap_or(0.0), rounds.join(", "));
+        }
+        println!("written to {}", path.display());
+    }
+    anyhow::ensure!(report["checks"]["ok"].as_bool() == Some(true), "inconsistent results (see checks in {})", path.display());
+    Ok(())
+}
+
+/// [`compare`] with each side on its own path.
+async fn compare_paths(
+    args: &HoldsBenchArgs,
+    scratch: &'static Scratch,
+    http_a: &Http,
+    http_b: &Http,
+    (a, b): (Side, Side),
+) -> anyhow::Result<Value> {
+    let (n, clients) = (args.requests as usize, args.clients as usize);
+    let mut rows = Vec::new();
+    for round in 0..args.rounds {
+        let order = if round % 2 == 0 {
+            [(a, http_a, false), (b, http_b, true)]
+        } else {
+            [(b, http_b, true), (a, http_a, false)]
+        };
+        let mut runs: Vec<(bool, Run)> = Vec::new();
+        for (s, http, is_b) in order {
+            say(args, format!("round {}: {} × {n} …", round + 1, s.name()));
+            let run = side(http, clients, s, &format!("r{round}"), n).await?;
+            runs.push((is_b, run));
+            // Quiet between sides: the relay's and the journal's catch-up
+            // belong to neither.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        let ra = runs.iter().find(|(is_b, _)| !is_b).map(|(_, r)| r).expect("ran");
+        let rb = runs.iter().find(|(is_b, _)| *is_b).map(|(_, r)| r).expect("ran");
+        rows.push(json!({
+            "round": round + 1,
+            "a_codes_per_sec": ra.codes_per_sec(),
+            "b_codes_per_sec": rb.codes_per_sec(),
+            "ratio": rb.codes_per_sec() / ra.codes_per_sec(),
+        }));
+    }
+    let _ = scratch;
+    let mut ratios: Vec<f64> = rows.iter().filter_map(|r| r["ratio"].as_f64()).collect();
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    Ok(json!({"a": a.name(), "b": b.name(), "rounds": rows, "median_ratio": median}))
+}
