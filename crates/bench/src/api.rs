@@ -275,9 +275,7 @@ impl Http {
             .build(connector);
         Self {
             client,
-            uri: format!("http://{addr}{path}")
-                .parse()
-                .expect("a valid URI"),
+            uri: format!("http://{addr}{path}").parse().expect("a valid URI"),
             auth: format!("Bearer {token}").into(),
         }
     }

@@ -118,7 +118,6 @@ fn say(args: &HoldsBenchArgs, s: impl std::fmt::Display) {
 /// One side's run: requests per second and codes per second.
 struct Run {
     seconds: f64,
-    requests: u64,
     codes: u64,
 }
 
@@ -137,10 +136,13 @@ async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> a
         .filter(|s| *s != 201)
         .take(5)
         .collect();
-    anyhow::ensure!(bad.is_empty(), "{}: answers other than 201: {bad:?}", side.name());
+    anyhow::ensure!(
+        bad.is_empty(),
+        "{}: answers other than 201: {bad:?}",
+        side.name()
+    );
     Ok(Run {
         seconds: took.as_secs_f64(),
-        requests: n as u64,
         codes: n as u64 * side.codes(),
     })
 }
@@ -158,24 +160,55 @@ async fn measure(
         ("hb1".to_owned(), n + WARM),
         ("hb2".to_owned(), n + WARM),
     ];
-    say(args, format!("importing {} codes into {} …", sizes.iter().map(|s| s.1).sum::<usize>(), scratch.cfg.db));
+    say(
+        args,
+        format!(
+            "importing {} codes into {} …",
+            sizes.iter().map(|s| s.1).sum::<usize>(),
+            scratch.cfg.db
+        ),
+    );
     inproc::fill_pools(scratch, &sizes, 4).await?;
     let _ = crate::metrics();
     let scopes = [Scope::OrdersWrite, Scope::OrdersRead];
-    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes).await?.token;
+    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes)
+        .await?
+        .token;
     let api = ApiServer::start(scratch).await?;
     let http = |side: Side| Http::to(api.addr, &token, args.clients as usize, side.path());
     // Warm every path once.
     for s in [Side::Orders, Side::Holds, Side::Pairs, Side::Bundles] {
         side(&http(s), args.clients as usize, s, "warm", WARM / 2).await?;
     }
-    let holds = compare_paths(args, scratch, &http(Side::Orders), &http(Side::Holds), (Side::Orders, Side::Holds)).await?;
-    let bundles = compare_paths(args, scratch, &http(Side::Pairs), &http(Side::Bundles), (Side::Pairs, Side::Bundles)).await?;
+    let holds = compare_paths(
+        args,
+        scratch,
+        &http(Side::Orders),
+        &http(Side::Holds),
+        (Side::Orders, Side::Holds),
+    )
+    .await?;
+    let bundles = compare_paths(
+        args,
+        scratch,
+        &http(Side::Pairs),
+        &http(Side::Bundles),
+        (Side::Pairs, Side::Bundles),
+    )
+    .await?;
     api.stop().await?;
     // Every hold holds distinct codes, and every bundle got one code of
     // each pool.
-    let held = crate::count_codes(&scratch.store, mongodb::bson::doc! {"pool": "hh", "status": 4}).await?;
-    let bundled = crate::count_codes(&scratch.store, mongodb::bson::doc! {"pool": {"$in": ["hb1", "hb2"]}, "status": 1}).await?;
+    let held = crate::count_codes(
+        &scratch.store,
+        mongodb::bson::doc! {"pool": "hh", "status": 4},
+    )
+    .await?;
+    let bundled = crate::count_codes(
+        &scratch.store,
+        mongodb::bson::doc! {"pool": {"$in": ["hb1", "hb2"]}, "status": 1},
+    )
+    .await?;
     let want_held = (n + WARM / 2) as u64;
     let report = json!({
         "benchmark": "holds",
@@ -195,15 +228,26 @@ async fn measure(
     if args.json {
         println!("{rendered}");
     } else {
-        for (what, c) in [("holds of 1 / HTTP orders of 1", &holds), ("2-item bundles / HTTP orders of 2 (codes/s)", &bundles)] {
+        for (what, c) in [
+            ("holds of 1 / HTTP orders of 1", &holds),
+            ("2-item bundles / HTTP orders of 2 (codes/s)", &bundles),
+        ] {
             let rounds: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
                 .map(|r| format!("{:.2}", r["ratio"].as_f64().unwrap_or(0.0)))
                 .collect();
-            println!("{what}: median {:.2}× (rounds {})", c["median_ratio"].as_f64().unwrap_or(0.0), rounds.join(", "));
+            println!(
+                "{what}: median {:.2}× (rounds {})",
+                c["median_ratio"].as_f64().unwrap_or(0.0),
+                rounds.join(", ")
+            );
         }
         println!("written to {}", path.display());
     }
-    anyhow::ensure!(report["checks"]["ok"].as_bool() == Some(true), "inconsistent results (see checks in {})", path.display());
+    anyhow::ensure!(
+        report["checks"]["ok"].as_bool() == Some(true),
+        "inconsistent results (see checks in {})",
+        path.display()
+    );
     Ok(())
 }
 
@@ -232,8 +276,16 @@ async fn compare_paths(
             // belong to neither.
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
-        let ra = runs.iter().find(|(is_b, _)| !is_b).map(|(_, r)| r).expect("ran");
-        let rb = runs.iter().find(|(is_b, _)| *is_b).map(|(_, r)| r).expect("ran");
+        let ra = runs
+            .iter()
+            .find(|(is_b, _)| !is_b)
+            .map(|(_, r)| r)
+            .expect("ran");
+        let rb = runs
+            .iter()
+            .find(|(is_b, _)| *is_b)
+            .map(|(_, r)| r)
+            .expect("ran");
         rows.push(json!({
             "round": round + 1,
             "a_codes_per_sec": ra.codes_per_sec(),

@@ -195,7 +195,8 @@ pub async fn place(
     shop: Option<String>,
 ) -> Result<(HoldDoc, bool), HoldError> {
     let mut out = place_many(intake, vec![HoldAsk { req, owner, shop }]).await?;
-    out.pop().unwrap_or_else(|| Err(HoldError::Store(StoreError::Rejected("no answer".into()))))
+    out.pop()
+        .unwrap_or_else(|| Err(HoldError::Store(StoreError::Rejected("no answer".into()))))
 }
 
 /// What one hold of a batch came to.
@@ -215,7 +216,9 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     names.sort_unstable();
     names.dedup();
     let policies = intake.policies.get_many(store, &names).await?;
-    let admitted = admit(probes.into_iter().map(Ok).collect(), |p| policies.contains_key(p));
+    let admitted = admit(probes.into_iter().map(Ok).collect(), |p| {
+        policies.contains_key(p)
+    });
     let admitted = intake.shops.admit(store, admitted).await?;
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
     for (k, a) in admitted.into_iter().enumerate() {
@@ -241,7 +244,9 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
         }
         if let Some(h) = existing.get(&a.req.hold_id) {
             out[k] = Some(again(h.clone(), &a.req, owners[k].as_deref()));
-        } else if let Some(p) = (a.req.items.iter()).find(|i| policies.get(&i.pool).is_some_and(|x| x.paused)) {
+        } else if let Some(p) =
+            (a.req.items.iter()).find(|i| policies.get(&i.pool).is_some_and(|x| x.paused))
+        {
             out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
         } else if first.contains_key(a.req.hold_id.as_str()) {
             // Answered once the first is placed.
@@ -352,7 +357,10 @@ async fn release_short(
     intake.engine().offer(&released).await;
     let ids: Vec<&str> = short.iter().map(|h| h.hold_id.as_str()).collect();
     store.forget_holds(&ids).await?;
-    let mut pools: Vec<&str> = short.iter().flat_map(|h| h.items.iter().map(|i| i.pool.as_str())).collect();
+    let mut pools: Vec<&str> = short
+        .iter()
+        .flat_map(|h| h.items.iter().map(|i| i.pool.as_str()))
+        .collect();
     pools.sort_unstable();
     pools.dedup();
     let asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, 1_000_000)).collect();
@@ -389,9 +397,10 @@ async fn within_limits(
         .collect();
     pools.sort_unstable();
     pools.dedup();
-    let docs: HashMap<String, codepool_store::pools::PoolDoc> = (store.pools_named(&pools).await?.into_iter())
-        .map(|p| (p.name.clone(), p))
-        .collect();
+    let docs: HashMap<String, codepool_store::pools::PoolDoc> =
+        (store.pools_named(&pools).await?.into_iter())
+            .map(|p| (p.name.clone(), p))
+            .collect();
     let setting = |pool: &str| match docs.get(pool) {
         Some(p) => (p.hold_share(), p.holds_per_uid()),
         None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
@@ -405,17 +414,25 @@ async fn within_limits(
                 .map(|h| u64::from(h.quantity_in(&i.pool)))
                 .sum();
             let (share, _) = setting(&i.pool);
-            let enough = (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
+            let enough =
+                (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
             let e = need.entry(i.pool.as_str()).or_default();
             *e = (*e).max(enough);
         }
     }
-    let count_asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, need.get(p).copied().unwrap_or(1))).collect();
+    let count_asks: Vec<(&str, u64)> = pools
+        .iter()
+        .map(|p| (*p, need.get(p).copied().unwrap_or(1)))
+        .collect();
     let (free, held) = futures::join!(
         store.unissued_counts_upto(&count_asks),
         futures::future::try_join_all(pools.iter().map(|p| store.held_count(p))),
     );
-    let stock: HashMap<&str, u64> = pools.iter().copied().zip(free?.into_iter().zip(held?).map(|(f, h)| f + h)).collect();
+    let stock: HashMap<&str, u64> = pools
+        .iter()
+        .copied()
+        .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
+        .collect();
     // What each buyer holds, open holds and codes per pool, as the batch
     // adds its own.
     let mut open_count: HashMap<&str, u64> = HashMap::new();
@@ -423,7 +440,9 @@ async fn within_limits(
     for h in &open {
         *open_count.entry(h.uid.as_str()).or_default() += 1;
         for i in &h.items {
-            *holding.entry((h.uid.as_str(), i.pool.as_str())).or_default() += u64::from(i.quantity);
+            *holding
+                .entry((h.uid.as_str(), i.pool.as_str()))
+                .or_default() += u64::from(i.quantity);
         }
     }
     let mut within = Vec::with_capacity(todo.len());
@@ -432,20 +451,35 @@ async fn within_limits(
         for i in &req.items {
             let (share, per_uid) = setting(&i.pool);
             if open_count.get(req.uid.as_str()).copied().unwrap_or(0) >= u64::from(per_uid) {
-                out[k] = Some(Err(HoldError::TooManyHolds { uid: req.uid.clone(), limit: u64::from(per_uid) }));
+                out[k] = Some(Err(HoldError::TooManyHolds {
+                    uid: req.uid.clone(),
+                    limit: u64::from(per_uid),
+                }));
                 continue 'asks;
             }
-            let wanted = holding.get(&(req.uid.as_str(), i.pool.as_str())).copied().unwrap_or(0) + u64::from(i.quantity);
-            let limit = (stock.get(i.pool.as_str()).copied().unwrap_or(0) * u64::from(share) / 100).max(1);
+            let wanted = holding
+                .get(&(req.uid.as_str(), i.pool.as_str()))
+                .copied()
+                .unwrap_or(0)
+                + u64::from(i.quantity);
+            let limit =
+                (stock.get(i.pool.as_str()).copied().unwrap_or(0) * u64::from(share) / 100).max(1);
             if wanted > limit {
                 metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
-                out[k] = Some(Err(HoldError::OverShare { uid: req.uid.clone(), pool: i.pool.clone(), wanted, limit }));
+                out[k] = Some(Err(HoldError::OverShare {
+                    uid: req.uid.clone(),
+                    pool: i.pool.clone(),
+                    wanted,
+                    limit,
+                }));
                 continue 'asks;
             }
         }
         *open_count.entry(req.uid.as_str()).or_default() += 1;
         for i in &req.items {
-            *holding.entry((req.uid.as_str(), i.pool.as_str())).or_default() += u64::from(i.quantity);
+            *holding
+                .entry((req.uid.as_str(), i.pool.as_str()))
+                .or_default() += u64::from(i.quantity);
         }
         within.push(k);
     }
@@ -489,7 +523,10 @@ async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String
                 .map(move |p| (n, p))
         })
         .collect();
-    let lines: Vec<Vec<u32>> = claims.iter().map(|(_, p)| (0..p.quantity).collect()).collect();
+    let lines: Vec<Vec<u32>> = claims
+        .iter()
+        .map(|(_, p)| (0..p.quantity).collect())
+        .collect();
     let asks: Vec<ClaimAsk> = claims
         .iter()
         .zip(&lines)
@@ -503,7 +540,6 @@ async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String
         .map(|((n, _), _)| holds[*n].hold_id.clone())
         .collect())
 }
-
 
 /// A hold, if it is `owner`'s.
 pub async fn get(store: &Store, hold_id: &str, owner: Option<&str>) -> Result<HoldDoc, HoldError> {
@@ -744,9 +780,10 @@ pub struct HoldBatcher {
 impl HoldBatcher {
     /// Starts the batching task; it ends when the batcher is dropped.
     pub fn start(core: std::sync::Arc<crate::Core>) -> Self {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<(HoldAsk, tokio::sync::oneshot::Sender<Placed>)>(
-            MAX_HOLD_BATCH * 4,
-        );
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(
+            HoldAsk,
+            tokio::sync::oneshot::Sender<Placed>,
+        )>(MAX_HOLD_BATCH * 4);
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 let mut batch = vec![first];
@@ -784,7 +821,8 @@ impl HoldBatcher {
     /// Places one hold with whatever else is asked meanwhile.
     pub async fn place(&self, ask: HoldAsk) -> Placed {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let stopped = || HoldError::Store(StoreError::Unavailable("the hold batcher stopped".into()));
+        let stopped =
+            || HoldError::Store(StoreError::Unavailable("the hold batcher stopped".into()));
         if self.tx.send((ask, reply)).await.is_err() {
             return Err(stopped());
         }
