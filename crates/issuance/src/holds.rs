@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use bson::oid::ObjectId;
 use bson::DateTime;
 use codepool_domain::{CodeId, Grant, Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS};
 use codepool_store::holds::{HeldCode, HoldDoc, COMMITTED, EXPIRED, HELD, RELEASED};
@@ -215,11 +216,28 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     let mut names: Vec<&str> = probes.iter().flat_map(|p| p.pools()).collect();
     names.sort_unstable();
     names.dedup();
-    let policies = intake.policies.get_many(store, &names).await?;
-    let admitted = admit(probes.into_iter().map(Ok).collect(), |p| {
-        policies.contains_key(p)
-    });
-    let admitted = intake.shops.admit(store, admitted).await?;
+    let ids: Vec<&str> = asks.iter().map(|a| a.req.hold_id.as_str()).collect();
+    let mut uids: Vec<&str> = asks.iter().map(|a| a.req.uid.as_str()).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    // Everything the batch reads, at once: the pools' policies and the
+    // shops, the ids taken, the buyers' open holds and the pools' settings.
+    let admission = async {
+        let policies = intake.policies.get_many(store, &names).await?;
+        let admitted = admit(probes.iter().cloned().map(Ok).collect(), |p| {
+            policies.contains_key(p)
+        });
+        let admitted = intake.shops.admit(store, admitted).await?;
+        Ok::<_, StoreError>((policies, admitted))
+    };
+    let (admission, existing, open, docs) = futures::join!(
+        admission,
+        store.holds_by_id(&ids),
+        store.open_holds_of_many(&uids),
+        store.pools_named(&names),
+    );
+    let (policies, admitted) = admission?;
+    let (open, docs) = (open?, docs?);
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
     for (k, a) in admitted.into_iter().enumerate() {
         match a {
@@ -232,8 +250,7 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
         }
     }
     // The same hold id again (before, or earlier in this batch).
-    let ids: Vec<&str> = asks.iter().map(|a| a.req.hold_id.as_str()).collect();
-    let existing: HashMap<String, HoldDoc> = (store.holds_by_id(&ids).await?.into_iter())
+    let existing: HashMap<String, HoldDoc> = (existing?.into_iter())
         .map(|h| (h.hold_id.clone(), h))
         .collect();
     let mut first: HashMap<&str, usize> = HashMap::new();
@@ -255,14 +272,29 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
             todo.push(k);
         }
     }
-    let todo = within_limits(store, &asks, todo, &mut out).await?;
+    let todo = within_limits(store, &asks, todo, &open, &docs, &mut out).await?;
     let now = DateTime::now();
     let mut holds: Vec<HoldDoc> = (todo.iter())
         .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
         .collect();
-    // Recorded before anything is claimed: a process that dies mid-claim
-    // leaves codes that expire with their holds.
-    let taken = store.insert_holds(&holds).await?;
+    // The holds are recorded while their codes are claimed: each attempt
+    // holds under keys of its own (its nonce), so one that loses the race
+    // to record its id holds nothing under the winner's, and gives back
+    // what it took. Codes whose hold was never recorded (the process died
+    // first) outlive every hold's time and go back then (`expire_due`).
+    let (taken, short) = futures::join!(store.insert_holds(&holds), hold_codes(intake, &holds));
+    let (taken, mut short) = match (taken, short) {
+        (Ok(t), Ok(s)) => (t, s),
+        (t, s) => {
+            let keys: Vec<String> = holds.iter().flat_map(HoldDoc::keys).collect();
+            let ids: Vec<&str> = holds.iter().map(|h| h.hold_id.as_str()).collect();
+            let _ = store.release_held(&keys).await;
+            let _ = store.forget_holds(&ids).await;
+            t?;
+            s?;
+            unreachable!("one of the two failed");
+        }
+    };
     if !taken.is_empty() {
         let again_ids: Vec<&str> = taken.iter().map(String::as_str).collect();
         let raced: HashMap<String, HoldDoc> = (store.holds_by_id(&again_ids).await?.into_iter())
@@ -273,7 +305,14 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
                 out[k] = Some(again(h.clone(), &asks[k].req, owners[k].as_deref()));
             }
         }
-        holds.retain(|h| !raced.contains_key(&h.hold_id));
+        let lost: Vec<String> = (holds.iter())
+            .filter(|h| taken.contains(&h.hold_id))
+            .flat_map(HoldDoc::keys)
+            .collect();
+        let released = store.release_held(&lost).await?;
+        intake.engine().offer(&released).await;
+        holds.retain(|h| !taken.contains(&h.hold_id));
+        short.retain(|id| !taken.contains(id));
     }
     let short = hold_codes(intake, &holds).await?;
     let mut put_back = Vec::new();
@@ -338,6 +377,7 @@ fn new_hold(req: &HoldRequest, owner: Option<String>, now: DateTime) -> HoldDoc 
         state: HELD.into(),
         order_id: None,
         ended_at: None,
+        nonce: ObjectId::new().to_hex(),
         bundle: false,
     }
 }
@@ -383,24 +423,20 @@ async fn within_limits(
     store: &Store,
     asks: &[HoldAsk],
     todo: Vec<usize>,
+    open: &[HoldDoc],
+    docs: &[codepool_store::pools::PoolDoc],
     out: &mut [Option<Placed>],
 ) -> Result<Vec<usize>, HoldError> {
     if todo.is_empty() {
         return Ok(todo);
     }
-    let mut uids: Vec<&str> = todo.iter().map(|&k| asks[k].req.uid.as_str()).collect();
-    uids.sort_unstable();
-    uids.dedup();
-    let open = store.open_holds_of_many(&uids).await?;
     let mut pools: Vec<&str> = (todo.iter())
         .flat_map(|&k| asks[k].req.items.iter().map(|i| i.pool.as_str()))
         .collect();
     pools.sort_unstable();
     pools.dedup();
-    let docs: HashMap<String, codepool_store::pools::PoolDoc> =
-        (store.pools_named(&pools).await?.into_iter())
-            .map(|p| (p.name.clone(), p))
-            .collect();
+    let docs: HashMap<&str, &codepool_store::pools::PoolDoc> =
+        docs.iter().map(|p| (p.name.as_str(), p)).collect();
     let setting = |pool: &str| match docs.get(pool) {
         Some(p) => (p.hold_share(), p.holds_per_uid()),
         None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
@@ -437,7 +473,7 @@ async fn within_limits(
     // adds its own.
     let mut open_count: HashMap<&str, u64> = HashMap::new();
     let mut holding: HashMap<(&str, &str), u64> = HashMap::new();
-    for h in &open {
+    for h in open {
         *open_count.entry(h.uid.as_str()).or_default() += 1;
         for i in &h.items {
             *holding
@@ -594,15 +630,39 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
         pools.extend(released.iter().map(|c| c.pool.clone()));
         intake.engine().offer(&released).await;
     }
+    record_held(store).await;
     let strays = store
-        .release_stray_bundle_codes(crate::bundles::STRAY_AFTER)
+        .release_stray_held(
+            crate::bundles::STRAY_AFTER,
+            std::time::Duration::from_secs(MAX_TTL_SECONDS + 300),
+        )
         .await?;
     if !strays.is_empty() {
-        warn!(codes = strays.len(), "codes held by bundles that never completed (a process died between a bundle's two claims) are back in stock");
+        warn!(codes = strays.len(), "codes held by a bundle or a hold that no process finished (it died between its steps) are back in stock");
         pools.extend(strays.iter().map(|c| c.pool.clone()));
         intake.engine().offer(&strays).await;
     }
     Ok(pools)
+}
+
+/// Sets `codepool_pool_held` for every pool that holds codes, and to 0
+/// for those that held some at the last count and hold none now.
+async fn record_held(store: &Store) {
+    static SEEN: std::sync::Mutex<BTreeSet<String>> = std::sync::Mutex::new(BTreeSet::new());
+    let Ok(held) = store.held_by_pool().await else {
+        return;
+    };
+    let Ok(mut seen) = SEEN.lock() else {
+        return;
+    };
+    let now: BTreeSet<String> = held.iter().map(|(p, _)| p.clone()).collect();
+    for gone in seen.difference(&now) {
+        metrics::gauge!("codepool_pool_held", "pool" => gone.clone()).set(0.0);
+    }
+    for (pool, n) in held {
+        metrics::gauge!("codepool_pool_held", "pool" => pool).set(n as f64);
+    }
+    *seen = now;
 }
 
 /// Turns the holds that `purchases` pay for into their grants: each held
@@ -827,5 +887,81 @@ impl HoldBatcher {
             return Err(stopped());
         }
         answer.await.unwrap_or_else(|_| Err(stopped()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hold_request_parses_with_its_default_time_to_live_and_names_its_bad_field() {
+        let r = HoldRequest::parse(
+            br#"{"hold_id":"H-1","uid":"u1","items":[{"pool":"a","quantity":2}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.hold_id.as_str(), r.uid.as_str(), r.ttl_seconds),
+            ("H-1", "u1", DEFAULT_TTL_SECONDS)
+        );
+        assert_eq!(
+            r.items,
+            vec![Item {
+                pool: "a".into(),
+                quantity: 2
+            }]
+        );
+        for (body, field) in [
+            (
+                r#"{"uid":"u1","items":[{"pool":"a","quantity":1}]}"#,
+                "hold_id",
+            ),
+            (
+                r#"{"hold_id":"H\u0007","uid":"u1","items":[{"pool":"a","quantity":1}]}"#,
+                "hold_id",
+            ),
+            (
+                r#"{"hold_id":"H-1","items":[{"pool":"a","quantity":1}]}"#,
+                "uid",
+            ),
+            (r#"{"hold_id":"H-1","uid":"u1"}"#, "items"),
+            (r#"{"hold_id":"H-1","uid":"u1","items":[]}"#, "items"),
+            (
+                r#"{"hold_id":"H-1","uid":"u1","items":[{"pool":"a","quantity":1}],"ttl_seconds":3601}"#,
+                "ttl_seconds",
+            ),
+            (
+                r#"{"hold_id":"H-1","uid":"u1","items":[{"pool":"a","quantity":1}],"ttl_seconds":0}"#,
+                "ttl_seconds",
+            ),
+        ] {
+            let e = HoldRequest::parse(body.as_bytes()).unwrap_err();
+            assert_eq!(e.field(), Some(field), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn items_run_line_after_line() {
+        let items = [
+            Item {
+                pool: "a".into(),
+                quantity: 2,
+            },
+            Item {
+                pool: "b".into(),
+                quantity: 3,
+            },
+            Item {
+                pool: "c".into(),
+                quantity: 1,
+            },
+        ];
+        assert_eq!(item_offsets(&items), vec![0, 2, 5]);
+        assert!(codepool_store::holds::is_hold_key(
+            &codepool_store::holds::hold_key("H", 0)
+        ));
+        assert!(codepool_store::holds::is_hold_key(
+            &codepool_store::holds::bundle_key("O", 1)
+        ));
     }
 }

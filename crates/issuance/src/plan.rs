@@ -105,7 +105,8 @@ pub fn apply_policies(intake: Vec<Intake>, verdicts: &Verdicts) -> Vec<Intake> {
                     purchase: p,
                     ..r.clone()
                 })),
-                None if verdicts.paused.contains(&p.pool) => Intake::Hold(p),
+                // A bundle waits whole while any of its pools is paused.
+                None if p.pools().iter().any(|x| verdicts.paused.contains(*x)) => Intake::Hold(p),
                 None => Intake::Claim(p),
             },
             other => other,

@@ -303,7 +303,7 @@ pub async fn enforce(
     let gated: Vec<&Purchase> = intake
         .iter()
         .filter_map(|i| match i {
-            Intake::Claim(p) if policy(&p.pool).is_active() => Some(p),
+            Intake::Claim(p) if p.pools().iter().any(|x| policy(x).is_active()) => Some(p),
             _ => None,
         })
         .collect();
@@ -316,7 +316,9 @@ pub async fn enforce(
         .collect();
     let limited: Vec<&Purchase> = gated
         .into_iter()
-        .filter(|p| policy(&p.pool).limits_users() && !holders.contains(&p.order_id))
+        .filter(|p| {
+            p.pools().iter().any(|x| policy(x).limits_users()) && !holders.contains(&p.order_id)
+        })
         .collect();
     let refused = refuse_over_limit(store, &limited, &policy).await?;
     let verdicts = Verdicts {
@@ -366,15 +368,23 @@ async fn refuse_over_limit(
     }
     let orders: Vec<&str> = limited.iter().map(|p| p.order_id.as_str()).collect();
     let mut refused = recorded_refusals(store, limited, &orders).await?;
-    let asks: Vec<QuotaAsk> = limited
-        .iter()
+    // Codes are counted per pool: a bundle asks a slot of each pool with
+    // a limit, for its codes of that pool.
+    let items: Vec<(&Purchase, Vec<codepool_domain::Item>)> = (limited.iter())
         .filter(|p| !refused.contains_key(&p.order_id))
-        .map(|p| QuotaAsk {
-            pool: &p.pool,
-            uid: &p.uid,
-            order_id: &p.order_id,
-            codes: p.quantity,
-            limit: policy(&p.pool).per_user,
+        .map(|p| (*p, p.items()))
+        .collect();
+    let asks: Vec<QuotaAsk> = (items.iter())
+        .flat_map(|(p, items)| {
+            (items.iter())
+                .filter(|i| policy(&i.pool).limits_users())
+                .map(|i| QuotaAsk {
+                    pool: &i.pool,
+                    uid: &p.uid,
+                    order_id: &p.order_id,
+                    codes: i.quantity,
+                    limit: policy(&i.pool).per_user,
+                })
         })
         .collect();
     let slots = store.take_quota_slots(&asks).await?;
@@ -382,6 +392,9 @@ async fn refuse_over_limit(
     let now = bson::DateTime::now().to_chrono();
     let mut fresh = Vec::new();
     for a in asks.iter().filter(|a| !slots.contains(a.order_id)) {
+        if refused.contains_key(a.order_id) {
+            continue;
+        }
         if let Some(p) = limited.iter().find(|p| p.order_id == a.order_id) {
             let r = refusal(p, RefusalReason::PerUserLimit, Some(a.limit), now);
             fresh.push(record_of(&r));

@@ -14,6 +14,14 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 
 const COUNTERS: &[(&str, &str)] = &[
     (
+        "codepool_holds_total",
+        "Checkout holds asked for, by outcome (held, short, over_limit).",
+    ),
+    (
+        "codepool_holds_ended_total",
+        "Checkout holds ended, by state (committed, released, expired).",
+    ),
+    (
         "codepool_refusals_total",
         "Valid purchases refused by a pool policy (purchase.refused), by reason.",
     ),
@@ -102,6 +110,10 @@ const COUNTERS: &[(&str, &str)] = &[
 
 const HISTOGRAMS: &[(&str, &str)] = &[
     (
+        "codepool_hold_batch_size",
+        "Checkout holds placed together in one batch (codepool api).",
+    ),
+    (
         "codepool_claim_batch_seconds",
         "Claim latency: one batch of purchases, from candidates to grants read back.",
     ),
@@ -121,6 +133,10 @@ const HISTOGRAMS: &[(&str, &str)] = &[
 ];
 
 const GAUGES: &[(&str, &str)] = &[
+    (
+        "codepool_pool_held",
+        "Codes held for checkouts (and bundles being put together) per pool (every 5 s).",
+    ),
     (
         "codepool_pool_unissued",
         "Unissued, unexpired codes per pool (refreshed after grants and every minute).",
@@ -217,6 +233,12 @@ pub fn describe() {
             .increment(0);
     }
     metrics::gauge!("codepool_webhook_oldest_undelivered_seconds").set(0.0);
+    for outcome in ["held", "short", "over_limit"] {
+        metrics::counter!("codepool_holds_total", "outcome" => outcome).increment(0);
+    }
+    for state in ["committed", "released", "expired"] {
+        metrics::counter!("codepool_holds_ended_total", "state" => state).increment(0);
+    }
 }
 
 /// The pools that had backorders waiting at the last sweep, so a pool

@@ -15,7 +15,7 @@ use codepool_domain::{CodeId, CodeStatus, Item, Transition};
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::codes::{claim::holder_fields, code_id, object_id, CODES};
+use crate::codes::{claim::merge_statement, code_id, object_id, CODES};
 use crate::error::is_duplicate_key;
 use crate::{durable, ClaimAssignment, Store, StoreError};
 
@@ -48,6 +48,11 @@ pub struct HoldDoc {
     pub order_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at: Option<DateTime>,
+    /// This attempt's own: its codes are held under keys that name it, so
+    /// a process that loses the race to record the same hold id holds
+    /// nothing under the winner's keys.
+    #[serde(default)]
+    pub nonce: String,
     /// Made by a bundle's own claim, not by a buyer: it counts against no
     /// buyer's holds and is never shown.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -58,7 +63,7 @@ impl HoldDoc {
     /// The keys its items' codes are held under, item by item.
     pub fn keys(&self) -> Vec<String> {
         (0..self.items.len())
-            .map(|i| hold_key(&self.hold_id, i))
+            .map(|i| hold_key(&format!("{}:{}", self.nonce, self.hold_id), i))
             .collect()
     }
 
@@ -81,8 +86,11 @@ impl HoldDoc {
 /// codes. It starts with a control character, which no order id may
 /// hold, so no order can ever be mistaken for a hold.
 pub fn hold_key(hold_id: &str, item: usize) -> String {
-    format!("\u{1}hold:{item}:{hold_id}")
+    format!("{HOLD_PREFIX}{item}:{hold_id}")
 }
+
+/// How a hold's keys begin.
+const HOLD_PREFIX: &str = "\u{1}hold:";
 
 /// How a bundle's keys begin.
 const BUNDLE_PREFIX: &str = "\u{1}bundle:";
@@ -119,6 +127,8 @@ struct HeldDoc {
     order_id: String,
     #[serde(default)]
     order_line: Option<i64>,
+    #[serde(default)]
+    issued_at: Option<DateTime>,
 }
 
 /// The fields a claim writes of its holder, which a release takes off.
@@ -315,9 +325,12 @@ impl Store {
 
     /// Gives held codes to their orders (4→1): each `(code, key, claim)`
     /// moves code `code`, still held under `key`, to the line `claim`
-    /// names, with everything a claim of that line writes. One unordered,
-    /// journaled command. A line its order already holds (a retry of a
-    /// commit that landed) is left as it is. Returns how many moved.
+    /// names, with everything a claim of that line writes, in ONE
+    /// journaled multi-document statement (as a batch of claims is
+    /// written). The hold's grant number stays the line's. A line its
+    /// order already holds (a retry of a commit that landed) stops the
+    /// statement at the unique index; the commits are then written one by
+    /// one, and those lines are left as they are. Returns how many moved.
     pub async fn commit_held(
         &self,
         commits: &[(CodeId, &str, ClaimAssignment)],
@@ -326,38 +339,28 @@ impl Store {
             return Ok(0);
         }
         let now = DateTime::now();
-        let updates: Vec<Document> = commits
-            .iter()
-            .map(|(id, key, a)| {
-                let mut set = doc! {"status": Transition::Commit.to().as_i32(), "issued_at": now};
-                let mut unset = Document::new();
-                for (field, value) in holder_fields(a) {
-                    if value == Bson::Null {
-                        unset.insert(field, "");
-                    } else {
-                        set.insert(field, value);
-                    }
-                }
-                // The hold's own grant number stays the line's.
-                unset.remove("grant_no");
-                let mut u = doc! {"$set": set};
-                if !unset.is_empty() {
-                    u.insert("$unset", unset);
-                }
-                doc! {
-                    "q": {
-                        "_id": object_id(*id),
-                        "order_id": *key,
-                        "status": {"$in": Transition::Commit.from_codes()},
-                    },
-                    "u": u,
-                }
-            })
-            .collect();
-        let reply = self.update_codes(updates).await?;
-        // A duplicate line is a commit that landed before.
-        crate::codes::claim::duplicate_positions(&reply)?;
-        Ok(crate::collections::as_u64(reply.get("nModified")))
+        let ids: Vec<ObjectId> = commits.iter().map(|(id, _, _)| object_id(*id)).collect();
+        let keys: Vec<&str> = commits.iter().map(|(_, k, _)| *k).collect();
+        let assignments: Vec<ClaimAssignment> = commits.iter().map(|(_, _, a)| a.clone()).collect();
+        let q = doc! {
+            "_id": {"$in": ids.clone()},
+            "order_id": {"$in": keys},
+            "status": {"$in": Transition::Commit.from_codes()},
+        };
+        let one = merge_statement(&assignments, &ids, now, q, true);
+        let reply = self.update_codes(vec![one]).await?;
+        if crate::codes::claim::duplicate_positions(&reply)?.is_empty() {
+            return Ok(crate::collections::as_u64(reply.get("nModified")));
+        }
+        let mut moved = 0;
+        for (k, (id, key, _)) in commits.iter().enumerate() {
+            let q = doc! {"_id": object_id(*id), "order_id": *key, "status": {"$in": Transition::Commit.from_codes()}};
+            let each = merge_statement(&assignments[k..=k], &ids[k..=k], now, q, true);
+            let reply = self.update_codes(vec![each]).await?;
+            crate::codes::claim::duplicate_positions(&reply)?;
+            moved += crate::collections::as_u64(reply.get("nModified"));
+        }
+        Ok(moved)
     }
 
     /// Holds by id (any state).
@@ -365,31 +368,65 @@ impl Store {
         self.find_in(HOLDS, "_id", ids).await
     }
 
-    /// Puts back in stock the codes a bundle held longer than `after` ago
-    /// and never committed: left by a process that died between a
-    /// bundle's two claims (a live bundle commits within milliseconds).
-    pub async fn release_stray_bundle_codes(
+    /// Puts back in stock held codes no live hold or bundle owns any more:
+    /// a bundle's held longer than `bundle_after` ago (left by a process
+    /// that died between a bundle's two claims; a live bundle commits
+    /// within milliseconds), and a hold's held longer than `hold_after`
+    /// ago (longer than any hold lives: left by a process that died before
+    /// it recorded the hold).
+    pub async fn release_stray_held(
         &self,
-        after: std::time::Duration,
+        bundle_after: std::time::Duration,
+        hold_after: std::time::Duration,
     ) -> Result<Vec<HeldCode>, StoreError> {
-        let before =
-            DateTime::from_millis(DateTime::now().timestamp_millis() - after.as_millis() as i64);
+        let ago = |d: std::time::Duration| {
+            DateTime::from_millis(DateTime::now().timestamp_millis() - d.as_millis() as i64)
+        };
         let docs: Vec<HeldDoc> = self
             .typed::<HeldDoc>(CODES)
             .find(doc! {
                 "status": CodeStatus::Held.as_i32(),
-                "issued_at": {"$lte": before},
-                "order_id": {"$regex": format!("^{BUNDLE_PREFIX}")},
+                "issued_at": {"$lte": ago(bundle_after.min(hold_after))},
             })
-            .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1})
+            .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1, "issued_at": 1})
             .limit(1000)
             .await?
             .try_collect()
             .await?;
-        let mut keys: Vec<String> = docs.iter().map(|d| d.order_id.clone()).collect();
+        let old_hold = ago(hold_after);
+        let old_bundle = ago(bundle_after);
+        let mut keys: Vec<String> = docs
+            .iter()
+            .filter(|d| {
+                let at = d.issued_at.unwrap_or(old_hold);
+                (d.order_id.starts_with(BUNDLE_PREFIX) && at <= old_bundle)
+                    || (d.order_id.starts_with(HOLD_PREFIX) && at <= old_hold)
+            })
+            .map(|d| d.order_id.clone())
+            .collect();
         keys.sort();
         keys.dedup();
         self.release_held(&keys).await
+    }
+
+    /// Held codes per pool, read from the held codes alone (the partial
+    /// `held_since` index): the cost follows what is held, not the stock.
+    pub async fn held_by_pool(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut cursor = self
+            .collection(CODES)
+            .aggregate(vec![
+                doc! {"$match": {"status": CodeStatus::Held.as_i32(), "issued_at": {"$exists": true}}},
+                doc! {"$group": {"_id": "$pool", "n": {"$sum": 1}}},
+            ])
+            .hint(mongodb::options::Hint::Name("held_since".into()))
+            .await?;
+        let mut out = Vec::new();
+        while let Some(d) = cursor.try_next().await? {
+            if let Ok(pool) = d.get_str("_id") {
+                out.push((pool.to_owned(), crate::collections::as_u64(d.get("n"))));
+            }
+        }
+        Ok(out)
     }
 
     /// How many codes of `pool` are held.

@@ -113,8 +113,10 @@ impl Store {
             })
             .collect();
         self.run_updates(USER_QUOTAS, take, true).await?;
-        // 3. Who holds a slot, read back (slots are never given back).
-        let mut holders = HashSet::new();
+        // 3. Who holds a slot, read back (slots are never given back), by
+        //    quota: a bundle asks one slot per pool, and holds its order's
+        //    slot only when it holds every one of them.
+        let mut holders: Vec<(Document, HashSet<String>)> = Vec::new();
         let batch = crate::one_batch_for(keys.len());
         let mut cursor = self
             .collection(USER_QUOTAS)
@@ -122,13 +124,22 @@ impl Store {
             .batch_size(batch)
             .await?;
         while let Some(d) = cursor.try_next().await? {
-            if let Ok(orders) = d.get_array("orders") {
-                holders.extend(orders.iter().filter_map(|o| o.as_str().map(str::to_owned)));
-            }
+            let (Ok(id), Ok(orders)) = (d.get_document("_id"), d.get_array("orders")) else {
+                continue;
+            };
+            let orders = orders.iter().filter_map(|o| o.as_str().map(str::to_owned));
+            holders.push((id.clone(), orders.collect()));
         }
+        let holds = |a: &QuotaAsk| {
+            let id = quota_id(a.pool, a.uid);
+            (holders.iter()).any(|(k, orders)| *k == id && orders.contains(a.order_id))
+        };
+        let short: HashSet<&str> = (asks.iter().filter(|a| !holds(a)))
+            .map(|a| a.order_id)
+            .collect();
         Ok(asks
             .iter()
-            .filter(|a| holders.contains(a.order_id))
+            .filter(|a| !short.contains(a.order_id))
             .map(|a| a.order_id.to_owned())
             .collect())
     }

@@ -45,6 +45,7 @@ fn row(d: &PoolDoc, s: &PoolStats) -> Markup {
         tr data-pool=(d.name) class=[low.then_some("low")] {
             td { a href={"/console/pools/" (url_part(&d.name))} { (d.name) } }
             td.num.unissued { (count(s.unissued)) }
+            td.num.held { (count(s.held)) }
             td.num.issued-day { (count(s.issued_last_day)) }
             td.num.rate { (count(s.issued_last_hour)) " /h" }
             td.low-stock {
@@ -111,7 +112,7 @@ pub async fn list(
         }
         table.pools {
             thead { tr {
-                th { "Pool" } th { "Unissued" } th { "Issued, 24 h" } th { "Rate, last hour" }
+                th { "Pool" } th { "Unissued" } th { "Held" } th { "Issued, 24 h" } th { "Rate, last hour" }
                 th { "Low stock" } th { "State" } th { "Backorders" }
             } }
             (rows(&console, &q, &docs, &stats))

@@ -80,6 +80,23 @@ fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
 /// (`$indexOfArray`), so it sets exactly what [`issue_set`] would. Fields
 /// an assignment leaves empty (no grant number, no relay) are not set.
 fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateTime) -> Document {
+    let id_list: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
+    let q = claimable_ids(Bson::Document(doc! {"$in": id_list}), now);
+    merge_statement(assignments, ids, now, q, false)
+}
+
+/// The one multi-document statement of [`claim_statement`], on the
+/// documents `q` matches among `ids`. `recommit` first takes off the
+/// line, quantity and part a held code carries from its hold, so each
+/// takes its order's value, or none at its default, exactly as a claim
+/// writes it (the unique `(order_id, line)` index sees line 0 as absent).
+pub(crate) fn merge_statement(
+    assignments: &[ClaimAssignment],
+    ids: &[ObjectId],
+    now: DateTime,
+    mut q: Document,
+    recommit: bool,
+) -> Document {
     // The holders' fields as columns, one value per assignment.
     let mut columns: Vec<(&str, Vec<Bson>)> = Vec::new();
     for (r, row) in assignments.iter().map(holder_fields).enumerate() {
@@ -101,7 +118,7 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
         holder.insert(field, doc! {"$ifNull": [at, "$$REMOVE"]});
     }
     let ids: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
-    let position = doc! {"$indexOfArray": [{"$literal": ids.clone()}, "$_id"]};
+    let position = doc! {"$indexOfArray": [{"$literal": ids}, "$_id"]};
     let merged = doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position.clone()}, "in": holder}}]};
     // Each document must be a code of the pool of the order at its own
     // position: a hot set holding another pool's id grants nothing.
@@ -110,11 +127,15 @@ fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateT
         .map(|a| Bson::String(a.pool.clone()))
         .collect();
     let own_pool = doc! {"$eq": ["$pool", {"$arrayElemAt": [{"$literal": pools}, position]}]};
-    let mut q = claimable_ids(Bson::Document(doc! {"$in": ids}), now);
     q.insert("$expr", own_pool);
+    let mut u = Vec::new();
+    if recommit {
+        u.push(doc! {"$unset": ["order_line", "order_qty", "order_part"]});
+    }
+    u.push(doc! {"$replaceWith": merged});
     doc! {
         "q": q,
-        "u": [{"$replaceWith": merged}],
+        "u": u,
         "multi": true,
     }
 }
