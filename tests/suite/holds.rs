@@ -501,6 +501,29 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
     let (s, _, body) = http(&api.addr, "GET", "/v1/orders/BO-1", Some(&k), b"").await;
     assert_eq!(s, 200);
     assert_eq!(json_of(&body)["codes"].as_array().unwrap().len(), 3);
+    // The same order again: its codes, each with its pool. Under the same
+    // id with other items, or by another key: 409, and no code shown.
+    let same = bundle("BO-1", &[("ba", 2), ("bb", 1)]);
+    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&k), &same).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+    let pools: Vec<Value> = (json_of(&body)["codes"].as_array().unwrap().iter())
+        .map(|c| c["pool"].clone())
+        .collect();
+    assert_eq!(pools, vec![json!("ba"), json!("ba"), json!("bb")]);
+    let other = bundle("BO-1", &[("ba", 1), ("bb", 2)]);
+    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&k), &other).await;
+    assert_eq!(s, 409, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        !String::from_utf8_lossy(&body).contains("ba-"),
+        "no code shown"
+    );
+    let thief = key(&env, "thief", "orders:write").await;
+    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&thief), &same).await;
+    assert_eq!(s, 409);
+    assert!(
+        !String::from_utf8_lossy(&body).contains("ba-"),
+        "no code shown"
+    );
     d.stop().await;
     api.stop().await;
     env.cleanup().await;

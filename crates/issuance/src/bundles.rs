@@ -18,13 +18,13 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use codepool_domain::{Code, Grant, Purchase};
+use codepool_domain::{Code, CodeId, Grant, Purchase};
 use codepool_store::holds::{bundle_key, HeldCode};
-use codepool_store::Store;
+use codepool_store::{ClaimAssignment, Store};
 use tracing::{debug, info};
 
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
-use crate::holds::{as_order_grant, commit, item_claims, item_offsets};
+use crate::holds::{as_order_grant, commits_of, item_claims, item_offsets};
 use crate::Resend;
 
 /// How long a bundle's held code may stay held before the sweep returns
@@ -71,7 +71,13 @@ pub(crate) async fn claim_bundles(
     resend: Resend,
     held: &HashMap<String, Vec<Code>>,
 ) -> Result<Bundled, ClaimError> {
-    let work: Vec<Work> = bundles.iter().map(|b| plan_work(b, held)).collect();
+    // An order id whose codes are another order's (other items, buyer or
+    // key) gets nothing, and no code is shown: as a plain order's anchor.
+    let conflicts: Vec<Option<&'static str>> = bundles.iter().map(|b| conflict(b, held)).collect();
+    let work: Vec<Work> = (bundles.iter().zip(&conflicts))
+        .filter(|(_, c)| c.is_none())
+        .map(|(b, _)| plan_work(b, held))
+        .collect();
     let asks: Vec<ClaimAsk> = work
         .iter()
         .flat_map(|w| {
@@ -100,21 +106,65 @@ pub(crate) async fn claim_bundles(
         outcomes: Vec::with_capacity(work.len()),
         short_pools: BTreeSet::new(),
     };
+    // Every whole bundle commits in one write; every short one puts back
+    // what it took in one write.
     let mut done: HashSet<&str> = HashSet::new();
+    let mut commits: Vec<(CodeId, String, ClaimAssignment)> = Vec::new();
+    let mut put_back: Vec<String> = Vec::new();
+    let mut decided = Vec::with_capacity(work.len());
     for w in &work {
-        let outcome = settle(
-            store,
-            engine,
+        decided.push(settle(
             w,
             &by_key,
             resend,
             &mut out.short_pools,
             &mut done,
-        )
-        .await?;
+            &mut commits,
+            &mut put_back,
+        ));
+    }
+    if !commits.is_empty() {
+        let refs: Vec<(CodeId, &str, ClaimAssignment)> = (commits.iter())
+            .map(|(id, key, a)| (*id, key.as_str(), a.clone()))
+            .collect();
+        store.commit_held(&refs).await?;
+    }
+    if !put_back.is_empty() {
+        let released = store.release_held(&put_back).await?;
+        engine.offer(&released).await;
+        debug!(
+            returned = released.len(),
+            "bundles short; what they took is back in stock and they wait whole"
+        );
+    }
+    let mut decided = decided.into_iter();
+    for c in conflicts {
+        let outcome = match (c, decided.next()) {
+            (Some(what), _) => ClaimOutcome::Conflict { what },
+            (None, Some(o)) => o,
+            (None, None) => unreachable!("one decision per bundle without a conflict"),
+        };
         out.outcomes.push(outcome);
     }
     Ok(out)
+}
+
+/// What differs between bundle `b` and the order its id already names,
+/// if that order holds codes: its items (a line's pool), its buyer, its
+/// quantity, or its owner.
+fn conflict(b: &Purchase, held: &HashMap<String, Vec<Code>>) -> Option<&'static str> {
+    let codes = held.get(&b.order_id)?;
+    for c in codes {
+        let h = c.holder.as_ref()?;
+        if c.pool != b.pool_of_line(h.line) {
+            return Some("items (pool)");
+        }
+        let what = b.conflicts_with(&b.pool, &h.uid, h.quantity, h.owner.as_deref());
+        if what.is_some() {
+            return what;
+        }
+    }
+    None
 }
 
 /// The work of one bundle: the lines its order does not hold yet, item by
@@ -151,16 +201,18 @@ fn plan_work<'a>(b: &'a Purchase, held: &HashMap<String, Vec<Code>>) -> Work<'a>
     }
 }
 
-/// Commits a bundle that is whole; puts back what a short one took.
-async fn settle<'w>(
-    store: &Store,
-    engine: &ClaimEngine,
+/// Decides a bundle: whole, its held codes go to its order's lines
+/// (added to `commits`); short, its keys go to `put_back` and it waits
+/// whole. Returns its outcome as it will be once both are written.
+fn settle<'w>(
     w: &'w Work<'_>,
     by_key: &HashMap<String, ClaimOutcome>,
     resend: Resend,
     short_pools: &mut BTreeSet<String>,
     done: &mut HashSet<&'w str>,
-) -> Result<ClaimOutcome, ClaimError> {
+    commits: &mut Vec<(CodeId, String, ClaimAssignment)>,
+    put_back: &mut Vec<String>,
+) -> ClaimOutcome {
     let b = w.bundle;
     let offsets = item_offsets(&b.items());
     let asked = |i: usize| !w.lines[i].is_empty();
@@ -177,21 +229,18 @@ async fn settle<'w>(
         for &i in &short {
             short_pools.insert(w.claims[i].pool.clone());
         }
-        let released = store.release_held(&w.keys).await?;
-        engine.offer(&released).await;
-        debug!(order_id = %b.order_id, returned = released.len(), "bundle short; what it took is back in stock and it waits whole");
+        put_back.extend(w.keys.iter().cloned());
         let have: HashSet<u32> = grants.iter().map(|g| g.line).collect();
         let missing = (0..b.quantity).filter(|l| !have.contains(l)).collect();
-        return Ok(ClaimOutcome::Claimed {
+        return ClaimOutcome::Claimed {
             grants,
             fresh: 0,
             missing,
-        });
+        };
     }
     // A second delivery of the same bundle in this batch: the first one
-    // committed; this one answers what the order holds.
+    // commits; this one answers what the order will hold.
     let first = done.insert(b.order_id.as_str());
-    let mut fresh = 0;
     let mut held_codes = Vec::new();
     let mut order_grants = Vec::new();
     for (i, key) in w.keys.iter().enumerate() {
@@ -209,14 +258,19 @@ async fn settle<'w>(
             order_grants.push(as_order_grant(g, b, offsets[i] + g.line));
         }
     }
-    if first {
-        fresh = commit(store, b, &w.keys, &held_codes, resend).await?.len() as u32;
-    }
+    let fresh = if first {
+        let mine = commits_of(b, &w.keys, &held_codes, resend);
+        let n = mine.len() as u32;
+        commits.extend(mine);
+        n
+    } else {
+        0
+    };
     grants.extend(order_grants);
     grants.sort_by_key(|g| g.line);
-    Ok(ClaimOutcome::Claimed {
+    ClaimOutcome::Claimed {
         grants,
         fresh,
         missing: Vec::new(),
-    })
+    }
 }

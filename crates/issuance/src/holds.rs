@@ -462,7 +462,9 @@ async fn within_limits(
         .collect();
     let (free, held) = futures::join!(
         store.unissued_counts_upto(&count_asks),
-        futures::future::try_join_all(pools.iter().map(|p| store.held_count(p))),
+        futures::future::try_join_all(
+            (count_asks.iter()).map(|(p, cap)| store.held_count_upto(p, *cap))
+        ),
     );
     let stock: HashMap<&str, u64> = pools
         .iter()
@@ -721,20 +723,33 @@ pub(crate) async fn commit(
     held: &[HeldCode],
     resend: Resend,
 ) -> Result<Vec<CodeId>, StoreError> {
+    let commits = commits_of(p, keys, held, resend);
+    let refs: Vec<(CodeId, &str, ClaimAssignment)> = (commits.iter())
+        .map(|(id, key, a)| (*id, key.as_str(), a.clone()))
+        .collect();
+    store.commit_held(&refs).await?;
+    Ok(commits.iter().map(|(id, _, _)| *id).collect())
+}
+
+/// What [`commit`] writes: each held code, its key, and the order's line
+/// it goes to.
+pub(crate) fn commits_of(
+    p: &Purchase,
+    keys: &[String],
+    held: &[HeldCode],
+    resend: Resend,
+) -> Vec<(CodeId, String, ClaimAssignment)> {
     let offsets = item_offsets(&p.items());
-    let commits: Vec<(CodeId, &str, ClaimAssignment)> = held
-        .iter()
+    held.iter()
         .filter_map(|c| {
             let item = keys.iter().position(|k| *k == c.key)?;
             Some((
                 c.id,
-                c.key.as_str(),
+                c.key.clone(),
                 order_line(p, c, offsets[item] + c.line, resend),
             ))
         })
-        .collect();
-    store.commit_held(&commits).await?;
-    Ok(commits.iter().map(|(id, _, _)| *id).collect())
+        .collect()
 }
 
 /// The first order line of each item.

@@ -127,8 +127,6 @@ struct HeldDoc {
     order_id: String,
     #[serde(default)]
     order_line: Option<i64>,
-    #[serde(default)]
-    issued_at: Option<DateTime>,
 }
 
 /// The fields a claim writes of its holder, which a release takes off.
@@ -382,28 +380,24 @@ impl Store {
         let ago = |d: std::time::Duration| {
             DateTime::from_millis(DateTime::now().timestamp_millis() - d.as_millis() as i64)
         };
-        let docs: Vec<HeldDoc> = self
-            .typed::<HeldDoc>(CODES)
-            .find(doc! {
-                "status": CodeStatus::Held.as_i32(),
-                "issued_at": {"$lte": ago(bundle_after.min(hold_after))},
-            })
-            .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1, "issued_at": 1})
-            .limit(1000)
-            .await?
-            .try_collect()
-            .await?;
-        let old_hold = ago(hold_after);
-        let old_bundle = ago(bundle_after);
-        let mut keys: Vec<String> = docs
-            .iter()
-            .filter(|d| {
-                let at = d.issued_at.unwrap_or(old_hold);
-                (d.order_id.starts_with(BUNDLE_PREFIX) && at <= old_bundle)
-                    || (d.order_id.starts_with(HOLD_PREFIX) && at <= old_hold)
-            })
-            .map(|d| d.order_id.clone())
-            .collect();
+        // By key prefix (a range of the `(order_id, line)` index): each
+        // query reads only the held codes of its kind that are that old.
+        let mut keys: Vec<String> = Vec::new();
+        for (prefix, after) in [(BUNDLE_PREFIX, bundle_after), (HOLD_PREFIX, hold_after)] {
+            let docs: Vec<HeldDoc> = self
+                .typed::<HeldDoc>(CODES)
+                .find(doc! {
+                    "order_id": {"$gte": prefix, "$lt": format!("{prefix}\u{10FFFF}")},
+                    "status": CodeStatus::Held.as_i32(),
+                    "issued_at": {"$lte": ago(after)},
+                })
+                .projection(doc! {"pool": 1, "seq": 1, "order_id": 1, "order_line": 1})
+                .limit(1000)
+                .await?
+                .try_collect()
+                .await?;
+            keys.extend(docs.into_iter().map(|d| d.order_id));
+        }
         keys.sort();
         keys.dedup();
         self.release_held(&keys).await
@@ -429,9 +423,16 @@ impl Store {
         Ok(out)
     }
 
-    /// How many codes of `pool` are held.
-    pub async fn held_count(&self, pool: &str) -> Result<u64, StoreError> {
-        self.count_scan(doc! {"pool": pool, "status": CodeStatus::Held.as_i32()})
-            .await
+    /// How many codes of `pool` are held, counted no further than `cap`.
+    pub async fn held_count_upto(&self, pool: &str, cap: u64) -> Result<u64, StoreError> {
+        let reply = self
+            .database()
+            .run_command(doc! {
+                "count": CODES,
+                "query": {"pool": pool, "status": CodeStatus::Held.as_i32()},
+                "limit": cap.clamp(1, i64::MAX as u64) as i64,
+            })
+            .await?;
+        Ok(crate::collections::as_u64(reply.get("n")))
     }
 }
