@@ -230,14 +230,15 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
         let admitted = intake.shops.admit(store, admitted).await?;
         Ok::<_, StoreError>((policies, admitted))
     };
-    let (admission, existing, open, docs) = futures::join!(
+    let (admission, existing, open, docs, counted) = futures::join!(
         admission,
         store.holds_by_id(&ids),
         store.open_holds_of_many(&uids),
         store.pools_named(&names),
+        first_count(store, &names),
     );
     let (policies, admitted) = admission?;
-    let (open, docs) = (open?, docs?);
+    let (open, docs, counted) = (open?, docs?, counted?);
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
     for (k, a) in admitted.into_iter().enumerate() {
         match a {
@@ -272,7 +273,7 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
             todo.push(k);
         }
     }
-    let todo = within_limits(store, &asks, todo, &open, &docs, &mut out).await?;
+    let todo = within_limits(store, &asks, todo, (&open, &docs, &counted), &mut out).await?;
     let now = DateTime::now();
     let mut holds: Vec<HoldDoc> = (todo.iter())
         .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
@@ -416,6 +417,25 @@ fn again(h: HoldDoc, req: &HoldRequest, owner: Option<&str>) -> Placed {
     Ok((h, false))
 }
 
+/// How far a batch of holds first counts each pool's stock (free plus
+/// held), in the same round trip as its other reads.
+const FIRST_COUNT: u64 = 1000;
+
+/// Each pool's stock (free plus held), counted no further than
+/// [`FIRST_COUNT`] (free and held each).
+async fn first_count(store: &Store, pools: &[&str]) -> Result<HashMap<String, u64>, StoreError> {
+    let asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, FIRST_COUNT)).collect();
+    let (free, held) = futures::join!(
+        store.unissued_counts_upto(&asks),
+        futures::future::try_join_all(pools.iter().map(|p| store.held_count_upto(p, FIRST_COUNT))),
+    );
+    Ok(pools
+        .iter()
+        .map(|p| p.to_string())
+        .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
+        .collect())
+}
+
 /// The buyers' caps, for the holds at `todo`: open holds, and each pool's
 /// share, counting the batch's earlier holds. Returns the holds within
 /// them; the others are answered in `out`.
@@ -423,8 +443,11 @@ async fn within_limits(
     store: &Store,
     asks: &[HoldAsk],
     todo: Vec<usize>,
-    open: &[HoldDoc],
-    docs: &[codepool_store::pools::PoolDoc],
+    (open, docs, counted): (
+        &[HoldDoc],
+        &[codepool_store::pools::PoolDoc],
+        &HashMap<String, u64>,
+    ),
     out: &mut [Option<Placed>],
 ) -> Result<Vec<usize>, HoldError> {
     if todo.is_empty() {
@@ -456,21 +479,35 @@ async fn within_limits(
             *e = (*e).max(enough);
         }
     }
-    let count_asks: Vec<(&str, u64)> = pools
-        .iter()
-        .map(|p| (*p, need.get(p).copied().unwrap_or(1)))
-        .collect();
-    let (free, held) = futures::join!(
-        store.unissued_counts_upto(&count_asks),
-        futures::future::try_join_all(
-            (count_asks.iter()).map(|(p, cap)| store.held_count_upto(p, *cap))
-        ),
-    );
-    let stock: HashMap<&str, u64> = pools
-        .iter()
-        .copied()
-        .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
-        .collect();
+    // The batch's first count answers every pool it covered: it is exact
+    // below its cap, and at the cap it is enough for any share that asks
+    // no more. Only a pool whose count stopped short of a larger need is
+    // counted again, as far as that need.
+    let mut stock: HashMap<&str, u64> = HashMap::new();
+    let mut again: Vec<(&str, u64)> = Vec::new();
+    for p in &pools {
+        let have = counted.get(*p).copied().unwrap_or(0);
+        let needs = need.get(p).copied().unwrap_or(1);
+        if have < FIRST_COUNT || needs <= have {
+            stock.insert(p, have);
+        } else {
+            again.push((p, needs));
+        }
+    }
+    if !again.is_empty() {
+        let (free, held) = futures::join!(
+            store.unissued_counts_upto(&again),
+            futures::future::try_join_all(
+                again.iter().map(|(p, cap)| store.held_count_upto(p, *cap))
+            ),
+        );
+        for ((p, _), n) in again
+            .iter()
+            .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
+        {
+            stock.insert(p, n);
+        }
+    }
     // What each buyer holds, open holds and codes per pool, as the batch
     // adds its own.
     let mut open_count: HashMap<&str, u64> = HashMap::new();
