@@ -538,7 +538,7 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let p = codepool_domain::Purchase::parse(&bundle("BQ-1", &[("qa", 2), ("qb", 2)])).unwrap();
-    publish_confirmed(&publisher, &[p.clone()]).await;
+    publish_confirmed(&publisher, std::slice::from_ref(&p)).await;
     eventually(
         Duration::from_secs(20),
         "the bundle waits as a backorder",

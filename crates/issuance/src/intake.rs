@@ -138,7 +138,8 @@ impl Intake {
         resend: Resend,
         held: &HashMap<String, Vec<codepool_domain::Code>>,
     ) -> Result<(Vec<ClaimOutcome>, BTreeSet<String>), ClaimError> {
-        let (bundles, plain): (Vec<(usize, &Purchase)>, Vec<(usize, &Purchase)>) = claims
+        type At<'a> = Vec<(usize, &'a Purchase)>;
+        let (bundles, plain): (At, At) = claims
             .iter()
             .copied()
             .enumerate()
