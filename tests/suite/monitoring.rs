@@ -143,6 +143,18 @@ async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) 
     )
     .await;
     assert!(status < 500, "API order: {status}");
+    // A checkout hold: the held codes' series has something to show.
+    let hold = serde_json::json!({"hold_id": format!("HOLD-{round}"), "uid": format!("holder-{round}"),
+                                  "items": [{"pool": "m", "quantity": 1}]});
+    let (status, _, _) = http(
+        api,
+        "POST",
+        "/v1/holds",
+        Some(api_key),
+        hold.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 201, "a hold");
     let (status, _, _) = http(api, "POST", "/v1/orders", None, &order("API-X", "m", 1)).await;
     assert_eq!(status, 401);
 }
