@@ -147,12 +147,12 @@ async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> a
     })
 }
 
-async fn measure(
+/// Fills the five pools, creates the key and starts the API.
+async fn prepare(
     args: &HoldsBenchArgs,
     scratch: &'static Scratch,
-    out_dir: &Path,
-) -> anyhow::Result<()> {
-    let n = args.requests as usize * args.rounds as usize;
+    n: usize,
+) -> anyhow::Result<(ApiServer, String)> {
     let sizes = [
         ("ho".to_owned(), n + WARM),
         ("hh".to_owned(), n + WARM),
@@ -160,13 +160,10 @@ async fn measure(
         ("hb1".to_owned(), n + WARM),
         ("hb2".to_owned(), n + WARM),
     ];
+    let total: usize = sizes.iter().map(|s| s.1).sum();
     say(
         args,
-        format!(
-            "importing {} codes into {} …",
-            sizes.iter().map(|s| s.1).sum::<usize>(),
-            scratch.cfg.db
-        ),
+        format!("importing {total} codes into {} …", scratch.cfg.db),
     );
     inproc::fill_pools(scratch, &sizes, 4).await?;
     let _ = crate::metrics();
@@ -174,7 +171,16 @@ async fn measure(
     let token = codepool_api::keys::create(&scratch.store, "bench", &scopes)
         .await?
         .token;
-    let api = ApiServer::start(scratch).await?;
+    Ok((ApiServer::start(scratch).await?, token))
+}
+
+async fn measure(
+    args: &HoldsBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.requests as usize * args.rounds as usize;
+    let (api, token) = prepare(args, scratch, n).await?;
     let http = |side: Side| Http::to(api.addr, &token, args.clients as usize, side.path());
     // Warm every path once.
     for s in [Side::Orders, Side::Holds, Side::Pairs, Side::Bundles] {
@@ -215,12 +221,12 @@ async fn measure(
         "requests_per_round": args.requests,
         "clients": args.clients,
         "rounds": args.rounds,
+        "goals": {
+            "holds_over_orders": goal(&holds, HOLDS_OVER_ORDERS),
+            "bundles_over_pairs": goal(&bundles, BUNDLES_OVER_PAIRS),
+        },
         "holds_vs_orders": holds,
         "bundles_vs_pairs": bundles,
-        "goals": {
-            "holds_over_orders": {"target": HOLDS_OVER_ORDERS, "value": holds["median_ratio"], "met": holds["median_ratio"].as_f64().unwrap_or(0.0) >= HOLDS_OVER_ORDERS},
-            "bundles_over_pairs": {"target": BUNDLES_OVER_PAIRS, "value": bundles["median_ratio"], "met": bundles["median_ratio"].as_f64().unwrap_or(0.0) >= BUNDLES_OVER_PAIRS},
-        },
         "checks": {"held": held, "held_expected": want_held, "bundled_codes": bundled, "bundled_expected": 2 * want_held,
                    "ok": held == want_held && bundled == 2 * want_held},
     });
@@ -228,19 +234,7 @@ async fn measure(
     if args.json {
         println!("{rendered}");
     } else {
-        for (what, c) in [
-            ("holds of 1 / HTTP orders of 1", &holds),
-            ("2-item bundles / HTTP orders of 2 (codes/s)", &bundles),
-        ] {
-            let rounds: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
-                .map(|r| format!("{:.2}", r["ratio"].as_f64().unwrap_or(0.0)))
-                .collect();
-            println!(
-                "{what}: median {:.2}× (rounds {})",
-                c["median_ratio"].as_f64().unwrap_or(0.0),
-                rounds.join(", ")
-            );
-        }
+        print_ratios(&report);
         println!("written to {}", path.display());
     }
     anyhow::ensure!(
@@ -251,7 +245,34 @@ async fn measure(
     Ok(())
 }
 
-/// [`compare`] with each side on its own path.
+/// A comparison's median against its target.
+fn goal(c: &Value, target: f64) -> Value {
+    let v = c["median_ratio"].as_f64().unwrap_or(0.0);
+    json!({"target": target, "value": v, "met": v >= target})
+}
+
+/// Each comparison's median and rounds, one line each.
+fn print_ratios(report: &Value) {
+    for (what, key) in [
+        ("holds of 1 / HTTP orders of 1", "holds_vs_orders"),
+        (
+            "2-item bundles / HTTP orders of 2 (codes/s)",
+            "bundles_vs_pairs",
+        ),
+    ] {
+        let c = &report[key];
+        let rounds: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
+            .map(|r| format!("{:.2}", r["ratio"].as_f64().unwrap_or(0.0)))
+            .collect();
+        println!(
+            "{what}: median {:.2}× (rounds {})",
+            c["median_ratio"].as_f64().unwrap_or(0.0),
+            rounds.join(", ")
+        );
+    }
+}
+
+/// Alternating runs of two sides, each on its own path.
 async fn compare_paths(
     args: &HoldsBenchArgs,
     scratch: &'static Scratch,

@@ -78,30 +78,7 @@ pub(crate) async fn claim_bundles(
         .filter(|(_, c)| c.is_none())
         .map(|(b, _)| plan_work(b, held))
         .collect();
-    let asks: Vec<ClaimAsk> = work
-        .iter()
-        .flat_map(|w| {
-            w.claims
-                .iter()
-                .zip(&w.lines)
-                .filter(|(_, l)| !l.is_empty())
-                .map(|(purchase, lines)| ClaimAsk { purchase, lines })
-        })
-        .collect();
-    let mut by_key: HashMap<String, ClaimOutcome> = HashMap::new();
-    if !asks.is_empty() {
-        let outcomes = engine.claim_asks(&asks, Resend::Hold).await?;
-        for (a, o) in asks.iter().zip(outcomes) {
-            by_key.insert(a.purchase.order_id.clone(), o);
-        }
-        if let Some(pause) = pause_between_steps() {
-            info!(
-                ?pause,
-                "bundle held; pausing before its commit (CODEPOOL_TEST_BUNDLE_PAUSE_MS)"
-            );
-            tokio::time::sleep(pause).await;
-        }
-    }
+    let by_key = hold_items(engine, &work).await?;
     let mut out = Bundled {
         outcomes: Vec::with_capacity(work.len()),
         short_pools: BTreeSet::new(),
@@ -147,6 +124,40 @@ pub(crate) async fn claim_bundles(
         out.outcomes.push(outcome);
     }
     Ok(out)
+}
+
+/// Step 1: claims every line the bundles lack, held, in one claim.
+/// Returns each item's outcome by its key.
+async fn hold_items(
+    engine: &ClaimEngine,
+    work: &[Work<'_>],
+) -> Result<HashMap<String, ClaimOutcome>, ClaimError> {
+    let asks: Vec<ClaimAsk> = work
+        .iter()
+        .flat_map(|w| {
+            w.claims
+                .iter()
+                .zip(&w.lines)
+                .filter(|(_, l)| !l.is_empty())
+                .map(|(purchase, lines)| ClaimAsk { purchase, lines })
+        })
+        .collect();
+    let mut by_key: HashMap<String, ClaimOutcome> = HashMap::new();
+    if asks.is_empty() {
+        return Ok(by_key);
+    }
+    let outcomes = engine.claim_asks(&asks, Resend::Hold).await?;
+    for (a, o) in asks.iter().zip(outcomes) {
+        by_key.insert(a.purchase.order_id.clone(), o);
+    }
+    if let Some(pause) = pause_between_steps() {
+        info!(
+            ?pause,
+            "bundle held; pausing before its commit (CODEPOOL_TEST_BUNDLE_PAUSE_MS)"
+        );
+        tokio::time::sleep(pause).await;
+    }
+    Ok(by_key)
 }
 
 /// What differs between bundle `b` and the order its id already names,

@@ -204,125 +204,24 @@ pub async fn place(
 pub type Placed = Result<(HoldDoc, bool), HoldError>;
 
 /// Places a batch of holds through one batched claim, each all or nothing,
-/// answers aligned with `asks`: one read of the ids, the buyers' open holds
-/// and the pools' stock, one journaled insert of the new holds, one
-/// journaled claim of every item, and one release of what short holds
-/// took. An error is the batch's: nothing of it is held.
+/// answers aligned with `asks`: one round of reads (the ids, the buyers'
+/// open holds, the pools' settings and stock), one journaled insert of the
+/// new holds beside one journaled claim of every item, and one release of
+/// what short holds took. An error is the batch's: nothing of it is held.
 pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Placed>, HoldError> {
-    let store = intake.store();
     let mut out: Vec<Option<Placed>> = asks.iter().map(|_| None).collect();
-    // The pools must exist and be the shop's (a shop's hold is the shop's).
-    let probes: Vec<Purchase> = asks.iter().map(probe).collect();
-    let mut names: Vec<&str> = probes.iter().flat_map(|p| p.pools()).collect();
-    names.sort_unstable();
-    names.dedup();
-    let ids: Vec<&str> = asks.iter().map(|a| a.req.hold_id.as_str()).collect();
-    let mut uids: Vec<&str> = asks.iter().map(|a| a.req.uid.as_str()).collect();
-    uids.sort_unstable();
-    uids.dedup();
-    // Everything the batch reads, at once: the pools' policies and the
-    // shops, the ids taken, the buyers' open holds and the pools' settings.
-    let admission = async {
-        let policies = intake.policies.get_many(store, &names).await?;
-        let admitted = admit(probes.iter().cloned().map(Ok).collect(), |p| {
-            policies.contains_key(p)
-        });
-        let admitted = intake.shops.admit(store, admitted).await?;
-        Ok::<_, StoreError>((policies, admitted))
-    };
-    let (admission, existing, open, docs, counted) = futures::join!(
-        admission,
-        store.holds_by_id(&ids),
-        store.open_holds_of_many(&uids),
-        store.pools_named(&names),
-        first_count(store, &names),
-    );
-    let (policies, admitted) = admission?;
-    let (open, docs, counted) = (open?, docs?, counted?);
-    let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
-    for (k, a) in admitted.into_iter().enumerate() {
-        match a {
-            Admitted::Claim(p) => owners.push(p.owner),
-            Admitted::Reject(e) => {
-                out[k] = Some(Err(HoldError::Invalid(e)));
-                owners.push(None);
-            }
-            _ => owners.push(asks[k].owner.clone()),
-        }
-    }
-    // The same hold id again (before, or earlier in this batch).
-    let existing: HashMap<String, HoldDoc> = (existing?.into_iter())
-        .map(|h| (h.hold_id.clone(), h))
-        .collect();
-    let mut first: HashMap<&str, usize> = HashMap::new();
-    let mut todo: Vec<usize> = Vec::new();
-    for (k, a) in asks.iter().enumerate() {
-        if out[k].is_some() {
-            continue;
-        }
-        if let Some(h) = existing.get(&a.req.hold_id) {
-            out[k] = Some(again(h.clone(), &a.req, owners[k].as_deref()));
-        } else if let Some(p) =
-            (a.req.items.iter()).find(|i| policies.get(&i.pool).is_some_and(|x| x.paused))
-        {
-            out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
-        } else if first.contains_key(a.req.hold_id.as_str()) {
-            // Answered once the first is placed.
-        } else {
-            first.insert(&a.req.hold_id, k);
-            todo.push(k);
-        }
-    }
-    let todo = within_limits(store, &asks, todo, (&open, &docs, &counted), &mut out).await?;
-    let now = DateTime::now();
-    let mut holds: Vec<HoldDoc> = (todo.iter())
-        .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
-        .collect();
-    // The holds are recorded while their codes are claimed: each attempt
-    // holds under keys of its own (its nonce), so one that loses the race
-    // to record its id holds nothing under the winner's, and gives back
-    // what it took. Codes whose hold was never recorded (the process died
-    // first) outlive every hold's time and go back then (`expire_due`).
-    let (taken, short) = futures::join!(store.insert_holds(&holds), hold_codes(intake, &holds));
-    let (taken, mut short) = match (taken, short) {
-        (Ok(t), Ok(s)) => (t, s),
-        (t, s) => {
-            let keys: Vec<String> = holds.iter().flat_map(HoldDoc::keys).collect();
-            let ids: Vec<&str> = holds.iter().map(|h| h.hold_id.as_str()).collect();
-            let _ = store.release_held(&keys).await;
-            let _ = store.forget_holds(&ids).await;
-            t?;
-            s?;
-            unreachable!("one of the two failed");
-        }
-    };
-    if !taken.is_empty() {
-        let again_ids: Vec<&str> = taken.iter().map(String::as_str).collect();
-        let raced: HashMap<String, HoldDoc> = (store.holds_by_id(&again_ids).await?.into_iter())
-            .map(|h| (h.hold_id.clone(), h))
-            .collect();
-        for &k in &todo {
-            if let Some(h) = raced.get(&asks[k].req.hold_id) {
-                out[k] = Some(again(h.clone(), &asks[k].req, owners[k].as_deref()));
-            }
-        }
-        let lost: Vec<String> = (holds.iter())
-            .filter(|h| taken.contains(&h.hold_id))
-            .flat_map(HoldDoc::keys)
-            .collect();
-        let released = store.release_held(&lost).await?;
-        intake.engine().offer(&released).await;
-        holds.retain(|h| !taken.contains(&h.hold_id));
-        short.retain(|id| !taken.contains(id));
-    }
-    let short = hold_codes(intake, &holds).await?;
-    let mut put_back = Vec::new();
-    for h in &holds {
-        if short.contains(&h.hold_id) {
-            put_back.push(h);
-        }
-    }
-    let free = release_short(intake, &put_back).await?;
+    let read = read_batch(intake, &asks, &mut out).await?;
+    let (todo, first) = sort_out(&asks, &read, &mut out);
+    let limits = (&read.open[..], &read.docs[..], &read.counted);
+    let todo = within_limits(intake.store(), &asks, todo, limits, &mut out).await?;
+    let (holds, short) = record_and_claim(intake, &asks, &read.owners, &todo, &mut out).await?;
+    let free = release_short(
+        intake,
+        &(holds.iter())
+            .filter(|h| short.contains(&h.hold_id))
+            .collect::<Vec<_>>(),
+    )
+    .await?;
     for h in holds {
         let k = first[h.hold_id.as_str()];
         if short.contains(&h.hold_id) {
@@ -342,12 +241,164 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
         if out[k].is_none() {
             let f = first[a.req.hold_id.as_str()];
             out[k] = Some(match &out[f] {
-                Some(Ok((h, _))) => again(h.clone(), &a.req, owners[k].as_deref()),
+                Some(Ok((h, _))) => again(h.clone(), &a.req, read.owners[k].as_deref()),
                 _ => Err(HoldError::Conflict(a.req.hold_id.clone())),
             });
         }
     }
     Ok(out.into_iter().flatten().collect())
+}
+
+/// What a batch of holds reads before it decides anything.
+struct BatchRead {
+    /// Each ask's owner (a shop's hold is the shop's).
+    owners: Vec<Option<String>>,
+    policies: HashMap<String, codepool_domain::PoolPolicy>,
+    /// The holds already recorded under the batch's ids.
+    existing: HashMap<String, HoldDoc>,
+    open: Vec<HoldDoc>,
+    docs: Vec<codepool_store::pools::PoolDoc>,
+    counted: HashMap<String, u64>,
+}
+
+/// Everything the batch reads, at once: the pools' policies and the shops
+/// (their pools must exist and be the shop's), the ids taken, the buyers'
+/// open holds, the pools' settings and stock. Asks refused here are
+/// answered in `out`.
+async fn read_batch(
+    intake: &Intake,
+    asks: &[HoldAsk],
+    out: &mut [Option<Placed>],
+) -> Result<BatchRead, HoldError> {
+    let store = intake.store();
+    let probes: Vec<Purchase> = asks.iter().map(probe).collect();
+    let mut names: Vec<&str> = probes.iter().flat_map(|p| p.pools()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let ids: Vec<&str> = asks.iter().map(|a| a.req.hold_id.as_str()).collect();
+    let mut uids: Vec<&str> = asks.iter().map(|a| a.req.uid.as_str()).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    let admission = async {
+        let policies = intake.policies.get_many(store, &names).await?;
+        let admitted = admit(probes.iter().cloned().map(Ok).collect(), |p| {
+            policies.contains_key(p)
+        });
+        let admitted = intake.shops.admit(store, admitted).await?;
+        Ok::<_, StoreError>((policies, admitted))
+    };
+    let (admission, existing, open, docs, counted) = futures::join!(
+        admission,
+        store.holds_by_id(&ids),
+        store.open_holds_of_many(&uids),
+        store.pools_named(&names),
+        first_count(store, &names),
+    );
+    let (policies, admitted) = admission?;
+    let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
+    for (k, a) in admitted.into_iter().enumerate() {
+        match a {
+            Admitted::Claim(p) => owners.push(p.owner),
+            Admitted::Reject(e) => {
+                out[k] = Some(Err(HoldError::Invalid(e)));
+                owners.push(None);
+            }
+            _ => owners.push(asks[k].owner.clone()),
+        }
+    }
+    Ok(BatchRead {
+        owners,
+        policies,
+        existing: (existing?.into_iter())
+            .map(|h| (h.hold_id.clone(), h))
+            .collect(),
+        open: open?,
+        docs: docs?,
+        counted: counted?,
+    })
+}
+
+/// The asks to place: not answered yet, not a hold id recorded before
+/// (answered as it stands), not of a paused pool, and the first of their
+/// id in the batch (the others get what it gets). Returns them, and the
+/// first ask of each id.
+fn sort_out<'a>(
+    asks: &'a [HoldAsk],
+    read: &BatchRead,
+    out: &mut [Option<Placed>],
+) -> (Vec<usize>, HashMap<&'a str, usize>) {
+    let mut first: HashMap<&str, usize> = HashMap::new();
+    let mut todo: Vec<usize> = Vec::new();
+    for (k, a) in asks.iter().enumerate() {
+        if out[k].is_some() {
+            continue;
+        }
+        let paused = |i: &&Item| read.policies.get(&i.pool).is_some_and(|x| x.paused);
+        if let Some(h) = read.existing.get(&a.req.hold_id) {
+            out[k] = Some(again(h.clone(), &a.req, read.owners[k].as_deref()));
+        } else if let Some(p) = a.req.items.iter().find(paused) {
+            out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
+        } else if !first.contains_key(a.req.hold_id.as_str()) {
+            first.insert(&a.req.hold_id, k);
+            todo.push(k);
+        }
+    }
+    (todo, first)
+}
+
+/// Records the holds at `todo` while their codes are claimed. Each attempt
+/// holds under keys of its own (its nonce), so one that loses the race to
+/// record its id holds nothing under the winner's, gives back what it
+/// took, and is answered with the winner's hold. Codes whose hold was
+/// never recorded (the process died first) outlive every hold's time and
+/// go back then (`expire_due`). Returns the holds recorded, and those of
+/// them that fell short.
+async fn record_and_claim(
+    intake: &Intake,
+    asks: &[HoldAsk],
+    owners: &[Option<String>],
+    todo: &[usize],
+    out: &mut [Option<Placed>],
+) -> Result<(Vec<HoldDoc>, HashSet<String>), HoldError> {
+    let store = intake.store();
+    let now = DateTime::now();
+    let mut holds: Vec<HoldDoc> = (todo.iter())
+        .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
+        .collect();
+    let (taken, short) = futures::join!(store.insert_holds(&holds), hold_codes(intake, &holds));
+    let (taken, mut short) = match (taken, short) {
+        (Ok(t), Ok(s)) => (t, s),
+        (t, s) => {
+            let keys: Vec<String> = holds.iter().flat_map(HoldDoc::keys).collect();
+            let ids: Vec<&str> = holds.iter().map(|h| h.hold_id.as_str()).collect();
+            let _ = store.release_held(&keys).await;
+            let _ = store.forget_holds(&ids).await;
+            t?;
+            s?;
+            unreachable!("one of the two failed");
+        }
+    };
+    if taken.is_empty() {
+        return Ok((holds, short));
+    }
+    let again_ids: Vec<&str> = taken.iter().map(String::as_str).collect();
+    let raced: HashMap<String, HoldDoc> = (store.holds_by_id(&again_ids).await?.into_iter())
+        .map(|h| (h.hold_id.clone(), h))
+        .collect();
+    for &k in todo {
+        if let Some(h) = raced.get(&asks[k].req.hold_id) {
+            out[k] = Some(again(h.clone(), &asks[k].req, owners[k].as_deref()));
+        }
+    }
+    let lost: Vec<String> = (holds.iter())
+        .filter(|h| taken.contains(&h.hold_id))
+        .flat_map(HoldDoc::keys)
+        .collect();
+    let released = store.release_held(&lost).await?;
+    intake.engine().offer(&released).await;
+    holds.retain(|h| !taken.contains(&h.hold_id));
+    short.retain(|id| !taken.contains(id));
+    Ok((holds, short))
 }
 
 /// The hold's pools as a purchase, for the checks every order passes.
@@ -464,50 +515,7 @@ async fn within_limits(
         Some(p) => (p.hold_share(), p.holds_per_uid()),
         None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
     };
-    // Stock (free plus held) per pool, counted only as far as the largest
-    // share asked needs.
-    let mut need: HashMap<&str, u64> = HashMap::new();
-    for &k in &todo {
-        for i in &asks[k].req.items {
-            let mine: u64 = (open.iter().filter(|h| h.uid == asks[k].req.uid))
-                .map(|h| u64::from(h.quantity_in(&i.pool)))
-                .sum();
-            let (share, _) = setting(&i.pool);
-            let enough =
-                (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
-            let e = need.entry(i.pool.as_str()).or_default();
-            *e = (*e).max(enough);
-        }
-    }
-    // The batch's first count answers every pool it covered: it is exact
-    // below its cap, and at the cap it is enough for any share that asks
-    // no more. Only a pool whose count stopped short of a larger need is
-    // counted again, as far as that need.
-    let mut stock: HashMap<&str, u64> = HashMap::new();
-    let mut again: Vec<(&str, u64)> = Vec::new();
-    for p in &pools {
-        let have = counted.get(*p).copied().unwrap_or(0);
-        let needs = need.get(p).copied().unwrap_or(1);
-        if have < FIRST_COUNT || needs <= have {
-            stock.insert(p, have);
-        } else {
-            again.push((p, needs));
-        }
-    }
-    if !again.is_empty() {
-        let (free, held) = futures::join!(
-            store.unissued_counts_upto(&again),
-            futures::future::try_join_all(
-                again.iter().map(|(p, cap)| store.held_count_upto(p, *cap))
-            ),
-        );
-        for ((p, _), n) in again
-            .iter()
-            .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
-        {
-            stock.insert(p, n);
-        }
-    }
+    let stock = stock_of(store, asks, &todo, &pools, (open, counted), &setting).await?;
     // What each buyer holds, open holds and codes per pool, as the batch
     // adds its own.
     let mut open_count: HashMap<&str, u64> = HashMap::new();
@@ -559,6 +567,60 @@ async fn within_limits(
         within.push(k);
     }
     Ok(within)
+}
+
+/// Stock (free plus held) of `pools`, counted only as far as the largest
+/// share the asks at `todo` need. The batch's first count (`counted`)
+/// answers every pool it covered: it is exact below its cap, and at the
+/// cap it is enough for any share that asks no more. Only a pool whose
+/// count stopped short of a larger need is counted again, that far.
+async fn stock_of<'p>(
+    store: &Store,
+    asks: &[HoldAsk],
+    todo: &[usize],
+    pools: &[&'p str],
+    (open, counted): (&[HoldDoc], &HashMap<String, u64>),
+    setting: &impl Fn(&str) -> (u32, u32),
+) -> Result<HashMap<&'p str, u64>, HoldError> {
+    let mut need: HashMap<&str, u64> = HashMap::new();
+    for &k in todo {
+        for i in &asks[k].req.items {
+            let mine: u64 = (open.iter().filter(|h| h.uid == asks[k].req.uid))
+                .map(|h| u64::from(h.quantity_in(&i.pool)))
+                .sum();
+            let (share, _) = setting(&i.pool);
+            let enough =
+                (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
+            let e = need.entry(i.pool.as_str()).or_default();
+            *e = (*e).max(enough);
+        }
+    }
+    let mut stock: HashMap<&str, u64> = HashMap::new();
+    let mut again: Vec<(&str, u64)> = Vec::new();
+    for p in pools {
+        let have = counted.get(*p).copied().unwrap_or(0);
+        let needs = need.get(p).copied().unwrap_or(1);
+        if have < FIRST_COUNT || needs <= have {
+            stock.insert(p, have);
+        } else {
+            again.push((p, needs));
+        }
+    }
+    if !again.is_empty() {
+        let (free, held) = futures::join!(
+            store.unissued_counts_upto(&again),
+            futures::future::try_join_all(
+                again.iter().map(|(p, cap)| store.held_count_upto(p, *cap))
+            ),
+        );
+        for ((p, _), n) in again
+            .iter()
+            .zip(free?.into_iter().zip(held?).map(|(f, h)| f + h))
+        {
+            stock.insert(p, n);
+        }
+    }
+    Ok(stock)
 }
 
 /// One claim "purchase" per item of a hold, under the item's key.

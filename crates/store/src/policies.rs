@@ -113,9 +113,17 @@ impl Store {
             })
             .collect();
         self.run_updates(USER_QUOTAS, take, true).await?;
-        // 3. Who holds a slot, read back (slots are never given back), by
-        //    quota: a bundle asks one slot per pool, and holds its order's
-        //    slot only when it holds every one of them.
+        // 3. Who holds a slot, read back (slots are never given back).
+        self.slot_holders(keys, asks).await
+    }
+
+    /// The orders among `asks` that hold their slot in every quota they
+    /// asked (a bundle asks one per pool), read back by quota.
+    async fn slot_holders(
+        &self,
+        keys: Vec<Document>,
+        asks: &[QuotaAsk<'_>],
+    ) -> Result<HashSet<String>, StoreError> {
         let mut holders: Vec<(Document, HashSet<String>)> = Vec::new();
         let batch = crate::one_batch_for(keys.len());
         let mut cursor = self

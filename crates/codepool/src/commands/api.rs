@@ -89,12 +89,8 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let numbers = crate::context::grant_numbers(cfg, &store)?;
     let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
     let config = ApiConfig {
-        body_limit: args.body_limit,
-        request_timeout: Duration::from_secs(args.request_timeout.max(1)),
-        rate_per_key: args.rate_per_key,
-        header_timeout: Duration::from_secs(args.header_timeout.max(1)),
-        max_connections: args.max_connections as usize,
         tls,
+        ..api_config(&args)
     };
     let core = Core::new(
         store.clone(),
@@ -104,14 +100,8 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         broker.publisher,
     );
     let api = Api::new(core.clone(), config);
-    let held_core = core.clone();
-    let console = codepool_console::ConsoleConfig {
-        session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
-        secure_cookie: args.console_secure_cookie || args.tls_cert.is_some(),
-        ..codepool_console::ConsoleConfig::default()
-    };
-    let extra =
-        crate::http::routes(health.clone(), metrics).merge(codepool_console::router(core, console));
+    let console = codepool_console::router(core, console_config(&args));
+    let extra = crate::http::routes(health.clone(), metrics).merge(console);
     let (addr, server) = codepool_api::serve(args.listen, api.clone(), extra, stop.clone())
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;
@@ -133,7 +123,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         tokio::spawn(Deliverer::new(api.store().clone(), AllowHosts::from_env()).run(stop.clone()));
     // Expired holds' codes go back to stock, waiting backorders first.
     let holds = tokio::spawn(codepool_issuance::holds::sweep_loop(
-        held_core,
+        api.core().clone(),
         stop.clone(),
     ));
     let served = server.await;
@@ -152,6 +142,27 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let _ = broker.conn.close(200, "api stopped").await;
     served??;
     Ok(crate::exit::OK)
+}
+
+/// The console's settings as the flags give them.
+fn console_config(args: &ApiArgs) -> codepool_console::ConsoleConfig {
+    codepool_console::ConsoleConfig {
+        session_ttl: Duration::from_secs(args.console_session_hours.clamp(1, 24 * 30) * 3600),
+        secure_cookie: args.console_secure_cookie || args.tls_cert.is_some(),
+        ..codepool_console::ConsoleConfig::default()
+    }
+}
+
+/// The API's limits as the flags give them.
+fn api_config(args: &ApiArgs) -> ApiConfig {
+    ApiConfig {
+        body_limit: args.body_limit,
+        request_timeout: Duration::from_secs(args.request_timeout.max(1)),
+        rate_per_key: args.rate_per_key,
+        header_timeout: Duration::from_secs(args.header_timeout.max(1)),
+        max_connections: args.max_connections as usize,
+        tls: None,
+    }
 }
 
 /// How often the relay runs, and how old an unconfirmed grant must be
