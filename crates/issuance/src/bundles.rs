@@ -12,7 +12,7 @@
 //! not complete is seen. A process that dies between the two steps leaves
 //! held codes: a redelivery (or a retry) finds them under the same keys
 //! and completes the bundle, and the hold sweep returns any that are still
-//! held after [`STRAY_AFTER`].
+//! held after [`crate::held::BUNDLE_STRAY_AFTER`].
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::OnceLock;
@@ -24,12 +24,8 @@ use codepool_store::{ClaimAssignment, Store};
 use tracing::{debug, info};
 
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
-use crate::holds::{as_order_grant, commits_of, item_claims, item_offsets};
+use crate::held::{as_order_grant, commits_of, item_claims, item_offsets};
 use crate::Resend;
-
-/// How long a bundle's held code may stay held before the sweep returns
-/// it to stock: far longer than a live bundle takes between its two steps.
-pub const STRAY_AFTER: Duration = Duration::from_secs(60);
 
 /// For the suite's crash test only: how long to wait between a bundle's
 /// two steps (`CODEPOOL_TEST_BUNDLE_PAUSE_MS`), so a `kill -9` can land

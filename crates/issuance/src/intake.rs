@@ -189,7 +189,7 @@ impl Intake {
         if paying.is_empty() {
             return Ok(HashSet::new());
         }
-        let committed = crate::holds::commit_paid(&self.store, &paying, resend).await?;
+        let committed = crate::held::commit_paid(&self.store, &paying, resend).await?;
         if !committed.is_empty() {
             let orders: Vec<&str> = paying.iter().map(|p| p.order_id.as_str()).collect();
             held.extend(self.store.grants_for_orders(&orders).await?);

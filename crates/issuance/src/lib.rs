@@ -33,6 +33,7 @@ mod demand;
 pub mod expiry;
 pub mod grant_no;
 pub mod health;
+mod held;
 pub mod holds;
 pub mod intake;
 pub mod keywatch;
