@@ -15,6 +15,7 @@ use codepool_store::holds::HoldDoc;
 use serde_json::{json, Value};
 
 use crate::keys::{KeyDoc, Scope};
+use crate::orders::need;
 use crate::{Api, Problem, RequestId};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
@@ -35,14 +36,6 @@ pub(crate) fn hold_json(h: &HoldDoc) -> Value {
         "created_at": time(h.created_at),
         "expires_at": time(h.expires_at),
         "order_id": h.order_id,
-    })
-}
-
-fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
-    (!key.allows(scope)).then(|| {
-        Problem::forbidden(scope.as_str())
-            .at(&rid.0)
-            .into_response()
     })
 }
 

@@ -25,7 +25,7 @@ use crate::{Api, Problem, RequestId};
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// The key must hold `scope`: the 403 to answer when it does not.
-fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
+pub(crate) fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
     (!key.allows(scope)).then(|| {
         Problem::forbidden(scope.as_str())
             .at(&rid.0)

@@ -97,7 +97,7 @@ pub async fn commit_paid(
 /// Moves `held` (codes held under `keys`, item by item) to the lines of
 /// order `p`: item `i`'s line `j` becomes the order's line
 /// `offset(i) + j`. Returns the codes moved.
-pub(crate) async fn commit(
+async fn commit(
     store: &Store,
     p: &Purchase,
     keys: &[String],

@@ -175,6 +175,10 @@ impl Intake {
         held: &mut HashMap<String, Vec<codepool_domain::Code>>,
         resend: Resend,
     ) -> Result<HashSet<CodeId>, StoreError> {
+        // Most batches pay for no hold: they cost nothing here.
+        if !(parsed.iter().flatten()).any(|p| p.hold_id.is_some()) {
+            return Ok(HashSet::new());
+        }
         let waiting: HashSet<&str> = backordered.iter().map(|b| b.order_id.as_str()).collect();
         let paying: Vec<&Purchase> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
             .filter(|p| p.hold_id.is_some())

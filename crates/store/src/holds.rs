@@ -101,11 +101,6 @@ pub fn bundle_key(order_id: &str, item: usize) -> String {
     format!("{BUNDLE_PREFIX}{item}:{order_id}")
 }
 
-/// Whether an `order_id` is a hold's key rather than an order's.
-pub fn is_hold_key(order_id: &str) -> bool {
-    order_id.starts_with('\u{1}')
-}
-
 /// A held code, to go back to stock or to an order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldCode {
