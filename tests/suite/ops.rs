@@ -1276,6 +1276,83 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
     cleanup(env).await;
 }
 
+/// A dispatcher started on a backlog serves it before its sweep counts the
+/// catalogue (issue 47): the count of a pool nobody buys from, which only
+/// the sweep makes, comes after the backlog's last grant, and its gauge
+/// still appears. mongod's profiler dates the count; the codes date the
+/// grants.
+#[tokio::test]
+async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalogue() {
+    use futures::TryStreamExt;
+    let env = TestEnv::new("ops_sweep_yields").await;
+    env.fill_pool("bk-busy", 2000).await;
+    env.fill_pool("bk-idle", 5).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    // The queues exist before any dispatcher does: the backlog waits there.
+    let ch = conn.create_channel().await.unwrap();
+    env.topology().declare(&ch).await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let backlog: Vec<_> = (0..2000)
+        .map(|i| purchase(&format!("BK-{i:04}"), "bk-busy"))
+        .collect();
+    publish_confirmed(&publisher, &backlog).await;
+    let db = env.store.database();
+    db.run_command(doc! {"profile": 2}).await.unwrap();
+
+    let daemon = start_daemon(env.command(&[])).await;
+    let a = daemon.addr.clone();
+    eventually(
+        Duration::from_secs(60),
+        "the backlog granted and the idle pool's gauge",
+        || {
+            let a = a.clone();
+            async move {
+                let m = scrape(&a).await;
+                value(&m, "codepool_grants_total", &[]) == 2000.0
+                    && value(&m, "codepool_pool_unissued", &[("pool", "bk-idle")]) == 5.0
+            }
+        },
+    )
+    .await;
+    db.run_command(doc! {"profile": 0}).await.unwrap();
+
+    let last_grant = db
+        .collection::<bson::Document>("codes")
+        .find_one(doc! {"pool": "bk-busy", "status": 1})
+        .sort(doc! {"issued_at": -1})
+        .await
+        .unwrap()
+        .expect("a grant")
+        .get_datetime("issued_at")
+        .copied()
+        .unwrap();
+    // Every stock count that named the idle pool: the sweep's.
+    let counts: Vec<bson::Document> = db
+        .collection::<bson::Document>("system.profile")
+        .find(doc! {"command.aggregate": "codes", "command.pipeline": {"$exists": true}})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let idle: Vec<bson::DateTime> = counts
+        .iter()
+        .filter(|op| {
+            let text = op.get_document("command").unwrap().to_string();
+            text.contains("\"bk-idle\"") && text.contains("$sum")
+        })
+        .map(|op| *op.get_datetime("ts").unwrap())
+        .collect();
+    assert!(!idle.is_empty(), "the sweep counted the idle pool");
+    assert!(
+        idle.iter().all(|t| *t > last_grant),
+        "the catalogue was counted at {idle:?}, while the backlog was served until {last_grant}"
+    );
+    daemon.stop().await;
+    let _ = conn.close(200, "bye").await;
+    cleanup(env).await;
+}
+
 /// A `mongod` of this test's own, so it can be stopped without disturbing
 /// the other tests.
 struct PrivateMongo {

@@ -413,6 +413,8 @@ async fn run_side(
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     inproc::checkpoint(scratch).await?;
     let stages_before = stage_metrics();
+    // Marks the clock's start for scripts/cold-profile.sh.
+    eprintln!("{tag}: dispatcher started");
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(n as u64).await?;
     let mut stages = stages(&stages_before, &stage_metrics());

@@ -1,12 +1,13 @@
 //! Upkeep: what a dispatcher session does besides purchases. It applies
 //! SMS receipts ([`crate::receipts`]) and `code.redeemed` events
 //! ([`crate::redemptions`]) from their durable queues, and every
-//! [`StockConfig::sweep_every`](crate::stock::StockConfig) voids expired
-//! codes ([`crate::expiry`]) and re-checks every pool's stock
-//! ([`crate::stock`]). All of it stops with the session.
+//! [`StockConfig::sweep_every`](crate::stock::StockConfig), at the first
+//! quiet moment, voids expired codes ([`crate::expiry`]) and re-checks
+//! every pool's stock ([`crate::stock`]). All of it stops with the session.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use codepool_broker::{BrokerError, ConsumerHandle, Publisher};
 use codepool_hotpool::HotPool;
@@ -121,8 +122,11 @@ where
     }
 }
 
-/// Every `sweep_every` (first at once): void expired codes, then re-check
-/// every pool's stock (gauges, alerts, re-arming after imports).
+/// Every `sweep_every`: void expired codes, then re-check every pool's
+/// stock (gauges, alerts, re-arming after imports). Both read the whole
+/// catalogue, so a sweep first waits for a quiet moment ([`quiet`]): at a
+/// start with purchases queued, the backlog is served before the catalogue
+/// is counted.
 async fn sweep(
     store: Store,
     hot: HotPool,
@@ -130,12 +134,17 @@ async fn sweep(
     publisher: Publisher,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(stock.config().sweep_every);
+    let every = stock.config().sweep_every;
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = quiet(&stock, every) => {}
         }
         if let Err(e) = expire_codes(&store, &hot, None).await {
             debug!(error = %e, "expiry sweep skipped");
@@ -143,5 +152,25 @@ async fn sweep(
         if let Err(e) = stock.check_all(&publisher).await {
             debug!(error = %e, "stock sweep skipped");
         }
+    }
+}
+
+/// How long the dispatcher must have placed no batch for a sweep to start.
+const QUIET: Duration = Duration::from_millis(250);
+
+/// Returns once the dispatcher has placed no batch of purchases for
+/// [`QUIET`] (counted from now at the earliest: a session's first batches
+/// come a moment after it starts), or after `most` whatever the load, so
+/// steady traffic delays a sweep by one period at most.
+async fn quiet(stock: &StockWatch, most: Duration) {
+    let began = Instant::now();
+    let deadline = began + most;
+    loop {
+        let quiet_at = stock.last_batch().map_or(began, |t| t.max(began)) + QUIET;
+        let now = Instant::now();
+        if now >= quiet_at || now >= deadline {
+            return;
+        }
+        tokio::time::sleep(quiet_at.min(deadline) - now).await;
     }
 }
