@@ -31,6 +31,8 @@ impl Dispatcher {
         stop: &CancellationToken,
     ) {
         let received = Instant::now();
+        // Upkeep waits while a batch is underway, whichever way it ends.
+        let _underway = self.activity.batch();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
         let Some(mut plan) = self.decide(&deliveries, stop).await else {
             // Handed back at once when this process cannot open codes:

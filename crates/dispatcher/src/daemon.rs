@@ -116,6 +116,8 @@ pub struct Dispatcher {
     pub(crate) amqp: Outage,
     /// Stock gauges and low-stock alerts (stock.rs).
     pub(crate) stock: Arc<StockWatch>,
+    /// Batches being placed: upkeep waits for a quiet moment (upkeep.rs).
+    pub(crate) activity: Arc<crate::upkeep::Activity>,
 }
 
 impl Dispatcher {
@@ -143,6 +145,7 @@ impl Dispatcher {
             health,
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
+            activity: Arc::default(),
         })
     }
 

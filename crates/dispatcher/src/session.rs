@@ -108,6 +108,7 @@ impl Dispatcher {
             self.store.clone(),
             self.hot.clone(),
             self.stock.clone(),
+            self.activity.clone(),
             publisher.clone(),
             std::sync::Arc::new(cfg.redeemers.clone()),
             stop.clone(),

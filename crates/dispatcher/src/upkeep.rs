@@ -6,7 +6,7 @@
 //! every pool's stock ([`crate::stock`]). All of it stops with the session.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use codepool_broker::{BrokerError, ConsumerHandle, Publisher};
@@ -45,6 +45,7 @@ pub async fn spawn(
     store: Store,
     hot: HotPool,
     stock: Arc<StockWatch>,
+    activity: Arc<Activity>,
     publisher: Publisher,
     redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
@@ -75,7 +76,7 @@ pub async fn spawn(
             }
         },
     ));
-    tasks.spawn(sweep(store, hot, stock, publisher, stop));
+    tasks.spawn(sweep(store, hot, stock, activity, publisher, stop));
     Ok(Upkeep { tasks, consumers })
 }
 
@@ -131,6 +132,7 @@ async fn sweep(
     store: Store,
     hot: HotPool,
     stock: Arc<StockWatch>,
+    activity: Arc<Activity>,
     publisher: Publisher,
     stop: CancellationToken,
 ) {
@@ -144,7 +146,7 @@ async fn sweep(
         }
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = quiet(&stock, every) => {}
+            _ = quiet(&activity, every) => {}
         }
         if let Err(e) = expire_codes(&store, &hot, None).await {
             debug!(error = %e, "expiry sweep skipped");
@@ -155,22 +157,72 @@ async fn sweep(
     }
 }
 
-/// How long the dispatcher must have placed no batch for a sweep to start.
-const QUIET: Duration = Duration::from_millis(250);
+/// Whether the dispatcher is placing purchases: the batches underway, and
+/// when the last one ended. Shared by a dispatcher's sessions.
+#[derive(Debug, Default)]
+pub struct Activity {
+    state: Mutex<(usize, Option<Instant>)>,
+}
 
-/// Returns once the dispatcher has placed no batch of purchases for
-/// [`QUIET`] (counted from now at the earliest: a session's first batches
-/// come a moment after it starts), or after `most` whatever the load, so
-/// steady traffic delays a sweep by one period at most.
-async fn quiet(stock: &StockWatch, most: Duration) {
+impl Activity {
+    /// A batch is underway until the returned guard is dropped.
+    pub(crate) fn batch(self: &Arc<Self>) -> BatchUnderway {
+        if let Ok(mut s) = self.state.lock() {
+            s.0 += 1;
+        }
+        BatchUnderway(self.clone())
+    }
+
+    /// `None` while a batch is underway; else when the last one ended
+    /// (`Some(None)` before the first).
+    fn idle_since(&self) -> Option<Option<Instant>> {
+        let s = self.state.lock().ok()?;
+        (s.0 == 0).then_some(s.1)
+    }
+}
+
+/// See [`Activity::batch`].
+pub(crate) struct BatchUnderway(Arc<Activity>);
+
+impl Drop for BatchUnderway {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.state.lock() {
+            s.0 = s.0.saturating_sub(1);
+            s.1 = Some(Instant::now());
+        }
+    }
+}
+
+/// How long the dispatcher must have had no batch underway for a sweep to
+/// start: longer than a session takes to receive its first purchases, and
+/// than the gap between two batches of a backlog.
+const QUIET: Duration = Duration::from_secs(1);
+
+/// How often a sweep waiting on a batch underway looks again.
+const LOOK_AGAIN: Duration = Duration::from_millis(50);
+
+/// Returns once the dispatcher has had no batch underway for [`QUIET`]
+/// (counted from now at the earliest: a session's first batch comes a
+/// moment after it starts), or after `most` whatever the load, so steady
+/// traffic delays a sweep by one period at most.
+async fn quiet(activity: &Activity, most: Duration) {
     let began = Instant::now();
     let deadline = began + most;
     loop {
-        let quiet_at = stock.last_batch().map_or(began, |t| t.max(began)) + QUIET;
         let now = Instant::now();
-        if now >= quiet_at || now >= deadline {
+        if now >= deadline {
             return;
         }
-        tokio::time::sleep(quiet_at.min(deadline) - now).await;
+        let wait = match activity.idle_since() {
+            Some(since) => {
+                let at = since.map_or(began, |t| t.max(began)) + QUIET;
+                if now >= at {
+                    return;
+                }
+                at - now
+            }
+            None => LOOK_AGAIN,
+        };
+        tokio::time::sleep(wait.min(deadline - now)).await;
     }
 }

@@ -100,9 +100,6 @@ pub struct StockWatch {
     schedule: Mutex<HashMap<String, Schedule>>,
     /// What the last check of each pool found.
     known: Mutex<HashMap<String, Known>>,
-    /// When the dispatcher last placed a batch of purchases: the sweep
-    /// waits for a quiet moment ([`Self::last_batch`]).
-    last_batch: Mutex<Option<Instant>>,
 }
 
 impl StockWatch {
@@ -112,7 +109,6 @@ impl StockWatch {
             config,
             schedule: Mutex::new(HashMap::new()),
             known: Mutex::new(HashMap::new()),
-            last_batch: Mutex::new(None),
         })
     }
 
@@ -120,8 +116,7 @@ impl StockWatch {
         &self.config
     }
 
-    /// Accounts for `(pool, fresh grants)` of a batch (every batch, also
-    /// one without grants: it is the dispatcher at work): a pool known to have
+    /// Accounts for `(pool, fresh grants)` of a batch: a pool known to have
     /// no low-stock threshold and fewer codes than the count's cap has its
     /// gauge lowered by its grants; every other pool gets a check. Returns
     /// at once; the checks run in the background, throttled.
@@ -130,9 +125,6 @@ impl StockWatch {
         grants: impl IntoIterator<Item = (&'a str, u64)>,
         publisher: &Publisher,
     ) {
-        if let Ok(mut last) = self.last_batch.lock() {
-            *last = Some(Instant::now());
-        }
         let mut to_check = Vec::new();
         if let Ok(mut known) = self.known.lock() {
             for (pool, n) in grants {
@@ -147,13 +139,6 @@ impl StockWatch {
             }
         }
         self.schedule_checks(to_check, publisher);
-    }
-
-    /// When the last batch of purchases was placed (with grants or not):
-    /// [`Self::after_grants`] is told of every batch. `None` before the
-    /// first.
-    pub fn last_batch(&self) -> Option<Instant> {
-        self.last_batch.lock().ok().and_then(|t| *t)
     }
 
     /// Forgets what was known of `pool` (codes were imported, or its
