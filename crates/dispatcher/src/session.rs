@@ -107,8 +107,10 @@ impl Dispatcher {
             conn,
             self.store.clone(),
             self.hot.clone(),
-            self.stock.clone(),
-            self.activity.clone(),
+            crate::upkeep::Watch {
+                stock: self.stock.clone(),
+                activity: self.activity.clone(),
+            },
             publisher.clone(),
             std::sync::Arc::new(cfg.redeemers.clone()),
             stop.clone(),

@@ -44,8 +44,7 @@ pub async fn spawn(
     conn: &Connection,
     store: Store,
     hot: HotPool,
-    stock: Arc<StockWatch>,
-    activity: Arc<Activity>,
+    watch: Watch,
     publisher: Publisher,
     redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
@@ -76,7 +75,7 @@ pub async fn spawn(
             }
         },
     ));
-    tasks.spawn(sweep(store, hot, stock, activity, publisher, stop));
+    tasks.spawn(sweep(store, hot, watch, publisher, stop));
     Ok(Upkeep { tasks, consumers })
 }
 
@@ -131,8 +130,7 @@ where
 async fn sweep(
     store: Store,
     hot: HotPool,
-    stock: Arc<StockWatch>,
-    activity: Arc<Activity>,
+    Watch { stock, activity }: Watch,
     publisher: Publisher,
     stop: CancellationToken,
 ) {
@@ -155,6 +153,13 @@ async fn sweep(
             debug!(error = %e, "stock sweep skipped");
         }
     }
+}
+
+/// What the sweep reads: the stock checks it runs, and the dispatcher's
+/// activity it waits on.
+pub struct Watch {
+    pub stock: Arc<StockWatch>,
+    pub activity: Arc<Activity>,
 }
 
 /// Whether the dispatcher is placing purchases: the batches underway, and
