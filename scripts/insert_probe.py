@@ -12,41 +12,20 @@ under .services/mongo, when there is one). MONGODB_URI overrides the server.
 """
 
 import datetime
-import glob
-import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bson import Binary, Int64, ObjectId
-from pymongo import MongoClient
 from pymongo.write_concern import WriteConcern
 
-root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from probe_db import client as connect, fresh, mongod_cpu
+
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
-client = MongoClient(os.environ.get("MONGODB_URI", "mongodb://127.0.0.1:27017/?directConnection=true"))
+client = connect()
 name = f"insert_probe_{os.getpid()}"
 now = datetime.datetime.now(datetime.timezone.utc)
-pid_file = os.path.join(root, ".services/mongo/mongod.pid")
-pid = int(open(pid_file).read().strip()) if os.path.exists(pid_file) else None
-
-
-def mongod_cpu():
-    if not pid:
-        return float("nan")
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def fresh():
-    client.drop_database(name)
-    db = client[name]
-    db.create_collection("codes")
-    for f in sorted(glob.glob(os.path.join(root, "migrations/*.json"))):
-        for cmd in json.load(open(f)):
-            db.command(cmd)
-    return db
 
 
 def plain(i, batch):
@@ -63,7 +42,7 @@ def sealed(i, batch):
 
 
 def run(label, make, bypass):
-    coll = fresh().get_collection("codes", write_concern=WriteConcern(w="majority", j=True))
+    coll = fresh(client, name).get_collection("codes", write_concern=WriteConcern(w="majority", j=True))
     batch = ObjectId()
     docs = [make(i, batch) for i in range(n)]
     chunks = [docs[i:i + 1000] for i in range(0, n, 1000)]

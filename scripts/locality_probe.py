@@ -30,18 +30,16 @@ process to measure (default: .services/mongo/mongod.pid).
 """
 
 import datetime
-import json
 import os
-import pathlib
 import random
 import statistics
 import sys
 import time
 
 from bson import Binary, Int64, ObjectId
-from pymongo import MongoClient
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from probe_db import client as connect, fresh, mongod_cpu
+
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 batches = int(sys.argv[2]) if len(sys.argv) > 2 else 80
 BATCH = 256
@@ -50,35 +48,10 @@ POOLS = 1000
 # so the last batches still draw from most pools.
 PER_POOL = max(125, -(-2 * rounds * batches * BATCH // POOLS))
 
-client = MongoClient(os.environ.get("MONGODB_URI", "mongodb://127.0.0.1:27017/?directConnection=true"))
+client = connect()
 name = f"locality_probe_{os.getpid()}"
-db = client[name]
+db = fresh(client, name)
 codes = db.codes
-
-
-def mongod_pid():
-    if "MONGOD_PID" in os.environ:
-        return int(os.environ["MONGOD_PID"])
-    return int((ROOT / ".services/mongo/mongod.pid").read_text().split()[0])
-
-
-PID = mongod_pid()
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def mongod_cpu():
-    fields = pathlib.Path(f"/proc/{PID}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def migrate():
-    """The project's migrations, as `codepool migrate` applies them."""
-    for path in sorted((ROOT / "migrations").glob("*.json")):
-        for command in json.loads(path.read_text()):
-            target = command.get("collMod")
-            if target and target not in db.list_collection_names():
-                db.create_collection(target)
-            db.command(command)
 
 
 def code(pool, seq):
@@ -173,7 +146,6 @@ def measure(take):
 
 try:
     started = time.time()
-    migrate()
     fill()
     by_pool = unissued()
     small = [p for p in by_pool if p != "one"]
