@@ -1283,7 +1283,6 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
 /// grants.
 #[tokio::test]
 async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalogue() {
-    use futures::TryStreamExt;
     let env = TestEnv::new("ops_sweep_yields").await;
     env.fill_pool("bk-busy", 2000).await;
     env.fill_pool("bk-idle", 5).await;
@@ -1296,27 +1295,34 @@ async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalog
         .map(|i| purchase(&format!("BK-{i:04}"), "bk-busy"))
         .collect();
     publish_confirmed(&publisher, &backlog).await;
-    let db = env.store.database();
-    db.run_command(doc! {"profile": 2}).await.unwrap();
-
-    let daemon = start_daemon(env.command(&[])).await;
-    let a = daemon.addr.clone();
-    eventually(
-        Duration::from_secs(60),
-        "the backlog granted and the idle pool's gauge",
-        || {
-            let a = a.clone();
-            async move {
-                let m = scrape(&a).await;
-                value(&m, "codepool_grants_total", &[]) == 2000.0
-                    && value(&m, "codepool_pool_unissued", &[("pool", "bk-idle")]) == 5.0
-            }
+    // Every aggregate the daemon runs, while it serves the backlog.
+    let (daemon, counts) = profiled(
+        &env.store,
+        doc! {"command.aggregate": "codes", "command.pipeline": {"$exists": true}},
+        async {
+            let daemon = start_daemon(env.command(&[])).await;
+            let a = daemon.addr.clone();
+            eventually(
+                Duration::from_secs(60),
+                "the backlog granted and the idle pool's gauge",
+                || {
+                    let a = a.clone();
+                    async move {
+                        let m = scrape(&a).await;
+                        value(&m, "codepool_grants_total", &[]) == 2000.0
+                            && value(&m, "codepool_pool_unissued", &[("pool", "bk-idle")]) == 5.0
+                    }
+                },
+            )
+            .await;
+            daemon
         },
     )
     .await;
-    db.run_command(doc! {"profile": 0}).await.unwrap();
 
-    let last_grant = db
+    let last_grant = env
+        .store
+        .database()
         .collection::<bson::Document>("codes")
         .find_one(doc! {"pool": "bk-busy", "status": 1})
         .sort(doc! {"issued_at": -1})
@@ -1327,14 +1333,6 @@ async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalog
         .copied()
         .unwrap();
     // Every stock count that named the idle pool: the sweep's.
-    let counts: Vec<bson::Document> = db
-        .collection::<bson::Document>("system.profile")
-        .find(doc! {"command.aggregate": "codes", "command.pipeline": {"$exists": true}})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
     let idle: Vec<bson::DateTime> = counts
         .iter()
         .filter(|op| {
