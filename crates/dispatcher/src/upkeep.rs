@@ -166,23 +166,29 @@ pub struct Watch {
 /// when the last one ended. Shared by a dispatcher's sessions.
 #[derive(Debug, Default)]
 pub struct Activity {
-    state: Mutex<(usize, Option<Instant>)>,
+    state: Mutex<Batches>,
+}
+
+#[derive(Debug, Default)]
+struct Batches {
+    underway: usize,
+    last_end: Option<Instant>,
 }
 
 impl Activity {
     /// A batch is underway until the returned guard is dropped.
     pub(crate) fn batch(self: &Arc<Self>) -> BatchUnderway {
         if let Ok(mut s) = self.state.lock() {
-            s.0 += 1;
+            s.underway += 1;
         }
         BatchUnderway(self.clone())
     }
 
-    /// `None` while a batch is underway; else when the last one ended
-    /// (`Some(None)` before the first).
-    fn idle_since(&self) -> Option<Option<Instant>> {
+    /// When the dispatcher will have been quiet for [`QUIET`], counting
+    /// from `since` at the earliest; `None` while a batch is underway.
+    fn quiet_at(&self, since: Instant) -> Option<Instant> {
         let s = self.state.lock().ok()?;
-        (s.0 == 0).then_some(s.1)
+        (s.underway == 0).then(|| s.last_end.map_or(since, |t| t.max(since)) + QUIET)
     }
 }
 
@@ -192,8 +198,8 @@ pub(crate) struct BatchUnderway(Arc<Activity>);
 impl Drop for BatchUnderway {
     fn drop(&mut self) {
         if let Ok(mut s) = self.0.state.lock() {
-            s.0 = s.0.saturating_sub(1);
-            s.1 = Some(Instant::now());
+            s.underway = s.underway.saturating_sub(1);
+            s.last_end = Some(Instant::now());
         }
     }
 }
@@ -218,14 +224,9 @@ async fn quiet(activity: &Activity, most: Duration) {
         if now >= deadline {
             return;
         }
-        let wait = match activity.idle_since() {
-            Some(since) => {
-                let at = since.map_or(began, |t| t.max(began)) + QUIET;
-                if now >= at {
-                    return;
-                }
-                at - now
-            }
+        let wait = match activity.quiet_at(began) {
+            Some(at) if now >= at => return,
+            Some(at) => at - now,
             None => LOOK_AGAIN,
         };
         tokio::time::sleep(wait.min(deadline - now)).await;
