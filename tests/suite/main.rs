@@ -6,9 +6,11 @@
 mod api;
 mod api_hostile;
 mod api_load;
+mod checker;
 mod claims;
 mod common;
 mod console;
+mod crossings;
 mod deploy;
 mod dispatcher;
 mod export_rules;

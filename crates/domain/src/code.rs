@@ -71,67 +71,11 @@ impl fmt::Display for CodeStatus {
     }
 }
 
-/// The moves of a code's lifecycle, defined once. The store builds its
-/// conditional updates from [`Transition::from`] and [`Transition::to`], so
-/// what MongoDB enforces and what the domain says are the same rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Transition {
-    /// An order receives an unissued code.
-    Claim,
-    /// The buyer used the code.
-    Redeem,
-    /// An operator revoked the code (refund, leak, recall).
-    Void,
-    /// An unissued code passed its `expires_at`.
-    Expire,
-    /// A checkout hold (or a bundle not whole yet) takes an unissued code.
-    Hold,
-    /// A hold ends unpaid (released, expired, or a bundle that could not
-    /// complete): its code goes back to stock.
-    Release,
-    /// A paid hold's code becomes its order's.
-    Commit,
-}
-
-impl Transition {
-    pub const ALL: [Transition; 7] = [
-        Self::Claim,
-        Self::Redeem,
-        Self::Void,
-        Self::Expire,
-        Self::Hold,
-        Self::Release,
-        Self::Commit,
-    ];
-
-    /// The statuses this transition may start from.
-    pub fn from(self) -> &'static [CodeStatus] {
-        use CodeStatus::*;
-        match self {
-            Self::Claim | Self::Expire | Self::Hold => &[Unissued],
-            Self::Redeem => &[Issued],
-            Self::Void => &[Unissued, Issued],
-            Self::Release | Self::Commit => &[Held],
-        }
-    }
-
-    /// The status it ends in.
-    pub fn to(self) -> CodeStatus {
-        match self {
-            Self::Claim => CodeStatus::Issued,
-            Self::Redeem => CodeStatus::Used,
-            Self::Void | Self::Expire => CodeStatus::Void,
-            Self::Hold => CodeStatus::Held,
-            Self::Release => CodeStatus::Unissued,
-            Self::Commit => CodeStatus::Issued,
-        }
-    }
-
-    /// [`Transition::from`] as the integers stored in MongoDB.
-    pub fn from_codes(self) -> Vec<i32> {
-        self.from().iter().map(|s| s.as_i32()).collect()
-    }
-}
+/// The moves of a code's lifecycle, defined once, in the gate
+/// ([`crate::gate::Move`]). The store builds its conditional updates from
+/// [`Transition::from`] and [`Transition::to`], so what MongoDB enforces
+/// and what the domain says are the same rule.
+pub type Transition = crate::gate::Move;
 
 /// The identity of a code document: MongoDB's 12-byte ObjectId, kept as
 /// bytes so the domain needs no database types. Parsing is strict: a
@@ -318,7 +262,8 @@ mod tests {
             );
         }
         assert!(CodeStatus::Held.can_become(CodeStatus::Issued));
-        assert!(!CodeStatus::Held.can_become(CodeStatus::Void));
+        // Expiry and recall take a code out of a live hold.
+        assert!(CodeStatus::Held.can_become(CodeStatus::Void));
     }
 
     #[test]
@@ -326,7 +271,8 @@ mod tests {
         assert_eq!(Transition::Claim.from_codes(), vec![0]);
         assert_eq!(Transition::Redeem.from_codes(), vec![1]);
         assert_eq!(Transition::Void.from_codes(), vec![0, 1]);
-        assert_eq!(Transition::Expire.from_codes(), vec![0]);
+        assert_eq!(Transition::Expire.from_codes(), vec![0, 4]);
+        assert_eq!(Transition::Recall.from_codes(), vec![0, 4]);
         assert_eq!(Transition::Expire.to(), CodeStatus::Void);
     }
 

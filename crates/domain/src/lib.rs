@@ -12,6 +12,7 @@
 
 pub mod code;
 pub mod events;
+pub mod gate;
 pub mod grant;
 pub mod policy;
 pub mod pool;
@@ -23,6 +24,10 @@ pub mod text;
 pub use code::{
     mask, validate_code, CodeId, CodeStatus, InvalidCode, InvalidCodeId, Transition, MAX_CODE_LEN,
 };
+/// How a shop's owner tag begins (`shop:NAME`), on its orders, holds and
+/// backorders.
+pub const SHOP_OWNER_PREFIX: &str = "shop:";
+
 pub use events::{PoolEvent, PoolEventKind, SmsCode, SmsPending, SmsReceipt};
 pub use grant::{sms_events, Grant};
 pub use policy::{PoolPolicy, PurchaseRefused, Refusal, RefusalReason, PURCHASE_REFUSED_KEY};

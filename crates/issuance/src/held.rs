@@ -7,10 +7,12 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use codepool_domain::{CodeId, Grant, Item, Purchase};
-use codepool_store::holds::{HeldCode, HoldDoc, COMMITTED};
+use codepool_domain::gate::{self, HoldState, Move};
+use codepool_domain::{CodeId, Grant, Item, PoolPolicy, Purchase};
+use codepool_store::holds::{HeldCode, HoldDoc};
+use codepool_store::policies::QuotaAsk;
 use codepool_store::{ClaimAssignment, Store, StoreError};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::Resend;
 
@@ -48,22 +50,48 @@ pub(crate) fn owner_may_see(h: &HoldDoc, owner: Option<&str>) -> bool {
     owner.is_none() || h.owner.as_deref() == owner
 }
 
+/// What paying for holds came to.
+#[derive(Debug, Default)]
+pub struct Paid {
+    /// The codes committed, to count as fresh grants.
+    pub committed: HashSet<CodeId>,
+    /// Codes that went back to stock (a hold of a paused pool, or one its
+    /// buyer's per-user limit refused), to offer as candidates again.
+    pub released: Vec<HeldCode>,
+}
+
+/// The owner a purchase pays as: its own, or its shop's (an AMQP purchase
+/// names its shop before the shop admits it).
+fn payer(p: &Purchase) -> Option<String> {
+    p.owner
+        .clone()
+        .or_else(|| p.shop.as_deref().map(crate::shops::owner_of))
+}
+
 /// Turns the holds that `purchases` pay for into their grants: each held
-/// code still held under its hold goes to the order's matching line.
-/// A hold that is not the order's (another buyer, key or items) is left
-/// alone; the order is placed from stock like any other. Returns the codes
-/// committed, to count as fresh grants.
+/// code still held under its hold goes to the order's matching line,
+/// through the gate ([`codepool_domain::gate`]):
+/// - a hold that is not the order's (another buyer, items, key or shop) is
+///   left alone; the order is placed from stock like any other;
+/// - a hold of a paused pool is bound to the order that paid it (no other
+///   order can pay it) and its codes go back to stock; the order waits;
+/// - a hold over its buyer's per-user limit (counting the orders the buyer
+///   placed from stock meanwhile) is released; the order is refused;
+/// - a held code that expired or was recalled while held is not moved
+///   (the store's condition); the order's line is claimed from stock.
 pub async fn commit_paid(
     store: &Store,
     purchases: &[&Purchase],
+    policies: &HashMap<String, PoolPolicy>,
     resend: Resend,
-) -> Result<HashSet<CodeId>, StoreError> {
+) -> Result<Paid, StoreError> {
     let ids: Vec<&str> = purchases
         .iter()
         .filter_map(|p| p.hold_id.as_deref())
         .collect();
+    let mut paid = Paid::default();
     if ids.is_empty() {
-        return Ok(HashSet::new());
+        return Ok(paid);
     }
     let holds: HashMap<String, HoldDoc> = store
         .holds_by_id(&ids)
@@ -71,27 +99,107 @@ pub async fn commit_paid(
         .into_iter()
         .map(|h| (h.hold_id.clone(), h))
         .collect();
-    let mut committed = HashSet::new();
+    let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
+    let mut payable: Vec<(&Purchase, &HoldDoc)> = Vec::new();
     for p in purchases {
         let Some(h) = p.hold_id.as_ref().and_then(|id| holds.get(id)) else {
             continue;
         };
-        if h.bundle
-            || h.uid != p.uid
-            || h.items != p.items()
-            || !owner_may_see(h, p.owner.as_deref())
-        {
-            warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer, items or key); it is placed from stock");
+        if h.state != HoldState::Held {
+            continue;
+        }
+        if h.bundle || h.uid != p.uid || h.items != p.items() {
+            warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
+            continue;
+        }
+        if !gate::may_pay(h.owner.as_deref(), payer(p).as_deref()) {
+            warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order may not pay this hold (another key or shop); it is placed from stock");
+            continue;
+        }
+        let paused = (h.items.iter()).find(|i| {
+            gate::admit(
+                Move::Commit,
+                &gate::Ask {
+                    pool: &i.pool,
+                    policy: policy(&i.pool),
+                    slot: None,
+                },
+            )
+            .is_err()
+        });
+        if let Some(i) = paused {
+            debug!(order_id = %p.order_id, hold_id = %h.hold_id, pool = %i.pool, "a paid hold of a paused pool: bound to its order, its codes back in stock; the order waits");
+            paid.released
+                .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
+            continue;
+        }
+        payable.push((p, h));
+    }
+    let slots = per_user_slots(store, &payable, &policy).await?;
+    for (p, h) in payable {
+        if !slots.contains(p.order_id.as_str()) {
+            debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold over its buyer's per-user limit: released; the order is refused");
+            paid.released
+                .extend(end(store, h, HoldState::Released, None).await?);
             continue;
         }
         let held = store.held_codes(&h.keys()).await?;
-        committed.extend(commit(store, p, &h.keys(), &held, resend).await?);
+        paid.committed
+            .extend(commit(store, p, &h.keys(), &held, resend).await?);
         store
-            .end_hold(&h.hold_id, COMMITTED, Some(&p.order_id))
+            .end_hold(&h.hold_id, HoldState::Committed, Some(&p.order_id))
             .await?;
         metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
     }
-    Ok(committed)
+    Ok(paid)
+}
+
+/// Ends hold `h` in `state` and puts its codes back in stock. Returns the
+/// codes released.
+async fn end(
+    store: &Store,
+    h: &HoldDoc,
+    state: HoldState,
+    order_id: Option<&str>,
+) -> Result<Vec<HeldCode>, StoreError> {
+    if !store.end_hold(&h.hold_id, state, order_id).await? {
+        return Ok(Vec::new());
+    }
+    metrics::counter!("codepool_holds_ended_total", "state" => state.as_str()).increment(1);
+    store.release_held(&h.keys()).await
+}
+
+/// The orders among `payable` that may take their codes under their
+/// buyers' per-user limits: a commit takes the order's slot, exactly as a
+/// claim from stock does, so a hold and an order from stock count against
+/// one limit. An order of no limited pool passes.
+async fn per_user_slots<'a>(
+    store: &Store,
+    payable: &[(&'a Purchase, &HoldDoc)],
+    policy: &impl Fn(&str) -> PoolPolicy,
+) -> Result<HashSet<&'a str>, StoreError> {
+    let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
+        .map(|(p, h)| (*p, h.items.clone()))
+        .collect();
+    let asks: Vec<QuotaAsk> = (items.iter())
+        .flat_map(|(p, items)| {
+            (items.iter())
+                .filter(|i| policy(&i.pool).limits_users())
+                .map(|i| QuotaAsk {
+                    pool: &i.pool,
+                    uid: &p.uid,
+                    order_id: &p.order_id,
+                    codes: i.quantity,
+                    limit: policy(&i.pool).per_user,
+                })
+        })
+        .collect();
+    let taken = store.take_quota_slots(&asks).await?;
+    Ok(payable
+        .iter()
+        .map(|(p, _)| p.order_id.as_str())
+        .filter(|o| !asks.iter().any(|a| a.order_id == *o) || taken.contains(*o))
+        .collect())
 }
 
 /// Moves `held` (codes held under `keys`, item by item) to the lines of

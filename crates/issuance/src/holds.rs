@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bson::oid::ObjectId;
 use bson::DateTime;
 use codepool_domain::{Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS};
-use codepool_store::holds::{HeldCode, HoldDoc, EXPIRED, HELD, RELEASED};
+use codepool_store::holds::{HeldCode, HoldDoc, HoldState};
 use codepool_store::{Store, StoreError};
 use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
@@ -162,11 +162,11 @@ impl HoldError {
 /// A hold as a door shows it: its document, with its state as of now (a
 /// held hold past its time is `expired`, whether or not the sweep has
 /// returned its codes yet).
-pub fn state_now(h: &HoldDoc) -> &str {
-    if h.state == HELD && h.expires_at <= DateTime::now() {
-        EXPIRED
+pub fn state_now(h: &HoldDoc) -> HoldState {
+    if h.state == HoldState::Held && h.expires_at <= DateTime::now() {
+        HoldState::Expired
     } else {
-        &h.state
+        h.state
     }
 }
 
@@ -414,7 +414,7 @@ fn new_hold(req: &HoldRequest, owner: Option<String>, now: DateTime) -> HoldDoc 
         ttl_seconds: req.ttl_seconds as i64,
         created_at: now,
         expires_at: DateTime::from_millis(now.timestamp_millis() + req.ttl_seconds as i64 * 1000),
-        state: HELD.into(),
+        state: HoldState::Held,
         order_id: None,
         ended_at: None,
         nonce: ObjectId::new().to_hex(),
@@ -661,13 +661,13 @@ pub async fn release(
 ) -> Result<(HoldDoc, Vec<HeldCode>), HoldError> {
     let store = intake.store();
     let h = get(store, hold_id, owner).await?;
-    if h.state != HELD {
+    if h.state != HoldState::Held {
         return Ok((h, Vec::new()));
     }
     // Codes first: a release that dies between the two leaves a held
     // hold, which expires and releases again.
     let released = store.release_held(&h.keys()).await?;
-    store.end_hold(hold_id, RELEASED, None).await?;
+    store.end_hold(hold_id, HoldState::Released, None).await?;
     intake.engine().offer(&released).await;
     metrics::counter!("codepool_holds_ended_total", "state" => "released").increment(1);
     info!(hold_id, codes = released.len(), "hold released");
@@ -683,7 +683,7 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
     let mut pools = BTreeSet::new();
     for h in store.due_holds(DateTime::now(), 500).await? {
         let released = store.release_held(&h.keys()).await?;
-        store.end_hold(&h.hold_id, EXPIRED, None).await?;
+        store.end_hold(&h.hold_id, HoldState::Expired, None).await?;
         metrics::counter!("codepool_holds_ended_total", "state" => "expired").increment(1);
         info!(hold_id = %h.hold_id, codes = released.len(), "hold expired; its codes are back in stock");
         pools.extend(released.iter().map(|c| c.pool.clone()));

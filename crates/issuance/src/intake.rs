@@ -180,25 +180,22 @@ impl Intake {
             return Ok(HashSet::new());
         }
         let waiting: HashSet<&str> = backordered.iter().map(|b| b.order_id.as_str()).collect();
+        // The gate (held.rs) decides each: paid, bound to a waiting order
+        // (a paused pool), released (a per-user limit) or left alone.
         let paying: Vec<&Purchase> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
             .filter(|p| p.hold_id.is_some())
             .filter(|p| !held.contains_key(&p.order_id) && !waiting.contains(p.order_id.as_str()))
-            // A paused pool's order waits, and its hold with it.
-            .filter(|p| {
-                p.pools()
-                    .iter()
-                    .all(|x| policies.get(*x).is_some_and(|pol| !pol.paused))
-            })
             .collect();
         if paying.is_empty() {
             return Ok(HashSet::new());
         }
-        let committed = crate::held::commit_paid(&self.store, &paying, resend).await?;
-        if !committed.is_empty() {
+        let paid = crate::held::commit_paid(&self.store, &paying, policies, resend).await?;
+        self.engine.offer(&paid.released).await;
+        if !paid.committed.is_empty() {
             let orders: Vec<&str> = paying.iter().map(|p| p.order_id.as_str()).collect();
             held.extend(self.store.grants_for_orders(&orders).await?);
         }
-        Ok(committed)
+        Ok(paid.committed)
     }
 
     /// An order that waited when this batch read it may have been voided

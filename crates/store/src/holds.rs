@@ -20,14 +20,9 @@ use crate::error::is_duplicate_key;
 use crate::{durable, ClaimAssignment, Store, StoreError};
 
 pub const HOLDS: &str = "holds";
-/// A hold whose codes are held.
-pub const HELD: &str = "held";
-/// Paid: its codes are an order's.
-pub const COMMITTED: &str = "committed";
-/// Released by its owner before it expired.
-pub const RELEASED: &str = "released";
-/// Expired unpaid.
-pub const EXPIRED: &str = "expired";
+pub use codepool_domain::gate::HoldState;
+/// A hold whose codes are held, as stored.
+const HELD: &str = "held";
 
 /// One hold.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,7 +37,7 @@ pub struct HoldDoc {
     pub ttl_seconds: i64,
     pub created_at: DateTime,
     pub expires_at: DateTime,
-    pub state: String,
+    pub state: HoldState,
     /// The order that paid for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_id: Option<String>,
@@ -233,10 +228,10 @@ impl Store {
     pub async fn end_hold(
         &self,
         hold_id: &str,
-        state: &str,
+        state: HoldState,
         order_id: Option<&str>,
     ) -> Result<bool, StoreError> {
-        let mut set = doc! {"state": state, "ended_at": DateTime::now()};
+        let mut set = doc! {"state": state.as_str(), "ended_at": DateTime::now()};
         if let Some(o) = order_id {
             set.insert("order_id", o);
         }
@@ -335,11 +330,15 @@ impl Store {
         let ids: Vec<ObjectId> = commits.iter().map(|(id, _, _)| object_id(*id)).collect();
         let keys: Vec<&str> = commits.iter().map(|(_, k, _)| *k).collect();
         let assignments: Vec<ClaimAssignment> = commits.iter().map(|(_, _, a)| a.clone()).collect();
-        let q = doc! {
+        // The code's own guard, in the same write that moves it: a held
+        // code whose time ran out while it was held is not committed (the
+        // order's line is claimed from stock instead).
+        let mut q = doc! {
             "_id": {"$in": ids.clone()},
             "order_id": {"$in": keys},
             "status": {"$in": Transition::Commit.from_codes()},
         };
+        q.extend(crate::codes::not_expired(now));
         let one = merge_statement(&assignments, &ids, now, q, true);
         let reply = self.update_codes(vec![one]).await?;
         if crate::codes::claim::duplicate_positions(&reply)?.is_empty() {
@@ -347,7 +346,8 @@ impl Store {
         }
         let mut moved = 0;
         for (k, (id, key, _)) in commits.iter().enumerate() {
-            let q = doc! {"_id": object_id(*id), "order_id": *key, "status": {"$in": Transition::Commit.from_codes()}};
+            let mut q = doc! {"_id": object_id(*id), "order_id": *key, "status": {"$in": Transition::Commit.from_codes()}};
+            q.extend(crate::codes::not_expired(now));
             let each = merge_statement(&assignments[k..=k], &ids[k..=k], now, q, true);
             let reply = self.update_codes(vec![each]).await?;
             crate::codes::claim::duplicate_positions(&reply)?;

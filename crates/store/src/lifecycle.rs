@@ -361,7 +361,7 @@ impl Store {
         Ok(ids)
     }
 
-    /// Voids unissued codes whose `expires_at` is at or before `now`, with
+    /// Voids unissued and held codes whose `expires_at` is at or before `now`, with
     /// reason `expired`, in `pool` or in every pool. Returns their ids by
     /// pool so the caller drops them from the hot pool. (The claim already
     /// refuses expired codes; this makes them visible as void and keeps the
@@ -371,21 +371,43 @@ impl Store {
             Some(p) => vec![p.to_owned()],
             None => self.pools().await?.into_iter().map(|p| p.name).collect(),
         };
-        // One query for every pool: `pool: {$in}` with the range on
-        // `expires_at` gives the partial index `unissued_expiry` (status 0,
-        // expires_at present) one short range per pool, so the sweep costs
-        // what has expired, not one round trip per pool.
-        let filter = doc! {
-            "pool": {"$in": &pools},
-            "status": {"$in": Transition::Expire.from_codes()},
-            "expires_at": {"$exists": true, "$lte": now},
-        };
+        // Stock and live holds alike (the gate's Expire move), each on its
+        // own partial index, so the sweep costs what has expired, not the
+        // stock: `unissued_expiry` (status 0 with an expiry) gives one short
+        // range per pool; `held_since` holds only held codes. A held code
+        // that expired is never paid for: the payment takes another code.
         let mut by_pool: HashMap<String, Vec<CodeId>> = HashMap::new();
+        for (status, index) in [
+            (CodeStatus::Unissued, "unissued_expiry"),
+            (CodeStatus::Held, "held_since"),
+        ] {
+            debug_assert!(Transition::Expire.from().contains(&status));
+            let filter = doc! {
+                "pool": {"$in": &pools},
+                "status": status.as_i32(),
+                "expires_at": {"$exists": true, "$lte": now},
+            };
+            self.expire_matching(filter, index, &mut by_pool).await?;
+        }
+        let mut by_pool: Vec<(String, Vec<CodeId>)> = by_pool.into_iter().collect();
+        by_pool.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Expired { by_pool })
+    }
+
+    /// Voids, as expired, every code matching `filter` (found on `index`),
+    /// a batch at a time, and adds their ids by pool to `by_pool`.
+    async fn expire_matching(
+        &self,
+        filter: Document,
+        index: &str,
+        by_pool: &mut HashMap<String, Vec<CodeId>>,
+    ) -> Result<(), StoreError> {
         loop {
             let docs: Vec<Document> = self
                 .collection(CODES)
                 .find(filter.clone())
                 .projection(doc! {"_id": 1, "pool": 1})
+                .hint(mongodb::options::Hint::Name(index.into()))
                 .limit(EXPIRE_BATCH)
                 .await?
                 .try_collect()
@@ -432,9 +454,7 @@ impl Store {
                 break;
             }
         }
-        let mut by_pool: Vec<(String, Vec<CodeId>)> = by_pool.into_iter().collect();
-        by_pool.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Expired { by_pool })
+        Ok(())
     }
 
     /// Applies an SMS receipt to the codes of `order_id` its event carried:

@@ -1,5 +1,5 @@
-//! Recalling an import: every still-unissued code of one import run
-//! (`batch_id` = the run's `import_id`) becomes void. Each code moves by the
+//! Recalling an import: every still-unissued or held code of one import
+//! run (`batch_id` = the run's `import_id`) becomes void. Each code moves by the
 //! conditional update on its status (0 → 3, the unissued half of
 //! [`Transition::Void`]), so against a concurrent claim exactly one of the
 //! two wins: a code is issued before the recall or voided, never both.
@@ -56,9 +56,11 @@ impl Store {
         limit: i64,
         after: Option<CodeId>,
     ) -> Result<RecallRound, StoreError> {
-        let unissued = CodeStatus::Unissued.as_i32();
-        debug_assert!(Transition::Void.from().contains(&CodeStatus::Unissued));
-        let mut filter = doc! {"batch_id": batch, "status": unissued};
+        // Stock and live holds alike (the gate's Recall move): a held code
+        // of a leaked file is never paid for. The hold's payment takes
+        // another code from stock.
+        let from = Transition::Recall.from_codes();
+        let mut filter = doc! {"batch_id": batch, "status": {"$in": from.clone()}};
         if let Some(after) = after {
             filter.insert("_id", doc! {"$gt": object_id(after)});
         }
@@ -91,9 +93,9 @@ impl Store {
         let r = self
             .collection(CODES)
             .update_many(
-                doc! {"_id": {"$in": ids}, "status": unissued},
+                doc! {"_id": {"$in": ids}, "status": {"$in": from}},
                 doc! {"$set": {
-                    "status": Transition::Void.to().as_i32(),
+                    "status": Transition::Recall.to().as_i32(),
                     "voided_at": DateTime::now(),
                     "void_reason": reason,
                     "recalled_by": batch,

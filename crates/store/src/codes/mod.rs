@@ -326,7 +326,7 @@ impl Resend {
 }
 
 /// The owner recorded with a shop's orders: `shop:NAME`.
-pub const SHOP_OWNER_PREFIX: &str = "shop:";
+pub use codepool_domain::SHOP_OWNER_PREFIX;
 
 /// What a batch of conditional claim updates did. The update command only
 /// reports how many statements matched, not which: when every statement
