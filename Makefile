@@ -7,12 +7,13 @@ BIN := target/debug/codepool
 RELEASE_BIN := target/release/codepool
 NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help services deploy-tools browser services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
+.PHONY: check help services deploy-tools browser services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
 
 help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
 	@echo "make test      set up local servers and run the whole test suite"
-	@echo "make chaos     the long chaos test (kills, flushes, restarts) — about 5 minutes"
+	@echo "make chaos     the long chaos test (kills, flushes, restarts) and ten minutes of the checker"
+	@echo "make check     the seeded checker alone: SEED=N replays a seed's mix, SECS=N runs longer (default 45)"
 	@echo "make bench     side-by-side benchmarks (claim strategies, dispatcher, HTTP API, import, sequences)"
 	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
 	@echo "make browser   install Debian's chromium and chromedriver for the console's browser tests (idempotent)"
@@ -54,19 +55,32 @@ run: services build
 # idempotent, ports apart) and kills their members; the cluster is stopped
 # after it, pass or fail, so no server of this checkout outlives `make test`.
 TEST_TARGETS := --workspace --lib --bins --test suite --test generators
+# The seeded checker (tests/suite/checker.rs) runs four codepool processes
+# and kills them: it runs alone, after the rest, from the same build.
+CHECKER := checker::
+SECS ?= 45
+CHECK_ENV = CODEPOOL_CHECK_SECS=$(SECS) $(if $(SEED),CODEPOOL_CHECK_SEED=$(SEED))
 test: services deploy-tools browser
 ifeq ($(NEXTEST),yes)
-	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast
+	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast -E 'not test(/^$(CHECKER)/)'
+	$(CHECK_ENV) $(CARGO) nextest run --locked -p codepool --test suite --no-capture -E 'test(/^$(CHECKER)/)'
 	$(CARGO) nextest run --locked -p codepool --test chaos
 	$(CARGO) nextest run --locked -p codepool --test failover --no-capture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 else
-	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast
+	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast -- --skip $(CHECKER)
+	$(CHECK_ENV) $(CARGO) test --locked -p codepool --test suite $(CHECKER) -- --nocapture
 	$(CARGO) test --locked -p codepool --test chaos
 	$(CARGO) test --locked -p codepool --test failover -- --nocapture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 endif
 
+# The checker alone: `make check SEED=123` replays seed 123's mix;
+# `make check SECS=600` runs it for ten minutes.
+check: services
+	$(CHECK_ENV) $(CARGO) test --locked -p codepool --test suite $(CHECKER) -- --nocapture
+
 chaos: services
 	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture
+	CODEPOOL_CHECK_SECS=$${CHAOS_CHECK_SECS:-600} $(if $(SEED),CODEPOOL_CHECK_SEED=$(SEED)) $(CARGO) test --locked --release -p codepool --test suite $(CHECKER) -- --nocapture
 
 chaos-cluster: cluster
 	CODEPOOL_FAILOVER=full $(CARGO) test --locked --release -p codepool --test failover -- --nocapture

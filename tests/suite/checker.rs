@@ -152,16 +152,19 @@ async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
         ran.join(", ")
     };
     eprintln!("checker: seed {seed} ran: {ran}");
+    // Nothing is left behind, pass or fail (CODEPOOL_CHECK_KEEP=1 keeps
+    // the database of a failing seed to look at).
+    let keep = !violations.is_empty() && std::env::var_os("CODEPOOL_CHECK_KEEP").is_some();
+    let world = Arc::try_unwrap(world)
+        .ok()
+        .expect("the world is ours again");
+    world.stop(keep).await;
     assert!(
         violations.is_empty(),
         "seed {seed} (replay: make check SEED={seed}) broke {} invariant(s):\n{}",
         violations.len(),
         violations.join("\n")
     );
-    let world = Arc::try_unwrap(world)
-        .ok()
-        .expect("the world is ours again");
-    world.stop().await;
 }
 
 impl World {

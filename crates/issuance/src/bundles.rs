@@ -21,7 +21,7 @@ use std::time::Duration;
 use codepool_domain::{Code, CodeId, Grant, Purchase};
 use codepool_store::holds::{bundle_key, HeldCode};
 use codepool_store::{ClaimAssignment, Store};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::held::{as_order_grant, commits_of, item_claims, item_offsets};
@@ -100,7 +100,10 @@ pub(crate) async fn claim_bundles(
         let refs: Vec<(CodeId, &str, ClaimAssignment)> = (commits.iter())
             .map(|(id, key, a)| (*id, key.as_str(), a.clone()))
             .collect();
-        store.commit_held(&refs).await?;
+        let moved = store.commit_held(&refs).await?;
+        if moved < refs.len() as u64 {
+            honest_outcomes(engine, store, &work, &commits, &mut decided).await?;
+        }
     }
     if !put_back.is_empty() {
         let released = store.release_held(&put_back).await?;
@@ -120,6 +123,54 @@ pub(crate) async fn claim_bundles(
         out.outcomes.push(outcome);
     }
     Ok(out)
+}
+
+/// Some held codes were not committed: another attempt at the same bundle
+/// (a redelivery on another dispatcher, a repeat on the other door) put
+/// them back or committed its own to those lines first, or they expired
+/// or were recalled while held. What this attempt still holds goes back,
+/// and each whole bundle's outcome becomes what its order holds now, read
+/// back: an event is only ever built from a code the order holds. Lines
+/// nobody filled wait, like a backorder's.
+async fn honest_outcomes(
+    engine: &ClaimEngine,
+    store: &Store,
+    work: &[Work<'_>],
+    commits: &[(CodeId, String, ClaimAssignment)],
+    decided: &mut [ClaimOutcome],
+) -> Result<(), ClaimError> {
+    let whole: Vec<usize> = (0..work.len())
+        .filter(|&k| decided[k].missing().is_empty())
+        .collect();
+    let keys: Vec<String> = (whole.iter())
+        .flat_map(|&k| work[k].keys.iter().cloned())
+        .collect();
+    let released = store.release_held(&keys).await?;
+    engine.offer(&released).await;
+    let orders: Vec<&str> = (whole.iter())
+        .map(|&k| work[k].bundle.order_id.as_str())
+        .collect();
+    let now = store.grants_for_orders(&orders).await?;
+    let ours: HashSet<CodeId> = commits.iter().map(|(id, _, _)| *id).collect();
+    for k in whole {
+        let b = work[k].bundle;
+        let mut grants: Vec<Grant> = (now.get(&b.order_id).into_iter().flatten())
+            .filter_map(Code::grant)
+            .collect();
+        grants.sort_by_key(|g| g.line);
+        let have: HashSet<u32> = grants.iter().map(|g| g.line).collect();
+        let fresh = grants.iter().filter(|g| ours.contains(&g.code_id)).count() as u32;
+        let missing: Vec<u32> = (0..b.quantity).filter(|l| !have.contains(l)).collect();
+        if !missing.is_empty() {
+            warn!(order_id = %b.order_id, missing = missing.len(), "a bundle's held codes left its hold before its commit (a concurrent attempt, an expiry or a recall); its missing lines wait");
+        }
+        decided[k] = ClaimOutcome::Claimed {
+            grants,
+            fresh,
+            missing,
+        };
+    }
+    Ok(())
 }
 
 /// Step 1: claims every line the bundles lack, held, in one claim.
