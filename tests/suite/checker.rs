@@ -632,24 +632,22 @@ impl World {
         }
     }
 
-    async fn stop(self) {
-        let apis: Vec<ApiServer> = self
-            .apis
-            .into_inner()
-            .unwrap()
-            .into_iter()
-            .flatten()
-            .collect();
-        for a in apis {
-            a.stop().await;
+    /// Stops every process (the suite's own tests check a graceful stop)
+    /// and drops what the run made, unless `keep`.
+    async fn stop(self, keep: bool) {
+        for mut a in self.apis.into_inner().unwrap().into_iter().flatten() {
+            let _ = a.child.start_kill();
+            let _ = a.child.wait().await;
         }
-        let daemons: Vec<Daemon> = (self.daemons.into_inner().unwrap().into_iter())
-            .flatten()
-            .collect();
-        for d in daemons {
-            d.stop().await;
+        for mut d in self.daemons.into_inner().unwrap().into_iter().flatten() {
+            let _ = d.child.start_kill();
+            let _ = d.child.wait().await;
         }
-        self.env.cleanup().await;
+        if keep {
+            eprintln!("checker: kept database {}", self.env.db);
+        } else {
+            self.env.cleanup().await;
+        }
     }
 
     fn codes(&self) -> mongodb::Collection<Document> {
