@@ -64,7 +64,7 @@ async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
     let file = codes_file("LEAK", 300);
     let name = file.path().display().to_string();
     // Run 1 was interrupted after 120 codes (what a SIGINT leaves).
-    let mut first = env.store.start_import("leak", &name).await.unwrap();
+    let mut first = env.store.start_import("leak", &name, None).await.unwrap();
     let codes: Vec<NewCode> = (0..120)
         .map(|i| NewCode {
             code: format!("LEAK-{i:05}"),
@@ -128,7 +128,7 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
     let env = TestEnv::new("cli3_recall_empty").await;
     let name = "partner.csv";
     // Two unlinked runs of a file named partner.csv: one holds codes.
-    let holder = env.store.start_import("rp", name).await.unwrap();
+    let holder = env.store.start_import("rp", name, None).await.unwrap();
     env.store.ensure_pool("rp").await.unwrap();
     let codes = [NewCode {
         code: "RP-1".into(),
@@ -139,7 +139,7 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
         .insert_codes("rp", holder.id, &codes)
         .await
         .unwrap();
-    let mut empty = env.store.start_import("rp", name).await.unwrap();
+    let mut empty = env.store.start_import("rp", name, None).await.unwrap();
     empty.status = "done".into();
     empty.sha256 = Some("ab".repeat(32));
     env.store.finish_import(&empty).await.unwrap();

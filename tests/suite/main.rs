@@ -27,6 +27,7 @@ mod ops;
 mod policies;
 mod quantity;
 mod readable;
+mod recall_runs;
 mod replay;
 mod schemas;
 mod seams;

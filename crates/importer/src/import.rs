@@ -221,10 +221,11 @@ async fn import_rows<R: std::io::Read + Send + 'static>(
 ) -> Result<ImportSummary, ImportError> {
     let started = Instant::now();
     let earlier = store.unfinished_import(pool.as_str(), file).await?;
-    let mut record = store.start_import(pool.as_str(), file).await?;
+    let mut record = store
+        .start_import(pool.as_str(), file, earlier.as_ref().map(|e| e.id))
+        .await?;
     if let Some(e) = &earlier {
         info!(earlier = %e.id, status = %e.status, "an earlier import of this file into this pool did not finish; the codes it inserted are looked up and skipped, not inserted again");
-        record.resumed_from = Some(e.id);
     }
 
     // The reader runs on a blocking thread and hands over batches through a

@@ -126,6 +126,11 @@ pub struct Recall {
     pub voided: u64,
     /// Codes buyers already hold (issued or used), left alone: contact them.
     pub held: Vec<Code>,
+    /// Runs of a file of the same name in the pool that the recall could
+    /// not prove to be of another file (no hash: they never finished) and
+    /// not chained to the named run, with the codes each holds: left
+    /// alone, for the operator to recall by their own id.
+    pub left: Vec<(ObjectId, u64)>,
 }
 
 /// Voids every still-unissued code of an import, each by the conditional
@@ -166,6 +171,7 @@ pub async fn recall_import(
         return Err(nothing_recalled(store, &import, &runs).await);
     }
     held.sort_by_key(|c| c.holder.as_ref().map(|h| h.issued_at));
+    let left = unproven_runs(store, &import, &runs).await?;
     let voided = runs.iter().map(|r| r.voided).sum();
     info!(import_id = %id, pool = %import.pool, runs = runs.len(), voided, held = held.len(), "import recalled");
     let what = format!(
@@ -181,7 +187,33 @@ pub async fn recall_import(
         runs,
         voided,
         held,
+        left,
     })
+}
+
+/// The runs of a file of the same name in the pool, outside `runs`, that
+/// hold codes and carry no hash (they never finished, so nothing proves
+/// they are another file).
+async fn unproven_runs(
+    store: &Store,
+    import: &ImportRecord,
+    runs: &[RecalledRun],
+) -> Result<Vec<(ObjectId, u64)>, StoreError> {
+    let covered: Vec<ObjectId> = runs.iter().map(|r| r.id).collect();
+    let mut left = Vec::new();
+    for run in store
+        .runs_named(&import.pool, &import.file, &covered)
+        .await?
+    {
+        if run.sha256.as_deref().is_some_and(|h| !h.is_empty()) {
+            continue;
+        }
+        let n = store.codes_of_import(run.id).await?;
+        if n > 0 {
+            left.push((run.id, n));
+        }
+    }
+    Ok(left)
 }
 
 /// Voids the unissued codes of one run, in rounds; notes it on its record.

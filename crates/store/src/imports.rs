@@ -43,8 +43,16 @@ pub struct ImportRecord {
 
 impl Store {
     /// Opens the audit record of a run; the caller fills in the counts and
-    /// closes it with [`Store::finish_import`].
-    pub async fn start_import(&self, pool: &str, file: &str) -> Result<ImportRecord, StoreError> {
+    /// closes it with [`Store::finish_import`]. `resumed_from` (the earlier
+    /// run of the file that did not finish) is written now, with the
+    /// record: a run killed before its end still chains the runs before it
+    /// to the runs after it, so a recall finds every run of the file.
+    pub async fn start_import(
+        &self,
+        pool: &str,
+        file: &str,
+        resumed_from: Option<ObjectId>,
+    ) -> Result<ImportRecord, StoreError> {
         let record = ImportRecord {
             id: ObjectId::new(),
             pool: pool.into(),
@@ -59,10 +67,11 @@ impl Store {
             invalid: 0,
             seconds: 0.0,
             error: None,
-            resumed_from: None,
+            resumed_from,
         };
         self.typed::<ImportRecord>(IMPORTS)
             .insert_one(&record)
+            .write_concern(crate::durable())
             .await?;
         Ok(record)
     }

@@ -137,7 +137,25 @@ async fn recall(cfg: &Config, import: &str, reason: &str, json: bool) -> anyhow:
         r.import.pool,
         runs.join(", ")
     );
-    Ok(crate::exit::OK)
+    Ok(left_runs(&r))
+}
+
+/// Runs the recall could not prove to be of another file: named on
+/// stderr, and the exit code says the recall is partial.
+fn left_runs(r: &controls::Recall) -> u8 {
+    if r.left.is_empty() {
+        return crate::exit::OK;
+    }
+    for (id, codes) in &r.left {
+        eprintln!(
+            "codepool: left run {} of a file named {:?} in pool {} ({codes} code(s)): it never finished and is not chained to this import, so it may be the same file; check it with `codepool imports` and recall it with `codepool void --import {} --reason ...`",
+            id.to_hex(),
+            r.import.file,
+            r.import.pool,
+            id.to_hex()
+        );
+    }
+    crate::exit::PARTIAL
 }
 
 fn print_recall_json(r: &controls::Recall) -> anyhow::Result<u8> {
@@ -159,10 +177,13 @@ fn print_recall_json(r: &controls::Recall) -> anyhow::Result<u8> {
             })
         })
         .collect();
+    let left: Vec<_> = (r.left.iter())
+        .map(|(id, codes)| serde_json::json!({"import_id": id.to_hex(), "codes": codes}))
+        .collect();
     let out = serde_json::json!({
         "import_id": r.import.id.to_hex(), "pool": r.import.pool, "file": r.import.file,
-        "voided": r.voided, "issued": held.len(), "held": held, "runs": runs,
+        "voided": r.voided, "issued": held.len(), "held": held, "runs": runs, "left": left,
     });
     say_json!(serde_json::to_string_pretty(&out)?);
-    Ok(crate::exit::OK)
+    Ok(left_runs(r))
 }

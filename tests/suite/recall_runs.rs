@@ -1,0 +1,166 @@
+//! A recall covers every run of the leaked file (issue 54, item 1): a run
+//! stopped by SIGINT, then a run killed with `kill -9`, then a run to the
+//! end. Runs are chained when they start, so the killed run links the
+//! first to the last; a run the recall cannot link or prove to be another
+//! file is named, and the exit code says the recall is partial.
+
+use std::time::Duration;
+
+use bson::doc;
+use bson::oid::ObjectId;
+use codepool_store::NewCode;
+use serde_json::Value;
+
+use crate::common::*;
+
+const CODES: usize = 60_000;
+
+async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
+    (env.store.database().collection::<bson::Document>("codes"))
+        .count_documents(filter)
+        .await
+        .unwrap()
+}
+
+/// The newest run of the pool once it has inserted some codes.
+async fn running_run(env: &TestEnv, pool: &str, not: &[ObjectId]) -> ObjectId {
+    let imports = env.store.database().collection::<bson::Document>("imports");
+    let started = std::time::Instant::now();
+    loop {
+        let d = imports
+            .find_one(doc! {"pool": pool, "_id": {"$nin": not}, "inserted": {"$gt": 0}})
+            .await
+            .unwrap();
+        if let Some(id) = d.and_then(|d| d.get_object_id("_id").ok()) {
+            return id;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the run never recorded codes inserted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Starts `codepool import FILE --pool POOL`, waits until its run has
+/// inserted codes, and stops it with `signal`. Returns the run's id.
+async fn stopped_run(
+    env: &TestEnv,
+    file: &str,
+    pool: &str,
+    signal: &str,
+    not: &[ObjectId],
+) -> ObjectId {
+    let mut child = env
+        .command(&["import", file, "--pool", pool])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let id = running_run(env, pool, not).await;
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .unwrap();
+    let _ = child.wait().await;
+    id
+}
+
+#[tokio::test]
+async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finished() {
+    let env = TestEnv::new("recall_runs").await;
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let mut text = String::from("code\n");
+    for i in 0..CODES {
+        text.push_str(&format!("RC-{i:08}\n"));
+    }
+    std::fs::write(file.path(), text).unwrap();
+    let path = file.path().to_str().unwrap();
+    let first = stopped_run(&env, path, "rc", "-INT", &[]).await;
+    let second = stopped_run(&env, path, "rc", "-KILL", &[first]).await;
+    let out = codepool_ok(&env, &["import", path, "--pool", "rc", "--json"]).await;
+    let third: Value = serde_json::from_str(&out).unwrap();
+    let third_id = third["import_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        count(&env, doc! {"pool": "rc"}).await,
+        CODES as u64,
+        "three runs, one file"
+    );
+    let out = codepool_ok(
+        &env,
+        &["void", "--import", &third_id, "--reason", "leak", "--json"],
+    )
+    .await;
+    let r: Value = serde_json::from_str(&out).unwrap();
+    let runs: Vec<&str> = (r["runs"].as_array().unwrap().iter())
+        .map(|run| run["import_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        runs,
+        [first.to_hex().as_str(), second.to_hex().as_str(), &third_id],
+        "{r}"
+    );
+    assert_eq!(r["voided"], CODES, "{r}");
+    assert_eq!(count(&env, doc! {"pool": "rc", "status": 0}).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() {
+    let env = TestEnv::new("recall_left").await;
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "code\nLEFT-0001\nLEFT-0002\n").unwrap();
+    let name = file.path().display().to_string();
+    // A run of a file of that name that never finished and names no
+    // earlier run (what an older version's killed run left).
+    let orphan = env.store.start_import("lf", &name, None).await.unwrap();
+    env.store.ensure_pool("lf").await.unwrap();
+    let codes = vec![NewCode {
+        code: "ORPHAN-0001".into(),
+        expires_at: None,
+        line: Some(2),
+    }];
+    env.store
+        .insert_codes("lf", orphan.id, &codes)
+        .await
+        .unwrap();
+    // A later run that started, inserted nothing and named no run either:
+    // the import that finishes the file chains to it, not to the orphan.
+    env.store.start_import("lf", &name, None).await.unwrap();
+    let out = codepool_ok(
+        &env,
+        &[
+            "import",
+            file.path().to_str().unwrap(),
+            "--pool",
+            "lf",
+            "--json",
+        ],
+    )
+    .await;
+    let done: Value = serde_json::from_str(&out).unwrap();
+    let done_id = done["import_id"].as_str().unwrap();
+    let out = env
+        .command(&["void", "--import", done_id, "--reason", "leak", "--json"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "a partial recall exits 3");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let left: Vec<&str> = (r["left"].as_array().unwrap().iter())
+        .map(|l| l["import_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(left, [orphan.id.to_hex().as_str()], "{r}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&orphan.id.to_hex()) && err.contains("codepool void --import"),
+        "{err}"
+    );
+    // The orphan's code was not voided: the operator decides.
+    assert_eq!(
+        count(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
+        1
+    );
+    env.cleanup().await;
+}
