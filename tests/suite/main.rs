@@ -14,6 +14,7 @@ mod crossings;
 mod deploy;
 mod dispatcher;
 mod export_rules;
+mod hold_caps;
 mod holds;
 mod hostile_cli3;
 mod hostile_http3;

@@ -80,14 +80,24 @@ fn failed(e: HoldError, rid: &RequestId) -> Response {
             title,
             format!("{e}. Hold fewer codes, or pay for the codes held first"),
         )
-        .with("limit", json!(limit)),
+        .with("limit", json!(limit))
+        .with("cap", json!("buyer-share")),
         HoldError::TooManyHolds { limit, .. } => Problem::new(
             StatusCode::TOO_MANY_REQUESTS,
             "hold-limit",
             title,
             e.to_string(),
         )
-        .with("limit", json!(limit)),
+        .with("limit", json!(limit))
+        .with("cap", json!("holds-per-buyer")),
+        HoldError::OwnerOverShare { limit, .. } => Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "hold-limit",
+            title,
+            format!("{e}. Pay for or release this key's holds first"),
+        )
+        .with("limit", json!(limit))
+        .with("cap", json!("owner-share")),
         HoldError::NotFound(id) => Problem::new(
             StatusCode::NOT_FOUND,
             "unknown-hold",

@@ -249,6 +249,10 @@ pub(crate) struct PoolOut {
     hold_share: u32,
     /// Open holds one buyer may have.
     holds_per_uid: u32,
+    /// Percent of the stock one API key, or one shop's keys together, may
+    /// hold in checkout holds; null: the default (50 for a shop, 100 for a
+    /// key of no shop).
+    hold_share_per_owner: Option<u32>,
     created_at: String,
     stats: Option<PoolStats>,
 }
@@ -432,6 +436,10 @@ pub(crate) struct SettingsIn {
     /// Open holds one buyer may have: 1 or more.
     #[schema(nullable = false, minimum = 1)]
     holds_per_uid: Option<i64>,
+    /// Percent of the pool's stock (free plus held) one API key, or one
+    /// shop's keys together, may hold at once: 1 to 100.
+    #[schema(nullable = false, minimum = 1, maximum = 100)]
+    hold_share_per_owner: Option<i64>,
 }
 
 #[derive(Serialize, ToSchema)]

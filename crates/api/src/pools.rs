@@ -67,6 +67,7 @@ fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
         "case_sensitive_codes": d.case_sensitive_codes,
         "hold_share": d.hold_share(),
         "holds_per_uid": d.holds_per_uid(),
+        "hold_share_per_owner": d.hold_share_per_owner(),
         "created_at": d.created_at.to_chrono().to_rfc3339(),
         "stats": s.map(|s| json!({
             "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void, "held": s.held,
@@ -258,6 +259,7 @@ struct Settings {
     case_sensitive_codes: Option<bool>,
     hold_share: Option<i64>,
     holds_per_uid: Option<i64>,
+    hold_share_per_owner: Option<i64>,
 }
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
@@ -285,7 +287,7 @@ pub(crate) async fn settings(
     let s = match serde_json::from_slice::<Settings>(&body) {
         Ok(s) => s,
         Err(e) => {
-            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid";
+            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid, hold_share_per_owner";
             return Problem::invalid_body("a pool's settings", send, &e)
                 .at(&rid.0)
                 .into_response();
@@ -298,6 +300,7 @@ pub(crate) async fn settings(
         case_sensitive_codes: s.case_sensitive_codes,
         hold_share: s.hold_share,
         holds_per_uid: s.holds_per_uid,
+        hold_share_per_owner: s.hold_share_per_owner,
     };
     let what = format!("{settings:?}");
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");

@@ -38,6 +38,6 @@ pub use purchase::{
 pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
 pub use redemption::{InvalidRedemption, Redemption};
 pub use text::{
-    checked_file_name, first_unreadable, fold, hidden_on_terminal, spreadsheet_cell, terminal_text,
-    FileNameError, Unreadable, UnreadableChar,
+    buyer_key, checked_file_name, first_unreadable, fold, hidden_on_terminal, spreadsheet_cell,
+    terminal_text, FileNameError, Unreadable, UnreadableChar,
 };

@@ -103,6 +103,14 @@ pub fn first_unreadable(text: &str) -> Option<UnreadableChar> {
     })
 }
 
+/// The key every per-buyer rule compares a buyer's `uid` by (per-user
+/// limits, open holds, the share one buyer may hold): NFKC with case
+/// folding, so `mallory`, `Mallory` and the full-width `ｍａｌｌｏｒｙ`
+/// are one buyer. The uid itself is stored and shown as sent.
+pub fn buyer_key(uid: &str) -> String {
+    fold(uid, false)
+}
+
 /// The key two look-alike codes share: NFKC, then (unless the pool's
 /// platform tells case apart) full case folding and NFKC again, which is
 /// Unicode's compatibility caseless match. Equal keys, one code.
@@ -192,6 +200,13 @@ pub fn spreadsheet_cell(cell: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod terminal_tests {
     use super::*;
+
+    #[test]
+    fn case_and_width_variants_of_a_uid_are_one_buyer() {
+        assert_eq!(buyer_key("mallory"), buyer_key("Mallory"));
+        assert_eq!(buyer_key("mallory"), buyer_key("ｍａｌｌｏｒｙ"));
+        assert_ne!(buyer_key("mallory"), buyer_key("mallory2"));
+    }
 
     #[test]
     fn terminal_text_escapes_escapes_and_bidi_as_the_logs_do() {

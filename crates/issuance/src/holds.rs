@@ -37,6 +37,22 @@ pub const MAX_TTL_SECONDS: u64 = 3600;
 pub const DEFAULT_HOLD_SHARE: u32 = 10;
 /// How many open holds one buyer may have, unless the pool says otherwise.
 pub const DEFAULT_HOLDS_PER_UID: u32 = 5;
+/// The largest share of a pool's stock (free plus held), in percent, that
+/// one shop's keys together may hold at once, unless the pool says
+/// otherwise: no shop's checkout crowds the others out. A key of no shop
+/// (the operator's own backend) may hold all of it unless the pool sets
+/// `hold_share_per_owner`.
+pub const DEFAULT_HOLD_SHARE_PER_SHOP: u32 = 50;
+
+/// The share (percent) `owner` may hold of a pool whose setting is
+/// `setting`.
+fn owner_share(setting: Option<u32>, owner: &str) -> u32 {
+    setting.unwrap_or(if crate::shops::shop_of(Some(owner)).is_some() {
+        DEFAULT_HOLD_SHARE_PER_SHOP
+    } else {
+        100
+    })
+}
 
 /// A request for a hold, as the doors hand it in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +149,12 @@ pub enum HoldError {
     },
     #[error("buyer {uid:?} has {limit} open holds already, the most a buyer may have; pay for or release one first")]
     TooManyHolds { uid: String, limit: u64 },
+    #[error("this key (or its shop) would hold {wanted} codes of pool {pool:?}, over the {limit} one key or shop may hold at once; nothing was held")]
+    OwnerOverShare {
+        pool: String,
+        wanted: u64,
+        limit: u64,
+    },
     #[error("no hold {0:?} (of this key)")]
     NotFound(String),
     #[error(transparent)]
@@ -200,7 +222,13 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     let mut out: Vec<Option<Placed>> = asks.iter().map(|_| None).collect();
     let read = read_batch(intake, &asks, &mut out).await?;
     let (todo, first) = sort_out(&asks, &read, &mut out);
-    let limits = (&read.open[..], &read.docs[..], &read.counted);
+    let limits = Limits {
+        open: &read.open,
+        owned: &read.owned,
+        owners: &read.owners,
+        docs: &read.docs,
+        counted: &read.counted,
+    };
     let todo = within_limits(intake.store(), &asks, todo, limits, &mut out).await?;
     let (holds, short) = record_and_claim(intake, &asks, &read.owners, &todo, &mut out).await?;
     let free = release_short(
@@ -245,6 +273,8 @@ struct BatchRead {
     /// The holds already recorded under the batch's ids.
     existing: HashMap<String, HoldDoc>,
     open: Vec<HoldDoc>,
+    /// The open holds of the batch's owners (keys and shops).
+    owned: Vec<HoldDoc>,
     docs: Vec<codepool_store::pools::PoolDoc>,
     counted: HashMap<String, u64>,
 }
@@ -275,12 +305,18 @@ async fn read_batch(
         let admitted = intake.shops.admit(store, admitted).await?;
         Ok::<_, StoreError>((policies, admitted))
     };
-    let (admission, existing, open, docs, counted) = futures::join!(
+    let mut owners_asked: Vec<&str> = (asks.iter())
+        .filter_map(|a| owner_of(a).map(|o| o.as_str()))
+        .collect();
+    owners_asked.sort_unstable();
+    owners_asked.dedup();
+    let (admission, existing, open, docs, counted, owned) = futures::join!(
         admission,
         store.holds_by_id(&ids),
         store.open_holds_of_many(&uids),
         store.pools_named(&names),
         first_count(store, &names),
+        store.open_holds_of_owners(&owners_asked),
     );
     let (policies, admitted) = admission?;
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
@@ -301,9 +337,16 @@ async fn read_batch(
             .map(|h| (h.hold_id.clone(), h))
             .collect(),
         open: open?,
+        owned: owned?,
         docs: docs?,
         counted: counted?,
     })
+}
+
+/// Whose share a hold counts against: its shop's, for a shop's key (the
+/// owner the shop admission will stamp), else its key's.
+fn owner_of(a: &HoldAsk) -> Option<&String> {
+    a.owner.as_ref()
 }
 
 /// The asks to place: not answered yet, not a hold id recorded before
@@ -409,6 +452,7 @@ fn new_hold(req: &HoldRequest, owner: Option<String>, now: DateTime) -> HoldDoc 
     HoldDoc {
         hold_id: req.hold_id.clone(),
         uid: req.uid.clone(),
+        buyer: codepool_domain::buyer_key(&req.uid),
         items: req.items.clone(),
         owner,
         ttl_seconds: req.ttl_seconds as i64,
@@ -475,18 +519,28 @@ async fn first_count(store: &Store, pools: &[&str]) -> Result<HashMap<String, u6
         .collect())
 }
 
-/// The buyers' caps, for the holds at `todo`: open holds, and each pool's
-/// share, counting the batch's earlier holds. Returns the holds within
-/// them; the others are answered in `out`.
+/// What the caps of a batch of holds are judged against.
+struct Limits<'a> {
+    /// The batch's buyers' open holds (by buyer key).
+    open: &'a [HoldDoc],
+    /// The batch's owners' open holds.
+    owned: &'a [HoldDoc],
+    /// Each ask's owner, as admitted.
+    owners: &'a [Option<String>],
+    docs: &'a [codepool_store::pools::PoolDoc],
+    counted: &'a HashMap<String, u64>,
+}
+
+/// The caps, for the holds at `todo`: a buyer's open holds and share of
+/// each pool (buyers compared by [`codepool_domain::buyer_key`]), and the
+/// share of each pool one key or one shop may hold, counting the batch's
+/// earlier holds. Returns the holds within them; the others are answered
+/// in `out`.
 async fn within_limits(
     store: &Store,
     asks: &[HoldAsk],
     todo: Vec<usize>,
-    (open, docs, counted): (
-        &[HoldDoc],
-        &[codepool_store::pools::PoolDoc],
-        &HashMap<String, u64>,
-    ),
+    limits: Limits<'_>,
     out: &mut [Option<Placed>],
 ) -> Result<Vec<usize>, HoldError> {
     if todo.is_empty() {
@@ -498,59 +552,98 @@ async fn within_limits(
     pools.sort_unstable();
     pools.dedup();
     let docs: HashMap<&str, &codepool_store::pools::PoolDoc> =
-        docs.iter().map(|p| (p.name.as_str(), p)).collect();
+        (limits.docs.iter()).map(|p| (p.name.as_str(), p)).collect();
     let setting = |pool: &str| match docs.get(pool) {
         Some(p) => (p.hold_share(), p.holds_per_uid()),
         None => (DEFAULT_HOLD_SHARE, DEFAULT_HOLDS_PER_UID),
     };
-    let stock = stock_of(store, asks, &todo, &pools, (open, counted), &setting).await?;
-    // What each buyer holds, open holds and codes per pool, as the batch
-    // adds its own.
-    let mut open_count: HashMap<&str, u64> = HashMap::new();
-    let mut holding: HashMap<(&str, &str), u64> = HashMap::new();
-    for h in open {
-        *open_count.entry(h.uid.as_str()).or_default() += 1;
+    let owner_setting = |pool: &str| docs.get(pool).and_then(|p| p.hold_share_per_owner());
+    let smallest_owner_share = |pool: &str| {
+        (limits.owners.iter().flatten())
+            .map(|o| owner_share(owner_setting(pool), o))
+            .min()
+            .unwrap_or(100)
+    };
+    let counted = (limits.open, limits.counted);
+    let stock = stock_of(
+        store,
+        asks,
+        &todo,
+        &pools,
+        counted,
+        &setting,
+        &smallest_owner_share,
+    )
+    .await?;
+    let share_of = |pool: &str, percent: u32| {
+        (stock.get(pool).copied().unwrap_or(0) * u64::from(percent) / 100).max(1)
+    };
+    // What each buyer and each owner holds, as the batch adds its own.
+    let mut open_count: HashMap<String, u64> = HashMap::new();
+    let mut holding: HashMap<(String, String), u64> = HashMap::new();
+    for h in limits.open {
+        let buyer = codepool_domain::buyer_key(&h.uid);
+        *open_count.entry(buyer.clone()).or_default() += 1;
         for i in &h.items {
-            *holding
-                .entry((h.uid.as_str(), i.pool.as_str()))
-                .or_default() += u64::from(i.quantity);
+            *holding.entry((buyer.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
+        }
+    }
+    let mut owned: HashMap<(String, String), u64> = HashMap::new();
+    for h in limits.owned {
+        let Some(o) = &h.owner else { continue };
+        for i in &h.items {
+            *owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
         }
     }
     let mut within = Vec::with_capacity(todo.len());
-    'asks: for k in todo {
+    for k in todo {
         let req = &asks[k].req;
-        for i in &req.items {
+        let buyer = codepool_domain::buyer_key(&req.uid);
+        let owner = limits.owners.get(k).cloned().flatten();
+        let refused = req.items.iter().find_map(|i| {
             let (share, per_uid) = setting(&i.pool);
-            if open_count.get(req.uid.as_str()).copied().unwrap_or(0) >= u64::from(per_uid) {
-                out[k] = Some(Err(HoldError::TooManyHolds {
+            if open_count.get(&buyer).copied().unwrap_or(0) >= u64::from(per_uid) {
+                return Some(HoldError::TooManyHolds {
                     uid: req.uid.clone(),
                     limit: u64::from(per_uid),
-                }));
-                continue 'asks;
+                });
             }
-            let wanted = holding
-                .get(&(req.uid.as_str(), i.pool.as_str()))
-                .copied()
-                .unwrap_or(0)
-                + u64::from(i.quantity);
-            let limit =
-                (stock.get(i.pool.as_str()).copied().unwrap_or(0) * u64::from(share) / 100).max(1);
+            let key = (buyer.clone(), i.pool.clone());
+            let wanted = holding.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
+            let limit = share_of(&i.pool, share);
             if wanted > limit {
-                metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
-                out[k] = Some(Err(HoldError::OverShare {
+                return Some(HoldError::OverShare {
                     uid: req.uid.clone(),
                     pool: i.pool.clone(),
                     wanted,
                     limit,
-                }));
-                continue 'asks;
+                });
             }
+            let o = owner.as_ref()?;
+            let percent = owner_share(owner_setting(&i.pool), o);
+            if percent >= 100 {
+                return None; // the stock itself is the limit
+            }
+            let key = (o.clone(), i.pool.clone());
+            let wanted = owned.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
+            let limit = share_of(&i.pool, percent);
+            (wanted > limit).then(|| HoldError::OwnerOverShare {
+                pool: i.pool.clone(),
+                wanted,
+                limit,
+            })
+        });
+        if let Some(e) = refused {
+            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
+            out[k] = Some(Err(e));
+            continue;
         }
-        *open_count.entry(req.uid.as_str()).or_default() += 1;
+        *open_count.entry(buyer.clone()).or_default() += 1;
         for i in &req.items {
-            *holding
-                .entry((req.uid.as_str(), i.pool.as_str()))
-                .or_default() += u64::from(i.quantity);
+            *holding.entry((buyer.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
+            if let Some(o) = &owner {
+                *owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
+            }
         }
         within.push(k);
     }
@@ -569,14 +662,19 @@ async fn stock_of<'p>(
     pools: &[&'p str],
     (open, counted): (&[HoldDoc], &HashMap<String, u64>),
     setting: &impl Fn(&str) -> (u32, u32),
+    owner_share: &impl Fn(&str) -> u32,
 ) -> Result<HashMap<&'p str, u64>, HoldError> {
     let mut need: HashMap<&str, u64> = HashMap::new();
     for &k in todo {
+        let buyer = codepool_domain::buyer_key(&asks[k].req.uid);
         for i in &asks[k].req.items {
-            let mine: u64 = (open.iter().filter(|h| h.uid == asks[k].req.uid))
-                .map(|h| u64::from(h.quantity_in(&i.pool)))
-                .sum();
-            let (share, _) = setting(&i.pool);
+            let mine: u64 = (open
+                .iter()
+                .filter(|h| codepool_domain::buyer_key(&h.uid) == buyer))
+            .map(|h| u64::from(h.quantity_in(&i.pool)))
+            .sum();
+            // The smaller share decides how far the stock must be counted.
+            let share = setting(&i.pool).0.min(owner_share(&i.pool));
             let enough =
                 (mine + u64::from(i.quantity)).saturating_mul(100) / u64::from(share.max(1)) + 1;
             let e = need.entry(i.pool.as_str()).or_default();

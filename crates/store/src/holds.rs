@@ -30,6 +30,10 @@ pub struct HoldDoc {
     #[serde(rename = "_id")]
     pub hold_id: String,
     pub uid: String,
+    /// The buyer's key ([`codepool_domain::buyer_key`] of `uid`): every
+    /// per-buyer cap counts by it.
+    #[serde(default)]
+    pub buyer: String,
     pub items: Vec<Item>,
     /// The key (`api-key-id:ID`) or shop (`shop:NAME`) that placed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -201,11 +205,26 @@ impl Store {
         Ok(())
     }
 
-    /// These buyers' open holds (not bundles').
+    /// These buyers' open holds (not bundles'), by buyer key: the holds of
+    /// every case and width variant of each uid.
     pub async fn open_holds_of_many(&self, uids: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
+        let buyers: Vec<String> = uids.iter().map(|u| codepool_domain::buyer_key(u)).collect();
         Ok(self
             .typed::<HoldDoc>(HOLDS)
-            .find(doc! {"uid": {"$in": uids}, "state": HELD, "bundle": {"$ne": true}})
+            .find(doc! {"buyer": {"$in": buyers}, "state": HELD, "bundle": {"$ne": true}})
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// The open holds (not bundles') of these owners (keys and shops).
+    pub async fn open_holds_of_owners(&self, owners: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
+        if owners.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find(doc! {"owner": {"$in": owners}, "state": HELD, "bundle": {"$ne": true}})
             .await?
             .try_collect()
             .await?)

@@ -75,6 +75,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0016_holds",
         include_str!("../../../migrations/0016_holds.json"),
     ),
+    (
+        "0017_hold_caps",
+        include_str!("../../../migrations/0017_hold_caps.json"),
+    ),
 ];
 
 /// What a migration run did.

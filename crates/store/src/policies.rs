@@ -51,8 +51,10 @@ pub struct RefusalDoc {
     pub refused_at: DateTime,
 }
 
+/// A buyer's quota in a pool, keyed by the buyer's key (NFKC, case
+/// folded), so the case and width variants of a uid share one limit.
 fn quota_id(pool: &str, uid: &str) -> Document {
-    doc! {"pool": pool, "uid": uid}
+    doc! {"pool": pool, "uid": codepool_domain::buyer_key(uid)}
 }
 
 impl Store {

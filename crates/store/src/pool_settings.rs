@@ -32,6 +32,9 @@ pub struct PoolSettings {
     pub hold_share: Option<i64>,
     /// Open holds one buyer may have: 1 or more.
     pub holds_per_uid: Option<i64>,
+    /// The largest share of the pool's stock, in percent, one key or one
+    /// shop may hold at once: 1 to 100.
+    pub hold_share_per_owner: Option<i64>,
 }
 
 /// One setting of a pool. Each door names it in its own words: the CLI's
@@ -44,16 +47,18 @@ pub enum Setting {
     CaseSensitiveCodes,
     HoldShare,
     HoldsPerUid,
+    HoldSharePerOwner,
 }
 
 impl Setting {
-    pub const ALL: [Setting; 6] = [
+    pub const ALL: [Setting; 7] = [
         Setting::LowStock,
         Setting::GrantPrefix,
         Setting::PerUser,
         Setting::CaseSensitiveCodes,
         Setting::HoldShare,
         Setting::HoldsPerUid,
+        Setting::HoldSharePerOwner,
     ];
 
     /// The name in JSON (the HTTP API, the audit record).
@@ -65,6 +70,7 @@ impl Setting {
             Setting::CaseSensitiveCodes => "case_sensitive_codes",
             Setting::HoldShare => "hold_share",
             Setting::HoldsPerUid => "holds_per_uid",
+            Setting::HoldSharePerOwner => "hold_share_per_owner",
         }
     }
 
@@ -77,6 +83,7 @@ impl Setting {
             Setting::CaseSensitiveCodes => "--case-sensitive-codes",
             Setting::HoldShare => "--hold-share",
             Setting::HoldsPerUid => "--holds-per-uid",
+            Setting::HoldSharePerOwner => "--hold-share-per-owner",
         }
     }
 
@@ -89,6 +96,7 @@ impl Setting {
             Setting::CaseSensitiveCodes => "whether codes are case-sensitive",
             Setting::HoldShare => "the share of stock one buyer may hold (percent)",
             Setting::HoldsPerUid => "open holds per buyer",
+            Setting::HoldSharePerOwner => "the share of stock one key or shop may hold (percent)",
         }
     }
 }
@@ -111,6 +119,8 @@ pub enum PoolSettingsError {
     BadHoldShare(i64),
     #[error("{} {}", Setting::HoldsPerUid.label(), self.rule().unwrap_or_default())]
     BadHoldsPerUid(i64),
+    #[error("{} {}", Setting::HoldSharePerOwner.label(), self.rule().unwrap_or_default())]
+    BadHoldSharePerOwner(i64),
     #[error("nothing to change; give at least one setting")]
     Nothing,
     #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
@@ -129,6 +139,7 @@ impl PoolSettingsError {
             Self::CaseRuleFixed(_) => Some(Setting::CaseSensitiveCodes),
             Self::BadHoldShare(_) => Some(Setting::HoldShare),
             Self::BadHoldsPerUid(_) => Some(Setting::HoldsPerUid),
+            Self::BadHoldSharePerOwner(_) => Some(Setting::HoldSharePerOwner),
             _ => None,
         }
     }
@@ -142,7 +153,9 @@ impl PoolSettingsError {
                 "{p:?} is not usable: use 1 to {MAX_GRANT_PREFIX_LEN} letters or digits, e.g. GX"
             )),
             Self::NegativePerUser(n) => Some(format!("must be 0 (unlimited) or more, not {n}")),
-            Self::BadHoldShare(n) => Some(format!("must be 1 to 100, not {n}")),
+            Self::BadHoldShare(n) | Self::BadHoldSharePerOwner(n) => {
+                Some(format!("must be 1 to 100, not {n}"))
+            }
             Self::BadHoldsPerUid(n) => Some(format!("must be 1 or more, not {n}")),
             _ => None,
         }
@@ -206,6 +219,12 @@ impl Store {
                 return Err(PoolSettingsError::BadHoldsPerUid(n));
             }
             set.insert("holds_per_uid", n);
+        }
+        if let Some(n) = settings.hold_share_per_owner {
+            if !(1..=100).contains(&n) {
+                return Err(PoolSettingsError::BadHoldSharePerOwner(n));
+            }
+            set.insert("hold_share_per_owner", n);
         }
         if let Some(sensitive) = settings.case_sensitive_codes {
             if self.pool_holds_codes(pool).await? {

@@ -47,6 +47,12 @@ pub struct PoolDoc {
     /// How many open holds one buyer may have; absent is 5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holds_per_uid: Option<i64>,
+    /// The largest share of the pool's stock (free plus held), in percent,
+    /// one API key, or one shop's keys together, may hold at once; absent
+    /// is 50 for a shop and 100 for a key of no shop (the operator's own
+    /// backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_share_per_owner: Option<i64>,
 }
 
 impl PoolDoc {
@@ -54,6 +60,12 @@ impl PoolDoc {
     /// See [`PoolDoc::hold_share`] (the field); 1 to 100.
     pub fn hold_share(&self) -> u32 {
         self.hold_share.map_or(10, |n| n.clamp(1, 100) as u32)
+    }
+
+    /// See [`PoolDoc::hold_share_per_owner`] (the field); 1 to 100, or
+    /// `None` when the pool leaves it to the default.
+    pub fn hold_share_per_owner(&self) -> Option<u32> {
+        self.hold_share_per_owner.map(|n| n.clamp(1, 100) as u32)
     }
 
     /// See [`PoolDoc::holds_per_uid`] (the field); at least 1.
@@ -203,6 +215,7 @@ mod tests {
             case_sensitive_codes: false,
             hold_share: None,
             holds_per_uid: None,
+            hold_share_per_owner: None,
         }
     }
 

@@ -81,6 +81,11 @@ pub enum PoolAction {
         /// Open checkout holds one buyer may have (default 5).
         #[arg(long, value_name = "N")]
         holds_per_uid: Option<i64>,
+        /// The largest share of the pool's stock, in percent, one API key
+        /// (or one shop's keys together) may hold in checkout holds at once
+        /// (default 50; never less than one code).
+        #[arg(long, value_name = "PERCENT")]
+        hold_share_per_owner: Option<i64>,
     },
     /// Stop issuing: purchases wait as backorders until `resume`.
     Pause {
@@ -139,6 +144,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             case_sensitive_codes,
             hold_share,
             holds_per_uid,
+            hold_share_per_owner,
         } => {
             let settings = PoolSettings {
                 low_stock,
@@ -147,6 +153,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
                 case_sensitive_codes,
                 hold_share,
                 holds_per_uid,
+                hold_share_per_owner,
             };
             set(&store, &pool, &settings).await?
         }

@@ -221,6 +221,7 @@ pub async fn settings(
         case_sensitive_codes: None,
         hold_share: None,
         holds_per_uid: None,
+        hold_share_per_owner: None,
     };
     let what = format!("{settings:?}");
     let actor = super::actor(&s, "POST /console/pools/{pool}/settings");
