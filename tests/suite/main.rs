@@ -8,6 +8,7 @@ mod api_hostile;
 mod api_load;
 mod checker;
 mod claims;
+mod cli_audit;
 mod common;
 mod console;
 mod crossings;

@@ -190,7 +190,8 @@ async fn prepare(
     // The metrics recorder first: the phases read the batch sizes from it.
     let _ = crate::metrics();
     let scopes = [Scope::OrdersWrite];
-    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes)
+    let actor = codepool_issuance::audit::Actor::os_user("bench", "localhost", "codepool-bench");
+    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes, &actor)
         .await?
         .token;
     Ok((ApiServer::start(scratch).await?, token))

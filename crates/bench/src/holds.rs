@@ -168,7 +168,8 @@ async fn prepare(
     inproc::fill_pools(scratch, &sizes, 4).await?;
     let _ = crate::metrics();
     let scopes = [Scope::OrdersWrite, Scope::OrdersRead];
-    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes)
+    let actor = codepool_issuance::audit::Actor::os_user("bench", "localhost", "codepool-bench");
+    let token = codepool_api::keys::create(&scratch.store, "bench", &scopes, &actor)
         .await?
         .token;
     Ok((ApiServer::start(scratch).await?, token))

@@ -1,7 +1,9 @@
 //! Operator accounts: a name, a role and an argon2id hash of a password.
 //! Accounts come from the CLI (`codepool operators add|list|disable|passwd`)
 //! or from an admin's console page; a disabled account cannot sign in and
-//! its sessions end at once.
+//! its sessions end at once. Adding, disabling and a new password are
+//! audited here, with whoever asked, so the CLI and the console leave the
+//! same record (never the password).
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
@@ -10,6 +12,7 @@ use futures::TryStreamExt;
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
+use codepool_issuance::audit::{self, Actor};
 use codepool_store::{Store, StoreError};
 
 pub const OPERATORS: &str = "console_operators";
@@ -163,12 +166,13 @@ pub async fn verify_password(hash: Option<&str>, password: &str) -> bool {
     .unwrap_or(false)
 }
 
-/// Creates an operator.
+/// Creates an operator. Audited with `actor` (`operator-add`).
 pub async fn add(
     store: &Store,
     name: &str,
     role: Role,
     password: &str,
+    actor: &Actor,
 ) -> Result<OperatorDoc, OperatorError> {
     if !valid_name(name) {
         return Err(OperatorError::BadName);
@@ -182,10 +186,13 @@ pub async fn add(
         disabled_at: None,
     };
     match operators(store).insert_one(&op).await {
-        Ok(_) => Ok(op),
-        Err(e) if is_duplicate(&e) => Err(OperatorError::NameTaken(name.to_owned())),
-        Err(e) => Err(store_err(e)),
+        Ok(_) => {}
+        Err(e) if is_duplicate(&e) => return Err(OperatorError::NameTaken(name.to_owned())),
+        Err(e) => return Err(store_err(e)),
     }
+    let what = format!("operator {:?} added as {}", op.name, role.as_str());
+    audit::record(store, actor, "operator-add", what).await?;
+    Ok(op)
 }
 
 /// Every operator, by name.
@@ -205,8 +212,13 @@ pub async fn find(store: &Store, name: &str) -> Result<Option<OperatorDoc>, Stor
     Ok(operators(store).find_one(doc! {"_id": name}).await?)
 }
 
-/// Disables an operator and ends its sessions.
-pub async fn disable(store: &Store, name: &str) -> Result<OperatorDoc, OperatorError> {
+/// Disables an operator and ends its sessions. Audited with `actor`
+/// (`operator-disable`).
+pub async fn disable(
+    store: &Store,
+    name: &str,
+    actor: &Actor,
+) -> Result<OperatorDoc, OperatorError> {
     let op = operators(store)
         .find_one_and_update(
             doc! {"_id": name},
@@ -217,6 +229,8 @@ pub async fn disable(store: &Store, name: &str) -> Result<OperatorDoc, OperatorE
         .map_err(store_err)?
         .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
     end_sessions(store, name).await?;
+    let what = format!("operator {:?} disabled", op.name);
+    audit::record(store, actor, "operator-disable", what).await?;
     Ok(op)
 }
 
@@ -232,20 +246,32 @@ async fn end_sessions(store: &Store, operator: &str) -> Result<u64, StoreError> 
 }
 
 /// Sets a new password (and enables the account again); its sessions end.
-pub async fn passwd(store: &Store, name: &str, password: &str) -> Result<(), OperatorError> {
+/// Audited with `actor` (`operator-passwd`; the password never is).
+pub async fn passwd(
+    store: &Store,
+    name: &str,
+    password: &str,
+    actor: &Actor,
+) -> Result<(), OperatorError> {
     let hash = hash_password(password).await?;
-    let done = operators(store)
-        .update_one(
+    let before = operators(store)
+        .find_one_and_update(
             doc! {"_id": name},
             doc! {"$set": {"hash": hash, "password_changed_at": DateTime::now()},
             "$unset": {"disabled_at": ""}},
         )
+        .return_document(mongodb::options::ReturnDocument::Before)
         .await
-        .map_err(store_err)?;
-    if done.matched_count == 0 {
-        return Err(OperatorError::Unknown(name.to_owned()));
-    }
+        .map_err(store_err)?
+        .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
     end_sessions(store, name).await?;
+    let enabled = if before.disabled_at.is_some() {
+        "; the account is enabled again"
+    } else {
+        ""
+    };
+    let what = format!("password of operator {:?} changed{enabled}", before.name);
+    audit::record(store, actor, "operator-passwd", what).await?;
     Ok(())
 }
 

@@ -3,6 +3,8 @@
 //! is enough: there is nothing to guess). A key reads as
 //! `cpk_<id>_<secret>`; the id finds the key, the hash proves the secret.
 //! Revoked keys stop working within [`KEY_TTL`] on every API process.
+//! Creating and revoking a key are audited here, with whoever asked, so
+//! the CLI and the console leave the same record (never the secret).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -15,6 +17,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use codepool_store::{Store, StoreError};
+
+use crate::audit::{self, Actor};
 
 pub const API_KEYS: &str = "api_keys";
 
@@ -155,17 +159,26 @@ fn keys(store: &Store) -> mongodb::Collection<KeyDoc> {
 }
 
 /// Creates an operator's key. Names are unique among keys not revoked.
-pub async fn create(store: &Store, name: &str, scopes: &[Scope]) -> Result<NewKey, KeyError> {
-    create_for(store, name, scopes, None).await
+/// Audited with `actor`.
+pub async fn create(
+    store: &Store,
+    name: &str,
+    scopes: &[Scope],
+    actor: &Actor,
+) -> Result<NewKey, KeyError> {
+    create_for(store, name, scopes, None, actor).await
 }
 
 /// Creates a key, of `shop` when given (which must exist, and whose keys
-/// may not have the admin scope).
+/// may not have the admin scope). Audited with `actor` (`api-key-create`:
+/// the name, shop and scopes, never the secret); the secret is for the
+/// caller to show once.
 pub async fn create_for(
     store: &Store,
     name: &str,
     scopes: &[Scope],
     shop: Option<&str>,
+    actor: &Actor,
 ) -> Result<NewKey, KeyError> {
     if !valid_name(name) {
         return Err(KeyError::BadName);
@@ -208,6 +221,14 @@ pub async fn create_for(
         .insert_one(&key)
         .await
         .map_err(StoreError::from)?;
+    let scopes = key.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>();
+    let of = (key.shop.as_deref()).map_or(String::new(), |s| format!(" of shop {s:?}"));
+    let what = format!(
+        "API key {:?}{of} created with scopes {}",
+        key.name,
+        scopes.join(",")
+    );
+    audit::record(store, actor, "api-key-create", what).await?;
     Ok(NewKey {
         key,
         token: format!("cpk_{id}_{secret}"),
@@ -227,15 +248,19 @@ pub async fn list(store: &Store) -> Result<Vec<KeyDoc>, KeyError> {
     Ok(found)
 }
 
-/// Revokes the live key named `name`.
-pub async fn revoke(store: &Store, name: &str) -> Result<KeyDoc, KeyError> {
+/// Revokes the live key named `name`. Audited with `actor`
+/// (`api-key-revoke`).
+pub async fn revoke(store: &Store, name: &str, actor: &Actor) -> Result<KeyDoc, KeyError> {
     let live = doc! {"name": name, "revoked_at": {"$exists": false}};
     let revoked = keys(store)
         .find_one_and_update(live, doc! {"$set": {"revoked_at": DateTime::now()}})
         .return_document(mongodb::options::ReturnDocument::After)
         .await
-        .map_err(StoreError::from)?;
-    revoked.ok_or_else(|| KeyError::Unknown(name.to_owned()))
+        .map_err(StoreError::from)?
+        .ok_or_else(|| KeyError::Unknown(name.to_owned()))?;
+    let what = format!("API key {:?} ({}) revoked", revoked.name, revoked.id);
+    audit::record(store, actor, "api-key-revoke", what).await?;
+    Ok(revoked)
 }
 
 /// Verifies tokens against the stored keys, each key read at most once a

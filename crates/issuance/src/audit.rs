@@ -1,8 +1,11 @@
 //! Who changed what, from whichever door. Every change the core makes —
 //! a void, a redemption, a resend, a recall, a pause or resume, a pool's
-//! settings, an import, a replay of dead letters — is recorded here by
-//! the operation itself, so the CLI, the HTTP API and the console leave
-//! the same trace, and a door cannot forget it.
+//! settings, an import, a replay of dead letters, an API key created or
+//! revoked — is recorded here by the operation itself, so the CLI, the
+//! HTTP API and the console leave the same trace, and a door cannot
+//! forget it. (Operator accounts are recorded the same way by
+//! `codepool_console::operators`, and the key file's `keys add` and
+//! `keys rotate` by the CLI, their one door.)
 
 use codepool_domain::CodeId;
 use codepool_store::audit::{Action, Reveal};

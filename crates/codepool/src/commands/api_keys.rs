@@ -19,7 +19,9 @@ placing one carries its codes), orders:read (read orders, codes masked),
 codes:reveal (read codes in plaintext, each reveal audited with the key's
 name), admin (pools, imports, dead letters). The secret is printed once and
 only its SHA-256 is stored: keep it in the shop's secret store. A revoked
-key stops working within a second on every API process.")]
+key stops working within a second on every API process. Creating and
+revoking a key are written to the audit collection with the OS user and
+host (never the secret).")]
 pub struct ApiKeysArgs {
     #[command(subcommand)]
     pub command: ApiKeysCommand,
@@ -66,7 +68,8 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     match args.command {
         ApiKeysCommand::Create { name, scopes, shop } => {
-            let new = keys::create_for(&store, &name, &scopes, shop.as_deref()).await?;
+            let actor = super::actor("api-keys create");
+            let new = keys::create_for(&store, &name, &scopes, shop.as_deref(), &actor).await?;
             eprintln!(
                 "created API key {:?}{} with scopes {}; its secret (shown once, only a hash is kept):",
                 new.key.name,
@@ -117,7 +120,7 @@ pub async fn run(cfg: &Config, args: ApiKeysArgs) -> anyhow::Result<u8> {
             }
         }
         ApiKeysCommand::Revoke { name } => {
-            let k = keys::revoke(&store, &name).await?;
+            let k = keys::revoke(&store, &name, &super::actor("api-keys revoke")).await?;
             say!(
                 "revoked API key {:?} ({}); it stops working within a second",
                 k.name,

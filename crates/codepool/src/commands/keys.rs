@@ -1,10 +1,15 @@
 //! `codepool keys`: the key file that encrypts codes at rest, and moving
-//! codes from one key to the next.
+//! codes from one key to the next. Adding a key and a rotation are
+//! written to the `audit` collection with the OS user and host (the key
+//! id, never the key): `keys add` reaches the database before it touches
+//! the key file, so a key is not added where it cannot be recorded.
 
 use std::future::Future;
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use clap::{Args, Subcommand};
+use codepool_issuance::audit;
 use codepool_store::StoreError;
 use codepool_vault::keyfile;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -22,7 +27,9 @@ Examples:
 The key file (CODEPOOL_KEY_FILE or --key-file, default
 ~/.config/codepool/keys.json) holds every key the codes were encrypted with
 and the HMAC key that finds them. Back it up: losing it loses the codes.
-Keep old keys in the file until `keys status` shows no code under them.")]
+Keep old keys in the file until `keys status` shows no code under them.
+`keys add` and `keys rotate` are written to the audit collection with the
+OS user and host, so they need the database.")]
 pub struct KeysArgs {
     #[command(subcommand)]
     pub command: KeysCommand,
@@ -60,7 +67,14 @@ pub async fn run(cfg: &Config, args: KeysArgs) -> anyhow::Result<u8> {
             say!("back it up now: losing this file loses every code encrypted with it");
         }
         KeysCommand::Add => {
+            // The database first: a key that cannot be recorded is not added.
+            let store = crate::context::store(cfg).await?;
             let (_, id) = keyfile::add_key(&path)?;
+            let what = format!(
+                "key {id} added to key file {} and made active for new codes",
+                path.display()
+            );
+            audit::record(&store, &super::actor("keys add"), "key-add", what).await?;
             say!(
                 "added key {id} to {}; new codes are encrypted with it",
                 path.display()
@@ -121,17 +135,30 @@ async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
     store.check_keys().await?;
     let ring = store.keys().ring()?;
     let total = store.count_to_rotate().await?;
-    let done = in_batches(
+    // Counted as the batches land, so a rotation cut short is recorded
+    // with what it did.
+    let moved = AtomicU64::new(0);
+    let (s, m) = (&store, &moved);
+    let result = in_batches(
         "re-encrypting",
         total,
-        || store.rotate_batch(batch),
+        move || async move {
+            let n = s.rotate_batch(batch).await?;
+            m.fetch_add(n, Ordering::Relaxed);
+            Ok(n)
+        },
         || async { Ok(store.count_to_rotate().await? > 0) },
     )
-    .await?;
-    say!(
-        "re-encrypted {done} code(s) under key {}; every code now uses it",
-        ring.active_id()
-    );
+    .await;
+    let (done, active) = (moved.load(Ordering::Relaxed), ring.active_id());
+    let what = match &result {
+        Ok(_) => format!("{done} code(s) re-encrypted under key {active}; every code now uses it"),
+        Err(e) => format!("{done} code(s) re-encrypted under key {active}, then stopped: {e}"),
+    };
+    let recorded = audit::record(&store, &super::actor("keys rotate"), "key-rotate", what).await;
+    result?;
+    recorded?;
+    say!("re-encrypted {done} code(s) under key {active}; every code now uses it");
     Ok(())
 }
 

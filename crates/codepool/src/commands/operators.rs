@@ -23,7 +23,9 @@ Examples:
 Roles: viewer (stock and stats), support (and order lookup with codes
 masked, resend SMS, void with a reason), admin (everything: imports,
 recall, pause/resume, settings, reveal, dead letters, API keys, operators,
-the audit log). Disabling an account, or a new password, ends its sessions.")]
+the audit log). Disabling an account, or a new password, ends its sessions.
+Each change is written to the audit collection with the OS user and host
+(never the password).")]
 pub struct OperatorsArgs {
     #[command(subcommand)]
     pub command: OperatorsCommand,
@@ -125,7 +127,8 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
             password_stdin,
         } => {
             let password = read_password(password_stdin)?;
-            let op = operators::add(&store, &name, role, &password).await?;
+            let actor = super::actor("operators add");
+            let op = operators::add(&store, &name, role, &password, &actor).await?;
             say!(
                 "added operator {:?} as {}; they sign in at /console of `codepool api`",
                 op.name,
@@ -134,7 +137,7 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
         }
         OperatorsCommand::List { json } => list(&store, json).await?,
         OperatorsCommand::Disable { name } => {
-            let op = operators::disable(&store, &name).await?;
+            let op = operators::disable(&store, &name, &super::actor("operators disable")).await?;
             say!("disabled operator {:?}; their sessions ended", op.name);
         }
         OperatorsCommand::Passwd {
@@ -142,7 +145,8 @@ pub async fn run(cfg: &Config, args: OperatorsArgs) -> anyhow::Result<u8> {
             password_stdin,
         } => {
             let password = read_password(password_stdin)?;
-            operators::passwd(&store, &name, &password).await?;
+            let actor = super::actor("operators passwd");
+            operators::passwd(&store, &name, &password, &actor).await?;
             say!("changed the password of {name:?}; their sessions ended");
         }
     }

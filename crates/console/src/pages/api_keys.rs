@@ -91,29 +91,10 @@ pub async fn create(
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
     let shop = Some(shop.trim()).filter(|s| !s.is_empty());
-    let new = keys::create_for(console.core.store(), name.trim(), &scopes, shop)
+    let actor = super::actor(&s, "POST /console/api-keys");
+    let new = keys::create_for(console.core.store(), name.trim(), &scopes, shop, &actor)
         .await
         .map_err(key_failure)?;
-    let scopes = new
-        .key
-        .scopes
-        .iter()
-        .map(|s| s.as_str())
-        .collect::<Vec<_>>()
-        .join(",");
-    let of = (new.key.shop.as_deref()).map_or(String::new(), |s| format!(" of shop {s:?}"));
-    let what = format!(
-        "API key {:?}{of} created with scopes {scopes}",
-        new.key.name
-    );
-    super::audit(
-        &console,
-        &s,
-        "api-key-create",
-        "POST /console/api-keys",
-        what,
-    )
-    .await?;
     let top = html! {
         section.secret {
             (layout::notice(&format!("Key {:?} created. Its secret is shown once: copy it into the shop's secret store now.", new.key.name)))
@@ -132,18 +113,10 @@ pub async fn revoke(
     let (token, name, _, _) = parse_form(&raw);
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
-    let k = keys::revoke(console.core.store(), &name)
+    let actor = super::actor(&s, "POST /console/api-keys/revoke");
+    let k = keys::revoke(console.core.store(), &name, &actor)
         .await
         .map_err(key_failure)?;
-    let what = format!("API key {:?} ({}) revoked", k.name, k.id);
-    super::audit(
-        &console,
-        &s,
-        "api-key-revoke",
-        "POST /console/api-keys/revoke",
-        what,
-    )
-    .await?;
     page(
         &console,
         &s,

@@ -83,18 +83,16 @@ pub async fn create(
     s.need(Role::Admin)?;
     let role = Role::parse(&f.role)
         .ok_or_else(|| Failure::Invalid("pick a role: viewer, support or admin".into()))?;
-    let op = operators::add(console.core.store(), f.name.trim(), role, &f.password)
-        .await
-        .map_err(op_failure)?;
-    let what = format!("operator {:?} added as {}", op.name, role.as_str());
-    super::audit(
-        &console,
-        &s,
-        "operator-add",
-        "POST /console/operators",
-        what,
+    let actor = super::actor(&s, "POST /console/operators");
+    let op = operators::add(
+        console.core.store(),
+        f.name.trim(),
+        role,
+        &f.password,
+        &actor,
     )
-    .await?;
+    .await
+    .map_err(op_failure)?;
     page(
         &console,
         &s,
@@ -123,18 +121,10 @@ pub async fn disable(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let op = operators::disable(console.core.store(), &f.name)
+    let actor = super::actor(&s, "POST /console/operators/disable");
+    let op = operators::disable(console.core.store(), &f.name, &actor)
         .await
         .map_err(op_failure)?;
-    let what = format!("operator {:?} disabled", op.name);
-    super::audit(
-        &console,
-        &s,
-        "operator-disable",
-        "POST /console/operators/disable",
-        what,
-    )
-    .await?;
     page(
         &console,
         &s,
