@@ -4,6 +4,7 @@
 //! an API process killed mid-load loses nothing.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use codepool_broker::Publisher;
@@ -234,27 +235,34 @@ async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_get
     let a = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
     let b = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
     let pid = a.child.id().unwrap().to_string();
-    let killer = async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", &pid])
-            .status();
-    };
-    let load = futures::stream::iter(0..400)
+    // Killed once it has answered KILL_AFTER orders, whatever the time that
+    // takes: at most the 15 others in flight are answered after that, and
+    // the rest find it gone.
+    const KILL_AFTER: usize = 50;
+    let answers = AtomicUsize::new(0);
+    let first = futures::stream::iter(0..400)
         .map(|i| {
-            let (addr, shop) = (&a.addr, &shop);
+            let (addr, shop, answers, pid) = (&a.addr, &shop, &answers, pid.as_str());
             async move {
                 let body = order(&format!("K-{i}"), "kp", 1);
-                (i, try_post(addr, "/v1/orders", shop, &body).await)
+                let answer = try_post(addr, "/v1/orders", shop, &body).await;
+                if answer.is_ok() && answers.fetch_add(1, Ordering::SeqCst) + 1 == KILL_AFTER {
+                    let killed = std::process::Command::new("kill")
+                        .args(["-KILL", pid])
+                        .status()
+                        .unwrap();
+                    assert!(killed.success(), "kill -KILL {pid}");
+                }
+                (i, answer)
             }
         })
         .buffer_unordered(16)
-        .collect::<Vec<_>>();
-    let (first, ()) = tokio::join!(load, killer);
+        .collect::<Vec<_>>()
+        .await;
     let answered = first.iter().filter(|(_, r)| r.is_ok()).count();
     assert!(
-        answered > 0 && answered < 400,
-        "killed mid-load: {answered} of 400 answered"
+        (KILL_AFTER..KILL_AFTER + 16).contains(&answered),
+        "killed after {KILL_AFTER} answers: {answered} of 400 answered"
     );
 
     // The shop retries every order on the other process.
