@@ -719,3 +719,90 @@ pub async fn codepool_ok(env: &TestEnv, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Purchases the dispatchers at `addrs` have settled so far: placed
+/// (granted, backordered, refused or dead-lettered), their events
+/// confirmed, and acked. Read from `codepool_end_to_end_seconds`, which a
+/// batch records only after that.
+pub async fn settled(addrs: &[&str]) -> u64 {
+    metric_sum(addrs, "codepool_end_to_end_seconds_count").await as u64
+}
+
+/// Waits until the dispatchers at `addrs` have settled `n` purchases in
+/// all: whatever they were going to do with them is done. A barrier for
+/// a check that something did *not* happen to a purchase.
+pub async fn wait_settled(addrs: &[&str], n: u64) {
+    eventually(
+        Duration::from_secs(60),
+        &format!("{n} purchases settled"),
+        || async { settled(addrs).await >= n },
+    )
+    .await;
+}
+
+/// The pool of [`pool_events_handled`]: after the test's own pools in
+/// name order.
+pub const BARRIER_POOL: &str = "zz-barrier";
+
+/// A barrier behind pool events (`pool.replenished`, `pool.resumed`, which
+/// a dispatcher reads from one queue per kind and handles one at a time,
+/// each fulfilment finished before the next event is read). Publishes one
+/// more event of `kind`, for a pool of its own with one purchase waiting
+/// as a backorder and one code just added, and returns once that purchase
+/// is granted: every event of that kind published before has been handled
+/// by then, whatever the speed of the machine.
+///
+/// The backorder sweep (every 10 s) could serve it first, between the
+/// code and the event: it goes through the pools with backorders in name
+/// order, so it has then handled the test's pools first, the same way.
+pub async fn pool_events_handled(
+    env: &TestEnv,
+    publisher: &codepool_broker::Publisher,
+    kind: codepool_domain::PoolEventKind,
+) {
+    let order = format!("BARRIER-{}", suffix());
+    env.store.ensure_pool(BARRIER_POOL).await.expect("pool");
+    publish_confirmed(publisher, &[purchase(&order, BARRIER_POOL)]).await;
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let backorders = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders");
+    let waiting = bson::doc! {"order_id": &order, "status": "waiting"};
+    eventually(
+        Duration::from_secs(30),
+        "the barrier's purchase waiting",
+        || async {
+            backorders
+                .count_documents(waiting.clone())
+                .await
+                .unwrap_or(0)
+                == 1
+        },
+    )
+    .await;
+    let code = NewCode {
+        code: format!("{BARRIER_POOL}-{}", suffix()),
+        line: None,
+        expires_at: None,
+    };
+    (env.store)
+        .insert_codes(BARRIER_POOL, ObjectId::new(), &[code])
+        .await
+        .expect("insert");
+    let event = codepool_domain::PoolEvent::new(kind, BARRIER_POOL);
+    publisher
+        .publish_pool_event(&event)
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+    let granted = bson::doc! {"order_id": &order, "status": 1};
+    eventually(
+        Duration::from_secs(60),
+        "the barrier's purchase granted",
+        || async { codes.count_documents(granted.clone()).await.unwrap_or(0) == 1 },
+    )
+    .await;
+}

@@ -557,9 +557,20 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
         4,
         "nothing taken from qa"
     );
-    // One code in qb is not enough: it still waits whole.
+    // One code in qb is not enough: it still waits whole. A bundle waits
+    // under its first item's pool: stock news of qa makes the dispatcher
+    // try it now (not at its next sweep), and it is judged once that news
+    // has been handled.
     import(&env, "qb", &["qb-ONE-0001"]).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let news = codepool_domain::PoolEvent::new(codepool_domain::PoolEventKind::Replenished, "qa");
+    let confirm = publisher.publish_pool_event(&news).await.unwrap();
+    confirm.wait().await.unwrap();
+    pool_events_handled(
+        &env,
+        &publisher,
+        codepool_domain::PoolEventKind::Replenished,
+    )
+    .await;
     assert_eq!(
         count(&env, doc! {"order_id": "BQ-1"}).await,
         0,
@@ -585,9 +596,11 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
         }
         assert_eq!(count(&env, f).await, 1, "line {line} of pool {pool}");
     }
-    // A redelivery of the same bundle is the same order: nothing more.
+    // A redelivery of the same bundle is the same order: nothing more,
+    // once the dispatcher has settled it.
+    let before = settled(&[&d.addr]).await;
     publish_confirmed(&publisher, &[p]).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_settled(&[&d.addr], before + 1).await;
     assert_eq!(count(&env, doc! {"order_id": "BQ-1"}).await, 4);
     d.stop().await;
     env.cleanup().await;

@@ -12,8 +12,8 @@ use futures::StreamExt;
 
 use crate::common::Line0;
 use crate::common::{
-    assign, codepool_ok, drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth,
-    start_daemon, TestEnv, AMQP_URL,
+    assign, codepool_ok, drain, eventually, metric_sum, pool_events_handled, publish_confirmed,
+    purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
 };
 
 fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
@@ -209,7 +209,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         .wait()
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    pool_events_handled(&env, &publisher, PoolEventKind::Replenished).await;
     assert_eq!(
         count(&env, "codes", doc! {"pool": "p", "status": 1}).await,
         1,

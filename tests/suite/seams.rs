@@ -8,7 +8,8 @@ use codepool_broker::Publisher;
 use codepool_store::pool_settings::PoolSettings;
 
 use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+    drain, eventually, pool_events_handled, publish_confirmed, purchase, queue_depth, start_daemon,
+    wait_settled, TestEnv, AMQP_URL,
 };
 
 /// A 128-character order id of two-byte letters is valid, yet `sms:<id>`
@@ -57,8 +58,12 @@ async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing
     })
     .await;
     // Nothing more comes: no event is sent twice by a relay that never
-    // got its confirm.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // got its confirm. Judged once every purchase is settled (its events
+    // confirmed before its ack), with no grant left for the relay.
+    wait_settled(&[&daemon.addr], 8).await;
+    let later = chrono::Utc::now() + chrono::Duration::days(1);
+    let owed = env.store.unconfirmed_grants(later, 10).await.unwrap();
+    assert!(owed.is_empty(), "grants left for the relay: {owed:?}");
     let sms = drain(&ch, &t.sms_pending).await;
     let mut orders: Vec<String> = sms
         .iter()
@@ -271,9 +276,11 @@ async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
     }));
     let (resumed, voided) = tokio::join!(resume, voids);
     assert!(resumed.unwrap().status.success());
-    // Let any fulfilment in flight finish.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Any fulfilment in flight finishes before the dispatcher reads the
+    // next pool.resumed.
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    pool_events_handled(&env, &publisher, codepool_domain::PoolEventKind::Resumed).await;
     let ch = conn.create_channel().await.unwrap();
     let texted: Vec<String> = drain(&ch, &env.topology().sms_pending)
         .await
