@@ -466,7 +466,9 @@ async fn deliver_past_the_limit(
 async fn events_the_broker_refuses_are_published_again_without_requeueing_the_purchase() {
     let env = TestEnv::new("republish").await;
     env.fill_pool("rp", 10).await;
-    let t = env.topology();
+    // A delivery limit of 2: a purchase requeued on each refusal would be
+    // dead-lettered at its third delivery.
+    let (conn, publisher, t) = with_delivery_limit(&env).await;
     let policy = format!("{}refuse", env.amqp_prefix);
     let pattern = format!("^{}$", t.sms_pending.replace('.', "\\."));
     rabbitmqctl(&[
@@ -480,9 +482,6 @@ async fn events_the_broker_refuses_are_published_again_without_requeueing_the_pu
         r#"{"max-length":1,"overflow":"reject-publish"}"#,
     ])
     .await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, t.clone()).await.unwrap();
-    t.declare(publisher.channel()).await.unwrap();
     // A queue at its length limit refuses publishes: fill it until the
     // broker refuses one.
     let mut fillers = 0;
@@ -497,16 +496,28 @@ async fn events_the_broker_refuses_are_published_again_without_requeueing_the_pu
         fillers += 1;
         assert!(fillers < 10, "the policy does not refuse publishes");
     }
-    let dispatcher = start_daemon(env.command(&[])).await;
+    // Each refused publish of an SMS event is logged (at debug).
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_DELIVERY_LIMIT", "2")
+        .env("RUST_LOG", "info,codepool_issuance::outbox=debug");
+    let dispatcher = start_daemon(cmd).await;
     publish_confirmed(&publisher, &[purchase("RP-1", "rp")]).await;
 
-    // The event is refused for a few seconds; nothing is dead-lettered.
+    // The event is refused three times, each once the one before was
+    // (whatever that takes on this machine); nothing is dead-lettered.
     let ch = conn.create_channel().await.unwrap();
     eventually(Duration::from_secs(30), "the grant", || async {
         dispatcher.log_text().contains("order_id=RP-1")
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    eventually(Duration::from_secs(30), "three refused publishes", || {
+        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
+        let refused = (dispatcher.log_text())
+            .matches("SMS-pending event not confirmed")
+            .count();
+        async move { refused >= 3 || queue_depth(&ch, &q).await > 0 }
+    })
+    .await;
     assert_eq!(queue_depth(&ch, &t.purchases_dead).await, 0);
     // Room in the queue again: the next publish goes through. It may go
     // through while the fillers are being drained, and be drained with them.

@@ -138,7 +138,17 @@ async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_l
     let log = daemon.log.clone();
     codepool_broker::close(conn, "done").await;
     daemon.stop().await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The whole log, to its last line, before it is searched.
+    eventually(Duration::from_secs(10), "the daemon's last line", || {
+        let log = log.clone();
+        async move {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("dispatcher stopped"))
+        }
+    })
+    .await;
     let log = log.lock().unwrap().join("\n");
     for raw in ['\u{202e}', '\u{200b}', '\u{ad}'] {
         assert!(!log.contains(raw), "no raw {raw:?} in the log: {log}");
