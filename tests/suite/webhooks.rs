@@ -737,7 +737,25 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
         || async { receiver.of_type("order.granted").len() >= 40 },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Each event delivered once: judged once every task is delivered (no
+    // process leases it again) and every request the receiver got is
+    // recorded as an attempt (none is still in flight).
+    let db = env.store.database();
+    let tasks = db.collection::<bson::Document>("webhook_tasks");
+    let attempts = db.collection::<bson::Document>("webhook_attempts");
+    let granted = bson::doc! {"kind": "order.granted"};
+    let delivered = bson::doc! {"kind": "order.granted", "state": "delivered"};
+    eventually(
+        Duration::from_secs(30),
+        "every delivery of order.granted recorded",
+        || async {
+            let received = receiver.of_type("order.granted").len() as u64;
+            tasks.count_documents(delivered.clone()).await.unwrap() == 40
+                && tasks.count_documents(granted.clone()).await.unwrap() == 40
+                && attempts.count_documents(granted.clone()).await.unwrap() == received
+        },
+    )
+    .await;
     let granted = receiver.of_type("order.granted");
     assert_eq!(granted.len(), 40, "each event delivered once");
     assert_eq!(
@@ -759,7 +777,28 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
     assert!(out.contains("410"), "the reason says 410: {out}");
     let seen = receiver.hits().len();
     publish_confirmed(&publisher, &[shop_purchase("WL-AFTER", "wl", "acme")]).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Judged once WL-AFTER's event is staged (its task held for the
+    // disabled endpoint) and no task is left to deliver.
+    let codes = db.collection::<bson::Document>("codes");
+    let staged = bson::doc! {"order_id": "WL-AFTER", "hook_pending": {"$exists": false}};
+    eventually(
+        Duration::from_secs(30),
+        "WL-AFTER's event held, nothing due",
+        || async {
+            codes.count_documents(staged.clone()).await.unwrap() == 1
+                && tasks
+                    .count_documents(bson::doc! {"state": "held"})
+                    .await
+                    .unwrap()
+                    >= 1
+                && tasks
+                    .count_documents(bson::doc! {"state": "pending"})
+                    .await
+                    .unwrap()
+                    == 0
+        },
+    )
+    .await;
     assert_eq!(
         receiver.hits().len(),
         seen,
