@@ -861,7 +861,7 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
         t.await.unwrap();
     }
     assert_eq!(env.store.unissued_count("ls").await.unwrap(), 18);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    checks_done(&watches).await;
     let events = drain(&ch, &queue).await;
     assert_eq!(events.len(), 2, "one event per crossing");
     let unissued: Vec<u64> = events
@@ -877,6 +877,20 @@ async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
     let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
     let _ = conn.close(200, "bye").await;
     cleanup(env).await;
+}
+
+/// Waits until every stock check the `watches` scheduled in the
+/// background has run (and published what it found, confirmed): such a
+/// check holds its watch (`after_grants` takes `&Arc<Self>`), so each
+/// watch is then held by the test alone. Events are counted after it, not
+/// after a pause.
+async fn checks_done(watches: &[Arc<StockWatch>]) {
+    eventually(
+        Duration::from_secs(30),
+        "the scheduled stock checks",
+        || async { watches.iter().all(|w| Arc::strong_count(w) == 1) },
+    )
+    .await;
 }
 
 /// The dispatcher checks the pools of a batch together (their documents
@@ -914,11 +928,7 @@ async fn a_batch_over_several_pools_raises_one_low_stock_alert_for_each_pool_tha
         .await
         .unwrap();
     watch.after_grants(taken.map(|(p, n)| (p, n as u64)), &publisher);
-    eventually(Duration::from_secs(5), "two low-stock events", || async {
-        queue_depth(&ch, &queue).await >= 2
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    checks_done(std::slice::from_ref(&watch)).await;
     let mut alerted: Vec<(String, u64)> = drain(&ch, &queue)
         .await
         .iter()
