@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bson::doc;
 
-use crate::common::TestEnv;
+use crate::common::{eventually, TestEnv};
 
 fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
     let mut f = tempfile::NamedTempFile::new().expect("temp file");
@@ -370,14 +370,16 @@ async fn a_missing_file_is_reported_once_with_what_to_do() {
 
 /// Writes a file of `rows` codes, starts `codepool import` on it, and
 /// sends `signal` once `at` codes are in. Returns the file (kept until
-/// dropped) and the child.
+/// dropped), the child, and the addresses of its connections to MongoDB
+/// as the server names them (`127.0.0.1:PORT`), taken while it was
+/// stopped just before the signal.
 async fn signal_an_import(
     env: &TestEnv,
     pool: &str,
     rows: u64,
     at: u64,
     signal: &str,
-) -> (tempfile::NamedTempFile, tokio::process::Child) {
+) -> (tempfile::NamedTempFile, tokio::process::Child, Vec<String>) {
     let mut f = tempfile::NamedTempFile::new().unwrap();
     {
         let mut w = std::io::BufWriter::new(f.as_file_mut());
@@ -402,17 +404,80 @@ async fn signal_an_import(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    std::process::Command::new("kill")
-        .args([signal, &pid])
-        .status()
-        .unwrap();
-    (f, child)
+    // Stopped, it opens no connection between the look and the signal.
+    let kill = |signal: &str| {
+        let sent = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {signal} {pid}");
+    };
+    kill("-STOP");
+    let clients = mongo_clients(&pid);
+    kill(signal);
+    // A TERM or an INT is handled once it runs again (a KILL needs not).
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status();
+    (f, child, clients)
+}
+
+/// The local addresses of process `pid`'s TCP connections to MongoDB's
+/// port, from `/proc`.
+fn mongo_clients(pid: &str) -> Vec<String> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (local, remote, inode) = (f.get(1)?, f.get(2)?, f.get(9)?);
+            let port = |a: &str| u16::from_str_radix(a.split_once(':')?.1, 16).ok();
+            (port(remote)? == 27017 && inodes.contains(*inode))
+                .then(|| format!("127.0.0.1:{}", port(local).unwrap_or(0)))
+        })
+        .collect()
+}
+
+/// Waits until MongoDB has no connection from `clients` (a killed
+/// process's): each ends only once the operation it was running, and
+/// any it had been sent in full, is done.
+async fn connections_gone(env: &TestEnv, clients: &[String]) {
+    assert!(!clients.is_empty(), "the import talked to MongoDB");
+    let admin = env.store.client().database("admin");
+    let open = || async {
+        let ops = admin
+            .aggregate(vec![
+                doc! {"$currentOp": {"allUsers": true, "idleConnections": true}},
+                doc! {"$match": {"client": {"$in": clients}}},
+            ])
+            .await
+            .unwrap();
+        futures::TryStreamExt::try_collect::<Vec<_>>(ops)
+            .await
+            .unwrap()
+            .len()
+    };
+    eventually(
+        Duration::from_secs(60),
+        "the killed import's connections closed",
+        || async { open().await == 0 },
+    )
+    .await;
 }
 
 /// Starts a big import, signals it once codes are landing, and checks the
 /// exit code and the audit record against the database.
 async fn interrupt_an_import(env: &TestEnv, signal: &str, pool: &str) -> (i32, u64) {
-    let (_file, mut child) = signal_an_import(env, pool, 400_000, 5_000, signal).await;
+    let (_file, mut child, _) = signal_an_import(env, pool, 400_000, 5_000, signal).await;
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
         .await
         .expect("the import stops within 20s of the signal")
@@ -445,20 +510,13 @@ async fn sigterm_and_sigint_during_an_import_record_interrupted_with_the_true_co
 #[tokio::test]
 async fn an_import_killed_halfway_is_finished_by_the_same_command_without_inserting_twice() {
     let env = TestEnv::new("import_kill9").await;
-    let (f, mut child) = signal_an_import(&env, "kill9", 100_000, 20_000, "-KILL").await;
+    let (f, mut child, clients) = signal_an_import(&env, "kill9", 100_000, 20_000, "-KILL").await;
     child.wait().await.unwrap();
     let path = f.path().to_str().unwrap().to_owned();
     // The server still finishes the inserts the killed process had sent:
-    // count once the pool has stopped growing.
-    let mut stored = count_codes(&env, doc! {"pool": "kill9"}).await;
-    loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let now = count_codes(&env, doc! {"pool": "kill9"}).await;
-        if now == stored {
-            break;
-        }
-        stored = now;
-    }
+    // count once it has closed every connection of that process.
+    connections_gone(&env, &clients).await;
+    let stored = count_codes(&env, doc! {"pool": "kill9"}).await;
     assert!(stored < 100_000, "killed before the end ({stored} codes)");
     let killed = env.store.recent_imports(1).await.unwrap().remove(0);
     assert_eq!(
