@@ -16,8 +16,10 @@ use futures::TryStreamExt;
 
 use crate::common::{purchase, PrivateRedis, TestEnv};
 
-/// Claims `claimers × per_claimer` orders concurrently, calling `during`
-/// once roughly half-way.
+/// Claims `claimers × per_claimer` orders concurrently, in batches of 5,
+/// calling `during` once half the batches are claimed: mid-run however
+/// fast the machine is (after a fixed time, a fast one could be done and a
+/// slow one not started). `during` gets the count of batches claimed.
 async fn claims_with_fault<F, Fut>(
     env: &TestEnv,
     pool: &str,
@@ -26,13 +28,16 @@ async fn claims_with_fault<F, Fut>(
     during: F,
 ) -> Vec<ClaimOutcome>
 where
-    F: FnOnce() -> Fut,
+    F: FnOnce(Batches) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    let (claimed, batches) = tokio::sync::watch::channel(0usize);
+    let claimed = std::sync::Arc::new(claimed);
     let mut tasks = Vec::new();
     for c in 0..claimers {
         let engine = env.engine();
         let pool = pool.to_owned();
+        let claimed = claimed.clone();
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             let purchases: Vec<Purchase> = (0..per_claimer)
@@ -46,18 +51,39 @@ where
                         .await
                         .expect("claims never fail on Redis trouble"),
                 );
+                claimed.send_modify(|n| *n += 1);
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             out
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    during().await;
+    // Held by the claimers alone: if they all end, waiting ends too.
+    drop(claimed);
+    let batches = Batches(batches);
+    batches.reach(claimers * per_claimer.div_ceil(5) / 2).await;
+    during(batches).await;
     let mut all = Vec::new();
     for t in tasks {
         all.extend(t.await.expect("claimer"));
     }
     all
+}
+
+/// The batches [`claims_with_fault`] has claimed so far.
+struct Batches(tokio::sync::watch::Receiver<usize>);
+
+impl Batches {
+    fn now(&self) -> usize {
+        *self.0.borrow()
+    }
+
+    /// Returns once `n` batches are claimed.
+    async fn reach(&self, n: usize) {
+        let mut rx = self.0.clone();
+        rx.wait_for(|done| *done >= n)
+            .await
+            .expect("the claimers ended before that");
+    }
 }
 
 fn assert_all_distinct(outcomes: &[ClaimOutcome], expected: usize) {
@@ -91,7 +117,7 @@ async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
     let redis = PrivateRedis::start().await;
     let env = TestEnv::with_redis("hot_concurrent", &redis.url()).await;
     env.fill_pool("hot", 1500).await;
-    let outcomes = claims_with_fault(&env, "hot", 16, 80, || async {}).await;
+    let outcomes = claims_with_fault(&env, "hot", 16, 80, |_| async {}).await;
     assert_all_distinct(&outcomes, 1280);
     assert_eq!(issued_count(&env, "hot").await, 1280);
     // The candidates came from Redis: its set holds every unissued code.
@@ -140,7 +166,7 @@ async fn a_redis_flushall_mid_run_loses_nothing_and_issues_nothing_twice() {
     let redis = PrivateRedis::start().await;
     let env = TestEnv::with_redis("hot_flush", &redis.url()).await;
     env.fill_pool("flush", 1200).await;
-    let outcomes = claims_with_fault(&env, "flush", 10, 100, || redis.flushall()).await;
+    let outcomes = claims_with_fault(&env, "flush", 10, 100, |_| redis.flushall()).await;
     assert_all_distinct(&outcomes, 1000);
     assert_eq!(issued_count(&env, "flush").await, 1000);
     // The hot set was rebuilt from MongoDB after the flush.
@@ -161,9 +187,10 @@ async fn a_stopped_redis_mid_run_falls_back_to_mongodb_and_comes_back() {
     let hot = env.hot_pool();
     let outcomes = {
         let redis = &mut redis;
-        claims_with_fault(&env, "stop", 10, 100, || async move {
+        // Down for a fifth of the run: 40 batches claimed without it.
+        claims_with_fault(&env, "stop", 10, 100, |batches| async move {
             redis.stop();
-            tokio::time::sleep(Duration::from_millis(800)).await;
+            batches.reach(batches.now() + 40).await;
         })
         .await
     };
