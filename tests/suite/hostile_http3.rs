@@ -347,11 +347,19 @@ async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
 async fn connections_beyond_the_cap_wait_until_one_closes() {
     let env = TestEnv::new("http3_cap").await;
     let api = ApiServer::start(&env, &["--max-connections", "2", "--header-timeout", "30"]).await;
-    let held = [
+    let mut held = [
         TcpStream::connect(&api.addr).await.unwrap(),
         TcpStream::connect(&api.addr).await.unwrap(),
     ];
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both are taken by the server, however long that takes: each has
+    // answered a request, and stays open.
+    for s in &mut held {
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: api\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_answer(s, Duration::from_secs(10)).await;
+        assert_eq!(answer.map(|a| a.status), Some(200), "a held connection");
+    }
     let mut third = TcpStream::connect(&api.addr).await.unwrap();
     third
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n")
