@@ -196,6 +196,8 @@ impl World {
                 "acme",
                 "--pools",
                 &format!("{FREE},{ACME}"),
+                "--broker-users",
+                "guest",
             ],
         )
         .await;
@@ -208,6 +210,8 @@ impl World {
                 "bolt",
                 "--pools",
                 &format!("{FREE},{BOLT}"),
+                "--broker-users",
+                "guest",
             ],
         )
         .await;
@@ -248,7 +252,10 @@ impl World {
             daemons.push(Some(start_daemon(env.command(&[])).await));
         }
         let conn = codepool_broker::connect(AMQP_URL, "checker").await.unwrap();
-        let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+        let publisher = Publisher::new(&conn, env.topology())
+            .await
+            .unwrap()
+            .as_user("guest");
         let world = World {
             env,
             apis: Mutex::new(apis),

@@ -516,7 +516,16 @@ async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
     env.fill_pool("game-w", 5).await;
     codepool_ok(
         &env,
-        &["shops", "create", "--name", "acme", "--pools", "game-w"],
+        &[
+            "shops",
+            "create",
+            "--name",
+            "acme",
+            "--pools",
+            "game-w",
+            "--broker-users",
+            "guest",
+        ],
     )
     .await;
     operator(&env, "ada", "admin").await;

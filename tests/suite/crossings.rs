@@ -311,7 +311,16 @@ async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
     .await;
     codepool_ok(
         &env,
-        &["shops", "create", "--name", "bolt", "--pools", "sx"],
+        &[
+            "shops",
+            "create",
+            "--name",
+            "bolt",
+            "--pools",
+            "sx",
+            "--broker-users",
+            "guest",
+        ],
     )
     .await;
     let acme = codepool_ok(
@@ -336,7 +345,10 @@ async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
     let held = ids(&env, doc! {"pool": "sx", "status": 4}).await;
     let daemon = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .unwrap()
+        .as_user("guest");
     let mut theirs = purchase("O-bolt", "sx");
     theirs.uid = "buyer".into();
     theirs.shop = Some("bolt".into());

@@ -296,7 +296,16 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
     env.fill_pool("game-z", 10).await;
     cli(
         &env,
-        &["shops", "create", "--name", "acme", "--pools", "game-x"],
+        &[
+            "shops",
+            "create",
+            "--name",
+            "acme",
+            "--pools",
+            "game-x",
+            "--broker-users",
+            "guest",
+        ],
     )
     .await;
     cli(&env, &["shops", "create", "--name", "bolt", "--pools", "*"]).await;
@@ -304,7 +313,10 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
     let daemon = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .unwrap()
+        .as_user("guest");
     let mut granted = purchase("M-1", "game-x");
     granted.shop = Some("acme".into());
     let mut other_pool = purchase("M-2", "game-z");

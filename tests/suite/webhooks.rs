@@ -230,7 +230,18 @@ async fn add_endpoint(env: &TestEnv, shop: &str, url: &str, events: &str) -> (St
 }
 
 async fn shop(env: &TestEnv, name: &str, pools: &str) {
-    codepool_ok(env, &["shops", "create", "--name", name, "--pools", pools]).await;
+    // The suite publishes as the broker's guest user.
+    let args = [
+        "shops",
+        "create",
+        "--name",
+        name,
+        "--pools",
+        pools,
+        "--broker-users",
+        "guest",
+    ];
+    codepool_ok(env, &args).await;
 }
 
 pub(crate) fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
@@ -245,7 +256,8 @@ pub(crate) async fn publisher(env: &TestEnv) -> (lapin::Connection, codepool_bro
         .unwrap();
     let publisher = codepool_broker::Publisher::new(&conn, env.topology())
         .await
-        .unwrap();
+        .unwrap()
+        .as_user("guest");
     env.topology().declare(publisher.channel()).await.unwrap();
     (conn, publisher)
 }

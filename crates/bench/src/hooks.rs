@@ -48,6 +48,9 @@ pub async fn prepare(scratch: &Scratch, shop: &str, endpoints: u32) -> anyhow::R
     if store.shop(shop).await?.is_none() {
         codepool_issuance::shops::create(store, shop, &["*".to_owned()], &actor).await?;
     }
+    // The bench publishes its purchases as the broker user of its URL.
+    let user = codepool_broker::Publisher::user_of(&scratch.cfg.amqp_url);
+    codepool_issuance::shops::set_broker_users(store, shop, &[user], &actor).await?;
     let have = store.webhook_endpoints(Some(shop)).await?.len() as u32;
     let url = receiver().await?;
     let allow = AllowHosts::parse("127.0.0.1");

@@ -394,7 +394,9 @@ async fn run_side(
     crate::delete_redis_keys(&cfg.redis_url, &cfg.redis_prefix).await?;
     let events_before = depth(conn, &cfg.topology().sms_pending).await?;
     eprintln!("{tag}: preloading {n} purchases …");
-    let publisher = Publisher::new(conn, scratch.cfg.topology()).await?;
+    let publisher = Publisher::new(conn, scratch.cfg.topology())
+        .await?
+        .as_user(&Publisher::user_of(&scratch.cfg.amqp_url));
     if let (Some(shop), Some(endpoints)) = (side.shop, args.scale.webhook_endpoints) {
         crate::hooks::prepare(scratch, shop, endpoints).await?;
     }

@@ -60,6 +60,10 @@ pub async fn confirmed(published: Result<PendingConfirm, BrokerError>) -> Result
 pub struct Publisher {
     channel: Channel,
     topology: Topology,
+    /// The broker user purchases are published as (their `user_id`, which
+    /// RabbitMQ checks against the connection's user): what a shop's
+    /// `broker_users` names.
+    user_id: Option<String>,
 }
 
 /// AMQP's message id is a short string: at most 255 bytes, and RabbitMQ
@@ -77,6 +81,27 @@ pub fn amqp_message_id(id: &str) -> ShortString {
     format!("sha256:{}", hex::encode(Sha256::digest(id.as_bytes()))).into()
 }
 
+/// `%XX` escapes of a URL's user name, decoded.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = || std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok();
+        match (bytes[i], hex().and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn persistent_json() -> BasicProperties {
     BasicProperties::default()
         .with_delivery_mode(2)
@@ -90,7 +115,33 @@ impl Publisher {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        Ok(Self { channel, topology })
+        Ok(Self {
+            channel,
+            topology,
+            user_id: None,
+        })
+    }
+
+    /// Publishes purchases with `user_id` set to `user`: the broker user
+    /// of the connection (RabbitMQ refuses any other), which a shop names
+    /// among the broker users that may publish for it.
+    pub fn as_user(mut self, user: &str) -> Self {
+        self.user_id = Some(user.to_owned());
+        self
+    }
+
+    /// The user of an AMQP URL (the first of a list), `guest` when it
+    /// names none: what [`Publisher::as_user`] takes for a connection made
+    /// from it.
+    pub fn user_of(url: &str) -> String {
+        let first = url.split(',').next().unwrap_or_default();
+        first
+            .split_once("://")
+            .and_then(|(_, rest)| rest.split_once('@'))
+            .map(|(auth, _)| auth.split(':').next().unwrap_or_default())
+            .filter(|u| !u.is_empty())
+            .map(percent_decode)
+            .unwrap_or_else(|| "guest".to_owned())
     }
 
     pub fn channel(&self) -> &Channel {
@@ -163,6 +214,9 @@ impl Publisher {
         let mut props = persistent_json();
         if let Some(id) = message_id {
             props = props.with_message_id(amqp_message_id(id));
+        }
+        if let Some(user) = &self.user_id {
+            props = props.with_user_id(user.as_str().into());
         }
         let queue = self.topology.purchases.clone();
         self.publish("", &queue, body, props).await
@@ -254,5 +308,20 @@ impl Publisher {
         }
         let queue = self.topology.purchases_dead.clone();
         self.publish("", &queue, body, props).await
+    }
+}
+
+#[cfg(test)]
+mod user_tests {
+    use super::Publisher;
+
+    #[test]
+    fn the_user_of_an_amqp_url_is_its_first_servers_user_decoded() {
+        assert_eq!(
+            Publisher::user_of("amqp://shop%2Da:pw@h:5672/%2f"),
+            "shop-a"
+        );
+        assert_eq!(Publisher::user_of("amqp://acme:pw@a,amqp://x:y@b"), "acme");
+        assert_eq!(Publisher::user_of("amqp://127.0.0.1:5672/%2f"), "guest");
     }
 }

@@ -116,7 +116,15 @@ impl Dispatcher {
                         topology.queues.delivery_limit,
                     ))
                 }
-                None => Purchase::parse(&d.data),
+                None => Purchase::parse(&d.data).map(|mut p| {
+                    // The shop admission checks the publisher: the broker
+                    // user RabbitMQ validated as the message's user_id.
+                    if p.shop.is_some() {
+                        let user = d.properties.user_id().as_ref().map(|u| u.as_str());
+                        p.owner = codepool_issuance::shops::published_by(user);
+                    }
+                    p
+                }),
             })
             .collect();
         (parsed, at_limit)

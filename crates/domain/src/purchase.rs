@@ -107,6 +107,8 @@ pub enum RejectReason {
     UnknownShop,
     /// The purchase's shop may not order from its pool.
     PoolNotAllowed,
+    /// An AMQP purchase names a shop its broker user may not publish for.
+    ShopNotYours,
 }
 
 impl RejectReason {
@@ -129,6 +131,7 @@ impl RejectReason {
             Self::DeliveryLimit => "delivery_limit",
             Self::UnknownShop => "unknown_shop",
             Self::PoolNotAllowed => "pool_not_allowed",
+            Self::ShopNotYours => "shop_not_yours",
         }
     }
 }
@@ -171,6 +174,7 @@ impl PurchaseError {
             RejectReason::ConflictingOrder => Some("order_id"),
             RejectReason::UnknownShop => Some("shop"),
             RejectReason::PoolNotAllowed => Some("pool"),
+            RejectReason::ShopNotYours => Some("shop"),
             _ => None,
         })
     }
@@ -197,6 +201,20 @@ impl PurchaseError {
         Self::new(
             RejectReason::UnknownShop,
             format!("shop {shop:?} does not exist; create it (`codepool shops create --name {shop} --pools …`) or send the purchase without a shop, then `codepool dead-letters replay`"),
+        )
+    }
+
+    /// An AMQP purchase names shop `shop`, and its broker user (`user`,
+    /// none when the message carries no `user_id`) is not one the shop
+    /// lets publish for it.
+    pub fn shop_not_yours(shop: &str, user: Option<&str>) -> Self {
+        let who = match user {
+            Some(u) => format!("broker user {u:?} may not publish purchases for shop {shop:?}"),
+            None => format!("a purchase for shop {shop:?} must carry its publisher's user_id"),
+        };
+        Self::new(
+            RejectReason::ShopNotYours,
+            format!("{who}; publish with user_id set to a broker user the shop names (`codepool shops set --name {shop} --broker-users USER`)"),
         )
     }
 

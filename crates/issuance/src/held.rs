@@ -60,12 +60,17 @@ pub struct Paid {
     pub released: Vec<HeldCode>,
 }
 
-/// The owner a purchase pays as: its own, or its shop's (an AMQP purchase
-/// names its shop before the shop admits it).
+/// The owner a purchase pays as: its key's, or for an AMQP purchase that
+/// names a shop (and whose broker user the intake found the shop lets
+/// publish for it) the shop's.
 fn payer(p: &Purchase) -> Option<String> {
-    p.owner
-        .clone()
-        .or_else(|| p.shop.as_deref().map(crate::shops::owner_of))
+    match (&p.owner, &p.shop) {
+        (Some(o), Some(shop)) if o.starts_with(crate::shops::BROKER_USER_PREFIX) => {
+            Some(crate::shops::owner_of(shop))
+        }
+        (None, Some(shop)) => Some(crate::shops::owner_of(shop)),
+        (owner, _) => owner.clone(),
+    }
 }
 
 /// Turns the holds that `purchases` pay for into their grants: each held

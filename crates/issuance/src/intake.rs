@@ -189,6 +189,19 @@ impl Intake {
         if paying.is_empty() {
             return Ok(HashSet::new());
         }
+        // A purchase that names a shop pays only if the shop lets its
+        // publisher name it (the shop admission refuses it after this).
+        let mut names: Vec<&str> = paying.iter().filter_map(|p| p.shop.as_deref()).collect();
+        names.sort_unstable();
+        names.dedup();
+        let shops = self.shops.get_many(&self.store, &names).await?;
+        let paying: Vec<&Purchase> = (paying.into_iter())
+            .filter(|p| match &p.shop {
+                None => true,
+                Some(s) => (shops.get(s).and_then(Option::as_ref))
+                    .is_some_and(|shop| crate::shops::may_name(shop, p).is_ok()),
+            })
+            .collect();
         let paid = crate::held::commit_paid(&self.store, &paying, policies, resend).await?;
         self.engine.offer(&paid.released).await;
         if !paid.committed.is_empty() {

@@ -26,6 +26,37 @@ pub fn owner_of(shop: &str) -> String {
     format!("{}{shop}", codepool_store::codes::SHOP_OWNER_PREFIX)
 }
 
+/// How the AMQP door marks a purchase that names a shop with the broker
+/// user that published it (RabbitMQ's validated `user_id`), until the
+/// shop admits it and its owner becomes the shop's.
+pub const BROKER_USER_PREFIX: &str = "amqp-user:";
+
+/// The owner the AMQP door records on a purchase that names a shop,
+/// published by broker user `user` (none: the message carried no
+/// `user_id`).
+pub fn published_by(user: Option<&str>) -> Option<String> {
+    user.map(|u| format!("{BROKER_USER_PREFIX}{u}"))
+}
+
+/// Whether purchase `p` may name `shop`: a purchase over HTTP carries its
+/// key's owner (the API holds a shop's key to its shop; a key of no shop
+/// is the operator's and may order for any shop); one over AMQP must come
+/// from a broker user the shop names.
+pub fn may_name(shop: &ShopDoc, p: &codepool_domain::Purchase) -> Result<(), PurchaseError> {
+    match p.owner.as_deref() {
+        Some(o) if o.starts_with(BROKER_USER_PREFIX) => {
+            let user = &o[BROKER_USER_PREFIX.len()..];
+            if shop.broker_users.iter().any(|u| u == user) {
+                Ok(())
+            } else {
+                Err(PurchaseError::shop_not_yours(&shop.name, Some(user)))
+            }
+        }
+        Some(_) => Ok(()),
+        None => Err(PurchaseError::shop_not_yours(&shop.name, None)),
+    }
+}
+
 /// The shop an order belongs to, from its owner; `None` for the
 /// operator's orders.
 pub fn shop_of(owner: Option<&str>) -> Option<&str> {
@@ -45,6 +76,8 @@ pub enum ShopError {
     Exists(String),
     #[error("no shop {0:?}; `codepool shops list` shows the shops")]
     Unknown(String),
+    #[error("invalid broker user {0:?}: use the RabbitMQ user name as it is, in visible text")]
+    BadBrokerUser(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -55,6 +88,7 @@ impl ShopError {
         match self {
             Self::BadName(_) | Self::Exists(_) | Self::Unknown(_) => Some("name"),
             Self::BadPool(..) | Self::NoPools => Some("pools"),
+            Self::BadBrokerUser(_) => Some("broker_users"),
             Self::Store(_) => None,
         }
     }
@@ -108,6 +142,33 @@ pub async fn create(
         .shop(name)
         .await?
         .ok_or_else(|| ShopError::Unknown(name.to_owned()))
+}
+
+/// Replaces the broker users that may publish purchases for a shop over
+/// AMQP, audited with `actor`.
+pub async fn set_broker_users(
+    store: &Store,
+    name: &str,
+    users: &[String],
+    actor: &Actor,
+) -> Result<ShopDoc, ShopError> {
+    let mut users: Vec<String> = (users.iter())
+        .map(|u| u.trim().to_owned())
+        .filter(|u| !u.is_empty())
+        .collect();
+    if let Some(bad) = users
+        .iter()
+        .find(|u| codepool_domain::first_unreadable(u).is_some() || u.len() > 255)
+    {
+        return Err(ShopError::BadBrokerUser(bad.chars().take(80).collect()));
+    }
+    users.sort();
+    users.dedup();
+    let shop = (store.set_shop_broker_users(name, &users).await?)
+        .ok_or_else(|| ShopError::Unknown(name.to_owned()))?;
+    let what = format!("shop {name:?} takes AMQP purchases from broker users {users:?}");
+    audit::record(store, actor, "shop-set", what).await?;
+    Ok(shop)
 }
 
 /// Replaces a shop's pools, audited with `actor`.
@@ -197,6 +258,9 @@ impl Shops {
                     };
                     match shops.get(&name).and_then(Option::as_ref) {
                         None => Intake::Reject(PurchaseError::unknown_shop(&name)),
+                        Some(shop) if may_name(shop, &p).is_err() => {
+                            Intake::Reject(may_name(shop, &p).expect_err("checked"))
+                        }
                         Some(shop) if p.pools().iter().any(|x| !shop.allows(x)) => {
                             let pool = p.pools().into_iter().find(|x| !shop.allows(x));
                             Intake::Reject(PurchaseError::pool_not_allowed(

@@ -184,6 +184,7 @@ const REJECT_REASONS: &[RejectReason] = &[
     RejectReason::DeliveryLimit,
     RejectReason::UnknownShop,
     RejectReason::PoolNotAllowed,
+    RejectReason::ShopNotYours,
 ];
 
 /// Describes every metric and registers the unlabelled ones (and dead

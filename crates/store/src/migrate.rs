@@ -79,6 +79,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0017_hold_caps",
         include_str!("../../../migrations/0017_hold_caps.json"),
     ),
+    (
+        "0018_shop_names",
+        include_str!("../../../migrations/0018_shop_names.json"),
+    ),
 ];
 
 /// What a migration run did.

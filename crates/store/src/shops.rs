@@ -23,6 +23,11 @@ pub struct ShopDoc {
     pub created_at: DateTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<DateTime>,
+    /// The broker users that may publish purchases for the shop over AMQP
+    /// (RabbitMQ checks a message's `user_id` against the user that
+    /// published it); none: no AMQP purchase may name the shop.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub broker_users: Vec<String>,
 }
 
 impl ShopDoc {
@@ -37,19 +42,53 @@ impl ShopDoc {
     }
 }
 
+/// `text` as a regular expression that matches it literally.
+fn regex_literal(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escape = !c.is_ascii_alphanumeric();
+            escape.then_some('\\').into_iter().chain(std::iter::once(c))
+        })
+        .collect()
+}
+
 impl Store {
     /// Creates a shop; `false` when one of that name exists already (it is
     /// left as it is).
+    ///
+    /// Names are unique without regard to case: `acme` and `ACME` are one
+    /// shop (the unique `name_key` of migration 0018; shops made before it
+    /// are looked up by a case-blind match).
     pub async fn create_shop(&self, name: &str, pools: &[String]) -> Result<bool, StoreError> {
-        let r = self
-            .collection(SHOPS)
-            .update_one(
+        let key = name.to_ascii_lowercase();
+        let older = doc! {"_id": {"$regex": format!("^{}$", regex_literal(name)), "$options": "i"}};
+        if self.collection(SHOPS).find_one(older).await?.is_some() {
+            return Ok(false);
+        }
+        let new =
+            doc! {"_id": name, "name_key": key, "pools": pools, "created_at": DateTime::now()};
+        match self.collection(SHOPS).insert_one(new).await {
+            Ok(_) => Ok(true),
+            Err(e) if crate::error::is_duplicate_key(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Replaces the broker users that may publish for a shop; the shop
+    /// after, `None` when there is no such shop.
+    pub async fn set_shop_broker_users(
+        &self,
+        name: &str,
+        users: &[String],
+    ) -> Result<Option<ShopDoc>, StoreError> {
+        Ok(self
+            .typed::<ShopDoc>(SHOPS)
+            .find_one_and_update(
                 doc! {"_id": name},
-                doc! {"$setOnInsert": {"pools": pools, "created_at": DateTime::now()}},
+                doc! {"$set": {"broker_users": users, "updated_at": DateTime::now()}},
             )
-            .upsert(true)
-            .await?;
-        Ok(r.upserted_id.is_some())
+            .return_document(mongodb::options::ReturnDocument::After)
+            .await?)
     }
 
     /// Replaces a shop's pools; the shop after, `None` when there is no

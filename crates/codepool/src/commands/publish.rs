@@ -79,7 +79,11 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
         }
     };
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-publish").await?;
-    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    // Purchases carry the connection's broker user, which a shop names
+    // among those that may publish for it.
+    let publisher = Publisher::new(&conn, cfg.topology())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     cfg.topology().declare(publisher.channel()).await?;
     let n = publish_all(&publisher, &bodies).await?;
     codepool_broker::close(conn, "done").await;

@@ -38,14 +38,23 @@ pub enum ShopsCommand {
         /// Comma-separated pools, or '*' for every pool.
         #[arg(long, value_delimiter = ',', required = true)]
         pools: Vec<String>,
+        /// Comma-separated RabbitMQ users that may publish purchases for
+        /// the shop (checked against each message's user_id); without
+        /// them, no AMQP purchase may name the shop.
+        #[arg(long, value_delimiter = ',', value_name = "USERS")]
+        broker_users: Option<Vec<String>>,
     },
-    /// Replace a shop's pools.
+    /// Replace a shop's pools, or the broker users that publish for it.
     Set {
         #[arg(long)]
         name: String,
         /// Comma-separated pools, or '*' for every pool.
-        #[arg(long, value_delimiter = ',', required = true)]
-        pools: Vec<String>,
+        #[arg(long, value_delimiter = ',', required_unless_present = "broker_users")]
+        pools: Option<Vec<String>>,
+        /// Comma-separated RabbitMQ users that may publish purchases for
+        /// the shop; an empty value ("") allows none.
+        #[arg(long, value_delimiter = ',', value_name = "USERS")]
+        broker_users: Option<Vec<String>>,
     },
     /// Show one shop.
     Show {
@@ -67,8 +76,21 @@ fn json_of(s: &ShopDoc) -> serde_json::Value {
     serde_json::json!({
         "name": s.name,
         "pools": s.pools,
+        "broker_users": s.broker_users,
         "created_at": s.created_at.to_chrono().to_rfc3339(),
     })
+}
+
+/// The broker users that publish for a shop, as the end of a sentence.
+fn publishers(s: &ShopDoc) -> String {
+    if s.broker_users.is_empty() {
+        "; no broker user may publish purchases for it (--broker-users)".into()
+    } else {
+        format!(
+            "; broker users {} publish its AMQP purchases",
+            s.broker_users.join(",")
+        )
+    }
 }
 
 fn print(shops: &[ShopDoc], json: bool) -> anyhow::Result<()> {
@@ -92,23 +114,44 @@ fn print(shops: &[ShopDoc], json: bool) -> anyhow::Result<()> {
 pub async fn run(cfg: &Config, args: ShopsArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     match args.command {
-        ShopsCommand::Create { name, pools } => {
+        ShopsCommand::Create {
+            name,
+            pools,
+            broker_users,
+        } => {
             let actor = super::actor("shops create");
-            let shop = shops::create(&store, &name, &pools, &actor).await?;
+            let mut shop = shops::create(&store, &name, &pools, &actor).await?;
+            if let Some(users) = broker_users {
+                shop = shops::set_broker_users(&store, &name, &users, &actor).await?;
+            }
             say!(
-                "created shop {:?}; it orders from {}",
+                "created shop {:?}; it orders from {}{}",
                 shop.name,
-                shop.pools.join(",")
+                shop.pools.join(","),
+                publishers(&shop)
             );
         }
-        ShopsCommand::Set { name, pools } => {
+        ShopsCommand::Set {
+            name,
+            pools,
+            broker_users,
+        } => {
             let actor = super::actor("shops set");
-            let shop = shops::set_pools(&store, &name, &pools, &actor).await?;
-            say!(
-                "shop {:?} now orders from {}",
-                shop.name,
-                shop.pools.join(",")
-            );
+            let mut shop = None;
+            if let Some(pools) = pools {
+                shop = Some(shops::set_pools(&store, &name, &pools, &actor).await?);
+            }
+            if let Some(users) = broker_users {
+                shop = Some(shops::set_broker_users(&store, &name, &users, &actor).await?);
+            }
+            if let Some(shop) = shop {
+                say!(
+                    "shop {:?} now orders from {}{}",
+                    shop.name,
+                    shop.pools.join(","),
+                    publishers(&shop)
+                );
+            }
         }
         ShopsCommand::Show { name, json } => match store.shop(&name).await? {
             Some(s) => print(&[s], json)?,
