@@ -4,10 +4,15 @@
 //! - **per client** (the peer's IP address): at most [`CLIENT_BURST`]
 //!   attempts at once, then one every [`CLIENT_PERIOD`], whatever names
 //!   they try (known or not);
-//! - **per name**: after [`FREE_FAILURES`] failures, each further attempt
-//!   must wait twice as long as the one before, up to [`MAX_WAIT`]. An
+//! - **per name and client**: after [`FREE_FAILURES`] failures of a name
+//!   from one address, each further attempt for that name from that
+//!   address must wait twice as long as the one before, up to
+//!   [`MAX_WAIT`]. Operator names are not secret: a stranger's failures
+//!   slow the stranger, never the operator signing in from elsewhere. An
 //!   attempt is counted as a failure when it is let through, under the
-//!   same lock that read the count; a success clears the name;
+//!   same lock that read the count; a success clears the name everywhere.
+//!   `codepool_console_names_locked` counts the names some address is
+//!   kept waiting on, for an alert on sustained guessing;
 //! - **at once**: at most [`CHECKS`] argon2id checks run (19 MiB each);
 //!   an attempt beyond them is refused at once, uncounted.
 //!
@@ -54,7 +59,7 @@ pub enum Refusal {
 
 /// Sign-in attempts by name and by client, and the password check slots.
 pub struct Throttle {
-    failures: Mutex<HashMap<String, Failures>>,
+    failures: Mutex<HashMap<(String, Option<IpAddr>), Failures>>,
     clients: DefaultKeyedRateLimiter<IpAddr>,
     checks: Semaphore,
 }
@@ -91,15 +96,33 @@ pub struct Attempt<'a> {
 }
 
 impl Attempt<'_> {
-    /// The password was right: the name's failures are forgotten.
+    /// The password was right: the name's failures are forgotten, from
+    /// every address.
     pub fn succeeded(self) {
         let mut map = self.throttle.lock();
-        map.remove(&self.name);
+        map.retain(|(name, _), _| *name != self.name);
+        record_locked(&map);
     }
 }
 
+/// Sets `codepool_console_names_locked`: the names some address must wait
+/// on now.
+fn record_locked(map: &HashMap<(String, Option<IpAddr>), Failures>) {
+    let mut names: Vec<&str> = (map.iter())
+        .filter(|(_, f)| {
+            !wait_after(f.count)
+                .saturating_sub(f.last.elapsed())
+                .is_zero()
+        })
+        .map(|((n, _), _)| n.as_str())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    metrics::gauge!("codepool_console_names_locked").set(names.len() as f64);
+}
+
 impl Throttle {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Failures>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, Option<IpAddr>), Failures>> {
         self.failures.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -115,23 +138,26 @@ impl Throttle {
             }
         }
         let mut map = self.lock();
+        let key = (name.to_owned(), client);
         let wait = map
-            .get(name)
+            .get(&key)
             .map(|f| wait_after(f.count).saturating_sub(f.last.elapsed()))
             .unwrap_or(Duration::ZERO);
         if !wait.is_zero() {
+            record_locked(&map);
             return Err(Refusal::Throttled(wait));
         }
         let check = self.checks.try_acquire().map_err(|_| Refusal::Busy)?;
         if map.len() > MOST_KEYS {
             map.retain(|_, f| f.last.elapsed() < MAX_WAIT * 2);
         }
-        let f = map.entry(name.to_owned()).or_insert(Failures {
+        let f = map.entry(key).or_insert(Failures {
             count: 0,
             last: Instant::now(),
         });
         f.count += 1;
         f.last = Instant::now();
+        record_locked(&map);
         Ok(Attempt {
             throttle: self,
             name: name.to_owned(),
@@ -163,9 +189,9 @@ mod tests {
             matches!(t.attempt("alice", None), Err(Refusal::Throttled(w)) if w > Duration::from_millis(500))
         );
         assert!(t.attempt("bob", None).is_ok());
-        t.lock().remove("alice");
+        t.lock().remove(&("alice".to_owned(), None));
         t.attempt("alice", None).expect("free again").succeeded();
-        assert!(t.lock().get("alice").is_none());
+        assert!(t.lock().keys().all(|(n, _)| n != "alice"));
     }
 
     #[test]
@@ -175,13 +201,32 @@ mod tests {
             .map(|_| t.attempt("carol", None).expect("a slot"))
             .collect();
         assert_eq!(t.attempt("dave", None).err(), Some(Refusal::Busy));
-        assert_eq!(t.lock().get("carol").map(|f| f.count), Some(CHECKS as u32));
-        assert!(
-            t.lock().get("dave").is_none(),
-            "a busy refusal is not counted"
-        );
+        let count = |n: &str| t.lock().get(&(n.to_owned(), None)).map(|f| f.count);
+        assert_eq!(count("carol"), Some(CHECKS as u32));
+        assert!(count("dave").is_none(), "a busy refusal is not counted");
         drop(held);
         assert!(t.attempt("dave", None).is_ok());
+    }
+
+    #[test]
+    fn a_strangers_failures_never_keep_the_operator_out_from_another_address() {
+        let t = Throttle::default();
+        let stranger: IpAddr = [203, 0, 113, 9].into();
+        let operator: IpAddr = [10, 0, 0, 7].into();
+        for _ in 0..FREE_FAILURES {
+            drop(t.attempt("admin1", Some(stranger)).expect("a free attempt"));
+        }
+        assert!(matches!(
+            t.attempt("admin1", Some(stranger)),
+            Err(Refusal::Throttled(_))
+        ));
+        t.attempt("admin1", Some(operator))
+            .expect("the operator's own address is not locked")
+            .succeeded();
+        assert!(
+            t.attempt("admin1", Some(stranger)).is_ok(),
+            "a success clears the name"
+        );
     }
 
     #[test]

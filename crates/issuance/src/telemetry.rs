@@ -134,6 +134,10 @@ const HISTOGRAMS: &[(&str, &str)] = &[
 
 const GAUGES: &[(&str, &str)] = &[
     (
+        "codepool_console_names_locked",
+        "Operator names some address must wait on before its next sign-in attempt (sustained guessing).",
+    ),
+    (
         "codepool_pool_held",
         "Codes held for checkouts (and bundles being put together) per pool (every 5 s).",
     ),
