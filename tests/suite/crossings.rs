@@ -380,3 +380,144 @@ async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_hold_on_a_pool_taken_off_the_shop_is_not_paid_and_nothing_is_issued() {
+    let env = TestEnv::new("cross_shop_pool").await;
+    env.fill_pool("sp", 5).await;
+    env.fill_pool("sq", 5).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "sp", "--hold-share", "100"],
+    )
+    .await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "sh", "--pools", "sp,sq"],
+    )
+    .await;
+    let args = [
+        "api-keys",
+        "create",
+        "--name",
+        "sh-1",
+        "--shop",
+        "sh",
+        "--scopes",
+        "orders:write,orders:read",
+    ];
+    let k = codepool_ok(&env, &args).await.trim().to_owned();
+    let api = ApiServer::start(&env, &[]).await;
+    let (s, b) = post(&api, &k, "/v1/holds", &hold("H-sp", "buyer", "sp", 1)).await;
+    assert_eq!(s, 201, "{b}");
+    api.stop().await;
+    codepool_ok(&env, &["shops", "set", "--name", "sh", "--pools", "sq"]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (s, b) = post(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-sp", "buyer", "sp", 1, "H-sp"),
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        ids(&env, doc! {"order_id": "O-sp"}).await.is_empty(),
+        "a code was issued"
+    );
+    assert_eq!(
+        hold_doc(&env, "H-sp").await.get_str("state").unwrap(),
+        "held"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_hold_left_bound_by_a_crash_is_paid_by_no_other_order_and_its_own_retry_ends_it() {
+    let env = TestEnv::new("cross_bound").await;
+    env.fill_pool("bd", 5).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "bd", "--hold-share", "100"],
+    )
+    .await;
+    let (api, k) = api(&env).await;
+    let (s, b) = post(&api, &k, "/v1/holds", &hold("H-bd", "buyer", "bd", 1)).await;
+    assert_eq!(s, 201, "{b}");
+    let (s, b) = post(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-a", "buyer", "bd", 1, "H-bd"),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    // What a kill -9 between the commit of the codes and the end of the
+    // hold leaves: the hold still held, bound to the order that has its
+    // codes.
+    (env.store.database().collection::<bson::Document>("holds"))
+        .update_one(
+            doc! {"_id": "H-bd"},
+            doc! {"$set": {"state": "held"}, "$unset": {"ended_at": ""}},
+        )
+        .await
+        .unwrap();
+    let (s, b) = post(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-b", "buyer", "bd", 1, "H-bd"),
+    )
+    .await;
+    assert_eq!(s, 201, "another order is served from stock: {b}");
+    let h = hold_doc(&env, "H-bd").await;
+    assert_eq!(h.get_str("order_id").unwrap(), "O-a", "{h}");
+    let (s, b) = post(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-a", "buyer", "bd", 1, "H-bd"),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let h = hold_doc(&env, "H-bd").await;
+    assert_eq!(
+        (h.get_str("state").unwrap(), h.get_str("order_id").unwrap()),
+        ("committed", "O-a"),
+        "{h}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_bundle_paying_a_hold_whose_code_was_recalled_waits_whole() {
+    let env = TestEnv::new("cross_bundle_hold").await;
+    let leaked: Vec<String> = (0..2).map(|i| format!("BH-LEAK-{i}")).collect();
+    let import_id = import(&env, "ba", &leaked).await;
+    env.fill_pool("bb", 5).await;
+    for p in ["ba", "bb"] {
+        codepool_ok(&env, &["pool", "set", "--pool", p, "--hold-share", "100"]).await;
+    }
+    let (api, k) = api(&env).await;
+    let items = json!([{"pool": "ba", "quantity": 1}, {"pool": "bb", "quantity": 1}]);
+    let body = json!({"hold_id": "H-bh", "uid": "buyer", "items": items});
+    let (s, b) = post(&api, &k, "/v1/holds", body.to_string().as_bytes()).await;
+    assert_eq!(s, 201, "{b}");
+    codepool_ok(&env, &["void", "--import", &import_id, "--reason", "leak"]).await;
+    let order = json!({"order_id": "O-bh", "uid": "buyer", "phone": "+8613800000000",
+                       "items": items, "hold_id": "H-bh"});
+    let (s, b) = post(&api, &k, "/v1/orders", order.to_string().as_bytes()).await;
+    assert_eq!(s, 202, "waits whole: {b}");
+    assert!(
+        ids(&env, doc! {"order_id": "O-bh"}).await.is_empty(),
+        "half a bundle was issued"
+    );
+    assert!(
+        ids(&env, doc! {"status": 4}).await.is_empty(),
+        "the hold's codes are back"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

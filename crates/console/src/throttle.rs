@@ -4,15 +4,17 @@
 //! - **per client** (the peer's IP address): at most [`CLIENT_BURST`]
 //!   attempts at once, then one every [`CLIENT_PERIOD`], whatever names
 //!   they try (known or not);
-//! - **per name and client**: after [`FREE_FAILURES`] failures of a name
-//!   from one address, each further attempt for that name from that
-//!   address must wait twice as long as the one before, up to
-//!   [`MAX_WAIT`]. Operator names are not secret: a stranger's failures
-//!   slow the stranger, never the operator signing in from elsewhere. An
+//! - **per name**: after [`FREE_FAILURES`] failures, each further attempt
+//!   must wait twice as long as the one before, up to [`MAX_WAIT`]. An
 //!   attempt is counted as a failure when it is let through, under the
-//!   same lock that read the count; a success clears the name everywhere.
-//!   `codepool_console_names_locked` counts the names some address is
-//!   kept waiting on, for an alert on sustained guessing;
+//!   same lock that read the count; a success clears the name. Operator
+//!   names are not secret, so a stranger's failures must not keep the
+//!   operator out: an address the name has signed in from before (in this
+//!   process) is judged by its own failures for the name only, not by the
+//!   name's. Any other address, however many an attacker has, shares the
+//!   name's wait, so a right password never slips in among guesses.
+//!   `codepool_console_names_locked` counts the names waiting now, for an
+//!   alert on sustained guessing;
 //! - **at once**: at most [`CHECKS`] argon2id checks run (19 MiB each);
 //!   an attempt beyond them is refused at once, uncounted.
 //!
@@ -59,7 +61,11 @@ pub enum Refusal {
 
 /// Sign-in attempts by name and by client, and the password check slots.
 pub struct Throttle {
+    /// By name, and by (name, address) for an address the name signed in
+    /// from before (`None` address: the name's own count).
     failures: Mutex<HashMap<(String, Option<IpAddr>), Failures>>,
+    /// The addresses each name has signed in from.
+    trusted: Mutex<HashMap<String, Vec<IpAddr>>>,
     clients: DefaultKeyedRateLimiter<IpAddr>,
     checks: Semaphore,
 }
@@ -72,6 +78,7 @@ impl Default for Throttle {
             .allow_burst(burst);
         Self {
             failures: Mutex::new(HashMap::new()),
+            trusted: Mutex::new(HashMap::new()),
             clients: DefaultKeyedRateLimiter::keyed(quota),
             checks: Semaphore::new(CHECKS),
         }
@@ -92,21 +99,42 @@ pub fn wait_after(count: u32) -> Duration {
 pub struct Attempt<'a> {
     throttle: &'a Throttle,
     name: String,
+    client: Option<IpAddr>,
     _check: SemaphorePermit<'a>,
 }
 
+/// Addresses remembered per name at most.
+const MOST_TRUSTED: usize = 16;
+
 impl Attempt<'_> {
-    /// The password was right: the name's failures are forgotten, from
-    /// every address.
+    /// The password was right: the name's failures are forgotten, and its
+    /// address is one the name signs in from.
     pub fn succeeded(self) {
         let mut map = self.throttle.lock();
         map.retain(|(name, _), _| *name != self.name);
         record_locked(&map);
+        drop(map);
+        if let Some(ip) = self.client {
+            let mut trusted = self
+                .throttle
+                .trusted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if trusted.len() > MOST_KEYS {
+                trusted.clear();
+            }
+            let known = trusted.entry(self.name.clone()).or_default();
+            if !known.contains(&ip) {
+                if known.len() >= MOST_TRUSTED {
+                    known.remove(0);
+                }
+                known.push(ip);
+            }
+        }
     }
 }
 
-/// Sets `codepool_console_names_locked`: the names some address must wait
-/// on now.
+/// Sets `codepool_console_names_locked`: the names waiting now.
 fn record_locked(map: &HashMap<(String, Option<IpAddr>), Failures>) {
     let mut names: Vec<&str> = (map.iter())
         .filter(|(_, f)| {
@@ -137,8 +165,14 @@ impl Throttle {
                 return Err(Refusal::Throttled(wait));
             }
         }
+        // An address the name signed in from counts on its own.
+        let trusted = client.filter(|ip| {
+            (self.trusted.lock().unwrap_or_else(|e| e.into_inner()))
+                .get(name)
+                .is_some_and(|known| known.contains(ip))
+        });
+        let key = (name.to_owned(), trusted);
         let mut map = self.lock();
-        let key = (name.to_owned(), client);
         let wait = map
             .get(&key)
             .map(|f| wait_after(f.count).saturating_sub(f.last.elapsed()))
@@ -161,6 +195,7 @@ impl Throttle {
         Ok(Attempt {
             throttle: self,
             name: name.to_owned(),
+            client,
             _check: check,
         })
     }
@@ -209,24 +244,25 @@ mod tests {
     }
 
     #[test]
-    fn a_strangers_failures_never_keep_the_operator_out_from_another_address() {
+    fn a_strangers_failures_never_keep_the_operator_out_of_an_address_it_signed_in_from() {
         let t = Throttle::default();
-        let stranger: IpAddr = [203, 0, 113, 9].into();
         let operator: IpAddr = [10, 0, 0, 7].into();
-        for _ in 0..FREE_FAILURES {
+        t.attempt("admin1", Some(operator))
+            .expect("first")
+            .succeeded();
+        for n in 0..FREE_FAILURES {
+            let stranger: IpAddr = [203, 0, 113, n as u8].into();
             drop(t.attempt("admin1", Some(stranger)).expect("a free attempt"));
         }
+        // Every other address waits, fresh or not: no right password
+        // slips in among a stranger's guesses.
         assert!(matches!(
-            t.attempt("admin1", Some(stranger)),
+            t.attempt("admin1", Some([198, 51, 100, 1].into())),
             Err(Refusal::Throttled(_))
         ));
         t.attempt("admin1", Some(operator))
             .expect("the operator's own address is not locked")
             .succeeded();
-        assert!(
-            t.attempt("admin1", Some(stranger)).is_ok(),
-            "a success clears the name"
-        );
     }
 
     #[test]

@@ -110,7 +110,7 @@ pub async fn commit_paid(
         let Some(h) = p.hold_id.as_ref().and_then(|id| holds.get(id)) else {
             continue;
         };
-        if h.state != HoldState::Held {
+        if h.state != HoldState::Held || h.order_id.as_ref().is_some_and(|o| *o != p.order_id) {
             continue;
         }
         if h.bundle || h.uid != p.uid || h.items != p.items() {
@@ -146,6 +146,20 @@ pub async fn commit_paid(
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold over its buyer's per-user limit: released; the order is refused");
             paid.released
                 .extend(end(store, h, HoldState::Released, None).await?);
+            continue;
+        }
+        // Bound to this order first (durably): if this process dies after
+        // the codes move, the hold is this order's, and no other order can
+        // pay it; the same order's retry finishes it.
+        if !store.bind_hold(&h.hold_id, &p.order_id).await? {
+            continue;
+        }
+        // A bundle is granted whole or waits whole: a held code recalled or
+        // expired while held would leave it half granted, so its hold goes
+        // back to stock and the bundle claims whole like any order.
+        if p.is_bundle() && store.live_held_count(&h.keys()).await? < u64::from(h.quantity()) {
+            paid.released
+                .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
             continue;
         }
         let held = store.held_codes(&h.keys()).await?;

@@ -180,6 +180,15 @@ impl Intake {
             return Ok(HashSet::new());
         }
         let waiting: HashSet<&str> = backordered.iter().map(|b| b.order_id.as_str()).collect();
+        // A retry of an order that holds its codes already finishes the
+        // hold it paid for, if a process died before it ended it.
+        for p in (parsed.iter().filter_map(|p| p.as_ref().ok()))
+            .filter(|p| held.contains_key(&p.order_id))
+        {
+            if let Some(h) = &p.hold_id {
+                self.store.finish_bound_hold(h, &p.order_id).await?;
+            }
+        }
         // The gate (held.rs) decides each: paid, bound to a waiting order
         // (a paused pool), released (a per-user limit) or left alone.
         let paying: Vec<&Purchase> = (parsed.iter().filter_map(|p| p.as_ref().ok()))
@@ -190,7 +199,8 @@ impl Intake {
             return Ok(HashSet::new());
         }
         // A purchase that names a shop pays only if the shop lets its
-        // publisher name it (the shop admission refuses it after this).
+        // publisher name it and orders from every pool of the order (the
+        // shop admission refuses it after this, and its hold stays held).
         let mut names: Vec<&str> = paying.iter().filter_map(|p| p.shop.as_deref()).collect();
         names.sort_unstable();
         names.dedup();
@@ -198,8 +208,10 @@ impl Intake {
         let paying: Vec<&Purchase> = (paying.into_iter())
             .filter(|p| match &p.shop {
                 None => true,
-                Some(s) => (shops.get(s).and_then(Option::as_ref))
-                    .is_some_and(|shop| crate::shops::may_name(shop, p).is_ok()),
+                Some(s) => (shops.get(s).and_then(Option::as_ref)).is_some_and(|shop| {
+                    crate::shops::may_name(shop, p).is_ok()
+                        && p.pools().iter().all(|x| shop.allows(x))
+                }),
             })
             .collect();
         let paid = crate::held::commit_paid(&self.store, &paying, policies, resend).await?;

@@ -262,6 +262,50 @@ impl Store {
         Ok(r.modified_count == 1)
     }
 
+    /// Binds a held hold to the order that pays it, before its codes move:
+    /// false when it is not held any more, or bound to another order.
+    pub async fn bind_hold(&self, hold_id: &str, order_id: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(HOLDS)
+            .update_one(
+                doc! {"_id": hold_id, "state": HELD, "$or": [
+                    {"order_id": {"$exists": false}},
+                    {"order_id": null},
+                    {"order_id": order_id},
+                ]},
+                doc! {"$set": {"order_id": order_id}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(r.matched_count == 1)
+    }
+
+    /// Ends as committed a hold still held but bound to `order_id`, which
+    /// holds its codes already (a process died between the commit of the
+    /// codes and the end of the hold). False when there was none.
+    pub async fn finish_bound_hold(
+        &self,
+        hold_id: &str,
+        order_id: &str,
+    ) -> Result<bool, StoreError> {
+        let r = self
+            .collection(HOLDS)
+            .update_one(
+                doc! {"_id": hold_id, "state": HELD, "order_id": order_id},
+                doc! {"$set": {"state": HoldState::Committed.as_str(), "ended_at": DateTime::now()}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(r.modified_count == 1)
+    }
+
+    /// How many codes are held under `keys` that have not expired.
+    pub async fn live_held_count(&self, keys: &[String]) -> Result<u64, StoreError> {
+        let mut q = doc! {"order_id": {"$in": keys}, "status": CodeStatus::Held.as_i32()};
+        q.extend(crate::codes::not_expired(DateTime::now()));
+        Ok(self.collection(CODES).count_documents(q).await?)
+    }
+
     /// Held holds whose time is up, oldest first.
     pub async fn due_holds(&self, now: DateTime, most: i64) -> Result<Vec<HoldDoc>, StoreError> {
         Ok(self
