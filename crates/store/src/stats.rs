@@ -34,12 +34,22 @@ pub struct PoolStats {
     pub issued_last_day: u64,
 }
 
-/// The filter of `pool`'s codes handed out at `since` or later. Only codes
-/// handed out have `issued_at`, and none loses it, so this is a count scan
-/// of the partial `(pool, issued_at)` index: its cost follows the grants of
-/// the period, not every grant the pool ever made.
+/// The codes handed out and still the buyer's or used: issued (1) and used
+/// (2). A held code (4) has `issued_at` too, from its hold, but is no one's
+/// yet; it counts once its order is placed.
+const GRANTED: [i32; 2] = [1, 2];
+
+/// The index [`grants_since`] and [`Store::grants_by_hour`] read.
+const GRANTS_INDEX: &str = "pool_status_issued_at";
+
+/// The filter of `pool`'s codes handed out at `since` or later and issued
+/// or used now. Only codes handed out (or held) have `issued_at`, and none
+/// loses it, so this reads two short ranges of the partial
+/// `(pool, status, issued_at)` index, keys only: its cost follows the
+/// grants of the period, not every grant the pool ever made, nor its
+/// stock.
 fn grants_since(pool: &str, since: DateTime) -> Document {
-    doc! {"pool": pool, "issued_at": {"$gte": since}}
+    doc! {"pool": pool, "status": {"$in": GRANTED.to_vec()}, "issued_at": {"$gte": since}}
 }
 
 impl Store {
@@ -50,6 +60,15 @@ impl Store {
         let reply = self
             .database()
             .run_command(doc! {"count": CODES, "query": query})
+            .await?;
+        Ok(as_u64(reply.get("n")))
+    }
+
+    /// [`Store::count_scan`] on the named index.
+    async fn count_on(&self, query: Document, index: &str) -> Result<u64, StoreError> {
+        let reply = self
+            .database()
+            .run_command(doc! {"count": CODES, "query": query, "hint": index})
             .await?;
         Ok(as_u64(reply.get("n")))
     }
@@ -90,7 +109,7 @@ impl Store {
     }
 
     /// Fills in one pool's code counts and its grants of the last hour
-    /// and day.
+    /// and day (issued or used now; not held).
     async fn count_codes(
         &self,
         s: &mut PoolStats,
@@ -99,8 +118,8 @@ impl Store {
         day_ago: DateTime,
     ) -> Result<(), StoreError> {
         self.count_statuses(s, now).await?;
-        s.issued_last_hour = self.count_scan(grants_since(&s.pool, hour_ago)).await?;
-        s.issued_last_day = self.count_scan(grants_since(&s.pool, day_ago)).await?;
+        s.issued_last_hour = (self.count_on(grants_since(&s.pool, hour_ago), GRANTS_INDEX)).await?;
+        s.issued_last_day = (self.count_on(grants_since(&s.pool, day_ago), GRANTS_INDEX)).await?;
         Ok(())
     }
 
@@ -170,15 +189,16 @@ impl Store {
 
 impl Store {
     /// `pool`'s grants per hour since `since` (hours without a grant left
-    /// out), oldest first: one covered scan of the `(pool, issued_at)`
-    /// index over the period's grants, whatever the pool's stock.
+    /// out; held codes are not grants), oldest first: one covered scan of
+    /// the `(pool, status, issued_at)` index over the period's grants,
+    /// whatever the pool's stock.
     pub async fn grants_by_hour(
         &self,
         pool: &str,
         since: DateTime,
     ) -> Result<Vec<(DateTime, u64)>, StoreError> {
         let pipeline = vec![
-            doc! {"$match": {"pool": pool, "issued_at": {"$gte": since}}},
+            doc! {"$match": grants_since(pool, since)},
             doc! {"$project": {"_id": 0, "issued_at": 1}},
             doc! {"$group": {
                 "_id": {"$dateTrunc": {"date": "$issued_at", "unit": "hour"}},
@@ -189,7 +209,7 @@ impl Store {
         let rows: Vec<Document> = self
             .collection(CODES)
             .aggregate(pipeline)
-            .hint(mongodb::options::Hint::Name("pool_issued_at".into()))
+            .hint(mongodb::options::Hint::Name(GRANTS_INDEX.into()))
             .await?
             .try_collect()
             .await?;
