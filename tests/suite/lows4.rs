@@ -1,6 +1,12 @@
 //! Issue 54, item 8 (the lows, each with a test):
-//! - held codes are not counted as issued in the pool stats' rates.
+//! - held codes are not counted as issued in the pool stats' rates;
+//! - a shop's key gets one answer for a pool it may not use, whether or not
+//!   the pool exists.
 
+use std::collections::HashSet;
+
+use bson::doc;
+use futures::StreamExt;
 use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
@@ -17,6 +23,42 @@ fn paid(order: &str, uid: &str, pool: &str, quantity: u32, hold_id: &str) -> Vec
            "quantity": quantity, "hold_id": hold_id})
     .to_string()
     .into_bytes()
+}
+
+/// A key of `shop` with `orders:write,orders:read`.
+async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
+    codepool_ok(
+        env,
+        &[
+            "api-keys",
+            "create",
+            "--name",
+            name,
+            "--shop",
+            shop,
+            "--scopes",
+            "orders:write,orders:read",
+        ],
+    )
+    .await
+    .trim()
+    .to_owned()
+}
+
+/// The ids of the codes with `filter`.
+async fn ids(env: &TestEnv, filter: bson::Document) -> HashSet<bson::oid::ObjectId> {
+    let mut out = HashSet::new();
+    let mut cur = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(filter)
+        .await
+        .unwrap();
+    while let Some(d) = cur.next().await {
+        out.insert(d.unwrap().get_object_id("_id").unwrap());
+    }
+    out
 }
 
 #[tokio::test]
@@ -78,6 +120,89 @@ async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
     assert_eq!(row["held"], 0, "{out}");
     assert_eq!(row["issued_last_hour"], 5, "{out}");
     assert_eq!(row["issued_last_day"], 5, "{out}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool() {
+    let env = TestEnv::new("lows4_pool_oracle").await;
+    env.fill_pool("mine", 10).await;
+    env.fill_pool("theirs", 10).await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "acme", "--pools", "mine"],
+    )
+    .await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "bolt", "--pools", "theirs"],
+    )
+    .await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let backend = key(&env, "backend", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // The same problem for a pool of another shop and a pool that does not
+    // exist, on both routes, with no operator command in it.
+    let answer = |path: &'static str, pool: &'static str| {
+        let (addr, acme) = (api.addr.clone(), acme.clone());
+        async move {
+            let body = if path == "/v1/orders" {
+                order(&format!("O-{pool}"), pool, 1)
+            } else {
+                hold(&format!("H-{pool}"), "u-1", pool, 1)
+            };
+            let (s, _, b) = http(&addr, "POST", path, Some(&acme), &body).await;
+            let p = json_of(&b);
+            let detail = p["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .replace(pool, "POOL");
+            (
+                s,
+                p["type"].clone(),
+                p["title"].clone(),
+                p["field"].clone(),
+                detail,
+            )
+        }
+    };
+    for path in ["/v1/orders", "/v1/holds"] {
+        let theirs = answer(path, "theirs").await;
+        let nowhere = answer(path, "nowhere").await;
+        assert_eq!(theirs, nowhere, "{path}: one answer for both");
+        let detail = &theirs.4;
+        assert!(
+            !detail.contains("codepool ") && !detail.contains("dead-letters"),
+            "{path}: an operator command in {detail:?}"
+        );
+        assert!(
+            !detail.contains("exist") && !detail.contains("has no codes"),
+            "{path}: {detail:?}"
+        );
+        assert_eq!(theirs.0, 403, "{path}: {theirs:?}");
+    }
+    assert_eq!(
+        ids(&env, doc! {"status": {"$ne": 0}}).await.len(),
+        0,
+        "nothing granted or held"
+    );
+
+    // An operator's key (no shop) keeps the precise answer.
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&backend),
+        &order("O-op", "nowhere", 1),
+    )
+    .await;
+    assert_eq!(s, 422);
+    assert!(json_of(&b)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("/unknown-pool"));
     api.stop().await;
     env.cleanup().await;
 }

@@ -39,9 +39,15 @@ pub(crate) fn hold_json(h: &HoldDoc) -> Value {
     })
 }
 
-/// A hold error as its problem.
-fn failed(e: HoldError, rid: &RequestId) -> Response {
+/// A hold error as its problem. A shop's key is told the same of a pool
+/// that does not exist and of a pool that is not its shop's, as for an
+/// order.
+fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
     let title = "nothing was held";
+    let e = match e {
+        HoldError::Invalid(pe) if key.shop.is_some() => HoldError::Invalid(pe.as_told_to_shop()),
+        e => e,
+    };
     let p = match &e {
         HoldError::Invalid(pe) => {
             let status = match pe.reason {
@@ -127,6 +133,7 @@ fn failed(e: HoldError, rid: &RequestId) -> Response {
         (status = 201, description = "every item is held until `expires_at`; no code is shown", body = crate::openapi::Hold),
         (status = 200, description = "the same hold again, as it stands now", body = crate::openapi::Hold),
         (status = 409, description = "short stock (`insufficient-stock`, with what each pool has free), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 429, description = "over the pool's share one buyer may hold, or the buyer's open holds (`hold-limit`); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -141,7 +148,7 @@ pub(crate) async fn place(
     }
     let req = match HoldRequest::parse(&body) {
         Ok(r) => r,
-        Err(e) => return failed(HoldError::Invalid(e), &rid),
+        Err(e) => return failed(HoldError::Invalid(e), &key, &rid),
     };
     let ask = holds::HoldAsk {
         req,
@@ -151,7 +158,7 @@ pub(crate) async fn place(
     match api.holds.place(ask).await {
         Ok((h, true)) => (StatusCode::CREATED, Json(hold_json(&h))).into_response(),
         Ok((h, false)) => (StatusCode::OK, Json(hold_json(&h))).into_response(),
-        Err(e) => failed(e, &rid),
+        Err(e) => failed(e, &key, &rid),
     }
 }
 
@@ -176,7 +183,7 @@ pub(crate) async fn read(
     let hold_id = codepool_domain::text::nfc(&hold_id);
     match holds::get(api.store(), &hold_id, Some(&key.owner())).await {
         Ok(h) => Json(hold_json(&h)).into_response(),
-        Err(e) => failed(e, &rid),
+        Err(e) => failed(e, &key, &rid),
     }
 }
 
@@ -208,6 +215,6 @@ pub(crate) async fn release(
             }
             Json(hold_json(&h)).into_response()
         }
-        Err(e) => failed(e, &rid),
+        Err(e) => failed(e, &key, &rid),
     }
 }

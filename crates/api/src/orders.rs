@@ -34,8 +34,18 @@ pub(crate) fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Respon
 }
 
 /// A purchase the core refused to take: 409 for an order id of another
-/// order, 422 for anything the request says wrong.
-fn rejected(e: &PurchaseError, rid: &RequestId) -> Response {
+/// order, 422 for anything the request says wrong. A shop's key is told
+/// the same of a pool that does not exist and of a pool that is not its
+/// shop's ([`PurchaseError::as_told_to_shop`]): 403, with no operator's
+/// command.
+fn rejected(e: &PurchaseError, key: &KeyDoc, rid: &RequestId) -> Response {
+    let told;
+    let e = if key.shop.is_some() {
+        told = e.clone().as_told_to_shop();
+        &told
+    } else {
+        e
+    };
     let status = match e.reason {
         RejectReason::ConflictingOrder => StatusCode::CONFLICT,
         RejectReason::PoolNotAllowed => StatusCode::FORBIDDEN,
@@ -91,6 +101,7 @@ fn grant_json(g: &Grant, reveal: bool) -> Value {
         (status = 200, description = "the same order again: the same codes, no second SMS", body = crate::openapi::Placed),
         (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = crate::openapi::Placed),
         (status = 409, description = "the order id belongs to another order (pool, buyer or quantity) or to another key (or came over AMQP), or the order was voided (`order-cancelled`); nothing granted, no code shown", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer over the pool's per-user limit", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
@@ -104,7 +115,7 @@ pub(crate) async fn place(
     }
     let mut purchase = match Purchase::parse(&body) {
         Ok(p) => p,
-        Err(e) => return rejected(&e, &rid),
+        Err(e) => return rejected(&e, &key, &rid),
     };
     // The order belongs to the key that placed it (to its shop, for a
     // shop's key): a repeat by any other key (or of an order that came
@@ -116,7 +127,7 @@ pub(crate) async fn place(
                 format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
             )
             .on("shop");
-            return rejected(&e, &rid);
+            return rejected(&e, &key, &rid);
         }
         purchase.shop = Some(shop.clone());
     }
@@ -140,7 +151,7 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
     };
     tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
     match step {
-        Step::DeadLetter(e) => rejected(&e, &rid),
+        Step::DeadLetter(e) => rejected(&e, key, &rid),
         Step::Cancelled(p) => cancelled(&p, &rid),
         Step::Refused(r) => refused_by_policy(&r, &rid),
         Step::Backorder { purchase, lines } => (

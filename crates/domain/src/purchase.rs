@@ -146,6 +146,9 @@ pub struct PurchaseError {
     pub detail: String,
     /// The purchase field at fault, when the reason alone does not say.
     field: Option<String>,
+    /// The pool the error is about, for an unknown pool or one the shop may
+    /// not use.
+    pool: Option<String>,
 }
 
 impl PurchaseError {
@@ -154,6 +157,38 @@ impl PurchaseError {
             reason,
             detail: detail.into(),
             field: None,
+            pool: None,
+        }
+    }
+
+    /// The same error, about `pool`.
+    fn about(mut self, pool: &str) -> Self {
+        self.pool = Some(pool.to_owned());
+        self
+    }
+
+    /// The pool the error is about (an unknown pool, or one the shop may
+    /// not use).
+    pub fn pool(&self) -> Option<&str> {
+        self.pool.as_deref()
+    }
+
+    /// The error as a shop is told it. A pool that does not exist and a
+    /// pool of another shop get one and the same answer, `pool_not_allowed`,
+    /// whose detail tells neither apart and names no operator's command:
+    /// the shop learns nothing of the pools that are not its. Every other
+    /// error is told as it is.
+    pub fn as_told_to_shop(self) -> Self {
+        match self.reason {
+            RejectReason::UnknownPool | RejectReason::PoolNotAllowed => {
+                let pool = self.pool.clone().unwrap_or_default();
+                Self {
+                    reason: RejectReason::PoolNotAllowed,
+                    detail: format!("pool {pool:?} is not one this shop orders from; order from the shop's pools (GET /v1/pools lists them)"),
+                    ..self
+                }
+            }
+            _ => self,
         }
     }
 
@@ -185,6 +220,7 @@ impl PurchaseError {
             RejectReason::UnknownPool,
             format!("pool {pool:?} has no codes; import codes into it with `codepool import FILE --pool {pool}`, then `codepool dead-letters replay`"),
         )
+        .about(pool)
     }
 
     /// The order id is taken by an order that differs from this one in
@@ -224,6 +260,7 @@ impl PurchaseError {
             RejectReason::PoolNotAllowed,
             format!("shop {shop:?} may not order from pool {pool:?}; order from one of the shop's pools, or add the pool to the shop (`codepool shops set --name {shop} --pools …`)"),
         )
+        .about(pool)
     }
 
     /// The message was delivered `count` times without being settled and
@@ -619,6 +656,18 @@ mod tests {
 
     fn reason(body: &str) -> RejectReason {
         Purchase::parse(body.as_bytes()).unwrap_err().reason
+    }
+
+    #[test]
+    fn a_shop_is_told_the_same_of_an_unknown_pool_and_a_pool_not_its() {
+        let unknown = PurchaseError::unknown_pool("p").as_told_to_shop();
+        let theirs = PurchaseError::pool_not_allowed("acme", "p").as_told_to_shop();
+        assert_eq!(unknown, theirs);
+        assert_eq!(unknown.reason, RejectReason::PoolNotAllowed);
+        assert_eq!(unknown.field(), Some("pool"));
+        assert!(!unknown.detail.contains('`'), "{}", unknown.detail);
+        let other = PurchaseError::new(RejectReason::InvalidPhone, "bad");
+        assert_eq!(other.clone().as_told_to_shop(), other);
     }
 
     #[test]
