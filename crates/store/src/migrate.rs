@@ -82,6 +82,8 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0018_shop_names",
         include_str!("../../../migrations/0018_shop_names.json"),
+    ),
+    (
         "0019_codes_grants_by_status",
         include_str!("../../../migrations/0019_codes_grants_by_status.json"),
     ),
