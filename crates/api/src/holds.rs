@@ -80,30 +80,21 @@ fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
         HoldError::Paused(_) => {
             Problem::new(StatusCode::CONFLICT, "pool-paused", title, e.to_string())
         }
-        HoldError::OverShare { limit, .. } => Problem::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "hold-limit",
+        HoldError::OverShare { limit, .. } => hold_limit(
             title,
             format!("{e}. Hold fewer codes, or pay for the codes held first"),
-        )
-        .with("limit", json!(limit))
-        .with("cap", json!("buyer-share")),
-        HoldError::TooManyHolds { limit, .. } => Problem::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "hold-limit",
-            title,
-            e.to_string(),
-        )
-        .with("limit", json!(limit))
-        .with("cap", json!("holds-per-buyer")),
-        HoldError::OwnerOverShare { limit, .. } => Problem::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "hold-limit",
+            *limit,
+            "buyer-share",
+        ),
+        HoldError::TooManyHolds { limit, .. } => {
+            hold_limit(title, e.to_string(), *limit, "holds-per-buyer")
+        }
+        HoldError::OwnerOverShare { limit, .. } => hold_limit(
             title,
             format!("{e}. Pay for or release this key's holds first"),
-        )
-        .with("limit", json!(limit))
-        .with("cap", json!("owner-share")),
+            *limit,
+            "owner-share",
+        ),
         HoldError::NotFound(id) => Problem::new(
             StatusCode::NOT_FOUND,
             "unknown-hold",
@@ -125,6 +116,13 @@ fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
 }
 
 /// `POST /v1/holds`: hold codes for a buyer's checkout, all or nothing.
+/// 429 `hold-limit`, naming the cap and its limit.
+fn hold_limit(title: &str, detail: String, limit: u64, cap: &str) -> Problem {
+    Problem::new(StatusCode::TOO_MANY_REQUESTS, "hold-limit", title, detail)
+        .with("limit", json!(limit))
+        .with("cap", json!(cap))
+}
+
 #[utoipa::path(
     post, path = "/v1/holds", tag = "holds",
     operation_id = "place_hold",

@@ -110,29 +110,10 @@ pub async fn commit_paid(
         let Some(h) = p.hold_id.as_ref().and_then(|id| holds.get(id)) else {
             continue;
         };
-        if h.state != HoldState::Held || h.order_id.as_ref().is_some_and(|o| *o != p.order_id) {
+        if !pays(p, h) {
             continue;
         }
-        if h.bundle || h.uid != p.uid || h.items != p.items() {
-            warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
-            continue;
-        }
-        if !gate::may_pay(h.owner.as_deref(), payer(p).as_deref()) {
-            warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order may not pay this hold (another key or shop); it is placed from stock");
-            continue;
-        }
-        let paused = (h.items.iter()).find(|i| {
-            gate::admit(
-                Move::Commit,
-                &gate::Ask {
-                    pool: &i.pool,
-                    policy: policy(&i.pool),
-                    slot: None,
-                },
-            )
-            .is_err()
-        });
-        if let Some(i) = paused {
+        if let Some(i) = paused_item(h, &policy) {
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, pool = %i.pool, "a paid hold of a paused pool: bound to its order, its codes back in stock; the order waits");
             paid.released
                 .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
@@ -148,29 +129,73 @@ pub async fn commit_paid(
                 .extend(end(store, h, HoldState::Released, None).await?);
             continue;
         }
-        // Bound to this order first (durably): if this process dies after
-        // the codes move, the hold is this order's, and no other order can
-        // pay it; the same order's retry finishes it.
-        if !store.bind_hold(&h.hold_id, &p.order_id).await? {
-            continue;
-        }
-        // A bundle is granted whole or waits whole: a held code recalled or
-        // expired while held would leave it half granted, so its hold goes
-        // back to stock and the bundle claims whole like any order.
-        if p.is_bundle() && store.live_held_count(&h.keys()).await? < u64::from(h.quantity()) {
-            paid.released
-                .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
-            continue;
-        }
-        let held = store.held_codes(&h.keys()).await?;
-        paid.committed
-            .extend(commit(store, p, &h.keys(), &held, resend).await?);
-        store
-            .end_hold(&h.hold_id, HoldState::Committed, Some(&p.order_id))
-            .await?;
-        metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
+        pay(store, p, h, resend, &mut paid).await?;
     }
     Ok(paid)
+}
+
+/// Whether order `p` may pay hold `h`: the hold is still held and not
+/// bound to another order, its buyer and items are the order's, and the
+/// payer may pay it ([`gate::may_pay`]). Otherwise the order is placed
+/// from stock.
+fn pays(p: &Purchase, h: &HoldDoc) -> bool {
+    if h.state != HoldState::Held || h.order_id.as_ref().is_some_and(|o| *o != p.order_id) {
+        return false;
+    }
+    if h.bundle || h.uid != p.uid || h.items != p.items() {
+        warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
+        return false;
+    }
+    if !gate::may_pay(h.owner.as_deref(), payer(p).as_deref()) {
+        warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order may not pay this hold (another key or shop); it is placed from stock");
+        return false;
+    }
+    true
+}
+
+/// The first item of `h` whose pool a pause stops ([`Move::Commit`]).
+fn paused_item<'h>(h: &'h HoldDoc, policy: &impl Fn(&str) -> PoolPolicy) -> Option<&'h Item> {
+    h.items.iter().find(|i| {
+        let ask = gate::Ask {
+            pool: &i.pool,
+            policy: policy(&i.pool),
+            slot: None,
+        };
+        gate::admit(Move::Commit, &ask).is_err()
+    })
+}
+
+/// Pays hold `h` with order `p`, whose slot is taken: binds the hold to
+/// the order, moves its codes to the order's lines and ends it.
+async fn pay(
+    store: &Store,
+    p: &Purchase,
+    h: &HoldDoc,
+    resend: Resend,
+    paid: &mut Paid,
+) -> Result<(), StoreError> {
+    // Bound to this order first (durably): if this process dies after the
+    // codes move, the hold is this order's, and no other order can pay it;
+    // the same order's retry finishes it.
+    if !store.bind_hold(&h.hold_id, &p.order_id).await? {
+        return Ok(());
+    }
+    // A bundle is granted whole or waits whole: a held code recalled or
+    // expired while held would leave it half granted, so its hold goes back
+    // to stock and the bundle claims whole like any order.
+    if p.is_bundle() && store.live_held_count(&h.keys()).await? < u64::from(h.quantity()) {
+        paid.released
+            .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
+        return Ok(());
+    }
+    let held = store.held_codes(&h.keys()).await?;
+    paid.committed
+        .extend(commit(store, p, &h.keys(), &held, resend).await?);
+    store
+        .end_hold(&h.hold_id, HoldState::Committed, Some(&p.order_id))
+        .await?;
+    metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
+    Ok(())
 }
 
 /// Ends hold `h` in `state` and puts its codes back in stock. Returns the

@@ -519,6 +519,91 @@ async fn first_count(store: &Store, pools: &[&str]) -> Result<HashMap<String, u6
         .collect())
 }
 
+/// What each buyer holds (open holds, codes per pool) and each owner holds
+/// (codes per pool), as a batch of holds adds its own.
+#[derive(Default)]
+struct Tally {
+    open_count: HashMap<String, u64>,
+    holding: HashMap<(String, String), u64>,
+    owned: HashMap<(String, String), u64>,
+}
+
+impl Tally {
+    fn new(open: &[HoldDoc], owned: &[HoldDoc]) -> Self {
+        let mut t = Self::default();
+        for h in open {
+            let buyer = codepool_domain::buyer_key(&h.uid);
+            *t.open_count.entry(buyer.clone()).or_default() += 1;
+            for i in &h.items {
+                *t.holding
+                    .entry((buyer.clone(), i.pool.clone()))
+                    .or_default() += u64::from(i.quantity);
+            }
+        }
+        for h in owned {
+            let Some(o) = &h.owner else { continue };
+            for i in &h.items {
+                *t.owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
+            }
+        }
+        t
+    }
+
+    /// Why `req` (by `buyer`, for `owner`) is over a cap, if it is. `caps`
+    /// gives a pool's open holds per buyer, codes per buyer and codes per
+    /// owner (none: no cap).
+    fn refusal(
+        &self,
+        req: &HoldRequest,
+        buyer: &str,
+        owner: Option<&String>,
+        caps: &impl Fn(&str) -> (u64, u64, Option<u64>),
+    ) -> Option<HoldError> {
+        req.items.iter().find_map(|i| {
+            let (per_uid, limit, owner_limit) = caps(&i.pool);
+            if self.open_count.get(buyer).copied().unwrap_or(0) >= per_uid {
+                return Some(HoldError::TooManyHolds {
+                    uid: req.uid.clone(),
+                    limit: per_uid,
+                });
+            }
+            let key = (buyer.to_owned(), i.pool.clone());
+            let wanted = self.holding.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
+            if wanted > limit {
+                return Some(HoldError::OverShare {
+                    uid: req.uid.clone(),
+                    pool: i.pool.clone(),
+                    wanted,
+                    limit,
+                });
+            }
+            let (o, limit) = (owner?, owner_limit?);
+            let key = (o.clone(), i.pool.clone());
+            let wanted = self.owned.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
+            (wanted > limit).then(|| HoldError::OwnerOverShare {
+                pool: i.pool.clone(),
+                wanted,
+                limit,
+            })
+        })
+    }
+
+    /// A hold of the batch, within its caps, by `buyer` and `owner`.
+    fn add(&mut self, buyer: &str, owner: Option<&String>, items: &[Item]) {
+        *self.open_count.entry(buyer.to_owned()).or_default() += 1;
+        for i in items {
+            *self
+                .holding
+                .entry((buyer.to_owned(), i.pool.clone()))
+                .or_default() += u64::from(i.quantity);
+            if let Some(o) = owner {
+                *self.owned.entry((o.clone(), i.pool.clone())).or_default() +=
+                    u64::from(i.quantity);
+            }
+        }
+    }
+}
+
 /// What the caps of a batch of holds are judged against.
 struct Limits<'a> {
     /// The batch's buyers' open holds (by buyer key).
@@ -579,72 +664,27 @@ async fn within_limits(
         (stock.get(pool).copied().unwrap_or(0) * u64::from(percent) / 100).max(1)
     };
     // What each buyer and each owner holds, as the batch adds its own.
-    let mut open_count: HashMap<String, u64> = HashMap::new();
-    let mut holding: HashMap<(String, String), u64> = HashMap::new();
-    for h in limits.open {
-        let buyer = codepool_domain::buyer_key(&h.uid);
-        *open_count.entry(buyer.clone()).or_default() += 1;
-        for i in &h.items {
-            *holding.entry((buyer.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
-        }
-    }
-    let mut owned: HashMap<(String, String), u64> = HashMap::new();
-    for h in limits.owned {
-        let Some(o) = &h.owner else { continue };
-        for i in &h.items {
-            *owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
-        }
-    }
+    let mut tally = Tally::new(limits.open, limits.owned);
     let mut within = Vec::with_capacity(todo.len());
     for k in todo {
         let req = &asks[k].req;
         let buyer = codepool_domain::buyer_key(&req.uid);
         let owner = limits.owners.get(k).cloned().flatten();
-        let refused = req.items.iter().find_map(|i| {
-            let (share, per_uid) = setting(&i.pool);
-            if open_count.get(&buyer).copied().unwrap_or(0) >= u64::from(per_uid) {
-                return Some(HoldError::TooManyHolds {
-                    uid: req.uid.clone(),
-                    limit: u64::from(per_uid),
-                });
-            }
-            let key = (buyer.clone(), i.pool.clone());
-            let wanted = holding.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
-            let limit = share_of(&i.pool, share);
-            if wanted > limit {
-                return Some(HoldError::OverShare {
-                    uid: req.uid.clone(),
-                    pool: i.pool.clone(),
-                    wanted,
-                    limit,
-                });
-            }
-            let o = owner.as_ref()?;
-            let percent = owner_share(owner_setting(&i.pool), o);
-            if percent >= 100 {
-                return None; // the stock itself is the limit
-            }
-            let key = (o.clone(), i.pool.clone());
-            let wanted = owned.get(&key).copied().unwrap_or(0) + u64::from(i.quantity);
-            let limit = share_of(&i.pool, percent);
-            (wanted > limit).then(|| HoldError::OwnerOverShare {
-                pool: i.pool.clone(),
-                wanted,
-                limit,
-            })
-        });
+        let caps = |pool: &str| {
+            let (share, per_uid) = setting(pool);
+            let owner_limit = (owner.as_ref())
+                .map(|o| owner_share(owner_setting(pool), o))
+                .filter(|percent| *percent < 100) // else the stock is the limit
+                .map(|percent| share_of(pool, percent));
+            (u64::from(per_uid), share_of(pool, share), owner_limit)
+        };
+        let refused = tally.refusal(req, &buyer, owner.as_ref(), &caps);
         if let Some(e) = refused {
             metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
             out[k] = Some(Err(e));
             continue;
         }
-        *open_count.entry(buyer.clone()).or_default() += 1;
-        for i in &req.items {
-            *holding.entry((buyer.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
-            if let Some(o) = &owner {
-                *owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
-            }
-        }
+        tally.add(&buyer, owner.as_ref(), &req.items);
         within.push(k);
     }
     Ok(within)
