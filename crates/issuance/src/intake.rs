@@ -205,7 +205,10 @@ impl Intake {
         names.sort_unstable();
         names.dedup();
         let shops = self.shops.get_many(&self.store, &names).await?;
-        let paying: Vec<&Purchase> = (paying.into_iter())
+        // Admitted, such an order is the shop's: its codes carry the
+        // shop's owner from the commit on, as the shop admission would
+        // stamp them.
+        let paying: Vec<Purchase> = (paying.into_iter())
             .filter(|p| match &p.shop {
                 None => true,
                 Some(s) => (shops.get(s).and_then(Option::as_ref)).is_some_and(|shop| {
@@ -213,7 +216,15 @@ impl Intake {
                         && p.pools().iter().all(|x| shop.allows(x))
                 }),
             })
+            .map(|p| {
+                let mut p = p.clone();
+                if let Some(shop) = &p.shop {
+                    p.owner = Some(crate::shops::owner_of(shop));
+                }
+                p
+            })
             .collect();
+        let paying: Vec<&Purchase> = paying.iter().collect();
         let paid = crate::held::commit_paid(&self.store, &paying, policies, resend).await?;
         self.engine.offer(&paid.released).await;
         if !paid.committed.is_empty() {
