@@ -54,7 +54,9 @@ run: services build
 # the failover test, which starts the replicated servers (scripts/cluster.sh,
 # idempotent, ports apart) and kills their members; the cluster is stopped
 # after it, pass or fail, so no server of this checkout outlives `make test`.
-TEST_TARGETS := --workspace --lib --bins --test suite --test generators
+# The suite's failpoints are compiled into the test build only.
+FAILPOINTS := --features codepool/failpoints
+TEST_TARGETS := --workspace --lib --bins --test suite --test generators $(FAILPOINTS)
 # The seeded checker (tests/suite/checker.rs) runs four codepool processes
 # and kills them: it runs alone, after the rest, from the same build.
 CHECKER := checker::
@@ -63,20 +65,20 @@ CHECK_ENV = CODEPOOL_CHECK_SECS=$(SECS) $(if $(SEED),CODEPOOL_CHECK_SEED=$(SEED)
 test: services deploy-tools browser
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked $(TEST_TARGETS) --no-fail-fast -E 'not test(/^$(CHECKER)/)'
-	$(CHECK_ENV) $(CARGO) nextest run --locked -p codepool --test suite --no-capture -E 'test(/^$(CHECKER)/)'
-	$(CARGO) nextest run --locked -p codepool --test chaos
-	$(CARGO) nextest run --locked -p codepool --test failover --no-capture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
+	$(CHECK_ENV) $(CARGO) nextest run --locked -p codepool $(FAILPOINTS) --test suite --no-capture -E 'test(/^$(CHECKER)/)'
+	$(CARGO) nextest run --locked -p codepool $(FAILPOINTS) --test chaos
+	$(CARGO) nextest run --locked -p codepool $(FAILPOINTS) --test failover --no-capture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 else
 	$(CARGO) test --locked $(TEST_TARGETS) --no-fail-fast -- --skip $(CHECKER)
-	$(CHECK_ENV) $(CARGO) test --locked -p codepool --test suite $(CHECKER) -- --nocapture
-	$(CARGO) test --locked -p codepool --test chaos
-	$(CARGO) test --locked -p codepool --test failover -- --nocapture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
+	$(CHECK_ENV) $(CARGO) test --locked -p codepool $(FAILPOINTS) --test suite $(CHECKER) -- --nocapture
+	$(CARGO) test --locked -p codepool $(FAILPOINTS) --test chaos
+	$(CARGO) test --locked -p codepool $(FAILPOINTS) --test failover -- --nocapture; s=$$?; bash scripts/cluster.sh stop >/dev/null 2>&1; exit $$s
 endif
 
 # The checker alone: `make check SEED=123` replays seed 123's mix;
 # `make check SECS=600` runs it for ten minutes.
 check: services
-	$(CHECK_ENV) $(CARGO) test --locked -p codepool --test suite $(CHECKER) -- --nocapture
+	$(CHECK_ENV) $(CARGO) test --locked -p codepool $(FAILPOINTS) --test suite $(CHECKER) -- --nocapture
 
 chaos: services
 	CODEPOOL_CHAOS=full $(CARGO) test --locked --release -p codepool --test chaos -- --nocapture

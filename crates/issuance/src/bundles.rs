@@ -15,7 +15,7 @@
 //! held after [`crate::held::BUNDLE_STRAY_AFTER`].
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::OnceLock;
+
 use std::time::Duration;
 
 use codepool_domain::{Code, CodeId, Grant, Purchase};
@@ -27,17 +27,24 @@ use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::held::{as_order_grant, commits_of, item_claims, item_offsets};
 use crate::Resend;
 
-/// For the suite's crash test only: how long to wait between a bundle's
-/// two steps (`CODEPOOL_TEST_BUNDLE_PAUSE_MS`), so a `kill -9` can land
-/// there. Unset in production.
+/// A failpoint for the suite's crash test: how long to wait between a
+/// bundle's two steps (`CODEPOOL_TEST_BUNDLE_PAUSE_MS`), so a `kill -9` can
+/// land there. Only in builds with the `failpoints` feature.
+#[cfg(feature = "failpoints")]
 fn pause_between_steps() -> Option<Duration> {
-    static PAUSE: OnceLock<Option<Duration>> = OnceLock::new();
+    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *PAUSE.get_or_init(|| {
         std::env::var("CODEPOOL_TEST_BUNDLE_PAUSE_MS")
             .ok()
             .and_then(|v| v.parse().ok())
             .map(Duration::from_millis)
     })
+}
+
+/// Without the `failpoints` feature there is no pause.
+#[cfg(not(feature = "failpoints"))]
+fn pause_between_steps() -> Option<Duration> {
+    None
 }
 
 /// What the bundles of a batch got, aligned with the input, and the pools
