@@ -10,7 +10,6 @@ use std::time::Duration;
 use codepool_domain::gate::{self, HoldState, Move};
 use codepool_domain::{CodeId, Grant, Item, PoolPolicy, Purchase};
 use codepool_store::holds::{HeldCode, HoldDoc};
-use codepool_store::policies::QuotaAsk;
 use codepool_store::{ClaimAssignment, Store, StoreError};
 use tracing::{debug, warn};
 
@@ -225,19 +224,7 @@ async fn per_user_slots<'a>(
     let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
         .map(|(p, h)| (*p, h.items.clone()))
         .collect();
-    let asks: Vec<QuotaAsk> = (items.iter())
-        .flat_map(|(p, items)| {
-            (items.iter())
-                .filter(|i| policy(&i.pool).limits_users())
-                .map(|i| QuotaAsk {
-                    pool: &i.pool,
-                    uid: &p.uid,
-                    order_id: &p.order_id,
-                    codes: i.quantity,
-                    limit: policy(&i.pool).per_user,
-                })
-        })
-        .collect();
+    let asks = crate::policy::quota_asks(&items, policy);
     let taken = store.take_quota_slots(&asks).await?;
     Ok(payable
         .iter()

@@ -374,19 +374,7 @@ async fn refuse_over_limit(
         .filter(|p| !refused.contains_key(&p.order_id))
         .map(|p| (*p, p.items()))
         .collect();
-    let asks: Vec<QuotaAsk> = (items.iter())
-        .flat_map(|(p, items)| {
-            (items.iter())
-                .filter(|i| policy(&i.pool).limits_users())
-                .map(|i| QuotaAsk {
-                    pool: &i.pool,
-                    uid: &p.uid,
-                    order_id: &p.order_id,
-                    codes: i.quantity,
-                    limit: policy(&i.pool).per_user,
-                })
-        })
-        .collect();
+    let asks = quota_asks(&items, policy);
     let slots = store.take_quota_slots(&asks).await?;
     // Millisecond precision, as stored: a redelivery's event is identical.
     let now = bson::DateTime::now().to_chrono();
@@ -411,6 +399,28 @@ async fn refuse_over_limit(
         refused.extend(recorded_refusals(store, limited, &raced).await?);
     }
     Ok(refused)
+}
+
+/// The per-user slots `items` (each order with the items it takes) ask,
+/// one per item of a pool with a per-user limit: a claim from stock and
+/// the commit of a paid hold take them alike.
+pub(crate) fn quota_asks<'a>(
+    items: &'a [(&'a Purchase, Vec<codepool_domain::Item>)],
+    policy: &impl Fn(&str) -> PoolPolicy,
+) -> Vec<QuotaAsk<'a>> {
+    (items.iter())
+        .flat_map(|(p, items)| {
+            (items.iter())
+                .filter(|i| policy(&i.pool).limits_users())
+                .map(|i| QuotaAsk {
+                    pool: &i.pool,
+                    uid: &p.uid,
+                    order_id: &p.order_id,
+                    codes: i.quantity,
+                    limit: policy(&i.pool).per_user,
+                })
+        })
+        .collect()
 }
 
 /// The recorded refusals of `orders`, as refusals of the purchases.
