@@ -23,6 +23,7 @@ mod hostile_http3;
 mod hostile_input;
 mod hotpool;
 mod importer;
+mod layers;
 mod lows4;
 mod messages;
 mod monitoring;

@@ -22,11 +22,11 @@
 
 use std::sync::{Arc, Weak};
 
-use codepool_domain::{CodeId, Purchase};
-use codepool_issuance::audit::{self, Actor};
+use codepool_domain::Purchase;
+use codepool_issuance::audit::Actor;
+use codepool_issuance::placing::PlaceError;
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
-use codepool_issuance::ports::SmsLedger;
 use codepool_issuance::{Intake, Resend};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -41,26 +41,41 @@ pub const ANNOUNCING: usize = 8;
 /// Longest a batch's announcements wait for the broker's confirms.
 const ANNOUNCE_FOR: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// Why a batch could not be decided: every request in it gets this.
-#[derive(Debug, Clone)]
-pub(crate) struct Failure {
-    pub message: String,
-    /// MongoDB (or the broker) is away: 503, try again.
-    pub unavailable: bool,
+/// Why a batch could not be decided: every request in it gets this (one
+/// error, shared).
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum Failure {
+    /// Nothing of the batch was claimed, or what was is owed by the relay.
+    #[error(transparent)]
+    Place(Arc<PlaceError>),
+    /// A repeat's codes are shown only once its reveal is recorded.
+    #[error("the repeat was not audited, so its codes are not shown: {0}")]
+    Unaudited(Arc<codepool_issuance::StoreError>),
+    #[error("the core decided {got} steps for {asked} orders")]
+    Miscounted { got: usize, asked: usize },
+    #[error("the API is stopping")]
+    Stopping,
 }
 
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
+impl Failure {
+    /// MongoDB (or the broker) is away, this process misses a key, or it
+    /// is stopping: 503, and the same request succeeds later (here or on
+    /// another API process).
+    pub(crate) fn is_unavailable(&self) -> bool {
+        match self {
+            Self::Place(e) => e.is_retryable(),
+            Self::Unaudited(e) => e.is_unavailable(),
+            Self::Miscounted { .. } => false,
+            Self::Stopping => true,
+        }
     }
 }
 
 struct Ask {
     purchase: Purchase,
-    /// Who asks (`api-key:NAME`) and the request id: a repeat answered
-    /// with codes is audited under them.
-    who: String,
-    request: String,
+    /// Who asks (`api-key:NAME`, and the request id): a repeat answered
+    /// with codes is audited under it.
+    actor: Actor,
     reply: oneshot::Sender<Result<Step, Failure>>,
 }
 
@@ -99,20 +114,18 @@ impl Batcher {
         request: String,
     ) -> Result<Step, Failure> {
         let (reply, answer) = oneshot::channel();
-        let gone = || Failure {
-            message: "the API is stopping".into(),
-            unavailable: true,
-        };
         self.tx
             .send(Ask {
                 purchase,
-                who,
-                request,
+                actor: Actor {
+                    who,
+                    via: format!("POST /v1/orders, a repeat (request {request})"),
+                },
                 reply,
             })
             .await
-            .map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+            .map_err(|_| Failure::Stopping)?;
+        answer.await.map_err(|_| Failure::Stopping)?
     }
 }
 
@@ -139,7 +152,10 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaph
         // as the AMQP door's do; each request's own lines carry its order.
         let span = tracing::info_span!("batch", door = "http", size = asks.len());
         let work = async move {
+            // The catalogue sweeps wait for a quiet moment.
+            let underway = api.parts().activity.batch();
             let plan = answer_batch(&api, asks).await;
+            drop(underway);
             drop(permit);
             if let Some(plan) = plan {
                 announce(&api, &plan).await;
@@ -154,20 +170,21 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaph
 /// whose announcements are still owed.
 async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
     metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
-    let whom: Vec<(String, String)> = (asks.iter())
-        .map(|a| (a.who.clone(), a.request.clone()))
-        .collect();
-    let (purchases, replies): (Vec<_>, Vec<_>) =
-        asks.into_iter().map(|a| (a.purchase, a.reply)).unzip();
+    let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
+        .map(|a| ((a.purchase, a.actor), a.reply))
+        .unzip();
+    let (purchases, actors): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
     match place(api.intake(), purchases).await {
         Ok(plan) => {
             // No record, no reveal: the repeats' audit records, one write
             // for the batch, before any answer.
-            let audited = audit_repeats(api, &plan.steps, &whom).await;
+            let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
+                .await
+                .map_err(|e| Failure::Unaudited(Arc::new(e)));
             plan.steps.iter().for_each(placing::log_step);
-            placing::count(&plan);
+            placing::account(&plan, api.core().stock(), &api.broker().publisher);
             for (reply, step) in replies.into_iter().zip(&plan.steps) {
-                let answer = match (&audited, is_repeat(step)) {
+                let answer = match (&audited, placing::is_repeat(step)) {
                     (Err(e), true) => Err(e.clone()),
                     _ => Ok(step.clone()),
                 };
@@ -184,55 +201,8 @@ async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
     }
 }
 
-/// Whether a step answers codes issued before its request (a repeat).
-fn is_repeat(step: &Step) -> bool {
-    matches!(step, Step::Grant { grants, fresh, .. }
-        if (*fresh as usize) < grants.len() && grants.iter().any(|g| !g.revoked))
-}
-
-/// Records, in one durable write, every repeat of the batch that shows
-/// codes again, with the key and request that asked.
-async fn audit_repeats(
-    api: &Api,
-    steps: &[Step],
-    whom: &[(String, String)],
-) -> Result<(), Failure> {
-    if !steps.iter().any(is_repeat) {
-        return Ok(());
-    }
-    let reveals: Vec<codepool_store::audit::Reveal> = (steps.iter().zip(whom))
-        .filter(|(s, _)| is_repeat(s))
-        .filter_map(|(s, (who, request))| {
-            let Step::Grant {
-                purchase, grants, ..
-            } = s
-            else {
-                return None;
-            };
-            let shown: Vec<CodeId> = (grants.iter())
-                .filter(|g| !g.revoked)
-                .map(|g| g.code_id)
-                .collect();
-            let actor = Actor {
-                who: who.clone(),
-                via: format!("POST /v1/orders, a repeat (request {request})"),
-            };
-            let what = format!("order {:?}", purchase.order_id);
-            let count = shown.len() as u64;
-            Some(audit::reveal_of(&actor, what, shown, count))
-        })
-        .collect();
-    api.store()
-        .record_reveals(&reveals)
-        .await
-        .map_err(|e| Failure {
-            unavailable: e.is_unavailable(),
-            message: format!("{e}; the repeat was not audited, so its codes are not shown"),
-        })
-}
-
-/// Publishes what a placed batch owes, then takes the codes whose events
-/// were confirmed off the relay's list. A mark not recorded (this process
+/// Publishes what a placed batch owes; the grants whose events were
+/// confirmed leave the relay's list. A mark not recorded (this process
 /// stopped, MongoDB away) only means the relay sends the event again, with
 /// the same `event_id`.
 async fn announce(api: &Api, plan: &BatchPlan) {
@@ -259,32 +229,22 @@ async fn announce(api: &Api, plan: &BatchPlan) {
             "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
         );
     }
-    if announced.confirmed.is_empty() {
-        return;
-    }
-    if let Err(e) = api.store().mark_published(&announced.confirmed).await {
-        tracing::warn!(error = %e, "SMS marks not recorded; the relay sends the events again");
-    }
 }
 
 /// The durable half of one batch through the core: claimed, with its
 /// backorders recorded. No message of an HTTP order is redelivered: the
 /// relay owes the events of a grant no one saw confirmed.
 async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {
-    let n = purchases.len();
+    let asked = purchases.len();
     let parsed = purchases.into_iter().map(Ok).collect();
-    let plan = (intake.place(parsed, &[], Resend::ByRelay).await).map_err(|e| Failure {
-        // A key missing from this process's key file: nothing was
-        // claimed, and another API process (or this one, once its key
-        // file is complete) takes the same request.
-        unavailable: e.is_retryable(),
-        message: e.to_string(),
-    })?;
-    if plan.steps.len() != n {
-        return Err(Failure {
-            message: format!("the core decided {} steps for {n} orders", plan.steps.len()),
-            unavailable: false,
-        });
+    // A key missing from this process's key file: nothing was claimed,
+    // and another API process (or this one, once its key file is
+    // complete) takes the same request.
+    let plan = (intake.place(parsed, &[], Resend::ByRelay).await)
+        .map_err(|e| Failure::Place(Arc::new(e)))?;
+    if plan.steps.len() != asked {
+        let got = plan.steps.len();
+        return Err(Failure::Miscounted { got, asked });
     }
     Ok(plan)
 }

@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use codepool_issuance::holds::{self, HoldError, HoldRequest};
-use codepool_store::holds::HoldDoc;
+use codepool_issuance::model::HoldDoc;
 use serde_json::{json, Value};
 
 use crate::keys::{KeyDoc, Scope};
@@ -102,15 +102,7 @@ fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
             format!("codepool has no hold {id:?} of this key; check the id, or place one with POST /v1/holds"),
         ),
         _ if e.is_unavailable() => Problem::unavailable(&e),
-        _ => {
-            tracing::error!(error = %e, "hold failed");
-            Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "codepool could not finish the request",
-                format!("{e}; nothing was held twice. Send the request again; if it fails again, give the request id to an operator"),
-            )
-        }
+        _ => Problem::internal(&e, "nothing was held twice"),
     };
     p.at(&rid.0).into_response()
 }

@@ -10,7 +10,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use codepool_importer::{import_reader, Header, ImportError, ImportOptions};
+use codepool_issuance::imports::{self, Header, ImportError, ImportOptions};
 use futures::TryStreamExt;
 use serde::Deserialize;
 use serde_json::json;
@@ -79,32 +79,28 @@ pub(crate) async fn upload(
         header,
         ..ImportOptions::default()
     };
-    let summary = match import_reader(api.store(), input, &name, 0, &pool, &options, &|_| {}).await
-    {
-        Ok(s) => s,
-        Err(e) => return import_failed(e, &rid),
-    };
-    tracing::info!(pool = %pool, import_id = %summary.import_id, inserted = summary.inserted, invalid = summary.invalid, key = %key.name, "import uploaded");
-    let what = format!(
-        "import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
-        summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid
-    );
     let actor =
         codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/imports");
     let broker = api.broker();
-    if let Err(e) = codepool_issuance::controls::imported(
+    let uploaded = imports::upload(
         api.store(),
         &broker.publisher,
+        input,
+        &name,
         &pool,
-        summary.inserted,
-        what,
+        &options,
         &actor,
-    )
-    .await
-    {
-        tracing::warn!(error = %e, "import done; {e}");
-    }
-    if summary.invalid > 0 && summary.inserted + summary.duplicates == 0 {
+    );
+    let summary = match uploaded.await {
+        Ok(u) => {
+            if let Err(e) = u.finished {
+                tracing::warn!(error = %e, "import done; {e}");
+            }
+            u.summary
+        }
+        Err(e) => return import_failed(e, &rid),
+    };
+    if imports::all_rows_invalid(&summary) {
         return Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "all-rows-invalid",
@@ -140,7 +136,11 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Store(s) if s.is_unavailable() => {
             return Problem::unavailable(&e).at(&rid.0).into_response()
         }
-        ImportError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ImportError::Store(_) => {
+            return Problem::internal(&e, "the import stopped; run it again to finish it")
+                .at(&rid.0)
+                .into_response()
+        }
         ImportError::Pool(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-pool"),
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
         ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),

@@ -10,12 +10,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::SecondsFormat;
-use codepool_domain::{mask, Code, CodeStatus, Grant, Purchase, PurchaseError, RejectReason};
+use codepool_domain::{mask, Code, Grant, Purchase, PurchaseError, RejectReason};
 use codepool_issuance::audit::{self, Actor};
+use codepool_issuance::model::CodeQuery;
+use codepool_issuance::model::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_issuance::ops;
 use codepool_issuance::plan::Step;
-use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
-use codepool_store::CodeQuery;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -64,15 +64,9 @@ fn failed(e: &dyn std::fmt::Display, unavailable: bool, rid: &RequestId) -> Resp
     if unavailable {
         return Problem::unavailable(e).at(&rid.0).into_response();
     }
-    tracing::error!(error = %e, "request failed");
-    Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "codepool could not finish the request",
-        format!("{e}; nothing was granted twice. Send the request again; if it fails again, give the request id to an operator"),
-    )
-    .at(&rid.0)
-    .into_response()
+    Problem::internal(e, "nothing was granted twice")
+        .at(&rid.0)
+        .into_response()
 }
 
 fn time(t: chrono::DateTime<chrono::Utc>) -> String {
@@ -117,21 +111,9 @@ pub(crate) async fn place(
         Ok(p) => p,
         Err(e) => return rejected(&e, &key, &rid),
     };
-    // The order belongs to the key that placed it (to its shop, for a
-    // shop's key): a repeat by any other key (or of an order that came
-    // over AMQP) is a conflict, with no code.
-    if let Some(shop) = &key.shop {
-        if purchase.shop.as_ref().is_some_and(|s| s != shop) {
-            let e = PurchaseError::new(
-                RejectReason::UnknownShop,
-                format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
-            )
-            .on("shop");
-            return rejected(&e, &key, &rid);
-        }
-        purchase.shop = Some(shop.clone());
+    if let Err(e) = key.stamp(&mut purchase) {
+        return rejected(&e, &key, &rid);
     }
-    purchase.owner = Some(key.owner());
     // Every line logged for this order names it, its pool and the door.
     let span = tracing::info_span!("order", order_id = %purchase.order_id, pool = %purchase.pool, door = "http");
     tracing::Instrument::instrument(answer(&api, &key, &rid, purchase), span).await
@@ -147,7 +129,7 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
         .await
     {
         Ok(step) => step,
-        Err(e) => return failed(&e, e.unavailable, &rid),
+        Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
     tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, quantity = purchase.quantity, key = %key.name, "order placed");
     match step {
@@ -265,7 +247,7 @@ pub(crate) async fn read(
         Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
     // A shop's key reads only its shop's orders.
-    if found.is_empty() || (key.shop.is_some() && !owned_by(&found, &key)) {
+    if found.is_empty() || (key.shop.is_some() && !found.is_owned_by(&key.owner())) {
         return Problem::new(
             StatusCode::NOT_FOUND,
             "unknown-order",
@@ -304,16 +286,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
         Ok(f) => f,
         Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
     };
-    (!owned_by(&found, key)).then(|| not_yours(order_id, rid))
-}
-
-/// Whether the order `found` was placed by `key` (or its shop).
-fn owned_by(found: &ops::Lookup, key: &KeyDoc) -> bool {
-    let owner = (found.codes.first())
-        .and_then(|c| c.holder.as_ref())
-        .and_then(|h| h.owner.clone())
-        .or_else(|| found.backorders.first().and_then(|b| b.owner.clone()));
-    owner.as_deref() == Some(key.owner().as_str())
+    (!found.is_owned_by(&key.owner())).then(|| not_yours(order_id, rid))
 }
 
 fn not_yours(order_id: &str, rid: &RequestId) -> Response {
@@ -333,20 +306,7 @@ fn order_json(order_id: &str, found: &ops::Lookup, reveal: bool) -> Value {
         .filter(|b| b.status == "waiting")
         .flat_map(|b| b.waiting_lines())
         .collect();
-    let state = if !found.refusals.is_empty() {
-        "refused"
-    } else if found.codes.is_empty() {
-        found
-            .backorders
-            .first()
-            .map_or("unknown", |b| b.status.as_str())
-    } else if !waiting.is_empty() {
-        "partly_granted"
-    } else if found.codes.iter().all(|c| c.status == CodeStatus::Void) {
-        "void"
-    } else {
-        "granted"
-    };
+    let state = found.state().map_or("unknown", |s| s.name());
     let first = found.codes.first().and_then(|c| c.holder.as_ref());
     json!({
         "order_id": order_id,

@@ -10,9 +10,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use codepool_domain::Pool;
-use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
-use codepool_store::pools::PoolDoc;
-use codepool_store::stats::PoolStats;
+use codepool_issuance::model::PoolDoc;
+use codepool_issuance::model::PoolStats;
+use codepool_issuance::model::{PoolSettings, PoolSettingsError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -24,21 +24,13 @@ type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 /// Most pools one page returns.
 pub const MAX_PAGE: i64 = 500;
 
-fn failed(e: &codepool_store::StoreError, rid: &RequestId) -> Response {
+fn failed(e: &codepool_issuance::StoreError, rid: &RequestId) -> Response {
     if e.is_unavailable() {
         return Problem::unavailable(e).at(&rid.0).into_response();
     }
-    tracing::error!(error = %e, "request failed");
-    Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "codepool could not finish the request",
-        format!(
-            "{e}; send the request again; if it fails again, give the request id to an operator"
-        ),
-    )
-    .at(&rid.0)
-    .into_response()
+    Problem::internal(e, "nothing was changed twice")
+        .at(&rid.0)
+        .into_response()
 }
 
 fn unknown(pool: &str, rid: &RequestId) -> Response {

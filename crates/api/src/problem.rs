@@ -110,18 +110,32 @@ impl Problem {
     }
 
     /// 503: a server codepool needs is away; the request changed nothing
-    /// that a retry would repeat.
+    /// that a retry would repeat. The cause is logged for the operator;
+    /// the body names no server, address or command.
     pub fn unavailable(e: &dyn std::fmt::Display) -> Self {
+        tracing::warn!(error = %e, "answered 503");
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
             "a server codepool needs is unavailable",
-            format!(
-                "{e}; send the request again in a few seconds (the same order gets the same codes)"
-            ),
+            "send the request again in a few seconds (the same order gets the same codes)"
+                .to_owned(),
         );
         p.retry_after = Some(2);
         p
+    }
+
+    /// 500: something failed that a retry may not fix. The cause is
+    /// logged for the operator, under the request id the body carries;
+    /// the body says what did not happen twice (`kept`) and no more.
+    pub fn internal(e: &dyn std::fmt::Display, kept: &str) -> Self {
+        tracing::error!(error = %e, "answered 500");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "codepool could not finish the request",
+            format!("{kept}. Send the request again; if it fails again, give the request id (instance) to an operator"),
+        )
     }
 }
 

@@ -9,8 +9,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use codepool_issuance::audit::Actor;
+use codepool_issuance::model::ShopDoc;
 use codepool_issuance::shops::{self, ShopError};
-use codepool_store::shops::ShopDoc;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -32,7 +32,11 @@ fn shop_failed(e: ShopError, rid: &RequestId) -> Response {
         ShopError::Store(s) if s.is_unavailable() => {
             return Problem::unavailable(&e).at(&rid.0).into_response()
         }
-        ShopError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ShopError::Store(_) => {
+            return Problem::internal(&e, "the shop was not changed")
+                .at(&rid.0)
+                .into_response()
+        }
         ShopError::Exists(_) => (StatusCode::CONFLICT, "shop-exists"),
         ShopError::Unknown(_) => (StatusCode::NOT_FOUND, "unknown-shop"),
         _ => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-shop"),

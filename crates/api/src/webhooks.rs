@@ -9,8 +9,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use codepool_issuance::audit::Actor;
-use codepool_issuance::webhooks::{self, guard::AllowHosts, WebhookError};
-use codepool_store::webhooks::{AttemptDoc, EndpointDoc};
+use codepool_issuance::model::{AttemptDoc, EndpointDoc};
+use codepool_issuance::webhooks::{self, WebhookError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -45,7 +45,11 @@ fn failed(e: WebhookError, rid: &RequestId) -> Response {
         WebhookError::Store(s) if s.is_unavailable() => {
             return Problem::unavailable(&e).at(&rid.0).into_response()
         }
-        WebhookError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
+        WebhookError::Store(_) => {
+            return Problem::internal(&e, "nothing was changed")
+                .at(&rid.0)
+                .into_response()
+        }
         WebhookError::UnknownShop(_) => (StatusCode::NOT_FOUND, "unknown-shop", Some("shop")),
         WebhookError::UnknownEndpoint(_) => (StatusCode::NOT_FOUND, "unknown-webhook", None),
         WebhookError::UnknownEvent(_) | WebhookError::NoEvents => (
@@ -147,7 +151,7 @@ pub(crate) async fn add(
         }
     };
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks");
-    let allow = AllowHosts::from_env();
+    let allow = api.allow_hosts().clone();
     match webhooks::add(
         api.store(),
         &new.shop,

@@ -36,7 +36,6 @@ use codepool_api::{Api, ApiConfig, Scope};
 use codepool_broker::Publisher;
 use codepool_dispatcher::DispatcherConfig;
 use codepool_domain::{CodeStatus, Purchase};
-use codepool_issuance::Intake;
 use codepool_store::Store;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo};
@@ -208,9 +207,7 @@ pub(crate) struct ApiServer {
 impl ApiServer {
     pub(crate) async fn start(scratch: &'static Scratch) -> anyhow::Result<Self> {
         let (cfg, store) = (&scratch.cfg, &scratch.store);
-        let hot = codepool::context::hot_pool(cfg)?;
-        let numbers = codepool::context::grant_numbers(cfg, store)?;
-        let engine = codepool::context::claim_engine_with(store, hot.clone(), numbers)?;
+        let parts = codepool::context::parts(cfg, store)?;
         let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-bench-api").await?);
         let publisher = Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
@@ -218,9 +215,7 @@ impl ApiServer {
             rate_per_key: RATE_PER_KEY,
             ..ApiConfig::default()
         };
-        let intake = Intake::new(store.clone(), engine);
-        let core =
-            codepool_issuance::Core::new(store.clone(), intake, Arc::new(hot), conn, publisher);
+        let core = codepool_issuance::Core::new(parts, conn, publisher);
         let api = Api::new(core, config);
         let stop = CancellationToken::new();
         let listen: SocketAddr = "127.0.0.1:0".parse()?;

@@ -69,13 +69,8 @@ pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Re
     // The dispatcher's start is part of the measurement.
     let started = Instant::now();
     let cfg = &scratch.cfg;
-    let hot = codepool::context::hot_pool(cfg)?;
-    let numbers = codepool::context::grant_numbers(cfg, &scratch.store)?;
-    let engine = codepool::context::claim_engine_with(&scratch.store, hot.clone(), numbers)?;
     let dispatcher = Dispatcher::new(
-        engine,
-        scratch.store.clone(),
-        hot,
+        codepool::context::parts(cfg, &scratch.store)?,
         DispatcherConfig {
             amqp_url: cfg.amqp_url.clone(),
             topology: cfg.topology(),

@@ -75,6 +75,19 @@ pub struct Config {
     )]
     pub amqp_prefix: String,
 
+    /// Webhook hosts let through whatever their address or scheme (a
+    /// comma-separated list, for development: a receiver on 127.0.0.1 or
+    /// over plain http). Read once, here.
+    #[arg(
+        long,
+        env = "CODEPOOL_WEBHOOK_ALLOW_HOSTS",
+        default_value = "",
+        hide_default_value = true,
+        global = true,
+        help_heading = "Webhooks"
+    )]
+    pub webhook_allow_hosts: String,
+
     /// Type of the queues codepool declares: quorum (replicated, with a
     /// delivery limit) or classic (single node, as before). A queue keeps
     /// the type it was created with.
@@ -129,6 +142,11 @@ pub enum LogFormat {
 }
 
 impl Config {
+    /// The webhook hosts let through whatever their address.
+    pub fn allow_hosts(&self) -> codepool_issuance::webhooks::guard::AllowHosts {
+        codepool_issuance::webhooks::guard::AllowHosts::parse(&self.webhook_allow_hosts)
+    }
+
     /// The key file: `--key-file`, `CODEPOOL_KEY_FILE`, or the default
     /// under the user's configuration directory.
     pub fn key_path(&self) -> PathBuf {

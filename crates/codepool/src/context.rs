@@ -134,6 +134,19 @@ pub fn claim_engine_with(
     ))
 }
 
+/// The services of a process that grants, built once from the config:
+/// the API's core and the dispatcher take the same ones.
+pub fn parts(cfg: &Config, store: &Store) -> anyhow::Result<codepool_issuance::background::Parts> {
+    let hot = hot_pool(cfg)?;
+    let engine = claim_engine_with(store, hot.clone(), grant_numbers(cfg, store)?)?;
+    Ok(codepool_issuance::background::Parts::new(
+        store.clone(),
+        engine,
+        Arc::new(hot),
+        cfg.allow_hosts(),
+    ))
+}
+
 /// A publisher on a fresh connection, with the topology declared.
 pub async fn publisher(cfg: &Config, name: &str) -> anyhow::Result<(lapin::Connection, Publisher)> {
     let conn = codepool_broker::connect(&cfg.amqp_url, name).await?;

@@ -56,9 +56,15 @@ pub mod exit {
     /// keeps it as its `source()` for code, not for people.
     pub fn chain_text(e: &anyhow::Error) -> String {
         let mut line = String::new();
+        let mut hint = None;
         for cause in e.chain() {
             if cause.is::<mongodb::error::Error>() || cause.is::<Box<mongodb::error::Error>>() {
                 break;
+            }
+            if let Some(h) = (cause.downcast_ref::<codepool_store::StoreError>())
+                .and_then(codepool_store::StoreError::operator_hint)
+            {
+                hint = Some(h);
             }
             let text = cause.to_string();
             if !line.contains(&text) {
@@ -67,6 +73,10 @@ pub mod exit {
                 }
                 line.push_str(&text);
             }
+        }
+        if let Some(hint) = hint {
+            line.push_str("; ");
+            line.push_str(hint);
         }
         line
     }

@@ -5,7 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use maud::html;
 
-use codepool_store::StoreError;
+use codepool_issuance::StoreError;
 
 use crate::operators::Role;
 
@@ -31,8 +31,9 @@ pub enum Failure {
 
 impl From<StoreError> for Failure {
     fn from(e: StoreError) -> Self {
-        if e.is_unavailable() {
-            Failure::Unavailable(e.to_string())
+        if let Some(hint) = e.operator_hint() {
+            // Operators read the console: they get what to do.
+            Failure::Unavailable(format!("{e}; {hint}"))
         } else {
             Failure::Internal(e.to_string())
         }

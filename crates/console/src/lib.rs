@@ -25,7 +25,7 @@ mod chart;
 mod failure;
 mod frame;
 mod layout;
-pub mod operators;
+pub use codepool_issuance::operators;
 mod pages;
 pub mod sessions;
 pub mod throttle;

@@ -32,12 +32,12 @@ impl Dispatcher {
     ) {
         let received = Instant::now();
         // Upkeep waits while a batch is underway, whichever way it ends.
-        let _underway = self.activity.batch();
+        let _underway = self.parts.activity.batch();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
         let Some(mut plan) = self.decide(&deliveries, stop).await else {
             // Handed back at once when this process cannot open codes:
             // another dispatcher takes them (this one stops consuming).
-            if !self.intake.keys().missing().is_empty() {
+            if !self.parts.intake.keys().missing().is_empty() {
                 let back = vec![codepool_issuance::plan::Settlement::Requeue; deliveries.len()];
                 acks.settle(&deliveries, &back).await;
             }
@@ -53,17 +53,13 @@ impl Dispatcher {
         let settlements = settle(&plan, &unconfirmed);
         acks.settle(&deliveries, &settlements).await;
 
-        placing::count(&plan);
+        // Counted, and pools that just lost stock get a (throttled) check.
+        placing::account(&plan, &self.parts.stock, publisher);
         let elapsed = received.elapsed().as_secs_f64();
         metrics::histogram!("codepool_batch_seconds").record(elapsed);
         let settled = deliveries.len() - unconfirmed.len();
         metrics::histogram!("codepool_end_to_end_seconds").record_many(elapsed, settled);
         codepool_issuance::telemetry::record_settled(settled as u64);
-        // Pools that just lost stock get a (throttled) stock check (stock.rs).
-        self.stock.after_grants(
-            plan.granted_pools.iter().map(|(p, n)| (p.as_str(), *n)),
-            publisher,
-        );
     }
 
     /// The plan for the batch, retried while MongoDB is away. `None` when
@@ -75,7 +71,8 @@ impl Dispatcher {
                 Ok(plan) => {
                     self.mongo.ok();
                     self.health.set_mongo(true);
-                    self.health.set_redis_degraded(self.engine.is_degraded());
+                    self.health
+                        .set_redis_degraded(self.parts.intake.engine().is_degraded());
                     return Some(plan);
                 }
                 Err(e) if e.is_unavailable() => {
@@ -136,7 +133,8 @@ impl Dispatcher {
         // again: a grant an earlier delivery made for it (and crashed before
         // its confirm) is handed to the relay, which sends its event.
         let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
-        self.intake
+        self.parts
+            .intake
             .decide(parsed, &at_limit, Resend::ByRedelivery)
             .await
     }
@@ -148,7 +146,7 @@ impl Dispatcher {
     async fn record_backorders(&self, plan: &mut BatchPlan, stop: &CancellationToken) -> bool {
         let mut retry = Retry::new();
         loop {
-            match self.intake.record_backorders(plan).await {
+            match self.parts.intake.record_backorders(plan).await {
                 Ok(_) => return true,
                 Err(e) => self.mongo.failed(&e),
             }
@@ -212,11 +210,11 @@ impl Dispatcher {
         let (announced, dead) = tokio::join!(
             placing::announce(
                 plan,
-                &self.outbox,
+                &self.parts.outbox,
                 publisher,
                 Texting::Every,
                 only,
-                self.intake.store()
+                self.parts.intake.store()
             ),
             dead_letter(plan, deliveries, publisher, only),
         );

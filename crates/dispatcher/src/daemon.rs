@@ -7,26 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use codepool_broker::{BrokerError, Topology};
-use codepool_hotpool::HotPool;
-use codepool_issuance::webhooks::{guard::AllowHosts, Deliverer};
-use codepool_store::Store;
+use codepool_issuance::background::Parts;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info};
 
-use codepool_issuance::claim::ClaimEngine;
 use codepool_issuance::health::Health;
-use codepool_issuance::intake::Intake;
 use codepool_issuance::outage::{Outage, Retry};
-use codepool_issuance::outbox::Outbox;
-use codepool_issuance::stock::{StockConfig, StockWatch};
 
 /// How often a broker set-up that retrying cannot fix is checked again.
 const PERMANENT_RETRY: Duration = Duration::from_secs(60);
-
-/// A dispatcher checks each pool's stock at most this often: with a
-/// thousand busy pools, a check a second per pool (a pool read and a
-/// bounded count each) was thousands of queries a second.
-const DISPATCH_STOCK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How the daemon runs. Defaults suit one dispatcher on a small machine;
 /// the CLI's defaults are these constants, written once.
@@ -45,10 +34,9 @@ pub struct DispatcherConfig {
     pub linger: Duration,
     /// Time allowed to finish in-flight batches after a stop signal.
     pub grace: Duration,
-    /// How often the relay and the backorder sweep run.
-    pub sweep_every: Duration,
-    /// A grant whose event is unconfirmed for this long is re-published.
-    pub relay_after: Duration,
+    /// How often the background work runs (the same in every process
+    /// that grants).
+    pub schedules: codepool_issuance::background::Schedules,
     /// Connection name shown in RabbitMQ.
     pub name: String,
     /// Broker users whose `code.redeemed` events are applied (RabbitMQ
@@ -84,8 +72,7 @@ impl Default for DispatcherConfig {
             workers: Self::DEFAULT_WORKERS,
             linger: Duration::from_millis(Self::DEFAULT_LINGER_MS),
             grace: Duration::from_secs(7),
-            sweep_every: Duration::from_secs(10),
-            relay_after: Duration::from_secs(30),
+            schedules: Default::default(),
             name: format!("codepool-dispatch-{}", std::process::id()),
             redeemers: Vec::new(),
         }
@@ -104,48 +91,25 @@ pub(crate) enum SessionEnd {
 
 /// The daemon. Stateless: run as many as needed on one queue.
 pub struct Dispatcher {
-    pub(crate) store: Store,
-    pub(crate) hot: HotPool,
-    pub(crate) engine: ClaimEngine,
-    pub(crate) outbox: Outbox,
+    /// The services every granting process builds the same way
+    /// ([`Parts::new`]): the store, the intake that decides batches
+    /// (shared with the HTTP door's core), the outbox, the hot pool, the
+    /// stock watch, and the activity the background sweeps wait on.
+    pub(crate) parts: Parts,
     pub(crate) config: DispatcherConfig,
     pub(crate) health: Arc<Health>,
-    /// The core that decides batches (shared with the HTTP door).
-    pub(crate) intake: Intake,
     pub(crate) mongo: Outage,
     pub(crate) amqp: Outage,
-    /// Stock gauges and low-stock alerts (stock.rs).
-    pub(crate) stock: Arc<StockWatch>,
-    /// Batches being placed: upkeep waits for a quiet moment (upkeep.rs).
-    pub(crate) activity: Arc<crate::upkeep::Activity>,
 }
 
 impl Dispatcher {
-    pub fn new(
-        engine: ClaimEngine,
-        store: Store,
-        hot: HotPool,
-        config: DispatcherConfig,
-        health: Arc<Health>,
-    ) -> Arc<Self> {
+    pub fn new(parts: Parts, config: DispatcherConfig, health: Arc<Health>) -> Arc<Self> {
         Arc::new(Self {
-            stock: StockWatch::new(
-                store.clone(),
-                StockConfig {
-                    min_interval: DISPATCH_STOCK_INTERVAL,
-                    ..StockConfig::default()
-                },
-            ),
-            outbox: Outbox::new(Arc::new(store.clone())),
-            intake: Intake::new(store.clone(), engine.clone()),
-            store,
-            hot,
-            engine,
+            parts,
             config,
             health,
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
-            activity: Arc::default(),
         })
     }
 
@@ -165,10 +129,6 @@ impl Dispatcher {
             let (this, stop) = (self.clone(), probe_stop.clone());
             async move { this.probe_loop(stop).await }
         });
-        // Every process that grants also delivers its shops' webhooks.
-        let hooks = tokio::spawn(
-            Deliverer::new(self.store.clone(), AllowHosts::from_env()).run(probe_stop.clone()),
-        );
         loop {
             match self.clone().session(&shutdown).await {
                 Ok(SessionEnd::Shutdown) => break,
@@ -190,7 +150,6 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     probe_stop.cancel();
                     let _ = prober.await;
-                    let _ = hooks.await;
                     return Err(e);
                 }
                 Err(e) if e.is_permanent() => {
@@ -218,7 +177,6 @@ impl Dispatcher {
         }
         probe_stop.cancel();
         let _ = prober.await;
-        let _ = hooks.await;
         info!("dispatcher stopped");
         Ok(())
     }
@@ -232,11 +190,11 @@ impl Dispatcher {
                 _ = shutdown.cancelled() => return false,
                 _ = tokio::time::sleep(codepool_issuance::keywatch::RECHECK) => {}
             }
-            if let Err(e) = self.intake.keys().refresh(&self.store).await {
+            if let Err(e) = self.parts.intake.keys().refresh(&self.parts.store).await {
                 debug!(error = %e, "key registry not read; trying again");
                 continue;
             }
-            if self.intake.keys().missing().is_empty() {
+            if self.parts.intake.keys().missing().is_empty() {
                 self.health.set_keys_missing(false);
                 return true;
             }
@@ -247,15 +205,23 @@ impl Dispatcher {
     /// every 2 seconds.
     async fn probe_loop(&self, stop: CancellationToken) {
         loop {
-            if self.intake.keys().refresh(&self.store).await.is_ok() {
+            if self
+                .parts
+                .intake
+                .keys()
+                .refresh(&self.parts.store)
+                .await
+                .is_ok()
+            {
                 self.health
-                    .set_keys_missing(!self.intake.keys().missing().is_empty());
+                    .set_keys_missing(!self.parts.intake.keys().missing().is_empty());
             }
-            let up = tokio::time::timeout(Duration::from_secs(3), self.store.ping())
+            let up = tokio::time::timeout(Duration::from_secs(3), self.parts.store.ping())
                 .await
                 .is_ok_and(|r| r.is_ok());
             self.health.set_mongo(up);
-            self.health.set_redis_degraded(self.engine.is_degraded());
+            self.health
+                .set_redis_degraded(self.parts.intake.engine().is_degraded());
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(Duration::from_secs(2)) => {}

@@ -10,8 +10,8 @@
 
 use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
 use codepool_domain::{SmsPending, SmsReceipt};
-use codepool_store::lifecycle::{ReceiptKind, ReceiptOutcome};
-use codepool_store::{Store, StoreError};
+use codepool_issuance::model::{ReceiptKind, ReceiptOutcome};
+use codepool_issuance::{Store, StoreError};
 use lapin::message::Delivery;
 use tracing::{debug, info, warn};
 

@@ -12,9 +12,10 @@
 //! applied redemption is audited with the broker user that sent it.
 
 use codepool_domain::{mask, Redemption};
-use codepool_store::audit::Action;
-use codepool_store::lifecycle::{CodeRef, LifecycleError};
-use codepool_store::{Store, StoreError};
+use codepool_issuance::audit::Actor;
+use codepool_issuance::model::{CodeRef, LifecycleError};
+use codepool_issuance::ops;
+use codepool_issuance::{Store, StoreError};
 use lapin::message::Delivery;
 use tracing::{debug, info, warn};
 
@@ -63,16 +64,9 @@ pub async fn apply_redemption(
         Redemption::Code { pool, code } => CodeRef::Code { pool, code },
         Redemption::Order { order_id } => CodeRef::Order(order_id),
     };
-    let result = match store.redeem(target).await {
+    let actor = Actor::amqp_user(user, "code.redeemed event");
+    let result = match ops::redeem(store, target, &actor).await {
         Ok(done) => {
-            store
-                .record_action(&Action {
-                    who: format!("amqp-user:{user}"),
-                    kind: "redeem".into(),
-                    command: "code.redeemed event".into(),
-                    what: format!("{}: {} code(s) used", target.describe(), done.len()),
-                })
-                .await?;
             for t in done {
                 info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.holder.as_ref().map_or("", |h| h.order_id.as_str()), "code redeemed");
             }

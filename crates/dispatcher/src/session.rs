@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use codepool_broker::{BrokerError, ConsumerHandle, OpenConsumer, Publisher};
 use codepool_domain::{PoolEvent, PoolEventKind};
-use codepool_store::ObjectId;
+use codepool_issuance::model::ObjectId;
 use futures::stream::SelectAll;
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
@@ -17,12 +17,11 @@ use lapin::{Connection, Consumer};
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::acks::AckWindow;
 use crate::daemon::{Dispatcher, SessionEnd};
-use codepool_issuance::backorders::fulfil_backorders;
-use codepool_issuance::relay::relay_unconfirmed;
+use codepool_issuance::background;
 
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
@@ -38,6 +37,8 @@ const STOPPING: &str = "codepool dispatcher stopping";
 struct Background {
     stop: CancellationToken,
     sweeper: JoinHandle<()>,
+    /// Receipts and redemptions, and the background work every granting
+    /// process runs ([`background::start`]).
     upkeep: JoinSet<()>,
     /// The consumers the tasks read: receipts, redemptions, pool events.
     consumers: Vec<ConsumerHandle>,
@@ -83,8 +84,11 @@ impl Dispatcher {
         Ok(end)
     }
 
-    /// Receipts, redemptions, expiry and stock sweeps (upkeep.rs), and the
-    /// relay and backorder sweep.
+    /// Receipts and redemptions (upkeep.rs), the background work of every
+    /// granting process ([`background::start`]: relay, holds, backorders,
+    /// expiry and stock, webhooks) on this session's publisher, and the
+    /// backorders of a pool served as soon as it is replenished or
+    /// resumed.
     async fn start_background(
         self: Arc<Self>,
         conn: &Connection,
@@ -103,20 +107,27 @@ impl Dispatcher {
         }
         let replenished = futures::stream::select_all(stock_events);
         let stop = shutdown.child_token();
-        let upkeep = crate::upkeep::spawn(
+        let mut upkeep = crate::upkeep::spawn(
             conn,
-            self.store.clone(),
-            self.hot.clone(),
-            crate::upkeep::Watch {
-                stock: self.stock.clone(),
-                activity: self.activity.clone(),
-            },
-            publisher.clone(),
+            self.parts.store.clone(),
+            publisher.topology(),
             std::sync::Arc::new(cfg.redeemers.clone()),
             stop.clone(),
         )
         .await?;
         consumers.extend(upkeep.consumers);
+        let session_publisher = publisher.clone();
+        let mut granting = background::start(
+            &self.parts,
+            Arc::new(move || Some(session_publisher.clone())),
+            self.health.clone(),
+            cfg.schedules,
+            stop.clone(),
+        );
+        // One set to stop and await.
+        upkeep
+            .tasks
+            .spawn(async move { while granting.join_next().await.is_some() {} });
         let sweeper = tokio::spawn(self.clone().sweep_loop(
             publisher.clone(),
             replenished,
@@ -153,7 +164,7 @@ impl Dispatcher {
             let Ok(permit) = permit else {
                 return SessionEnd::Shutdown;
             };
-            if !self.intake.keys().missing().is_empty() {
+            if !self.parts.intake.keys().missing().is_empty() {
                 return SessionEnd::KeysMissing;
             }
             let first = tokio::select! {
@@ -283,30 +294,20 @@ impl Dispatcher {
         }
     }
 
-    /// Periodically re-publishes unconfirmed events and fulfils backorders;
-    /// also fulfils a pool's backorders as soon as it is replenished or
-    /// resumed.
+    /// Fulfils a pool's backorders as soon as it is replenished or
+    /// resumed (the periodic sweep is [`background::start`]'s).
     async fn sweep_loop(
         self: Arc<Self>,
         publisher: Publisher,
         mut replenished: SelectAll<Consumer>,
         stop: CancellationToken,
     ) {
-        let mut tick = tokio::time::interval(self.config.sweep_every);
         loop {
-            let pools: Vec<String> = tokio::select! {
+            let pool = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tick.tick() => match self.sweep_tick(&publisher).await {
-                    Some(pools) => pools,
-                    None => continue,
-                },
                 ev = replenished.next() => match ev {
                     Some(Ok(d)) => match serde_json::from_slice::<PoolEvent>(&d.data) {
-                        Ok(e) => {
-                            self.stock.forget(&e.pool);
-                            self.engine.replenished(&e.pool);
-                            vec![e.pool]
-                        }
+                        Ok(e) => e.pool,
                         Err(e) => {
                             warn!(error = %e, "ignored a pool.replenished/pool.resumed event that is not a pool event");
                             continue;
@@ -315,53 +316,17 @@ impl Dispatcher {
                     _ => { stop.cancelled().await; return; }
                 },
             };
+            self.parts.stock.forget(&pool);
+            self.parts.intake.engine().replenished(&pool);
             // Nothing is claimed here either while the key file lacks a
             // key codes are sealed with (see keywatch.rs).
-            if !matches!(self.intake.keys().ensure(&self.store).await, Ok(Ok(()))) {
+            if !matches!(
+                self.parts.intake.keys().ensure(&self.parts.store).await,
+                Ok(Ok(()))
+            ) {
                 continue;
             }
-            for pool in pools {
-                if stop.is_cancelled() {
-                    return;
-                }
-                if let Err(e) = fulfil_backorders(
-                    &self.engine,
-                    &self.store,
-                    &self.outbox,
-                    &publisher,
-                    &pool,
-                    &stop,
-                )
-                .await
-                {
-                    warn!(pool, error = %e, "fulfilling backorders failed; will retry at the next sweep");
-                }
-            }
-        }
-    }
-
-    /// The relay, then the pools that have backorders waiting.
-    async fn sweep_tick(&self, publisher: &Publisher) -> Option<Vec<String>> {
-        let cfg = &self.config;
-        if let Err(e) =
-            relay_unconfirmed(&self.store, &self.outbox, publisher, cfg.relay_after, 1000).await
-        {
-            debug!(error = %e, "relay skipped; retried at the next sweep");
-        }
-        // Expired holds' codes go back to stock first, so the backorders
-        // below are served with them before anyone else takes them.
-        if let Err(e) = codepool_issuance::holds::expire_due(&self.intake).await {
-            debug!(error = %e, "hold sweep skipped; retried at the next sweep");
-        }
-        match self.store.pools_with_backorders().await {
-            Ok(p) => {
-                codepool_issuance::telemetry::record_backorders_waiting(&p);
-                Some(p)
-            }
-            Err(e) => {
-                debug!(error = %e, "backorder sweep skipped; retried at the next sweep");
-                None
-            }
+            background::fulfil(&self.parts, &publisher, [pool], &stop).await;
         }
     }
 }

@@ -1,17 +1,15 @@
 //! Upkeep: what a dispatcher session does besides purchases. It applies
 //! SMS receipts ([`crate::receipts`]) and `code.redeemed` events
-//! ([`crate::redemptions`]) from their durable queues, and every
-//! [`StockConfig::sweep_every`](crate::stock::StockConfig), at the first
-//! quiet moment, voids expired codes ([`crate::expiry`]) and re-checks
-//! every pool's stock ([`crate::stock`]). All of it stops with the session.
+//! ([`crate::redemptions`]) from their durable queues. All of it stops
+//! with the session. The sweeps every granting process runs (relay,
+//! holds, backorders, expiry, stock, webhooks) are the core's
+//! ([`codepool_issuance::background`]).
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use codepool_broker::{BrokerError, ConsumerHandle, Publisher};
-use codepool_hotpool::HotPool;
-use codepool_store::{Store, StoreError};
+use codepool_broker::{BrokerError, ConsumerHandle, Topology};
+use codepool_issuance::{Store, StoreError};
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
@@ -22,9 +20,7 @@ use tracing::{debug, warn};
 
 use crate::receipts::apply_receipt;
 use crate::redemptions::apply_redemption;
-use codepool_issuance::expiry::expire_codes;
 use codepool_issuance::outage::Retry;
-use codepool_issuance::stock::StockWatch;
 
 /// Unacked receipts or redemptions one session holds at once.
 const PREFETCH: u16 = 64;
@@ -43,13 +39,10 @@ pub struct Upkeep {
 pub async fn spawn(
     conn: &Connection,
     store: Store,
-    hot: HotPool,
-    watch: Watch,
-    publisher: Publisher,
+    topology: &Topology,
     redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
 ) -> Result<Upkeep, BrokerError> {
-    let topology = publisher.topology();
     let receipts = codepool_broker::consume(conn, &topology.sms_receipts, PREFETCH).await?;
     let redemptions = codepool_broker::consume(conn, &topology.code_redeemed, PREFETCH).await?;
     let consumers = vec![receipts.handle, redemptions.handle];
@@ -75,7 +68,6 @@ pub async fn spawn(
             }
         },
     ));
-    tasks.spawn(sweep(store, hot, watch, publisher, stop));
     Ok(Upkeep { tasks, consumers })
 }
 
@@ -119,116 +111,5 @@ where
         if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
             debug!(queue, error = %e, "ack failed; the message will be redelivered and applied again harmlessly");
         }
-    }
-}
-
-/// Every `sweep_every`: void expired codes, then re-check every pool's
-/// stock (gauges, alerts, re-arming after imports). Both read the whole
-/// catalogue, so a sweep first waits for a quiet moment ([`quiet`]): at a
-/// start with purchases queued, the backlog is served before the catalogue
-/// is counted.
-async fn sweep(
-    store: Store,
-    hot: HotPool,
-    Watch { stock, activity }: Watch,
-    publisher: Publisher,
-    stop: CancellationToken,
-) {
-    let every = stock.config().sweep_every;
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = quiet(&activity, every) => {}
-        }
-        if let Err(e) = expire_codes(&store, &hot, None).await {
-            debug!(error = %e, "expiry sweep skipped");
-        }
-        if let Err(e) = stock.check_all(&publisher).await {
-            debug!(error = %e, "stock sweep skipped");
-        }
-    }
-}
-
-/// What the sweep reads: the stock checks it runs, and the dispatcher's
-/// activity it waits on.
-pub struct Watch {
-    pub stock: Arc<StockWatch>,
-    pub activity: Arc<Activity>,
-}
-
-/// Whether the dispatcher is placing purchases: the batches underway, and
-/// when the last one ended. Shared by a dispatcher's sessions.
-#[derive(Debug, Default)]
-pub struct Activity {
-    state: Mutex<Batches>,
-}
-
-#[derive(Debug, Default)]
-struct Batches {
-    underway: usize,
-    last_end: Option<Instant>,
-}
-
-impl Activity {
-    /// A batch is underway until the returned guard is dropped.
-    pub(crate) fn batch(self: &Arc<Self>) -> BatchUnderway {
-        if let Ok(mut s) = self.state.lock() {
-            s.underway += 1;
-        }
-        BatchUnderway(self.clone())
-    }
-
-    /// When the dispatcher will have been quiet for [`QUIET`], counting
-    /// from `since` at the earliest; `None` while a batch is underway.
-    fn quiet_at(&self, since: Instant) -> Option<Instant> {
-        let s = self.state.lock().ok()?;
-        (s.underway == 0).then(|| s.last_end.map_or(since, |t| t.max(since)) + QUIET)
-    }
-}
-
-/// See [`Activity::batch`].
-pub(crate) struct BatchUnderway(Arc<Activity>);
-
-impl Drop for BatchUnderway {
-    fn drop(&mut self) {
-        if let Ok(mut s) = self.0.state.lock() {
-            s.underway = s.underway.saturating_sub(1);
-            s.last_end = Some(Instant::now());
-        }
-    }
-}
-
-/// How long the dispatcher must have had no batch underway for a sweep to
-/// start: longer than a session takes to receive its first purchases, and
-/// than the gap between two batches of a backlog.
-const QUIET: Duration = Duration::from_secs(1);
-
-/// How often a sweep waiting on a batch underway looks again.
-const LOOK_AGAIN: Duration = Duration::from_millis(50);
-
-/// Returns once the dispatcher has had no batch underway for [`QUIET`]
-/// (counted from now at the earliest: a session's first batch comes a
-/// moment after it starts), or after `most` whatever the load, so steady
-/// traffic delays a sweep by one period at most.
-async fn quiet(activity: &Activity, most: Duration) {
-    let began = Instant::now();
-    let deadline = began + most;
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return;
-        }
-        let wait = match activity.quiet_at(began) {
-            Some(at) if now >= at => return,
-            Some(at) => at - now,
-            None => LOOK_AGAIN,
-        };
-        tokio::time::sleep(wait.min(deadline - now)).await;
     }
 }

@@ -511,6 +511,13 @@ impl<'de> serde::de::Visitor<'de> for UniqueKeys {
     }
 }
 
+/// An id field of a JSON body (`order_id`, `uid`, `hold_id`), by the id
+/// rules: a non-empty string of at most 128 visible characters, compared
+/// as NFC. The error names `field`.
+pub fn required_id(map: &Map<String, Value>, field: &str) -> Result<String, PurchaseError> {
+    required(map, field, MAX_ID_LEN)
+}
+
 fn required(map: &Map<String, Value>, field: &str, max: usize) -> Result<String, PurchaseError> {
     match optional(map, field, max)? {
         Some(v) => Ok(v),

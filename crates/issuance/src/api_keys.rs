@@ -98,6 +98,29 @@ impl KeyDoc {
             None => format!("api-key-id:{}", self.id),
         }
     }
+
+    /// Makes `purchase` this key's order: its owner is the key's (see
+    /// [`Self::owner`]), and a shop's key orders for its shop only. A
+    /// shop's key that names another shop is refused, on the `shop` field.
+    /// The order then belongs to the key: a repeat by any other key (or of
+    /// an order that came over AMQP) is a conflict, with no code.
+    pub fn stamp(
+        &self,
+        purchase: &mut codepool_domain::Purchase,
+    ) -> Result<(), codepool_domain::PurchaseError> {
+        if let Some(shop) = &self.shop {
+            if purchase.shop.as_ref().is_some_and(|s| s != shop) {
+                return Err(codepool_domain::PurchaseError::new(
+                    codepool_domain::RejectReason::UnknownShop,
+                    format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
+                )
+                .on("shop"));
+            }
+            purchase.shop = Some(shop.clone());
+        }
+        purchase.owner = Some(self.owner());
+        Ok(())
+    }
 }
 
 /// A new key: its record and the token to hand to the shop, once.

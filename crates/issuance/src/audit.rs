@@ -39,6 +39,15 @@ impl Actor {
         }
     }
 
+    /// A broker user, through a message it published (RabbitMQ checked
+    /// the user as the message's `user_id`).
+    pub fn amqp_user(user: &str, message: &str) -> Self {
+        Self {
+            who: format!("amqp-user:{user}"),
+            via: message.to_owned(),
+        }
+    }
+
     /// The operating-system user running a CLI command.
     pub fn os_user(user: &str, host: &str, command: &str) -> Self {
         Self {

@@ -312,23 +312,6 @@ pub async fn create_pool(store: &Store, pool: &str, actor: &Actor) -> Result<boo
     Ok(created)
 }
 
-/// Records an import run (`what`: its id, pool, file and counts) with
-/// `actor`, then announces its new codes (see [`announce_replenished`]).
-/// The import is durable before this: an error here means the codes are
-/// in, but unaudited or unannounced.
-pub async fn imported(
-    store: &Store,
-    publisher: &Publisher,
-    pool: &str,
-    inserted: u64,
-    what: String,
-    actor: &Actor,
-) -> Result<(), ImportedError> {
-    audit::record(store, actor, "import", what).await?;
-    announce_replenished(store, publisher, pool, inserted).await?;
-    Ok(())
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ImportedError {
     #[error("the codes are imported, but the import was not audited: {0}")]

@@ -1,16 +1,20 @@
-//! The services every door shares, in one place: the store, the intake
-//! (placing orders), the outbox (SMS-pending events), the hot pool and the
-//! broker connection in use. The HTTP API and the console hold the same
-//! [`Core`]; neither holds the other's state.
+//! The services every door shares, in one place: the process's [`Parts`]
+//! (the store, the intake that places orders, the outbox, the hot pool,
+//! the stock watch) and the broker connection in use. The HTTP API and
+//! the console hold the same [`Core`]; neither holds the other's state.
+//! The dispatcher holds the same [`Parts`] with its own sessions.
 
 use std::sync::{Arc, RwLock};
 
 use codepool_broker::Publisher;
 use codepool_store::Store;
 
+use crate::background::Parts;
 use crate::intake::Intake;
 use crate::outbox::Outbox;
 use crate::ports::CandidatePool;
+use crate::stock::StockWatch;
+use crate::webhooks::guard::AllowHosts;
 
 /// A broker connection and the confirm-mode publisher on it.
 #[derive(Clone)]
@@ -21,51 +25,53 @@ pub struct Broker {
 
 /// What every door's handlers share.
 pub struct Core {
-    store: Store,
-    intake: Intake,
-    outbox: Outbox,
-    /// The hot pool, which a recall or a void clears of the codes it
-    /// voids.
-    hot: Arc<dyn CandidatePool>,
+    parts: Parts,
     /// Replaced after an outage ([`Core::set_broker`]).
     broker: RwLock<Broker>,
 }
 
 impl Core {
-    pub fn new(
-        store: Store,
-        intake: Intake,
-        hot: Arc<dyn CandidatePool>,
-        conn: Arc<lapin::Connection>,
-        publisher: Publisher,
-    ) -> Arc<Self> {
+    pub fn new(parts: Parts, conn: Arc<lapin::Connection>, publisher: Publisher) -> Arc<Self> {
         Arc::new(Self {
-            outbox: Outbox::new(Arc::new(store.clone())),
-            store,
-            intake,
-            hot,
+            parts,
             broker: RwLock::new(Broker { conn, publisher }),
         })
     }
 
+    /// The services this core was built from (the background work takes
+    /// them: [`crate::background::start`]).
+    pub fn parts(&self) -> &Parts {
+        &self.parts
+    }
+
     /// The store every door shares.
     pub fn store(&self) -> &Store {
-        &self.store
+        &self.parts.store
     }
 
     /// The intake (known pool, conflicting order, pause, limit, claim).
     pub fn intake(&self) -> &Intake {
-        &self.intake
+        &self.parts.intake
     }
 
     /// The outbox that sends SMS-pending events and marks them sent.
     pub fn outbox(&self) -> &Outbox {
-        &self.outbox
+        &self.parts.outbox
+    }
+
+    /// Stock checks after grants ([`crate::placing::account`]).
+    pub fn stock(&self) -> &Arc<StockWatch> {
+        &self.parts.stock
     }
 
     /// The hot pool (a recall clears the codes it voids from it).
     pub fn hot(&self) -> &Arc<dyn CandidatePool> {
-        &self.hot
+        &self.parts.hot
+    }
+
+    /// Webhook hosts let through whatever their address.
+    pub fn allow_hosts(&self) -> &AllowHosts {
+        &self.parts.allow_hosts
     }
 
     /// The broker connection and publisher in use now.

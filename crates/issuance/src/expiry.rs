@@ -3,8 +3,9 @@
 //! `expired`) so stock and stats tell the truth, and takes them out of the
 //! hot pool so claimers stop drawing dead candidates.
 
-use codepool_hotpool::HotPool;
 use codepool_store::{Store, StoreError};
+
+use crate::ports::CandidatePool;
 use tracing::{debug, info};
 
 /// Voids expired unissued codes (of one pool, or all) and drops them from
@@ -12,13 +13,12 @@ use tracing::{debug, info};
 /// leaves stale candidates, which the claim's condition refuses anyway.
 pub async fn expire_codes(
     store: &Store,
-    hot: &HotPool,
+    hot: &dyn CandidatePool,
     pool: Option<&str>,
 ) -> Result<u64, StoreError> {
     let expired = store.expire(pool, bson::DateTime::now()).await?;
     for (pool, ids) in &expired.by_pool {
-        let ids: Vec<String> = ids.iter().map(|id| id.to_hex()).collect();
-        if let Err(e) = hot.remove(pool, &ids).await {
+        if let Err(e) = hot.remove(pool, ids).await {
             debug!(pool, error = %e, "expired codes stay hot-pool candidates until Redis is back; claims refuse them");
         }
         info!(pool, count = ids.len(), "expired codes voided");

@@ -73,23 +73,9 @@ impl HoldRequest {
                 format!("the body is not a JSON object ({e}); send {{\"hold_id\", \"uid\", \"items\": [{{\"pool\", \"quantity\"}}], \"ttl_seconds\"}}"),
             )
         })?;
-        // The ids follow the rules of an order's (length, visible text):
-        // the purchase parser checks them.
-        let mut probe = serde_json::json!({"phone": "+10000000", "pool": "p"});
-        for f in ["uid"] {
-            if let Some(v) = map.get(f) {
-                probe[f] = v.clone();
-            }
-        }
-        probe["order_id"] = map.get("hold_id").cloned().unwrap_or(Value::Null);
-        let p = Purchase::parse(probe.to_string().as_bytes()).map_err(|e| {
-            if e.field() == Some("order_id") {
-                let detail = e.detail.replace("\"order_id\"", "\"hold_id\"");
-                PurchaseError::new(e.reason, detail).on("hold_id")
-            } else {
-                e
-            }
-        })?;
+        // The ids follow the rules of an order's (length, visible text).
+        let hold_id = codepool_domain::purchase::required_id(&map, "hold_id")?;
+        let uid = codepool_domain::purchase::required_id(&map, "uid")?;
         let items = match map.get("items") {
             Some(v) => codepool_domain::purchase::parse_items(v)?,
             None => {
@@ -109,8 +95,8 @@ impl HoldRequest {
             Some(other) => return Err(bad_ttl(&other.to_string())),
         };
         Ok(Self {
-            hold_id: p.order_id,
-            uid: p.uid,
+            hold_id,
+            uid,
             items,
             ttl_seconds,
         })

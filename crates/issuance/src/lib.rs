@@ -23,6 +23,7 @@
 pub mod adapters;
 pub mod api_keys;
 pub mod audit;
+pub mod background;
 pub mod backorders;
 mod bundles;
 pub mod claim;
@@ -35,8 +36,10 @@ pub mod grant_no;
 pub mod health;
 mod held;
 pub mod holds;
+pub mod imports;
 pub mod intake;
 pub mod keywatch;
+pub mod operators;
 pub mod ops;
 pub mod outage;
 pub mod outbox;
@@ -45,10 +48,35 @@ pub mod plan;
 pub mod policy;
 pub mod ports;
 pub mod relay;
+pub mod sessions;
 pub mod shops;
 pub mod stock;
 pub mod telemetry;
 pub mod webhooks;
+
+/// What the doors read and show, as the store keeps it: pools, their
+/// settings and counts, shops, holds, webhook endpoints and attempts,
+/// import runs and audit records. The doors take these from the core and
+/// name no storage crate of their own (a suite test reads `cargo
+/// metadata` to keep it so).
+pub mod model {
+    pub use codepool_store::audit::{Action, AuditFilter};
+    pub use codepool_store::holds::HoldDoc;
+    pub use codepool_store::imports::ImportRecord;
+    pub use codepool_store::lifecycle::{
+        CodeRef, LifecycleError, ReceiptKind, ReceiptOutcome, VoidOutcome,
+    };
+    pub use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
+    pub use codepool_store::pools::PoolDoc;
+    pub use codepool_store::shops::ShopDoc;
+    pub use codepool_store::stats::PoolStats;
+    pub use codepool_store::webhooks::{AttemptDoc, EndpointDoc};
+    pub use codepool_store::{CodeQuery, ObjectId};
+}
+
+/// The store handle the core's functions take (the doors pass it on,
+/// never query it themselves), and its error.
+pub use codepool_store::{Store, StoreError};
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use codepool_store::Resend;

@@ -5,7 +5,6 @@
 
 use codepool_broker::BrokerError;
 use codepool_domain::{when, Code, NotSendable, SmsPending};
-use codepool_hotpool::HotPool;
 use codepool_store::backorders::BackorderDoc;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::policies::RefusalDoc;
@@ -38,6 +37,81 @@ impl Lookup {
             && self.backorders.is_empty()
             && self.refusals.is_empty()
             && self.holds.is_empty()
+    }
+
+    /// Where an order stands, from what an order query found (`None`:
+    /// nothing of it was found).
+    pub fn state(&self) -> Option<OrderState> {
+        let waiting = self.backorders.iter().any(|b| b.status == "waiting");
+        Some(if !self.refusals.is_empty() {
+            OrderState::Refused
+        } else if self.codes.is_empty() {
+            match self.backorders.first() {
+                None => return None,
+                Some(_) if waiting => OrderState::Waiting,
+                Some(_) => OrderState::Cancelled,
+            }
+        } else if waiting {
+            OrderState::PartlyGranted
+        } else if (self.codes.iter()).all(|c| c.status == codepool_domain::CodeStatus::Void) {
+            OrderState::Void
+        } else {
+            OrderState::Granted
+        })
+    }
+
+    /// Who placed the order an order query found: `api-key-id:ID` or
+    /// `shop:NAME` (see [`crate::api_keys::KeyDoc::owner`]); `None` for an
+    /// order that came over AMQP without a shop.
+    pub fn owner(&self) -> Option<&str> {
+        (self.codes.first())
+            .and_then(|c| c.holder.as_ref())
+            .and_then(|h| h.owner.as_deref())
+            .or_else(|| self.backorders.first().and_then(|b| b.owner.as_deref()))
+    }
+
+    /// Whether `owner` placed the order found (a key acts on its own
+    /// orders, a shop's key on its shop's).
+    pub fn is_owned_by(&self, owner: &str) -> bool {
+        self.owner() == Some(owner)
+    }
+}
+
+/// Where an order stands, as every door shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrderState {
+    /// A pool policy refused it.
+    Refused,
+    /// No code yet: it waits for stock (a backorder).
+    Waiting,
+    /// Voided while it waited: it gets nothing.
+    Cancelled,
+    /// Some lines have codes, the rest wait.
+    PartlyGranted,
+    /// Every code of it was voided.
+    Void,
+    Granted,
+}
+
+impl OrderState {
+    /// The name the HTTP API and the JSON outputs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Refused => "refused",
+            Self::Waiting => "waiting",
+            Self::Cancelled => "cancelled",
+            Self::PartlyGranted => "partly_granted",
+            Self::Void => "void",
+            Self::Granted => "granted",
+        }
+    }
+
+    /// The words a page shows.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::PartlyGranted => "partly granted",
+            other => other.name(),
+        }
     }
 }
 
@@ -170,7 +244,11 @@ pub enum ExpireError {
 }
 
 /// Voids expired unissued codes now (of one pool, or all).
-pub async fn expire(store: &Store, hot: &HotPool, pool: Option<&str>) -> Result<u64, ExpireError> {
+pub async fn expire(
+    store: &Store,
+    hot: &dyn CandidatePool,
+    pool: Option<&str>,
+) -> Result<u64, ExpireError> {
     if let Some(pool) = pool {
         if store.pool(pool).await?.is_none() {
             return Err(ExpireError::UnknownPool(pool.to_owned()));

@@ -63,11 +63,9 @@ impl Intake {
 #[derive(Debug, Default)]
 pub struct Announced {
     /// Positions whose `sms.pending` or `purchase.refused` event the
-    /// broker did not confirm.
+    /// broker did not confirm (or, for [`Texting::Fresh`], whose mark was
+    /// not recorded: the relay sends those again).
     pub unconfirmed: HashSet<usize>,
-    /// Codes whose `sms.pending` event the broker confirmed (to take off
-    /// the relay's list).
-    pub confirmed: Vec<CodeId>,
 }
 
 /// Which grants of a step to text.
@@ -78,7 +76,20 @@ pub enum Texting {
     Every,
     /// Only what this batch issued: a repeated request gets its codes in
     /// the answer, not a second SMS (the HTTP door; `resend` is for that).
+    /// Their grants are on the relay's list ([`Resend::ByRelay`]); the
+    /// confirmed ones are taken off it.
     Fresh,
+}
+
+impl Texting {
+    /// How confirmed events are recorded: only grants the relay owes
+    /// need a mark.
+    fn marking(self) -> Marking {
+        match self {
+            Self::Every => Marking::Unneeded,
+            Self::Fresh => Marking::Now,
+        }
+    }
 }
 
 /// Publishes what a placed batch owes, for the positions in `only` (all
@@ -105,32 +116,78 @@ pub async fn announce(
     let sms: Vec<_> = sms.into_iter().filter(|(i, _)| wanted(only, *i)).collect();
     let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
     let (sent, mut unconfirmed) = tokio::join!(
-        outbox.send(publisher, &grants, Marking::Unneeded),
+        outbox.send(publisher, &grants, texting.marking()),
         announce_refusals(plan, publisher, only),
     );
-    let mut confirmed = Vec::new();
     match sent {
         Ok(sent) => {
-            for ((i, g), r) in sms.iter().zip(&sent.results) {
-                match r {
-                    Ok(()) if !g.revoked => confirmed.push(g.code_id),
-                    Ok(()) => {}
-                    Err(_) => {
-                        unconfirmed.insert(*i);
-                    }
+            for ((i, _), r) in sms.iter().zip(&sent.results) {
+                if r.is_err() {
+                    unconfirmed.insert(*i);
                 }
             }
         }
-        // `Unneeded` records nothing; kept for a future marking.
+        // Published, but not marked: the relay sends them again, with the
+        // same event ids.
         Err(e) => {
             debug!(error = %e, "SMS marks not recorded");
             unconfirmed.extend(sms.iter().map(|(i, _)| *i));
         }
     }
-    Announced {
-        unconfirmed,
-        confirmed,
+    Announced { unconfirmed }
+}
+
+/// Whether a step answers codes issued before its request (a repeat of an
+/// order, which shows its codes again).
+pub fn is_repeat(step: &Step) -> bool {
+    matches!(step, Step::Grant { grants, fresh, .. }
+        if (*fresh as usize) < grants.len() && grants.iter().any(|g| !g.revoked))
+}
+
+/// Records, in one durable write, every repeat among `steps` that shows
+/// codes again, each with its actor (`actors` is aligned with `steps`).
+/// No record, no reveal: a door shows a repeat's codes only once this
+/// returned `Ok`.
+pub async fn audit_repeats(
+    store: &codepool_store::Store,
+    steps: &[Step],
+    actors: &[crate::audit::Actor],
+) -> Result<(), codepool_store::StoreError> {
+    let reveals: Vec<codepool_store::audit::Reveal> = (steps.iter().zip(actors))
+        .filter_map(|(s, actor)| {
+            let Step::Grant {
+                purchase, grants, ..
+            } = s
+            else {
+                return None;
+            };
+            if !is_repeat(s) {
+                return None;
+            }
+            let shown: Vec<CodeId> = (grants.iter())
+                .filter(|g| !g.revoked)
+                .map(|g| g.code_id)
+                .collect();
+            let what = format!("order {:?}", purchase.order_id);
+            let count = shown.len() as u64;
+            Some(crate::audit::reveal_of(actor, what, shown, count))
+        })
+        .collect();
+    if reveals.is_empty() {
+        return Ok(());
     }
+    store.record_reveals(&reveals).await
+}
+
+/// What follows a placed batch in every door: its counters, and a stock
+/// check of the pools it granted from (throttled, in the background: a
+/// pool that crossed its threshold raises `pool.low_stock`).
+pub fn account(plan: &BatchPlan, stock: &std::sync::Arc<crate::StockWatch>, publisher: &Publisher) {
+    count(plan);
+    stock.after_grants(
+        plan.granted_pools.iter().map(|(p, n)| (p.as_str(), *n)),
+        publisher,
+    );
 }
 
 /// `pool.exhausted` for each pool that ran dry in `plan`. A notification,

@@ -7,7 +7,7 @@ use mongodb::error::{ErrorKind, WriteFailure};
 /// input (it was wrong).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("MongoDB is unreachable ({0}); check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)")]
+    #[error("MongoDB is unreachable ({0})")]
     Unavailable(String),
     #[error("MongoDB configuration: {0}")]
     Config(String),
@@ -17,7 +17,7 @@ pub enum StoreError {
     Rejected(String),
     /// The driver's error for a server that is away or changing: kept as
     /// the `source()`, so its kind and labels are not lost.
-    #[error("MongoDB is unreachable ({message}); check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)")]
+    #[error("MongoDB is unreachable ({message})")]
     Unreachable {
         message: String,
         #[source]
@@ -42,6 +42,15 @@ impl StoreError {
     /// True when retrying later may succeed (network, failover, shutdown).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable(_) | Self::Unreachable { .. })
+    }
+
+    /// What an operator does about it, for the doors that speak to
+    /// operators (the CLI, the console, the logs); an HTTP body for a
+    /// shop says none of it.
+    pub fn operator_hint(&self) -> Option<&'static str> {
+        self.is_unavailable().then_some(
+            "check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)",
+        )
     }
 }
 

@@ -1,6 +1,5 @@
 //! `codepool api`: the HTTP door for shop backends.
 
-use codepool_issuance::webhooks::{guard::AllowHosts, Deliverer};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use codepool_api::{Api, ApiConfig, Broker};
 use codepool_broker::Publisher;
-use codepool_issuance::{Core, Health, Intake};
+use codepool_issuance::{Core, Health};
 use tracing::info;
 
 use crate::config::Config;
@@ -21,9 +20,12 @@ Examples:
        http://127.0.0.1:8080/v1/orders
 
 Stateless: run as many as you like behind a load balancer, with or without
-`codepool dispatch`: each API process relays too (every 10 s it re-sends the
-SMS-pending events of grants whose confirm no process saw for 30 s, the
-same event ids, so a crash between a claim and its confirm loses no SMS).
+`codepool dispatch`: each API process runs the same background work as a
+dispatcher. Every 10 s it re-sends the SMS-pending events of grants whose
+confirm no process saw for 30 s (the same event ids, so a crash between a
+claim and its confirm loses no SMS) and serves waiting orders; every 5 s
+it returns expired holds' codes to stock; every minute it voids expired
+codes and re-checks stock; and it delivers the shops' webhooks.
 Every request needs an API key
 (`codepool api-keys create`). /healthz, /readyz and /metrics are served on
 the same port, without a key. SIGTERM finishes in-flight requests, refuses
@@ -85,20 +87,12 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let name = connection_name();
     let broker = connect(cfg, &name).await?;
     health.set_amqp(true);
-    let hot = crate::context::hot_pool(cfg)?;
-    let numbers = crate::context::grant_numbers(cfg, &store)?;
-    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
+    let parts = crate::context::parts(cfg, &store)?;
     let config = ApiConfig {
         tls,
         ..api_config(&args)
     };
-    let core = Core::new(
-        store.clone(),
-        Intake::new(store, engine),
-        Arc::new(hot),
-        broker.conn,
-        broker.publisher,
-    );
+    let core = Core::new(parts, broker.conn, broker.publisher);
     let api = Api::new(core.clone(), config);
     let console = codepool_console::router(core, console_config(&args));
     let extra = crate::http::routes(health.clone(), metrics).merge(console);
@@ -116,22 +110,26 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         health.clone(),
         stop.clone(),
     ));
-    // Every process that grants also relays: a grant never waits on a
-    // dispatcher that may not exist.
-    let relay = tokio::spawn(relay_loop(api.clone(), health.clone(), stop.clone()));
-    let hooks =
-        tokio::spawn(Deliverer::new(api.store().clone(), AllowHosts::from_env()).run(stop.clone()));
-    // Expired holds' codes go back to stock, waiting backorders first.
-    let holds = tokio::spawn(codepool_issuance::holds::sweep_loop(
-        api.core().clone(),
+    // Every process that grants runs the same background work (relay,
+    // expired holds, backorders, expiry and stock, webhooks): a grant
+    // never waits on a dispatcher that may not exist.
+    let current = api.clone();
+    let mut background = codepool_issuance::background::start(
+        api.core().parts(),
+        Arc::new(move || Some(current.broker().publisher)),
+        health.clone(),
+        Default::default(),
         stop.clone(),
-    ));
+    );
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
-    relay.abort();
-    holds.abort();
-    let _ = hooks.await;
+    // Stopped with `stop`; a sweep in the middle of a write is not cut.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while background.join_next().await.is_some() {}
+    })
+    .await;
+    background.abort_all();
     // The events of the orders answered last go out now, not by a relay
     // 30 seconds after.
     if !api.settle(Duration::from_secs(10)).await {
@@ -162,37 +160,6 @@ fn api_config(args: &ApiArgs) -> ApiConfig {
         header_timeout: Duration::from_secs(args.header_timeout.max(1)),
         max_connections: args.max_connections as usize,
         tls: None,
-    }
-}
-
-/// How often the relay runs, and how old an unconfirmed grant must be
-/// before it is sent again (the dispatcher's defaults).
-const RELAY_EVERY: Duration = Duration::from_secs(10);
-const RELAY_AFTER: Duration = Duration::from_secs(30);
-
-/// Re-sends, every [`RELAY_EVERY`], the events of grants no process saw
-/// confirmed for [`RELAY_AFTER`] (this process's, or one that crashed),
-/// and keeps `/readyz` told whether the key file opens every code.
-async fn relay_loop(api: Arc<Api>, health: Arc<Health>, stop: tokio_util::sync::CancellationToken) {
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(RELAY_EVERY) => {}
-        }
-        if api.intake().keys().refresh(api.store()).await.is_ok() {
-            health.set_keys_missing(!api.intake().keys().missing().is_empty());
-        }
-        let broker = api.broker();
-        let relayed = codepool_issuance::relay::relay_unconfirmed(
-            api.store(),
-            api.outbox(),
-            &broker.publisher,
-            RELAY_AFTER,
-            1000,
-        );
-        if let Err(e) = relayed.await {
-            tracing::debug!(error = %e, "relay skipped; retried in {RELAY_EVERY:?}");
-        }
     }
 }
 

@@ -76,9 +76,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         return Ok(crate::exit::OK);
     };
     health.set_mongo(true);
-    let hot = crate::context::hot_pool(cfg)?;
-    let numbers = crate::context::grant_numbers(cfg, &store)?;
-    let engine = crate::context::claim_engine_with(&store, hot.clone(), numbers)?;
+    let parts = crate::context::parts(cfg, &store)?;
     let config = DispatcherConfig {
         amqp_url: cfg.amqp_url.clone(),
         topology: cfg.topology(),
@@ -89,7 +87,7 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         redeemers: args.redeemers.clone(),
         ..DispatcherConfig::default()
     };
-    let dispatcher = Dispatcher::new(engine, store, hot, config, health);
+    let dispatcher = Dispatcher::new(parts, config, health);
     dispatcher.run(stop).await?;
     Ok(crate::exit::OK)
 }

@@ -91,17 +91,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     .await;
     reporter.finish();
     let summary = summary?;
-    let what = format!(
-        "import {} into pool {:?} from {:?}: {} rows, {} inserted, {} duplicates, {} invalid",
-        summary.import_id,
-        summary.pool,
-        summary.file,
-        summary.rows,
-        summary.inserted,
-        summary.duplicates,
-        summary.invalid
-    );
-    codepool_issuance::audit::record(&store, &super::actor("import"), "import", what).await?;
+    codepool_issuance::imports::record(&store, &summary, &super::actor("import")).await?;
     announce_replenished(cfg, &store, &summary).await;
 
     if args.json {
@@ -129,7 +119,7 @@ fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
             s.cross_pool_pools.join(", ")
         );
     }
-    if s.invalid > 0 && s.inserted + s.duplicates == 0 {
+    if codepool_issuance::imports::all_rows_invalid(s) {
         eprintln!(
             "error: every row of {} was invalid, nothing was imported; fix the rows listed above and import the file again",
             s.file

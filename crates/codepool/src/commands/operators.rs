@@ -7,7 +7,7 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use codepool_console::operators::{self, Role};
+use codepool_issuance::operators::{self, Role};
 
 use crate::config::Config;
 

@@ -188,7 +188,7 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
             url,
             events,
             json,
-        } => add(&store, &shop, &url, &events, json).await?,
+        } => add(&store, &cfg.allow_hosts(), (&shop, &url, &events), json).await?,
         WebhooksCommand::List { shop, json } => {
             print_endpoints(&store.webhook_endpoints(shop.as_deref()).await?, json)?
         }
@@ -228,9 +228,14 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
     Ok(crate::exit::OK)
 }
 
-async fn add(store: &Store, shop: &str, url: &str, events: &str, json: bool) -> anyhow::Result<()> {
+async fn add(
+    store: &Store,
+    allow: &AllowHosts,
+    (shop, url, events): (&str, &str, &str),
+    json: bool,
+) -> anyhow::Result<()> {
     let actor = super::actor("webhooks add");
-    let added = webhooks::add(store, shop, url, events, &AllowHosts::from_env(), &actor).await?;
+    let added = webhooks::add(store, shop, url, events, allow, &actor).await?;
     let e = &added.endpoint;
     if json {
         let mut v = endpoint_json(e);

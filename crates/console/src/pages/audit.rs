@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
-use codepool_store::audit::AuditFilter;
-use codepool_store::ObjectId;
+use codepool_issuance::model::AuditFilter;
+use codepool_issuance::model::ObjectId;
 use maud::html;
 use serde::Deserialize;
 

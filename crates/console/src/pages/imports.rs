@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use codepool_importer::{import_reader, Header, ImportError, ImportOptions, ImportSummary};
+use codepool_issuance::imports::{self, Header, ImportError, ImportOptions, ImportSummary};
 use futures::TryStreamExt;
 use maud::html;
 
@@ -121,29 +121,27 @@ pub async fn upload(
         ..ImportOptions::default()
     };
     let core = &console.core;
-    let summary = import_reader(core.store(), input, &name, 0, &pool, &options, &|_| {})
-        .await
-        .map_err(import_failure)?;
     let broker = core.broker();
-    let what = format!("import {} into pool {pool:?} from {name:?}: {} rows, {} inserted, {} duplicates, {} invalid",
-        summary.import_id, summary.rows, summary.inserted, summary.duplicates, summary.invalid);
     let actor = super::actor(&s, "POST /console/pools/{pool}/imports");
-    let done = codepool_issuance::controls::imported(
+    let uploaded = imports::upload(
         core.store(),
         &broker.publisher,
+        input,
+        &name,
         &pool,
-        summary.inserted,
-        what,
+        &options,
         &actor,
     );
-    match done.await {
+    let uploaded = uploaded.await.map_err(import_failure)?;
+    let summary = uploaded.summary;
+    match uploaded.finished {
         Ok(()) => {}
         Err(e @ codepool_issuance::controls::ImportedError::Audit(_)) => {
             return Err(Failure::Unavailable(e.to_string()))
         }
         Err(e) => tracing::warn!(error = %e, "import done; {e}"),
     }
-    let status = if summary.invalid > 0 && summary.inserted + summary.duplicates == 0 {
+    let status = if imports::all_rows_invalid(&summary) {
         StatusCode::UNPROCESSABLE_ENTITY
     } else {
         StatusCode::OK

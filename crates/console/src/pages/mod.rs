@@ -32,7 +32,7 @@ pub(crate) async fn audit(
     command: &str,
     what: String,
 ) -> Result<(), Failure> {
-    let action = codepool_store::audit::Action {
+    let action = codepool_issuance::model::Action {
         who: s.who(),
         kind: kind.to_owned(),
         command: format!("console {command}"),

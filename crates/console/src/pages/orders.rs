@@ -10,9 +10,9 @@ use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_domain::Code;
-use codepool_issuance::ops::{self, Lookup, ResendError};
-use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
-use codepool_store::CodeQuery;
+use codepool_issuance::model::CodeQuery;
+use codepool_issuance::model::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_issuance::ops::{self, ResendError};
 use maud::{html, Markup};
 use serde::Deserialize;
 
@@ -113,25 +113,6 @@ pub async fn search(
     Ok(layout::page(&s, "Orders", body).into_response())
 }
 
-fn order_state(l: &Lookup) -> &'static str {
-    use codepool_domain::CodeStatus;
-    if !l.refusals.is_empty() {
-        "refused"
-    } else if l.codes.is_empty() {
-        if l.backorders.iter().any(|b| b.status == "waiting") {
-            "waiting"
-        } else {
-            "cancelled"
-        }
-    } else if l.backorders.iter().any(|b| b.status == "waiting") {
-        "partly granted"
-    } else if l.codes.iter().all(|c| c.status == CodeStatus::Void) {
-        "void"
-    } else {
-        "granted"
-    }
-}
-
 fn actions(s: &Session, id: &str) -> Markup {
     let base = format!("/console/orders/{}", url_part(id));
     html! {
@@ -176,7 +157,7 @@ async fn order_page(
         h1 { "Order " q.order-id { (id) } }
         @if let Some(n) = &notice { (layout::notice(n)) }
         dl.order {
-            dt { "State" } dd.state { (order_state(&l)) }
+            dt { "State" } dd.state { (l.state().map_or("unknown", |s| s.label())) }
             dt { "Pool" } dd { (l.codes.first().map(|c| c.pool.clone()).or_else(|| l.backorders.first().map(|b| b.pool.clone())).unwrap_or_default()) }
             dt { "Buyer (uid)" } dd.uid { (first.map(|h| h.uid.clone()).or_else(|| l.backorders.first().map(|b| b.uid.clone())).unwrap_or_default()) }
             dt { "Phone" } dd.phone { (first.map(|h| h.phone.clone()).or_else(|| l.backorders.first().map(|b| b.phone.clone())).unwrap_or_default()) }

@@ -10,8 +10,8 @@ use axum::extract::{Path, State};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_issuance::controls::{self, PauseError, RecallError};
-use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
-use codepool_store::stats::PoolStats;
+use codepool_issuance::model::PoolStats;
+use codepool_issuance::model::{PoolSettings, PoolSettingsError};
 use maud::{html, Markup};
 use serde::Deserialize;
 
@@ -82,7 +82,7 @@ pub async fn live(
     Ok(Html(live_numbers(&console, &pool, &stats).into_string()).into_response())
 }
 
-fn admin_forms(s: &Session, pool: &str, doc: &codepool_store::pools::PoolDoc) -> Markup {
+fn admin_forms(s: &Session, pool: &str, doc: &codepool_issuance::model::PoolDoc) -> Markup {
     let base = format!("/console/pools/{}", url_part(pool));
     html! {
         section.admin {
@@ -111,7 +111,7 @@ fn admin_forms(s: &Session, pool: &str, doc: &codepool_store::pools::PoolDoc) ->
     }
 }
 
-fn imports_table(s: &Session, imports: &[codepool_store::imports::ImportRecord]) -> Markup {
+fn imports_table(s: &Session, imports: &[codepool_issuance::model::ImportRecord]) -> Markup {
     html! {
         h2 { "Imports" }
         @if imports.is_empty() { p { "No import into this pool yet." } }

@@ -11,8 +11,8 @@ use axum::extract::{Query, State};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_domain::Pool;
-use codepool_store::pools::PoolDoc;
-use codepool_store::stats::PoolStats;
+use codepool_issuance::model::PoolDoc;
+use codepool_issuance::model::PoolStats;
 use maud::{html, Markup};
 use serde::Deserialize;
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Form;
-use codepool_issuance::webhooks::{self, events::EVENT_TYPES, guard::AllowHosts, WebhookError};
+use codepool_issuance::webhooks::{self, events::EVENT_TYPES, WebhookError};
 use maud::{html, Markup};
 use serde::Deserialize;
 
@@ -139,7 +139,7 @@ pub async fn add(
         &name,
         &f.url,
         &f.events,
-        &AllowHosts::from_env(),
+        console.core.allow_hosts(),
         &actor,
     )
     .await

@@ -163,7 +163,7 @@ async fn open_session(
 ) -> Result<HeaderValue, Failure> {
     let store = console.core.store();
     let token = sessions::start(store, &op.name, console.cfg.session_ttl).await?;
-    let action = codepool_store::audit::Action {
+    let action = codepool_issuance::model::Action {
         who: format!("operator:{}", op.name),
         kind: "sign-in".into(),
         command: "console POST /console/signin".into(),

@@ -51,11 +51,6 @@ impl AllowHosts {
         ))
     }
 
-    /// From `CODEPOOL_WEBHOOK_ALLOW_HOSTS`.
-    pub fn from_env() -> Self {
-        Self::parse(&std::env::var("CODEPOOL_WEBHOOK_ALLOW_HOSTS").unwrap_or_default())
-    }
-
     pub fn allows(&self, host: &str) -> bool {
         let host = host.trim_start_matches('[').trim_end_matches(']');
         self.0.contains(&host.to_ascii_lowercase())

@@ -12,7 +12,7 @@ use futures::TryStreamExt;
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use codepool_issuance::audit::{self, Actor};
+use crate::audit::{self, Actor};
 use codepool_store::{Store, StoreError};
 
 pub const OPERATORS: &str = "console_operators";

@@ -1,0 +1,78 @@
+//! Console sessions as stored: only the SHA-256 of the cookie's random
+//! 256-bit token is kept, with the operator, a CSRF token of its own, and
+//! an expiry that a TTL index enforces (and every read checks). The
+//! console door sets and reads the cookie; disabling an operator ends all
+//! of theirs ([`crate::operators::disable`]).
+
+use bson::{doc, DateTime};
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use codepool_store::{Store, StoreError};
+
+pub use crate::operators::SESSIONS;
+
+/// A session as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionDoc {
+    /// Hex SHA-256 of the cookie's token.
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub operator: String,
+    /// The token every state-changing form of this session carries.
+    pub csrf: String,
+    pub created_at: DateTime,
+    pub expires_at: DateTime,
+}
+
+fn sessions(store: &Store) -> mongodb::Collection<SessionDoc> {
+    store.database().collection::<SessionDoc>(SESSIONS)
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    hex::encode(buf)
+}
+
+fn sha256_hex(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+/// Opens a session for `operator`; returns the cookie's token.
+pub async fn start(
+    store: &Store,
+    operator: &str,
+    ttl: std::time::Duration,
+) -> Result<String, StoreError> {
+    let token = random_hex(32);
+    let now = chrono::Utc::now();
+    let ttl = chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::hours(8));
+    let doc = SessionDoc {
+        id: sha256_hex(&token),
+        operator: operator.to_owned(),
+        csrf: random_hex(32),
+        created_at: DateTime::from_chrono(now),
+        expires_at: DateTime::from_chrono(now + ttl),
+    };
+    sessions(store).insert_one(&doc).await?;
+    Ok(token)
+}
+
+/// The live session of a cookie token.
+pub async fn find(store: &Store, token: &str) -> Result<Option<SessionDoc>, StoreError> {
+    if token.len() != 64 {
+        return Ok(None);
+    }
+    let found = sessions(store)
+        .find_one(doc! {"_id": sha256_hex(token), "expires_at": {"$gt": DateTime::now()}})
+        .await?;
+    Ok(found)
+}
+
+/// Ends one session.
+pub async fn end(store: &Store, id: &str) -> Result<(), StoreError> {
+    sessions(store).delete_one(doc! {"_id": id}).await?;
+    Ok(())
+}
