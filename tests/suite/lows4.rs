@@ -1,9 +1,11 @@
 //! Issue 54, item 8 (the lows, each with a test):
 //! - held codes are not counted as issued in the pool stats' rates;
 //! - a shop's key gets one answer for a pool it may not use, whether or not
-//!   the pool exists.
+//!   the pool exists;
+//! - hold ids are each owner's own.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use bson::doc;
 use futures::StreamExt;
@@ -11,6 +13,7 @@ use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
 use crate::common::*;
+use crate::webhooks::{publisher, shop_purchase};
 
 fn hold(id: &str, uid: &str, pool: &str, quantity: u32) -> Vec<u8> {
     json!({"hold_id": id, "uid": uid, "items": [{"pool": pool, "quantity": quantity}]})
@@ -204,5 +207,148 @@ async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool(
         .unwrap()
         .ends_with("/unknown-pool"));
     api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own() {
+    let env = TestEnv::new("lows4_hold_ns").await;
+    env.fill_pool("hx", 40).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "hx", "--hold-share", "100"],
+    )
+    .await;
+    for shop in ["acme", "bolt"] {
+        codepool_ok(&env, &["shops", "create", "--name", shop, "--pools", "hx"]).await;
+    }
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let bolt = shop_key(&env, "bolt-1", "bolt").await;
+    let backend = key(&env, "backend", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // One hold id, three owners: three holds.
+    for (k, uid, n) in [(&acme, "ann", 1), (&bolt, "bob", 2), (&backend, "cy", 3)] {
+        let (s, _, b) = http(
+            &api.addr,
+            "POST",
+            "/v1/holds",
+            Some(k),
+            &hold("cart-1", uid, "hx", n),
+        )
+        .await;
+        assert_eq!(s, 201, "{uid}: {}", String::from_utf8_lossy(&b));
+        assert_eq!(json_of(&b)["hold_id"], "cart-1");
+    }
+    // Each sees its own; the same request again is the same hold.
+    for (k, uid) in [(&acme, "ann"), (&bolt, "bob"), (&backend, "cy")] {
+        let (s, _, b) = http(&api.addr, "GET", "/v1/holds/cart-1", Some(k), b"").await;
+        assert_eq!(s, 200);
+        assert_eq!(json_of(&b)["uid"], uid);
+    }
+    let (s, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&acme),
+        &hold("cart-1", "ann", "hx", 1),
+    )
+    .await;
+    assert_eq!(s, 200, "a repeat");
+    let (s, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&acme),
+        &hold("cart-1", "ann", "hx", 2),
+    )
+    .await;
+    assert_eq!(s, 409, "another hold under acme's own id");
+    let held_by = |uid: &'static str| ids(&env, doc! {"status": 4, "uid": uid});
+    let (ann, bob, cy) = (
+        held_by("ann").await,
+        held_by("bob").await,
+        held_by("cy").await,
+    );
+    assert_eq!((ann.len(), bob.len(), cy.len()), (1, 2, 3));
+
+    // acme pays its own hold over HTTP.
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&acme),
+        &paid("A-1", "ann", "hx", 1, "cart-1"),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(ids(&env, doc! {"order_id": "A-1"}).await, ann);
+    let state = |k: String| {
+        let addr = api.addr.clone();
+        async move {
+            let (_, _, b) = http(&addr, "GET", "/v1/holds/cart-1", Some(&k), b"").await;
+            json_of(&b)["state"].as_str().unwrap().to_owned()
+        }
+    };
+    assert_eq!(state(acme.clone()).await, "committed");
+    assert_eq!(state(bolt.clone()).await, "held");
+    assert_eq!(state(backend.clone()).await, "held");
+
+    // Over AMQP: bolt's purchase pays bolt's hold; a purchase naming no
+    // shop pays the hold of the key of no shop.
+    let daemon = start_daemon(env.command(&[])).await;
+    let (conn, publisher) = publisher(&env).await;
+    let mut theirs = shop_purchase("B-1", "hx", "bolt");
+    theirs.uid = "bob".into();
+    theirs.quantity = 2;
+    theirs.hold_id = Some("cart-1".into());
+    let mut nobody = purchase("C-1", "hx");
+    nobody.uid = "cy".into();
+    nobody.quantity = 3;
+    nobody.hold_id = Some("cart-1".into());
+    publish_confirmed(&publisher, &[theirs, nobody]).await;
+    eventually(Duration::from_secs(30), "both orders placed", || async {
+        ids(
+            &env,
+            doc! {"order_id": {"$in": ["B-1", "C-1"]}, "status": 1},
+        )
+        .await
+        .len()
+            == 5
+    })
+    .await;
+    assert_eq!(ids(&env, doc! {"order_id": "B-1"}).await, bob);
+    assert_eq!(ids(&env, doc! {"order_id": "C-1"}).await, cy);
+    assert_eq!(state(bolt.clone()).await, "committed");
+    assert_eq!(state(backend.clone()).await, "committed");
+
+    // A release touches only the releasing owner's hold.
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&bolt),
+        &hold("cart-2", "bob", "hx", 1),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&acme),
+        &hold("cart-2", "ann", "hx", 1),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let (s, _, b) = http(&api.addr, "DELETE", "/v1/holds/cart-2", Some(&bolt), b"").await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["state"], "released");
+    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/cart-2", Some(&acme), b"").await;
+    assert_eq!(json_of(&b)["state"], "held");
+    assert_eq!(json_of(&b)["uid"], "ann");
+    daemon.stop().await;
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

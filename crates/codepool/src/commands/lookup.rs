@@ -205,8 +205,9 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
             .map(|i| format!("{} × {}", i.quantity, i.pool))
             .collect();
         say!(
-            "hold: {} of user {} holds {} ({}); expires {}{}",
+            "hold: {} of {} for user {} holds {} ({}); expires {}{}",
             h.hold_id,
+            h.owner.as_deref().unwrap_or("no owner"),
             h.uid,
             items.join(", "),
             codepool_issuance::holds::state_now(h),
@@ -218,10 +219,11 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
     }
 }
 
-/// A hold as `--json` prints it (its codes are never shown).
+/// A hold as `--json` prints it (its codes are never shown). Hold ids are
+/// each owner's own, so the owner (`shop:NAME`, `api-key-id:ID`) says whose.
 fn hold_json(h: &codepool_store::holds::HoldDoc) -> serde_json::Value {
     serde_json::json!({
-        "hold_id": h.hold_id, "uid": h.uid, "state": codepool_issuance::holds::state_now(h),
+        "hold_id": h.hold_id, "owner": h.owner, "uid": h.uid, "state": codepool_issuance::holds::state_now(h),
         "items": h.items, "expires_at": h.expires_at.to_chrono().to_rfc3339(),
         "order_id": h.order_id,
     })
