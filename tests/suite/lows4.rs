@@ -4,7 +4,9 @@
 //!   the pool exists;
 //! - hold ids are each owner's own;
 //! - a webhook replay sends events older than the endpoint only when asked
-//!   to, audited as a reveal.
+//!   to, audited as a reveal;
+//! - `/readyz` turns not-ready no later than the first order refused for a
+//!   stale key file.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -508,5 +510,80 @@ async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audit
     daemon.stop().await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stale_key_file() {
+    let env = TestEnv::new("lows4_keys_ready").await;
+    env.fill_pool("kr", 50).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let ready = || {
+        let addr = api.addr.clone();
+        async move { http_get(&addr, "/readyz").await.map(|(s, _)| s) }
+    };
+    eventually(Duration::from_secs(15), "ready", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    // Another host adds a key and seals the codes with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    for args in [["keys", "add"], ["keys", "rotate"]] {
+        let out = env
+            .command(&args)
+            .env("CODEPOOL_KEY_FILE", &other)
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Orders until the first 503: /readyz already says not ready.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    loop {
+        assert!(std::time::Instant::now() < deadline, "no order was refused");
+        n += 1;
+        let (s, _, b) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&backend),
+            &order(&format!("KR-{n}"), "kr", 1),
+        )
+        .await;
+        if s == 503 {
+            assert_eq!(
+                ready().await,
+                Some(503),
+                "an order got 503 while /readyz said ready"
+            );
+            break;
+        }
+        assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The key file brought up to date: ready again, and orders go on.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "ready again", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&backend),
+        &order("KR-last", "kr", 1),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    api.stop().await;
     env.cleanup().await;
 }

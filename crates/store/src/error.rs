@@ -43,6 +43,12 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable(_) | Self::Unreachable { .. })
     }
+
+    /// A code (or event) is sealed with a key this process's key file
+    /// lacks, even after reading the file again.
+    pub fn is_unknown_key(&self) -> bool {
+        matches!(self, Self::Keys(codepool_vault::VaultError::UnknownKey(_)))
+    }
 }
 
 /// Server error codes that mean "the server is away or changing", not "your
