@@ -223,8 +223,19 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
         &["pool", "set", "--pool", "hx", "--hold-share", "100"],
     )
     .await;
+    // The suite publishes as the broker's guest user.
     for shop in ["acme", "bolt"] {
-        codepool_ok(&env, &["shops", "create", "--name", shop, "--pools", "hx"]).await;
+        let args = [
+            "shops",
+            "create",
+            "--name",
+            shop,
+            "--pools",
+            "hx",
+            "--broker-users",
+            "guest",
+        ];
+        codepool_ok(&env, &args).await;
     }
     let acme = shop_key(&env, "acme-1", "acme").await;
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
@@ -399,7 +410,16 @@ async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audit
     env.fill_pool("wr", 5).await;
     codepool_ok(
         &env,
-        &["shops", "create", "--name", "acme", "--pools", "wr"],
+        &[
+            "shops",
+            "create",
+            "--name",
+            "acme",
+            "--pools",
+            "wr",
+            "--broker-users",
+            "guest",
+        ],
     )
     .await;
     let first = Receiver::start(Answer::Ok).await;
