@@ -7,6 +7,9 @@
 //!   to, audited as a reveal;
 //! - `/readyz` turns not-ready no later than the first order refused for a
 //!   stale key file.
+//!
+//! And from a hostile user's try of holds:
+//! - a hold is paid by its buyer whatever the case or width of the uid.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -608,6 +611,70 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
     )
     .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// How many codes of `pool` are in each status (0 unissued, 1 issued, 2
+/// used, 3 void, 4 held).
+async fn statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let mut out = [0; 5];
+    for (s, n) in out.iter_mut().enumerate() {
+        *n = codes
+            .count_documents(doc! {"pool": pool, "status": s as i32})
+            .await
+            .unwrap();
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_hold_placed_for_mallory_is_paid_by_mallory_with_a_capital_m() {
+    let env = TestEnv::new("lows4_hold_fold").await;
+    env.fill_pool("mc", 10).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "mc", "--hold-share", "100"],
+    )
+    .await;
+    let k = key(&env, "checkout", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&k),
+        &hold("H-mc", "mallory", "mc", 2),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let held = ids(&env, doc! {"pool": "mc", "status": 4}).await;
+    assert_eq!(held.len(), 2);
+    // The same buyer, folded: the order pays the hold with its held codes.
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &paid("O-mc", "Mallory", "mc", 2, "H-mc"),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(
+        ids(&env, doc! {"order_id": "O-mc"}).await,
+        held,
+        "the held codes"
+    );
+    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/H-mc", Some(&k), b"").await;
+    let b = json_of(&b);
+    assert_eq!(b["state"], "committed", "{b}");
+    assert_eq!(b["order_id"], "O-mc", "{b}");
+    assert_eq!(
+        statuses(&env, "mc").await,
+        [8, 2, 0, 0, 0],
+        "nothing else taken"
+    );
     api.stop().await;
     env.cleanup().await;
 }

@@ -80,8 +80,9 @@ fn named_hold<'h>(p: &Purchase, holds: &'h [HoldDoc]) -> Option<&'h HoldDoc> {
         let of_a_shop = |h: &&HoldDoc| {
             (h.owner.as_deref()).is_some_and(|o| o.starts_with(codepool_domain::SHOP_OWNER_PREFIX))
         };
-        let fits =
-            |h: &HoldDoc| h.state == HoldState::Held && h.uid == p.uid && h.items == p.items();
+        let fits = |h: &HoldDoc| {
+            h.state == HoldState::Held && same_buyer(h, &p.uid) && h.items == p.items()
+        };
         return (of_id.filter(|h| !of_a_shop(h))).min_by_key(|h| (!fits(h), h.created_at));
     };
     (of_id
@@ -154,7 +155,7 @@ fn pays(p: &Purchase, h: &HoldDoc) -> bool {
     if h.state != HoldState::Held || h.order_id.as_ref().is_some_and(|o| *o != p.order_id) {
         return false;
     }
-    if h.bundle || h.uid != p.uid || h.items != p.items() {
+    if h.bundle || !same_buyer(h, &p.uid) || h.items != p.items() {
         warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
         return false;
     }
@@ -163,6 +164,18 @@ fn pays(p: &Purchase, h: &HoldDoc) -> bool {
         return false;
     }
     true
+}
+
+/// Whether `uid` is the buyer of hold `h`, as every per-buyer rule
+/// compares buyers: by [`codepool_domain::buyer_key`] (NFKC and case
+/// folding), so `Mallory` pays the hold placed for `mallory`.
+fn same_buyer(h: &HoldDoc, uid: &str) -> bool {
+    let key = codepool_domain::buyer_key(uid);
+    if h.buyer.is_empty() {
+        // A hold recorded before buyer keys were stored.
+        return codepool_domain::buyer_key(&h.uid) == key;
+    }
+    h.buyer == key
 }
 
 /// The first item of `h` whose pool a pause stops ([`Move::Commit`]).
