@@ -9,6 +9,8 @@
 //!   stale key file.
 //!
 //! And from a hostile user's try of holds:
+//! - a hold the stock cannot cover is 409 `insufficient-stock`, never a
+//!   429 limit;
 //! - a hold is paid by its buyer whatever the case or width of the uid.
 
 use std::collections::HashSet;
@@ -627,6 +629,59 @@ async fn statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
             .unwrap();
     }
     out
+}
+
+#[tokio::test]
+async fn a_hold_the_stock_cannot_cover_is_409_insufficient_stock_not_a_429_limit() {
+    let env = TestEnv::new("lows4_hold_empty").await;
+    env.store.ensure_pool("em").await.unwrap();
+    env.fill_pool("few", 3).await;
+    env.fill_pool("big", 100).await;
+    let k = key(&env, "checkout", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let place = |id: &'static str, pool: &'static str, n: u32| {
+        let (addr, k) = (api.addr.clone(), k.clone());
+        async move {
+            let (s, _, b) = http(
+                &addr,
+                "POST",
+                "/v1/holds",
+                Some(&k),
+                &hold(id, "eve", pool, n),
+            )
+            .await;
+            (s, json_of(&b))
+        }
+    };
+    // An empty pool, and one with less than asked: out of stock, whatever
+    // a buyer's share of so small a pool would be.
+    for (id, pool, n, free) in [
+        ("H-e1", "em", 1, 0),
+        ("H-e2", "em", 2, 0),
+        ("H-f5", "few", 5, 3),
+    ] {
+        let (s, b) = place(id, pool, n).await;
+        assert_eq!(s, 409, "{pool} × {n}: {b}");
+        assert_eq!(
+            b["type"].as_str().unwrap().rsplit('/').next(),
+            Some("insufficient-stock"),
+            "{b}"
+        );
+        assert_eq!(b["free"], json!([{"pool": pool, "free": free}]), "{b}");
+        let detail = b["detail"].as_str().unwrap();
+        assert!(detail.starts_with("out of stock"), "{b}");
+        assert!(detail.contains("try again after the next import"), "{b}");
+    }
+    // A pool that can cover it: the buyer's share (10% of 100) is the limit.
+    let (s, b) = place("H-b20", "big", 20).await;
+    assert_eq!(s, 429, "{b}");
+    assert_eq!(b["cap"], "buyer-share", "{b}");
+    assert_eq!(b["limit"], 10, "{b}");
+    for pool in ["em", "few", "big"] {
+        assert_eq!(statuses(&env, pool).await[4], 0, "nothing held in {pool}");
+    }
+    api.stop().await;
+    env.cleanup().await;
 }
 
 #[tokio::test]

@@ -133,7 +133,7 @@ pub enum HoldError {
     Invalid(PurchaseError),
     #[error("hold {0:?} was already made with other items, buyer or time to live; the first hold stands. Use a new hold_id for a new hold")]
     Conflict(String),
-    #[error("not enough stock to hold every item; nothing was held ({})", free_words(.free))]
+    #[error("out of stock: not enough free codes to hold every item; nothing was held ({})", free_words(.free))]
     InsufficientStock {
         /// What each pool of the request has free now.
         free: Vec<(String, u64)>,
@@ -500,10 +500,15 @@ async fn release_short(
     let released = store.release_held(&keys).await?;
     intake.engine().offer(&released).await;
     store.forget_holds(short).await?;
-    let mut pools: Vec<&str> = short
+    let pools: Vec<&str> = short
         .iter()
         .flat_map(|h| h.items.iter().map(|i| i.pool.as_str()))
         .collect();
+    free_in(store, pools).await
+}
+
+/// What `pools` have free now, as a short hold's answer tells it.
+async fn free_in(store: &Store, mut pools: Vec<&str>) -> Result<HashMap<String, u64>, StoreError> {
     pools.sort_unstable();
     pools.dedup();
     let asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, 1_000_000)).collect();
@@ -685,6 +690,7 @@ async fn within_limits(
     // What each buyer and each owner holds, as the batch adds its own.
     let mut tally = Tally::new(limits.open, limits.owned);
     let mut within = Vec::with_capacity(todo.len());
+    let mut refused: Vec<(usize, HoldError)> = Vec::new();
     for k in todo {
         let req = &asks[k].req;
         let buyer = codepool_domain::buyer_key(&req.uid);
@@ -697,16 +703,77 @@ async fn within_limits(
                 .map(|percent| share_of(pool, percent));
             (u64::from(per_uid), share_of(pool, share), owner_limit)
         };
-        let refused = tally.refusal(req, &buyer, owner.as_ref(), &caps);
-        if let Some(e) = refused {
-            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
-            out[k] = Some(Err(e));
+        if let Some(e) = tally.refusal(req, &buyer, owner.as_ref(), &caps) {
+            refused.push((k, e));
             continue;
         }
         tally.add(&buyer, owner.as_ref(), &req.items);
         within.push(k);
     }
+    stock_first(store, asks, refused, out).await?;
     Ok(within)
+}
+
+/// Answers the asks a cap refused: out of stock first. A pool that cannot
+/// cover an item now is a conflict with what the pool has (`409
+/// insufficient-stock`), whatever the caps would say; a cap (`429
+/// hold-limit`) answers only a hold the stock could cover. An empty pool's
+/// share is one code, so without this a hold of two on it was told to
+/// hold less, not that there is nothing to hold. Counts only for refused
+/// asks, each pool no further than the most one of them asks of it.
+async fn stock_first(
+    store: &Store,
+    asks: &[HoldAsk],
+    refused: Vec<(usize, HoldError)>,
+    out: &mut [Option<Placed>],
+) -> Result<(), HoldError> {
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let wants = |k: usize| {
+        let mut per_pool: HashMap<&str, u64> = HashMap::new();
+        for i in &asks[k].req.items {
+            *per_pool.entry(i.pool.as_str()).or_default() += u64::from(i.quantity);
+        }
+        per_pool
+    };
+    let mut need: HashMap<&str, u64> = HashMap::new();
+    for (k, _) in &refused {
+        for (pool, n) in wants(*k) {
+            let e = need.entry(pool).or_default();
+            *e = (*e).max(n);
+        }
+    }
+    let need: Vec<(&str, u64)> = need.into_iter().collect();
+    let counted = store.unissued_counts_upto(&need).await?;
+    let free: HashMap<&str, u64> = need.iter().map(|(p, _)| *p).zip(counted).collect();
+    let mut short_pools: Vec<&str> = Vec::new();
+    let mut short: Vec<usize> = Vec::new();
+    for (k, e) in refused {
+        let wanted = wants(k);
+        if wanted
+            .iter()
+            .any(|(p, n)| free.get(p).copied().unwrap_or(0) < *n)
+        {
+            short_pools.extend(wanted.keys().copied());
+            short.push(k);
+        } else {
+            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
+            out[k] = Some(Err(e));
+        }
+    }
+    if short.is_empty() {
+        return Ok(());
+    }
+    let free = free_in(store, short_pools).await?;
+    for k in short {
+        metrics::counter!("codepool_holds_total", "outcome" => "short").increment(1);
+        let free = (asks[k].req.items.iter())
+            .map(|i| (i.pool.clone(), free.get(&i.pool).copied().unwrap_or(0)))
+            .collect();
+        out[k] = Some(Err(HoldError::InsufficientStock { free }));
+    }
+    Ok(())
 }
 
 /// Stock (free plus held) of `pools`, counted only as far as the largest
