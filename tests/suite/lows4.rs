@@ -9,6 +9,7 @@
 //!   stale key file.
 //!
 //! And from a hostile user's try of holds:
+//! - a code voided while held shows its hold, never the hold's internal key;
 //! - a hold the stock cannot cover is 409 `insufficient-stock`, never a
 //!   429 limit;
 //! - a hold is paid by its buyer whatever the case or width of the uid.
@@ -617,6 +618,17 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
     env.cleanup().await;
 }
 
+/// Imports `codes` into `pool` with `codepool import`; returns the run's
+/// import id.
+async fn import(env: &TestEnv, pool: &str, codes: &[String]) -> String {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), format!("code\n{}\n", codes.join("\n"))).unwrap();
+    let path = file.path().to_str().unwrap();
+    let out = codepool_ok(env, &["import", path, "--pool", pool, "--json"]).await;
+    let summary: Value = serde_json::from_str(&out).unwrap();
+    summary["import_id"].as_str().unwrap().to_owned()
+}
+
 /// How many codes of `pool` are in each status (0 unissued, 1 issued, 2
 /// used, 3 void, 4 held).
 async fn statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
@@ -629,6 +641,95 @@ async fn statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
             .unwrap();
     }
     out
+}
+
+#[tokio::test]
+async fn a_code_voided_while_held_shows_its_hold_and_never_the_internal_key() {
+    let env = TestEnv::new("lows4_void_key").await;
+    let leaked: Vec<String> = (0..3).map(|i| format!("LEAK-{i:04}")).collect();
+    let import_id = import(&env, "rh", &leaked).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "rh", "--hold-share", "100"],
+    )
+    .await;
+    let k = key(&env, "checkout", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&k),
+        &hold("H-rh", "rhu", "rh", 2),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let held = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find_one(doc! {"pool": "rh", "status": 4})
+        .await
+        .unwrap()
+        .expect("a held code");
+    let code = env.plain_code(&held);
+    codepool_ok(&env, &["void", "--import", &import_id, "--reason", "leak"]).await;
+    assert_eq!(statuses(&env, "rh").await, [0, 0, 0, 3, 0]);
+
+    // No output shows the internal key, raw or escaped.
+    let leaks = |text: &str| {
+        text.contains('\u{1}')
+            || text.contains("\\u{1}")
+            || text.contains("\\u0001")
+            || text.contains("hold:0")
+            || text.contains("hold:1")
+    };
+    let by_code = ["lookup", "--code", &code, "--pool", "rh"];
+    let table = codepool_ok(&env, &by_code).await;
+    assert!(!leaks(&table), "{table}");
+    assert!(table.contains("hold: H-rh"), "{table}");
+    let mut by_code_json = by_code.to_vec();
+    by_code_json.push("--json");
+    let out = codepool_ok(&env, &by_code_json).await;
+    assert!(!leaks(&out), "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["codes"][0]["status"], "void", "{v}");
+    assert_eq!(v["codes"][0]["hold_id"], "H-rh", "{v}");
+    assert_eq!(v["codes"][0]["order_id"], Value::Null, "{v}");
+    assert_eq!(v["codes"][0]["sms"]["state"], "-", "never texted: {v}");
+    for args in [
+        &["lookup", "--uid", "rhu"][..],
+        &["lookup", "--uid", "rhu", "--json"][..],
+        &["lookup", "--pool", "rh", "--json"][..],
+    ] {
+        let out = env.command(args).output().await.unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!leaks(&text), "{args:?}: {text}");
+    }
+    // The pool's latest grants: a code a hold set aside was never granted.
+    let out = (env.command(&["lookup", "--pool", "rh", "--json"]).output())
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "nothing found");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["codes"].as_array().unwrap().len(), 0, "{v}");
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("void.csv");
+    let path = csv.to_str().unwrap();
+    codepool_ok(
+        &env,
+        &["export", "--pool", "rh", "--status", "void", "--out", path],
+    )
+    .await;
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(!leaks(&text), "{text}");
+    assert_eq!(text.lines().count(), 4, "a header and three codes: {text}");
+    for line in text.lines().skip(1) {
+        let cells: Vec<&str> = line.split(',').collect();
+        assert_eq!(cells[3], "", "no order id: {line}");
+    }
+    api.stop().await;
+    env.cleanup().await;
 }
 
 #[tokio::test]

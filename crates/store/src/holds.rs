@@ -103,10 +103,10 @@ pub fn hold_key(hold_id: &str, item: usize) -> String {
 }
 
 /// How a hold's keys begin.
-const HOLD_PREFIX: &str = "\u{1}hold:";
+const HOLD_PREFIX: &str = codepool_domain::HOLD_KEY_PREFIX;
 
 /// How a bundle's keys begin.
-const BUNDLE_PREFIX: &str = "\u{1}bundle:";
+const BUNDLE_PREFIX: &str = codepool_domain::BUNDLE_KEY_PREFIX;
 
 /// The key under which item `item` of bundle order `order_id` holds its
 /// codes until the bundle is whole.
