@@ -9,6 +9,8 @@
 //!   stale key file.
 //!
 //! And from a hostile user's try of holds:
+//! - `void --code` of a held code names its hold and says to release it
+//!   first (a void starts from stock or an order, not from a hold);
 //! - a code voided while held shows its hold, never the hold's internal key;
 //! - a hold the stock cannot cover is 409 `insufficient-stock`, never a
 //!   429 limit;
@@ -641,6 +643,65 @@ async fn statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
             .unwrap();
     }
     out
+}
+
+#[tokio::test]
+async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes_nothing() {
+    let env = TestEnv::new("lows4_void_held").await;
+    env.fill_pool("vh", 3).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "vh", "--hold-share", "100"],
+    )
+    .await;
+    let k = key(&env, "checkout", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&k),
+        &hold("H-vh", "vic", "vh", 1),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let held = codes
+        .find_one(doc! {"pool": "vh", "status": 4})
+        .await
+        .unwrap()
+        .expect("the held code");
+    let code = env.plain_code(&held);
+    assert_eq!(statuses(&env, "vh").await, [2, 0, 0, 0, 1]);
+
+    // Voided while held: refused, naming the hold and what to do; nothing moves.
+    let void = ["void", "--code", &code, "--pool", "vh", "--reason", "leak"];
+    let out = env.command(&void).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("held by checkout hold \"H-vh\""), "{err}");
+    assert!(err.contains("Release the hold first"), "{err}");
+    assert!(err.contains("DELETE /v1/holds/H-vh"), "{err}");
+    assert!(!err.contains("redeemed"), "not a redeem: {err}");
+    assert!(!err.contains("hold:0"), "no internal key: {err}");
+    assert_eq!(statuses(&env, "vh").await, [2, 0, 0, 0, 1], "nothing moved");
+    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/H-vh", Some(&k), b"").await;
+    assert_eq!(json_of(&b)["state"], "held", "the hold stands");
+
+    // As told: the hold released, the code is stock again and is voided.
+    let (s, _, b) = http(&api.addr, "DELETE", "/v1/holds/H-vh", Some(&k), b"").await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let out = codepool_ok(&env, &void).await;
+    assert!(out.contains("voided unissued code"), "{out}");
+    assert_eq!(statuses(&env, "vh").await, [2, 0, 0, 1, 0]);
+    let now = codes
+        .find_one(doc! {"_id": held.get_object_id("_id").unwrap()})
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(now.get_i32("status").unwrap(), 3);
+    api.stop().await;
+    env.cleanup().await;
 }
 
 #[tokio::test]

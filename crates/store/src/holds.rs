@@ -215,6 +215,19 @@ impl Store {
             .await?)
     }
 
+    /// The hold whose code is held (or was, if voided while held) under
+    /// `key` (a code's `order_id`, one of [`HoldDoc::keys`]); `None` for
+    /// an order's id, a bundle's key, or a hold forgotten since.
+    pub async fn hold_of_key(&self, key: &str) -> Result<Option<HoldDoc>, StoreError> {
+        let Some(codepool_domain::SetAside::Hold { hold_id }) =
+            codepool_domain::SetAside::of_key(key)
+        else {
+            return Ok(None);
+        };
+        Ok((self.holds_named(&[hold_id.as_str()]).await?.into_iter())
+            .find(|h| h.keys().iter().any(|k| k == key)))
+    }
+
     /// The hold recorded under document key `id` ([`HoldDoc::id`]).
     pub async fn hold_by_key(&self, id: &str) -> Result<Option<HoldDoc>, StoreError> {
         Ok(self
