@@ -122,10 +122,10 @@ fn hold_limit(title: &str, detail: String, limit: u64, cap: &str) -> Problem {
     responses(
         (status = 201, description = "every item is held until `expires_at`; no code is shown", body = crate::openapi::Hold),
         (status = 200, description = "the same hold again, as it stands now", body = crate::openapi::Hold),
-        (status = 409, description = "short stock (`insufficient-stock`, with what each pool has free), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "out of stock (`insufficient-stock`, with what each pool has free; it comes before any limit: an empty pool is 409, never 429), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
-        (status = 429, description = "over the pool's share one buyer may hold, or the buyer's open holds (`hold-limit`); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "over the pool's share one buyer (or key or shop) may hold, or the buyer's open holds (`hold-limit`, naming its `cap` and `limit`), for a hold the stock could cover; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
 )]

@@ -393,7 +393,10 @@ pub(crate) struct DeliveryList {
 }
 
 /// Events to send again: one (`event`, a `msg_…` id) or every event of the
-/// shop since a time (`since`, RFC 3339); to one endpoint or to all.
+/// shop since a time (`since`, RFC 3339); to one endpoint or to all. An
+/// endpoint gets only the events recorded since it was added, unless
+/// `include_before_endpoint` is true: then it gets the older ones too, and
+/// the codes they carry are audited as a reveal.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct WebhookReplay {
@@ -401,6 +404,7 @@ pub(crate) struct WebhookReplay {
     event: Option<String>,
     since: Option<String>,
     endpoint: Option<String>,
+    include_before_endpoint: Option<bool>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -408,6 +412,9 @@ pub(crate) struct WebhookReplay {
 pub(crate) struct ReplayedWebhooks {
     /// Deliveries due again now.
     due: u64,
+    /// Deliveries left out: events older than the endpoint they would go
+    /// to (send them with `include_before_endpoint`).
+    left_out_before_endpoint: u64,
 }
 
 #[derive(Serialize, ToSchema)]

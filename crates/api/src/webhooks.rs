@@ -98,6 +98,9 @@ struct Replay {
     event: Option<String>,
     since: Option<String>,
     endpoint: Option<String>,
+    /// Send events older than the endpoint too (audited as a reveal).
+    #[serde(default)]
+    include_before_endpoint: bool,
 }
 
 /// `GET /v1/webhooks?shop=…`.
@@ -287,12 +290,15 @@ pub(crate) async fn deliveries(
 }
 
 /// `POST /v1/webhooks/replay` with `{"shop", "event"}` or `{"shop", "since"}`.
+/// An endpoint gets only events recorded since it was added, unless
+/// `include_before_endpoint` is true; then the codes it gets that way are
+/// audited as a reveal by the key.
 #[utoipa::path(
     post, path = "/v1/webhooks/replay", tag = "webhooks",
     operation_id = "replay_webhooks",
     request_body(content = crate::openapi::WebhookReplay, content_type = "application/json"),
     responses(
-        (status = 200, description = "how many deliveries are due again", body = crate::openapi::ReplayedWebhooks),
+        (status = 200, description = "how many deliveries are due again, and how many were left out (events older than their endpoint, without `include_before_endpoint`)", body = crate::openapi::ReplayedWebhooks),
         (status = 404, description = "no such shop or endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "neither an event id nor a time", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -320,8 +326,18 @@ pub(crate) async fn replay(
         None => return failed(WebhookError::Scope(String::new()), &rid),
     };
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks/replay");
-    match webhooks::replay(api.store(), &r.shop, &scope, r.endpoint.as_deref(), &actor).await {
-        Ok(due) => Json(json!({"due": due})).into_response(),
+    let replayed = webhooks::replay(
+        api.store(),
+        &r.shop,
+        &scope,
+        r.endpoint.as_deref(),
+        r.include_before_endpoint,
+        &actor,
+    );
+    match replayed.await {
+        Ok(r) => {
+            Json(json!({"due": r.due, "left_out_before_endpoint": r.left_out})).into_response()
+        }
         Err(e) => failed(e, &rid),
     }
 }

@@ -1,5 +1,6 @@
 //! `/metrics` (Prometheus text), `/healthz` (alive) and `/readyz` (MongoDB
-//! and RabbitMQ reachable; Redis down is reported as degraded, still ready).
+//! and RabbitMQ reachable, and the key file opens every code; Redis down is
+//! reported as degraded, still ready).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
-use codepool_issuance::Health;
+use codepool_issuance::{Core, Health};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -18,6 +19,11 @@ use tokio_util::sync::CancellationToken;
 struct AppState {
     health: Arc<Health>,
     metrics: PrometheusHandle,
+    /// The core of a process that claims for HTTP orders: `/readyz` asks
+    /// its key watch, when asked, what the order path asks before each
+    /// batch ([`codepool_issuance::keywatch`]), so it turns not ready no
+    /// later than the first order refused for a key the file lacks.
+    core: Option<Arc<Core>>,
 }
 
 /// Connections a dispatcher's probe port serves at once (scrapers and
@@ -47,13 +53,36 @@ pub async fn serve(
     Ok(bound)
 }
 
-/// `/metrics`, `/healthz` and `/readyz`, to serve alone or beside the API.
+/// `/metrics`, `/healthz` and `/readyz`, to serve alone (a dispatcher,
+/// whose consumer keeps `health` told of its keys).
 pub fn routes(health: Arc<Health>, metrics: PrometheusHandle) -> Router {
+    routes_of(AppState {
+        health,
+        metrics,
+        core: None,
+    })
+}
+
+/// [`routes`] beside the API: `/readyz` checks `core`'s keys at the time
+/// of the request, as its order path does.
+pub fn routes_checking_keys(
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+    core: Arc<Core>,
+) -> Router {
+    routes_of(AppState {
+        health,
+        metrics,
+        core: Some(core),
+    })
+}
+
+fn routes_of(state: AppState) -> Router {
     Router::new()
         .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(AppState { health, metrics })
+        .with_state(state)
 }
 
 /// The Prometheus recorder, with codepool's histogram buckets.
@@ -76,6 +105,16 @@ async fn metrics_page(State(s): State<AppState>) -> String {
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
     let h = &s.health;
+    if let Some(core) = &s.core {
+        // The order path's own check, and its cached answer: reread at
+        // most every RECHECK by whichever asks first, so an order refused
+        // for a missing key is never answered while this says ready. A
+        // registry that cannot be read leaves the last answer (MongoDB
+        // down shows above).
+        if let Ok(keys) = core.intake().keys().ensure(core.store()).await {
+            h.set_keys_missing(keys.is_err());
+        }
+    }
     let mut body = format!(
         "mongodb: {}\nrabbitmq: {}\nredis: {}\n",
         if h.mongo() { "up" } else { "down" },

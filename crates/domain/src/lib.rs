@@ -35,7 +35,10 @@ pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{
     Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_QUANTITY,
 };
-pub use record::{when, Code, Holder, NotSendable, SmsEvent, SmsRecord, SmsState};
+pub use record::{
+    when, Code, Holder, NotSendable, SetAside, SmsEvent, SmsRecord, SmsState, BUNDLE_KEY_PREFIX,
+    HOLD_KEY_PREFIX,
+};
 pub use redemption::{InvalidRedemption, Redemption};
 pub use text::{
     buyer_key, checked_file_name, first_unreadable, fold, hidden_on_terminal, spreadsheet_cell,

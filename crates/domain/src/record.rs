@@ -28,6 +28,65 @@ pub struct Holder {
     pub owner: Option<String>,
 }
 
+/// How the `order_id` of a code a checkout hold sets aside begins. Like
+/// [`BUNDLE_KEY_PREFIX`], it starts with a control character, which no
+/// order id may hold, so no order is ever mistaken for a hold.
+pub const HOLD_KEY_PREFIX: &str = "\u{1}hold:";
+
+/// How the `order_id` of a code a bundle sets aside (until the bundle is
+/// whole) begins.
+pub const BUNDLE_KEY_PREFIX: &str = "\u{1}bundle:";
+
+/// What set a code aside, when its `order_id` is not an order's but the
+/// internal key of a checkout hold or of a bundle being put together. The
+/// key itself is never shown: doors show this instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SetAside {
+    /// The checkout hold of this id (each owner's own).
+    Hold { hold_id: String },
+    /// The bundle order of this id, while it was put together.
+    Bundle { order_id: String },
+}
+
+impl SetAside {
+    /// What the internal key `key` names; `None` for an order's id. A
+    /// hold's key is `PREFIX item : nonce : hold id` (the nonce hex, or
+    /// empty for a hold recorded before nonces; a key older still has no
+    /// nonce), a bundle's `PREFIX item : order id`.
+    pub fn of_key(key: &str) -> Option<Self> {
+        if let Some(rest) = key.strip_prefix(HOLD_KEY_PREFIX) {
+            let (_, rest) = rest.split_once(':')?;
+            let hold_id = match rest.split_once(':') {
+                Some((nonce, id)) if is_nonce(nonce) => id,
+                _ => rest,
+            };
+            return Some(Self::Hold {
+                hold_id: hold_id.to_owned(),
+            });
+        }
+        let rest = key.strip_prefix(BUNDLE_KEY_PREFIX)?;
+        let (_, order_id) = rest.split_once(':')?;
+        Some(Self::Bundle {
+            order_id: order_id.to_owned(),
+        })
+    }
+}
+
+/// Whether `s` is a hold attempt's nonce as hold keys carry it: an
+/// ObjectId's 24 hex digits, or empty (a hold recorded before nonces).
+fn is_nonce(s: &str) -> bool {
+    s.is_empty() || (s.len() == 24 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+impl std::fmt::Display for SetAside {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Hold { hold_id } => write!(f, "hold: {hold_id}"),
+            Self::Bundle { order_id } => write!(f, "bundle of order {order_id}"),
+        }
+    }
+}
+
 /// One step in the SMS story of a code (`published`, `resent`, `sent`,
 /// `failed`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +201,22 @@ impl Code {
         })
     }
 
+    /// The order this code was given to, as listings show it: `None` for
+    /// a code never issued, and for one a checkout hold or a bundle set
+    /// aside (held, or voided while held), whose holder is an internal key
+    /// ([`Code::set_aside`] says whose instead).
+    pub fn order_holder(&self) -> Option<&Holder> {
+        self.holder
+            .as_ref()
+            .filter(|h| SetAside::of_key(&h.order_id).is_none())
+    }
+
+    /// The hold or bundle that set this code aside (it may since have been
+    /// voided, by a recall or its expiry); `None` for stock and orders.
+    pub fn set_aside(&self) -> Option<SetAside> {
+        SetAside::of_key(&self.holder.as_ref()?.order_id)
+    }
+
     /// The code as it may appear in logs and listings.
     pub fn masked(&self) -> String {
         mask(&self.code)
@@ -152,7 +227,7 @@ impl Code {
             SmsState::Sent
         } else if self.sms.failures > 0 {
             SmsState::Failed
-        } else if self.holder.is_none() {
+        } else if self.order_holder().is_none() {
             SmsState::None
         } else if self.sms.awaiting_relay && self.sms.published_at.is_none() {
             SmsState::Pending
@@ -254,6 +329,52 @@ mod tests {
     fn a_used_code_is_not_resent() {
         let c = code(CodeStatus::Used, true);
         assert!(matches!(c.resendable(), Err(NotSendable::Used { .. })));
+    }
+
+    #[test]
+    fn a_code_a_hold_or_bundle_set_aside_names_it_and_no_order() {
+        for (key, aside) in [
+            (
+                "\u{1}hold:0:6740a1b2c3d4e5f601234567:cart-1",
+                SetAside::Hold {
+                    hold_id: "cart-1".into(),
+                },
+            ),
+            (
+                "\u{1}hold:1::cart:2",
+                SetAside::Hold {
+                    hold_id: "cart:2".into(),
+                },
+            ),
+            (
+                "\u{1}hold:0:cart-3",
+                SetAside::Hold {
+                    hold_id: "cart-3".into(),
+                },
+            ),
+            (
+                "\u{1}bundle:2:B-1",
+                SetAside::Bundle {
+                    order_id: "B-1".into(),
+                },
+            ),
+        ] {
+            let mut c = code(CodeStatus::Void, true);
+            c.holder.as_mut().unwrap().order_id = key.into();
+            assert_eq!(c.set_aside(), Some(aside.clone()), "{key:?}");
+            assert_eq!(c.order_holder(), None, "{key:?}");
+            assert_eq!(c.sms_state(), SmsState::None, "{key:?}");
+            assert!(!aside.to_string().contains('\u{1}'));
+        }
+        assert_eq!(code(CodeStatus::Issued, true).set_aside(), None);
+        assert!(code(CodeStatus::Issued, true).order_holder().is_some());
+        assert_eq!(
+            SetAside::Hold {
+                hold_id: "cart-1".into()
+            }
+            .to_string(),
+            "hold: cart-1"
+        );
     }
 
     #[test]

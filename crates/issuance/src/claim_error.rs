@@ -43,6 +43,11 @@ impl ClaimError {
         }
     }
 
+    /// A code the claim read is sealed with a key the key file lacks.
+    pub fn is_unknown_key(&self) -> bool {
+        matches!(self, ClaimError::Store(e) if e.is_unknown_key())
+    }
+
     pub(crate) fn inconsistent(order_id: &str, detail: impl Into<String>) -> Self {
         metrics::counter!("codepool_internal_errors_total", "kind" => "inconsistent_claim")
             .increment(1);

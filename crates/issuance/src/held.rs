@@ -43,12 +43,6 @@ pub(crate) fn item_claims(
         .collect()
 }
 
-/// Another key's (or shop's) hold is not found, as if it did not exist.
-/// No owner (an operator) sees every hold.
-pub(crate) fn owner_may_see(h: &HoldDoc, owner: Option<&str>) -> bool {
-    owner.is_none() || h.owner.as_deref() == owner
-}
-
 /// What paying for holds came to.
 #[derive(Debug, Default)]
 pub struct Paid {
@@ -70,6 +64,31 @@ fn payer(p: &Purchase) -> Option<String> {
         (None, Some(shop)) => Some(crate::shops::owner_of(shop)),
         (owner, _) => owner.clone(),
     }
+}
+
+/// The hold purchase `p` names, among `holds` (every owner's holds of the
+/// ids named). Hold ids are each owner's own, so it is the payer's hold of
+/// that id: its own key's or shop's, else a hold of no owner. A purchase
+/// of no key and no shop (an AMQP purchase naming no shop, the operator's
+/// own backend) may pay the hold of any key of no shop ([`gate::may_pay`]):
+/// it names the one of its buyer and items among those, the oldest if
+/// several are.
+fn named_hold<'h>(p: &Purchase, holds: &'h [HoldDoc]) -> Option<&'h HoldDoc> {
+    let id = p.hold_id.as_deref()?;
+    let of_id = holds.iter().filter(|h| h.hold_id == id);
+    let Some(payer) = payer(p) else {
+        let of_a_shop = |h: &&HoldDoc| {
+            (h.owner.as_deref()).is_some_and(|o| o.starts_with(codepool_domain::SHOP_OWNER_PREFIX))
+        };
+        let fits = |h: &HoldDoc| {
+            h.state == HoldState::Held && same_buyer(h, &p.uid) && h.items == p.items()
+        };
+        return (of_id.filter(|h| !of_a_shop(h))).min_by_key(|h| (!fits(h), h.created_at));
+    };
+    (of_id
+        .clone()
+        .find(|h| h.owner.as_deref() == Some(payer.as_str())))
+    .or_else(|| of_id.clone().find(|h| h.owner.is_none()))
 }
 
 /// Turns the holds that `purchases` pay for into their grants: each held
@@ -97,16 +116,11 @@ pub async fn commit_paid(
     if ids.is_empty() {
         return Ok(paid);
     }
-    let holds: HashMap<String, HoldDoc> = store
-        .holds_by_id(&ids)
-        .await?
-        .into_iter()
-        .map(|h| (h.hold_id.clone(), h))
-        .collect();
+    let holds: Vec<HoldDoc> = store.holds_named(&ids).await?;
     let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
     let mut payable: Vec<(&Purchase, &HoldDoc)> = Vec::new();
     for p in purchases {
-        let Some(h) = p.hold_id.as_ref().and_then(|id| holds.get(id)) else {
+        let Some(h) = named_hold(p, &holds) else {
             continue;
         };
         if !pays(p, h) {
@@ -141,7 +155,7 @@ fn pays(p: &Purchase, h: &HoldDoc) -> bool {
     if h.state != HoldState::Held || h.order_id.as_ref().is_some_and(|o| *o != p.order_id) {
         return false;
     }
-    if h.bundle || h.uid != p.uid || h.items != p.items() {
+    if h.bundle || !same_buyer(h, &p.uid) || h.items != p.items() {
         warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
         return false;
     }
@@ -150,6 +164,18 @@ fn pays(p: &Purchase, h: &HoldDoc) -> bool {
         return false;
     }
     true
+}
+
+/// Whether `uid` is the buyer of hold `h`, as every per-buyer rule
+/// compares buyers: by [`codepool_domain::buyer_key`] (NFKC and case
+/// folding), so `Mallory` pays the hold placed for `mallory`.
+fn same_buyer(h: &HoldDoc, uid: &str) -> bool {
+    let key = codepool_domain::buyer_key(uid);
+    if h.buyer.is_empty() {
+        // A hold recorded before buyer keys were stored.
+        return codepool_domain::buyer_key(&h.uid) == key;
+    }
+    h.buyer == key
 }
 
 /// The first item of `h` whose pool a pause stops ([`Move::Commit`]).
@@ -176,7 +202,7 @@ async fn pay(
     // Bound to this order first (durably): if this process dies after the
     // codes move, the hold is this order's, and no other order can pay it;
     // the same order's retry finishes it.
-    if !store.bind_hold(&h.hold_id, &p.order_id).await? {
+    if !store.bind_hold(&h.id, &p.order_id).await? {
         return Ok(());
     }
     // A bundle is granted whole or waits whole: a held code recalled or
@@ -191,7 +217,7 @@ async fn pay(
     paid.committed
         .extend(commit(store, p, &h.keys(), &held, resend).await?);
     store
-        .end_hold(&h.hold_id, HoldState::Committed, Some(&p.order_id))
+        .end_hold(&h.id, HoldState::Committed, Some(&p.order_id))
         .await?;
     metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
     Ok(())
@@ -205,7 +231,7 @@ async fn end(
     state: HoldState,
     order_id: Option<&str>,
 ) -> Result<Vec<HeldCode>, StoreError> {
-    if !store.end_hold(&h.hold_id, state, order_id).await? {
+    if !store.end_hold(&h.id, state, order_id).await? {
         return Ok(Vec::new());
     }
     metrics::counter!("codepool_holds_ended_total", "state" => state.as_str()).increment(1);

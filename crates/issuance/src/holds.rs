@@ -23,7 +23,7 @@ use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
 
 use crate::claim::{ClaimAsk, ClaimError};
-use crate::held::{item_claims, owner_may_see};
+use crate::held::item_claims;
 use crate::intake::Intake;
 use crate::plan::{admit, Intake as Admitted};
 use crate::Resend;
@@ -119,7 +119,7 @@ pub enum HoldError {
     Invalid(PurchaseError),
     #[error("hold {0:?} was already made with other items, buyer or time to live; the first hold stands. Use a new hold_id for a new hold")]
     Conflict(String),
-    #[error("not enough stock to hold every item; nothing was held ({})", free_words(.free))]
+    #[error("out of stock: not enough free codes to hold every item; nothing was held ({})", free_words(.free))]
     InsufficientStock {
         /// What each pool of the request has free now.
         free: Vec<(String, u64)>,
@@ -186,6 +186,10 @@ fn same_hold(h: &HoldDoc, req: &HoldRequest, owner: Option<&str>) -> bool {
         && h.owner.as_deref() == owner
 }
 
+/// A hold as its owner names it: the owner (`None`: no owner) and the hold
+/// id. Hold ids are each owner's own.
+type HoldName = (Option<String>, String);
+
 /// A request for a hold and who makes it, as a batch takes it.
 #[derive(Debug, Clone)]
 pub struct HoldAsk {
@@ -220,13 +224,13 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     let free = release_short(
         intake,
         &(holds.iter())
-            .filter(|h| short.contains(&h.hold_id))
+            .filter(|(_, h)| short.contains(&h.nonce))
+            .map(|(_, h)| h)
             .collect::<Vec<_>>(),
     )
     .await?;
-    for h in holds {
-        let k = first[h.hold_id.as_str()];
-        if short.contains(&h.hold_id) {
+    for (k, h) in holds {
+        if short.contains(&h.nonce) {
             metrics::counter!("codepool_holds_total", "outcome" => "short").increment(1);
             let free = (h.items.iter())
                 .map(|i| (i.pool.clone(), free.get(&i.pool).copied().unwrap_or(0)))
@@ -238,10 +242,11 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
             out[k] = Some(Ok((h, true)));
         }
     }
-    // Repeats within the batch get what the first got.
+    // Repeats within the batch (the same owner and hold id) get what the
+    // first got.
     for (k, a) in asks.iter().enumerate() {
         if out[k].is_none() {
-            let f = first[a.req.hold_id.as_str()];
+            let f = first[&name_of(&read.owners, k, a)];
             out[k] = Some(match &out[f] {
                 Some(Ok((h, _))) => again(h.clone(), &a.req, read.owners[k].as_deref()),
                 _ => Err(HoldError::Conflict(a.req.hold_id.clone())),
@@ -251,13 +256,18 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     Ok(out.into_iter().flatten().collect())
 }
 
+/// The name of ask `k`'s hold: its admitted owner and its hold id.
+fn name_of(owners: &[Option<String>], k: usize, a: &HoldAsk) -> HoldName {
+    (owners[k].clone(), a.req.hold_id.clone())
+}
+
 /// What a batch of holds reads before it decides anything.
 struct BatchRead {
     /// Each ask's owner (a shop's hold is the shop's).
     owners: Vec<Option<String>>,
     policies: HashMap<String, codepool_domain::PoolPolicy>,
-    /// The holds already recorded under the batch's ids.
-    existing: HashMap<String, HoldDoc>,
+    /// The holds already recorded under the batch's ids, of every owner.
+    existing: HashMap<HoldName, HoldDoc>,
     open: Vec<HoldDoc>,
     /// The open holds of the batch's owners (keys and shops).
     owned: Vec<HoldDoc>,
@@ -298,7 +308,7 @@ async fn read_batch(
     owners_asked.dedup();
     let (admission, existing, open, docs, counted, owned) = futures::join!(
         admission,
-        store.holds_by_id(&ids),
+        store.holds_named(&ids),
         store.open_holds_of_many(&uids),
         store.pools_named(&names),
         first_count(store, &names),
@@ -320,7 +330,7 @@ async fn read_batch(
         owners,
         policies,
         existing: (existing?.into_iter())
-            .map(|h| (h.hold_id.clone(), h))
+            .map(|h| ((h.owner.clone(), h.hold_id.clone()), h))
             .collect(),
         open: open?,
         owned: owned?,
@@ -335,28 +345,29 @@ fn owner_of(a: &HoldAsk) -> Option<&String> {
     a.owner.as_ref()
 }
 
-/// The asks to place: not answered yet, not a hold id recorded before
-/// (answered as it stands), not of a paused pool, and the first of their
-/// id in the batch (the others get what it gets). Returns them, and the
-/// first ask of each id.
-fn sort_out<'a>(
-    asks: &'a [HoldAsk],
+/// The asks to place: not answered yet, not a hold id its owner recorded
+/// before (answered as it stands), not of a paused pool, and the first of
+/// their owner and id in the batch (the others get what it gets). Returns
+/// them, and the first ask of each owner's hold id.
+fn sort_out(
+    asks: &[HoldAsk],
     read: &BatchRead,
     out: &mut [Option<Placed>],
-) -> (Vec<usize>, HashMap<&'a str, usize>) {
-    let mut first: HashMap<&str, usize> = HashMap::new();
+) -> (Vec<usize>, HashMap<HoldName, usize>) {
+    let mut first: HashMap<HoldName, usize> = HashMap::new();
     let mut todo: Vec<usize> = Vec::new();
     for (k, a) in asks.iter().enumerate() {
         if out[k].is_some() {
             continue;
         }
         let paused = |i: &&Item| read.policies.get(&i.pool).is_some_and(|x| x.paused);
-        if let Some(h) = read.existing.get(&a.req.hold_id) {
+        let name = name_of(&read.owners, k, a);
+        if let Some(h) = read.existing.get(&name) {
             out[k] = Some(again(h.clone(), &a.req, read.owners[k].as_deref()));
         } else if let Some(p) = a.req.items.iter().find(paused) {
             out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
-        } else if !first.contains_key(a.req.hold_id.as_str()) {
-            first.insert(&a.req.hold_id, k);
+        } else if let std::collections::hash_map::Entry::Vacant(e) = first.entry(name) {
+            e.insert(k);
             todo.push(k);
         }
     }
@@ -365,57 +376,65 @@ fn sort_out<'a>(
 
 /// Records the holds at `todo` while their codes are claimed. Each attempt
 /// holds under keys of its own (its nonce), so one that loses the race to
-/// record its id holds nothing under the winner's, gives back what it
-/// took, and is answered with the winner's hold. Codes whose hold was
-/// never recorded (the process died first) outlive every hold's time and
-/// go back then (`expire_due`). Returns the holds recorded, and those of
-/// them that fell short.
+/// record its owner's hold id holds nothing under the winner's, gives back
+/// what it took, and is answered with the winner's hold. Codes whose hold
+/// was never recorded (the process died first) outlive every hold's time
+/// and go back then (`expire_due`). Returns the holds recorded, each with
+/// its ask, and the nonces of those that fell short.
 async fn record_and_claim(
     intake: &Intake,
     asks: &[HoldAsk],
     owners: &[Option<String>],
     todo: &[usize],
     out: &mut [Option<Placed>],
-) -> Result<(Vec<HoldDoc>, HashSet<String>), HoldError> {
+) -> Result<(Vec<(usize, HoldDoc)>, HashSet<String>), HoldError> {
     let store = intake.store();
     let now = DateTime::now();
     let mut holds: Vec<HoldDoc> = (todo.iter())
         .map(|&k| new_hold(&asks[k].req, owners[k].clone(), now))
         .collect();
-    let (taken, short) = futures::join!(store.insert_holds(&holds), hold_codes(intake, &holds));
-    let (taken, mut short) = match (taken, short) {
-        (Ok(t), Ok(s)) => (t, s),
-        (t, s) => {
+    let (recorded, short) = futures::join!(store.insert_holds(&holds), hold_codes(intake, &holds));
+    let (recorded, mut short) = match (recorded, short) {
+        (Ok(r), Ok(s)) => (r, s),
+        (r, s) => {
             let keys: Vec<String> = holds.iter().flat_map(HoldDoc::keys).collect();
-            let ids: Vec<&str> = holds.iter().map(|h| h.hold_id.as_str()).collect();
             let _ = store.release_held(&keys).await;
-            let _ = store.forget_holds(&ids).await;
-            t?;
+            let _ = store.forget_holds(&holds.iter().collect::<Vec<_>>()).await;
+            r?;
             s?;
             unreachable!("one of the two failed");
         }
     };
-    if taken.is_empty() {
-        return Ok((holds, short));
-    }
-    let again_ids: Vec<&str> = taken.iter().map(String::as_str).collect();
-    let raced: HashMap<String, HoldDoc> = (store.holds_by_id(&again_ids).await?.into_iter())
-        .map(|h| (h.hold_id.clone(), h))
-        .collect();
-    for &k in todo {
-        if let Some(h) = raced.get(&asks[k].req.hold_id) {
-            out[k] = Some(again(h.clone(), &asks[k].req, owners[k].as_deref()));
+    for (h, key) in holds.iter_mut().zip(&recorded) {
+        if let Some(key) = key {
+            h.id.clone_from(key);
         }
     }
-    let lost: Vec<String> = (holds.iter())
-        .filter(|h| taken.contains(&h.hold_id))
-        .flat_map(HoldDoc::keys)
+    let mut placed: Vec<(usize, HoldDoc)> = todo.iter().copied().zip(holds).collect();
+    if recorded.iter().all(Option::is_some) {
+        return Ok((placed, short));
+    }
+    // Lost races: the owner's hold of that id was recorded first.
+    let lost: Vec<&(usize, HoldDoc)> = (placed.iter().zip(&recorded))
+        .filter(|(_, r)| r.is_none())
+        .map(|(p, _)| p)
         .collect();
-    let released = store.release_held(&lost).await?;
+    let again_ids: Vec<&str> = lost.iter().map(|(_, h)| h.hold_id.as_str()).collect();
+    let raced: HashMap<HoldName, HoldDoc> = (store.holds_named(&again_ids).await?.into_iter())
+        .map(|h| ((h.owner.clone(), h.hold_id.clone()), h))
+        .collect();
+    for (k, _) in &lost {
+        if let Some(h) = raced.get(&name_of(owners, *k, &asks[*k])) {
+            out[*k] = Some(again(h.clone(), &asks[*k].req, owners[*k].as_deref()));
+        }
+    }
+    let keys: Vec<String> = lost.iter().flat_map(|(_, h)| h.keys()).collect();
+    let nonces: HashSet<String> = lost.iter().map(|(_, h)| h.nonce.clone()).collect();
+    let released = store.release_held(&keys).await?;
     intake.engine().offer(&released).await;
-    holds.retain(|h| !taken.contains(&h.hold_id));
-    short.retain(|id| !taken.contains(id));
-    Ok((holds, short))
+    placed.retain(|(_, h)| !nonces.contains(&h.nonce));
+    short.retain(|n| !nonces.contains(n));
+    Ok((placed, short))
 }
 
 /// The hold's pools as a purchase, for the checks every order passes.
@@ -436,6 +455,7 @@ fn probe(a: &HoldAsk) -> Purchase {
 
 fn new_hold(req: &HoldRequest, owner: Option<String>, now: DateTime) -> HoldDoc {
     HoldDoc {
+        id: req.hold_id.clone(),
         hold_id: req.hold_id.clone(),
         uid: req.uid.clone(),
         buyer: codepool_domain::buyer_key(&req.uid),
@@ -465,12 +485,16 @@ async fn release_short(
     let keys: Vec<String> = short.iter().flat_map(|h| h.keys()).collect();
     let released = store.release_held(&keys).await?;
     intake.engine().offer(&released).await;
-    let ids: Vec<&str> = short.iter().map(|h| h.hold_id.as_str()).collect();
-    store.forget_holds(&ids).await?;
-    let mut pools: Vec<&str> = short
+    store.forget_holds(short).await?;
+    let pools: Vec<&str> = short
         .iter()
         .flat_map(|h| h.items.iter().map(|i| i.pool.as_str()))
         .collect();
+    free_in(store, pools).await
+}
+
+/// What `pools` have free now, as a short hold's answer tells it.
+async fn free_in(store: &Store, mut pools: Vec<&str>) -> Result<HashMap<String, u64>, StoreError> {
     pools.sort_unstable();
     pools.dedup();
     let asks: Vec<(&str, u64)> = pools.iter().map(|p| (*p, 1_000_000)).collect();
@@ -652,6 +676,7 @@ async fn within_limits(
     // What each buyer and each owner holds, as the batch adds its own.
     let mut tally = Tally::new(limits.open, limits.owned);
     let mut within = Vec::with_capacity(todo.len());
+    let mut refused: Vec<(usize, HoldError)> = Vec::new();
     for k in todo {
         let req = &asks[k].req;
         let buyer = codepool_domain::buyer_key(&req.uid);
@@ -664,16 +689,77 @@ async fn within_limits(
                 .map(|percent| share_of(pool, percent));
             (u64::from(per_uid), share_of(pool, share), owner_limit)
         };
-        let refused = tally.refusal(req, &buyer, owner.as_ref(), &caps);
-        if let Some(e) = refused {
-            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
-            out[k] = Some(Err(e));
+        if let Some(e) = tally.refusal(req, &buyer, owner.as_ref(), &caps) {
+            refused.push((k, e));
             continue;
         }
         tally.add(&buyer, owner.as_ref(), &req.items);
         within.push(k);
     }
+    stock_first(store, asks, refused, out).await?;
     Ok(within)
+}
+
+/// Answers the asks a cap refused: out of stock first. A pool that cannot
+/// cover an item now is a conflict with what the pool has (`409
+/// insufficient-stock`), whatever the caps would say; a cap (`429
+/// hold-limit`) answers only a hold the stock could cover. An empty pool's
+/// share is one code, so without this a hold of two on it was told to
+/// hold less, not that there is nothing to hold. Counts only for refused
+/// asks, each pool no further than the most one of them asks of it.
+async fn stock_first(
+    store: &Store,
+    asks: &[HoldAsk],
+    refused: Vec<(usize, HoldError)>,
+    out: &mut [Option<Placed>],
+) -> Result<(), HoldError> {
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let wants = |k: usize| {
+        let mut per_pool: HashMap<&str, u64> = HashMap::new();
+        for i in &asks[k].req.items {
+            *per_pool.entry(i.pool.as_str()).or_default() += u64::from(i.quantity);
+        }
+        per_pool
+    };
+    let mut need: HashMap<&str, u64> = HashMap::new();
+    for (k, _) in &refused {
+        for (pool, n) in wants(*k) {
+            let e = need.entry(pool).or_default();
+            *e = (*e).max(n);
+        }
+    }
+    let need: Vec<(&str, u64)> = need.into_iter().collect();
+    let counted = store.unissued_counts_upto(&need).await?;
+    let free: HashMap<&str, u64> = need.iter().map(|(p, _)| *p).zip(counted).collect();
+    let mut short_pools: Vec<&str> = Vec::new();
+    let mut short: Vec<usize> = Vec::new();
+    for (k, e) in refused {
+        let wanted = wants(k);
+        if wanted
+            .iter()
+            .any(|(p, n)| free.get(p).copied().unwrap_or(0) < *n)
+        {
+            short_pools.extend(wanted.keys().copied());
+            short.push(k);
+        } else {
+            metrics::counter!("codepool_holds_total", "outcome" => "over_limit").increment(1);
+            out[k] = Some(Err(e));
+        }
+    }
+    if short.is_empty() {
+        return Ok(());
+    }
+    let free = free_in(store, short_pools).await?;
+    for k in short {
+        metrics::counter!("codepool_holds_total", "outcome" => "short").increment(1);
+        let free = (asks[k].req.items.iter())
+            .map(|i| (i.pool.clone(), free.get(&i.pool).copied().unwrap_or(0)))
+            .collect();
+        out[k] = Some(Err(HoldError::InsufficientStock { free }));
+    }
+    Ok(())
 }
 
 /// Stock (free plus held) of `pools`, counted only as far as the largest
@@ -736,7 +822,7 @@ async fn stock_of<'p>(
 }
 
 /// Claims every item of `holds`, held, in one batched claim. Returns the
-/// holds that fell short.
+/// nonces of the holds that fell short.
 async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String>, ClaimError> {
     if holds.is_empty() {
         return Ok(HashSet::new());
@@ -762,22 +848,23 @@ async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String
         .iter()
         .zip(&outcomes)
         .filter(|(_, o)| !o.missing().is_empty() || o.grants().is_empty())
-        .map(|((n, _), _)| holds[*n].hold_id.clone())
+        .map(|((n, _), _)| holds[*n].nonce.clone())
         .collect())
 }
 
-/// A hold, if it is `owner`'s.
+/// `owner`'s hold `hold_id` (`None`: a hold of no owner). Hold ids are
+/// each owner's own: another owner's hold of the same id is not this one.
 pub async fn get(store: &Store, hold_id: &str, owner: Option<&str>) -> Result<HoldDoc, HoldError> {
-    match store.hold(hold_id).await? {
-        Some(h) if !h.bundle && owner_may_see(&h, owner) => Ok(h),
+    match store.hold(owner, hold_id).await? {
+        Some(h) if !h.bundle => Ok(h),
         _ => Err(HoldError::NotFound(hold_id.to_owned())),
     }
 }
 
-/// Releases a held hold: its codes go back to stock. Returns the hold and
-/// the codes put back (their pools' backorders are served first by the
-/// caller, see [`serve_returned`]). A hold no longer held is answered as
-/// it is.
+/// Releases `owner`'s held hold `hold_id`: its codes go back to stock.
+/// Returns the hold and the codes put back (their pools' backorders are
+/// served first by the caller, see [`serve_returned`]). A hold no longer
+/// held is answered as it is.
 pub async fn release(
     intake: &Intake,
     hold_id: &str,
@@ -791,11 +878,11 @@ pub async fn release(
     // Codes first: a release that dies between the two leaves a held
     // hold, which expires and releases again.
     let released = store.release_held(&h.keys()).await?;
-    store.end_hold(hold_id, HoldState::Released, None).await?;
+    store.end_hold(&h.id, HoldState::Released, None).await?;
     intake.engine().offer(&released).await;
     metrics::counter!("codepool_holds_ended_total", "state" => "released").increment(1);
     info!(hold_id, codes = released.len(), "hold released");
-    let h = store.hold(hold_id).await?.unwrap_or(h);
+    let h = store.hold_by_key(&h.id).await?.unwrap_or(h);
     Ok((h, released))
 }
 
@@ -807,7 +894,7 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
     let mut pools = BTreeSet::new();
     for h in store.due_holds(DateTime::now(), 500).await? {
         let released = store.release_held(&h.keys()).await?;
-        store.end_hold(&h.hold_id, HoldState::Expired, None).await?;
+        store.end_hold(&h.id, HoldState::Expired, None).await?;
         metrics::counter!("codepool_holds_ended_total", "state" => "expired").increment(1);
         info!(hold_id = %h.hold_id, codes = released.len(), "hold expired; its codes are back in stock");
         pools.extend(released.iter().map(|c| c.pool.clone()));

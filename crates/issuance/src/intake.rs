@@ -68,6 +68,26 @@ impl Intake {
     ) -> Result<BatchPlan, ClaimError> {
         // Nothing is claimed that this process could not open.
         self.keys.ensure(&self.store).await??;
+        match self.decide_checked(parsed, relay, resend).await {
+            // A key added since the last check (within RECHECK): checked
+            // now, so the process is not ready from this batch on (the
+            // watch is what /readyz asks) and the batch is refused as one
+            // this process cannot open, to be retried, not as a fault.
+            Err(e) if e.is_unknown_key() => match self.keys.recheck(&self.store).await {
+                Ok(Err(missing)) => Err(missing.into()),
+                _ => Err(e),
+            },
+            decided => decided,
+        }
+    }
+
+    /// [`Intake::decide`] once the keys were checked.
+    async fn decide_checked(
+        &self,
+        parsed: Vec<Parsed>,
+        relay: &[&str],
+        resend: Resend,
+    ) -> Result<BatchPlan, ClaimError> {
         // The batch's backorders are read with its pools' policies: an
         // order id that waits as a backorder of another order is a
         // conflict, and gets nothing.

@@ -61,6 +61,19 @@ impl KeyWatch {
         })
     }
 
+    /// Checks again now, whenever the last check was (a claim just met a
+    /// code sealed with a key the ring lacks), then answers whether claims
+    /// may go on.
+    pub async fn recheck(&self, store: &Store) -> Result<Result<(), KeysMissing>, StoreError> {
+        self.refresh(store).await?;
+        let missing = self.missing();
+        Ok(if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(KeysMissing { ids: missing })
+        })
+    }
+
     /// Reads the registry (and the key file, when it names a key the ring
     /// lacks) now.
     pub async fn refresh(&self, store: &Store) -> Result<(), StoreError> {

@@ -52,6 +52,12 @@ impl StoreError {
             "check that mongod is running and CODEPOOL_MONGODB_URI points at it (`make services` starts a local one)",
         )
     }
+
+    /// A code (or event) is sealed with a key this process's key file
+    /// lacks, even after reading the file again.
+    pub fn is_unknown_key(&self) -> bool {
+        matches!(self, Self::Keys(codepool_vault::VaultError::UnknownKey(_)))
+    }
 }
 
 /// Server error codes that mean "the server is away or changing", not "your

@@ -16,7 +16,6 @@ use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::codes::{claim::merge_statement, code_id, object_id, CODES};
-use crate::error::is_duplicate_key;
 use crate::{durable, ClaimAssignment, Store, StoreError};
 
 pub const HOLDS: &str = "holds";
@@ -27,7 +26,15 @@ const HELD: &str = "held";
 /// One hold.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HoldDoc {
+    /// The document's key: the hold id, unless another owner's hold took
+    /// that first, then [`doc_id`] of the owner and the hold id. Holds are
+    /// looked up by owner and hold id; this key only names the document
+    /// found.
     #[serde(rename = "_id")]
+    pub id: String,
+    /// The id its owner gave it. Each owner's own: one owner's holds have
+    /// distinct ids (the unique `hold_id_owner` index), two owners' holds
+    /// may share one.
     pub hold_id: String,
     pub uid: String,
     /// The buyer's key ([`codepool_domain::buyer_key`] of `uid`): every
@@ -81,6 +88,13 @@ impl HoldDoc {
     }
 }
 
+/// The document key of `owner`'s hold `hold_id` when another owner's hold
+/// has the plain id: the owner, a unit separator (which no hold id holds,
+/// so no plain id is ever one) and the hold id.
+pub fn doc_id(owner: Option<&str>, hold_id: &str) -> String {
+    format!("{}\u{1f}{hold_id}", owner.unwrap_or_default())
+}
+
 /// The `order_id` under which item `item` of hold `hold_id` holds its
 /// codes. It starts with a control character, which no order id may
 /// hold, so no order can ever be mistaken for a hold.
@@ -89,10 +103,10 @@ pub fn hold_key(hold_id: &str, item: usize) -> String {
 }
 
 /// How a hold's keys begin.
-const HOLD_PREFIX: &str = "\u{1}hold:";
+const HOLD_PREFIX: &str = codepool_domain::HOLD_KEY_PREFIX;
 
 /// How a bundle's keys begin.
-const BUNDLE_PREFIX: &str = "\u{1}bundle:";
+const BUNDLE_PREFIX: &str = codepool_domain::BUNDLE_KEY_PREFIX;
 
 /// The key under which item `item` of bundle order `order_id` holds its
 /// codes until the bundle is whole.
@@ -139,25 +153,38 @@ const HOLDER_FIELDS: [&str; 11] = [
 ];
 
 impl Store {
-    /// Records a new hold (durably) before anything is claimed for it, so
-    /// a process that dies mid-claim leaves codes that expire with it.
-    /// False when the id is taken.
-    pub async fn insert_hold(&self, hold: &HoldDoc) -> Result<bool, StoreError> {
-        match self
-            .typed::<HoldDoc>(HOLDS)
-            .insert_one(hold)
-            .write_concern(durable())
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e) if is_duplicate_key(&e) => Ok(false),
-            Err(e) => Err(e.into()),
+    /// Records new holds (durably), one journaled write (two when hold ids
+    /// are shared), before anything is claimed for them, so a process that
+    /// dies mid-claim leaves codes that expire with them. Each is recorded
+    /// under its plain hold id, or, when another owner's hold has that
+    /// key, under [`doc_id`]. Returns, aligned with `holds`, the key each
+    /// was recorded under, or `None` when its owner already has a hold of
+    /// that id (another process recorded it first).
+    pub async fn insert_holds(&self, holds: &[HoldDoc]) -> Result<Vec<Option<String>>, StoreError> {
+        let mut keys: Vec<Option<String>> = holds.iter().map(|h| Some(h.id.clone())).collect();
+        let taken = self.insert_holds_once(holds).await?;
+        if taken.is_empty() {
+            return Ok(keys);
         }
+        // The plain id was taken: by another owner's hold (then this one
+        // goes under its compound key), or by the owner's own hold of that
+        // id (then the compound key is refused too, by the owner index).
+        let again: Vec<HoldDoc> = (taken.iter())
+            .map(|&k| HoldDoc {
+                id: doc_id(holds[k].owner.as_deref(), &holds[k].hold_id),
+                ..holds[k].clone()
+            })
+            .collect();
+        let lost = self.insert_holds_once(&again).await?;
+        for (n, &k) in taken.iter().enumerate() {
+            keys[k] = (!lost.contains(&n)).then(|| again[n].id.clone());
+        }
+        Ok(keys)
     }
 
-    /// Records new holds (durably), one journaled write. Returns the ids
-    /// another process took first.
-    pub async fn insert_holds(&self, holds: &[HoldDoc]) -> Result<Vec<String>, StoreError> {
+    /// Inserts `holds` unordered; returns the positions refused as
+    /// duplicates.
+    async fn insert_holds_once(&self, holds: &[HoldDoc]) -> Result<Vec<usize>, StoreError> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
@@ -169,37 +196,57 @@ impl Store {
             .await
         {
             Ok(_) => Ok(Vec::new()),
-            Err(e) => {
-                let dups = crate::error::duplicates_only(e)?;
-                Ok((dups.iter())
-                    .filter_map(|w| holds.get(w.index))
-                    .map(|h| h.hold_id.clone())
-                    .collect())
-            }
+            Err(e) => Ok(crate::error::duplicates_only(e)?
+                .iter()
+                .map(|w| w.index)
+                .collect()),
         }
     }
 
-    pub async fn hold(&self, hold_id: &str) -> Result<Option<HoldDoc>, StoreError> {
+    /// `owner`'s hold `hold_id` (`None`: a hold of no owner).
+    pub async fn hold(
+        &self,
+        owner: Option<&str>,
+        hold_id: &str,
+    ) -> Result<Option<HoldDoc>, StoreError> {
         Ok(self
             .typed::<HoldDoc>(HOLDS)
-            .find_one(doc! {"_id": hold_id})
+            .find_one(doc! {"hold_id": hold_id, "owner": owner})
             .await?)
     }
 
-    /// Forgets a hold that held nothing (short stock): the same request
-    /// may be made again later.
-    pub async fn forget_hold(&self, hold_id: &str) -> Result<(), StoreError> {
-        self.collection(HOLDS)
-            .delete_one(doc! {"_id": hold_id, "state": HELD})
-            .write_concern(durable())
-            .await?;
-        Ok(())
+    /// The hold whose code is held (or was, if voided while held) under
+    /// `key` (a code's `order_id`, one of [`HoldDoc::keys`]); `None` for
+    /// an order's id, a bundle's key, or a hold forgotten since.
+    pub async fn hold_of_key(&self, key: &str) -> Result<Option<HoldDoc>, StoreError> {
+        let Some(codepool_domain::SetAside::Hold { hold_id }) =
+            codepool_domain::SetAside::of_key(key)
+        else {
+            return Ok(None);
+        };
+        Ok((self.holds_named(&[hold_id.as_str()]).await?.into_iter())
+            .find(|h| h.keys().iter().any(|k| k == key)))
     }
 
-    /// Forgets holds that held nothing.
-    pub async fn forget_holds(&self, hold_ids: &[&str]) -> Result<(), StoreError> {
+    /// The hold recorded under document key `id` ([`HoldDoc::id`]).
+    pub async fn hold_by_key(&self, id: &str) -> Result<Option<HoldDoc>, StoreError> {
+        Ok(self
+            .typed::<HoldDoc>(HOLDS)
+            .find_one(doc! {"_id": id})
+            .await?)
+    }
+
+    /// Forgets holds that held nothing (short stock, or a failed batch):
+    /// the same requests may be made again later. Each attempt's own
+    /// (its nonce), whatever key it was recorded under.
+    pub async fn forget_holds(&self, holds: &[&HoldDoc]) -> Result<(), StoreError> {
+        if holds.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<&str> = holds.iter().map(|h| h.hold_id.as_str()).collect();
+        let nonces: Vec<&str> = holds.iter().map(|h| h.nonce.as_str()).collect();
         self.collection(HOLDS)
-            .delete_many(doc! {"_id": {"$in": hold_ids}, "state": HELD})
+            .delete_many(doc! {"hold_id": {"$in": ids}, "nonce": {"$in": nonces}, "state": HELD})
             .write_concern(durable())
             .await?;
         Ok(())
@@ -242,11 +289,12 @@ impl Store {
             .await?)
     }
 
-    /// Ends a held hold (`committed`, `released` or `expired`); false when
-    /// it was not held any more.
+    /// Ends a held hold (`committed`, `released` or `expired`), named by
+    /// its document key ([`HoldDoc::id`]); false when it was not held any
+    /// more.
     pub async fn end_hold(
         &self,
-        hold_id: &str,
+        id: &str,
         state: HoldState,
         order_id: Option<&str>,
     ) -> Result<bool, StoreError> {
@@ -256,19 +304,20 @@ impl Store {
         }
         let r = self
             .collection(HOLDS)
-            .update_one(doc! {"_id": hold_id, "state": HELD}, doc! {"$set": set})
+            .update_one(doc! {"_id": id, "state": HELD}, doc! {"$set": set})
             .write_concern(durable())
             .await?;
         Ok(r.modified_count == 1)
     }
 
-    /// Binds a held hold to the order that pays it, before its codes move:
-    /// false when it is not held any more, or bound to another order.
-    pub async fn bind_hold(&self, hold_id: &str, order_id: &str) -> Result<bool, StoreError> {
+    /// Binds a held hold, named by its document key ([`HoldDoc::id`]), to
+    /// the order that pays it, before its codes move: false when it is not
+    /// held any more, or bound to another order.
+    pub async fn bind_hold(&self, id: &str, order_id: &str) -> Result<bool, StoreError> {
         let r = self
             .collection(HOLDS)
             .update_one(
-                doc! {"_id": hold_id, "state": HELD, "$or": [
+                doc! {"_id": id, "state": HELD, "$or": [
                     {"order_id": {"$exists": false}},
                     {"order_id": null},
                     {"order_id": order_id},
@@ -282,7 +331,9 @@ impl Store {
 
     /// Ends as committed a hold still held but bound to `order_id`, which
     /// holds its codes already (a process died between the commit of the
-    /// codes and the end of the hold). False when there was none.
+    /// codes and the end of the hold). False when there was none. The hold
+    /// is named by the id its owner gave it (whatever its document key):
+    /// only the hold bound to `order_id` matches.
     pub async fn finish_bound_hold(
         &self,
         hold_id: &str,
@@ -291,7 +342,7 @@ impl Store {
         let r = self
             .collection(HOLDS)
             .update_one(
-                doc! {"_id": hold_id, "state": HELD, "order_id": order_id},
+                doc! {"hold_id": hold_id, "state": HELD, "order_id": order_id},
                 doc! {"$set": {"state": HoldState::Committed.as_str(), "ended_at": DateTime::now()}},
             )
             .write_concern(durable())
@@ -419,9 +470,10 @@ impl Store {
         Ok(moved)
     }
 
-    /// Holds by id (any state).
-    pub async fn holds_by_id(&self, ids: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
-        self.find_in(HOLDS, "_id", ids).await
+    /// The holds of these hold ids, of every owner, any state (the
+    /// `hold_id_owner` index): the caller picks each owner's.
+    pub async fn holds_named(&self, ids: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
+        self.find_in(HOLDS, "hold_id", ids).await
     }
 
     /// Puts back in stock held codes no live hold or bundle owns any more:

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
-use codepool_domain::{mask, when, Code, CodeId, CodeStatus, Transition};
+use codepool_domain::{mask, when, Code, CodeId, CodeStatus, SetAside, Transition};
 use futures::TryStreamExt;
 use mongodb::options::ReturnDocument;
 
@@ -78,8 +78,37 @@ pub enum LifecycleError {
     },
     #[error("{what} was redeemed at {at}; a used code cannot be voided (the buyer has used it)")]
     Used { what: String, at: String },
+    /// A void starts from stock or from an order ([`Transition::Void`]),
+    /// and a held code is in neither: its hold (or bundle) has it.
+    #[error("{}", held_words(.what, .held))]
+    Held { what: String, held: HeldBy },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// Who has a held code, as a refusal to void it names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldBy {
+    /// The checkout hold or the bundle that holds it.
+    pub by: SetAside,
+    /// The hold's owner (`shop:NAME`, `api-key-id:ID`), if it has one.
+    pub owner: Option<String>,
+    /// When the hold ends unless it is paid or released first.
+    pub until: Option<String>,
+}
+
+/// Why a held code was not voided, and what to do instead.
+fn held_words(what: &str, held: &HeldBy) -> String {
+    match &held.by {
+        SetAside::Hold { hold_id } => format!(
+            "{what} is held by checkout hold {hold_id:?}{}{}, so it cannot be voided: a void takes a code from stock or from an order, and a held code is in neither. Release the hold first (its owner: DELETE /v1/holds/{hold_id}), or let it be paid or expire, then void the code (once paid, void the order). To withdraw it now, with every code of its delivery, held or not, recall the import: `codepool void --import IMPORT_ID`",
+            held.owner.as_deref().map_or(String::new(), |o| format!(" of {o}")),
+            held.until.as_deref().map_or(String::new(), |t| format!(", until {t}")),
+        ),
+        SetAside::Bundle { order_id } => format!(
+            "{what} is held for bundle order {order_id:?} while the bundle is put together, so it cannot be voided yet. In a moment it is the order's (void it with `codepool void --order {order_id}`) or back in stock (void it again then)"
+        ),
+    }
 }
 
 /// A transition that happened: the code as it was before, and when.
@@ -289,11 +318,34 @@ impl Store {
                 order_id: order_id.to_owned(),
             });
         }
-        Err(refusal(
-            target.describe(),
-            self.find_code(target).await?,
-            false,
-        ))
+        let code = self.find_code(target).await?;
+        if let Some(held) = self.held_by(code.as_ref()).await? {
+            return Err(LifecycleError::Held {
+                what: target.describe(),
+                held,
+            });
+        }
+        Err(refusal(target.describe(), code, false))
+    }
+
+    /// Who has `code`, when it is held (by a checkout hold or a bundle).
+    async fn held_by(&self, code: Option<&Code>) -> Result<Option<HeldBy>, StoreError> {
+        let Some(code) = code.filter(|c| c.status == CodeStatus::Held) else {
+            return Ok(None);
+        };
+        let Some(by) = code.set_aside() else {
+            return Ok(None);
+        };
+        let key = code.holder.as_ref().map(|h| h.order_id.as_str());
+        let hold = match key {
+            Some(key) => self.hold_of_key(key).await?,
+            None => None,
+        };
+        Ok(Some(HeldBy {
+            by,
+            owner: hold.as_ref().and_then(|h| h.owner.clone()),
+            until: hold.map(|h| when(Some(h.expires_at.to_chrono()))),
+        }))
     }
 
     /// Withdraws a waiting backorder so it is never fulfilled. Returns

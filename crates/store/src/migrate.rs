@@ -1,5 +1,5 @@
 //! Applies the ordered files in `migrations/`: index and validator
-//! definitions as MongoDB commands. Each file is applied once and recorded
+//! definitions (and the odd idempotent data update) as MongoDB commands. Each file is applied once and recorded
 //! in `_migrations`; applying again is harmless because every command in
 //! them is idempotent, so several processes may migrate at the same time.
 
@@ -86,6 +86,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0019_codes_grants_by_status",
         include_str!("../../../migrations/0019_codes_grants_by_status.json"),
+    ),
+    (
+        "0020_holds_by_owner",
+        include_str!("../../../migrations/0020_holds_by_owner.json"),
     ),
 ];
 

@@ -144,6 +144,15 @@ pub enum TaskEnd {
     Held,
 }
 
+/// A recorded event without its body: what a replay decides on.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EventHead {
+    #[serde(rename = "_id")]
+    pub id: String,
+    pub kind: String,
+    pub created_at: DateTime,
+}
+
 /// Which events a replay sends again.
 #[derive(Debug, Clone)]
 pub enum ReplayScope {
@@ -603,15 +612,17 @@ impl Store {
             .await?)
     }
 
-    /// Makes a shop's events in `scope` due again now for `endpoint` (every
-    /// enabled endpoint of the shop subscribed to the event's type when
-    /// `None`), whatever became of them before. Returns the tasks made due.
-    pub async fn replay_webhooks(
+    /// What a replay of a shop's events in `scope` may send: the events (id,
+    /// type and time, no body) and the endpoints they may go to (`endpoint`,
+    /// or every enabled endpoint of the shop). The caller picks the pairs
+    /// ([`EndpointDoc::wants`], and the events older than an endpoint only
+    /// when asked) and makes them due with [`Store::make_webhooks_due`].
+    pub async fn replay_candidates(
         &self,
         shop: &str,
         scope: &ReplayScope,
         endpoint: Option<&str>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(Vec<EventHead>, Vec<EndpointDoc>), StoreError> {
         let mut filter = doc! {"shop": shop};
         match scope {
             ReplayScope::Event(id) => filter.insert("_id", id.as_str()),
@@ -627,33 +638,63 @@ impl Store {
             .await?
             .try_collect()
             .await?;
-        let mut events = self
-            .collection(EVENTS)
+        let events: Vec<EventHead> = self
+            .typed::<EventHead>(EVENTS)
             .find(filter)
-            .projection(doc! {"kind": 1})
+            .projection(doc! {"kind": 1, "created_at": 1})
+            .await?
+            .try_collect()
             .await?;
+        Ok((events, endpoints))
+    }
+
+    /// Makes each `(event, endpoint)` due again now, whatever became of its
+    /// task before. Returns the tasks made due.
+    pub async fn make_webhooks_due(
+        &self,
+        due: &[(&EventHead, &EndpointDoc)],
+    ) -> Result<u64, StoreError> {
         let now = DateTime::now();
-        let mut due = 0;
-        while let Some(e) = events.try_next().await? {
-            let id = e.get_str("_id").unwrap_or_default();
-            let kind = e.get_str("kind").unwrap_or_default();
-            for p in endpoints.iter().filter(|p| p.wants(kind)) {
-                self.collection(TASKS)
-                    .update_one(
-                        doc! {"_id": task_id(id, &p.id)},
-                        doc! {
-                            "$set": {"state": state::PENDING, "attempts": 0, "next_at": now, "lease_until": DateTime::from_millis(0)},
-                            "$unset": {"done_at": "", "lease_by": ""},
-                            "$setOnInsert": {"event": id, "endpoint": &p.id, "shop": &p.shop, "kind": kind, "created_at": now},
-                        },
-                    )
-                    .upsert(true)
-                    .write_concern(durable())
-                    .await?;
-                due += 1;
-            }
+        for (e, p) in due {
+            self.collection(TASKS)
+                .update_one(
+                    doc! {"_id": task_id(&e.id, &p.id)},
+                    doc! {
+                        "$set": {"state": state::PENDING, "attempts": 0, "next_at": now, "lease_until": DateTime::from_millis(0)},
+                        "$unset": {"done_at": "", "lease_by": ""},
+                        "$setOnInsert": {"event": &e.id, "endpoint": &p.id, "shop": &p.shop, "kind": &e.kind, "created_at": now},
+                    },
+                )
+                .upsert(true)
+                .write_concern(durable())
+                .await?;
         }
-        Ok(due)
+        Ok(due.len() as u64)
+    }
+
+    /// The ids of the codes order `order_id` holds (or held: whatever their
+    /// status now) on `lines`, read from the `(order_id, line)` index.
+    pub async fn code_ids_on_lines(
+        &self,
+        order_id: &str,
+        lines: &[u32],
+    ) -> Result<Vec<codepool_domain::CodeId>, StoreError> {
+        let docs: Vec<Document> = self
+            .collection(crate::codes::CODES)
+            .find(doc! {"order_id": order_id})
+            .projection(doc! {"_id": 1, "order_line": 1})
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .iter()
+            .filter(|d| {
+                let line = crate::collections::as_u64(d.get("order_line"));
+                lines.iter().any(|l| u64::from(*l) == line)
+            })
+            .filter_map(|d| d.get_object_id("_id").ok())
+            .map(crate::codes::code_id)
+            .collect())
     }
 
     /// When the oldest task still due was created; `None` when none is.

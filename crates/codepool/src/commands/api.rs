@@ -94,8 +94,8 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     };
     let core = Core::new(parts, broker.conn, broker.publisher);
     let api = Api::new(core.clone(), config);
-    let console = codepool_console::router(core, console_config(&args));
-    let extra = crate::http::routes(health.clone(), metrics).merge(console);
+    let console = codepool_console::router(core.clone(), console_config(&args));
+    let extra = crate::http::routes_checking_keys(health.clone(), metrics, core).merge(console);
     let (addr, server) = codepool_api::serve(args.listen, api.clone(), extra, stop.clone())
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another address with --listen (port 0 picks a free one)", args.listen))?;

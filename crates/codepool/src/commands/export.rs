@@ -80,8 +80,11 @@ const HEADER: [&str; 12] = [
     "sms",
 ];
 
+/// One code's row. A code a checkout hold or a bundle set aside (voided
+/// while held) has no order: its holder cells are empty, never the
+/// hold's internal key.
 fn row(c: &Code, reveal: bool) -> [String; 12] {
-    let h = c.holder.as_ref();
+    let h = c.order_holder();
     let t = |t: Option<DateTime<Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_default();
     let cells = [
         c.pool.clone(),

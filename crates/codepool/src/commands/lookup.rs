@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Args;
-use codepool_domain::{mask, Code};
+use codepool_domain::{mask, Code, SetAside};
 use codepool_issuance::ops;
 use codepool_store::policies::RefusalDoc;
 use codepool_store::CodeQuery;
@@ -110,12 +110,20 @@ fn iso(t: Option<DateTime<Utc>>) -> Option<String> {
 }
 
 /// One code as `--json` prints it.
+/// A code a checkout hold set aside (voided while held: a held one is
+/// never listed) shows its hold's id as `hold_id`, and no order: its
+/// holder is the hold's internal key, never shown.
 fn code_json(c: &Code, shown: String) -> serde_json::Value {
-    let h = c.holder.as_ref();
+    let h = c.order_holder();
     let s = &c.sms;
+    let hold_id = match c.set_aside() {
+        Some(SetAside::Hold { hold_id }) => Some(hold_id),
+        _ => None,
+    };
     serde_json::json!({
         "pool": c.pool, "code": shown, "status": c.status.name(),
-        "order_id": h.map(|h| &h.order_id), "uid": h.map(|h| &h.uid), "phone": h.map(|h| &h.phone),
+        "order_id": h.map(|h| &h.order_id), "hold_id": hold_id,
+        "uid": h.map(|h| &h.uid), "phone": h.map(|h| &h.phone),
         "line": h.map(|h| h.line), "quantity": h.map(|h| h.quantity),
         "grant_no": h.and_then(|h| h.grant_no.as_ref()),
         "issued_at": iso(h.map(|h| h.issued_at)),
@@ -157,10 +165,16 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         "SMS"
     );
     for c in &found.codes {
-        let h = c.holder.as_ref();
+        let h = c.order_holder();
+        // A code a hold or bundle set aside names it, never its key.
+        let order = match (h, c.set_aside()) {
+            (Some(h), _) => h.order_id.clone(),
+            (None, Some(aside)) => aside.to_string(),
+            (None, None) => "-".to_owned(),
+        };
         say!(
             "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
-            h.map_or("-", |h| h.order_id.as_str()),
+            order,
             h.map_or_else(
                 || "-".to_owned(),
                 |h| format!("{}/{}", h.line + 1, h.quantity)
@@ -205,8 +219,9 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
             .map(|i| format!("{} × {}", i.quantity, i.pool))
             .collect();
         say!(
-            "hold: {} of user {} holds {} ({}); expires {}{}",
+            "hold: {} of {} for user {} holds {} ({}); expires {}{}",
             h.hold_id,
+            h.owner.as_deref().unwrap_or("no owner"),
             h.uid,
             items.join(", "),
             codepool_issuance::holds::state_now(h),
@@ -218,10 +233,11 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
     }
 }
 
-/// A hold as `--json` prints it (its codes are never shown).
+/// A hold as `--json` prints it (its codes are never shown). Hold ids are
+/// each owner's own, so the owner (`shop:NAME`, `api-key-id:ID`) says whose.
 fn hold_json(h: &codepool_store::holds::HoldDoc) -> serde_json::Value {
     serde_json::json!({
-        "hold_id": h.hold_id, "uid": h.uid, "state": codepool_issuance::holds::state_now(h),
+        "hold_id": h.hold_id, "owner": h.owner, "uid": h.uid, "state": codepool_issuance::holds::state_now(h),
         "items": h.items, "expires_at": h.expires_at.to_chrono().to_rfc3339(),
         "order_id": h.order_id,
     })
@@ -253,7 +269,7 @@ fn print_details(c: &Code) {
             c.void_reason.as_deref().unwrap_or("no reason given")
         );
     }
-    if c.holder.is_none() {
+    if c.order_holder().is_none() {
         return;
     }
     let mut sms = vec![match (s.published_at, s.awaiting_relay) {

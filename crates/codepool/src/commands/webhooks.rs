@@ -20,6 +20,11 @@ Examples:
   codepool webhooks deliveries --shop acme --limit 20
   codepool webhooks replay --shop acme --event msg_3f2a…
   codepool webhooks replay --shop acme --since 2026-11-25T10:00:00Z
+  codepool webhooks replay --shop acme --event msg_3f2a… --id ep_… --include-before-endpoint
+
+A replay sends an endpoint only the events recorded since it was added;
+--include-before-endpoint sends the older ones too (an endpoint added later
+never had their codes), and audits the codes sent that way as a reveal.
 
 Event types: order.granted, order.partly_granted, order.voided,
 order.refused, pool.low_stock, pool.exhausted, pool.replenished ('*' for
@@ -98,6 +103,10 @@ pub enum WebhooksCommand {
         /// Only to this endpoint (default: every endpoint that wants them).
         #[arg(long)]
         id: Option<String>,
+        /// Send events recorded before the endpoint was added too; the
+        /// codes they carry are audited as a reveal.
+        #[arg(long)]
+        include_before_endpoint: bool,
     },
 }
 
@@ -218,11 +227,26 @@ pub async fn run(cfg: &Config, args: WebhooksArgs) -> anyhow::Result<u8> {
             event,
             since,
             id,
+            include_before_endpoint,
         } => {
             let scope = webhooks::replay_scope(&event.or(since).unwrap_or_default())?;
             let actor = super::actor("webhooks replay");
-            let due = webhooks::replay(&store, &shop, &scope, id.as_deref(), &actor).await?;
-            say!("{due} deliveries due again for shop {shop:?}");
+            let r = webhooks::replay(
+                &store,
+                &shop,
+                &scope,
+                id.as_deref(),
+                include_before_endpoint,
+                &actor,
+            )
+            .await?;
+            say!("{} deliveries due again for shop {shop:?}", r.due);
+            if r.left_out > 0 {
+                say!(
+                    "{} deliveries left out: events older than the endpoint they would go to; --include-before-endpoint sends them (audited as a reveal of their codes)",
+                    r.left_out
+                );
+            }
         }
     }
     Ok(crate::exit::OK)

@@ -56,10 +56,11 @@ fn code_rows(codes: &[Code], with_order: bool) -> Markup {
                 th { "Line" } th { "Code" } th { "Status" } th { "Grant no." } th { "Issued" } th { "SMS" } th { "Receipts" }
             } }
             tbody { @for c in codes {
-                @let h = c.holder.as_ref();
+                // A code a hold or bundle set aside names it, never its key.
+                @let h = c.order_holder();
                 tr {
                     @if with_order {
-                        td { @if let Some(h) = h { a href={"/console/orders/" (url_part(&h.order_id))} { (h.order_id) } } }
+                        td { @if let Some(h) = h { a href={"/console/orders/" (url_part(&h.order_id))} { (h.order_id) } } @else if let Some(aside) = c.set_aside() { (aside.to_string()) } }
                         td { (c.pool) }
                     }
                     td.num { (h.map_or(0, |h| h.line)) }

@@ -46,6 +46,9 @@ pub struct HookForm {
     /// An event id (`msg_…`) or a time (RFC 3339).
     #[serde(default)]
     what: String,
+    /// Replay events older than the endpoint too (a ticked box).
+    #[serde(default)]
+    include_before_endpoint: Option<String>,
 }
 
 /// `GET /console/shops/{name}`.
@@ -110,6 +113,8 @@ async fn page(
         form.grid.replay method="post" action=(action("replay")) {
             (csrf(s))
             label { "Event id or since " input name="what" required placeholder="msg_… or 2026-11-25T10:00:00Z"; }
+            label { input type="checkbox" name="include_before_endpoint" value="yes";
+                " also events older than the endpoint (their codes are audited as revealed to you)" }
             button type="submit" { "Replay" }
         }
         h2 { "Add an endpoint" }
@@ -190,14 +195,23 @@ pub async fn replay(
     s.need(Role::Admin)?;
     let scope = webhooks::replay_scope(&f.what).map_err(hook_failure)?;
     let actor = super::actor(&s, "POST /console/shops/{name}/webhooks/replay");
-    let due = webhooks::replay(console.core.store(), &name, &scope, None, &actor)
+    let include = f.include_before_endpoint.is_some();
+    let r = webhooks::replay(console.core.store(), &name, &scope, None, include, &actor)
         .await
         .map_err(hook_failure)?;
+    let left_out = if r.left_out > 0 {
+        format!(
+            " {} left out: events older than the endpoint they would go to (tick the box to send them).",
+            r.left_out
+        )
+    } else {
+        String::new()
+    };
     page(
         &console,
         &s,
         &name,
-        layout::notice(&format!("{due} deliveries due again.")),
+        layout::notice(&format!("{} deliveries due again.{left_out}", r.due)),
     )
     .await
 }

@@ -226,23 +226,64 @@ pub fn replay_scope(what: &str) -> Result<ReplayScope, WebhookError> {
         .map_err(|_| WebhookError::Scope(what.to_owned()))
 }
 
+/// What a replay made due.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Replayed {
+    /// Deliveries made due.
+    pub due: u64,
+    /// Deliveries left out: events older than the endpoint they would go
+    /// to, not asked for (`include_before_endpoint`).
+    pub left_out: u64,
+}
+
+/// Whether events of type `kind` carry codes in plaintext.
+fn carries_codes(kind: &str) -> bool {
+    kind == events::ORDER_GRANTED || kind == events::ORDER_PARTLY_GRANTED
+}
+
 /// Sends a shop's events again: one event, or every event since a time,
 /// to one endpoint or to every endpoint of the shop that wants them.
-/// Audited. Returns the deliveries made due.
+///
+/// An endpoint gets only events recorded since it was added, unless
+/// `include_before_endpoint`: an endpoint added later (a new receiver, or
+/// someone else's) never saw the shop's earlier codes, and a replay would
+/// send them in plaintext. When asked, the codes such a replay sends to an
+/// endpoint that never had them are a reveal: audited, code ids and all,
+/// before anything is made due (no record, no replay). The replay itself
+/// is audited too. Returns what was made due and what was left out.
 pub async fn replay(
     store: &Store,
     shop: &str,
     scope: &ReplayScope,
     endpoint: Option<&str>,
+    include_before_endpoint: bool,
     actor: &Actor,
-) -> Result<u64, WebhookError> {
+) -> Result<Replayed, WebhookError> {
     if store.shop(shop).await?.is_none() {
         return Err(WebhookError::UnknownShop(shop.to_owned()));
     }
     if let Some(id) = endpoint {
         self::endpoint(store, id, Some(shop)).await?;
     }
-    let due = store.replay_webhooks(shop, scope, endpoint).await?;
+    let (found, endpoints) = store.replay_candidates(shop, scope, endpoint).await?;
+    let mut due = Vec::new();
+    let mut left_out = 0;
+    // Events with codes that go to an endpoint added after them.
+    let mut revealed: Vec<&str> = Vec::new();
+    for e in &found {
+        for p in endpoints.iter().filter(|p| p.wants(&e.kind)) {
+            if e.created_at < p.created_at {
+                if !include_before_endpoint {
+                    left_out += 1;
+                    continue;
+                }
+                if carries_codes(&e.kind) && !revealed.contains(&e.id.as_str()) {
+                    revealed.push(&e.id);
+                }
+            }
+            due.push((e, p));
+        }
+    }
     let what = match scope {
         ReplayScope::Event(id) => format!("event {id}"),
         ReplayScope::Since(t) => format!(
@@ -251,15 +292,63 @@ pub async fn replay(
         ),
     };
     let to = endpoint.map_or_else(|| "every endpoint".to_owned(), |e| format!("endpoint {e}"));
+    if !revealed.is_empty() {
+        let ids = revealed_codes(store, &revealed).await?;
+        let count = ids.len() as u64;
+        let what = format!(
+            "shop {shop:?}: {what} replayed to {to}, which was added after {} of them ({}): their codes in plaintext",
+            revealed.len(),
+            revealed.join(", ")
+        );
+        audit::reveal(store, actor, what, ids, count).await?;
+    }
+    let made = store.make_webhooks_due(&due).await?;
+    let older = if include_before_endpoint {
+        "events older than their endpoint included"
+    } else {
+        "events older than their endpoint left out"
+    };
     audit::record(
         store,
         actor,
         "webhook-replay",
-        format!("shop {shop:?}: {what} replayed to {to}: {due} deliveries due"),
+        format!("shop {shop:?}: {what} replayed to {to}: {made} deliveries due, {left_out} left out ({older})"),
     )
     .await?;
-    debug!(shop, due, "webhook replay");
-    Ok(due)
+    debug!(shop, due = made, left_out, "webhook replay");
+    Ok(Replayed {
+        due: made,
+        left_out,
+    })
+}
+
+/// The codes the granted events `ids` carry, by id: each event's order and
+/// lines, as its body names them.
+async fn revealed_codes(
+    store: &Store,
+    ids: &[&str],
+) -> Result<Vec<codepool_domain::CodeId>, WebhookError> {
+    let mut out = Vec::new();
+    for id in ids {
+        let Some(event) = store.webhook_event(id).await? else {
+            continue;
+        };
+        let body: serde_json::Value = serde_json::from_str(&event.body).unwrap_or_default();
+        let data = &body["data"];
+        let Some(order) = data["order_id"].as_str() else {
+            continue;
+        };
+        let lines: Vec<u32> = (data["codes"].as_array().into_iter().flatten())
+            .filter_map(|c| c["line"].as_u64())
+            .filter_map(|l| u32::try_from(l).ok())
+            .collect();
+        for code in store.code_ids_on_lines(order, &lines).await? {
+            if !out.contains(&code) {
+                out.push(code);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The latest delivery attempts of a shop or one endpoint.

@@ -16,8 +16,11 @@ impl Store {
             CodeQuery::Code { pool, code } => self.code_filter(pool, code).await?,
             // `issued_at` lets the partial `(pool, issued_at)` index serve
             // the newest grants first, without sorting a pool's grants.
+            // A code a hold or a bundle set aside (its order_id an
+            // internal key, held or voided while held) is no grant.
             CodeQuery::GrantsOf(pool) => doc! {
-                "pool": *pool, "issued_at": {"$exists": true}, "order_id": {"$type": "string"},
+                "pool": *pool, "issued_at": {"$exists": true},
+                "order_id": {"$type": "string", "$not": set_aside_key()},
             },
         };
         let docs: Vec<CodeDoc> = self
@@ -200,5 +203,14 @@ impl Store {
             }
         }
         Ok(())
+    }
+}
+
+/// Matches the internal keys of holds and bundles (they begin with a
+/// control character no order id may hold).
+fn set_aside_key() -> bson::Regex {
+    bson::Regex {
+        pattern: "^\\x01".to_owned(),
+        options: String::new(),
     }
 }
