@@ -87,6 +87,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0019_codes_grants_by_status",
         include_str!("../../../migrations/0019_codes_grants_by_status.json"),
     ),
+    (
+        "0020_webhook_tasks_by_endpoint",
+        include_str!("../../../migrations/0020_webhook_tasks_by_endpoint.json"),
+    ),
 ];
 
 /// What a migration run did.
