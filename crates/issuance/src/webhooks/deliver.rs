@@ -132,17 +132,23 @@ impl Pace {
 
     /// How many grants to stage now: none while tasks are still due, a
     /// few at most every [`BUSY_STAGE_EVERY`] while granting.
-    fn stage_limit(&mut self, busy: bool, nothing_due: bool) -> i64 {
-        let limit = match (busy, nothing_due) {
+    fn stage_limit(&self, busy: bool, nothing_due: bool) -> i64 {
+        match (busy, nothing_due) {
             (_, false) => 0,
             (false, true) => STAGE_LIMIT,
             (true, true) if self.staged_at.elapsed() >= BUSY_STAGE_EVERY => BUSY_STAGE_LIMIT,
             (true, true) => 0,
-        };
-        if limit > 0 {
+        }
+    }
+
+    /// `n` grants were staged, of at most `limit`: a full stage (a burst
+    /// of grants) makes the next wait [`BUSY_STAGE_EVERY`] while granting.
+    /// One that found fewer left nothing behind, so the next grant (another
+    /// shop's, say) is staged at once.
+    fn staged(&mut self, n: usize, limit: i64) {
+        if n as i64 >= limit {
             self.staged_at = Instant::now();
         }
-        limit
     }
 }
 
@@ -265,7 +271,8 @@ impl Deliverer {
             };
             // Staged only once what is due is delivered: events wait as
             // flags rather than as tasks nobody can take yet.
-            let staged = match pace.stage_limit(busy, batch && leased < room) {
+            let limit = pace.stage_limit(busy, batch && leased < room);
+            let staged = match limit {
                 0 => 0,
                 limit => super::stage_grants(&self.store, limit)
                     .await
@@ -274,6 +281,9 @@ impl Deliverer {
                         0
                     }),
             };
+            if limit > 0 {
+                pace.staged(staged, limit);
+            }
             if last_gauge.elapsed() >= Duration::from_secs(5) {
                 last_gauge = Instant::now();
                 self.gauge_oldest().await;
