@@ -39,3 +39,4 @@ mod secrets;
 mod shops;
 mod strays;
 mod webhooks;
+mod webhooks_fair;
