@@ -147,7 +147,7 @@ pub async fn announce_exhausted(
             "pool exhausted; purchases are backordered until codes are imported"
         );
         let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
-        crate::webhooks::record_pool_event(store, &event).await;
+        crate::webhooks::record_pool_event(store, &event, &event.at).await;
         // Bounded: a notification never holds a batch long.
         let published = match publisher.publish_pool_event(&event).await {
             Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())

@@ -5,9 +5,13 @@
 //! The state is one boolean on the pool document, `low_stock_alerted`. The
 //! dispatcher that flips it from false to true (a conditional update, so at
 //! most one wins) publishes the event; whoever sees stock back at or above
-//! the threshold flips it back (re-arms).
+//! the threshold flips it back (re-arms), and counts the crossing
+//! (`low_stock_crossings`): the webhook events of a crossing are named by
+//! it, so a crossing told again (its alert given back after a failed
+//! publish) is the same event.
 
 use bson::doc;
+use mongodb::options::ReturnDocument;
 
 use crate::pools::POOLS;
 use crate::{durable, Store, StoreError};
@@ -196,6 +200,8 @@ impl Store {
             set.insert("low_stock", n);
             set.insert("low_stock_alerted", false);
         }
+        // A new threshold: the next crossing is a new one.
+        let count = settings.low_stock.is_some();
         if let Some(p) = &settings.grant_prefix {
             if !valid_grant_prefix(p) {
                 return Err(PoolSettingsError::BadPrefix(p.chars().take(40).collect()));
@@ -235,9 +241,13 @@ impl Store {
         if set.is_empty() {
             return Err(PoolSettingsError::Nothing);
         }
+        let mut update = doc! {"$set": set};
+        if count {
+            update.insert("$inc", doc! {"low_stock_crossings": 1_i64});
+        }
         let r = self
             .collection(POOLS)
-            .update_one(doc! {"_id": pool}, doc! {"$set": set})
+            .update_one(doc! {"_id": pool}, update)
             .write_concern(durable())
             .await
             .map_err(StoreError::from)?;
@@ -271,30 +281,69 @@ impl Store {
         }
     }
 
-    /// Marks the pool's low-stock alert as sent. True only for the one
+    /// Marks the pool's low-stock alert as sent. `Some(crossing)` (the
+    /// crossing's number, which names its webhook events) only for the one
     /// caller that flipped it: that caller publishes `pool.low_stock`.
-    pub async fn claim_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
-        let r = self
+    pub async fn claim_low_stock_alert(&self, pool: &str) -> Result<Option<i64>, StoreError> {
+        let after = self
             .collection(POOLS)
-            .update_one(
+            .find_one_and_update(
                 doc! {"_id": pool, "low_stock_alerted": {"$ne": true}},
                 doc! {"$set": {"low_stock_alerted": true, "low_stock_alerted_at": bson::DateTime::now()}},
             )
+            .projection(doc! {"low_stock_crossings": 1})
+            .return_document(ReturnDocument::After)
             .await?;
-        Ok(r.modified_count == 1)
+        Ok(after.map(|d| count_of(&d, "low_stock_crossings")))
     }
 
-    /// Re-arms the low-stock alert (stock is back at or above the
-    /// threshold, or the alert could not be published). True if it was set.
+    /// Re-arms the low-stock alert: stock is back at or above the
+    /// threshold, so the next fall below it is a new crossing. True if it
+    /// was set.
     pub async fn rearm_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
         let r = self
             .collection(POOLS)
             .update_one(
                 doc! {"_id": pool, "low_stock_alerted": true},
-                doc! {"$set": {"low_stock_alerted": false}},
+                doc! {"$set": {"low_stock_alerted": false}, "$inc": {"low_stock_crossings": 1}},
             )
             .await?;
         Ok(r.modified_count == 1)
+    }
+
+    /// Gives the low-stock alert of `crossing` back (it could not be
+    /// published): the next check tells the same crossing again.
+    pub async fn give_back_low_stock_alert(
+        &self,
+        pool: &str,
+        crossing: i64,
+    ) -> Result<(), StoreError> {
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "low_stock_alerted": true, "low_stock_crossings": crossing_filter(crossing)},
+                doc! {"$set": {"low_stock_alerted": false}},
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// A counter on a pool document (absent: 0).
+fn count_of(d: &bson::Document, field: &str) -> i64 {
+    match d.get(field) {
+        Some(bson::Bson::Int64(n)) => *n,
+        Some(bson::Bson::Int32(n)) => i64::from(*n),
+        Some(bson::Bson::Double(n)) => *n as i64,
+        _ => 0,
+    }
+}
+
+/// Matches a counter of `n` (0 matches an absent one too).
+fn crossing_filter(n: i64) -> bson::Document {
+    if n == 0 {
+        doc! {"$in": [0_i64, bson::Bson::Null]}
+    } else {
+        doc! {"$eq": n}
     }
 }
 
