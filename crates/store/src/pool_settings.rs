@@ -9,6 +9,13 @@
 //! (`low_stock_crossings`): the webhook events of a crossing are named by
 //! it, so a crossing told again (its alert given back after a failed
 //! publish) is the same event.
+//!
+//! `pool.exhausted` has a latch of the same kind, `exhausted_alerted`:
+//! raised by the one claimer (of any process, through either door) that
+//! flips it when an order finds the pool short, re-armed when codes come
+//! in (an import, held codes back in stock), which counts the exhaustion
+//! (`exhaustions`) and notes when (`exhausted_rearmed_at`). A shortage
+//! seen before codes came in raises nothing: it may be over.
 
 use bson::doc;
 use mongodb::options::ReturnDocument;
@@ -323,6 +330,71 @@ impl Store {
                 doc! {"_id": pool, "low_stock_alerted": true, "low_stock_crossings": crossing_filter(crossing)},
                 doc! {"$set": {"low_stock_alerted": false}},
             )
+            .await?;
+        Ok(())
+    }
+
+    /// Raises the pool's exhaustion latch for a shortage seen by claims
+    /// that began at `short_since`. `Some(n)` (the exhaustion's number,
+    /// which names its webhook events) only for the one caller that
+    /// raised it: that caller tells `pool.exhausted`. `None` while it is
+    /// raised already, and when codes came in after `short_since` (the
+    /// shortage may be over; the next one raises it).
+    pub async fn claim_exhausted_alert(
+        &self,
+        pool: &str,
+        short_since: bson::DateTime,
+    ) -> Result<Option<i64>, StoreError> {
+        let after = self
+            .collection(POOLS)
+            .find_one_and_update(
+                doc! {
+                    "_id": pool,
+                    "exhausted_alerted": {"$ne": true},
+                    "exhausted_rearmed_at": {"$not": {"$gt": short_since}},
+                },
+                doc! {"$set": {"exhausted_alerted": true, "exhausted_alerted_at": bson::DateTime::now()}},
+            )
+            .projection(doc! {"exhaustions": 1})
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await?;
+        Ok(after.map(|d| count_of(&d, "exhaustions")))
+    }
+
+    /// Gives exhaustion `n`'s latch back (it could not be told): the next
+    /// shortage tells the same exhaustion again, under the same ids.
+    pub async fn give_back_exhausted_alert(&self, pool: &str, n: i64) -> Result<(), StoreError> {
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "exhausted_alerted": true, "exhaustions": crossing_filter(n)},
+                doc! {"$set": {"exhausted_alerted": false}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+
+    /// Re-arms the exhaustion latch of `pools`: codes came in (an import,
+    /// held codes back in stock), so their next shortage is a new
+    /// exhaustion. One write for all of them.
+    pub async fn rearm_exhausted_alerts(&self, pools: &[&str]) -> Result<(), StoreError> {
+        if pools.is_empty() {
+            return Ok(());
+        }
+        let raised = doc! {"$eq": ["$exhausted_alerted", true]};
+        let counted = doc! {"$ifNull": ["$exhaustions", 0_i64]};
+        self.collection(POOLS)
+            .update_many(
+                doc! {"_id": {"$in": pools}},
+                vec![doc! {"$set": {
+                    "exhaustions": {"$cond": [raised, {"$add": [counted.clone(), 1_i64]}, counted]},
+                    "exhausted_alerted": false,
+                    // The clock claims compare with (`short_since`).
+                    "exhausted_rearmed_at": bson::DateTime::now(),
+                }}],
+            )
+            .write_concern(durable())
             .await?;
         Ok(())
     }
