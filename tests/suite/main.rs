@@ -40,3 +40,4 @@ mod secrets;
 mod shops;
 mod strays;
 mod webhooks;
+mod webhooks_fair;

@@ -24,11 +24,11 @@ pub(crate) struct Hit {
     timestamp: String,
     signature: String,
     pub(crate) body: String,
-    at: Instant,
+    pub(crate) at: Instant,
 }
 
 impl Hit {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.body).expect("a webhook body is JSON")
     }
 }
@@ -52,6 +52,9 @@ struct Seen {
     /// Requests of each id in flight now, and the most ever at once.
     in_flight: HashMap<String, usize>,
     overlap: usize,
+    /// Requests in flight now, of any id, and the most ever at once.
+    open: usize,
+    most_open: usize,
 }
 
 /// A webhook receiver on 127.0.0.1 that records every request.
@@ -87,7 +90,7 @@ impl Receiver {
         self.seen.lock().unwrap().hits.clone()
     }
 
-    fn of_type(&self, kind: &str) -> Vec<Hit> {
+    pub(crate) fn of_type(&self, kind: &str) -> Vec<Hit> {
         (self.hits().into_iter())
             .filter(|h| h.json()["type"] == kind)
             .collect()
@@ -103,6 +106,11 @@ impl Receiver {
 
     fn set(&self, answer: Answer) {
         *self.answer.lock().unwrap() = answer;
+    }
+
+    /// The most requests it ever held at once.
+    pub(crate) fn most_at_once(&self) -> usize {
+        self.seen.lock().unwrap().most_open
     }
 }
 
@@ -133,6 +141,8 @@ async fn receive(
         *n += 1;
         let n = *n;
         s.overlap = s.overlap.max(n);
+        s.open += 1;
+        s.most_open = s.most_open.max(s.open);
         (first, *answer.lock().unwrap())
     };
     let status = match answer {
@@ -156,7 +166,10 @@ async fn receive(
             200
         }
     };
-    *seen.lock().unwrap().in_flight.get_mut(&hit.id).unwrap() -= 1;
+    let mut s = seen.lock().unwrap();
+    *s.in_flight.get_mut(&hit.id).unwrap() -= 1;
+    s.open -= 1;
+    drop(s);
     StatusCode::from_u16(status).unwrap()
 }
 
@@ -215,7 +228,12 @@ fn verified_by_the_rust_library(secret: &str, hit: &Hit) -> Result<(), String> {
 }
 
 /// Adds an endpoint for `shop`; returns its id and secret.
-async fn add_endpoint(env: &TestEnv, shop: &str, url: &str, events: &str) -> (String, String) {
+pub(crate) async fn add_endpoint(
+    env: &TestEnv,
+    shop: &str,
+    url: &str,
+    events: &str,
+) -> (String, String) {
     let out = codepool_ok(
         env,
         &[
@@ -229,7 +247,7 @@ async fn add_endpoint(env: &TestEnv, shop: &str, url: &str, events: &str) -> (St
     (v["id"].as_str().unwrap().to_owned(), secret)
 }
 
-async fn shop(env: &TestEnv, name: &str, pools: &str) {
+pub(crate) async fn shop(env: &TestEnv, name: &str, pools: &str) {
     // The suite publishes as the broker's guest user.
     let args = [
         "shops",

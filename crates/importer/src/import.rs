@@ -314,6 +314,8 @@ struct Run<'a> {
     other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
+    /// The pool's `pool.exhausted` latch was re-armed for this run's codes.
+    rearmed: bool,
     /// When the progress was last written to the audit record.
     saved: Instant,
 }
@@ -346,6 +348,7 @@ impl<'a> Run<'a> {
             failure: None,
             other_pools: Default::default(),
             pool_ready: false,
+            rearmed: false,
             saved: Instant::now(),
         }
     }
@@ -435,8 +438,25 @@ impl<'a> Run<'a> {
             }
         }
         self.ensure_pool().await;
+        if !self.rearmed && self.progress.inserted > 0 {
+            self.rearm_exhausted().await;
+        }
         self.save_progress().await;
         true
+    }
+
+    /// Codes came in: the pool's next shortage is a new exhaustion
+    /// (`pool.exhausted` again). Done after the first batch that inserted
+    /// (a run killed later still re-armed it) and again when the run ends.
+    async fn rearm_exhausted(&mut self) {
+        match self
+            .store
+            .rearm_exhausted_alerts(&[self.pool.as_str()])
+            .await
+        {
+            Ok(()) => self.rearmed = true,
+            Err(e) => warn!(error = %e, "pool.exhausted not re-armed; the next import re-arms it"),
+        }
     }
 
     /// Writes the counts so far to the run's audit record, at most once a
@@ -488,11 +508,14 @@ impl<'a> Run<'a> {
     /// Writes the audit record with the true counts and returns the summary
     /// (or the failure).
     async fn close(
-        self,
+        mut self,
         record: &mut ImportRecord,
         seconds: f64,
         interrupted: bool,
     ) -> Result<ImportSummary, ImportError> {
+        if self.progress.inserted > 0 {
+            self.rearm_exhausted().await;
+        }
         let p = self.progress;
         let status = match (&self.failure, interrupted) {
             (Some(_), _) => STATUS_FAILED,

@@ -335,7 +335,7 @@ pub async fn announce_replenished(
     }
     let mut event = PoolEvent::new(PoolEventKind::Replenished, pool);
     event.inserted = Some(inserted);
-    crate::webhooks::record_pool_event(store, &event).await;
+    crate::webhooks::record_pool_event(store, &event, &event.at).await;
     publisher.publish_pool_event(&event).await?.wait().await?;
     info!(pool, inserted, "published pool.replenished");
     Ok(())

@@ -141,9 +141,11 @@ impl Intake {
         // Per-user limits and pauses (policy.rs); refusals are durable now.
         let intake = crate::policy::enforce(&self.store, intake, &policies, &held).await?;
         let claims = to_claim(&intake);
+        let claims_began = bson::DateTime::now();
         let (outcomes, short_pools) = self.claim(&claims, resend, &held).await?;
         let mut plan = plan_batch(intake, outcomes)?;
         plan.exhausted_pools.extend(short_pools);
+        plan.claims_began = Some(claims_began);
         plan.credit_committed(&committed);
         self.withdraw_if_cancelled(&mut plan, &waited).await?;
         Ok(plan)

@@ -190,21 +190,40 @@ pub fn account(plan: &BatchPlan, stock: &std::sync::Arc<crate::StockWatch>, publ
     );
 }
 
-/// `pool.exhausted` for each pool that ran dry in `plan`. A notification,
-/// not a state: a failure is logged and counted, and does not hold the
-/// acks or the answer.
+/// `pool.exhausted` for each pool that ran dry in `plan`, once per time it
+/// runs out: told by the one batch, of any process and either door, that
+/// raises the pool's latch in MongoDB
+/// ([`codepool_store::Store::claim_exhausted_alert`]; codes coming in
+/// re-arm it). A notification, not a state: a failure is logged and
+/// counted, gives the latch back for the next shortage to tell, and does
+/// not hold the acks or the answer.
 pub async fn announce_exhausted(
     plan: &BatchPlan,
     publisher: &Publisher,
     store: &codepool_store::Store,
 ) {
+    let short_since = plan.claims_began.unwrap_or_else(bson::DateTime::now);
     for pool in &plan.exhausted_pools {
+        let n = match store.claim_exhausted_alert(pool, short_since).await {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                debug!(pool, "pool.exhausted told already for this exhaustion");
+                continue;
+            }
+            Err(e) => {
+                warn!(pool, error = %e, "pool.exhausted not told: its latch was not read");
+                metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
+                    .increment(1);
+                continue;
+            }
+        };
         warn!(
             pool,
             "pool exhausted; purchases are backordered until codes are imported"
         );
         let event = PoolEvent::new(PoolEventKind::Exhausted, pool);
-        crate::webhooks::record_pool_event(store, &event).await;
+        let recorded =
+            crate::webhooks::record_pool_event(store, &event, &format!("exhaustion {n}")).await;
         // Bounded: a notification never holds a batch long.
         let published = match publisher.publish_pool_event(&event).await {
             Ok(confirm) => tokio::time::timeout(NOTICE_CONFIRM_WAIT, confirm.wait())
@@ -216,10 +235,16 @@ pub async fn announce_exhausted(
                 }),
             Err(e) => Err(e),
         };
-        if let Err(e) = published {
+        if let Err(e) = &published {
             warn!(pool, error = %e, "pool.exhausted event not published");
             metrics::counter!("codepool_event_publish_failures_total", "event" => "pool.exhausted")
                 .increment(1);
+        }
+        if published.is_err() || !recorded {
+            // The next shortage tells it again: the same webhook ids.
+            if let Err(e) = store.give_back_exhausted_alert(pool, n).await {
+                debug!(pool, error = %e, "pool.exhausted latch not given back");
+            }
         }
     }
 }

@@ -148,6 +148,10 @@ pub struct BatchPlan {
     pub steps: Vec<Step>,
     /// Pools that ran dry in this batch (`pool.exhausted` events).
     pub exhausted_pools: BTreeSet<String>,
+    /// When the batch's claims began: a pool found short was short at
+    /// some moment after this (codes that came in since may have ended
+    /// the shortage).
+    pub claims_began: Option<bson::DateTime>,
     /// Fresh grants (codes) per pool (their stock goes down).
     pub granted_pools: BTreeMap<String, u64>,
     /// Codes this batch issued.

@@ -326,8 +326,12 @@ impl StockWatch {
             }
             return Ok(StockLevel::Ok { unissued });
         }
-        let alerted = !doc.low_stock_alerted && self.store.claim_low_stock_alert(pool).await?;
-        if alerted {
+        let crossing = match doc.low_stock_alerted {
+            true => None,
+            false => self.store.claim_low_stock_alert(pool).await?,
+        };
+        let alerted = crossing.is_some();
+        if let Some(crossing) = crossing {
             warn!(
                 pool,
                 unissued,
@@ -336,7 +340,14 @@ impl StockWatch {
             );
             let mut event = PoolEvent::new(PoolEventKind::LowStock, pool);
             event.unissued = Some(unissued);
-            crate::webhooks::record_pool_event(&self.store, &event).await;
+            // Named by the crossing: told again after a failed publish,
+            // the shops' events are the same ones.
+            crate::webhooks::record_pool_event(
+                &self.store,
+                &event,
+                &format!("crossing {crossing}"),
+            )
+            .await;
             let published = match publisher.publish_pool_event(&event).await {
                 Ok(c) => c.wait().await,
                 Err(e) => Err(e),
@@ -349,7 +360,7 @@ impl StockWatch {
                 Err(e) => {
                     // Give the crossing back so the next check publishes it.
                     warn!(pool, error = %e, "could not publish pool.low_stock; retrying at the next check");
-                    self.store.rearm_low_stock_alert(pool).await?;
+                    self.store.give_back_low_stock_alert(pool, crossing).await?;
                     return Ok(StockLevel::Low {
                         unissued,
                         alerted: false,

@@ -422,6 +422,15 @@ impl Store {
             )
             .write_concern(durable())
             .await?;
+        // Back in stock: the pools' next shortage is a new exhaustion. The
+        // codes are back either way; a latch left raised only keeps the
+        // next `pool.exhausted` for the next import.
+        let mut pools: Vec<&str> = held.iter().map(|h| h.pool.as_str()).collect();
+        pools.sort_unstable();
+        pools.dedup();
+        if let Err(e) = self.rearm_exhausted_alerts(&pools).await {
+            tracing::warn!(error = %e, "pool.exhausted not re-armed for codes back in stock");
+        }
         Ok(held)
     }
 

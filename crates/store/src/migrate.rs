@@ -91,6 +91,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0020_holds_by_owner",
         include_str!("../../../migrations/0020_holds_by_owner.json"),
     ),
+    (
+        "0021_webhook_tasks_by_endpoint",
+        include_str!("../../../migrations/0021_webhook_tasks_by_endpoint.json"),
+    ),
 ];
 
 /// What a migration run did.

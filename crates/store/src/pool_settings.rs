@@ -5,9 +5,20 @@
 //! The state is one boolean on the pool document, `low_stock_alerted`. The
 //! dispatcher that flips it from false to true (a conditional update, so at
 //! most one wins) publishes the event; whoever sees stock back at or above
-//! the threshold flips it back (re-arms).
+//! the threshold flips it back (re-arms), and counts the crossing
+//! (`low_stock_crossings`): the webhook events of a crossing are named by
+//! it, so a crossing told again (its alert given back after a failed
+//! publish) is the same event.
+//!
+//! `pool.exhausted` has a latch of the same kind, `exhausted_alerted`:
+//! raised by the one claimer (of any process, through either door) that
+//! flips it when an order finds the pool short, re-armed when codes come
+//! in (an import, held codes back in stock), which counts the exhaustion
+//! (`exhaustions`) and notes when (`exhausted_rearmed_at`). A shortage
+//! seen before codes came in raises nothing: it may be over.
 
 use bson::doc;
+use mongodb::options::ReturnDocument;
 
 use crate::pools::POOLS;
 use crate::{durable, Store, StoreError};
@@ -196,6 +207,8 @@ impl Store {
             set.insert("low_stock", n);
             set.insert("low_stock_alerted", false);
         }
+        // A new threshold: the next crossing is a new one.
+        let count = settings.low_stock.is_some();
         if let Some(p) = &settings.grant_prefix {
             if !valid_grant_prefix(p) {
                 return Err(PoolSettingsError::BadPrefix(p.chars().take(40).collect()));
@@ -235,9 +248,13 @@ impl Store {
         if set.is_empty() {
             return Err(PoolSettingsError::Nothing);
         }
+        let mut update = doc! {"$set": set};
+        if count {
+            update.insert("$inc", doc! {"low_stock_crossings": 1_i64});
+        }
         let r = self
             .collection(POOLS)
-            .update_one(doc! {"_id": pool}, doc! {"$set": set})
+            .update_one(doc! {"_id": pool}, update)
             .write_concern(durable())
             .await
             .map_err(StoreError::from)?;
@@ -271,30 +288,134 @@ impl Store {
         }
     }
 
-    /// Marks the pool's low-stock alert as sent. True only for the one
+    /// Marks the pool's low-stock alert as sent. `Some(crossing)` (the
+    /// crossing's number, which names its webhook events) only for the one
     /// caller that flipped it: that caller publishes `pool.low_stock`.
-    pub async fn claim_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
-        let r = self
+    pub async fn claim_low_stock_alert(&self, pool: &str) -> Result<Option<i64>, StoreError> {
+        let after = self
             .collection(POOLS)
-            .update_one(
+            .find_one_and_update(
                 doc! {"_id": pool, "low_stock_alerted": {"$ne": true}},
                 doc! {"$set": {"low_stock_alerted": true, "low_stock_alerted_at": bson::DateTime::now()}},
             )
+            .projection(doc! {"low_stock_crossings": 1})
+            .return_document(ReturnDocument::After)
             .await?;
-        Ok(r.modified_count == 1)
+        Ok(after.map(|d| count_of(&d, "low_stock_crossings")))
     }
 
-    /// Re-arms the low-stock alert (stock is back at or above the
-    /// threshold, or the alert could not be published). True if it was set.
+    /// Re-arms the low-stock alert: stock is back at or above the
+    /// threshold, so the next fall below it is a new crossing. True if it
+    /// was set.
     pub async fn rearm_low_stock_alert(&self, pool: &str) -> Result<bool, StoreError> {
         let r = self
             .collection(POOLS)
             .update_one(
                 doc! {"_id": pool, "low_stock_alerted": true},
-                doc! {"$set": {"low_stock_alerted": false}},
+                doc! {"$set": {"low_stock_alerted": false}, "$inc": {"low_stock_crossings": 1}},
             )
             .await?;
         Ok(r.modified_count == 1)
+    }
+
+    /// Gives the low-stock alert of `crossing` back (it could not be
+    /// published): the next check tells the same crossing again.
+    pub async fn give_back_low_stock_alert(
+        &self,
+        pool: &str,
+        crossing: i64,
+    ) -> Result<(), StoreError> {
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "low_stock_alerted": true, "low_stock_crossings": crossing_filter(crossing)},
+                doc! {"$set": {"low_stock_alerted": false}},
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Raises the pool's exhaustion latch for a shortage seen by claims
+    /// that began at `short_since`. `Some(n)` (the exhaustion's number,
+    /// which names its webhook events) only for the one caller that
+    /// raised it: that caller tells `pool.exhausted`. `None` while it is
+    /// raised already, and when codes came in after `short_since` (the
+    /// shortage may be over; the next one raises it).
+    pub async fn claim_exhausted_alert(
+        &self,
+        pool: &str,
+        short_since: bson::DateTime,
+    ) -> Result<Option<i64>, StoreError> {
+        let after = self
+            .collection(POOLS)
+            .find_one_and_update(
+                doc! {
+                    "_id": pool,
+                    "exhausted_alerted": {"$ne": true},
+                    "exhausted_rearmed_at": {"$not": {"$gt": short_since}},
+                },
+                doc! {"$set": {"exhausted_alerted": true, "exhausted_alerted_at": bson::DateTime::now()}},
+            )
+            .projection(doc! {"exhaustions": 1})
+            .return_document(ReturnDocument::After)
+            .write_concern(durable())
+            .await?;
+        Ok(after.map(|d| count_of(&d, "exhaustions")))
+    }
+
+    /// Gives exhaustion `n`'s latch back (it could not be told): the next
+    /// shortage tells the same exhaustion again, under the same ids.
+    pub async fn give_back_exhausted_alert(&self, pool: &str, n: i64) -> Result<(), StoreError> {
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "exhausted_alerted": true, "exhaustions": crossing_filter(n)},
+                doc! {"$set": {"exhausted_alerted": false}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+
+    /// Re-arms the exhaustion latch of `pools`: codes came in (an import,
+    /// held codes back in stock), so their next shortage is a new
+    /// exhaustion. One write for all of them.
+    pub async fn rearm_exhausted_alerts(&self, pools: &[&str]) -> Result<(), StoreError> {
+        if pools.is_empty() {
+            return Ok(());
+        }
+        let raised = doc! {"$eq": ["$exhausted_alerted", true]};
+        let counted = doc! {"$ifNull": ["$exhaustions", 0_i64]};
+        self.collection(POOLS)
+            .update_many(
+                doc! {"_id": {"$in": pools}},
+                vec![doc! {"$set": {
+                    "exhaustions": {"$cond": [raised, {"$add": [counted.clone(), 1_i64]}, counted]},
+                    "exhausted_alerted": false,
+                    // The clock claims compare with (`short_since`).
+                    "exhausted_rearmed_at": bson::DateTime::now(),
+                }}],
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+}
+
+/// A counter on a pool document (absent: 0).
+fn count_of(d: &bson::Document, field: &str) -> i64 {
+    match d.get(field) {
+        Some(bson::Bson::Int64(n)) => *n,
+        Some(bson::Bson::Int32(n)) => i64::from(*n),
+        Some(bson::Bson::Double(n)) => *n as i64,
+        _ => 0,
+    }
+}
+
+/// Matches a counter of `n` (0 matches an absent one too).
+fn crossing_filter(n: i64) -> bson::Document {
+    if n == 0 {
+        doc! {"$in": [0_i64, bson::Bson::Null]}
+    } else {
+        doc! {"$eq": n}
     }
 }
 

@@ -112,6 +112,16 @@ pub struct TaskDoc {
     pub done_at: Option<DateTime>,
 }
 
+/// An endpoint with pending tasks, and the first of them (the one due
+/// first): the endpoint has a task due when `next_at` is past, and an
+/// attempt in flight (somewhere) when `lease_until` is still ahead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub endpoint: String,
+    pub next_at: DateTime,
+    pub lease_until: DateTime,
+}
+
 /// One attempt of one task.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AttemptDoc {
@@ -503,24 +513,76 @@ impl Store {
         })
     }
 
-    /// Leases up to `most` of the tasks due first for `lease_ms`, under
-    /// `token` (unique per call): a leased task is nobody else's until the
-    /// lease ends. Three round trips whatever `most` is.
+    /// Every endpoint with a pending task, in `_id` order, with its first
+    /// pending task (the one due first). One index key per endpoint (a
+    /// distinct scan of `pending_by_endpoint`), however long the backlogs
+    /// are.
+    pub async fn webhook_heads(&self) -> Result<Vec<Head>, StoreError> {
+        let pipeline = vec![
+            doc! {"$match": {"state": state::PENDING}},
+            doc! {"$sort": {"state": 1, "endpoint": 1, "next_at": 1, "_id": 1}},
+            doc! {"$group": {
+                "_id": "$endpoint",
+                "next_at": {"$first": "$next_at"},
+                "lease_until": {"$first": "$lease_until"},
+            }},
+            doc! {"$sort": {"_id": 1}},
+        ];
+        let docs: Vec<Document> = self
+            .collection(TASKS)
+            .aggregate(pipeline)
+            .await?
+            .try_collect()
+            .await?;
+        Ok(docs
+            .iter()
+            .map(|d| Head {
+                endpoint: d.get_str("_id").unwrap_or_default().to_owned(),
+                next_at: d.get_datetime("next_at").copied().unwrap_or(DateTime::MIN),
+                lease_until: d
+                    .get_datetime("lease_until")
+                    .copied()
+                    .unwrap_or(DateTime::MIN),
+            })
+            .collect())
+    }
+
+    /// Leases, for each `(endpoint, most)` of `wants`, up to `most` of the
+    /// endpoint's due tasks, those due first, for `lease_ms`, under `token`
+    /// (unique per call): a leased task is nobody else's until the lease
+    /// ends. Three round trips whatever `wants` holds; each endpoint's
+    /// tasks are read from its own range of `pending_by_endpoint`, so one
+    /// endpoint's backlog costs the others nothing.
     pub async fn lease_webhook_tasks(
         &self,
         token: &str,
         lease_ms: i64,
-        most: i64,
+        wants: &[(&str, i64)],
     ) -> Result<Vec<TaskDoc>, StoreError> {
         let now = DateTime::now();
         let due =
             doc! {"state": state::PENDING, "next_at": {"$lte": now}, "lease_until": {"$lte": now}};
+        let of = |endpoint: &str, most: i64| {
+            let mut matching = due.clone();
+            matching.insert("endpoint", endpoint);
+            vec![
+                doc! {"$match": matching},
+                doc! {"$sort": {"next_at": 1}},
+                doc! {"$limit": most},
+                doc! {"$project": {"_id": 1}},
+            ]
+        };
+        let mut wanted = wants.iter().filter(|(_, most)| *most > 0);
+        let Some((first, most)) = wanted.next() else {
+            return Ok(Vec::new());
+        };
+        let mut pipeline = of(first, *most);
+        pipeline.extend(
+            wanted.map(|(e, most)| doc! {"$unionWith": {"coll": TASKS, "pipeline": of(e, *most)}}),
+        );
         let ids: Vec<Document> = self
             .collection(TASKS)
-            .find(due.clone())
-            .sort(doc! {"next_at": 1})
-            .projection(doc! {"_id": 1})
-            .limit(most)
+            .aggregate(pipeline)
             .await?
             .try_collect()
             .await?;

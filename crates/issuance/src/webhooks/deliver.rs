@@ -5,6 +5,13 @@
 //! next. A process killed mid-delivery leaves its lease to run out; the
 //! task is then due for whoever leases it next, with the same
 //! `webhook-id`.
+//!
+//! Fair between endpoints: each round leases by turns, one endpoint after
+//! another (not the oldest tasks of all endpoints), and an endpoint has at
+//! most its share of the attempts in flight ([`share`]). An attempt not
+//! answered within [`SLOW`] gives its slot back and waits on its
+//! endpoint's share alone, so a slow or dead receiver holds up its own
+//! deliveries and nobody else's.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +19,7 @@ use std::time::{Duration, Instant};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use codepool_store::webhooks::{AttemptDoc, EndpointDoc, Event, TaskDoc, TaskEnd};
+use codepool_store::webhooks::{AttemptDoc, EndpointDoc, Event, Head, TaskDoc, TaskEnd};
 use codepool_store::{Store, StoreError};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -48,8 +55,27 @@ pub const DISABLE_AFTER: chrono::Duration = chrono::Duration::days(5);
 /// How much of an answer an attempt record keeps.
 pub const RESPONSE_KEPT: usize = 1024;
 
-/// Attempts in flight at once per process.
+/// Attempts in flight at once per process (answers coming back).
 const IN_FLIGHT: usize = 16;
+
+/// An attempt not answered within this gives its slot back to the other
+/// endpoints and waits on its endpoint's share alone.
+pub const SLOW: Duration = Duration::from_millis(500);
+
+/// Attempts waiting on slow receivers at once per process; past this a
+/// slow attempt keeps its slot.
+const WAITING: usize = 64;
+
+/// How many attempts one endpoint may have in flight in this process when
+/// `most` may be in flight in all: a quarter of them (one while granting,
+/// with 2), and one while the endpoint is failing, whatever the slots.
+pub fn share(most: usize, failing: bool) -> usize {
+    if failing {
+        1
+    } else {
+        (most / 4).max(1)
+    }
+}
 
 /// Grant flags staged per round.
 const STAGE_LIMIT: i64 = 100;
@@ -106,17 +132,23 @@ impl Pace {
 
     /// How many grants to stage now: none while tasks are still due, a
     /// few at most every [`BUSY_STAGE_EVERY`] while granting.
-    fn stage_limit(&mut self, busy: bool, nothing_due: bool) -> i64 {
-        let limit = match (busy, nothing_due) {
+    fn stage_limit(&self, busy: bool, nothing_due: bool) -> i64 {
+        match (busy, nothing_due) {
             (_, false) => 0,
             (false, true) => STAGE_LIMIT,
             (true, true) if self.staged_at.elapsed() >= BUSY_STAGE_EVERY => BUSY_STAGE_LIMIT,
             (true, true) => 0,
-        };
-        if limit > 0 {
+        }
+    }
+
+    /// `n` grants were staged, of at most `limit`: a full stage (a burst
+    /// of grants) makes the next wait [`BUSY_STAGE_EVERY`] while granting.
+    /// One that found fewer left nothing behind, so the next grant (another
+    /// shop's, say) is staged at once.
+    fn staged(&mut self, n: usize, limit: i64) {
+        if n as i64 >= limit {
             self.staged_at = Instant::now();
         }
-        limit
     }
 }
 
@@ -128,6 +160,13 @@ pub struct Deliverer {
     /// This process, in leases and attempt records.
     me: String,
     slots: Arc<Semaphore>,
+    /// Attempts that gave their slot back ([`SLOW`]).
+    waiting: Arc<Semaphore>,
+    /// Attempts in flight per endpoint.
+    flying: Mutex<HashMap<String, usize>>,
+    /// The endpoint the last round leased for last: the next round starts
+    /// after it.
+    turn: Mutex<String>,
     /// Lease batches taken, for each batch's token.
     leases: std::sync::atomic::AtomicU64,
     events: Mutex<HashMap<String, (Instant, Arc<Event>)>>,
@@ -135,6 +174,44 @@ pub struct Deliverer {
 
 /// An endpoint and the secrets that sign for it now.
 type Signing = (EndpointDoc, Vec<String>);
+
+/// One attempt in flight for an endpoint, counted in
+/// [`Deliverer::flying`] until it is dropped.
+struct Flight {
+    deliverer: Arc<Deliverer>,
+    endpoint: String,
+}
+
+impl Flight {
+    fn start(deliverer: &Arc<Deliverer>, endpoint: &str) -> Self {
+        *deliverer
+            .flying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(endpoint.to_owned())
+            .or_default() += 1;
+        Self {
+            deliverer: deliverer.clone(),
+            endpoint: endpoint.to_owned(),
+        }
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        let mut flying = self
+            .deliverer
+            .flying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = flying.get_mut(&self.endpoint) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                flying.remove(&self.endpoint);
+            }
+        }
+    }
+}
 
 /// What one attempt came to.
 struct Verdict {
@@ -168,6 +245,9 @@ impl Deliverer {
             allow,
             me,
             slots: Arc::new(Semaphore::new(IN_FLIGHT)),
+            waiting: Arc::new(Semaphore::new(WAITING)),
+            flying: Mutex::new(HashMap::new()),
+            turn: Mutex::new(String::new()),
             leases: std::sync::atomic::AtomicU64::new(0),
             events: Mutex::new(HashMap::new()),
         })
@@ -187,11 +267,12 @@ impl Deliverer {
             let batch = room >= most.div_ceil(2);
             let leased = match batch {
                 false => 0,
-                true => self.deliver_due(room).await,
+                true => self.deliver_due(room, most).await,
             };
             // Staged only once what is due is delivered: events wait as
             // flags rather than as tasks nobody can take yet.
-            let staged = match pace.stage_limit(busy, batch && leased < room) {
+            let limit = pace.stage_limit(busy, batch && leased < room);
+            let staged = match limit {
                 0 => 0,
                 limit => super::stage_grants(&self.store, limit)
                     .await
@@ -200,6 +281,9 @@ impl Deliverer {
                         0
                     }),
             };
+            if limit > 0 {
+                pace.staged(staged, limit);
+            }
             if last_gauge.elapsed() >= Duration::from_secs(5) {
                 last_gauge = Instant::now();
                 self.gauge_oldest().await;
@@ -218,25 +302,53 @@ impl Deliverer {
                 _ = tokio::time::sleep(wait) => {}
             }
         }
-        let _ = tokio::time::timeout(
-            ATTEMPT_TIMEOUT + Duration::from_secs(1),
-            self.slots.acquire_many(IN_FLIGHT as u32),
-        )
+        let _ = tokio::time::timeout(ATTEMPT_TIMEOUT + Duration::from_secs(1), async {
+            let _ = self.slots.acquire_many(IN_FLIGHT as u32).await;
+            let _ = self.waiting.acquire_many(WAITING as u32).await;
+        })
         .await;
     }
 
-    /// Leases up to `room` due tasks, in one batch, and starts their
-    /// attempts. Returns how many it leased.
-    pub async fn deliver_due(self: &Arc<Self>, room: usize) -> usize {
+    /// Leases up to `room` due tasks, in one batch, by turns between the
+    /// endpoints, each within its share of `most` ([`share`]), and starts
+    /// their attempts. Returns how many it leased.
+    pub async fn deliver_due(self: &Arc<Self>, room: usize, most: usize) -> usize {
         let token = format!(
             "{}:{}",
             self.me,
             self.leases
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
+        let heads = match self.store.webhook_heads().await {
+            Ok(h) => h,
+            Err(e) => {
+                debug!(error = %e, "webhook tasks wait for MongoDB");
+                return 0;
+            }
+        };
+        let open = self.open_endpoints(heads, room, most);
+        if open.is_empty() {
+            return 0;
+        }
+        let ids: Vec<&str> = open.iter().map(|h| h.endpoint.as_str()).collect();
+        // Read when the batch is leased: a rotation, a disable or an
+        // enable just before holds for it.
+        let endpoints = match self.endpoints_of(&ids).await {
+            Ok(e) => e,
+            Err(e) => {
+                debug!(error = %e, "webhook endpoints wait for MongoDB");
+                return 0;
+            }
+        };
+        let wants = self.by_turns(&open, &endpoints, room, most);
+        // The next round goes on after the endpoints this one looked at,
+        // leased or not.
+        if let Some(last) = open.last() {
+            *self.turn.lock().unwrap_or_else(|e| e.into_inner()) = last.endpoint.clone();
+        }
         let tasks = match self
             .store
-            .lease_webhook_tasks(&token, LEASE.as_millis() as i64, room as i64)
+            .lease_webhook_tasks(&token, LEASE.as_millis() as i64, &wants)
             .await
         {
             Ok(t) => t,
@@ -246,44 +358,111 @@ impl Deliverer {
             }
         };
         let leased = tasks.len();
-        let endpoints = match self.endpoints_of(&tasks).await {
-            Ok(e) => e,
-            Err(e) => {
-                // The leases run out and the tasks are due again.
-                debug!(error = %e, "webhook endpoints wait for MongoDB");
-                return 0;
-            }
-        };
         for task in tasks {
             // Leased within `room`: a permit is free for each.
             let Ok(permit) = self.slots.clone().acquire_owned().await else {
                 break;
             };
-            let me = self.clone();
             let endpoint = endpoints.get(&task.endpoint).cloned();
-            tokio::spawn(async move {
-                if let Err(e) = me.attempt(&task, endpoint).await {
-                    // The lease runs out and the task is due again.
-                    warn!(task = %task.id, error = %e, "webhook attempt not recorded; it will be made again");
-                }
-                drop(permit);
-            });
+            self.launch(task, endpoint, permit);
         }
         leased
     }
 
-    /// The endpoints of a leased batch and the secrets that sign for them,
-    /// read in one query when the batch is leased: a rotation, a disable or
-    /// an enable just before holds for it.
+    /// Makes the attempt of a leased task in the background, in flight for
+    /// its endpoint until it ends. Not answered within [`SLOW`], it gives
+    /// `slot` back to the other endpoints while it waits (if there is room
+    /// to wait).
+    fn launch(
+        self: &Arc<Self>,
+        task: TaskDoc,
+        endpoint: Option<Arc<Signing>>,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let flight = Flight::start(self, &task.endpoint);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let work = me.attempt(&task, endpoint);
+            tokio::pin!(work);
+            let mut slot = Some(slot);
+            let mut waiting = None;
+            let done = tokio::select! {
+                done = &mut work => done,
+                () = tokio::time::sleep(SLOW) => {
+                    if let Ok(w) = me.waiting.clone().try_acquire_owned() {
+                        waiting = Some(w);
+                        slot = None;
+                    }
+                    work.await
+                }
+            };
+            if let Err(e) = done {
+                // The lease runs out and the task is due again.
+                warn!(task = %task.id, error = %e, "webhook attempt not recorded; it will be made again");
+            }
+            drop((slot, waiting, flight));
+        });
+    }
+
+    /// The endpoints with a task due that may have one more attempt in
+    /// flight here (within the most a share of `most` can be), starting
+    /// after the one the last round ended with, at most `room` of them.
+    fn open_endpoints(&self, heads: Vec<Head>, room: usize, most: usize) -> Vec<Head> {
+        let now = bson::DateTime::now();
+        let after = self.turn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let flying = self.flying.lock().unwrap_or_else(|e| e.into_inner());
+        // Heads come in endpoint order: the turn goes on from `after`.
+        let (before, from) = heads
+            .into_iter()
+            .filter(|h| h.next_at <= now)
+            .filter(|h| flying.get(&h.endpoint).copied().unwrap_or(0) < share(most, false))
+            .partition::<Vec<Head>, _>(|h| h.endpoint <= after);
+        from.into_iter().chain(before).take(room).collect()
+    }
+
+    /// How many tasks to lease of each endpoint of `open` (in turn order):
+    /// one each by turns, again while room is left, each up to its share.
+    /// A failing endpoint gets one attempt at a time, and none while
+    /// another process is trying it.
+    fn by_turns<'a>(
+        &self,
+        open: &'a [Head],
+        endpoints: &HashMap<String, Arc<Signing>>,
+        room: usize,
+        most: usize,
+    ) -> Vec<(&'a str, i64)> {
+        let now = bson::DateTime::now();
+        let flying = self.flying.lock().unwrap_or_else(|e| e.into_inner());
+        let left: Vec<usize> = open
+            .iter()
+            .map(|h| {
+                let failing = endpoints
+                    .get(&h.endpoint)
+                    .is_some_and(|e| e.0.failing_since.is_some());
+                let busy = flying.get(&h.endpoint).copied().unwrap_or(0);
+                if failing && h.lease_until > now {
+                    0
+                } else {
+                    share(most, failing).saturating_sub(busy)
+                }
+            })
+            .collect();
+        let wants = allot(left, room);
+        open.iter()
+            .zip(wants)
+            .filter(|(_, n)| *n > 0)
+            .map(|(h, n)| (h.endpoint.as_str(), n as i64))
+            .collect()
+    }
+
+    /// The endpoints named and the secrets that sign for them, in one
+    /// query.
     async fn endpoints_of(
         &self,
-        tasks: &[TaskDoc],
+        ids: &[&str],
     ) -> Result<HashMap<String, Arc<Signing>>, StoreError> {
-        let mut ids: Vec<&str> = tasks.iter().map(|t| t.endpoint.as_str()).collect();
-        ids.sort_unstable();
-        ids.dedup();
         let mut out = HashMap::with_capacity(ids.len());
-        for endpoint in self.store.webhook_endpoints_named(&ids).await? {
+        for endpoint in self.store.webhook_endpoints_named(ids).await? {
             let secrets = self.store.open_webhook_secrets(&endpoint)?;
             out.insert(endpoint.id.clone(), Arc::new((endpoint, secrets)));
         }
@@ -521,6 +700,26 @@ impl Deliverer {
     }
 }
 
+/// Shares `room` between endpoints that may take up to `left[i]` more
+/// each: one each by turns, again while room is left.
+fn allot(mut left: Vec<usize>, mut room: usize) -> Vec<usize> {
+    let mut wants = vec![0usize; left.len()];
+    while room > 0 {
+        let before = room;
+        for (want, left) in wants.iter_mut().zip(left.iter_mut()) {
+            if room > 0 && *left > 0 {
+                *want += 1;
+                *left -= 1;
+                room -= 1;
+            }
+        }
+        if room == before {
+            break;
+        }
+    }
+    wants
+}
+
 fn verdict(outcome: &'static str, status: Option<u32>, response: &str) -> Verdict {
     let mut response = response.to_owned();
     if response.len() > RESPONSE_KEPT {
@@ -558,4 +757,30 @@ fn is_refused_address(e: &reqwest::Error) -> bool {
         source = s.source();
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endpoint_gets_its_share_and_no_more() {
+        assert_eq!(share(IN_FLIGHT, false), 4);
+        assert_eq!(share(BUSY_IN_FLIGHT, false), 1, "one each while granting");
+        assert_eq!(
+            share(IN_FLIGHT, true),
+            1,
+            "a failing endpoint: one at a time"
+        );
+    }
+
+    #[test]
+    fn room_is_shared_by_turns() {
+        // The first endpoint could take 4, but the others each get a turn.
+        assert_eq!(allot(vec![4, 1, 4], 4), vec![2, 1, 1]);
+        assert_eq!(allot(vec![4, 4, 4], 2), vec![1, 1, 0]);
+        // Room left over when every endpoint is at its share.
+        assert_eq!(allot(vec![1, 0, 2], 16), vec![1, 0, 2]);
+        assert_eq!(allot(vec![], 16), Vec::<usize>::new());
+    }
 }

@@ -149,12 +149,13 @@ pub fn order_voided(grants: &[Grant], reason: &str) -> Vec<NewEvent> {
         .collect()
 }
 
-/// The webhook form of a pool event, for each shop in `shops`.
-pub fn pool_event(e: &PoolEvent, shops: &[String]) -> Vec<NewEvent> {
-    let about = format!("{}\0{}", e.pool, e.at);
+/// The webhook form of a pool event, for each shop in `shops`: an event
+/// of each shop's own (its id names the shop), named by `occurrence`.
+pub fn pool_event(e: &PoolEvent, shops: &[String], occurrence: &str) -> Vec<NewEvent> {
     shops
         .iter()
         .map(|shop| {
+            let about = format!("{}\0{shop}\0{occurrence}", e.pool);
             let mut data = json!({"pool": e.pool, "shop": shop, "at": e.at});
             if let Some(n) = e.unissued {
                 data["unissued"] = n.into();
@@ -186,5 +187,24 @@ mod tests {
             event_id(ORDER_REFUSED, "O-1")
         );
         assert!(event_id(ORDER_GRANTED, "x").starts_with("msg_"));
+    }
+
+    #[test]
+    fn each_shop_gets_its_own_pool_event_named_by_the_occurrence() {
+        let e = PoolEvent::new(codepool_domain::PoolEventKind::Exhausted, "px");
+        let shops = ["acme".to_owned(), "globex".to_owned()];
+        let first = pool_event(&e, &shops, "exhaustion 0");
+        assert_eq!(first.len(), 2);
+        assert_ne!(first[0].id, first[1].id, "one event per shop");
+        assert!(first[1].body.contains("\"shop\":\"globex\""));
+        let mut later = e.clone();
+        later.at = "2030-01-01T00:00:00.000Z".to_owned();
+        let again = pool_event(&later, &shops, "exhaustion 0");
+        assert_eq!(again[0].id, first[0].id, "told again: the same event");
+        let next = pool_event(&e, &shops, "exhaustion 1");
+        assert_ne!(
+            next[0].id, first[0].id,
+            "the next exhaustion is a new event"
+        );
     }
 }

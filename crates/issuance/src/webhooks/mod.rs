@@ -58,23 +58,27 @@ pub async fn stage_grants(store: &Store, limit: i64) -> Result<usize, StoreError
 }
 
 /// Records the webhook form of a pool event for every shop that orders
-/// from the pool. A notification: a failure is logged and counted.
-pub async fn record_pool_event(store: &Store, event: &PoolEvent) {
+/// from the pool: one event per shop, named by `occurrence` (what makes
+/// this event one of its kind: the crossing's or the exhaustion's number,
+/// an import's time), so telling it again records nothing new. A
+/// notification: a failure is logged and counted; `false` then.
+pub async fn record_pool_event(store: &Store, event: &PoolEvent, occurrence: &str) -> bool {
     let result = async {
         let shops: Vec<String> = (store.shops().await?.into_iter())
             .filter(|s| s.allows(&event.pool))
             .map(|s| s.name)
             .collect();
         store
-            .record_webhook_events(&events::pool_event(event, &shops))
+            .record_webhook_events(&events::pool_event(event, &shops, occurrence))
             .await
     }
     .await;
-    if let Err(e) = result {
+    if let Err(e) = &result {
         warn!(pool = %event.pool, event = %event.event, error = %e, "webhook event not recorded");
         metrics::counter!("codepool_webhook_record_failures_total", "event" => event.event.clone())
             .increment(1);
     }
+    result.is_ok()
 }
 
 /// Records `order.voided` for the shops' grants among `voided`.
