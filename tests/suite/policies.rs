@@ -306,9 +306,16 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let orders: Vec<_> = (0..800)
         .map(|i| purchase(&format!("R-{i:04}"), "r"))
         .collect();
+    // Published over about six seconds, so that the recall (a CLI
+    // process) lands while dispatch is under way even on a busy machine.
     let publishing = {
         let (publisher, orders) = (publisher.clone(), orders.clone());
-        tokio::spawn(async move { publish_confirmed(&publisher, &orders).await })
+        tokio::spawn(async move {
+            for chunk in orders.chunks(50) {
+                publish_confirmed(&publisher, chunk).await;
+                tokio::time::sleep(Duration::from_millis(400)).await;
+            }
+        })
     };
     eventually(Duration::from_secs(30), "dispatch under way", || async {
         count(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
@@ -565,7 +572,9 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
     for pool in ["a", "b"] {
         env.store.create_pool(pool).await.expect("create pool");
     }
-    let cache = PolicyCache::default();
+    // The cache's clock is the test's: a policy ages when it is moved.
+    let clock = codepool_issuance::clock::ManualClock::new();
+    let cache = PolicyCache::with_clock(clock.clone());
     let got = cache.get_many(&env.store, &["a", "missing"]).await.unwrap();
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
@@ -580,7 +589,10 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
         !got["b"].paused,
         "b was read with the catalogue, before the pause"
     );
-    tokio::time::sleep(codepool_issuance::policy::POLICY_TTL).await;
+    clock.advance(codepool_issuance::policy::POLICY_TTL / 2);
+    let got = cache.get_many(&env.store, &["b"]).await.unwrap();
+    assert!(!got["b"].paused, "still within its TTL");
+    clock.advance(codepool_issuance::policy::POLICY_TTL / 2);
     let got = cache.get_many(&env.store, &["b"]).await.unwrap();
     assert!(got["b"].paused, "read again once its policy aged");
 
@@ -627,5 +639,57 @@ async fn a_pool_document_that_does_not_decode_holds_up_only_its_own_pool() {
         cache.get_many(&env.store, &["bad"]).await.is_err(),
         "the malformed pool's own purchases wait"
     );
+    env.cleanup().await;
+}
+
+/// A revoked key stops working once its cache entry ages past
+/// `KEY_TTL`, not before: the verifier's clock is moved by the test, not
+/// waited out. The same for a shop whose pools changed.
+#[tokio::test]
+async fn the_key_and_shop_caches_age_by_their_clock() {
+    use codepool_issuance::api_keys::{self, Scope, Verifier, KEY_TTL};
+    use codepool_issuance::audit::Actor;
+    use codepool_issuance::shops::{Shops, SHOP_TTL};
+    let env = TestEnv::new("policies_clock").await;
+    let actor = Actor::os_user("test", "host", "test");
+    let made = api_keys::create(&env.store, "k", &[Scope::OrdersRead], &actor)
+        .await
+        .expect("key");
+    let clock = codepool_issuance::clock::ManualClock::new();
+    let verifier = Verifier::with_clock(clock.clone());
+    let seen = verifier.verify(&env.store, &made.token).await.unwrap();
+    assert_eq!(seen.map(|k| k.name), Some("k".to_owned()));
+    api_keys::revoke(&env.store, "k", &actor)
+        .await
+        .expect("revoke");
+    let cached = verifier.verify(&env.store, &made.token).await.unwrap();
+    assert!(cached.is_some(), "within KEY_TTL the cached key answers");
+    clock.advance(KEY_TTL);
+    let aged = verifier.verify(&env.store, &made.token).await.unwrap();
+    assert!(aged.is_none(), "read again once aged: revoked");
+
+    env.store.create_pool("p1").await.expect("pool");
+    env.store.create_pool("p2").await.expect("pool");
+    codepool_issuance::shops::create(&env.store, "acme", &["p1".to_owned()], &actor)
+        .await
+        .expect("shop");
+    let shops = Shops::with_clock(clock.clone());
+    let pools =
+        |s: &std::collections::HashMap<String, Option<codepool_issuance::model::ShopDoc>>| {
+            s["acme"]
+                .as_ref()
+                .map(|d| d.pools.clone())
+                .unwrap_or_default()
+        };
+    let first = shops.get_many(&env.store, &["acme"]).await.unwrap();
+    assert_eq!(pools(&first), ["p1"]);
+    codepool_issuance::shops::set_pools(&env.store, "acme", &["p2".to_owned()], &actor)
+        .await
+        .expect("set pools");
+    let cached = shops.get_many(&env.store, &["acme"]).await.unwrap();
+    assert_eq!(pools(&cached), ["p1"], "within SHOP_TTL");
+    clock.advance(SHOP_TTL);
+    let aged = shops.get_many(&env.store, &["acme"]).await.unwrap();
+    assert_eq!(pools(&aged), ["p2"], "read again once aged");
     env.cleanup().await;
 }

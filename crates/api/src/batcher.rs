@@ -30,7 +30,7 @@ use codepool_issuance::plan::{BatchPlan, Step};
 use codepool_issuance::{Intake, Resend};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::Api;
+use crate::state::Api;
 
 /// Most orders decided together.
 pub const MAX_BATCH: usize = 256;

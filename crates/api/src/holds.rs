@@ -14,9 +14,11 @@ use codepool_issuance::holds::{self, HoldError, HoldRequest};
 use codepool_issuance::model::HoldDoc;
 use serde_json::{json, Value};
 
-use crate::keys::{KeyDoc, Scope};
 use crate::orders::need;
-use crate::{Api, Problem, RequestId};
+use crate::problem::Problem;
+use crate::request::RequestId;
+use crate::state::Api;
+use codepool_issuance::api_keys::{KeyDoc, Scope};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 

@@ -21,12 +21,14 @@ mod orders;
 mod pools;
 pub mod port;
 mod problem;
+mod request;
 mod shops;
+mod state;
 mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -34,8 +36,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use codepool_issuance::api_keys;
-use codepool_issuance::Core;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use utoipa::OpenApi;
@@ -46,101 +46,8 @@ pub use codepool_issuance::api_keys::{self as keys, KeyDoc, Scope};
 pub use codepool_issuance::Broker;
 pub use port::{serve_port, PortLimits, IMPORT_TIMEOUT};
 pub use problem::Problem;
-
-/// How the API server runs.
-#[derive(Debug, Clone)]
-pub struct ApiConfig {
-    /// Largest request body accepted (an order is a few hundred bytes).
-    pub body_limit: usize,
-    /// Longest a request may take, reading its body included.
-    pub request_timeout: Duration,
-    /// Requests per second each key may make (a burst of twice as many).
-    pub rate_per_key: u32,
-    /// Longest a client may take to send a request's head (and longest an
-    /// idle keep-alive connection stays open).
-    pub header_timeout: Duration,
-    /// Connections served at once; further ones wait to be accepted.
-    pub max_connections: usize,
-    /// Serve HTTPS with these settings (`--tls-cert`, `--tls-key`).
-    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
-}
-
-impl Default for ApiConfig {
-    fn default() -> Self {
-        Self {
-            body_limit: 16 * 1024,
-            request_timeout: Duration::from_secs(30),
-            rate_per_key: 200,
-            header_timeout: Duration::from_secs(10),
-            max_connections: 1024,
-            tls: None,
-        }
-    }
-}
-
-/// What every handler shares: the core's services, and the HTTP door's
-/// own keys, limits and order batcher.
-pub struct Api {
-    pub(crate) core: Arc<Core>,
-    pub(crate) keys: api_keys::Verifier,
-    pub(crate) config: ApiConfig,
-    /// Each key's requests per second, a burst of twice as many.
-    limits: governor::DefaultKeyedRateLimiter<String>,
-    /// Concurrent orders, placed together.
-    pub(crate) orders: batcher::Batcher,
-    /// Concurrent holds, placed together.
-    pub(crate) holds: codepool_issuance::holds::HoldBatcher,
-}
-
-impl std::ops::Deref for Api {
-    type Target = Core;
-    fn deref(&self) -> &Core {
-        &self.core
-    }
-}
-
-impl Api {
-    pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
-        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone());
-        Arc::new_cyclic(|me| Self {
-            orders: batcher::Batcher::start(me.clone()),
-            holds,
-            core,
-            keys: api_keys::Verifier::default(),
-            limits: per_key_limiter(config.rate_per_key),
-            config,
-        })
-    }
-
-    /// Waits, for up to `limit`, until the orders answered so far have had
-    /// their events published. Whether they all have.
-    pub async fn settle(&self, limit: Duration) -> bool {
-        self.orders.settle(limit).await
-    }
-
-    /// The core this API serves (the console mounts on the same one).
-    pub fn core(&self) -> &Arc<Core> {
-        &self.core
-    }
-
-    /// Takes one request from `key`'s bucket; the seconds to wait when it
-    /// is empty.
-    fn take(&self, key: &str) -> Result<(), u64> {
-        use governor::clock::Clock;
-        self.limits.check_key(&key.to_owned()).map_err(|not_until| {
-            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
-            wait.as_secs_f64().ceil().max(1.0) as u64
-        })
-    }
-}
-
-/// A limiter of `rate` requests per second per key, with a burst of
-/// twice as many.
-fn per_key_limiter(rate: u32) -> governor::DefaultKeyedRateLimiter<String> {
-    let rate = std::num::NonZeroU32::new(rate.max(1)).unwrap_or(std::num::NonZeroU32::MIN);
-    let burst = rate.saturating_mul(std::num::NonZeroU32::new(2).unwrap_or(rate));
-    governor::RateLimiter::keyed(governor::Quota::per_second(rate).allow_burst(burst))
-}
+use request::RequestId;
+pub use state::{Api, ApiConfig};
 
 /// The `/v1` routes, with their limits, request ids and keys; their time
 /// is bounded by the port they are served on ([`serve`]).
@@ -265,10 +172,6 @@ pub fn tls_config(
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
-
-/// The id of the request being served (also in `x-request-id`).
-#[derive(Debug, Clone)]
-pub(crate) struct RequestId(pub String);
 
 /// Gives every request an id (the port's, see [`port`]; else the client's
 /// `x-request-id` if it is short and plain, else a new one), logs the
@@ -448,13 +351,4 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
     }
     req.extensions_mut().insert(key);
     next.run(req).await
-}
-
-/// The 403 for a key without the `admin` scope, if `key` lacks it.
-pub(crate) fn need_admin(key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    (!key.allows(Scope::Admin)).then(|| {
-        Problem::forbidden(Scope::Admin.as_str())
-            .at(&rid.0)
-            .into_response()
-    })
 }

@@ -19,8 +19,10 @@ use codepool_issuance::plan::Step;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::keys::{KeyDoc, Scope};
-use crate::{Api, Problem, RequestId};
+use crate::problem::Problem;
+use crate::request::RequestId;
+use crate::state::Api;
+use codepool_issuance::api_keys::{KeyDoc, Scope};
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 

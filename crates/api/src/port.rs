@@ -18,7 +18,7 @@ use tower_http::request_id::{
 };
 use tower_http::trace::TraceLayer;
 
-use crate::Problem;
+use crate::problem::Problem;
 
 /// Longest an import upload may take (`/v1/…/imports`, `/console/…/imports`).
 pub const IMPORT_TIMEOUT: Duration = Duration::from_secs(3600);

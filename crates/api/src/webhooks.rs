@@ -14,8 +14,11 @@ use codepool_issuance::webhooks::{self, WebhookError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::keys::KeyDoc;
-use crate::{need_admin as admin, Api, Problem, RequestId};
+use crate::problem::Problem;
+use crate::request::need_admin as admin;
+use crate::request::RequestId;
+use crate::state::Api;
+use codepool_issuance::api_keys::KeyDoc;
 
 type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 

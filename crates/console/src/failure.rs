@@ -7,7 +7,7 @@ use maud::html;
 
 use codepool_issuance::StoreError;
 
-use crate::operators::Role;
+use codepool_issuance::operators::Role;
 
 #[derive(Debug)]
 pub enum Failure {

@@ -7,8 +7,8 @@ use maud::{html, Markup};
 
 use crate::frame::head;
 pub use crate::frame::{bare, url_part};
-use crate::operators::Role;
 use crate::sessions::Session;
+use codepool_issuance::operators::Role;
 
 /// The navigation: label, path, role needed.
 const NAV: &[(&str, &str, Role)] = &[

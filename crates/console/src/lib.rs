@@ -28,10 +28,10 @@ mod layout;
 pub use codepool_issuance::operators;
 mod pages;
 pub mod sessions;
+mod state;
 pub mod throttle;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::{header, HeaderValue};
@@ -42,35 +42,7 @@ use axum::Router;
 use codepool_issuance::Core;
 
 pub use operators::{OperatorDoc, Role};
-
-/// How the console runs.
-#[derive(Debug, Clone)]
-pub struct ConsoleConfig {
-    /// How long a session lasts after sign-in.
-    pub session_ttl: Duration,
-    /// Mark the session cookie `Secure` (the server speaks TLS).
-    pub secure_cookie: bool,
-    /// How often the pages poll for fresh stock numbers (with JavaScript).
-    pub live_every: Duration,
-}
-
-impl Default for ConsoleConfig {
-    fn default() -> Self {
-        Self {
-            session_ttl: Duration::from_secs(8 * 3600),
-            secure_cookie: false,
-            live_every: Duration::from_secs(3),
-        }
-    }
-}
-
-/// What every console handler shares: the core's services and the console's
-/// own settings and sign-in throttle.
-pub struct Console {
-    pub(crate) core: Arc<Core>,
-    pub(crate) cfg: ConsoleConfig,
-    pub(crate) throttle: throttle::Throttle,
-}
+pub use state::{Console, ConsoleConfig};
 
 /// Largest form a console page posts (an import upload is streamed and
 /// has no such limit).

@@ -7,12 +7,12 @@
 use std::sync::Arc;
 
 use crate::failure::Failure;
-use crate::operators::{OperatorDoc, Role};
-use crate::Console;
+use crate::state::Console;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Redirect, Response};
+use codepool_issuance::operators::{OperatorDoc, Role};
 
 pub use codepool_issuance::sessions::{end, find, start, SessionDoc, SESSIONS};
 pub const COOKIE: &str = "codepool_session";
@@ -118,7 +118,7 @@ impl FromRequestParts<Arc<Console>> for Session {
             Ok(None) => return Err(to_signin(parts)),
             Err(e) => return Err(Failure::from(e).into_response()),
         };
-        let operator = match crate::operators::find(store, &doc.operator).await {
+        let operator = match codepool_issuance::operators::find(store, &doc.operator).await {
             Ok(Some(o)) if o.disabled_at.is_none() => o,
             Ok(_) => return Err(to_signin(parts)),
             Err(e) => return Err(Failure::from(e).into_response()),

@@ -288,21 +288,37 @@ pub async fn revoke(store: &Store, name: &str, actor: &Actor) -> Result<KeyDoc, 
 
 /// Verifies tokens against the stored keys, each key read at most once a
 /// [`KEY_TTL`] per process.
-#[derive(Default)]
 pub struct Verifier {
     cache: Mutex<HashMap<String, (Instant, Option<KeyDoc>)>>,
+    /// Where the ages of the keys read are taken.
+    clock: std::sync::Arc<dyn crate::clock::Clock>,
+}
+
+impl Default for Verifier {
+    fn default() -> Self {
+        Self::with_clock(crate::clock::system())
+    }
 }
 
 impl Verifier {
+    /// A verifier whose cached keys age by `clock`.
+    pub fn with_clock(clock: std::sync::Arc<dyn crate::clock::Clock>) -> Self {
+        Self {
+            cache: Mutex::default(),
+            clock,
+        }
+    }
+
     /// The key a token proves, if any (`None`: no such key, a wrong
     /// secret, or a revoked key).
     pub async fn verify(&self, store: &Store, token: &str) -> Result<Option<KeyDoc>, StoreError> {
         let Some((id, secret)) = split_token(token) else {
             return Ok(None);
         };
+        let now = self.clock.now();
         let cached = self.cache.lock().ok().and_then(|c| {
             c.get(id)
-                .filter(|(at, _)| at.elapsed() < KEY_TTL)
+                .filter(|(at, _)| now.duration_since(*at) < KEY_TTL)
                 .map(|(_, k)| k.clone())
         });
         let key = match cached {
@@ -313,7 +329,7 @@ impl Verifier {
                     if c.len() > 10_000 {
                         c.clear();
                     }
-                    c.insert(id.to_owned(), (Instant::now(), k.clone()));
+                    c.insert(id.to_owned(), (now, k.clone()));
                 }
                 k
             }

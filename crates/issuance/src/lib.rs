@@ -28,6 +28,7 @@ pub mod backorders;
 mod bundles;
 pub mod claim;
 pub mod claim_error;
+pub mod clock;
 pub mod controls;
 pub mod core;
 mod demand;

@@ -79,9 +79,17 @@ struct Cached {
 }
 
 /// Pools known to exist, with their policy as last read.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PolicyCache {
     state: RwLock<Known>,
+    /// Where the ages of the policies are read.
+    clock: std::sync::Arc<dyn crate::clock::Clock>,
+}
+
+impl Default for PolicyCache {
+    fn default() -> Self {
+        Self::with_clock(crate::clock::system())
+    }
 }
 
 /// What [`PolicyCache`] holds.
@@ -196,6 +204,14 @@ fn look_up(known: &mut Known, pools: &[&str], now: Instant) -> Lookup {
 }
 
 impl PolicyCache {
+    /// A cache whose policies age by `clock`.
+    pub fn with_clock(clock: std::sync::Arc<dyn crate::clock::Clock>) -> Self {
+        Self {
+            state: RwLock::default(),
+            clock,
+        }
+    }
+
     /// The policies of `pools` that exist: fresh ones from the cache, the
     /// others in one query (a batch over a thousand cold pools costs one
     /// round trip, not a thousand). That query also reads the pools in use
@@ -207,7 +223,7 @@ impl PolicyCache {
         store: &Store,
         pools: &[&str],
     ) -> Result<HashMap<String, PoolPolicy>, StoreError> {
-        let started = Instant::now();
+        let started = self.clock.now();
         let Lookup {
             mut found,
             read,

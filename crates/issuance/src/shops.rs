@@ -187,12 +187,28 @@ pub async fn set_pools(
 }
 
 /// The shops a process knows, each re-read after [`SHOP_TTL`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Shops {
     known: RwLock<HashMap<String, (Instant, Option<ShopDoc>)>>,
+    /// Where the ages of the shops read are taken.
+    clock: std::sync::Arc<dyn crate::clock::Clock>,
+}
+
+impl Default for Shops {
+    fn default() -> Self {
+        Self::with_clock(crate::clock::system())
+    }
 }
 
 impl Shops {
+    /// A cache whose shops age by `clock`.
+    pub fn with_clock(clock: std::sync::Arc<dyn crate::clock::Clock>) -> Self {
+        Self {
+            known: RwLock::default(),
+            clock,
+        }
+    }
+
     /// The shops named in `names` (`None`: no such shop), read at most
     /// once a [`SHOP_TTL`].
     pub async fn get_many(
@@ -202,10 +218,14 @@ impl Shops {
     ) -> Result<HashMap<String, Option<ShopDoc>>, StoreError> {
         let mut out = HashMap::new();
         let mut stale = Vec::new();
+        let now = self.clock.now();
         {
             let known = self.known.read().unwrap_or_else(|e| e.into_inner());
             for name in names {
-                match known.get(*name).filter(|(at, _)| at.elapsed() < SHOP_TTL) {
+                match known
+                    .get(*name)
+                    .filter(|(at, _)| now.duration_since(*at) < SHOP_TTL)
+                {
                     Some((_, shop)) => {
                         out.insert((*name).to_owned(), shop.clone());
                     }
@@ -223,7 +243,7 @@ impl Shops {
         }
         for name in stale {
             let shop = read.iter().find(|s| s.name == name).cloned();
-            known.insert(name.to_owned(), (Instant::now(), shop.clone()));
+            known.insert(name.to_owned(), (now, shop.clone()));
             out.insert(name.to_owned(), shop);
         }
         Ok(out)

@@ -188,6 +188,11 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         );
         print_details(c);
     }
+    print_waiting(found);
+}
+
+/// An order's backorders and refusals, and a buyer's holds, one line each.
+fn print_waiting(found: &ops::Lookup) {
     for b in &found.backorders {
         let waiting = b.waiting_lines().len();
         let of = if b.quantity() > 1 {

@@ -11,9 +11,9 @@ use maud::{html, Markup};
 
 use crate::failure::Failure;
 use crate::layout::{self, csrf, when};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 fn key_failure(e: KeyError) -> Failure {
     match e {

@@ -14,9 +14,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, count, csrf};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 /// Dead letters listed or replayed at most at once.
 const MOST: usize = 200;

@@ -19,9 +19,9 @@ use maud::html;
 
 use crate::failure::Failure;
 use crate::layout::{self, count, url_part};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 /// The fields before the file, as the form sends them.
 #[derive(Debug, Default)]

@@ -15,7 +15,7 @@ pub mod signin;
 
 use crate::failure::Failure;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
 
 /// The operator of `s`, acting through `route`: the core audits the
 /// change it makes with this.

@@ -11,9 +11,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, csrf, when};
-use crate::operators::{self, OperatorError, Role};
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::{self, OperatorError, Role};
 
 fn op_failure(e: OperatorError) -> Failure {
     match e {

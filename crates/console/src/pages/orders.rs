@@ -18,9 +18,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, csrf, url_part, when_chrono};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 /// Codes a uid or phone search lists at most (newest grants first).
 const SEARCH_LIMIT: i64 = 50;

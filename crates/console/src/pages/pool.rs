@@ -18,9 +18,9 @@ use serde::Deserialize;
 use crate::chart;
 use crate::failure::Failure;
 use crate::layout::{self, count, csrf, url_part, when};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 /// Imports listed on a pool's page (newest first).
 const IMPORTS_SHOWN: i64 = 20;

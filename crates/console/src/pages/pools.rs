@@ -18,9 +18,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, count, csrf, url_part};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 /// Pools per page.
 pub const PAGE: i64 = 50;

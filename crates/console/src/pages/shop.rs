@@ -14,9 +14,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, csrf, when};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 fn hook_failure(e: WebhookError) -> Failure {
     match e {

@@ -12,9 +12,9 @@ use serde::Deserialize;
 
 use crate::failure::Failure;
 use crate::layout::{self, csrf, when};
-use crate::operators::Role;
 use crate::sessions::Session;
-use crate::Console;
+use crate::state::Console;
+use codepool_issuance::operators::Role;
 
 fn shop_failure(e: ShopError) -> Failure {
     match e {

@@ -11,9 +11,11 @@ use maud::html;
 use serde::Deserialize;
 
 use crate::failure::Failure;
+use crate::layout;
 use crate::sessions::{self, Session};
+use crate::state::Console;
 use crate::throttle::Refusal;
-use crate::{layout, operators, Console};
+use codepool_issuance::operators;
 
 #[derive(Debug, Default, Deserialize)]
 pub struct Next {
