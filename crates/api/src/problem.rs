@@ -110,10 +110,13 @@ impl Problem {
     }
 
     /// 503: a server codepool needs is away; the request changed nothing
-    /// that a retry would repeat. The cause is logged for the operator;
-    /// the body names no server, address or command.
+    /// that a retry would repeat. The body names no server, address or
+    /// command; the cause is logged at debug (the outage itself shows in
+    /// /readyz and the process's own log lines).
     pub fn unavailable(e: &dyn std::fmt::Display) -> Self {
-        tracing::warn!(error = %e, "answered 503");
+        // Every request of a batch gets the same outage: one line per
+        // request would flood the log, and /readyz already says it.
+        tracing::debug!(error = %e, "answered 503");
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
