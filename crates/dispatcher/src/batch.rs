@@ -12,7 +12,7 @@ use codepool_issuance::claim::ClaimError;
 use codepool_issuance::outage::Retry;
 use codepool_issuance::placing::{self, unconfirmed, wanted, Texting};
 use codepool_issuance::plan::{settle, BatchPlan, Parsed};
-use codepool_issuance::Resend;
+use codepool_issuance::{Door, Resend};
 use lapin::message::Delivery;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
@@ -46,7 +46,6 @@ impl Dispatcher {
         if !self.record_backorders(&mut plan, stop).await {
             return;
         }
-        plan.steps.iter().for_each(placing::log_step);
         let unconfirmed = self
             .publish_until_confirmed(&plan, &deliveries, publisher, stop)
             .await;
@@ -135,7 +134,7 @@ impl Dispatcher {
         let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
         self.parts
             .intake
-            .decide(parsed, &at_limit, Resend::ByRedelivery)
+            .decide(parsed, &at_limit, Resend::ByRedelivery, Door::Amqp)
             .await
     }
 
@@ -214,7 +213,8 @@ impl Dispatcher {
                 publisher,
                 Texting::Every,
                 only,
-                self.parts.intake.store()
+                self.parts.intake.store(),
+                Door::Amqp,
             ),
             dead_letter(plan, deliveries, publisher, only),
         );
