@@ -35,7 +35,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use codepool_issuance::api_keys;
-use codepool_issuance::Core;
+use codepool_issuance::{Core, Door};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use utoipa::OpenApi;
@@ -101,7 +101,7 @@ impl std::ops::Deref for Api {
 
 impl Api {
     pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
-        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone());
+        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone(), Door::Http);
         Arc::new_cyclic(|me| Self {
             orders: batcher::Batcher::start(me.clone()),
             holds,

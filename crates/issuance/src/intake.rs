@@ -338,6 +338,11 @@ impl Intake {
             .collect();
         drop(backorders);
         plan.reject_conflicts(&conflicts);
+        for step in &plan.steps {
+            if let Step::Backorder { purchase, lines } = step {
+                tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, waiting = lines.len(), "order waits for codes");
+            }
+        }
         metrics::counter!("codepool_backorders_total").increment(recorded.new);
         Ok(recorded.new)
     }

@@ -19,9 +19,11 @@
 //! - Around them: stock alerts ([`stock`]), expiry ([`expiry`]), grant
 //!   numbers ([`grant_no`]), the key watch ([`keywatch`]), outage logging
 //!   and retry policy ([`outage`]) and metrics ([`telemetry`]).
-//! - Spans: placing a batch runs in `tracing` spans (`decide`,
-//!   `announce`) whose fields name the [`Door`] it came by; see
-//!   docs/monitoring.md.
+//! - Spans: each step above runs in a `tracing` span (`decide`, `claim`,
+//!   `announce`, `place_holds`, `hold_commit`, `bundle`, `fulfil`,
+//!   `relay`, `webhook_attempt`, and one per background sweep) whose
+//!   fields name the [`Door`], the order, the hold, the pool and the shop
+//!   where they apply; see docs/monitoring.md.
 
 pub mod adapters;
 pub mod api_keys;
