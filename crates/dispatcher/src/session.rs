@@ -326,7 +326,10 @@ impl Dispatcher {
             ) {
                 continue;
             }
-            background::fulfil(&self.parts, &publisher, [pool], &stop).await;
+            // Its lines (the core's `fulfil` span) name the door that heard it.
+            let span = tracing::info_span!("pool_event", door = Door::Amqp.as_str(), pool = %pool);
+            let served = background::fulfil(&self.parts, &publisher, [pool], &stop);
+            tracing::Instrument::instrument(served, span).await;
         }
     }
 }
