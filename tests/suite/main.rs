@@ -38,6 +38,7 @@ mod schemas;
 mod seams;
 mod secrets;
 mod shops;
+mod spans;
 mod strays;
 mod webhooks;
 mod webhooks_fair;

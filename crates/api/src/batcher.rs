@@ -27,7 +27,7 @@ use codepool_issuance::audit::Actor;
 use codepool_issuance::placing::PlaceError;
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
-use codepool_issuance::{Intake, Resend};
+use codepool_issuance::{Door, Intake, Resend};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::state::Api;
@@ -150,7 +150,7 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaph
         let Some(api) = api.upgrade() else { break };
         // The batch's lines (grants, refusals, publishes) carry the door,
         // as the AMQP door's do; each request's own lines carry its order.
-        let span = tracing::info_span!("batch", door = "http", size = asks.len());
+        let span = tracing::info_span!("batch", door = Door::Http.as_str(), size = asks.len());
         let work = async move {
             // The catalogue sweeps wait for a quiet moment.
             let underway = api.parts().activity.batch();
@@ -181,7 +181,6 @@ async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
             let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
                 .await
                 .map_err(|e| Failure::Unaudited(Arc::new(e)));
-            plan.steps.iter().for_each(placing::log_step);
             placing::account(&plan, api.core().stock(), &api.broker().publisher);
             for (reply, step) in replies.into_iter().zip(&plan.steps) {
                 let answer = match (&audited, placing::is_repeat(step)) {
@@ -214,6 +213,7 @@ async fn announce(api: &Api, plan: &BatchPlan) {
         Texting::Fresh,
         None,
         api.store(),
+        Door::Http,
     );
     // A broker that blocks publishes (a memory alarm) must not hold the
     // next batches: what is not confirmed by then is the relay's.
@@ -240,7 +240,7 @@ async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, F
     // A key missing from this process's key file: nothing was claimed,
     // and another API process (or this one, once its key file is
     // complete) takes the same request.
-    let plan = (intake.place(parsed, &[], Resend::ByRelay).await)
+    let plan = (intake.place(parsed, &[], Resend::ByRelay, Door::Http).await)
         .map_err(|e| Failure::Place(Arc::new(e)))?;
     if plan.steps.len() != asked {
         let got = plan.steps.len();

@@ -116,8 +116,16 @@ pub(crate) async fn place(
     if let Err(e) = key.stamp(&mut purchase) {
         return rejected(&e, &key, &rid);
     }
-    // Every line logged for this order names it, its pool and the door.
-    let span = tracing::info_span!("order", order_id = %purchase.order_id, pool = %purchase.pool, door = "http");
+    // Every line logged for this order names it, its pool, its shop, the
+    // hold it pays for and the door.
+    let span = tracing::info_span!(
+        "order",
+        order_id = %purchase.order_id,
+        pool = %purchase.pool,
+        shop = purchase.shop.as_deref(),
+        hold_id = purchase.hold_id.as_deref(),
+        door = codepool_issuance::Door::Http.as_str()
+    );
     tracing::Instrument::instrument(answer(&api, &key, &rid, purchase), span).await
 }
 

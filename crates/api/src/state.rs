@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use codepool_issuance::api_keys;
-use codepool_issuance::Core;
+use codepool_issuance::{Core, Door};
 
 use crate::batcher;
 
@@ -64,7 +64,7 @@ impl std::ops::Deref for Api {
 
 impl Api {
     pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
-        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone());
+        let holds = codepool_issuance::holds::HoldBatcher::start(core.clone(), Door::Http);
         Arc::new_cyclic(|me| Self {
             orders: batcher::Batcher::start(me.clone()),
             holds,

@@ -33,13 +33,16 @@ pub fn init(format: LogFormat) {
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
-        // Each line carries the fields of the span it was logged in (the
-        // request, the batch, the order), so one grep follows an order.
+        // Each line carries the span it was logged in (`span`) and every
+        // span around it, outermost first (`spans`): the door's request or
+        // batch, the core's step, the order or hold. Their fields name the
+        // door, the order, the hold, the pool and the shop, so one grep
+        // for an order id follows it through either door.
         LogFormat::Json => builder
             .json()
             .flatten_event(true)
             .with_current_span(true)
-            .with_span_list(false)
+            .with_span_list(true)
             .try_init(),
     };
 }

@@ -12,10 +12,10 @@ use codepool_issuance::claim::ClaimError;
 use codepool_issuance::outage::Retry;
 use codepool_issuance::placing::{self, unconfirmed, wanted, Texting};
 use codepool_issuance::plan::{settle, BatchPlan, Parsed};
-use codepool_issuance::Resend;
+use codepool_issuance::{Door, Resend};
 use lapin::message::Delivery;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::acks::AckWindow;
 use crate::daemon::Dispatcher;
@@ -46,7 +46,6 @@ impl Dispatcher {
         if !self.record_backorders(&mut plan, stop).await {
             return;
         }
-        plan.steps.iter().for_each(placing::log_step);
         let unconfirmed = self
             .publish_until_confirmed(&plan, &deliveries, publisher, stop)
             .await;
@@ -67,7 +66,7 @@ impl Dispatcher {
     async fn decide(&self, deliveries: &[Delivery], stop: &CancellationToken) -> Option<BatchPlan> {
         let mut retry = Retry::new();
         loop {
-            match self.try_decide(deliveries).await {
+            match self.try_decide(deliveries, retry.tries() == 0).await {
                 Ok(plan) => {
                     self.mongo.ok();
                     self.health.set_mongo(true);
@@ -99,8 +98,9 @@ impl Dispatcher {
     /// queue's delivery limit (a poison message: dead-lettered with reason
     /// `delivery_limit` before the broker would drop it without one). Also
     /// the orders those poison messages name: an earlier delivery may have
-    /// granted them a code.
-    fn parse(&self, deliveries: &[Delivery]) -> (Vec<Parsed>, Vec<String>) {
+    /// granted them a code. `first`: the batch's first try, which tells
+    /// each purchase's arrival ([`received`]).
+    fn parse(&self, deliveries: &[Delivery], first: bool) -> (Vec<Parsed>, Vec<String>) {
         let topology = &self.config.topology;
         let mut at_limit = Vec::new();
         let parsed = deliveries
@@ -120,6 +120,9 @@ impl Dispatcher {
                         let user = d.properties.user_id().as_ref().map(|u| u.as_str());
                         p.owner = codepool_issuance::shops::published_by(user);
                     }
+                    if first {
+                        received(d, &p);
+                    }
                     p
                 }),
             })
@@ -127,15 +130,19 @@ impl Dispatcher {
         (parsed, at_limit)
     }
 
-    async fn try_decide(&self, deliveries: &[Delivery]) -> Result<BatchPlan, ClaimError> {
-        let (parsed, at_limit) = self.parse(deliveries);
+    async fn try_decide(
+        &self,
+        deliveries: &[Delivery],
+        first: bool,
+    ) -> Result<BatchPlan, ClaimError> {
+        let (parsed, at_limit) = self.parse(deliveries, first);
         // A purchase dead-lettered at its delivery limit is not redelivered
         // again: a grant an earlier delivery made for it (and crashed before
         // its confirm) is handed to the relay, which sends its event.
         let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
         self.parts
             .intake
-            .decide(parsed, &at_limit, Resend::ByRedelivery)
+            .decide(parsed, &at_limit, Resend::ByRedelivery, Door::Amqp)
             .await
     }
 
@@ -214,7 +221,8 @@ impl Dispatcher {
                 publisher,
                 Texting::Every,
                 only,
-                self.parts.intake.store()
+                self.parts.intake.store(),
+                Door::Amqp,
             ),
             dead_letter(plan, deliveries, publisher, only),
         );
@@ -222,6 +230,25 @@ impl Dispatcher {
         unconfirmed.extend(dead);
         unconfirmed
     }
+}
+
+/// The door's line for a purchase taken off the queue, in a `purchase`
+/// span of its own naming the door, the order, its pool, its shop, the
+/// hold it pays for and the producer's message id. The core's lines for
+/// the order (decided, granted, published) name it too, inside the
+/// batch's span: one grep follows it.
+fn received(d: &Delivery, p: &Purchase) {
+    let message_id = d.properties.message_id().as_ref();
+    let span = tracing::info_span!(
+        "purchase",
+        door = Door::Amqp.as_str(),
+        order_id = %p.order_id,
+        pool = %p.pool,
+        shop = p.shop.as_deref(),
+        hold_id = p.hold_id.as_deref(),
+        message_id = message_id.map(|id| id.as_str()),
+    );
+    span.in_scope(|| info!(quantity = p.quantity, "purchase received"));
 }
 
 /// How long a batch keeps publishing what the broker did not confirm

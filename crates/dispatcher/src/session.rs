@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::acks::AckWindow;
 use crate::daemon::{Dispatcher, SessionEnd};
-use codepool_issuance::background;
+use codepool_issuance::{background, Door};
 
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
@@ -181,7 +181,7 @@ impl Dispatcher {
             acks.opened(&batch);
             let (this, publisher, stop) = (self.clone(), publisher.clone(), shutdown.clone());
             let (finished, acks) = (finished.clone(), acks.clone());
-            let span = tracing::info_span!("batch", door = "amqp", size = batch.len());
+            let span = tracing::info_span!("batch", door = Door::Amqp.as_str(), size = batch.len());
             inflight.spawn(tracing::Instrument::instrument(
                 async move {
                     this.process(batch, &publisher, &acks, &stop).await;
@@ -326,7 +326,10 @@ impl Dispatcher {
             ) {
                 continue;
             }
-            background::fulfil(&self.parts, &publisher, [pool], &stop).await;
+            // Its lines (the core's `fulfil` span) name the door that heard it.
+            let span = tracing::info_span!("pool_event", door = Door::Amqp.as_str(), pool = %pool);
+            let served = background::fulfil(&self.parts, &publisher, [pool], &stop);
+            tracing::Instrument::instrument(served, span).await;
         }
     }
 }

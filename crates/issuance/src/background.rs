@@ -15,7 +15,8 @@
 //!
 //! What it publishes goes out on the process's broker connection of the
 //! moment (`publishing`): the API's, replaced after an outage, or the
-//! dispatcher session's.
+//! dispatcher session's. Each round runs in a span of its own (`hold_sweep`,
+//! `relay_sweep`, `catalogue_sweep`) naming the `background` door.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,7 @@ use crate::outbox::Outbox;
 use crate::ports::CandidatePool;
 use crate::stock::{StockConfig, StockWatch};
 use crate::webhooks::{guard::AllowHosts, Deliverer};
+use crate::Door;
 
 /// The services of a process that grants, built once from the config by
 /// [`Parts::new`]: the API's [`crate::Core`] holds them with its broker
@@ -156,16 +158,22 @@ async fn hold_sweep(parts: Parts, publishing: Publishing, stop: CancellationToke
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(holds::SWEEP_EVERY) => {}
         }
-        let returned: BTreeSet<String> = match holds::expire_due(&parts.intake).await {
-            Ok(pools) => pools,
-            Err(e) => {
-                debug!(error = %e, "hold sweep skipped; retried in {:?}", holds::SWEEP_EVERY);
-                continue;
-            }
-        };
-        if let (false, Some(publisher)) = (returned.is_empty(), publishing()) {
-            fulfil(&parts, &publisher, returned, &stop).await;
+        sweep_holds(&parts, &publishing, &stop).await;
+    }
+}
+
+/// One round of [`hold_sweep`], in a `hold_sweep` span.
+#[tracing::instrument(name = "hold_sweep", skip_all, fields(door = Door::Background.as_str()))]
+async fn sweep_holds(parts: &Parts, publishing: &Publishing, stop: &CancellationToken) {
+    let returned: BTreeSet<String> = match holds::expire_due(&parts.intake).await {
+        Ok(pools) => pools,
+        Err(e) => {
+            debug!(error = %e, "hold sweep skipped; retried in {:?}", holds::SWEEP_EVERY);
+            return;
         }
+    };
+    if let (false, Some(publisher)) = (returned.is_empty(), publishing()) {
+        fulfil(parts, &publisher, returned, stop).await;
     }
 }
 
@@ -185,40 +193,51 @@ async fn relay_and_backorders(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Some(publisher) = publishing() else {
-            continue;
-        };
-        let relayed = crate::relay::relay_unconfirmed(
-            &parts.store,
-            &parts.outbox,
-            &publisher,
-            schedules.relay_after,
-            1000,
-        );
-        if let Err(e) = relayed.await {
-            debug!(error = %e, "relay skipped; retried at the next sweep");
+        if let Some(publisher) = publishing() {
+            relay_round(&parts, &publisher, &health, schedules, &stop).await;
         }
-        match parts.intake.keys().ensure(&parts.store).await {
-            Ok(Ok(())) => health.set_keys_missing(false),
-            Ok(Err(_)) => {
-                health.set_keys_missing(true);
-                continue;
-            }
-            Err(e) => {
-                debug!(error = %e, "key check skipped; retried at the next sweep");
-                continue;
-            }
-        }
-        let pools = match parts.store.pools_with_backorders().await {
-            Ok(p) => p,
-            Err(e) => {
-                debug!(error = %e, "backorder sweep skipped; retried at the next sweep");
-                continue;
-            }
-        };
-        crate::telemetry::record_backorders_waiting(&pools);
-        fulfil(&parts, &publisher, pools, &stop).await;
     }
+}
+
+/// One round of [`relay_and_backorders`], in a `relay_sweep` span.
+#[tracing::instrument(name = "relay_sweep", skip_all, fields(door = Door::Background.as_str()))]
+async fn relay_round(
+    parts: &Parts,
+    publisher: &Publisher,
+    health: &Health,
+    schedules: Schedules,
+    stop: &CancellationToken,
+) {
+    let relayed = crate::relay::relay_unconfirmed(
+        &parts.store,
+        &parts.outbox,
+        publisher,
+        schedules.relay_after,
+        1000,
+    );
+    if let Err(e) = relayed.await {
+        debug!(error = %e, "relay skipped; retried at the next sweep");
+    }
+    match parts.intake.keys().ensure(&parts.store).await {
+        Ok(Ok(())) => health.set_keys_missing(false),
+        Ok(Err(_)) => {
+            health.set_keys_missing(true);
+            return;
+        }
+        Err(e) => {
+            debug!(error = %e, "key check skipped; retried at the next sweep");
+            return;
+        }
+    }
+    let pools = match parts.store.pools_with_backorders().await {
+        Ok(p) => p,
+        Err(e) => {
+            debug!(error = %e, "backorder sweep skipped; retried at the next sweep");
+            return;
+        }
+    };
+    crate::telemetry::record_backorders_waiting(&pools);
+    fulfil(parts, publisher, pools, stop).await;
 }
 
 /// Every [`StockConfig::sweep_every`]: void expired codes, then re-check
@@ -239,15 +258,21 @@ async fn catalogue_sweep(parts: Parts, publishing: Publishing, stop: Cancellatio
             _ = stop.cancelled() => return,
             _ = quiet(&parts.activity, every) => {}
         }
-        if let Err(e) = crate::expiry::expire_codes(&parts.store, parts.hot.as_ref(), None).await {
-            debug!(error = %e, "expiry sweep skipped");
-        }
-        let Some(publisher) = publishing() else {
-            continue;
-        };
-        if let Err(e) = parts.stock.check_all(&publisher).await {
-            debug!(error = %e, "stock sweep skipped");
-        }
+        sweep_catalogue(&parts, &publishing).await;
+    }
+}
+
+/// One round of [`catalogue_sweep`], in a `catalogue_sweep` span.
+#[tracing::instrument(name = "catalogue_sweep", skip_all, fields(door = Door::Background.as_str()))]
+async fn sweep_catalogue(parts: &Parts, publishing: &Publishing) {
+    if let Err(e) = crate::expiry::expire_codes(&parts.store, parts.hot.as_ref(), None).await {
+        debug!(error = %e, "expiry sweep skipped");
+    }
+    let Some(publisher) = publishing() else {
+        return;
+    };
+    if let Err(e) = parts.stock.check_all(&publisher).await {
+        debug!(error = %e, "stock sweep skipped");
     }
 }
 

@@ -23,7 +23,10 @@ use crate::Resend;
 const BATCH: u64 = 100;
 
 /// Fulfils waiting backorders of `pool` while it has stock and is not
-/// paused, until `stop`. Returns how many were fulfilled.
+/// paused, until `stop`. Returns how many were fulfilled. Runs in a
+/// `fulfil` span naming the pool; each code granted and each event
+/// confirmed is one line naming its order.
+#[tracing::instrument(name = "fulfil", skip_all, fields(pool = pool))]
 pub async fn fulfil_backorders(
     engine: &ClaimEngine,
     store: &Store,
@@ -108,8 +111,12 @@ async fn fulfil(
     let grants: Vec<&Grant> = (grants.into_iter())
         .filter(|g| !withdrawn.contains(&g.code_id))
         .collect();
+    for g in grants.iter().filter(|g| !g.revoked) {
+        info!(order_id = %g.order_id, pool = %g.pool, line = g.line, code = %g.masked_code(), grant_no = g.grant_no.as_deref().unwrap_or(""), "backorder granted");
+    }
     // Events that are not confirmed stay on the relay's list.
     let sent = outbox.send(sink, &grants, Marking::Now).await?;
+    crate::outbox::log_published(&grants, &sent);
     if sent.confirmed() < grants.len() {
         warn!(
             pool,

@@ -66,7 +66,9 @@ struct Work<'a> {
 }
 
 /// Claims bundles whole or not at all. `held` holds what the orders held
-/// when the batch read them.
+/// when the batch read them. Runs in a `bundle` span with the number of
+/// bundles; its claims are its `claim` spans.
+#[tracing::instrument(name = "bundle", skip_all, fields(size = bundles.len()))]
 pub(crate) async fn claim_bundles(
     engine: &ClaimEngine,
     store: &Store,

@@ -11,7 +11,7 @@ use codepool_domain::gate::{self, HoldState, Move};
 use codepool_domain::{CodeId, Grant, Item, PoolPolicy, Purchase};
 use codepool_store::holds::{HeldCode, HoldDoc};
 use codepool_store::{ClaimAssignment, Store, StoreError};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::Resend;
 
@@ -191,7 +191,13 @@ fn paused_item<'h>(h: &'h HoldDoc, policy: &impl Fn(&str) -> PoolPolicy) -> Opti
 }
 
 /// Pays hold `h` with order `p`, whose slot is taken: binds the hold to
-/// the order, moves its codes to the order's lines and ends it.
+/// the order, moves its codes to the order's lines and ends it. Runs in a
+/// `hold_commit` span naming the order, the hold and the shop.
+#[tracing::instrument(
+    name = "hold_commit",
+    skip_all,
+    fields(order_id = %p.order_id, hold_id = %h.hold_id, shop = p.shop.as_deref())
+)]
 async fn pay(
     store: &Store,
     p: &Purchase,
@@ -214,12 +220,14 @@ async fn pay(
         return Ok(());
     }
     let held = store.held_codes(&h.keys()).await?;
-    paid.committed
-        .extend(commit(store, p, &h.keys(), &held, resend).await?);
+    let moved = commit(store, p, &h.keys(), &held, resend).await?;
+    let codes = moved.len();
+    paid.committed.extend(moved);
     store
         .end_hold(&h.id, HoldState::Committed, Some(&p.order_id))
         .await?;
     metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
+    info!(order_id = %p.order_id, hold_id = %h.hold_id, codes, "hold paid; its codes are the order's");
     Ok(())
 }
 

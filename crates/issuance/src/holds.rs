@@ -20,7 +20,7 @@ use codepool_domain::{Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS};
 use codepool_store::holds::{HeldCode, HoldDoc, HoldState};
 use codepool_store::{Store, StoreError};
 use serde_json::{Map, Value};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::claim::{ClaimAsk, ClaimError};
 use crate::held::item_claims;
@@ -208,6 +208,9 @@ pub type Placed = Result<(HoldDoc, bool), HoldError>;
 /// open holds, the pools' settings and stock), one journaled insert of the
 /// new holds beside one journaled claim of every item, and one release of
 /// what short holds took. An error is the batch's: nothing of it is held.
+/// Runs in a `place_holds` span (with the batch's size); each hold placed
+/// is one line naming it.
+#[tracing::instrument(name = "place_holds", skip_all, fields(size = asks.len()))]
 pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Placed>, HoldError> {
     let mut out: Vec<Option<Placed>> = asks.iter().map(|_| None).collect();
     let read = read_batch(intake, &asks, &mut out).await?;
@@ -237,7 +240,8 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
                 .collect();
             out[k] = Some(Err(HoldError::InsufficientStock { free }));
         } else {
-            debug!(hold_id = %h.hold_id, uid = %h.uid, codes = h.quantity(), "hold placed");
+            let shop = asks[k].shop.as_deref();
+            info!(hold_id = %h.hold_id, uid = %h.uid, pool = h.items.first().map_or("", |i| i.pool.as_str()), shop, codes = h.quantity(), "hold placed");
             metrics::counter!("codepool_holds_total", "outcome" => "held").increment(1);
             out[k] = Some(Ok((h, true)));
         }
@@ -993,8 +997,10 @@ pub struct HoldBatcher {
 }
 
 impl HoldBatcher {
-    /// Starts the batching task; it ends when the batcher is dropped.
-    pub fn start(core: std::sync::Arc<crate::Core>) -> Self {
+    /// Starts the batching task; it ends when the batcher is dropped. Each
+    /// batch runs in a `batch` span naming the door that asks and its
+    /// size.
+    pub fn start(core: std::sync::Arc<crate::Core>, door: crate::Door) -> Self {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<(
             HoldAsk,
             tokio::sync::oneshot::Sender<Placed>,
@@ -1010,7 +1016,9 @@ impl HoldBatcher {
                 }
                 let (asks, replies): (Vec<HoldAsk>, Vec<_>) = batch.into_iter().unzip();
                 metrics::histogram!("codepool_hold_batch_size").record(asks.len() as f64);
-                match place_many(core.intake(), asks).await {
+                let span = tracing::info_span!("batch", door = door.as_str(), size = asks.len());
+                let placed = place_many(core.intake(), asks);
+                match tracing::Instrument::instrument(placed, span).await {
                     Ok(placed) => {
                         for (reply, p) in replies.into_iter().zip(placed) {
                             let _ = reply.send(p);

@@ -15,7 +15,7 @@ use crate::plan::{
     Step,
 };
 use crate::policy::PolicyCache;
-use crate::Resend;
+use crate::{Door, Resend};
 
 /// Decides batches of purchases. Cheap to share between tasks.
 pub struct Intake {
@@ -60,15 +60,25 @@ impl Intake {
     /// to the relay, which sends its event. `resend` says what sends a
     /// fresh grant's event again if this process stops before it is
     /// confirmed: the redelivered message (AMQP) or the relay (HTTP).
+    ///
+    /// One line per order at info ([`crate::placing::log_step`]: granted,
+    /// refused, cancelled), in this step's `decide` span: each names its
+    /// order, the span the `door` the batch came by and its size.
+    #[tracing::instrument(
+        name = "decide",
+        skip_all,
+        fields(door = door.as_str(), size = parsed.len())
+    )]
     pub async fn decide(
         &self,
         parsed: Vec<Parsed>,
         relay: &[&str],
         resend: Resend,
+        door: Door,
     ) -> Result<BatchPlan, ClaimError> {
         // Nothing is claimed that this process could not open.
         self.keys.ensure(&self.store).await??;
-        match self.decide_checked(parsed, relay, resend).await {
+        let decided = match self.decide_checked(parsed, relay, resend).await {
             // A key added since the last check (within RECHECK): checked
             // now, so the process is not ready from this batch on (the
             // watch is what /readyz asks) and the batch is refused as one
@@ -78,7 +88,11 @@ impl Intake {
                 _ => Err(e),
             },
             decided => decided,
+        };
+        if let Ok(plan) = &decided {
+            plan.steps.iter().for_each(crate::placing::log_step);
         }
+        decided
     }
 
     /// [`Intake::decide`] once the keys were checked.
@@ -324,6 +338,11 @@ impl Intake {
             .collect();
         drop(backorders);
         plan.reject_conflicts(&conflicts);
+        for step in &plan.steps {
+            if let Step::Backorder { purchase, lines } = step {
+                tracing::info!(order_id = %purchase.order_id, pool = %purchase.pool, waiting = lines.len(), "order waits for codes");
+            }
+        }
         metrics::counter!("codepool_backorders_total").increment(recorded.new);
         Ok(recorded.new)
     }

@@ -19,6 +19,11 @@
 //! - Around them: stock alerts ([`stock`]), expiry ([`expiry`]), grant
 //!   numbers ([`grant_no`]), the key watch ([`keywatch`]), outage logging
 //!   and retry policy ([`outage`]) and metrics ([`telemetry`]).
+//! - Spans: each step above runs in a `tracing` span (`decide`, `claim`,
+//!   `announce`, `place_holds`, `hold_commit`, `bundle`, `fulfil`,
+//!   `relay`, `webhook_attempt`, and one per background sweep) whose
+//!   fields name the [`Door`], the order, the hold, the pool and the shop
+//!   where they apply; see docs/monitoring.md.
 
 pub mod adapters;
 pub mod api_keys;
@@ -73,6 +78,35 @@ pub mod model {
     pub use codepool_store::stats::PoolStats;
     pub use codepool_store::webhooks::{AttemptDoc, EndpointDoc};
     pub use codepool_store::{CodeQuery, ObjectId};
+}
+
+/// The door a step came in by, as the `door` field of its spans and
+/// lines names it: one grep for an order id shows its path through
+/// whichever door it came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    /// The HTTP API (`codepool api`).
+    Http,
+    /// The AMQP dispatcher (`codepool dispatch`).
+    Amqp,
+    /// The operator console.
+    Console,
+    /// A `codepool` command.
+    Cli,
+    /// A granting process's own background work ([`background`]).
+    Background,
+}
+
+impl Door {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Http => "http",
+            Self::Amqp => "amqp",
+            Self::Console => "console",
+            Self::Cli => "cli",
+            Self::Background => "background",
+        }
+    }
 }
 
 /// The store handle the core's functions take (the doors pass it on,

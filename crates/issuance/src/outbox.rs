@@ -10,7 +10,7 @@ use std::sync::Arc;
 use codepool_broker::BrokerError;
 use codepool_domain::{sms_events, CodeId, Grant};
 use codepool_store::StoreError;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::ports::{EventSink, SmsLedger};
 
@@ -98,6 +98,23 @@ impl Outbox {
             Marking::Now => self.ledger.mark_published(&confirmed).await,
             Marking::Resent => self.ledger.mark_resent(&confirmed).await,
             Marking::Unneeded => Ok(()),
+        }
+    }
+}
+
+/// One info line per order whose `sms.pending` event the broker
+/// confirmed in `sent` (aligned with `grants`), naming the order and its
+/// pool: grepping an order id shows its event's way out. The grants of an
+/// order come together, so an order is told once without a set.
+pub fn log_published<G: Borrow<Grant>>(grants: &[G], sent: &Sent) {
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let mut last: Option<&str> = None;
+    for (g, r) in grants.iter().map(Borrow::borrow).zip(&sent.results) {
+        if r.is_ok() && !g.revoked && last != Some(g.order_id.as_str()) {
+            last = Some(g.order_id.as_str());
+            info!(order_id = %g.order_id, pool = %g.pool, "sms.pending published");
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::claim::ClaimError;
 use crate::intake::Intake;
 use crate::outbox::{Marking, Outbox};
 use crate::plan::{BatchPlan, Parsed, Step};
-use crate::Resend;
+use crate::{Door, Resend};
 
 /// Why a batch could not be placed: nothing of it was claimed, or what
 /// was claimed is owed by the relay.
@@ -50,8 +50,9 @@ impl Intake {
         parsed: Vec<Parsed>,
         at_limit: &[&str],
         resend: Resend,
+        door: Door,
     ) -> Result<BatchPlan, PlaceError> {
-        let mut plan = self.decide(parsed, at_limit, resend).await?;
+        let mut plan = self.decide(parsed, at_limit, resend, door).await?;
         self.record_backorders(&mut plan)
             .await
             .map_err(PlaceError::Backorders)?;
@@ -95,7 +96,14 @@ impl Texting {
 /// Publishes what a placed batch owes, for the positions in `only` (all
 /// when `None`): `pool.exhausted` once per pool run dry (first round
 /// only), `purchase.refused` per refusal and `sms.pending` per grant, the
-/// confirms in flight together.
+/// confirms in flight together. One line per order whose `sms.pending`
+/// the broker confirmed, in this step's `announce` span (the `door` the
+/// batch came by, its size, and whether this is a publish again).
+#[tracing::instrument(
+    name = "announce",
+    skip_all,
+    fields(door = door.as_str(), size = plan.steps.len(), again = only.is_some())
+)]
 pub async fn announce(
     plan: &BatchPlan,
     outbox: &Outbox,
@@ -103,6 +111,7 @@ pub async fn announce(
     texting: Texting,
     only: Option<&HashSet<usize>>,
     store: &codepool_store::Store,
+    door: Door,
 ) -> Announced {
     if only.is_none() {
         announce_exhausted(plan, publisher, store).await;
@@ -121,6 +130,7 @@ pub async fn announce(
     );
     match sent {
         Ok(sent) => {
+            crate::outbox::log_published(&grants, &sent);
             for ((i, _), r) in sms.iter().zip(&sent.results) {
                 if r.is_err() {
                     unconfirmed.insert(*i);
@@ -320,8 +330,9 @@ pub fn fresh_grants(step: &Step) -> Vec<&Grant> {
 }
 
 /// One line per order at info (grants, revoked orders, refusals,
-/// cancelled orders), inside the order's span when the door opened one.
-/// Dead letters are logged where they are published. Codes are masked.
+/// cancelled orders), logged by [`Intake::decide`] in its `decide` span
+/// once the batch is decided. Dead letters are logged where they are
+/// published. Codes are masked.
 pub fn log_step(step: &Step) {
     match step {
         Step::Grant {

@@ -16,7 +16,9 @@ use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
 
 /// Re-publishes unconfirmed events of grants older than `older_than`,
-/// through the outbox. Returns how many were confirmed now.
+/// through the outbox. Returns how many were confirmed now. Its lines
+/// are in a `relay` span (with `limit`), each relayed order's naming it.
+#[tracing::instrument(name = "relay", skip_all, fields(limit = limit))]
 pub async fn relay_unconfirmed(
     store: &Store,
     outbox: &Outbox,

@@ -310,6 +310,15 @@ impl ClaimEngine {
     /// (a retry, a redelivery), or whose first line another order holds,
     /// claims nothing. Empty is always correct; it only costs a repeat
     /// the whole claim path.
+    ///
+    /// Every claim (orders, holds, bundles, backorders) runs in a `claim`
+    /// span at debug, with the number of asks and what resends its events.
+    #[tracing::instrument(
+        name = "claim",
+        level = "debug",
+        skip_all,
+        fields(asks = asks.len(), resend = ?resend)
+    )]
     pub async fn claim_asks_known(
         &self,
         asks: &[ClaimAsk<'_>],

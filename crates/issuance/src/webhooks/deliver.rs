@@ -507,7 +507,21 @@ impl Deliverer {
         }
     }
 
-    /// One attempt of one leased task, recorded.
+    /// One attempt of one leased task, recorded, in a `webhook_attempt`
+    /// span naming the shop, the event, its kind, the endpoint and the
+    /// attempt's number.
+    #[tracing::instrument(
+        name = "webhook_attempt",
+        skip_all,
+        fields(
+            door = crate::Door::Background.as_str(),
+            shop = %task.shop,
+            kind = %task.kind,
+            event = %task.event,
+            endpoint = %task.endpoint,
+            attempt = task.attempts + 1,
+        )
+    )]
     async fn attempt(
         &self,
         task: &TaskDoc,
