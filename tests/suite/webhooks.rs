@@ -875,14 +875,17 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
         out.contains("failed for 5 days")
     })
     .await;
+    // The counter moves right after the write the listing reads.
+    let disabled = "codepool_webhook_endpoints_disabled_total{reason=\"failing\"} 1";
+    eventually(Duration::from_secs(5), "the disable counted", || async {
+        let metrics = crate::common::http_get(&daemon.addr, "/metrics").await;
+        metrics.is_some_and(|m| m.1.contains(disabled))
+    })
+    .await;
     let metrics = crate::common::http_get(&daemon.addr, "/metrics")
         .await
         .unwrap()
         .1;
-    assert!(
-        metrics.contains("codepool_webhook_endpoints_disabled_total{reason=\"failing\"} 1"),
-        "{metrics}"
-    );
     assert!(metrics.contains("codepool_webhook_deliveries_total{outcome=\"failed\"}"));
     daemon.stop().await;
     let _ = conn.close(200, "bye").await;

@@ -79,6 +79,20 @@ impl Default for DispatcherConfig {
     }
 }
 
+/// How long the background work gets to finish after a stop (a webhook
+/// attempt in flight; what it leaves is leased again by any process).
+const BACKGROUND_GRACE: Duration = Duration::from_secs(2);
+
+/// Stops the background work (its token is cancelled), waiting a moment.
+async fn stop_background(tasks: &mut tokio::task::JoinSet<()>) {
+    let done = tokio::time::timeout(BACKGROUND_GRACE, async {
+        while tasks.join_next().await.is_some() {}
+    });
+    if done.await.is_err() {
+        tasks.abort_all();
+    }
+}
+
 /// Why a session ended (a session is one broker connection; see
 /// `session.rs`, which adds the session's methods to [`Dispatcher`]).
 pub(crate) enum SessionEnd {
@@ -100,6 +114,9 @@ pub struct Dispatcher {
     pub(crate) health: Arc<Health>,
     pub(crate) mongo: Outage,
     pub(crate) amqp: Outage,
+    /// The publisher of the session in progress (`None` between
+    /// sessions), which the background work publishes on.
+    publisher: Arc<std::sync::RwLock<Option<codepool_broker::Publisher>>>,
 }
 
 impl Dispatcher {
@@ -110,7 +127,32 @@ impl Dispatcher {
             health,
             mongo: Outage::new("MongoDB"),
             amqp: Outage::new("RabbitMQ"),
+            publisher: Arc::default(),
         })
+    }
+
+    /// Puts the session's publisher in use for the background work, or
+    /// none between sessions.
+    pub(crate) fn set_publisher(&self, publisher: Option<codepool_broker::Publisher>) {
+        *self.publisher.write().unwrap_or_else(|e| e.into_inner()) = publisher;
+    }
+
+    /// The background work every granting process runs
+    /// ([`codepool_issuance::background::start`]), for the daemon's whole
+    /// life: webhooks are delivered and expired holds returned while the
+    /// broker is away too; what needs the broker waits for a session.
+    fn start_granting_work(&self, stop: CancellationToken) -> tokio::task::JoinSet<()> {
+        let slot = self.publisher.clone();
+        codepool_issuance::background::start(
+            &self.parts,
+            Arc::new(move || {
+                let current = slot.read().unwrap_or_else(|e| e.into_inner()).clone();
+                current.and_then(codepool_issuance::background::connected)
+            }),
+            self.health.clone(),
+            self.config.schedules,
+            stop,
+        )
     }
 
     pub fn health(&self) -> &Arc<Health> {
@@ -129,6 +171,7 @@ impl Dispatcher {
             let (this, stop) = (self.clone(), probe_stop.clone());
             async move { this.probe_loop(stop).await }
         });
+        let mut background = self.start_granting_work(probe_stop.clone());
         loop {
             match self.clone().session(&shutdown).await {
                 Ok(SessionEnd::Shutdown) => break,
@@ -150,6 +193,7 @@ impl Dispatcher {
                     self.health.set_amqp(false);
                     probe_stop.cancel();
                     let _ = prober.await;
+                    stop_background(&mut background).await;
                     return Err(e);
                 }
                 Err(e) if e.is_permanent() => {
@@ -177,6 +221,7 @@ impl Dispatcher {
         }
         probe_stop.cancel();
         let _ = prober.await;
+        stop_background(&mut background).await;
         info!("dispatcher stopped");
         Ok(())
     }

@@ -76,6 +76,7 @@ impl Dispatcher {
         // the connection closes them all (see codepool_broker::close).
         purchases.cancel().await;
         drop(consumer);
+        self.set_publisher(None);
         self.wind_down(inflight, &mut background).await;
         acks.flush().await;
         publisher.settle().await;
@@ -84,11 +85,10 @@ impl Dispatcher {
         Ok(end)
     }
 
-    /// Receipts and redemptions (upkeep.rs), the background work of every
-    /// granting process ([`background::start`]: relay, holds, backorders,
-    /// expiry and stock, webhooks) on this session's publisher, and the
-    /// backorders of a pool served as soon as it is replenished or
-    /// resumed.
+    /// Receipts and redemptions (upkeep.rs), and the backorders of a pool
+    /// served as soon as it is replenished or resumed. The daemon's
+    /// background work ([`background::start`]) publishes on this session's
+    /// publisher while it lasts.
     async fn start_background(
         self: Arc<Self>,
         conn: &Connection,
@@ -107,7 +107,7 @@ impl Dispatcher {
         }
         let replenished = futures::stream::select_all(stock_events);
         let stop = shutdown.child_token();
-        let mut upkeep = crate::upkeep::spawn(
+        let upkeep = crate::upkeep::spawn(
             conn,
             self.parts.store.clone(),
             publisher.topology(),
@@ -116,18 +116,9 @@ impl Dispatcher {
         )
         .await?;
         consumers.extend(upkeep.consumers);
-        let session_publisher = publisher.clone();
-        let mut granting = background::start(
-            &self.parts,
-            Arc::new(move || Some(session_publisher.clone())),
-            self.health.clone(),
-            cfg.schedules,
-            stop.clone(),
-        );
-        // One set to stop and await.
-        upkeep
-            .tasks
-            .spawn(async move { while granting.join_next().await.is_some() {} });
+        // The daemon's background work publishes on this session's
+        // connection until it ends (daemon.rs).
+        self.set_publisher(Some(publisher.clone()));
         let sweeper = tokio::spawn(self.clone().sweep_loop(
             publisher.clone(),
             replenished,

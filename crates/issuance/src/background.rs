@@ -101,6 +101,16 @@ impl Default for Schedules {
 /// publishes waits for its next round).
 pub type Publishing = Arc<dyn Fn() -> Option<Publisher> + Send + Sync>;
 
+/// `publisher` if its channel is open: work that claims codes for waiting
+/// orders does not start on a connection that cannot carry their events.
+pub fn connected(publisher: Publisher) -> Option<Publisher> {
+    publisher
+        .channel()
+        .status()
+        .connected()
+        .then_some(publisher)
+}
+
 /// Starts the background work (see the module doc) until `stop`. Await
 /// the set after cancelling `stop`.
 pub fn start(
@@ -172,7 +182,15 @@ async fn sweep_holds(parts: &Parts, publishing: &Publishing, stop: &Cancellation
             return;
         }
     };
-    if let (false, Some(publisher)) = (returned.is_empty(), publishing()) {
+    if returned.is_empty() {
+        return;
+    }
+    // Nothing is claimed while the key file lacks a key codes are sealed
+    // with (the relay's round says so in /readyz).
+    if !matches!(parts.intake.keys().ensure(&parts.store).await, Ok(Ok(()))) {
+        return;
+    }
+    if let Some(publisher) = publishing() {
         fulfil(parts, &publisher, returned, stop).await;
     }
 }

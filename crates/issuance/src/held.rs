@@ -243,7 +243,7 @@ async fn end(
         return Ok(Vec::new());
     }
     metrics::counter!("codepool_holds_ended_total", "state" => state.as_str()).increment(1);
-    store.release_held(&h.keys()).await
+    store.return_held(&h.keys()).await
 }
 
 /// The orders among `payable` that may take their codes under their

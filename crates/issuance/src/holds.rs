@@ -881,7 +881,7 @@ pub async fn release(
     }
     // Codes first: a release that dies between the two leaves a held
     // hold, which expires and releases again.
-    let released = store.release_held(&h.keys()).await?;
+    let released = store.return_held(&h.keys()).await?;
     store.end_hold(&h.id, HoldState::Released, None).await?;
     intake.engine().offer(&released).await;
     metrics::counter!("codepool_holds_ended_total", "state" => "released").increment(1);
@@ -897,7 +897,7 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
     let store = intake.store();
     let mut pools = BTreeSet::new();
     for h in store.due_holds(DateTime::now(), 500).await? {
-        let released = store.release_held(&h.keys()).await?;
+        let released = store.return_held(&h.keys()).await?;
         store.end_hold(&h.id, HoldState::Expired, None).await?;
         metrics::counter!("codepool_holds_ended_total", "state" => "expired").increment(1);
         info!(hold_id = %h.hold_id, codes = released.len(), "hold expired; its codes are back in stock");
@@ -961,26 +961,6 @@ pub async fn serve_returned(core: &crate::Core, pools: &BTreeSet<String>) {
         .await
         {
             warn!(pool, error = %e, "backorders not served with the returned codes; the dispatchers' sweep serves them");
-        }
-    }
-}
-
-/// Every [`SWEEP_EVERY`] until `stop`: expired holds' codes back to
-/// stock, their pools' backorders served first. Run by every process
-/// that grants.
-pub async fn sweep_loop(
-    core: std::sync::Arc<crate::Core>,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(SWEEP_EVERY) => {}
-        }
-        match expire_due(core.intake()).await {
-            Ok(pools) if !pools.is_empty() => serve_returned(&core, &pools).await,
-            Ok(_) => {}
-            Err(e) => tracing::debug!(error = %e, "hold sweep skipped; retried in {SWEEP_EVERY:?}"),
         }
     }
 }

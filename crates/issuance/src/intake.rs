@@ -222,7 +222,9 @@ impl Intake {
             .filter(|p| held.contains_key(&p.order_id))
         {
             if let Some(h) = &p.hold_id {
-                self.store.finish_bound_hold(h, &p.order_id).await?;
+                (self.store)
+                    .finish_bound_hold(h, p.owner.as_deref(), &p.order_id)
+                    .await?;
             }
         }
         // The gate (held.rs) decides each: paid, bound to a waiting order

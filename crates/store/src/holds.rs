@@ -333,16 +333,22 @@ impl Store {
     /// holds its codes already (a process died between the commit of the
     /// codes and the end of the hold). False when there was none. The hold
     /// is named by the id its owner gave it (whatever its document key):
-    /// only the hold bound to `order_id` matches.
+    /// only the hold bound to `order_id`, of `owner` when the payer has
+    /// one (a payer of no owner may pay any key's hold of no shop), matches.
     pub async fn finish_bound_hold(
         &self,
         hold_id: &str,
+        owner: Option<&str>,
         order_id: &str,
     ) -> Result<bool, StoreError> {
+        let mut filter = doc! {"hold_id": hold_id, "state": HELD, "order_id": order_id};
+        if let Some(owner) = owner {
+            filter.insert("owner", owner);
+        }
         let r = self
             .collection(HOLDS)
             .update_one(
-                doc! {"hold_id": hold_id, "state": HELD, "order_id": order_id},
+                filter,
                 doc! {"$set": {"state": HoldState::Committed.as_str(), "ended_at": DateTime::now()}},
             )
             .write_concern(durable())
@@ -422,9 +428,20 @@ impl Store {
             )
             .write_concern(durable())
             .await?;
-        // Back in stock: the pools' next shortage is a new exhaustion. The
-        // codes are back either way; a latch left raised only keeps the
-        // next `pool.exhausted` for the next import.
+        Ok(held)
+    }
+
+    /// [`Self::release_held`] for codes that come back to stock for good
+    /// (a hold expired, released or ended unpaid, a bundle's stray): the
+    /// pools' next shortage is a new exhaustion, so their latch is
+    /// re-armed. A claim that gives back what it took a moment ago (a
+    /// bundle or a hold that fell short, a lost race) uses
+    /// [`Self::release_held`]: its pool ran short, and that shortage must
+    /// still be told once.
+    pub async fn return_held(&self, keys: &[String]) -> Result<Vec<HeldCode>, StoreError> {
+        let held = self.release_held(keys).await?;
+        // The codes are back either way; a latch left raised only keeps
+        // the next `pool.exhausted` for the next import.
         let mut pools: Vec<&str> = held.iter().map(|h| h.pool.as_str()).collect();
         pools.sort_unstable();
         pools.dedup();
@@ -519,7 +536,7 @@ impl Store {
         }
         keys.sort();
         keys.dedup();
-        self.release_held(&keys).await
+        self.return_held(&keys).await
     }
 
     /// Held codes per pool, read from the held codes alone (the partial

@@ -116,7 +116,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     let current = api.clone();
     let mut background = codepool_issuance::background::start(
         api.core().parts(),
-        Arc::new(move || Some(current.broker().publisher)),
+        Arc::new(move || codepool_issuance::background::connected(current.broker().publisher)),
         health.clone(),
         Default::default(),
         stop.clone(),
