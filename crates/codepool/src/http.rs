@@ -103,6 +103,9 @@ async fn metrics_page(State(s): State<AppState>) -> String {
     s.metrics.render()
 }
 
+/// Longest `/readyz` waits for the key check.
+const KEY_CHECK_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
     let h = &s.health;
     if let Some(core) = &s.core {
@@ -110,8 +113,10 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
         // most every RECHECK by whichever asks first, so an order refused
         // for a missing key is never answered while this says ready. A
         // registry that cannot be read leaves the last answer (MongoDB
-        // down shows above).
-        if let Ok(keys) = core.intake().keys().ensure(core.store()).await {
+        // down shows above). Bounded: a probe never waits on MongoDB's
+        // server selection.
+        let check = core.intake().keys().ensure(core.store());
+        if let Ok(Ok(keys)) = tokio::time::timeout(KEY_CHECK_WAIT, check).await {
             h.set_keys_missing(keys.is_err());
         }
     }
