@@ -72,6 +72,12 @@ pub struct CodeDoc {
     /// The first line of the claim that issued it; absent for 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_part: Option<i64>,
+    /// The replacement of its order that gave it its line (1, 2, …);
+    /// absent for the code the line got when the order was placed. Part
+    /// of the unique `(order_id, order_line, order_repl)` index: a line
+    /// keeps the codes it was given, one per replacement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_repl: Option<i64>,
     /// Who placed the order (`api-key-id:ID`); absent for one over AMQP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
@@ -166,6 +172,8 @@ impl CodeDoc {
                 part: small(self.order_part, 0)
                     .ok_or_else(|| corrupt("has an order part out of range"))?,
                 owner: self.owner.clone(),
+                replacement: small(self.order_repl, 0)
+                    .ok_or_else(|| corrupt("has a replacement number out of range"))?,
             }),
             (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
             (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
@@ -428,6 +436,7 @@ fn issued_by(
             quantity: a.quantity,
             part: a.part,
             owner: a.owner.clone(),
+            replacement: 0,
         });
         code.sms.awaiting_relay = a.resend.relays();
         out.insert(a.slot(), code);
@@ -652,6 +661,7 @@ mod tests {
             order_line: None,
             order_qty: None,
             order_part: None,
+            order_repl: None,
             used_at: None,
             is_sms: 0,
             sms_pending: None,
