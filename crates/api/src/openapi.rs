@@ -253,6 +253,9 @@ pub(crate) struct PoolOut {
     /// hold in checkout holds; null: the default (50 for a shop, 100 for a
     /// key of no shop).
     hold_share_per_owner: Option<u32>,
+    /// Codes of one order support may replace (`POST
+    /// /v1/orders/{order_id}/lines/{line}/replace`).
+    replacements_per_order: u32,
     created_at: String,
     stats: Option<PoolStats>,
 }
@@ -447,6 +450,9 @@ pub(crate) struct SettingsIn {
     /// shop's keys together, may hold at once: 1 to 100.
     #[schema(nullable = false, minimum = 1, maximum = 100)]
     hold_share_per_owner: Option<i64>,
+    /// Codes of one order support may replace: 0 (none) to 100 (default 3).
+    #[schema(nullable = false, minimum = 0, maximum = 100)]
+    replacements_per_order: Option<i64>,
 }
 
 #[derive(Serialize, ToSchema)]

@@ -444,6 +444,34 @@ fn issued_by(
     Some(out)
 }
 
+/// The codes of orders split into each line's code now, by order and line,
+/// and the codes replaced since: a line keeps every code it was given
+/// (one per replacement, the replaced ones void), and its code now is the
+/// one of its latest replacement. Codes without an order stay in the first.
+pub fn current_by_line(codes: Vec<Code>) -> (Vec<Code>, Vec<Code>) {
+    let key = |c: &Code| c.holder.as_ref().map(|h| (h.order_id.clone(), h.line));
+    let mut latest: HashMap<(String, u32), u32> = HashMap::new();
+    for c in &codes {
+        if let (Some(k), Some(h)) = (key(c), &c.holder) {
+            let n = latest.entry(k).or_insert(h.replacement);
+            *n = (*n).max(h.replacement);
+        }
+    }
+    let (mut now, mut replaced): (Vec<Code>, Vec<Code>) =
+        codes.into_iter().partition(|c| match (key(c), &c.holder) {
+            (Some(k), Some(h)) => latest.get(&k) == Some(&h.replacement),
+            _ => true,
+        });
+    let order = |c: &Code| {
+        c.holder
+            .as_ref()
+            .map_or((0, 0), |h| (h.line, h.replacement))
+    };
+    now.sort_by_key(order);
+    replaced.sort_by_key(order);
+    (now, replaced)
+}
+
 /// Which codes `lookup` shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CodeQuery<'a> {
@@ -482,7 +510,7 @@ fn claimable(now: DateTime) -> Document {
 }
 
 /// [`claimable`] in `pool`.
-fn claimable_in(pool: &str, now: DateTime) -> Document {
+pub(crate) fn claimable_in(pool: &str, now: DateTime) -> Document {
     in_pool(pool, claimable(now))
 }
 
@@ -676,6 +704,32 @@ mod tests {
             void_reason: None,
             owner: None,
         }
+    }
+
+    #[test]
+    fn a_line_shows_the_code_of_its_latest_replacement() {
+        let keys = CodeKeys::none(None);
+        let on = |line: i64, repl: Option<i64>, status: i32| {
+            let mut d = issued(status);
+            d.order_line = (line > 0).then_some(line);
+            d.order_qty = Some(2);
+            d.order_repl = repl;
+            d.into_code(&keys).unwrap()
+        };
+        let codes = vec![
+            on(1, None, 1),
+            on(0, Some(2), 1),
+            on(0, None, 3),
+            on(0, Some(1), 3),
+        ];
+        let (now, replaced) = current_by_line(codes);
+        let seen = |cs: &[Code]| -> Vec<(u32, u32)> {
+            cs.iter()
+                .map(|c| c.holder.as_ref().map(|h| (h.line, h.replacement)).unwrap())
+                .collect()
+        };
+        assert_eq!(seen(&now), [(0, 2), (1, 0)]);
+        assert_eq!(seen(&replaced), [(0, 0), (0, 1)]);
     }
 
     fn issued(status: i32) -> CodeDoc {
