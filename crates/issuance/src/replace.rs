@@ -146,7 +146,15 @@ pub async fn replace(
     if let Some(doc) = s.store.replacement(&id).await? {
         return again(s, doc, ask, reason, actor).await;
     }
-    let old = line_code(s.store, ask.order_id, ask.line).await?;
+    let old = match line_code(s.store, ask.order_id, ask.line).await {
+        Ok(old) => old,
+        // A request with the same id may have begun it since, and voided
+        // the code: then this is that replacement again.
+        Err(e) => match s.store.replacement(&id).await? {
+            Some(doc) => return again(s, doc, ask, reason, actor).await,
+            None => return Err(e),
+        },
+    };
     let cap = admit(s.store, &old).await?;
     let new = NewReplacement {
         id: &id,
@@ -300,7 +308,31 @@ async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Repla
         s.store.drop_replacement(&doc.id).await?;
         return Err(not_replaceable(&doc.order_id, doc.line(), &code));
     }
+    if let Some(pause) = pause_after_void() {
+        tokio::time::sleep(pause).await;
+    }
     serve(s, doc).await
+}
+
+/// A failpoint for the suite's crash test: how long to wait between the
+/// void of the old code and the claim of the new
+/// (`CODEPOOL_TEST_REPLACE_PAUSE_MS`), so a `kill -9` can land there.
+/// Only in builds with the `failpoints` feature.
+#[cfg(feature = "failpoints")]
+fn pause_after_void() -> Option<Duration> {
+    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *PAUSE.get_or_init(|| {
+        std::env::var("CODEPOOL_TEST_REPLACE_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    })
+}
+
+/// Without the `failpoints` feature there is no pause.
+#[cfg(not(feature = "failpoints"))]
+fn pause_after_void() -> Option<Duration> {
+    None
 }
 
 /// Gives a replacement's line its new code, through the gate, or records
