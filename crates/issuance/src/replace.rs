@@ -77,6 +77,9 @@ pub struct Replaced {
     pub code: Option<Code>,
     /// Whether this call began the replacement (else: its id again).
     pub began: bool,
+    /// Whether this call changed anything: voided the old code, or gave
+    /// the line its new code (a twin request that found both done did not).
+    pub acted: bool,
 }
 
 /// Why a code was not replaced. Nothing changed, unless said otherwise.
@@ -199,19 +202,22 @@ async fn again(
     match doc.state {
         ReplacementState::Voiding => {
             let done = finish(s, doc).await?;
-            let what = format!(
-                "order {:?} line {}: replacement {:?} finished after an interruption",
-                done.doc.order_id,
-                done.doc.line(),
-                done.doc.id
-            );
-            audit::record(s.store, actor, "replace", what).await?;
+            if done.acted {
+                let what = format!(
+                    "order {:?} line {}: replacement {:?} finished after an interruption",
+                    done.doc.order_id,
+                    done.doc.line(),
+                    done.doc.id
+                );
+                audit::record(s.store, actor, "replace", what).await?;
+            }
             Ok(done)
         }
         ReplacementState::Waiting => Ok(Replaced {
             doc,
             code: None,
             began: false,
+            acted: false,
         }),
         ReplacementState::Done => {
             let code = s.store.replacement_code(&doc).await?;
@@ -224,6 +230,7 @@ async fn again(
                 doc,
                 code,
                 began: false,
+                acted: false,
             })
         }
         ReplacementState::Cancelled => Err(ReplaceError::Cancelled {
@@ -303,15 +310,22 @@ async fn admit(store: &Store, old: &Code) -> Result<u32, ReplaceError> {
 
 /// Voids the old code of a recorded replacement, then serves its line.
 async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, ReplaceError> {
-    if let OldCode::Refused(code) = s.store.void_replaced(&doc).await? {
-        // Nothing changed: forget it, so it does not count.
-        s.store.drop_replacement(&doc.id).await?;
-        return Err(not_replaceable(&doc.order_id, doc.line(), &code));
-    }
+    let voided_now = match s.store.void_replaced(&doc).await? {
+        OldCode::Voided { now } => now,
+        OldCode::Refused(code) => {
+            // Nothing changed: forget it, so it does not count.
+            s.store.drop_replacement(&doc.id).await?;
+            return Err(not_replaceable(&doc.order_id, doc.line(), &code));
+        }
+    };
     if let Some(pause) = pause_after_void() {
         tokio::time::sleep(pause).await;
     }
-    serve(s, doc).await
+    let done = serve(s, doc).await?;
+    Ok(Replaced {
+        acted: done.acted || voided_now,
+        ..done
+    })
 }
 
 /// A failpoint for the suite's crash test: how long to wait between the
@@ -342,6 +356,7 @@ async fn serve(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Replac
         doc,
         code: None,
         began: false,
+        acted: false,
     };
     let policy = (s.store.pool(&doc.pool).await?)
         .map(|p| p.policy())
@@ -374,6 +389,7 @@ async fn serve(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Replac
         doc: settled,
         code: Some(code),
         began: false,
+        acted: fresh,
     })
 }
 

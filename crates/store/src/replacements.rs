@@ -208,8 +208,9 @@ pub enum Begun {
 /// What [`Store::void_replaced`] did to the old code.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OldCode {
-    /// It is void, replaced by this replacement (now or before).
-    Voided,
+    /// It is void, replaced by this replacement: `now` by this call, or
+    /// before (a retry, a twin request).
+    Voided { now: bool },
     /// It was no longer issued (used, voided otherwise): nothing changed.
     Refused(Box<Code>),
 }
@@ -318,11 +319,11 @@ impl Store {
             .write_concern(durable())
             .await?;
         if done.matched_count == 1 {
-            return Ok(OldCode::Voided);
+            return Ok(OldCode::Voided { now: true });
         }
         let mine = doc! {"_id": r.old_code, "replaced_by": &r.id};
         if self.collection(CODES).count_documents(mine).await? > 0 {
-            return Ok(OldCode::Voided);
+            return Ok(OldCode::Voided { now: false });
         }
         let code = self
             .typed::<CodeDoc>(CODES)
