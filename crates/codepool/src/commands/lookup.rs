@@ -173,26 +173,7 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
     for c in &found.codes {
         print_row(c, &show);
     }
-    if !found.replaced.is_empty() {
-        say!("replaced codes (void; each line's code now is above):");
-        for c in &found.replaced {
-            print_row(c, &show);
-        }
-    }
-    for r in &found.replacements {
-        say!(
-            "replacement: {} of line {} ({} of the order) by {} at {}: {}; reason {:?}; grant {} replaced by {}",
-            r.id,
-            r.line(),
-            r.number(),
-            r.who,
-            when(Some(r.created_at)),
-            r.state.as_str(),
-            r.reason,
-            r.old_grant_no.as_deref().unwrap_or("-"),
-            r.new_grant_no.as_deref().unwrap_or("(waiting)")
-        );
-    }
+    print_replacements(found, &show);
     for b in &found.backorders {
         let waiting = b.waiting_lines().len();
         let of = if b.quantity() > 1 {
@@ -234,6 +215,30 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
             h.order_id
                 .as_deref()
                 .map_or(String::new(), |o| format!("; paid by order {o}"))
+        );
+    }
+}
+
+/// The codes an order's replacements replaced, and the replacements.
+fn print_replacements(found: &ops::Lookup, show: &impl Fn(&Code) -> String) {
+    if !found.replaced.is_empty() {
+        say!("replaced codes (void; each line's code now is above):");
+        for c in &found.replaced {
+            print_row(c, show);
+        }
+    }
+    for r in &found.replacements {
+        say!(
+            "replacement: {} of line {} ({} of the order) by {} at {}: {}; reason {:?}; grant {} replaced by {}",
+            r.id,
+            r.line(),
+            r.number(),
+            r.who,
+            when(Some(r.created_at)),
+            r.state.as_str(),
+            r.reason,
+            r.old_grant_no.as_deref().unwrap_or("-"),
+            r.new_grant_no.as_deref().unwrap_or("(waiting)")
         );
     }
 }
