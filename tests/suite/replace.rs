@@ -397,6 +397,16 @@ async fn another_shops_key_gets_the_404_of_an_unknown_order() {
     let (status, by_admin) = replace(&api, &admin, "S-1", 0, "A-2", "rejected").await;
     assert_eq!(status, 201, "{by_admin}");
     assert!(by_admin["code"]["code"].as_str().unwrap().contains('*'));
+    // Ids are global: globex reusing acme's is refused, and told nothing
+    // of acme's order.
+    place(&api, &globex, "G-1", "rs").await;
+    let (status, reused) = replace(&api, &globex, "G-1", 0, "A-1", "secret reason").await;
+    assert_eq!(status, 409, "{reused}");
+    let detail = reused["detail"].as_str().unwrap();
+    assert!(
+        !detail.contains("S-1") && !detail.contains("rejected"),
+        "{detail}"
+    );
     api.stop().await;
     env.cleanup().await;
 }

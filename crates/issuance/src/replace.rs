@@ -99,7 +99,9 @@ pub enum ReplaceError {
         status: CodeStatus,
         detail: String,
     },
-    #[error("replacement id {id:?} was used for another replacement (order {order_id:?}, line {line}, reason {reason:?}); the same id is the same replacement. Choose a new id for a new one")]
+    /// The other replacement's order, line and reason are data, never in
+    /// the words: they may be another shop's.
+    #[error("replacement id {id:?} was used for another replacement (another order, line or reason); the same id is the same replacement. Choose a new id for a new one")]
     Conflict {
         id: String,
         order_id: String,
