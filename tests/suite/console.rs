@@ -415,14 +415,24 @@ async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall
     .await;
     assert_eq!(status, 403);
     assert_eq!(b.text("dd.state").await, "granted");
-    b.fill("form input[name=reason]", "refund").await;
+    // Replace the line's code: void it, a fresh one texted.
+    b.fill("td.replace input[name=reason]", "code rejected")
+        .await;
+    b.click("td.replace button").await;
+    assert!(b.text("p.notice").await.contains("Line 0 replaced"));
+    assert_eq!(b.text("table.replacements td.state").await, "done");
+    assert_eq!(b.text("dd.state").await, "granted");
+    b.fill("form[action$='/void'] input[name=reason]", "refund")
+        .await;
     b.click("#void").await;
     assert!(b.text("p.notice").await.contains("1 code(s) voided"));
     assert_eq!(b.text("dd.state").await, "void");
     b.shot("order-voided").await;
     let kinds = audited_kinds(&env, "operator:sam").await;
     assert!(
-        kinds.iter().any(|k| k == "void") && kinds.iter().any(|k| k == "resend"),
+        kinds.iter().any(|k| k == "void")
+            && kinds.iter().any(|k| k == "resend")
+            && kinds.iter().any(|k| k == "replace"),
         "{kinds:?}"
     );
 

@@ -21,6 +21,7 @@ mod orders;
 mod pools;
 pub mod port;
 mod problem;
+mod replace;
 mod request;
 mod shops;
 mod state;
@@ -88,6 +89,7 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(orders::redeem))
         .routes(routes!(orders::void))
         .routes(routes!(orders::resend))
+        .routes(routes!(replace::replace))
         .routes(routes!(holds::place))
         .routes(routes!(holds::read, holds::release))
         .routes(routes!(pools::list, pools::create))

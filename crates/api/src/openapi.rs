@@ -22,7 +22,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         license(name = "Apache-2.0"),
     ),
     tags(
-        (name = "orders", description = "Place an order, read it, redeem, void, resend"),
+        (name = "orders", description = "Place an order, read it, redeem, void, resend, replace one of its codes"),
         (name = "holds", description = "Checkout holds: codes set aside while a buyer pays, shown to no one, turned into the order's codes by `POST /v1/orders` with `hold_id`"),
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
@@ -183,9 +183,29 @@ pub(crate) struct Order {
     quantity: Option<u32>,
     /// `granted`, `partly_granted`, `waiting`, `refused`, `void`, `cancelled`.
     state: String,
+    /// Each line's code now (a replaced line's new one).
     codes: Vec<OrderCode>,
+    /// Lines waiting for a code: stock ran short, or a replacement waits.
     waiting_lines: Vec<u32>,
     refusal: Option<Refusal>,
+    /// The codes replaced on this order, oldest first.
+    replacements: Vec<OrderReplacement>,
+}
+
+/// One replacement of a code of an order.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OrderReplacement {
+    replacement_id: String,
+    line: u32,
+    /// `voiding` (under way), `waiting` (the line waits for stock), `done`
+    /// or `cancelled` (the order was voided first).
+    #[schema(pattern = "^(voiding|waiting|done|cancelled)$")]
+    state: String,
+    reason: String,
+    old_grant_no: Option<String>,
+    new_grant_no: Option<String>,
+    created_at: String,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -208,6 +228,40 @@ pub(crate) struct Voided {
     order_id: String,
     voided: u64,
     backorder_cancelled: bool,
+}
+
+/// `POST /v1/orders/{order_id}/lines/{line}/replace`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReplaceIn {
+    /// Your id for this replacement (a UUID): the same id again is the
+    /// same replacement, answered with the same new code.
+    #[schema(min_length = 1, max_length = 128)]
+    replacement_id: String,
+    /// Why (the platform rejects the code): 1 to 200 characters.
+    #[schema(min_length = 1, max_length = 200)]
+    reason: String,
+}
+
+/// A replacement: the line's new code, or that it waits for stock.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Replacement {
+    replacement_id: String,
+    order_id: String,
+    line: u32,
+    pool: String,
+    /// `replaced` (the line holds its new code) or `waiting` (the pool is
+    /// empty or paused; the new code comes by SMS).
+    #[schema(pattern = "^(replaced|waiting)$")]
+    state: String,
+    reason: String,
+    /// The grant number of the code replaced (now void, reason `replaced`).
+    old_grant_no: Option<String>,
+    /// The line's new code: in plaintext to the key that placed the order
+    /// (or one with `codes:reveal`), masked to another admin key; null
+    /// while the line waits.
+    code: Option<GrantedCode>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -253,6 +307,9 @@ pub(crate) struct PoolOut {
     /// hold in checkout holds; null: the default (50 for a shop, 100 for a
     /// key of no shop).
     hold_share_per_owner: Option<u32>,
+    /// Codes of one order support may replace (`POST
+    /// /v1/orders/{order_id}/lines/{line}/replace`).
+    replacements_per_order: u32,
     created_at: String,
     stats: Option<PoolStats>,
 }
@@ -447,6 +504,9 @@ pub(crate) struct SettingsIn {
     /// shop's keys together, may hold at once: 1 to 100.
     #[schema(nullable = false, minimum = 1, maximum = 100)]
     hold_share_per_owner: Option<i64>,
+    /// Codes of one order support may replace: 0 (none) to 100 (default 3).
+    #[schema(nullable = false, minimum = 0, maximum = 100)]
+    replacements_per_order: Option<i64>,
 }
 
 #[derive(Serialize, ToSchema)]

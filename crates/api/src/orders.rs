@@ -62,7 +62,7 @@ fn rejected(e: &PurchaseError, key: &KeyDoc, rid: &RequestId) -> Response {
     p.into_response()
 }
 
-fn failed(e: &dyn std::fmt::Display, unavailable: bool, rid: &RequestId) -> Response {
+pub(crate) fn failed(e: &dyn std::fmt::Display, unavailable: bool, rid: &RequestId) -> Response {
     if unavailable {
         return Problem::unavailable(e).at(&rid.0).into_response();
     }
@@ -76,7 +76,7 @@ fn time(t: chrono::DateTime<chrono::Utc>) -> String {
 }
 
 /// One code of an order as the API shows it.
-fn grant_json(g: &Grant, reveal: bool) -> Value {
+pub(crate) fn grant_json(g: &Grant, reveal: bool) -> Value {
     json!({
         "line": g.line,
         "pool": g.pool,
@@ -299,7 +299,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
     (!found.is_owned_by(&key.owner())).then(|| not_yours(order_id, rid))
 }
 
-fn not_yours(order_id: &str, rid: &RequestId) -> Response {
+pub(crate) fn not_yours(order_id: &str, rid: &RequestId) -> Response {
     Problem::new(
         StatusCode::NOT_FOUND,
         "unknown-order",
@@ -312,10 +312,7 @@ fn not_yours(order_id: &str, rid: &RequestId) -> Response {
 
 /// An order as the API shows it.
 fn order_json(order_id: &str, found: &ops::Lookup, reveal: bool) -> Value {
-    let waiting: Vec<u32> = (found.backorders.iter())
-        .filter(|b| b.status == "waiting")
-        .flat_map(|b| b.waiting_lines())
-        .collect();
+    let waiting = found.waiting_lines();
     let state = found.state().map_or("unknown", |s| s.name());
     let first = found.codes.first().and_then(|c| c.holder.as_ref());
     json!({
@@ -327,6 +324,11 @@ fn order_json(order_id: &str, found: &ops::Lookup, reveal: bool) -> Value {
         "codes": found.codes.iter().map(|c| code_json(c, reveal)).collect::<Vec<_>>(),
         "waiting_lines": waiting,
         "refusal": found.refusals.first().map(|r| json!({"reason": r.reason.as_str(), "limit": r.limit})),
+        "replacements": found.replacements.iter().map(|r| json!({
+            "replacement_id": r.id, "line": r.line(), "state": r.state.as_str(), "reason": r.reason,
+            "old_grant_no": r.old_grant_no, "new_grant_no": r.new_grant_no,
+            "created_at": time(r.created_at.to_chrono()),
+        })).collect::<Vec<_>>(),
     })
 }
 

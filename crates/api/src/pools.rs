@@ -63,6 +63,7 @@ fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
         "hold_share": d.hold_share(),
         "holds_per_uid": d.holds_per_uid(),
         "hold_share_per_owner": d.hold_share_per_owner(),
+        "replacements_per_order": d.replacements_per_order(),
         "created_at": d.created_at.to_chrono().to_rfc3339(),
         "stats": s.map(|s| json!({
             "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void, "held": s.held,
@@ -255,10 +256,12 @@ struct Settings {
     hold_share: Option<i64>,
     holds_per_uid: Option<i64>,
     hold_share_per_owner: Option<i64>,
+    replacements_per_order: Option<i64>,
 }
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
-/// `per_user`, `case_sensitive_codes`.
+/// `per_user`, `case_sensitive_codes`, the hold caps and
+/// `replacements_per_order`.
 #[utoipa::path(
     patch, path = "/v1/pools/{pool}", tag = "pools",
     operation_id = "set_pool",
@@ -282,7 +285,7 @@ pub(crate) async fn settings(
     let s = match serde_json::from_slice::<Settings>(&body) {
         Ok(s) => s,
         Err(e) => {
-            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid, hold_share_per_owner";
+            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid, hold_share_per_owner, replacements_per_order";
             return Problem::invalid_body("a pool's settings", send, &e)
                 .at(&rid.0)
                 .into_response();
@@ -296,6 +299,7 @@ pub(crate) async fn settings(
         hold_share: s.hold_share,
         holds_per_uid: s.holds_per_uid,
         hold_share_per_owner: s.hold_share_per_owner,
+        replacements_per_order: s.replacements_per_order,
     };
     let what = format!("{settings:?}");
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");

@@ -16,6 +16,7 @@ Examples:
   codepool stats --pool game-x
   codepool lookup --order O-1001
   codepool void --order O-1001 --reason refund
+  codepool replace --order O-1001 --line 0 --reason \"code rejected\"
   codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
   codepool export --pool game-x --out game-x.csv
@@ -79,6 +80,8 @@ pub enum Command {
     Redeem(commands::redeem::RedeemArgs),
     /// Void a code (refund, withdrawal); it is never issued again.
     Void(commands::void::VoidArgs),
+    /// Replace one code of an order that does not work: void it, text a fresh one.
+    Replace(commands::replace::ReplaceArgs),
     /// Void unissued codes whose expiry date has passed.
     Expire(commands::expire::ExpireArgs),
     /// Publish an order's SMS-pending event again.
@@ -109,6 +112,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::SmsPending(args) => commands::sms_pending::run(&cfg, args).await,
         Command::Redeem(args) => commands::redeem::run(&cfg, args).await,
         Command::Void(args) => commands::void::run(&cfg, args).await,
+        Command::Replace(args) => commands::replace::run(&cfg, args).await,
         Command::Expire(args) => commands::expire::run(&cfg, args).await,
         Command::Resend(args) => commands::resend::run(&cfg, args).await,
         Command::Pool(args) => commands::pool::run(&cfg, args).await,

@@ -94,6 +94,10 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
         .route("/console/orders/{id}", get(pages::orders::show))
         .route("/console/orders/{id}/resend", post(pages::orders::resend))
         .route("/console/orders/{id}/void", post(pages::orders::void))
+        .route(
+            "/console/orders/{id}/lines/{line}/replace",
+            post(pages::orders::replace),
+        )
         .route("/console/orders/{id}/reveal", post(pages::orders::reveal))
         .route("/console/dead-letters", get(pages::dead_letters::list))
         .route(

@@ -47,10 +47,13 @@ pub async fn apply_receipt(store: &Store, delivery: &Delivery) -> Result<(), Sto
         debug!(order_id = %receipt.order_id, error = %e, "SMS receipt applies to every code of its order");
         None
     });
+    // A replacement's code has an event of its own: its receipt is its.
+    let replacement = SmsPending::replacement_of(&receipt.event_id, &receipt.order_id).unwrap_or(0);
     let outcome = match store
         .apply_sms_receipt(
             &receipt.order_id,
             lines.as_deref(),
+            replacement,
             kind,
             receipt.error.as_deref(),
             receipt_id,

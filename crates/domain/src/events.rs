@@ -46,6 +46,10 @@ pub struct SmsCode {
     pub pool: Option<String>,
 }
 
+/// What the event ids of a replacement's code add after the order id,
+/// before the replacement's number: `sms:O-1#r1`.
+pub const REPLACEMENT_MARK: &str = "#r";
+
 impl SmsPending {
     /// The id of the event of an order of one code.
     pub fn event_id_for(order_id: &str) -> String {
@@ -60,15 +64,47 @@ impl SmsPending {
         format!("sms:{order_id}:{}", line_ranges(lines))
     }
 
-    /// The lines an event id names, for an order of `order_id`: `None` for
-    /// the id of a one-code order (`sms:O-1`), which names the whole order;
-    /// an error when the id is not one codepool gives.
-    pub fn lines_of(event_id: &str, order_id: &str) -> Result<Option<Vec<u32>>, String> {
+    /// The id of the event that carries the code the `n`-th replacement
+    /// (1 or more) of an order gave it: `sms:O-1#r1` for an order of one
+    /// code, `sms:O-1#r2:3` (its line) for an order of several. Never the
+    /// id of the code it replaced, so the SMS service texts it.
+    pub fn replacement_event_id(order_id: &str, n: u32, lines: Option<&[u32]>) -> String {
+        match lines {
+            None => format!("sms:{order_id}{REPLACEMENT_MARK}{n}"),
+            Some(lines) => format!("sms:{order_id}{REPLACEMENT_MARK}{n}:{}", line_ranges(lines)),
+        }
+    }
+
+    /// Which replacement of order `order_id` an event id names: 0 for a
+    /// code the order got when it was placed, `n` for the code of its
+    /// `n`-th replacement; an error when the id is not one codepool gives.
+    pub fn replacement_of(event_id: &str, order_id: &str) -> Result<u32, String> {
+        Self::split_id(event_id, order_id).map(|(n, _)| n)
+    }
+
+    /// The replacement an event id names (0: none) and what follows it.
+    fn split_id<'a>(event_id: &'a str, order_id: &str) -> Result<(u32, &'a str), String> {
         let bad = || format!("event_id {event_id:?} is not an SMS event id of order {order_id:?}");
         let rest = event_id
             .strip_prefix("sms:")
             .and_then(|r| r.strip_prefix(order_id))
             .ok_or_else(bad)?;
+        let Some(marked) = rest.strip_prefix(REPLACEMENT_MARK) else {
+            return Ok((0, rest));
+        };
+        let digits = marked.find(':').unwrap_or(marked.len());
+        match marked[..digits].parse::<u32>() {
+            Ok(n) if n > 0 && !marked[..digits].starts_with('0') => Ok((n, &marked[digits..])),
+            _ => Err(bad()),
+        }
+    }
+
+    /// The lines an event id names, for an order of `order_id`: `None` for
+    /// the id of a one-code order (`sms:O-1`, `sms:O-1#r1`), which names
+    /// the whole order; an error when the id is not one codepool gives.
+    pub fn lines_of(event_id: &str, order_id: &str) -> Result<Option<Vec<u32>>, String> {
+        let bad = || format!("event_id {event_id:?} is not an SMS event id of order {order_id:?}");
+        let (_, rest) = Self::split_id(event_id, order_id)?;
         if rest.is_empty() {
             return Ok(None);
         }
@@ -214,6 +250,9 @@ mod tests {
             "sms:O-1:3-1",
             "sms:O-1:a",
             "sms:O-1:0-4000000000",
+            "sms:O-1#r",
+            "sms:O-1#r0",
+            "sms:O-1#rx:1",
             "O-1",
         ] {
             assert!(SmsPending::lines_of(bad, "O-1").is_err(), "{bad}");

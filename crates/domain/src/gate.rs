@@ -42,10 +42,16 @@ pub enum Move {
     Redeem,
     /// Support replaced a code that failed: the old one is void.
     Replace,
+    /// The line whose code was replaced receives a fresh code from stock
+    /// (at once, or once stock comes in). It gives a code, so the guards
+    /// apply and a pause stops it (the line waits); it takes no per-user
+    /// slot ([`Move::takes_slot`]): the order holds its own, and a
+    /// replacement is not a second purchase.
+    Reissue,
 }
 
 impl Move {
-    pub const ALL: [Move; 11] = [
+    pub const ALL: [Move; 12] = [
         Self::Claim,
         Self::Hold,
         Self::Commit,
@@ -57,13 +63,14 @@ impl Move {
         Self::Void,
         Self::Redeem,
         Self::Replace,
+        Self::Reissue,
     ];
 
     /// The statuses this move starts from.
     pub fn from(self) -> &'static [CodeStatus] {
         use CodeStatus::*;
         match self {
-            Self::Claim | Self::Hold | Self::Fulfil => &[Unissued],
+            Self::Claim | Self::Hold | Self::Fulfil | Self::Reissue => &[Unissued],
             Self::Commit | Self::BundleCommit | Self::Release => &[Held],
             // A code that can no longer be handed out leaves stock AND
             // every live hold: the hold's payment then takes another code.
@@ -77,7 +84,9 @@ impl Move {
     /// The status it ends in.
     pub fn to(self) -> CodeStatus {
         match self {
-            Self::Claim | Self::Commit | Self::BundleCommit | Self::Fulfil => CodeStatus::Issued,
+            Self::Claim | Self::Commit | Self::BundleCommit | Self::Fulfil | Self::Reissue => {
+                CodeStatus::Issued
+            }
             Self::Hold => CodeStatus::Held,
             Self::Release => CodeStatus::Unissued,
             Self::Expire | Self::Recall | Self::Void | Self::Replace => CodeStatus::Void,
@@ -95,8 +104,20 @@ impl Move {
     pub fn gives(self) -> bool {
         matches!(
             self,
-            Self::Claim | Self::Hold | Self::Commit | Self::BundleCommit | Self::Fulfil
+            Self::Claim
+                | Self::Hold
+                | Self::Commit
+                | Self::BundleCommit
+                | Self::Fulfil
+                | Self::Reissue
         )
+    }
+
+    /// Whether this move counts against the buyer's per-user limit: every
+    /// move that gives a code but a reissue, whose order took its slot
+    /// when it was placed (a replacement is not a second purchase).
+    pub fn takes_slot(self) -> bool {
+        self.gives() && self != Self::Reissue
     }
 
     /// What a pause means for this move, stated once: a paused pool hands
@@ -189,7 +210,7 @@ pub struct Ask<'a> {
 }
 
 /// The guards of a move that gives codes: the pool's pause, then the
-/// buyer's per-user limit. Expiry and recall are guards of the code
+/// buyer's per-user limit (for the moves that take a slot). Expiry and recall are guards of the code
 /// itself, checked by the store in the same conditional write that moves
 /// it (see [`Move::from`]): no other read can race them.
 pub fn admit(mv: Move, ask: &Ask<'_>) -> Result<(), Refused> {
@@ -201,7 +222,7 @@ pub fn admit(mv: Move, ask: &Ask<'_>) -> Result<(), Refused> {
             pool: ask.pool.to_owned(),
         });
     }
-    if ask.policy.limits_users() && ask.slot == Some(false) {
+    if mv.takes_slot() && ask.policy.limits_users() && ask.slot == Some(false) {
         return Err(Refused::PerUserLimit {
             pool: ask.pool.to_owned(),
             limit: ask.policy.per_user,
@@ -274,6 +295,27 @@ mod tests {
             })
         );
         assert_eq!(admit(Move::Commit, &ask(Some(true))), Ok(()));
+    }
+
+    #[test]
+    fn a_reissue_is_stopped_by_a_pause_but_takes_no_per_user_slot() {
+        let policy = |paused| PoolPolicy {
+            per_user: 1,
+            paused,
+        };
+        let ask = |paused| Ask {
+            pool: "p",
+            policy: policy(paused),
+            slot: Some(false),
+        };
+        assert_eq!(admit(Move::Reissue, &ask(false)), Ok(()));
+        assert!(matches!(
+            admit(Move::Reissue, &ask(true)),
+            Err(Refused::Paused { .. })
+        ));
+        assert!(!Move::Reissue.takes_slot() && Move::Claim.takes_slot());
+        assert_eq!(Move::Reissue.from(), &[CodeStatus::Unissued]);
+        assert_eq!(Move::Replace.to(), CodeStatus::Void);
     }
 
     #[test]

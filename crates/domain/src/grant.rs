@@ -38,6 +38,11 @@ pub struct Grant {
     /// Who placed the order (`api-key-id:ID`), `None` for one over AMQP:
     /// only its owner's repeat of the order is answered with the codes.
     pub owner: Option<String>,
+    /// 0 for a line's first code; `n` for the code the order's `n`-th
+    /// replacement gave the line. It travels in an event of its own, with
+    /// an id of its own ([`SmsPending::replacement_event_id`]), so an SMS
+    /// service that dropped the first text as a duplicate sends this one.
+    pub replacement: u32,
 }
 
 impl Grant {
@@ -51,8 +56,12 @@ impl Grant {
         if self.revoked {
             return None;
         }
+        let event_id = match self.replacement {
+            0 => SmsPending::event_id_for(&self.order_id),
+            n => SmsPending::replacement_event_id(&self.order_id, n, None),
+        };
         Some(SmsPending {
-            event_id: SmsPending::event_id_for(&self.order_id),
+            event_id,
             order_id: self.order_id.clone(),
             uid: self.uid.clone(),
             phone: self.phone.clone(),
@@ -79,20 +88,27 @@ impl Grant {
 /// `grants`) of the grants it carries. A one-code order's grant gets the
 /// one-code event; the grants of a several-code order travel together by
 /// part, one event per part, lines ascending, its id naming its lines.
-/// Revoked grants are carried by none. Events come in the order of their
-/// first grant.
+/// The code of a replacement travels in an event of its own. Revoked
+/// grants are carried by none. Events come in the order of their first
+/// grant.
 pub fn sms_events<G: Borrow<Grant>>(grants: &[G]) -> Vec<(SmsPending, Vec<usize>)> {
     let mut out: Vec<(SmsPending, Vec<usize>)> = Vec::new();
-    let mut part_at: HashMap<(&str, u32), usize> = HashMap::new();
+    let mut part_at: HashMap<(&str, u32, u32), usize> = HashMap::new();
+    let mut replacement_at: Vec<u32> = Vec::new();
     for (i, g) in grants.iter().map(Borrow::borrow).enumerate() {
         if g.revoked {
             continue;
         }
         if g.quantity <= 1 {
-            out.extend(g.sms_pending().map(|e| (e, vec![i])));
+            if let Some(e) = g.sms_pending() {
+                out.push((e, vec![i]));
+                replacement_at.push(g.replacement);
+            }
             continue;
         }
-        let at = *part_at.entry((&g.order_id, g.part)).or_insert_with(|| {
+        let key = (g.order_id.as_str(), g.part, g.replacement);
+        let at = *part_at.entry(key).or_insert_with(|| {
+            replacement_at.push(g.replacement);
             out.push((
                 SmsPending {
                     event_id: String::new(),
@@ -125,11 +141,14 @@ pub fn sms_events<G: Borrow<Grant>>(grants: &[G]) -> Vec<(SmsPending, Vec<usize>
             });
         }
     }
-    for (event, _) in &mut out {
+    for ((event, _), &n) in out.iter_mut().zip(&replacement_at) {
         if event.code.is_none() {
             event.codes.sort_by_key(|c| c.line);
             let lines: Vec<u32> = event.codes.iter().map(|c| c.line).collect();
-            event.event_id = SmsPending::event_id_for_lines(&event.order_id, &lines);
+            event.event_id = match n {
+                0 => SmsPending::event_id_for_lines(&event.order_id, &lines),
+                n => SmsPending::replacement_event_id(&event.order_id, n, Some(&lines)),
+            };
         }
     }
     out
@@ -154,6 +173,7 @@ mod tests {
             quantity,
             part,
             owner: None,
+            replacement: 0,
         }
     }
 
@@ -214,5 +234,26 @@ mod tests {
         let lines: Vec<u32> = first.codes.iter().map(|c| c.line).collect();
         assert_eq!(lines, [0, 1]);
         assert_eq!(first.all_codes()[1].code, "CODE-1");
+    }
+
+    #[test]
+    fn a_replacement_code_travels_alone_under_an_id_of_its_own() {
+        let mut one = grant("O-1", 0, 1, 0);
+        one.replacement = 2;
+        let mut of_two = grant("O-2", 0, 2, 0);
+        of_two.replacement = 1;
+        let events = sms_events(&[grant("O-2", 1, 2, 0), of_two, one]);
+        let ids: Vec<&str> = events.iter().map(|(e, _)| e.event_id.as_str()).collect();
+        assert_eq!(ids, ["sms:O-2:1", "sms:O-2#r1:0", "sms:O-1#r2"]);
+        assert_eq!(
+            SmsPending::replacement_of("sms:O-2#r1:0", "O-2"),
+            Ok(1),
+            "a receipt names the replacement"
+        );
+        assert_eq!(
+            SmsPending::lines_of("sms:O-2#r1:0", "O-2"),
+            Ok(Some(vec![0]))
+        );
+        assert_eq!(SmsPending::lines_of("sms:O-1#r2", "O-1"), Ok(None));
     }
 }

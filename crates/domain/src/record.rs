@@ -26,6 +26,10 @@ pub struct Holder {
     pub part: u32,
     /// Who placed the order (`api-key-id:ID`), `None` for one over AMQP.
     pub owner: Option<String>,
+    /// 0 for the code the line got when the order was placed; `n` for the
+    /// code the order's `n`-th replacement gave it. A line keeps each code
+    /// it held (a replaced one void): the highest is its code now.
+    pub replacement: u32,
 }
 
 /// How the `order_id` of a code a checkout hold sets aside begins. Like
@@ -198,6 +202,7 @@ impl Code {
             quantity: h.quantity,
             part: h.part,
             owner: h.owner.clone(),
+            replacement: h.replacement,
         })
     }
 
@@ -278,6 +283,7 @@ mod tests {
                 quantity: 1,
                 part: 0,
                 owner: None,
+                replacement: 0,
             }),
             used_at: None,
             voided_at: None,

@@ -7,7 +7,8 @@
 //!   their pools' waiting orders served first;
 //! - every [`Schedules::sweep_every`]: the relay (events of grants no
 //!   process saw confirmed for [`Schedules::relay_after`] are sent again,
-//!   same event ids), then every pool's waiting backorders;
+//!   same event ids), then every pool's replaced codes waiting for their
+//!   new one, and its waiting backorders;
 //! - every [`StockConfig::sweep_every`](crate::stock::StockConfig), at the
 //!   first quiet moment ([`Activity`]): expired codes voided, and every
 //!   pool's stock re-checked (gauges, `pool.low_stock`);
@@ -255,7 +256,13 @@ async fn relay_round(
         }
     };
     crate::telemetry::record_backorders_waiting(&pools);
-    fulfil(parts, publisher, pools, stop).await;
+    // Replaced codes waiting for their new one are served first.
+    let mut serve: BTreeSet<String> = pools.into_iter().collect();
+    match parts.store.pools_with_replacements().await {
+        Ok(p) => serve.extend(p),
+        Err(e) => debug!(error = %e, "waiting replacements skipped; retried at the next sweep"),
+    }
+    fulfil(parts, publisher, serve, stop).await;
 }
 
 /// Every [`StockConfig::sweep_every`]: void expired codes, then re-check

@@ -18,14 +18,16 @@ use tracing::{info, warn};
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
+use crate::replace::ReplaceError;
 use crate::Resend;
 
 const BATCH: u64 = 100;
 
 /// Fulfils waiting backorders of `pool` while it has stock and is not
-/// paused, until `stop`. Returns how many were fulfilled. Runs in a
-/// `fulfil` span naming the pool; each code granted and each event
-/// confirmed is one line naming its order.
+/// paused, until `stop`, after the pool's replaced codes waiting for their
+/// new one ([`crate::replace::serve_open`]). Returns how many backorders
+/// were fulfilled. Runs in a `fulfil` span naming the pool; each code
+/// granted and each event confirmed is one line naming its order.
 #[tracing::instrument(name = "fulfil", skip_all, fields(pool = pool))]
 pub async fn fulfil_backorders(
     engine: &ClaimEngine,
@@ -35,6 +37,18 @@ pub async fn fulfil_backorders(
     pool: &str,
     stop: &CancellationToken,
 ) -> Result<u64, ClaimError> {
+    let services = crate::replace::Services {
+        store,
+        engine,
+        outbox,
+        sink,
+    };
+    match crate::replace::serve_open(&services, pool).await {
+        Ok(_) => {}
+        Err(ReplaceError::Claim(e)) => return Err(e),
+        Err(ReplaceError::Store(e)) => return Err(e.into()),
+        Err(e) => warn!(pool, error = %e, "a waiting replacement was not served"),
+    }
     let mut total = 0;
     while !stop.is_cancelled() {
         // A paused pool issues nothing; its backorders wait for `pool

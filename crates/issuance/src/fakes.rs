@@ -96,6 +96,7 @@ impl FakeStore {
             quantity: a.quantity,
             part: a.part,
             owner: None,
+            replacement: 0,
         });
     }
 

@@ -12,7 +12,8 @@
 //!   counts it.
 //! - The relay ([`relay`]) re-publishes the events of grants no one saw
 //!   confirmed; every process that grants runs it.
-//! - Operations on orders ([`ops`]: void, redeem, resend, lookup) and on
+//! - Operations on orders ([`ops`]: void, redeem, resend, lookup;
+//!   [`replace`]: one code of an order replaced by a fresh one) and on
 //!   pools and imports ([`controls`]: pause, resume, settings, recall,
 //!   imports announced, dead letters replayed) take an [`audit::Actor`] and
 //!   write their own audit record.
@@ -54,6 +55,7 @@ pub mod plan;
 pub mod policy;
 pub mod ports;
 pub mod relay;
+pub mod replace;
 pub mod sessions;
 pub mod shops;
 pub mod stock;
@@ -74,6 +76,7 @@ pub mod model {
     };
     pub use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
     pub use codepool_store::pools::PoolDoc;
+    pub use codepool_store::replacements::{ReplacementDoc, ReplacementState};
     pub use codepool_store::shops::ShopDoc;
     pub use codepool_store::stats::PoolStats;
     pub use codepool_store::webhooks::{AttemptDoc, EndpointDoc};

@@ -8,6 +8,7 @@ use codepool_domain::{when, Code, NotSendable, SmsPending};
 use codepool_store::backorders::BackorderDoc;
 use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_store::policies::RefusalDoc;
+use codepool_store::replacements::ReplacementDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::{debug, warn};
 
@@ -29,6 +30,11 @@ pub struct Lookup {
     /// The buyer's latest holds (only for a buyer query); their codes are
     /// never shown.
     pub holds: Vec<codepool_store::holds::HoldDoc>,
+    /// The order's replacements, oldest first (only for an order query).
+    pub replacements: Vec<ReplacementDoc>,
+    /// The codes the order's replacements replaced, void (only for an
+    /// order query); `codes` holds each line's code now.
+    pub replaced: Vec<Code>,
 }
 
 impl Lookup {
@@ -43,6 +49,8 @@ impl Lookup {
     /// nothing of it was found).
     pub fn state(&self) -> Option<OrderState> {
         let waiting = self.backorders.iter().any(|b| b.status == "waiting");
+        let replacing = self.replacements.iter().any(|r| r.state.is_open());
+        let all_void = (self.codes.iter()).all(|c| c.status == codepool_domain::CodeStatus::Void);
         Some(if !self.refusals.is_empty() {
             OrderState::Refused
         } else if self.codes.is_empty() {
@@ -51,9 +59,12 @@ impl Lookup {
                 Some(_) if waiting => OrderState::Waiting,
                 Some(_) => OrderState::Cancelled,
             }
-        } else if waiting {
+        } else if replacing && all_void {
+            // Its only codes were replaced, and the new ones wait.
+            OrderState::Waiting
+        } else if waiting || replacing {
             OrderState::PartlyGranted
-        } else if (self.codes.iter()).all(|c| c.status == codepool_domain::CodeStatus::Void) {
+        } else if all_void {
             OrderState::Void
         } else {
             OrderState::Granted
@@ -68,6 +79,23 @@ impl Lookup {
             .and_then(|c| c.holder.as_ref())
             .and_then(|h| h.owner.as_deref())
             .or_else(|| self.backorders.first().and_then(|b| b.owner.as_deref()))
+    }
+
+    /// The lines of the order still waiting for a code: those its
+    /// backorder waits for, and those whose replacement waits for stock.
+    pub fn waiting_lines(&self) -> Vec<u32> {
+        let mut lines: Vec<u32> = (self.backorders.iter())
+            .filter(|b| b.status == "waiting")
+            .flat_map(|b| b.waiting_lines())
+            .chain(
+                (self.replacements.iter())
+                    .filter(|r| r.state.is_open())
+                    .map(|r| r.line()),
+            )
+            .collect();
+        lines.sort_unstable();
+        lines.dedup();
+        lines
     }
 
     /// Whether `owner` placed the order found (a key acts on its own
@@ -117,15 +145,14 @@ impl OrderState {
 
 /// Who got which code, and for an order, whether it waits as a backorder.
 pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<Lookup, StoreError> {
-    let codes = match query {
-        // Every code of an order, by line, whatever the limit.
+    let (codes, replaced) = match query {
+        // Every code of an order, by line, whatever the limit: each line's
+        // code now, and the codes replaced since (at most as many again).
         CodeQuery::Order(_) => {
-            let most = limit.max(i64::from(codepool_domain::MAX_QUANTITY));
-            let mut codes = store.find_codes(&query, most).await?;
-            codes.sort_by_key(|c| c.holder.as_ref().map_or(0, |h| h.line));
-            codes
+            let most = limit.max(2 * i64::from(codepool_domain::MAX_QUANTITY));
+            codepool_store::codes::current_by_line(store.find_codes(&query, most).await?)
         }
-        _ => store.find_codes(&query, limit).await?,
+        _ => (store.find_codes(&query, limit).await?, Vec::new()),
     };
     // A held code is shown to no one (its hold is, see `holds`).
     let codes: Vec<Code> = codes
@@ -136,18 +163,21 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
         CodeQuery::Uid(uid) => store.holds_of_uid(uid, 20).await?,
         _ => Vec::new(),
     };
-    let (backorders, refusals) = match query {
+    let (backorders, refusals, replacements) = match query {
         CodeQuery::Order(o) => (
             store.backorders_for_orders(&[o]).await?,
             store.refusals_for_orders(&[o]).await?,
+            store.replacements_for_orders(&[o]).await?,
         ),
-        _ => (Vec::new(), Vec::new()),
+        _ => (Vec::new(), Vec::new(), Vec::new()),
     };
     Ok(Lookup {
         codes,
         backorders,
         refusals,
         holds,
+        replacements,
+        replaced,
     })
 }
 

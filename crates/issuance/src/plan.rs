@@ -476,6 +476,7 @@ mod tests {
             quantity: 1,
             part: 0,
             owner: None,
+            replacement: 0,
         }
     }
 

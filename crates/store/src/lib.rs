@@ -11,6 +11,7 @@
 //! - [`lifecycle`]: redeem, void and expire codes; SMS receipts;
 //! - [`policies`]: per-user quotas and refused orders;
 //! - [`recall`]: withdrawing an import's unissued codes;
+//! - [`replacements`]: one code of an order replaced by a fresh one;
 //! - [`pool_settings`]: a pool's thresholds and its low-stock alert state;
 //! - [`imports`]: the audit record of each import run;
 //! - [`ledger`]: how many codes each pool holds, without counting them;
@@ -41,6 +42,7 @@ pub mod pool_settings;
 pub mod pools;
 pub mod recall;
 pub mod rekey;
+pub mod replacements;
 pub mod shops;
 pub mod stats;
 pub mod webhooks;

@@ -300,8 +300,14 @@ impl Store {
         // [`Store::withdraw_cancelled`]), and one that claimed before it
         // has its codes voided by the step below. Either way the order
         // keeps no live code.
+        // So are the order's replacements still waiting for their code
+        // (see [`Store::cancel_replacements`]).
         let cancelled = match target {
-            CodeRef::Order(order_id) => self.cancel_backorder(order_id, reason).await?,
+            CodeRef::Order(order_id) => {
+                let backorder = self.cancel_backorder(order_id, reason).await?;
+                let replacements = self.cancel_replacements(order_id, reason).await?;
+                backorder || replacements > 0
+            }
             CodeRef::Code { .. } => false,
         };
         let applied = self
@@ -511,7 +517,9 @@ impl Store {
 
     /// Applies an SMS receipt to the codes of `order_id` its event carried:
     /// those on `lines`, or every code of the order (`None`: the event of a
-    /// one-code order). `receipt_id` (the AMQP message id, when the SMS
+    /// one-code order), given by its `replacement` (0: when the order was
+    /// placed), so a late receipt of a replaced code's text does not mark
+    /// the code that replaced it. `receipt_id` (the AMQP message id, when the SMS
     /// service sets one) makes a redelivered receipt a no-op; without it a
     /// repeated `sent` is still a no-op, and a repeated `failed` counts
     /// again.
@@ -519,12 +527,17 @@ impl Store {
         &self,
         order_id: &str,
         lines: Option<&[u32]>,
+        replacement: u32,
         kind: ReceiptKind,
         error: Option<&str>,
         receipt_id: Option<&str>,
     ) -> Result<ReceiptOutcome, StoreError> {
         let now = DateTime::now();
-        let mut filter = doc! {"order_id": order_id};
+        let repl = match replacement {
+            0 => Bson::Null,
+            n => Bson::Int64(i64::from(n)),
+        };
+        let mut filter = doc! {"order_id": order_id, "order_repl": repl};
         if let Some(lines) = lines {
             // Line 0 is stored as no line at all.
             let lines: Vec<Bson> = lines

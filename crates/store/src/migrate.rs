@@ -95,6 +95,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0021_webhook_tasks_by_endpoint",
         include_str!("../../../migrations/0021_webhook_tasks_by_endpoint.json"),
     ),
+    (
+        "0022_replacements",
+        include_str!("../../../migrations/0022_replacements.json"),
+    ),
 ];
 
 /// What a migration run did.

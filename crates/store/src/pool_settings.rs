@@ -46,6 +46,8 @@ pub struct PoolSettings {
     /// The largest share of the pool's stock, in percent, one key or one
     /// shop may hold at once: 1 to 100.
     pub hold_share_per_owner: Option<i64>,
+    /// How many codes of one order support may replace: 0 (none) to 100.
+    pub replacements_per_order: Option<i64>,
 }
 
 /// One setting of a pool. Each door names it in its own words: the CLI's
@@ -59,10 +61,11 @@ pub enum Setting {
     HoldShare,
     HoldsPerUid,
     HoldSharePerOwner,
+    ReplacementsPerOrder,
 }
 
 impl Setting {
-    pub const ALL: [Setting; 7] = [
+    pub const ALL: [Setting; 8] = [
         Setting::LowStock,
         Setting::GrantPrefix,
         Setting::PerUser,
@@ -70,6 +73,7 @@ impl Setting {
         Setting::HoldShare,
         Setting::HoldsPerUid,
         Setting::HoldSharePerOwner,
+        Setting::ReplacementsPerOrder,
     ];
 
     /// The name in JSON (the HTTP API, the audit record).
@@ -82,6 +86,7 @@ impl Setting {
             Setting::HoldShare => "hold_share",
             Setting::HoldsPerUid => "holds_per_uid",
             Setting::HoldSharePerOwner => "hold_share_per_owner",
+            Setting::ReplacementsPerOrder => "replacements_per_order",
         }
     }
 
@@ -95,6 +100,7 @@ impl Setting {
             Setting::HoldShare => "--hold-share",
             Setting::HoldsPerUid => "--holds-per-uid",
             Setting::HoldSharePerOwner => "--hold-share-per-owner",
+            Setting::ReplacementsPerOrder => "--replacements-per-order",
         }
     }
 
@@ -108,6 +114,7 @@ impl Setting {
             Setting::HoldShare => "the share of stock one buyer may hold (percent)",
             Setting::HoldsPerUid => "open holds per buyer",
             Setting::HoldSharePerOwner => "the share of stock one key or shop may hold (percent)",
+            Setting::ReplacementsPerOrder => "replacements per order",
         }
     }
 }
@@ -132,6 +139,8 @@ pub enum PoolSettingsError {
     BadHoldsPerUid(i64),
     #[error("{} {}", Setting::HoldSharePerOwner.label(), self.rule().unwrap_or_default())]
     BadHoldSharePerOwner(i64),
+    #[error("{} {}", Setting::ReplacementsPerOrder.label(), self.rule().unwrap_or_default())]
+    BadReplacementsPerOrder(i64),
     #[error("nothing to change; give at least one setting")]
     Nothing,
     #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
@@ -151,6 +160,7 @@ impl PoolSettingsError {
             Self::BadHoldShare(_) => Some(Setting::HoldShare),
             Self::BadHoldsPerUid(_) => Some(Setting::HoldsPerUid),
             Self::BadHoldSharePerOwner(_) => Some(Setting::HoldSharePerOwner),
+            Self::BadReplacementsPerOrder(_) => Some(Setting::ReplacementsPerOrder),
             _ => None,
         }
     }
@@ -168,6 +178,10 @@ impl PoolSettingsError {
                 Some(format!("must be 1 to 100, not {n}"))
             }
             Self::BadHoldsPerUid(n) => Some(format!("must be 1 or more, not {n}")),
+            Self::BadReplacementsPerOrder(n) => Some(format!(
+                "must be 0 (none) to {}, not {n}",
+                crate::pools::MAX_REPLACEMENTS_PER_ORDER
+            )),
             _ => None,
         }
     }
@@ -238,6 +252,13 @@ impl Store {
                 return Err(PoolSettingsError::BadHoldSharePerOwner(n));
             }
             set.insert("hold_share_per_owner", n);
+        }
+        if let Some(n) = settings.replacements_per_order {
+            let most = i64::from(crate::pools::MAX_REPLACEMENTS_PER_ORDER);
+            if !(0..=most).contains(&n) {
+                return Err(PoolSettingsError::BadReplacementsPerOrder(n));
+            }
+            set.insert("replacements_per_order", n);
         }
         if let Some(sensitive) = settings.case_sensitive_codes {
             if self.pool_holds_codes(pool).await? {

@@ -53,7 +53,17 @@ pub struct PoolDoc {
     /// backend).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_share_per_owner: Option<i64>,
+    /// How many codes of one order support may replace; absent is
+    /// [`DEFAULT_REPLACEMENTS_PER_ORDER`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replacements_per_order: Option<i64>,
 }
+
+/// Replacements per order when a pool sets none.
+pub const DEFAULT_REPLACEMENTS_PER_ORDER: u32 = 3;
+
+/// The most replacements per order a pool may allow.
+pub const MAX_REPLACEMENTS_PER_ORDER: u32 = 100;
 
 impl PoolDoc {
     /// The pool's policy as the dispatcher applies it.
@@ -66,6 +76,15 @@ impl PoolDoc {
     /// `None` when the pool leaves it to the default.
     pub fn hold_share_per_owner(&self) -> Option<u32> {
         self.hold_share_per_owner.map(|n| n.clamp(1, 100) as u32)
+    }
+
+    /// See [`PoolDoc::replacements_per_order`] (the field); 0 to
+    /// [`MAX_REPLACEMENTS_PER_ORDER`].
+    pub fn replacements_per_order(&self) -> u32 {
+        self.replacements_per_order
+            .map_or(DEFAULT_REPLACEMENTS_PER_ORDER, |n| {
+                n.clamp(0, i64::from(MAX_REPLACEMENTS_PER_ORDER)) as u32
+            })
     }
 
     /// See [`PoolDoc::holds_per_uid`] (the field); at least 1.
@@ -216,6 +235,7 @@ mod tests {
             hold_share: None,
             holds_per_uid: None,
             hold_share_per_owner: None,
+            replacements_per_order: None,
         }
     }
 

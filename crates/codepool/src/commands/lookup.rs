@@ -61,7 +61,8 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
     let store = crate::context::store(cfg).await?;
     let found = ops::lookup(&store, query, args.limit).await?;
     if args.reveal && !found.codes.is_empty() {
-        let ids = found.codes.iter().map(|c| c.id).collect::<Vec<_>>();
+        let shown = found.codes.iter().chain(&found.replaced);
+        let ids = shown.map(|c| c.id).collect::<Vec<_>>();
         let n = ids.len() as u64;
         super::reveal::record(&store, "lookup --reveal", describe(&query), ids, n).await?;
     }
@@ -81,9 +82,14 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
             .collect();
         let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
         let holds: Vec<_> = found.holds.iter().map(hold_json).collect();
-        say_json!(serde_json::to_string_pretty(
-            &serde_json::json!({"codes": rows, "backorders": bo, "refusals": refused, "holds": holds})
-        )?);
+        let replaced: Vec<_> = (found.replaced.iter())
+            .map(|c| code_json(c, show(c)))
+            .collect();
+        let replacements: Vec<_> = found.replacements.iter().map(replacement_json).collect();
+        say_json!(serde_json::to_string_pretty(&serde_json::json!({
+            "codes": rows, "backorders": bo, "refusals": refused, "holds": holds,
+            "replaced": replaced, "replacements": replacements,
+        }))?);
     } else {
         print_table(&found, show);
     }
@@ -165,29 +171,9 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         "SMS"
     );
     for c in &found.codes {
-        let h = c.order_holder();
-        // A code a hold or bundle set aside names it, never its key.
-        let order = match (h, c.set_aside()) {
-            (Some(h), _) => h.order_id.clone(),
-            (None, Some(aside)) => aside.to_string(),
-            (None, None) => "-".to_owned(),
-        };
-        say!(
-            "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
-            order,
-            h.map_or_else(
-                || "-".to_owned(),
-                |h| format!("{}/{}", h.line + 1, h.quantity)
-            ),
-            show(c),
-            c.status.name(),
-            c.pool,
-            h.and_then(|h| h.grant_no.as_deref()).unwrap_or("-"),
-            h.map_or_else(|| "-".to_owned(), |h| short(Some(h.issued_at))),
-            c.sms_state().name()
-        );
-        print_details(c);
+        print_row(c, &show);
     }
+    print_replacements(found, &show);
     print_waiting(found);
 }
 
@@ -236,6 +222,67 @@ fn print_waiting(found: &ops::Lookup) {
                 .map_or(String::new(), |o| format!("; paid by order {o}"))
         );
     }
+}
+
+/// The codes an order's replacements replaced, and the replacements.
+fn print_replacements(found: &ops::Lookup, show: &impl Fn(&Code) -> String) {
+    if !found.replaced.is_empty() {
+        say!("replaced codes (void; each line's code now is above):");
+        for c in &found.replaced {
+            print_row(c, show);
+        }
+    }
+    for r in &found.replacements {
+        say!(
+            "replacement: {} of line {} ({} of the order) by {} at {}: {}; reason {:?}; grant {} replaced by {}",
+            r.id,
+            r.line(),
+            r.number(),
+            r.who,
+            when(Some(r.created_at)),
+            r.state.as_str(),
+            r.reason,
+            r.old_grant_no.as_deref().unwrap_or("-"),
+            r.new_grant_no.as_deref().unwrap_or("(waiting)")
+        );
+    }
+}
+
+/// One code as a row of the table, with its details beneath.
+fn print_row(c: &Code, show: &impl Fn(&Code) -> String) {
+    let h = c.order_holder();
+    // A code a hold or bundle set aside names it, never its key.
+    let order = match (h, c.set_aside()) {
+        (Some(h), _) => h.order_id.clone(),
+        (None, Some(aside)) => aside.to_string(),
+        (None, None) => "-".to_owned(),
+    };
+    say!(
+        "{:<16} {:<7} {:<20} {:<9} {:<14} {:<16} {:<21} {:<8}",
+        order,
+        h.map_or_else(
+            || "-".to_owned(),
+            |h| format!("{}/{}", h.line + 1, h.quantity)
+        ),
+        show(c),
+        c.status.name(),
+        c.pool,
+        h.and_then(|h| h.grant_no.as_deref()).unwrap_or("-"),
+        h.map_or_else(|| "-".to_owned(), |h| short(Some(h.issued_at))),
+        c.sms_state().name()
+    );
+    print_details(c);
+}
+
+/// A replacement as `--json` prints it.
+fn replacement_json(r: &codepool_issuance::model::ReplacementDoc) -> serde_json::Value {
+    serde_json::json!({
+        "replacement_id": r.id, "order_id": r.order_id, "line": r.line(), "number": r.number(),
+        "state": r.state.as_str(), "reason": r.reason, "by": r.who,
+        "old_grant_no": r.old_grant_no, "new_grant_no": r.new_grant_no,
+        "created_at": r.created_at.to_chrono().to_rfc3339(),
+        "served_at": r.served_at.map(|t| t.to_chrono().to_rfc3339()),
+    })
 }
 
 /// A hold as `--json` prints it (its codes are never shown). Hold ids are

@@ -37,6 +37,7 @@ pub mod operators;
 pub mod pool;
 pub mod publish;
 pub mod redeem;
+pub mod replace;
 pub mod resend;
 pub mod reveal;
 pub mod seq;

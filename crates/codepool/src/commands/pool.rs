@@ -18,6 +18,7 @@ Examples:
   codepool pool set --pool game-x --low-stock 0        (alerts off)
   codepool pool set --pool game-x --per-user 1         (one code per user)
   codepool pool set --pool game-x --per-user 0         (unlimited, the default)
+  codepool pool set --pool game-x --replacements-per-order 5
   codepool pool pause --pool game-x
   codepool pool resume --pool game-x
   codepool pool show
@@ -36,6 +37,10 @@ as unknown_pool.
 further purchases are refused (acked, no code, a `purchase.refused` event
 with reason per_user_limit). A voided grant still counts. Orders granted
 before the limit was set take no slot; waiting backorders are held to it.
+
+--replacements-per-order N: support may replace at most N codes of one
+order (`codepool replace`, 3 by default, 0 for none); the next one is
+refused and changes nothing.
 
 pause: purchases wait as backorders (nothing is issued) until resume,
 which fulfils them oldest first. Both publish pool.paused / pool.resumed;
@@ -86,6 +91,10 @@ pub enum PoolAction {
         /// (default 50; never less than one code).
         #[arg(long, value_name = "PERCENT")]
         hold_share_per_owner: Option<i64>,
+        /// Codes of one order support may replace (`codepool replace`):
+        /// 0 to 100 (default 3).
+        #[arg(long, value_name = "N")]
+        replacements_per_order: Option<i64>,
     },
     /// Stop issuing: purchases wait as backorders until `resume`.
     Pause {
@@ -145,6 +154,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             hold_share,
             holds_per_uid,
             hold_share_per_owner,
+            replacements_per_order,
         } => {
             let settings = PoolSettings {
                 low_stock,
@@ -154,6 +164,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
                 hold_share,
                 holds_per_uid,
                 hold_share_per_owner,
+                replacements_per_order,
             };
             set(&store, &pool, &settings).await?
         }
@@ -199,6 +210,9 @@ async fn set(
         Some(0) => say!("pool {pool}: no per-user limit"),
         Some(n) => say!("pool {pool}: at most {n} order(s) per user get a code; further purchases are refused (running dispatchers apply it within a second)"),
         None => {}
+    }
+    if let Some(n) = settings.replacements_per_order {
+        say!("pool {pool}: support may replace at most {n} code(s) of one order");
     }
     match settings.case_sensitive_codes {
         Some(true) => say!("pool {pool}: codes are case-sensitive; look-alikes are folded by Unicode NFKC only"),

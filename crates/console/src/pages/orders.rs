@@ -1,18 +1,20 @@
 //! `/console/orders` (support): find an order by its id, the buyer's uid
 //! or phone; its page shows the codes masked, grant numbers, SMS state and
-//! receipts, with resend and void (support) and reveal (admin: audited
-//! before it is shown, shown once in the answer to a POST, never in a URL).
-//! Every action is `codepool lookup|resend|void`'s own operation.
+//! receipts, with resend, void and replace one line's code (support) and
+//! reveal (admin: audited before it is shown, shown once in the answer to
+//! a POST, never in a URL). Every action is `codepool
+//! lookup|resend|void|replace`'s own operation.
 
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
-use codepool_domain::Code;
+use codepool_domain::{Code, CodeStatus};
 use codepool_issuance::model::CodeQuery;
 use codepool_issuance::model::{CodeRef, LifecycleError, VoidOutcome};
 use codepool_issuance::ops::{self, ResendError};
+use codepool_issuance::replace::{self, ReplaceError};
 use maud::{html, Markup};
 use serde::Deserialize;
 
@@ -48,12 +50,16 @@ fn search_form(q: &SearchQuery) -> Markup {
     }
 }
 
-fn code_rows(codes: &[Code], with_order: bool) -> Markup {
+/// The table of codes. On an order's page, a support operator gets a
+/// Replace form on each line whose code is issued (`replace`: the session
+/// and the order id).
+fn code_rows(codes: &[Code], with_order: bool, replace: Option<(&Session, &str)>) -> Markup {
     html! {
         table.codes {
             thead { tr {
                 @if with_order { th { "Order" } th { "Pool" } }
                 th { "Line" } th { "Code" } th { "Status" } th { "Grant no." } th { "Issued" } th { "SMS" } th { "Receipts" }
+                @if replace.is_some() { th { "Replace" } }
             } }
             tbody { @for c in codes {
                 // A code a hold or bundle set aside names it, never its key.
@@ -72,8 +78,52 @@ fn code_rows(codes: &[Code], with_order: bool) -> Markup {
                     td.receipts { @for e in &c.sms.history {
                         span.receipt { (e.event) " " (when_chrono(e.at)) @if let Some(err) = &e.error { ": " (err) } } br;
                     } }
+                    @if let Some((s, id)) = replace {
+                        td.replace { @if let (Some(h), CodeStatus::Issued) = (h, c.status) { (replace_form(s, id, h.line)) } }
+                    }
                 }
             } }
+        }
+    }
+}
+
+/// The Replace form of one line: the old code is void, the line gets a
+/// fresh one. The replacement id is made when the page is drawn, so a
+/// second click (or a form sent twice) is the same replacement.
+fn replace_form(s: &Session, id: &str, line: u32) -> Markup {
+    let action = format!("/console/orders/{}/lines/{line}/replace", url_part(id));
+    let replacement_id = format!("console-{}", bson::oid::ObjectId::new().to_hex());
+    html! {
+        form.inline method="post" action=(action) {
+            (csrf(s))
+            input type="hidden" name="replacement_id" value=(replacement_id);
+            input name="reason" placeholder="reason, e.g. code rejected" required maxlength="200";
+            button.danger type="submit" .replace-line { "Replace" }
+        }
+    }
+}
+
+/// What the order's replacements did, oldest first.
+fn replacement_rows(l: &ops::Lookup) -> Markup {
+    html! {
+        @if !l.replacements.is_empty() {
+            h2 { "Replacements" }
+            table.replacements {
+                thead { tr { th { "Line" } th { "State" } th { "Reason" } th { "By" } th { "At" } th { "Old grant no." } th { "New grant no." } } }
+                tbody { @for r in &l.replacements { tr {
+                    td.num { (r.line()) }
+                    td.state { (r.state.as_str()) }
+                    td { (r.reason) }
+                    td { (r.who) }
+                    td { (when_chrono(r.created_at.to_chrono())) }
+                    td { (r.old_grant_no.clone().unwrap_or_default()) }
+                    td { (r.new_grant_no.clone().unwrap_or_default()) }
+                } } }
+            }
+        }
+        @if !l.replaced.is_empty() {
+            h2 { "Replaced codes" }
+            (code_rows(&l.replaced, false, None))
         }
     }
 }
@@ -108,7 +158,7 @@ pub async fn search(
             None => p.hint { "An order id opens the order; a uid or a phone number lists the latest "
                 (SEARCH_LIMIT) " codes granted to that buyer." },
             Some(l) if l.codes.is_empty() => p.problem role="status" { "Nothing found for " q { (text) } "." },
-            Some(l) => (code_rows(&l.codes, true)),
+            Some(l) => (code_rows(&l.codes, true, None)),
         }
     };
     Ok(layout::page(&s, "Orders", body).into_response())
@@ -148,12 +198,8 @@ async fn order_page(
         return Err(Failure::NotFound(format!("codepool knows no order {id:?}: no code, no backorder, no refusal. Check the id, or whether the purchase was dead-lettered")));
     }
     let first = l.codes.first().and_then(|c| c.holder.as_ref());
-    let waiting: Vec<u32> = l
-        .backorders
-        .iter()
-        .filter(|b| b.status == "waiting")
-        .flat_map(|b| b.waiting_lines())
-        .collect();
+    let waiting = l.waiting_lines();
+    let replace = s.operator.may(Role::Support).then_some((s, id));
     let body = html! {
         h1 { "Order " q.order-id { (id) } }
         @if let Some(n) = &notice { (layout::notice(n)) }
@@ -162,10 +208,11 @@ async fn order_page(
             dt { "Pool" } dd { (l.codes.first().map(|c| c.pool.clone()).or_else(|| l.backorders.first().map(|b| b.pool.clone())).unwrap_or_default()) }
             dt { "Buyer (uid)" } dd.uid { (first.map(|h| h.uid.clone()).or_else(|| l.backorders.first().map(|b| b.uid.clone())).unwrap_or_default()) }
             dt { "Phone" } dd.phone { (first.map(|h| h.phone.clone()).or_else(|| l.backorders.first().map(|b| b.phone.clone())).unwrap_or_default()) }
-            @if !waiting.is_empty() { dt { "Lines waiting for stock" } dd { (format!("{waiting:?}")) } }
+            @if !waiting.is_empty() { dt { "Lines waiting for stock" } dd.waiting { (format!("{waiting:?}")) } }
             @for r in &l.refusals { dt { "Refused" } dd { (r.reason.as_str()) @if let Some(n) = r.limit { " (limit " (n) ")" } } }
         }
-        @if !l.codes.is_empty() { (code_rows(&l.codes, false)) }
+        @if !l.codes.is_empty() { (code_rows(&l.codes, false, replace)) }
+        (replacement_rows(&l))
         (actions(s, id))
     };
     Ok(layout::page(s, &format!("Order {id}"), body).into_response())
@@ -302,4 +349,58 @@ pub async fn reveal(
         p { a href={"/console/orders/" (url_part(&id))} { "Back to the order (codes masked)" } }
     };
     Ok(layout::page(&s, "Revealed codes", body).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ReplaceForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    replacement_id: String,
+}
+
+/// `POST /console/orders/{id}/lines/{line}/replace` (support): the line's
+/// code void, a fresh one texted, as `codepool replace`. The form carries
+/// its replacement id: sent twice, it replaces once.
+pub async fn replace(
+    State(console): State<Arc<Console>>,
+    s: Session,
+    Path((id, line)): Path<(String, u32)>,
+    Form(f): Form<ReplaceForm>,
+) -> Result<Response, Failure> {
+    s.check_csrf(&f.csrf)?;
+    s.need(Role::Support)?;
+    let core = &console.core;
+    let broker = core.broker();
+    let services = replace::Services {
+        store: core.store(),
+        engine: core.intake().engine(),
+        outbox: core.outbox(),
+        sink: &broker.publisher,
+    };
+    let ask = replace::Ask {
+        order_id: &id,
+        line,
+        replacement_id: &f.replacement_id,
+        reason: &f.reason,
+    };
+    let actor = super::actor(&s, "POST /console/orders/{id}/lines/{line}/replace");
+    let done = match replace::replace(&services, &ask, &actor).await {
+        Ok(done) => done,
+        Err(ReplaceError::Store(e)) => return Err(e.into()),
+        Err(e) if e.is_unavailable() => return Err(Failure::Unavailable(e.to_string())),
+        Err(e @ ReplaceError::NoLine { .. }) => return Err(Failure::NotFound(e.to_string())),
+        Err(e @ (ReplaceError::Reason | ReplaceError::Id)) => {
+            return Err(Failure::Invalid(e.to_string()))
+        }
+        Err(e) => return Err(Failure::Conflict(e.to_string())),
+    };
+    let notice = match (&done.code, done.began) {
+        (Some(c), true) => format!("Line {line} replaced: the new code {} goes to the buyer by SMS.", c.masked()),
+        (Some(c), false) => format!("Line {line} was replaced already (the same form): its new code is {}.", c.masked()),
+        (None, _) => format!("Line {line}: the code is void, and the line waits for stock; its new code goes by SMS after the next import."),
+    };
+    order_page(&console, &s, &id, Some(notice)).await
 }

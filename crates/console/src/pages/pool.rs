@@ -222,6 +222,7 @@ pub async fn settings(
         hold_share: None,
         holds_per_uid: None,
         hold_share_per_owner: None,
+        replacements_per_order: None,
     };
     let what = format!("{settings:?}");
     let actor = super::actor(&s, "POST /console/pools/{pool}/settings");

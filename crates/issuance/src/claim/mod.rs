@@ -258,6 +258,12 @@ impl ClaimEngine {
         self.hot.is_degraded()
     }
 
+    /// A grant number for one code of `p`'s pool, outside a claim (a
+    /// replacement's new code).
+    pub async fn grant_number(&self, p: &Purchase) -> Result<Option<String>, ClaimError> {
+        Ok(self.numbers.for_purchases(&[p]).await?.pop().flatten())
+    }
+
     /// Claims every line of every purchase (`quantity` codes each),
     /// returning outcomes aligned with the input. Purchases of the same
     /// order share one outcome. `resend` says what sends a fresh grant's

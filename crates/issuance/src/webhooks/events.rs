@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use codepool_domain::{Grant, PoolEvent, Refusal};
+use codepool_domain::{Code, Grant, PoolEvent, Refusal};
+use codepool_store::replacements::ReplacementDoc;
 use codepool_store::webhooks::NewEvent;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -19,9 +20,10 @@ pub const ORDER_REFUSED: &str = "order.refused";
 pub const POOL_LOW_STOCK: &str = "pool.low_stock";
 pub const POOL_EXHAUSTED: &str = "pool.exhausted";
 pub const POOL_REPLENISHED: &str = "pool.replenished";
+pub const CODE_REPLACED: &str = "code.replaced";
 
 /// Every event type an endpoint may subscribe to.
-pub const EVENT_TYPES: [&str; 7] = [
+pub const EVENT_TYPES: [&str; 8] = [
     ORDER_GRANTED,
     ORDER_PARTLY_GRANTED,
     ORDER_VOIDED,
@@ -29,6 +31,7 @@ pub const EVENT_TYPES: [&str; 7] = [
     POOL_LOW_STOCK,
     POOL_EXHAUSTED,
     POOL_REPLENISHED,
+    CODE_REPLACED,
 ];
 
 /// The `webhook-id` of the event of type `kind` about `about`.
@@ -147,6 +150,28 @@ pub fn order_voided(grants: &[Grant], reason: &str) -> Vec<NewEvent> {
             ))
         })
         .collect()
+}
+
+/// `code.replaced` for a shop's order whose line got the new code of
+/// replacement `r`: the order, the line, and the grant numbers of the old
+/// code and the new, never a code (the buyer gets it by SMS). Its id is
+/// the replacement's, so recording it again records nothing new.
+pub fn code_replaced(r: &ReplacementDoc, new: &Code) -> Option<NewEvent> {
+    let shop = shop_of(r.owner.as_deref())?;
+    let h = new.holder.as_ref()?;
+    let issued_at = h
+        .issued_at
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    Some(event(
+        CODE_REPLACED,
+        &format!("{}\0{}", r.order_id, r.id),
+        shop,
+        json!({
+            "order_id": r.order_id, "shop": shop, "uid": r.uid, "pool": r.pool,
+            "line": r.line, "replacement_id": r.id, "reason": r.reason,
+            "old_grant_no": r.old_grant_no, "new_grant_no": h.grant_no, "issued_at": issued_at,
+        }),
+    ))
 }
 
 /// The webhook form of a pool event, for each shop in `shops`: an event

@@ -2,7 +2,7 @@
 
 use super::*;
 
-fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
+pub(crate) fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
     let mut set = doc! {"status": a.resend.claimed_status().as_i32(), "issued_at": now};
     for (field, value) in holder_fields(a) {
         if value != Bson::Null {
@@ -312,7 +312,8 @@ impl Store {
     }
 
     /// The codes held by these orders, keyed by order id, each order's
-    /// codes by line.
+    /// codes by line: on a line whose code was replaced, the code its
+    /// latest replacement gave it (or the void one, while that waits).
     pub async fn grants_for_orders(
         &self,
         order_ids: &[&str],
@@ -332,7 +333,7 @@ impl Store {
             }
         }
         for codes in out.values_mut() {
-            codes.sort_by_key(|c| c.holder.as_ref().map_or(0, |h| h.line));
+            *codes = current_by_line(std::mem::take(codes)).0;
         }
         Ok(out)
     }

@@ -72,6 +72,12 @@ pub struct CodeDoc {
     /// The first line of the claim that issued it; absent for 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_part: Option<i64>,
+    /// The replacement of its order that gave it its line (1, 2, …);
+    /// absent for the code the line got when the order was placed. Part
+    /// of the unique `(order_id, order_line, order_repl)` index: a line
+    /// keeps the codes it was given, one per replacement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_repl: Option<i64>,
     /// Who placed the order (`api-key-id:ID`); absent for one over AMQP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
@@ -166,6 +172,8 @@ impl CodeDoc {
                 part: small(self.order_part, 0)
                     .ok_or_else(|| corrupt("has an order part out of range"))?,
                 owner: self.owner.clone(),
+                replacement: small(self.order_repl, 0)
+                    .ok_or_else(|| corrupt("has a replacement number out of range"))?,
             }),
             (Some(_), None) => return Err(corrupt("has an order_id but no issued_at")),
             (None, _) if matches!(status, CodeStatus::Issued | CodeStatus::Used) => {
@@ -428,11 +436,40 @@ fn issued_by(
             quantity: a.quantity,
             part: a.part,
             owner: a.owner.clone(),
+            replacement: 0,
         });
         code.sms.awaiting_relay = a.resend.relays();
         out.insert(a.slot(), code);
     }
     Some(out)
+}
+
+/// The codes of orders split into each line's code now, by order and line,
+/// and the codes replaced since: a line keeps every code it was given
+/// (one per replacement, the replaced ones void), and its code now is the
+/// one of its latest replacement. Codes without an order stay in the first.
+pub fn current_by_line(codes: Vec<Code>) -> (Vec<Code>, Vec<Code>) {
+    let key = |c: &Code| c.holder.as_ref().map(|h| (h.order_id.clone(), h.line));
+    let mut latest: HashMap<(String, u32), u32> = HashMap::new();
+    for c in &codes {
+        if let (Some(k), Some(h)) = (key(c), &c.holder) {
+            let n = latest.entry(k).or_insert(h.replacement);
+            *n = (*n).max(h.replacement);
+        }
+    }
+    let (mut now, mut replaced): (Vec<Code>, Vec<Code>) =
+        codes.into_iter().partition(|c| match (key(c), &c.holder) {
+            (Some(k), Some(h)) => latest.get(&k) == Some(&h.replacement),
+            _ => true,
+        });
+    let order = |c: &Code| {
+        c.holder
+            .as_ref()
+            .map_or((0, 0), |h| (h.line, h.replacement))
+    };
+    now.sort_by_key(order);
+    replaced.sort_by_key(order);
+    (now, replaced)
 }
 
 /// Which codes `lookup` shows.
@@ -473,7 +510,7 @@ fn claimable(now: DateTime) -> Document {
 }
 
 /// [`claimable`] in `pool`.
-fn claimable_in(pool: &str, now: DateTime) -> Document {
+pub(crate) fn claimable_in(pool: &str, now: DateTime) -> Document {
     in_pool(pool, claimable(now))
 }
 
@@ -652,6 +689,7 @@ mod tests {
             order_line: None,
             order_qty: None,
             order_part: None,
+            order_repl: None,
             used_at: None,
             is_sms: 0,
             sms_pending: None,
@@ -666,6 +704,32 @@ mod tests {
             void_reason: None,
             owner: None,
         }
+    }
+
+    #[test]
+    fn a_line_shows_the_code_of_its_latest_replacement() {
+        let keys = CodeKeys::none(None);
+        let on = |line: i64, repl: Option<i64>, status: i32| {
+            let mut d = issued(status);
+            d.order_line = (line > 0).then_some(line);
+            d.order_qty = Some(2);
+            d.order_repl = repl;
+            d.into_code(&keys).unwrap()
+        };
+        let codes = vec![
+            on(1, None, 1),
+            on(0, Some(2), 1),
+            on(0, None, 3),
+            on(0, Some(1), 3),
+        ];
+        let (now, replaced) = current_by_line(codes);
+        let seen = |cs: &[Code]| -> Vec<(u32, u32)> {
+            cs.iter()
+                .map(|c| c.holder.as_ref().map(|h| (h.line, h.replacement)).unwrap())
+                .collect()
+        };
+        assert_eq!(seen(&now), [(0, 2), (1, 0)]);
+        assert_eq!(seen(&replaced), [(0, 0), (0, 1)]);
     }
 
     fn issued(status: i32) -> CodeDoc {
