@@ -615,7 +615,7 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
     env.fill_pool("ka", 3).await;
     env.fill_pool("kb", 3).await;
     let mut cmd = env.command(&[]);
-    cmd.env("CODEPOOL_TEST_BUNDLE_PAUSE_MS", "60000");
+    cmd.env("CODEPOOL_FAILPOINTS", "bundle-pause=60000");
     let mut d = start_daemon(cmd).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();

@@ -564,7 +564,7 @@ async fn a_kill_between_the_void_and_the_claim_is_finished_by_a_retry_with_the_s
         "KR-1",
     ];
     let mut cmd = env.command(&args);
-    cmd.env("CODEPOOL_TEST_REPLACE_PAUSE_MS", "60000");
+    cmd.env("CODEPOOL_FAILPOINTS", "replace-pause=60000");
     let mut child = cmd.spawn().unwrap();
     eventually(Duration::from_secs(20), "the old code void", || async {
         codes_of(&env, "K-1").await[0].get_str("replaced_by").ok() == Some("KR-1")

@@ -16,7 +16,6 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use std::time::Duration;
 
 use codepool_domain::{Code, CodeId, Grant, Purchase};
 use codepool_store::holds::{bundle_key, HeldCode};
@@ -26,26 +25,6 @@ use tracing::{debug, info, warn};
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::held::{as_order_grant, commits_of, item_claims, item_offsets};
 use crate::Resend;
-
-/// A failpoint for the suite's crash test: how long to wait between a
-/// bundle's two steps (`CODEPOOL_TEST_BUNDLE_PAUSE_MS`), so a `kill -9` can
-/// land there. Only in builds with the `failpoints` feature.
-#[cfg(feature = "failpoints")]
-fn pause_between_steps() -> Option<Duration> {
-    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *PAUSE.get_or_init(|| {
-        std::env::var("CODEPOOL_TEST_BUNDLE_PAUSE_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis)
-    })
-}
-
-/// Without the `failpoints` feature there is no pause.
-#[cfg(not(feature = "failpoints"))]
-fn pause_between_steps() -> Option<Duration> {
-    None
-}
 
 /// What the bundles of a batch got, aligned with the input, and the pools
 /// that left a bundle short.
@@ -206,10 +185,10 @@ async fn hold_items(
     for (a, o) in asks.iter().zip(outcomes) {
         by_key.insert(a.purchase.order_id.clone(), o);
     }
-    if let Some(pause) = pause_between_steps() {
+    if let Some(pause) = crate::failpoint::pause("bundle-pause") {
         info!(
             ?pause,
-            "bundle held; pausing before its commit (CODEPOOL_TEST_BUNDLE_PAUSE_MS)"
+            "bundle held; pausing before its commit (failpoint bundle-pause)"
         );
         tokio::time::sleep(pause).await;
     }

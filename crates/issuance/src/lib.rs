@@ -39,6 +39,7 @@ pub mod controls;
 pub mod core;
 mod demand;
 pub mod expiry;
+mod failpoint;
 pub mod grant_no;
 pub mod health;
 mod held;

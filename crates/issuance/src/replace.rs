@@ -320,7 +320,7 @@ async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Repla
             return Err(not_replaceable(&doc.order_id, doc.line(), &code));
         }
     };
-    if let Some(pause) = pause_after_void() {
+    if let Some(pause) = crate::failpoint::pause("replace-pause") {
         tokio::time::sleep(pause).await;
     }
     let done = serve(s, doc).await?;
@@ -328,27 +328,6 @@ async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Repla
         acted: done.acted || voided_now,
         ..done
     })
-}
-
-/// A failpoint for the suite's crash test: how long to wait between the
-/// void of the old code and the claim of the new
-/// (`CODEPOOL_TEST_REPLACE_PAUSE_MS`), so a `kill -9` can land there.
-/// Only in builds with the `failpoints` feature.
-#[cfg(feature = "failpoints")]
-fn pause_after_void() -> Option<Duration> {
-    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *PAUSE.get_or_init(|| {
-        std::env::var("CODEPOOL_TEST_REPLACE_PAUSE_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis)
-    })
-}
-
-/// Without the `failpoints` feature there is no pause.
-#[cfg(not(feature = "failpoints"))]
-fn pause_after_void() -> Option<Duration> {
-    None
 }
 
 /// Gives a replacement's line its new code, through the gate, or records
