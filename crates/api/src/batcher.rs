@@ -24,13 +24,13 @@ use std::sync::{Arc, Weak};
 
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
-use codepool_issuance::placing::PlaceError;
+use codepool_issuance::intake::PlaceError;
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
 use codepool_issuance::{Door, Intake, Resend};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::state::Api;
+use codepool_issuance::Core;
 
 /// Most orders decided together.
 pub const MAX_BATCH: usize = 256;
@@ -89,7 +89,7 @@ pub(crate) struct Batcher {
 impl Batcher {
     /// Starts the batching task for `api` (held weakly: the task ends with
     /// the API).
-    pub(crate) fn start(api: Weak<Api>) -> Self {
+    pub(crate) fn start(api: Weak<Core>) -> Self {
         let (tx, rx) = mpsc::channel(MAX_BATCH * IN_FLIGHT * 4);
         let announcing = Arc::new(Semaphore::new(ANNOUNCING));
         tokio::spawn(run(api, rx, announcing.clone()));
@@ -129,7 +129,7 @@ impl Batcher {
     }
 }
 
-async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaphore>) {
+async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaphore>) {
     let permits = Arc::new(Semaphore::new(IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -168,7 +168,7 @@ async fn run(api: Weak<Api>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaph
 
 /// Places one batch and answers every request in it. The placed plan,
 /// whose announcements are still owed.
-async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
+async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
     metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
     let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
         .map(|a| ((a.purchase, a.actor), a.reply))
@@ -181,7 +181,7 @@ async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
             let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
                 .await
                 .map_err(|e| Failure::Unaudited(Arc::new(e)));
-            placing::account(&plan, api.core().stock(), &api.broker().publisher);
+            placing::account(&plan, api.stock(), &api.broker().publisher);
             for (reply, step) in replies.into_iter().zip(&plan.steps) {
                 let answer = match (&audited, placing::is_repeat(step)) {
                     (Err(e), true) => Err(e.clone()),
@@ -204,7 +204,7 @@ async fn answer_batch(api: &Api, asks: Vec<Ask>) -> Option<BatchPlan> {
 /// confirmed leave the relay's list. A mark not recorded (this process
 /// stopped, MongoDB away) only means the relay sends the event again, with
 /// the same `event_id`.
-async fn announce(api: &Api, plan: &BatchPlan) {
+async fn announce(api: &Core, plan: &BatchPlan) {
     let broker = api.broker();
     let announcing = placing::announce(
         plan,

@@ -65,8 +65,8 @@ impl std::ops::Deref for Api {
 impl Api {
     pub fn new(core: Arc<Core>, config: ApiConfig) -> Arc<Self> {
         let holds = codepool_issuance::holds::HoldBatcher::start(core.clone(), Door::Http);
-        Arc::new_cyclic(|me| Self {
-            orders: batcher::Batcher::start(me.clone()),
+        Arc::new(Self {
+            orders: batcher::Batcher::start(Arc::downgrade(&core)),
             holds,
             core,
             keys: api_keys::Verifier::default(),

@@ -349,3 +349,45 @@ impl Intake {
         Ok(recorded.new)
     }
 }
+
+/// Why a batch could not be placed: nothing of it was claimed, or what
+/// was claimed is owed by the relay.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceError {
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    #[error("the backorders were not recorded: {0}")]
+    Backorders(#[source] codepool_store::StoreError),
+}
+
+impl PlaceError {
+    /// MongoDB is away, or this process misses a key: the same batch may
+    /// be tried again (here or by another process).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Claim(e) => e.is_unavailable() || matches!(e, ClaimError::KeysMissing(_)),
+            Self::Backorders(e) => e.is_unavailable(),
+        }
+    }
+}
+
+impl Intake {
+    /// The durable half of placing a batch: its plan, decided and claimed
+    /// ([`Intake::decide`]), with its backorders recorded. Once this
+    /// returns, every fresh grant is journaled and its event owed by the
+    /// outbox mark (`Resend::ByRelay`) or by redelivery
+    /// (`Resend::ByRedelivery`).
+    pub async fn place(
+        &self,
+        parsed: Vec<Parsed>,
+        at_limit: &[&str],
+        resend: Resend,
+        door: Door,
+    ) -> Result<BatchPlan, PlaceError> {
+        let mut plan = self.decide(parsed, at_limit, resend, door).await?;
+        self.record_backorders(&mut plan)
+            .await
+            .map_err(PlaceError::Backorders)?;
+        Ok(plan)
+    }
+}
