@@ -16,7 +16,6 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-
 use codepool_domain::{Code, CodeId, Grant, Purchase};
 use codepool_store::holds::{bundle_key, HeldCode};
 use codepool_store::{ClaimAssignment, Store};
