@@ -33,6 +33,7 @@ mod policies;
 mod quantity;
 mod readable;
 mod recall_runs;
+mod redeem;
 mod replace;
 mod replay;
 mod schemas;

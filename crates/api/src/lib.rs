@@ -13,6 +13,7 @@
 //! carry too.
 
 mod batcher;
+mod codes;
 mod dead_letters;
 mod holds;
 mod imports;
@@ -90,6 +91,8 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(orders::void))
         .routes(routes!(orders::resend))
         .routes(routes!(replace::replace))
+        .routes(routes!(codes::check))
+        .routes(routes!(codes::redeem))
         .routes(routes!(holds::place))
         .routes(routes!(holds::read, holds::release))
         .routes(routes!(pools::list, pools::create))

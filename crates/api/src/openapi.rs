@@ -18,11 +18,12 @@ use utoipa::{Modify, OpenApi, ToSchema};
 #[openapi(
     info(
         title = "codepool",
-        description = "Pre-issued activation codes for shop backends: an order gets exactly its codes, once, however often it is sent. Every /v1 route needs `Authorization: Bearer cpk_…` with the route's scope (orders:write, orders:read, codes:reveal, admin). Errors are RFC 9457 problems whose `detail` says what to do next.",
+        description = "Pre-issued activation codes for shop backends: an order gets exactly its codes, once, however often it is sent. Every /v1 route needs `Authorization: Bearer cpk_…` with the route's scope (orders:write, orders:read, codes:reveal, codes:redeem, admin). Errors are RFC 9457 problems whose `detail` says what to do next.",
         license(name = "Apache-2.0"),
     ),
     tags(
         (name = "orders", description = "Place an order, read it, redeem, void, resend, replace one of its codes"),
+        (name = "codes", description = "For the platform that honours the codes: check a code and redeem it exactly once, by value (`codes:redeem`)"),
         (name = "holds", description = "Checkout holds: codes set aside while a buyer pays, shown to no one, turned into the order's codes by `POST /v1/orders` with `hold_id`"),
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
@@ -299,6 +300,8 @@ pub(crate) struct PoolOut {
     low_stock_alerted: bool,
     grant_prefix: String,
     case_sensitive_codes: bool,
+    /// O reads as 0, and I and L as 1, in look-alikes and redemptions.
+    fold_confusables: bool,
     /// Percent of the stock one buyer may hold in checkout holds.
     hold_share: u32,
     /// Open holds one buyer may have.
@@ -493,6 +496,9 @@ pub(crate) struct SettingsIn {
     per_user: Option<i64>,
     #[schema(nullable = false)]
     case_sensitive_codes: Option<bool>,
+    /// O reads as 0, and I and L as 1: only before the pool's first import.
+    #[schema(nullable = false)]
+    fold_confusables: Option<bool>,
     /// Percent of the pool's stock (free plus held) one buyer may hold at
     /// once: 1 to 100.
     #[schema(nullable = false, minimum = 1, maximum = 100)]

@@ -13,7 +13,7 @@ use chrono::SecondsFormat;
 use codepool_domain::{mask, Code, Grant, Purchase, PurchaseError, RejectReason};
 use codepool_issuance::audit::{self, Actor};
 use codepool_issuance::model::CodeQuery;
-use codepool_issuance::model::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed, VoidOutcome};
 use codepool_issuance::ops;
 use codepool_issuance::plan::Step;
 use serde::Deserialize;
@@ -386,8 +386,14 @@ pub(crate) async fn redeem(
         return r;
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/redeem");
-    match ops::redeem(api.store(), CodeRef::Order(&order_id), &actor).await {
-        Ok(done) => Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response(),
+    match ops::redeem(api.store(), CodeRef::Order(&order_id), None, &actor).await {
+        Ok(Redeemed::Now(done)) => {
+            Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response()
+        }
+        // Only a redemption by code, with its redemption id, is "before".
+        Ok(Redeemed::Before(_)) => {
+            Json(json!({"order_id": order_id, "redeemed": 0})).into_response()
+        }
         Err(e) => refused(e, &rid),
     }
 }

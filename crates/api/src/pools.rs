@@ -60,6 +60,7 @@ fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
         "low_stock_alerted": d.low_stock_alerted,
         "grant_prefix": d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
         "case_sensitive_codes": d.case_sensitive_codes,
+        "fold_confusables": d.fold_confusables,
         "hold_share": d.hold_share(),
         "holds_per_uid": d.holds_per_uid(),
         "hold_share_per_owner": d.hold_share_per_owner(),
@@ -253,6 +254,7 @@ struct Settings {
     grant_prefix: Option<String>,
     per_user: Option<i64>,
     case_sensitive_codes: Option<bool>,
+    fold_confusables: Option<bool>,
     hold_share: Option<i64>,
     holds_per_uid: Option<i64>,
     hold_share_per_owner: Option<i64>,
@@ -260,7 +262,7 @@ struct Settings {
 }
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
-/// `per_user`, `case_sensitive_codes`, the hold caps and
+/// `per_user`, `case_sensitive_codes`, `fold_confusables`, the hold caps and
 /// `replacements_per_order`.
 #[utoipa::path(
     patch, path = "/v1/pools/{pool}", tag = "pools",
@@ -285,7 +287,7 @@ pub(crate) async fn settings(
     let s = match serde_json::from_slice::<Settings>(&body) {
         Ok(s) => s,
         Err(e) => {
-            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, hold_share, holds_per_uid, hold_share_per_owner, replacements_per_order";
+            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, fold_confusables, hold_share, holds_per_uid, hold_share_per_owner, replacements_per_order";
             return Problem::invalid_body("a pool's settings", send, &e)
                 .at(&rid.0)
                 .into_response();
@@ -296,6 +298,7 @@ pub(crate) async fn settings(
         grant_prefix: s.grant_prefix,
         per_user: s.per_user,
         case_sensitive_codes: s.case_sensitive_codes,
+        fold_confusables: s.fold_confusables,
         hold_share: s.hold_share,
         holds_per_uid: s.holds_per_uid,
         hold_share_per_owner: s.hold_share_per_owner,
@@ -325,7 +328,7 @@ fn settings_error(e: PoolSettingsError, pool: &str, rid: &RequestId) -> Response
         _ => {}
     }
     let field = e.setting().map(|s| s.field());
-    let status = if matches!(e, PoolSettingsError::CaseRuleFixed(_)) {
+    let status = if matches!(e, PoolSettingsError::CaseRuleFixed { .. }) {
         StatusCode::CONFLICT
     } else {
         StatusCode::UNPROCESSABLE_ENTITY

@@ -63,6 +63,12 @@ impl Problem {
         self
     }
 
+    /// Answered with `Retry-After: seconds`.
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
     /// 401, with `WWW-Authenticate: Bearer`.
     pub fn unauthorized(detail: &str) -> Self {
         let mut p = Self::new(

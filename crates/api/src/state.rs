@@ -26,6 +26,11 @@ pub struct ApiConfig {
     pub max_connections: usize,
     /// Serve HTTPS with these settings (`--tls-cert`, `--tls-key`).
     pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    /// Codes one key may name that match nothing (`/v1/codes/check` and
+    /// `/v1/codes/redeem`), per minute; past it the key is slowed: 429
+    /// with `Retry-After` on every code it names until a miss is allowed
+    /// again.
+    pub redeem_misses_per_minute: u32,
 }
 
 impl Default for ApiConfig {
@@ -37,6 +42,7 @@ impl Default for ApiConfig {
             header_timeout: Duration::from_secs(10),
             max_connections: 1024,
             tls: None,
+            redeem_misses_per_minute: 30,
         }
     }
 }
@@ -53,6 +59,10 @@ pub struct Api {
     pub(crate) orders: batcher::Batcher,
     /// Concurrent holds, placed together.
     pub(crate) holds: codepool_issuance::holds::HoldBatcher,
+    /// Codes found by value for the platform's keys.
+    pub(crate) finder: codepool_issuance::redeem::Finder,
+    /// Each key's lookups by value that matched nothing.
+    pub(crate) misses: Misses,
 }
 
 impl std::ops::Deref for Api {
@@ -68,6 +78,8 @@ impl Api {
         Arc::new(Self {
             orders: batcher::Batcher::start(Arc::downgrade(&core)),
             holds,
+            finder: codepool_issuance::redeem::Finder::new(core.store().clone()),
+            misses: Misses::new(config.redeem_misses_per_minute),
             core,
             keys: api_keys::Verifier::default(),
             limits: per_key_limiter(config.rate_per_key),
@@ -94,6 +106,49 @@ impl Api {
             let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
             wait.as_secs_f64().ceil().max(1.0) as u64
         })
+    }
+}
+
+/// Each key's budget of codes named that matched nothing: `per_minute`,
+/// all of it at once. A key that spends it is slowed, every code it names
+/// answered 429 until the budget allows one more miss: guessing codes
+/// costs a key time, not just requests.
+pub(crate) struct Misses {
+    limiter: governor::DefaultKeyedRateLimiter<String>,
+    slowed: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+}
+
+impl Misses {
+    fn new(per_minute: u32) -> Self {
+        let n = std::num::NonZeroU32::new(per_minute.max(1)).unwrap_or(std::num::NonZeroU32::MIN);
+        Misses {
+            limiter: governor::RateLimiter::keyed(governor::Quota::per_minute(n)),
+            slowed: Default::default(),
+        }
+    }
+
+    /// The seconds `key` must still wait, while it is slowed.
+    pub(crate) fn slowed(&self, key: &str) -> Option<u64> {
+        let mut slowed = self.slowed.lock().unwrap_or_else(|p| p.into_inner());
+        let until = *slowed.get(key)?;
+        let now = std::time::Instant::now();
+        if until <= now {
+            slowed.remove(key);
+            return None;
+        }
+        Some(until.duration_since(now).as_secs_f64().ceil().max(1.0) as u64)
+    }
+
+    /// Counts a miss of `key`; the seconds to wait when it spent its
+    /// budget (it is slowed from now on).
+    pub(crate) fn miss(&self, key: &str, name: &str) -> Option<u64> {
+        use governor::clock::Clock;
+        metrics::counter!("codepool_redeem_misses_total", "key" => name.to_owned()).increment(1);
+        let not_until = self.limiter.check_key(&key.to_owned()).err()?;
+        let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+        let mut slowed = self.slowed.lock().unwrap_or_else(|p| p.into_inner());
+        slowed.insert(key.to_owned(), std::time::Instant::now() + wait);
+        Some(wait.as_secs_f64().ceil().max(1.0) as u64)
     }
 }
 

@@ -13,7 +13,7 @@
 
 use codepool_domain::{mask, Redemption};
 use codepool_issuance::audit::Actor;
-use codepool_issuance::model::{CodeRef, LifecycleError};
+use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed};
 use codepool_issuance::ops;
 use codepool_issuance::{Store, StoreError};
 use lapin::message::Delivery;
@@ -65,8 +65,9 @@ pub async fn apply_redemption(
         Redemption::Order { order_id } => CodeRef::Order(order_id),
     };
     let actor = Actor::amqp_user(user, "code.redeemed event");
-    let result = match ops::redeem(store, target, &actor).await {
-        Ok(done) => {
+    let result = match ops::redeem(store, target, None, &actor).await {
+        Ok(Redeemed::Before(_)) => "duplicate",
+        Ok(Redeemed::Now(done)) => {
             for t in done {
                 info!(pool = %t.before.pool, code = %mask(&t.before.code), order_id = t.before.holder.as_ref().map_or("", |h| h.order_id.as_str()), "code redeemed");
             }

@@ -12,7 +12,9 @@
 //!   folding (`LOOK123`, `look123`, `ＬＯＯＫ１２３`) read the same to a person and,
 //!   on a platform that ignores case, redeem as the same code. [`fold`]
 //!   gives the key they share; a pool whose platform tells case apart
-//!   folds by NFKC only.
+//!   folds by NFKC only. A pool may also fold the characters that people
+//!   misread in print ([`LookAlikeRule::confusables`]): `O` as `0`, `I`
+//!   and `L` as `1`, as Crockford's base 32 reads them.
 
 use std::fmt;
 
@@ -121,6 +123,35 @@ pub fn fold(code: &str, case_sensitive: bool) -> String {
     }
     caseless::default_case_fold_str(&compatible)
         .nfkc()
+        .collect()
+}
+
+/// Which codes of a pool read the same to a person: a pool's setting,
+/// fixed once the pool holds a code (the look-alike keys of its codes are
+/// made by it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LookAlikeRule {
+    /// The pool's platform tells `ABC` from `abc`.
+    pub case_sensitive: bool,
+    /// `O` reads as `0`, and `I` and `L` as `1` (either case), as in
+    /// Crockford's base 32: codes printed on cards, typed from a photo.
+    pub confusables: bool,
+}
+
+/// The look-alike key of `code` under `rule`: [`fold`], then, for a pool
+/// that folds confusables, `O`/`o` as `0` and `I`/`i`/`L`/`l` as `1`.
+pub fn fold_by(code: &str, rule: LookAlikeRule) -> String {
+    let folded = fold(code, rule.case_sensitive);
+    if !rule.confusables {
+        return folded;
+    }
+    folded
+        .chars()
+        .map(|c| match c {
+            'O' | 'o' => '0',
+            'I' | 'i' | 'L' | 'l' => '1',
+            c => c,
+        })
         .collect()
 }
 
@@ -310,6 +341,32 @@ mod tests {
         }
         assert_eq!(fold("STRASSE", false), fold("straße", false));
         assert_ne!(fold("LOOK124", false), key);
+    }
+
+    #[test]
+    fn a_pool_that_folds_confusables_reads_o_as_zero_and_i_l_as_one() {
+        let rule = LookAlikeRule {
+            case_sensitive: false,
+            confusables: true,
+        };
+        let key = fold_by("G0LD-1O1I", rule);
+        for alike in ["GOLD-1010", "gold-l0li", "Ｇ０ＬＤ-１Ｏ１Ｉ"] {
+            assert_eq!(fold_by(alike, rule), key, "{alike:?}");
+        }
+        assert_ne!(fold_by("G0LD-1O1J", rule), key);
+        // Without the rule, O and 0 stay two codes.
+        assert_ne!(
+            fold_by("GOLD", LookAlikeRule::default()),
+            fold_by("G0LD", LookAlikeRule::default())
+        );
+        // A case-sensitive pool folds confusables of both cases, and no
+        // other letter's case.
+        let sensitive = LookAlikeRule {
+            case_sensitive: true,
+            confusables: true,
+        };
+        assert_eq!(fold_by("Oo", sensitive), fold_by("00", sensitive));
+        assert_ne!(fold_by("Ab", sensitive), fold_by("ab", sensitive));
     }
 
     #[test]

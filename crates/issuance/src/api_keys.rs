@@ -42,14 +42,20 @@ pub enum Scope {
     /// Administer pools, imports and dead letters.
     #[serde(rename = "admin")]
     Admin,
+    /// Check and redeem codes by value (`/v1/codes/check`,
+    /// `/v1/codes/redeem`): the key of the platform that honours the
+    /// codes, for every pool or for its shop's.
+    #[serde(rename = "codes:redeem")]
+    CodesRedeem,
 }
 
 impl Scope {
-    pub const ALL: [Scope; 4] = [
+    pub const ALL: [Scope; 5] = [
         Scope::OrdersWrite,
         Scope::OrdersRead,
         Scope::CodesReveal,
         Scope::Admin,
+        Scope::CodesRedeem,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -58,6 +64,7 @@ impl Scope {
             Scope::OrdersRead => "orders:read",
             Scope::CodesReveal => "codes:reveal",
             Scope::Admin => "admin",
+            Scope::CodesRedeem => "codes:redeem",
         }
     }
 

@@ -55,6 +55,7 @@ pub mod placing;
 pub mod plan;
 pub mod policy;
 pub mod ports;
+pub mod redeem;
 pub mod relay;
 pub mod replace;
 pub mod sessions;
@@ -73,7 +74,7 @@ pub mod model {
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;
     pub use codepool_store::lifecycle::{
-        CodeRef, LifecycleError, ReceiptKind, ReceiptOutcome, VoidOutcome,
+        CodeRef, LifecycleError, ReceiptKind, ReceiptOutcome, Redeemed, RedemptionTag, VoidOutcome,
     };
     pub use codepool_store::pool_settings::{PoolSettings, PoolSettingsError};
     pub use codepool_store::pools::PoolDoc;

@@ -6,7 +6,7 @@
 use codepool_broker::BrokerError;
 use codepool_domain::{when, Code, NotSendable, SmsPending};
 use codepool_store::backorders::BackorderDoc;
-use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome};
+use codepool_store::lifecycle::{CodeRef, LifecycleError, Redeemed, RedemptionTag, VoidOutcome};
 use codepool_store::policies::RefusalDoc;
 use codepool_store::replacements::ReplacementDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
@@ -252,16 +252,38 @@ pub fn checked_reason(reason: &str) -> Option<&str> {
     (readable && !reason.is_empty() && reason.chars().count() <= MAX_REASON_CHARS).then_some(reason)
 }
 
-/// Redeems an issued code, or every issued code of an order, audited with
-/// `actor`. Returns the codes redeemed, as they were before.
+/// Redeems an issued code, or every issued code of an order: every door's
+/// redemption (the platform's by code over HTTP, by order over HTTP, the
+/// AMQP `code.redeemed` event, `codepool redeem`). A redemption made now is
+/// audited with `actor` and told to the shop (`code.redeemed`); one made
+/// before under the same `tag` ([`Redeemed::Before`]) changes nothing and
+/// records nothing.
 pub async fn redeem(
     store: &Store,
     target: CodeRef<'_>,
+    tag: Option<&RedemptionTag>,
     actor: &Actor,
-) -> Result<Vec<codepool_store::lifecycle::Applied>, LifecycleError> {
-    let done = store.redeem(target).await?;
-    let what = format!("{}: {} code(s) used", target.describe(), done.len());
+) -> Result<Redeemed, LifecycleError> {
+    let done = store.redeem_tagged(target, tag).await?;
+    let Redeemed::Now(applied) = &done else {
+        return Ok(done);
+    };
+    let named = match (target, applied.as_slice()) {
+        (CodeRef::Id(_), [a]) => format!(
+            "code {} in pool {:?}",
+            codepool_domain::mask(&a.before.code),
+            a.before.pool
+        ),
+        _ => target.describe(),
+    };
+    let tagged = tag.map_or(String::new(), |t| format!(", redemption id {:?}", t.id));
+    let what = format!("{named}: {} code(s) used{tagged}", applied.len());
     audit::record(store, actor, "redeem", what).await?;
+    // The codes are used either way; the shop's event is owed, and a
+    // failure to record it is said, not hidden.
+    if let Err(e) = crate::webhooks::record_redeemed(store, applied).await {
+        warn!(error = %e, "codes redeemed, but their code.redeemed webhook was not recorded");
+    }
     Ok(done)
 }
 

@@ -39,6 +39,29 @@ pub enum CodeRef<'a> {
     Code { pool: &'a str, code: &'a str },
     /// The codes granted to an order (every one of an order of several).
     Order(&'a str),
+    /// One code by its id, as a lookup by value found it
+    /// ([`Store::find_by_value`]).
+    Id(CodeId),
+}
+
+/// A redemption's own id, as the platform that redeemed named it, and who
+/// that platform is (its API key's owner, `shop:NAME` or `api-key-id:ID`).
+/// One platform's id names one redemption: the same id again is answered
+/// as before, and the id on another code is refused (a unique index).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RedemptionTag {
+    pub id: String,
+    pub by: String,
+}
+
+/// What a redemption did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Redeemed {
+    /// Redeemed now: the codes as they were before.
+    Now(Vec<Applied>),
+    /// The same redemption (its [`RedemptionTag`]) was made before: the
+    /// code as it is, used since then.
+    Before(Code),
 }
 
 impl CodeRef<'_> {
@@ -47,6 +70,7 @@ impl CodeRef<'_> {
         match self {
             CodeRef::Code { pool, code } => store.code_filter(pool, code).await,
             CodeRef::Order(order) => Ok(doc! {"order_id": *order}),
+            CodeRef::Id(id) => Ok(doc! {"_id": object_id(*id)}),
         }
     }
 
@@ -55,6 +79,7 @@ impl CodeRef<'_> {
         match self {
             CodeRef::Code { pool, code } => format!("code {} in pool {pool:?}", mask(code)),
             CodeRef::Order(order) => format!("the codes of order {order:?}"),
+            CodeRef::Id(id) => format!("code {id}"),
         }
     }
 }
@@ -78,6 +103,9 @@ pub enum LifecycleError {
     },
     #[error("{what} was redeemed at {at}; a used code cannot be voided (the buyer has used it)")]
     Used { what: String, at: String },
+    /// The redemption id was given to another code's redemption.
+    #[error("redemption id {id:?} already redeemed another code; send a new id for each code")]
+    ConflictingRedemption { id: String },
     /// A void starts from stock or from an order ([`Transition::Void`]),
     /// and a held code is in neither: its hold (or bundle) has it.
     #[error("{}", held_words(.what, .held))]
@@ -205,7 +233,8 @@ fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError 
 }
 
 impl Store {
-    async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
+    /// The code `target` names (the first, for an order), as it is now.
+    pub async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
         self.typed::<CodeDoc>(CODES)
             .find_one(target.filter(self).await?)
             .await?
@@ -262,20 +291,110 @@ impl Store {
     /// 1 → 2 with `used_at`. When none is issued, the refusal says why
     /// (unissued, used or void).
     pub async fn redeem(&self, target: CodeRef<'_>) -> Result<Vec<Applied>, LifecycleError> {
+        match self.redeem_tagged(target, None).await? {
+            Redeemed::Now(done) => Ok(done),
+            // Only a tagged redemption is recognised as made before.
+            Redeemed::Before(c) => Err(refusal(target.describe(), Some(c), true)),
+        }
+    }
+
+    /// [`Store::redeem`], recording `tag` on the code: the same tag again
+    /// is [`Redeemed::Before`], and a tag already on another code is
+    /// [`LifecycleError::ConflictingRedemption`].
+    pub async fn redeem_tagged(
+        &self,
+        target: CodeRef<'_>,
+        tag: Option<&RedemptionTag>,
+    ) -> Result<Redeemed, LifecycleError> {
         let now = DateTime::now();
         let to = Transition::Redeem.to().as_i32();
-        let update = doc! {"$set": {"status": to, "used_at": now}};
-        let done = self
-            .apply_all(target, Transition::Redeem, update, now)
-            .await?;
-        if done.is_empty() {
-            return Err(refusal(
-                target.describe(),
-                self.find_code(target).await?,
-                true,
-            ));
+        let mut set = doc! {"status": to, "used_at": now};
+        if let Some(t) = tag {
+            set.insert("redemption", doc! {"id": &t.id, "by": &t.by});
         }
-        Ok(done)
+        let update = doc! {"$set": set};
+        let done = match self
+            .apply_all(target, Transition::Redeem, update, now)
+            .await
+        {
+            Err(StoreError::Refused { source, .. })
+                if tag.is_some() && crate::error::is_duplicate_key(&source) =>
+            {
+                let id = tag.map(|t| t.id.clone()).unwrap_or_default();
+                return Err(LifecycleError::ConflictingRedemption { id });
+            }
+            r => r?,
+        };
+        if !done.is_empty() {
+            return Ok(Redeemed::Now(done));
+        }
+        let code = self.find_code(target).await?;
+        if let (Some(c), Some(t)) = (&code, tag) {
+            if c.status == CodeStatus::Used && self.redeemed_with(c.id, t).await? {
+                return Ok(Redeemed::Before(c.clone()));
+            }
+        }
+        Err(refusal(target.describe(), code, true))
+    }
+
+    /// True when code `id` was redeemed with `tag`.
+    async fn redeemed_with(&self, id: CodeId, tag: &RedemptionTag) -> Result<bool, StoreError> {
+        let filter =
+            doc! {"_id": object_id(id), "redemption.id": &tag.id, "redemption.by": &tag.by};
+        Ok(self
+            .collection(CODES)
+            .find_one(filter)
+            .projection(doc! {"_id": 1})
+            .await?
+            .is_some())
+    }
+
+    /// The code whose value is `code`, among the codes of `pools` (each
+    /// with its look-alike rule), found by its keyed hashes alone: the
+    /// exact value in any of the pools (`code_any_hmac`), or its
+    /// look-alike key in each pool (`code_fold_hmac`), in ONE query
+    /// whatever the code, so a hit and a miss cost the same. An exact
+    /// match wins; `None` when nothing matches, or when look-alikes in
+    /// two pools match and none exactly (which was meant is not known).
+    pub async fn find_by_value(
+        &self,
+        code: &str,
+        pools: &[(String, codepool_domain::LookAlikeRule)],
+    ) -> Result<Option<Code>, StoreError> {
+        if pools.is_empty() {
+            return Ok(None);
+        }
+        let ring = self.keys.ring()?;
+        let names: Vec<&str> = pools.iter().map(|(p, _)| p.as_str()).collect();
+        let mut any = vec![doc! {
+            "code_any_hmac": crate::crypto::binary(ring.any_pool_hmac(code).to_vec()),
+            "pool": {"$in": names},
+        }];
+        for (pool, rule) in pools {
+            let folded = codepool_domain::fold_by(code, *rule);
+            any.push(doc! {
+                "pool": pool,
+                "code_fold_hmac": crate::crypto::binary(ring.fold_hmac(pool, &folded).to_vec()),
+            });
+        }
+        let found: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"$or": any})
+            .limit(8)
+            .await?
+            .try_collect()
+            .await?;
+        let found = found
+            .into_iter()
+            .map(|d| d.into_code(&self.keys))
+            .collect::<Result<Vec<Code>, _>>()?;
+        if let Some(exact) = found.iter().find(|c| c.code == code) {
+            return Ok(Some(exact.clone()));
+        }
+        Ok(match found.as_slice() {
+            [one] => Some(one.clone()),
+            _ => None,
+        })
     }
 
     /// Voids an unissued or issued code, or every such code of an order:
@@ -308,7 +427,7 @@ impl Store {
                 let replacements = self.cancel_replacements(order_id, reason).await?;
                 backorder || replacements > 0
             }
-            CodeRef::Code { .. } => false,
+            CodeRef::Code { .. } | CodeRef::Id(_) => false,
         };
         let applied = self
             .apply_all(target, Transition::Void, update, now)

@@ -116,19 +116,19 @@ impl Store {
             next_after: docs.last().map(|d| d.id),
             ..FoldBackfill::default()
         };
-        let mut sensitive: HashMap<String, bool> = HashMap::new();
+        let mut rules: HashMap<String, codepool_domain::LookAlikeRule> = HashMap::new();
         let mut keyed = Vec::with_capacity(docs.len());
         for d in docs {
             let (pool, id) = (d.pool.clone(), d.id);
-            let case = match sensitive.get(&pool) {
+            let rule = match rules.get(&pool) {
                 Some(&c) => c,
                 None => {
-                    let c = self.case_sensitive_codes(&pool).await?;
-                    *sensitive.entry(pool.clone()).or_insert(c)
+                    let c = self.lookalike_rule(&pool).await?;
+                    *rules.entry(pool.clone()).or_insert(c)
                 }
             };
             let code = d.into_code(&self.keys)?;
-            let fold = ring.fold_hmac(&pool, &codepool_domain::fold(&code.code, case));
+            let fold = ring.fold_hmac(&pool, &codepool_domain::fold_by(&code.code, rule));
             keyed.push((id, pool, fold.to_vec(), code.masked()));
         }
         let updates = keyed

@@ -99,6 +99,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0022_replacements",
         include_str!("../../../migrations/0022_replacements.json"),
     ),
+    (
+        "0023_redemptions",
+        include_str!("../../../migrations/0023_redemptions.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -38,6 +38,9 @@ pub struct PoolSettings {
     /// The pool's platform tells `ABC` from `abc`: look-alike codes fold by
     /// NFKC only, not by case. Fixed once the pool holds a code.
     pub case_sensitive_codes: Option<bool>,
+    /// `O` reads as `0`, `I` and `L` as `1`: look-alike codes fold them
+    /// too. Fixed once the pool holds a code.
+    pub fold_confusables: Option<bool>,
     /// The largest share of the pool's stock (free plus held), in percent,
     /// one buyer may hold at once: 1 to 100.
     pub hold_share: Option<i64>,
@@ -58,6 +61,7 @@ pub enum Setting {
     GrantPrefix,
     PerUser,
     CaseSensitiveCodes,
+    FoldConfusables,
     HoldShare,
     HoldsPerUid,
     HoldSharePerOwner,
@@ -65,11 +69,12 @@ pub enum Setting {
 }
 
 impl Setting {
-    pub const ALL: [Setting; 8] = [
+    pub const ALL: [Setting; 9] = [
         Setting::LowStock,
         Setting::GrantPrefix,
         Setting::PerUser,
         Setting::CaseSensitiveCodes,
+        Setting::FoldConfusables,
         Setting::HoldShare,
         Setting::HoldsPerUid,
         Setting::HoldSharePerOwner,
@@ -83,6 +88,7 @@ impl Setting {
             Setting::GrantPrefix => "grant_prefix",
             Setting::PerUser => "per_user",
             Setting::CaseSensitiveCodes => "case_sensitive_codes",
+            Setting::FoldConfusables => "fold_confusables",
             Setting::HoldShare => "hold_share",
             Setting::HoldsPerUid => "holds_per_uid",
             Setting::HoldSharePerOwner => "hold_share_per_owner",
@@ -97,6 +103,7 @@ impl Setting {
             Setting::GrantPrefix => "--grant-prefix",
             Setting::PerUser => "--per-user",
             Setting::CaseSensitiveCodes => "--case-sensitive-codes",
+            Setting::FoldConfusables => "--fold-confusables",
             Setting::HoldShare => "--hold-share",
             Setting::HoldsPerUid => "--holds-per-uid",
             Setting::HoldSharePerOwner => "--hold-share-per-owner",
@@ -111,6 +118,7 @@ impl Setting {
             Setting::GrantPrefix => "the grant prefix",
             Setting::PerUser => "codes per user",
             Setting::CaseSensitiveCodes => "whether codes are case-sensitive",
+            Setting::FoldConfusables => "whether O reads as 0, and I and L as 1",
             Setting::HoldShare => "the share of stock one buyer may hold (percent)",
             Setting::HoldsPerUid => "open holds per buyer",
             Setting::HoldSharePerOwner => "the share of stock one key or shop may hold (percent)",
@@ -143,8 +151,8 @@ pub enum PoolSettingsError {
     BadReplacementsPerOrder(i64),
     #[error("nothing to change; give at least one setting")]
     Nothing,
-    #[error("pool {0:?} holds codes already, and whether its codes are case-sensitive decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW --case-sensitive-codes`)")]
-    CaseRuleFixed(String),
+    #[error("pool {pool:?} holds codes already, and {} decides which of them are look-alikes; it cannot change now. Set it on a new pool before its first import (`codepool pool create --pool NEW`, then `codepool pool set --pool NEW {} true`)", .setting.label(), .setting.flag())]
+    CaseRuleFixed { pool: String, setting: Setting },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -156,7 +164,7 @@ impl PoolSettingsError {
             Self::NegativeThreshold(_) => Some(Setting::LowStock),
             Self::BadPrefix(_) => Some(Setting::GrantPrefix),
             Self::NegativePerUser(_) => Some(Setting::PerUser),
-            Self::CaseRuleFixed(_) => Some(Setting::CaseSensitiveCodes),
+            Self::CaseRuleFixed { setting, .. } => Some(*setting),
             Self::BadHoldShare(_) => Some(Setting::HoldShare),
             Self::BadHoldsPerUid(_) => Some(Setting::HoldsPerUid),
             Self::BadHoldSharePerOwner(_) => Some(Setting::HoldSharePerOwner),
@@ -260,11 +268,19 @@ impl Store {
             }
             set.insert("replacements_per_order", n);
         }
-        if let Some(sensitive) = settings.case_sensitive_codes {
+        let lookalike = [
+            (Setting::CaseSensitiveCodes, settings.case_sensitive_codes),
+            (Setting::FoldConfusables, settings.fold_confusables),
+        ];
+        for (setting, value) in lookalike {
+            let Some(value) = value else { continue };
             if self.pool_holds_codes(pool).await? {
-                return Err(PoolSettingsError::CaseRuleFixed(pool.to_owned()));
+                return Err(PoolSettingsError::CaseRuleFixed {
+                    pool: pool.to_owned(),
+                    setting,
+                });
             }
-            set.insert("case_sensitive_codes", sensitive);
+            set.insert(setting.field(), value);
         }
         if set.is_empty() {
             return Err(PoolSettingsError::Nothing);

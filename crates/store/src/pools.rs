@@ -5,7 +5,7 @@
 //! backordered forever.
 
 use bson::{doc, DateTime};
-use codepool_domain::PoolPolicy;
+use codepool_domain::{LookAlikeRule, PoolPolicy};
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
@@ -40,6 +40,11 @@ pub struct PoolDoc {
     /// by NFKC only (`codepool pool set --case-sensitive-codes`).
     #[serde(default)]
     pub case_sensitive_codes: bool,
+    /// `O` reads as `0`, `I` and `L` as `1`: look-alikes fold them too, and
+    /// a redemption finds the code however it was typed
+    /// (`codepool pool set --fold-confusables`).
+    #[serde(default)]
+    pub fold_confusables: bool,
     /// The largest share of the pool's stock (free plus held), in percent,
     /// one buyer may hold at once; absent is 10.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -66,6 +71,14 @@ pub const DEFAULT_REPLACEMENTS_PER_ORDER: u32 = 3;
 pub const MAX_REPLACEMENTS_PER_ORDER: u32 = 100;
 
 impl PoolDoc {
+    /// Which of the pool's codes read the same.
+    pub fn lookalike_rule(&self) -> LookAlikeRule {
+        LookAlikeRule {
+            case_sensitive: self.case_sensitive_codes,
+            confusables: self.fold_confusables,
+        }
+    }
+
     /// The pool's policy as the dispatcher applies it.
     /// See [`PoolDoc::hold_share`] (the field); 1 to 100.
     pub fn hold_share(&self) -> u32 {
@@ -133,15 +146,18 @@ impl Store {
             .is_some())
     }
 
-    /// Whether `pool`'s codes tell case apart (false for a pool that does
-    /// not exist yet: an import creates it with the default).
-    pub async fn case_sensitive_codes(&self, pool: &str) -> Result<bool, StoreError> {
-        Ok(self
+    /// Which of `pool`'s codes read the same (the default for a pool that
+    /// does not exist yet: an import creates it with the default).
+    pub async fn lookalike_rule(&self, pool: &str) -> Result<LookAlikeRule, StoreError> {
+        let d = self
             .collection(POOLS)
             .find_one(doc! {"_id": pool})
-            .projection(doc! {"case_sensitive_codes": 1})
-            .await?
-            .is_some_and(|d| d.get_bool("case_sensitive_codes").unwrap_or(false)))
+            .projection(doc! {"case_sensitive_codes": 1, "fold_confusables": 1})
+            .await?;
+        Ok(d.map_or_else(LookAlikeRule::default, |d| LookAlikeRule {
+            case_sensitive: d.get_bool("case_sensitive_codes").unwrap_or(false),
+            confusables: d.get_bool("fold_confusables").unwrap_or(false),
+        }))
     }
 
     pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {
@@ -232,6 +248,7 @@ mod tests {
             paused,
             paused_at: None,
             case_sensitive_codes: false,
+            fold_confusables: false,
             hold_share: None,
             holds_per_uid: None,
             hold_share_per_owner: None,

@@ -46,6 +46,11 @@ pub struct ApiArgs {
     /// 429 with Retry-After.
     #[arg(long, default_value_t = ApiConfig::default().rate_per_key)]
     pub rate_per_key: u32,
+    /// Codes per minute a platform's key may name that match nothing
+    /// (POST /v1/codes/check and /v1/codes/redeem); past it the key is
+    /// slowed: 429 with Retry-After on every code it names.
+    #[arg(long, default_value_t = ApiConfig::default().redeem_misses_per_minute)]
+    pub redeem_misses_per_minute: u32,
     /// Seconds a client may take to send a request's head; a slower or
     /// idle connection is closed.
     #[arg(long, default_value_t = ApiConfig::default().header_timeout.as_secs())]
@@ -160,6 +165,7 @@ fn api_config(args: &ApiArgs) -> ApiConfig {
         header_timeout: Duration::from_secs(args.header_timeout.max(1)),
         max_connections: args.max_connections as usize,
         tls: None,
+        redeem_misses_per_minute: args.redeem_misses_per_minute,
     }
 }
 

@@ -78,6 +78,12 @@ pub enum PoolAction {
         /// first import (`--case-sensitive-codes=false` turns it off).
         #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
         case_sensitive_codes: Option<bool>,
+        /// People misread the pool's printed codes: O reads as 0, and I
+        /// and L as 1. Look-alike codes fold them too (an import refuses
+        /// GOLD beside G0LD), and a redemption finds the code however it
+        /// was typed. Only before the pool's first import.
+        #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+        fold_confusables: Option<bool>,
         /// The largest share of the pool's stock (free plus held), in
         /// percent, one buyer may hold in checkout holds at once (default
         /// 10; never less than one code).
@@ -151,6 +157,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
             grant_prefix,
             per_user,
             case_sensitive_codes,
+            fold_confusables,
             hold_share,
             holds_per_uid,
             hold_share_per_owner,
@@ -161,6 +168,7 @@ pub async fn run(cfg: &Config, args: PoolArgs) -> anyhow::Result<u8> {
                 grant_prefix,
                 per_user,
                 case_sensitive_codes,
+                fold_confusables,
                 hold_share,
                 holds_per_uid,
                 hold_share_per_owner,
@@ -217,6 +225,13 @@ async fn set(
     match settings.case_sensitive_codes {
         Some(true) => say!("pool {pool}: codes are case-sensitive; look-alikes are folded by Unicode NFKC only"),
         Some(false) => say!("pool {pool}: codes ignore case; look-alikes are folded by Unicode NFKC and case folding"),
+        None => {}
+    }
+    match settings.fold_confusables {
+        Some(true) => {
+            say!("pool {pool}: O reads as 0, and I and L as 1, in look-alikes and redemptions")
+        }
+        Some(false) => say!("pool {pool}: O and 0, I, L and 1 are different characters"),
         None => {}
     }
     Ok(())

@@ -27,7 +27,12 @@ pub async fn run(cfg: &Config, args: RedeemArgs) -> anyhow::Result<u8> {
     let target = args.target.code_ref()?;
     let store = crate::context::store(cfg).await?;
     let actor = super::actor("redeem");
-    for t in codepool_issuance::ops::redeem(&store, target, &actor).await? {
+    let done = codepool_issuance::ops::redeem(&store, target, None, &actor).await?;
+    let codepool_issuance::model::Redeemed::Now(done) = done else {
+        // Only a redemption with an id is ever "made before".
+        anyhow::bail!("{} was redeemed before", target.describe());
+    };
+    for t in done {
         let holder = t.before.holder.as_ref();
         say!(
             "redeemed {} in pool {} (order {}, issued {}) at {}",

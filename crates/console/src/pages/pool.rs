@@ -165,6 +165,7 @@ pub async fn show(
             dt { "Grant prefix" } dd { (doc.grant_prefix.clone().unwrap_or_else(|| "G".into())) }
             dt { "Codes per user" } dd { (doc.per_user.filter(|v| *v > 0).map_or("unlimited".into(), |v| v.to_string())) }
             dt { "Codes differ by case" } dd { (if doc.case_sensitive_codes { "yes" } else { "no" }) }
+            dt { "O reads as 0, I and L as 1" } dd { (if doc.fold_confusables { "yes" } else { "no" }) }
             dt { "Created" } dd { (when(doc.created_at)) }
         }
         @if s.operator.may(Role::Admin) { (admin_forms(&s, &pool, &doc)) }
@@ -199,7 +200,7 @@ fn settings_failure(e: PoolSettingsError) -> Failure {
     match e {
         PoolSettingsError::Store(e) => e.into(),
         PoolSettingsError::UnknownPool(p) => Failure::NotFound(format!("no pool {p:?}")),
-        PoolSettingsError::CaseRuleFixed(_) => Failure::Conflict(e.to_string()),
+        PoolSettingsError::CaseRuleFixed { .. } => Failure::Conflict(e.to_string()),
         other => Failure::Invalid(other.to_string()),
     }
 }
@@ -219,6 +220,7 @@ pub async fn settings(
         grant_prefix: Some(f.grant_prefix.trim().to_owned()).filter(|p| !p.is_empty()),
         per_user: number("codes per user", &f.per_user)?,
         case_sensitive_codes: None,
+        fold_confusables: None,
         hold_share: None,
         holds_per_uid: None,
         hold_share_per_owner: None,

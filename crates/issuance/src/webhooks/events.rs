@@ -21,9 +21,10 @@ pub const POOL_LOW_STOCK: &str = "pool.low_stock";
 pub const POOL_EXHAUSTED: &str = "pool.exhausted";
 pub const POOL_REPLENISHED: &str = "pool.replenished";
 pub const CODE_REPLACED: &str = "code.replaced";
+pub const CODE_REDEEMED: &str = "code.redeemed";
 
 /// Every event type an endpoint may subscribe to.
-pub const EVENT_TYPES: [&str; 8] = [
+pub const EVENT_TYPES: [&str; 9] = [
     ORDER_GRANTED,
     ORDER_PARTLY_GRANTED,
     ORDER_VOIDED,
@@ -32,6 +33,7 @@ pub const EVENT_TYPES: [&str; 8] = [
     POOL_EXHAUSTED,
     POOL_REPLENISHED,
     CODE_REPLACED,
+    CODE_REDEEMED,
 ];
 
 /// The `webhook-id` of the event of type `kind` about `about`.
@@ -170,6 +172,24 @@ pub fn code_replaced(r: &ReplacementDoc, new: &Code) -> Option<NewEvent> {
             "order_id": r.order_id, "shop": shop, "uid": r.uid, "pool": r.pool,
             "line": r.line, "replacement_id": r.id, "reason": r.reason,
             "old_grant_no": r.old_grant_no, "new_grant_no": h.grant_no, "issued_at": issued_at,
+        }),
+    ))
+}
+
+/// `code.redeemed` for a shop's code just redeemed (`before`: the code
+/// as it was, issued): the order, the line, the grant number and when,
+/// never the code. A code is redeemed once, so its id names the event.
+pub fn code_redeemed(before: &Code, at: chrono::DateTime<chrono::Utc>) -> Option<NewEvent> {
+    let h = before.holder.as_ref()?;
+    let shop = shop_of(h.owner.as_deref())?;
+    Some(event(
+        CODE_REDEEMED,
+        &before.id.to_string(),
+        shop,
+        json!({
+            "order_id": h.order_id, "shop": shop, "uid": h.uid, "pool": before.pool,
+            "line": h.line, "grant_no": h.grant_no,
+            "redeemed_at": at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
         }),
     ))
 }

@@ -90,6 +90,19 @@ pub async fn record_voided(store: &Store, voided: &[Code], reason: &str) -> Resu
         .map(|_| ())
 }
 
+/// Records `code.redeemed` for the shops' codes among `redeemed` (each as
+/// it was before, with when it was redeemed).
+pub async fn record_redeemed(
+    store: &Store,
+    redeemed: &[codepool_store::lifecycle::Applied],
+) -> Result<(), StoreError> {
+    let events: Vec<_> = redeemed
+        .iter()
+        .filter_map(|a| events::code_redeemed(&a.before, a.at.to_chrono()))
+        .collect();
+    store.record_webhook_events(&events).await.map(|_| ())
+}
+
 /// Why an endpoint was not added or changed.
 #[derive(Debug, thiserror::Error)]
 pub enum WebhookError {

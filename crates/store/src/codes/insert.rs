@@ -43,7 +43,7 @@ impl Store {
         }
         let ring = self.keys.ring()?;
         self.register_key_id(ring.active_id()).await?;
-        let case_sensitive = self.case_sensitive_codes(pool).await?;
+        let rule = self.lookalike_rule(pool).await?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
         let now = DateTime::now();
         let docs: Vec<Document> = codes
@@ -53,7 +53,7 @@ impl Store {
                 let id = ObjectId::new();
                 let mut d = doc! {"_id": id, "pool": pool};
                 d.extend(sealed_fields(&ring, pool, id, &c.code));
-                let folded = codepool_domain::fold(&c.code, case_sensitive);
+                let folded = codepool_domain::fold_by(&c.code, rule);
                 d.insert(
                     "code_fold_hmac",
                     binary(ring.fold_hmac(pool, &folded).to_vec()),

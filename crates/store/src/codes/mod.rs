@@ -83,6 +83,10 @@ pub struct CodeDoc {
     pub owner: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used_at: Option<DateTime>,
+    /// Who redeemed the code, by which of their redemption ids (a platform
+    /// redeeming by code); absent for a redemption without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redemption: Option<crate::lifecycle::RedemptionTag>,
     #[serde(default)]
     pub is_sms: i32,
     /// Set while the relay owes this grant its SMS-pending event.
@@ -691,6 +695,7 @@ mod tests {
             order_part: None,
             order_repl: None,
             used_at: None,
+            redemption: None,
             is_sms: 0,
             sms_pending: None,
             sms_published_at: None,

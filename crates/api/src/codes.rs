@@ -1,0 +1,283 @@
+//! `POST /v1/codes/check` and `POST /v1/codes/redeem`: the platform that
+//! honours the codes asks what became of one, and redeems it, exactly
+//! once, through the core's [`Finder`](codepool_issuance::redeem::Finder).
+//!
+//! Not an oracle: every code the key may not learn about (unknown, another
+//! shop's pool, never issued) gets one 404, from the same single query, and
+//! a key whose lookups keep missing is slowed (429 with `Retry-After`).
+//! The request and answer types here are the ones the OpenAPI document
+//! shows.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use chrono::{DateTime, SecondsFormat, Utc};
+use codepool_issuance::audit::Actor;
+use codepool_issuance::redeem::{Platform, RedeemError, Seen, SeenState};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use utoipa::ToSchema;
+
+use crate::keys::{KeyDoc, Scope};
+use crate::orders::{failed, need};
+use crate::{Api, Problem, RequestId};
+
+/// `POST /v1/codes/check`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CheckIn {
+    /// The code as the buyer typed it. Look-alikes find it as the pool
+    /// says (case, width, and `O`/`0`, `I`/`L`/`1` in a pool that folds
+    /// confusables).
+    #[schema(min_length = 1, max_length = 128)]
+    code: String,
+}
+
+/// `POST /v1/codes/redeem`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RedeemIn {
+    #[schema(min_length = 1, max_length = 128)]
+    code: String,
+    /// Your id for this redemption (a UUID): the same id again gets the
+    /// same 200; on another code it is refused (409
+    /// `conflicting-redemption`).
+    #[schema(min_length = 1, max_length = 128)]
+    redemption_id: String,
+}
+
+/// What became of a code: never the buyer, the phone or the order.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct CodeState {
+    /// `issued` (sold, not used yet), `used` or `void`.
+    #[schema(pattern = "^(issued|used|void)$")]
+    state: &'static str,
+    pool: String,
+    /// The grant number on the buyer's receipt.
+    grant_no: Option<String>,
+    /// The code's line in its order (0 for an order of one code).
+    line: u32,
+    issued_at: String,
+    /// When it was redeemed (state `used`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redeemed_at: Option<String>,
+    /// When and why it was voided (state `void`): `refund`, `replaced`,
+    /// `recalled`, …
+    #[serde(skip_serializing_if = "Option::is_none")]
+    voided_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    void_reason: Option<String>,
+}
+
+fn time(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+impl From<Seen> for CodeState {
+    fn from(s: Seen) -> Self {
+        let (redeemed_at, voided_at, void_reason) = match &s.state {
+            SeenState::Issued => (None, None, None),
+            SeenState::Used { at } => (at.map(time), None, None),
+            SeenState::Void { at, reason } => (None, at.map(time), Some(reason.clone())),
+        };
+        CodeState {
+            state: s.state.as_str(),
+            pool: s.pool,
+            grant_no: s.grant_no,
+            line: s.line,
+            issued_at: time(s.issued_at),
+            redeemed_at,
+            voided_at,
+            void_reason,
+        }
+    }
+}
+
+/// The key as a platform: its owner tags its redemptions, its shop (if
+/// any) bounds the pools it sees.
+fn platform(key: &KeyDoc) -> (String, Option<&str>) {
+    (key.owner(), key.shop.as_deref())
+}
+
+/// `POST /v1/codes/check` with `{"code": …}`: changes nothing.
+#[utoipa::path(
+    post, path = "/v1/codes/check", tag = "codes",
+    operation_id = "check_code",
+    request_body(content = CheckIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "the code was issued to an order: its state now", body = CodeState),
+        (status = 404, description = "no code issued to an order matches among the pools this key may see: one answer for an unknown code, another shop's, and one never sold (`unknown-code`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "no code, or one no pool could hold", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "this key named too many codes that matched nothing (`redeem-misses`) or sent too many requests; `Retry-After` says when to come back", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["codes:redeem"]))
+)]
+pub(crate) async fn check(
+    State(api): State<Arc<Api>>,
+    Extension(key): Extension<KeyDoc>,
+    Extension(rid): Extension<RequestId>,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = gate(&api, &key, &rid) {
+        return r;
+    }
+    let b = match serde_json::from_slice::<CheckIn>(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            let send = r#"{"code": "the code as the buyer typed it"}"#;
+            return Problem::invalid_body("a code", send, &e)
+                .at(&rid.0)
+                .into_response();
+        }
+    };
+    if let Some(r) = bad_code(&b.code, &rid) {
+        return r;
+    }
+    let (owner, shop) = platform(&key);
+    let who = Platform {
+        owner: &owner,
+        shop,
+    };
+    match api.finder.check(who, &b.code).await {
+        Ok(seen) => Json(CodeState::from(seen)).into_response(),
+        Err(e) => refused(&api, &key, e, &rid),
+    }
+}
+
+/// `POST /v1/codes/redeem` with `{"code": …, "redemption_id": …}`.
+#[utoipa::path(
+    post, path = "/v1/codes/redeem", tag = "codes",
+    operation_id = "redeem_code",
+    request_body(content = RedeemIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "the code is used now, or was by this same redemption id (answered alike)", body = CodeState),
+        (status = 404, description = "no code issued to an order matches among the pools this key may see (`unknown-code`, the same answer as `check`'s)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "`already-redeemed` (with the first `redeemed_at`), `void` (with its `reason`), or `conflicting-redemption` (the id redeemed another code); nothing changed", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "no code or redemption id, or an invalid one (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "this key named too many codes that matched nothing (`redeem-misses`) or sent too many requests; `Retry-After` says when to come back", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = ["codes:redeem"]))
+)]
+pub(crate) async fn redeem(
+    State(api): State<Arc<Api>>,
+    Extension(key): Extension<KeyDoc>,
+    Extension(rid): Extension<RequestId>,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = gate(&api, &key, &rid) {
+        return r;
+    }
+    let b = match serde_json::from_slice::<RedeemIn>(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            let send =
+                r#"{"code": "the code as the buyer typed it", "redemption_id": "a UUID of yours"}"#;
+            return Problem::invalid_body("a redemption", send, &e)
+                .at(&rid.0)
+                .into_response();
+        }
+    };
+    if let Some(r) = bad_code(&b.code, &rid) {
+        return r;
+    }
+    let (owner, shop) = platform(&key);
+    let who = Platform {
+        owner: &owner,
+        shop,
+    };
+    let actor = Actor::api_key(&key.name, "POST /v1/codes/redeem");
+    match api
+        .finder
+        .redeem(who, &b.code, &b.redemption_id, &actor)
+        .await
+    {
+        Ok((seen, _)) => Json(CodeState::from(seen)).into_response(),
+        Err(e) => refused(&api, &key, e, &rid),
+    }
+}
+
+/// The scope, then the key's miss budget: a slowed key is answered 429
+/// before any lookup.
+fn gate(api: &Api, key: &KeyDoc, rid: &RequestId) -> Option<Response> {
+    if let Some(r) = need(key, Scope::CodesRedeem, rid) {
+        return Some(r);
+    }
+    let wait = api.misses.slowed(&key.id)?;
+    metrics::counter!("codepool_api_rate_limited_total").increment(1);
+    Some(slowed(wait).at(&rid.0).into_response())
+}
+
+fn slowed(wait: u64) -> Problem {
+    Problem::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "redeem-misses",
+        "too many codes that match nothing",
+        format!("this key named too many codes that match nothing; wait {wait} s (Retry-After), then send the request again"),
+    )
+    .retry_after(wait)
+}
+
+/// 422 for a code no pool could hold (empty, too long, unreadable).
+fn bad_code(code: &str, rid: &RequestId) -> Option<Response> {
+    let e = codepool_domain::validate_code(code).err()?;
+    Some(
+        Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-code",
+            "that is not a code",
+            format!("{e}; send the code as the buyer typed it"),
+        )
+        .field("code")
+        .at(&rid.0)
+        .into_response(),
+    )
+}
+
+/// A refusal as a problem. A miss is counted against the key's budget,
+/// and answered 429 once the budget is spent.
+fn refused(api: &Api, key: &KeyDoc, e: RedeemError, rid: &RequestId) -> Response {
+    let detail = e.to_string();
+    let p = match e {
+        RedeemError::Store(s) => return failed(&s, s.is_unavailable(), rid),
+        RedeemError::Unknown => match api.misses.miss(&key.id, &key.name) {
+            Some(wait) => slowed(wait),
+            None => Problem::new(
+                StatusCode::NOT_FOUND,
+                "unknown-code",
+                "no such code",
+                detail,
+            ),
+        },
+        RedeemError::AlreadyRedeemed { at } => Problem::new(
+            StatusCode::CONFLICT,
+            "already-redeemed",
+            "the code was already redeemed",
+            detail,
+        )
+        .with("redeemed_at", json!(at.map(time))),
+        RedeemError::Void { at, reason } => {
+            Problem::new(StatusCode::CONFLICT, "void", "the code is void", detail)
+                .with("reason", json!(reason))
+                .with("voided_at", json!(at.map(time)))
+        }
+        RedeemError::ConflictingId(_) => Problem::new(
+            StatusCode::CONFLICT,
+            "conflicting-redemption",
+            "the redemption id redeemed another code",
+            detail,
+        )
+        .field("redemption_id"),
+        RedeemError::BadId => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-redemption-id",
+            "that is not a redemption id",
+            detail,
+        )
+        .field("redemption_id"),
+    };
+    p.at(&rid.0).into_response()
+}

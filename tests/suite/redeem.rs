@@ -1,0 +1,480 @@
+//! Redemption by code for the platform (issue 55 item 2), against the real
+//! servers through real `codepool api` and dispatcher processes: exactly
+//! one of 64 concurrent redemptions wins, `check` changes nothing, one
+//! answer for every code a key may not learn about, a key that keeps
+//! missing is slowed, look-alikes (case, and O/0 where the pool says so),
+//! and every door's redemption audited once and told to the shop.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bson::doc;
+use futures::TryStreamExt;
+use lapin::options::BasicPublishOptions;
+use lapin::BasicProperties;
+use serde_json::{json, Value};
+
+use crate::api::{http, json_of, key, order, ApiServer};
+use crate::common::*;
+use crate::webhooks::{add_endpoint, publisher, shop, verified_by_the_python_library};
+use crate::webhooks::{Answer, Receiver};
+
+/// `POST path` with `body` as `key`: status, headers and JSON.
+async fn post(
+    api: &ApiServer,
+    key: &str,
+    path: &str,
+    body: Value,
+) -> (u16, std::collections::HashMap<String, String>, Value) {
+    let (status, headers, b) = http(
+        &api.addr,
+        "POST",
+        path,
+        Some(key),
+        body.to_string().as_bytes(),
+    )
+    .await;
+    (status, headers, json_of(&b))
+}
+
+async fn check(api: &ApiServer, key: &str, code: &str) -> (u16, Value) {
+    let (s, _, v) = post(api, key, "/v1/codes/check", json!({"code": code})).await;
+    (s, v)
+}
+
+async fn redeem(api: &ApiServer, key: &str, code: &str, id: &str) -> (u16, Value) {
+    let body = json!({"code": code, "redemption_id": id});
+    let (s, _, v) = post(api, key, "/v1/codes/redeem", body).await;
+    (s, v)
+}
+
+/// Places order `id` (one code of `pool`) with `key`; returns its code.
+async fn place(api: &ApiServer, key: &str, id: &str, pool: &str) -> Value {
+    let (status, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(key),
+        &order(id, pool, 1),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&b));
+    json_of(&b)["codes"][0].clone()
+}
+
+/// A platform key: `codes:redeem`, of `shop` or of none.
+async fn platform_key(env: &TestEnv, name: &str, shop: Option<&str>) -> String {
+    let mut args = vec!["api-keys", "create", "--name", name, "--scopes"];
+    args.push("codes:redeem");
+    if let Some(s) = shop {
+        args.extend(["--shop", s]);
+    }
+    codepool_ok(env, &args).await.trim().to_owned()
+}
+
+async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
+    let args = [
+        "api-keys",
+        "create",
+        "--name",
+        name,
+        "--shop",
+        shop,
+        "--scopes",
+        "orders:write,orders:read",
+    ];
+    codepool_ok(env, &args).await.trim().to_owned()
+}
+
+/// The code document holding `order`'s code.
+async fn code_doc(env: &TestEnv, order: &str) -> bson::Document {
+    env.store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find_one(doc! {"order_id": order})
+        .await
+        .unwrap()
+        .expect("the order holds a code")
+}
+
+/// The `what` of every audit record of kind `redeem`.
+async fn redemptions_audited(env: &TestEnv) -> Vec<String> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find(doc! {"kind": "redeem"})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    (docs.iter())
+        .map(|d| d.get_str("what").unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// A problem's body without its request id: what two answers share when
+/// they say the same.
+fn said(v: &Value) -> Value {
+    let mut v = v.clone();
+    v.as_object_mut().unwrap().remove("request_id");
+    v
+}
+
+#[tokio::test]
+async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_conflicts() {
+    let env = TestEnv::new("redeem_race").await;
+    env.fill_pool("rr", 10).await;
+    let shop_backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let code = place(&api, &shop_backend, "RR-1", "rr").await["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let tries = (0..64).map(|i| {
+        let (api, platform, code) = (&api, &platform, &code);
+        async move { redeem(api, platform, code, &format!("red-{i}")).await }
+    });
+    let answers = futures::future::join_all(tries).await;
+    let won: Vec<&Value> = (answers.iter())
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(won.len(), 1, "{answers:?}");
+    let at = won[0]["redeemed_at"].as_str().unwrap();
+    assert_eq!(won[0]["state"], "used");
+    for (status, v) in answers.iter().filter(|(s, _)| *s != 200) {
+        assert_eq!(*status, 409, "{v}");
+        assert!(
+            v["type"].as_str().unwrap().ends_with("already-redeemed"),
+            "{v}"
+        );
+        assert_eq!(v["redeemed_at"], at, "the first redemption's time: {v}");
+    }
+    let d = code_doc(&env, "RR-1").await;
+    assert_eq!(d.get_i32("status").unwrap(), 2);
+    assert_eq!(redemptions_audited(&env).await.len(), 1, "one audit record");
+
+    // The winner's id again: the same 200, and nothing else happens.
+    let winner = (0..64)
+        .find(|i| answers[*i].0 == 200)
+        .map(|i| format!("red-{i}"))
+        .unwrap();
+    let (status, again) = redeem(&api, &platform, &code, &winner).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(&again, won[0]);
+    assert_eq!(redemptions_audited(&env).await.len(), 1);
+    // That id on another code is refused, and that code stays issued.
+    let other = place(&api, &shop_backend, "RR-2", "rr").await["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, reused) = redeem(&api, &platform, &other, &winner).await;
+    assert_eq!(status, 409, "{reused}");
+    assert!(reused["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("conflicting-redemption"));
+    assert_eq!(code_doc(&env, "RR-2").await.get_i32("status").unwrap(), 1);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn check_changes_nothing_and_never_shows_the_buyer() {
+    let env = TestEnv::new("redeem_check").await;
+    env.fill_pool("rc", 10).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let granted = place(&api, &backend, "RC-1", "rc").await;
+    let code = granted["code"].as_str().unwrap();
+    let before = code_doc(&env, "RC-1").await;
+
+    for typed in [code.to_owned(), code.to_lowercase()] {
+        let (status, seen) = check(&api, &platform, &typed).await;
+        assert_eq!(status, 200, "{seen}");
+        assert_eq!(seen["state"], "issued");
+        assert_eq!(seen["pool"], "rc");
+        assert_eq!(seen["grant_no"], granted["grant_no"]);
+        let text = seen.to_string();
+        for private in ["u-api", "+8613800000000", "RC-1", code] {
+            assert!(!text.contains(private), "{private} in {text}");
+        }
+    }
+    assert_eq!(
+        code_doc(&env, "RC-1").await,
+        before,
+        "check changed nothing"
+    );
+    assert!(redemptions_audited(&env).await.is_empty());
+
+    // Redeemed: check tells when; void after sale: check tells why, and
+    // redeem refuses with the reason.
+    let (status, used) = redeem(&api, &platform, code, "R-1").await;
+    assert_eq!(status, 200, "{used}");
+    let (_, seen) = check(&api, &platform, code).await;
+    assert_eq!(seen["state"], "used");
+    assert_eq!(seen["redeemed_at"], used["redeemed_at"]);
+    let voided = place(&api, &backend, "RC-2", "rc").await["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    codepool_ok(&env, &["void", "--order", "RC-2", "--reason", "refund"]).await;
+    let (_, seen) = check(&api, &platform, &voided).await;
+    assert_eq!(seen["state"], "void");
+    assert_eq!(seen["void_reason"], "refund");
+    let (status, refused) = redeem(&api, &platform, &voided, "R-2").await;
+    assert_eq!(status, 409, "{refused}");
+    assert!(refused["type"].as_str().unwrap().ends_with("/void"));
+    assert_eq!(refused["reason"], "refund");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
+    let env = TestEnv::new("redeem_oracle").await;
+    env.fill_pool("oa", 10).await;
+    let unsold = env.fill_pool("ob", 10).await;
+    shop(&env, "acme", "oa").await;
+    shop(&env, "globex", "ob").await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let globex_platform = platform_key(&env, "globex-platform", Some("globex")).await;
+    let operator_platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "1000"]).await;
+    let acmes = place(&api, &acme, "OA-1", "oa").await["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // A code held by a checkout hold: never sold either.
+    let (status, _, hold) = post(
+        &api,
+        &acme,
+        "/v1/holds",
+        json!({"hold_id": "H-1", "uid": "u-1", "items": [{"pool": "oa", "quantity": 1}]}),
+    )
+    .await;
+    assert_eq!(status, 201, "{hold}");
+    let held: String = {
+        let d = env
+            .store
+            .database()
+            .collection::<bson::Document>("codes")
+            .find_one(doc! {"pool": "oa", "status": 4})
+            .await
+            .unwrap()
+            .expect("a held code");
+        env.plain_code(&d)
+    };
+
+    let mut answers = Vec::new();
+    for code in [acmes.as_str(), "NO-SUCH-CODE-1", &unsold[0], &held] {
+        let (s1, c) = check(&api, &globex_platform, code).await;
+        let (s2, r) = redeem(&api, &globex_platform, code, "G-1").await;
+        assert_eq!((s1, s2), (404, 404), "{code}: {c} {r}");
+        answers.push(said(&c));
+        answers.push(said(&r));
+    }
+    assert!(
+        answers.windows(2).all(|w| w[0] == w[1]),
+        "one answer for all: {answers:?}"
+    );
+    // The operator's platform key sees every pool: acme's code is there,
+    // still unsold codes are not.
+    let (status, seen) = check(&api, &operator_platform, &acmes).await;
+    assert_eq!(status, 200, "{seen}");
+    let (status, _) = check(&api, &operator_platform, &unsold[0]).await;
+    assert_eq!(status, 404);
+    assert_eq!(code_doc(&env, "OA-1").await.get_i32("status").unwrap(), 1);
+    // A key without the scope is refused outright.
+    let (status, _) = check(&api, &acme, &acmes).await;
+    assert_eq!(status, 403);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_key_that_keeps_missing_is_slowed_and_counted() {
+    let env = TestEnv::new("redeem_misses").await;
+    env.fill_pool("rm", 10).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let guesser = platform_key(&env, "guesser", None).await;
+    let honest = platform_key(&env, "honest", None).await;
+    let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "5"]).await;
+    let code = place(&api, &backend, "RM-1", "rm").await["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for i in 0..5 {
+        let (status, v) = check(&api, &guesser, &format!("GUESS-{i}")).await;
+        assert_eq!(status, 404, "{v}");
+    }
+    let (status, headers, v) = post(
+        &api,
+        &guesser,
+        "/v1/codes/check",
+        json!({"code": "GUESS-5"}),
+    )
+    .await;
+    assert_eq!(status, 429, "{v}");
+    assert!(v["type"].as_str().unwrap().ends_with("redeem-misses"));
+    let wait: u64 = headers["retry-after"].parse().unwrap();
+    assert!((1..=60).contains(&wait), "{wait}");
+    // Slowed: even a real code is not looked up for this key now.
+    let (status, _) = redeem(&api, &guesser, &code, "X-1").await;
+    assert_eq!(status, 429);
+    assert_eq!(code_doc(&env, "RM-1").await.get_i32("status").unwrap(), 1);
+    // Another key is not.
+    let (status, v) = check(&api, &honest, &code).await;
+    assert_eq!(status, 200, "{v}");
+    let misses = metric_sum(
+        &[&api.addr],
+        "codepool_redeem_misses_total{key=\"guesser\"}",
+    )
+    .await;
+    assert!(misses >= 6.0, "{misses}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn o_and_zero_are_one_code_only_in_a_pool_that_says_so() {
+    let env = TestEnv::new("redeem_fold").await;
+    codepool_ok(&env, &["pool", "create", "--pool", "cf"]).await;
+    codepool_ok(&env, &["pool", "set", "--pool", "cf", "--fold-confusables"]).await;
+    env.fill_pool("cf", 5).await;
+    env.fill_pool("plain", 5).await;
+    // Fixed once the pool holds codes.
+    let out = env
+        .command(&["pool", "set", "--pool", "plain", "--fold-confusables"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--fold-confusables"), "{err}");
+
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &[]).await;
+    assert_eq!(
+        place(&api, &backend, "F-1", "cf").await["code"],
+        "cf-000001"
+    );
+    assert_eq!(
+        place(&api, &backend, "F-2", "plain").await["code"],
+        "plain-000001"
+    );
+    let (status, v) = check(&api, &platform, "CF-OOOOOl").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["pool"], "cf");
+    let (status, v) = check(&api, &platform, "PLAIN-OOOOO1").await;
+    assert_eq!(
+        status, 404,
+        "O is not 0 in a pool that does not say so: {v}"
+    );
+    let (status, v) = check(&api, &platform, "PLAIN-000001").await;
+    assert_eq!(status, 200, "case folds by default: {v}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_shop() {
+    let env = TestEnv::new("redeem_doors").await;
+    env.fill_pool("rd", 20).await;
+    shop(&env, "acme", "rd").await;
+    let receiver = Receiver::start(Answer::Ok).await;
+    let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "code.redeemed").await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let platform = platform_key(&env, "acme-platform", Some("acme")).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let mut codes = Vec::new();
+    for order in ["D-HTTP-CODE", "D-HTTP-ORDER", "D-AMQP-CODE", "D-AMQP-ORDER"] {
+        codes.push(place(&api, &acme, order, "rd").await["code"].clone());
+    }
+    // Each door twice: the second changes nothing.
+    for _ in 0..2 {
+        let (status, v) = redeem(&api, &platform, codes[0].as_str().unwrap(), "P-1").await;
+        assert_eq!(status, 200, "{v}");
+        let (status, _, _) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders/D-HTTP-ORDER/redeem",
+            Some(&acme),
+            b"",
+        )
+        .await;
+        assert!(status == 200 || status == 409, "{status}");
+    }
+    let (conn, publisher) = publisher(&env).await;
+    let events = env.topology().events_exchange;
+    for body in [
+        json!({"pool": "rd", "code": codes[2]}),
+        json!({"order_id": "D-AMQP-ORDER"}),
+        json!({"pool": "rd", "code": codes[2]}),
+        json!({"order_id": "D-AMQP-ORDER"}),
+    ] {
+        publisher
+            .channel()
+            .basic_publish(
+                &events,
+                "code.redeemed",
+                BasicPublishOptions::default(),
+                body.to_string().as_bytes(),
+                BasicProperties::default().with_user_id("guest".into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(30), "four codes used", || async {
+        let mut used = 0;
+        for order in ["D-HTTP-CODE", "D-HTTP-ORDER", "D-AMQP-CODE", "D-AMQP-ORDER"] {
+            used += (code_doc(&env, order).await.get_i32("status").unwrap() == 2) as u32;
+        }
+        used == 4
+    })
+    .await;
+    eventually(Duration::from_secs(30), "four code.redeemed", || async {
+        let ids: HashSet<String> = (receiver.of_type("code.redeemed").iter())
+            .map(|h| h.id.clone())
+            .collect();
+        ids.len() == 4
+    })
+    .await;
+    // The AMQP repeats were consumed (as duplicates) before counting.
+    eventually(Duration::from_secs(30), "two AMQP repeats", || async {
+        let line = "codepool_redemptions_total{result=\"duplicate\"}";
+        metric_sum(&[&daemon.addr], line).await >= 2.0
+    })
+    .await;
+    let audited = redemptions_audited(&env).await;
+    assert_eq!(audited.len(), 4, "one record per redemption: {audited:?}");
+    let hit = receiver.of_type("code.redeemed").remove(0);
+    verified_by_the_python_library(&secret, &hit)
+        .await
+        .unwrap_or_else(|e| panic!("standardwebhooks refused the signature: {e}"));
+    crate::schemas::Schema::load("webhook-event")
+        .assert_valid(hit.body.as_bytes(), "code.redeemed");
+    for code in &codes {
+        assert!(
+            !hit.body.contains(code.as_str().unwrap()),
+            "no code in a webhook"
+        );
+    }
+    let orders: HashSet<String> = (receiver.of_type("code.redeemed").iter())
+        .map(|h| h.json()["data"]["order_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(orders.len(), 4, "{orders:?}");
+    let _ = conn.close(200, "bye").await;
+    api.stop().await;
+    daemon.stop().await;
+    env.cleanup().await;
+}
