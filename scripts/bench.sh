@@ -47,10 +47,15 @@ WEBHOOK_ENDPOINTS=${WEBHOOK_ENDPOINTS:-100}
 # orders, and as many 2-item bundles against orders of 2, alternating
 # SCALE_ROUNDS times.
 HOLD_REQUESTS=${HOLD_REQUESTS:-10000}
+# Redemption by code (issue 55): REDEEM_REQUESTS orders then as many
+# redemptions of their codes, alternating SCALE_ROUNDS times; the p99 of a
+# check at REDEEM_RATE requests/s for LATENCY_SECONDS.
+REDEEM_REQUESTS=${REDEEM_REQUESTS:-10000}
+REDEEM_RATE=${REDEEM_RATE:-2000}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api holds webhooks pools huge import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api holds redeem webhooks pools huge import seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=${CARGO_TARGET_DIR:-target}/release/codepool-bench
@@ -85,11 +90,12 @@ for b in "${which[@]}"; do
 	webhooks) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --webhook-endpoints "$WEBHOOK_ENDPOINTS" --rounds "$SCALE_ROUNDS" ;;
 	api) "$bin" --out-dir "$OUT_DIR" api --orders "$API_ORDERS" --clients "$API_CLIENTS" --rate "$API_RATE" --seconds "$LATENCY_SECONDS" ;;
 	holds) "$bin" --out-dir "$OUT_DIR" holds --requests "$HOLD_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" ;;
+	redeem) "$bin" --out-dir "$OUT_DIR" redeem --requests "$REDEEM_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" --rate "$REDEEM_RATE" --seconds "$LATENCY_SECONDS" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, holds, webhooks, import, seq, crypto)" >&2
+		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, holds, redeem, webhooks, import, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

@@ -438,6 +438,7 @@ pub(crate) struct Delivery {
     /// RFC 3339.
     at: String,
     /// delivered, failed, gone (410), refused (the address), held.
+    #[schema(pattern = "^(delivered|failed|gone|refused|held)$")]
     outcome: String,
     /// The HTTP status, when the endpoint answered.
     status: Option<u32>,

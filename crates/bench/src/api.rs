@@ -251,7 +251,7 @@ pub(crate) struct Http {
 pub(crate) struct Answer {
     pub(crate) status: u16,
     /// The first code of the answer.
-    code: Option<String>,
+    pub(crate) code: Option<String>,
     /// The client's port: which connection carried it.
     port: Option<u16>,
 }
@@ -276,12 +276,16 @@ impl Http {
         }
     }
 
-    async fn post(&self, body: Vec<u8>) -> anyhow::Result<Answer> {
+    pub(crate) async fn post(&self, body: Vec<u8>) -> anyhow::Result<Answer> {
         let req = axum::http::Request::post(self.uri.clone())
             .header(header::AUTHORIZATION, &*self.auth)
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))?;
-        let res = self.client.request(req).await.context("POST /v1/orders")?;
+        let res = self
+            .client
+            .request(req)
+            .await
+            .with_context(|| format!("POST {}", self.uri.path()))?;
         let status = res.status().as_u16();
         let port = res
             .extensions()

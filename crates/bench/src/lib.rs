@@ -18,6 +18,7 @@ pub mod hooks;
 pub mod import;
 pub mod inproc;
 pub mod latency;
+pub mod redeem;
 pub mod scale;
 pub mod scale_args;
 pub mod seq;
@@ -64,6 +65,9 @@ pub enum Which {
     /// Checkout holds against HTTP orders, and 2-item bundles against
     /// orders of 2, in codes per second.
     Holds(holds::HoldsBenchArgs),
+    /// Redemptions by code against HTTP orders; the p99 of a check; one
+    /// code raced by every client.
+    Redeem(redeem::RedeemBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -83,6 +87,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Latency(a) => scratch(cfg, |s| latency::run(a, s, &args.out_dir)).await?,
         Which::Api(a) => scratch(cfg, |s| api::run(a, s, &args.out_dir)).await?,
         Which::Holds(a) => scratch(cfg, |s| holds::run(a, s, &args.out_dir)).await?,
+        Which::Redeem(a) => scratch(cfg, |s| redeem::run(a, s, &args.out_dir)).await?,
     }
     Ok(codepool::exit::OK)
 }

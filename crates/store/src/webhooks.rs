@@ -20,16 +20,70 @@ pub const EVENTS: &str = "webhook_events";
 pub const TASKS: &str = "webhook_tasks";
 pub const ATTEMPTS: &str = "webhook_attempts";
 
-/// A task's state.
-pub mod state {
+/// A task's state, as stored (`state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
     /// Due at `next_at`.
-    pub const PENDING: &str = "pending";
+    Pending,
     /// A 2xx answer.
-    pub const DELIVERED: &str = "delivered";
+    Delivered,
     /// Every attempt of the schedule failed, or the endpoint answered 410.
-    pub const FAILED: &str = "failed";
+    Failed,
     /// Its endpoint is disabled; enabling it makes the task due again.
-    pub const HELD: &str = "held";
+    Held,
+}
+
+impl TaskState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Pending => "pending",
+            TaskState::Delivered => "delivered",
+            TaskState::Failed => "failed",
+            TaskState::Held => "held",
+        }
+    }
+}
+
+impl From<TaskState> for Bson {
+    fn from(s: TaskState) -> Bson {
+        Bson::String(s.as_str().to_owned())
+    }
+}
+
+/// What one attempt came to, as recorded (`outcome`), shown to operators
+/// and counted (`codepool_webhook_deliveries_total{outcome}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// A 2xx answer.
+    Delivered,
+    /// Any other answer, no answer, or no endpoint or event to send.
+    Failed,
+    /// 410 Gone: the endpoint is disabled.
+    Gone,
+    /// The address is not one deliveries may go to.
+    Refused,
+    /// The endpoint is disabled: not sent, the task waits.
+    Held,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Delivered => "delivered",
+            Outcome::Failed => "failed",
+            Outcome::Gone => "gone",
+            Outcome::Refused => "refused",
+            Outcome::Held => "held",
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// One signing secret of an endpoint, sealed at rest.
@@ -100,7 +154,7 @@ pub struct TaskDoc {
     pub endpoint: String,
     pub shop: String,
     pub kind: String,
-    pub state: String,
+    pub state: TaskState,
     /// Attempts made so far.
     pub attempts: u32,
     pub next_at: DateTime,
@@ -133,8 +187,7 @@ pub struct AttemptDoc {
     /// 1 for the first attempt.
     pub attempt: u32,
     pub at: DateTime,
-    /// `delivered`, `failed`, `gone` (410), `refused` (the address).
-    pub outcome: String,
+    pub outcome: Outcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u32>,
     pub latency_ms: u64,
@@ -207,9 +260,9 @@ fn binary(bytes: Vec<u8>) -> Binary {
 /// is disabled (enabling it makes the task due).
 fn new_task(event: &str, endpoint: &EndpointDoc, kind: &str, now: DateTime) -> Document {
     let state = if endpoint.enabled {
-        state::PENDING
+        TaskState::Pending
     } else {
-        state::HELD
+        TaskState::Held
     };
     doc! {
         "_id": task_id(event, &endpoint.id), "event": event, "endpoint": &endpoint.id,
@@ -383,8 +436,8 @@ impl Store {
         if after.is_some() && enabled {
             self.collection(TASKS)
                 .update_many(
-                    doc! {"endpoint": id, "state": state::HELD},
-                    doc! {"$set": {"state": state::PENDING, "next_at": DateTime::now(), "lease_until": DateTime::from_millis(0)}},
+                    doc! {"endpoint": id, "state": TaskState::Held},
+                    doc! {"$set": {"state": TaskState::Pending, "next_at": DateTime::now(), "lease_until": DateTime::from_millis(0)}},
                 )
                 .await?;
         }
@@ -519,7 +572,7 @@ impl Store {
     /// are.
     pub async fn webhook_heads(&self) -> Result<Vec<Head>, StoreError> {
         let pipeline = vec![
-            doc! {"$match": {"state": state::PENDING}},
+            doc! {"$match": {"state": TaskState::Pending}},
             doc! {"$sort": {"state": 1, "endpoint": 1, "next_at": 1, "_id": 1}},
             doc! {"$group": {
                 "_id": "$endpoint",
@@ -560,8 +613,7 @@ impl Store {
         wants: &[(&str, i64)],
     ) -> Result<Vec<TaskDoc>, StoreError> {
         let now = DateTime::now();
-        let due =
-            doc! {"state": state::PENDING, "next_at": {"$lte": now}, "lease_until": {"$lte": now}};
+        let due = doc! {"state": TaskState::Pending, "next_at": {"$lte": now}, "lease_until": {"$lte": now}};
         let of = |endpoint: &str, most: i64| {
             let mut matching = due.clone();
             matching.insert("endpoint", endpoint);
@@ -630,9 +682,9 @@ impl Store {
             .await?;
         let now = DateTime::now();
         let set = match end {
-            TaskEnd::Delivered => doc! {"state": state::DELIVERED, "done_at": now},
-            TaskEnd::Failed => doc! {"state": state::FAILED, "done_at": now},
-            TaskEnd::Held => doc! {"state": state::HELD},
+            TaskEnd::Delivered => doc! {"state": TaskState::Delivered, "done_at": now},
+            TaskEnd::Failed => doc! {"state": TaskState::Failed, "done_at": now},
+            TaskEnd::Held => doc! {"state": TaskState::Held},
             TaskEnd::RetryAt(at) => doc! {"next_at": at},
         };
         let mut set = set;
@@ -722,7 +774,7 @@ impl Store {
                 .update_one(
                     doc! {"_id": task_id(&e.id, &p.id)},
                     doc! {
-                        "$set": {"state": state::PENDING, "attempts": 0, "next_at": now, "lease_until": DateTime::from_millis(0)},
+                        "$set": {"state": TaskState::Pending, "attempts": 0, "next_at": now, "lease_until": DateTime::from_millis(0)},
                         "$unset": {"done_at": "", "lease_by": ""},
                         "$setOnInsert": {"event": &e.id, "endpoint": &p.id, "shop": &p.shop, "kind": &e.kind, "created_at": now},
                     },
@@ -763,7 +815,7 @@ impl Store {
     pub async fn oldest_undelivered_webhook(&self) -> Result<Option<DateTime>, StoreError> {
         let oldest = self
             .typed::<TaskDoc>(TASKS)
-            .find_one(doc! {"state": state::PENDING})
+            .find_one(doc! {"state": TaskState::Pending})
             .sort(doc! {"created_at": 1})
             .await?;
         Ok(oldest.map(|t| t.created_at))

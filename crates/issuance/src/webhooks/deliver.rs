@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use codepool_store::webhooks::{AttemptDoc, EndpointDoc, Event, Head, TaskDoc, TaskEnd};
+use codepool_store::webhooks::{AttemptDoc, EndpointDoc, Event, Head, Outcome, TaskDoc, TaskEnd};
 use codepool_store::{Store, StoreError};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -215,7 +215,7 @@ impl Drop for Flight {
 
 /// What one attempt came to.
 struct Verdict {
-    outcome: &'static str,
+    outcome: Outcome,
     status: Option<u32>,
     response: String,
 }
@@ -532,7 +532,7 @@ impl Deliverer {
                 .end(
                     task,
                     TaskEnd::Failed,
-                    verdict("failed", None, "the endpoint was removed"),
+                    verdict(Outcome::Failed, None, "the endpoint was removed"),
                     0,
                 )
                 .await;
@@ -543,7 +543,7 @@ impl Deliverer {
                 .end(
                     task,
                     TaskEnd::Held,
-                    verdict("held", None, "the endpoint is disabled"),
+                    verdict(Outcome::Held, None, "the endpoint is disabled"),
                     0,
                 )
                 .await;
@@ -553,7 +553,7 @@ impl Deliverer {
                 .end(
                     task,
                     TaskEnd::Failed,
-                    verdict("failed", None, "the event is older than 30 days"),
+                    verdict(Outcome::Failed, None, "the event is older than 30 days"),
                     0,
                 )
                 .await;
@@ -562,12 +562,13 @@ impl Deliverer {
         let v = self.post(endpoint, &event.id, &event.body, secrets).await;
         let latency = started.elapsed();
         metrics::histogram!("codepool_webhook_delivery_seconds").record(latency.as_secs_f64());
-        metrics::counter!("codepool_webhook_deliveries_total", "outcome" => v.outcome).increment(1);
+        metrics::counter!("codepool_webhook_deliveries_total", "outcome" => v.outcome.as_str())
+            .increment(1);
         let end = self.judge(task, endpoint, &v).await?;
-        if v.outcome == "delivered" {
+        if v.outcome == Outcome::Delivered {
             debug!(event = %event.id, endpoint = %endpoint.id, "webhook delivered");
         } else {
-            info!(event = %event.id, endpoint = %endpoint.id, shop = %endpoint.shop, attempt = task.attempts + 1, outcome = v.outcome, status = v.status, "webhook not delivered");
+            info!(event = %event.id, endpoint = %endpoint.id, shop = %endpoint.shop, attempt = task.attempts + 1, outcome = v.outcome.as_str(), status = v.status, "webhook not delivered");
         }
         self.end(task, end, v, latency.as_millis() as u64).await
     }
@@ -582,7 +583,7 @@ impl Deliverer {
     ) -> Verdict {
         let url = match guard::check_url(&endpoint.url, &self.allow) {
             Ok(url) => url,
-            Err(e) => return verdict("refused", None, &e.to_string()),
+            Err(e) => return verdict(Outcome::Refused, None, &e.to_string()),
         };
         let ts = chrono::Utc::now().timestamp();
         let sent = self
@@ -599,9 +600,9 @@ impl Deliverer {
             Ok(a) => a,
             Err(e) => {
                 let outcome = if is_refused_address(&e) {
-                    "refused"
+                    Outcome::Refused
                 } else {
-                    "failed"
+                    Outcome::Failed
                 };
                 return verdict(outcome, None, &error_chain(&e));
             }
@@ -617,9 +618,9 @@ impl Deliverer {
             }
         }
         let outcome = match status {
-            200..=299 => "delivered",
-            410 => "gone",
-            _ => "failed",
+            200..=299 => Outcome::Delivered,
+            410 => Outcome::Gone,
+            _ => Outcome::Failed,
         };
         verdict(
             outcome,
@@ -636,7 +637,7 @@ impl Deliverer {
         endpoint: &EndpointDoc,
         v: &Verdict,
     ) -> Result<TaskEnd, StoreError> {
-        let delivered = v.outcome == "delivered";
+        let delivered = v.outcome == Outcome::Delivered;
         if delivered {
             // A streak to end (as the endpoint was last read): one write,
             // not one per delivery.
@@ -646,10 +647,7 @@ impl Deliverer {
             return Ok(TaskEnd::Delivered);
         }
         let since = self.store.note_webhook_result(&endpoint.id, false).await?;
-        if delivered {
-            return Ok(TaskEnd::Delivered);
-        }
-        if v.outcome == "gone" {
+        if v.outcome == Outcome::Gone {
             self.disable(endpoint, "the endpoint answered 410 Gone", "gone")
                 .await?;
             return Ok(TaskEnd::Failed);
@@ -701,7 +699,7 @@ impl Deliverer {
             kind: task.kind.clone(),
             attempt: task.attempts + 1,
             at: bson::DateTime::now(),
-            outcome: v.outcome.to_owned(),
+            outcome: v.outcome,
             status: v.status,
             latency_ms,
             response: v.response,
@@ -734,7 +732,7 @@ fn allot(mut left: Vec<usize>, mut room: usize) -> Vec<usize> {
     wants
 }
 
-fn verdict(outcome: &'static str, status: Option<u32>, response: &str) -> Verdict {
+fn verdict(outcome: Outcome, status: Option<u32>, response: &str) -> Verdict {
     let mut response = response.to_owned();
     if response.len() > RESPONSE_KEPT {
         let mut cut = RESPONSE_KEPT;
