@@ -10,11 +10,10 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use chrono::{DateTime, SecondsFormat, Utc};
 use codepool_issuance::audit::Actor;
 use codepool_issuance::redeem::{Platform, RedeemError, Seen, SeenState};
@@ -22,13 +21,15 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::ToSchema;
 
-use crate::keys::{KeyDoc, Scope};
-use crate::orders::{failed, need};
+use crate::keys::KeyDoc;
+use crate::orders::failed;
+use crate::request::{Body, BodyDoc, Caller, CodesRedeem};
+use crate::state::Reserved;
 use crate::{Api, Problem, RequestId};
 
 /// `POST /v1/codes/check`.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "an object with the code")]
 pub(crate) struct CheckIn {
     /// The code as the buyer typed it. Look-alikes find it as the pool
     /// says (case, width, and `O`/`0`, `I`/`L`/`1` in a pool that folds
@@ -37,9 +38,17 @@ pub(crate) struct CheckIn {
     code: String,
 }
 
+impl BodyDoc for CheckIn {
+    const WHAT: &'static str = "a code";
+    const SEND: &'static str = r#"{"code": "the code as the buyer typed it"}"#;
+}
+
 /// `POST /v1/codes/redeem`.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with the code and a redemption id"
+)]
 pub(crate) struct RedeemIn {
     #[schema(min_length = 1, max_length = 128)]
     code: String,
@@ -48,6 +57,12 @@ pub(crate) struct RedeemIn {
     /// `conflicting-redemption`).
     #[schema(min_length = 1, max_length = 128)]
     redemption_id: String,
+}
+
+impl BodyDoc for RedeemIn {
+    const WHAT: &'static str = "a redemption";
+    const SEND: &'static str =
+        r#"{"code": "the code as the buyer typed it", "redemption_id": "a UUID of yours"}"#;
 }
 
 /// What became of a code: never the buyer, the phone or the order.
@@ -118,34 +133,25 @@ fn platform(key: &KeyDoc) -> (String, Option<&str>) {
 )]
 pub(crate) async fn check(
     State(api): State<Arc<Api>>,
-    Extension(key): Extension<KeyDoc>,
-    Extension(rid): Extension<RequestId>,
-    body: Bytes,
+    Caller { key, rid, .. }: Caller<CodesRedeem>,
+    Body(b): Body<CheckIn>,
 ) -> Response {
-    if let Some(r) = gate(&api, &key, &rid) {
+    // Spaces and line ends around a code are not part of it, as in a CSV.
+    let code = b.code.trim();
+    if let Some(r) = bad_code(code, &rid) {
         return r;
     }
-    let b = match serde_json::from_slice::<CheckIn>(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            let send = r#"{"code": "the code as the buyer typed it"}"#;
-            return Problem::invalid_body("a code", send, &e)
-                .at(&rid.0)
-                .into_response();
-        }
+    let turn = match api.misses.reserve(&key.id).await {
+        Ok(turn) => turn,
+        Err(wait) => return slowed(wait, &rid),
     };
-    if let Some(r) = bad_code(&b.code, &rid) {
-        return r;
-    }
     let (owner, shop) = platform(&key);
     let who = Platform {
         owner: &owner,
         shop,
     };
-    match api.finder.check(who, &b.code).await {
-        Ok(seen) => Json(CodeState::from(seen)).into_response(),
-        Err(e) => refused(&api, &key, e, &rid),
-    }
+    let found = api.finder.check(who, code).await;
+    answer(turn, &key, found, &rid)
 }
 
 /// `POST /v1/codes/redeem` with `{"code": …, "redemption_id": …}`.
@@ -164,54 +170,53 @@ pub(crate) async fn check(
 )]
 pub(crate) async fn redeem(
     State(api): State<Arc<Api>>,
-    Extension(key): Extension<KeyDoc>,
-    Extension(rid): Extension<RequestId>,
-    body: Bytes,
+    Caller { key, rid, .. }: Caller<CodesRedeem>,
+    Body(b): Body<RedeemIn>,
 ) -> Response {
-    if let Some(r) = gate(&api, &key, &rid) {
+    // Spaces and line ends around a code are not part of it, as in a CSV.
+    let code = b.code.trim();
+    if let Some(r) = bad_code(code, &rid) {
         return r;
     }
-    let b = match serde_json::from_slice::<RedeemIn>(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            let send =
-                r#"{"code": "the code as the buyer typed it", "redemption_id": "a UUID of yours"}"#;
-            return Problem::invalid_body("a redemption", send, &e)
-                .at(&rid.0)
-                .into_response();
-        }
+    let turn = match api.misses.reserve(&key.id).await {
+        Ok(turn) => turn,
+        Err(wait) => return slowed(wait, &rid),
     };
-    if let Some(r) = bad_code(&b.code, &rid) {
-        return r;
-    }
     let (owner, shop) = platform(&key);
     let who = Platform {
         owner: &owner,
         shop,
     };
     let actor = Actor::api_key(&key.name, "POST /v1/codes/redeem");
-    match api
+    let found = api
         .finder
-        .redeem(who, &b.code, &b.redemption_id, &actor)
+        .redeem(who, code, &b.redemption_id, &actor)
         .await
-    {
-        Ok((seen, _)) => Json(CodeState::from(seen)).into_response(),
-        Err(e) => refused(&api, &key, e, &rid),
+        .map(|(seen, _)| seen);
+    answer(turn, &key, found, &rid)
+}
+
+/// The answer to a lookup by value. A lookup that found no code keeps the
+/// miss it reserved, and is counted; any other gives it back.
+fn answer(
+    turn: Reserved<'_>,
+    key: &KeyDoc,
+    found: Result<Seen, RedeemError>,
+    rid: &RequestId,
+) -> Response {
+    if matches!(found, Err(RedeemError::Unknown)) {
+        metrics::counter!("codepool_redeem_misses_total", "key" => key.name.clone()).increment(1);
+        turn.missed();
+    }
+    match found {
+        Ok(seen) => Json(CodeState::from(seen)).into_response(),
+        Err(e) => refused(e, rid),
     }
 }
 
-/// The scope, then the key's miss budget: a slowed key is answered 429
-/// before any lookup.
-fn gate(api: &Api, key: &KeyDoc, rid: &RequestId) -> Option<Response> {
-    if let Some(r) = need(key, Scope::CodesRedeem, rid) {
-        return Some(r);
-    }
-    let wait = api.misses.slowed(&key.id)?;
+/// 429 for a key whose miss budget is spent: nothing was looked up.
+fn slowed(wait: u64, rid: &RequestId) -> Response {
     metrics::counter!("codepool_api_rate_limited_total").increment(1);
-    Some(slowed(wait).at(&rid.0).into_response())
-}
-
-fn slowed(wait: u64) -> Problem {
     Problem::new(
         StatusCode::TOO_MANY_REQUESTS,
         "redeem-misses",
@@ -219,6 +224,8 @@ fn slowed(wait: u64) -> Problem {
         format!("this key named too many codes that match nothing; wait {wait} s (Retry-After), then send the request again"),
     )
     .retry_after(wait)
+    .at(&rid.0)
+    .into_response()
 }
 
 /// 422 for a code no pool could hold (empty, too long, unreadable).
@@ -237,21 +244,17 @@ fn bad_code(code: &str, rid: &RequestId) -> Option<Response> {
     )
 }
 
-/// A refusal as a problem. A miss is counted against the key's budget,
-/// and answered 429 once the budget is spent.
-fn refused(api: &Api, key: &KeyDoc, e: RedeemError, rid: &RequestId) -> Response {
+/// A refusal as a problem.
+fn refused(e: RedeemError, rid: &RequestId) -> Response {
     let detail = e.to_string();
     let p = match e {
         RedeemError::Store(s) => return failed(&s, s.is_unavailable(), rid),
-        RedeemError::Unknown => match api.misses.miss(&key.id, &key.name) {
-            Some(wait) => slowed(wait),
-            None => Problem::new(
-                StatusCode::NOT_FOUND,
-                "unknown-code",
-                "no such code",
-                detail,
-            ),
-        },
+        RedeemError::Unknown => Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-code",
+            "no such code",
+            detail,
+        ),
         RedeemError::AlreadyRedeemed { at } => Problem::new(
             StatusCode::CONFLICT,
             "already-redeemed",

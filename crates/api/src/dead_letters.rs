@@ -7,18 +7,15 @@ use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_broker::dead_letters;
 use serde::Deserialize;
 use serde_json::json;
 
 use crate::problem::Problem;
-use crate::request::need_admin as admin;
 use crate::request::RequestId;
+use crate::request::{Admin, Caller};
 use crate::state::Api;
-use codepool_issuance::api_keys::KeyDoc;
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// Most dead letters one call lists or replays.
 const MOST: usize = 1000;
@@ -57,12 +54,10 @@ pub(crate) struct Filter {
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn list(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key: _, rid, .. }: Caller<Admin>,
     Query(f): Query<Filter>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let limit = f.limit.unwrap_or(100);
     if !(1..=MOST).contains(&limit) {
         return bad_limit(&rid);
@@ -95,12 +90,10 @@ pub(crate) async fn list(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn replay(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let f: Filter = if body.is_empty() {
         Filter::default()
     } else {

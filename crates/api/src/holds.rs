@@ -9,18 +9,16 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_issuance::holds::{self, HoldError, HoldRequest};
 use codepool_issuance::model::HoldDoc;
 use serde_json::{json, Value};
 
-use crate::orders::need;
 use crate::problem::Problem;
 use crate::request::RequestId;
+use crate::request::{Caller, OrdersRead, OrdersWrite};
 use crate::state::Api;
-use codepool_issuance::api_keys::{KeyDoc, Scope};
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+use codepool_issuance::api_keys::KeyDoc;
 
 fn time(t: bson::DateTime) -> String {
     t.try_to_rfc3339_string().unwrap_or_default()
@@ -132,12 +130,10 @@ fn hold_limit(title: &str, detail: String, limit: u64, cap: &str) -> Problem {
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn place(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     let req = match HoldRequest::parse(&body) {
         Ok(r) => r,
         Err(e) => return failed(HoldError::Invalid(e), &key, &rid),
@@ -166,12 +162,10 @@ pub(crate) async fn place(
     security(("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn read(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersRead>,
     Path(hold_id): Path<String>,
 ) -> Response {
-    if let Some(r) = need(&key, Scope::OrdersRead, &rid) {
-        return r;
-    }
     let hold_id = codepool_domain::text::nfc(&hold_id);
     match holds::get(api.store(), &hold_id, Some(&key.owner())).await {
         Ok(h) => Json(hold_json(&h)).into_response(),
@@ -192,12 +186,10 @@ pub(crate) async fn read(
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn release(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     Path(hold_id): Path<String>,
 ) -> Response {
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     let hold_id = codepool_domain::text::nfc(&hold_id);
     match holds::release(api.intake(), &hold_id, Some(&key.owner())).await {
         Ok((h, returned)) => {

@@ -9,19 +9,16 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_issuance::imports::{self, Header, ImportError, ImportOptions};
 use futures::TryStreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
 use crate::problem::Problem;
-use crate::request::need_admin as admin;
 use crate::request::RequestId;
+use crate::request::{Admin, Caller};
 use crate::state::Api;
-use codepool_issuance::api_keys::KeyDoc;
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,15 +51,13 @@ pub(crate) struct Upload {
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn upload(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     Path(pool): Path<String>,
     Query(q): Query<Upload>,
     headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let name = q
         .file
         .clone()
@@ -182,12 +177,10 @@ fn bad_id(id: &str, rid: &RequestId) -> Response {
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn show(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key: _, rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {
         return bad_id(&id, &rid);
     };
@@ -226,14 +219,12 @@ struct RecallBody {
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn recall(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
     use codepool_issuance::controls::{recall_import, RecallError};
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let reason = serde_json::from_slice::<RecallBody>(&body)
         .map(|b| b.reason)
         .unwrap_or_default();

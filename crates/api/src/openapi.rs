@@ -231,19 +231,6 @@ pub(crate) struct Voided {
     backorder_cancelled: bool,
 }
 
-/// `POST /v1/orders/{order_id}/lines/{line}/replace`.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ReplaceIn {
-    /// Your id for this replacement (a UUID): the same id again is the
-    /// same replacement, answered with the same new code.
-    #[schema(min_length = 1, max_length = 128)]
-    replacement_id: String,
-    /// Why (the platform rejects the code): 1 to 200 characters.
-    #[schema(min_length = 1, max_length = 200)]
-    reason: String,
-}
-
 /// A replacement: the line's new code, or that it waits for stock.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -273,80 +260,6 @@ pub(crate) struct Resent {
     events: Vec<String>,
 }
 
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PoolStats {
-    unissued: u64,
-    issued: u64,
-    used: u64,
-    void: u64,
-    /// Codes held for checkouts: no one's yet.
-    held: u64,
-    expired: u64,
-    backorders_waiting: u64,
-    issued_last_hour: u64,
-    issued_last_day: u64,
-}
-
-/// A pool: its settings and stock.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PoolOut {
-    name: String,
-    paused: bool,
-    /// Codes one buyer may hold (0: no limit).
-    per_user: i64,
-    low_stock: Option<i64>,
-    low_stock_alerted: bool,
-    grant_prefix: String,
-    case_sensitive_codes: bool,
-    /// O reads as 0, and I and L as 1, in look-alikes and redemptions.
-    fold_confusables: bool,
-    /// Percent of the stock one buyer may hold in checkout holds.
-    hold_share: u32,
-    /// Open holds one buyer may have.
-    holds_per_uid: u32,
-    /// Percent of the stock one API key, or one shop's keys together, may
-    /// hold in checkout holds; null: the default (50 for a shop, 100 for a
-    /// key of no shop).
-    hold_share_per_owner: Option<u32>,
-    /// Codes of one order support may replace (`POST
-    /// /v1/orders/{order_id}/lines/{line}/replace`).
-    replacements_per_order: u32,
-    created_at: String,
-    stats: Option<PoolStats>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PoolPage {
-    pools: Vec<PoolOut>,
-    /// The `after` of the next page; null on the last.
-    next: Option<String>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct NewPool {
-    name: String,
-}
-
-/// A new shop: its name and the pools it may order from (`["*"]`: every
-/// pool).
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct NewShop {
-    name: String,
-    pools: Vec<String>,
-}
-
-/// A shop's new pool list (it replaces the old one).
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ShopPools {
-    pools: Vec<String>,
-}
-
 /// A shop.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -361,18 +274,6 @@ pub(crate) struct Shop {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ShopList {
     shops: Vec<Shop>,
-}
-
-/// A new webhook endpoint: its shop, where to post (https, a public
-/// address) and the event types it receives.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct NewWebhook {
-    shop: String,
-    url: String,
-    /// order.granted, order.partly_granted, order.voided, order.refused,
-    /// pool.low_stock, pool.exhausted, pool.replenished, or "*".
-    events: Vec<String>,
 }
 
 /// A webhook endpoint.
@@ -453,21 +354,6 @@ pub(crate) struct DeliveryList {
     deliveries: Vec<Delivery>,
 }
 
-/// Events to send again: one (`event`, a `msg_…` id) or every event of the
-/// shop since a time (`since`, RFC 3339); to one endpoint or to all. An
-/// endpoint gets only the events recorded since it was added, unless
-/// `include_before_endpoint` is true: then it gets the older ones too, and
-/// the codes they carry are audited as a reveal.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct WebhookReplay {
-    shop: String,
-    event: Option<String>,
-    since: Option<String>,
-    endpoint: Option<String>,
-    include_before_endpoint: Option<bool>,
-}
-
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ReplayedWebhooks {
@@ -476,52 +362,6 @@ pub(crate) struct ReplayedWebhooks {
     /// Deliveries left out: events older than the endpoint they would go
     /// to (send them with `include_before_endpoint`).
     left_out_before_endpoint: u64,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Created {
-    name: String,
-    created: bool,
-}
-
-/// Any of the settings; the others stay.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct SettingsIn {
-    #[schema(nullable = false)]
-    low_stock: Option<i64>,
-    #[schema(nullable = false)]
-    grant_prefix: Option<String>,
-    #[schema(nullable = false)]
-    per_user: Option<i64>,
-    #[schema(nullable = false)]
-    case_sensitive_codes: Option<bool>,
-    /// O reads as 0, and I and L as 1: only before the pool's first import.
-    #[schema(nullable = false)]
-    fold_confusables: Option<bool>,
-    /// Percent of the pool's stock (free plus held) one buyer may hold at
-    /// once: 1 to 100.
-    #[schema(nullable = false, minimum = 1, maximum = 100)]
-    hold_share: Option<i64>,
-    /// Open holds one buyer may have: 1 or more.
-    #[schema(nullable = false, minimum = 1)]
-    holds_per_uid: Option<i64>,
-    /// Percent of the pool's stock (free plus held) one API key, or one
-    /// shop's keys together, may hold at once: 1 to 100.
-    #[schema(nullable = false, minimum = 1, maximum = 100)]
-    hold_share_per_owner: Option<i64>,
-    /// Codes of one order support may replace: 0 (none) to 100 (default 3).
-    #[schema(nullable = false, minimum = 0, maximum = 100)]
-    replacements_per_order: Option<i64>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Paused {
-    name: String,
-    paused: bool,
-    changed: bool,
 }
 
 /// An import's record: the same as `codepool import` writes.

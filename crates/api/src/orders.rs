@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use chrono::SecondsFormat;
 use codepool_domain::{mask, Code, Grant, Purchase, PurchaseError, RejectReason};
 use codepool_issuance::audit::{self, Actor};
@@ -21,10 +21,9 @@ use serde_json::{json, Value};
 
 use crate::problem::Problem;
 use crate::request::RequestId;
+use crate::request::{Caller, OrdersRead, OrdersWrite};
 use crate::state::Api;
 use codepool_issuance::api_keys::{KeyDoc, Scope};
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// The key must hold `scope`: the 403 to answer when it does not.
 pub(crate) fn need(key: &KeyDoc, scope: Scope, rid: &RequestId) -> Option<Response> {
@@ -103,12 +102,10 @@ pub(crate) fn grant_json(g: &Grant, reveal: bool) -> Value {
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn place(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     body: Bytes,
 ) -> Response {
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     let mut purchase = match Purchase::parse(&body) {
         Ok(p) => p,
         Err(e) => return rejected(&e, &key, &rid),
@@ -238,15 +235,13 @@ pub(crate) struct ReadQuery {
     security(("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn read(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersRead>,
     Path(order_id): Path<String>,
     Query(q): Query<ReadQuery>,
 ) -> Response {
     // Compared as stored: NFC.
     let order_id = codepool_domain::text::nfc(&order_id);
-    if let Some(r) = need(&key, Scope::OrdersRead, &rid) {
-        return r;
-    }
     if q.reveal {
         if let Some(r) = need(&key, Scope::CodesReveal, &rid) {
             return r;
@@ -374,14 +369,12 @@ fn refused(e: LifecycleError, rid: &RequestId) -> Response {
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn redeem(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     Path(order_id): Path<String>,
 ) -> Response {
     // Compared as stored: NFC.
     let order_id = codepool_domain::text::nfc(&order_id);
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }
@@ -419,15 +412,13 @@ pub(crate) struct VoidBody {
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn void(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     Path(order_id): Path<String>,
     body: Bytes,
 ) -> Response {
     // Compared as stored: NFC.
     let order_id = codepool_domain::text::nfc(&order_id);
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     let bad_reason = || {
         Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -488,14 +479,12 @@ pub(crate) async fn void(
     security(("api_key" = ["orders:write"]))
 )]
 pub(crate) async fn resend(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     Path(order_id): Path<String>,
 ) -> Response {
     // Compared as stored: NFC.
     let order_id = codepool_domain::text::nfc(&order_id);
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }

@@ -4,25 +4,21 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_domain::Pool;
 use codepool_issuance::model::PoolDoc;
-use codepool_issuance::model::PoolStats;
 use codepool_issuance::model::{PoolSettings, PoolSettingsError};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::problem::Problem;
-use crate::request::need_admin as admin;
 use crate::request::RequestId;
+use crate::request::{need_admin as admin, Admin, AnyKey, Body, BodyDoc, Caller};
 use crate::state::Api;
 use codepool_issuance::api_keys::{KeyDoc, Scope};
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
 
 /// Most pools one page returns.
 pub const MAX_PAGE: i64 = 500;
@@ -50,28 +46,95 @@ fn unknown(pool: &str, rid: &RequestId) -> Response {
     .into_response()
 }
 
-/// A pool as the API shows it: its settings and its stats.
-fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
-    json!({
-        "name": d.name,
-        "paused": d.paused,
-        "per_user": d.per_user.unwrap_or(0),
-        "low_stock": d.low_stock,
-        "low_stock_alerted": d.low_stock_alerted,
-        "grant_prefix": d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
-        "case_sensitive_codes": d.case_sensitive_codes,
-        "fold_confusables": d.fold_confusables,
-        "hold_share": d.hold_share(),
-        "holds_per_uid": d.holds_per_uid(),
-        "hold_share_per_owner": d.hold_share_per_owner(),
-        "replacements_per_order": d.replacements_per_order(),
-        "created_at": d.created_at.to_chrono().to_rfc3339(),
-        "stats": s.map(|s| json!({
-            "unissued": s.unissued, "issued": s.issued, "used": s.used, "void": s.void, "held": s.held,
-            "expired": s.expired, "backorders_waiting": s.backorders_waiting,
-            "issued_last_hour": s.issued_last_hour, "issued_last_day": s.issued_last_day,
-        })),
-    })
+/// A pool's stock, as `codepool stats` counts it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolStats {
+    unissued: u64,
+    issued: u64,
+    used: u64,
+    void: u64,
+    /// Codes held for checkouts: no one's yet.
+    held: u64,
+    expired: u64,
+    backorders_waiting: u64,
+    issued_last_hour: u64,
+    issued_last_day: u64,
+}
+
+impl From<&codepool_issuance::model::PoolStats> for PoolStats {
+    fn from(s: &codepool_issuance::model::PoolStats) -> Self {
+        PoolStats {
+            unissued: s.unissued,
+            issued: s.issued,
+            used: s.used,
+            void: s.void,
+            held: s.held,
+            expired: s.expired,
+            backorders_waiting: s.backorders_waiting,
+            issued_last_hour: s.issued_last_hour,
+            issued_last_day: s.issued_last_day,
+        }
+    }
+}
+
+/// A pool: its settings and stock.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolOut {
+    name: String,
+    paused: bool,
+    /// Codes one buyer may hold (0: no limit).
+    per_user: i64,
+    low_stock: Option<i64>,
+    low_stock_alerted: bool,
+    grant_prefix: String,
+    case_sensitive_codes: bool,
+    /// O reads as 0, and I and L as 1, in look-alikes and redemptions.
+    fold_confusables: bool,
+    /// Percent of the stock one buyer may hold in checkout holds.
+    hold_share: u32,
+    /// Open holds one buyer may have.
+    holds_per_uid: u32,
+    /// Percent of the stock one API key, or one shop's keys together, may
+    /// hold in checkout holds; null: the default (50 for a shop, 100 for a
+    /// key of no shop).
+    hold_share_per_owner: Option<u32>,
+    /// Codes of one order support may replace (`POST
+    /// /v1/orders/{order_id}/lines/{line}/replace`).
+    replacements_per_order: u32,
+    created_at: String,
+    stats: Option<PoolStats>,
+}
+
+impl PoolOut {
+    /// A pool as the API shows it: its settings and its stats.
+    fn of(d: &PoolDoc, s: Option<&codepool_issuance::model::PoolStats>) -> Self {
+        PoolOut {
+            name: d.name.clone(),
+            paused: d.paused,
+            per_user: d.per_user.unwrap_or(0),
+            low_stock: d.low_stock,
+            low_stock_alerted: d.low_stock_alerted,
+            grant_prefix: d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
+            case_sensitive_codes: d.case_sensitive_codes,
+            fold_confusables: d.fold_confusables,
+            hold_share: d.hold_share(),
+            holds_per_uid: d.holds_per_uid(),
+            hold_share_per_owner: d.hold_share_per_owner(),
+            replacements_per_order: d.replacements_per_order(),
+            created_at: d.created_at.to_chrono().to_rfc3339(),
+            stats: s.map(PoolStats::from),
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolPage {
+    pools: Vec<PoolOut>,
+    /// The `after` of the next page; null on the last.
+    next: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -88,13 +151,14 @@ pub(crate) struct Page {
     params(("after" = Option<String>, Query, description = "the `next` of the previous page"),
            ("limit" = Option<i64>, Query, description = "pools per page, 1 to 500 (default 100)")),
     responses(
-        (status = 200, description = "a page of pools by name, with their stock", body = crate::openapi::PoolPage),
+        (status = 200, description = "a page of pools by name, with their stock", body = PoolPage),
         (status = 422, description = "an invalid `limit`", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]), ("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn list(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<AnyKey>,
     Query(page): Query<Page>,
 ) -> Response {
     let only = match shop_pools(&api, &key, &rid).await {
@@ -125,12 +189,13 @@ pub(crate) async fn list(
         Ok(s) => s,
         Err(e) => return failed(&e, &rid),
     };
-    let pools: Vec<Value> = docs
+    let pools: Vec<PoolOut> = docs
         .iter()
-        .map(|d| pool_json(d, stats.iter().find(|s| s.pool == d.name)))
+        .map(|d| PoolOut::of(d, stats.iter().find(|s| s.pool == d.name)))
         .collect();
     let next = (docs.len() as i64 == limit).then(|| docs.last().map(|d| d.name.clone()));
-    Json(json!({"pools": pools, "next": next.flatten()})).into_response()
+    let next = next.flatten();
+    Json(PoolPage { pools, next }).into_response()
 }
 
 /// `GET /v1/pools/{pool}`.
@@ -139,28 +204,34 @@ pub(crate) async fn list(
     operation_id = "show_pool",
     params(("pool" = String, Path, description = "the pool's name")),
     responses(
-        (status = 200, description = "the pool's settings and stock", body = crate::openapi::PoolOut),
+        (status = 200, description = "the pool's settings and stock", body = PoolOut),
         (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]), ("api_key" = ["orders:read"]))
 )]
 pub(crate) async fn show(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<AnyKey>,
     Path(pool): Path<String>,
 ) -> Response {
-    match shop_pools(&api, &key, &rid).await {
-        Ok(Some(only)) if !only.contains(&pool) => return unknown(&pool, &rid),
+    pool_answer(&api, &key, &rid, pool).await
+}
+
+/// The pool as `key` may see it.
+async fn pool_answer(api: &Api, key: &KeyDoc, rid: &RequestId, pool: String) -> Response {
+    match shop_pools(api, key, rid).await {
+        Ok(Some(only)) if !only.contains(&pool) => return unknown(&pool, rid),
         Ok(_) => {}
         Err(r) => return r,
     }
     let doc = match api.store().pool(&pool).await {
         Ok(Some(d)) => d,
-        Ok(None) => return unknown(&pool, &rid),
-        Err(e) => return failed(&e, &rid),
+        Ok(None) => return unknown(&pool, rid),
+        Err(e) => return failed(&e, rid),
     };
     match api.store().stats_of(&[pool.as_str()]).await {
-        Ok(stats) => Json(pool_json(&doc, stats.first())).into_response(),
-        Err(e) => failed(&e, &rid),
+        Ok(stats) => Json(PoolOut::of(&doc, stats.first())).into_response(),
+        Err(e) => failed(&e, rid),
     }
 }
 
@@ -190,39 +261,41 @@ async fn shop_pools(
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct NewPool {
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewPool {
     name: String,
+}
+
+impl BodyDoc for NewPool {
+    const WHAT: &'static str = "a pool";
+    const SEND: &'static str = r#"{"name": "game-x"}"#;
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Created {
+    name: String,
+    created: bool,
 }
 
 /// `POST /v1/pools` with `{"name": …}`: 201 created, 200 if it existed.
 #[utoipa::path(
     post, path = "/v1/pools", tag = "pools",
     operation_id = "create_pool",
-    request_body(content = crate::openapi::NewPool, content_type = "application/json"),
+    request_body(content = NewPool, content_type = "application/json"),
     responses(
-        (status = 201, description = "the pool was created", body = crate::openapi::Created),
-        (status = 200, description = "the pool already existed", body = crate::openapi::Created),
+        (status = 201, description = "the pool was created", body = Created),
+        (status = 200, description = "the pool already existed", body = Created),
         (status = 422, description = "an unusable name (`field`: name)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn create(
-    (State(api), Extension(key), Extension(rid)): Ctx,
-    body: Bytes,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
+    Body(NewPool { name }): Body<NewPool>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let name = match serde_json::from_slice::<NewPool>(&body) {
-        Ok(b) => b.name,
-        Err(e) => {
-            return Problem::invalid_body("a pool", r#"{"name": "game-x"}"#, &e)
-                .field("name")
-                .at(&rid.0)
-                .into_response()
-        }
-    };
     if let Err(e) = Pool::new(&name) {
         return Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -244,21 +317,43 @@ pub(crate) async fn create(
     } else {
         StatusCode::OK
     };
-    (status, Json(json!({"name": name, "created": created}))).into_response()
+    (status, Json(Created { name, created })).into_response()
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Any of the settings; the others stay.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Settings {
+pub(crate) struct SettingsIn {
+    #[schema(nullable = false)]
     low_stock: Option<i64>,
+    #[schema(nullable = false)]
     grant_prefix: Option<String>,
+    #[schema(nullable = false)]
     per_user: Option<i64>,
+    #[schema(nullable = false)]
     case_sensitive_codes: Option<bool>,
+    /// O reads as 0, and I and L as 1: only before the pool's first import.
+    #[schema(nullable = false)]
     fold_confusables: Option<bool>,
+    /// Percent of the pool's stock (free plus held) one buyer may hold at
+    /// once: 1 to 100.
+    #[schema(nullable = false, minimum = 1, maximum = 100)]
     hold_share: Option<i64>,
+    /// Open holds one buyer may have: 1 or more.
+    #[schema(nullable = false, minimum = 1)]
     holds_per_uid: Option<i64>,
+    /// Percent of the pool's stock (free plus held) one API key, or one
+    /// shop's keys together, may hold at once: 1 to 100.
+    #[schema(nullable = false, minimum = 1, maximum = 100)]
     hold_share_per_owner: Option<i64>,
+    /// Codes of one order support may replace: 0 (none) to 100 (default 3).
+    #[schema(nullable = false, minimum = 0, maximum = 100)]
     replacements_per_order: Option<i64>,
+}
+
+impl BodyDoc for SettingsIn {
+    const WHAT: &'static str = "a pool's settings";
+    const SEND: &'static str = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, fold_confusables, hold_share, holds_per_uid, hold_share_per_owner, replacements_per_order";
 }
 
 /// `PATCH /v1/pools/{pool}` with any of `low_stock`, `grant_prefix`,
@@ -268,31 +363,20 @@ struct Settings {
     patch, path = "/v1/pools/{pool}", tag = "pools",
     operation_id = "set_pool",
     params(("pool" = String, Path, description = "the pool's name")),
-    request_body(content = crate::openapi::SettingsIn, content_type = "application/json"),
+    request_body(content = SettingsIn, content_type = "application/json"),
     responses(
-        (status = 200, description = "the pool with its new settings", body = crate::openapi::PoolOut),
+        (status = 200, description = "the pool with its new settings", body = PoolOut),
         (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid setting (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn settings(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     Path(pool): Path<String>,
-    body: Bytes,
+    Body(s): Body<SettingsIn>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let s = match serde_json::from_slice::<Settings>(&body) {
-        Ok(s) => s,
-        Err(e) => {
-            let send = "any of low_stock, grant_prefix, per_user, case_sensitive_codes, fold_confusables, hold_share, holds_per_uid, hold_share_per_owner, replacements_per_order";
-            return Problem::invalid_body("a pool's settings", send, &e)
-                .at(&rid.0)
-                .into_response();
-        }
-    };
     let settings = PoolSettings {
         low_stock: s.low_stock,
         grant_prefix: s.grant_prefix,
@@ -315,7 +399,7 @@ pub(crate) async fn settings(
     )
     .await
     {
-        Ok(()) => show((State(api), Extension(key), Extension(rid)), Path(pool)).await,
+        Ok(()) => pool_answer(&api, &key, &rid, pool).await,
         Err(codepool_issuance::controls::PauseError::Pool(e)) => settings_error(e, &pool, &rid),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
@@ -354,13 +438,17 @@ fn settings_error(e: PoolSettingsError, pool: &str, rid: &RequestId) -> Response
     operation_id = "pause_pool",
     params(("pool" = String, Path, description = "the pool's name")),
     responses(
-        (status = 200, description = "the pool is paused: its orders wait as backorders", body = crate::openapi::Paused),
+        (status = 200, description = "the pool is paused: its orders wait as backorders", body = Paused),
         (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
-pub(crate) async fn pause(ctx: Ctx, Path(pool): Path<String>) -> Response {
-    set_paused(ctx, pool, true).await
+pub(crate) async fn pause(
+    State(api): State<Arc<Api>>,
+    caller: Caller<Admin>,
+    Path(pool): Path<String>,
+) -> Response {
+    set_paused(&api, caller, pool, true).await
 }
 
 #[utoipa::path(
@@ -368,23 +456,29 @@ pub(crate) async fn pause(ctx: Ctx, Path(pool): Path<String>) -> Response {
     operation_id = "resume_pool",
     params(("pool" = String, Path, description = "the pool's name")),
     responses(
-        (status = 200, description = "the pool is resumed: its backorders are served", body = crate::openapi::Paused),
+        (status = 200, description = "the pool is resumed: its backorders are served", body = Paused),
         (status = 404, description = "no such pool", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
-pub(crate) async fn resume(ctx: Ctx, Path(pool): Path<String>) -> Response {
-    set_paused(ctx, pool, false).await
+pub(crate) async fn resume(
+    State(api): State<Arc<Api>>,
+    caller: Caller<Admin>,
+    Path(pool): Path<String>,
+) -> Response {
+    set_paused(&api, caller, pool, false).await
 }
 
-async fn set_paused(
-    (State(api), Extension(key), Extension(rid)): Ctx,
-    pool: String,
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Paused {
+    name: String,
     paused: bool,
-) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
+    changed: bool,
+}
+
+async fn set_paused(api: &Api, caller: Caller<Admin>, pool: String, paused: bool) -> Response {
+    let Caller { key, rid, .. } = caller;
     use codepool_issuance::controls::{self, PauseError};
     let broker = api.broker();
     let route = if paused {
@@ -394,9 +488,12 @@ async fn set_paused(
     };
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, route);
     match controls::set_paused(api.store(), &broker.publisher, &pool, paused, &actor).await {
-        Ok(changed) => {
-            Json(json!({"name": pool, "paused": paused, "changed": changed})).into_response()
-        }
+        Ok(changed) => Json(Paused {
+            name: pool,
+            paused,
+            changed,
+        })
+        .into_response(),
         Err(PauseError::Pool(e)) => settings_error(e, &pool, &rid),
         Err(e @ (PauseError::Unconfirmed { .. } | PauseError::Audit(_))) => {
             Problem::unavailable(&e).at(&rid.0).into_response()

@@ -4,28 +4,45 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_issuance::audit::{self, Actor};
 use codepool_issuance::model::CodeQuery;
 use codepool_issuance::ops;
 use codepool_issuance::replace::{self, ReplaceError, Replaced};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::keys::{KeyDoc, Scope};
-use crate::orders::{failed, grant_json, need, not_yours};
+use crate::orders::{failed, grant_json, not_yours};
+use crate::request::{Body, BodyDoc, Caller, OrdersWrite};
 use crate::{Api, Problem, RequestId};
 
 const ROUTE: &str = "POST /v1/orders/{order_id}/lines/{line}/replace";
 
-#[derive(Debug, Deserialize)]
-struct ReplaceBody {
+/// `POST /v1/orders/{order_id}/lines/{line}/replace`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with a replacement id and a reason"
+)]
+pub(crate) struct ReplaceIn {
+    /// Your id for this replacement (a UUID): the same id again is the
+    /// same replacement, answered with the same new code.
+    #[schema(min_length = 1, max_length = 128)]
     replacement_id: String,
+    /// Why (the platform rejects the code): 1 to 200 characters.
+    #[schema(min_length = 1, max_length = 200)]
     reason: String,
+}
+
+impl BodyDoc for ReplaceIn {
+    const WHAT: &'static str = "a replacement";
+    const SEND: &'static str =
+        r#"{"replacement_id": "a UUID of yours", "reason": "code rejected by the platform"}"#;
 }
 
 /// `POST /v1/orders/{order_id}/lines/{line}/replace` with
@@ -35,7 +52,7 @@ struct ReplaceBody {
     operation_id = "replace_code",
     params(("order_id" = String, Path, description = "the shop's order id"),
            ("line" = u32, Path, description = "the order's line whose code is replaced: 0 to quantity - 1")),
-    request_body(content = crate::openapi::ReplaceIn, content_type = "application/json"),
+    request_body(content = ReplaceIn, content_type = "application/json"),
     responses(
         (status = 201, description = "the old code is void (`replaced`) and the line holds a new code, sent to the buyer by SMS", body = crate::openapi::Replacement),
         (status = 200, description = "the same replacement id again: the same new code; nothing else was done", body = crate::openapi::Replacement),
@@ -50,25 +67,12 @@ struct ReplaceBody {
 )]
 pub(crate) async fn replace(
     State(api): State<Arc<Api>>,
-    Extension(key): Extension<KeyDoc>,
-    Extension(rid): Extension<RequestId>,
+    Caller { key, rid, .. }: Caller<OrdersWrite>,
     Path((order_id, line)): Path<(String, u32)>,
-    body: Bytes,
+    Body(b): Body<ReplaceIn>,
 ) -> Response {
     // Compared as stored: NFC.
     let order_id = codepool_domain::text::nfc(&order_id);
-    if let Some(r) = need(&key, Scope::OrdersWrite, &rid) {
-        return r;
-    }
-    let b = match serde_json::from_slice::<ReplaceBody>(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            let send = r#"{"replacement_id": "a UUID of yours", "reason": "code rejected by the platform"}"#;
-            return Problem::invalid_body("a replacement", send, &e)
-                .at(&rid.0)
-                .into_response();
-        }
-    };
     // Only the key (or shop) that placed the order replaces its codes; an
     // admin key any. Another's order is not shown to exist.
     let found = match ops::lookup(api.store(), CodeQuery::Order(&order_id), 1).await {
@@ -153,7 +157,7 @@ fn refused(e: ReplaceError, rid: &RequestId) -> Response {
         ReplaceError::NoLine { .. } => problem(StatusCode::NOT_FOUND, "unknown-line", detail),
         ReplaceError::NotReplaceable { status, .. } => {
             problem(StatusCode::CONFLICT, "not-replaceable", detail)
-                .with("status", json!(status.name()))
+                .with("code_status", json!(status.name()))
         }
         ReplaceError::Conflict { .. } => {
             problem(StatusCode::CONFLICT, "conflicting-replacement", detail)

@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::model::ShopDoc;
 use codepool_issuance::shops::{self, ShopError};
@@ -15,12 +14,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::problem::Problem;
-use crate::request::need_admin as admin;
 use crate::request::RequestId;
+use crate::request::{Admin, Body, BodyDoc, Caller};
 use crate::state::Api;
-use codepool_issuance::api_keys::KeyDoc;
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+use utoipa::ToSchema;
 
 pub(crate) fn shop_json(s: &ShopDoc) -> Value {
     json!({
@@ -51,24 +48,35 @@ fn shop_failed(e: ShopError, rid: &RequestId) -> Response {
     p.into_response()
 }
 
-fn bad_body(e: &serde_json::Error, rid: &RequestId) -> Response {
-    let send = r#"{"name": "acme", "pools": ["game-x"]}, or ["*"] for every pool"#;
-    Problem::invalid_body("a shop", send, e)
-        .at(&rid.0)
-        .into_response()
-}
+const SEND_SHOP: &str = r#"{"name": "acme", "pools": ["game-x"]}, or ["*"] for every pool"#;
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NewShop {
+/// A new shop: its name and the pools it may order from (`["*"]`: every
+/// pool).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with the shop's name and pools"
+)]
+pub(crate) struct NewShop {
     name: String,
     pools: Vec<String>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ShopPools {
+impl BodyDoc for NewShop {
+    const WHAT: &'static str = "a shop";
+    const SEND: &'static str = SEND_SHOP;
+}
+
+/// A shop's new pool list (it replaces the old one).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, expecting = "an object with the shop's pools")]
+pub(crate) struct ShopPools {
     pools: Vec<String>,
+}
+
+impl BodyDoc for ShopPools {
+    const WHAT: &'static str = "a shop";
+    const SEND: &'static str = SEND_SHOP;
 }
 
 /// `GET /v1/shops`.
@@ -78,10 +86,10 @@ struct ShopPools {
     responses((status = 200, description = "every shop, by name", body = crate::openapi::ShopList)),
     security(("api_key" = ["admin"]))
 )]
-pub(crate) async fn list((State(api), Extension(key), Extension(rid)): Ctx) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
+pub(crate) async fn list(
+    State(api): State<Arc<Api>>,
+    Caller { rid, .. }: Caller<Admin>,
+) -> Response {
     match api.store().shops().await {
         Ok(all) => {
             Json(json!({"shops": all.iter().map(shop_json).collect::<Vec<_>>()})).into_response()
@@ -94,7 +102,7 @@ pub(crate) async fn list((State(api), Extension(key), Extension(rid)): Ctx) -> R
 #[utoipa::path(
     post, path = "/v1/shops", tag = "shops",
     operation_id = "create_shop",
-    request_body(content = crate::openapi::NewShop, content_type = "application/json"),
+    request_body(content = NewShop, content_type = "application/json"),
     responses(
         (status = 201, description = "the shop was created", body = crate::openapi::Shop),
         (status = 409, description = "a shop of that name exists", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -103,16 +111,10 @@ pub(crate) async fn list((State(api), Extension(key), Extension(rid)): Ctx) -> R
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn create(
-    (State(api), Extension(key), Extension(rid)): Ctx,
-    body: Bytes,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
+    Body(new): Body<NewShop>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let new = match serde_json::from_slice::<NewShop>(&body) {
-        Ok(b) => b,
-        Err(e) => return bad_body(&e, &rid),
-    };
     let actor = Actor::api_key(&key.name, "POST /v1/shops");
     match shops::create(api.store(), &new.name, &new.pools, &actor).await {
         Ok(s) => (StatusCode::CREATED, Json(shop_json(&s))).into_response(),
@@ -132,12 +134,10 @@ pub(crate) async fn create(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn show(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key: _, rid, .. }: Caller<Admin>,
     Path(name): Path<String>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     match api.store().shop(&name).await {
         Ok(Some(s)) => Json(shop_json(&s)).into_response(),
         Ok(None) => shop_failed(ShopError::Unknown(name), &rid),
@@ -150,7 +150,7 @@ pub(crate) async fn show(
     patch, path = "/v1/shops/{name}", tag = "shops",
     operation_id = "set_shop",
     params(("name" = String, Path, description = "the shop's name")),
-    request_body(content = crate::openapi::ShopPools, content_type = "application/json"),
+    request_body(content = ShopPools, content_type = "application/json"),
     responses(
         (status = 200, description = "the shop, with its new pools", body = crate::openapi::Shop),
         (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -159,17 +159,11 @@ pub(crate) async fn show(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn set(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     Path(name): Path<String>,
-    body: Bytes,
+    Body(change): Body<ShopPools>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let change = match serde_json::from_slice::<ShopPools>(&body) {
-        Ok(b) => b,
-        Err(e) => return bad_body(&e, &rid),
-    };
     let actor = Actor::api_key(&key.name, "PATCH /v1/shops/{name}");
     match shops::set_pools(api.store(), &name, &change.pools, &actor).await {
         Ok(s) => Json(shop_json(&s)).into_response(),

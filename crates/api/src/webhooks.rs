@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::model::{AttemptDoc, EndpointDoc};
 use codepool_issuance::webhooks::{self, WebhookError};
@@ -17,10 +16,10 @@ use serde_json::{json, Value};
 use crate::problem::Problem;
 use crate::request::need_admin as admin;
 use crate::request::RequestId;
+use crate::request::{Admin, AnyKey, Body, BodyDoc, Caller};
 use crate::state::Api;
 use codepool_issuance::api_keys::KeyDoc;
-
-type Ctx = (State<Arc<Api>>, Extension<KeyDoc>, Extension<RequestId>);
+use utoipa::ToSchema;
 
 fn time(t: Option<bson::DateTime>) -> Value {
     t.and_then(|t| t.try_to_rfc3339_string().ok())
@@ -80,12 +79,26 @@ fn failed(e: WebhookError, rid: &RequestId) -> Response {
     p.into_response()
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NewEndpoint {
+/// A new webhook endpoint: its shop, where to post (https, a public
+/// address) and the event types it receives.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with the shop, url and events"
+)]
+pub(crate) struct NewWebhook {
     shop: String,
     url: String,
+    /// order.granted, order.partly_granted, order.voided, order.refused,
+    /// pool.low_stock, pool.exhausted, pool.replenished, code.replaced,
+    /// code.redeemed, or "*".
     events: Vec<String>,
+}
+
+impl BodyDoc for NewWebhook {
+    const WHAT: &'static str = "a webhook endpoint";
+    const SEND: &'static str =
+        r#"{"shop": "acme", "url": "https://shop.example/hooks", "events": ["order.granted"]}"#;
 }
 
 #[derive(Debug, Deserialize)]
@@ -94,9 +107,17 @@ pub(crate) struct ShopFilter {
     limit: Option<i64>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Replay {
+/// Events to send again: one (`event`, a `msg_…` id) or every event of the
+/// shop since a time (`since`, RFC 3339); to one endpoint or to all. An
+/// endpoint gets only the events recorded since it was added, unless
+/// `include_before_endpoint` is true: then it gets the older ones too, and
+/// the codes they carry are audited as a reveal.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with the shop and an event id or a time"
+)]
+pub(crate) struct WebhookReplay {
     shop: String,
     event: Option<String>,
     since: Option<String>,
@@ -104,6 +125,11 @@ struct Replay {
     /// Send events older than the endpoint too (audited as a reveal).
     #[serde(default)]
     include_before_endpoint: bool,
+}
+
+impl BodyDoc for WebhookReplay {
+    const WHAT: &'static str = "a replay";
+    const SEND: &'static str = r#"{"shop": "acme", "event": "msg_…"} or {"shop": "acme", "since": "2026-11-25T10:00:00Z"}"#;
 }
 
 /// `GET /v1/webhooks?shop=…`.
@@ -115,12 +141,10 @@ struct Replay {
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn list(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key: _, rid, .. }: Caller<Admin>,
     Query(q): Query<ShopFilter>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     match api.store().webhook_endpoints(q.shop.as_deref()).await {
         Ok(all) => Json(json!({"endpoints": all.iter().map(endpoint_json).collect::<Vec<_>>()}))
             .into_response(),
@@ -132,7 +156,7 @@ pub(crate) async fn list(
 #[utoipa::path(
     post, path = "/v1/webhooks", tag = "webhooks",
     operation_id = "add_webhook",
-    request_body(content = crate::openapi::NewWebhook, content_type = "application/json"),
+    request_body(content = NewWebhook, content_type = "application/json"),
     responses(
         (status = 201, description = "the endpoint, with its secret (shown once)", body = crate::openapi::AddedWebhook),
         (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -141,21 +165,10 @@ pub(crate) async fn list(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn add(
-    (State(api), Extension(key), Extension(rid)): Ctx,
-    body: Bytes,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
+    Body(new): Body<NewWebhook>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let new = match serde_json::from_slice::<NewEndpoint>(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            let example = r#"{"shop": "acme", "url": "https://shop.example/hooks", "events": ["order.granted"]}"#;
-            return Problem::invalid_body("a webhook endpoint", example, &e)
-                .at(&rid.0)
-                .into_response();
-        }
-    };
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks");
     let allow = api.allow_hosts().clone();
     match webhooks::add(
@@ -204,7 +217,8 @@ async fn set_enabled(api: &Api, key: &KeyDoc, rid: &RequestId, id: &str, on: boo
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn disable(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<AnyKey>,
     Path(id): Path<String>,
 ) -> Response {
     set_enabled(&api, &key, &rid, &id, false).await
@@ -222,7 +236,8 @@ pub(crate) async fn disable(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn enable(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<AnyKey>,
     Path(id): Path<String>,
 ) -> Response {
     set_enabled(&api, &key, &rid, &id, true).await
@@ -240,12 +255,10 @@ pub(crate) async fn enable(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn rotate(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks/{id}/rotate-secret");
     match webhooks::rotate_secret(api.store(), &id, &actor).await {
         Ok(secret) => Json(json!({"id": id, "secret": secret})).into_response(),
@@ -268,13 +281,11 @@ pub(crate) async fn rotate(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn deliveries(
-    (State(api), Extension(key), Extension(rid)): Ctx,
+    State(api): State<Arc<Api>>,
+    Caller { key: _, rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
     Query(q): Query<ShopFilter>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
     let found = async {
         webhooks::endpoint(api.store(), &id, q.shop.as_deref()).await?;
         webhooks::deliveries(
@@ -299,7 +310,7 @@ pub(crate) async fn deliveries(
 #[utoipa::path(
     post, path = "/v1/webhooks/replay", tag = "webhooks",
     operation_id = "replay_webhooks",
-    request_body(content = crate::openapi::WebhookReplay, content_type = "application/json"),
+    request_body(content = WebhookReplay, content_type = "application/json"),
     responses(
         (status = 200, description = "how many deliveries are due again, and how many were left out (events older than their endpoint, without `include_before_endpoint`)", body = crate::openapi::ReplayedWebhooks),
         (status = 404, description = "no such shop or endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -308,21 +319,10 @@ pub(crate) async fn deliveries(
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn replay(
-    (State(api), Extension(key), Extension(rid)): Ctx,
-    body: Bytes,
+    State(api): State<Arc<Api>>,
+    Caller { key, rid, .. }: Caller<Admin>,
+    Body(r): Body<WebhookReplay>,
 ) -> Response {
-    if let Some(r) = admin(&key, &rid) {
-        return r;
-    }
-    let example = r#"{"shop": "acme", "event": "msg_…"} or {"shop": "acme", "since": "2026-11-25T10:00:00Z"}"#;
-    let r = match serde_json::from_slice::<Replay>(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            return Problem::invalid_body("a replay", example, &e)
-                .at(&rid.0)
-                .into_response()
-        }
-    };
     let scope = match r.event.or(r.since).as_deref().map(webhooks::replay_scope) {
         Some(Ok(s)) => s,
         Some(Err(e)) => return failed(e, &rid),

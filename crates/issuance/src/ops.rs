@@ -224,7 +224,7 @@ pub async fn void(
             }
         ),
         VoidOutcome::BackorderCancelled { order_id } => {
-            format!("order {order_id:?}: backorder cancelled; reason {reason:?}")
+            format!("order {order_id:?}: no issued code left; what it waited for (backorder, replacement) cancelled; reason {reason:?}")
         }
     };
     audit::record(store, actor, "void", what)

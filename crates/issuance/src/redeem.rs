@@ -174,7 +174,7 @@ impl Finder {
     /// the pools `who` may see; `None` for anything else.
     pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Code>, StoreError> {
         let pools = self.visible().await?.for_shop(who.shop);
-        let found = self.store.find_by_value(code, &pools).await?;
+        let found = self.store.find_sold_by_value(code, &pools).await?;
         Ok(found.filter(|c| Seen::of(c).is_some()))
     }
 

@@ -61,7 +61,7 @@ pub enum Redeemed {
     Now(Vec<Applied>),
     /// The same redemption (its [`RedemptionTag`]) was made before: the
     /// code as it is, used since then.
-    Before(Code),
+    Before(Box<Code>),
 }
 
 impl CodeRef<'_> {
@@ -294,7 +294,7 @@ impl Store {
         match self.redeem_tagged(target, None).await? {
             Redeemed::Now(done) => Ok(done),
             // Only a tagged redemption is recognised as made before.
-            Redeemed::Before(c) => Err(refusal(target.describe(), Some(c), true)),
+            Redeemed::Before(c) => Err(refusal(target.describe(), Some(*c), true)),
         }
     }
 
@@ -331,7 +331,7 @@ impl Store {
         let code = self.find_code(target).await?;
         if let (Some(c), Some(t)) = (&code, tag) {
             if c.status == CodeStatus::Used && self.redeemed_with(c.id, t).await? {
-                return Ok(Redeemed::Before(c.clone()));
+                return Ok(Redeemed::Before(Box::new(c.clone())));
             }
         }
         Err(refusal(target.describe(), code, true))
@@ -350,13 +350,16 @@ impl Store {
     }
 
     /// The code whose value is `code`, among the codes of `pools` (each
-    /// with its look-alike rule), found by its keyed hashes alone: the
-    /// exact value in any of the pools (`code_any_hmac`), or its
-    /// look-alike key in each pool (`code_fold_hmac`), in ONE query
-    /// whatever the code, so a hit and a miss cost the same. An exact
-    /// match wins; `None` when nothing matches, or when look-alikes in
-    /// two pools match and none exactly (which was meant is not known).
-    pub async fn find_by_value(
+    /// with its look-alike rule), if it was ever sold to an order (issued,
+    /// used, or void after it was sold). Found by its keyed hashes alone:
+    /// the exact value in any of the pools (`code_any_hmac`), or its
+    /// look-alike key in each pool (`code_fold_hmac`), in ONE query of a
+    /// few small fields whatever the code, so an unknown code, a code of
+    /// another pool and a code never sold cost the same; only a sold code
+    /// is then read whole (and opened). An exact match wins; `None` also
+    /// when look-alikes in two pools match and none exactly (which was
+    /// meant is not known).
+    pub async fn find_sold_by_value(
         &self,
         code: &str,
         pools: &[(String, codepool_domain::LookAlikeRule)],
@@ -365,9 +368,10 @@ impl Store {
             return Ok(None);
         }
         let ring = self.keys.ring()?;
+        let exact = ring.any_pool_hmac(code).to_vec();
         let names: Vec<&str> = pools.iter().map(|(p, _)| p.as_str()).collect();
         let mut any = vec![doc! {
-            "code_any_hmac": crate::crypto::binary(ring.any_pool_hmac(code).to_vec()),
+            "code_any_hmac": crate::crypto::binary(exact.clone()),
             "pool": {"$in": names},
         }];
         for (pool, rule) in pools {
@@ -377,24 +381,31 @@ impl Store {
                 "code_fold_hmac": crate::crypto::binary(ring.fold_hmac(pool, &folded).to_vec()),
             });
         }
-        let found: Vec<CodeDoc> = self
-            .typed::<CodeDoc>(CODES)
+        let found: Vec<Document> = self
+            .collection(CODES)
             .find(doc! {"$or": any})
+            .projection(doc! {"_id": 1, "code_any_hmac": 1, "order_id": 1, "status": 1})
             .limit(8)
             .await?
             .try_collect()
             .await?;
-        let found = found
-            .into_iter()
-            .map(|d| d.into_code(&self.keys))
-            .collect::<Result<Vec<Code>, _>>()?;
-        if let Some(exact) = found.iter().find(|c| c.code == code) {
-            return Ok(Some(exact.clone()));
-        }
-        Ok(match found.as_slice() {
-            [one] => Some(one.clone()),
-            _ => None,
-        })
+        let is_exact = |d: &Document| matches!(d.get("code_any_hmac"), Some(Bson::Binary(b)) if b.bytes == exact);
+        let chosen = match found.iter().find(|d| is_exact(d)) {
+            Some(d) => Some(d),
+            None if found.len() == 1 => found.first(),
+            None => None,
+        };
+        // Sold: issued, used, or void with the order it was sold to (a
+        // held code carries its hold's key, never sold yet).
+        let sold = [CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void].map(CodeStatus::as_i32);
+        let Some(id) = chosen
+            .filter(|d| d.contains_key("order_id"))
+            .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
+            .and_then(|d| d.get_object_id("_id").ok())
+        else {
+            return Ok(None);
+        };
+        self.find_code(CodeRef::Id(code_id(id))).await
     }
 
     /// Voids an unissued or issued code, or every such code of an order:

@@ -268,13 +268,79 @@ impl Store {
             }
             set.insert("replacements_per_order", n);
         }
-        let lookalike = [
-            (Setting::CaseSensitiveCodes, settings.case_sensitive_codes),
-            (Setting::FoldConfusables, settings.fold_confusables),
+        let lookalike = self.lookalike_settings(pool, settings).await?;
+        let fixing = !lookalike.is_empty();
+        set.extend(lookalike);
+        if set.is_empty() {
+            // A look-alike rule the pool has already changes nothing.
+            let asked = settings.case_sensitive_codes.or(settings.fold_confusables);
+            return match asked {
+                Some(_) => Ok(()),
+                None => Err(PoolSettingsError::Nothing),
+            };
+        }
+        let mut update = doc! {"$set": set};
+        if count {
+            update.insert("$inc", doc! {"low_stock_crossings": 1_i64});
+        }
+        // The look-alike rule changes only while no import has fixed it
+        // (see [`Store::fix_lookalike_rule`]): one conditional update, so a
+        // setting and an import racing cannot both win.
+        let mut filter = doc! {"_id": pool};
+        if fixing {
+            filter.insert("lookalike_fixed", doc! {"$ne": true});
+        }
+        let r = self
+            .collection(POOLS)
+            .update_one(filter, update)
+            .write_concern(durable())
+            .await
+            .map_err(StoreError::from)?;
+        if r.matched_count == 0 {
+            return Err(match (fixing, self.pool(pool).await?) {
+                (true, Some(_)) => PoolSettingsError::CaseRuleFixed {
+                    pool: pool.to_owned(),
+                    setting: Setting::CaseSensitiveCodes,
+                },
+                _ => PoolSettingsError::UnknownPool(pool.to_owned()),
+            });
+        }
+        Ok(())
+    }
+
+    /// The look-alike settings that change the pool's rule: a value equal
+    /// to the pool's is no change. A change is refused once the pool holds
+    /// a code.
+    async fn lookalike_settings(
+        &self,
+        pool: &str,
+        settings: &PoolSettings,
+    ) -> Result<bson::Document, PoolSettingsError> {
+        let mut set = doc! {};
+        if settings.case_sensitive_codes.is_none() && settings.fold_confusables.is_none() {
+            return Ok(set);
+        }
+        let Some(doc) = self.pool(pool).await? else {
+            return Err(PoolSettingsError::UnknownPool(pool.to_owned()));
+        };
+        let now = doc.lookalike_rule();
+        let asked = [
+            (
+                Setting::CaseSensitiveCodes,
+                settings.case_sensitive_codes,
+                now.case_sensitive,
+            ),
+            (
+                Setting::FoldConfusables,
+                settings.fold_confusables,
+                now.confusables,
+            ),
         ];
-        for (setting, value) in lookalike {
-            let Some(value) = value else { continue };
-            if self.pool_holds_codes(pool).await? {
+        for (setting, value, current) in asked {
+            let Some(value) = value.filter(|v| *v != current) else {
+                continue;
+            };
+            if doc.lookalike_fixed || self.pool_holds_codes(pool).await? {
                 return Err(PoolSettingsError::CaseRuleFixed {
                     pool: pool.to_owned(),
                     setting,
@@ -282,23 +348,7 @@ impl Store {
             }
             set.insert(setting.field(), value);
         }
-        if set.is_empty() {
-            return Err(PoolSettingsError::Nothing);
-        }
-        let mut update = doc! {"$set": set};
-        if count {
-            update.insert("$inc", doc! {"low_stock_crossings": 1_i64});
-        }
-        let r = self
-            .collection(POOLS)
-            .update_one(doc! {"_id": pool}, update)
-            .write_concern(durable())
-            .await
-            .map_err(StoreError::from)?;
-        if r.matched_count == 0 {
-            return Err(PoolSettingsError::UnknownPool(pool.to_owned()));
-        }
-        Ok(())
+        Ok(set)
     }
 
     /// Pauses (`true`) or resumes (`false`) a pool. Returns whether the

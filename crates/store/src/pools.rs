@@ -45,6 +45,10 @@ pub struct PoolDoc {
     /// (`codepool pool set --fold-confusables`).
     #[serde(default)]
     pub fold_confusables: bool,
+    /// Set by the first import: the look-alike rule (case, confusables)
+    /// keys the codes, so it no longer changes.
+    #[serde(default)]
+    pub lookalike_fixed: bool,
     /// The largest share of the pool's stock (free plus held), in percent,
     /// one buyer may hold at once; absent is 10.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -69,6 +73,13 @@ pub const DEFAULT_REPLACEMENTS_PER_ORDER: u32 = 3;
 
 /// The most replacements per order a pool may allow.
 pub const MAX_REPLACEMENTS_PER_ORDER: u32 = 100;
+
+fn rule_of(d: &bson::Document) -> LookAlikeRule {
+    LookAlikeRule {
+        case_sensitive: d.get_bool("case_sensitive_codes").unwrap_or(false),
+        confusables: d.get_bool("fold_confusables").unwrap_or(false),
+    }
+}
 
 impl PoolDoc {
     /// Which of the pool's codes read the same.
@@ -154,10 +165,21 @@ impl Store {
             .find_one(doc! {"_id": pool})
             .projection(doc! {"case_sensitive_codes": 1, "fold_confusables": 1})
             .await?;
-        Ok(d.map_or_else(LookAlikeRule::default, |d| LookAlikeRule {
-            case_sensitive: d.get_bool("case_sensitive_codes").unwrap_or(false),
-            confusables: d.get_bool("fold_confusables").unwrap_or(false),
-        }))
+        Ok(d.as_ref().map_or_else(LookAlikeRule::default, rule_of))
+    }
+
+    /// [`Store::lookalike_rule`], fixed from now on: an import calls this
+    /// before it keys its codes, in one write with the read, so a setting
+    /// cannot change the rule under a running import (the setting's update
+    /// is conditional on the pool not being fixed).
+    pub async fn fix_lookalike_rule(&self, pool: &str) -> Result<LookAlikeRule, StoreError> {
+        let d = self
+            .collection(POOLS)
+            .find_one_and_update(doc! {"_id": pool}, doc! {"$set": {"lookalike_fixed": true}})
+            .projection(doc! {"case_sensitive_codes": 1, "fold_confusables": 1})
+            .write_concern(crate::durable())
+            .await?;
+        Ok(d.as_ref().map_or_else(LookAlikeRule::default, rule_of))
     }
 
     pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {
@@ -249,6 +271,7 @@ mod tests {
             paused_at: None,
             case_sensitive_codes: false,
             fold_confusables: false,
+            lookalike_fixed: false,
             hold_share: None,
             holds_per_uid: None,
             hold_share_per_owner: None,

@@ -43,7 +43,7 @@ impl Store {
         }
         let ring = self.keys.ring()?;
         self.register_key_id(ring.active_id()).await?;
-        let rule = self.lookalike_rule(pool).await?;
+        let rule = self.fix_lookalike_rule(pool).await?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
         let now = DateTime::now();
         let docs: Vec<Document> = codes
