@@ -9,8 +9,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use codepool_broker::dead_letters;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::problem::Problem;
 use crate::request::RequestId;
@@ -32,11 +32,42 @@ fn bad_limit(rid: &RequestId) -> Response {
     .into_response()
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Which dead letters: of one reason, at most `limit`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = ReplayIn)]
 pub(crate) struct Filter {
+    #[schema(nullable = false)]
     reason: Option<String>,
+    #[schema(nullable = false)]
     limit: Option<usize>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeadLetter {
+    message_id: Option<String>,
+    reason: String,
+    replays: u64,
+    /// The purchase as it came (text).
+    body: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeadLetters {
+    dead_letters: Vec<DeadLetter>,
+    /// Letters examined, matching or not (at most 1,000, or `limit`).
+    scanned: u64,
+    /// The walk stopped at its bound with letters left unexamined: older
+    /// matches may lie beyond.
+    stopped_early: bool,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Replayed {
+    replayed: u64,
 }
 
 /// `GET /v1/dead-letters?reason=unknown_pool&limit=N`: they stay queued.
@@ -48,14 +79,14 @@ pub(crate) struct Filter {
     params(("reason" = Option<String>, Query, description = "only letters of this reason (e.g. unknown_pool)"),
            ("limit" = Option<usize>, Query, description = "at most this many (default 100)")),
     responses(
-        (status = 200, description = "dead letters, oldest first; they stay queued", body = crate::openapi::DeadLetters),
+        (status = 200, description = "dead letters, oldest first; they stay queued", body = DeadLetters),
         (status = 422, description = "an invalid `limit`", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn list(
     State(api): State<Arc<Api>>,
-    Caller { key: _, rid, .. }: Caller<Admin>,
+    Caller { rid, .. }: Caller<Admin>,
     Query(f): Query<Filter>,
 ) -> Response {
     let limit = f.limit.unwrap_or(100);
@@ -65,13 +96,18 @@ pub(crate) async fn list(
     let broker = api.broker();
     let topology = broker.publisher.topology();
     match dead_letters::peek(&broker.conn, topology, f.reason.as_deref(), limit).await {
-        Ok(found) => Json(json!({
-            "dead_letters": found.letters.iter().map(|d| json!({
-                "message_id": d.message_id, "reason": d.reason, "replays": d.replays, "body": d.body,
-            })).collect::<Vec<_>>(),
-            "scanned": found.scanned,
-            "stopped_early": found.stopped_early,
-        }))
+        Ok(found) => Json(DeadLetters {
+            dead_letters: (found.letters.iter())
+                .map(|d| DeadLetter {
+                    message_id: d.message_id.clone(),
+                    reason: d.reason.clone(),
+                    replays: u64::from(d.replays),
+                    body: d.body.clone(),
+                })
+                .collect(),
+            scanned: found.scanned as u64,
+            stopped_early: found.stopped_early,
+        })
         .into_response(),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
@@ -82,9 +118,9 @@ pub(crate) async fn list(
 #[utoipa::path(
     post, path = "/v1/dead-letters/replay", tag = "dead-letters",
     operation_id = "replay_dead_letters",
-    request_body(content = Option<crate::openapi::ReplayIn>, content_type = "application/json"),
+    request_body(content = Option<Filter>, content_type = "application/json"),
     responses(
-        (status = 200, description = "letters sent back to the purchases queue; those still invalid come back dead", body = crate::openapi::Replayed),
+        (status = 200, description = "letters sent back to the purchases queue; those still invalid come back dead", body = Replayed),
         (status = 422, description = "the body is not a replay", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -125,7 +161,10 @@ pub(crate) async fn replay(
     {
         Ok(sent) => {
             tracing::info!(replayed = sent.len(), key = %key.name, "dead letters replayed");
-            Json(json!({"replayed": sent.len()})).into_response()
+            Json(Replayed {
+                replayed: sent.len() as u64,
+            })
+            .into_response()
         }
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }

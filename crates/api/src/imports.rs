@@ -178,7 +178,7 @@ fn bad_id(id: &str, rid: &RequestId) -> Response {
 )]
 pub(crate) async fn show(
     State(api): State<Arc<Api>>,
-    Caller { key: _, rid, .. }: Caller<Admin>,
+    Caller { rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
 ) -> Response {
     let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {

@@ -211,24 +211,9 @@ pub(crate) struct OrderReplacement {
 
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct Redeemed {
-    order_id: String,
-    redeemed: u64,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
 pub(crate) struct VoidIn {
     /// Why (a refund, a chargeback): 1 to 200 characters.
     reason: String,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Voided {
-    order_id: String,
-    voided: u64,
-    backorder_cancelled: bool,
 }
 
 /// A replacement: the line's new code, or that it waits for stock.
@@ -250,30 +235,6 @@ pub(crate) struct Replacement {
     /// (or one with `codes:reveal`), masked to another admin key; null
     /// while the line waits.
     code: Option<GrantedCode>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Resent {
-    order_id: String,
-    /// The `event_id`s sent again (the same ids as the first time).
-    events: Vec<String>,
-}
-
-/// A shop.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Shop {
-    name: String,
-    pools: Vec<String>,
-    /// RFC 3339.
-    created_at: String,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ShopList {
-    shops: Vec<Shop>,
 }
 
 /// A webhook endpoint.
@@ -453,42 +414,6 @@ pub(crate) struct RecalledRun {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ReasonIn {
     reason: String,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct DeadLetter {
-    message_id: Option<String>,
-    reason: String,
-    replays: u64,
-    /// The purchase as it came (text).
-    body: String,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct DeadLetters {
-    dead_letters: Vec<DeadLetter>,
-    /// Letters examined, matching or not (at most 1,000, or `limit`).
-    scanned: u64,
-    /// The walk stopped at its bound with letters left unexamined: older
-    /// matches may lie beyond.
-    stopped_early: bool,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ReplayIn {
-    #[schema(nullable = false)]
-    reason: Option<String>,
-    #[schema(nullable = false)]
-    limit: Option<u64>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Replayed {
-    replayed: u64,
 }
 
 /// An RFC 9457 problem.

@@ -16,8 +16,9 @@ use codepool_issuance::model::CodeQuery;
 use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed, VoidOutcome};
 use codepool_issuance::ops;
 use codepool_issuance::plan::Step;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use utoipa::ToSchema;
 
 use crate::problem::Problem;
 use crate::request::RequestId;
@@ -356,13 +357,37 @@ fn refused(e: LifecycleError, rid: &RequestId) -> Response {
     .into_response()
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = Redeemed)]
+pub(crate) struct RedeemedOut {
+    order_id: String,
+    redeemed: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Voided {
+    order_id: String,
+    voided: u64,
+    backorder_cancelled: bool,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Resent {
+    order_id: String,
+    /// The `event_id`s sent again (the same ids as the first time).
+    events: Vec<String>,
+}
+
 /// `POST /v1/orders/{order_id}/redeem`: every issued code of the order.
 #[utoipa::path(
     post, path = "/v1/orders/{order_id}/redeem", tag = "orders",
     operation_id = "redeem_order",
     params(("order_id" = String, Path, description = "the shop's order id")),
     responses(
-        (status = 200, description = "every issued code of the order is now used", body = crate::openapi::Redeemed),
+        (status = 200, description = "every issued code of the order is now used", body = RedeemedOut),
         (status = 404, description = "the order has no code", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "a code of the order cannot be redeemed (void, already used)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -404,7 +429,7 @@ pub(crate) struct VoidBody {
     params(("order_id" = String, Path, description = "the shop's order id")),
     request_body(content = crate::openapi::VoidIn, content_type = "application/json"),
     responses(
-        (status = 200, description = "the order's codes are void and what it waited for is cancelled", body = crate::openapi::Voided),
+        (status = 200, description = "the order's codes are void and what it waited for is cancelled", body = Voided),
         (status = 404, description = "the order has no code and no backorder", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "a code of the order cannot be voided", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "no reason, or one too long (`field`: reason)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -457,10 +482,18 @@ pub(crate) async fn void(
         Ok(VoidOutcome::Voided {
             applied,
             backorder_cancelled,
-        }) => Json(json!({"order_id": order_id, "voided": applied.len(), "backorder_cancelled": backorder_cancelled})).into_response(),
-        Ok(VoidOutcome::BackorderCancelled { order_id }) => {
-            Json(json!({"order_id": order_id, "voided": 0, "backorder_cancelled": true})).into_response()
-        }
+        }) => Json(Voided {
+            order_id,
+            voided: applied.len() as u64,
+            backorder_cancelled,
+        })
+        .into_response(),
+        Ok(VoidOutcome::BackorderCancelled { order_id }) => Json(Voided {
+            order_id,
+            voided: 0,
+            backorder_cancelled: true,
+        })
+        .into_response(),
         Err(e) => refused(e, &rid),
     }
 }
@@ -472,7 +505,7 @@ pub(crate) async fn void(
     operation_id = "resend_order",
     params(("order_id" = String, Path, description = "the shop's order id")),
     responses(
-        (status = 200, description = "the order's SMS-pending events were sent again and confirmed", body = crate::openapi::Resent),
+        (status = 200, description = "the order's SMS-pending events were sent again and confirmed", body = Resent),
         (status = 404, description = "this key placed no such order (a key changes only its own orders, or any with the admin scope)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "nothing to send (no code, or every code void)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -499,10 +532,10 @@ pub(crate) async fn resend(
     )
     .await
     {
-        Ok((events, _)) => Json(json!({
-            "order_id": order_id,
-            "events": events.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>(),
-        }))
+        Ok((events, _)) => Json(Resent {
+            order_id,
+            events: events.iter().map(|e| e.event_id.clone()).collect(),
+        })
         .into_response(),
         Err(ops::ResendError::Store(e)) => failed(&e, e.is_unavailable(), &rid),
         Err(ops::ResendError::Unconfirmed(e)) => failed(&e, true, &rid),

@@ -10,8 +10,7 @@ use axum::Json;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::model::ShopDoc;
 use codepool_issuance::shops::{self, ShopError};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
 use crate::problem::Problem;
 use crate::request::RequestId;
@@ -19,12 +18,30 @@ use crate::request::{Admin, Body, BodyDoc, Caller};
 use crate::state::Api;
 use utoipa::ToSchema;
 
-pub(crate) fn shop_json(s: &ShopDoc) -> Value {
-    json!({
-        "name": s.name,
-        "pools": s.pools,
-        "created_at": s.created_at.try_to_rfc3339_string().unwrap_or_default(),
-    })
+/// A shop.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Shop {
+    name: String,
+    pools: Vec<String>,
+    /// RFC 3339.
+    created_at: String,
+}
+
+impl From<&ShopDoc> for Shop {
+    fn from(s: &ShopDoc) -> Self {
+        Shop {
+            name: s.name.clone(),
+            pools: s.pools.clone(),
+            created_at: s.created_at.try_to_rfc3339_string().unwrap_or_default(),
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ShopList {
+    shops: Vec<Shop>,
 }
 
 fn shop_failed(e: ShopError, rid: &RequestId) -> Response {
@@ -83,7 +100,7 @@ impl BodyDoc for ShopPools {
 #[utoipa::path(
     get, path = "/v1/shops", tag = "shops",
     operation_id = "list_shops",
-    responses((status = 200, description = "every shop, by name", body = crate::openapi::ShopList)),
+    responses((status = 200, description = "every shop, by name", body = ShopList)),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn list(
@@ -91,9 +108,10 @@ pub(crate) async fn list(
     Caller { rid, .. }: Caller<Admin>,
 ) -> Response {
     match api.store().shops().await {
-        Ok(all) => {
-            Json(json!({"shops": all.iter().map(shop_json).collect::<Vec<_>>()})).into_response()
-        }
+        Ok(all) => Json(ShopList {
+            shops: all.iter().map(Shop::from).collect(),
+        })
+        .into_response(),
         Err(e) => shop_failed(e.into(), &rid),
     }
 }
@@ -104,7 +122,7 @@ pub(crate) async fn list(
     operation_id = "create_shop",
     request_body(content = NewShop, content_type = "application/json"),
     responses(
-        (status = 201, description = "the shop was created", body = crate::openapi::Shop),
+        (status = 201, description = "the shop was created", body = Shop),
         (status = 409, description = "a shop of that name exists", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an unusable name or pool (`field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -117,7 +135,7 @@ pub(crate) async fn create(
 ) -> Response {
     let actor = Actor::api_key(&key.name, "POST /v1/shops");
     match shops::create(api.store(), &new.name, &new.pools, &actor).await {
-        Ok(s) => (StatusCode::CREATED, Json(shop_json(&s))).into_response(),
+        Ok(s) => (StatusCode::CREATED, Json(Shop::from(&s))).into_response(),
         Err(e) => shop_failed(e, &rid),
     }
 }
@@ -128,18 +146,18 @@ pub(crate) async fn create(
     operation_id = "show_shop",
     params(("name" = String, Path, description = "the shop's name")),
     responses(
-        (status = 200, description = "the shop", body = crate::openapi::Shop),
+        (status = 200, description = "the shop", body = Shop),
         (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn show(
     State(api): State<Arc<Api>>,
-    Caller { key: _, rid, .. }: Caller<Admin>,
+    Caller { rid, .. }: Caller<Admin>,
     Path(name): Path<String>,
 ) -> Response {
     match api.store().shop(&name).await {
-        Ok(Some(s)) => Json(shop_json(&s)).into_response(),
+        Ok(Some(s)) => Json(Shop::from(&s)).into_response(),
         Ok(None) => shop_failed(ShopError::Unknown(name), &rid),
         Err(e) => shop_failed(e.into(), &rid),
     }
@@ -152,7 +170,7 @@ pub(crate) async fn show(
     params(("name" = String, Path, description = "the shop's name")),
     request_body(content = ShopPools, content_type = "application/json"),
     responses(
-        (status = 200, description = "the shop, with its new pools", body = crate::openapi::Shop),
+        (status = 200, description = "the shop, with its new pools", body = Shop),
         (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an unusable pool (`field`: pools)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -166,7 +184,7 @@ pub(crate) async fn set(
 ) -> Response {
     let actor = Actor::api_key(&key.name, "PATCH /v1/shops/{name}");
     match shops::set_pools(api.store(), &name, &change.pools, &actor).await {
-        Ok(s) => Json(shop_json(&s)).into_response(),
+        Ok(s) => Json(Shop::from(&s)).into_response(),
         Err(e) => shop_failed(e, &rid),
     }
 }

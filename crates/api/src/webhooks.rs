@@ -142,7 +142,7 @@ impl BodyDoc for WebhookReplay {
 )]
 pub(crate) async fn list(
     State(api): State<Arc<Api>>,
-    Caller { key: _, rid, .. }: Caller<Admin>,
+    Caller { rid, .. }: Caller<Admin>,
     Query(q): Query<ShopFilter>,
 ) -> Response {
     match api.store().webhook_endpoints(q.shop.as_deref()).await {
@@ -282,7 +282,7 @@ pub(crate) async fn rotate(
 )]
 pub(crate) async fn deliveries(
     State(api): State<Arc<Api>>,
-    Caller { key: _, rid, .. }: Caller<Admin>,
+    Caller { rid, .. }: Caller<Admin>,
     Path(id): Path<String>,
     Query(q): Query<ShopFilter>,
 ) -> Response {

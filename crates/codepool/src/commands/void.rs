@@ -82,7 +82,7 @@ pub async fn run(cfg: &Config, args: VoidArgs) -> anyhow::Result<u8> {
             }
         }
         VoidOutcome::BackorderCancelled { order_id } => {
-            say!("order {order_id}: no issued code left to void; what it still waited for (a backorder, or a replacement's code) is cancelled and will not be fulfilled (`codepool lookup --order {order_id}` shows its codes)");
+            say!("order {order_id} holds no issued code to void; its backorder is cancelled (and any replacement it waited for) and will not be fulfilled (`codepool lookup --order {order_id}` shows its codes)");
         }
     }
     Ok(crate::exit::OK)
