@@ -10,8 +10,7 @@ use axum::Json;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::model::{AttemptDoc, EndpointDoc};
 use codepool_issuance::webhooks::{self, WebhookError};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
 use crate::problem::Problem;
 use crate::request::need_admin as admin;
@@ -21,25 +20,143 @@ use crate::state::Api;
 use codepool_issuance::api_keys::KeyDoc;
 use utoipa::ToSchema;
 
-fn time(t: Option<bson::DateTime>) -> Value {
-    t.and_then(|t| t.try_to_rfc3339_string().ok())
-        .map_or(Value::Null, Value::String)
+fn time(t: bson::DateTime) -> String {
+    t.try_to_rfc3339_string().unwrap_or_default()
 }
 
-pub(crate) fn endpoint_json(e: &EndpointDoc) -> Value {
-    json!({
-        "id": e.id, "shop": e.shop, "url": e.url, "events": e.events, "enabled": e.enabled,
-        "disabled_reason": e.disabled_reason, "failing_since": time(e.failing_since),
-        "created_at": time(Some(e.created_at)),
-    })
+/// A webhook endpoint.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Webhook {
+    /// `ep_…`.
+    id: String,
+    shop: String,
+    url: String,
+    events: Vec<String>,
+    enabled: bool,
+    /// Why it is disabled (410 Gone, failing for 5 days, an operator).
+    disabled_reason: Option<String>,
+    /// The first failed attempt since the last delivery (RFC 3339).
+    failing_since: Option<String>,
+    /// RFC 3339.
+    created_at: String,
 }
 
-pub(crate) fn attempt_json(a: &AttemptDoc) -> Value {
-    json!({
-        "event": a.event, "endpoint": a.endpoint, "type": a.kind, "attempt": a.attempt,
-        "at": time(Some(a.at)), "outcome": a.outcome, "status": a.status,
-        "latency_ms": a.latency_ms, "response": a.response,
-    })
+impl From<&EndpointDoc> for Webhook {
+    fn from(e: &EndpointDoc) -> Self {
+        Webhook {
+            id: e.id.clone(),
+            shop: e.shop.clone(),
+            url: e.url.clone(),
+            events: e.events.clone(),
+            enabled: e.enabled,
+            disabled_reason: e.disabled_reason.clone(),
+            failing_since: e.failing_since.map(time),
+            created_at: time(e.created_at),
+        }
+    }
+}
+
+/// An endpoint just added, with its signing secret (`whsec_…`), shown
+/// this once.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AddedWebhook {
+    id: String,
+    shop: String,
+    url: String,
+    events: Vec<String>,
+    enabled: bool,
+    disabled_reason: Option<String>,
+    failing_since: Option<String>,
+    created_at: String,
+    secret: String,
+}
+
+impl AddedWebhook {
+    fn of(e: Webhook, secret: String) -> Self {
+        AddedWebhook {
+            id: e.id,
+            shop: e.shop,
+            url: e.url,
+            events: e.events,
+            enabled: e.enabled,
+            disabled_reason: e.disabled_reason,
+            failing_since: e.failing_since,
+            created_at: e.created_at,
+            secret,
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WebhookList {
+    endpoints: Vec<Webhook>,
+}
+
+/// A new secret, shown this once; the old one signs too for 24 hours.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RotatedSecret {
+    id: String,
+    secret: String,
+}
+
+/// One delivery attempt.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Delivery {
+    /// The event's `webhook-id`.
+    event: String,
+    endpoint: String,
+    /// The event type.
+    #[serde(rename = "type")]
+    kind: String,
+    /// 1 for the first attempt.
+    attempt: u32,
+    /// RFC 3339.
+    at: String,
+    /// delivered, failed, gone (410), refused (the address), held.
+    #[schema(pattern = "^(delivered|failed|gone|refused|held)$")]
+    outcome: String,
+    /// The HTTP status, when the endpoint answered.
+    status: Option<u32>,
+    latency_ms: u64,
+    /// The first 1 KiB of the answer, or the error.
+    response: String,
+}
+
+impl From<&AttemptDoc> for Delivery {
+    fn from(a: &AttemptDoc) -> Self {
+        Delivery {
+            event: a.event.clone(),
+            endpoint: a.endpoint.clone(),
+            kind: a.kind.clone(),
+            attempt: a.attempt,
+            at: time(a.at),
+            outcome: a.outcome.as_str().to_owned(),
+            status: a.status,
+            latency_ms: a.latency_ms,
+            response: a.response.clone(),
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeliveryList {
+    deliveries: Vec<Delivery>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReplayedWebhooks {
+    /// Deliveries due again now.
+    due: u64,
+    /// Deliveries left out: events older than the endpoint they would go
+    /// to (send them with `include_before_endpoint`).
+    left_out_before_endpoint: u64,
 }
 
 fn failed(e: WebhookError, rid: &RequestId) -> Response {
@@ -137,7 +254,7 @@ impl BodyDoc for WebhookReplay {
     get, path = "/v1/webhooks", tag = "webhooks",
     operation_id = "list_webhooks",
     params(("shop" = Option<String>, Query, description = "only this shop's endpoints")),
-    responses((status = 200, description = "the endpoints, oldest first", body = crate::openapi::WebhookList)),
+    responses((status = 200, description = "the endpoints, oldest first", body = WebhookList)),
     security(("api_key" = ["admin"]))
 )]
 pub(crate) async fn list(
@@ -146,8 +263,10 @@ pub(crate) async fn list(
     Query(q): Query<ShopFilter>,
 ) -> Response {
     match api.store().webhook_endpoints(q.shop.as_deref()).await {
-        Ok(all) => Json(json!({"endpoints": all.iter().map(endpoint_json).collect::<Vec<_>>()}))
-            .into_response(),
+        Ok(all) => Json(WebhookList {
+            endpoints: all.iter().map(Webhook::from).collect(),
+        })
+        .into_response(),
         Err(e) => failed(e.into(), &rid),
     }
 }
@@ -158,7 +277,7 @@ pub(crate) async fn list(
     operation_id = "add_webhook",
     request_body(content = NewWebhook, content_type = "application/json"),
     responses(
-        (status = 201, description = "the endpoint, with its secret (shown once)", body = crate::openapi::AddedWebhook),
+        (status = 201, description = "the endpoint, with its secret (shown once)", body = AddedWebhook),
         (status = 404, description = "no such shop", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an unknown event type, or an address refused (`field`: url)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -182,8 +301,7 @@ pub(crate) async fn add(
     .await
     {
         Ok(added) => {
-            let mut v = endpoint_json(&added.endpoint);
-            v["secret"] = added.secret.into();
+            let v = AddedWebhook::of(Webhook::from(&added.endpoint), added.secret);
             (StatusCode::CREATED, Json(v)).into_response()
         }
         Err(e) => failed(e, &rid),
@@ -200,7 +318,7 @@ async fn set_enabled(api: &Api, key: &KeyDoc, rid: &RequestId, id: &str, on: boo
         "POST /v1/webhooks/{id}/disable"
     };
     match webhooks::set_enabled(api.store(), id, on, &Actor::api_key(&key.name, route)).await {
-        Ok(e) => Json(endpoint_json(&e)).into_response(),
+        Ok(e) => Json(Webhook::from(&e)).into_response(),
         Err(e) => failed(e, rid),
     }
 }
@@ -211,7 +329,7 @@ async fn set_enabled(api: &Api, key: &KeyDoc, rid: &RequestId, id: &str, on: boo
     operation_id = "disable_webhook",
     params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
     responses(
-        (status = 200, description = "the endpoint, disabled; its events are held", body = crate::openapi::Webhook),
+        (status = 200, description = "the endpoint, disabled; its events are held", body = Webhook),
         (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -230,7 +348,7 @@ pub(crate) async fn disable(
     operation_id = "enable_webhook",
     params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
     responses(
-        (status = 200, description = "the endpoint, enabled; what was held is due now", body = crate::openapi::Webhook),
+        (status = 200, description = "the endpoint, enabled; what was held is due now", body = Webhook),
         (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -249,7 +367,7 @@ pub(crate) async fn enable(
     operation_id = "rotate_webhook_secret",
     params(("id" = String, Path, description = "the endpoint's id (ep_…)")),
     responses(
-        (status = 200, description = "the new secret (shown once); the old one signs too for 24 hours", body = crate::openapi::RotatedSecret),
+        (status = 200, description = "the new secret (shown once); the old one signs too for 24 hours", body = RotatedSecret),
         (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -261,7 +379,7 @@ pub(crate) async fn rotate(
 ) -> Response {
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks/{id}/rotate-secret");
     match webhooks::rotate_secret(api.store(), &id, &actor).await {
-        Ok(secret) => Json(json!({"id": id, "secret": secret})).into_response(),
+        Ok(secret) => Json(RotatedSecret { id, secret }).into_response(),
         Err(e) => failed(e, &rid),
     }
 }
@@ -275,7 +393,7 @@ pub(crate) async fn rotate(
         ("limit" = Option<i64>, Query, description = "at most this many, newest first (default 50, at most 1000)"),
     ),
     responses(
-        (status = 200, description = "one record per attempt, newest first", body = crate::openapi::DeliveryList),
+        (status = 200, description = "one record per attempt, newest first", body = DeliveryList),
         (status = 404, description = "no such endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -297,8 +415,10 @@ pub(crate) async fn deliveries(
         .await
     };
     match found.await {
-        Ok(list) => Json(json!({"deliveries": list.iter().map(attempt_json).collect::<Vec<_>>()}))
-            .into_response(),
+        Ok(list) => Json(DeliveryList {
+            deliveries: list.iter().map(Delivery::from).collect(),
+        })
+        .into_response(),
         Err(e) => failed(e, &rid),
     }
 }
@@ -312,7 +432,7 @@ pub(crate) async fn deliveries(
     operation_id = "replay_webhooks",
     request_body(content = WebhookReplay, content_type = "application/json"),
     responses(
-        (status = 200, description = "how many deliveries are due again, and how many were left out (events older than their endpoint, without `include_before_endpoint`)", body = crate::openapi::ReplayedWebhooks),
+        (status = 200, description = "how many deliveries are due again, and how many were left out (events older than their endpoint, without `include_before_endpoint`)", body = ReplayedWebhooks),
         (status = 404, description = "no such shop or endpoint", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "neither an event id nor a time", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -338,9 +458,11 @@ pub(crate) async fn replay(
         &actor,
     );
     match replayed.await {
-        Ok(r) => {
-            Json(json!({"due": r.due, "left_out_before_endpoint": r.left_out})).into_response()
-        }
+        Ok(r) => Json(ReplayedWebhooks {
+            due: r.due,
+            left_out_before_endpoint: r.left_out,
+        })
+        .into_response(),
         Err(e) => failed(e, &rid),
     }
 }
