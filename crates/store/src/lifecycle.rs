@@ -54,8 +54,10 @@ pub struct RedemptionTag {
     pub by: String,
 }
 
-/// What a redemption did.
+/// What a redemption did. (`Before` is the rare answer: its size is not
+/// worth a box on every redemption.)
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
 pub enum Redeemed {
     /// Redeemed now: the codes as they were before.
     Now(Vec<Applied>),
