@@ -1,0 +1,408 @@
+//! `codepool generate` on the real servers: generated codes are codes like
+//! any other (sealed, keyed by HMAC, never a duplicate of any pool), a run
+//! finishes by its id after a `kill -9` with exactly its count, the check
+//! symbol catches what it promises (checked against the independent
+//! `base32-crockford` Python package), weak patterns are refused, and the
+//! API starts and reads a run.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bson::doc;
+use codepool_store::ObjectId;
+use futures::TryStreamExt;
+
+use crate::api::{http, key, ApiServer};
+use crate::common::{codepool_ok, eventually, TestEnv};
+
+/// Runs `codepool generate … --json`; panics unless it exits 0.
+async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["generate", "--json"];
+    all.extend_from_slice(args);
+    serde_json::from_str(&codepool_ok(env, &all).await).expect("a JSON summary")
+}
+
+/// The plaintext codes of run `run`, opened with the test's keys.
+async fn codes_of_run(env: &TestEnv, run: ObjectId) -> Vec<String> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(doc! {"batch_id": run})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    docs.iter().map(|d| env.plain_code(d)).collect()
+}
+
+fn codes(env: &TestEnv) -> mongodb::Collection<bson::Document> {
+    env.store.database().collection("codes")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac() {
+    let env = TestEnv::new("gen_into_imported").await;
+    let imported = env.fill_pool("gx", 10_000).await;
+    env.fill_pool("other", 10).await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gx",
+            "--count",
+            "20000",
+            "--pattern",
+            "GX-{random:12}",
+        ],
+    )
+    .await;
+    assert_eq!(out["status"], "done");
+    assert_eq!(out["inserted"], 20_000);
+    assert_eq!(out["random_bits"], 60);
+    let run = ObjectId::parse_str(out["run_id"].as_str().unwrap()).unwrap();
+
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gx"})
+            .await
+            .unwrap(),
+        30_000
+    );
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"code": {"$exists": true}})
+            .await
+            .unwrap(),
+        0,
+        "no code is stored in plaintext"
+    );
+    let generated = codes_of_run(&env, run).await;
+    assert_eq!(generated.len(), 20_000);
+    let distinct: HashSet<&String> = generated.iter().chain(&imported).collect();
+    assert_eq!(distinct.len(), 30_000, "no generated code equals another");
+    let alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    for c in &generated {
+        let random = c.strip_prefix("GX-").expect("the fixed text");
+        assert!(
+            random.len() == 12 && random.chars().all(|s| alphabet.contains(s)),
+            "{c}"
+        );
+    }
+
+    // Every generated code is found by its keyed hash, as a lookup finds it.
+    let ring = env.store.keys().ring().unwrap();
+    let mut found = 0;
+    for chunk in generated.chunks(1000) {
+        let hmacs: Vec<bson::Bson> = chunk
+            .iter()
+            .map(|c| {
+                bson::Bson::Binary(bson::Binary {
+                    subtype: bson::spec::BinarySubtype::Generic,
+                    bytes: ring.code_hmac("gx", c).to_vec(),
+                })
+            })
+            .collect();
+        found += codes(&env)
+            .count_documents(doc! {"pool": "gx", "code_hmac": {"$in": hmacs}, "batch_id": run})
+            .await
+            .unwrap();
+    }
+    assert_eq!(found, 20_000);
+
+    // The run is an import: its record says so, and export gives the file
+    // for the platform, every code in clear text.
+    let record = env.store.import_record(run).await.unwrap().unwrap();
+    assert_eq!(record.source.as_deref(), Some("generated"));
+    assert_eq!((record.status.as_str(), record.inserted), ("done", 20_000));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("platform.csv");
+    let id = run.to_hex();
+    codepool_ok(
+        &env,
+        &[
+            "export",
+            "--import",
+            &id,
+            "--reveal",
+            "--out",
+            file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let mut reader = csv::Reader::from_path(&file).unwrap();
+    let exported: HashSet<String> = reader.records().map(|r| r.unwrap()[1].to_owned()).collect();
+    assert_eq!(exported, generated.iter().cloned().collect::<HashSet<_>>());
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
+    let env = TestEnv::new("gen_killed").await;
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    let args = [
+        "generate",
+        "--pool",
+        "gx",
+        "--count",
+        "20000",
+        "--run-id",
+        &id,
+        "--batch-size",
+        "500",
+    ];
+    let mut child = env.command(&args).spawn().unwrap();
+    let of_run = doc! {"batch_id": run};
+    eventually(
+        Duration::from_secs(120),
+        "the run's first codes land",
+        || {
+            let c = codes(&env);
+            let f = of_run.clone();
+            async move { c.count_documents(f).await.unwrap() > 0 }
+        },
+    )
+    .await;
+    child.start_kill().unwrap(); // SIGKILL
+    child.wait().await.unwrap();
+    let at_kill = codes(&env).count_documents(of_run.clone()).await.unwrap();
+    assert!(at_kill > 0 && at_kill < 20_000, "killed halfway: {at_kill}");
+    let record = env.store.import_record(run).await.unwrap().unwrap();
+    assert_eq!(
+        record.status, "running",
+        "the killed run never closed its record"
+    );
+
+    let out = generate(&env, &args[1..]).await;
+    assert_eq!(out["inserted"], 20_000);
+    assert_eq!(out["inserted_now"], 20_000 - at_kill);
+    assert_eq!(
+        codes(&env).count_documents(of_run.clone()).await.unwrap(),
+        20_000
+    );
+
+    let again = generate(&env, &args[1..]).await;
+    assert_eq!(
+        again["inserted_now"], 0,
+        "a finished run makes nothing more"
+    );
+    assert_eq!(
+        codes(&env).count_documents(of_run.clone()).await.unwrap(),
+        20_000
+    );
+
+    // The same id for another count is another run: refused.
+    let other = env
+        .command(&[
+            "generate", "--pool", "gx", "--count", "30000", "--run-id", &id,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(other.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("makes 20000 codes"));
+    assert_eq!(codes(&env).count_documents(of_run).await.unwrap(), 20_000);
+    env.cleanup().await;
+}
+
+/// Which of `codes` the `base32-crockford` package accepts with their check
+/// symbol (`decode(code, checksum=True)` raises on a wrong one).
+async fn accepted_by_the_python_library(codes: &[String]) -> Vec<bool> {
+    let python = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../.services/venv/bin/python"
+    );
+    let script = r#"
+import json, sys
+import base32_crockford
+out = []
+for code in json.load(sys.stdin):
+    try:
+        base32_crockford.decode(code, checksum=True)
+        out.append(True)
+    except ValueError:
+        out.append(False)
+print(json.dumps(out))
+"#;
+    let mut child = tokio::process::Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the services venv (make services installs base32-crockford)");
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(serde_json::to_string(codes).unwrap().as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every code one symbol away from `code`, and every code with two
+/// neighbouring symbols (hyphens ignored) swapped.
+fn one_slip_away(code: &str) -> Vec<String> {
+    let symbols = "0123456789ABCDEFGHJKMNPQRSTVWXYZ*~$=U";
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = Vec::new();
+    let at: Vec<usize> = (0..chars.len()).filter(|&i| chars[i] != '-').collect();
+    for &i in &at {
+        for s in symbols.chars().filter(|&s| s != chars[i]) {
+            let mut c = chars.clone();
+            c[i] = s;
+            out.push(c.into_iter().collect());
+        }
+    }
+    for w in at.windows(2) {
+        if chars[w[0]] != chars[w[1]] {
+            let mut c = chars.clone();
+            c.swap(w[0], w[1]);
+            out.push(c.into_iter().collect());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_check_symbol_catches_every_single_change_and_every_swap_of_neighbours() {
+    let env = TestEnv::new("gen_check").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gx",
+            "--count",
+            "40",
+            "--check-char",
+            "--pattern",
+            "GX-{random:4}-{random:4}-{random:4}",
+        ],
+    )
+    .await;
+    assert_eq!(out["pattern"], "GX-{random:4}-{random:4}-{random:4}{check}");
+    let run = ObjectId::parse_str(out["run_id"].as_str().unwrap()).unwrap();
+    let generated = codes_of_run(&env, run).await;
+    assert_eq!(generated.len(), 40);
+    assert!(
+        accepted_by_the_python_library(&generated)
+            .await
+            .iter()
+            .all(|ok| *ok),
+        "the library accepts every generated code: {generated:?}"
+    );
+    let slips: Vec<String> = generated.iter().flat_map(|c| one_slip_away(c)).collect();
+    assert!(slips.len() > 40 * 14 * 31);
+    for slip in &slips {
+        assert!(
+            !codepool_domain::crockford::check_ok(slip),
+            "check_ok passes {slip}"
+        );
+    }
+    let verdicts = accepted_by_the_python_library(&slips).await;
+    let missed: Vec<&String> = slips
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, ok)| **ok)
+        .map(|(s, _)| s)
+        .collect();
+    assert!(missed.is_empty(), "the library accepts slips: {missed:?}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
+    let env = TestEnv::new("gen_weak").await;
+    let out = env
+        .command(&[
+            "generate",
+            "--pool",
+            "gx",
+            "--count",
+            "10",
+            "--pattern",
+            "GX-{random:7}",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("35 random bits") && err.contains("at least 40"),
+        "{err}"
+    );
+    assert!(err.contains("nothing was generated"), "{err}");
+    let db = env.store.database();
+    assert_eq!(codes(&env).count_documents(doc! {}).await.unwrap(), 0);
+    let imports = db.collection::<bson::Document>("imports");
+    assert_eq!(
+        imports.count_documents(doc! {}).await.unwrap(),
+        0,
+        "no run record"
+    );
+    let pools = db.collection::<bson::Document>("pools");
+    assert_eq!(pools.count_documents(doc! {}).await.unwrap(), 0, "no pool");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_starts_a_run_and_reads_it() {
+    let env = TestEnv::new("gen_api").await;
+    let admin = key(&env, "gen-admin", "admin").await;
+    let orders = key(&env, "gen-orders", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = br#"{"count":500,"pattern":"GX-{random:12}","check_char":true}"#;
+    let path = "/v1/pools/gx/generations";
+    let (status, _, _) = http(&api.addr, "POST", path, Some(&orders), body).await;
+    assert_eq!(status, 403, "the admin scope only");
+    let weak = br#"{"count":5,"pattern":"GX-{random:4}"}"#;
+    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), weak).await;
+    assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+
+    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), body).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
+    let started: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    let id = started["run_id"].as_str().unwrap().to_owned();
+    let run_path = format!("/v1/generations/{id}");
+    let mut done = serde_json::Value::Null;
+    for _ in 0..600 {
+        let (status, _, answer) = http(&api.addr, "GET", &run_path, Some(&admin), b"").await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        done = serde_json::from_slice(&answer).unwrap();
+        if done["status"] == "done" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(done["status"], "done", "{done}");
+    assert_eq!(done["inserted"], 500);
+    assert_eq!(done["count"], 500);
+    assert_eq!(done["pool"], "gx");
+    assert_eq!(done["check_char"], true);
+    assert_eq!(done["pattern"], "GX-{random:12}{check}");
+    let run = ObjectId::parse_str(&id).unwrap();
+    let made = codes_of_run(&env, run).await;
+    assert_eq!(made.len(), 500);
+    assert!(made.iter().all(|c| codepool_domain::crockford::check_ok(c)));
+    let (status, _, _) = http(
+        &api.addr,
+        "GET",
+        "/v1/generations/0123456789abcdef01234567",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}
