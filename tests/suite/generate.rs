@@ -406,3 +406,142 @@ async fn the_api_starts_a_run_and_reads_it() {
     api.stop().await;
     env.cleanup().await;
 }
+
+/// The lookups of a code by value (a find by its keyed hashes, as
+/// `Store::find_by_value` makes it) MongoDB's profiler saw on this test's
+/// `codes` since `t`. Background work (the relay, the stock sweep) reads
+/// `codes` too, by other filters: those are not counted.
+async fn lookups_by_value_since(env: &TestEnv, t: bson::DateTime) -> usize {
+    let profile = env
+        .store
+        .database()
+        .collection::<bson::Document>("system.profile");
+    let ns = format!("{}.codes", env.db);
+    let seen: Vec<bson::Document> = profile
+        .find(doc! {"ns": ns, "ts": {"$gte": t}})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    seen.iter()
+        .filter(|d| {
+            let filter = d
+                .get_document("command")
+                .and_then(|c| c.get_document("filter"));
+            filter.is_ok_and(|f| f.to_string().contains("code_any_hmac"))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_lookup() {
+    let env = TestEnv::new("gen_redeem_check").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gc",
+            "--count",
+            "50",
+            "--pattern",
+            "GC-{random:12}",
+            "--check-char",
+        ],
+    )
+    .await;
+    assert_eq!(out["inserted"], 50);
+    let pool = env.store.pool("gc").await.unwrap().unwrap();
+    assert!(
+        pool.check_symbols,
+        "every code of the pool carries a check symbol"
+    );
+    let shop = key(&env, "gen-shop", "orders:write").await;
+    let platform = key(&env, "gen-platform", "codes:redeem").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let order = br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"gc"}"#;
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&shop), order).await;
+    assert_eq!(status, 201);
+    let issued = codes(&env)
+        .find_one(doc! {"pool": "gc", "order_id": "O-1"})
+        .await
+        .unwrap()
+        .unwrap();
+    let code = env.plain_code(&issued);
+    let ask = |c: &str| serde_json::json!({"code": c}).to_string().into_bytes();
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&code),
+    )
+    .await;
+    assert_eq!(status, 200, "the issued code, as printed");
+
+    // One symbol changed: the check fails.
+    let mut slip: Vec<char> = code.chars().collect();
+    slip[4] = if slip[4] == '7' { '8' } else { '7' };
+    let slip: String = slip.into_iter().collect();
+    assert!(!codepool_domain::crockford::check_ok(&slip));
+    // A code that passes the check but does not exist.
+    let body = "GC-0123456789AB";
+    let unknown = format!(
+        "{body}{}",
+        codepool_domain::crockford::check_symbol(body).unwrap()
+    );
+
+    let db = env.store.database();
+    db.run_command(doc! {"profile": 2}).await.unwrap();
+    let t = bson::DateTime::now();
+    let (status, _, refused) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&slip),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        lookups_by_value_since(&env, t).await,
+        0,
+        "no lookup for a code failing its check"
+    );
+    let t = bson::DateTime::now();
+    let (status, _, missing) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&unknown),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(
+        lookups_by_value_since(&env, t).await > 0,
+        "the profiler sees a lookup"
+    );
+    db.run_command(doc! {"profile": 0}).await.unwrap();
+    let problem = |b: &[u8]| {
+        let mut v: serde_json::Value = serde_json::from_slice(b).unwrap();
+        v.as_object_mut()
+            .unwrap()
+            .retain(|k, _| k != "instance" && k != "request_id");
+        v
+    };
+    assert_eq!(
+        problem(&refused),
+        problem(&missing),
+        "the same answer as an unknown code"
+    );
+
+    // A file's codes in the pool end the promise: no code is refused unlooked.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("plain.csv");
+    std::fs::write(&csv, "code\nPLAIN-CODE-0001\n").unwrap();
+    codepool_ok(&env, &["import", csv.to_str().unwrap(), "--pool", "gc"]).await;
+    assert!(!env.store.pool("gc").await.unwrap().unwrap().check_symbols);
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -151,7 +151,14 @@ pub async fn generate(
         held: store.codes_of_run(pool.as_str(), record.id).await?,
         redrawn: 0,
         saved: Instant::now(),
+        marked: false,
     };
+    if g.pattern.has_check() && !store.pool_holds_codes(pool.as_str()).await? {
+        // Every code of the pool will carry a check symbol: a redemption
+        // may refuse a code that fails it before looking it up.
+        store.set_check_symbols(pool.as_str(), true).await?;
+        run.marked = true;
+    }
     let before = run.held;
     if before > 0 {
         info!(run = %record.id, held = before, "the run holds codes already; making only the rest");
@@ -247,6 +254,10 @@ struct Draws<'a> {
     held: u64,
     redrawn: u64,
     saved: Instant,
+    /// The pool's `check_symbols` says what this run's codes are: set
+    /// before the first code of a run with check symbols into an empty
+    /// pool, cleared after the first code of any other run.
+    marked: bool,
 }
 
 impl Draws<'_> {
@@ -320,6 +331,7 @@ impl Draws<'_> {
                 Ok(placed) if attempt == 0 => {
                     self.held += placed;
                     self.redrawn += want - placed;
+                    self.mark_pool(placed).await?;
                     return Ok(placed);
                 }
                 Ok(_) => {
@@ -328,6 +340,7 @@ impl Draws<'_> {
                     let placed = held.saturating_sub(self.held);
                     self.held = held;
                     self.redrawn += want.saturating_sub(placed);
+                    self.mark_pool(placed).await?;
                     return Ok(placed);
                 }
                 Err(e) if e.is_unavailable() && attempt < RETRIES => {
@@ -338,6 +351,16 @@ impl Draws<'_> {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// After the first codes of a run without check symbols landed: the
+    /// pool no longer promises one on every code.
+    async fn mark_pool(&mut self, placed: u64) -> Result<(), StoreError> {
+        if placed > 0 && !self.marked && !self.g.pattern.has_check() {
+            self.store.set_check_symbols(self.pool, false).await?;
+            self.marked = true;
+        }
+        Ok(())
     }
 
     async fn try_place(&self, batch: &[NewCode]) -> Result<u64, StoreError> {
