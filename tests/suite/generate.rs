@@ -545,3 +545,47 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn daily_numbers_number_the_codes_and_a_run_is_recalled_like_an_import() {
+    let env = TestEnv::new("gen_number").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gn",
+            "--count",
+            "30",
+            "--pattern",
+            "GN-{number}-{random:8}",
+        ],
+    )
+    .await;
+    let id = out["run_id"].as_str().unwrap().to_owned();
+    let made = codes_of_run(&env, ObjectId::parse_str(&id).unwrap()).await;
+    let today = chrono::Utc::now().format("%Y%m%d").to_string();
+    let numbers: HashSet<&str> = made.iter().map(|c| c.split('-').nth(1).unwrap()).collect();
+    assert_eq!(numbers.len(), 30, "one number a code: {made:?}");
+    assert!(
+        numbers
+            .iter()
+            .all(|n| n.starts_with(&today) && n.len() >= 12),
+        "{numbers:?}"
+    );
+
+    let recalled = codepool_ok(
+        &env,
+        &["void", "--import", &id, "--reason", "test recall", "--json"],
+    )
+    .await;
+    let recalled: serde_json::Value = serde_json::from_str(&recalled).unwrap();
+    assert_eq!(recalled["voided"], 30, "{recalled}");
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gn", "status": 3})
+            .await
+            .unwrap(),
+        30
+    );
+    env.cleanup().await;
+}

@@ -303,6 +303,9 @@ pub(crate) struct PoolOut {
     case_sensitive_codes: bool,
     /// O reads as 0, and I and L as 1, in look-alikes and redemptions.
     fold_confusables: bool,
+    /// Every code ends with a Crockford check symbol (generated with one
+    /// into an empty pool): a redemption refuses a code failing it unlooked.
+    check_symbols: bool,
     /// Percent of the stock one buyer may hold in checkout holds.
     hold_share: u32,
     /// Open holds one buyer may have.

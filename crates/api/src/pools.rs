@@ -61,6 +61,7 @@ fn pool_json(d: &PoolDoc, s: Option<&PoolStats>) -> Value {
         "grant_prefix": d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
         "case_sensitive_codes": d.case_sensitive_codes,
         "fold_confusables": d.fold_confusables,
+        "check_symbols": d.check_symbols,
         "hold_share": d.hold_share(),
         "holds_per_uid": d.holds_per_uid(),
         "hold_share_per_owner": d.hold_share_per_owner(),
