@@ -589,3 +589,79 @@ async fn daily_numbers_number_the_codes_and_a_run_is_recalled_like_an_import() {
     );
     env.cleanup().await;
 }
+
+/// Bytes for `P-{random:8}` codes `P-0000000X`, X from `values` in turn
+/// (then 31 forever): chosen collisions.
+fn chosen(values: Vec<u8>) -> codepool_importer::ByteSource {
+    let next = std::sync::Mutex::new(values.into_iter());
+    codepool_importer::ByteSource::Chosen(std::sync::Arc::new(move |bytes: &mut [u8]| {
+        for code in bytes.chunks_mut(8) {
+            code.fill(0);
+            code[7] = next.lock().unwrap().next().unwrap_or(31);
+        }
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
+    use codepool_importer::{generate, GenerateError, GenerateOptions, Generation};
+    let env = TestEnv::new("gen_collide").await;
+    let new = |code: &str| codepool_store::NewCode {
+        code: code.into(),
+        expires_at: None,
+        line: None,
+    };
+    let store = &env.store;
+    store
+        .insert_codes("p", ObjectId::new(), &[new("P-00000000")])
+        .await
+        .unwrap();
+    store
+        .insert_codes("q", ObjectId::new(), &[new("P-00000001")])
+        .await
+        .unwrap();
+    // A look-alike of a code of the pool (case folded).
+    store
+        .insert_codes("p", ObjectId::new(), &[new("p-0000000a")])
+        .await
+        .unwrap();
+    let g = Generation {
+        pool: "p".into(),
+        count: 4,
+        pattern: codepool_domain::CodePattern::parse("P-{random:8}", false).unwrap(),
+        expires_at: None,
+        run_id: None,
+    };
+    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 twice in
+    // one batch; then 3, 4, 5 land.
+    let options = GenerateOptions {
+        batch_size: 5,
+        random: chosen(vec![0, 1, 10, 2, 2, 3, 4, 5]),
+        ..GenerateOptions::default()
+    };
+    let s = generate(store, None, &g, &options, &|_| {}).await.unwrap();
+    assert_eq!((s.inserted, s.redrawn, s.status.as_str()), (4, 4, "done"));
+    let run = ObjectId::parse_str(&s.run_id).unwrap();
+    let mut made = codes_of_run(&env, run).await;
+    made.sort();
+    assert_eq!(
+        made,
+        ["P-00000002", "P-00000003", "P-00000004", "P-00000005"]
+    );
+
+    // A pattern whose draws only ever collide stops, saying so.
+    let stuck = GenerateOptions {
+        random: chosen(vec![]),
+        ..GenerateOptions::default()
+    };
+    let g = Generation {
+        count: 3,
+        run_id: None,
+        ..g
+    };
+    let err = generate(store, None, &g, &stuck, &|_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, GenerateError::Exhausted(_)), "{err}");
+    env.cleanup().await;
+}

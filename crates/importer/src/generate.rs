@@ -62,6 +62,9 @@ pub struct GenerateOptions {
     /// Cancelled to stop early: the batch in flight lands, the record says
     /// `interrupted`; the same run id finishes it.
     pub stop: CancellationToken,
+    /// Where the random symbols' bytes come from: the operating system's
+    /// CSPRNG, always, outside tests.
+    pub random: ByteSource,
 }
 
 impl Default for GenerateOptions {
@@ -69,6 +72,40 @@ impl Default for GenerateOptions {
         Self {
             batch_size: 1000,
             stop: CancellationToken::new(),
+            random: ByteSource::Os,
+        }
+    }
+}
+
+/// The source of random bytes.
+#[derive(Clone, Default)]
+pub enum ByteSource {
+    /// `rand::rngs::OsRng`: the operating system's CSPRNG.
+    #[default]
+    Os,
+    /// Chosen bytes, for tests that need codes to collide.
+    Chosen(std::sync::Arc<dyn Fn(&mut [u8]) + Send + Sync>),
+}
+
+impl std::fmt::Debug for ByteSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ByteSource::Os => "Os",
+            ByteSource::Chosen(_) => "Chosen",
+        })
+    }
+}
+
+impl ByteSource {
+    fn fill(&self, bytes: &mut [u8]) -> Result<(), GenerateError> {
+        match self {
+            ByteSource::Os => rand::rngs::OsRng
+                .try_fill_bytes(bytes)
+                .map_err(|e| GenerateError::Random(e.to_string())),
+            ByteSource::Chosen(fill) => {
+                fill(bytes);
+                Ok(())
+            }
         }
     }
 }
@@ -95,7 +132,8 @@ pub struct GenerateSummary {
     pub inserted: u64,
     /// Of `inserted`, the codes this call made.
     pub inserted_now: u64,
-    /// Codes drawn again because they collided with a code that exists.
+    /// Codes drawn again because they collided with a code that exists
+    /// (by every call of this run, as far as they recorded it).
     pub redrawn: u64,
     pub random_bits: u32,
     pub check_char: bool,
@@ -149,7 +187,8 @@ pub async fn generate(
         pool: pool.as_str(),
         id: record.id,
         held: store.codes_of_run(pool.as_str(), record.id).await?,
-        redrawn: 0,
+        // Counted on from what earlier calls of this run recorded.
+        redrawn: record.duplicates,
         saved: Instant::now(),
         marked: false,
     };
@@ -274,7 +313,7 @@ impl Draws<'_> {
                 return Ok(false);
             }
             let want = (self.g.count - self.held).min(options.batch_size.max(1) as u64);
-            let batch = self.draw(want as usize).await?;
+            let batch = self.draw(want as usize, &options.random).await?;
             let placed = self.place(batch, want).await?;
             fruitless = if placed == 0 { fruitless + 1 } else { 0 };
             if fruitless >= FRUITLESS_BATCHES {
@@ -291,16 +330,14 @@ impl Draws<'_> {
     }
 
     /// `n` new codes, distinct among themselves.
-    async fn draw(&self, n: usize) -> Result<Vec<NewCode>, GenerateError> {
+    async fn draw(&self, n: usize, random: &ByteSource) -> Result<Vec<NewCode>, GenerateError> {
         let numbers = match (self.g.pattern.has_number(), self.numbers) {
             (true, Some(daily)) => daily.next_n(self.pool, n as u32).await?,
             _ => Vec::new(),
         };
         let width = self.g.pattern.random_symbols();
         let mut bytes = vec![0u8; width * n];
-        rand::rngs::OsRng
-            .try_fill_bytes(&mut bytes)
-            .map_err(|e| GenerateError::Random(e.to_string()))?;
+        random.fill(&mut bytes)?;
         let mut seen = std::collections::HashSet::with_capacity(n);
         let mut codes = Vec::with_capacity(n);
         for i in 0..n {

@@ -25,7 +25,8 @@ pub mod import;
 
 pub use csv_rows::{CodeRows, Header, HeaderError, Row, RowError};
 pub use generate::{
-    generate, GenerateError, GenerateOptions, GenerateProgress, GenerateSummary, Generation,
+    generate, ByteSource, GenerateError, GenerateOptions, GenerateProgress, GenerateSummary,
+    Generation,
 };
 pub use import::{
     import_file, import_reader, ImportError, ImportOptions, ImportProgress, ImportSummary,

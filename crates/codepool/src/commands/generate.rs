@@ -122,6 +122,7 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
     let options = GenerateOptions {
         batch_size: args.batch_size as usize,
         stop: interrupt.token.clone(),
+        ..GenerateOptions::default()
     };
     let bar = progress_bar(args.count, std::io::stderr().is_terminal() && !args.json);
     let summary = codepool_importer::generate(
