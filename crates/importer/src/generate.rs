@@ -77,6 +77,9 @@ impl Default for GenerateOptions {
     }
 }
 
+/// Fills a buffer with chosen bytes.
+pub type FillBytes = std::sync::Arc<dyn Fn(&mut [u8]) + Send + Sync>;
+
 /// The source of random bytes.
 #[derive(Clone, Default)]
 pub enum ByteSource {
@@ -84,7 +87,7 @@ pub enum ByteSource {
     #[default]
     Os,
     /// Chosen bytes, for tests that need codes to collide.
-    Chosen(std::sync::Arc<dyn Fn(&mut [u8]) + Send + Sync>),
+    Chosen(FillBytes),
 }
 
 impl std::fmt::Debug for ByteSource {
@@ -205,12 +208,7 @@ pub async fn generate(
     let result = run.until_done(options, on_progress).await;
     let interrupted = matches!(result, Ok(false));
     if run.held > before {
-        if let Err(e) = store.ensure_pool(run.pool).await {
-            warn!(error = %e, "the pool's record was not created; `codepool pool create` makes it");
-        }
-        if let Err(e) = store.rearm_exhausted_alerts(&[run.pool]).await {
-            warn!(error = %e, "pool.exhausted not re-armed; the next import re-arms it");
-        }
+        run.settle_pool().await;
     }
     let seconds = started.elapsed().as_secs_f64();
     record.status = match (&result, interrupted) {
@@ -387,6 +385,17 @@ impl Draws<'_> {
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+    }
+
+    /// After codes landed: the pool exists, and its `pool.exhausted` alert
+    /// may fire again (best effort, as after an import).
+    async fn settle_pool(&self) {
+        if let Err(e) = self.store.ensure_pool(self.pool).await {
+            warn!(error = %e, "the pool's record was not created; `codepool pool create` makes it");
+        }
+        if let Err(e) = self.store.rearm_exhausted_alerts(&[self.pool]).await {
+            warn!(error = %e, "pool.exhausted not re-armed; the next import re-arms it");
         }
     }
 
