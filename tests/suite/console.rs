@@ -589,3 +589,63 @@ async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refused() {
+    let env = TestEnv::new("console_generate").await;
+    operator(&env, "ada", "admin").await;
+    codepool_ok(&env, &["pool", "create", "--pool", "game-g"]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("ada").await;
+    let codes = env.store.database().collection::<bson::Document>("codes");
+
+    b.goto("/console/pools/game-g").await;
+    b.fill("form.generate input[name=count]", "300").await;
+    b.fill("form.generate input[name=pattern]", "GG-{random:4}")
+        .await;
+    b.click("form.generate button").await;
+    let problem = b.text("p.problem").await;
+    assert!(
+        problem.contains("at least 40"),
+        "the refusal says why: {problem}"
+    );
+    assert_eq!(codes.count_documents(bson::doc! {}).await.unwrap(), 0);
+
+    b.goto("/console/pools/game-g").await;
+    b.fill("form.generate input[name=count]", "300").await;
+    b.fill("form.generate input[name=pattern]", "GG-{random:12}")
+        .await;
+    b.click("form.generate input[name=check_char]").await;
+    b.click("form.generate button").await;
+    b.shot("pool-generated").await;
+    eventually(Duration::from_secs(60), "the run's 300 codes", || {
+        let codes = codes.clone();
+        async move {
+            codes
+                .count_documents(bson::doc! {"pool": "game-g"})
+                .await
+                .unwrap()
+                == 300
+        }
+    })
+    .await;
+    let docs: Vec<bson::Document> = futures::TryStreamExt::try_collect(
+        codes.find(bson::doc! {"pool": "game-g"}).await.unwrap(),
+    )
+    .await
+    .unwrap();
+    for d in &docs {
+        let code = env.plain_code(d);
+        assert!(code.starts_with("GG-"), "{code}");
+        assert!(codepool_domain::crockford::check_ok(&code), "{code}");
+    }
+    b.goto("/console/pools/game-g").await;
+    assert!(b
+        .text("table.imports")
+        .await
+        .contains("(generated GG-{random:12}{check})"));
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -16,6 +16,7 @@ mod crossings;
 mod deploy;
 mod dispatcher;
 mod export_rules;
+mod generate;
 mod hold_caps;
 mod holds;
 mod hostile_cli3;

@@ -15,6 +15,7 @@
 mod batcher;
 mod codes;
 mod dead_letters;
+mod generations;
 mod holds;
 mod imports;
 mod openapi;
@@ -102,6 +103,8 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(imports::upload))
         .routes(routes!(imports::show))
         .routes(routes!(imports::recall))
+        .routes(routes!(generations::start))
+        .routes(routes!(generations::show))
         .routes(routes!(dead_letters::list))
         .routes(routes!(dead_letters::replay))
         .routes(routes!(shops::list, shops::create))

@@ -27,6 +27,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "holds", description = "Checkout holds: codes set aside while a buyer pays, shown to no one, turned into the order's codes by `POST /v1/orders` with `hold_id`"),
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
+        (name = "generations", description = "Codes generated in a pool instead of imported: random Crockford base-32 of a pattern, as an import run of its own (admin)"),
         (name = "shops", description = "Shops: the pools each may order from (admin)"),
         (name = "webhooks", description = "A shop's webhook endpoints, deliveries and replays, to the Standard Webhooks specification (admin)"),
         (name = "dead-letters", description = "Purchases codepool could not take (admin)"),
@@ -320,6 +321,58 @@ pub(crate) struct RecalledRun {
     status: String,
     codes: u64,
     voided: u64,
+}
+
+/// A generation run to start.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GenerationIn {
+    /// How many codes the run makes in all.
+    #[schema(minimum = 1, maximum = 10_000_000)]
+    count: u64,
+    /// Fixed text, `{random:N}`, `{number}`, `{check}`; at least 40 random
+    /// bits (8 symbols). Default `{random:4}-{random:4}-{random:4}-{random:4}`.
+    pattern: Option<String>,
+    /// End every code with a Crockford mod-37 check symbol.
+    check_char: Option<bool>,
+    /// When the codes expire (RFC 3339).
+    expires_at: Option<String>,
+    /// The run to make or finish (24 hexadecimal digits); a new one when absent.
+    run_id: Option<String>,
+}
+
+/// A run just started.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GenerationStarted {
+    run_id: String,
+    pool: String,
+    count: u64,
+    /// The pattern, `{check}` written out when codes carry one.
+    pattern: String,
+    /// `running`.
+    status: String,
+}
+
+/// A generation run's record.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GenerationOut {
+    run_id: String,
+    pool: String,
+    pattern: String,
+    count: u64,
+    check_char: bool,
+    expires_at: Option<String>,
+    /// `running`, `done`, `interrupted` or `failed`.
+    status: String,
+    /// Codes the run holds so far.
+    inserted: u64,
+    /// Codes drawn again because they collided with existing ones.
+    redrawn: u64,
+    error: Option<String>,
+    started_at: String,
+    finished_at: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]

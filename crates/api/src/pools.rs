@@ -92,6 +92,9 @@ pub(crate) struct PoolOut {
     case_sensitive_codes: bool,
     /// O reads as 0, and I and L as 1, in look-alikes and redemptions.
     fold_confusables: bool,
+    /// Every code ends with a Crockford check symbol (generated with one
+    /// into an empty pool): a redemption refuses a code failing it unlooked.
+    check_symbols: bool,
     /// Percent of the stock one buyer may hold in checkout holds.
     hold_share: u32,
     /// Open holds one buyer may have.
@@ -119,6 +122,7 @@ impl PoolOut {
             grant_prefix: d.grant_prefix.clone().unwrap_or_else(|| "G".into()),
             case_sensitive_codes: d.case_sensitive_codes,
             fold_confusables: d.fold_confusables,
+            check_symbols: d.check_symbols,
             hold_share: d.hold_share(),
             holds_per_uid: d.holds_per_uid(),
             hold_share_per_owner: d.hold_share_per_owner(),

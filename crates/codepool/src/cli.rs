@@ -51,6 +51,8 @@ pub enum Command {
     Export(commands::export::ExportArgs),
     /// Stream a CSV file of codes into a pool.
     Import(commands::import::ImportArgs),
+    /// Make codes in a pool (random Crockford base-32 of a pattern), as a run recall and export see like an import.
+    Generate(commands::generate::GenerateArgs),
     /// Run the daemon: consume purchases, claim codes, publish SMS-pending events.
     Dispatch(commands::dispatch::DispatchArgs),
     /// Serve the HTTP API for shop backends (orders, with API keys).
@@ -99,6 +101,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Keys(args) => commands::keys::run(&cfg, args).await,
         Command::Export(args) => commands::export::run(&cfg, args).await,
         Command::Import(args) => commands::import::run(&cfg, args).await,
+        Command::Generate(args) => commands::generate::run(&cfg, args).await,
         Command::Dispatch(args) => commands::dispatch::run(&cfg, args).await,
         Command::Api(args) => commands::api::run(&cfg, args).await,
         Command::ApiKeys(args) => commands::api_keys::run(&cfg, args).await,

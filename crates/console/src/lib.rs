@@ -88,6 +88,10 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             post(pages::pool::settings),
         )
         .route("/console/pools/{pool}/pause", post(pages::pool::pause))
+        .route(
+            "/console/pools/{pool}/generations",
+            post(pages::generations::start),
+        )
         .route("/console/pools/{pool}/resume", post(pages::pool::resume))
         .route("/console/imports/{id}/recall", post(pages::pool::recall))
         .route("/console/orders", get(pages::orders::search))

@@ -11,9 +11,11 @@
 //! speaks the same vocabulary.
 
 pub mod code;
+pub mod crockford;
 pub mod events;
 pub mod gate;
 pub mod grant;
+pub mod pattern;
 pub mod policy;
 pub mod pool;
 pub mod purchase;
@@ -30,6 +32,7 @@ pub const SHOP_OWNER_PREFIX: &str = "shop:";
 
 pub use events::{PoolEvent, PoolEventKind, SmsCode, SmsPending, SmsReceipt};
 pub use grant::{sms_events, Grant};
+pub use pattern::{CodePattern, PatternError};
 pub use policy::{PoolPolicy, PurchaseRefused, Refusal, RefusalReason, PURCHASE_REFUSED_KEY};
 pub use pool::{InvalidPoolName, Pool};
 pub use purchase::{

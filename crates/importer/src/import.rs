@@ -314,6 +314,8 @@ struct Run<'a> {
     other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
+    /// The pool's `check_symbols` promise is withdrawn for this run's codes.
+    checks_cleared: bool,
     /// The pool's `pool.exhausted` latch was re-armed for this run's codes.
     rearmed: bool,
     /// When the progress was last written to the audit record.
@@ -348,6 +350,7 @@ impl<'a> Run<'a> {
             failure: None,
             other_pools: Default::default(),
             pool_ready: false,
+            checks_cleared: false,
             rearmed: false,
             saved: Instant::now(),
         }
@@ -492,12 +495,23 @@ impl<'a> Run<'a> {
     }
 
     /// A pool exists once it has held a code: created after the first
-    /// batch that found or put codes in it, never before.
+    /// batch that found or put codes in it, never before. Once this run
+    /// put codes in, the pool no longer promises check symbols on every
+    /// code (a file's codes carry none the pool could count on).
     async fn ensure_pool(&mut self) {
-        if self.pool_ready || self.progress.inserted + self.progress.duplicates == 0 {
+        let p = &self.progress;
+        let settled = self.pool_ready && (self.checks_cleared || p.inserted == 0);
+        if settled || p.inserted + p.duplicates == 0 {
             return;
         }
-        match self.store.ensure_pool(&self.pool).await {
+        let done = if p.inserted > 0 {
+            let cleared = self.store.set_check_symbols(&self.pool, false).await;
+            self.checks_cleared = cleared.is_ok();
+            cleared
+        } else {
+            self.store.ensure_pool(&self.pool).await
+        };
+        match done {
             Ok(()) => self.pool_ready = true,
             Err(e) => {
                 self.failure.get_or_insert(ImportError::Store(e));

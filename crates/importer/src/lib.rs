@@ -12,13 +12,22 @@
 //!   batches in flight, counts duplicates (codes already in the pool or
 //!   repeated in the file), and records the run in `imports`.
 //!
+//! - [`generate`] makes codes instead of reading them: a pattern's random
+//!   symbols from the operating system, inserted the same way, as a run of
+//!   its own that finishes by its id.
+//!
 //! Memory stays flat whatever the file size: the reader and the inserter are
 //! connected by a small bounded channel.
 
 pub mod csv_rows;
+pub mod generate;
 pub mod import;
 
 pub use csv_rows::{CodeRows, Header, HeaderError, Row, RowError};
+pub use generate::{
+    generate, ByteSource, GenerateError, GenerateOptions, GenerateProgress, GenerateSummary,
+    Generation,
+};
 pub use import::{
     import_file, import_reader, ImportError, ImportOptions, ImportProgress, ImportSummary,
     InvalidRow,

@@ -40,6 +40,7 @@ pub mod core;
 mod demand;
 pub mod expiry;
 mod failpoint;
+pub mod generations;
 pub mod grant_no;
 pub mod health;
 mod held;

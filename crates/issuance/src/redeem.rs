@@ -127,6 +127,8 @@ pub struct Finder {
 struct Visible {
     pools: Vec<(String, LookAlikeRule)>,
     shops: Vec<codepool_store::shops::ShopDoc>,
+    /// The pools whose every code ends with a Crockford check symbol.
+    checked: std::collections::HashSet<String>,
 }
 
 impl Visible {
@@ -165,6 +167,10 @@ impl Finder {
                 .map(|p| (p.name.clone(), p.lookalike_rule()))
                 .collect(),
             shops: self.store.shops().await?,
+            checked: (pools.iter())
+                .filter(|p| p.check_symbols)
+                .map(|p| p.name.clone())
+                .collect(),
         });
         *cached = Some((Instant::now(), v.clone()));
         Ok(v)
@@ -172,8 +178,19 @@ impl Finder {
 
     /// The issued (or used, or void after issue) code `code` names among
     /// the pools `who` may see; `None` for anything else.
+    ///
+    /// A code whose check symbol fails is not searched for in the pools
+    /// whose every code carries one: when those are all the key sees, the
+    /// answer is `None` with no lookup at all.
     pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Code>, StoreError> {
-        let pools = self.visible().await?.for_shop(who.shop);
+        let visible = self.visible().await?;
+        let mut pools = visible.for_shop(who.shop);
+        if !visible.checked.is_empty() && !codepool_domain::crockford::check_ok(code) {
+            pools.retain(|(p, _)| !visible.checked.contains(p));
+        }
+        if pools.is_empty() {
+            return Ok(None);
+        }
         let found = self.store.find_sold_by_value(code, &pools).await?;
         Ok(found.filter(|c| Seen::of(c).is_some()))
     }

@@ -15,6 +15,8 @@ pub struct ExportFilter {
     pub statuses: Vec<CodeStatus>,
     /// Only codes created, issued, used or voided at or after this time.
     pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only the codes of this import run (a file or a generation run).
+    pub import: Option<bson::oid::ObjectId>,
 }
 
 impl ExportFilter {
@@ -25,6 +27,9 @@ impl ExportFilter {
             .map(|s| s.as_i32())
             .collect();
         let mut filter = doc! {"pool": &self.pool, "status": {"$in": statuses}};
+        if let Some(id) = self.import {
+            filter.insert("batch_id", id);
+        }
         if let Some(t) = self.since {
             let t = DateTime::from_chrono(t);
             filter.insert(

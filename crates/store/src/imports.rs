@@ -39,6 +39,30 @@ pub struct ImportRecord {
     /// The unfinished run of the same file and pool this run completes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_from: Option<ObjectId>,
+    /// Where the codes came from: absent for a file, [`SOURCE_GENERATED`]
+    /// for a generation run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// What a generation run was asked for (a file's run has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationSpec>,
+}
+
+/// The `source` of a generation run's record.
+pub const SOURCE_GENERATED: &str = "generated";
+
+/// What a generation run makes: `count` codes of `pattern`. Saved with the
+/// run, so that running the same id again makes the rest of the same codes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationSpec {
+    /// The pattern, `{check}` written out when the codes carry one.
+    pub pattern: String,
+    pub count: u64,
+    /// Whether the codes end with a Crockford check symbol.
+    #[serde(default)]
+    pub check_char: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime>,
 }
 
 impl Store {
@@ -68,12 +92,76 @@ impl Store {
             seconds: 0.0,
             error: None,
             resumed_from,
+            source: None,
+            generation: None,
         };
         self.typed::<ImportRecord>(IMPORTS)
             .insert_one(&record)
             .write_concern(crate::durable())
             .await?;
         Ok(record)
+    }
+
+    /// Opens the record of generation run `id` (status `running`), or
+    /// returns the record that has this id already: running the same id
+    /// again continues that run.
+    pub async fn start_generation(
+        &self,
+        id: ObjectId,
+        pool: &str,
+        spec: GenerationSpec,
+    ) -> Result<ImportRecord, StoreError> {
+        let record = ImportRecord {
+            id,
+            pool: pool.into(),
+            file: format!("(generated {})", spec.pattern),
+            sha256: None,
+            status: "running".into(),
+            started_at: DateTime::now(),
+            finished_at: None,
+            rows: 0,
+            inserted: 0,
+            duplicates: 0,
+            invalid: 0,
+            seconds: 0.0,
+            error: None,
+            resumed_from: None,
+            source: Some(SOURCE_GENERATED.into()),
+            generation: Some(spec),
+        };
+        let inserted = self
+            .typed::<ImportRecord>(IMPORTS)
+            .insert_one(&record)
+            .write_concern(crate::durable())
+            .await;
+        match inserted {
+            Ok(_) => Ok(record),
+            Err(e) if crate::error::is_duplicate_key(&e) => {
+                let found = self.import_record(id).await?;
+                found.ok_or_else(|| StoreError::Rejected(format!("run {id} vanished")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Marks generation run `id` running again (a rerun of its id).
+    pub async fn restart_generation(&self, id: ObjectId) -> Result<(), StoreError> {
+        self.collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id},
+                doc! {"$set": {"status": "running"}, "$unset": {"finished_at": "", "error": ""}},
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// How many codes of `pool` import run `id` put there, counted on the
+    /// `(batch_id, _id)` index.
+    pub async fn codes_of_run(&self, pool: &str, id: ObjectId) -> Result<u64, StoreError> {
+        Ok(self
+            .collection(crate::collections::CODES)
+            .count_documents(doc! {"batch_id": id, "pool": pool})
+            .await?)
     }
 
     /// Closes the audit record with the run's counts.

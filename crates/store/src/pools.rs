@@ -66,6 +66,12 @@ pub struct PoolDoc {
     /// [`DEFAULT_REPLACEMENTS_PER_ORDER`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replacements_per_order: Option<i64>,
+    /// Every code of the pool ends with a Crockford check symbol: set by a
+    /// generation run with check symbols into an empty pool, cleared when
+    /// any other codes land. A redemption by code refuses a code whose
+    /// check fails in such a pool before it looks anything up.
+    #[serde(default)]
+    pub check_symbols: bool,
 }
 
 /// Replacements per order when a pool sets none.
@@ -145,6 +151,19 @@ impl Store {
             .upsert(true)
             .await?;
         Ok(r.upserted_id.is_some())
+    }
+
+    /// Says that every code of `pool` ends with a check symbol (true), or
+    /// no longer (false). Creates the pool when it does not exist.
+    pub async fn set_check_symbols(&self, pool: &str, on: bool) -> Result<(), StoreError> {
+        self.ensure_pool(pool).await?;
+        self.collection(POOLS)
+            .update_one(
+                doc! {"_id": pool, "check_symbols": {"$ne": on}},
+                doc! {"$set": {"check_symbols": on}},
+            )
+            .await?;
+        Ok(())
     }
 
     /// True when at least one code (of any status) belongs to `pool`.
@@ -276,6 +295,7 @@ mod tests {
             holds_per_uid: None,
             hold_share_per_owner: None,
             replacements_per_order: None,
+            check_symbols: false,
         }
     }
 

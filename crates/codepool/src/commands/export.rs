@@ -20,6 +20,11 @@ Examples:
   codepool export --pool game-x --out game-x.csv
   codepool export --pool game-x --status used --since 2026-11-01T00:00:00Z --out used.csv
   codepool export --pool game-x --status issued,used,void --reveal --out reconcile.csv
+  codepool export --import RUN_ID --reveal --out for-the-platform.csv
+
+With --import, only the codes of that import or generation run, of every
+status unless --status says otherwise (a generation run's file for the
+platform that honours its codes); --pool may then be left out.
 
 Columns: pool, code, status, order_id, line, uid, grant_no, issued_at,
 used_at, voided_at, void_reason, sms: one row per code, so an order of
@@ -35,10 +40,14 @@ with =, +, -, @, a tab or a carriage return gets a leading ' so that a
 spreadsheet shows it as text instead of running it (OWASP CSV injection).")]
 pub struct ExportArgs {
     /// The pool to export.
-    #[arg(long)]
-    pub pool: String,
-    /// Statuses to include, comma-separated: unissued, issued, used, void.
-    #[arg(long, value_delimiter = ',', value_parser = parse_status, default_value = "issued,used,void")]
+    #[arg(long, required_unless_present = "import")]
+    pub pool: Option<String>,
+    /// Only the codes of this import or generation run (its id).
+    #[arg(long, value_name = "ID", value_parser = parse_import_id)]
+    pub import: Option<bson::oid::ObjectId>,
+    /// Statuses to include, comma-separated: unissued, issued, used, void
+    /// (default issued,used,void; every status with --import).
+    #[arg(long, value_delimiter = ',', value_parser = parse_status)]
     pub status: Vec<CodeStatus>,
     /// Only codes created, issued, used or voided at or after this time (RFC 3339).
     #[arg(long, value_parser = parse_time)]
@@ -57,6 +66,55 @@ pub struct ExportArgs {
 fn parse_status(s: &str) -> Result<CodeStatus, String> {
     CodeStatus::from_name(s)
         .ok_or_else(|| format!("{s:?} is not a status; use unissued, issued, used or void"))
+}
+
+fn parse_import_id(s: &str) -> Result<bson::oid::ObjectId, String> {
+    bson::oid::ObjectId::parse_str(s).map_err(|_| {
+        format!("{s:?} is not an import id; give the 24 hexadecimal digits an import or generation run printed")
+    })
+}
+
+/// The filter of the export: the pool (the run's, with --import) and the
+/// statuses (every one for a run, unless named).
+async fn filter_of(
+    store: &codepool_store::Store,
+    args: &ExportArgs,
+) -> anyhow::Result<ExportFilter> {
+    let mut statuses = args.status.clone();
+    let pool = match (args.import, &args.pool) {
+        (Some(id), pool) => {
+            let Some(run) = store.import_record(id).await? else {
+                anyhow::bail!("no import or generation run {id}; `codepool stats` and the imports of a pool list them");
+            };
+            if pool.as_ref().is_some_and(|p| *p != run.pool) {
+                anyhow::bail!(
+                    "run {id} is in pool {:?}, not {:?}; leave --pool out or name its pool",
+                    run.pool,
+                    pool.as_deref().unwrap_or_default()
+                );
+            }
+            if statuses.is_empty() {
+                statuses = vec![
+                    CodeStatus::Unissued,
+                    CodeStatus::Issued,
+                    CodeStatus::Used,
+                    CodeStatus::Void,
+                ];
+            }
+            run.pool
+        }
+        (None, Some(pool)) => pool.clone(),
+        (None, None) => anyhow::bail!("give --pool NAME or --import ID"),
+    };
+    if statuses.is_empty() {
+        statuses = vec![CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void];
+    }
+    Ok(ExportFilter {
+        pool,
+        statuses,
+        since: args.since,
+        import: args.import,
+    })
 }
 
 fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
@@ -187,17 +245,14 @@ pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
     check_target(&args.out, args.force, &key_file)?;
     let store = crate::context::store(cfg).await?;
     store.keys().ring()?;
-    let filter = ExportFilter {
-        pool: args.pool.clone(),
-        statuses: args.status.clone(),
-        since: args.since,
-    };
+    let filter = filter_of(&store, &args).await?;
     let total = store.count_export(&filter).await?;
     if args.reveal {
-        let statuses: Vec<&str> = args.status.iter().map(|s| s.name()).collect();
+        let statuses: Vec<&str> = filter.statuses.iter().map(|s| s.name()).collect();
+        let run = (args.import).map_or(String::new(), |id| format!(" import {id}"));
         let what = format!(
-            "pool {:?} statuses {} since {} to {}",
-            args.pool,
+            "pool {:?}{run} statuses {} since {} to {}",
+            filter.pool,
             statuses.join(","),
             args.since.map_or("-".into(), |t| t.to_rfc3339()),
             args.out.display()
@@ -231,7 +286,7 @@ pub async fn run(cfg: &Config, args: ExportArgs) -> anyhow::Result<u8> {
     };
     say!(
         "exported {written} code(s) of pool {:?} to {} (codes {shown}; formula-like cells start with ')",
-        args.pool,
+        filter.pool,
         args.out.display()
     );
     Ok(crate::exit::OK)

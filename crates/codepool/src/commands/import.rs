@@ -92,7 +92,7 @@ pub async fn run(cfg: &Config, args: ImportArgs) -> anyhow::Result<u8> {
     reporter.finish();
     let summary = summary?;
     codepool_issuance::imports::record(&store, &summary, &super::actor("import")).await?;
-    announce_replenished(cfg, &store, &summary).await;
+    announce_replenished(cfg, &store, &summary.pool, summary.inserted).await;
 
     if args.json {
         say_json!(serde_json::to_string_pretty(&summary)?);
@@ -132,27 +132,25 @@ fn exit_code(s: &ImportSummary, interrupt: &Interrupt) -> u8 {
     crate::exit::OK
 }
 
-/// Tells dispatchers that new codes arrived (they fulfil backorders). Best
-/// effort: dispatchers also sweep backorders periodically.
-async fn announce_replenished(
+/// Tells dispatchers that `inserted` new codes arrived in `pool` (they
+/// fulfil backorders). Best effort: dispatchers also sweep backorders
+/// periodically.
+pub(crate) async fn announce_replenished(
     cfg: &Config,
     store: &codepool_store::Store,
-    summary: &ImportSummary,
+    pool: &str,
+    inserted: u64,
 ) {
-    if summary.inserted == 0 {
+    if inserted == 0 {
         return;
     }
     let result = async {
         let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-import").await?;
         let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
-        let announced = codepool_issuance::controls::announce_replenished(
-            store,
-            &publisher,
-            &summary.pool,
-            summary.inserted,
-        )
-        .await;
+        let announced =
+            codepool_issuance::controls::announce_replenished(store, &publisher, pool, inserted)
+                .await;
         codepool_broker::close(conn, "done").await;
         announced
     }

@@ -29,6 +29,7 @@ pub mod dead_letters;
 pub mod dispatch;
 pub mod expire;
 pub mod export;
+pub mod generate;
 pub mod import;
 pub mod keys;
 pub mod lookup;

@@ -4,6 +4,7 @@ pub mod api_keys;
 pub mod assets;
 pub mod audit;
 pub mod dead_letters;
+pub mod generations;
 pub mod imports;
 pub mod operators;
 pub mod orders;

@@ -1,5 +1,6 @@
 //! `/console/pools/{pool}`: a pool's stock (live), its chart, settings,
-//! pause/resume, the import upload form, and its imports with their
+//! pause/resume, the import upload form, the form that generates codes,
+//! and its imports (generation runs among them) with their
 //! counts and a recall that asks for a reason and a confirmation. Every
 //! change goes through the operation `codepool pool` and `codepool void
 //! --import` use.
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::Form;
+use codepool_domain::pattern::DEFAULT_PATTERN;
 use codepool_issuance::controls::{self, PauseError, RecallError};
 use codepool_issuance::model::PoolStats;
 use codepool_issuance::model::{PoolSettings, PoolSettingsError};
@@ -106,6 +108,15 @@ fn admin_forms(s: &Session, pool: &str, doc: &codepool_issuance::model::PoolDoc)
                 label.check { input type="checkbox" name="no_header" value="true"; " The file has no header row" }
                 label { "CSV file " input type="file" name="file" accept=".csv,.txt,text/csv,text/plain" required; }
                 button type="submit" { "Upload and import" }
+            }
+            h2 { "Generate codes" }
+            form.grid.generate method="post" action={(base) "/generations"} {
+                (csrf(s))
+                label { "Number of codes " input name="count" inputmode="numeric" required; }
+                label { "Pattern " input name="pattern" value=(DEFAULT_PATTERN); }
+                label.check { input type="checkbox" name="check_char" value="true"; " End each code with a check symbol" }
+                p.hint { "Random symbols are Crockford base 32 (5 bits each): under 60 random bits codes can be guessed, under 40 the pattern is refused." }
+                button type="submit" { "Generate" }
             }
         }
     }

@@ -1,0 +1,433 @@
+//! One generation run: codes of a pattern, their random symbols drawn from
+//! the operating system's CSPRNG, inserted through the very path an import
+//! takes ([`Store::insert_codes`]: sealed at rest, keyed by the same
+//! HMACs), until the run holds its count.
+//!
+//! A run is an import with its own id (`source: generated`): recall,
+//! stats, statements and export see it as they see a file. A code that
+//! collides (with a code of this pool, a look-alike of one, or a code of
+//! another pool) is drawn again, never refused. The run is idempotent by
+//! its id: before drawing, it counts the codes its id already put in the
+//! pool and makes only the rest, so a run killed halfway and started again
+//! ends with exactly its count.
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use codepool_domain::{CodePattern, Pool};
+use codepool_sequence::DailyNumbers;
+use codepool_store::imports::{GenerationSpec, ImportRecord, SOURCE_GENERATED};
+use codepool_store::{NewCode, ObjectId, Store, StoreError};
+use rand::TryRngCore;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Most codes one run may make.
+pub const MAX_COUNT: u64 = 10_000_000;
+/// Batches in a row that place no code before the run gives up: the
+/// pattern's codes are (nearly) all taken.
+const FRUITLESS_BATCHES: u32 = 20;
+const RETRIES: u32 = 6;
+const BACKOFF: Duration = Duration::from_millis(250);
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub pool: String,
+    pub count: u64,
+    pub pattern: CodePattern,
+    pub expires_at: Option<DateTime<Utc>>,
+    /// The run to make or continue; a new one when `None`.
+    pub run_id: Option<ObjectId>,
+}
+
+impl Generation {
+    fn spec(&self) -> GenerationSpec {
+        GenerationSpec {
+            pattern: self.pattern.to_string(),
+            count: self.count,
+            check_char: self.pattern.has_check(),
+            expires_at: self.expires_at.map(bson::DateTime::from_chrono),
+        }
+    }
+}
+
+/// How a run goes.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Codes per insert.
+    pub batch_size: usize,
+    /// Cancelled to stop early: the batch in flight lands, the record says
+    /// `interrupted`; the same run id finishes it.
+    pub stop: CancellationToken,
+    /// Where the random symbols' bytes come from: the operating system's
+    /// CSPRNG, always, outside tests.
+    pub random: ByteSource,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            batch_size: 1000,
+            stop: CancellationToken::new(),
+            random: ByteSource::Os,
+        }
+    }
+}
+
+/// Fills a buffer with chosen bytes.
+pub type FillBytes = std::sync::Arc<dyn Fn(&mut [u8]) + Send + Sync>;
+
+/// The source of random bytes.
+#[derive(Clone, Default)]
+pub enum ByteSource {
+    /// `rand::rngs::OsRng`: the operating system's CSPRNG.
+    #[default]
+    Os,
+    /// Chosen bytes, for tests that need codes to collide.
+    Chosen(FillBytes),
+}
+
+impl std::fmt::Debug for ByteSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ByteSource::Os => "Os",
+            ByteSource::Chosen(_) => "Chosen",
+        })
+    }
+}
+
+impl ByteSource {
+    fn fill(&self, bytes: &mut [u8]) -> Result<(), GenerateError> {
+        match self {
+            ByteSource::Os => rand::rngs::OsRng
+                .try_fill_bytes(bytes)
+                .map_err(|e| GenerateError::Random(e.to_string())),
+            ByteSource::Chosen(fill) => {
+                fill(bytes);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Progress as it happens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenerateProgress {
+    pub count: u64,
+    /// Codes the run holds so far.
+    pub inserted: u64,
+    pub redrawn: u64,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateSummary {
+    pub run_id: String,
+    pub pool: String,
+    pub pattern: String,
+    pub count: u64,
+    /// `done`, or `interrupted` (run the same id again to finish).
+    pub status: String,
+    /// Codes the run holds, this call's and earlier calls' of its id.
+    pub inserted: u64,
+    /// Of `inserted`, the codes this call made.
+    pub inserted_now: u64,
+    /// Codes drawn again because they collided with a code that exists
+    /// (by every call of this run, as far as they recorded it).
+    pub redrawn: u64,
+    pub random_bits: u32,
+    pub check_char: bool,
+    pub seconds: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Pool(#[from] codepool_domain::InvalidPoolName),
+    #[error("a run makes 1 to {MAX_COUNT} codes, not {0}")]
+    Count(u64),
+    #[error("run {id} exists and {why}; give a new --run-id, or the same pool, count and pattern to finish it")]
+    OtherRun { id: String, why: String },
+    #[error("the daily number could not be drawn: {0}")]
+    Numbers(#[from] codepool_sequence::SequenceError),
+    #[error("the pattern's codes are nearly all taken ({0} drawn again in a row); use a pattern with more random symbols")]
+    Exhausted(u64),
+    #[error("the operating system's random generator failed: {0}")]
+    Random(String),
+    #[error("{0}. Run the same command with the same --run-id to finish: it makes only the codes still missing")]
+    Store(#[from] StoreError),
+}
+
+/// Makes (or finishes) generation run `g`. `numbers` serves `{number}`
+/// (MongoDB alone when `None`).
+pub async fn generate(
+    store: &Store,
+    numbers: Option<&DailyNumbers>,
+    g: &Generation,
+    options: &GenerateOptions,
+    on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
+) -> Result<GenerateSummary, GenerateError> {
+    let started = Instant::now();
+    let (pool, mut record) = open_run(store, g).await?;
+    let fallback;
+    let numbers = match numbers {
+        Some(n) => Some(n),
+        None if g.pattern.has_number() => {
+            // MongoDB serves the numbers alone: they never repeat either way.
+            let db = store.database().clone();
+            fallback = DailyNumbers::new(None, db, "", chrono_tz::UTC);
+            Some(&fallback)
+        }
+        None => None,
+    };
+    let mut run = Draws {
+        store,
+        numbers,
+        g,
+        pool: pool.as_str(),
+        id: record.id,
+        held: store.codes_of_run(pool.as_str(), record.id).await?,
+        // Counted on from what earlier calls of this run recorded.
+        redrawn: record.duplicates,
+        saved: Instant::now(),
+        marked: false,
+    };
+    if g.pattern.has_check() && !store.pool_holds_codes(pool.as_str()).await? {
+        // Every code of the pool will carry a check symbol: a redemption
+        // may refuse a code that fails it before looking it up.
+        store.set_check_symbols(pool.as_str(), true).await?;
+        run.marked = true;
+    }
+    let before = run.held;
+    if before > 0 {
+        info!(run = %record.id, held = before, "the run holds codes already; making only the rest");
+    }
+    let result = run.until_done(options, on_progress).await;
+    let interrupted = matches!(result, Ok(false));
+    if run.held > before {
+        run.settle_pool().await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    record.status = match (&result, interrupted) {
+        (Err(_), _) => "failed",
+        (Ok(_), true) => "interrupted",
+        (Ok(_), false) => "done",
+    }
+    .into();
+    record.finished_at = Some(bson::DateTime::now());
+    (record.rows, record.inserted, record.duplicates) = (run.held, run.held, run.redrawn);
+    record.seconds = seconds;
+    record.error = result.as_ref().err().map(ToString::to_string);
+    if let Err(e) = store.finish_import(&record).await {
+        warn!(error = %e, "could not write the generation run's record");
+    }
+    result?;
+    Ok(GenerateSummary {
+        run_id: record.id.to_hex(),
+        pool: record.pool,
+        pattern: g.pattern.to_string(),
+        count: g.count,
+        status: record.status,
+        inserted: run.held,
+        inserted_now: run.held - before,
+        redrawn: run.redrawn,
+        random_bits: g.pattern.random_bits(),
+        check_char: g.pattern.has_check(),
+        seconds,
+    })
+}
+
+/// Opens the record of run `g` (its id: `g.run_id`, or a new one), or
+/// takes up the record of its id when it has the same pool, count and
+/// pattern; any other record of that id is an error. Nothing else is
+/// written: a door that answers before the codes are made calls this
+/// first, so the run can be read at once.
+pub async fn open_run(
+    store: &Store,
+    g: &Generation,
+) -> Result<(Pool, ImportRecord), GenerateError> {
+    let pool = Pool::new(&g.pool)?;
+    if !(1..=MAX_COUNT).contains(&g.count) {
+        return Err(GenerateError::Count(g.count));
+    }
+    let id = g.run_id.unwrap_or_default();
+    let spec = g.spec();
+    let record = store
+        .start_generation(id, pool.as_str(), spec.clone())
+        .await?;
+    let other = |why: String| GenerateError::OtherRun {
+        id: id.to_hex(),
+        why,
+    };
+    if record.source.as_deref() != Some(SOURCE_GENERATED) {
+        return Err(other(format!("is the import of {:?}", record.file)));
+    }
+    if record.pool != pool.as_str() {
+        return Err(other(format!("generates into pool {:?}", record.pool)));
+    }
+    if let Some(was) = record.generation.as_ref().filter(|was| **was != spec) {
+        return Err(other(format!(
+            "makes {} codes of {:?}",
+            was.count, was.pattern
+        )));
+    }
+    if record.status != "running" {
+        store.restart_generation(id).await?;
+    }
+    Ok((pool, record))
+}
+
+/// The drawing of one run.
+struct Draws<'a> {
+    store: &'a Store,
+    numbers: Option<&'a DailyNumbers>,
+    g: &'a Generation,
+    pool: &'a str,
+    id: ObjectId,
+    /// Codes of the run in the pool (counted, then kept exact).
+    held: u64,
+    redrawn: u64,
+    saved: Instant,
+    /// The pool's `check_symbols` says what this run's codes are: set
+    /// before the first code of a run with check symbols into an empty
+    /// pool, cleared after the first code of any other run.
+    marked: bool,
+}
+
+impl Draws<'_> {
+    /// Draws and inserts batches until the run holds its count (true) or
+    /// a stop (false).
+    async fn until_done(
+        &mut self,
+        options: &GenerateOptions,
+        on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
+    ) -> Result<bool, GenerateError> {
+        let mut fruitless = 0u32;
+        while self.held < self.g.count {
+            if options.stop.is_cancelled() {
+                return Ok(false);
+            }
+            let want = (self.g.count - self.held).min(options.batch_size.max(1) as u64);
+            let batch = self.draw(want as usize, &options.random).await?;
+            let placed = self.place(batch, want).await?;
+            fruitless = if placed == 0 { fruitless + 1 } else { 0 };
+            if fruitless >= FRUITLESS_BATCHES {
+                return Err(GenerateError::Exhausted(self.redrawn));
+            }
+            on_progress(GenerateProgress {
+                count: self.g.count,
+                inserted: self.held,
+                redrawn: self.redrawn,
+            });
+            self.save_progress().await;
+        }
+        Ok(true)
+    }
+
+    /// `n` new codes, distinct among themselves.
+    async fn draw(&self, n: usize, random: &ByteSource) -> Result<Vec<NewCode>, GenerateError> {
+        let numbers = match (self.g.pattern.has_number(), self.numbers) {
+            (true, Some(daily)) => daily.next_n(self.pool, n as u32).await?,
+            _ => Vec::new(),
+        };
+        let width = self.g.pattern.random_symbols();
+        let mut bytes = vec![0u8; width * n];
+        random.fill(&mut bytes)?;
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        let mut codes = Vec::with_capacity(n);
+        for i in 0..n {
+            let number = numbers.get(i).map(|d| &d[self.pool.len().min(d.len())..]);
+            let code = self
+                .g
+                .pattern
+                .render(&bytes[i * width..(i + 1) * width], number);
+            if seen.insert(code.clone()) {
+                codes.push(NewCode {
+                    code,
+                    expires_at: self.g.expires_at,
+                    line: None,
+                });
+            }
+        }
+        Ok(codes)
+    }
+
+    /// Inserts the codes no other pool holds; returns how many landed.
+    /// The rest of `want` is drawn again by the next batch. A failed
+    /// insert is retried while MongoDB is away, and the run's codes are
+    /// counted again from the pool, so a retry never counts one twice.
+    async fn place(&mut self, batch: Vec<NewCode>, want: u64) -> Result<u64, GenerateError> {
+        let mut attempt = 0;
+        loop {
+            match self.try_place(&batch).await {
+                Ok(placed) if attempt == 0 => {
+                    self.held += placed;
+                    self.redrawn += want - placed;
+                    self.mark_pool(placed).await?;
+                    return Ok(placed);
+                }
+                Ok(_) => {
+                    // The first attempt may have landed: count, never guess.
+                    let held = self.store.codes_of_run(self.pool, self.id).await?;
+                    let placed = held.saturating_sub(self.held);
+                    self.held = held;
+                    self.redrawn += want.saturating_sub(placed);
+                    self.mark_pool(placed).await?;
+                    return Ok(placed);
+                }
+                Err(e) if e.is_unavailable() && attempt < RETRIES => {
+                    attempt += 1;
+                    warn!(error = %e, attempt, "generation insert failed; retrying");
+                    tokio::time::sleep(BACKOFF * 2u32.pow(attempt)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// After codes landed: the pool exists, and its `pool.exhausted` alert
+    /// may fire again (best effort, as after an import).
+    async fn settle_pool(&self) {
+        if let Err(e) = self.store.ensure_pool(self.pool).await {
+            warn!(error = %e, "the pool's record was not created; `codepool pool create` makes it");
+        }
+        if let Err(e) = self.store.rearm_exhausted_alerts(&[self.pool]).await {
+            warn!(error = %e, "pool.exhausted not re-armed; the next import re-arms it");
+        }
+    }
+
+    /// After the first codes of a run without check symbols landed: the
+    /// pool no longer promises one on every code.
+    async fn mark_pool(&mut self, placed: u64) -> Result<(), StoreError> {
+        if placed > 0 && !self.marked && !self.g.pattern.has_check() {
+            self.store.set_check_symbols(self.pool, false).await?;
+            self.marked = true;
+        }
+        Ok(())
+    }
+
+    async fn try_place(&self, batch: &[NewCode]) -> Result<u64, StoreError> {
+        let elsewhere = self.store.codes_in_other_pools(self.pool, batch).await?;
+        let fresh: Vec<NewCode> = (batch.iter().zip(elsewhere))
+            .filter(|(_, other)| other.is_none())
+            .map(|(c, _)| c.clone())
+            .collect();
+        let outcome = self.store.insert_codes(self.pool, self.id, &fresh).await?;
+        Ok(outcome.inserted)
+    }
+
+    /// The counts so far on the run's record, at most once a second.
+    async fn save_progress(&mut self) {
+        if self.saved.elapsed() < PROGRESS_EVERY {
+            return;
+        }
+        self.saved = Instant::now();
+        let counts = (self.held, self.redrawn, 0);
+        if let Err(e) = self.store.import_progress(self.id, counts).await {
+            warn!(error = %e, "could not record the run's progress");
+        }
+    }
+}

@@ -1,0 +1,667 @@
+//! `codepool generate` on the real servers: generated codes are codes like
+//! any other (sealed, keyed by HMAC, never a duplicate of any pool), a run
+//! finishes by its id after a `kill -9` with exactly its count, the check
+//! symbol catches what it promises (checked against the independent
+//! `base32-crockford` Python package), weak patterns are refused, and the
+//! API starts and reads a run.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bson::doc;
+use codepool_store::ObjectId;
+use futures::TryStreamExt;
+
+use crate::api::{http, key, ApiServer};
+use crate::common::{codepool_ok, eventually, TestEnv};
+
+/// Runs `codepool generate … --json`; panics unless it exits 0.
+async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["generate", "--json"];
+    all.extend_from_slice(args);
+    serde_json::from_str(&codepool_ok(env, &all).await).expect("a JSON summary")
+}
+
+/// The plaintext codes of run `run`, opened with the test's keys.
+async fn codes_of_run(env: &TestEnv, run: ObjectId) -> Vec<String> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(doc! {"batch_id": run})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    docs.iter().map(|d| env.plain_code(d)).collect()
+}
+
+fn codes(env: &TestEnv) -> mongodb::Collection<bson::Document> {
+    env.store.database().collection("codes")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac() {
+    let env = TestEnv::new("gen_into_imported").await;
+    let imported = env.fill_pool("gx", 10_000).await;
+    env.fill_pool("other", 10).await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gx",
+            "--count",
+            "20000",
+            "--pattern",
+            "GX-{random:12}",
+        ],
+    )
+    .await;
+    assert_eq!(out["status"], "done");
+    assert_eq!(out["inserted"], 20_000);
+    assert_eq!(out["random_bits"], 60);
+    let run = ObjectId::parse_str(out["run_id"].as_str().unwrap()).unwrap();
+
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gx"})
+            .await
+            .unwrap(),
+        30_000
+    );
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"code": {"$exists": true}})
+            .await
+            .unwrap(),
+        0,
+        "no code is stored in plaintext"
+    );
+    let generated = codes_of_run(&env, run).await;
+    assert_eq!(generated.len(), 20_000);
+    let distinct: HashSet<&String> = generated.iter().chain(&imported).collect();
+    assert_eq!(distinct.len(), 30_000, "no generated code equals another");
+    let alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    for c in &generated {
+        let random = c.strip_prefix("GX-").expect("the fixed text");
+        assert!(
+            random.len() == 12 && random.chars().all(|s| alphabet.contains(s)),
+            "{c}"
+        );
+    }
+
+    // Every generated code is found by its keyed hash, as a lookup finds it.
+    let ring = env.store.keys().ring().unwrap();
+    let mut found = 0;
+    for chunk in generated.chunks(1000) {
+        let hmacs: Vec<bson::Bson> = chunk
+            .iter()
+            .map(|c| {
+                bson::Bson::Binary(bson::Binary {
+                    subtype: bson::spec::BinarySubtype::Generic,
+                    bytes: ring.code_hmac("gx", c).to_vec(),
+                })
+            })
+            .collect();
+        found += codes(&env)
+            .count_documents(doc! {"pool": "gx", "code_hmac": {"$in": hmacs}, "batch_id": run})
+            .await
+            .unwrap();
+    }
+    assert_eq!(found, 20_000);
+
+    // The run is an import: its record says so, and export gives the file
+    // for the platform, every code in clear text.
+    let record = env.store.import_record(run).await.unwrap().unwrap();
+    assert_eq!(record.source.as_deref(), Some("generated"));
+    assert_eq!((record.status.as_str(), record.inserted), ("done", 20_000));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("platform.csv");
+    let id = run.to_hex();
+    codepool_ok(
+        &env,
+        &[
+            "export",
+            "--import",
+            &id,
+            "--reveal",
+            "--out",
+            file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let mut reader = csv::Reader::from_path(&file).unwrap();
+    let exported: HashSet<String> = reader.records().map(|r| r.unwrap()[1].to_owned()).collect();
+    assert_eq!(exported, generated.iter().cloned().collect::<HashSet<_>>());
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
+    let env = TestEnv::new("gen_killed").await;
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    let args = [
+        "generate",
+        "--pool",
+        "gx",
+        "--count",
+        "20000",
+        "--run-id",
+        &id,
+        "--batch-size",
+        "500",
+    ];
+    let mut child = env.command(&args).spawn().unwrap();
+    let of_run = doc! {"batch_id": run};
+    eventually(
+        Duration::from_secs(120),
+        "the run's first codes land",
+        || {
+            let c = codes(&env);
+            let f = of_run.clone();
+            async move { c.count_documents(f).await.unwrap() > 0 }
+        },
+    )
+    .await;
+    child.start_kill().unwrap(); // SIGKILL
+    child.wait().await.unwrap();
+    let at_kill = codes(&env).count_documents(of_run.clone()).await.unwrap();
+    assert!(at_kill > 0 && at_kill < 20_000, "killed halfway: {at_kill}");
+    let record = env.store.import_record(run).await.unwrap().unwrap();
+    assert_eq!(
+        record.status, "running",
+        "the killed run never closed its record"
+    );
+
+    let out = generate(&env, &args[1..]).await;
+    assert_eq!(out["inserted"], 20_000);
+    assert_eq!(out["inserted_now"], 20_000 - at_kill);
+    assert_eq!(
+        codes(&env).count_documents(of_run.clone()).await.unwrap(),
+        20_000
+    );
+
+    let again = generate(&env, &args[1..]).await;
+    assert_eq!(
+        again["inserted_now"], 0,
+        "a finished run makes nothing more"
+    );
+    assert_eq!(
+        codes(&env).count_documents(of_run.clone()).await.unwrap(),
+        20_000
+    );
+
+    // The same id for another count is another run: refused.
+    let other = env
+        .command(&[
+            "generate", "--pool", "gx", "--count", "30000", "--run-id", &id,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(other.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("makes 20000 codes"));
+    assert_eq!(codes(&env).count_documents(of_run).await.unwrap(), 20_000);
+    env.cleanup().await;
+}
+
+/// Which of `codes` the `base32-crockford` package accepts with their check
+/// symbol (`decode(code, checksum=True)` raises on a wrong one).
+async fn accepted_by_the_python_library(codes: &[String]) -> Vec<bool> {
+    let python = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../.services/venv/bin/python"
+    );
+    let script = r#"
+import json, sys
+import base32_crockford
+out = []
+for code in json.load(sys.stdin):
+    try:
+        base32_crockford.decode(code, checksum=True)
+        out.append(True)
+    except ValueError:
+        out.append(False)
+print(json.dumps(out))
+"#;
+    let mut child = tokio::process::Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the services venv (make services installs base32-crockford)");
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(serde_json::to_string(codes).unwrap().as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every code one symbol away from `code`, and every code with two
+/// neighbouring symbols (hyphens ignored) swapped.
+fn one_slip_away(code: &str) -> Vec<String> {
+    let symbols = "0123456789ABCDEFGHJKMNPQRSTVWXYZ*~$=U";
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = Vec::new();
+    let at: Vec<usize> = (0..chars.len()).filter(|&i| chars[i] != '-').collect();
+    for &i in &at {
+        for s in symbols.chars().filter(|&s| s != chars[i]) {
+            let mut c = chars.clone();
+            c[i] = s;
+            out.push(c.into_iter().collect());
+        }
+    }
+    for w in at.windows(2) {
+        if chars[w[0]] != chars[w[1]] {
+            let mut c = chars.clone();
+            c.swap(w[0], w[1]);
+            out.push(c.into_iter().collect());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_check_symbol_catches_every_single_change_and_every_swap_of_neighbours() {
+    let env = TestEnv::new("gen_check").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gx",
+            "--count",
+            "40",
+            "--check-char",
+            "--pattern",
+            "GX-{random:4}-{random:4}-{random:4}",
+        ],
+    )
+    .await;
+    assert_eq!(out["pattern"], "GX-{random:4}-{random:4}-{random:4}{check}");
+    let run = ObjectId::parse_str(out["run_id"].as_str().unwrap()).unwrap();
+    let generated = codes_of_run(&env, run).await;
+    assert_eq!(generated.len(), 40);
+    assert!(
+        accepted_by_the_python_library(&generated)
+            .await
+            .iter()
+            .all(|ok| *ok),
+        "the library accepts every generated code: {generated:?}"
+    );
+    let slips: Vec<String> = generated.iter().flat_map(|c| one_slip_away(c)).collect();
+    assert!(slips.len() > 40 * 14 * 31);
+    for slip in &slips {
+        assert!(
+            !codepool_domain::crockford::check_ok(slip),
+            "check_ok passes {slip}"
+        );
+    }
+    let verdicts = accepted_by_the_python_library(&slips).await;
+    let missed: Vec<&String> = slips
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, ok)| **ok)
+        .map(|(s, _)| s)
+        .collect();
+    assert!(missed.is_empty(), "the library accepts slips: {missed:?}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
+    let env = TestEnv::new("gen_weak").await;
+    let out = env
+        .command(&[
+            "generate",
+            "--pool",
+            "gx",
+            "--count",
+            "10",
+            "--pattern",
+            "GX-{random:7}",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("35 random bits") && err.contains("at least 40"),
+        "{err}"
+    );
+    assert!(err.contains("nothing was generated"), "{err}");
+    let db = env.store.database();
+    assert_eq!(codes(&env).count_documents(doc! {}).await.unwrap(), 0);
+    let imports = db.collection::<bson::Document>("imports");
+    assert_eq!(
+        imports.count_documents(doc! {}).await.unwrap(),
+        0,
+        "no run record"
+    );
+    let pools = db.collection::<bson::Document>("pools");
+    assert_eq!(pools.count_documents(doc! {}).await.unwrap(), 0, "no pool");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_starts_a_run_and_reads_it() {
+    let env = TestEnv::new("gen_api").await;
+    let admin = key(&env, "gen-admin", "admin").await;
+    let orders = key(&env, "gen-orders", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = br#"{"count":500,"pattern":"GX-{random:12}","check_char":true}"#;
+    let path = "/v1/pools/gx/generations";
+    let (status, _, _) = http(&api.addr, "POST", path, Some(&orders), body).await;
+    assert_eq!(status, 403, "the admin scope only");
+    let weak = br#"{"count":5,"pattern":"GX-{random:4}"}"#;
+    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), weak).await;
+    assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+
+    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), body).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
+    let started: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    let id = started["run_id"].as_str().unwrap().to_owned();
+    let run_path = format!("/v1/generations/{id}");
+    let mut done = serde_json::Value::Null;
+    for _ in 0..600 {
+        let (status, _, answer) = http(&api.addr, "GET", &run_path, Some(&admin), b"").await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        done = serde_json::from_slice(&answer).unwrap();
+        if done["status"] == "done" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(done["status"], "done", "{done}");
+    assert_eq!(done["inserted"], 500);
+    assert_eq!(done["count"], 500);
+    assert_eq!(done["pool"], "gx");
+    assert_eq!(done["check_char"], true);
+    assert_eq!(done["pattern"], "GX-{random:12}{check}");
+    let run = ObjectId::parse_str(&id).unwrap();
+    let made = codes_of_run(&env, run).await;
+    assert_eq!(made.len(), 500);
+    assert!(made.iter().all(|c| codepool_domain::crockford::check_ok(c)));
+    let (status, _, _) = http(
+        &api.addr,
+        "GET",
+        "/v1/generations/0123456789abcdef01234567",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// The lookups of a code by value (a find by its keyed hashes, as
+/// `Store::find_by_value` makes it) MongoDB's profiler saw on this test's
+/// `codes` since `t`. Background work (the relay, the stock sweep) reads
+/// `codes` too, by other filters: those are not counted.
+async fn lookups_by_value_since(env: &TestEnv, t: bson::DateTime) -> usize {
+    let profile = env
+        .store
+        .database()
+        .collection::<bson::Document>("system.profile");
+    let ns = format!("{}.codes", env.db);
+    let seen: Vec<bson::Document> = profile
+        .find(doc! {"ns": ns, "ts": {"$gte": t}})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    seen.iter()
+        .filter(|d| {
+            let filter = d
+                .get_document("command")
+                .and_then(|c| c.get_document("filter"));
+            filter.is_ok_and(|f| f.to_string().contains("code_any_hmac"))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_lookup() {
+    let env = TestEnv::new("gen_redeem_check").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gc",
+            "--count",
+            "50",
+            "--pattern",
+            "GC-{random:12}",
+            "--check-char",
+        ],
+    )
+    .await;
+    assert_eq!(out["inserted"], 50);
+    let pool = env.store.pool("gc").await.unwrap().unwrap();
+    assert!(
+        pool.check_symbols,
+        "every code of the pool carries a check symbol"
+    );
+    let shop = key(&env, "gen-shop", "orders:write").await;
+    let platform = key(&env, "gen-platform", "codes:redeem").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let order = br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"gc"}"#;
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&shop), order).await;
+    assert_eq!(status, 201);
+    let issued = codes(&env)
+        .find_one(doc! {"pool": "gc", "order_id": "O-1"})
+        .await
+        .unwrap()
+        .unwrap();
+    let code = env.plain_code(&issued);
+    let ask = |c: &str| serde_json::json!({"code": c}).to_string().into_bytes();
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&code),
+    )
+    .await;
+    assert_eq!(status, 200, "the issued code, as printed");
+
+    // One symbol changed: the check fails.
+    let mut slip: Vec<char> = code.chars().collect();
+    slip[4] = if slip[4] == '7' { '8' } else { '7' };
+    let slip: String = slip.into_iter().collect();
+    assert!(!codepool_domain::crockford::check_ok(&slip));
+    // A code that passes the check but does not exist.
+    let body = "GC-0123456789AB";
+    let unknown = format!(
+        "{body}{}",
+        codepool_domain::crockford::check_symbol(body).unwrap()
+    );
+
+    let db = env.store.database();
+    db.run_command(doc! {"profile": 2}).await.unwrap();
+    let t = bson::DateTime::now();
+    let (status, _, refused) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&slip),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        lookups_by_value_since(&env, t).await,
+        0,
+        "no lookup for a code failing its check"
+    );
+    let t = bson::DateTime::now();
+    let (status, _, missing) = http(
+        &api.addr,
+        "POST",
+        "/v1/codes/check",
+        Some(&platform),
+        &ask(&unknown),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(
+        lookups_by_value_since(&env, t).await > 0,
+        "the profiler sees a lookup"
+    );
+    db.run_command(doc! {"profile": 0}).await.unwrap();
+    let problem = |b: &[u8]| {
+        let mut v: serde_json::Value = serde_json::from_slice(b).unwrap();
+        v.as_object_mut()
+            .unwrap()
+            .retain(|k, _| k != "instance" && k != "request_id");
+        v
+    };
+    assert_eq!(
+        problem(&refused),
+        problem(&missing),
+        "the same answer as an unknown code"
+    );
+
+    // A file's codes in the pool end the promise: no code is refused unlooked.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("plain.csv");
+    std::fs::write(&csv, "code\nPLAIN-CODE-0001\n").unwrap();
+    codepool_ok(&env, &["import", csv.to_str().unwrap(), "--pool", "gc"]).await;
+    assert!(!env.store.pool("gc").await.unwrap().unwrap().check_symbols);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn daily_numbers_number_the_codes_and_a_run_is_recalled_like_an_import() {
+    let env = TestEnv::new("gen_number").await;
+    let out = generate(
+        &env,
+        &[
+            "--pool",
+            "gn",
+            "--count",
+            "30",
+            "--pattern",
+            "GN-{number}-{random:8}",
+        ],
+    )
+    .await;
+    let id = out["run_id"].as_str().unwrap().to_owned();
+    let made = codes_of_run(&env, ObjectId::parse_str(&id).unwrap()).await;
+    let today = chrono::Utc::now().format("%Y%m%d").to_string();
+    let numbers: HashSet<&str> = made.iter().map(|c| c.split('-').nth(1).unwrap()).collect();
+    assert_eq!(numbers.len(), 30, "one number a code: {made:?}");
+    assert!(
+        numbers
+            .iter()
+            .all(|n| n.starts_with(&today) && n.len() >= 12),
+        "{numbers:?}"
+    );
+
+    let recalled = codepool_ok(
+        &env,
+        &["void", "--import", &id, "--reason", "test recall", "--json"],
+    )
+    .await;
+    let recalled: serde_json::Value = serde_json::from_str(&recalled).unwrap();
+    assert_eq!(recalled["voided"], 30, "{recalled}");
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gn", "status": 3})
+            .await
+            .unwrap(),
+        30
+    );
+    env.cleanup().await;
+}
+
+/// Bytes for `P-{random:8}` codes `P-0000000X`, X from `values` in turn
+/// (then 31 forever): chosen collisions.
+fn chosen(values: Vec<u8>) -> codepool_importer::ByteSource {
+    let next = std::sync::Mutex::new(values.into_iter());
+    codepool_importer::ByteSource::Chosen(std::sync::Arc::new(move |bytes: &mut [u8]| {
+        for code in bytes.chunks_mut(8) {
+            code.fill(0);
+            code[7] = next.lock().unwrap().next().unwrap_or(31);
+        }
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
+    use codepool_importer::{generate, GenerateError, GenerateOptions, Generation};
+    let env = TestEnv::new("gen_collide").await;
+    let new = |code: &str| codepool_store::NewCode {
+        code: code.into(),
+        expires_at: None,
+        line: None,
+    };
+    let store = &env.store;
+    store
+        .insert_codes("p", ObjectId::new(), &[new("P-00000000")])
+        .await
+        .unwrap();
+    store
+        .insert_codes("q", ObjectId::new(), &[new("P-00000001")])
+        .await
+        .unwrap();
+    // A look-alike of a code of the pool (case folded).
+    store
+        .insert_codes("p", ObjectId::new(), &[new("p-0000000a")])
+        .await
+        .unwrap();
+    let g = Generation {
+        pool: "p".into(),
+        count: 4,
+        pattern: codepool_domain::CodePattern::parse("P-{random:8}", false).unwrap(),
+        expires_at: None,
+        run_id: None,
+    };
+    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 twice in
+    // one batch; then 3, 4, 5 land.
+    let options = GenerateOptions {
+        batch_size: 5,
+        random: chosen(vec![0, 1, 10, 2, 2, 3, 4, 5]),
+        ..GenerateOptions::default()
+    };
+    let s = generate(store, None, &g, &options, &|_| {}).await.unwrap();
+    assert_eq!((s.inserted, s.redrawn, s.status.as_str()), (4, 4, "done"));
+    let run = ObjectId::parse_str(&s.run_id).unwrap();
+    let mut made = codes_of_run(&env, run).await;
+    made.sort();
+    assert_eq!(
+        made,
+        ["P-00000002", "P-00000003", "P-00000004", "P-00000005"]
+    );
+
+    // A pattern whose draws only ever collide stops, saying so.
+    let stuck = GenerateOptions {
+        random: chosen(vec![]),
+        ..GenerateOptions::default()
+    };
+    let g = Generation {
+        count: 3,
+        run_id: None,
+        ..g
+    };
+    let err = generate(store, None, &g, &stuck, &|_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, GenerateError::Exhausted(_)), "{err}");
+    env.cleanup().await;
+}
