@@ -618,7 +618,6 @@ async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refus
         .await;
     b.click("form.generate input[name=check_char]").await;
     b.click("form.generate button").await;
-    b.shot("pool-generated").await;
     eventually(Duration::from_secs(60), "the run's 300 codes", || {
         let codes = codes.clone();
         async move {
@@ -645,6 +644,7 @@ async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refus
         .text("table.imports")
         .await
         .contains("(generated GG-{random:12}{check})"));
+    b.shot("pool-generated").await;
     b.close().await;
     api.stop().await;
     env.cleanup().await;

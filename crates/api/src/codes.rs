@@ -76,7 +76,7 @@ pub(crate) struct CodeState {
     grant_no: Option<String>,
     /// The code's line in its order (0 for an order of one code).
     line: u32,
-    issued_at: String,
+    issued_at: Option<String>,
     /// When it was redeemed (state `used`).
     #[serde(skip_serializing_if = "Option::is_none")]
     redeemed_at: Option<String>,
@@ -104,7 +104,7 @@ impl From<Seen> for CodeState {
             pool: s.pool,
             grant_no: s.grant_no,
             line: s.line,
-            issued_at: time(s.issued_at),
+            issued_at: s.issued_at.map(time),
             redeemed_at,
             voided_at,
             void_reason,

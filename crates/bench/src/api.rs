@@ -211,8 +211,10 @@ impl ApiServer {
         let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-bench-api").await?);
         let publisher = Publisher::new(&conn, cfg.topology()).await?;
         cfg.topology().declare(publisher.channel()).await?;
+        // The per-key limits out of the way: every client is one key.
         let config = ApiConfig {
             rate_per_key: RATE_PER_KEY,
+            redeem_misses_per_minute: RATE_PER_KEY,
             ..ApiConfig::default()
         };
         let core = codepool_issuance::Core::new(parts, conn, publisher);

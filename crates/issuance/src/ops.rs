@@ -278,12 +278,17 @@ pub async fn redeem(
     };
     let tagged = tag.map_or(String::new(), |t| format!(", redemption id {:?}", t.id));
     let what = format!("{named}: {} code(s) used{tagged}", applied.len());
-    audit::record(store, actor, "redeem", what).await?;
-    // The codes are used either way; the shop's event is owed, and a
-    // failure to record it is said, not hidden.
-    if let Err(e) = crate::webhooks::record_redeemed(store, applied).await {
+    // The audit record and the shop's event, written at once: the codes
+    // are used either way, so the event is owed, and a failure to record
+    // it is said, not hidden.
+    let (audited, told) = tokio::join!(
+        audit::record(store, actor, "redeem", what),
+        crate::webhooks::record_redeemed(store, applied)
+    );
+    if let Err(e) = told {
         warn!(error = %e, "codes redeemed, but their code.redeemed webhook was not recorded");
     }
+    audited?;
     Ok(done)
 }
 

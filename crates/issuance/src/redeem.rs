@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use codepool_domain::{Code, CodeStatus, LookAlikeRule};
-use codepool_store::lifecycle::{CodeRef, LifecycleError, Redeemed, RedemptionTag};
+use codepool_domain::{CodeStatus, LookAlikeRule};
+use codepool_store::lifecycle::{CodeRef, LifecycleError, Redeemed, RedemptionTag, Sold};
 use codepool_store::{Store, StoreError};
 use tokio::sync::Mutex;
 
@@ -37,7 +37,7 @@ pub struct Seen {
     pub pool: String,
     pub grant_no: Option<String>,
     pub line: u32,
-    pub issued_at: DateTime<Utc>,
+    pub issued_at: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -65,8 +65,7 @@ impl SeenState {
 impl Seen {
     /// The code as a platform may see it; `None` for a code that was never
     /// issued to an order (in stock, held, void before it was sold).
-    pub fn of(code: &Code) -> Option<Seen> {
-        let h = code.holder.as_ref()?;
+    pub fn of(code: &Sold) -> Option<Seen> {
         let state = match code.status {
             CodeStatus::Issued => SeenState::Issued,
             CodeStatus::Used => SeenState::Used { at: code.used_at },
@@ -79,9 +78,9 @@ impl Seen {
         Some(Seen {
             state,
             pool: code.pool.clone(),
-            grant_no: h.grant_no.clone(),
-            line: h.line,
-            issued_at: h.issued_at,
+            grant_no: code.grant_no.clone(),
+            line: code.line,
+            issued_at: code.issued_at,
         })
     }
 }
@@ -182,7 +181,7 @@ impl Finder {
     /// A code whose check symbol fails is not searched for in the pools
     /// whose every code carries one: when those are all the key sees, the
     /// answer is `None` with no lookup at all.
-    pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Code>, StoreError> {
+    pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Sold>, StoreError> {
         let visible = self.visible().await?;
         let mut pools = visible.for_shop(who.shop);
         if !visible.checked.is_empty() && !codepool_domain::crockford::check_ok(code) {

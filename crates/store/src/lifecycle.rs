@@ -44,14 +44,42 @@ pub enum CodeRef<'a> {
     Id(CodeId),
 }
 
-/// A redemption's own id, as the platform that redeemed named it, and who
-/// that platform is (its API key's owner, `shop:NAME` or `api-key-id:ID`).
-/// One platform's id names one redemption: the same id again is answered
-/// as before, and the id on another code is refused (a unique index).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RedemptionTag {
-    pub id: String,
-    pub by: String,
+pub use crate::codes::RedemptionTag;
+
+/// A sold code as a lookup by value finds it: what a platform may know of
+/// it, read without opening the code.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sold {
+    pub id: CodeId,
+    pub pool: String,
+    pub status: CodeStatus,
+    pub grant_no: Option<String>,
+    pub line: u32,
+    pub issued_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub used_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub voided_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub void_reason: Option<String>,
+}
+
+impl Sold {
+    fn of(d: &Document) -> Option<Sold> {
+        let time = |k: &str| d.get_datetime(k).ok().map(|t| t.to_chrono());
+        Some(Sold {
+            id: code_id(d.get_object_id("_id").ok()?),
+            pool: d.get_str("pool").ok()?.to_owned(),
+            status: CodeStatus::from_i32(d.get_i32("status").ok()?)?,
+            grant_no: d.get_str("grant_no").ok().map(str::to_owned),
+            line: match d.get("order_line") {
+                Some(Bson::Int64(l)) => u32::try_from(*l).ok()?,
+                Some(Bson::Int32(l)) => u32::try_from(*l).ok()?,
+                _ => 0,
+            },
+            issued_at: time("issued_at"),
+            used_at: time("used_at"),
+            voided_at: time("voided_at"),
+            void_reason: d.get_str("void_reason").ok().map(str::to_owned),
+        })
+    }
 }
 
 /// What a redemption did.
@@ -363,7 +391,7 @@ impl Store {
         &self,
         code: &str,
         pools: &[(String, codepool_domain::LookAlikeRule)],
-    ) -> Result<Option<Code>, StoreError> {
+    ) -> Result<Option<Sold>, StoreError> {
         if pools.is_empty() {
             return Ok(None);
         }
@@ -384,7 +412,11 @@ impl Store {
         let found: Vec<Document> = self
             .collection(CODES)
             .find(doc! {"$or": any})
-            .projection(doc! {"_id": 1, "code_any_hmac": 1, "order_id": 1, "status": 1})
+            .projection(doc! {
+                "_id": 1, "code_any_hmac": 1, "pool": 1, "order_id": 1, "status": 1,
+                "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
+                "voided_at": 1, "void_reason": 1,
+            })
             .limit(8)
             .await?
             .try_collect()
@@ -398,14 +430,10 @@ impl Store {
         // Sold: issued, used, or void with the order it was sold to (a
         // held code carries its hold's key, never sold yet).
         let sold = [CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void].map(CodeStatus::as_i32);
-        let Some(id) = chosen
+        Ok(chosen
             .filter(|d| d.contains_key("order_id"))
             .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
-            .and_then(|d| d.get_object_id("_id").ok())
-        else {
-            return Ok(None);
-        };
-        self.find_code(CodeRef::Id(code_id(id))).await
+            .and_then(Sold::of))
     }
 
     /// Voids an unissued or issued code, or every such code of an order:

@@ -17,6 +17,8 @@
 //! (`exhaustions`) and notes when (`exhausted_rearmed_at`). A shortage
 //! seen before codes came in raises nothing: it may be over.
 
+use std::ops::RangeInclusive;
+
 use bson::doc;
 use mongodb::options::ReturnDocument;
 
@@ -208,6 +210,74 @@ impl PoolSettingsError {
     }
 }
 
+/// A numeric setting: its field, the value asked, the values allowed, and
+/// the refusal of any other.
+type Ranged = (
+    &'static str,
+    Option<i64>,
+    RangeInclusive<i64>,
+    fn(i64) -> PoolSettingsError,
+);
+
+/// The settings that need no look at the pool, checked, as a `$set`.
+fn plain_settings(settings: &PoolSettings) -> Result<bson::Document, PoolSettingsError> {
+    let mut set = doc! {};
+    if let Some(n) = settings.low_stock {
+        if n < 0 {
+            return Err(PoolSettingsError::NegativeThreshold(n));
+        }
+        set.insert("low_stock", n);
+        set.insert("low_stock_alerted", false);
+    }
+    if let Some(p) = &settings.grant_prefix {
+        if !valid_grant_prefix(p) {
+            return Err(PoolSettingsError::BadPrefix(p.chars().take(40).collect()));
+        }
+        set.insert("grant_prefix", p);
+    }
+    let most = i64::from(crate::pools::MAX_REPLACEMENTS_PER_ORDER);
+    let ranged: [Ranged; 5] = [
+        (
+            "per_user",
+            settings.per_user,
+            0..=i64::from(u32::MAX),
+            PoolSettingsError::NegativePerUser,
+        ),
+        (
+            "hold_share",
+            settings.hold_share,
+            1..=100,
+            PoolSettingsError::BadHoldShare,
+        ),
+        (
+            "holds_per_uid",
+            settings.holds_per_uid,
+            1..=i64::from(u32::MAX),
+            PoolSettingsError::BadHoldsPerUid,
+        ),
+        (
+            "hold_share_per_owner",
+            settings.hold_share_per_owner,
+            1..=100,
+            PoolSettingsError::BadHoldSharePerOwner,
+        ),
+        (
+            "replacements_per_order",
+            settings.replacements_per_order,
+            0..=most,
+            PoolSettingsError::BadReplacementsPerOrder,
+        ),
+    ];
+    for (field, value, allowed, bad) in ranged {
+        let Some(n) = value else { continue };
+        if !allowed.contains(&n) {
+            return Err(bad(n));
+        }
+        set.insert(field, n);
+    }
+    Ok(set)
+}
+
 /// Checks a grant-number prefix: ASCII letters and digits only.
 pub fn valid_grant_prefix(p: &str) -> bool {
     (1..=MAX_GRANT_PREFIX_LEN).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_alphanumeric())
@@ -221,53 +291,9 @@ impl Store {
         pool: &str,
         settings: &PoolSettings,
     ) -> Result<(), PoolSettingsError> {
-        let mut set = doc! {};
-        if let Some(n) = settings.low_stock {
-            if n < 0 {
-                return Err(PoolSettingsError::NegativeThreshold(n));
-            }
-            set.insert("low_stock", n);
-            set.insert("low_stock_alerted", false);
-        }
+        let mut set = plain_settings(settings)?;
         // A new threshold: the next crossing is a new one.
         let count = settings.low_stock.is_some();
-        if let Some(p) = &settings.grant_prefix {
-            if !valid_grant_prefix(p) {
-                return Err(PoolSettingsError::BadPrefix(p.chars().take(40).collect()));
-            }
-            set.insert("grant_prefix", p);
-        }
-        if let Some(n) = settings.per_user {
-            if !(0..=i64::from(u32::MAX)).contains(&n) {
-                return Err(PoolSettingsError::NegativePerUser(n));
-            }
-            set.insert("per_user", n);
-        }
-        if let Some(n) = settings.hold_share {
-            if !(1..=100).contains(&n) {
-                return Err(PoolSettingsError::BadHoldShare(n));
-            }
-            set.insert("hold_share", n);
-        }
-        if let Some(n) = settings.holds_per_uid {
-            if !(1..=i64::from(u32::MAX)).contains(&n) {
-                return Err(PoolSettingsError::BadHoldsPerUid(n));
-            }
-            set.insert("holds_per_uid", n);
-        }
-        if let Some(n) = settings.hold_share_per_owner {
-            if !(1..=100).contains(&n) {
-                return Err(PoolSettingsError::BadHoldSharePerOwner(n));
-            }
-            set.insert("hold_share_per_owner", n);
-        }
-        if let Some(n) = settings.replacements_per_order {
-            let most = i64::from(crate::pools::MAX_REPLACEMENTS_PER_ORDER);
-            if !(0..=most).contains(&n) {
-                return Err(PoolSettingsError::BadReplacementsPerOrder(n));
-            }
-            set.insert("replacements_per_order", n);
-        }
         let lookalike = self.lookalike_settings(pool, settings).await?;
         let fixing = !lookalike.is_empty();
         set.extend(lookalike);

@@ -86,7 +86,7 @@ pub struct CodeDoc {
     /// Who redeemed the code, by which of their redemption ids (a platform
     /// redeeming by code); absent for a redemption without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub redemption: Option<crate::lifecycle::RedemptionTag>,
+    pub redemption: Option<RedemptionTag>,
     #[serde(default)]
     pub is_sms: i32,
     /// Set while the relay owes this grant its SMS-pending event.
@@ -110,6 +110,16 @@ pub struct CodeDoc {
     pub voided_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub void_reason: Option<String>,
+}
+
+/// A redemption's own id, as the platform that redeemed named it, and who
+/// that platform is (its API key's owner, `shop:NAME` or `api-key-id:ID`).
+/// One platform's id names one redemption: the same id again is answered
+/// as before, and the id on another code is refused (a unique index).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RedemptionTag {
+    pub id: String,
+    pub by: String,
 }
 
 /// One stored step of a code's SMS history.
