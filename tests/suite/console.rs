@@ -649,3 +649,61 @@ async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refus
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
+    let env = TestEnv::new("console_statement").await;
+    operator(&env, "vera", "viewer").await;
+    let codes = env.fill_pool("game-s", 12).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    for i in 1..=4 {
+        let (s, _, _) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&shop),
+            &order(&format!("S-{i}"), "game-s", 1),
+        )
+        .await;
+        assert_eq!(s, 201);
+    }
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("vera").await;
+    b.goto("/console/pools/game-s").await;
+    b.click("a[href='/console/pools/game-s/statement']").await;
+    let table = b.text("table.statement").await;
+    assert!(table.contains("ties out"), "{table}");
+    assert!(!table.contains("off by"), "{table}");
+    let total = b.text("table.statement tbody tr:last-child").await;
+    assert!(total.starts_with("Total"), "{total}");
+    let numbers: Vec<&str> = total.split_whitespace().collect();
+    assert!(
+        numbers
+            .windows(7)
+            .any(|w| w == ["12", "0", "8", "0", "4", "0", "0"]),
+        "received 12, no duplicates, 8 in stock, none held, 4 issued, none used or void: {total}"
+    );
+    b.shot("pool-statement").await;
+    let cookie = b.session_cookie().await;
+    for path in [
+        "/console/pools/game-s/statement",
+        "/console/pools/game-s/statement?format=csv",
+    ] {
+        let (status, page) = get_with(&api.addr, path, &cookie).await;
+        assert_eq!(status, 200, "{path}");
+        for c in &codes {
+            assert!(!page.contains(c.as_str()), "{path} shows code {c}");
+        }
+    }
+    let (status, _) = get_with(
+        &api.addr,
+        "/console/pools/game-s/statement?from=last+week",
+        &cookie,
+    )
+    .await;
+    assert_eq!(status, 422);
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -42,6 +42,7 @@ mod seams;
 mod secrets;
 mod shops;
 mod spans;
+mod statements;
 mod strays;
 mod webhooks;
 mod webhooks_fair;

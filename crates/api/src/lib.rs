@@ -27,6 +27,7 @@ mod replace;
 mod request;
 mod shops;
 mod state;
+mod statements;
 mod webhooks;
 
 use std::net::SocketAddr;
@@ -105,6 +106,8 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
         .routes(routes!(imports::recall))
         .routes(routes!(generations::start))
         .routes(routes!(generations::show))
+        .routes(routes!(statements::statement))
+        .routes(routes!(statements::lines))
         .routes(routes!(dead_letters::list))
         .routes(routes!(dead_letters::replay))
         .routes(routes!(shops::list, shops::create))

@@ -28,6 +28,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "pools", description = "Pools, their stock and settings (admin)"),
         (name = "imports", description = "CSV uploads of a partner's codes (admin)"),
         (name = "generations", description = "Codes generated in a pool instead of imported: random Crockford base-32 of a pattern, as an import run of its own (admin)"),
+        (name = "statements", description = "What became of every import run's codes in a period, each row checked to tie out; every move by the code's statement HMAC (admin)"),
         (name = "shops", description = "Shops: the pools each may order from (admin)"),
         (name = "webhooks", description = "A shop's webhook endpoints, deliveries and replays, to the Standard Webhooks specification (admin)"),
         (name = "dead-letters", description = "Purchases codepool could not take (admin)"),

@@ -20,6 +20,7 @@ Examples:
   codepool pool create --pool game-x
   codepool pool set --pool game-x --low-stock 500
   codepool export --pool game-x --out game-x.csv
+  codepool statement --pool game-x --from 2026-11-01 --to 2026-12-01
 
 Every server is configured by flag or environment (CODEPOOL_MONGODB_URI,
 CODEPOOL_DB, CODEPOOL_REDIS_URL, CODEPOOL_AMQP_URL); the defaults are local
@@ -29,7 +30,7 @@ losing it loses the codes.
 
 Exit codes: 0 success; 1 failure (the message says what to do next); 2 usage
 error (a wrong or missing flag); 3 partial success (import skipped invalid
-rows); 130 or 143 stopped by SIGINT or SIGTERM (import).";
+rows; a statement row does not tie out); 130 or 143 stopped by SIGINT or SIGTERM (import).";
 
 /// Hands out pre-issued activation codes: one per purchase, never twice.
 #[derive(Debug, Parser)]
@@ -70,6 +71,8 @@ pub enum Command {
     Publish(commands::publish::PublishArgs),
     /// Inventory per pool: unissued, issued, used, void, expired, backorders, hot-pool size.
     Stats(commands::stats::StatsArgs),
+    /// What became of every import's codes in a period, one row per run, each checked to tie out.
+    Statement(commands::statement::StatementArgs),
     /// Who got which code and when (codes masked unless --reveal).
     Lookup(commands::lookup::LookupArgs),
     /// Inspect and replay dead-lettered (invalid) purchases.
@@ -110,6 +113,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Webhooks(args) => commands::webhooks::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,
+        Command::Statement(args) => commands::statement::run(&cfg, args).await,
         Command::Lookup(args) => commands::lookup::run(&cfg, args).await,
         Command::DeadLetters(args) => commands::dead_letters::run(&cfg, args).await,
         Command::SmsPending(args) => commands::sms_pending::run(&cfg, args).await,

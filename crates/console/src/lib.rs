@@ -84,6 +84,10 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
         .route("/console/pools/{pool}", get(pages::pool::show))
         .route("/console/pools/{pool}/live", get(pages::pool::live))
         .route(
+            "/console/pools/{pool}/statement",
+            get(pages::statement::show),
+        )
+        .route(
             "/console/pools/{pool}/settings",
             post(pages::pool::settings),
         )

@@ -61,6 +61,7 @@ pub mod relay;
 pub mod replace;
 pub mod sessions;
 pub mod shops;
+pub mod statements;
 pub mod stock;
 pub mod telemetry;
 pub mod webhooks;

@@ -44,6 +44,7 @@ pub mod recall;
 pub mod rekey;
 pub mod replacements;
 pub mod shops;
+pub mod statements;
 pub mod stats;
 pub mod webhooks;
 

@@ -219,6 +219,21 @@ impl Keyring {
         mac.finalize().into_bytes().into()
     }
 
+    /// The statement key of `pool`: HMAC-SHA-256 of `0xFF ‖ "statement" ‖
+    /// 0x00 ‖ pool` under the HMAC key. An operator gives it to the partner
+    /// that supplies the pool, who then matches a statement's lines
+    /// ([`statement_hmac`]) with its own codes. It opens nothing: it is not
+    /// the HMAC key nor a sealing key, and tells nothing of another pool's
+    /// (the input starts with a byte no pool name, and so no other HMAC
+    /// input here, starts with).
+    pub fn statement_key(&self, pool: &str) -> [u8; 32] {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.hmac.as_ref())
+            .expect("HMAC accepts any key length");
+        mac.update(b"\xffstatement\0");
+        mac.update(pool.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
     /// HMAC-SHA-256 of `"fold" ‖ 0x00 ‖ pool ‖ 0x00 ‖ key`, where `key` is a
     /// code's look-alike key (`codepool_domain::fold`): what the unique
     /// look-alike index holds. Tagged apart from [`Keyring::code_hmac`], so
@@ -232,6 +247,15 @@ impl Keyring {
         mac.update(key.as_bytes());
         mac.finalize().into_bytes().into()
     }
+}
+
+/// HMAC-SHA-256 of a code (its UTF-8 bytes, nothing else) under a pool's
+/// statement key ([`Keyring::statement_key`]): what a statement's lines
+/// name a code by. A partner computes the same with any HMAC library.
+pub fn statement_hmac(key: &[u8; 32], code: &str) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC accepts any key length");
+    mac.update(code.as_bytes());
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]

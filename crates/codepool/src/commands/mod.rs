@@ -44,6 +44,7 @@ pub mod reveal;
 pub mod seq;
 pub mod shops;
 pub mod sms_pending;
+pub mod statement;
 pub mod stats;
 pub mod target;
 pub mod void;

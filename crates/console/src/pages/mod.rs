@@ -13,6 +13,7 @@ pub mod pools;
 pub mod shop;
 pub mod shops;
 pub mod signin;
+pub mod statement;
 
 use crate::failure::Failure;
 use crate::sessions::Session;

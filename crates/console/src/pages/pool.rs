@@ -168,6 +168,7 @@ pub async fn show(
     let imports = store.imports_of(&pool, IMPORTS_SHOWN).await?;
     let body = html! {
         h1 { "Pool " (pool) @if doc.paused { " " span.badge { "paused" } } }
+        p { a href={"/console/pools/" (url_part(&pool)) "/statement"} { "Statement: what became of every import's codes" } }
         (live_numbers(&console, &pool, &stats))
         figure.stock { (chart) figcaption { "Unissued stock over the last 24 hours." } }
         h2 { "Settings" }

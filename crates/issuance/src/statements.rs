@@ -1,0 +1,207 @@
+//! Statements, whichever door asks (`codepool statement`, `GET
+//! /v1/statements`, the console's statement page): one row per import run
+//! of a pool, with where its codes stand at the period's end and what moved
+//! in the period ([`codepool_store::statements`]), each row checked to tie
+//! out; and, line by line, every move by the code's statement HMAC, never
+//! the code.
+
+use chrono::{DateTime, NaiveDate, Utc};
+use codepool_domain::text::spreadsheet_cell;
+use codepool_store::{ObjectId, Store, StoreError};
+
+pub use codepool_store::statements::{
+    Balance, Moves, Period, Statement, StatementLine, StatementRow, Voids,
+};
+
+/// Why a statement cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum StatementError {
+    #[error("pool {0:?} does not exist; `codepool stats` lists the pools")]
+    UnknownPool(String),
+    #[error("import {import} is not a run of pool {pool:?}; `codepool statement --pool {pool}` lists its runs")]
+    UnknownImport { import: String, pool: String },
+    #[error("{0:?} is not an import run id (24 hex digits, as `codepool import` prints it)")]
+    BadImport(String),
+    #[error("the period is empty: --from {from} is not before --to {to}")]
+    EmptyPeriod { from: String, to: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What a statement covers, as a door read it.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    pub pool: String,
+    /// An import run's id (hex), for its row alone.
+    pub import: Option<String>,
+    /// The period's start (inclusive); the beginning of time when absent.
+    pub from: Option<DateTime<Utc>>,
+    /// The period's end (exclusive); now when absent.
+    pub to: Option<DateTime<Utc>>,
+}
+
+/// A moment as a door takes it: RFC 3339 (`2026-11-01T00:00:00Z`) or a day
+/// (`2026-11-01`, its start in UTC).
+pub fn parse_instant(s: &str) -> Result<DateTime<Utc>, String> {
+    let s = s.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    match NaiveDate::parse_from_str(s, "%Y-%m-%d") {
+        Ok(d) => Ok(d.and_hms_opt(0, 0, 0).expect("midnight exists").and_utc()),
+        Err(_) => Err(format!(
+            "{s:?} is not a date: write 2026-11-01 (its start, UTC) or 2026-11-01T09:30:00Z"
+        )),
+    }
+}
+
+impl Asked {
+    async fn period(&self, store: &Store) -> Result<Period<'_>, StatementError> {
+        if store.pool(&self.pool).await?.is_none() {
+            return Err(StatementError::UnknownPool(self.pool.clone()));
+        }
+        let import = match self.import.as_deref() {
+            None => None,
+            Some(i) => {
+                let id = ObjectId::parse_str(i.trim())
+                    .map_err(|_| StatementError::BadImport(i.to_owned()))?;
+                match store.import_record(id).await? {
+                    Some(r) if r.pool == self.pool => Some(id),
+                    _ => {
+                        return Err(StatementError::UnknownImport {
+                            import: i.to_owned(),
+                            pool: self.pool.clone(),
+                        })
+                    }
+                }
+            }
+        };
+        let from = self.from.unwrap_or(DateTime::UNIX_EPOCH);
+        let to = self.to.unwrap_or_else(Utc::now);
+        if from >= to {
+            return Err(StatementError::EmptyPeriod {
+                from: from.to_rfc3339(),
+                to: to.to_rfc3339(),
+            });
+        }
+        Ok(Period {
+            pool: &self.pool,
+            import,
+            from: bson::DateTime::from_chrono(from),
+            to: bson::DateTime::from_chrono(to),
+        })
+    }
+}
+
+/// The statement `a` asks for, read in one snapshot.
+#[tracing::instrument(skip(store), fields(pool = %a.pool))]
+pub async fn statement(store: &Store, a: &Asked) -> Result<Statement, StatementError> {
+    let p = a.period(store).await?;
+    Ok(store.statement(&p).await?)
+}
+
+/// Every move in the period `a` asks for, by statement HMAC, given to
+/// `each` one by one until it answers `Break`; returns how many it got.
+#[tracing::instrument(skip(store, each), fields(pool = %a.pool))]
+pub async fn lines(
+    store: &Store,
+    a: &Asked,
+    each: &mut (dyn FnMut(StatementLine) -> std::ops::ControlFlow<()> + Send),
+) -> Result<u64, StatementError> {
+    let p = a.period(store).await?;
+    let key = store.statement_key(&a.pool)?;
+    Ok(store.statement_lines(&p, &key, each).await?)
+}
+
+/// The pool's statement key, in hex, for the operator to hand to the
+/// partner who supplies the pool.
+pub async fn statement_key(store: &Store, pool: &str) -> Result<String, StatementError> {
+    if store.pool(pool).await?.is_none() {
+        return Err(StatementError::UnknownPool(pool.to_owned()));
+    }
+    Ok(hex::encode(store.statement_key(pool)?))
+}
+
+/// The CSV header of a statement's rows.
+pub const CSV_HEADER: [&str; 25] = [
+    "import",
+    "source",
+    "file",
+    "started_at",
+    "run",
+    "duplicates",
+    "received",
+    "recorded",
+    "in_stock",
+    "held",
+    "issued",
+    "used",
+    "void_refund",
+    "void_replaced",
+    "void_recalled",
+    "void_expired",
+    "void_other",
+    "moved_received",
+    "moved_issued",
+    "moved_used",
+    "moved_void_refund",
+    "moved_void_replaced",
+    "moved_void_recalled",
+    "moved_void_expired",
+    "moved_void_other",
+];
+
+fn voids(v: &Voids) -> [String; 5] {
+    [v.refund, v.replaced, v.recalled, v.expired, v.other].map(|n| n.to_string())
+}
+
+/// A row as CSV cells (in [`CSV_HEADER`]'s order, then `unaccounted` and
+/// `off_by`); text a spreadsheet would run as a formula is neutered.
+pub fn csv_cells(r: &StatementRow) -> Vec<String> {
+    let (b, m) = (&r.balance, &r.moves);
+    let mut cells = vec![
+        r.import.clone().unwrap_or_default(),
+        r.source.clone(),
+        spreadsheet_cell(r.file.as_deref().unwrap_or_default()).into_owned(),
+        r.started_at.map(|t| t.to_rfc3339()).unwrap_or_default(),
+        r.run.clone().unwrap_or_default(),
+        r.duplicates.to_string(),
+        r.received.to_string(),
+        r.recorded.map(|n| n.to_string()).unwrap_or_default(),
+        b.in_stock.to_string(),
+        b.held.to_string(),
+        b.issued.to_string(),
+        b.used.to_string(),
+    ];
+    cells.extend(voids(&b.void));
+    cells.extend([m.received, m.issued, m.used].map(|n| n.to_string()));
+    cells.extend(voids(&m.void));
+    cells.extend([r.unaccounted.to_string(), r.off_by().to_string()]);
+    cells
+}
+
+/// The whole statement as CSV: a header, a row per run, and the total.
+pub fn csv(s: &Statement) -> String {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let mut header: Vec<&str> = CSV_HEADER.to_vec();
+    header.extend(["unaccounted", "off_by"]);
+    let _ = w.write_record(&header);
+    for r in s.rows.iter().chain([&s.total]) {
+        let _ = w.write_record(csv_cells(r));
+    }
+    String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default()
+}
+
+/// The CSV header of a statement's lines.
+pub const LINES_HEADER: [&str; 5] = ["at", "move", "reason", "import", "code_hmac"];
+
+/// A line as CSV cells (in [`LINES_HEADER`]'s order).
+pub fn line_cells(l: &StatementLine) -> [String; 5] {
+    [
+        l.at.to_rfc3339(),
+        l.kind.clone(),
+        spreadsheet_cell(l.reason.as_deref().unwrap_or_default()).into_owned(),
+        l.import.clone().unwrap_or_default(),
+        l.code_hmac.clone(),
+    ]
+}

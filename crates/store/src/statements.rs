@@ -1,0 +1,582 @@
+//! Statements: what became of every import's codes, one row per import run
+//! (a file or a generation run), for an operator to check a partner's bill.
+//!
+//! A row has two halves:
+//! - the **balance at the period's end**: every code the run put in by then
+//!   is in stock, held, issued, used or void (void split by reason). The
+//!   row ties out when they add up to what was received, and to what the
+//!   run itself recorded when it finished before the end;
+//! - the **moves in the period**, counted by the time of each move (a code
+//!   imported in March and sold in April counts as issued in April): two
+//!   back-to-back periods add up to the period that spans both.
+//!
+//! Everything is read in one snapshot session: the aggregation and the
+//! import records see the database at one point in time, so a claim made
+//! while the statement runs is either in every figure or in none.
+//!
+//! A balance at an end in the past is worked out from the moves' times. A
+//! code's hold leaves no time once it ends, so "held" at a past end counts
+//! the codes held then and still held now; a hold that ended since is
+//! counted in stock.
+
+use std::ops::ControlFlow;
+
+use bson::oid::ObjectId;
+use bson::{doc, Bson, DateTime, Document};
+use codepool_domain::CodeStatus;
+use serde::Serialize;
+
+use crate::codes::CODES;
+use crate::crypto::open_code;
+use crate::imports::{ImportRecord, IMPORTS, SOURCE_GENERATED};
+use crate::replacements::REPLACED_REASON;
+use crate::{lifecycle::EXPIRED_REASON, Store, StoreError};
+
+/// Why codes became void, as a statement splits them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct Voids {
+    /// Voided by an operator or a shop for a refund (`--reason refund`).
+    pub refund: u64,
+    /// Voided because a replacement took their line.
+    pub replaced: u64,
+    /// Voided by a recall of their import.
+    pub recalled: u64,
+    /// Voided by the expiry sweep.
+    pub expired: u64,
+    /// Voided for any other reason.
+    pub other: u64,
+}
+
+impl Voids {
+    pub fn total(&self) -> u64 {
+        self.refund + self.replaced + self.recalled + self.expired + self.other
+    }
+
+    fn add(&mut self, o: &Voids) {
+        self.refund += o.refund;
+        self.replaced += o.replaced;
+        self.recalled += o.recalled;
+        self.expired += o.expired;
+        self.other += o.other;
+    }
+}
+
+/// Where the codes of a run stand at the period's end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct Balance {
+    pub in_stock: u64,
+    pub held: u64,
+    /// Sold and not (yet) used or void.
+    pub issued: u64,
+    pub used: u64,
+    pub void: Voids,
+}
+
+impl Balance {
+    pub fn total(&self) -> u64 {
+        self.in_stock + self.held + self.issued + self.used + self.void.total()
+    }
+}
+
+/// What happened to a run's codes within the period.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct Moves {
+    /// Codes the run put in.
+    pub received: u64,
+    /// Codes sold to an order (a replacement's new code included).
+    pub issued: u64,
+    pub used: u64,
+    pub void: Voids,
+}
+
+/// One import run's row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct StatementRow {
+    /// The run (its id is `codepool import`'s and `codepool generate`'s run
+    /// id); `None` for codes imported before runs were recorded.
+    pub import: Option<String>,
+    /// `file` or `generated`.
+    pub source: String,
+    /// The file's name (a generation run's pattern).
+    pub file: Option<String>,
+    pub started_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The run's state: `done`, `running`, `failed`, ….
+    pub run: Option<String>,
+    /// Rows of the file refused as duplicates by the run.
+    pub duplicates: u64,
+    /// Codes of the run in the pool by the period's end.
+    pub received: u64,
+    /// How many codes the run recorded it put in, when it finished before
+    /// the period's end (else the run is not finished then, and only the
+    /// codes count).
+    pub recorded: Option<u64>,
+    pub balance: Balance,
+    pub moves: Moves,
+    /// Codes in no state (a sold code with no time of sale, a void one with
+    /// no time of void, an unknown status): each is a bug.
+    pub unaccounted: u64,
+}
+
+impl StatementRow {
+    /// By how much the row fails to tie out (0 when it does): codes in no
+    /// state, and the difference between the codes found and the count
+    /// the run recorded.
+    pub fn off_by(&self) -> u64 {
+        let found = self.balance.total() + self.unaccounted;
+        let recorded = self.recorded.map_or(0, |n| n.abs_diff(found));
+        self.unaccounted + recorded
+    }
+
+    /// Why the row does not tie out, in words; `None` when it does.
+    pub fn discrepancy(&self) -> Option<String> {
+        if self.off_by() == 0 {
+            return None;
+        }
+        let name = self.import.as_deref().unwrap_or("(codes without a run)");
+        let mut why = Vec::new();
+        if let Some(n) = self.recorded {
+            let found = self.balance.total() + self.unaccounted;
+            if n != found {
+                why.push(format!(
+                    "the run recorded {n} codes put in, and {found} of it are in the pool"
+                ));
+            }
+        }
+        if self.unaccounted > 0 {
+            why.push(format!(
+                "{} of its codes are in no state (sold with no time of sale, void with no time of void, or an unknown status)",
+                self.unaccounted
+            ));
+        }
+        Some(format!(
+            "import {name} is off by {}: {}",
+            self.off_by(),
+            why.join("; ")
+        ))
+    }
+}
+
+/// A statement: its period, its rows, and their sum.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct Statement {
+    pub pool: String,
+    pub from: chrono::DateTime<chrono::Utc>,
+    pub to: chrono::DateTime<chrono::Utc>,
+    pub rows: Vec<StatementRow>,
+    pub total: StatementRow,
+}
+
+impl Statement {
+    /// The rows that do not tie out.
+    pub fn discrepancies(&self) -> Vec<String> {
+        self.rows
+            .iter()
+            .filter_map(StatementRow::discrepancy)
+            .collect()
+    }
+}
+
+/// One code's move in the period, by the statement HMAC of the code
+/// (never the code): a partner matches it with its own HMACs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct StatementLine {
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// `received`, `issued`, `used` or `void`.
+    #[serde(rename = "move")]
+    pub kind: String,
+    /// Why it became void (`refund`, `replaced`, `recalled`, `expired` or
+    /// the operator's words); `None` for the other moves.
+    pub reason: Option<String>,
+    pub import: Option<String>,
+    /// HMAC-SHA-256 of the code under the pool's statement key, in hex.
+    pub code_hmac: String,
+}
+
+/// Which statement.
+#[derive(Debug, Clone, Copy)]
+pub struct Period<'a> {
+    pub pool: &'a str,
+    /// Only this run.
+    pub import: Option<ObjectId>,
+    pub from: DateTime,
+    pub to: DateTime,
+}
+
+impl Period<'_> {
+    fn codes(&self) -> Document {
+        let mut q = doc! {"pool": self.pool, "created_at": {"$lt": self.to}};
+        if let Some(i) = self.import {
+            q.insert("batch_id", i);
+        }
+        q
+    }
+}
+
+fn is_date(f: &str) -> Bson {
+    Bson::from(doc! {"$eq": [{"$type": format!("${f}")}, "date"]})
+}
+
+fn before(f: &str, t: DateTime) -> Bson {
+    Bson::from(doc! {"$and": [is_date(f), {"$lt": [format!("${f}"), t]}]})
+}
+
+fn not_before(f: &str, t: DateTime) -> Bson {
+    Bson::from(doc! {"$and": [is_date(f), {"$gte": [format!("${f}"), t]}]})
+}
+
+fn within(f: &str, from: DateTime, to: DateTime) -> Bson {
+    Bson::from(
+        doc! {"$and": [is_date(f), {"$gte": [format!("${f}"), from]}, {"$lt": [format!("${f}"), to]}]},
+    )
+}
+
+fn status_is(s: CodeStatus) -> Bson {
+    Bson::from(doc! {"$eq": ["$status", s.as_i32()]})
+}
+
+/// The void reason's class, as a `$switch`: `recalled` for a code its
+/// import's recall voided, else by the recorded reason.
+fn void_class() -> Bson {
+    Bson::from(doc! {"$switch": {
+        "branches": [
+            {"case": {"$eq": [{"$type": "$recalled_by"}, "objectId"]}, "then": "recalled"},
+            {"case": {"$eq": ["$void_reason", EXPIRED_REASON]}, "then": "expired"},
+            {"case": {"$eq": ["$void_reason", REPLACED_REASON]}, "then": "replaced"},
+            {"case": {"$eq": ["$void_reason", "refund"]}, "then": "refund"},
+        ],
+        "default": "other",
+    }})
+}
+
+/// Each code's state at `to`, as a `$switch` (see the module's words).
+fn state_at(to: DateTime) -> Bson {
+    let void = status_is(CodeStatus::Void);
+    let void_later = Bson::from(doc! {"$and": [void.clone(), not_before("voided_at", to)]});
+    let used = status_is(CodeStatus::Used);
+    let used_later = Bson::from(doc! {"$and": [used.clone(), not_before("used_at", to)]});
+    let sold = Bson::from(
+        doc! {"$or": [status_is(CodeStatus::Issued), used_later.clone(), used.clone(), void_later.clone()]},
+    );
+    let held = status_is(CodeStatus::Held);
+    Bson::from(doc! {"$switch": {
+        "branches": [
+            {"case": {"$and": [void, before("voided_at", to)]}, "then": "void"},
+            {"case": {"$and": [before("used_at", to), {"$or": [used, void_later.clone()]}]}, "then": "used"},
+            {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Issued), used_later.clone(), void_later.clone()]}]}, "then": "issued"},
+            {"case": {"$and": [held.clone(), before("issued_at", to)]}, "then": "held"},
+            {"case": {"$or": [
+                status_is(CodeStatus::Unissued),
+                {"$and": [{"$or": [held, sold]}, not_before("issued_at", to)]},
+                {"$and": [void_later, {"$not": [is_date("issued_at")]}]},
+            ]}, "then": "in_stock"},
+        ],
+        "default": "unaccounted",
+    }})
+}
+
+fn count_if(cond: Bson) -> Bson {
+    Bson::from(doc! {"$sum": {"$cond": [cond, 1, 0]}})
+}
+
+/// The `$group` stage: one document per run with every figure.
+fn group(p: &Period) -> Document {
+    let (from, to) = (p.from, p.to);
+    let mut g = doc! {"_id": "$batch_id"};
+    for s in ["in_stock", "held", "issued", "used", "unaccounted"] {
+        g.insert(
+            format!("b_{s}"),
+            count_if(Bson::from(doc! {"$eq": ["$s", s]})),
+        );
+    }
+    let sold = doc! {"$in": ["$status", [CodeStatus::Issued.as_i32(), CodeStatus::Used.as_i32(), CodeStatus::Void.as_i32()]]};
+    g.insert("m_received", count_if(within("created_at", from, to)));
+    g.insert(
+        "m_issued",
+        count_if(Bson::from(
+            doc! {"$and": [sold, within("issued_at", from, to)]},
+        )),
+    );
+    g.insert("m_used", count_if(within("used_at", from, to)));
+    for r in ["refund", "replaced", "recalled", "expired", "other"] {
+        let is = Bson::from(doc! {"$eq": ["$v", r]});
+        g.insert(
+            format!("bv_{r}"),
+            count_if(Bson::from(
+                doc! {"$and": [{"$eq": ["$s", "void"]}, is.clone()]},
+            )),
+        );
+        g.insert(
+            format!("mv_{r}"),
+            count_if(Bson::from(
+                doc! {"$and": [status_is(CodeStatus::Void), within("voided_at", from, to), is]},
+            )),
+        );
+    }
+    g.insert("received", doc! {"$sum": 1});
+    g
+}
+
+fn n(d: &Document, k: &str) -> u64 {
+    match d.get(k) {
+        Some(Bson::Int32(v)) => *v as u64,
+        Some(Bson::Int64(v)) => *v as u64,
+        Some(Bson::Double(v)) => *v as u64,
+        _ => 0,
+    }
+}
+
+fn voids(d: &Document, prefix: &str) -> Voids {
+    let v = |r: &str| n(d, &format!("{prefix}{r}"));
+    Voids {
+        refund: v("refund"),
+        replaced: v("replaced"),
+        recalled: v("recalled"),
+        expired: v("expired"),
+        other: v("other"),
+    }
+}
+
+fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRow {
+    let import = d.get_object_id("_id").ok().map(|i| i.to_hex());
+    let finished = run.filter(|r| r.status == "done" && r.finished_at.is_some_and(|f| f < to));
+    StatementRow {
+        import,
+        source: run
+            .map_or("file", |r| match r.source.as_deref() {
+                Some(SOURCE_GENERATED) => "generated",
+                _ => "file",
+            })
+            .to_owned(),
+        file: run.map(|r| match &r.generation {
+            Some(g) => g.pattern.clone(),
+            None => r.file.clone(),
+        }),
+        started_at: run.map(|r| r.started_at.to_chrono()),
+        run: run.map(|r| r.status.clone()),
+        duplicates: run.map_or(0, |r| r.duplicates),
+        received: n(d, "received"),
+        recorded: finished.map(|r| r.inserted),
+        balance: Balance {
+            in_stock: n(d, "b_in_stock"),
+            held: n(d, "b_held"),
+            issued: n(d, "b_issued"),
+            used: n(d, "b_used"),
+            void: voids(d, "bv_"),
+        },
+        moves: Moves {
+            received: n(d, "m_received"),
+            issued: n(d, "m_issued"),
+            used: n(d, "m_used"),
+            void: voids(d, "mv_"),
+        },
+        unaccounted: n(d, "b_unaccounted"),
+    }
+}
+
+fn sum(pool: &str, rows: &[StatementRow]) -> StatementRow {
+    let mut t = StatementRow {
+        import: None,
+        source: "total".into(),
+        file: Some(format!("pool {pool}")),
+        started_at: None,
+        run: None,
+        duplicates: 0,
+        received: 0,
+        recorded: None,
+        balance: Balance::default(),
+        moves: Moves::default(),
+        unaccounted: 0,
+    };
+    for r in rows {
+        t.duplicates += r.duplicates;
+        t.received += r.received;
+        t.unaccounted += r.unaccounted;
+        let (b, m) = (&r.balance, &r.moves);
+        t.balance.in_stock += b.in_stock;
+        t.balance.held += b.held;
+        t.balance.issued += b.issued;
+        t.balance.used += b.used;
+        t.balance.void.add(&b.void);
+        t.moves.received += m.received;
+        t.moves.issued += m.issued;
+        t.moves.used += m.used;
+        t.moves.void.add(&m.void);
+    }
+    t
+}
+
+impl Store {
+    /// The statement key of `pool` ([`codepool_vault::Keyring::statement_key`]).
+    pub fn statement_key(&self, pool: &str) -> Result<[u8; 32], StoreError> {
+        Ok(self.keys.ring()?.statement_key(pool))
+    }
+
+    /// The statement of `p`, read in one snapshot.
+    pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
+        let mut session = self.client().start_session().snapshot(true).await?;
+        let pipeline = vec![
+            doc! {"$match": p.codes()},
+            doc! {"$set": {"s": state_at(p.to), "v": void_class()}},
+            doc! {"$group": group(p)},
+            doc! {"$sort": {"_id": 1}},
+        ];
+        let mut cursor = self
+            .collection(CODES)
+            .aggregate(pipeline)
+            .session(&mut session)
+            .await?;
+        let mut groups = Vec::new();
+        while let Some(d) = cursor.next(&mut session).await {
+            groups.push(d?);
+        }
+        let mut q = doc! {"pool": p.pool, "started_at": {"$lt": p.to}};
+        if let Some(i) = p.import {
+            q.insert("_id", i);
+        }
+        let mut runs_cursor = self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(q)
+            .sort(doc! {"_id": 1})
+            .session(&mut session)
+            .await?;
+        let mut runs = Vec::new();
+        while let Some(r) = runs_cursor.next(&mut session).await {
+            runs.push(r?);
+        }
+        let mut rows: Vec<StatementRow> = groups
+            .iter()
+            .map(|g| {
+                let id = g.get_object_id("_id").ok();
+                let run = runs.iter().find(|r| Some(r.id) == id);
+                row_of(g, run, p.to)
+            })
+            .collect();
+        // Runs that put no code in (every row a duplicate, or a run that
+        // failed before its first batch) still have their row.
+        for r in &runs {
+            if !rows.iter().any(|row| row.import == Some(r.id.to_hex())) {
+                rows.push(row_of(&doc! {"_id": r.id}, Some(r), p.to));
+            }
+        }
+        rows.sort_by(|a, b| (a.started_at, &a.import).cmp(&(b.started_at, &b.import)));
+        let total = sum(p.pool, &rows);
+        Ok(Statement {
+            pool: p.pool.to_owned(),
+            from: p.from.to_chrono(),
+            to: p.to.to_chrono(),
+            rows,
+            total,
+        })
+    }
+
+    /// Every move of `p`'s codes in the period, code by code (in the order
+    /// the codes were stored, each code's moves in time order), with the
+    /// code's HMAC under `key` (the pool's statement key): `each` is called
+    /// once per move, and stops the listing by answering `Break`. Read in
+    /// one snapshot. Returns how many moves `each` was given.
+    pub async fn statement_lines(
+        &self,
+        p: &Period<'_>,
+        key: &[u8; 32],
+        each: &mut (dyn FnMut(StatementLine) -> ControlFlow<()> + Send),
+    ) -> Result<u64, StoreError> {
+        let mut session = self.client().start_session().snapshot(true).await?;
+        let mut q = p.codes();
+        let moved: Vec<Document> = ["created_at", "issued_at", "used_at", "voided_at"]
+            .iter()
+            .map(|f| doc! {*f: {"$gte": p.from, "$lt": p.to}})
+            .collect();
+        q.insert("$or", moved);
+        let fields = doc! {
+            "pool": 1, "code": 1, "code_enc": 1, "key_id": 1, "status": 1, "batch_id": 1,
+            "created_at": 1, "issued_at": 1, "used_at": 1, "voided_at": 1, "void_reason": 1,
+            "recalled_by": 1,
+        };
+        let mut cursor = self
+            .collection(CODES)
+            .find(q)
+            .projection(fields)
+            .sort(doc! {"_id": 1})
+            .session(&mut session)
+            .await?;
+        let mut count = 0;
+        while let Some(d) = cursor.next(&mut session).await {
+            for line in moves_of(self, &d?, p, key)? {
+                count += 1;
+                if each(line).is_break() {
+                    return Ok(count);
+                }
+            }
+        }
+        Ok(count)
+    }
+}
+
+/// One code's moves within `p`'s period.
+fn moves_of(
+    store: &Store,
+    d: &Document,
+    p: &Period,
+    key: &[u8; 32],
+) -> Result<Vec<StatementLine>, StoreError> {
+    let id = d
+        .get_object_id("_id")
+        .map_err(|_| corrupt("a code without an _id"))?;
+    let sealed = match (d.get_str("key_id"), d.get_binary_generic("code_enc")) {
+        (Ok(k), Ok(b)) => Some((k, b.as_slice())),
+        _ => None,
+    };
+    let code = open_code(&store.keys, p.pool, id, sealed, d.get_str("code").ok())?;
+    let code_hmac = hex::encode(codepool_vault::statement_hmac(key, &code));
+    let status = d.get_i32("status").ok().and_then(CodeStatus::from_i32);
+    let time = |f: &str| {
+        d.get_datetime(f)
+            .ok()
+            .copied()
+            .filter(|t| *t >= p.from && *t < p.to)
+    };
+    let sold = matches!(
+        status,
+        Some(CodeStatus::Issued | CodeStatus::Used | CodeStatus::Void)
+    );
+    let reason = || {
+        if d.get_object_id("recalled_by").is_ok() {
+            "recalled".to_owned()
+        } else {
+            d.get_str("void_reason").unwrap_or("other").to_owned()
+        }
+    };
+    let mut out = Vec::new();
+    let mut add = |at: Option<DateTime>, kind: &str, reason: Option<String>| {
+        if let Some(at) = at {
+            out.push(StatementLine {
+                at: at.to_chrono(),
+                kind: kind.to_owned(),
+                reason,
+                import: d.get_object_id("batch_id").ok().map(|i| i.to_hex()),
+                code_hmac: code_hmac.clone(),
+            });
+        }
+    };
+    add(time("created_at"), "received", None);
+    add(time("issued_at").filter(|_| sold), "issued", None);
+    add(time("used_at"), "used", None);
+    if status == Some(CodeStatus::Void) {
+        add(time("voided_at"), "void", Some(reason()));
+    }
+    out.sort_by_key(|l| l.at);
+    Ok(out)
+}
+
+fn corrupt(message: &str) -> StoreError {
+    StoreError::Corrupt {
+        collection: CODES.into(),
+        message: message.into(),
+    }
+}

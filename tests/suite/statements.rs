@@ -1,0 +1,466 @@
+//! Statements (issue 56 item 2) on the real servers, through real `codepool`
+//! and `codepool api` processes: after a mix of orders, holds, a refund, a
+//! redemption, a replacement, an expiry and a recall, every row ties out,
+//! its balance matches the codes' own statuses, two back-to-back periods
+//! add up to the whole, the `--lines` HMACs match Python's HMAC-SHA256
+//! under the statement key, no output holds a code, and a row broken
+//! behind codepool's back exits 3 naming the row and the difference.
+
+use std::collections::{BTreeMap, HashSet};
+
+use bson::doc;
+use futures::TryStreamExt;
+use serde_json::{json, Value};
+
+use crate::api::{http, json_of, key, order, ApiServer};
+use crate::common::*;
+
+/// `codepool statement …` with its exit code, stdout and stderr.
+async fn statement(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let mut all = vec!["statement"];
+    all.extend_from_slice(args);
+    let out = env.command(&all).output().await.unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The JSON statement of `pool` over `[from, to)`; panics unless it ties out.
+async fn rows(env: &TestEnv, pool: &str, from: &str, to: &str) -> Value {
+    let (rc, out, err) =
+        statement(env, &["--pool", pool, "--from", from, "--to", to, "--json"]).await;
+    assert_eq!(rc, 0, "the statement ties out: {err}{out}");
+    serde_json::from_str(&out).expect("JSON")
+}
+
+/// Each run's row by import id.
+fn by_import(s: &Value) -> BTreeMap<String, Value> {
+    s["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["import"].as_str().unwrap_or("-").to_owned(), r.clone()))
+        .collect()
+}
+
+/// Adds the numbers of two JSON objects of the same shape.
+fn add(a: &Value, b: &Value) -> Value {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            Value::Object(x.iter().map(|(k, v)| (k.clone(), add(v, &y[k]))).collect())
+        }
+        (Value::Number(x), Value::Number(y)) => json!(x.as_u64().unwrap() + y.as_u64().unwrap()),
+        _ => panic!("not the same shape: {a} {b}"),
+    }
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Waits until the clock is past `t` (moves in the same millisecond as a
+/// period's boundary would fall in one period or the other by chance).
+async fn boundary() -> String {
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let t = now();
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    t
+}
+
+async fn post(api: &ApiServer, key: &str, path: &str, body: &[u8]) -> Value {
+    let (status, _, b) = http(&api.addr, "POST", path, Some(key), body).await;
+    assert!(
+        (200..300).contains(&status),
+        "{path}: {status} {}",
+        String::from_utf8_lossy(&b)
+    );
+    json_of(&b)
+}
+
+/// Imports `rows` (a CSV body) into `pool` as file `name`; its run id.
+async fn import(env: &TestEnv, pool: &str, name: &str, rows: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("statements-{}", suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(name);
+    std::fs::write(&file, rows).unwrap();
+    let out = env
+        .command(&["import", file.to_str().unwrap(), "--pool", pool, "--json"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    v["import_id"]
+        .as_str()
+        .or(v["run_id"].as_str())
+        .expect("a run id")
+        .to_owned()
+}
+
+/// The codes of `pool` now, counted by run and status (as the checker
+/// counts them), independently of the statement's own reading.
+async fn statuses(env: &TestEnv, pool: &str) -> BTreeMap<String, [u64; 5]> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(doc! {"pool": pool})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let mut out: BTreeMap<String, [u64; 5]> = BTreeMap::new();
+    for d in docs {
+        let run = d.get_object_id("batch_id").unwrap().to_hex();
+        out.entry(run).or_default()[d.get_i32("status").unwrap() as usize] += 1;
+    }
+    out
+}
+
+fn total_void(v: &Value) -> u64 {
+    ["refund", "replaced", "recalled", "expired", "other"]
+        .iter()
+        .map(|r| v[r].as_u64().unwrap())
+        .sum()
+}
+
+/// Every plaintext code of `pool`.
+async fn plaintexts(env: &TestEnv, pool: &str) -> Vec<String> {
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .find(doc! {"pool": pool})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    docs.iter().map(|d| env.plain_code(d)).collect()
+}
+
+/// Python's own HMAC-SHA256 of each code under `key_hex`.
+async fn python_hmacs(key_hex: &str, codes: &[String]) -> HashSet<String> {
+    let python = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../.services/venv/bin/python"
+    );
+    let script = "import hmac, hashlib, sys\nk = bytes.fromhex(sys.argv[1])\nfor c in sys.stdin.read().split('\\n'):\n    if c: print(hmac.new(k, c.encode(), hashlib.sha256).hexdigest())\n";
+    let mut child = tokio::process::Command::new(python)
+        .args(["-c", script, key_hex])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the project's Python (make services makes it)");
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(codes.join("\n").as_bytes()).await.unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
+    let env = TestEnv::new("statements_mix").await;
+    let past = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let mut a = String::from("code,expires_at\n");
+    for i in 1..=20 {
+        let exp = if i <= 3 { past.as_str() } else { "" };
+        a.push_str(&format!("STA-{i:04},{exp}\n"));
+    }
+    a.push_str("STA-0005,\n");
+    let run_a = import(&env, "st", "a.csv", &a).await;
+    let b: String = std::iter::once("code\n".to_owned())
+        .chain((1..=6).map(|i| format!("STB-{i:04}\n")))
+        .collect();
+    let run_b = import(&env, "st", "b.csv", &b).await;
+    let t0 = boundary().await;
+
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    for i in 1..=6 {
+        post(
+            &api,
+            &shop,
+            "/v1/orders",
+            &order(&format!("O-{i}"), "st", 1),
+        )
+        .await;
+    }
+    let hold = |id: &str| {
+        json!({"hold_id": id, "uid": format!("buyer-{id}"), "items": [{"pool": "st", "quantity": 1}]})
+            .to_string()
+            .into_bytes()
+    };
+    for id in ["H-1", "H-2", "H-3"] {
+        post(&api, &shop, "/v1/holds", &hold(id)).await;
+    }
+    let (s, _, _) = http(&api.addr, "DELETE", "/v1/holds/H-3", Some(&shop), b"").await;
+    assert!((200..300).contains(&s), "H-3 released: {s}");
+    post(
+        &api,
+        &shop,
+        "/v1/orders/O-1/void",
+        br#"{"reason":"refund"}"#,
+    )
+    .await;
+    codepool_ok(&env, &["redeem", "--order", "O-2"]).await;
+    post(
+        &api,
+        &shop,
+        "/v1/orders/O-3/lines/0/replace",
+        br#"{"replacement_id":"R-1","reason":"code rejected"}"#,
+    )
+    .await;
+    let t1 = boundary().await;
+
+    codepool_ok(&env, &["expire", "--pool", "st"]).await;
+    codepool_ok(&env, &["void", "--import", &run_b, "--reason", "leak"]).await;
+    for i in 7..=8 {
+        post(
+            &api,
+            &shop,
+            "/v1/orders",
+            &order(&format!("O-{i}"), "st", 1),
+        )
+        .await;
+    }
+    let t2 = boundary().await;
+
+    let whole = rows(&env, "st", "2000-01-01", &t2).await;
+    let first = rows(&env, "st", "2000-01-01", &t1).await;
+    let second = rows(&env, "st", &t1, &t2).await;
+    let before = rows(&env, "st", "2000-01-01", &t0).await;
+    let (w, f, s) = (by_import(&whole), by_import(&first), by_import(&second));
+    assert_eq!(w.keys().collect::<Vec<_>>().len(), 2, "{whole}");
+
+    // The balance at the end matches the codes' statuses, counted apart.
+    let now = statuses(&env, "st").await;
+    for (run, row) in &w {
+        let [unissued, issued, used, void, held] = now[run];
+        let bal = &row["balance"];
+        assert_eq!(bal["in_stock"], unissued, "{run}: {row}");
+        assert_eq!(bal["issued"], issued, "{run}: {row}");
+        assert_eq!(bal["used"], used, "{run}: {row}");
+        assert_eq!(total_void(&bal["void"]), void, "{run}: {row}");
+        assert_eq!(bal["held"], held, "{run}: {row}");
+        assert_eq!(row["received"], unissued + issued + used + void + held);
+        assert_eq!(
+            row["recorded"], row["received"],
+            "the run's own count: {row}"
+        );
+        assert_eq!(row["unaccounted"], 0);
+    }
+    assert_eq!(w[&run_a]["received"], 20);
+    assert_eq!(w[&run_a]["duplicates"], 1);
+    assert_eq!(w[&run_b]["received"], 6);
+
+    // What moved, counted by the move's time.
+    let total = &whole["total"];
+    assert_eq!(
+        total["moves"]["issued"], 9,
+        "8 orders and a replacement: {total}"
+    );
+    assert_eq!(total["moves"]["used"], 1);
+    assert_eq!(
+        total["balance"]["held"], 2,
+        "H-1 and H-2 are live; H-3's code is back"
+    );
+    let voids = &total["moves"]["void"];
+    assert_eq!(voids["refund"], 1, "{total}");
+    assert_eq!(voids["replaced"], 1, "{total}");
+    assert_eq!(voids["expired"], 3, "{total}");
+    assert_eq!(voids["other"], 0, "{total}");
+    let recalled = now[&run_b][3];
+    assert!(recalled > 0);
+    assert_eq!(
+        voids["recalled"].as_u64().unwrap(),
+        recalled
+            - w[&run_b]["moves"]["void"]["refund"].as_u64().unwrap()
+            - w[&run_b]["moves"]["void"]["replaced"].as_u64().unwrap()
+    );
+    assert_eq!(
+        first["total"]["moves"]["void"]["expired"], 0,
+        "the expiry came after t1"
+    );
+    assert_eq!(second["total"]["moves"]["received"], 0);
+    assert_eq!(before["total"]["moves"]["issued"], 0);
+    assert_eq!(
+        before["total"]["balance"]["in_stock"], 26,
+        "nothing sold before t0"
+    );
+
+    // Two back-to-back periods add up to the whole; the later one's
+    // balance is the whole's.
+    for run in w.keys() {
+        assert_eq!(
+            add(&f[run]["moves"], &s[run]["moves"]),
+            w[run]["moves"],
+            "{run}"
+        );
+        assert_eq!(s[run]["balance"], w[run]["balance"], "{run}");
+        assert_eq!(
+            f[run]["balance"]["in_stock"].as_u64().unwrap()
+                + f[run]["balance"]["held"].as_u64().unwrap()
+                + f[run]["balance"]["issued"].as_u64().unwrap()
+                + f[run]["balance"]["used"].as_u64().unwrap()
+                + total_void(&f[run]["balance"]["void"]),
+            f[run]["received"].as_u64().unwrap(),
+            "{run}: the first period's balance ties out"
+        );
+    }
+
+    // The API gives the same statement.
+    let admin = key(&env, "ops", "admin").await;
+    let path = format!(
+        "/v1/statements?pool=st&from=2000-01-01&to={}",
+        t2.replace('+', "%2B")
+    );
+    let (status, _, body) = http(&api.addr, "GET", &path, Some(&admin), b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let from_api = json_of(&body);
+    assert_eq!(from_api["rows"], whole["rows"]);
+    assert_eq!(from_api["discrepancies"], json!([]));
+    let (status, _, _) = http(&api.addr, "GET", &path, Some(&shop), b"").await;
+    assert_eq!(status, 403, "a shop's key gets no statement");
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/statements?pool=nope",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 404, "{}", String::from_utf8_lossy(&body));
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/statements?pool=st&from=yesterday",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(json_of(&body)["field"], "from");
+
+    // No output holds a code.
+    let codes = plaintexts(&env, "st").await;
+    let mut outputs = vec![
+        whole.to_string(),
+        String::from_utf8_lossy(&body).into_owned(),
+    ];
+    for args in [
+        vec!["--pool", "st"],
+        vec!["--pool", "st", "--csv"],
+        vec!["--pool", "st", "--lines"],
+        vec!["--pool", "st", "--lines", "--json"],
+    ] {
+        let (rc, out, err) = statement(&env, &args).await;
+        assert_eq!(rc, 0, "{args:?}: {err}");
+        outputs.push(out + &err);
+    }
+    for fmt in ["csv", "json"] {
+        let (_, _, b) = http(
+            &api.addr,
+            "GET",
+            &format!("/v1/statements?pool=st&format={fmt}"),
+            Some(&admin),
+            b"",
+        )
+        .await;
+        outputs.push(String::from_utf8_lossy(&b).into_owned());
+    }
+    let (_, _, b) = http(
+        &api.addr,
+        "GET",
+        "/v1/statements/lines?pool=st",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    let lines_api = json_of(&b);
+    outputs.push(lines_api.to_string());
+    for out in &outputs {
+        for c in &codes {
+            assert!(!out.contains(c.as_str()), "a statement shows code {c}");
+        }
+    }
+
+    // The lines name every code by its HMAC under the statement key,
+    // exactly as Python computes it.
+    let (rc, key_hex, _) = statement(&env, &["--pool", "st", "--key"]).await;
+    assert_eq!(rc, 0);
+    let key_hex = key_hex.trim().to_owned();
+    assert_eq!(key_hex.len(), 64);
+    let expected = python_hmacs(&key_hex, &codes).await;
+    let listed: HashSet<String> = lines_api["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["code_hmac"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed, expected);
+    let moves = lines_api["lines"].as_array().unwrap();
+    let count = |m: &str| moves.iter().filter(|l| l["move"] == m).count() as u64;
+    assert_eq!(count("received"), 26);
+    assert_eq!(count("issued"), total["moves"]["issued"].as_u64().unwrap());
+    assert_eq!(count("void"), total_void(&total["moves"]["void"]));
+    let (rc, _, _) = statement(&env, &["--pool", "other", "--key"]).await;
+    assert_eq!(rc, 1, "no key for a pool that does not exist");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_broken_behind_codepools_back_exits_3_naming_it() {
+    let env = TestEnv::new("statements_off").await;
+    let run = import(&env, "so", "s.csv", "code\nSO-1\nSO-2\nSO-3\nSO-4\n").await;
+    let (rc, _, err) = statement(&env, &["--pool", "so"]).await;
+    assert_eq!(rc, 0, "{err}");
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    // A sold code with no time of sale, and a code gone.
+    codes
+        .update_one(
+            doc! {"pool": "so", "status": 0},
+            doc! {"$set": {"status": 1}},
+        )
+        .await
+        .unwrap();
+    let r = codes
+        .delete_one(doc! {"pool": "so", "status": 0})
+        .await
+        .unwrap();
+    assert_eq!(r.deleted_count, 1);
+    let (rc, out, err) = statement(&env, &["--pool", "so"]).await;
+    assert_eq!(rc, 3, "{out}{err}");
+    assert!(err.contains(&format!("import {run} is off by 2")), "{err}");
+    assert!(
+        err.contains("the run recorded 4 codes put in, and 3 of it are in the pool"),
+        "{err}"
+    );
+    assert!(err.contains("1 of its codes are in no state"), "{err}");
+    assert!(out.contains("OFF BY 2"), "{out}");
+    let (rc, out, _) = statement(&env, &["--pool", "so", "--csv"]).await;
+    assert_eq!(rc, 3);
+    assert!(
+        out.lines().nth(1).unwrap().ends_with(",1,2"),
+        "unaccounted 1, off by 2: {out}"
+    );
+    let (rc, _, err) = statement(
+        &env,
+        &["--pool", "so", "--import", "0123456789abcdef01234567"],
+    )
+    .await;
+    assert_eq!(rc, 1);
+    assert!(err.contains("is not a run of pool \"so\""), "{err}");
+    env.cleanup().await;
+}
