@@ -52,10 +52,13 @@ HOLD_REQUESTS=${HOLD_REQUESTS:-10000}
 # check at REDEEM_RATE requests/s for LATENCY_SECONDS.
 REDEEM_REQUESTS=${REDEEM_REQUESTS:-10000}
 REDEEM_RATE=${REDEEM_RATE:-2000}
+# Generated codes (issue 56): GENERATE_CODES generated against as many
+# imported from a file, then statements over the imported ones.
+GENERATE_CODES=${GENERATE_CODES:-1000000}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api holds redeem webhooks pools huge import seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api holds redeem webhooks pools huge import generate seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=${CARGO_TARGET_DIR:-target}/release/codepool-bench
@@ -92,10 +95,11 @@ for b in "${which[@]}"; do
 	holds) "$bin" --out-dir "$OUT_DIR" holds --requests "$HOLD_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" ;;
 	redeem) "$bin" --out-dir "$OUT_DIR" redeem --requests "$REDEEM_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" --rate "$REDEEM_RATE" --seconds "$LATENCY_SECONDS" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
+	generate) "$bin" --out-dir "$OUT_DIR" generate --codes "$GENERATE_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, holds, redeem, webhooks, import, seq, crypto)" >&2
+		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, holds, redeem, webhooks, import, generate, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

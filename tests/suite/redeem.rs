@@ -420,6 +420,21 @@ async fn o_and_zero_are_one_code_only_in_a_pool_that_says_so() {
     );
     let (status, v) = check(&api, &platform, "PLAIN-000001").await;
     assert_eq!(status, 200, "case folds by default: {v}");
+    // The CLI finds a code by value under the same rule.
+    codepool_ok(&env, &["redeem", "--pool", "cf", "--code", " CF-OOOOOl "]).await;
+    assert_eq!(code_doc(&env, "F-1").await.get_i32("status").unwrap(), 2);
+    let out = env
+        .command(&["redeem", "--pool", "plain", "--code", "PLAIN-OOOOO1"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "O is not 0 in pool plain");
+    codepool_ok(
+        &env,
+        &["redeem", "--pool", "plain", "--code", "PLAIN-000001"],
+    )
+    .await;
+    assert_eq!(code_doc(&env, "F-2").await.get_i32("status").unwrap(), 2);
     api.stop().await;
     env.cleanup().await;
 }
@@ -455,10 +470,13 @@ async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_sh
     }
     let (conn, publisher) = publisher(&env).await;
     let events = env.topology().events_exchange;
+    // The platform's event names the code as the buyer typed it: case
+    // folds, as in the pool's own look-alike rule.
+    let typed = codes[2].as_str().unwrap().to_uppercase();
     for body in [
-        json!({"pool": "rd", "code": codes[2]}),
+        json!({"pool": "rd", "code": typed}),
         json!({"order_id": "D-AMQP-ORDER"}),
-        json!({"pool": "rd", "code": codes[2]}),
+        json!({"pool": "rd", "code": typed}),
         json!({"order_id": "D-AMQP-ORDER"}),
     ] {
         publisher

@@ -39,7 +39,7 @@ pub struct ImportBenchArgs {
 }
 
 /// Removes the generated file however the benchmark ends.
-struct TempFile(PathBuf);
+pub(crate) struct TempFile(pub PathBuf);
 
 impl Drop for TempFile {
     fn drop(&mut self) {
@@ -131,7 +131,12 @@ async fn measure(
         raw_insert_many(scratch, n, options.batch_size, options.concurrency).await?;
     say("codepool import into pool import (child process) …".into());
     let cpu = CpuSnapshot::take();
-    let child = import_child(scratch, &file.0, "import").await?;
+    let file_arg = file.0.to_string_lossy().into_owned();
+    let child = codepool_child(
+        scratch,
+        &["import", &file_arg, "--pool", "import", "--json"],
+    )
+    .await?;
     // "codepool" includes the child process, reaped by now.
     let import_cpu = CpuSnapshot::take().since(&cpu);
     // The import announces `pool.replenished`, which declares the topology.
@@ -255,7 +260,7 @@ fn print_table(o: &Outcome, options: &ImportOptions) {
 }
 
 /// One code per line under a `code` header, unique, 18 characters.
-fn write_csv(path: &Path, n: usize) -> std::io::Result<()> {
+pub(crate) fn write_csv(path: &Path, n: usize) -> std::io::Result<()> {
     use std::io::Write;
     let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(w, "code")?;
@@ -364,18 +369,19 @@ fn codepool_binary() -> anyhow::Result<std::path::PathBuf> {
     Ok(exe)
 }
 
-/// What the import child process did.
-struct Child {
-    status_ok: bool,
-    wall: Duration,
-    peak_kb: Option<u64>,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
+/// What a `codepool` child process did.
+pub(crate) struct Child {
+    pub status_ok: bool,
+    pub wall: Duration,
+    pub peak_kb: Option<u64>,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
 }
 
-/// Runs `codepool import FILE --pool POOL --json` against the scratch
-/// servers, reading its `VmHWM` every few milliseconds until it exits.
-async fn import_child(scratch: &Scratch, file: &Path, pool: &str) -> anyhow::Result<Child> {
+/// Runs `codepool ARGS…` (e.g. `import FILE --pool POOL --json`) against
+/// the scratch servers, reading its `VmHWM` every few milliseconds until
+/// it exits.
+pub(crate) async fn codepool_child(scratch: &Scratch, args: &[&str]) -> anyhow::Result<Child> {
     let cfg = &scratch.cfg;
     let exe = codepool_binary()?;
     let started = Instant::now();
@@ -395,16 +401,14 @@ async fn import_child(scratch: &Scratch, file: &Path, pool: &str) -> anyhow::Res
         ])
         .arg("--key-file")
         .args(cfg.key_file.iter())
-        .arg("import")
-        .arg(file)
-        .args(["--pool", pool, "--json"])
+        .args(args)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .context("starting codepool import")?;
+        .with_context(|| format!("starting codepool {}", args.join(" ")))?;
     let pid = child.id();
     let mut out = child.stdout.take();
     let mut err = child.stderr.take();

@@ -13,6 +13,7 @@ pub mod api;
 pub mod claim;
 pub mod crypto;
 pub mod dispatch;
+pub mod generate;
 pub mod holds;
 pub mod hooks;
 pub mod import;
@@ -55,6 +56,9 @@ pub enum Which {
     Dispatch(dispatch::DispatchBenchArgs),
     /// `codepool import` against raw insert_many of the same documents.
     Import(import::ImportBenchArgs),
+    /// `codepool generate` against `codepool import` of as many codes, and
+    /// a statement over them.
+    Generate(generate::GenerateBenchArgs),
     /// What encryption at rest costs per code, against import and dispatch.
     Crypto(crypto::CryptoBenchArgs),
     /// Open-loop latency, purchase published → SMS-pending event.
@@ -83,6 +87,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         }
         Which::Dispatch(a) => scratch(cfg, |s| dispatch::run(a, s, &args.out_dir)).await?,
         Which::Import(a) => scratch(cfg, |s| import::run(a, s, &args.out_dir)).await?,
+        Which::Generate(a) => scratch(cfg, |s| generate::run(a, s, &args.out_dir)).await?,
         Which::Crypto(a) => crypto::run(a, &args.out_dir)?,
         Which::Latency(a) => scratch(cfg, |s| latency::run(a, s, &args.out_dir)).await?,
         Which::Api(a) => scratch(cfg, |s| api::run(a, s, &args.out_dir)).await?,

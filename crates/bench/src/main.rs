@@ -15,6 +15,7 @@ Examples:
   codepool-bench dispatch --pool-size 10000000
   codepool-bench latency --rate 100,1000 --seconds 10
   codepool-bench import --codes 200000
+  codepool-bench generate --codes 1000000
   codepool-bench seq --ids 4000
   codepool-bench api --orders 20000 --clients 64 --rate 1000 --seconds 10
 

@@ -81,23 +81,7 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             "/console/pools",
             get(pages::pools::list).post(pages::pools::create),
         )
-        .route("/console/pools/{pool}", get(pages::pool::show))
-        .route("/console/pools/{pool}/live", get(pages::pool::live))
-        .route(
-            "/console/pools/{pool}/statement",
-            get(pages::statement::show),
-        )
-        .route(
-            "/console/pools/{pool}/settings",
-            post(pages::pool::settings),
-        )
-        .route("/console/pools/{pool}/pause", post(pages::pool::pause))
-        .route(
-            "/console/pools/{pool}/generations",
-            post(pages::generations::start),
-        )
-        .route("/console/pools/{pool}/resume", post(pages::pool::resume))
-        .route("/console/imports/{id}/recall", post(pages::pool::recall))
+        .merge(pool_routes())
         .route("/console/orders", get(pages::orders::search))
         .route("/console/orders/{id}", get(pages::orders::show))
         .route("/console/orders/{id}/resend", post(pages::orders::resend))
@@ -136,6 +120,28 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
         .merge(upload)
         .layer(middleware::from_fn(guard_headers))
         .with_state(console)
+}
+
+/// One pool's page, its statement and its forms.
+fn pool_routes() -> Router<Arc<Console>> {
+    Router::new()
+        .route("/console/pools/{pool}", get(pages::pool::show))
+        .route("/console/pools/{pool}/live", get(pages::pool::live))
+        .route(
+            "/console/pools/{pool}/statement",
+            get(pages::statement::show),
+        )
+        .route(
+            "/console/pools/{pool}/settings",
+            post(pages::pool::settings),
+        )
+        .route("/console/pools/{pool}/pause", post(pages::pool::pause))
+        .route(
+            "/console/pools/{pool}/generations",
+            post(pages::generations::start),
+        )
+        .route("/console/pools/{pool}/resume", post(pages::pool::resume))
+        .route("/console/imports/{id}/recall", post(pages::pool::recall))
 }
 
 /// One shop's page and its webhook forms.

@@ -94,6 +94,15 @@ pub fn nfc(id: &str) -> String {
     id.nfc().collect()
 }
 
+/// A client's own id for a request (a replacement id, a redemption id):
+/// trimmed and compared as NFC; `None` when empty, longer than `max`
+/// characters, or holding a character nobody can see.
+pub fn client_id(id: &str, max: usize) -> Option<String> {
+    let id = nfc(id.trim());
+    let fits = !id.is_empty() && id.chars().count() <= max;
+    (fits && first_unreadable(&id).is_none()).then_some(id)
+}
+
 /// The first unreadable character of `text`, if any.
 pub fn first_unreadable(text: &str) -> Option<UnreadableChar> {
     text.chars().enumerate().find_map(|(i, ch)| {

@@ -115,9 +115,11 @@ pub struct Platform<'a> {
 }
 
 /// Finds codes by value among the pools a key may see. The pools and
-/// shops are read at most every [`POOLS_TTL`].
+/// shops are read at most every [`POOLS_TTL`] of its clock (the system's,
+/// or a test's [`crate::clock::ManualClock`]).
 pub struct Finder {
     store: Store,
+    clock: Arc<dyn crate::clock::Clock>,
     cached: Mutex<Option<(Instant, Arc<Visible>)>>,
 }
 
@@ -146,16 +148,23 @@ impl Visible {
 
 impl Finder {
     pub fn new(store: Store) -> Self {
+        Self::with_clock(store, crate::clock::system())
+    }
+
+    /// A finder whose cache reads the time from `clock`.
+    pub fn with_clock(store: Store, clock: Arc<dyn crate::clock::Clock>) -> Self {
         Finder {
             store,
+            clock,
             cached: Mutex::new(None),
         }
     }
 
     async fn visible(&self) -> Result<Arc<Visible>, StoreError> {
         let mut cached = self.cached.lock().await;
+        let now = self.clock.now();
         if let Some((at, v)) = cached.as_ref() {
-            if at.elapsed() < POOLS_TTL {
+            if now.saturating_duration_since(*at) < POOLS_TTL {
                 return Ok(v.clone());
             }
         }
@@ -171,7 +180,7 @@ impl Finder {
                 .map(|p| p.name.clone())
                 .collect(),
         });
-        *cached = Some((Instant::now(), v.clone()));
+        *cached = Some((now, v.clone()));
         Ok(v)
     }
 
@@ -219,7 +228,7 @@ impl Finder {
             return Err(RedeemError::Unknown);
         };
         let tag = RedemptionTag {
-            id: id.to_owned(),
+            id,
             by: who.owner.to_owned(),
         };
         let done = ops::redeem(&self.store, CodeRef::Id(found.id), Some(&tag), actor).await;
@@ -257,9 +266,8 @@ async fn refusal(e: LifecycleError, store: &Store, id: codepool_domain::CodeId) 
     }
 }
 
-/// A redemption id, trimmed; `None` when empty, too long or unreadable.
-pub fn checked_id(id: &str) -> Option<&str> {
-    let id = id.trim();
-    let readable = codepool_domain::first_unreadable(id).is_none();
-    (readable && !id.is_empty() && id.chars().count() <= MAX_REDEMPTION_ID_CHARS).then_some(id)
+/// A redemption id, trimmed and compared as NFC (as a replacement id);
+/// `None` when empty, too long or unreadable.
+pub fn checked_id(id: &str) -> Option<String> {
+    codepool_domain::text::client_id(id, MAX_REDEMPTION_ID_CHARS)
 }

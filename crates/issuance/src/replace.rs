@@ -134,9 +134,7 @@ impl ReplaceError {
 /// A replacement id, trimmed and compared as NFC; `None` when empty, too
 /// long or holding a character nobody can see.
 pub fn checked_id(id: &str) -> Option<String> {
-    let id = codepool_domain::text::nfc(id.trim());
-    let fits = !id.is_empty() && id.chars().count() <= MAX_ID_CHARS;
-    (fits && codepool_domain::first_unreadable(&id).is_none()).then_some(id)
+    codepool_domain::text::client_id(id, MAX_ID_CHARS)
 }
 
 /// Replaces the code of `ask.line` of `ask.order_id` (see the module

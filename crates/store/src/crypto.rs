@@ -170,14 +170,30 @@ impl crate::Store {
         &self.keys
     }
 
-    /// The filter that finds `code` in `pool` (see [`code_filter`]). The
-    /// plaintext is only sent to MongoDB while the pool still holds
-    /// plaintext codes (before `codepool migrate`), so it never lands in a
-    /// server log otherwise.
+    /// The filter that finds `code` in `pool` (see [`code_filter`]): the
+    /// exact value, else the code that reads the same under the pool's
+    /// look-alike rule (case, width, and `O`/`0`, `I`/`L`/`1` in a pool
+    /// that folds confusables), as the platform's redemption by code finds
+    /// it. The exact value wins: a look-alike of a code that predates the
+    /// look-alike index holds no key of its own. The plaintext is only sent
+    /// to MongoDB while the pool still holds plaintext codes (before
+    /// `codepool migrate`), so it never lands in a server log otherwise.
     pub async fn code_filter(&self, pool: &str, code: &str) -> Result<Document, StoreError> {
         let ring = self.keys.ring()?;
+        let code = code.trim();
         let plaintext = self.pool_has_plaintext(pool).await?;
-        Ok(code_filter(&ring, pool, code, plaintext))
+        let exact = code_filter(&ring, pool, code, plaintext);
+        let found = self
+            .collection(crate::collections::CODES)
+            .find_one(exact.clone())
+            .projection(doc! {"_id": 1})
+            .await?;
+        if found.is_some() {
+            return Ok(exact);
+        }
+        let rule = self.lookalike_rule(pool).await?;
+        let folded = codepool_domain::fold_by(code, rule);
+        Ok(doc! {"pool": pool, "code_fold_hmac": binary(ring.fold_hmac(pool, &folded).to_vec())})
     }
 }
 

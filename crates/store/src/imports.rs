@@ -65,6 +65,30 @@ pub struct GenerationSpec {
     pub expires_at: Option<DateTime>,
 }
 
+impl ImportRecord {
+    /// A run of `file` into `pool` starting now, with nothing done yet.
+    pub fn running(id: ObjectId, pool: &str, file: &str) -> Self {
+        ImportRecord {
+            id,
+            pool: pool.into(),
+            file: file.into(),
+            sha256: None,
+            status: "running".into(),
+            started_at: DateTime::now(),
+            finished_at: None,
+            rows: 0,
+            inserted: 0,
+            duplicates: 0,
+            invalid: 0,
+            seconds: 0.0,
+            error: None,
+            resumed_from: None,
+            source: None,
+            generation: None,
+        }
+    }
+}
+
 impl Store {
     /// Opens the audit record of a run; the caller fills in the counts and
     /// closes it with [`Store::finish_import`]. `resumed_from` (the earlier
@@ -78,22 +102,8 @@ impl Store {
         resumed_from: Option<ObjectId>,
     ) -> Result<ImportRecord, StoreError> {
         let record = ImportRecord {
-            id: ObjectId::new(),
-            pool: pool.into(),
-            file: file.into(),
-            sha256: None,
-            status: "running".into(),
-            started_at: DateTime::now(),
-            finished_at: None,
-            rows: 0,
-            inserted: 0,
-            duplicates: 0,
-            invalid: 0,
-            seconds: 0.0,
-            error: None,
             resumed_from,
-            source: None,
-            generation: None,
+            ..ImportRecord::running(ObjectId::new(), pool, file)
         };
         self.typed::<ImportRecord>(IMPORTS)
             .insert_one(&record)
@@ -112,22 +122,12 @@ impl Store {
         spec: GenerationSpec,
     ) -> Result<ImportRecord, StoreError> {
         let record = ImportRecord {
-            id,
-            pool: pool.into(),
-            file: format!("(generated {})", spec.pattern),
-            sha256: None,
-            status: "running".into(),
-            started_at: DateTime::now(),
-            finished_at: None,
-            rows: 0,
-            inserted: 0,
-            duplicates: 0,
-            invalid: 0,
-            seconds: 0.0,
-            error: None,
-            resumed_from: None,
             source: Some(SOURCE_GENERATED.into()),
+            ..ImportRecord::running(id, pool, &format!("(generated {})", spec.pattern))
+        };
+        let record = ImportRecord {
             generation: Some(spec),
+            ..record
         };
         let inserted = self
             .typed::<ImportRecord>(IMPORTS)

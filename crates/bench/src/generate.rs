@@ -1,0 +1,236 @@
+//! `codepool-bench generate`: `codepool generate` against `codepool import`
+//! of a file of as many codes, each a child process of its own (so its peak
+//! memory is its own), in one run on the same servers; then a statement of
+//! the imported pool, timed, which must tie out.
+//!
+//! Issue 56's goals: generation at least as fast as the import, each under
+//! 100 MB of peak memory, and a statement over 1,000,000 codes under 5 s.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use codepool_issuance::statements::{self, Asked};
+use serde_json::json;
+
+use crate::import::{codepool_child, write_csv, Child, TempFile};
+use crate::Scratch;
+
+const RATE_TARGET: f64 = 1.0;
+const MEMORY_TARGET_MB: f64 = 100.0;
+const STATEMENT_TARGET_SECONDS: f64 = 5.0;
+
+/// Measure generation against import, and a statement over the codes.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Example:\n  codepool-bench generate --codes 1000000")]
+pub struct GenerateBenchArgs {
+    /// Codes generated, and codes in the imported file.
+    #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1000..=10_000_000))]
+    pub codes: u64,
+    /// Statements timed (the median is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub statements: u32,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A child's run: seconds by its own summary, codes, peak MB.
+struct Side {
+    child: Child,
+    summary: serde_json::Value,
+}
+
+impl Side {
+    fn of(child: Child, what: &str) -> anyhow::Result<Side> {
+        let summary = serde_json::from_slice(&child.stdout).with_context(|| {
+            format!(
+                "codepool {what} printed no JSON summary; its output was:\n{}",
+                String::from_utf8_lossy(&child.stderr)
+            )
+        })?;
+        Ok(Side { child, summary })
+    }
+    fn codes(&self) -> u64 {
+        self.summary["inserted"].as_u64().unwrap_or(0)
+    }
+    fn seconds(&self) -> f64 {
+        self.summary["seconds"].as_f64().unwrap_or(0.0)
+    }
+    fn rate(&self) -> f64 {
+        self.codes() as f64 / self.seconds().max(1e-9)
+    }
+    fn peak_mb(&self) -> Option<f64> {
+        self.child.peak_kb.map(|k| k as f64 / 1024.0)
+    }
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "codes": self.codes(),
+            "seconds": self.seconds(),
+            "codes_per_sec": self.rate(),
+            "process_wall_seconds": self.child.wall.as_secs_f64(),
+            "peak_rss_mb": self.peak_mb(),
+            "exit_ok": self.child.status_ok,
+        })
+    }
+}
+
+/// Runs the benchmark; writes `out_dir/generate.json`.
+pub async fn run(
+    args: GenerateBenchArgs,
+    scratch: &'static Scratch,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let n = args.codes;
+    let say = |s: String| {
+        if !args.json {
+            eprintln!("{s}");
+        }
+    };
+    let (import, generate) = both_runs(scratch, n, &say).await?;
+    if let Err(e) = crate::delete_topology(&scratch.cfg, &[]).await {
+        tracing::warn!(error = %e, "could not remove the benchmark queues");
+    }
+    say(format!("{} statements of pool imported …", args.statements));
+    let (times, s) = statements_timed(scratch, args.statements).await?;
+    let median = times[times.len() / 2];
+    let ties_out = s.discrepancies().is_empty() && s.total.received == n;
+    let ratio = generate.rate() / import.rate().max(1e-9);
+    let ok = import.child.status_ok
+        && generate.child.status_ok
+        && import.codes() == n
+        && generate.codes() == n
+        && ties_out;
+    let mem_ok = [import.peak_mb(), generate.peak_mb()]
+        .iter()
+        .all(|m| m.is_some_and(|m| m < MEMORY_TARGET_MB));
+    let report = json!({
+        "benchmark": "generate",
+        "codes": n,
+        "import": import.json(),
+        "generate": generate.json(),
+        "generate_over_import": ratio,
+        "target": RATE_TARGET,
+        "target_met": ratio >= RATE_TARGET,
+        "memory_target_mb": MEMORY_TARGET_MB,
+        "memory_target_met": mem_ok,
+        "statement": {
+            "codes": s.total.received,
+            "seconds_median": median,
+            "seconds_each": times,
+            "ties_out": ties_out,
+            "target_seconds": STATEMENT_TARGET_SECONDS,
+            "target_met": median < STATEMENT_TARGET_SECONDS,
+        },
+        "ok": ok,
+    });
+    let (rendered, written) = crate::write_report(out_dir, "generate.json", &report)?;
+    if args.json {
+        println!("{rendered}");
+    } else {
+        print_table(n, &import, &generate, median, ties_out);
+        println!("written to {}", written.display());
+    }
+    anyhow::ensure!(
+        ok,
+        "the runs did not make every code or the statement did not tie out: import {}, generate {}; generate's output:\n{}",
+        import.codes(),
+        generate.codes(),
+        String::from_utf8_lossy(&generate.child.stderr)
+    );
+    Ok(())
+}
+
+/// `codepool import` of a file of `n` codes into pool `imported`, then
+/// `codepool generate` of `n` codes into pool `generated`.
+async fn both_runs(
+    scratch: &Scratch,
+    n: u64,
+    say: &dyn Fn(String),
+) -> anyhow::Result<(Side, Side)> {
+    let file = TempFile(std::env::temp_dir().join(format!("{}-gen.csv", scratch.cfg.redis_prefix)));
+    say(format!("writing {} with {n} codes …", file.0.display()));
+    write_csv(&file.0, n as usize).context("writing the CSV file")?;
+    let path = file.0.to_string_lossy().into_owned();
+    say("codepool import into pool imported (child process) …".into());
+    let import = Side::of(
+        codepool_child(scratch, &["import", &path, "--pool", "imported", "--json"]).await?,
+        "import",
+    )?;
+    let count = n.to_string();
+    say("codepool generate into pool generated (child process) …".into());
+    let generate = Side::of(
+        codepool_child(
+            scratch,
+            &[
+                "generate",
+                "--pool",
+                "generated",
+                "--count",
+                &count,
+                "--json",
+            ],
+        )
+        .await?,
+        "generate",
+    )?;
+    Ok((import, generate))
+}
+
+/// `rounds` statements of pool `imported`: their seconds, sorted, and the
+/// last statement.
+async fn statements_timed(
+    scratch: &Scratch,
+    rounds: u32,
+) -> anyhow::Result<(Vec<f64>, statements::Statement)> {
+    let asked = Asked {
+        pool: "imported".into(),
+        import: None,
+        from: None,
+        to: None,
+    };
+    let mut times = Vec::new();
+    let mut last = None;
+    for _ in 0..rounds {
+        let started = Instant::now();
+        let s = statements::statement(&scratch.store, &asked).await?;
+        times.push(started.elapsed().as_secs_f64());
+        last = Some(s);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times, last.context("no statement was made")?))
+}
+
+fn print_table(n: u64, import: &Side, generate: &Side, statement: f64, ties_out: bool) {
+    let tick = |ok: bool| if ok { "✓" } else { "✗" };
+    println!("{n} codes generated against {n} imported from a file, each a child process, journaled (w:majority, j:true)\n");
+    println!(
+        "{:<22} {:>9} {:>10} {:>12}",
+        "", "seconds", "codes/s", "peak RSS MB"
+    );
+    for (name, side) in [("codepool import", import), ("codepool generate", generate)] {
+        println!(
+            "{name:<22} {:>9.2} {:>10.0} {:>12}",
+            side.seconds(),
+            side.rate(),
+            side.peak_mb().map_or("-".into(), |m| format!("{m:.1}"))
+        );
+    }
+    let ratio = generate.rate() / import.rate().max(1e-9);
+    println!(
+        "\ngenerate / import = {ratio:.2}x (target >= {RATE_TARGET}x {})",
+        tick(ratio >= RATE_TARGET)
+    );
+    let mem_ok = [import.peak_mb(), generate.peak_mb()]
+        .iter()
+        .all(|m| m.is_some_and(|m| m < MEMORY_TARGET_MB));
+    println!(
+        "peak memory under {MEMORY_TARGET_MB} MB each {}",
+        tick(mem_ok)
+    );
+    println!(
+        "statement over the {n} imported codes: {statement:.2} s median (target < {STATEMENT_TARGET_SECONDS} s {}); ties out {}",
+        tick(statement < STATEMENT_TARGET_SECONDS),
+        tick(ties_out)
+    );
+}
