@@ -10,10 +10,14 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use codepool_domain::gate::HoldState;
 use codepool_issuance::holds::{self, HoldError, HoldRequest};
 use codepool_issuance::model::HoldDoc;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
+use utoipa::ToSchema;
 
+use crate::orders::Item;
 use crate::problem::Problem;
 use crate::request::RequestId;
 use crate::request::{Caller, OrdersRead, OrdersWrite};
@@ -24,19 +28,37 @@ fn time(t: bson::DateTime) -> String {
     t.try_to_rfc3339_string().unwrap_or_default()
 }
 
-/// A hold as the API shows it. Its codes are never shown: they are no
-/// one's until the order that pays for it is placed.
-pub(crate) fn hold_json(h: &HoldDoc) -> Value {
-    json!({
-        "hold_id": h.hold_id,
-        "uid": h.uid,
-        "state": holds::state_now(h),
-        "items": h.items.iter().map(|i| json!({"pool": i.pool, "quantity": i.quantity})).collect::<Vec<_>>(),
-        "ttl_seconds": h.ttl_seconds,
-        "created_at": time(h.created_at),
-        "expires_at": time(h.expires_at),
-        "order_id": h.order_id,
-    })
+/// A hold. Its codes are never shown: they are no one's until the order
+/// that pays for it is placed.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Hold {
+    hold_id: String,
+    uid: String,
+    /// `held`, `committed` (an order paid for it), `released` or `expired`.
+    #[schema(value_type = String, pattern = "^(held|committed|released|expired)$")]
+    state: HoldState,
+    items: Vec<Item>,
+    ttl_seconds: u64,
+    created_at: String,
+    expires_at: String,
+    /// The order that paid for it.
+    order_id: Option<String>,
+}
+
+impl From<&HoldDoc> for Hold {
+    fn from(h: &HoldDoc) -> Self {
+        Hold {
+            hold_id: h.hold_id.clone(),
+            uid: h.uid.clone(),
+            state: holds::state_now(h),
+            items: h.items.iter().map(Item::from).collect(),
+            ttl_seconds: u64::try_from(h.ttl_seconds).unwrap_or_default(),
+            created_at: time(h.created_at),
+            expires_at: time(h.expires_at),
+            order_id: h.order_id.clone(),
+        }
+    }
 }
 
 /// A hold error as its problem. A shop's key is told the same of a pool
@@ -120,8 +142,8 @@ fn hold_limit(title: &str, detail: String, limit: u64, cap: &str) -> Problem {
     operation_id = "place_hold",
     request_body(content = crate::openapi::HoldIn, content_type = "application/json"),
     responses(
-        (status = 201, description = "every item is held until `expires_at`; no code is shown", body = crate::openapi::Hold),
-        (status = 200, description = "the same hold again, as it stands now", body = crate::openapi::Hold),
+        (status = 201, description = "every item is held until `expires_at`; no code is shown", body = Hold),
+        (status = 200, description = "the same hold again, as it stands now", body = Hold),
         (status = 409, description = "out of stock (`insufficient-stock`, with what each pool has free; it comes before any limit: an empty pool is 409, never 429), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -144,8 +166,8 @@ pub(crate) async fn place(
         shop: key.shop.clone(),
     };
     match api.holds.place(ask).await {
-        Ok((h, true)) => (StatusCode::CREATED, Json(hold_json(&h))).into_response(),
-        Ok((h, false)) => (StatusCode::OK, Json(hold_json(&h))).into_response(),
+        Ok((h, true)) => (StatusCode::CREATED, Json(Hold::from(&h))).into_response(),
+        Ok((h, false)) => (StatusCode::OK, Json(Hold::from(&h))).into_response(),
         Err(e) => failed(e, &key, &rid),
     }
 }
@@ -156,7 +178,7 @@ pub(crate) async fn place(
     operation_id = "read_hold",
     params(("hold_id" = String, Path, description = "the hold's id")),
     responses(
-        (status = 200, description = "the hold: state (held, committed, released or expired), items, expiry", body = crate::openapi::Hold),
+        (status = 200, description = "the hold: state (held, committed, released or expired), items, expiry", body = Hold),
         (status = 404, description = "no such hold of this key", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:read"]))
@@ -168,7 +190,7 @@ pub(crate) async fn read(
 ) -> Response {
     let hold_id = codepool_domain::text::nfc(&hold_id);
     match holds::get(api.store(), &hold_id, Some(&key.owner())).await {
-        Ok(h) => Json(hold_json(&h)).into_response(),
+        Ok(h) => Json(Hold::from(&h)).into_response(),
         Err(e) => failed(e, &key, &rid),
     }
 }
@@ -180,7 +202,7 @@ pub(crate) async fn read(
     operation_id = "release_hold",
     params(("hold_id" = String, Path, description = "the hold's id")),
     responses(
-        (status = 200, description = "released (or already ended: its state says how)", body = crate::openapi::Hold),
+        (status = 200, description = "released (or already ended: its state says how)", body = Hold),
         (status = 404, description = "no such hold of this key", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
@@ -197,7 +219,7 @@ pub(crate) async fn release(
                 let pools = returned.iter().map(|c| c.pool.clone()).collect();
                 holds::serve_returned(api.core(), &pools).await;
             }
-            Json(hold_json(&h)).into_response()
+            Json(Hold::from(&h)).into_response()
         }
         Err(e) => failed(e, &key, &rid),
     }

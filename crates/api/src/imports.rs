@@ -10,10 +10,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use codepool_issuance::controls::Recall;
 use codepool_issuance::imports::{self, Header, ImportError, ImportOptions};
+use codepool_issuance::model::ImportRecord;
 use futures::TryStreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::problem::Problem;
 use crate::request::RequestId;
@@ -33,6 +36,91 @@ pub(crate) struct Upload {
     column: Option<String>,
 }
 
+/// A row an upload refused.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct InvalidRow {
+    /// The row's line number in the file (the header is line 1).
+    line: u64,
+    reason: String,
+}
+
+/// What an upload did: the summary `codepool import` prints.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ImportSummary {
+    import_id: String,
+    pool: String,
+    file: String,
+    status: String,
+    sha256: String,
+    rows: u64,
+    inserted: u64,
+    duplicates: u64,
+    /// Rows refused (malformed, or look-alikes of a code the pool holds).
+    invalid: u64,
+    lookalikes: u64,
+    /// Of `invalid`, codes refused because another pool holds them.
+    cross_pool: u64,
+    /// The pools that hold the codes refused as cross-pool duplicates.
+    cross_pool_pools: Vec<String>,
+    /// The first invalid rows, by line number.
+    invalid_rows: Vec<InvalidRow>,
+    seconds: f64,
+    codes_per_second: f64,
+    /// The unfinished run of the same file this upload completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    resumed_from: Option<String>,
+}
+
+// Field for field the importer's summary, taken apart whole: a field
+// added there does not compile here until it is shown or left out on
+// purpose.
+impl From<imports::ImportSummary> for ImportSummary {
+    fn from(s: imports::ImportSummary) -> Self {
+        let imports::ImportSummary {
+            import_id,
+            pool,
+            file,
+            status,
+            sha256,
+            rows,
+            inserted,
+            duplicates,
+            invalid,
+            lookalikes,
+            cross_pool,
+            cross_pool_pools,
+            invalid_rows,
+            seconds,
+            codes_per_second,
+            resumed_from,
+        } = s;
+        let invalid_rows = (invalid_rows.into_iter())
+            .map(|imports::InvalidRow { line, reason }| InvalidRow { line, reason })
+            .collect();
+        ImportSummary {
+            import_id,
+            pool,
+            file,
+            status,
+            sha256,
+            rows,
+            inserted,
+            duplicates,
+            invalid,
+            lookalikes,
+            cross_pool,
+            cross_pool_pools,
+            invalid_rows,
+            seconds,
+            codes_per_second,
+            resumed_from,
+        }
+    }
+}
+
 /// `POST /v1/pools/{pool}/imports?file=NAME`: the CSV is the body.
 #[utoipa::path(
     post, path = "/v1/pools/{pool}/imports", tag = "imports",
@@ -43,8 +131,8 @@ pub(crate) struct Upload {
            ("column" = Option<String>, Query, description = "the header of the code column (default `code`)")),
     request_body(content = String, content_type = "text/csv", description = "the partner's CSV, streamed"),
     responses(
-        (status = 201, description = "imported: the summary, invalid rows by line number", body = crate::openapi::ImportSummary),
-        (status = 200, description = "nothing new (every code already in the pool): the summary", body = crate::openapi::ImportSummary),
+        (status = 201, description = "imported: the summary, invalid rows by line number", body = ImportSummary),
+        (status = 200, description = "nothing new (every code already in the pool): the summary", body = ImportSummary),
         (status = 415, description = "a Content-Encoding other than gzip", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "the file cannot be imported (a bad header, an unknown column)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -105,7 +193,7 @@ pub(crate) async fn upload(
             "every row was invalid, nothing was imported",
             "fix the rows listed in invalid_rows and upload the file again",
         )
-        .with("summary", json!(summary))
+        .with("summary", json!(ImportSummary::from(summary)))
         .at(&rid.0)
         .into_response();
     }
@@ -114,7 +202,7 @@ pub(crate) async fn upload(
     } else {
         StatusCode::OK
     };
-    (status, Json(json!(summary))).into_response()
+    (status, Json(ImportSummary::from(summary))).into_response()
 }
 
 /// 415 for a Content-Encoding other than gzip.
@@ -165,13 +253,53 @@ fn bad_id(id: &str, rid: &RequestId) -> Response {
     .into_response()
 }
 
+/// An import's record: the same as `codepool import` writes.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ImportOut {
+    import_id: String,
+    pool: String,
+    file: String,
+    /// `running`, `done`, `interrupted` or `failed`.
+    status: String,
+    sha256: Option<String>,
+    rows: u64,
+    inserted: u64,
+    duplicates: u64,
+    invalid: u64,
+    seconds: f64,
+    error: Option<String>,
+    started_at: String,
+    finished_at: Option<String>,
+}
+
+impl From<&ImportRecord> for ImportOut {
+    fn from(r: &ImportRecord) -> Self {
+        ImportOut {
+            import_id: r.id.to_hex(),
+            pool: r.pool.clone(),
+            file: r.file.clone(),
+            status: r.status.clone(),
+            sha256: r.sha256.clone(),
+            rows: r.rows,
+            inserted: r.inserted,
+            duplicates: r.duplicates,
+            invalid: r.invalid,
+            seconds: r.seconds,
+            error: r.error.clone(),
+            started_at: r.started_at.to_chrono().to_rfc3339(),
+            finished_at: r.finished_at.map(|t| t.to_chrono().to_rfc3339()),
+        }
+    }
+}
+
 /// `GET /v1/imports/{id}`: the audit record of an import run.
 #[utoipa::path(
     get, path = "/v1/imports/{import_id}", tag = "imports",
     operation_id = "show_import",
     params(("import_id" = String, Path, description = "the id an upload answered")),
     responses(
-        (status = 200, description = "the import's record", body = crate::openapi::ImportOut),
+        (status = 200, description = "the import's record", body = ImportOut),
         (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -185,22 +313,74 @@ pub(crate) async fn show(
         return bad_id(&id, &rid);
     };
     match api.store().import_record(oid).await {
-        Ok(Some(r)) => Json(json!({
-            "import_id": r.id.to_hex(), "pool": r.pool, "file": r.file, "status": r.status,
-            "sha256": r.sha256, "rows": r.rows, "inserted": r.inserted, "duplicates": r.duplicates,
-            "invalid": r.invalid, "seconds": r.seconds, "error": r.error,
-            "started_at": r.started_at.to_chrono().to_rfc3339(),
-            "finished_at": r.finished_at.map(|t| t.to_chrono().to_rfc3339()),
-        }))
-        .into_response(),
+        Ok(Some(r)) => Json(ImportOut::from(&r)).into_response(),
         Ok(None) => bad_id(&id, &rid),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct RecallBody {
+/// The body of a recall.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ReasonIn)]
+pub(crate) struct RecallBody {
+    /// Why (a partner leak): 1 to 200 characters.
     reason: String,
+}
+
+/// A code of the recalled import that a buyer already holds, masked.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HeldCode {
+    code: String,
+    status: &'static str,
+    order_id: Option<String>,
+}
+
+/// One run of the recalled file, and what the recall did to it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RecalledRun {
+    import_id: String,
+    status: String,
+    codes: u64,
+    voided: u64,
+}
+
+/// What a recall did.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Recalled {
+    import_id: String,
+    pool: String,
+    voided: u64,
+    issued: u64,
+    /// Every run of the same file into the pool that the recall covered.
+    runs: Vec<RecalledRun>,
+    held: Vec<HeldCode>,
+}
+
+impl From<&Recall> for Recalled {
+    fn from(r: &Recall) -> Self {
+        let runs = r.runs.iter().map(|run| RecalledRun {
+            import_id: run.id.to_hex(),
+            status: run.status.clone(),
+            codes: run.codes,
+            voided: run.voided,
+        });
+        let held = r.held.iter().map(|c| HeldCode {
+            code: c.masked(),
+            status: c.status.name(),
+            order_id: c.holder.as_ref().map(|h| h.order_id.clone()),
+        });
+        Recalled {
+            import_id: r.import.id.to_hex(),
+            pool: r.import.pool.clone(),
+            voided: r.voided,
+            issued: r.held.len() as u64,
+            runs: runs.collect(),
+            held: held.collect(),
+        }
+    }
 }
 
 /// `POST /v1/imports/{id}/recall` with `{"reason": …}`: voids every
@@ -209,9 +389,9 @@ struct RecallBody {
     post, path = "/v1/imports/{import_id}/recall", tag = "imports",
     operation_id = "recall_import",
     params(("import_id" = String, Path, description = "the id an upload answered")),
-    request_body(content = crate::openapi::ReasonIn, content_type = "application/json"),
+    request_body(content = RecallBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = crate::openapi::Recalled),
+        (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = Recalled),
         (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "the import and its linked runs hold no code; the problem names other runs of the file that do", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "no reason, or one too long", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -230,19 +410,7 @@ pub(crate) async fn recall(
         .unwrap_or_default();
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/imports/{id}/recall");
     match recall_import(api.store(), api.hot().as_ref(), &id, &reason, &actor).await {
-        Ok(r) => Json(json!({
-            "import_id": r.import.id.to_hex(), "pool": r.import.pool, "voided": r.voided,
-            "issued": r.held.len(),
-            "runs": r.runs.iter().map(|run| json!({
-                "import_id": run.id.to_hex(), "status": run.status,
-                "codes": run.codes, "voided": run.voided,
-            })).collect::<Vec<_>>(),
-            "held": r.held.iter().map(|c| json!({
-                "code": c.masked(), "status": c.status.name(),
-                "order_id": c.holder.as_ref().map(|h| &h.order_id),
-            })).collect::<Vec<_>>(),
-        }))
-        .into_response(),
+        Ok(r) => Json(Recalled::from(&r)).into_response(),
         Err(RecallError::Reason) => Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid-reason",

@@ -17,7 +17,7 @@ use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed, VoidOutcome};
 use codepool_issuance::ops;
 use codepool_issuance::plan::Step;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::problem::Problem;
@@ -75,16 +75,96 @@ fn time(t: chrono::DateTime<chrono::Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
-/// One code of an order as the API shows it.
-pub(crate) fn grant_json(g: &Grant, reveal: bool) -> Value {
-    json!({
-        "line": g.line,
-        "pool": g.pool,
-        "code": if reveal && !g.revoked { g.code.clone() } else { mask(&g.code) },
-        "grant_no": g.grant_no,
-        "issued_at": time(g.issued_at),
-        "status": if g.revoked { "void" } else { "issued" },
-    })
+/// A code granted by `POST /v1/orders`, in plaintext (the shop shows it).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GrantedCode {
+    line: u32,
+    /// The pool of the code (a bundle's lines each keep their own).
+    pool: String,
+    code: String,
+    grant_no: Option<String>,
+    issued_at: String,
+    #[schema(pattern = "^(issued|void)$")]
+    status: &'static str,
+}
+
+impl GrantedCode {
+    /// One code of an order as the API shows it: in plaintext when
+    /// `reveal` and not void, masked otherwise.
+    pub(crate) fn of(g: &Grant, reveal: bool) -> Self {
+        GrantedCode {
+            line: g.line,
+            pool: g.pool.clone(),
+            code: if reveal && !g.revoked {
+                g.code.clone()
+            } else {
+                mask(&g.code)
+            },
+            grant_no: g.grant_no.clone(),
+            issued_at: time(g.issued_at),
+            status: if g.revoked { "void" } else { "issued" },
+        }
+    }
+}
+
+/// One pool of a bundle or a hold.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = ItemIn)]
+pub(crate) struct Item {
+    pool: String,
+    #[schema(minimum = 1, maximum = 100)]
+    quantity: u32,
+}
+
+impl From<&codepool_domain::Item> for Item {
+    fn from(i: &codepool_domain::Item) -> Self {
+        Item {
+            pool: i.pool.clone(),
+            quantity: i.quantity,
+        }
+    }
+}
+
+/// The answer to `POST /v1/orders`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Placed {
+    order_id: String,
+    pool: String,
+    uid: String,
+    quantity: u32,
+    /// `granted`, `partly_granted` or `waiting`.
+    #[schema(pattern = "^(granted|partly_granted|waiting)$")]
+    state: &'static str,
+    codes: Vec<GrantedCode>,
+    /// Lines that wait for stock; their codes follow as SMS events.
+    waiting_lines: Vec<u32>,
+    /// A bundle's items (its `pool` is the first item's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    items: Option<Vec<Item>>,
+}
+
+impl Placed {
+    /// The answer for `p`: its codes, and the lines that wait. A bundle's
+    /// answer names its items.
+    fn of(p: Purchase, state: &'static str, codes: Vec<GrantedCode>, waiting: Vec<u32>) -> Self {
+        let items = p
+            .is_bundle()
+            .then(|| p.items.iter().map(Item::from).collect());
+        Placed {
+            order_id: p.order_id,
+            pool: p.pool,
+            uid: p.uid,
+            quantity: p.quantity,
+            state,
+            codes,
+            waiting_lines: waiting,
+            items,
+        }
+    }
 }
 
 /// `POST /v1/orders`: the purchase fields as JSON, `quantity` optional.
@@ -93,9 +173,9 @@ pub(crate) fn grant_json(g: &Grant, reveal: bool) -> Value {
     operation_id = "place_order",
     request_body(content = crate::openapi::PurchaseIn, content_type = "application/json"),
     responses(
-        (status = 201, description = "the codes were issued now, in plaintext", body = crate::openapi::Placed),
-        (status = 200, description = "the same order again: the same codes, no second SMS", body = crate::openapi::Placed),
-        (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = crate::openapi::Placed),
+        (status = 201, description = "the codes were issued now, in plaintext", body = Placed),
+        (status = 200, description = "the same order again: the same codes, no second SMS", body = Placed),
+        (status = 202, description = "the pool is empty, short or paused: waiting or partly granted; the rest follows as SMS events", body = Placed),
         (status = 409, description = "the order id belongs to another order (pool, buyer or quantity) or to another key (or came over AMQP), or the order was voided (`order-cancelled`); nothing granted, no code shown", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing granted", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer over the pool's per-user limit", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -146,10 +226,7 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
         Step::Refused(r) => refused_by_policy(&r, &rid),
         Step::Backorder { purchase, lines } => (
             StatusCode::ACCEPTED,
-            Json(with_items(json!({
-                "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
-                "quantity": purchase.quantity, "state": "waiting", "codes": [], "waiting_lines": lines,
-            }), &purchase)),
+            Json(Placed::of(purchase, "waiting", Vec::new(), lines)),
         )
             .into_response(),
         Step::Grant {
@@ -165,29 +242,17 @@ async fn answer(api: &Api, key: &KeyDoc, rid: &RequestId, purchase: Purchase) ->
             } else {
                 StatusCode::OK
             };
-            let state = if missing.is_empty() { "granted" } else { "partly_granted" };
+            let state = if missing.is_empty() {
+                "granted"
+            } else {
+                "partly_granted"
+            };
             // A repeat that shows codes issued before this request was
             // recorded by the batcher before it answered (batcher.rs).
-            (
-                status,
-                Json(with_items(json!({
-                    "order_id": purchase.order_id, "pool": purchase.pool, "uid": purchase.uid,
-                    "quantity": purchase.quantity, "state": state,
-                    "codes": grants.iter().map(|g| grant_json(g, true)).collect::<Vec<_>>(),
-                    "waiting_lines": missing,
-                }), &purchase)),
-            )
-                .into_response()
+            let codes = grants.iter().map(|g| GrantedCode::of(g, true)).collect();
+            (status, Json(Placed::of(*purchase, state, codes, missing))).into_response()
         }
     }
-}
-
-/// A bundle's answer names its items.
-fn with_items(mut answer: Value, p: &Purchase) -> Value {
-    if p.is_bundle() {
-        answer["items"] = json!(p.items);
-    }
-    answer
 }
 
 /// 409 for an order voided while it waited: a void is final.
@@ -230,7 +295,7 @@ pub(crate) struct ReadQuery {
     params(("order_id" = String, Path, description = "the shop's order id"),
            ("reveal" = Option<bool>, Query, description = "show codes in plaintext (needs codes:reveal; audited)")),
     responses(
-        (status = 200, description = "the order: state, codes (masked unless revealed), grant numbers, SMS state", body = crate::openapi::Order),
+        (status = 200, description = "the order: state, codes (masked unless revealed), grant numbers, SMS state", body = Order),
         (status = 404, description = "codepool knows nothing of the order", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:read"]))
@@ -277,7 +342,7 @@ pub(crate) async fn read(
             return failed(&e, e.is_unavailable(), &rid);
         }
     }
-    Json(order_json(&order_id, &found, q.reveal)).into_response()
+    Json(Order::of(&order_id, &found, q.reveal)).into_response()
 }
 
 /// The 404 to answer when `key` may not change `order_id`: a key acts on
@@ -306,38 +371,122 @@ pub(crate) fn not_yours(order_id: &str, rid: &RequestId) -> Response {
     .into_response()
 }
 
-/// An order as the API shows it.
-fn order_json(order_id: &str, found: &ops::Lookup, reveal: bool) -> Value {
-    let waiting = found.waiting_lines();
-    let state = found.state().map_or("unknown", |s| s.name());
-    let first = found.codes.first().and_then(|c| c.holder.as_ref());
-    json!({
-        "order_id": order_id,
-        "pool": found.codes.first().map(|c| c.pool.clone()).or_else(|| found.backorders.first().map(|b| b.pool.clone())),
-        "uid": first.map(|h| h.uid.clone()),
-        "quantity": first.map(|h| h.quantity).or_else(|| found.backorders.first().map(|b| b.quantity())),
-        "state": state,
-        "codes": found.codes.iter().map(|c| code_json(c, reveal)).collect::<Vec<_>>(),
-        "waiting_lines": waiting,
-        "refusal": found.refusals.first().map(|r| json!({"reason": r.reason.as_str(), "limit": r.limit})),
-        "replacements": found.replacements.iter().map(|r| json!({
-            "replacement_id": r.id, "line": r.line(), "state": r.state.as_str(), "reason": r.reason,
-            "old_grant_no": r.old_grant_no, "new_grant_no": r.new_grant_no,
-            "created_at": time(r.created_at.to_chrono()),
-        })).collect::<Vec<_>>(),
-    })
+/// One code of an order as `GET /v1/orders/{order_id}` shows it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OrderCode {
+    line: Option<u32>,
+    /// Masked unless revealed.
+    code: String,
+    status: &'static str,
+    grant_no: Option<String>,
+    issued_at: Option<String>,
+    /// `pending`, `queued`, `sent` or `failed`.
+    sms: &'static str,
 }
 
-fn code_json(c: &Code, reveal: bool) -> Value {
-    let h = c.holder.as_ref();
-    json!({
-        "line": h.map(|h| h.line),
-        "code": if reveal { c.code.clone() } else { c.masked() },
-        "status": c.status.name(),
-        "grant_no": h.and_then(|h| h.grant_no.clone()),
-        "issued_at": h.map(|h| time(h.issued_at)),
-        "sms": c.sms_state().name(),
-    })
+impl OrderCode {
+    fn of(c: &Code, reveal: bool) -> Self {
+        let h = c.holder.as_ref();
+        OrderCode {
+            line: h.map(|h| h.line),
+            code: if reveal { c.code.clone() } else { c.masked() },
+            status: c.status.name(),
+            grant_no: h.and_then(|h| h.grant_no.clone()),
+            issued_at: h.map(|h| time(h.issued_at)),
+            sms: c.sms_state().name(),
+        }
+    }
+}
+
+/// Why a pool policy refused the order.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Refusal {
+    reason: &'static str,
+    limit: Option<i64>,
+}
+
+/// One replacement of a code of an order.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OrderReplacement {
+    replacement_id: String,
+    line: u32,
+    /// `voiding` (under way), `waiting` (the line waits for stock), `done`
+    /// or `cancelled` (the order was voided first).
+    #[schema(pattern = "^(voiding|waiting|done|cancelled)$")]
+    state: &'static str,
+    reason: String,
+    old_grant_no: Option<String>,
+    new_grant_no: Option<String>,
+    created_at: String,
+}
+
+impl From<&codepool_issuance::model::ReplacementDoc> for OrderReplacement {
+    fn from(r: &codepool_issuance::model::ReplacementDoc) -> Self {
+        OrderReplacement {
+            replacement_id: r.id.clone(),
+            line: r.line(),
+            state: r.state.as_str(),
+            reason: r.reason.clone(),
+            old_grant_no: r.old_grant_no.clone(),
+            new_grant_no: r.new_grant_no.clone(),
+            created_at: time(r.created_at.to_chrono()),
+        }
+    }
+}
+
+/// An order as codepool knows it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Order {
+    order_id: String,
+    pool: Option<String>,
+    uid: Option<String>,
+    quantity: Option<u32>,
+    /// `granted`, `partly_granted`, `waiting`, `refused`, `void`, `cancelled`.
+    state: &'static str,
+    /// Each line's code now (a replaced line's new one).
+    codes: Vec<OrderCode>,
+    /// Lines waiting for a code: stock ran short, or a replacement waits.
+    waiting_lines: Vec<u32>,
+    refusal: Option<Refusal>,
+    /// The codes replaced on this order, oldest first.
+    replacements: Vec<OrderReplacement>,
+}
+
+impl Order {
+    /// An order as the API shows it.
+    fn of(order_id: &str, found: &ops::Lookup, reveal: bool) -> Self {
+        let first = found.codes.first().and_then(|c| c.holder.as_ref());
+        let backorder = found.backorders.first();
+        Order {
+            order_id: order_id.to_owned(),
+            pool: (found.codes.first().map(|c| c.pool.clone()))
+                .or_else(|| backorder.map(|b| b.pool.clone())),
+            uid: first.map(|h| h.uid.clone()),
+            quantity: first
+                .map(|h| h.quantity)
+                .or_else(|| backorder.map(|b| b.quantity())),
+            state: found.state().map_or("unknown", |s| s.name()),
+            codes: found
+                .codes
+                .iter()
+                .map(|c| OrderCode::of(c, reveal))
+                .collect(),
+            waiting_lines: found.waiting_lines(),
+            refusal: found.refusals.first().map(|r| Refusal {
+                reason: r.reason.as_str(),
+                limit: r.limit,
+            }),
+            replacements: found
+                .replacements
+                .iter()
+                .map(OrderReplacement::from)
+                .collect(),
+        }
+    }
 }
 
 /// A lifecycle refusal: 404 for an order without codes, 409 otherwise.
@@ -405,19 +554,26 @@ pub(crate) async fn redeem(
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/redeem");
     match ops::redeem(api.store(), CodeRef::Order(&order_id), None, &actor).await {
-        Ok(Redeemed::Now(done)) => {
-            Json(json!({"order_id": order_id, "redeemed": done.len()})).into_response()
-        }
+        Ok(Redeemed::Now(done)) => Json(RedeemedOut {
+            order_id,
+            redeemed: done.len() as u64,
+        })
+        .into_response(),
         // Only a redemption by code, with its redemption id, is "before".
-        Ok(Redeemed::Before(_)) => {
-            Json(json!({"order_id": order_id, "redeemed": 0})).into_response()
-        }
+        Ok(Redeemed::Before(_)) => Json(RedeemedOut {
+            order_id,
+            redeemed: 0,
+        })
+        .into_response(),
         Err(e) => refused(e, &rid),
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of a void.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = VoidIn)]
 pub(crate) struct VoidBody {
+    /// Why (a refund, a chargeback): 1 to 200 characters.
     reason: String,
 }
 
@@ -427,7 +583,7 @@ pub(crate) struct VoidBody {
     post, path = "/v1/orders/{order_id}/void", tag = "orders",
     operation_id = "void_order",
     params(("order_id" = String, Path, description = "the shop's order id")),
-    request_body(content = crate::openapi::VoidIn, content_type = "application/json"),
+    request_body(content = VoidBody, content_type = "application/json"),
     responses(
         (status = 200, description = "the order's codes are void and what it waited for is cancelled", body = Voided),
         (status = 404, description = "the order has no code and no backorder", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),

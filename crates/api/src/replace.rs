@@ -12,12 +12,12 @@ use codepool_issuance::audit::{self, Actor};
 use codepool_issuance::model::CodeQuery;
 use codepool_issuance::ops;
 use codepool_issuance::replace::{self, ReplaceError, Replaced};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::keys::{KeyDoc, Scope};
-use crate::orders::{failed, grant_json, not_yours};
+use crate::orders::{failed, not_yours, GrantedCode};
 use crate::request::{Body, BodyDoc, Caller, OrdersWrite};
 use crate::{Api, Problem, RequestId};
 
@@ -54,9 +54,9 @@ impl BodyDoc for ReplaceIn {
            ("line" = u32, Path, description = "the order's line whose code is replaced: 0 to quantity - 1")),
     request_body(content = ReplaceIn, content_type = "application/json"),
     responses(
-        (status = 201, description = "the old code is void (`replaced`) and the line holds a new code, sent to the buyer by SMS", body = crate::openapi::Replacement),
-        (status = 200, description = "the same replacement id again: the same new code; nothing else was done", body = crate::openapi::Replacement),
-        (status = 202, description = "the old code is void and the line waits for stock (the pool is empty or paused): its new code comes by SMS after the next import or resume, before the pool's backorders", body = crate::openapi::Replacement),
+        (status = 201, description = "the old code is void (`replaced`) and the line holds a new code, sent to the buyer by SMS", body = Replacement),
+        (status = 200, description = "the same replacement id again: the same new code; nothing else was done", body = Replacement),
+        (status = 202, description = "the old code is void and the line waits for stock (the pool is empty or paused): its new code comes by SMS after the next import or resume, before the pool's backorders", body = Replacement),
         (status = 404, description = "this key placed no such order (a key acts on its own orders, a shop's key on its shop's, a key with the admin scope on any), or the order has no code on that line", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "the replacement id names another replacement (`conflicting-replacement`), the line's code cannot be replaced (`not-replaceable`: used, void, or waiting for an earlier replacement), or the order was voided (`order-cancelled`); nothing changed", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 403, description = "the key lacks `orders:write`, or the order's shop may no longer order from the pool (`pool-not-allowed`); nothing changed", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
@@ -103,6 +103,27 @@ pub(crate) async fn replace(
     }
 }
 
+/// A replacement: the line's new code, or that it waits for stock.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Replacement {
+    replacement_id: String,
+    order_id: String,
+    line: u32,
+    pool: String,
+    /// `replaced` (the line holds its new code) or `waiting` (the pool is
+    /// empty or paused; the new code comes by SMS).
+    #[schema(pattern = "^(replaced|waiting)$")]
+    state: &'static str,
+    reason: String,
+    /// The grant number of the code replaced (now void, reason `replaced`).
+    old_grant_no: Option<String>,
+    /// The line's new code: in plaintext to the key that placed the order
+    /// (or one with `codes:reveal`), masked to another admin key; null
+    /// while the line waits.
+    code: Option<GrantedCode>,
+}
+
 /// The replacement as the API shows it: its new code in plaintext to the
 /// key that placed the order (or one with `codes:reveal`), audited as a
 /// reveal first; masked to any other admin key.
@@ -131,12 +152,20 @@ async fn answer(
         (Some(_), false) => StatusCode::OK,
     };
     let d = &done.doc;
-    let body = json!({
-        "replacement_id": d.id, "order_id": d.order_id, "line": d.line(), "pool": d.pool,
-        "state": if grant.is_some() { "replaced" } else { "waiting" },
-        "reason": d.reason, "old_grant_no": d.old_grant_no,
-        "code": grant.as_ref().map(|g| grant_json(g, plain)),
-    });
+    let body = Replacement {
+        replacement_id: d.id.clone(),
+        order_id: d.order_id.clone(),
+        line: d.line(),
+        pool: d.pool.clone(),
+        state: if grant.is_some() {
+            "replaced"
+        } else {
+            "waiting"
+        },
+        reason: d.reason.clone(),
+        old_grant_no: d.old_grant_no.clone(),
+        code: grant.as_ref().map(|g| GrantedCode::of(g, plain)),
+    };
     (status, Json(body)).into_response()
 }
 

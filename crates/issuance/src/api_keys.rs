@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 
 use codepool_store::{Store, StoreError};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 
 pub const API_KEYS: &str = "api_keys";
 
@@ -258,7 +258,7 @@ pub async fn create_for(
         key.name,
         scopes.join(",")
     );
-    audit::record(store, actor, "api-key-create", what).await?;
+    audit::record(store, actor, AuditKind::ApiKeyCreate, what).await?;
     Ok(NewKey {
         key,
         token: format!("cpk_{id}_{secret}"),
@@ -289,7 +289,7 @@ pub async fn revoke(store: &Store, name: &str, actor: &Actor) -> Result<KeyDoc, 
         .map_err(StoreError::from)?
         .ok_or_else(|| KeyError::Unknown(name.to_owned()))?;
     let what = format!("API key {:?} ({}) revoked", revoked.name, revoked.id);
-    audit::record(store, actor, "api-key-revoke", what).await?;
+    audit::record(store, actor, AuditKind::ApiKeyRevoke, what).await?;
     Ok(revoked)
 }
 

@@ -9,6 +9,7 @@
 
 use codepool_domain::CodeId;
 use codepool_store::audit::{Action, Reveal};
+pub use codepool_store::audit::{AuditKind, UnknownAuditKind};
 use codepool_store::{Store, StoreError};
 use tracing::error;
 
@@ -62,17 +63,17 @@ impl Actor {
 pub async fn record(
     store: &Store,
     actor: &Actor,
-    kind: &str,
+    kind: AuditKind,
     what: String,
 ) -> Result<(), StoreError> {
     let action = Action {
         who: actor.who.clone(),
-        kind: kind.to_owned(),
+        kind,
         command: actor.via.clone(),
         what,
     };
     store.record_action(&action).await.map(|_| ()).map_err(|e| {
-        error!(error = %e, kind, who = %actor.who, "change made but not audited");
+        error!(error = %e, kind = kind.as_str(), who = %actor.who, "change made but not audited");
         e
     })
 }

@@ -11,7 +11,7 @@ use codepool_store::pool_settings::PoolSettingsError;
 use codepool_store::{ObjectId, Store, StoreError};
 use tracing::{debug, info};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::ops::{checked_reason, MAX_REASON_CHARS};
 use crate::ports::CandidatePool;
 
@@ -57,7 +57,17 @@ pub async fn set_paused(
         "pool {pool:?} {state}{}",
         if changed { "" } else { " (it already was)" }
     );
-    audit::record(store, actor, if paused { "pause" } else { "resume" }, what).await?;
+    audit::record(
+        store,
+        actor,
+        if paused {
+            AuditKind::Pause
+        } else {
+            AuditKind::Resume
+        },
+        what,
+    )
+    .await?;
     let unconfirmed = |source| PauseError::Unconfirmed {
         state,
         event: kind.routing_key(),
@@ -181,7 +191,7 @@ pub async fn recall_import(
         runs.len(),
         held.len()
     );
-    audit::record(store, actor, "recall", what).await?;
+    audit::record(store, actor, AuditKind::Recall, what).await?;
     Ok(Recall {
         import,
         runs,
@@ -293,7 +303,7 @@ pub async fn set_pool_settings(
 ) -> Result<(), PauseError> {
     store.set_pool_settings(pool, settings).await?;
     let what = format!("pool {pool:?}: {what}");
-    audit::record(store, actor, "pool-settings", what).await?;
+    audit::record(store, actor, AuditKind::PoolSettings, what).await?;
     Ok(())
 }
 
@@ -308,7 +318,7 @@ pub async fn create_pool(store: &Store, pool: &str, actor: &Actor) -> Result<boo
             "already existed"
         }
     );
-    audit::record(store, actor, "pool-create", what).await?;
+    audit::record(store, actor, AuditKind::PoolCreate, what).await?;
     Ok(created)
 }
 
@@ -367,6 +377,6 @@ pub async fn replay_dead_letters(
         "{} dead letter(s) replayed (reason filter {reason:?})",
         sent.len()
     );
-    audit::record(store, actor, "dead-letter-replay", what).await?;
+    audit::record(store, actor, AuditKind::DeadLetterReplay, what).await?;
     Ok(sent)
 }

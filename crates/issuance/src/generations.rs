@@ -12,7 +12,7 @@ pub use codepool_importer::{
     GenerateError, GenerateOptions, GenerateProgress, GenerateSummary, Generation,
 };
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::controls::{announce_replenished, ImportedError};
 
 /// The audit record's sentence for a generation run.
@@ -29,7 +29,7 @@ pub async fn record(
     summary: &GenerateSummary,
     actor: &Actor,
 ) -> Result<(), ImportedError> {
-    audit::record(store, actor, "generate", described(summary)).await?;
+    audit::record(store, actor, AuditKind::Generate, described(summary)).await?;
     Ok(())
 }
 

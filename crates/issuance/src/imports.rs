@@ -12,7 +12,7 @@ pub use codepool_importer::{
     Header, ImportError, ImportOptions, ImportProgress, ImportSummary, InvalidRow,
 };
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::controls::{announce_replenished, ImportedError};
 
 /// The audit record's sentence for an import run.
@@ -35,7 +35,7 @@ pub async fn record(
     summary: &ImportSummary,
     actor: &Actor,
 ) -> Result<(), ImportedError> {
-    audit::record(store, actor, "import", described(summary)).await?;
+    audit::record(store, actor, AuditKind::Import, described(summary)).await?;
     Ok(())
 }
 

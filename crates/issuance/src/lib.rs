@@ -72,7 +72,7 @@ pub mod webhooks;
 /// name no storage crate of their own (a suite test reads `cargo
 /// metadata` to keep it so).
 pub mod model {
-    pub use codepool_store::audit::{Action, AuditFilter};
+    pub use codepool_store::audit::{Action, AuditFilter, AuditKind, RecordedKind};
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;
     pub use codepool_store::lifecycle::{

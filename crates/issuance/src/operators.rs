@@ -12,7 +12,7 @@ use futures::TryStreamExt;
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use codepool_store::{Store, StoreError};
 
 pub const OPERATORS: &str = "console_operators";
@@ -191,7 +191,7 @@ pub async fn add(
         Err(e) => return Err(store_err(e)),
     }
     let what = format!("operator {:?} added as {}", op.name, role.as_str());
-    audit::record(store, actor, "operator-add", what).await?;
+    audit::record(store, actor, AuditKind::OperatorAdd, what).await?;
     Ok(op)
 }
 
@@ -230,7 +230,7 @@ pub async fn disable(
         .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
     end_sessions(store, name).await?;
     let what = format!("operator {:?} disabled", op.name);
-    audit::record(store, actor, "operator-disable", what).await?;
+    audit::record(store, actor, AuditKind::OperatorDisable, what).await?;
     Ok(op)
 }
 
@@ -271,7 +271,7 @@ pub async fn passwd(
         ""
     };
     let what = format!("password of operator {:?} changed{enabled}", before.name);
-    audit::record(store, actor, "operator-passwd", what).await?;
+    audit::record(store, actor, AuditKind::OperatorPasswd, what).await?;
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use codepool_store::replacements::ReplacementDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::{debug, warn};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::{CandidatePool, EventSink};
 
@@ -227,7 +227,7 @@ pub async fn void(
             format!("order {order_id:?}: no issued code left; what it waited for (backorder, replacement) cancelled; reason {reason:?}")
         }
     };
-    audit::record(store, actor, "void", what)
+    audit::record(store, actor, AuditKind::Void, what)
         .await
         .map_err(LifecycleError::Store)?;
     if let VoidOutcome::Voided { applied, .. } = &outcome {
@@ -282,7 +282,7 @@ pub async fn redeem(
     // are used either way, so the event is owed, and a failure to record
     // it is said, not hidden.
     let (audited, told) = tokio::join!(
-        audit::record(store, actor, "redeem", what),
+        audit::record(store, actor, AuditKind::Redeem, what),
         crate::webhooks::record_redeemed(store, applied)
     );
     if let Err(e) = told {
@@ -391,7 +391,7 @@ pub async fn resend(
     match sent.results.into_iter().find(|r| r.is_err()) {
         None => {
             let what = format!("order {order:?}: {} event(s) sent again", events.len());
-            audit::record(store, actor, "resend", what).await?;
+            audit::record(store, actor, AuditKind::Resend, what).await?;
             Ok((events, sendable))
         }
         Some(Err(e)) => Err(ResendError::Unconfirmed(e)),

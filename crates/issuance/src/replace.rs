@@ -33,7 +33,7 @@ use codepool_store::replacements::{
 use codepool_store::{Store, StoreError};
 use tracing::{info, warn};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::claim::{ClaimEngine, ClaimError};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
@@ -209,7 +209,7 @@ async fn again(
                     done.doc.line(),
                     done.doc.id
                 );
-                audit::record(s.store, actor, "replace", what).await?;
+                audit::record(s.store, actor, AuditKind::Replace, what).await?;
             }
             Ok(done)
         }
@@ -444,7 +444,7 @@ async fn record(
         d.number(),
     );
     info!(order_id = %d.order_id, line = d.line(), replacement = %d.id, waiting = done.code.is_none(), "code replaced");
-    audit::record(store, actor, "replace", what).await
+    audit::record(store, actor, AuditKind::Replace, what).await
 }
 
 /// Serves the open replacements of `pool`, oldest first, before its

@@ -14,7 +14,7 @@ use codepool_domain::{Pool, PurchaseError};
 use codepool_store::shops::{ShopDoc, EVERY_POOL};
 use codepool_store::{Store, StoreError};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use crate::plan::Intake;
 
 /// How long a process trusts what it read of a shop: a change to a shop's
@@ -137,7 +137,7 @@ pub async fn create(
         return Err(ShopError::Exists(name.to_owned()));
     }
     let what = format!("shop {name:?} created with pools {}", pools.join(","));
-    audit::record(store, actor, "shop-create", what).await?;
+    audit::record(store, actor, AuditKind::ShopCreate, what).await?;
     store
         .shop(name)
         .await?
@@ -167,7 +167,7 @@ pub async fn set_broker_users(
     let shop = (store.set_shop_broker_users(name, &users).await?)
         .ok_or_else(|| ShopError::Unknown(name.to_owned()))?;
     let what = format!("shop {name:?} takes AMQP purchases from broker users {users:?}");
-    audit::record(store, actor, "shop-set", what).await?;
+    audit::record(store, actor, AuditKind::ShopSet, what).await?;
     Ok(shop)
 }
 
@@ -182,7 +182,7 @@ pub async fn set_pools(
     let shop = (store.set_shop_pools(name, &pools).await?)
         .ok_or_else(|| ShopError::Unknown(name.to_owned()))?;
     let what = format!("shop {name:?} now orders from {}", pools.join(","));
-    audit::record(store, actor, "shop-set", what).await?;
+    audit::record(store, actor, AuditKind::ShopSet, what).await?;
     Ok(shop)
 }
 

@@ -5,11 +5,187 @@
 use bson::oid::ObjectId;
 use bson::{doc, DateTime};
 use codepool_domain::CodeId;
+use serde::{Deserialize, Serialize};
 
 use crate::codes::object_id;
 use crate::{durable, Store, StoreError};
 
 pub const AUDIT: &str = "audit";
+
+/// What kind of record: a reveal, or the change an operator made. Stored
+/// (`kind`) by these names, which filters take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AuditKind {
+    /// Codes shown in plaintext ([`Store::record_reveal`]).
+    Reveal,
+    Void,
+    Redeem,
+    Resend,
+    Recall,
+    Replace,
+    Import,
+    Generate,
+    Pause,
+    Resume,
+    PoolCreate,
+    PoolSettings,
+    DeadLetterReplay,
+    ShopCreate,
+    ShopSet,
+    WebhookAdd,
+    WebhookEnable,
+    WebhookDisable,
+    WebhookRotate,
+    WebhookReplay,
+    ApiKeyCreate,
+    ApiKeyRevoke,
+    /// `codepool keys add` (the key file).
+    KeyAdd,
+    /// `codepool keys rotate` (the key file).
+    KeyRotate,
+    OperatorAdd,
+    OperatorDisable,
+    OperatorPasswd,
+    /// A console sign-in.
+    SignIn,
+    /// A console sign-out.
+    SignOut,
+}
+
+impl AuditKind {
+    pub const ALL: [AuditKind; 29] = [
+        Self::Reveal,
+        Self::Void,
+        Self::Redeem,
+        Self::Resend,
+        Self::Recall,
+        Self::Replace,
+        Self::Import,
+        Self::Generate,
+        Self::Pause,
+        Self::Resume,
+        Self::PoolCreate,
+        Self::PoolSettings,
+        Self::DeadLetterReplay,
+        Self::ShopCreate,
+        Self::ShopSet,
+        Self::WebhookAdd,
+        Self::WebhookEnable,
+        Self::WebhookDisable,
+        Self::WebhookRotate,
+        Self::WebhookReplay,
+        Self::ApiKeyCreate,
+        Self::ApiKeyRevoke,
+        Self::KeyAdd,
+        Self::KeyRotate,
+        Self::OperatorAdd,
+        Self::OperatorDisable,
+        Self::OperatorPasswd,
+        Self::SignIn,
+        Self::SignOut,
+    ];
+
+    /// The name stored and shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reveal => "reveal",
+            Self::Void => "void",
+            Self::Redeem => "redeem",
+            Self::Resend => "resend",
+            Self::Recall => "recall",
+            Self::Replace => "replace",
+            Self::Import => "import",
+            Self::Generate => "generate",
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+            Self::PoolCreate => "pool-create",
+            Self::PoolSettings => "pool-settings",
+            Self::DeadLetterReplay => "dead-letter-replay",
+            Self::ShopCreate => "shop-create",
+            Self::ShopSet => "shop-set",
+            Self::WebhookAdd => "webhook-add",
+            Self::WebhookEnable => "webhook-enable",
+            Self::WebhookDisable => "webhook-disable",
+            Self::WebhookRotate => "webhook-rotate",
+            Self::WebhookReplay => "webhook-replay",
+            Self::ApiKeyCreate => "api-key-create",
+            Self::ApiKeyRevoke => "api-key-revoke",
+            Self::KeyAdd => "key-add",
+            Self::KeyRotate => "key-rotate",
+            Self::OperatorAdd => "operator-add",
+            Self::OperatorDisable => "operator-disable",
+            Self::OperatorPasswd => "operator-passwd",
+            Self::SignIn => "sign-in",
+            Self::SignOut => "sign-out",
+        }
+    }
+
+    /// The kinds, by their names, comma-separated: what a filter takes.
+    pub fn names() -> String {
+        let names: Vec<&str> = Self::ALL.iter().map(|k| k.as_str()).collect();
+        names.join(", ")
+    }
+}
+
+impl std::fmt::Display for AuditKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A filter named a kind that no record has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no audit kind {0:?}; the kinds are: {kinds}", kinds = AuditKind::names())]
+pub struct UnknownAuditKind(pub String);
+
+impl std::str::FromStr for AuditKind {
+    type Err = UnknownAuditKind;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownAuditKind(s.to_owned()))
+    }
+}
+
+/// A record's kind as read back: one this build writes, or, for a record
+/// written by another version, the name as stored (a listing shows it and
+/// does not fail).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordedKind {
+    Known(AuditKind),
+    Other(String),
+}
+
+impl RecordedKind {
+    /// The kind of a stored name.
+    pub fn of(stored: &str) -> Self {
+        stored
+            .parse()
+            .map_or_else(|_| Self::Other(stored.to_owned()), Self::Known)
+    }
+
+    /// Whether this is `kind`.
+    pub fn is(&self, kind: AuditKind) -> bool {
+        *self == Self::Known(kind)
+    }
+
+    /// The name as stored.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Known(k) => k.as_str(),
+            Self::Other(s) => s,
+        }
+    }
+}
+
+impl std::fmt::Display for RecordedKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// One reveal, as the command line knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +207,7 @@ fn reveal_doc(id: ObjectId, r: &Reveal) -> bson::Document {
     let ids: Vec<ObjectId> = r.code_ids.iter().copied().map(object_id).collect();
     doc! {
         "_id": id,
-        "kind": "reveal",
+        "kind": AuditKind::Reveal.as_str(),
         "at": DateTime::now(),
         "os_user": &r.os_user,
         "host": &r.host,
@@ -79,7 +255,7 @@ pub struct Action {
     /// Who, e.g. `operator:alice`.
     pub who: String,
     /// What kind of change, e.g. `void`, `resend`, `recall`.
-    pub kind: String,
+    pub kind: AuditKind,
     /// Where it came from, e.g. `console POST /console/orders/{id}/void`.
     pub command: String,
     /// What it was done to and how it ended, in words (codes masked).
@@ -90,7 +266,7 @@ pub struct Action {
 #[derive(Debug, Clone, PartialEq)]
 pub struct AuditEntry {
     pub id: ObjectId,
-    pub kind: String,
+    pub kind: RecordedKind,
     pub at: DateTime,
     pub who: String,
     pub command: String,
@@ -102,7 +278,7 @@ pub struct AuditEntry {
 #[derive(Debug, Clone, Default)]
 pub struct AuditFilter<'a> {
     pub who: Option<&'a str>,
-    pub kind: Option<&'a str>,
+    pub kind: Option<AuditKind>,
     pub before: Option<ObjectId>,
 }
 
@@ -113,7 +289,7 @@ impl Store {
         self.collection(AUDIT)
             .insert_one(doc! {
                 "_id": id,
-                "kind": &a.kind,
+                "kind": a.kind.as_str(),
                 "at": DateTime::now(),
                 "os_user": &a.who,
                 "command": &a.command,
@@ -137,7 +313,7 @@ impl Store {
             filter.insert("os_user", w);
         }
         if let Some(k) = f.kind {
-            filter.insert("kind", k);
+            filter.insert("kind", k.as_str());
         }
         if let Some(b) = f.before {
             filter.insert("_id", doc! {"$lt": b});
@@ -158,11 +334,45 @@ fn entry_of(d: &bson::Document) -> Option<AuditEntry> {
     let text = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
     Some(AuditEntry {
         id: d.get_object_id("_id").ok()?,
-        kind: text("kind"),
+        kind: RecordedKind::of(d.get_str("kind").unwrap_or_default()),
         at: *d.get_datetime("at").ok()?,
         who: text("os_user"),
         command: text("command"),
         what: text("what"),
         count: crate::collections::as_u64(d.get("count")),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_stored_and_parsed_by_their_names() {
+        for k in AuditKind::ALL {
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.as_str()));
+            assert_eq!(serde_json::from_str::<AuditKind>(&json).unwrap(), k);
+            assert_eq!(k.as_str().parse::<AuditKind>(), Ok(k));
+            assert_eq!(RecordedKind::of(k.as_str()), RecordedKind::Known(k));
+        }
+        let names: std::collections::HashSet<&str> =
+            AuditKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), AuditKind::ALL.len(), "no name twice");
+    }
+
+    #[test]
+    fn an_unknown_kind_is_refused_by_a_filter_and_kept_by_a_listing() {
+        let e = "voids".parse::<AuditKind>().unwrap_err();
+        let said = e.to_string();
+        assert!(
+            said.contains("\"voids\"") && said.contains("void, redeem"),
+            "{said}"
+        );
+        assert!(said.contains("sign-out"), "{said}");
+        let read = RecordedKind::of("retired-kind");
+        assert_eq!(read, RecordedKind::Other("retired-kind".into()));
+        assert_eq!(read.to_string(), "retired-kind");
+        assert!(!read.is(AuditKind::Void));
+    }
 }

@@ -74,7 +74,13 @@ pub async fn run(cfg: &Config, args: KeysArgs) -> anyhow::Result<u8> {
                 "key {id} added to key file {} and made active for new codes",
                 path.display()
             );
-            audit::record(&store, &super::actor("keys add"), "key-add", what).await?;
+            audit::record(
+                &store,
+                &super::actor("keys add"),
+                audit::AuditKind::KeyAdd,
+                what,
+            )
+            .await?;
             say!(
                 "added key {id} to {}; new codes are encrypted with it",
                 path.display()
@@ -155,7 +161,13 @@ async fn rotate(cfg: &Config, batch: i64) -> anyhow::Result<()> {
         Ok(_) => format!("{done} code(s) re-encrypted under key {active}; every code now uses it"),
         Err(e) => format!("{done} code(s) re-encrypted under key {active}, then stopped: {e}"),
     };
-    let recorded = audit::record(&store, &super::actor("keys rotate"), "key-rotate", what).await;
+    let recorded = audit::record(
+        &store,
+        &super::actor("keys rotate"),
+        audit::AuditKind::KeyRotate,
+        what,
+    )
+    .await;
     result?;
     recorded?;
     say!("re-encrypted {done} code(s) under key {active}; every code now uses it");

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
-use codepool_issuance::model::AuditFilter;
 use codepool_issuance::model::ObjectId;
+use codepool_issuance::model::{AuditFilter, AuditKind};
 use maud::html;
 use serde::Deserialize;
 
@@ -38,8 +38,11 @@ pub async fn list(
 ) -> Result<Response, Failure> {
     s.need(Role::Admin)?;
     let (who, kind) = (nonempty(&q.who), nonempty(&q.kind));
+    let kind = kind.map(str::parse::<AuditKind>).transpose();
+    let kind = kind.map_err(|e| Failure::Invalid(e.to_string()))?;
     let before = nonempty(&q.before).and_then(|b| ObjectId::parse_str(b).ok());
     let filter = AuditFilter { who, kind, before };
+    let kind = kind.map(AuditKind::as_str);
     let entries = console.core.store().audit_page(&filter, PAGE).await?;
     let more = (entries.len() as i64 == PAGE)
         .then(|| entries.last().map(|e| e.id.to_hex()))
@@ -48,13 +51,14 @@ pub async fn list(
         h1 { "Audit log" }
         form.search method="get" action="/console/audit" {
             label { "Who " input name="who" value=(who.unwrap_or_default()) placeholder="operator:alice or api-key:shop"; }
-            label { "Kind " input name="kind" value=(kind.unwrap_or_default()) placeholder="void, resend, reveal, …"; }
+            label { "Kind " input name="kind" list="audit-kinds" value=(kind.unwrap_or_default()) placeholder="void, resend, reveal, …"; }
+            datalist #audit-kinds { @for k in AuditKind::ALL { option value=(k.as_str()) {} } }
             button type="submit" { "Filter" }
         }
         table.audit { thead { tr { th { "When" } th { "Who" } th { "Kind" } th { "What" } th { "Where" } } }
             tbody { @for e in &entries { tr {
                 td { (when(e.at)) } td.who { (e.who) } td.kind { (e.kind) }
-                td.what { (e.what) @if e.kind == "reveal" { " (" (e.count) " codes)" } }
+                td.what { (e.what) @if e.kind.is(AuditKind::Reveal) { " (" (e.count) " codes)" } }
                 td { (e.command) }
             } } } }
         @if let Some(b) = more {

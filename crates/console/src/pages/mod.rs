@@ -30,17 +30,17 @@ pub(crate) fn actor(s: &Session, route: &str) -> codepool_issuance::audit::Actor
 pub(crate) async fn audit(
     console: &Console,
     s: &Session,
-    kind: &str,
+    kind: codepool_issuance::model::AuditKind,
     command: &str,
     what: String,
 ) -> Result<(), Failure> {
     let action = codepool_issuance::model::Action {
         who: s.who(),
-        kind: kind.to_owned(),
+        kind,
         command: format!("console {command}"),
         what,
     };
-    tracing::info!(operator = %s.operator.name, kind, command, "console action");
+    tracing::info!(operator = %s.operator.name, kind = kind.as_str(), command, "console action");
     console
         .core
         .store()
@@ -48,7 +48,7 @@ pub(crate) async fn audit(
         .await
         .map(|_| ())
         .map_err(|e| {
-            tracing::error!(error = %e, kind, "console action done but not audited");
+            tracing::error!(error = %e, kind = kind.as_str(), "console action done but not audited");
             Failure::from(e)
         })
 }

@@ -167,7 +167,7 @@ async fn open_session(
     let token = sessions::start(store, &op.name, console.cfg.session_ttl).await?;
     let action = codepool_issuance::model::Action {
         who: format!("operator:{}", op.name),
-        kind: "sign-in".into(),
+        kind: codepool_issuance::model::AuditKind::SignIn,
         command: "console POST /console/signin".into(),
         what: format!("signed in as {}", op.role.as_str()),
     };
@@ -198,7 +198,7 @@ pub async fn signout(
     super::audit(
         &console,
         &s,
-        "sign-out",
+        codepool_issuance::model::AuditKind::SignOut,
         "POST /console/signout",
         "signed out".into(),
     )

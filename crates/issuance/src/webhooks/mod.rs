@@ -25,7 +25,7 @@ use codepool_store::webhooks::{AttemptDoc, EndpointDoc, NewEvent, ReplayScope};
 use codepool_store::{Store, StoreError};
 use tracing::{debug, warn};
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, AuditKind};
 use guard::{AddressError, AllowHosts};
 
 pub use deliver::Deliverer;
@@ -174,7 +174,7 @@ pub async fn add(
         "webhook {id} of shop {shop:?} added: {url} for {}",
         events.join(",")
     );
-    audit::record(store, actor, "webhook-add", what).await?;
+    audit::record(store, actor, AuditKind::WebhookAdd, what).await?;
     Ok(Added { endpoint, secret })
 }
 
@@ -203,8 +203,8 @@ pub async fn set_enabled(
         .await?
         .ok_or_else(|| WebhookError::UnknownEndpoint(id.to_owned()))?;
     let (kind, done) = match enabled {
-        true => ("webhook-enable", "enabled"),
-        false => ("webhook-disable", "disabled"),
+        true => (AuditKind::WebhookEnable, "enabled"),
+        false => (AuditKind::WebhookDisable, "disabled"),
     };
     let what = format!("webhook {id} of shop {:?} {done}", after.shop);
     audit::record(store, actor, kind, what).await?;
@@ -225,7 +225,7 @@ pub async fn rotate_secret(store: &Store, id: &str, actor: &Actor) -> Result<Str
         after.shop,
         until.try_to_rfc3339_string().unwrap_or_default()
     );
-    audit::record(store, actor, "webhook-rotate", what).await?;
+    audit::record(store, actor, AuditKind::WebhookRotate, what).await?;
     Ok(secret)
 }
 
@@ -328,7 +328,7 @@ pub async fn replay(
     audit::record(
         store,
         actor,
-        "webhook-replay",
+        AuditKind::WebhookReplay,
         format!("shop {shop:?}: {what} replayed to {to}: {made} deliveries due, {left_out} left out ({older})"),
     )
     .await?;
