@@ -665,3 +665,157 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
     assert!(matches!(err, GenerateError::Exhausted(_)), "{err}");
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_once() {
+    let env = TestEnv::new("gen_once").await;
+    let admin = key(&env, "gen-admin", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let run = ObjectId::new();
+    let body = json_body(&run, 20_000);
+    let path = "/v1/pools/gw/generations";
+    let posts = (0..3).map(|_| http(&api.addr, "POST", path, Some(&admin), &body));
+    for (status, _, answer) in futures::future::join_all(posts).await {
+        assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
+    }
+    let (status, _, _) = http(&api.addr, "POST", path, Some(&admin), &body).await;
+    assert_eq!(status, 202, "a retry is answered as the first");
+    let of_run = doc! {"batch_id": run};
+    let imports = env.store.database().collection::<bson::Document>("imports");
+    eventually(
+        Duration::from_secs(180),
+        "the run done, its lease given up",
+        || {
+            let imports = imports.clone();
+            async move {
+                let r = imports.find_one(doc! {"_id": run}).await.unwrap().unwrap();
+                r.get_str("status") == Ok("done") && !r.contains_key("lease_owner")
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        codes(&env).count_documents(of_run.clone()).await.unwrap(),
+        20_000,
+        "four requests of one run make its count once"
+    );
+    api.stop().await;
+
+    // Two commands with one run id at once: one makes the codes; the other
+    // waits for it, or says another process is making them.
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    let args = [
+        "generate",
+        "--pool",
+        "gv",
+        "--count",
+        "20000",
+        "--run-id",
+        &id,
+        "--batch-size",
+        "500",
+    ];
+    let (a, b) = tokio::join!(env.command(&args).output(), env.command(&args).output());
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert!(a.status.success() || b.status.success());
+    for out in [&a, &b] {
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("being made by another process"), "{err}");
+        }
+    }
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"batch_id": run})
+            .await
+            .unwrap(),
+        20_000
+    );
+    let past = env
+        .command(&[
+            "generate",
+            "--pool",
+            "gv",
+            "--count",
+            "5",
+            "--expires-at",
+            "2000-01-01T00:00:00Z",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(past.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&past.stderr).contains("not in the future"));
+    env.cleanup().await;
+}
+
+fn json_body(run: &ObjectId, count: u64) -> Vec<u8> {
+    serde_json::json!({"count": count, "pattern": "GW-{random:12}", "run_id": run.to_hex()})
+        .to_string()
+        .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_still_making_codes_is_not_recalled_under_it() {
+    let env = TestEnv::new("gen_recall_running").await;
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    let args = [
+        "generate",
+        "--pool",
+        "gr",
+        "--count",
+        "200000",
+        "--run-id",
+        &id,
+        "--batch-size",
+        "200",
+    ];
+    let mut child = env.command(&args).spawn().unwrap();
+    eventually(
+        Duration::from_secs(120),
+        "the run's first codes land",
+        || {
+            let c = codes(&env);
+            async move { c.count_documents(doc! {"batch_id": run}).await.unwrap() > 0 }
+        },
+    )
+    .await;
+    let out = env
+        .command(&["void", "--import", &id, "--reason", "leak"])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("still making codes"), "{err}");
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"batch_id": run, "status": 3})
+            .await
+            .unwrap(),
+        0
+    );
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    // Killed: its lease lapses, and the recall goes through.
+    eventually(
+        Duration::from_secs(60),
+        "the dead run's lease lapses",
+        || async {
+            let r = env.store.import_record(run).await.unwrap().unwrap();
+            !r.being_made()
+        },
+    )
+    .await;
+    codepool_ok(&env, &["void", "--import", &id, "--reason", "leak"]).await;
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"batch_id": run, "status": 0})
+            .await
+            .unwrap(),
+        0
+    );
+    env.cleanup().await;
+}

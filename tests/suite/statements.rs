@@ -401,6 +401,14 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     assert_eq!(rc, 0);
     let key_hex = key_hex.trim().to_owned();
     assert_eq!(key_hex.len(), 64);
+    let shown = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .count_documents(doc! {"kind": "statement-key"})
+        .await
+        .unwrap();
+    assert_eq!(shown, 1, "showing the statement key is audited");
     let expected = python_hmacs(&key_hex, &codes).await;
     let listed: HashSet<String> = lines_api["lines"]
         .as_array()
@@ -449,6 +457,11 @@ async fn a_row_broken_behind_codepools_back_exits_3_naming_it() {
     );
     assert!(err.contains("1 of its codes are in no state"), "{err}");
     assert!(out.contains("OFF BY 2"), "{out}");
+    let total = out.lines().find(|l| l.starts_with("TOTAL")).unwrap();
+    assert!(
+        total.contains("OFF BY 2"),
+        "the total names what its rows are off by: {total}"
+    );
     let (rc, out, _) = statement(&env, &["--pool", "so", "--csv"]).await;
     assert_eq!(rc, 3);
     assert!(
@@ -462,5 +475,107 @@ async fn a_row_broken_behind_codepools_back_exits_3_naming_it() {
     .await;
     assert_eq!(rc, 1);
     assert!(err.contains("is not a run of pool \"so\""), "{err}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_are_its_own() {
+    let env = TestEnv::new("statements_held").await;
+    let run = import(
+        &env,
+        "sh",
+        "h.csv",
+        "code\nSH-1\nSH-2\nSH-3\nSH-4\nSH-5\nSH-6\n",
+    )
+    .await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    for i in 1..=4 {
+        let body = json!({"hold_id": format!("HH-{i}"), "uid": format!("u{i}"), "items": [{"pool": "sh", "quantity": 1}]});
+        post(&api, &shop, "/v1/holds", body.to_string().as_bytes()).await;
+    }
+    post(&api, &shop, "/v1/orders", &order("SOLD-1", "sh", 1)).await;
+    // Two held codes pass their expiry and the sweep voids them; then the
+    // run is recalled (the other held ones and the stock).
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let past = bson::DateTime::from_chrono(chrono::Utc::now() - chrono::Duration::hours(1));
+    let held: Vec<bson::Document> = codes
+        .find(doc! {"pool": "sh", "status": 4})
+        .limit(2)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    for d in &held {
+        codes
+            .update_one(
+                doc! {"_id": d.get_object_id("_id").unwrap()},
+                doc! {"$set": {"expires_at": past}},
+            )
+            .await
+            .unwrap();
+    }
+    codepool_ok(&env, &["expire", "--pool", "sh"]).await;
+    let t = boundary().await;
+    codepool_ok(&env, &["void", "--import", &run, "--reason", "leak"]).await;
+    let s = rows(&env, "sh", "2000-01-01", &now()).await;
+    let total = &s["total"];
+    assert_eq!(total["moves"]["issued"], 1, "only SOLD-1 was sold: {total}");
+    assert_eq!(total["balance"]["issued"], 1, "{total}");
+    assert_eq!(total["balance"]["void"]["expired"], 2, "{total}");
+    assert_eq!(
+        total["balance"]["void"]["recalled"], 3,
+        "two held and one in stock: {total}"
+    );
+    let before = rows(&env, "sh", "2000-01-01", &t).await;
+    assert_eq!(
+        before["total"]["balance"]["held"], 2,
+        "two holds were live before the recall: {before}"
+    );
+    assert_eq!(before["total"]["balance"]["issued"], 1, "{before}");
+    let (_, lines, _) = statement(&env, &["--pool", "sh", "--lines"]).await;
+    assert_eq!(
+        lines.lines().filter(|l| l.contains(",issued,")).count(),
+        1,
+        "{lines}"
+    );
+
+    // A shop's void cannot pass for codepool's own.
+    for reason in ["expired", " Replaced ", "RECALLED"] {
+        let body = json!({ "reason": reason }).to_string();
+        let (status, _, b) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders/SOLD-1/void",
+            Some(&shop),
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 422, "{reason}: {}", String::from_utf8_lossy(&b));
+        assert_eq!(
+            json_of(&b)["type"].as_str().unwrap().rsplit('/').next(),
+            Some("reserved-reason")
+        );
+    }
+    post(
+        &api,
+        &shop,
+        "/v1/orders/SOLD-1/void",
+        br#"{"reason":"Refund"}"#,
+    )
+    .await;
+    let s = rows(&env, "sh", "2000-01-01", &now()).await;
+    assert_eq!(
+        s["total"]["moves"]["void"]["refund"], 1,
+        "refund in any case: {s}"
+    );
+    assert_eq!(s["provisional"], true, "a period ending now is provisional");
+    let (rc, out, _) = statement(&env, &["--pool", "sh"]).await;
+    assert_eq!(rc, 0);
+    assert!(out.contains("PROVISIONAL"), "{out}");
+    let old = rows(&env, "sh", "2000-01-01", "2001-01-01").await;
+    assert_eq!(old["provisional"], false);
+    api.stop().await;
     env.cleanup().await;
 }

@@ -116,6 +116,9 @@ fn start_failed(e: GenerateError, rid: &RequestId) -> Response {
     match &e {
         GenerateError::Pool(_) => unprocessable(rid, "invalid-pool", "pool", e.to_string()),
         GenerateError::Count(_) => unprocessable(rid, "invalid-count", "count", e.to_string()),
+        GenerateError::ExpiredAtBirth(_) => {
+            unprocessable(rid, "invalid-expiry", "expires_at", e.to_string())
+        }
         GenerateError::OtherRun { .. } => Problem::new(
             StatusCode::CONFLICT,
             "other-run",

@@ -393,7 +393,7 @@ impl From<&Recall> for Recalled {
     responses(
         (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = Recalled),
         (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
-        (status = 409, description = "the import and its linked runs hold no code; the problem names other runs of the file that do", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the import and its linked runs hold no code (the problem names other runs of the file that do), or a generation run is still making codes (`run-in-progress`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "no reason, or one too long", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -421,6 +421,14 @@ pub(crate) async fn recall(
         .at(&rid.0)
         .into_response(),
         Err(RecallError::BadId(_) | RecallError::UnknownImport(_)) => bad_id(&id, &rid),
+        Err(e @ RecallError::Running(_)) => Problem::new(
+            StatusCode::CONFLICT,
+            "run-in-progress",
+            "the run is still making codes",
+            e.to_string(),
+        )
+        .at(&rid.0)
+        .into_response(),
         Err(e @ (RecallError::NothingRecalled { .. } | RecallError::Empty { .. })) => Problem::new(
             StatusCode::CONFLICT,
             "nothing-to-recall",

@@ -588,7 +588,7 @@ pub(crate) struct VoidBody {
         (status = 200, description = "the order's codes are void and what it waited for is cancelled", body = Voided),
         (status = 404, description = "the order has no code and no backorder", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 409, description = "a code of the order cannot be voided", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
-        (status = 422, description = "no reason, or one too long (`field`: reason)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "no reason, one too long, or one of codepool's own (`expired`, `replaced`, `recalled`: `reserved-reason`) (`field`: reason)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))
 )]
@@ -631,6 +631,17 @@ pub(crate) async fn void(
     .await;
     let voided = match voided {
         Err(ops::VoidError::Reason) => return bad_reason(),
+        Err(e @ ops::VoidError::Reserved(_)) => {
+            return Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "reserved-reason",
+                "that reason is codepool's own",
+                e.to_string(),
+            )
+            .field("reason")
+            .at(&rid.0)
+            .into_response()
+        }
         Err(ops::VoidError::Lifecycle(e)) => Err(e),
         Ok(v) => Ok(v),
     };

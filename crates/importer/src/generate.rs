@@ -31,6 +31,9 @@ const FRUITLESS_BATCHES: u32 = 20;
 const RETRIES: u32 = 6;
 const BACKOFF: Duration = Duration::from_millis(250);
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+/// How long a run's lease lasts unless renewed (it is, every batch): a run
+/// whose process died is taken up again at most this long after.
+pub const LEASE: Duration = Duration::from_secs(20);
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -149,6 +152,8 @@ pub enum GenerateError {
     Pool(#[from] codepool_domain::InvalidPoolName),
     #[error("a run makes 1 to {MAX_COUNT} codes, not {0}")]
     Count(u64),
+    #[error("--expires-at {0} is not in the future: every code would be expired as it is made; give a later time, or none")]
+    ExpiredAtBirth(String),
     #[error("run {id} exists and {why}; give a new --run-id, or the same pool, count and pattern to finish it")]
     OtherRun { id: String, why: String },
     #[error("the daily number could not be drawn: {0}")]
@@ -159,6 +164,31 @@ pub enum GenerateError {
     Random(String),
     #[error("{0}. Run the same command with the same --run-id to finish: it makes only the codes still missing")]
     Store(#[from] StoreError),
+    #[error("run {id} is being made by another process now (it renewed its lease to {until}); nothing was made here. Wait for it to end, then run the same command to check it")]
+    Busy { id: String, until: String },
+    #[error("run {0} was taken over by another process while this one stalled; it stopped here. Run the same command with the same --run-id to check the run")]
+    LeaseLost(String),
+}
+
+/// Takes run `id` for `owner`: at once when no one holds it, after the
+/// lease lapses when its holder died; [`GenerateError::Busy`] when its
+/// holder keeps renewing it (it is alive and making the codes).
+async fn take_lease(store: &Store, id: ObjectId, owner: &str) -> Result<(), GenerateError> {
+    let mut first: Option<bson::DateTime> = None;
+    loop {
+        let Some(until) = store.take_run(id, owner, LEASE).await? else {
+            return Ok(());
+        };
+        let seen = *first.get_or_insert(until);
+        let waited_out = bson::DateTime::now().timestamp_millis() > seen.timestamp_millis() + 1000;
+        if waited_out {
+            return Err(GenerateError::Busy {
+                id: id.to_hex(),
+                until: until.try_to_rfc3339_string().unwrap_or_default(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Makes (or finishes) generation run `g`. `numbers` serves `{number}`
@@ -170,8 +200,51 @@ pub async fn generate(
     options: &GenerateOptions,
     on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
 ) -> Result<GenerateSummary, GenerateError> {
-    let started = Instant::now();
     let (pool, mut record) = open_run(store, g).await?;
+    let owner = ObjectId::new().to_hex();
+    take_lease(store, record.id, &owner).await?;
+    let result = run_leased(
+        store,
+        numbers,
+        g,
+        options,
+        on_progress,
+        (pool, &mut record),
+        &owner,
+    )
+    .await;
+    if let Err(e) = store.release_run(record.id, &owner).await {
+        warn!(error = %e, "could not give the run up; its lease lapses on its own");
+    }
+    let (run, before, seconds) = result?;
+    Ok(GenerateSummary {
+        run_id: record.id.to_hex(),
+        pool: record.pool,
+        pattern: g.pattern.to_string(),
+        count: g.count,
+        status: record.status,
+        inserted: run.0,
+        inserted_now: run.0 - before,
+        redrawn: run.1,
+        random_bits: g.pattern.random_bits(),
+        check_char: g.pattern.has_check(),
+        seconds,
+    })
+}
+
+/// The run, once this process holds its lease: makes the missing codes
+/// and writes the record. Returns (codes of the run, redrawn), the codes
+/// it held before, and the seconds.
+async fn run_leased(
+    store: &Store,
+    numbers: Option<&DailyNumbers>,
+    g: &Generation,
+    options: &GenerateOptions,
+    on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
+    (pool, record): (Pool, &mut ImportRecord),
+    owner: &str,
+) -> Result<((u64, u64), u64, f64), GenerateError> {
+    let started = Instant::now();
     let fallback;
     let numbers = match numbers {
         Some(n) => Some(n),
@@ -194,6 +267,7 @@ pub async fn generate(
         redrawn: record.duplicates,
         saved: Instant::now(),
         marked: false,
+        owner,
     };
     if g.pattern.has_check() && !store.pool_holds_codes(pool.as_str()).await? {
         // Every code of the pool will carry a check symbol: a redemption
@@ -221,23 +295,11 @@ pub async fn generate(
     (record.rows, record.inserted, record.duplicates) = (run.held, run.held, run.redrawn);
     record.seconds = seconds;
     record.error = result.as_ref().err().map(ToString::to_string);
-    if let Err(e) = store.finish_import(&record).await {
+    if let Err(e) = store.finish_import(record).await {
         warn!(error = %e, "could not write the generation run's record");
     }
     result?;
-    Ok(GenerateSummary {
-        run_id: record.id.to_hex(),
-        pool: record.pool,
-        pattern: g.pattern.to_string(),
-        count: g.count,
-        status: record.status,
-        inserted: run.held,
-        inserted_now: run.held - before,
-        redrawn: run.redrawn,
-        random_bits: g.pattern.random_bits(),
-        check_char: g.pattern.has_check(),
-        seconds,
-    })
+    Ok(((run.held, run.redrawn), before, seconds))
 }
 
 /// Opens the record of run `g` (its id: `g.run_id`, or a new one), or
@@ -252,6 +314,9 @@ pub async fn open_run(
     let pool = Pool::new(&g.pool)?;
     if !(1..=MAX_COUNT).contains(&g.count) {
         return Err(GenerateError::Count(g.count));
+    }
+    if let Some(t) = g.expires_at.filter(|t| *t <= chrono::Utc::now()) {
+        return Err(GenerateError::ExpiredAtBirth(t.to_rfc3339()));
     }
     let id = g.run_id.unwrap_or_default();
     let spec = g.spec();
@@ -295,6 +360,9 @@ struct Draws<'a> {
     /// before the first code of a run with check symbols into an empty
     /// pool, cleared after the first code of any other run.
     marked: bool,
+    /// This process's claim on the run ([`take_lease`]), renewed before
+    /// every batch.
+    owner: &'a str,
 }
 
 impl Draws<'_> {
@@ -309,6 +377,14 @@ impl Draws<'_> {
         while self.held < self.g.count {
             if options.stop.is_cancelled() {
                 return Ok(false);
+            }
+            if self
+                .store
+                .take_run(self.id, self.owner, LEASE)
+                .await?
+                .is_some()
+            {
+                return Err(GenerateError::LeaseLost(self.id.to_hex()));
             }
             let want = (self.g.count - self.held).min(options.batch_size.max(1) as u64);
             let batch = self.draw(want as usize, &options.random).await?;

@@ -92,6 +92,8 @@ pub enum RecallError {
     BadId(String),
     #[error("no import {0}; check the id `codepool import --json` printed")]
     UnknownImport(String),
+    #[error("generation run {0} is still making codes; nothing was voided. Stop it (Ctrl-C, or wait for it to end), then recall it: a recall now would miss the codes it makes next")]
+    Running(String),
     /// The run (and the runs linked to it) hold no code, but other runs
     /// of a file of that name in the pool do: they were not recalled.
     #[error("import {import} ({file} into pool {pool}) and the runs linked to it hold no code, so nothing was voided; other runs of {file} in pool {pool} hold codes: {}; recall those by their id", others.iter().map(|(id, n)| format!("{id} ({n} code(s))")).collect::<Vec<_>>().join(", "))]
@@ -164,6 +166,9 @@ pub async fn recall_import(
         .import_record(id)
         .await?
         .ok_or_else(|| RecallError::UnknownImport(id.to_hex()))?;
+    if import.being_made() {
+        return Err(RecallError::Running(id.to_hex()));
+    }
     let mut runs = Vec::new();
     let mut held = Vec::new();
     for run in store.runs_of_file(&import).await? {

@@ -62,6 +62,11 @@ pub async fn start(
                     tracing::warn!(error = %e, "generation run done; {e}");
                 }
             }
+            // The same run id sent again while its first request makes the
+            // codes: that one answers for the run.
+            Err(e @ GenerateError::Busy { .. }) => {
+                tracing::info!(run = %id, error = %e, "the run is being made by another request")
+            }
             Err(e) => tracing::error!(run = %id, error = %e, "generation run failed"),
         }
     });

@@ -185,9 +185,15 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
 pub enum VoidError {
     #[error("the reason must say why in 1 to {MAX_REASON_CHARS} characters of plain visible text (no control or bidi characters), e.g. --reason refund")]
     Reason,
+    #[error("{0:?} is the reason codepool records for its own voids (the expiry sweep, a replacement, a recall), which statements count apart; say why in other words, e.g. \"expired on the platform\", or use `codepool replace` or `codepool void --import`")]
+    Reserved(String),
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
 }
+
+/// Void reasons only codepool itself writes (compared trimmed, in any
+/// case): a statement tells its own voids apart by them.
+pub const RESERVED_REASONS: [&str; 3] = ["expired", "replaced", "recalled"];
 
 /// Voids a code (or cancels the order's backorder), audited with `actor`.
 /// An unissued code also leaves the hot pool, best effort: the claim's
@@ -200,6 +206,9 @@ pub async fn void(
     actor: &Actor,
 ) -> Result<VoidOutcome, VoidError> {
     let reason = checked_reason(reason).ok_or(VoidError::Reason)?;
+    if RESERVED_REASONS.contains(&reason.to_lowercase().as_str()) {
+        return Err(VoidError::Reserved(reason.to_owned()));
+    }
     let outcome = store.void(target, reason).await?;
     if let VoidOutcome::Voided { applied, .. } = &outcome {
         let before: Vec<_> = applied.iter().map(|a| a.before.clone()).collect();

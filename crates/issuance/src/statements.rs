@@ -22,7 +22,7 @@ pub enum StatementError {
     UnknownImport { import: String, pool: String },
     #[error("{0:?} is not an import run id (24 hex digits, as `codepool import` prints it)")]
     BadImport(String),
-    #[error("the period is empty: --from {from} is not before --to {to}")]
+    #[error("the period is empty: --from {from} is not before --to {to} (to the millisecond)")]
     EmptyPeriod { from: String, to: String },
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -78,7 +78,12 @@ impl Asked {
         };
         let from = self.from.unwrap_or(DateTime::UNIX_EPOCH);
         let to = self.to.unwrap_or_else(Utc::now);
-        if from >= to {
+        // Times are stored to the millisecond: the period is compared so.
+        let (from_ms, to_ms) = (
+            bson::DateTime::from_chrono(from),
+            bson::DateTime::from_chrono(to),
+        );
+        if from_ms >= to_ms {
             return Err(StatementError::EmptyPeriod {
                 from: from.to_rfc3339(),
                 to: to.to_rfc3339(),
@@ -87,8 +92,8 @@ impl Asked {
         Ok(Period {
             pool: &self.pool,
             import,
-            from: bson::DateTime::from_chrono(from),
-            to: bson::DateTime::from_chrono(to),
+            from: from_ms,
+            to: to_ms,
         })
     }
 }
@@ -176,7 +181,7 @@ pub fn csv_cells(r: &StatementRow) -> Vec<String> {
     cells.extend(voids(&b.void));
     cells.extend([m.received, m.issued, m.used].map(|n| n.to_string()));
     cells.extend(voids(&m.void));
-    cells.extend([r.unaccounted.to_string(), r.off_by().to_string()]);
+    cells.extend([r.unaccounted.to_string(), r.off_by.to_string()]);
     cells
 }
 

@@ -51,10 +51,12 @@ pub enum AuditKind {
     SignIn,
     /// A console sign-out.
     SignOut,
+    /// A pool's statement key shown (`codepool statement --key`).
+    StatementKey,
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 29] = [
+    pub const ALL: [AuditKind; 30] = [
         Self::Reveal,
         Self::Void,
         Self::Redeem,
@@ -84,6 +86,7 @@ impl AuditKind {
         Self::OperatorPasswd,
         Self::SignIn,
         Self::SignOut,
+        Self::StatementKey,
     ];
 
     /// The name stored and shown.
@@ -118,6 +121,7 @@ impl AuditKind {
             Self::OperatorPasswd => "operator-passwd",
             Self::SignIn => "sign-in",
             Self::SignOut => "sign-out",
+            Self::StatementKey => "statement-key",
         }
     }
 

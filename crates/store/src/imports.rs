@@ -46,6 +46,17 @@ pub struct ImportRecord {
     /// What a generation run was asked for (a file's run has none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<GenerationSpec>,
+    /// Until when a process holds the run to make its codes
+    /// ([`Store::take_run`]); read only (the lease is written apart).
+    #[serde(default, skip_serializing)]
+    pub lease_until: Option<DateTime>,
+}
+
+impl ImportRecord {
+    /// A process is making this run's codes now (it holds a live lease).
+    pub fn being_made(&self) -> bool {
+        self.status == "running" && self.lease_until.is_some_and(|t| t > DateTime::now())
+    }
 }
 
 /// The `source` of a generation run's record.
@@ -85,6 +96,7 @@ impl ImportRecord {
             resumed_from: None,
             source: None,
             generation: None,
+            lease_until: None,
         }
     }
 }
@@ -284,5 +296,60 @@ impl Store {
             .await?
             .try_collect()
             .await?)
+    }
+}
+
+/// Who makes a generation run's codes now: one process at a time, so the
+/// same run id sent twice at once (a retried request, two commands) never
+/// makes its count twice. The owner renews its lease as it goes; a lease
+/// left by a process that died lapses, and the next run of the id takes it.
+impl Store {
+    /// Takes run `id` for `owner` until `lease` from now, when no one
+    /// holds it (or `owner` does, or its holder's lease lapsed). `Ok(None)`
+    /// when taken; else `Ok(Some(until))`, the holder's lease end.
+    pub async fn take_run(
+        &self,
+        id: ObjectId,
+        owner: &str,
+        lease: std::time::Duration,
+    ) -> Result<Option<DateTime>, StoreError> {
+        let now = DateTime::now();
+        let until = DateTime::from_millis(now.timestamp_millis() + lease.as_millis() as i64);
+        let taken = self
+            .collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id, "$or": [
+                    {"lease_owner": {"$exists": false}},
+                    {"lease_owner": owner},
+                    {"lease_until": {"$lt": now}},
+                ]},
+                doc! {"$set": {"lease_owner": owner, "lease_until": until}},
+            )
+            .write_concern(crate::durable())
+            .await?;
+        if taken.matched_count == 1 {
+            return Ok(None);
+        }
+        let held = self
+            .collection(IMPORTS)
+            .find_one(doc! {"_id": id})
+            .projection(doc! {"lease_until": 1})
+            .await?;
+        Ok(Some(
+            held.and_then(|d| d.get_datetime("lease_until").ok().copied())
+                .unwrap_or(now),
+        ))
+    }
+
+    /// Gives run `id` up, if `owner` holds it.
+    pub async fn release_run(&self, id: ObjectId, owner: &str) -> Result<(), StoreError> {
+        self.collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id, "lease_owner": owner},
+                doc! {"$unset": {"lease_owner": "", "lease_until": ""}},
+            )
+            .write_concern(crate::durable())
+            .await?;
+        Ok(())
     }
 }

@@ -119,13 +119,15 @@ pub struct StatementRow {
     /// Codes in no state (a sold code with no time of sale, a void one with
     /// no time of void, an unknown status): each is a bug.
     pub unaccounted: u64,
+    /// By how much the row fails to tie out (0 when it does): its codes in
+    /// no state, and the difference between its codes and the count the
+    /// run recorded. The total's is the sum of the rows'.
+    pub off_by: u64,
 }
 
 impl StatementRow {
-    /// By how much the row fails to tie out (0 when it does): codes in no
-    /// state, and the difference between the codes found and the count
-    /// the run recorded.
-    pub fn off_by(&self) -> u64 {
+    /// What [`Self::off_by`] holds for a run's row.
+    fn count_off(&self) -> u64 {
         let found = self.balance.total() + self.unaccounted;
         let recorded = self.recorded.map_or(0, |n| n.abs_diff(found));
         self.unaccounted + recorded
@@ -133,7 +135,7 @@ impl StatementRow {
 
     /// Why the row does not tie out, in words; `None` when it does.
     pub fn discrepancy(&self) -> Option<String> {
-        if self.off_by() == 0 {
+        if self.off_by == 0 {
             return None;
         }
         let name = self.import.as_deref().unwrap_or("(codes without a run)");
@@ -154,11 +156,16 @@ impl StatementRow {
         }
         Some(format!(
             "import {name} is off by {}: {}",
-            self.off_by(),
+            self.off_by,
             why.join("; ")
         ))
     }
 }
+
+/// How long after a move's time its write may still be committing (the
+/// time is taken as the write is sent): a statement whose period ends less
+/// than this before it is read is provisional.
+pub const SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A statement: its period, its rows, and their sum.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -167,6 +174,11 @@ pub struct Statement {
     pub pool: String,
     pub from: chrono::DateTime<chrono::Utc>,
     pub to: chrono::DateTime<chrono::Utc>,
+    /// The period ends less than [`SETTLE`] (10 s) before the statement was
+    /// read: a move stamped just before its end may still have been
+    /// committing, and the same period read again later may count more.
+    /// Read it again later for final figures.
+    pub provisional: bool,
     pub rows: Vec<StatementRow>,
     pub total: StatementRow,
 }
@@ -240,43 +252,84 @@ fn status_is(s: CodeStatus) -> Bson {
     Bson::from(doc! {"$eq": ["$status", s.as_i32()]})
 }
 
+/// A void made by codepool itself on a code nobody bought: a recall and
+/// the expiry sweep void only codes in stock or held (their reasons are
+/// reserved: an operator's void cannot use them).
+fn voided_unsold() -> Bson {
+    Bson::from(doc! {"$or": [
+        {"$eq": [{"$type": "$recalled_by"}, "objectId"]},
+        {"$eq": ["$void_reason", EXPIRED_REASON]},
+    ]})
+}
+
+/// A void code that was sold first (it has a time of sale, and was not
+/// voided by a recall or expiry, which void held codes with the hold's
+/// time on them).
+fn sold_then_void() -> Bson {
+    Bson::from(doc! {"$and": [
+        status_is(CodeStatus::Void), is_date("issued_at"), {"$not": [voided_unsold()]},
+    ]})
+}
+
+/// A code ever sold: issued, used, or void after it was sold.
+fn ever_sold() -> Bson {
+    Bson::from(doc! {"$or": [
+        status_is(CodeStatus::Issued), status_is(CodeStatus::Used), sold_then_void(),
+    ]})
+}
+
 /// The void reason's class, as a `$switch`: `recalled` for a code its
-/// import's recall voided, else by the recorded reason.
+/// import's recall voided, `expired` for the sweep's, `replaced` for a
+/// replacement's, `refund` for a void that says so (in any case), else
+/// `other`.
 fn void_class() -> Bson {
+    let said = doc! {"$toLower": {"$trim": {"input": {"$ifNull": ["$void_reason", ""]}}}};
     Bson::from(doc! {"$switch": {
         "branches": [
             {"case": {"$eq": [{"$type": "$recalled_by"}, "objectId"]}, "then": "recalled"},
             {"case": {"$eq": ["$void_reason", EXPIRED_REASON]}, "then": "expired"},
             {"case": {"$eq": ["$void_reason", REPLACED_REASON]}, "then": "replaced"},
-            {"case": {"$eq": ["$void_reason", "refund"]}, "then": "refund"},
+            {"case": {"$eq": [said, "refund"]}, "then": "refund"},
         ],
         "default": "other",
     }})
 }
 
-/// Each code's state at `to`, as a `$switch` (see the module's words).
-fn state_at(to: DateTime) -> Bson {
-    let void = status_is(CodeStatus::Void);
-    let void_later = Bson::from(doc! {"$and": [void.clone(), not_before("voided_at", to)]});
-    let used = status_is(CodeStatus::Used);
-    let used_later = Bson::from(doc! {"$and": [used.clone(), not_before("used_at", to)]});
-    let sold = Bson::from(
-        doc! {"$or": [status_is(CodeStatus::Issued), used_later.clone(), used.clone(), void_later.clone()]},
-    );
-    let held = status_is(CodeStatus::Held);
+/// Whether a code's document holds the times its status needs (a sold
+/// code its time of sale, a used one its time of use, a void one its time
+/// of void, a held one the hold's time); one that does not is counted
+/// `unaccounted`.
+fn well_formed() -> Bson {
     Bson::from(doc! {"$switch": {
         "branches": [
-            {"case": {"$and": [void, before("voided_at", to)]}, "then": "void"},
-            {"case": {"$and": [before("used_at", to), {"$or": [used, void_later.clone()]}]}, "then": "used"},
-            {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Issued), used_later.clone(), void_later.clone()]}]}, "then": "issued"},
-            {"case": {"$and": [held.clone(), before("issued_at", to)]}, "then": "held"},
-            {"case": {"$or": [
-                status_is(CodeStatus::Unissued),
-                {"$and": [{"$or": [held, sold]}, not_before("issued_at", to)]},
-                {"$and": [void_later, {"$not": [is_date("issued_at")]}]},
-            ]}, "then": "in_stock"},
+            {"case": status_is(CodeStatus::Unissued), "then": true},
+            {"case": status_is(CodeStatus::Issued), "then": is_date("issued_at")},
+            {"case": status_is(CodeStatus::Used), "then": {"$and": [is_date("issued_at"), is_date("used_at")]}},
+            {"case": status_is(CodeStatus::Void), "then": is_date("voided_at")},
+            {"case": status_is(CodeStatus::Held), "then": is_date("issued_at")},
         ],
-        "default": "unaccounted",
+        "default": false,
+    }})
+}
+
+/// Each code's state at `to`, as a `$switch` (see the module's words).
+fn state_at(to: DateTime) -> Bson {
+    let void_later =
+        Bson::from(doc! {"$and": [status_is(CodeStatus::Void), not_before("voided_at", to)]});
+    let used_later =
+        Bson::from(doc! {"$and": [status_is(CodeStatus::Used), not_before("used_at", to)]});
+    let sold_void_later = Bson::from(doc! {"$and": [void_later.clone(), sold_then_void()]});
+    let held_void_later =
+        Bson::from(doc! {"$and": [void_later, is_date("issued_at"), voided_unsold()]});
+    Bson::from(doc! {"$switch": {
+        "branches": [
+            {"case": {"$not": [well_formed()]}, "then": "unaccounted"},
+            {"case": {"$and": [status_is(CodeStatus::Void), before("voided_at", to)]}, "then": "void"},
+            {"case": {"$and": [before("used_at", to), {"$or": [status_is(CodeStatus::Used), sold_void_later.clone()]}]}, "then": "used"},
+            {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Issued), used_later, sold_void_later]}]}, "then": "issued"},
+            {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Held), held_void_later]}]}, "then": "held"},
+        ],
+        "default": "in_stock",
     }})
 }
 
@@ -294,7 +347,7 @@ fn group(p: &Period) -> Document {
             count_if(Bson::from(doc! {"$eq": ["$s", s]})),
         );
     }
-    let sold = doc! {"$in": ["$status", [CodeStatus::Issued.as_i32(), CodeStatus::Used.as_i32(), CodeStatus::Void.as_i32()]]};
+    let sold = ever_sold();
     g.insert("m_received", count_if(within("created_at", from, to)));
     g.insert(
         "m_issued",
@@ -345,7 +398,7 @@ fn voids(d: &Document, prefix: &str) -> Voids {
 fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRow {
     let import = d.get_object_id("_id").ok().map(|i| i.to_hex());
     let finished = run.filter(|r| r.status == "done" && r.finished_at.is_some_and(|f| f < to));
-    StatementRow {
+    let mut row = StatementRow {
         import,
         source: run
             .map_or("file", |r| match r.source.as_deref() {
@@ -376,7 +429,10 @@ fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRo
             void: voids(d, "mv_"),
         },
         unaccounted: n(d, "b_unaccounted"),
-    }
+        off_by: 0,
+    };
+    row.off_by = row.count_off();
+    row
 }
 
 fn sum(pool: &str, rows: &[StatementRow]) -> StatementRow {
@@ -392,8 +448,10 @@ fn sum(pool: &str, rows: &[StatementRow]) -> StatementRow {
         balance: Balance::default(),
         moves: Moves::default(),
         unaccounted: 0,
+        off_by: 0,
     };
     for r in rows {
+        t.off_by += r.off_by;
         t.duplicates += r.duplicates;
         t.received += r.received;
         t.unaccounted += r.unaccounted;
@@ -466,7 +524,9 @@ impl Store {
         }
         rows.sort_by(|a, b| (a.started_at, &a.import).cmp(&(b.started_at, &b.import)));
         let total = sum(p.pool, &rows);
+        let settled = chrono::Utc::now() - chrono::Duration::from_std(SETTLE).unwrap_or_default();
         Ok(Statement {
+            provisional: p.to.to_chrono() > settled,
             pool: p.pool.to_owned(),
             from: p.from.to_chrono(),
             to: p.to.to_chrono(),
@@ -541,10 +601,15 @@ fn moves_of(
             .copied()
             .filter(|t| *t >= p.from && *t < p.to)
     };
-    let sold = matches!(
-        status,
-        Some(CodeStatus::Issued | CodeStatus::Used | CodeStatus::Void)
-    );
+    // As `ever_sold`: a recall or the expiry sweep voids only codes
+    // nobody bought (a held one keeps the hold's time).
+    let voided_unsold =
+        d.get_object_id("recalled_by").is_ok() || d.get_str("void_reason") == Ok(EXPIRED_REASON);
+    let sold = match status {
+        Some(CodeStatus::Issued | CodeStatus::Used) => true,
+        Some(CodeStatus::Void) => !voided_unsold,
+        _ => false,
+    };
     let reason = || {
         if d.get_object_id("recalled_by").is_ok() {
             "recalled".to_owned()

@@ -78,7 +78,7 @@ pub async fn run(cfg: &Config, args: StatementArgs) -> anyhow::Result<u8> {
         codepool_issuance::audit::record(
             &store,
             &super::actor("statement --key"),
-            "statement-key",
+            codepool_issuance::audit::AuditKind::StatementKey,
             what,
         )
         .await?;
@@ -189,7 +189,7 @@ fn print_row(r: &StatementRow) {
         m.issued,
         m.used,
         voids(&m.void),
-        match r.off_by() {
+        match r.off_by {
             0 => "ties out".to_owned(),
             n => format!("OFF BY {n}"),
         },
@@ -223,4 +223,7 @@ fn print_table(s: &Statement) {
         print_row(r);
     }
     say!("VOID: refund/replaced/recalled/expired/other. +: moves within the period.");
+    if s.provisional {
+        say!("PROVISIONAL: the period ends less than 10 s ago; a move stamped just before its end may still be committing. Run it again later (with the same --to) for final figures.");
+    }
 }

@@ -62,9 +62,11 @@ pub async fn start(
     let publisher = console.core.broker().publisher;
     match generations::start(console.core.store(), publisher, g, actor).await {
         Ok(_) => {}
-        Err(e @ (GenerateError::Pool(_) | GenerateError::Count(_))) => {
-            return Err(Failure::Invalid(e.to_string()))
-        }
+        Err(
+            e @ (GenerateError::Pool(_)
+            | GenerateError::Count(_)
+            | GenerateError::ExpiredAtBirth(_)),
+        ) => return Err(Failure::Invalid(e.to_string())),
         Err(GenerateError::Store(e)) => return Err(e.into()),
         Err(e) => return Err(Failure::Unavailable(e.to_string())),
     }

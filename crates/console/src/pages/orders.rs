@@ -309,6 +309,7 @@ pub async fn void(
             }
         ),
         Ok(VoidOutcome::BackorderCancelled { .. }) => "the backorder cancelled".to_owned(),
+        Err(e @ ops::VoidError::Reserved(_)) => return Err(Failure::Invalid(e.to_string())),
         Err(ops::VoidError::Lifecycle(LifecycleError::Store(e))) => return Err(e.into()),
         Err(ops::VoidError::Lifecycle(e @ LifecycleError::NotFound { .. })) => {
             return Err(Failure::NotFound(e.to_string()))

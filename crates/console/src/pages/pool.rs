@@ -333,6 +333,7 @@ pub async fn recall(
         Err(
             e @ (RecallError::Reason
             | RecallError::NothingRecalled { .. }
+            | RecallError::Running(_)
             | RecallError::Empty { .. }),
         ) => return Err(Failure::Invalid(e.to_string())),
         Err(e @ (RecallError::BadId(_) | RecallError::UnknownImport(_))) => {

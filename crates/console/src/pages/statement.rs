@@ -57,7 +57,7 @@ fn voids(v: &Voids) -> Markup {
 
 fn row(r: &StatementRow) -> Markup {
     let (b, m) = (&r.balance, &r.moves);
-    let off = r.off_by();
+    let off = r.off_by;
     html! {
         tr class=[(off > 0).then_some("off")] {
             td { @if r.source == "total" { strong { "Total" } } @else {
@@ -117,6 +117,9 @@ pub async fn show(
         }
         p { "Balances at " (when_chrono(st.to)) "; moves from " (when_chrono(st.from)) " until then. "
             a href={(base) "?format=csv&from=" (url_part(&q.from)) "&to=" (url_part(&q.to))} { "Download CSV" } }
+        @if st.provisional {
+            p.hint { "Provisional: the period ends less than 10 seconds ago, and a move made just before its end may still be committing. Show it again later for final figures." }
+        }
         @if !off.is_empty() {
             div.alert role="alert" {
                 p { strong { (off.len()) " row(s) do not tie out." } " This is a bug: keep this page and report it." }
