@@ -23,7 +23,8 @@
 //! 5. every granted code has its `sms.pending` event (deduplicated by
 //!    `event_id`), for its own order;
 //! 6. every import balances: its codes are unissued, held, issued, used or
-//!    void, as many as it received.
+//!    void, as many as it received;
+//! 7. every pool's statement (`codepool statement`) ties out.
 //!
 //! `CODEPOOL_CHECK_SEED` replays a seed's mix (`make check SEED=…`);
 //! `CODEPOOL_CHECK_SECS` sets how long it runs (45 s in `make test`, ten
@@ -770,8 +771,29 @@ impl World {
         let mut v = Vec::new();
         self.check_codes(&events, &mut v).await;
         self.check_imports(&mut v).await;
+        self.check_statements(&mut v).await;
         self.check_holds(&mut v).await;
         v
+    }
+
+    /// 7: every pool's statement ties out, as the operator's command
+    /// checks it (exit 0), whatever the mix did to its codes.
+    async fn check_statements(&self, v: &mut Vec<String>) {
+        for pool in POOLS {
+            let out = (self.env.command(&["statement", "--pool", pool, "--json"]))
+                .output()
+                .await
+                .unwrap();
+            match out.status.code() {
+                Some(0) => {}
+                // A pool the mix never filled has no record yet.
+                Some(1) if String::from_utf8_lossy(&out.stderr).contains("does not exist") => {}
+                code => v.push(format!(
+                    "7: the statement of pool {pool} exits {code:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )),
+            }
+        }
     }
 
     async fn check_codes(&self, events: &[Taken], v: &mut Vec<String>) {
