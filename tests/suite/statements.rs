@@ -288,10 +288,10 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
             - w[&run_b]["moves"]["void"]["refund"].as_u64().unwrap()
             - w[&run_b]["moves"]["void"]["replaced"].as_u64().unwrap()
     );
-    assert_eq!(
-        first["total"]["moves"]["void"]["expired"], 0,
-        "the expiry came after t1"
-    );
+    // The API's own sweep may void the expired codes before t1, or
+    // `codepool expire` after it: each is counted in the period of its void.
+    let expired = |s: &Value| s["total"]["moves"]["void"]["expired"].as_u64().unwrap();
+    assert_eq!(expired(&first) + expired(&second), 3);
     assert_eq!(second["total"]["moves"]["received"], 0);
     assert_eq!(before["total"]["moves"]["issued"], 0);
     assert_eq!(
