@@ -17,7 +17,7 @@ use serde::Serialize;
 use serde_json::json;
 use utoipa::ToSchema;
 
-use crate::orders::Item;
+use crate::items::Item;
 use crate::problem::Problem;
 use crate::request::RequestId;
 use crate::request::{Caller, OrdersRead, OrdersWrite};

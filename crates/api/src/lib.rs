@@ -18,6 +18,7 @@ mod dead_letters;
 mod generations;
 mod holds;
 mod imports;
+mod items;
 mod openapi;
 mod orders;
 mod pools;

@@ -81,7 +81,7 @@ pub(crate) struct PurchaseIn {
     /// different pools, at most 100 codes in all. Granted whole, or
     /// waiting whole.
     #[schema(nullable = false, min_items = 1, max_items = 10)]
-    items: Option<Vec<crate::orders::Item>>,
+    items: Option<Vec<crate::items::Item>>,
     /// The checkout hold this order pays for: its held codes become the
     /// order's. Its items must be the order's. An expired or released
     /// hold's order is granted from stock or waits; it is never refused
@@ -102,7 +102,7 @@ pub(crate) struct HoldIn {
     uid: String,
     /// 1 to 10 items of different pools, at most 100 codes in all.
     #[schema(min_items = 1, max_items = 10)]
-    items: Vec<crate::orders::Item>,
+    items: Vec<crate::items::Item>,
     /// Seconds until the hold expires: 1 to 3600 (default 900).
     #[schema(minimum = 1, maximum = 3600, nullable = false)]
     ttl_seconds: Option<u64>,
@@ -325,7 +325,7 @@ mod tests {
     use utoipa::ToSchema;
 
     use super::{HoldIn, PurchaseIn};
-    use crate::orders::Item;
+    use crate::items::Item;
 
     /// A hand-written schema's properties, and which of them it requires.
     fn documented<T: ToSchema>() -> (Vec<String>, Vec<String>) {

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::ToSchema;
 
+use crate::items::Item;
 use crate::problem::Problem;
 use crate::request::RequestId;
 use crate::request::{Caller, OrdersRead, OrdersWrite};
@@ -104,25 +105,6 @@ impl GrantedCode {
             grant_no: g.grant_no.clone(),
             issued_at: time(g.issued_at),
             status: if g.revoked { "void" } else { "issued" },
-        }
-    }
-}
-
-/// One pool of a bundle or a hold.
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-#[schema(as = ItemIn)]
-pub(crate) struct Item {
-    pool: String,
-    #[schema(minimum = 1, maximum = 100)]
-    quantity: u32,
-}
-
-impl From<&codepool_domain::Item> for Item {
-    fn from(i: &codepool_domain::Item) -> Self {
-        Item {
-            pool: i.pool.clone(),
-            quantity: i.quantity,
         }
     }
 }
