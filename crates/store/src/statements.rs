@@ -333,66 +333,46 @@ fn state_at(to: DateTime) -> Bson {
     }})
 }
 
-/// The `$project` stage: each code's run, its state at the end, its void
-/// class, and which moves it made within the period. The `$group` after
-/// it counts the codes of each combination (a few dozen per run), which
-/// costs a statement over a million codes one key and one sum per code.
-fn facets(p: &Period) -> Document {
-    let (from, to) = (p.from, p.to);
-    doc! {
-        "_id": 0,
-        "b": "$batch_id",
-        "s": state_at(to),
-        "v": void_class(),
-        "mr": within("created_at", from, to),
-        "mi": {"$and": [ever_sold(), within("issued_at", from, to)]},
-        "mu": within("used_at", from, to),
-        "mv": {"$and": [status_is(CodeStatus::Void), within("voided_at", from, to)]},
-    }
+fn count_if(cond: Bson) -> Bson {
+    Bson::from(doc! {"$sum": {"$cond": [cond, 1, 0]}})
 }
 
-/// Folds the counted combinations into one document per run, with the
-/// figures [`row_of`] reads: `b_<state>`, `bv_<class>` (the balance),
-/// `m_received`, `m_issued`, `m_used`, `mv_<class>` (the moves), and
-/// `received`.
-fn per_run(groups: &[Document]) -> Vec<Document> {
-    let mut runs: Vec<(Bson, Document)> = Vec::new();
-    for g in groups {
-        let Ok(key) = g.get_document("_id") else {
-            continue;
-        };
-        let count = n(g, "n") as i64;
-        let run = key.get("b").cloned().unwrap_or(Bson::Null);
-        let at = match runs.iter().position(|(b, _)| *b == run) {
-            Some(i) => i,
-            None => {
-                runs.push((run.clone(), doc! {"_id": run}));
-                runs.len() - 1
-            }
-        };
-        let d = &mut runs[at].1;
-        let mut add = |k: String| {
-            let was = d.get_i64(&k).unwrap_or(0);
-            d.insert(k, was + count);
-        };
-        add("received".into());
-        let state = key.get_str("s").unwrap_or("unaccounted");
-        let class = key.get_str("v").unwrap_or("other");
-        match state {
-            "void" => add(format!("bv_{class}")),
-            s => add(format!("b_{s}")),
-        }
-        let on = |k: &str| key.get_bool(k).unwrap_or(false);
-        for (flag, name) in [("mr", "m_received"), ("mi", "m_issued"), ("mu", "m_used")] {
-            if on(flag) {
-                add(name.into());
-            }
-        }
-        if on("mv") {
-            add(format!("mv_{class}"));
-        }
+/// The `$group` stage: one document per run with every figure.
+fn group(p: &Period) -> Document {
+    let (from, to) = (p.from, p.to);
+    let mut g = doc! {"_id": "$batch_id"};
+    for s in ["in_stock", "held", "issued", "used", "unaccounted"] {
+        g.insert(
+            format!("b_{s}"),
+            count_if(Bson::from(doc! {"$eq": ["$s", s]})),
+        );
     }
-    runs.into_iter().map(|(_, d)| d).collect()
+    let sold = ever_sold();
+    g.insert("m_received", count_if(within("created_at", from, to)));
+    g.insert(
+        "m_issued",
+        count_if(Bson::from(
+            doc! {"$and": [sold, within("issued_at", from, to)]},
+        )),
+    );
+    g.insert("m_used", count_if(within("used_at", from, to)));
+    for r in ["refund", "replaced", "recalled", "expired", "other"] {
+        let is = Bson::from(doc! {"$eq": ["$v", r]});
+        g.insert(
+            format!("bv_{r}"),
+            count_if(Bson::from(
+                doc! {"$and": [{"$eq": ["$s", "void"]}, is.clone()]},
+            )),
+        );
+        g.insert(
+            format!("mv_{r}"),
+            count_if(Bson::from(
+                doc! {"$and": [status_is(CodeStatus::Void), within("voided_at", from, to), is]},
+            )),
+        );
+    }
+    g.insert("received", doc! {"$sum": 1});
+    g
 }
 
 fn n(d: &Document, k: &str) -> u64 {
@@ -500,8 +480,9 @@ impl Store {
         let mut session = self.client().start_session().snapshot(true).await?;
         let pipeline = vec![
             doc! {"$match": p.codes()},
-            doc! {"$project": facets(p)},
-            doc! {"$group": {"_id": {"b": "$b", "s": "$s", "v": "$v", "mr": "$mr", "mi": "$mi", "mu": "$mu", "mv": "$mv"}, "n": {"$sum": 1}}},
+            doc! {"$set": {"s": state_at(p.to), "v": void_class()}},
+            doc! {"$group": group(p)},
+            doc! {"$sort": {"_id": 1}},
         ];
         let mut cursor = self
             .collection(CODES)
@@ -526,7 +507,7 @@ impl Store {
         while let Some(r) = runs_cursor.next(&mut session).await {
             runs.push(r?);
         }
-        let mut rows: Vec<StatementRow> = per_run(&groups)
+        let mut rows: Vec<StatementRow> = groups
             .iter()
             .map(|g| {
                 let id = g.get_object_id("_id").ok();
