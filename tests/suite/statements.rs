@@ -102,16 +102,7 @@ async fn import(env: &TestEnv, pool: &str, name: &str, rows: &str) -> String {
 /// The codes of `pool` now, counted by run and status (as the checker
 /// counts them), independently of the statement's own reading.
 async fn statuses(env: &TestEnv, pool: &str) -> BTreeMap<String, [u64; 5]> {
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .find(doc! {"pool": pool})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs = codes_of_pool(env, pool).await;
     let mut out: BTreeMap<String, [u64; 5]> = BTreeMap::new();
     for d in docs {
         let run = d.get_object_id("batch_id").unwrap().to_hex();
@@ -127,18 +118,20 @@ fn total_void(v: &Value) -> u64 {
         .sum()
 }
 
-/// Every plaintext code of `pool`.
-async fn plaintexts(env: &TestEnv, pool: &str) -> Vec<String> {
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+/// Every code document of `pool`.
+async fn codes_of_pool(env: &TestEnv, pool: &str) -> Vec<bson::Document> {
+    (env.store.database().collection::<bson::Document>("codes"))
         .find(doc! {"pool": pool})
         .await
         .unwrap()
         .try_collect()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Every plaintext code of `pool`.
+async fn plaintexts(env: &TestEnv, pool: &str) -> Vec<String> {
+    let docs = codes_of_pool(env, pool).await;
     docs.iter().map(|d| env.plain_code(d)).collect()
 }
 

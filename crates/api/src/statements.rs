@@ -91,11 +91,9 @@ fn failed(e: StatementError, rid: &RequestId) -> Response {
 }
 
 fn asked(q: &StatementQuery, rid: &RequestId) -> Result<Asked, Box<Response>> {
-    let when = |v: &Option<String>, field: &str| match v.as_deref() {
-        None => Ok(None),
-        Some(s) => statements::parse_instant(s)
-            .map(Some)
-            .map_err(|e| Box::new(unprocessable(rid, "invalid-date", field, e))),
+    let when = |v: &Option<String>, field: &str| {
+        statements::parse_optional(v.as_deref())
+            .map_err(|e| Box::new(unprocessable(rid, "invalid-date", field, e)))
     };
     Ok(Asked {
         pool: q.pool.clone(),
@@ -217,14 +215,7 @@ pub(crate) async fn lines(
             "to",
             format!("the period has more than {MAX_LINES} moves; ask for a shorter period, or run `codepool statement --pool {} --lines`", a.pool),
         ),
-        Ok(_) if csv => {
-            let mut w = csv::Writer::from_writer(Vec::new());
-            let _ = w.write_record(statements::LINES_HEADER);
-            for l in &out {
-                let _ = w.write_record(statements::line_cells(l));
-            }
-            csv_answer(String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default())
-        }
+        Ok(_) if csv => csv_answer(statements::lines_csv(&out)),
         Ok(_) => Json(LinesOut { pool: a.pool.clone(), lines: out }).into_response(),
         Err(e) => failed(e, &rid),
     }

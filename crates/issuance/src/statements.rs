@@ -185,20 +185,43 @@ pub fn csv_cells(r: &StatementRow) -> Vec<String> {
     cells
 }
 
-/// The whole statement as CSV: a header, a row per run, and the total.
-pub fn csv(s: &Statement) -> String {
+/// Rows of cells as CSV text under `header`.
+fn csv_text<R, I>(header: &[&str], rows: I) -> String
+where
+    R: IntoIterator<Item = String>,
+    I: IntoIterator<Item = R>,
+{
     let mut w = csv::Writer::from_writer(Vec::new());
-    let mut header: Vec<&str> = CSV_HEADER.to_vec();
-    header.extend(["unaccounted", "off_by"]);
-    let _ = w.write_record(&header);
-    for r in s.rows.iter().chain([&s.total]) {
-        let _ = w.write_record(csv_cells(r));
+    let _ = w.write_record(header);
+    for r in rows {
+        let _ = w.write_record(r);
     }
     String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default()
 }
 
+/// The whole statement as CSV: a header, a row per run, and the total.
+pub fn csv(s: &Statement) -> String {
+    let mut header: Vec<&str> = CSV_HEADER.to_vec();
+    header.extend(["unaccounted", "off_by"]);
+    csv_text(&header, s.rows.iter().chain([&s.total]).map(csv_cells))
+}
+
 /// The CSV header of a statement's lines.
 pub const LINES_HEADER: [&str; 5] = ["at", "move", "reason", "import", "code_hmac"];
+
+/// Lines as CSV, under [`LINES_HEADER`].
+pub fn lines_csv(lines: &[StatementLine]) -> String {
+    csv_text(&LINES_HEADER, lines.iter().map(line_cells))
+}
+
+/// A moment a door may leave empty: `None` for nothing (or blanks), else
+/// [`parse_instant`].
+pub fn parse_optional(s: Option<&str>) -> Result<Option<DateTime<Utc>>, String> {
+    match s.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(s) => parse_instant(s).map(Some),
+    }
+}
 
 /// A line as CSV cells (in [`LINES_HEADER`]'s order).
 pub fn line_cells(l: &StatementLine) -> [String; 5] {

@@ -29,12 +29,7 @@ pub struct StatementQuery {
 }
 
 fn instant(v: &str, field: &str) -> Result<Option<chrono::DateTime<chrono::Utc>>, Failure> {
-    match v.trim() {
-        "" => Ok(None),
-        s => statements::parse_instant(s)
-            .map(Some)
-            .map_err(|e| Failure::Invalid(format!("{field}: {e}"))),
-    }
+    statements::parse_optional(Some(v)).map_err(|e| Failure::Invalid(format!("{field}: {e}")))
 }
 
 /// A void count with its non-zero reasons beneath.
