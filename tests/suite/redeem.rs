@@ -183,6 +183,102 @@ async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_confl
     env.cleanup().await;
 }
 
+/// Redemptions sent at once are made in one batch: each still gets its
+/// own answer. One id sent twice at once (a client's retry racing the
+/// first) is one redemption, answered alike; one id on two codes at once
+/// redeems one of them; a void, an unknown and a used code in the same
+/// batch are refused as alone; and each redemption made is audited once.
+#[tokio::test]
+async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
+    let env = TestEnv::new("redeem_batch").await;
+    env.fill_pool("rb", 40).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let mut codes = Vec::new();
+    for i in 0..24 {
+        let code = place(&api, &backend, &format!("RB-{i}"), "rb").await["code"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        codes.push(code);
+    }
+    codepool_ok(&env, &["void", "--order", "RB-20", "--reason", "refund"]).await;
+    let (status, _) = redeem(&api, &platform, &codes[21], "before").await;
+    assert_eq!(status, 200);
+
+    // 0..19: one redemption each, and codes 0..3 once more under the same
+    // id; codes 22 and 23 under one id; 20 void, 21 used, and an unknown.
+    let mut asks: Vec<(String, String)> = (0..20)
+        .map(|i| (codes[i].clone(), format!("id-{i}")))
+        .collect();
+    asks.extend((0..4).map(|i| (codes[i].clone(), format!("id-{i}"))));
+    asks.push((codes[22].clone(), "shared".into()));
+    asks.push((codes[23].clone(), "shared".into()));
+    asks.push((codes[20].clone(), "on-void".into()));
+    asks.push((codes[21].clone(), "on-used".into()));
+    asks.push(("RB-NO-SUCH-CODE-0".into(), "on-unknown".into()));
+    let tries = asks
+        .iter()
+        .map(|(code, id)| redeem(&api, &platform, code, id));
+    let answers = futures::future::join_all(tries).await;
+
+    for (i, (status, v)) in answers.iter().enumerate().take(20) {
+        assert_eq!(*status, 200, "code {i}: {v}");
+        assert_eq!(v["state"], "used");
+        assert_eq!(
+            code_doc(&env, &format!("RB-{i}"))
+                .await
+                .get_i32("status")
+                .unwrap(),
+            2
+        );
+    }
+    for i in 0..4 {
+        assert_eq!(
+            answers[20 + i],
+            answers[i],
+            "the same id at once is answered alike"
+        );
+    }
+    let shared: Vec<u16> = answers[24..26].iter().map(|(s, _)| *s).collect();
+    assert!(
+        shared.contains(&200) && shared.contains(&409),
+        "{:?}",
+        &answers[24..26]
+    );
+    let loser = &answers[24 + shared.iter().position(|s| *s == 409).unwrap()].1;
+    assert!(
+        loser["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("conflicting-redemption"),
+        "{loser}"
+    );
+    let statuses = [
+        code_doc(&env, "RB-22").await.get_i32("status").unwrap(),
+        code_doc(&env, "RB-23").await.get_i32("status").unwrap(),
+    ];
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 2).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(answers[26].0, 409);
+    assert!(answers[26].1["type"].as_str().unwrap().ends_with("/void"));
+    assert_eq!(answers[26].1["reason"], "refund");
+    assert_eq!(answers[27].0, 409);
+    assert!(answers[27].1["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("already-redeemed"));
+    assert_eq!(answers[28].0, 404, "{:?}", answers[28]);
+    // The one before, the twenty, and one of the two under "shared".
+    assert_eq!(redemptions_audited(&env).await.len(), 22);
+    api.stop().await;
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn check_changes_nothing_and_never_shows_the_buyer() {
     let env = TestEnv::new("redeem_check").await;

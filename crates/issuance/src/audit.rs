@@ -78,6 +78,28 @@ pub async fn record(
     })
 }
 
+/// Records changes that were made, one record each, in one durable write
+/// (a batch of redemptions). Reported loudly when it fails, as [`record`].
+pub async fn record_all(
+    store: &Store,
+    kind: AuditKind,
+    records: Vec<(&Actor, String)>,
+) -> Result<(), StoreError> {
+    let actions: Vec<Action> = records
+        .into_iter()
+        .map(|(actor, what)| Action {
+            who: actor.who.clone(),
+            kind,
+            command: actor.via.clone(),
+            what,
+        })
+        .collect();
+    store.record_actions(&actions).await.map_err(|e| {
+        error!(error = %e, kind = kind.as_str(), count = actions.len(), "changes made but not audited");
+        e
+    })
+}
+
 /// This machine's host name, recorded with every reveal.
 pub fn host() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

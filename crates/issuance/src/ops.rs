@@ -4,10 +4,13 @@
 //! pool, that a reason is required) are here, once.
 
 use codepool_broker::BrokerError;
-use codepool_domain::{when, Code, NotSendable, SmsPending};
+use codepool_domain::{when, Code, CodeId, NotSendable, SmsPending};
 use codepool_store::backorders::BackorderDoc;
-use codepool_store::lifecycle::{CodeRef, LifecycleError, Redeemed, RedemptionTag, VoidOutcome};
+use codepool_store::lifecycle::{
+    Applied, CodeRef, LifecycleError, Redeemed, RedemptionTag, VoidOutcome,
+};
 use codepool_store::policies::RefusalDoc;
+use codepool_store::redemptions::UsedById;
 use codepool_store::replacements::ReplacementDoc;
 use codepool_store::{CodeQuery, Store, StoreError};
 use tracing::{debug, warn};
@@ -278,26 +281,73 @@ pub async fn redeem(
         return Ok(done);
     };
     let named = match (target, applied.as_slice()) {
-        (CodeRef::Id(_), [a]) => format!(
-            "code {} in pool {:?}",
-            codepool_domain::mask(&a.before.code),
-            a.before.pool
-        ),
+        (CodeRef::Id(_), [a]) => code_named(a),
         _ => target.describe(),
     };
+    let what = redeemed_words(&named, applied.len(), tag);
+    record_redeemed(store, applied, vec![(actor, what)]).await?;
+    Ok(done)
+}
+
+/// A code named in an audit record: masked, with its pool.
+fn code_named(a: &Applied) -> String {
+    format!(
+        "code {} in pool {:?}",
+        codepool_domain::mask(&a.before.code),
+        a.before.pool
+    )
+}
+
+fn redeemed_words(named: &str, count: usize, tag: Option<&RedemptionTag>) -> String {
     let tagged = tag.map_or(String::new(), |t| format!(", redemption id {:?}", t.id));
-    let what = format!("{named}: {} code(s) used{tagged}", applied.len());
-    // The audit record and the shop's event, written at once: the codes
-    // are used either way, so the event is owed, and a failure to record
-    // it is said, not hidden.
+    format!("{named}: {count} code(s) used{tagged}")
+}
+
+/// The audit records of redemptions made now, and the shop's events,
+/// written at once: the codes are used either way, so the events are
+/// owed, and a failure to record them is said, not hidden.
+async fn record_redeemed(
+    store: &Store,
+    applied: &[Applied],
+    records: Vec<(&Actor, String)>,
+) -> Result<(), StoreError> {
     let (audited, told) = tokio::join!(
-        audit::record(store, actor, AuditKind::Redeem, what),
+        audit::record_all(store, AuditKind::Redeem, records),
         crate::webhooks::record_redeemed(store, applied)
     );
     if let Err(e) = told {
         warn!(error = %e, "codes redeemed, but their code.redeemed webhook was not recorded");
     }
-    audited?;
+    audited
+}
+
+/// Redeems codes found by value, many at once, each under its own
+/// redemption tag and actor: the batched form of [`redeem`] for the
+/// platform's redemptions by code ([`crate::redeem::Finder`]), with the
+/// same transition (issued → used), one audit record per redemption made
+/// now, and one `code.redeemed` for each. What each redemption did comes
+/// back in the order asked ([`UsedById`]); a redemption made before under
+/// the same tag records nothing. When the audit records cannot be written,
+/// the error is the batch's: the codes are used, and the same tags again
+/// are answered as made before.
+pub async fn redeem_ids(
+    store: &Store,
+    asks: &[(CodeId, RedemptionTag, &Actor)],
+) -> Result<Vec<UsedById>, StoreError> {
+    let ids: Vec<(CodeId, RedemptionTag)> =
+        asks.iter().map(|(id, t, _)| (*id, t.clone())).collect();
+    let done = store.redeem_ids(&ids).await?;
+    let mut applied = Vec::new();
+    let mut records = Vec::new();
+    for ((_, tag, actor), d) in asks.iter().zip(&done) {
+        if let UsedById::Now(a) = d {
+            records.push((*actor, redeemed_words(&code_named(a), 1, Some(tag))));
+            applied.push(Applied::clone(a));
+        }
+    }
+    if !applied.is_empty() {
+        record_redeemed(store, &applied, records).await?;
+    }
     Ok(done)
 }
 

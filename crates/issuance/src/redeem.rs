@@ -1,23 +1,25 @@
 //! Redemption by code, for the platform that honours the codes: `check`
 //! tells what became of a code, `redeem` uses it, exactly once.
 //!
-//! A code is found by its keyed hashes only ([`Store::find_by_value`]),
+//! A code is found by its keyed hashes only ([`Store::find_sold_by_values`]),
 //! never decrypted to be found, and only among the pools the platform's
 //! key may see (its shop's, or every pool for a key of no shop). The
 //! answer is never an oracle for guessing codes: a code the key may not
 //! see, a code never issued (in stock, held, or expired or recalled before
 //! it was sold) and a code that does not exist are one answer, `None`,
-//! from the same single query. The redemption itself is the one core
-//! function every door uses ([`ops::redeem`]).
+//! from the same query. The redemption itself is the one core
+//! transition every door uses, made for many redemptions at once
+//! ([`ops::redeem_ids`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use codepool_domain::{CodeStatus, LookAlikeRule};
-use codepool_store::lifecycle::{CodeRef, LifecycleError, Redeemed, RedemptionTag, Sold};
+use codepool_store::lifecycle::{RedemptionTag, Sold};
+use codepool_store::redemptions::{ByValue, UsedById};
 use codepool_store::{Store, StoreError};
-use tokio::sync::Mutex;
+use tokio::sync::{oneshot, Mutex};
 
 use crate::audit::Actor;
 use crate::ops;
@@ -121,6 +123,7 @@ pub struct Finder {
     store: Store,
     clock: Arc<dyn crate::clock::Clock>,
     cached: Mutex<Option<(Instant, Arc<Visible>)>>,
+    queue: Arc<std::sync::Mutex<Queue>>,
 }
 
 /// Every pool with its look-alike rule, and each shop's pools.
@@ -157,6 +160,7 @@ impl Finder {
             store,
             clock,
             cached: Mutex::new(None),
+            queue: Arc::default(),
         }
     }
 
@@ -184,18 +188,26 @@ impl Finder {
         Ok(v)
     }
 
-    /// The issued (or used, or void after issue) code `code` names among
-    /// the pools `who` may see; `None` for anything else.
-    ///
-    /// A code whose check symbol fails is not searched for in the pools
-    /// whose every code carries one: when those are all the key sees, the
-    /// answer is `None` with no lookup at all.
-    pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Sold>, StoreError> {
+    /// The pools `who` may find `code` in. A code whose check symbol fails
+    /// is not searched for in the pools whose every code carries one: when
+    /// those are all the key sees, there are none, and no lookup at all.
+    async fn pools_for(
+        &self,
+        who: Platform<'_>,
+        code: &str,
+    ) -> Result<Vec<(String, LookAlikeRule)>, StoreError> {
         let visible = self.visible().await?;
         let mut pools = visible.for_shop(who.shop);
         if !visible.checked.is_empty() && !codepool_domain::crockford::check_ok(code) {
             pools.retain(|(p, _)| !visible.checked.contains(p));
         }
+        Ok(pools)
+    }
+
+    /// The issued (or used, or void after issue) code `code` names among
+    /// the pools `who` may see; `None` for anything else.
+    pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Sold>, StoreError> {
+        let pools = self.pools_for(who, code).await?;
         if pools.is_empty() {
             return Ok(None);
         }
@@ -213,9 +225,13 @@ impl Finder {
     }
 
     /// Redeems the code `code` names, once: `redemption_id` again gets the
-    /// same answer ([`Redeemed::Before`]); any other redemption of a used
+    /// same answer (`false`: not made now); any other redemption of a used
     /// code is [`RedeemError::AlreadyRedeemed`] with the first time.
     /// Returns the code as it is now.
+    ///
+    /// Concurrent redemptions are made together: the request joins the
+    /// queue, and one task at a time takes up to [`MAX_BATCH`] of it as
+    /// one batch ([`redeem_batch`]).
     pub async fn redeem(
         &self,
         who: Platform<'_>,
@@ -224,44 +240,170 @@ impl Finder {
         actor: &Actor,
     ) -> Result<(Seen, bool), RedeemError> {
         let id = checked_id(redemption_id).ok_or(RedeemError::BadId)?;
-        let Some(found) = self.find(who, code).await? else {
+        let pools = self.pools_for(who, code).await?;
+        if pools.is_empty() {
             return Err(RedeemError::Unknown);
+        }
+        let (reply, answer) = oneshot::channel();
+        let ask = Ask {
+            code: code.to_owned(),
+            pools,
+            tag: RedemptionTag {
+                id,
+                by: who.owner.to_owned(),
+            },
+            actor: actor.clone(),
+            reply,
         };
-        let tag = RedemptionTag {
-            id,
-            by: who.owner.to_owned(),
+        let start = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.asks.push(ask);
+            !std::mem::replace(&mut q.draining, true)
         };
-        let done = ops::redeem(&self.store, CodeRef::Id(found.id), Some(&tag), actor).await;
-        let (at, now) = match done {
-            Ok(Redeemed::Now(applied)) => (applied.first().map(|a| a.at.to_chrono()), true),
-            Ok(Redeemed::Before(c)) => (c.used_at, false),
-            Err(e) => return Err(refusal(e, &self.store, found.id).await),
-        };
-        let mut seen = Seen::of(&found).ok_or(RedeemError::Unknown)?;
-        seen.state = SeenState::Used { at };
-        Ok((seen, now))
+        if start {
+            tokio::spawn(drain(self.store.clone(), self.queue.clone()));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(RedeemError::Store(StoreError::Unavailable(
+                "the redemption's batch stopped before it answered; send it again with the same redemption id".into(),
+            )))
+        })
     }
 }
 
-/// A redemption the store refused, in the platform's terms: the first
-/// redemption's time, or the void reason, read from the code as it is.
-async fn refusal(e: LifecycleError, store: &Store, id: codepool_domain::CodeId) -> RedeemError {
-    match e {
-        LifecycleError::Store(e) => RedeemError::Store(e),
-        LifecycleError::ConflictingRedemption { id } => RedeemError::ConflictingId(id),
-        LifecycleError::AlreadyUsed { .. } | LifecycleError::Void { .. } => {
-            match store.find_code(CodeRef::Id(id)).await {
-                Ok(Some(c)) if c.status == CodeStatus::Used => {
-                    RedeemError::AlreadyRedeemed { at: c.used_at }
-                }
-                Ok(Some(c)) if c.status == CodeStatus::Void => RedeemError::Void {
-                    at: c.voided_at,
-                    reason: c.void_reason.unwrap_or_default(),
-                },
-                Ok(_) => RedeemError::Unknown,
-                Err(e) => RedeemError::Store(e),
-            }
+/// Most redemptions made together.
+pub const MAX_BATCH: usize = 256;
+
+/// A redemption waiting for its batch.
+struct Ask {
+    code: String,
+    pools: Vec<(String, LookAlikeRule)>,
+    tag: RedemptionTag,
+    actor: Actor,
+    reply: oneshot::Sender<Result<(Seen, bool), RedeemError>>,
+}
+
+/// The redemptions waiting, and whether a task is taking them.
+#[derive(Default)]
+struct Queue {
+    asks: Vec<Ask>,
+    draining: bool,
+}
+
+/// Makes the queue's batches, one at a time, until it is empty. A task
+/// that ends any other way (a panic) still lets the next request start
+/// another.
+async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
+    struct Done(Arc<std::sync::Mutex<Queue>>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).draining = false;
         }
+    }
+    let _done = Done(queue.clone());
+    loop {
+        let batch: Vec<Ask> = {
+            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
+            if q.asks.is_empty() {
+                q.draining = false;
+                return;
+            }
+            let n = q.asks.len().min(MAX_BATCH);
+            q.asks.drain(..n).collect()
+        };
+        redeem_batch(&store, batch).await;
+    }
+}
+
+/// One batch: one query finds every code, the issued ones are used in one
+/// journaled write ([`ops::redeem_ids`]), and each request is answered.
+/// A code already used or void is answered from the lookup, as it cannot
+/// change again.
+async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
+    let lookups: Vec<ByValue<'_>> = (batch.iter())
+        .map(|a| ByValue {
+            code: &a.code,
+            pools: &a.pools,
+        })
+        .collect();
+    let found = match store.find_sold_by_values(&lookups).await {
+        Ok(found) => found,
+        Err(e) => {
+            for a in batch {
+                let _ = a.reply.send(Err(RedeemError::Store(e.for_each())));
+            }
+            return;
+        }
+    };
+    let mut writes = Vec::new();
+    let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
+    for (i, (a, sold)) in batch.iter().zip(&found).enumerate() {
+        let outcome = match sold.as_ref().filter(|s| Seen::of(s).is_some()) {
+            None => Some(Err(RedeemError::Unknown)),
+            Some(s) if s.status == CodeStatus::Issued => {
+                writes.push((i, (s.id, a.tag.clone(), &a.actor)));
+                None
+            }
+            Some(s) if s.status == CodeStatus::Used && s.redemption.as_ref() == Some(&a.tag) => {
+                Some(Ok((s.used_at, false)))
+            }
+            Some(s) => Some(Err(refused(
+                s.status,
+                s.used_at,
+                s.voided_at,
+                &s.void_reason,
+            ))),
+        };
+        outcomes.push(outcome);
+    }
+    let asks: Vec<_> = writes.iter().map(|(_, w)| w.clone()).collect();
+    let done = ops::redeem_ids(store, &asks).await;
+    for (k, (i, (_, tag, _))) in writes.iter().enumerate() {
+        outcomes[*i] = Some(match &done {
+            Ok(done) => match done.get(k) {
+                Some(UsedById::Now(a)) => Ok((Some(a.at.to_chrono()), true)),
+                Some(UsedById::Before(c)) => Ok((c.used_at, false)),
+                Some(UsedById::Refused(c)) => {
+                    Err(refused(c.status, c.used_at, c.voided_at, &c.void_reason))
+                }
+                Some(UsedById::Conflicting) => Err(RedeemError::ConflictingId(tag.id.clone())),
+                Some(UsedById::Gone) | None => Err(RedeemError::Unknown),
+            },
+            Err(e) => Err(RedeemError::Store(e.for_each())),
+        });
+    }
+    for ((a, sold), outcome) in batch.into_iter().zip(found).zip(outcomes) {
+        let answer = outcome
+            .unwrap_or(Err(RedeemError::Unknown))
+            .and_then(|(at, now)| {
+                let mut seen = sold
+                    .as_ref()
+                    .and_then(Seen::of)
+                    .ok_or(RedeemError::Unknown)?;
+                seen.state = SeenState::Used { at };
+                Ok((seen, now))
+            });
+        let _ = a.reply.send(answer);
+    }
+}
+
+/// What a redemption gets: when the code was used, and whether now.
+type Outcome = Result<(Option<DateTime<Utc>>, bool), RedeemError>;
+
+/// A code that cannot be redeemed (used by another redemption, or void),
+/// in the platform's terms.
+fn refused(
+    status: CodeStatus,
+    used_at: Option<DateTime<Utc>>,
+    voided_at: Option<DateTime<Utc>>,
+    reason: &Option<String>,
+) -> RedeemError {
+    match status {
+        CodeStatus::Used => RedeemError::AlreadyRedeemed { at: used_at },
+        CodeStatus::Void => RedeemError::Void {
+            at: voided_at,
+            reason: reason.clone().unwrap_or_default(),
+        },
         _ => RedeemError::Unknown,
     }
 }

@@ -291,17 +291,24 @@ impl Store {
     pub async fn record_action(&self, a: &Action) -> Result<ObjectId, StoreError> {
         let id = ObjectId::new();
         self.collection(AUDIT)
-            .insert_one(doc! {
-                "_id": id,
-                "kind": a.kind.as_str(),
-                "at": DateTime::now(),
-                "os_user": &a.who,
-                "command": &a.command,
-                "what": &a.what,
-            })
+            .insert_one(action_doc(id, a, DateTime::now()))
             .write_concern(durable())
             .await?;
         Ok(id)
+    }
+
+    /// Records changes, one record each, in one durable write.
+    pub async fn record_actions(&self, actions: &[Action]) -> Result<(), StoreError> {
+        if actions.is_empty() {
+            return Ok(());
+        }
+        let at = DateTime::now();
+        let docs = actions.iter().map(|a| action_doc(ObjectId::new(), a, at));
+        self.collection(AUDIT)
+            .insert_many(docs)
+            .write_concern(durable())
+            .await?;
+        Ok(())
     }
 
     /// A page of audit records, newest first; follow with `before` = the
@@ -331,6 +338,13 @@ impl Store {
             .try_collect()
             .await?;
         Ok(docs.iter().filter_map(entry_of).collect())
+    }
+}
+
+fn action_doc(id: ObjectId, a: &Action, at: DateTime) -> bson::Document {
+    doc! {
+        "_id": id, "kind": a.kind.as_str(), "at": at,
+        "os_user": &a.who, "command": &a.command, "what": &a.what,
     }
 }
 

@@ -44,6 +44,30 @@ impl StoreError {
         matches!(self, Self::Unavailable(_) | Self::Unreachable { .. })
     }
 
+    /// The same error again, for each of several callers one failed batch
+    /// answers: the same words, and the same "retry later" or not.
+    pub fn for_each(&self) -> StoreError {
+        match self {
+            Self::Unavailable(m) | Self::Unreachable { message: m, .. } => {
+                Self::Unavailable(m.clone())
+            }
+            Self::Rejected(m) | Self::Refused { message: m, .. } => Self::Rejected(m.clone()),
+            Self::Config(m) => Self::Config(m.clone()),
+            Self::Migration { name, message } => Self::Migration {
+                name: name.clone(),
+                message: message.clone(),
+            },
+            Self::Corrupt {
+                collection,
+                message,
+            } => Self::Corrupt {
+                collection: collection.clone(),
+                message: message.clone(),
+            },
+            Self::Keys(k) => Self::Config(k.to_string()),
+        }
+    }
+
     /// What an operator does about it, for the doors that speak to
     /// operators (the CLI, the console, the logs); an HTTP body for a
     /// shop says none of it.

@@ -41,6 +41,7 @@ pub mod policies;
 pub mod pool_settings;
 pub mod pools;
 pub mod recall;
+pub mod redemptions;
 pub mod rekey;
 pub mod replacements;
 pub mod shops;

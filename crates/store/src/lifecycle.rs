@@ -59,10 +59,12 @@ pub struct Sold {
     pub used_at: Option<chrono::DateTime<chrono::Utc>>,
     pub voided_at: Option<chrono::DateTime<chrono::Utc>>,
     pub void_reason: Option<String>,
+    /// The platform's redemption that used it, if one did by code.
+    pub redemption: Option<RedemptionTag>,
 }
 
 impl Sold {
-    fn of(d: &Document) -> Option<Sold> {
+    pub(crate) fn of(d: &Document) -> Option<Sold> {
         let time = |k: &str| d.get_datetime(k).ok().map(|t| t.to_chrono());
         Some(Sold {
             id: code_id(d.get_object_id("_id").ok()?),
@@ -78,6 +80,10 @@ impl Sold {
             used_at: time("used_at"),
             voided_at: time("voided_at"),
             void_reason: d.get_str("void_reason").ok().map(str::to_owned),
+            redemption: d
+                .get_document("redemption")
+                .ok()
+                .and_then(|r| bson::from_document(r.clone()).ok()),
         })
     }
 }
@@ -375,65 +381,6 @@ impl Store {
             .projection(doc! {"_id": 1})
             .await?
             .is_some())
-    }
-
-    /// The code whose value is `code`, among the codes of `pools` (each
-    /// with its look-alike rule), if it was ever sold to an order (issued,
-    /// used, or void after it was sold). Found by its keyed hashes alone:
-    /// the exact value in any of the pools (`code_any_hmac`), or its
-    /// look-alike key in each pool (`code_fold_hmac`), in ONE query of a
-    /// few small fields whatever the code, so an unknown code, a code of
-    /// another pool and a code never sold cost the same; only a sold code
-    /// is then read whole (and opened). An exact match wins; `None` also
-    /// when look-alikes in two pools match and none exactly (which was
-    /// meant is not known).
-    pub async fn find_sold_by_value(
-        &self,
-        code: &str,
-        pools: &[(String, codepool_domain::LookAlikeRule)],
-    ) -> Result<Option<Sold>, StoreError> {
-        if pools.is_empty() {
-            return Ok(None);
-        }
-        let ring = self.keys.ring()?;
-        let exact = ring.any_pool_hmac(code).to_vec();
-        let names: Vec<&str> = pools.iter().map(|(p, _)| p.as_str()).collect();
-        let mut any = vec![doc! {
-            "code_any_hmac": crate::crypto::binary(exact.clone()),
-            "pool": {"$in": names},
-        }];
-        for (pool, rule) in pools {
-            let folded = codepool_domain::fold_by(code, *rule);
-            any.push(doc! {
-                "pool": pool,
-                "code_fold_hmac": crate::crypto::binary(ring.fold_hmac(pool, &folded).to_vec()),
-            });
-        }
-        let found: Vec<Document> = self
-            .collection(CODES)
-            .find(doc! {"$or": any})
-            .projection(doc! {
-                "_id": 1, "code_any_hmac": 1, "pool": 1, "order_id": 1, "status": 1,
-                "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
-                "voided_at": 1, "void_reason": 1,
-            })
-            .limit(8)
-            .await?
-            .try_collect()
-            .await?;
-        let is_exact = |d: &Document| matches!(d.get("code_any_hmac"), Some(Bson::Binary(b)) if b.bytes == exact);
-        let chosen = match found.iter().find(|d| is_exact(d)) {
-            Some(d) => Some(d),
-            None if found.len() == 1 => found.first(),
-            None => None,
-        };
-        // Sold: issued, used, or void with the order it was sold to (a
-        // held code carries its hold's key, never sold yet).
-        let sold = [CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void].map(CodeStatus::as_i32);
-        Ok(chosen
-            .filter(|d| d.contains_key("order_id"))
-            .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
-            .and_then(Sold::of))
     }
 
     /// Voids an unissued or issued code, or every such code of an order:

@@ -1,0 +1,339 @@
+//! Redemption by code, in batches: codes found by value (their keyed
+//! hashes, never opened to be found), then used, many at once.
+//!
+//! A platform's redemptions arrive concurrently, like orders. A batch of
+//! them costs one query to find the codes ([`Store::find_sold_by_values`]),
+//! one journaled `update` command of one conditional statement per code
+//! ([`Store::redeem_ids`]: issued → used, tagged with its redemption id),
+//! and one read of the codes as they are now, to tell each redemption
+//! whether it was the one that used its code. MongoDB decides each code
+//! exactly as for a single redemption: the statement matches only an
+//! issued code, so of any number of redemptions of one code, in one batch,
+//! in two batches, or in two processes, exactly one uses it.
+
+use std::collections::{HashMap, HashSet};
+
+use bson::{doc, Bson, DateTime, Document};
+use codepool_domain::{Code, CodeId, CodeStatus, LookAlikeRule, Transition};
+use futures::TryStreamExt;
+
+use crate::codes::{object_id, RedemptionTag, CODES};
+use crate::error::{is_transient_code, DUPLICATE_KEY};
+use crate::lifecycle::{Applied, Sold};
+use crate::{durable_doc, one_batch_for, CodeDoc, Store, StoreError};
+
+/// Most clauses in one lookup query; a batch naming more codes (or more
+/// pools per code) is looked up in several queries.
+const MOST_CLAUSES: usize = 1024;
+
+/// One lookup by value: the code as typed and the pools (with their
+/// look-alike rules) it may be found in.
+pub struct ByValue<'a> {
+    pub code: &'a str,
+    pub pools: &'a [(String, LookAlikeRule)],
+}
+
+/// The keyed hashes one lookup matches: the exact value in any of its
+/// pools, or its look-alike key in each pool.
+struct Wanted {
+    exact: Vec<u8>,
+    pools: HashSet<String>,
+    folds: HashSet<(String, Vec<u8>)>,
+    clauses: Vec<Document>,
+}
+
+/// What one redemption by id did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UsedById {
+    /// This redemption used the code now.
+    Now(Box<Applied>),
+    /// This redemption (its tag) used the code before: the code as it is.
+    Before(Box<Code>),
+    /// Another redemption used the code, or it was voided: as it is now.
+    Refused(Box<Code>),
+    /// The tag's id already redeemed another code.
+    Conflicting,
+    /// No such code, or it is not issued (it never was sold).
+    Gone,
+}
+
+fn bytes_of(d: &Document, key: &str) -> Option<Vec<u8>> {
+    match d.get(key) {
+        Some(Bson::Binary(b)) => Some(b.bytes.clone()),
+        _ => None,
+    }
+}
+
+impl Wanted {
+    fn matches(&self, d: &Document) -> bool {
+        let Ok(pool) = d.get_str("pool") else {
+            return false;
+        };
+        let exact = bytes_of(d, "code_any_hmac").is_some_and(|h| h == self.exact);
+        let folded = bytes_of(d, "code_fold_hmac")
+            .is_some_and(|h| self.folds.contains(&(pool.to_owned(), h)));
+        (exact && self.pools.contains(pool)) || folded
+    }
+
+    fn is_exact(&self, d: &Document) -> bool {
+        bytes_of(d, "code_any_hmac").is_some_and(|h| h == self.exact)
+    }
+
+    /// The code this lookup names among `found`: an exact match wins;
+    /// `None` also when look-alikes in two pools match and none exactly
+    /// (which was meant is not known), and for a code never sold.
+    fn choose(&self, found: &[Document]) -> Option<Sold> {
+        let mine: Vec<&Document> = found.iter().filter(|d| self.matches(d)).collect();
+        let chosen = match mine.iter().find(|d| self.is_exact(d)) {
+            Some(d) => Some(*d),
+            None if mine.len() == 1 => mine.first().copied(),
+            None => None,
+        };
+        // Sold: issued, used, or void with the order it was sold to (a
+        // held code carries its hold's key, never sold yet).
+        let sold = [CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void].map(CodeStatus::as_i32);
+        chosen
+            .filter(|d| d.contains_key("order_id"))
+            .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
+            .and_then(Sold::of)
+    }
+}
+
+impl Store {
+    fn wanted(&self, ask: &ByValue<'_>) -> Result<Wanted, StoreError> {
+        let ring = self.keys.ring()?;
+        let exact = ring.any_pool_hmac(ask.code).to_vec();
+        let names: Vec<&str> = ask.pools.iter().map(|(p, _)| p.as_str()).collect();
+        let mut clauses = vec![doc! {
+            "code_any_hmac": crate::crypto::binary(exact.clone()),
+            "pool": {"$in": &names},
+        }];
+        let mut folds = HashSet::new();
+        for (pool, rule) in ask.pools {
+            let folded = codepool_domain::fold_by(ask.code, *rule);
+            let h = ring.fold_hmac(pool, &folded).to_vec();
+            clauses.push(doc! {"pool": pool, "code_fold_hmac": crate::crypto::binary(h.clone())});
+            folds.insert((pool.clone(), h));
+        }
+        Ok(Wanted {
+            exact,
+            pools: names.into_iter().map(str::to_owned).collect(),
+            folds,
+            clauses,
+        })
+    }
+
+    /// The code whose value is `code`, among the codes of `pools` (each
+    /// with its look-alike rule), if it was ever sold to an order (issued,
+    /// used, or void after it was sold); see [`Store::find_sold_by_values`].
+    pub async fn find_sold_by_value(
+        &self,
+        code: &str,
+        pools: &[(String, LookAlikeRule)],
+    ) -> Result<Option<Sold>, StoreError> {
+        let mut found = self.find_sold_by_values(&[ByValue { code, pools }]).await?;
+        Ok(found.pop().flatten())
+    }
+
+    /// Each lookup's code, if it was ever sold to an order. Found by keyed
+    /// hashes alone: the exact value in any of the lookup's pools
+    /// (`code_any_hmac`), or its look-alike key in each pool
+    /// (`code_fold_hmac`), in ONE query of a few small fields for up to
+    /// [`MOST_CLAUSES`] hashes, whatever the codes: an unknown code, a code
+    /// of another pool and a code never sold cost the same.
+    pub async fn find_sold_by_values(
+        &self,
+        asks: &[ByValue<'_>],
+    ) -> Result<Vec<Option<Sold>>, StoreError> {
+        let mut wanted = Vec::with_capacity(asks.len());
+        for ask in asks {
+            wanted.push(
+                (!ask.pools.is_empty())
+                    .then(|| self.wanted(ask))
+                    .transpose()?,
+            );
+        }
+        let mut found = Vec::new();
+        let mut clauses = Vec::new();
+        let mut most = 0;
+        for w in wanted.iter().flatten() {
+            if !clauses.is_empty() && clauses.len() + w.clauses.len() > MOST_CLAUSES {
+                found.extend(
+                    self.sold_matching(std::mem::take(&mut clauses), most)
+                        .await?,
+                );
+                most = 0;
+            }
+            clauses.extend(w.clauses.iter().cloned());
+            // A code and its look-alikes: a few documents at most.
+            most += 8;
+        }
+        if !clauses.is_empty() {
+            found.extend(self.sold_matching(clauses, most).await?);
+        }
+        Ok(wanted
+            .iter()
+            .map(|w| w.as_ref().and_then(|w| w.choose(&found)))
+            .collect())
+    }
+
+    async fn sold_matching(
+        &self,
+        clauses: Vec<Document>,
+        most: usize,
+    ) -> Result<Vec<Document>, StoreError> {
+        Ok(self
+            .collection(CODES)
+            .find(doc! {"$or": clauses})
+            .projection(doc! {
+                "_id": 1, "code_any_hmac": 1, "code_fold_hmac": 1, "pool": 1, "order_id": 1,
+                "status": 1, "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
+                "voided_at": 1, "void_reason": 1, "redemption": 1,
+            })
+            .limit(i64::try_from(most).unwrap_or(i64::MAX))
+            .batch_size(one_batch_for(most))
+            .await?
+            .try_collect()
+            .await?)
+    }
+
+    /// Redeems each code of `asks` (issued → used, tagged) in one journaled
+    /// `update` command, then reads them back to tell each redemption what
+    /// it did, in the order asked. The first ask of a code makes its
+    /// statement; a later ask of the same code in the batch is answered
+    /// from the code as it is then (its tag's [`UsedById::Before`], or
+    /// [`UsedById::Refused`]).
+    pub async fn redeem_ids(
+        &self,
+        asks: &[(CodeId, RedemptionTag)],
+    ) -> Result<Vec<UsedById>, StoreError> {
+        if asks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = DateTime::now();
+        let to = Transition::Redeem.to().as_i32();
+        let from = Transition::Redeem.from_codes();
+        // The statement of each code: the index of the ask that makes it.
+        let mut owner: HashMap<CodeId, usize> = HashMap::new();
+        let mut updates = Vec::new();
+        let mut statement_of = Vec::new();
+        for (i, (id, tag)) in asks.iter().enumerate() {
+            if owner.contains_key(id) {
+                continue;
+            }
+            owner.insert(*id, i);
+            statement_of.push(i);
+            updates.push(doc! {
+                "q": {"_id": object_id(*id), "status": {"$in": &from}},
+                "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}}},
+            });
+        }
+        let reply = self
+            .database()
+            .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
+            .await?;
+        let conflicting: HashSet<usize> = refused_statements(&reply)?
+            .into_iter()
+            .filter_map(|s| statement_of.get(s).copied())
+            .collect();
+        let ids: Vec<_> = owner.keys().map(|id| object_id(*id)).collect();
+        let now_docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"_id": {"$in": ids}})
+            .batch_size(one_batch_for(owner.len()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut now_codes: HashMap<CodeId, (Option<RedemptionTag>, Code)> = HashMap::new();
+        for d in now_docs {
+            let tag = d.redemption.clone();
+            let code = d.into_code(&self.keys)?;
+            now_codes.insert(code.id, (tag, code));
+        }
+        Ok(asks
+            .iter()
+            .enumerate()
+            .map(|(i, (id, tag))| {
+                if conflicting.contains(&i) {
+                    return UsedById::Conflicting;
+                }
+                let Some((used_by, code)) = now_codes.get(id) else {
+                    return UsedById::Gone;
+                };
+                let by_this = used_by.as_ref() == Some(tag) && code.status == CodeStatus::Used;
+                let at_now = code.used_at == Some(now.to_chrono());
+                match code.status {
+                    _ if by_this && owner.get(id) == Some(&i) && at_now => {
+                        UsedById::Now(Box::new(Applied {
+                            before: code.clone(),
+                            at: now,
+                        }))
+                    }
+                    _ if by_this => UsedById::Before(Box::new(code.clone())),
+                    CodeStatus::Used | CodeStatus::Void => {
+                        UsedById::Refused(Box::new(code.clone()))
+                    }
+                    _ => UsedById::Gone,
+                }
+            })
+            .collect())
+    }
+}
+
+/// The statements of an unordered write command that a unique index
+/// refused (a redemption id already on another code). A write concern not
+/// met, or a transient error, is the whole command's: "retry later" (the
+/// same redemption ids again are answered as before); any other refusal is
+/// the whole command's too.
+fn refused_statements(reply: &Document) -> Result<Vec<usize>, StoreError> {
+    if let Ok(wce) = reply.get_document("writeConcernError") {
+        return Err(StoreError::Unavailable(format!(
+            "write concern not satisfied: {}",
+            wce.get_str("errmsg").unwrap_or("unknown")
+        )));
+    }
+    let mut out = Vec::new();
+    for e in reply
+        .get_array("writeErrors")
+        .map(|a| a.iter().filter_map(Bson::as_document).collect::<Vec<_>>())
+        .unwrap_or_default()
+    {
+        let code = e.get_i32("code").unwrap_or(-1);
+        let message = e.get_str("errmsg").unwrap_or("unknown");
+        match (
+            code,
+            e.get_i32("index")
+                .ok()
+                .and_then(|i| usize::try_from(i).ok()),
+        ) {
+            (DUPLICATE_KEY, Some(i)) => out.push(i),
+            (c, _) if is_transient_code(c) => {
+                return Err(StoreError::Unavailable(message.to_owned()))
+            }
+            _ => return Err(StoreError::Rejected(message.to_owned())),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_duplicate_keys_are_a_statement_s_own_refusal() {
+        let dup = doc! {"n": 1, "writeErrors": [
+            {"index": 2, "code": DUPLICATE_KEY, "errmsg": "E11000"},
+            {"index": 0, "code": DUPLICATE_KEY, "errmsg": "E11000"},
+        ]};
+        assert_eq!(refused_statements(&dup).unwrap(), vec![2, 0]);
+        let wce = doc! {"n": 1, "writeConcernError": {"code": 64, "errmsg": "waiting"}};
+        assert!(refused_statements(&wce).unwrap_err().is_unavailable());
+        let other = doc! {"n": 0, "writeErrors": [{"index": 0, "code": 2, "errmsg": "bad"}]};
+        assert!(matches!(
+            refused_statements(&other),
+            Err(StoreError::Rejected(_))
+        ));
+        assert!(refused_statements(&doc! {"n": 3}).unwrap().is_empty());
+    }
+}
