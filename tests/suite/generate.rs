@@ -41,10 +41,14 @@ fn codes(env: &TestEnv) -> mongodb::Collection<bson::Document> {
     env.store.database().collection("codes")
 }
 
+/// The size: 200,000 codes generated into a pool of 100,000.
+const IMPORTED: usize = 100_000;
+const GENERATED: usize = 200_000;
+
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac() {
     let env = TestEnv::new("gen_into_imported").await;
-    let imported = env.fill_pool("gx", 10_000).await;
+    let imported = env.fill_pool("gx", IMPORTED).await;
     env.fill_pool("other", 10).await;
     let out = generate(
         &env,
@@ -52,14 +56,14 @@ async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac()
             "--pool",
             "gx",
             "--count",
-            "20000",
+            &GENERATED.to_string(),
             "--pattern",
             "GX-{random:12}",
         ],
     )
     .await;
     assert_eq!(out["status"], "done");
-    assert_eq!(out["inserted"], 20_000);
+    assert_eq!(out["inserted"], GENERATED);
     assert_eq!(out["random_bits"], 60);
     let run = ObjectId::parse_str(out["run_id"].as_str().unwrap()).unwrap();
 
@@ -68,7 +72,7 @@ async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac()
             .count_documents(doc! {"pool": "gx"})
             .await
             .unwrap(),
-        30_000
+        (IMPORTED + GENERATED) as u64
     );
     assert_eq!(
         codes(&env)
@@ -79,9 +83,13 @@ async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac()
         "no code is stored in plaintext"
     );
     let generated = codes_of_run(&env, run).await;
-    assert_eq!(generated.len(), 20_000);
+    assert_eq!(generated.len(), GENERATED);
     let distinct: HashSet<&String> = generated.iter().chain(&imported).collect();
-    assert_eq!(distinct.len(), 30_000, "no generated code equals another");
+    assert_eq!(
+        distinct.len(),
+        IMPORTED + GENERATED,
+        "no generated code equals another"
+    );
     let alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
     for c in &generated {
         let random = c.strip_prefix("GX-").expect("the fixed text");
@@ -109,13 +117,16 @@ async fn generated_codes_join_an_imported_pool_unique_sealed_and_found_by_hmac()
             .await
             .unwrap();
     }
-    assert_eq!(found, 20_000);
+    assert_eq!(found as usize, GENERATED);
 
     // The run is an import: its record says so, and export gives the file
     // for the platform, every code in clear text.
     let record = env.store.import_record(run).await.unwrap().unwrap();
     assert_eq!(record.source.as_deref(), Some("generated"));
-    assert_eq!((record.status.as_str(), record.inserted), ("done", 20_000));
+    assert_eq!(
+        (record.status.as_str(), record.inserted as usize),
+        ("done", GENERATED)
+    );
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("platform.csv");
     let id = run.to_hex();

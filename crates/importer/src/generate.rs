@@ -20,6 +20,7 @@ use codepool_store::imports::{GenerationSpec, ImportRecord, SOURCE_GENERATED};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use rand::TryRngCore;
 use serde::Serialize;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -62,6 +63,9 @@ impl Generation {
 pub struct GenerateOptions {
     /// Codes per insert.
     pub batch_size: usize,
+    /// Inserts in flight at once: a batch is sealed and written while the
+    /// next is drawn (as an import's batches).
+    pub in_flight: usize,
     /// Cancelled to stop early: the batch in flight lands, the record says
     /// `interrupted`; the same run id finishes it.
     pub stop: CancellationToken,
@@ -74,6 +78,7 @@ impl Default for GenerateOptions {
     fn default() -> Self {
         Self {
             batch_size: 1000,
+            in_flight: 3,
             stop: CancellationToken::new(),
             random: ByteSource::Os,
         }
@@ -367,31 +372,71 @@ struct Draws<'a> {
 
 impl Draws<'_> {
     /// Draws and inserts batches until the run holds its count (true) or
-    /// a stop (false).
+    /// a stop (false). Up to `options.in_flight` batches are sealed and
+    /// written at once, and together they never ask for more than the run
+    /// lacks: every code that lands is counted, so the run never exceeds
+    /// its count. When an insert fails, the others in flight are waited
+    /// for and the run's codes are counted again from the pool before
+    /// going on, so a retry never counts one twice.
     async fn until_done(
         &mut self,
         options: &GenerateOptions,
         on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
     ) -> Result<bool, GenerateError> {
-        let mut fruitless = 0u32;
-        while self.held < self.g.count {
-            if options.stop.is_cancelled() {
-                return Ok(false);
-            }
-            if self
-                .store
-                .take_run(self.id, self.owner, LEASE)
-                .await?
-                .is_some()
+        let mut inflight: JoinSet<(u64, Result<u64, StoreError>)> = JoinSet::new();
+        let mut asked = 0u64;
+        let (mut fruitless, mut attempt) = (0u32, 0u32);
+        loop {
+            while inflight.len() < options.in_flight.max(1)
+                && self.held + asked < self.g.count
+                && !options.stop.is_cancelled()
             {
-                return Err(GenerateError::LeaseLost(self.id.to_hex()));
+                let started = self
+                    .start_batch(options, self.g.count - self.held - asked)
+                    .await;
+                let (want, batch) = match started {
+                    Ok(b) => b,
+                    Err(e) => return Err(drained(&mut inflight, e).await),
+                };
+                let (store, pool, id) = (self.store.clone(), self.pool.to_owned(), self.id);
+                inflight.spawn(async move { (want, try_place(&store, &pool, id, &batch).await) });
+                asked += want;
             }
-            let want = (self.g.count - self.held).min(options.batch_size.max(1) as u64);
-            let batch = self.draw(want as usize, &options.random).await?;
-            let placed = self.place(batch, want).await?;
-            fruitless = if placed == 0 { fruitless + 1 } else { 0 };
+            let Some(done) = inflight.join_next().await else {
+                return Ok(self.held >= self.g.count);
+            };
+            let (want, placed) = match done {
+                Ok(done) => done,
+                Err(e) => {
+                    let e = StoreError::Rejected(format!("an insert of the run stopped: {e}"));
+                    return Err(drained(&mut inflight, e.into()).await);
+                }
+            };
+            asked -= want;
+            match placed {
+                Ok(placed) => {
+                    self.held += placed;
+                    self.redrawn += want - placed;
+                    if let Err(e) = self.mark_pool(placed).await {
+                        return Err(drained(&mut inflight, e.into()).await);
+                    }
+                    fruitless = if placed == 0 { fruitless + 1 } else { 0 };
+                }
+                Err(e) if e.is_unavailable() && attempt < RETRIES => {
+                    attempt += 1;
+                    warn!(error = %e, attempt, "generation insert failed; retrying");
+                    while inflight.join_next().await.is_some() {}
+                    asked = 0;
+                    tokio::time::sleep(BACKOFF * 2u32.pow(attempt)).await;
+                    // What landed is counted, never guessed.
+                    let held = self.store.codes_of_run(self.pool, self.id).await?;
+                    self.redrawn += want.saturating_sub(held.saturating_sub(self.held));
+                    self.held = held;
+                }
+                Err(e) => return Err(drained(&mut inflight, e.into()).await),
+            }
             if fruitless >= FRUITLESS_BATCHES {
-                return Err(GenerateError::Exhausted(self.redrawn));
+                return Err(drained(&mut inflight, GenerateError::Exhausted(self.redrawn)).await);
             }
             on_progress(GenerateProgress {
                 count: self.g.count,
@@ -400,7 +445,19 @@ impl Draws<'_> {
             });
             self.save_progress().await;
         }
-        Ok(true)
+    }
+
+    /// The next batch, once the lease is renewed: at most `lacking` codes.
+    async fn start_batch(
+        &self,
+        options: &GenerateOptions,
+        lacking: u64,
+    ) -> Result<(u64, Vec<NewCode>), GenerateError> {
+        if (self.store.take_run(self.id, self.owner, LEASE).await?).is_some() {
+            return Err(GenerateError::LeaseLost(self.id.to_hex()));
+        }
+        let want = lacking.min(options.batch_size.max(1) as u64);
+        Ok((want, self.draw(want as usize, &options.random).await?))
     }
 
     /// `n` new codes, distinct among themselves.
@@ -431,39 +488,6 @@ impl Draws<'_> {
         Ok(codes)
     }
 
-    /// Inserts the codes no other pool holds; returns how many landed.
-    /// The rest of `want` is drawn again by the next batch. A failed
-    /// insert is retried while MongoDB is away, and the run's codes are
-    /// counted again from the pool, so a retry never counts one twice.
-    async fn place(&mut self, batch: Vec<NewCode>, want: u64) -> Result<u64, GenerateError> {
-        let mut attempt = 0;
-        loop {
-            match self.try_place(&batch).await {
-                Ok(placed) if attempt == 0 => {
-                    self.held += placed;
-                    self.redrawn += want - placed;
-                    self.mark_pool(placed).await?;
-                    return Ok(placed);
-                }
-                Ok(_) => {
-                    // The first attempt may have landed: count, never guess.
-                    let held = self.store.codes_of_run(self.pool, self.id).await?;
-                    let placed = held.saturating_sub(self.held);
-                    self.held = held;
-                    self.redrawn += want.saturating_sub(placed);
-                    self.mark_pool(placed).await?;
-                    return Ok(placed);
-                }
-                Err(e) if e.is_unavailable() && attempt < RETRIES => {
-                    attempt += 1;
-                    warn!(error = %e, attempt, "generation insert failed; retrying");
-                    tokio::time::sleep(BACKOFF * 2u32.pow(attempt)).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
     /// After codes landed: the pool exists, and its `pool.exhausted` alert
     /// may fire again (best effort, as after an import).
     async fn settle_pool(&self) {
@@ -485,16 +509,6 @@ impl Draws<'_> {
         Ok(())
     }
 
-    async fn try_place(&self, batch: &[NewCode]) -> Result<u64, StoreError> {
-        let elsewhere = self.store.codes_in_other_pools(self.pool, batch).await?;
-        let fresh: Vec<NewCode> = (batch.iter().zip(elsewhere))
-            .filter(|(_, other)| other.is_none())
-            .map(|(c, _)| c.clone())
-            .collect();
-        let outcome = self.store.insert_codes(self.pool, self.id, &fresh).await?;
-        Ok(outcome.inserted)
-    }
-
     /// The counts so far on the run's record, at most once a second.
     async fn save_progress(&mut self) {
         if self.saved.elapsed() < PROGRESS_EVERY {
@@ -506,4 +520,27 @@ impl Draws<'_> {
             warn!(error = %e, "could not record the run's progress");
         }
     }
+}
+
+/// Inserts the codes of `batch` no other pool holds; returns how many
+/// landed. The rest is drawn again by a later batch.
+async fn try_place(
+    store: &Store,
+    pool: &str,
+    id: ObjectId,
+    batch: &[NewCode],
+) -> Result<u64, StoreError> {
+    let elsewhere = store.codes_in_other_pools(pool, batch).await?;
+    let fresh: Vec<NewCode> = (batch.iter().zip(elsewhere))
+        .filter(|(_, other)| other.is_none())
+        .map(|(c, _)| c.clone())
+        .collect();
+    Ok(store.insert_codes(pool, id, &fresh).await?.inserted)
+}
+
+/// `e`, once every insert still in flight has landed or failed: a run
+/// never ends with a write of its own still going.
+async fn drained<T: 'static>(inflight: &mut JoinSet<T>, e: GenerateError) -> GenerateError {
+    while inflight.join_next().await.is_some() {}
+    e
 }
