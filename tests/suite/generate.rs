@@ -800,7 +800,7 @@ async fn a_run_still_making_codes_is_not_recalled_under_it() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("still making codes"), "{err}");
+    assert!(err.contains("still inserting codes"), "{err}");
     assert_eq!(
         codes(&env)
             .count_documents(doc! {"batch_id": run, "status": 3})

@@ -87,6 +87,16 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
         CODES as u64,
         "three runs, one file"
     );
+    // The killed run's lease holds a recall off until it lapses (20 s, as
+    // `generate::a_run_still_making_codes_is_not_recalled_under_it` waits
+    // out); here it is made to have lapsed.
+    (env.store.database().collection::<bson::Document>("imports"))
+        .update_one(
+            doc! {"_id": second},
+            doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
+        )
+        .await
+        .unwrap();
     let out = codepool_ok(
         &env,
         &["void", "--import", &third_id, "--reason", "leak", "--json"],
@@ -162,5 +172,84 @@ async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() 
         count(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
         1
     );
+    env.cleanup().await;
+}
+
+/// A file still being imported holds its run (issue 56): a recall is
+/// refused while it inserts. A run that stalls past its lease can be
+/// recalled; when it wakes, it stops, and the codes it inserted after the
+/// recall are voided as the recall voided the rest.
+#[tokio::test]
+async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops() {
+    use std::process::Stdio;
+    use tokio::io::AsyncWriteExt;
+    let env = TestEnv::new("recall_importing").await;
+    let rows = |from: usize, to: usize| -> String {
+        (from..to).map(|i| format!("LIVE-{i:06}\n")).collect()
+    };
+    let mut child = env
+        .command(&["import", "-", "--pool", "li", "--batch-size", "100"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"code\n").await.unwrap();
+    stdin.write_all(rows(0, 300).as_bytes()).await.unwrap();
+    stdin.flush().await.unwrap();
+    let imports = env.store.database().collection::<bson::Document>("imports");
+    eventually(Duration::from_secs(60), "300 codes land", || async {
+        count(&env, doc! {"pool": "li"}).await == 300
+    })
+    .await;
+    let record = imports
+        .find_one(doc! {"pool": "li"})
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.get_str("status").unwrap(), "running");
+    let run = record.get_object_id("_id").unwrap();
+    let id = run.to_hex();
+
+    // Still running, lease held: refused, nothing voided.
+    let out = env
+        .command(&["void", "--import", &id, "--reason", "leak"])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("still inserting codes"), "{err}");
+    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 0);
+
+    // The run stalls past its lease (as if stopped for 20 s): the recall
+    // goes through and voids the 300.
+    imports
+        .update_one(
+            doc! {"_id": run},
+            doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
+        )
+        .await
+        .unwrap();
+    codepool_ok(&env, &["void", "--import", &id, "--reason", "leak"]).await;
+    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 300);
+
+    // It wakes: more rows come. It stops at its next renewal, inserts
+    // nothing live, and says why.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    stdin.write_all(rows(300, 1000).as_bytes()).await.unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("was recalled while it ran"), "{err}");
+    assert_eq!(
+        count(&env, doc! {"batch_id": run, "status": 0}).await,
+        0,
+        "no code of the recalled run is left in stock"
+    );
+    let record = imports.find_one(doc! {"_id": run}).await.unwrap().unwrap();
+    assert_eq!(record.get_str("recall_reason").unwrap(), "leak");
+    assert!(record.get_datetime("recalled_at").is_ok(), "{record}");
     env.cleanup().await;
 }

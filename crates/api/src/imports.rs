@@ -231,6 +231,7 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
         ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),
         ImportError::FileName(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-file-name"),
+        ImportError::Recalled(_) => (StatusCode::CONFLICT, "recalled"),
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
     let detail = e.to_string();
@@ -393,7 +394,7 @@ impl From<&Recall> for Recalled {
     responses(
         (status = 200, description = "the import's unissued codes are void; the issued ones are listed, masked", body = Recalled),
         (status = 404, description = "no such import", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
-        (status = 409, description = "the import and its linked runs hold no code (the problem names other runs of the file that do), or a generation run is still making codes (`run-in-progress`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the import and its linked runs hold no code (the problem names other runs of the file that do), or a run (an import or a generation) is still inserting codes (`run-in-progress`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "no reason, or one too long", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -424,7 +425,7 @@ pub(crate) async fn recall(
         Err(e @ RecallError::Running(_)) => Problem::new(
             StatusCode::CONFLICT,
             "run-in-progress",
-            "the run is still making codes",
+            "the run is still inserting codes",
             e.to_string(),
         )
         .at(&rid.0)

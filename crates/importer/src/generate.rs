@@ -34,7 +34,7 @@ const BACKOFF: Duration = Duration::from_millis(250);
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// How long a run's lease lasts unless renewed (it is, every batch): a run
 /// whose process died is taken up again at most this long after.
-pub const LEASE: Duration = Duration::from_secs(20);
+pub use crate::import::LEASE;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -285,6 +285,13 @@ async fn run_leased(
         info!(run = %record.id, held = before, "the run holds codes already; making only the rest");
     }
     let result = run.until_done(options, on_progress).await;
+    if matches!(result, Err(GenerateError::LeaseLost(_))) {
+        // A recall may have taken the run while it stalled: once its
+        // inserts have landed, what landed after the recall is voided too.
+        if let Err(e) = store.recall_rest(record.id).await {
+            warn!(error = %e, "the run's late codes were not voided after its recall; recall it again");
+        }
+    }
     let interrupted = matches!(result, Ok(false));
     if run.held > before {
         run.settle_pool().await;
@@ -453,7 +460,7 @@ impl Draws<'_> {
         options: &GenerateOptions,
         lacking: u64,
     ) -> Result<(u64, Vec<NewCode>), GenerateError> {
-        if (self.store.take_run(self.id, self.owner, LEASE).await?).is_some() {
+        if !self.store.renew_run(self.id, self.owner, LEASE).await? {
             return Err(GenerateError::LeaseLost(self.id.to_hex()));
         }
         let want = lacking.min(options.batch_size.max(1) as u64);

@@ -136,6 +136,11 @@ pub enum ImportError {
     FileName(#[from] codepool_domain::FileNameError),
     #[error("{0}. Nothing is half-written: import the same file again to finish (codes already imported count as duplicates)")]
     Store(StoreError),
+    /// A recall of this run began while it was still inserting (after the
+    /// run stalled past its lease): the run stopped, and inserts nothing
+    /// more into a recalled import.
+    #[error("import {0} was recalled while it ran; it stopped, inserting nothing more. Import the file again only if the recall was a mistake")]
+    Recalled(String),
 }
 
 impl From<StoreError> for ImportError {
@@ -237,15 +242,44 @@ async fn import_rows<R: std::io::Read + Send + 'static>(
 
     let mut run = Run::new(store, pool.as_str(), record.id, options, total_bytes);
     run.lookup = earlier.is_some();
+    // A new record: nobody else holds it. Held while the run inserts, so a
+    // recall waits for it ([`Store::take_run`]).
+    if let Err(e) = store.take_run(record.id, &run.owner, LEASE).await {
+        warn!(error = %e, "the run's lease was not taken; a recall is not held off while it runs");
+    }
     let interrupted = run.consume(&mut rx, &bytes, on_progress).await;
     drop(rx);
     while run.absorb_next().await {}
     let _ = reader.await;
     run.progress.bytes_read = bytes.load(Ordering::Relaxed);
     on_progress(run.progress);
-    run.close(&mut record, started.elapsed().as_secs_f64(), interrupted)
-        .await
+    if matches!(run.failure, Some(ImportError::Recalled(_))) {
+        // Every insert of this run has landed: what landed after the
+        // recall is voided as the recall voided the rest.
+        match store.recall_rest(record.id).await {
+            Ok(n) => info!(
+                voided = n,
+                "the run was recalled while it ran; its late codes are void"
+            ),
+            Err(e) => {
+                warn!(error = %e, "the run was recalled while it ran, but its late codes were not voided; recall the import again")
+            }
+        }
+    }
+    let owner = run.owner.clone();
+    let summary = run
+        .close(&mut record, started.elapsed().as_secs_f64(), interrupted)
+        .await;
+    if let Err(e) = store.release_run(record.id, &owner).await {
+        warn!(error = %e, "could not give the run up; its lease lapses on its own");
+    }
+    summary
 }
+
+/// How long a running import holds off a recall unless it renews its
+/// lease (it does, at most every [`RENEW_EVERY`], before a batch).
+pub const LEASE: Duration = Duration::from_secs(20);
+const RENEW_EVERY: Duration = Duration::from_secs(5);
 
 /// The name an import from standard input is recorded under.
 pub const STDIN_NAME: &str = "(stdin)";
@@ -320,6 +354,10 @@ struct Run<'a> {
     rearmed: bool,
     /// When the progress was last written to the audit record.
     saved: Instant,
+    /// This run's hold on its record ([`Store::take_run`]), and when it
+    /// was last renewed.
+    owner: String,
+    renewed: Instant,
 }
 
 /// How often a run's audit record gets its counts so far.
@@ -353,6 +391,35 @@ impl<'a> Run<'a> {
             checks_cleared: false,
             rearmed: false,
             saved: Instant::now(),
+            owner: ObjectId::new().to_hex(),
+            renewed: Instant::now(),
+        }
+    }
+
+    /// Renews the run's lease when it is due; false when a recall holds
+    /// it (the run must insert nothing more).
+    async fn renew(&mut self) -> bool {
+        if self.renewed.elapsed() < RENEW_EVERY {
+            return true;
+        }
+        match self
+            .store
+            .renew_run(self.import_id, &self.owner, LEASE)
+            .await
+        {
+            Ok(true) => {
+                self.renewed = Instant::now();
+                true
+            }
+            Ok(false) => {
+                self.failure = Some(ImportError::Recalled(self.import_id.to_hex()));
+                false
+            }
+            // MongoDB is away: the inserts say so themselves.
+            Err(e) => {
+                warn!(error = %e, "the run's lease was not renewed");
+                true
+            }
         }
     }
 
@@ -376,7 +443,7 @@ impl<'a> Run<'a> {
                     while self.inflight.len() >= self.options.concurrency.max(1) {
                         self.absorb_next().await;
                     }
-                    if self.failure.is_some() {
+                    if self.failure.is_some() || !self.renew().await {
                         return false;
                     }
                     let (store, pool, id) = (self.store.clone(), self.pool.clone(), self.import_id);

@@ -30,5 +30,5 @@ pub use generate::{
 };
 pub use import::{
     import_file, import_reader, ImportError, ImportOptions, ImportProgress, ImportSummary,
-    InvalidRow,
+    InvalidRow, LEASE,
 };

@@ -9,7 +9,7 @@ use codepool_domain::{Code, CodeId, PoolEvent, PoolEventKind};
 use codepool_store::imports::ImportRecord;
 use codepool_store::pool_settings::PoolSettingsError;
 use codepool_store::{ObjectId, Store, StoreError};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::audit::{self, Actor, AuditKind};
 use crate::ops::{checked_reason, MAX_REASON_CHARS};
@@ -92,7 +92,7 @@ pub enum RecallError {
     BadId(String),
     #[error("no import {0}; check the id `codepool import --json` printed")]
     UnknownImport(String),
-    #[error("generation run {0} is still making codes; nothing was voided. Stop it (Ctrl-C, or wait for it to end), then recall it: a recall now would miss the codes it makes next")]
+    #[error("run {0} (an import or a generation) is still inserting codes; nothing was voided. Wait for it to end (or stop it with Ctrl-C), then recall it: a recall now would miss the codes it inserts next. A run whose process died holds it off for 20 s at most")]
     Running(String),
     /// The run (and the runs linked to it) hold no code, but other runs
     /// of a file of that name in the pool do: they were not recalled.
@@ -166,12 +166,51 @@ pub async fn recall_import(
         .import_record(id)
         .await?
         .ok_or_else(|| RecallError::UnknownImport(id.to_hex()))?;
-    if import.being_made() {
-        return Err(RecallError::Running(id.to_hex()));
+    let of_file = store.runs_of_file(&import).await?;
+    // The recall holds every run of the file while it voids: a run still
+    // inserting (an import, a generation) refuses it, and one that renews
+    // its lease after this stops instead of inserting into a recalled run.
+    let owner = format!("recall:{}", ObjectId::new().to_hex());
+    let mut taken = Vec::new();
+    let mut busy = None;
+    for run in &of_file {
+        match store
+            .take_run(run.id, &owner, codepool_importer::LEASE)
+            .await
+        {
+            Ok(None) => taken.push(run.id),
+            Ok(Some(_)) => busy = Some(Err(RecallError::Running(run.id.to_hex()))),
+            Err(e) => busy = Some(Err(e.into())),
+        }
+        if busy.is_some() {
+            break;
+        }
     }
+    let result = match busy {
+        Some(refused) => refused,
+        None => recall_runs(store, hot, import, of_file, reason, actor).await,
+    };
+    for id in taken {
+        if let Err(e) = store.release_run(id, &owner).await {
+            warn!(error = %e, run = %id, "the recall's hold on the run was not given up; it lapses on its own");
+        }
+    }
+    result
+}
+
+/// The recall of `of_file`, the runs of `import`'s file, once held.
+async fn recall_runs(
+    store: &Store,
+    hot: &dyn CandidatePool,
+    import: ImportRecord,
+    of_file: Vec<ImportRecord>,
+    reason: &str,
+    actor: &Actor,
+) -> Result<Recall, RecallError> {
+    let id = import.id;
     let mut runs = Vec::new();
     let mut held = Vec::new();
-    for run in store.runs_of_file(&import).await? {
+    for run in of_file {
         let voided = recall_run(store, hot, run.id, reason).await?;
         let codes = store.codes_of_import(run.id).await?;
         held.extend(store.held_codes_of_import(run.id).await?);

@@ -52,6 +52,17 @@ pub struct ImportRecord {
     pub lease_until: Option<DateTime>,
 }
 
+/// The fields of [`ImportRecord`] left out when empty: a finished record
+/// without one has none.
+const OPTIONAL_FIELDS: &[&str] = &[
+    "sha256",
+    "finished_at",
+    "error",
+    "resumed_from",
+    "source",
+    "generation",
+];
+
 impl ImportRecord {
     /// A process is making this run's codes now (it holds a live lease).
     pub fn being_made(&self) -> bool {
@@ -178,8 +189,25 @@ impl Store {
 
     /// Closes the audit record with the run's counts.
     pub async fn finish_import(&self, record: &ImportRecord) -> Result<(), StoreError> {
-        self.typed::<ImportRecord>(IMPORTS)
-            .replace_one(doc! {"_id": record.id}, record)
+        // Set, not replaced: what others wrote meanwhile (a recall's mark,
+        // a lease) stays. A field the record lacks now is removed.
+        let mut set = bson::to_document(record).map_err(|e| StoreError::Corrupt {
+            collection: IMPORTS.into(),
+            message: e.to_string(),
+        })?;
+        set.remove("_id");
+        let mut unset = doc! {};
+        for k in OPTIONAL_FIELDS {
+            if !set.contains_key(*k) {
+                unset.insert(*k, "");
+            }
+        }
+        let mut update = doc! {"$set": set};
+        if !unset.is_empty() {
+            update.insert("$unset", unset);
+        }
+        self.collection(IMPORTS)
+            .update_one(doc! {"_id": record.id}, update)
             .await?;
         Ok(())
     }
@@ -339,6 +367,29 @@ impl Store {
             held.and_then(|d| d.get_datetime("lease_until").ok().copied())
                 .unwrap_or(now),
         ))
+    }
+
+    /// Renews `owner`'s lease on run `id` for `lease` from now; false when
+    /// `owner` no longer holds it (another process, or a recall, took it
+    /// over while this one stalled, even if that one gave it up since): the
+    /// run must insert nothing more.
+    pub async fn renew_run(
+        &self,
+        id: ObjectId,
+        owner: &str,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let now = DateTime::now();
+        let until = DateTime::from_millis(now.timestamp_millis() + lease.as_millis() as i64);
+        let renewed = self
+            .collection(IMPORTS)
+            .update_one(
+                doc! {"_id": id, "lease_owner": owner},
+                doc! {"$set": {"lease_until": until}},
+            )
+            .write_concern(crate::durable())
+            .await?;
+        Ok(renewed.matched_count == 1)
     }
 
     /// Gives run `id` up, if `owner` holds it.

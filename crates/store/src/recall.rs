@@ -148,4 +148,34 @@ impl Store {
             .await?;
         Ok(())
     }
+
+    /// The reason of the recall of run `id`, if one was made.
+    pub async fn recall_reason(&self, id: ObjectId) -> Result<Option<String>, StoreError> {
+        let d = self
+            .collection(IMPORTS)
+            .find_one(doc! {"_id": id, "recalled_at": {"$exists": true}})
+            .projection(doc! {"recall_reason": 1})
+            .await?;
+        Ok(d.map(|d| d.get_str("recall_reason").unwrap_or("recalled").to_owned()))
+    }
+
+    /// After a run that was recalled while it still inserted (it stalled
+    /// past its lease) has stopped: its codes that landed after the recall
+    /// are voided like the recall's, with its reason. Returns how many.
+    pub async fn recall_rest(&self, id: ObjectId) -> Result<u64, StoreError> {
+        let Some(reason) = self.recall_reason(id).await? else {
+            return Ok(0);
+        };
+        let (mut voided, mut after) = (0, None);
+        loop {
+            let round = self.recall_round(id, &reason, 1000, after).await?;
+            voided += round.voided;
+            after = round.next;
+            if after.is_none() {
+                break;
+            }
+        }
+        self.mark_import_recalled(id, &reason, voided).await?;
+        Ok(voided)
+    }
 }
