@@ -253,3 +253,54 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     assert!(record.get_datetime("recalled_at").is_ok(), "{record}");
     env.cleanup().await;
 }
+
+/// A recalled run makes no more codes (issue 56): a generation run of a
+/// recalled id is refused, and so is an import that would finish a
+/// recalled run of its file; nothing of either goes on sale.
+#[tokio::test]
+async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
+    let env = TestEnv::new("recall_resume").await;
+    let run = ObjectId::new().to_hex();
+    let gen = [
+        "generate", "--pool", "rg", "--count", "300", "--run-id", &run,
+    ];
+    codepool_ok(&env, &gen).await;
+    codepool_ok(&env, &["void", "--import", &run, "--reason", "leak"]).await;
+    let out = env.command(&gen).output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("was recalled (leak)"), "{err}");
+    assert_eq!(count(&env, doc! {"pool": "rg", "status": 0}).await, 0);
+
+    // A file killed halfway, then recalled: importing it again would put
+    // the rest of a leaked file on sale.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let text: String = std::iter::once("code\n".to_owned())
+        .chain((0..CODES).map(|i| format!("RR-{i:08}\n")))
+        .collect();
+    std::fs::write(file.path(), text).unwrap();
+    let path = file.path().to_str().unwrap();
+    let killed = stopped_run(&env, path, "rr", "-KILL", &[]).await;
+    (env.store.database().collection::<bson::Document>("imports"))
+        .update_one(
+            doc! {"_id": killed},
+            doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
+        )
+        .await
+        .unwrap();
+    codepool_ok(
+        &env,
+        &["void", "--import", &killed.to_hex(), "--reason", "leak"],
+    )
+    .await;
+    let out = env
+        .command(&["import", path, "--pool", "rr"])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("the whole file is taken as leaked"), "{err}");
+    assert_eq!(count(&env, doc! {"pool": "rr", "status": 0}).await, 0);
+    env.cleanup().await;
+}

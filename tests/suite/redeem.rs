@@ -196,7 +196,7 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
     let mut codes = Vec::new();
-    for i in 0..24 {
+    for i in 0..28 {
         let code = place(&api, &backend, &format!("RB-{i}"), "rb").await["code"]
             .as_str()
             .unwrap()
@@ -218,6 +218,12 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
     asks.push((codes[20].clone(), "on-void".into()));
     asks.push((codes[21].clone(), "on-used".into()));
     asks.push(("RB-NO-SUCH-CODE-0".into(), "on-unknown".into()));
+    // 24..27: first under the id that redeemed code 21 (refused), then
+    // under a fresh one, which still redeems the code.
+    for (i, code) in codes.iter().enumerate().skip(24) {
+        asks.push((code.clone(), "before".into()));
+        asks.push((code.clone(), format!("fresh-{i}")));
+    }
     let tries = asks
         .iter()
         .map(|(code, id)| redeem(&api, &platform, code, id));
@@ -273,8 +279,19 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
         .unwrap()
         .ends_with("already-redeemed"));
     assert_eq!(answers[28].0, 404, "{:?}", answers[28]);
-    // The one before, the twenty, and one of the two under "shared".
-    assert_eq!(redemptions_audited(&env).await.len(), 22);
+    for (k, pair) in answers[29..].chunks(2).enumerate() {
+        let (refused, fresh) = (&pair[0], &pair[1]);
+        assert_eq!(refused.0, 409, "{refused:?}");
+        assert!(refused.1["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("conflicting-redemption"));
+        assert_eq!(fresh.0, 200, "code {}: {fresh:?}", 24 + k);
+        assert_eq!(fresh.1["state"], "used");
+    }
+    // The one before, the twenty, one of the two under "shared", and the
+    // four fresh ones.
+    assert_eq!(redemptions_audited(&env).await.len(), 26);
     api.stop().await;
     env.cleanup().await;
 }

@@ -55,7 +55,7 @@ fn unprocessable(rid: &RequestId, slug: &str, field: &str, detail: String) -> Re
     request_body(content = crate::openapi::GenerationIn, content_type = "application/json"),
     responses(
         (status = 202, description = "the run is started; read it at /v1/generations/{run_id}", body = crate::openapi::GenerationStarted),
-        (status = 409, description = "the run id belongs to another run (another pool, count or pattern)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "the run id belongs to another run (another pool, count or pattern: `other-run`), or to a run that was recalled (`recalled-run`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "a pattern under 40 random bits or malformed, a count out of range, a bad pool name or run id", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
@@ -123,6 +123,15 @@ fn start_failed(e: GenerateError, rid: &RequestId) -> Response {
             StatusCode::CONFLICT,
             "other-run",
             "the run id belongs to another run",
+            e.to_string(),
+        )
+        .field("run_id")
+        .at(&rid.0)
+        .into_response(),
+        GenerateError::Recalled { .. } => Problem::new(
+            StatusCode::CONFLICT,
+            "recalled-run",
+            "the run was recalled",
             e.to_string(),
         )
         .field("run_id")

@@ -231,7 +231,9 @@ fn import_failed(e: ImportError, rid: &RequestId) -> Response {
         ImportError::Header { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-header"),
         ImportError::Rows(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-csv"),
         ImportError::FileName(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid-file-name"),
-        ImportError::Recalled(_) => (StatusCode::CONFLICT, "recalled"),
+        ImportError::Recalled(_) | ImportError::FileRecalled { .. } => {
+            (StatusCode::CONFLICT, "recalled")
+        }
         _ => (StatusCode::BAD_REQUEST, "unreadable-body"),
     };
     let detail = e.to_string();

@@ -173,6 +173,17 @@ pub enum GenerateError {
     Busy { id: String, until: String },
     #[error("run {0} was taken over by another process while this one stalled; it stopped here. Run the same command with the same --run-id to check the run")]
     LeaseLost(String),
+    #[error("run {id} was recalled ({reason}); its codes are void, and a recalled run makes no more. Start a new run (without --run-id) for new codes")]
+    Recalled { id: String, reason: String },
+}
+
+impl GenerateError {
+    fn recalled(r: &ImportRecord) -> Option<GenerateError> {
+        r.recalled_at.map(|_| GenerateError::Recalled {
+            id: r.id.to_hex(),
+            reason: r.recall_reason.clone().unwrap_or_default(),
+        })
+    }
 }
 
 /// Takes run `id` for `owner`: at once when no one holds it, after the
@@ -208,6 +219,18 @@ pub async fn generate(
     let (pool, mut record) = open_run(store, g).await?;
     let owner = ObjectId::new().to_hex();
     take_lease(store, record.id, &owner).await?;
+    // A recall made between the record's reading and the lease: this run
+    // makes nothing more.
+    let recalled = match store.import_record(record.id).await {
+        Ok(now) => now.as_ref().and_then(GenerateError::recalled),
+        Err(e) => Some(e.into()),
+    };
+    if let Some(e) = recalled {
+        if let Err(e) = store.release_run(record.id, &owner).await {
+            warn!(error = %e, "could not give the run up; its lease lapses on its own");
+        }
+        return Err(e);
+    }
     let result = run_leased(
         store,
         numbers,
@@ -350,6 +373,9 @@ pub async fn open_run(
             "makes {} codes of {:?}",
             was.count, was.pattern
         )));
+    }
+    if let Some(e) = GenerateError::recalled(&record) {
+        return Err(e);
     }
     if record.status != "running" {
         store.restart_generation(id).await?;

@@ -141,6 +141,9 @@ pub enum ImportError {
     /// more into a recalled import.
     #[error("import {0} was recalled while it ran; it stopped, inserting nothing more. Import the file again only if the recall was a mistake")]
     Recalled(String),
+    /// The run this one would finish was recalled before it finished.
+    #[error("run {run} of this file into this pool was recalled ({reason}) before it finished: the whole file is taken as leaked, so nothing was imported. Import the file the partner sends in its place")]
+    FileRecalled { run: String, reason: String },
 }
 
 impl From<StoreError> for ImportError {
@@ -226,6 +229,13 @@ async fn import_rows<R: std::io::Read + Send + 'static>(
 ) -> Result<ImportSummary, ImportError> {
     let started = Instant::now();
     let earlier = store.unfinished_import(pool.as_str(), file).await?;
+    if let Some(e) = earlier.as_ref().filter(|e| e.recalled_at.is_some()) {
+        // Finishing it would put the rest of a leaked file on sale.
+        return Err(ImportError::FileRecalled {
+            run: e.id.to_hex(),
+            reason: e.recall_reason.clone().unwrap_or_default(),
+        });
+    }
     let mut record = store
         .start_import(pool.as_str(), file, earlier.as_ref().map(|e| e.id))
         .await?;

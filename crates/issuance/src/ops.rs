@@ -4,7 +4,7 @@
 //! pool, that a reason is required) are here, once.
 
 use codepool_broker::BrokerError;
-use codepool_domain::{when, Code, CodeId, NotSendable, SmsPending};
+use codepool_domain::{when, Code, NotSendable, SmsPending};
 use codepool_store::backorders::BackorderDoc;
 use codepool_store::lifecycle::{
     Applied, CodeRef, LifecycleError, Redeemed, RedemptionTag, VoidOutcome,
@@ -332,10 +332,9 @@ async fn record_redeemed(
 /// are answered as made before.
 pub async fn redeem_ids(
     store: &Store,
-    asks: &[(CodeId, RedemptionTag, &Actor)],
+    asks: &[(&Code, RedemptionTag, &Actor)],
 ) -> Result<Vec<UsedById>, StoreError> {
-    let ids: Vec<(CodeId, RedemptionTag)> =
-        asks.iter().map(|(id, t, _)| (*id, t.clone())).collect();
+    let ids: Vec<(&Code, RedemptionTag)> = asks.iter().map(|(c, t, _)| (*c, t.clone())).collect();
     let done = store.redeem_ids(&ids).await?;
     let mut applied = Vec::new();
     let mut records = Vec::new();

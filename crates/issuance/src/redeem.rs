@@ -326,7 +326,7 @@ async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
             pools: &a.pools,
         })
         .collect();
-    let found = match store.find_sold_by_values(&lookups).await {
+    let found = match store.find_sold_codes(&lookups).await {
         Ok(found) => found,
         Err(e) => {
             for a in batch {
@@ -338,21 +338,13 @@ async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
     let mut writes = Vec::new();
     let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
     for (i, (a, sold)) in batch.iter().zip(&found).enumerate() {
-        let outcome = match sold.as_ref().filter(|s| Seen::of(s).is_some()) {
+        let outcome = match sold.as_ref().filter(|(s, _)| Seen::of(s).is_some()) {
             None => Some(Err(RedeemError::Unknown)),
-            Some(s) if s.status == CodeStatus::Issued => {
-                writes.push((i, (s.id, a.tag.clone(), &a.actor)));
+            Some((s, code)) if s.status == CodeStatus::Issued => {
+                writes.push((i, (code, a.tag.clone(), &a.actor)));
                 None
             }
-            Some(s) if s.status == CodeStatus::Used && s.redemption.as_ref() == Some(&a.tag) => {
-                Some(Ok((s.used_at, false)))
-            }
-            Some(s) => Some(Err(refused(
-                s.status,
-                s.used_at,
-                s.voided_at,
-                &s.void_reason,
-            ))),
+            Some((s, _)) => Some(answered(s, &a.tag)),
         };
         outcomes.push(outcome);
     }
@@ -376,15 +368,23 @@ async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
         let answer = outcome
             .unwrap_or(Err(RedeemError::Unknown))
             .and_then(|(at, now)| {
-                let mut seen = sold
-                    .as_ref()
-                    .and_then(Seen::of)
+                let mut seen = (sold.as_ref())
+                    .and_then(|(s, _)| Seen::of(s))
                     .ok_or(RedeemError::Unknown)?;
                 seen.state = SeenState::Used { at };
                 Ok((seen, now))
             });
         let _ = a.reply.send(answer);
     }
+}
+
+/// The answer for a code the lookup found used or void: it cannot change
+/// again, so no write is needed.
+fn answered(s: &Sold, tag: &RedemptionTag) -> Outcome {
+    if s.status == CodeStatus::Used && s.redemption.as_ref() == Some(tag) {
+        return Ok((s.used_at, false));
+    }
+    Err(refused(s.status, s.used_at, s.voided_at, &s.void_reason))
 }
 
 /// What a redemption gets: when the code was used, and whether now.

@@ -50,6 +50,12 @@ pub struct ImportRecord {
     /// ([`Store::take_run`]); read only (the lease is written apart).
     #[serde(default, skip_serializing)]
     pub lease_until: Option<DateTime>,
+    /// When and why the run was recalled ([`Store::mark_import_recalled`]);
+    /// read only (the recall writes them apart).
+    #[serde(default, skip_serializing)]
+    pub recalled_at: Option<DateTime>,
+    #[serde(default, skip_serializing)]
+    pub recall_reason: Option<String>,
 }
 
 /// The fields of [`ImportRecord`] left out when empty: a finished record
@@ -108,6 +114,8 @@ impl ImportRecord {
             source: None,
             generation: None,
             lease_until: None,
+            recalled_at: None,
+            recall_reason: None,
         }
     }
 }

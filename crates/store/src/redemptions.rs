@@ -82,7 +82,7 @@ impl Wanted {
     /// The code this lookup names among `found`: an exact match wins;
     /// `None` also when look-alikes in two pools match and none exactly
     /// (which was meant is not known), and for a code never sold.
-    fn choose(&self, found: &[Document]) -> Option<Sold> {
+    fn choose<'d>(&self, found: &'d [Document]) -> Option<&'d Document> {
         let mine: Vec<&Document> = found.iter().filter(|d| self.matches(d)).collect();
         let chosen = match mine.iter().find(|d| self.is_exact(d)) {
             Some(d) => Some(*d),
@@ -95,7 +95,6 @@ impl Wanted {
         chosen
             .filter(|d| d.contains_key("order_id"))
             .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
-            .and_then(Sold::of)
     }
 }
 
@@ -145,6 +144,46 @@ impl Store {
         &self,
         asks: &[ByValue<'_>],
     ) -> Result<Vec<Option<Sold>>, StoreError> {
+        let (wanted, found) = self.sold_matching(asks, false).await?;
+        Ok(wanted
+            .iter()
+            .map(|w| w.as_ref().and_then(|w| w.choose(&found)).and_then(Sold::of))
+            .collect())
+    }
+
+    /// [`Store::find_sold_by_values`], each code found read whole and
+    /// opened as well: what a redemption made now tells its audit record
+    /// and the shop.
+    pub async fn find_sold_codes(
+        &self,
+        asks: &[ByValue<'_>],
+    ) -> Result<Vec<Option<(Sold, Code)>>, StoreError> {
+        let (wanted, found) = self.sold_matching(asks, true).await?;
+        let mut out = Vec::with_capacity(wanted.len());
+        for w in &wanted {
+            let chosen = w.as_ref().and_then(|w| w.choose(&found));
+            out.push(match chosen.and_then(|d| Some((Sold::of(d)?, d))) {
+                Some((sold, d)) => {
+                    let doc: CodeDoc =
+                        bson::from_document(d.clone()).map_err(|e| StoreError::Corrupt {
+                            collection: CODES.into(),
+                            message: e.to_string(),
+                        })?;
+                    Some((sold, doc.into_code(&self.keys)?))
+                }
+                None => None,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The documents that may be the codes `asks` name, in as few queries
+    /// as the clauses allow; whole, or a few small fields.
+    async fn sold_matching(
+        &self,
+        asks: &[ByValue<'_>],
+        whole: bool,
+    ) -> Result<(Vec<Option<Wanted>>, Vec<Document>), StoreError> {
         let mut wanted = Vec::with_capacity(asks.len());
         for ask in asks {
             wanted.push(
@@ -158,10 +197,8 @@ impl Store {
         let mut most = 0;
         for w in wanted.iter().flatten() {
             if !clauses.is_empty() && clauses.len() + w.clauses.len() > MOST_CLAUSES {
-                found.extend(
-                    self.sold_matching(std::mem::take(&mut clauses), most)
-                        .await?,
-                );
+                let taken = std::mem::take(&mut clauses);
+                found.extend(self.matching(taken, most, whole).await?);
                 most = 0;
             }
             clauses.extend(w.clauses.iter().cloned());
@@ -169,65 +206,96 @@ impl Store {
             most += 8;
         }
         if !clauses.is_empty() {
-            found.extend(self.sold_matching(clauses, most).await?);
+            found.extend(self.matching(clauses, most, whole).await?);
         }
-        Ok(wanted
-            .iter()
-            .map(|w| w.as_ref().and_then(|w| w.choose(&found)))
-            .collect())
+        Ok((wanted, found))
     }
 
-    async fn sold_matching(
+    async fn matching(
         &self,
         clauses: Vec<Document>,
         most: usize,
+        whole: bool,
     ) -> Result<Vec<Document>, StoreError> {
-        Ok(self
-            .collection(CODES)
+        let small = doc! {
+            "_id": 1, "code_any_hmac": 1, "code_fold_hmac": 1, "pool": 1, "order_id": 1,
+            "status": 1, "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
+            "voided_at": 1, "void_reason": 1, "redemption": 1,
+        };
+        let codes = self.collection(CODES);
+        let mut find = codes
             .find(doc! {"$or": clauses})
-            .projection(doc! {
-                "_id": 1, "code_any_hmac": 1, "code_fold_hmac": 1, "pool": 1, "order_id": 1,
-                "status": 1, "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
-                "voided_at": 1, "void_reason": 1, "redemption": 1,
-            })
             .limit(i64::try_from(most).unwrap_or(i64::MAX))
-            .batch_size(one_batch_for(most))
-            .await?
-            .try_collect()
-            .await?)
+            .batch_size(one_batch_for(most));
+        if !whole {
+            find = find.projection(small);
+        }
+        Ok(find.await?.try_collect().await?)
     }
 
-    /// Redeems each code of `asks` (issued → used, tagged) in one journaled
-    /// `update` command, then reads them back to tell each redemption what
-    /// it did, in the order asked. The first ask of a code makes its
-    /// statement; a later ask of the same code in the batch is answered
-    /// from the code as it is then (its tag's [`UsedById::Before`], or
-    /// [`UsedById::Refused`]).
+    /// Redeems each code of `asks` (each as a lookup read it: issued;
+    /// issued → used, tagged) and tells each redemption what it did, in the
+    /// order asked. One round is one journaled `update` command in which
+    /// the first pending ask of each code makes its statement; a later ask
+    /// of the same code is answered from the code as it is then (its tag's
+    /// [`UsedById::Before`], or [`UsedById::Refused`]). An ask whose code
+    /// is still issued after its round (the statement made for it was
+    /// another ask's, refused because that ask's id had redeemed another
+    /// code) goes again in the next round: every round answers at least
+    /// the asks that made its statements.
     pub async fn redeem_ids(
         &self,
-        asks: &[(CodeId, RedemptionTag)],
+        asks: &[(&Code, RedemptionTag)],
     ) -> Result<Vec<UsedById>, StoreError> {
-        if asks.is_empty() {
-            return Ok(Vec::new());
+        let mut out: Vec<Option<UsedById>> = vec![None; asks.len()];
+        let mut pending: Vec<usize> = (0..asks.len()).collect();
+        while !pending.is_empty() {
+            let answered = self.redeem_round(asks, &pending).await?;
+            let mut again = Vec::new();
+            for (i, a) in pending.into_iter().zip(answered) {
+                match a {
+                    Some(a) => out[i] = Some(a),
+                    None => again.push(i),
+                }
+            }
+            pending = again;
         }
+        Ok(out
+            .into_iter()
+            .map(|a| a.unwrap_or(UsedById::Gone))
+            .collect())
+    }
+
+    /// One round of [`Store::redeem_ids`] over the asks `pending`: each
+    /// one's answer, or `None` to go again. When every statement used its
+    /// code, that is the answer; otherwise (another process got there
+    /// first, a tag already redeemed another code) the codes are read back
+    /// to tell which.
+    async fn redeem_round(
+        &self,
+        asks: &[(&Code, RedemptionTag)],
+        pending: &[usize],
+    ) -> Result<Vec<Option<UsedById>>, StoreError> {
         let now = DateTime::now();
         let to = Transition::Redeem.to().as_i32();
         let from = Transition::Redeem.from_codes();
-        // The statement of each code: the index of the ask that makes it.
+        // The statement of each code: the ask that makes it.
         let mut owner: HashMap<CodeId, usize> = HashMap::new();
         let mut updates = Vec::new();
         let mut statement_of = Vec::new();
-        for (i, (id, tag)) in asks.iter().enumerate() {
-            if owner.contains_key(id) {
+        for &i in pending {
+            let (code, tag) = &asks[i];
+            if owner.contains_key(&code.id) {
                 continue;
             }
-            owner.insert(*id, i);
+            owner.insert(code.id, i);
             statement_of.push(i);
             updates.push(doc! {
-                "q": {"_id": object_id(*id), "status": {"$in": &from}},
+                "q": {"_id": object_id(code.id), "status": {"$in": &from}},
                 "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}}},
             });
         }
+        let statements = updates.len();
         let reply = self
             .database()
             .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
@@ -236,47 +304,76 @@ impl Store {
             .into_iter()
             .filter_map(|s| statement_of.get(s).copied())
             .collect();
-        let ids: Vec<_> = owner.keys().map(|id| object_id(*id)).collect();
-        let now_docs: Vec<CodeDoc> = self
-            .typed::<CodeDoc>(CODES)
-            .find(doc! {"_id": {"$in": ids}})
-            .batch_size(one_batch_for(owner.len()))
-            .await?
-            .try_collect()
-            .await?;
-        let mut now_codes: HashMap<CodeId, (Option<RedemptionTag>, Code)> = HashMap::new();
-        for d in now_docs {
-            let tag = d.redemption.clone();
-            let code = d.into_code(&self.keys)?;
-            now_codes.insert(code.id, (tag, code));
-        }
-        Ok(asks
+        let modified = match reply.get("nModified") {
+            Some(Bson::Int32(n)) => usize::try_from(*n).unwrap_or(0),
+            Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
+            _ => 0,
+        };
+        let now_codes: HashMap<CodeId, (Option<RedemptionTag>, Code)> =
+            if conflicting.is_empty() && modified == statements {
+                // Each statement used its code, under its owner's tag.
+                (owner.iter())
+                    .map(|(id, i)| {
+                        let (before, tag) = &asks[*i];
+                        let mut used = Code::clone(before);
+                        used.status = CodeStatus::Used;
+                        used.used_at = Some(now.to_chrono());
+                        (*id, (Some(tag.clone()), used))
+                    })
+                    .collect()
+            } else {
+                self.codes_now(owner.keys()).await?
+            };
+        Ok(pending
             .iter()
-            .enumerate()
-            .map(|(i, (id, tag))| {
+            .map(|&i| {
+                let (before, tag) = &asks[i];
+                let owns = owner.get(&before.id) == Some(&i);
                 if conflicting.contains(&i) {
-                    return UsedById::Conflicting;
+                    return Some(UsedById::Conflicting);
                 }
-                let Some((used_by, code)) = now_codes.get(id) else {
-                    return UsedById::Gone;
+                let Some((used_by, code)) = now_codes.get(&before.id) else {
+                    return Some(UsedById::Gone);
                 };
                 let by_this = used_by.as_ref() == Some(tag) && code.status == CodeStatus::Used;
                 let at_now = code.used_at == Some(now.to_chrono());
-                match code.status {
-                    _ if by_this && owner.get(id) == Some(&i) && at_now => {
-                        UsedById::Now(Box::new(Applied {
-                            before: code.clone(),
-                            at: now,
-                        }))
-                    }
+                Some(match code.status {
+                    _ if by_this && owns && at_now => UsedById::Now(Box::new(Applied {
+                        before: Code::clone(before),
+                        at: now,
+                    })),
                     _ if by_this => UsedById::Before(Box::new(code.clone())),
                     CodeStatus::Used | CodeStatus::Void => {
                         UsedById::Refused(Box::new(code.clone()))
                     }
+                    // Still issued: another ask's statement was refused.
+                    CodeStatus::Issued if !owns => return None,
                     _ => UsedById::Gone,
-                }
+                })
             })
             .collect())
+    }
+
+    /// The codes `ids` as they are now, with the redemption that used each.
+    async fn codes_now(
+        &self,
+        ids: impl Iterator<Item = &CodeId>,
+    ) -> Result<HashMap<CodeId, (Option<RedemptionTag>, Code)>, StoreError> {
+        let ids: Vec<_> = ids.map(|id| object_id(*id)).collect();
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {"_id": {"$in": &ids}})
+            .batch_size(one_batch_for(ids.len()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut out = HashMap::new();
+        for d in docs {
+            let tag = d.redemption.clone();
+            let code = d.into_code(&self.keys)?;
+            out.insert(code.id, (tag, code));
+        }
+        Ok(out)
     }
 }
 

@@ -65,7 +65,8 @@ pub async fn start(
         Err(
             e @ (GenerateError::Pool(_)
             | GenerateError::Count(_)
-            | GenerateError::ExpiredAtBirth(_)),
+            | GenerateError::ExpiredAtBirth(_)
+            | GenerateError::Recalled { .. }),
         ) => return Err(Failure::Invalid(e.to_string())),
         Err(GenerateError::Store(e)) => return Err(e.into()),
         Err(e) => return Err(Failure::Unavailable(e.to_string())),
