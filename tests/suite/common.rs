@@ -31,6 +31,27 @@ pub fn suffix() -> String {
     format!("{:08x}", rand::random::<u32>())
 }
 
+/// Done once per test process, before its first namespace.
+static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+/// Drops the databases of test processes that are gone: a run killed
+/// before its cleanup (Ctrl-C, a timeout, `kill -9`) leaves them, and they
+/// fill mongod's cache for every later run. A database whose process lives
+/// is never touched.
+async fn sweep_dead_runs(store: &Store) {
+    let client = store.database().client().clone();
+    for name in store.database_names().await {
+        let pid = name
+            .strip_prefix("cpt_")
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|pid| pid.parse::<u32>().ok());
+        let Some(pid) = pid else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = client.database(&name).drop().await;
+        }
+    }
+}
+
 /// Where a test's servers are: the single-node servers by default, the
 /// replicated ones (`scripts/cluster.sh`) for the failover test.
 #[derive(Debug, Clone)]
@@ -86,10 +107,13 @@ impl TestEnv {
             .filter(|c| c.is_ascii_alphanumeric())
             .take(24)
             .collect();
-        let db = format!("cpt_{short}_{s}");
+        // The process id names the test process that owns the database, so
+        // the next run can tell a dead run's leftovers from a live one's.
+        let db = format!("cpt_{}_{short}_{s}", std::process::id());
         let store = Store::connect(&servers.mongo_uri, &db)
             .await
             .expect("MongoDB must run on 127.0.0.1:27017 (make services)");
+        SWEPT.get_or_init(|| sweep_dead_runs(&store)).await;
         codepool_store::migrate::migrate(&store)
             .await
             .expect("migrate");

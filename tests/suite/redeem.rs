@@ -281,11 +281,14 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
     assert_eq!(answers[28].0, 404, "{:?}", answers[28]);
     for (k, pair) in answers[29..].chunks(2).enumerate() {
         let (refused, fresh) = (&pair[0], &pair[1]);
+        // Refused either way: its id redeemed code 21, and when the fresh
+        // one was made first, the code is used.
         assert_eq!(refused.0, 409, "{refused:?}");
-        assert!(refused.1["type"]
-            .as_str()
-            .unwrap()
-            .ends_with("conflicting-redemption"));
+        let kind = refused.1["type"].as_str().unwrap();
+        assert!(
+            kind.ends_with("conflicting-redemption") || kind.ends_with("already-redeemed"),
+            "{refused:?}"
+        );
         assert_eq!(fresh.0, 200, "code {}: {fresh:?}", 24 + k);
         assert_eq!(fresh.1["state"], "used");
     }

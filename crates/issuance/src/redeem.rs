@@ -297,7 +297,10 @@ async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
     struct Done(Arc<std::sync::Mutex<Queue>>);
     impl Drop for Done {
         fn drop(&mut self) {
-            self.0.lock().unwrap_or_else(|p| p.into_inner()).draining = false;
+            // A task that returned has said so itself, under the lock.
+            if std::thread::panicking() {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).draining = false;
+            }
         }
     }
     let _done = Done(queue.clone());
