@@ -311,16 +311,7 @@ impl Store {
         };
         let now_codes: HashMap<CodeId, (Option<RedemptionTag>, Code)> =
             if conflicting.is_empty() && modified == statements {
-                // Each statement used its code, under its owner's tag.
-                (owner.iter())
-                    .map(|(id, i)| {
-                        let (before, tag) = &asks[*i];
-                        let mut used = Code::clone(before);
-                        used.status = CodeStatus::Used;
-                        used.used_at = Some(now.to_chrono());
-                        (*id, (Some(tag.clone()), used))
-                    })
-                    .collect()
+                all_used(asks, &owner, now)
             } else {
                 self.codes_now(owner.keys()).await?
             };
@@ -375,6 +366,24 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// The codes as they are after a round whose every statement used its
+/// code, under its owner's tag.
+fn all_used(
+    asks: &[(&Code, RedemptionTag)],
+    owner: &HashMap<CodeId, usize>,
+    now: DateTime,
+) -> HashMap<CodeId, (Option<RedemptionTag>, Code)> {
+    (owner.iter())
+        .map(|(id, i)| {
+            let (before, tag) = &asks[*i];
+            let mut used = Code::clone(before);
+            used.status = CodeStatus::Used;
+            used.used_at = Some(now.to_chrono());
+            (*id, (Some(tag.clone()), used))
+        })
+        .collect()
 }
 
 /// The statements of an unordered write command that a unique index
