@@ -13,7 +13,7 @@ use anyhow::Context;
 use codepool_issuance::statements::{self, Asked};
 use serde_json::json;
 
-use crate::import::{codepool_child, write_csv, Child, TempFile};
+use crate::import::{codepool_child, write_csv_from, Child, TempFile};
 use crate::Scratch;
 
 const RATE_TARGET: f64 = 1.0;
@@ -96,11 +96,7 @@ pub async fn run(
     let median = times[times.len() / 2];
     let ties_out = s.discrepancies().is_empty() && s.total.received == n;
     let ratio = generate.rate() / import.rate().max(1e-9);
-    let ok = import.child.status_ok
-        && generate.child.status_ok
-        && import.codes() == n
-        && generate.codes() == n
-        && ties_out;
+    let ok = import.ok(n) && generate.ok(n) && ties_out;
     let mem_ok = [import.peak_mb(), generate.peak_mb()]
         .iter()
         .all(|m| m.is_some_and(|m| m < MEMORY_TARGET_MB));
@@ -136,45 +132,100 @@ pub async fn run(
         "the runs did not make every code or the statement did not tie out: import {}, generate {}; generate's output:\n{}",
         import.codes(),
         generate.codes(),
-        String::from_utf8_lossy(&generate.child.stderr)
+        generate.stderr()
     );
     Ok(())
 }
 
-/// `codepool import` of a file of `n` codes into pool `imported`, then
-/// `codepool generate` of `n` codes into pool `generated`.
+/// Import and generation in turn, A B B A, so that neither gains from
+/// running first on a fresher server: `codepool import` of a file of `n`
+/// codes into pool `imported`, `codepool generate` of `n` codes into pools
+/// `generated` and `generated2`, then the import of another file of `n`
+/// codes into `imported2`. Each side is both its runs.
 async fn both_runs(
     scratch: &Scratch,
     n: u64,
     say: &dyn Fn(String),
-) -> anyhow::Result<(Side, Side)> {
-    let file = TempFile(std::env::temp_dir().join(format!("{}-gen.csv", scratch.cfg.redis_prefix)));
-    say(format!("writing {} with {n} codes …", file.0.display()));
-    write_csv(&file.0, n as usize).context("writing the CSV file")?;
-    let path = file.0.to_string_lossy().into_owned();
-    say("codepool import into pool imported (child process) …".into());
-    let import = Side::of(
-        codepool_child(scratch, &["import", &path, "--pool", "imported", "--json"]).await?,
-        "import",
-    )?;
+) -> anyhow::Result<(Sides, Sides)> {
+    let files: Vec<TempFile> = (0..2)
+        .map(|k| {
+            TempFile(std::env::temp_dir().join(format!("{}-gen{k}.csv", scratch.cfg.redis_prefix)))
+        })
+        .collect();
+    for (k, file) in files.iter().enumerate() {
+        say(format!("writing {} with {n} codes …", file.0.display()));
+        write_csv_from(&file.0, k * n as usize, n as usize).context("writing the CSV file")?;
+    }
+    let import = |k: usize| {
+        let path = files[k].0.to_string_lossy().into_owned();
+        let pool = ["imported", "imported2"][k];
+        say(format!(
+            "codepool import into pool {pool} (child process) …"
+        ));
+        async move {
+            Side::of(
+                codepool_child(scratch, &["import", &path, "--pool", pool, "--json"]).await?,
+                "import",
+            )
+        }
+    };
     let count = n.to_string();
-    say("codepool generate into pool generated (child process) …".into());
-    let generate = Side::of(
-        codepool_child(
-            scratch,
-            &[
+    let generate = |pool: &'static str| {
+        say(format!(
+            "codepool generate into pool {pool} (child process) …"
+        ));
+        let count = count.clone();
+        async move {
+            Side::of(
+                codepool_child(
+                    scratch,
+                    &["generate", "--pool", pool, "--count", &count, "--json"],
+                )
+                .await?,
                 "generate",
-                "--pool",
-                "generated",
-                "--count",
-                &count,
-                "--json",
-            ],
-        )
-        .await?,
-        "generate",
-    )?;
-    Ok((import, generate))
+            )
+        }
+    };
+    let a1 = import(0).await?;
+    let b1 = generate("generated").await?;
+    let b2 = generate("generated2").await?;
+    let a2 = import(1).await?;
+    Ok((Sides([a1, a2]), Sides([b1, b2])))
+}
+
+/// A side's two runs.
+struct Sides([Side; 2]);
+
+impl Sides {
+    fn codes(&self) -> u64 {
+        self.0.iter().map(Side::codes).sum()
+    }
+    fn seconds(&self) -> f64 {
+        self.0.iter().map(Side::seconds).sum()
+    }
+    /// Both runs' codes over both runs' seconds.
+    fn rate(&self) -> f64 {
+        self.codes() as f64 / self.seconds().max(1e-9)
+    }
+    fn peak_mb(&self) -> Option<f64> {
+        let peaks: Option<Vec<f64>> = self.0.iter().map(Side::peak_mb).collect();
+        peaks.and_then(|p| p.into_iter().reduce(f64::max))
+    }
+    fn ok(&self, n: u64) -> bool {
+        self.0.iter().all(|s| s.child.status_ok && s.codes() == n)
+    }
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "codes_per_sec": self.rate(),
+            "peak_rss_mb": self.peak_mb(),
+            "runs": self.0.iter().map(Side::json).collect::<Vec<_>>(),
+        })
+    }
+    fn stderr(&self) -> String {
+        (self.0.iter())
+            .map(|s| String::from_utf8_lossy(&s.child.stderr).into_owned())
+            .collect()
+    }
 }
 
 /// `rounds` statements of pool `imported`: their seconds, sorted, and the
@@ -201,9 +252,9 @@ async fn statements_timed(
     Ok((times, last.context("no statement was made")?))
 }
 
-fn print_table(n: u64, import: &Side, generate: &Side, statement: f64, ties_out: bool) {
+fn print_table(n: u64, import: &Sides, generate: &Sides, statement: f64, ties_out: bool) {
     let tick = |ok: bool| if ok { "✓" } else { "✗" };
-    println!("{n} codes generated against {n} imported from a file, each a child process, journaled (w:majority, j:true)\n");
+    println!("{n} codes generated against {n} imported from a file, twice each (import, generate, generate, import), each a child process, journaled (w:majority, j:true)\n");
     println!(
         "{:<22} {:>9} {:>10} {:>12}",
         "", "seconds", "codes/s", "peak RSS MB"

@@ -261,10 +261,16 @@ fn print_table(o: &Outcome, options: &ImportOptions) {
 
 /// One code per line under a `code` header, unique, 18 characters.
 pub(crate) fn write_csv(path: &Path, n: usize) -> std::io::Result<()> {
+    write_csv_from(path, 0, n)
+}
+
+/// [`write_csv`] of the codes numbered `from` to `from + n`: another file's
+/// codes, none of them in the first.
+pub(crate) fn write_csv_from(path: &Path, from: usize, n: usize) -> std::io::Result<()> {
     use std::io::Write;
     let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(w, "code")?;
-    for i in 0..n {
+    for i in from..from + n {
         writeln!(w, "{}", code(i))?;
     }
     w.flush()

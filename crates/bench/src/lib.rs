@@ -124,6 +124,18 @@ where
     let store = codepool::context::store_creating(&cfg)
         .await
         .context("preparing the benchmark database")?;
+    // What the server holds besides this run can move every number: said
+    // first (the test suite drops its dead runs' databases; a killed bench
+    // run's `codepool_bench_*` is left to the operator).
+    let held = store.database_names().await;
+    let benches = held
+        .iter()
+        .filter(|d| d.starts_with("codepool_bench_"))
+        .count();
+    eprintln!(
+        "MongoDB holds {} database(s) as this run begins ({benches} of earlier bench runs, this one's included)",
+        held.len()
+    );
     // Leaked on purpose (one per process): spawned tasks may borrow it.
     let scratch: &'static Scratch = Box::leak(Box::new(Scratch { cfg, store }));
     let result = body(scratch).await;
