@@ -34,21 +34,24 @@ pub fn suffix() -> String {
 /// Done once per test process, before its first namespace.
 static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
-/// Drops the databases of test processes that are gone: a run killed
-/// before its cleanup (Ctrl-C, a timeout, `kill -9`) leaves them, and they
-/// fill mongod's cache for every later run. A database whose process lives
-/// is never touched.
-async fn sweep_dead_runs(store: &Store) {
-    let client = store.database().client().clone();
-    for name in store.database_names().await {
-        let pid = name
-            .strip_prefix("cpt_")
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|pid| pid.parse::<u32>().ok());
-        let Some(pid) = pid else { continue };
-        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = client.database(&name).drop().await;
-        }
+/// Removes what test processes that are gone left on the servers: a run
+/// killed before its cleanup (Ctrl-C, a timeout, `kill -9`) leaves its
+/// databases, Redis keys and queues, and they weigh on every later run.
+/// Databases are swept by every test process (listing them is cheap);
+/// Redis keys and queues (`rabbitmqctl` takes half a second) at most once
+/// every two minutes, by whichever test process comes first.
+async fn sweep_dead_runs(store: &Store, servers: &Servers) {
+    let family = codepool::scratch::TESTS;
+    family.sweep_databases(store).await;
+    let stamp = std::env::temp_dir().join("codepool-test-sweep.stamp");
+    let due = std::fs::metadata(&stamp)
+        .and_then(|m| m.modified())
+        .map_or(true, |t| {
+            t.elapsed().unwrap_or_default() > Duration::from_secs(120)
+        });
+    if due && std::fs::write(&stamp, b"").is_ok() {
+        let _ = family.sweep_redis(&servers.redis_url).await;
+        family.sweep_broker(&servers.amqp_url).await;
     }
 }
 
@@ -107,13 +110,16 @@ impl TestEnv {
             .filter(|c| c.is_ascii_alphanumeric())
             .take(24)
             .collect();
-        // The process id names the test process that owns the database, so
-        // the next run can tell a dead run's leftovers from a live one's.
-        let db = format!("cpt_{}_{short}_{s}", std::process::id());
+        // The names carry this test process's id, so the next run can tell
+        // a dead run's leftovers from a live one's.
+        let names = codepool::scratch::TESTS.names(&format!("{short}_{s}"));
+        let db = names.db;
         let store = Store::connect(&servers.mongo_uri, &db)
             .await
             .expect("MongoDB must run on 127.0.0.1:27017 (make services)");
-        SWEPT.get_or_init(|| sweep_dead_runs(&store)).await;
+        SWEPT
+            .get_or_init(|| sweep_dead_runs(&store, &servers))
+            .await;
         codepool_store::migrate::migrate(&store)
             .await
             .expect("migrate");
@@ -128,8 +134,8 @@ impl TestEnv {
             mongo_uri: servers.mongo_uri,
             amqp_url: servers.amqp_url,
             redis_url: servers.redis_url,
-            redis_prefix: format!("cpt:{short}:{s}"),
-            amqp_prefix: format!("cpt.{short}.{s}."),
+            redis_prefix: names.redis_prefix,
+            amqp_prefix: names.amqp_prefix,
             db,
             store,
         }
@@ -230,9 +236,11 @@ impl TestEnv {
         codes
     }
 
-    /// Drops the database and this test's queues and exchanges.
+    /// Drops the database, this test's Redis keys, and its queues and
+    /// exchanges.
     pub async fn cleanup(self) {
         let _ = self.store.drop_database().await;
+        let _ = codepool::scratch::delete_redis_keys(&self.redis_url, &self.redis_prefix).await;
         if let Ok(conn) = codepool_broker::connect(&self.amqp_url, "cleanup").await {
             if let Ok(ch) = conn.create_channel().await {
                 let t = self.topology();

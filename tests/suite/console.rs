@@ -85,6 +85,19 @@ impl Browser {
         panic!("{css} kept going stale: {last:?}")
     }
 
+    /// Waits until an element's text contains `needle`: after a click the
+    /// old page (and its old notice) can still be showing for a moment.
+    async fn text_with(&self, css: &str, needle: &str) -> String {
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let t = self.text(css).await;
+            if t.contains(needle) || std::time::Instant::now() > until {
+                return t;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     async fn has(&self, css: &str) -> bool {
         !self
             .client
@@ -426,7 +439,10 @@ async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall
 
     // Resend its SMS, then void it with a reason.
     b.click("#resend").await;
-    assert!(b.text("p.notice").await.contains("SMS sent again"));
+    assert!(b
+        .text_with("p.notice", "SMS sent again")
+        .await
+        .contains("SMS sent again"));
     b.shot("order-resent").await;
     let cookie = b.session_cookie().await;
     let csrf = b.csrf().await;
@@ -452,13 +468,19 @@ async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall
     b.fill("td.replace input[name=reason]", "code rejected")
         .await;
     b.click("td.replace button").await;
-    assert!(b.text("p.notice").await.contains("Line 0 replaced"));
+    assert!(b
+        .text_with("p.notice", "Line 0 replaced")
+        .await
+        .contains("Line 0 replaced"));
     assert_eq!(b.text("table.replacements td.state").await, "done");
     assert_eq!(b.text("dd.state").await, "granted");
     b.fill("form[action$='/void'] input[name=reason]", "refund")
         .await;
     b.click("#void").await;
-    assert!(b.text("p.notice").await.contains("1 code(s) voided"));
+    assert!(b
+        .text_with("p.notice", "1 code(s) voided")
+        .await
+        .contains("1 code(s) voided"));
     assert_eq!(b.text("dd.state").await, "void");
     b.shot("order-voided").await;
     let kinds = audited_kinds(&env, "operator:sam").await;
@@ -605,14 +627,20 @@ async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
     let event = receiver.hits()[0].id.clone();
     b.fill("form.replay input[name=what]", &event).await;
     b.click("form.replay button").await;
-    assert!(b.text("p.notice").await.contains("1 deliveries due again"));
+    assert!(b
+        .text_with("p.notice", "1 deliveries due again")
+        .await
+        .contains("1 deliveries due again"));
     eventually(Duration::from_secs(20), "replayed", || async {
         receiver.hits().len() >= 2
     })
     .await;
     assert_eq!(receiver.hits()[1].id, event);
     b.click("table.endpoints button").await;
-    assert!(b.text("p.notice").await.contains("disabled"));
+    assert!(b
+        .text_with("p.notice", "disabled")
+        .await
+        .contains("disabled"));
     let kinds = audited_kinds(&env, "operator:ada").await;
     for kind in ["webhook-add", "webhook-replay", "webhook-disable"] {
         assert!(kinds.iter().any(|k| k == kind), "{kind}: {kinds:?}");

@@ -38,6 +38,7 @@ mod redeem;
 mod replace;
 mod replay;
 mod schemas;
+mod scratch;
 mod seams;
 mod secrets;
 mod shops;

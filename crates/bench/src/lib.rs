@@ -5,9 +5,10 @@
 //! machines; results are printed and written as JSON under target/bench/.
 //!
 //! Every run works in its own scratch space (a database
-//! `codepool_bench_<id>`, Redis keys under `codepool-bench-<id>`, queues
-//! named `bench-<id>.…`) and removes it at the end, so a benchmark can run
-//! next to a live deployment on the same servers.
+//! `codepool_bench_<pid>_<id>`, Redis keys under `codepool-bench-<pid>:<id>`,
+//! queues named `bench-<pid>.<id>.…`) and removes it at the end, so a
+//! benchmark can run next to a live deployment on the same servers. What a
+//! killed run left is removed by the next run ([`codepool::scratch`]).
 
 pub mod api;
 pub mod claim;
@@ -77,10 +78,7 @@ pub enum Which {
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
     std::fs::create_dir_all(&args.out_dir)?;
     match args.which {
-        Which::Seq(a) => {
-            let store = codepool_store::Store::connect(&cfg.mongodb_uri, &cfg.db).await?;
-            seq::run(a, store.database().clone(), &cfg.redis_url, &args.out_dir).await?;
-        }
+        Which::Seq(a) => scratch(cfg, |s| seq::run(a, s, &args.out_dir)).await?,
         Which::Claim(a) => scratch(cfg, |s| claim::run(a, s, &args.out_dir)).await?,
         Which::Dispatch(a) if a.scale.is_scale_run() => {
             scratch(cfg, |s| scale::run_owned(a, s, &args.out_dir)).await?
@@ -112,10 +110,11 @@ where
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {
     let id = format!("{:08x}", rand::random::<u32>());
+    let names = codepool::scratch::BENCHES.names(&id);
     let mut cfg = cfg.clone();
-    cfg.db = format!("codepool_bench_{id}");
-    cfg.redis_prefix = format!("codepool-bench-{id}");
-    cfg.amqp_prefix = format!("bench-{id}.");
+    cfg.db = names.db;
+    cfg.redis_prefix = names.redis_prefix;
+    cfg.amqp_prefix = names.amqp_prefix;
     // A throwaway key file of this run (child processes get it too).
     let key_file = std::env::temp_dir().join(format!("codepool-bench-{id}.keys.json"));
     codepool_vault::keyfile::init(&key_file).context("creating the benchmark key file")?;
@@ -124,17 +123,19 @@ where
     let store = codepool::context::store_creating(&cfg)
         .await
         .context("preparing the benchmark database")?;
-    // What the server holds besides this run can move every number: said
-    // first (the test suite drops its dead runs' databases; a killed bench
-    // run's `codepool_bench_*` is left to the operator).
+    // What killed bench runs left is removed first; what the server holds
+    // besides can move every number, so it is said.
+    let swept = codepool::scratch::BENCHES
+        .sweep(&store, &cfg.redis_url, &cfg.amqp_url)
+        .await;
     let held = store.database_names().await;
-    let benches = held
-        .iter()
-        .filter(|d| d.starts_with("codepool_bench_"))
-        .count();
     eprintln!(
-        "MongoDB holds {} database(s) as this run begins ({benches} of earlier bench runs, this one's included)",
-        held.len()
+        "MongoDB holds {} database(s) as this run begins, this run's included ({} of killed bench runs dropped, and {} Redis keys, {} queues, {} exchanges of theirs)",
+        held.len(),
+        swept.databases,
+        swept.keys,
+        swept.queues,
+        swept.exchanges
     );
     // Leaked on purpose (one per process): spawned tasks may borrow it.
     let scratch: &'static Scratch = Box::leak(Box::new(Scratch { cfg, store }));
@@ -160,48 +161,17 @@ impl Scratch {
     }
 }
 
-/// Every key under `prefix:` (SCAN, never KEYS, so a shared Redis is not
-/// blocked), with a connection to act on them.
-async fn redis_keys(
-    url: &str,
-    prefix: &str,
-) -> redis::RedisResult<(redis::aio::MultiplexedConnection, Vec<String>)> {
-    let client = redis::Client::open(url)?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let (mut cursor, mut all) = (0u64, Vec::new());
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}:*"))
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut conn)
-            .await?;
-        all.extend(keys);
-        if next == 0 {
-            return Ok((conn, all));
-        }
-        cursor = next;
-    }
-}
-
 /// Deletes every key under `prefix:`.
 pub(crate) async fn delete_redis_keys(url: &str, prefix: &str) -> redis::RedisResult<()> {
-    let (mut conn, keys) = redis_keys(url, prefix).await?;
-    for chunk in keys.chunks(1000) {
-        redis::cmd("DEL")
-            .arg(chunk)
-            .query_async::<()>(&mut conn)
-            .await?;
-    }
-    Ok(())
+    codepool::scratch::delete_redis_keys(url, prefix)
+        .await
+        .map(drop)
 }
 
 /// How many keys are under `prefix:` and the bytes they take
 /// (`MEMORY USAGE` of each, so other users of the server do not count).
 pub(crate) async fn redis_footprint(url: &str, prefix: &str) -> redis::RedisResult<(u64, u64)> {
-    let (mut conn, keys) = redis_keys(url, prefix).await?;
+    let (mut conn, keys) = codepool::scratch::redis_keys(url, &format!("{prefix}:*")).await?;
     let mut bytes = 0;
     for chunk in keys.chunks(1000) {
         let mut pipe = redis::pipe();

@@ -83,14 +83,16 @@ struct RunNames {
 /// Runs `codepool bench seq`; writes `out_dir/seq.json`.
 pub async fn run(
     args: SeqBenchArgs,
-    db: Database,
-    redis_url: &str,
+    scratch: &crate::Scratch,
     out_dir: &Path,
 ) -> anyhow::Result<()> {
+    let db: Database = scratch.store.database().clone();
+    let redis_url = scratch.cfg.redis_url.as_str();
     let run_id = format!("bench-{}", chrono::Utc::now().format("%Y%m%d%H%M%S%3f"));
     let names = RunNames {
         classic_id: format!("classic:{run_id}"),
-        redis_prefix: format!("codepool-{run_id}"),
+        // Under the scratch prefix: a killed run's keys are swept with it.
+        redis_prefix: format!("{}:seq", scratch.cfg.redis_prefix),
         run_id,
     };
     let counters: Collection<Document> = db.collection(COLLECTION);

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod context;
+pub mod scratch;
 pub mod telemetry;
 
 /// Exit codes that mean something to scripts (documented in the README and

@@ -32,9 +32,10 @@ const FRUITLESS_BATCHES: u32 = 20;
 const RETRIES: u32 = 6;
 const BACKOFF: Duration = Duration::from_millis(250);
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-/// How long a run's lease lasts unless renewed (it is, every batch): a run
+/// How long a run's lease lasts unless renewed (it is, every [`RENEW_EVERY`]): a run
 /// whose process died is taken up again at most this long after.
 pub use crate::import::LEASE;
+use crate::import::RENEW_EVERY;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -294,6 +295,8 @@ async fn run_leased(
         // Counted on from what earlier calls of this run recorded.
         redrawn: record.duplicates,
         saved: Instant::now(),
+        // Just taken by `take_lease`.
+        renewed: Instant::now(),
         marked: false,
         owner,
     };
@@ -399,8 +402,9 @@ struct Draws<'a> {
     /// pool, cleared after the first code of any other run.
     marked: bool,
     /// This process's claim on the run ([`take_lease`]), renewed before
-    /// every batch.
+    /// a batch at most every [`RENEW_EVERY`], as an import's is.
     owner: &'a str,
+    renewed: Instant,
 }
 
 impl Draws<'_> {
@@ -482,12 +486,15 @@ impl Draws<'_> {
 
     /// The next batch, once the lease is renewed: at most `lacking` codes.
     async fn start_batch(
-        &self,
+        &mut self,
         options: &GenerateOptions,
         lacking: u64,
     ) -> Result<(u64, Vec<NewCode>), GenerateError> {
-        if !self.store.renew_run(self.id, self.owner, LEASE).await? {
-            return Err(GenerateError::LeaseLost(self.id.to_hex()));
+        if self.renewed.elapsed() >= RENEW_EVERY {
+            if !self.store.renew_run(self.id, self.owner, LEASE).await? {
+                return Err(GenerateError::LeaseLost(self.id.to_hex()));
+            }
+            self.renewed = Instant::now();
         }
         let want = lacking.min(options.batch_size.max(1) as u64);
         Ok((want, self.draw(want as usize, &options.random).await?))

@@ -289,7 +289,7 @@ async fn import_rows<R: std::io::Read + Send + 'static>(
 /// How long a running import holds off a recall unless it renews its
 /// lease (it does, at most every [`RENEW_EVERY`], before a batch).
 pub const LEASE: Duration = Duration::from_secs(20);
-const RENEW_EVERY: Duration = Duration::from_secs(5);
+pub(crate) const RENEW_EVERY: Duration = Duration::from_secs(5);
 
 /// The name an import from standard input is recorded under.
 pub const STDIN_NAME: &str = "(stdin)";

@@ -1,0 +1,133 @@
+//! Tests and benches leave nothing behind: what a killed run left on the
+//! servers (its database, Redis keys, queues and exchanges) is removed by
+//! the next run, and a live run's namespace is never touched.
+
+use codepool::scratch::TESTS;
+use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::ExchangeKind;
+
+use crate::common::{TestEnv, AMQP_URL, REDIS_URL};
+
+/// Declares a queue and an exchange named after `prefix`, a Redis key
+/// under it, and a database `db` with one document.
+async fn leave_behind(env: &TestEnv, db: &str, redis_prefix: &str, amqp_prefix: &str) {
+    let client = env.store.database().client().clone();
+    client
+        .database(db)
+        .collection::<bson::Document>("left")
+        .insert_one(bson::doc! { "x": 1 })
+        .await
+        .unwrap();
+    let mut r = redis::Client::open(REDIS_URL)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("SET")
+        .arg(format!("{redis_prefix}:left"))
+        .arg(1)
+        .query_async::<()>(&mut r)
+        .await
+        .unwrap();
+    let conn = codepool_broker::connect(AMQP_URL, "scratch-test")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        &format!("{amqp_prefix}purchases"),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_declare(
+        &format!("{amqp_prefix}events"),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = conn.close(200, "bye").await;
+}
+
+async fn queue_exists(name: &str) -> bool {
+    let conn = codepool_broker::connect(AMQP_URL, "scratch-test")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let found = ch
+        .queue_declare(name, passive, FieldTable::default())
+        .await
+        .is_ok();
+    let _ = conn.close(200, "bye").await;
+    found
+}
+
+async fn key_exists(key: &str) -> bool {
+    let mut r = redis::Client::open(REDIS_URL)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<u32>(&mut r)
+        .await
+        .unwrap()
+        == 1
+}
+
+#[tokio::test]
+async fn a_killed_runs_namespace_is_swept_and_a_live_one_is_kept() {
+    let env = TestEnv::new("scratch_sweep").await;
+    // A process id above Linux's largest (2^22) is never running.
+    let dead = 4_194_305 + rand::random::<u16>() as u32;
+    let label = crate::common::suffix();
+    let gone = (
+        format!("cpt_{dead}_left_{label}"),
+        format!("cpt:{dead}:left_{label}"),
+        format!("cpt.{dead}.left_{label}."),
+    );
+    leave_behind(&env, &gone.0, &gone.1, &gone.2).await;
+    // This process's own leftovers-to-be: it is alive, so they stay.
+    let live = TESTS.names(&format!("kept_{label}"));
+    leave_behind(&env, &live.db, &live.redis_prefix, &live.amqp_prefix).await;
+
+    TESTS.sweep(&env.store, REDIS_URL, AMQP_URL).await;
+
+    let dbs = env.store.database_names().await;
+    assert!(!dbs.contains(&gone.0), "the dead run's database is dropped");
+    assert!(!key_exists(&format!("{}:left", gone.1)).await);
+    assert!(!queue_exists(&format!("{}purchases", gone.2)).await);
+    assert!(dbs.contains(&live.db), "a live run's database is kept");
+    assert!(key_exists(&format!("{}:left", live.redis_prefix)).await);
+    assert!(queue_exists(&format!("{}purchases", live.amqp_prefix)).await);
+
+    // The live one removes its own at the end.
+    let client = env.store.database().client().clone();
+    client.database(&live.db).drop().await.unwrap();
+    codepool::scratch::delete_redis_keys(REDIS_URL, &live.redis_prefix)
+        .await
+        .unwrap();
+    let (q, x) = codepool::scratch::delete_amqp(
+        AMQP_URL,
+        &[format!("{}purchases", live.amqp_prefix)],
+        &[format!("{}events", live.amqp_prefix)],
+    )
+    .await;
+    assert_eq!((q, x), (1, 1));
+    assert!(!key_exists(&format!("{}:left", live.redis_prefix)).await);
+    env.cleanup().await;
+}
