@@ -349,7 +349,8 @@ const USER_HZ: f64 = 100.0;
 
 impl CpuSnapshot {
     pub fn take() -> Self {
-        let mut found = vec![("codepool", std::process::id())];
+        let me = std::process::id();
+        let mut found = Vec::new();
         if let Ok(dir) = std::fs::read_dir("/proc") {
             for entry in dir.flatten() {
                 let Some(pid) = entry
@@ -369,19 +370,25 @@ impl CpuSnapshot {
                 found.push((name, pid));
             }
         }
-        Self(
-            found
-                .into_iter()
-                .filter_map(|(name, pid)| Some((name, pid, cpu_seconds(pid)?)))
-                .collect(),
-        )
+        let mut taken: Vec<(&'static str, u32, f64)> = found
+            .into_iter()
+            .filter_map(|(name, pid)| Some((name, pid, cpu_seconds(pid)?)))
+            .collect();
+        // This process, its load generator's threads apart: what is left is
+        // the server's (and the dispatcher's) own.
+        let clients = client_thread_seconds();
+        if let Some(all) = cpu_seconds(me) {
+            taken.push(("codepool", me, all - clients));
+            taken.push((CLIENTS, me, clients));
+        }
+        Self(taken)
     }
 
     /// CPU seconds per process since `before`, summed by name.
     pub fn since(&self, before: &CpuSnapshot) -> Vec<(&'static str, f64)> {
         let mut out: Vec<(&'static str, f64)> = Vec::new();
         for (name, pid, now) in &self.0 {
-            let Some((_, _, then)) = before.0.iter().find(|(_, p, _)| p == pid) else {
+            let Some((_, _, then)) = before.0.iter().find(|(n, p, _)| p == pid && n == name) else {
                 continue;
             };
             match out.iter_mut().find(|(n, _)| n == name) {
@@ -389,20 +396,61 @@ impl CpuSnapshot {
                 None => out.push((name, now - then)),
             }
         }
+        // Benches without a load generator do not show one.
+        out.retain(|(n, s)| *n != CLIENTS || *s > 0.0);
         out
     }
+}
+
+/// The name the HTTP load generator's CPU is reported under.
+pub const CLIENTS: &str = "clients";
+/// The threads of the load generator's runtime are named so.
+const CLIENT_THREAD: &str = "bench-client";
+
+/// The runtime the HTTP load generator runs on: threads of their own, so
+/// their CPU is told apart from the server's in this process (the kernel
+/// accounts each thread, `/proc/self/task/*/stat`).
+pub fn client_runtime() -> &'static tokio::runtime::Handle {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(CLIENT_THREAD)
+            .enable_all()
+            .build()
+            .expect("the load generator's runtime")
+    })
+    .handle()
+}
+
+/// CPU seconds of this process's load generator threads, so far.
+fn client_thread_seconds() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    dir.flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim().starts_with(CLIENT_THREAD))
+        })
+        .filter_map(|t| stat_seconds(&t.path().join("stat"), 11..=12))
+        .sum()
 }
 
 /// `utime + stime` of a process and of its waited-for children (the
 /// import child process), in seconds.
 fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_seconds(Path::new(&format!("/proc/{pid}/stat")), 11..=14)
+}
+
+/// The sum of `fields` (counted after the command name, so 11 is utime)
+/// of a procfs `stat` file, in seconds.
+fn stat_seconds(path: &Path, fields: std::ops::RangeInclusive<usize>) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     // Fields after the command name (which may contain spaces), from field 3.
     let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = (11..=14)
-        .filter_map(|i| fields.get(i)?.parse::<f64>().ok())
-        .sum();
+    let all: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.filter_map(|i| all.get(i)?.parse::<f64>().ok()).sum();
     Some(ticks / USER_HZ)
 }
 
@@ -485,6 +533,19 @@ pub fn describe_cpu(used: &[(&'static str, f64)]) -> String {
         .map(|(n, s)| format!("{n} {s:.1} s"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Milliseconds of CPU per item: of the servers (every process but the
+/// load generator's threads), and of the load generator.
+pub fn server_and_clients_ms(used: &[(&'static str, f64)], items: usize) -> (f64, f64) {
+    let per = |s: f64| s * 1000.0 / items.max(1) as f64;
+    // Folded from +0.0: an empty float sum is -0.0.
+    let clients = used
+        .iter()
+        .filter(|(n, _)| *n == CLIENTS)
+        .fold(0.0, |a, (_, s)| a + s);
+    let all = used.iter().fold(0.0, |a, (_, s)| a + s);
+    (per(all - clients), per(clients))
 }
 
 pub fn cpu_json(used: &[(&'static str, f64)]) -> serde_json::Value {

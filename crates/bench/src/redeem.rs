@@ -271,10 +271,13 @@ async fn check_latency(
                 .to_string()
                 .into_bytes();
             let http = http.clone();
-            tasks.spawn(async move {
-                let a = http.post(body).await;
-                (scheduled.elapsed(), a)
-            });
+            tasks.spawn_on(
+                async move {
+                    let a = http.post(body).await;
+                    (scheduled.elapsed(), a)
+                },
+                crate::client_runtime(),
+            );
             sent += 1;
         }
     }
@@ -304,10 +307,13 @@ async fn one_code_raced(
     let mut tasks = JoinSet::new();
     for i in 0..clients {
         let (http, code) = (redeeming.clone(), code.clone());
-        tasks.spawn(async move {
-            let body = json!({"code": code[0], "redemption_id": format!("race-{i}")});
-            http.post(body.to_string().into_bytes()).await
-        });
+        tasks.spawn_on(
+            async move {
+                let body = json!({"code": code[0], "redemption_id": format!("race-{i}")});
+                http.post(body.to_string().into_bytes()).await
+            },
+            crate::client_runtime(),
+        );
     }
     let (mut won, mut lost, mut other) = (0, 0, 0);
     while let Some(done) = tasks.join_next().await {
