@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::task::JoinSet;
 
 use crate::api::{closed_loop, ApiServer, Http};
-use crate::{inproc, ms, percentile, Scratch};
+use crate::{inproc, ms, percentile, CpuSnapshot, Scratch};
 
 /// Redemptions against orders, the p99 of check, and one code raced.
 #[derive(Debug, clap::Args)]
@@ -176,11 +176,15 @@ async fn alternate(
     let mut rounds = Vec::new();
     for r in 0..args.rounds {
         inproc::checkpoint(scratch).await?;
+        let cpu = CpuSnapshot::take();
         let (codes, order_time) = orders(ordering, clients, &format!("r{r}"), n).await?;
+        let order_cpu = crate::server_and_clients_ms(&CpuSnapshot::take().since(&cpu), n);
         inproc::checkpoint(scratch).await?;
         let codes = Arc::new(codes);
+        let cpu = CpuSnapshot::take();
         let (statuses, redeem_time) =
             redemptions(redeeming, clients, &format!("r{r}"), codes.clone()).await?;
+        let redeem_cpu = crate::server_and_clients_ms(&CpuSnapshot::take().since(&cpu), n);
         let ok = statuses.iter().filter(|s| **s == 200).count();
         anyhow::ensure!(ok == n, "round {r}: {ok} of {n} redemptions answered 200");
         let (o, d) = (
@@ -190,12 +194,20 @@ async fn alternate(
         say(
             args,
             format!(
-                "round {}: {o:.0} orders/s, {d:.0} redemptions/s ({:.2}×)",
+                "round {}: {o:.0} orders/s, {d:.0} redemptions/s ({:.2}×); servers' CPU per request {:.3} ms and {:.3} ms (clients {:.3} and {:.3} ms)",
                 r + 1,
-                d / o
+                d / o,
+                order_cpu.0,
+                redeem_cpu.0,
+                order_cpu.1,
+                redeem_cpu.1
             ),
         );
-        rounds.push(json!({"orders_per_sec": o, "redemptions_per_sec": d, "ratio": d / o}));
+        rounds.push(
+            json!({"orders_per_sec": o, "redemptions_per_sec": d, "ratio": d / o,
+            "server_cpu_ms_per_order": order_cpu.0, "server_cpu_ms_per_redemption": redeem_cpu.0,
+            "client_cpu_ms_per_order": order_cpu.1, "client_cpu_ms_per_redemption": redeem_cpu.1}),
+        );
         used.extend(codes.iter().cloned());
     }
     Ok((rounds, used))

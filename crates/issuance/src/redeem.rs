@@ -230,8 +230,8 @@ impl Finder {
     /// Returns the code as it is now.
     ///
     /// Concurrent redemptions are made together: the request joins the
-    /// queue, and one task at a time takes up to [`MAX_BATCH`] of it as
-    /// one batch ([`redeem_batch`]).
+    /// queue, and up to [`IN_FLIGHT`] tasks at a time each take up to
+    /// [`MAX_BATCH`] of it as one batch ([`redeem_batch`]).
     pub async fn redeem(
         &self,
         who: Platform<'_>,
@@ -258,7 +258,9 @@ impl Finder {
         let start = {
             let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
             q.asks.push(ask);
-            !std::mem::replace(&mut q.draining, true)
+            let more = q.draining < IN_FLIGHT;
+            q.draining += usize::from(more);
+            more
         };
         if start {
             tokio::spawn(drain(self.store.clone(), self.queue.clone()));
@@ -273,6 +275,11 @@ impl Finder {
 
 /// Most redemptions made together.
 pub const MAX_BATCH: usize = 256;
+/// Batches made at once: while one waits for its journaled write, the next
+/// is looked up. Two batches may hold the same code (or the same
+/// redemption id); MongoDB's conditional update lets one of them use it,
+/// and the other reads back what happened, as between two processes.
+pub const IN_FLIGHT: usize = 2;
 
 /// A redemption waiting for its batch.
 struct Ask {
@@ -283,23 +290,24 @@ struct Ask {
     reply: oneshot::Sender<Result<(Seen, bool), RedeemError>>,
 }
 
-/// The redemptions waiting, and whether a task is taking them.
+/// The redemptions waiting, and how many tasks are taking them.
 #[derive(Default)]
 struct Queue {
     asks: Vec<Ask>,
-    draining: bool,
+    draining: usize,
 }
 
-/// Makes the queue's batches, one at a time, until it is empty. A task
-/// that ends any other way (a panic) still lets the next request start
-/// another.
+/// Makes batches of the queue, one after another, until it is empty. A
+/// task that ends any other way (a panic) still lets the next request
+/// start another.
 async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
     struct Done(Arc<std::sync::Mutex<Queue>>);
     impl Drop for Done {
         fn drop(&mut self) {
             // A task that returned has said so itself, under the lock.
             if std::thread::panicking() {
-                self.0.lock().unwrap_or_else(|p| p.into_inner()).draining = false;
+                let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+                q.draining = q.draining.saturating_sub(1);
             }
         }
     }
@@ -308,7 +316,7 @@ async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
         let batch: Vec<Ask> = {
             let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
             if q.asks.is_empty() {
-                q.draining = false;
+                q.draining -= 1;
                 return;
             }
             let n = q.asks.len().min(MAX_BATCH);
