@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{check_dispatched, Measured};
 use crate::inproc::{self, depth};
-use crate::{describe_cpu, metric_sum, ms, percentile, CpuSnapshot, MachineCpu, Scratch};
+use crate::{describe_cpu, metric_sum, ms, percentile, CpuSnapshot, MachineCpu, MongoOps, Scratch};
 
 /// HTTP grants against the AMQP dispatcher and a findOneAndUpdate handler.
 #[derive(Debug, clap::Args)]
@@ -382,26 +382,32 @@ struct Meter {
     cpu: CpuSnapshot,
     machine: Option<MachineCpu>,
     stages: Stages,
+    mongo: MongoOps,
 }
 
 impl Meter {
-    fn start() -> Self {
+    async fn start(store: &Store) -> Self {
+        let mongo = MongoOps::take(store).await;
         Self {
             cpu: CpuSnapshot::take(),
             machine: MachineCpu::take(),
             stages: Stages::take(),
+            mongo,
         }
     }
 
-    fn finish(self) -> (Vec<(&'static str, f64)>, Value) {
+    /// What the phase of `items` used; mongod's commands per item too.
+    async fn finish(self, store: &Store, items: usize) -> (Vec<(&'static str, f64)>, Value) {
         let cpu = CpuSnapshot::take().since(&self.cpu);
         let machine = self
             .machine
             .zip(MachineCpu::take())
             .map(|(b, a)| a.since(&b));
+        let stages = Stages::take().since(&self.stages);
+        let mongo = MongoOps::take(store).await.per_item(&self.mongo, items);
         (
             cpu,
-            json!({"machine": machine, "stages": Stages::take().since(&self.stages)}),
+            json!({"machine": machine, "stages": stages, "mongod_per_item": mongo}),
         )
     }
 }
@@ -482,7 +488,7 @@ async fn http_phase(
         );
     }
     inproc::checkpoint(scratch).await?;
-    let meter = Meter::start();
+    let meter = Meter::start(&scratch.store).await;
     let (answers, elapsed) = closed_loop(
         http,
         clients,
@@ -490,7 +496,7 @@ async fn http_phase(
         Arc::new(move |i| order(phase.tag(), pool, i)),
     )
     .await?;
-    let (cpu, mut extra) = meter.finish();
+    let (cpu, mut extra) = meter.finish(&scratch.store, n).await;
     let (name, what) = phase.names();
     let answers: Vec<Answer> = answers.into_iter().flatten().collect();
     let right = answers
@@ -536,11 +542,11 @@ async fn amqp_phase(scratch: &'static Scratch, n: usize) -> anyhow::Result<HttpR
     .await?;
     let events_before = depth(&conn, &topology.sms_pending).await?;
     inproc::checkpoint(scratch).await?;
-    let meter = Meter::start();
+    let meter = Meter::start(&scratch.store).await;
     let run = inproc::start(scratch, &DispatcherConfig::default())?
         .finish(n as u64)
         .await?;
-    let (_, mut extra) = meter.finish();
+    let (_, mut extra) = meter.finish(&scratch.store, n).await;
     let checks =
         check_dispatched(scratch, &conn, doc! {"pool": AMQP_POOL}, n, events_before).await?;
     let _ = conn.close(200, "benchmark done").await;
@@ -648,7 +654,7 @@ async fn latency_phase(
     )
     .await?;
     inproc::checkpoint(scratch).await?;
-    let meter = Meter::start();
+    let meter = Meter::start(&scratch.store).await;
     let started = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     let (mut sent, mut lag, mut tasks) = (0usize, Duration::ZERO, JoinSet::new());
@@ -677,7 +683,7 @@ async fn latency_phase(
         ports.extend(a.port);
         lat.push(took);
     }
-    let (cpu, mut row) = meter.finish();
+    let (cpu, mut row) = meter.finish(&scratch.store, n).await;
     lat.sort();
     let p = |q: f64| ms(percentile(&lat, q));
     merge(
@@ -805,6 +811,21 @@ fn print_table(args: &ApiBenchArgs, report: &Value) {
             r["name"].as_str().unwrap_or("?"),
             f(&r["server_cpu_ms_per_item"]),
             f(&r["client_cpu_ms_per_item"])
+        );
+    }
+    println!("\nmongod's commands and documents per item (serverStatus):");
+    for r in report["results"].as_array().into_iter().flatten() {
+        let per = r["mongod_per_item"].as_object();
+        let listed: Vec<String> = per
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| v.as_f64().unwrap_or(0.0) >= 0.005)
+            .map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(0.0)))
+            .collect();
+        println!(
+            "{:<17} {}",
+            r["name"].as_str().unwrap_or("?"),
+            listed.join(", ")
         );
     }
     println!("\nCPU seconds and machine load while each ran:");

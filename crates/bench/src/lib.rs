@@ -402,6 +402,66 @@ impl CpuSnapshot {
     }
 }
 
+/// What mongod was asked to do, from `serverStatus`: each command's count
+/// (`metrics.commands.*.total`) and the documents read and written
+/// (`metrics.document`). Two readings around a phase say how many round
+/// trips, and of which kind, each item cost (the readings themselves and
+/// the driver's `hello`s included: a few in all).
+#[derive(Debug, Clone, Default)]
+pub struct MongoOps(std::collections::BTreeMap<String, i64>);
+
+impl MongoOps {
+    pub async fn take(store: &Store) -> Self {
+        let status = store
+            .client()
+            .database("admin")
+            .run_command(bson::doc! {"serverStatus": 1})
+            .await
+            .unwrap_or_default();
+        let mut counts = std::collections::BTreeMap::new();
+        let metrics = status.get_document("metrics").ok();
+        if let Some(commands) = metrics.and_then(|m| m.get_document("commands").ok()) {
+            for (name, v) in commands {
+                let total = v
+                    .as_document()
+                    .and_then(|d| d.get("total"))
+                    .and_then(bson_number);
+                if let Some(t) = total {
+                    counts.insert(name.clone(), t);
+                }
+            }
+        }
+        if let Some(docs) = metrics.and_then(|m| m.get_document("document").ok()) {
+            for (name, v) in docs {
+                if let Some(t) = bson_number(v) {
+                    counts.insert(format!("documents {name}"), t);
+                }
+            }
+        }
+        Self(counts)
+    }
+
+    /// Per `items`, what changed since `before` (zeros left out).
+    pub fn per_item(&self, before: &MongoOps, items: usize) -> serde_json::Value {
+        let per: serde_json::Map<String, serde_json::Value> = (self.0.iter())
+            .filter_map(|(k, now)| {
+                let d = now - before.0.get(k).copied().unwrap_or(0);
+                (d > 0).then(|| (k.clone(), serde_json::json!(d as f64 / items.max(1) as f64)))
+            })
+            .collect();
+        serde_json::Value::Object(per)
+    }
+}
+
+fn bson_number(v: &bson::Bson) -> Option<i64> {
+    match v {
+        bson::Bson::Int32(n) => Some(i64::from(*n)),
+        bson::Bson::Int64(n) => Some(*n),
+        bson::Bson::Double(f) => Some(*f as i64),
+        _ => None,
+    }
+}
+
 /// The name the HTTP load generator's CPU is reported under.
 pub const CLIENTS: &str = "clients";
 /// The threads of the load generator's runtime are named so.

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::task::JoinSet;
 
 use crate::api::{closed_loop, ApiServer, Http};
-use crate::{inproc, ms, percentile, CpuSnapshot, Scratch};
+use crate::{inproc, ms, percentile, CpuSnapshot, MongoOps, Scratch};
 
 /// Redemptions against orders, the p99 of check, and one code raced.
 #[derive(Debug, clap::Args)]
@@ -176,15 +176,19 @@ async fn alternate(
     let mut rounds = Vec::new();
     for r in 0..args.rounds {
         inproc::checkpoint(scratch).await?;
-        let cpu = CpuSnapshot::take();
+        let (cpu, ops) = (CpuSnapshot::take(), MongoOps::take(&scratch.store).await);
         let (codes, order_time) = orders(ordering, clients, &format!("r{r}"), n).await?;
-        let order_cpu = crate::server_and_clients_ms(&CpuSnapshot::take().since(&cpu), n);
+        let order_used = CpuSnapshot::take().since(&cpu);
+        let order_cpu = crate::server_and_clients_ms(&order_used, n);
+        let order_ops = MongoOps::take(&scratch.store).await.per_item(&ops, n);
         inproc::checkpoint(scratch).await?;
         let codes = Arc::new(codes);
-        let cpu = CpuSnapshot::take();
+        let (cpu, ops) = (CpuSnapshot::take(), MongoOps::take(&scratch.store).await);
         let (statuses, redeem_time) =
             redemptions(redeeming, clients, &format!("r{r}"), codes.clone()).await?;
-        let redeem_cpu = crate::server_and_clients_ms(&CpuSnapshot::take().since(&cpu), n);
+        let redeem_used = CpuSnapshot::take().since(&cpu);
+        let redeem_cpu = crate::server_and_clients_ms(&redeem_used, n);
+        let redeem_ops = MongoOps::take(&scratch.store).await.per_item(&ops, n);
         let ok = statuses.iter().filter(|s| **s == 200).count();
         anyhow::ensure!(ok == n, "round {r}: {ok} of {n} redemptions answered 200");
         let (o, d) = (
@@ -206,7 +210,9 @@ async fn alternate(
         rounds.push(
             json!({"orders_per_sec": o, "redemptions_per_sec": d, "ratio": d / o,
             "server_cpu_ms_per_order": order_cpu.0, "server_cpu_ms_per_redemption": redeem_cpu.0,
-            "client_cpu_ms_per_order": order_cpu.1, "client_cpu_ms_per_redemption": redeem_cpu.1}),
+            "client_cpu_ms_per_order": order_cpu.1, "client_cpu_ms_per_redemption": redeem_cpu.1,
+            "orders_cpu_seconds": crate::cpu_json(&order_used), "redemptions_cpu_seconds": crate::cpu_json(&redeem_used),
+            "mongod_per_order": order_ops, "mongod_per_redemption": redeem_ops}),
         );
         used.extend(codes.iter().cloned());
     }
