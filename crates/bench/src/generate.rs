@@ -148,9 +148,7 @@ async fn both_runs(
     say: &dyn Fn(String),
 ) -> anyhow::Result<(Sides, Sides)> {
     let files: Vec<TempFile> = (0..2)
-        .map(|k| {
-            TempFile(std::env::temp_dir().join(format!("{}-gen{k}.csv", scratch.cfg.redis_prefix)))
-        })
+        .map(|k| TempFile(std::env::temp_dir().join(format!("{}-gen{k}.csv", scratch.cfg.db))))
         .collect();
     for (k, file) in files.iter().enumerate() {
         say(format!("writing {} with {n} codes …", file.0.display()));

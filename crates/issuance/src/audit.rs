@@ -78,8 +78,11 @@ pub async fn record(
     })
 }
 
-/// Records changes that were made, one record each, in one durable write
-/// (a batch of redemptions). Reported loudly when it fails, as [`record`].
+/// Records changes that were made, one record each, in one write (a batch
+/// of redemptions by code), journaled with the next journaled write: each
+/// code's own journaled change already names its redeemer and time
+/// ([`Store::record_actions_after_change`]). Reported loudly when it
+/// fails, as [`record`].
 pub async fn record_all(
     store: &Store,
     kind: AuditKind,
@@ -94,7 +97,7 @@ pub async fn record_all(
             what,
         })
         .collect();
-    store.record_actions(&actions).await.map_err(|e| {
+    store.record_actions_after_change(&actions).await.map_err(|e| {
         error!(error = %e, kind = kind.as_str(), count = actions.len(), "changes made but not audited");
         e
     })
