@@ -299,6 +299,38 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
     env.cleanup().await;
 }
 
+/// The same redemption sent three times at once, forty times over: two
+/// batches in flight (or two processes) can write the same millisecond,
+/// and only the batch whose statement used the code may audit it.
+#[tokio::test]
+async fn the_same_redemption_at_once_in_two_batches_is_audited_once() {
+    let env = TestEnv::new("redeem_twice").await;
+    env.fill_pool("rt", 40).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &[]).await;
+    for i in 0..40 {
+        let code = place(&api, &backend, &format!("RT-{i}"), "rt").await["code"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let id = format!("twice-{i}");
+        let tries = (0..3).map(|_| redeem(&api, &platform, &code, &id));
+        let answers = futures::future::join_all(tries).await;
+        for (status, v) in &answers {
+            assert_eq!(*status, 200, "round {i}: {v}");
+            assert_eq!(v["redeemed_at"], answers[0].1["redeemed_at"], "round {i}");
+        }
+        assert_eq!(
+            redemptions_audited(&env).await.len(),
+            i + 1,
+            "round {i}: one audit record per redemption made"
+        );
+    }
+    api.stop().await;
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn check_changes_nothing_and_never_shows_the_buyer() {
     let env = TestEnv::new("redeem_check").await;

@@ -65,8 +65,7 @@ pub struct GenerateOptions {
     /// Codes per insert.
     pub batch_size: usize,
     /// Inserts in flight at once: a batch is sealed and written while the
-    /// next is drawn. One more than an import's: an import parses its file
-    /// on a thread of its own, while a run draws each batch on its loop.
+    /// next is drawn (as an import's batches).
     pub in_flight: usize,
     /// Cancelled to stop early: the batch in flight lands, the record says
     /// `interrupted`; the same run id finishes it.
@@ -80,7 +79,7 @@ impl Default for GenerateOptions {
     fn default() -> Self {
         Self {
             batch_size: 1000,
-            in_flight: 4,
+            in_flight: 3,
             stop: CancellationToken::new(),
             random: ByteSource::Os,
         }

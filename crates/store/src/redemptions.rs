@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::{Code, CodeId, CodeStatus, LookAlikeRule, Transition};
 use futures::TryStreamExt;
@@ -277,6 +278,9 @@ impl Store {
         pending: &[usize],
     ) -> Result<Vec<Option<UsedById>>, StoreError> {
         let now = DateTime::now();
+        // This round's own mark on the codes it uses: two rounds (two
+        // batches, two processes) can share the millisecond of `now`.
+        let round = ObjectId::new();
         let to = Transition::Redeem.to().as_i32();
         let from = Transition::Redeem.from_codes();
         // The statement of each code: the ask that makes it.
@@ -292,7 +296,7 @@ impl Store {
             statement_of.push(i);
             updates.push(doc! {
                 "q": {"_id": object_id(code.id), "status": {"$in": &from}},
-                "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}}},
+                "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
             });
         }
         let statements = updates.len();
@@ -309,12 +313,11 @@ impl Store {
             Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
             _ => 0,
         };
-        let now_codes: HashMap<CodeId, (Option<RedemptionTag>, Code)> =
-            if conflicting.is_empty() && modified == statements {
-                all_used(asks, &owner, now)
-            } else {
-                self.codes_now(owner.keys()).await?
-            };
+        let now_codes: HashMap<CodeId, Now> = if conflicting.is_empty() && modified == statements {
+            all_used(asks, &owner, now, round)
+        } else {
+            self.codes_now(owner.keys()).await?
+        };
         Ok(pending
             .iter()
             .map(|&i| {
@@ -323,11 +326,11 @@ impl Store {
                 if conflicting.contains(&i) {
                     return Some(UsedById::Conflicting);
                 }
-                let Some((used_by, code)) = now_codes.get(&before.id) else {
+                let Some((used_by, made_in, code)) = now_codes.get(&before.id) else {
                     return Some(UsedById::Gone);
                 };
                 let by_this = used_by.as_ref() == Some(tag) && code.status == CodeStatus::Used;
-                let at_now = code.used_at == Some(now.to_chrono());
+                let at_now = *made_in == Some(round);
                 Some(match code.status {
                     _ if by_this && owns && at_now => UsedById::Now(Box::new(Applied {
                         before: Code::clone(before),
@@ -345,11 +348,12 @@ impl Store {
             .collect())
     }
 
-    /// The codes `ids` as they are now, with the redemption that used each.
+    /// The codes `ids` as they are now, with the redemption that used each
+    /// and the round that wrote it.
     async fn codes_now(
         &self,
         ids: impl Iterator<Item = &CodeId>,
-    ) -> Result<HashMap<CodeId, (Option<RedemptionTag>, Code)>, StoreError> {
+    ) -> Result<HashMap<CodeId, Now>, StoreError> {
         let ids: Vec<_> = ids.map(|id| object_id(*id)).collect();
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
@@ -360,28 +364,33 @@ impl Store {
             .await?;
         let mut out = HashMap::new();
         for d in docs {
-            let tag = d.redemption.clone();
+            let (tag, made_in) = (d.redemption.clone(), d.redeemed_in);
             let code = d.into_code(&self.keys)?;
-            out.insert(code.id, (tag, code));
+            out.insert(code.id, (tag, made_in, code));
         }
         Ok(out)
     }
 }
 
-/// The codes as they are after a round whose every statement used its
-/// code, under its owner's tag.
+/// A code as a round reads it back: the redemption that used it, the
+/// round that wrote that, and the code.
+type Now = (Option<RedemptionTag>, Option<ObjectId>, Code);
+
+/// The codes as they are after `round`, whose every statement used its
+/// code under its owner's tag.
 fn all_used(
     asks: &[(&Code, RedemptionTag)],
     owner: &HashMap<CodeId, usize>,
     now: DateTime,
-) -> HashMap<CodeId, (Option<RedemptionTag>, Code)> {
+    round: ObjectId,
+) -> HashMap<CodeId, Now> {
     (owner.iter())
         .map(|(id, i)| {
             let (before, tag) = &asks[*i];
             let mut used = Code::clone(before);
             used.status = CodeStatus::Used;
             used.used_at = Some(now.to_chrono());
-            (*id, (Some(tag.clone()), used))
+            (*id, (Some(tag.clone()), Some(round), used))
         })
         .collect()
 }

@@ -87,6 +87,12 @@ pub struct CodeDoc {
     /// redeeming by code); absent for a redemption without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redemption: Option<RedemptionTag>,
+    /// The write that redeemed the code by its redemption id (one id per
+    /// round of [`Store::redeem_ids`]): a round reading the code back
+    /// knows by it whether its own statement made the change, where the
+    /// time (to the millisecond) could be another round's too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redeemed_in: Option<ObjectId>,
     #[serde(default)]
     pub is_sms: i32,
     /// Set while the relay owes this grant its SMS-pending event.
@@ -706,6 +712,7 @@ mod tests {
             order_repl: None,
             used_at: None,
             redemption: None,
+            redeemed_in: None,
             is_sms: 0,
             sms_pending: None,
             sms_published_at: None,
