@@ -493,11 +493,12 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
         .await,
         1
     );
-    assert_eq!(
-        count(&env, doc! {"status": 4}).await,
-        0,
-        "nothing left held"
-    );
+    // Another attempt at the same bundle (the API's backorder sweep beside
+    // the dispatcher's) may still hold a code it is about to put back.
+    eventually(Duration::from_secs(20), "nothing left held", || async {
+        count(&env, doc! {"status": 4}).await == 0
+    })
+    .await;
     let (s, _, body) = http(&api.addr, "GET", "/v1/orders/BO-1", Some(&k), b"").await;
     assert_eq!(s, 200);
     assert_eq!(json_of(&body)["codes"].as_array().unwrap().len(), 3);
