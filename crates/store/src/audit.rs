@@ -307,8 +307,10 @@ impl Store {
     /// code keeps its redemption id, the redeeming key's owner and
     /// `used_at`). Acknowledged in memory (w:1), journaled with the next
     /// journaled write or group commit (100 ms at most): one journal flush
-    /// per batch of redemptions instead of two. A crash in between loses
-    /// only the copy; the code still tells who redeemed it.
+    /// per batch of redemptions instead of two. A crash in between, or a
+    /// failover before a replica set's secondaries copied it, loses only
+    /// the audit copy; the code (written w:majority, journaled) still
+    /// tells who redeemed it.
     pub async fn record_actions_after_change(&self, actions: &[Action]) -> Result<(), StoreError> {
         let acknowledged = mongodb::options::WriteConcern::builder()
             .w(mongodb::options::Acknowledgment::Nodes(1))
