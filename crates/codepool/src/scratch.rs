@@ -202,30 +202,29 @@ pub async fn delete_amqp(
     let (mut q, mut x) = (0, 0);
     for name in queues {
         if let Ok(ch) = conn.create_channel().await {
-            if ch
-                .queue_delete(name, QueueDeleteOptions::default())
-                .await
-                .is_ok()
-            {
-                q += 1;
-                let _ = ch.close(200, "deleted").await;
-            }
+            let gone = ch.queue_delete(name, QueueDeleteOptions::default()).await;
+            q += closed_if(&ch, gone.is_ok()).await;
         }
     }
     for name in exchanges {
         if let Ok(ch) = conn.create_channel().await {
-            if ch
+            let gone = ch
                 .exchange_delete(name, ExchangeDeleteOptions::default())
-                .await
-                .is_ok()
-            {
-                x += 1;
-                let _ = ch.close(200, "deleted").await;
-            }
+                .await;
+            x += closed_if(&ch, gone.is_ok()).await;
         }
     }
     let _ = conn.close(200, "bye").await;
     (q, x)
+}
+
+/// 1 when a delete went through (its channel is then closed; a refused
+/// delete has closed it already), else 0.
+async fn closed_if(ch: &lapin::Channel, deleted: bool) -> usize {
+    if deleted {
+        let _ = ch.close(200, "deleted").await;
+    }
+    usize::from(deleted)
 }
 
 /// Every key matching `pattern` (SCAN, never KEYS, so a shared Redis is

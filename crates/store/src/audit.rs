@@ -312,11 +312,7 @@ impl Store {
     /// the audit copy; the code (written w:majority, journaled) still
     /// tells who redeemed it.
     pub async fn record_actions_after_change(&self, actions: &[Action]) -> Result<(), StoreError> {
-        let acknowledged = mongodb::options::WriteConcern::builder()
-            .w(mongodb::options::Acknowledgment::Nodes(1))
-            .journal(false)
-            .build();
-        self.insert_actions(actions, acknowledged).await
+        self.insert_actions(actions, crate::bookkeeping()).await
     }
 
     async fn insert_actions(

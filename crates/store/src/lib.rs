@@ -189,6 +189,17 @@ pub fn durable() -> WriteConcern {
         .build()
 }
 
+/// The write concern for bookkeeping that a crash may lose without harm
+/// (a mark that stops a re-send, a copy of what a journaled write already
+/// says): acknowledged by the primary alone, not waiting for the journal,
+/// which the next journaled write or group commit flushes.
+pub(crate) fn bookkeeping() -> WriteConcern {
+    WriteConcern::builder()
+        .w(Acknowledgment::Nodes(1))
+        .journal(false)
+        .build()
+}
+
 /// `durable()` as the document form used inside raw commands.
 pub(crate) fn durable_doc() -> bson::Document {
     bson::doc! {"w": "majority", "j": true}

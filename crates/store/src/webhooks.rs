@@ -13,7 +13,12 @@ use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
 use crate::error::duplicates_only;
-use crate::{durable, Store, StoreError};
+// Leases, attempt records and task states are bookkeeping, not
+// decisions: one lost in a crash means one more delivery of an event,
+// which receivers drop by its `webhook-id`. So they are written
+// `bookkeeping()`; events and tasks themselves are written `durable()`
+// before the grant flags are removed.
+use crate::{bookkeeping, durable, Store, StoreError};
 
 pub const ENDPOINTS: &str = "webhook_endpoints";
 pub const EVENTS: &str = "webhook_events";
@@ -223,18 +228,6 @@ pub enum ReplayScope {
     Event(String),
     /// A shop's events since a time.
     Since(DateTime),
-}
-
-/// Leases, attempt records and task states are bookkeeping, not
-/// decisions: one lost in a crash means one more delivery of an event,
-/// which receivers drop by its `webhook-id`. So they are acknowledged by
-/// the primary alone, without waiting for the journal; events and tasks
-/// themselves are written [`durable`] before the grant flags are removed.
-fn bookkeeping() -> mongodb::options::WriteConcern {
-    mongodb::options::WriteConcern::builder()
-        .w(mongodb::options::Acknowledgment::Nodes(1))
-        .journal(false)
-        .build()
 }
 
 fn event_aad(id: &str) -> Vec<u8> {

@@ -17,11 +17,7 @@ impl Store {
                 doc! {"_id": {"$in": code_ids}, "sms_pending": true},
                 doc! {"$set": {"sms_published_at": DateTime::now()}, "$unset": {"sms_pending": ""}},
             )
-            .write_concern(
-                mongodb::options::WriteConcern::builder()
-                    .w(mongodb::options::Acknowledgment::Nodes(1))
-                    .build(),
-            )
+            .write_concern(crate::bookkeeping())
             .await?;
         Ok(())
     }
