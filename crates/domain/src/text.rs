@@ -72,6 +72,16 @@ impl fmt::Display for UnreadableChar {
 /// The kind of unreadable character `c` is, if it is one. A plain ASCII
 /// space is readable (callers trim the ends of what they read).
 pub fn unreadable_kind(c: char) -> Option<Unreadable> {
+    if c.is_ascii() {
+        // Every code is read through here: ASCII's only unreadable
+        // characters are its controls (`Cc`, tab and newline included).
+        return c.is_ascii_control().then_some(Unreadable::Control);
+    }
+    unreadable_beyond_ascii(c)
+}
+
+/// [`unreadable_kind`] by the character's Unicode general category.
+fn unreadable_beyond_ascii(c: char) -> Option<Unreadable> {
     if c == ' ' {
         return None;
     }
@@ -126,6 +136,19 @@ pub fn buyer_key(uid: &str) -> String {
 /// platform tells case apart) full case folding and NFKC again, which is
 /// Unicode's compatibility caseless match. Equal keys, one code.
 pub fn fold(code: &str, case_sensitive: bool) -> String {
+    if code.is_ascii() {
+        // ASCII is its own NFKC, and its full case folding is lowercase:
+        // the same key without the tables, for nearly every code.
+        return match case_sensitive {
+            true => code.to_owned(),
+            false => code.to_ascii_lowercase(),
+        };
+    }
+    fold_beyond_ascii(code, case_sensitive)
+}
+
+/// [`fold`] by the Unicode tables.
+fn fold_beyond_ascii(code: &str, case_sensitive: bool) -> String {
     let compatible: String = code.nfkc().collect();
     if case_sensitive {
         return compatible;
@@ -288,6 +311,26 @@ mod terminal_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ascii_fast_paths_agree_with_the_unicode_tables_on_every_ascii_character() {
+        for b in 0u8..128 {
+            let c = char::from(b);
+            assert_eq!(unreadable_kind(c), unreadable_beyond_ascii(c), "{b:#04x}");
+            let code = format!("Ab{c}9z");
+            for case_sensitive in [false, true] {
+                assert_eq!(
+                    fold(&code, case_sensitive),
+                    fold_beyond_ascii(&code, case_sensitive),
+                    "{b:#04x}, case-sensitive {case_sensitive}"
+                );
+            }
+        }
+        // Beyond ASCII the tables still decide: full-width and ligatures.
+        assert_eq!(fold("ＡＢ", false), "ab");
+        assert_eq!(fold("ﬃ", true), "ffi");
+        assert_eq!(unreadable_kind('\u{200b}'), Some(Unreadable::Format));
+    }
 
     #[test]
     fn formula_cells_are_neutered_and_others_kept() {

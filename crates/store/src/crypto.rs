@@ -13,7 +13,7 @@ use std::sync::{Arc, RwLock};
 
 use bson::oid::ObjectId;
 use bson::spec::BinarySubtype;
-use bson::{doc, Binary, Bson, Document};
+use bson::{doc, Binary, Bson, Document, RawBson, RawDocumentBuf};
 use codepool_vault::{keyfile, Keyring, VaultError};
 
 use crate::StoreError;
@@ -117,13 +117,32 @@ pub(crate) fn binary(bytes: Vec<u8>) -> Bson {
 /// and `code_any_hmac` (the same in every pool, to find a code offered to
 /// a second pool).
 pub fn sealed_fields(ring: &Keyring, pool: &str, id: ObjectId, code: &str) -> Document {
+    let mut fields = RawDocumentBuf::new();
+    append_sealed(&mut fields, ring, pool, id, code);
+    fields
+        .to_document()
+        .expect("a document just built from valid values reads back")
+}
+
+/// [`sealed_fields`] appended to a raw document (an import's, built
+/// without a `Document` in between).
+pub fn append_sealed(d: &mut RawDocumentBuf, ring: &Keyring, pool: &str, id: ObjectId, code: &str) {
     let sealed = ring.seal(&code_aad(pool, id), code);
-    doc! {
-        "code_enc": binary(sealed.bytes),
-        "key_id": sealed.key_id,
-        "code_hmac": binary(ring.code_hmac(pool, code).to_vec()),
-        "code_any_hmac": binary(ring.any_pool_hmac(code).to_vec()),
-    }
+    d.append("code_enc", raw_binary(sealed.bytes));
+    d.append("key_id", sealed.key_id);
+    d.append("code_hmac", raw_binary(ring.code_hmac(pool, code).to_vec()));
+    d.append(
+        "code_any_hmac",
+        raw_binary(ring.any_pool_hmac(code).to_vec()),
+    );
+}
+
+/// [`binary`] as a raw value.
+pub(crate) fn raw_binary(bytes: Vec<u8>) -> RawBson {
+    RawBson::Binary(Binary {
+        subtype: BinarySubtype::Generic,
+        bytes,
+    })
 }
 
 /// The filter that finds `code` in `pool` by its HMAC; with `plaintext`,

@@ -71,6 +71,11 @@ pub struct Store {
     db: Database,
     /// The keyring codes are sealed and opened with ([`Store::with_keys`]).
     keys: Arc<CodeKeys>,
+    /// The look-alike rule of each pool whose rule is fixed
+    /// ([`Store::fix_lookalike_rule`]): fixed means it never changes again,
+    /// so an import asks the server once, not once per batch.
+    fixed_rules:
+        Arc<std::sync::Mutex<std::collections::HashMap<String, codepool_domain::LookAlikeRule>>>,
 }
 
 impl Store {
@@ -103,6 +108,7 @@ impl Store {
             client,
             db,
             keys: Arc::new(CodeKeys::none(None)),
+            fixed_rules: Arc::default(),
         })
     }
 

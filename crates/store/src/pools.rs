@@ -192,13 +192,28 @@ impl Store {
     /// cannot change the rule under a running import (the setting's update
     /// is conditional on the pool not being fixed).
     pub async fn fix_lookalike_rule(&self, pool: &str) -> Result<LookAlikeRule, StoreError> {
+        let known = match self.fixed_rules.lock() {
+            Ok(rules) => rules.get(pool).copied(),
+            Err(_) => None,
+        };
+        if let Some(rule) = known {
+            return Ok(rule);
+        }
         let d = self
             .collection(POOLS)
             .find_one_and_update(doc! {"_id": pool}, doc! {"$set": {"lookalike_fixed": true}})
             .projection(doc! {"case_sensitive_codes": 1, "fold_confusables": 1})
             .write_concern(crate::durable())
             .await?;
-        Ok(d.as_ref().map_or_else(LookAlikeRule::default, rule_of))
+        let Some(d) = d else {
+            // No record yet: nothing is fixed, the next batch asks again.
+            return Ok(LookAlikeRule::default());
+        };
+        let rule = rule_of(&d);
+        if let Ok(mut rules) = self.fixed_rules.lock() {
+            rules.insert(pool.to_owned(), rule);
+        }
+        Ok(rule)
     }
 
     pub async fn pool(&self, name: &str) -> Result<Option<PoolDoc>, StoreError> {

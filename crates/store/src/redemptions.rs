@@ -23,9 +23,9 @@ use crate::error::{is_transient_code, DUPLICATE_KEY};
 use crate::lifecycle::{Applied, Sold};
 use crate::{durable_doc, one_batch_for, CodeDoc, Store, StoreError};
 
-/// Most clauses in one lookup query; a batch naming more codes (or more
-/// pools per code) is looked up in several queries.
-const MOST_CLAUSES: usize = 1024;
+/// Most keyed hashes in one lookup query; a batch naming more codes (or
+/// more pools per code) is looked up in several queries.
+const MOST_HASHES: usize = 1024;
 
 /// One lookup by value: the code as typed and the pools (with their
 /// look-alike rules) it may be found in.
@@ -40,7 +40,38 @@ struct Wanted {
     exact: Vec<u8>,
     pools: HashSet<String>,
     folds: HashSet<(String, Vec<u8>)>,
-    clauses: Vec<Document>,
+}
+
+impl Wanted {
+    /// The hashes this lookup adds to a query.
+    fn hashes(&self) -> usize {
+        1 + self.folds.len()
+    }
+}
+
+/// The filter that finds every code of `wanted`: the exact values in
+/// their pools along `code_any_hmac`, and each pool's look-alike keys
+/// along `(pool, code_fold_hmac)`. One branch for the exact values and
+/// one per pool, however many codes: the server plans a few branches, not
+/// two per code. It may also find a code one lookup names in a pool only
+/// another lookup names; [`Wanted::matches`] leaves those out.
+fn lookup_filter(wanted: &[&Wanted]) -> Document {
+    let mut exacts = Vec::with_capacity(wanted.len());
+    let mut pools = std::collections::BTreeSet::new();
+    let mut folds: std::collections::BTreeMap<&str, Vec<Bson>> = Default::default();
+    for w in wanted {
+        exacts.push(crate::crypto::binary(w.exact.clone()));
+        pools.extend(w.pools.iter().map(String::as_str));
+        for (pool, h) in &w.folds {
+            (folds.entry(pool.as_str()).or_default()).push(crate::crypto::binary(h.clone()));
+        }
+    }
+    let pools: Vec<&str> = pools.into_iter().collect();
+    let mut branches = vec![doc! {"code_any_hmac": {"$in": exacts}, "pool": {"$in": pools}}];
+    for (pool, hashes) in folds {
+        branches.push(doc! {"pool": pool, "code_fold_hmac": {"$in": hashes}});
+    }
+    doc! {"$or": branches}
 }
 
 /// What one redemption by id did.
@@ -103,23 +134,15 @@ impl Store {
     fn wanted(&self, ask: &ByValue<'_>) -> Result<Wanted, StoreError> {
         let ring = self.keys.ring()?;
         let exact = ring.any_pool_hmac(ask.code).to_vec();
-        let names: Vec<&str> = ask.pools.iter().map(|(p, _)| p.as_str()).collect();
-        let mut clauses = vec![doc! {
-            "code_any_hmac": crate::crypto::binary(exact.clone()),
-            "pool": {"$in": &names},
-        }];
         let mut folds = HashSet::new();
         for (pool, rule) in ask.pools {
             let folded = codepool_domain::fold_by(ask.code, *rule);
-            let h = ring.fold_hmac(pool, &folded).to_vec();
-            clauses.push(doc! {"pool": pool, "code_fold_hmac": crate::crypto::binary(h.clone())});
-            folds.insert((pool.clone(), h));
+            folds.insert((pool.clone(), ring.fold_hmac(pool, &folded).to_vec()));
         }
         Ok(Wanted {
             exact,
-            pools: names.into_iter().map(str::to_owned).collect(),
+            pools: ask.pools.iter().map(|(p, _)| p.clone()).collect(),
             folds,
-            clauses,
         })
     }
 
@@ -139,7 +162,7 @@ impl Store {
     /// hashes alone: the exact value in any of the lookup's pools
     /// (`code_any_hmac`), or its look-alike key in each pool
     /// (`code_fold_hmac`), in ONE query of a few small fields for up to
-    /// [`MOST_CLAUSES`] hashes, whatever the codes: an unknown code, a code
+    /// [`MOST_HASHES`] hashes, whatever the codes: an unknown code, a code
     /// of another pool and a code never sold cost the same.
     pub async fn find_sold_by_values(
         &self,
@@ -194,30 +217,25 @@ impl Store {
             );
         }
         let mut found = Vec::new();
-        let mut clauses = Vec::new();
-        let mut most = 0;
+        let mut chunk: Vec<&Wanted> = Vec::new();
+        let mut hashes = 0;
         for w in wanted.iter().flatten() {
-            if !clauses.is_empty() && clauses.len() + w.clauses.len() > MOST_CLAUSES {
-                let taken = std::mem::take(&mut clauses);
-                found.extend(self.matching(taken, most, whole).await?);
-                most = 0;
+            if !chunk.is_empty() && hashes + w.hashes() > MOST_HASHES {
+                found.extend(self.matching(&chunk, whole).await?);
+                (chunk, hashes) = (Vec::new(), 0);
             }
-            clauses.extend(w.clauses.iter().cloned());
-            // A code and its look-alikes: a few documents at most.
-            most += 8;
+            hashes += w.hashes();
+            chunk.push(w);
         }
-        if !clauses.is_empty() {
-            found.extend(self.matching(clauses, most, whole).await?);
+        if !chunk.is_empty() {
+            found.extend(self.matching(&chunk, whole).await?);
         }
         Ok((wanted, found))
     }
 
-    async fn matching(
-        &self,
-        clauses: Vec<Document>,
-        most: usize,
-        whole: bool,
-    ) -> Result<Vec<Document>, StoreError> {
+    async fn matching(&self, wanted: &[&Wanted], whole: bool) -> Result<Vec<Document>, StoreError> {
+        // A code and its look-alikes: a few documents at most.
+        let most = 8 * wanted.len();
         let small = doc! {
             "_id": 1, "code_any_hmac": 1, "code_fold_hmac": 1, "pool": 1, "order_id": 1,
             "status": 1, "grant_no": 1, "order_line": 1, "issued_at": 1, "used_at": 1,
@@ -225,7 +243,7 @@ impl Store {
         };
         let codes = self.collection(CODES);
         let mut find = codes
-            .find(doc! {"$or": clauses})
+            .find(lookup_filter(wanted))
             .limit(i64::try_from(most).unwrap_or(i64::MAX))
             .batch_size(one_batch_for(most));
         if !whole {

@@ -1,6 +1,69 @@
 //! Importing codes: sequence numbers reserved per pool, the insert of a batch (look-alikes and codes of other pools found first), and the rows a resumed import still needs.
 
+use bson::RawDocumentBuf;
+use codepool_domain::LookAlikeRule;
+use codepool_vault::Keyring;
+
+use crate::crypto::{append_sealed, raw_binary};
+
 use super::*;
+
+/// The documents [`Store::insert_codes`] writes for `codes` of one batch:
+/// sealed and keyed under `ring`'s active key, their look-alike key made
+/// by `rule`, `seq` numbered from `first_seq` on, unissued. Built raw, as
+/// they go on the wire: an import builds a million of them. Public so a
+/// benchmark can insert exactly these without the import around them.
+pub fn code_documents(
+    ring: &Keyring,
+    pool: &str,
+    batch_id: ObjectId,
+    codes: &[NewCode],
+    first_seq: i64,
+    rule: LookAlikeRule,
+) -> Vec<RawDocumentBuf> {
+    let now = DateTime::now();
+    codes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let id = ObjectId::new();
+            let mut d = RawDocumentBuf::new();
+            d.append("_id", id);
+            d.append("pool", pool);
+            append_sealed(&mut d, ring, pool, id, &c.code);
+            let folded = codepool_domain::fold_by(&c.code, rule);
+            d.append(
+                "code_fold_hmac",
+                raw_binary(ring.fold_hmac(pool, &folded).to_vec()),
+            );
+            if let Some(line) = c.line.and_then(|l| i64::try_from(l).ok()) {
+                d.append("line", line);
+            }
+            d.append("status", CodeStatus::Unissued.as_i32());
+            d.append("seq", first_seq + i as i64);
+            d.append("batch_id", batch_id);
+            d.append("created_at", now);
+            d.append("is_sms", 0);
+            if let Some(t) = c.expires_at {
+                d.append("expires_at", DateTime::from_chrono(t));
+            }
+            d
+        })
+        .collect()
+}
+
+/// The bytes of binary field `key` of a raw document.
+fn raw_bytes<'d>(d: &'d RawDocumentBuf, key: &str) -> Option<&'d [u8]> {
+    d.get_binary(key).ok().map(|b| b.bytes)
+}
+
+/// The bytes of binary field `key` of a document.
+fn doc_bytes<'d>(d: &'d Document, key: &str) -> Option<&'d [u8]> {
+    match d.get(key) {
+        Some(Bson::Binary(b)) => Some(&b.bytes),
+        _ => None,
+    }
+}
 
 impl Store {
     /// Reserves `n` consecutive `seq` values for `pool` with one atomic
@@ -45,35 +108,7 @@ impl Store {
         self.register_key_id(ring.active_id()).await?;
         let rule = self.fix_lookalike_rule(pool).await?;
         let first_seq = self.reserve_seq(pool, codes.len() as u64).await?;
-        let now = DateTime::now();
-        let docs: Vec<Document> = codes
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let id = ObjectId::new();
-                let mut d = doc! {"_id": id, "pool": pool};
-                d.extend(sealed_fields(&ring, pool, id, &c.code));
-                let folded = codepool_domain::fold_by(&c.code, rule);
-                d.insert(
-                    "code_fold_hmac",
-                    binary(ring.fold_hmac(pool, &folded).to_vec()),
-                );
-                if let Some(line) = c.line.and_then(|l| i64::try_from(l).ok()) {
-                    d.insert("line", line);
-                }
-                d.extend(doc! {
-                    "status": CodeStatus::Unissued.as_i32(),
-                    "seq": first_seq + i as i64,
-                    "batch_id": batch_id,
-                    "created_at": now,
-                    "is_sms": 0,
-                });
-                if let Some(t) = c.expires_at {
-                    d.insert("expires_at", DateTime::from_chrono(t));
-                }
-                d
-            })
-            .collect();
+        let docs = code_documents(&ring, pool, batch_id, codes, first_seq, rule);
         let total = docs.len() as u64;
         let (mut outcome, refused) = self.insert_docs(&docs).await?;
         if !refused.is_empty() {
@@ -96,11 +131,12 @@ impl Store {
     /// the look-alike index refused.
     pub(super) async fn insert_docs(
         &self,
-        docs: &[Document],
+        docs: &[RawDocumentBuf],
     ) -> Result<(InsertOutcome, Vec<usize>), StoreError> {
         let total = docs.len() as u64;
         match self
-            .collection(CODES)
+            .db
+            .collection::<RawDocumentBuf>(CODES)
             .insert_many(docs)
             .ordered(false)
             .write_concern(durable())
@@ -142,11 +178,12 @@ impl Store {
     pub(super) async fn look_alikes_among(
         &self,
         pool: &str,
-        docs: &[Document],
+        docs: &[RawDocumentBuf],
         refused: &[usize],
     ) -> Result<Vec<LookAlike>, StoreError> {
         let folds: Vec<Bson> = (refused.iter())
-            .filter_map(|&i| docs.get(i)?.get("code_fold_hmac").cloned())
+            .filter_map(|&i| raw_bytes(docs.get(i)?, "code_fold_hmac"))
+            .map(|b| binary(b.to_vec()))
             .collect();
         let held: Vec<Document> = self
             .collection(CODES)
@@ -160,15 +197,16 @@ impl Store {
             let Some(ours) = docs.get(index) else {
                 continue;
             };
-            let matched = held
-                .iter()
-                .find(|h| h.get("code_fold_hmac") == ours.get("code_fold_hmac"));
+            let matched = (held.iter())
+                .find(|h| doc_bytes(h, "code_fold_hmac") == raw_bytes(ours, "code_fold_hmac"));
             match matched {
-                Some(h) if h.get("code_hmac") != ours.get("code_hmac") => out.push(LookAlike {
-                    index,
-                    of_line: int_field(h, "line").and_then(|l| u64::try_from(l).ok()),
-                    of_import: h.get_object_id("batch_id").ok(),
-                }),
+                Some(h) if doc_bytes(h, "code_hmac") != raw_bytes(ours, "code_hmac") => {
+                    out.push(LookAlike {
+                        index,
+                        of_line: int_field(h, "line").and_then(|l| u64::try_from(l).ok()),
+                        of_import: h.get_object_id("batch_id").ok(),
+                    })
+                }
                 _ => {}
             }
         }

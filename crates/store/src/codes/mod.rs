@@ -16,7 +16,7 @@ use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
 use crate::across::PoolOrder;
-use crate::crypto::{binary, open_code, sealed_fields};
+use crate::crypto::{binary, open_code};
 use crate::error::{duplicates_only, is_duplicate_key, is_transient_code, DUPLICATE_KEY};
 use crate::{durable, durable_doc, CodeKeys, Store, StoreError};
 
@@ -680,6 +680,7 @@ mod candidates;
 pub(crate) mod claim;
 mod counts;
 mod insert;
+pub use insert::code_documents;
 mod outbox;
 
 pub(crate) use claim::duplicate_positions;
@@ -818,7 +819,7 @@ mod tests {
 
     fn sealed(ring: &codepool_vault::Keyring, status: i32) -> CodeDoc {
         let mut d = doc(status);
-        let fields = sealed_fields(ring, &d.pool, d.id, "QWER-1234");
+        let fields = crate::crypto::sealed_fields(ring, &d.pool, d.id, "QWER-1234");
         let bin = |k: &str| match fields.get(k) {
             Some(Bson::Binary(b)) => Some(b.clone()),
             _ => None,
