@@ -94,7 +94,7 @@ for b in "${which[@]}"; do
 	api) "$bin" --out-dir "$OUT_DIR" api --orders "$API_ORDERS" --clients "$API_CLIENTS" --rate "$API_RATE" --seconds "$LATENCY_SECONDS" ;;
 	holds) "$bin" --out-dir "$OUT_DIR" holds --requests "$HOLD_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" ;;
 	redeem) "$bin" --out-dir "$OUT_DIR" redeem --requests "$REDEEM_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" --rate "$REDEEM_RATE" --seconds "$LATENCY_SECONDS" ;;
-	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" ;;
+	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" --rounds "$SCALE_ROUNDS" ;;
 	generate) "$bin" --out-dir "$OUT_DIR" generate --codes "$GENERATE_CODES" ;;
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
