@@ -685,3 +685,63 @@ async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_sh
     daemon.stop().await;
     env.cleanup().await;
 }
+
+/// A batch of lookups, each naming one pool, of codes that sit in all of
+/// ten pools (imported with `--allow-cross-pool`): each lookup finds its
+/// own pool's code. A batch query that looked for every code in every
+/// pool of the batch found ten documents per code against a limit of
+/// eight per lookup, and lookups lost their code at random.
+#[tokio::test]
+async fn a_batch_finds_each_code_in_its_own_pool_when_the_code_sits_in_many() {
+    use codepool_domain::LookAlikeRule;
+    use codepool_store::redemptions::ByValue;
+    use codepool_store::NewCode;
+
+    let env = TestEnv::new("redeem_many_pools").await;
+    let pools: Vec<String> = (0..10).map(|p| format!("mp{p}")).collect();
+    let codes: Vec<String> = (0..40).map(|i| format!("MANY-POOLS-{i:03}")).collect();
+    let codes_coll = env.store.database().collection::<bson::Document>("codes");
+    for pool in &pools {
+        env.store.ensure_pool(pool).await.unwrap();
+        let new: Vec<NewCode> = (codes.iter())
+            .map(|c| NewCode {
+                code: c.clone(),
+                line: None,
+                expires_at: None,
+            })
+            .collect();
+        let batch = bson::oid::ObjectId::new();
+        let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
+        assert_eq!(out.inserted, 40);
+        // Sold, as a grant leaves them: issued to an order of the pool.
+        let docs: Vec<bson::Document> = (codes_coll.find(doc! {"pool": pool}))
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        for (k, d) in docs.iter().enumerate() {
+            let set = doc! {"status": 1, "order_id": format!("{pool}-O{k}"), "order_line": 0,
+            "issued_at": bson::DateTime::now(), "grant_no": format!("{pool}-G{k}")};
+            let id = d.get_object_id("_id").unwrap();
+            codes_coll
+                .update_one(doc! {"_id": id}, doc! {"$set": set})
+                .await
+                .unwrap();
+        }
+    }
+    let names: Vec<Vec<(String, LookAlikeRule)>> = (0..codes.len())
+        .map(|i| vec![(pools[i % pools.len()].clone(), LookAlikeRule::default())])
+        .collect();
+    let asks: Vec<ByValue<'_>> = (codes.iter().zip(&names))
+        .map(|(code, pools)| ByValue { code, pools })
+        .collect();
+    let found = env.store.find_sold_by_values(&asks).await.unwrap();
+    for (i, sold) in found.iter().enumerate() {
+        let sold = sold
+            .as_ref()
+            .unwrap_or_else(|| panic!("lookup {i} lost its code"));
+        assert_eq!(sold.pool, pools[i % pools.len()], "lookup {i}");
+    }
+    env.cleanup().await;
+}

@@ -45,31 +45,37 @@ struct Wanted {
 impl Wanted {
     /// The hashes this lookup adds to a query.
     fn hashes(&self) -> usize {
-        1 + self.folds.len()
+        self.pools.len() + self.folds.len()
     }
 }
 
-/// The filter that finds every code of `wanted`: the exact values in
-/// their pools along `code_any_hmac`, and each pool's look-alike keys
-/// along `(pool, code_fold_hmac)`. One branch for the exact values and
-/// one per pool, however many codes: the server plans a few branches, not
-/// two per code. It may also find a code one lookup names in a pool only
-/// another lookup names; [`Wanted::matches`] leaves those out.
+/// The filter that finds every code of `wanted`, in two branches per
+/// pool, however many codes: in each pool the lookups name, the exact
+/// values of those lookups along `code_any_hmac` and their look-alike keys
+/// along `(pool, code_fold_hmac)`. The server plans a few branches, not two
+/// per code, and finds no document of a pool that no lookup asking for
+/// that code names (they would count against the query's limit).
 fn lookup_filter(wanted: &[&Wanted]) -> Document {
-    let mut exacts = Vec::with_capacity(wanted.len());
-    let mut pools = std::collections::BTreeSet::new();
-    let mut folds: std::collections::BTreeMap<&str, Vec<Bson>> = Default::default();
+    type Hashes = (Vec<Bson>, Vec<Bson>);
+    let mut by_pool: std::collections::BTreeMap<&str, Hashes> = Default::default();
     for w in wanted {
-        exacts.push(crate::crypto::binary(w.exact.clone()));
-        pools.extend(w.pools.iter().map(String::as_str));
+        for pool in &w.pools {
+            let exacts = &mut by_pool.entry(pool.as_str()).or_default().0;
+            exacts.push(crate::crypto::binary(w.exact.clone()));
+        }
         for (pool, h) in &w.folds {
-            (folds.entry(pool.as_str()).or_default()).push(crate::crypto::binary(h.clone()));
+            let folds = &mut by_pool.entry(pool.as_str()).or_default().1;
+            folds.push(crate::crypto::binary(h.clone()));
         }
     }
-    let pools: Vec<&str> = pools.into_iter().collect();
-    let mut branches = vec![doc! {"code_any_hmac": {"$in": exacts}, "pool": {"$in": pools}}];
-    for (pool, hashes) in folds {
-        branches.push(doc! {"pool": pool, "code_fold_hmac": {"$in": hashes}});
+    let mut branches = Vec::with_capacity(2 * by_pool.len());
+    for (pool, (exacts, folds)) in by_pool {
+        if !exacts.is_empty() {
+            branches.push(doc! {"pool": pool, "code_any_hmac": {"$in": exacts}});
+        }
+        if !folds.is_empty() {
+            branches.push(doc! {"pool": pool, "code_fold_hmac": {"$in": folds}});
+        }
     }
     doc! {"$or": branches}
 }
@@ -230,6 +236,10 @@ impl Store {
         if !chunk.is_empty() {
             found.extend(self.matching(&chunk, whole).await?);
         }
+        // Two queries may both find a code (two lookups naming its pool):
+        // counted twice, it would read as two look-alikes of one lookup.
+        let mut seen = HashSet::new();
+        found.retain(|d| d.get_object_id("_id").map_or(true, |id| seen.insert(id)));
         Ok((wanted, found))
     }
 
