@@ -62,6 +62,12 @@ async fn place(api: &ApiServer, key: &str, id: &str, pool: &str) -> Value {
     json_of(&b)["codes"][0].clone()
 }
 
+/// [`place`]'s code, as text.
+async fn placed_code(api: &ApiServer, key: &str, id: &str, pool: &str) -> String {
+    let code = place(api, key, id, pool).await;
+    code["code"].as_str().expect("a code").to_owned()
+}
+
 /// A platform key: `codes:redeem`, of `shop` or of none.
 async fn platform_key(env: &TestEnv, name: &str, shop: Option<&str>) -> String {
     let mut args = vec!["api-keys", "create", "--name", name, "--scopes"];
@@ -129,10 +135,7 @@ async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_confl
     let shop_backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
-    let code = place(&api, &shop_backend, "RR-1", "rr").await["code"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let code = placed_code(&api, &shop_backend, "RR-1", "rr").await;
 
     let tries = (0..64).map(|i| {
         let (api, platform, code) = (&api, &platform, &code);
@@ -168,10 +171,7 @@ async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_confl
     assert_eq!(&again, won[0]);
     assert_eq!(redemptions_audited(&env).await.len(), 1);
     // That id on another code is refused, and that code stays issued.
-    let other = place(&api, &shop_backend, "RR-2", "rr").await["code"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let other = placed_code(&api, &shop_backend, "RR-2", "rr").await;
     let (status, reused) = redeem(&api, &platform, &other, &winner).await;
     assert_eq!(status, 409, "{reused}");
     assert!(reused["type"]
@@ -197,10 +197,7 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
     let api = ApiServer::start(&env, &[]).await;
     let mut codes = Vec::new();
     for i in 0..28 {
-        let code = place(&api, &backend, &format!("RB-{i}"), "rb").await["code"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let code = placed_code(&api, &backend, &format!("RB-{i}"), "rb").await;
         codes.push(code);
     }
     codepool_ok(&env, &["void", "--order", "RB-20", "--reason", "refund"]).await;
@@ -310,10 +307,7 @@ async fn the_same_redemption_at_once_in_two_batches_is_audited_once() {
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
     for i in 0..40 {
-        let code = place(&api, &backend, &format!("RT-{i}"), "rt").await["code"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let code = placed_code(&api, &backend, &format!("RT-{i}"), "rt").await;
         let id = format!("twice-{i}");
         let tries = (0..3).map(|_| redeem(&api, &platform, &code, &id));
         let answers = futures::future::join_all(tries).await;
@@ -372,10 +366,7 @@ async fn check_changes_nothing_and_never_shows_the_buyer() {
     let (_, seen) = check(&api, &platform, code).await;
     assert_eq!(seen["state"], "used");
     assert_eq!(seen["redeemed_at"], used["redeemed_at"]);
-    let voided = place(&api, &backend, "RC-2", "rc").await["code"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let voided = placed_code(&api, &backend, "RC-2", "rc").await;
     codepool_ok(&env, &["void", "--order", "RC-2", "--reason", "refund"]).await;
     let (_, seen) = check(&api, &platform, &voided).await;
     assert_eq!(seen["state"], "void");
@@ -399,10 +390,7 @@ async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
     let globex_platform = platform_key(&env, "globex-platform", Some("globex")).await;
     let operator_platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "1000"]).await;
-    let acmes = place(&api, &acme, "OA-1", "oa").await["code"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let acmes = placed_code(&api, &acme, "OA-1", "oa").await;
     // A code held by a checkout hold: never sold either.
     let (status, _, hold) = post(
         &api,
@@ -458,10 +446,7 @@ async fn a_key_that_keeps_missing_is_slowed_and_counted() {
     let guesser = platform_key(&env, "guesser", None).await;
     let honest = platform_key(&env, "honest", None).await;
     let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "5"]).await;
-    let code = place(&api, &backend, "RM-1", "rm").await["code"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let code = placed_code(&api, &backend, "RM-1", "rm").await;
     for i in 0..5 {
         let (status, v) = check(&api, &guesser, &format!("GUESS-{i}")).await;
         assert_eq!(status, 404, "{v}");

@@ -21,6 +21,7 @@ use mongodb::bson::{doc, Document};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
 
+use super::inproc::checkpoint;
 use super::{describe_cpu, proc_status_kb, CpuSnapshot, Scratch};
 
 /// Peak memory the import may use (issue target, for 1,000,000 codes).
@@ -159,18 +160,20 @@ async fn measure(
     write_csv_from(&file.0, first, n).context("writing the generated CSV file")?;
     let file_mb = std::fs::metadata(&file.0).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
     let import_first = round % 2 == 1;
-    let raw = |scratch: &'static Scratch| {
+    // Each side starts after a checkpoint, so neither pays for the pages
+    // the other left dirty (whichever went second ran up to 1.5x slower).
+    let raw = || async {
+        checkpoint(scratch).await?;
         say(format!(
             "raw insert_many of {n} documents into pool {raw_pool} …"
         ));
         let sizes = (options.batch_size, options.concurrency);
-        raw_insert_many(scratch, &raw_pool, first + n, n, sizes)
+        raw_insert_many(scratch, &raw_pool, first + n, n, sizes).await
     };
-    let mut raw_result = None;
-    if !import_first {
-        checkpoint(scratch).await?;
-        raw_result = Some(raw(scratch).await?);
-    }
+    let raw_first = match import_first {
+        false => Some(raw().await?),
+        true => None,
+    };
     checkpoint(scratch).await?;
     say(format!(
         "codepool import into pool {import_pool} (child process) …"
@@ -191,12 +194,9 @@ async fn measure(
     let summary = summary_of(&child)?;
     let inserted = summary["inserted"].as_u64().unwrap_or(0);
     let import_seconds = summary["seconds"].as_f64().unwrap_or(0.0);
-    let (raw_seconds, raw_cpu) = match raw_result {
+    let (raw_seconds, raw_cpu) = match raw_first {
         Some(r) => r,
-        None => {
-            checkpoint(scratch).await?;
-            raw(scratch).await?
-        }
+        None => raw().await?,
     };
     let in_raw = count_pool(scratch, &raw_pool).await?;
     let in_import = count_pool(scratch, &import_pool).await?;
@@ -226,18 +226,6 @@ fn summary_of(child: &Child) -> anyhow::Result<serde_json::Value> {
             String::from_utf8_lossy(&child.stderr)
         )
     })
-}
-
-/// Writes what the side before left dirty (`fsync`: a checkpoint), so the
-/// side that goes second does not pay for the first one's pages: without
-/// it, whichever side went second ran up to 1.5x slower.
-async fn checkpoint(scratch: &Scratch) -> anyhow::Result<()> {
-    let admin = scratch.store.client().database("admin");
-    admin
-        .run_command(doc! {"fsync": 1})
-        .await
-        .context("fsync (a checkpoint between the two sides)")?;
-    Ok(())
 }
 
 async fn count_pool(scratch: &Scratch, pool: &str) -> anyhow::Result<u64> {
@@ -321,7 +309,7 @@ fn print_table(o: &Outcome, options: &ImportOptions) {
         None => println!("import peak memory: not measurable here (no /proc)"),
     }
     println!(
-        "checks {}: {} codes in pool raw, {} in pool import",
+        "checks {}: {} codes in the raw side's pool, {} in the import's",
         tick(o.ok),
         o.in_raw,
         o.in_import
