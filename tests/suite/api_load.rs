@@ -318,7 +318,7 @@ async fn all_texted(env: &TestEnv, held: &HashMap<String, Vec<String>>, within: 
 #[tokio::test]
 async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_every_grant() {
     // No dispatcher runs. The API answers each order once its claim is
-    // journaled; its events are owed by the outbox mark, and the API's own
+    // journaled; its events are owed by its batch's record, and the API's own
     // relay sends whatever a closed connection swallowed.
     let env = TestEnv::new("api_flap").await;
     env.fill_pool("fp", 400).await;
@@ -372,5 +372,84 @@ async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_ever
     exactly_once(&held, &wanted);
     all_texted(&env, &held, Duration::from_secs(60)).await;
     api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when_no_confirm_came() {
+    let env = TestEnv::new("api_owed").await;
+    env.fill_pool("ow", 10).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let before = bson::DateTime::now();
+    for i in 0..3 {
+        let body = order(&format!("W-{i}"), "ow", 2);
+        let (status, answer) = try_post(&api.addr, "/v1/orders", &shop, &body)
+            .await
+            .unwrap();
+        assert!(status == 200 || status == 201, "W-{i}: {status} {answer}");
+    }
+    let db = env.store.database();
+    let owed = db.collection::<bson::Document>(codepool_store::codes::SMS_OWED);
+    let codes = db.collection::<bson::Document>("codes");
+    // Each batch's record goes once its events are confirmed, and no code
+    // was written a second time to say so.
+    eventually(
+        Duration::from_secs(20),
+        "the batches' records settled",
+        || async { owed.count_documents(bson::doc! {}).await.unwrap() == 0 },
+    )
+    .await;
+    let marked = bson::doc! {"$or": [{"sms_pending": {"$exists": true}}, {"sms_published_at": {"$exists": true}}]};
+    assert_eq!(codes.count_documents(marked).await.unwrap(), 0);
+    let first = events(&env).await;
+    let mut texted: Vec<&str> = first.iter().map(|e| e.order_id.as_str()).collect();
+    texted.sort();
+    assert_eq!(texted, ["W-0", "W-1", "W-2"]);
+    api.stop().await;
+
+    // A record whose confirms never came (its process died after the
+    // claim): the relay sends the events of the grants its orders were
+    // issued since, with their first event ids, and the record goes. An
+    // order that was never claimed holds nothing, and a voided code is not
+    // texted. A record written after W-2's grant (W-2 a repeat there)
+    // owes nothing: its own batch texted it, and the record just goes.
+    codes
+        .update_one(
+            bson::doc! {"order_id": "W-1"},
+            bson::doc! {"$set": {"status": 3, "void_reason": "refund"}},
+        )
+        .await
+        .unwrap();
+    let died = codepool_store::codes::OwedRecord {
+        id: bson::oid::ObjectId::new(),
+        at: before,
+        orders: ["W-0", "W-1", "never-claimed"].map(str::to_owned).to_vec(),
+    };
+    env.store.owe_again(&died).await.unwrap();
+    // Past the second's margin the relay allows for the clock.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    env.store.owe_events(&["W-2"]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let outbox = codepool_issuance::Outbox::new(std::sync::Arc::new(env.store.clone()));
+    let relay = codepool_issuance::relay::relay_unconfirmed;
+    let relayed = relay(&env.store, &outbox, &publisher, Duration::ZERO, 100)
+        .await
+        .unwrap();
+    assert_eq!(relayed, 3, "W-0's two codes and W-1's one live code");
+    assert_eq!(owed.count_documents(bson::doc! {}).await.unwrap(), 0);
+    let again = events(&env).await;
+    let ids = |es: &[SmsPending], o: &str| -> Vec<String> {
+        let of = es.iter().filter(|e| e.order_id == o);
+        of.map(|e| e.event_id.clone()).collect()
+    };
+    assert_eq!(again.len(), 2, "one event per order: {again:?}");
+    assert_eq!(ids(&again, "W-0"), ids(&first, "W-0"), "the same event id");
+    let live = again.iter().find(|e| e.order_id == "W-1").unwrap();
+    assert_eq!(live.all_codes().len(), 1, "only W-1's live code: {live:?}");
+    assert_eq!(again.iter().map(|e| e.all_codes().len()).sum::<usize>(), 3);
+    let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

@@ -746,10 +746,13 @@ impl World {
             Duration::from_secs(180),
             "every granted code's event is out",
             || async {
+                let owed = (self.env.store.database())
+                    .collection::<Document>(codepool_store::codes::SMS_OWED);
                 self.codes()
                     .count_documents(doc! {"sms_pending": true})
                     .await
                     .unwrap()
+                    + owed.count_documents(doc! {}).await.unwrap()
                     == 0
             },
         )

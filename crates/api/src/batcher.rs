@@ -8,10 +8,12 @@
 //! as soon as that durable half is done. What the batch owes then
 //! (`sms.pending`, `purchase.refused`, `pool.exhausted`) is announced
 //! after the answers, by a task of its own ([`codepool_issuance::placing`]):
-//! each fresh grant's event is owed by its outbox mark (`Resend::ByRelay`),
-//! which the relay of every API process honours, exactly as for a process
-//! that died between its claim and its confirm. Nothing is lost, and the
-//! stable `event_id` makes a second send harmless.
+//! before its claim, the batch records its orders as owing their events
+//! (`Resend::ByRecord`, one document for the batch), and the record goes
+//! once every fresh grant's event is confirmed. The relay of every API
+//! process sends the events of a record that outlives its confirms,
+//! exactly as for a process that died between its claim and its confirm.
+//! Nothing is lost, and the stable `event_id` makes a second send harmless.
 //!
 //! At most [`IN_FLIGHT`] batches are placed at once; while they are, new
 //! requests queue for the next. One at a time is the fastest setting
@@ -22,6 +24,7 @@
 
 use std::sync::{Arc, Weak};
 
+use bson::oid::ObjectId;
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::intake::PlaceError;
@@ -38,6 +41,9 @@ pub const MAX_BATCH: usize = 256;
 pub const IN_FLIGHT: usize = 1;
 /// Most placed batches whose announcements wait for the broker at once.
 pub const ANNOUNCING: usize = 8;
+/// How long a batch may be placed before its record of owed events is
+/// written again: well within the relay's 30 s, and the clocks' skew.
+const RECORD_AGES_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 /// Longest a batch's announcements wait for the broker's confirms.
 const ANNOUNCE_FOR: std::time::Duration = std::time::Duration::from_secs(20);
 
@@ -48,6 +54,10 @@ pub(crate) enum Failure {
     /// Nothing of the batch was claimed, or what was is owed by the relay.
     #[error(transparent)]
     Place(Arc<PlaceError>),
+    /// The batch's events were not recorded as owed, so nothing was
+    /// claimed.
+    #[error("the batch's SMS events were not recorded as owed: {0}")]
+    Unowed(Arc<codepool_issuance::StoreError>),
     /// A repeat's codes are shown only once its reveal is recorded.
     #[error("the repeat was not audited, so its codes are not shown: {0}")]
     Unaudited(Arc<codepool_issuance::StoreError>),
@@ -64,7 +74,7 @@ impl Failure {
     pub(crate) fn is_unavailable(&self) -> bool {
         match self {
             Self::Place(e) => e.is_retryable(),
-            Self::Unaudited(e) => e.is_unavailable(),
+            Self::Unaudited(e) | Self::Unowed(e) => e.is_unavailable(),
             Self::Miscounted { .. } => false,
             Self::Stopping => true,
         }
@@ -157,8 +167,8 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
             let plan = answer_batch(&api, asks).await;
             drop(underway);
             drop(permit);
-            if let Some(plan) = plan {
-                announce(&api, &plan).await;
+            if let Some((plan, owed)) = plan {
+                announce(&api, &plan, owed).await;
             }
             drop(slot);
         };
@@ -167,15 +177,15 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
 }
 
 /// Places one batch and answers every request in it. The placed plan,
-/// whose announcements are still owed.
-async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
+/// whose announcements are still owed, and the record that owes them.
+async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<(BatchPlan, ObjectId)> {
     metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
     let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
         .map(|a| ((a.purchase, a.actor), a.reply))
         .unzip();
     let (purchases, actors): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
     match place(api.intake(), purchases).await {
-        Ok(plan) => {
+        Ok((plan, owed)) => {
             // No record, no reveal: the repeats' audit records, one write
             // for the batch, before any answer.
             let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
@@ -189,7 +199,7 @@ async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
                 };
                 let _ = reply.send(answer);
             }
-            Some(plan)
+            Some((plan, owed))
         }
         Err(e) => {
             for reply in replies {
@@ -200,11 +210,12 @@ async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
     }
 }
 
-/// Publishes what a placed batch owes; the grants whose events were
-/// confirmed leave the relay's list. A mark not recorded (this process
-/// stopped, MongoDB away) only means the relay sends the event again, with
-/// the same `event_id`.
-async fn announce(api: &Core, plan: &BatchPlan) {
+/// Publishes what a placed batch owes; once every grant's event is
+/// confirmed, the batch's record (`owed`) leaves the relay's list. A
+/// record left (an event not confirmed, this process stopped, MongoDB
+/// away) only means the relay sends the batch's events again, with the
+/// same `event_id`s.
+async fn announce(api: &Core, plan: &BatchPlan, owed: ObjectId) {
     let broker = api.broker();
     let announcing = placing::announce(
         plan,
@@ -229,22 +240,45 @@ async fn announce(api: &Core, plan: &BatchPlan) {
             "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
         );
     }
+    if announced.texted {
+        if let Err(e) = api.store().settle_owed(owed).await {
+            tracing::debug!(error = %e, "a batch's record of owed events stays; the relay sends them again");
+        }
+    }
 }
 
-/// The durable half of one batch through the core: claimed, with its
-/// backorders recorded. No message of an HTTP order is redelivered: the
-/// relay owes the events of a grant no one saw confirmed.
-async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {
+/// The durable half of one batch through the core: its orders recorded as
+/// owing their events, then claimed, with its backorders recorded. No
+/// message of an HTTP order is redelivered: the relay owes the events of
+/// a batch no one saw confirmed.
+async fn place(
+    intake: &Intake,
+    purchases: Vec<Purchase>,
+) -> Result<(BatchPlan, ObjectId), Failure> {
     let asked = purchases.len();
+    let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
+    let began = std::time::Instant::now();
+    let owed =
+        (intake.store().owe_events(&orders).await).map_err(|e| Failure::Unowed(Arc::new(e)))?;
     let parsed = purchases.into_iter().map(Ok).collect();
     // A key missing from this process's key file: nothing was claimed,
     // and another API process (or this one, once its key file is
     // complete) takes the same request.
-    let plan = (intake.place(parsed, &[], Resend::ByRelay, Door::Http).await)
+    let plan = (intake
+        .place(parsed, &[], Resend::ByRecord, Door::Http)
+        .await)
         .map_err(|e| Failure::Place(Arc::new(e)))?;
     if plan.steps.len() != asked {
         let got = plan.steps.len();
         return Err(Failure::Miscounted { got, asked });
     }
-    Ok(plan)
+    // A claim this slow (MongoDB electing a primary, a majority out of
+    // reach) may have outlived its record: a relay takes a record that
+    // old for a dead process's, and deletes it when it finds no grant yet.
+    if began.elapsed() >= RECORD_AGES_AFTER {
+        if let Err(e) = intake.store().owe_again(&owed).await {
+            tracing::warn!(error = %e, "a slow batch's record of owed events was not written again; its events go out now");
+        }
+    }
+    Ok((plan, owed.id))
 }

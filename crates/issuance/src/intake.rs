@@ -375,8 +375,8 @@ impl Intake {
     /// The durable half of placing a batch: its plan, decided and claimed
     /// ([`Intake::decide`]), with its backorders recorded. Once this
     /// returns, every fresh grant is journaled and its event owed by the
-    /// outbox mark (`Resend::ByRelay`) or by redelivery
-    /// (`Resend::ByRedelivery`).
+    /// outbox mark (`Resend::ByRelay`), the batch's record
+    /// (`Resend::ByRecord`) or redelivery (`Resend::ByRedelivery`).
     pub async fn place(
         &self,
         parsed: Vec<Parsed>,

@@ -20,9 +20,11 @@ use crate::Door;
 #[derive(Debug, Default)]
 pub struct Announced {
     /// Positions whose `sms.pending` or `purchase.refused` event the
-    /// broker did not confirm (or, for [`Texting::Fresh`], whose mark was
-    /// not recorded: the relay sends those again).
+    /// broker did not confirm: the relay sends those again.
     pub unconfirmed: HashSet<usize>,
+    /// Every `sms.pending` event asked for was confirmed: nothing of it is
+    /// left for the relay.
+    pub texted: bool,
 }
 
 /// Which grants of a step to text.
@@ -33,20 +35,10 @@ pub enum Texting {
     Every,
     /// Only what this batch issued: a repeated request gets its codes in
     /// the answer, not a second SMS (the HTTP door; `resend` is for that).
-    /// Their grants are on the relay's list ([`Resend::ByRelay`]); the
-    /// confirmed ones are taken off it.
+    /// The batch's record owes their events ([`Resend::ByRecord`]); the
+    /// caller takes it away once [`Announced::texted`] says all were
+    /// confirmed.
     Fresh,
-}
-
-impl Texting {
-    /// How confirmed events are recorded: only grants the relay owes
-    /// need a mark.
-    fn marking(self) -> Marking {
-        match self {
-            Self::Every => Marking::Unneeded,
-            Self::Fresh => Marking::Now,
-        }
-    }
 }
 
 /// Publishes what a placed batch owes, for the positions in `only` (all
@@ -81,11 +73,13 @@ pub async fn announce(
     let sms: Vec<_> = sms.into_iter().filter(|(i, _)| wanted(only, *i)).collect();
     let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
     let (sent, mut unconfirmed) = tokio::join!(
-        outbox.send(publisher, &grants, texting.marking()),
+        outbox.send(publisher, &grants, Marking::Unneeded),
         announce_refusals(plan, publisher, only),
     );
+    let mut texted = false;
     match sent {
         Ok(sent) => {
+            texted = sent.confirmed() == sent.results.len();
             crate::outbox::log_published(&grants, &sent);
             for ((i, _), r) in sms.iter().zip(&sent.results) {
                 if r.is_err() {
@@ -93,14 +87,18 @@ pub async fn announce(
                 }
             }
         }
-        // Published, but not marked: the relay sends them again, with the
-        // same event ids.
+        // Not recorded (nothing is, for either door: the purchase or the
+        // batch's record owes the event): the relay sends them again, with
+        // the same event ids.
         Err(e) => {
-            debug!(error = %e, "SMS marks not recorded");
+            debug!(error = %e, "SMS events not recorded as sent");
             unconfirmed.extend(sms.iter().map(|(i, _)| *i));
         }
     }
-    Announced { unconfirmed }
+    Announced {
+        unconfirmed,
+        texted,
+    }
 }
 
 /// Whether a step answers codes issued before its request (a repeat of an

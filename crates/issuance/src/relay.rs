@@ -1,18 +1,21 @@
 //! The relay: re-publishes the SMS-pending events of grants that no message
 //! will bring back, flagged `sms_pending` ([`codepool_store::Resend::ByRelay`]):
 //! backorders fulfilled after an import, and grants of purchases
-//! dead-lettered at their delivery limit. A purchase's own grant needs no
+//! dead-lettered at their delivery limit; and the grants of HTTP batches
+//! whose record of owed events ([`codepool_store::Resend::ByRecord`])
+//! outlived their confirms. A purchase's own grant needs no
 //! relay: the purchase stays unacked, and is redelivered, until its event
 //! is confirmed. The event id is stable, so the SMS service drops any
 //! duplicate this creates.
 
 use std::time::Duration;
 
-use codepool_domain::Code;
+use codepool_domain::{Code, Grant};
+use codepool_store::codes::OwedRecord;
 use codepool_store::{Store, StoreError};
 use tracing::{info, warn};
 
-use crate::outbox::{Marking, Outbox};
+use crate::outbox::{Marking, Outbox, Sent};
 use crate::ports::EventSink;
 
 /// Re-publishes unconfirmed events of grants older than `older_than`,
@@ -28,8 +31,11 @@ pub async fn relay_unconfirmed(
 ) -> Result<u64, StoreError> {
     let cutoff = chrono::Utc::now()
         - chrono::Duration::from_std(older_than).unwrap_or_else(|_| chrono::Duration::seconds(30));
+    // The records first, each on its own: one that cannot be read is
+    // left for later and holds back nothing else.
+    let (mut confirmed, owed) = relay_records(store, outbox, sink, cutoff).await;
     let codes = store.unconfirmed_grants(cutoff, limit).await?;
-    metrics::gauge!("codepool_sms_relay_backlog").set(codes.len() as f64);
+    metrics::gauge!("codepool_sms_relay_backlog").set((codes.len() + owed) as f64);
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     if grants.len() < codes.len() {
         // `sms_pending` is only ever set on an issued code, which has a holder.
@@ -41,15 +47,8 @@ pub async fn relay_unconfirmed(
             .increment((codes.len() - grants.len()) as u64);
     }
     let sent = outbox.send(sink, &grants, Marking::Now).await?;
-    // One line per order relayed, with the fields its other lines carry:
-    // grepping an order id shows its event's way out too.
-    let mut logged = std::collections::HashSet::new();
-    for (g, r) in grants.iter().zip(&sent.results) {
-        if r.is_ok() && logged.insert(g.order_id.as_str()) {
-            info!(order_id = %g.order_id, pool = %g.pool, door = "relay", "sms.pending relayed");
-        }
-    }
-    let confirmed = sent.confirmed() as u64;
+    log_relayed(&grants, &sent);
+    confirmed += sent.confirmed() as u64;
     if confirmed > 0 {
         info!(
             count = confirmed,
@@ -58,4 +57,73 @@ pub async fn relay_unconfirmed(
         metrics::counter!("codepool_sms_relayed_total").increment(confirmed);
     }
     Ok(confirmed)
+}
+
+/// Records of owed events the relay takes up in one round, one at a time
+/// (a record names at most 256 orders).
+const RECORDS_PER_ROUND: i64 = 8;
+
+/// Sends the events of the grants each record written before `cutoff`
+/// owes ([`Store::owed_grants`]), and takes a record away once all of
+/// them are confirmed (one whose claim never landed owes none, and just
+/// goes). A record that cannot be read or sent now stays for the next
+/// round. Returns how many events' grants were confirmed, and how many
+/// grants the records read owed.
+async fn relay_records(
+    store: &Store,
+    outbox: &Outbox,
+    sink: &dyn EventSink,
+    cutoff: chrono::DateTime<chrono::Utc>,
+) -> (u64, usize) {
+    let records = match store.owed_records(cutoff, RECORDS_PER_ROUND).await {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(error = %e, "the records of owed SMS events were not read; retried at the next sweep");
+            return (0, 0);
+        }
+    };
+    let (mut confirmed, mut owed) = (0, 0);
+    for record in records {
+        let sent = relay_record(store, outbox, sink, &record).await;
+        match sent {
+            Ok((c, o)) => {
+                confirmed += c;
+                owed += o;
+            }
+            Err(e) => {
+                warn!(record = %record.id, error = %e, "a record of owed SMS events was not relayed; retried at the next sweep");
+                metrics::counter!("codepool_internal_errors_total", "kind" => "relay_record")
+                    .increment(1);
+            }
+        }
+    }
+    (confirmed, owed)
+}
+
+/// [`relay_records`] for one record: (confirmed, owed).
+async fn relay_record(
+    store: &Store,
+    outbox: &Outbox,
+    sink: &dyn EventSink,
+    record: &OwedRecord,
+) -> Result<(u64, usize), StoreError> {
+    let codes = store.owed_grants(record).await?;
+    let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
+    let sent = outbox.send(sink, &grants, Marking::Unneeded).await?;
+    log_relayed(&grants, &sent);
+    if sent.confirmed() == grants.len() {
+        store.settle_owed(record.id).await?;
+    }
+    Ok((sent.confirmed() as u64, grants.len()))
+}
+
+/// One line per order relayed, with the fields its other lines carry:
+/// grepping an order id shows its event's way out too.
+fn log_relayed(grants: &[Grant], sent: &Sent) {
+    let mut logged = std::collections::HashSet::new();
+    for (g, r) in grants.iter().zip(&sent.results) {
+        if r.is_ok() && logged.insert(g.order_id.as_str()) {
+            info!(order_id = %g.order_id, pool = %g.pool, door = "relay", "sms.pending relayed");
+        }
+    }
 }

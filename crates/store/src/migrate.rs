@@ -103,6 +103,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0023_redemptions",
         include_str!("../../../migrations/0023_redemptions.json"),
     ),
+    (
+        "0024_sms_owed",
+        include_str!("../../../migrations/0024_sms_owed.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -327,8 +327,9 @@ fn print_details(c: &Code) {
     let mut sms = vec![match (s.published_at, s.awaiting_relay) {
         (Some(t), _) => format!("published {}", short(Some(t))),
         (None, true) => "not confirmed yet; the relay re-sends it".to_owned(),
-        // The purchase was acked only once its event was confirmed.
-        (None, false) => "published with its purchase".to_owned(),
+        // An AMQP purchase is acked only once its event is confirmed; an
+        // HTTP batch's record of owed events stays until they are.
+        (None, false) => "published with its order".to_owned(),
     }];
     if s.sent_at.is_some() {
         sms.push(format!("sent {}", short(s.sent_at)));

@@ -322,6 +322,15 @@ pub enum Resend {
     /// write, and the relay re-sends flagged grants whose event stays
     /// unconfirmed. The HTTP door's grants: the answer carried the codes.
     ByRelay,
+    /// The relay, by a record of the batch: before the claim, the caller
+    /// recorded the orders of the batch as owing their events
+    /// ([`Store::owe_events`]), so the claim writes nothing per code for
+    /// them, and takes the record away ([`Store::settle_owed`]) once every
+    /// event is confirmed. The relay sends the events of the grants of a
+    /// record that outlives its confirms. The HTTP door's grants: one
+    /// insert and one delete per batch, where a mark per code
+    /// ([`Resend::ByRelay`]) is a second update of every code.
+    ByRecord,
     /// A backorder fulfilled: sent again by the relay like [`Resend::ByRelay`],
     /// and nobody has seen its codes yet, so a shop's order also owes its
     /// webhook (`hook_pending`), like a purchase over AMQP.
@@ -349,7 +358,7 @@ impl Resend {
     /// Whether a shop's grant claimed this way owes the shop a webhook:
     /// every grant but one the HTTP answer carried.
     pub fn owes_hook(self) -> bool {
-        !matches!(self, Self::ByRelay | Self::Hold)
+        !matches!(self, Self::ByRelay | Self::ByRecord | Self::Hold)
     }
 }
 
@@ -682,6 +691,7 @@ mod counts;
 mod insert;
 pub use insert::code_documents;
 mod outbox;
+pub use outbox::{OwedRecord, SMS_OWED};
 
 pub(crate) use claim::duplicate_positions;
 

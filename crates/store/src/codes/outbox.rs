@@ -2,6 +2,19 @@
 
 use super::*;
 
+/// One record per HTTP batch whose events are not all confirmed yet
+/// ([`Resend::ByRecord`]).
+pub const SMS_OWED: &str = "sms_owed";
+
+/// A batch's record of the events it owes ([`Store::owe_events`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwedRecord {
+    pub id: ObjectId,
+    /// When it was written, before the batch's claim.
+    pub at: DateTime,
+    pub orders: Vec<String>,
+}
+
 impl Store {
     /// Records that the SMS-pending events of these codes were confirmed by
     /// the broker, which takes them off the relay's list.
@@ -40,6 +53,113 @@ impl Store {
             .write_concern(durable())
             .await?;
         Ok(handed.modified_count)
+    }
+
+    /// Records that the grants a batch of these orders is about to claim
+    /// owe their SMS-pending events ([`Resend::ByRecord`]): one document
+    /// for the batch, written durably (journaled, by a majority) before
+    /// its claim, so no claim that survives a crash or a failover is
+    /// without it. `at` is taken before the claim, on the same clock as the
+    /// claim's `issued_at`: the record's grants are those its orders were
+    /// issued from then on, not a repeat's older codes.
+    pub async fn owe_events(&self, order_ids: &[&str]) -> Result<OwedRecord, StoreError> {
+        let record = OwedRecord {
+            id: ObjectId::new(),
+            at: DateTime::now(),
+            orders: order_ids.iter().map(|o| (*o).to_owned()).collect(),
+        };
+        self.write_owed(&record).await?;
+        Ok(record)
+    }
+
+    /// Writes `record` again, as it was (after a batch whose claim took so
+    /// long that a relay may have taken its record for a dead one's).
+    pub async fn owe_again(&self, record: &OwedRecord) -> Result<(), StoreError> {
+        self.write_owed(record).await
+    }
+
+    async fn write_owed(&self, r: &OwedRecord) -> Result<(), StoreError> {
+        self.collection(SMS_OWED)
+            .replace_one(
+                doc! {"_id": r.id},
+                doc! {"_id": r.id, "orders": &r.orders, "at": r.at},
+            )
+            .upsert(true)
+            .write_concern(durable())
+            .await?;
+        Ok(())
+    }
+
+    /// Takes a batch's record away once every event it owed was confirmed.
+    /// Bookkeeping: a record left behind costs one duplicate event per
+    /// grant (with its `event_id`), so w:1 is enough.
+    pub async fn settle_owed(&self, id: ObjectId) -> Result<(), StoreError> {
+        self.collection(SMS_OWED)
+            .delete_one(doc! {"_id": id})
+            .write_concern(crate::bookkeeping())
+            .await?;
+        Ok(())
+    }
+
+    /// The records written before `before` that are still there (their
+    /// batch's confirms never came: its process died or the broker was
+    /// away), oldest first: the relay's second work list.
+    pub async fn owed_records(
+        &self,
+        before: chrono::DateTime<chrono::Utc>,
+        limit: i64,
+    ) -> Result<Vec<OwedRecord>, StoreError> {
+        let docs: Vec<Document> = self
+            .collection(SMS_OWED)
+            .find(doc! {"at": {"$lt": DateTime::from_chrono(before)}})
+            .sort(doc! {"at": 1})
+            .limit(limit)
+            .await?
+            .try_collect()
+            .await?;
+        let corrupt = |message: String| StoreError::Corrupt {
+            collection: SMS_OWED.into(),
+            message,
+        };
+        docs.iter()
+            .map(|d| {
+                let orders = (d.get_array("orders").map_err(|e| corrupt(e.to_string()))?)
+                    .iter()
+                    .filter_map(|o| o.as_str().map(str::to_owned))
+                    .collect();
+                Ok(OwedRecord {
+                    id: d.get_object_id("_id").map_err(|e| corrupt(e.to_string()))?,
+                    at: *d.get_datetime("at").map_err(|e| corrupt(e.to_string()))?,
+                    orders,
+                })
+            })
+            .collect()
+    }
+
+    /// The grants a record owes events for: the codes its orders were
+    /// issued from its time on, issued or used now (a code voided since is
+    /// not texted; a repeat's codes, issued before, were texted by their
+    /// own batch). A record whose claim never landed owes none.
+    pub async fn owed_grants(&self, record: &OwedRecord) -> Result<Vec<Code>, StoreError> {
+        if record.orders.is_empty() {
+            return Ok(Vec::new());
+        }
+        let granted = [CodeStatus::Issued.as_i32(), CodeStatus::Used.as_i32()];
+        let docs: Vec<CodeDoc> = self
+            .typed::<CodeDoc>(CODES)
+            .find(doc! {
+                "order_id": {"$in": &record.orders},
+                "status": {"$in": granted.to_vec()},
+                // A second's margin for the clock stepping back between
+                // the record and its claim; a repeat granted within it is
+                // sent again under its own event id, which the SMS service
+                // drops.
+                "issued_at": {"$gte": DateTime::from_millis(record.at.timestamp_millis() - 1000)},
+            })
+            .await?
+            .try_collect()
+            .await?;
+        docs.into_iter().map(|d| d.into_code(&self.keys)).collect()
     }
 
     /// Grants issued before `before` that the relay owes their SMS-pending
