@@ -273,8 +273,9 @@ struct BatchRead {
     /// The holds already recorded under the batch's ids, of every owner.
     existing: HashMap<HoldName, HoldDoc>,
     open: Vec<HoldDoc>,
-    /// The open holds of the batch's owners (keys and shops).
-    owned: Vec<HoldDoc>,
+    /// The codes the batch's owners (keys and shops) hold in open holds,
+    /// per `(owner, pool)`, where a pool caps an owner's share.
+    owned: HashMap<(String, String), u64>,
     docs: Vec<codepool_store::pools::PoolDoc>,
     counted: HashMap<String, u64>,
 }
@@ -310,14 +311,21 @@ async fn read_batch(
         .collect();
     owners_asked.sort_unstable();
     owners_asked.dedup();
-    let (admission, existing, open, docs, counted, owned) = futures::join!(
+    let (admission, existing, open, docs, counted) = futures::join!(
         admission,
         store.holds_named(&ids),
         store.open_holds_of_many(&uids),
         store.pools_named(&names),
         first_count(store, &names),
-        store.open_holds_of_owners(&owners_asked),
     );
+    let docs = docs?;
+    // Only an owner whose share some pool caps is counted (a key of no
+    // shop is held back by the stock alone, by default).
+    owners_asked.retain(|o| {
+        (docs.iter()).any(|p| owner_share(p.hold_share_per_owner(), o) < 100)
+            || names.len() > docs.len() && owner_share(None, o) < 100
+    });
+    let owned = store.held_by_owners(&owners_asked, &names).await?;
     let (policies, admitted) = admission?;
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
     for (k, a) in admitted.into_iter().enumerate() {
@@ -337,8 +345,8 @@ async fn read_batch(
             .map(|h| ((h.owner.clone(), h.hold_id.clone()), h))
             .collect(),
         open: open?,
-        owned: owned?,
-        docs: docs?,
+        owned,
+        docs,
         counted: counted?,
     })
 }
@@ -543,8 +551,11 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(open: &[HoldDoc], owned: &[HoldDoc]) -> Self {
-        let mut t = Self::default();
+    fn new(open: &[HoldDoc], owned: &HashMap<(String, String), u64>) -> Self {
+        let mut t = Self {
+            owned: owned.clone(),
+            ..Self::default()
+        };
         for h in open {
             let buyer = codepool_domain::buyer_key(&h.uid);
             *t.open_count.entry(buyer.clone()).or_default() += 1;
@@ -552,12 +563,6 @@ impl Tally {
                 *t.holding
                     .entry((buyer.clone(), i.pool.clone()))
                     .or_default() += u64::from(i.quantity);
-            }
-        }
-        for h in owned {
-            let Some(o) = &h.owner else { continue };
-            for i in &h.items {
-                *t.owned.entry((o.clone(), i.pool.clone())).or_default() += u64::from(i.quantity);
             }
         }
         t
@@ -622,8 +627,8 @@ impl Tally {
 struct Limits<'a> {
     /// The batch's buyers' open holds (by buyer key).
     open: &'a [HoldDoc],
-    /// The batch's owners' open holds.
-    owned: &'a [HoldDoc],
+    /// The codes the batch's owners hold, per `(owner, pool)`.
+    owned: &'a HashMap<(String, String), u64>,
     /// Each ask's owner, as admitted.
     owners: &'a [Option<String>],
     docs: &'a [codepool_store::pools::PoolDoc],

@@ -9,6 +9,8 @@
 //! being held under that key, so a commit and an expiry racing for one
 //! code give it to exactly one of them.
 
+use std::collections::HashMap;
+
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::{CodeId, CodeStatus, Item, Transition};
@@ -264,17 +266,40 @@ impl Store {
             .await?)
     }
 
-    /// The open holds (not bundles') of these owners (keys and shops).
-    pub async fn open_holds_of_owners(&self, owners: &[&str]) -> Result<Vec<HoldDoc>, StoreError> {
-        if owners.is_empty() {
-            return Ok(Vec::new());
+    /// The codes these owners (keys and shops) hold in open holds (not
+    /// bundles'), per `(owner, pool)`, for these pools: summed by the
+    /// server, so a shop with thousands of open holds costs a batch one
+    /// reply of a few sums, not all of its holds.
+    pub async fn held_by_owners(
+        &self,
+        owners: &[&str],
+        pools: &[&str],
+    ) -> Result<HashMap<(String, String), u64>, StoreError> {
+        if owners.is_empty() || pools.is_empty() {
+            return Ok(HashMap::new());
         }
-        Ok(self
-            .typed::<HoldDoc>(HOLDS)
-            .find(doc! {"owner": {"$in": owners}, "state": HELD, "bundle": {"$ne": true}})
-            .await?
-            .try_collect()
-            .await?)
+        let pipeline = vec![
+            doc! {"$match": {
+                "owner": {"$in": owners}, "state": HELD, "bundle": {"$ne": true},
+                "items.pool": {"$in": pools},
+            }},
+            doc! {"$unwind": "$items"},
+            doc! {"$match": {"items.pool": {"$in": pools}}},
+            doc! {"$group": {
+                "_id": {"owner": "$owner", "pool": "$items.pool"},
+                "n": {"$sum": "$items.quantity"},
+            }},
+        ];
+        let mut held = HashMap::new();
+        let mut cursor = self.collection(HOLDS).aggregate(pipeline).await?;
+        while let Some(d) = cursor.try_next().await? {
+            let id = d.get_document("_id").ok();
+            let field = |f: &str| id.and_then(|i| i.get_str(f).ok()).map(str::to_owned);
+            if let (Some(owner), Some(pool)) = (field("owner"), field("pool")) {
+                held.insert((owner, pool), crate::collections::as_u64(d.get("n")));
+            }
+        }
+        Ok(held)
     }
 
     /// A buyer's latest holds, any state, newest first (not bundles').
