@@ -410,10 +410,11 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
 
     // A record whose confirms never came (its process died after the
     // claim): the relay sends the events of the grants its orders were
-    // issued since, with their first event ids, and the record goes. An
-    // order that was never claimed holds nothing, and a voided code is not
-    // texted. A record written after W-2's grant (W-2 a repeat there)
-    // owes nothing: its own batch texted it, and the record just goes.
+    // issued since, with their first event ids. An order that was never
+    // claimed holds nothing, and a voided code is not texted. A record
+    // written after W-2's grant (W-2 a repeat there) owes nothing: its own
+    // batch texted it. Each record stays, out of the relay's list, until
+    // it is ten minutes old (a batch still being placed may land more).
     codes
         .update_one(
             bson::doc! {"order_id": "W-1"},
@@ -421,12 +422,12 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
         )
         .await
         .unwrap();
-    let died = codepool_store::codes::OwedRecord {
-        id: bson::oid::ObjectId::new(),
-        at: before,
-        orders: ["W-0", "W-1", "never-claimed"].map(str::to_owned).to_vec(),
+    let write = |at: bson::DateTime, orders: &[&str]| {
+        let record = bson::doc! {"_id": bson::oid::ObjectId::new(), "orders": orders, "at": at};
+        let owed = owed.clone();
+        async move { owed.insert_one(record).await.unwrap() }
     };
-    env.store.owe_again(&died).await.unwrap();
+    write(before, &["W-0", "W-1", "never-claimed"]).await;
     // Past the second's margin the relay allows for the clock.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     env.store.owe_events(&["W-2"]).await.unwrap();
@@ -434,12 +435,15 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let outbox = codepool_issuance::Outbox::new(std::sync::Arc::new(env.store.clone()));
-    let relay = codepool_issuance::relay::relay_unconfirmed;
-    let relayed = relay(&env.store, &outbox, &publisher, Duration::ZERO, 100)
-        .await
-        .unwrap();
-    assert_eq!(relayed, 3, "W-0's two codes and W-1's one live code");
-    assert_eq!(owed.count_documents(bson::doc! {}).await.unwrap(), 0);
+    let relay = || {
+        let relay = codepool_issuance::relay::relay_unconfirmed;
+        relay(&env.store, &outbox, &publisher, Duration::ZERO, 100)
+    };
+    assert_eq!(
+        relay().await.unwrap(),
+        3,
+        "W-0's two codes and W-1's live one"
+    );
     let again = events(&env).await;
     let ids = |es: &[SmsPending], o: &str| -> Vec<String> {
         let of = es.iter().filter(|e| e.order_id == o);
@@ -449,7 +453,19 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
     assert_eq!(ids(&again, "W-0"), ids(&first, "W-0"), "the same event id");
     let live = again.iter().find(|e| e.order_id == "W-1").unwrap();
     assert_eq!(live.all_codes().len(), 1, "only W-1's live code: {live:?}");
-    assert_eq!(again.iter().map(|e| e.all_codes().len()).sum::<usize>(), 3);
+    assert_eq!(owed.count_documents(bson::doc! {}).await.unwrap(), 2);
+    assert_eq!(
+        relay().await.unwrap(),
+        0,
+        "sent once until they come of age"
+    );
+
+    // A record ten minutes old: its events go once more, and it goes.
+    let old = bson::DateTime::from_millis(before.timestamp_millis() - 601_000);
+    write(old, &["W-0"]).await;
+    assert_eq!(relay().await.unwrap(), 2);
+    assert_eq!(ids(&events(&env).await, "W-0"), ids(&first, "W-0"));
+    assert_eq!(owed.count_documents(bson::doc! {}).await.unwrap(), 2);
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
 }

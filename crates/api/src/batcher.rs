@@ -24,7 +24,6 @@
 
 use std::sync::{Arc, Weak};
 
-use bson::oid::ObjectId;
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::intake::PlaceError;
@@ -41,9 +40,6 @@ pub const MAX_BATCH: usize = 256;
 pub const IN_FLIGHT: usize = 1;
 /// Most placed batches whose announcements wait for the broker at once.
 pub const ANNOUNCING: usize = 8;
-/// How long a batch may be placed before its record of owed events is
-/// written again: well within the relay's 30 s, and the clocks' skew.
-const RECORD_AGES_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 /// Longest a batch's announcements wait for the broker's confirms.
 const ANNOUNCE_FOR: std::time::Duration = std::time::Duration::from_secs(20);
 
@@ -54,10 +50,6 @@ pub(crate) enum Failure {
     /// Nothing of the batch was claimed, or what was is owed by the relay.
     #[error(transparent)]
     Place(Arc<PlaceError>),
-    /// The batch's events were not recorded as owed, so nothing was
-    /// claimed.
-    #[error("the batch's SMS events were not recorded as owed: {0}")]
-    Unowed(Arc<codepool_issuance::StoreError>),
     /// A repeat's codes are shown only once its reveal is recorded.
     #[error("the repeat was not audited, so its codes are not shown: {0}")]
     Unaudited(Arc<codepool_issuance::StoreError>),
@@ -74,7 +66,7 @@ impl Failure {
     pub(crate) fn is_unavailable(&self) -> bool {
         match self {
             Self::Place(e) => e.is_retryable(),
-            Self::Unaudited(e) | Self::Unowed(e) => e.is_unavailable(),
+            Self::Unaudited(e) => e.is_unavailable(),
             Self::Miscounted { .. } => false,
             Self::Stopping => true,
         }
@@ -167,8 +159,8 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
             let plan = answer_batch(&api, asks).await;
             drop(underway);
             drop(permit);
-            if let Some((plan, owed)) = plan {
-                announce(&api, &plan, owed).await;
+            if let Some(plan) = plan {
+                announce(&api, &plan).await;
             }
             drop(slot);
         };
@@ -178,14 +170,14 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
 
 /// Places one batch and answers every request in it. The placed plan,
 /// whose announcements are still owed, and the record that owes them.
-async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<(BatchPlan, ObjectId)> {
+async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
     metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
     let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
         .map(|a| ((a.purchase, a.actor), a.reply))
         .unzip();
     let (purchases, actors): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
     match place(api.intake(), purchases).await {
-        Ok((plan, owed)) => {
+        Ok(plan) => {
             // No record, no reveal: the repeats' audit records, one write
             // for the batch, before any answer.
             let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
@@ -199,7 +191,7 @@ async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<(BatchPlan, ObjectId
                 };
                 let _ = reply.send(answer);
             }
-            Some((plan, owed))
+            Some(plan)
         }
         Err(e) => {
             for reply in replies {
@@ -211,11 +203,11 @@ async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<(BatchPlan, ObjectId
 }
 
 /// Publishes what a placed batch owes; once every grant's event is
-/// confirmed, the batch's record (`owed`) leaves the relay's list. A
+/// confirmed, the batch's record (`plan.owed`) leaves the relay's list. A
 /// record left (an event not confirmed, this process stopped, MongoDB
 /// away) only means the relay sends the batch's events again, with the
 /// same `event_id`s.
-async fn announce(api: &Core, plan: &BatchPlan, owed: ObjectId) {
+async fn announce(api: &Core, plan: &BatchPlan) {
     let broker = api.broker();
     let announcing = placing::announce(
         plan,
@@ -240,7 +232,7 @@ async fn announce(api: &Core, plan: &BatchPlan, owed: ObjectId) {
             "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
         );
     }
-    if announced.texted {
+    if let (true, Some(owed)) = (announced.texted, plan.owed) {
         if let Err(e) = api.store().settle_owed(owed).await {
             tracing::debug!(error = %e, "a batch's record of owed events stays; the relay sends them again");
         }
@@ -251,15 +243,8 @@ async fn announce(api: &Core, plan: &BatchPlan, owed: ObjectId) {
 /// owing their events, then claimed, with its backorders recorded. No
 /// message of an HTTP order is redelivered: the relay owes the events of
 /// a batch no one saw confirmed.
-async fn place(
-    intake: &Intake,
-    purchases: Vec<Purchase>,
-) -> Result<(BatchPlan, ObjectId), Failure> {
+async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {
     let asked = purchases.len();
-    let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
-    let began = std::time::Instant::now();
-    let owed =
-        (intake.store().owe_events(&orders).await).map_err(|e| Failure::Unowed(Arc::new(e)))?;
     let parsed = purchases.into_iter().map(Ok).collect();
     // A key missing from this process's key file: nothing was claimed,
     // and another API process (or this one, once its key file is
@@ -272,13 +257,5 @@ async fn place(
         let got = plan.steps.len();
         return Err(Failure::Miscounted { got, asked });
     }
-    // A claim this slow (MongoDB electing a primary, a majority out of
-    // reach) may have outlived its record: a relay takes a record that
-    // old for a dead process's, and deletes it when it finds no grant yet.
-    if began.elapsed() >= RECORD_AGES_AFTER {
-        if let Err(e) = intake.store().owe_again(&owed).await {
-            tracing::warn!(error = %e, "a slow batch's record of owed events was not written again; its events go out now");
-        }
-    }
-    Ok((plan, owed.id))
+    Ok(plan)
 }

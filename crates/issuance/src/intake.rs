@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use codepool_domain::{CodeId, Purchase};
-use codepool_store::{Store, StoreError};
+use codepool_store::{ObjectId, Store, StoreError};
 
 use crate::claim::{ClaimEngine, ClaimError, ClaimOutcome};
 use crate::plan::{
@@ -123,6 +123,7 @@ impl Intake {
         let policies = policies?;
         let mut held = held?;
         let backordered = backordered?;
+        let owed = self.owe_events(&parsed, &held, resend).await?;
         // Orders that pay for a checkout hold take its codes first (a new
         // order only: one that holds codes or waits already is placed as
         // it stands).
@@ -160,6 +161,7 @@ impl Intake {
         let mut plan = plan_batch(intake, outcomes)?;
         plan.exhausted_pools.extend(short_pools);
         plan.claims_began = Some(claims_began);
+        plan.owed = owed;
         plan.credit_committed(&committed);
         self.withdraw_if_cancelled(&mut plan, &waited).await?;
         Ok(plan)
@@ -199,6 +201,30 @@ impl Intake {
             }
         }
         Ok((outcomes.into_iter().flatten().collect(), short))
+    }
+
+    /// For a batch whose events a record owes ([`Resend::ByRecord`]):
+    /// records, before anything is granted, the orders that may be (all
+    /// but those that hold every code they asked for: a repeat grants
+    /// nothing). A batch of repeats writes nothing. Returns the record.
+    async fn owe_events(
+        &self,
+        parsed: &[Parsed],
+        held: &HashMap<String, Vec<codepool_domain::Code>>,
+        resend: Resend,
+    ) -> Result<Option<ObjectId>, StoreError> {
+        if resend != Resend::ByRecord {
+            return Ok(None);
+        }
+        let asked = |p: &Purchase| p.items().iter().map(|i| i.quantity as usize).sum::<usize>();
+        let fresh: Vec<&str> = (parsed.iter().flatten())
+            .filter(|p| held.get(&p.order_id).map_or(0, Vec::len) < asked(p))
+            .map(|p| p.order_id.as_str())
+            .collect();
+        if fresh.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.store.owe_events(&fresh).await?.id))
     }
 
     /// Commits the holds the batch's new orders pay for, and adds what

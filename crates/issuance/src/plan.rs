@@ -160,6 +160,10 @@ pub struct BatchPlan {
     pub repeats: u64,
     /// Purchases held as backorders because their pool is paused.
     pub held: u64,
+    /// The record that owes this batch's events ([`crate::Resend::ByRecord`]),
+    /// to take away once they are all confirmed; `None` when the batch
+    /// may grant nothing, or its events are owed otherwise.
+    pub owed: Option<bson::oid::ObjectId>,
 }
 
 impl BatchPlan {

@@ -63,19 +63,31 @@ pub async fn relay_unconfirmed(
 /// (a record names at most 256 orders).
 const RECORDS_PER_ROUND: i64 = 8;
 
+/// How long a record stays once the relay has sent its events: a batch
+/// still being placed when its record came of age (its claim stalled, or
+/// its process died in the middle of it) may land more grants until
+/// then, and the relay sends them all once more before it takes the
+/// record away. Well past any claim's life, and any clocks' skew.
+pub const RECORD_KEPT_FOR: Duration = Duration::from_secs(600);
+
+/// How long a record that could not be read or sent waits before the
+/// relay tries it again (newer records go first meanwhile).
+const RECORD_RETRY_AFTER: Duration = Duration::from_secs(60);
+
 /// Sends the events of the grants each record written before `cutoff`
-/// owes ([`Store::owed_grants`]), and takes a record away once all of
-/// them are confirmed (one whose claim never landed owes none, and just
-/// goes). A record that cannot be read or sent now stays for the next
-/// round. Returns how many events' grants were confirmed, and how many
-/// grants the records read owed.
+/// owes ([`Store::owed_grants`]). A record whose events were all
+/// confirmed waits, out of the list, until it is [`RECORD_KEPT_FOR`] old;
+/// then its events are sent once more and it goes. A record that cannot
+/// be read or sent waits [`RECORD_RETRY_AFTER`]. Returns how many events'
+/// grants were confirmed, and how many grants the records read owed.
 async fn relay_records(
     store: &Store,
     outbox: &Outbox,
     sink: &dyn EventSink,
     cutoff: chrono::DateTime<chrono::Utc>,
 ) -> (u64, usize) {
-    let records = match store.owed_records(cutoff, RECORDS_PER_ROUND).await {
+    let now = chrono::Utc::now();
+    let records = match store.owed_records(cutoff, now, RECORDS_PER_ROUND).await {
         Ok(r) => r,
         Err(e) => {
             warn!(error = %e, "the records of owed SMS events were not read; retried at the next sweep");
@@ -84,16 +96,20 @@ async fn relay_records(
     };
     let (mut confirmed, mut owed) = (0, 0);
     for record in records {
-        let sent = relay_record(store, outbox, sink, &record).await;
-        match sent {
+        match relay_record(store, outbox, sink, &record, now).await {
             Ok((c, o)) => {
                 confirmed += c;
                 owed += o;
             }
             Err(e) => {
-                warn!(record = %record.id, error = %e, "a record of owed SMS events was not relayed; retried at the next sweep");
+                warn!(record = %record.id, error = %e, "a record of owed SMS events was not relayed; tried again in a minute");
                 metrics::counter!("codepool_internal_errors_total", "kind" => "relay_record")
                     .increment(1);
+                let later =
+                    now + chrono::Duration::from_std(RECORD_RETRY_AFTER).unwrap_or_default();
+                let _ = store
+                    .defer_owed(record.id, bson::DateTime::from_chrono(later))
+                    .await;
             }
         }
     }
@@ -106,13 +122,22 @@ async fn relay_record(
     outbox: &Outbox,
     sink: &dyn EventSink,
     record: &OwedRecord,
+    now: chrono::DateTime<chrono::Utc>,
 ) -> Result<(u64, usize), StoreError> {
     let codes = store.owed_grants(record).await?;
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     let sent = outbox.send(sink, &grants, Marking::Unneeded).await?;
     log_relayed(&grants, &sent);
     if sent.confirmed() == grants.len() {
-        store.settle_owed(record.id).await?;
+        let kept = chrono::Duration::from_std(RECORD_KEPT_FOR).unwrap_or_default();
+        let until = record.at.to_chrono() + kept;
+        if until <= now {
+            store.settle_owed(record.id).await?;
+        } else {
+            store
+                .defer_owed(record.id, bson::DateTime::from_chrono(until))
+                .await?;
+        }
     }
     Ok((sent.confirmed() as u64, grants.len()))
 }

@@ -68,26 +68,11 @@ impl Store {
             at: DateTime::now(),
             orders: order_ids.iter().map(|o| (*o).to_owned()).collect(),
         };
-        self.write_owed(&record).await?;
-        Ok(record)
-    }
-
-    /// Writes `record` again, as it was (after a batch whose claim took so
-    /// long that a relay may have taken its record for a dead one's).
-    pub async fn owe_again(&self, record: &OwedRecord) -> Result<(), StoreError> {
-        self.write_owed(record).await
-    }
-
-    async fn write_owed(&self, r: &OwedRecord) -> Result<(), StoreError> {
         self.collection(SMS_OWED)
-            .replace_one(
-                doc! {"_id": r.id},
-                doc! {"_id": r.id, "orders": &r.orders, "at": r.at},
-            )
-            .upsert(true)
+            .insert_one(doc! {"_id": record.id, "orders": &record.orders, "at": record.at})
             .write_concern(durable())
             .await?;
-        Ok(())
+        Ok(record)
     }
 
     /// Takes a batch's record away once every event it owed was confirmed.
@@ -101,39 +86,51 @@ impl Store {
         Ok(())
     }
 
+    /// Leaves a record out of the relay's list until `until`.
+    pub async fn defer_owed(&self, id: ObjectId, until: DateTime) -> Result<(), StoreError> {
+        self.collection(SMS_OWED)
+            .update_one(doc! {"_id": id}, doc! {"$set": {"next_at": until}})
+            .write_concern(crate::bookkeeping())
+            .await?;
+        Ok(())
+    }
+
     /// The records written before `before` that are still there (their
-    /// batch's confirms never came: its process died or the broker was
-    /// away), oldest first: the relay's second work list.
+    /// batch's confirms never came: its process died, its claim failed or
+    /// the broker was away) and not deferred past `now`, oldest first:
+    /// the relay's second work list. A document without a time is left
+    /// out (no batch writes one).
     pub async fn owed_records(
         &self,
         before: chrono::DateTime<chrono::Utc>,
+        now: chrono::DateTime<chrono::Utc>,
         limit: i64,
     ) -> Result<Vec<OwedRecord>, StoreError> {
+        let now = DateTime::from_chrono(now);
         let docs: Vec<Document> = self
             .collection(SMS_OWED)
-            .find(doc! {"at": {"$lt": DateTime::from_chrono(before)}})
+            .find(doc! {
+                "at": {"$lt": DateTime::from_chrono(before)},
+                "$or": [{"next_at": {"$exists": false}}, {"next_at": {"$lte": now}}],
+            })
             .sort(doc! {"at": 1})
             .limit(limit)
             .await?
             .try_collect()
             .await?;
-        let corrupt = |message: String| StoreError::Corrupt {
-            collection: SMS_OWED.into(),
-            message,
-        };
-        docs.iter()
-            .map(|d| {
-                let orders = (d.get_array("orders").map_err(|e| corrupt(e.to_string()))?)
-                    .iter()
+        Ok(docs
+            .iter()
+            .filter_map(|d| {
+                let orders = (d.get_array("orders").into_iter().flatten())
                     .filter_map(|o| o.as_str().map(str::to_owned))
                     .collect();
-                Ok(OwedRecord {
-                    id: d.get_object_id("_id").map_err(|e| corrupt(e.to_string()))?,
-                    at: *d.get_datetime("at").map_err(|e| corrupt(e.to_string()))?,
+                Some(OwedRecord {
+                    id: d.get_object_id("_id").ok()?,
+                    at: *d.get_datetime("at").ok()?,
                     orders,
                 })
             })
-            .collect()
+            .collect())
     }
 
     /// The grants a record owes events for: the codes its orders were
