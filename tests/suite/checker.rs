@@ -748,11 +748,13 @@ impl World {
             || async {
                 let owed = (self.env.store.database())
                     .collection::<Document>(codepool_store::codes::SMS_OWED);
+                // A record the relay sent stays ten minutes, marked.
+                let unsent = doc! {"relayed": {"$ne": true}};
                 self.codes()
                     .count_documents(doc! {"sms_pending": true})
                     .await
                     .unwrap()
-                    + owed.count_documents(doc! {}).await.unwrap()
+                    + owed.count_documents(unsent).await.unwrap()
                     == 0
             },
         )

@@ -107,9 +107,8 @@ async fn relay_records(
                     .increment(1);
                 let later =
                     now + chrono::Duration::from_std(RECORD_RETRY_AFTER).unwrap_or_default();
-                let _ = store
-                    .defer_owed(record.id, bson::DateTime::from_chrono(later))
-                    .await;
+                let later = bson::DateTime::from_chrono(later);
+                let _ = store.defer_owed(record.id, later, false).await;
             }
         }
     }
@@ -134,9 +133,8 @@ async fn relay_record(
         if until <= now {
             store.settle_owed(record.id).await?;
         } else {
-            store
-                .defer_owed(record.id, bson::DateTime::from_chrono(until))
-                .await?;
+            let until = bson::DateTime::from_chrono(until);
+            store.defer_owed(record.id, until, true).await?;
         }
     }
     Ok((sent.confirmed() as u64, grants.len()))

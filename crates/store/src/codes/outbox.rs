@@ -86,10 +86,21 @@ impl Store {
         Ok(())
     }
 
-    /// Leaves a record out of the relay's list until `until`.
-    pub async fn defer_owed(&self, id: ObjectId, until: DateTime) -> Result<(), StoreError> {
+    /// Leaves a record out of the relay's list until `until`; `relayed`
+    /// when every event it owed was confirmed (it waits only to send them
+    /// once more, for grants that landed late).
+    pub async fn defer_owed(
+        &self,
+        id: ObjectId,
+        until: DateTime,
+        relayed: bool,
+    ) -> Result<(), StoreError> {
+        let mut set = doc! {"next_at": until};
+        if relayed {
+            set.insert("relayed", true);
+        }
         self.collection(SMS_OWED)
-            .update_one(doc! {"_id": id}, doc! {"$set": {"next_at": until}})
+            .update_one(doc! {"_id": id}, doc! {"$set": set})
             .write_concern(crate::bookkeeping())
             .await?;
         Ok(())
