@@ -455,6 +455,25 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
     assert_eq!(live.all_codes().len(), 1, "only W-1's live code: {live:?}");
     let relayed = bson::doc! {"relayed": true};
     assert_eq!(owed.count_documents(relayed).await.unwrap(), 2);
+    // Back for its last pass at ten minutes old; the record that owed
+    // nothing yet, in a minute (its batch may still land grants).
+    let next_at = |order: &'static str| {
+        let owed = owed.clone();
+        async move {
+            let r = owed
+                .find_one(bson::doc! {"orders": order})
+                .await
+                .unwrap()
+                .unwrap();
+            r.get_datetime("next_at").unwrap().timestamp_millis()
+        }
+    };
+    assert_eq!(next_at("W-0").await, before.timestamp_millis() + 600_000);
+    let soon = next_at("W-2").await - bson::DateTime::now().timestamp_millis();
+    assert!(
+        (0..=61_000).contains(&soon),
+        "W-2's record back in {soon} ms"
+    );
     assert_eq!(
         relay().await.unwrap(),
         0,

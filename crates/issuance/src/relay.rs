@@ -76,8 +76,10 @@ const RECORD_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// Sends the events of the grants each record written before `cutoff`
 /// owes ([`Store::owed_grants`]). A record whose events were all
-/// confirmed waits, out of the list, until it is [`RECORD_KEPT_FOR`] old;
-/// then its events are sent once more and it goes. A record that cannot
+/// confirmed waits, out of the list and marked `relayed`, until it is
+/// [`RECORD_KEPT_FOR`] old (one that owed none yet, a minute); then its
+/// events are sent once more and it goes. A record whose events were not
+/// all confirmed, or that cannot
 /// be read or sent waits [`RECORD_RETRY_AFTER`]. Returns how many events'
 /// grants were confirmed, and how many grants the records read owed.
 async fn relay_records(
@@ -127,15 +129,25 @@ async fn relay_record(
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     let sent = outbox.send(sink, &grants, Marking::Unneeded).await?;
     log_relayed(&grants, &sent);
-    if sent.confirmed() == grants.len() {
-        let kept = chrono::Duration::from_std(RECORD_KEPT_FOR).unwrap_or_default();
-        let until = record.at.to_chrono() + kept;
-        if until <= now {
-            store.settle_owed(record.id).await?;
+    let kept = chrono::Duration::from_std(RECORD_KEPT_FOR).unwrap_or_default();
+    let retry = now + chrono::Duration::from_std(RECORD_RETRY_AFTER).unwrap_or_default();
+    let last = record.at.to_chrono() + kept;
+    let all = sent.confirmed() == grants.len();
+    if all && last <= now {
+        store.settle_owed(record.id).await?;
+    } else {
+        // Sent: back for the last pass once the record is ten minutes
+        // old, or in a minute when it owed nothing yet (its batch may
+        // still land its grants). Not all confirmed: tried again in a
+        // minute, newer records first meanwhile.
+        let next = if all && !grants.is_empty() {
+            last
         } else {
-            let until = bson::DateTime::from_chrono(until);
-            store.defer_owed(record.id, until, true).await?;
-        }
+            retry
+        };
+        store
+            .defer_owed(record.id, bson::DateTime::from_chrono(next), all)
+            .await?;
     }
     Ok((sent.confirmed() as u64, grants.len()))
 }
