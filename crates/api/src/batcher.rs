@@ -8,11 +8,12 @@
 //! as soon as that durable half is done. What the batch owes then
 //! (`sms.pending`, `purchase.refused`, `pool.exhausted`) is announced
 //! after the answers, by a task of its own ([`codepool_issuance::placing`]):
-//! before its claim, the batch records its orders as owing their events
-//! (`Resend::ByRecord`, one document for the batch), and the record goes
-//! once every fresh grant's event is confirmed. The relay of every API
-//! process sends the events of a record that outlives its confirms,
-//! exactly as for a process that died between its claim and its confirm.
+//! before it grants anything, the batch records the orders it may grant as
+//! owing their events (`Resend::ByRecord`, one document for the batch; see
+//! `Intake::decide`), and the record goes once every fresh grant's event
+//! is confirmed. The relay of every API process sends the events of a
+//! record that outlives its confirms, exactly as for a process that died
+//! between its claim and its confirm.
 //! Nothing is lost, and the stable `event_id` makes a second send harmless.
 //!
 //! At most [`IN_FLIGHT`] batches are placed at once; while they are, new
@@ -169,7 +170,8 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
 }
 
 /// Places one batch and answers every request in it. The placed plan,
-/// whose announcements are still owed, and the record that owes them.
+/// whose announcements are still owed (`plan.owed` names the record that
+/// owes its events).
 async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
     metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
     let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
@@ -239,8 +241,9 @@ async fn announce(api: &Core, plan: &BatchPlan) {
     }
 }
 
-/// The durable half of one batch through the core: its orders recorded as
-/// owing their events, then claimed, with its backorders recorded. No
+/// The durable half of one batch through the core: the orders it may grant
+/// recorded as owing their events, then claimed, with its backorders
+/// recorded. No
 /// message of an HTTP order is redelivered: the relay owes the events of
 /// a batch no one saw confirmed.
 async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {

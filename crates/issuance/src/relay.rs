@@ -79,9 +79,9 @@ const RECORD_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// confirmed waits, out of the list and marked `relayed`, until it is
 /// [`RECORD_KEPT_FOR`] old (one that owed none yet, a minute); then its
 /// events are sent once more and it goes. A record whose events were not
-/// all confirmed, or that cannot
-/// be read or sent waits [`RECORD_RETRY_AFTER`]. Returns how many events'
-/// grants were confirmed, and how many grants the records read owed.
+/// all confirmed, or that cannot be read or sent, waits
+/// [`RECORD_RETRY_AFTER`]. Returns how many events' grants were
+/// confirmed, and how many grants the records read owed.
 async fn relay_records(
     store: &Store,
     outbox: &Outbox,
