@@ -321,10 +321,11 @@ async fn read_batch(
     let docs = docs?;
     // Only an owner whose share some pool caps is counted (a key of no
     // shop is held back by the stock alone, by default).
-    owners_asked.retain(|o| {
-        (docs.iter()).any(|p| owner_share(p.hold_share_per_owner(), o) < 100)
-            || names.len() > docs.len() && owner_share(None, o) < 100
-    });
+    // The same rule as `within_limits`: a pool without a record has the
+    // default setting.
+    let setting =
+        |pool: &str| (docs.iter().find(|p| p.name == pool)).and_then(|p| p.hold_share_per_owner());
+    owners_asked.retain(|o| names.iter().any(|pool| owner_share(setting(pool), o) < 100));
     let owned = store.held_by_owners(&owners_asked, &names).await?;
     let (policies, admitted) = admission?;
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());

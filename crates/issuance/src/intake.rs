@@ -216,15 +216,15 @@ impl Intake {
         if resend != Resend::ByRecord {
             return Ok(None);
         }
-        let asked = |p: &Purchase| p.items().iter().map(|i| i.quantity as usize).sum::<usize>();
+        // A bundle's quantity is its items' sum: every order's is its codes.
         let fresh: Vec<&str> = (parsed.iter().flatten())
-            .filter(|p| held.get(&p.order_id).map_or(0, Vec::len) < asked(p))
+            .filter(|p| held.get(&p.order_id).map_or(0, Vec::len) < p.quantity as usize)
             .map(|p| p.order_id.as_str())
             .collect();
         if fresh.is_empty() {
             return Ok(None);
         }
-        Ok(Some(self.store.owe_events(&fresh).await?.id))
+        Ok(Some(self.store.owe_events(&fresh).await?))
     }
 
     /// Commits the holds the batch's new orders pay for, and adds what

@@ -107,9 +107,7 @@ async fn relay_records(
                 warn!(record = %record.id, error = %e, "a record of owed SMS events was not relayed; tried again in a minute");
                 metrics::counter!("codepool_internal_errors_total", "kind" => "relay_record")
                     .increment(1);
-                let later =
-                    now + chrono::Duration::from_std(RECORD_RETRY_AFTER).unwrap_or_default();
-                let later = bson::DateTime::from_chrono(later);
+                let later = after(now, RECORD_RETRY_AFTER);
                 let _ = store.defer_owed(record.id, later, false).await;
             }
         }
@@ -129,11 +127,9 @@ async fn relay_record(
     let grants: Vec<_> = codes.iter().filter_map(Code::grant).collect();
     let sent = outbox.send(sink, &grants, Marking::Unneeded).await?;
     log_relayed(&grants, &sent);
-    let kept = chrono::Duration::from_std(RECORD_KEPT_FOR).unwrap_or_default();
-    let retry = now + chrono::Duration::from_std(RECORD_RETRY_AFTER).unwrap_or_default();
-    let last = record.at.to_chrono() + kept;
+    let last = after(record.at.to_chrono(), RECORD_KEPT_FOR);
     let all = sent.confirmed() == grants.len();
-    if all && last <= now {
+    if all && last.to_chrono() <= now {
         store.settle_owed(record.id).await?;
     } else {
         // Sent: back for the last pass once the record is ten minutes
@@ -143,13 +139,16 @@ async fn relay_record(
         let next = if all && !grants.is_empty() {
             last
         } else {
-            retry
+            after(now, RECORD_RETRY_AFTER)
         };
-        store
-            .defer_owed(record.id, bson::DateTime::from_chrono(next), all)
-            .await?;
+        store.defer_owed(record.id, next, all).await?;
     }
     Ok((sent.confirmed() as u64, grants.len()))
+}
+
+/// `wait` after `t`, as stored.
+fn after(t: chrono::DateTime<chrono::Utc>, wait: Duration) -> bson::DateTime {
+    bson::DateTime::from_chrono(t + chrono::Duration::from_std(wait).unwrap_or_default())
 }
 
 /// One line per order relayed, with the fields its other lines carry:

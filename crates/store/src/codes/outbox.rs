@@ -6,9 +6,11 @@ use super::*;
 /// ([`Resend::ByRecord`]).
 pub const SMS_OWED: &str = "sms_owed";
 
-/// A batch's record of the events it owes ([`Store::owe_events`]).
-#[derive(Debug, Clone, PartialEq)]
+/// A batch's record of the events it owes ([`Store::owe_events`]); the
+/// relay's marks (`next_at`, `relayed`) are not read back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OwedRecord {
+    #[serde(rename = "_id")]
     pub id: ObjectId,
     /// When it was written, before the batch's claim.
     pub at: DateTime,
@@ -62,17 +64,17 @@ impl Store {
     /// without it. `at` is taken before the claim, on the same clock as the
     /// claim's `issued_at`: the record's grants are those its orders were
     /// issued from then on, not a repeat's older codes.
-    pub async fn owe_events(&self, order_ids: &[&str]) -> Result<OwedRecord, StoreError> {
+    pub async fn owe_events(&self, order_ids: &[&str]) -> Result<ObjectId, StoreError> {
         let record = OwedRecord {
             id: ObjectId::new(),
             at: DateTime::now(),
             orders: order_ids.iter().map(|o| (*o).to_owned()).collect(),
         };
-        self.collection(SMS_OWED)
-            .insert_one(doc! {"_id": record.id, "orders": &record.orders, "at": record.at})
+        self.typed::<OwedRecord>(SMS_OWED)
+            .insert_one(&record)
             .write_concern(durable())
             .await?;
-        Ok(record)
+        Ok(record.id)
     }
 
     /// Takes a batch's record away once every event it owed was confirmed.
@@ -109,8 +111,8 @@ impl Store {
     /// The records written before `before` that are still there (their
     /// batch's confirms never came: its process died, its claim failed or
     /// the broker was away) and not deferred past `now`, oldest first:
-    /// the relay's second work list. A document without a time is left
-    /// out (no batch writes one).
+    /// the relay's second work list. A document that is not a record is
+    /// left out (no batch writes one), and holds back none of the others.
     pub async fn owed_records(
         &self,
         before: chrono::DateTime<chrono::Utc>,
@@ -130,17 +132,8 @@ impl Store {
             .try_collect()
             .await?;
         Ok(docs
-            .iter()
-            .filter_map(|d| {
-                let orders = (d.get_array("orders").into_iter().flatten())
-                    .filter_map(|o| o.as_str().map(str::to_owned))
-                    .collect();
-                Some(OwedRecord {
-                    id: d.get_object_id("_id").ok()?,
-                    at: *d.get_datetime("at").ok()?,
-                    orders,
-                })
-            })
+            .into_iter()
+            .filter_map(|d| bson::from_document(d).ok())
             .collect())
     }
 
