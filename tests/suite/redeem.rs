@@ -730,3 +730,99 @@ async fn a_batch_finds_each_code_in_its_own_pool_when_the_code_sits_in_many() {
     }
     env.cleanup().await;
 }
+
+/// One batch in which one redemption id names two codes: the batch's one
+/// statement for all its codes stops at the unique index part done (the
+/// codes before the refused one, in `_id` order, are used), and the
+/// statements per code that follow name the refused one. Each ask is
+/// answered once: the lone id's and one of the shared id's made now, the
+/// other conflicting; asked again, the made ones are answered as before.
+#[tokio::test]
+async fn a_batch_stopped_by_a_shared_redemption_id_answers_every_code_once() {
+    use codepool_domain::LookAlikeRule;
+    use codepool_store::lifecycle::RedemptionTag;
+    use codepool_store::redemptions::{ByValue, UsedById};
+    use codepool_store::NewCode;
+
+    let env = TestEnv::new("redeem_shared_id").await;
+    let pool = "sh";
+    env.store.ensure_pool(pool).await.unwrap();
+    let codes = ["SHARED-A", "SHARED-B", "SHARED-C"];
+    let new: Vec<NewCode> = (codes.iter())
+        .map(|c| NewCode {
+            code: (*c).to_owned(),
+            line: None,
+            expires_at: None,
+        })
+        .collect();
+    let batch = bson::oid::ObjectId::new();
+    let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
+    assert_eq!(out.inserted, 3);
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    let docs: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    for (k, d) in docs.iter().enumerate() {
+        let set = doc! {"status": 1, "order_id": format!("SH-O{k}"), "order_line": 0,
+        "uid": format!("SH-U{k}"), "issued_at": bson::DateTime::now(), "grant_no": format!("SH-G{k}")};
+        let id = d.get_object_id("_id").unwrap();
+        coll.update_one(doc! {"_id": id}, doc! {"$set": set})
+            .await
+            .unwrap();
+    }
+    let rule = vec![(pool.to_owned(), LookAlikeRule::default())];
+    let asks: Vec<ByValue<'_>> = (codes.iter())
+        .map(|code| ByValue { code, pools: &rule })
+        .collect();
+    let found = env.store.find_sold_codes(&asks).await.unwrap();
+    let code = |i: usize| &found[i].as_ref().expect("sold").1;
+    // In `_id` order A < B < C: A and B are used before C is refused.
+    assert!(code(0).id < code(1).id && code(1).id < code(2).id);
+    let tag = |id: &str| RedemptionTag {
+        id: id.to_owned(),
+        by: "platform".to_owned(),
+    };
+    let batch = vec![
+        (code(2), tag("shared")),
+        (code(0), tag("lone")),
+        (code(1), tag("shared")),
+    ];
+    let done = env.store.redeem_ids(&batch).await.unwrap();
+    assert!(matches!(done[1], UsedById::Now(_)), "{:?}", done[1]);
+    assert!(
+        matches!(
+            (&done[0], &done[2]),
+            (UsedById::Conflicting, UsedById::Now(_)) | (UsedById::Now(_), UsedById::Conflicting)
+        ),
+        "{done:?}"
+    );
+    let status = |d: &bson::Document| d.get_i32("status").unwrap();
+    let now: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let used: Vec<i32> = now.iter().map(status).collect();
+    assert_eq!(used.iter().filter(|s| **s == 2).count(), 2, "{used:?}");
+    assert_eq!(used[0], 2, "the lone id's code is used");
+    // Asked again: the made ones as before, the refused one still refused.
+    let again = env.store.redeem_ids(&batch).await.unwrap();
+    assert!(matches!(again[1], UsedById::Before(_)), "{:?}", again[1]);
+    let winner = usize::from(matches!(done[0], UsedById::Conflicting)) * 2;
+    let loser = 2 - winner;
+    assert!(
+        matches!(again[winner], UsedById::Before(_)),
+        "{:?}",
+        again[winner]
+    );
+    assert!(
+        matches!(again[loser], UsedById::Conflicting),
+        "{:?}",
+        again[loser]
+    );
+    env.cleanup().await;
+}

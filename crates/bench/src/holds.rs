@@ -115,10 +115,13 @@ fn say(args: &HoldsBenchArgs, s: impl std::fmt::Display) {
     }
 }
 
-/// One side's run: requests per second and codes per second.
+/// One side's run: requests per second and codes per second, and the
+/// servers' CPU (codepool, mongod, RabbitMQ, Redis; the clients' threads
+/// apart) per code.
 struct Run {
     seconds: f64,
     codes: u64,
+    server_cpu_ms_per_code: f64,
 }
 
 impl Run {
@@ -130,7 +133,11 @@ impl Run {
 async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> anyhow::Result<Run> {
     let tag = Arc::<str>::from(tag);
     let body = Arc::new(move |i: usize| side.body(&tag, i));
+    let cpu = crate::CpuSnapshot::take();
     let (answers, took) = closed_loop(http, clients, n, body).await?;
+    let used = crate::CpuSnapshot::take().since(&cpu);
+    let codes = n as u64 * side.codes();
+    let (server_cpu_ms_per_code, _) = crate::server_and_clients_ms(&used, codes as usize);
     let bad: Vec<u16> = (answers.iter().flatten())
         .map(|a| a.status)
         .filter(|s| *s != 201)
@@ -143,7 +150,8 @@ async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> a
     );
     Ok(Run {
         seconds: took.as_secs_f64(),
-        codes: n as u64 * side.codes(),
+        codes,
+        server_cpu_ms_per_code,
     })
 }
 
@@ -265,10 +273,21 @@ fn print_ratios(report: &Value) {
         let rounds: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
             .map(|r| format!("{:.2}", r["ratio"].as_f64().unwrap_or(0.0)))
             .collect();
+        let cpu: Vec<String> = (c["rounds"].as_array().into_iter().flatten())
+            .map(|r| {
+                format!(
+                    "{:.3}/{:.3}",
+                    r["b_server_cpu_ms_per_code"].as_f64().unwrap_or(0.0),
+                    r["a_server_cpu_ms_per_code"].as_f64().unwrap_or(0.0)
+                )
+            })
+            .collect();
         println!(
-            "{what}: median {:.2}× (rounds {})",
+            "{what}: median {:.2}× (rounds {}); servers' CPU per code, median {:.2}× (ms, rounds {})",
             c["median_ratio"].as_f64().unwrap_or(0.0),
-            rounds.join(", ")
+            rounds.join(", "),
+            c["median_cpu_ratio"].as_f64().unwrap_or(0.0),
+            cpu.join(", ")
         );
     }
 }
@@ -313,11 +332,19 @@ async fn compare_paths(
             "a_codes_per_sec": ra.codes_per_sec(),
             "b_codes_per_sec": rb.codes_per_sec(),
             "ratio": rb.codes_per_sec() / ra.codes_per_sec(),
+            "a_server_cpu_ms_per_code": ra.server_cpu_ms_per_code,
+            "b_server_cpu_ms_per_code": rb.server_cpu_ms_per_code,
+            "cpu_ratio": rb.server_cpu_ms_per_code / ra.server_cpu_ms_per_code,
         }));
     }
     let _ = scratch;
-    let mut ratios: Vec<f64> = rows.iter().filter_map(|r| r["ratio"].as_f64()).collect();
-    ratios.sort_by(f64::total_cmp);
-    let median = ratios[ratios.len() / 2];
-    Ok(json!({"a": a.name(), "b": b.name(), "rounds": rows, "median_ratio": median}))
+    let median_of = |key: &str| {
+        let mut v: Vec<f64> = rows.iter().filter_map(|r| r[key].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (median, cpu) = (median_of("ratio"), median_of("cpu_ratio"));
+    Ok(
+        json!({"a": a.name(), "b": b.name(), "rounds": rows, "median_ratio": median, "median_cpu_ratio": cpu}),
+    )
 }

@@ -254,6 +254,12 @@ fn report(
             "check at {}/s: p50 {} ms, p99 {p99:.1} ms (goal ≤ {CHECK_P99_MS} ms), {} of {} answered 200",
             args.rate, check["p50_ms"], check["answered_200"], check["sent"]
         );
+        if check["failed"].as_u64().unwrap_or(0) > 0 {
+            println!(
+                "  {} checks failed (the first: {}): the server could not keep up with {}/s on this host; try a lower --rate",
+                check["failed"], check["first_failure"], args.rate
+            );
+        }
         println!(
             "{} clients on one code: {} × 200, {} × 409",
             args.clients, race["ok_200"], race["conflicts_409"]
@@ -299,16 +305,31 @@ async fn check_latency(
             sent += 1;
         }
     }
-    let (mut lat, mut ok) = (Vec::with_capacity(n), 0usize);
+    // An overloaded server answers late, refuses connections or says 503:
+    // each is counted and timed like any answer, so the run still reports
+    // the tail it made, and says how many checks failed.
+    let (mut lat, mut ok, mut failed) = (Vec::with_capacity(n), 0usize, 0usize);
+    let mut first_failure = None;
     while let Some(done) = tasks.join_next().await {
         let (took, answer) = done?;
-        ok += usize::from(answer?.status == 200);
+        match answer {
+            Ok(a) if a.status == 200 => ok += 1,
+            Ok(a) => {
+                failed += 1;
+                first_failure.get_or_insert_with(|| format!("status {}", a.status));
+            }
+            Err(e) => {
+                failed += 1;
+                first_failure.get_or_insert_with(|| format!("{e:#}"));
+            }
+        }
         lat.push(took);
     }
     lat.sort();
     let p = |q: f64| ms(percentile(&lat, q));
     Ok(json!({
         "rate": rate, "seconds": args.seconds, "sent": n, "answered_200": ok,
+        "failed": failed, "first_failure": first_failure,
         "p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99), "max_ms": p(1.0),
     }))
 }

@@ -370,6 +370,9 @@ async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
                     Err(refused(c.status, c.used_at, c.voided_at, &c.void_reason))
                 }
                 Some(UsedById::Conflicting) => Err(RedeemError::ConflictingId(tag.id.clone())),
+                Some(UsedById::Unavailable(e)) => {
+                    Err(RedeemError::Store(StoreError::Unavailable(e.clone())))
+                }
                 Some(UsedById::Gone) | None => Err(RedeemError::Unknown),
             },
             Err(e) => Err(RedeemError::Store(e.for_each())),

@@ -3,10 +3,12 @@
 //!
 //! A platform's redemptions arrive concurrently, like orders. A batch of
 //! them costs one query to find the codes ([`Store::find_sold_by_values`]),
-//! one journaled `update` command of one conditional statement per code
-//! ([`Store::redeem_ids`]: issued → used, tagged with its redemption id),
-//! and one read of the codes as they are now, to tell each redemption
-//! whether it was the one that used its code. MongoDB decides each code
+//! one journaled `update` command ([`Store::redeem_ids`]: issued → used,
+//! tagged with its redemption id) of one conditional statement for all
+//! its codes (then one per code, when a redemption id already used
+//! another code stops it), and, unless every code was used, one read of
+//! the codes as they are now, to tell each redemption whether it was the
+//! one that used its code. MongoDB decides each code
 //! exactly as for a single redemption: the statement matches only an
 //! issued code, so of any number of redemptions of one code, in one batch,
 //! in two batches, or in two processes, exactly one uses it.
@@ -89,6 +91,10 @@ pub enum UsedById {
     Before(Box<Code>),
     /// Another redemption used the code, or it was voided: as it is now.
     Refused(Box<Code>),
+    /// Not known: the store failed after part of the batch was written
+    /// (the codes this round used are answered [`UsedById::Now`]); the
+    /// same tag again is answered as made before, or made then.
+    Unavailable(String),
     /// The tag's id already redeemed another code.
     Conflicting,
     /// No such code, or it is not issued (it never was sold).
@@ -264,8 +270,10 @@ impl Store {
 
     /// Redeems each code of `asks` (each as a lookup read it: issued;
     /// issued → used, tagged) and tells each redemption what it did, in the
-    /// order asked. One round is one journaled `update` command in which
-    /// the first pending ask of each code makes its statement; a later ask
+    /// order asked. One round is one journaled `update` command of one
+    /// statement for all its codes (then, if a unique index stopped it,
+    /// one of a statement per code), in which the first pending ask of
+    /// each code names the code's tag; a later ask
     /// of the same code is answered from the code as it is then (its tag's
     /// [`UsedById::Before`], or [`UsedById::Refused`]). An ask whose code
     /// is still issued after its round (the statement made for it was
@@ -328,10 +336,27 @@ impl Store {
             });
         }
         let statements = updates.len();
-        let reply = self
-            .database()
-            .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
-            .await?;
+        // All the codes in one statement first: the server parses, plans
+        // and commits it once, not once per code. A tag that redeemed
+        // another code already stops it at the unique index, part done;
+        // then one statement per code names the refused ones (those the
+        // first write used no longer match, and are read back as this
+        // round's by `redeemed_in`).
+        let tags: Vec<(&Code, &RedemptionTag)> = (statement_of.iter())
+            .map(|&i| (asks[i].0, &asks[i].1))
+            .collect();
+        let one = vec![redeem_statement(&tags, &from, to, now, round)];
+        let mut reply = self.write_codes(one).await?;
+        if duplicate_keyed(&reply) {
+            concern_met(&reply)?;
+            // The first write may have used some codes: if the second
+            // fails, those are still told apart and answered.
+            let again = self.write_codes(updates).await;
+            match again.and_then(|r| refused_statements(&r).map(|_| r)) {
+                Ok(r) => reply = r,
+                Err(e) => return self.made_in(round, asks, pending, &owner, now, e).await,
+            }
+        }
         let conflicting: HashSet<usize> = refused_statements(&reply)?
             .into_iter()
             .filter_map(|s| statement_of.get(s).copied())
@@ -376,6 +401,43 @@ impl Store {
             .collect())
     }
 
+    /// The answers of a round whose second write failed with `e`: each
+    /// ask whose code this round used, under its tag, made it now; every
+    /// other is [`UsedById::Unavailable`]. `e` itself when the codes
+    /// cannot be read either.
+    async fn made_in(
+        &self,
+        round: ObjectId,
+        asks: &[(&Code, RedemptionTag)],
+        pending: &[usize],
+        owner: &HashMap<CodeId, usize>,
+        now: DateTime,
+        e: StoreError,
+    ) -> Result<Vec<Option<UsedById>>, StoreError> {
+        let Ok(read) = self.codes_now(owner.keys()).await else {
+            return Err(e);
+        };
+        Ok(pending
+            .iter()
+            .map(|&i| {
+                let (before, tag) = &asks[i];
+                let made = read.get(&before.id).is_some_and(|(by, made_in, code)| {
+                    owner.get(&before.id) == Some(&i)
+                        && by.as_ref() == Some(tag)
+                        && *made_in == Some(round)
+                        && code.status == CodeStatus::Used
+                });
+                Some(match made {
+                    true => UsedById::Now(Box::new(Applied {
+                        before: Code::clone(before),
+                        at: now,
+                    })),
+                    false => UsedById::Unavailable(e.to_string()),
+                })
+            })
+            .collect())
+    }
+
     /// The codes `ids` as they are now, with the redemption that used each
     /// and the round that wrote it.
     async fn codes_now(
@@ -398,6 +460,54 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+impl Store {
+    /// Runs `updates` on the codes as one unordered, durable command.
+    async fn write_codes(&self, updates: Vec<Document>) -> Result<Document, StoreError> {
+        Ok(self
+            .database()
+            .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
+            .await?)
+    }
+}
+
+/// One statement that uses every code of `tags` still in a state of
+/// `from`, each under its own tag: the tag is picked by the code's place
+/// in the list, as a claim picks each code's order.
+fn redeem_statement(
+    tags: &[(&Code, &RedemptionTag)],
+    from: &[i32],
+    to: i32,
+    now: DateTime,
+    round: ObjectId,
+) -> Document {
+    let ids: Vec<Bson> = tags
+        .iter()
+        .map(|(c, _)| Bson::ObjectId(object_id(c.id)))
+        .collect();
+    let marks: Vec<Bson> = (tags.iter())
+        .map(|(_, t)| Bson::Document(doc! {"id": &t.id, "by": &t.by}))
+        .collect();
+    let position = doc! {"$indexOfArray": [{"$literal": &ids}, "$_id"]};
+    doc! {
+        "q": {"_id": {"$in": &ids}, "status": {"$in": from}},
+        "u": [{"$set": {
+            "status": to,
+            "used_at": now,
+            "redemption": {"$arrayElemAt": [{"$literal": marks}, position]},
+            "redeemed_in": round,
+        }}],
+        "multi": true,
+    }
+}
+
+/// Whether a unique index refused a statement of `reply`.
+fn duplicate_keyed(reply: &Document) -> bool {
+    reply.get_array("writeErrors").is_ok_and(|errors| {
+        (errors.iter().filter_map(Bson::as_document))
+            .any(|e| e.get_i32("code") == Ok(DUPLICATE_KEY))
+    })
 }
 
 /// A code as a round reads it back: the redemption that used it, the
@@ -423,18 +533,24 @@ fn all_used(
         .collect()
 }
 
+/// An error when the write concern of `reply`'s command was not met.
+fn concern_met(reply: &Document) -> Result<(), StoreError> {
+    match reply.get_document("writeConcernError") {
+        Ok(wce) => Err(StoreError::Unavailable(format!(
+            "write concern not satisfied: {}",
+            wce.get_str("errmsg").unwrap_or("unknown")
+        ))),
+        Err(_) => Ok(()),
+    }
+}
+
 /// The statements of an unordered write command that a unique index
 /// refused (a redemption id already on another code). A write concern not
 /// met, or a transient error, is the whole command's: "retry later" (the
 /// same redemption ids again are answered as before); any other refusal is
 /// the whole command's too.
 fn refused_statements(reply: &Document) -> Result<Vec<usize>, StoreError> {
-    if let Ok(wce) = reply.get_document("writeConcernError") {
-        return Err(StoreError::Unavailable(format!(
-            "write concern not satisfied: {}",
-            wce.get_str("errmsg").unwrap_or("unknown")
-        )));
-    }
+    concern_met(reply)?;
     let mut out = Vec::new();
     for e in reply
         .get_array("writeErrors")
