@@ -319,22 +319,16 @@ impl Store {
         let round = ObjectId::new();
         let to = Transition::Redeem.to().as_i32();
         let from = Transition::Redeem.from_codes();
-        // The statement of each code: the ask that makes it.
-        let mut owner: HashMap<CodeId, usize> = HashMap::new();
-        let mut updates = Vec::new();
-        let mut statement_of = Vec::new();
-        for &i in pending {
-            let (code, tag) = &asks[i];
-            if owner.contains_key(&code.id) {
-                continue;
-            }
-            owner.insert(code.id, i);
-            statement_of.push(i);
-            updates.push(doc! {
-                "q": {"_id": object_id(code.id), "status": {"$in": &from}},
-                "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
-            });
-        }
+        let (owner, statement_of) = owners(asks, pending);
+        let updates: Vec<Document> = (statement_of.iter())
+            .map(|&i| {
+                let (code, tag) = &asks[i];
+                doc! {
+                    "q": {"_id": object_id(code.id), "status": {"$in": &from}},
+                    "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
+                }
+            })
+            .collect();
         let statements = updates.len();
         // All the codes in one statement first: the server parses, plans
         // and commits it once, not once per code. A tag that redeemed
@@ -374,29 +368,11 @@ impl Store {
         Ok(pending
             .iter()
             .map(|&i| {
-                let (before, tag) = &asks[i];
-                let owns = owner.get(&before.id) == Some(&i);
                 if conflicting.contains(&i) {
                     return Some(UsedById::Conflicting);
                 }
-                let Some((used_by, made_in, code)) = now_codes.get(&before.id) else {
-                    return Some(UsedById::Gone);
-                };
-                let by_this = used_by.as_ref() == Some(tag) && code.status == CodeStatus::Used;
-                let at_now = *made_in == Some(round);
-                Some(match code.status {
-                    _ if by_this && owns && at_now => UsedById::Now(Box::new(Applied {
-                        before: Code::clone(before),
-                        at: now,
-                    })),
-                    _ if by_this => UsedById::Before(Box::new(code.clone())),
-                    CodeStatus::Used | CodeStatus::Void => {
-                        UsedById::Refused(Box::new(code.clone()))
-                    }
-                    // Still issued: another ask's statement was refused.
-                    CodeStatus::Issued if !owns => return None,
-                    _ => UsedById::Gone,
-                })
+                let owns = owner.get(&asks[i].0.id) == Some(&i);
+                answer(&asks[i], owns, &now_codes, now, round)
             })
             .collect())
     }
@@ -470,6 +446,52 @@ impl Store {
             .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
             .await?)
     }
+}
+
+/// What ask `(before, tag)` did in `round` (written at `now`), from its
+/// code as the round left it; `owns` when its statement was the code's.
+/// `None` when it goes again: its code is still issued, and the statement
+/// made for it was another ask's.
+fn answer(
+    (before, tag): &(&Code, RedemptionTag),
+    owns: bool,
+    now_codes: &HashMap<CodeId, Now>,
+    now: DateTime,
+    round: ObjectId,
+) -> Option<UsedById> {
+    let Some((used_by, made_in, code)) = now_codes.get(&before.id) else {
+        return Some(UsedById::Gone);
+    };
+    let by_this = used_by.as_ref() == Some(tag) && code.status == CodeStatus::Used;
+    let at_now = *made_in == Some(round);
+    Some(match code.status {
+        _ if by_this && owns && at_now => UsedById::Now(Box::new(Applied {
+            before: Code::clone(before),
+            at: now,
+        })),
+        _ if by_this => UsedById::Before(Box::new(code.clone())),
+        CodeStatus::Used | CodeStatus::Void => UsedById::Refused(Box::new(code.clone())),
+        CodeStatus::Issued if !owns => return None,
+        _ => UsedById::Gone,
+    })
+}
+
+/// The ask that makes each code's statement (the first pending one that
+/// names it), by code, and those asks in order.
+fn owners(
+    asks: &[(&Code, RedemptionTag)],
+    pending: &[usize],
+) -> (HashMap<CodeId, usize>, Vec<usize>) {
+    let mut owner: HashMap<CodeId, usize> = HashMap::new();
+    let mut statement_of = Vec::new();
+    for &i in pending {
+        let id = asks[i].0.id;
+        if let std::collections::hash_map::Entry::Vacant(e) = owner.entry(id) {
+            e.insert(i);
+            statement_of.push(i);
+        }
+    }
+    (owner, statement_of)
 }
 
 /// One statement that uses every code of `tags` still in a state of
