@@ -680,40 +680,13 @@ async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_sh
 async fn a_batch_finds_each_code_in_its_own_pool_when_the_code_sits_in_many() {
     use codepool_domain::LookAlikeRule;
     use codepool_store::redemptions::ByValue;
-    use codepool_store::NewCode;
 
     let env = TestEnv::new("redeem_many_pools").await;
     let pools: Vec<String> = (0..10).map(|p| format!("mp{p}")).collect();
     let codes: Vec<String> = (0..40).map(|i| format!("MANY-POOLS-{i:03}")).collect();
-    let codes_coll = env.store.database().collection::<bson::Document>("codes");
     for pool in &pools {
-        env.store.ensure_pool(pool).await.unwrap();
-        let new: Vec<NewCode> = (codes.iter())
-            .map(|c| NewCode {
-                code: c.clone(),
-                line: None,
-                expires_at: None,
-            })
-            .collect();
-        let batch = bson::oid::ObjectId::new();
-        let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
-        assert_eq!(out.inserted, 40);
-        // Sold, as a grant leaves them: issued to an order of the pool.
-        let docs: Vec<bson::Document> = (codes_coll.find(doc! {"pool": pool}))
-            .await
-            .unwrap()
-            .try_collect()
-            .await
-            .unwrap();
-        for (k, d) in docs.iter().enumerate() {
-            let set = doc! {"status": 1, "order_id": format!("{pool}-O{k}"), "order_line": 0,
-            "issued_at": bson::DateTime::now(), "grant_no": format!("{pool}-G{k}")};
-            let id = d.get_object_id("_id").unwrap();
-            codes_coll
-                .update_one(doc! {"_id": id}, doc! {"$set": set})
-                .await
-                .unwrap();
-        }
+        let codes: Vec<&str> = codes.iter().map(String::as_str).collect();
+        sold_codes(&env, pool, &codes).await;
     }
     let names: Vec<Vec<(String, LookAlikeRule)>> = (0..codes.len())
         .map(|i| vec![(pools[i % pools.len()].clone(), LookAlikeRule::default())])
@@ -742,37 +715,12 @@ async fn a_batch_stopped_by_a_shared_redemption_id_answers_every_code_once() {
     use codepool_domain::LookAlikeRule;
     use codepool_store::lifecycle::RedemptionTag;
     use codepool_store::redemptions::{ByValue, UsedById};
-    use codepool_store::NewCode;
 
     let env = TestEnv::new("redeem_shared_id").await;
     let pool = "sh";
-    env.store.ensure_pool(pool).await.unwrap();
     let codes = ["SHARED-A", "SHARED-B", "SHARED-C"];
-    let new: Vec<NewCode> = (codes.iter())
-        .map(|c| NewCode {
-            code: (*c).to_owned(),
-            line: None,
-            expires_at: None,
-        })
-        .collect();
-    let batch = bson::oid::ObjectId::new();
-    let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
-    assert_eq!(out.inserted, 3);
+    sold_codes(&env, pool, &codes).await;
     let coll = env.store.database().collection::<bson::Document>("codes");
-    let docs: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    for (k, d) in docs.iter().enumerate() {
-        let set = doc! {"status": 1, "order_id": format!("SH-O{k}"), "order_line": 0,
-        "uid": format!("SH-U{k}"), "issued_at": bson::DateTime::now(), "grant_no": format!("SH-G{k}")};
-        let id = d.get_object_id("_id").unwrap();
-        coll.update_one(doc! {"_id": id}, doc! {"$set": set})
-            .await
-            .unwrap();
-    }
     let rule = vec![(pool.to_owned(), LookAlikeRule::default())];
     let asks: Vec<ByValue<'_>> = (codes.iter())
         .map(|code| ByValue { code, pools: &rule })
@@ -825,4 +773,37 @@ async fn a_batch_stopped_by_a_shared_redemption_id_answers_every_code_once() {
         again[loser]
     );
     env.cleanup().await;
+}
+
+/// Inserts `codes` into `pool` and marks them sold, as a grant leaves
+/// them: issued to orders of the pool, one each, in `_id` order.
+async fn sold_codes(env: &TestEnv, pool: &str, codes: &[&str]) {
+    use codepool_store::NewCode;
+
+    env.store.ensure_pool(pool).await.unwrap();
+    let new: Vec<NewCode> = (codes.iter())
+        .map(|c| NewCode {
+            code: (*c).to_owned(),
+            line: None,
+            expires_at: None,
+        })
+        .collect();
+    let batch = bson::oid::ObjectId::new();
+    let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
+    assert_eq!(out.inserted, codes.len() as u64);
+    let coll = env.store.database().collection::<bson::Document>("codes");
+    let docs: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    for (k, d) in docs.iter().enumerate() {
+        let set = doc! {"status": 1, "order_id": format!("{pool}-O{k}"), "order_line": 0,
+        "uid": format!("{pool}-U{k}"), "issued_at": bson::DateTime::now(), "grant_no": format!("{pool}-G{k}")};
+        let id = d.get_object_id("_id").unwrap();
+        coll.update_one(doc! {"_id": id}, doc! {"$set": set})
+            .await
+            .unwrap();
+    }
 }
