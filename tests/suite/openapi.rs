@@ -190,14 +190,15 @@ async fn the_openapi_document_is_valid_served_as_generated_and_covers_every_rout
             let Some(op) = item.get(method) else { continue };
             operations += 1;
             let path = concrete(template);
-            let (status, _, body) = http(
-                &api.addr,
-                &method.to_uppercase(),
-                &path,
-                Some(&admin),
-                b"{}",
-            )
-            .await;
+            // A body only where a route reads one: a route that answers
+            // without reading it closes the connection on unread bytes,
+            // and the reset can reach the client before the answer.
+            let body: &[u8] = match method {
+                "get" | "delete" => b"",
+                _ => b"{}",
+            };
+            let (status, _, body) =
+                http(&api.addr, &method.to_uppercase(), &path, Some(&admin), body).await;
             let problem = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
             assert!(
                 status != 405 && problem["title"].as_str() != Some("no such route"),
