@@ -20,10 +20,11 @@ use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::{Code, CodeId, CodeStatus, LookAlikeRule, Transition};
 use futures::TryStreamExt;
 
+use crate::codes::claim::stopped_by_a_unique_index;
 use crate::codes::{object_id, RedemptionTag, CODES};
 use crate::error::{is_transient_code, DUPLICATE_KEY};
 use crate::lifecycle::{Applied, Sold};
-use crate::{durable_doc, one_batch_for, CodeDoc, Store, StoreError};
+use crate::{one_batch_for, CodeDoc, Store, StoreError};
 
 /// Most keyed hashes in one lookup query; a batch naming more codes (or
 /// more pools per code) is looked up in several queries.
@@ -320,16 +321,7 @@ impl Store {
         let to = Transition::Redeem.to().as_i32();
         let from = Transition::Redeem.from_codes();
         let (owner, statement_of) = owners(asks, pending);
-        let updates: Vec<Document> = (statement_of.iter())
-            .map(|&i| {
-                let (code, tag) = &asks[i];
-                doc! {
-                    "q": {"_id": object_id(code.id), "status": {"$in": &from}},
-                    "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
-                }
-            })
-            .collect();
-        let statements = updates.len();
+        let statements = statement_of.len();
         // All the codes in one statement first: the server parses, plans
         // and commits it once, not once per code. A tag that redeemed
         // another code already stops it at the unique index, part done;
@@ -340,12 +332,21 @@ impl Store {
             .map(|&i| (asks[i].0, &asks[i].1))
             .collect();
         let one = vec![redeem_statement(&tags, &from, to, now, round)];
-        let mut reply = self.write_codes(one).await?;
-        if duplicate_keyed(&reply) {
+        let mut reply = self.update_codes(one).await?;
+        if stopped_by_a_unique_index(&reply) {
             concern_met(&reply)?;
+            let each: Vec<Document> = (statement_of.iter())
+                .map(|&i| {
+                    let (code, tag) = &asks[i];
+                    doc! {
+                        "q": {"_id": object_id(code.id), "status": {"$in": &from}},
+                        "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
+                    }
+                })
+                .collect();
             // The first write may have used some codes: if the second
             // fails, those are still told apart and answered.
-            let again = self.write_codes(updates).await;
+            let again = self.update_codes(each).await;
             match again.and_then(|r| refused_statements(&r).map(|_| r)) {
                 Ok(r) => reply = r,
                 Err(e) => return self.made_in(round, asks, pending, &owner, now, e).await,
@@ -396,19 +397,10 @@ impl Store {
         Ok(pending
             .iter()
             .map(|&i| {
-                let (before, tag) = &asks[i];
-                let made = read.get(&before.id).is_some_and(|(by, made_in, code)| {
-                    owner.get(&before.id) == Some(&i)
-                        && by.as_ref() == Some(tag)
-                        && *made_in == Some(round)
-                        && code.status == CodeStatus::Used
-                });
-                Some(match made {
-                    true => UsedById::Now(Box::new(Applied {
-                        before: Code::clone(before),
-                        at: now,
-                    })),
-                    false => UsedById::Unavailable(e.to_string()),
+                let owns = owner.get(&asks[i].0.id) == Some(&i);
+                Some(match answer(&asks[i], owns, &read, now, round) {
+                    Some(made @ UsedById::Now(_)) => made,
+                    _ => UsedById::Unavailable(e.to_string()),
                 })
             })
             .collect())
@@ -435,16 +427,6 @@ impl Store {
             out.insert(code.id, (tag, made_in, code));
         }
         Ok(out)
-    }
-}
-
-impl Store {
-    /// Runs `updates` on the codes as one unordered, durable command.
-    async fn write_codes(&self, updates: Vec<Document>) -> Result<Document, StoreError> {
-        Ok(self
-            .database()
-            .run_command(doc! {"update": CODES, "updates": updates, "ordered": false, "writeConcern": durable_doc()})
-            .await?)
     }
 }
 
@@ -522,14 +504,6 @@ fn redeem_statement(
         }}],
         "multi": true,
     }
-}
-
-/// Whether a unique index refused a statement of `reply`.
-fn duplicate_keyed(reply: &Document) -> bool {
-    reply.get_array("writeErrors").is_ok_and(|errors| {
-        (errors.iter().filter_map(Bson::as_document))
-            .any(|e| e.get_i32("code") == Ok(DUPLICATE_KEY))
-    })
 }
 
 /// A code as a round reads it back: the redemption that used it, the

@@ -140,9 +140,10 @@ pub(crate) fn merge_statement(
     }
 }
 
-/// True when the unique `(order_id, line)` index stopped a claim statement:
-/// some line of the batch already holds a code.
-fn stopped_by_a_holder(reply: &Document) -> bool {
+/// True when a unique index stopped a statement of an `update` reply: on
+/// a claim, the `(order_id, line)` index (some line of the batch already
+/// holds a code); on a redemption, the redemption id's.
+pub(crate) fn stopped_by_a_unique_index(reply: &Document) -> bool {
     reply.get_array("writeErrors").is_ok_and(|errors| {
         errors
             .iter()
@@ -236,7 +237,7 @@ impl Store {
         let one = vec![claim_statement(assignments, &ids, now)];
         let (reply, read) = futures::join!(self.update_codes(one), self.codes_by_id(&ids));
         let mut reply = reply?;
-        if stopped_by_a_holder(&reply) {
+        if stopped_by_a_unique_index(&reply) {
             tracing::debug!("an order of the batch already holds a code; claiming one by one");
             let each = assignments.iter().map(|a| claim_each(a, now)).collect();
             reply = self.update_codes(each).await?;
