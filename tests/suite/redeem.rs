@@ -748,12 +748,7 @@ async fn a_batch_stopped_by_a_shared_redemption_id_answers_every_code_once() {
         "{done:?}"
     );
     let status = |d: &bson::Document| d.get_i32("status").unwrap();
-    let now: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let now = pool_codes(env.store.database(), pool).await;
     let used: Vec<i32> = now.iter().map(status).collect();
     assert_eq!(used.iter().filter(|s| **s == 2).count(), 2, "{used:?}");
     assert_eq!(used[0], 2, "the lone id's code is used");
@@ -792,12 +787,7 @@ async fn sold_codes(env: &TestEnv, pool: &str, codes: &[&str]) {
     let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
     assert_eq!(out.inserted, codes.len() as u64);
     let coll = env.store.database().collection::<bson::Document>("codes");
-    let docs: Vec<bson::Document> = (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs = pool_codes(env.store.database(), pool).await;
     for (k, d) in docs.iter().enumerate() {
         let set = doc! {"status": 1, "order_id": format!("{pool}-O{k}"), "order_line": 0,
         "uid": format!("{pool}-U{k}"), "issued_at": bson::DateTime::now(), "grant_no": format!("{pool}-G{k}")};
@@ -806,4 +796,15 @@ async fn sold_codes(env: &TestEnv, pool: &str, codes: &[&str]) {
             .await
             .unwrap();
     }
+}
+
+/// Every code document of `pool`, in `_id` order.
+async fn pool_codes(db: &mongodb::Database, pool: &str) -> Vec<bson::Document> {
+    let coll = db.collection::<bson::Document>("codes");
+    (coll.find(doc! {"pool": pool}).sort(doc! {"_id": 1}))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap()
 }
