@@ -720,7 +720,6 @@ async fn a_batch_stopped_by_a_shared_redemption_id_answers_every_code_once() {
     let pool = "sh";
     let codes = ["SHARED-A", "SHARED-B", "SHARED-C"];
     sold_codes(&env, pool, &codes).await;
-    let coll = env.store.database().collection::<bson::Document>("codes");
     let rule = vec![(pool.to_owned(), LookAlikeRule::default())];
     let asks: Vec<ByValue<'_>> = (codes.iter())
         .map(|code| ByValue { code, pools: &rule })
