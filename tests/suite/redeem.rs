@@ -379,6 +379,83 @@ async fn check_changes_nothing_and_never_shows_the_buyer() {
     env.cleanup().await;
 }
 
+/// Checks sent at once are looked up together: each is answered as if
+/// alone, whatever else its batch holds. Issued, used and void codes, an
+/// unknown one, and one code asked by two keys (a shop's platform, which
+/// may not see it, and the operator's, which may) each get the answer the
+/// same check gets alone, and nothing changes.
+#[tokio::test]
+async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
+    let env = TestEnv::new("check_batch").await;
+    env.fill_pool("ca", 20).await;
+    env.fill_pool("cb", 5).await;
+    shop(&env, "globex", "cb").await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let globex = platform_key(&env, "globex-platform", Some("globex")).await;
+    let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "1000"]).await;
+    let mut codes = Vec::new();
+    for i in 0..12 {
+        codes.push(placed_code(&api, &backend, &format!("CA-{i}"), "ca").await);
+    }
+    codepool_ok(&env, &["void", "--order", "CA-10", "--reason", "refund"]).await;
+    let (status, _) = redeem(&api, &platform, &codes[11], "used-11").await;
+    assert_eq!(status, 200);
+    let mut asks: Vec<(&str, String)> = codes
+        .iter()
+        .map(|c| (platform.as_str(), c.clone()))
+        .collect();
+    asks.extend(codes.iter().map(|c| (globex.as_str(), c.clone())));
+    asks.extend((0..4).map(|i| (platform.as_str(), format!("CA-NO-SUCH-{i}"))));
+    asks.push((platform.as_str(), codes[3].to_uppercase()));
+    // What a check could change (the SMS fields change on their own).
+    let lifecycle = |docs: Vec<bson::Document>| {
+        (docs.into_iter())
+            .map(|d| ["status", "used_at", "redemption", "voided_at"].map(|f| d.get(f).cloned()))
+            .collect::<Vec<_>>()
+    };
+    let before = lifecycle(pool_codes(env.store.database(), "ca").await);
+
+    let together = futures::future::join_all(asks.iter().map(|(k, c)| check(&api, k, c))).await;
+    let mut alone = Vec::new();
+    for (k, c) in &asks {
+        alone.push(check(&api, k, c).await);
+    }
+    let said_all = |answers: &[(u16, Value)]| {
+        (answers.iter())
+            .map(|(s, v)| (*s, said(v)))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        said_all(&together),
+        said_all(&alone),
+        "answered at once as one at a time"
+    );
+    for (i, (status, seen)) in together.iter().enumerate().take(12) {
+        assert_eq!(*status, 200, "code {i}: {seen}");
+        let state = match i {
+            10 => "void",
+            11 => "used",
+            _ => "issued",
+        };
+        assert_eq!(seen["state"], state, "code {i}: {seen}");
+    }
+    assert_eq!(together[10].1["void_reason"], "refund");
+    let unknown = said(&together[24].1);
+    for (status, answer) in &together[12..28] {
+        assert_eq!(*status, 404, "{answer}");
+        assert_eq!(said(answer), unknown, "one answer for every miss");
+    }
+    assert_eq!(together[28], together[3], "a look-alike finds its code");
+    assert_eq!(
+        lifecycle(pool_codes(env.store.database(), "ca").await),
+        before,
+        "checks changed nothing"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
     let env = TestEnv::new("redeem_oracle").await;

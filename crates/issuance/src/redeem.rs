@@ -123,7 +123,10 @@ pub struct Finder {
     store: Store,
     clock: Arc<dyn crate::clock::Clock>,
     cached: Mutex<Option<(Instant, Arc<Visible>)>>,
-    queue: Arc<std::sync::Mutex<Queue>>,
+    /// The redemptions waiting for a batch.
+    queue: Arc<Queue<Ask>>,
+    /// The checks waiting for a batch.
+    checks: Arc<Queue<Look>>,
 }
 
 /// Every pool with its look-alike rule, and each shop's pools.
@@ -161,6 +164,7 @@ impl Finder {
             clock,
             cached: Mutex::new(None),
             queue: Arc::default(),
+            checks: Arc::default(),
         }
     }
 
@@ -204,24 +208,30 @@ impl Finder {
         Ok(pools)
     }
 
-    /// The issued (or used, or void after issue) code `code` names among
-    /// the pools `who` may see; `None` for anything else.
-    pub async fn find(&self, who: Platform<'_>, code: &str) -> Result<Option<Sold>, StoreError> {
+    /// What became of the code `code` names; changes nothing.
+    ///
+    /// Concurrent checks are looked up together, as redemptions are: the
+    /// request joins the queue, and up to [`IN_FLIGHT`] tasks each take up
+    /// to [`MAX_BATCH`] of it into one query ([`check_batch`]).
+    pub async fn check(&self, who: Platform<'_>, code: &str) -> Result<Seen, RedeemError> {
         let pools = self.pools_for(who, code).await?;
         if pools.is_empty() {
-            return Ok(None);
+            return Err(RedeemError::Unknown);
         }
-        let found = self.store.find_sold_by_value(code, &pools).await?;
-        Ok(found.filter(|c| Seen::of(c).is_some()))
-    }
-
-    /// What became of the code `code` names; changes nothing.
-    pub async fn check(&self, who: Platform<'_>, code: &str) -> Result<Seen, RedeemError> {
-        let found = self.find(who, code).await?;
-        found
-            .as_ref()
-            .and_then(Seen::of)
-            .ok_or(RedeemError::Unknown)
+        let (reply, answer) = oneshot::channel();
+        let ask = Look {
+            code: code.to_owned(),
+            pools,
+            reply,
+        };
+        if self.checks.push(ask) {
+            tokio::spawn(drain(self.store.clone(), self.checks.clone(), check_batch));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(RedeemError::Store(StoreError::Unavailable(
+                "the check's batch stopped before it answered; send it again".into(),
+            )))
+        })
     }
 
     /// Redeems the code `code` names, once: `redemption_id` again gets the
@@ -255,15 +265,8 @@ impl Finder {
             actor: actor.clone(),
             reply,
         };
-        let start = {
-            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-            q.asks.push(ask);
-            let more = q.draining < IN_FLIGHT;
-            q.draining += usize::from(more);
-            more
-        };
-        if start {
-            tokio::spawn(drain(self.store.clone(), self.queue.clone()));
+        if self.queue.push(ask) {
+            tokio::spawn(drain(self.store.clone(), self.queue.clone(), redeem_batch));
         }
         answer.await.unwrap_or_else(|_| {
             Err(RedeemError::Store(StoreError::Unavailable(
@@ -290,39 +293,99 @@ struct Ask {
     reply: oneshot::Sender<Result<(Seen, bool), RedeemError>>,
 }
 
-/// The redemptions waiting, and how many tasks are taking them.
-#[derive(Default)]
-struct Queue {
-    asks: Vec<Ask>,
-    draining: usize,
+/// A check waiting for its batch.
+struct Look {
+    code: String,
+    pools: Vec<(String, LookAlikeRule)>,
+    reply: oneshot::Sender<Result<Seen, RedeemError>>,
 }
 
-/// Makes batches of the queue, one after another, until it is empty. A
-/// task that ends any other way (a panic) still lets the next request
-/// start another.
-async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
-    struct Done(Arc<std::sync::Mutex<Queue>>);
-    impl Drop for Done {
+/// The requests waiting for a batch, and how many tasks are taking them.
+struct Queue<A> {
+    waiting: std::sync::Mutex<(Vec<A>, usize)>,
+}
+
+impl<A> Default for Queue<A> {
+    fn default() -> Self {
+        Queue {
+            waiting: std::sync::Mutex::new((Vec::new(), 0)),
+        }
+    }
+}
+
+impl<A> Queue<A> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<A>, usize)> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `ask`; `true` when the caller must start a task to take it
+    /// (fewer than [`IN_FLIGHT`] are taking the queue).
+    fn push(&self, ask: A) -> bool {
+        let mut q = self.lock();
+        q.0.push(ask);
+        let more = q.1 < IN_FLIGHT;
+        q.1 += usize::from(more);
+        more
+    }
+
+    /// Up to [`MAX_BATCH`] of the queue; `None` when it is empty, and the
+    /// caller's task ends.
+    fn take(&self) -> Option<Vec<A>> {
+        let mut q = self.lock();
+        if q.0.is_empty() {
+            q.1 -= 1;
+            return None;
+        }
+        let n = q.0.len().min(MAX_BATCH);
+        Some(q.0.drain(..n).collect())
+    }
+}
+
+/// Makes batches of the queue with `run`, one after another, until it is
+/// empty. A task that ends any other way (a panic) still lets the next
+/// request start another.
+async fn drain<A, F, Fut>(store: Store, queue: Arc<Queue<A>>, run: F)
+where
+    F: Fn(Store, Vec<A>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    struct Done<'a, A>(&'a Queue<A>);
+    impl<A> Drop for Done<'_, A> {
         fn drop(&mut self) {
             // A task that returned has said so itself, under the lock.
             if std::thread::panicking() {
-                let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
-                q.draining = q.draining.saturating_sub(1);
+                let mut q = self.0.lock();
+                q.1 = q.1.saturating_sub(1);
             }
         }
     }
-    let _done = Done(queue.clone());
-    loop {
-        let batch: Vec<Ask> = {
-            let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
-            if q.asks.is_empty() {
-                q.draining -= 1;
-                return;
+    let _done = Done(&queue);
+    while let Some(batch) = queue.take() {
+        run(store.clone(), batch).await;
+    }
+}
+
+/// One batch of checks: one query finds every code, and each request is
+/// answered with what became of its code.
+async fn check_batch(store: Store, batch: Vec<Look>) {
+    let lookups: Vec<ByValue<'_>> = (batch.iter())
+        .map(|a| ByValue {
+            code: &a.code,
+            pools: &a.pools,
+        })
+        .collect();
+    match store.find_sold_by_values(&lookups).await {
+        Ok(found) => {
+            for (a, sold) in batch.into_iter().zip(found) {
+                let seen = sold.as_ref().and_then(Seen::of);
+                let _ = a.reply.send(seen.ok_or(RedeemError::Unknown));
             }
-            let n = q.asks.len().min(MAX_BATCH);
-            q.asks.drain(..n).collect()
-        };
-        redeem_batch(&store, batch).await;
+        }
+        Err(e) => {
+            for a in batch {
+                let _ = a.reply.send(Err(RedeemError::Store(e.for_each())));
+            }
+        }
     }
 }
 
@@ -330,7 +393,8 @@ async fn drain(store: Store, queue: Arc<std::sync::Mutex<Queue>>) {
 /// journaled write ([`ops::redeem_ids`]), and each request is answered.
 /// A code already used or void is answered from the lookup, as it cannot
 /// change again.
-async fn redeem_batch(store: &Store, batch: Vec<Ask>) {
+async fn redeem_batch(store: Store, batch: Vec<Ask>) {
+    let store = &store;
     let lookups: Vec<ByValue<'_>> = (batch.iter())
         .map(|a| ByValue {
             code: &a.code,

@@ -159,18 +159,6 @@ impl Store {
         })
     }
 
-    /// The code whose value is `code`, among the codes of `pools` (each
-    /// with its look-alike rule), if it was ever sold to an order (issued,
-    /// used, or void after it was sold); see [`Store::find_sold_by_values`].
-    pub async fn find_sold_by_value(
-        &self,
-        code: &str,
-        pools: &[(String, LookAlikeRule)],
-    ) -> Result<Option<Sold>, StoreError> {
-        let mut found = self.find_sold_by_values(&[ByValue { code, pools }]).await?;
-        Ok(found.pop().flatten())
-    }
-
     /// Each lookup's code, if it was ever sold to an order. Found by keyed
     /// hashes alone: the exact value in any of the lookup's pools
     /// (`code_any_hmac`), or its look-alike key in each pool
