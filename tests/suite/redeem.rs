@@ -383,7 +383,8 @@ async fn check_changes_nothing_and_never_shows_the_buyer() {
 /// alone, whatever else its batch holds. Issued, used and void codes, an
 /// unknown one, and one code asked by two keys (a shop's platform, which
 /// may not see it, and the operator's, which may) each get the answer the
-/// same check gets alone, and nothing changes.
+/// same check gets alone, and a shop's own sold code is seen by both;
+/// nothing changes.
 #[tokio::test]
 async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
     let env = TestEnv::new("check_batch").await;
@@ -408,6 +409,11 @@ async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
     asks.extend(codes.iter().map(|c| (globex.as_str(), c.clone())));
     asks.extend((0..4).map(|i| (platform.as_str(), format!("CA-NO-SUCH-{i}"))));
     asks.push((platform.as_str(), codes[3].to_uppercase()));
+    // Globex's own sold code: both keys see it.
+    let globex_shop = shop_key(&env, "globex-1", "globex").await;
+    let theirs = placed_code(&api, &globex_shop, "CB-1", "cb").await;
+    asks.push((platform.as_str(), theirs.clone()));
+    asks.push((globex.as_str(), theirs));
     // What a check could change (the SMS fields change on their own).
     let lifecycle = |docs: Vec<bson::Document>| {
         (docs.into_iter())
@@ -416,7 +422,9 @@ async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
     };
     let before = lifecycle(pool_codes(env.store.database(), "ca").await);
 
-    let together = futures::future::join_all(asks.iter().map(|(k, c)| check(&api, k, c))).await;
+    // Four times over at once, so that batches hold many asks each.
+    let at_once = (0..4).flat_map(|_| asks.iter().map(|(k, c)| check(&api, k, c)));
+    let all = futures::future::join_all(at_once).await;
     let mut alone = Vec::new();
     for (k, c) in &asks {
         alone.push(check(&api, k, c).await);
@@ -426,11 +434,14 @@ async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
             .map(|(s, v)| (*s, said(v)))
             .collect::<Vec<_>>()
     };
-    assert_eq!(
-        said_all(&together),
-        said_all(&alone),
-        "answered at once as one at a time"
-    );
+    for together in all.chunks(asks.len()) {
+        assert_eq!(
+            said_all(together),
+            said_all(&alone),
+            "answered at once as one at a time"
+        );
+    }
+    let together = &all[..asks.len()];
     for (i, (status, seen)) in together.iter().enumerate().take(12) {
         assert_eq!(*status, 200, "code {i}: {seen}");
         let state = match i {
@@ -447,6 +458,12 @@ async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
         assert_eq!(said(answer), unknown, "one answer for every miss");
     }
     assert_eq!(together[28], together[3], "a look-alike finds its code");
+    assert_eq!(together[29].0, 200, "{:?}", together[29]);
+    assert_eq!(together[29].1["pool"], "cb");
+    assert_eq!(
+        together[29], together[30],
+        "the shop's key sees its own code"
+    );
     assert_eq!(
         lifecycle(pool_codes(env.store.database(), "ca").await),
         before,

@@ -3,7 +3,7 @@
 //! once, through the core's [`Finder`](codepool_issuance::redeem::Finder).
 //!
 //! Not an oracle: every code the key may not learn about (unknown, another
-//! shop's pool, never issued) gets one 404, from the same single query, and
+//! shop's pool, never issued) gets one 404, from the same query of its batch, and
 //! a key whose lookups keep missing is slowed (429 with `Retry-After`).
 //! The request and answer types here are the ones the OpenAPI document
 //! shows.

@@ -127,7 +127,7 @@ impl Problem {
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
             "a server codepool needs is unavailable",
-            "send the request again in a few seconds (the same order gets the same codes)"
+            "send the request again in a few seconds (the same order id gets the same codes, the same redemption id the same answer)"
                 .to_owned(),
         );
         p.retry_after = Some(2);

@@ -224,7 +224,7 @@ impl Finder {
             pools,
             reply,
         };
-        if self.checks.push(ask) {
+        if self.checks.push(ask).map_err(|Full| busy("checks"))? {
             tokio::spawn(drain(self.store.clone(), self.checks.clone(), check_batch));
         }
         answer.await.unwrap_or_else(|_| {
@@ -265,7 +265,7 @@ impl Finder {
             actor: actor.clone(),
             reply,
         };
-        if self.queue.push(ask) {
+        if self.queue.push(ask).map_err(|Full| busy("redemptions"))? {
             tokio::spawn(drain(self.store.clone(), self.queue.clone(), redeem_batch));
         }
         answer.await.unwrap_or_else(|_| {
@@ -276,13 +276,30 @@ impl Finder {
     }
 }
 
-/// Most redemptions made together.
+/// Most redemptions (or checks) made together.
 pub const MAX_BATCH: usize = 256;
-/// Batches made at once: while one waits for its journaled write, the next
-/// is looked up. Two batches may hold the same code (or the same
-/// redemption id); MongoDB's conditional update lets one of them use it,
-/// and the other reads back what happened, as between two processes.
+/// Batches made at once, of redemptions and of checks each: while one
+/// waits for its journaled write (or its read), the next is looked up.
+/// Two batches may hold the same code (or the same redemption id);
+/// MongoDB's conditional update lets one of them use it, and the other
+/// reads back what happened, as between two processes.
 pub const IN_FLIGHT: usize = 2;
+/// Most redemptions (or checks) waiting for a batch: past it a request is
+/// answered 503 at once, rather than queued behind minutes of work.
+pub const MAX_WAITING: usize = 16 * MAX_BATCH;
+/// Longest a batch of checks waits for its query: past it, its checks are
+/// answered 503 and the next batch goes on.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The queue is full.
+struct Full;
+
+/// 503 for a request that found [`MAX_WAITING`] others waiting.
+fn busy(what: &str) -> RedeemError {
+    RedeemError::Store(StoreError::Unavailable(format!(
+        "{MAX_WAITING} {what} are waiting for the database; send the request again in a few seconds"
+    )))
+}
 
 /// A redemption waiting for its batch.
 struct Ask {
@@ -319,13 +336,17 @@ impl<A> Queue<A> {
     }
 
     /// Queues `ask`; `true` when the caller must start a task to take it
-    /// (fewer than [`IN_FLIGHT`] are taking the queue).
-    fn push(&self, ask: A) -> bool {
+    /// (fewer than [`IN_FLIGHT`] are taking the queue), [`Full`] when
+    /// [`MAX_WAITING`] are waiting already.
+    fn push(&self, ask: A) -> Result<bool, Full> {
         let mut q = self.lock();
+        if q.0.len() >= MAX_WAITING {
+            return Err(Full);
+        }
         q.0.push(ask);
         let more = q.1 < IN_FLIGHT;
         q.1 += usize::from(more);
-        more
+        Ok(more)
     }
 
     /// Up to [`MAX_BATCH`] of the queue; `None` when it is empty, and the
@@ -342,39 +363,63 @@ impl<A> Queue<A> {
 }
 
 /// Makes batches of the queue with `run`, one after another, until it is
-/// empty. A task that ends any other way (a panic) still lets the next
+/// empty. A batch that panics answers its own requests "send it again"
+/// (their replies are dropped) and the task goes on with the next; a task
+/// stopped any other way (its runtime shutting down) still lets the next
 /// request start another.
-async fn drain<A, F, Fut>(store: Store, queue: Arc<Queue<A>>, run: F)
+async fn drain<C: Clone, A, F, Fut>(ctx: C, queue: Arc<Queue<A>>, run: F)
 where
-    F: Fn(Store, Vec<A>) -> Fut,
+    F: Fn(C, Vec<A>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    struct Done<'a, A>(&'a Queue<A>);
+    use futures::FutureExt;
+    struct Done<'a, A> {
+        queue: &'a Queue<A>,
+        ended: bool,
+    }
     impl<A> Drop for Done<'_, A> {
         fn drop(&mut self) {
-            // A task that returned has said so itself, under the lock.
-            if std::thread::panicking() {
-                let mut q = self.0.lock();
+            // A task that found the queue empty has said so, under the lock.
+            if !self.ended {
+                let mut q = self.queue.lock();
                 q.1 = q.1.saturating_sub(1);
             }
         }
     }
-    let _done = Done(&queue);
+    let mut done = Done {
+        queue: &queue,
+        ended: false,
+    };
     while let Some(batch) = queue.take() {
-        run(store.clone(), batch).await;
+        let run = std::panic::AssertUnwindSafe(run(ctx.clone(), batch));
+        if run.catch_unwind().await.is_err() {
+            tracing::error!("a batch of redemptions or checks panicked; its requests were answered 503, and the next batch goes on");
+        }
     }
+    done.ended = true;
 }
 
 /// One batch of checks: one query finds every code, and each request is
 /// answered with what became of its code.
-async fn check_batch(store: Store, batch: Vec<Look>) {
+async fn check_batch(store: Store, mut batch: Vec<Look>) {
+    // A check whose client went away is not looked up.
+    batch.retain(|a| !a.reply.is_closed());
+    if batch.is_empty() {
+        return;
+    }
     let lookups: Vec<ByValue<'_>> = (batch.iter())
         .map(|a| ByValue {
             code: &a.code,
             pools: &a.pools,
         })
         .collect();
-    match store.find_sold_by_values(&lookups).await {
+    let found = tokio::time::timeout(CHECK_TIMEOUT, store.find_sold_by_values(&lookups)).await;
+    let found = found.unwrap_or_else(|_| {
+        Err(StoreError::Unavailable(format!(
+            "MongoDB did not answer the lookup within {CHECK_TIMEOUT:?}; send the check again"
+        )))
+    });
+    match found {
         Ok(found) => {
             for (a, sold) in batch.into_iter().zip(found) {
                 let seen = sold.as_ref().and_then(Seen::of);
@@ -490,4 +535,85 @@ fn refused(
 /// `None` when empty, too long or unreadable.
 pub fn checked_id(id: &str) -> Option<String> {
     codepool_domain::text::client_id(id, MAX_REDEMPTION_ID_CHARS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Asked = (u32, oneshot::Sender<u32>);
+
+    /// Answers each ask with its number doubled; a batch with number 0
+    /// waits for the gate to open, then panics.
+    async fn doubled(mut gate: tokio::sync::watch::Receiver<bool>, batch: Vec<Asked>) {
+        if batch.iter().any(|(n, _)| *n == 0) {
+            let _ = gate.wait_for(|open| *open).await;
+            panic!("a batch that panics");
+        }
+        for (n, reply) in batch {
+            let _ = reply.send(n * 2);
+        }
+    }
+
+    type Gate = tokio::sync::watch::Receiver<bool>;
+
+    fn ask(queue: &Arc<Queue<Asked>>, gate: &Gate, n: u32) -> oneshot::Receiver<u32> {
+        let (tx, rx) = oneshot::channel();
+        if queue.push((n, tx)).ok().expect("room in the queue") {
+            tokio::spawn(drain(gate.clone(), queue.clone(), doubled));
+        }
+        rx
+    }
+
+    /// Both tasks take a batch that panics while more asks wait behind
+    /// them, and no request comes after: the waiting asks are answered all
+    /// the same.
+    #[tokio::test]
+    async fn a_panicking_batch_fails_its_own_asks_and_the_queue_goes_on() {
+        let queue: Arc<Queue<Asked>> = Arc::default();
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let mut failing = Vec::new();
+        for _ in 0..IN_FLIGHT {
+            failing.push(ask(&queue, &gate, 0));
+            // The new task takes this batch alone and waits inside it.
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(queue.lock().1, IN_FLIGHT);
+        let waiting: Vec<_> = (1..=5).map(|n| ask(&queue, &gate, n)).collect();
+        open.send_replace(true);
+        for rx in failing {
+            assert!(
+                rx.await.is_err(),
+                "a panicking batch's ask is told it stopped"
+            );
+        }
+        for (n, rx) in (1..=5).zip(waiting) {
+            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
+            assert_eq!(answer.expect("answered, not stranded").unwrap(), 2 * n);
+        }
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        let q = queue.lock();
+        assert!(q.0.is_empty());
+        assert_eq!(q.1, 0, "every task ended and said so");
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_at_once() {
+        let queue: Arc<Queue<Asked>> = Arc::default();
+        // Nobody takes this queue: every push is kept.
+        let mut kept = Vec::new();
+        for n in 0..MAX_WAITING {
+            let (tx, rx) = oneshot::channel();
+            assert!(queue.push((n as u32, tx)).is_ok());
+            kept.push(rx);
+        }
+        let (tx, _rx) = oneshot::channel();
+        assert!(
+            queue.push((0, tx)).is_err(),
+            "one past MAX_WAITING is refused"
+        );
+        assert_eq!(queue.lock().0.len(), MAX_WAITING);
+    }
 }
