@@ -63,8 +63,17 @@ impl Side {
     fn peak_mb(&self) -> Option<f64> {
         self.child.peak_kb.map(|k| k as f64 / 1024.0)
     }
+    /// mongod's CPU seconds while this run went.
+    fn mongod_s(&self) -> f64 {
+        (self.child.servers_s.iter())
+            .filter(|(n, _)| *n == "mongod")
+            .map(|(_, s)| s)
+            .sum()
+    }
     fn json(&self) -> serde_json::Value {
         json!({
+            "codepool_cpu_seconds": self.child.cpu_s,
+            "servers_cpu_seconds": self.child.servers_s.iter().map(|(n, s)| (n.to_string(), json!(s))).collect::<serde_json::Map<_, _>>(),
             "codes": self.codes(),
             "seconds": self.seconds(),
             "codes_per_sec": self.rate(),
@@ -224,13 +233,30 @@ impl Sides {
         let peaks: Option<Vec<f64>> = self.0.iter().map(Side::peak_mb).collect();
         peaks.and_then(|p| p.into_iter().reduce(f64::max))
     }
+    /// mongod's and the command's own CPU, microseconds per code.
+    fn cpu_us_per_code(&self) -> (f64, f64) {
+        let n = self.codes().max(1) as f64;
+        let mongod: f64 = self.0.iter().map(Side::mongod_s).sum();
+        let own: f64 = self.0.iter().filter_map(|s| s.child.cpu_s).sum();
+        (mongod * 1e6 / n, own * 1e6 / n)
+    }
+    /// mongod's cores busy, on average, while the runs went.
+    fn mongod_cores(&self) -> f64 {
+        let mongod: f64 = self.0.iter().map(Side::mongod_s).sum();
+        let wall: f64 = self.0.iter().map(|s| s.child.wall.as_secs_f64()).sum();
+        mongod / wall.max(1e-9)
+    }
     fn ok(&self, n: u64) -> bool {
         self.0.iter().all(|s| s.child.status_ok && s.codes() == n)
     }
     fn json(&self) -> serde_json::Value {
+        let (mongod_us, own_us) = self.cpu_us_per_code();
         json!({
             "codes_per_sec": self.rate(),
             "peak_rss_mb": self.peak_mb(),
+            "mongod_cpu_us_per_code": mongod_us,
+            "own_cpu_us_per_code": own_us,
+            "mongod_cores_busy": self.mongod_cores(),
             "runs": self.0.iter().map(Side::json).collect::<Vec<_>>(),
         })
     }
@@ -269,15 +295,19 @@ fn print_table(n: u64, import: &Sides, generate: &Sides, statement: f64, ties_ou
     let tick = |ok: bool| if ok { "✓" } else { "✗" };
     println!("{n} codes generated against {n} imported from a file, twice each (import, generate, generate, import), each a child process, journaled (w:majority, j:true)\n");
     println!(
-        "{:<22} {:>9} {:>10} {:>12}",
-        "", "seconds", "codes/s", "peak RSS MB"
+        "{:<22} {:>9} {:>10} {:>12} {:>14} {:>14} {:>12}",
+        "", "seconds", "codes/s", "peak RSS MB", "mongod µs/code", "own µs/code", "mongod cores"
     );
     for (name, side) in [("codepool import", import), ("codepool generate", generate)] {
+        let (mongod_us, own_us) = side.cpu_us_per_code();
         println!(
-            "{name:<22} {:>9.2} {:>10.0} {:>12}",
+            "{name:<22} {:>9.2} {:>10.0} {:>12} {:>14.1} {:>14.1} {:>12.2}",
             side.seconds(),
             side.rate(),
-            side.peak_mb().map_or("-".into(), |m| format!("{m:.1}"))
+            side.peak_mb().map_or("-".into(), |m| format!("{m:.1}")),
+            mongod_us,
+            own_us,
+            side.mongod_cores()
         );
     }
     let ratio = generate.rate() / import.rate().max(1e-9);

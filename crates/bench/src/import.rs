@@ -431,6 +431,11 @@ pub(crate) struct Child {
     pub status_ok: bool,
     pub wall: Duration,
     pub peak_kb: Option<u64>,
+    /// The child's own CPU seconds (its last reading before it exited).
+    pub cpu_s: Option<f64>,
+    /// The servers' CPU seconds while it ran, by process name (mongod,
+    /// rabbitmq, redis).
+    pub servers_s: Vec<(&'static str, f64)>,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
 }
@@ -441,6 +446,7 @@ pub(crate) struct Child {
 pub(crate) async fn codepool_child(scratch: &Scratch, args: &[&str]) -> anyhow::Result<Child> {
     let cfg = &scratch.cfg;
     let exe = codepool_binary()?;
+    let servers_before = crate::CpuSnapshot::take();
     let started = Instant::now();
     let mut child = tokio::process::Command::new(exe)
         .args(["--mongodb-uri", &cfg.mongodb_uri, "--db", &cfg.db])
@@ -483,12 +489,15 @@ pub(crate) async fn codepool_child(scratch: &Scratch, args: &[&str]) -> anyhow::
         }
         buf
     });
-    let mut peak_kb: Option<u64> = None;
+    let (mut peak_kb, mut cpu_s): (Option<u64>, Option<f64>) = (None, None);
     let status = loop {
-        // VmHWM only grows, so the last reading before exit is the peak
-        // (give or take the last few milliseconds).
+        // VmHWM and the CPU time only grow, so the last readings before
+        // exit are the totals (give or take the last few milliseconds).
         if let Some(kb) = proc_status_kb(pid, "VmHWM") {
             peak_kb = Some(peak_kb.unwrap_or(0).max(kb));
+        }
+        if let Some(s) = pid.and_then(crate::cpu_seconds) {
+            cpu_s = Some(s);
         }
         tokio::select! {
             status = child.wait() => break status?,
@@ -496,10 +505,14 @@ pub(crate) async fn codepool_child(scratch: &Scratch, args: &[&str]) -> anyhow::
         }
     };
     let wall = started.elapsed();
+    let mut servers_s = crate::CpuSnapshot::take().since(&servers_before);
+    servers_s.retain(|(name, _)| *name != "codepool" && *name != crate::CLIENTS);
     Ok(Child {
         status_ok: status.success(),
         wall,
         peak_kb,
+        cpu_s,
+        servers_s,
         stdout: stdout.await.unwrap_or_default(),
         stderr: stderr.await.unwrap_or_default(),
     })

@@ -499,7 +499,7 @@ fn client_thread_seconds() -> f64 {
 
 /// `utime + stime` of a process and of its waited-for children (the
 /// import child process), in seconds.
-fn cpu_seconds(pid: u32) -> Option<f64> {
+pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     stat_seconds(Path::new(&format!("/proc/{pid}/stat")), 11..=14)
 }
 
