@@ -333,8 +333,99 @@ fn state_at(to: DateTime) -> Bson {
     }})
 }
 
+/// The codes `cond` holds for, of a group of `$n` codes alike.
 fn count_if(cond: Bson) -> Bson {
-    Bson::from(doc! {"$sum": {"$cond": [cond, 1, 0]}})
+    Bson::from(doc! {"$sum": {"$cond": [cond, "$n", 0]}})
+}
+
+/// The time fields a statement compares with its period.
+const TIMES: [&str; 4] = ["created_at", "issued_at", "used_at", "voided_at"];
+
+/// Where the time `f` falls against the period, all that the figures ask
+/// of it: -1 when it is not a time (missing), else 2 if before `from`
+/// plus 1 if before `to`.
+fn time_class(f: &str, from: DateTime, to: DateTime) -> Bson {
+    let at = format!("${f}");
+    let lt = |t: DateTime, yes: i32| Bson::from(doc! {"$cond": [{"$lt": [&at, t]}, yes, 0]});
+    Bson::from(doc! {"$cond": [is_date(f), {"$add": [lt(from, 2), lt(to, 1)]}, -1]})
+}
+
+/// A time of each class [`time_class`] can give for the period (a class
+/// no time can fall in has none).
+fn class_times(from: DateTime, to: DateTime) -> Vec<(i32, DateTime)> {
+    let (lo, hi) = (from.min(to), from.max(to));
+    let candidates = [
+        DateTime::from_millis(lo.timestamp_millis().saturating_sub(1)),
+        lo,
+        hi,
+    ];
+    (0..4)
+        .filter_map(|class| {
+            let t = candidates
+                .into_iter()
+                .find(|t| 2 * i32::from(*t < from) + i32::from(*t < to) == class)?;
+            Some((class, t))
+        })
+        .collect()
+}
+
+/// What the figures ask of a void reason, as a `$switch`: codepool's own
+/// `expired` or `replaced`, an operator's `refund` (in any case), or
+/// anything else: never the operator's words themselves, so free-text
+/// reasons do not split the groups.
+fn reason_class() -> Bson {
+    let said = doc! {"$toLower": {"$trim": {"input": {"$ifNull": ["$void_reason", ""]}}}};
+    Bson::from(doc! {"$switch": {
+        "branches": [
+            {"case": {"$eq": ["$void_reason", EXPIRED_REASON]}, "then": EXPIRED_REASON},
+            {"case": {"$eq": ["$void_reason", REPLACED_REASON]}, "then": REPLACED_REASON},
+            {"case": {"$eq": [said, "refund"]}, "then": "refund"},
+        ],
+        "default": Bson::Null,
+    }})
+}
+
+/// Stage 1 of a statement: the codes counted by what the figures read of
+/// them (run, status, recall, void reason, and where each time falls
+/// against the period). A pool's million codes come to a few dozen groups.
+fn alike(p: &Period) -> Document {
+    let mut key = doc! {
+        "b": "$batch_id",
+        "st": "$status",
+        "rb": {"$eq": [{"$type": "$recalled_by"}, "objectId"]},
+        "vr": reason_class(),
+    };
+    for f in TIMES {
+        key.insert(f, time_class(f, p.from, p.to));
+    }
+    doc! {"_id": key, "n": {"$sum": 1}}
+}
+
+/// Stage 2: each group as one code standing for all of it, with times of
+/// the same classes as theirs ([`class_times`]), so the figures'
+/// expressions read it as they would read each of its codes.
+fn standing_in(p: &Period) -> Document {
+    let times = class_times(p.from, p.to);
+    let mut d = doc! {
+        "_id": 0,
+        "n": "$n",
+        "batch_id": "$_id.b",
+        "status": "$_id.st",
+        "recalled_by": {"$cond": ["$_id.rb", ObjectId::from_bytes([0; 12]), "$$REMOVE"]},
+        // The reason's class stands for its words ([`reason_class`]).
+        "void_reason": {"$ifNull": ["$_id.vr", "$$REMOVE"]},
+    };
+    for f in TIMES {
+        let class = format!("$_id.{f}");
+        let branches: Vec<Bson> = (times.iter())
+            .map(|(c, t)| Bson::from(doc! {"case": {"$eq": [&class, *c]}, "then": *t}))
+            .collect();
+        d.insert(
+            f,
+            doc! {"$switch": {"branches": branches, "default": "$$REMOVE"}},
+        );
+    }
+    d
 }
 
 /// The `$group` stage: one document per run with every figure.
@@ -371,7 +462,7 @@ fn group(p: &Period) -> Document {
             )),
         );
     }
-    g.insert("received", doc! {"$sum": 1});
+    g.insert("received", doc! {"$sum": "$n"});
     g
 }
 
@@ -475,24 +566,56 @@ impl Store {
         Ok(self.keys.ring()?.statement_key(pool))
     }
 
-    /// The statement of `p`, read in one snapshot.
-    pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
+    /// The figures of each run of `p`, read in one snapshot twice: by
+    /// groups of codes alike (what [`Store::statement`] reads), and with
+    /// every code read alone, the plain form the grouped one must equal.
+    /// For tests.
+    #[doc(hidden)]
+    pub async fn statement_figures_both_ways(
+        &self,
+        p: &Period<'_>,
+    ) -> Result<(Vec<Document>, Vec<Document>), StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let pipeline = vec![
-            doc! {"$match": p.codes()},
+        let grouped = self.figures(p, false, &mut session).await?;
+        Ok((grouped, self.figures(p, true, &mut session).await?))
+    }
+
+    async fn figures(
+        &self,
+        p: &Period<'_>,
+        each_code: bool,
+        session: &mut mongodb::ClientSession,
+    ) -> Result<Vec<Document>, StoreError> {
+        // The figures' expressions run once per group of codes alike, not
+        // once per code.
+        let mut pipeline = vec![doc! {"$match": p.codes()}];
+        if each_code {
+            pipeline.push(doc! {"$set": {"n": 1}});
+        } else {
+            pipeline.push(doc! {"$group": alike(p)});
+            pipeline.push(doc! {"$project": standing_in(p)});
+        }
+        pipeline.extend([
             doc! {"$set": {"s": state_at(p.to), "v": void_class()}},
             doc! {"$group": group(p)},
             doc! {"$sort": {"_id": 1}},
-        ];
+        ]);
         let mut cursor = self
             .collection(CODES)
             .aggregate(pipeline)
-            .session(&mut session)
+            .session(&mut *session)
             .await?;
         let mut groups = Vec::new();
-        while let Some(d) = cursor.next(&mut session).await {
+        while let Some(d) = cursor.next(&mut *session).await {
             groups.push(d?);
         }
+        Ok(groups)
+    }
+
+    /// The statement of `p`, read in one snapshot.
+    pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
+        let mut session = self.client().start_session().snapshot(true).await?;
+        let groups = self.figures(p, false, &mut session).await?;
         let mut q = doc! {"pool": p.pool, "started_at": {"$lt": p.to}};
         if let Some(i) = p.import {
             q.insert("_id", i);
