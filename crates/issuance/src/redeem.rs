@@ -224,14 +224,8 @@ impl Finder {
             pools,
             reply,
         };
-        if self.checks.push(ask).map_err(|Full| busy("checks"))? {
-            tokio::spawn(drain(self.store.clone(), self.checks.clone(), check_batch));
-        }
-        answer.await.unwrap_or_else(|_| {
-            Err(RedeemError::Store(StoreError::Unavailable(
-                "the check's batch stopped before it answered; send it again".into(),
-            )))
-        })
+        let batches = (&self.store, &self.checks, check_batch);
+        queued(batches, ask, answer, "checks", "send it again").await
     }
 
     /// Redeems the code `code` names, once: `redemption_id` again gets the
@@ -265,14 +259,9 @@ impl Finder {
             actor: actor.clone(),
             reply,
         };
-        if self.queue.push(ask).map_err(|Full| busy("redemptions"))? {
-            tokio::spawn(drain(self.store.clone(), self.queue.clone(), redeem_batch));
-        }
-        answer.await.unwrap_or_else(|_| {
-            Err(RedeemError::Store(StoreError::Unavailable(
-                "the redemption's batch stopped before it answered; send it again with the same redemption id".into(),
-            )))
-        })
+        let batches = (&self.store, &self.queue, redeem_batch);
+        let again = "send it again with the same redemption id";
+        queued(batches, ask, answer, "redemptions", again).await
     }
 }
 
@@ -293,6 +282,32 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The queue is full.
 struct Full;
+
+/// Queues `ask` on `queue`, starts a task that runs its batches with
+/// `run` when fewer than [`IN_FLIGHT`] do, and waits for `answer`: 503
+/// when the queue is full or the batch ended without answering (`again`
+/// says what to send then).
+async fn queued<A, T, F, Fut>(
+    (store, queue, run): (&Store, &Arc<Queue<A>>, F),
+    ask: A,
+    answer: oneshot::Receiver<Result<T, RedeemError>>,
+    what: &str,
+    again: &str,
+) -> Result<T, RedeemError>
+where
+    A: Send + 'static,
+    F: Fn(Store, Vec<A>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    if queue.push(ask).map_err(|Full| busy(what))? {
+        tokio::spawn(drain(store.clone(), queue.clone(), run));
+    }
+    answer.await.unwrap_or_else(|_| {
+        Err(RedeemError::Store(StoreError::Unavailable(format!(
+            "the batch of {what} stopped before it answered; {again}"
+        ))))
+    })
+}
 
 /// 503 for a request that found [`MAX_WAITING`] others waiting.
 fn busy(what: &str) -> RedeemError {

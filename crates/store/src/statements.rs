@@ -283,16 +283,11 @@ fn ever_sold() -> Bson {
 /// replacement's, `refund` for a void that says so (in any case), else
 /// `other`.
 fn void_class() -> Bson {
-    let said = doc! {"$toLower": {"$trim": {"input": {"$ifNull": ["$void_reason", ""]}}}};
-    Bson::from(doc! {"$switch": {
-        "branches": [
-            {"case": {"$eq": [{"$type": "$recalled_by"}, "objectId"]}, "then": "recalled"},
-            {"case": {"$eq": ["$void_reason", EXPIRED_REASON]}, "then": "expired"},
-            {"case": {"$eq": ["$void_reason", REPLACED_REASON]}, "then": "replaced"},
-            {"case": {"$eq": [said, "refund"]}, "then": "refund"},
-        ],
-        "default": "other",
-    }})
+    Bson::from(doc! {"$cond": [
+        {"$eq": [{"$type": "$recalled_by"}, "objectId"]},
+        "recalled",
+        {"$ifNull": [reason_class(), "other"]},
+    ]})
 }
 
 /// Whether a code's document holds the times its status needs (a sold
@@ -370,9 +365,10 @@ fn class_times(from: DateTime, to: DateTime) -> Vec<(i32, DateTime)> {
 }
 
 /// What the figures ask of a void reason, as a `$switch`: codepool's own
-/// `expired` or `replaced`, an operator's `refund` (in any case), or
-/// anything else: never the operator's words themselves, so free-text
-/// reasons do not split the groups.
+/// `expired` or `replaced`, an operator's `refund` (in any case), or null
+/// for anything else: never the operator's words themselves, so free-text
+/// reasons do not split a statement's groups ([`alike`]), and
+/// [`void_class`] reads the same three questions.
 fn reason_class() -> Bson {
     let said = doc! {"$toLower": {"$trim": {"input": {"$ifNull": ["$void_reason", ""]}}}};
     Bson::from(doc! {"$switch": {
