@@ -535,6 +535,13 @@ async fn a_row_broken_behind_codepools_back_exits_3_naming_it() {
         doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 7},
         doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 0.0},
         doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 3, "voided_at": at(5), "recalled_by": run_id},
+        // A statement reads its codes in parts cut by `seq`: these belong
+        // to one part each all the same.
+        doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 0, "seq": "3"},
+        doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 0, "seq": 2.5},
+        doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 0, "seq": 5_i64},
+        doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 0, "seq": f64::NAN},
+        doc! {"pool": "so", "batch_id": run_id, "created_at": at(70), "status": 1, "issued_at": at(60), "seq": -1},
     ];
     codes
         .insert_many(odd)
@@ -644,5 +651,47 @@ async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_ar
     let old = rows(&env, "sh", "2000-01-01", "2001-01-01").await;
     assert_eq!(old["provisional"], false);
     api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_part_of_a_statement_reads_at_the_one_snapshot() {
+    let env = TestEnv::new("statements_snapshot").await;
+    let rows: String = (1..=40).map(|i| format!("SN-{i:03}\n")).collect();
+    import(&env, "sn", "sn.csv", &format!("code\n{rows}")).await;
+    let p = codepool_store::statements::Period {
+        pool: "sn",
+        import: None,
+        from: bson::DateTime::from_millis(0),
+        to: bson::DateTime::MAX,
+    };
+    let (before, _) = env.store.statement_figures_both_ways(&p).await.unwrap();
+    assert_eq!(before.len(), 1);
+    assert_eq!(before[0].get_i64("b_in_stock").unwrap(), 40);
+    // Moves in every part (the parts are cut by `seq`, 1 to 40), made
+    // after the snapshot is fixed and before the parts are read.
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let meanwhile = async {
+        codes
+            .update_many(
+                doc! {"pool": "sn", "seq": {"$in": [2, 12, 22, 32, 40]}},
+                doc! {"$set": {"status": 3, "voided_at": bson::DateTime::now(), "void_reason": "refund"}},
+            )
+            .await
+            .unwrap();
+        codes
+            .delete_many(doc! {"pool": "sn", "seq": {"$in": [5, 15, 25, 35]}})
+            .await
+            .unwrap();
+    };
+    let fixed = (env.store)
+        .statement_figures_fixed_before(&p, meanwhile)
+        .await
+        .unwrap();
+    assert_eq!(fixed, before, "a part saw a write made after the snapshot");
+    let (after, alone) = env.store.statement_figures_both_ways(&p).await.unwrap();
+    assert_eq!(after, alone);
+    assert_eq!(after[0].get_i64("b_in_stock").unwrap(), 31);
+    assert_eq!(after[0].get_i64("bv_refund").unwrap(), 5);
     env.cleanup().await;
 }

@@ -10,9 +10,10 @@
 //!   imported in March and sold in April counts as issued in April): two
 //!   back-to-back periods add up to the period that spans both.
 //!
-//! Everything is read in one snapshot session: the aggregation and the
-//! import records see the database at one point in time, so a claim made
-//! while the statement runs is either in every figure or in none.
+//! Everything is read at one snapshot: the aggregation's parts (run side
+//! by side, each in a session of its own at the same cluster time) and
+//! the import records see the database at one point in time, so a claim
+//! made while the statement runs is either in every figure or in none.
 //!
 //! A balance at an end in the past is worked out from the moves' times. A
 //! code's hold leaves no time once it ends, so "held" at a past end counts
@@ -24,9 +25,10 @@ use std::ops::ControlFlow;
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::CodeStatus;
+use mongodb::ClientSession;
 use serde::Serialize;
 
-use crate::codes::CODES;
+use crate::codes::{int_field, CODES, SEQUENCES};
 use crate::crypto::open_code;
 use crate::imports::{ImportRecord, IMPORTS, SOURCE_GENERATED};
 use crate::replacements::REPLACED_REASON;
@@ -462,6 +464,57 @@ fn group(p: &Period) -> Document {
     g
 }
 
+/// A statement's codes are read in this many parts side by side, each an
+/// aggregation of its own: mongod runs an aggregation on one core, and a
+/// pool of a million codes kept one core busy for seconds.
+const PARTS: i64 = 4;
+
+/// The codes of part `i` of the parts `bounds` cut: `seq` below the first
+/// bound, between two, or not below the last. Together the parts hold
+/// every code once, whatever its `seq` (none, text, NaN: the first or the
+/// last part), so their figures sum to the whole's.
+fn part_filter(bounds: &[i64], i: usize) -> Option<Document> {
+    let low = i.checked_sub(1).and_then(|j| bounds.get(j));
+    match (low, bounds.get(i)) {
+        (None, None) => None,
+        (None, Some(high)) => Some(doc! {"seq": {"$lt": high}}),
+        (Some(low), Some(high)) => Some(doc! {"seq": {"$gte": low, "$lt": high}}),
+        (Some(low), None) => Some(doc! {"seq": {"$not": {"$lt": low}}}),
+    }
+}
+
+/// The figures of each run, summed over `parts` (each sorted by run, as
+/// the aggregation sorts them): every figure is a count. Counts come out
+/// 64-bit, whatever width the server gave.
+fn summed(parts: Vec<Vec<Document>>) -> Vec<Document> {
+    let mut runs: Vec<Document> = Vec::new();
+    for d in parts.into_iter().flatten() {
+        let id = d.get("_id").cloned().unwrap_or(Bson::Null);
+        let at = match runs.iter().position(|r| r.get("_id") == Some(&id)) {
+            Some(at) => at,
+            None => {
+                runs.push(doc! {"_id": id});
+                runs.len() - 1
+            }
+        };
+        for (k, _) in d.iter().filter(|(k, _)| k.as_str() != "_id") {
+            let total = n(&runs[at], k) + n(&d, k);
+            runs[at].insert(k.clone(), total as i64);
+        }
+    }
+    runs.sort_by_key(|r| run_order(r.get("_id")));
+    runs
+}
+
+/// The aggregation's order of runs: none first, then by id.
+fn run_order(id: Option<&Bson>) -> (u8, Vec<u8>) {
+    match id {
+        None | Some(Bson::Null) => (0, Vec::new()),
+        Some(Bson::ObjectId(o)) => (1, o.bytes().to_vec()),
+        Some(other) => (2, other.to_string().into_bytes()),
+    }
+}
+
 fn n(d: &Document, k: &str) -> u64 {
     match d.get(k) {
         Some(Bson::Int32(v)) => *v as u64,
@@ -572,19 +625,94 @@ impl Store {
         p: &Period<'_>,
     ) -> Result<(Vec<Document>, Vec<Document>), StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let grouped = self.figures(p, false, &mut session).await?;
-        Ok((grouped, self.figures(p, true, &mut session).await?))
+        let grouped = self.figures_in_parts(p, &mut session).await?;
+        let alone = self.figures(p, true, None, &mut session).await?;
+        Ok((grouped, summed(vec![alone])))
+    }
+
+    /// The figures of each run of `p`, read at `session`'s snapshot in
+    /// parts side by side ([`PARTS`]) and summed: mongod runs one
+    /// aggregation on one core. The first read fixes the snapshot, and
+    /// every part reads at that time, in a session of its own.
+    async fn figures_in_parts(
+        &self,
+        p: &Period<'_>,
+        session: &mut ClientSession,
+    ) -> Result<Vec<Document>, StoreError> {
+        let bounds = self.part_bounds(p.pool, session).await?;
+        self.parts_read(p, session, &bounds).await
+    }
+
+    /// The figures of `p` as [`Store::statement`] reads them, at a
+    /// snapshot fixed before `meanwhile` runs. For tests: no part may see
+    /// what `meanwhile` writes.
+    #[doc(hidden)]
+    pub async fn statement_figures_fixed_before(
+        &self,
+        p: &Period<'_>,
+        meanwhile: impl std::future::Future<Output = ()>,
+    ) -> Result<Vec<Document>, StoreError> {
+        let mut session = self.client().start_session().snapshot(true).await?;
+        let bounds = self.part_bounds(p.pool, &mut session).await?;
+        meanwhile.await;
+        self.parts_read(p, &mut session, &bounds).await
+    }
+
+    /// The parts `bounds` cut, read side by side at `session`'s snapshot.
+    async fn parts_read(
+        &self,
+        p: &Period<'_>,
+        session: &mut ClientSession,
+        bounds: &[i64],
+    ) -> Result<Vec<Document>, StoreError> {
+        let at = session
+            .snapshot_time()
+            .ok_or_else(|| corrupt("the snapshot read gave no cluster time"))?;
+        let mut others = Vec::with_capacity(bounds.len());
+        for _ in 0..bounds.len() {
+            let s = self.client().start_session().snapshot(true);
+            others.push(s.snapshot_time(at).await?);
+        }
+        let sessions = std::iter::once(session).chain(others.iter_mut());
+        let reads = sessions
+            .enumerate()
+            .map(|(i, s)| self.figures(p, false, part_filter(bounds, i), s));
+        Ok(summed(futures::future::try_join_all(reads).await?))
+    }
+
+    /// The `seq` values that cut `pool`'s codes into [`PARTS`] parts of
+    /// about one size, from the pool's sequence counter (read in
+    /// `session`). Any cut is correct ([`part_filter`]); this one is even.
+    async fn part_bounds(
+        &self,
+        pool: &str,
+        session: &mut ClientSession,
+    ) -> Result<Vec<i64>, StoreError> {
+        let counter = self
+            .collection(SEQUENCES)
+            .find_one(doc! {"_id": format!("codes.seq:{pool}")})
+            .session(session)
+            .await?;
+        let last = counter.and_then(|d| int_field(&d, "value")).unwrap_or(0);
+        let mut bounds: Vec<i64> = (1..PARTS).map(|i| 1 + last / PARTS * i).collect();
+        bounds.dedup();
+        Ok(bounds)
     }
 
     async fn figures(
         &self,
         p: &Period<'_>,
         each_code: bool,
-        session: &mut mongodb::ClientSession,
+        part: Option<Document>,
+        session: &mut ClientSession,
     ) -> Result<Vec<Document>, StoreError> {
+        let mut codes = p.codes();
+        if let Some(part) = part {
+            codes.extend(part);
+        }
         // The figures' expressions run once per group of codes alike, not
         // once per code.
-        let mut pipeline = vec![doc! {"$match": p.codes()}];
+        let mut pipeline = vec![doc! {"$match": codes}];
         if each_code {
             pipeline.push(doc! {"$set": {"n": 1}});
         } else {
@@ -611,7 +739,7 @@ impl Store {
     /// The statement of `p`, read in one snapshot.
     pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let groups = self.figures(p, false, &mut session).await?;
+        let groups = self.figures_in_parts(p, &mut session).await?;
         let mut q = doc! {"pool": p.pool, "started_at": {"$lt": p.to}};
         if let Some(i) = p.import {
             q.insert("_id", i);

@@ -645,7 +645,7 @@ fn union_of(branches: impl IntoIterator<Item = Vec<Document>>) -> Vec<Document> 
 }
 
 /// The integer field `key` of `d`, as `$literal` and `$sum` write it.
-fn int_field(d: &Document, key: &str) -> Option<i64> {
+pub(crate) fn int_field(d: &Document, key: &str) -> Option<i64> {
     match d.get(key) {
         Some(Bson::Int32(n)) => Some(i64::from(*n)),
         Some(Bson::Int64(n)) => Some(*n),
