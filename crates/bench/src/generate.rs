@@ -1,7 +1,8 @@
 //! `codepool-bench generate`: `codepool generate` against `codepool import`
 //! of a file of as many codes, each a child process of its own (so its peak
-//! memory is its own), in one run on the same servers; then a statement of
-//! the imported pool, timed, which must tie out.
+//! memory is its own), in one run on the same servers, each run into the
+//! emptied database; then a statement of the imported pool, timed, which
+//! must tie out.
 //!
 //! Issue 56's goals: generation at least as fast as the import, each under
 //! 100 MB of peak memory, and a statement over 1,000,000 codes under 5 s.
@@ -14,6 +15,7 @@ use codepool_issuance::statements::{self, Asked};
 use serde_json::json;
 
 use crate::import::{codepool_child, write_csv_from, Child, TempFile};
+use crate::inproc::checkpoint;
 use crate::Scratch;
 
 const RATE_TARGET: f64 = 1.0;
@@ -146,11 +148,16 @@ pub async fn run(
     Ok(())
 }
 
-/// Import and generation in turn, A B B A, after an untimed warm-up, so
-/// that neither gains from running first on a fresher server: `codepool import` of a file of `n`
-/// codes into pool `imported`, `codepool generate` of `n` codes into pools
-/// `generated` and `generated2`, then the import of another file of `n`
-/// codes into `imported2`. Each side is both its runs.
+/// Import and generation in turn, A B B A, each run from the same state:
+/// the scratch database emptied and migrated again, then a checkpoint
+/// ([`fresh_database`]). `codepool import` of a file of `n` codes into
+/// pool `imported`, `codepool generate` of `n` codes into pool
+/// `generated`, twice each. Each side is both its runs. The last import's
+/// codes stay for the statement.
+///
+/// Before, the runs went one after the other into one database. mongod's
+/// cost per code grows with the collection, so the later runs paid more,
+/// and the order of the runs decided the ratio.
 async fn both_runs(
     scratch: &Scratch,
     n: u64,
@@ -165,54 +172,48 @@ async fn both_runs(
     }
     let import = |k: usize| {
         let path = files[k].0.to_string_lossy().into_owned();
-        let pool = ["imported", "imported2"][k];
-        say(format!(
-            "codepool import into pool {pool} (child process) …"
-        ));
+        say("codepool import into pool imported of an empty database (child process) …".into());
         async move {
+            fresh_database(scratch).await?;
             Side::of(
-                codepool_child(scratch, &["import", &path, "--pool", pool, "--json"]).await?,
+                codepool_child(scratch, &["import", &path, "--pool", "imported", "--json"]).await?,
                 "import",
             )
         }
     };
     let count = n.to_string();
-    let generate = |pool: &'static str| {
-        say(format!(
-            "codepool generate into pool {pool} (child process) …"
-        ));
+    let generate = || {
+        say("codepool generate into pool generated of an empty database (child process) …".into());
         let count = count.clone();
         async move {
-            Side::of(
-                codepool_child(
-                    scratch,
-                    &["generate", "--pool", pool, "--count", &count, "--json"],
-                )
-                .await?,
+            fresh_database(scratch).await?;
+            let args = [
                 "generate",
-            )
+                "--pool",
+                "generated",
+                "--count",
+                &count,
+                "--json",
+            ];
+            Side::of(codepool_child(scratch, &args).await?, "generate")
         }
     };
-    // Untimed: the first run would otherwise insert into an empty
-    // collection, whose indexes fit in the cache; it ran up to 1.2x faster
-    // than the next, more than A B B A cancels (an even drift only).
-    say("warm-up: codepool generate of a quarter as many codes into pool warmup, untimed …".into());
-    let warm = (n / 4).max(1).to_string();
-    let warmed = codepool_child(
-        scratch,
-        &["generate", "--pool", "warmup", "--count", &warm, "--json"],
-    )
-    .await?;
-    anyhow::ensure!(
-        warmed.status_ok,
-        "the warm-up generation failed: {}",
-        String::from_utf8_lossy(&warmed.stderr)
-    );
     let a1 = import(0).await?;
-    let b1 = generate("generated").await?;
-    let b2 = generate("generated2").await?;
+    let b1 = generate().await?;
+    let b2 = generate().await?;
     let a2 = import(1).await?;
     Ok((Sides([a1, a2]), Sides([b1, b2])))
+}
+
+/// Empties the scratch database, migrates it again (its indexes, empty)
+/// and has MongoDB write its dirty pages: every timed run starts from the
+/// same state, and none pays for the pages of the run before.
+async fn fresh_database(scratch: &Scratch) -> anyhow::Result<()> {
+    (scratch.store.drop_database().await).context("emptying the benchmark database")?;
+    codepool::context::store_creating(&scratch.cfg)
+        .await
+        .context("migrating the emptied benchmark database")?;
+    checkpoint(scratch).await
 }
 
 /// A side's two runs.
@@ -293,7 +294,7 @@ async fn statements_timed(
 
 fn print_table(n: u64, import: &Sides, generate: &Sides, statement: f64, ties_out: bool) {
     let tick = |ok: bool| if ok { "✓" } else { "✗" };
-    println!("{n} codes generated against {n} imported from a file, twice each (import, generate, generate, import), each a child process, journaled (w:majority, j:true)\n");
+    println!("{n} codes generated against {n} imported from a file, twice each (import, generate, generate, import), each a child process into an emptied database, journaled (w:majority, j:true)\n");
     println!(
         "{:<22} {:>9} {:>10} {:>12} {:>14} {:>14} {:>12}",
         "", "seconds", "codes/s", "peak RSS MB", "mongod µs/code", "own µs/code", "mongod cores"
