@@ -470,48 +470,83 @@ fn group(p: &Period) -> Document {
 const PARTS: i64 = 4;
 
 /// The codes of part `i` of the parts `bounds` cut: `seq` below the first
-/// bound, between two, or not below the last. Together the parts hold
-/// every code once, whatever its `seq` (none, text, NaN: the first or the
-/// last part), so their figures sum to the whole's.
+/// bound, below the next but not below the last one, or not below the
+/// last. A code goes to the part of its smallest numeric `seq` (an array
+/// of them too), and a code with no number there (none, text, NaN) to the
+/// last or the first part: the parts hold every code once, so their
+/// figures sum to the whole's.
 fn part_filter(bounds: &[i64], i: usize) -> Option<Document> {
     let low = i.checked_sub(1).and_then(|j| bounds.get(j));
     match (low, bounds.get(i)) {
         (None, None) => None,
         (None, Some(high)) => Some(doc! {"seq": {"$lt": high}}),
-        (Some(low), Some(high)) => Some(doc! {"seq": {"$gte": low, "$lt": high}}),
+        (Some(low), Some(high)) => Some(doc! {"seq": {"$lt": high, "$not": {"$lt": low}}}),
         (Some(low), None) => Some(doc! {"seq": {"$not": {"$lt": low}}}),
     }
 }
 
-/// The figures of each run, summed over `parts` (each sorted by run, as
-/// the aggregation sorts them): every figure is a count. Counts come out
-/// 64-bit, whatever width the server gave.
+/// The figures of each run, summed over `parts`: every figure is a count.
+/// Runs are told apart as the server's `$group` tells them (a number is
+/// one run whatever its width) and sorted as its `$sort` sorts them.
+/// Counts come out 64-bit, whatever width the server gave.
 fn summed(parts: Vec<Vec<Document>>) -> Vec<Document> {
-    let mut runs: Vec<Document> = Vec::new();
+    let mut runs: Vec<(Bson, Document)> = Vec::new();
     for d in parts.into_iter().flatten() {
         let id = d.get("_id").cloned().unwrap_or(Bson::Null);
-        let at = match runs.iter().position(|r| r.get("_id") == Some(&id)) {
+        let key = run_key(&id);
+        let at = match runs.iter().position(|(k, _)| *k == key) {
             Some(at) => at,
             None => {
-                runs.push(doc! {"_id": id});
+                runs.push((key, doc! {"_id": id}));
                 runs.len() - 1
             }
         };
+        let run = &mut runs[at].1;
         for (k, _) in d.iter().filter(|(k, _)| k.as_str() != "_id") {
-            let total = n(&runs[at], k) + n(&d, k);
-            runs[at].insert(k.clone(), total as i64);
+            let total = n(run, k) + n(&d, k);
+            run.insert(k.clone(), total as i64);
         }
     }
-    runs.sort_by_key(|r| run_order(r.get("_id")));
-    runs
+    runs.sort_by_key(|(a, _)| run_order(a));
+    runs.into_iter().map(|(_, d)| d).collect()
 }
 
-/// The aggregation's order of runs: none first, then by id.
-fn run_order(id: Option<&Bson>) -> (u8, Vec<u8>) {
-    match id {
-        None | Some(Bson::Null) => (0, Vec::new()),
-        Some(Bson::ObjectId(o)) => (1, o.bytes().to_vec()),
-        Some(other) => (2, other.to_string().into_bytes()),
+/// A run's id as the server compares it: numbers by value (NaN equal to
+/// itself), anything else as it is. Runs are ObjectIds or none; the
+/// rest are documents written past the validator.
+fn run_key(id: &Bson) -> Bson {
+    let number = match id {
+        Bson::Int32(v) => f64::from(*v),
+        Bson::Int64(v) => *v as f64,
+        Bson::Double(v) => *v,
+        other => return other.clone(),
+    };
+    if number.is_nan() {
+        Bson::Symbol("NaN".into())
+    } else {
+        Bson::Double(number)
+    }
+}
+
+/// The server's order of run ids ([`run_key`]s): none, numbers, text,
+/// ObjectIds, then any other kind of value.
+fn run_order(key: &Bson) -> (u8, Vec<u8>) {
+    match key {
+        Bson::Null => (0, Vec::new()),
+        Bson::Symbol(_) => (1, Vec::new()),
+        // An f64's bits made to sort as the number does.
+        Bson::Double(v) => {
+            let bits = v.to_bits();
+            let order = if bits >> 63 == 1 {
+                !bits
+            } else {
+                bits | 1 << 63
+            };
+            (2, order.to_be_bytes().to_vec())
+        }
+        Bson::String(t) => (3, t.as_bytes().to_vec()),
+        Bson::ObjectId(o) => (4, o.bytes().to_vec()),
+        other => (5, other.to_string().into_bytes()),
     }
 }
 
@@ -616,9 +651,10 @@ impl Store {
     }
 
     /// The figures of each run of `p`, read in one snapshot twice: by
-    /// groups of codes alike (what [`Store::statement`] reads), and with
-    /// every code read alone, the plain form the grouped one must equal.
-    /// For tests.
+    /// groups of codes alike in parts side by side (what
+    /// [`Store::statement`] reads), and with every code read alone in one
+    /// aggregation, the plain form the other must equal (its counts as
+    /// the server gave them, 32-bit where they fit). For tests.
     #[doc(hidden)]
     pub async fn statement_figures_both_ways(
         &self,
@@ -626,8 +662,7 @@ impl Store {
     ) -> Result<(Vec<Document>, Vec<Document>), StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
         let grouped = self.figures_in_parts(p, &mut session).await?;
-        let alone = self.figures(p, true, None, &mut session).await?;
-        Ok((grouped, summed(vec![alone])))
+        Ok((grouped, self.figures(p, true, None, &mut session).await?))
     }
 
     /// The figures of each run of `p`, read at `session`'s snapshot in
@@ -665,9 +700,13 @@ impl Store {
         session: &mut ClientSession,
         bounds: &[i64],
     ) -> Result<Vec<Document>, StoreError> {
-        let at = session
-            .snapshot_time()
-            .ok_or_else(|| corrupt("the snapshot read gave no cluster time"))?;
+        let Some(at) = session.snapshot_time() else {
+            // The counter's collection does not exist yet (nothing was
+            // ever imported or generated), and a read of a collection
+            // that does not exist fixes no snapshot: one part, in this
+            // session, fixes it.
+            return Ok(summed(vec![self.figures(p, false, None, session).await?]));
+        };
         let mut others = Vec::with_capacity(bounds.len());
         for _ in 0..bounds.len() {
             let s = self.client().start_session().snapshot(true);
@@ -890,5 +929,44 @@ fn corrupt(message: &str) -> StoreError {
     StoreError::Corrupt {
         collection: CODES.into(),
         message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_told_apart_and_sorted_as_the_server_groups_and_sorts_them() {
+        let id = ObjectId::new();
+        let part = |ids: &[Bson]| -> Vec<Document> {
+            ids.iter()
+                .map(|i| doc! {"_id": i.clone(), "received": 1})
+                .collect()
+        };
+        let one = part(&[Bson::ObjectId(id), Bson::Int32(7), Bson::Double(-2.5)]);
+        let two = part(&[
+            Bson::Int64(7),
+            Bson::Null,
+            Bson::Double(7.0),
+            Bson::Int32(-3),
+        ]);
+        let runs = summed(vec![one, two]);
+        let ids: Vec<&Bson> = runs.iter().filter_map(|r| r.get("_id")).collect();
+        assert_eq!(
+            ids,
+            [
+                &Bson::Null,
+                &Bson::Int32(-3),
+                &Bson::Double(-2.5),
+                &Bson::Int32(7),
+                &Bson::ObjectId(id)
+            ]
+        );
+        let received: Vec<i64> = runs
+            .iter()
+            .map(|r| r.get_i64("received").unwrap())
+            .collect();
+        assert_eq!(received, [1, 1, 1, 3, 1]);
     }
 }
