@@ -464,9 +464,10 @@ fn group(p: &Period) -> Document {
     g
 }
 
-/// A statement's codes are read in this many parts side by side, each an
-/// aggregation of its own: mongod runs an aggregation on one core, and a
-/// pool of a million codes kept one core busy for seconds.
+/// A statement's codes are read in up to this many parts side by side,
+/// each an aggregation of its own (fewer when the pool's counter is below
+/// it): mongod runs an aggregation on one core, and a pool of a million
+/// codes kept one core busy for seconds.
 const PARTS: i64 = 4;
 
 /// The codes of part `i` of the parts `bounds` cut: `seq` below the first
