@@ -183,12 +183,11 @@ async fn both_runs(
             )
         }
     };
-    let count = n.to_string();
-    let generate = || {
-        say("codepool generate into pool generated of an empty database (child process) …".into());
-        let count = count.clone();
+    let generate = |count: u64| {
+        say(format!("codepool generate of {count} codes into pool generated of an empty database (child process) …"));
         async move {
             fresh_database(scratch).await?;
+            let count = count.to_string();
             let args = [
                 "generate",
                 "--pool",
@@ -205,22 +204,16 @@ async fn both_runs(
     // lazily dropped files), more than A B B A cancels. Measured by hand
     // at 1659ade, 200,000 codes each: 11.1 CPU s of mongod for the first
     // run, 14.1-16.7 s for the next nine, generation and import alike.
-    say(
-        "warm-up: codepool generate of a quarter as many codes into an empty database, untimed …"
-            .into(),
-    );
-    fresh_database(scratch).await?;
-    let warm = (n / 4).max(1).to_string();
-    let args = ["generate", "--pool", "warmup", "--count", &warm, "--json"];
-    let warmed = codepool_child(scratch, &args).await?;
+    say("warm-up, untimed:".into());
+    let warmed = generate((n / 4).max(1)).await?;
     anyhow::ensure!(
-        warmed.status_ok,
+        warmed.child.status_ok,
         "the warm-up generation failed: {}",
-        String::from_utf8_lossy(&warmed.stderr)
+        String::from_utf8_lossy(&warmed.child.stderr)
     );
     let a1 = import(0).await?;
-    let b1 = generate().await?;
-    let b2 = generate().await?;
+    let b1 = generate(n).await?;
+    let b2 = generate(n).await?;
     let a2 = import(1).await?;
     Ok((Sides([a1, a2]), Sides([b1, b2])))
 }

@@ -662,20 +662,25 @@ impl Store {
         p: &Period<'_>,
     ) -> Result<(Vec<Document>, Vec<Document>), StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let grouped = self.figures_in_parts(p, &mut session).await?;
+        let grouped = self
+            .figures_in_parts(p, &mut session, std::future::ready(()))
+            .await?;
         Ok((grouped, self.figures(p, true, None, &mut session).await?))
     }
 
     /// The figures of each run of `p`, read at `session`'s snapshot in
     /// parts side by side ([`PARTS`]) and summed: mongod runs one
     /// aggregation on one core. The first read fixes the snapshot, and
-    /// every part reads at that time, in a session of its own.
+    /// every part reads at that time, in a session of its own, once
+    /// `meanwhile` has run (tests write there; a statement passes nothing).
     async fn figures_in_parts(
         &self,
         p: &Period<'_>,
         session: &mut ClientSession,
+        meanwhile: impl std::future::Future<Output = ()>,
     ) -> Result<Vec<Document>, StoreError> {
         let bounds = self.part_bounds(p.pool, session).await?;
+        meanwhile.await;
         self.parts_read(p, session, &bounds).await
     }
 
@@ -689,9 +694,7 @@ impl Store {
         meanwhile: impl std::future::Future<Output = ()>,
     ) -> Result<Vec<Document>, StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let bounds = self.part_bounds(p.pool, &mut session).await?;
-        meanwhile.await;
-        self.parts_read(p, &mut session, &bounds).await
+        self.figures_in_parts(p, &mut session, meanwhile).await
     }
 
     /// The parts `bounds` cut, read side by side at `session`'s snapshot.
@@ -779,7 +782,9 @@ impl Store {
     /// The statement of `p`, read in one snapshot.
     pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
-        let groups = self.figures_in_parts(p, &mut session).await?;
+        let groups = self
+            .figures_in_parts(p, &mut session, std::future::ready(()))
+            .await?;
         let mut q = doc! {"pool": p.pool, "started_at": {"$lt": p.to}};
         if let Some(i) = p.import {
             q.insert("_id", i);
