@@ -163,10 +163,10 @@ impl Finder {
             store,
             clock,
             cached: Mutex::new(None),
-            queue: Arc::new(Queue::new(SECOND_AT)),
+            queue: Arc::new(Queue::new(SECOND_AT, SLOW_BATCH)),
             // A check's batch is one read, with no journaled write to share:
             // a second starts for the first check that waits.
-            checks: Arc::new(Queue::new(1)),
+            checks: Arc::new(Queue::new(1, SLOW_BATCH)),
         }
     }
 
@@ -270,20 +270,26 @@ impl Finder {
 
 /// Most redemptions (or checks) made together.
 pub const MAX_BATCH: usize = 256;
-/// Batches made at once, of redemptions and of checks each: while one
-/// waits for its journaled write (or its read), the next is looked up.
-/// Two batches may hold the same code (or the same redemption id);
+/// Most batches made at once, of redemptions and of checks each: while
+/// one waits for its journaled write (or its read), the next is looked
+/// up. Two batches may hold the same code (or the same redemption id);
 /// MongoDB's conditional update lets one of them use it, and the other
 /// reads back what happened, as between two processes.
 pub const IN_FLIGHT: usize = 2;
 /// Redemptions that must be waiting before a batch starts beside one
-/// that runs; fewer wait for it to end, and go together in the next.
-/// Every batch pays for a lookup, a journaled write and an audit insert,
-/// however few its redemptions: a second batch started for every few made
-/// them small, and each redemption dearer. With 64 clients, batches of
-/// 20 instead of 15, and 1.68–1.79× the HTTP orders' rate instead of
-/// 1.35–1.58× (`codepool-bench redeem`, docs/benchmarks.md).
-pub const SECOND_AT: usize = 32;
+/// that runs (or [`SLOW_BATCH`] has passed since it started); fewer wait
+/// for it to end, and go together in the next. Every batch pays for a
+/// lookup, a journaled write and an audit insert, however few its
+/// redemptions: a second batch started for every few made them small, and
+/// each redemption dearer. With 64 clients, batches of 20 instead of 15
+/// (`codepool-bench redeem`, docs/benchmarks.md). Below 30, the lookups
+/// one key may have in flight by default (`--redeem-misses-per-minute`),
+/// so that one platform's key can start a second batch.
+pub const SECOND_AT: usize = 24;
+/// A batch running this long is slow (a journal stall, a failover): the
+/// next redemption that arrives starts a batch beside it, however few
+/// wait. A batch of redemptions takes 2–8 ms on this project's machines.
+pub const SLOW_BATCH: Duration = Duration::from_millis(20);
 /// Most redemptions (or checks) waiting for a batch: past it a request is
 /// answered 503 at once, rather than queued behind minutes of work.
 pub const MAX_WAITING: usize = 16 * MAX_BATCH;
@@ -295,9 +301,9 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 struct Full;
 
 /// Queues `ask` on `queue`, starts a task that runs its batches with
-/// `run` when fewer than [`IN_FLIGHT`] do, and waits for `answer`: 503
-/// when the queue is full or the batch ended without answering (`again`
-/// says what to send then).
+/// `run` when the queue asks for one ([`Queue::push`]), and waits for
+/// `answer`: 503 when the queue is full or the batch ended without
+/// answering (`again` says what to send then).
 async fn queued<A, T, F, Fut>(
     (store, queue, run): (&Store, &Arc<Queue<A>>, F),
     ask: A,
@@ -311,7 +317,7 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     if queue.push(ask).map_err(|Full| busy(what))? {
-        tokio::spawn(drain(store.clone(), queue.clone(), run));
+        tokio::spawn(drain(store.clone(), Taking::of(queue), run));
     }
     answer.await.unwrap_or_else(|_| {
         Err(RedeemError::Store(StoreError::Unavailable(format!(
@@ -343,39 +349,53 @@ struct Look {
     reply: oneshot::Sender<Result<Seen, RedeemError>>,
 }
 
-/// The requests waiting for a batch, and how many tasks are taking them.
+/// The requests waiting for a batch, how many tasks are taking them,
+/// and when the last batch was taken.
 struct Queue<A> {
-    waiting: std::sync::Mutex<(Vec<A>, usize)>,
+    waiting: std::sync::Mutex<Waiting<A>>,
     /// Requests waiting that start a batch beside one that runs.
     second_at: usize,
+    /// How old the running batch is when the next request starts one
+    /// beside it, however few wait.
+    slow: Duration,
+}
+
+struct Waiting<A> {
+    asks: Vec<A>,
+    tasks: usize,
+    taken_at: Instant,
 }
 
 impl<A> Queue<A> {
-    fn new(second_at: usize) -> Self {
+    fn new(second_at: usize, slow: Duration) -> Self {
         Queue {
-            waiting: std::sync::Mutex::new((Vec::new(), 0)),
+            waiting: std::sync::Mutex::new(Waiting {
+                asks: Vec::new(),
+                tasks: 0,
+                taken_at: Instant::now(),
+            }),
             second_at,
+            slow,
         }
     }
-}
 
-impl<A> Queue<A> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<A>, usize)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting<A>> {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Queues `ask`; `true` when the caller must start a task to take it
     /// (none is taking the queue, or fewer than [`IN_FLIGHT`] are and
-    /// `second_at` wait), [`Full`] when [`MAX_WAITING`] are waiting
-    /// already.
+    /// `second_at` wait or the running batch is `slow` old),
+    /// [`Full`] when [`MAX_WAITING`] are waiting already.
     fn push(&self, ask: A) -> Result<bool, Full> {
         let mut q = self.lock();
-        if q.0.len() >= MAX_WAITING {
+        if q.asks.len() >= MAX_WAITING {
             return Err(Full);
         }
-        q.0.push(ask);
-        let more = q.1 == 0 || (q.1 < IN_FLIGHT && q.0.len() >= self.second_at);
-        q.1 += usize::from(more);
+        q.asks.push(ask);
+        let beside = q.asks.len() >= self.second_at || q.taken_at.elapsed() >= self.slow;
+        let more = q.tasks == 0 || (q.tasks < IN_FLIGHT && beside);
+        q.tasks += usize::from(more);
         Ok(more)
     }
 
@@ -383,50 +403,60 @@ impl<A> Queue<A> {
     /// caller's task ends.
     fn take(&self) -> Option<Vec<A>> {
         let mut q = self.lock();
-        if q.0.is_empty() {
-            q.1 -= 1;
+        if q.asks.is_empty() {
+            q.tasks -= 1;
             return None;
         }
-        let n = q.0.len().min(MAX_BATCH);
-        Some(q.0.drain(..n).collect())
+        q.taken_at = Instant::now();
+        let n = q.asks.len().min(MAX_BATCH);
+        Some(q.asks.drain(..n).collect())
+    }
+}
+
+/// A task counted as taking a queue. Dropped before it found the queue
+/// empty (stopped mid-batch, or before it first ran, as its runtime shuts
+/// down), it takes itself off the count, so the next request starts
+/// another.
+struct Taking<A> {
+    queue: Arc<Queue<A>>,
+    ended: bool,
+}
+
+impl<A> Taking<A> {
+    fn of(queue: &Arc<Queue<A>>) -> Self {
+        Taking {
+            queue: queue.clone(),
+            ended: false,
+        }
+    }
+}
+
+impl<A> Drop for Taking<A> {
+    fn drop(&mut self) {
+        // A task that found the queue empty has said so, under the lock.
+        if !self.ended {
+            let mut q = self.queue.lock();
+            q.tasks = q.tasks.saturating_sub(1);
+        }
     }
 }
 
 /// Makes batches of the queue with `run`, one after another, until it is
 /// empty. A batch that panics answers its own requests "send it again"
-/// (their replies are dropped) and the task goes on with the next; a task
-/// stopped any other way (its runtime shutting down) still lets the next
-/// request start another.
-async fn drain<C: Clone, A, F, Fut>(ctx: C, queue: Arc<Queue<A>>, run: F)
+/// (their replies are dropped) and the task goes on with the next.
+async fn drain<C: Clone, A, F, Fut>(ctx: C, mut taking: Taking<A>, run: F)
 where
     F: Fn(C, Vec<A>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     use futures::FutureExt;
-    struct Done<'a, A> {
-        queue: &'a Queue<A>,
-        ended: bool,
-    }
-    impl<A> Drop for Done<'_, A> {
-        fn drop(&mut self) {
-            // A task that found the queue empty has said so, under the lock.
-            if !self.ended {
-                let mut q = self.queue.lock();
-                q.1 = q.1.saturating_sub(1);
-            }
-        }
-    }
-    let mut done = Done {
-        queue: &queue,
-        ended: false,
-    };
-    while let Some(batch) = queue.take() {
+    while let Some(batch) = taking.queue.take() {
         let run = std::panic::AssertUnwindSafe(run(ctx.clone(), batch));
         if run.catch_unwind().await.is_err() {
             tracing::error!("a batch of redemptions or checks panicked; its requests were answered 503, and the next batch goes on");
         }
     }
-    done.ended = true;
+    taking.ended = true;
 }
 
 /// One batch of checks: one query finds every code, and each request is
@@ -590,7 +620,7 @@ mod tests {
     fn ask(queue: &Arc<Queue<Asked>>, gate: &Gate, n: u32) -> oneshot::Receiver<u32> {
         let (tx, rx) = oneshot::channel();
         if queue.push((n, tx)).ok().expect("room in the queue") {
-            tokio::spawn(drain(gate.clone(), queue.clone(), doubled));
+            tokio::spawn(drain(gate.clone(), Taking::of(queue), doubled));
         }
         rx
     }
@@ -600,16 +630,19 @@ mod tests {
     /// the same.
     #[tokio::test]
     async fn a_panicking_batch_fails_its_own_asks_and_the_queue_goes_on() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT));
+        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
         let (open, gate) = tokio::sync::watch::channel(false);
-        // The first task takes its batch alone and waits inside it; the
-        // second starts once SECOND_AT wait, and takes them all.
+        // Two tasks each take a batch that panics: the first its one ask,
+        // the second (started once SECOND_AT wait) all of those.
         let mut failing = vec![ask(&queue, &gate, 0)];
         tokio::task::yield_now().await;
         failing.extend((0..SECOND_AT).map(|_| ask(&queue, &gate, 0)));
         tokio::task::yield_now().await;
-        assert_eq!(queue.lock().1, IN_FLIGHT);
-        assert!(queue.lock().0.is_empty(), "both tasks took their batches");
+        assert_eq!(queue.lock().tasks, IN_FLIGHT);
+        assert!(
+            queue.lock().asks.is_empty(),
+            "both tasks took their batches"
+        );
         let waiting: Vec<_> = (1..=5).map(|n| ask(&queue, &gate, n)).collect();
         open.send_replace(true);
         for rx in failing {
@@ -626,29 +659,36 @@ mod tests {
             tokio::task::yield_now().await;
         }
         let q = queue.lock();
-        assert!(q.0.is_empty());
-        assert_eq!(q.1, 0, "every task ended and said so");
+        assert!(q.asks.is_empty());
+        assert_eq!(q.tasks, 0, "every task ended and said so");
     }
 
     /// One task takes the queue while fewer than SECOND_AT wait behind
     /// its batch; the request that makes SECOND_AT starts the second.
     #[tokio::test]
     async fn a_second_batch_starts_only_once_enough_wait() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT));
+        // No batch is slow here, however long the test is kept waiting.
+        let never = Duration::from_secs(3600);
+        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, never));
         let (open, gate) = tokio::sync::watch::channel(false);
         // Waits inside its batch until the gate opens, then panics.
         let first = ask(&queue, &gate, 0);
         tokio::task::yield_now().await;
-        assert_eq!(queue.lock().1, 1);
+        assert_eq!(queue.lock().tasks, 1);
         let mut waiting: Vec<_> = (1..SECOND_AT as u32)
             .map(|n| ask(&queue, &gate, n))
             .collect();
+        assert_eq!(queue.lock().tasks, 1, "too few wait for a second batch");
         tokio::task::yield_now().await;
-        assert_eq!(queue.lock().1, 1, "too few wait for a second batch");
-        assert_eq!(queue.lock().0.len(), SECOND_AT - 1);
+        assert_eq!(queue.lock().tasks, 1, "too few wait for a second batch");
+        assert_eq!(queue.lock().asks.len(), SECOND_AT - 1);
         waiting.push(ask(&queue, &gate, SECOND_AT as u32));
         // Counted at once; the new task has not run yet.
-        assert_eq!(queue.lock().1, 2, "SECOND_AT waiting start a second batch");
+        assert_eq!(
+            queue.lock().tasks,
+            2,
+            "SECOND_AT waiting start a second batch"
+        );
         for (n, rx) in (1..).zip(waiting) {
             let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
             assert_eq!(
@@ -660,9 +700,57 @@ mod tests {
         assert!(first.await.is_err());
     }
 
+    /// A batch running its queue's `slow` or longer gets one beside it
+    /// for the next ask, however few wait.
+    #[tokio::test]
+    async fn a_slow_batch_gets_a_second_beside_it() {
+        // Slow enough that a busy test machine does not make it slow early.
+        let slow = Duration::from_millis(300);
+        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, slow));
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let first = ask(&queue, &gate, 0);
+        tokio::task::yield_now().await;
+        let early = ask(&queue, &gate, 1);
+        assert_eq!(queue.lock().tasks, 1, "a young batch is waited for");
+        tokio::time::sleep(slow).await;
+        let late = ask(&queue, &gate, 2);
+        assert_eq!(queue.lock().tasks, 2, "a slow batch gets one beside it");
+        for (n, rx) in [(1, early), (2, late)] {
+            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
+            assert_eq!(
+                answer.expect("answered beside the slow batch").unwrap(),
+                2 * n
+            );
+        }
+        open.send_replace(true);
+        assert!(first.await.is_err());
+    }
+
+    /// A task dropped before it first ran (its runtime shutting down)
+    /// takes itself off the count: the next ask starts another.
+    #[tokio::test]
+    async fn a_task_that_never_ran_is_not_counted() {
+        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
+        let (_open, gate) = tokio::sync::watch::channel(true);
+        let (tx, rx) = oneshot::channel();
+        assert!(
+            queue.push((1, tx)).ok().expect("room"),
+            "a first ask starts a task"
+        );
+        drop(drain(gate.clone(), Taking::of(&queue), doubled));
+        assert_eq!(queue.lock().tasks, 0);
+        let next = ask(&queue, &gate, 2);
+        assert_eq!(
+            rx.await.unwrap(),
+            2,
+            "the waiting ask is taken by the next task"
+        );
+        assert_eq!(next.await.unwrap(), 4);
+    }
+
     #[tokio::test]
     async fn a_full_queue_refuses_at_once() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT));
+        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
         // Nobody takes this queue: every push is kept.
         let mut kept = Vec::new();
         for n in 0..MAX_WAITING {
@@ -675,6 +763,6 @@ mod tests {
             queue.push((0, tx)).is_err(),
             "one past MAX_WAITING is refused"
         );
-        assert_eq!(queue.lock().0.len(), MAX_WAITING);
+        assert_eq!(queue.lock().asks.len(), MAX_WAITING);
     }
 }
