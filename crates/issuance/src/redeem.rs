@@ -165,7 +165,8 @@ impl Finder {
             cached: Mutex::new(None),
             queue: Arc::new(Queue::new(SECOND_AT, SLOW_BATCH)),
             // A check's batch is one read, with no journaled write to share:
-            // a second starts for the first check that waits.
+            // a second starts for the first check that waits (so `slow`
+            // never matters here).
             checks: Arc::new(Queue::new(1, SLOW_BATCH)),
         }
     }
@@ -237,7 +238,8 @@ impl Finder {
     ///
     /// Concurrent redemptions are made together: the request joins the
     /// queue, and up to [`IN_FLIGHT`] tasks at a time (a second once
-    /// [`SECOND_AT`] wait) each take up to
+    /// [`SECOND_AT`] wait, or the running batch is [`SLOW_BATCH`] old)
+    /// each take up to
     /// [`MAX_BATCH`] of it as one batch ([`redeem_batch`]).
     pub async fn redeem(
         &self,
@@ -277,18 +279,20 @@ pub const MAX_BATCH: usize = 256;
 /// reads back what happened, as between two processes.
 pub const IN_FLIGHT: usize = 2;
 /// Redemptions that must be waiting before a batch starts beside one
-/// that runs (or [`SLOW_BATCH`] has passed since it started); fewer wait
-/// for it to end, and go together in the next. Every batch pays for a
+/// that runs (or the running one is [`SLOW_BATCH`] old); fewer wait for
+/// it to end, and go together in the next. Every batch pays for a
 /// lookup, a journaled write and an audit insert, however few its
 /// redemptions: a second batch started for every few made them small, and
 /// each redemption dearer. With 64 clients, batches of 20 instead of 15
 /// (`codepool-bench redeem`, docs/benchmarks.md). Below 30, the lookups
-/// one key may have in flight by default (`--redeem-misses-per-minute`),
-/// so that one platform's key can start a second batch.
+/// one key may have in flight by default (`--redeem-misses-per-minute`):
+/// one key alone reaches it only while the running batch holds few of
+/// its redemptions; else it relies on [`SLOW_BATCH`].
 pub const SECOND_AT: usize = 24;
-/// A batch running this long is slow (a journal stall, a failover): the
-/// next redemption that arrives starts a batch beside it, however few
-/// wait. A batch of redemptions takes 2–8 ms on this project's machines.
+/// A batch that has run this long is slow (a journal stall, a failover):
+/// a redemption that arrives then, or has waited this long, starts a
+/// batch beside it, however few wait. Under the bench's full load a batch
+/// takes about 5–10 ms (its size over the rate of redemptions).
 pub const SLOW_BATCH: Duration = Duration::from_millis(20);
 /// Most redemptions (or checks) waiting for a batch: past it a request is
 /// answered 503 at once, rather than queued behind minutes of work.
@@ -303,27 +307,49 @@ struct Full;
 /// Queues `ask` on `queue`, starts a task that runs its batches with
 /// `run` when the queue asks for one ([`Queue::push`]), and waits for
 /// `answer`: 503 when the queue is full or the batch ended without
-/// answering (`again` says what to send then).
-async fn queued<A, T, F, Fut>(
-    (store, queue, run): (&Store, &Arc<Queue<A>>, F),
+/// answering (`again` says what to send then). An ask still waiting once
+/// the queue's `slow` has passed starts a task beside a batch that has
+/// run that long ([`Queue::kick`]): no new request needs to come for it.
+async fn queued<C, A, T, F, Fut>(
+    (ctx, queue, run): (&C, &Arc<Queue<A>>, F),
     ask: A,
     answer: oneshot::Receiver<Result<T, RedeemError>>,
     what: &str,
     again: &str,
 ) -> Result<T, RedeemError>
 where
+    C: Clone + Send + 'static,
     A: Send + 'static,
-    F: Fn(Store, Vec<A>) -> Fut + Send + 'static,
+    F: Fn(C, Vec<A>) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let mut answer = answer;
     if queue.push(ask).map_err(|Full| busy(what))? {
-        tokio::spawn(drain(store.clone(), Taking::of(queue), run));
+        start(ctx.clone(), queue, run);
+    } else if let Ok(a) = tokio::time::timeout(queue.slow, &mut answer).await {
+        return a.unwrap_or_else(|_| Err(stopped(what, again)));
+    } else if queue.kick() {
+        start(ctx.clone(), queue, run);
     }
-    answer.await.unwrap_or_else(|_| {
-        Err(RedeemError::Store(StoreError::Unavailable(format!(
-            "the batch of {what} stopped before it answered; {again}"
-        ))))
-    })
+    answer.await.unwrap_or_else(|_| Err(stopped(what, again)))
+}
+
+/// Starts a task counted as taking `queue` (its count raised already).
+fn start<C, A, F, Fut>(ctx: C, queue: &Arc<Queue<A>>, run: F)
+where
+    C: Clone + Send + 'static,
+    A: Send + 'static,
+    F: Fn(C, Vec<A>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(drain(ctx, Taking::of(queue), run));
+}
+
+/// 503 for a request whose batch ended without answering it.
+fn stopped(what: &str, again: &str) -> RedeemError {
+    RedeemError::Store(StoreError::Unavailable(format!(
+        "the batch of {what} stopped before it answered; {again}"
+    )))
 }
 
 /// 503 for a request that found [`MAX_WAITING`] others waiting.
@@ -355,8 +381,8 @@ struct Queue<A> {
     waiting: std::sync::Mutex<Waiting<A>>,
     /// Requests waiting that start a batch beside one that runs.
     second_at: usize,
-    /// How old the running batch is when the next request starts one
-    /// beside it, however few wait.
+    /// How long after the last batch was taken a request (arriving, or
+    /// waiting) starts a batch beside it, however few wait.
     slow: Duration,
 }
 
@@ -393,10 +419,24 @@ impl<A> Queue<A> {
             return Err(Full);
         }
         q.asks.push(ask);
+        if q.tasks == 0 {
+            // The first batch after a quiet spell starts now.
+            q.taken_at = Instant::now();
+        }
         let beside = q.asks.len() >= self.second_at || q.taken_at.elapsed() >= self.slow;
         let more = q.tasks == 0 || (q.tasks < IN_FLIGHT && beside);
         q.tasks += usize::from(more);
         Ok(more)
+    }
+
+    /// `true` (counted) when the caller must start a task beside the
+    /// running batch: asks wait, fewer than [`IN_FLIGHT`] take the queue,
+    /// and the last batch was taken `slow` ago or more.
+    fn kick(&self) -> bool {
+        let mut q = self.lock();
+        let more = !q.asks.is_empty() && q.tasks < IN_FLIGHT && q.taken_at.elapsed() >= self.slow;
+        q.tasks += usize::from(more);
+        more
     }
 
     /// Up to [`MAX_BATCH`] of the queue; `None` when it is empty, and the
@@ -404,7 +444,7 @@ impl<A> Queue<A> {
     fn take(&self) -> Option<Vec<A>> {
         let mut q = self.lock();
         if q.asks.is_empty() {
-            q.tasks -= 1;
+            q.tasks = q.tasks.saturating_sub(1);
             return None;
         }
         q.taken_at = Instant::now();
@@ -620,7 +660,7 @@ mod tests {
     fn ask(queue: &Arc<Queue<Asked>>, gate: &Gate, n: u32) -> oneshot::Receiver<u32> {
         let (tx, rx) = oneshot::channel();
         if queue.push((n, tx)).ok().expect("room in the queue") {
-            tokio::spawn(drain(gate.clone(), Taking::of(queue), doubled));
+            start(gate.clone(), queue, doubled);
         }
         rx
     }
@@ -728,6 +768,42 @@ mod tests {
 
     /// A task dropped before it first ran (its runtime shutting down)
     /// takes itself off the count: the next ask starts another.
+    /// An ask that has waited the queue's `slow` behind a batch that has
+    /// run as long starts a batch beside it, though no request comes after.
+    #[tokio::test]
+    async fn an_ask_that_waits_behind_a_slow_batch_starts_one_beside_it() {
+        type Told = (u32, oneshot::Sender<Result<u32, RedeemError>>);
+        /// Doubles each number; a batch with 0 waits for the gate.
+        async fn told(mut gate: Gate, batch: Vec<Told>) {
+            if batch.iter().any(|(n, _)| *n == 0) {
+                let _ = gate.wait_for(|open| *open).await;
+                return;
+            }
+            for (n, reply) in batch {
+                let _ = reply.send(Ok(n * 2));
+            }
+        }
+        let slow = Duration::from_millis(300);
+        let queue: Arc<Queue<Told>> = Arc::new(Queue::new(SECOND_AT, slow));
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let send = |n: u32| {
+            let (queue, gate) = (queue.clone(), gate.clone());
+            tokio::spawn(async move {
+                let (tx, rx) = oneshot::channel();
+                queued((&gate, &queue, told), (n, tx), rx, "asks", "again").await
+            })
+        };
+        let first = send(0);
+        tokio::task::yield_now().await;
+        assert_eq!(queue.lock().tasks, 1, "the first batch waits for the gate");
+        let waiting = send(1);
+        let answer = tokio::time::timeout(Duration::from_secs(3), waiting).await;
+        let answer = answer.expect("answered while the slow batch still runs");
+        assert_eq!(answer.unwrap().unwrap(), 2);
+        open.send_replace(true);
+        assert!(first.await.unwrap().is_err(), "its batch ended unanswered");
+    }
+
     #[tokio::test]
     async fn a_task_that_never_ran_is_not_counted() {
         let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
