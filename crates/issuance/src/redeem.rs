@@ -304,6 +304,18 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// The queue is full.
 struct Full;
 
+/// What a queued ask's caller does next.
+#[derive(Debug, PartialEq)]
+enum Pushed {
+    /// Start a task (counted already).
+    Start,
+    /// Wait; one task runs, and if the ask waits `slow` behind it, try
+    /// [`Queue::kick`].
+    MayKick,
+    /// Wait; every task that may run does, and one takes the ask.
+    Behind,
+}
+
 /// Queues `ask` on `queue`, starts a task that runs its batches with
 /// `run` when the queue asks for one ([`Queue::push`]), and waits for
 /// `answer`: 503 when the queue is full or the batch ended without
@@ -324,12 +336,18 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let mut answer = answer;
-    if queue.push(ask).map_err(|Full| busy(what))? {
-        start(ctx.clone(), queue, run);
-    } else if let Ok(a) = tokio::time::timeout(queue.slow, &mut answer).await {
-        return a.unwrap_or_else(|_| Err(stopped(what, again)));
-    } else if queue.kick() {
-        start(ctx.clone(), queue, run);
+    match queue.push(ask).map_err(|Full| busy(what))? {
+        Pushed::Start => start(ctx.clone(), queue, run),
+        Pushed::MayKick => {
+            if let Ok(a) = tokio::time::timeout(queue.slow, &mut answer).await {
+                return a.unwrap_or_else(|_| Err(stopped(what, again)));
+            }
+            if queue.kick() {
+                start(ctx.clone(), queue, run);
+            }
+        }
+        // Every task runs: one of them takes this ask.
+        Pushed::Behind => {}
     }
     answer.await.unwrap_or_else(|_| Err(stopped(what, again)))
 }
@@ -409,11 +427,11 @@ impl<A> Queue<A> {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues `ask`; `true` when the caller must start a task to take it
-    /// (none is taking the queue, or fewer than [`IN_FLIGHT`] are and
-    /// `second_at` wait or the running batch is `slow` old),
+    /// Queues `ask`: [`Pushed::Start`] when the caller must start a task
+    /// to take it (none is taking the queue, or fewer than [`IN_FLIGHT`]
+    /// are and `second_at` wait or the last batch was taken `slow` ago);
     /// [`Full`] when [`MAX_WAITING`] are waiting already.
-    fn push(&self, ask: A) -> Result<bool, Full> {
+    fn push(&self, ask: A) -> Result<Pushed, Full> {
         let mut q = self.lock();
         if q.asks.len() >= MAX_WAITING {
             return Err(Full);
@@ -426,7 +444,11 @@ impl<A> Queue<A> {
         let beside = q.asks.len() >= self.second_at || q.taken_at.elapsed() >= self.slow;
         let more = q.tasks == 0 || (q.tasks < IN_FLIGHT && beside);
         q.tasks += usize::from(more);
-        Ok(more)
+        Ok(match more {
+            true => Pushed::Start,
+            false if q.tasks < IN_FLIGHT => Pushed::MayKick,
+            false => Pushed::Behind,
+        })
     }
 
     /// `true` (counted) when the caller must start a task beside the
@@ -444,6 +466,7 @@ impl<A> Queue<A> {
     fn take(&self) -> Option<Vec<A>> {
         let mut q = self.lock();
         if q.asks.is_empty() {
+            debug_assert!(q.tasks > 0, "only a counted task takes the queue");
             q.tasks = q.tasks.saturating_sub(1);
             return None;
         }
@@ -659,7 +682,7 @@ mod tests {
 
     fn ask(queue: &Arc<Queue<Asked>>, gate: &Gate, n: u32) -> oneshot::Receiver<u32> {
         let (tx, rx) = oneshot::channel();
-        if queue.push((n, tx)).ok().expect("room in the queue") {
+        if queue.push((n, tx)).ok().expect("room in the queue") == Pushed::Start {
             start(gate.clone(), queue, doubled);
         }
         rx
@@ -766,8 +789,6 @@ mod tests {
         assert!(first.await.is_err());
     }
 
-    /// A task dropped before it first ran (its runtime shutting down)
-    /// takes itself off the count: the next ask starts another.
     /// An ask that has waited the queue's `slow` behind a batch that has
     /// run as long starts a batch beside it, though no request comes after.
     #[tokio::test]
@@ -804,15 +825,15 @@ mod tests {
         assert!(first.await.unwrap().is_err(), "its batch ended unanswered");
     }
 
+    /// A task dropped before it first ran (its runtime shutting down)
+    /// takes itself off the count: the next ask starts another.
     #[tokio::test]
     async fn a_task_that_never_ran_is_not_counted() {
         let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
         let (_open, gate) = tokio::sync::watch::channel(true);
         let (tx, rx) = oneshot::channel();
-        assert!(
-            queue.push((1, tx)).ok().expect("room"),
-            "a first ask starts a task"
-        );
+        let pushed = queue.push((1, tx)).ok().expect("room");
+        assert_eq!(pushed, Pushed::Start, "a first ask starts a task");
         drop(drain(gate.clone(), Taking::of(&queue), doubled));
         assert_eq!(queue.lock().tasks, 0);
         let next = ask(&queue, &gate, 2);
@@ -822,6 +843,27 @@ mod tests {
             "the waiting ask is taken by the next task"
         );
         assert_eq!(next.await.unwrap(), 4);
+    }
+
+    /// Checks start a second task for the first that waits, and then no
+    /// caller waits on a timer for a kick; a redemption behind one task
+    /// may kick, behind two it may not.
+    #[test]
+    fn each_push_tells_its_caller_what_to_do() {
+        let never = Duration::from_secs(3600);
+        let checks: Queue<u32> = Queue::new(1, never);
+        let pushed: Vec<_> = (0..3).map(|n| checks.push(n).ok().unwrap()).collect();
+        assert_eq!(pushed, [Pushed::Start, Pushed::Start, Pushed::Behind]);
+        let redemptions: Queue<u32> = Queue::new(SECOND_AT, never);
+        let pushed: Vec<_> = (0..SECOND_AT as u32 + 1)
+            .map(|n| redemptions.push(n).ok().unwrap())
+            .collect();
+        assert_eq!(pushed[0], Pushed::Start);
+        assert!(pushed[1..SECOND_AT - 1]
+            .iter()
+            .all(|p| *p == Pushed::MayKick));
+        assert_eq!(pushed[SECOND_AT - 1], Pushed::Start, "the SECOND_AT-th");
+        assert_eq!(pushed[SECOND_AT], Pushed::Behind);
     }
 
     #[tokio::test]
