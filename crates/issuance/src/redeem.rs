@@ -752,15 +752,7 @@ mod tests {
             2,
             "SECOND_AT waiting start a second batch"
         );
-        for (n, rx) in (1..).zip(waiting) {
-            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
-            assert_eq!(
-                answer.expect("answered by the second batch").unwrap(),
-                2 * n
-            );
-        }
-        open.send_replace(true);
-        assert!(first.await.is_err());
+        answered_beside((1..).zip(waiting), open, first).await;
     }
 
     /// A batch running its queue's `slow` or longer gets one beside it
@@ -778,12 +770,21 @@ mod tests {
         tokio::time::sleep(slow).await;
         let late = ask(&queue, &gate, 2);
         assert_eq!(queue.lock().tasks, 2, "a slow batch gets one beside it");
-        for (n, rx) in [(1, early), (2, late)] {
+        answered_beside([(1, early), (2, late)], open, first).await;
+    }
+
+    /// Each of `asks` is answered (its number doubled) by a second batch
+    /// while the first waits at the gate; then the gate opens, and the
+    /// first batch ends with its ask unanswered.
+    async fn answered_beside(
+        asks: impl IntoIterator<Item = (u32, oneshot::Receiver<u32>)>,
+        open: tokio::sync::watch::Sender<bool>,
+        first: oneshot::Receiver<u32>,
+    ) {
+        for (n, rx) in asks {
             let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
-            assert_eq!(
-                answer.expect("answered beside the slow batch").unwrap(),
-                2 * n
-            );
+            let answer = answer.expect("answered beside the waiting batch");
+            assert_eq!(answer.unwrap(), 2 * n);
         }
         open.send_replace(true);
         assert!(first.await.is_err());
