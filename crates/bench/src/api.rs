@@ -655,6 +655,7 @@ async fn latency_phase(
     .await?;
     inproc::checkpoint(scratch).await?;
     let meter = Meter::start(&scratch.store).await;
+    let probe = crate::probe::JournalProbe::start(&scratch.store);
     let started = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     let (mut sent, mut lag, mut tasks) = (0usize, Duration::ZERO, JoinSet::new());
@@ -683,12 +684,14 @@ async fn latency_phase(
         ports.extend(a.port);
         lat.push(took);
     }
+    let noise = probe.finish().await?;
     let (cpu, mut row) = meter.finish(&scratch.store, n).await;
     lat.sort();
     let p = |q: f64| ms(percentile(&lat, q));
     merge(
         &mut row,
         json!({
+            "host_noise": noise,
             "rate": rate, "seconds": args.seconds, "sent": n, "granted": ok, "connections": ports.len(),
             "p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99), "max_ms": p(1.0),
             "sender_worst_lag_ms": ms(lag), "cpu_seconds": crate::cpu_json(&cpu),
@@ -857,6 +860,7 @@ fn print_goals(report: &Value) {
         l["rate"], l["seconds"], f(&l["p50_ms"]), f(&l["p90_ms"]), f(&l["p99_ms"]), f(&l["max_ms"]),
         l["granted"], l["sent"], l["connections"], f(&l["stages"]["mean_api_batch_size"]), f(&l["sender_worst_lag_ms"])
     );
+    println!("{}", crate::probe::describe(&l["host_noise"]));
     let c = &report["closed_loop_ceiling"];
     println!(
         "closed-loop ceiling: {} clients / p50 {:.1} ms = {:.0}/s, {:.2}× the dispatcher (Little's law; the HTTP grants reached {:.0}/s)",

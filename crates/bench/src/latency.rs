@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use codepool_broker::Publisher;
+use codepool_store::Store;
 use futures::StreamExt;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
@@ -21,6 +22,7 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 
 use crate::inproc;
+use crate::probe::JournalProbe;
 use crate::{ms, percentile, Scratch};
 
 /// Open-loop latency, purchase published → SMS-pending event consumed.
@@ -148,7 +150,8 @@ async fn measure(
         max = Some(row);
     }
     let max_per_sec = max.as_ref().and_then(|m| m["per_sec"].as_f64());
-    let rows = each_rate(&args, &publisher, &ledger, max_per_sec).await?;
+    let to = (&publisher, &scratch.store);
+    let rows = each_rate(&args, to, &ledger, max_per_sec).await?;
     total += rows
         .iter()
         .map(|r| r["sent"].as_u64().unwrap_or_default() as usize)
@@ -180,7 +183,7 @@ async fn measure(
 /// Each rate of `--rate` in turn, `half` resolved against `max_per_sec`.
 async fn each_rate(
     args: &LatencyBenchArgs,
-    publisher: &Publisher,
+    publisher: (&Publisher, &Store),
     ledger: &Arc<Mutex<Ledger>>,
     max_per_sec: Option<f64>,
 ) -> anyhow::Result<Vec<serde_json::Value>> {
@@ -306,16 +309,19 @@ async fn send_at(
 }
 
 async fn one_rate(
-    publisher: &Publisher,
+    (publisher, store): (&Publisher, &Store),
     ledger: &Arc<Mutex<Ledger>>,
     tag: &str,
     rate: u32,
     seconds: u32,
 ) -> anyhow::Result<(serde_json::Value, String)> {
     let meter = Meter::start();
+    let probe = JournalProbe::start(store);
     let (sent, lag) = send_at(publisher, ledger, tag, rate, seconds).await?;
     wait_drained(ledger, Duration::from_secs(60)).await?;
+    let noise = probe.finish().await?;
     let (load, load_json) = meter.finish();
+    let load = format!("{load}\n          {}", crate::probe::describe(&noise));
     let mut lat = take_latencies(ledger);
     lat.sort();
     anyhow::ensure!(
@@ -327,7 +333,7 @@ async fn one_rate(
     let mut row = json!({
         "rate": rate, "sent": sent, "received": lat.len(),
         "p50_ms": p(0.50), "p90_ms": p(0.90), "p99_ms": p(0.99), "max_ms": p(1.0),
-        "sender_worst_lag_ms": ms(lag),
+        "sender_worst_lag_ms": ms(lag), "host_noise": noise,
     });
     merge(&mut row, load_json);
     Ok((row, load))

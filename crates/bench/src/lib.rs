@@ -20,6 +20,7 @@ pub mod hooks;
 pub mod import;
 pub mod inproc;
 pub mod latency;
+mod probe;
 pub mod redeem;
 pub mod scale;
 pub mod scale_args;
