@@ -684,8 +684,9 @@ async fn latency_phase(
         ports.extend(a.port);
         lat.push(took);
     }
-    let noise = probe.finish().await?;
+    let noise = probe.finish().await;
     let (cpu, mut row) = meter.finish(&scratch.store, n).await;
+    crate::probe::uncount(&mut row["mongod_per_item"], &noise, n);
     lat.sort();
     let p = |q: f64| ms(percentile(&lat, q));
     merge(

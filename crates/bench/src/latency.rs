@@ -319,7 +319,7 @@ async fn one_rate(
     let probe = JournalProbe::start(store);
     let (sent, lag) = send_at(publisher, ledger, tag, rate, seconds).await?;
     wait_drained(ledger, Duration::from_secs(60)).await?;
-    let noise = probe.finish().await?;
+    let noise = probe.finish().await;
     let (load, load_json) = meter.finish();
     let load = format!("{load}\n          {}", crate::probe::describe(&noise));
     let mut lat = take_latencies(ledger);
