@@ -19,7 +19,7 @@ use std::time::Duration;
 use codepool_api::Scope;
 use serde_json::{json, Value};
 
-use crate::api::{closed_loop, ApiServer, Http};
+use crate::api::{closed_loop, ApiServer, Http, Meter};
 use crate::{inproc, Scratch};
 
 /// Holds and bundles against the orders they ride on.
@@ -122,6 +122,9 @@ struct Run {
     seconds: f64,
     codes: u64,
     server_cpu_ms_per_code: f64,
+    /// CPU ms per code by process, and mongod's commands and documents
+    /// per code: where a side's cost goes.
+    detail: Value,
 }
 
 impl Run {
@@ -130,14 +133,24 @@ impl Run {
     }
 }
 
-async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> anyhow::Result<Run> {
+async fn side(
+    http: &Http,
+    store: &codepool_store::Store,
+    clients: usize,
+    (side, tag): (Side, &str),
+    n: usize,
+) -> anyhow::Result<Run> {
     let tag = Arc::<str>::from(tag);
     let body = Arc::new(move |i: usize| side.body(&tag, i));
-    let cpu = crate::CpuSnapshot::take();
+    let meter = Meter::start(store).await;
     let (answers, took) = closed_loop(http, clients, n, body).await?;
-    let used = crate::CpuSnapshot::take().since(&cpu);
     let codes = n as u64 * side.codes();
+    let (used, mut detail) = meter.finish(store, codes as usize).await;
     let (server_cpu_ms_per_code, _) = crate::server_and_clients_ms(&used, codes as usize);
+    let per_code: serde_json::Map<String, Value> = (used.iter())
+        .map(|(p, s)| ((*p).to_owned(), json!(s * 1000.0 / codes as f64)))
+        .collect();
+    detail["cpu_ms_per_code"] = Value::Object(per_code);
     let bad: Vec<u16> = (answers.iter().flatten())
         .map(|a| a.status)
         .filter(|s| *s != 201)
@@ -152,6 +165,7 @@ async fn side(http: &Http, clients: usize, side: Side, tag: &str, n: usize) -> a
         seconds: took.as_secs_f64(),
         codes,
         server_cpu_ms_per_code,
+        detail,
     })
 }
 
@@ -193,7 +207,8 @@ async fn measure(
     let http = |side: Side| Http::to(api.addr, &token, args.clients as usize, side.path());
     // Warm every path once.
     for s in [Side::Orders, Side::Holds, Side::Pairs, Side::Bundles] {
-        side(&http(s), args.clients as usize, s, "warm", WARM / 2).await?;
+        let clients = args.clients as usize;
+        side(&http(s), &scratch.store, clients, (s, "warm"), WARM / 2).await?;
     }
     let holds = compare_paths(
         args,
@@ -311,7 +326,8 @@ async fn compare_paths(
         let mut runs: Vec<(bool, Run)> = Vec::new();
         for (s, http, is_b) in order {
             say(args, format!("round {}: {} × {n} …", round + 1, s.name()));
-            let run = side(http, clients, s, &format!("r{round}"), n).await?;
+            let tag = format!("r{round}");
+            let run = side(http, &scratch.store, clients, (s, &tag), n).await?;
             runs.push((is_b, run));
             // Quiet between sides: the relay's and the journal's catch-up
             // belong to neither.
@@ -335,9 +351,10 @@ async fn compare_paths(
             "a_server_cpu_ms_per_code": ra.server_cpu_ms_per_code,
             "b_server_cpu_ms_per_code": rb.server_cpu_ms_per_code,
             "cpu_ratio": rb.server_cpu_ms_per_code / ra.server_cpu_ms_per_code,
+            "a_detail": ra.detail,
+            "b_detail": rb.detail,
         }));
     }
-    let _ = scratch;
     let median_of = |key: &str| {
         let mut v: Vec<f64> = rows.iter().filter_map(|r| r[key].as_f64()).collect();
         v.sort_by(f64::total_cmp);

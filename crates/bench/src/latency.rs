@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 
 use crate::inproc;
 use crate::probe::JournalProbe;
+use crate::split::{Clock, Split};
 use crate::{ms, percentile, Scratch};
 
 /// Open-loop latency, purchase published → SMS-pending event consumed.
@@ -77,6 +78,8 @@ impl FromStr for Rate {
 struct Ledger {
     sent: HashMap<String, Instant>,
     latencies: Vec<Duration>,
+    /// The same latencies split at each grant's claim (`split.rs`).
+    splits: Vec<Split>,
     codes: HashSet<String>,
     duplicates: u64,
     /// Events received so far.
@@ -241,6 +244,7 @@ async fn listen(
             FieldTable::default(),
         )
         .await?;
+    let clock = Clock::now();
     Ok(tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
             let at = Instant::now();
@@ -249,6 +253,7 @@ async fn listen(
             };
             let order = v["order_id"].as_str().unwrap_or_default();
             let code = v["code"].as_str().unwrap_or_default().to_owned();
+            let claimed = v["issued_at"].as_str().and_then(|t| clock.instant_of(t));
             let Ok(mut l) = ledger.lock() else { return };
             l.received += 1;
             if let Some(room) = &l.room {
@@ -256,6 +261,9 @@ async fn listen(
             }
             if let Some(sent) = l.sent.remove(order) {
                 l.latencies.push(at - sent);
+                if let Some(claimed) = claimed {
+                    l.splits.push(Split::new(sent, claimed, at));
+                }
             } else {
                 l.duplicates += 1;
             }
@@ -321,7 +329,12 @@ async fn one_rate(
     wait_drained(ledger, Duration::from_secs(60)).await?;
     let noise = probe.finish().await;
     let (load, load_json) = meter.finish();
-    let load = format!("{load}\n          {}", crate::probe::describe(&noise));
+    let stages = crate::split::summary(&take_splits(ledger));
+    let load = format!(
+        "{load}\n          {}\n          {}",
+        crate::probe::describe(&noise),
+        crate::split::describe(&stages)
+    );
     let mut lat = take_latencies(ledger);
     lat.sort();
     anyhow::ensure!(
@@ -333,7 +346,7 @@ async fn one_rate(
     let mut row = json!({
         "rate": rate, "sent": sent, "received": lat.len(),
         "p50_ms": p(0.50), "p90_ms": p(0.90), "p99_ms": p(0.99), "max_ms": p(1.0),
-        "sender_worst_lag_ms": ms(lag), "host_noise": noise,
+        "sender_worst_lag_ms": ms(lag), "host_noise": noise, "split_at_claim": stages,
     });
     merge(&mut row, load_json);
     Ok((row, load))
@@ -441,10 +454,21 @@ async fn wait_drained(ledger: &Arc<Mutex<Ledger>>, limit: Duration) -> anyhow::R
     }
 }
 
+fn take_splits(ledger: &Arc<Mutex<Ledger>>) -> Vec<Split> {
+    ledger
+        .lock()
+        .map(|mut l| std::mem::take(&mut l.splits))
+        .unwrap_or_default()
+}
+
+/// The latencies so far, their splits dropped with them.
 fn take_latencies(ledger: &Arc<Mutex<Ledger>>) -> Vec<Duration> {
     ledger
         .lock()
-        .map(|mut l| std::mem::take(&mut l.latencies))
+        .map(|mut l| {
+            l.splits.clear();
+            std::mem::take(&mut l.latencies)
+        })
         .unwrap_or_default()
 }
 

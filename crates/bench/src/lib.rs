@@ -25,6 +25,7 @@ pub mod redeem;
 pub mod scale;
 pub mod scale_args;
 pub mod seq;
+pub mod split;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
