@@ -68,9 +68,30 @@ impl Split {
     }
 }
 
+/// What the part before the claim holds besides queueing and batching.
+#[derive(Debug, Clone, Copy)]
+pub enum Door {
+    /// A purchase: the broker's queue, the consumer's prefetch, the
+    /// batch's reads.
+    Amqp,
+    /// An HTTP order: the batcher's queue, the batch's reads, and its
+    /// journaled record of the events it owes (`sms_owed`), written
+    /// before the claim.
+    Http,
+}
+
+impl Door {
+    fn note(self) -> &'static str {
+        match self {
+            Door::Amqp => "before the claim: scheduled start to issued_at (the broker's queue, the consumer's prefetch, batching, the batch's reads); after: issued_at to the event (the claim's journal wait, the event's publish, confirm and delivery). issued_at has ms precision, truncated",
+            Door::Http => "before the claim: scheduled start to issued_at (the batcher's queue behind the batch in flight, the batch's reads, and its journaled sms_owed record); after: issued_at to the answer (the claim's journal wait, the answer). issued_at has ms precision, truncated",
+        }
+    }
+}
+
 /// The two parts' p50 and p99 over every request, and their means over
 /// the tail: the slowest hundredth of the requests.
-pub fn summary(splits: &[Split]) -> Value {
+pub fn summary(splits: &[Split], door: Door) -> Value {
     if splits.is_empty() {
         return Value::Null;
     }
@@ -98,7 +119,7 @@ pub fn summary(splits: &[Split]) -> Value {
             "mean_before_claim_ms": mean(&|s| s.before_claim),
             "mean_after_claim_ms": mean(&|s| s.after_claim()),
         },
-        "note": "before the claim: scheduled start to issued_at (queueing, batching, reads before the claim); after: issued_at to the answer or event (the claim's journal wait, then the answer, or the event's confirm and delivery). issued_at has ms precision, truncated",
+        "note": door.note(),
     })
 }
 
@@ -156,7 +177,7 @@ mod tests {
         // slow one that waited 40 ms for its claim and 10 ms after it.
         let mut splits: Vec<Split> = (0..99).map(|_| Split::new(t0, at(2), at(5))).collect();
         splits.push(Split::new(t0, at(40), at(50)));
-        let s = summary(&splits);
+        let s = summary(&splits, Door::Amqp);
         assert_eq!(s["requests"], 100);
         assert_eq!(s["before_claim_ms"]["p50_ms"], 2.0);
         assert_eq!(s["after_claim_ms"]["p50_ms"], 3.0);
@@ -184,6 +205,6 @@ mod tests {
             t0 + Duration::from_millis(8),
         );
         assert_eq!(late.before_claim, late.total);
-        assert!(summary(&[]).is_null());
+        assert!(summary(&[], Door::Http).is_null());
     }
 }
