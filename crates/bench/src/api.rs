@@ -8,7 +8,8 @@
 //!   request on a pool of the same `codes` collection (same shape, indexes
 //!   and validator), opening the sealed code for the answer.
 //!
-//! Then the same orders again (already granted: repeats), and the latency
+//! Then the same orders again (already granted: repeats), round 1's AMQP
+//! purchases again (the dispatcher's repeats), and the latency
 //! of a grant at a fixed rate, open loop: requests start on a schedule
 //! whatever the server does, and each counts from its scheduled start.
 //!
@@ -236,10 +237,7 @@ async fn fresh_rounds(
                     );
                 }
                 _ => {
-                    let size = match args.held_batch {
-                        Some(b) => b as usize,
-                        None => mean(&batches_seen).map_or(64, |m| m.round().max(1.0) as usize),
-                    };
+                    let size = held_size(args, &batches_seen);
                     say(
                         args,
                         format!(
@@ -275,6 +273,15 @@ async fn fresh_rounds(
         checks_ok,
         first_codes,
     })
+}
+
+/// The held dispatcher's batch size: `--held-batch`, or the mean of the
+/// HTTP batches seen so far.
+fn held_size(args: &ApiBenchArgs, batches_seen: &[f64]) -> usize {
+    match args.held_batch {
+        Some(b) => b as usize,
+        None => mean(batches_seen).map_or(64, |m| m.round().max(1.0) as usize),
+    }
 }
 
 fn mean(v: &[f64]) -> Option<f64> {
@@ -320,6 +327,15 @@ async fn measure(
     .await?;
     say(
         args,
+        format!("AMQP repeats: round 1's {n} purchases again …"),
+    );
+    let pool = amqp_pool(0, Batches::Own);
+    let mut amqp_repeats =
+        amqp_phase(scratch, n, &pool, DispatcherConfig::DEFAULT_BATCH_SIZE).await?;
+    amqp_repeats.m.name = "AMQP repeats";
+    amqp_repeats.m.what = "round 1's purchases published again, already granted: answered from one read, each event sent again";
+    say(
+        args,
         format!("baseline handler: {n} requests, one findOneAndUpdate each …"),
     );
     let baseline = baseline_phase(scratch, args, &token).await?;
@@ -349,7 +365,7 @@ async fn measure(
     let granted = crate::issued_and_distinct_orders(&scratch.store, POOL).await?;
     let report = report_json(
         args,
-        [fresh, &repeats, &baseline],
+        [fresh, &repeats, &baseline, &amqp_repeats],
         amqp,
         (&rounds, &latency),
         granted,
@@ -738,12 +754,8 @@ async fn amqp_phase(
     batch_size: usize,
 ) -> anyhow::Result<HttpRun> {
     let topology = scratch.cfg.topology();
-    let conn = codepool_broker::connect(&scratch.cfg.amqp_url, "codepool-bench-api-amqp").await?;
-    let publisher = Publisher::new(&conn, topology.clone()).await?;
-    inproc::preload(n, |i| {
-        let p = inproc::purchase(pool, pool, i);
-        let publisher = publisher.clone();
-        async move { Ok(publisher.publish_purchase(&p).await?) }
+    let conn = inproc::preload_purchases(scratch, "codepool-bench-api-amqp", n, |i| {
+        inproc::purchase(pool, pool, i)
     })
     .await?;
     let events_before = depth(&conn, &topology.sms_pending).await?;
@@ -947,18 +959,19 @@ fn ratio(value: f64, target: f64, at_least: bool) -> Value {
 
 fn report_json(
     args: &ApiBenchArgs,
-    [fresh, repeats, baseline]: [&HttpRun; 3],
+    [fresh, repeats, baseline, amqp_repeats]: [&HttpRun; 4],
     amqp: &HttpRun,
     (rounds, latency): (&Rounds, &Value),
     (granted, orders): (u64, u64),
 ) -> Value {
     let rate = |r: &HttpRun| r.m.per_sec().max(1e-9);
+    let cpu = |r: &HttpRun| crate::server_and_clients_ms(&r.m.cpu, r.m.items).0;
     // Each round's warm-up and fresh orders, and the open-loop ones.
     let runs = &latency["all_runs"];
     let expected = args.rounds * (WARM as u64 + args.orders) + runs["sent"].as_u64().unwrap_or(0);
     let pool_ok = granted == orders && granted == expected;
     let m = &rounds.median;
-    let ok = [repeats, baseline]
+    let ok = [repeats, baseline, amqp_repeats]
         .iter()
         .all(|r| r.extra["checks"]["ok"].as_bool() == Some(true))
         && rounds.checks_ok
@@ -971,7 +984,9 @@ fn report_json(
     let ceiling = latency["p50_ms"]
         .as_f64()
         .map(|p50| args.clients as f64 / (p50 / 1000.0).max(1e-9));
-    let mut results: Vec<Value> = [fresh, amqp, baseline, repeats].map(result_json).into();
+    let mut results: Vec<Value> = [fresh, amqp, baseline, repeats, amqp_repeats]
+        .map(result_json)
+        .into();
     let mut held = result_json(&m.amqp_as_http);
     held["name"] = json!("AMQP, HTTP batches");
     let why = match args.held_batch {
@@ -1005,6 +1020,7 @@ fn report_json(
             "http_over_amqp": ratio(rounds.median_of("http_over_amqp"), HTTP_OVER_AMQP, true),
             "http_over_baseline": ratio(rate(fresh) / rate(baseline), HTTP_OVER_BASELINE, true),
             "repeats_over_fresh": ratio(rate(repeats) / rate(fresh), REPEATS_OVER_FRESH, true),
+            "server_cpu_repeats_http_over_amqp": cpu(repeats) / cpu(amqp_repeats).max(1e-9),
             "server_cpu_http_over_amqp": ratio(rounds.median_of("server_cpu_http_over_amqp"), CPU_HTTP_OVER_AMQP, false),
             "server_cpu_http_over_amqp_as_http": rounds.median_of("server_cpu_http_over_amqp_as_http"),
             "server_cpu_amqp_as_http_over_amqp": rounds.median_of("server_cpu_amqp_as_http_over_amqp"),
@@ -1124,6 +1140,10 @@ fn print_goals(report: &Value) {
         "server CPU, HTTP / AMQP held to batches of {held} = {:.2}× (AMQP in batches of {held} / in its own: {:.2}×; medians of the rounds)",
         f(&r["server_cpu_http_over_amqp_as_http"]),
         f(&r["server_cpu_amqp_as_http_over_amqp"])
+    );
+    println!(
+        "server CPU per repeat, HTTP / AMQP = {:.2}×",
+        f(&r["server_cpu_repeats_http_over_amqp"])
     );
     for (label, key, unit, cmp) in [
         ("HTTP / AMQP dispatcher", "http_over_amqp", "×", "≥"),

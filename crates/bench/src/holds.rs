@@ -7,6 +7,9 @@
 //! - 2-item bundles (one code from each of two pools) in codes per second
 //!   against HTTP orders of quantity 2 (goal: at least 0.8×).
 //!
+//! Then the same bundles and orders of 2 through the AMQP dispatcher
+//! (`holds_amqp.rs`), for the servers' CPU per bundle code at both doors.
+//!
 //! Each comparison alternates its two sides `--rounds` times (the side that
 //! goes first alternates too) and judges the median of the rounds' ratios:
 //! one pair of runs moves with the host's load. Every request must answer
@@ -175,13 +178,14 @@ async fn prepare(
     scratch: &'static Scratch,
     n: usize,
 ) -> anyhow::Result<(ApiServer, String)> {
-    let sizes = [
+    let mut sizes = vec![
         ("ho".to_owned(), n + WARM),
         ("hh".to_owned(), n + WARM),
         ("hq".to_owned(), 2 * n + WARM),
         ("hb1".to_owned(), n + WARM),
         ("hb2".to_owned(), n + WARM),
     ];
+    sizes.extend(crate::holds_amqp::pools(n));
     let total: usize = sizes.iter().map(|s| s.1).sum();
     say(
         args,
@@ -226,6 +230,8 @@ async fn measure(
         (Side::Pairs, Side::Bundles),
     )
     .await?;
+    let (rounds, per_round) = (args.rounds as usize, args.requests as usize);
+    let amqp = crate::holds_amqp::compare(scratch, rounds, per_round, |s| say(args, s)).await?;
     api.stop().await?;
     // Every hold holds distinct codes, and every bundle got one code of
     // each pool.
@@ -249,10 +255,13 @@ async fn measure(
             "holds_over_orders": goal(&holds, HOLDS_OVER_ORDERS),
             "bundles_over_pairs": goal(&bundles, BUNDLES_OVER_PAIRS),
         },
+        "bundle_cpu_http_over_amqp": bundles_cpu_over(&bundles, &amqp),
         "holds_vs_orders": holds,
         "bundles_vs_pairs": bundles,
+        "amqp_bundles_vs_pairs": amqp,
         "checks": {"held": held, "held_expected": want_held, "bundled_codes": bundled, "bundled_expected": 2 * want_held,
-                   "ok": held == want_held && bundled == 2 * want_held},
+                   "amqp_ok": amqp["checks"]["ok"],
+                   "ok": held == want_held && bundled == 2 * want_held && amqp["checks"]["ok"] == true},
     });
     let (rendered, path) = crate::write_report(out_dir, "holds.json", &report)?;
     if args.json {
@@ -267,6 +276,26 @@ async fn measure(
         path.display()
     );
     Ok(())
+}
+
+/// The servers' CPU per bundle code, HTTP over AMQP, medians of each
+/// door's rounds.
+fn bundles_cpu_over(http: &Value, amqp: &Value) -> Value {
+    let median = |rows: &Value, pick: &dyn Fn(&Value) -> Option<f64>| {
+        let mut v: Vec<f64> = rows
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(pick)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let h = median(&http["rounds"], &|r| r["b_server_cpu_ms_per_code"].as_f64());
+    let a = median(&amqp["rounds"], &|r| {
+        r["bundles"]["server_cpu_ms_per_code"].as_f64()
+    });
+    json!({"http_ms": h, "amqp_ms": a, "ratio": h.zip(a).map(|(h, a)| h / a)})
 }
 
 /// A comparison's median against its target.
@@ -305,6 +334,32 @@ fn print_ratios(report: &Value) {
             cpu.join(", ")
         );
     }
+    let a = &report["amqp_bundles_vs_pairs"];
+    let each: Vec<String> = (a["rounds"].as_array().into_iter().flatten())
+        .map(|r| {
+            format!(
+                "{:.2} ({:.3}/{:.3} ms)",
+                r["ratio"].as_f64().unwrap_or(0.0),
+                r["bundles"]["server_cpu_ms_per_code"]
+                    .as_f64()
+                    .unwrap_or(0.0),
+                r["pairs"]["server_cpu_ms_per_code"].as_f64().unwrap_or(0.0)
+            )
+        })
+        .collect();
+    println!(
+        "AMQP 2-item bundles / AMQP orders of 2 (codes/s): median {:.2}× (rounds {}); servers' CPU per code, median {:.2}×",
+        a["median_ratio"].as_f64().unwrap_or(0.0),
+        each.join(", "),
+        a["median_cpu_ratio"].as_f64().unwrap_or(0.0)
+    );
+    let c = &report["bundle_cpu_http_over_amqp"];
+    println!(
+        "servers' CPU per bundle code, HTTP / AMQP: {:.2}× ({:.3} vs {:.3} ms, medians)",
+        c["ratio"].as_f64().unwrap_or(0.0),
+        c["http_ms"].as_f64().unwrap_or(0.0),
+        c["amqp_ms"].as_f64().unwrap_or(0.0)
+    );
 }
 
 /// Alternating runs of two sides, each on its own path.

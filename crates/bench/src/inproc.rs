@@ -185,6 +185,26 @@ where
     Ok(())
 }
 
+/// Connects to the scratch space's broker as `name` and publishes the `n`
+/// purchases `make` builds, confirmed ([`preload`]). The connection stays
+/// open for the caller's checks.
+pub async fn preload_purchases(
+    scratch: &Scratch,
+    name: &str,
+    n: usize,
+    make: impl Fn(usize) -> Purchase,
+) -> anyhow::Result<Connection> {
+    let conn = codepool_broker::connect(&scratch.cfg.amqp_url, name).await?;
+    let publisher = codepool_broker::Publisher::new(&conn, scratch.cfg.topology()).await?;
+    preload(n, |i| {
+        let p = make(i);
+        let publisher = publisher.clone();
+        async move { Ok(publisher.publish_purchase(&p).await?) }
+    })
+    .await?;
+    Ok(conn)
+}
+
 /// Ready messages in `queue` (a passive declare; unacked ones are not counted).
 pub async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
     let ch = conn.create_channel().await?;

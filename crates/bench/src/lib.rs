@@ -16,6 +16,7 @@ pub mod crypto;
 pub mod dispatch;
 pub mod generate;
 pub mod holds;
+mod holds_amqp;
 pub mod hooks;
 pub mod import;
 pub mod inproc;
