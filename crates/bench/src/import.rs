@@ -38,6 +38,10 @@ pub struct ImportBenchArgs {
     /// the side that goes first alternating; the median round is reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub rounds: u32,
+    /// Pass `--allow-cross-pool` to the import: it skips the lookup of its
+    /// codes in other pools, so the run shows what that lookup costs.
+    #[arg(long)]
+    pub allow_cross_pool: bool,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -180,11 +184,11 @@ async fn measure(
     ));
     let cpu = CpuSnapshot::take();
     let file_arg = file.0.to_string_lossy().into_owned();
-    let child = codepool_child(
-        scratch,
-        &["import", &file_arg, "--pool", &import_pool, "--json"],
-    )
-    .await?;
+    let mut import = vec!["import", &file_arg, "--pool", &import_pool, "--json"];
+    if args.allow_cross_pool {
+        import.push("--allow-cross-pool");
+    }
+    let child = codepool_child(scratch, &import).await?;
     // "codepool" includes the child process, reaped by now.
     let import_cpu = CpuSnapshot::take().since(&cpu);
     // The import announces `pool.replenished`, which declares the topology.
