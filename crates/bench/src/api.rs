@@ -671,7 +671,7 @@ impl Phase {
     fn names(self) -> (&'static str, &'static str) {
         match self {
             Phase::Fresh => ("HTTP grants", "POST /v1/orders, fresh orders: batched claim, journaled, answered with the code; SMS-pending published and confirmed after the answer"),
-            Phase::Repeat => ("HTTP repeats", "POST /v1/orders again for the same orders: the same codes, nothing written"),
+            Phase::Repeat => ("HTTP repeats", "POST /v1/orders again for the same orders: the same codes, answered from one read; each answer with codes audited (one insert a batch), no event sent again"),
             Phase::Baseline => ("baseline handler", "axum on hyper: one findOneAndUpdate per request (journaled, w:majority), code opened and answered"),
         }
     }

@@ -172,7 +172,7 @@ async fn side(
     })
 }
 
-/// Fills the five pools, creates the key and starts the API.
+/// Fills the pools of both doors, creates the key and starts the API.
 async fn prepare(
     args: &HoldsBenchArgs,
     scratch: &'static Scratch,
@@ -230,11 +230,8 @@ async fn measure(
         (Side::Pairs, Side::Bundles),
     )
     .await?;
-    let (rounds, per_round) = (args.rounds as usize, args.requests as usize);
-    let amqp = crate::holds_amqp::compare(scratch, rounds, per_round, |s| say(args, s)).await?;
-    api.stop().await?;
     // Every hold holds distinct codes, and every bundle got one code of
-    // each pool.
+    // each pool (counted before the AMQP side runs: no hold expires).
     let held = crate::count_codes(
         &scratch.store,
         mongodb::bson::doc! {"pool": "hh", "status": 4},
@@ -245,6 +242,9 @@ async fn measure(
         mongodb::bson::doc! {"pool": {"$in": ["hb1", "hb2"]}, "status": 1},
     )
     .await?;
+    let (rounds, per_round) = (args.rounds as usize, args.requests as usize);
+    let amqp = crate::holds_amqp::compare(scratch, rounds, per_round, |s| say(args, s)).await?;
+    api.stop().await?;
     let want_held = (n + WARM / 2) as u64;
     let report = json!({
         "benchmark": "holds",

@@ -123,12 +123,18 @@ pub async fn run(
     let mut report = report_json(&o, &options);
     report["rounds"] = json!(args.rounds);
     report["round_ratios_sorted"] = json!(ratios);
+    report["allow_cross_pool"] = json!(args.allow_cross_pool);
     let (rendered, path) = super::write_report(out_dir, "import.json", &report)?;
     if args.json {
         println!("{rendered}");
     } else {
         print_table(&o, &options);
         println!("rounds (sorted): {ratios:.2?}; the median round is shown");
+        if args.allow_cross_pool {
+            println!(
+                "the import ran with --allow-cross-pool: no lookup of its codes in other pools"
+            );
+        }
         println!("written to {}", path.display());
     }
     anyhow::ensure!(
