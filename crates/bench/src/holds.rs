@@ -242,9 +242,11 @@ async fn measure(
         mongodb::bson::doc! {"pool": {"$in": ["hb1", "hb2"]}, "status": 1},
     )
     .await?;
+    // The API stops first, so none of its background work lands in the
+    // AMQP side's CPU.
+    api.stop().await?;
     let (rounds, per_round) = (args.rounds as usize, args.requests as usize);
     let amqp = crate::holds_amqp::compare(scratch, rounds, per_round, |s| say(args, s)).await?;
-    api.stop().await?;
     let want_held = (n + WARM / 2) as u64;
     let report = json!({
         "benchmark": "holds",
