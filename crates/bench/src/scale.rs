@@ -415,7 +415,7 @@ async fn run_side(
     let redis_before = crate::redis_footprint(&cfg.redis_url, &cfg.redis_prefix).await?;
     inproc::checkpoint(scratch).await?;
     let stages_before = stage_metrics();
-    // Marks the clock's start for scripts/cold-profile.sh.
+    // Marks the clock's start in the log (where a profile's window opens).
     eprintln!("{tag}: dispatcher started");
     let running = inproc::start(scratch, &args.dispatcher_config())?;
     let run = running.finish(n as u64).await?;
