@@ -19,7 +19,7 @@ help:
 	@echo "make browser   install Debian's chromium and chromedriver for the console's browser tests (idempotent)"
 	@echo "make cluster   a 3-member replica set, a 3-node RabbitMQ cluster and a 3-master Redis Cluster (prints CODEPOOL_*)"
 	@echo "make chaos-cluster  the long failover test on the cluster (repeated faults)"
-	@echo "make lint      cargo fmt --check and clippy -D warnings"
+	@echo "make lint      cargo fmt --check and clippy -D warnings (without and with the failpoints feature)"
 
 services:
 	@bash scripts/services.sh
@@ -93,6 +93,7 @@ bench: services
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --locked --workspace --all-targets $(FAILPOINTS) -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
