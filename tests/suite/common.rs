@@ -287,6 +287,7 @@ pub fn assign(code: codepool_domain::CodeId, pool: &str, order: &str) -> ClaimAs
         uid: format!("u-{order}"),
         phone: "+8613800000000".into(),
         grant_no: Some(format!("G-{order}")),
+        mv: codepool_domain::gate::Move::Claim,
         resend: Resend::ByRedelivery,
         line: 0,
         quantity: 1,

@@ -192,7 +192,8 @@ async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
     assert!(at_kill > 0 && at_kill < 20_000, "killed halfway: {at_kill}");
     let record = env.store.import_record(run).await.unwrap().unwrap();
     assert_eq!(
-        record.status, "running",
+        record.status,
+        codepool_store::imports::RunState::Running,
         "the killed run never closed its record"
     );
 

@@ -79,7 +79,7 @@ async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
         .await
         .unwrap();
     assert_eq!(o.inserted, 120);
-    first.status = "interrupted".into();
+    first.status = codepool_store::imports::RunState::Interrupted;
     first.inserted = 120;
     env.store.finish_import(&first).await.unwrap();
     // Run 2 finishes it; run 3 is a later re-import that inserts nothing.
@@ -140,7 +140,7 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
         .await
         .unwrap();
     let mut empty = env.store.start_import("rp", name, None).await.unwrap();
-    empty.status = "done".into();
+    empty.status = codepool_store::imports::RunState::Done;
     empty.sha256 = Some("ab".repeat(32));
     env.store.finish_import(&empty).await.unwrap();
     let (code, _, err) = codepool(
@@ -205,7 +205,7 @@ async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallow
         "{err}"
     );
     let record = (env.store.recent_imports(1).await.unwrap()).pop().unwrap();
-    assert_eq!(record.status, "failed");
+    assert_eq!(record.status, codepool_store::imports::RunState::Failed);
     env.cleanup().await;
 }
 

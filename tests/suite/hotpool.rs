@@ -244,6 +244,7 @@ async fn a_popped_candidate_already_issued_through_the_fallback_is_skipped() {
                     uid: "u".into(),
                     phone: "+8613800000000".into(),
                     grant_no: None,
+                    mv: codepool_domain::gate::Move::Claim,
                     resend: Resend::ByRedelivery,
                     line: 0,
                     quantity: 1,

@@ -125,7 +125,7 @@ async fn importing_the_same_file_twice_inserts_nothing_the_second_time() {
     assert_eq!(audits.len(), 2);
     assert!(audits
         .iter()
-        .all(|a| a.status == "done" && a.sha256.is_some()));
+        .all(|a| a.status == codepool_store::imports::RunState::Done && a.sha256.is_some()));
     env.cleanup().await;
 }
 
@@ -500,7 +500,11 @@ async fn sigterm_and_sigint_during_an_import_record_interrupted_with_the_true_co
             .iter()
             .find(|a| a.pool == pool)
             .expect("audit record");
-        assert_eq!(a.status, "interrupted", "{a:?}");
+        assert_eq!(
+            a.status,
+            codepool_store::imports::RunState::Interrupted,
+            "{a:?}"
+        );
         assert_eq!(a.inserted, stored, "the record holds the true count: {a:?}");
         assert!(a.finished_at.is_some() && a.sha256.is_none(), "{a:?}");
     }
@@ -520,7 +524,8 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     assert!(stored < 100_000, "killed before the end ({stored} codes)");
     let killed = env.store.recent_imports(1).await.unwrap().remove(0);
     assert_eq!(
-        killed.status, "running",
+        killed.status,
+        codepool_store::imports::RunState::Running,
         "a killed run cannot close its record"
     );
 

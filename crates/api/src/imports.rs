@@ -104,7 +104,7 @@ impl From<imports::ImportSummary> for ImportSummary {
             import_id,
             pool,
             file,
-            status,
+            status: status.to_string(),
             sha256,
             rows,
             inserted,
@@ -282,7 +282,7 @@ impl From<&ImportRecord> for ImportOut {
             import_id: r.id.to_hex(),
             pool: r.pool.clone(),
             file: r.file.clone(),
-            status: r.status.clone(),
+            status: r.status.to_string(),
             sha256: r.sha256.clone(),
             rows: r.rows,
             inserted: r.inserted,
@@ -366,7 +366,7 @@ impl From<&Recall> for Recalled {
     fn from(r: &Recall) -> Self {
         let runs = r.runs.iter().map(|run| RecalledRun {
             import_id: run.id.to_hex(),
-            status: run.status.clone(),
+            status: run.status.to_string(),
             codes: run.codes,
             voided: run.voided,
         });

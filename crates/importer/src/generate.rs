@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use codepool_domain::{CodePattern, Pool};
 use codepool_sequence::DailyNumbers;
-use codepool_store::imports::{GenerationSpec, ImportRecord, SOURCE_GENERATED};
+use codepool_store::imports::{GenerationSpec, ImportRecord, RunState, SOURCE_GENERATED};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use rand::TryRngCore;
 use serde::Serialize;
@@ -139,7 +139,7 @@ pub struct GenerateSummary {
     pub pattern: String,
     pub count: u64,
     /// `done`, or `interrupted` (run the same id again to finish).
-    pub status: String,
+    pub status: RunState,
     /// Codes the run holds, this call's and earlier calls' of its id.
     pub inserted: u64,
     /// Of `inserted`, the codes this call made.
@@ -324,11 +324,10 @@ async fn run_leased(
     }
     let seconds = started.elapsed().as_secs_f64();
     record.status = match (&result, interrupted) {
-        (Err(_), _) => "failed",
-        (Ok(_), true) => "interrupted",
-        (Ok(_), false) => "done",
-    }
-    .into();
+        (Err(_), _) => RunState::Failed,
+        (Ok(_), true) => RunState::Interrupted,
+        (Ok(_), false) => RunState::Done,
+    };
     record.finished_at = Some(bson::DateTime::now());
     (record.rows, record.inserted, record.duplicates) = (run.held, run.held, run.redrawn);
     record.seconds = seconds;
@@ -380,7 +379,7 @@ pub async fn open_run(
     if let Some(e) = GenerateError::recalled(&record) {
         return Err(e);
     }
-    if record.status != "running" {
+    if record.status != RunState::Running {
         store.restart_generation(id).await?;
     }
     Ok((pool, record))

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use codepool_domain::Pool;
 use codepool_store::codes::LookAlike;
-use codepool_store::imports::ImportRecord;
+use codepool_store::imports::{ImportRecord, RunState};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -64,7 +64,7 @@ pub struct ImportSummary {
     pub file: String,
     /// `done`, or `interrupted` when a signal stopped the run early (the
     /// counts are what it did; run the same command again to finish).
-    pub status: String,
+    pub status: RunState,
     /// Empty for an interrupted run: only a whole file has a hash.
     pub sha256: String,
     pub rows: u64,
@@ -93,13 +93,9 @@ pub struct ImportSummary {
 
 impl ImportSummary {
     pub fn interrupted(&self) -> bool {
-        self.status == STATUS_INTERRUPTED
+        self.status == RunState::Interrupted
     }
 }
-
-const STATUS_DONE: &str = "done";
-const STATUS_FAILED: &str = "failed";
-const STATUS_INTERRUPTED: &str = "interrupted";
 
 /// Progress as it happens, for a progress bar or log lines.
 #[derive(Debug, Clone, Copy, Default)]
@@ -609,24 +605,24 @@ impl<'a> Run<'a> {
         }
         let p = self.progress;
         let status = match (&self.failure, interrupted) {
-            (Some(_), _) => STATUS_FAILED,
-            (None, true) => STATUS_INTERRUPTED,
-            (None, false) => STATUS_DONE,
+            (Some(_), _) => RunState::Failed,
+            (None, true) => RunState::Interrupted,
+            (None, false) => RunState::Done,
         };
         // A stopped or failed run counts the rows it handled, not the rows
         // the reader had read ahead.
-        let rows = if status == STATUS_DONE {
+        let rows = if status == RunState::Done {
             p.rows
         } else {
             p.inserted + p.duplicates + p.invalid
         };
-        let sha256 = if status == STATUS_DONE {
+        let sha256 = if status == RunState::Done {
             self.sha256
         } else {
             String::new()
         };
         record.sha256 = (!sha256.is_empty()).then(|| sha256.clone());
-        record.status = status.into();
+        record.status = status;
         record.finished_at = Some(bson::DateTime::now());
         (record.rows, record.inserted) = (rows, p.inserted);
         (record.duplicates, record.invalid) = (p.duplicates, p.invalid);
@@ -644,7 +640,7 @@ impl<'a> Run<'a> {
             import_id: self.import_id.to_hex(),
             pool: self.pool,
             file: record.file.clone(),
-            status: status.into(),
+            status,
             sha256,
             rows,
             inserted: p.inserted,

@@ -19,7 +19,7 @@ use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
 use crate::replace::ReplaceError;
-use crate::Resend;
+use crate::{ClaimWay, Resend};
 
 const BATCH: u64 = 100;
 
@@ -172,7 +172,7 @@ async fn claim_waiting(
             })
             .collect();
         // No message of a backorder is redelivered: the relay owes its event.
-        let got = engine.claim_asks(&asks, Resend::Backorder).await?;
+        let got = engine.claim_asks(&asks, ClaimWay::fulfil()).await?;
         for (&i, o) in plain.iter().zip(got) {
             outcomes[i] = Some(o);
         }

@@ -2,7 +2,7 @@
 //! waiting whole. A bundle claims in two steps through the same batched
 //! claim as any order:
 //!
-//! 1. every line it lacks is claimed `held` ([`Resend::Hold`]) under its
+//! 1. every line it lacks is claimed `held` ([`Move::Hold`]) under its
 //!    item's key ([`bundle_key`]), every bundle of the batch in one claim;
 //! 2. a bundle whose every item got its codes commits them to the order's
 //!    lines (4→1) in one write; one that fell short puts what it took back
@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use codepool_domain::gate::Move;
 use codepool_domain::{Code, CodeId, Grant, Purchase};
 use codepool_store::holds::{bundle_key, HeldCode};
 use codepool_store::{ClaimAssignment, Store};
@@ -23,7 +24,7 @@ use tracing::{debug, info, warn};
 
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
 use crate::held::{as_order_grant, commits_of, item_claims, item_offsets};
-use crate::Resend;
+use crate::{ClaimWay, Resend};
 
 /// What the bundles of a batch got, aligned with the input, and the pools
 /// that left a bundle short.
@@ -180,7 +181,7 @@ async fn hold_items(
     if asks.is_empty() {
         return Ok(by_key);
     }
-    let outcomes = engine.claim_asks(&asks, Resend::Hold).await?;
+    let outcomes = engine.claim_asks(&asks, ClaimWay::hold()).await?;
     for (a, o) in asks.iter().zip(outcomes) {
         by_key.insert(a.purchase.order_id.clone(), o);
     }
@@ -304,7 +305,7 @@ fn settle<'w>(
         }
     }
     let fresh = if first {
-        let mine = commits_of(b, &w.keys, &held_codes, resend);
+        let mine = commits_of(b, &w.keys, &held_codes, Move::BundleCommit, resend);
         let n = mine.len() as u32;
         commits.extend(mine);
         n

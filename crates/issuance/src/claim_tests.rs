@@ -356,7 +356,11 @@ async fn an_order_larger_than_the_stock_gets_what_there_is_and_the_rest_waits() 
         purchase: &ps[0],
         lines: &lines,
     }];
-    let later = r.engine.claim_asks(&asks, Resend::ByRelay).await.unwrap();
+    let later = r
+        .engine
+        .claim_asks(&asks, codepool_store::ClaimWay::claim(Resend::ByRelay))
+        .await
+        .unwrap();
     let got: Vec<(u32, u32)> = later[0].grants().iter().map(|g| (g.line, g.part)).collect();
     assert_eq!(got, [(4, 4), (5, 4), (6, 4), (7, 4), (8, 4), (9, 4)]);
     assert_eq!(r.store.issued().len(), 10, "never beyond the quantity");

@@ -119,7 +119,7 @@ pub enum RecallError {
 pub struct RecalledRun {
     pub id: ObjectId,
     /// The run's status in `imports` (`done`, `interrupted`, `running` …).
-    pub status: String,
+    pub status: codepool_store::imports::RunState,
     /// Codes the run put in (any status now).
     pub codes: u64,
     /// Unissued codes of the run voided by this recall.

@@ -277,7 +277,7 @@ async fn commit(
     held: &[HeldCode],
     resend: Resend,
 ) -> Result<Vec<CodeId>, StoreError> {
-    let commits = commits_of(p, keys, held, resend);
+    let commits = commits_of(p, keys, held, Move::Commit, resend);
     let refs: Vec<(CodeId, &str, ClaimAssignment)> = (commits.iter())
         .map(|(id, key, a)| (*id, key.as_str(), a.clone()))
         .collect();
@@ -291,6 +291,7 @@ pub(crate) fn commits_of(
     p: &Purchase,
     keys: &[String],
     held: &[HeldCode],
+    mv: Move,
     resend: Resend,
 ) -> Vec<(CodeId, String, ClaimAssignment)> {
     let offsets = item_offsets(&p.items());
@@ -300,7 +301,7 @@ pub(crate) fn commits_of(
             Some((
                 c.id,
                 c.key.clone(),
-                order_line(p, c, offsets[item] + c.line, resend),
+                order_line(p, c, offsets[item] + c.line, mv, resend),
             ))
         })
         .collect()
@@ -319,7 +320,7 @@ pub(crate) fn item_offsets(items: &[Item]) -> Vec<u32> {
 }
 
 /// What a claim of line `line` of order `p` would write, for held code `c`.
-fn order_line(p: &Purchase, c: &HeldCode, line: u32, resend: Resend) -> ClaimAssignment {
+fn order_line(p: &Purchase, c: &HeldCode, line: u32, mv: Move, resend: Resend) -> ClaimAssignment {
     ClaimAssignment {
         code_id: c.id,
         pool: c.pool.clone(),
@@ -327,6 +328,7 @@ fn order_line(p: &Purchase, c: &HeldCode, line: u32, resend: Resend) -> ClaimAss
         uid: p.uid.clone(),
         phone: p.phone.clone(),
         grant_no: None,
+        mv,
         resend,
         line,
         quantity: p.quantity,

@@ -5,7 +5,7 @@
 //! ([`release`], [`expire_due`]), waiting backorders first.
 //!
 //! A hold claims through the same batched claim as an order, with
-//! [`Resend::Hold`]: its codes are `held` under keys of their own
+//! [`Move::Hold`]: its codes are `held` under keys of their own
 //! ([`hold_key`]), so a retried hold takes no line twice, and commit and
 //! release are conditional writes on "still held under this key", so a
 //! payment racing an expiry gives each code to exactly one of them. A late
@@ -26,7 +26,7 @@ use crate::claim::{ClaimAsk, ClaimError};
 use crate::held::item_claims;
 use crate::intake::Intake;
 use crate::plan::{admit, Intake as Admitted};
-use crate::Resend;
+use crate::ClaimWay;
 
 /// A hold's time to live when the request names none.
 pub const DEFAULT_TTL_SECONDS: u64 = 900;
@@ -853,7 +853,7 @@ async fn hold_codes(intake: &Intake, holds: &[HoldDoc]) -> Result<HashSet<String
         .zip(&lines)
         .map(|((_, purchase), lines)| ClaimAsk { purchase, lines })
         .collect();
-    let outcomes = intake.engine().claim_asks(&asks, Resend::Hold).await?;
+    let outcomes = intake.engine().claim_asks(&asks, ClaimWay::hold()).await?;
     Ok(claims
         .iter()
         .zip(&outcomes)

@@ -133,11 +133,11 @@ impl Intake {
         // A void is final: an order whose backorder was cancelled gets
         // nothing again, whichever door it comes back through.
         let cancelled: std::collections::HashSet<String> = (backordered.iter())
-            .filter(|b| b.status == codepool_store::lifecycle::CANCELLED)
+            .filter(|b| b.status == codepool_store::backorders::BackorderState::Cancelled)
             .map(|b| b.order_id.clone())
             .collect();
         let waited: std::collections::HashSet<String> = (backordered.iter())
-            .filter(|b| b.status == codepool_store::backorders::WAITING)
+            .filter(|b| b.status == codepool_store::backorders::BackorderState::Waiting)
             .map(|b| b.order_id.clone())
             .collect();
         let backordered = backordered

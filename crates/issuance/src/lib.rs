@@ -121,7 +121,7 @@ impl Door {
 pub use codepool_store::{Store, StoreError};
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
-pub use codepool_store::Resend;
+pub use codepool_store::{ClaimWay, Resend};
 pub use core::{Broker, Core};
 pub use grant_no::GrantNumbers;
 pub use health::Health;

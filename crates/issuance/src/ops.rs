@@ -51,7 +51,10 @@ impl Lookup {
     /// Where an order stands, from what an order query found (`None`:
     /// nothing of it was found).
     pub fn state(&self) -> Option<OrderState> {
-        let waiting = self.backorders.iter().any(|b| b.status == "waiting");
+        let waiting = self
+            .backorders
+            .iter()
+            .any(|b| b.status == codepool_store::backorders::BackorderState::Waiting);
         let replacing = self.replacements.iter().any(|r| r.state.is_open());
         let all_void = (self.codes.iter()).all(|c| c.status == codepool_domain::CodeStatus::Void);
         Some(if !self.refusals.is_empty() {
@@ -88,7 +91,7 @@ impl Lookup {
     /// backorder waits for, and those whose replacement waits for stock.
     pub fn waiting_lines(&self) -> Vec<u32> {
         let mut lines: Vec<u32> = (self.backorders.iter())
-            .filter(|b| b.status == "waiting")
+            .filter(|b| b.status == codepool_store::backorders::BackorderState::Waiting)
             .flat_map(|b| b.waiting_lines())
             .chain(
                 (self.replacements.iter())
@@ -377,7 +380,7 @@ pub enum ResendError {
     #[error("order {order} has no code yet (backorder {status} since {since}); it gets one, with its SMS, when codes are imported into pool {pool}")]
     Backordered {
         order: String,
-        status: String,
+        status: codepool_store::backorders::BackorderState,
         since: String,
         pool: String,
     },

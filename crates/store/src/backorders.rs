@@ -16,11 +16,39 @@ use crate::error::DUPLICATE_KEY;
 use crate::{durable, Store, StoreError};
 
 pub const BACKORDERS: &str = "backorders";
-pub const WAITING: &str = "waiting";
-pub const FULFILLED: &str = "fulfilled";
-/// A backorder whose order a pool policy refused (the per-user limit was
-/// set while it waited); see the `refusals` collection.
-pub const REFUSED: &str = "refused";
+
+/// A backorder's state, stored by name: it waits, then ends once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackorderState {
+    /// Waiting for stock.
+    Waiting,
+    /// Every line it waited for has its code.
+    Fulfilled,
+    /// A pool policy refused its order (the per-user limit was set while
+    /// it waited); see the `refusals` collection.
+    Refused,
+    /// Withdrawn before it was fulfilled (the order was voided: a refund).
+    Cancelled,
+}
+
+impl BackorderState {
+    /// The name stored and shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Fulfilled => "fulfilled",
+            Self::Refused => "refused",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::fmt::Display for BackorderState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// A purchase waiting for stock.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,7 +62,7 @@ pub struct BackorderDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub purchased_at: Option<String>,
     pub created_at: DateTime,
-    pub status: String,
+    pub status: BackorderState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fulfilled_at: Option<DateTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -165,7 +193,7 @@ impl Store {
                 phone: p.phone.clone(),
                 purchased_at: p.purchased_at.clone(),
                 created_at: now,
-                status: WAITING.into(),
+                status: BackorderState::Waiting,
                 fulfilled_at: None,
                 code_id: None,
                 quantity: (p.quantity > 1).then_some(i64::from(p.quantity)),
@@ -209,7 +237,7 @@ impl Store {
     ) -> Result<Vec<BackorderDoc>, StoreError> {
         Ok(self
             .typed::<BackorderDoc>(BACKORDERS)
-            .find(doc! {"status": WAITING, "pool": pool})
+            .find(doc! {"status": BackorderState::Waiting.as_str(), "pool": pool})
             .sort(doc! {"created_at": 1, "_id": 1})
             .limit(limit)
             .await?
@@ -221,7 +249,7 @@ impl Store {
     pub async fn pools_with_backorders(&self) -> Result<Vec<String>, StoreError> {
         let values = self
             .collection(BACKORDERS)
-            .distinct("pool", doc! {"status": WAITING})
+            .distinct("pool", doc! {"status": BackorderState::Waiting.as_str()})
             .await?;
         Ok(values
             .into_iter()
@@ -236,13 +264,16 @@ impl Store {
         let now = DateTime::now();
         for (order_id, missing) in settled {
             let update = if missing.is_empty() {
-                doc! {"$set": {"status": FULFILLED, "fulfilled_at": now}}
+                doc! {"$set": {"status": BackorderState::Fulfilled.as_str(), "fulfilled_at": now}}
             } else {
                 let lines: Vec<i64> = missing.iter().map(|&l| i64::from(l)).collect();
                 doc! {"$set": {"lines": lines}}
             };
             self.collection(BACKORDERS)
-                .update_one(doc! {"order_id": *order_id, "status": WAITING}, update)
+                .update_one(
+                    doc! {"order_id": *order_id, "status": BackorderState::Waiting.as_str()},
+                    update,
+                )
                 .await?;
         }
         Ok(())
@@ -255,8 +286,8 @@ impl Store {
         }
         self.collection(BACKORDERS)
             .update_many(
-                doc! {"order_id": {"$in": order_ids}, "status": WAITING},
-                doc! {"$set": {"status": REFUSED, "refused_at": DateTime::now()}},
+                doc! {"order_id": {"$in": order_ids}, "status": BackorderState::Waiting.as_str()},
+                doc! {"$set": {"status": BackorderState::Refused.as_str(), "refused_at": DateTime::now()}},
             )
             .write_concern(durable())
             .await?;

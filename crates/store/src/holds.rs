@@ -12,12 +12,13 @@
 use std::collections::HashMap;
 
 use bson::oid::ObjectId;
-use bson::{doc, Bson, DateTime, Document};
+use bson::{doc, DateTime};
 use codepool_domain::{CodeId, CodeStatus, Item, Transition};
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::codes::{claim::merge_statement, code_id, object_id, CODES};
+use crate::moves::StatusWrite;
 use crate::{durable, ClaimAssignment, Store, StoreError};
 
 pub const HOLDS: &str = "holds";
@@ -138,21 +139,6 @@ struct HeldDoc {
     #[serde(default)]
     order_line: Option<i64>,
 }
-
-/// The fields a claim writes of its holder, which a release takes off.
-const HOLDER_FIELDS: [&str; 11] = [
-    "order_id",
-    "uid",
-    "phone",
-    "issued_at",
-    "grant_no",
-    "sms_pending",
-    "hook_pending",
-    "order_line",
-    "order_qty",
-    "order_part",
-    "owner",
-];
 
 impl Store {
     /// Records new holds (durably), one journaled write (two when hold ids
@@ -436,23 +422,12 @@ impl Store {
         if held.is_empty() {
             return Ok(held);
         }
-        let unset: Document = HOLDER_FIELDS
-            .iter()
-            .map(|f| (f.to_string(), Bson::from("")))
-            .collect();
-        self.collection(CODES)
-            .update_many(
-                doc! {
-                    "order_id": {"$in": keys},
-                    "status": {"$in": Transition::Release.from_codes()},
-                },
-                doc! {
-                    "$set": {"status": Transition::Release.to().as_i32()},
-                    "$unset": unset,
-                },
-            )
-            .write_concern(durable())
-            .await?;
+        let release = StatusWrite::new(
+            Transition::Release,
+            doc! {"order_id": {"$in": keys}},
+            DateTime::now(),
+        );
+        self.write_status(&release).await?;
         Ok(held)
     }
 
@@ -498,12 +473,7 @@ impl Store {
         // The code's own guard, in the same write that moves it: a held
         // code whose time ran out while it was held is not committed (the
         // order's line is claimed from stock instead).
-        let mut q = doc! {
-            "_id": {"$in": ids.clone()},
-            "order_id": {"$in": keys},
-            "status": {"$in": Transition::Commit.from_codes()},
-        };
-        q.extend(crate::codes::not_expired(now));
+        let q = doc! {"_id": {"$in": ids.clone()}, "order_id": {"$in": keys}};
         let one = merge_statement(&assignments, &ids, now, q, true);
         let reply = self.update_codes(vec![one]).await?;
         if crate::codes::claim::duplicate_positions(&reply)?.is_empty() {
@@ -511,8 +481,7 @@ impl Store {
         }
         let mut moved = 0;
         for (k, (id, key, _)) in commits.iter().enumerate() {
-            let mut q = doc! {"_id": object_id(*id), "order_id": *key, "status": {"$in": Transition::Commit.from_codes()}};
-            q.extend(crate::codes::not_expired(now));
+            let q = doc! {"_id": object_id(*id), "order_id": *key};
             let each = merge_statement(&assignments[k..=k], &ids[k..=k], now, q, true);
             let reply = self.update_codes(vec![each]).await?;
             crate::codes::claim::duplicate_positions(&reply)?;

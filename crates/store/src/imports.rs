@@ -11,6 +11,39 @@ use crate::{Store, StoreError};
 
 pub const IMPORTS: &str = "imports";
 
+/// An import run's state, stored by name: running, then ended once (a
+/// rerun of an unfinished run's id makes it running again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunState {
+    /// A process is making its codes, or was until it died.
+    Running,
+    /// Every row was read (every code made).
+    Done,
+    /// Stopped by an error.
+    Failed,
+    /// Stopped by the operator (Ctrl-C, SIGTERM).
+    Interrupted,
+}
+
+impl RunState {
+    /// The name stored and shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Interrupted => "interrupted",
+        }
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One import run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImportRecord {
@@ -20,7 +53,7 @@ pub struct ImportRecord {
     pub file: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
-    pub status: String,
+    pub status: RunState,
     pub started_at: DateTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<DateTime>,
@@ -72,7 +105,7 @@ const OPTIONAL_FIELDS: &[&str] = &[
 impl ImportRecord {
     /// A process is making this run's codes now (it holds a live lease).
     pub fn being_made(&self) -> bool {
-        self.status == "running" && self.lease_until.is_some_and(|t| t > DateTime::now())
+        self.status == RunState::Running && self.lease_until.is_some_and(|t| t > DateTime::now())
     }
 }
 
@@ -101,7 +134,7 @@ impl ImportRecord {
             pool: pool.into(),
             file: file.into(),
             sha256: None,
-            status: "running".into(),
+            status: RunState::Running,
             started_at: DateTime::now(),
             finished_at: None,
             rows: 0,
@@ -180,7 +213,7 @@ impl Store {
         self.collection(IMPORTS)
             .update_one(
                 doc! {"_id": id},
-                doc! {"$set": {"status": "running"}, "$unset": {"finished_at": "", "error": ""}},
+                doc! {"$set": {"status": RunState::Running.as_str()}, "$unset": {"finished_at": "", "error": ""}},
             )
             .await?;
         Ok(())
@@ -230,7 +263,7 @@ impl Store {
         let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.collection(IMPORTS)
             .update_one(
-                doc! {"_id": id, "status": "running"},
+                doc! {"_id": id, "status": RunState::Running.as_str()},
                 doc! {"$set": {"inserted": n(inserted), "duplicates": n(duplicates), "invalid": n(invalid)}},
             )
             .await?;
@@ -250,7 +283,7 @@ impl Store {
             .find_one(doc! {"pool": pool, "file": file})
             .sort(doc! {"started_at": -1})
             .await?;
-        Ok(newest.filter(|r| r.status != "done"))
+        Ok(newest.filter(|r| r.status != RunState::Done))
     }
 
     /// The most recent runs, newest first.

@@ -8,6 +8,7 @@
 //!   reading grants back;
 //! - [`backorders`]: purchases that arrived while a pool was empty;
 //! - [`pools`]: which pools exist and their settings;
+//! - [`moves`]: the one writer of a code's status, for every move of the gate;
 //! - [`lifecycle`]: redeem, void and expire codes; SMS receipts;
 //! - [`policies`]: per-user quotas and refused orders;
 //! - [`recall`]: withdrawing an import's unissued codes;
@@ -37,6 +38,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod lookalikes;
 pub mod migrate;
+pub mod moves;
 pub mod policies;
 pub mod pool_settings;
 pub mod pools;
@@ -58,8 +60,8 @@ use mongodb::{Client, Collection, Database};
 pub use bson::oid::ObjectId;
 pub use codepool_domain::CodeId;
 pub use codes::{
-    code_id, object_id, CandidateAsk, ClaimAssignment, ClaimWrite, CodeDoc, CodeQuery, NewCode,
-    Resend, Slot, Stray,
+    code_id, object_id, CandidateAsk, ClaimAssignment, ClaimWay, ClaimWrite, CodeDoc, CodeQuery,
+    NewCode, Resend, Slot, Stray,
 };
 pub use crypto::CodeKeys;
 pub use error::StoreError;

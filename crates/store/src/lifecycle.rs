@@ -14,17 +14,24 @@ use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::{mask, when, Code, CodeId, CodeStatus, SetAside, Transition};
 use futures::TryStreamExt;
-use mongodb::options::ReturnDocument;
 
-use crate::backorders::{BACKORDERS, WAITING};
+use crate::backorders::{BackorderState, BACKORDERS};
 use crate::codes::{code_id, object_id, CODES};
+use crate::moves::StatusWrite;
 use crate::{durable, CodeDoc, Store, StoreError};
+
+/// The void of codes just given to an order that was voided while it
+/// waited (a backorder's fulfilment, a replacement's reissue), before any
+/// event is sent for them.
+pub(crate) fn withdrawn(target: Document) -> StatusWrite {
+    let now = DateTime::now();
+    StatusWrite::new(Transition::Void, target, now)
+        .record(doc! {"voided_at": now, "void_reason": "order voided while it waited"})
+        .clear(&["sms_pending"])
+}
 
 /// The reason recorded on codes voided by the expiry sweep.
 pub const EXPIRED_REASON: &str = "expired";
-
-/// Status of a backorder withdrawn before it was fulfilled (a refund).
-pub const CANCELLED: &str = "cancelled";
 
 /// SMS history entries kept per code; older ones are dropped.
 const SMS_HISTORY_LEN: i32 = 20;
@@ -276,41 +283,35 @@ impl Store {
             .transpose()
     }
 
-    /// Applies `transition` to the code `target` names, in one conditional
-    /// update on the statuses the transition starts from; returns the code
-    /// as it was before, or `None` when nothing matched.
+    /// Applies `write` (a move and what it records, given a target) to the
+    /// code `target` names, in one conditional update; returns the code as
+    /// it was before, or `None` when nothing matched.
     async fn apply(
         &self,
         target: CodeRef<'_>,
-        transition: Transition,
-        update: Document,
+        write: &(dyn Fn(Document) -> StatusWrite + Sync),
     ) -> Result<Option<Code>, StoreError> {
-        let mut filter = target.filter(self).await?;
-        filter.insert("status", doc! {"$in": transition.from_codes()});
-        self.typed::<CodeDoc>(CODES)
-            .find_one_and_update(filter, update)
-            .return_document(ReturnDocument::Before)
-            .write_concern(durable())
+        let filter = target.filter(self).await?;
+        self.write_status_one(&write(filter))
             .await?
             .map(|d| d.into_code(&self.keys))
             .transpose()
     }
 
-    /// Applies `transition` to every code `target` names that it can take:
+    /// Applies `write` to every code `target` names that its move can take:
     /// the code named, or each code of the order, one conditional update
     /// each. Empty when none could.
     async fn apply_all(
         &self,
         target: CodeRef<'_>,
-        transition: Transition,
-        update: Document,
+        write: &(dyn Fn(Document) -> StatusWrite + Sync),
         at: DateTime,
     ) -> Result<Vec<Applied>, StoreError> {
         let mut done = Vec::new();
         // An order holds at most MAX_QUANTITY codes; the bound only guards
         // against a loop that a bug would make endless.
         for _ in 0..=codepool_domain::MAX_QUANTITY {
-            match self.apply(target, transition, update.clone()).await? {
+            match self.apply(target, write).await? {
                 Some(before) => done.push(Applied { before, at }),
                 None => break,
             }
@@ -341,16 +342,14 @@ impl Store {
         tag: Option<&RedemptionTag>,
     ) -> Result<Redeemed, LifecycleError> {
         let now = DateTime::now();
-        let to = Transition::Redeem.to().as_i32();
-        let mut set = doc! {"status": to, "used_at": now};
+        let mut record = doc! {"used_at": now};
         if let Some(t) = tag {
-            set.insert("redemption", doc! {"id": &t.id, "by": &t.by});
+            record.insert("redemption", doc! {"id": &t.id, "by": &t.by});
         }
-        let update = doc! {"$set": set};
-        let done = match self
-            .apply_all(target, Transition::Redeem, update, now)
-            .await
-        {
+        let write = |target: Document| {
+            StatusWrite::new(Transition::Redeem, target, now).record(record.clone())
+        };
+        let done = match self.apply_all(target, &write, now).await {
             Err(StoreError::Refused { source, .. })
                 if tag.is_some() && crate::error::is_duplicate_key(&source) =>
             {
@@ -395,9 +394,10 @@ impl Store {
         reason: &str,
     ) -> Result<VoidOutcome, LifecycleError> {
         let now = DateTime::now();
-        let update = doc! {
-            "$set": {"status": Transition::Void.to().as_i32(), "voided_at": now, "void_reason": reason},
-            "$unset": {"sms_pending": ""},
+        let write = |target: Document| {
+            StatusWrite::new(Transition::Void, target, now)
+                .record(doc! {"voided_at": now, "void_reason": reason})
+                .clear(&["sms_pending"])
         };
         // The backorder is cancelled before the codes are voided: a
         // fulfilment that claims for the order after this write finds it
@@ -415,9 +415,7 @@ impl Store {
             }
             CodeRef::Code { .. } | CodeRef::Id(_) => false,
         };
-        let applied = self
-            .apply_all(target, Transition::Void, update, now)
-            .await?;
+        let applied = self.apply_all(target, &write, now).await?;
         if !applied.is_empty() {
             return Ok(VoidOutcome::Voided {
                 applied,
@@ -465,8 +463,8 @@ impl Store {
         let r = self
             .collection(BACKORDERS)
             .update_one(
-                doc! {"order_id": order_id, "status": WAITING},
-                doc! {"$set": {"status": CANCELLED, "cancelled_at": DateTime::now(), "cancel_reason": reason}},
+                doc! {"order_id": order_id, "status": BackorderState::Waiting.as_str()},
+                doc! {"$set": {"status": BackorderState::Cancelled.as_str(), "cancelled_at": DateTime::now(), "cancel_reason": reason}},
             )
             .write_concern(durable())
             .await?;
@@ -491,7 +489,7 @@ impl Store {
         orders.dedup();
         let cancelled: HashMap<String, Option<String>> = self
             .collection(BACKORDERS)
-            .find(doc! {"order_id": {"$in": &orders}, "status": CANCELLED})
+            .find(doc! {"order_id": {"$in": &orders}, "status": BackorderState::Cancelled.as_str()})
             .projection(doc! {"order_id": 1, "cancel_reason": 1})
             .await?
             .try_collect::<Vec<Document>>()
@@ -510,16 +508,7 @@ impl Store {
             return Ok(ids);
         }
         let oids: Vec<ObjectId> = ids.iter().copied().map(object_id).collect();
-        self.collection(CODES)
-            .update_many(
-                doc! {"_id": {"$in": oids}, "status": CodeStatus::Issued.as_i32()},
-                doc! {
-                    "$set": {"status": Transition::Void.to().as_i32(), "voided_at": DateTime::now(),
-                             "void_reason": "order voided while it waited"},
-                    "$unset": {"sms_pending": ""},
-                },
-            )
-            .write_concern(durable())
+        self.write_status(&withdrawn(doc! {"_id": {"$in": oids}}))
             .await?;
         Ok(ids)
     }
@@ -544,27 +533,33 @@ impl Store {
             (CodeStatus::Unissued, "unissued_expiry"),
             (CodeStatus::Held, "held_since"),
         ] {
-            debug_assert!(Transition::Expire.from().contains(&status));
-            let filter = doc! {
-                "pool": {"$in": &pools},
-                "status": status.as_i32(),
-                "expires_at": {"$exists": true, "$lte": now},
-            };
-            self.expire_matching(filter, index, &mut by_pool).await?;
+            let pools =
+                doc! {"pool": {"$in": &pools}, "expires_at": {"$exists": true, "$lte": now}};
+            self.expire_matching(pools, status, index, &mut by_pool)
+                .await?;
         }
         let mut by_pool: Vec<(String, Vec<CodeId>)> = by_pool.into_iter().collect();
         by_pool.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(Expired { by_pool })
     }
 
-    /// Voids, as expired, every code matching `filter` (found on `index`),
-    /// a batch at a time, and adds their ids by pool to `by_pool`.
+    /// Voids, as expired, every code in `status` matching `target` (found
+    /// on `index`), a batch at a time, and adds their ids by pool to
+    /// `by_pool`.
     async fn expire_matching(
         &self,
-        filter: Document,
+        target: Document,
+        status: CodeStatus,
         index: &str,
         by_pool: &mut HashMap<String, Vec<CodeId>>,
     ) -> Result<(), StoreError> {
+        let expire = |target: Document| {
+            let now = DateTime::now();
+            StatusWrite::new(Transition::Expire, target, now)
+                .only_from(status)
+                .record(doc! {"voided_at": now, "void_reason": EXPIRED_REASON})
+        };
+        let filter = expire(target.clone()).filter();
         loop {
             let docs: Vec<Document> = self
                 .collection(CODES)
@@ -592,19 +587,9 @@ impl Store {
                 break;
             }
             let ids: Vec<ObjectId> = found.iter().map(|(id, _)| *id).collect();
-            let mut batch = filter.clone();
+            let mut batch = target.clone();
             batch.insert("_id", doc! {"$in": &ids});
-            self.collection(CODES)
-                .update_many(
-                    batch,
-                    doc! {"$set": {
-                        "status": Transition::Expire.to().as_i32(),
-                        "voided_at": DateTime::now(),
-                        "void_reason": EXPIRED_REASON,
-                    }},
-                )
-                .write_concern(durable())
-                .await?;
+            self.write_status(&expire(batch)).await?;
             // Whatever matched is void now, whoever voided it: none of
             // these ids may stay a claim candidate.
             for (id, pool) in &found {

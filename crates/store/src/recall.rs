@@ -13,7 +13,8 @@ use mongodb::options::Hint;
 
 use crate::codes::{code_id, object_id, CODES};
 use crate::imports::{ImportRecord, IMPORTS};
-use crate::{durable, CodeDoc, Store, StoreError};
+use crate::moves::StatusWrite;
+use crate::{CodeDoc, Store, StoreError};
 
 /// The index a recall walks: an import's codes in `_id` order
 /// (migration 0010).
@@ -59,8 +60,8 @@ impl Store {
         // Stock and live holds alike (the gate's Recall move): a held code
         // of a leaked file is never paid for. The hold's payment takes
         // another code from stock.
-        let from = Transition::Recall.from_codes();
-        let mut filter = doc! {"batch_id": batch, "status": {"$in": from.clone()}};
+        let mut filter = doc! {"batch_id": batch};
+        filter.extend(crate::moves::from_filter(Transition::Recall));
         if let Some(after) = after {
             filter.insert("_id", doc! {"$gt": object_id(after)});
         }
@@ -90,19 +91,13 @@ impl Store {
         if ids.is_empty() {
             return Ok(round);
         }
-        let r = self
-            .collection(CODES)
-            .update_many(
-                doc! {"_id": {"$in": ids}, "status": {"$in": from}},
-                doc! {"$set": {
-                    "status": Transition::Recall.to().as_i32(),
-                    "voided_at": DateTime::now(),
-                    "void_reason": reason,
-                    "recalled_by": batch,
-                }},
-            )
-            .write_concern(durable())
-            .await?;
+        let recall = StatusWrite::new(
+            Transition::Recall,
+            doc! {"_id": {"$in": ids}},
+            DateTime::now(),
+        )
+        .record(doc! {"voided_at": DateTime::now(), "void_reason": reason, "recalled_by": batch});
+        let r = self.write_status(&recall).await?;
         round.voided = r.modified_count;
         Ok(round)
     }

@@ -24,6 +24,7 @@ use crate::codes::claim::stopped_by_a_unique_index;
 use crate::codes::{object_id, RedemptionTag, CODES};
 use crate::error::{is_transient_code, DUPLICATE_KEY};
 use crate::lifecycle::{Applied, Sold};
+use crate::moves::StatusWrite;
 use crate::{one_batch_for, CodeDoc, Store, StoreError};
 
 /// Most keyed hashes in one lookup query; a batch naming more codes (or
@@ -306,8 +307,6 @@ impl Store {
         // This round's own mark on the codes it uses: two rounds (two
         // batches, two processes) can share the millisecond of `now`.
         let round = ObjectId::new();
-        let to = Transition::Redeem.to().as_i32();
-        let from = Transition::Redeem.from_codes();
         let (owner, statement_of) = owners(asks, pending);
         let statements = statement_of.len();
         // All the codes in one statement first: the server parses, plans
@@ -319,17 +318,17 @@ impl Store {
         let tags: Vec<(&Code, &RedemptionTag)> = (statement_of.iter())
             .map(|&i| (asks[i].0, &asks[i].1))
             .collect();
-        let one = vec![redeem_statement(&tags, &from, to, now, round)];
+        let one = vec![redeem_statement(&tags, now, round)];
         let mut reply = self.update_codes(one).await?;
         if stopped_by_a_unique_index(&reply) {
             concern_met(&reply)?;
             let each: Vec<Document> = (statement_of.iter())
                 .map(|&i| {
                     let (code, tag) = &asks[i];
-                    doc! {
-                        "q": {"_id": object_id(code.id), "status": {"$in": &from}},
-                        "u": {"$set": {"status": to, "used_at": now, "redemption": {"id": &tag.id, "by": &tag.by}, "redeemed_in": round}},
-                    }
+                    let mark = doc! {"id": &tag.id, "by": &tag.by};
+                    StatusWrite::new(Transition::Redeem, doc! {"_id": object_id(code.id)}, now)
+                        .record(doc! {"used_at": now, "redemption": mark, "redeemed_in": round})
+                        .statement()
                 })
                 .collect();
             // The first write may have used some codes: if the second
@@ -467,13 +466,7 @@ fn owners(
 /// One statement that uses every code of `tags` still in a state of
 /// `from`, each under its own tag: the tag is picked by the code's place
 /// in the list, as a claim picks each code's order.
-fn redeem_statement(
-    tags: &[(&Code, &RedemptionTag)],
-    from: &[i32],
-    to: i32,
-    now: DateTime,
-    round: ObjectId,
-) -> Document {
+fn redeem_statement(tags: &[(&Code, &RedemptionTag)], now: DateTime, round: ObjectId) -> Document {
     let ids: Vec<Bson> = tags
         .iter()
         .map(|(c, _)| Bson::ObjectId(object_id(c.id)))
@@ -481,17 +474,7 @@ fn redeem_statement(
     let marks: Vec<Bson> = (tags.iter())
         .map(|(_, t)| Bson::Document(doc! {"id": &t.id, "by": &t.by}))
         .collect();
-    let position = doc! {"$indexOfArray": [{"$literal": &ids}, "$_id"]};
-    doc! {
-        "q": {"_id": {"$in": &ids}, "status": {"$in": from}},
-        "u": [{"$set": {
-            "status": to,
-            "used_at": now,
-            "redemption": {"$arrayElemAt": [{"$literal": marks}, position]},
-            "redeemed_in": round,
-        }}],
-        "multi": true,
-    }
+    crate::moves::redeem_statement(ids, marks, now, round)
 }
 
 /// A code as a round reads it back: the redemption that used it, the

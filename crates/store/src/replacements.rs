@@ -29,13 +29,14 @@
 
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
-use codepool_domain::{Code, CodeStatus, Transition};
+use codepool_domain::{Code, Transition};
 use futures::TryStreamExt;
 use mongodb::options::ReturnDocument;
 use serde::{Deserialize, Serialize};
 
-use crate::codes::{claimable_in, object_id, CODES};
+use crate::codes::{object_id, CODES};
 use crate::error::is_duplicate_key;
+use crate::moves::StatusWrite;
 use crate::{durable, ClaimAssignment, CodeDoc, Resend, Store, StoreError};
 
 pub const REPLACEMENTS: &str = "replacements";
@@ -143,6 +144,7 @@ impl ReplacementDoc {
             uid: self.uid.clone(),
             phone: self.phone.clone(),
             grant_no,
+            mv: Transition::Reissue,
             resend: Resend::ByRelay,
             line: self.line(),
             quantity: self.quantity(),
@@ -301,23 +303,15 @@ impl Store {
     /// Voids the code `r` replaces (issued → void, reason `replaced`); it
     /// keeps its order and line, and its event is no longer owed.
     pub async fn void_replaced(&self, r: &ReplacementDoc) -> Result<OldCode, StoreError> {
-        let filter = doc! {
-            "_id": r.old_code,
-            "order_id": &r.order_id,
-            "status": {"$in": Transition::Replace.from_codes()},
-        };
-        let update = doc! {
-            "$set": {
-                "status": Transition::Replace.to().as_i32(), "voided_at": DateTime::now(),
-                "void_reason": REPLACED_REASON, "replaced_by": &r.id,
-            },
-            "$unset": {"sms_pending": "", "hook_pending": ""},
-        };
-        let done = self
-            .collection(CODES)
-            .update_one(filter, update)
-            .write_concern(durable())
-            .await?;
+        let now = DateTime::now();
+        let replace = StatusWrite::new(
+            Transition::Replace,
+            doc! {"_id": r.old_code, "order_id": &r.order_id},
+            now,
+        )
+        .record(doc! {"voided_at": now, "void_reason": REPLACED_REASON, "replaced_by": &r.id})
+        .clear(&["sms_pending", "hook_pending"]);
+        let done = self.write_status(&replace).await?;
         if done.matched_count == 1 {
             return Ok(OldCode::Voided { now: true });
         }
@@ -346,18 +340,10 @@ impl Store {
         r: &ReplacementDoc,
         grant_no: Option<String>,
     ) -> Result<Option<(Code, bool)>, StoreError> {
-        let now = DateTime::now();
-        let mut update = crate::codes::claim::issue_set(&r.assignment(grant_no), now);
-        if let Ok(set) = update.get_document_mut("$set") {
-            set.insert("order_repl", r.n);
-        }
-        debug_assert_eq!(Transition::Reissue.from(), &[CodeStatus::Unissued]);
+        let mut holder = crate::codes::claim::holder_doc(&r.assignment(grant_no));
+        holder.insert("order_repl", r.n);
         let claimed = self
-            .typed::<CodeDoc>(CODES)
-            .find_one_and_update(claimable_in(&r.pool, now), update)
-            .sort(doc! {"seq": 1})
-            .return_document(ReturnDocument::After)
-            .write_concern(durable())
+            .write_status_oldest(Transition::Reissue, &r.pool, holder)
             .await;
         match claimed {
             Ok(Some(d)) => Ok(Some((d.into_code(&self.keys)?, true))),
@@ -475,17 +461,10 @@ impl Store {
     /// Voids a code claimed for a replacement that was cancelled meanwhile
     /// (its order voided), before any event is sent for it.
     pub async fn withdraw_replacement_code(&self, code: &Code) -> Result<(), StoreError> {
-        self.collection(CODES)
-            .update_one(
-                doc! {"_id": object_id(code.id), "status": CodeStatus::Issued.as_i32()},
-                doc! {
-                    "$set": {"status": Transition::Void.to().as_i32(), "voided_at": DateTime::now(),
-                             "void_reason": "order voided while it waited"},
-                    "$unset": {"sms_pending": ""},
-                },
-            )
-            .write_concern(durable())
-            .await?;
+        self.write_status(&crate::lifecycle::withdrawn(
+            doc! {"_id": object_id(code.id)},
+        ))
+        .await?;
         Ok(())
     }
 }

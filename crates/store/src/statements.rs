@@ -573,7 +573,9 @@ fn voids(d: &Document, prefix: &str) -> Voids {
 
 fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRow {
     let import = d.get_object_id("_id").ok().map(|i| i.to_hex());
-    let finished = run.filter(|r| r.status == "done" && r.finished_at.is_some_and(|f| f < to));
+    let finished = run.filter(|r| {
+        r.status == crate::imports::RunState::Done && r.finished_at.is_some_and(|f| f < to)
+    });
     let mut row = StatementRow {
         import,
         source: run
@@ -587,7 +589,7 @@ fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRo
             None => r.file.clone(),
         }),
         started_at: run.map(|r| r.started_at.to_chrono()),
-        run: run.map(|r| r.status.clone()),
+        run: run.map(|r| r.status.to_string()),
         duplicates: run.map_or(0, |r| r.duplicates),
         received: n(d, "received"),
         recorded: finished.map(|r| r.inserted),

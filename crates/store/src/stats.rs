@@ -9,7 +9,7 @@ use bson::{doc, DateTime, Document};
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
-use crate::backorders::{BACKORDERS, WAITING};
+use crate::backorders::{BackorderState, BACKORDERS};
 use crate::collections::{as_u64, CODES};
 use crate::{Store, StoreError};
 
@@ -172,7 +172,7 @@ impl Store {
         let rows: Vec<Document> = self
             .collection(BACKORDERS)
             .aggregate(vec![
-                doc! {"$match": {"pool": {"$in": pools}, "status": WAITING}},
+                doc! {"$match": {"pool": {"$in": pools}, "status": BackorderState::Waiting.as_str()}},
                 doc! {"$group": {"_id": "$pool", "n": {"$sum": 1}}},
             ])
             .await?

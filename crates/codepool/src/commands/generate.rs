@@ -9,6 +9,7 @@ use clap::Args;
 use codepool_domain::pattern::{DEFAULT_PATTERN, SAFE_RANDOM_BITS};
 use codepool_domain::CodePattern;
 use codepool_importer::{GenerateOptions, GenerateProgress, GenerateSummary, Generation};
+use codepool_store::imports::RunState;
 use codepool_store::ObjectId;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -143,7 +144,10 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
     } else {
         print_summary(&summary);
     }
-    if let (true, Some(code)) = (summary.status == "interrupted", interrupt.exit_code()) {
+    if let (true, Some(code)) = (
+        summary.status == RunState::Interrupted,
+        interrupt.exit_code(),
+    ) {
         eprintln!(
             "generation interrupted by {} with {} of {} codes made; run it again with --run-id {} to finish",
             interrupt.name(),

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use codepool_domain::{Code, Grant, Purchase};
 use codepool_hotpool::HotPoolError;
 use codepool_store::codes::ScanClaim;
-use codepool_store::{ClaimAssignment, Resend};
+use codepool_store::{ClaimAssignment, ClaimWay, Resend};
 use tracing::{debug, warn};
 
 pub use crate::claim_error::ClaimError;
@@ -293,7 +293,8 @@ impl ClaimEngine {
                 lines: l,
             })
             .collect();
-        self.claim_asks_known(&asks, resend, known).await
+        self.claim_asks_known(&asks, ClaimWay::claim(resend), known)
+            .await
     }
 
     /// Claims the lines each ask names, returning outcomes aligned with the
@@ -302,9 +303,9 @@ impl ClaimEngine {
     pub async fn claim_asks(
         &self,
         asks: &[ClaimAsk<'_>],
-        resend: Resend,
+        way: ClaimWay,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
-        self.claim_asks_known(asks, resend, &HashMap::new()).await
+        self.claim_asks_known(asks, way, &HashMap::new()).await
     }
 
     /// [`Self::claim_asks`], given what some of the orders held.
@@ -323,12 +324,12 @@ impl ClaimEngine {
         name = "claim",
         level = "debug",
         skip_all,
-        fields(asks = asks.len(), resend = ?resend)
+        fields(asks = asks.len(), way = ?way)
     )]
     pub async fn claim_asks_known(
         &self,
         asks: &[ClaimAsk<'_>],
-        resend: Resend,
+        way: ClaimWay,
         known: &HashMap<String, Vec<Code>>,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let started = Instant::now();
@@ -343,7 +344,7 @@ impl ClaimEngine {
                     unique.len() - 1
                 });
         }
-        let outcomes = self.claim_unique(&unique, resend, known).await?;
+        let outcomes = self.claim_unique(&unique, way, known).await?;
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
         Ok(asks
             .iter()
@@ -365,7 +366,7 @@ impl ClaimEngine {
     async fn claim_unique(
         &self,
         asks: &[ClaimAsk<'_>],
-        resend: Resend,
+        way: ClaimWay,
         known: &HashMap<String, Vec<Code>>,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
         let anchors: Vec<Slot> = asks
@@ -397,7 +398,7 @@ impl ClaimEngine {
             .filter(|(_, r)| r.is_none())
             .map(|(s, _)| *s)
             .collect();
-        let (claimed, mut held) = self.claim_slots(&open, resend).await?;
+        let (claimed, mut held) = self.claim_slots(&open, way).await?;
         let mut claimed = claimed.into_iter();
         let anchored: Vec<SlotOutcome> = read
             .into_iter()
@@ -409,7 +410,7 @@ impl ClaimEngine {
             }
         }
         let (mut outcomes, rest) = after_anchors(asks, anchored, &held)?;
-        let (more, _) = self.claim_slots(&rest, resend).await?;
+        let (more, _) = self.claim_slots(&rest, way).await?;
         let by_order: HashMap<&str, usize> = asks
             .iter()
             .enumerate()
@@ -441,7 +442,7 @@ impl ClaimEngine {
     async fn claim_slots(
         &self,
         slots: &[Slot<'_>],
-        resend: Resend,
+        way: ClaimWay,
     ) -> Result<(Vec<SlotOutcome>, HashMap<String, Vec<Code>>), ClaimError> {
         let mut outcomes: Vec<Option<SlotOutcome>> = vec![None; slots.len()];
         let mut held: HashMap<String, Vec<Code>> = HashMap::new();
@@ -455,7 +456,7 @@ impl ClaimEngine {
 
         // 2–3. Distinct candidates from the hot set, claimed in bulk.
         let (scan, spare) = self
-            .claim_from_hot_set(slots, todo, resend, &mut outcomes, &mut held)
+            .claim_from_hot_set(slots, todo, way, &mut outcomes, &mut held)
             .await?;
 
         // 3. The scan: Redis away, hot set empty, or races kept being lost
@@ -463,7 +464,7 @@ impl ClaimEngine {
         if !scan.is_empty() {
             let started = Instant::now();
             let scanned = self
-                .claim_by_scan(slots, &scan, spare, resend, &mut outcomes, &mut held)
+                .claim_by_scan(slots, &scan, spare, way, &mut outcomes, &mut held)
                 .await;
             stage("scan", started);
             scanned?;
@@ -487,7 +488,7 @@ impl ClaimEngine {
         &self,
         slots: &[Slot<'_>],
         mut todo: Vec<usize>,
-        resend: Resend,
+        way: ClaimWay,
         outcomes: &mut [Option<SlotOutcome>],
         held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<(Vec<usize>, HashMap<usize, Option<String>>), ClaimError> {
@@ -518,7 +519,7 @@ impl ClaimEngine {
                 return Err(e);
             }
             todo = self
-                .claim_candidates(&pairs, &numbers, resend, outcomes, held)
+                .claim_candidates(&pairs, &numbers, way, outcomes, held)
                 .await?;
             // A pair's number went into the write (one that lost its race
             // is not used again); orders sent to the scan use theirs there.
@@ -657,7 +658,7 @@ impl ClaimEngine {
         &self,
         pairs: &[Pairing<'_>],
         numbers: &HashMap<usize, Option<String>>,
-        resend: Resend,
+        way: ClaimWay,
         outcomes: &mut [Option<SlotOutcome>],
         held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<Vec<usize>, ClaimError> {
@@ -670,7 +671,7 @@ impl ClaimEngine {
                         "no grant number was fetched",
                     )
                 })?;
-                Ok(assignment(&p.slot, p.candidate, grant_no, resend))
+                Ok(assignment(&p.slot, p.candidate, grant_no, way))
             })
             .collect::<Result<Vec<ClaimAssignment>, ClaimError>>()?;
         let started = Instant::now();
@@ -818,7 +819,7 @@ impl ClaimEngine {
         slots: &[Slot<'_>],
         idxs: &[usize],
         mut numbers: HashMap<usize, Option<String>>,
-        resend: Resend,
+        way: ClaimWay,
         outcomes: &mut [Option<SlotOutcome>],
         held: &mut HashMap<String, Vec<Code>>,
     ) -> Result<(), ClaimError> {
@@ -835,7 +836,7 @@ impl ClaimEngine {
                 Some(n) => n,
                 None => self.numbers.for_purchases(&[p]).await?.pop().flatten(),
             };
-            let claim = assignment(slot, SCAN_PLACEHOLDER, grant_no, resend);
+            let claim = assignment(slot, SCAN_PLACEHOLDER, grant_no, way);
             match self.store.claim_by_scan(&p.pool, &claim).await? {
                 ScanClaim::Granted(code) => {
                     let grant = grant_of(&p.order_id, &code)?;
@@ -1018,7 +1019,7 @@ fn assignment(
     slot: &Slot<'_>,
     candidate: Candidate,
     grant_no: Option<String>,
-    resend: Resend,
+    way: ClaimWay,
 ) -> ClaimAssignment {
     let p = slot.purchase;
     ClaimAssignment {
@@ -1028,7 +1029,8 @@ fn assignment(
         uid: p.uid.clone(),
         phone: p.phone.clone(),
         grant_no,
-        resend,
+        mv: way.mv,
+        resend: way.resend,
         line: slot.line,
         quantity: p.quantity,
         part: slot.part,

@@ -3,13 +3,16 @@
 use super::*;
 
 pub(crate) fn issue_set(a: &ClaimAssignment, now: DateTime) -> Document {
-    let mut set = doc! {"status": a.resend.claimed_status().as_i32(), "issued_at": now};
-    for (field, value) in holder_fields(a) {
-        if value != Bson::Null {
-            set.insert(field, value);
-        }
-    }
-    doc! {"$set": set}
+    crate::moves::holder_update(a.mv, now, holder_doc(a))
+}
+
+/// The fields [`holder_fields`] sets, as a document.
+pub(crate) fn holder_doc(a: &ClaimAssignment) -> Document {
+    holder_fields(a)
+        .into_iter()
+        .filter(|(_, value)| *value != Bson::Null)
+        .map(|(field, value)| (field.to_owned(), value))
+        .collect()
 }
 
 /// What a claim records of its holder, field by field; `Null` for a field
@@ -60,18 +63,17 @@ pub(crate) fn holder_fields(a: &ClaimAssignment) -> [(&'static str, Bson); 10] {
     ]
 }
 
-/// The filter "code `_id` is still claimable at `now`" for these ids.
-fn claimable_ids(ids: Bson, now: DateTime) -> Document {
-    let mut q = doc! {"_id": ids};
-    q.extend(claimable(now));
-    q
+/// The codes among `ids`: the move adds its statuses and guards.
+fn among(ids: Bson) -> Document {
+    doc! {"_id": ids}
 }
 
 /// One claim as its own update statement: code `_id`, of the order's
 /// pool, still claimable.
 fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
-    let mut q = claimable_ids(Bson::ObjectId(object_id(a.code_id)), now);
+    let mut q = among(Bson::ObjectId(object_id(a.code_id)));
     q.insert("pool", a.pool.as_str());
+    q.extend(crate::moves::movable(a.mv, now));
     doc! {"q": q, "u": issue_set(a, now)}
 }
 
@@ -81,24 +83,25 @@ fn claim_each(a: &ClaimAssignment, now: DateTime) -> Document {
 /// an assignment leaves empty (no grant number, no relay) are not set.
 fn claim_statement(assignments: &[ClaimAssignment], ids: &[ObjectId], now: DateTime) -> Document {
     let id_list: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
-    let q = claimable_ids(Bson::Document(doc! {"$in": id_list}), now);
+    let q = among(Bson::Document(doc! {"$in": id_list}));
     merge_statement(assignments, ids, now, q, false)
 }
 
 /// The one multi-document statement of [`claim_statement`], on the
-/// documents `q` matches among `ids`. `recommit` first takes off the
-/// line, quantity and part a held code carries from its hold, so each
+/// documents `target` names among `ids`, written by the move the batch
+/// shares ([`crate::moves::merged_statement`]). `recommit` first takes off
+/// the line, quantity and part a held code carries from its hold, so each
 /// takes its order's value, or none at its default, exactly as a claim
 /// writes it (the unique `(order_id, line)` index sees line 0 as absent).
 pub(crate) fn merge_statement(
     assignments: &[ClaimAssignment],
     ids: &[ObjectId],
     now: DateTime,
-    mut q: Document,
+    target: Document,
     recommit: bool,
 ) -> Document {
     // The holders' fields as columns, one value per assignment.
-    let mut columns: Vec<(&str, Vec<Bson>)> = Vec::new();
+    let mut columns: Vec<(&'static str, Vec<Bson>)> = Vec::new();
     for (r, row) in assignments.iter().map(holder_fields).enumerate() {
         for (k, (field, value)) in row.into_iter().enumerate() {
             if r == 0 {
@@ -107,37 +110,17 @@ pub(crate) fn merge_statement(
             columns[k].1.push(value);
         }
     }
-    // One call claims one way: every assignment shares its resend.
-    let status = assignments[0].resend.claimed_status().as_i32();
-    let mut holder = doc! {"status": status, "issued_at": now};
+    // One call claims by one move: every assignment shares it.
+    let mv = assignments[0].mv;
+    debug_assert!(assignments.iter().all(|a| a.mv == mv));
     // A field no holder of the batch sets (no grant numbers, no relay, no
     // shop's webhook, no owner) costs the server nothing per document.
     columns.retain(|(_, column)| column.iter().any(|v| *v != Bson::Null));
-    for (field, column) in columns {
-        let at = doc! {"$arrayElemAt": [{"$literal": column}, "$$i"]};
-        holder.insert(field, doc! {"$ifNull": [at, "$$REMOVE"]});
-    }
-    let ids: Vec<Bson> = ids.iter().copied().map(Bson::ObjectId).collect();
-    let position = doc! {"$indexOfArray": [{"$literal": ids}, "$_id"]};
-    let merged = doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position.clone()}, "in": holder}}]};
-    // Each document must be a code of the pool of the order at its own
-    // position: a hot set holding another pool's id grants nothing.
     let pools: Vec<Bson> = assignments
         .iter()
         .map(|a| Bson::String(a.pool.clone()))
         .collect();
-    let own_pool = doc! {"$eq": ["$pool", {"$arrayElemAt": [{"$literal": pools}, position]}]};
-    q.insert("$expr", own_pool);
-    let mut u = Vec::new();
-    if recommit {
-        u.push(doc! {"$unset": ["order_line", "order_qty", "order_part"]});
-    }
-    u.push(doc! {"$replaceWith": merged});
-    doc! {
-        "q": q,
-        "u": u,
-        "multi": true,
-    }
+    crate::moves::merged_statement(mv, ids, now, target, columns, pools, recommit)
 }
 
 /// True when a unique index stopped a statement of an `update` reply: on
@@ -295,15 +278,7 @@ impl Store {
         pool: &str,
         claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError> {
-        let now = DateTime::now();
-        let filter = claimable_in(pool, now);
-        let result = self
-            .typed::<CodeDoc>(CODES)
-            .find_one_and_update(filter, issue_set(claim, now))
-            .sort(doc! {"seq": 1})
-            .return_document(ReturnDocument::After)
-            .write_concern(durable())
-            .await;
+        let result = (self.write_status_oldest(claim.mv, pool, holder_doc(claim))).await;
         match result {
             Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc.into_code(&self.keys)?))),
             Ok(None) => Ok(ScanClaim::Empty),

@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::{doc, Binary, Bson, DateTime, Document};
+use codepool_domain::gate::Move;
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, SmsEvent, SmsRecord, Transition};
 use futures::TryStreamExt;
 use mongodb::options::ReturnDocument;
@@ -288,6 +289,11 @@ pub struct ClaimAssignment {
     pub uid: String,
     pub phone: String,
     pub grant_no: Option<String>,
+    /// The move that gives the code: a claim from stock, a hold, a
+    /// backorder's fulfilment, a reissue, or a commit of a held code.
+    pub mv: Move,
+    /// How the grant's event is sent again: the relay's business, apart
+    /// from the move.
     pub resend: Resend,
     /// Which line of the order this code is for.
     pub line: u32,
@@ -335,21 +341,13 @@ pub enum Resend {
     /// and nobody has seen its codes yet, so a shop's order also owes its
     /// webhook (`hook_pending`), like a purchase over AMQP.
     Backorder,
-    /// Not a grant: a checkout hold, or a bundle being put together. The
-    /// code is claimed `held` (status 4): no one sees it, nothing is sent,
-    /// and it becomes an order's only by [`Store::commit_held`].
-    Hold,
+    /// Nothing to send: no one has seen the code (a checkout hold, or a
+    /// bundle being put together, claimed by [`Move::Hold`]); it becomes
+    /// an order's only by [`Store::commit_held`].
+    Nothing,
 }
 
 impl Resend {
-    /// The status a claim made this way leaves its code in.
-    pub fn claimed_status(self) -> CodeStatus {
-        match self {
-            Self::Hold => Transition::Hold.to(),
-            _ => Transition::Claim.to(),
-        }
-    }
-
     /// Whether the claim hands the grant to the relay (`sms_pending`).
     pub fn relays(self) -> bool {
         matches!(self, Self::ByRelay | Self::Backorder)
@@ -358,7 +356,41 @@ impl Resend {
     /// Whether a shop's grant claimed this way owes the shop a webhook:
     /// every grant but one the HTTP answer carried.
     pub fn owes_hook(self) -> bool {
-        !matches!(self, Self::ByRelay | Self::ByRecord | Self::Hold)
+        !matches!(self, Self::ByRelay | Self::ByRecord | Self::Nothing)
+    }
+}
+
+/// How a claim gives its codes: the move, and how their events are sent
+/// again. A claim names both; neither follows from the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimWay {
+    pub mv: Move,
+    pub resend: Resend,
+}
+
+impl ClaimWay {
+    /// An order's claim from stock, its events sent again by `resend`.
+    pub fn claim(resend: Resend) -> Self {
+        Self {
+            mv: Move::Claim,
+            resend,
+        }
+    }
+
+    /// A checkout hold, or a bundle being put together: nothing is sent.
+    pub fn hold() -> Self {
+        Self {
+            mv: Move::Hold,
+            resend: Resend::Nothing,
+        }
+    }
+
+    /// A waiting order's fulfilment after an import.
+    pub fn fulfil() -> Self {
+        Self {
+            mv: Move::Fulfil,
+            resend: Resend::Backorder,
+        }
     }
 }
 
@@ -454,7 +486,7 @@ fn issued_by(
             continue;
         }
         let mut code = codes.remove(&a.code_id)?;
-        code.status = a.resend.claimed_status();
+        code.status = a.mv.to();
         code.holder = Some(Holder {
             order_id: a.order_id.clone(),
             uid: a.uid.clone(),
@@ -526,16 +558,11 @@ pub enum ScanClaim {
     Empty,
 }
 
-/// The filter part "not expired at `now`".
-pub fn not_expired(now: DateTime) -> Document {
-    doc! {"$or": [{"expires_at": Bson::Null}, {"expires_at": {"$gt": now}}]}
-}
+pub use crate::moves::not_expired;
 
 /// The codes a claim may take at `now`: unissued and unexpired.
 fn claimable(now: DateTime) -> Document {
-    let mut filter = unissued();
-    filter.extend(not_expired(now));
-    filter
+    crate::moves::movable(Move::Claim, now)
 }
 
 /// [`claimable`] in `pool`.
@@ -546,7 +573,7 @@ pub(crate) fn claimable_in(pool: &str, now: DateTime) -> Document {
 /// The unissued codes, expired or not: counted from `pool_status_seq`
 /// alone, without reading a document.
 fn unissued() -> Document {
-    doc! {"status": {"$in": Transition::Claim.from_codes()}}
+    crate::moves::from_filter(Move::Claim)
 }
 
 /// [`unissued`] in `pool`.
