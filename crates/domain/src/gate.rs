@@ -167,6 +167,28 @@ impl std::fmt::Display for HoldState {
     }
 }
 
+/// How a held hold ends: the states it can end in, and no other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HoldEnd {
+    /// Paid: its codes are an order's.
+    Committed,
+    /// Released by its owner, or bound to an order that could not take it.
+    Released,
+    /// Expired unpaid.
+    Expired,
+}
+
+impl HoldEnd {
+    /// The state the hold is left in.
+    pub fn state(self) -> HoldState {
+        match self {
+            Self::Committed => HoldState::Committed,
+            Self::Released => HoldState::Released,
+            Self::Expired => HoldState::Expired,
+        }
+    }
+}
+
 /// Why the gate refused a move. The code stays where it was.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refused {

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use codepool_domain::gate::{self, HoldState, Move};
+use codepool_domain::gate::{self, HoldEnd, HoldState, Move};
 use codepool_domain::{CodeId, Grant, Item, PoolPolicy, Purchase};
 use codepool_store::holds::{HeldCode, HoldDoc};
 use codepool_store::{ClaimAssignment, Store, StoreError};
@@ -129,7 +129,7 @@ pub async fn commit_paid(
         if let Some(i) = paused_item(h, &policy) {
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, pool = %i.pool, "a paid hold of a paused pool: bound to its order, its codes back in stock; the order waits");
             paid.released
-                .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
+                .extend(end(store, h, HoldEnd::Released, Some(&p.order_id)).await?);
             continue;
         }
         payable.push((p, h));
@@ -139,7 +139,7 @@ pub async fn commit_paid(
         if !slots.contains(p.order_id.as_str()) {
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold over its buyer's per-user limit: released; the order is refused");
             paid.released
-                .extend(end(store, h, HoldState::Released, None).await?);
+                .extend(end(store, h, HoldEnd::Released, None).await?);
             continue;
         }
         pay(store, p, h, resend, &mut paid).await?;
@@ -216,7 +216,7 @@ async fn pay(
     // to stock and the bundle claims whole like any order.
     if p.is_bundle() && store.live_held_count(&h.keys()).await? < u64::from(h.quantity()) {
         paid.released
-            .extend(end(store, h, HoldState::Released, Some(&p.order_id)).await?);
+            .extend(end(store, h, HoldEnd::Released, Some(&p.order_id)).await?);
         return Ok(());
     }
     let held = store.held_codes(&h.keys()).await?;
@@ -224,7 +224,7 @@ async fn pay(
     let codes = moved.len();
     paid.committed.extend(moved);
     store
-        .end_hold(&h.id, HoldState::Committed, Some(&p.order_id))
+        .end_hold(&h.id, HoldEnd::Committed, Some(&p.order_id))
         .await?;
     metrics::counter!("codepool_holds_ended_total", "state" => "committed").increment(1);
     info!(order_id = %p.order_id, hold_id = %h.hold_id, codes, "hold paid; its codes are the order's");
@@ -236,13 +236,13 @@ async fn pay(
 async fn end(
     store: &Store,
     h: &HoldDoc,
-    state: HoldState,
+    end: HoldEnd,
     order_id: Option<&str>,
 ) -> Result<Vec<HeldCode>, StoreError> {
-    if !store.end_hold(&h.id, state, order_id).await? {
+    if !store.end_hold(&h.id, end, order_id).await? {
         return Ok(Vec::new());
     }
-    metrics::counter!("codepool_holds_ended_total", "state" => state.as_str()).increment(1);
+    metrics::counter!("codepool_holds_ended_total", "state" => end.state().as_str()).increment(1);
     store.return_held(&h.keys()).await
 }
 

@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::DateTime;
+use codepool_domain::gate::HoldEnd;
 use codepool_domain::{Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS};
 use codepool_store::holds::{HeldCode, HoldDoc, HoldState};
 use codepool_store::{Store, StoreError};
@@ -25,7 +26,7 @@ use tracing::{info, warn};
 use crate::claim::{ClaimAsk, ClaimError};
 use crate::held::item_claims;
 use crate::intake::Intake;
-use crate::plan::{admit, Intake as Admitted};
+use crate::plan::{admit, Admission};
 use crate::ClaimWay;
 
 /// A hold's time to live when the request names none.
@@ -331,8 +332,8 @@ async fn read_batch(
     let mut owners: Vec<Option<String>> = Vec::with_capacity(asks.len());
     for (k, a) in admitted.into_iter().enumerate() {
         match a {
-            Admitted::Claim(p) => owners.push(p.owner),
-            Admitted::Reject(e) => {
+            Admission::Claim(p) => owners.push(p.owner),
+            Admission::Reject(e) => {
                 out[k] = Some(Err(HoldError::Invalid(e)));
                 owners.push(None);
             }
@@ -888,7 +889,7 @@ pub async fn release(
     // Codes first: a release that dies between the two leaves a held
     // hold, which expires and releases again.
     let released = store.return_held(&h.keys()).await?;
-    store.end_hold(&h.id, HoldState::Released, None).await?;
+    store.end_hold(&h.id, HoldEnd::Released, None).await?;
     intake.engine().offer(&released).await;
     metrics::counter!("codepool_holds_ended_total", "state" => "released").increment(1);
     info!(hold_id, codes = released.len(), "hold released");
@@ -904,7 +905,7 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
     let mut pools = BTreeSet::new();
     for h in store.due_holds(DateTime::now(), 500).await? {
         let released = store.return_held(&h.keys()).await?;
-        store.end_hold(&h.id, HoldState::Expired, None).await?;
+        store.end_hold(&h.id, HoldEnd::Expired, None).await?;
         metrics::counter!("codepool_holds_ended_total", "state" => "expired").increment(1);
         info!(hold_id = %h.hold_id, codes = released.len(), "hold expired; its codes are back in stock");
         pools.extend(released.iter().map(|c| c.pool.clone()));

@@ -18,7 +18,7 @@ pub use crate::claim_error::OutcomeMismatch;
 
 /// What a delivery turned out to be before any claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Intake {
+pub enum Admission {
     /// A valid purchase of a known pool: claim a code for it.
     Claim(Purchase),
     /// Its pool is paused: it waits as a backorder, nothing is claimed.
@@ -54,26 +54,26 @@ pub fn pools_of(parsed: &[Parsed]) -> Vec<&str> {
 
 /// Turns purchases of pools that do not exist into `unknown_pool`
 /// rejections. `known` answers for every pool of [`pools_of`].
-pub fn admit(parsed: Vec<Parsed>, known: impl Fn(&str) -> bool) -> Vec<Intake> {
+pub fn admit(parsed: Vec<Parsed>, known: impl Fn(&str) -> bool) -> Vec<Admission> {
     parsed
         .into_iter()
         .map(|p| match p {
             // A bundle with one unknown pool is refused whole.
             Ok(p) => match p.pools().into_iter().find(|x| !known(x)) {
-                None => Intake::Claim(p),
-                Some(unknown) => Intake::Reject(PurchaseError::unknown_pool(unknown)),
+                None => Admission::Claim(p),
+                Some(unknown) => Admission::Reject(PurchaseError::unknown_pool(unknown)),
             },
-            Err(e) => Intake::Reject(e),
+            Err(e) => Admission::Reject(e),
         })
         .collect()
 }
 
 /// The purchases to claim codes for, in order.
-pub fn to_claim(intake: &[Intake]) -> Vec<&Purchase> {
+pub fn to_claim(intake: &[Admission]) -> Vec<&Purchase> {
     intake
         .iter()
         .filter_map(|i| match i {
-            Intake::Claim(p) => Some(p),
+            Admission::Claim(p) => Some(p),
             _ => None,
         })
         .collect()
@@ -95,19 +95,21 @@ pub struct Verdicts {
 /// holds a code is claimed (and finds it); a refused order is refused, even
 /// in a paused pool (it would be refused on resume); a purchase of a paused
 /// pool is held as a backorder.
-pub fn apply_policies(intake: Vec<Intake>, verdicts: &Verdicts) -> Vec<Intake> {
+pub fn apply_policies(intake: Vec<Admission>, verdicts: &Verdicts) -> Vec<Admission> {
     intake
         .into_iter()
         .map(|i| match i {
-            Intake::Claim(p) if verdicts.holders.contains(&p.order_id) => Intake::Claim(p),
-            Intake::Claim(p) => match verdicts.refused.get(&p.order_id) {
-                Some(r) => Intake::Refuse(Box::new(Refusal {
+            Admission::Claim(p) if verdicts.holders.contains(&p.order_id) => Admission::Claim(p),
+            Admission::Claim(p) => match verdicts.refused.get(&p.order_id) {
+                Some(r) => Admission::Refuse(Box::new(Refusal {
                     purchase: p,
                     ..r.clone()
                 })),
                 // A bundle waits whole while any of its pools is paused.
-                None if p.pools().iter().any(|x| verdicts.paused.contains(*x)) => Intake::Hold(p),
-                None => Intake::Claim(p),
+                None if p.pools().iter().any(|x| verdicts.paused.contains(*x)) => {
+                    Admission::Hold(p)
+                }
+                None => Admission::Claim(p),
             },
             other => other,
         })
@@ -278,22 +280,22 @@ pub type Backordered = (String, String, u32, Option<String>);
 /// stands. `backordered` holds, by order id, the pool, buyer, quantity
 /// and owner of the backorders of the batch's orders.
 pub fn reject_conflicting(
-    intake: Vec<Intake>,
+    intake: Vec<Admission>,
     backordered: &HashMap<String, Backordered>,
-) -> Vec<Intake> {
+) -> Vec<Admission> {
     intake
         .into_iter()
         .map(|i| match i {
-            Intake::Claim(p) => match backordered.get(&p.order_id) {
+            Admission::Claim(p) => match backordered.get(&p.order_id) {
                 Some((pool, uid, q, owner)) => {
                     match p.conflicts_with(pool, uid, *q, owner.as_deref()) {
                         Some(what) => {
-                            Intake::Reject(PurchaseError::conflicting_order(&p.order_id, what))
+                            Admission::Reject(PurchaseError::conflicting_order(&p.order_id, what))
                         }
-                        None => Intake::Claim(p),
+                        None => Admission::Claim(p),
                     }
                 }
-                None => Intake::Claim(p),
+                None => Admission::Claim(p),
             },
             other => other,
         })
@@ -301,30 +303,30 @@ pub fn reject_conflicting(
 }
 
 /// Turns purchases of orders whose backorder was cancelled (the order was
-/// voided while it waited) into [`Intake::Cancelled`]: a void is final, so
+/// voided while it waited) into [`Admission::Cancelled`]: a void is final, so
 /// the same order sent again is neither claimed nor backordered.
-pub fn settle_cancelled(intake: Vec<Intake>, cancelled: &HashSet<String>) -> Vec<Intake> {
+pub fn settle_cancelled(intake: Vec<Admission>, cancelled: &HashSet<String>) -> Vec<Admission> {
     if cancelled.is_empty() {
         return intake;
     }
     intake
         .into_iter()
         .map(|i| match i {
-            Intake::Claim(p) if cancelled.contains(&p.order_id) => Intake::Cancelled(p),
+            Admission::Claim(p) if cancelled.contains(&p.order_id) => Admission::Cancelled(p),
             other => other,
         })
         .collect()
 }
 
 /// Decides every delivery's step. `outcomes` holds one claim outcome per
-/// [`Intake::Claim`], in order.
+/// [`Admission::Claim`], in order.
 pub fn plan_batch(
-    intake: Vec<Intake>,
+    intake: Vec<Admission>,
     outcomes: Vec<ClaimOutcome>,
 ) -> Result<BatchPlan, OutcomeMismatch> {
     let expected = intake
         .iter()
-        .filter(|i| matches!(i, Intake::Claim(_)))
+        .filter(|i| matches!(i, Admission::Claim(_)))
         .count();
     if expected != outcomes.len() {
         return Err(OutcomeMismatch {
@@ -337,16 +339,16 @@ pub fn plan_batch(
     let mut granted_orders: HashSet<String> = HashSet::new();
     for item in intake {
         let step = match item {
-            Intake::Reject(e) => Step::DeadLetter(e),
-            Intake::Refuse(r) => Step::Refused(r),
-            Intake::Cancelled(p) => Step::Cancelled(p),
-            Intake::Hold(p) => {
+            Admission::Reject(e) => Step::DeadLetter(e),
+            Admission::Refuse(r) => Step::Refused(r),
+            Admission::Cancelled(p) => Step::Cancelled(p),
+            Admission::Hold(p) => {
                 plan.held += 1;
                 let lines = (0..p.quantity).collect();
                 Step::Backorder { purchase: p, lines }
             }
             // Counted above: there is an outcome for every claim.
-            Intake::Claim(p) => match outcomes.next() {
+            Admission::Claim(p) => match outcomes.next() {
                 Some(outcome) => plan.decide(p, outcome, &mut granted_orders),
                 None => unreachable!("outcome count checked"),
             },
@@ -452,8 +454,8 @@ mod tests {
         }
     }
 
-    fn refused(order: &str, pool: &str) -> Intake {
-        Intake::Refuse(Box::new(refusal(order, pool)))
+    fn refused(order: &str, pool: &str) -> Admission {
+        Admission::Refuse(Box::new(refusal(order, pool)))
     }
 
     fn body(order: &str, pool: &str) -> Vec<u8> {
@@ -519,8 +521,8 @@ mod tests {
     #[test]
     fn an_order_whose_backorder_was_cancelled_is_settled_as_cancelled() {
         let intake = vec![
-            Intake::Claim(purchase("O-1", "a")),
-            Intake::Claim(purchase("O-2", "a")),
+            Admission::Claim(purchase("O-1", "a")),
+            Admission::Claim(purchase("O-2", "a")),
         ];
         let cancelled: HashSet<String> = ["O-1".to_owned()].into();
         let intake = settle_cancelled(intake, &cancelled);
@@ -539,9 +541,11 @@ mod tests {
             p == "game-x"
         });
         assert_eq!(to_claim(&intake).len(), 1);
-        assert!(matches!(&intake[0], Intake::Claim(p) if p.order_id == "O-1"));
-        assert!(matches!(&intake[1], Intake::Reject(e) if e.reason == RejectReason::UnknownPool));
-        assert!(matches!(&intake[2], Intake::Reject(e) if e.reason == RejectReason::NotJson));
+        assert!(matches!(&intake[0], Admission::Claim(p) if p.order_id == "O-1"));
+        assert!(
+            matches!(&intake[1], Admission::Reject(e) if e.reason == RejectReason::UnknownPool)
+        );
+        assert!(matches!(&intake[2], Admission::Reject(e) if e.reason == RejectReason::NotJson));
     }
 
     #[test]
@@ -559,34 +563,34 @@ mod tests {
     /// (intake, outcome) → step kind, one row per branch.
     #[test]
     fn every_branch_of_the_plan() {
-        let rows: Vec<(Intake, Option<ClaimOutcome>, &str)> = vec![
+        let rows: Vec<(Admission, Option<ClaimOutcome>, &str)> = vec![
             (
-                Intake::Claim(purchase("O-1", "x")),
+                Admission::Claim(purchase("O-1", "x")),
                 Some(granted("O-1", "x", true)),
                 "sms",
             ),
             (
-                Intake::Claim(purchase("O-2", "x")),
+                Admission::Claim(purchase("O-2", "x")),
                 Some(granted("O-2", "x", false)),
                 "sms",
             ),
             (
-                Intake::Claim(purchase("O-3", "x")),
+                Admission::Claim(purchase("O-3", "x")),
                 Some(revoked("O-3", "x")),
                 "revoked",
             ),
             (
-                Intake::Claim(purchase("O-4", "y")),
+                Admission::Claim(purchase("O-4", "y")),
                 Some(exhausted()),
                 "backorder",
             ),
             (
-                Intake::Reject(PurchaseError::unknown_pool("z")),
+                Admission::Reject(PurchaseError::unknown_pool("z")),
                 None,
                 "dead",
             ),
             (refused("O-5", "x"), None, "refused"),
-            (Intake::Hold(purchase("O-6", "p")), None, "backorder"),
+            (Admission::Hold(purchase("O-6", "p")), None, "backorder"),
         ];
         for (intake, outcome, want) in rows {
             let plan = plan_batch(vec![intake], outcome.into_iter().collect()).unwrap();
@@ -597,10 +601,10 @@ mod tests {
     #[test]
     fn counts_fresh_grants_repeats_and_pools() {
         let intake = vec![
-            Intake::Claim(purchase("O-1", "x")),
-            Intake::Claim(purchase("O-1", "x")),
-            Intake::Claim(purchase("O-2", "x")),
-            Intake::Claim(purchase("O-3", "y")),
+            Admission::Claim(purchase("O-1", "x")),
+            Admission::Claim(purchase("O-1", "x")),
+            Admission::Claim(purchase("O-2", "x")),
+            Admission::Claim(purchase("O-3", "y")),
         ];
         let outcomes = vec![
             granted("O-1", "x", true),
@@ -626,7 +630,7 @@ mod tests {
 
     #[test]
     fn a_wrong_number_of_outcomes_is_an_error_not_a_guess() {
-        let intake = vec![Intake::Claim(purchase("O-1", "x"))];
+        let intake = vec![Admission::Claim(purchase("O-1", "x"))];
         assert_eq!(
             plan_batch(intake, vec![]),
             Err(OutcomeMismatch {
@@ -639,10 +643,10 @@ mod tests {
     #[test]
     fn unconfirmed_publishes_are_requeued_and_the_rest_acked() {
         let intake = vec![
-            Intake::Claim(purchase("O-1", "x")),
-            Intake::Reject(PurchaseError::unknown_pool("z")),
-            Intake::Claim(purchase("O-2", "y")),
-            Intake::Claim(purchase("O-3", "x")),
+            Admission::Claim(purchase("O-1", "x")),
+            Admission::Reject(PurchaseError::unknown_pool("z")),
+            Admission::Claim(purchase("O-2", "y")),
+            Admission::Claim(purchase("O-3", "x")),
         ];
         let outcomes = vec![
             granted("O-1", "x", true),
@@ -682,7 +686,7 @@ mod tests {
 
     #[test]
     fn a_paused_pool_holds_purchases_without_claiming_and_is_not_exhausted() {
-        let plan = plan_batch(vec![Intake::Hold(purchase("O-1", "p"))], vec![]).unwrap();
+        let plan = plan_batch(vec![Admission::Hold(purchase("O-1", "p"))], vec![]).unwrap();
         assert_eq!(plan.backorders().len(), 1);
         assert_eq!(plan.held, 1);
         assert!(plan.exhausted_pools.is_empty(), "a pause is not a shortage");
@@ -695,14 +699,14 @@ mod tests {
             refused: HashMap::from([("O-1".to_owned(), refusal("O-1", "p"))]),
             paused: HashSet::from(["p".to_owned()]),
         };
-        let out = apply_policies(vec![Intake::Claim(purchase("O-1", "p"))], &verdicts);
-        assert!(matches!(&out[0], Intake::Claim(_)));
+        let out = apply_policies(vec![Admission::Claim(purchase("O-1", "p"))], &verdicts);
+        assert!(matches!(&out[0], Admission::Claim(_)));
     }
 
     #[test]
     fn a_revoked_grant_is_acked_without_any_event() {
         let plan = plan_batch(
-            vec![Intake::Claim(purchase("O-1", "x"))],
+            vec![Admission::Claim(purchase("O-1", "x"))],
             vec![revoked("O-1", "x")],
         )
         .unwrap();
@@ -721,18 +725,18 @@ mod tests {
         proptest::collection::vec((0u8..8, 0u8..5), 0..40)
     }
 
-    fn build(rows: &[(u8, u8)]) -> (Vec<Intake>, Vec<ClaimOutcome>) {
+    fn build(rows: &[(u8, u8)]) -> (Vec<Admission>, Vec<ClaimOutcome>) {
         let mut intake = Vec::new();
         let mut outcomes = Vec::new();
         for (kind, order) in rows {
             let order = format!("O-{order}");
             match kind {
-                0 => intake.push(Intake::Reject(PurchaseError::unknown_pool("bad"))),
-                1 => intake.push(Intake::Reject(PurchaseError::unknown_pool("gone"))),
+                0 => intake.push(Admission::Reject(PurchaseError::unknown_pool("bad"))),
+                1 => intake.push(Admission::Reject(PurchaseError::unknown_pool("gone"))),
                 6 => intake.push(refused(&order, "x")),
-                7 => intake.push(Intake::Hold(purchase(&order, "x"))),
+                7 => intake.push(Admission::Hold(purchase(&order, "x"))),
                 k => {
-                    intake.push(Intake::Claim(purchase(&order, "x")));
+                    intake.push(Admission::Claim(purchase(&order, "x")));
                     outcomes.push(match k {
                         2 => exhausted(),
                         3 => granted(&order, "x", true),
@@ -813,7 +817,7 @@ mod tests {
             holder_orders in proptest::collection::hash_set(0u8..5, 0..5),
             paused in any::<bool>(),
         ) {
-            let intake: Vec<Intake> = rows.iter().map(|(o, pool)| Intake::Claim(purchase(&format!("O-{o}"), &format!("p{pool}")))).collect();
+            let intake: Vec<Admission> = rows.iter().map(|(o, pool)| Admission::Claim(purchase(&format!("O-{o}"), &format!("p{pool}")))).collect();
             let verdicts = Verdicts {
                 holders: holder_orders.iter().map(|o| format!("O-{o}")).collect(),
                 refused: refused_orders.iter().map(|o| (format!("O-{o}"), refusal(&format!("O-{o}"), "p0"))).collect(),
@@ -833,11 +837,11 @@ mod tests {
                     "claim"
                 };
                 let got = match i {
-                    Intake::Claim(p) => { prop_assert_eq!(&p.order_id, &order); "claim" }
-                    Intake::Refuse(r) => { prop_assert_eq!(&r.purchase.order_id, &order); "refuse" }
-                    Intake::Hold(_) => "hold",
-                    Intake::Reject(_) => "reject",
-                    Intake::Cancelled(_) => "cancelled",
+                    Admission::Claim(p) => { prop_assert_eq!(&p.order_id, &order); "claim" }
+                    Admission::Refuse(r) => { prop_assert_eq!(&r.purchase.order_id, &order); "refuse" }
+                    Admission::Hold(_) => "hold",
+                    Admission::Reject(_) => "reject",
+                    Admission::Cancelled(_) => "cancelled",
                 };
                 prop_assert_eq!(got, want);
             }

@@ -15,7 +15,7 @@ use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
 use tokio::sync::RwLock;
 
-use crate::plan::{apply_policies, Intake, Verdicts};
+use crate::plan::{apply_policies, Admission, Verdicts};
 
 /// How long a pool's policy is trusted before it is read again: the delay
 /// between `codepool pool pause` and the last grant of the pool.
@@ -311,15 +311,15 @@ pub(crate) async fn whole_catalogue(store: &Store) -> Option<Vec<PoolDoc>> {
 /// are recorded (durably) here.
 pub async fn enforce(
     store: &Store,
-    intake: Vec<Intake>,
+    intake: Vec<Admission>,
     policies: &HashMap<String, PoolPolicy>,
     held: &HashMap<String, Vec<Code>>,
-) -> Result<Vec<Intake>, StoreError> {
+) -> Result<Vec<Admission>, StoreError> {
     let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
     let gated: Vec<&Purchase> = intake
         .iter()
         .filter_map(|i| match i {
-            Intake::Claim(p) if p.pools().iter().any(|x| policy(x).is_active()) => Some(p),
+            Admission::Claim(p) if p.pools().iter().any(|x| policy(x).is_active()) => Some(p),
             _ => None,
         })
         .collect();

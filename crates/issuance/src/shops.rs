@@ -15,7 +15,7 @@ use codepool_store::shops::{ShopDoc, EVERY_POOL};
 use codepool_store::{Store, StoreError};
 
 use crate::audit::{self, Actor, AuditKind};
-use crate::plan::Intake;
+use crate::plan::Admission;
 
 /// How long a process trusts what it read of a shop: a change to a shop's
 /// pools holds everywhere within this.
@@ -255,11 +255,11 @@ impl Shops {
     pub async fn admit(
         &self,
         store: &Store,
-        intake: Vec<Intake>,
-    ) -> Result<Vec<Intake>, StoreError> {
+        intake: Vec<Admission>,
+    ) -> Result<Vec<Admission>, StoreError> {
         let mut names: Vec<&str> = (intake.iter())
             .filter_map(|i| match i {
-                Intake::Claim(p) => p.shop.as_deref(),
+                Admission::Claim(p) => p.shop.as_deref(),
                 _ => None,
             })
             .collect();
@@ -272,25 +272,25 @@ impl Shops {
         Ok(intake
             .into_iter()
             .map(|i| match i {
-                Intake::Claim(mut p) => {
+                Admission::Claim(mut p) => {
                     let Some(name) = p.shop.clone() else {
-                        return Intake::Claim(p);
+                        return Admission::Claim(p);
                     };
                     match shops.get(&name).and_then(Option::as_ref) {
-                        None => Intake::Reject(PurchaseError::unknown_shop(&name)),
+                        None => Admission::Reject(PurchaseError::unknown_shop(&name)),
                         Some(shop) if may_name(shop, &p).is_err() => {
-                            Intake::Reject(may_name(shop, &p).expect_err("checked"))
+                            Admission::Reject(may_name(shop, &p).expect_err("checked"))
                         }
                         Some(shop) if p.pools().iter().any(|x| !shop.allows(x)) => {
                             let pool = p.pools().into_iter().find(|x| !shop.allows(x));
-                            Intake::Reject(PurchaseError::pool_not_allowed(
+                            Admission::Reject(PurchaseError::pool_not_allowed(
                                 &name,
                                 pool.unwrap_or_default(),
                             ))
                         }
                         Some(_) => {
                             p.owner = Some(owner_of(&name));
-                            Intake::Claim(p)
+                            Admission::Claim(p)
                         }
                     }
                 }

@@ -22,7 +22,7 @@ use crate::moves::StatusWrite;
 use crate::{durable, ClaimAssignment, Store, StoreError};
 
 pub const HOLDS: &str = "holds";
-pub use codepool_domain::gate::HoldState;
+pub use codepool_domain::gate::{HoldEnd, HoldState};
 /// A hold whose codes are held, as stored.
 const HELD: &str = "held";
 
@@ -306,10 +306,10 @@ impl Store {
     pub async fn end_hold(
         &self,
         id: &str,
-        state: HoldState,
+        end: HoldEnd,
         order_id: Option<&str>,
     ) -> Result<bool, StoreError> {
-        let mut set = doc! {"state": state.as_str(), "ended_at": DateTime::now()};
+        let mut set = doc! {"state": end.state().as_str(), "ended_at": DateTime::now()};
         if let Some(o) = order_id {
             set.insert("order_id", o);
         }

@@ -61,7 +61,7 @@ pub use bson::oid::ObjectId;
 pub use codepool_domain::CodeId;
 pub use codes::{
     code_id, object_id, CandidateAsk, ClaimAssignment, ClaimWay, ClaimWrite, CodeDoc, CodeQuery,
-    NewCode, Resend, Slot, Stray,
+    NewCode, Resend, Slot, StoredStatus, Stray,
 };
 pub use crypto::CodeKeys;
 pub use error::StoreError;

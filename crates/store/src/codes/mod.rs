@@ -45,7 +45,7 @@ pub struct CodeDoc {
     /// HMAC-SHA-256 of `pool ‖ 0 ‖ code`: the unique index and lookups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code_hmac: Option<Binary>,
-    pub status: i32,
+    pub status: StoredStatus,
     pub seq: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_id: Option<ObjectId>,
@@ -150,6 +150,44 @@ pub fn object_id(id: CodeId) -> ObjectId {
     ObjectId::from_bytes(id.bytes())
 }
 
+/// A code's status as its document stores it: one of [`CodeStatus`], by
+/// its number, or a number codepool does not know (a corrupt document,
+/// reported as such by [`CodeDoc::into_code`], never taken for a status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredStatus {
+    Known(CodeStatus),
+    Unknown(i32),
+}
+
+impl StoredStatus {
+    /// The number stored.
+    pub fn as_i32(self) -> i32 {
+        match self {
+            Self::Known(s) => s.as_i32(),
+            Self::Unknown(n) => n,
+        }
+    }
+}
+
+impl From<CodeStatus> for StoredStatus {
+    fn from(s: CodeStatus) -> Self {
+        Self::Known(s)
+    }
+}
+
+impl Serialize for StoredStatus {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_i32(self.as_i32())
+    }
+}
+
+impl<'de> Deserialize<'de> for StoredStatus {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i32::deserialize(d)?;
+        Ok(CodeStatus::from_i32(n).map_or(Self::Unknown(n), Self::Known))
+    }
+}
+
 fn utc(t: Option<DateTime>) -> Option<chrono::DateTime<chrono::Utc>> {
     t.map(DateTime::to_chrono)
 }
@@ -157,7 +195,10 @@ fn utc(t: Option<DateTime>) -> Option<chrono::DateTime<chrono::Utc>> {
 impl CodeDoc {
     /// The stored status, if it is one codepool knows.
     pub fn status(&self) -> Option<CodeStatus> {
-        CodeStatus::from_i32(self.status)
+        match self.status {
+            StoredStatus::Known(s) => Some(s),
+            StoredStatus::Unknown(_) => None,
+        }
     }
 
     /// Reads the document as a domain [`Code`], opening the sealed code
@@ -174,8 +215,9 @@ impl CodeDoc {
             collection: CODES.into(),
             message: format!("code {} {what}", self.id),
         };
-        let status = CodeStatus::from_i32(self.status)
-            .ok_or_else(|| corrupt(&format!("has unknown status {}", self.status)))?;
+        let status = self
+            .status()
+            .ok_or_else(|| corrupt(&format!("has unknown status {}", self.status.as_i32())))?;
         let holder = match (&self.order_id, self.issued_at) {
             (Some(order_id), Some(issued_at)) => Some(Holder {
                 order_id: order_id.clone(),
@@ -734,7 +776,8 @@ mod tests {
             code_enc: None,
             key_id: None,
             code_hmac: None,
-            status,
+            status: CodeStatus::from_i32(status)
+                .map_or(StoredStatus::Unknown(status), StoredStatus::Known),
             seq: 7,
             batch_id: None,
             created_at: DateTime::now(),
