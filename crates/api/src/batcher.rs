@@ -3,8 +3,8 @@
 //! Each `POST /v1/orders` hands its purchase to the batcher and waits for
 //! its step. The batcher takes whatever has queued meanwhile (up to
 //! [`MAX_BATCH`]) as one batch and places it through the core
-//! ([`Intake::place`]: one policy read, one batched, journaled claim, one
-//! backorder write), the same as the dispatcher. Every request is answered
+//! ([`placement::place`]: one policy read, one batched, journaled claim,
+//! one backorder write), the same call as the dispatcher's. Every request is answered
 //! as soon as that durable half is done. What the batch owes then
 //! (`sms.pending`, `purchase.refused`, `pool.exhausted`) is announced
 //! after the answers, by a task of its own ([`codepool_issuance::placing`]):
@@ -23,15 +23,17 @@
 //! them all. At most [`ANNOUNCING`] batches' announcements wait for the
 //! broker at once; a broker slower than that holds the next batch back.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::intake::PlaceError;
+use codepool_issuance::placement::{self, Batch, Ending, Patience, Seen, Unplaced};
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
-use codepool_issuance::{Door, Intake, Resend};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use codepool_issuance::{Door, Resend};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use codepool_issuance::Core;
 
@@ -155,13 +157,23 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
         // as the AMQP door's do; each request's own lines carry its order.
         let span = tracing::info_span!("batch", door = Door::Http.as_str(), size = asks.len());
         let work = async move {
-            // The catalogue sweeps wait for a quiet moment.
-            let underway = api.parts().activity.batch();
-            let plan = answer_batch(&api, asks).await;
-            drop(underway);
-            drop(permit);
-            if let Some(plan) = plan {
-                announce(&api, &plan).await;
+            metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
+            let (batch, replies) = read(asks);
+            let ending = Requests {
+                replies: Mutex::new(Some(replies)),
+                // The catalogue sweeps wait for a quiet moment; the next
+                // batch starts once this one is answered.
+                held: Mutex::new(Some((api.parts().activity.batch(), permit))),
+            };
+            let broker = api.broker();
+            let stop = CancellationToken::new();
+            let placed =
+                placement::place(api.parts(), &broker.publisher, batch, &ending, &stop).await;
+            if let Err(unplaced) = placed {
+                ending.fail_all(match unplaced {
+                    Unplaced::Failed(e) => Failure::Place(e),
+                    Unplaced::Stopped => Failure::Stopping,
+                });
             }
             drop(slot);
         };
@@ -169,96 +181,113 @@ async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semap
     }
 }
 
-/// Places one batch and answers every request in it. The placed plan,
-/// whose announcements are still owed (`plan.owed` names the record that
-/// owes its events).
-async fn answer_batch(api: &Core, asks: Vec<Ask>) -> Option<BatchPlan> {
-    metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
-    let (rest, replies): (Vec<_>, Vec<_>) = (asks.into_iter())
-        .map(|a| ((a.purchase, a.actor), a.reply))
-        .unzip();
-    let (purchases, actors): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
-    match place(api.intake(), purchases).await {
-        Ok(plan) => {
-            // No record, no reveal: the repeats' audit records, one write
-            // for the batch, before any answer.
-            let audited = placing::audit_repeats(api.store(), &plan.steps, &actors)
-                .await
-                .map_err(|e| Failure::Unaudited(Arc::new(e)));
-            placing::account(&plan, api.stock(), &api.broker().publisher);
+/// The batch as this door reads it: each request's purchase and who asked
+/// (a repeat answered with codes is audited under it), and where each
+/// answer goes.
+fn read(asks: Vec<Ask>) -> (Batch, Vec<Reply>) {
+    let mut batch = Batch::default();
+    let mut replies = Vec::with_capacity(asks.len());
+    for a in asks {
+        batch.parsed.push(Ok(a.purchase));
+        batch.actors.push(Some(a.actor));
+        replies.push(a.reply);
+    }
+    (batch, replies)
+}
+
+type Reply = oneshot::Sender<Result<Step, Failure>>;
+
+/// The HTTP door's ending of a batch: every request answered as soon as
+/// the batch is durable, before its events are announced. No message of
+/// an HTTP order is redelivered: the batch's record owes the events of
+/// the orders it granted ([`Resend::ByRecord`]), and the relay of every
+/// API process sends those of a record that outlives its confirms.
+struct Requests {
+    replies: Mutex<Option<Vec<Reply>>>,
+    /// What the batch holds until it is answered: the activity mark the
+    /// sweeps wait on, and the permit of the batches placed at once.
+    held: Mutex<
+        Option<(
+            codepool_issuance::background::BatchUnderway,
+            OwnedSemaphorePermit,
+        )>,
+    >,
+}
+
+impl Requests {
+    /// Answers every request not answered yet with `failure`.
+    fn fail_all(&self, failure: Failure) {
+        let replies = self
+            .replies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        for reply in replies.into_iter().flatten() {
+            let _ = reply.send(Err(failure.clone()));
+        }
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
+impl Ending for Requests {
+    fn door(&self) -> Door {
+        Door::Http
+    }
+
+    /// The batch's record owes its events: one insert and one delete per
+    /// batch, not a mark per code.
+    fn resend(&self) -> Resend {
+        Resend::ByRecord
+    }
+
+    /// A repeated request gets its codes in the answer, not a second SMS.
+    fn texting(&self) -> Texting {
+        Texting::Fresh
+    }
+
+    /// A request does not wait out an outage: it answers 503 and is sent
+    /// again. A broker that does not confirm within [`ANNOUNCE_FOR`]
+    /// leaves the events to the relay: it must not hold the next batches.
+    fn patience(&self) -> Patience {
+        Patience {
+            waits_for_mongo: false,
+            announce_for: Some(ANNOUNCE_FOR),
+            republish_for: std::time::Duration::ZERO,
+        }
+    }
+
+    fn saw(&self, seen: Seen<'_>) {
+        if let Seen::Unconfirmed(n) = seen {
+            tracing::warn!(
+                unconfirmed = n,
+                "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
+            );
+        }
+    }
+
+    /// Every request answered with its step; a repeat's codes only once its
+    /// reveal was recorded.
+    fn placed(&self, plan: &BatchPlan, audited: &Result<(), Arc<codepool_issuance::StoreError>>) {
+        let replies = self
+            .replies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let replies = replies.unwrap_or_default();
+        if plan.steps.len() != replies.len() {
+            let (got, asked) = (plan.steps.len(), replies.len());
+            for reply in replies {
+                let _ = reply.send(Err(Failure::Miscounted { got, asked }));
+            }
+        } else {
             for (reply, step) in replies.into_iter().zip(&plan.steps) {
-                let answer = match (&audited, placing::is_repeat(step)) {
-                    (Err(e), true) => Err(e.clone()),
+                let answer = match (audited, placing::is_repeat(step)) {
+                    (Err(e), true) => Err(Failure::Unaudited(e.clone())),
                     _ => Ok(step.clone()),
                 };
                 let _ = reply.send(answer);
             }
-            Some(plan)
         }
-        Err(e) => {
-            for reply in replies {
-                let _ = reply.send(Err(e.clone()));
-            }
-            None
-        }
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
-}
-
-/// Publishes what a placed batch owes; once every grant's event is
-/// confirmed, the batch's record (`plan.owed`) leaves the relay's list. A
-/// record left (an event not confirmed, this process stopped, MongoDB
-/// away) only means the relay sends the batch's events again, with the
-/// same `event_id`s.
-async fn announce(api: &Core, plan: &BatchPlan) {
-    let broker = api.broker();
-    let announcing = placing::announce(
-        plan,
-        api.outbox(),
-        &broker.publisher,
-        Texting::Fresh,
-        None,
-        api.store(),
-        Door::Http,
-    );
-    // A broker that blocks publishes (a memory alarm) must not hold the
-    // next batches: what is not confirmed by then is the relay's.
-    let Ok(announced) = tokio::time::timeout(ANNOUNCE_FOR, announcing).await else {
-        tracing::warn!(
-            "the broker did not confirm a batch's events within {ANNOUNCE_FOR:?}; the relay sends them"
-        );
-        return;
-    };
-    if !announced.unconfirmed.is_empty() {
-        tracing::warn!(
-            unconfirmed = announced.unconfirmed.len(),
-            "events of answered orders not confirmed; the relay sends the SMS events again, and refusals stand"
-        );
-    }
-    if let (true, Some(owed)) = (announced.texted, plan.owed) {
-        if let Err(e) = api.store().settle_owed(owed).await {
-            tracing::debug!(error = %e, "a batch's record of owed events stays; the relay sends them again");
-        }
-    }
-}
-
-/// The durable half of one batch through the core: the orders it may grant
-/// recorded as owing their events, then claimed, with its backorders
-/// recorded. No
-/// message of an HTTP order is redelivered: the relay owes the events of
-/// a batch no one saw confirmed.
-async fn place(intake: &Intake, purchases: Vec<Purchase>) -> Result<BatchPlan, Failure> {
-    let asked = purchases.len();
-    let parsed = purchases.into_iter().map(Ok).collect();
-    // A key missing from this process's key file: nothing was claimed,
-    // and another API process (or this one, once its key file is
-    // complete) takes the same request.
-    let plan = (intake
-        .place(parsed, &[], Resend::ByRecord, Door::Http)
-        .await)
-        .map_err(|e| Failure::Place(Arc::new(e)))?;
-    if plan.steps.len() != asked {
-        let got = plan.steps.len();
-        return Err(Failure::Miscounted { got, asked });
-    }
-    Ok(plan)
 }

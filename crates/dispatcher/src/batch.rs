@@ -1,7 +1,8 @@
-//! Carrying out one batch: decide ([`crate::plan`]) with the claim engine,
-//! make backorders durable, publish events and dead letters with confirms,
-//! then ack or requeue exactly as [`settle`] says. Read `process` top to
-//! bottom: nothing is acked before its outcome is durable.
+//! Carrying out one batch: the core's one placement
+//! ([`placement::place`]: decide, claim, backorders, announce), with this
+//! door's ending: its dead letters published beside the core's events,
+//! then each delivery acked or requeued exactly as [`settle`] says.
+//! Nothing is acked before its outcome is durable.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -9,20 +10,25 @@ use std::time::{Duration, Instant};
 use codepool_broker::Publisher;
 use codepool_domain::{Purchase, PurchaseError};
 use codepool_issuance::claim::ClaimError;
-use codepool_issuance::outage::Retry;
-use codepool_issuance::placing::{self, unconfirmed, wanted, Texting};
-use codepool_issuance::plan::{settle, BatchPlan, Parsed};
+use codepool_issuance::intake::PlaceError;
+use codepool_issuance::placement::{self, Batch, Ending, Patience, Seen, Unplaced};
+use codepool_issuance::placing::{unconfirmed, wanted, Texting};
+use codepool_issuance::plan::{settle, BatchPlan, Settlement};
 use codepool_issuance::{Door, Resend};
 use lapin::message::Delivery;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::acks::AckWindow;
 use crate::daemon::Dispatcher;
 
 impl Dispatcher {
-    /// Handles one batch of deliveries end to end. Returning early leaves
-    /// the batch unacked: the broker redelivers it.
+    /// Handles one batch of deliveries end to end, through the core's one
+    /// placement ([`placement::place`]): this door reads its deliveries,
+    /// waits out outages, publishes its dead letters beside the core's
+    /// events, and acks or requeues each delivery as [`settle`] says.
+    /// Returning without settling leaves the batch unacked: the broker
+    /// redelivers it.
     pub(crate) async fn process(
         &self,
         deliveries: Vec<Delivery>,
@@ -34,73 +40,35 @@ impl Dispatcher {
         // Upkeep waits while a batch is underway, whichever way it ends.
         let _underway = self.parts.activity.batch();
         metrics::counter!("codepool_purchases_consumed_total").increment(deliveries.len() as u64);
-        let Some(mut plan) = self.decide(&deliveries, stop).await else {
+        let batch = self.read(&deliveries);
+        let ending = Deliveries {
+            dispatcher: self,
+            deliveries: &deliveries,
+            acks,
+            received,
+        };
+        match placement::place(&self.parts, publisher, batch, &ending, stop).await {
+            Ok(()) => {}
             // Handed back at once when this process cannot open codes:
             // another dispatcher takes them (this one stops consuming).
-            if !self.parts.intake.keys().missing().is_empty() {
-                let back = vec![codepool_issuance::plan::Settlement::Requeue; deliveries.len()];
-                acks.settle(&deliveries, &back).await;
-            }
-            return;
-        };
-        if !self.record_backorders(&mut plan, stop).await {
-            return;
-        }
-        let unconfirmed = self
-            .publish_until_confirmed(&plan, &deliveries, publisher, stop)
-            .await;
-        let settlements = settle(&plan, &unconfirmed);
-        acks.settle(&deliveries, &settlements).await;
-
-        // Counted, and pools that just lost stock get a (throttled) check.
-        placing::account(&plan, &self.parts.stock, publisher);
-        let elapsed = received.elapsed().as_secs_f64();
-        metrics::histogram!("codepool_batch_seconds").record(elapsed);
-        let settled = deliveries.len() - unconfirmed.len();
-        metrics::histogram!("codepool_end_to_end_seconds").record_many(elapsed, settled);
-        codepool_issuance::telemetry::record_settled(settled as u64);
-    }
-
-    /// The plan for the batch, retried while MongoDB is away. `None` when
-    /// stopped first.
-    async fn decide(&self, deliveries: &[Delivery], stop: &CancellationToken) -> Option<BatchPlan> {
-        let mut retry = Retry::new();
-        loop {
-            match self.try_decide(deliveries, retry.tries() == 0).await {
-                Ok(plan) => {
-                    self.mongo.ok();
-                    self.health.set_mongo(true);
-                    self.health
-                        .set_redis_degraded(self.parts.intake.engine().is_degraded());
-                    return Some(plan);
-                }
-                Err(e) if e.is_unavailable() => {
-                    self.health.set_mongo(false);
-                    self.mongo.failed(&e);
-                }
-                // Logged by the key watch, once; nothing was claimed.
-                Err(ClaimError::KeysMissing(_)) => {
+            Err(Unplaced::Failed(e)) => {
+                if matches!(&*e, PlaceError::Claim(ClaimError::KeysMissing(_))) {
                     self.health.set_keys_missing(true);
-                    return None;
-                }
-                Err(e) => {
-                    error!(error = ?e, "claim failed; the batch stays unacked and is retried")
+                    let back = vec![Settlement::Requeue; deliveries.len()];
+                    acks.settle(&deliveries, &back).await;
                 }
             }
-            tokio::select! {
-                _ = stop.cancelled() => return None,
-                _ = tokio::time::sleep(retry.delay()) => {}
-            }
+            Err(Unplaced::Stopped) => {}
         }
     }
 
-    /// Each delivery's purchase, unless it is invalid or has reached the
-    /// queue's delivery limit (a poison message: dead-lettered with reason
-    /// `delivery_limit` before the broker would drop it without one). Also
-    /// the orders those poison messages name: an earlier delivery may have
-    /// granted them a code. `first`: the batch's first try, which tells
-    /// each purchase's arrival ([`received`]).
-    fn parse(&self, deliveries: &[Delivery], first: bool) -> (Vec<Parsed>, Vec<String>) {
+    /// The batch as this door reads it: each delivery's purchase, unless it
+    /// is invalid or has reached the queue's delivery limit (a poison
+    /// message: dead-lettered with reason `delivery_limit` before the
+    /// broker would drop it without one); also the orders those poison
+    /// messages name: an earlier delivery may have granted them a code
+    /// (the core hands it to the relay). Nobody sees codes in an ack.
+    fn read(&self, deliveries: &[Delivery]) -> Batch {
         let topology = &self.config.topology;
         let mut at_limit = Vec::new();
         let parsed = deliveries
@@ -120,115 +88,94 @@ impl Dispatcher {
                         let user = d.properties.user_id().as_ref().map(|u| u.as_str());
                         p.owner = codepool_issuance::shops::published_by(user);
                     }
-                    if first {
-                        received(d, &p);
-                    }
+                    received(d, &p);
                     p
                 }),
             })
             .collect();
-        (parsed, at_limit)
+        Batch {
+            parsed,
+            actors: vec![None; deliveries.len()],
+            at_limit,
+        }
+    }
+}
+
+/// The AMQP door's ending of a batch: its dead letters published beside
+/// the core's events, then each delivery acked or requeued.
+struct Deliveries<'a> {
+    dispatcher: &'a Dispatcher,
+    deliveries: &'a [Delivery],
+    acks: &'a AckWindow,
+    received: Instant,
+}
+
+impl Ending for Deliveries<'_> {
+    fn door(&self) -> Door {
+        Door::Amqp
     }
 
-    async fn try_decide(
-        &self,
-        deliveries: &[Delivery],
-        first: bool,
-    ) -> Result<BatchPlan, ClaimError> {
-        let (parsed, at_limit) = self.parse(deliveries, first);
-        // A purchase dead-lettered at its delivery limit is not redelivered
-        // again: a grant an earlier delivery made for it (and crashed before
-        // its confirm) is handed to the relay, which sends its event.
-        let at_limit: Vec<&str> = at_limit.iter().map(String::as_str).collect();
-        self.parts
-            .intake
-            .decide(parsed, &at_limit, Resend::ByRedelivery, Door::Amqp)
-            .await
+    /// The purchase itself: acked only once its event is confirmed.
+    fn resend(&self) -> Resend {
+        Resend::ByRedelivery
     }
 
-    /// Records the plan's backorders, retrying while MongoDB is away. A
-    /// backorder that finds another order's under its id turns its step
-    /// into a `conflicting_order` dead letter. False when stopped first
-    /// (nothing may be acked then).
-    async fn record_backorders(&self, plan: &mut BatchPlan, stop: &CancellationToken) -> bool {
-        let mut retry = Retry::new();
-        loop {
-            match self.parts.intake.record_backorders(plan).await {
-                Ok(_) => return true,
-                Err(e) => self.mongo.failed(&e),
-            }
-            tokio::select! {
-                _ = stop.cancelled() => return false,
-                _ = tokio::time::sleep(retry.delay()) => {}
-            }
+    /// A redelivered purchase's event is sent again, same `event_id`.
+    fn texting(&self) -> Texting {
+        Texting::Every
+    }
+
+    /// A delivery waits, unacked, for MongoDB; what the broker did not
+    /// confirm is published again for [`REPUBLISH_FOR`] (a quorum queue
+    /// that lost its leader refuses publishes for some seconds; requeueing
+    /// at once would redeliver the purchase in a tight loop and push a
+    /// valid purchase to the delivery limit).
+    fn patience(&self) -> Patience {
+        Patience {
+            waits_for_mongo: true,
+            announce_for: None,
+            republish_for: REPUBLISH_FOR,
         }
     }
 
-    /// Publishes the plan's events and dead letters, and publishes again,
-    /// with backoff, what the broker did not confirm, for up to
-    /// [`REPUBLISH_FOR`] while the channel stays open. A quorum queue that
-    /// lost its leader with a node refuses publishes for some seconds;
-    /// requeueing at once would redeliver the purchase in a tight loop and
-    /// push a valid purchase to the delivery limit. Returns the positions
-    /// still unconfirmed (requeued by [`settle`]).
-    async fn publish_until_confirmed(
-        &self,
-        plan: &BatchPlan,
-        deliveries: &[Delivery],
-        publisher: &Publisher,
-        stop: &CancellationToken,
-    ) -> HashSet<usize> {
-        let mut unconfirmed = self.publish(plan, deliveries, publisher, None).await;
-        let started = Instant::now();
-        let mut retry = Retry::new();
-        while !unconfirmed.is_empty() {
-            self.amqp.failed(&format_args!(
-                "the broker did not confirm {} publishes of a batch",
-                unconfirmed.len()
-            ));
-            if started.elapsed() >= REPUBLISH_FOR || !publisher.channel().status().connected() {
-                break;
+    fn saw(&self, seen: Seen<'_>) {
+        let d = self.dispatcher;
+        match seen {
+            Seen::Mongo { redis_degraded } => {
+                d.mongo.ok();
+                d.health.set_mongo(true);
+                d.health.set_redis_degraded(redis_degraded);
             }
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(retry.delay()) => {}
+            Seen::MongoFailed(e) => {
+                if e.is_retryable() {
+                    d.health.set_mongo(false);
+                }
+                d.mongo.failed(e);
             }
-            unconfirmed = self
-                .publish(plan, deliveries, publisher, Some(&unconfirmed))
-                .await;
+            Seen::Unconfirmed(n) => d.amqp.failed(&format_args!(
+                "the broker did not confirm {n} publishes of a batch"
+            )),
+            Seen::BrokerBack => d.amqp.ok(),
         }
-        if retry.tries() > 0 && unconfirmed.is_empty() {
-            self.amqp.ok();
-        }
-        unconfirmed
     }
 
-    /// Publishes what the plan owes ([`placing::announce`]) and its dead
-    /// letters, for the positions in `only` (all when `None`), confirms in
-    /// flight together. Returns the positions whose publish was not
-    /// confirmed.
     async fn publish(
         &self,
         plan: &BatchPlan,
-        deliveries: &[Delivery],
         publisher: &Publisher,
         only: Option<&HashSet<usize>>,
     ) -> HashSet<usize> {
-        let (announced, dead) = tokio::join!(
-            placing::announce(
-                plan,
-                &self.parts.outbox,
-                publisher,
-                Texting::Every,
-                only,
-                self.parts.intake.store(),
-                Door::Amqp,
-            ),
-            dead_letter(plan, deliveries, publisher, only),
-        );
-        let mut unconfirmed = announced.unconfirmed;
-        unconfirmed.extend(dead);
-        unconfirmed
+        dead_letter(plan, self.deliveries, publisher, only).await
+    }
+
+    async fn settle(&self, plan: &BatchPlan, unconfirmed: &HashSet<usize>) {
+        let settlements = settle(plan, unconfirmed);
+        self.acks.settle(self.deliveries, &settlements).await;
+        let elapsed = self.received.elapsed().as_secs_f64();
+        metrics::histogram!("codepool_batch_seconds").record(elapsed);
+        let settled = self.deliveries.len() - unconfirmed.len();
+        metrics::histogram!("codepool_end_to_end_seconds").record_many(elapsed, settled);
+        codepool_issuance::telemetry::record_settled(settled as u64);
     }
 }
 

@@ -396,24 +396,3 @@ impl PlaceError {
         }
     }
 }
-
-impl Intake {
-    /// The durable half of placing a batch: its plan, decided and claimed
-    /// ([`Intake::decide`]), with its backorders recorded. Once this
-    /// returns, every fresh grant is journaled and its event owed by the
-    /// outbox mark (`Resend::ByRelay`), the batch's record
-    /// (`Resend::ByRecord`) or redelivery (`Resend::ByRedelivery`).
-    pub async fn place(
-        &self,
-        parsed: Vec<Parsed>,
-        at_limit: &[&str],
-        resend: Resend,
-        door: Door,
-    ) -> Result<BatchPlan, PlaceError> {
-        let mut plan = self.decide(parsed, at_limit, resend, door).await?;
-        self.record_backorders(&mut plan)
-            .await
-            .map_err(PlaceError::Backorders)?;
-        Ok(plan)
-    }
-}

@@ -52,6 +52,7 @@ pub mod operators;
 pub mod ops;
 pub mod outage;
 pub mod outbox;
+pub mod placement;
 pub mod placing;
 pub mod plan;
 pub mod policy;

@@ -30,6 +30,20 @@ pub enum Marking {
     Resent,
 }
 
+impl Marking {
+    /// How a placed batch's confirmed events are recorded, by what owes
+    /// them: the relay's mark is taken off; a redelivery or the batch's
+    /// record needs no mark (the record goes whole once all are sent).
+    pub fn after(resend: crate::Resend) -> Self {
+        match resend {
+            crate::Resend::ByRelay | crate::Resend::Backorder => Self::Now,
+            crate::Resend::ByRedelivery | crate::Resend::ByRecord | crate::Resend::Nothing => {
+                Self::Unneeded
+            }
+        }
+    }
+}
+
 /// What one [`Outbox::send`] did, aligned with its input.
 #[derive(Debug)]
 pub struct Sent {

@@ -59,7 +59,7 @@ pub async fn announce(
     texting: Texting,
     only: Option<&HashSet<usize>>,
     store: &codepool_store::Store,
-    door: Door,
+    (door, resend): (Door, crate::Resend),
 ) -> Announced {
     if only.is_none() {
         announce_exhausted(plan, publisher, store).await;
@@ -73,7 +73,7 @@ pub async fn announce(
     let sms: Vec<_> = sms.into_iter().filter(|(i, _)| wanted(only, *i)).collect();
     let grants: Vec<&Grant> = sms.iter().map(|(_, g)| *g).collect();
     let (sent, mut unconfirmed) = tokio::join!(
-        outbox.send(publisher, &grants, Marking::Unneeded),
+        outbox.send(publisher, &grants, Marking::after(resend)),
         announce_refusals(plan, publisher, only),
     );
     let mut texted = false;
