@@ -10,16 +10,18 @@
 
 use std::collections::HashSet;
 
-use codepool_domain::{CodeId, Grant, PoolPolicy, Purchase};
+use codepool_domain::{CodeId, Grant, Purchase};
 use codepool_store::Store;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::claim::{ClaimAsk, ClaimEngine, ClaimError, ClaimOutcome};
+use crate::guard::Guard;
 use crate::outbox::{Marking, Outbox};
 use crate::ports::EventSink;
 use crate::replace::ReplaceError;
 use crate::{ClaimWay, Resend};
+use codepool_domain::gate::Move;
 
 const BATCH: u64 = 100;
 
@@ -53,10 +55,11 @@ pub async fn fulfil_backorders(
     while !stop.is_cancelled() {
         // A paused pool issues nothing; its backorders wait for `pool
         // resume` (checked every round, so a pause stops a fulfilment).
-        let Some(policy) = store.pool(pool).await?.map(|p| p.policy()) else {
+        if store.pool(pool).await?.is_none() {
             break;
-        };
-        if policy.paused {
+        }
+        let guard = Guard::of_pool(store, pool).await?;
+        if guard.stopped(Move::Fulfil, [pool]).is_some() {
             break;
         }
         // Ask only for as many as there is stock, so the oldest are served
@@ -74,7 +77,7 @@ pub async fn fulfil_backorders(
             .iter()
             .map(|b| (b.purchase(), b.waiting_lines()))
             .collect();
-        let (purchases, refusals_settled) = refuse(store, sink, policy, purchases).await?;
+        let (purchases, refusals_settled) = refuse(store, sink, &guard, purchases).await?;
         let (fulfilled, exhausted) = fulfil(engine, store, outbox, sink, pool, &purchases).await?;
         total += fulfilled;
         if exhausted || !refusals_settled || (fulfilled == 0 && !purchases.is_empty()) {
@@ -197,14 +200,11 @@ async fn claim_waiting(
 async fn refuse(
     store: &Store,
     sink: &dyn EventSink,
-    policy: PoolPolicy,
+    guard: &Guard,
     purchases: Vec<(Purchase, Vec<u32>)>,
 ) -> Result<(Vec<(Purchase, Vec<u32>)>, bool), ClaimError> {
-    if !policy.limits_users() {
-        return Ok((purchases, true));
-    }
     let refs: Vec<&Purchase> = purchases.iter().map(|(p, _)| p).collect();
-    let refused = crate::policy::over_limit(store, &refs, policy.per_user).await?;
+    let refused = crate::policy::over_limit(store, &refs, guard, Move::Fulfil).await?;
     if refused.is_empty() {
         return Ok((purchases, true));
     }

@@ -7,7 +7,9 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use codepool_domain::gate::{self, HoldEnd, HoldState, Move};
+use codepool_domain::gate::{HoldEnd, HoldState, Move, Refused};
+
+use crate::guard::Guard;
 use codepool_domain::{CodeId, Grant, Item, PoolPolicy, Purchase};
 use codepool_store::holds::{HeldCode, HoldDoc};
 use codepool_store::{ClaimAssignment, Store, StoreError};
@@ -117,7 +119,7 @@ pub async fn commit_paid(
         return Ok(paid);
     }
     let holds: Vec<HoldDoc> = store.holds_named(&ids).await?;
-    let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
+    let guard = Guard::new(policies.clone());
     let mut payable: Vec<(&Purchase, &HoldDoc)> = Vec::new();
     for p in purchases {
         let Some(h) = named_hold(p, &holds) else {
@@ -126,15 +128,20 @@ pub async fn commit_paid(
         if !pays(p, h) {
             continue;
         }
-        if let Some(i) = paused_item(h, &policy) {
-            debug!(order_id = %p.order_id, hold_id = %h.hold_id, pool = %i.pool, "a paid hold of a paused pool: bound to its order, its codes back in stock; the order waits");
+        if let Some(Refused::Paused { pool }) =
+            guard.stopped(Move::Commit, h.items.iter().map(|i| i.pool.as_str()))
+        {
+            debug!(order_id = %p.order_id, hold_id = %h.hold_id, pool = %pool, "a paid hold of a paused pool: bound to its order, its codes back in stock; the order waits");
             paid.released
                 .extend(end(store, h, HoldEnd::Released, Some(&p.order_id)).await?);
             continue;
         }
         payable.push((p, h));
     }
-    let slots = per_user_slots(store, &payable, &policy).await?;
+    let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
+        .map(|(p, h)| (*p, h.items.clone()))
+        .collect();
+    let slots = guard.take_slots(store, Move::Commit, &items).await?;
     for (p, h) in payable {
         if !slots.contains(p.order_id.as_str()) {
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold over its buyer's per-user limit: released; the order is refused");
@@ -159,7 +166,7 @@ fn pays(p: &Purchase, h: &HoldDoc) -> bool {
         warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order does not match its hold (buyer or items); it is placed from stock");
         return false;
     }
-    if !gate::may_pay(h.owner.as_deref(), payer(p).as_deref()) {
+    if !Guard::may_pay(h.owner.as_deref(), payer(p).as_deref()) {
         warn!(order_id = %p.order_id, hold_id = %h.hold_id, "the order may not pay this hold (another key or shop); it is placed from stock");
         return false;
     }
@@ -176,18 +183,6 @@ fn same_buyer(h: &HoldDoc, uid: &str) -> bool {
         return codepool_domain::buyer_key(&h.uid) == key;
     }
     h.buyer == key
-}
-
-/// The first item of `h` whose pool a pause stops ([`Move::Commit`]).
-fn paused_item<'h>(h: &'h HoldDoc, policy: &impl Fn(&str) -> PoolPolicy) -> Option<&'h Item> {
-    h.items.iter().find(|i| {
-        let ask = gate::Ask {
-            pool: &i.pool,
-            policy: policy(&i.pool),
-            slot: None,
-        };
-        gate::admit(Move::Commit, &ask).is_err()
-    })
 }
 
 /// Pays hold `h` with order `p`, whose slot is taken: binds the hold to
@@ -244,27 +239,6 @@ async fn end(
     }
     metrics::counter!("codepool_holds_ended_total", "state" => end.state().as_str()).increment(1);
     store.return_held(&h.keys()).await
-}
-
-/// The orders among `payable` that may take their codes under their
-/// buyers' per-user limits: a commit takes the order's slot, exactly as a
-/// claim from stock does, so a hold and an order from stock count against
-/// one limit. An order of no limited pool passes.
-async fn per_user_slots<'a>(
-    store: &Store,
-    payable: &[(&'a Purchase, &HoldDoc)],
-    policy: &impl Fn(&str) -> PoolPolicy,
-) -> Result<HashSet<&'a str>, StoreError> {
-    let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
-        .map(|(p, h)| (*p, h.items.clone()))
-        .collect();
-    let asks = crate::policy::quota_asks(&items, policy);
-    let taken = store.take_quota_slots(&asks).await?;
-    Ok(payable
-        .iter()
-        .map(|(p, _)| p.order_id.as_str())
-        .filter(|o| !asks.iter().any(|a| a.order_id == *o) || taken.contains(*o))
-        .collect())
 }
 
 /// Moves `held` (codes held under `keys`, item by item) to the lines of

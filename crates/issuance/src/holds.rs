@@ -16,7 +16,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::DateTime;
-use codepool_domain::gate::HoldEnd;
+use codepool_domain::gate::{HoldEnd, Move, Refused};
 use codepool_domain::{Item, Purchase, PurchaseError, RejectReason, MAX_ITEMS};
 use codepool_store::holds::{HeldCode, HoldDoc, HoldState};
 use codepool_store::{Store, StoreError};
@@ -24,6 +24,7 @@ use serde_json::{Map, Value};
 use tracing::{info, warn};
 
 use crate::claim::{ClaimAsk, ClaimError};
+use crate::guard::Guard;
 use crate::held::item_claims;
 use crate::intake::Intake;
 use crate::plan::{admit, Admission};
@@ -270,7 +271,8 @@ fn name_of(owners: &[Option<String>], k: usize, a: &HoldAsk) -> HoldName {
 struct BatchRead {
     /// Each ask's owner (a shop's hold is the shop's).
     owners: Vec<Option<String>>,
-    policies: HashMap<String, codepool_domain::PoolPolicy>,
+    /// The gate's guard over the pools' policies, read once.
+    guard: Guard,
     /// The holds already recorded under the batch's ids, of every owner.
     existing: HashMap<HoldName, HoldDoc>,
     open: Vec<HoldDoc>,
@@ -342,7 +344,7 @@ async fn read_batch(
     }
     Ok(BatchRead {
         owners,
-        policies,
+        guard: Guard::new(policies),
         existing: (existing?.into_iter())
             .map(|h| ((h.owner.clone(), h.hold_id.clone()), h))
             .collect(),
@@ -374,12 +376,12 @@ fn sort_out(
         if out[k].is_some() {
             continue;
         }
-        let paused = |i: &&Item| read.policies.get(&i.pool).is_some_and(|x| x.paused);
         let name = name_of(&read.owners, k, a);
+        let pools = a.req.items.iter().map(|i| i.pool.as_str());
         if let Some(h) = read.existing.get(&name) {
             out[k] = Some(again(h.clone(), &a.req, read.owners[k].as_deref()));
-        } else if let Some(p) = a.req.items.iter().find(paused) {
-            out[k] = Some(Err(HoldError::Paused(p.pool.clone())));
+        } else if let Some(Refused::Paused { pool }) = read.guard.stopped(Move::Hold, pools) {
+            out[k] = Some(Err(HoldError::Paused(pool)));
         } else if let std::collections::hash_map::Entry::Vacant(e) = first.entry(name) {
             e.insert(k);
             todo.push(k);

@@ -42,6 +42,7 @@ pub mod expiry;
 mod failpoint;
 pub mod generations;
 pub mod grant_no;
+pub mod guard;
 pub mod health;
 mod held;
 pub mod holds;

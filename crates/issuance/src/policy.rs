@@ -15,7 +15,9 @@ use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
 use tokio::sync::RwLock;
 
+use crate::guard::Guard;
 use crate::plan::{apply_policies, Admission, Verdicts};
+use codepool_domain::gate::Move;
 
 /// How long a pool's policy is trusted before it is read again: the delay
 /// between `codepool pool pause` and the last grant of the pool.
@@ -315,7 +317,8 @@ pub async fn enforce(
     policies: &HashMap<String, PoolPolicy>,
     held: &HashMap<String, Vec<Code>>,
 ) -> Result<Vec<Admission>, StoreError> {
-    let policy = |pool: &str| policies.get(pool).copied().unwrap_or_default();
+    let guard = Guard::new(policies.clone());
+    let policy = |pool: &str| guard.policy(pool);
     let gated: Vec<&Purchase> = intake
         .iter()
         .filter_map(|i| match i {
@@ -336,15 +339,11 @@ pub async fn enforce(
             p.pools().iter().any(|x| policy(x).limits_users()) && !holders.contains(&p.order_id)
         })
         .collect();
-    let refused = refuse_over_limit(store, &limited, &policy).await?;
+    let refused = refuse_over_limit(store, &limited, &guard, Move::Claim).await?;
     let verdicts = Verdicts {
         holders,
         refused,
-        paused: policies
-            .iter()
-            .filter(|(_, p)| p.paused)
-            .map(|(pool, _)| pool.clone())
-            .collect(),
+        paused: guard.stopping(Move::Claim),
     };
     Ok(apply_policies(intake, &verdicts))
 }
@@ -356,8 +355,13 @@ pub async fn enforce(
 pub async fn over_limit(
     store: &Store,
     purchases: &[&Purchase],
-    per_user: u32,
+    guard: &Guard,
+    mv: Move,
 ) -> Result<HashMap<String, Refusal>, StoreError> {
+    let limits = |p: &&Purchase| p.pools().iter().any(|x| guard.policy(x).limits_users());
+    if !purchases.iter().any(limits) {
+        return Ok(HashMap::new());
+    }
     let orders: Vec<&str> = purchases.iter().map(|p| p.order_id.as_str()).collect();
     let holders = store.grants_for_orders(&orders).await?;
     let limited: Vec<&Purchase> = purchases
@@ -365,11 +369,7 @@ pub async fn over_limit(
         .copied()
         .filter(|p| !holders.contains_key(&p.order_id))
         .collect();
-    let policy = |_: &str| PoolPolicy {
-        per_user,
-        paused: false,
-    };
-    refuse_over_limit(store, &limited, &policy).await
+    refuse_over_limit(store, &limited, guard, mv).await
 }
 
 /// The orders among `limited` that are over their buyer's limit: refused
@@ -377,7 +377,8 @@ pub async fn over_limit(
 async fn refuse_over_limit(
     store: &Store,
     limited: &[&Purchase],
-    policy: &impl Fn(&str) -> PoolPolicy,
+    guard: &Guard,
+    mv: Move,
 ) -> Result<HashMap<String, Refusal>, StoreError> {
     if limited.is_empty() {
         return Ok(HashMap::new());
@@ -390,8 +391,9 @@ async fn refuse_over_limit(
         .filter(|p| !refused.contains_key(&p.order_id))
         .map(|p| (*p, p.items()))
         .collect();
-    let asks = quota_asks(&items, policy);
-    let slots = store.take_quota_slots(&asks).await?;
+    let policy = |pool: &str| guard.policy(pool);
+    let asks = quota_asks(&items, &policy);
+    let slots = guard.take_slots(store, mv, &items).await?;
     // Millisecond precision, as stored: a redelivery's event is identical.
     let now = bson::DateTime::now().to_chrono();
     let mut fresh = Vec::new();

@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use codepool_domain::gate::{self, Move};
+use codepool_domain::gate::Move;
 use codepool_domain::{mask, when, Code, CodeStatus, Purchase};
 use codepool_store::pools::DEFAULT_REPLACEMENTS_PER_ORDER;
 use codepool_store::replacements::{
@@ -337,15 +337,8 @@ async fn serve(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Replac
         began: false,
         acted: false,
     };
-    let policy = (s.store.pool(&doc.pool).await?)
-        .map(|p| p.policy())
-        .unwrap_or_default();
-    let ask = gate::Ask {
-        pool: &doc.pool,
-        policy,
-        slot: None,
-    };
-    if gate::admit(Move::Reissue, &ask).is_err() {
+    let guard = crate::guard::Guard::of_pool(s.store, &doc.pool).await?;
+    if guard.stopped(Move::Reissue, [doc.pool.as_str()]).is_some() {
         return Ok(waits(s.store.settle_replacement(&doc.id, None).await?));
     }
     let number = s.engine.grant_number(&purchase_of(&doc)).await?;
