@@ -11,9 +11,8 @@
 //!   code ([`Move::gives`]), the code's own guards (not expired; a recalled
 //!   or voided code is no longer in a `from` status);
 //! - its update sets [`Move::to`] beside the fields the move records, and
-//!   takes off what the move clears (a release, an expiry or a recall of a
-//!   held code clears everything the hold wrote, so the code looks as if
-//!   it had never been held).
+//!   takes off what the move clears (a release clears everything the hold
+//!   wrote, so the code is back in stock as if it had never been held).
 //!
 //! How a grant's event is re-sent ([`crate::codes::Resend`]) is the relay's
 //! business, apart from the move: a claim names its move.
@@ -32,8 +31,7 @@ use crate::codes::{CodeDoc, CODES};
 use crate::{durable, Store, StoreError};
 
 /// What a code records of whoever holds it (an order, a hold or a bundle):
-/// everything a release, or the expiry or recall of a held code, takes
-/// off, so the code is as it was in stock.
+/// everything a release takes off, so the code is as it was in stock.
 pub(crate) const HOLDER_FIELDS: [&str; 11] = [
     "order_id",
     "uid",
@@ -100,9 +98,11 @@ impl StatusWrite {
             !target.contains_key("status"),
             "a status write names its codes, the move their status"
         );
-        let clear = if mv.from().contains(&CodeStatus::Held) && !mv.gives() {
-            // Whatever left a hold (back to stock, or void) keeps nothing
-            // of it: no order, no grant number, no time it was taken.
+        let clear = if mv == Move::Release {
+            // A code back in stock keeps nothing of its hold: no order, no
+            // grant number, no time it was taken. (An expired or recalled
+            // held code keeps them: statements tell from them how long it
+            // was held, and the operator's lookup which hold it was in.)
             HOLDER_FIELDS.to_vec()
         } else {
             Vec::new()
@@ -120,9 +120,6 @@ impl StatusWrite {
     /// Only the codes in `status`, one of the move's `from` statuses.
     pub(crate) fn only_from(mut self, status: CodeStatus) -> Self {
         debug_assert!(self.mv.from().contains(&status));
-        if status != CodeStatus::Held {
-            self.clear.retain(|f| !HOLDER_FIELDS.contains(f));
-        }
         self.only_from = Some(status);
         self
     }
@@ -338,24 +335,19 @@ mod tests {
     }
 
     #[test]
-    fn a_held_code_that_leaves_its_hold_keeps_nothing_of_it() {
+    fn a_released_code_keeps_nothing_of_its_hold() {
         let now = DateTime::now();
-        for mv in [Move::Release, Move::Expire, Move::Recall] {
-            let u = StatusWrite::new(mv, doc! {"_id": 1}, now).update();
-            let unset = u.get_document("$unset").unwrap();
-            for f in HOLDER_FIELDS {
-                assert!(unset.contains_key(f), "{mv:?} leaves {f}");
-            }
+        let u = StatusWrite::new(Move::Release, doc! {"_id": 1}, now).update();
+        let unset = u.get_document("$unset").unwrap();
+        for f in HOLDER_FIELDS {
+            assert!(unset.contains_key(f), "release leaves {f}");
         }
         // A void of an issued code keeps its order: the order can never
         // be granted another one by a redelivered purchase.
-        let u = StatusWrite::new(Move::Void, doc! {"_id": 1}, now).update();
-        assert!(u.get_document("$unset").is_err(), "{u}");
-        // Stock that expires has no holder to clear.
-        let u = StatusWrite::new(Move::Expire, doc! {"_id": 1}, now)
-            .only_from(CodeStatus::Unissued)
-            .update();
-        assert!(u.get_document("$unset").is_err(), "{u}");
+        for mv in [Move::Void, Move::Expire, Move::Recall] {
+            let u = StatusWrite::new(mv, doc! {"_id": 1}, now).update();
+            assert!(u.get_document("$unset").is_err(), "{mv:?}: {u}");
+        }
     }
 
     /// A status write on `codes` outside this module, as the lines of a
