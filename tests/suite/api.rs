@@ -1,17 +1,32 @@
 //! The HTTP API against the real servers, through a real `codepool api`
 //! process: keys and scopes, idempotent orders that share the dispatcher's
-//! core and events, problems that name the field, limits.
+//! core and events, problems that name the field, limits. Bad input at the
+//! HTTP door: slow clients cut at the request timeout, connections beyond
+//! the cap kept waiting, curl's bodiless POSTs, the bearer scheme in any
+//! case, a dead-letter walk that stops at its bound, and no answer that
+//! carries a code stored by a cache. Hostile requests each get their 4xx
+//! with a problem body that says what to do, never a 500, and the process
+//! keeps serving; an upload is imported while it is still arriving, and a
+//! gzip one with its content encoding. An order's codes go back only to the
+//! key that placed it, and an order id sent composed or decomposed is one
+//! order.
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use codepool_broker::Publisher;
 use codepool_domain::SmsPending;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
-use crate::common::{drain, eventually, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL};
+use crate::common::{
+    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
+    AMQP_URL,
+};
+use crate::fixtures::{exchange_from, order_statuses, read_answer, RawAnswer};
 
 /// A `codepool api` child process with its address.
 pub(crate) struct ApiServer {
@@ -1037,6 +1052,778 @@ async fn with_a_certificate_the_api_serves_https_and_refuses_plain_http() {
         err.contains("no private key") && err.contains("--tls-key"),
         "{err}"
     );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// Sends `head` and then one byte of its body, never the rest; the answer
+/// and how long it took, or `None` if the connection is still open after
+/// `within`.
+async fn stalled(addr: &str, head: &str, within: Duration) -> (Option<RawAnswer>, Duration) {
+    let started = Instant::now();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(b"n").await.unwrap();
+    let got = read_answer(&mut s, within).await;
+    (got, started.elapsed())
+}
+
+/// Whether the server closes `s` within `within` (reading whatever comes).
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut sink = Vec::new();
+    tokio::time::timeout(within, s.read_to_end(&mut sink))
+        .await
+        .is_ok()
+}
+
+#[tokio::test]
+async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
+    let env = TestEnv::new("http3_slow").await;
+    let api = ApiServer::start(&env, &["--request-timeout", "2"]).await;
+    let head = "POST /console/signin HTTP/1.1\r\nHost: console\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\n";
+    let (got, took) = stalled(&api.addr, head, Duration::from_secs(15)).await;
+    let got = got.expect("a slow sign-in is answered, not held");
+    assert_eq!(got.status, 408, "{}", got.body);
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+    let head = "GET /healthz HTTP/1.1\r\nHost: api\r\nContent-Length: 100\r\n\r\n";
+    let mut s = TcpStream::connect(&api.addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(b"n").await.unwrap();
+    assert!(
+        closed_within(&mut s, Duration::from_secs(8)).await,
+        "a probe whose body never ends is closed"
+    );
+    // The dispatcher's probe port cuts idle and half-sent clients too.
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_HTTP_TIMEOUT", "2");
+    let daemon = start_daemon(cmd).await;
+    let mut idle = TcpStream::connect(&daemon.addr).await.unwrap();
+    let mut half = TcpStream::connect(&daemon.addr).await.unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: d")
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut idle, Duration::from_secs(8)).await,
+        "an idle connection is closed"
+    );
+    assert!(
+        closed_within(&mut half, Duration::from_secs(8)).await,
+        "a half-sent head is closed"
+    );
+    daemon.stop().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_wait_until_one_closes() {
+    let env = TestEnv::new("http3_cap").await;
+    let api = ApiServer::start(&env, &["--max-connections", "2", "--header-timeout", "30"]).await;
+    let mut held = [
+        TcpStream::connect(&api.addr).await.unwrap(),
+        TcpStream::connect(&api.addr).await.unwrap(),
+    ];
+    // Both are taken by the server, however long that takes: each has
+    // answered a request, and stays open.
+    for s in &mut held {
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: api\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_answer(s, Duration::from_secs(10)).await;
+        assert_eq!(answer.map(|a| a.status), Some(200), "a held connection");
+    }
+    let mut third = TcpStream::connect(&api.addr).await.unwrap();
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let waited = read_answer(&mut third, Duration::from_millis(1500)).await;
+    assert!(
+        waited.is_none(),
+        "a third connection is not served while two are open: {waited:?}"
+    );
+    drop(held);
+    let got = read_answer(&mut third, Duration::from_secs(10)).await;
+    assert_eq!(got.map(|a| a.status), Some(200));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A POST as `curl -X POST URL -H "Authorization: Bearer KEY"` sends it:
+/// no body, no `Content-Length`, no `Content-Type`.
+fn curl_post(path: &str, key: &str) -> Vec<u8> {
+    format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\nAuthorization: Bearer {key}\r\n\r\n").into_bytes()
+}
+
+#[tokio::test]
+async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
+    let env = TestEnv::new("http3_curl").await;
+    env.fill_pool("cp", 5).await;
+    let k = key(&env, "shop", "orders:write,orders:read,admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("C-1", "cp", 1),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    for path in [
+        "/v1/orders/C-1/resend",
+        "/v1/orders/C-1/redeem",
+        "/v1/pools/cp/pause",
+        "/v1/pools/cp/resume",
+    ] {
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &curl_post(path, &k)).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.body);
+    }
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
+    let env = TestEnv::new("http3_bearer").await;
+    env.fill_pool("bp", 2).await;
+    let k = key(
+        &env,
+        "shop",
+        "orders:read,orders:write,orders:read,orders:write",
+    )
+    .await;
+    let api = ApiServer::start(&env, &[]).await;
+    for scheme in ["bearer", "BEARER", "BeArEr"] {
+        let req = format!("GET /v1/orders/none HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: {scheme} {k}\r\n\r\n");
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, req.as_bytes()).await;
+        assert_eq!(a.status, 404, "{scheme}: {}", a.body);
+    }
+    let out = env
+        .command(&["api-keys", "list", "--json"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let listed: Value = serde_json::from_slice(&out.stdout).expect("the keys as JSON");
+    let scopes = listed[0]["scopes"].clone();
+    assert_eq!(
+        scopes,
+        serde_json::json!(["orders:read", "orders:write"]),
+        "{listed}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
+    let env = TestEnv::new("http3_dead").await;
+    let admin = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test-http3")
+        .await
+        .unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut pending = Vec::new();
+    for i in 0..3000 {
+        let reason = if i < 2990 {
+            "invalid_json"
+        } else {
+            "unknown_pool"
+        };
+        pending.push(
+            publisher
+                .dead_letter(b"junk", None, reason, 0)
+                .await
+                .unwrap(),
+        );
+    }
+    for p in pending {
+        p.wait().await.unwrap();
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let q = env.topology().purchases_dead;
+    eventually(Duration::from_secs(20), "3000 dead letters", || {
+        let (ch, q) = (ch.clone(), q.clone());
+        async move { queue_depth(&ch, &q).await == 3000 }
+    })
+    .await;
+    let started = Instant::now();
+    let (status, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?reason=unknown_pool",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let got = json_of(&body);
+    assert_eq!(got["scanned"], 1000, "{got}");
+    assert_eq!(got["stopped_early"], true, "{got}");
+    assert_eq!(
+        got["dead_letters"].as_array().map(Vec::len),
+        Some(0),
+        "{got}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    // Without a filter the limit ends the walk, and nothing is left out.
+    let (_, _, body) = http(
+        &api.addr,
+        "GET",
+        "/v1/dead-letters?limit=5",
+        Some(&admin),
+        b"",
+    )
+    .await;
+    let got = json_of(&body);
+    assert_eq!(
+        (got["scanned"].clone(), got["stopped_early"].clone()),
+        (5.into(), false.into()),
+        "{got}"
+    );
+    eventually(
+        Duration::from_secs(20),
+        "every letter back in the queue",
+        || {
+            let (ch, q) = (ch.clone(), q.clone());
+            async move { queue_depth(&ch, &q).await == 3000 }
+        },
+    )
+    .await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn answers_that_carry_plaintext_codes_are_never_stored_by_caches() {
+    let env = TestEnv::new("http3_cache").await;
+    env.fill_pool("cc", 5).await;
+    let k = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let placed = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("N-1", "cc", 2),
+    )
+    .await;
+    let again = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&k),
+        &order("N-1", "cc", 2),
+    )
+    .await;
+    let revealed = http(
+        &api.addr,
+        "GET",
+        "/v1/orders/N-1?reveal=true",
+        Some(&k),
+        b"",
+    )
+    .await;
+    let missing = http(&api.addr, "GET", "/v1/orders/nothing", Some(&k), b"").await;
+    for (what, (status, headers, _), want) in [
+        ("the first answer", placed, 201),
+        ("the repeat", again, 200),
+        ("the reveal", revealed, 200),
+        ("a 404", missing, 404),
+    ] {
+        assert_eq!(status, want, "{what}");
+        assert_eq!(
+            headers.get("cache-control").map(String::as_str),
+            Some("no-store"),
+            "{what}"
+        );
+    }
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// What a raw request got: status, content type, body.
+struct Got {
+    status: u16,
+    content_type: String,
+    body: Vec<u8>,
+}
+
+/// Sends `raw` bytes as they are (a head and maybe a body) and reads the
+/// answer until the server closes.
+async fn raw(addr: &str, bytes: &[u8]) -> Got {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+    parse(&out)
+}
+
+fn parse(out: &[u8]) -> Got {
+    let split = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or(out.len());
+    let head = String::from_utf8_lossy(&out[..split]).into_owned();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-type:")
+                .map(|v| v.trim().to_owned())
+        })
+        .unwrap_or_default();
+    Got {
+        status,
+        content_type,
+        body: out.get(split + 4..).unwrap_or_default().to_vec(),
+    }
+}
+
+/// A request with the usual head: `Connection: close`, the key, the body.
+fn request(method: &str, path: &str, key: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
+    let mut r = format!(
+        "{method} {path} HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: Bearer {key}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+/// The head of a 10 MB order and its first 64 KiB: the server refuses it
+/// by its length, without reading the rest.
+fn ten_megabytes(key: &str) -> Vec<u8> {
+    let mut r = format!(
+        "POST /v1/orders HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        10 * 1024 * 1024
+    )
+    .into_bytes();
+    r.extend(std::iter::repeat_n(b'{', 64 * 1024));
+    r
+}
+
+fn post_order(key: &str, body: &[u8]) -> Vec<u8> {
+    request("POST", "/v1/orders", key, "application/json", body)
+}
+
+/// Asserts a 4xx problem whose detail says something.
+fn assert_problem(what: &str, got: &Got, status: u16) {
+    assert_eq!(
+        got.status,
+        status,
+        "{what}: {}",
+        String::from_utf8_lossy(&got.body)
+    );
+    assert_eq!(got.content_type, "application/problem+json", "{what}");
+    let p: Value = serde_json::from_slice(&got.body).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(p["status"], status, "{what}");
+    assert!(
+        p["detail"].as_str().is_some_and(|d| d.len() > 10),
+        "{what}: {p}"
+    );
+    assert!(p["request_id"].is_string(), "{what}: {p}");
+}
+
+/// Hostile orders and requests: (what, bytes, the status it must get).
+fn cases(k: &str) -> Vec<(&'static str, Vec<u8>, u16)> {
+    let ok = |extra: &str| {
+        format!(r#"{{"order_id":"H-1","uid":"u","phone":"+8613800000000","pool":"hp"{extra}}}"#)
+    };
+    let long = "x".repeat(5000);
+    let mut non_utf8 = br#"{"order_id":"H-2","uid":""#.to_vec();
+    non_utf8.extend_from_slice(&[0xff, 0xfe, 0xc0]);
+    non_utf8.extend_from_slice(br#"","phone":"+8613800000000","pool":"hp"}"#);
+    let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
+    vec![
+        ("a wrong content type", request("POST", "/v1/orders", k, "text/plain", ok("").as_bytes()), 415),
+        ("a form body", request("POST", "/v1/orders", k, "application/x-www-form-urlencoded", b"order_id=1"), 415),
+        ("a 10 MB body", ten_megabytes(k), 413),
+        ("duplicate JSON keys", post_order(k, br#"{"order_id":"a","order_id":"b","uid":"u","phone":"+8613800000000","pool":"hp"}"#), 422),
+        ("{\"$ne\": …} as an id", post_order(k, br#"{"order_id":{"$ne":null},"uid":"u","phone":"+8613800000000","pool":"hp"}"#), 422),
+        ("{\"$gt\": …} as a pool", post_order(k, br#"{"order_id":"H-3","uid":"u","phone":"+8613800000000","pool":{"$gt":""}}"#), 422),
+        ("an overlong order id", post_order(k, format!(r#"{{"order_id":"{long}","uid":"u","phone":"+8613800000000","pool":"hp"}}"#).as_bytes()), 422),
+        ("an overlong uid", post_order(k, format!(r#"{{"order_id":"H-4","uid":"{long}","phone":"+8613800000000","pool":"hp"}}"#).as_bytes()), 422),
+        ("non-UTF-8 bytes in a field", post_order(k, &non_utf8), 422),
+        ("a NUL in an id", post_order(k, br#"{"order_id":"H\u0000-5","uid":"u","phone":"+8613800000000","pool":"hp"}"#), 422),
+        ("a right-to-left override in an id", post_order(k, "{\"order_id\":\"H-\u{202e}6\",\"uid\":\"u\",\"phone\":\"+8613800000000\",\"pool\":\"hp\"}".as_bytes()), 422),
+        ("a quantity as a string", post_order(k, ok(r#","quantity":"2""#).as_bytes()), 422),
+        ("a fractional quantity", post_order(k, ok(r#","quantity":2.5"#).as_bytes()), 422),
+        ("a negative quantity", post_order(k, ok(r#","quantity":-1"#).as_bytes()), 422),
+        ("a quantity of 1e400", post_order(k, ok(r#","quantity":1e400"#).as_bytes()), 422),
+        ("a quantity over the maximum", post_order(k, ok(r#","quantity":101"#).as_bytes()), 422),
+        ("a phone that is not one", post_order(k, br#"{"order_id":"H-7","uid":"u","phone":"+86 ' OR 1=1","pool":"hp"}"#), 422),
+        ("path traversal as a pool", post_order(k, br#"{"order_id":"H-8","uid":"u","phone":"+8613800000000","pool":"../../etc"}"#), 422),
+        ("an array body", post_order(k, b"[]"), 422),
+        ("null", post_order(k, b"null"), 422),
+        ("an empty body", post_order(k, b""), 422),
+        ("JSON nested 5,000 deep", post_order(k, deep.as_bytes()), 422),
+        ("not JSON at all", post_order(k, b"\x00\x01\x02binary"), 422),
+        ("path traversal in an id", request("GET", "/v1/orders/..%2F..%2Fetc%2Fpasswd", k, "application/json", b""), 404),
+        ("a dot-dot path", request("GET", "/v1/../../etc/passwd", k, "application/json", b""), 404),
+        ("a bad percent escape in an id", request("GET", "/v1/orders/%ZZ%C0", k, "application/json", b""), 400),
+        ("an unknown route", request("GET", "/v1/orders-and-more", k, "application/json", b""), 404),
+        ("a method the route does not take", request("DELETE", "/v1/orders", k, "application/json", b""), 405),
+        ("a key in the wrong scheme", request("POST", "/v1/orders", "x", "application/json", b"{}").replace_auth("Basic dXNlcjpwYXNz"), 401),
+        ("a forged key", post_order("cpk_0000000000000000_ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff", ok("").as_bytes()), 401),
+        ("a key of garbage", post_order("cpk_'--;DROP TABLE", ok("").as_bytes()), 401),
+        ("a query that does not parse", request("GET", "/v1/orders/H-1?reveal=maybe", k, "application/json", b""), 400),
+        ("a void without a reason", request("POST", "/v1/orders/H-1/void", k, "application/json", b"{}"), 422),
+        ("an unknown pool", post_order(k, br#"{"order_id":"H-9","uid":"u","phone":"+8613800000000","pool":"nowhere"}"#), 422),
+    ]
+}
+
+trait ReplaceAuth {
+    fn replace_auth(self, with: &str) -> Vec<u8>;
+}
+
+impl ReplaceAuth for Vec<u8> {
+    fn replace_auth(self, with: &str) -> Vec<u8> {
+        String::from_utf8(self)
+            .unwrap()
+            .replace("Bearer x", with)
+            .into_bytes()
+    }
+}
+
+#[tokio::test]
+async fn hostile_requests_get_their_problem_and_the_api_keeps_serving() {
+    let env = TestEnv::new("api_hostile").await;
+    env.fill_pool("hp", 5).await;
+    let k = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(
+        &env,
+        &["--rate-per-key", "100000", "--request-timeout", "3"],
+    )
+    .await;
+    let all = cases(&k);
+    assert!(all.len() >= 30, "{} hostile requests", all.len());
+    for (what, bytes, status) in &all {
+        let got = raw(&api.addr, bytes).await;
+        assert_problem(what, &got, *status);
+        let alive = http_get(&api.addr, "/healthz").await;
+        assert_eq!(
+            alive.map(|(s, _)| s),
+            Some(200),
+            "still serving after {what}"
+        );
+    }
+    // A huge header: 431, as a problem.
+    let mut big = format!("GET /v1/orders/H-1 HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: Bearer {k}\r\nX-Junk: ").into_bytes();
+    big.extend(std::iter::repeat_n(b'a', 64 * 1024));
+    big.extend_from_slice(b"\r\n\r\n");
+    assert_problem("a huge header", &raw(&api.addr, &big).await, 431);
+    // A slow body: the request times out with 408, the server goes on.
+    let mut s = tokio::net::TcpStream::connect(&api.addr).await.unwrap();
+    let head = format!("POST /v1/orders HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: Bearer {k}\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{{\"order_id\":");
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await;
+    assert_problem("a slow body", &parse(&out), 408);
+    // Nothing panicked, nothing answered 500.
+    let (status, metrics) = http_get(&api.addr, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(!metrics.contains("status=\"500\""), "{metrics}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// An upload is imported while it is still arriving: the first rows are in
+/// the pool before the client has sent the rest, so the body is streamed
+/// through the importer, never held whole.
+#[tokio::test]
+async fn an_upload_is_imported_while_it_is_still_arriving() {
+    let env = TestEnv::new("api_upload_stream").await;
+    let k = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let rows = |range: std::ops::Range<u32>| -> String {
+        range.map(|i| format!("ST-{i:07}-WXYZ\n")).collect()
+    };
+    let (first, rest) = (format!("code\n{}", rows(0..5_000)), rows(5_000..20_000));
+    let total = first.len() + rest.len();
+    let mut s = tokio::net::TcpStream::connect(&api.addr).await.unwrap();
+    let head = format!("POST /v1/pools/st/imports?file=big.csv HTTP/1.1\r\nHost: api\r\nConnection: close\r\nAuthorization: Bearer {k}\r\nContent-Type: text/csv\r\nContent-Length: {total}\r\n\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(first.as_bytes()).await.unwrap();
+    // The request is open, three quarters of its body unsent: codes of the
+    // first part must already be in the pool.
+    crate::common::eventually(
+        Duration::from_secs(30),
+        "the first rows imported mid-upload",
+        || {
+            let codes = env.store.database().collection::<bson::Document>("codes");
+            async move {
+                codes
+                    .count_documents(bson::doc! {"pool": "st"})
+                    .await
+                    .unwrap()
+                    >= 1_000
+            }
+        },
+    )
+    .await;
+    let mid = env
+        .store
+        .database()
+        .collection::<bson::Document>("codes")
+        .count_documents(bson::doc! {"pool": "st"})
+        .await
+        .unwrap();
+    assert!(
+        mid < 20_000,
+        "not everything before the rest was sent: {mid}"
+    );
+    s.write_all(rest.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = parse(&out);
+    assert_eq!(got.status, 201, "{}", String::from_utf8_lossy(&got.body));
+    let summary: Value = serde_json::from_slice(&got.body).unwrap();
+    assert_eq!(summary["inserted"], 20_000);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// An order's codes go back only to the key that placed it: another key
+/// posting the same order gets 409 and no code, and cannot void, redeem or
+/// resend it; an order that came over AMQP is nobody's to repeat over
+/// HTTP. The owner's own repeat is answered, and audited.
+#[tokio::test]
+async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_audited() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_owner").await;
+    env.fill_pool("own", 10).await;
+    let a = key(&env, "shop-a", "orders:write,orders:read").await;
+    let b = key(&env, "shop-b", "orders:write,orders:read").await;
+    let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let codes: Vec<String> = json_of(&body)["codes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["code"].as_str().unwrap().to_owned())
+        .collect();
+    let leaks = |body: &[u8]| {
+        codes
+            .iter()
+            .any(|c| String::from_utf8_lossy(body).contains(c.as_str()))
+    };
+
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&b),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+    assert!(json_of(&body)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("conflicting-order"));
+    assert!(!leaks(&body), "another key's repeat shows no code");
+    for action in ["void", "redeem", "resend"] {
+        let (status, _, body) = http(
+            &api.addr,
+            "POST",
+            &format!("/v1/orders/O-1/{action}"),
+            Some(&b),
+            br#"{"reason":"refund"}"#,
+        )
+        .await;
+        assert_eq!(
+            status,
+            404,
+            "{action} by another key: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    assert_eq!(
+        order_statuses(&env, "O-1").await,
+        vec![1, 1],
+        "nothing changed"
+    );
+
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("O-1", "own", 2),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(leaks(&body), "the owner's repeat gets its codes");
+    let audited = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find_one(bson::doc! {"os_user": "api-key:shop-a", "command": {"$regex": "^POST /v1/orders, a repeat"}})
+        .await
+        .unwrap()
+        .expect("the repeat is audited");
+    assert_eq!(audited.get_i64("count").unwrap(), 2);
+
+    // An order that came over AMQP is nobody's to repeat over HTTP.
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut amqp = purchase("AM-1", "own");
+    amqp.uid = "u-api".into();
+    publish_confirmed(&publisher, &[amqp]).await;
+    eventually(Duration::from_secs(30), "AM-1 granted", || async {
+        order_statuses(&env, "AM-1").await == vec![1]
+    })
+    .await;
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&a),
+        &order("AM-1", "own", 1),
+    )
+    .await;
+    assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        !String::from_utf8_lossy(&body).contains("own-0"),
+        "no code in the answer"
+    );
+    // A key with the admin scope acts on any order.
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders/O-1/void",
+        Some(&admin),
+        br#"{"reason":"refund"}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    daemon.stop().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// `NF-café` sent composed and then decomposed is one order: the second
+/// post is a repeat with the same code, not a second grant.
+#[tokio::test]
+async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
+    use crate::api::{http, json_of, key, ApiServer};
+    let env = TestEnv::new("seam_nfc").await;
+    env.fill_pool("nf", 5).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = |id: &str| {
+        serde_json::json!({"order_id": id, "uid": "b\u{e9}a", "phone": "+8613800000000", "pool": "nf"})
+            .to_string()
+            .into_bytes()
+    };
+    let (s1, _, b1) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &body("NF-caf\u{e9}"),
+    )
+    .await;
+    let (s2, _, b2) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&shop),
+        &body("NF-cafe\u{301}"),
+    )
+    .await;
+    assert_eq!((s1, s2), (201, 200), "{}", String::from_utf8_lossy(&b2));
+    assert_eq!(json_of(&b1)["codes"], json_of(&b2)["codes"]);
+    assert_eq!(order_statuses(&env, "NF-caf\u{e9}").await, vec![1]);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// An upload sent gzip-compressed with `Content-Encoding: gzip` is read
+/// through a decoder; another encoding is refused with 415.
+#[tokio::test]
+async fn a_gzip_upload_with_its_content_encoding_is_imported() {
+    use crate::api::{json_of, key, ApiServer};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = TestEnv::new("seam_gzip").await;
+    let admin = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let csv: String = "code\n".to_owned()
+        + &(0..300)
+            .map(|i| format!("GZ-{i:05}-AB\n"))
+            .collect::<String>();
+    let mut gz = std::process::Command::new("gzip")
+        .arg("-c")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("gzip");
+    {
+        use std::io::Write;
+        gz.stdin.take().unwrap().write_all(csv.as_bytes()).unwrap();
+    }
+    let body = gz.wait_with_output().unwrap().stdout;
+    let send = |encoding: &'static str| {
+        let (addr, admin, body) = (api.addr.clone(), admin.clone(), body.clone());
+        async move {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let head = format!(
+                "POST /v1/pools/gz/imports?file=codes.csv.gz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {admin}\r\nContent-Type: text/csv\r\nContent-Encoding: {encoding}\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).await.unwrap();
+            s.write_all(&body).await.unwrap();
+            let mut raw = Vec::new();
+            s.read_to_end(&mut raw).await.unwrap();
+            let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+                return (0, raw);
+            };
+            let status: u16 = String::from_utf8_lossy(&raw[9..12]).parse().unwrap();
+            (status, raw[split + 4..].to_vec())
+        }
+    };
+    let (status, body) = send("br").await;
+    assert_eq!(
+        status,
+        415,
+        "{} {}",
+        String::from_utf8_lossy(&body),
+        api.log_text()
+    );
+    let (status, body) = send("gzip").await;
+    assert_eq!(
+        status,
+        201,
+        "{} {}",
+        String::from_utf8_lossy(&body),
+        api.log_text()
+    );
+    assert_eq!(json_of(&body)["inserted"], 300);
     api.stop().await;
     env.cleanup().await;
 }

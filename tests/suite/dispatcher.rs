@@ -1,4 +1,8 @@
-//! The dispatcher end to end through RabbitMQ, as a real process.
+//! The dispatcher end to end through RabbitMQ, as a real process. Input a
+//! hostile or careless producer sends ends as a dead letter with the right
+//! reason, and nothing untrusted or noisy reaches the logs; a long
+//! multibyte order id is granted, texted and refused without costing the
+//! other orders of its batch.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -10,13 +14,15 @@ use codepool_broker::{Publisher, Topology};
 use codepool_domain::{SmsPending, SmsState};
 use codepool_issuance::relay::relay_unconfirmed;
 use codepool_issuance::{Outbox, Resend};
+use codepool_store::pool_settings::PoolSettings;
 use lapin::options::BasicGetOptions;
 
 use crate::common::Line0;
 use crate::common::{
-    drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
+    drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon,
+    wait_settled, TestEnv, AMQP_URL,
 };
+use crate::fixtures::PHONE;
 
 #[tokio::test]
 async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are_dead_lettered() {
@@ -570,4 +576,237 @@ async fn rabbitmqctl(args: &[&str]) {
         "rabbitmqctl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+async fn publish_raw(publisher: &Publisher, body: &[u8], message_id: &str) {
+    publisher
+        .publish_purchase_bytes(body, Some(message_id))
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+}
+
+/// Waits for `n` dead letters and returns (message_id, reason) of each.
+async fn dead_letters(env: &TestEnv, conn: &lapin::Connection, n: u32) -> Vec<(String, String)> {
+    let ch = conn.create_channel().await.unwrap();
+    let q = env.topology().purchases_dead;
+    eventually(Duration::from_secs(30), "dead letters", || {
+        let (ch, q) = (ch.clone(), q.clone());
+        async move { queue_depth(&ch, &q).await >= n }
+    })
+    .await;
+    drain(&ch, &q)
+        .await
+        .into_iter()
+        .map(|t| {
+            (
+                t.message_id.unwrap_or_default(),
+                t.reason.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_repeated_key_and_a_pool_left_by_a_failed_import_are_dead_lettered() {
+    let env = TestEnv::new("hostile_dead").await;
+    env.fill_pool("real", 10).await;
+    // A failed import into "ghost" leaves no pool behind.
+    let dir = tempfile::tempdir().unwrap();
+    let out = env
+        .command(&["import", dir.path().to_str().unwrap(), "--pool", "ghost"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+
+    let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let twice = format!(
+        r#"{{"order_id":"DUP-1","uid":"u","phone":"{PHONE}","pool":"real","order_id":"DUP-2"}}"#
+    );
+    publish_raw(&publisher, twice.as_bytes(), "M1").await;
+    let ghost = format!(r#"{{"order_id":"G-1","uid":"u","phone":"{PHONE}","pool":"ghost"}}"#);
+    publish_raw(&publisher, ghost.as_bytes(), "G-1").await;
+
+    let mut dead = dead_letters(&env, &conn, 2).await;
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(
+        dead[0].0 == "G-1" && dead[0].1.starts_with("unknown_pool"),
+        "{dead:?}"
+    );
+    assert!(
+        dead[1].0 == "M1" && dead[1].1.starts_with("duplicate_field"),
+        "{dead:?}"
+    );
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    let granted = codes
+        .count_documents(bson::doc! {"order_id": {"$exists": true}})
+        .await
+        .unwrap();
+    assert_eq!(granted, 0, "neither order got a code");
+    let backorders = env
+        .store
+        .database()
+        .collection::<bson::Document>("backorders");
+    let waiting = backorders.count_documents(bson::doc! {}).await.unwrap();
+    assert_eq!(waiting, 0, "the ghost pool's purchase is not backordered");
+
+    // JSON logs carry the message id as a plain string.
+    let log = daemon.log_text();
+    assert!(log.contains(r#""message_id":"M1""#), "{log}");
+    assert!(!log.contains("ShortString"), "{log}");
+    codepool_broker::close(conn, "done").await;
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_logs() {
+    let env = TestEnv::new("hostile_bidi").await;
+    env.fill_pool("bidi", 5).await;
+    let daemon = start_daemon(env.command(&["--log-format", "text"])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    // A bidi override in an order id, a uid that shows as "exe.txt", a
+    // zero-width space and a soft hyphen: none is granted.
+    let bodies = [
+        ("O-\u{202e}1001", "u"),
+        ("O-1002", "\u{202e}txt.exe"),
+        ("O-\u{200b}1003", "u"),
+        ("O-1004", "u\u{ad}4"),
+    ];
+    for (order, uid) in bodies {
+        let body =
+            serde_json::json!({"order_id": order, "uid": uid, "phone": PHONE, "pool": "bidi"});
+        publish_raw(&publisher, body.to_string().as_bytes(), order).await;
+    }
+    let dead = dead_letters(&env, &conn, 4).await;
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for (id, reason) in &dead {
+        assert!(
+            reason.starts_with("invalid_chars: field"),
+            "{id:?}: {reason}"
+        );
+        assert!(reason.contains("U+"), "the code point is named: {reason}");
+    }
+    let codes = env.store.database().collection::<bson::Document>("codes");
+    assert_eq!(
+        codes
+            .count_documents(bson::doc! {"status": 1})
+            .await
+            .unwrap(),
+        0
+    );
+    let log = daemon.log.clone();
+    codepool_broker::close(conn, "done").await;
+    daemon.stop().await;
+    // The whole log, to its last line, before it is searched.
+    eventually(Duration::from_secs(10), "the daemon's last line", || {
+        let log = log.clone();
+        async move {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("dispatcher stopped"))
+        }
+    })
+    .await;
+    let log = log.lock().unwrap().join("\n");
+    for raw in ['\u{202e}', '\u{200b}', '\u{ad}'] {
+        assert!(!log.contains(raw), "no raw {raw:?} in the log: {log}");
+    }
+    assert!(
+        !log.contains("io_loop") && !log.contains("being shutdown"),
+        "a clean stop logs no lapin error: {log}"
+    );
+    env.cleanup().await;
+}
+
+/// A 128-character order id of two-byte letters is valid, yet `sms:<id>`
+/// is longer than AMQP's 255-byte message id. Every event of such an order
+/// is published (with a hashed message id), and the other orders of the
+/// same batches still get theirs: nothing closes the connection.
+#[tokio::test]
+async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing_others() {
+    let env = TestEnv::new("seam_long_id").await;
+    env.fill_pool("game", 20).await;
+    env.fill_pool("limited", 5).await;
+    env.store
+        .set_pool_settings(
+            "limited",
+            &PoolSettings {
+                per_user: Some(1),
+                ..PoolSettings::default()
+            },
+        )
+        .await
+        .expect("settings");
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+
+    let long = "ü".repeat(128);
+    let mut batch = vec![purchase(&long, "game")];
+    batch[0].uid = "u-long".into();
+    batch.extend((0..5).map(|i| purchase(&format!("N-{i}"), "game")));
+    // The same buyer twice in a limited pool: the second is refused, and
+    // `refused:<id>` is as long as the grant's event id.
+    let mut first = purchase(&format!("{}1", "ß".repeat(127)), "limited");
+    let mut second = purchase(&format!("{}2", "ß".repeat(127)), "limited");
+    first.uid = "same-buyer".into();
+    second.uid = "same-buyer".into();
+    batch.push(first);
+    publish_confirmed(&publisher, &batch).await;
+    publish_confirmed(&publisher, &[second.clone()]).await;
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(30), "7 SMS events and 1 refusal", || {
+        let ch = ch.clone();
+        let (sms, refused) = (t.sms_pending.clone(), t.purchases_refused.clone());
+        async move { queue_depth(&ch, &sms).await >= 7 && queue_depth(&ch, &refused).await >= 1 }
+    })
+    .await;
+    // Nothing more comes: no event is sent twice by a relay that never
+    // got its confirm. Judged once every purchase is settled (its events
+    // confirmed before its ack), with no grant left for the relay.
+    wait_settled(&[&daemon.addr], 8).await;
+    let later = chrono::Utc::now() + chrono::Duration::days(1);
+    let owed = env.store.unconfirmed_grants(later, 10).await.unwrap();
+    assert!(owed.is_empty(), "grants left for the relay: {owed:?}");
+    let sms = drain(&ch, &t.sms_pending).await;
+    let mut orders: Vec<String> = sms
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+            v["order_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    orders.sort();
+    let mut expected: Vec<String> = batch.iter().map(|p| p.order_id.clone()).collect();
+    expected.sort();
+    assert_eq!(orders, expected, "every order texted exactly once");
+    let long_event = sms
+        .iter()
+        .find(|m| m.body.windows(long.len()).any(|w| w == long.as_bytes()))
+        .unwrap();
+    let id = long_event.message_id.as_deref().unwrap();
+    assert!(id.starts_with("sha256:") && id.len() <= 255, "{id}");
+    let refused = drain(&ch, &t.purchases_refused).await;
+    assert_eq!(refused.len(), 1);
+    let v: serde_json::Value = serde_json::from_slice(&refused[0].body).unwrap();
+    assert_eq!(v["order_id"], second.order_id.as_str());
+    assert_eq!(v["event_id"], format!("refused:{}", second.order_id));
+    assert!(
+        !daemon.log_text().contains("connection closed")
+            && !daemon.log_text().contains("reconnect"),
+        "the broker connection was never dropped"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
 }

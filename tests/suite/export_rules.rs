@@ -1,6 +1,6 @@
 //! `codepool export` writes only where it was asked, never over something
 //! that is not a regular file, leaves nothing behind when it fails, and
-//! writes no cell a spreadsheet would run.
+//! writes no cell a spreadsheet would run. The key file is never a target.
 
 use std::os::unix::fs::FileTypeExt;
 
@@ -8,6 +8,7 @@ use codepool_domain::Purchase;
 use codepool_issuance::Resend;
 
 use crate::common::TestEnv;
+use crate::fixtures::codepool;
 
 /// Every entry of `dir`, by name.
 fn entries(dir: &std::path::Path) -> Vec<String> {
@@ -134,5 +135,45 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             ("'@SUM(A1:A9)".to_owned(), format!("'{formula_uid}")),
         ]
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_key_file_is_never_an_export_target_even_with_force() {
+    let env = TestEnv::new("cli3_export_key").await;
+    env.fill_pool("ek", 3).await;
+    let before = std::fs::read(&env.key_file).unwrap();
+    let key = env.key_file.to_str().unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export", "--pool", "ek", "--status", "unissued", "--force", "--out", key,
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("key file"), "{err}");
+    assert_eq!(
+        std::fs::read(&env.key_file).unwrap(),
+        before,
+        "the key file is unchanged"
+    );
+    // A hard link to it is the same file.
+    let link = env.key_file.with_file_name("other-name.csv");
+    std::fs::hard_link(&env.key_file, &link).unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "ek",
+            "--force",
+            "--out",
+            link.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(std::fs::read(&env.key_file).unwrap(), before);
     env.cleanup().await;
 }

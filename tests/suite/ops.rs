@@ -1,6 +1,8 @@
 //! Operating codepool: the code lifecycle (redeem, void, expiry), SMS
 //! receipts, low-stock alerts, `/metrics` and `/readyz`, against the real
-//! servers and the built binary.
+//! servers and the built binary. A void's reason must be visible text, and
+//! a void is final: a cancelled backorder never comes back through either
+//! door.
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -27,6 +29,9 @@ use crate::common::Line0;
 use crate::common::{
     drain, eventually, free_port, http_get, publish_confirmed, purchase, queue_depth, start_daemon,
     TestEnv, AMQP_URL,
+};
+use crate::fixtures::{
+    add_codes, assert_no_raw_escapes, codepool, count_codes, order_statuses, EVIL,
 };
 
 // ---------------------------------------------------------------- helpers
@@ -1827,4 +1832,129 @@ async fn stock_counts_of_many_pools_are_exact_where_the_scan_budget_runs_out() {
         vec![50, 70, 5, 0]
     );
     cleanup(env).await;
+}
+
+#[tokio::test]
+async fn void_reasons_with_control_or_bidi_characters_are_refused() {
+    let env = TestEnv::new("cli3_reason").await;
+    let codes = env.fill_pool("vr", 2).await;
+    for reason in [EVIL, "refund\u{202e}", "a\u{200b}b"] {
+        let (code, _, err) = codepool(
+            &env,
+            &[
+                "void", "--pool", "vr", "--code", &codes[0], "--reason", reason,
+            ],
+        )
+        .await;
+        assert_eq!(code, 1, "{reason:?}: {err}");
+        assert!(err.contains("visible text"), "{err}");
+        assert_no_raw_escapes(&err);
+    }
+    assert_eq!(
+        count_codes(&env, doc! {"status": 3}).await,
+        0,
+        "nothing voided"
+    );
+    env.cleanup().await;
+}
+
+/// A void is final: a waiting order voided, and a partly granted one
+/// voided as a refund, get nothing when they come back after stock
+/// arrives, over HTTP (409 `order-cancelled`) or over AMQP (no event).
+#[tokio::test]
+async fn a_cancelled_backorder_never_comes_back_through_either_door() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_cancelled").await;
+    env.fill_pool("few", 2).await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let place = |id: &'static str, q: u32| {
+        let addr = api.addr.clone();
+        let shop = shop.clone();
+        async move {
+            http(
+                &addr,
+                "POST",
+                "/v1/orders",
+                Some(&shop),
+                &order(id, "few", q),
+            )
+            .await
+        }
+    };
+    let (status, _, body) = place("P-5", 5).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["state"], "partly_granted");
+    let (status, _, _) = place("W-1", 1).await;
+    assert_eq!(status, 202);
+    for id in ["P-5", "W-1"] {
+        let (status, _, body) = http(
+            &api.addr,
+            "POST",
+            &format!("/v1/orders/{id}/void"),
+            Some(&shop),
+            br#"{"reason":"refund"}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["backorder_cancelled"], true);
+    }
+    add_codes(&env, "few", "more", 10).await;
+    for (id, q) in [("P-5", 5), ("W-1", 1)] {
+        let (status, _, body) = place(id, q).await;
+        assert_eq!(status, 409, "{id}: {}", String::from_utf8_lossy(&body));
+        let b = json_of(&body);
+        assert!(
+            b["type"].as_str().unwrap().ends_with("order-cancelled"),
+            "{b}"
+        );
+        assert!(
+            body.windows(5).all(|w| w != b"more-"),
+            "no code in the answer"
+        );
+    }
+    api.stop().await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    // P-5's first two codes were texted when they were granted.
+    let first = drain(&ch, &t.sms_pending).await;
+    assert!(first
+        .iter()
+        .all(|m| String::from_utf8_lossy(&m.body).contains("P-5")));
+
+    // The same purchases over AMQP: acked, nothing granted, nothing texted.
+    let daemon = start_daemon(env.command(&[])).await;
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut again = vec![
+        purchase("W-1", "few"),
+        purchase("P-5", "few"),
+        purchase("FRESH", "few"),
+    ];
+    for p in &mut again {
+        p.uid = "u-api".into();
+    }
+    again[1].quantity = 5;
+    publish_confirmed(&publisher, &again).await;
+    eventually(Duration::from_secs(30), "the fresh order's event", || {
+        let (ch, q) = (ch.clone(), t.sms_pending.clone());
+        async move { queue_depth(&ch, &q).await >= 1 }
+    })
+    .await;
+    eventually(Duration::from_secs(30), "every purchase acked", || {
+        let (ch, q) = (ch.clone(), t.purchases.clone());
+        async move { queue_depth(&ch, &q).await == 0 }
+    })
+    .await;
+    let sms = drain(&ch, &t.sms_pending).await;
+    assert_eq!(sms.len(), 1, "only FRESH is texted");
+    assert!(String::from_utf8_lossy(&sms[0].body).contains("FRESH"));
+    assert_eq!(order_statuses(&env, "W-1").await, Vec::<i32>::new());
+    assert_eq!(
+        order_statuses(&env, "P-5").await,
+        vec![3, 3],
+        "the two voided codes, nothing new"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
 }

@@ -1,6 +1,7 @@
 //! Pool policies and controls against the real servers: the per-user limit
 //! across two dispatcher processes with redeliveries, pause and resume,
-//! and recalling an import while purchases are being dispatched.
+//! and recalling an import while purchases are being dispatched; orders
+//! voided while their paused pool resumes keep no live code.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -15,6 +16,7 @@ use crate::common::{
     assign, codepool_ok, drain, eventually, metric_sum, pool_events_handled, publish_confirmed,
     purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
 };
+use crate::fixtures::order_statuses;
 
 fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     Purchase {
@@ -691,5 +693,78 @@ async fn the_key_and_shop_caches_age_by_their_clock() {
     clock.advance(SHOP_TTL);
     let aged = shops.get_many(&env.store, &["acme"]).await.unwrap();
     assert_eq!(pools(&aged), ["p2"], "read again once aged");
+    env.cleanup().await;
+}
+
+/// Cancelling a backorder and fulfilling it exclude each other: orders
+/// voided while their paused pool resumes keep no live code, and one whose
+/// void answered "nothing voided" is never texted.
+#[tokio::test]
+async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
+    use crate::api::{http, json_of, key, order, ApiServer};
+    let env = TestEnv::new("seam_void_race").await;
+    env.fill_pool("race", 60).await;
+    env.store.set_paused("race", true).await.expect("pause");
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let ids: Vec<String> = (0..40).map(|i| format!("R-{i}")).collect();
+    for id in &ids {
+        let (status, _, _) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&shop),
+            &order(id, "race", 1),
+        )
+        .await;
+        assert_eq!(status, 202);
+    }
+    let daemon = start_daemon(env.command(&[])).await;
+    let resume = env.command(&["pool", "resume", "--pool", "race"]).output();
+    let voids = futures::future::join_all(ids.iter().map(|id| {
+        let (addr, shop) = (api.addr.clone(), shop.clone());
+        async move {
+            let (status, _, body) = http(
+                &addr,
+                "POST",
+                &format!("/v1/orders/{id}/void"),
+                Some(&shop),
+                br#"{"reason":"refund"}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            json_of(&body)["voided"].as_u64().unwrap()
+        }
+    }));
+    let (resumed, voided) = tokio::join!(resume, voids);
+    assert!(resumed.unwrap().status.success());
+    // Any fulfilment in flight finishes before the dispatcher reads the
+    // next pool.resumed.
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    pool_events_handled(&env, &publisher, codepool_domain::PoolEventKind::Resumed).await;
+    let ch = conn.create_channel().await.unwrap();
+    let texted: Vec<String> = drain(&ch, &env.topology().sms_pending)
+        .await
+        .iter()
+        .map(|m| {
+            serde_json::from_slice::<serde_json::Value>(&m.body).unwrap()["order_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    for (id, n) in ids.iter().zip(voided) {
+        let s = order_statuses(&env, id).await;
+        assert!(!s.contains(&1), "{id} keeps a live code: {s:?}");
+        if n == 0 {
+            assert!(
+                !texted.contains(id),
+                "{id}: void said 0 voided, yet it was texted"
+            );
+        }
+    }
+    daemon.stop().await;
+    api.stop().await;
     env.cleanup().await;
 }

@@ -2,7 +2,9 @@
 //! stopped by SIGINT, then a run killed with `kill -9`, then a run to the
 //! end. Runs are chained when they start, so the killed run links the
 //! first to the last; a run the recall cannot link or prove to be another
-//! file is named, and the exit code says the recall is partial.
+//! file is named, and the exit code says the recall is partial. Recalling
+//! a re-import voids every run of the file; recalling a run without codes
+//! names the runs that hold them.
 
 use std::time::Duration;
 
@@ -12,6 +14,7 @@ use codepool_store::NewCode;
 use serde_json::Value;
 
 use crate::common::*;
+use crate::fixtures::{codepool, codes_file, import_json};
 
 const CODES: usize = 60_000;
 
@@ -302,5 +305,101 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("the whole file is taken as leaked"), "{err}");
     assert_eq!(count(&env, doc! {"pool": "rr", "status": 0}).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
+    let env = TestEnv::new("cli3_recall_runs").await;
+    let file = codes_file("LEAK", 300);
+    let name = file.path().display().to_string();
+    // Run 1 was interrupted after 120 codes (what a SIGINT leaves).
+    let mut first = env.store.start_import("leak", &name, None).await.unwrap();
+    let codes: Vec<NewCode> = (0..120)
+        .map(|i| NewCode {
+            code: format!("LEAK-{i:05}"),
+            expires_at: None,
+            line: Some(i + 2),
+        })
+        .collect();
+    env.store.ensure_pool("leak").await.unwrap();
+    let o = env
+        .store
+        .insert_codes("leak", first.id, &codes)
+        .await
+        .unwrap();
+    assert_eq!(o.inserted, 120);
+    first.status = "interrupted".into();
+    first.inserted = 120;
+    env.store.finish_import(&first).await.unwrap();
+    // Run 2 finishes it; run 3 is a later re-import that inserts nothing.
+    let (code, second) = import_json(&env, file.path(), "leak", &[]).await;
+    assert_eq!(code, 0, "{second}");
+    assert_eq!(second["inserted"], 180, "{second}");
+    assert_eq!(second["resumed_from"], first.id.to_hex());
+    let (code, third) = import_json(&env, file.path(), "leak", &[]).await;
+    assert_eq!((code, third["inserted"].as_u64()), (0, Some(0)), "{third}");
+    let third_id = third["import_id"].as_str().unwrap().to_owned();
+
+    // Recalling the re-import voids the whole file, and says which runs.
+    let out = codepool_ok(
+        &env,
+        &[
+            "void",
+            "--import",
+            &third_id,
+            "--reason",
+            "partner leak",
+            "--json",
+        ],
+    )
+    .await;
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["voided"], 300, "{r}");
+    let runs: Vec<&str> = (r["runs"].as_array().unwrap().iter())
+        .map(|run| run["import_id"].as_str().unwrap())
+        .collect();
+    let second_id = second["import_id"].as_str().unwrap();
+    assert_eq!(runs, [first.id.to_hex().as_str(), second_id, &third_id]);
+    assert_eq!(count(&env, doc! {"pool": "leak", "status": 0}).await, 0);
+    // Text output names the runs too.
+    let (code, text, err) =
+        codepool(&env, &["void", "--import", &third_id, "--reason", "again"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("3 run(s)") && text.contains(&first.id.to_hex()),
+        "{text}"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails() {
+    let env = TestEnv::new("cli3_recall_empty").await;
+    let name = "partner.csv";
+    // Two unlinked runs of a file named partner.csv: one holds codes.
+    let holder = env.store.start_import("rp", name, None).await.unwrap();
+    env.store.ensure_pool("rp").await.unwrap();
+    let codes = [NewCode {
+        code: "RP-1".into(),
+        expires_at: None,
+        line: Some(2),
+    }];
+    env.store
+        .insert_codes("rp", holder.id, &codes)
+        .await
+        .unwrap();
+    let mut empty = env.store.start_import("rp", name, None).await.unwrap();
+    empty.status = "done".into();
+    empty.sha256 = Some("ab".repeat(32));
+    env.store.finish_import(&empty).await.unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &["void", "--import", &empty.id.to_hex(), "--reason", "leak"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&holder.id.to_hex()), "{err}");
+    assert_eq!(count(&env, doc! {"status": 0}).await, 1, "nothing voided");
     env.cleanup().await;
 }

@@ -3,12 +3,14 @@
 //! one of 64 concurrent redemptions wins, `check` changes nothing, one
 //! answer for every code a key may not learn about, a key that keeps
 //! missing is slowed, look-alikes (case, and O/0 where the pool says so),
-//! and every door's redemption audited once and told to the shop.
+//! and every door's redemption audited once and told to the shop. Over
+//! AMQP, `code.redeemed` is applied only from the configured broker users.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use bson::doc;
+use codepool_broker::Publisher;
 use futures::TryStreamExt;
 use lapin::options::BasicPublishOptions;
 use lapin::BasicProperties;
@@ -16,6 +18,7 @@ use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
 use crate::common::*;
+use crate::fixtures::order_statuses;
 use crate::webhooks::{add_endpoint, publisher, shop, verified_by_the_python_library};
 use crate::webhooks::{Answer, Receiver};
 
@@ -903,4 +906,82 @@ async fn pool_codes(db: &mongodb::Database, pool: &str) -> Vec<bson::Document> {
         .try_collect()
         .await
         .unwrap()
+}
+
+/// Publishes `{"order_id": order}` as a `code.redeemed` event, with
+/// `user_id` set or not, confirmed.
+async fn publish_redeemed(publisher: &Publisher, env: &TestEnv, order: &str, user: Option<&str>) {
+    let mut props = lapin::BasicProperties::default();
+    if let Some(u) = user {
+        props = props.with_user_id(u.into());
+    }
+    let body = serde_json::json!({ "order_id": order }).to_string();
+    publisher
+        .publish(
+            &env.topology().events_exchange,
+            "code.redeemed",
+            body.as_bytes(),
+            props,
+        )
+        .await
+        .expect("publish")
+        .wait()
+        .await
+        .expect("confirm");
+}
+
+/// A purchase producer cannot mark an order used (and so block its
+/// refund): `code.redeemed` is applied only from the broker users named by
+/// `--redeemers`, checked through RabbitMQ's validated `user_id`, and each
+/// redemption applied is audited with that user.
+#[tokio::test]
+async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited() {
+    let env = TestEnv::new("seam_redeem").await;
+    env.fill_pool("red", 5).await;
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_REDEEMERS", "platform");
+    let daemon = start_daemon(cmd).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("RD-1", "red")]).await;
+    eventually(Duration::from_secs(30), "RD-1 granted", || async {
+        order_statuses(&env, "RD-1").await == vec![1]
+    })
+    .await;
+    // The shop's producer (guest): without user_id, and as itself.
+    publish_redeemed(&publisher, &env, "RD-1", None).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    eventually(Duration::from_secs(30), "both events refused", || async {
+        (daemon.log_text())
+            .matches("code.redeemed event refused")
+            .count()
+            == 2
+    })
+    .await;
+    assert_eq!(order_statuses(&env, "RD-1").await, vec![1], "still issued");
+    daemon.stop().await;
+
+    // The platform's user may.
+    let daemon = start_daemon(env.command(&[])).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    eventually(Duration::from_secs(30), "RD-1 used", || async {
+        order_statuses(&env, "RD-1").await == vec![2]
+    })
+    .await;
+    // The record follows the redemption's own write.
+    let audit = env.store.database().collection::<bson::Document>("audit");
+    let by_guest = bson::doc! {"os_user": "amqp-user:guest", "kind": "redeem"};
+    eventually(
+        Duration::from_secs(10),
+        "the redemption is audited with the broker user",
+        || {
+            let (audit, by_guest) = (audit.clone(), by_guest.clone());
+            async move { audit.find_one(by_guest).await.unwrap().is_some() }
+        },
+    )
+    .await;
+    let record = audit.find_one(by_guest).await.unwrap().unwrap();
+    assert!(record.get_str("what").unwrap().contains("RD-1"));
+    daemon.stop().await;
+    env.cleanup().await;
 }

@@ -1,6 +1,7 @@
 //! Tests and benches leave nothing behind: what a killed run left on the
 //! servers (its database, Redis keys, queues and exchanges) is removed by
-//! the next run, and a live run's namespace is never touched.
+//! the next run, and a live run's namespace is never touched. Each demo
+//! key file gets a demo database of its own.
 
 use codepool::scratch::TESTS;
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
@@ -129,5 +130,62 @@ async fn a_killed_runs_namespace_is_swept_and_a_live_one_is_kept() {
     .await;
     assert_eq!((q, x), (1, 1));
     assert!(!key_exists(&format!("{}:left", live.redis_prefix)).await);
+    env.cleanup().await;
+}
+
+/// `scripts/demo-db.sh KEY_FILE`: the demo database chosen for a key file.
+fn demo_db(key_file: &std::path::Path) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/demo-db.sh");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .arg(key_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[tokio::test]
+async fn each_demo_key_file_gets_its_own_demo_database() {
+    let env = TestEnv::new("cli3_demo_db").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    for k in [&a, &b] {
+        let out = env
+            .command(&["keys", "init"])
+            .env("CODEPOOL_KEY_FILE", k)
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (db_a, db_b) = (demo_db(&a), demo_db(&b));
+    assert_ne!(db_a, db_b, "two checkouts, two demo databases");
+    assert!(
+        db_a.starts_with("codepool_demo_") && db_a.len() < 64,
+        "{db_a}"
+    );
+    assert_eq!(demo_db(&a), db_a, "the same key file, the same database");
+    // A rotation keeps the HMAC key, so the demo keeps its database.
+    let out = env
+        .command(&["keys", "add"])
+        .env("CODEPOOL_KEY_FILE", &a)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(demo_db(&a), db_a);
     env.cleanup().await;
 }

@@ -1,6 +1,9 @@
 //! Issue 12: codes are secrets. Encrypted at rest, found by HMAC, revealed
 //! only on purpose (and audited), keys verified before a dispatcher
-//! consumes, rotated and migrated while dispatchers run.
+//! consumes, rotated and migrated while dispatchers run. A process whose
+//! key file lacks the newest key claims nothing (and `/readyz` says so no
+//! later than the first refused order) until its key file is brought up
+//! to date; a retired key missing from it blocks nothing.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -14,9 +17,12 @@ use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
+use crate::api::{http, key, order, ApiServer};
 use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
+    AMQP_URL,
 };
+use crate::fixtures::order_statuses;
 
 /// Runs `codepool ARGS` in the test's namespace: (exit code, stdout, stderr).
 async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
@@ -612,5 +618,204 @@ async fn secrets_keys_init_writes_a_private_file_and_never_overwrites_one() {
         before,
         "the key file is untouched"
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stale_key_file() {
+    let env = TestEnv::new("lows4_keys_ready").await;
+    env.fill_pool("kr", 50).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let ready = || {
+        let addr = api.addr.clone();
+        async move { http_get(&addr, "/readyz").await.map(|(s, _)| s) }
+    };
+    eventually(Duration::from_secs(15), "ready", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    // Another host adds a key and seals the codes with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    for args in [["keys", "add"], ["keys", "rotate"]] {
+        let out = env
+            .command(&args)
+            .env("CODEPOOL_KEY_FILE", &other)
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Orders until the first 503: /readyz already says not ready.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    loop {
+        assert!(std::time::Instant::now() < deadline, "no order was refused");
+        n += 1;
+        let (s, _, b) = http(
+            &api.addr,
+            "POST",
+            "/v1/orders",
+            Some(&backend),
+            &order(&format!("KR-{n}"), "kr", 1),
+        )
+        .await;
+        if s == 503 {
+            assert_eq!(
+                ready().await,
+                Some(503),
+                "an order got 503 while /readyz said ready"
+            );
+            break;
+        }
+        assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The key file brought up to date: ready again, and orders go on.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "ready again", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&backend),
+        &order("KR-last", "kr", 1),
+    )
+    .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A dispatcher whose key file lacks the key another host now seals codes
+/// with claims nothing: it goes unready, hands the purchase back and stops
+/// consuming, with one error naming the key; once its key file holds the
+/// key it serves the purchase.
+#[tokio::test]
+async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
+    use crate::common::http_get;
+    let env = TestEnv::new("seam_keys").await;
+    env.fill_pool("k", 3).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    // Another host: a copy of the key file, a new key, codes sealed with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    let as_other = |args: &[&str]| {
+        let mut c = env.command(args);
+        c.env("CODEPOOL_KEY_FILE", &other);
+        c
+    };
+    assert!(as_other(&["keys", "add"])
+        .output()
+        .await
+        .unwrap()
+        .status
+        .success());
+    let out = as_other(&["keys", "rotate"]).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    eventually(
+        Duration::from_secs(15),
+        "the dispatcher goes unready",
+        || async {
+            http_get(&daemon.addr, "/readyz")
+                .await
+                .is_some_and(|(s, body)| s == 503 && body.contains("keys"))
+        },
+    )
+    .await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("K-1", "k")]).await;
+    // Judged once the dispatcher has stopped consuming and the purchase is
+    // back in the queue (handed back, or never taken): nothing of this
+    // process can claim it any more.
+    let purchases = env.topology().purchases;
+    eventually(
+        Duration::from_secs(30),
+        "the purchase waits in the queue, for any dispatcher, and none consumes",
+        || async {
+            let ch = conn.create_channel().await.unwrap();
+            let q = ch
+                .queue_declare(
+                    &purchases,
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .unwrap();
+            let _ = ch.close(200, "looked").await;
+            q.message_count() == 1 && q.consumer_count() == 0
+        },
+    )
+    .await;
+    assert_eq!(
+        order_statuses(&env, "K-1").await,
+        Vec::<i32>::new(),
+        "nothing claimed"
+    );
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("that this process's key file lacks").count(),
+        1,
+        "one error naming the key:\n{log}"
+    );
+    assert!(log.contains("k2"), "{log}");
+
+    // The key file is brought up to date: the same process serves it.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "K-1 granted", || async {
+        order_statuses(&env, "K-1").await == vec![1]
+    })
+    .await;
+    assert!(http_get(&daemon.addr, "/readyz")
+        .await
+        .is_some_and(|(s, _)| s == 200));
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// A key that seals no code any more (rotated away, then dropped from the
+/// key file) does not hold a process unready: it leaves the registry.
+#[tokio::test]
+async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
+    let env = TestEnv::new("seam_retired").await;
+    env.fill_pool("rt", 2).await;
+    let registry = env.store.database().collection::<bson::Document>("key_ids");
+    registry
+        .insert_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap();
+    let daemon = start_daemon(env.command(&[])).await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    publish_confirmed(&publisher, &[purchase("RT-1", "rt")]).await;
+    eventually(Duration::from_secs(20), "RT-1 granted", || async {
+        order_statuses(&env, "RT-1").await == vec![1]
+    })
+    .await;
+    assert!(registry
+        .find_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap()
+        .is_none());
+    daemon.stop().await;
     env.cleanup().await;
 }

@@ -1,17 +1,21 @@
 //! Shops: each shop's keys, pools and orders are its own, through both
 //! doors. A shop's key orders only from its pools, reads and changes only
 //! its shop's orders, and a shop's pool list shows only its pools; a
-//! purchase over AMQP that names a shop obeys the same rules.
+//! purchase over AMQP that names a shop obeys the same rules. A shop's key
+//! gets one answer for a pool it may not use, whether or not it exists.
 
 use std::time::Duration;
 
+use bson::doc;
 use codepool_broker::Publisher;
 use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
 use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
+    codepool_ok, drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon,
+    TestEnv, AMQP_URL,
 };
+use crate::fixtures::{code_ids, hold, shop_key};
 
 async fn cli(env: &TestEnv, args: &[&str]) -> String {
     let out = env.command(args).output().await.unwrap();
@@ -21,25 +25,6 @@ async fn cli(env: &TestEnv, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
-    cli(
-        env,
-        &[
-            "api-keys",
-            "create",
-            "--name",
-            name,
-            "--shop",
-            shop,
-            "--scopes",
-            "orders:write,orders:read",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned()
 }
 
 /// The codes the database holds for `order`.
@@ -372,5 +357,88 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
     assert_eq!(status, 409);
     api.stop().await;
     let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool() {
+    let env = TestEnv::new("lows4_pool_oracle").await;
+    env.fill_pool("mine", 10).await;
+    env.fill_pool("theirs", 10).await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "acme", "--pools", "mine"],
+    )
+    .await;
+    codepool_ok(
+        &env,
+        &["shops", "create", "--name", "bolt", "--pools", "theirs"],
+    )
+    .await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let backend = key(&env, "backend", "orders:write,orders:read").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // The same problem for a pool of another shop and a pool that does not
+    // exist, on both routes, with no operator command in it.
+    let answer = |path: &'static str, pool: &'static str| {
+        let (addr, acme) = (api.addr.clone(), acme.clone());
+        async move {
+            let body = if path == "/v1/orders" {
+                order(&format!("O-{pool}"), pool, 1)
+            } else {
+                hold(&format!("H-{pool}"), "u-1", pool, 1)
+            };
+            let (s, _, b) = http(&addr, "POST", path, Some(&acme), &body).await;
+            let p = json_of(&b);
+            let detail = p["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .replace(pool, "POOL");
+            (
+                s,
+                p["type"].clone(),
+                p["title"].clone(),
+                p["field"].clone(),
+                detail,
+            )
+        }
+    };
+    for path in ["/v1/orders", "/v1/holds"] {
+        let theirs = answer(path, "theirs").await;
+        let nowhere = answer(path, "nowhere").await;
+        assert_eq!(theirs, nowhere, "{path}: one answer for both");
+        let detail = &theirs.4;
+        assert!(
+            !detail.contains("codepool ") && !detail.contains("dead-letters"),
+            "{path}: an operator command in {detail:?}"
+        );
+        assert!(
+            !detail.contains("exist") && !detail.contains("has no codes"),
+            "{path}: {detail:?}"
+        );
+        assert_eq!(theirs.0, 403, "{path}: {theirs:?}");
+    }
+    assert_eq!(
+        code_ids(&env, doc! {"status": {"$ne": 0}}).await.len(),
+        0,
+        "nothing granted or held"
+    );
+
+    // An operator's key (no shop) keeps the precise answer.
+    let (s, _, b) = http(
+        &api.addr,
+        "POST",
+        "/v1/orders",
+        Some(&backend),
+        &order("O-op", "nowhere", 1),
+    )
+    .await;
+    assert_eq!(s, 422);
+    assert!(json_of(&b)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("/unknown-pool"));
+    api.stop().await;
     env.cleanup().await;
 }

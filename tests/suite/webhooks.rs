@@ -2,20 +2,24 @@
 //! and a real receiver: signed deliveries checked with the official
 //! `standardwebhooks` Python package, retries with the same `webhook-id`,
 //! a process killed mid-delivery, backorders told when they are granted,
-//! secret rotation, refused addresses, 410 and leases between processes.
+//! secret rotation, refused addresses, 410 and leases between processes,
+//! and a replay that sends events older than the endpoint only when asked
+//! to, audited as a reveal.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
-use serde_json::Value;
+use bson::doc;
+use serde_json::{json, Value};
 
-use crate::api::{http, json_of, ApiServer};
+use crate::api::{http, json_of, key, ApiServer};
 use crate::common::{
     codepool_ok, eventually, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
 };
+use crate::fixtures::code_ids;
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -1028,6 +1032,171 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
     ] {
         assert!(kinds.iter().any(|k| k == kind), "{kind} audited: {kinds:?}");
     }
+    daemon.stop().await;
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// `codepool webhooks add`; returns the endpoint's id.
+async fn endpoint(env: &TestEnv, shop: &str, url: &str) -> String {
+    let out = codepool_ok(
+        env,
+        &[
+            "webhooks", "add", "--shop", shop, "--url", url, "--events", "*", "--json",
+        ],
+    )
+    .await;
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["id"].as_str().unwrap().to_owned()
+}
+
+/// The audit's reveals, as (command, code ids).
+async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
+    use futures::TryStreamExt;
+    let docs: Vec<bson::Document> = env
+        .store
+        .database()
+        .collection::<bson::Document>("audit")
+        .find(doc! {"kind": "reveal"})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    docs.iter()
+        .map(|d| {
+            let ids = (d.get_array("code_ids").unwrap().iter())
+                .filter_map(|b| b.as_object_id())
+                .collect();
+            (d.get_str("command").unwrap_or_default().to_owned(), ids)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audits_a_reveal() {
+    let env = TestEnv::new("lows4_replay_old").await;
+    env.fill_pool("wr", 5).await;
+    codepool_ok(
+        &env,
+        &[
+            "shops",
+            "create",
+            "--name",
+            "acme",
+            "--pools",
+            "wr",
+            "--broker-users",
+            "guest",
+        ],
+    )
+    .await;
+    let first = Receiver::start(Answer::Ok).await;
+    endpoint(&env, "acme", &first.url()).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let (conn, publisher) = publisher(&env).await;
+    publish_confirmed(&publisher, &[shop_purchase("WR-1", "wr", "acme")]).await;
+    eventually(
+        Duration::from_secs(20),
+        "order.granted delivered",
+        || async { !first.hits().is_empty() },
+    )
+    .await;
+    let event = first.hits()[0].id.clone();
+    let code = code_ids(&env, doc! {"order_id": "WR-1"}).await;
+    assert_eq!(code.len(), 1);
+
+    // An endpoint added after the event: a replay leaves the event out
+    // unless asked, and says so.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let late = Receiver::start(Answer::Ok).await;
+    let id = endpoint(&env, "acme", &late.url()).await;
+    let out = codepool_ok(
+        &env,
+        &[
+            "webhooks", "replay", "--shop", "acme", "--event", &event, "--id", &id,
+        ],
+    )
+    .await;
+    assert!(out.contains("0 deliveries due"), "{out}");
+    assert!(out.contains("--include-before-endpoint"), "{out}");
+    let since = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let out = codepool_ok(
+        &env,
+        &["webhooks", "replay", "--shop", "acme", "--since", &since],
+    )
+    .await;
+    assert!(
+        out.contains("1 deliveries due"),
+        "only to the first endpoint: {out}"
+    );
+    let admin = key(&env, "ops", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let replay = |include: Option<bool>| {
+        let (addr, admin) = (api.addr.clone(), admin.clone());
+        let mut body = json!({"shop": "acme", "event": event, "endpoint": id});
+        if let Some(i) = include {
+            body["include_before_endpoint"] = json!(i);
+        }
+        async move {
+            let (s, _, b) = http(
+                &addr,
+                "POST",
+                "/v1/webhooks/replay",
+                Some(&admin),
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+            json_of(&b)
+        }
+    };
+    let r = replay(None).await;
+    assert_eq!(r["due"], 0, "{r}");
+    assert_eq!(r["left_out_before_endpoint"], 1, "{r}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        late.hits().is_empty(),
+        "an old event went to a new endpoint"
+    );
+    assert!(reveals(&env).await.is_empty());
+
+    // Asked: sent, and audited as a reveal of the event's code.
+    let out = codepool_ok(
+        &env,
+        &[
+            "webhooks",
+            "replay",
+            "--shop",
+            "acme",
+            "--event",
+            &event,
+            "--id",
+            &id,
+            "--include-before-endpoint",
+        ],
+    )
+    .await;
+    assert!(out.contains("1 deliveries due"), "{out}");
+    eventually(
+        Duration::from_secs(20),
+        "the old event delivered",
+        || async { !late.hits().is_empty() },
+    )
+    .await;
+    assert_eq!(late.hits()[0].id, event);
+    let seen = reveals(&env).await;
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(seen[0].0.contains("webhooks replay"), "{seen:?}");
+    assert_eq!(seen[0].1.iter().copied().collect::<HashSet<_>>(), code);
+    let r = replay(Some(true)).await;
+    assert_eq!(r["due"], 1, "{r}");
+    let seen = reveals(&env).await;
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let by_key = seen.iter().find(|(c, _)| c.contains("/v1/webhooks/replay"));
+    let by_key = by_key.unwrap_or_else(|| panic!("no reveal by the API key: {seen:?}"));
+    assert_eq!(by_key.1.iter().copied().collect::<HashSet<_>>(), code);
     daemon.stop().await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;
