@@ -16,17 +16,16 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use codepool_broker::Publisher;
 use codepool_domain::SmsPending;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{
-    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
-};
-use crate::fixtures::{exchange_from, order_statuses, read_answer, RawAnswer};
+use crate::common::*;
+use crate::fixtures::*;
+
+/// What one HTTP exchange got: status, headers (lower-case names), body.
+pub(crate) type Exchange = (u16, HashMap<String, String>, Vec<u8>);
 
 /// A `codepool api` child process with its address.
 pub(crate) struct ApiServer {
@@ -69,6 +68,32 @@ impl ApiServer {
         Self { child, addr, log }
     }
 
+    /// `METHOD path` with `body` as `key` (see [`http`]).
+    pub(crate) async fn call(&self, method: &str, path: &str, key: &str, body: &[u8]) -> Exchange {
+        http(&self.addr, method, path, Some(key), body).await
+    }
+
+    /// `POST path` with a JSON `body` as `key`.
+    pub(crate) async fn post(&self, path: &str, key: &str, body: &[u8]) -> Exchange {
+        self.call("POST", path, key, body).await
+    }
+
+    /// `POST path` with a `body` of `content_type` as `key`.
+    pub(crate) async fn post_as(
+        &self,
+        path: &str,
+        key: &str,
+        content_type: &str,
+        body: &[u8],
+    ) -> Exchange {
+        http_as(&self.addr, "POST", path, Some(key), content_type, body).await
+    }
+
+    /// `GET path` as `key`.
+    pub(crate) async fn get(&self, path: &str, key: &str) -> Exchange {
+        self.call("GET", path, key, b"").await
+    }
+
     /// The API's log so far, one string.
     pub(crate) fn log_text(&self) -> String {
         self.log.lock().unwrap().join("\n")
@@ -99,7 +124,7 @@ pub(crate) async fn http(
     path: &str,
     key: Option<&str>,
     body: &[u8],
-) -> (u16, HashMap<String, String>, Vec<u8>) {
+) -> Exchange {
     http_as(addr, method, path, key, "application/json", body).await
 }
 
@@ -111,7 +136,7 @@ pub(crate) async fn http_as(
     key: Option<&str>,
     content_type: &str,
     body: &[u8],
-) -> (u16, HashMap<String, String>, Vec<u8>) {
+) -> Exchange {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n",
@@ -162,17 +187,8 @@ pub(crate) fn json_of(body: &[u8]) -> Value {
 
 /// `codepool api-keys create`; returns the secret.
 pub(crate) async fn key(env: &TestEnv, name: &str, scopes: &str) -> String {
-    let out = env
-        .command(&["api-keys", "create", "--name", name, "--scopes", scopes])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    let args = ["api-keys", "create", "--name", name, "--scopes", scopes];
+    codepool_ok(env, &args).await.trim().to_owned()
 }
 
 pub(crate) fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
@@ -183,19 +199,11 @@ pub(crate) fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
 
 #[tokio::test]
 async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once() {
-    let env = TestEnv::new("api_orders").await;
-    env.fill_pool("web", 20).await;
+    let env = TestEnv::with_pools("api_orders", &[("web", 20)]).await;
     let shop = key(&env, "shop", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
 
-    let (status, headers, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("W-1", "web", 3),
-    )
-    .await;
+    let (status, headers, body) = api.post("/v1/orders", &shop, &order("W-1", "web", 3)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     assert!(headers.contains_key("x-request-id"));
     let first = json_of(&body);
@@ -213,25 +221,11 @@ async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once(
     );
 
     // A naive retry loop: the same codes, 200 this time.
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("W-1", "web", 3),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &shop, &order("W-1", "web", 3)).await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["codes"], first["codes"]);
     // The same order id with another quantity: a conflict, nothing granted.
-    let (status, headers, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("W-1", "web", 4),
-    )
-    .await;
+    let (status, headers, body) = api.post("/v1/orders", &shop, &order("W-1", "web", 4)).await;
     assert_eq!(status, 409);
     assert_eq!(headers["content-type"], "application/problem+json");
     let p = json_of(&body);
@@ -247,33 +241,17 @@ async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once(
 
     // The same order over AMQP: a dispatcher finds it granted; one code set.
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let mut p = purchase("W-1", "web");
     p.uid = "u-api".into();
     p.quantity = 3;
-    publisher
-        .publish_purchase(&p)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    publish_one(&publisher, &p).await;
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(Duration::from_secs(30), "the AMQP delivery settled", || {
-        let (ch, q) = (ch.clone(), t.sms_pending.clone());
-        async move { queue_depth(&ch, &q).await >= 2 }
-    })
-    .await;
+    // The AMQP delivery settled.
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 2).await;
     d.stop().await;
-    let issued = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(bson::doc! {"order_id": "W-1"})
-        .await
-        .unwrap();
+    let issued = count_codes(&env, bson::doc! {"order_id": "W-1"}).await;
     assert_eq!(issued, 3, "one set of codes, whichever door");
     // Every event of the order, whichever door sent it, is the same event.
     let events: Vec<SmsPending> = drain(&ch, &t.sms_pending)
@@ -292,7 +270,7 @@ async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once(
     assert_eq!(sent, codes);
 
     // Read it back: masked, with grant numbers and SMS state.
-    let (status, _, body) = http(&api.addr, "GET", "/v1/orders/W-1", Some(&shop), b"").await;
+    let (status, _, body) = api.get("/v1/orders/W-1", &shop).await;
     assert_eq!(status, 200);
     let read = json_of(&body);
     assert_eq!(read["state"], "granted");
@@ -305,8 +283,7 @@ async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once(
 
 #[tokio::test]
 async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
-    let env = TestEnv::new("api_keys").await;
-    env.fill_pool("web", 5).await;
+    let env = TestEnv::with_pools("api_keys", &[("web", 5)]).await;
     let reader = key(&env, "reader", "orders:read").await;
     let writer = key(&env, "writer", "orders:write").await;
     let api = ApiServer::start(&env, &["--rate-per-key", "5"]).await;
@@ -330,14 +307,7 @@ async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
     assert_eq!(status, 403);
     assert_eq!(json_of(&body)["scope"], "orders:write");
     // Reveal needs its own scope.
-    let (status, _, _) = http(
-        &api.addr,
-        "GET",
-        "/v1/orders/K-1?reveal=true",
-        Some(&reader),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api.get("/v1/orders/K-1?reveal=true", &reader).await;
     assert_eq!(status, 403);
 
     // Bad input names the field; an unknown pool too.
@@ -389,20 +359,14 @@ async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
     assert!(h["retry-after"].parse::<u64>().unwrap() >= 1);
 
     // A revoked key stops working within a second.
-    let out = env
-        .command(&["api-keys", "revoke", "--name", "reader"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["api-keys", "revoke", "--name", "reader"]).await;
     assert!(out.status.success());
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/K-1", Some(&reader), b"").await;
+    let (status, _, _) = api.get("/v1/orders/K-1", &reader).await;
     assert_eq!(status, 401);
     // Only the hash is stored.
     let stored = env
-        .store
-        .database()
-        .collection::<bson::Document>("api_keys")
+        .coll("api_keys")
         .find_one(bson::doc! {"name": "writer"})
         .await
         .unwrap()
@@ -416,49 +380,25 @@ async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
 
 #[tokio::test]
 async fn an_empty_pool_answers_accepted_and_a_reveal_is_audited_with_the_key() {
-    let env = TestEnv::new("api_waiting").await;
-    env.fill_pool("few", 1).await;
+    let env = TestEnv::with_pools("api_waiting", &[("few", 1)]).await;
     let shop = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("E-1", "few", 3),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &shop, &order("E-1", "few", 3)).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
     let b = json_of(&body);
     assert_eq!(b["state"], "partly_granted");
     assert_eq!(b["waiting_lines"], json!([1, 2]));
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("E-2", "few", 1),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &shop, &order("E-2", "few", 1)).await;
     assert_eq!(status, 202);
     assert_eq!(json_of(&body)["state"], "waiting");
 
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/orders/E-1?reveal=true",
-        Some(&shop),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api.get("/v1/orders/E-1?reveal=true", &shop).await;
     assert_eq!(status, 200);
     let read = json_of(&body);
     assert_eq!(read["codes"][0]["code"], "few-000001");
     assert_eq!(read["waiting_lines"], json!([1, 2]));
     let audit = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
+        .coll("audit")
         .find_one(bson::doc! {"os_user": "api-key:shop"})
         .await
         .unwrap()
@@ -466,23 +406,18 @@ async fn an_empty_pool_answers_accepted_and_a_reveal_is_audited_with_the_key() {
     assert_eq!(audit.get_str("what").unwrap(), "order \"E-1\"");
 
     // Void with a reason: its code and what it waits for.
-    let (status, _, _) = http(&api.addr, "POST", "/v1/orders/E-1/void", Some(&shop), b"{}").await;
+    let (status, _, _) = api.post("/v1/orders/E-1/void", &shop, b"{}").await;
     assert_eq!(status, 422);
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders/E-1/void",
-        Some(&shop),
-        br#"{"reason":"refund"}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/orders/E-1/void", &shop, br#"{"reason":"refund"}"#)
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let v = json_of(&body);
     assert_eq!(
         (v["voided"].as_u64(), v["backorder_cancelled"].as_bool()),
         (Some(1), Some(true))
     );
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/NOPE", Some(&shop), b"").await;
+    let (status, _, _) = api.get("/v1/orders/NOPE", &shop).await;
     assert_eq!(status, 404);
     api.stop().await;
     env.cleanup().await;
@@ -648,66 +583,40 @@ async fn a_client_that_never_finishes_its_request_head_is_disconnected() {
 
 #[tokio::test]
 async fn dead_letters_are_listed_by_reason_and_replayed_once_the_cause_is_fixed() {
-    let env = TestEnv::new("api_dead").await;
-    env.fill_pool("known", 5).await;
+    let env = TestEnv::with_pools("api_dead", &[("known", 5)]).await;
     let admin = key(&env, "ops", "admin").await;
     let d = start_daemon(env.command(&[])).await;
     let api = ApiServer::start(&env, &[]).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
-    publisher
-        .publish_purchase(&purchase("DL-1", "later"))
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
-    publisher
-        .publish_purchase_bytes(b"garbage", Some("DL-2"))
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    let (conn, publisher) = env.amqp().await;
+    publish_one(&publisher, &purchase("DL-1", "later")).await;
+    publish_bytes(&publisher, b"garbage", Some("DL-2")).await;
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(Duration::from_secs(20), "two dead letters", || {
-        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await == 2 }
-    })
-    .await;
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/dead-letters?reason=unknown_pool",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    // Two dead letters.
+    wait_depth(&ch, &t.purchases_dead, 20, |n| n == 2).await;
+    let (status, _, body) = api
+        .get("/v1/dead-letters?reason=unknown_pool", &admin)
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let listed = json_of(&body);
     assert_eq!(listed["dead_letters"].as_array().unwrap().len(), 1);
     assert_eq!(listed["dead_letters"][0]["message_id"], "DL-1");
-    eventually(Duration::from_secs(5), "the listing took nothing", || {
-        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await == 2 }
-    })
-    .await;
+    // The listing took nothing.
+    wait_depth(&ch, &t.purchases_dead, 5, |n| n == 2).await;
 
     // Fix the cause, replay that reason only: DL-1 gets a code, DL-2 stays.
     env.fill_pool("later", 2).await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/dead-letters/replay",
-        Some(&admin),
-        br#"{"reason":"unknown_pool"}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .post(
+            "/v1/dead-letters/replay",
+            &admin,
+            br#"{"reason":"unknown_pool"}"#,
+        )
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["replayed"], 1);
     eventually(Duration::from_secs(20), "DL-1 granted", || {
-        let codes = env.store.database().collection::<bson::Document>("codes");
+        let codes = env.coll("codes");
         async move {
             codes
                 .count_documents(bson::doc! {"order_id": "DL-1"})
@@ -717,18 +626,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_once_the_cause_is_fixed(
         }
     })
     .await;
-    let (_, _, body) = http(&api.addr, "GET", "/v1/dead-letters", Some(&admin), b"").await;
+    let (_, _, body) = api.get("/v1/dead-letters", &admin).await;
     let left = json_of(&body);
     assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1);
     assert_eq!(left["dead_letters"][0]["message_id"], "DL-2");
-    let (status, _, _) = http(
-        &api.addr,
-        "GET",
-        "/v1/dead-letters?limit=0",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api.get("/v1/dead-letters?limit=0", &admin).await;
     assert_eq!(status, 422);
     api.stop().await;
     d.stop().await;
@@ -748,15 +650,7 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
     }
     csv.push_str("bad code with spaces and \u{200b},\n");
     let path = "/v1/pools/up/imports?file=partner-1.csv";
-    let (status, _, body) = http_as(
-        &api.addr,
-        "POST",
-        path,
-        Some(&admin),
-        "text/csv",
-        csv.as_bytes(),
-    )
-    .await;
+    let (status, _, body) = api.post_as(path, &admin, "text/csv", csv.as_bytes()).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let s = json_of(&body);
     assert_eq!(
@@ -769,71 +663,36 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
     );
     let id = s["import_id"].as_str().unwrap().to_owned();
     // The same file again changes nothing.
-    let (status, _, body) = http_as(
-        &api.addr,
-        "POST",
-        path,
-        Some(&admin),
-        "text/csv",
-        csv.as_bytes(),
-    )
-    .await;
+    let (status, _, body) = api.post_as(path, &admin, "text/csv", csv.as_bytes()).await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["duplicates"], 500);
     // A file whose header does not name the code column: nothing imported.
-    let (status, _, body) = http_as(
-        &api.addr,
-        "POST",
-        "/v1/pools/up/imports",
-        Some(&admin),
-        "text/csv",
-        b"serial\nX-1\n",
-    )
-    .await;
+    let (status, _, body) = api
+        .post_as("/v1/pools/up/imports", &admin, "text/csv", b"serial\nX-1\n")
+        .await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
-    let (status, _, _) = http_as(
-        &api.addr,
-        "POST",
-        "/v1/pools/up/imports",
-        Some(&shop),
-        "text/csv",
-        csv.as_bytes(),
-    )
-    .await;
+    let (status, _, _) = api
+        .post_as("/v1/pools/up/imports", &shop, "text/csv", csv.as_bytes())
+        .await;
     assert_eq!(status, 403);
 
     // Orders take two codes; the recall voids the rest and lists those two.
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("UP-O", "up", 2),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("UP-O", "up", 2)).await;
     assert_eq!(status, 201);
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        &format!("/v1/imports/{id}"),
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api.get(&format!("/v1/imports/{id}"), &admin).await;
     assert_eq!(status, 200);
     let record = json_of(&body);
     assert_eq!(
         (record["status"].as_str(), record["file"].as_str()),
         (Some("done"), Some("partner-1.csv"))
     );
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        &format!("/v1/imports/{id}/recall"),
-        Some(&admin),
-        br#"{"reason":"partner leak"}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .post(
+            &format!("/v1/imports/{id}/recall"),
+            &admin,
+            br#"{"reason":"partner leak"}"#,
+        )
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let r = json_of(&body);
     assert_eq!(
@@ -841,14 +700,9 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
         (Some(498), Some(2))
     );
     assert!(r["held"][0]["code"].as_str().unwrap().contains('*'));
-    let (status, _, _) = http(
-        &api.addr,
-        "GET",
-        "/v1/imports/0123456789abcdef01234567",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api
+        .get("/v1/imports/0123456789abcdef01234567", &admin)
+        .await;
     assert_eq!(status, 404);
     api.stop().await;
     env.cleanup().await;
@@ -857,25 +711,9 @@ async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_rec
 /// The RabbitMQ connection pids whose client named them `name` (the
 /// `connection_name` client property).
 pub(crate) async fn connections_named(name: &str) -> Vec<String> {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "pid",
-            "client_properties",
-            "-q",
-            "--no-table-headers",
-        ])
-        .current_dir("/")
-        .output()
-        .await
-        .expect("rabbitmqctl (make services installs it)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl list_connections: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
+    let listed = ["list_connections", "pid", "client_properties", "-q"];
+    let out = rabbitmqctl(&[&listed[..], &["--no-table-headers"]].concat()).await;
+    out.lines()
         .filter_map(|l| {
             let (pid, props) = l.split_once('\t')?;
             let named = format!("{{\"connection_name\",\"{name}\"}}");
@@ -886,8 +724,7 @@ pub(crate) async fn connections_named(name: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
-    let env = TestEnv::new("api_reconnect").await;
-    env.fill_pool("rc", 10).await;
+    let env = TestEnv::with_pools("api_reconnect", &[("rc", 10)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
     let name = format!("codepool-api-{}", api.child.id().unwrap());
@@ -901,17 +738,7 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     )
     .await;
     let before = connections_named(&name).await;
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args(["close_connection", &before[0], "test: broker restarted"])
-        .current_dir("/")
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    rabbitmqctl(&["close_connection", &before[0], "test: broker restarted"]).await;
     eventually(Duration::from_secs(20), "a new connection", || {
         let (name, old) = (name.clone(), before[0].clone());
         async move {
@@ -930,23 +757,13 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     })
     .await;
     // An order after the outage gets its event from the API itself.
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("RC-1", "rc", 1),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("RC-1", "rc", 1)).await;
     assert_eq!(status, 201);
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
     // Published once the answer is out (the answer waits for the claim).
-    eventually(Duration::from_secs(10), "RC-1's event", || {
-        let (ch, q) = (ch.clone(), env.topology().sms_pending.clone());
-        async move { queue_depth(&ch, &q).await == 1 }
-    })
-    .await;
+    // RC-1's event
+    wait_depth(&ch, &env.topology().sms_pending, 10, |n| n == 1).await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
@@ -954,8 +771,7 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
 
 #[tokio::test]
 async fn with_a_certificate_the_api_serves_https_and_refuses_plain_http() {
-    let env = TestEnv::new("api_tls").await;
-    env.fill_pool("tls", 3).await;
+    let env = TestEnv::with_pools("api_tls", &[("tls", 3)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let dir = tempfile::tempdir().unwrap();
     let (cert, private) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
@@ -1034,7 +850,7 @@ async fn with_a_certificate_the_api_serves_https_and_refuses_plain_http() {
     );
     // A key file that is not a key: a clear error before anything starts.
     let out = env
-        .command(&[
+        .run(&[
             "api",
             "--listen",
             "127.0.0.1:0",
@@ -1043,9 +859,7 @@ async fn with_a_certificate_the_api_serves_https_and_refuses_plain_http() {
             "--tls-key",
             c,
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1157,18 +971,10 @@ fn curl_post(path: &str, key: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
-    let env = TestEnv::new("http3_curl").await;
-    env.fill_pool("cp", 5).await;
+    let env = TestEnv::with_pools("http3_curl", &[("cp", 5)]).await;
     let k = key(&env, "shop", "orders:write,orders:read,admin").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &order("C-1", "cp", 1),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &k, &order("C-1", "cp", 1)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     for path in [
         "/v1/orders/C-1/resend",
@@ -1185,8 +991,7 @@ async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
 
 #[tokio::test]
 async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
-    let env = TestEnv::new("http3_bearer").await;
-    env.fill_pool("bp", 2).await;
+    let env = TestEnv::with_pools("http3_bearer", &[("bp", 2)]).await;
     let k = key(
         &env,
         "shop",
@@ -1199,11 +1004,7 @@ async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
         let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, req.as_bytes()).await;
         assert_eq!(a.status, 404, "{scheme}: {}", a.body);
     }
-    let out = env
-        .command(&["api-keys", "list", "--json"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["api-keys", "list", "--json"]).await;
     assert!(out.status.success());
     let listed: Value = serde_json::from_slice(&out.stdout).expect("the keys as JSON");
     let scopes = listed[0]["scopes"].clone();
@@ -1221,10 +1022,7 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
     let env = TestEnv::new("http3_dead").await;
     let admin = key(&env, "ops", "admin").await;
     let api = ApiServer::start(&env, &[]).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test-http3")
-        .await
-        .unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let mut pending = Vec::new();
     for i in 0..3000 {
         let reason = if i < 2990 {
@@ -1244,20 +1042,12 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
     }
     let ch = conn.create_channel().await.unwrap();
     let q = env.topology().purchases_dead;
-    eventually(Duration::from_secs(20), "3000 dead letters", || {
-        let (ch, q) = (ch.clone(), q.clone());
-        async move { queue_depth(&ch, &q).await == 3000 }
-    })
-    .await;
+    // 3000 dead letters
+    wait_depth(&ch, &q, 20, |n| n == 3000).await;
     let started = Instant::now();
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/dead-letters?reason=unknown_pool",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api
+        .get("/v1/dead-letters?reason=unknown_pool", &admin)
+        .await;
     assert_eq!(status, 200);
     let got = json_of(&body);
     assert_eq!(got["scanned"], 1000, "{got}");
@@ -1273,64 +1063,28 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
         started.elapsed()
     );
     // Without a filter the limit ends the walk, and nothing is left out.
-    let (_, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/dead-letters?limit=5",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, body) = api.get("/v1/dead-letters?limit=5", &admin).await;
     let got = json_of(&body);
     assert_eq!(
         (got["scanned"].clone(), got["stopped_early"].clone()),
         (5.into(), false.into()),
         "{got}"
     );
-    eventually(
-        Duration::from_secs(20),
-        "every letter back in the queue",
-        || {
-            let (ch, q) = (ch.clone(), q.clone());
-            async move { queue_depth(&ch, &q).await == 3000 }
-        },
-    )
-    .await;
+    // Every letter back in the queue.
+    wait_depth(&ch, &q, 20, |n| n == 3000).await;
     api.stop().await;
     env.cleanup().await;
 }
 
 #[tokio::test]
 async fn answers_that_carry_plaintext_codes_are_never_stored_by_caches() {
-    let env = TestEnv::new("http3_cache").await;
-    env.fill_pool("cc", 5).await;
+    let env = TestEnv::with_pools("http3_cache", &[("cc", 5)]).await;
     let k = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
     let api = ApiServer::start(&env, &[]).await;
-    let placed = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &order("N-1", "cc", 2),
-    )
-    .await;
-    let again = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &order("N-1", "cc", 2),
-    )
-    .await;
-    let revealed = http(
-        &api.addr,
-        "GET",
-        "/v1/orders/N-1?reveal=true",
-        Some(&k),
-        b"",
-    )
-    .await;
-    let missing = http(&api.addr, "GET", "/v1/orders/nothing", Some(&k), b"").await;
+    let placed = api.post("/v1/orders", &k, &order("N-1", "cc", 2)).await;
+    let again = api.post("/v1/orders", &k, &order("N-1", "cc", 2)).await;
+    let revealed = api.get("/v1/orders/N-1?reveal=true", &k).await;
+    let missing = api.get("/v1/orders/nothing", &k).await;
     for (what, (status, headers, _), want) in [
         ("the first answer", placed, 201),
         ("the repeat", again, 200),
@@ -1499,8 +1253,7 @@ impl ReplaceAuth for Vec<u8> {
 
 #[tokio::test]
 async fn hostile_requests_get_their_problem_and_the_api_keeps_serving() {
-    let env = TestEnv::new("api_hostile").await;
-    env.fill_pool("hp", 5).await;
+    let env = TestEnv::with_pools("api_hostile", &[("hp", 5)]).await;
     let k = key(&env, "shop", "orders:write,orders:read").await;
     let api = ApiServer::start(
         &env,
@@ -1562,7 +1315,7 @@ async fn an_upload_is_imported_while_it_is_still_arriving() {
         Duration::from_secs(30),
         "the first rows imported mid-upload",
         || {
-            let codes = env.store.database().collection::<bson::Document>("codes");
+            let codes = env.coll("codes");
             async move {
                 codes
                     .count_documents(bson::doc! {"pool": "st"})
@@ -1573,13 +1326,7 @@ async fn an_upload_is_imported_while_it_is_still_arriving() {
         },
     )
     .await;
-    let mid = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(bson::doc! {"pool": "st"})
-        .await
-        .unwrap();
+    let mid = count_codes(&env, bson::doc! {"pool": "st"}).await;
     assert!(
         mid < 20_000,
         "not everything before the rest was sent: {mid}"
@@ -1604,21 +1351,13 @@ async fn an_upload_is_imported_while_it_is_still_arriving() {
 /// HTTP. The owner's own repeat is answered, and audited.
 #[tokio::test]
 async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_audited() {
-    use crate::api::{http, json_of, key, order, ApiServer};
-    let env = TestEnv::new("seam_owner").await;
-    env.fill_pool("own", 10).await;
+    use crate::api::{json_of, key, order, ApiServer};
+    let env = TestEnv::with_pools("seam_owner", &[("own", 10)]).await;
     let a = key(&env, "shop-a", "orders:write,orders:read").await;
     let b = key(&env, "shop-b", "orders:write,orders:read").await;
     let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&a),
-        &order("O-1", "own", 2),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &a, &order("O-1", "own", 2)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let codes: Vec<String> = json_of(&body)["codes"]
         .as_array()
@@ -1632,14 +1371,7 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
             .any(|c| String::from_utf8_lossy(body).contains(c.as_str()))
     };
 
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&b),
-        &order("O-1", "own", 2),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &b, &order("O-1", "own", 2)).await;
     assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
     assert!(json_of(&body)["type"]
         .as_str()
@@ -1647,14 +1379,13 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
         .ends_with("conflicting-order"));
     assert!(!leaks(&body), "another key's repeat shows no code");
     for action in ["void", "redeem", "resend"] {
-        let (status, _, body) = http(
-            &api.addr,
-            "POST",
-            &format!("/v1/orders/O-1/{action}"),
-            Some(&b),
-            br#"{"reason":"refund"}"#,
-        )
-        .await;
+        let (status, _, body) = api
+            .post(
+                &format!("/v1/orders/O-1/{action}"),
+                &b,
+                br#"{"reason":"refund"}"#,
+            )
+            .await;
         assert_eq!(
             status,
             404,
@@ -1668,20 +1399,10 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
         "nothing changed"
     );
 
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&a),
-        &order("O-1", "own", 2),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &a, &order("O-1", "own", 2)).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert!(leaks(&body), "the owner's repeat gets its codes");
-    let audited = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
+    let audited = env.coll("audit")
         .find_one(bson::doc! {"os_user": "api-key:shop-a", "command": {"$regex": "^POST /v1/orders, a repeat"}})
         .await
         .unwrap()
@@ -1690,8 +1411,7 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
 
     // An order that came over AMQP is nobody's to repeat over HTTP.
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     let mut amqp = purchase("AM-1", "own");
     amqp.uid = "u-api".into();
     publish_confirmed(&publisher, &[amqp]).await;
@@ -1699,28 +1419,16 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
         order_statuses(&env, "AM-1").await == vec![1]
     })
     .await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&a),
-        &order("AM-1", "own", 1),
-    )
-    .await;
+    let (status, _, body) = api.post("/v1/orders", &a, &order("AM-1", "own", 1)).await;
     assert_eq!(status, 409, "{}", String::from_utf8_lossy(&body));
     assert!(
         !String::from_utf8_lossy(&body).contains("own-0"),
         "no code in the answer"
     );
     // A key with the admin scope acts on any order.
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders/O-1/void",
-        Some(&admin),
-        br#"{"reason":"refund"}"#,
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/orders/O-1/void", &admin, br#"{"reason":"refund"}"#)
+        .await;
     assert_eq!(status, 200);
     daemon.stop().await;
     api.stop().await;
@@ -1731,9 +1439,8 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
 /// post is a repeat with the same code, not a second grant.
 #[tokio::test]
 async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
-    use crate::api::{http, json_of, key, ApiServer};
-    let env = TestEnv::new("seam_nfc").await;
-    env.fill_pool("nf", 5).await;
+    use crate::api::{json_of, key, ApiServer};
+    let env = TestEnv::with_pools("seam_nfc", &[("nf", 5)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
     let body = |id: &str| {
@@ -1741,22 +1448,8 @@ async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
             .to_string()
             .into_bytes()
     };
-    let (s1, _, b1) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &body("NF-caf\u{e9}"),
-    )
-    .await;
-    let (s2, _, b2) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &body("NF-cafe\u{301}"),
-    )
-    .await;
+    let (s1, _, b1) = api.post("/v1/orders", &shop, &body("NF-caf\u{e9}")).await;
+    let (s2, _, b2) = api.post("/v1/orders", &shop, &body("NF-cafe\u{301}")).await;
     assert_eq!((s1, s2), (201, 200), "{}", String::from_utf8_lossy(&b2));
     assert_eq!(json_of(&b1)["codes"], json_of(&b2)["codes"]);
     assert_eq!(order_statuses(&env, "NF-caf\u{e9}").await, vec![1]);

@@ -5,15 +5,11 @@
 //! and no record holds a secret. Every change (import, pause, resume,
 //! void, recall) is audited with who made it, through the CLI or the API.
 
-use std::process::Stdio;
-
 use bson::{doc, Document};
-use futures::TryStreamExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::api::ApiServer;
-use crate::common::{codepool_ok, TestEnv};
-use crate::fixtures::audited;
+use crate::common::*;
+use crate::fixtures::*;
 
 const USER: &str = "cli-auditor";
 const FIRST_PASSWORD: &str = "first correct horse battery";
@@ -22,18 +18,7 @@ const SECOND_PASSWORD: &str = "second correct horse battery";
 /// Runs `codepool args` as [`USER`] with `stdin` on standard input;
 /// exit code and stdout.
 async fn run(env: &TestEnv, args: &[&str], stdin: &str) -> (i32, String) {
-    let mut child = env
-        .command(args)
-        .env("USER", USER)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin.as_bytes()).await.unwrap();
-    drop(input);
-    let out = child.wait_with_output().await.unwrap();
+    let out = with_stdin(env.command(args).env("USER", USER), stdin.as_bytes()).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
@@ -49,16 +34,7 @@ async fn run_ok(env: &TestEnv, args: &[&str], stdin: &str) -> String {
 
 /// Every audit record, oldest first.
 async fn audit_records(env: &TestEnv) -> Vec<Document> {
-    env.store
-        .database()
-        .collection::<Document>("audit")
-        .find(doc! {})
-        .sort(doc! {"at": 1})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+    audit_docs(env, doc! {}).await
 }
 
 #[tokio::test]
@@ -209,14 +185,7 @@ async fn console(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, head.to_owned(), body.to_owned())
+    raw_exchange(addr, req.as_bytes()).await
 }
 
 /// The kind and words of each record of `who`, oldest first.
@@ -365,7 +334,7 @@ async fn the_cli_and_the_console_record_the_same_credential_changes_alike() {
 /// console's are checked by its own tests.
 #[tokio::test]
 async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
-    use crate::api::{http, http_as, json_of, key, order, ApiServer};
+    use crate::api::{json_of, key, order, ApiServer};
     let env = TestEnv::new("seam_audit").await;
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("codes.csv");
@@ -417,14 +386,7 @@ async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
     let shop = key(&env, "shop", "orders:write,orders:read").await;
     let admin = key(&env, "ops", "admin,orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("AU-1", "au", 1),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("AU-1", "au", 1)).await;
     assert_eq!(status, 201);
     run(vec![
         "void".into(),
@@ -443,58 +405,37 @@ async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
     ])
     .await;
 
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("AU-2", "au", 1),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("AU-2", "au", 1)).await;
     assert_eq!(status, 202, "the pool is recalled: AU-2 waits");
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders/AU-2/void",
-        Some(&shop),
-        br#"{"reason":"refund"}"#,
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/orders/AU-2/void", &shop, br#"{"reason":"refund"}"#)
+        .await;
     assert_eq!(status, 200);
     let csv2: String = "code\n".to_owned()
         + &(0..5)
             .map(|i| format!("AV-{i:04}-XYZ\n"))
             .collect::<String>();
-    let (status, _, body) = http_as(
-        &api.addr,
-        "POST",
-        "/v1/pools/au/imports?file=more.csv",
-        Some(&admin),
-        "text/csv",
-        csv2.as_bytes(),
-    )
-    .await;
+    let (status, _, body) = api
+        .post_as(
+            "/v1/pools/au/imports?file=more.csv",
+            &admin,
+            "text/csv",
+            csv2.as_bytes(),
+        )
+        .await;
     assert_eq!(status, 201);
     let second = json_of(&body)["import_id"].as_str().unwrap().to_owned();
     for p in ["pause", "resume"] {
-        let (status, _, _) = http(
-            &api.addr,
-            "POST",
-            &format!("/v1/pools/au/{p}"),
-            Some(&admin),
-            b"",
-        )
-        .await;
+        let (status, _, _) = api.post(&format!("/v1/pools/au/{p}"), &admin, b"").await;
         assert_eq!(status, 200);
     }
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        &format!("/v1/imports/{second}/recall"),
-        Some(&admin),
-        br#"{"reason":"leak"}"#,
-    )
-    .await;
+    let (status, _, _) = api
+        .post(
+            &format!("/v1/imports/{second}/recall"),
+            &admin,
+            br#"{"reason":"leak"}"#,
+        )
+        .await;
     assert_eq!(status, 200);
     api.stop().await;
 

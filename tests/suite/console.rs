@@ -16,9 +16,9 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::api::{http, key, order, ApiServer};
-use crate::common::{codepool_ok, eventually, free_port, TestEnv};
-use crate::fixtures::{exchange_from, form_value, RawAnswer};
+use crate::api::{key, order, ApiServer};
+use crate::common::*;
+use crate::fixtures::*;
 
 const PASSWORD: &str = "a long enough password";
 
@@ -176,28 +176,13 @@ impl Browser {
 
 /// `codepool operators add` with the password on standard input.
 async fn operator(env: &TestEnv, name: &str, role: &str) {
-    let mut child = env
-        .command(&[
-            "operators",
-            "add",
-            "--name",
-            name,
-            "--role",
-            role,
-            "--password-stdin",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    stdin
-        .write_all(format!("{PASSWORD}\n").as_bytes())
-        .await
-        .unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let args = ["operators", "add", "--name", name, "--role", role];
+    let mut cmd = env.command(&args);
+    let out = with_stdin(
+        cmd.arg("--password-stdin"),
+        format!("{PASSWORD}\n").as_bytes(),
+    )
+    .await;
     assert!(
         out.status.success(),
         "{}",
@@ -208,17 +193,11 @@ async fn operator(env: &TestEnv, name: &str, role: &str) {
 /// A form POST with a cookie, as a page (or a forger) would send it:
 /// status, `location` and body.
 async fn post_form(addr: &str, path: &str, cookie: &str, body: &str) -> (u16, String, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (status, head, body) = raw_exchange(addr, req.as_bytes()).await;
     let location = head
         .lines()
         .find_map(|l| {
@@ -227,20 +206,15 @@ async fn post_form(addr: &str, path: &str, cookie: &str, body: &str) -> (u16, St
                 .map(|v| v.trim().to_owned())
         })
         .unwrap_or_default();
-    (status, location, body.to_owned())
+    (status, location, body)
 }
 
 async fn get_with(addr: &str, path: &str, cookie: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\n\r\n"
     );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, text)
+    let (status, head, body) = raw_exchange(addr, req.as_bytes()).await;
+    (status, format!("{head}\r\n\r\n{body}"))
 }
 
 /// The audit page's kind filter takes the kinds by name and refuses
@@ -253,9 +227,7 @@ async fn audit_kinds_filter_and_an_old_kind_lists(env: &TestEnv, addr: &str, coo
         text.contains("voids") && text.contains("void, redeem") && text.contains("sign-out"),
         "{text}"
     );
-    env.store
-        .database()
-        .collection::<bson::Document>("audit")
+    env.coll("audit")
         .insert_one(bson::doc! {
             "kind": "retired-kind", "at": bson::DateTime::now(),
             "os_user": "operator:old", "command": "codepool old", "what": "an old change",
@@ -327,14 +299,9 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
     assert_eq!(unissued_of(&b.text(cell).await), 40);
     b.shot("pools").await;
     for i in 0..5 {
-        let (status, _, body) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&shop),
-            &order(&format!("W-{i}"), "game-x", 1),
-        )
-        .await;
+        let (status, _, body) = api
+            .post("/v1/orders", &shop, &order(&format!("W-{i}"), "game-x", 1))
+            .await;
         assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     }
     eventually(
@@ -373,9 +340,7 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
         assert_eq!(status, 303, "{action}: {body}");
     }
     let import = env
-        .store
-        .database()
-        .collection::<bson::Document>("imports")
+        .coll("imports")
         .find_one(bson::doc! {"pool": "game-x"})
         .await
         .unwrap()
@@ -404,22 +369,16 @@ async fn audited_kinds(env: &TestEnv, who: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall() {
-    let env = TestEnv::new("console_support").await;
-    env.fill_pool("game-y", 10).await;
+    let env = TestEnv::with_pools("console_support", &[("game-y", 10)]).await;
     operator(&env, "sam", "support").await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
     let hostile = "<script>alert('uid')</script>";
     let body =
         json!({"order_id": "O-77", "uid": hostile, "phone": "+8613800000077", "pool": "game-y"});
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        body.to_string().as_bytes(),
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/orders", &shop, body.to_string().as_bytes())
+        .await;
     assert_eq!(status, 201);
     let b = Browser::start(&api.addr).await;
     b.sign_in("sam").await;
@@ -536,8 +495,7 @@ fn crate_url(s: &str) -> String {
 
 #[tokio::test]
 async fn a_signed_out_session_cannot_reach_a_page_and_admin_pages_render() {
-    let env = TestEnv::new("console_signout").await;
-    env.fill_pool("game-z", 5).await;
+    let env = TestEnv::with_pools("console_signout", &[("game-z", 5)]).await;
     operator(&env, "ada", "admin").await;
     let api = ApiServer::start(&env, &[]).await;
     let b = Browser::start(&api.addr).await;
@@ -585,22 +543,8 @@ async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
     use crate::webhooks::{
         publisher, shop_purchase, verified_by_the_python_library, Answer, Receiver,
     };
-    let env = TestEnv::new("console_webhooks").await;
-    env.fill_pool("game-w", 5).await;
-    codepool_ok(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-w",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
+    let env = TestEnv::with_pools("console_webhooks", &[("game-w", 5)]).await;
+    shop(&env, "acme", "game-w").await;
     operator(&env, "ada", "admin").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -667,7 +611,7 @@ async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refus
     let api = ApiServer::start(&env, &[]).await;
     let b = Browser::start(&api.addr).await;
     b.sign_in("ada").await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
 
     b.goto("/console/pools/game-g").await;
     b.fill("form.generate input[name=count]", "300").await;
@@ -727,14 +671,9 @@ async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
     for i in 1..=4 {
-        let (s, _, _) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&shop),
-            &order(&format!("S-{i}"), "game-s", 1),
-        )
-        .await;
+        let (s, _, _) = api
+            .post("/v1/orders", &shop, &order(&format!("S-{i}"), "game-s", 1))
+            .await;
         assert_eq!(s, 201);
     }
     let b = Browser::start(&api.addr).await;
@@ -813,12 +752,7 @@ async fn signed_in(addr: &str, name: &str) -> String {
 }
 
 async fn sessions_of(env: &TestEnv, name: &str) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>("console_sessions")
-        .count_documents(bson::doc! {"operator": name})
-        .await
-        .unwrap()
+    count_docs(&env, "console_sessions", bson::doc! {"operator": name}).await
 }
 
 /// Sign-ins sent all at once, each `(from, name, password)`: the answers.

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::api::{http, json_of, key, ApiServer};
+use crate::api::{json_of, key, ApiServer};
 use crate::common::{codepool_ok, TestEnv};
 
 /// A hold's body: `quantity` codes of one pool for `uid`.
@@ -48,9 +48,41 @@ pub(crate) async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
     codepool_ok(env, &args).await.trim().to_owned()
 }
 
+/// `codepool shops create --name NAME --pools POOLS`, then `extra`.
+pub(crate) async fn create_shop(env: &TestEnv, name: &str, pools: &str, extra: &[&str]) {
+    let mut args = vec!["shops", "create", "--name", name, "--pools", pools];
+    args.extend_from_slice(extra);
+    codepool_ok(env, &args).await;
+}
+
+/// A shop whose purchases the suite publishes: the suite publishes as the
+/// broker's guest user.
+pub(crate) async fn shop(env: &TestEnv, name: &str, pools: &str) {
+    create_shop(env, name, pools, &["--broker-users", "guest"]).await;
+}
+
+/// `codepool pool set --pool POOL`, then `settings`.
+pub(crate) async fn pool_set(env: &TestEnv, pool: &str, settings: &[&str]) {
+    let mut args = vec!["pool", "set", "--pool", pool];
+    args.extend_from_slice(settings);
+    codepool_ok(env, &args).await;
+}
+
 /// The `codes` collection of the test's database.
 pub(crate) fn codes(env: &TestEnv) -> mongodb::Collection<Document> {
-    env.store.database().collection::<Document>("codes")
+    env.coll("codes")
+}
+
+/// How many documents of the collection `coll` match `filter`.
+pub(crate) async fn count_docs(env: &TestEnv, coll: &str, filter: Document) -> u64 {
+    env.coll(coll).count_documents(filter).await.unwrap()
+}
+
+/// The documents of the collection `coll` that match `filter`.
+pub(crate) async fn find_docs(env: &TestEnv, coll: &str, filter: Document) -> Vec<Document> {
+    use futures::TryStreamExt;
+    let found = env.coll(coll).find(filter).await.unwrap();
+    found.try_collect().await.unwrap()
 }
 
 /// The ids of the codes with `filter`.
@@ -103,7 +135,7 @@ pub(crate) async fn hold_doc(env: &TestEnv, id: &str) -> Document {
 /// `POST path` with `body` as `key`: the status and the JSON answer
 /// (`null` for an empty one).
 pub(crate) async fn post_json(api: &ApiServer, key: &str, path: &str, body: &[u8]) -> (u16, Value) {
-    let (s, _, b) = http(&api.addr, "POST", path, Some(key), body).await;
+    let (s, _, b) = api.post(path, key, body).await;
     (
         s,
         if b.is_empty() {
@@ -185,6 +217,19 @@ pub(crate) async fn exchange_from(addr: &str, from: Ipv4Addr, bytes: &[u8]) -> R
         .expect("an answer within 30 s")
 }
 
+/// Sends the raw request `req` on a new connection to `addr` and reads the
+/// answer to its end: status, head and body.
+pub(crate) async fn raw_exchange(addr: &str, req: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(req).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head.to_owned(), body.to_owned())
+}
+
 /// Percent-encodes a form value.
 pub(crate) fn form_value(v: &str) -> String {
     v.bytes()
@@ -204,7 +249,7 @@ pub(crate) fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
 
 /// `codepool ARGS`: (exit code, stdout, stderr).
 pub(crate) async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let out = env.command(args).output().await.expect("run codepool");
+    let out = env.run(args).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -270,43 +315,24 @@ pub(crate) async fn add_codes(env: &TestEnv, pool: &str, prefix: &str, n: usize)
 
 /// Codes of `order` by status (0 unissued … 3 void).
 pub(crate) async fn order_statuses(env: &TestEnv, order: &str) -> Vec<i32> {
-    use futures::TryStreamExt;
-    let mut s: Vec<i32> = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .find(bson::doc! {"order_id": order})
-        .await
-        .unwrap()
-        .try_collect::<Vec<_>>()
-        .await
-        .unwrap()
-        .iter()
-        .map(|d| d.get_i32("status").unwrap())
-        .collect();
+    let found = find_docs(env, "codes", doc! {"order_id": order}).await;
+    let mut s: Vec<i32> = found.iter().map(|d| d.get_i32("status").unwrap()).collect();
     s.sort();
     s
 }
 
+/// The audit records that match `filter`, oldest first.
+pub(crate) async fn audit_docs(env: &TestEnv, filter: Document) -> Vec<Document> {
+    use futures::TryStreamExt;
+    let found = env.coll("audit").find(filter).sort(doc! {"at": 1}).await;
+    found.unwrap().try_collect().await.unwrap()
+}
+
 /// The audit records of `who`, as (kind, command), oldest first.
 pub(crate) async fn audited(env: &TestEnv, who: &str) -> Vec<(String, String)> {
-    use futures::TryStreamExt;
-    env.store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(bson::doc! {"os_user": who})
-        .sort(bson::doc! {"at": 1})
-        .await
-        .unwrap()
-        .try_collect::<Vec<_>>()
-        .await
-        .unwrap()
-        .iter()
-        .map(|d| {
-            (
-                d.get_str("kind").unwrap().to_owned(),
-                d.get_str("command").unwrap_or("").to_owned(),
-            )
-        })
+    let records = audit_docs(env, doc! {"os_user": who}).await;
+    let field = |d: &Document, f: &str| d.get_str(f).unwrap_or("").to_owned();
+    (records.iter())
+        .map(|d| (d.get_str("kind").unwrap().to_owned(), field(d, "command")))
         .collect()
 }

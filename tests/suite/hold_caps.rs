@@ -10,43 +10,21 @@ use serde_json::json;
 
 use crate::api::{http, json_of, key, ApiServer};
 use crate::common::*;
-use crate::fixtures::{checkout_api, code_ids, hold, hold_doc, paid, pool_statuses, post_json};
+use crate::fixtures::*;
 
 async fn held(env: &TestEnv, pool: &str) -> u64 {
-    (env.store.database().collection::<bson::Document>("codes"))
-        .count_documents(doc! {"pool": pool, "status": 4})
-        .await
-        .unwrap()
+    count_codes(&env, doc! {"pool": pool, "status": 4}).await
 }
 
 #[tokio::test]
 async fn one_key_holds_at_most_its_share_of_a_pool_whatever_the_uids_it_sends() {
-    let env = TestEnv::new("caps_owner").await;
-    env.fill_pool("crowd", 20).await;
+    let env = TestEnv::with_pools("caps_owner", &[("crowd", 20)]).await;
     // Each buyer may hold the whole pool; a shop may hold half of it.
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "crowd", "--hold-share", "100"],
-    )
-    .await;
+    pool_set(&env, "crowd", &["--hold-share", "100"]).await;
     let mut keys = Vec::new();
     for shop in ["greedy", "other"] {
-        codepool_ok(
-            &env,
-            &["shops", "create", "--name", shop, "--pools", "crowd"],
-        )
-        .await;
-        let args = [
-            "api-keys",
-            "create",
-            "--name",
-            shop,
-            "--shop",
-            shop,
-            "--scopes",
-            "orders:write,orders:read",
-        ];
-        keys.push(codepool_ok(&env, &args).await.trim().to_owned());
+        create_shop(&env, shop, "crowd", &[]).await;
+        keys.push(shop_key(&env, shop, shop).await);
     }
     let (greedy, other) = (keys[0].clone(), keys[1].clone());
     let api = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
@@ -75,18 +53,7 @@ async fn one_key_holds_at_most_its_share_of_a_pool_whatever_the_uids_it_sends() 
     let (s, b) = post_json(&api, &other, "/v1/holds", &hold("O-1", "buyer", "crowd", 1)).await;
     assert_eq!(s, 201, "{b}");
     // The share is a pool setting.
-    codepool_ok(
-        &env,
-        &[
-            "pool",
-            "set",
-            "--pool",
-            "crowd",
-            "--hold-share-per-owner",
-            "100",
-        ],
-    )
-    .await;
+    pool_set(&env, "crowd", &["--hold-share-per-owner", "100"]).await;
     let (s, b) = post_json(
         &api,
         &greedy,
@@ -101,20 +68,11 @@ async fn one_key_holds_at_most_its_share_of_a_pool_whatever_the_uids_it_sends() 
 
 #[tokio::test]
 async fn case_and_width_variants_of_a_uid_are_one_buyer_for_holds_and_per_user_limits() {
-    let env = TestEnv::new("caps_buyer").await;
-    env.fill_pool("fold", 40).await;
-    codepool_ok(
+    let env = TestEnv::with_pools("caps_buyer", &[("fold", 40)]).await;
+    pool_set(
         &env,
-        &[
-            "pool",
-            "set",
-            "--pool",
-            "fold",
-            "--hold-share",
-            "100",
-            "--holds-per-uid",
-            "2",
-        ],
+        "fold",
+        &["--hold-share", "100", "--holds-per-uid", "2"],
     )
     .await;
     let k = key(&env, "shop", "orders:write,orders:read").await;
@@ -134,7 +92,7 @@ async fn case_and_width_variants_of_a_uid_are_one_buyer_for_holds_and_per_user_l
     assert_eq!(b["cap"], "holds-per-buyer", "{b}");
     // Per-user limits fold the same way.
     env.fill_pool("once", 10).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "once", "--per-user", "1"]).await;
+    pool_set(&env, "once", &["--per-user", "1"]).await;
     let order = |id: &str, uid: &str| {
         json!({"order_id": id, "uid": uid, "phone": "+8613800000000", "pool": "once"})
             .to_string()
@@ -210,42 +168,27 @@ async fn a_hold_the_stock_cannot_cover_is_409_insufficient_stock_not_a_429_limit
 
 #[tokio::test]
 async fn a_hold_placed_for_mallory_is_paid_by_mallory_with_a_capital_m() {
-    let env = TestEnv::new("lows4_hold_fold").await;
-    env.fill_pool("mc", 10).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "mc", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("lows4_hold_fold", &[("mc", 10)]).await;
+    pool_set(&env, "mc", &["--hold-share", "100"]).await;
     let k = key(&env, "checkout", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold("H-mc", "mallory", "mc", 2),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &k, &hold("H-mc", "mallory", "mc", 2))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     let held = code_ids(&env, doc! {"pool": "mc", "status": 4}).await;
     assert_eq!(held.len(), 2);
     // The same buyer, folded: the order pays the hold with its held codes.
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &paid("O-mc", "Mallory", "mc", 2, "H-mc"),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &k, &paid("O-mc", "Mallory", "mc", 2, "H-mc"))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     assert_eq!(
         code_ids(&env, doc! {"order_id": "O-mc"}).await,
         held,
         "the held codes"
     );
-    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/H-mc", Some(&k), b"").await;
+    let (_, _, b) = api.get("/v1/holds/H-mc", &k).await;
     let b = json_of(&b);
     assert_eq!(b["state"], "committed", "{b}");
     assert_eq!(b["order_id"], "O-mc", "{b}");
@@ -266,22 +209,8 @@ fn plain(order: &str, uid: &str, pool: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn a_hold_and_an_order_from_stock_count_against_one_per_user_limit() {
-    let env = TestEnv::new("cross_peruser").await;
-    env.fill_pool("pu", 10).await;
-    codepool_ok(
-        &env,
-        &[
-            "pool",
-            "set",
-            "--pool",
-            "pu",
-            "--hold-share",
-            "100",
-            "--per-user",
-            "1",
-        ],
-    )
-    .await;
+    let env = TestEnv::with_pools("cross_peruser", &[("pu", 10)]).await;
+    pool_set(&env, "pu", &["--hold-share", "100", "--per-user", "1"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-pu", "solo", "pu", 1)).await;
     assert_eq!(s, 201, "{b}");

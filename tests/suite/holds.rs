@@ -18,9 +18,7 @@ use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
 use crate::common::*;
-use crate::fixtures::{
-    checkout_api, code_ids, hold, hold_doc, import_codes, paid, pool_statuses, post_json, shop_key,
-};
+use crate::fixtures::*;
 use crate::webhooks::{publisher, shop_purchase};
 
 fn hold_items(id: &str, uid: &str, items: &[(&str, u32)], ttl: Option<u64>) -> Vec<u8> {
@@ -46,12 +44,7 @@ fn bundle(order: &str, items: &[(&str, u32)]) -> Vec<u8> {
 }
 
 async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(filter)
-        .await
-        .unwrap()
+    count_codes(&env, filter).await
 }
 
 /// `codepool import` of these codes into `pool`.
@@ -73,8 +66,7 @@ async fn api_with_keys(env: &TestEnv) -> (ApiServer, String) {
 
 #[tokio::test]
 async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty() {
-    let env = TestEnv::new("holds_race").await;
-    env.fill_pool("last", 50).await;
+    let env = TestEnv::with_pools("holds_race", &[("last", 50)]).await;
     let (api, k) = api_with_keys(&env).await;
     let statuses: Vec<(u16, Value)> = futures::stream::iter(0..1000)
         .map(|i| {
@@ -127,10 +119,8 @@ async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty(
     assert_eq!(row["issued"], 0, "{stats}");
     // A held code is in no lookup and no export.
     let export = env
-        .command(&["export", "--pool", "last", "--status", "held", "--reveal"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["export", "--pool", "last", "--status", "held", "--reveal"])
+        .await;
     let text = String::from_utf8_lossy(&export.stdout);
     assert!(
         !text.contains("last-"),
@@ -142,13 +132,8 @@ async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty(
 
 #[tokio::test]
 async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
-    let env = TestEnv::new("holds_release").await;
-    env.fill_pool("rel", 3).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "rel", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("holds_release", &[("rel", 3)]).await;
+    pool_set(&env, "rel", &["--hold-share", "100"]).await;
     let (api, k) = api_with_keys(&env).await;
     let post = |body: Vec<u8>| {
         let (addr, k) = (api.addr.clone(), k.clone());
@@ -163,14 +148,9 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     assert_eq!(s, 201, "{b}");
     // Everything is held: orders wait, oldest first.
     for (o, q) in [("O-1", 1), ("O-2", 2)] {
-        let (s, _, body) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&k),
-            &crate::api::order(o, "rel", q),
-        )
-        .await;
+        let (s, _, body) = api
+            .post("/v1/orders", &k, &crate::api::order(o, "rel", q))
+            .await;
         assert_eq!(s, 202, "{}", String::from_utf8_lossy(&body));
     }
     // The same hold again: 200. Another body under its id: 409.
@@ -180,7 +160,7 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     assert_eq!(s, 409);
 
     // Released: its code goes to the oldest waiting order.
-    let (s, _, body) = http(&api.addr, "DELETE", "/v1/holds/HB", Some(&k), b"").await;
+    let (s, _, body) = api.call("DELETE", "/v1/holds/HB", &k, b"").await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["state"], "released");
     eventually(
@@ -196,7 +176,7 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     );
 
     // HA expires: its two codes come back within 60 s, to O-2.
-    let (s, _, body) = http(&api.addr, "GET", "/v1/holds/HA", Some(&k), b"").await;
+    let (s, _, body) = api.get("/v1/holds/HA", &k).await;
     assert_eq!(s, 200);
     let expires =
         chrono::DateTime::parse_from_rfc3339(json_of(&body)["expires_at"].as_str().unwrap())
@@ -212,12 +192,12 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
         late < chrono::Duration::seconds(60),
         "back within 60 s of expires_at, took {late}"
     );
-    let (_, _, body) = http(&api.addr, "GET", "/v1/holds/HA", Some(&k), b"").await;
+    let (_, _, body) = api.get("/v1/holds/HA", &k).await;
     assert_eq!(json_of(&body)["state"], "expired");
     assert_eq!(count(&env, doc! {"pool": "rel", "status": 4}).await, 0);
     // Another key's hold is not found.
     let other = key(&env, "other", "orders:write,orders:read").await;
-    let (s, _, _) = http(&api.addr, "GET", "/v1/holds/HA", Some(&other), b"").await;
+    let (s, _, _) = api.get("/v1/holds/HA", &other).await;
     assert_eq!(s, 404);
     api.stop().await;
     env.cleanup().await;
@@ -225,34 +205,23 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
 
 #[tokio::test]
 async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused() {
-    let env = TestEnv::new("holds_commit").await;
-    env.fill_pool("pay", 3).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "pay", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("holds_commit", &[("pay", 3)]).await;
+    pool_set(&env, "pay", &["--hold-share", "100"]).await;
     let (api, k) = api_with_keys(&env).await;
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold_items("HP", "buyer", &[("pay", 2)], None),
-    )
-    .await;
+    let (s, _, _) = api
+        .post(
+            "/v1/holds",
+            &k,
+            &hold_items("HP", "buyer", &[("pay", 2)], None),
+        )
+        .await;
     assert_eq!(s, 201);
     let held = code_ids(&env, doc! {"pool": "pay", "status": 4}).await;
     assert_eq!(held.len(), 2);
     // Paid: the held codes become the order's, exactly once.
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &paid("OP", "buyer", "pay", 2, "HP"),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &paid("OP", "buyer", "pay", 2, "HP"))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&body));
     let first = json_of(&body);
     assert_eq!(first["state"], "granted");
@@ -261,21 +230,16 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
         held,
         "the held codes, no others"
     );
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &paid("OP", "buyer", "pay", 2, "HP"),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &paid("OP", "buyer", "pay", 2, "HP"))
+        .await;
     assert_eq!(s, 200);
     assert_eq!(
         json_of(&body)["codes"],
         first["codes"],
         "a retry gets the same codes"
     );
-    let (_, _, body) = http(&api.addr, "GET", "/v1/holds/HP", Some(&k), b"").await;
+    let (_, _, body) = api.get("/v1/holds/HP", &k).await;
     assert_eq!(
         (
             json_of(&body)["state"].clone(),
@@ -286,14 +250,13 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
 
     // A hold that expired unpaid; its code is taken by someone else
     // meanwhile; the late payment waits as a backorder, never refused.
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold_items("HL", "late", &[("pay", 1)], Some(1)),
-    )
-    .await;
+    let (s, _, _) = api
+        .post(
+            "/v1/holds",
+            &k,
+            &hold_items("HL", "late", &[("pay", 1)], Some(1)),
+        )
+        .await;
     assert_eq!(s, 201);
     eventually(
         Duration::from_secs(30),
@@ -301,23 +264,13 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
         || async { count(&env, doc! {"pool": "pay", "status": 0}).await == 1 },
     )
     .await;
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &crate::api::order("O-other", "pay", 1),
-    )
-    .await;
+    let (s, _, _) = api
+        .post("/v1/orders", &k, &crate::api::order("O-other", "pay", 1))
+        .await;
     assert_eq!(s, 201);
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &paid("OL", "late", "pay", 1, "HL"),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &paid("OL", "late", "pay", 1, "HL"))
+        .await;
     assert_eq!(
         s,
         202,
@@ -327,14 +280,13 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
     assert_eq!(json_of(&body)["state"], "waiting");
     // With stock, a late payment is granted from it.
     import(&env, "pay", &["pay-NEW-1", "pay-NEW-2"]).await;
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold_items("HM", "late2", &[("pay", 1)], Some(1)),
-    )
-    .await;
+    let (s, _, _) = api
+        .post(
+            "/v1/holds",
+            &k,
+            &hold_items("HM", "late2", &[("pay", 1)], Some(1)),
+        )
+        .await;
     assert_eq!(s, 201);
     eventually(
         Duration::from_secs(30),
@@ -342,14 +294,9 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
         || async { count(&env, doc! {"pool": "pay", "status": 4}).await == 0 },
     )
     .await;
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &paid("OM", "late2", "pay", 1, "HM"),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &paid("OM", "late2", "pay", 1, "HM"))
+        .await;
     assert_eq!(
         s,
         201,
@@ -362,8 +309,7 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
 
 #[tokio::test]
 async fn one_buyer_cannot_hold_a_whole_pool() {
-    let env = TestEnv::new("holds_caps").await;
-    env.fill_pool("cap", 100).await;
+    let env = TestEnv::with_pools("holds_caps", &[("cap", 100)]).await;
     let (api, k) = api_with_keys(&env).await;
     let post = |id: &str, uid: &str, q: u32| {
         let (addr, k, body) = (
@@ -391,11 +337,7 @@ async fn one_buyer_cannot_hold_a_whole_pool() {
     assert_eq!(s, 429, "the eleventh code is over the share");
     assert_eq!(count(&env, doc! {"pool": "cap", "status": 4}).await, 10);
     // Open holds per buyer.
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "cap", "--holds-per-uid", "2"],
-    )
-    .await;
+    pool_set(&env, "cap", &["--holds-per-uid", "2"]).await;
     for i in 0..2 {
         let (s, _) = post(&format!("M-{i}"), "many", 1).await;
         assert_eq!(s, 201);
@@ -405,10 +347,8 @@ async fn one_buyer_cannot_hold_a_whole_pool() {
     assert_eq!(p["limit"], 2);
     // Bad settings are refused with the rule.
     let out = env
-        .command(&["pool", "set", "--pool", "cap", "--hold-share", "0"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["pool", "set", "--pool", "cap", "--hold-share", "0"])
+        .await;
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("1 to 100"));
     // The buyer's holds show in `codepool lookup`.
@@ -423,18 +363,12 @@ async fn one_buyer_cannot_hold_a_whole_pool() {
 
 #[tokio::test]
 async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_import() {
-    let env = TestEnv::new("bundle_http").await;
-    env.fill_pool("ba", 5).await;
+    let env = TestEnv::with_pools("bundle_http", &[("ba", 5)]).await;
     codepool_ok(&env, &["pool", "create", "--pool", "bb"]).await;
     let (api, k) = api_with_keys(&env).await;
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &bundle("BO-1", &[("ba", 2), ("bb", 1)]),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &bundle("BO-1", &[("ba", 2), ("bb", 1)]))
+        .await;
     assert_eq!(s, 202, "{}", String::from_utf8_lossy(&body));
     let waiting = json_of(&body);
     assert_eq!(waiting["state"], "waiting");
@@ -446,14 +380,9 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
     // Nothing is taken from the first pool while it waits.
     assert_eq!(count(&env, doc! {"pool": "ba", "status": 0}).await, 5);
     // A bundle naming an unknown pool is refused whole.
-    let (s, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &bundle("BO-2", &[("ba", 1), ("nope", 1)]),
-    )
-    .await;
+    let (s, _, body) = api
+        .post("/v1/orders", &k, &bundle("BO-2", &[("ba", 1), ("nope", 1)]))
+        .await;
     assert_eq!(s, 422);
     assert_eq!(json_of(&body)["field"], "pool");
     assert_eq!(count(&env, doc! {"pool": "ba", "status": 0}).await, 5);
@@ -485,27 +414,27 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
         count(&env, doc! {"status": 4}).await == 0
     })
     .await;
-    let (s, _, body) = http(&api.addr, "GET", "/v1/orders/BO-1", Some(&k), b"").await;
+    let (s, _, body) = api.get("/v1/orders/BO-1", &k).await;
     assert_eq!(s, 200);
     assert_eq!(json_of(&body)["codes"].as_array().unwrap().len(), 3);
     // The same order again: its codes, each with its pool. Under the same
     // id with other items, or by another key: 409, and no code shown.
     let same = bundle("BO-1", &[("ba", 2), ("bb", 1)]);
-    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&k), &same).await;
+    let (s, _, body) = api.post("/v1/orders", &k, &same).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
     let pools: Vec<Value> = (json_of(&body)["codes"].as_array().unwrap().iter())
         .map(|c| c["pool"].clone())
         .collect();
     assert_eq!(pools, vec![json!("ba"), json!("ba"), json!("bb")]);
     let other = bundle("BO-1", &[("ba", 1), ("bb", 2)]);
-    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&k), &other).await;
+    let (s, _, body) = api.post("/v1/orders", &k, &other).await;
     assert_eq!(s, 409, "{}", String::from_utf8_lossy(&body));
     assert!(
         !String::from_utf8_lossy(&body).contains("ba-"),
         "no code shown"
     );
     let thief = key(&env, "thief", "orders:write").await;
-    let (s, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&thief), &same).await;
+    let (s, _, body) = api.post("/v1/orders", &thief, &same).await;
     assert_eq!(s, 409);
     assert!(
         !String::from_utf8_lossy(&body).contains("ba-"),
@@ -518,12 +447,10 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
 
 #[tokio::test]
 async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
-    let env = TestEnv::new("bundle_amqp").await;
-    env.fill_pool("qa", 4).await;
+    let env = TestEnv::with_pools("bundle_amqp", &[("qa", 4)]).await;
     codepool_ok(&env, &["pool", "create", "--pool", "qb"]).await;
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     let p = codepool_domain::Purchase::parse(&bundle("BQ-1", &[("qa", 2), ("qb", 2)])).unwrap();
     publish_confirmed(&publisher, std::slice::from_ref(&p)).await;
     eventually(
@@ -550,8 +477,7 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
     // has been handled.
     import(&env, "qb", &["qb-ONE-0001"]).await;
     let news = codepool_domain::PoolEvent::new(codepool_domain::PoolEventKind::Replenished, "qa");
-    let confirm = publisher.publish_pool_event(&news).await.unwrap();
-    confirm.wait().await.unwrap();
+    publish_pool_event(&publisher, &news).await;
     pool_events_handled(
         &env,
         &publisher,
@@ -598,14 +524,11 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
 #[cfg(feature = "failpoints")]
 #[tokio::test]
 async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
-    let env = TestEnv::new("bundle_kill").await;
-    env.fill_pool("ka", 3).await;
-    env.fill_pool("kb", 3).await;
+    let env = TestEnv::with_pools("bundle_kill", &[("ka", 3), ("kb", 3)]).await;
     let mut cmd = env.command(&[]);
     cmd.env("CODEPOOL_FAILPOINTS", "bundle-pause=60000");
     let mut d = start_daemon(cmd).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     let p = codepool_domain::Purchase::parse(&bundle("BK-1", &[("ka", 2), ("kb", 1)])).unwrap();
     publish_confirmed(&publisher, &[p]).await;
     eventually(
@@ -624,11 +547,7 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
     let _ = d.child.wait().await;
     // None shown: the order holds no code, and no lookup shows the held.
     assert_eq!(count(&env, doc! {"order_id": "BK-1"}).await, 0);
-    let out = env
-        .command(&["lookup", "--uid", "u-b"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["lookup", "--uid", "u-b"]).await;
     assert!(!String::from_utf8_lossy(&out.stdout).contains("ka-"));
     // The redelivery completes it whole with the same codes.
     let held = code_ids(&env, doc! {"status": 4}).await;
@@ -649,28 +568,17 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
 
 #[tokio::test]
 async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
-    let env = TestEnv::new("lows4_held_rate").await;
-    env.fill_pool("rate", 40).await;
+    let env = TestEnv::with_pools("lows4_held_rate", &[("rate", 40)]).await;
     let backend = key(&env, "backend", "orders:write,orders:read").await;
     let admin = key(&env, "ops", "admin").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&backend),
-        &hold("H-rate", "u-hold", "rate", 3),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &backend, &hold("H-rate", "u-hold", "rate", 3))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&backend),
-        &order("R-1", "rate", 2),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("R-1", "rate", 2))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
 
     // `codepool stats`: three held, two issued, and only the two issued
@@ -683,7 +591,7 @@ async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
     assert_eq!(row["issued_last_day"], 2, "{out}");
 
     // GET /v1/pools says the same.
-    let (s, _, b) = http(&api.addr, "GET", "/v1/pools", Some(&admin), b"").await;
+    let (s, _, b) = api.get("/v1/pools", &admin).await;
     assert_eq!(s, 200);
     let stats = &json_of(&b)["pools"][0]["stats"];
     assert_eq!(stats["held"], 3, "{stats}");
@@ -692,14 +600,13 @@ async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
 
     // A used code still counts; the hold, paid, counts once it is issued.
     codepool_ok(&env, &["redeem", "--order", "R-1"]).await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&backend),
-        &paid("R-2", "u-hold", "rate", 3, "H-rate"),
-    )
-    .await;
+    let (s, _, b) = api
+        .post(
+            "/v1/orders",
+            &backend,
+            &paid("R-2", "u-hold", "rate", 3, "H-rate"),
+        )
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     let out = codepool_ok(&env, &["stats", "--pool", "rate", "--json"]).await;
     let row = &serde_json::from_str::<Value>(&out).unwrap()[0];
@@ -712,26 +619,11 @@ async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
 
 #[tokio::test]
 async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own() {
-    let env = TestEnv::new("lows4_hold_ns").await;
-    env.fill_pool("hx", 40).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "hx", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("lows4_hold_ns", &[("hx", 40)]).await;
+    pool_set(&env, "hx", &["--hold-share", "100"]).await;
     // The suite publishes as the broker's guest user.
     for shop in ["acme", "bolt"] {
-        let args = [
-            "shops",
-            "create",
-            "--name",
-            shop,
-            "--pools",
-            "hx",
-            "--broker-users",
-            "guest",
-        ];
-        codepool_ok(&env, &args).await;
+        crate::fixtures::shop(&env, shop, "hx").await;
     }
     let acme = shop_key(&env, "acme-1", "acme").await;
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
@@ -740,40 +632,25 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
 
     // One hold id, three owners: three holds.
     for (k, uid, n) in [(&acme, "ann", 1), (&bolt, "bob", 2), (&backend, "cy", 3)] {
-        let (s, _, b) = http(
-            &api.addr,
-            "POST",
-            "/v1/holds",
-            Some(k),
-            &hold("cart-1", uid, "hx", n),
-        )
-        .await;
+        let (s, _, b) = api
+            .post("/v1/holds", k, &hold("cart-1", uid, "hx", n))
+            .await;
         assert_eq!(s, 201, "{uid}: {}", String::from_utf8_lossy(&b));
         assert_eq!(json_of(&b)["hold_id"], "cart-1");
     }
     // Each sees its own; the same request again is the same hold.
     for (k, uid) in [(&acme, "ann"), (&bolt, "bob"), (&backend, "cy")] {
-        let (s, _, b) = http(&api.addr, "GET", "/v1/holds/cart-1", Some(k), b"").await;
+        let (s, _, b) = api.get("/v1/holds/cart-1", k).await;
         assert_eq!(s, 200);
         assert_eq!(json_of(&b)["uid"], uid);
     }
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&acme),
-        &hold("cart-1", "ann", "hx", 1),
-    )
-    .await;
+    let (s, _, _) = api
+        .post("/v1/holds", &acme, &hold("cart-1", "ann", "hx", 1))
+        .await;
     assert_eq!(s, 200, "a repeat");
-    let (s, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&acme),
-        &hold("cart-1", "ann", "hx", 2),
-    )
-    .await;
+    let (s, _, _) = api
+        .post("/v1/holds", &acme, &hold("cart-1", "ann", "hx", 2))
+        .await;
     assert_eq!(s, 409, "another hold under acme's own id");
     let held_by = |uid: &'static str| code_ids(&env, doc! {"status": 4, "uid": uid});
     let (ann, bob, cy) = (
@@ -784,14 +661,9 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
     assert_eq!((ann.len(), bob.len(), cy.len()), (1, 2, 3));
 
     // acme pays its own hold over HTTP.
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme),
-        &paid("A-1", "ann", "hx", 1, "cart-1"),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &acme, &paid("A-1", "ann", "hx", 1, "cart-1"))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     assert_eq!(code_ids(&env, doc! {"order_id": "A-1"}).await, ann);
     let state = |k: String| {
@@ -838,28 +710,18 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
     .await;
 
     // A release touches only the releasing owner's hold.
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&bolt),
-        &hold("cart-2", "bob", "hx", 1),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &bolt, &hold("cart-2", "bob", "hx", 1))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&acme),
-        &hold("cart-2", "ann", "hx", 1),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &acme, &hold("cart-2", "ann", "hx", 1))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
-    let (s, _, b) = http(&api.addr, "DELETE", "/v1/holds/cart-2", Some(&bolt), b"").await;
+    let (s, _, b) = api.call("DELETE", "/v1/holds/cart-2", &bolt, b"").await;
     assert_eq!(s, 200);
     assert_eq!(json_of(&b)["state"], "released");
-    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/cart-2", Some(&acme), b"").await;
+    let (_, _, b) = api.get("/v1/holds/cart-2", &acme).await;
     assert_eq!(json_of(&b)["state"], "held");
     assert_eq!(json_of(&b)["uid"], "ann");
     daemon.stop().await;
@@ -870,25 +732,15 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
 
 #[tokio::test]
 async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes_nothing() {
-    let env = TestEnv::new("lows4_void_held").await;
-    env.fill_pool("vh", 3).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "vh", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("lows4_void_held", &[("vh", 3)]).await;
+    pool_set(&env, "vh", &["--hold-share", "100"]).await;
     let k = key(&env, "checkout", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold("H-vh", "vic", "vh", 1),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &k, &hold("H-vh", "vic", "vh", 1))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let held = codes
         .find_one(doc! {"pool": "vh", "status": 4})
         .await
@@ -899,7 +751,7 @@ async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes
 
     // Voided while held: refused, naming the hold and what to do; nothing moves.
     let void = ["void", "--code", &code, "--pool", "vh", "--reason", "leak"];
-    let out = env.command(&void).output().await.unwrap();
+    let out = env.run(&void).await;
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("held by checkout hold \"H-vh\""), "{err}");
@@ -912,11 +764,11 @@ async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes
         [2, 0, 0, 0, 1],
         "nothing moved"
     );
-    let (_, _, b) = http(&api.addr, "GET", "/v1/holds/H-vh", Some(&k), b"").await;
+    let (_, _, b) = api.get("/v1/holds/H-vh", &k).await;
     assert_eq!(json_of(&b)["state"], "held", "the hold stands");
 
     // As told: the hold released, the code is stock again and is voided.
-    let (s, _, b) = http(&api.addr, "DELETE", "/v1/holds/H-vh", Some(&k), b"").await;
+    let (s, _, b) = api.call("DELETE", "/v1/holds/H-vh", &k, b"").await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
     let out = codepool_ok(&env, &void).await;
     assert!(out.contains("voided unissued code"), "{out}");
@@ -936,26 +788,15 @@ async fn a_code_voided_while_held_shows_its_hold_and_never_the_internal_key() {
     let env = TestEnv::new("lows4_void_key").await;
     let leaked: Vec<String> = (0..3).map(|i| format!("LEAK-{i:04}")).collect();
     let import_id = import_codes(&env, "rh", &leaked).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "rh", "--hold-share", "100"],
-    )
-    .await;
+    pool_set(&env, "rh", &["--hold-share", "100"]).await;
     let k = key(&env, "checkout", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/holds",
-        Some(&k),
-        &hold("H-rh", "rhu", "rh", 2),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/holds", &k, &hold("H-rh", "rhu", "rh", 2))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     let held = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(doc! {"pool": "rh", "status": 4})
         .await
         .unwrap()
@@ -990,7 +831,7 @@ async fn a_code_voided_while_held_shows_its_hold_and_never_the_internal_key() {
         &["lookup", "--uid", "rhu", "--json"][..],
         &["lookup", "--pool", "rh", "--json"][..],
     ] {
-        let out = env.command(args).output().await.unwrap();
+        let out = env.run(args).await;
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(!leaks(&text), "{args:?}: {text}");
     }
@@ -1025,11 +866,7 @@ async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leake
     let env = TestEnv::new("cross_recall").await;
     let leaked: Vec<String> = (0..4).map(|i| format!("LEAK-{i:04}")).collect();
     let import_id = import_codes(&env, "rc", &leaked).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "rc", "--hold-share", "100"],
-    )
-    .await;
+    pool_set(&env, "rc", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-rc", "buyer", "rc", 2)).await;
     assert_eq!(s, 201, "{b}");
@@ -1083,13 +920,8 @@ async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leake
 
 #[tokio::test]
 async fn a_held_code_that_expires_while_held_is_never_committed_and_expire_voids_it() {
-    let env = TestEnv::new("cross_expiry").await;
-    env.fill_pool("ex", 3).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "ex", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("cross_expiry", &[("ex", 3)]).await;
+    pool_set(&env, "ex", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-ex", "buyer", "ex", 1)).await;
     assert_eq!(s, 201, "{b}");
@@ -1098,8 +930,7 @@ async fn a_held_code_that_expires_while_held_is_never_committed_and_expire_voids
     let held_id = *held.iter().next().unwrap();
     // Its time runs out while it is held (the partner's expiry date).
     let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
-    (env.store.database())
-        .collection::<bson::Document>("codes")
+    env.coll("codes")
         .update_one(doc! {"_id": held_id}, doc! {"$set": {"expires_at": past}})
         .await
         .unwrap();
@@ -1128,13 +959,8 @@ async fn a_held_code_that_expires_while_held_is_never_committed_and_expire_voids
 
 #[tokio::test]
 async fn a_hold_paid_while_its_pool_is_paused_is_bound_to_that_order_and_no_other_order_uses_it() {
-    let env = TestEnv::new("cross_pause").await;
-    env.fill_pool("pz", 4).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "pz", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("cross_pause", &[("pz", 4)]).await;
+    pool_set(&env, "pz", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-pz", "buyer", "pz", 1)).await;
     assert_eq!(s, 201, "{b}");
@@ -1176,48 +1002,11 @@ async fn a_hold_paid_while_its_pool_is_paused_is_bound_to_that_order_and_no_othe
 
 #[tokio::test]
 async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
-    let env = TestEnv::new("cross_shops").await;
-    env.fill_pool("sx", 10).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "sx", "--hold-share", "100"],
-    )
-    .await;
-    codepool_ok(
-        &env,
-        &["shops", "create", "--name", "acme", "--pools", "sx"],
-    )
-    .await;
-    codepool_ok(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "bolt",
-            "--pools",
-            "sx",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
-    let acme = codepool_ok(
-        &env,
-        &[
-            "api-keys",
-            "create",
-            "--name",
-            "acme-1",
-            "--shop",
-            "acme",
-            "--scopes",
-            "orders:write,orders:read",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned();
+    let env = TestEnv::with_pools("cross_shops", &[("sx", 10)]).await;
+    pool_set(&env, "sx", &["--hold-share", "100"]).await;
+    create_shop(&env, "acme", "sx", &[]).await;
+    shop(&env, "bolt", "sx").await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
     let api = ApiServer::start(&env, &[]).await;
     let (s, b) = post_json(&api, &acme, "/v1/holds", &hold("H-acme", "buyer", "sx", 1)).await;
     assert_eq!(s, 201, "{b}");
@@ -1262,30 +1051,10 @@ async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
 
 #[tokio::test]
 async fn a_hold_on_a_pool_taken_off_the_shop_is_not_paid_and_nothing_is_issued() {
-    let env = TestEnv::new("cross_shop_pool").await;
-    env.fill_pool("sp", 5).await;
-    env.fill_pool("sq", 5).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "sp", "--hold-share", "100"],
-    )
-    .await;
-    codepool_ok(
-        &env,
-        &["shops", "create", "--name", "sh", "--pools", "sp,sq"],
-    )
-    .await;
-    let args = [
-        "api-keys",
-        "create",
-        "--name",
-        "sh-1",
-        "--shop",
-        "sh",
-        "--scopes",
-        "orders:write,orders:read",
-    ];
-    let k = codepool_ok(&env, &args).await.trim().to_owned();
+    let env = TestEnv::with_pools("cross_shop_pool", &[("sp", 5), ("sq", 5)]).await;
+    pool_set(&env, "sp", &["--hold-share", "100"]).await;
+    create_shop(&env, "sh", "sp,sq", &[]).await;
+    let k = shop_key(&env, "sh-1", "sh").await;
     let api = ApiServer::start(&env, &[]).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-sp", "buyer", "sp", 1)).await;
     assert_eq!(s, 201, "{b}");
@@ -1314,13 +1083,8 @@ async fn a_hold_on_a_pool_taken_off_the_shop_is_not_paid_and_nothing_is_issued()
 
 #[tokio::test]
 async fn a_hold_left_bound_by_a_crash_is_paid_by_no_other_order_and_its_own_retry_ends_it() {
-    let env = TestEnv::new("cross_bound").await;
-    env.fill_pool("bd", 5).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "bd", "--hold-share", "100"],
-    )
-    .await;
+    let env = TestEnv::with_pools("cross_bound", &[("bd", 5)]).await;
+    pool_set(&env, "bd", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-bd", "buyer", "bd", 1)).await;
     assert_eq!(s, 201, "{b}");
@@ -1335,7 +1099,7 @@ async fn a_hold_left_bound_by_a_crash_is_paid_by_no_other_order_and_its_own_retr
     // What a kill -9 between the commit of the codes and the end of the
     // hold leaves: the hold still held, bound to the order that has its
     // codes.
-    (env.store.database().collection::<bson::Document>("holds"))
+    env.coll("holds")
         .update_one(
             doc! {"_id": "H-bd"},
             doc! {"$set": {"state": "held"}, "$unset": {"ended_at": ""}},
@@ -1377,7 +1141,7 @@ async fn a_bundle_paying_a_hold_whose_code_was_recalled_waits_whole() {
     let import_id = import_codes(&env, "ba", &leaked).await;
     env.fill_pool("bb", 5).await;
     for p in ["ba", "bb"] {
-        codepool_ok(&env, &["pool", "set", "--pool", p, "--hold-share", "100"]).await;
+        pool_set(&env, p, &["--hold-share", "100"]).await;
     }
     let (api, k) = checkout_api(&env).await;
     let items = json!([{"pool": "ba", "quantity": 1}, {"pool": "bb", "quantity": 1}]);

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use bson::doc;
 
-use crate::common::{eventually, TestEnv};
-use crate::fixtures::{codepool, codes_file, count_codes, csv_file, import_json};
+use crate::common::*;
+use crate::fixtures::*;
 
 pub(crate) async fn run_import(
     env: &TestEnv,
@@ -16,10 +16,8 @@ pub(crate) async fn run_import(
     pool: &str,
 ) -> (i32, serde_json::Value) {
     let out = env
-        .command(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
-        .output()
-        .await
-        .expect("run codepool import");
+        .run(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
+        .await;
     let code = out.status.code().unwrap_or(-1);
     let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
         panic!(
@@ -38,7 +36,7 @@ async fn import_handles_bom_crlf_quotes_blank_lines_and_spaces() {
     assert_eq!(code, 0, "{s}");
     assert_eq!(s["inserted"], 3);
     assert_eq!(s["invalid"], 0);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     for c in ["AAA-1", "BB,B-2", "CCC-3"] {
         let d = codes.find_one(env.code_filter("shapes", c)).await.unwrap();
         let d = d.unwrap_or_else(|| panic!("{c} missing"));
@@ -104,7 +102,7 @@ async fn importing_the_same_file_twice_inserts_nothing_the_second_time() {
     assert_eq!(second["inserted"], 0);
     assert_eq!(second["duplicates"], 2501);
     assert_eq!(first["sha256"], second["sha256"]);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes.count_documents(doc! {"pool": "twice"}).await.unwrap(),
         2500
@@ -176,7 +174,7 @@ async fn a_200k_code_file_imports_with_flat_memory() {
     let big = write(200_000);
     let small_mb = import_peak_rss_mb(&env, small.path(), "mem-small").await;
     let big_mb = import_peak_rss_mb(&env, big.path(), "mem-big").await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes
             .count_documents(doc! {"pool": "mem-big"})
@@ -225,9 +223,7 @@ async fn a_first_row_that_does_not_name_the_code_column_is_refused_and_nothing_i
         codepool(&env, &["import", path, "--pool", "p", "--column", "serial"]).await;
     assert_eq!(code, 0, "{err}");
     let d = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(doc! {"pool": "p"})
         .await
         .unwrap()
@@ -505,10 +501,8 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     // The same command finishes it: each code once, the codes already in
     // looked up and skipped (not rejected one by one), the record linked.
     let out = env
-        .command(&["import", &path, "--pool", "kill9", "--json"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["import", &path, "--pool", "kill9", "--json"])
+        .await;
     let log = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{log}");
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -519,7 +513,7 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     assert!(log.contains("looked up and skipped"), "{log}");
     assert!(log.contains("plain inserts from here"), "{log}");
     assert_eq!(count_codes(&env, doc! {"pool": "kill9"}).await, 100_000);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let distinct = codes
         .distinct("code_hmac", doc! {"pool": "kill9"})
         .await
@@ -530,24 +524,14 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
 
 #[tokio::test]
 async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
-    use std::process::Stdio;
-    use tokio::io::AsyncWriteExt;
     let env = TestEnv::new("import_stdin").await;
     let body: String = std::iter::once("code\n".to_owned())
         .chain((0..500).map(|i| format!("STDIN-{i:04}\n")))
         .collect();
     let mut counts = Vec::new();
     for _ in 0..2 {
-        let mut child = env
-            .command(&["import", "-", "--pool", "in", "--json"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(body.as_bytes()).await.unwrap();
-        drop(stdin);
-        let out = child.wait_with_output().await.unwrap();
+        let mut cmd = env.command(&["import", "-", "--pool", "in", "--json"]);
+        let out = with_stdin(&mut cmd, body.as_bytes()).await;
         assert_eq!(out.status.code(), Some(0));
         let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(s["file"], "(stdin)");
@@ -562,7 +546,7 @@ async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
         ));
     }
     assert_eq!(counts, vec![(500, 0), (0, 500)]);
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     assert_eq!(
         imports
             .count_documents(doc! {"file": "(stdin)", "status": "done"})

@@ -3,8 +3,8 @@
 //! escaped, never written raw to the operator's terminal, and the JSON
 //! output stays valid JSON of the same text.
 
-use crate::common::TestEnv;
-use crate::fixtures::{assert_no_raw_escapes, codepool, EVIL};
+use crate::common::*;
+use crate::fixtures::*;
 
 #[tokio::test]
 async fn lookup_and_dead_letters_list_escape_terminal_controls() {
@@ -23,12 +23,7 @@ async fn lookup_and_dead_letters_list_escape_terminal_controls() {
     assert_no_raw_escapes(&out);
 
     // A dead letter whose message id and body carry terminal commands.
-    let conn = codepool_broker::connect(&env.amqp_url, "test")
-        .await
-        .unwrap();
-    let publisher = codepool_broker::Publisher::new(&conn, env.topology())
-        .await
-        .unwrap();
+    let (conn, publisher) = env.amqp().await;
     env.topology().declare(publisher.channel()).await.unwrap();
     let props = lapin::BasicProperties::default().with_message_id(EVIL.into());
     (publisher.channel())

@@ -7,8 +7,8 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::common::TestEnv;
-use crate::fixtures::{codepool, PHONE};
+use crate::common::*;
+use crate::fixtures::*;
 
 async fn stderr_of(mut cmd: tokio::process::Command) -> (Option<i32>, String) {
     let out = cmd.output().await.expect("run codepool");
@@ -153,8 +153,7 @@ async fn dispatch_with_a_wrong_rabbitmq_password_says_so_and_exits_1() {
 
 #[tokio::test]
 async fn short_commands_never_panic_at_exit() {
-    let env = TestEnv::new("cli3_exit").await;
-    env.fill_pool("ex", 3).await;
+    let env = TestEnv::with_pools("cli3_exit", &[("ex", 3)]).await;
     for i in 0..25 {
         let (code, _, err) = codepool(&env, &["stats"]).await;
         assert_eq!(code, 0, "run {i}: {err}");
@@ -170,17 +169,15 @@ async fn commands_that_use_the_broker_exit_without_lapin_errors() {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         writeln!(f, "code\nQUIET-{round}-1\nQUIET-{round}-2").unwrap();
         let out = env
-            .command(&["import", f.path().to_str().unwrap(), "--pool", "quiet"])
-            .output()
-            .await
-            .unwrap();
+            .run(&["import", f.path().to_str().unwrap(), "--pool", "quiet"])
+            .await;
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{err}");
         assert!(err.contains("published pool.replenished"), "{err}");
         assert!(!err.contains("io_loop") && !err.contains("ERROR"), "{err}");
         let order = format!("Q-{round}");
         let out = env
-            .command(&[
+            .run(&[
                 "publish",
                 "--pool",
                 "quiet",
@@ -191,9 +188,7 @@ async fn commands_that_use_the_broker_exit_without_lapin_errors() {
                 "--phone",
                 PHONE,
             ])
-            .output()
-            .await
-            .unwrap();
+            .await;
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{err}");
         assert!(!err.contains("io_loop") && !err.contains("ERROR"), "{err}");
@@ -206,21 +201,12 @@ async fn commands_that_use_the_broker_exit_without_lapin_errors() {
 /// `migrate` and by every command, naming the migration it does not know.
 #[tokio::test]
 async fn commands_that_read_never_migrate_and_a_newer_schema_is_refused() {
-    let env = TestEnv::new("seam_schema").await;
-    env.fill_pool("sc", 1).await;
-    let log = env
-        .store
-        .database()
-        .collection::<bson::Document>("_migrations");
+    let env = TestEnv::with_pools("seam_schema", &[("sc", 1)]).await;
+    let log = env.coll("_migrations");
     log.delete_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
         .await
         .unwrap();
-    let out = env.command(&["stats"]).output().await.unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = output_ok(&mut env.command(&["stats"])).await;
     assert!(String::from_utf8_lossy(&out.stderr).contains("0014_codes_any_pool_index"));
     assert!(
         log.find_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
@@ -233,7 +219,7 @@ async fn commands_that_read_never_migrate_and_a_newer_schema_is_refused() {
         .await
         .unwrap();
     for args in [&["stats"][..], &["migrate"][..]] {
-        let out = env.command(args).output().await.unwrap();
+        let out = env.run(args).await;
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(

@@ -169,8 +169,7 @@ fn concrete(template: &str) -> String {
 
 #[tokio::test]
 async fn the_openapi_document_is_valid_served_as_generated_and_covers_every_route() {
-    let env = TestEnv::new("api_openapi").await;
-    env.fill_pool("oa", 5).await;
+    let env = TestEnv::with_pools("api_openapi", &[("oa", 5)]).await;
     let admin = key(&env, "ops", "orders:write,orders:read,codes:reveal,admin").await;
     let api = ApiServer::start(&env, &[]).await;
 
@@ -197,8 +196,7 @@ async fn the_openapi_document_is_valid_served_as_generated_and_covers_every_rout
                 "get" | "delete" => b"",
                 _ => b"{}",
             };
-            let (status, _, body) =
-                http(&api.addr, &method.to_uppercase(), &path, Some(&admin), body).await;
+            let (status, _, body) = api.call(&method.to_uppercase(), &path, &admin, body).await;
             let problem = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
             assert!(
                 status != 405 && problem["title"].as_str() != Some("no such route"),

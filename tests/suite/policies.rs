@@ -7,16 +7,11 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::doc;
-use codepool_broker::Publisher;
 use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
 use futures::StreamExt;
 
-use crate::common::Line0;
-use crate::common::{
-    assign, codepool_ok, drain, eventually, metric_sum, pool_events_handled, publish_confirmed,
-    purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
-};
-use crate::fixtures::order_statuses;
+use crate::common::*;
+use crate::fixtures::*;
 
 fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     Purchase {
@@ -36,18 +31,15 @@ async fn count(env: &TestEnv, collection: &str, filter: bson::Document) -> u64 {
 
 #[tokio::test]
 async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
-    let env = TestEnv::new("policies_per_user").await;
-    env.fill_pool("one", 100).await;
-    env.fill_pool("three", 100).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "one", "--per-user", "1"]).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "three", "--per-user", "3"]).await;
+    let env = TestEnv::with_pools("policies_per_user", &[("one", 100), ("three", 100)]).await;
+    pool_set(&env, "one", &["--per-user", "1"]).await;
+    pool_set(&env, "three", &["--per-user", "3"]).await;
     let a = start_daemon(env.command(&[])).await;
     let b = start_daemon(env.command(&[])).await;
 
     // 30 orders of one user per pool at once, and every tenth order twice
     // (a redelivery), interleaved so both dispatchers see both pools.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let mut orders = Vec::new();
     for i in 0..30 {
         orders.push(of_user(&format!("ONE-{i:02}"), "one", "buyer-1"));
@@ -159,11 +151,9 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
 
 #[tokio::test]
 async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_oldest_first() {
-    let env = TestEnv::new("policies_pause").await;
-    env.fill_pool("p", 3).await;
+    let env = TestEnv::with_pools("policies_pause", &[("p", 3)]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let t = env.topology();
     let mut paused_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.paused")
         .await
@@ -204,13 +194,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     .await;
     // Stock news must not fulfil them while paused (the pool has 2 codes):
     // dispatchers fulfil on pool.replenished, and must skip a paused pool.
-    publisher
-        .publish_pool_event(&PoolEvent::new(PoolEventKind::Replenished, "p"))
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    publish_pool_event(&publisher, &PoolEvent::new(PoolEventKind::Replenished, "p")).await;
     pool_events_handled(&env, &publisher, PoolEventKind::Replenished).await;
     assert_eq!(
         count(&env, "codes", doc! {"pool": "p", "status": 1}).await,
@@ -246,9 +230,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     let backorders = env.store.waiting_backorders("p", 10).await.unwrap();
     assert_eq!(backorders.len(), 4, "no stock for the rest");
     let all: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders")
+        .coll("backorders")
         .find(doc! {"pool": "p"})
         .sort(doc! {"created_at": 1, "_id": 1})
         .await
@@ -303,8 +285,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let a = start_daemon(env.command(&[])).await;
     let b = start_daemon(env.command(&[])).await;
 
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..800)
         .map(|i| purchase(&format!("R-{i:04}"), "r"))
         .collect();
@@ -438,8 +419,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     let env = TestEnv::new("policies_backorder_limit").await;
     codepool_ok(&env, &["pool", "create", "--pool", "late"]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..3)
         .map(|i| of_user(&format!("L-{i}"), "late", "buyer-9"))
         .collect();
@@ -455,7 +435,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     })
     .await;
 
-    codepool_ok(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
+    pool_set(&env, "late", &["--per-user", "1"]).await;
     let mut f = tempfile::NamedTempFile::new().unwrap();
     {
         use std::io::Write;
@@ -500,9 +480,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
 
 /// Pauses `pool` directly in MongoDB, behind the policy cache's back.
 async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .update_one(doc! {"_id": pool}, doc! {"$set": {"paused": true}})
         .await
         .expect("pause");
@@ -510,9 +488,7 @@ async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
 
 #[tokio::test]
 async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
-    let env = TestEnv::new("policies_recall_rounds").await;
-    env.fill_pool("rw", 23).await;
-    env.fill_pool("other", 5).await;
+    let env = TestEnv::with_pools("policies_recall_rounds", &[("rw", 23), ("other", 5)]).await;
     let store = &env.store;
     let codes = store.database().collection::<bson::Document>("codes");
     let of_rw = codes.find_one(doc! {"pool": "rw"}).await.unwrap().unwrap();
@@ -605,9 +581,7 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
     let many: Vec<bson::Document> = (0..=most)
         .map(|i| doc! {"_id": format!("p{i:05}"), "created_at": now, "low_stock_alerted": false})
         .collect();
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .insert_many(many)
         .await
         .expect("insert pools");
@@ -625,9 +599,7 @@ async fn a_pool_document_that_does_not_decode_holds_up_only_its_own_pool() {
     use codepool_issuance::policy::PolicyCache;
     let env = TestEnv::new("policies_bad_pool").await;
     env.store.create_pool("good").await.expect("create pool");
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .insert_one(doc! {"_id": "bad", "paused": "not a bool"})
         .await
         .expect("insert a malformed pool");
@@ -702,21 +674,13 @@ async fn the_key_and_shop_caches_age_by_their_clock() {
 #[tokio::test]
 async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
     use crate::api::{http, json_of, key, order, ApiServer};
-    let env = TestEnv::new("seam_void_race").await;
-    env.fill_pool("race", 60).await;
+    let env = TestEnv::with_pools("seam_void_race", &[("race", 60)]).await;
     env.store.set_paused("race", true).await.expect("pause");
     let shop = key(&env, "shop", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
     let ids: Vec<String> = (0..40).map(|i| format!("R-{i}")).collect();
     for id in &ids {
-        let (status, _, _) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&shop),
-            &order(id, "race", 1),
-        )
-        .await;
+        let (status, _, _) = api.post("/v1/orders", &shop, &order(id, "race", 1)).await;
         assert_eq!(status, 202);
     }
     let daemon = start_daemon(env.command(&[])).await;
@@ -740,8 +704,7 @@ async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
     assert!(resumed.unwrap().status.success());
     // Any fulfilment in flight finishes before the dispatcher reads the
     // next pool.resumed.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     pool_events_handled(&env, &publisher, codepool_domain::PoolEventKind::Resumed).await;
     let ch = conn.create_channel().await.unwrap();
     let texted: Vec<String> = drain(&ch, &env.topology().sms_pending)

@@ -14,20 +14,17 @@ use codepool_store::NewCode;
 use serde_json::Value;
 
 use crate::common::*;
-use crate::fixtures::{codepool, codes_file, import_json};
+use crate::fixtures::*;
 
 const CODES: usize = 60_000;
 
 async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
-    (env.store.database().collection::<bson::Document>("codes"))
-        .count_documents(filter)
-        .await
-        .unwrap()
+    count_codes(&env, filter).await
 }
 
 /// The newest run of the pool once it has inserted some codes.
 async fn running_run(env: &TestEnv, pool: &str, not: &[ObjectId]) -> ObjectId {
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     let started = std::time::Instant::now();
     loop {
         let d = imports
@@ -93,7 +90,7 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
     // The killed run's lease holds a recall off until it lapses (20 s, as
     // `generate::a_run_still_making_codes_is_not_recalled_under_it` waits
     // out); here it is made to have lapsed.
-    (env.store.database().collection::<bson::Document>("imports"))
+    env.coll("imports")
         .update_one(
             doc! {"_id": second},
             doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
@@ -155,10 +152,8 @@ async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() 
     let done: Value = serde_json::from_str(&out).unwrap();
     let done_id = done["import_id"].as_str().unwrap();
     let out = env
-        .command(&["void", "--import", done_id, "--reason", "leak", "--json"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["void", "--import", done_id, "--reason", "leak", "--json"])
+        .await;
     assert_eq!(out.status.code(), Some(3), "a partial recall exits 3");
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     let left: Vec<&str> = (r["left"].as_array().unwrap().iter())
@@ -200,7 +195,7 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     stdin.write_all(b"code\n").await.unwrap();
     stdin.write_all(rows(0, 300).as_bytes()).await.unwrap();
     stdin.flush().await.unwrap();
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     eventually(Duration::from_secs(60), "300 codes land", || async {
         count(&env, doc! {"pool": "li"}).await == 300
     })
@@ -216,10 +211,8 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
 
     // Still running, lease held: refused, nothing voided.
     let out = env
-        .command(&["void", "--import", &id, "--reason", "leak"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["void", "--import", &id, "--reason", "leak"])
+        .await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("still inserting codes"), "{err}");
@@ -269,7 +262,7 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     ];
     codepool_ok(&env, &gen).await;
     codepool_ok(&env, &["void", "--import", &run, "--reason", "leak"]).await;
-    let out = env.command(&gen).output().await.unwrap();
+    let out = env.run(&gen).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("was recalled (leak)"), "{err}");
@@ -284,7 +277,7 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     std::fs::write(file.path(), text).unwrap();
     let path = file.path().to_str().unwrap();
     let killed = stopped_run(&env, path, "rr", "-KILL", &[]).await;
-    (env.store.database().collection::<bson::Document>("imports"))
+    env.coll("imports")
         .update_one(
             doc! {"_id": killed},
             doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
@@ -296,11 +289,7 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
         &["void", "--import", &killed.to_hex(), "--reason", "leak"],
     )
     .await;
-    let out = env
-        .command(&["import", path, "--pool", "rr"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["import", path, "--pool", "rr"]).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("the whole file is taken as leaked"), "{err}");

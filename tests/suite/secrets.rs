@@ -11,22 +11,18 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
-use codepool_broker::Publisher;
 use codepool_domain::{mask, SmsPending};
 use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
-use crate::api::{http, key, order, ApiServer};
-use crate::common::{
-    drain, eventually, http_get, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
-};
-use crate::fixtures::order_statuses;
+use crate::api::{key, order, ApiServer};
+use crate::common::*;
+use crate::fixtures::*;
 
 /// Runs `codepool ARGS` in the test's namespace: (exit code, stdout, stderr).
 async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let out = env.command(args).output().await.expect("run codepool");
+    let out = env.run(args).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -152,8 +148,7 @@ async fn redis_texts(env: &TestEnv) -> Vec<String> {
 /// Publishes `n` purchases of `pool` and waits until the dispatcher has
 /// granted them all (SMS-pending events queued).
 async fn buy(env: &TestEnv, pool: &str, prefix: &str, n: usize) -> Vec<String> {
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..n)
         .map(|i| purchase(&format!("{prefix}-{i:05}"), pool))
         .collect();
@@ -308,30 +303,13 @@ async fn secrets_a_wrong_missing_or_outdated_key_file_consumes_nothing() {
     assert!(err.contains("\"k2\"") && err.contains("missing"), "{err}");
 
     assert_eq!(purchases_left().await, 5, "nothing was consumed");
-    assert_eq!(
-        env.store
-            .database()
-            .collection::<Document>("codes")
-            .count_documents(doc! {"status": 1})
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(count_codes(&env, doc! {"status": 1}).await, 0);
     env.cleanup().await;
 }
 
 /// Every code of `pool` decrypted, with its status and order.
 async fn decrypted(env: &TestEnv, pool: &str) -> Vec<(String, i32, Option<String>)> {
-    let docs: Vec<Document> = env
-        .store
-        .database()
-        .collection::<Document>("codes")
-        .find(doc! {"pool": pool})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<Document> = find_docs(&env, "codes", doc! {"pool": pool}).await;
     docs.iter()
         .map(|d| {
             let order = d.get_str("order_id").ok().map(str::to_owned);
@@ -411,9 +389,7 @@ async fn insert_plaintext(env: &TestEnv, pool: &str, codes: &[String]) {
             "seq": first + i as i64, "created_at": now, "is_sms": 0}
         })
         .collect();
-    env.store
-        .database()
-        .collection::<Document>("codes")
+    env.coll("codes")
         .insert_many(docs)
         .bypass_document_validation(true)
         .await
@@ -474,15 +450,7 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
 
 /// The reveal records in `audit`.
 async fn audit_records(env: &TestEnv) -> Vec<Document> {
-    env.store
-        .database()
-        .collection::<Document>("audit")
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+    find_docs(&env, "audit", doc! {}).await
 }
 
 #[tokio::test]
@@ -623,8 +591,7 @@ async fn secrets_keys_init_writes_a_private_file_and_never_overwrites_one() {
 
 #[tokio::test]
 async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stale_key_file() {
-    let env = TestEnv::new("lows4_keys_ready").await;
-    env.fill_pool("kr", 50).await;
+    let env = TestEnv::with_pools("lows4_keys_ready", &[("kr", 50)]).await;
     let backend = key(&env, "backend", "orders:write").await;
     let api = ApiServer::start(&env, &[]).await;
     let ready = || {
@@ -640,17 +607,7 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
     let other = dir.path().join("keys.json");
     std::fs::copy(&env.key_file, &other).unwrap();
     for args in [["keys", "add"], ["keys", "rotate"]] {
-        let out = env
-            .command(&args)
-            .env("CODEPOOL_KEY_FILE", &other)
-            .output()
-            .await
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        output_ok(env.command(&args).env("CODEPOOL_KEY_FILE", &other)).await;
     }
     // Orders until the first 503: /readyz already says not ready.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -658,14 +615,9 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
     loop {
         assert!(std::time::Instant::now() < deadline, "no order was refused");
         n += 1;
-        let (s, _, b) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&backend),
-            &order(&format!("KR-{n}"), "kr", 1),
-        )
-        .await;
+        let (s, _, b) = api
+            .post("/v1/orders", &backend, &order(&format!("KR-{n}"), "kr", 1))
+            .await;
         if s == 503 {
             assert_eq!(
                 ready().await,
@@ -683,14 +635,9 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
         ready().await == Some(200)
     })
     .await;
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&backend),
-        &order("KR-last", "kr", 1),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("KR-last", "kr", 1))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     api.stop().await;
     env.cleanup().await;
@@ -702,9 +649,7 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
 /// key it serves the purchase.
 #[tokio::test]
 async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
-    use crate::common::http_get;
-    let env = TestEnv::new("seam_keys").await;
-    env.fill_pool("k", 3).await;
+    let env = TestEnv::with_pools("seam_keys", &[("k", 3)]).await;
     let daemon = start_daemon(env.command(&[])).await;
     // Another host: a copy of the key file, a new key, codes sealed with it.
     let dir = tempfile::tempdir().unwrap();
@@ -738,8 +683,7 @@ async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
         },
     )
     .await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     publish_confirmed(&publisher, &[purchase("K-1", "k")]).await;
     // Judged once the dispatcher has stopped consuming and the purchase is
     // back in the queue (handed back, or never taken): nothing of this
@@ -748,22 +692,7 @@ async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
     eventually(
         Duration::from_secs(30),
         "the purchase waits in the queue, for any dispatcher, and none consumes",
-        || async {
-            let ch = conn.create_channel().await.unwrap();
-            let q = ch
-                .queue_declare(
-                    &purchases,
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    Default::default(),
-                )
-                .await
-                .unwrap();
-            let _ = ch.close(200, "looked").await;
-            q.message_count() == 1 && q.consumer_count() == 0
-        },
+        || async { queue_counts(&conn, &purchases).await == Some((1, 0)) },
     )
     .await;
     assert_eq!(
@@ -796,16 +725,14 @@ async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
 /// key file) does not hold a process unready: it leaves the registry.
 #[tokio::test]
 async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
-    let env = TestEnv::new("seam_retired").await;
-    env.fill_pool("rt", 2).await;
-    let registry = env.store.database().collection::<bson::Document>("key_ids");
+    let env = TestEnv::with_pools("seam_retired", &[("rt", 2)]).await;
+    let registry = env.coll("key_ids");
     registry
         .insert_one(bson::doc! {"_id": "k-retired"})
         .await
         .unwrap();
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     publish_confirmed(&publisher, &[purchase("RT-1", "rt")]).await;
     eventually(Duration::from_secs(20), "RT-1 granted", || async {
         order_statuses(&env, "RT-1").await == vec![1]

@@ -11,14 +11,11 @@ use codepool_broker::Publisher;
 use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
-use crate::common::{
-    codepool_ok, drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon,
-    TestEnv, AMQP_URL,
-};
-use crate::fixtures::{code_ids, hold, shop_key};
+use crate::common::*;
+use crate::fixtures::*;
 
 async fn cli(env: &TestEnv, args: &[&str]) -> String {
-    let out = env.command(args).output().await.unwrap();
+    let out = env.run(args).await;
     assert!(
         out.status.success(),
         "{args:?}: {}",
@@ -29,12 +26,7 @@ async fn cli(env: &TestEnv, args: &[&str]) -> String {
 
 /// The codes the database holds for `order`.
 async fn held(env: &TestEnv, order: &str) -> usize {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(bson::doc! {"order_id": order})
-        .await
-        .unwrap() as usize
+    count_codes(&env, bson::doc! {"order_id": order}).await as usize
 }
 
 fn codes_in(body: &[u8]) -> Vec<String> {
@@ -50,30 +42,8 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     for pool in ["game-x", "game-y", "game-z"] {
         env.fill_pool(pool, 10).await;
     }
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-x,game-y",
-        ],
-    )
-    .await;
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "bolt",
-            "--pools",
-            "game-x,game-z",
-        ],
-    )
-    .await;
+    create_shop(&env, "acme", "game-x,game-y", &[]).await;
+    create_shop(&env, "bolt", "game-x,game-z", &[]).await;
     let listed: Value =
         serde_json::from_str(&cli(&env, &["shops", "list", "--json"]).await).unwrap();
     assert_eq!(listed[0]["name"], "acme");
@@ -84,14 +54,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     let api = ApiServer::start(&env, &[]).await;
 
     // Another shop's pool: 403, and nothing is granted.
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme),
-        &order("A-0", "game-z", 1),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/orders", &acme, &order("A-0", "game-z", 1))
+        .await;
     assert_eq!(status, 403, "{}", String::from_utf8_lossy(&body));
     assert!(
         json_of(&body)["type"]
@@ -103,14 +68,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     );
     assert_eq!(held(&env, "A-0").await, 0);
 
-    let (status, _, first) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, first) = api
+        .post("/v1/orders", &acme, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&first));
     let codes = codes_in(&first);
     assert_eq!(codes.len(), 2);
@@ -127,7 +87,7 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
         } else {
             br#"{"reason":"test"}"#.to_vec()
         };
-        let (status, _, answer) = http(&api.addr, method, path, Some(&bolt), &body).await;
+        let (status, _, answer) = api.call(method, path, &bolt, &body).await;
         assert_eq!(
             status,
             404,
@@ -135,14 +95,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             String::from_utf8_lossy(&answer)
         );
     }
-    let (status, _, answer) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&bolt),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, answer) = api
+        .post("/v1/orders", &bolt, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 409, "{}", String::from_utf8_lossy(&answer));
     assert!(json_of(&answer)["type"]
         .as_str()
@@ -157,20 +112,13 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     assert_eq!(held(&env, "A-1").await, 2, "nothing more was claimed");
 
     // The same shop's other key: the same codes, audited as a repeat.
-    let (status, _, again) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme2),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, again) = api
+        .post("/v1/orders", &acme2, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
     assert_eq!(codes_in(&again), codes);
     let repeat = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
+        .coll("audit")
         .find_one(bson::doc! {"os_user": "api-key:acme-2"})
         .await
         .unwrap();
@@ -180,33 +128,31 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             .is_some_and(|d| d.get_str("what").unwrap_or("").contains("A-1")),
         "{repeat:?}"
     );
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/A-1", Some(&acme2), b"").await;
+    let (status, _, _) = api.get("/v1/orders/A-1", &acme2).await;
     assert_eq!(status, 200);
 
     // A shop's pool list shows its pools only.
-    let (status, _, pools) = http(&api.addr, "GET", "/v1/pools", Some(&acme), b"").await;
+    let (status, _, pools) = api.get("/v1/pools", &acme).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&pools));
     let names: Vec<String> = (json_of(&pools)["pools"].as_array().unwrap().iter())
         .map(|p| p["name"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names, vec!["game-x", "game-y"]);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-z", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/pools/game-z", &acme).await;
     assert_eq!(status, 404);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-y", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/pools/game-y", &acme).await;
     assert_eq!(status, 200);
 
     // A shop's key cannot be an admin key, nor belong to no shop.
     let out = env
-        .command(&[
+        .run(&[
             "api-keys", "create", "--name", "x", "--shop", "acme", "--scopes", "admin",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin"));
     let out = env
-        .command(&[
+        .run(&[
             "api-keys",
             "create",
             "--name",
@@ -216,59 +162,47 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             "--scopes",
             "orders:read",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert!(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no shop \"nope\"")
     );
 
     // Shops through the admin API: created, listed, changed, refused.
     let admin = key(&env, "ops", "admin").await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/shops",
-        Some(&admin),
-        br#"{"name":"cargo","pools":["*"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/shops", &admin, br#"{"name":"cargo","pools":["*"]}"#)
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/shops",
-        Some(&admin),
-        br#"{"name":"cargo","pools":["*"]}"#,
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/shops", &admin, br#"{"name":"cargo","pools":["*"]}"#)
+        .await;
     assert_eq!(status, 409);
-    let (status, _, body) = http(
-        &api.addr,
-        "PATCH",
-        "/v1/shops/cargo",
-        Some(&admin),
-        br#"{"pools":["bad pool"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .call(
+            "PATCH",
+            "/v1/shops/cargo",
+            &admin,
+            br#"{"pools":["bad pool"]}"#,
+        )
+        .await;
     assert_eq!(status, 422);
     assert_eq!(json_of(&body)["field"], "pools");
-    let (status, _, body) = http(
-        &api.addr,
-        "PATCH",
-        "/v1/shops/cargo",
-        Some(&admin),
-        br#"{"pools":["game-y"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .call(
+            "PATCH",
+            "/v1/shops/cargo",
+            &admin,
+            br#"{"pools":["game-y"]}"#,
+        )
+        .await;
     assert_eq!(
         (status, json_of(&body)["pools"].clone()),
         (200, json!(["game-y"]))
     );
-    let (status, _, body) = http(&api.addr, "GET", "/v1/shops", Some(&admin), b"").await;
+    let (status, _, body) = api.get("/v1/shops", &admin).await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["shops"].as_array().unwrap().len(), 3);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/shops", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/shops", &acme).await;
     assert_eq!(status, 403, "a shop's key is no admin");
     api.stop().await;
     env.cleanup().await;
@@ -276,24 +210,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
 
 #[tokio::test]
 async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_order() {
-    let env = TestEnv::new("shops_amqp").await;
-    env.fill_pool("game-x", 10).await;
-    env.fill_pool("game-z", 10).await;
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-x",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
-    cli(&env, &["shops", "create", "--name", "bolt", "--pools", "*"]).await;
+    let env = TestEnv::with_pools("shops_amqp", &[("game-x", 10), ("game-z", 10)]).await;
+    shop(&env, "acme", "game-x").await;
+    create_shop(&env, "bolt", "*", &[]).await;
     let acme = shop_key(&env, "acme-1", "acme").await;
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
     let daemon = start_daemon(env.command(&[])).await;
@@ -342,18 +261,18 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
 
     // The shop's keys read it and post it again; another shop's do not.
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/orders/M-1", &acme).await;
     assert_eq!(status, 200);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&bolt), b"").await;
+    let (status, _, _) = api.get("/v1/orders/M-1", &bolt).await;
     assert_eq!(status, 404);
     let body = serde_json::to_vec(
         &json!({"order_id": "M-1", "uid": granted.uid, "phone": granted.phone, "pool": "game-x"}),
     )
     .unwrap();
-    let (status, _, again) = http(&api.addr, "POST", "/v1/orders", Some(&acme), &body).await;
+    let (status, _, again) = api.post("/v1/orders", &acme, &body).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
     assert_eq!(codes_in(&again).len(), 1);
-    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&bolt), &body).await;
+    let (status, _, _) = api.post("/v1/orders", &bolt, &body).await;
     assert_eq!(status, 409);
     api.stop().await;
     let _ = conn.close(200, "bye").await;
@@ -362,19 +281,9 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
 
 #[tokio::test]
 async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool() {
-    let env = TestEnv::new("lows4_pool_oracle").await;
-    env.fill_pool("mine", 10).await;
-    env.fill_pool("theirs", 10).await;
-    codepool_ok(
-        &env,
-        &["shops", "create", "--name", "acme", "--pools", "mine"],
-    )
-    .await;
-    codepool_ok(
-        &env,
-        &["shops", "create", "--name", "bolt", "--pools", "theirs"],
-    )
-    .await;
+    let env = TestEnv::with_pools("lows4_pool_oracle", &[("mine", 10), ("theirs", 10)]).await;
+    create_shop(&env, "acme", "mine", &[]).await;
+    create_shop(&env, "bolt", "theirs", &[]).await;
     let acme = shop_key(&env, "acme-1", "acme").await;
     let backend = key(&env, "backend", "orders:write,orders:read").await;
     let api = ApiServer::start(&env, &[]).await;
@@ -426,14 +335,9 @@ async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool(
     );
 
     // An operator's key (no shop) keeps the precise answer.
-    let (s, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&backend),
-        &order("O-op", "nowhere", 1),
-    )
-    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("O-op", "nowhere", 1))
+        .await;
     assert_eq!(s, 422);
     assert!(json_of(&b)["type"]
         .as_str()

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use codepool_broker::Publisher;
 use serde_json::{json, Value};
 
 use crate::api::{http, key, order, ApiServer};
@@ -134,8 +133,7 @@ async fn grepping_one_order_id_shows_its_path_through_either_door() {
     let api = ApiServer::start(&env, &["--log-format", "json"]).await;
 
     // Over AMQP.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     publish_confirmed(&publisher, &[purchase("SA-1", "sp")]).await;
     // Over HTTP: an order from stock, and one that pays for a hold.
     let post = |path: &'static str, body: Vec<u8>| {
@@ -190,19 +188,11 @@ async fn grepping_one_order_id_shows_its_path_through_either_door() {
 /// path, whichever door it came by.
 #[tokio::test]
 async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
-    use crate::api::{http, key, order, ApiServer};
-    let env = TestEnv::new("seam_spans").await;
-    env.fill_pool("sp", 5).await;
+    use crate::api::{key, order, ApiServer};
+    let env = TestEnv::with_pools("seam_spans", &[("sp", 5)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &["--log-format", "json"]).await;
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        &order("SP-1", "sp", 1),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("SP-1", "sp", 1)).await;
     assert_eq!(status, 201);
     let line = |log: &str, message: &str, order: &str| -> Option<serde_json::Value> {
         log.lines()
@@ -244,8 +234,7 @@ async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
     api.stop().await;
 
     let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     publish_confirmed(&publisher, &[purchase("SP-2", "sp")]).await;
     eventually(
         Duration::from_secs(20),

@@ -16,10 +16,8 @@ use bson::doc;
 use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, ApiServer};
-use crate::common::{
-    codepool_ok, eventually, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
-};
-use crate::fixtures::code_ids;
+use crate::common::*;
+use crate::fixtures::*;
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -180,10 +178,6 @@ async fn receive(
 /// Checks a delivery with the official `standardwebhooks` package (PyPI),
 /// as a receiver would. Returns the package's verdict.
 pub(crate) async fn verified_by_the_python_library(secret: &str, hit: &Hit) -> Result<(), String> {
-    let python = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../.services/venv/bin/python"
-    );
     let script = r#"
 import json, sys
 from standardwebhooks.webhooks import Webhook
@@ -196,18 +190,7 @@ print("verified")
         "body": hit.body,
         "headers": {"webhook-id": hit.id, "webhook-timestamp": hit.timestamp, "webhook-signature": hit.signature},
     });
-    let mut child = tokio::process::Command::new(python)
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the services venv (make services installs standardwebhooks)");
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(input.to_string().as_bytes()).await.unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let out = with_stdin(&mut python(script, &[]), input.to_string().as_bytes()).await;
     if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("verified") {
         Ok(())
     } else {
@@ -251,21 +234,6 @@ pub(crate) async fn add_endpoint(
     (v["id"].as_str().unwrap().to_owned(), secret)
 }
 
-pub(crate) async fn shop(env: &TestEnv, name: &str, pools: &str) {
-    // The suite publishes as the broker's guest user.
-    let args = [
-        "shops",
-        "create",
-        "--name",
-        name,
-        "--pools",
-        pools,
-        "--broker-users",
-        "guest",
-    ];
-    codepool_ok(env, &args).await;
-}
-
 pub(crate) fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
     let mut p = purchase(order, pool);
     p.shop = Some(shop.to_owned());
@@ -287,9 +255,7 @@ pub(crate) async fn publisher(env: &TestEnv) -> (lapin::Connection, codepool_bro
 /// The plaintext code an order holds in the database.
 async fn code_of(env: &TestEnv, order: &str) -> String {
     let d = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(bson::doc! {"order_id": order})
         .await
         .unwrap()
@@ -299,8 +265,7 @@ async fn code_of(env: &TestEnv, order: &str) -> String {
 
 #[tokio::test]
 async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() {
-    let env = TestEnv::new("wh_retry").await;
-    env.fill_pool("wg", 10).await;
+    let env = TestEnv::with_pools("wh_retry", &[("wg", 10)]).await;
     shop(&env, "acme", "wg").await;
     let receiver = Receiver::start(Answer::FailFirst).await;
     let (endpoint, secret) =
@@ -447,17 +412,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
 
 /// Every audit record, as (kind, what).
 async fn audit(env: &TestEnv) -> Vec<(String, String)> {
-    use futures::TryStreamExt;
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(bson::doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(&env, "audit", bson::doc! {}).await;
     docs.iter()
         .map(|d| {
             let field = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
@@ -468,28 +423,12 @@ async fn audit(env: &TestEnv) -> Vec<(String, String)> {
 
 #[tokio::test]
 async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
-    let env = TestEnv::new("wh_backorder").await;
-    env.fill_pool("wb", 1).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "wb", "--per-user", "2"]).await;
+    let env = TestEnv::with_pools("wh_backorder", &[("wb", 1)]).await;
+    pool_set(&env, "wb", &["--per-user", "2"]).await;
     shop(&env, "acme", "wb").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
-    let key = codepool_ok(
-        &env,
-        &[
-            "api-keys",
-            "create",
-            "--name",
-            "acme-1",
-            "--shop",
-            "acme",
-            "--scopes",
-            "orders:write,orders:read",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned();
+    let key = shop_key(&env, "acme-1", "acme").await;
     let api = ApiServer::start(&env, &[]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let order = |id: &str| {
@@ -498,10 +437,10 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
             .into_bytes()
     };
     // Answered with its code: the shop has it, no order.granted.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-1")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-1")).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     // No stock left: it waits.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-2")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-2")).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["state"], "waiting");
 
@@ -545,7 +484,7 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
     .await;
 
     // A refusal by the pool's policy (2 orders per uid) is told too.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-3")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-3")).await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
     eventually(Duration::from_secs(20), "HB-3's order.refused", || async {
         (receiver.of_type("order.refused").iter()).any(|h| h.json()["data"]["order_id"] == "HB-3")
@@ -559,8 +498,7 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
 
 #[tokio::test]
 async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
-    let env = TestEnv::new("wh_rotate").await;
-    env.fill_pool("wr", 5).await;
+    let env = TestEnv::with_pools("wh_rotate", &[("wr", 5)]).await;
     shop(&env, "acme", "wr").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (endpoint, old) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
@@ -640,8 +578,7 @@ fn crate_secret_of_another() -> String {
 
 #[tokio::test]
 async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_delivered() {
-    let env = TestEnv::new("wh_refused").await;
-    env.fill_pool("wf", 5).await;
+    let env = TestEnv::with_pools("wh_refused", &[("wf", 5)]).await;
     shop(&env, "acme", "wf").await;
     for url in [
         "http://shop.example/hooks",
@@ -713,8 +650,7 @@ async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_deliver
 
 #[tokio::test]
 async fn a_delivering_process_killed_mid_delivery_leaves_the_event_to_the_next() {
-    let env = TestEnv::new("wh_kill").await;
-    env.fill_pool("wk", 5).await;
+    let env = TestEnv::with_pools("wh_kill", &[("wk", 5)]).await;
     shop(&env, "acme", "wk").await;
     let receiver = Receiver::start(Answer::HangFirst(Duration::from_secs(60))).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
@@ -753,8 +689,7 @@ async fn a_delivering_process_killed_mid_delivery_leaves_the_event_to_the_next()
 
 #[tokio::test]
 async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endpoint() {
-    let env = TestEnv::new("wh_lease").await;
-    env.fill_pool("wl", 60).await;
+    let env = TestEnv::with_pools("wh_lease", &[("wl", 60)]).await;
     shop(&env, "acme", "wl").await;
     let receiver = Receiver::start(Answer::Slow(Duration::from_millis(200))).await;
     let (endpoint, _) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
@@ -856,15 +791,12 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
 
 #[tokio::test]
 async fn an_endpoint_failing_for_five_days_is_disabled() {
-    let env = TestEnv::new("wh_5days").await;
-    env.fill_pool("wd", 5).await;
+    let env = TestEnv::with_pools("wh_5days", &[("wd", 5)]).await;
     shop(&env, "acme", "wd").await;
     let receiver = Receiver::start(Answer::Status(503)).await;
     let (endpoint, _) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
     let six_days_ago = bson::DateTime::from_chrono(chrono::Utc::now() - chrono::Duration::days(6));
-    env.store
-        .database()
-        .collection::<bson::Document>("webhook_endpoints")
+    env.coll("webhook_endpoints")
         .update_one(
             bson::doc! {"_id": &endpoint},
             bson::doc! {"$set": {"failing_since": six_days_ago}},
@@ -898,8 +830,7 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
 
 #[tokio::test]
 async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
-    let env = TestEnv::new("wh_api").await;
-    env.fill_pool("wa", 5).await;
+    let env = TestEnv::with_pools("wh_api", &[("wa", 5)]).await;
     shop(&env, "acme", "wa").await;
     let admin = crate::api::key(&env, "ops", "orders:write,orders:read,admin").await;
     let writer = crate::api::key(&env, "w", "orders:write").await;
@@ -910,44 +841,26 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
             .to_string()
             .into_bytes()
     };
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks",
-        Some(&writer),
-        &new(&receiver.url()),
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/webhooks", &writer, &new(&receiver.url()))
+        .await;
     assert_eq!(status, 403, "admin only");
     for (url, field) in [
         ("https://169.254.169.254/x", "url"),
         ("http://shop.example/x", "url"),
     ] {
-        let (status, _, body) =
-            http(&api.addr, "POST", "/v1/webhooks", Some(&admin), &new(url)).await;
+        let (status, _, body) = api.post("/v1/webhooks", &admin, &new(url)).await;
         assert_eq!(status, 422, "{url}: {}", String::from_utf8_lossy(&body));
         assert_eq!(json_of(&body)["field"], field);
     }
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks",
-        Some(&admin),
-        &new(&receiver.url()),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/webhooks", &admin, &new(&receiver.url()))
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let added = json_of(&body);
     let id = added["id"].as_str().unwrap().to_owned();
     let secret = added["secret"].as_str().unwrap().to_owned();
-    let (_, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/webhooks?shop=acme",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, body) = api.get("/v1/webhooks?shop=acme", &admin).await;
     let listed = json_of(&body);
     assert_eq!(listed["endpoints"][0]["id"], id.as_str());
     assert!(
@@ -969,18 +882,13 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
         .await
         .unwrap();
     let path = format!("/v1/webhooks/{id}/rotate-secret");
-    let (status, _, body) = http(&api.addr, "POST", &path, Some(&admin), b"").await;
+    let (status, _, body) = api.post(&path, &admin, b"").await;
     assert_eq!(status, 200);
     let rotated = json_of(&body)["secret"].as_str().unwrap().to_owned();
     let replay = serde_json::json!({"shop": "acme", "event": event}).to_string();
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks/replay",
-        Some(&admin),
-        replay.as_bytes(),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/webhooks/replay", &admin, replay.as_bytes())
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["due"], 1);
     eventually(Duration::from_secs(20), "replayed", || async {
@@ -995,33 +903,16 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
     verified_by_the_python_library(&secret, again)
         .await
         .unwrap();
-    let (_, _, body) = http(
-        &api.addr,
-        "GET",
-        &format!("/v1/webhooks/{id}/deliveries"),
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, body) = api
+        .get(&format!("/v1/webhooks/{id}/deliveries"), &admin)
+        .await;
     assert_eq!(json_of(&body)["deliveries"].as_array().unwrap().len(), 2);
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        &format!("/v1/webhooks/{id}/disable"),
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api
+        .post(&format!("/v1/webhooks/{id}/disable"), &admin, b"")
+        .await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["enabled"], false);
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks/ep_nope/enable",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/webhooks/ep_nope/enable", &admin, b"").await;
     assert_eq!(status, 404);
     let kinds: Vec<String> = audit(&env).await.into_iter().map(|(k, _)| k).collect();
     for kind in [
@@ -1053,17 +944,7 @@ async fn endpoint(env: &TestEnv, shop: &str, url: &str) -> String {
 
 /// The audit's reveals, as (command, code ids).
 async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
-    use futures::TryStreamExt;
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(doc! {"kind": "reveal"})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(&env, "audit", doc! {"kind": "reveal"}).await;
     docs.iter()
         .map(|d| {
             let ids = (d.get_array("code_ids").unwrap().iter())
@@ -1076,22 +957,8 @@ async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
 
 #[tokio::test]
 async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audits_a_reveal() {
-    let env = TestEnv::new("lows4_replay_old").await;
-    env.fill_pool("wr", 5).await;
-    codepool_ok(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "wr",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
+    let env = TestEnv::with_pools("lows4_replay_old", &[("wr", 5)]).await;
+    shop(&env, "acme", "wr").await;
     let first = Receiver::start(Answer::Ok).await;
     endpoint(&env, "acme", &first.url()).await;
     let daemon = start_daemon(env.command(&[])).await;
