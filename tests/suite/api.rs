@@ -200,8 +200,7 @@ pub(crate) fn order(id: &str, pool: &str, quantity: u32) -> Vec<u8> {
 #[tokio::test]
 async fn an_order_placed_twice_over_http_and_once_over_amqp_gets_its_codes_once() {
     let env = TestEnv::with_pools("api_orders", &[("web", 20)]).await;
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
 
     let (status, headers, body) = api.post("/v1/orders", &shop, &order("W-1", "web", 3)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
@@ -381,8 +380,7 @@ async fn keys_scopes_and_bad_requests_get_problems_that_say_what_to_do() {
 #[tokio::test]
 async fn an_empty_pool_answers_accepted_and_a_reveal_is_audited_with_the_key() {
     let env = TestEnv::with_pools("api_waiting", &[("few", 1)]).await;
-    let shop = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
     let (status, _, body) = api.post("/v1/orders", &shop, &order("E-1", "few", 3)).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
     let b = json_of(&body);
@@ -430,8 +428,7 @@ async fn pools_are_listed_by_page_with_their_stock_and_administered_with_the_adm
         env.fill_pool(p, 4).await;
     }
     let admin = key(&env, "ops", "admin").await;
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     let call = |method: &'static str, path: String, k: String, body: Vec<u8>| {
         let addr = api.addr.clone();
         async move { http(&addr, method, &path, Some(&k), &body).await }
@@ -642,8 +639,7 @@ async fn dead_letters_are_listed_by_reason_and_replayed_once_the_cause_is_fixed(
 async fn a_csv_uploaded_to_a_pool_is_imported_by_the_cli_rules_read_back_and_recalled() {
     let env = TestEnv::new("api_imports").await;
     let admin = key(&env, "ops", "admin").await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let mut csv = String::from("code,expires_at\n");
     for i in 0..500 {
         csv.push_str(&format!("UP-{i:05}-ABCD,\n"));
@@ -725,8 +721,7 @@ pub(crate) async fn connections_named(name: &str) -> Vec<String> {
 #[tokio::test]
 async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     let env = TestEnv::with_pools("api_reconnect", &[("rc", 10)]).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let name = format!("codepool-api-{}", api.child.id().unwrap());
     eventually(
         Duration::from_secs(10),
@@ -762,7 +757,7 @@ async fn the_api_connects_to_rabbitmq_again_after_losing_its_connection() {
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
     // Published once the answer is out (the answer waits for the claim).
-    // RC-1's event
+    // RC-1's event.
     wait_depth(&ch, &env.topology().sms_pending, 10, |n| n == 1).await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;
@@ -892,7 +887,7 @@ async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 
 #[tokio::test]
 async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
-    let env = TestEnv::new("http3_slow").await;
+    let env = TestEnv::new("api_slow_post").await;
     let api = ApiServer::start(&env, &["--request-timeout", "2"]).await;
     let head = "POST /console/signin HTTP/1.1\r\nHost: console\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\n";
     let (got, took) = stalled(&api.addr, head, Duration::from_secs(15)).await;
@@ -931,7 +926,7 @@ async fn a_slow_console_post_and_a_slow_probe_are_cut_at_the_request_timeout() {
 
 #[tokio::test]
 async fn connections_beyond_the_cap_wait_until_one_closes() {
-    let env = TestEnv::new("http3_cap").await;
+    let env = TestEnv::new("api_cap").await;
     let api = ApiServer::start(&env, &["--max-connections", "2", "--header-timeout", "30"]).await;
     let mut held = [
         TcpStream::connect(&api.addr).await.unwrap(),
@@ -971,9 +966,8 @@ fn curl_post(path: &str, key: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
-    let env = TestEnv::with_pools("http3_curl", &[("cp", 5)]).await;
-    let k = key(&env, "shop", "orders:write,orders:read,admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("api_curl", &[("cp", 5)]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read,admin").await;
     let (status, _, body) = api.post("/v1/orders", &k, &order("C-1", "cp", 1)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     for path in [
@@ -991,7 +985,7 @@ async fn curl_s_bodiless_posts_resend_redeem_pause_and_resume() {
 
 #[tokio::test]
 async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
-    let env = TestEnv::with_pools("http3_bearer", &[("bp", 2)]).await;
+    let env = TestEnv::with_pools("api_bearer", &[("bp", 2)]).await;
     let k = key(
         &env,
         "shop",
@@ -1019,9 +1013,8 @@ async fn the_bearer_scheme_is_read_in_any_case_and_scopes_are_stored_once() {
 
 #[tokio::test]
 async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
-    let env = TestEnv::new("http3_dead").await;
-    let admin = key(&env, "ops", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::new("api_dead_walk").await;
+    let (api, admin) = api_with_key(&env, "ops", "admin").await;
     let (conn, publisher) = env.amqp().await;
     let mut pending = Vec::new();
     for i in 0..3000 {
@@ -1042,7 +1035,7 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
     }
     let ch = conn.create_channel().await.unwrap();
     let q = env.topology().purchases_dead;
-    // 3000 dead letters
+    // 3000 dead letters.
     wait_depth(&ch, &q, 20, |n| n == 3000).await;
     let started = Instant::now();
     let (status, _, body) = api
@@ -1078,9 +1071,8 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
 
 #[tokio::test]
 async fn answers_that_carry_plaintext_codes_are_never_stored_by_caches() {
-    let env = TestEnv::with_pools("http3_cache", &[("cc", 5)]).await;
-    let k = key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("api_cache", &[("cc", 5)]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read,codes:reveal").await;
     let placed = api.post("/v1/orders", &k, &order("N-1", "cc", 2)).await;
     let again = api.post("/v1/orders", &k, &order("N-1", "cc", 2)).await;
     let revealed = api.get("/v1/orders/N-1?reveal=true", &k).await;
@@ -1253,7 +1245,7 @@ impl ReplaceAuth for Vec<u8> {
 
 #[tokio::test]
 async fn hostile_requests_get_their_problem_and_the_api_keeps_serving() {
-    let env = TestEnv::with_pools("api_hostile", &[("hp", 5)]).await;
+    let env = TestEnv::with_pools("api_hostile_requests", &[("hp", 5)]).await;
     let k = key(&env, "shop", "orders:write,orders:read").await;
     let api = ApiServer::start(
         &env,
@@ -1298,8 +1290,7 @@ async fn hostile_requests_get_their_problem_and_the_api_keeps_serving() {
 #[tokio::test]
 async fn an_upload_is_imported_while_it_is_still_arriving() {
     let env = TestEnv::new("api_upload_stream").await;
-    let k = key(&env, "ops", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "ops", "admin").await;
     let rows = |range: std::ops::Range<u32>| -> String {
         range.map(|i| format!("ST-{i:07}-WXYZ\n")).collect()
     };
@@ -1351,12 +1342,10 @@ async fn an_upload_is_imported_while_it_is_still_arriving() {
 /// HTTP. The owner's own repeat is answered, and audited.
 #[tokio::test]
 async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_audited() {
-    use crate::api::{json_of, key, order, ApiServer};
-    let env = TestEnv::with_pools("seam_owner", &[("own", 10)]).await;
+    let env = TestEnv::with_pools("api_owner", &[("own", 10)]).await;
     let a = key(&env, "shop-a", "orders:write,orders:read").await;
     let b = key(&env, "shop-b", "orders:write,orders:read").await;
-    let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "orders:write,orders:read,admin").await;
     let (status, _, body) = api.post("/v1/orders", &a, &order("O-1", "own", 2)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let codes: Vec<String> = json_of(&body)["codes"]
@@ -1439,10 +1428,8 @@ async fn a_repeat_answers_codes_only_to_the_key_that_placed_the_order_and_is_aud
 /// post is a repeat with the same code, not a second grant.
 #[tokio::test]
 async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
-    use crate::api::{json_of, key, ApiServer};
-    let env = TestEnv::with_pools("seam_nfc", &[("nf", 5)]).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("api_nfc", &[("nf", 5)]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let body = |id: &str| {
         serde_json::json!({"order_id": id, "uid": "b\u{e9}a", "phone": "+8613800000000", "pool": "nf"})
             .to_string()
@@ -1461,11 +1448,9 @@ async fn an_order_id_sent_composed_and_decomposed_is_one_order() {
 /// through a decoder; another encoding is refused with 415.
 #[tokio::test]
 async fn a_gzip_upload_with_its_content_encoding_is_imported() {
-    use crate::api::{json_of, key, ApiServer};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let env = TestEnv::new("seam_gzip").await;
-    let admin = key(&env, "ops", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::new("api_gzip").await;
+    let (api, admin) = api_with_key(&env, "ops", "admin").await;
     let csv: String = "code\n".to_owned()
         + &(0..300)
             .map(|i| format!("GZ-{i:05}-AB\n"))

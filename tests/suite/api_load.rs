@@ -14,6 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::api::{key, order, ApiServer};
 use crate::common::*;
+use crate::fixtures::api_with_key;
 
 /// One HTTP exchange that reports a dead server instead of panicking.
 async fn try_post(addr: &str, path: &str, key: &str, body: &[u8]) -> Result<(u16, Value), String> {
@@ -369,8 +370,7 @@ async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_ever
 #[tokio::test]
 async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when_no_confirm_came() {
     let env = TestEnv::with_pools("api_owed", &[("ow", 10)]).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let before = bson::DateTime::now();
     for i in 0..3 {
         let body = order(&format!("W-{i}"), "ow", 2);

@@ -12,7 +12,7 @@ use crate::common::*;
 use crate::fixtures::*;
 
 async fn granted(env: &TestEnv, order: &str) -> u64 {
-    count_codes(&env, doc! {"order_id": order, "status": 1}).await
+    count_codes(env, doc! {"order_id": order, "status": 1}).await
 }
 
 fn for_shop(order: &str) -> codepool_domain::Purchase {

@@ -334,8 +334,8 @@ async fn the_cli_and_the_console_record_the_same_credential_changes_alike() {
 /// console's are checked by its own tests.
 #[tokio::test]
 async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
-    use crate::api::{json_of, key, order, ApiServer};
-    let env = TestEnv::new("seam_audit").await;
+    use crate::api::{json_of, key, order};
+    let env = TestEnv::new("audit_audit").await;
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("codes.csv");
     let csv: String = "code\n".to_owned()
@@ -384,8 +384,7 @@ async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
     ])
     .await;
     let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let admin = key(&env, "ops", "admin,orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "admin,orders:write").await;
     let (status, _, _) = api.post("/v1/orders", &shop, &order("AU-1", "au", 1)).await;
     assert_eq!(status, 201);
     run(vec![

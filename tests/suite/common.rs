@@ -530,7 +530,7 @@ pub async fn publish_redeemed(
     }
     let body = serde_json::json!({ "order_id": order }).to_string();
     publish_to(
-        &publisher,
+        publisher,
         &env.topology().events_exchange,
         "code.redeemed",
         body.as_bytes(),

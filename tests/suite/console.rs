@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::api::{key, order, ApiServer};
+use crate::api::{order, ApiServer};
 use crate::common::*;
 use crate::fixtures::*;
 
@@ -257,8 +257,7 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
     let env = TestEnv::new("console_stock").await;
     operator(&env, "ada", "admin").await;
     codepool_ok(&env, &["pool", "create", "--pool", "game-x"]).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let b = Browser::start(&api.addr).await;
 
     b.goto("/console/pools").await;
@@ -371,8 +370,7 @@ async fn audited_kinds(env: &TestEnv, who: &str) -> Vec<String> {
 async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall() {
     let env = TestEnv::with_pools("console_support", &[("game-y", 10)]).await;
     operator(&env, "sam", "support").await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let hostile = "<script>alert('uid')</script>";
     let body =
         json!({"order_id": "O-77", "uid": hostile, "phone": "+8613800000077", "pool": "game-y"});
@@ -668,8 +666,7 @@ async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
     let env = TestEnv::new("console_statement").await;
     operator(&env, "vera", "viewer").await;
     let codes = env.fill_pool("game-s", 12).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     for i in 1..=4 {
         let (s, _, _) = api
             .post("/v1/orders", &shop, &order(&format!("S-{i}"), "game-s", 1))
@@ -752,7 +749,7 @@ async fn signed_in(addr: &str, name: &str) -> String {
 }
 
 async fn sessions_of(env: &TestEnv, name: &str) -> u64 {
-    count_docs(&env, "console_sessions", bson::doc! {"operator": name}).await
+    count_docs(env, "console_sessions", bson::doc! {"operator": name}).await
 }
 
 /// Sign-ins sent all at once, each `(from, name, password)`: the answers.
@@ -789,7 +786,7 @@ fn checked_of(answers: &[RawAnswer]) -> usize {
 #[tokio::test]
 async fn a_burst_of_wrong_passwords_is_refused_before_the_check_and_the_right_one_does_not_slip_in()
 {
-    let env = TestEnv::new("http3_burst").await;
+    let env = TestEnv::new("console_burst").await;
     operator(&env, "alice", "support").await;
     let api = ApiServer::start(&env, &[]).await;
     // 40 guesses at once for one name, each from an address of its own.
@@ -850,7 +847,7 @@ async fn a_burst_of_wrong_passwords_is_refused_before_the_check_and_the_right_on
 
 #[tokio::test]
 async fn one_client_trying_many_names_is_throttled_whether_the_names_exist_or_not() {
-    let env = TestEnv::new("http3_client").await;
+    let env = TestEnv::new("console_client").await;
     operator(&env, "bob", "viewer").await;
     let api = ApiServer::start(&env, &[]).await;
     let from = Ipv4Addr::new(127, 0, 3, 1);
@@ -916,7 +913,7 @@ async fn huge_csrf_upload(addr: &str, cookie: &str) -> (Option<RawAnswer>, usize
 
 #[tokio::test]
 async fn an_upload_form_field_is_never_buffered_beyond_its_cap() {
-    let env = TestEnv::new("http3_upload").await;
+    let env = TestEnv::new("console_upload").await;
     operator(&env, "vera", "viewer").await;
     operator(&env, "ada", "admin").await;
     let api = ApiServer::start(&env, &[]).await;
@@ -936,7 +933,7 @@ async fn an_upload_form_field_is_never_buffered_beyond_its_cap() {
 
 #[tokio::test]
 async fn a_sign_in_whose_next_holds_cr_lf_leads_to_the_pools_and_nowhere_else() {
-    let env = TestEnv::new("http3_next").await;
+    let env = TestEnv::new("console_next").await;
     operator(&env, "nia", "viewer").await;
     let api = ApiServer::start(&env, &[]).await;
     for next in [
@@ -967,7 +964,7 @@ async fn a_sign_in_whose_next_holds_cr_lf_leads_to_the_pools_and_nowhere_else() 
 
 #[tokio::test]
 async fn a_sign_in_from_origin_null_is_refused() {
-    let env = TestEnv::new("http3_origin").await;
+    let env = TestEnv::new("console_origin").await;
     operator(&env, "omar", "viewer").await;
     let api = ApiServer::start(&env, &[]).await;
     let req = sign_in_request("omar", PASSWORD, "", "Origin: null\r\n");
@@ -994,7 +991,7 @@ async fn a_sign_in_from_origin_null_is_refused() {
 /// the text log escapes them inside the one line the event makes.
 #[tokio::test]
 async fn a_sign_in_name_holding_a_newline_cannot_forge_a_log_line() {
-    let env = TestEnv::new("h3_logforge").await;
+    let env = TestEnv::new("console_logforge").await;
     let api = ApiServer::start(&env, &[]).await;
     let forged = "x\n2026-11-25T00:00:00.000000Z  INFO console sign-in operator=admin1\r";
     let a = sign_in_from(&api.addr, Ipv4Addr::new(127, 0, 3, 1), forged, "wrong").await;

@@ -526,7 +526,7 @@ async fn dead_letters(env: &TestEnv, conn: &lapin::Connection, n: u32) -> Vec<(S
 
 #[tokio::test]
 async fn a_repeated_key_and_a_pool_left_by_a_failed_import_are_dead_lettered() {
-    let env = TestEnv::with_pools("hostile_dead", &[("real", 10)]).await;
+    let env = TestEnv::with_pools("dispatch_dead", &[("real", 10)]).await;
     // A failed import into "ghost" leaves no pool behind.
     let dir = tempfile::tempdir().unwrap();
     let out = env
@@ -575,7 +575,7 @@ async fn a_repeated_key_and_a_pool_left_by_a_failed_import_are_dead_lettered() {
 
 #[tokio::test]
 async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_logs() {
-    let env = TestEnv::with_pools("hostile_bidi", &[("bidi", 5)]).await;
+    let env = TestEnv::with_pools("dispatch_bidi", &[("bidi", 5)]).await;
     let daemon = start_daemon(env.command(&["--log-format", "text"])).await;
     let (conn, publisher) = env.amqp().await;
     // A bidi override in an order id, a uid that shows as "exe.txt", a
@@ -639,7 +639,7 @@ async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_l
 /// same batches still get theirs: nothing closes the connection.
 #[tokio::test]
 async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing_others() {
-    let env = TestEnv::with_pools("seam_long_id", &[("game", 20), ("limited", 5)]).await;
+    let env = TestEnv::with_pools("dispatch_long_id", &[("game", 20), ("limited", 5)]).await;
     env.store
         .set_pool_settings(
             "limited",

@@ -115,7 +115,7 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
 
 #[tokio::test]
 async fn the_key_file_is_never_an_export_target_even_with_force() {
-    let env = TestEnv::with_pools("cli3_export_key", &[("ek", 3)]).await;
+    let env = TestEnv::with_pools("export_export_key", &[("ek", 3)]).await;
     let before = std::fs::read(&env.key_file).unwrap();
     let key = env.key_file.to_str().unwrap();
     let (code, _, err) = codepool(

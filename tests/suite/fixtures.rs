@@ -1,5 +1,8 @@
-//! Set-up and reads the feature tests share: request bodies, keys and
-//! shops, imports, an API server with its key, and the codes collection.
+//! Set-up and reads the feature tests share, so that a test says what it
+//! sets up rather than how: keys, shops and pool settings, request bodies,
+//! an API server with its key, reads of the test's database, `codepool`
+//! runs and imports, and raw HTTP exchanges. The servers, the namespace
+//! and the processes themselves are in `common.rs`.
 
 #![allow(dead_code)]
 
@@ -18,20 +21,7 @@ use tokio::net::TcpStream;
 use crate::api::{json_of, key, ApiServer};
 use crate::common::{codepool_ok, TestEnv};
 
-/// A hold's body: `quantity` codes of one pool for `uid`.
-pub(crate) fn hold(id: &str, uid: &str, pool: &str, quantity: u32) -> Vec<u8> {
-    json!({"hold_id": id, "uid": uid, "items": [{"pool": pool, "quantity": quantity}]})
-        .to_string()
-        .into_bytes()
-}
-
-/// An order's body that pays the hold `hold_id`.
-pub(crate) fn paid(order: &str, uid: &str, pool: &str, quantity: u32, hold_id: &str) -> Vec<u8> {
-    json!({"order_id": order, "uid": uid, "phone": "+8613800000000", "pool": pool,
-           "quantity": quantity, "hold_id": hold_id})
-    .to_string()
-    .into_bytes()
-}
+// ---------------------------------------------------------------- keys, shops and pools
 
 /// A key of `shop` with `orders:write,orders:read`.
 pub(crate) async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
@@ -68,9 +58,83 @@ pub(crate) async fn pool_set(env: &TestEnv, pool: &str, settings: &[&str]) {
     codepool_ok(env, &args).await;
 }
 
+/// Adds `n` codes `PREFIX-000001`… to an existing pool.
+pub(crate) async fn add_codes(env: &TestEnv, pool: &str, prefix: &str, n: usize) {
+    let new: Vec<codepool_store::NewCode> = (1..=n)
+        .map(|i| codepool_store::NewCode {
+            code: format!("{prefix}-{i:06}"),
+            line: None,
+            expires_at: None,
+        })
+        .collect();
+    let out = env
+        .store
+        .insert_codes(pool, bson::oid::ObjectId::new(), &new)
+        .await
+        .expect("insert");
+    assert_eq!(out.inserted as usize, n);
+}
+
+// ---------------------------------------------------------------- request bodies
+
+/// The phone number of the suite's purchases.
+pub(crate) const PHONE: &str = "+8613800000000";
+
+/// A hold's body: `quantity` codes of one pool for `uid`.
+pub(crate) fn hold(id: &str, uid: &str, pool: &str, quantity: u32) -> Vec<u8> {
+    json!({"hold_id": id, "uid": uid, "items": [{"pool": pool, "quantity": quantity}]})
+        .to_string()
+        .into_bytes()
+}
+
+/// An order's body that pays the hold `hold_id`.
+pub(crate) fn paid(order: &str, uid: &str, pool: &str, quantity: u32, hold_id: &str) -> Vec<u8> {
+    json!({"order_id": order, "uid": uid, "phone": "+8613800000000", "pool": pool,
+           "quantity": quantity, "hold_id": hold_id})
+    .to_string()
+    .into_bytes()
+}
+
+// ---------------------------------------------------------------- the api
+
+/// A key `name` with `scopes`, then an API server to use it with.
+pub(crate) async fn api_with_key(env: &TestEnv, name: &str, scopes: &str) -> (ApiServer, String) {
+    let k = key(env, name, scopes).await;
+    (ApiServer::start(env, &[]).await, k)
+}
+
+/// An API server without a rate limit to speak of, and a `checkout` key
+/// with `orders:write,orders:read`.
+pub(crate) async fn checkout_api(env: &TestEnv) -> (ApiServer, String) {
+    let k = key(env, "checkout", "orders:write,orders:read").await;
+    let api = ApiServer::start(env, &["--rate-per-key", "100000"]).await;
+    (api, k)
+}
+
+/// `POST path` with `body` as `key`: the status and the JSON answer
+/// (`null` for an empty one).
+pub(crate) async fn post_json(api: &ApiServer, key: &str, path: &str, body: &[u8]) -> (u16, Value) {
+    let (s, _, b) = api.post(path, key, body).await;
+    (
+        s,
+        if b.is_empty() {
+            Value::Null
+        } else {
+            json_of(&b)
+        },
+    )
+}
+
+// ---------------------------------------------------------------- the database
+
 /// The `codes` collection of the test's database.
 pub(crate) fn codes(env: &TestEnv) -> mongodb::Collection<Document> {
     env.coll("codes")
+}
+
+/// How many codes match `filter`.
+pub(crate) async fn count_codes(env: &TestEnv, filter: Document) -> u64 {
+    codes(env).count_documents(filter).await.unwrap()
 }
 
 /// How many documents of the collection `coll` match `filter`.
@@ -95,11 +159,6 @@ pub(crate) async fn code_ids(env: &TestEnv, filter: Document) -> HashSet<ObjectI
     out
 }
 
-/// How many codes match `filter`.
-pub(crate) async fn count_codes(env: &TestEnv, filter: Document) -> u64 {
-    codes(env).count_documents(filter).await.unwrap()
-}
-
 /// How many codes of `pool` are in each status (0 unissued, 1 issued, 2
 /// used, 3 void, 4 held).
 pub(crate) async fn pool_statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
@@ -108,6 +167,68 @@ pub(crate) async fn pool_statuses(env: &TestEnv, pool: &str) -> [u64; 5] {
         *n = count_codes(env, doc! {"pool": pool, "status": s as i32}).await;
     }
     out
+}
+
+/// Codes of `order` by status (0 unissued … 3 void).
+pub(crate) async fn order_statuses(env: &TestEnv, order: &str) -> Vec<i32> {
+    let found = find_docs(env, "codes", doc! {"order_id": order}).await;
+    let mut s: Vec<i32> = found.iter().map(|d| d.get_i32("status").unwrap()).collect();
+    s.sort();
+    s
+}
+
+/// The hold document `id`.
+pub(crate) async fn hold_doc(env: &TestEnv, id: &str) -> Document {
+    (env.store.database())
+        .collection::<Document>("holds")
+        .find_one(doc! {"_id": id})
+        .await
+        .unwrap()
+        .expect("the hold")
+}
+
+/// The audit records that match `filter`, oldest first.
+pub(crate) async fn audit_docs(env: &TestEnv, filter: Document) -> Vec<Document> {
+    use futures::TryStreamExt;
+    let found = env.coll("audit").find(filter).sort(doc! {"at": 1}).await;
+    found.unwrap().try_collect().await.unwrap()
+}
+
+/// The audit records of `who`, as (kind, command), oldest first.
+pub(crate) async fn audited(env: &TestEnv, who: &str) -> Vec<(String, String)> {
+    let records = audit_docs(env, doc! {"os_user": who}).await;
+    let field = |d: &Document, f: &str| d.get_str(f).unwrap_or("").to_owned();
+    (records.iter())
+        .map(|d| (d.get_str("kind").unwrap().to_owned(), field(d, "command")))
+        .collect()
+}
+
+// ---------------------------------------------------------------- the command line and imports
+
+/// `codepool ARGS`: (exit code, stdout, stderr).
+pub(crate) async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let out = env.run(args).await;
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A temporary file holding `content`.
+pub(crate) fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().expect("temp file");
+    f.write_all(content).expect("write");
+    f
+}
+
+/// A CSV file of `n` codes `PREFIX-00000`….
+pub(crate) fn codes_file(prefix: &str, n: usize) -> tempfile::NamedTempFile {
+    let mut content = String::from("code\n");
+    for i in 0..n {
+        content.push_str(&format!("{prefix}-{i:05}\n"));
+    }
+    csv_file(content.as_bytes())
 }
 
 /// Imports `codes` into `pool` with `codepool import`; returns the run's
@@ -122,37 +243,34 @@ pub(crate) async fn import_codes<S: AsRef<str>>(env: &TestEnv, pool: &str, codes
     summary["import_id"].as_str().unwrap().to_owned()
 }
 
-/// The hold document `id`.
-pub(crate) async fn hold_doc(env: &TestEnv, id: &str) -> Document {
-    (env.store.database())
-        .collection::<Document>("holds")
-        .find_one(doc! {"_id": id})
-        .await
-        .unwrap()
-        .expect("the hold")
+/// `codepool import PATH --pool POOL --json [EXTRA]`: (exit code, summary).
+pub(crate) async fn import_json(
+    env: &TestEnv,
+    path: &std::path::Path,
+    pool: &str,
+    extra: &[&str],
+) -> (i32, serde_json::Value) {
+    let mut args = vec!["import", path.to_str().unwrap(), "--pool", pool, "--json"];
+    args.extend_from_slice(extra);
+    let (code, out, err) = codepool(env, &args).await;
+    let json = serde_json::from_str(&out)
+        .unwrap_or_else(|_| panic!("no JSON summary (exit {code}): {err}"));
+    (code, json)
 }
 
-/// `POST path` with `body` as `key`: the status and the JSON answer
-/// (`null` for an empty one).
-pub(crate) async fn post_json(api: &ApiServer, key: &str, path: &str, body: &[u8]) -> (u16, Value) {
-    let (s, _, b) = api.post(path, key, body).await;
-    (
-        s,
-        if b.is_empty() {
-            Value::Null
-        } else {
-            json_of(&b)
-        },
-    )
+/// Terminal controls and a right-to-left override, as a hostile producer
+/// would send them.
+pub(crate) const EVIL: &str = "x\u{1b}]0;owned\u{7}\u{1b}[2J\u{202e}gpj.exe";
+
+/// `out` holds no raw escape or bidi override.
+pub(crate) fn assert_no_raw_escapes(out: &str) {
+    assert!(
+        !out.contains('\u{1b}') && !out.contains('\u{202e}'),
+        "{out:?}"
+    );
 }
 
-/// An API server without a rate limit to speak of, and a `checkout` key
-/// with `orders:write,orders:read`.
-pub(crate) async fn checkout_api(env: &TestEnv) -> (ApiServer, String) {
-    let k = key(env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(env, &["--rate-per-key", "100000"]).await;
-    (api, k)
-}
+// ---------------------------------------------------------------- raw http
 
 /// What one exchange got.
 #[derive(Debug)]
@@ -237,102 +355,5 @@ pub(crate) fn form_value(v: &str) -> String {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
             _ => format!("%{b:02X}"),
         })
-        .collect()
-}
-
-/// A temporary file holding `content`.
-pub(crate) fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
-    let mut f = tempfile::NamedTempFile::new().expect("temp file");
-    f.write_all(content).expect("write");
-    f
-}
-
-/// `codepool ARGS`: (exit code, stdout, stderr).
-pub(crate) async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let out = env.run(args).await;
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// `codepool import PATH --pool POOL --json [EXTRA]`: (exit code, summary).
-pub(crate) async fn import_json(
-    env: &TestEnv,
-    path: &std::path::Path,
-    pool: &str,
-    extra: &[&str],
-) -> (i32, serde_json::Value) {
-    let mut args = vec!["import", path.to_str().unwrap(), "--pool", pool, "--json"];
-    args.extend_from_slice(extra);
-    let (code, out, err) = codepool(env, &args).await;
-    let json = serde_json::from_str(&out)
-        .unwrap_or_else(|_| panic!("no JSON summary (exit {code}): {err}"));
-    (code, json)
-}
-
-/// A CSV file of `n` codes `PREFIX-00000`….
-pub(crate) fn codes_file(prefix: &str, n: usize) -> tempfile::NamedTempFile {
-    let mut content = String::from("code\n");
-    for i in 0..n {
-        content.push_str(&format!("{prefix}-{i:05}\n"));
-    }
-    csv_file(content.as_bytes())
-}
-
-/// Terminal controls and a right-to-left override, as a hostile producer
-/// would send them.
-pub(crate) const EVIL: &str = "x\u{1b}]0;owned\u{7}\u{1b}[2J\u{202e}gpj.exe";
-
-/// `out` holds no raw escape or bidi override.
-pub(crate) fn assert_no_raw_escapes(out: &str) {
-    assert!(
-        !out.contains('\u{1b}') && !out.contains('\u{202e}'),
-        "{out:?}"
-    );
-}
-
-/// The phone number of the suite's purchases.
-pub(crate) const PHONE: &str = "+8613800000000";
-
-/// Adds `n` codes `PREFIX-000001`… to an existing pool.
-pub(crate) async fn add_codes(env: &TestEnv, pool: &str, prefix: &str, n: usize) {
-    let new: Vec<codepool_store::NewCode> = (1..=n)
-        .map(|i| codepool_store::NewCode {
-            code: format!("{prefix}-{i:06}"),
-            line: None,
-            expires_at: None,
-        })
-        .collect();
-    let out = env
-        .store
-        .insert_codes(pool, bson::oid::ObjectId::new(), &new)
-        .await
-        .expect("insert");
-    assert_eq!(out.inserted as usize, n);
-}
-
-/// Codes of `order` by status (0 unissued … 3 void).
-pub(crate) async fn order_statuses(env: &TestEnv, order: &str) -> Vec<i32> {
-    let found = find_docs(env, "codes", doc! {"order_id": order}).await;
-    let mut s: Vec<i32> = found.iter().map(|d| d.get_i32("status").unwrap()).collect();
-    s.sort();
-    s
-}
-
-/// The audit records that match `filter`, oldest first.
-pub(crate) async fn audit_docs(env: &TestEnv, filter: Document) -> Vec<Document> {
-    use futures::TryStreamExt;
-    let found = env.coll("audit").find(filter).sort(doc! {"at": 1}).await;
-    found.unwrap().try_collect().await.unwrap()
-}
-
-/// The audit records of `who`, as (kind, command), oldest first.
-pub(crate) async fn audited(env: &TestEnv, who: &str) -> Vec<(String, String)> {
-    let records = audit_docs(env, doc! {"os_user": who}).await;
-    let field = |d: &Document, f: &str| d.get_str(f).unwrap_or("").to_owned();
-    (records.iter())
-        .map(|d| (d.get_str("kind").unwrap().to_owned(), field(d, "command")))
         .collect()
 }

@@ -12,7 +12,7 @@ use bson::doc;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
-use crate::api::{http, key, ApiServer};
+use crate::api::{http, key};
 use crate::common::*;
 use crate::fixtures::*;
 
@@ -25,7 +25,7 @@ async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
 
 /// The plaintext codes of run `run`, opened with the test's keys.
 async fn codes_of_run(env: &TestEnv, run: ObjectId) -> Vec<String> {
-    let docs: Vec<bson::Document> = find_docs(&env, "codes", doc! {"batch_id": run}).await;
+    let docs: Vec<bson::Document> = find_docs(env, "codes", doc! {"batch_id": run}).await;
     docs.iter().map(|d| env.plain_code(d)).collect()
 }
 
@@ -348,8 +348,7 @@ async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
 async fn the_api_starts_a_run_and_reads_it() {
     let env = TestEnv::new("gen_api").await;
     let admin = key(&env, "gen-admin", "admin").await;
-    let orders = key(&env, "gen-orders", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, orders) = api_with_key(&env, "gen-orders", "orders:write").await;
     let body = br#"{"count":500,"pattern":"GX-{random:12}","check_char":true}"#;
     let path = "/v1/pools/gx/generations";
     let (status, _, _) = api.post(path, &orders, body).await;
@@ -441,8 +440,7 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
         "every code of the pool carries a check symbol"
     );
     let shop = key(&env, "gen-shop", "orders:write").await;
-    let platform = key(&env, "gen-platform", "codes:redeem").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, platform) = api_with_key(&env, "gen-platform", "codes:redeem").await;
     let order = br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"gc"}"#;
     let (status, _, _) = api.post("/v1/orders", &shop, order).await;
     assert_eq!(status, 201);
@@ -632,8 +630,7 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_once() {
     let env = TestEnv::new("gen_once").await;
-    let admin = key(&env, "gen-admin", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "gen-admin", "admin").await;
     let run = ObjectId::new();
     let body = json_body(&run, 20_000);
     let path = "/v1/pools/gw/generations";

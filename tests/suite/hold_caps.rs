@@ -13,7 +13,7 @@ use crate::common::*;
 use crate::fixtures::*;
 
 async fn held(env: &TestEnv, pool: &str) -> u64 {
-    count_codes(&env, doc! {"pool": pool, "status": 4}).await
+    count_codes(env, doc! {"pool": pool, "status": 4}).await
 }
 
 #[tokio::test]
@@ -111,12 +111,11 @@ async fn case_and_width_variants_of_a_uid_are_one_buyer_for_holds_and_per_user_l
 
 #[tokio::test]
 async fn a_hold_the_stock_cannot_cover_is_409_insufficient_stock_not_a_429_limit() {
-    let env = TestEnv::new("lows4_hold_empty").await;
+    let env = TestEnv::new("caps_hold_empty").await;
     env.store.ensure_pool("em").await.unwrap();
     env.fill_pool("few", 3).await;
     env.fill_pool("big", 100).await;
-    let k = key(&env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "checkout", "orders:write,orders:read").await;
     let place = |id: &'static str, pool: &'static str, n: u32| {
         let (addr, k) = (api.addr.clone(), k.clone());
         async move {
@@ -168,10 +167,9 @@ async fn a_hold_the_stock_cannot_cover_is_409_insufficient_stock_not_a_429_limit
 
 #[tokio::test]
 async fn a_hold_placed_for_mallory_is_paid_by_mallory_with_a_capital_m() {
-    let env = TestEnv::with_pools("lows4_hold_fold", &[("mc", 10)]).await;
+    let env = TestEnv::with_pools("caps_hold_fold", &[("mc", 10)]).await;
     pool_set(&env, "mc", &["--hold-share", "100"]).await;
-    let k = key(&env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "checkout", "orders:write,orders:read").await;
     let (s, _, b) = api
         .post("/v1/holds", &k, &hold("H-mc", "mallory", "mc", 2))
         .await;
@@ -209,7 +207,7 @@ fn plain(order: &str, uid: &str, pool: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn a_hold_and_an_order_from_stock_count_against_one_per_user_limit() {
-    let env = TestEnv::with_pools("cross_peruser", &[("pu", 10)]).await;
+    let env = TestEnv::with_pools("caps_peruser", &[("pu", 10)]).await;
     pool_set(&env, "pu", &["--hold-share", "100", "--per-user", "1"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-pu", "solo", "pu", 1)).await;

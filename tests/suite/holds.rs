@@ -43,31 +43,10 @@ fn bundle(order: &str, items: &[(&str, u32)]) -> Vec<u8> {
         .into_bytes()
 }
 
-async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
-    count_codes(&env, filter).await
-}
-
-/// `codepool import` of these codes into `pool`.
-async fn import(env: &TestEnv, pool: &str, codes: &[&str]) {
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), format!("code\n{}\n", codes.join("\n"))).unwrap();
-    codepool_ok(
-        env,
-        &["import", file.path().to_str().unwrap(), "--pool", pool],
-    )
-    .await;
-}
-
-async fn api_with_keys(env: &TestEnv) -> (ApiServer, String) {
-    let k = key(env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(env, &["--rate-per-key", "100000"]).await;
-    (api, k)
-}
-
 #[tokio::test]
 async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty() {
     let env = TestEnv::with_pools("holds_race", &[("last", 50)]).await;
-    let (api, k) = api_with_keys(&env).await;
+    let (api, k) = checkout_api(&env).await;
     let statuses: Vec<(u16, Value)> = futures::stream::iter(0..1000)
         .map(|i| {
             let (addr, k) = (api.addr.clone(), k.clone());
@@ -104,9 +83,18 @@ async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty(
     );
     assert_eq!(short["free"][0]["pool"], "last", "{short}");
     // No code held twice, and none shown: the answers carry no code.
-    assert_eq!(count(&env, doc! {"pool": "last", "status": 4}).await, 50);
-    assert_eq!(count(&env, doc! {"pool": "last", "status": 0}).await, 0);
-    assert_eq!(count(&env, doc! {"pool": "last", "status": 1}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "last", "status": 4}).await,
+        50
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "last", "status": 0}).await,
+        0
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "last", "status": 1}).await,
+        0
+    );
     for (_, b) in statuses.iter().filter(|(s, _)| *s == 201) {
         assert_eq!(b["state"], "held");
         assert!(b.get("codes").is_none(), "a hold shows no code: {b}");
@@ -134,7 +122,7 @@ async fn a_thousand_concurrent_holds_on_the_last_fifty_codes_hold_exactly_fifty(
 async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     let env = TestEnv::with_pools("holds_release", &[("rel", 3)]).await;
     pool_set(&env, "rel", &["--hold-share", "100"]).await;
-    let (api, k) = api_with_keys(&env).await;
+    let (api, k) = checkout_api(&env).await;
     let post = |body: Vec<u8>| {
         let (addr, k) = (api.addr.clone(), k.clone());
         async move {
@@ -166,11 +154,11 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     eventually(
         Duration::from_secs(20),
         "O-1 gets the released code",
-        || async { count(&env, doc! {"order_id": "O-1", "status": 1}).await == 1 },
+        || async { count_codes(&env, doc! {"order_id": "O-1", "status": 1}).await == 1 },
     )
     .await;
     assert_eq!(
-        count(&env, doc! {"order_id": "O-2"}).await,
+        count_codes(&env, doc! {"order_id": "O-2"}).await,
         0,
         "O-2 waits for two"
     );
@@ -184,7 +172,7 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     eventually(
         Duration::from_secs(70),
         "O-2 gets the expired hold's codes",
-        || async { count(&env, doc! {"order_id": "O-2", "status": 1}).await == 2 },
+        || async { count_codes(&env, doc! {"order_id": "O-2", "status": 1}).await == 2 },
     )
     .await;
     let late = chrono::Utc::now().signed_duration_since(expires);
@@ -194,7 +182,10 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
     );
     let (_, _, body) = api.get("/v1/holds/HA", &k).await;
     assert_eq!(json_of(&body)["state"], "expired");
-    assert_eq!(count(&env, doc! {"pool": "rel", "status": 4}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "rel", "status": 4}).await,
+        0
+    );
     // Another key's hold is not found.
     let other = key(&env, "other", "orders:write,orders:read").await;
     let (s, _, _) = api.get("/v1/holds/HA", &other).await;
@@ -207,7 +198,7 @@ async fn release_and_expiry_return_codes_to_waiting_backorders_first() {
 async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused() {
     let env = TestEnv::with_pools("holds_commit", &[("pay", 3)]).await;
     pool_set(&env, "pay", &["--hold-share", "100"]).await;
-    let (api, k) = api_with_keys(&env).await;
+    let (api, k) = checkout_api(&env).await;
     let (s, _, _) = api
         .post(
             "/v1/holds",
@@ -261,7 +252,7 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
     eventually(
         Duration::from_secs(30),
         "the expired hold's code is back",
-        || async { count(&env, doc! {"pool": "pay", "status": 0}).await == 1 },
+        || async { count_codes(&env, doc! {"pool": "pay", "status": 0}).await == 1 },
     )
     .await;
     let (s, _, _) = api
@@ -279,7 +270,7 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
     );
     assert_eq!(json_of(&body)["state"], "waiting");
     // With stock, a late payment is granted from it.
-    import(&env, "pay", &["pay-NEW-1", "pay-NEW-2"]).await;
+    import_codes(&env, "pay", &["pay-NEW-1", "pay-NEW-2"]).await;
     let (s, _, _) = api
         .post(
             "/v1/holds",
@@ -291,7 +282,7 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
     eventually(
         Duration::from_secs(30),
         "the second expired hold's code is back",
-        || async { count(&env, doc! {"pool": "pay", "status": 4}).await == 0 },
+        || async { count_codes(&env, doc! {"pool": "pay", "status": 4}).await == 0 },
     )
     .await;
     let (s, _, body) = api
@@ -310,7 +301,7 @@ async fn a_paid_hold_becomes_the_order_once_and_a_late_payment_is_never_refused(
 #[tokio::test]
 async fn one_buyer_cannot_hold_a_whole_pool() {
     let env = TestEnv::with_pools("holds_caps", &[("cap", 100)]).await;
-    let (api, k) = api_with_keys(&env).await;
+    let (api, k) = checkout_api(&env).await;
     let post = |id: &str, uid: &str, q: u32| {
         let (addr, k, body) = (
             api.addr.clone(),
@@ -330,12 +321,18 @@ async fn one_buyer_cannot_hold_a_whole_pool() {
         p["detail"].as_str().unwrap().contains("nothing was held"),
         "{p}"
     );
-    assert_eq!(count(&env, doc! {"pool": "cap", "status": 4}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "cap", "status": 4}).await,
+        0
+    );
     let (s, _) = post("G-1", "greedy", 10).await;
     assert_eq!(s, 201);
     let (s, _) = post("G-2", "greedy", 1).await;
     assert_eq!(s, 429, "the eleventh code is over the share");
-    assert_eq!(count(&env, doc! {"pool": "cap", "status": 4}).await, 10);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "cap", "status": 4}).await,
+        10
+    );
     // Open holds per buyer.
     pool_set(&env, "cap", &["--holds-per-uid", "2"]).await;
     for i in 0..2 {
@@ -365,7 +362,7 @@ async fn one_buyer_cannot_hold_a_whole_pool() {
 async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_import() {
     let env = TestEnv::with_pools("bundle_http", &[("ba", 5)]).await;
     codepool_ok(&env, &["pool", "create", "--pool", "bb"]).await;
-    let (api, k) = api_with_keys(&env).await;
+    let (api, k) = checkout_api(&env).await;
     let (s, _, body) = api
         .post("/v1/orders", &k, &bundle("BO-1", &[("ba", 2), ("bb", 1)]))
         .await;
@@ -378,30 +375,30 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
         json!([{"pool": "ba", "quantity": 2}, {"pool": "bb", "quantity": 1}])
     );
     // Nothing is taken from the first pool while it waits.
-    assert_eq!(count(&env, doc! {"pool": "ba", "status": 0}).await, 5);
+    assert_eq!(count_codes(&env, doc! {"pool": "ba", "status": 0}).await, 5);
     // A bundle naming an unknown pool is refused whole.
     let (s, _, body) = api
         .post("/v1/orders", &k, &bundle("BO-2", &[("ba", 1), ("nope", 1)]))
         .await;
     assert_eq!(s, 422);
     assert_eq!(json_of(&body)["field"], "pool");
-    assert_eq!(count(&env, doc! {"pool": "ba", "status": 0}).await, 5);
+    assert_eq!(count_codes(&env, doc! {"pool": "ba", "status": 0}).await, 5);
 
     // Codes arrive in the second pool: a dispatcher grants it whole.
     let d = start_daemon(env.command(&[])).await;
-    import(&env, "bb", &["bb-ONLY-0001"]).await;
+    import_codes(&env, "bb", &["bb-ONLY-0001"]).await;
     eventually(
         Duration::from_secs(40),
         "the bundle is granted whole",
-        || async { count(&env, doc! {"order_id": "BO-1", "status": 1}).await == 3 },
+        || async { count_codes(&env, doc! {"order_id": "BO-1", "status": 1}).await == 3 },
     )
     .await;
     assert_eq!(
-        count(&env, doc! {"order_id": "BO-1", "pool": "ba"}).await,
+        count_codes(&env, doc! {"order_id": "BO-1", "pool": "ba"}).await,
         2
     );
     assert_eq!(
-        count(
+        count_codes(
             &env,
             doc! {"order_id": "BO-1", "pool": "bb", "order_line": 2}
         )
@@ -411,7 +408,7 @@ async fn a_bundle_waits_whole_for_an_empty_pool_and_is_granted_whole_after_an_im
     // Another attempt at the same bundle (the API's backorder sweep beside
     // the dispatcher's) may still hold a code it is about to put back.
     eventually(Duration::from_secs(20), "nothing left held", || async {
-        count(&env, doc! {"status": 4}).await == 0
+        count_codes(&env, doc! {"status": 4}).await == 0
     })
     .await;
     let (s, _, body) = api.get("/v1/orders/BO-1", &k).await;
@@ -467,7 +464,7 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
     )
     .await;
     assert_eq!(
-        count(&env, doc! {"pool": "qa", "status": 0}).await,
+        count_codes(&env, doc! {"pool": "qa", "status": 0}).await,
         4,
         "nothing taken from qa"
     );
@@ -475,7 +472,7 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
     // under its first item's pool: stock news of qa makes the dispatcher
     // try it now (not at its next sweep), and it is judged once that news
     // has been handled.
-    import(&env, "qb", &["qb-ONE-0001"]).await;
+    import_codes(&env, "qb", &["qb-ONE-0001"]).await;
     let news = codepool_domain::PoolEvent::new(codepool_domain::PoolEventKind::Replenished, "qa");
     publish_pool_event(&publisher, &news).await;
     pool_events_handled(
@@ -485,18 +482,18 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
     )
     .await;
     assert_eq!(
-        count(&env, doc! {"order_id": "BQ-1"}).await,
+        count_codes(&env, doc! {"order_id": "BQ-1"}).await,
         0,
         "no half bundle"
     );
     assert_eq!(
-        count(&env, doc! {"status": 4}).await,
+        count_codes(&env, doc! {"status": 4}).await,
         0,
         "what it tried is back in stock"
     );
-    import(&env, "qb", &["qb-TWO-0002"]).await;
+    import_codes(&env, "qb", &["qb-TWO-0002"]).await;
     eventually(Duration::from_secs(40), "granted whole", || async {
-        count(&env, doc! {"order_id": "BQ-1", "status": 1}).await == 4
+        count_codes(&env, doc! {"order_id": "BQ-1", "status": 1}).await == 4
     })
     .await;
     let lines = [("qa", 0), ("qa", 1), ("qb", 2), ("qb", 3)];
@@ -507,14 +504,14 @@ async fn the_same_bundle_over_amqp_waits_whole_and_is_granted_whole() {
         } else {
             f.insert("order_line", doc! {"$exists": false});
         }
-        assert_eq!(count(&env, f).await, 1, "line {line} of pool {pool}");
+        assert_eq!(count_codes(&env, f).await, 1, "line {line} of pool {pool}");
     }
     // A redelivery of the same bundle is the same order: nothing more,
     // once the dispatcher has settled it.
     let before = settled(&[&d.addr]).await;
     publish_confirmed(&publisher, &[p]).await;
     wait_settled(&[&d.addr], before + 1).await;
-    assert_eq!(count(&env, doc! {"order_id": "BQ-1"}).await, 4);
+    assert_eq!(count_codes(&env, doc! {"order_id": "BQ-1"}).await, 4);
     d.stop().await;
     env.cleanup().await;
 }
@@ -534,7 +531,7 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
     eventually(
         Duration::from_secs(20),
         "the bundle's codes are held",
-        || async { count(&env, doc! {"status": 4}).await == 3 },
+        || async { count_codes(&env, doc! {"status": 4}).await == 3 },
     )
     .await;
     // kill -9 between the hold and the commit.
@@ -546,7 +543,7 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
     assert!(status.success());
     let _ = d.child.wait().await;
     // None shown: the order holds no code, and no lookup shows the held.
-    assert_eq!(count(&env, doc! {"order_id": "BK-1"}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"order_id": "BK-1"}).await, 0);
     let out = env.run(&["lookup", "--uid", "u-b"]).await;
     assert!(!String::from_utf8_lossy(&out.stdout).contains("ka-"));
     // The redelivery completes it whole with the same codes.
@@ -555,23 +552,22 @@ async fn a_kill_between_a_bundles_two_claims_loses_no_code_and_shows_none() {
     eventually(
         Duration::from_secs(30),
         "the bundle is granted whole",
-        || async { count(&env, doc! {"order_id": "BK-1", "status": 1}).await == 3 },
+        || async { count_codes(&env, doc! {"order_id": "BK-1", "status": 1}).await == 3 },
     )
     .await;
     assert_eq!(code_ids(&env, doc! {"order_id": "BK-1"}).await, held);
     // No code lost: 3 issued, 3 in stock, none held.
-    assert_eq!(count(&env, doc! {"status": 0}).await, 3);
-    assert_eq!(count(&env, doc! {"status": 4}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"status": 0}).await, 3);
+    assert_eq!(count_codes(&env, doc! {"status": 4}).await, 0);
     d.stop().await;
     env.cleanup().await;
 }
 
 #[tokio::test]
 async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
-    let env = TestEnv::with_pools("lows4_held_rate", &[("rate", 40)]).await;
+    let env = TestEnv::with_pools("holds_held_rate", &[("rate", 40)]).await;
     let backend = key(&env, "backend", "orders:write,orders:read").await;
-    let admin = key(&env, "ops", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "admin").await;
     let (s, _, b) = api
         .post("/v1/holds", &backend, &hold("H-rate", "u-hold", "rate", 3))
         .await;
@@ -619,7 +615,7 @@ async fn held_codes_are_not_counted_as_issued_in_the_last_hour_or_day() {
 
 #[tokio::test]
 async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own() {
-    let env = TestEnv::with_pools("lows4_hold_ns", &[("hx", 40)]).await;
+    let env = TestEnv::with_pools("holds_hold_ns", &[("hx", 40)]).await;
     pool_set(&env, "hx", &["--hold-share", "100"]).await;
     // The suite publishes as the broker's guest user.
     for shop in ["acme", "bolt"] {
@@ -627,8 +623,7 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
     }
     let acme = shop_key(&env, "acme-1", "acme").await;
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
-    let backend = key(&env, "backend", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
 
     // One hold id, three owners: three holds.
     for (k, uid, n) in [(&acme, "ann", 1), (&bolt, "bob", 2), (&backend, "cy", 3)] {
@@ -732,10 +727,9 @@ async fn two_shops_and_a_backend_each_use_hold_id_cart_1_and_each_pays_its_own()
 
 #[tokio::test]
 async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes_nothing() {
-    let env = TestEnv::with_pools("lows4_void_held", &[("vh", 3)]).await;
+    let env = TestEnv::with_pools("holds_void_held", &[("vh", 3)]).await;
     pool_set(&env, "vh", &["--hold-share", "100"]).await;
-    let k = key(&env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "checkout", "orders:write,orders:read").await;
     let (s, _, b) = api
         .post("/v1/holds", &k, &hold("H-vh", "vic", "vh", 1))
         .await;
@@ -785,12 +779,11 @@ async fn void_of_a_held_code_names_its_hold_says_to_release_it_first_and_changes
 
 #[tokio::test]
 async fn a_code_voided_while_held_shows_its_hold_and_never_the_internal_key() {
-    let env = TestEnv::new("lows4_void_key").await;
+    let env = TestEnv::new("holds_void_key").await;
     let leaked: Vec<String> = (0..3).map(|i| format!("LEAK-{i:04}")).collect();
     let import_id = import_codes(&env, "rh", &leaked).await;
     pool_set(&env, "rh", &["--hold-share", "100"]).await;
-    let k = key(&env, "checkout", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "checkout", "orders:write,orders:read").await;
     let (s, _, b) = api
         .post("/v1/holds", &k, &hold("H-rh", "rhu", "rh", 2))
         .await;
@@ -863,7 +856,7 @@ async fn a_code_voided_while_held_shows_its_hold_and_never_the_internal_key() {
 
 #[tokio::test]
 async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leaked_file() {
-    let env = TestEnv::new("cross_recall").await;
+    let env = TestEnv::new("holds_recall").await;
     let leaked: Vec<String> = (0..4).map(|i| format!("LEAK-{i:04}")).collect();
     let import_id = import_codes(&env, "rc", &leaked).await;
     pool_set(&env, "rc", &["--hold-share", "100"]).await;
@@ -920,7 +913,7 @@ async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leake
 
 #[tokio::test]
 async fn a_held_code_that_expires_while_held_is_never_committed_and_expire_voids_it() {
-    let env = TestEnv::with_pools("cross_expiry", &[("ex", 3)]).await;
+    let env = TestEnv::with_pools("holds_expiry", &[("ex", 3)]).await;
     pool_set(&env, "ex", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-ex", "buyer", "ex", 1)).await;
@@ -959,7 +952,7 @@ async fn a_held_code_that_expires_while_held_is_never_committed_and_expire_voids
 
 #[tokio::test]
 async fn a_hold_paid_while_its_pool_is_paused_is_bound_to_that_order_and_no_other_order_uses_it() {
-    let env = TestEnv::with_pools("cross_pause", &[("pz", 4)]).await;
+    let env = TestEnv::with_pools("holds_pause", &[("pz", 4)]).await;
     pool_set(&env, "pz", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-pz", "buyer", "pz", 1)).await;
@@ -1002,7 +995,7 @@ async fn a_hold_paid_while_its_pool_is_paused_is_bound_to_that_order_and_no_othe
 
 #[tokio::test]
 async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
-    let env = TestEnv::with_pools("cross_shops", &[("sx", 10)]).await;
+    let env = TestEnv::with_pools("holds_shops", &[("sx", 10)]).await;
     pool_set(&env, "sx", &["--hold-share", "100"]).await;
     create_shop(&env, "acme", "sx", &[]).await;
     shop(&env, "bolt", "sx").await;
@@ -1051,7 +1044,7 @@ async fn an_amqp_purchase_that_names_another_shop_never_pays_this_shops_hold() {
 
 #[tokio::test]
 async fn a_hold_on_a_pool_taken_off_the_shop_is_not_paid_and_nothing_is_issued() {
-    let env = TestEnv::with_pools("cross_shop_pool", &[("sp", 5), ("sq", 5)]).await;
+    let env = TestEnv::with_pools("holds_shop_pool", &[("sp", 5), ("sq", 5)]).await;
     pool_set(&env, "sp", &["--hold-share", "100"]).await;
     create_shop(&env, "sh", "sp,sq", &[]).await;
     let k = shop_key(&env, "sh-1", "sh").await;
@@ -1083,7 +1076,7 @@ async fn a_hold_on_a_pool_taken_off_the_shop_is_not_paid_and_nothing_is_issued()
 
 #[tokio::test]
 async fn a_hold_left_bound_by_a_crash_is_paid_by_no_other_order_and_its_own_retry_ends_it() {
-    let env = TestEnv::with_pools("cross_bound", &[("bd", 5)]).await;
+    let env = TestEnv::with_pools("holds_bound", &[("bd", 5)]).await;
     pool_set(&env, "bd", &["--hold-share", "100"]).await;
     let (api, k) = checkout_api(&env).await;
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-bd", "buyer", "bd", 1)).await;
@@ -1136,7 +1129,7 @@ async fn a_hold_left_bound_by_a_crash_is_paid_by_no_other_order_and_its_own_retr
 
 #[tokio::test]
 async fn a_bundle_paying_a_hold_whose_code_was_recalled_waits_whole() {
-    let env = TestEnv::new("cross_bundle_hold").await;
+    let env = TestEnv::new("holds_bundle_hold").await;
     let leaked: Vec<String> = (0..2).map(|i| format!("BH-LEAK-{i}")).collect();
     let import_id = import_codes(&env, "ba", &leaked).await;
     env.fill_pool("bb", 5).await;

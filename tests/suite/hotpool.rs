@@ -105,7 +105,7 @@ fn assert_all_distinct(outcomes: &[ClaimOutcome], expected: usize) {
 }
 
 async fn issued_count(env: &TestEnv, pool: &str) -> u64 {
-    count_codes(&env, doc! {"pool": pool, "status": 1}).await
+    count_codes(env, doc! {"pool": pool, "status": 1}).await
 }
 
 #[tokio::test]

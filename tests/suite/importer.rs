@@ -575,7 +575,7 @@ async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
 
 #[tokio::test]
 async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowed() {
-    let env = TestEnv::new("cli3_cross_pool").await;
+    let env = TestEnv::new("import_cross_pool").await;
     let file = codes_file("XP", 50);
     let (code, first) = import_json(&env, file.path(), "xa", &[]).await;
     assert_eq!((code, first["inserted"].as_u64()), (0, Some(50)), "{first}");
@@ -607,7 +607,7 @@ async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowe
 
 #[tokio::test]
 async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallowed() {
-    let env = TestEnv::new("cli3_stray_quote").await;
+    let env = TestEnv::new("import_stray_quote").await;
     let mut content = String::from("code\nOK-0002\n\"STRAY-0003\n");
     for i in 4..=2001 {
         content.push_str(&format!("CODE-{i:04}\n"));
@@ -630,7 +630,7 @@ async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallow
 
 #[tokio::test]
 async fn a_file_repeating_one_code_imports_in_bounded_time_counting_the_repeats() {
-    let env = TestEnv::new("cli3_repeats").await;
+    let env = TestEnv::new("import_repeats").await;
     let content = format!("code\n{}", "SAME-CODE-1\n".repeat(100_000));
     let file = csv_file(content.as_bytes());
     let started = Instant::now();
@@ -653,7 +653,7 @@ async fn a_file_repeating_one_code_imports_in_bounded_time_counting_the_repeats(
 
 #[tokio::test]
 async fn a_gzip_file_is_refused_as_gzip() {
-    let env = TestEnv::new("cli3_gzip").await;
+    let env = TestEnv::new("import_gzip").await;
     let file =
         csv_file(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x4b\xce\x4f\x49\xe5\x02\x00\x00\x00");
     let (code, _, err) = codepool(
@@ -669,7 +669,7 @@ async fn a_gzip_file_is_refused_as_gzip() {
 #[tokio::test]
 async fn uploaded_file_names_are_base_names_of_visible_text() {
     use codepool_importer::{import_reader, ImportError, ImportOptions};
-    let env = TestEnv::new("cli3_file_names").await;
+    let env = TestEnv::new("import_file_names").await;
     for name in [
         "../../etc/passwd",
         "a/b.csv",

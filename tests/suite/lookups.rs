@@ -9,7 +9,7 @@ use crate::fixtures::*;
 #[tokio::test]
 async fn lookup_and_dead_letters_list_escape_terminal_controls() {
     use lapin::options::BasicPublishOptions;
-    let env = TestEnv::new("cli3_escapes").await;
+    let env = TestEnv::new("lookup_escapes").await;
     let codes = env.fill_pool("te", 2).await;
     // A reason stored before reasons were checked.
     let target = codepool_store::lifecycle::CodeRef::Code {

@@ -92,7 +92,7 @@ async fn a_silent_mongodb_gets_one_line_with_its_address_and_what_to_do() {
 
 #[tokio::test]
 async fn read_only_commands_refuse_a_database_without_codepool_data_and_create_none() {
-    let env = TestEnv::new("cli3_no_db").await;
+    let env = TestEnv::new("messages_no_db").await;
     let typo = format!("{}_typo", env.db);
     for args in [
         &["stats"][..],
@@ -125,7 +125,7 @@ async fn read_only_commands_refuse_a_database_without_codepool_data_and_create_n
 
 #[tokio::test]
 async fn dispatch_with_a_wrong_rabbitmq_password_says_so_and_exits_1() {
-    let env = TestEnv::new("cli3_amqp_auth").await;
+    let env = TestEnv::new("messages_amqp_auth").await;
     let started = Instant::now();
     let out = tokio::time::timeout(
         Duration::from_secs(30),
@@ -153,7 +153,7 @@ async fn dispatch_with_a_wrong_rabbitmq_password_says_so_and_exits_1() {
 
 #[tokio::test]
 async fn short_commands_never_panic_at_exit() {
-    let env = TestEnv::with_pools("cli3_exit", &[("ex", 3)]).await;
+    let env = TestEnv::with_pools("messages_exit", &[("ex", 3)]).await;
     for i in 0..25 {
         let (code, _, err) = codepool(&env, &["stats"]).await;
         assert_eq!(code, 0, "run {i}: {err}");
@@ -164,7 +164,7 @@ async fn short_commands_never_panic_at_exit() {
 
 #[tokio::test]
 async fn commands_that_use_the_broker_exit_without_lapin_errors() {
-    let env = TestEnv::new("hostile_quiet").await;
+    let env = TestEnv::new("messages_quiet").await;
     for round in 0..3 {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         writeln!(f, "code\nQUIET-{round}-1\nQUIET-{round}-2").unwrap();
@@ -201,7 +201,7 @@ async fn commands_that_use_the_broker_exit_without_lapin_errors() {
 /// `migrate` and by every command, naming the migration it does not know.
 #[tokio::test]
 async fn commands_that_read_never_migrate_and_a_newer_schema_is_refused() {
-    let env = TestEnv::with_pools("seam_schema", &[("sc", 1)]).await;
+    let env = TestEnv::with_pools("messages_schema", &[("sc", 1)]).await;
     let log = env.coll("_migrations");
     log.delete_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
         .await

@@ -140,7 +140,7 @@ async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) 
     purchases.push(limited);
     publish_confirmed(publisher, &purchases).await;
     let junk = format!("not json {round}");
-    publish_bytes(&publisher, junk.as_bytes(), Some(&junk)).await;
+    publish_bytes(publisher, junk.as_bytes(), Some(&junk)).await;
     let (status, _, _) = http(
         api,
         "POST",
@@ -280,7 +280,7 @@ async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
         ),
     ];
     for (body, id) in dead {
-        publish_bytes(&publisher, &body, Some(id)).await;
+        publish_bytes(publisher, &body, Some(id)).await;
     }
     let granted = || async {
         env.coll("codes")

@@ -287,7 +287,7 @@ async fn publish_receipt(publisher: &Publisher, key: &str, body: &[u8], message_
         props = props.with_message_id(id.into());
     }
     let exchange = publisher.topology().sms_exchange.clone();
-    publish_to(&publisher, &exchange, key, body, props).await;
+    publish_to(publisher, &exchange, key, body, props).await;
 }
 
 // ---------------------------------------------------------------- lifecycle
@@ -1733,7 +1733,7 @@ async fn stock_counts_of_many_pools_are_exact_where_the_scan_budget_runs_out() {
 
 #[tokio::test]
 async fn void_reasons_with_control_or_bidi_characters_are_refused() {
-    let env = TestEnv::new("cli3_reason").await;
+    let env = TestEnv::new("ops_reason").await;
     let codes = env.fill_pool("vr", 2).await;
     for reason in [EVIL, "refund\u{202e}", "a\u{200b}b"] {
         let (code, _, err) = codepool(
@@ -1760,10 +1760,9 @@ async fn void_reasons_with_control_or_bidi_characters_are_refused() {
 /// arrives, over HTTP (409 `order-cancelled`) or over AMQP (no event).
 #[tokio::test]
 async fn a_cancelled_backorder_never_comes_back_through_either_door() {
-    use crate::api::{http, json_of, key, order, ApiServer};
-    let env = TestEnv::with_pools("seam_cancelled", &[("few", 2)]).await;
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    use crate::api::{http, json_of, order};
+    let env = TestEnv::with_pools("ops_cancelled", &[("few", 2)]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     let place = |id: &'static str, q: u32| {
         let addr = api.addr.clone();
         let shop = shop.clone();

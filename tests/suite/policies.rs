@@ -20,15 +20,6 @@ fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     }
 }
 
-async fn count(env: &TestEnv, collection: &str, filter: bson::Document) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>(collection)
-        .count_documents(filter)
-        .await
-        .expect("count")
-}
-
 #[tokio::test]
 async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     let env = TestEnv::with_pools("policies_per_user", &[("one", 100), ("three", 100)]).await;
@@ -68,12 +59,12 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     .await;
 
     for (pool, limit) in [("one", 1u64), ("three", 3)] {
-        let granted = count(&env, "codes", doc! {"pool": pool, "uid": "buyer-1"}).await;
-        let refused = count(&env, "refusals", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        let granted = count_docs(&env, "codes", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        let refused = count_docs(&env, "refusals", doc! {"pool": pool, "uid": "buyer-1"}).await;
         assert_eq!(granted, limit, "pool {pool}: exactly {limit} grant(s)");
         assert_eq!(refused, 30 - limit, "pool {pool}: the rest refused");
     }
-    assert_eq!(count(&env, "backorders", doc! {}).await, 0);
+    assert_eq!(count_docs(&env, "backorders", doc! {}).await, 0);
     assert_eq!(
         queue_depth(&ch, &t.purchases_dead).await,
         0,
@@ -139,7 +130,7 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     eventually(
         Duration::from_secs(20),
         "the late order refused",
-        || async { count(&env, "refusals", doc! {"_id": "ONE-LATE"}).await == 1 },
+        || async { count_docs(&env, "refusals", doc! {"_id": "ONE-LATE"}).await == 1 },
     )
     .await;
 
@@ -167,7 +158,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     // One grant first, so the dispatcher has the pool's policy cached.
     publish_confirmed(&publisher, &[purchase("P-FIRST", "p")]).await;
     eventually(Duration::from_secs(20), "the first grant", || async {
-        count(&env, "codes", doc! {"pool": "p", "status": 1}).await == 1
+        count_docs(&env, "codes", doc! {"pool": "p", "status": 1}).await == 1
     })
     .await;
 
@@ -189,7 +180,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     let waiting: Vec<_> = (0..6).map(|i| purchase(&format!("P-{i}"), "p")).collect();
     publish_confirmed(&publisher, &waiting).await;
     eventually(Duration::from_secs(20), "6 backorders", || async {
-        count(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
+        count_docs(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
     })
     .await;
     // Stock news must not fulfil them while paused (the pool has 2 codes):
@@ -197,7 +188,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     publish_pool_event(&publisher, &PoolEvent::new(PoolEventKind::Replenished, "p")).await;
     pool_events_handled(&env, &publisher, PoolEventKind::Replenished).await;
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "p", "status": 1}).await,
+        count_docs(&env, "codes", doc! {"pool": "p", "status": 1}).await,
         1,
         "nothing issued while paused"
     );
@@ -216,7 +207,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         Duration::from_secs(20),
         "2 backorders fulfilled",
         || async {
-            count(
+            count_docs(
                 &env,
                 "backorders",
                 doc! {"pool": "p", "status": "fulfilled"},
@@ -301,7 +292,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         })
     };
     eventually(Duration::from_secs(30), "dispatch under way", || async {
-        count(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
+        count_docs(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
     })
     .await;
     let out = codepool_ok(
@@ -323,13 +314,13 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let t = env.topology();
     let started = std::time::Instant::now();
     loop {
-        let granted = count(
+        let granted = count_docs(
             &env,
             "codes",
             doc! {"pool": "r", "order_id": {"$exists": true}},
         )
         .await;
-        let waiting = count(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
+        let waiting = count_docs(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
         if granted + waiting == 800 && queue_depth(&ch, &t.purchases).await == 0 {
             break;
         }
@@ -344,10 +335,10 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let issued = count(&env, "codes", doc! {"pool": "r", "status": 1}).await;
-    let void = count(&env, "codes", doc! {"pool": "r", "status": 3}).await;
+    let issued = count_docs(&env, "codes", doc! {"pool": "r", "status": 1}).await;
+    let void = count_docs(&env, "codes", doc! {"pool": "r", "status": 3}).await;
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "r", "status": 0}).await,
+        count_docs(&env, "codes", doc! {"pool": "r", "status": 0}).await,
         0
     );
     assert_eq!(issued + void, 1000, "every code issued or voided");
@@ -356,7 +347,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         "the recall raced with dispatch ({issued} issued)"
     );
     assert_eq!(
-        count(
+        count_docs(
             &env,
             "codes",
             doc! {"pool": "r", "status": 3, "order_id": {"$exists": true}}
@@ -425,7 +416,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
         .collect();
     publish_confirmed(&publisher, &orders).await;
     eventually(Duration::from_secs(20), "3 backorders", || async {
-        count(
+        count_docs(
             &env,
             "backorders",
             doc! {"pool": "late", "status": "waiting"},
@@ -450,14 +441,14 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
         Duration::from_secs(30),
         "1 fulfilled, 2 refused",
         || async {
-            count(
+            count_docs(
                 &env,
                 "backorders",
                 doc! {"pool": "late", "status": "fulfilled"},
             )
             .await
                 == 1
-                && count(
+                && count_docs(
                     &env,
                     "backorders",
                     doc! {"pool": "late", "status": "refused"},
@@ -467,8 +458,11 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
         },
     )
     .await;
-    assert_eq!(count(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
-    assert_eq!(count(&env, "refusals", doc! {"uid": "buyer-9"}).await, 2);
+    assert_eq!(count_docs(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
+    assert_eq!(
+        count_docs(&env, "refusals", doc! {"uid": "buyer-9"}).await,
+        2
+    );
     let ch = conn.create_channel().await.unwrap();
     let refused = drain(&ch, &env.topology().purchases_refused).await;
     assert_eq!(refused.len(), 2);
@@ -525,15 +519,15 @@ async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
     assert_eq!(distinct.len(), 15, "each code seen once");
     assert!(held.iter().all(|id| !distinct.contains(id)));
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "rw", "status": 3}).await,
+        count_docs(&env, "codes", doc! {"pool": "rw", "status": 3}).await,
         15
     );
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "rw", "status": 1}).await,
+        count_docs(&env, "codes", doc! {"pool": "rw", "status": 1}).await,
         8
     );
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "other", "status": 0}).await,
+        count_docs(&env, "codes", doc! {"pool": "other", "status": 0}).await,
         5
     );
     // A second walk finds nothing left, and the held codes are listed.
@@ -673,11 +667,10 @@ async fn the_key_and_shop_caches_age_by_their_clock() {
 /// void answered "nothing voided" is never texted.
 #[tokio::test]
 async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
-    use crate::api::{http, json_of, key, order, ApiServer};
-    let env = TestEnv::with_pools("seam_void_race", &[("race", 60)]).await;
+    use crate::api::{http, json_of, order};
+    let env = TestEnv::with_pools("policies_void_race", &[("race", 60)]).await;
     env.store.set_paused("race", true).await.expect("pause");
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     let ids: Vec<String> = (0..40).map(|i| format!("R-{i}")).collect();
     for id in &ids {
         let (status, _, _) = api.post("/v1/orders", &shop, &order(id, "race", 1)).await;

@@ -18,10 +18,6 @@ use crate::fixtures::*;
 
 const CODES: usize = 60_000;
 
-async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
-    count_codes(&env, filter).await
-}
-
 /// The newest run of the pool once it has inserted some codes.
 async fn running_run(env: &TestEnv, pool: &str, not: &[ObjectId]) -> ObjectId {
     let imports = env.coll("imports");
@@ -83,7 +79,7 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
     let third: Value = serde_json::from_str(&out).unwrap();
     let third_id = third["import_id"].as_str().unwrap().to_owned();
     assert_eq!(
-        count(&env, doc! {"pool": "rc"}).await,
+        count_codes(&env, doc! {"pool": "rc"}).await,
         CODES as u64,
         "three runs, one file"
     );
@@ -112,7 +108,7 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
         "{r}"
     );
     assert_eq!(r["voided"], CODES, "{r}");
-    assert_eq!(count(&env, doc! {"pool": "rc", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rc", "status": 0}).await, 0);
     env.cleanup().await;
 }
 
@@ -167,7 +163,7 @@ async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() 
     );
     // The orphan's code was not voided: the operator decides.
     assert_eq!(
-        count(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
+        count_codes(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
         1
     );
     env.cleanup().await;
@@ -197,7 +193,7 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     stdin.flush().await.unwrap();
     let imports = env.coll("imports");
     eventually(Duration::from_secs(60), "300 codes land", || async {
-        count(&env, doc! {"pool": "li"}).await == 300
+        count_codes(&env, doc! {"pool": "li"}).await == 300
     })
     .await;
     let record = imports
@@ -216,7 +212,10 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("still inserting codes"), "{err}");
-    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"batch_id": run, "status": 3}).await,
+        0
+    );
 
     // The run stalls past its lease (as if stopped for 20 s): the recall
     // goes through and voids the 300.
@@ -228,7 +227,10 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
         .await
         .unwrap();
     codepool_ok(&env, &["void", "--import", &id, "--reason", "leak"]).await;
-    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 300);
+    assert_eq!(
+        count_codes(&env, doc! {"batch_id": run, "status": 3}).await,
+        300
+    );
 
     // It wakes: more rows come. It stops at its next renewal, inserts
     // nothing live, and says why.
@@ -240,7 +242,7 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("was recalled while it ran"), "{err}");
     assert_eq!(
-        count(&env, doc! {"batch_id": run, "status": 0}).await,
+        count_codes(&env, doc! {"batch_id": run, "status": 0}).await,
         0,
         "no code of the recalled run is left in stock"
     );
@@ -266,7 +268,7 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("was recalled (leak)"), "{err}");
-    assert_eq!(count(&env, doc! {"pool": "rg", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rg", "status": 0}).await, 0);
 
     // A file killed halfway, then recalled: importing it again would put
     // the rest of a leaked file on sale.
@@ -293,13 +295,13 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("the whole file is taken as leaked"), "{err}");
-    assert_eq!(count(&env, doc! {"pool": "rr", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rr", "status": 0}).await, 0);
     env.cleanup().await;
 }
 
 #[tokio::test]
 async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
-    let env = TestEnv::new("cli3_recall_runs").await;
+    let env = TestEnv::new("recall_recall_runs").await;
     let file = codes_file("LEAK", 300);
     let name = file.path().display().to_string();
     // Run 1 was interrupted after 120 codes (what a SIGINT leaves).
@@ -350,7 +352,10 @@ async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
         .collect();
     let second_id = second["import_id"].as_str().unwrap();
     assert_eq!(runs, [first.id.to_hex().as_str(), second_id, &third_id]);
-    assert_eq!(count(&env, doc! {"pool": "leak", "status": 0}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "leak", "status": 0}).await,
+        0
+    );
     // Text output names the runs too.
     let (code, text, err) =
         codepool(&env, &["void", "--import", &third_id, "--reason", "again"]).await;
@@ -364,7 +369,7 @@ async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
 
 #[tokio::test]
 async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails() {
-    let env = TestEnv::new("cli3_recall_empty").await;
+    let env = TestEnv::new("recall_recall_empty").await;
     let name = "partner.csv";
     // Two unlinked runs of a file named partner.csv: one holds codes.
     let holder = env.store.start_import("rp", name, None).await.unwrap();
@@ -389,6 +394,10 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
     .await;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(&holder.id.to_hex()), "{err}");
-    assert_eq!(count(&env, doc! {"status": 0}).await, 1, "nothing voided");
+    assert_eq!(
+        count_codes(&env, doc! {"status": 0}).await,
+        1,
+        "nothing voided"
+    );
     env.cleanup().await;
 }

@@ -76,7 +76,7 @@ async fn code_doc(env: &TestEnv, order: &str) -> bson::Document {
 
 /// The `what` of every audit record of kind `redeem`.
 async fn redemptions_audited(env: &TestEnv) -> Vec<String> {
-    let docs: Vec<bson::Document> = find_docs(&env, "audit", doc! {"kind": "redeem"}).await;
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": "redeem"}).await;
     (docs.iter())
         .map(|d| d.get_str("what").unwrap_or_default().to_owned())
         .collect()
@@ -841,7 +841,7 @@ async fn pool_codes(db: &mongodb::Database, pool: &str) -> Vec<bson::Document> {
 /// redemption applied is audited with that user.
 #[tokio::test]
 async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited() {
-    let env = TestEnv::with_pools("seam_redeem", &[("red", 5)]).await;
+    let env = TestEnv::with_pools("redeem_redeem", &[("red", 5)]).await;
     let mut cmd = env.command(&[]);
     cmd.env("CODEPOOL_REDEEMERS", "platform");
     let daemon = start_daemon(cmd).await;

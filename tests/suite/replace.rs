@@ -91,8 +91,7 @@ async fn events_until(env: &TestEnv, event_id: &str) -> Vec<Value> {
 #[tokio::test]
 async fn one_replacement_id_gives_one_new_code_with_its_own_sms_event() {
     let env = TestEnv::with_pools("replace_once", &[("ro", 10)]).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     let old = place(&api, &k, "R-1", "ro").await;
 
     let (status, first) = replace(&api, &k, "R-1", 0, "T-1", "rejected by the platform").await;
@@ -173,8 +172,7 @@ async fn the_fourth_replacement_of_an_order_is_refused_and_changes_nothing() {
     let env = TestEnv::with_pools("replace_cap", &[("rp", 10)]).await;
     // One order per buyer: a replacement is not a second purchase.
     pool_set(&env, "rp", &["--per-user", "1"]).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "Q-1", "rp").await;
     for id in ["a", "b", "c"] {
         let (status, r) = replace(&api, &k, "Q-1", 0, id, "rejected").await;
@@ -272,8 +270,7 @@ async fn the_new_code_obeys_expiry_and_a_paused_pool_makes_the_line_wait() {
     let env = TestEnv::new("replace_gate").await;
     // Two codes that expired an hour ago come first; they are never given.
     let codes = env.fill_pool_expiring("rz", 2, 5).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "Z-1", "rz").await;
     let (status, r) = replace(&api, &k, "Z-1", 0, "Z-a", "rejected").await;
     assert_eq!(status, 201, "{r}");
@@ -310,8 +307,7 @@ async fn another_shops_key_gets_the_404_of_an_unknown_order() {
     shop(&env, "globex", "rs").await;
     let acme = shop_key(&env, "acme-1", "acme").await;
     let globex = shop_key(&env, "globex-1", "globex").await;
-    let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "orders:write,orders:read,admin").await;
     let old = place(&api, &acme, "S-1", "rs").await;
 
     let (status, theirs) = replace(&api, &globex, "S-1", 0, "G-1", "rejected").await;
@@ -398,7 +394,7 @@ async fn the_shop_hears_code_replaced_signed_for_the_standardwebhooks_library() 
 
 /// Every audit record of `kind`, as (who, what).
 async fn audited(env: &TestEnv, kind: &str) -> Vec<(String, String)> {
-    let docs: Vec<bson::Document> = find_docs(&env, "audit", doc! {"kind": kind}).await;
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": kind}).await;
     (docs.iter())
         .map(|d| {
             let f = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
@@ -410,8 +406,7 @@ async fn audited(env: &TestEnv, kind: &str) -> Vec<(String, String)> {
 #[tokio::test]
 async fn the_cli_replaces_a_code_audited_and_says_the_id_to_run_it_again() {
     let env = TestEnv::with_pools("replace_cli", &[("rc", 5)]).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "C-1", "rc").await;
     let out = codepool_ok(
         &env,
@@ -475,8 +470,7 @@ async fn the_cli_replaces_a_code_audited_and_says_the_id_to_run_it_again() {
 #[tokio::test]
 async fn a_kill_between_the_void_and_the_claim_is_finished_by_a_retry_with_the_same_id() {
     let env = TestEnv::with_pools("replace_kill", &[("rk", 5)]).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "K-1", "rk").await;
     let args = [
         "replace",

@@ -288,7 +288,7 @@ async fn send_receipts_and_redemptions(
     ];
     for (exchange, key, body) in messages {
         publish_to(
-            &publisher,
+            publisher,
             exchange,
             key,
             body.to_string().as_bytes(),

@@ -137,7 +137,7 @@ fn demo_db(key_file: &std::path::Path) -> String {
 
 #[tokio::test]
 async fn each_demo_key_file_gets_its_own_demo_database() {
-    let env = TestEnv::new("cli3_demo_db").await;
+    let env = TestEnv::new("scratch_demo_db").await;
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
     for k in [&a, &b] {

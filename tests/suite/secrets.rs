@@ -16,7 +16,7 @@ use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
-use crate::api::{key, order, ApiServer};
+use crate::api::order;
 use crate::common::*;
 use crate::fixtures::*;
 
@@ -309,7 +309,7 @@ async fn secrets_a_wrong_missing_or_outdated_key_file_consumes_nothing() {
 
 /// Every code of `pool` decrypted, with its status and order.
 async fn decrypted(env: &TestEnv, pool: &str) -> Vec<(String, i32, Option<String>)> {
-    let docs: Vec<Document> = find_docs(&env, "codes", doc! {"pool": pool}).await;
+    let docs: Vec<Document> = find_docs(env, "codes", doc! {"pool": pool}).await;
     docs.iter()
         .map(|d| {
             let order = d.get_str("order_id").ok().map(str::to_owned);
@@ -450,7 +450,7 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
 
 /// The reveal records in `audit`.
 async fn audit_records(env: &TestEnv) -> Vec<Document> {
-    find_docs(&env, "audit", doc! {}).await
+    find_docs(env, "audit", doc! {}).await
 }
 
 #[tokio::test]
@@ -591,9 +591,8 @@ async fn secrets_keys_init_writes_a_private_file_and_never_overwrites_one() {
 
 #[tokio::test]
 async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stale_key_file() {
-    let env = TestEnv::with_pools("lows4_keys_ready", &[("kr", 50)]).await;
-    let backend = key(&env, "backend", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("secrets_keys_ready", &[("kr", 50)]).await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write").await;
     let ready = || {
         let addr = api.addr.clone();
         async move { http_get(&addr, "/readyz").await.map(|(s, _)| s) }
@@ -649,7 +648,7 @@ async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stal
 /// key it serves the purchase.
 #[tokio::test]
 async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
-    let env = TestEnv::with_pools("seam_keys", &[("k", 3)]).await;
+    let env = TestEnv::with_pools("secrets_keys", &[("k", 3)]).await;
     let daemon = start_daemon(env.command(&[])).await;
     // Another host: a copy of the key file, a new key, codes sealed with it.
     let dir = tempfile::tempdir().unwrap();
@@ -725,7 +724,7 @@ async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
 /// key file) does not hold a process unready: it leaves the registry.
 #[tokio::test]
 async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
-    let env = TestEnv::with_pools("seam_retired", &[("rt", 2)]).await;
+    let env = TestEnv::with_pools("secrets_retired", &[("rt", 2)]).await;
     let registry = env.coll("key_ids");
     registry
         .insert_one(bson::doc! {"_id": "k-retired"})

@@ -26,7 +26,7 @@ async fn cli(env: &TestEnv, args: &[&str]) -> String {
 
 /// The codes the database holds for `order`.
 async fn held(env: &TestEnv, order: &str) -> usize {
-    count_codes(&env, bson::doc! {"order_id": order}).await as usize
+    count_codes(env, bson::doc! {"order_id": order}).await as usize
 }
 
 fn codes_in(body: &[u8]) -> Vec<String> {
@@ -281,12 +281,11 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
 
 #[tokio::test]
 async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool() {
-    let env = TestEnv::with_pools("lows4_pool_oracle", &[("mine", 10), ("theirs", 10)]).await;
+    let env = TestEnv::with_pools("shops_pool_oracle", &[("mine", 10), ("theirs", 10)]).await;
     create_shop(&env, "acme", "mine", &[]).await;
     create_shop(&env, "bolt", "theirs", &[]).await;
     let acme = shop_key(&env, "acme-1", "acme").await;
-    let backend = key(&env, "backend", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
 
     // The same problem for a pool of another shop and a pool that does not
     // exist, on both routes, with no operator command in it.

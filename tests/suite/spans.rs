@@ -189,7 +189,7 @@ async fn grepping_one_order_id_shows_its_path_through_either_door() {
 #[tokio::test]
 async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
     use crate::api::{key, order, ApiServer};
-    let env = TestEnv::with_pools("seam_spans", &[("sp", 5)]).await;
+    let env = TestEnv::with_pools("spans_spans", &[("sp", 5)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &["--log-format", "json"]).await;
     let (status, _, _) = api.post("/v1/orders", &shop, &order("SP-1", "sp", 1)).await;

@@ -119,7 +119,7 @@ fn total_void(v: &Value) -> u64 {
 
 /// Every code document of `pool`.
 async fn codes_of_pool(env: &TestEnv, pool: &str) -> Vec<bson::Document> {
-    find_docs(&env, "codes", doc! {"pool": pool}).await
+    find_docs(env, "codes", doc! {"pool": pool}).await
 }
 
 /// Every plaintext code of `pool`.
@@ -158,8 +158,7 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     let run_b = import(&env, "st", "b.csv", &b).await;
     let t0 = boundary().await;
 
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     for i in 1..=6 {
         let body = order(&format!("O-{i}"), "st", 1);
         post(&api, &shop, "/v1/orders", &body).await;
@@ -522,8 +521,7 @@ async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_ar
         "code\nSH-1\nSH-2\nSH-3\nSH-4\nSH-5\nSH-6\n",
     )
     .await;
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     for i in 1..=4 {
         let body = json!({"hold_id": format!("HH-{i}"), "uid": format!("u{i}"), "items": [{"pool": "sh", "quantity": 1}]});
         post(&api, &shop, "/v1/holds", body.to_string().as_bytes()).await;

@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use bson::doc;
 use serde_json::{json, Value};
 
-use crate::api::{http, json_of, key, ApiServer};
+use crate::api::{http, json_of, ApiServer};
 use crate::common::*;
 use crate::fixtures::*;
 
@@ -412,7 +412,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
 
 /// Every audit record, as (kind, what).
 async fn audit(env: &TestEnv) -> Vec<(String, String)> {
-    let docs: Vec<bson::Document> = find_docs(&env, "audit", bson::doc! {}).await;
+    let docs: Vec<bson::Document> = find_docs(env, "audit", bson::doc! {}).await;
     docs.iter()
         .map(|d| {
             let field = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
@@ -944,7 +944,7 @@ async fn endpoint(env: &TestEnv, shop: &str, url: &str) -> String {
 
 /// The audit's reveals, as (command, code ids).
 async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
-    let docs: Vec<bson::Document> = find_docs(&env, "audit", doc! {"kind": "reveal"}).await;
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": "reveal"}).await;
     docs.iter()
         .map(|d| {
             let ids = (d.get_array("code_ids").unwrap().iter())
@@ -957,7 +957,7 @@ async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
 
 #[tokio::test]
 async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audits_a_reveal() {
-    let env = TestEnv::with_pools("lows4_replay_old", &[("wr", 5)]).await;
+    let env = TestEnv::with_pools("wh_replay_old", &[("wr", 5)]).await;
     shop(&env, "acme", "wr").await;
     let first = Receiver::start(Answer::Ok).await;
     endpoint(&env, "acme", &first.url()).await;
@@ -998,8 +998,7 @@ async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audit
         out.contains("1 deliveries due"),
         "only to the first endpoint: {out}"
     );
-    let admin = key(&env, "ops", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "admin").await;
     let replay = |include: Option<bool>| {
         let (addr, admin) = (api.addr.clone(), admin.clone());
         let mut body = json!({"shop": "acme", "event": event, "endpoint": id});
