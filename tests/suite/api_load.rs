@@ -7,14 +7,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use codepool_broker::Publisher;
 use codepool_domain::SmsPending;
 use futures::StreamExt;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::api::{key, order, ApiServer};
-use crate::common::{drain, eventually, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL};
+use crate::common::*;
+use crate::fixtures::api_with_key;
 
 /// One HTTP exchange that reports a dead server instead of panicking.
 async fn try_post(addr: &str, path: &str, key: &str, body: &[u8]) -> Result<(u16, Value), String> {
@@ -56,9 +56,7 @@ fn codes_of(answer: &Value) -> Vec<String> {
 async fn holdings(env: &TestEnv) -> HashMap<String, Vec<String>> {
     let mut out: HashMap<String, Vec<String>> = HashMap::new();
     let mut cursor = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find(bson::doc! {"order_id": {"$exists": true}})
         .await
         .unwrap();
@@ -112,8 +110,7 @@ fn quantity_of(i: usize) -> u32 {
 #[tokio::test]
 async fn http_and_amqp_orders_over_two_api_processes_and_a_dispatcher_each_get_exactly_their_codes()
 {
-    let env = TestEnv::new("api_two_doors").await;
-    env.fill_pool("mix", 4_600).await;
+    let env = TestEnv::with_pools("api_two_doors", &[("mix", 4_600)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let (a, b) = (
         ApiServer::start(&env, &["--rate-per-key", "100000"]).await,
@@ -128,19 +125,12 @@ async fn http_and_amqp_orders_over_two_api_processes_and_a_dispatcher_each_get_e
 
     // 2,000 over AMQP while 2,000 go over HTTP, 10% of them sent to both
     // API processes at the same moment.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let amqp = async {
         for i in 0..2_000 {
             let mut p = purchase(&format!("Q-{i}"), "mix");
             p.quantity = quantity_of(i);
-            publisher
-                .publish_purchase(&p)
-                .await
-                .unwrap()
-                .wait()
-                .await
-                .unwrap();
+            publish_one(&publisher, &p).await;
         }
     };
     let http = futures::stream::iter(0..2_000)
@@ -229,8 +219,7 @@ async fn http_and_amqp_orders_over_two_api_processes_and_a_dispatcher_each_get_e
 async fn an_api_process_killed_mid_load_loses_nothing_and_a_retry_on_another_gets_the_same_codes() {
     // An API-only deployment: no dispatcher runs. The other API process's
     // relay sends the events the killed process owed.
-    let env = TestEnv::new("api_kill").await;
-    env.fill_pool("kp", 500).await;
+    let env = TestEnv::with_pools("api_kill", &[("kp", 500)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let a = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
     let b = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
@@ -320,8 +309,7 @@ async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_ever
     // No dispatcher runs. The API answers each order once its claim is
     // journaled; its events are owed by its batch's record, and the API's own
     // relay sends whatever a closed connection swallowed.
-    let env = TestEnv::new("api_flap").await;
-    env.fill_pool("fp", 400).await;
+    let env = TestEnv::with_pools("api_flap", &[("fp", 400)]).await;
     let shop = key(&env, "shop", "orders:write").await;
     let api = ApiServer::start(&env, &["--rate-per-key", "100000"]).await;
     let name = format!("codepool-api-{}", api.child.id().unwrap());
@@ -381,10 +369,8 @@ async fn an_api_only_deployment_whose_broker_connection_keeps_closing_texts_ever
 
 #[tokio::test]
 async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when_no_confirm_came() {
-    let env = TestEnv::new("api_owed").await;
-    env.fill_pool("ow", 10).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("api_owed", &[("ow", 10)]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let before = bson::DateTime::now();
     for i in 0..3 {
         let body = order(&format!("W-{i}"), "ow", 2);
@@ -436,8 +422,7 @@ async fn an_http_batch_owes_its_events_by_one_record_that_the_relay_honours_when
     tokio::time::sleep(Duration::from_millis(1100)).await;
     env.store.owe_events(&["W-2"]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let outbox = codepool_issuance::Outbox::new(std::sync::Arc::new(env.store.clone()));
     let relay = || {
         let relay = codepool_issuance::relay::relay_unconfirmed;

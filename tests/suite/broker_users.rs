@@ -9,12 +9,10 @@ use bson::doc;
 use codepool_broker::Publisher;
 
 use crate::common::*;
+use crate::fixtures::*;
 
 async fn granted(env: &TestEnv, order: &str) -> u64 {
-    (env.store.database().collection::<bson::Document>("codes"))
-        .count_documents(doc! {"order_id": order, "status": 1})
-        .await
-        .unwrap()
+    count_codes(env, doc! {"order_id": order, "status": 1}).await
 }
 
 fn for_shop(order: &str) -> codepool_domain::Purchase {
@@ -25,8 +23,7 @@ fn for_shop(order: &str) -> codepool_domain::Purchase {
 
 #[tokio::test]
 async fn a_purchase_naming_a_shop_from_a_broker_user_the_shop_does_not_name_is_dead_lettered() {
-    let env = TestEnv::new("broker_users").await;
-    env.fill_pool("bu", 10).await;
+    let env = TestEnv::with_pools("broker_users", &[("bu", 10)]).await;
     let args = [
         "shops",
         "create",
@@ -88,7 +85,8 @@ async fn a_purchase_naming_a_shop_from_a_broker_user_the_shop_does_not_name_is_d
         || async { granted(&env, "BU-ok").await == 1 },
     )
     .await;
-    let owner = (env.store.database().collection::<bson::Document>("codes"))
+    let owner = env
+        .coll("codes")
         .find_one(doc! {"order_id": "BU-ok"})
         .await
         .unwrap()
@@ -102,13 +100,11 @@ async fn a_purchase_naming_a_shop_from_a_broker_user_the_shop_does_not_name_is_d
 #[tokio::test]
 async fn shop_names_are_unique_without_regard_to_case() {
     let env = TestEnv::new("shop_case").await;
-    codepool_ok(&env, &["shops", "create", "--name", "acme", "--pools", "*"]).await;
+    create_shop(&env, "acme", "*", &[]).await;
     for name in ["ACME", "Acme"] {
         let out = env
-            .command(&["shops", "create", "--name", name, "--pools", "*"])
-            .output()
-            .await
-            .unwrap();
+            .run(&["shops", "create", "--name", name, "--pools", "*"])
+            .await;
         assert!(!out.status.success(), "{name} was created beside acme");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("exists"), "{err}");

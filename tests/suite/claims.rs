@@ -8,8 +8,7 @@ use codepool_domain::Purchase;
 use codepool_issuance::{ClaimOutcome, Resend};
 use codepool_store::ClaimAssignment;
 
-use crate::common::Line0;
-use crate::common::{assign, purchase, TestEnv};
+use crate::common::*;
 use codepool_store::backorders::{Recorded, Waiting};
 
 /// `claimers` tasks each claim `per_claimer` orders in batches of `batch`.
@@ -49,8 +48,7 @@ async fn run_claimers(
 
 #[tokio::test]
 async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
-    let env = TestEnv::new("claims_distinct").await;
-    env.fill_pool("distinct", 2000).await;
+    let env = TestEnv::with_pools("claims_distinct", &[("distinct", 2000)]).await;
     let results = run_claimers(&env, "distinct", 20, 100, 10).await;
     let mut codes = HashSet::new();
     let mut orders = HashSet::new();
@@ -72,7 +70,7 @@ async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
     }
     assert_eq!(codes.len(), 2000);
     assert_eq!(orders.len(), 2000);
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     assert_eq!(
         coll.count_documents(doc! {"pool": "distinct", "status": 1})
             .await
@@ -90,8 +88,7 @@ async fn twenty_concurrent_claimers_get_two_thousand_distinct_codes() {
 
 #[tokio::test]
 async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_backorder_the_rest() {
-    let env = TestEnv::new("claims_backorder").await;
-    env.fill_pool("small", 100).await;
+    let env = TestEnv::with_pools("claims_backorder", &[("small", 100)]).await;
     let results = run_claimers(&env, "small", 20, 100, 10).await;
     let exhausted: Vec<&Purchase> = results
         .iter()
@@ -120,10 +117,7 @@ async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_back
         env.store.record_backorders(&waiting[..10]).await.unwrap(),
         Recorded::default()
     );
-    let backorders = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders");
+    let backorders = env.coll("backorders");
     assert_eq!(
         backorders
             .count_documents(doc! {"pool": "small"})
@@ -131,7 +125,7 @@ async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_back
             .unwrap(),
         1900
     );
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     assert_eq!(
         coll.count_documents(doc! {"pool": "small", "status": 1})
             .await
@@ -143,8 +137,7 @@ async fn two_thousand_claims_on_a_hundred_codes_issue_exactly_a_hundred_and_back
 
 #[tokio::test]
 async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
-    let env = TestEnv::new("claims_dupes").await;
-    env.fill_pool("dupes", 50).await;
+    let env = TestEnv::with_pools("claims_dupes", &[("dupes", 50)]).await;
     let engine = env.engine();
     let p = purchase("DUP-1", "dupes");
     let q = purchase("DUP-2", "dupes");
@@ -178,7 +171,7 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
     for t in tasks {
         assert_eq!(code_of(&t.await.unwrap()[0]), code_of(&first[0]));
     }
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     assert_eq!(
         coll.count_documents(doc! {"order_id": "DUP-1"})
             .await
@@ -196,8 +189,7 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
 
 #[tokio::test]
 async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
-    let env = TestEnv::new("claims_grantno").await;
-    env.fill_pool("gno", 10).await;
+    let env = TestEnv::with_pools("claims_grantno", &[("gno", 10)]).await;
     let engine = env.engine();
     let p = purchase("GNO-1", "gno");
     let first = engine
@@ -230,8 +222,7 @@ async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
 
 #[tokio::test]
 async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_text() {
-    let env = TestEnv::new("claims_refund").await;
-    env.fill_pool("refund", 5).await;
+    let env = TestEnv::with_pools("claims_refund", &[("refund", 5)]).await;
     let engine = env.engine();
     let p = purchase("REFUND-1", "refund");
     let first = engine
@@ -262,7 +253,7 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
         "the order's code is void: the dispatcher must not text it"
     );
     assert_eq!(g2.code, grant.code);
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     assert_eq!(
         coll.count_documents(doc! {"order_id": "REFUND-1"})
             .await
@@ -286,8 +277,7 @@ async fn a_redelivered_purchase_of_a_refunded_order_gets_no_second_code_and_no_t
 
 #[tokio::test]
 async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
-    let env = TestEnv::new("claims_write_grants").await;
-    env.fill_pool("wg", 6).await;
+    let env = TestEnv::with_pools("claims_write_grants", &[("wg", 6)]).await;
     let ids: Vec<_> = env
         .store
         .candidates_after("wg", 0, 10)
@@ -326,7 +316,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     }
     assert!(!stored["A"].sms.awaiting_relay);
     assert_eq!(stored["A"].holder.as_ref().unwrap().grant_no, None);
-    let raw = env.store.database().collection::<bson::Document>("codes");
+    let raw = env.coll("codes");
     let absent =
         doc! {"order_id": "A", "grant_no": {"$exists": false}, "sms_pending": {"$exists": false}};
     assert_eq!(
@@ -384,7 +374,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     if let Some(granted) = write.granted {
         assert_eq!(granted[&("F".to_owned(), 0)], stored["F"]);
     }
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     let unissued = coll
         .count_documents(doc! {"_id": codepool_store::object_id(ids[5]), "status": 0})
         .await

@@ -2,16 +2,14 @@
 //! as the console's: API keys created and revoked, operators added, given
 //! a new password and disabled, encryption keys added and rotated. Each is
 //! recorded by the core with the OS user and host running the command,
-//! and no record holds a secret.
-
-use std::process::Stdio;
+//! and no record holds a secret. Every change (import, pause, resume,
+//! void, recall) is audited with who made it, through the CLI or the API.
 
 use bson::{doc, Document};
-use futures::TryStreamExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::api::ApiServer;
-use crate::common::{codepool_ok, TestEnv};
+use crate::common::*;
+use crate::fixtures::*;
 
 const USER: &str = "cli-auditor";
 const FIRST_PASSWORD: &str = "first correct horse battery";
@@ -20,18 +18,7 @@ const SECOND_PASSWORD: &str = "second correct horse battery";
 /// Runs `codepool args` as [`USER`] with `stdin` on standard input;
 /// exit code and stdout.
 async fn run(env: &TestEnv, args: &[&str], stdin: &str) -> (i32, String) {
-    let mut child = env
-        .command(args)
-        .env("USER", USER)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin.as_bytes()).await.unwrap();
-    drop(input);
-    let out = child.wait_with_output().await.unwrap();
+    let out = with_stdin(env.command(args).env("USER", USER), stdin.as_bytes()).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
@@ -47,16 +34,7 @@ async fn run_ok(env: &TestEnv, args: &[&str], stdin: &str) -> String {
 
 /// Every audit record, oldest first.
 async fn audit_records(env: &TestEnv) -> Vec<Document> {
-    env.store
-        .database()
-        .collection::<Document>("audit")
-        .find(doc! {})
-        .sort(doc! {"at": 1})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+    audit_docs(env, doc! {}).await
 }
 
 #[tokio::test]
@@ -207,14 +185,7 @@ async fn console(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, head.to_owned(), body.to_owned())
+    raw_exchange(addr, req.as_bytes()).await
 }
 
 /// The kind and words of each record of `who`, oldest first.
@@ -354,5 +325,136 @@ async fn the_cli_and_the_console_record_the_same_credential_changes_alike() {
             "a password in {text}"
         );
     }
+    env.cleanup().await;
+}
+
+/// Every change is audited by the core, whichever door made it: an
+/// import, a pause and a resume, a void and a recall, through the CLI
+/// (with the OS user) and through the API (with the key's name). The
+/// console's are checked by its own tests.
+#[tokio::test]
+async fn changes_through_the_cli_and_the_api_are_audited_with_who_made_them() {
+    use crate::api::{json_of, key, order};
+    let env = TestEnv::new("audit_audit").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("codes.csv");
+    let csv: String = "code\n".to_owned()
+        + &(0..20)
+            .map(|i| format!("AU-{i:04}-XYZ\n"))
+            .collect::<String>();
+    std::fs::write(&file, &csv).unwrap();
+    let run = |args: Vec<String>| {
+        let mut c = env.command(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        c.env("USER", "alice");
+        async move {
+            let out = c.output().await.unwrap();
+            assert!(
+                out.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    let f = file.to_str().unwrap().to_owned();
+    let out = run(vec![
+        "import".into(),
+        f,
+        "--pool".into(),
+        "au".into(),
+        "--json".into(),
+    ])
+    .await;
+    let import_id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["import_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    run(vec![
+        "pool".into(),
+        "pause".into(),
+        "--pool".into(),
+        "au".into(),
+    ])
+    .await;
+    run(vec![
+        "pool".into(),
+        "resume".into(),
+        "--pool".into(),
+        "au".into(),
+    ])
+    .await;
+    let shop = key(&env, "shop", "orders:write,orders:read").await;
+    let (api, admin) = api_with_key(&env, "ops", "admin,orders:write").await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("AU-1", "au", 1)).await;
+    assert_eq!(status, 201);
+    run(vec![
+        "void".into(),
+        "--order".into(),
+        "AU-1".into(),
+        "--reason".into(),
+        "refund".into(),
+    ])
+    .await;
+    run(vec![
+        "void".into(),
+        "--import".into(),
+        import_id.clone(),
+        "--reason".into(),
+        "leak".into(),
+    ])
+    .await;
+
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("AU-2", "au", 1)).await;
+    assert_eq!(status, 202, "the pool is recalled: AU-2 waits");
+    let (status, _, _) = api
+        .post("/v1/orders/AU-2/void", &shop, br#"{"reason":"refund"}"#)
+        .await;
+    assert_eq!(status, 200);
+    let csv2: String = "code\n".to_owned()
+        + &(0..5)
+            .map(|i| format!("AV-{i:04}-XYZ\n"))
+            .collect::<String>();
+    let (status, _, body) = api
+        .post_as(
+            "/v1/pools/au/imports?file=more.csv",
+            &admin,
+            "text/csv",
+            csv2.as_bytes(),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let second = json_of(&body)["import_id"].as_str().unwrap().to_owned();
+    for p in ["pause", "resume"] {
+        let (status, _, _) = api.post(&format!("/v1/pools/au/{p}"), &admin, b"").await;
+        assert_eq!(status, 200);
+    }
+    let (status, _, _) = api
+        .post(
+            &format!("/v1/imports/{second}/recall"),
+            &admin,
+            br#"{"reason":"leak"}"#,
+        )
+        .await;
+    assert_eq!(status, 200);
+    api.stop().await;
+
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let cli = audited(&env, &format!("os-user:alice@{}", host.trim())).await;
+    let kinds: Vec<&str> = cli.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["import", "pause", "resume", "void", "recall"],
+        "{cli:?}"
+    );
+    assert!(
+        cli.iter().all(|(_, c)| c.starts_with("codepool ")),
+        "{cli:?}"
+    );
+    let kinds = |v: Vec<(String, String)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+    assert_eq!(kinds(audited(&env, "api-key:shop").await), ["void"]);
+    assert_eq!(
+        kinds(audited(&env, "api-key:ops").await),
+        ["import", "pause", "resume", "recall"]
+    );
     env.cleanup().await;
 }

@@ -141,6 +141,15 @@ impl TestEnv {
         }
     }
 
+    /// [`Self::new`], with `pools` filled by [`Self::fill_pool`].
+    pub async fn with_pools(test: &str, pools: &[(&str, usize)]) -> Self {
+        let env = Self::new(test).await;
+        for (pool, n) in pools {
+            env.fill_pool(pool, *n).await;
+        }
+        env
+    }
+
     pub fn topology(&self) -> Topology {
         Topology::with_prefix(&self.amqp_prefix)
     }
@@ -170,6 +179,11 @@ impl TestEnv {
         )
     }
 
+    /// The collection `name` of this test's database.
+    pub fn coll(&self, name: &str) -> mongodb::Collection<bson::Document> {
+        self.store.database().collection::<bson::Document>(name)
+    }
+
     /// The filter that finds `code` in `pool` (by its HMAC).
     pub fn code_filter(&self, pool: &str, code: &str) -> bson::Document {
         let ring = self.store.keys().ring().expect("keys");
@@ -181,6 +195,23 @@ impl TestEnv {
     pub fn plain_code(&self, d: &bson::Document) -> String {
         let doc: codepool_store::CodeDoc = bson::from_document(d.clone()).expect("a code document");
         doc.into_code(self.store.keys()).expect("decrypts").code
+    }
+
+    /// A broker connection and a publisher to this namespace's topology.
+    pub async fn amqp(&self) -> (lapin::Connection, codepool_broker::Publisher) {
+        let conn = codepool_broker::connect(&self.amqp_url, "test")
+            .await
+            .expect("connect to RabbitMQ");
+        let publisher = codepool_broker::Publisher::new(&conn, self.topology())
+            .await
+            .expect("a publisher");
+        (conn, publisher)
+    }
+
+    /// Runs `codepool ARGS` in this namespace; its output, whatever its
+    /// exit status.
+    pub async fn run(&self, args: &[&str]) -> std::process::Output {
+        self.command(args).output().await.expect("run codepool")
     }
 
     /// Environment for a `codepool` child process in this namespace.
@@ -275,6 +306,14 @@ pub fn purchase(order_id: &str, pool: &str) -> Purchase {
         shop: None,
         hold_id: None,
         items: Vec::new(),
+    }
+}
+
+/// [`purchase`] by the buyer `uid`.
+pub fn purchase_by(order_id: &str, uid: &str, pool: &str) -> Purchase {
+    Purchase {
+        uid: uid.to_owned(),
+        ..purchase(order_id, pool)
     }
 }
 
@@ -442,6 +481,65 @@ pub async fn publish_confirmed(publisher: &codepool_broker::Publisher, purchases
     }
 }
 
+/// Publishes one purchase, confirmed by the broker.
+pub async fn publish_one(publisher: &codepool_broker::Publisher, purchase: &Purchase) {
+    publish_confirmed(publisher, std::slice::from_ref(purchase)).await;
+}
+
+/// Publishes a raw purchase body, with `message_id` if any, confirmed.
+pub async fn publish_bytes(
+    publisher: &codepool_broker::Publisher,
+    body: &[u8],
+    message_id: Option<&str>,
+) {
+    let sent = publisher.publish_purchase_bytes(body, message_id).await;
+    sent.expect("publish").wait().await.expect("confirm");
+}
+
+/// Publishes `body` to `exchange` under `routing_key`, confirmed.
+pub async fn publish_to(
+    publisher: &codepool_broker::Publisher,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: lapin::BasicProperties,
+) {
+    let sent = publisher.publish(exchange, routing_key, body, props).await;
+    sent.expect("publish").wait().await.expect("confirm");
+}
+
+/// Publishes a pool event, confirmed.
+pub async fn publish_pool_event(
+    publisher: &codepool_broker::Publisher,
+    event: &codepool_domain::PoolEvent,
+) {
+    let sent = publisher.publish_pool_event(event).await;
+    sent.expect("publish").wait().await.expect("confirm");
+}
+
+/// Publishes `{"order_id": order}` as a `code.redeemed` event, with
+/// `user_id` set or not, confirmed.
+pub async fn publish_redeemed(
+    publisher: &codepool_broker::Publisher,
+    env: &TestEnv,
+    order: &str,
+    user: Option<&str>,
+) {
+    let mut props = lapin::BasicProperties::default();
+    if let Some(u) = user {
+        props = props.with_user_id(u.into());
+    }
+    let body = serde_json::json!({ "order_id": order }).to_string();
+    publish_to(
+        publisher,
+        &env.topology().events_exchange,
+        "code.redeemed",
+        body.as_bytes(),
+        props,
+    )
+    .await;
+}
+
 /// Publishes raw purchases with confirms in windows of 100, spread over
 /// `over`, reconnecting (to any node of `env.amqp_url`) and re-sending a
 /// window that was not confirmed: purchases are idempotent by order id, so
@@ -506,6 +604,41 @@ pub async fn queue_depth(channel: &lapin::Channel, queue: &str) -> u32 {
     codepool_broker::queue_depth(channel, queue)
         .await
         .unwrap_or(0)
+}
+
+/// Waits up to `secs` seconds until the depth of `queue` is one `ok`
+/// accepts.
+pub async fn wait_depth(
+    channel: &lapin::Channel,
+    queue: &str,
+    secs: u64,
+    ok: impl Fn(u32) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let depth = queue_depth(channel, queue).await;
+        if ok(depth) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(secs),
+            "timed out after {secs} s waiting for the depth of {queue} (now {depth})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What a passive declare of `queue` finds: its (messages, consumers), or
+/// `None` when there is no such queue.
+pub async fn queue_counts(conn: &lapin::Connection, queue: &str) -> Option<(u32, u32)> {
+    let ch = conn.create_channel().await.expect("a channel");
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let found = ch.queue_declare(queue, passive, Default::default()).await;
+    let _ = ch.close(200, "looked").await;
+    found.ok().map(|q| (q.message_count(), q.consumer_count()))
 }
 
 /// A message taken off a queue.
@@ -753,6 +886,61 @@ pub async fn codepool_ok(env: &TestEnv, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs `cmd`; panics unless it exits 0. Returns its output.
+pub async fn output_ok(cmd: &mut tokio::process::Command) -> std::process::Output {
+    let out = cmd.output().await.expect("run codepool");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs `cmd` with `input` on its standard input; its output.
+pub async fn with_stdin(cmd: &mut tokio::process::Command, input: &[u8]) -> std::process::Output {
+    let program = cmd.as_std().get_program().to_owned();
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{program:?} does not start: {e}"));
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input).await.expect("write to stdin");
+    drop(stdin);
+    child.wait_with_output().await.expect("wait")
+}
+
+/// The Python of the services venv (`make services` makes it, with the
+/// packages the suite checks against) running `script` with `args`.
+pub fn python(script: &str, args: &[&str]) -> tokio::process::Command {
+    let python = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../.services/venv/bin/python"
+    );
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg("-c").arg(script).args(args);
+    cmd
+}
+
+/// `rabbitmqctl ARGS` (`make services` installs it); panics unless it
+/// exits 0. Returns its stdout.
+pub async fn rabbitmqctl(args: &[&str]) -> String {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .current_dir("/")
+        .output()
+        .await
+        .expect("rabbitmqctl (make services installs it)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Purchases the dispatchers at `addrs` have settled so far: placed
 /// (granted, backordered, refused or dead-lettered), their events
 /// confirmed, and acked. Read from `codepool_end_to_end_seconds`, which a
@@ -824,13 +1012,7 @@ pub async fn pool_events_handled(
         .await
         .expect("insert");
     let event = codepool_domain::PoolEvent::new(kind, BARRIER_POOL);
-    publisher
-        .publish_pool_event(&event)
-        .await
-        .expect("publish")
-        .wait()
-        .await
-        .expect("confirm");
+    publish_pool_event(publisher, &event).await;
     let granted = bson::doc! {"order_id": &order, "status": 1};
     eventually(
         Duration::from_secs(60),

@@ -1,17 +1,24 @@
 //! The operator console in a real browser: headless Debian chromium driven
 //! through chromedriver (fantoccini), against a real `codepool api` process
 //! on the real servers (`scripts/browser.sh` installs the browser). Every
-//! page the tests visit is saved to target/console-screenshots/.
+//! page the tests visit is saved to target/console-screenshots/. Sign-in
+//! is also tried over raw HTTP, as a hostile client would: bursts of wrong
+//! passwords, one client trying many names, a `next` holding CR LF,
+//! `Origin: null`, a name holding a newline, and an oversized form field.
 
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::process::Stdio;
 use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
-use crate::api::{http, key, order, ApiServer};
-use crate::common::{codepool_ok, eventually, free_port, TestEnv};
+use crate::api::{order, ApiServer};
+use crate::common::*;
+use crate::fixtures::*;
 
 const PASSWORD: &str = "a long enough password";
 
@@ -169,28 +176,13 @@ impl Browser {
 
 /// `codepool operators add` with the password on standard input.
 async fn operator(env: &TestEnv, name: &str, role: &str) {
-    let mut child = env
-        .command(&[
-            "operators",
-            "add",
-            "--name",
-            name,
-            "--role",
-            role,
-            "--password-stdin",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    stdin
-        .write_all(format!("{PASSWORD}\n").as_bytes())
-        .await
-        .unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let args = ["operators", "add", "--name", name, "--role", role];
+    let mut cmd = env.command(&args);
+    let out = with_stdin(
+        cmd.arg("--password-stdin"),
+        format!("{PASSWORD}\n").as_bytes(),
+    )
+    .await;
     assert!(
         out.status.success(),
         "{}",
@@ -201,17 +193,11 @@ async fn operator(env: &TestEnv, name: &str, role: &str) {
 /// A form POST with a cookie, as a page (or a forger) would send it:
 /// status, `location` and body.
 async fn post_form(addr: &str, path: &str, cookie: &str, body: &str) -> (u16, String, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (status, head, body) = raw_exchange(addr, req.as_bytes()).await;
     let location = head
         .lines()
         .find_map(|l| {
@@ -220,20 +206,15 @@ async fn post_form(addr: &str, path: &str, cookie: &str, body: &str) -> (u16, St
                 .map(|v| v.trim().to_owned())
         })
         .unwrap_or_default();
-    (status, location, body.to_owned())
+    (status, location, body)
 }
 
 async fn get_with(addr: &str, path: &str, cookie: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nCookie: {cookie}\r\n\r\n"
     );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, text)
+    let (status, head, body) = raw_exchange(addr, req.as_bytes()).await;
+    (status, format!("{head}\r\n\r\n{body}"))
 }
 
 /// The audit page's kind filter takes the kinds by name and refuses
@@ -246,9 +227,7 @@ async fn audit_kinds_filter_and_an_old_kind_lists(env: &TestEnv, addr: &str, coo
         text.contains("voids") && text.contains("void, redeem") && text.contains("sign-out"),
         "{text}"
     );
-    env.store
-        .database()
-        .collection::<bson::Document>("audit")
+    env.coll("audit")
         .insert_one(bson::doc! {
             "kind": "retired-kind", "at": bson::DateTime::now(),
             "os_user": "operator:old", "command": "codepool old", "what": "an old change",
@@ -278,8 +257,7 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
     let env = TestEnv::new("console_stock").await;
     operator(&env, "ada", "admin").await;
     codepool_ok(&env, &["pool", "create", "--pool", "game-x"]).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let b = Browser::start(&api.addr).await;
 
     b.goto("/console/pools").await;
@@ -320,14 +298,9 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
     assert_eq!(unissued_of(&b.text(cell).await), 40);
     b.shot("pools").await;
     for i in 0..5 {
-        let (status, _, body) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&shop),
-            &order(&format!("W-{i}"), "game-x", 1),
-        )
-        .await;
+        let (status, _, body) = api
+            .post("/v1/orders", &shop, &order(&format!("W-{i}"), "game-x", 1))
+            .await;
         assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     }
     eventually(
@@ -366,9 +339,7 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
         assert_eq!(status, 303, "{action}: {body}");
     }
     let import = env
-        .store
-        .database()
-        .collection::<bson::Document>("imports")
+        .coll("imports")
         .find_one(bson::doc! {"pool": "game-x"})
         .await
         .unwrap()
@@ -391,28 +362,21 @@ async fn an_admin_signs_in_imports_a_csv_and_watches_stock_fall_while_orders_are
 
 /// The kinds of the audit records of `who`, oldest first.
 async fn audited_kinds(env: &TestEnv, who: &str) -> Vec<String> {
-    let records = crate::seams::audited(env, who).await;
+    let records = crate::fixtures::audited(env, who).await;
     records.into_iter().map(|(kind, _)| kind).collect()
 }
 
 #[tokio::test]
 async fn support_finds_an_order_resends_and_voids_it_but_cannot_reveal_or_recall() {
-    let env = TestEnv::new("console_support").await;
-    env.fill_pool("game-y", 10).await;
+    let env = TestEnv::with_pools("console_support", &[("game-y", 10)]).await;
     operator(&env, "sam", "support").await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     let hostile = "<script>alert('uid')</script>";
     let body =
         json!({"order_id": "O-77", "uid": hostile, "phone": "+8613800000077", "pool": "game-y"});
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&shop),
-        body.to_string().as_bytes(),
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/orders", &shop, body.to_string().as_bytes())
+        .await;
     assert_eq!(status, 201);
     let b = Browser::start(&api.addr).await;
     b.sign_in("sam").await;
@@ -529,8 +493,7 @@ fn crate_url(s: &str) -> String {
 
 #[tokio::test]
 async fn a_signed_out_session_cannot_reach_a_page_and_admin_pages_render() {
-    let env = TestEnv::new("console_signout").await;
-    env.fill_pool("game-z", 5).await;
+    let env = TestEnv::with_pools("console_signout", &[("game-z", 5)]).await;
     operator(&env, "ada", "admin").await;
     let api = ApiServer::start(&env, &[]).await;
     let b = Browser::start(&api.addr).await;
@@ -578,22 +541,8 @@ async fn an_admin_adds_a_shops_webhook_sees_its_deliveries_and_replays_one() {
     use crate::webhooks::{
         publisher, shop_purchase, verified_by_the_python_library, Answer, Receiver,
     };
-    let env = TestEnv::new("console_webhooks").await;
-    env.fill_pool("game-w", 5).await;
-    codepool_ok(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-w",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
+    let env = TestEnv::with_pools("console_webhooks", &[("game-w", 5)]).await;
+    shop(&env, "acme", "game-w").await;
     operator(&env, "ada", "admin").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -660,7 +609,7 @@ async fn an_admin_generates_codes_from_the_pool_page_and_a_weak_pattern_is_refus
     let api = ApiServer::start(&env, &[]).await;
     let b = Browser::start(&api.addr).await;
     b.sign_in("ada").await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
 
     b.goto("/console/pools/game-g").await;
     b.fill("form.generate input[name=count]", "300").await;
@@ -717,17 +666,11 @@ async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
     let env = TestEnv::new("console_statement").await;
     operator(&env, "vera", "viewer").await;
     let codes = env.fill_pool("game-s", 12).await;
-    let shop = key(&env, "shop", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write").await;
     for i in 1..=4 {
-        let (s, _, _) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders",
-            Some(&shop),
-            &order(&format!("S-{i}"), "game-s", 1),
-        )
-        .await;
+        let (s, _, _) = api
+            .post("/v1/orders", &shop, &order(&format!("S-{i}"), "game-s", 1))
+            .await;
         assert_eq!(s, 201);
     }
     let b = Browser::start(&api.addr).await;
@@ -766,6 +709,314 @@ async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
     .await;
     assert_eq!(status, 422);
     b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A sign-in form POST, with `extra` header lines (each ending in CRLF).
+fn sign_in_request(name: &str, password: &str, next: &str, extra: &str) -> Vec<u8> {
+    let body = format!(
+        "name={}&password={}&next={}",
+        form_value(name),
+        form_value(password),
+        form_value(next)
+    );
+    format!(
+        "POST /console/signin HTTP/1.1\r\nHost: console\r\nConnection: close\r\n{extra}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+async fn sign_in_from(addr: &str, from: Ipv4Addr, name: &str, password: &str) -> RawAnswer {
+    exchange_from(addr, from, &sign_in_request(name, password, "", "")).await
+}
+
+/// The session cookie (`codepool_session=…`) an answer sets, if any.
+fn session_cookie(a: &RawAnswer) -> Option<String> {
+    a.headers
+        .get("set-cookie")
+        .and_then(|c| c.split(';').next())
+        .filter(|c| c.starts_with("codepool_session=") && c.len() > "codepool_session=".len())
+        .map(str::to_owned)
+}
+
+/// Signs `name` in from 127.0.0.1; its session cookie.
+async fn signed_in(addr: &str, name: &str) -> String {
+    let a = sign_in_from(addr, Ipv4Addr::LOCALHOST, name, PASSWORD).await;
+    assert_eq!(a.status, 303, "{name} signs in: {}", a.body);
+    session_cookie(&a).expect("a session cookie")
+}
+
+async fn sessions_of(env: &TestEnv, name: &str) -> u64 {
+    count_docs(env, "console_sessions", bson::doc! {"operator": name}).await
+}
+
+/// Sign-ins sent all at once, each `(from, name, password)`: the answers.
+async fn burst(addr: &str, tries: Vec<(Ipv4Addr, String, String)>) -> Vec<RawAnswer> {
+    let tasks: Vec<_> = tries
+        .into_iter()
+        .map(|(from, name, password)| {
+            let addr = addr.to_owned();
+            tokio::spawn(async move { sign_in_from(&addr, from, &name, &password).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn retry_after(a: &RawAnswer) -> Duration {
+    let secs = a.headers.get("retry-after").and_then(|v| v.parse().ok());
+    Duration::from_secs(secs.expect("a Retry-After in seconds"))
+}
+
+/// Asserts every answer but the checked ones (401) was refused at once
+/// with `Retry-After`; returns how many were checked.
+fn checked_of(answers: &[RawAnswer]) -> usize {
+    for a in answers.iter().filter(|a| a.status != 401) {
+        assert!(matches!(a.status, 429 | 503), "{} {}", a.status, a.body);
+        assert!(a.headers.contains_key("retry-after"), "{:?}", a.headers);
+    }
+    answers.iter().filter(|a| a.status == 401).count()
+}
+
+#[tokio::test]
+async fn a_burst_of_wrong_passwords_is_refused_before_the_check_and_the_right_one_does_not_slip_in()
+{
+    let env = TestEnv::new("console_burst").await;
+    operator(&env, "alice", "support").await;
+    let api = ApiServer::start(&env, &[]).await;
+    // 40 guesses at once for one name, each from an address of its own.
+    let guesses = (0..40)
+        .map(|i| {
+            (
+                Ipv4Addr::new(127, 0, 1, i + 1),
+                "alice".into(),
+                format!("wrong guess {i}"),
+            )
+        })
+        .collect();
+    let answers = burst(&api.addr, guesses).await;
+    let checked = checked_of(&answers);
+    // Three failures are free; a burst slower than a second may get a
+    // fourth or fifth through after the first waits.
+    assert!(checked <= 5, "{checked} of 40 passwords were checked");
+    // Two more failures, each after its wait: the name then waits 4 s or more.
+    let mut failures = 0;
+    for i in 50..60 {
+        let a = sign_in_from(
+            &api.addr,
+            Ipv4Addr::new(127, 0, 1, i),
+            "alice",
+            "wrong again",
+        )
+        .await;
+        match a.status {
+            401 => failures += 1,
+            429 => tokio::time::sleep(retry_after(&a) + Duration::from_millis(100)).await,
+            s => panic!("{s}: {}", a.body),
+        }
+        if failures == 2 {
+            break;
+        }
+    }
+    assert_eq!(failures, 2);
+    // While it waits, the right password among wrong ones signs no one in.
+    let tries = (0..10)
+        .map(|i| {
+            let pw = if i == 4 {
+                PASSWORD.into()
+            } else {
+                format!("wrong {i}")
+            };
+            (Ipv4Addr::new(127, 0, 2, i + 1), "alice".into(), pw)
+        })
+        .collect();
+    let answers = burst(&api.addr, tries).await;
+    for a in &answers {
+        assert_eq!(a.status, 429, "{}", a.body);
+        assert_eq!(session_cookie(a), None);
+    }
+    assert_eq!(sessions_of(&env, "alice").await, 0);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn one_client_trying_many_names_is_throttled_whether_the_names_exist_or_not() {
+    let env = TestEnv::new("console_client").await;
+    operator(&env, "bob", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let from = Ipv4Addr::new(127, 0, 3, 1);
+    let tries = (0..25)
+        .map(|i| (from, format!("nobody-{i}"), "wrong password".into()))
+        .collect();
+    let answers = burst(&api.addr, tries).await;
+    let checked = checked_of(&answers);
+    assert!(checked <= 10, "{checked} of 25 checked");
+    let throttled = answers.iter().filter(|a| a.status == 429).count();
+    assert!(throttled >= 14, "{throttled} of 25 throttled");
+    // A real name with its right password waits too, from that client.
+    let a = sign_in_from(&api.addr, from, "bob", PASSWORD).await;
+    assert_eq!(a.status, 429, "{}", a.body);
+    // Another client is not held up by it.
+    let a = sign_in_from(&api.addr, Ipv4Addr::new(127, 0, 3, 2), "bob", PASSWORD).await;
+    assert_eq!(a.status, 303, "{}", a.body);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A viewer's or admin's upload whose `csrf` field is 20 MB: the head and
+/// the start of the field are sent; the rest only if the server reads on.
+async fn huge_csrf_upload(addr: &str, cookie: &str) -> (Option<RawAnswer>, usize) {
+    let boundary = "XhugeX";
+    let start = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"csrf\"\r\n\r\n");
+    let total = start.len() + 20 * 1024 * 1024;
+    let head = format!(
+        "POST /console/pools/p/imports HTTP/1.1\r\nHost: console\r\nConnection: close\r\nCookie: {cookie}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n\r\n{start}"
+    );
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let (mut reader, mut writer) = s.into_split();
+    // Send the field slowly, a chunk every 50 ms, while waiting for an answer.
+    let writing = tokio::spawn(async move {
+        let chunk = vec![b'a'; 64 * 1024];
+        let mut sent = 0;
+        while sent < 20 * 1024 * 1024 {
+            if writer.write_all(&chunk).await.is_err() {
+                break;
+            }
+            sent += chunk.len();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        sent
+    });
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), reader.read_to_end(&mut raw)).await;
+    writing.abort();
+    let sent = writing.await.unwrap_or(0);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    let answer = status.map(|status| RawAnswer {
+        status,
+        headers: HashMap::new(),
+        body: text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    });
+    (answer, sent)
+}
+
+#[tokio::test]
+async fn an_upload_form_field_is_never_buffered_beyond_its_cap() {
+    let env = TestEnv::new("console_upload").await;
+    operator(&env, "vera", "viewer").await;
+    operator(&env, "ada", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let viewer = signed_in(&api.addr, "vera").await;
+    let (got, _) = huge_csrf_upload(&api.addr, &viewer).await;
+    let got = got.expect("a viewer's upload is answered before its 20 MB are sent");
+    assert_eq!(got.status, 403, "{}", got.body);
+    assert!(got.body.contains("admin role"), "{}", got.body);
+    let admin = signed_in(&api.addr, "ada").await;
+    let (got, _) = huge_csrf_upload(&api.addr, &admin).await;
+    let got = got.expect("an admin's oversized field is answered before its 20 MB are sent");
+    assert_eq!(got.status, 413, "{}", got.body);
+    assert!(got.body.contains("csrf"), "{}", got.body);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_sign_in_whose_next_holds_cr_lf_leads_to_the_pools_and_nowhere_else() {
+    let env = TestEnv::new("console_next").await;
+    operator(&env, "nia", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    for next in [
+        "/console/pools\r\nSet-Cookie: evil=1",
+        "/console/pools\n",
+        "https://evil.example/console/",
+        "/console/../../etc",
+    ] {
+        let req = sign_in_request("nia", PASSWORD, next, "");
+        let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+        assert_eq!(a.status, 303, "{next:?}: {}", a.body);
+        assert_eq!(
+            a.headers.get("location").map(String::as_str),
+            Some("/console/pools"),
+            "{next:?}"
+        );
+        assert!(!a.headers.contains_key("evil"), "{:?}", a.headers);
+    }
+    let req = sign_in_request("nia", PASSWORD, "/console/orders?q=O-1", "");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(
+        a.headers.get("location").map(String::as_str),
+        Some("/console/orders?q=O-1")
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_sign_in_from_origin_null_is_refused() {
+    let env = TestEnv::new("console_origin").await;
+    operator(&env, "omar", "viewer").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let req = sign_in_request("omar", PASSWORD, "", "Origin: null\r\n");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert_eq!(session_cookie(&a), None);
+    assert_eq!(sessions_of(&env, "omar").await, 0);
+    // The console's own page makes browsers send its origin (under
+    // no-referrer they would send null), and from there sign-in works.
+    let page = b"GET /console/signin HTTP/1.1\r\nHost: console\r\nConnection: close\r\n\r\n";
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, page).await;
+    assert_eq!(
+        a.headers.get("referrer-policy").map(String::as_str),
+        Some("same-origin")
+    );
+    let req = sign_in_request("omar", PASSWORD, "", "Origin: http://console\r\n");
+    let a = exchange_from(&api.addr, Ipv4Addr::LOCALHOST, &req).await;
+    assert_eq!(a.status, 303, "{}", a.body);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A sign-in name holding CR and LF cannot write a log line of its own:
+/// the text log escapes them inside the one line the event makes.
+#[tokio::test]
+async fn a_sign_in_name_holding_a_newline_cannot_forge_a_log_line() {
+    let env = TestEnv::new("console_logforge").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let forged = "x\n2026-11-25T00:00:00.000000Z  INFO console sign-in operator=admin1\r";
+    let a = sign_in_from(&api.addr, Ipv4Addr::new(127, 0, 3, 1), forged, "wrong").await;
+    assert!(
+        a.status == 200 || a.status == 401 || a.status == 403,
+        "{}",
+        a.status
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the failed sign-in is logged",
+        || async { api.log_text().contains("console sign-in failed") },
+    )
+    .await;
+    let log = api.log_text();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("INFO console sign-in operator=admin1")
+                && !l.contains("sign-in failed")),
+        "a forged line:\n{log}"
+    );
+    assert!(
+        log.contains("x\\u{a}2026"),
+        "the newline is escaped in place:\n{log}"
+    );
     api.stop().await;
     env.cleanup().await;
 }

@@ -1,4 +1,8 @@
-//! The dispatcher end to end through RabbitMQ, as a real process.
+//! The dispatcher end to end through RabbitMQ, as a real process. Input a
+//! hostile or careless producer sends ends as a dead letter with the right
+//! reason, and nothing untrusted or noisy reaches the logs; a long
+//! multibyte order id is granted, texted and refused without costing the
+//! other orders of its batch.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -10,22 +14,18 @@ use codepool_broker::{Publisher, Topology};
 use codepool_domain::{SmsPending, SmsState};
 use codepool_issuance::relay::relay_unconfirmed;
 use codepool_issuance::{Outbox, Resend};
+use codepool_store::pool_settings::PoolSettings;
 use lapin::options::BasicGetOptions;
 
-use crate::common::Line0;
-use crate::common::{
-    drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 #[tokio::test]
 async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are_dead_lettered() {
-    let env = TestEnv::new("dispatch_e2e").await;
-    env.fill_pool("e2e", 1200).await;
+    let env = TestEnv::with_pools("dispatch_e2e", &[("e2e", 1200)]).await;
     let dispatcher = start_daemon(env.command(&[])).await;
 
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..1000)
         .map(|i| purchase(&format!("E2E-{i:05}"), "e2e"))
         .collect();
@@ -96,7 +96,7 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
     );
 
     // In MongoDB: every order exactly one code.
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes
             .count_documents(doc! {"pool": "e2e", "status": 1})
@@ -157,19 +157,14 @@ async fn every_order_gets_exactly_one_code_through_amqp_and_invalid_messages_are
 
 #[tokio::test]
 async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_import() {
-    let env = TestEnv::new("dispatch_backorder").await;
-    env.fill_pool("bo", 5).await;
+    let env = TestEnv::with_pools("dispatch_backorder", &[("bo", 5)]).await;
     let dispatcher = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..20)
         .map(|i| purchase(&format!("BO-{i:03}"), "bo"))
         .collect();
     publish_confirmed(&publisher, &orders).await;
-    let backorders = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders");
+    let backorders = env.coll("backorders");
     eventually(Duration::from_secs(30), "15 backorders", || {
         let b = backorders.clone();
         async move {
@@ -188,16 +183,11 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
     for i in 0..30 {
         writeln!(f, "BO-NEW-{i:03}").unwrap();
     }
-    let out = env
-        .command(&["import", f.path().to_str().unwrap(), "--pool", "bo"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    codepool_ok(
+        &env,
+        &["import", f.path().to_str().unwrap(), "--pool", "bo"],
+    )
+    .await;
     eventually(Duration::from_secs(30), "backorders fulfilled", || {
         let b = backorders.clone();
         async move {
@@ -227,26 +217,12 @@ async fn an_empty_pool_turns_purchases_into_backorders_fulfilled_after_the_next_
 
 #[tokio::test]
 async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_exists() {
-    let env = TestEnv::new("dispatch_replay").await;
-    env.fill_pool("known", 5).await;
+    let env = TestEnv::with_pools("dispatch_replay", &[("known", 5)]).await;
     let dispatcher = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let late = purchase("LATE-1", "late-pool");
-    publisher
-        .publish_purchase(&late)
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
-    publisher
-        .publish_purchase_bytes(b"garbage", Some("GARBAGE-1"))
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    publish_one(&publisher, &late).await;
+    publish_bytes(&publisher, b"garbage", Some("GARBAGE-1")).await;
     let ch = conn.create_channel().await.unwrap();
     let dead_q = env.topology().purchases_dead;
     eventually(Duration::from_secs(20), "two dead letters", || {
@@ -256,11 +232,7 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
     })
     .await;
 
-    let out = env
-        .command(&["dead-letters", "list", "--json"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["dead-letters", "list", "--json"]).await;
     assert!(out.status.success());
     let listed: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -271,24 +243,16 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
         && m["reason"].as_str().unwrap().starts_with("unknown_pool")));
     // Listing peeks and returns what it peeked: the broker puts the
     // messages back as the listing's channel closes, a moment later.
-    eventually(Duration::from_secs(5), "listing must not consume", || {
-        let (ch, q) = (ch.clone(), dead_q.clone());
-        async move { queue_depth(&ch, &q).await == 2 }
-    })
-    .await;
+    // Listing must not consume.
+    wait_depth(&ch, &dead_q, 5, |n| n == 2).await;
 
     // Fix the cause (the pool gets codes), then replay only that reason.
     env.fill_pool("late-pool", 3).await;
-    let out = env
-        .command(&["dead-letters", "replay", "--reason", "unknown_pool"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    codepool_ok(
+        &env,
+        &["dead-letters", "replay", "--reason", "unknown_pool"],
+    )
+    .await;
     eventually(
         Duration::from_secs(20),
         "the replayed purchase to be granted",
@@ -316,8 +280,7 @@ async fn dead_letters_are_listed_with_their_reason_and_replayed_once_the_pool_ex
 
 #[tokio::test]
 async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_its_reason() {
-    let env = TestEnv::new("delivery_limit").await;
-    env.fill_pool("limit", 10).await;
+    let env = TestEnv::with_pools("delivery_limit", &[("limit", 10)]).await;
     let (conn, publisher, topology) = with_delivery_limit(&env).await;
     let poison = purchase("POISON-1", "limit");
     publish_confirmed(&publisher, std::slice::from_ref(&poison)).await;
@@ -329,13 +292,7 @@ async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_i
     assert_eq!(dead[0].message_id.as_deref(), Some("POISON-1"));
     let reason = dead[0].reason.clone().unwrap_or_default();
     assert!(reason.starts_with("delivery_limit"), "reason: {reason}");
-    let granted = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(doc! {"order_id": "POISON-1"})
-        .await
-        .unwrap();
+    let granted = count_codes(&env, doc! {"order_id": "POISON-1"}).await;
     assert_eq!(granted, 0, "a dead-lettered purchase gets no code");
     let _ = conn.close(200, "bye").await;
     env.cleanup().await;
@@ -348,8 +305,7 @@ async fn a_purchase_redelivered_up_to_the_delivery_limit_is_dead_lettered_with_i
 /// to the relay, which sends the event and records it.
 #[tokio::test]
 async fn a_grant_whose_purchase_hit_the_delivery_limit_gets_its_event_from_the_relay() {
-    let env = TestEnv::new("limit_relay").await;
-    env.fill_pool("lr", 10).await;
+    let env = TestEnv::with_pools("limit_relay", &[("lr", 10)]).await;
     let (conn, publisher, topology) = with_delivery_limit(&env).await;
     let crashed = purchase("LR-1", "lr");
     publish_confirmed(&publisher, std::slice::from_ref(&crashed)).await;
@@ -448,11 +404,8 @@ async fn deliver_past_the_limit(
     cmd.env("CODEPOOL_DELIVERY_LIMIT", "2");
     let dispatcher = start_daemon(cmd).await;
     let ch = conn.create_channel().await.unwrap();
-    eventually(Duration::from_secs(30), "the dead letter", || {
-        let (ch, q) = (ch.clone(), topology.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await >= 1 }
-    })
-    .await;
+    // The dead letter.
+    wait_depth(&ch, &topology.purchases_dead, 30, |n| n >= 1).await;
     dispatcher.stop().await;
     ch
 }
@@ -464,8 +417,7 @@ async fn deliver_past_the_limit(
 /// delivery once the queue accepts them.
 #[tokio::test]
 async fn events_the_broker_refuses_are_published_again_without_requeueing_the_purchase() {
-    let env = TestEnv::new("republish").await;
-    env.fill_pool("rp", 10).await;
+    let env = TestEnv::with_pools("republish", &[("rp", 10)]).await;
     // A delivery limit of 2: a purchase requeued on each refusal would be
     // dead-lettered at its third delivery.
     let (conn, publisher, t) = with_delivery_limit(&env).await;
@@ -530,11 +482,8 @@ async fn events_the_broker_refuses_are_published_again_without_requeueing_the_pu
         async move { events_drained + queue_depth(&ch, &q).await as usize >= 1 }
     })
     .await;
-    eventually(Duration::from_secs(10), "the purchase acked", || {
-        let (ch, q) = (ch.clone(), t.purchases.clone());
-        async move { queue_depth(&ch, &q).await == 0 }
-    })
-    .await;
+    // The purchase acked.
+    wait_depth(&ch, &t.purchases, 10, |n| n == 0).await;
     let log = dispatcher.log_text();
     dispatcher.stop().await;
     let grants = log
@@ -557,17 +506,210 @@ async fn events_the_broker_refuses_are_published_again_without_requeueing_the_pu
     env.cleanup().await;
 }
 
-/// Runs `rabbitmqctl ARGS` against the local node; panics if it fails.
-async fn rabbitmqctl(args: &[&str]) {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args(args)
-        .current_dir("/")
-        .output()
+/// Waits for `n` dead letters and returns (message_id, reason) of each.
+async fn dead_letters(env: &TestEnv, conn: &lapin::Connection, n: u32) -> Vec<(String, String)> {
+    let ch = conn.create_channel().await.unwrap();
+    let q = env.topology().purchases_dead;
+    // Dead letters.
+    wait_depth(&ch, &q, 30, |d| d >= n).await;
+    drain(&ch, &q)
         .await
-        .expect("rabbitmqctl (make services installs it)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+        .into_iter()
+        .map(|t| {
+            (
+                t.message_id.unwrap_or_default(),
+                t.reason.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_repeated_key_and_a_pool_left_by_a_failed_import_are_dead_lettered() {
+    let env = TestEnv::with_pools("dispatch_dead", &[("real", 10)]).await;
+    // A failed import into "ghost" leaves no pool behind.
+    let dir = tempfile::tempdir().unwrap();
+    let out = env
+        .run(&["import", dir.path().to_str().unwrap(), "--pool", "ghost"])
+        .await;
+    assert_eq!(out.status.code(), Some(1));
+
+    let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
+    let (conn, publisher) = env.amqp().await;
+    let twice = format!(
+        r#"{{"order_id":"DUP-1","uid":"u","phone":"{PHONE}","pool":"real","order_id":"DUP-2"}}"#
     );
+    publish_bytes(&publisher, twice.as_bytes(), Some("M1")).await;
+    let ghost = format!(r#"{{"order_id":"G-1","uid":"u","phone":"{PHONE}","pool":"ghost"}}"#);
+    publish_bytes(&publisher, ghost.as_bytes(), Some("G-1")).await;
+
+    let mut dead = dead_letters(&env, &conn, 2).await;
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(
+        dead[0].0 == "G-1" && dead[0].1.starts_with("unknown_pool"),
+        "{dead:?}"
+    );
+    assert!(
+        dead[1].0 == "M1" && dead[1].1.starts_with("duplicate_field"),
+        "{dead:?}"
+    );
+    let codes = env.coll("codes");
+    let granted = codes
+        .count_documents(bson::doc! {"order_id": {"$exists": true}})
+        .await
+        .unwrap();
+    assert_eq!(granted, 0, "neither order got a code");
+    let backorders = env.coll("backorders");
+    let waiting = backorders.count_documents(bson::doc! {}).await.unwrap();
+    assert_eq!(waiting, 0, "the ghost pool's purchase is not backordered");
+
+    // JSON logs carry the message id as a plain string.
+    let log = daemon.log_text();
+    assert!(log.contains(r#""message_id":"M1""#), "{log}");
+    assert!(!log.contains("ShortString"), "{log}");
+    codepool_broker::close(conn, "done").await;
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn ids_with_bidi_and_format_characters_are_dead_letters_and_never_raw_in_logs() {
+    let env = TestEnv::with_pools("dispatch_bidi", &[("bidi", 5)]).await;
+    let daemon = start_daemon(env.command(&["--log-format", "text"])).await;
+    let (conn, publisher) = env.amqp().await;
+    // A bidi override in an order id, a uid that shows as "exe.txt", a
+    // zero-width space and a soft hyphen: none is granted.
+    let bodies = [
+        ("O-\u{202e}1001", "u"),
+        ("O-1002", "\u{202e}txt.exe"),
+        ("O-\u{200b}1003", "u"),
+        ("O-1004", "u\u{ad}4"),
+    ];
+    for (order, uid) in bodies {
+        let body =
+            serde_json::json!({"order_id": order, "uid": uid, "phone": PHONE, "pool": "bidi"});
+        publish_bytes(&publisher, body.to_string().as_bytes(), Some(order)).await;
+    }
+    let dead = dead_letters(&env, &conn, 4).await;
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for (id, reason) in &dead {
+        assert!(
+            reason.starts_with("invalid_chars: field"),
+            "{id:?}: {reason}"
+        );
+        assert!(reason.contains("U+"), "the code point is named: {reason}");
+    }
+    let codes = env.coll("codes");
+    assert_eq!(
+        codes
+            .count_documents(bson::doc! {"status": 1})
+            .await
+            .unwrap(),
+        0
+    );
+    let log = daemon.log.clone();
+    codepool_broker::close(conn, "done").await;
+    daemon.stop().await;
+    // The whole log, to its last line, before it is searched.
+    eventually(Duration::from_secs(10), "the daemon's last line", || {
+        let log = log.clone();
+        async move {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("dispatcher stopped"))
+        }
+    })
+    .await;
+    let log = log.lock().unwrap().join("\n");
+    for raw in ['\u{202e}', '\u{200b}', '\u{ad}'] {
+        assert!(!log.contains(raw), "no raw {raw:?} in the log: {log}");
+    }
+    assert!(
+        !log.contains("io_loop") && !log.contains("being shutdown"),
+        "a clean stop logs no lapin error: {log}"
+    );
+    env.cleanup().await;
+}
+
+/// A 128-character order id of two-byte letters is valid, yet `sms:<id>`
+/// is longer than AMQP's 255-byte message id. Every event of such an order
+/// is published (with a hashed message id), and the other orders of the
+/// same batches still get theirs: nothing closes the connection.
+#[tokio::test]
+async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing_others() {
+    let env = TestEnv::with_pools("dispatch_long_id", &[("game", 20), ("limited", 5)]).await;
+    env.store
+        .set_pool_settings(
+            "limited",
+            &PoolSettings {
+                per_user: Some(1),
+                ..PoolSettings::default()
+            },
+        )
+        .await
+        .expect("settings");
+    let daemon = start_daemon(env.command(&[])).await;
+    let (conn, publisher) = env.amqp().await;
+
+    let long = "ü".repeat(128);
+    let mut batch = vec![purchase(&long, "game")];
+    batch[0].uid = "u-long".into();
+    batch.extend((0..5).map(|i| purchase(&format!("N-{i}"), "game")));
+    // The same buyer twice in a limited pool: the second is refused, and
+    // `refused:<id>` is as long as the grant's event id.
+    let mut first = purchase(&format!("{}1", "ß".repeat(127)), "limited");
+    let mut second = purchase(&format!("{}2", "ß".repeat(127)), "limited");
+    first.uid = "same-buyer".into();
+    second.uid = "same-buyer".into();
+    batch.push(first);
+    publish_confirmed(&publisher, &batch).await;
+    publish_confirmed(&publisher, &[second.clone()]).await;
+
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    eventually(Duration::from_secs(30), "7 SMS events and 1 refusal", || {
+        let ch = ch.clone();
+        let (sms, refused) = (t.sms_pending.clone(), t.purchases_refused.clone());
+        async move { queue_depth(&ch, &sms).await >= 7 && queue_depth(&ch, &refused).await >= 1 }
+    })
+    .await;
+    // Nothing more comes: no event is sent twice by a relay that never
+    // got its confirm. Judged once every purchase is settled (its events
+    // confirmed before its ack), with no grant left for the relay.
+    wait_settled(&[&daemon.addr], 8).await;
+    let later = chrono::Utc::now() + chrono::Duration::days(1);
+    let owed = env.store.unconfirmed_grants(later, 10).await.unwrap();
+    assert!(owed.is_empty(), "grants left for the relay: {owed:?}");
+    let sms = drain(&ch, &t.sms_pending).await;
+    let mut orders: Vec<String> = sms
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+            v["order_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    orders.sort();
+    let mut expected: Vec<String> = batch.iter().map(|p| p.order_id.clone()).collect();
+    expected.sort();
+    assert_eq!(orders, expected, "every order texted exactly once");
+    let long_event = sms
+        .iter()
+        .find(|m| m.body.windows(long.len()).any(|w| w == long.as_bytes()))
+        .unwrap();
+    let id = long_event.message_id.as_deref().unwrap();
+    assert!(id.starts_with("sha256:") && id.len() <= 255, "{id}");
+    let refused = drain(&ch, &t.purchases_refused).await;
+    assert_eq!(refused.len(), 1);
+    let v: serde_json::Value = serde_json::from_slice(&refused[0].body).unwrap();
+    assert_eq!(v["order_id"], second.order_id.as_str());
+    assert_eq!(v["event_id"], format!("refused:{}", second.order_id));
+    assert!(
+        !daemon.log_text().contains("connection closed")
+            && !daemon.log_text().contains("reconnect"),
+        "the broker connection was never dropped"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
 }

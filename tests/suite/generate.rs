@@ -12,8 +12,9 @@ use bson::doc;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
-use crate::api::{http, key, ApiServer};
-use crate::common::{codepool_ok, eventually, TestEnv};
+use crate::api::{http, key};
+use crate::common::*;
+use crate::fixtures::*;
 
 /// Runs `codepool generate … --json`; panics unless it exits 0.
 async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
@@ -24,17 +25,15 @@ async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
 
 /// The plaintext codes of run `run`, opened with the test's keys.
 async fn codes_of_run(env: &TestEnv, run: ObjectId) -> Vec<String> {
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .find(doc! {"batch_id": run})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(env, "codes", doc! {"batch_id": run}).await;
     docs.iter().map(|d| env.plain_code(d)).collect()
+}
+
+/// `codepool generate` of `count` codes into `pool` as the run `id`, in
+/// batches of `batch`.
+fn run_args<'a>(pool: &'a str, count: &'a str, id: &'a str, batch: &'a str) -> Vec<&'a str> {
+    let what = ["generate", "--pool", pool, "--count", count];
+    [&what[..], &["--run-id", id, "--batch-size", batch]].concat()
 }
 
 fn codes(env: &TestEnv) -> mongodb::Collection<bson::Document> {
@@ -153,17 +152,7 @@ async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
     let env = TestEnv::new("gen_killed").await;
     let run = ObjectId::new();
     let id = run.to_hex();
-    let args = [
-        "generate",
-        "--pool",
-        "gx",
-        "--count",
-        "20000",
-        "--run-id",
-        &id,
-        "--batch-size",
-        "500",
-    ];
+    let args = run_args("gx", "20000", &id, "500");
     let mut child = env.command(&args).spawn().unwrap();
     let of_run = doc! {"batch_id": run};
     eventually(
@@ -217,12 +206,10 @@ async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
 
     // The same id for another count is another run: refused.
     let other = env
-        .command(&[
+        .run(&[
             "generate", "--pool", "gx", "--count", "30000", "--run-id", &id,
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(other.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&other.stderr).contains("makes 20000 codes"));
     assert_eq!(codes(&env).count_documents(of_run).await.unwrap(), 20_000);
@@ -232,10 +219,6 @@ async fn a_run_killed_halfway_and_run_again_ends_with_exactly_its_count() {
 /// Which of `codes` the `base32-crockford` package accepts with their check
 /// symbol (`decode(code, checksum=True)` raises on a wrong one).
 async fn accepted_by_the_python_library(codes: &[String]) -> Vec<bool> {
-    let python = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../.services/venv/bin/python"
-    );
     let script = r#"
 import json, sys
 import base32_crockford
@@ -248,21 +231,8 @@ for code in json.load(sys.stdin):
         out.append(False)
 print(json.dumps(out))
 "#;
-    let mut child = tokio::process::Command::new(python)
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the services venv (make services installs base32-crockford)");
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().unwrap();
-    stdin
-        .write_all(serde_json::to_string(codes).unwrap().as_bytes())
-        .await
-        .unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let input = serde_json::to_string(codes).unwrap();
+    let out = with_stdin(&mut python(script, &[]), input.as_bytes()).await;
     assert!(
         out.status.success(),
         "{}",
@@ -345,7 +315,7 @@ async fn the_check_symbol_catches_every_single_change_and_every_swap_of_neighbou
 async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
     let env = TestEnv::new("gen_weak").await;
     let out = env
-        .command(&[
+        .run(&[
             "generate",
             "--pool",
             "gx",
@@ -354,9 +324,7 @@ async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
             "--pattern",
             "GX-{random:7}",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(out.status.code(), Some(2), "a usage error");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -381,24 +349,23 @@ async fn a_pattern_under_forty_random_bits_is_refused_and_nothing_is_written() {
 async fn the_api_starts_a_run_and_reads_it() {
     let env = TestEnv::new("gen_api").await;
     let admin = key(&env, "gen-admin", "admin").await;
-    let orders = key(&env, "gen-orders", "orders:write").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, orders) = api_with_key(&env, "gen-orders", "orders:write").await;
     let body = br#"{"count":500,"pattern":"GX-{random:12}","check_char":true}"#;
     let path = "/v1/pools/gx/generations";
-    let (status, _, _) = http(&api.addr, "POST", path, Some(&orders), body).await;
+    let (status, _, _) = api.post(path, &orders, body).await;
     assert_eq!(status, 403, "the admin scope only");
     let weak = br#"{"count":5,"pattern":"GX-{random:4}"}"#;
-    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), weak).await;
+    let (status, _, answer) = api.post(path, &admin, weak).await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
 
-    let (status, _, answer) = http(&api.addr, "POST", path, Some(&admin), body).await;
+    let (status, _, answer) = api.post(path, &admin, body).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
     let started: serde_json::Value = serde_json::from_slice(&answer).unwrap();
     let id = started["run_id"].as_str().unwrap().to_owned();
     let run_path = format!("/v1/generations/{id}");
     let mut done = serde_json::Value::Null;
     for _ in 0..600 {
-        let (status, _, answer) = http(&api.addr, "GET", &run_path, Some(&admin), b"").await;
+        let (status, _, answer) = api.get(&run_path, &admin).await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
         done = serde_json::from_slice(&answer).unwrap();
         if done["status"] == "done" {
@@ -416,14 +383,9 @@ async fn the_api_starts_a_run_and_reads_it() {
     let made = codes_of_run(&env, run).await;
     assert_eq!(made.len(), 500);
     assert!(made.iter().all(|c| codepool_domain::crockford::check_ok(c)));
-    let (status, _, _) = http(
-        &api.addr,
-        "GET",
-        "/v1/generations/0123456789abcdef01234567",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api
+        .get("/v1/generations/0123456789abcdef01234567", &admin)
+        .await;
     assert_eq!(status, 404);
     api.stop().await;
     env.cleanup().await;
@@ -479,10 +441,9 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
         "every code of the pool carries a check symbol"
     );
     let shop = key(&env, "gen-shop", "orders:write").await;
-    let platform = key(&env, "gen-platform", "codes:redeem").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, platform) = api_with_key(&env, "gen-platform", "codes:redeem").await;
     let order = br#"{"order_id":"O-1","uid":"u1","phone":"+8613800000000","pool":"gc"}"#;
-    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&shop), order).await;
+    let (status, _, _) = api.post("/v1/orders", &shop, order).await;
     assert_eq!(status, 201);
     let issued = codes(&env)
         .find_one(doc! {"pool": "gc", "order_id": "O-1"})
@@ -491,14 +452,7 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
         .unwrap();
     let code = env.plain_code(&issued);
     let ask = |c: &str| serde_json::json!({"code": c}).to_string().into_bytes();
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/codes/check",
-        Some(&platform),
-        &ask(&code),
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/codes/check", &platform, &ask(&code)).await;
     assert_eq!(status, 200, "the issued code, as printed");
 
     // One symbol changed: the check fails.
@@ -516,14 +470,7 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
     let db = env.store.database();
     db.run_command(doc! {"profile": 2}).await.unwrap();
     let t = bson::DateTime::now();
-    let (status, _, refused) = http(
-        &api.addr,
-        "POST",
-        "/v1/codes/check",
-        Some(&platform),
-        &ask(&slip),
-    )
-    .await;
+    let (status, _, refused) = api.post("/v1/codes/check", &platform, &ask(&slip)).await;
     assert_eq!(status, 404);
     assert_eq!(
         lookups_by_value_since(&env, t).await,
@@ -531,14 +478,7 @@ async fn a_code_failing_its_check_is_refused_like_an_unknown_code_before_any_loo
         "no lookup for a code failing its check"
     );
     let t = bson::DateTime::now();
-    let (status, _, missing) = http(
-        &api.addr,
-        "POST",
-        "/v1/codes/check",
-        Some(&platform),
-        &ask(&unknown),
-    )
-    .await;
+    let (status, _, missing) = api.post("/v1/codes/check", &platform, &ask(&unknown)).await;
     assert_eq!(status, 404);
     assert!(
         lookups_by_value_since(&env, t).await > 0,
@@ -691,8 +631,7 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_once() {
     let env = TestEnv::new("gen_once").await;
-    let admin = key(&env, "gen-admin", "admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "gen-admin", "admin").await;
     let run = ObjectId::new();
     let body = json_body(&run, 20_000);
     let path = "/v1/pools/gw/generations";
@@ -700,10 +639,10 @@ async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_onc
     for (status, _, answer) in futures::future::join_all(posts).await {
         assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
     }
-    let (status, _, _) = http(&api.addr, "POST", path, Some(&admin), &body).await;
+    let (status, _, _) = api.post(path, &admin, &body).await;
     assert_eq!(status, 202, "a retry is answered as the first");
     let of_run = doc! {"batch_id": run};
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     eventually(
         Duration::from_secs(180),
         "the run done, its lease given up",
@@ -727,17 +666,7 @@ async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_onc
     // waits for it, or says another process is making them.
     let run = ObjectId::new();
     let id = run.to_hex();
-    let args = [
-        "generate",
-        "--pool",
-        "gv",
-        "--count",
-        "20000",
-        "--run-id",
-        &id,
-        "--batch-size",
-        "500",
-    ];
+    let args = run_args("gv", "20000", &id, "500");
     let (a, b) = tokio::join!(env.command(&args).output(), env.command(&args).output());
     let (a, b) = (a.unwrap(), b.unwrap());
     assert!(a.status.success() || b.status.success());
@@ -755,7 +684,7 @@ async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_onc
         20_000
     );
     let past = env
-        .command(&[
+        .run(&[
             "generate",
             "--pool",
             "gv",
@@ -764,9 +693,7 @@ async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_onc
             "--expires-at",
             "2000-01-01T00:00:00Z",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(past.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&past.stderr).contains("not in the future"));
     env.cleanup().await;
@@ -783,17 +710,7 @@ async fn a_run_still_making_codes_is_not_recalled_under_it() {
     let env = TestEnv::new("gen_recall_running").await;
     let run = ObjectId::new();
     let id = run.to_hex();
-    let args = [
-        "generate",
-        "--pool",
-        "gr",
-        "--count",
-        "200000",
-        "--run-id",
-        &id,
-        "--batch-size",
-        "200",
-    ];
+    let args = run_args("gr", "200000", &id, "200");
     let mut child = env.command(&args).spawn().unwrap();
     eventually(
         Duration::from_secs(120),
@@ -805,10 +722,8 @@ async fn a_run_still_making_codes_is_not_recalled_under_it() {
     )
     .await;
     let out = env
-        .command(&["void", "--import", &id, "--reason", "leak"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["void", "--import", &id, "--reason", "leak"])
+        .await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("still inserting codes"), "{err}");

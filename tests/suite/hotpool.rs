@@ -14,7 +14,8 @@ use codepool_store::codes::ASKS_PER_QUERY;
 use codepool_store::{CandidateAsk, ClaimAssignment, CodeId};
 use futures::TryStreamExt;
 
-use crate::common::{purchase, PrivateRedis, TestEnv};
+use crate::common::*;
+use crate::fixtures::*;
 
 /// Claims `claimers × per_claimer` orders concurrently, in batches of 5,
 /// calling `during` once half the batches are claimed: mid-run however
@@ -104,12 +105,7 @@ fn assert_all_distinct(outcomes: &[ClaimOutcome], expected: usize) {
 }
 
 async fn issued_count(env: &TestEnv, pool: &str) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(doc! {"pool": pool, "status": 1})
-        .await
-        .unwrap()
+    count_codes(env, doc! {"pool": pool, "status": 1}).await
 }
 
 #[tokio::test]
@@ -132,16 +128,8 @@ async fn concurrent_claimers_through_the_hot_pool_never_share_a_code() {
         .query_async(&mut c)
         .await
         .unwrap();
-    let unissued: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
-        .find(doc! {"pool": "hot", "status": 0})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let unissued: Vec<bson::Document> =
+        find_docs(&env, "codes", doc! {"pool": "hot", "status": 0}).await;
     assert_eq!(unissued.len(), 1500 - 1280);
     // Refills follow demand, so the codes past the high-water mark may not
     // be loaded yet; every code up to it is in the set.

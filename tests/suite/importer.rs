@@ -1,17 +1,14 @@
-//! `codepool import`: CSV shapes, invalid rows, idempotency, flat memory.
+//! `codepool import`: CSV shapes, invalid rows, idempotency, flat memory;
+//! one file in two pools, stray quotes, repeated codes, gzip files, and
+//! file names of visible text.
 
 use std::io::Write;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bson::doc;
 
-use crate::common::{eventually, TestEnv};
-
-fn csv_file(content: &[u8]) -> tempfile::NamedTempFile {
-    let mut f = tempfile::NamedTempFile::new().expect("temp file");
-    f.write_all(content).expect("write");
-    f
-}
+use crate::common::*;
+use crate::fixtures::*;
 
 pub(crate) async fn run_import(
     env: &TestEnv,
@@ -19,10 +16,8 @@ pub(crate) async fn run_import(
     pool: &str,
 ) -> (i32, serde_json::Value) {
     let out = env
-        .command(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
-        .output()
-        .await
-        .expect("run codepool import");
+        .run(&["import", path.to_str().unwrap(), "--pool", pool, "--json"])
+        .await;
     let code = out.status.code().unwrap_or(-1);
     let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
         panic!(
@@ -41,7 +36,7 @@ async fn import_handles_bom_crlf_quotes_blank_lines_and_spaces() {
     assert_eq!(code, 0, "{s}");
     assert_eq!(s["inserted"], 3);
     assert_eq!(s["invalid"], 0);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     for c in ["AAA-1", "BB,B-2", "CCC-3"] {
         let d = codes.find_one(env.code_filter("shapes", c)).await.unwrap();
         let d = d.unwrap_or_else(|| panic!("{c} missing"));
@@ -107,7 +102,7 @@ async fn importing_the_same_file_twice_inserts_nothing_the_second_time() {
     assert_eq!(second["inserted"], 0);
     assert_eq!(second["duplicates"], 2501);
     assert_eq!(first["sha256"], second["sha256"]);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes.count_documents(doc! {"pool": "twice"}).await.unwrap(),
         2500
@@ -179,7 +174,7 @@ async fn a_200k_code_file_imports_with_flat_memory() {
     let big = write(200_000);
     let small_mb = import_peak_rss_mb(&env, small.path(), "mem-small").await;
     let big_mb = import_peak_rss_mb(&env, big.path(), "mem-big").await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes
             .count_documents(doc! {"pool": "mem-big"})
@@ -193,25 +188,6 @@ async fn a_200k_code_file_imports_with_flat_memory() {
         "peak RSS grew with the file: 20k rows {small_mb:.1} MB, 200k rows {big_mb:.1} MB"
     );
     env.cleanup().await;
-}
-
-/// Runs `codepool ARGS…`, returning the exit code and stderr.
-async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let out = env.command(args).output().await.expect("run codepool");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-async fn count_codes(env: &TestEnv, filter: bson::Document) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(filter)
-        .await
-        .unwrap()
 }
 
 /// Nothing at all happened: no code, no pool, no audit record.
@@ -247,9 +223,7 @@ async fn a_first_row_that_does_not_name_the_code_column_is_refused_and_nothing_i
         codepool(&env, &["import", path, "--pool", "p", "--column", "serial"]).await;
     assert_eq!(code, 0, "{err}");
     let d = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(doc! {"pool": "p"})
         .await
         .unwrap()
@@ -532,10 +506,8 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     // The same command finishes it: each code once, the codes already in
     // looked up and skipped (not rejected one by one), the record linked.
     let out = env
-        .command(&["import", &path, "--pool", "kill9", "--json"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["import", &path, "--pool", "kill9", "--json"])
+        .await;
     let log = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{log}");
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -546,7 +518,7 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
     assert!(log.contains("looked up and skipped"), "{log}");
     assert!(log.contains("plain inserts from here"), "{log}");
     assert_eq!(count_codes(&env, doc! {"pool": "kill9"}).await, 100_000);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let distinct = codes
         .distinct("code_hmac", doc! {"pool": "kill9"})
         .await
@@ -557,24 +529,14 @@ async fn an_import_killed_halfway_is_finished_by_the_same_command_without_insert
 
 #[tokio::test]
 async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
-    use std::process::Stdio;
-    use tokio::io::AsyncWriteExt;
     let env = TestEnv::new("import_stdin").await;
     let body: String = std::iter::once("code\n".to_owned())
         .chain((0..500).map(|i| format!("STDIN-{i:04}\n")))
         .collect();
     let mut counts = Vec::new();
     for _ in 0..2 {
-        let mut child = env
-            .command(&["import", "-", "--pool", "in", "--json"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(body.as_bytes()).await.unwrap();
-        drop(stdin);
-        let out = child.wait_with_output().await.unwrap();
+        let mut cmd = env.command(&["import", "-", "--pool", "in", "--json"]);
+        let out = with_stdin(&mut cmd, body.as_bytes()).await;
         assert_eq!(out.status.code(), Some(0));
         let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(s["file"], "(stdin)");
@@ -589,7 +551,7 @@ async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
         ));
     }
     assert_eq!(counts, vec![(500, 0), (0, 500)]);
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     assert_eq!(
         imports
             .count_documents(doc! {"file": "(stdin)", "status": "done"})
@@ -613,5 +575,142 @@ async fn import_reads_standard_input_and_a_fifo_and_a_rerun_is_idempotent() {
     let (code, s) = run_import(&env, &fifo, "in").await;
     writer.join().unwrap();
     assert_eq!((code, s["inserted"].as_u64()), (0, Some(2)), "{s}");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowed() {
+    let env = TestEnv::new("import_cross_pool").await;
+    let file = codes_file("XP", 50);
+    let (code, first) = import_json(&env, file.path(), "xa", &[]).await;
+    assert_eq!((code, first["inserted"].as_u64()), (0, Some(50)), "{first}");
+    // Into a second pool: every code is a cross-pool duplicate, named.
+    let (code, second) = import_json(&env, file.path(), "xb", &[]).await;
+    assert_eq!(code, 1, "{second}");
+    assert_eq!(second["inserted"], 0, "{second}");
+    assert_eq!(second["cross_pool"], 50, "{second}");
+    assert_eq!(second["cross_pool_pools"], serde_json::json!(["xa"]));
+    let reason = second["invalid_rows"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("cross_pool") && reason.contains("\"xa\""),
+        "{reason}"
+    );
+    assert_eq!(count_codes(&env, doc! {"pool": "xb"}).await, 0);
+    // A file with some new codes: those go in, exit 3 (rows skipped).
+    let mixed = csv_file(b"code\nXP-00001\nNEW-1\n");
+    let (code, s) = import_json(&env, mixed.path(), "xb", &[]).await;
+    assert_eq!(
+        (code, s["inserted"].as_u64(), s["cross_pool"].as_u64()),
+        (3, Some(1), Some(1)),
+        "{s}"
+    );
+    // On purpose: the operator says so.
+    let (code, third) = import_json(&env, file.path(), "xc", &["--allow-cross-pool"]).await;
+    assert_eq!((code, third["inserted"].as_u64()), (0, Some(50)), "{third}");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallowed() {
+    let env = TestEnv::new("import_stray_quote").await;
+    let mut content = String::from("code\nOK-0002\n\"STRAY-0003\n");
+    for i in 4..=2001 {
+        content.push_str(&format!("CODE-{i:04}\n"));
+    }
+    let file = csv_file(content.as_bytes());
+    let (code, _, err) = codepool(
+        &env,
+        &["import", file.path().to_str().unwrap(), "--pool", "sq"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("line 3") && err.contains("1998 line(s)") && err.contains("line 2001"),
+        "{err}"
+    );
+    let record = (env.store.recent_imports(1).await.unwrap()).pop().unwrap();
+    assert_eq!(record.status, codepool_store::imports::RunState::Failed);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_file_repeating_one_code_imports_in_bounded_time_counting_the_repeats() {
+    let env = TestEnv::new("import_repeats").await;
+    let content = format!("code\n{}", "SAME-CODE-1\n".repeat(100_000));
+    let file = csv_file(content.as_bytes());
+    let started = Instant::now();
+    let (code, s) = import_json(&env, file.path(), "rep", &[]).await;
+    let took = started.elapsed();
+    assert_eq!(code, 0, "{s}");
+    assert_eq!(
+        (s["inserted"].as_u64(), s["duplicates"].as_u64()),
+        (Some(1), Some(99_999)),
+        "{s}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "100,000 repeats took {took:?}"
+    );
+    let record = env.store.recent_imports(1).await.unwrap().pop().unwrap();
+    assert_eq!((record.inserted, record.duplicates), (1, 99_999));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_gzip_file_is_refused_as_gzip() {
+    let env = TestEnv::new("import_gzip").await;
+    let file =
+        csv_file(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\x4b\xce\x4f\x49\xe5\x02\x00\x00\x00");
+    let (code, _, err) = codepool(
+        &env,
+        &["import", file.path().to_str().unwrap(), "--pool", "gz"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("gzip") && !err.contains("UTF-16"), "{err}");
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn uploaded_file_names_are_base_names_of_visible_text() {
+    use codepool_importer::{import_reader, ImportError, ImportOptions};
+    let env = TestEnv::new("import_file_names").await;
+    for name in [
+        "../../etc/passwd",
+        "a/b.csv",
+        "x\u{1b}[2J.csv",
+        "gpj.\u{202e}exe.csv",
+    ] {
+        let body: &'static [u8] = b"code\nFN-1\n";
+        let r = import_reader(
+            &env.store,
+            body,
+            name,
+            0,
+            "fn",
+            &ImportOptions::default(),
+            &|_| {},
+        )
+        .await;
+        assert!(
+            matches!(r, Err(ImportError::FileName(_))),
+            "{name:?}: {r:?}"
+        );
+    }
+    assert!(
+        env.store.recent_imports(5).await.unwrap().is_empty(),
+        "no run recorded"
+    );
+    let r = import_reader(
+        &env.store,
+        &b"code\nFN-1\n"[..],
+        "partner.csv",
+        0,
+        "fn",
+        &ImportOptions::default(),
+        &|_| {},
+    )
+    .await;
+    assert_eq!(r.unwrap().file, "partner.csv");
     env.cleanup().await;
 }

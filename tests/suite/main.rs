@@ -4,7 +4,6 @@
 //! and can be re-run. One test binary keeps the build to a single link.
 
 mod api;
-mod api_hostile;
 mod api_load;
 mod broker_users;
 mod checker;
@@ -12,20 +11,17 @@ mod claims;
 mod cli_audit;
 mod common;
 mod console;
-mod crossings;
 mod deploy;
 mod dispatcher;
 mod export_rules;
+mod fixtures;
 mod generate;
 mod hold_caps;
 mod holds;
-mod hostile_cli3;
-mod hostile_http3;
-mod hostile_input;
 mod hotpool;
 mod importer;
 mod layers;
-mod lows4;
+mod lookups;
 mod messages;
 mod monitoring;
 mod openapi;
@@ -39,7 +35,6 @@ mod replace;
 mod replay;
 mod schemas;
 mod scratch;
-mod seams;
 mod secrets;
 mod shops;
 mod spans;

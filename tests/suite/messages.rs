@@ -1,8 +1,14 @@
 //! Error messages that point at the real cause, and help that reads in
 //! order: the command's own options first, the shared ones under
-//! "Connection".
+//! "Connection". Read-only commands refuse a database without codepool
+//! data (and create none), wrong broker credentials are named, and short
+//! commands, and those that use the broker, exit cleanly.
 
-use crate::common::TestEnv;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use crate::fixtures::*;
 
 async fn stderr_of(mut cmd: tokio::process::Command) -> (Option<i32>, String) {
     let out = cmd.output().await.expect("run codepool");
@@ -81,5 +87,145 @@ async fn a_silent_mongodb_gets_one_line_with_its_address_and_what_to_do() {
         !err.contains("Topology") && !err.contains("labels"),
         "{err}"
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn read_only_commands_refuse_a_database_without_codepool_data_and_create_none() {
+    let env = TestEnv::new("messages_no_db").await;
+    let typo = format!("{}_typo", env.db);
+    for args in [
+        &["stats"][..],
+        &["pool", "show"],
+        &["lookup", "--order", "O-1"],
+        &["export", "--pool", "p", "--out", "/tmp/never-written.csv"],
+    ] {
+        let out = env
+            .command(args)
+            .env("CODEPOOL_DB", &typo)
+            .output()
+            .await
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(&typo) && err.contains("no codepool data"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            err.contains(&env.db),
+            "the databases there are listed: {err}"
+        );
+    }
+    let names = env.store.client().list_database_names().await.unwrap();
+    assert!(!names.contains(&typo), "{typo} was created");
+    assert!(!std::path::Path::new("/tmp/never-written.csv").exists());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn dispatch_with_a_wrong_rabbitmq_password_says_so_and_exits_1() {
+    let env = TestEnv::new("messages_amqp_auth").await;
+    let started = Instant::now();
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        env.command(&["dispatch", "--http", "127.0.0.1:0"])
+            .env("CODEPOOL_AMQP_URL", "amqp://guest:wrong@127.0.0.1:5672/%2f")
+            .output(),
+    )
+    .await
+    .expect("dispatch exits on its own")
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("RabbitMQ refused the user or password in CODEPOOL_AMQP_URL"),
+        "{err}"
+    );
+    assert!(!err.contains("wrong@"), "the password is not shown: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn short_commands_never_panic_at_exit() {
+    let env = TestEnv::with_pools("messages_exit", &[("ex", 3)]).await;
+    for i in 0..25 {
+        let (code, _, err) = codepool(&env, &["stats"]).await;
+        assert_eq!(code, 0, "run {i}: {err}");
+        assert!(!err.contains("panicked"), "run {i}: {err}");
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn commands_that_use_the_broker_exit_without_lapin_errors() {
+    let env = TestEnv::new("messages_quiet").await;
+    for round in 0..3 {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        writeln!(f, "code\nQUIET-{round}-1\nQUIET-{round}-2").unwrap();
+        let out = env
+            .run(&["import", f.path().to_str().unwrap(), "--pool", "quiet"])
+            .await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(err.contains("published pool.replenished"), "{err}");
+        assert!(!err.contains("io_loop") && !err.contains("ERROR"), "{err}");
+        let order = format!("Q-{round}");
+        let out = env
+            .run(&[
+                "publish",
+                "--pool",
+                "quiet",
+                "--order-id",
+                &order,
+                "--uid",
+                "u",
+                "--phone",
+                PHONE,
+            ])
+            .await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(!err.contains("io_loop") && !err.contains("ERROR"), "{err}");
+    }
+    env.cleanup().await;
+}
+
+/// Read-only commands never migrate: a pending migration stays pending
+/// (and is named), and a schema a newer codepool wrote is refused by
+/// `migrate` and by every command, naming the migration it does not know.
+#[tokio::test]
+async fn commands_that_read_never_migrate_and_a_newer_schema_is_refused() {
+    let env = TestEnv::with_pools("messages_schema", &[("sc", 1)]).await;
+    let log = env.coll("_migrations");
+    log.delete_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
+        .await
+        .unwrap();
+    let out = output_ok(&mut env.command(&["stats"])).await;
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0014_codes_any_pool_index"));
+    assert!(
+        log.find_one(bson::doc! {"_id": "0014_codes_any_pool_index"})
+            .await
+            .unwrap()
+            .is_none(),
+        "stats applied nothing"
+    );
+    log.insert_one(bson::doc! {"_id": "9999_from_the_future"})
+        .await
+        .unwrap();
+    for args in [&["stats"][..], &["migrate"][..]] {
+        let out = env.run(args).await;
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("9999_from_the_future") && err.contains("newer codepool"),
+            "{args:?}: {err}"
+        );
+    }
     env.cleanup().await;
 }

@@ -12,11 +12,9 @@ use codepool_broker::Publisher;
 use serde_json::Value;
 
 use crate::api::{http, key, order, ApiServer};
-use crate::common::{
-    codepool_ok, eventually, free_port, http_get, publish_confirmed, purchase, start_daemon,
-    TestEnv, AMQP_URL,
-};
+use crate::common::*;
 use crate::deploy::{repo, tool};
+use crate::fixtures::*;
 
 /// A Prometheus of this test's own: its own folder, a free port, a
 /// one-second scrape and evaluation interval, codepool's alert rules.
@@ -142,13 +140,7 @@ async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) 
     purchases.push(limited);
     publish_confirmed(publisher, &purchases).await;
     let junk = format!("not json {round}");
-    publisher
-        .publish_purchase_bytes(junk.as_bytes(), Some(&junk))
-        .await
-        .expect("publish")
-        .wait()
-        .await
-        .expect("confirm");
+    publish_bytes(publisher, junk.as_bytes(), Some(&junk)).await;
     let (status, _, _) = http(
         api,
         "POST",
@@ -176,14 +168,11 @@ async fn traffic(publisher: &Publisher, api: &str, api_key: &str, round: usize) 
 
 #[tokio::test]
 async fn a_real_prometheus_answers_every_dashboard_query_and_raises_the_right_alerts() {
-    let env = TestEnv::new("monitoring").await;
-    env.fill_pool("m", 300).await;
-    env.fill_pool("tiny", 1).await;
-    env.fill_pool("lim", 20).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "m", "--low-stock", "50"]).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "lim", "--per-user", "1"]).await;
+    let env = TestEnv::with_pools("monitoring", &[("m", 300), ("tiny", 1), ("lim", 20)]).await;
+    pool_set(&env, "m", &["--low-stock", "50"]).await;
+    pool_set(&env, "lim", &["--per-user", "1"]).await;
     // Already below its threshold: the low-stock alert has something to say.
-    codepool_ok(&env, &["pool", "set", "--pool", "lim", "--low-stock", "25"]).await;
+    pool_set(&env, "lim", &["--low-stock", "25"]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let api = ApiServer::start(&env, &[]).await;
     let api_key = key(&env, "monitoring", "orders:write,orders:read").await;
@@ -192,12 +181,7 @@ async fn a_real_prometheus_answers_every_dashboard_query_and_raises_the_right_al
         ("codepool-api", api.addr.as_str()),
     ])
     .await;
-    let conn = codepool_broker::connect(AMQP_URL, "test")
-        .await
-        .expect("amqp");
-    let publisher = Publisher::new(&conn, env.topology())
-        .await
-        .expect("publisher");
+    let (conn, publisher) = env.amqp().await;
 
     // Traffic until the dispatcher's backorder sweep (every 10 s) has seen
     // the empty pool's backorders, and every dashboard query has data.
@@ -285,7 +269,7 @@ async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
     let mut three = purchase("J-2", "j");
     three.quantity = 3;
     publish_confirmed(publisher, &[purchase("J-1", "j"), three]).await;
-    let t = env.topology();
+    let _t = env.topology();
     let dead = [
         (b"not json".to_vec(), "J-junk"),
         (
@@ -296,18 +280,10 @@ async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
         ),
     ];
     for (body, id) in dead {
-        publisher
-            .publish_purchase_bytes(&body, Some(id))
-            .await
-            .expect("publish")
-            .wait()
-            .await
-            .expect("confirm");
+        publish_bytes(publisher, &body, Some(id)).await;
     }
     let granted = || async {
-        env.store
-            .database()
-            .collection::<bson::Document>("codes")
+        env.coll("codes")
             .count_documents(bson::doc! {"pool": "j", "order_id": {"$exists": true}})
             .await
             .unwrap_or(0)
@@ -315,33 +291,16 @@ async fn logged_traffic(env: &TestEnv, publisher: &Publisher) {
     };
     eventually(Duration::from_secs(30), "4 codes granted", granted).await;
     // J-1's code is used: the redemption logs it, masked.
-    let redeemed = serde_json::json!({"order_id": "J-1"}).to_string();
-    publisher
-        .publish(
-            &t.events_exchange,
-            "code.redeemed",
-            redeemed.as_bytes(),
-            lapin::BasicProperties::default().with_user_id("guest".into()),
-        )
-        .await
-        .expect("publish")
-        .wait()
-        .await
-        .expect("confirm");
+    publish_redeemed(publisher, env, "J-1", Some("guest")).await;
 }
 
 #[tokio::test]
 async fn json_logs_are_one_object_a_line_and_never_carry_a_code() {
     let env = TestEnv::new("monitoring_logs").await;
     let codes = env.fill_pool("j", 6).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "j", "--low-stock", "4"]).await;
+    pool_set(&env, "j", &["--low-stock", "4"]).await;
     let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test")
-        .await
-        .expect("amqp");
-    let publisher = Publisher::new(&conn, env.topology())
-        .await
-        .expect("publisher");
+    let (conn, publisher) = env.amqp().await;
     logged_traffic(&env, &publisher).await;
     eventually(
         Duration::from_secs(20),

@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{json, Value};
 
-use crate::api::{http, json_of, key, ApiServer};
+use crate::api::{http, json_of};
 use crate::common::TestEnv;
+use crate::fixtures::api_with_key;
 
 /// The document and the validators made from it so far.
 pub(crate) struct Contract {
@@ -169,10 +170,9 @@ fn concrete(template: &str) -> String {
 
 #[tokio::test]
 async fn the_openapi_document_is_valid_served_as_generated_and_covers_every_route() {
-    let env = TestEnv::new("api_openapi").await;
-    env.fill_pool("oa", 5).await;
-    let admin = key(&env, "ops", "orders:write,orders:read,codes:reveal,admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("api_openapi", &[("oa", 5)]).await;
+    let (api, admin) =
+        api_with_key(&env, "ops", "orders:write,orders:read,codes:reveal,admin").await;
 
     let (status, _, body) = http(&api.addr, "GET", "/openapi.json", None, b"").await;
     assert_eq!(status, 200);
@@ -197,8 +197,7 @@ async fn the_openapi_document_is_valid_served_as_generated_and_covers_every_rout
                 "get" | "delete" => b"",
                 _ => b"{}",
             };
-            let (status, _, body) =
-                http(&api.addr, &method.to_uppercase(), &path, Some(&admin), body).await;
+            let (status, _, body) = api.call(&method.to_uppercase(), &path, &admin, body).await;
             let problem = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
             assert!(
                 status != 405 && problem["title"].as_str() != Some("no such route"),

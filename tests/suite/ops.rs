@@ -1,6 +1,8 @@
 //! Operating codepool: the code lifecycle (redeem, void, expiry), SMS
 //! receipts, low-stock alerts, `/metrics` and `/readyz`, against the real
-//! servers and the built binary.
+//! servers and the built binary. A void's reason must be visible text, and
+//! a void is final: a cancelled backorder never comes back through either
+//! door.
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -17,17 +19,12 @@ use codepool_store::lifecycle::{CodeRef, LifecycleError, VoidOutcome, EXPIRED_RE
 use codepool_store::pool_settings::PoolSettings;
 use codepool_store::{CodeDoc, NewCode, ObjectId, Store};
 use futures::StreamExt;
-use lapin::options::{
-    BasicPublishOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
 
-use crate::common::Line0;
-use crate::common::{
-    drain, eventually, free_port, http_get, publish_confirmed, purchase, queue_depth, start_daemon,
-    TestEnv, AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 // ---------------------------------------------------------------- helpers
 
@@ -275,19 +272,22 @@ async fn scrape(addr: &str) -> Vec<Sample> {
         .0
 }
 
+/// Waits up to `secs` seconds until `name{labels}` at `addr` is `want`.
+async fn wait_metric(addr: &str, name: &str, labels: &[(&str, &str)], want: f64, secs: u64) {
+    let what = format!("{name}{labels:?} at {want}");
+    eventually(Duration::from_secs(secs), &what, || async {
+        value(&scrape(addr).await, name, labels) == want
+    })
+    .await;
+}
+
 async fn publish_receipt(publisher: &Publisher, key: &str, body: &[u8], message_id: Option<&str>) {
     let mut props = BasicProperties::default().with_delivery_mode(2);
     if let Some(id) = message_id {
         props = props.with_message_id(id.into());
     }
     let exchange = publisher.topology().sms_exchange.clone();
-    publisher
-        .publish(&exchange, key, body, props)
-        .await
-        .expect("publish")
-        .wait()
-        .await
-        .expect("confirmed");
+    publish_to(publisher, &exchange, key, body, props).await;
 }
 
 // ---------------------------------------------------------------- lifecycle
@@ -384,7 +384,7 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
 
     // The CLI says the same in words, masking the code.
     let out = env
-        .command(&[
+        .run(&[
             "void",
             "--pool",
             "lc",
@@ -393,9 +393,7 @@ async fn every_allowed_lifecycle_transition_is_recorded() {
             "--reason",
             "test",
         ])
-        .output()
-        .await
-        .expect("run codepool void");
+        .await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -509,7 +507,7 @@ async fn forbidden_lifecycle_transitions_are_refused_with_the_reason() {
         ),
         (vec!["resend", "--order", "FB-VOID"], "never sent again"),
     ] {
-        let out = env.command(&args).output().await.expect("run codepool");
+        let out = env.run(&args).await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains(expect), "{args:?}: {stderr}");
@@ -523,8 +521,7 @@ async fn forbidden_lifecycle_transitions_are_refused_with_the_reason() {
 
 #[tokio::test]
 async fn a_refund_voided_code_is_never_issued_again() {
-    let env = TestEnv::new("ops_refund").await;
-    env.fill_pool("rf", 5).await;
+    let env = TestEnv::with_pools("ops_refund", &[("rf", 5)]).await;
     let engine = env.engine();
     let refunded = grant(&env, "RF-REFUND", "rf").await;
     env.store
@@ -579,8 +576,7 @@ async fn a_refund_voided_code_is_never_issued_again() {
 
 #[tokio::test]
 async fn voiding_an_order_still_waiting_for_stock_cancels_its_backorder() {
-    let env = TestEnv::new("ops_cancel_bo").await;
-    env.fill_pool("cb", 1).await;
+    let env = TestEnv::with_pools("ops_cancel_bo", &[("cb", 1)]).await;
     grant(&env, "CB-1", "cb").await;
     let p = purchase("CB-2", "cb");
     assert_eq!(
@@ -597,16 +593,7 @@ async fn voiding_an_order_still_waiting_for_stock_cancels_its_backorder() {
         }])
         .await
         .expect("backorder");
-    let out = env
-        .command(&["void", "--order", "CB-2", "--reason", "refund"])
-        .output()
-        .await
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = output_ok(&mut env.command(&["void", "--order", "CB-2", "--reason", "refund"])).await;
     assert!(String::from_utf8_lossy(&out.stdout).contains("backorder is cancelled"));
     assert!(env
         .store
@@ -696,11 +683,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
     // The sweep (as `codepool expire`) voids the expired ones with reason
     // `expired` and drops them from the hot pool.
     hot.put_back("ex", &expired_ids).await.unwrap();
-    let out = env
-        .command(&["expire", "--pool", "ex"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["expire", "--pool", "ex"]).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -758,8 +741,7 @@ async fn expired_codes_are_never_issued_and_the_sweep_voids_them() {
 
 #[tokio::test]
 async fn low_stock_fires_exactly_once_per_crossing_under_concurrent_claims() {
-    let env = TestEnv::new("ops_low_stock").await;
-    env.fill_pool("ls", 60).await;
+    let env = TestEnv::with_pools("ops_low_stock", &[("ls", 60)]).await;
     let settings = PoolSettings {
         low_stock: Some(20),
         ..PoolSettings::default()
@@ -959,12 +941,10 @@ async fn a_batch_over_several_pools_raises_one_low_stock_alert_for_each_pool_tha
 
 #[tokio::test]
 async fn receipts_and_redemptions_over_amqp_update_the_code() {
-    let env = TestEnv::new("ops_receipts").await;
-    env.fill_pool("rc", 10).await;
+    let env = TestEnv::with_pools("ops_receipts", &[("rc", 10)]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     for i in 0..3 {
         publisher
             .publish_purchase(&purchase(&format!("RC-{i}"), "rc"))
@@ -1015,19 +995,8 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
         serde_json::json!({"order_id": "RC-0"}).to_string(),
         "{}".to_string(),
     ] {
-        publisher
-            .channel()
-            .basic_publish(
-                &events,
-                "code.redeemed",
-                BasicPublishOptions::default(),
-                body.as_bytes(),
-                BasicProperties::default().with_user_id("guest".into()),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        let guest = BasicProperties::default().with_user_id("guest".into());
+        publish_to(&publisher, &events, "code.redeemed", body.as_bytes(), guest).await;
     }
 
     let t = env.topology();
@@ -1078,16 +1047,7 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
 
     // `codepool resend` publishes the same event again, confirmed.
     let _ = drain(&ch, &t.sms_pending).await;
-    let out = env
-        .command(&["resend", "--order", "RC-1"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    codepool_ok(&env, &["resend", "--order", "RC-1"]).await;
     let again = drain(&ch, &t.sms_pending).await;
     assert_eq!(again.len(), 1);
     let event: SmsPending = serde_json::from_slice(&again[0].body).unwrap();
@@ -1097,11 +1057,7 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
     );
 
     // `codepool lookup` tells the SMS story, with the code masked.
-    let out = env
-        .command(&["lookup", "--order", "RC-1"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["lookup", "--order", "RC-1"]).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
@@ -1111,11 +1067,7 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
         "{stdout}"
     );
     assert!(!stdout.contains(&g["RC-1"].code), "{stdout}");
-    let out = env
-        .command(&["lookup", "--order", "RC-0", "--json"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["lookup", "--order", "RC-0", "--json"]).await;
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["codes"][0]["sms"]["state"], "sent");
     assert_eq!(json["codes"][0]["status"], "used");
@@ -1129,25 +1081,13 @@ async fn receipts_and_redemptions_over_amqp_update_the_code() {
 
 #[tokio::test]
 async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
-    let env = TestEnv::new("ops_metrics").await;
-    env.fill_pool("mx", 20).await;
+    let env = TestEnv::with_pools("ops_metrics", &[("mx", 20)]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let addr = daemon.addr.clone();
 
     // Before any purchase, the counters are there at zero, and the stock
     // gauge appears with the first sweep.
-    let a = addr.clone();
-    eventually(Duration::from_secs(10), "the stock gauge", || {
-        let a = a.clone();
-        async move {
-            value(
-                &scrape(&a).await,
-                "codepool_pool_unissued",
-                &[("pool", "mx")],
-            ) == 20.0
-        }
-    })
-    .await;
+    wait_metric(&addr, "codepool_pool_unissued", &[("pool", "mx")], 20.0, 10).await;
     let before = scrape(&addr).await;
     assert!(before
         .iter()
@@ -1158,30 +1098,18 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
             && s.labels == [("reason".to_owned(), "not_json".to_owned())]
             && s.value == 0.0));
 
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
     let orders: Vec<_> = (0..20)
         .map(|i| purchase(&format!("MX-{i:02}"), "mx"))
         .collect();
     publish_confirmed(&publisher, &orders).await;
-    let a = addr.clone();
-    eventually(Duration::from_secs(30), "20 grants", || {
-        let a = a.clone();
-        async move { value(&scrape(&a).await, "codepool_grants_total", &[]) == 20.0 }
-    })
-    .await;
+    wait_metric(&addr, "codepool_grants_total", &[], 20.0, 30).await;
     // Then: 5 duplicates, 5 purchases of an empty pool, 4 invalid messages.
     publish_confirmed(&publisher, &orders[..5]).await;
     for i in 0..5 {
         let p = purchase(&format!("MX-LATE-{i}"), "mx");
-        publisher
-            .publish_purchase(&p)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        publish_one(&publisher, &p).await;
     }
     let invalid: [&[u8]; 4] = [
         b"not json",
@@ -1190,33 +1118,11 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         br#"{"order_id":"MX-NOPOOL","uid":"u","phone":"+8613800000000","pool":"no-such-pool"}"#,
     ];
     for body in invalid {
-        publisher
-            .publish_purchase_bytes(body, None)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        publish_bytes(&publisher, body, None).await;
     }
-    let a = addr.clone();
-    eventually(Duration::from_secs(30), "34 purchases settled", || {
-        let a = a.clone();
-        async move { value(&scrape(&a).await, "codepool_end_to_end_seconds_count", &[]) == 34.0 }
-    })
-    .await;
+    wait_metric(&addr, "codepool_end_to_end_seconds_count", &[], 34.0, 30).await;
     // The stock gauge follows within the check interval.
-    let a = addr.clone();
-    eventually(Duration::from_secs(10), "stock gauge at 0", || {
-        let a = a.clone();
-        async move {
-            value(
-                &scrape(&a).await,
-                "codepool_pool_unissued",
-                &[("pool", "mx")],
-            ) == 0.0
-        }
-    })
-    .await;
+    wait_metric(&addr, "codepool_pool_unissued", &[("pool", "mx")], 0.0, 10).await;
 
     let (status, page) = http_get(&addr, "/metrics").await.unwrap();
     assert_eq!(status, 200);
@@ -1293,9 +1199,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
 /// grants.
 #[tokio::test]
 async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalogue() {
-    let env = TestEnv::new("ops_sweep_yields").await;
-    env.fill_pool("bk-busy", 2000).await;
-    env.fill_pool("bk-idle", 5).await;
+    let env = TestEnv::with_pools("ops_sweep_yields", &[("bk-busy", 2000), ("bk-idle", 5)]).await;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
     // The queues exist before any dispatcher does: the backlog waits there.
     let ch = conn.create_channel().await.unwrap();
@@ -1331,9 +1235,7 @@ async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalog
     .await;
 
     let last_grant = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(doc! {"pool": "bk-busy", "status": 1})
         .sort(doc! {"issued_at": -1})
         .await
@@ -1827,4 +1729,120 @@ async fn stock_counts_of_many_pools_are_exact_where_the_scan_budget_runs_out() {
         vec![50, 70, 5, 0]
     );
     cleanup(env).await;
+}
+
+#[tokio::test]
+async fn void_reasons_with_control_or_bidi_characters_are_refused() {
+    let env = TestEnv::new("ops_reason").await;
+    let codes = env.fill_pool("vr", 2).await;
+    for reason in [EVIL, "refund\u{202e}", "a\u{200b}b"] {
+        let (code, _, err) = codepool(
+            &env,
+            &[
+                "void", "--pool", "vr", "--code", &codes[0], "--reason", reason,
+            ],
+        )
+        .await;
+        assert_eq!(code, 1, "{reason:?}: {err}");
+        assert!(err.contains("visible text"), "{err}");
+        assert_no_raw_escapes(&err);
+    }
+    assert_eq!(
+        count_codes(&env, doc! {"status": 3}).await,
+        0,
+        "nothing voided"
+    );
+    env.cleanup().await;
+}
+
+/// A void is final: a waiting order voided, and a partly granted one
+/// voided as a refund, get nothing when they come back after stock
+/// arrives, over HTTP (409 `order-cancelled`) or over AMQP (no event).
+#[tokio::test]
+async fn a_cancelled_backorder_never_comes_back_through_either_door() {
+    use crate::api::{http, json_of, order};
+    let env = TestEnv::with_pools("ops_cancelled", &[("few", 2)]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
+    let place = |id: &'static str, q: u32| {
+        let addr = api.addr.clone();
+        let shop = shop.clone();
+        async move {
+            http(
+                &addr,
+                "POST",
+                "/v1/orders",
+                Some(&shop),
+                &order(id, "few", q),
+            )
+            .await
+        }
+    };
+    let (status, _, body) = place("P-5", 5).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["state"], "partly_granted");
+    let (status, _, _) = place("W-1", 1).await;
+    assert_eq!(status, 202);
+    for id in ["P-5", "W-1"] {
+        let (status, _, body) = api
+            .post(
+                &format!("/v1/orders/{id}/void"),
+                &shop,
+                br#"{"reason":"refund"}"#,
+            )
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["backorder_cancelled"], true);
+    }
+    add_codes(&env, "few", "more", 10).await;
+    for (id, q) in [("P-5", 5), ("W-1", 1)] {
+        let (status, _, body) = place(id, q).await;
+        assert_eq!(status, 409, "{id}: {}", String::from_utf8_lossy(&body));
+        let b = json_of(&body);
+        assert!(
+            b["type"].as_str().unwrap().ends_with("order-cancelled"),
+            "{b}"
+        );
+        assert!(
+            body.windows(5).all(|w| w != b"more-"),
+            "no code in the answer"
+        );
+    }
+    api.stop().await;
+    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    // P-5's first two codes were texted when they were granted.
+    let first = drain(&ch, &t.sms_pending).await;
+    assert!(first
+        .iter()
+        .all(|m| String::from_utf8_lossy(&m.body).contains("P-5")));
+
+    // The same purchases over AMQP: acked, nothing granted, nothing texted.
+    let daemon = start_daemon(env.command(&[])).await;
+    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let mut again = vec![
+        purchase("W-1", "few"),
+        purchase("P-5", "few"),
+        purchase("FRESH", "few"),
+    ];
+    for p in &mut again {
+        p.uid = "u-api".into();
+    }
+    again[1].quantity = 5;
+    publish_confirmed(&publisher, &again).await;
+    // The fresh order's event.
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 1).await;
+    // Every purchase acked.
+    wait_depth(&ch, &t.purchases, 30, |n| n == 0).await;
+    let sms = drain(&ch, &t.sms_pending).await;
+    assert_eq!(sms.len(), 1, "only FRESH is texted");
+    assert!(String::from_utf8_lossy(&sms[0].body).contains("FRESH"));
+    assert_eq!(order_statuses(&env, "W-1").await, Vec::<i32>::new());
+    assert_eq!(
+        order_statuses(&env, "P-5").await,
+        vec![3, 3],
+        "the two voided codes, nothing new"
+    );
+    daemon.stop().await;
+    env.cleanup().await;
 }

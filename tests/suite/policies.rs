@@ -1,20 +1,17 @@
 //! Pool policies and controls against the real servers: the per-user limit
 //! across two dispatcher processes with redeliveries, pause and resume,
-//! and recalling an import while purchases are being dispatched.
+//! and recalling an import while purchases are being dispatched; orders
+//! voided while their paused pool resumes keep no live code.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::doc;
-use codepool_broker::Publisher;
 use codepool_domain::{PoolEvent, PoolEventKind, Purchase, PurchaseRefused, SmsPending};
 use futures::StreamExt;
 
-use crate::common::Line0;
-use crate::common::{
-    assign, codepool_ok, drain, eventually, metric_sum, pool_events_handled, publish_confirmed,
-    purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     Purchase {
@@ -23,29 +20,17 @@ fn of_user(order: &str, pool: &str, uid: &str) -> Purchase {
     }
 }
 
-async fn count(env: &TestEnv, collection: &str, filter: bson::Document) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>(collection)
-        .count_documents(filter)
-        .await
-        .expect("count")
-}
-
 #[tokio::test]
 async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
-    let env = TestEnv::new("policies_per_user").await;
-    env.fill_pool("one", 100).await;
-    env.fill_pool("three", 100).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "one", "--per-user", "1"]).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "three", "--per-user", "3"]).await;
+    let env = TestEnv::with_pools("policies_per_user", &[("one", 100), ("three", 100)]).await;
+    pool_set(&env, "one", &["--per-user", "1"]).await;
+    pool_set(&env, "three", &["--per-user", "3"]).await;
     let a = start_daemon(env.command(&[])).await;
     let b = start_daemon(env.command(&[])).await;
 
     // 30 orders of one user per pool at once, and every tenth order twice
     // (a redelivery), interleaved so both dispatchers see both pools.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let mut orders = Vec::new();
     for i in 0..30 {
         orders.push(of_user(&format!("ONE-{i:02}"), "one", "buyer-1"));
@@ -74,12 +59,12 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     .await;
 
     for (pool, limit) in [("one", 1u64), ("three", 3)] {
-        let granted = count(&env, "codes", doc! {"pool": pool, "uid": "buyer-1"}).await;
-        let refused = count(&env, "refusals", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        let granted = count_docs(&env, "codes", doc! {"pool": pool, "uid": "buyer-1"}).await;
+        let refused = count_docs(&env, "refusals", doc! {"pool": pool, "uid": "buyer-1"}).await;
         assert_eq!(granted, limit, "pool {pool}: exactly {limit} grant(s)");
         assert_eq!(refused, 30 - limit, "pool {pool}: the rest refused");
     }
-    assert_eq!(count(&env, "backorders", doc! {}).await, 0);
+    assert_eq!(count_docs(&env, "backorders", doc! {}).await, 0);
     assert_eq!(
         queue_depth(&ch, &t.purchases_dead).await,
         0,
@@ -145,7 +130,7 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
     eventually(
         Duration::from_secs(20),
         "the late order refused",
-        || async { count(&env, "refusals", doc! {"_id": "ONE-LATE"}).await == 1 },
+        || async { count_docs(&env, "refusals", doc! {"_id": "ONE-LATE"}).await == 1 },
     )
     .await;
 
@@ -157,11 +142,9 @@ async fn a_per_user_limit_is_exact_across_two_dispatchers_with_redeliveries() {
 
 #[tokio::test]
 async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_oldest_first() {
-    let env = TestEnv::new("policies_pause").await;
-    env.fill_pool("p", 3).await;
+    let env = TestEnv::with_pools("policies_pause", &[("p", 3)]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let t = env.topology();
     let mut paused_events = codepool_broker::subscribe(&conn, &t.events_exchange, "pool.paused")
         .await
@@ -175,7 +158,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     // One grant first, so the dispatcher has the pool's policy cached.
     publish_confirmed(&publisher, &[purchase("P-FIRST", "p")]).await;
     eventually(Duration::from_secs(20), "the first grant", || async {
-        count(&env, "codes", doc! {"pool": "p", "status": 1}).await == 1
+        count_docs(&env, "codes", doc! {"pool": "p", "status": 1}).await == 1
     })
     .await;
 
@@ -197,21 +180,15 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     let waiting: Vec<_> = (0..6).map(|i| purchase(&format!("P-{i}"), "p")).collect();
     publish_confirmed(&publisher, &waiting).await;
     eventually(Duration::from_secs(20), "6 backorders", || async {
-        count(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
+        count_docs(&env, "backorders", doc! {"pool": "p", "status": "waiting"}).await == 6
     })
     .await;
     // Stock news must not fulfil them while paused (the pool has 2 codes):
     // dispatchers fulfil on pool.replenished, and must skip a paused pool.
-    publisher
-        .publish_pool_event(&PoolEvent::new(PoolEventKind::Replenished, "p"))
-        .await
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
+    publish_pool_event(&publisher, &PoolEvent::new(PoolEventKind::Replenished, "p")).await;
     pool_events_handled(&env, &publisher, PoolEventKind::Replenished).await;
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "p", "status": 1}).await,
+        count_docs(&env, "codes", doc! {"pool": "p", "status": 1}).await,
         1,
         "nothing issued while paused"
     );
@@ -230,7 +207,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
         Duration::from_secs(20),
         "2 backorders fulfilled",
         || async {
-            count(
+            count_docs(
                 &env,
                 "backorders",
                 doc! {"pool": "p", "status": "fulfilled"},
@@ -244,9 +221,7 @@ async fn a_paused_pool_holds_purchases_as_backorders_and_resume_fulfils_the_olde
     let backorders = env.store.waiting_backorders("p", 10).await.unwrap();
     assert_eq!(backorders.len(), 4, "no stock for the rest");
     let all: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders")
+        .coll("backorders")
         .find(doc! {"pool": "p"})
         .sort(doc! {"created_at": 1, "_id": 1})
         .await
@@ -301,8 +276,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let a = start_daemon(env.command(&[])).await;
     let b = start_daemon(env.command(&[])).await;
 
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..800)
         .map(|i| purchase(&format!("R-{i:04}"), "r"))
         .collect();
@@ -318,7 +292,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         })
     };
     eventually(Duration::from_secs(30), "dispatch under way", || async {
-        count(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
+        count_docs(&env, "codes", doc! {"pool": "r", "status": 1}).await >= 50
     })
     .await;
     let out = codepool_ok(
@@ -340,13 +314,13 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
     let t = env.topology();
     let started = std::time::Instant::now();
     loop {
-        let granted = count(
+        let granted = count_docs(
             &env,
             "codes",
             doc! {"pool": "r", "order_id": {"$exists": true}},
         )
         .await;
-        let waiting = count(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
+        let waiting = count_docs(&env, "backorders", doc! {"pool": "r", "status": "waiting"}).await;
         if granted + waiting == 800 && queue_depth(&ch, &t.purchases).await == 0 {
             break;
         }
@@ -361,10 +335,10 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let issued = count(&env, "codes", doc! {"pool": "r", "status": 1}).await;
-    let void = count(&env, "codes", doc! {"pool": "r", "status": 3}).await;
+    let issued = count_docs(&env, "codes", doc! {"pool": "r", "status": 1}).await;
+    let void = count_docs(&env, "codes", doc! {"pool": "r", "status": 3}).await;
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "r", "status": 0}).await,
+        count_docs(&env, "codes", doc! {"pool": "r", "status": 0}).await,
         0
     );
     assert_eq!(issued + void, 1000, "every code issued or voided");
@@ -373,7 +347,7 @@ async fn a_recall_racing_with_dispatch_voids_or_leaves_issued_each_code_never_bo
         "the recall raced with dispatch ({issued} issued)"
     );
     assert_eq!(
-        count(
+        count_docs(
             &env,
             "codes",
             doc! {"pool": "r", "status": 3, "order_id": {"$exists": true}}
@@ -436,14 +410,13 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     let env = TestEnv::new("policies_backorder_limit").await;
     codepool_ok(&env, &["pool", "create", "--pool", "late"]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..3)
         .map(|i| of_user(&format!("L-{i}"), "late", "buyer-9"))
         .collect();
     publish_confirmed(&publisher, &orders).await;
     eventually(Duration::from_secs(20), "3 backorders", || async {
-        count(
+        count_docs(
             &env,
             "backorders",
             doc! {"pool": "late", "status": "waiting"},
@@ -453,7 +426,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
     })
     .await;
 
-    codepool_ok(&env, &["pool", "set", "--pool", "late", "--per-user", "1"]).await;
+    pool_set(&env, "late", &["--per-user", "1"]).await;
     let mut f = tempfile::NamedTempFile::new().unwrap();
     {
         use std::io::Write;
@@ -468,14 +441,14 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
         Duration::from_secs(30),
         "1 fulfilled, 2 refused",
         || async {
-            count(
+            count_docs(
                 &env,
                 "backorders",
                 doc! {"pool": "late", "status": "fulfilled"},
             )
             .await
                 == 1
-                && count(
+                && count_docs(
                     &env,
                     "backorders",
                     doc! {"pool": "late", "status": "refused"},
@@ -485,8 +458,11 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
         },
     )
     .await;
-    assert_eq!(count(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
-    assert_eq!(count(&env, "refusals", doc! {"uid": "buyer-9"}).await, 2);
+    assert_eq!(count_docs(&env, "codes", doc! {"uid": "buyer-9"}).await, 1);
+    assert_eq!(
+        count_docs(&env, "refusals", doc! {"uid": "buyer-9"}).await,
+        2
+    );
     let ch = conn.create_channel().await.unwrap();
     let refused = drain(&ch, &env.topology().purchases_refused).await;
     assert_eq!(refused.len(), 2);
@@ -498,9 +474,7 @@ async fn backorders_waiting_when_a_limit_is_set_are_held_to_it_when_stock_arrive
 
 /// Pauses `pool` directly in MongoDB, behind the policy cache's back.
 async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .update_one(doc! {"_id": pool}, doc! {"$set": {"paused": true}})
         .await
         .expect("pause");
@@ -508,9 +482,7 @@ async fn pause_behind_the_cache(env: &TestEnv, pool: &str) {
 
 #[tokio::test]
 async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
-    let env = TestEnv::new("policies_recall_rounds").await;
-    env.fill_pool("rw", 23).await;
-    env.fill_pool("other", 5).await;
+    let env = TestEnv::with_pools("policies_recall_rounds", &[("rw", 23), ("other", 5)]).await;
     let store = &env.store;
     let codes = store.database().collection::<bson::Document>("codes");
     let of_rw = codes.find_one(doc! {"pool": "rw"}).await.unwrap().unwrap();
@@ -547,15 +519,15 @@ async fn a_recall_walks_its_import_once_in_rounds_past_the_codes_handed_out() {
     assert_eq!(distinct.len(), 15, "each code seen once");
     assert!(held.iter().all(|id| !distinct.contains(id)));
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "rw", "status": 3}).await,
+        count_docs(&env, "codes", doc! {"pool": "rw", "status": 3}).await,
         15
     );
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "rw", "status": 1}).await,
+        count_docs(&env, "codes", doc! {"pool": "rw", "status": 1}).await,
         8
     );
     assert_eq!(
-        count(&env, "codes", doc! {"pool": "other", "status": 0}).await,
+        count_docs(&env, "codes", doc! {"pool": "other", "status": 0}).await,
         5
     );
     // A second walk finds nothing left, and the held codes are listed.
@@ -603,9 +575,7 @@ async fn the_policy_cache_reads_a_small_catalogue_whole_and_names_pools_in_a_lar
     let many: Vec<bson::Document> = (0..=most)
         .map(|i| doc! {"_id": format!("p{i:05}"), "created_at": now, "low_stock_alerted": false})
         .collect();
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .insert_many(many)
         .await
         .expect("insert pools");
@@ -623,9 +593,7 @@ async fn a_pool_document_that_does_not_decode_holds_up_only_its_own_pool() {
     use codepool_issuance::policy::PolicyCache;
     let env = TestEnv::new("policies_bad_pool").await;
     env.store.create_pool("good").await.expect("create pool");
-    env.store
-        .database()
-        .collection::<bson::Document>("pools")
+    env.coll("pools")
         .insert_one(doc! {"_id": "bad", "paused": "not a bool"})
         .await
         .expect("insert a malformed pool");
@@ -691,5 +659,68 @@ async fn the_key_and_shop_caches_age_by_their_clock() {
     clock.advance(SHOP_TTL);
     let aged = shops.get_many(&env.store, &["acme"]).await.unwrap();
     assert_eq!(pools(&aged), ["p2"], "read again once aged");
+    env.cleanup().await;
+}
+
+/// Cancelling a backorder and fulfilling it exclude each other: orders
+/// voided while their paused pool resumes keep no live code, and one whose
+/// void answered "nothing voided" is never texted.
+#[tokio::test]
+async fn a_void_racing_a_resume_leaves_no_live_code_and_says_what_it_voided() {
+    use crate::api::{http, json_of, order};
+    let env = TestEnv::with_pools("policies_void_race", &[("race", 60)]).await;
+    env.store.set_paused("race", true).await.expect("pause");
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
+    let ids: Vec<String> = (0..40).map(|i| format!("R-{i}")).collect();
+    for id in &ids {
+        let (status, _, _) = api.post("/v1/orders", &shop, &order(id, "race", 1)).await;
+        assert_eq!(status, 202);
+    }
+    let daemon = start_daemon(env.command(&[])).await;
+    let resume = env.command(&["pool", "resume", "--pool", "race"]).output();
+    let voids = futures::future::join_all(ids.iter().map(|id| {
+        let (addr, shop) = (api.addr.clone(), shop.clone());
+        async move {
+            let (status, _, body) = http(
+                &addr,
+                "POST",
+                &format!("/v1/orders/{id}/void"),
+                Some(&shop),
+                br#"{"reason":"refund"}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            json_of(&body)["voided"].as_u64().unwrap()
+        }
+    }));
+    let (resumed, voided) = tokio::join!(resume, voids);
+    assert!(resumed.unwrap().status.success());
+    // Any fulfilment in flight finishes before the dispatcher reads the
+    // next pool.resumed.
+    let (conn, publisher) = env.amqp().await;
+    pool_events_handled(&env, &publisher, codepool_domain::PoolEventKind::Resumed).await;
+    let ch = conn.create_channel().await.unwrap();
+    let texted: Vec<String> = drain(&ch, &env.topology().sms_pending)
+        .await
+        .iter()
+        .map(|m| {
+            serde_json::from_slice::<serde_json::Value>(&m.body).unwrap()["order_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    for (id, n) in ids.iter().zip(voided) {
+        let s = order_statuses(&env, id).await;
+        assert!(!s.contains(&1), "{id} keeps a live code: {s:?}");
+        if n == 0 {
+            assert!(
+                !texted.contains(id),
+                "{id}: void said 0 voided, yet it was texted"
+            );
+        }
+    }
+    daemon.stop().await;
+    api.stop().await;
     env.cleanup().await;
 }

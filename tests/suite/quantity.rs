@@ -8,13 +8,10 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bson::doc;
-use codepool_broker::Publisher;
 use codepool_domain::{Purchase, SmsPending};
 
-use crate::common::{
-    codepool_ok, drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, Daemon,
-    TestEnv, AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 fn of(order: &str, pool: &str, quantity: u32) -> Purchase {
     Purchase {
@@ -77,10 +74,8 @@ async fn kill_9(mut d: Daemon) {
 #[tokio::test]
 async fn orders_of_one_to_ten_codes_over_three_dispatchers_with_kill_9s_get_exactly_their_quantity()
 {
-    let env = TestEnv::new("quantity_chaos").await;
-    env.fill_pool("qc", 12_000).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let env = TestEnv::with_pools("quantity_chaos", &[("qc", 12_000)]).await;
+    let (conn, publisher) = env.amqp().await;
     let orders: Vec<Purchase> = (0..2000)
         .map(|i| of(&format!("QC-{i:05}"), "qc", (i % 10 + 1) as u32))
         .collect();
@@ -114,7 +109,7 @@ async fn orders_of_one_to_ten_codes_over_three_dispatchers_with_kill_9s_get_exac
     for c in confirms {
         c.wait().await.unwrap();
     }
-    let issued = env.store.database().collection::<bson::Document>("codes");
+    let issued = env.coll("codes");
     eventually(Duration::from_secs(240), "every code issued", || {
         let (issued, ch, q) = (issued.clone(), ch.clone(), t.purchases.clone());
         async move {
@@ -190,17 +185,13 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
     )
     .await;
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let order = of("QP-1", "qp", 10);
     publish_confirmed(&publisher, std::slice::from_ref(&order)).await;
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(Duration::from_secs(30), "the first part", || {
-        let (ch, q) = (ch.clone(), t.sms_pending.clone());
-        async move { queue_depth(&ch, &q).await >= 1 }
-    })
-    .await;
+    // The first part.
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 1).await;
     let lookup = codepool_ok(&env, &["lookup", "--order", "QP-1", "--json"]).await;
     let found: serde_json::Value = serde_json::from_str(&lookup).unwrap();
     assert_eq!(found["codes"].as_array().unwrap().len(), 4, "{lookup}");
@@ -212,11 +203,8 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
     publish_confirmed(&publisher, std::slice::from_ref(&order)).await;
     // Handled before the import: on a busy machine it could otherwise be
     // taken after the backorder was served, and re-send the whole order.
-    eventually(Duration::from_secs(30), "the first part re-sent", || {
-        let (ch, q) = (ch.clone(), t.sms_pending.clone());
-        async move { queue_depth(&ch, &q).await >= 2 }
-    })
-    .await;
+    // The first part re-sent.
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 2).await;
 
     let more = csv(&(0..20)
         .map(|i| format!("QP-NEW-{i:03}"))
@@ -226,10 +214,7 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
         &["import", more.path().to_str().unwrap(), "--pool", "qp"],
     )
     .await;
-    let backorders = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders");
+    let backorders = env.coll("backorders");
     eventually(Duration::from_secs(30), "the backorder fulfilled", || {
         let b = backorders.clone();
         async move {
@@ -240,11 +225,8 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
         }
     })
     .await;
-    eventually(Duration::from_secs(10), "three events", || {
-        let (ch, q) = (ch.clone(), t.sms_pending.clone());
-        async move { queue_depth(&ch, &q).await >= 3 }
-    })
-    .await;
+    // Three events.
+    wait_depth(&ch, &t.sms_pending, 10, |n| n >= 3).await;
     d.stop().await;
     let held = held(&env, "qp").await;
     assert_eq!(held.len(), 10, "exactly ten, never more");
@@ -271,12 +253,10 @@ async fn an_order_for_ten_against_a_pool_of_four_gets_four_now_and_six_after_an_
 
 #[tokio::test]
 async fn a_per_user_limit_counts_codes_and_refuses_an_order_whole() {
-    let env = TestEnv::new("quantity_limit").await;
-    env.fill_pool("ql", 50).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "ql", "--per-user", "3"]).await;
+    let env = TestEnv::with_pools("quantity_limit", &[("ql", 50)]).await;
+    pool_set(&env, "ql", &["--per-user", "3"]).await;
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let buyer = |order: &str, q| Purchase {
         uid: "buyer-1".into(),
         ..of(order, "ql", q)
@@ -321,21 +301,15 @@ async fn a_per_user_limit_counts_codes_and_refuses_an_order_whole() {
 
 #[tokio::test]
 async fn an_order_id_reused_by_another_order_or_a_bad_quantity_is_dead_lettered() {
-    let env = TestEnv::new("quantity_conflict").await;
-    env.fill_pool("qx", 50).await;
-    env.fill_pool("qy", 50).await;
+    let env = TestEnv::with_pools("quantity_conflict", &[("qx", 50), ("qy", 50)]).await;
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     let first = of("QX-1", "qx", 2);
     publish_confirmed(&publisher, std::slice::from_ref(&first)).await;
     let ch = conn.create_channel().await.unwrap();
     let t = env.topology();
-    eventually(Duration::from_secs(30), "the first order", || {
-        let (ch, q) = (ch.clone(), t.sms_pending.clone());
-        async move { queue_depth(&ch, &q).await >= 1 }
-    })
-    .await;
+    // The first order.
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 1).await;
     let conflicting = [
         of("QX-1", "qx", 5),
         of("QX-1", "qy", 2),
@@ -353,19 +327,10 @@ async fn an_order_id_reused_by_another_order_or_a_bad_quantity_is_dead_lettered(
         br#"{"order_id":"QB-4","uid":"u","phone":"+8613800000000","pool":"qx","quantity":101}"#,
     ];
     for body in bad {
-        publisher
-            .publish_purchase_bytes(body, None)
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        publish_bytes(&publisher, body, None).await;
     }
-    eventually(Duration::from_secs(30), "eight dead letters", || {
-        let (ch, q) = (ch.clone(), t.purchases_dead.clone());
-        async move { queue_depth(&ch, &q).await >= 8 }
-    })
-    .await;
+    // Eight dead letters.
+    wait_depth(&ch, &t.purchases_dead, 30, |n| n >= 8).await;
     d.stop().await;
     let mut reasons: Vec<String> = drain(&ch, &t.purchases_dead)
         .await
@@ -398,24 +363,19 @@ async fn an_order_id_reused_by_another_order_or_a_bad_quantity_is_dead_lettered(
 
 #[tokio::test]
 async fn void_and_redeem_by_order_act_on_every_code_and_by_code_on_one() {
-    let env = TestEnv::new("quantity_ops").await;
-    env.fill_pool("qo", 3).await;
+    let env = TestEnv::with_pools("quantity_ops", &[("qo", 3)]).await;
     let d = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     // QO-1 first and whole, then QO-2 gets the last code and waits for two.
     publish_confirmed(&publisher, &[of("QO-1", "qo", 2)]).await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     eventually(Duration::from_secs(30), "QO-1 granted", || {
         let c = codes.clone();
         async move { c.count_documents(doc! {"order_id": "QO-1"}).await.unwrap() == 2 }
     })
     .await;
     publish_confirmed(&publisher, &[of("QO-2", "qo", 3)]).await;
-    let backorders = env
-        .store
-        .database()
-        .collection::<bson::Document>("backorders");
+    let backorders = env.coll("backorders");
     eventually(Duration::from_secs(30), "QO-2 partly backordered", || {
         let b = backorders.clone();
         async move {

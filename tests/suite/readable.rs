@@ -6,7 +6,7 @@ use std::io::Write;
 
 use bson::doc;
 
-use crate::common::TestEnv;
+use crate::common::*;
 use crate::importer::run_import as import_json;
 
 fn csv_file(content: &str) -> tempfile::NamedTempFile {
@@ -81,16 +81,14 @@ async fn invisible_characters_are_invalid_rows_and_look_alikes_are_refused_with_
     let (code, s) = import_json(&env, same.path(), "lk2").await;
     assert_eq!((code, s["cross_pool"].as_u64()), (1, Some(1)), "{s}");
     let out = env
-        .command(&[
+        .run(&[
             "import",
             same.path().to_str().unwrap(),
             "--pool",
             "lk2",
             "--allow-cross-pool",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -115,7 +113,7 @@ async fn two_concurrent_imports_of_look_alike_files_insert_each_code_once() {
     let refused = ra.1["lookalikes"].as_u64().unwrap() + rb.1["lookalikes"].as_u64().unwrap();
     assert_eq!(inserted, 2000, "{} / {}", ra.1, rb.1);
     assert_eq!(refused, 2000);
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     assert_eq!(
         codes.count_documents(doc! {"pool": "race"}).await.unwrap(),
         2000
@@ -159,11 +157,8 @@ async fn a_case_sensitive_pool_folds_by_nfkc_only_and_the_rule_is_fixed_once_it_
 #[tokio::test]
 async fn migrate_reports_look_alike_pairs_a_pool_already_holds_and_voids_neither() {
     let env = TestEnv::new("readable_migrate").await;
-    let codes = env.store.database().collection::<bson::Document>("codes");
-    let migrations = env
-        .store
-        .database()
-        .collection::<bson::Document>("_migrations");
+    let codes = env.coll("codes");
+    let migrations = env.coll("_migrations");
     // As imported before look-alike checks: no look-alike key.
     let forget = || async {
         codes
@@ -182,7 +177,7 @@ async fn migrate_reports_look_alike_pairs_a_pool_already_holds_and_voids_neither
         .await
         .unwrap();
 
-    let out = env.command(&["migrate"]).output().await.unwrap();
+    let out = env.run(&["migrate"]).await;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -214,7 +209,7 @@ async fn migrate_reports_look_alike_pairs_a_pool_already_holds_and_voids_neither
     let (_, s) = import_json(&env, third.path(), "old").await;
     assert_eq!(s["lookalikes"], 1, "{s}");
     // A second run has nothing left to check.
-    let out = env.command(&["migrate"]).output().await.unwrap();
+    let out = env.run(&["migrate"]).await;
     assert!(!String::from_utf8_lossy(&out.stdout).contains("look-alike pair"));
     env.cleanup().await;
 }
@@ -224,11 +219,7 @@ async fn a_pool_name_starts_with_a_letter_or_a_digit() {
     let env = TestEnv::new("readable_pool_name").await;
     for name in [".", "-x", "_x"] {
         let flag = format!("--pool={name}");
-        let out = env
-            .command(&["pool", "create", &flag])
-            .output()
-            .await
-            .unwrap();
+        let out = env.run(&["pool", "create", &flag]).await;
         assert_ne!(out.status.code(), Some(0), "pool {name:?} was created");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("starting with a letter or a digit"), "{err}");

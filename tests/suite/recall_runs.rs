@@ -2,7 +2,9 @@
 //! stopped by SIGINT, then a run killed with `kill -9`, then a run to the
 //! end. Runs are chained when they start, so the killed run links the
 //! first to the last; a run the recall cannot link or prove to be another
-//! file is named, and the exit code says the recall is partial.
+//! file is named, and the exit code says the recall is partial. Recalling
+//! a re-import voids every run of the file; recalling a run without codes
+//! names the runs that hold them.
 
 use std::time::Duration;
 
@@ -12,19 +14,13 @@ use codepool_store::NewCode;
 use serde_json::Value;
 
 use crate::common::*;
+use crate::fixtures::*;
 
 const CODES: usize = 60_000;
 
-async fn count(env: &TestEnv, filter: bson::Document) -> u64 {
-    (env.store.database().collection::<bson::Document>("codes"))
-        .count_documents(filter)
-        .await
-        .unwrap()
-}
-
 /// The newest run of the pool once it has inserted some codes.
 async fn running_run(env: &TestEnv, pool: &str, not: &[ObjectId]) -> ObjectId {
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     let started = std::time::Instant::now();
     loop {
         let d = imports
@@ -83,14 +79,14 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
     let third: Value = serde_json::from_str(&out).unwrap();
     let third_id = third["import_id"].as_str().unwrap().to_owned();
     assert_eq!(
-        count(&env, doc! {"pool": "rc"}).await,
+        count_codes(&env, doc! {"pool": "rc"}).await,
         CODES as u64,
         "three runs, one file"
     );
     // The killed run's lease holds a recall off until it lapses (20 s, as
     // `generate::a_run_still_making_codes_is_not_recalled_under_it` waits
     // out); here it is made to have lapsed.
-    (env.store.database().collection::<bson::Document>("imports"))
+    env.coll("imports")
         .update_one(
             doc! {"_id": second},
             doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
@@ -112,7 +108,7 @@ async fn a_recall_covers_an_interrupted_run_a_killed_run_and_the_run_that_finish
         "{r}"
     );
     assert_eq!(r["voided"], CODES, "{r}");
-    assert_eq!(count(&env, doc! {"pool": "rc", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rc", "status": 0}).await, 0);
     env.cleanup().await;
 }
 
@@ -152,10 +148,8 @@ async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() 
     let done: Value = serde_json::from_str(&out).unwrap();
     let done_id = done["import_id"].as_str().unwrap();
     let out = env
-        .command(&["void", "--import", done_id, "--reason", "leak", "--json"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["void", "--import", done_id, "--reason", "leak", "--json"])
+        .await;
     assert_eq!(out.status.code(), Some(3), "a partial recall exits 3");
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     let left: Vec<&str> = (r["left"].as_array().unwrap().iter())
@@ -169,7 +163,7 @@ async fn a_run_the_recall_cannot_link_is_named_and_the_exit_code_says_partial() 
     );
     // The orphan's code was not voided: the operator decides.
     assert_eq!(
-        count(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
+        count_codes(&env, doc! {"batch_id": orphan.id, "status": 0}).await,
         1
     );
     env.cleanup().await;
@@ -197,9 +191,9 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     stdin.write_all(b"code\n").await.unwrap();
     stdin.write_all(rows(0, 300).as_bytes()).await.unwrap();
     stdin.flush().await.unwrap();
-    let imports = env.store.database().collection::<bson::Document>("imports");
+    let imports = env.coll("imports");
     eventually(Duration::from_secs(60), "300 codes land", || async {
-        count(&env, doc! {"pool": "li"}).await == 300
+        count_codes(&env, doc! {"pool": "li"}).await == 300
     })
     .await;
     let record = imports
@@ -213,14 +207,15 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
 
     // Still running, lease held: refused, nothing voided.
     let out = env
-        .command(&["void", "--import", &id, "--reason", "leak"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["void", "--import", &id, "--reason", "leak"])
+        .await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("still inserting codes"), "{err}");
-    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"batch_id": run, "status": 3}).await,
+        0
+    );
 
     // The run stalls past its lease (as if stopped for 20 s): the recall
     // goes through and voids the 300.
@@ -232,7 +227,10 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
         .await
         .unwrap();
     codepool_ok(&env, &["void", "--import", &id, "--reason", "leak"]).await;
-    assert_eq!(count(&env, doc! {"batch_id": run, "status": 3}).await, 300);
+    assert_eq!(
+        count_codes(&env, doc! {"batch_id": run, "status": 3}).await,
+        300
+    );
 
     // It wakes: more rows come. It stops at its next renewal, inserts
     // nothing live, and says why.
@@ -244,7 +242,7 @@ async fn a_file_still_importing_is_not_recalled_under_it_and_a_stalled_one_stops
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("was recalled while it ran"), "{err}");
     assert_eq!(
-        count(&env, doc! {"batch_id": run, "status": 0}).await,
+        count_codes(&env, doc! {"batch_id": run, "status": 0}).await,
         0,
         "no code of the recalled run is left in stock"
     );
@@ -266,11 +264,11 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     ];
     codepool_ok(&env, &gen).await;
     codepool_ok(&env, &["void", "--import", &run, "--reason", "leak"]).await;
-    let out = env.command(&gen).output().await.unwrap();
+    let out = env.run(&gen).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("was recalled (leak)"), "{err}");
-    assert_eq!(count(&env, doc! {"pool": "rg", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rg", "status": 0}).await, 0);
 
     // A file killed halfway, then recalled: importing it again would put
     // the rest of a leaked file on sale.
@@ -281,7 +279,7 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
     std::fs::write(file.path(), text).unwrap();
     let path = file.path().to_str().unwrap();
     let killed = stopped_run(&env, path, "rr", "-KILL", &[]).await;
-    (env.store.database().collection::<bson::Document>("imports"))
+    env.coll("imports")
         .update_one(
             doc! {"_id": killed},
             doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
@@ -293,14 +291,113 @@ async fn a_recalled_run_is_neither_resumed_nor_generated_into() {
         &["void", "--import", &killed.to_hex(), "--reason", "leak"],
     )
     .await;
-    let out = env
-        .command(&["import", path, "--pool", "rr"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["import", path, "--pool", "rr"]).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("the whole file is taken as leaked"), "{err}");
-    assert_eq!(count(&env, doc! {"pool": "rr", "status": 0}).await, 0);
+    assert_eq!(count_codes(&env, doc! {"pool": "rr", "status": 0}).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn recalling_a_resumed_import_voids_every_run_of_the_file() {
+    let env = TestEnv::new("recall_recall_runs").await;
+    let file = codes_file("LEAK", 300);
+    let name = file.path().display().to_string();
+    // Run 1 was interrupted after 120 codes (what a SIGINT leaves).
+    let mut first = env.store.start_import("leak", &name, None).await.unwrap();
+    let codes: Vec<NewCode> = (0..120)
+        .map(|i| NewCode {
+            code: format!("LEAK-{i:05}"),
+            expires_at: None,
+            line: Some(i + 2),
+        })
+        .collect();
+    env.store.ensure_pool("leak").await.unwrap();
+    let o = env
+        .store
+        .insert_codes("leak", first.id, &codes)
+        .await
+        .unwrap();
+    assert_eq!(o.inserted, 120);
+    first.status = codepool_store::imports::RunState::Interrupted;
+    first.inserted = 120;
+    env.store.finish_import(&first).await.unwrap();
+    // Run 2 finishes it; run 3 is a later re-import that inserts nothing.
+    let (code, second) = import_json(&env, file.path(), "leak", &[]).await;
+    assert_eq!(code, 0, "{second}");
+    assert_eq!(second["inserted"], 180, "{second}");
+    assert_eq!(second["resumed_from"], first.id.to_hex());
+    let (code, third) = import_json(&env, file.path(), "leak", &[]).await;
+    assert_eq!((code, third["inserted"].as_u64()), (0, Some(0)), "{third}");
+    let third_id = third["import_id"].as_str().unwrap().to_owned();
+
+    // Recalling the re-import voids the whole file, and says which runs.
+    let out = codepool_ok(
+        &env,
+        &[
+            "void",
+            "--import",
+            &third_id,
+            "--reason",
+            "partner leak",
+            "--json",
+        ],
+    )
+    .await;
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["voided"], 300, "{r}");
+    let runs: Vec<&str> = (r["runs"].as_array().unwrap().iter())
+        .map(|run| run["import_id"].as_str().unwrap())
+        .collect();
+    let second_id = second["import_id"].as_str().unwrap();
+    assert_eq!(runs, [first.id.to_hex().as_str(), second_id, &third_id]);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "leak", "status": 0}).await,
+        0
+    );
+    // Text output names the runs too.
+    let (code, text, err) =
+        codepool(&env, &["void", "--import", &third_id, "--reason", "again"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("3 run(s)") && text.contains(&first.id.to_hex()),
+        "{text}"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails() {
+    let env = TestEnv::new("recall_recall_empty").await;
+    let name = "partner.csv";
+    // Two unlinked runs of a file named partner.csv: one holds codes.
+    let holder = env.store.start_import("rp", name, None).await.unwrap();
+    env.store.ensure_pool("rp").await.unwrap();
+    let codes = [NewCode {
+        code: "RP-1".into(),
+        expires_at: None,
+        line: Some(2),
+    }];
+    env.store
+        .insert_codes("rp", holder.id, &codes)
+        .await
+        .unwrap();
+    let mut empty = env.store.start_import("rp", name, None).await.unwrap();
+    empty.status = codepool_store::imports::RunState::Done;
+    empty.sha256 = Some("ab".repeat(32));
+    env.store.finish_import(&empty).await.unwrap();
+    let (code, _, err) = codepool(
+        &env,
+        &["void", "--import", &empty.id.to_hex(), "--reason", "leak"],
+    )
+    .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&holder.id.to_hex()), "{err}");
+    assert_eq!(
+        count_codes(&env, doc! {"status": 0}).await,
+        1,
+        "nothing voided"
+    );
     env.cleanup().await;
 }

@@ -3,20 +3,21 @@
 //! one of 64 concurrent redemptions wins, `check` changes nothing, one
 //! answer for every code a key may not learn about, a key that keeps
 //! missing is slowed, look-alikes (case, and O/0 where the pool says so),
-//! and every door's redemption audited once and told to the shop.
+//! and every door's redemption audited once and told to the shop. Over
+//! AMQP, `code.redeemed` is applied only from the configured broker users.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use bson::doc;
 use futures::TryStreamExt;
-use lapin::options::BasicPublishOptions;
 use lapin::BasicProperties;
 use serde_json::{json, Value};
 
-use crate::api::{http, json_of, key, order, ApiServer};
+use crate::api::{json_of, key, order, ApiServer};
 use crate::common::*;
-use crate::webhooks::{add_endpoint, publisher, shop, verified_by_the_python_library};
+use crate::fixtures::*;
+use crate::webhooks::{add_endpoint, publisher, verified_by_the_python_library};
 use crate::webhooks::{Answer, Receiver};
 
 /// `POST path` with `body` as `key`: status, headers and JSON.
@@ -26,14 +27,7 @@ async fn post(
     path: &str,
     body: Value,
 ) -> (u16, std::collections::HashMap<String, String>, Value) {
-    let (status, headers, b) = http(
-        &api.addr,
-        "POST",
-        path,
-        Some(key),
-        body.to_string().as_bytes(),
-    )
-    .await;
+    let (status, headers, b) = api.post(path, key, body.to_string().as_bytes()).await;
     (status, headers, json_of(&b))
 }
 
@@ -50,14 +44,7 @@ async fn redeem(api: &ApiServer, key: &str, code: &str, id: &str) -> (u16, Value
 
 /// Places order `id` (one code of `pool`) with `key`; returns its code.
 async fn place(api: &ApiServer, key: &str, id: &str, pool: &str) -> Value {
-    let (status, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(key),
-        &order(id, pool, 1),
-    )
-    .await;
+    let (status, _, b) = api.post("/v1/orders", key, &order(id, pool, 1)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&b));
     json_of(&b)["codes"][0].clone()
 }
@@ -78,25 +65,9 @@ async fn platform_key(env: &TestEnv, name: &str, shop: Option<&str>) -> String {
     codepool_ok(env, &args).await.trim().to_owned()
 }
 
-async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
-    let args = [
-        "api-keys",
-        "create",
-        "--name",
-        name,
-        "--shop",
-        shop,
-        "--scopes",
-        "orders:write,orders:read",
-    ];
-    codepool_ok(env, &args).await.trim().to_owned()
-}
-
 /// The code document holding `order`'s code.
 async fn code_doc(env: &TestEnv, order: &str) -> bson::Document {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
+    env.coll("codes")
         .find_one(doc! {"order_id": order})
         .await
         .unwrap()
@@ -105,16 +76,7 @@ async fn code_doc(env: &TestEnv, order: &str) -> bson::Document {
 
 /// The `what` of every audit record of kind `redeem`.
 async fn redemptions_audited(env: &TestEnv) -> Vec<String> {
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(doc! {"kind": "redeem"})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": "redeem"}).await;
     (docs.iter())
         .map(|d| d.get_str("what").unwrap_or_default().to_owned())
         .collect()
@@ -130,8 +92,7 @@ fn said(v: &Value) -> Value {
 
 #[tokio::test]
 async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_conflicts() {
-    let env = TestEnv::new("redeem_race").await;
-    env.fill_pool("rr", 10).await;
+    let env = TestEnv::with_pools("redeem_race", &[("rr", 10)]).await;
     let shop_backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -190,8 +151,7 @@ async fn sixty_four_concurrent_redemptions_of_one_code_give_one_200_and_63_confl
 /// batch are refused as alone; and each redemption made is audited once.
 #[tokio::test]
 async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
-    let env = TestEnv::new("redeem_batch").await;
-    env.fill_pool("rb", 40).await;
+    let env = TestEnv::with_pools("redeem_batch", &[("rb", 40)]).await;
     let backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -302,8 +262,7 @@ async fn a_batch_of_concurrent_redemptions_answers_each_as_if_alone() {
 /// process, a few redemptions wait for the running batch.)
 #[tokio::test]
 async fn the_same_redemption_at_once_in_two_batches_is_audited_once() {
-    let env = TestEnv::new("redeem_twice").await;
-    env.fill_pool("rt", 40).await;
+    let env = TestEnv::with_pools("redeem_twice", &[("rt", 40)]).await;
     let backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -330,8 +289,7 @@ async fn the_same_redemption_at_once_in_two_batches_is_audited_once() {
 
 #[tokio::test]
 async fn check_changes_nothing_and_never_shows_the_buyer() {
-    let env = TestEnv::new("redeem_check").await;
-    env.fill_pool("rc", 10).await;
+    let env = TestEnv::with_pools("redeem_check", &[("rc", 10)]).await;
     let backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
     let api = ApiServer::start(&env, &[]).await;
@@ -390,9 +348,7 @@ async fn check_changes_nothing_and_never_shows_the_buyer() {
 /// nothing changes.
 #[tokio::test]
 async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
-    let env = TestEnv::new("check_batch").await;
-    env.fill_pool("ca", 20).await;
-    env.fill_pool("cb", 5).await;
+    let env = TestEnv::with_pools("check_batch", &[("ca", 20), ("cb", 5)]).await;
     shop(&env, "globex", "cb").await;
     let backend = key(&env, "backend", "orders:write").await;
     let platform = platform_key(&env, "platform", None).await;
@@ -478,8 +434,7 @@ async fn a_batch_of_concurrent_checks_answers_each_as_if_alone() {
 
 #[tokio::test]
 async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
-    let env = TestEnv::new("redeem_oracle").await;
-    env.fill_pool("oa", 10).await;
+    let env = TestEnv::with_pools("redeem_oracle", &[("oa", 10)]).await;
     let unsold = env.fill_pool("ob", 10).await;
     shop(&env, "acme", "oa").await;
     shop(&env, "globex", "ob").await;
@@ -499,9 +454,7 @@ async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
     assert_eq!(status, 201, "{hold}");
     let held: String = {
         let d = env
-            .store
-            .database()
-            .collection::<bson::Document>("codes")
+            .coll("codes")
             .find_one(doc! {"pool": "oa", "status": 4})
             .await
             .unwrap()
@@ -537,8 +490,7 @@ async fn unknown_other_shops_and_unsold_codes_get_one_answer() {
 
 #[tokio::test]
 async fn a_key_that_keeps_missing_is_slowed_and_counted() {
-    let env = TestEnv::new("redeem_misses").await;
-    env.fill_pool("rm", 10).await;
+    let env = TestEnv::with_pools("redeem_misses", &[("rm", 10)]).await;
     let backend = key(&env, "backend", "orders:write").await;
     let guesser = platform_key(&env, "guesser", None).await;
     let honest = platform_key(&env, "honest", None).await;
@@ -601,29 +553,25 @@ async fn a_key_that_keeps_missing_is_slowed_and_counted() {
 async fn o_and_zero_are_one_code_only_in_a_pool_that_says_so() {
     let env = TestEnv::new("redeem_fold").await;
     codepool_ok(&env, &["pool", "create", "--pool", "cf"]).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "cf", "--fold-confusables"]).await;
+    pool_set(&env, "cf", &["--fold-confusables"]).await;
     env.fill_pool("cf", 5).await;
     env.fill_pool("plain", 5).await;
     // Fixed once the pool holds codes.
     let out = env
-        .command(&["pool", "set", "--pool", "plain", "--fold-confusables"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["pool", "set", "--pool", "plain", "--fold-confusables"])
+        .await;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--fold-confusables"), "{err}");
     // The value it has already is no change, and is not refused.
-    codepool_ok(&env, &["pool", "set", "--pool", "cf", "--fold-confusables"]).await;
+    pool_set(&env, "cf", &["--fold-confusables"]).await;
     // An import fixes the rule as it starts: a pool whose first import
     // runs refuses the change even before a code lands.
     codepool_ok(&env, &["pool", "create", "--pool", "fresh"]).await;
     env.store.fix_lookalike_rule("fresh").await.unwrap();
     let out = env
-        .command(&["pool", "set", "--pool", "fresh", "--fold-confusables"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["pool", "set", "--pool", "fresh", "--fold-confusables"])
+        .await;
     assert!(
         !out.status.success(),
         "the rule is fixed once an import began"
@@ -654,10 +602,8 @@ async fn o_and_zero_are_one_code_only_in_a_pool_that_says_so() {
     codepool_ok(&env, &["redeem", "--pool", "cf", "--code", " CF-OOOOOl "]).await;
     assert_eq!(code_doc(&env, "F-1").await.get_i32("status").unwrap(), 2);
     let out = env
-        .command(&["redeem", "--pool", "plain", "--code", "PLAIN-OOOOO1"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["redeem", "--pool", "plain", "--code", "PLAIN-OOOOO1"])
+        .await;
     assert!(!out.status.success(), "O is not 0 in pool plain");
     codepool_ok(
         &env,
@@ -671,8 +617,7 @@ async fn o_and_zero_are_one_code_only_in_a_pool_that_says_so() {
 
 #[tokio::test]
 async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_shop() {
-    let env = TestEnv::new("redeem_doors").await;
-    env.fill_pool("rd", 20).await;
+    let env = TestEnv::with_pools("redeem_doors", &[("rd", 20)]).await;
     shop(&env, "acme", "rd").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "code.redeemed").await;
@@ -688,14 +633,7 @@ async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_sh
     for _ in 0..2 {
         let (status, v) = redeem(&api, &platform, codes[0].as_str().unwrap(), "P-1").await;
         assert_eq!(status, 200, "{v}");
-        let (status, _, _) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders/D-HTTP-ORDER/redeem",
-            Some(&acme),
-            b"",
-        )
-        .await;
+        let (status, _, _) = api.post("/v1/orders/D-HTTP-ORDER/redeem", &acme, b"").await;
         assert!(status == 200 || status == 409, "{status}");
     }
     let (conn, publisher) = publisher(&env).await;
@@ -709,19 +647,11 @@ async fn every_door_redeems_through_one_function_audited_once_and_told_to_the_sh
         json!({"pool": "rd", "code": typed}),
         json!({"order_id": "D-AMQP-ORDER"}),
     ] {
-        publisher
-            .channel()
-            .basic_publish(
-                &events,
-                "code.redeemed",
-                BasicPublishOptions::default(),
-                body.to_string().as_bytes(),
-                BasicProperties::default().with_user_id("guest".into()),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        let (body, guest) = (
+            body.to_string(),
+            BasicProperties::default().with_user_id("guest".into()),
+        );
+        publish_to(&publisher, &events, "code.redeemed", body.as_bytes(), guest).await;
     }
     eventually(Duration::from_secs(30), "four codes used", || async {
         let mut used = 0;
@@ -882,7 +812,7 @@ async fn sold_codes(env: &TestEnv, pool: &str, codes: &[&str]) {
     let batch = bson::oid::ObjectId::new();
     let out = env.store.insert_codes(pool, batch, &new).await.unwrap();
     assert_eq!(out.inserted, codes.len() as u64);
-    let coll = env.store.database().collection::<bson::Document>("codes");
+    let coll = env.coll("codes");
     let docs = pool_codes(env.store.database(), pool).await;
     for (k, d) in docs.iter().enumerate() {
         let set = doc! {"status": 1, "order_id": format!("{pool}-O{k}"), "order_line": 0,
@@ -903,4 +833,58 @@ async fn pool_codes(db: &mongodb::Database, pool: &str) -> Vec<bson::Document> {
         .try_collect()
         .await
         .unwrap()
+}
+
+/// A purchase producer cannot mark an order used (and so block its
+/// refund): `code.redeemed` is applied only from the broker users named by
+/// `--redeemers`, checked through RabbitMQ's validated `user_id`, and each
+/// redemption applied is audited with that user.
+#[tokio::test]
+async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited() {
+    let env = TestEnv::with_pools("redeem_redeem", &[("red", 5)]).await;
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_REDEEMERS", "platform");
+    let daemon = start_daemon(cmd).await;
+    let (_conn, publisher) = env.amqp().await;
+    publish_confirmed(&publisher, &[purchase("RD-1", "red")]).await;
+    eventually(Duration::from_secs(30), "RD-1 granted", || async {
+        order_statuses(&env, "RD-1").await == vec![1]
+    })
+    .await;
+    // The shop's producer (guest): without user_id, and as itself.
+    publish_redeemed(&publisher, &env, "RD-1", None).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    eventually(Duration::from_secs(30), "both events refused", || async {
+        (daemon.log_text())
+            .matches("code.redeemed event refused")
+            .count()
+            == 2
+    })
+    .await;
+    assert_eq!(order_statuses(&env, "RD-1").await, vec![1], "still issued");
+    daemon.stop().await;
+
+    // The platform's user may.
+    let daemon = start_daemon(env.command(&[])).await;
+    publish_redeemed(&publisher, &env, "RD-1", Some("guest")).await;
+    eventually(Duration::from_secs(30), "RD-1 used", || async {
+        order_statuses(&env, "RD-1").await == vec![2]
+    })
+    .await;
+    // The record follows the redemption's own write.
+    let audit = env.coll("audit");
+    let by_guest = bson::doc! {"os_user": "amqp-user:guest", "kind": "redeem"};
+    eventually(
+        Duration::from_secs(10),
+        "the redemption is audited with the broker user",
+        || {
+            let (audit, by_guest) = (audit.clone(), by_guest.clone());
+            async move { audit.find_one(by_guest).await.unwrap().is_some() }
+        },
+    )
+    .await;
+    let record = audit.find_one(by_guest).await.unwrap().unwrap();
+    assert!(record.get_str("what").unwrap().contains("RD-1"));
+    daemon.stop().await;
+    env.cleanup().await;
 }

@@ -12,9 +12,10 @@ use bson::doc;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 
-use crate::api::{http, json_of, key, order, ApiServer};
+use crate::api::{json_of, key, order, ApiServer};
 use crate::common::*;
-use crate::webhooks::{add_endpoint, shop, verified_by_the_python_library, Answer, Receiver};
+use crate::fixtures::*;
+use crate::webhooks::{add_endpoint, verified_by_the_python_library, Answer, Receiver};
 
 fn path(order: &str, line: u32) -> String {
     format!("/v1/orders/{order}/lines/{line}/replace")
@@ -35,36 +36,20 @@ async fn replace(
     id: &str,
     reason: &str,
 ) -> (u16, Value) {
-    let (status, _, b) = http(
-        &api.addr,
-        "POST",
-        &path(order, line),
-        Some(key),
-        &body(id, reason),
-    )
-    .await;
+    let (status, _, b) = api.post(&path(order, line), key, &body(id, reason)).await;
     (status, json_of(&b))
 }
 
 /// Places `id` (one code of `pool`) with `key`; returns its code.
 async fn place(api: &ApiServer, key: &str, id: &str, pool: &str) -> Value {
-    let (status, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(key),
-        &order(id, pool, 1),
-    )
-    .await;
+    let (status, _, b) = api.post("/v1/orders", key, &order(id, pool, 1)).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&b));
     json_of(&b)["codes"][0].clone()
 }
 
 /// Every code document of `order`, by line and replacement.
 async fn codes_of(env: &TestEnv, order: &str) -> Vec<bson::Document> {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
+    env.coll("codes")
         .find(doc! {"order_id": order})
         .sort(doc! {"order_line": 1, "order_repl": 1})
         .await
@@ -75,14 +60,7 @@ async fn codes_of(env: &TestEnv, order: &str) -> Vec<bson::Document> {
 }
 
 async fn read(api: &ApiServer, key: &str, order: &str) -> Value {
-    let (status, _, b) = http(
-        &api.addr,
-        "GET",
-        &format!("/v1/orders/{order}"),
-        Some(key),
-        b"",
-    )
-    .await;
+    let (status, _, b) = api.get(&format!("/v1/orders/{order}"), key).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
     json_of(&b)
 }
@@ -112,10 +90,8 @@ async fn events_until(env: &TestEnv, event_id: &str) -> Vec<Value> {
 
 #[tokio::test]
 async fn one_replacement_id_gives_one_new_code_with_its_own_sms_event() {
-    let env = TestEnv::new("replace_once").await;
-    env.fill_pool("ro", 10).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("replace_once", &[("ro", 10)]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     let old = place(&api, &k, "R-1", "ro").await;
 
     let (status, first) = replace(&api, &k, "R-1", 0, "T-1", "rejected by the platform").await;
@@ -193,12 +169,10 @@ async fn one_replacement_id_gives_one_new_code_with_its_own_sms_event() {
 
 #[tokio::test]
 async fn the_fourth_replacement_of_an_order_is_refused_and_changes_nothing() {
-    let env = TestEnv::new("replace_cap").await;
-    env.fill_pool("rp", 10).await;
+    let env = TestEnv::with_pools("replace_cap", &[("rp", 10)]).await;
     // One order per buyer: a replacement is not a second purchase.
-    codepool_ok(&env, &["pool", "set", "--pool", "rp", "--per-user", "1"]).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    pool_set(&env, "rp", &["--per-user", "1"]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "Q-1", "rp").await;
     for id in ["a", "b", "c"] {
         let (status, r) = replace(&api, &k, "Q-1", 0, id, "rejected").await;
@@ -215,26 +189,13 @@ async fn the_fourth_replacement_of_an_order_is_refused_and_changes_nothing() {
         .ends_with("/replacement-limit"));
     assert_eq!(refused["limit"], 3);
     assert_eq!(codes_of(&env, "Q-1").await, before, "nothing changed");
-    let recorded = env
-        .store
-        .database()
-        .collection::<bson::Document>("replacements")
-        .count_documents(doc! {"order_id": "Q-1"})
-        .await
-        .unwrap();
+    let recorded = count_docs(&env, "replacements", doc! {"order_id": "Q-1"}).await;
     assert_eq!(recorded, 3);
     // An id used before is still answered, past the cap.
     let (status, _) = replace(&api, &k, "Q-1", 0, "c", "rejected").await;
     assert_eq!(status, 200);
     // The limit holds for a second purchase of the buyer.
-    let (status, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &order("Q-2", "rp", 1),
-    )
-    .await;
+    let (status, _, b) = api.post("/v1/orders", &k, &order("Q-2", "rp", 1)).await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&b));
     api.stop().await;
     env.cleanup().await;
@@ -242,22 +203,14 @@ async fn the_fourth_replacement_of_an_order_is_refused_and_changes_nothing() {
 
 #[tokio::test]
 async fn a_replacement_on_an_empty_pool_waits_and_is_served_before_older_backorders() {
-    let env = TestEnv::new("replace_wait").await;
-    env.fill_pool("rw", 1).await;
+    let env = TestEnv::with_pools("replace_wait", &[("rw", 1)]).await;
     let k = key(&env, "shop", "orders:write,orders:read").await;
     // One granting process (the API, whose sweep serves waiting lines every
     // 10 s): which waits longest is then decided by one process.
     let api = ApiServer::start(&env, &[]).await;
     let old = place(&api, &k, "E-1", "rw").await;
     // The pool is empty: E-2 waits, before the replacement.
-    let (status, _, b) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&k),
-        &order("E-2", "rw", 1),
-    )
-    .await;
+    let (status, _, b) = api.post("/v1/orders", &k, &order("E-2", "rw", 1)).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&b));
 
     let (status, waiting) = replace(&api, &k, "E-1", 0, "W-1", "rejected").await;
@@ -317,8 +270,7 @@ async fn the_new_code_obeys_expiry_and_a_paused_pool_makes_the_line_wait() {
     let env = TestEnv::new("replace_gate").await;
     // Two codes that expired an hour ago come first; they are never given.
     let codes = env.fill_pool_expiring("rz", 2, 5).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "Z-1", "rz").await;
     let (status, r) = replace(&api, &k, "Z-1", 0, "Z-a", "rejected").await;
     assert_eq!(status, 201, "{r}");
@@ -348,30 +300,14 @@ async fn the_new_code_obeys_expiry_and_a_paused_pool_makes_the_line_wait() {
     env.cleanup().await;
 }
 
-async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
-    let args = [
-        "api-keys",
-        "create",
-        "--name",
-        name,
-        "--shop",
-        shop,
-        "--scopes",
-        "orders:write,orders:read",
-    ];
-    codepool_ok(env, &args).await.trim().to_owned()
-}
-
 #[tokio::test]
 async fn another_shops_key_gets_the_404_of_an_unknown_order() {
-    let env = TestEnv::new("replace_shops").await;
-    env.fill_pool("rs", 10).await;
+    let env = TestEnv::with_pools("replace_shops", &[("rs", 10)]).await;
     shop(&env, "acme", "rs").await;
     shop(&env, "globex", "rs").await;
     let acme = shop_key(&env, "acme-1", "acme").await;
     let globex = shop_key(&env, "globex-1", "globex").await;
-    let admin = key(&env, "ops", "orders:write,orders:read,admin").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, admin) = api_with_key(&env, "ops", "orders:write,orders:read,admin").await;
     let old = place(&api, &acme, "S-1", "rs").await;
 
     let (status, theirs) = replace(&api, &globex, "S-1", 0, "G-1", "rejected").await;
@@ -413,8 +349,7 @@ async fn another_shops_key_gets_the_404_of_an_unknown_order() {
 
 #[tokio::test]
 async fn the_shop_hears_code_replaced_signed_for_the_standardwebhooks_library() {
-    let env = TestEnv::new("replace_hook").await;
-    env.fill_pool("rh", 10).await;
+    let env = TestEnv::with_pools("replace_hook", &[("rh", 10)]).await;
     shop(&env, "acme", "rh").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "code.replaced").await;
@@ -459,16 +394,7 @@ async fn the_shop_hears_code_replaced_signed_for_the_standardwebhooks_library() 
 
 /// Every audit record of `kind`, as (who, what).
 async fn audited(env: &TestEnv, kind: &str) -> Vec<(String, String)> {
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(doc! {"kind": kind})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": kind}).await;
     (docs.iter())
         .map(|d| {
             let f = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
@@ -479,10 +405,8 @@ async fn audited(env: &TestEnv, kind: &str) -> Vec<(String, String)> {
 
 #[tokio::test]
 async fn the_cli_replaces_a_code_audited_and_says_the_id_to_run_it_again() {
-    let env = TestEnv::new("replace_cli").await;
-    env.fill_pool("rc", 5).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("replace_cli", &[("rc", 5)]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "C-1", "rc").await;
     let out = codepool_ok(
         &env,
@@ -527,15 +451,13 @@ async fn the_cli_replaces_a_code_audited_and_says_the_id_to_run_it_again() {
     assert_eq!(codes_of(&env, "C-1").await.len(), 2, "nothing more");
     assert_eq!(audited(&env, "replace").await.len(), 1);
     // A used code is not replaced.
-    let (status, _, _) = http(&api.addr, "POST", "/v1/orders/C-1/redeem", Some(&k), b"").await;
+    let (status, _, _) = api.post("/v1/orders/C-1/redeem", &k, b"").await;
     assert_eq!(status, 200);
     let refused = env
-        .command(&[
+        .run(&[
             "replace", "--order", "C-1", "--line", "0", "--reason", "late",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("redeemed"));
     api.stop().await;
@@ -547,10 +469,8 @@ async fn the_cli_replaces_a_code_audited_and_says_the_id_to_run_it_again() {
 #[cfg(feature = "failpoints")]
 #[tokio::test]
 async fn a_kill_between_the_void_and_the_claim_is_finished_by_a_retry_with_the_same_id() {
-    let env = TestEnv::new("replace_kill").await;
-    env.fill_pool("rk", 5).await;
-    let k = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let env = TestEnv::with_pools("replace_kill", &[("rk", 5)]).await;
+    let (api, k) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     place(&api, &k, "K-1", "rk").await;
     let args = [
         "replace",

@@ -4,25 +4,20 @@
 
 use std::time::Duration;
 
-use codepool_broker::Publisher;
-
-use crate::common::{eventually, queue_depth, start_daemon, TestEnv, AMQP_URL};
+use crate::common::*;
 
 #[tokio::test]
 async fn a_replay_takes_only_what_was_dead_when_it_started_and_counts_replays() {
-    let env = TestEnv::new("replay_bounded").await;
-    env.fill_pool("rp", 5).await;
+    let env = TestEnv::with_pools("replay_bounded", &[("rp", 5)]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     for i in 0..30 {
-        publisher
-            .publish_purchase_bytes(format!("not json {i}").as_bytes(), Some(&format!("NJ-{i}")))
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        publish_bytes(
+            &publisher,
+            format!("not json {i}").as_bytes(),
+            Some(&format!("NJ-{i}")),
+        )
+        .await;
     }
     let ch = conn.create_channel().await.unwrap();
     let dead = env.topology().purchases_dead;
@@ -61,11 +56,7 @@ async fn a_replay_takes_only_what_was_dead_when_it_started_and_counts_replays() 
     })
     .await;
 
-    let out = env
-        .command(&["dead-letters", "list", "--json"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["dead-letters", "list", "--json"]).await;
     let listed: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -77,22 +68,14 @@ async fn a_replay_takes_only_what_was_dead_when_it_started_and_counts_replays() 
         .all(|m| m["reason"].as_str().unwrap().starts_with("not_json")));
 
     // A second replay counts on.
-    let out = env
-        .command(&["dead-letters", "replay"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["dead-letters", "replay"]).await;
     assert!(String::from_utf8_lossy(&out.stdout).contains("replayed 30"));
     eventually(Duration::from_secs(30), "back again", || {
         let (ch, dead) = (ch.clone(), dead.clone());
         async move { queue_depth(&ch, &dead).await == 30 }
     })
     .await;
-    let out = env
-        .command(&["dead-letters", "list"])
-        .output()
-        .await
-        .unwrap();
+    let out = env.run(&["dead-letters", "list"]).await;
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.matches("replays: 2").count(), 30, "{text}");
 

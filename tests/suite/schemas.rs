@@ -12,11 +12,9 @@ use codepool_broker::Publisher;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::common::{
-    codepool_ok, drain, eventually, metric_sum, publish_confirmed, purchase, queue_depth,
-    start_daemon, TestEnv, AMQP_URL,
-};
+use crate::common::*;
 use crate::deploy::repo;
+use crate::fixtures::*;
 
 /// A compiled schema of `docs/schemas/`, with format checks on
 /// (`date-time` is an assertion here, not only an annotation).
@@ -199,9 +197,7 @@ fn of_quantity(order: &str, pool: &str, quantity: u32) -> codepool_domain::Purch
 }
 
 async fn count_codes(env: &TestEnv, order: &str) -> u64 {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
+    env.coll("codes")
         .count_documents(bson::doc! {"order_id": order})
         .await
         .expect("count")
@@ -291,18 +287,14 @@ async fn send_receipts_and_redemptions(
         ),
     ];
     for (exchange, key, body) in messages {
-        publisher
-            .publish(
-                exchange,
-                key,
-                body.to_string().as_bytes(),
-                lapin::BasicProperties::default().with_user_id("guest".into()),
-            )
-            .await
-            .expect("publish")
-            .wait()
-            .await
-            .expect("confirm");
+        publish_to(
+            publisher,
+            exchange,
+            key,
+            body.to_string().as_bytes(),
+            lapin::BasicProperties::default().with_user_id("guest".into()),
+        )
+        .await;
     }
     for (metric, n) in [
         ("codepool_sms_receipts_total{result=\"sent\"}", 1.0),
@@ -319,17 +311,11 @@ async fn send_receipts_and_redemptions(
 #[tokio::test]
 async fn every_event_a_real_dispatcher_publishes_matches_its_schema() {
     let schemas = Schemas::load();
-    let env = TestEnv::new("schemas_events").await;
-    env.fill_pool("s", 5).await;
-    env.fill_pool("lim", 5).await;
+    let env = TestEnv::with_pools("schemas_events", &[("s", 5), ("lim", 5)]).await;
     let low = ["pool", "set", "--pool", "s", "--low-stock", "3"];
     codepool_ok(&env, &low).await;
-    codepool_ok(
-        &env,
-        &["pool", "set", "--pool", "s", "--grant-prefix", "GS"],
-    )
-    .await;
-    codepool_ok(&env, &["pool", "set", "--pool", "lim", "--per-user", "1"]).await;
+    pool_set(&env, "s", &["--grant-prefix", "GS"]).await;
+    pool_set(&env, "lim", &["--per-user", "1"]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let conn = codepool_broker::connect(AMQP_URL, "test")
         .await
@@ -471,24 +457,12 @@ fn dead_bodies() -> Vec<(&'static str, Vec<u8>)> {
 #[tokio::test]
 async fn purchases_a_dispatcher_grants_match_the_schema_and_those_it_dead_letters_do_not() {
     let schemas = Schemas::load();
-    let env = TestEnv::new("schemas_purchases").await;
-    env.fill_pool("real", 20).await;
+    let env = TestEnv::with_pools("schemas_purchases", &[("real", 20)]).await;
     let daemon = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test")
-        .await
-        .expect("amqp");
-    let publisher = Publisher::new(&conn, env.topology())
-        .await
-        .expect("publisher");
+    let (conn, publisher) = env.amqp().await;
     let (granted, dead) = (granted_bodies(), dead_bodies());
     for (id, body) in granted.iter().chain(&dead) {
-        publisher
-            .publish_purchase_bytes(body, Some(id))
-            .await
-            .expect("publish")
-            .wait()
-            .await
-            .expect("confirm");
+        publish_bytes(&publisher, body, Some(id)).await;
     }
 
     let ch = conn.create_channel().await.expect("channel");

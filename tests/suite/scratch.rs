@@ -1,13 +1,14 @@
 //! Tests and benches leave nothing behind: what a killed run left on the
 //! servers (its database, Redis keys, queues and exchanges) is removed by
-//! the next run, and a live run's namespace is never touched.
+//! the next run, and a live run's namespace is never touched. Each demo
+//! key file gets a demo database of its own.
 
 use codepool::scratch::TESTS;
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind;
 
-use crate::common::{TestEnv, AMQP_URL, REDIS_URL};
+use crate::common::*;
 
 /// Declares a queue and an exchange named after `prefix`, a Redis key
 /// under it, and a database `db` with one document.
@@ -19,11 +20,7 @@ async fn leave_behind(env: &TestEnv, db: &str, redis_prefix: &str, amqp_prefix: 
         .insert_one(bson::doc! { "x": 1 })
         .await
         .unwrap();
-    let mut r = redis::Client::open(REDIS_URL)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut r = redis_conn().await;
     redis::cmd("SET")
         .arg(format!("{redis_prefix}:left"))
         .arg(1)
@@ -34,27 +31,23 @@ async fn leave_behind(env: &TestEnv, db: &str, redis_prefix: &str, amqp_prefix: 
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        &format!("{amqp_prefix}purchases"),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.exchange_declare(
-        &format!("{amqp_prefix}events"),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let (queue, events) = (
+        format!("{amqp_prefix}purchases"),
+        format!("{amqp_prefix}events"),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let declared = ch.queue_declare(&queue, durable, FieldTable::default());
+    declared.await.unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let kind = ExchangeKind::Topic;
+    let declared = ch.exchange_declare(&events, kind, durable, FieldTable::default());
+    declared.await.unwrap();
     let _ = conn.close(200, "bye").await;
 }
 
@@ -62,25 +55,19 @@ async fn queue_exists(name: &str) -> bool {
     let conn = codepool_broker::connect(AMQP_URL, "scratch-test")
         .await
         .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let found = ch
-        .queue_declare(name, passive, FieldTable::default())
-        .await
-        .is_ok();
+    let found = queue_counts(&conn, name).await.is_some();
     let _ = conn.close(200, "bye").await;
     found
 }
 
+/// A connection to the suite's Redis.
+async fn redis_conn() -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(REDIS_URL).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
 async fn key_exists(key: &str) -> bool {
-    let mut r = redis::Client::open(REDIS_URL)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut r = redis_conn().await;
     redis::cmd("EXISTS")
         .arg(key)
         .query_async::<u32>(&mut r)
@@ -129,5 +116,42 @@ async fn a_killed_runs_namespace_is_swept_and_a_live_one_is_kept() {
     .await;
     assert_eq!((q, x), (1, 1));
     assert!(!key_exists(&format!("{}:left", live.redis_prefix)).await);
+    env.cleanup().await;
+}
+
+/// `scripts/demo-db.sh KEY_FILE`: the demo database chosen for a key file.
+fn demo_db(key_file: &std::path::Path) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/demo-db.sh");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .arg(key_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[tokio::test]
+async fn each_demo_key_file_gets_its_own_demo_database() {
+    let env = TestEnv::new("scratch_demo_db").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    for k in [&a, &b] {
+        output_ok(env.command(&["keys", "init"]).env("CODEPOOL_KEY_FILE", k)).await;
+    }
+    let (db_a, db_b) = (demo_db(&a), demo_db(&b));
+    assert_ne!(db_a, db_b, "two checkouts, two demo databases");
+    assert!(
+        db_a.starts_with("codepool_demo_") && db_a.len() < 64,
+        "{db_a}"
+    );
+    assert_eq!(demo_db(&a), db_a, "the same key file, the same database");
+    // A rotation keeps the HMAC key, so the demo keeps its database.
+    output_ok(env.command(&["keys", "add"]).env("CODEPOOL_KEY_FILE", &a)).await;
+    assert_eq!(demo_db(&a), db_a);
     env.cleanup().await;
 }

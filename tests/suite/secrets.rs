@@ -1,6 +1,9 @@
 //! Issue 12: codes are secrets. Encrypted at rest, found by HMAC, revealed
 //! only on purpose (and audited), keys verified before a dispatcher
-//! consumes, rotated and migrated while dispatchers run.
+//! consumes, rotated and migrated while dispatchers run. A process whose
+//! key file lacks the newest key claims nothing (and `/readyz` says so no
+//! later than the first refused order) until its key file is brought up
+//! to date; a retired key missing from it blocks nothing.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -8,19 +11,18 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
-use codepool_broker::Publisher;
 use codepool_domain::{mask, SmsPending};
 use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 use futures::TryStreamExt;
 
-use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
-};
+use crate::api::order;
+use crate::common::*;
+use crate::fixtures::*;
 
 /// Runs `codepool ARGS` in the test's namespace: (exit code, stdout, stderr).
 async fn codepool(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let out = env.command(args).output().await.expect("run codepool");
+    let out = env.run(args).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -146,8 +148,7 @@ async fn redis_texts(env: &TestEnv) -> Vec<String> {
 /// Publishes `n` purchases of `pool` and waits until the dispatcher has
 /// granted them all (SMS-pending events queued).
 async fn buy(env: &TestEnv, pool: &str, prefix: &str, n: usize) -> Vec<String> {
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (_conn, publisher) = env.amqp().await;
     let orders: Vec<_> = (0..n)
         .map(|i| purchase(&format!("{prefix}-{i:05}"), pool))
         .collect();
@@ -302,30 +303,13 @@ async fn secrets_a_wrong_missing_or_outdated_key_file_consumes_nothing() {
     assert!(err.contains("\"k2\"") && err.contains("missing"), "{err}");
 
     assert_eq!(purchases_left().await, 5, "nothing was consumed");
-    assert_eq!(
-        env.store
-            .database()
-            .collection::<Document>("codes")
-            .count_documents(doc! {"status": 1})
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(count_codes(&env, doc! {"status": 1}).await, 0);
     env.cleanup().await;
 }
 
 /// Every code of `pool` decrypted, with its status and order.
 async fn decrypted(env: &TestEnv, pool: &str) -> Vec<(String, i32, Option<String>)> {
-    let docs: Vec<Document> = env
-        .store
-        .database()
-        .collection::<Document>("codes")
-        .find(doc! {"pool": pool})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<Document> = find_docs(env, "codes", doc! {"pool": pool}).await;
     docs.iter()
         .map(|d| {
             let order = d.get_str("order_id").ok().map(str::to_owned);
@@ -405,9 +389,7 @@ async fn insert_plaintext(env: &TestEnv, pool: &str, codes: &[String]) {
             "seq": first + i as i64, "created_at": now, "is_sms": 0}
         })
         .collect();
-    env.store
-        .database()
-        .collection::<Document>("codes")
+    env.coll("codes")
         .insert_many(docs)
         .bypass_document_validation(true)
         .await
@@ -468,15 +450,7 @@ async fn secrets_migrate_encrypts_plaintext_in_place_while_codes_are_claimed() {
 
 /// The reveal records in `audit`.
 async fn audit_records(env: &TestEnv) -> Vec<Document> {
-    env.store
-        .database()
-        .collection::<Document>("audit")
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+    find_docs(env, "audit", doc! {}).await
 }
 
 #[tokio::test]
@@ -612,5 +586,162 @@ async fn secrets_keys_init_writes_a_private_file_and_never_overwrites_one() {
         before,
         "the key file is untouched"
     );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn readyz_turns_not_ready_no_later_than_the_first_order_refused_for_a_stale_key_file() {
+    let env = TestEnv::with_pools("secrets_keys_ready", &[("kr", 50)]).await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write").await;
+    let ready = || {
+        let addr = api.addr.clone();
+        async move { http_get(&addr, "/readyz").await.map(|(s, _)| s) }
+    };
+    eventually(Duration::from_secs(15), "ready", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    // Another host adds a key and seals the codes with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    for args in [["keys", "add"], ["keys", "rotate"]] {
+        output_ok(env.command(&args).env("CODEPOOL_KEY_FILE", &other)).await;
+    }
+    // Orders until the first 503: /readyz already says not ready.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    loop {
+        assert!(std::time::Instant::now() < deadline, "no order was refused");
+        n += 1;
+        let (s, _, b) = api
+            .post("/v1/orders", &backend, &order(&format!("KR-{n}"), "kr", 1))
+            .await;
+        if s == 503 {
+            assert_eq!(
+                ready().await,
+                Some(503),
+                "an order got 503 while /readyz said ready"
+            );
+            break;
+        }
+        assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The key file brought up to date: ready again, and orders go on.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "ready again", || async {
+        ready().await == Some(200)
+    })
+    .await;
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("KR-last", "kr", 1))
+        .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A dispatcher whose key file lacks the key another host now seals codes
+/// with claims nothing: it goes unready, hands the purchase back and stops
+/// consuming, with one error naming the key; once its key file holds the
+/// key it serves the purchase.
+#[tokio::test]
+async fn a_process_without_the_newest_key_claims_nothing_and_resumes_with_it() {
+    let env = TestEnv::with_pools("secrets_keys", &[("k", 3)]).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    // Another host: a copy of the key file, a new key, codes sealed with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    let as_other = |args: &[&str]| {
+        let mut c = env.command(args);
+        c.env("CODEPOOL_KEY_FILE", &other);
+        c
+    };
+    assert!(as_other(&["keys", "add"])
+        .output()
+        .await
+        .unwrap()
+        .status
+        .success());
+    let out = as_other(&["keys", "rotate"]).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    eventually(
+        Duration::from_secs(15),
+        "the dispatcher goes unready",
+        || async {
+            http_get(&daemon.addr, "/readyz")
+                .await
+                .is_some_and(|(s, body)| s == 503 && body.contains("keys"))
+        },
+    )
+    .await;
+    let (conn, publisher) = env.amqp().await;
+    publish_confirmed(&publisher, &[purchase("K-1", "k")]).await;
+    // Judged once the dispatcher has stopped consuming and the purchase is
+    // back in the queue (handed back, or never taken): nothing of this
+    // process can claim it any more.
+    let purchases = env.topology().purchases;
+    eventually(
+        Duration::from_secs(30),
+        "the purchase waits in the queue, for any dispatcher, and none consumes",
+        || async { queue_counts(&conn, &purchases).await == Some((1, 0)) },
+    )
+    .await;
+    assert_eq!(
+        order_statuses(&env, "K-1").await,
+        Vec::<i32>::new(),
+        "nothing claimed"
+    );
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("that this process's key file lacks").count(),
+        1,
+        "one error naming the key:\n{log}"
+    );
+    assert!(log.contains("k2"), "{log}");
+
+    // The key file is brought up to date: the same process serves it.
+    std::fs::copy(&other, &env.key_file).unwrap();
+    eventually(Duration::from_secs(20), "K-1 granted", || async {
+        order_statuses(&env, "K-1").await == vec![1]
+    })
+    .await;
+    assert!(http_get(&daemon.addr, "/readyz")
+        .await
+        .is_some_and(|(s, _)| s == 200));
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// A key that seals no code any more (rotated away, then dropped from the
+/// key file) does not hold a process unready: it leaves the registry.
+#[tokio::test]
+async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
+    let env = TestEnv::with_pools("secrets_retired", &[("rt", 2)]).await;
+    let registry = env.coll("key_ids");
+    registry
+        .insert_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap();
+    let daemon = start_daemon(env.command(&[])).await;
+    let (_conn, publisher) = env.amqp().await;
+    publish_confirmed(&publisher, &[purchase("RT-1", "rt")]).await;
+    eventually(Duration::from_secs(20), "RT-1 granted", || async {
+        order_statuses(&env, "RT-1").await == vec![1]
+    })
+    .await;
+    assert!(registry
+        .find_one(bson::doc! {"_id": "k-retired"})
+        .await
+        .unwrap()
+        .is_none());
+    daemon.stop().await;
     env.cleanup().await;
 }

@@ -1,20 +1,21 @@
 //! Shops: each shop's keys, pools and orders are its own, through both
 //! doors. A shop's key orders only from its pools, reads and changes only
 //! its shop's orders, and a shop's pool list shows only its pools; a
-//! purchase over AMQP that names a shop obeys the same rules.
+//! purchase over AMQP that names a shop obeys the same rules. A shop's key
+//! gets one answer for a pool it may not use, whether or not it exists.
 
 use std::time::Duration;
 
+use bson::doc;
 use codepool_broker::Publisher;
 use serde_json::{json, Value};
 
 use crate::api::{http, json_of, key, order, ApiServer};
-use crate::common::{
-    drain, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv, AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 async fn cli(env: &TestEnv, args: &[&str]) -> String {
-    let out = env.command(args).output().await.unwrap();
+    let out = env.run(args).await;
     assert!(
         out.status.success(),
         "{args:?}: {}",
@@ -23,33 +24,9 @@ async fn cli(env: &TestEnv, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-async fn shop_key(env: &TestEnv, name: &str, shop: &str) -> String {
-    cli(
-        env,
-        &[
-            "api-keys",
-            "create",
-            "--name",
-            name,
-            "--shop",
-            shop,
-            "--scopes",
-            "orders:write,orders:read",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned()
-}
-
 /// The codes the database holds for `order`.
 async fn held(env: &TestEnv, order: &str) -> usize {
-    env.store
-        .database()
-        .collection::<bson::Document>("codes")
-        .count_documents(bson::doc! {"order_id": order})
-        .await
-        .unwrap() as usize
+    count_codes(env, bson::doc! {"order_id": order}).await as usize
 }
 
 fn codes_in(body: &[u8]) -> Vec<String> {
@@ -65,30 +42,8 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     for pool in ["game-x", "game-y", "game-z"] {
         env.fill_pool(pool, 10).await;
     }
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-x,game-y",
-        ],
-    )
-    .await;
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "bolt",
-            "--pools",
-            "game-x,game-z",
-        ],
-    )
-    .await;
+    create_shop(&env, "acme", "game-x,game-y", &[]).await;
+    create_shop(&env, "bolt", "game-x,game-z", &[]).await;
     let listed: Value =
         serde_json::from_str(&cli(&env, &["shops", "list", "--json"]).await).unwrap();
     assert_eq!(listed[0]["name"], "acme");
@@ -99,14 +54,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     let api = ApiServer::start(&env, &[]).await;
 
     // Another shop's pool: 403, and nothing is granted.
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme),
-        &order("A-0", "game-z", 1),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/orders", &acme, &order("A-0", "game-z", 1))
+        .await;
     assert_eq!(status, 403, "{}", String::from_utf8_lossy(&body));
     assert!(
         json_of(&body)["type"]
@@ -118,14 +68,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     );
     assert_eq!(held(&env, "A-0").await, 0);
 
-    let (status, _, first) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, first) = api
+        .post("/v1/orders", &acme, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&first));
     let codes = codes_in(&first);
     assert_eq!(codes.len(), 2);
@@ -142,7 +87,7 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
         } else {
             br#"{"reason":"test"}"#.to_vec()
         };
-        let (status, _, answer) = http(&api.addr, method, path, Some(&bolt), &body).await;
+        let (status, _, answer) = api.call(method, path, &bolt, &body).await;
         assert_eq!(
             status,
             404,
@@ -150,14 +95,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             String::from_utf8_lossy(&answer)
         );
     }
-    let (status, _, answer) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&bolt),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, answer) = api
+        .post("/v1/orders", &bolt, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 409, "{}", String::from_utf8_lossy(&answer));
     assert!(json_of(&answer)["type"]
         .as_str()
@@ -172,20 +112,13 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
     assert_eq!(held(&env, "A-1").await, 2, "nothing more was claimed");
 
     // The same shop's other key: the same codes, audited as a repeat.
-    let (status, _, again) = http(
-        &api.addr,
-        "POST",
-        "/v1/orders",
-        Some(&acme2),
-        &order("A-1", "game-x", 2),
-    )
-    .await;
+    let (status, _, again) = api
+        .post("/v1/orders", &acme2, &order("A-1", "game-x", 2))
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
     assert_eq!(codes_in(&again), codes);
     let repeat = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
+        .coll("audit")
         .find_one(bson::doc! {"os_user": "api-key:acme-2"})
         .await
         .unwrap();
@@ -195,33 +128,31 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             .is_some_and(|d| d.get_str("what").unwrap_or("").contains("A-1")),
         "{repeat:?}"
     );
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/A-1", Some(&acme2), b"").await;
+    let (status, _, _) = api.get("/v1/orders/A-1", &acme2).await;
     assert_eq!(status, 200);
 
     // A shop's pool list shows its pools only.
-    let (status, _, pools) = http(&api.addr, "GET", "/v1/pools", Some(&acme), b"").await;
+    let (status, _, pools) = api.get("/v1/pools", &acme).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&pools));
     let names: Vec<String> = (json_of(&pools)["pools"].as_array().unwrap().iter())
         .map(|p| p["name"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names, vec!["game-x", "game-y"]);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-z", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/pools/game-z", &acme).await;
     assert_eq!(status, 404);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/pools/game-y", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/pools/game-y", &acme).await;
     assert_eq!(status, 200);
 
     // A shop's key cannot be an admin key, nor belong to no shop.
     let out = env
-        .command(&[
+        .run(&[
             "api-keys", "create", "--name", "x", "--shop", "acme", "--scopes", "admin",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin"));
     let out = env
-        .command(&[
+        .run(&[
             "api-keys",
             "create",
             "--name",
@@ -231,59 +162,47 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
             "--scopes",
             "orders:read",
         ])
-        .output()
-        .await
-        .unwrap();
+        .await;
     assert!(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no shop \"nope\"")
     );
 
     // Shops through the admin API: created, listed, changed, refused.
     let admin = key(&env, "ops", "admin").await;
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/shops",
-        Some(&admin),
-        br#"{"name":"cargo","pools":["*"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/shops", &admin, br#"{"name":"cargo","pools":["*"]}"#)
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/shops",
-        Some(&admin),
-        br#"{"name":"cargo","pools":["*"]}"#,
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/shops", &admin, br#"{"name":"cargo","pools":["*"]}"#)
+        .await;
     assert_eq!(status, 409);
-    let (status, _, body) = http(
-        &api.addr,
-        "PATCH",
-        "/v1/shops/cargo",
-        Some(&admin),
-        br#"{"pools":["bad pool"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .call(
+            "PATCH",
+            "/v1/shops/cargo",
+            &admin,
+            br#"{"pools":["bad pool"]}"#,
+        )
+        .await;
     assert_eq!(status, 422);
     assert_eq!(json_of(&body)["field"], "pools");
-    let (status, _, body) = http(
-        &api.addr,
-        "PATCH",
-        "/v1/shops/cargo",
-        Some(&admin),
-        br#"{"pools":["game-y"]}"#,
-    )
-    .await;
+    let (status, _, body) = api
+        .call(
+            "PATCH",
+            "/v1/shops/cargo",
+            &admin,
+            br#"{"pools":["game-y"]}"#,
+        )
+        .await;
     assert_eq!(
         (status, json_of(&body)["pools"].clone()),
         (200, json!(["game-y"]))
     );
-    let (status, _, body) = http(&api.addr, "GET", "/v1/shops", Some(&admin), b"").await;
+    let (status, _, body) = api.get("/v1/shops", &admin).await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["shops"].as_array().unwrap().len(), 3);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/shops", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/shops", &acme).await;
     assert_eq!(status, 403, "a shop's key is no admin");
     api.stop().await;
     env.cleanup().await;
@@ -291,24 +210,9 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
 
 #[tokio::test]
 async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_order() {
-    let env = TestEnv::new("shops_amqp").await;
-    env.fill_pool("game-x", 10).await;
-    env.fill_pool("game-z", 10).await;
-    cli(
-        &env,
-        &[
-            "shops",
-            "create",
-            "--name",
-            "acme",
-            "--pools",
-            "game-x",
-            "--broker-users",
-            "guest",
-        ],
-    )
-    .await;
-    cli(&env, &["shops", "create", "--name", "bolt", "--pools", "*"]).await;
+    let env = TestEnv::with_pools("shops_amqp", &[("game-x", 10), ("game-z", 10)]).await;
+    shop(&env, "acme", "game-x").await;
+    create_shop(&env, "bolt", "*", &[]).await;
     let acme = shop_key(&env, "acme-1", "acme").await;
     let bolt = shop_key(&env, "bolt-1", "bolt").await;
     let daemon = start_daemon(env.command(&[])).await;
@@ -357,20 +261,87 @@ async fn a_purchase_over_amqp_that_names_a_shop_is_held_to_its_pools_and_is_its_
 
     // The shop's keys read it and post it again; another shop's do not.
     let api = ApiServer::start(&env, &[]).await;
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&acme), b"").await;
+    let (status, _, _) = api.get("/v1/orders/M-1", &acme).await;
     assert_eq!(status, 200);
-    let (status, _, _) = http(&api.addr, "GET", "/v1/orders/M-1", Some(&bolt), b"").await;
+    let (status, _, _) = api.get("/v1/orders/M-1", &bolt).await;
     assert_eq!(status, 404);
     let body = serde_json::to_vec(
         &json!({"order_id": "M-1", "uid": granted.uid, "phone": granted.phone, "pool": "game-x"}),
     )
     .unwrap();
-    let (status, _, again) = http(&api.addr, "POST", "/v1/orders", Some(&acme), &body).await;
+    let (status, _, again) = api.post("/v1/orders", &acme, &body).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&again));
     assert_eq!(codes_in(&again).len(), 1);
-    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&bolt), &body).await;
+    let (status, _, _) = api.post("/v1/orders", &bolt, &body).await;
     assert_eq!(status, 409);
     api.stop().await;
     let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_shops_key_gets_one_answer_for_an_unknown_pool_and_another_shops_pool() {
+    let env = TestEnv::with_pools("shops_pool_oracle", &[("mine", 10), ("theirs", 10)]).await;
+    create_shop(&env, "acme", "mine", &[]).await;
+    create_shop(&env, "bolt", "theirs", &[]).await;
+    let acme = shop_key(&env, "acme-1", "acme").await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
+
+    // The same problem for a pool of another shop and a pool that does not
+    // exist, on both routes, with no operator command in it.
+    let answer = |path: &'static str, pool: &'static str| {
+        let (addr, acme) = (api.addr.clone(), acme.clone());
+        async move {
+            let body = if path == "/v1/orders" {
+                order(&format!("O-{pool}"), pool, 1)
+            } else {
+                hold(&format!("H-{pool}"), "u-1", pool, 1)
+            };
+            let (s, _, b) = http(&addr, "POST", path, Some(&acme), &body).await;
+            let p = json_of(&b);
+            let detail = p["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .replace(pool, "POOL");
+            (
+                s,
+                p["type"].clone(),
+                p["title"].clone(),
+                p["field"].clone(),
+                detail,
+            )
+        }
+    };
+    for path in ["/v1/orders", "/v1/holds"] {
+        let theirs = answer(path, "theirs").await;
+        let nowhere = answer(path, "nowhere").await;
+        assert_eq!(theirs, nowhere, "{path}: one answer for both");
+        let detail = &theirs.4;
+        assert!(
+            !detail.contains("codepool ") && !detail.contains("dead-letters"),
+            "{path}: an operator command in {detail:?}"
+        );
+        assert!(
+            !detail.contains("exist") && !detail.contains("has no codes"),
+            "{path}: {detail:?}"
+        );
+        assert_eq!(theirs.0, 403, "{path}: {theirs:?}");
+    }
+    assert_eq!(
+        code_ids(&env, doc! {"status": {"$ne": 0}}).await.len(),
+        0,
+        "nothing granted or held"
+    );
+
+    // An operator's key (no shop) keeps the precise answer.
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("O-op", "nowhere", 1))
+        .await;
+    assert_eq!(s, 422);
+    assert!(json_of(&b)["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("/unknown-pool"));
+    api.stop().await;
     env.cleanup().await;
 }

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use codepool_broker::Publisher;
 use serde_json::{json, Value};
 
 use crate::api::{http, key, order, ApiServer};
@@ -134,8 +133,7 @@ async fn grepping_one_order_id_shows_its_path_through_either_door() {
     let api = ApiServer::start(&env, &["--log-format", "json"]).await;
 
     // Over AMQP.
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     publish_confirmed(&publisher, &[purchase("SA-1", "sp")]).await;
     // Over HTTP: an order from stock, and one that pays for a hold.
     let post = |path: &'static str, body: Vec<u8>| {
@@ -180,6 +178,76 @@ async fn grepping_one_order_id_shows_its_path_through_either_door() {
     }
     codepool_broker::close(conn, "done").await;
     api.stop().await;
+    daemon.stop().await;
+    env.cleanup().await;
+}
+
+/// The JSON log line that grants an order carries the fields of the span
+/// it ran in: over HTTP the order's own span (order id, pool, door), over
+/// AMQP its batch's (door): an operator greps one order id and sees its
+/// path, whichever door it came by.
+#[tokio::test]
+async fn an_orders_json_log_lines_carry_their_span_fields_from_either_door() {
+    use crate::api::{key, order, ApiServer};
+    let env = TestEnv::with_pools("spans_spans", &[("sp", 5)]).await;
+    let shop = key(&env, "shop", "orders:write").await;
+    let api = ApiServer::start(&env, &["--log-format", "json"]).await;
+    let (status, _, _) = api.post("/v1/orders", &shop, &order("SP-1", "sp", 1)).await;
+    assert_eq!(status, 201);
+    let line = |log: &str, message: &str, order: &str| -> Option<serde_json::Value> {
+        log.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["message"] == message && v.to_string().contains(order))
+    };
+    eventually(Duration::from_secs(10), "the order's log line", || async {
+        line(&api.log_text(), "order placed", "SP-1").is_some()
+    })
+    .await;
+    let placed = line(&api.log_text(), "order placed", "SP-1").unwrap();
+    assert_eq!(placed["span"]["name"], "order", "{placed}");
+    assert_eq!(
+        (
+            &placed["span"]["order_id"],
+            &placed["span"]["pool"],
+            &placed["span"]["door"]
+        ),
+        (
+            &serde_json::json!("SP-1"),
+            &serde_json::json!("sp"),
+            &serde_json::json!("http")
+        ),
+        "{placed}"
+    );
+    // The batch that placed it logs the grant with the door it came by.
+    eventually(
+        Duration::from_secs(10),
+        "SP-1 granted in the log",
+        || async { line(&api.log_text(), "granted", "SP-1").is_some() },
+    )
+    .await;
+    let granted = line(&api.log_text(), "granted", "SP-1").unwrap();
+    assert_eq!(
+        (&granted["order_id"], &granted["span"]["door"]),
+        (&serde_json::json!("SP-1"), &serde_json::json!("http")),
+        "{granted}"
+    );
+    api.stop().await;
+
+    let daemon = start_daemon(env.command(&["--log-format", "json"])).await;
+    let (_conn, publisher) = env.amqp().await;
+    publish_confirmed(&publisher, &[purchase("SP-2", "sp")]).await;
+    eventually(
+        Duration::from_secs(20),
+        "SP-2 granted in the log",
+        || async { line(&daemon.log_text(), "granted", "SP-2").is_some() },
+    )
+    .await;
+    let granted = line(&daemon.log_text(), "granted", "SP-2").unwrap();
+    assert_eq!(
+        (&granted["order_id"], &granted["span"]["door"]),
+        (&serde_json::json!("SP-2"), &serde_json::json!("amqp")),
+        "{granted}"
+    );
     daemon.stop().await;
     env.cleanup().await;
 }

@@ -12,14 +12,15 @@ use bson::doc;
 use futures::TryStreamExt;
 use serde_json::{json, Value};
 
-use crate::api::{http, json_of, key, order, ApiServer};
+use crate::api::{json_of, key, order, ApiServer};
 use crate::common::*;
+use crate::fixtures::*;
 
 /// `codepool statement …` with its exit code, stdout and stderr.
 async fn statement(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
     let mut all = vec!["statement"];
     all.extend_from_slice(args);
-    let out = env.command(&all).output().await.unwrap();
+    let out = env.run(&all).await;
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -70,7 +71,7 @@ async fn boundary() -> String {
 }
 
 async fn post(api: &ApiServer, key: &str, path: &str, body: &[u8]) -> Value {
-    let (status, _, b) = http(&api.addr, "POST", path, Some(key), body).await;
+    let (status, _, b) = api.post(path, key, body).await;
     assert!(
         (200..300).contains(&status),
         "{path}: {status} {}",
@@ -86,10 +87,8 @@ async fn import(env: &TestEnv, pool: &str, name: &str, rows: &str) -> String {
     let file = dir.join(name);
     std::fs::write(&file, rows).unwrap();
     let out = env
-        .command(&["import", file.to_str().unwrap(), "--pool", pool, "--json"])
-        .output()
-        .await
-        .unwrap();
+        .run(&["import", file.to_str().unwrap(), "--pool", pool, "--json"])
+        .await;
     let text = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     v["import_id"]
@@ -120,13 +119,7 @@ fn total_void(v: &Value) -> u64 {
 
 /// Every code document of `pool`.
 async fn codes_of_pool(env: &TestEnv, pool: &str) -> Vec<bson::Document> {
-    (env.store.database().collection::<bson::Document>("codes"))
-        .find(doc! {"pool": pool})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+    find_docs(env, "codes", doc! {"pool": pool}).await
 }
 
 /// Every plaintext code of `pool`.
@@ -137,22 +130,9 @@ async fn plaintexts(env: &TestEnv, pool: &str) -> Vec<String> {
 
 /// Python's own HMAC-SHA256 of each code under `key_hex`.
 async fn python_hmacs(key_hex: &str, codes: &[String]) -> HashSet<String> {
-    let python = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../.services/venv/bin/python"
-    );
     let script = "import hmac, hashlib, sys\nk = bytes.fromhex(sys.argv[1])\nfor c in sys.stdin.read().split('\\n'):\n    if c: print(hmac.new(k, c.encode(), hashlib.sha256).hexdigest())\n";
-    let mut child = tokio::process::Command::new(python)
-        .args(["-c", script, key_hex])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("the project's Python (make services makes it)");
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(codes.join("\n").as_bytes()).await.unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let input = codes.join("\n");
+    let out = with_stdin(&mut python(script, &[key_hex]), input.as_bytes()).await;
     assert!(out.status.success());
     String::from_utf8(out.stdout)
         .unwrap()
@@ -178,16 +158,10 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     let run_b = import(&env, "st", "b.csv", &b).await;
     let t0 = boundary().await;
 
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     for i in 1..=6 {
-        post(
-            &api,
-            &shop,
-            "/v1/orders",
-            &order(&format!("O-{i}"), "st", 1),
-        )
-        .await;
+        let body = order(&format!("O-{i}"), "st", 1);
+        post(&api, &shop, "/v1/orders", &body).await;
     }
     let hold = |id: &str| {
         json!({"hold_id": id, "uid": format!("buyer-{id}"), "items": [{"pool": "st", "quantity": 1}]})
@@ -197,7 +171,7 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     for id in ["H-1", "H-2", "H-3"] {
         post(&api, &shop, "/v1/holds", &hold(id)).await;
     }
-    let (s, _, _) = http(&api.addr, "DELETE", "/v1/holds/H-3", Some(&shop), b"").await;
+    let (s, _, _) = api.call("DELETE", "/v1/holds/H-3", &shop, b"").await;
     assert!((200..300).contains(&s), "H-3 released: {s}");
     post(
         &api,
@@ -219,13 +193,8 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     codepool_ok(&env, &["expire", "--pool", "st"]).await;
     codepool_ok(&env, &["void", "--import", &run_b, "--reason", "leak"]).await;
     for i in 7..=8 {
-        post(
-            &api,
-            &shop,
-            "/v1/orders",
-            &order(&format!("O-{i}"), "st", 1),
-        )
-        .await;
+        let body = order(&format!("O-{i}"), "st", 1);
+        post(&api, &shop, "/v1/orders", &body).await;
     }
     let t2 = boundary().await;
 
@@ -318,30 +287,18 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
         "/v1/statements?pool=st&from=2000-01-01&to={}",
         t2.replace('+', "%2B")
     );
-    let (status, _, body) = http(&api.addr, "GET", &path, Some(&admin), b"").await;
+    let (status, _, body) = api.get(&path, &admin).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let from_api = json_of(&body);
     assert_eq!(from_api["rows"], whole["rows"]);
     assert_eq!(from_api["discrepancies"], json!([]));
-    let (status, _, _) = http(&api.addr, "GET", &path, Some(&shop), b"").await;
+    let (status, _, _) = api.get(&path, &shop).await;
     assert_eq!(status, 403, "a shop's key gets no statement");
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/statements?pool=nope",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api.get("/v1/statements?pool=nope", &admin).await;
     assert_eq!(status, 404, "{}", String::from_utf8_lossy(&body));
-    let (status, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/statements?pool=st&from=yesterday",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api
+        .get("/v1/statements?pool=st&from=yesterday", &admin)
+        .await;
     assert_eq!(status, 422);
     assert_eq!(json_of(&body)["field"], "from");
 
@@ -362,24 +319,12 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
         outputs.push(out + &err);
     }
     for fmt in ["csv", "json"] {
-        let (_, _, b) = http(
-            &api.addr,
-            "GET",
-            &format!("/v1/statements?pool=st&format={fmt}"),
-            Some(&admin),
-            b"",
-        )
-        .await;
+        let (_, _, b) = api
+            .get(&format!("/v1/statements?pool=st&format={fmt}"), &admin)
+            .await;
         outputs.push(String::from_utf8_lossy(&b).into_owned());
     }
-    let (_, _, b) = http(
-        &api.addr,
-        "GET",
-        "/v1/statements/lines?pool=st",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, b) = api.get("/v1/statements/lines?pool=st", &admin).await;
     let lines_api = json_of(&b);
     outputs.push(lines_api.to_string());
     for out in &outputs {
@@ -394,13 +339,7 @@ async fn every_row_ties_out_after_a_mix_and_two_periods_add_up_to_the_whole() {
     assert_eq!(rc, 0);
     let key_hex = key_hex.trim().to_owned();
     assert_eq!(key_hex.len(), 64);
-    let shown = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .count_documents(doc! {"kind": "statement-key"})
-        .await
-        .unwrap();
+    let shown = count_docs(&env, "audit", doc! {"kind": "statement-key"}).await;
     assert_eq!(shown, 1, "showing the statement key is audited");
     let expected = python_hmacs(&key_hex, &codes).await;
     let listed: HashSet<String> = lines_api["lines"]
@@ -488,7 +427,7 @@ async fn a_row_broken_behind_codepools_back_exits_3_naming_it() {
     let run = import(&env, "so", "s.csv", "code\nSO-1\nSO-2\nSO-3\nSO-4\n").await;
     let (rc, _, err) = statement(&env, &["--pool", "so"]).await;
     assert_eq!(rc, 0, "{err}");
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     // A sold code with no time of sale, and a code gone.
     codes
         .update_one(
@@ -582,8 +521,7 @@ async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_ar
         "code\nSH-1\nSH-2\nSH-3\nSH-4\nSH-5\nSH-6\n",
     )
     .await;
-    let shop = key(&env, "shop", "orders:write,orders:read").await;
-    let api = ApiServer::start(&env, &[]).await;
+    let (api, shop) = api_with_key(&env, "shop", "orders:write,orders:read").await;
     for i in 1..=4 {
         let body = json!({"hold_id": format!("HH-{i}"), "uid": format!("u{i}"), "items": [{"pool": "sh", "quantity": 1}]});
         post(&api, &shop, "/v1/holds", body.to_string().as_bytes()).await;
@@ -591,7 +529,7 @@ async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_ar
     post(&api, &shop, "/v1/orders", &order("SOLD-1", "sh", 1)).await;
     // Two held codes pass their expiry and the sweep voids them; then the
     // run is recalled (the other held ones and the stock).
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let past = bson::DateTime::from_chrono(chrono::Utc::now() - chrono::Duration::hours(1));
     let held: Vec<bson::Document> = codes
         .find(doc! {"pool": "sh", "status": 4})
@@ -638,14 +576,9 @@ async fn held_codes_recalled_or_expired_were_never_sold_and_codepools_reasons_ar
     // A shop's void cannot pass for codepool's own.
     for reason in ["expired", " Replaced ", "RECALLED"] {
         let body = json!({ "reason": reason }).to_string();
-        let (status, _, b) = http(
-            &api.addr,
-            "POST",
-            "/v1/orders/SOLD-1/void",
-            Some(&shop),
-            body.as_bytes(),
-        )
-        .await;
+        let (status, _, b) = api
+            .post("/v1/orders/SOLD-1/void", &shop, body.as_bytes())
+            .await;
         assert_eq!(status, 422, "{reason}: {}", String::from_utf8_lossy(&b));
         assert_eq!(
             json_of(&b)["type"].as_str().unwrap().rsplit('/').next(),
@@ -699,7 +632,7 @@ async fn every_part_of_a_statement_reads_at_the_one_snapshot() {
     assert_eq!(before[0].get_i64("b_in_stock").unwrap(), 40);
     // Moves in every part (the parts are cut by `seq`, 1 to 40), made
     // after the snapshot is fixed and before the parts are read.
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let meanwhile = async {
         codes
             .update_many(

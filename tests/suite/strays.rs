@@ -10,21 +10,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bson::doc;
-use codepool_broker::Publisher;
 use codepool_hotpool::Candidate;
 use codepool_issuance::Resend;
 use codepool_store::ObjectId;
 
-use crate::common::Line0;
-use crate::common::{
-    eventually, metric_sum, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
-};
+use crate::common::*;
 
 /// The kinds of ids a stale, restored or tampered hot set can hold for
 /// pool `pool`, ten of each: another pool's unissued codes, the pool's own
 /// void codes, expired codes and codes issued already, and ids of nothing.
 async fn strays_for(env: &TestEnv, pool: &str, other: &str) -> Vec<Candidate> {
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let ids_of = |filter: bson::Document| {
         let codes = codes.clone();
         async move {
@@ -148,7 +144,7 @@ async fn stray_ids_in_a_hot_set_never_grant_a_code_of_another_pool_or_state() {
     );
 
     // The other pool and the retired codes are untouched.
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let count = |f| {
         let codes = codes.clone();
         async move { codes.count_documents(f).await.unwrap() }
@@ -187,12 +183,9 @@ async fn stray_ids_in_a_hot_set_never_grant_a_code_of_another_pool_or_state() {
 /// and the dispatcher counts what it dropped.
 #[tokio::test]
 async fn a_dispatcher_drops_another_pools_ids_and_counts_them() {
-    let env = TestEnv::new("strays_daemon").await;
-    env.fill_pool("hp", 100).await;
-    env.fill_pool("hugep", 100).await;
+    let env = TestEnv::with_pools("strays_daemon", &[("hp", 100), ("hugep", 100)]).await;
     let dispatcher = start_daemon(env.command(&[])).await;
-    let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let (conn, publisher) = env.amqp().await;
     // Warm both pools' hot sets, then copy hugep's candidates into hp's.
     publish_confirmed(
         &publisher,
@@ -251,7 +244,7 @@ async fn a_dispatcher_drops_another_pools_ids_and_counts_them() {
         dropped >= 20.0,
         "dropped {dropped}, expected the 20 stolen ids"
     );
-    let codes = env.store.database().collection::<bson::Document>("codes");
+    let codes = env.coll("codes");
     let hugep_left = codes
         .count_documents(doc! {"pool": "hugep", "status": 0})
         .await

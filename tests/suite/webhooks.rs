@@ -2,20 +2,22 @@
 //! and a real receiver: signed deliveries checked with the official
 //! `standardwebhooks` Python package, retries with the same `webhook-id`,
 //! a process killed mid-delivery, backorders told when they are granted,
-//! secret rotation, refused addresses, 410 and leases between processes.
+//! secret rotation, refused addresses, 410 and leases between processes,
+//! and a replay that sends events older than the endpoint only when asked
+//! to, audited as a reveal.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
-use serde_json::Value;
+use bson::doc;
+use serde_json::{json, Value};
 
 use crate::api::{http, json_of, ApiServer};
-use crate::common::{
-    codepool_ok, eventually, publish_confirmed, purchase, start_daemon, TestEnv, AMQP_URL,
-};
+use crate::common::*;
+use crate::fixtures::*;
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -176,10 +178,6 @@ async fn receive(
 /// Checks a delivery with the official `standardwebhooks` package (PyPI),
 /// as a receiver would. Returns the package's verdict.
 pub(crate) async fn verified_by_the_python_library(secret: &str, hit: &Hit) -> Result<(), String> {
-    let python = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../.services/venv/bin/python"
-    );
     let script = r#"
 import json, sys
 from standardwebhooks.webhooks import Webhook
@@ -192,18 +190,7 @@ print("verified")
         "body": hit.body,
         "headers": {"webhook-id": hit.id, "webhook-timestamp": hit.timestamp, "webhook-signature": hit.signature},
     });
-    let mut child = tokio::process::Command::new(python)
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the services venv (make services installs standardwebhooks)");
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(input.to_string().as_bytes()).await.unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
+    let out = with_stdin(&mut python(script, &[]), input.to_string().as_bytes()).await;
     if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("verified") {
         Ok(())
     } else {
@@ -247,21 +234,6 @@ pub(crate) async fn add_endpoint(
     (v["id"].as_str().unwrap().to_owned(), secret)
 }
 
-pub(crate) async fn shop(env: &TestEnv, name: &str, pools: &str) {
-    // The suite publishes as the broker's guest user.
-    let args = [
-        "shops",
-        "create",
-        "--name",
-        name,
-        "--pools",
-        pools,
-        "--broker-users",
-        "guest",
-    ];
-    codepool_ok(env, &args).await;
-}
-
 pub(crate) fn shop_purchase(order: &str, pool: &str, shop: &str) -> codepool_domain::Purchase {
     let mut p = purchase(order, pool);
     p.shop = Some(shop.to_owned());
@@ -283,9 +255,7 @@ pub(crate) async fn publisher(env: &TestEnv) -> (lapin::Connection, codepool_bro
 /// The plaintext code an order holds in the database.
 async fn code_of(env: &TestEnv, order: &str) -> String {
     let d = env
-        .store
-        .database()
-        .collection::<bson::Document>("codes")
+        .coll("codes")
         .find_one(bson::doc! {"order_id": order})
         .await
         .unwrap()
@@ -295,8 +265,7 @@ async fn code_of(env: &TestEnv, order: &str) -> String {
 
 #[tokio::test]
 async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() {
-    let env = TestEnv::new("wh_retry").await;
-    env.fill_pool("wg", 10).await;
+    let env = TestEnv::with_pools("wh_retry", &[("wg", 10)]).await;
     shop(&env, "acme", "wg").await;
     let receiver = Receiver::start(Answer::FailFirst).await;
     let (endpoint, secret) =
@@ -443,17 +412,7 @@ async fn an_amqp_order_is_told_by_a_signed_webhook_and_its_retry_keeps_the_id() 
 
 /// Every audit record, as (kind, what).
 async fn audit(env: &TestEnv) -> Vec<(String, String)> {
-    use futures::TryStreamExt;
-    let docs: Vec<bson::Document> = env
-        .store
-        .database()
-        .collection::<bson::Document>("audit")
-        .find(bson::doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
+    let docs: Vec<bson::Document> = find_docs(env, "audit", bson::doc! {}).await;
     docs.iter()
         .map(|d| {
             let field = |k: &str| d.get_str(k).unwrap_or_default().to_owned();
@@ -464,28 +423,12 @@ async fn audit(env: &TestEnv) -> Vec<(String, String)> {
 
 #[tokio::test]
 async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
-    let env = TestEnv::new("wh_backorder").await;
-    env.fill_pool("wb", 1).await;
-    codepool_ok(&env, &["pool", "set", "--pool", "wb", "--per-user", "2"]).await;
+    let env = TestEnv::with_pools("wh_backorder", &[("wb", 1)]).await;
+    pool_set(&env, "wb", &["--per-user", "2"]).await;
     shop(&env, "acme", "wb").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
-    let key = codepool_ok(
-        &env,
-        &[
-            "api-keys",
-            "create",
-            "--name",
-            "acme-1",
-            "--shop",
-            "acme",
-            "--scopes",
-            "orders:write,orders:read",
-        ],
-    )
-    .await
-    .trim()
-    .to_owned();
+    let key = shop_key(&env, "acme-1", "acme").await;
     let api = ApiServer::start(&env, &[]).await;
     let daemon = start_daemon(env.command(&[])).await;
     let order = |id: &str| {
@@ -494,10 +437,10 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
             .into_bytes()
     };
     // Answered with its code: the shop has it, no order.granted.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-1")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-1")).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     // No stock left: it waits.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-2")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-2")).await;
     assert_eq!(status, 202, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["state"], "waiting");
 
@@ -541,7 +484,7 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
     .await;
 
     // A refusal by the pool's policy (2 orders per uid) is told too.
-    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&key), &order("HB-3")).await;
+    let (status, _, body) = api.post("/v1/orders", &key, &order("HB-3")).await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
     eventually(Duration::from_secs(20), "HB-3's order.refused", || async {
         (receiver.of_type("order.refused").iter()).any(|h| h.json()["data"]["order_id"] == "HB-3")
@@ -555,8 +498,7 @@ async fn a_backordered_http_order_gets_its_codes_by_webhook_after_an_import() {
 
 #[tokio::test]
 async fn after_a_rotation_deliveries_verify_with_the_old_secret_and_the_new() {
-    let env = TestEnv::new("wh_rotate").await;
-    env.fill_pool("wr", 5).await;
+    let env = TestEnv::with_pools("wh_rotate", &[("wr", 5)]).await;
     shop(&env, "acme", "wr").await;
     let receiver = Receiver::start(Answer::Ok).await;
     let (endpoint, old) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
@@ -636,8 +578,7 @@ fn crate_secret_of_another() -> String {
 
 #[tokio::test]
 async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_delivered() {
-    let env = TestEnv::new("wh_refused").await;
-    env.fill_pool("wf", 5).await;
+    let env = TestEnv::with_pools("wh_refused", &[("wf", 5)]).await;
     shop(&env, "acme", "wf").await;
     for url in [
         "http://shop.example/hooks",
@@ -709,8 +650,7 @@ async fn inside_and_plain_http_addresses_are_refused_when_added_and_when_deliver
 
 #[tokio::test]
 async fn a_delivering_process_killed_mid_delivery_leaves_the_event_to_the_next() {
-    let env = TestEnv::new("wh_kill").await;
-    env.fill_pool("wk", 5).await;
+    let env = TestEnv::with_pools("wh_kill", &[("wk", 5)]).await;
     shop(&env, "acme", "wk").await;
     let receiver = Receiver::start(Answer::HangFirst(Duration::from_secs(60))).await;
     let (_, secret) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
@@ -749,8 +689,7 @@ async fn a_delivering_process_killed_mid_delivery_leaves_the_event_to_the_next()
 
 #[tokio::test]
 async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endpoint() {
-    let env = TestEnv::new("wh_lease").await;
-    env.fill_pool("wl", 60).await;
+    let env = TestEnv::with_pools("wh_lease", &[("wl", 60)]).await;
     shop(&env, "acme", "wl").await;
     let receiver = Receiver::start(Answer::Slow(Duration::from_millis(200))).await;
     let (endpoint, _) = add_endpoint(&env, "acme", &receiver.url(), "*").await;
@@ -852,15 +791,12 @@ async fn two_processes_never_deliver_one_event_at_once_and_410_disables_the_endp
 
 #[tokio::test]
 async fn an_endpoint_failing_for_five_days_is_disabled() {
-    let env = TestEnv::new("wh_5days").await;
-    env.fill_pool("wd", 5).await;
+    let env = TestEnv::with_pools("wh_5days", &[("wd", 5)]).await;
     shop(&env, "acme", "wd").await;
     let receiver = Receiver::start(Answer::Status(503)).await;
     let (endpoint, _) = add_endpoint(&env, "acme", &receiver.url(), "order.granted").await;
     let six_days_ago = bson::DateTime::from_chrono(chrono::Utc::now() - chrono::Duration::days(6));
-    env.store
-        .database()
-        .collection::<bson::Document>("webhook_endpoints")
+    env.coll("webhook_endpoints")
         .update_one(
             bson::doc! {"_id": &endpoint},
             bson::doc! {"$set": {"failing_since": six_days_ago}},
@@ -894,8 +830,7 @@ async fn an_endpoint_failing_for_five_days_is_disabled() {
 
 #[tokio::test]
 async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
-    let env = TestEnv::new("wh_api").await;
-    env.fill_pool("wa", 5).await;
+    let env = TestEnv::with_pools("wh_api", &[("wa", 5)]).await;
     shop(&env, "acme", "wa").await;
     let admin = crate::api::key(&env, "ops", "orders:write,orders:read,admin").await;
     let writer = crate::api::key(&env, "w", "orders:write").await;
@@ -906,44 +841,26 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
             .to_string()
             .into_bytes()
     };
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks",
-        Some(&writer),
-        &new(&receiver.url()),
-    )
-    .await;
+    let (status, _, _) = api
+        .post("/v1/webhooks", &writer, &new(&receiver.url()))
+        .await;
     assert_eq!(status, 403, "admin only");
     for (url, field) in [
         ("https://169.254.169.254/x", "url"),
         ("http://shop.example/x", "url"),
     ] {
-        let (status, _, body) =
-            http(&api.addr, "POST", "/v1/webhooks", Some(&admin), &new(url)).await;
+        let (status, _, body) = api.post("/v1/webhooks", &admin, &new(url)).await;
         assert_eq!(status, 422, "{url}: {}", String::from_utf8_lossy(&body));
         assert_eq!(json_of(&body)["field"], field);
     }
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks",
-        Some(&admin),
-        &new(&receiver.url()),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/webhooks", &admin, &new(&receiver.url()))
+        .await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let added = json_of(&body);
     let id = added["id"].as_str().unwrap().to_owned();
     let secret = added["secret"].as_str().unwrap().to_owned();
-    let (_, _, body) = http(
-        &api.addr,
-        "GET",
-        "/v1/webhooks?shop=acme",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, body) = api.get("/v1/webhooks?shop=acme", &admin).await;
     let listed = json_of(&body);
     assert_eq!(listed["endpoints"][0]["id"], id.as_str());
     assert!(
@@ -965,18 +882,13 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
         .await
         .unwrap();
     let path = format!("/v1/webhooks/{id}/rotate-secret");
-    let (status, _, body) = http(&api.addr, "POST", &path, Some(&admin), b"").await;
+    let (status, _, body) = api.post(&path, &admin, b"").await;
     assert_eq!(status, 200);
     let rotated = json_of(&body)["secret"].as_str().unwrap().to_owned();
     let replay = serde_json::json!({"shop": "acme", "event": event}).to_string();
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks/replay",
-        Some(&admin),
-        replay.as_bytes(),
-    )
-    .await;
+    let (status, _, body) = api
+        .post("/v1/webhooks/replay", &admin, replay.as_bytes())
+        .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["due"], 1);
     eventually(Duration::from_secs(20), "replayed", || async {
@@ -991,33 +903,16 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
     verified_by_the_python_library(&secret, again)
         .await
         .unwrap();
-    let (_, _, body) = http(
-        &api.addr,
-        "GET",
-        &format!("/v1/webhooks/{id}/deliveries"),
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (_, _, body) = api
+        .get(&format!("/v1/webhooks/{id}/deliveries"), &admin)
+        .await;
     assert_eq!(json_of(&body)["deliveries"].as_array().unwrap().len(), 2);
-    let (status, _, body) = http(
-        &api.addr,
-        "POST",
-        &format!("/v1/webhooks/{id}/disable"),
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, body) = api
+        .post(&format!("/v1/webhooks/{id}/disable"), &admin, b"")
+        .await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["enabled"], false);
-    let (status, _, _) = http(
-        &api.addr,
-        "POST",
-        "/v1/webhooks/ep_nope/enable",
-        Some(&admin),
-        b"",
-    )
-    .await;
+    let (status, _, _) = api.post("/v1/webhooks/ep_nope/enable", &admin, b"").await;
     assert_eq!(status, 404);
     let kinds: Vec<String> = audit(&env).await.into_iter().map(|(k, _)| k).collect();
     for kind in [
@@ -1028,6 +923,146 @@ async fn the_admin_api_adds_lists_rotates_disables_and_replays_endpoints() {
     ] {
         assert!(kinds.iter().any(|k| k == kind), "{kind} audited: {kinds:?}");
     }
+    daemon.stop().await;
+    api.stop().await;
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// `codepool webhooks add`; returns the endpoint's id.
+async fn endpoint(env: &TestEnv, shop: &str, url: &str) -> String {
+    let out = codepool_ok(
+        env,
+        &[
+            "webhooks", "add", "--shop", shop, "--url", url, "--events", "*", "--json",
+        ],
+    )
+    .await;
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["id"].as_str().unwrap().to_owned()
+}
+
+/// The audit's reveals, as (command, code ids).
+async fn reveals(env: &TestEnv) -> Vec<(String, Vec<bson::oid::ObjectId>)> {
+    let docs: Vec<bson::Document> = find_docs(env, "audit", doc! {"kind": "reveal"}).await;
+    docs.iter()
+        .map(|d| {
+            let ids = (d.get_array("code_ids").unwrap().iter())
+                .filter_map(|b| b.as_object_id())
+                .collect();
+            (d.get_str("command").unwrap_or_default().to_owned(), ids)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_replay_sends_events_older_than_the_endpoint_only_when_asked_and_audits_a_reveal() {
+    let env = TestEnv::with_pools("wh_replay_old", &[("wr", 5)]).await;
+    shop(&env, "acme", "wr").await;
+    let first = Receiver::start(Answer::Ok).await;
+    endpoint(&env, "acme", &first.url()).await;
+    let daemon = start_daemon(env.command(&[])).await;
+    let (conn, publisher) = publisher(&env).await;
+    publish_confirmed(&publisher, &[shop_purchase("WR-1", "wr", "acme")]).await;
+    eventually(
+        Duration::from_secs(20),
+        "order.granted delivered",
+        || async { !first.hits().is_empty() },
+    )
+    .await;
+    let event = first.hits()[0].id.clone();
+    let code = code_ids(&env, doc! {"order_id": "WR-1"}).await;
+    assert_eq!(code.len(), 1);
+
+    // An endpoint added after the event: a replay leaves the event out
+    // unless asked, and says so.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let late = Receiver::start(Answer::Ok).await;
+    let id = endpoint(&env, "acme", &late.url()).await;
+    let out = codepool_ok(
+        &env,
+        &[
+            "webhooks", "replay", "--shop", "acme", "--event", &event, "--id", &id,
+        ],
+    )
+    .await;
+    assert!(out.contains("0 deliveries due"), "{out}");
+    assert!(out.contains("--include-before-endpoint"), "{out}");
+    let since = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let out = codepool_ok(
+        &env,
+        &["webhooks", "replay", "--shop", "acme", "--since", &since],
+    )
+    .await;
+    assert!(
+        out.contains("1 deliveries due"),
+        "only to the first endpoint: {out}"
+    );
+    let (api, admin) = api_with_key(&env, "ops", "admin").await;
+    let replay = |include: Option<bool>| {
+        let (addr, admin) = (api.addr.clone(), admin.clone());
+        let mut body = json!({"shop": "acme", "event": event, "endpoint": id});
+        if let Some(i) = include {
+            body["include_before_endpoint"] = json!(i);
+        }
+        async move {
+            let (s, _, b) = http(
+                &addr,
+                "POST",
+                "/v1/webhooks/replay",
+                Some(&admin),
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+            json_of(&b)
+        }
+    };
+    let r = replay(None).await;
+    assert_eq!(r["due"], 0, "{r}");
+    assert_eq!(r["left_out_before_endpoint"], 1, "{r}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        late.hits().is_empty(),
+        "an old event went to a new endpoint"
+    );
+    assert!(reveals(&env).await.is_empty());
+
+    // Asked: sent, and audited as a reveal of the event's code.
+    let out = codepool_ok(
+        &env,
+        &[
+            "webhooks",
+            "replay",
+            "--shop",
+            "acme",
+            "--event",
+            &event,
+            "--id",
+            &id,
+            "--include-before-endpoint",
+        ],
+    )
+    .await;
+    assert!(out.contains("1 deliveries due"), "{out}");
+    eventually(
+        Duration::from_secs(20),
+        "the old event delivered",
+        || async { !late.hits().is_empty() },
+    )
+    .await;
+    assert_eq!(late.hits()[0].id, event);
+    let seen = reveals(&env).await;
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(seen[0].0.contains("webhooks replay"), "{seen:?}");
+    assert_eq!(seen[0].1.iter().copied().collect::<HashSet<_>>(), code);
+    let r = replay(Some(true)).await;
+    assert_eq!(r["due"], 1, "{r}");
+    let seen = reveals(&env).await;
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let by_key = seen.iter().find(|(c, _)| c.contains("/v1/webhooks/replay"));
+    let by_key = by_key.unwrap_or_else(|| panic!("no reveal by the API key: {seen:?}"));
+    assert_eq!(by_key.1.iter().copied().collect::<HashSet<_>>(), code);
     daemon.stop().await;
     api.stop().await;
     let _ = conn.close(200, "bye").await;

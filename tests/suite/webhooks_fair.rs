@@ -9,11 +9,9 @@ use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
 use crate::api::{http, ApiServer};
-use crate::common::{
-    codepool_ok, eventually, publish_confirmed, purchase, queue_depth, start_daemon, TestEnv,
-    AMQP_URL,
-};
-use crate::webhooks::{add_endpoint, publisher, shop, shop_purchase, Answer, Receiver};
+use crate::common::*;
+use crate::fixtures::*;
+use crate::webhooks::{add_endpoint, publisher, shop_purchase, Answer, Receiver};
 
 /// How long the slow shop's receiver takes to answer: longer than an
 /// attempt may take (`ATTEMPT_TIMEOUT`), so each of its attempts runs to
@@ -23,9 +21,7 @@ const SLOW_ANSWER: Duration = Duration::from_secs(40);
 #[tokio::test]
 async fn a_slow_receiver_of_one_shop_does_not_delay_another_shops_webhooks() {
     assert!(SLOW_ANSWER > codepool_issuance::webhooks::deliver::ATTEMPT_TIMEOUT);
-    let env = TestEnv::new("wh_fair").await;
-    env.fill_pool("fs", 30).await;
-    env.fill_pool("ff", 5).await;
+    let env = TestEnv::with_pools("wh_fair", &[("fs", 30), ("ff", 5)]).await;
     shop(&env, "slowshop", "fs").await;
     shop(&env, "fastshop", "ff").await;
     let slow = Receiver::start(Answer::Slow(SLOW_ANSWER)).await;
@@ -41,10 +37,7 @@ async fn a_slow_receiver_of_one_shop_does_not_delay_another_shops_webhooks() {
         .map(|i| shop_purchase(&format!("FS-{i}"), "fs", "slowshop"))
         .collect();
     publish_confirmed(&publisher, &backlog).await;
-    let tasks = env
-        .store
-        .database()
-        .collection::<bson::Document>("webhook_tasks");
+    let tasks = env.coll("webhook_tasks");
     let of_slow = doc! {"endpoint": &slow_endpoint, "state": "pending"};
     eventually(
         Duration::from_secs(30),
@@ -178,10 +171,7 @@ async fn claim_at_once(env: &TestEnv, pool: &str, round: &str, amqp: usize, web:
 /// is left to deliver), then stops.
 async fn deliver_all(env: &TestEnv) {
     let deliverer = start_daemon(env.command(&[])).await;
-    let tasks = env
-        .store
-        .database()
-        .collection::<bson::Document>("webhook_tasks");
+    let tasks = env.coll("webhook_tasks");
     eventually(
         Duration::from_secs(60),
         "every webhook delivered",
@@ -199,8 +189,7 @@ async fn deliver_all(env: &TestEnv) {
 
 #[tokio::test]
 async fn each_shop_hears_once_each_time_a_pool_runs_out_through_either_door() {
-    let env = TestEnv::new("wh_exhaust").await;
-    env.fill_pool("px", 4).await;
+    let env = TestEnv::with_pools("wh_exhaust", &[("px", 4)]).await;
     let receivers = [
         ("acme", Receiver::start(Answer::Ok).await),
         ("globex", Receiver::start(Answer::Ok).await),
