@@ -173,7 +173,7 @@ pub(crate) async fn place(
         Ok(p) => p,
         Err(e) => return rejected(&e, &key, &rid),
     };
-    if let Err(e) = key.stamp(&mut purchase) {
+    if let Err(e) = codepool_issuance::api_keys::stamp(&key, &mut purchase) {
         return rejected(&e, &key, &rid);
     }
     // Every line logged for this order names it, its pool, its shop, the
