@@ -17,6 +17,10 @@
 //!   pools and imports ([`controls`]: pause, resume, settings, recall,
 //!   imports announced, dead letters replayed) take an [`audit::Actor`] and
 //!   write their own audit record.
+//! - The doors reach all of it through [`doors`]: views and operations on
+//!   the [`Core`] they share (and on the dispatcher's [`background::Parts`]);
+//!   none holds the store. Redemption by code keeps each key to its budget
+//!   of misses ([`by_code`]); SMS receipts are decoded here ([`receipts`]).
 //! - Around them: stock alerts ([`stock`]), expiry ([`expiry`]), grant
 //!   numbers ([`grant_no`]), the key watch ([`keywatch`]), outage logging
 //!   and retry policy ([`outage`]) and metrics ([`telemetry`]).
@@ -32,12 +36,14 @@ pub mod audit;
 pub mod background;
 pub mod backorders;
 mod bundles;
+pub mod by_code;
 pub mod claim;
 pub mod claim_error;
 pub mod clock;
 pub mod controls;
 pub mod core;
 mod demand;
+pub mod doors;
 pub mod expiry;
 mod failpoint;
 pub mod generations;
@@ -57,6 +63,7 @@ pub mod placing;
 pub mod plan;
 pub mod policy;
 pub mod ports;
+pub mod receipts;
 pub mod redeem;
 pub mod relay;
 pub mod replace;
@@ -73,7 +80,7 @@ pub mod webhooks;
 /// name no storage crate of their own (a suite test reads `cargo
 /// metadata` to keep it so).
 pub mod model {
-    pub use codepool_store::audit::{Action, AuditFilter, AuditKind, RecordedKind};
+    pub use codepool_store::audit::{Action, AuditEntry, AuditFilter, AuditKind, RecordedKind};
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;
     pub use codepool_store::lifecycle::{
