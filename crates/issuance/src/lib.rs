@@ -124,9 +124,10 @@ impl Door {
     }
 }
 
-/// The store handle the core's functions take (the doors pass it on,
-/// never query it themselves), and its error.
-pub use codepool_store::{Store, StoreError};
+/// What goes wrong when MongoDB did, in the core's answers. The store
+/// itself is the core's: the doors read views and call operations of the
+/// [`Core`] ([`doors`]), and never hold it.
+pub use codepool_store::StoreError;
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use codepool_store::{ClaimWay, Resend};

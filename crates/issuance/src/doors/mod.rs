@@ -17,9 +17,15 @@
 //! - [`access`]: API keys, operators, console sessions and the audit log;
 //! - [`amqp`]: what the dispatcher applies (SMS receipts, `code.redeemed`)
 //!   and the checks it makes (the key registry, MongoDB's pulse).
+//!
+//! A test ([`tests`]) reads the doors' sources and manifests: none names
+//! the storage crate or asks for a store.
 
 pub mod access;
 pub mod amqp;
 pub mod orders;
 pub mod pools;
 pub mod shops;
+
+#[cfg(test)]
+mod tests;
