@@ -1,10 +1,11 @@
 //! `POST /v1/codes/check` and `POST /v1/codes/redeem`: the platform that
 //! honours the codes asks what became of one, and redeems it, exactly
-//! once, through the core's [`Finder`](codepool_issuance::redeem::Finder).
+//! once, through the core's [`ByCode`](codepool_issuance::by_code::ByCode).
 //!
 //! Not an oracle: every code the key may not learn about (unknown, another
 //! shop's pool, never issued) gets one 404, from the same query of its batch, and
-//! a key whose lookups keep missing is slowed (429 with `Retry-After`).
+//! a key whose lookups keep missing is slowed by the core (429 with
+//! `Retry-After` here).
 //! The request and answer types here are the ones the OpenAPI document
 //! shows.
 
@@ -16,15 +17,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, SecondsFormat, Utc};
 use codepool_issuance::audit::Actor;
-use codepool_issuance::redeem::{Platform, RedeemError, Seen, SeenState};
+use codepool_issuance::redeem::{RedeemError, Seen, SeenState};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::ToSchema;
 
-use crate::keys::KeyDoc;
 use crate::orders::failed;
 use crate::request::{Body, BodyDoc, Caller, CodesRedeem};
-use crate::state::Reserved;
 use crate::{Api, Problem, RequestId};
 
 /// `POST /v1/codes/check`.
@@ -112,12 +111,6 @@ impl From<Seen> for CodeState {
     }
 }
 
-/// The key as a platform: its owner tags its redemptions, its shop (if
-/// any) bounds the pools it sees.
-fn platform(key: &KeyDoc) -> (String, Option<&str>) {
-    (key.owner(), key.shop.as_deref())
-}
-
 /// `POST /v1/codes/check` with `{"code": …}`: changes nothing.
 #[utoipa::path(
     post, path = "/v1/codes/check", tag = "codes",
@@ -141,17 +134,7 @@ pub(crate) async fn check(
     if let Some(r) = bad_code(code, &rid) {
         return r;
     }
-    let turn = match api.misses.reserve(&key.id).await {
-        Ok(turn) => turn,
-        Err(wait) => return slowed(wait, &rid),
-    };
-    let (owner, shop) = platform(&key);
-    let who = Platform {
-        owner: &owner,
-        shop,
-    };
-    let found = api.finder.check(who, code).await;
-    answer(turn, &key, found, &rid)
+    answer(api.by_code.check(&key, code).await, &rid)
 }
 
 /// `POST /v1/codes/redeem` with `{"code": …, "redemption_id": …}`.
@@ -178,36 +161,16 @@ pub(crate) async fn redeem(
     if let Some(r) = bad_code(code, &rid) {
         return r;
     }
-    let turn = match api.misses.reserve(&key.id).await {
-        Ok(turn) => turn,
-        Err(wait) => return slowed(wait, &rid),
-    };
-    let (owner, shop) = platform(&key);
-    let who = Platform {
-        owner: &owner,
-        shop,
-    };
     let actor = Actor::api_key(&key.name, "POST /v1/codes/redeem");
     let found = api
-        .finder
-        .redeem(who, code, &b.redemption_id, &actor)
-        .await
-        .map(|(seen, _)| seen);
-    answer(turn, &key, found, &rid)
+        .by_code
+        .redeem(&key, code, &b.redemption_id, &actor)
+        .await;
+    answer(found, &rid)
 }
 
-/// The answer to a lookup by value. A lookup that found no code keeps the
-/// miss it reserved, and is counted; any other gives it back.
-fn answer(
-    turn: Reserved<'_>,
-    key: &KeyDoc,
-    found: Result<Seen, RedeemError>,
-    rid: &RequestId,
-) -> Response {
-    if matches!(found, Err(RedeemError::Unknown)) {
-        metrics::counter!("codepool_redeem_misses_total", "key" => key.name.clone()).increment(1);
-        turn.missed();
-    }
+/// The answer to a lookup by value.
+fn answer(found: Result<Seen, RedeemError>, rid: &RequestId) -> Response {
     match found {
         Ok(seen) => Json(CodeState::from(seen)).into_response(),
         Err(e) => refused(e, rid),
@@ -249,6 +212,7 @@ fn refused(e: RedeemError, rid: &RequestId) -> Response {
     let detail = e.to_string();
     let p = match e {
         RedeemError::Store(s) => return failed(&s, s.is_unavailable(), rid),
+        RedeemError::Slowed { wait } => return slowed(wait, rid),
         RedeemError::Unknown => Problem::new(
             StatusCode::NOT_FOUND,
             "unknown-code",

@@ -147,17 +147,10 @@ pub(crate) async fn replay(
     if !(1..=MOST).contains(&limit) {
         return bad_limit(&rid);
     }
-    let broker = api.broker();
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/dead-letters/replay");
-    match codepool_issuance::controls::replay_dead_letters(
-        api.store(),
-        &broker.conn,
-        &broker.publisher,
-        f.reason.as_deref(),
-        limit,
-        &actor,
-    )
-    .await
+    match api
+        .replay_dead_letters(f.reason.as_deref(), limit, &actor)
+        .await
     {
         Ok(sent) => {
             tracing::info!(replayed = sent.len(), key = %key.name, "dead letters replayed");

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use codepool_domain::CodePattern;
 use codepool_issuance::api_keys::KeyDoc;
-use codepool_issuance::generations::{self, GenerateError, Generation};
+use codepool_issuance::generations::{GenerateError, Generation};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -98,8 +98,7 @@ pub(crate) async fn start(
     };
     let actor =
         codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/generations");
-    let publisher = api.broker().publisher;
-    match generations::start(api.store(), publisher, g.clone(), actor).await {
+    match api.start_generation(g.clone(), actor).await {
         Ok(id) => (
             StatusCode::ACCEPTED,
             Json(json!({
@@ -176,7 +175,7 @@ pub(crate) async fn show(
     let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {
         return unknown_run(&id, &rid);
     };
-    let record = match api.store().import_record(oid).await {
+    let record = match api.import_record(oid).await {
         Ok(r) => r,
         Err(e) => return Problem::unavailable(&e).at(&rid.0).into_response(),
     };

@@ -189,7 +189,7 @@ pub(crate) async fn read(
     Path(hold_id): Path<String>,
 ) -> Response {
     let hold_id = codepool_domain::text::nfc(&hold_id);
-    match holds::get(api.store(), &hold_id, Some(&key.owner())).await {
+    match api.hold(&hold_id, Some(&key.owner())).await {
         Ok(h) => Json(Hold::from(&h)).into_response(),
         Err(e) => failed(e, &key, &rid),
     }

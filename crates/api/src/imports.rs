@@ -167,16 +167,7 @@ pub(crate) async fn upload(
     };
     let actor =
         codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/imports");
-    let broker = api.broker();
-    let uploaded = imports::upload(
-        api.store(),
-        &broker.publisher,
-        input,
-        &name,
-        &pool,
-        &options,
-        &actor,
-    );
+    let uploaded = api.upload(input, &name, &pool, &options, &actor);
     let summary = match uploaded.await {
         Ok(u) => {
             if let Err(e) = u.finished {
@@ -315,7 +306,7 @@ pub(crate) async fn show(
     let Ok(oid) = bson::oid::ObjectId::parse_str(&id) else {
         return bad_id(&id, &rid);
     };
-    match api.store().import_record(oid).await {
+    match api.import_record(oid).await {
         Ok(Some(r)) => Json(ImportOut::from(&r)).into_response(),
         Ok(None) => bad_id(&id, &rid),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
@@ -407,12 +398,12 @@ pub(crate) async fn recall(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    use codepool_issuance::controls::{recall_import, RecallError};
+    use codepool_issuance::controls::RecallError;
     let reason = serde_json::from_slice::<RecallBody>(&body)
         .map(|b| b.reason)
         .unwrap_or_default();
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/imports/{id}/recall");
-    match recall_import(api.store(), api.hot().as_ref(), &id, &reason, &actor).await {
+    match api.recall_import(&id, &reason, &actor).await {
         Ok(r) => Json(Recalled::from(&r)).into_response(),
         Err(RecallError::Reason) => Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,

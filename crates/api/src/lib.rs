@@ -348,7 +348,7 @@ async fn authenticate(State(api): State<Arc<Api>>, mut req: Request, next: Next)
         .at(&id)
         .into_response();
     };
-    let key = match api.keys.verify(api.store(), token).await {
+    let key = match api.verify_key(&api.keys, token).await {
         Ok(Some(key)) => key,
         Ok(None) => return Problem::unauthorized(
             "this API key is not valid (unknown, revoked or mistyped); ask an operator for a key",

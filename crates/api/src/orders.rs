@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::SecondsFormat;
 use codepool_domain::{mask, Code, Grant, Purchase, PurchaseError, RejectReason};
-use codepool_issuance::audit::{self, Actor};
+use codepool_issuance::audit::Actor;
 use codepool_issuance::model::CodeQuery;
 use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed, VoidOutcome};
 use codepool_issuance::ops;
@@ -173,7 +173,7 @@ pub(crate) async fn place(
         Ok(p) => p,
         Err(e) => return rejected(&e, &key, &rid),
     };
-    if let Err(e) = key.stamp(&mut purchase) {
+    if let Err(e) = codepool_issuance::api_keys::stamp(&key, &mut purchase) {
         return rejected(&e, &key, &rid);
     }
     // Every line logged for this order names it, its pool, its shop, the
@@ -295,7 +295,7 @@ pub(crate) async fn read(
             return r;
         }
     }
-    let found = match ops::lookup(api.store(), CodeQuery::Order(&order_id), 100).await {
+    let found = match api.lookup(CodeQuery::Order(&order_id), 100).await {
         Ok(f) => f,
         Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
@@ -320,7 +320,7 @@ pub(crate) async fn read(
         let what = format!("order {order_id:?}");
         let count = found.codes.len() as u64;
         // No record, no reveal.
-        if let Err(e) = audit::reveal(api.store(), &actor, what, ids, count).await {
+        if let Err(e) = api.record_reveal(&actor, what, ids, count).await {
             return failed(&e, e.is_unavailable(), &rid);
         }
     }
@@ -335,7 +335,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
     if key.allows(Scope::Admin) {
         return None;
     }
-    let found = match ops::lookup(api.store(), CodeQuery::Order(order_id), 1).await {
+    let found = match api.lookup(CodeQuery::Order(order_id), 1).await {
         Ok(f) => f,
         Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
     };
@@ -535,7 +535,7 @@ pub(crate) async fn redeem(
         return r;
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/redeem");
-    match ops::redeem(api.store(), CodeRef::Order(&order_id), None, &actor).await {
+    match api.redeem(CodeRef::Order(&order_id), None, &actor).await {
         Ok(Redeemed::Now(done)) => Json(RedeemedOut {
             order_id,
             redeemed: done.len() as u64,
@@ -603,14 +603,7 @@ pub(crate) async fn void(
         return r;
     }
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/void");
-    let voided = ops::void(
-        api.store(),
-        api.hot().as_ref(),
-        CodeRef::Order(&order_id),
-        &reason,
-        &actor,
-    )
-    .await;
+    let voided = api.void(CodeRef::Order(&order_id), &reason, &actor).await;
     let voided = match voided {
         Err(ops::VoidError::Reason) => return bad_reason(),
         Err(e @ ops::VoidError::Reserved(_)) => {
@@ -670,17 +663,8 @@ pub(crate) async fn resend(
     if let Some(r) = not_owner(&api, &key, &order_id, &rid).await {
         return r;
     }
-    let broker = api.broker();
     let actor = Actor::api_key(&key.name, "POST /v1/orders/{order_id}/resend");
-    match ops::resend(
-        api.store(),
-        api.outbox(),
-        &broker.publisher,
-        &order_id,
-        &actor,
-    )
-    .await
-    {
+    match api.resend(&order_id, &actor).await {
         Ok((events, _)) => Json(Resent {
             order_id,
             events: events.iter().map(|e| e.event_id.clone()).collect(),

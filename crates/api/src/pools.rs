@@ -181,7 +181,7 @@ pub(crate) async fn list(
         .at(&rid.0)
         .into_response();
     }
-    let docs = match (api.store())
+    let docs = match api
         .pools_page_of(page.after.as_deref(), limit, only.as_deref())
         .await
     {
@@ -189,7 +189,7 @@ pub(crate) async fn list(
         Err(e) => return failed(&e, &rid),
     };
     let names: Vec<&str> = docs.iter().map(|d| d.name.as_str()).collect();
-    let stats = match api.store().stats_of(&names).await {
+    let stats = match api.stats_of(&names).await {
         Ok(s) => s,
         Err(e) => return failed(&e, &rid),
     };
@@ -228,12 +228,12 @@ async fn pool_answer(api: &Api, key: &KeyDoc, rid: &RequestId, pool: String) -> 
         Ok(_) => {}
         Err(r) => return r,
     }
-    let doc = match api.store().pool(&pool).await {
+    let doc = match api.pool(&pool).await {
         Ok(Some(d)) => d,
         Ok(None) => return unknown(&pool, rid),
         Err(e) => return failed(&e, rid),
     };
-    match api.store().stats_of(&[pool.as_str()]).await {
+    match api.stats_of(&[pool.as_str()]).await {
         Ok(stats) => Json(PoolOut::of(&doc, stats.first())).into_response(),
         Err(e) => failed(&e, rid),
     }
@@ -257,7 +257,7 @@ async fn shop_pools(
             None => Ok(None),
         };
     };
-    match api.store().shop(shop).await {
+    match api.shop(shop).await {
         Ok(Some(s)) if s.every_pool() => Ok(None),
         Ok(Some(s)) => Ok(Some(s.pools)),
         Ok(None) => Ok(Some(Vec::new())),
@@ -312,7 +312,7 @@ pub(crate) async fn create(
         .into_response();
     }
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools");
-    let created = match codepool_issuance::controls::create_pool(api.store(), &name, &actor).await {
+    let created = match api.create_pool(&name, &actor).await {
         Ok(c) => c,
         Err(e) => return failed(&e, &rid),
     };
@@ -394,15 +394,7 @@ pub(crate) async fn settings(
     };
     let what = format!("{settings:?}");
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, "PATCH /v1/pools/{name}");
-    match codepool_issuance::controls::set_pool_settings(
-        api.store(),
-        &pool,
-        &settings,
-        &what,
-        &actor,
-    )
-    .await
-    {
+    match api.set_pool_settings(&pool, &settings, &what, &actor).await {
         Ok(()) => pool_answer(&api, &key, &rid, pool).await,
         Err(codepool_issuance::controls::PauseError::Pool(e)) => settings_error(e, &pool, &rid),
         Err(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
@@ -483,15 +475,14 @@ pub(crate) struct Paused {
 
 async fn set_paused(api: &Api, caller: Caller<Admin>, pool: String, paused: bool) -> Response {
     let Caller { key, rid, .. } = caller;
-    use codepool_issuance::controls::{self, PauseError};
-    let broker = api.broker();
+    use codepool_issuance::controls::PauseError;
     let route = if paused {
         "POST /v1/pools/{name}/pause"
     } else {
         "POST /v1/pools/{name}/resume"
     };
     let actor = codepool_issuance::audit::Actor::api_key(&key.name, route);
-    match controls::set_paused(api.store(), &broker.publisher, &pool, paused, &actor).await {
+    match api.set_paused(&pool, paused, &actor).await {
         Ok(changed) => Json(Paused {
             name: pool,
             paused,

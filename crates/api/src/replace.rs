@@ -8,9 +8,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use codepool_issuance::audit::{self, Actor};
+use codepool_issuance::audit::Actor;
 use codepool_issuance::model::CodeQuery;
-use codepool_issuance::ops;
 use codepool_issuance::replace::{self, ReplaceError, Replaced};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -75,7 +74,7 @@ pub(crate) async fn replace(
     let order_id = codepool_domain::text::nfc(&order_id);
     // Only the key (or shop) that placed the order replaces its codes; an
     // admin key any. Another's order is not shown to exist.
-    let found = match ops::lookup(api.store(), CodeQuery::Order(&order_id), 1).await {
+    let found = match api.lookup(CodeQuery::Order(&order_id), 1).await {
         Ok(f) => f,
         Err(e) => return failed(&e, e.is_unavailable(), &rid),
     };
@@ -83,13 +82,6 @@ pub(crate) async fn replace(
     if !owns && !key.allows(Scope::Admin) {
         return not_yours(&order_id, &rid);
     }
-    let broker = api.broker();
-    let services = replace::Services {
-        store: api.store(),
-        engine: api.intake().engine(),
-        outbox: api.outbox(),
-        sink: &broker.publisher,
-    };
     let ask = replace::Ask {
         order_id: &order_id,
         line,
@@ -97,7 +89,7 @@ pub(crate) async fn replace(
         reason: &b.reason,
     };
     let actor = Actor::api_key(&key.name, ROUTE);
-    match replace::replace(&services, &ask, &actor).await {
+    match api.replace(&ask, &actor).await {
         Ok(done) => answer(&api, &key, owns, &rid, &actor, done).await,
         Err(e) => refused(e, &rid),
     }
@@ -142,7 +134,7 @@ async fn answer(
             "replacement {:?} of order {:?}",
             done.doc.id, done.doc.order_id
         );
-        if let Err(e) = audit::reveal(api.store(), actor, what, vec![c.id], 1).await {
+        if let Err(e) = api.record_reveal(actor, what, vec![c.id], 1).await {
             return failed(&e, e.is_unavailable(), rid);
         }
     }

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::model::ShopDoc;
-use codepool_issuance::shops::{self, ShopError};
+use codepool_issuance::shops::ShopError;
 use serde::{Deserialize, Serialize};
 
 use crate::problem::Problem;
@@ -107,7 +107,7 @@ pub(crate) async fn list(
     State(api): State<Arc<Api>>,
     Caller { rid, .. }: Caller<Admin>,
 ) -> Response {
-    match api.store().shops().await {
+    match api.shops().await {
         Ok(all) => Json(ShopList {
             shops: all.iter().map(Shop::from).collect(),
         })
@@ -134,7 +134,7 @@ pub(crate) async fn create(
     Body(new): Body<NewShop>,
 ) -> Response {
     let actor = Actor::api_key(&key.name, "POST /v1/shops");
-    match shops::create(api.store(), &new.name, &new.pools, &actor).await {
+    match api.create_shop(&new.name, &new.pools, &actor).await {
         Ok(s) => (StatusCode::CREATED, Json(Shop::from(&s))).into_response(),
         Err(e) => shop_failed(e, &rid),
     }
@@ -156,7 +156,7 @@ pub(crate) async fn show(
     Caller { rid, .. }: Caller<Admin>,
     Path(name): Path<String>,
 ) -> Response {
-    match api.store().shop(&name).await {
+    match api.shop(&name).await {
         Ok(Some(s)) => Json(Shop::from(&s)).into_response(),
         Ok(None) => shop_failed(ShopError::Unknown(name), &rid),
         Err(e) => shop_failed(e.into(), &rid),
@@ -183,7 +183,7 @@ pub(crate) async fn set(
     Body(change): Body<ShopPools>,
 ) -> Response {
     let actor = Actor::api_key(&key.name, "PATCH /v1/shops/{name}");
-    match shops::set_pools(api.store(), &name, &change.pools, &actor).await {
+    match api.set_shop_pools(&name, &change.pools, &actor).await {
         Ok(s) => Json(Shop::from(&s)).into_response(),
         Err(e) => shop_failed(e, &rid),
     }

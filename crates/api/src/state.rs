@@ -59,10 +59,9 @@ pub struct Api {
     pub(crate) orders: batcher::Batcher,
     /// Concurrent holds, placed together.
     pub(crate) holds: codepool_issuance::holds::HoldBatcher,
-    /// Codes found by value for the platform's keys.
-    pub(crate) finder: codepool_issuance::redeem::Finder,
-    /// Each key's lookups by value that matched nothing.
-    pub(crate) misses: Misses,
+    /// Codes checked and redeemed by value for the platform's keys, each
+    /// key held to its budget of misses (the core's rule).
+    pub(crate) by_code: codepool_issuance::by_code::ByCode,
 }
 
 impl std::ops::Deref for Api {
@@ -78,8 +77,10 @@ impl Api {
         Arc::new(Self {
             orders: batcher::Batcher::start(Arc::downgrade(&core)),
             holds,
-            finder: codepool_issuance::redeem::Finder::new(core.store().clone()),
-            misses: Misses::new(config.redeem_misses_per_minute),
+            by_code: codepool_issuance::by_code::ByCode::new(
+                &core,
+                config.redeem_misses_per_minute,
+            ),
             core,
             keys: api_keys::Verifier::default(),
             limits: per_key_limiter(config.rate_per_key),
@@ -106,133 +107,6 @@ impl Api {
             let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
             wait.as_secs_f64().ceil().max(1.0) as u64
         })
-    }
-}
-
-/// Each key's budget of codes named that matched nothing: `per_minute`,
-/// all of it at once, refilled evenly. A lookup reserves one miss of the
-/// budget BEFORE it runs and gives it back when it found the code, so
-/// however many requests a key sends at once, no more lookups than the
-/// budget can still miss are in flight: the others wait their turn. A key
-/// whose budget is spent by misses is slowed: every code it names is
-/// answered 429 until the budget holds one again. Guessing codes costs a
-/// key time, not just requests; an honest platform's lookups only queue.
-pub(crate) struct Misses {
-    per_minute: f64,
-    buckets: std::sync::Mutex<std::collections::HashMap<String, Bucket>>,
-    /// Woken when a reservation ends.
-    freed: tokio::sync::Notify,
-}
-
-struct Bucket {
-    /// Misses left (reserved ones included).
-    left: f64,
-    /// Lookups in flight, each holding one of `left`.
-    reserved: u32,
-    at: std::time::Instant,
-}
-
-/// Whether a lookup may start now.
-enum Turn {
-    Go,
-    /// Every miss left is held by a lookup in flight: wait for one.
-    Wait,
-    /// The budget is spent: the seconds until it holds a miss again.
-    Spent(u64),
-}
-
-/// A miss reserved for one lookup: given back when dropped, unless the
-/// lookup found nothing ([`Reserved::missed`]).
-pub(crate) struct Reserved<'a> {
-    misses: &'a Misses,
-    key: String,
-    missed: bool,
-}
-
-impl Reserved<'_> {
-    /// The lookup found nothing: the miss is spent.
-    pub(crate) fn missed(mut self) {
-        self.missed = true;
-    }
-}
-
-impl Drop for Reserved<'_> {
-    fn drop(&mut self) {
-        self.misses.release(&self.key, self.missed);
-    }
-}
-
-/// Longest a lookup waits for its turn before it is answered 429.
-const TURN_WAIT: Duration = Duration::from_secs(5);
-
-impl Misses {
-    fn new(per_minute: u32) -> Self {
-        Misses {
-            per_minute: f64::from(per_minute.max(1)),
-            buckets: Default::default(),
-            freed: tokio::sync::Notify::new(),
-        }
-    }
-
-    fn turn(&self, key: &str) -> Turn {
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        let now = std::time::Instant::now();
-        let b = buckets.entry(key.to_owned()).or_insert(Bucket {
-            left: self.per_minute,
-            reserved: 0,
-            at: now,
-        });
-        let refill = now.duration_since(b.at).as_secs_f64() * self.per_minute / 60.0;
-        b.left = (b.left + refill).min(self.per_minute);
-        b.at = now;
-        if b.left - f64::from(b.reserved) >= 1.0 {
-            b.reserved += 1;
-            return Turn::Go;
-        }
-        if b.left >= 1.0 {
-            return Turn::Wait;
-        }
-        let wait = (1.0 - b.left) * 60.0 / self.per_minute;
-        Turn::Spent(wait.ceil().max(1.0) as u64)
-    }
-
-    /// Reserves one miss of `key`'s budget for a lookup about to run,
-    /// waiting while the misses left are all held by lookups in flight;
-    /// the seconds to wait when the budget is spent.
-    pub(crate) async fn reserve(&self, key: &str) -> Result<Reserved<'_>, u64> {
-        let deadline = tokio::time::Instant::now() + TURN_WAIT;
-        loop {
-            let freed = self.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            match self.turn(key) {
-                Turn::Go => {
-                    return Ok(Reserved {
-                        misses: self,
-                        key: key.to_owned(),
-                        missed: false,
-                    })
-                }
-                Turn::Spent(wait) => return Err(wait),
-                Turn::Wait => {
-                    if tokio::time::timeout_at(deadline, freed).await.is_err() {
-                        return Err(TURN_WAIT.as_secs());
-                    }
-                }
-            }
-        }
-    }
-
-    fn release(&self, key: &str, missed: bool) {
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(b) = buckets.get_mut(key) {
-            b.reserved = b.reserved.saturating_sub(1);
-            if missed {
-                b.left = (b.left - 1.0).max(0.0);
-            }
-        }
-        drop(buckets);
-        self.freed.notify_waiters();
     }
 }
 

@@ -162,7 +162,7 @@ pub(crate) async fn statement(
         Ok(r) => r,
         Err(r) => return *r,
     };
-    let s = match statements::statement(api.store(), &a).await {
+    let s = match api.statement(&a).await {
         Ok(s) => s,
         Err(e) => return failed(e, &rid),
     };
@@ -208,7 +208,7 @@ pub(crate) async fn lines(
             ControlFlow::Continue(())
         }
     };
-    match statements::lines(api.store(), &a, &mut each).await {
+    match api.statement_lines(&a, &mut each).await {
         Ok(n) if n > MAX_LINES => unprocessable(
             &rid,
             "too-many-lines",

@@ -262,7 +262,7 @@ pub(crate) async fn list(
     Caller { rid, .. }: Caller<Admin>,
     Query(q): Query<ShopFilter>,
 ) -> Response {
-    match api.store().webhook_endpoints(q.shop.as_deref()).await {
+    match api.webhook_endpoints(q.shop.as_deref()).await {
         Ok(all) => Json(WebhookList {
             endpoints: all.iter().map(Webhook::from).collect(),
         })
@@ -289,16 +289,9 @@ pub(crate) async fn add(
     Body(new): Body<NewWebhook>,
 ) -> Response {
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks");
-    let allow = api.allow_hosts().clone();
-    match webhooks::add(
-        api.store(),
-        &new.shop,
-        &new.url,
-        &new.events.join(","),
-        &allow,
-        &actor,
-    )
-    .await
+    match api
+        .add_webhook(&new.shop, &new.url, &new.events.join(","), &actor)
+        .await
     {
         Ok(added) => {
             let v = AddedWebhook::of(Webhook::from(&added.endpoint), added.secret);
@@ -317,7 +310,10 @@ async fn set_enabled(api: &Api, key: &KeyDoc, rid: &RequestId, id: &str, on: boo
     } else {
         "POST /v1/webhooks/{id}/disable"
     };
-    match webhooks::set_enabled(api.store(), id, on, &Actor::api_key(&key.name, route)).await {
+    match api
+        .set_webhook_enabled(id, on, &Actor::api_key(&key.name, route))
+        .await
+    {
         Ok(e) => Json(Webhook::from(&e)).into_response(),
         Err(e) => failed(e, rid),
     }
@@ -378,7 +374,7 @@ pub(crate) async fn rotate(
     Path(id): Path<String>,
 ) -> Response {
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks/{id}/rotate-secret");
-    match webhooks::rotate_secret(api.store(), &id, &actor).await {
+    match api.rotate_webhook_secret(&id, &actor).await {
         Ok(secret) => Json(RotatedSecret { id, secret }).into_response(),
         Err(e) => failed(e, &rid),
     }
@@ -405,14 +401,9 @@ pub(crate) async fn deliveries(
     Query(q): Query<ShopFilter>,
 ) -> Response {
     let found = async {
-        webhooks::endpoint(api.store(), &id, q.shop.as_deref()).await?;
-        webhooks::deliveries(
-            api.store(),
-            None,
-            Some(&id),
-            q.limit.unwrap_or(50).clamp(1, 1000),
-        )
-        .await
+        api.webhook_endpoint(&id, q.shop.as_deref()).await?;
+        api.webhook_deliveries(None, Some(&id), q.limit.unwrap_or(50).clamp(1, 1000))
+            .await
     };
     match found.await {
         Ok(list) => Json(DeliveryList {
@@ -449,8 +440,7 @@ pub(crate) async fn replay(
         None => return failed(WebhookError::Scope(String::new()), &rid),
     };
     let actor = Actor::api_key(&key.name, "POST /v1/webhooks/replay");
-    let replayed = webhooks::replay(
-        api.store(),
+    let replayed = api.replay_webhooks(
         &r.shop,
         &scope,
         r.endpoint.as_deref(),

@@ -115,7 +115,7 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
         // registry that cannot be read leaves the last answer (MongoDB
         // down shows above). Bounded: a probe never waits on MongoDB's
         // server selection.
-        let check = core.intake().keys().ensure(core.store());
+        let check = core.ensure_keys();
         if let Ok(Ok(keys)) = tokio::time::timeout(KEY_CHECK_WAIT, check).await {
             h.set_keys_missing(keys.is_err());
         }

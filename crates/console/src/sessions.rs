@@ -14,7 +14,7 @@ use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Redirect, Response};
 use codepool_issuance::operators::{OperatorDoc, Role};
 
-pub use codepool_issuance::sessions::{end, find, start, SessionDoc, SESSIONS};
+pub use codepool_issuance::sessions::{SessionDoc, SESSIONS};
 pub const COOKIE: &str = "codepool_session";
 
 /// Equal in time that does not depend on where they differ.
@@ -112,17 +112,10 @@ impl FromRequestParts<Arc<Console>> for Session {
         let Some(token) = token_of(parts) else {
             return Err(to_signin(parts));
         };
-        let store = console.core.store();
-        let doc = match find(store, &token).await {
-            Ok(Some(d)) => d,
-            Ok(None) => return Err(to_signin(parts)),
-            Err(e) => return Err(Failure::from(e).into_response()),
-        };
-        let operator = match codepool_issuance::operators::find(store, &doc.operator).await {
-            Ok(Some(o)) if o.disabled_at.is_none() => o,
-            Ok(_) => return Err(to_signin(parts)),
-            Err(e) => return Err(Failure::from(e).into_response()),
-        };
-        Ok(Session { doc, operator })
+        match console.core.signed_in(&token).await {
+            Ok(Some((doc, operator))) => Ok(Session { doc, operator }),
+            Ok(None) => Err(to_signin(parts)),
+            Err(e) => Err(Failure::from(e).into_response()),
+        }
     }
 }

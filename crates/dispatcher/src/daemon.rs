@@ -235,7 +235,7 @@ impl Dispatcher {
                 _ = shutdown.cancelled() => return false,
                 _ = tokio::time::sleep(codepool_issuance::keywatch::RECHECK) => {}
             }
-            if let Err(e) = self.parts.intake.keys().refresh(&self.parts.store).await {
+            if let Err(e) = self.parts.refresh_keys().await {
                 debug!(error = %e, "key registry not read; trying again");
                 continue;
             }
@@ -250,18 +250,11 @@ impl Dispatcher {
     /// every 2 seconds.
     async fn probe_loop(&self, stop: CancellationToken) {
         loop {
-            if self
-                .parts
-                .intake
-                .keys()
-                .refresh(&self.parts.store)
-                .await
-                .is_ok()
-            {
+            if self.parts.refresh_keys().await.is_ok() {
                 self.health
                     .set_keys_missing(!self.parts.intake.keys().missing().is_empty());
             }
-            let up = tokio::time::timeout(Duration::from_secs(3), self.parts.store.ping())
+            let up = tokio::time::timeout(Duration::from_secs(3), self.parts.ping())
                 .await
                 .is_ok_and(|r| r.is_ok());
             self.health.set_mongo(up);

@@ -17,7 +17,6 @@
 pub mod acks;
 mod batch;
 pub mod daemon;
-pub mod receipts;
 pub mod redemptions;
 mod session;
 pub mod upkeep;

@@ -13,9 +13,9 @@
 
 use codepool_domain::{mask, Redemption};
 use codepool_issuance::audit::Actor;
+use codepool_issuance::background::Parts;
 use codepool_issuance::model::{CodeRef, LifecycleError, Redeemed};
-use codepool_issuance::ops;
-use codepool_issuance::{Store, StoreError};
+use codepool_issuance::StoreError;
 use lapin::message::Delivery;
 use tracing::{debug, info, warn};
 
@@ -39,7 +39,7 @@ fn redeemer<'a>(delivery: &'a Delivery, redeemers: &[String]) -> Result<&'a str,
 /// Applies one redemption delivery from an allowed broker user (see the
 /// module doc). `Err` only when MongoDB is unavailable.
 pub async fn apply_redemption(
-    store: &Store,
+    parts: &Parts,
     delivery: &Delivery,
     redeemers: &[String],
 ) -> Result<(), StoreError> {
@@ -65,7 +65,7 @@ pub async fn apply_redemption(
         Redemption::Order { order_id } => CodeRef::Order(order_id),
     };
     let actor = Actor::amqp_user(user, "code.redeemed event");
-    let result = match ops::redeem(store, target, None, &actor).await {
+    let result = match parts.redeem(target, None, &actor).await {
         Ok(Redeemed::Before(_)) => "duplicate",
         Ok(Redeemed::Now(done)) => {
             for t in done {

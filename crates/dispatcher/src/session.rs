@@ -109,7 +109,7 @@ impl Dispatcher {
         let stop = shutdown.child_token();
         let upkeep = crate::upkeep::spawn(
             conn,
-            self.parts.store.clone(),
+            std::sync::Arc::new(self.parts.clone()),
             publisher.topology(),
             std::sync::Arc::new(cfg.redeemers.clone()),
             stop.clone(),
@@ -311,10 +311,7 @@ impl Dispatcher {
             self.parts.intake.engine().replenished(&pool);
             // Nothing is claimed here either while the key file lacks a
             // key codes are sealed with (see keywatch.rs).
-            if !matches!(
-                self.parts.intake.keys().ensure(&self.parts.store).await,
-                Ok(Ok(()))
-            ) {
+            if !matches!(self.parts.ensure_keys().await, Ok(Ok(()))) {
                 continue;
             }
             // Its lines (the core's `fulfil` span) name the door that heard it.

@@ -1,6 +1,9 @@
 //! Upkeep: what a dispatcher session does besides purchases. It applies
-//! SMS receipts ([`crate::receipts`]) and `code.redeemed` events
-//! ([`crate::redemptions`]) from their durable queues. All of it stops
+//! SMS receipts (decoded and applied by the core:
+//! [`codepool_issuance::receipts`]) and `code.redeemed` events
+//! ([`crate::redemptions`]) from their durable queues. Receipts are acked
+//! only after they are applied; a malformed one is acked and logged,
+//! never retried forever. All of it stops
 //! with the session. The sweeps every granting process runs (relay,
 //! holds, backorders, expiry, stock, webhooks) are the core's
 //! ([`codepool_issuance::background`]).
@@ -9,7 +12,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use codepool_broker::{BrokerError, ConsumerHandle, Topology};
-use codepool_issuance::{Store, StoreError};
+use codepool_issuance::background::Parts;
+use codepool_issuance::StoreError;
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
@@ -18,7 +22,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::receipts::apply_receipt;
 use crate::redemptions::apply_redemption;
 use codepool_issuance::outage::Retry;
 
@@ -38,7 +41,7 @@ pub struct Upkeep {
 /// topology). Await the tasks after cancelling `stop`.
 pub async fn spawn(
     conn: &Connection,
-    store: Store,
+    parts: Arc<Parts>,
     topology: &Topology,
     redeemers: Arc<Vec<String>>,
     stop: CancellationToken,
@@ -49,21 +52,24 @@ pub async fn spawn(
     let mut tasks = JoinSet::new();
     tasks.spawn(consume(
         receipts.consumer,
-        store.clone(),
+        parts.clone(),
         stop.clone(),
-        |s, d| async move {
-            let r = apply_receipt(&s, &d).await;
+        |p, d| async move {
+            let id = d.properties.message_id().as_ref().map(|m| m.as_str());
+            let r = p
+                .apply_sms_receipt(d.routing_key.as_str(), &d.data, id)
+                .await;
             (d, r)
         },
     ));
     tasks.spawn(consume(
         redemptions.consumer,
-        store.clone(),
+        parts,
         stop.clone(),
-        move |s, d| {
+        move |p, d| {
             let redeemers = redeemers.clone();
             async move {
-                let r = apply_redemption(&s, &d, &redeemers).await;
+                let r = apply_redemption(&p, &d, &redeemers).await;
                 (d, r)
             }
         },
@@ -74,9 +80,13 @@ pub async fn spawn(
 /// Applies deliveries one by one, acking each once it is applied. While
 /// MongoDB is away the delivery is retried with backoff; on stop it stays
 /// unacked and is redelivered to the next consumer.
-async fn consume<F, Fut>(mut consumer: Consumer, store: Store, stop: CancellationToken, apply: F)
-where
-    F: Fn(Store, Delivery) -> Fut,
+async fn consume<F, Fut>(
+    mut consumer: Consumer,
+    parts: Arc<Parts>,
+    stop: CancellationToken,
+    apply: F,
+) where
+    F: Fn(Arc<Parts>, Delivery) -> Fut,
     Fut: Future<Output = (Delivery, Result<(), StoreError>)>,
 {
     let queue = consumer.queue().to_string();
@@ -93,7 +103,7 @@ where
         let mut delivery = delivery;
         let mut retry = Retry::new();
         loop {
-            let (d, result) = apply(store.clone(), delivery).await;
+            let (d, result) = apply(parts.clone(), delivery).await;
             delivery = d;
             match result {
                 Ok(()) => break,

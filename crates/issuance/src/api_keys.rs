@@ -10,124 +10,43 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use bson::{doc, DateTime};
-use futures::TryStreamExt;
+use bson::DateTime;
 use rand::RngCore;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use codepool_store::{Store, StoreError};
 
 use crate::audit::{self, Actor, AuditKind};
 
-pub const API_KEYS: &str = "api_keys";
+/// The keys' collection and documents (the store reads and writes them;
+/// the rules are here).
+pub use codepool_store::api_keys::{KeyDoc, Scope, API_KEYS};
 
 /// How long a process trusts what it read of a key: a revocation takes
 /// effect within this long everywhere.
 pub const KEY_TTL: Duration = Duration::from_secs(1);
 
-/// What a key may do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Scope {
-    /// Place orders (`POST /v1/orders`); the answer carries their codes.
-    #[serde(rename = "orders:write")]
-    OrdersWrite,
-    /// Read orders, codes masked; redeem, void and resend them.
-    #[serde(rename = "orders:read")]
-    OrdersRead,
-    /// See codes in plaintext when reading an order (every reveal is
-    /// audited with the key's name).
-    #[serde(rename = "codes:reveal")]
-    CodesReveal,
-    /// Administer pools, imports and dead letters.
-    #[serde(rename = "admin")]
-    Admin,
-    /// Check and redeem codes by value (`/v1/codes/check`,
-    /// `/v1/codes/redeem`): the key of the platform that honours the
-    /// codes, for every pool or for its shop's.
-    #[serde(rename = "codes:redeem")]
-    CodesRedeem,
-}
-
-impl Scope {
-    pub const ALL: [Scope; 5] = [
-        Scope::OrdersWrite,
-        Scope::OrdersRead,
-        Scope::CodesReveal,
-        Scope::Admin,
-        Scope::CodesRedeem,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scope::OrdersWrite => "orders:write",
-            Scope::OrdersRead => "orders:read",
-            Scope::CodesReveal => "codes:reveal",
-            Scope::Admin => "admin",
-            Scope::CodesRedeem => "codes:redeem",
+/// Makes `purchase` the order of `key`: its owner is the key's (see
+/// [`KeyDoc::owner`]), and a shop's key orders for its shop only. A shop's
+/// key that names another shop is refused, on the `shop` field. The order
+/// then belongs to the key: a repeat by any other key (or of an order that
+/// came over AMQP) is a conflict, with no code.
+pub fn stamp(
+    key: &KeyDoc,
+    purchase: &mut codepool_domain::Purchase,
+) -> Result<(), codepool_domain::PurchaseError> {
+    if let Some(shop) = &key.shop {
+        if purchase.shop.as_ref().is_some_and(|s| s != shop) {
+            return Err(codepool_domain::PurchaseError::new(
+                codepool_domain::RejectReason::UnknownShop,
+                format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
+            )
+            .on("shop"));
         }
+        purchase.shop = Some(shop.clone());
     }
-
-    pub fn parse(s: &str) -> Option<Scope> {
-        Scope::ALL.into_iter().find(|x| x.as_str() == s.trim())
-    }
-}
-
-/// A key as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct KeyDoc {
-    #[serde(rename = "_id")]
-    pub id: String,
-    pub name: String,
-    /// Hex SHA-256 of the secret.
-    pub hash: String,
-    pub scopes: Vec<Scope>,
-    pub created_at: DateTime,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub revoked_at: Option<DateTime>,
-    /// The shop the key belongs to: it acts on the shop's pools and orders
-    /// only. `None`: the operator's key.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shop: Option<String>,
-}
-
-impl KeyDoc {
-    pub fn allows(&self, scope: Scope) -> bool {
-        self.revoked_at.is_none() && self.scopes.contains(&scope)
-    }
-
-    /// The owner recorded with the orders this key places: its shop's, or
-    /// the key's own id (not its name, which a new key may take once the
-    /// old one is revoked).
-    pub fn owner(&self) -> String {
-        match &self.shop {
-            Some(shop) => crate::shops::owner_of(shop),
-            None => format!("api-key-id:{}", self.id),
-        }
-    }
-
-    /// Makes `purchase` this key's order: its owner is the key's (see
-    /// [`Self::owner`]), and a shop's key orders for its shop only. A
-    /// shop's key that names another shop is refused, on the `shop` field.
-    /// The order then belongs to the key: a repeat by any other key (or of
-    /// an order that came over AMQP) is a conflict, with no code.
-    pub fn stamp(
-        &self,
-        purchase: &mut codepool_domain::Purchase,
-    ) -> Result<(), codepool_domain::PurchaseError> {
-        if let Some(shop) = &self.shop {
-            if purchase.shop.as_ref().is_some_and(|s| s != shop) {
-                return Err(codepool_domain::PurchaseError::new(
-                    codepool_domain::RejectReason::UnknownShop,
-                    format!("this key belongs to shop {shop:?} and orders only for it; leave \"shop\" out, or send {shop:?}"),
-                )
-                .on("shop"));
-            }
-            purchase.shop = Some(shop.clone());
-        }
-        purchase.owner = Some(self.owner());
-        Ok(())
-    }
+    purchase.owner = Some(key.owner());
+    Ok(())
 }
 
 /// A new key: its record and the token to hand to the shop, once.
@@ -184,10 +103,6 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-fn keys(store: &Store) -> mongodb::Collection<KeyDoc> {
-    store.database().collection::<KeyDoc>(API_KEYS)
-}
-
 /// Creates an operator's key. Names are unique among keys not revoked.
 /// Audited with `actor`.
 pub async fn create(
@@ -224,13 +139,7 @@ pub async fn create_for(
             return Err(KeyError::UnknownShop(shop.to_owned()));
         }
     }
-    let live = doc! {"name": name, "revoked_at": {"$exists": false}};
-    if keys(store)
-        .find_one(live)
-        .await
-        .map_err(StoreError::from)?
-        .is_some()
-    {
+    if store.live_api_key(name).await?.is_some() {
         return Err(KeyError::NameTaken(name.to_owned()));
     }
     let (id, secret) = (random_hex(8), random_hex(32));
@@ -247,10 +156,7 @@ pub async fn create_for(
         revoked_at: None,
         shop: shop.map(str::to_owned),
     };
-    keys(store)
-        .insert_one(&key)
-        .await
-        .map_err(StoreError::from)?;
+    store.insert_api_key(&key).await?;
     let scopes = key.scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>();
     let of = (key.shop.as_deref()).map_or(String::new(), |s| format!(" of shop {s:?}"));
     let what = format!(
@@ -267,27 +173,14 @@ pub async fn create_for(
 
 /// Every key, newest first.
 pub async fn list(store: &Store) -> Result<Vec<KeyDoc>, KeyError> {
-    let found = keys(store)
-        .find(doc! {})
-        .sort(doc! {"created_at": -1})
-        .await
-        .map_err(StoreError::from)?
-        .try_collect()
-        .await
-        .map_err(StoreError::from)?;
-    Ok(found)
+    Ok(store.api_keys().await?)
 }
 
 /// Revokes the live key named `name`. Audited with `actor`
 /// (`api-key-revoke`).
 pub async fn revoke(store: &Store, name: &str, actor: &Actor) -> Result<KeyDoc, KeyError> {
-    let live = doc! {"name": name, "revoked_at": {"$exists": false}};
-    let revoked = keys(store)
-        .find_one_and_update(live, doc! {"$set": {"revoked_at": DateTime::now()}})
-        .return_document(mongodb::options::ReturnDocument::After)
-        .await
-        .map_err(StoreError::from)?
-        .ok_or_else(|| KeyError::Unknown(name.to_owned()))?;
+    let revoked =
+        (store.revoke_api_key(name).await?).ok_or_else(|| KeyError::Unknown(name.to_owned()))?;
     let what = format!("API key {:?} ({}) revoked", revoked.name, revoked.id);
     audit::record(store, actor, AuditKind::ApiKeyRevoke, what).await?;
     Ok(revoked)
@@ -331,7 +224,7 @@ impl Verifier {
         let key = match cached {
             Some(k) => k,
             None => {
-                let k = keys(store).find_one(doc! {"_id": id}).await?;
+                let k = store.api_key(id).await?;
                 if let Ok(mut c) = self.cache.lock() {
                     if c.len() > 10_000 {
                         c.clear();

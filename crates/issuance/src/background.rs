@@ -44,7 +44,9 @@ use crate::Door;
 /// connection, the dispatcher holds them with its sessions.
 #[derive(Clone)]
 pub struct Parts {
-    pub store: Store,
+    /// The core's own: the doors call [`crate::doors`], the composition
+    /// root builds the parts from a store ([`Parts::new`]).
+    pub(crate) store: Store,
     /// Placing orders: known pools, policies, the claim.
     pub intake: Arc<Intake>,
     /// SMS-pending events, and their marks.

@@ -2,7 +2,9 @@
 //! (the store, the intake that places orders, the outbox, the hot pool,
 //! the stock watch) and the broker connection in use. The HTTP API and
 //! the console hold the same [`Core`]; neither holds the other's state.
-//! The dispatcher holds the same [`Parts`] with its own sessions.
+//! The dispatcher holds the same [`Parts`] with its own sessions. The
+//! doors read and change what the store keeps only through the views and
+//! operations of [`crate::doors`]: the store is not theirs to hold.
 
 use std::sync::{Arc, RwLock};
 
@@ -44,8 +46,9 @@ impl Core {
         &self.parts
     }
 
-    /// The store every door shares.
-    pub fn store(&self) -> &Store {
+    /// The store behind the views and operations the doors call
+    /// ([`crate::doors`]); no door holds it.
+    pub(crate) fn store(&self) -> &Store {
         &self.parts.store
     }
 

@@ -17,6 +17,10 @@
 //!   pools and imports ([`controls`]: pause, resume, settings, recall,
 //!   imports announced, dead letters replayed) take an [`audit::Actor`] and
 //!   write their own audit record.
+//! - The doors reach all of it through [`doors`]: views and operations on
+//!   the [`Core`] they share (and on the dispatcher's [`background::Parts`]);
+//!   none holds the store. Redemption by code keeps each key to its budget
+//!   of misses ([`by_code`]); SMS receipts are decoded here ([`receipts`]).
 //! - Around them: stock alerts ([`stock`]), expiry ([`expiry`]), grant
 //!   numbers ([`grant_no`]), the key watch ([`keywatch`]), outage logging
 //!   and retry policy ([`outage`]) and metrics ([`telemetry`]).
@@ -32,12 +36,14 @@ pub mod audit;
 pub mod background;
 pub mod backorders;
 mod bundles;
+pub mod by_code;
 pub mod claim;
 pub mod claim_error;
 pub mod clock;
 pub mod controls;
 pub mod core;
 mod demand;
+pub mod doors;
 pub mod expiry;
 mod failpoint;
 pub mod generations;
@@ -58,6 +64,7 @@ pub mod placing;
 pub mod plan;
 pub mod policy;
 pub mod ports;
+pub mod receipts;
 pub mod redeem;
 pub mod relay;
 pub mod replace;
@@ -74,7 +81,7 @@ pub mod webhooks;
 /// name no storage crate of their own (a suite test reads `cargo
 /// metadata` to keep it so).
 pub mod model {
-    pub use codepool_store::audit::{Action, AuditFilter, AuditKind, RecordedKind};
+    pub use codepool_store::audit::{Action, AuditEntry, AuditFilter, AuditKind, RecordedKind};
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;
     pub use codepool_store::lifecycle::{
@@ -118,9 +125,10 @@ impl Door {
     }
 }
 
-/// The store handle the core's functions take (the doors pass it on,
-/// never query it themselves), and its error.
-pub use codepool_store::{Store, StoreError};
+/// What goes wrong when MongoDB did, in the core's answers. The store
+/// itself is the core's: the doors read views and call operations of the
+/// [`Core`] ([`doors`]), and never hold it.
+pub use codepool_store::StoreError;
 
 pub use claim::{ClaimConfig, ClaimEngine, ClaimError, ClaimOutcome};
 pub use codepool_store::{ClaimWay, Resend};

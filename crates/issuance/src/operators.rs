@@ -7,74 +7,19 @@
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
-use bson::{doc, DateTime};
-use futures::TryStreamExt;
+use bson::DateTime;
 use rand::RngCore;
-use serde::{Deserialize, Serialize};
 
 use crate::audit::{self, Actor, AuditKind};
 use codepool_store::{Store, StoreError};
 
-pub const OPERATORS: &str = "console_operators";
-/// The collection of console sessions. Each session is an operator's, and
-/// ends with that operator's account or password (see `end_sessions`), so
-/// the name lives with the operators; `sessions` reads and writes it.
-pub const SESSIONS: &str = "console_sessions";
+/// The operators' and their sessions' collections, and the documents
+/// (the store reads and writes them; the rules are here).
+pub use codepool_store::operators::{OperatorDoc, Role, OPERATORS, SESSIONS};
 
 /// Shortest and longest password accepted.
 pub const MIN_PASSWORD: usize = 10;
 pub const MAX_PASSWORD: usize = 1024;
-
-/// What an operator may do. Each role holds everything of the roles
-/// before it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Stock and stats.
-    Viewer,
-    /// And order lookup (codes masked), resend, void with a reason.
-    Support,
-    /// And imports, recall, pause/resume, settings, reveal, dead letters,
-    /// API keys, operators, the audit log.
-    Admin,
-}
-
-impl Role {
-    pub const ALL: [Role; 3] = [Role::Viewer, Role::Support, Role::Admin];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Viewer => "viewer",
-            Role::Support => "support",
-            Role::Admin => "admin",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Role> {
-        Role::ALL.into_iter().find(|r| r.as_str() == s.trim())
-    }
-}
-
-/// An operator as stored (the name is the `_id`: unique).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OperatorDoc {
-    #[serde(rename = "_id")]
-    pub name: String,
-    pub role: Role,
-    /// The argon2id PHC string (salt and parameters included).
-    pub hash: String,
-    pub created_at: DateTime,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub password_changed_at: Option<DateTime>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disabled_at: Option<DateTime>,
-}
-
-impl OperatorDoc {
-    pub fn may(&self, role: Role) -> bool {
-        self.disabled_at.is_none() && self.role >= role
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum OperatorError {
@@ -97,19 +42,6 @@ pub fn valid_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-fn operators(store: &Store) -> mongodb::Collection<OperatorDoc> {
-    store.database().collection::<OperatorDoc>(OPERATORS)
-}
-
-fn store_err(e: mongodb::error::Error) -> OperatorError {
-    OperatorError::Store(StoreError::from(e))
-}
-
-fn is_duplicate(e: &mongodb::error::Error) -> bool {
-    use mongodb::error::{ErrorKind, WriteFailure};
-    matches!(e.kind.as_ref(), ErrorKind::Write(WriteFailure::WriteError(w)) if w.code == 11000)
 }
 
 /// An argon2id hash of `password` (OWASP's default parameters), computed
@@ -185,10 +117,8 @@ pub async fn add(
         password_changed_at: None,
         disabled_at: None,
     };
-    match operators(store).insert_one(&op).await {
-        Ok(_) => {}
-        Err(e) if is_duplicate(&e) => return Err(OperatorError::NameTaken(name.to_owned())),
-        Err(e) => return Err(store_err(e)),
+    if !store.insert_operator(&op).await? {
+        return Err(OperatorError::NameTaken(name.to_owned()));
     }
     let what = format!("operator {:?} added as {}", op.name, role.as_str());
     audit::record(store, actor, AuditKind::OperatorAdd, what).await?;
@@ -197,19 +127,12 @@ pub async fn add(
 
 /// Every operator, by name.
 pub async fn list(store: &Store) -> Result<Vec<OperatorDoc>, OperatorError> {
-    operators(store)
-        .find(doc! {})
-        .sort(doc! {"_id": 1})
-        .await
-        .map_err(store_err)?
-        .try_collect()
-        .await
-        .map_err(store_err)
+    Ok(store.operators().await?)
 }
 
 /// The operator named `name`, enabled or not.
 pub async fn find(store: &Store, name: &str) -> Result<Option<OperatorDoc>, StoreError> {
-    Ok(operators(store).find_one(doc! {"_id": name}).await?)
+    store.operator(name).await
 }
 
 /// Disables an operator and ends its sessions. Audited with `actor`
@@ -219,14 +142,7 @@ pub async fn disable(
     name: &str,
     actor: &Actor,
 ) -> Result<OperatorDoc, OperatorError> {
-    let op = operators(store)
-        .find_one_and_update(
-            doc! {"_id": name},
-            doc! {"$set": {"disabled_at": DateTime::now()}},
-        )
-        .return_document(mongodb::options::ReturnDocument::After)
-        .await
-        .map_err(store_err)?
+    let op = (store.disable_operator(name).await?)
         .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
     end_sessions(store, name).await?;
     let what = format!("operator {:?} disabled", op.name);
@@ -237,12 +153,7 @@ pub async fn disable(
 /// Ends every console session of `operator`: a disabled operator, or one
 /// whose password changed, is signed out everywhere.
 async fn end_sessions(store: &Store, operator: &str) -> Result<u64, StoreError> {
-    let done = store
-        .database()
-        .collection::<bson::Document>(SESSIONS)
-        .delete_many(doc! {"operator": operator})
-        .await?;
-    Ok(done.deleted_count)
+    store.end_operator_sessions(operator).await
 }
 
 /// Sets a new password (and enables the account again); its sessions end.
@@ -254,15 +165,7 @@ pub async fn passwd(
     actor: &Actor,
 ) -> Result<(), OperatorError> {
     let hash = hash_password(password).await?;
-    let before = operators(store)
-        .find_one_and_update(
-            doc! {"_id": name},
-            doc! {"$set": {"hash": hash, "password_changed_at": DateTime::now()},
-            "$unset": {"disabled_at": ""}},
-        )
-        .return_document(mongodb::options::ReturnDocument::Before)
-        .await
-        .map_err(store_err)?
+    let before = (store.set_operator_password(name, &hash).await?)
         .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
     end_sessions(store, name).await?;
     let enabled = if before.disabled_at.is_some() {

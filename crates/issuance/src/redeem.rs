@@ -104,6 +104,10 @@ pub enum RedeemError {
     ConflictingId(String),
     #[error("a redemption id is 1 to {MAX_REDEMPTION_ID_CHARS} characters of plain visible text")]
     BadId,
+    /// The key named too many codes that matched nothing
+    /// ([`crate::by_code`]): nothing was looked up.
+    #[error("this key named too many codes that match nothing; wait {wait} s, then send the request again")]
+    Slowed { wait: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -4,31 +4,14 @@
 //! console door sets and reads the cookie; disabling an operator ends all
 //! of theirs ([`crate::operators::disable`]).
 
-use bson::{doc, DateTime};
+use bson::DateTime;
 use rand::RngCore;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use codepool_store::{Store, StoreError};
 
-pub use crate::operators::SESSIONS;
-
 /// A session as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SessionDoc {
-    /// Hex SHA-256 of the cookie's token.
-    #[serde(rename = "_id")]
-    pub id: String,
-    pub operator: String,
-    /// The token every state-changing form of this session carries.
-    pub csrf: String,
-    pub created_at: DateTime,
-    pub expires_at: DateTime,
-}
-
-fn sessions(store: &Store) -> mongodb::Collection<SessionDoc> {
-    store.database().collection::<SessionDoc>(SESSIONS)
-}
+pub use codepool_store::operators::{SessionDoc, SESSIONS};
 
 fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
@@ -56,7 +39,7 @@ pub async fn start(
         created_at: DateTime::from_chrono(now),
         expires_at: DateTime::from_chrono(now + ttl),
     };
-    sessions(store).insert_one(&doc).await?;
+    store.insert_session(&doc).await?;
     Ok(token)
 }
 
@@ -65,14 +48,10 @@ pub async fn find(store: &Store, token: &str) -> Result<Option<SessionDoc>, Stor
     if token.len() != 64 {
         return Ok(None);
     }
-    let found = sessions(store)
-        .find_one(doc! {"_id": sha256_hex(token), "expires_at": {"$gt": DateTime::now()}})
-        .await?;
-    Ok(found)
+    store.live_session(&sha256_hex(token)).await
 }
 
 /// Ends one session.
 pub async fn end(store: &Store, id: &str) -> Result<(), StoreError> {
-    sessions(store).delete_one(doc! {"_id": id}).await?;
-    Ok(())
+    store.delete_session(id).await
 }

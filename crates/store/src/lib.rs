@@ -19,12 +19,15 @@
 //! - [`crypto`]: codes sealed at rest (AEAD + key id) and found by HMAC;
 //! - [`rekey`]: sealing plaintext codes, rotating keys, checking the key file;
 //! - [`audit`]: who revealed which codes, when;
+//! - [`operators`] and [`api_keys`]: the console's operators and sessions,
+//!   and the API's keys (their rules are the core's);
 //! - [`migrate`]: the ordered index/validator files in `migrations/`.
 //!
 //! Writes that decide ownership use journaled, majority write concern, so a
 //! grant that was acknowledged survives a crash of the database.
 
 mod across;
+pub mod api_keys;
 pub mod audit;
 pub mod backorders;
 pub mod codes;
@@ -39,6 +42,7 @@ pub mod lifecycle;
 pub mod lookalikes;
 pub mod migrate;
 pub mod moves;
+pub mod operators;
 pub mod policies;
 pub mod pool_settings;
 pub mod pools;

@@ -118,7 +118,7 @@ pub async fn run(cfg: &Config, args: StatementArgs) -> anyhow::Result<u8> {
 }
 
 async fn print_lines(
-    store: &codepool_issuance::Store,
+    store: &codepool_store::Store,
     asked: &Asked,
     json: bool,
 ) -> anyhow::Result<u8> {

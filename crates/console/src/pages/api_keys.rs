@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Form;
-use codepool_issuance::api_keys::{self as keys, KeyError, Scope};
+use codepool_issuance::api_keys::{KeyError, Scope};
 use maud::{html, Markup};
 
 use crate::failure::Failure;
@@ -30,9 +30,7 @@ pub async fn list(State(console): State<Arc<Console>>, s: Session) -> Result<Res
 }
 
 async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, Failure> {
-    let all = keys::list(console.core.store())
-        .await
-        .map_err(key_failure)?;
+    let all = console.core.api_keys().await.map_err(key_failure)?;
     let body = html! {
         h1 { "API keys" }
         (top)
@@ -92,7 +90,9 @@ pub async fn create(
     s.need(Role::Admin)?;
     let shop = Some(shop.trim()).filter(|s| !s.is_empty());
     let actor = super::actor(&s, "POST /console/api-keys");
-    let new = keys::create_for(console.core.store(), name.trim(), &scopes, shop, &actor)
+    let new = console
+        .core
+        .create_api_key(name.trim(), &scopes, shop, &actor)
         .await
         .map_err(key_failure)?;
     let top = html! {
@@ -114,7 +114,9 @@ pub async fn revoke(
     s.check_csrf(&token)?;
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/api-keys/revoke");
-    let k = keys::revoke(console.core.store(), &name, &actor)
+    let k = console
+        .core
+        .revoke_api_key(&name, &actor)
         .await
         .map_err(key_failure)?;
     page(

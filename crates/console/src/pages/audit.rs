@@ -43,7 +43,7 @@ pub async fn list(
     let before = nonempty(&q.before).and_then(|b| ObjectId::parse_str(b).ok());
     let filter = AuditFilter { who, kind, before };
     let kind = kind.map(AuditKind::as_str);
-    let entries = console.core.store().audit_page(&filter, PAGE).await?;
+    let entries = console.core.audit_page(&filter, PAGE).await?;
     let more = (entries.len() as i64 == PAGE)
         .then(|| entries.last().map(|e| e.id.to_hex()))
         .flatten();

@@ -106,18 +106,12 @@ pub async fn replay(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let reason = reason_filter(&f.reason);
-    let broker = console.core.broker();
     let actor = super::actor(&s, "POST /console/dead-letters/replay");
-    let sent = codepool_issuance::controls::replay_dead_letters(
-        console.core.store(),
-        &broker.conn,
-        &broker.publisher,
-        reason,
-        MOST,
-        &actor,
-    )
-    .await
-    .map_err(|e| Failure::Unavailable(e.to_string()))?;
+    let sent = console
+        .core
+        .replay_dead_letters(reason, MOST, &actor)
+        .await
+        .map_err(|e| Failure::Unavailable(e.to_string()))?;
     list_page(
         &console,
         &s,

@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_domain::CodePattern;
-use codepool_issuance::generations::{self, GenerateError, Generation};
+use codepool_issuance::generations::{GenerateError, Generation};
 use codepool_issuance::operators::Role;
 use serde::Deserialize;
 
@@ -59,8 +59,7 @@ pub async fn start(
         run_id: None,
     };
     let actor = super::actor(&s, "POST /console/pools/{pool}/generations");
-    let publisher = console.core.broker().publisher;
-    match generations::start(console.core.store(), publisher, g, actor).await {
+    match console.core.start_generation(g, actor).await {
         Ok(_) => {}
         Err(
             e @ (GenerateError::Pool(_)

@@ -121,17 +121,8 @@ pub async fn upload(
         ..ImportOptions::default()
     };
     let core = &console.core;
-    let broker = core.broker();
     let actor = super::actor(&s, "POST /console/pools/{pool}/imports");
-    let uploaded = imports::upload(
-        core.store(),
-        &broker.publisher,
-        input,
-        &name,
-        &pool,
-        &options,
-        &actor,
-    );
+    let uploaded = core.upload(input, &name, &pool, &options, &actor);
     let uploaded = uploaded.await.map_err(import_failure)?;
     let summary = uploaded.summary;
     match uploaded.finished {

@@ -41,14 +41,8 @@ pub(crate) async fn audit(
         what,
     };
     tracing::info!(operator = %s.operator.name, kind = kind.as_str(), command, "console action");
-    console
-        .core
-        .store()
-        .record_action(&action)
-        .await
-        .map(|_| ())
-        .map_err(|e| {
-            tracing::error!(error = %e, kind = kind.as_str(), "console action done but not audited");
-            Failure::from(e)
-        })
+    console.core.record_action(&action).await.map_err(|e| {
+        tracing::error!(error = %e, kind = kind.as_str(), "console action done but not audited");
+        Failure::from(e)
+    })
 }

@@ -31,9 +31,7 @@ pub async fn list(State(console): State<Arc<Console>>, s: Session) -> Result<Res
 }
 
 async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, Failure> {
-    let all = operators::list(console.core.store())
-        .await
-        .map_err(op_failure)?;
+    let all = console.core.operators().await.map_err(op_failure)?;
     let body = html! {
         h1 { "Operators" }
         (top)
@@ -84,15 +82,11 @@ pub async fn create(
     let role = Role::parse(&f.role)
         .ok_or_else(|| Failure::Invalid("pick a role: viewer, support or admin".into()))?;
     let actor = super::actor(&s, "POST /console/operators");
-    let op = operators::add(
-        console.core.store(),
-        f.name.trim(),
-        role,
-        &f.password,
-        &actor,
-    )
-    .await
-    .map_err(op_failure)?;
+    let op = console
+        .core
+        .add_operator(f.name.trim(), role, &f.password, &actor)
+        .await
+        .map_err(op_failure)?;
     page(
         &console,
         &s,
@@ -122,7 +116,9 @@ pub async fn disable(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/operators/disable");
-    let op = operators::disable(console.core.store(), &f.name, &actor)
+    let op = console
+        .core
+        .disable_operator(&f.name, &actor)
         .await
         .map_err(op_failure)?;
     page(

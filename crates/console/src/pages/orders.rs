@@ -136,13 +136,13 @@ pub async fn search(
 ) -> Result<Response, Failure> {
     s.need(Role::Support)?;
     let text = q.q.trim().to_owned();
-    let store = console.core.store();
+    let core = &console.core;
     let found = match (q.by.as_deref().unwrap_or("order"), text.is_empty()) {
         (_, true) => None,
-        ("uid", _) => Some(ops::lookup(store, CodeQuery::Uid(&text), SEARCH_LIMIT).await?),
-        ("phone", _) => Some(ops::lookup(store, CodeQuery::Phone(&text), SEARCH_LIMIT).await?),
+        ("uid", _) => Some(core.lookup(CodeQuery::Uid(&text), SEARCH_LIMIT).await?),
+        ("phone", _) => Some(core.lookup(CodeQuery::Phone(&text), SEARCH_LIMIT).await?),
         _ => {
-            let l = ops::lookup(store, CodeQuery::Order(&text), SEARCH_LIMIT).await?;
+            let l = core.lookup(CodeQuery::Order(&text), SEARCH_LIMIT).await?;
             if !l.is_empty() {
                 return Ok(
                     Redirect::to(&format!("/console/orders/{}", url_part(&text))).into_response(),
@@ -193,7 +193,7 @@ async fn order_page(
     id: &str,
     notice: Option<String>,
 ) -> Result<Response, Failure> {
-    let l = ops::lookup(console.core.store(), CodeQuery::Order(id), 100).await?;
+    let l = console.core.lookup(CodeQuery::Order(id), 100).await?;
     if l.is_empty() {
         return Err(Failure::NotFound(format!("codepool knows no order {id:?}: no code, no backorder, no refusal. Check the id, or whether the purchase was dead-lettered")));
     }
@@ -247,11 +247,8 @@ pub async fn resend(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Support)?;
     let core = &console.core;
-    let broker = core.broker();
     let actor = super::actor(&s, "POST /console/orders/{id}/resend");
-    let events = match ops::resend(core.store(), core.outbox(), &broker.publisher, &id, &actor)
-        .await
-    {
+    let events = match core.resend(&id, &actor).await {
         Ok((events, _)) => events,
         Err(ResendError::Store(e)) => return Err(e.into()),
         Err(e @ ResendError::Unconfirmed(_)) => return Err(Failure::Unavailable(e.to_string())),
@@ -287,14 +284,7 @@ pub async fn void(
     })?;
     let actor = super::actor(&s, "POST /console/orders/{id}/void");
     let core = &console.core;
-    let voided = ops::void(
-        core.store(),
-        core.hot().as_ref(),
-        CodeRef::Order(&id),
-        reason,
-        &actor,
-    )
-    .await;
+    let voided = core.void(CodeRef::Order(&id), reason, &actor).await;
     let done = match voided {
         Ok(VoidOutcome::Voided {
             applied,
@@ -331,7 +321,7 @@ pub async fn reveal(
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/orders/{id}/reveal");
     // Recorded before anything is shown (no record, no reveal).
-    let l = ops::reveal_order(console.core.store(), &id, &actor).await?;
+    let l = console.core.reveal_order(&id, &actor).await?;
     if l.codes.is_empty() {
         return Err(Failure::NotFound(format!(
             "order {id:?} holds no code to reveal"
@@ -374,13 +364,6 @@ pub async fn replace(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Support)?;
     let core = &console.core;
-    let broker = core.broker();
-    let services = replace::Services {
-        store: core.store(),
-        engine: core.intake().engine(),
-        outbox: core.outbox(),
-        sink: &broker.publisher,
-    };
     let ask = replace::Ask {
         order_id: &id,
         line,
@@ -388,7 +371,7 @@ pub async fn replace(
         reason: &f.reason,
     };
     let actor = super::actor(&s, "POST /console/orders/{id}/lines/{line}/replace");
-    let done = match replace::replace(&services, &ask, &actor).await {
+    let done = match core.replace(&ask, &actor).await {
         Ok(done) => done,
         Err(ReplaceError::Store(e)) => return Err(e.into()),
         Err(e) if e.is_unavailable() => return Err(Failure::Unavailable(e.to_string())),

@@ -11,7 +11,7 @@ use axum::extract::{Path, State};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::Form;
 use codepool_domain::pattern::DEFAULT_PATTERN;
-use codepool_issuance::controls::{self, PauseError, RecallError};
+use codepool_issuance::controls::{PauseError, RecallError};
 use codepool_issuance::model::PoolStats;
 use codepool_issuance::model::{PoolSettings, PoolSettingsError};
 use maud::{html, Markup};
@@ -29,17 +29,17 @@ const IMPORTS_SHOWN: i64 = 20;
 
 /// The stock chart of `pool` ([`chart`]).
 pub(crate) async fn stock_chart(console: &Console, pool: &str) -> Result<Markup, Failure> {
-    let store = console.core.store();
+    let core = &console.core;
     let now = chrono::Utc::now();
     let since = now - chrono::Duration::hours(chart::HOURS + 1);
-    let stock = store.unissued_stock(pool).await?;
-    let grants: Vec<_> = store
+    let stock = core.unissued_stock(pool).await?;
+    let grants: Vec<_> = core
         .grants_by_hour(pool, bson::DateTime::from_chrono(since))
         .await?
         .into_iter()
         .map(|(t, n)| (t.to_chrono(), n))
         .collect();
-    let imports: Vec<_> = store
+    let imports: Vec<_> = core
         .imports_of(pool, 200)
         .await?
         .into_iter()
@@ -51,7 +51,7 @@ pub(crate) async fn stock_chart(console: &Console, pool: &str) -> Result<Markup,
 }
 
 async fn one_pool_stats(console: &Console, pool: &str) -> Result<PoolStats, Failure> {
-    let mut stats = console.core.store().stats_of(&[pool]).await?;
+    let mut stats = console.core.stats_of(&[pool]).await?;
     Ok(stats.pop().unwrap_or_default())
 }
 
@@ -158,14 +158,13 @@ pub async fn show(
     Path(pool): Path<String>,
 ) -> Result<Response, Failure> {
     s.need(Role::Viewer)?;
-    let store = console.core.store();
-    let doc = store
-        .pool(&pool)
-        .await?
-        .ok_or_else(|| Failure::NotFound(format!("no pool {pool:?}; the pools page lists them")))?;
+    let doc =
+        console.core.pool(&pool).await?.ok_or_else(|| {
+            Failure::NotFound(format!("no pool {pool:?}; the pools page lists them"))
+        })?;
     let stats = one_pool_stats(&console, &pool).await?;
     let chart = stock_chart(&console, &pool).await?;
-    let imports = store.imports_of(&pool, IMPORTS_SHOWN).await?;
+    let imports = console.core.imports_of(&pool, IMPORTS_SHOWN).await?;
     let body = html! {
         h1 { "Pool " (pool) @if doc.paused { " " span.badge { "paused" } } }
         p { a href={"/console/pools/" (url_part(&pool)) "/statement"} { "Statement: what became of every import's codes" } }
@@ -240,7 +239,11 @@ pub async fn settings(
     };
     let what = format!("{settings:?}");
     let actor = super::actor(&s, "POST /console/pools/{pool}/settings");
-    match controls::set_pool_settings(console.core.store(), &pool, &settings, &what, &actor).await {
+    match console
+        .core
+        .set_pool_settings(&pool, &settings, &what, &actor)
+        .await
+    {
         Ok(()) => {}
         Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
         Err(e) => return Err(Failure::Unavailable(e.to_string())),
@@ -283,16 +286,9 @@ async fn set_paused(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let broker = console.core.broker();
     let kind = if paused { "pause" } else { "resume" };
     let actor = super::actor(&s, &format!("POST /console/pools/{{pool}}/{kind}"));
-    let set = controls::set_paused(
-        console.core.store(),
-        &broker.publisher,
-        &pool,
-        paused,
-        &actor,
-    );
+    let set = console.core.set_paused(&pool, paused, &actor);
     match set.await {
         Ok(_) => {}
         Err(PauseError::Pool(e)) => return Err(settings_failure(e)),
@@ -326,8 +322,7 @@ pub async fn recall(
     }
     let core = &console.core;
     let actor = super::actor(&s, "POST /console/imports/{id}/recall");
-    let recalled =
-        controls::recall_import(core.store(), core.hot().as_ref(), &id, &f.reason, &actor);
+    let recalled = core.recall_import(&id, &f.reason, &actor);
     let r = match recalled.await {
         Ok(r) => r,
         Err(

@@ -83,10 +83,10 @@ pub async fn list(
     Query(q): Query<ListQuery>,
 ) -> Result<Response, Failure> {
     s.need(Role::Viewer)?;
-    let store = console.core.store();
-    let docs = store.pools_page(q.after.as_deref(), PAGE).await?;
+    let core = &console.core;
+    let docs = core.pools_page(q.after.as_deref(), PAGE).await?;
     let names: Vec<&str> = docs.iter().map(|d| d.name.as_str()).collect();
-    let stats = store.stats_of(&names).await?;
+    let stats = core.stats_of(&names).await?;
     if q.part.as_deref() == Some("rows") {
         return Ok(Html(rows(&console, &q, &docs, &stats).into_string()).into_response());
     }
@@ -153,6 +153,6 @@ pub async fn create(
     let name = f.name.trim();
     Pool::new(name).map_err(|e| Failure::Invalid(e.to_string()))?;
     let actor = super::actor(&s, "POST /console/pools");
-    codepool_issuance::controls::create_pool(console.core.store(), name, &actor).await?;
+    console.core.create_pool(name, &actor).await?;
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(name))).into_response())
 }

@@ -67,13 +67,16 @@ async fn page(
     name: &str,
     top: Markup,
 ) -> Result<Response, Failure> {
-    let store = console.core.store();
-    let shop = store
+    let core = &console.core;
+    let shop = core
         .shop(name)
         .await?
         .ok_or_else(|| Failure::NotFound(format!("no shop is named {name:?}")))?;
-    let endpoints = store.webhook_endpoints(Some(name)).await?;
-    let recent = store.webhook_attempts(Some(name), None, 30).await?;
+    let endpoints = core.webhook_endpoints(Some(name)).await?;
+    let recent = core
+        .webhook_deliveries(Some(name), None, 30)
+        .await
+        .map_err(hook_failure)?;
     let action = |what: &str| {
         format!(
             "/console/shops/{}/webhooks/{what}",
@@ -139,16 +142,11 @@ pub async fn add(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/shops/{name}/webhooks/add");
-    let added = webhooks::add(
-        console.core.store(),
-        &name,
-        &f.url,
-        &f.events,
-        console.core.allow_hosts(),
-        &actor,
-    )
-    .await
-    .map_err(hook_failure)?;
+    let added = console
+        .core
+        .add_webhook(&name, &f.url, &f.events, &actor)
+        .await
+        .map_err(hook_failure)?;
     let top = html! {
         (layout::notice(&format!("Endpoint {} added.", added.endpoint.id)))
         p.secret { "Its signing secret, shown this once: " code.secret { (added.secret) } }
@@ -165,13 +163,14 @@ pub async fn toggle(
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
-    let store = console.core.store();
-    webhooks::endpoint(store, &f.id, Some(&name))
+    let core = &console.core;
+    core.webhook_endpoint(&f.id, Some(&name))
         .await
         .map_err(hook_failure)?;
     let on = f.action == "enable";
     let actor = super::actor(&s, "POST /console/shops/{name}/webhooks/toggle");
-    let e = webhooks::set_enabled(store, &f.id, on, &actor)
+    let e = core
+        .set_webhook_enabled(&f.id, on, &actor)
         .await
         .map_err(hook_failure)?;
     let state = if e.enabled { "enabled" } else { "disabled" };
@@ -196,7 +195,9 @@ pub async fn replay(
     let scope = webhooks::replay_scope(&f.what).map_err(hook_failure)?;
     let actor = super::actor(&s, "POST /console/shops/{name}/webhooks/replay");
     let include = f.include_before_endpoint.is_some();
-    let r = webhooks::replay(console.core.store(), &name, &scope, None, include, &actor)
+    let r = console
+        .core
+        .replay_webhooks(&name, &scope, None, include, &actor)
         .await
         .map_err(hook_failure)?;
     let left_out = if r.left_out > 0 {

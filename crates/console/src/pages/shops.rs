@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Form;
-use codepool_issuance::shops::{self, ShopError};
+use codepool_issuance::shops::ShopError;
 use maud::{html, Markup};
 use serde::Deserialize;
 
@@ -49,7 +49,7 @@ pub async fn list(State(console): State<Arc<Console>>, s: Session) -> Result<Res
 }
 
 async fn page(console: &Console, s: &Session, top: Markup) -> Result<Response, Failure> {
-    let all = console.core.store().shops().await?;
+    let all = console.core.shops().await?;
     let body = html! {
         h1 { "Shops" }
         (top)
@@ -85,7 +85,9 @@ pub async fn create(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/shops");
-    let shop = shops::create(console.core.store(), f.name.trim(), &f.pools(), &actor)
+    let shop = console
+        .core
+        .create_shop(f.name.trim(), &f.pools(), &actor)
         .await
         .map_err(shop_failure)?;
     let notice = format!(
@@ -105,7 +107,9 @@ pub async fn set_pools(
     s.check_csrf(&f.csrf)?;
     s.need(Role::Admin)?;
     let actor = super::actor(&s, "POST /console/shops/pools");
-    let shop = shops::set_pools(console.core.store(), &f.name, &f.pools(), &actor)
+    let shop = console
+        .core
+        .set_shop_pools(&f.name, &f.pools(), &actor)
         .await
         .map_err(shop_failure)?;
     let notice = format!(

@@ -136,8 +136,7 @@ pub async fn submit(
         Ok(a) => a,
         Err(refusal) => return refused(refusal, &next, &c.name),
     };
-    let store = console.core.store();
-    let op = match operators::authenticate(store, &c.name, &c.password).await {
+    let op = match console.core.authenticate(&c.name, &c.password).await {
         Ok(op) => op,
         Err(e) => return Failure::from(e).into_response(),
     };
@@ -163,15 +162,11 @@ async fn open_session(
     console: &Console,
     op: &operators::OperatorDoc,
 ) -> Result<HeaderValue, Failure> {
-    let store = console.core.store();
-    let token = sessions::start(store, &op.name, console.cfg.session_ttl).await?;
-    let action = codepool_issuance::model::Action {
-        who: format!("operator:{}", op.name),
-        kind: codepool_issuance::model::AuditKind::SignIn,
-        command: "console POST /console/signin".into(),
-        what: format!("signed in as {}", op.role.as_str()),
-    };
-    store.record_action(&action).await?;
+    let ttl = console.cfg.session_ttl;
+    let token = console
+        .core
+        .sign_in(op, ttl, "console POST /console/signin")
+        .await?;
     tracing::info!(operator = %op.name, "console sign-in");
     Ok(sessions::cookie(
         Some(&token),
@@ -194,7 +189,7 @@ pub async fn signout(
     Form(f): Form<CsrfOnly>,
 ) -> Result<Response, Failure> {
     s.check_csrf(&f.csrf)?;
-    sessions::end(console.core.store(), &s.doc.id).await?;
+    console.core.end_session(&s.doc.id).await?;
     super::audit(
         &console,
         &s,

@@ -82,7 +82,7 @@ pub async fn show(
         from: instant(&q.from, "from")?,
         to: instant(&q.to, "to")?,
     };
-    let st = match statements::statement(console.core.store(), &asked).await {
+    let st = match console.core.statement(&asked).await {
         Ok(st) => st,
         Err(StatementError::Store(e)) => return Err(e.into()),
         Err(e @ StatementError::UnknownPool(_)) => return Err(Failure::NotFound(e.to_string())),

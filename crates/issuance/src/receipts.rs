@@ -1,24 +1,30 @@
 //! SMS receipts: the SMS service reports each text as sent (`sms.sent`) or
-//! failed (`sms.failed`) on the `sms` exchange; the dispatcher applies them
-//! from the `sms.receipts` queue. `sms.sent` sets `is_sms` to 1 and
-//! `sms_sent_at`; `sms.failed` records the error, its time and a count.
+//! failed (`sms.failed`) on the `sms` exchange, and the AMQP door hands
+//! each receipt here ([`apply`]) as it came: its routing key, its body and
+//! its message id. `sms.sent` sets `is_sms` to 1 and `sms_sent_at`;
+//! `sms.failed` records the error, its time and a count.
 //!
-//! Receipts are acked only after they are applied. A redelivered receipt
-//! changes nothing (its message id is remembered in the code's SMS
-//! history). A malformed receipt cannot become valid by waiting: it is
-//! acked and logged, never retried forever.
+//! A redelivered receipt changes nothing (its message id is remembered in
+//! the code's SMS history). A malformed receipt cannot become valid by
+//! waiting: it is settled (logged and counted), never retried forever.
 
 use codepool_broker::topology::{SMS_FAILED_KEY, SMS_SENT_KEY};
 use codepool_domain::{SmsPending, SmsReceipt};
-use codepool_issuance::model::{ReceiptKind, ReceiptOutcome};
-use codepool_issuance::{Store, StoreError};
-use lapin::message::Delivery;
+use codepool_store::lifecycle::{ReceiptKind, ReceiptOutcome};
+use codepool_store::{Store, StoreError};
 use tracing::{debug, info, warn};
 
-/// Applies one receipt delivery. `Err` only when MongoDB is unavailable
-/// (the caller waits and tries again); everything else is settled.
-pub async fn apply_receipt(store: &Store, delivery: &Delivery) -> Result<(), StoreError> {
-    let kind = match delivery.routing_key.as_str() {
+/// Applies one receipt: `routing_key` says which (`sms.sent` or
+/// `sms.failed`), `body` is its JSON, `receipt_id` its message id. `Err`
+/// only when MongoDB is unavailable (the caller waits and tries again);
+/// everything else is settled.
+pub async fn apply(
+    store: &Store,
+    routing_key: &str,
+    body: &[u8],
+    receipt_id: Option<&str>,
+) -> Result<(), StoreError> {
+    let kind = match routing_key {
         SMS_SENT_KEY => ReceiptKind::Sent,
         SMS_FAILED_KEY => ReceiptKind::Failed,
         other => {
@@ -27,19 +33,14 @@ pub async fn apply_receipt(store: &Store, delivery: &Delivery) -> Result<(), Sto
             return Ok(());
         }
     };
-    let receipt: SmsReceipt = match serde_json::from_slice(&delivery.data) {
+    let receipt: SmsReceipt = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => {
-            warn!(error = %e, bytes = delivery.data.len(), "malformed SMS receipt dropped; expected {{\"event_id\":…,\"order_id\":…}}");
+            warn!(error = %e, bytes = body.len(), "malformed SMS receipt dropped; expected {{\"event_id\":…,\"order_id\":…}}");
             metrics::counter!("codepool_sms_receipts_total", "result" => "malformed").increment(1);
             return Ok(());
         }
     };
-    let receipt_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.as_str());
     // The event id names the lines its event carried (an order of several
     // codes); the receipt applies to those codes only. An id codepool did
     // not give names the whole order, as receipts always have.
