@@ -9,19 +9,19 @@
 //! holds placed, paid (over either door), released and left to expire
 //! (short TTLs), imports (some of codes that expire within seconds, some
 //! with copies and look-alikes of codes already in a pool, some killed
-//! mid-file and run again), recall, expire, pause and resume, void, redeem
-//! and resend, by three keys of two shops and the operator; replacement of
-//! one code of an order over HTTP, the CLI (some killed between the void
-//! and the claim, then run again with the same id) and the console;
-//! generation of codes (`codepool generate`, some killed mid-run and
-//! resumed by run id, the API's and the console's runs, whose process the
-//! fault task may kill); check and redemption by code over HTTP (three
-//! platform keys, fresh and reused redemption ids, codes sold, never sold
-//! and unknown, typed as a buyer types them), redemption over AMQP (by code
-//! and by order), by the order's route and by the CLI; statements (CLI, API
-//! and the console's page); the console's void, resend, pause, resume and
-//! recall; and a fault task that `kill -9`s a dispatcher or an API process
-//! and starts another.
+//! mid-file and run again, some of one file into two pools at once),
+//! recall, expire, pause and resume, void, redeem and resend, by three keys
+//! of two shops and the operator; replacement of one code of an order over
+//! HTTP, the CLI (some killed between the void and the claim, then run
+//! again with the same id) and the console; generation of codes (`codepool
+//! generate`, some killed mid-run and resumed by run id, the API's and the
+//! console's runs, whose process the fault task may kill); check and
+//! redemption by code over HTTP (three platform keys, fresh and reused
+//! redemption ids, codes sold, never sold and unknown, typed as a buyer
+//! types them), redemption over AMQP (by code and by order), by the order's
+//! route and by the CLI; statements (CLI, API and the console's page); the
+//! console's void, resend, pause, resume and recall; and a fault task that
+//! `kill -9`s a dispatcher or an API process and starts another.
 //!
 //! The invariants, over the whole history:
 //! 1. no code is held by two orders, and no order has more codes than it
@@ -439,13 +439,14 @@ impl World {
             310..=389 => self.hold(rng, &id).await,
             390..=459 => self.pay(rng, &id).await,
             460..=479 => self.release(rng).await,
-            480..=519 => {
+            480..=514 => {
                 let pool = POOLS[rng.random_range(0..POOLS.len())];
                 let expiring = rng.random_bool(0.4);
                 let copies = rng.random_bool(0.3);
                 let n = rng.random_range(5..30);
                 self.import(rng, pool, n, expiring, copies).await
             }
+            515..=519 => self.racing_imports(rng).await,
             520..=527 => self.interrupted_import(rng).await,
             528..=535 => self.recall(rng).await,
             536..=559 => {
@@ -773,6 +774,44 @@ impl World {
                 self.history.lock().unwrap().imports.push(id);
             }
         }
+    }
+
+    /// One file of new codes imported into two pools at once: a code sits
+    /// in one pool, so one of the two imports gets each code.
+    async fn racing_imports(&self, rng: &mut StdRng) {
+        let a = POOLS[rng.random_range(0..POOLS.len())];
+        let b = loop {
+            let b = POOLS[rng.random_range(0..POOLS.len())];
+            if b != a {
+                break b;
+            }
+        };
+        let mut text = String::from("code\n");
+        for _ in 0..rng.random_range(5..20) {
+            text.push_str(&format!("RACE-{:016X}\n", rng.random::<u64>()));
+        }
+        let mut outs = Vec::new();
+        let mut runs = Vec::new();
+        for pool in [a, b] {
+            let path = self
+                .files
+                .path()
+                .join(format!("{}.csv", ObjectId::new().to_hex()));
+            std::fs::write(&path, &text).unwrap();
+            let path = path.to_str().unwrap().to_owned();
+            runs.push(async move {
+                self.env
+                    .command(&["import", &path, "--pool", pool, "--json"])
+                    .output()
+                    .await
+                    .unwrap()
+            });
+        }
+        for out in futures::future::join_all(runs).await {
+            self.imported(&out);
+            outs.push(exit_of(&out));
+        }
+        self.ran("one file into two pools at once (cli)", outs.join(" + "));
     }
 
     /// An import killed mid-file, then run again to the end.
