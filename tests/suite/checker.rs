@@ -7,21 +7,22 @@
 //! The operations: HTTP orders (quantities, bundles, repeats), AMQP
 //! purchases with and without a shop (some naming another shop's hold),
 //! holds placed, paid (over either door), released and left to expire
-//! (short TTLs), imports (some of codes that expire within seconds, some
-//! with copies and look-alikes of codes already in a pool, some killed
-//! mid-file and run again, some of one file into two pools at once),
-//! recall, expire, pause and resume, void, redeem and resend, by three keys
-//! of two shops and the operator; replacement of one code of an order over
-//! HTTP, the CLI (some killed between the void and the claim, then run
-//! again with the same id) and the console; generation of codes (`codepool
-//! generate`, some killed mid-run and resumed by run id, the API's and the
-//! console's runs, whose process the fault task may kill); check and
-//! redemption by code over HTTP (three platform keys, fresh and reused
-//! redemption ids, codes sold, never sold and unknown, typed as a buyer
-//! types them), redemption over AMQP (by code and by order), by the order's
-//! route and by the CLI; statements (CLI, API and the console's page); the
-//! console's void, resend, pause, resume and recall; and a fault task that
-//! `kill -9`s a dispatcher or an API process and starts another.
+//! (short TTLs), imports (some of codes that expire within seconds or
+//! expired before they came, the first of every pool among them, some with
+//! copies and look-alikes of codes already in a pool, some killed mid-file
+//! and run again, some of one file into two pools at once), recall, expire,
+//! pause and resume, void, redeem and resend, by three keys of two shops
+//! and the operator; replacement of one code of an order over HTTP, the CLI
+//! (some killed between the void and the claim, then run again with the
+//! same id) and the console; generation of codes (`codepool generate`, some
+//! killed mid-run and resumed by run id, the API's and the console's runs,
+//! whose process the fault task may kill); check and redemption by code
+//! over HTTP (three platform keys, fresh and reused redemption ids, codes
+//! sold, never sold and unknown, typed as a buyer types them), redemption
+//! over AMQP (by code and by order), by the order's route and by the CLI;
+//! statements (CLI, API and the console's page); the console's void,
+//! resend, pause, resume and recall; and a fault task that `kill -9`s a
+//! dispatcher or an API process and starts another.
 //!
 //! The invariants, over the whole history:
 //! 1. no code is held by two orders, and no order has more codes than it
@@ -109,6 +110,16 @@ fn pattern_of(pool: &str) -> (&'static str, bool) {
         ACME => ("AC-{random:12}", false),
         _ => ("BT-{random:12}", false),
     }
+}
+
+/// When the codes of an imported file expire.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expiry {
+    Never,
+    /// Within seconds.
+    Soon,
+    /// An hour ago.
+    Gone,
 }
 
 /// Who orders: a key and the pools it may order from.
@@ -397,8 +408,11 @@ impl World {
             files,
         };
         let mut rng = StdRng::seed_from_u64(seed);
+        // Codes that expired before they came come first: no door may give
+        // them, whichever code it takes first.
         for p in POOLS {
-            world.import(&mut rng, p, 40, false, false).await;
+            world.import(&mut rng, p, 5, Expiry::Gone, false).await;
+            world.import(&mut rng, p, 40, Expiry::Never, false).await;
         }
         world.generate_cli(&mut rng, GEN, 40).await;
         world
@@ -433,18 +447,23 @@ impl World {
     async fn step(&self, rng: &mut StdRng, worker: u64, n: u64) {
         let id = format!("C{worker}-{n}");
         match rng.random_range(0..1000) {
-            0..=169 => self.http_order(rng, &id).await,
-            170..=194 => self.http_repeat(rng).await,
-            195..=309 => self.amqp_purchase(rng, &id).await,
+            0..=149 => self.http_order(rng, &id).await,
+            150..=174 => self.http_repeat(rng).await,
+            175..=289 => self.amqp_purchase(rng, &id).await,
+            290..=309 => self.replace_http(rng, &id).await,
             310..=389 => self.hold(rng, &id).await,
             390..=459 => self.pay(rng, &id).await,
             460..=479 => self.release(rng).await,
             480..=514 => {
                 let pool = POOLS[rng.random_range(0..POOLS.len())];
-                let expiring = rng.random_bool(0.4);
+                let expiry = match rng.random_range(0..10) {
+                    0..=2 => Expiry::Soon,
+                    3 => Expiry::Gone,
+                    _ => Expiry::Never,
+                };
                 let copies = rng.random_bool(0.3);
                 let n = rng.random_range(5..30);
-                self.import(rng, pool, n, expiring, copies).await
+                self.import(rng, pool, n, expiry, copies).await
             }
             515..=519 => self.racing_imports(rng).await,
             520..=527 => self.interrupted_import(rng).await,
@@ -695,26 +714,28 @@ impl World {
         }
     }
 
-    /// A file of `n` new codes into `pool` (expiring within seconds, or
-    /// not); with `copies`, also rows that must be refused: a code the
-    /// pool holds, a look-alike of one (another case), and a code of
-    /// another pool.
+    /// A file of `n` new codes into `pool` (expiring within seconds,
+    /// expired already, or not); with `copies`, also rows that must be
+    /// refused: a code the pool holds, a look-alike of one (another case),
+    /// and a code of another pool.
     async fn import(
         &self,
         rng: &mut StdRng,
         pool: &'static str,
         n: usize,
-        expiring: bool,
+        expiry: Expiry,
         copies: bool,
     ) {
         let name = format!("{}.csv", ObjectId::new().to_hex());
         let path = self.files.path().join(name);
-        let mut text = String::from(if expiring {
-            "code,expires_at\n"
-        } else {
-            "code\n"
+        let mut text = String::from(match expiry {
+            Expiry::Never => "code\n",
+            _ => "code,expires_at\n",
         });
-        let soon = chrono::Utc::now() + chrono::Duration::seconds(rng.random_range(2..10));
+        let at = match expiry {
+            Expiry::Gone => chrono::Utc::now() - chrono::Duration::hours(1),
+            _ => chrono::Utc::now() + chrono::Duration::seconds(rng.random_range(2..10)),
+        };
         let mut new = Vec::new();
         for _ in 0..n {
             new.push(format!(
@@ -738,10 +759,9 @@ impl World {
             }
         }
         for code in &rows {
-            if expiring {
-                text.push_str(&format!("{code},{}\n", soon.to_rfc3339()));
-            } else {
-                text.push_str(&format!("{code}\n"));
+            match expiry {
+                Expiry::Never => text.push_str(&format!("{code}\n")),
+                _ => text.push_str(&format!("{code},{}\n", at.to_rfc3339())),
             }
         }
         std::fs::write(&path, text).unwrap();
@@ -756,9 +776,10 @@ impl World {
             let mut h = self.history.lock().unwrap();
             h.imported.extend(new.into_iter().map(|c| (pool, c)));
         }
-        let what = match (expiring, copies) {
+        let what = match (expiry, copies) {
             (_, true) => "import with copies (cli)",
-            (true, _) => "import expiring (cli)",
+            (Expiry::Soon, _) => "import expiring (cli)",
+            (Expiry::Gone, _) => "import expired (cli)",
             _ => "import (cli)",
         };
         self.ran(what, exit_of(&out));
@@ -1832,14 +1853,15 @@ impl World {
             if let (Some(exp), Some(at)) = (d.get_datetime("expires_at").ok(), issued) {
                 if at >= *exp {
                     v.push(format!(
-                        "2: order {order} got a code at {at} that expired at {exp}"
+                        "2: order {order} got a code at {at} that expired at {exp}: {}",
+                        describe(d)
                     ));
                 }
             }
             if let (Ok(batch), Some(at)) = (d.get_object_id("batch_id"), issued) {
                 for (b, recalled) in &recalls {
                     if *b == batch && at > *recalled {
-                        v.push(format!("2: order {order} got a code of import {b} at {at}, after its recall at {recalled}"));
+                        v.push(format!("2: order {order} got a code of import {b} at {at}, after its recall at {recalled}: {}", describe(d)));
                     }
                 }
             }
