@@ -414,7 +414,7 @@ impl World {
             world.import(&mut rng, p, 5, Expiry::Gone, false).await;
             world.import(&mut rng, p, 40, Expiry::Never, false).await;
         }
-        world.generate_cli(&mut rng, GEN, 40).await;
+        world.generate_cli(GEN, 40).await;
         world
     }
 
@@ -483,7 +483,7 @@ impl World {
             732..=746 => {
                 let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
                 let count = rng.random_range(5..40);
-                self.generate_cli(rng, pool, count).await
+                self.generate_cli(pool, count).await
             }
             747..=752 => self.generate_killed(rng).await,
             753..=762 => self.generate_api(rng).await,
@@ -1081,7 +1081,7 @@ impl World {
     }
 
     /// `codepool generate`.
-    async fn generate_cli(&self, _rng: &mut StdRng, pool: &str, count: u64) {
+    async fn generate_cli(&self, pool: &str, count: u64) {
         let args = Self::generate_args(pool, count, None);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = self.env.command(&args).output().await.unwrap();
@@ -1110,7 +1110,7 @@ impl World {
         let late = (self.ends.lock().unwrap())
             .is_some_and(|end| Instant::now() + Duration::from_secs(20) > end);
         if late {
-            return self.generate_cli(rng, pool, 20).await;
+            return self.generate_cli(pool, 20).await;
         }
         let run = ObjectId::new();
         let mut args = Self::generate_args(pool, 1500, Some(run));
