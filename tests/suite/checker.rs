@@ -433,13 +433,14 @@ impl World {
         let mut rows: Vec<_> = h.ran.iter().collect();
         rows.sort_by_key(|(k, _)| **k);
         let total: u64 = rows.iter().flat_map(|(_, o)| o.values()).sum();
-        let mut out = format!("  {:<34} {:>6}  outcomes\n", "operation", "count");
+        let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0).max(9);
+        let mut out = format!("  {:<w$} {:>6}  outcomes\n", "operation", "count");
         for (what, outcomes) in rows {
             let n: u64 = outcomes.values().sum();
             let ends: Vec<String> = outcomes.iter().map(|(o, k)| format!("{o}: {k}")).collect();
-            out.push_str(&format!("  {what:<34} {n:>6}  {}\n", ends.join(", ")));
+            out.push_str(&format!("  {what:<w$} {n:>6}  {}\n", ends.join(", ")));
         }
-        out.push_str(&format!("  {:<34} {total:>6}", "all"));
+        out.push_str(&format!("  {:<w$} {total:>6}", "all"));
         out
     }
 
