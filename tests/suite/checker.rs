@@ -1,17 +1,28 @@
-//! The checker: from a seed, a random mix of every feature, from both
-//! granting doors at once (two API processes, two dispatchers), under
-//! `kill -9`, on the real servers; then the invariants of DESIGN.md,
-//! checked over everything the run did (in the spirit of Jepsen's
-//! checkers and TigerBeetle's VOPR).
+//! The checker: from a seed, a random mix of every feature, from every
+//! door at once (two API processes and their console, two dispatchers,
+//! the CLI), under `kill -9`, on the real servers; then the invariants of
+//! DESIGN.md, checked over everything the run did (in the spirit of
+//! Jepsen's checkers and TigerBeetle's VOPR).
 //!
 //! The operations: HTTP orders (quantities, bundles, repeats), AMQP
 //! purchases with and without a shop (some naming another shop's hold),
 //! holds placed, paid (over either door), released and left to expire
-//! (short TTLs), imports (some of codes that expire within seconds, some
-//! killed mid-file and run again), recall, expire, pause and resume, void,
-//! redeem and resend, by three keys of two shops and the operator; and a
-//! fault task that `kill -9`s a dispatcher or an API process and starts
-//! another.
+//! (short TTLs), imports (some of codes that expire within seconds or
+//! expired before they came, the first of every pool among them, some with
+//! copies and look-alikes of codes already in a pool, some killed mid-file
+//! and run again, some of one file into two pools at once), recall, expire,
+//! pause and resume, void, redeem and resend, by three keys of two shops
+//! and the operator; replacement of one code of an order over HTTP, the CLI
+//! (some killed between the void and the claim, then run again with the
+//! same id) and the console; generation of codes (`codepool generate`, some
+//! killed mid-run and resumed by run id, the API's and the console's runs,
+//! whose process the fault task may kill); check and redemption by code
+//! over HTTP (three platform keys, fresh and reused redemption ids, codes
+//! sold, never sold and unknown, typed as a buyer types them), redemption
+//! over AMQP (by code and by order), by the order's route and by the CLI;
+//! statements (CLI, API and the console's page); the console's void,
+//! resend, pause, resume and recall; and a fault task that `kill -9`s a
+//! dispatcher or an API process and starts another.
 //!
 //! The invariants, over the whole history:
 //! 1. no code is held by two orders, and no order has more codes than it
@@ -24,8 +35,20 @@
 //!    `event_id`), for its own order;
 //! 6. every import balances: its codes are unissued, held, issued, used or
 //!    void, as many as it received;
-//! 7. every pool's statement (`codepool statement`) ties out.
+//! 7. every statement ties out, whenever it is read, by every door;
+//! 8. a replaced code is void and never given again (to any order), and
+//!    one replacement id gives one new code;
+//! 9. a code is redeemed at most once, across doors: every answer that
+//!    says so names the one redemption the code records;
+//! 10. no two codes read the same: no two code documents hold the same
+//!     folded code in any pools (look-alikes included), and a generated
+//!     code collides with nothing;
+//! 11. a code never sold (in stock, held, or voided before a sale) and a
+//!     code of a pool the key may not see answer check and redeem like a
+//!     code that does not exist, and are never used;
+//! 12. every generation run, killed or not, ends with exactly its count.
 //!
+//! The run prints how many of each operation ran, and how each ended.
 //! `CODEPOOL_CHECK_SEED` replays a seed's mix (`make check SEED=…`);
 //! `CODEPOOL_CHECK_SECS` sets how long it runs (45 s in `make test`, ten
 //! minutes in `make chaos`). A failure prints its seed. The mix a seed
@@ -33,14 +56,14 @@
 //! (they are real), so a seed replays the same operations, not the same
 //! schedule.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bson::oid::ObjectId;
 use bson::{doc, Document};
 use codepool_broker::Publisher;
-use codepool_domain::{Purchase, SmsPending};
+use codepool_domain::{LookAlikeRule, Purchase, SmsPending};
 use futures::StreamExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -51,14 +74,53 @@ use crate::api::ApiServer;
 use crate::common::*;
 
 /// The pools of the mix: one free for all, one with a per-user limit, one
-/// of each shop.
+/// of each shop, and one of generated codes with check symbols that
+/// folds `O`/`0` and `I`/`L`/`1`.
 const FREE: &str = "cp-free";
 const LIMITED: &str = "cp-limited";
 const ACME: &str = "cp-acme";
 const BOLT: &str = "cp-bolt";
+const GEN: &str = "cp-gen";
 const PER_USER: u64 = 2;
+/// The pools files are imported into.
 const POOLS: [&str; 4] = [FREE, LIMITED, ACME, BOLT];
+const ALL_POOLS: [&str; 5] = [FREE, LIMITED, ACME, BOLT, GEN];
 const UIDS: [&str; 4] = ["u0", "u1", "u2", "u3"];
+/// The platforms that check and redeem codes: of no shop, and of each.
+const PLATFORMS: [Option<&str>; 3] = [None, Some("acme"), Some("bolt")];
+/// The console's operator.
+const OPERATOR: &str = "checker";
+const PASSWORD: &str = "the checker's long password";
+
+fn shop_pools(shop: &str) -> &'static [&'static str] {
+    match shop {
+        "acme" => &[FREE, ACME],
+        _ => &[FREE, BOLT],
+    }
+}
+
+/// The pattern of the codes generated into `pool`, and whether they end
+/// with a check symbol (only the pool of generated codes: a run without
+/// them would end its promise).
+fn pattern_of(pool: &str) -> (&'static str, bool) {
+    match pool {
+        GEN => ("GN-{random:4}-{random:4}-{random:4}", true),
+        FREE => ("FR-{random:12}", false),
+        LIMITED => ("LT-{random:12}", false),
+        ACME => ("AC-{random:12}", false),
+        _ => ("BT-{random:12}", false),
+    }
+}
+
+/// When the codes of an imported file expire.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expiry {
+    Never,
+    /// Within seconds.
+    Soon,
+    /// An hour ago.
+    Gone,
+}
 
 /// Who orders: a key and the pools it may order from.
 #[derive(Clone)]
@@ -68,11 +130,35 @@ struct Actor {
     pools: &'static [&'static str],
 }
 
+/// One check or redemption by code over HTTP, and its answer.
+#[derive(Clone)]
+struct Lookup {
+    /// Which of [`PLATFORMS`] asked.
+    platform: usize,
+    /// The code document meant, or `None` for a code no pool holds.
+    doc: Option<ObjectId>,
+    redeem: bool,
+    rid: Option<String>,
+    /// Status and JSON, or `None` when no answer came (a killed process).
+    answer: Option<(u16, Value)>,
+}
+
+/// A code picked to look up: a document's, as a buyer might type it.
+#[derive(Clone)]
+struct Picked {
+    doc: Option<ObjectId>,
+    pool: String,
+    typed: String,
+}
+
 /// What the run did that the checks need.
 #[derive(Default)]
 struct History {
     /// Every order asked for: its codes wanted, buyer, and shop.
     orders: HashMap<String, (u32, String, Option<&'static str>)>,
+    /// Who placed each order: an actor's index, `None` for the operator's
+    /// AMQP purchases.
+    placed_by: HashMap<String, Option<usize>>,
     /// HTTP order bodies, to repeat, with their key.
     bodies: Vec<(String, Vec<u8>)>,
     /// Holds placed: id → (actor, uid, pool, quantity).
@@ -81,11 +167,25 @@ struct History {
     amqp: Vec<String>,
     /// Imports recalled, with the moment the recall had returned.
     recalls: Vec<(ObjectId, bson::DateTime)>,
-    /// Import runs that finished.
+    /// Import and generation runs (to recall).
     imports: Vec<ObjectId>,
+    /// Codes written into import files, by pool (to copy into others).
+    imported: Vec<(&'static str, String)>,
     paused: HashSet<&'static str>,
-    /// Operations run, by kind.
-    ran: HashMap<&'static str, u64>,
+    /// Replacement ids asked for: id, order, line, reason.
+    rids: Vec<(String, String, u32, String)>,
+    /// The new grant number each answer of a replacement named.
+    replaced: Vec<(String, String)>,
+    /// Every check and redemption by code over HTTP.
+    lookups: Vec<Lookup>,
+    /// Redemption ids sent, with their platform and code (to send again).
+    redemptions: Vec<(usize, String, Picked)>,
+    /// Generation runs killed mid-run.
+    killed_runs: HashSet<ObjectId>,
+    /// What broke while the run went on (a statement that did not tie out).
+    found: Vec<String>,
+    /// Operations run, by kind: how many ended each way.
+    ran: HashMap<&'static str, BTreeMap<String, u64>>,
 }
 
 struct World {
@@ -94,6 +194,20 @@ struct World {
     daemons: Mutex<Vec<Option<Daemon>>>,
     publisher: Publisher,
     actors: Vec<Actor>,
+    /// Keys of [`PLATFORMS`] (scope `codes:redeem`).
+    platforms: Vec<String>,
+    /// A key of no shop with `admin` (and orders): replaces any order's
+    /// code, reads statements, starts generations.
+    admin: String,
+    /// The answer each platform gets for a code no pool holds, request id
+    /// taken out.
+    unknown: Vec<Value>,
+    /// The console's session cookie and CSRF token.
+    console: (String, String),
+    /// Generation runs resumed by id after a kill, still running.
+    resumes: Mutex<Vec<(ObjectId, tokio::process::Child)>>,
+    /// When the mix ends.
+    ends: Mutex<Option<Instant>>,
     history: Mutex<History>,
     files: tempfile::TempDir,
 }
@@ -117,8 +231,14 @@ async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
     let seed = seed();
     let secs = secs();
     eprintln!("checker: seed {seed}, {secs} s (replay: make check SEED={seed})");
+    let built = Instant::now();
     let world = Arc::new(World::build(seed).await);
+    eprintln!(
+        "checker: servers up and pools filled in {:.1} s",
+        built.elapsed().as_secs_f64()
+    );
     let deadline = Instant::now() + Duration::from_secs(secs);
+    *world.ends.lock().unwrap() = Some(deadline);
     let mut tasks = Vec::new();
     for w in 0..3u64 {
         let world = world.clone();
@@ -146,13 +266,7 @@ async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
     }
     faults.await.expect("the fault task panicked");
     let violations = world.settle_and_check().await;
-    let ran = {
-        let h = world.history.lock().unwrap();
-        let mut ran: Vec<_> = h.ran.iter().map(|(k, v)| format!("{k} {v}")).collect();
-        ran.sort();
-        ran.join(", ")
-    };
-    eprintln!("checker: seed {seed} ran: {ran}");
+    eprintln!("checker: seed {seed} ran:\n{}", world.report());
     // Nothing is left behind, pass or fail (CODEPOOL_CHECK_KEEP=1 keeps
     // the database of a failing seed to look at).
     let keep = !violations.is_empty() && std::env::var_os("CODEPOOL_CHECK_KEEP").is_some();
@@ -172,10 +286,12 @@ impl World {
     async fn build(seed: u64) -> World {
         let env = TestEnv::new(&format!("checker_{}", seed % 100_000)).await;
         let files = tempfile::tempdir().unwrap();
-        for p in POOLS {
+        for p in ALL_POOLS {
             codepool_ok(&env, &["pool", "create", "--pool", p]).await;
             codepool_ok(&env, &["pool", "set", "--pool", p, "--hold-share", "50"]).await;
         }
+        // Fixed before the pool's first code.
+        codepool_ok(&env, &["pool", "set", "--pool", GEN, "--fold-confusables"]).await;
         codepool_ok(
             &env,
             &[
@@ -216,34 +332,42 @@ impl World {
             ],
         )
         .await;
-        let key = |name: &'static str, shop: Option<&'static str>| {
+        let key = |name: &'static str, shop: Option<&'static str>, scopes: &'static str| {
             let env = &env;
             async move {
                 let mut args = vec!["api-keys", "create", "--name", name];
                 if let Some(s) = shop {
                     args.extend(["--shop", s]);
                 }
-                args.extend(["--scopes", "orders:write,orders:read"]);
+                args.extend(["--scopes", scopes]);
                 codepool_ok(env, &args).await.trim().to_owned()
             }
         };
+        const ORDERS: &str = "orders:write,orders:read";
         let actors = vec![
             Actor {
-                key: key("operator", None).await,
+                key: key("operator", None, ORDERS).await,
                 shop: None,
-                pools: &[FREE, LIMITED, ACME, BOLT],
+                pools: &ALL_POOLS,
             },
             Actor {
-                key: key("acme", Some("acme")).await,
+                key: key("acme", Some("acme"), ORDERS).await,
                 shop: Some("acme"),
                 pools: &[FREE, ACME],
             },
             Actor {
-                key: key("bolt", Some("bolt")).await,
+                key: key("bolt", Some("bolt"), ORDERS).await,
                 shop: Some("bolt"),
                 pools: &[FREE, BOLT],
             },
         ];
+        let platforms = vec![
+            key("platform", None, "codes:redeem").await,
+            key("acme-platform", Some("acme"), "codes:redeem").await,
+            key("bolt-platform", Some("bolt"), "codes:redeem").await,
+        ];
+        let admin = key("support", None, "orders:write,orders:read,admin").await;
+        operator(&env).await;
         let mut apis = Vec::new();
         for _ in 0..2 {
             apis.push(Some(api(&env).await));
@@ -251,6 +375,17 @@ impl World {
         let mut daemons = Vec::new();
         for _ in 0..2 {
             daemons.push(Some(start_daemon(env.command(&[])).await));
+        }
+        let first = apis[0].as_ref().unwrap().addr.clone();
+        let console = sign_in(&first).await;
+        let mut unknown = Vec::new();
+        for k in &platforms {
+            let body = json!({"code": "CP-NOWHERE-0000"}).to_string();
+            let (status, answer) = try_http(&first, "POST", "/v1/codes/check", k, body.as_bytes())
+                .await
+                .expect("the API answers");
+            assert_eq!(status, 404, "{}", String::from_utf8_lossy(&answer));
+            unknown.push(said(&json_or_null(&answer)));
         }
         let conn = codepool_broker::connect(AMQP_URL, "checker").await.unwrap();
         let publisher = Publisher::new(&conn, env.topology())
@@ -263,48 +398,116 @@ impl World {
             daemons: Mutex::new(daemons),
             publisher,
             actors,
+            platforms,
+            admin,
+            unknown,
+            console,
+            resumes: Mutex::new(Vec::new()),
+            ends: Mutex::new(None),
             history: Mutex::new(History::default()),
             files,
         };
         let mut rng = StdRng::seed_from_u64(seed);
+        // Codes that expired before they came come first: no door may give
+        // them, whichever code it takes first.
         for p in POOLS {
-            world.import(&mut rng, p, 40, false).await;
+            world.import(&mut rng, p, 5, Expiry::Gone, false).await;
+            world.import(&mut rng, p, 40, Expiry::Never, false).await;
         }
+        world.generate_cli(GEN, 40).await;
         world
     }
 
-    fn ran(&self, what: &'static str) {
-        *self.history.lock().unwrap().ran.entry(what).or_default() += 1;
+    fn ran(&self, what: &'static str, outcome: impl Into<String>) {
+        let mut h = self.history.lock().unwrap();
+        *h.ran
+            .entry(what)
+            .or_default()
+            .entry(outcome.into())
+            .or_default() += 1;
+    }
+
+    /// One line per operation: how many ran, and how they ended.
+    fn report(&self) -> String {
+        let h = self.history.lock().unwrap();
+        let mut rows: Vec<_> = h.ran.iter().collect();
+        rows.sort_by_key(|(k, _)| **k);
+        let total: u64 = rows.iter().flat_map(|(_, o)| o.values()).sum();
+        let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0).max(9);
+        let mut out = format!("  {:<w$} {:>6}  outcomes\n", "operation", "count");
+        for (what, outcomes) in rows {
+            let n: u64 = outcomes.values().sum();
+            let ends: Vec<String> = outcomes.iter().map(|(o, k)| format!("{o}: {k}")).collect();
+            out.push_str(&format!("  {what:<w$} {n:>6}  {}\n", ends.join(", ")));
+        }
+        out.push_str(&format!("  {:<w$} {total:>6}", "all"));
+        out
     }
 
     /// One operation, drawn from the seed.
     async fn step(&self, rng: &mut StdRng, worker: u64, n: u64) {
         let id = format!("C{worker}-{n}");
-        match rng.random_range(0..100) {
-            0..=21 => self.http_order(rng, &id).await,
-            22..=25 => self.http_repeat(rng).await,
-            26..=43 => self.amqp_purchase(rng, &id).await,
-            44..=55 => self.hold(rng, &id).await,
-            56..=65 => self.pay(rng, &id).await,
-            66..=68 => self.release(rng).await,
-            69..=73 => {
+        match rng.random_range(0..1000) {
+            0..=149 => self.http_order(rng, &id).await,
+            150..=174 => self.http_repeat(rng).await,
+            175..=289 => self.amqp_purchase(rng, &id).await,
+            290..=309 => self.replace_http(rng, &id).await,
+            310..=389 => self.hold(rng, &id).await,
+            390..=459 => self.pay(rng, &id).await,
+            460..=479 => self.release(rng).await,
+            480..=514 => {
                 let pool = POOLS[rng.random_range(0..POOLS.len())];
-                let expiring = rng.random_bool(0.4);
+                let expiry = match rng.random_range(0..10) {
+                    0..=2 => Expiry::Soon,
+                    3 => Expiry::Gone,
+                    _ => Expiry::Never,
+                };
+                let copies = rng.random_bool(0.3);
                 let n = rng.random_range(5..30);
-                self.import(rng, pool, n, expiring).await
+                self.import(rng, pool, n, expiry, copies).await
             }
-            74 => self.interrupted_import(rng).await,
-            75 => self.recall(rng).await,
-            76..=79 => self.cli("expire", &["expire"]).await,
-            80..=82 => self.pause_or_resume(rng).await,
-            83..=87 => self.on_order(rng, "void").await,
-            88..=93 => self.on_order(rng, "redeem").await,
-            _ => self.on_order(rng, "resend").await,
+            515..=519 => self.racing_imports(rng).await,
+            520..=527 => self.interrupted_import(rng).await,
+            528..=535 => self.recall(rng).await,
+            536..=559 => {
+                let out = self.cli(&["expire"]).await;
+                self.ran("expire (cli)", out);
+            }
+            560..=579 => self.pause_or_resume(rng).await,
+            580..=604 => self.on_order(rng, "void").await,
+            605..=624 => self.on_order(rng, "redeem").await,
+            625..=644 => self.on_order(rng, "resend").await,
+            645..=689 => self.replace_http(rng, &id).await,
+            690..=704 => self.replace_cli(rng, &id).await,
+            705..=711 => self.replace_cli_killed(rng, &id).await,
+            712..=731 => self.replace_console(rng, &id).await,
+            732..=746 => {
+                let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+                let count = rng.random_range(5..40);
+                self.generate_cli(pool, count).await
+            }
+            747..=752 => self.generate_killed(rng).await,
+            753..=762 => self.generate_api(rng).await,
+            763..=770 => self.generate_console(rng).await,
+            771..=830 => self.check_http(rng).await,
+            831..=890 => self.redeem_http(rng, &id).await,
+            891..=910 => self.redeem_amqp_code(rng).await,
+            911..=920 => self.redeem_amqp_order(rng).await,
+            921..=930 => self.redeem_order_http(rng).await,
+            931..=938 => self.redeem_cli_code(rng).await,
+            939..=948 => self.statement_cli(rng).await,
+            949..=958 => self.statement_api(rng).await,
+            959..=964 => self.statement_console(rng).await,
+            965..=974 => self.console_on_order(rng, "void").await,
+            975..=982 => self.console_on_order(rng, "resend").await,
+            983..=991 => self.console_pause_or_resume(rng).await,
+            _ => self.console_recall(rng).await,
         }
     }
 
-    fn actor(&self, rng: &mut StdRng) -> Actor {
-        self.actors[rng.random_range(0..self.actors.len())].clone()
+    fn actor(&self, rng: &mut StdRng) -> (usize, Actor) {
+        let i = rng.random_range(0..self.actors.len());
+        (i, self.actors[i].clone())
     }
 
     fn api_addr(&self, rng: &mut StdRng) -> Option<String> {
@@ -316,14 +519,50 @@ impl World {
         Some(up[rng.random_range(0..up.len())].addr.clone())
     }
 
-    async fn post(&self, rng: &mut StdRng, key: &str, method: &str, path: &str, body: &[u8]) {
-        if let Some(addr) = self.api_addr(rng) {
-            let _ = try_http(&addr, method, path, key, body).await;
+    async fn post(
+        &self,
+        rng: &mut StdRng,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) -> Option<(u16, Vec<u8>)> {
+        let addr = self.api_addr(rng)?;
+        try_http(&addr, method, path, key, body).await
+    }
+
+    /// A random order of the run, sorted first so that a seed picks the
+    /// same one.
+    fn pick_order(&self, rng: &mut StdRng) -> Option<String> {
+        let h = self.history.lock().unwrap();
+        let mut ids: Vec<&String> = h.orders.keys().collect();
+        ids.sort();
+        (!ids.is_empty()).then(|| ids[rng.random_range(0..ids.len())].clone())
+    }
+
+    /// The key to act on `order` with: mostly the one that placed it (or
+    /// its shop's), now and then the support key (`admin`: any order) or
+    /// another actor's (which must be told nothing).
+    fn key_for(&self, rng: &mut StdRng, order: &str) -> String {
+        let placed = self
+            .history
+            .lock()
+            .unwrap()
+            .placed_by
+            .get(order)
+            .copied()
+            .flatten();
+        match (placed, rng.random_range(0..10)) {
+            (Some(i), 0..=6) => self.actors[i].key.clone(),
+            (_, 7) => self.actors[rng.random_range(0..self.actors.len())]
+                .key
+                .clone(),
+            _ => self.admin.clone(),
         }
     }
 
     async fn http_order(&self, rng: &mut StdRng, id: &str) {
-        let a = self.actor(rng);
+        let (i, a) = self.actor(rng);
         let uid = UIDS[rng.random_range(0..UIDS.len())];
         let (body, wanted) = if rng.random_bool(0.15) && a.pools.len() > 1 {
             let items =
@@ -344,10 +583,11 @@ impl World {
         {
             let mut h = self.history.lock().unwrap();
             h.orders.insert(id.into(), (wanted, uid.into(), a.shop));
+            h.placed_by.insert(id.into(), Some(i));
             h.bodies.push((a.key.clone(), body.clone()));
         }
-        self.post(rng, &a.key, "POST", "/v1/orders", &body).await;
-        self.ran("http order");
+        let answer = self.post(rng, &a.key, "POST", "/v1/orders", &body).await;
+        self.ran("order (http)", status_of(&answer));
     }
 
     async fn http_repeat(&self, rng: &mut StdRng) {
@@ -356,19 +596,19 @@ impl World {
             (!h.bodies.is_empty()).then(|| h.bodies[rng.random_range(0..h.bodies.len())].clone())
         };
         if let Some((key, body)) = again {
-            self.post(rng, &key, "POST", "/v1/orders", &body).await;
-            self.ran("http repeat");
+            let answer = self.post(rng, &key, "POST", "/v1/orders", &body).await;
+            self.ran("order again (http)", status_of(&answer));
         }
     }
 
     async fn amqp_purchase(&self, rng: &mut StdRng, id: &str) {
-        let a = self.actor(rng);
+        let (_, a) = self.actor(rng);
         let mut p = purchase(id, a.pools[rng.random_range(0..a.pools.len())]);
         p.uid = UIDS[rng.random_range(0..UIDS.len())].into();
         p.quantity = rng.random_range(1..=2);
         p.shop = a.shop.map(str::to_owned);
         self.publish(id, p, a.shop).await;
-        self.ran("amqp purchase");
+        self.ran("purchase (amqp)", "confirmed");
     }
 
     async fn publish(&self, id: &str, p: Purchase, shop: Option<&'static str>) {
@@ -376,13 +616,15 @@ impl World {
             let mut h = self.history.lock().unwrap();
             h.orders
                 .insert(id.into(), (p.quantity, p.uid.clone(), shop));
+            let by = shop.and_then(|s| self.actors.iter().position(|a| a.shop == Some(s)));
+            h.placed_by.insert(id.into(), by);
             h.amqp.push(id.into());
         }
         publish_confirmed(&self.publisher, &[p]).await;
     }
 
     async fn hold(&self, rng: &mut StdRng, id: &str) {
-        let a = self.actor(rng);
+        let (_, a) = self.actor(rng);
         let uid = UIDS[rng.random_range(0..UIDS.len())];
         let pool = a.pools[rng.random_range(0..a.pools.len())];
         let q = rng.random_range(1..=2);
@@ -394,15 +636,16 @@ impl World {
             .unwrap()
             .holds
             .insert(hold_id, (a.clone(), uid.into(), pool.into(), q));
-        self.post(
-            rng,
-            &a.key,
-            "POST",
-            "/v1/holds",
-            body.to_string().as_bytes(),
-        )
-        .await;
-        self.ran("hold");
+        let answer = self
+            .post(
+                rng,
+                &a.key,
+                "POST",
+                "/v1/holds",
+                body.to_string().as_bytes(),
+            )
+            .await;
+        self.ran("hold (http)", status_of(&answer));
     }
 
     /// Pays a hold, by HTTP or AMQP; now and then as the wrong shop.
@@ -422,20 +665,22 @@ impl World {
         if rng.random_bool(0.5) {
             let body = json!({"order_id": id, "uid": uid, "phone": "+8613800000000", "pool": pool,
                               "quantity": q, "hold_id": hold_id});
-            self.history
-                .lock()
-                .unwrap()
-                .orders
-                .insert(id.into(), (q, uid.clone(), a.shop));
-            self.post(
-                rng,
-                &a.key,
-                "POST",
-                "/v1/orders",
-                body.to_string().as_bytes(),
-            )
-            .await;
-            self.ran("pay over http");
+            {
+                let mut h = self.history.lock().unwrap();
+                h.orders.insert(id.into(), (q, uid.clone(), a.shop));
+                let by = self.actors.iter().position(|x| x.key == a.key);
+                h.placed_by.insert(id.into(), by);
+            }
+            let answer = self
+                .post(
+                    rng,
+                    &a.key,
+                    "POST",
+                    "/v1/orders",
+                    body.to_string().as_bytes(),
+                )
+                .await;
+            self.ran("pay a hold (http)", status_of(&answer));
         } else {
             let shop = if rng.random_bool(0.2) {
                 [None, Some("acme"), Some("bolt")][rng.random_range(0..3)]
@@ -448,7 +693,7 @@ impl World {
             p.shop = shop.map(str::to_owned);
             p.hold_id = Some(hold_id);
             self.publish(id, p, shop).await;
-            self.ran("pay over amqp");
+            self.ran("pay a hold (amqp)", "confirmed");
         }
     }
 
@@ -463,29 +708,61 @@ impl World {
             })
         };
         if let Some((hold_id, key)) = picked {
-            self.post(rng, &key, "DELETE", &format!("/v1/holds/{hold_id}"), b"")
+            let answer = self
+                .post(rng, &key, "DELETE", &format!("/v1/holds/{hold_id}"), b"")
                 .await;
-            self.ran("release");
+            self.ran("release a hold (http)", status_of(&answer));
         }
     }
 
-    /// A file of `n` new codes into `pool` (expiring within seconds, or
-    /// not). Returns the run's id.
-    async fn import(&self, rng: &mut StdRng, pool: &str, n: usize, expiring: bool) {
+    /// A file of `n` new codes into `pool` (expiring within seconds,
+    /// expired already, or not); with `copies`, also rows that must be
+    /// refused: a code the pool holds, a look-alike of one (another case),
+    /// and a code of another pool.
+    async fn import(
+        &self,
+        rng: &mut StdRng,
+        pool: &'static str,
+        n: usize,
+        expiry: Expiry,
+        copies: bool,
+    ) {
         let name = format!("{}.csv", ObjectId::new().to_hex());
         let path = self.files.path().join(name);
-        let mut text = String::from(if expiring {
-            "code,expires_at\n"
-        } else {
-            "code\n"
+        let mut text = String::from(match expiry {
+            Expiry::Never => "code\n",
+            _ => "code,expires_at\n",
         });
-        let soon = chrono::Utc::now() + chrono::Duration::seconds(rng.random_range(2..10));
+        let at = match expiry {
+            Expiry::Gone => chrono::Utc::now() - chrono::Duration::hours(1),
+            _ => chrono::Utc::now() + chrono::Duration::seconds(rng.random_range(2..10)),
+        };
+        let mut new = Vec::new();
         for _ in 0..n {
-            let code = format!("{}-{:016X}", pool.to_uppercase(), rng.random::<u64>());
-            if expiring {
-                text.push_str(&format!("{code},{}\n", soon.to_rfc3339()));
-            } else {
-                text.push_str(&format!("{code}\n"));
+            new.push(format!(
+                "{}-{:016X}",
+                pool.to_uppercase(),
+                rng.random::<u64>()
+            ));
+        }
+        let mut rows = new.clone();
+        if copies {
+            let h = self.history.lock().unwrap();
+            for _ in 0..3 {
+                if h.imported.is_empty() {
+                    break;
+                }
+                let (p, c) = &h.imported[rng.random_range(0..h.imported.len())];
+                rows.push(match (*p == pool, rng.random_bool(0.5)) {
+                    (true, true) => c.to_lowercase(),
+                    _ => c.clone(),
+                });
+            }
+        }
+        for code in &rows {
+            match expiry {
+                Expiry::Never => text.push_str(&format!("{code}\n")),
+                _ => text.push_str(&format!("{code},{}\n", at.to_rfc3339())),
             }
         }
         std::fs::write(&path, text).unwrap();
@@ -495,6 +772,22 @@ impl World {
             .output()
             .await
             .unwrap();
+        self.imported(&out);
+        {
+            let mut h = self.history.lock().unwrap();
+            h.imported.extend(new.into_iter().map(|c| (pool, c)));
+        }
+        let what = match (expiry, copies) {
+            (_, true) => "import with copies (cli)",
+            (Expiry::Soon, _) => "import expiring (cli)",
+            (Expiry::Gone, _) => "import expired (cli)",
+            _ => "import (cli)",
+        };
+        self.ran(what, exit_of(&out));
+    }
+
+    /// Records the run of an import's JSON summary.
+    fn imported(&self, out: &std::process::Output) {
         if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
             if let Some(id) = v["import_id"]
                 .as_str()
@@ -503,11 +796,44 @@ impl World {
                 self.history.lock().unwrap().imports.push(id);
             }
         }
-        self.ran(if expiring {
-            "import (expiring)"
-        } else {
-            "import"
-        });
+    }
+
+    /// One file of new codes imported into two pools at once: a code sits
+    /// in one pool, so one of the two imports gets each code.
+    async fn racing_imports(&self, rng: &mut StdRng) {
+        let a = POOLS[rng.random_range(0..POOLS.len())];
+        let b = loop {
+            let b = POOLS[rng.random_range(0..POOLS.len())];
+            if b != a {
+                break b;
+            }
+        };
+        let mut text = String::from("code\n");
+        for _ in 0..rng.random_range(5..20) {
+            text.push_str(&format!("RACE-{:016X}\n", rng.random::<u64>()));
+        }
+        let mut outs = Vec::new();
+        let mut runs = Vec::new();
+        for pool in [a, b] {
+            let path = self
+                .files
+                .path()
+                .join(format!("{}.csv", ObjectId::new().to_hex()));
+            std::fs::write(&path, &text).unwrap();
+            let path = path.to_str().unwrap().to_owned();
+            runs.push(async move {
+                self.env
+                    .command(&["import", &path, "--pool", pool, "--json"])
+                    .output()
+                    .await
+                    .unwrap()
+            });
+        }
+        for out in futures::future::join_all(runs).await {
+            self.imported(&out);
+            outs.push(exit_of(&out));
+        }
+        self.ran("one file into two pools at once (cli)", outs.join(" + "));
     }
 
     /// An import killed mid-file, then run again to the end.
@@ -543,74 +869,636 @@ impl World {
             .output()
             .await
             .unwrap();
+        self.imported(&out);
+        self.ran("import killed and run again (cli)", exit_of(&out));
+    }
+
+    fn pick_import(&self, rng: &mut StdRng) -> Option<ObjectId> {
+        let h = self.history.lock().unwrap();
+        (!h.imports.is_empty()).then(|| h.imports[rng.random_range(0..h.imports.len())])
+    }
+
+    async fn recall(&self, rng: &mut StdRng) {
+        let Some(batch) = self.pick_import(rng) else {
+            return;
+        };
+        let out = self
+            .cli(&["void", "--import", &batch.to_hex(), "--reason", "leak"])
+            .await;
+        if out == "exit 0" {
+            let at = bson::DateTime::now();
+            self.history.lock().unwrap().recalls.push((batch, at));
+        }
+        self.ran("recall (cli)", out);
+    }
+
+    async fn pause_or_resume(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let paused = self.history.lock().unwrap().paused.contains(pool);
+        let verb = if paused { "resume" } else { "pause" };
+        let out = self.cli(&["pool", verb, "--pool", pool]).await;
+        if out == "exit 0" {
+            self.paused(pool, !paused);
+        }
+        self.ran(
+            if paused {
+                "resume (cli)"
+            } else {
+                "pause (cli)"
+            },
+            out,
+        );
+    }
+
+    fn paused(&self, pool: &'static str, paused: bool) {
+        let mut h = self.history.lock().unwrap();
+        if paused {
+            h.paused.insert(pool);
+        } else {
+            h.paused.remove(pool);
+        }
+    }
+
+    /// `codepool void|redeem|resend --order` of an order of the run.
+    async fn on_order(&self, rng: &mut StdRng, verb: &'static str) {
+        let Some(order) = self.pick_order(rng) else {
+            return;
+        };
+        let mut args = vec![verb, "--order", order.as_str()];
+        if verb == "void" {
+            args.extend(["--reason", "refund"]);
+        }
+        let out = self.cli(&args).await;
+        self.ran(
+            match verb {
+                "void" => "void an order (cli)",
+                "redeem" => "redeem an order (cli)",
+                _ => "resend an order (cli)",
+            },
+            out,
+        );
+    }
+
+    /// Runs a command; how it ended.
+    async fn cli(&self, args: &[&str]) -> String {
+        exit_of(&self.env.command(args).output().await.unwrap())
+    }
+
+    /// A replacement to ask for: a fresh one, of a line of an order of the
+    /// run, or one asked before (the same again, which must change
+    /// nothing, or with another reason, which must be refused).
+    fn replacement(&self, rng: &mut StdRng, id: &str) -> Option<(String, u32, String, String)> {
+        let again = {
+            let h = self.history.lock().unwrap();
+            (!h.rids.is_empty() && rng.random_bool(0.25))
+                .then(|| h.rids[rng.random_range(0..h.rids.len())].clone())
+        };
+        if let Some((rid, order, line, reason)) = again {
+            let reason = if rng.random_bool(0.3) {
+                "another reason".to_owned()
+            } else {
+                reason
+            };
+            return Some((order, line, rid, reason));
+        }
+        let order = self.pick_order(rng)?;
+        let mut h = self.history.lock().unwrap();
+        let wanted = h.orders[&order].0.max(1);
+        let line = rng.random_range(0..wanted);
+        let rid = format!("RP{id}");
+        let reason = "code rejected".to_owned();
+        h.rids
+            .push((rid.clone(), order.clone(), line, reason.clone()));
+        Some((order, line, rid, reason))
+    }
+
+    fn replaced(&self, rid: &str, grant: Option<&str>) {
+        if let Some(g) = grant {
+            let mut h = self.history.lock().unwrap();
+            h.replaced.push((rid.to_owned(), g.to_owned()));
+        }
+    }
+
+    /// `POST /v1/orders/{id}/lines/{line}/replace`.
+    async fn replace_http(&self, rng: &mut StdRng, id: &str) {
+        let Some((order, line, rid, reason)) = self.replacement(rng, id) else {
+            return;
+        };
+        let key = self.key_for(rng, &order);
+        let body = json!({"replacement_id": rid, "reason": reason}).to_string();
+        let path = format!("/v1/orders/{}/lines/{line}/replace", path_part(&order));
+        let answer = self.post(rng, &key, "POST", &path, body.as_bytes()).await;
+        if let Some((200 | 201, b)) = &answer {
+            let v = json_or_null(b);
+            self.replaced(&rid, v["code"]["grant_no"].as_str());
+        }
+        self.ran("replace a code (http)", status_of(&answer));
+    }
+
+    fn replace_args(order: &str, line: u32, rid: &str, reason: &str) -> Vec<String> {
+        [
+            "replace",
+            "--order",
+            order,
+            "--line",
+            &line.to_string(),
+            "--reason",
+            reason,
+            "--replacement-id",
+            rid,
+            "--json",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    /// `codepool replace`.
+    async fn replace_cli(&self, rng: &mut StdRng, id: &str) {
+        let Some((order, line, rid, reason)) = self.replacement(rng, id) else {
+            return;
+        };
+        let args = Self::replace_args(&order, line, &rid, &reason);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = self.env.command(&args).output().await.unwrap();
+        if out.status.success() {
+            let v = json_or_null(&out.stdout);
+            self.replaced(&rid, v["new_grant_no"].as_str());
+        }
+        self.ran("replace a code (cli)", exit_of(&out));
+    }
+
+    /// `codepool replace` killed (paused between the void of the old code
+    /// and the claim of the new, where the build has failpoints), then run
+    /// again with the same id, which finishes it.
+    async fn replace_cli_killed(&self, rng: &mut StdRng, id: &str) {
+        let Some((order, line, rid, reason)) = self.replacement(rng, id) else {
+            return;
+        };
+        let args = Self::replace_args(&order, line, &rid, &reason);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = self.env.command(&args);
+        cmd.env("CODEPOOL_FAILPOINTS", "replace-pause=5000")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let mut child = cmd.spawn().unwrap();
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..1500))).await;
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        let out = self.env.command(&args).output().await.unwrap();
+        if out.status.success() {
+            let v = json_or_null(&out.stdout);
+            self.replaced(&rid, v["new_grant_no"].as_str());
+        }
+        self.ran("replace killed and run again (cli)", exit_of(&out));
+    }
+
+    /// The console's Replace button on an order's line.
+    async fn replace_console(&self, rng: &mut StdRng, id: &str) {
+        let Some((order, line, rid, reason)) = self.replacement(rng, id) else {
+            return;
+        };
+        let path = format!("/console/orders/{}/lines/{line}/replace", path_part(&order));
+        let answer = self
+            .console_post(rng, &path, &[("reason", &reason), ("replacement_id", &rid)])
+            .await;
+        self.ran("replace a code (console)", status_of(&answer));
+    }
+
+    /// The arguments of `codepool generate` for a run of `count` codes
+    /// into `pool`.
+    fn generate_args(pool: &str, count: u64, run: Option<ObjectId>) -> Vec<String> {
+        let (pattern, check) = pattern_of(pool);
+        let mut args: Vec<String> = ["generate", "--pool", pool, "--pattern", pattern, "--json"]
+            .map(str::to_owned)
+            .to_vec();
+        args.extend(["--count".to_owned(), count.to_string()]);
+        if check {
+            args.push("--check-char".into());
+        }
+        if let Some(run) = run {
+            args.extend(["--run-id".to_owned(), run.to_hex()]);
+        }
+        args
+    }
+
+    /// `codepool generate`.
+    async fn generate_cli(&self, pool: &str, count: u64) {
+        let args = Self::generate_args(pool, count, None);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = self.env.command(&args).output().await.unwrap();
+        self.imported_run(&out);
+        self.ran("generate (cli)", exit_of(&out));
+    }
+
+    fn imported_run(&self, out: &std::process::Output) {
         if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
-            if let Some(id) = v["import_id"]
+            if let Some(id) = v["run_id"]
                 .as_str()
                 .and_then(|s| ObjectId::parse_str(s).ok())
             {
                 self.history.lock().unwrap().imports.push(id);
             }
         }
-        self.ran("import killed and resumed");
     }
 
-    async fn recall(&self, rng: &mut StdRng) {
-        let picked = {
-            let h = self.history.lock().unwrap();
-            (!h.imports.is_empty()).then(|| h.imports[rng.random_range(0..h.imports.len())])
-        };
-        let Some(batch) = picked else { return };
-        let out = self
+    /// `codepool generate --run-id` killed (`kill -9`) mid-run, then the
+    /// same command again, left to run beside the mix: it takes the run up
+    /// once the dead process's lease lapses and makes only what is missing.
+    async fn generate_killed(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        // The run is taken up once the dead process's lease lapses (20 s):
+        // a kill this late would keep the checks waiting for it.
+        let late = (self.ends.lock().unwrap())
+            .is_some_and(|end| Instant::now() + Duration::from_secs(20) > end);
+        if late {
+            return self.generate_cli(pool, 20).await;
+        }
+        let run = ObjectId::new();
+        let mut args = Self::generate_args(pool, 1500, Some(run));
+        args.extend(["--batch-size".to_owned(), "100".to_owned()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut child = self
             .env
-            .command(&["void", "--import", &batch.to_hex(), "--reason", "leak"])
+            .command(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(rng.random_range(200..1200))).await;
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        {
+            let mut h = self.history.lock().unwrap();
+            h.imports.push(run);
+            h.killed_runs.insert(run);
+        }
+        let again = self
+            .env
+            .command(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        self.resumes.lock().unwrap().push((run, again));
+        self.ran("generate killed, resumed by id (cli)", "killed");
+    }
+
+    /// `POST /v1/pools/{pool}/generations`: the run is made in the API
+    /// process, which the fault task may kill.
+    async fn generate_api(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let (pattern, check) = pattern_of(pool);
+        let run = ObjectId::new();
+        let count = rng.random_range(5..400);
+        let body = json!({"count": count, "pattern": pattern, "check_char": check, "run_id": run.to_hex()});
+        let path = format!("/v1/pools/{pool}/generations");
+        let answer = self
+            .post(rng, &self.admin, "POST", &path, body.to_string().as_bytes())
+            .await;
+        self.history.lock().unwrap().imports.push(run);
+        self.ran("generate (http)", status_of(&answer));
+    }
+
+    /// The pool page's Generate form (not in the pool of check symbols:
+    /// the form's pattern has none).
+    async fn generate_console(&self, rng: &mut StdRng) {
+        let pool = POOLS[rng.random_range(0..POOLS.len())];
+        let count = rng.random_range(5..200).to_string();
+        let (pattern, _) = pattern_of(pool);
+        let path = format!("/console/pools/{pool}/generations");
+        let answer = self
+            .console_post(rng, &path, &[("count", &count), ("pattern", pattern)])
+            .await;
+        self.ran("generate (console)", status_of(&answer));
+    }
+
+    /// A code to look up, as a buyer might type it: one a run sold, one
+    /// never sold (in stock, held, voided unsold), one of the pool of check
+    /// symbols (some with a wrong check symbol), or one no pool holds.
+    async fn pick_code(&self, rng: &mut StdRng) -> Picked {
+        let draw = rng.random_range(0..20);
+        let filter = match draw {
+            0..=9 => doc! {"status": {"$in": [1, 2, 3]}, "order_id": {"$exists": true}},
+            10..=15 => doc! {"$or": [
+                {"status": {"$in": [0, 4]}},
+                {"status": 3, "order_id": {"$exists": false}},
+            ]},
+            16..=18 => doc! {"pool": GEN},
+            _ => doc! {"_id": {"$exists": false}},
+        };
+        let pipeline = vec![doc! {"$match": filter}, doc! {"$sample": {"size": 1}}];
+        let found = match self.codes().aggregate(pipeline).await {
+            Ok(mut cur) => cur.next().await.and_then(Result::ok),
+            Err(_) => None,
+        };
+        let Some(d) = found else {
+            let typed = format!("CP-NONE-{:016X}", rng.random::<u64>());
+            return Picked {
+                doc: None,
+                pool: FREE.into(),
+                typed,
+            };
+        };
+        let pool = d.get_str("pool").unwrap_or_default().to_owned();
+        let plain = self.env.plain_code(&d);
+        let id = d.get_object_id("_id").ok();
+        if pool == GEN && draw == 18 {
+            // One symbol off: the check symbol fails, and the pool is not
+            // even searched.
+            let mut chars: Vec<char> = plain.chars().collect();
+            let last = chars.len() - 1;
+            chars[last] = if chars[last] == '7' { '8' } else { '7' };
+            return Picked {
+                doc: None,
+                pool,
+                typed: chars.into_iter().collect(),
+            };
+        }
+        let typed = match rng.random_range(0..10) {
+            0..=5 => plain.clone(),
+            6 | 7 => plain.to_lowercase(),
+            8 => format!("  {plain}\n"),
+            _ if pool == GEN => plain.replace('0', "O").replace('1', "l"),
+            _ => plain.to_lowercase(),
+        };
+        Picked {
+            doc: id,
+            pool,
+            typed,
+        }
+    }
+
+    fn platform(&self, rng: &mut StdRng) -> usize {
+        match rng.random_range(0..4) {
+            0 | 1 => 0,
+            n => n - 1,
+        }
+    }
+
+    async fn lookup(
+        &self,
+        rng: &mut StdRng,
+        platform: usize,
+        picked: &Picked,
+        rid: Option<&str>,
+    ) -> Option<(u16, Vec<u8>)> {
+        let (path, body) = match rid {
+            Some(rid) => (
+                "/v1/codes/redeem",
+                json!({"code": picked.typed, "redemption_id": rid}),
+            ),
+            None => ("/v1/codes/check", json!({"code": picked.typed})),
+        };
+        let key = self.platforms[platform].clone();
+        let answer = self
+            .post(rng, &key, "POST", path, body.to_string().as_bytes())
+            .await;
+        self.history.lock().unwrap().lookups.push(Lookup {
+            platform,
+            doc: picked.doc,
+            redeem: rid.is_some(),
+            rid: rid.map(str::to_owned),
+            answer: answer.as_ref().map(|(s, b)| (*s, json_or_null(b))),
+        });
+        answer
+    }
+
+    /// `POST /v1/codes/check`.
+    async fn check_http(&self, rng: &mut StdRng) {
+        let picked = self.pick_code(rng).await;
+        let platform = self.platform(rng);
+        let answer = self.lookup(rng, platform, &picked, None).await;
+        self.ran("check a code (http)", status_of(&answer));
+    }
+
+    /// `POST /v1/codes/redeem`: a fresh redemption id, or one sent before
+    /// by the same platform (for its code again, or for another).
+    async fn redeem_http(&self, rng: &mut StdRng, id: &str) {
+        let again = {
+            let h = self.history.lock().unwrap();
+            (!h.redemptions.is_empty() && rng.random_bool(0.2))
+                .then(|| h.redemptions[rng.random_range(0..h.redemptions.len())].clone())
+        };
+        let (platform, rid, picked) = match again {
+            Some((platform, rid, before)) => {
+                let picked = if rng.random_bool(0.5) {
+                    before
+                } else {
+                    self.pick_code(rng).await
+                };
+                (platform, rid, picked)
+            }
+            None => {
+                let picked = self.pick_code(rng).await;
+                let platform = self.platform(rng);
+                let rid = format!("RD{id}");
+                self.history.lock().unwrap().redemptions.push((
+                    platform,
+                    rid.clone(),
+                    picked.clone(),
+                ));
+                (platform, rid, picked)
+            }
+        };
+        let answer = self.lookup(rng, platform, &picked, Some(&rid)).await;
+        self.ran("redeem a code (http)", status_of(&answer));
+    }
+
+    /// A `code.redeemed` event, as the platform publishes it.
+    async fn publish_redeemed(&self, body: Value) -> String {
+        let t = self.env.topology();
+        let props = lapin::BasicProperties::default().with_user_id("guest".into());
+        let sent = self
+            .publisher
+            .publish(
+                &t.events_exchange,
+                "code.redeemed",
+                body.to_string().as_bytes(),
+                props,
+            )
+            .await;
+        match sent {
+            Ok(p) => match p.wait().await {
+                Ok(()) => "confirmed".into(),
+                Err(_) => "not confirmed".into(),
+            },
+            Err(_) => "refused".into(),
+        }
+    }
+
+    async fn redeem_amqp_code(&self, rng: &mut StdRng) {
+        let picked = self.pick_code(rng).await;
+        let out = self
+            .publish_redeemed(json!({"pool": picked.pool, "code": picked.typed}))
+            .await;
+        self.ran("redeem a code (amqp)", out);
+    }
+
+    async fn redeem_amqp_order(&self, rng: &mut StdRng) {
+        let Some(order) = self.pick_order(rng) else {
+            return;
+        };
+        let out = self.publish_redeemed(json!({"order_id": order})).await;
+        self.ran("redeem an order (amqp)", out);
+    }
+
+    async fn redeem_order_http(&self, rng: &mut StdRng) {
+        let Some(order) = self.pick_order(rng) else {
+            return;
+        };
+        let key = self.key_for(rng, &order);
+        let path = format!("/v1/orders/{}/redeem", path_part(&order));
+        let answer = self.post(rng, &key, "POST", &path, b"").await;
+        self.ran("redeem an order (http)", status_of(&answer));
+    }
+
+    async fn redeem_cli_code(&self, rng: &mut StdRng) {
+        let picked = self.pick_code(rng).await;
+        let out = self
+            .cli(&["redeem", "--pool", &picked.pool, "--code", &picked.typed])
+            .await;
+        self.ran("redeem a code (cli)", out);
+    }
+
+    fn found(&self, what: String) {
+        self.history.lock().unwrap().found.push(what);
+    }
+
+    /// `codepool statement`: exit 0 when every row ties out, 3 when one
+    /// does not.
+    async fn statement_cli(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let out = (self.env.command(&["statement", "--pool", pool, "--json"]))
             .output()
             .await
             .unwrap();
-        if out.status.success() {
+        if out.status.code() == Some(3) {
+            self.found(format!(
+                "7: the statement of pool {pool} (cli, during the run) does not tie out: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        self.ran("statement (cli)", exit_of(&out));
+    }
+
+    /// `GET /v1/statements`: its `discrepancies` are empty.
+    async fn statement_api(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let path = format!("/v1/statements?pool={pool}");
+        let answer = self.post(rng, &self.admin, "GET", &path, b"").await;
+        if let Some((200, b)) = &answer {
+            let v = json_or_null(b);
+            match v["discrepancies"].as_array() {
+                Some(d) if d.is_empty() => {}
+                _ => self.found(format!(
+                    "7: the statement of pool {pool} (http, during the run) does not tie out: {v}"
+                )),
+            }
+        }
+        self.ran("statement (http)", status_of(&answer));
+    }
+
+    /// The console's statement page: no row in red.
+    async fn statement_console(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let path = format!("/console/pools/{pool}/statement");
+        let answer = match self.api_addr(rng) {
+            Some(addr) => raw_http(
+                &addr,
+                "GET",
+                &path,
+                &[("Cookie", self.console.0.as_str())],
+                b"",
+            )
+            .await
+            .map(|(s, _, b)| (s, b)),
+            None => None,
+        };
+        if let Some((200, b)) = &answer {
+            let page = String::from_utf8_lossy(b);
+            if page.contains("do not tie out") {
+                let at = page.find("do not tie out").unwrap_or(0);
+                self.found(format!(
+                    "7: the statement of pool {pool} (console, during the run) does not tie out: …{}…",
+                    &page[at.saturating_sub(200)..(at + 100).min(page.len())]
+                ));
+            }
+        }
+        self.ran("statement (console)", status_of(&answer));
+    }
+
+    /// A console form posted with the session and its CSRF token.
+    async fn console_post(
+        &self,
+        rng: &mut StdRng,
+        path: &str,
+        fields: &[(&str, &str)],
+    ) -> Option<(u16, Vec<u8>)> {
+        let addr = self.api_addr(rng)?;
+        let mut form = format!("csrf={}", form_part(&self.console.1));
+        for (k, v) in fields {
+            form.push_str(&format!("&{k}={}", form_part(v)));
+        }
+        let headers = [
+            ("Cookie", self.console.0.as_str()),
+            ("Content-Type", "application/x-www-form-urlencoded"),
+        ];
+        raw_http(&addr, "POST", path, &headers, form.as_bytes())
+            .await
+            .map(|(s, _, b)| (s, b))
+    }
+
+    /// The order page's Void (with a reason) or Resend SMS.
+    async fn console_on_order(&self, rng: &mut StdRng, verb: &'static str) {
+        let Some(order) = self.pick_order(rng) else {
+            return;
+        };
+        let path = format!("/console/orders/{}/{verb}", path_part(&order));
+        let fields: &[(&str, &str)] = if verb == "void" {
+            &[("reason", "refund")]
+        } else {
+            &[]
+        };
+        let answer = self.console_post(rng, &path, fields).await;
+        let what = if verb == "void" {
+            "void an order (console)"
+        } else {
+            "resend an order (console)"
+        };
+        self.ran(what, status_of(&answer));
+    }
+
+    async fn console_pause_or_resume(&self, rng: &mut StdRng) {
+        let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
+        let paused = self.history.lock().unwrap().paused.contains(pool);
+        let verb = if paused { "resume" } else { "pause" };
+        let answer = self
+            .console_post(rng, &format!("/console/pools/{pool}/{verb}"), &[])
+            .await;
+        if matches!(answer, Some((303, _))) {
+            self.paused(pool, !paused);
+        }
+        let what = if paused {
+            "resume (console)"
+        } else {
+            "pause (console)"
+        };
+        self.ran(what, status_of(&answer));
+    }
+
+    async fn console_recall(&self, rng: &mut StdRng) {
+        let Some(batch) = self.pick_import(rng) else {
+            return;
+        };
+        let path = format!("/console/imports/{}/recall", batch.to_hex());
+        let answer = self
+            .console_post(rng, &path, &[("reason", "leak"), ("confirm", "yes")])
+            .await;
+        if matches!(answer, Some((200 | 303, _))) {
             let at = bson::DateTime::now();
             self.history.lock().unwrap().recalls.push((batch, at));
         }
-        self.ran("recall");
-    }
-
-    async fn pause_or_resume(&self, rng: &mut StdRng) {
-        let pool = POOLS[rng.random_range(0..POOLS.len())];
-        let paused = self.history.lock().unwrap().paused.contains(pool);
-        let verb = if paused { "resume" } else { "pause" };
-        let out = (self.env.command(&["pool", verb, "--pool", pool]))
-            .output()
-            .await
-            .unwrap();
-        if out.status.success() {
-            let mut h = self.history.lock().unwrap();
-            if paused {
-                h.paused.remove(pool);
-            } else {
-                h.paused.insert(pool);
-            }
-        }
-        self.ran(if paused { "resume" } else { "pause" });
-    }
-
-    /// `codepool void|redeem|resend --order` of an order of the run.
-    async fn on_order(&self, rng: &mut StdRng, verb: &'static str) {
-        let picked = {
-            let h = self.history.lock().unwrap();
-            let mut ids: Vec<&String> = h.orders.keys().collect();
-            ids.sort();
-            (!ids.is_empty()).then(|| ids[rng.random_range(0..ids.len())].clone())
-        };
-        let Some(order) = picked else { return };
-        let mut args = vec![verb, "--order", order.as_str()];
-        if verb == "void" {
-            args.extend(["--reason", "refund"]);
-        }
-        self.cli(verb, &args).await;
-    }
-
-    async fn cli(&self, what: &'static str, args: &[&str]) {
-        let _ = self.env.command(args).output().await.unwrap();
-        self.ran(what);
+        self.ran("recall (console)", status_of(&answer));
     }
 
     /// `kill -9` of one granting process; another starts in its place.
@@ -626,7 +1514,7 @@ impl World {
             tokio::time::sleep(pause).await;
             let fresh = api(&self.env).await;
             self.apis.lock().unwrap()[which] = Some(fresh);
-            self.ran("kill -9 api");
+            self.ran("kill -9 an api", "restarted");
         } else {
             let killed = self.daemons.lock().unwrap()[which - 2].take();
             if let Some(mut d) = killed {
@@ -636,7 +1524,7 @@ impl World {
             tokio::time::sleep(pause).await;
             let fresh = start_daemon(self.env.command(&[])).await;
             self.daemons.lock().unwrap()[which - 2] = Some(fresh);
-            self.ran("kill -9 dispatcher");
+            self.ran("kill -9 a dispatcher", "restarted");
         }
     }
 
@@ -674,9 +1562,78 @@ impl World {
         out
     }
 
+    /// Every generation run made to its end: the runs resumed after a kill
+    /// finish, then any run left unfinished (its API process was killed)
+    /// is finished by its id, as an operator would, until none is left.
+    async fn finish_generations(&self) {
+        let resumes = std::mem::take(&mut *self.resumes.lock().unwrap());
+        let waits = resumes.into_iter().map(|(_, child)| async move {
+            match tokio::time::timeout(Duration::from_secs(120), child.wait_with_output()).await {
+                Ok(Ok(out)) => exit_of(&out),
+                _ => "no end within 120 s".to_owned(),
+            }
+        });
+        for out in futures::future::join_all(waits).await {
+            self.ran("generate resumed by id, at its end (cli)", out);
+        }
+        let started = Instant::now();
+        loop {
+            let open = self
+                .all(
+                    "imports",
+                    doc! {"source": "generated", "status": {"$ne": "done"},
+                    "recalled_at": {"$exists": false}},
+                )
+                .await;
+            if open.is_empty() || started.elapsed() > Duration::from_secs(120) {
+                break;
+            }
+            let finish = open.iter().filter_map(|r| {
+                let run = r.get_object_id("_id").ok()?;
+                let pool = r.get_str("pool").ok()?.to_owned();
+                let spec = r.get_document("generation").ok()?;
+                let check = spec.get_bool("check_char").unwrap_or(false);
+                let pattern = spec.get_str("pattern").ok()?;
+                let pattern = match check {
+                    true => pattern.strip_suffix("{check}").unwrap_or(pattern),
+                    false => pattern,
+                }
+                .to_owned();
+                let count = spec
+                    .get_i64("count")
+                    .or_else(|_| spec.get_i32("count").map(i64::from))
+                    .ok()?
+                    .to_string();
+                let mut args = vec![
+                    "generate".to_owned(),
+                    "--pool".into(),
+                    pool,
+                    "--count".into(),
+                    count,
+                    "--pattern".into(),
+                    pattern,
+                    "--run-id".into(),
+                    run.to_hex(),
+                ];
+                if check {
+                    args.push("--check-char".into());
+                }
+                Some(async move {
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    exit_of(&self.env.command(&args).output().await.unwrap())
+                })
+            });
+            for out in futures::future::join_all(finish).await {
+                self.ran("generate finished by id, at the end (cli)", out);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// Waits until every purchase is settled and every event is out, then
     /// checks the invariants over what the run left.
     async fn settle_and_check(&self) -> Vec<String> {
+        let began = Instant::now();
         let paused: Vec<&str> = self
             .history
             .lock()
@@ -688,6 +1645,11 @@ impl World {
         for p in paused {
             codepool_ok(&self.env, &["pool", "resume", "--pool", p]).await;
         }
+        self.finish_generations().await;
+        eprintln!(
+            "checker: every generation run finished in {:.1} s",
+            began.elapsed().as_secs_f64()
+        );
         let amqp: Vec<String> = self.history.lock().unwrap().amqp.clone();
         let conn = codepool_broker::connect(AMQP_URL, "checker-drain")
             .await
@@ -742,6 +1704,21 @@ impl World {
             );
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
+        // Every code.redeemed event is applied (or dropped) before the
+        // redemptions are counted.
+        eventually(
+            Duration::from_secs(120),
+            "every code.redeemed event consumed",
+            || async {
+                let ready = queue_depth(&ch, &t.code_redeemed).await;
+                if ready > 0 {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                queue_depth(&ch, &t.code_redeemed).await == 0
+            },
+        )
+        .await;
         eventually(
             Duration::from_secs(180),
             "every granted code's event is out",
@@ -760,31 +1737,49 @@ impl World {
         )
         .await;
         let events = drain(&ch, &t.sms_pending).await;
+        eprintln!("checker: settled in {:.1} s", began.elapsed().as_secs_f64());
         let _ = conn.close(200, "bye").await;
-        let granted = (self.codes())
-            .count_documents(doc! {"status": {"$in": [1, 2]}})
-            .await
-            .unwrap();
+        let docs = self.all("codes", doc! {}).await;
+        let granted = (docs.iter())
+            .filter(|d| matches!(d.get_i32("status"), Ok(1 | 2)))
+            .count();
         let committed = (self.env.store.database().collection::<Document>("holds"))
             .count_documents(doc! {"state": "committed"})
             .await
             .unwrap();
         eprintln!(
-            "checker: checked {granted} codes issued or used, {} sms.pending events, {committed} holds paid",
+            "checker: checked {} codes, {granted} issued or used, {} sms.pending events, {committed} holds paid",
+            docs.len(),
             events.len()
         );
-        let mut v = Vec::new();
-        self.check_codes(&events, &mut v).await;
-        self.check_imports(&mut v).await;
+        let docs: HashMap<ObjectId, Document> = (docs.into_iter())
+            .filter_map(|d| Some((d.get_object_id("_id").ok()?, d)))
+            .collect();
+        let ring = self.env.store.keys().ring().unwrap();
+        let plain: HashMap<ObjectId, String> = (docs.iter())
+            .map(|(id, d)| (*id, open_code(&ring, d)))
+            .collect();
+        let mut v = std::mem::take(&mut self.history.lock().unwrap().found);
+        self.check_codes(&events, &docs, &plain, &mut v).await;
+        self.check_imports(&docs, &mut v).await;
         self.check_statements(&mut v).await;
         self.check_holds(&mut v).await;
+        self.check_replacements(&docs, &mut v).await;
+        self.check_redemptions(&docs, &mut v).await;
+        self.check_lookalikes(&docs, &plain, &mut v).await;
+        self.check_never_sold(&docs, &mut v);
+        self.check_generations(&docs, &mut v).await;
+        eprintln!(
+            "checker: settled and checked in {:.1} s",
+            began.elapsed().as_secs_f64()
+        );
         v
     }
 
     /// 7: every pool's statement ties out, as the operator's command
     /// checks it (exit 0), whatever the mix did to its codes.
     async fn check_statements(&self, v: &mut Vec<String>) {
-        for pool in POOLS {
+        for pool in ALL_POOLS {
             let out = (self.env.command(&["statement", "--pool", pool, "--json"]))
                 .output()
                 .await
@@ -801,7 +1796,13 @@ impl World {
         }
     }
 
-    async fn check_codes(&self, events: &[Taken], v: &mut Vec<String>) {
+    async fn check_codes(
+        &self,
+        events: &[Taken],
+        docs: &HashMap<ObjectId, Document>,
+        plain: &HashMap<ObjectId, String>,
+        v: &mut Vec<String>,
+    ) {
         let (orders, recalls) = {
             let h = self.history.lock().unwrap();
             (h.orders.clone(), h.recalls.clone())
@@ -831,16 +1832,9 @@ impl World {
                 ));
             }
         }
-        let docs = self
-            .all("codes", doc! {"issued_at": {"$exists": true}})
-            .await;
         let mut per_order: HashMap<String, u32> = HashMap::new();
         let mut per_user: HashMap<String, u64> = HashMap::new();
-        let shop_pools = |s: &str| match s {
-            "acme" => vec![FREE, ACME],
-            _ => vec![FREE, BOLT],
-        };
-        for d in &docs {
+        for (id, d) in docs.iter().filter(|(_, d)| d.contains_key("issued_at")) {
             let order = d.get_str("order_id").unwrap_or_default().to_owned();
             if order.starts_with('\u{1}') {
                 continue; // held by a hold or a bundle, not an order's
@@ -848,22 +1842,27 @@ impl World {
             let status = d.get_i32("status").unwrap_or(-1);
             let pool = d.get_str("pool").unwrap_or_default();
             let issued = d.get_datetime("issued_at").ok().copied();
-            *per_order.entry(order.clone()).or_default() += 1;
-            if pool == LIMITED {
+            // A replaced code stays on its line beside the line's new code.
+            if !d.contains_key("replaced_by") {
+                *per_order.entry(order.clone()).or_default() += 1;
+            }
+            // A replacement's code is not a second purchase.
+            if pool == LIMITED && !d.contains_key("order_repl") {
                 let uid = d.get_str("uid").unwrap_or_default().to_owned();
                 *per_user.entry(uid).or_default() += 1;
             }
             if let (Some(exp), Some(at)) = (d.get_datetime("expires_at").ok(), issued) {
                 if at >= *exp {
                     v.push(format!(
-                        "2: order {order} got a code at {at} that expired at {exp}"
+                        "2: order {order} got a code at {at} that expired at {exp}: {}",
+                        describe(d)
                     ));
                 }
             }
             if let (Ok(batch), Some(at)) = (d.get_object_id("batch_id"), issued) {
                 for (b, recalled) in &recalls {
                     if *b == batch && at > *recalled {
-                        v.push(format!("2: order {order} got a code of import {b} at {at}, after its recall at {recalled}"));
+                        v.push(format!("2: order {order} got a code of import {b} at {at}, after its recall at {recalled}: {}", describe(d)));
                     }
                 }
             }
@@ -886,12 +1885,12 @@ impl World {
                 }
             }
             if matches!(status, 1 | 2) {
-                let plain = self.env.plain_code(d);
-                match sent.get(&plain) {
+                let plain = &plain[id];
+                match sent.get(plain) {
                     Some(to) if to.contains(&order) => {}
                     _ => v.push(format!(
                         "5: order {order}'s code {} has no sms.pending event",
-                        codepool_domain::mask(&plain)
+                        codepool_domain::mask(plain)
                     )),
                 }
             }
@@ -916,7 +1915,18 @@ impl World {
         }
     }
 
-    async fn check_imports(&self, v: &mut Vec<String>) {
+    async fn check_imports(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        let mut by_run: HashMap<ObjectId, ([u64; 5], u64)> = HashMap::new();
+        for d in docs.values() {
+            let Ok(run) = d.get_object_id("batch_id") else {
+                continue;
+            };
+            let (by_status, other) = by_run.entry(run).or_default();
+            match d.get_i32("status") {
+                Ok(s @ 0..=4) => by_status[s as usize] += 1,
+                _ => *other += 1,
+            }
+        }
         let runs = self.all("imports", doc! {"status": "done"}).await;
         for r in runs {
             let Ok(id) = r.get_object_id("_id") else {
@@ -927,14 +1937,7 @@ impl World {
                 .map(|n| n as u64)
                 .or_else(|_| r.get_i32("inserted").map(|n| n as u64))
                 .unwrap_or(0);
-            let mut by_status = [0u64; 5];
-            let mut other = 0;
-            for d in self.all("codes", doc! {"batch_id": id}).await {
-                match d.get_i32("status") {
-                    Ok(s @ 0..=4) => by_status[s as usize] += 1,
-                    _ => other += 1,
-                }
-            }
+            let (by_status, other) = by_run.get(&id).copied().unwrap_or_default();
             let total: u64 = by_status.iter().sum();
             if other > 0 || total != received {
                 v.push(format!("6: import {id} received {received} but holds unissued {} + held {} + issued {} + used {} + void {} (+{other} unknown)",
@@ -965,14 +1968,589 @@ impl World {
             }
         }
     }
+
+    /// 8: a replaced code is void, keeps its order and line, and is never
+    /// given again; a replacement's new code is its line's, and no code is
+    /// given by two replacements; one replacement id was answered with one
+    /// new code, whatever door and however often it was asked.
+    async fn check_replacements(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        for (id, d) in docs {
+            let replaced =
+                d.get_str("void_reason") == Ok("replaced") || d.contains_key("replaced_by");
+            if replaced && d.get_i32("status") != Ok(3) {
+                v.push(format!(
+                    "8: code {id} was replaced, and is given again: {}",
+                    describe(d)
+                ));
+            }
+        }
+        let mut olds: HashMap<ObjectId, Vec<String>> = HashMap::new();
+        let mut news: HashMap<ObjectId, Vec<String>> = HashMap::new();
+        for r in self.all("replacements", doc! {}).await {
+            let rid = r.get_str("_id").unwrap_or_default().to_owned();
+            let order = r.get_str("order_id").unwrap_or_default();
+            let state = r.get_str("state").unwrap_or_default();
+            let (n, line) = (int(&r, "n"), int(&r, "line"));
+            let Ok(old) = r.get_object_id("old_code") else {
+                continue;
+            };
+            if matches!(state, "waiting" | "done") {
+                olds.entry(old).or_default().push(rid.clone());
+                match docs.get(&old) {
+                    Some(d)
+                        if d.get_str("replaced_by") == Ok(rid.as_str())
+                            && d.get_i32("status") == Ok(3)
+                            && d.get_str("order_id") == Ok(order) => {}
+                    d => v.push(format!(
+                        "8: replacement {rid} ({state}) of order {order} line {line:?}: its old code {old} is {}",
+                        d.map_or("missing".to_owned(), describe)
+                    )),
+                }
+            }
+            if state != "done" {
+                continue;
+            }
+            let Ok(new) = r.get_object_id("new_code") else {
+                v.push(format!(
+                    "8: replacement {rid} of order {order} is done without a new code"
+                ));
+                continue;
+            };
+            news.entry(new).or_default().push(rid.clone());
+            match docs.get(&new) {
+                Some(d)
+                    if new != old
+                        && d.get_str("order_id") == Ok(order)
+                        && int(d, "order_line").unwrap_or(0) == line.unwrap_or(0)
+                        && int(d, "order_repl") == n => {}
+                d => v.push(format!(
+                    "8: replacement {rid} (#{n:?}) of order {order} line {line:?} gave code {new}, which is {}",
+                    d.map_or("missing".to_owned(), describe)
+                )),
+            }
+        }
+        for (code, rids) in olds.iter().filter(|(_, r)| r.len() > 1) {
+            v.push(format!("8: code {code} was replaced by {rids:?}"));
+        }
+        for (code, rids) in news.iter().filter(|(_, r)| r.len() > 1) {
+            v.push(format!("8: code {code} was given by replacements {rids:?}"));
+        }
+        eprintln!(
+            "checker: checked {} replaced codes, {} replacements done",
+            olds.len(),
+            news.len()
+        );
+        let answered = self.history.lock().unwrap().replaced.clone();
+        let mut by_rid: HashMap<&str, HashSet<&str>> = HashMap::new();
+        let mut by_grant: HashMap<&str, HashSet<&str>> = HashMap::new();
+        for (rid, grant) in &answered {
+            by_rid.entry(rid).or_default().insert(grant);
+            by_grant.entry(grant).or_default().insert(rid);
+        }
+        for (rid, grants) in by_rid.iter().filter(|(_, g)| g.len() > 1) {
+            v.push(format!(
+                "8: replacement {rid} was answered with new codes of grants {grants:?}"
+            ));
+        }
+        for (grant, rids) in by_grant.iter().filter(|(_, r)| r.len() > 1) {
+            v.push(format!(
+                "8: replacements {rids:?} were all answered with the code of grant {grant}"
+            ));
+        }
+    }
+
+    /// 9: a code is redeemed once. Every answer that says a code is used
+    /// (a redemption's 200, an `already-redeemed` 409, a check) names the
+    /// time the code records; a redemption's 200 names the redemption id
+    /// the code records; one platform's id redeemed one code; and the
+    /// audit records no redemption twice, nor more codes used than are.
+    async fn check_redemptions(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        let lookups = self.history.lock().unwrap().lookups.clone();
+        let used_ms = |d: &Document| d.get_datetime("used_at").ok().map(|t| t.timestamp_millis());
+        let mut by_rid: HashMap<(usize, &str), HashSet<ObjectId>> = HashMap::new();
+        for l in &lookups {
+            let (Some(id), Some((status, body))) = (l.doc, &l.answer) else {
+                continue;
+            };
+            let Some(d) = docs.get(&id) else {
+                continue;
+            };
+            let said_at = body["redeemed_at"]
+                .as_str()
+                .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok())
+                .map(|t| t.timestamp_millis());
+            let rid = l.rid.as_deref().unwrap_or_default();
+            let kind = body["type"].as_str().unwrap_or_default();
+            let says_used = match (l.redeem, status) {
+                (true, 200) => {
+                    by_rid.entry((l.platform, rid)).or_default().insert(id);
+                    let tag =
+                        (d.get_document("redemption").ok()).and_then(|t| t.get_str("id").ok());
+                    if tag != Some(rid) || d.get_i32("status") != Ok(2) {
+                        v.push(format!(
+                            "9: redemption {rid} (platform {}) of code {id} was answered 200, but the code records redemption {tag:?}: {}",
+                            l.platform,
+                            describe(d)
+                        ));
+                    }
+                    true
+                }
+                (true, 409) => kind.ends_with("already-redeemed"),
+                (false, 200) => body["state"] == "used",
+                _ => false,
+            };
+            if says_used && said_at != used_ms(d) {
+                v.push(format!(
+                    "9: a {} of code {id} (id {rid:?}) answered {status} redeemed at {:?}, but the code was used at {:?}: {}",
+                    if l.redeem { "redemption" } else { "check" },
+                    body["redeemed_at"],
+                    d.get_datetime("used_at").ok(),
+                    describe(d)
+                ));
+            }
+        }
+        for ((platform, rid), ids) in by_rid.iter().filter(|(_, i)| i.len() > 1) {
+            v.push(format!(
+                "9: redemption id {rid} of platform {platform} redeemed {} codes: {ids:?}",
+                ids.len()
+            ));
+        }
+        let tags: HashSet<&str> = (docs.values())
+            .filter_map(|d| d.get_document("redemption").ok()?.get_str("id").ok())
+            .collect();
+        let mut audited = 0u64;
+        let mut per_rid: HashMap<String, u32> = HashMap::new();
+        for a in self.all("audit", doc! {"kind": "redeem"}).await {
+            let what = a.get_str("what").unwrap_or_default();
+            audited += (what.split(" code(s) used").next())
+                .and_then(|s| s.rsplit(' ').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            if let Some(rid) =
+                (what.split("redemption id \"").nth(1)).and_then(|r| r.split('"').next())
+            {
+                *per_rid.entry(rid.to_owned()).or_default() += 1;
+            }
+        }
+        for (rid, n) in &per_rid {
+            if *n > 1 {
+                v.push(format!("9: redemption {rid} is audited {n} times"));
+            }
+            if !tags.contains(rid.as_str()) {
+                v.push(format!(
+                    "9: redemption {rid} is audited, but no code records it"
+                ));
+            }
+        }
+        let used = docs
+            .values()
+            .filter(|d| d.get_i32("status") == Ok(2))
+            .count() as u64;
+        eprintln!(
+            "checker: checked {used} codes used, {audited} redemptions audited, {} checks and redemptions by code over http",
+            lookups.len()
+        );
+        // A process killed between a redemption and its record leaves one
+        // fewer; a code redeemed twice, one more.
+        if audited > used {
+            v.push(format!(
+                "9: the audit records {audited} codes used by redemptions, but {used} codes are used"
+            ));
+        }
+    }
+
+    /// 10: no two code documents read the same: not in one pool under its
+    /// look-alike rule, not in two pools under case and width folding,
+    /// and no generated code under the strictest rule (`O`/`0`, `I`/`L`/`1`
+    /// folded too).
+    async fn check_lookalikes(
+        &self,
+        docs: &HashMap<ObjectId, Document>,
+        plain: &HashMap<ObjectId, String>,
+        v: &mut Vec<String>,
+    ) {
+        let generated: HashSet<ObjectId> =
+            (self.all("imports", doc! {"source": "generated"}).await)
+                .iter()
+                .filter_map(|r| r.get_object_id("_id").ok())
+                .collect();
+        let strict = LookAlikeRule {
+            case_sensitive: false,
+            confusables: true,
+        };
+        let mut across: HashMap<String, Vec<ObjectId>> = HashMap::new();
+        let mut within: HashMap<(String, String), Vec<ObjectId>> = HashMap::new();
+        let mut strictly: HashMap<String, Vec<ObjectId>> = HashMap::new();
+        for (id, d) in docs {
+            let pool = d.get_str("pool").unwrap_or_default().to_owned();
+            let code = &plain[id];
+            let rule = LookAlikeRule {
+                case_sensitive: false,
+                confusables: pool == GEN,
+            };
+            across
+                .entry(codepool_domain::fold_by(code, LookAlikeRule::default()))
+                .or_default()
+                .push(*id);
+            within
+                .entry((pool, codepool_domain::fold_by(code, rule)))
+                .or_default()
+                .push(*id);
+            strictly
+                .entry(codepool_domain::fold_by(code, strict))
+                .or_default()
+                .push(*id);
+        }
+        let mut groups: Vec<(&str, Vec<ObjectId>)> = Vec::new();
+        groups.extend((across.into_values()).map(|g| ("in any pools", g)));
+        groups.extend((within.into_values()).map(|g| ("in one pool", g)));
+        groups.extend(
+            (strictly.into_values())
+                .filter(|g| g.iter().any(|id| generated.contains(id)))
+                .map(|g| ("as a generated code", g)),
+        );
+        // One line per kind and set of imports: a race of two imports
+        // gives every code of the file twice.
+        let mut told = HashSet::new();
+        let mut by_runs: BTreeMap<(&str, Vec<String>), Vec<String>> = BTreeMap::new();
+        for (how, mut ids) in groups.into_iter().filter(|(_, g)| g.len() > 1) {
+            ids.sort();
+            if !told.insert(ids.clone()) {
+                continue;
+            }
+            let runs: Vec<String> = (ids.iter())
+                .map(|id| {
+                    let d = &docs[id];
+                    format!(
+                        "pool {} import {}",
+                        d.get_str("pool").unwrap_or_default(),
+                        d.get_object_id("batch_id")
+                            .map_or("-".into(), |b| b.to_hex())
+                    )
+                })
+                .collect();
+            let each: Vec<String> = (ids.iter())
+                .map(|id| {
+                    format!(
+                        "{} {}",
+                        codepool_domain::mask(&plain[id]),
+                        describe(&docs[id])
+                    )
+                })
+                .collect();
+            by_runs
+                .entry((how, runs))
+                .or_default()
+                .push(each.join(" and "));
+        }
+        for ((how, runs), codes) in by_runs {
+            v.push(format!(
+                "10: {} code(s) are held {how} more than once, by {}; the first: {}",
+                codes.len(),
+                runs.join(", "),
+                codes[0]
+            ));
+        }
+    }
+
+    /// 11: a code never sold, a code of a pool the platform may not see,
+    /// and a code no pool holds all get the answer of a code no pool holds
+    /// (or a 429 or 503, or none from a killed process), from check and
+    /// redeem alike; and no code never sold is used.
+    fn check_never_sold(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        for (id, d) in docs {
+            if never_sold(d) && (d.contains_key("used_at") || d.contains_key("redemption")) {
+                v.push(format!(
+                    "11: code {id} was never sold, but is marked used: {}",
+                    describe(d)
+                ));
+            }
+        }
+        let lookups = self.history.lock().unwrap().lookups.clone();
+        let mut hidden = 0;
+        for l in &lookups {
+            let why = match l.doc.map(|id| docs.get(&id)) {
+                None => "exists nowhere",
+                Some(None) => continue,
+                Some(Some(d)) if never_sold(d) => "was never sold",
+                Some(Some(d)) => {
+                    let pool = d.get_str("pool").unwrap_or_default();
+                    match PLATFORMS[l.platform] {
+                        Some(shop) if !shop_pools(shop).contains(&pool) => {
+                            "is of a pool the key may not see"
+                        }
+                        _ => continue,
+                    }
+                }
+            };
+            hidden += 1;
+            match &l.answer {
+                None | Some((429 | 503, _)) => {}
+                Some((404, b)) if said(b) == self.unknown[l.platform] => {}
+                Some((status, body)) => v.push(format!(
+                    "11: a {} of code {} (which {why}) by platform {:?} was answered {status} {body}, not as a code no pool holds ({}); the code: {}",
+                    if l.redeem { "redemption" } else { "check" },
+                    l.doc.map_or("-".to_owned(), |id| id.to_hex()),
+                    PLATFORMS[l.platform],
+                    self.unknown[l.platform],
+                    l.doc.and_then(|id| docs.get(&id)).map_or("-".to_owned(), describe)
+                )),
+            }
+        }
+        eprintln!(
+            "checker: checked {hidden} answers about codes never sold, unknown or out of sight"
+        );
+    }
+
+    /// 12: every generation run (but a recalled one) is done and holds
+    /// exactly its count: killed mid-run and resumed, made by an API
+    /// process killed under it, or not.
+    async fn check_generations(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        let killed = self.history.lock().unwrap().killed_runs.clone();
+        let mut held: HashMap<ObjectId, u64> = HashMap::new();
+        for d in docs.values() {
+            if let Ok(b) = d.get_object_id("batch_id") {
+                *held.entry(b).or_default() += 1;
+            }
+        }
+        let runs = self.all("imports", doc! {"source": "generated"}).await;
+        eprintln!(
+            "checker: checked {} generation runs, {} of them killed mid-run",
+            runs.len(),
+            killed.len()
+        );
+        let recorded: HashSet<ObjectId> = runs
+            .iter()
+            .filter_map(|r| r.get_object_id("_id").ok())
+            .collect();
+        for run in killed.iter().filter(|r| !recorded.contains(r)) {
+            v.push(format!(
+                "12: generation run {run}, killed and resumed, has no record"
+            ));
+        }
+        for r in runs {
+            let Ok(id) = r.get_object_id("_id") else {
+                continue;
+            };
+            if r.contains_key("recalled_at") {
+                continue;
+            }
+            let spec = r.get_document("generation").ok();
+            let count = spec.and_then(|s| int(s, "count")).unwrap_or(-1);
+            let status = r.get_str("status").unwrap_or_default();
+            let n = held.get(&id).copied().unwrap_or(0) as i64;
+            let how = if killed.contains(&id) {
+                ", killed mid-run and resumed"
+            } else {
+                ""
+            };
+            if status != "done" || n != count {
+                v.push(format!(
+                    "12: generation run {id} of pool {:?}{how} is {status:?} and holds {n} codes, asked for {count}: {r}",
+                    r.get_str("pool").unwrap_or_default()
+                ));
+            }
+        }
+    }
+}
+
+/// A code never sold to an order: in stock, held (by a hold or a bundle's
+/// item), or voided without an order (expired or recalled in stock or
+/// held).
+fn never_sold(d: &Document) -> bool {
+    match d.get_i32("status") {
+        Ok(0 | 4) => true,
+        Ok(3) => !d.get_str("order_id").is_ok_and(|o| !o.starts_with('\u{1}')),
+        _ => false,
+    }
+}
+
+/// A code document's code, opened with the run's keys (as
+/// [`TestEnv::plain_code`] does, without reading the whole document).
+fn open_code(ring: &codepool_vault::Keyring, d: &Document) -> String {
+    let (Ok(id), Ok(pool), Ok(key), Ok(sealed)) = (
+        d.get_object_id("_id"),
+        d.get_str("pool"),
+        d.get_str("key_id"),
+        d.get_binary_generic("code_enc"),
+    ) else {
+        panic!("a sealed code: {}", describe(d));
+    };
+    let aad = codepool_store::crypto::code_aad(pool, id);
+    ring.open(key, &aad, sealed).expect("the code opens")
+}
+
+/// A code document's state, for a finding: never its code.
+fn describe(d: &Document) -> String {
+    let mut out = Document::new();
+    for k in [
+        "_id",
+        "pool",
+        "status",
+        "batch_id",
+        "order_id",
+        "order_line",
+        "order_repl",
+        "grant_no",
+        "issued_at",
+        "expires_at",
+        "used_at",
+        "redemption",
+        "voided_at",
+        "void_reason",
+        "replaced_by",
+        "owner",
+    ] {
+        if let Some(x) = d.get(k) {
+            out.insert(k, x.clone());
+        }
+    }
+    out.to_string()
+}
+
+/// An integer field, stored as either width.
+fn int(d: &Document, k: &str) -> Option<i64> {
+    d.get_i64(k)
+        .ok()
+        .or_else(|| d.get_i32(k).ok().map(i64::from))
 }
 
 async fn api(env: &TestEnv) -> ApiServer {
-    ApiServer::start(env, &["--rate-per-key", "1000000"]).await
+    ApiServer::start(
+        env,
+        &[
+            "--rate-per-key",
+            "1000000",
+            "--redeem-misses-per-minute",
+            "1000000",
+        ],
+    )
+    .await
+}
+
+/// The console's operator, an admin.
+async fn operator(env: &TestEnv) {
+    let args = [
+        "operators",
+        "add",
+        "--name",
+        OPERATOR,
+        "--role",
+        "admin",
+        "--password-stdin",
+    ];
+    let mut child = env
+        .command(&args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{PASSWORD}\n").as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Signs the operator in on the console at `addr`: its session cookie
+/// (kept in MongoDB, so every API process takes it) and CSRF token.
+async fn sign_in(addr: &str) -> (String, String) {
+    let form = format!("name={OPERATOR}&password={}", form_part(PASSWORD));
+    let headers = [("Content-Type", "application/x-www-form-urlencoded")];
+    let (status, head, body) = raw_http(addr, "POST", "/console/signin", &headers, form.as_bytes())
+        .await
+        .expect("the console answers");
+    assert_eq!(status, 303, "sign-in: {}", String::from_utf8_lossy(&body));
+    let cookie = (head.lines())
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("set-cookie"))
+        .and_then(|(_, v)| v.trim().split(';').next())
+        .expect("a session cookie")
+        .to_owned();
+    let (status, _, page) = raw_http(
+        addr,
+        "GET",
+        "/console/pools",
+        &[("Cookie", cookie.as_str())],
+        b"",
+    )
+    .await
+    .expect("the console answers");
+    assert_eq!(status, 200);
+    let page = String::from_utf8_lossy(&page);
+    let csrf = (page.split("name=\"csrf\" value=\"").nth(1))
+        .and_then(|r| r.split('"').next())
+        .expect("a CSRF token on the pools page")
+        .to_owned();
+    (cookie, csrf)
 }
 
 /// One HTTP exchange that tolerates a server that is down or dies: the
-/// status and body, or `None`.
+/// status, the head and the body, or `None`.
+async fn raw_http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<(u16, String, Vec<u8>)> {
+    let go = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).await.ok()?;
+        s.write_all(body).await.ok()?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.ok()?;
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        let mut body = raw[split + 4..].to_vec();
+        if chunked {
+            body = dechunk(&body)?;
+        }
+        Some((status, head, body))
+    };
+    tokio::time::timeout(Duration::from_secs(20), go)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// A chunked body, whole.
+fn dechunk(mut raw: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let end = raw.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&raw[..end]).ok()?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        raw = &raw[end + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(raw.get(..size)?);
+        raw = raw.get(size + 2..)?;
+    }
+}
+
+/// [`raw_http`] of a JSON body with a key: status and body.
 async fn try_http(
     addr: &str,
     method: &str,
@@ -980,26 +2558,62 @@ async fn try_http(
     key: &str,
     body: &[u8],
 ) -> Option<(u16, Vec<u8>)> {
-    let go = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\nAuthorization: Bearer {key}\r\n\r\n",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).await.ok()?;
-        s.write_all(body).await.ok()?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await.ok()?;
-        let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
-        let status = String::from_utf8_lossy(&raw[..split])
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        Some((status, raw[split + 4..].to_vec()))
-    };
-    tokio::time::timeout(Duration::from_secs(20), go)
+    let bearer = format!("Bearer {key}");
+    let headers = [
+        ("Content-Type", "application/json"),
+        ("Authorization", bearer.as_str()),
+    ];
+    raw_http(addr, method, path, &headers, body)
         .await
-        .ok()
-        .flatten()
+        .map(|(s, _, b)| (s, b))
+}
+
+/// How an HTTP exchange ended: its status, and a problem's type.
+fn status_of(answer: &Option<(u16, Vec<u8>)>) -> String {
+    match answer {
+        None => "no answer".to_owned(),
+        Some((s, b)) => match json_or_null(b)["type"].as_str() {
+            Some(t) => format!("{s} {}", t.rsplit('/').next().unwrap_or(t)),
+            None => s.to_string(),
+        },
+    }
+}
+
+fn exit_of(out: &std::process::Output) -> String {
+    match out.status.code() {
+        Some(c) => format!("exit {c}"),
+        None => "killed".to_owned(),
+    }
+}
+
+fn json_or_null(body: &[u8]) -> Value {
+    serde_json::from_slice(body).unwrap_or(Value::Null)
+}
+
+/// A problem's body without what differs between two answers that say
+/// the same: the request id.
+fn said(v: &Value) -> Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("request_id");
+        o.remove("instance");
+    }
+    v
+}
+
+/// A form field's value, percent-encoded.
+fn form_part(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// An order id in a path.
+fn path_part(s: &str) -> String {
+    form_part(s)
 }
