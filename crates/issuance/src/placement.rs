@@ -213,9 +213,13 @@ async fn give_up_or_wait<E: Ending>(
     retry: &mut Retry,
     stop: &CancellationToken,
 ) -> Result<(), Unplaced> {
+    // A missing key is this process's, not MongoDB's: nothing was
+    // claimed, the key watch has said so once, and the batch goes back.
+    if matches!(&e, PlaceError::Claim(ClaimError::KeysMissing(_))) {
+        return Err(Unplaced::Failed(Arc::new(e)));
+    }
     ending.saw(Seen::MongoFailed(&e));
-    let keys_missing = matches!(&e, PlaceError::Claim(ClaimError::KeysMissing(_)));
-    if !ending.patience().waits_for_mongo || keys_missing {
+    if !ending.patience().waits_for_mongo {
         return Err(Unplaced::Failed(Arc::new(e)));
     }
     if !e.is_retryable() {
