@@ -22,7 +22,16 @@ use std::collections::{HashMap, HashSet};
 
 use codepool_domain::gate::{self, Move, Refused};
 use codepool_domain::{Item, PoolPolicy, Purchase};
+use codepool_store::policies::QuotaAsk;
 use codepool_store::{Store, StoreError};
+
+/// What [`Guard::take_slots`] did: the slots asked, and the orders that
+/// may take their codes.
+#[derive(Debug)]
+pub struct Slots<'a> {
+    pub asks: Vec<QuotaAsk<'a>>,
+    pub allowed: HashSet<&'a str>,
+}
 
 /// The pools' policies, read once for a batch, and the rules over them.
 #[derive(Debug, Clone, Default)]
@@ -83,29 +92,49 @@ impl Guard {
 
     /// Takes the per-user slots `mv` needs for each order and the items it
     /// takes (one slot per item of a pool with a limit; holds and both
-    /// doors count against one limit). Returns the orders that may take
-    /// their codes; an order of no limited pool, or a move that takes no
-    /// slot, passes.
+    /// doors count against one limit). The orders that may take their
+    /// codes: an order of no limited pool, or a move that takes no slot,
+    /// passes.
     pub async fn take_slots<'a>(
         &self,
         store: &Store,
         mv: Move,
         items: &'a [(&'a Purchase, Vec<Item>)],
-    ) -> Result<HashSet<&'a str>, StoreError> {
-        let all = || items.iter().map(|(p, _)| p.order_id.as_str()).collect();
-        if !mv.takes_slot() {
-            return Ok(all());
-        }
-        let policy = |pool: &str| self.policy(pool);
-        let asks = crate::policy::quota_asks(items, &policy);
-        if asks.is_empty() {
-            return Ok(all());
-        }
-        let taken = store.take_quota_slots(&asks).await?;
-        Ok((items.iter())
+    ) -> Result<Slots<'a>, StoreError> {
+        let asks = if mv.takes_slot() {
+            self.quota_asks(items)
+        } else {
+            Vec::new()
+        };
+        let taken = if asks.is_empty() {
+            HashSet::new()
+        } else {
+            store.take_quota_slots(&asks).await?
+        };
+        let allowed = (items.iter())
             .map(|(p, _)| p.order_id.as_str())
             .filter(|o| !asks.iter().any(|a| a.order_id == *o) || taken.contains(*o))
-            .collect())
+            .collect();
+        Ok(Slots { asks, allowed })
+    }
+
+    /// The per-user slots `items` (each order with the items it takes) ask,
+    /// one per item of a pool with a per-user limit: a claim from stock and
+    /// the commit of a paid hold take them alike.
+    fn quota_asks<'a>(&self, items: &'a [(&'a Purchase, Vec<Item>)]) -> Vec<QuotaAsk<'a>> {
+        (items.iter())
+            .flat_map(|(p, items)| {
+                (items.iter())
+                    .filter(|i| self.policy(&i.pool).limits_users())
+                    .map(|i| QuotaAsk {
+                        pool: &i.pool,
+                        uid: &p.uid,
+                        order_id: &p.order_id,
+                        codes: i.quantity,
+                        limit: self.policy(&i.pool).per_user,
+                    })
+            })
+            .collect()
     }
 
     /// Whether `payer` may pay (or act on) what `owner` holds.

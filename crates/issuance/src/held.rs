@@ -141,7 +141,7 @@ pub async fn commit_paid(
     let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
         .map(|(p, h)| (*p, h.items.clone()))
         .collect();
-    let slots = guard.take_slots(store, Move::Commit, &items).await?;
+    let slots = guard.take_slots(store, Move::Commit, &items).await?.allowed;
     for (p, h) in payable {
         if !slots.contains(p.order_id.as_str()) {
             debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold over its buyer's per-user limit: released; the order is refused");

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use codepool_domain::{Code, PoolPolicy, Purchase, Refusal, RefusalReason};
-use codepool_store::policies::{QuotaAsk, RefusalDoc};
+use codepool_store::policies::RefusalDoc;
 use codepool_store::pools::PoolDoc;
 use codepool_store::{Store, StoreError};
 use tokio::sync::RwLock;
 
-use crate::guard::Guard;
+use crate::guard::{Guard, Slots};
 use crate::plan::{apply_policies, Admission, Verdicts};
 use codepool_domain::gate::Move;
 
@@ -391,9 +391,10 @@ async fn refuse_over_limit(
         .filter(|p| !refused.contains_key(&p.order_id))
         .map(|p| (*p, p.items()))
         .collect();
-    let policy = |pool: &str| guard.policy(pool);
-    let asks = quota_asks(&items, &policy);
-    let slots = guard.take_slots(store, mv, &items).await?;
+    let Slots {
+        asks,
+        allowed: slots,
+    } = guard.take_slots(store, mv, &items).await?;
     // Millisecond precision, as stored: a redelivery's event is identical.
     let now = bson::DateTime::now().to_chrono();
     let mut fresh = Vec::new();
@@ -417,28 +418,6 @@ async fn refuse_over_limit(
         refused.extend(recorded_refusals(store, limited, &raced).await?);
     }
     Ok(refused)
-}
-
-/// The per-user slots `items` (each order with the items it takes) ask,
-/// one per item of a pool with a per-user limit: a claim from stock and
-/// the commit of a paid hold take them alike.
-pub(crate) fn quota_asks<'a>(
-    items: &'a [(&'a Purchase, Vec<codepool_domain::Item>)],
-    policy: &impl Fn(&str) -> PoolPolicy,
-) -> Vec<QuotaAsk<'a>> {
-    (items.iter())
-        .flat_map(|(p, items)| {
-            (items.iter())
-                .filter(|i| policy(&i.pool).limits_users())
-                .map(|i| QuotaAsk {
-                    pool: &i.pool,
-                    uid: &p.uid,
-                    order_id: &p.order_id,
-                    codes: i.quantity,
-                    limit: policy(&i.pool).per_user,
-                })
-        })
-        .collect()
 }
 
 /// The recorded refusals of `orders`, as refusals of the purchases.

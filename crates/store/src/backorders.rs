@@ -301,4 +301,18 @@ impl Store {
     ) -> Result<Vec<BackorderDoc>, StoreError> {
         self.find_in(BACKORDERS, "order_id", order_ids).await
     }
+
+    /// Withdraws a waiting backorder so it is never fulfilled. Returns
+    /// false when the order has no waiting backorder.
+    pub async fn cancel_backorder(&self, order_id: &str, reason: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(BACKORDERS)
+            .update_one(
+                doc! {"order_id": order_id, "status": BackorderState::Waiting.as_str()},
+                doc! {"$set": {"status": BackorderState::Cancelled.as_str(), "cancelled_at": DateTime::now(), "cancel_reason": reason}},
+            )
+            .write_concern(durable())
+            .await?;
+        Ok(r.modified_count == 1)
+    }
 }

@@ -12,23 +12,13 @@ use std::collections::HashMap;
 
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
-use codepool_domain::{mask, when, Code, CodeId, CodeStatus, SetAside, Transition};
+use codepool_domain::{mask, when, Code, CodeId, CodeStatus, SetAside};
 use futures::TryStreamExt;
 
 use crate::backorders::{BackorderState, BACKORDERS};
 use crate::codes::{code_id, object_id, CODES};
 use crate::moves::StatusWrite;
-use crate::{durable, CodeDoc, Store, StoreError};
-
-/// The void of codes just given to an order that was voided while it
-/// waited (a backorder's fulfilment, a replacement's reissue), before any
-/// event is sent for them.
-pub(crate) fn withdrawn(target: Document) -> StatusWrite {
-    let now = DateTime::now();
-    StatusWrite::new(Transition::Void, target, now)
-        .record(doc! {"voided_at": now, "void_reason": "order voided while it waited"})
-        .clear(&["sms_pending"])
-}
+use crate::{CodeDoc, Store, StoreError};
 
 /// The reason recorded on codes voided by the expiry sweep.
 pub const EXPIRED_REASON: &str = "expired";
@@ -292,7 +282,7 @@ impl Store {
         write: &(dyn Fn(Document) -> StatusWrite + Sync),
     ) -> Result<Option<Code>, StoreError> {
         let filter = target.filter(self).await?;
-        self.write_status_one(&write(filter))
+        self.write_status_one::<CodeDoc>(&write(filter))
             .await?
             .map(|d| d.into_code(&self.keys))
             .transpose()
@@ -342,13 +332,8 @@ impl Store {
         tag: Option<&RedemptionTag>,
     ) -> Result<Redeemed, LifecycleError> {
         let now = DateTime::now();
-        let mut record = doc! {"used_at": now};
-        if let Some(t) = tag {
-            record.insert("redemption", doc! {"id": &t.id, "by": &t.by});
-        }
-        let write = |target: Document| {
-            StatusWrite::new(Transition::Redeem, target, now).record(record.clone())
-        };
+        let mark = tag.map(|t| doc! {"id": &t.id, "by": &t.by});
+        let write = |target: Document| StatusWrite::redeem(target, now, mark.clone());
         let done = match self.apply_all(target, &write, now).await {
             Err(StoreError::Refused { source, .. })
                 if tag.is_some() && crate::error::is_duplicate_key(&source) =>
@@ -394,11 +379,7 @@ impl Store {
         reason: &str,
     ) -> Result<VoidOutcome, LifecycleError> {
         let now = DateTime::now();
-        let write = |target: Document| {
-            StatusWrite::new(Transition::Void, target, now)
-                .record(doc! {"voided_at": now, "void_reason": reason})
-                .clear(&["sms_pending"])
-        };
+        let write = |target: Document| StatusWrite::void(target, now, reason);
         // The backorder is cancelled before the codes are voided: a
         // fulfilment that claims for the order after this write finds it
         // cancelled and withdraws its codes itself (see
@@ -457,20 +438,6 @@ impl Store {
         }))
     }
 
-    /// Withdraws a waiting backorder so it is never fulfilled. Returns
-    /// false when the order has no waiting backorder.
-    pub async fn cancel_backorder(&self, order_id: &str, reason: &str) -> Result<bool, StoreError> {
-        let r = self
-            .collection(BACKORDERS)
-            .update_one(
-                doc! {"order_id": order_id, "status": BackorderState::Waiting.as_str()},
-                doc! {"$set": {"status": BackorderState::Cancelled.as_str(), "cancelled_at": DateTime::now(), "cancel_reason": reason}},
-            )
-            .write_concern(durable())
-            .await?;
-        Ok(r.modified_count == 1)
-    }
-
     /// Of the codes just issued to `grants` (code id, order id) by a
     /// backorder's fulfilment, voids those whose order's backorder was
     /// cancelled meanwhile (an operator voided the order while the pool
@@ -508,7 +475,7 @@ impl Store {
             return Ok(ids);
         }
         let oids: Vec<ObjectId> = ids.iter().copied().map(object_id).collect();
-        self.write_status(&withdrawn(doc! {"_id": {"$in": oids}}))
+        self.write_status(&StatusWrite::withdrawn(doc! {"_id": {"$in": oids}}))
             .await?;
         Ok(ids)
     }
@@ -553,12 +520,7 @@ impl Store {
         index: &str,
         by_pool: &mut HashMap<String, Vec<CodeId>>,
     ) -> Result<(), StoreError> {
-        let expire = |target: Document| {
-            let now = DateTime::now();
-            StatusWrite::new(Transition::Expire, target, now)
-                .only_from(status)
-                .record(doc! {"voided_at": now, "void_reason": EXPIRED_REASON})
-        };
+        let expire = |target: Document| StatusWrite::expired(target, status, EXPIRED_REASON);
         let filter = expire(target.clone()).filter();
         loop {
             let docs: Vec<Document> = self

@@ -27,7 +27,7 @@ use codepool_domain::CodeStatus;
 use mongodb::options::ReturnDocument;
 use mongodb::results::UpdateResult;
 
-use crate::codes::{CodeDoc, CODES};
+use crate::collections::CODES;
 use crate::{durable, Store, StoreError};
 
 /// What a code records of whoever holds it (an order, a hold or a bundle):
@@ -180,6 +180,40 @@ impl StatusWrite {
     }
 }
 
+impl StatusWrite {
+    /// A redemption of the codes `target` names at `now`, with its mark.
+    pub(crate) fn redeem(target: Document, now: DateTime, mark: Option<Document>) -> Self {
+        let mut record = doc! {"used_at": now};
+        if let Some(m) = mark {
+            record.insert("redemption", m);
+        }
+        Self::new(Move::Redeem, target, now).record(record)
+    }
+
+    /// An operator's void of the codes `target` names, for `reason`; a
+    /// pending relay is called off.
+    pub(crate) fn void(target: Document, now: DateTime, reason: &str) -> Self {
+        Self::new(Move::Void, target, now)
+            .record(doc! {"voided_at": now, "void_reason": reason})
+            .clear(&["sms_pending"])
+    }
+
+    /// The void of codes just given to an order that was voided while it
+    /// waited (a backorder's fulfilment, a replacement's reissue), before
+    /// any event is sent for them.
+    pub(crate) fn withdrawn(target: Document) -> Self {
+        Self::void(target, DateTime::now(), "order voided while it waited")
+    }
+
+    /// The expiry of the codes in `status` that `target` names.
+    pub(crate) fn expired(target: Document, status: CodeStatus, reason: &str) -> Self {
+        let now = DateTime::now();
+        Self::new(Move::Expire, target, now)
+            .only_from(status)
+            .record(doc! {"voided_at": now, "void_reason": reason})
+    }
+}
+
 /// The update of a claim-like move (claim, hold, fulfil, reissue) of one
 /// code for one holder: the move's `to` status, `issued_at`, and the
 /// holder's fields.
@@ -265,13 +299,13 @@ impl Store {
     }
 
     /// Applies `w` to one code it matches, journaled; returns the code as it
-    /// was before, or `None` when nothing matched.
-    pub(crate) async fn write_status_one(
-        &self,
-        w: &StatusWrite,
-    ) -> Result<Option<CodeDoc>, StoreError> {
+    /// was before (read as `T`), or `None` when nothing matched.
+    pub(crate) async fn write_status_one<T>(&self, w: &StatusWrite) -> Result<Option<T>, StoreError>
+    where
+        T: serde::de::DeserializeOwned + Send + Sync,
+    {
         Ok(self
-            .typed::<CodeDoc>(CODES)
+            .typed::<T>(CODES)
             .find_one_and_update(w.filter(), w.update())
             .return_document(ReturnDocument::Before)
             .write_concern(durable())
@@ -281,16 +315,19 @@ impl Store {
     /// A claim-like move of the oldest code of `pool` that `mv` may take, by
     /// `seq`, for one holder; returns the code as it is after, or `None`
     /// when no code is left.
-    pub(crate) async fn write_status_oldest(
+    pub(crate) async fn write_status_oldest<T>(
         &self,
         mv: Move,
         pool: &str,
         holder: Document,
-    ) -> Result<Option<CodeDoc>, mongodb::error::Error> {
+    ) -> Result<Option<T>, mongodb::error::Error>
+    where
+        T: serde::de::DeserializeOwned + Send + Sync,
+    {
         let now = DateTime::now();
         let mut filter = doc! {"pool": pool};
         filter.extend(movable(mv, now));
-        self.typed::<CodeDoc>(CODES)
+        self.typed::<T>(CODES)
             .find_one_and_update(filter, holder_update(mv, now, holder))
             .sort(doc! {"seq": 1})
             .return_document(ReturnDocument::After)

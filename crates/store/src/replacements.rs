@@ -343,7 +343,7 @@ impl Store {
         let mut holder = crate::codes::claim::holder_doc(&r.assignment(grant_no));
         holder.insert("order_repl", r.n);
         let claimed = self
-            .write_status_oldest(Transition::Reissue, &r.pool, holder)
+            .write_status_oldest::<CodeDoc>(Transition::Reissue, &r.pool, holder)
             .await;
         match claimed {
             Ok(Some(d)) => Ok(Some((d.into_code(&self.keys)?, true))),
@@ -461,10 +461,8 @@ impl Store {
     /// Voids a code claimed for a replacement that was cancelled meanwhile
     /// (its order voided), before any event is sent for it.
     pub async fn withdraw_replacement_code(&self, code: &Code) -> Result<(), StoreError> {
-        self.write_status(&crate::lifecycle::withdrawn(
-            doc! {"_id": object_id(code.id)},
-        ))
-        .await?;
+        self.write_status(&StatusWrite::withdrawn(doc! {"_id": object_id(code.id)}))
+            .await?;
         Ok(())
     }
 }

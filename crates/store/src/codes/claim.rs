@@ -278,7 +278,7 @@ impl Store {
         pool: &str,
         claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError> {
-        let result = (self.write_status_oldest(claim.mv, pool, holder_doc(claim))).await;
+        let result = (self.write_status_oldest::<CodeDoc>(claim.mv, pool, holder_doc(claim))).await;
         match result {
             Ok(Some(doc)) => Ok(ScanClaim::Granted(Box::new(doc.into_code(&self.keys)?))),
             Ok(None) => Ok(ScanClaim::Empty),
