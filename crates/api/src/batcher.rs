@@ -27,12 +27,13 @@ use std::sync::{Arc, Mutex, Weak};
 
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
+use codepool_issuance::batcher::{BatchError, Pending, Reply, Shape};
 use codepool_issuance::intake::PlaceError;
 use codepool_issuance::placement::{self, Batch, Ending, Patience, Seen, Unplaced};
 use codepool_issuance::placing::{self, Texting};
 use codepool_issuance::plan::{BatchPlan, Step};
 use codepool_issuance::{Door, Resend};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use codepool_issuance::Core;
@@ -58,8 +59,10 @@ pub(crate) enum Failure {
     Unaudited(Arc<codepool_issuance::StoreError>),
     #[error("the core decided {got} steps for {asked} orders")]
     Miscounted { got: usize, asked: usize },
-    #[error("the API is stopping")]
-    Stopping,
+    /// The order got no answer from its batch (the queue is full, the API
+    /// is stopping, or the batch ended without answering).
+    #[error(transparent)]
+    Batch(#[from] BatchError),
 }
 
 impl Failure {
@@ -71,7 +74,7 @@ impl Failure {
             Self::Place(e) => e.is_retryable(),
             Self::Unaudited(e) => e.is_unavailable(),
             Self::Miscounted { .. } => false,
-            Self::Stopping => true,
+            Self::Batch(_) => true,
         }
     }
 }
@@ -81,32 +84,64 @@ struct Ask {
     /// Who asks (`api-key:NAME`, and the request id): a repeat answered
     /// with codes is audited under it.
     actor: Actor,
-    reply: oneshot::Sender<Result<Step, Failure>>,
 }
 
-/// The queue of orders waiting to be decided.
+type Answer = Result<Step, Failure>;
+
+/// The orders waiting to be decided, batched by the core's batcher.
 pub(crate) struct Batcher {
-    tx: mpsc::Sender<Ask>,
+    batcher: codepool_issuance::batcher::Batcher<Ask, Answer>,
     /// One permit per batch being placed or announced.
     announcing: Arc<Semaphore>,
 }
 
 impl Batcher {
-    /// Starts the batching task for `api` (held weakly: the task ends with
-    /// the API).
+    /// The order batcher of `api` (held weakly: a batch that finds the
+    /// API gone answers nothing, and its requests are told to send again).
     pub(crate) fn start(api: Weak<Core>) -> Self {
-        let (tx, rx) = mpsc::channel(MAX_BATCH * IN_FLIGHT * 4);
         let announcing = Arc::new(Semaphore::new(ANNOUNCING));
-        tokio::spawn(run(api, rx, announcing.clone()));
-        Self { tx, announcing }
+        let slots = announcing.clone();
+        let work = move |asks: Vec<Pending<Ask, Answer>>| {
+            let (api, slots) = (api.clone(), slots.clone());
+            async move {
+                let Some(api) = api.upgrade() else { return };
+                // Taken before the batch is placed, so that `settle` sees it.
+                let Ok(slot) = slots.acquire_owned().await else {
+                    return;
+                };
+                // The next batch starts once this one is answered; its
+                // announcements go on beside it.
+                let (answered, next) = oneshot::channel::<()>();
+                let span =
+                    tracing::info_span!("batch", door = Door::Http.as_str(), size = asks.len());
+                let placing = place(api, asks, answered);
+                tokio::spawn(tracing::Instrument::instrument(
+                    async move {
+                        placing.await;
+                        drop(slot);
+                    },
+                    span,
+                ));
+                let _ = next.await;
+            }
+        };
+        let mut shape = Shape::one_at_a_time("orders", MAX_BATCH);
+        shape.in_flight = IN_FLIGHT;
+        Self {
+            batcher: codepool_issuance::batcher::Batcher::new(shape, work),
+            announcing,
+        }
     }
 
-    /// Waits, for up to `limit`, until every batch placed so far has been
-    /// announced: a process that stops sends the events it owes instead of
-    /// leaving them to a relay 30 seconds later. Whether all were.
+    /// Takes no more orders, and waits, for up to `limit`, until every
+    /// batch placed so far has been announced: a process that stops sends
+    /// the events it owes instead of leaving them to a relay 30 seconds
+    /// later. Whether all were.
     pub(crate) async fn settle(&self, limit: std::time::Duration) -> bool {
+        let until = tokio::time::Instant::now() + limit;
+        let taken = self.batcher.stopped(limit).await;
         let all = self.announcing.acquire_many(ANNOUNCING as u32);
-        matches!(tokio::time::timeout(limit, all).await, Ok(Ok(_)))
+        taken && matches!(tokio::time::timeout_at(until, all).await, Ok(Ok(_)))
     }
 
     /// Decides one purchase in the next batch: its step, once the batch's
@@ -118,84 +153,47 @@ impl Batcher {
         who: String,
         request: String,
     ) -> Result<Step, Failure> {
-        let (reply, answer) = oneshot::channel();
-        self.tx
-            .send(Ask {
-                purchase,
-                actor: Actor {
-                    who,
-                    via: format!("POST /v1/orders, a repeat (request {request})"),
-                },
-                reply,
-            })
-            .await
-            .map_err(|_| Failure::Stopping)?;
-        answer.await.map_err(|_| Failure::Stopping)?
+        let actor = Actor {
+            who,
+            via: format!("POST /v1/orders, a repeat (request {request})"),
+        };
+        self.batcher.ask(Ask { purchase, actor }).await?
     }
 }
 
-async fn run(api: Weak<Core>, mut rx: mpsc::Receiver<Ask>, announcing: Arc<Semaphore>) {
-    let permits = Arc::new(Semaphore::new(IN_FLIGHT));
-    while let Some(first) = rx.recv().await {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
-        // Taken before the batch is placed, so that `settle` sees it.
-        let Ok(slot) = announcing.clone().acquire_owned().await else {
-            break;
-        };
-        // Everything that queued while the batches in flight ran.
-        let mut asks = vec![first];
-        while asks.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(ask) => asks.push(ask),
-                Err(_) => break,
-            }
-        }
-        let Some(api) = api.upgrade() else { break };
-        // The batch's lines (grants, refusals, publishes) carry the door,
-        // as the AMQP door's do; each request's own lines carry its order.
-        let span = tracing::info_span!("batch", door = Door::Http.as_str(), size = asks.len());
-        let work = async move {
-            metrics::histogram!("codepool_api_batch_size").record(asks.len() as f64);
-            let (batch, replies) = read(asks);
-            let ending = Requests {
-                replies: Mutex::new(Some(replies)),
-                // The catalogue sweeps wait for a quiet moment; the next
-                // batch starts once this one is answered.
-                held: Mutex::new(Some((api.parts().activity.batch(), permit))),
-            };
-            let broker = api.broker();
-            let stop = CancellationToken::new();
-            let placed =
-                placement::place(api.parts(), &broker.publisher, batch, &ending, &stop).await;
-            if let Err(unplaced) = placed {
-                ending.fail_all(match unplaced {
-                    Unplaced::Failed(e) => Failure::Place(e),
-                    Unplaced::Stopped => Failure::Stopping,
-                });
-            }
-            drop(slot);
-        };
-        tokio::spawn(tracing::Instrument::instrument(work, span));
+/// Places one batch through the core ([`placement::place`]); `answered`
+/// goes once every request is answered.
+async fn place(api: Arc<Core>, asks: Vec<Pending<Ask, Answer>>, answered: oneshot::Sender<()>) {
+    let (batch, replies) = read(asks);
+    let ending = Requests {
+        replies: Mutex::new(Some(replies)),
+        // The catalogue sweeps wait for a quiet moment.
+        held: Mutex::new(Some((api.parts().activity.batch(), answered))),
+    };
+    let broker = api.broker();
+    let stop = CancellationToken::new();
+    let placed = placement::place(api.parts(), &broker.publisher, batch, &ending, &stop).await;
+    if let Err(unplaced) = placed {
+        ending.fail_all(match unplaced {
+            Unplaced::Failed(e) => Failure::Place(e),
+            Unplaced::Stopped => Failure::Batch(BatchError::Stopping { what: "orders" }),
+        });
     }
 }
 
 /// The batch as this door reads it: each request's purchase and who asked
 /// (a repeat answered with codes is audited under it), and where each
 /// answer goes.
-fn read(asks: Vec<Ask>) -> (Batch, Vec<Reply>) {
+fn read(asks: Vec<Pending<Ask, Answer>>) -> (Batch, Vec<Reply<Answer>>) {
     let mut batch = Batch::default();
     let mut replies = Vec::with_capacity(asks.len());
-    for a in asks {
-        batch.parsed.push(Ok(a.purchase));
-        batch.actors.push(Some(a.actor));
-        replies.push(a.reply);
+    for p in asks {
+        batch.parsed.push(Ok(p.ask.purchase));
+        batch.actors.push(Some(p.ask.actor));
+        replies.push(p.reply);
     }
     (batch, replies)
 }
-
-type Reply = oneshot::Sender<Result<Step, Failure>>;
 
 /// The HTTP door's ending of a batch: every request answered as soon as
 /// the batch is durable, before its events are announced. No message of
@@ -203,13 +201,13 @@ type Reply = oneshot::Sender<Result<Step, Failure>>;
 /// the orders it granted ([`Resend::ByRecord`]), and the relay of every
 /// API process sends those of a record that outlives its confirms.
 struct Requests {
-    replies: Mutex<Option<Vec<Reply>>>,
+    replies: Mutex<Option<Vec<Reply<Answer>>>>,
     /// What the batch holds until it is answered: the activity mark the
-    /// sweeps wait on, and the permit of the batches placed at once.
+    /// sweeps wait on, and the batcher's wait for its next batch.
     held: Mutex<
         Option<(
             codepool_issuance::background::BatchUnderway,
-            OwnedSemaphorePermit,
+            oneshot::Sender<()>,
         )>,
     >,
 }
@@ -223,7 +221,7 @@ impl Requests {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         for reply in replies.into_iter().flatten() {
-            let _ = reply.send(Err(failure.clone()));
+            reply.send(Err(failure.clone()));
         }
         self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
@@ -277,7 +275,7 @@ impl Ending for Requests {
         if plan.steps.len() != replies.len() {
             let (got, asked) = (plan.steps.len(), replies.len());
             for reply in replies {
-                let _ = reply.send(Err(Failure::Miscounted { got, asked }));
+                reply.send(Err(Failure::Miscounted { got, asked }));
             }
         } else {
             for (reply, step) in replies.into_iter().zip(&plan.steps) {
@@ -285,7 +283,7 @@ impl Ending for Requests {
                     (Err(e), true) => Err(Failure::Unaudited(e.clone())),
                     _ => Ok(step.clone()),
                 };
-                let _ = reply.send(answer);
+                reply.send(answer);
             }
         }
         self.held.lock().unwrap_or_else(|e| e.into_inner()).take();

@@ -212,6 +212,7 @@ fn refused(e: RedeemError, rid: &RequestId) -> Response {
     let detail = e.to_string();
     let p = match e {
         RedeemError::Store(s) => return failed(&s, s.is_unavailable(), rid),
+        RedeemError::Batch(b) => return failed(&b, true, rid),
         RedeemError::Slowed { wait } => return slowed(wait, rid),
         RedeemError::Unknown => Problem::new(
             StatusCode::NOT_FOUND,

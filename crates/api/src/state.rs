@@ -88,10 +88,12 @@ impl Api {
         })
     }
 
-    /// Waits, for up to `limit`, until the orders answered so far have had
+    /// Takes no more orders or holds, and waits, for up to `limit`, until
+    /// those queued were placed and the orders answered so far have had
     /// their events published. Whether they all have.
     pub async fn settle(&self, limit: Duration) -> bool {
-        self.orders.settle(limit).await
+        let (orders, holds) = tokio::join!(self.orders.settle(limit), self.holds.stopped(limit));
+        orders && holds
     }
 
     /// The core this API serves (the console mounts on the same one).

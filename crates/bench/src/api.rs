@@ -586,8 +586,8 @@ impl Stages {
             return Self::default();
         };
         Self {
-            batches: metric_sum(m, "codepool_api_batch_size_count", None),
-            batched: metric_sum(m, "codepool_api_batch_size_sum", None),
+            batches: metric_sum(m, "codepool_batcher_size_count", Some("batcher=\"orders\"")),
+            batched: metric_sum(m, "codepool_batcher_size_sum", Some("batcher=\"orders\"")),
             claims: metric_sum(m, "codepool_claim_batch_seconds_count", None),
             claim_seconds: metric_sum(m, "codepool_claim_batch_seconds_sum", None),
         }

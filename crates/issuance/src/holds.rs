@@ -23,6 +23,7 @@ use codepool_store::{Store, StoreError};
 use serde_json::{Map, Value};
 use tracing::{info, warn};
 
+use crate::batcher::{BatchError, Batcher, Pending, Shape, Shared};
 use crate::claim::{ClaimAsk, ClaimError};
 use crate::guard::Guard;
 use crate::held::item_claims;
@@ -149,6 +150,12 @@ pub enum HoldError {
     Claim(#[from] ClaimError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The hold got no answer from its batch.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    /// Its whole batch failed: the same error for each hold of it.
+    #[error(transparent)]
+    Failed(Shared<HoldError>),
 }
 
 fn free_words(free: &[(String, u64)]) -> String {
@@ -164,6 +171,8 @@ impl HoldError {
         match self {
             Self::Claim(e) => e.is_unavailable(),
             Self::Store(e) => e.is_unavailable(),
+            Self::Batch(_) => true,
+            Self::Failed(e) => e.is_unavailable(),
             _ => false,
         }
     }
@@ -978,67 +987,54 @@ pub async fn serve_returned(core: &crate::Core, pools: &BTreeSet<String>) {
 pub const MAX_HOLD_BATCH: usize = 256;
 
 /// Concurrent holds share one claim, as concurrent orders do: each
-/// request hands its hold to the batcher and waits for its answer; the
-/// batcher places whatever has queued meanwhile (up to
-/// [`MAX_HOLD_BATCH`]) as one batch ([`place_many`]), one batch at a time.
+/// request hands its hold to the core's batcher ([`crate::batcher`]) and
+/// waits for its answer; whatever has queued meanwhile (up to
+/// [`MAX_HOLD_BATCH`]) is placed as one batch ([`place_many`]), one batch
+/// at a time.
 pub struct HoldBatcher {
-    tx: tokio::sync::mpsc::Sender<(HoldAsk, tokio::sync::oneshot::Sender<Placed>)>,
+    batcher: Batcher<HoldAsk, Placed>,
 }
 
 impl HoldBatcher {
-    /// Starts the batching task; it ends when the batcher is dropped. Each
-    /// batch runs in a `batch` span naming the door that asks and its
-    /// size.
+    /// A batcher placing holds through `core`. Each batch runs in a
+    /// `batch` span naming the door that asks and its size.
     pub fn start(core: std::sync::Arc<crate::Core>, door: crate::Door) -> Self {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<(
-            HoldAsk,
-            tokio::sync::oneshot::Sender<Placed>,
-        )>(MAX_HOLD_BATCH * 4);
-        tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < MAX_HOLD_BATCH {
-                    match rx.try_recv() {
-                        Ok(next) => batch.push(next),
-                        Err(_) => break,
-                    }
-                }
-                let (asks, replies): (Vec<HoldAsk>, Vec<_>) = batch.into_iter().unzip();
-                metrics::histogram!("codepool_hold_batch_size").record(asks.len() as f64);
+        let work = move |batch: Vec<Pending<HoldAsk, Placed>>| {
+            let core = core.clone();
+            async move {
+                let (asks, replies): (Vec<HoldAsk>, Vec<_>) =
+                    batch.into_iter().map(|p| (p.ask, p.reply)).unzip();
                 let span = tracing::info_span!("batch", door = door.as_str(), size = asks.len());
                 let placed = place_many(core.intake(), asks);
                 match tracing::Instrument::instrument(placed, span).await {
                     Ok(placed) => {
                         for (reply, p) in replies.into_iter().zip(placed) {
-                            let _ = reply.send(p);
+                            reply.send(p);
                         }
                     }
                     Err(e) => {
-                        let unavailable = e.is_unavailable();
-                        let message = e.to_string();
+                        let shared = Shared(std::sync::Arc::new(e));
                         for reply in replies {
-                            let _ = reply.send(Err(if unavailable {
-                                HoldError::Store(StoreError::Unavailable(message.clone()))
-                            } else {
-                                HoldError::Store(StoreError::Rejected(message.clone()))
-                            }));
+                            reply.send(Err(HoldError::Failed(shared.clone())));
                         }
                     }
                 }
             }
-        });
-        Self { tx }
+        };
+        let shape = Shape::one_at_a_time("holds", MAX_HOLD_BATCH);
+        Self {
+            batcher: Batcher::new(shape, work),
+        }
     }
 
     /// Places one hold with whatever else is asked meanwhile.
     pub async fn place(&self, ask: HoldAsk) -> Placed {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let stopped =
-            || HoldError::Store(StoreError::Unavailable("the hold batcher stopped".into()));
-        if self.tx.send((ask, reply)).await.is_err() {
-            return Err(stopped());
-        }
-        answer.await.unwrap_or_else(|_| Err(stopped()))
+        self.batcher.ask(ask).await?
+    }
+
+    /// Takes no more holds, and waits up to `limit` for those queued.
+    pub async fn stopped(&self, limit: std::time::Duration) -> bool {
+        self.batcher.stopped(limit).await
     }
 }
 

@@ -35,6 +35,7 @@ pub mod api_keys;
 pub mod audit;
 pub mod background;
 pub mod backorders;
+pub mod batcher;
 mod bundles;
 pub mod by_code;
 pub mod claim;

@@ -19,9 +19,10 @@ use codepool_domain::{CodeStatus, LookAlikeRule};
 use codepool_store::lifecycle::{RedemptionTag, Sold};
 use codepool_store::redemptions::{ByValue, UsedById};
 use codepool_store::{Store, StoreError};
-use tokio::sync::{oneshot, Mutex};
+use tokio::sync::Mutex;
 
 use crate::audit::Actor;
+use crate::batcher::{BatchError, Batcher, Pending, Shape};
 use crate::ops;
 
 /// How long the pools and their look-alike rules are kept before they are
@@ -110,6 +111,8 @@ pub enum RedeemError {
     Slowed { wait: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Batch(#[from] BatchError),
 }
 
 /// Who asks: the key's owner (it tags the key's redemptions) and the shop
@@ -127,10 +130,10 @@ pub struct Finder {
     store: Store,
     clock: Arc<dyn crate::clock::Clock>,
     cached: Mutex<Option<(Instant, Arc<Visible>)>>,
-    /// The redemptions waiting for a batch.
-    queue: Arc<Queue<Ask>>,
-    /// The checks waiting for a batch.
-    checks: Arc<Queue<Look>>,
+    /// Concurrent redemptions, made together.
+    redemptions: Batcher<Ask, Redeemed>,
+    /// Concurrent checks, looked up together.
+    checks: Batcher<Look, Checked>,
 }
 
 /// Every pool with its look-alike rule, and each shop's pools.
@@ -164,14 +167,14 @@ impl Finder {
     /// A finder whose cache reads the time from `clock`.
     pub fn with_clock(store: Store, clock: Arc<dyn crate::clock::Clock>) -> Self {
         Finder {
-            store,
+            store: store.clone(),
             clock,
             cached: Mutex::new(None),
-            queue: Arc::new(Queue::new(SECOND_AT, SLOW_BATCH)),
-            // A check's batch is one read, with no journaled write to share:
-            // a second starts for the first check that waits (so `slow`
-            // never matters here).
-            checks: Arc::new(Queue::new(1, SLOW_BATCH)),
+            redemptions: {
+                let store = store.clone();
+                Batcher::new(REDEMPTIONS, move |b| redeem_batch(store.clone(), b))
+            },
+            checks: Batcher::new(CHECKS, move |b| check_batch(store.clone(), b)),
         }
     }
 
@@ -225,14 +228,11 @@ impl Finder {
         if pools.is_empty() {
             return Err(RedeemError::Unknown);
         }
-        let (reply, answer) = oneshot::channel();
         let ask = Look {
             code: code.to_owned(),
             pools,
-            reply,
         };
-        let batches = (&self.store, &self.checks, check_batch);
-        queued(batches, ask, answer, "checks", "send it again").await
+        self.checks.ask(ask).await?
     }
 
     /// Redeems the code `code` names, once: `redemption_id` again gets the
@@ -257,7 +257,6 @@ impl Finder {
         if pools.is_empty() {
             return Err(RedeemError::Unknown);
         }
-        let (reply, answer) = oneshot::channel();
         let ask = Ask {
             code: code.to_owned(),
             pools,
@@ -266,11 +265,8 @@ impl Finder {
                 by: who.owner.to_owned(),
             },
             actor: actor.clone(),
-            reply,
         };
-        let batches = (&self.store, &self.queue, redeem_batch);
-        let again = "send it again with the same redemption id";
-        queued(batches, ask, answer, "redemptions", again).await
+        self.redemptions.ask(ask).await?
     }
 }
 
@@ -305,239 +301,54 @@ pub const MAX_WAITING: usize = 16 * MAX_BATCH;
 /// answered 503 and the next batch goes on.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The queue is full.
-struct Full;
-
-/// What a queued ask's caller does next.
-#[derive(Debug, PartialEq)]
-enum Pushed {
-    /// Start a task (counted already).
-    Start,
-    /// Wait; one task runs, and if the ask waits `slow` behind it, try
-    /// [`Queue::kick`].
-    MayKick,
-    /// Wait; every task that may run does, and one takes the ask.
-    Behind,
-}
-
-/// Queues `ask` on `queue`, starts a task that runs its batches with
-/// `run` when the queue asks for one ([`Queue::push`]), and waits for
-/// `answer`: 503 when the queue is full or the batch ended without
-/// answering (`again` says what to send then). An ask still waiting once
-/// the queue's `slow` has passed starts a task beside a batch that has
-/// run that long ([`Queue::kick`]): no new request needs to come for it.
-async fn queued<C, A, T, F, Fut>(
-    (ctx, queue, run): (&C, &Arc<Queue<A>>, F),
-    ask: A,
-    answer: oneshot::Receiver<Result<T, RedeemError>>,
-    what: &str,
-    again: &str,
-) -> Result<T, RedeemError>
-where
-    C: Clone + Send + 'static,
-    A: Send + 'static,
-    F: Fn(C, Vec<A>) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let mut answer = answer;
-    match queue.push(ask).map_err(|Full| busy(what))? {
-        Pushed::Start => start(ctx.clone(), queue, run),
-        Pushed::MayKick => {
-            if let Ok(a) = tokio::time::timeout(queue.slow, &mut answer).await {
-                return a.unwrap_or_else(|_| Err(stopped(what, again)));
-            }
-            if queue.kick() {
-                start(ctx.clone(), queue, run);
-            }
-        }
-        // Every task runs: one of them takes this ask.
-        Pushed::Behind => {}
-    }
-    answer.await.unwrap_or_else(|_| Err(stopped(what, again)))
-}
-
-/// Starts a task counted as taking `queue` (its count raised already).
-fn start<C, A, F, Fut>(ctx: C, queue: &Arc<Queue<A>>, run: F)
-where
-    C: Clone + Send + 'static,
-    A: Send + 'static,
-    F: Fn(C, Vec<A>) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    tokio::spawn(drain(ctx, Taking::of(queue), run));
-}
-
-/// 503 for a request whose batch ended without answering it.
-fn stopped(what: &str, again: &str) -> RedeemError {
-    RedeemError::Store(StoreError::Unavailable(format!(
-        "the batch of {what} stopped before it answered; {again}"
-    )))
-}
-
-/// 503 for a request that found [`MAX_WAITING`] others waiting.
-fn busy(what: &str) -> RedeemError {
-    RedeemError::Store(StoreError::Unavailable(format!(
-        "{MAX_WAITING} {what} are waiting for the database; send the request again in a few seconds"
-    )))
-}
-
 /// A redemption waiting for its batch.
 struct Ask {
     code: String,
     pools: Vec<(String, LookAlikeRule)>,
     tag: RedemptionTag,
     actor: Actor,
-    reply: oneshot::Sender<Result<(Seen, bool), RedeemError>>,
 }
 
 /// A check waiting for its batch.
 struct Look {
     code: String,
     pools: Vec<(String, LookAlikeRule)>,
-    reply: oneshot::Sender<Result<Seen, RedeemError>>,
 }
 
-/// The requests waiting for a batch, how many tasks are taking them,
-/// and when the last batch was taken.
-struct Queue<A> {
-    waiting: std::sync::Mutex<Waiting<A>>,
-    /// Requests waiting that start a batch beside one that runs.
-    second_at: usize,
-    /// How long after the last batch was taken a request (arriving, or
-    /// waiting) starts a batch beside it, however few wait.
-    slow: Duration,
-}
+type Redeemed = Result<(Seen, bool), RedeemError>;
+type Checked = Result<Seen, RedeemError>;
 
-struct Waiting<A> {
-    asks: Vec<A>,
-    tasks: usize,
-    taken_at: Instant,
-}
+/// How redemptions are batched (see the constants).
+const REDEMPTIONS: Shape = Shape {
+    name: "redemptions",
+    max_batch: MAX_BATCH,
+    in_flight: IN_FLIGHT,
+    max_waiting: MAX_WAITING,
+    second_at: SECOND_AT,
+    slow: SLOW_BATCH,
+};
 
-impl<A> Queue<A> {
-    fn new(second_at: usize, slow: Duration) -> Self {
-        Queue {
-            waiting: std::sync::Mutex::new(Waiting {
-                asks: Vec::new(),
-                tasks: 0,
-                taken_at: Instant::now(),
-            }),
-            second_at,
-            slow,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting<A>> {
-        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues `ask`: [`Pushed::Start`] when the caller must start a task
-    /// to take it (none is taking the queue, or fewer than [`IN_FLIGHT`]
-    /// are and `second_at` wait or the last batch was taken `slow` ago);
-    /// [`Full`] when [`MAX_WAITING`] are waiting already.
-    fn push(&self, ask: A) -> Result<Pushed, Full> {
-        let mut q = self.lock();
-        if q.asks.len() >= MAX_WAITING {
-            return Err(Full);
-        }
-        q.asks.push(ask);
-        if q.tasks == 0 {
-            // The first batch after a quiet spell starts now.
-            q.taken_at = Instant::now();
-        }
-        let beside = q.asks.len() >= self.second_at || q.taken_at.elapsed() >= self.slow;
-        let more = q.tasks == 0 || (q.tasks < IN_FLIGHT && beside);
-        q.tasks += usize::from(more);
-        Ok(match more {
-            true => Pushed::Start,
-            false if q.tasks < IN_FLIGHT => Pushed::MayKick,
-            false => Pushed::Behind,
-        })
-    }
-
-    /// `true` (counted) when the caller must start a task beside the
-    /// running batch: asks wait, fewer than [`IN_FLIGHT`] take the queue,
-    /// and the last batch was taken `slow` ago or more.
-    fn kick(&self) -> bool {
-        let mut q = self.lock();
-        let more = !q.asks.is_empty() && q.tasks < IN_FLIGHT && q.taken_at.elapsed() >= self.slow;
-        q.tasks += usize::from(more);
-        more
-    }
-
-    /// Up to [`MAX_BATCH`] of the queue; `None` when it is empty, and the
-    /// caller's task ends.
-    fn take(&self) -> Option<Vec<A>> {
-        let mut q = self.lock();
-        if q.asks.is_empty() {
-            debug_assert!(q.tasks > 0, "only a counted task takes the queue");
-            q.tasks = q.tasks.saturating_sub(1);
-            return None;
-        }
-        q.taken_at = Instant::now();
-        let n = q.asks.len().min(MAX_BATCH);
-        Some(q.asks.drain(..n).collect())
-    }
-}
-
-/// A task counted as taking a queue. Dropped before it found the queue
-/// empty (stopped mid-batch, or before it first ran, as its runtime shuts
-/// down), it takes itself off the count, so the next request starts
-/// another.
-struct Taking<A> {
-    queue: Arc<Queue<A>>,
-    ended: bool,
-}
-
-impl<A> Taking<A> {
-    fn of(queue: &Arc<Queue<A>>) -> Self {
-        Taking {
-            queue: queue.clone(),
-            ended: false,
-        }
-    }
-}
-
-impl<A> Drop for Taking<A> {
-    fn drop(&mut self) {
-        // A task that found the queue empty has said so, under the lock.
-        if !self.ended {
-            let mut q = self.queue.lock();
-            q.tasks = q.tasks.saturating_sub(1);
-        }
-    }
-}
-
-/// Makes batches of the queue with `run`, one after another, until it is
-/// empty. A batch that panics answers its own requests "send it again"
-/// (their replies are dropped) and the task goes on with the next.
-async fn drain<C: Clone, A, F, Fut>(ctx: C, mut taking: Taking<A>, run: F)
-where
-    F: Fn(C, Vec<A>) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    use futures::FutureExt;
-    while let Some(batch) = taking.queue.take() {
-        let run = std::panic::AssertUnwindSafe(run(ctx.clone(), batch));
-        if run.catch_unwind().await.is_err() {
-            tracing::error!("a batch of redemptions or checks panicked; its requests were answered 503, and the next batch goes on");
-        }
-    }
-    taking.ended = true;
-}
+/// A check's batch is one read, with no journaled write to share: a
+/// second starts for the first check that waits (so `slow` never matters
+/// here).
+const CHECKS: Shape = Shape {
+    name: "checks",
+    second_at: 1,
+    ..REDEMPTIONS
+};
 
 /// One batch of checks: one query finds every code, and each request is
 /// answered with what became of its code.
-async fn check_batch(store: Store, mut batch: Vec<Look>) {
+async fn check_batch(store: Store, mut batch: Vec<Pending<Look, Checked>>) {
     // A check whose client went away is not looked up.
     batch.retain(|a| !a.reply.is_closed());
     if batch.is_empty() {
         return;
     }
     let lookups: Vec<ByValue<'_>> = (batch.iter())
-        .map(|a| ByValue {
-            code: &a.code,
-            pools: &a.pools,
+        .map(|p| ByValue {
+            code: &p.ask.code,
+            pools: &p.ask.pools,
         })
         .collect();
     let found = tokio::time::timeout(CHECK_TIMEOUT, store.find_sold_by_values(&lookups)).await;
@@ -550,12 +361,12 @@ async fn check_batch(store: Store, mut batch: Vec<Look>) {
         Ok(found) => {
             for (a, sold) in batch.into_iter().zip(found) {
                 let seen = sold.as_ref().and_then(Seen::of);
-                let _ = a.reply.send(seen.ok_or(RedeemError::Unknown));
+                a.reply.send(seen.ok_or(RedeemError::Unknown));
             }
         }
         Err(e) => {
             for a in batch {
-                let _ = a.reply.send(Err(RedeemError::Store(e.for_each())));
+                a.reply.send(Err(RedeemError::Store(e.for_each())));
             }
         }
     }
@@ -565,26 +376,27 @@ async fn check_batch(store: Store, mut batch: Vec<Look>) {
 /// journaled write ([`ops::redeem_ids`]), and each request is answered.
 /// A code already used or void is answered from the lookup, as it cannot
 /// change again.
-async fn redeem_batch(store: Store, batch: Vec<Ask>) {
+async fn redeem_batch(store: Store, batch: Vec<Pending<Ask, Redeemed>>) {
     let store = &store;
     let lookups: Vec<ByValue<'_>> = (batch.iter())
-        .map(|a| ByValue {
-            code: &a.code,
-            pools: &a.pools,
+        .map(|p| ByValue {
+            code: &p.ask.code,
+            pools: &p.ask.pools,
         })
         .collect();
     let found = match store.find_sold_codes(&lookups).await {
         Ok(found) => found,
         Err(e) => {
-            for a in batch {
-                let _ = a.reply.send(Err(RedeemError::Store(e.for_each())));
+            for p in batch {
+                p.reply.send(Err(RedeemError::Store(e.for_each())));
             }
             return;
         }
     };
     let mut writes = Vec::new();
     let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
-    for (i, (a, sold)) in batch.iter().zip(&found).enumerate() {
+    for (i, (p, sold)) in batch.iter().zip(&found).enumerate() {
+        let a = &p.ask;
         let outcome = match sold.as_ref().filter(|(s, _)| Seen::of(s).is_some()) {
             None => Some(Err(RedeemError::Unknown)),
             Some((s, code)) if s.status == CodeStatus::Issued => {
@@ -624,7 +436,7 @@ async fn redeem_batch(store: Store, batch: Vec<Ask>) {
                 seen.state = SeenState::Used { at };
                 Ok((seen, now))
             });
-        let _ = a.reply.send(answer);
+        a.reply.send(answer);
     }
 }
 
@@ -662,230 +474,4 @@ fn refused(
 /// `None` when empty, too long or unreadable.
 pub fn checked_id(id: &str) -> Option<String> {
     codepool_domain::text::client_id(id, MAX_REDEMPTION_ID_CHARS)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    type Asked = (u32, oneshot::Sender<u32>);
-
-    /// Answers each ask with its number doubled; a batch with number 0
-    /// waits for the gate to open, then panics.
-    async fn doubled(mut gate: tokio::sync::watch::Receiver<bool>, batch: Vec<Asked>) {
-        if batch.iter().any(|(n, _)| *n == 0) {
-            let _ = gate.wait_for(|open| *open).await;
-            panic!("a batch that panics");
-        }
-        for (n, reply) in batch {
-            let _ = reply.send(n * 2);
-        }
-    }
-
-    type Gate = tokio::sync::watch::Receiver<bool>;
-
-    fn ask(queue: &Arc<Queue<Asked>>, gate: &Gate, n: u32) -> oneshot::Receiver<u32> {
-        let (tx, rx) = oneshot::channel();
-        if queue.push((n, tx)).ok().expect("room in the queue") == Pushed::Start {
-            start(gate.clone(), queue, doubled);
-        }
-        rx
-    }
-
-    /// Both tasks take a batch that panics while more asks wait behind
-    /// them, and no request comes after: the waiting asks are answered all
-    /// the same.
-    #[tokio::test]
-    async fn a_panicking_batch_fails_its_own_asks_and_the_queue_goes_on() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
-        let (open, gate) = tokio::sync::watch::channel(false);
-        // Two tasks each take a batch that panics: the first its one ask,
-        // the second (started once SECOND_AT wait) all of those.
-        let mut failing = vec![ask(&queue, &gate, 0)];
-        tokio::task::yield_now().await;
-        failing.extend((0..SECOND_AT).map(|_| ask(&queue, &gate, 0)));
-        tokio::task::yield_now().await;
-        assert_eq!(queue.lock().tasks, IN_FLIGHT);
-        assert!(
-            queue.lock().asks.is_empty(),
-            "both tasks took their batches"
-        );
-        let waiting: Vec<_> = (1..=5).map(|n| ask(&queue, &gate, n)).collect();
-        open.send_replace(true);
-        for rx in failing {
-            assert!(
-                rx.await.is_err(),
-                "a panicking batch's ask is told it stopped"
-            );
-        }
-        for (n, rx) in (1..=5).zip(waiting) {
-            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
-            assert_eq!(answer.expect("answered, not stranded").unwrap(), 2 * n);
-        }
-        for _ in 0..4 {
-            tokio::task::yield_now().await;
-        }
-        let q = queue.lock();
-        assert!(q.asks.is_empty());
-        assert_eq!(q.tasks, 0, "every task ended and said so");
-    }
-
-    /// One task takes the queue while fewer than SECOND_AT wait behind
-    /// its batch; the request that makes SECOND_AT starts the second.
-    #[tokio::test]
-    async fn a_second_batch_starts_only_once_enough_wait() {
-        // No batch is slow here, however long the test is kept waiting.
-        let never = Duration::from_secs(3600);
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, never));
-        let (open, gate) = tokio::sync::watch::channel(false);
-        // Waits inside its batch until the gate opens, then panics.
-        let first = ask(&queue, &gate, 0);
-        tokio::task::yield_now().await;
-        assert_eq!(queue.lock().tasks, 1);
-        let mut waiting: Vec<_> = (1..SECOND_AT as u32)
-            .map(|n| ask(&queue, &gate, n))
-            .collect();
-        assert_eq!(queue.lock().tasks, 1, "too few wait for a second batch");
-        tokio::task::yield_now().await;
-        assert_eq!(queue.lock().tasks, 1, "too few wait for a second batch");
-        assert_eq!(queue.lock().asks.len(), SECOND_AT - 1);
-        waiting.push(ask(&queue, &gate, SECOND_AT as u32));
-        // Counted at once; the new task has not run yet.
-        assert_eq!(
-            queue.lock().tasks,
-            2,
-            "SECOND_AT waiting start a second batch"
-        );
-        answered_beside((1..).zip(waiting), open, first).await;
-    }
-
-    /// A batch running its queue's `slow` or longer gets one beside it
-    /// for the next ask, however few wait.
-    #[tokio::test]
-    async fn a_slow_batch_gets_a_second_beside_it() {
-        // Slow enough that a busy test machine does not make it slow early.
-        let slow = Duration::from_millis(300);
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, slow));
-        let (open, gate) = tokio::sync::watch::channel(false);
-        let first = ask(&queue, &gate, 0);
-        tokio::task::yield_now().await;
-        let early = ask(&queue, &gate, 1);
-        assert_eq!(queue.lock().tasks, 1, "a young batch is waited for");
-        tokio::time::sleep(slow).await;
-        let late = ask(&queue, &gate, 2);
-        assert_eq!(queue.lock().tasks, 2, "a slow batch gets one beside it");
-        answered_beside([(1, early), (2, late)], open, first).await;
-    }
-
-    /// Each of `asks` is answered (its number doubled) by a second batch
-    /// while the first waits at the gate; then the gate opens, and the
-    /// first batch ends with its ask unanswered.
-    async fn answered_beside(
-        asks: impl IntoIterator<Item = (u32, oneshot::Receiver<u32>)>,
-        open: tokio::sync::watch::Sender<bool>,
-        first: oneshot::Receiver<u32>,
-    ) {
-        for (n, rx) in asks {
-            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
-            let answer = answer.expect("answered beside the waiting batch");
-            assert_eq!(answer.unwrap(), 2 * n);
-        }
-        open.send_replace(true);
-        assert!(first.await.is_err());
-    }
-
-    /// An ask that has waited the queue's `slow` behind a batch that has
-    /// run as long starts a batch beside it, though no request comes after.
-    #[tokio::test]
-    async fn an_ask_that_waits_behind_a_slow_batch_starts_one_beside_it() {
-        type Told = (u32, oneshot::Sender<Result<u32, RedeemError>>);
-        /// Doubles each number; a batch with 0 waits for the gate.
-        async fn told(mut gate: Gate, batch: Vec<Told>) {
-            if batch.iter().any(|(n, _)| *n == 0) {
-                let _ = gate.wait_for(|open| *open).await;
-                return;
-            }
-            for (n, reply) in batch {
-                let _ = reply.send(Ok(n * 2));
-            }
-        }
-        let slow = Duration::from_millis(300);
-        let queue: Arc<Queue<Told>> = Arc::new(Queue::new(SECOND_AT, slow));
-        let (open, gate) = tokio::sync::watch::channel(false);
-        let send = |n: u32| {
-            let (queue, gate) = (queue.clone(), gate.clone());
-            tokio::spawn(async move {
-                let (tx, rx) = oneshot::channel();
-                queued((&gate, &queue, told), (n, tx), rx, "asks", "again").await
-            })
-        };
-        let first = send(0);
-        tokio::task::yield_now().await;
-        assert_eq!(queue.lock().tasks, 1, "the first batch waits for the gate");
-        let waiting = send(1);
-        let answer = tokio::time::timeout(Duration::from_secs(3), waiting).await;
-        let answer = answer.expect("answered while the slow batch still runs");
-        assert_eq!(answer.unwrap().unwrap(), 2);
-        open.send_replace(true);
-        assert!(first.await.unwrap().is_err(), "its batch ended unanswered");
-    }
-
-    /// A task dropped before it first ran (its runtime shutting down)
-    /// takes itself off the count: the next ask starts another.
-    #[tokio::test]
-    async fn a_task_that_never_ran_is_not_counted() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
-        let (_open, gate) = tokio::sync::watch::channel(true);
-        let (tx, rx) = oneshot::channel();
-        let pushed = queue.push((1, tx)).ok().expect("room");
-        assert_eq!(pushed, Pushed::Start, "a first ask starts a task");
-        drop(drain(gate.clone(), Taking::of(&queue), doubled));
-        assert_eq!(queue.lock().tasks, 0);
-        let next = ask(&queue, &gate, 2);
-        assert_eq!(
-            rx.await.unwrap(),
-            2,
-            "the waiting ask is taken by the next task"
-        );
-        assert_eq!(next.await.unwrap(), 4);
-    }
-
-    /// Checks start a second task for the first that waits, and then no
-    /// caller waits on a timer for a kick; a redemption behind one task
-    /// may kick, behind two it may not.
-    #[test]
-    fn each_push_tells_its_caller_what_to_do() {
-        let never = Duration::from_secs(3600);
-        let checks: Queue<u32> = Queue::new(1, never);
-        let pushed: Vec<_> = (0..3).map(|n| checks.push(n).ok().unwrap()).collect();
-        assert_eq!(pushed, [Pushed::Start, Pushed::Start, Pushed::Behind]);
-        let redemptions: Queue<u32> = Queue::new(SECOND_AT, never);
-        let pushed: Vec<_> = (0..SECOND_AT as u32 + 1)
-            .map(|n| redemptions.push(n).ok().unwrap())
-            .collect();
-        assert_eq!(pushed[0], Pushed::Start);
-        assert!(pushed[1..SECOND_AT - 1]
-            .iter()
-            .all(|p| *p == Pushed::MayKick));
-        assert_eq!(pushed[SECOND_AT - 1], Pushed::Start, "the SECOND_AT-th");
-        assert_eq!(pushed[SECOND_AT], Pushed::Behind);
-    }
-
-    #[tokio::test]
-    async fn a_full_queue_refuses_at_once() {
-        let queue: Arc<Queue<Asked>> = Arc::new(Queue::new(SECOND_AT, SLOW_BATCH));
-        // Nobody takes this queue: every push is kept.
-        let mut kept = Vec::new();
-        for n in 0..MAX_WAITING {
-            let (tx, rx) = oneshot::channel();
-            assert!(queue.push((n as u32, tx)).is_ok());
-            kept.push(rx);
-        }
-        let (tx, _rx) = oneshot::channel();
-        assert!(
-            queue.push((0, tx)).is_err(),
-            "one past MAX_WAITING is refused"
-        );
-        assert_eq!(queue.lock().asks.len(), MAX_WAITING);
-    }
 }

@@ -110,8 +110,12 @@ const COUNTERS: &[(&str, &str)] = &[
 
 const HISTOGRAMS: &[(&str, &str)] = &[
     (
-        "codepool_hold_batch_size",
-        "Checkout holds placed together in one batch (codepool api).",
+        "codepool_batcher_size",
+        "Requests placed together in one batch, by batcher (orders: HTTP orders; holds; redemptions; checks).",
+    ),
+    (
+        "codepool_batcher_wait_seconds",
+        "How long a request waited for its batch to take it, by batcher (orders, holds, redemptions, checks).",
     ),
     (
         "codepool_claim_batch_seconds",
