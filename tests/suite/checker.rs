@@ -1511,16 +1511,31 @@ impl World {
         self.env.store.database().collection("codes")
     }
 
+    /// Every document of `coll` matching `filter`. A read the server's
+    /// monitor cut (a loaded host, minutes into a long run) is read again
+    /// whole: the checker judges codepool, not its own connection.
     async fn all(&self, coll: &str, filter: Document) -> Vec<Document> {
-        let mut out = Vec::new();
-        let mut cur = (self.env.store.database().collection::<Document>(coll))
-            .find(filter)
-            .await
-            .unwrap();
-        while let Some(d) = cur.next().await {
-            out.push(d.unwrap());
+        let coll = self.env.store.database().collection::<Document>(coll);
+        let mut tries = 0;
+        loop {
+            let read = async {
+                let mut cur = coll.find(filter.clone()).await?;
+                let mut out = Vec::new();
+                while let Some(d) = cur.next().await {
+                    out.push(d?);
+                }
+                Ok::<_, mongodb::error::Error>(out)
+            };
+            match read.await {
+                Ok(out) => return out,
+                Err(e) if tries < 5 => {
+                    tries += 1;
+                    eprintln!("checker: reading {} again after {e}", coll.name());
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => panic!("reading {}: {e}", coll.name()),
+            }
         }
-        out
     }
 
     /// Every generation run made to its end: the runs resumed after a kill
