@@ -587,6 +587,11 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
         .insert_codes("p", ObjectId::new(), &[new("p-0000000a")])
         .await
         .unwrap();
+    // A look-alike of a code of another pool (issue 73, item 2).
+    store
+        .insert_codes("q", ObjectId::new(), &[new("p-00000006")])
+        .await
+        .unwrap();
     let g = Generation {
         pool: "p".into(),
         count: 4,
@@ -594,11 +599,11 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
         expires_at: None,
         run_id: None,
     };
-    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 twice in
-    // one batch; then 3, 4, 5 land.
+    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 lands;
+    // 6: a look-alike of another pool's code; then 3, 4, 5 land.
     let options = GenerateOptions {
         batch_size: 5,
-        random: chosen(vec![0, 1, 10, 2, 2, 3, 4, 5]),
+        random: chosen(vec![0, 1, 10, 2, 6, 3, 4, 5]),
         ..GenerateOptions::default()
     };
     let s = generate(store, None, &g, &options, &|_| {}).await.unwrap();

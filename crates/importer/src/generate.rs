@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use codepool_domain::{CodePattern, Pool};
 use codepool_sequence::DailyNumbers;
+use codepool_store::claims::CrossPool;
 use codepool_store::imports::{GenerationSpec, ImportRecord, RunState, SOURCE_GENERATED};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use rand::TryRngCore;
@@ -561,20 +562,32 @@ impl Draws<'_> {
     }
 }
 
-/// Inserts the codes of `batch` no other pool holds; returns how many
-/// landed. The rest is drawn again by a later batch.
+/// Claims the codes of `batch` for `pool` and inserts those no other
+/// pool holds (a look-alike of another pool's code included); returns
+/// how many landed. The rest is drawn again by a later batch.
 async fn try_place(
     store: &Store,
     pool: &str,
     id: ObjectId,
     batch: &[NewCode],
 ) -> Result<u64, StoreError> {
-    let elsewhere = store.codes_in_other_pools(pool, batch).await?;
-    let fresh: Vec<NewCode> = (batch.iter().zip(elsewhere))
+    let elsewhere = store
+        .claim_codes(pool, id, batch, CrossPool::Strict)
+        .await?;
+    let mut fresh: Vec<NewCode> = (batch.iter().zip(&elsewhere))
         .filter(|(_, other)| other.is_none())
         .map(|(c, _)| c.clone())
         .collect();
-    Ok(store.insert_codes(pool, id, &fresh).await?.inserted)
+    if !store.claims_complete().await? {
+        // Codes stored before claims have none yet: their exact copies
+        // are found by value.
+        let old = store.codes_in_other_pools(pool, &fresh).await?;
+        fresh = (fresh.into_iter().zip(old))
+            .filter(|(_, other)| other.is_none())
+            .map(|(c, _)| c)
+            .collect();
+    }
+    Ok(store.insert_claimed(pool, id, &fresh).await?.inserted)
 }
 
 /// `e`, once every insert still in flight has landed or failed: a run
