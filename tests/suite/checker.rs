@@ -1091,7 +1091,10 @@ impl World {
     }
 
     fn imported_run(&self, out: &std::process::Output) {
-        if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
+        // The run's first line names it before any code is made.
+        let text = String::from_utf8_lossy(&out.stdout);
+        let first = text.lines().next().unwrap_or_default();
+        if let Ok(v) = serde_json::from_str::<Value>(first) {
             if let Some(id) = v["run_id"]
                 .as_str()
                 .and_then(|s| ObjectId::parse_str(s).ok())

@@ -286,6 +286,30 @@ impl Store {
         Ok(newest.filter(|r| r.status != RunState::Done))
     }
 
+    /// The generation runs of `pattern` into `pool` that did not finish
+    /// (failed, interrupted, or `running` because their process was
+    /// killed or is still making them), newest first, by the `(pool,
+    /// started_at)` index.
+    pub async fn unfinished_generations(
+        &self,
+        pool: &str,
+        pattern: &str,
+    ) -> Result<Vec<ImportRecord>, StoreError> {
+        Ok(self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(doc! {
+                "pool": pool,
+                "source": SOURCE_GENERATED,
+                "generation.pattern": pattern,
+                "status": {"$ne": RunState::Done.as_str()},
+            })
+            .sort(doc! {"started_at": -1})
+            .limit(100)
+            .await?
+            .try_collect()
+            .await?)
+    }
+
     /// The most recent runs, newest first.
     pub async fn recent_imports(&self, limit: i64) -> Result<Vec<ImportRecord>, StoreError> {
         Ok(self
