@@ -10,7 +10,7 @@
 //! (short TTLs), imports (some of codes that expire within seconds or
 //! expired before they came, the first of every pool among them, some with
 //! copies and look-alikes of codes already in a pool, some killed mid-file
-//! and run again), recall, expire,
+//! and run again, some of one file into two pools at once), recall, expire,
 //! pause and resume, void, redeem and resend, by three keys of two shops
 //! and the operator; replacement of one code of an order over HTTP, the CLI
 //! (some killed between the void and the claim, then run again with the
@@ -455,7 +455,7 @@ impl World {
             310..=389 => self.hold(rng, &id).await,
             390..=459 => self.pay(rng, &id).await,
             460..=479 => self.release(rng).await,
-            480..=519 => {
+            480..=514 => {
                 let pool = POOLS[rng.random_range(0..POOLS.len())];
                 let expiry = match rng.random_range(0..10) {
                     0..=2 => Expiry::Soon,
@@ -466,6 +466,7 @@ impl World {
                 let n = rng.random_range(5..30);
                 self.import(rng, pool, n, expiry, copies).await
             }
+            515..=519 => self.racing_imports(rng).await,
             520..=527 => self.interrupted_import(rng).await,
             528..=535 => self.recall(rng).await,
             536..=559 => {
@@ -797,6 +798,44 @@ impl World {
         }
     }
 
+    /// One file of new codes imported into two pools at once: a code sits
+    /// in one pool, so one of the two imports gets each code.
+    async fn racing_imports(&self, rng: &mut StdRng) {
+        let a = POOLS[rng.random_range(0..POOLS.len())];
+        let b = loop {
+            let b = POOLS[rng.random_range(0..POOLS.len())];
+            if b != a {
+                break b;
+            }
+        };
+        let mut text = String::from("code\n");
+        for _ in 0..rng.random_range(5..20) {
+            text.push_str(&format!("RACE-{:016X}\n", rng.random::<u64>()));
+        }
+        let mut outs = Vec::new();
+        let mut runs = Vec::new();
+        for pool in [a, b] {
+            let path = self
+                .files
+                .path()
+                .join(format!("{}.csv", ObjectId::new().to_hex()));
+            std::fs::write(&path, &text).unwrap();
+            let path = path.to_str().unwrap().to_owned();
+            runs.push(async move {
+                self.env
+                    .command(&["import", &path, "--pool", pool, "--json"])
+                    .output()
+                    .await
+                    .unwrap()
+            });
+        }
+        for out in futures::future::join_all(runs).await {
+            self.imported(&out);
+            outs.push(exit_of(&out));
+        }
+        self.ran("one file into two pools at once (cli)", outs.join(" + "));
+    }
+
     /// An import killed mid-file, then run again to the end.
     async fn interrupted_import(&self, rng: &mut StdRng) {
         let pool = POOLS[rng.random_range(0..POOLS.len())];
@@ -1052,7 +1091,10 @@ impl World {
     }
 
     fn imported_run(&self, out: &std::process::Output) {
-        if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
+        // The run's first line names it before any code is made.
+        let text = String::from_utf8_lossy(&out.stdout);
+        let first = text.lines().next().unwrap_or_default();
+        if let Ok(v) = serde_json::from_str::<Value>(first) {
             if let Some(id) = v["run_id"]
                 .as_str()
                 .and_then(|s| ObjectId::parse_str(s).ok())

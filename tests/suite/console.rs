@@ -713,6 +713,47 @@ async fn a_viewer_reads_a_pools_statement_that_ties_out_and_shows_no_code() {
     env.cleanup().await;
 }
 
+/// The statement page shows a killed run's state (issue 73, item 12): its
+/// row reads `killed` and "not finished", never "ties out", and a notice
+/// names it.
+#[tokio::test]
+async fn a_statement_page_shows_a_killed_run_as_not_finished() {
+    let env = TestEnv::new("console_statement_killed").await;
+    operator(&env, "vic", "viewer").await;
+    let killed = env
+        .store
+        .start_import("ks", "partner.csv", None)
+        .await
+        .unwrap();
+    let codes: Vec<codepool_store::NewCode> = (0..3)
+        .map(|i| codepool_store::NewCode {
+            code: format!("KS-{i}"),
+            expires_at: None,
+            line: Some(i + 2),
+        })
+        .collect();
+    env.store
+        .insert_codes("ks", killed.id, &codes)
+        .await
+        .unwrap();
+    env.store.ensure_pool("ks").await.unwrap();
+    let api = ApiServer::start(&env, &[]).await;
+    let cookie = signed_in(&api.addr, "vic").await;
+    let (status, page) = get_with(&api.addr, "/console/pools/ks/statement", &cookie).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("killed: not finished"), "{page}");
+    assert!(
+        !page.contains("ties out<"),
+        "no row nor total says it ties out: {page}"
+    );
+    assert!(
+        page.contains(&killed.id.to_hex()) && page.contains("did not finish"),
+        "{page}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
 /// A sign-in form POST, with `extra` header lines (each ending in CRLF).
 fn sign_in_request(name: &str, password: &str, next: &str, extra: &str) -> Vec<u8> {
     let body = format!(

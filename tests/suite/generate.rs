@@ -16,11 +16,15 @@ use crate::api::{http, key};
 use crate::common::*;
 use crate::fixtures::*;
 
-/// Runs `codepool generate … --json`; panics unless it exits 0.
+/// Runs `codepool generate … --json`; panics unless it exits 0. Returns
+/// the summary: the last of its JSON lines (the first names the run
+/// before any code is made).
 async fn generate(env: &TestEnv, args: &[&str]) -> serde_json::Value {
     let mut all = vec!["generate", "--json"];
     all.extend_from_slice(args);
-    serde_json::from_str(&codepool_ok(env, &all).await).expect("a JSON summary")
+    let out = codepool_ok(env, &all).await;
+    let last = out.lines().last().unwrap_or_default();
+    serde_json::from_str(last).expect("a JSON summary")
 }
 
 /// The plaintext codes of run `run`, opened with the test's keys.
@@ -587,6 +591,11 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
         .insert_codes("p", ObjectId::new(), &[new("p-0000000a")])
         .await
         .unwrap();
+    // A look-alike of a code of another pool (issue 73, item 2).
+    store
+        .insert_codes("q", ObjectId::new(), &[new("p-00000006")])
+        .await
+        .unwrap();
     let g = Generation {
         pool: "p".into(),
         count: 4,
@@ -594,11 +603,11 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
         expires_at: None,
         run_id: None,
     };
-    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 twice in
-    // one batch; then 3, 4, 5 land.
+    // 0: in the pool; 1: in another pool; 10 (A): a look-alike; 2 lands;
+    // 6: a look-alike of another pool's code; then 3, 4, 5 land.
     let options = GenerateOptions {
         batch_size: 5,
-        random: chosen(vec![0, 1, 10, 2, 2, 3, 4, 5]),
+        random: chosen(vec![0, 1, 10, 2, 6, 3, 4, 5]),
         ..GenerateOptions::default()
     };
     let s = generate(store, None, &g, &options, &|_| {}).await.unwrap();
@@ -625,6 +634,124 @@ async fn a_collision_is_drawn_again_until_the_run_holds_its_count() {
         .await
         .unwrap_err();
     assert!(matches!(err, GenerateError::Exhausted(_)), "{err}");
+    env.cleanup().await;
+}
+
+/// A killed `codepool generate --json` (issue 73, item 4): its first line
+/// named the run before any code was made, and the same command again
+/// takes that run up (as an import takes up its file) instead of making a
+/// second full run; `--new-run` makes a second one on purpose, and a run
+/// another process is making now is not taken from under it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_json_run_named_itself_first_and_the_same_command_finishes_it() {
+    let env = TestEnv::new("gen_json_killed").await;
+    let args = ["--pool", "gj", "--count", "20000", "--batch-size", "500"];
+    let all = [&["generate", "--json"][..], &args[..]].concat();
+    let mut child = env
+        .command(&all)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let in_pool = doc! {"pool": "gj"};
+    eventually(
+        Duration::from_secs(120),
+        "the run's first codes land",
+        || {
+            let (c, f) = (codes(&env), in_pool.clone());
+            async move { c.count_documents(f).await.unwrap() > 0 }
+        },
+    )
+    .await;
+    child.start_kill().unwrap(); // SIGKILL
+    let out = child.wait_with_output().await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text
+        .lines()
+        .next()
+        .expect("the run id is printed before any code");
+    let first: serde_json::Value = serde_json::from_str(first).unwrap();
+    assert_eq!(first["status"], "running", "{first}");
+    let run = ObjectId::parse_str(first["run_id"].as_str().unwrap()).unwrap();
+    let mut made = codes(&env).count_documents(in_pool.clone()).await.unwrap();
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = codes(&env).count_documents(in_pool.clone()).await.unwrap();
+        if now == made {
+            break;
+        }
+        made = now;
+    }
+    assert!(made > 0 && made < 20_000, "killed halfway: {made}");
+    // The dead process's lease is made to have lapsed (it would in 20 s).
+    env.coll("imports")
+        .update_one(
+            doc! {"_id": run},
+            doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
+        )
+        .await
+        .unwrap();
+
+    let again = generate(&env, &args).await;
+    assert_eq!(
+        again["run_id"],
+        run.to_hex(),
+        "the same run, taken up: {again}"
+    );
+    assert_eq!(again["inserted"], 20_000);
+    assert_eq!(again["inserted_now"], 20_000 - made);
+    assert_eq!(
+        codes(&env).count_documents(in_pool.clone()).await.unwrap(),
+        20_000,
+        "one run's codes, not a second run's"
+    );
+
+    // An unfinished run of another count is another run; one of the same
+    // count is taken up unless --new-run says otherwise.
+    let small = ["--pool", "gj", "--count", "30"];
+    let unfinished = codepool_importer::Generation {
+        pool: "gj".into(),
+        count: 30,
+        pattern: codepool_domain::CodePattern::parse(
+            codepool_domain::pattern::DEFAULT_PATTERN,
+            false,
+        )
+        .unwrap(),
+        expires_at: None,
+        run_id: Some(ObjectId::new()),
+    };
+    codepool_importer::generate::open_run(&env.store, &unfinished)
+        .await
+        .unwrap();
+    let left = unfinished.run_id.unwrap();
+    // Being made by another process now: refused, nothing made.
+    env.coll("imports")
+        .update_one(
+            doc! {"_id": left},
+            doc! {"$set": {"lease_owner": "elsewhere", "lease_until": bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() + 60_000)}},
+        )
+        .await
+        .unwrap();
+    let busy = env.run(&[&["generate"][..], &small[..]].concat()).await;
+    let err = String::from_utf8_lossy(&busy.stderr);
+    assert_eq!(busy.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&left.to_hex()) && err.contains("--new-run"),
+        "{err}"
+    );
+    let second = generate(&env, &[&small[..], &["--new-run"][..]].concat()).await;
+    assert_ne!(second["run_id"], left.to_hex(), "{second}");
+    assert_eq!(second["inserted"], 30);
+    env.coll("imports")
+        .update_one(
+            doc! {"_id": left},
+            doc! {"$unset": {"lease_owner": "", "lease_until": ""}},
+        )
+        .await
+        .unwrap();
+    let taken = generate(&env, &small).await;
+    assert_eq!(taken["run_id"], left.to_hex(), "{taken}");
+    assert_eq!(codes(&env).count_documents(in_pool).await.unwrap(), 20_060);
     env.cleanup().await;
 }
 

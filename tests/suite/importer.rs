@@ -610,6 +610,173 @@ async fn one_file_imported_into_two_pools_is_refused_in_the_second_unless_allowe
     env.cleanup().await;
 }
 
+/// A code sits in one pool as codepool compares codes (issue 73, item 2):
+/// a partner's file re-sent in lower case, or in full width, is the same
+/// codes, refused in a second pool like an exact copy; O/0 and I/L/1 are
+/// one wherever either pool folds confusables, and two only where
+/// neither does.
+#[tokio::test]
+async fn a_look_alike_of_another_pools_code_is_refused_like_an_exact_copy() {
+    let env = TestEnv::new("import_cross_fold").await;
+    let file = csv_file("code\nRACE-1\nRACE-2\n".as_bytes());
+    let (code, first) = import_json(&env, file.path(), "la", &[]).await;
+    assert_eq!((code, first["inserted"].as_u64()), (0, Some(2)), "{first}");
+    for (pool, text) in [
+        ("lb", "code\nrace-1\nrace-2\n"),
+        ("lc", "code\nＲＡＣＥ-1\nｒａｃｅ－２\n"),
+    ] {
+        let again = csv_file(text.as_bytes());
+        let (code, s) = import_json(&env, again.path(), pool, &[]).await;
+        assert_eq!(code, 1, "{s}");
+        assert_eq!(
+            (s["inserted"].as_u64(), s["cross_pool"].as_u64()),
+            (Some(0), Some(2)),
+            "{s}"
+        );
+        assert_eq!(s["cross_pool_pools"], serde_json::json!(["la"]), "{s}");
+        assert_eq!(count_codes(&env, doc! {"pool": pool}).await, 0);
+    }
+
+    // Confusables: GOLD-O1 in a pool that folds them; G0LD-01 is that code
+    // in any pool. Between two pools that keep them apart, two codes.
+    codepool_ok(&env, &["pool", "create", "--pool", "conf"]).await;
+    codepool_ok(
+        &env,
+        &["pool", "set", "--pool", "conf", "--fold-confusables"],
+    )
+    .await;
+    let gold = csv_file(b"code\nGOLD-O1\nSILVER-L1\n");
+    let (code, s) = import_json(&env, gold.path(), "conf", &[]).await;
+    assert_eq!((code, s["inserted"].as_u64()), (0, Some(2)), "{s}");
+    let misread = csv_file(b"code\nG0LD-01\nsilver-11\n");
+    let (code, s) = import_json(&env, misread.path(), "plain1", &[]).await;
+    assert_eq!((code, s["cross_pool"].as_u64()), (1, Some(2)), "{s}");
+    let apart = csv_file(b"code\nKEEP-O1\n");
+    let (code, s) = import_json(&env, apart.path(), "plain1", &[]).await;
+    assert_eq!((code, s["inserted"].as_u64()), (0, Some(1)), "{s}");
+    let other = csv_file(b"code\nKEEP-01\n");
+    let (code, s) = import_json(&env, other.path(), "plain2", &[]).await;
+    assert_eq!(
+        (code, s["inserted"].as_u64()),
+        (0, Some(1)),
+        "neither pool folds O/0: {s}"
+    );
+    env.cleanup().await;
+}
+
+/// Two imports of one file into two pools at once (issue 73, item 2):
+/// each code goes into exactly one of them, however the imports
+/// interleave; the claims decide, not a lookup before the insert.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_file_imported_into_two_pools_at_once_puts_each_code_in_one() {
+    let env = TestEnv::new("import_cross_race").await;
+    const N: usize = 6_000;
+    let file = codes_file("RACE", N);
+    let path = file.path().to_str().unwrap().to_owned();
+    let runs = ["ra", "rb"].map(|pool| {
+        let cmd = env
+            .command(&[
+                "import",
+                &path,
+                "--pool",
+                pool,
+                "--batch-size",
+                "200",
+                "--json",
+            ])
+            .output();
+        async move { cmd.await.unwrap() }
+    });
+    let outs = futures::future::join_all(runs).await;
+    let mut inserted = 0;
+    for out in &outs {
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+        inserted += s["inserted"].as_u64().unwrap();
+        assert_eq!(
+            s["inserted"].as_u64().unwrap() + s["cross_pool"].as_u64().unwrap(),
+            N as u64,
+            "{s}"
+        );
+    }
+    assert_eq!(inserted, N as u64, "each code once");
+    assert_eq!(
+        count_codes(&env, doc! {}).await,
+        N as u64,
+        "no code in both pools"
+    );
+    env.cleanup().await;
+}
+
+/// The report of look-alike pairs stored across pools (issue 73, item 2):
+/// pairs from before claims, found by `codepool migrate`, and pairs
+/// imported on purpose, each listed with both pools.
+#[tokio::test]
+async fn codepool_lookalikes_lists_the_pairs_stored_across_pools() {
+    let env = TestEnv::new("import_lookalike_report").await;
+    let file = csv_file(b"code\nPAIR-1\nALONE-1\n");
+    import_json(&env, file.path(), "pa", &[]).await;
+    let (code, out, err) = codepool(&env, &["lookalikes", "--json"]).await;
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
+    // On purpose: the operator's own pair.
+    let lower = csv_file(b"code\npair-1\n");
+    let (code, s) = import_json(&env, lower.path(), "pb", &["--allow-cross-pool"]).await;
+    assert_eq!((code, s["inserted"].as_u64()), (0, Some(1)), "{s}");
+    // From before claims: stored with no claim, then `codepool migrate`.
+    let old = [codepool_store::NewCode {
+        code: "ＡＬＯＮＥ-1".into(),
+        expires_at: None,
+        line: Some(2),
+    }];
+    env.store.ensure_pool("pc").await.unwrap();
+    env.store
+        .insert_claimed("pc", bson::oid::ObjectId::new(), &old)
+        .await
+        .unwrap();
+    env.coll("_migrations")
+        .update_one(
+            doc! {"_id": "0025_code_claims_backfill"},
+            doc! {"$set": {"done": false}, "$unset": {"after": ""}},
+        )
+        .await
+        .unwrap();
+    let migrated = codepool_ok(&env, &["migrate"]).await;
+    assert!(
+        migrated.contains("1 of them read the same as a code of another pool"),
+        "{migrated}"
+    );
+    let (code, out, err) = codepool(&env, &["lookalikes", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let mut pairs: Vec<(String, String)> = out
+        .lines()
+        .map(|l| {
+            let p: serde_json::Value = serde_json::from_str(l).unwrap();
+            let mut two = [
+                p["first"]["pool"].as_str().unwrap(),
+                p["second"]["pool"].as_str().unwrap(),
+            ];
+            two.sort();
+            assert!(
+                !out.contains("PAIR-1") && !out.contains("ALONE"),
+                "codes masked: {out}"
+            );
+            (two[0].to_owned(), two[1].to_owned())
+        })
+        .collect();
+    pairs.sort();
+    assert_eq!(
+        pairs,
+        [("pa".into(), "pb".into()), ("pa".into(), "pc".into())],
+        "{out}"
+    );
+    assert!(err.contains("2 look-alike pair(s)"), "{err}");
+    // Once claimed, the old code refuses its look-alikes like any other.
+    let again = csv_file(b"code\nalone-1\n");
+    let (code, s) = import_json(&env, again.path(), "pd", &[]).await;
+    assert_eq!((code, s["cross_pool"].as_u64()), (1, Some(1)), "{s}");
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn a_stray_quote_refuses_the_file_naming_its_line_and_the_lines_it_swallowed() {
     let env = TestEnv::new("import_stray_quote").await;

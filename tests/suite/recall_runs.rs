@@ -401,3 +401,85 @@ async fn a_recall_of_a_run_without_codes_names_the_runs_that_hold_them_and_fails
     );
     env.cleanup().await;
 }
+
+/// A generation run recalled while its process stalled (issue 73, item
+/// 10): when it wakes it stops, saying it was recalled (not that another
+/// process took it), its record counts every code it put in, and none of
+/// them is left in stock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_generation_run_recalled_while_it_stalled_records_every_code_and_says_so() {
+    let env = TestEnv::new("recall_stalled_gen").await;
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    let child = env
+        .command(&[
+            "generate",
+            "--pool",
+            "rs",
+            "--count",
+            "200000",
+            "--batch-size",
+            "500",
+            "--run-id",
+            &id,
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(
+        Duration::from_secs(120),
+        "the run's first codes land",
+        || async { count_codes(&env, doc! {"batch_id": run}).await > 1000 },
+    )
+    .await;
+    let pid = child.id().unwrap().to_string();
+    let signal = |s: &str| {
+        std::process::Command::new("kill")
+            .args([s, &pid])
+            .status()
+            .unwrap()
+    };
+    signal("-STOP");
+    // Stalled past its lease (made to have lapsed): the recall goes through.
+    env.coll("imports")
+        .update_one(
+            doc! {"_id": run},
+            doc! {"$set": {"lease_until": bson::DateTime::from_millis(0)}},
+        )
+        .await
+        .unwrap();
+    codepool_ok(&env, &["void", "--import", &id, "--reason", "leak"]).await;
+    // Past the time a run renews its lease (5 s), then it wakes.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    signal("-CONT");
+    let out = child.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("was recalled (leak) while this process stalled"),
+        "{err}"
+    );
+    assert!(!err.contains("another process"), "{err}");
+    let stored = count_codes(&env, doc! {"batch_id": run}).await;
+    let record = env
+        .coll("imports")
+        .find_one(doc! {"_id": run})
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        record
+            .get_i64("inserted")
+            .map(|n| n as u64)
+            .unwrap_or_else(|_| record.get_i32("inserted").unwrap() as u64),
+        stored,
+        "the record counts every code of the run: {record}"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"batch_id": run, "status": 0}).await,
+        0,
+        "no code of the recalled run is left in stock"
+    );
+    env.cleanup().await;
+}

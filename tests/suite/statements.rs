@@ -657,3 +657,66 @@ async fn every_part_of_a_statement_reads_at_the_one_snapshot() {
     assert_eq!(after[0].get_i64("bv_refund").unwrap(), 5);
     env.cleanup().await;
 }
+
+/// A run that was killed and never finished (issue 73, item 12): its row
+/// shows its state (`killed`) in the JSON, the CSV and the table, which
+/// says it is not finished instead of "ties out"; stderr says what
+/// finishes it. A finished run beside it still ties out.
+#[tokio::test]
+async fn a_killed_run_shows_its_state_and_is_never_said_to_tie_out() {
+    let env = TestEnv::new("statement_killed").await;
+    let done = import(&env, "sk", "done.csv", "code\nDONE-1\nDONE-2\n").await;
+    // What `kill -9` leaves: a record that says running, held by no
+    // process, and the codes it put in.
+    let killed = env
+        .store
+        .start_import("sk", "partner.csv", None)
+        .await
+        .unwrap();
+    let codes: Vec<codepool_store::NewCode> = (0..5)
+        .map(|i| codepool_store::NewCode {
+            code: format!("KILLED-{i}"),
+            expires_at: None,
+            line: Some(i + 2),
+        })
+        .collect();
+    env.store
+        .insert_codes("sk", killed.id, &codes)
+        .await
+        .unwrap();
+    let killed = killed.id.to_hex();
+
+    let (rc, out, err) = statement(&env, &["--pool", "sk", "--json"]).await;
+    assert_eq!(rc, 0, "{err}");
+    let s: Value = serde_json::from_str(&out).unwrap();
+    let rows = by_import(&s);
+    assert_eq!(rows[&killed]["run"], "killed", "{s}");
+    assert_eq!(rows[&killed]["finished"], false, "{s}");
+    assert_eq!(rows[&killed]["received"], 5, "{s}");
+    assert_eq!(rows[&done]["run"], "done", "{s}");
+    assert_eq!(rows[&done]["finished"], true, "{s}");
+    assert_eq!(s["total"]["finished"], false, "{s}");
+    assert!(
+        err.contains(&killed) && err.contains("never finished"),
+        "stderr names the run: {err}"
+    );
+
+    let (rc, table, _) = statement(&env, &["--pool", "sk"]).await;
+    assert_eq!(rc, 0);
+    let line = |id: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(id))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(line(&killed).contains("killed: not finished"), "{table}");
+    assert!(!line(&killed).contains("ties out"), "{table}");
+    assert!(line(&done).contains("ties out"), "{table}");
+
+    let (rc, csv, _) = statement(&env, &["--pool", "sk", "--csv"]).await;
+    assert_eq!(rc, 0);
+    let killed_line = csv.lines().find(|l| l.starts_with(&killed)).unwrap();
+    assert!(killed_line.split(',').any(|c| c == "killed"), "{csv}");
+    env.cleanup().await;
+}

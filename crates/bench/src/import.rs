@@ -38,8 +38,9 @@ pub struct ImportBenchArgs {
     /// the side that goes first alternating; the median round is reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub rounds: u32,
-    /// Pass `--allow-cross-pool` to the import: it skips the lookup of its
-    /// codes in other pools, so the run shows what that lookup costs.
+    /// Pass `--allow-cross-pool` to the import: its codes are still claimed
+    /// across pools (the claims record both pools), but no claim refuses
+    /// one.
     #[arg(long)]
     pub allow_cross_pool: bool,
     /// Print the results as JSON instead of a table.

@@ -73,6 +73,8 @@ pub enum Command {
     Stats(commands::stats::StatsArgs),
     /// What became of every import's codes in a period, one row per run, each checked to tie out.
     Statement(commands::statement::StatementArgs),
+    /// The look-alike pairs stored across pools (a code sits in one pool), to act on.
+    Lookalikes(commands::lookalikes::LookalikesArgs),
     /// Who got which code and when (codes masked unless --reveal).
     Lookup(commands::lookup::LookupArgs),
     /// Inspect and replay dead-lettered (invalid) purchases.
@@ -113,6 +115,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Webhooks(args) => commands::webhooks::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,
+        Command::Lookalikes(args) => commands::lookalikes::run(&cfg, args).await,
         Command::Statement(args) => commands::statement::run(&cfg, args).await,
         Command::Lookup(args) => commands::lookup::run(&cfg, args).await,
         Command::DeadLetters(args) => commands::dead_letters::run(&cfg, args).await,

@@ -44,6 +44,7 @@ pub use record::{
 };
 pub use redemption::{InvalidRedemption, Redemption};
 pub use text::{
-    buyer_key, checked_file_name, first_unreadable, fold, fold_by, hidden_on_terminal,
-    spreadsheet_cell, terminal_text, FileNameError, LookAlikeRule, Unreadable, UnreadableChar,
+    buyer_key, checked_file_name, cross_pool_keys, first_unreadable, fold, fold_by,
+    hidden_on_terminal, spreadsheet_cell, terminal_text, CrossPoolKeys, FileNameError,
+    LookAlikeRule, Unreadable, UnreadableChar,
 };

@@ -187,6 +187,34 @@ pub fn fold_by(code: &str, rule: LookAlikeRule) -> String {
         .collect()
 }
 
+/// The keys a code is compared by across pools: a code sits in one pool
+/// as codepool compares codes, so a look-alike of another pool's code is
+/// that code. Across pools case is always folded (a person reads `RACE-1`
+/// and `race-1` as one code, whatever either platform does), and
+/// confusables are folded wherever either pool folds them. `wide` folds
+/// them (NFKC, case, `O`/`0`, `I`/`L`/`1`), `narrow` does not (NFKC and
+/// case): two codes of pools that both keep confusables apart are one
+/// code when their `narrow` keys are equal; otherwise when their `wide`
+/// keys are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrossPoolKeys {
+    pub wide: String,
+    pub narrow: String,
+}
+
+/// [`CrossPoolKeys`] of `code`.
+pub fn cross_pool_keys(code: &str) -> CrossPoolKeys {
+    let narrow = fold(code, false);
+    let wide = fold_by(
+        code,
+        LookAlikeRule {
+            case_sensitive: false,
+            confusables: true,
+        },
+    );
+    CrossPoolKeys { wide, narrow }
+}
+
 /// True for a character a terminal would obey or hide rather than show:
 /// controls other than newline and tab (ESC starts a terminal command),
 /// bidi controls and invisible format characters, line separators.

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use codepool_domain::{CodePattern, Pool};
 use codepool_sequence::DailyNumbers;
+use codepool_store::claims::CrossPool;
 use codepool_store::imports::{GenerationSpec, ImportRecord, RunState, SOURCE_GENERATED};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
 use rand::TryRngCore;
@@ -172,8 +173,12 @@ pub enum GenerateError {
     Store(#[from] StoreError),
     #[error("run {id} is being made by another process now (it renewed its lease to {until}); nothing was made here. Wait for it to end, then run the same command to check it")]
     Busy { id: String, until: String },
-    #[error("run {0} was taken over by another process while this one stalled; it stopped here. Run the same command with the same --run-id to check the run")]
+    #[error("run {0} was taken over by another process while this one stalled; it stopped here, and that process finishes the run. Run the same command with the same --run-id to check it")]
     LeaseLost(String),
+    /// The run was recalled while this process stalled past its lease: it
+    /// stopped, and what it inserted after the recall is void too.
+    #[error("run {id} was recalled ({reason}) while this process stalled; it stopped here, and the codes it made after the recall are void as the recall voided the rest. Start a new run (without --run-id) for new codes")]
+    RecalledWhileRunning { id: String, reason: String },
     #[error("run {id} was recalled ({reason}); its codes are void, and a recalled run makes no more. Start a new run (without --run-id) for new codes")]
     Recalled { id: String, reason: String },
 }
@@ -310,12 +315,49 @@ async fn run_leased(
     if before > 0 {
         info!(run = %record.id, held = before, "the run holds codes already; making only the rest");
     }
-    let result = run.until_done(options, on_progress).await;
+    let mut result = run.until_done(options, on_progress).await;
+    // Every insert of the run has landed or failed (`until_done` drains
+    // them on every way out): the run holds what the pool holds of it,
+    // counted, not the sum of what its batches answered (a batch drained
+    // after an error was never added). A count short of what the batches
+    // answered makes the rest.
+    for _ in 0..3 {
+        match store.codes_of_run(pool.as_str(), record.id).await {
+            Ok(held) => {
+                if held != run.held {
+                    warn!(run = %record.id, counted = held, answered = run.held, "the run's codes counted in the pool differ from what its inserts answered; the count is recorded");
+                }
+                run.held = held;
+            }
+            Err(e) => {
+                warn!(error = %e, "the run's codes were not counted again at its end");
+                break;
+            }
+        }
+        if !matches!(result, Ok(true)) || run.held >= g.count {
+            break;
+        }
+        result = run.until_done(options, on_progress).await;
+    }
     if matches!(result, Err(GenerateError::LeaseLost(_))) {
         // A recall may have taken the run while it stalled: once its
         // inserts have landed, what landed after the recall is voided too.
-        if let Err(e) = store.recall_rest(record.id).await {
-            warn!(error = %e, "the run's late codes were not voided after its recall; recall it again");
+        match store.import_record(record.id).await {
+            Ok(Some(now)) if now.recalled_at.is_some() => {
+                if let Err(e) = store.recall_rest(record.id).await {
+                    warn!(error = %e, "the run's late codes were not voided after its recall; recall it again");
+                }
+                result = Err(GenerateError::RecalledWhileRunning {
+                    id: record.id.to_hex(),
+                    reason: now.recall_reason.unwrap_or_default(),
+                });
+            }
+            // Another process holds the run and writes its record.
+            Ok(_) => {
+                let lost = GenerateError::LeaseLost(record.id.to_hex());
+                return Err(result.err().unwrap_or(lost));
+            }
+            Err(e) => warn!(error = %e, "could not read whether the run was recalled"),
         }
     }
     let interrupted = matches!(result, Ok(false));
@@ -383,6 +425,24 @@ pub async fn open_run(
         store.restart_generation(id).await?;
     }
     Ok((pool, record))
+}
+
+/// The newest unfinished run (not done, not recalled) into `g`'s pool of
+/// the same pattern, count, check symbol and expiry: what `codepool
+/// generate` without `--run-id` takes up, as an import takes up the
+/// unfinished run of its file, instead of making a second full run.
+pub async fn unfinished_run(
+    store: &Store,
+    g: &Generation,
+) -> Result<Option<ImportRecord>, GenerateError> {
+    let pool = Pool::new(&g.pool)?;
+    let spec = g.spec();
+    let runs = store
+        .unfinished_generations(pool.as_str(), &spec.pattern)
+        .await?;
+    Ok(runs
+        .into_iter()
+        .find(|r| r.generation.as_ref() == Some(&spec) && r.recalled_at.is_none()))
 }
 
 /// The drawing of one run.
@@ -561,20 +621,32 @@ impl Draws<'_> {
     }
 }
 
-/// Inserts the codes of `batch` no other pool holds; returns how many
-/// landed. The rest is drawn again by a later batch.
+/// Claims the codes of `batch` for `pool` and inserts those no other
+/// pool holds (a look-alike of another pool's code included); returns
+/// how many landed. The rest is drawn again by a later batch.
 async fn try_place(
     store: &Store,
     pool: &str,
     id: ObjectId,
     batch: &[NewCode],
 ) -> Result<u64, StoreError> {
-    let elsewhere = store.codes_in_other_pools(pool, batch).await?;
-    let fresh: Vec<NewCode> = (batch.iter().zip(elsewhere))
+    let elsewhere = store
+        .claim_codes(pool, id, batch, CrossPool::Strict)
+        .await?;
+    let mut fresh: Vec<NewCode> = (batch.iter().zip(&elsewhere))
         .filter(|(_, other)| other.is_none())
         .map(|(c, _)| c.clone())
         .collect();
-    Ok(store.insert_codes(pool, id, &fresh).await?.inserted)
+    if !store.claims_complete().await? {
+        // Codes stored before claims have none yet: their exact copies
+        // are found by value.
+        let old = store.codes_in_other_pools(pool, &fresh).await?;
+        fresh = (fresh.into_iter().zip(old))
+            .filter(|(_, other)| other.is_none())
+            .map(|(c, _)| c)
+            .collect();
+    }
+    Ok(store.insert_claimed(pool, id, &fresh).await?.inserted)
 }
 
 /// `e`, once every insert still in flight has landed or failed: a run

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use codepool_domain::Pool;
+use codepool_store::claims::{CrossPool, HeldElsewhere};
 use codepool_store::codes::LookAlike;
 use codepool_store::imports::{ImportRecord, RunState};
 use codepool_store::{NewCode, ObjectId, Store, StoreError};
@@ -248,6 +249,10 @@ async fn import_rows<R: std::io::Read + Send + 'static>(
 
     let mut run = Run::new(store, pool.as_str(), record.id, options, total_bytes);
     run.lookup = earlier.is_some();
+    run.claims_complete = store.claims_complete().await?;
+    if !run.claims_complete {
+        warn!("codes stored before cross-pool claims have none yet; exact copies are looked up in other pools, look-alikes are not. Run `codepool migrate` to claim them");
+    }
     // A new record: nobody else holds it. Held while the run inserts, so a
     // recall waits for it ([`Store::take_run`]).
     if let Err(e) = store.take_run(record.id, &run.owner, LEASE).await {
@@ -354,6 +359,10 @@ struct Run<'a> {
     other_pools: std::collections::BTreeSet<String>,
     /// The pool document exists (created once the first code landed).
     pool_ready: bool,
+    /// Every stored code has its cross-pool claim ([`Store::claims_complete`]);
+    /// until `codepool migrate` ran the backfill, exact copies are also
+    /// looked up in other pools, as before claims.
+    claims_complete: bool,
     /// The pool's `check_symbols` promise is withdrawn for this run's codes.
     checks_cleared: bool,
     /// The pool's `pool.exhausted` latch was re-armed for this run's codes.
@@ -394,6 +403,7 @@ impl<'a> Run<'a> {
             failure: None,
             other_pools: Default::default(),
             pool_ready: false,
+            claims_complete: true,
             checks_cleared: false,
             rearmed: false,
             saved: Instant::now(),
@@ -456,6 +466,7 @@ impl<'a> Run<'a> {
                     let mode = Mode {
                         lookup: self.lookup,
                         cross_pool: self.options.allow_cross_pool,
+                        claims_complete: self.claims_complete,
                     };
                     self.inflight
                         .spawn(async move { insert_batch(&store, &pool, id, batch, mode).await });
@@ -681,42 +692,64 @@ struct Mode {
     lookup: bool,
     /// Codes other pools hold are imported too (`--allow-cross-pool`).
     cross_pool: bool,
+    /// See [`Run::claims_complete`].
+    claims_complete: bool,
 }
 
-/// Splits a batch into the codes no other pool holds and the refused rows
-/// of those another pool does (with the pools' names): one lookup on the
-/// `code_any_hmac` index, retried while MongoDB is away.
+/// Claims a batch's codes for `pool` ([`Store::claim_codes`]) and splits
+/// it into the codes the pool now holds and the refused rows of those
+/// another pool holds, as codepool compares codes (a look-alike of its
+/// code included), with the pools' names; retried while MongoDB is away.
+/// With `--allow-cross-pool` nothing is refused (the claims record both
+/// pools, for `codepool lookalikes`).
 async fn refuse_cross_pool(
     store: &Store,
     pool: &str,
+    import_id: ObjectId,
     batch: Vec<NewCode>,
+    mode: Mode,
 ) -> Result<(Vec<NewCode>, Vec<InvalidRow>, Vec<String>), StoreError> {
+    let how = match mode.cross_pool {
+        true => CrossPool::Allow,
+        false => CrossPool::Refuse,
+    };
     let mut attempt = 0;
-    let elsewhere = loop {
-        match store.codes_in_other_pools(pool, &batch).await {
+    let mut elsewhere = loop {
+        let found = match store.claim_codes(pool, import_id, &batch, how).await {
+            Ok(found) if mode.cross_pool || mode.claims_complete => Ok(found),
+            // Codes stored before claims have none yet: their exact copies
+            // are found by value.
+            Ok(found) => store.codes_in_other_pools(pool, &batch).await.map(|old| {
+                (found.into_iter().zip(old))
+                    .map(|(c, o)| c.or(o.map(|(pool, run)| HeldElsewhere { pool, run })))
+                    .collect::<Vec<_>>()
+            }),
+            Err(e) => Err(e),
+        };
+        match found {
             Ok(found) => break found,
             Err(e) if e.is_unavailable() && attempt < INSERT_RETRIES => {
                 attempt += 1;
-                warn!(error = %e, attempt, "cross-pool lookup failed; retrying");
+                warn!(error = %e, attempt, "cross-pool claim failed; retrying");
                 tokio::time::sleep(INSERT_BACKOFF * 2u32.pow(attempt)).await;
             }
             Err(e) => return Err(e),
         }
     };
+    elsewhere.resize(batch.len(), None);
     let (mut kept, mut refused, mut pools) = (Vec::new(), Vec::new(), Vec::new());
     for (code, other) in batch.into_iter().zip(elsewhere) {
-        let Some((other, import)) = other else {
+        let Some(HeldElsewhere { pool: other, run }) = other else {
             kept.push(code);
             continue;
         };
-        let from = import
-            .map(|id| format!(" (import {id})"))
-            .unwrap_or_default();
+        let from = run.map(|id| format!(" (run {id})")).unwrap_or_default();
         refused.push(InvalidRow {
             line: code.line.unwrap_or(0),
             reason: format!(
-                "cross_pool: the code sits in pool {other:?} already{from}; a code sits in one pool. \
-                 Pass --allow-cross-pool if it is meant for both"
+                "cross_pool: pool {other:?} holds this code already{from}, or one that reads the same \
+                 (equal under Unicode NFKC and case folding, and O/0, I/L/1 where either pool folds them); \
+                 a code sits in one pool. Pass --allow-cross-pool if it is meant for both"
             ),
         });
         pools.push(other);
@@ -755,11 +788,8 @@ async fn insert_batch(
     batch: Vec<NewCode>,
     mode: Mode,
 ) -> Result<Inserted, StoreError> {
-    let (batch, cross_pool, other_pools) = if mode.cross_pool {
-        (batch, Vec::new(), Vec::new())
-    } else {
-        refuse_cross_pool(store, pool, batch).await?
-    };
+    let (batch, cross_pool, other_pools) =
+        refuse_cross_pool(store, pool, import_id, batch, mode).await?;
     let mut attempt = 0;
     loop {
         let result = if mode.lookup {
@@ -769,7 +799,7 @@ async fn insert_batch(
                 .map(|(o, found)| (o, Some(found)))
         } else {
             store
-                .insert_codes(pool, import_id, &batch)
+                .insert_claimed(pool, import_id, &batch)
                 .await
                 .map(|o| (o, None))
         };

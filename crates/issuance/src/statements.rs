@@ -127,6 +127,42 @@ pub async fn statement_key(store: &Store, pool: &str) -> Result<String, Statemen
     Ok(hex::encode(store.statement_key(pool)?))
 }
 
+/// A row's check in words, as the table and the console show it: `ties
+/// out` only for a finished run (or the total of finished runs); a run
+/// that did not finish says so with its state (`killed: not finished`),
+/// since its row counts the codes it put in, not its delivery; a row that
+/// does not tie out says by how much.
+pub fn check_words(r: &StatementRow) -> String {
+    let state = r.run.as_deref().unwrap_or("unfinished runs");
+    match (r.off_by, r.finished) {
+        (0, true) => "ties out".to_owned(),
+        (0, false) if r.source == "total" => "ties out; some runs not finished".to_owned(),
+        (0, false) => format!("{state}: not finished"),
+        (n, true) => format!("off by {n}"),
+        (n, false) => format!("off by {n}; {state}: not finished"),
+    }
+}
+
+/// The rows of runs that did not finish, in words, with what finishes
+/// each.
+pub fn unfinished(s: &Statement) -> Vec<String> {
+    (s.rows.iter())
+        .filter(|r| !r.finished)
+        .map(|r| {
+            let id = r.import.as_deref().unwrap_or("-");
+            let how = match r.source.as_str() {
+                "generated" => format!("`codepool generate --run-id {id}` with its pool, pattern and count"),
+                _ => "the same import of the same file into the same pool".to_owned(),
+            };
+            format!(
+                "run {id} is {}: it never finished, and its row counts the {} code(s) it put in; {how} finishes it",
+                r.run.as_deref().unwrap_or("unfinished"),
+                r.received
+            )
+        })
+        .collect()
+}
+
 /// The CSV header of a statement's rows.
 pub const CSV_HEADER: [&str; 25] = [
     "import",

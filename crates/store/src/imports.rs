@@ -103,6 +103,17 @@ const OPTIONAL_FIELDS: &[&str] = &[
 ];
 
 impl ImportRecord {
+    /// The run's state as a person reads it: its status, but `killed` for
+    /// a run that says `running` while no process holds it (its process
+    /// was killed, or stalled past its lease): it never finished, and
+    /// nothing is making it. The same command again finishes it.
+    pub fn state(&self) -> String {
+        if self.status == RunState::Running && !self.being_made() {
+            return KILLED.to_owned();
+        }
+        self.status.to_string()
+    }
+
     /// A process is making this run's codes now (it holds a live lease).
     pub fn being_made(&self) -> bool {
         self.status == RunState::Running && self.lease_until.is_some_and(|t| t > DateTime::now())
@@ -111,6 +122,9 @@ impl ImportRecord {
 
 /// The `source` of a generation run's record.
 pub const SOURCE_GENERATED: &str = "generated";
+
+/// [`ImportRecord::state`] of a run whose process died before it ended.
+pub const KILLED: &str = "killed";
 
 /// What a generation run makes: `count` codes of `pattern`. Saved with the
 /// run, so that running the same id again makes the rest of the same codes.
@@ -284,6 +298,30 @@ impl Store {
             .sort(doc! {"started_at": -1})
             .await?;
         Ok(newest.filter(|r| r.status != RunState::Done))
+    }
+
+    /// The generation runs of `pattern` into `pool` that did not finish
+    /// (failed, interrupted, or `running` because their process was
+    /// killed or is still making them), newest first, by the `(pool,
+    /// started_at)` index.
+    pub async fn unfinished_generations(
+        &self,
+        pool: &str,
+        pattern: &str,
+    ) -> Result<Vec<ImportRecord>, StoreError> {
+        Ok(self
+            .typed::<ImportRecord>(IMPORTS)
+            .find(doc! {
+                "pool": pool,
+                "source": SOURCE_GENERATED,
+                "generation.pattern": pattern,
+                "status": {"$ne": RunState::Done.as_str()},
+            })
+            .sort(doc! {"started_at": -1})
+            .limit(100)
+            .await?
+            .try_collect()
+            .await?)
     }
 
     /// The most recent runs, newest first.

@@ -107,6 +107,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0024_sms_owed",
         include_str!("../../../migrations/0024_sms_owed.json"),
     ),
+    (
+        "0025_code_claims",
+        include_str!("../../../migrations/0025_code_claims.json"),
+    ),
 ];
 
 /// What a migration run did.
@@ -140,7 +144,10 @@ pub async fn schema_state(store: &Store) -> Result<SchemaState, StoreError> {
     // Records of data steps this binary runs itself (not files of
     // migrations/), such as the look-alike backfill, are known too.
     let known: Vec<&str> = (steps.iter().copied())
-        .chain([crate::lookalikes::BACKFILL_DONE])
+        .chain([
+            crate::lookalikes::BACKFILL_DONE,
+            crate::claims::CLAIMS_BACKFILL,
+        ])
         .collect();
     Ok(SchemaState {
         pending: (steps.iter())
@@ -200,6 +207,7 @@ pub async fn migrate(store: &Store) -> Result<MigrationReport, StoreError> {
         info!(migration = name, "applied migration");
         report.applied.push((*name).to_owned());
     }
+    store.settle_claims_backfill().await?;
     Ok(report)
 }
 

@@ -106,8 +106,15 @@ pub struct StatementRow {
     /// The file's name (a generation run's pattern).
     pub file: Option<String>,
     pub started_at: Option<chrono::DateTime<chrono::Utc>>,
-    /// The run's state: `done`, `running`, `failed`, ….
+    /// The run's state: `done`, `running` (a process is making it now),
+    /// `killed` (it says running, but no process holds it: it never
+    /// finished), `interrupted`, `failed`.
     pub run: Option<String>,
+    /// The run finished (`done`), so its row is its whole delivery; false
+    /// for a run that is running, was killed, interrupted or failed: its
+    /// row ties out over the codes it put in, not over its file or count.
+    /// The total's is true when every row's is.
+    pub finished: bool,
     /// Rows of the file refused as duplicates by the run.
     pub duplicates: u64,
     /// Codes of the run in the pool by the period's end.
@@ -589,7 +596,8 @@ fn row_of(d: &Document, run: Option<&ImportRecord>, to: DateTime) -> StatementRo
             None => r.file.clone(),
         }),
         started_at: run.map(|r| r.started_at.to_chrono()),
-        run: run.map(|r| r.status.to_string()),
+        run: run.map(|r| r.state()),
+        finished: run.is_none_or(|r| r.status == crate::imports::RunState::Done),
         duplicates: run.map_or(0, |r| r.duplicates),
         received: n(d, "received"),
         recorded: finished.map(|r| r.inserted),
@@ -620,6 +628,7 @@ fn sum(pool: &str, rows: &[StatementRow]) -> StatementRow {
         file: Some(format!("pool {pool}")),
         started_at: None,
         run: None,
+        finished: rows.iter().all(|r| r.finished),
         duplicates: 0,
         received: 0,
         recorded: None,

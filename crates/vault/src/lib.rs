@@ -219,6 +219,20 @@ impl Keyring {
         mac.finalize().into_bytes().into()
     }
 
+    /// HMAC-SHA-256 of `"cross" ‖ 0x00 ‖ key`, where `key` is a code's
+    /// look-alike key under a rule that is the same in every pool
+    /// (`codepool_domain::cross_pool_keys`): what the registry of which pool
+    /// holds a code (`code_claims`) is keyed by. Tagged apart from every
+    /// other HMAC here, and the same in every pool, so a code offered to a
+    /// second pool meets the first pool's claim.
+    pub fn cross_hmac(&self, key: &str) -> [u8; 32] {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.hmac.as_ref())
+            .expect("HMAC accepts any key length");
+        mac.update(b"cross\0");
+        mac.update(key.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
     /// The statement key of `pool`: HMAC-SHA-256 of `0xFF ‖ "statement" ‖
     /// 0x00 ‖ pool` under the HMAC key. An operator gives it to the partner
     /// that supplies the pool, who then matches a statement's lines

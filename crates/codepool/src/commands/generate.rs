@@ -36,8 +36,13 @@ guessed by someone who tries many.
 
 A code that collides with one of any pool (or a look-alike of one) is drawn
 again. The run is an import with its own id: `codepool void --import ID`
-recalls it. Run the same command with the same --run-id after a failure or a
-kill: it counts the codes the run made and makes only the rest.
+recalls it. Its id is printed before any code is made (on stderr, and with
+--json as the first line on stdout, with its run_id and status running; the
+summary is the last line). Run the same command again after a failure or a
+kill: it takes up the unfinished run of the same pool, pattern, count, check
+symbol and expiry (as an import takes up its file's), counts the codes the
+run made and makes only the rest. --run-id names the run to make or finish;
+--new-run makes a second run of the same codes' pattern and count instead.
 
 Exit codes: 0 the run holds its count; 1 failure (run it again with the same
 --run-id); 2 usage error or a refused pattern (nothing written); 130/143
@@ -58,9 +63,14 @@ pub struct GenerateArgs {
     /// When the codes expire (RFC 3339).
     #[arg(long, value_parser = parse_time)]
     pub expires_at: Option<DateTime<Utc>>,
-    /// The run to make or finish (24 hexadecimal digits); a new one when absent.
+    /// The run to make or finish (24 hexadecimal digits); when absent, the
+    /// unfinished run of the same pool, pattern and count, else a new one.
     #[arg(long, value_parser = parse_run_id)]
     pub run_id: Option<ObjectId>,
+    /// A new run even when an unfinished run of the same pool, pattern and
+    /// count exists (that run stays unfinished).
+    #[arg(long, conflicts_with = "run_id")]
+    pub new_run: bool,
     /// Codes per insert (1 to 100000).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub batch_size: u32,
@@ -109,16 +119,48 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
         chrono_tz::UTC,
     )?;
     let interrupt = Interrupt::on_signals();
-    let generation = Generation {
+    let mut generation = Generation {
         pool: args.pool.clone(),
         count: args.count,
         pattern,
         expires_at: args.expires_at,
-        run_id: Some(args.run_id.unwrap_or_default()),
+        run_id: args.run_id,
     };
-    if !args.json {
-        let id = generation.run_id.unwrap_or_default();
-        eprintln!("generation run {id} (run the same command with --run-id {id} to finish it if it stops)");
+    let mut resumed = None;
+    if generation.run_id.is_none() && !args.new_run {
+        if let Some(r) = codepool_importer::generate::unfinished_run(&store, &generation).await? {
+            if r.being_made() {
+                eprintln!(
+                    "error: run {} of the same pool, pattern and count is being made by another process now; \
+                     wait for it to end, or pass --new-run for a second run",
+                    r.id
+                );
+                return Ok(crate::exit::FAILURE);
+            }
+            eprintln!(
+                "taking up run {} of the same pool, pattern and count, which did not finish ({}, {} of {} codes recorded); pass --new-run for a second run instead",
+                r.id, r.status, r.inserted, args.count
+            );
+            resumed = Some(r.id);
+        }
+    }
+    let id = resumed.unwrap_or_else(|| generation.run_id.unwrap_or_default());
+    generation.run_id = Some(id);
+    // The record first, so that the id printed next names a run even if
+    // this process dies before its first code.
+    codepool_importer::generate::open_run(&store, &generation).await?;
+    if args.json {
+        let first = serde_json::json!({
+            "run_id": id.to_hex(),
+            "pool": generation.pool,
+            "status": RunState::Running,
+            "resumed": resumed.is_some(),
+        });
+        say_json!(first.to_string());
+        use std::io::Write;
+        std::io::stdout().flush()?;
+    } else {
+        eprintln!("generation run {id} (run the same command to finish it if it stops)");
     }
     let options = GenerateOptions {
         batch_size: args.batch_size as usize,
@@ -140,7 +182,7 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
     codepool_issuance::generations::record(&store, &summary, &actor).await?;
     super::import::announce_replenished(cfg, &store, &summary.pool, summary.inserted_now).await;
     if args.json {
-        say_json!(serde_json::to_string_pretty(&summary)?);
+        say_json!(serde_json::to_string(&summary)?);
     } else {
         print_summary(&summary);
     }

@@ -18,7 +18,11 @@ run: claims never read the code, so none is skipped or issued twice.
 
 Codes imported before look-alike checks get their look-alike key, and any
 look-alike pairs a pool already holds (codes equal under Unicode NFKC and
-case folding) are listed. Neither code of a pair is voided.")]
+case folding) are listed. Neither code of a pair is voided.
+
+Codes stored before cross-pool claims are claimed for their pools (a code
+sits in one pool as codepool compares codes); the look-alike pairs found
+across pools are counted here and listed by `codepool lookalikes`.")]
 pub struct MigrateArgs {
     /// Plaintext codes encrypted per batch.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
@@ -47,7 +51,39 @@ pub async fn run(cfg: &Config, args: MigrateArgs) -> anyhow::Result<u8> {
         seal_plaintext(&store, plaintext, args.batch_size).await?;
     }
     key_lookalikes(&store, args.batch_size).await?;
+    claim_codes(&store, args.batch_size).await?;
     Ok(crate::exit::OK)
+}
+
+/// Claims every code stored before cross-pool claims for its pool
+/// (resumable: it goes on where an interrupted run stopped), and says how
+/// many look-alike pairs across pools it found; `codepool lookalikes`
+/// lists them.
+async fn claim_codes(store: &codepool_store::Store, batch_size: i64) -> anyhow::Result<()> {
+    if store.claims_complete().await? {
+        return Ok(());
+    }
+    store.keys().ring().map_err(|e| {
+        anyhow::anyhow!("codes stored before cross-pool claims need a key to be claimed: {e}")
+    })?;
+    let (mut after, mut read, mut shared) = (store.claims_backfill_after().await?, 0u64, 0u64);
+    loop {
+        let (n, pairs, next) = store.claims_backfill_batch(after, batch_size).await?;
+        if n == 0 {
+            break;
+        }
+        (read, shared, after) = (read + n, shared + pairs, next);
+        store.save_claims_backfill(after, false).await?;
+    }
+    store.save_claims_backfill(after, true).await?;
+    say!("claimed {read} code(s) stored before cross-pool claims for their pools");
+    if shared > 0 {
+        say!(
+            "{shared} of them read the same as a code of another pool (a code sits in one pool): \
+             `codepool lookalikes` lists the pairs, to void the code the partner did not mean"
+        );
+    }
+    Ok(())
 }
 
 /// Gives every code imported before look-alikes were refused its

@@ -32,6 +32,7 @@ pub mod export;
 pub mod generate;
 pub mod import;
 pub mod keys;
+pub mod lookalikes;
 pub mod lookup;
 pub mod migrate;
 pub mod operators;

@@ -105,6 +105,9 @@ pub async fn run(cfg: &Config, args: StatementArgs) -> anyhow::Result<u8> {
     } else {
         print_table(&s);
     }
+    for u in statements::unfinished(&s) {
+        eprintln!("warning: {u}");
+    }
     let off = s.discrepancies();
     for d in &off {
         eprintln!("error: {d}");
@@ -190,8 +193,8 @@ fn print_row(r: &StatementRow) {
         m.used,
         voids(&m.void),
         match r.off_by {
-            0 => "ties out".to_owned(),
-            n => format!("OFF BY {n}"),
+            0 => statements::check_words(r),
+            _ => statements::check_words(r).to_uppercase(),
         },
     );
 }

@@ -57,13 +57,14 @@ fn row(r: &StatementRow) -> Markup {
         tr class=[(off > 0).then_some("off")] {
             td { @if r.source == "total" { strong { "Total" } } @else {
                 (r.file.as_deref().unwrap_or("(no run recorded)")) br;
-                small { code { (r.import.as_deref().unwrap_or("-")) } " · " (r.source) } } }
+                small { code { (r.import.as_deref().unwrap_or("-")) } " · " (r.source)
+                    @if let Some(state) = r.run.as_deref() { " · " (state) } } } }
             td.num { (count(r.received)) } td.num { (count(r.duplicates)) }
             td.num { (count(b.in_stock)) } td.num { (count(b.held)) } td.num { (count(b.issued)) } td.num { (count(b.used)) }
             (voids(&b.void))
             td.num.moved { (count(m.received)) } td.num.moved { (count(m.issued)) } td.num.moved { (count(m.used)) }
             (voids(&m.void))
-            td { @if off == 0 { "ties out" } @else { strong { "off by " (count(off)) } } }
+            td { @if off == 0 { (statements::check_words(r)) } @else { strong { (statements::check_words(r)) } } }
         }
     }
 }
@@ -100,6 +101,7 @@ pub async fn show(
             .into_response());
     }
     let off = st.discrepancies();
+    let unfinished = statements::unfinished(&st);
     let base = format!("/console/pools/{}/statement", url_part(&pool));
     let day =
         |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.format("%Y-%m-%d").to_string());
@@ -119,6 +121,12 @@ pub async fn show(
             div.alert role="alert" {
                 p { strong { (off.len()) " row(s) do not tie out." } " This is a bug: keep this page and report it." }
                 ul { @for d in &off { li { (d) } } }
+            }
+        }
+        @if !unfinished.is_empty() {
+            div.unfinished role="status" {
+                p { span.badge { "not finished" } " " strong { (unfinished.len()) " run(s) did not finish." } " Their rows count the codes they put in, not their whole delivery." }
+                ul { @for u in &unfinished { li { (u) } } }
             }
         }
         div.table-wrap { table.statement {

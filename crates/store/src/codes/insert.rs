@@ -94,8 +94,25 @@ impl Store {
     /// twice: the unique index is on `(pool, code_hmac)`. Each code is stored
     /// sealed under the active key ([`crate::crypto`]), never in plaintext.
     /// `batch_id` ties the codes to their import run, which makes a retried
-    /// batch count exactly.
+    /// batch count exactly. Each code's claim is recorded first
+    /// ([`crate::claims`]), beside any other pool's: an import or a
+    /// generation run claims with [`Store::claim_codes`] instead, refusing
+    /// the codes another pool holds, then calls [`Store::insert_claimed`].
     pub async fn insert_codes(
+        &self,
+        pool: &str,
+        batch_id: ObjectId,
+        codes: &[NewCode],
+    ) -> Result<InsertOutcome, StoreError> {
+        use crate::claims::CrossPool;
+        self.claim_codes(pool, batch_id, codes, CrossPool::Allow)
+            .await?;
+        self.insert_claimed(pool, batch_id, codes).await
+    }
+
+    /// [`Store::insert_codes`] of codes [`Store::claim_codes`] claimed
+    /// for `pool` already.
+    pub async fn insert_claimed(
         &self,
         pool: &str,
         batch_id: ObjectId,
@@ -213,7 +230,7 @@ impl Store {
         Ok(out)
     }
 
-    /// [`Store::insert_codes`] of the codes not in `pool` yet, found with
+    /// [`Store::insert_claimed`] of the codes not in `pool` yet, found with
     /// one indexed lookup first. For finishing an import that was killed:
     /// most of its codes are in already, and a rejected insert costs far
     /// more per code than the lookup. Also returns how many the lookup
@@ -247,7 +264,7 @@ impl Store {
             .map(|(c, _)| c.clone())
             .collect();
         let skipped = (codes.len() - missing.len()) as u64;
-        let mut outcome = self.insert_codes(pool, batch_id, &missing).await?;
+        let mut outcome = self.insert_claimed(pool, batch_id, &missing).await?;
         outcome.duplicates += skipped;
         Ok((outcome, skipped))
     }
