@@ -336,3 +336,343 @@ async fn channels_are_added_mapped_paused_and_removed_each_audited_and_keep_no_s
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn eneba_reserves_all_or_nothing_provides_the_same_keys_and_cancels_by_policy() {
+    let env = selling("channels_eneba", "gx", 40, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // Bad input: a wrong token, an unknown channel, a malformed body, an
+    // unknown auction. Each gets Eneba's shape and changes nothing.
+    let (status, _, body) = eneba(&api, "wrong-token", reserve("o-0", 1)).await;
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["action"], "RESERVE");
+    assert_eq!(success(&body), false);
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/channels/nope/eneba",
+        Some(ENEBA_TOKEN),
+        reserve("o-0", 1).to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/channels/en/eneba",
+        Some(ENEBA_TOKEN),
+        b"{\"action\":\"RESERVE\",\"orderId\":\"o-0\"",
+    )
+    .await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(success(&body), false);
+    let (status, _, body) = eneba(&api, ENEBA_TOKEN, json!({"action": "RESERVE", "orderId": "o-0", "auctions": [{"auctionId": "unknown-auction", "keyCount": 1}]})).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        json_of(&body),
+        json!({"action": "RESERVE", "orderId": "o-0", "success": false, "message": json_of(&body)["message"]})
+    );
+    // More than the pool can give to one order: all or nothing.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-big", 41)).await;
+    assert_eq!(success(&body), false);
+    assert_eq!(held(&env, "gx").await, 0, "bad input held nothing");
+    assert_eq!(count_docs(&env, "channel_deals", doc! {}).await, 0);
+
+    // RESERVE, delivered twice: one hold of 2.
+    for _ in 0..2 {
+        let (status, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-1", 2)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(
+            json_of(&body),
+            json!({"action": "RESERVE", "orderId": "o-1", "success": true})
+        );
+    }
+    assert_eq!(held(&env, "gx").await, 2);
+
+    // PROVIDE, delivered twice: the same bytes, the order's codes.
+    let (status, _, first) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    assert_eq!(success(&first), true);
+    let (_, _, again) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(
+        first, again,
+        "a retried PROVIDE answers byte for byte the same"
+    );
+    let mut keys = keys_of(&first);
+    keys.sort();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(codes_of(&env, "eneba:en:o-1").await, keys);
+    assert_eq!(held(&env, "gx").await, 0, "the hold became the order");
+    assert_eq!(json_of(&first)["auctions"][0]["keys"][0]["type"], "TEXT");
+
+    // CANCEL after PROVIDE (burn, the default): 200, the keys are void,
+    // and the order provides nothing again.
+    for _ in 0..2 {
+        let (status, _, body) = eneba(&api, ENEBA_TOKEN, cancel("o-1")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:o-1", "status": 3}).await,
+        2,
+        "burned"
+    );
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(success(&body), false);
+
+    // CANCEL before PROVIDE: the hold goes back; a later PROVIDE gets
+    // nothing, and no code went to the order.
+    eneba(&api, ENEBA_TOKEN, reserve("o-2", 2)).await;
+    assert_eq!(held(&env, "gx").await, 2);
+    let (status, _, _) = eneba(&api, ENEBA_TOKEN, cancel("o-2")).await;
+    assert_eq!(status, 200);
+    assert_eq!(held(&env, "gx").await, 0);
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-2")).await;
+    assert_eq!(success(&body), false);
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-2", 2)).await;
+    assert_eq!(
+        success(&body),
+        false,
+        "a cancelled order reserves nothing again"
+    );
+    assert!(codes_of(&env, "eneba:en:o-2").await.is_empty());
+    // An unknown order: nothing to provide, nothing to cancel.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-never")).await;
+    assert_eq!(success(&body), false);
+    let (status, _, _) = eneba(&api, ENEBA_TOKEN, cancel("o-never")).await;
+    assert_eq!(status, 200);
+
+    // A paused channel reserves nothing new.
+    codepool_ok(&env, &["channels", "pause", "--name", "en"]).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-3", 1)).await;
+    assert_eq!(success(&body), false);
+    assert_eq!(held(&env, "gx").await, 0);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_eneba_reservation_outlives_the_hour_after_which_a_checkout_holds_codes_are_strays() {
+    let env = selling("channels_long_hold", "gx", 20, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("l-1", 2)).await;
+    assert_eq!(success(&body), true);
+    // Two hours pass (Eneba's payment window is 48): the codes have been
+    // held longer than any checkout hold lives.
+    let ago =
+        bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 2 * 3600 * 1000);
+    env.coll("codes")
+        .update_many(
+            doc! {"pool": "gx", "status": 4},
+            doc! {"$set": {"issued_at": ago}},
+        )
+        .await
+        .unwrap();
+    // The sweep (every 5 s) runs at least twice.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        held(&env, "gx").await,
+        2,
+        "a live reservation's codes are no strays"
+    );
+    let held_ids: Vec<bson::Bson> = find_docs(&env, "codes", doc! {"pool": "gx", "status": 4})
+        .await
+        .iter()
+        .map(|d| d.get("_id").unwrap().clone())
+        .collect();
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("l-1")).await;
+    assert_eq!(success(&body), true);
+    let given: Vec<bson::Bson> = find_docs(&env, "codes", doc! {"order_id": "eneba:en:l-1"})
+        .await
+        .iter()
+        .map(|d| d.get("_id").unwrap().clone())
+        .collect();
+    assert_eq!(given.len(), 2);
+    assert!(
+        given.iter().all(|g| held_ids.contains(g)),
+        "the held codes were provided"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn eneba_resell_policy_keeps_provided_keys_sold_and_answers_500() {
+    let env = selling(
+        "channels_resell",
+        "gx",
+        20,
+        &["--after-provide", "resell"],
+        &[],
+    )
+    .await;
+    let api = ApiServer::start(&env, &[]).await;
+    eneba(&api, ENEBA_TOKEN, reserve("r-1", 1)).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("r-1")).await;
+    let keys = keys_of(&body);
+    assert_eq!(keys.len(), 1);
+    let (status, _, body) = eneba(&api, ENEBA_TOKEN, cancel("r-1")).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["action"], "CANCEL");
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:r-1", "status": 1}).await,
+        1,
+        "the key stays sold: Eneba resells it from its own stock"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn eneba_faults_timeouts_duplicates_and_cancel_racing_provide_leak_nothing() {
+    let env = selling("channels_eneba_faults", "gx", 60, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // A client timeout while codepool commits: Eneba gives up on the first
+    // PROVIDE (the connection drops before the answer) and retries; the
+    // retry gets the keys the first committed.
+    for i in 0..5 {
+        let order = format!("t-{i}");
+        eneba(&api, ENEBA_TOKEN, reserve(&order, 2)).await;
+        let addr = api.addr.clone();
+        let body = provide(&order).to_string();
+        let cut = tokio::spawn(async move {
+            http(
+                &addr,
+                "POST",
+                "/channels/en/eneba",
+                Some(ENEBA_TOKEN),
+                body.as_bytes(),
+            )
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(5 * i)).await;
+        cut.abort();
+        let _ = cut.await;
+        let (status, _, retry) = eneba(&api, ENEBA_TOKEN, provide(&order)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&retry));
+        let mut keys = keys_of(&retry);
+        keys.sort();
+        assert_eq!(keys.len(), 2, "{}", String::from_utf8_lossy(&retry));
+        assert_eq!(codes_of(&env, &format!("eneba:en:{order}")).await, keys);
+        let (_, _, third) = eneba(&api, ENEBA_TOKEN, provide(&order)).await;
+        assert_eq!(retry, third);
+    }
+
+    // Every callback delivered twice at once, and CANCEL racing PROVIDE.
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let addr = api.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let order = format!("d-{i}");
+            let send = |body: Value| {
+                let addr = addr.clone();
+                async move {
+                    http(
+                        &addr,
+                        "POST",
+                        "/channels/en/eneba",
+                        Some(ENEBA_TOKEN),
+                        body.to_string().as_bytes(),
+                    )
+                    .await
+                }
+            };
+            let (a, b) = tokio::join!(send(reserve(&order, 1)), send(reserve(&order, 1)));
+            assert_eq!(success(&a.2), success(&b.2));
+            let racing = i % 2 == 0;
+            let (p1, p2, c) = tokio::join!(send(provide(&order)), send(provide(&order)), async {
+                if racing {
+                    Some(send(cancel(&order)).await)
+                } else {
+                    None
+                }
+            });
+            if let Some(c) = &c {
+                assert_eq!(c.0, 200, "{}", String::from_utf8_lossy(&c.2));
+            }
+            (order, racing, p1, p2)
+        }));
+    }
+    let mut seen: HashMap<String, String> = HashMap::new();
+    for t in tasks {
+        let (order, racing, p1, p2) = t.await.unwrap();
+        let codes = codes_of(&env, &format!("eneba:en:{order}")).await;
+        for p in [&p1, &p2] {
+            if success(&p.2) == true {
+                let mut keys = keys_of(&p.2);
+                keys.sort();
+                assert_eq!(keys, codes, "{order}: the keys given are the order's");
+            }
+        }
+        if success(&p1.2) == true && success(&p2.2) == true {
+            assert_eq!(p1.2, p2.2, "{order}: both deliveries got the same keys");
+        }
+        if racing {
+            // Either the keys were provided, then burned, or the hold went back.
+            let live = count_codes(
+                &env,
+                doc! {"order_id": format!("eneba:en:{order}"), "status": 1},
+            )
+            .await;
+            assert_eq!(live, 0, "{order}: a cancelled order keeps no live key");
+        } else {
+            assert_eq!(codes.len(), 1, "{order}");
+        }
+        for c in codes {
+            assert!(
+                seen.insert(c.clone(), order.clone()).is_none(),
+                "{c} went to two orders"
+            );
+        }
+    }
+    assert_eq!(held(&env, "gx").await, 0, "no hold leaks");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A G2A access token for channel `g2`.
+async fn g2a_token(api: &ApiServer) -> String {
+    let path = format!("/channels/g2/g2a/oauth/token?grant_type=client_credentials&client_id={G2A_ID}&client_secret={G2A_SECRET}");
+    let (status, _, body) = http(&api.addr, "GET", &path, None, b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    assert_eq!(v["token_type"], "bearer");
+    assert!(v["expires_in"].as_u64().is_some());
+    v["access_token"].as_str().unwrap().to_owned()
+}
+
+async fn g2a(api: &ApiServer, method: &str, path: &str, token: &str, body: Value) -> Exchange {
+    let body = if body.is_null() {
+        Vec::new()
+    } else {
+        body.to_string().into_bytes()
+    };
+    http(
+        &api.addr,
+        method,
+        &format!("/channels/g2{path}"),
+        Some(token),
+        &body,
+    )
+    .await
+}
+
+fn reservation(quantity: u32) -> Value {
+    json!([{"product_id": PRODUCT.parse::<u64>().unwrap(), "quantity": quantity,
+            "additional_data": {"unit_price": "5.98", "auction_base_price": "15.98"}}])
+}
+
+/// The inventory ids and values of an order answer's (or inventory's) stock.
+fn inventory_of(stock: &Value) -> Vec<(String, String)> {
+    (stock.as_array().into_iter().flatten())
+        .flat_map(|s| s["inventory"].as_array().cloned().unwrap_or_default())
+        .map(|i| {
+            assert_eq!(i["kind"], "text");
+            (
+                i["id"].as_str().unwrap().to_owned(),
+                i["value"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
