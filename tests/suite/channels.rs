@@ -676,3 +676,242 @@ fn inventory_of(stock: &Value) -> Vec<(String, String)> {
         .collect()
 }
 
+#[tokio::test]
+async fn g2a_tokens_reservations_orders_inventory_and_returns_follow_the_contract() {
+    let env = selling("channels_g2a", "gx", 40, &[], &["--token-ttl", "5"]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, _) = http(&api.addr, "GET", "/channels/g2/g2a/healthcheck", None, b"").await;
+    assert_eq!(status, 204);
+
+    // Wrong client credentials, no token, a forged token: 401, nothing held.
+    let bad = format!("/channels/g2/g2a/oauth/token?grant_type=client_credentials&client_id={G2A_ID}&client_secret=wrong");
+    let (status, _, body) = http(&api.addr, "GET", &bad, None, b"").await;
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
+    assert!(json_of(&body)["code"].is_string());
+    let (status, _, _) = g2a(&api, "POST", "/g2a/reservation", "forged", reservation(1)).await;
+    assert_eq!(status, 401);
+    let token = g2a_token(&api).await;
+    // A malformed body, an unknown product: refused, nothing held.
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &token,
+        json!({"product_id": 1}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &token,
+        json!([{"product_id": 99, "quantity": 1}]),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(held(&env, "gx").await, 0);
+
+    let (status, _, body) = g2a(&api, "POST", "/g2a/reservation", &token, reservation(2)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    let rid = v["reservation_id"].as_str().unwrap().to_owned();
+    assert!(rid.len() <= 36);
+    assert_eq!(
+        v["stock"][0]["product_id"],
+        json!(PRODUCT.parse::<u64>().unwrap())
+    );
+    assert_eq!(v["stock"][0]["inventory_size"], 38);
+    assert_eq!(held(&env, "gx").await, 2);
+
+    // The token expires mid-run: 401, then a fresh one works.
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let order = json!({"reservation_id": rid, "g2a_order_id": 7001});
+    let (status, _, _) = g2a(&api, "POST", "/g2a/order", &token, order.clone()).await;
+    assert_eq!(status, 401, "an expired token");
+    assert_eq!(held(&env, "gx").await, 2, "nothing happened");
+    // From here on G2A fetches a token whenever its last one ran out, as
+    // its client does: a fresh one per call.
+    let (status, _, first) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        order.clone(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    let items = inventory_of(&json_of(&first)["stock"]);
+    assert_eq!(items.len(), 2);
+    // The same order again (G2A timed out): the same keys and ids.
+    let (status, _, again) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        order.clone(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(inventory_of(&json_of(&again)["stock"]), items);
+    // Another G2A order of the same reservation: 409, nothing more.
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        json!({"reservation_id": rid, "g2a_order_id": 7002}),
+    )
+    .await;
+    assert_eq!(status, 409);
+    let order_id = format!("g2a:g2:{rid}");
+    assert_eq!(codes_of(&env, &order_id).await.len(), 2);
+
+    // The inventory, read twice: the same ids.
+    let path = format!("/g2a/order/{rid}/inventory");
+    let (status, _, read1) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&read1));
+    let (_, _, read2) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(inventory_of(&json_of(&read1)), items);
+    assert_eq!(inventory_of(&json_of(&read2)), items);
+
+    // A return naming an item from the first read: voided (never back in
+    // stock). One naming an unknown item: 404, nothing changes.
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        &format!("{path}?id[]={}&id[]=nope", items[0].0),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": &order_id, "status": 3}).await,
+        0
+    );
+    let (status, _, body) = g2a(
+        &api,
+        "DELETE",
+        &format!("{path}?id[]={}", items[0].0),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 204, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": &order_id, "status": 3}).await,
+        1
+    );
+    let (_, _, read3) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(inventory_of(&json_of(&read3)), items[1..].to_vec());
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "gx", "status": 0}).await,
+        38,
+        "a returned key does not go back to stock"
+    );
+
+    // A reservation past its time: 410; renewed, it orders.
+    let (_, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &g2a_token(&api).await,
+        reservation(1),
+    )
+    .await;
+    let late = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    env.coll("holds")
+        .update_one(
+            doc! {"hold_id": format!("g2a:g2:{late}")},
+            doc! {"$set": {"expires_at": bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000)}},
+        )
+        .await
+        .unwrap();
+    let late_order = json!({"reservation_id": late, "g2a_order_id": 7003});
+    let (status, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        late_order.clone(),
+    )
+    .await;
+    assert_eq!(status, 410, "{}", String::from_utf8_lossy(&body));
+    assert!(codes_of(&env, &format!("g2a:g2:{late}")).await.is_empty());
+    eventually(
+        Duration::from_secs(20),
+        "the expired hold's code back in stock",
+        || async { held(&env, "gx").await == 0 },
+    )
+    .await;
+    let (status, _, body) = g2a(
+        &api,
+        "PUT",
+        &format!("/g2a/reservation/{late}"),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(held(&env, "gx").await, 1);
+    let (status, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        late_order,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(codes_of(&env, &format!("g2a:g2:{late}")).await.len(), 1);
+
+    // A released reservation: 204, back in stock, then 410 to order.
+    let (_, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &g2a_token(&api).await,
+        reservation(3),
+    )
+    .await;
+    let gone = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(held(&env, "gx").await, 3);
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        &format!("/g2a/reservation/{gone}"),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 204);
+    assert_eq!(held(&env, "gx").await, 0);
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        json!({"reservation_id": gone, "g2a_order_id": 7004}),
+    )
+    .await;
+    assert_eq!(status, 410);
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        "/g2a/reservation/unknown-id",
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}
+

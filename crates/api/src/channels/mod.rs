@@ -1,16 +1,17 @@
 //! `/channels/NAME/...`: the marketplaces' own protocols, one module per
-//! marketplace ([`eneba`]), each mapping its wire format to the
+//! marketplace ([`eneba`], [`g2a`]), each mapping its wire format to the
 //! core's channel operations (`codepool_issuance::channels`) and the
 //! core's errors back to the marketplace's own error shape. These routes
 //! take no API key: each marketplace authenticates as its contract says
-//! (Eneba's static bearer), checked by the core.
+//! (Eneba's static bearer, G2A's OAuth2 tokens), checked by the core.
 
 mod eneba;
+mod g2a;
 
 use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::post;
+use axum::routing::{delete, get, post};
 use axum::Router;
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
@@ -27,6 +28,22 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 pub(crate) fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route("/channels/{name}/eneba", post(eneba::callback))
+        .route("/channels/{name}/g2a/oauth/token", get(g2a::token))
+        .route("/channels/{name}/g2a/healthcheck", get(g2a::healthcheck))
+        .route("/channels/{name}/g2a/reservation", post(g2a::reserve))
+        .route(
+            "/channels/{name}/g2a/reservation/{rid}",
+            axum::routing::put(g2a::renew).delete(g2a::release),
+        )
+        .route("/channels/{name}/g2a/order", post(g2a::order))
+        .route(
+            "/channels/{name}/g2a/order/{rid}/inventory",
+            get(g2a::inventory).delete(g2a::returns),
+        )
+        .route(
+            "/channels/{name}/g2a/order/{rid}/inventory/{id}",
+            delete(g2a::returns_one),
+        )
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(api)
 }
