@@ -915,3 +915,142 @@ async fn g2a_tokens_reservations_orders_inventory_and_returns_follow_the_contrac
     env.cleanup().await;
 }
 
+#[tokio::test]
+async fn one_pool_sold_by_the_shop_eneba_and_g2a_at_once_sells_no_code_twice_and_leaks_no_hold() {
+    let env = selling("channels_mixed", "gx", 80, &[], &[]).await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let token = g2a_token(&api).await;
+    let addr = api.addr.clone();
+
+    let mut shop_orders = Vec::new();
+    for i in 0..20 {
+        let (addr, shop) = (addr.clone(), shop.clone());
+        shop_orders.push(tokio::spawn(async move {
+            let body = crate::api::order(&format!("S-{i}"), "gx", 1);
+            let (status, _, body) = http(&addr, "POST", "/v1/orders", Some(&shop), &body).await;
+            assert!(
+                status == 201 || status == 202,
+                "{status}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }));
+    }
+    let mut enebas = Vec::new();
+    for i in 0..16 {
+        let addr = addr.clone();
+        enebas.push(tokio::spawn(async move {
+            let order = format!("m-{i}");
+            let send = |body: Value| {
+                let addr = addr.clone();
+                async move {
+                    http(
+                        &addr,
+                        "POST",
+                        "/channels/en/eneba",
+                        Some(ENEBA_TOKEN),
+                        body.to_string().as_bytes(),
+                    )
+                    .await
+                }
+            };
+            let (r, _) = tokio::join!(send(reserve(&order, 1)), send(reserve(&order, 1)));
+            if success(&r.2) != true {
+                return (order, None);
+            }
+            match i % 4 {
+                // Abandoned: cancelled before provision.
+                0 => {
+                    send(cancel(&order)).await;
+                    (order, None)
+                }
+                // Provided, then cancelled (burned).
+                1 => {
+                    send(provide(&order)).await;
+                    send(cancel(&order)).await;
+                    (order, None)
+                }
+                _ => {
+                    let (a, b) = tokio::join!(send(provide(&order)), send(provide(&order)));
+                    assert_eq!(a.2, b.2, "{order}: a retried provision gets the same keys");
+                    (order, Some(keys_of(&a.2)))
+                }
+            }
+        }));
+    }
+    let mut g2as = Vec::new();
+    for i in 0..10u64 {
+        let (addr, token) = (addr.clone(), token.clone());
+        g2as.push(tokio::spawn(async move {
+            let call = |method: &'static str, path: String, body: Value| {
+                let (addr, token) = (addr.clone(), token.clone());
+                async move {
+                    let body = if body.is_null() {
+                        Vec::new()
+                    } else {
+                        body.to_string().into_bytes()
+                    };
+                    http(
+                        &addr,
+                        method,
+                        &format!("/channels/g2{path}"),
+                        Some(&token),
+                        &body,
+                    )
+                    .await
+                }
+            };
+            let (status, _, body) = call("POST", "/g2a/reservation".into(), reservation(1)).await;
+            if status != 200 {
+                return None;
+            }
+            let rid = json_of(&body)["reservation_id"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            if i % 3 == 0 {
+                call("DELETE", format!("/g2a/reservation/{rid}"), Value::Null).await;
+                return None;
+            }
+            let order = json!({"reservation_id": rid, "g2a_order_id": 9000 + i});
+            let (a, b) = tokio::join!(
+                call("POST", "/g2a/order".into(), order.clone()),
+                call("POST", "/g2a/order".into(), order)
+            );
+            assert_eq!(a.0, 200, "{}", String::from_utf8_lossy(&a.2));
+            let ka = inventory_of(&json_of(&a.2)["stock"]);
+            assert_eq!(
+                ka,
+                inventory_of(&json_of(&b.2)["stock"]),
+                "the same keys twice"
+            );
+            Some(ka.into_iter().map(|(_, v)| v).collect::<Vec<_>>())
+        }));
+    }
+    for t in shop_orders {
+        t.await.unwrap();
+    }
+    let mut given: Vec<String> = Vec::new();
+    for t in enebas {
+        if let (_, Some(keys)) = t.await.unwrap() {
+            given.extend(keys);
+        }
+    }
+    for t in g2as {
+        if let Some(keys) = t.await.unwrap() {
+            given.extend(keys);
+        }
+    }
+    for i in 0..20 {
+        given.extend(codes_of(&env, &format!("S-{i}")).await);
+    }
+    let distinct: HashSet<&String> = given.iter().collect();
+    assert_eq!(distinct.len(), given.len(), "no code sold twice");
+    assert_eq!(given.len(), 20 + 8 + 6, "every sale got its code");
+    assert_eq!(held(&env, "gx").await, 0, "no hold leaks after cancels");
+    // Every code issued belongs to one of the sales above, or was burned.
+    let issued = count_codes(&env, doc! {"pool": "gx", "status": 1}).await;
+    assert_eq!(issued as usize, given.len());
+    api.stop().await;
+    env.cleanup().await;
+}
