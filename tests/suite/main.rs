@@ -6,6 +6,7 @@
 mod api;
 mod api_load;
 mod broker_users;
+mod channels;
 mod checker;
 mod claims;
 mod cli_audit;

@@ -13,6 +13,7 @@
 //! carry too.
 
 mod batcher;
+mod channels;
 mod codes;
 mod dead_letters;
 mod generations;
@@ -57,6 +58,9 @@ pub use state::{Api, ApiConfig};
 /// The `/v1` routes, with their limits, request ids and keys; their time
 /// is bounded by the port they are served on ([`serve`]).
 pub fn router(api: Arc<Api>) -> Router {
+    // The marketplaces' own protocols: their own authentication and error
+    // shapes, so outside the `/v1` key check and problem bodies.
+    let api_for_channels = api.clone();
     let (v1, doc) = documented().split_for_parts();
     let doc = Arc::new(openapi::complete(doc));
     let v1 = v1
@@ -81,7 +85,10 @@ pub fn router(api: Arc<Api>) -> Router {
             async move { axum::Json(doc.as_ref().clone()) }
         }),
     );
-    v1.merge(doc).layer(middleware::from_fn(with_request_id))
+    let channels = channels::router(api_for_channels);
+    v1.merge(doc)
+        .layer(middleware::from_fn(with_request_id))
+        .merge(channels)
 }
 
 /// The `/v1` routes with their OpenAPI annotations: the document is made

@@ -63,6 +63,8 @@ pub enum Command {
     ApiKeys(commands::api_keys::ApiKeysArgs),
     /// Shops: the pools each may order from; their keys see only their orders.
     Shops(commands::shops::ShopsArgs),
+    /// Channels: a shop's Eneba, G2A and Kinguin accounts, selling its pools.
+    Channels(commands::channels::ChannelsArgs),
     /// Webhooks: a shop's endpoints, signed deliveries, retries and replays.
     Webhooks(commands::webhooks::WebhooksArgs),
     /// Add, list, disable operators of the console (/console) and set their passwords.
@@ -112,6 +114,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::ApiKeys(args) => commands::api_keys::run(&cfg, args).await,
         Command::Operators(args) => commands::operators::run(&cfg, args).await,
         Command::Shops(args) => commands::shops::run(&cfg, args).await,
+        Command::Channels(args) => commands::channels::run(&cfg, args).await,
         Command::Webhooks(args) => commands::webhooks::run(&cfg, args).await,
         Command::Publish(args) => commands::publish::run(&cfg, args).await,
         Command::Stats(args) => commands::stats::run(&cfg, args).await,

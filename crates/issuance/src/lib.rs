@@ -38,6 +38,7 @@ pub mod backorders;
 pub mod batcher;
 mod bundles;
 pub mod by_code;
+pub mod channels;
 pub mod claim;
 pub mod claim_error;
 pub mod clock;
@@ -83,6 +84,7 @@ pub mod webhooks;
 /// metadata` to keep it so).
 pub mod model {
     pub use codepool_store::audit::{Action, AuditEntry, AuditFilter, AuditKind, RecordedKind};
+    pub use codepool_store::channels::{ChannelDoc, DealDoc, DealLine, DealState};
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;
     pub use codepool_store::lifecycle::{

@@ -53,10 +53,16 @@ pub enum AuditKind {
     SignOut,
     /// A pool's statement key shown (`codepool statement --key`).
     StatementKey,
+    /// `codepool channels add`.
+    ChannelAdd,
+    /// `codepool channels map|pause|resume`.
+    ChannelSet,
+    /// `codepool channels remove`.
+    ChannelRemove,
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 30] = [
+    pub const ALL: [AuditKind; 33] = [
         Self::Reveal,
         Self::Void,
         Self::Redeem,
@@ -87,6 +93,9 @@ impl AuditKind {
         Self::SignIn,
         Self::SignOut,
         Self::StatementKey,
+        Self::ChannelAdd,
+        Self::ChannelSet,
+        Self::ChannelRemove,
     ];
 
     /// The name stored and shown.
@@ -122,6 +131,9 @@ impl AuditKind {
             Self::SignIn => "sign-in",
             Self::SignOut => "sign-out",
             Self::StatementKey => "statement-key",
+            Self::ChannelAdd => "channel-add",
+            Self::ChannelSet => "channel-set",
+            Self::ChannelRemove => "channel-remove",
         }
     }
 

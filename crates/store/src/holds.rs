@@ -526,11 +526,39 @@ impl Store {
                 .await?
                 .try_collect()
                 .await?;
-            keys.extend(docs.into_iter().map(|d| d.order_id));
+            let found = docs.into_iter().map(|d| d.order_id);
+            if prefix == HOLD_PREFIX {
+                keys.extend(self.without_live_holds(found.collect()).await?);
+            } else {
+                keys.extend(found);
+            }
         }
         keys.sort();
         keys.dedup();
         self.return_held(&keys).await
+    }
+
+    /// `keys` less those of holds still open: a hold may last longer than
+    /// a stray's age (a marketplace's reservation holds up to 48 hours).
+    async fn without_live_holds(&self, keys: Vec<String>) -> Result<Vec<String>, StoreError> {
+        let mut ids: Vec<String> = (keys.iter())
+            .filter_map(|k| match codepool_domain::SetAside::of_key(k) {
+                Some(codepool_domain::SetAside::Hold { hold_id }) => Some(hold_id),
+                _ => None,
+            })
+            .collect();
+        ids.sort();
+        ids.dedup();
+        if ids.is_empty() {
+            return Ok(keys);
+        }
+        let names: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let now = DateTime::now();
+        let live: std::collections::HashSet<String> = (self.holds_named(&names).await?.iter())
+            .filter(|h| h.state == HoldState::Held && h.expires_at > now)
+            .flat_map(|h| h.keys())
+            .collect();
+        Ok(keys.into_iter().filter(|k| !live.contains(k)).collect())
     }
 
     /// Held codes per pool, read from the held codes alone (the partial

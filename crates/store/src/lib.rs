@@ -30,6 +30,7 @@ mod across;
 pub mod api_keys;
 pub mod audit;
 pub mod backorders;
+pub mod channels;
 pub mod claims;
 pub mod codes;
 pub mod collections;

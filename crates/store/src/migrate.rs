@@ -111,6 +111,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0025_code_claims",
         include_str!("../../../migrations/0025_code_claims.json"),
     ),
+    (
+        "0026_channels",
+        include_str!("../../../migrations/0026_channels.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -25,6 +25,7 @@ macro_rules! say_json {
 
 pub mod api;
 pub mod api_keys;
+pub mod channels;
 pub mod dead_letters;
 pub mod dispatch;
 pub mod expire;

@@ -14,6 +14,7 @@
 //! - [`orders`]: lookups, reveals, redemption, void, resend, replacement,
 //!   holds;
 //! - [`shops`]: shops and their webhook endpoints;
+//! - [`channels`]: the marketplaces' calls on a shop's channels;
 //! - [`access`]: API keys, operators, console sessions and the audit log;
 //! - [`amqp`]: what the dispatcher applies (SMS receipts, `code.redeemed`)
 //!   and the checks it makes (the key registry, MongoDB's pulse).
@@ -23,6 +24,7 @@
 
 pub mod access;
 pub mod amqp;
+pub mod channels;
 pub mod orders;
 pub mod pools;
 pub mod shops;

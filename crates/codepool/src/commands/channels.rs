@@ -1,0 +1,250 @@
+//! `codepool channels`: a shop's marketplace accounts (Eneba, G2A,
+//! Kinguin). Add one with its credentials, map the marketplace's products
+//! to the shop's pools, list, show, pause, resume and remove them; every
+//! change is audited. The marketplace then calls `codepool api` under
+//! `/channels/NAME/…` (docs/channels.md).
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use codepool_issuance::channels::{self, AfterProvide, Kind, NewChannel};
+use codepool_store::channels::{ChannelDoc, DealState};
+
+use crate::config::Config;
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  codepool channels add --name acme-eneba --kind eneba --shop acme --credentials eneba.json
+  codepool channels map --name acme-eneba --product 8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d --pool game-x
+  codepool channels add --name acme-g2a --kind g2a --shop acme --credentials g2a.json --hold-ttl 1800
+  codepool channels list --json
+  codepool channels pause --name acme-eneba
+
+The credentials file is a JSON object. eneba: {\"token\": \"…\"}, the bearer
+value registered with Eneba's P_registerCallback; g2a: {\"client_id\": \"…\",
+\"client_secret\": \"…\"}, the client credentials given to G2A; kinguin:
+{\"webhook_secret\": \"…\", \"client_id\": \"…\", \"client_secret\": \"…\",
+\"base_url\": \"…\"}. What the marketplace presents is kept as its SHA-256
+(at least 32 characters: `openssl rand -hex 32`); what codepool sends out is
+sealed with the key file. See docs/channels.md.")]
+pub struct ChannelsArgs {
+    #[command(subcommand)]
+    pub command: ChannelsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ChannelsCommand {
+    /// Add a marketplace account to a shop.
+    Add {
+        #[arg(long)]
+        name: String,
+        /// eneba, g2a or kinguin.
+        #[arg(long)]
+        kind: String,
+        /// The shop whose pools the channel sells.
+        #[arg(long)]
+        shop: String,
+        /// A JSON file of the channel's credentials (see below).
+        #[arg(long)]
+        credentials: PathBuf,
+        /// How long a reservation holds its codes, in seconds (60 to
+        /// 172800; eneba 172800, g2a 1800, kinguin 3600 unless given).
+        #[arg(long, value_name = "SECONDS")]
+        hold_ttl: Option<u64>,
+        /// A cancellation after provision: burn (void the keys, answer
+        /// 200) or resell (keep them sold, answer 500: the marketplace
+        /// returns them to its own stock).
+        #[arg(long, default_value = "burn")]
+        after_provide: String,
+        /// How long a G2A access token lives, in seconds.
+        #[arg(long, value_name = "SECONDS")]
+        token_ttl: Option<u64>,
+    },
+    /// Sell a pool of the shop as a marketplace product (Eneba auction,
+    /// G2A product, Kinguin offer).
+    Map {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        product: String,
+        #[arg(long)]
+        pool: String,
+    },
+    /// List the channels.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one channel: its products, reservations and provisions.
+    Show {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reserve nothing new on a channel (what it reserved is still served).
+    Pause {
+        #[arg(long)]
+        name: String,
+    },
+    /// Take reservations on a paused channel again.
+    Resume {
+        #[arg(long)]
+        name: String,
+    },
+    /// Remove a channel: its marketplace's calls are refused from now on.
+    Remove {
+        #[arg(long)]
+        name: String,
+    },
+}
+
+fn json_of(c: &ChannelDoc) -> serde_json::Value {
+    serde_json::json!({
+        "name": c.name,
+        "kind": c.kind,
+        "shop": c.shop,
+        "state": if c.paused { "paused" } else { "active" },
+        "products": c.products,
+        "hold_ttl_seconds": c.hold_ttl_seconds,
+        "after_provide": c.after_provide,
+        "client_id": c.client_id,
+        "base_url": c.base_url,
+        "sealed_secrets": c.sealed.keys().collect::<Vec<_>>(),
+        "created_at": c.created_at.to_chrono().to_rfc3339(),
+    })
+}
+
+fn print(list: &[ChannelDoc], json: bool) -> anyhow::Result<()> {
+    if json {
+        let rows: Vec<_> = list.iter().map(json_of).collect();
+        say_json!(serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    say!(
+        "{:<24} {:<8} {:<16} {:<7} PRODUCTS",
+        "NAME",
+        "KIND",
+        "SHOP",
+        "STATE"
+    );
+    for c in list {
+        let products: Vec<String> = (c.products.iter())
+            .map(|(p, pool)| format!("{p}→{pool}"))
+            .collect();
+        say!(
+            "{:<24} {:<8} {:<16} {:<7} {}",
+            c.name,
+            c.kind,
+            c.shop,
+            if c.paused { "paused" } else { "active" },
+            products.join(",")
+        );
+    }
+    Ok(())
+}
+
+pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
+    let store = crate::context::store(cfg).await?;
+    match args.command {
+        ChannelsCommand::Add {
+            name,
+            kind,
+            shop,
+            credentials,
+            hold_ttl,
+            after_provide,
+            token_ttl,
+        } => {
+            let kind: Kind = kind.parse()?;
+            let after_provide: AfterProvide = after_provide.parse()?;
+            let bytes = std::fs::read(&credentials).map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot read the credentials file {}: {e}",
+                    credentials.display()
+                )
+            })?;
+            let new = NewChannel {
+                name,
+                kind,
+                shop,
+                credentials: bytes,
+                hold_ttl_seconds: hold_ttl,
+                after_provide,
+                token_ttl_seconds: token_ttl,
+            };
+            let c = channels::add(&store, new, &super::actor("channels add")).await?;
+            say!(
+                "added channel {:?} ({}) to shop {:?}; its marketplace calls /channels/{}/{}",
+                c.name,
+                c.kind,
+                c.shop,
+                c.name,
+                c.kind
+            );
+        }
+        ChannelsCommand::Map {
+            name,
+            product,
+            pool,
+        } => {
+            let c = channels::map(
+                &store,
+                &name,
+                &product,
+                &pool,
+                &super::actor("channels map"),
+            )
+            .await?;
+            say!(
+                "channel {:?} sells pool {pool:?} as product {product:?} ({} products)",
+                c.name,
+                c.products.len()
+            );
+        }
+        ChannelsCommand::List { json } => print(&store.channels().await?, json)?,
+        ChannelsCommand::Show { name, json } => {
+            let Some(c) = store.channel(&name).await? else {
+                anyhow::bail!(channels::ChannelError::Unknown(name));
+            };
+            if json {
+                let mut v = json_of(&c);
+                for state in [
+                    DealState::Reserved,
+                    DealState::Provided,
+                    DealState::Cancelled,
+                ] {
+                    v[state.as_str()] = store.deals_in(&c.name, state).await?.into();
+                }
+                say_json!(serde_json::to_string_pretty(&v)?);
+            } else {
+                print(std::slice::from_ref(&c), false)?;
+                for state in [
+                    DealState::Reserved,
+                    DealState::Provided,
+                    DealState::Cancelled,
+                ] {
+                    say!(
+                        "{}: {}",
+                        state.as_str(),
+                        store.deals_in(&c.name, state).await?
+                    );
+                }
+            }
+        }
+        ChannelsCommand::Pause { name } => {
+            channels::set_paused(&store, &name, true, &super::actor("channels pause")).await?;
+            say!("channel {name:?} paused: it reserves nothing new");
+        }
+        ChannelsCommand::Resume { name } => {
+            channels::set_paused(&store, &name, false, &super::actor("channels resume")).await?;
+            say!("channel {name:?} takes reservations again");
+        }
+        ChannelsCommand::Remove { name } => {
+            channels::remove(&store, &name, &super::actor("channels remove")).await?;
+            say!("channel {name:?} removed");
+        }
+    }
+    Ok(crate::exit::OK)
+}

@@ -1,0 +1,1056 @@
+//! Channels: a shop's Eneba, G2A (and Kinguin) accounts sell its pools
+//! through `codepool api`, each under its marketplace's own protocol. The
+//! tests play each marketplace as its published contract says
+//! (../shared/marketplaces.md), with its faults: a client timeout while
+//! codepool commits (the retry gets the same keys), every callback
+//! delivered twice, CANCEL racing PROVIDE, CANCEL after PROVIDE, a token
+//! that expires mid-run, a reservation past its time, returns that name
+//! items of an earlier read. Bad input changes nothing. One pool sold by
+//! the shop's own checkout, Eneba and G2A at once sells no code twice and
+//! leaks no hold.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use bson::doc;
+use serde_json::{json, Value};
+
+use crate::api::{http, json_of, ApiServer, Exchange};
+use crate::common::*;
+use crate::fixtures::*;
+
+const ENEBA_TOKEN: &str = "eneba-static-bearer-0123456789abcdef0123456789";
+const G2A_ID: &str = "g2a-client";
+const G2A_SECRET: &str = "g2a-client-secret-0123456789abcdef0123456789";
+const AUCTION: &str = "8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d";
+const PRODUCT: &str = "10000045532001";
+
+/// `codepool channels add`, credentials written to a file; `extra` flags.
+async fn add_channel(
+    env: &TestEnv,
+    name: &str,
+    kind: &str,
+    shop: &str,
+    creds: Value,
+    extra: &[&str],
+) {
+    let path = std::env::temp_dir().join(format!("cpt-{}-{name}.json", std::process::id()));
+    std::fs::write(&path, creds.to_string()).unwrap();
+    let file = path.to_str().unwrap().to_owned();
+    let mut args = vec![
+        "channels",
+        "add",
+        "--name",
+        name,
+        "--kind",
+        kind,
+        "--shop",
+        shop,
+        "--credentials",
+        &file,
+    ];
+    args.extend_from_slice(extra);
+    codepool_ok(env, &args).await;
+    let _ = std::fs::remove_file(path);
+}
+
+async fn map(env: &TestEnv, name: &str, product: &str, pool: &str) {
+    codepool_ok(
+        env,
+        &[
+            "channels",
+            "map",
+            "--name",
+            name,
+            "--product",
+            product,
+            "--pool",
+            pool,
+        ],
+    )
+    .await;
+}
+
+/// A shop `acme` selling pool `pool` (of `n` codes) on Eneba (`en`, with
+/// `extra` flags) and G2A (`g2`).
+async fn selling(test: &str, pool: &str, n: usize, eneba: &[&str], g2a: &[&str]) -> TestEnv {
+    let env = TestEnv::new(test).await;
+    env.fill_pool(pool, n).await;
+    create_shop(&env, "acme", pool, &[]).await;
+    add_channel(
+        &env,
+        "en",
+        "eneba",
+        "acme",
+        json!({"token": ENEBA_TOKEN}),
+        eneba,
+    )
+    .await;
+    map(&env, "en", AUCTION, pool).await;
+    add_channel(
+        &env,
+        "g2",
+        "g2a",
+        "acme",
+        json!({"client_id": G2A_ID, "client_secret": G2A_SECRET}),
+        g2a,
+    )
+    .await;
+    map(&env, "g2", PRODUCT, pool).await;
+    env
+}
+
+/// One Eneba callback, as Eneba sends it.
+async fn eneba(api: &ApiServer, token: &str, body: Value) -> Exchange {
+    http(
+        &api.addr,
+        "POST",
+        "/channels/en/eneba",
+        Some(token),
+        body.to_string().as_bytes(),
+    )
+    .await
+}
+
+fn reserve(order: &str, keys: u32) -> Value {
+    json!({"action": "RESERVE", "orderId": order, "auctions": [
+        {"auctionId": AUCTION, "keyCount": keys, "price": {"amount": 1599, "currency": "EUR"}}
+    ]})
+}
+
+fn provide(order: &str) -> Value {
+    json!({"action": "PROVIDE", "orderId": order})
+}
+
+fn cancel(order: &str) -> Value {
+    json!({"action": "CANCEL", "orderId": order})
+}
+
+/// The keys of a PROVIDE answer.
+fn keys_of(body: &[u8]) -> Vec<String> {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    (v["auctions"].as_array().into_iter().flatten())
+        .flat_map(|a| a["keys"].as_array().cloned().unwrap_or_default())
+        .filter_map(|k| k["value"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The plaintext codes the database gives `order`, sorted.
+async fn codes_of(env: &TestEnv, order: &str) -> Vec<String> {
+    let mut out: Vec<String> = find_docs(env, "codes", doc! {"order_id": order})
+        .await
+        .iter()
+        .map(|d| env.plain_code(d))
+        .collect();
+    out.sort();
+    out
+}
+
+async fn held(env: &TestEnv, pool: &str) -> u64 {
+    count_codes(env, doc! {"pool": pool, "status": 4}).await
+}
+
+fn success(body: &[u8]) -> Value {
+    json_of(body)["success"].clone()
+}
+
+#[tokio::test]
+async fn channels_are_added_mapped_paused_and_removed_each_audited_and_keep_no_secret_in_clear() {
+    let env = TestEnv::new("channels_admin").await;
+    env.fill_pool("gx", 5).await;
+    env.fill_pool("other", 5).await;
+    create_shop(&env, "acme", "gx", &[]).await;
+    add_channel(
+        &env,
+        "en",
+        "eneba",
+        "acme",
+        json!({"token": ENEBA_TOKEN}),
+        &[],
+    )
+    .await;
+    add_channel(
+        &env,
+        "kg",
+        "kinguin",
+        "acme",
+        json!({"webhook_secret": G2A_SECRET, "client_id": "kid", "client_secret": "kinguin-outbound-secret", "base_url": "http://127.0.0.1:9"}),
+        &["--after-provide", "resell"],
+    )
+    .await;
+
+    // What the marketplaces present is hashed, what codepool sends out is
+    // sealed: neither is stored as given.
+    let raw = format!("{:?}", find_docs(&env, "channels", doc! {}).await);
+    for secret in [ENEBA_TOKEN, G2A_SECRET, "kinguin-outbound-secret"] {
+        assert!(!raw.contains(secret), "{secret} is stored in clear: {raw}");
+    }
+
+    // A short token, an unknown shop, an unknown kind, a name taken: refused, nothing added.
+    let path = std::env::temp_dir().join(format!("cpt-{}-short.json", std::process::id()));
+    std::fs::write(&path, json!({"token": "short"}).to_string()).unwrap();
+    let file = path.to_str().unwrap();
+    for args in [
+        vec![
+            "channels",
+            "add",
+            "--name",
+            "x1",
+            "--kind",
+            "eneba",
+            "--shop",
+            "acme",
+            "--credentials",
+            file,
+        ],
+        vec![
+            "channels",
+            "add",
+            "--name",
+            "x2",
+            "--kind",
+            "eneba",
+            "--shop",
+            "nobody",
+            "--credentials",
+            file,
+        ],
+        vec![
+            "channels",
+            "add",
+            "--name",
+            "x3",
+            "--kind",
+            "ebay",
+            "--shop",
+            "acme",
+            "--credentials",
+            file,
+        ],
+        vec![
+            "channels",
+            "add",
+            "--name",
+            "en",
+            "--kind",
+            "eneba",
+            "--shop",
+            "acme",
+            "--credentials",
+            file,
+        ],
+        vec![
+            "channels",
+            "add",
+            "--name",
+            "x4",
+            "--kind",
+            "eneba",
+            "--shop",
+            "acme",
+            "--credentials",
+            file,
+            "--hold-ttl",
+            "999999",
+        ],
+    ] {
+        let out = env.run(&args).await;
+        assert!(!out.status.success(), "{args:?} was taken");
+    }
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(count_docs(&env, "channels", doc! {}).await, 2);
+
+    // A pool not the shop's (or none): refused, the map unchanged.
+    for pool in ["other", "missing"] {
+        let out = env
+            .run(&[
+                "channels",
+                "map",
+                "--name",
+                "en",
+                "--product",
+                AUCTION,
+                "--pool",
+                pool,
+            ])
+            .await;
+        assert!(!out.status.success(), "{pool} was mapped");
+    }
+    let out = env
+        .run(&[
+            "channels",
+            "map",
+            "--name",
+            "en",
+            "--product",
+            "a.b",
+            "--pool",
+            "gx",
+        ])
+        .await;
+    assert!(!out.status.success(), "a dotted product id was mapped");
+    map(&env, "en", AUCTION, "gx").await;
+    codepool_ok(&env, &["channels", "pause", "--name", "en"]).await;
+
+    let listed: Value =
+        serde_json::from_str(&codepool_ok(&env, &["channels", "list", "--json"]).await).unwrap();
+    assert_eq!(listed[0]["name"], "en");
+    assert_eq!(listed[0]["state"], "paused");
+    assert_eq!(listed[0]["products"], json!({AUCTION: "gx"}));
+    assert_eq!(listed[0]["hold_ttl_seconds"], 172800);
+    assert_eq!(listed[1]["after_provide"], "resell");
+    assert_eq!(listed[1]["sealed_secrets"], json!(["client_secret"]));
+    let shown: Value = serde_json::from_str(
+        &codepool_ok(&env, &["channels", "show", "--name", "en", "--json"]).await,
+    )
+    .unwrap();
+    assert_eq!(shown["reserved"], 0);
+
+    codepool_ok(&env, &["channels", "resume", "--name", "en"]).await;
+    codepool_ok(&env, &["channels", "remove", "--name", "kg"]).await;
+    assert!(!env
+        .run(&["channels", "remove", "--name", "kg"])
+        .await
+        .status
+        .success());
+    assert_eq!(count_docs(&env, "channels", doc! {}).await, 1);
+
+    let mut kinds: Vec<String> = find_docs(&env, "audit", doc! {"kind": {"$regex": "^channel-"}})
+        .await
+        .iter()
+        .map(|d| d.get_str("kind").unwrap_or_default().to_owned())
+        .collect();
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        vec![
+            "channel-add",
+            "channel-add",
+            "channel-remove",
+            "channel-set",
+            "channel-set",
+            "channel-set"
+        ],
+        "one record per change"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn eneba_reserves_all_or_nothing_provides_the_same_keys_and_cancels_by_policy() {
+    let env = selling("channels_eneba", "gx", 40, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // Bad input: a wrong token, an unknown channel, a malformed body, an
+    // unknown auction. Each gets Eneba's shape and changes nothing.
+    let (status, _, body) = eneba(&api, "wrong-token", reserve("o-0", 1)).await;
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["action"], "RESERVE");
+    assert_eq!(success(&body), false);
+    let (status, _, _) = http(
+        &api.addr,
+        "POST",
+        "/channels/nope/eneba",
+        Some(ENEBA_TOKEN),
+        reserve("o-0", 1).to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/channels/en/eneba",
+        Some(ENEBA_TOKEN),
+        b"{\"action\":\"RESERVE\",\"orderId\":\"o-0\"",
+    )
+    .await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(success(&body), false);
+    let (status, _, body) = eneba(&api, ENEBA_TOKEN, json!({"action": "RESERVE", "orderId": "o-0", "auctions": [{"auctionId": "unknown-auction", "keyCount": 1}]})).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        json_of(&body),
+        json!({"action": "RESERVE", "orderId": "o-0", "success": false, "message": json_of(&body)["message"]})
+    );
+    // More than the pool can give to one order: all or nothing.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-big", 41)).await;
+    assert_eq!(success(&body), false);
+    assert_eq!(held(&env, "gx").await, 0, "bad input held nothing");
+    assert_eq!(count_docs(&env, "channel_deals", doc! {}).await, 0);
+
+    // RESERVE, delivered twice: one hold of 2.
+    for _ in 0..2 {
+        let (status, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-1", 2)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(
+            json_of(&body),
+            json!({"action": "RESERVE", "orderId": "o-1", "success": true})
+        );
+    }
+    assert_eq!(held(&env, "gx").await, 2);
+
+    // PROVIDE, delivered twice: the same bytes, the order's codes.
+    let (status, _, first) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    assert_eq!(success(&first), true);
+    let (_, _, again) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(
+        first, again,
+        "a retried PROVIDE answers byte for byte the same"
+    );
+    let mut keys = keys_of(&first);
+    keys.sort();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(codes_of(&env, "eneba:en:o-1").await, keys);
+    assert_eq!(held(&env, "gx").await, 0, "the hold became the order");
+    assert_eq!(json_of(&first)["auctions"][0]["keys"][0]["type"], "TEXT");
+
+    // CANCEL after PROVIDE (burn, the default): 200, the keys are void,
+    // and the order provides nothing again.
+    for _ in 0..2 {
+        let (status, _, body) = eneba(&api, ENEBA_TOKEN, cancel("o-1")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:o-1", "status": 3}).await,
+        2,
+        "burned"
+    );
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(success(&body), false);
+
+    // CANCEL before PROVIDE: the hold goes back; a later PROVIDE gets
+    // nothing, and no code went to the order.
+    eneba(&api, ENEBA_TOKEN, reserve("o-2", 2)).await;
+    assert_eq!(held(&env, "gx").await, 2);
+    let (status, _, _) = eneba(&api, ENEBA_TOKEN, cancel("o-2")).await;
+    assert_eq!(status, 200);
+    assert_eq!(held(&env, "gx").await, 0);
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-2")).await;
+    assert_eq!(success(&body), false);
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-2", 2)).await;
+    assert_eq!(
+        success(&body),
+        false,
+        "a cancelled order reserves nothing again"
+    );
+    assert!(codes_of(&env, "eneba:en:o-2").await.is_empty());
+    // An unknown order: nothing to provide, nothing to cancel.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-never")).await;
+    assert_eq!(success(&body), false);
+    let (status, _, _) = eneba(&api, ENEBA_TOKEN, cancel("o-never")).await;
+    assert_eq!(status, 200);
+
+    // A paused channel reserves nothing new.
+    codepool_ok(&env, &["channels", "pause", "--name", "en"]).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("o-3", 1)).await;
+    assert_eq!(success(&body), false);
+    assert_eq!(held(&env, "gx").await, 0);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_eneba_reservation_outlives_the_hour_after_which_a_checkout_holds_codes_are_strays() {
+    let env = selling("channels_long_hold", "gx", 20, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("l-1", 2)).await;
+    assert_eq!(success(&body), true);
+    // Two hours pass (Eneba's payment window is 48): the codes have been
+    // held longer than any checkout hold lives.
+    let ago =
+        bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 2 * 3600 * 1000);
+    env.coll("codes")
+        .update_many(
+            doc! {"pool": "gx", "status": 4},
+            doc! {"$set": {"issued_at": ago}},
+        )
+        .await
+        .unwrap();
+    // The sweep (every 5 s) runs at least twice.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        held(&env, "gx").await,
+        2,
+        "a live reservation's codes are no strays"
+    );
+    let held_ids: Vec<bson::Bson> = find_docs(&env, "codes", doc! {"pool": "gx", "status": 4})
+        .await
+        .iter()
+        .map(|d| d.get("_id").unwrap().clone())
+        .collect();
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("l-1")).await;
+    assert_eq!(success(&body), true);
+    let given: Vec<bson::Bson> = find_docs(&env, "codes", doc! {"order_id": "eneba:en:l-1"})
+        .await
+        .iter()
+        .map(|d| d.get("_id").unwrap().clone())
+        .collect();
+    assert_eq!(given.len(), 2);
+    assert!(
+        given.iter().all(|g| held_ids.contains(g)),
+        "the held codes were provided"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn eneba_resell_policy_keeps_provided_keys_sold_and_answers_500() {
+    let env = selling(
+        "channels_resell",
+        "gx",
+        20,
+        &["--after-provide", "resell"],
+        &[],
+    )
+    .await;
+    let api = ApiServer::start(&env, &[]).await;
+    eneba(&api, ENEBA_TOKEN, reserve("r-1", 1)).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("r-1")).await;
+    let keys = keys_of(&body);
+    assert_eq!(keys.len(), 1);
+    let (status, _, body) = eneba(&api, ENEBA_TOKEN, cancel("r-1")).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["action"], "CANCEL");
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:r-1", "status": 1}).await,
+        1,
+        "the key stays sold: Eneba resells it from its own stock"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn eneba_faults_timeouts_duplicates_and_cancel_racing_provide_leak_nothing() {
+    let env = selling("channels_eneba_faults", "gx", 60, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // A client timeout while codepool commits: Eneba gives up on the first
+    // PROVIDE (the connection drops before the answer) and retries; the
+    // retry gets the keys the first committed.
+    for i in 0..5 {
+        let order = format!("t-{i}");
+        eneba(&api, ENEBA_TOKEN, reserve(&order, 2)).await;
+        let addr = api.addr.clone();
+        let body = provide(&order).to_string();
+        let cut = tokio::spawn(async move {
+            http(
+                &addr,
+                "POST",
+                "/channels/en/eneba",
+                Some(ENEBA_TOKEN),
+                body.as_bytes(),
+            )
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(5 * i)).await;
+        cut.abort();
+        let _ = cut.await;
+        let (status, _, retry) = eneba(&api, ENEBA_TOKEN, provide(&order)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&retry));
+        let mut keys = keys_of(&retry);
+        keys.sort();
+        assert_eq!(keys.len(), 2, "{}", String::from_utf8_lossy(&retry));
+        assert_eq!(codes_of(&env, &format!("eneba:en:{order}")).await, keys);
+        let (_, _, third) = eneba(&api, ENEBA_TOKEN, provide(&order)).await;
+        assert_eq!(retry, third);
+    }
+
+    // Every callback delivered twice at once, and CANCEL racing PROVIDE.
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let addr = api.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let order = format!("d-{i}");
+            let send = |body: Value| {
+                let addr = addr.clone();
+                async move {
+                    http(
+                        &addr,
+                        "POST",
+                        "/channels/en/eneba",
+                        Some(ENEBA_TOKEN),
+                        body.to_string().as_bytes(),
+                    )
+                    .await
+                }
+            };
+            let (a, b) = tokio::join!(send(reserve(&order, 1)), send(reserve(&order, 1)));
+            assert_eq!(success(&a.2), success(&b.2));
+            let racing = i % 2 == 0;
+            let (p1, p2, c) = tokio::join!(send(provide(&order)), send(provide(&order)), async {
+                if racing {
+                    Some(send(cancel(&order)).await)
+                } else {
+                    None
+                }
+            });
+            if let Some(c) = &c {
+                assert_eq!(c.0, 200, "{}", String::from_utf8_lossy(&c.2));
+            }
+            (order, racing, p1, p2)
+        }));
+    }
+    let mut seen: HashMap<String, String> = HashMap::new();
+    for t in tasks {
+        let (order, racing, p1, p2) = t.await.unwrap();
+        let codes = codes_of(&env, &format!("eneba:en:{order}")).await;
+        for p in [&p1, &p2] {
+            if success(&p.2) == true {
+                let mut keys = keys_of(&p.2);
+                keys.sort();
+                assert_eq!(keys, codes, "{order}: the keys given are the order's");
+            }
+        }
+        if success(&p1.2) == true && success(&p2.2) == true {
+            assert_eq!(p1.2, p2.2, "{order}: both deliveries got the same keys");
+        }
+        if racing {
+            // Either the keys were provided, then burned, or the hold went back.
+            let live = count_codes(
+                &env,
+                doc! {"order_id": format!("eneba:en:{order}"), "status": 1},
+            )
+            .await;
+            assert_eq!(live, 0, "{order}: a cancelled order keeps no live key");
+        } else {
+            assert_eq!(codes.len(), 1, "{order}");
+        }
+        for c in codes {
+            assert!(
+                seen.insert(c.clone(), order.clone()).is_none(),
+                "{c} went to two orders"
+            );
+        }
+    }
+    assert_eq!(held(&env, "gx").await, 0, "no hold leaks");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A G2A access token for channel `g2`.
+async fn g2a_token(api: &ApiServer) -> String {
+    let path = format!("/channels/g2/g2a/oauth/token?grant_type=client_credentials&client_id={G2A_ID}&client_secret={G2A_SECRET}");
+    let (status, _, body) = http(&api.addr, "GET", &path, None, b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    assert_eq!(v["token_type"], "bearer");
+    assert!(v["expires_in"].as_u64().is_some());
+    v["access_token"].as_str().unwrap().to_owned()
+}
+
+async fn g2a(api: &ApiServer, method: &str, path: &str, token: &str, body: Value) -> Exchange {
+    let body = if body.is_null() {
+        Vec::new()
+    } else {
+        body.to_string().into_bytes()
+    };
+    http(
+        &api.addr,
+        method,
+        &format!("/channels/g2{path}"),
+        Some(token),
+        &body,
+    )
+    .await
+}
+
+fn reservation(quantity: u32) -> Value {
+    json!([{"product_id": PRODUCT.parse::<u64>().unwrap(), "quantity": quantity,
+            "additional_data": {"unit_price": "5.98", "auction_base_price": "15.98"}}])
+}
+
+/// The inventory ids and values of an order answer's (or inventory's) stock.
+fn inventory_of(stock: &Value) -> Vec<(String, String)> {
+    (stock.as_array().into_iter().flatten())
+        .flat_map(|s| s["inventory"].as_array().cloned().unwrap_or_default())
+        .map(|i| {
+            assert_eq!(i["kind"], "text");
+            (
+                i["id"].as_str().unwrap().to_owned(),
+                i["value"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn g2a_tokens_reservations_orders_inventory_and_returns_follow_the_contract() {
+    let env = selling("channels_g2a", "gx", 40, &[], &["--token-ttl", "5"]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let (status, _, _) = http(&api.addr, "GET", "/channels/g2/g2a/healthcheck", None, b"").await;
+    assert_eq!(status, 204);
+
+    // Wrong client credentials, no token, a forged token: 401, nothing held.
+    let bad = format!("/channels/g2/g2a/oauth/token?grant_type=client_credentials&client_id={G2A_ID}&client_secret=wrong");
+    let (status, _, body) = http(&api.addr, "GET", &bad, None, b"").await;
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
+    assert!(json_of(&body)["code"].is_string());
+    let (status, _, _) = g2a(&api, "POST", "/g2a/reservation", "forged", reservation(1)).await;
+    assert_eq!(status, 401);
+    let token = g2a_token(&api).await;
+    // A malformed body, an unknown product: refused, nothing held.
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &token,
+        json!({"product_id": 1}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &token,
+        json!([{"product_id": 99, "quantity": 1}]),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(held(&env, "gx").await, 0);
+
+    let (status, _, body) = g2a(&api, "POST", "/g2a/reservation", &token, reservation(2)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    let rid = v["reservation_id"].as_str().unwrap().to_owned();
+    assert!(rid.len() <= 36);
+    assert_eq!(
+        v["stock"][0]["product_id"],
+        json!(PRODUCT.parse::<u64>().unwrap())
+    );
+    assert_eq!(v["stock"][0]["inventory_size"], 38);
+    assert_eq!(held(&env, "gx").await, 2);
+
+    // The token expires mid-run: 401, then a fresh one works.
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let order = json!({"reservation_id": rid, "g2a_order_id": 7001});
+    let (status, _, _) = g2a(&api, "POST", "/g2a/order", &token, order.clone()).await;
+    assert_eq!(status, 401, "an expired token");
+    assert_eq!(held(&env, "gx").await, 2, "nothing happened");
+    // From here on G2A fetches a token whenever its last one ran out, as
+    // its client does: a fresh one per call.
+    let (status, _, first) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        order.clone(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    let items = inventory_of(&json_of(&first)["stock"]);
+    assert_eq!(items.len(), 2);
+    // The same order again (G2A timed out): the same keys and ids.
+    let (status, _, again) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        order.clone(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(inventory_of(&json_of(&again)["stock"]), items);
+    // Another G2A order of the same reservation: 409, nothing more.
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        json!({"reservation_id": rid, "g2a_order_id": 7002}),
+    )
+    .await;
+    assert_eq!(status, 409);
+    let order_id = format!("g2a:g2:{rid}");
+    assert_eq!(codes_of(&env, &order_id).await.len(), 2);
+
+    // The inventory, read twice: the same ids.
+    let path = format!("/g2a/order/{rid}/inventory");
+    let (status, _, read1) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&read1));
+    let (_, _, read2) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(inventory_of(&json_of(&read1)), items);
+    assert_eq!(inventory_of(&json_of(&read2)), items);
+
+    // A return naming an item from the first read: voided (never back in
+    // stock). One naming an unknown item: 404, nothing changes.
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        &format!("{path}?id[]={}&id[]=nope", items[0].0),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": &order_id, "status": 3}).await,
+        0
+    );
+    let (status, _, body) = g2a(
+        &api,
+        "DELETE",
+        &format!("{path}?id[]={}", items[0].0),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 204, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": &order_id, "status": 3}).await,
+        1
+    );
+    let (_, _, read3) = g2a(&api, "GET", &path, &g2a_token(&api).await, Value::Null).await;
+    assert_eq!(inventory_of(&json_of(&read3)), items[1..].to_vec());
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "gx", "status": 0}).await,
+        38,
+        "a returned key does not go back to stock"
+    );
+
+    // A reservation past its time: 410; renewed, it orders.
+    let (_, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &g2a_token(&api).await,
+        reservation(1),
+    )
+    .await;
+    let late = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    env.coll("holds")
+        .update_one(
+            doc! {"hold_id": format!("g2a:g2:{late}")},
+            doc! {"$set": {"expires_at": bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000)}},
+        )
+        .await
+        .unwrap();
+    let late_order = json!({"reservation_id": late, "g2a_order_id": 7003});
+    let (status, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        late_order.clone(),
+    )
+    .await;
+    assert_eq!(status, 410, "{}", String::from_utf8_lossy(&body));
+    assert!(codes_of(&env, &format!("g2a:g2:{late}")).await.is_empty());
+    eventually(
+        Duration::from_secs(20),
+        "the expired hold's code back in stock",
+        || async { held(&env, "gx").await == 0 },
+    )
+    .await;
+    let (status, _, body) = g2a(
+        &api,
+        "PUT",
+        &format!("/g2a/reservation/{late}"),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(held(&env, "gx").await, 1);
+    let (status, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        late_order,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(codes_of(&env, &format!("g2a:g2:{late}")).await.len(), 1);
+
+    // A released reservation: 204, back in stock, then 410 to order.
+    let (_, _, body) = g2a(
+        &api,
+        "POST",
+        "/g2a/reservation",
+        &g2a_token(&api).await,
+        reservation(3),
+    )
+    .await;
+    let gone = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(held(&env, "gx").await, 3);
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        &format!("/g2a/reservation/{gone}"),
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 204);
+    assert_eq!(held(&env, "gx").await, 0);
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &g2a_token(&api).await,
+        json!({"reservation_id": gone, "g2a_order_id": 7004}),
+    )
+    .await;
+    assert_eq!(status, 410);
+    let (status, _, _) = g2a(
+        &api,
+        "DELETE",
+        "/g2a/reservation/unknown-id",
+        &g2a_token(&api).await,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, 404);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn one_pool_sold_by_the_shop_eneba_and_g2a_at_once_sells_no_code_twice_and_leaks_no_hold() {
+    let env = selling("channels_mixed", "gx", 80, &[], &[]).await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let token = g2a_token(&api).await;
+    let addr = api.addr.clone();
+
+    let mut shop_orders = Vec::new();
+    for i in 0..20 {
+        let (addr, shop) = (addr.clone(), shop.clone());
+        shop_orders.push(tokio::spawn(async move {
+            let body = crate::api::order(&format!("S-{i}"), "gx", 1);
+            let (status, _, body) = http(&addr, "POST", "/v1/orders", Some(&shop), &body).await;
+            assert!(
+                status == 201 || status == 202,
+                "{status}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }));
+    }
+    let mut enebas = Vec::new();
+    for i in 0..16 {
+        let addr = addr.clone();
+        enebas.push(tokio::spawn(async move {
+            let order = format!("m-{i}");
+            let send = |body: Value| {
+                let addr = addr.clone();
+                async move {
+                    http(
+                        &addr,
+                        "POST",
+                        "/channels/en/eneba",
+                        Some(ENEBA_TOKEN),
+                        body.to_string().as_bytes(),
+                    )
+                    .await
+                }
+            };
+            let (r, _) = tokio::join!(send(reserve(&order, 1)), send(reserve(&order, 1)));
+            if success(&r.2) != true {
+                return (order, None);
+            }
+            match i % 4 {
+                // Abandoned: cancelled before provision.
+                0 => {
+                    send(cancel(&order)).await;
+                    (order, None)
+                }
+                // Provided, then cancelled (burned).
+                1 => {
+                    send(provide(&order)).await;
+                    send(cancel(&order)).await;
+                    (order, None)
+                }
+                _ => {
+                    let (a, b) = tokio::join!(send(provide(&order)), send(provide(&order)));
+                    assert_eq!(a.2, b.2, "{order}: a retried provision gets the same keys");
+                    (order, Some(keys_of(&a.2)))
+                }
+            }
+        }));
+    }
+    let mut g2as = Vec::new();
+    for i in 0..10u64 {
+        let (addr, token) = (addr.clone(), token.clone());
+        g2as.push(tokio::spawn(async move {
+            let call = |method: &'static str, path: String, body: Value| {
+                let (addr, token) = (addr.clone(), token.clone());
+                async move {
+                    let body = if body.is_null() {
+                        Vec::new()
+                    } else {
+                        body.to_string().into_bytes()
+                    };
+                    http(
+                        &addr,
+                        method,
+                        &format!("/channels/g2{path}"),
+                        Some(&token),
+                        &body,
+                    )
+                    .await
+                }
+            };
+            let (status, _, body) = call("POST", "/g2a/reservation".into(), reservation(1)).await;
+            if status != 200 {
+                return None;
+            }
+            let rid = json_of(&body)["reservation_id"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            if i % 3 == 0 {
+                call("DELETE", format!("/g2a/reservation/{rid}"), Value::Null).await;
+                return None;
+            }
+            let order = json!({"reservation_id": rid, "g2a_order_id": 9000 + i});
+            let (a, b) = tokio::join!(
+                call("POST", "/g2a/order".into(), order.clone()),
+                call("POST", "/g2a/order".into(), order)
+            );
+            assert_eq!(a.0, 200, "{}", String::from_utf8_lossy(&a.2));
+            let ka = inventory_of(&json_of(&a.2)["stock"]);
+            assert_eq!(
+                ka,
+                inventory_of(&json_of(&b.2)["stock"]),
+                "the same keys twice"
+            );
+            Some(ka.into_iter().map(|(_, v)| v).collect::<Vec<_>>())
+        }));
+    }
+    for t in shop_orders {
+        t.await.unwrap();
+    }
+    let mut given: Vec<String> = Vec::new();
+    for t in enebas {
+        if let (_, Some(keys)) = t.await.unwrap() {
+            given.extend(keys);
+        }
+    }
+    for t in g2as {
+        if let Some(keys) = t.await.unwrap() {
+            given.extend(keys);
+        }
+    }
+    for i in 0..20 {
+        given.extend(codes_of(&env, &format!("S-{i}")).await);
+    }
+    let distinct: HashSet<&String> = given.iter().collect();
+    assert_eq!(distinct.len(), given.len(), "no code sold twice");
+    assert_eq!(given.len(), 20 + 8 + 6, "every sale got its code");
+    assert_eq!(held(&env, "gx").await, 0, "no hold leaks after cancels");
+    // Every code issued belongs to one of the sales above, or was burned.
+    let issued = count_codes(&env, doc! {"pool": "gx", "status": 1}).await;
+    assert_eq!(issued as usize, given.len());
+    api.stop().await;
+    env.cleanup().await;
+}
