@@ -107,6 +107,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0024_sms_owed",
         include_str!("../../../migrations/0024_sms_owed.json"),
     ),
+    (
+        "0025_holds_voided_codes",
+        include_str!("../../../migrations/0025_holds_voided_codes.json"),
+    ),
+    (
+        "0026_replacement_ids_per_owner",
+        include_str!("../../../migrations/0026_replacement_ids_per_owner.json"),
+    ),
 ];
 
 /// What a migration run did.
