@@ -263,3 +263,27 @@ pub fn line_cells(l: &StatementLine) -> [String; 5] {
         l.code_hmac.clone(),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_statement_beyond_the_two_at_once_waits_then_is_refused_busy() {
+        let first = turn().await.expect("one turn");
+        let second = turn().await.expect("two turns");
+        let asked = std::time::Instant::now();
+        match turn().await {
+            Err(StatementError::Busy { wait }) => assert!(wait >= 1),
+            other => panic!("a third statement ran at once: {:?}", other.map(|_| ())),
+        }
+        assert!(asked.elapsed() >= STATEMENT_WAIT, "it waited first");
+        // One ends while another waits: the waiting one runs.
+        let waiting = tokio::spawn(async { turn().await.map(|_| ()) });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        drop(first);
+        waiting.await.unwrap().expect("the freed turn");
+        drop(second);
+    }
+}
+
