@@ -268,7 +268,13 @@ async fn a_buyer_at_the_per_user_limit_cannot_open_a_hold_it_could_not_pay() {
     let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-more", "solo", "ph", 1)).await;
     assert_eq!(s, 422, "{b}");
     // The hold it could pay is paid.
-    let (s, b) = post_json(&api, &k, "/v1/orders", &paid("O-one", "solo", "ph", 1, "H-one")).await;
+    let (s, b) = post_json(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-one", "solo", "ph", 1, "H-one"),
+    )
+    .await;
     assert_eq!(s, 201, "{b}");
     assert_eq!(
         code_ids(&env, doc! {"pool": "ph", "status": 4}).await.len(),

@@ -896,9 +896,12 @@ async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leake
     assert_eq!(h["order_id"], "O-rc", "{h}");
     // The recalled held codes keep nothing of the hold.
     assert!(
-        code_ids(&env, doc! {"batch_id": batch, "order_id": {"$exists": true}})
-            .await
-            .is_empty(),
+        code_ids(
+            &env,
+            doc! {"batch_id": batch, "order_id": {"$exists": true}}
+        )
+        .await
+        .is_empty(),
         "a recalled held code kept its hold's key"
     );
     let fresh: Vec<String> = (0..2).map(|i| format!("FRESH-{i:04}")).collect();

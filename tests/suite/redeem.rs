@@ -906,7 +906,8 @@ async fn a_code_voided_while_held_answers_like_an_unknown_one_and_spends_a_miss(
     )
     .await;
     assert_eq!(status, 201, "{b}");
-    let held: Vec<bson::Document> = find_docs(&env, "codes", doc! {"pool": "hv", "status": 4}).await;
+    let held: Vec<bson::Document> =
+        find_docs(&env, "codes", doc! {"pool": "hv", "status": 4}).await;
     assert_eq!(held.len(), 2);
     // One held code expires while held, the other is recalled with its file.
     let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
@@ -929,7 +930,14 @@ async fn a_code_voided_while_held_answers_like_an_unknown_one_and_spends_a_miss(
             .unwrap()
             .unwrap();
         assert_eq!(now.get_i32("status").unwrap(), 3, "{now}");
-        for field in ["order_id", "grant_no", "issued_at", "uid", "order_line", "owner"] {
+        for field in [
+            "order_id",
+            "grant_no",
+            "issued_at",
+            "uid",
+            "order_line",
+            "owner",
+        ] {
             assert!(!now.contains_key(field), "{field} left on {now}");
         }
     }
@@ -958,14 +966,32 @@ async fn a_strangers_misses_never_slow_another_end_user_of_the_platform() {
     let as_user = |user: &str, code: &str| json!({"code": code, "end_user": user});
     // The stranger at the activation page spends his own budget.
     for i in 0..3 {
-        let (s, _, v) = post(&api, &platform, "/v1/codes/check", as_user("203.0.113.9", &format!("GUESS-{i}"))).await;
+        let (s, _, v) = post(
+            &api,
+            &platform,
+            "/v1/codes/check",
+            as_user("203.0.113.9", &format!("GUESS-{i}")),
+        )
+        .await;
         assert_eq!(s, 404, "{v}");
     }
-    let (s, h, v) = post(&api, &platform, "/v1/codes/check", as_user("203.0.113.9", "GUESS-3")).await;
+    let (s, h, v) = post(
+        &api,
+        &platform,
+        "/v1/codes/check",
+        as_user("203.0.113.9", "GUESS-3"),
+    )
+    .await;
     assert_eq!(s, 429, "{v}");
     assert!(h.contains_key("retry-after"));
     // The buyer behind him is not slowed, nor is the key's own budget.
-    let (s, _, v) = post(&api, &platform, "/v1/codes/check", as_user("198.51.100.7", &code)).await;
+    let (s, _, v) = post(
+        &api,
+        &platform,
+        "/v1/codes/check",
+        as_user("198.51.100.7", &code),
+    )
+    .await;
     assert_eq!(s, 200, "{v}");
     let body = json!({"code": code, "redemption_id": "R-eu", "end_user": "198.51.100.7"});
     let (s, _, v) = post(&api, &platform, "/v1/codes/redeem", body).await;

@@ -755,12 +755,21 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
     let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
     let platform = codepool_ok(
         &env,
-        &["api-keys", "create", "--name", "platform", "--scopes", "codes:redeem"],
+        &[
+            "api-keys",
+            "create",
+            "--name",
+            "platform",
+            "--scopes",
+            "codes:redeem",
+        ],
     )
     .await
     .trim()
     .to_owned();
-    let (s, _, b) = api.post("/v1/orders", &backend, &order("KK-1", "kk", 1)).await;
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("KK-1", "kk", 1))
+        .await;
     assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
     let code = crate::api::json_of(&b)["codes"][0]["code"]
         .as_str()
@@ -776,15 +785,23 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
     let replace = serde_json::json!({"replacement_id": "R-kk", "reason": "rejected"}).to_string();
     let redeem = serde_json::json!({"code": code, "redemption_id": "X-kk"}).to_string();
     let answers = [
-        ("GET /v1/orders/KK-1", api.get("/v1/orders/KK-1", &backend).await),
+        (
+            "GET /v1/orders/KK-1",
+            api.get("/v1/orders/KK-1", &backend).await,
+        ),
         (
             "replace",
-            api.post("/v1/orders/KK-1/lines/0/replace", &backend, replace.as_bytes())
-                .await,
+            api.post(
+                "/v1/orders/KK-1/lines/0/replace",
+                &backend,
+                replace.as_bytes(),
+            )
+            .await,
         ),
         (
             "redeem",
-            api.post("/v1/codes/redeem", &platform, redeem.as_bytes()).await,
+            api.post("/v1/codes/redeem", &platform, redeem.as_bytes())
+                .await,
         ),
     ];
     for (what, (status, headers, body)) in answers {
@@ -794,9 +811,13 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
         assert!(body.contains("/unavailable"), "{what}: {body}");
     }
     assert_eq!(
-        find_docs(&env, "codes", doc! {"pool": "kk", "status": {"$in": [2, 3]}})
-            .await
-            .len(),
+        find_docs(
+            &env,
+            "codes",
+            doc! {"pool": "kk", "status": {"$in": [2, 3]}}
+        )
+        .await
+        .len(),
         0,
         "nothing redeemed or replaced"
     );

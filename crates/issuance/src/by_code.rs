@@ -161,6 +161,9 @@ struct Misses {
 }
 
 struct Bucket {
+    /// A lookup waits for this spent budget to refill: the others are
+    /// refused at once, so a spent budget never holds a crowd of requests.
+    refilling: bool,
     /// Misses left (reserved ones included).
     left: f64,
     /// Lookups in flight, each holding one of `left`.
@@ -193,6 +196,21 @@ impl Reserved<'_> {
     }
 }
 
+/// The one lookup waiting for a spent budget to refill.
+struct Refilling<'a> {
+    misses: &'a Misses,
+    key: String,
+}
+
+impl Drop for Refilling<'_> {
+    fn drop(&mut self) {
+        let mut buckets = (self.misses.buckets.lock()).unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = buckets.get_mut(&self.key) {
+            b.refilling = false;
+        }
+    }
+}
+
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
         self.misses.release(&self.key, self.missed);
@@ -212,6 +230,7 @@ impl Misses {
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let b = buckets.entry(key.to_owned()).or_insert(Bucket {
+            refilling: false,
             left: self.per_minute,
             reserved: 0,
             at: now,
@@ -243,7 +262,7 @@ impl Misses {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            let until = match self.turn(key) {
+            match self.turn(key) {
                 Turn::Go => {
                     return Ok(Reserved {
                         misses: self,
@@ -256,16 +275,38 @@ impl Misses {
                     if refilled > deadline {
                         return Err(RedeemError::Slowed { wait });
                     }
-                    refilled
+                    // One lookup waits for the refill; any other is
+                    // refused at once.
+                    let Some(waiting) = self.refilling(key) else {
+                        return Err(RedeemError::Slowed { wait });
+                    };
+                    let woken = tokio::time::timeout_at(refilled, freed).await;
+                    drop((waiting, woken));
                 }
-                Turn::Wait => deadline,
-            };
-            // Woken by a lookup that ends, or once the budget refilled.
-            if tokio::time::timeout_at(until, freed).await.is_err() && until >= deadline {
-                let wait = TURN_WAIT.as_secs();
-                return Err(RedeemError::Slowed { wait });
+                // Woken by a lookup that ends.
+                Turn::Wait => {
+                    if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                        let wait = TURN_WAIT.as_secs();
+                        return Err(RedeemError::Slowed { wait });
+                    }
+                }
             }
         }
+    }
+
+    /// Marks `key`'s spent budget as waited for by one lookup, until the
+    /// mark is dropped; `None` when another lookup waits already.
+    fn refilling(&self, key: &str) -> Option<Refilling<'_>> {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let b = buckets.get_mut(key)?;
+        if b.refilling {
+            return None;
+        }
+        b.refilling = true;
+        Some(Refilling {
+            misses: self,
+            key: key.to_owned(),
+        })
     }
 
     /// How long a spent budget takes to hold one miss again, at most.
@@ -288,7 +329,7 @@ impl Misses {
             let per_minute = self.per_minute;
             buckets.retain(|_, b| {
                 let refill = now.duration_since(b.at).as_secs_f64() * per_minute / 60.0;
-                b.reserved > 0 || b.left + refill < per_minute
+                b.reserved > 0 || b.refilling || b.left + refill < per_minute
             });
         }
         drop(buckets);
@@ -333,13 +374,19 @@ mod tests {
             turn.missed = true;
         }
         let asked = tokio::time::Instant::now();
-        let turn = misses.reserve("a", soon()).await.expect("slowed, not refused");
+        let turn = misses
+            .reserve("a", soon())
+            .await
+            .expect("slowed, not refused");
         let waited = asked.elapsed();
         assert!(waited <= Duration::from_secs(2), "{waited:?}");
         // It found its code: the miss goes back, and the next one goes at once.
         drop(turn);
         let asked = tokio::time::Instant::now();
-        let _ = misses.reserve("a", soon()).await.expect("the miss given back");
+        let _ = misses
+            .reserve("a", soon())
+            .await
+            .expect("the miss given back");
         assert!(asked.elapsed() < Duration::from_millis(200));
     }
 }

@@ -171,8 +171,8 @@ impl Guard {
                     slot: None,
                 };
                 let had = (counted.get(&(i.pool.clone(), buyer.clone()))).copied();
-                let fits = had.unwrap_or(0) + u64::from(i.quantity)
-                    <= u64::from(ask.policy.per_user);
+                let fits =
+                    had.unwrap_or(0) + u64::from(i.quantity) <= u64::from(ask.policy.per_user);
                 let ask = gate::Ask {
                     slot: Some(fits),
                     ..ask

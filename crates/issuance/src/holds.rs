@@ -129,7 +129,11 @@ pub enum HoldError {
     #[error("pool {0:?} is paused; nothing was held. Try again once it is resumed")]
     Paused(String),
     #[error("buyer {uid:?} has had {limit} code(s) of pool {pool:?} (orders, paid and open holds counted), its per-user limit; its payment would be refused, so nothing was held")]
-    PerUserLimit { uid: String, pool: String, limit: u32 },
+    PerUserLimit {
+        uid: String,
+        pool: String,
+        limit: u32,
+    },
     #[error("buyer {uid:?} would hold {wanted} codes of pool {pool:?}, over the {limit} one buyer may hold at once; nothing was held")]
     OverShare {
         uid: String,
@@ -653,7 +657,10 @@ async fn per_user_room(
     out: &mut [Option<Placed>],
 ) -> Result<Vec<usize>, HoldError> {
     let mut open: HashMap<(String, String), u64> = HashMap::new();
-    for h in read.open.iter().filter(|h| h.state == HoldState::Held) {
+    // Open holds past their time are expired, whether or not the sweep
+    // has returned their codes yet: they will never be paid.
+    let now = DateTime::now();
+    for h in (read.open.iter()).filter(|h| h.state == HoldState::Held && h.expires_at > now) {
         let buyer = if h.buyer.is_empty() {
             codepool_domain::buyer_key(&h.uid)
         } else {

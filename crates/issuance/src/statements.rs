@@ -286,4 +286,3 @@ mod tests {
         drop(second);
     }
 }
-

@@ -125,7 +125,12 @@ pub fn bundle_key(order_id: &str, item: usize) -> String {
 pub(crate) fn was_held(found: &[bson::Document]) -> Vec<(ObjectId, String)> {
     (found.iter())
         .filter(|d| d.get_i32("status") == Ok(CodeStatus::Held.as_i32()))
-        .filter_map(|d| Some((d.get_object_id("_id").ok()?, d.get_str("order_id").ok()?.to_owned())))
+        .filter_map(|d| {
+            Some((
+                d.get_object_id("_id").ok()?,
+                d.get_str("order_id").ok()?.to_owned(),
+            ))
+        })
         .collect()
 }
 

@@ -419,7 +419,10 @@ mod tests {
                 }
                 other => panic!("{mv:?}: status filter {other:?}"),
             }
-            let set = first_stage(w.update()).get_document("$set").unwrap().clone();
+            let set = first_stage(w.update())
+                .get_document("$set")
+                .unwrap()
+                .clone();
             let status = match set.get("status") {
                 Some(Bson::Document(l)) => l.get_i32("$literal").unwrap(),
                 _ => set.get_i32("status").unwrap(),
@@ -476,7 +479,9 @@ mod tests {
         let u = StatusWrite::new(Move::Void, doc! {"_id": 1}, now).update();
         let unset = unset_of(u);
         assert!(
-            HOLDER_FIELDS.iter().all(|f| *f == "sms_pending" || !unset.iter().any(|u| u == f)),
+            HOLDER_FIELDS
+                .iter()
+                .all(|f| *f == "sms_pending" || !unset.iter().any(|u| u == f)),
             "{unset:?}"
         );
     }

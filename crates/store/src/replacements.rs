@@ -344,13 +344,13 @@ impl Store {
             doc! {"_id": r.old_code, "order_id": &r.order_id},
             now,
         )
-        .record(doc! {"voided_at": now, "void_reason": REPLACED_REASON, "replaced_by": &r.key})
+        .record(doc! {"voided_at": now, "void_reason": REPLACED_REASON, "replaced_by": &r.id})
         .clear(&["sms_pending", "hook_pending"]);
         let done = self.write_status(&replace).await?;
         if done.matched_count == 1 {
             return Ok(OldCode::Voided { now: true });
         }
-        let mine = doc! {"_id": r.old_code, "replaced_by": &r.key};
+        let mine = doc! {"_id": r.old_code, "replaced_by": &r.id};
         if self.collection(CODES).count_documents(mine).await? > 0 {
             return Ok(OldCode::Voided { now: false });
         }
