@@ -244,3 +244,43 @@ async fn a_hold_and_an_order_from_stock_count_against_one_per_user_limit() {
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_buyer_at_the_per_user_limit_cannot_open_a_hold_it_could_not_pay() {
+    let env = TestEnv::with_pools("caps_peruser_hold", &[("ph", 10)]).await;
+    pool_set(&env, "ph", &["--hold-share", "100", "--per-user", "2"]).await;
+    let (api, k) = checkout_api(&env).await;
+    let (s, b) = post_json(&api, &k, "/v1/orders", &plain("O-ph", "solo", "ph")).await;
+    assert_eq!(s, 201, "{b}");
+    // One code left of the limit: a hold of one is fine, a second is not
+    // (paying both would pass the limit), nor is a hold of two.
+    let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-two", "SOLO", "ph", 2)).await;
+    assert_eq!(s, 422, "{b}");
+    assert_eq!(
+        b["type"].as_str().map(|t| t.ends_with("per-user-limit")),
+        Some(true),
+        "{b}"
+    );
+    assert_eq!(b["limit"], 2, "{b}");
+    assert_eq!(b["pool"], "ph", "{b}");
+    let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-one", "solo", "ph", 1)).await;
+    assert_eq!(s, 201, "{b}");
+    let (s, b) = post_json(&api, &k, "/v1/holds", &hold("H-more", "solo", "ph", 1)).await;
+    assert_eq!(s, 422, "{b}");
+    // The hold it could pay is paid.
+    let (s, b) = post_json(
+        &api,
+        &k,
+        "/v1/orders",
+        &paid("O-one", "solo", "ph", 1, "H-one"),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    assert_eq!(
+        code_ids(&env, doc! {"pool": "ph", "status": 4}).await.len(),
+        0,
+        "nothing left held"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

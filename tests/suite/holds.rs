@@ -887,6 +887,23 @@ async fn a_recall_reaches_into_holds_and_the_paid_hold_gets_no_code_of_the_leake
             .await
             .is_empty()
     );
+    // The hold gave the order nothing: released, bound to the order that
+    // paid it (as under a pause), never `committed`.
+    let (s, _, b) = api.get("/v1/holds/H-rc", &k).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let h = json_of(&b);
+    assert_eq!(h["state"], "released", "{h}");
+    assert_eq!(h["order_id"], "O-rc", "{h}");
+    // The recalled held codes keep nothing of the hold.
+    assert!(
+        code_ids(
+            &env,
+            doc! {"batch_id": batch, "order_id": {"$exists": true}}
+        )
+        .await
+        .is_empty(),
+        "a recalled held code kept its hold's key"
+    );
     let fresh: Vec<String> = (0..2).map(|i| format!("FRESH-{i:04}")).collect();
     let fresh_id = import_codes(&env, "rc", &fresh).await;
     let fresh_batch = ObjectId::parse_str(&fresh_id).unwrap();

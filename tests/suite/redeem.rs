@@ -888,3 +888,120 @@ async fn only_the_configured_broker_user_redeems_and_each_redemption_is_audited(
     daemon.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_code_voided_while_held_answers_like_an_unknown_one_and_spends_a_miss() {
+    let env = TestEnv::new("redeem_held_void").await;
+    let codes: Vec<String> = (0..4).map(|i| format!("HV-{i:04}")).collect();
+    let run = import_codes(&env, "hv", &codes).await;
+    pool_set(&env, "hv", &["--hold-share", "100"]).await;
+    let backend = key(&env, "backend", "orders:write,orders:read").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "3"]).await;
+    let (status, _, b) = post(
+        &api,
+        &backend,
+        "/v1/holds",
+        json!({"hold_id": "H-hv", "uid": "u-hv", "items": [{"pool": "hv", "quantity": 2}]}),
+    )
+    .await;
+    assert_eq!(status, 201, "{b}");
+    let held: Vec<bson::Document> =
+        find_docs(&env, "codes", doc! {"pool": "hv", "status": 4}).await;
+    assert_eq!(held.len(), 2);
+    // One held code expires while held, the other is recalled with its file.
+    let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
+    env.coll("codes")
+        .update_one(
+            doc! {"_id": held[0].get_object_id("_id").unwrap()},
+            doc! {"$set": {"expires_at": past}},
+        )
+        .await
+        .unwrap();
+    codepool_ok(&env, &["expire", "--pool", "hv"]).await;
+    codepool_ok(&env, &["void", "--import", &run, "--reason", "leak"]).await;
+    // Each looks exactly like a code voided in stock: no order, no grant
+    // number, no time it was issued.
+    for d in &held {
+        let now = env
+            .coll("codes")
+            .find_one(doc! {"_id": d.get_object_id("_id").unwrap()})
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(now.get_i32("status").unwrap(), 3, "{now}");
+        for field in [
+            "order_id",
+            "grant_no",
+            "issued_at",
+            "uid",
+            "order_line",
+            "owner",
+        ] {
+            assert!(!now.contains_key(field), "{field} left on {now}");
+        }
+    }
+    // Answered as a code no pool holds, from check and redeem alike, and
+    // each answer spends a miss.
+    let (_, unknown) = check(&api, &platform, "NO-SUCH-CODE").await;
+    for d in &held {
+        let code = env.plain_code(d);
+        let (status, c) = check(&api, &platform, &code).await;
+        assert_eq!(status, 404, "{code}: {c}");
+        assert_eq!(said(&c), said(&unknown));
+    }
+    let (status, r) = redeem(&api, &platform, &env.plain_code(&held[0]), "R-hv").await;
+    assert_eq!(status, 429, "three misses spent the budget of 3: {r}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_strangers_misses_never_slow_another_end_user_of_the_platform() {
+    let env = TestEnv::with_pools("redeem_end_users", &[("eu", 10)]).await;
+    let backend = key(&env, "backend", "orders:write").await;
+    let platform = platform_key(&env, "platform", None).await;
+    let api = ApiServer::start(&env, &["--redeem-misses-per-minute", "3"]).await;
+    let code = placed_code(&api, &backend, "EU-1", "eu").await;
+    let as_user = |user: &str, code: &str| json!({"code": code, "end_user": user});
+    // The stranger at the activation page spends his own budget.
+    for i in 0..3 {
+        let (s, _, v) = post(
+            &api,
+            &platform,
+            "/v1/codes/check",
+            as_user("203.0.113.9", &format!("GUESS-{i}")),
+        )
+        .await;
+        assert_eq!(s, 404, "{v}");
+    }
+    let (s, h, v) = post(
+        &api,
+        &platform,
+        "/v1/codes/check",
+        as_user("203.0.113.9", "GUESS-3"),
+    )
+    .await;
+    assert_eq!(s, 429, "{v}");
+    assert!(h.contains_key("retry-after"));
+    // The buyer behind him is not slowed, nor is the key's own budget.
+    let (s, _, v) = post(
+        &api,
+        &platform,
+        "/v1/codes/check",
+        as_user("198.51.100.7", &code),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let body = json!({"code": code, "redemption_id": "R-eu", "end_user": "198.51.100.7"});
+    let (s, _, v) = post(&api, &platform, "/v1/codes/redeem", body).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = check(&api, &platform, &code).await;
+    assert_eq!(s, 200, "{v}");
+    // An end user that is no readable text is refused, naming the field.
+    let (s, _, v) = post(&api, &platform, "/v1/codes/check", as_user("", &code)).await;
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(v["field"], "end_user", "{v}");
+    api.stop().await;
+    env.cleanup().await;
+}

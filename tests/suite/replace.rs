@@ -333,12 +333,23 @@ async fn another_shops_key_gets_the_404_of_an_unknown_order() {
     let (status, by_admin) = replace(&api, &admin, "S-1", 0, "A-2", "rejected").await;
     assert_eq!(status, 201, "{by_admin}");
     assert!(by_admin["code"]["code"].as_str().unwrap().contains('*'));
-    // Ids are global: globex reusing acme's is refused, and told nothing
-    // of acme's order.
+    // Ids are each shop's own: globex's A-1 is a replacement of its own,
+    // neither refused nor told anything of acme's, and acme's A-1 is
+    // still acme's.
     place(&api, &globex, "G-1", "rs").await;
     let (status, reused) = replace(&api, &globex, "G-1", 0, "A-1", "secret reason").await;
-    assert_eq!(status, 409, "{reused}");
-    let detail = reused["detail"].as_str().unwrap();
+    assert_eq!(status, 201, "{reused}");
+    assert_eq!(reused["order_id"], "G-1", "{reused}");
+    let (status, again) = replace(&api, &globex, "G-1", 0, "A-1", "secret reason").await;
+    assert_eq!(status, 200, "the same id again: {again}");
+    assert_eq!(again["code"], reused["code"]);
+    let (status, mine) = replace(&api, &acme, "S-1", 0, "A-1", "rejected").await;
+    assert_eq!(status, 200, "acme's A-1 is acme's: {mine}");
+    assert_eq!(mine["order_id"], "S-1");
+    // Another of acme's ids on globex's order is told nothing of acme's.
+    let (status, other) = replace(&api, &globex, "G-1", 0, "A-1", "another reason").await;
+    assert_eq!(status, 409, "{other}");
+    let detail = other["detail"].as_str().unwrap();
     assert!(
         !detail.contains("S-1") && !detail.contains("rejected"),
         "{detail}"

@@ -745,3 +745,82 @@ async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
     daemon.stop().await;
     env.cleanup().await;
 }
+
+/// Reads of codes sealed with a key this process lacks (an order, a
+/// replacement, a redemption by code) answer the documented 503
+/// `unavailable` with `Retry-After`, as orders do, never 500 `internal`.
+#[tokio::test]
+async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after() {
+    let env = TestEnv::with_pools("secrets_keys_reads", &[("kk", 10)]).await;
+    let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
+    let platform = codepool_ok(
+        &env,
+        &[
+            "api-keys",
+            "create",
+            "--name",
+            "platform",
+            "--scopes",
+            "codes:redeem",
+        ],
+    )
+    .await
+    .trim()
+    .to_owned();
+    let (s, _, b) = api
+        .post("/v1/orders", &backend, &order("KK-1", "kk", 1))
+        .await;
+    assert_eq!(s, 201, "{}", String::from_utf8_lossy(&b));
+    let code = crate::api::json_of(&b)["codes"][0]["code"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Another host adds a key and seals every code with it.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("keys.json");
+    std::fs::copy(&env.key_file, &other).unwrap();
+    for args in [["keys", "add"], ["keys", "rotate"]] {
+        output_ok(env.command(&args).env("CODEPOOL_KEY_FILE", &other)).await;
+    }
+    let replace = serde_json::json!({"replacement_id": "R-kk", "reason": "rejected"}).to_string();
+    let redeem = serde_json::json!({"code": code, "redemption_id": "X-kk"}).to_string();
+    let answers = [
+        (
+            "GET /v1/orders/KK-1",
+            api.get("/v1/orders/KK-1", &backend).await,
+        ),
+        (
+            "replace",
+            api.post(
+                "/v1/orders/KK-1/lines/0/replace",
+                &backend,
+                replace.as_bytes(),
+            )
+            .await,
+        ),
+        (
+            "redeem",
+            api.post("/v1/codes/redeem", &platform, redeem.as_bytes())
+                .await,
+        ),
+    ];
+    for (what, (status, headers, body)) in answers {
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(status, 503, "{what}: {body}");
+        assert!(headers.contains_key("retry-after"), "{what}: {headers:?}");
+        assert!(body.contains("/unavailable"), "{what}: {body}");
+    }
+    assert_eq!(
+        find_docs(
+            &env,
+            "codes",
+            doc! {"pool": "kk", "status": {"$in": [2, 3]}}
+        )
+        .await
+        .len(),
+        0,
+        "nothing redeemed or replaced"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}

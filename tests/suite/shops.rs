@@ -138,8 +138,21 @@ async fn a_shops_keys_order_from_its_pools_and_act_on_its_orders_only() {
         .map(|p| p["name"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names, vec!["game-x", "game-y"]);
-    let (status, _, _) = api.get("/v1/pools/game-z", &acme).await;
+    // Another shop's pool and one that does not exist: one 404, which
+    // tells the shop's key what it can do, not an admin's instruction.
+    let (status, _, theirs) = api.get("/v1/pools/game-z", &acme).await;
     assert_eq!(status, 404);
+    let (status, _, none) = api.get("/v1/pools/no-such-pool", &acme).await;
+    assert_eq!(status, 404);
+    let (theirs, none) = (json_of(&theirs), json_of(&none));
+    let detail = theirs["detail"].as_str().unwrap();
+    assert!(!detail.contains("POST /v1/pools"), "{detail}");
+    assert!(detail.contains("GET /v1/pools"), "{detail}");
+    assert_eq!(
+        detail.replace("game-z", "no-such-pool"),
+        none["detail"].as_str().unwrap(),
+        "one answer for both"
+    );
     let (status, _, _) = api.get("/v1/pools/game-y", &acme).await;
     assert_eq!(status, 200);
 

@@ -35,6 +35,13 @@ pub(crate) struct CheckIn {
     /// confusables).
     #[schema(min_length = 1, max_length = 128)]
     code: String,
+    /// Whom you ask for: your end user's account id or address, as you
+    /// know it. Codes named that match nothing are then counted against
+    /// that end user's budget (and a ceiling of the key's), so one
+    /// stranger guessing codes slows himself, not your other users.
+    #[schema(min_length = 1, max_length = 128)]
+    #[serde(default)]
+    end_user: Option<String>,
 }
 
 impl BodyDoc for CheckIn {
@@ -56,6 +63,10 @@ pub(crate) struct RedeemIn {
     /// `conflicting-redemption`).
     #[schema(min_length = 1, max_length = 128)]
     redemption_id: String,
+    /// Whom you redeem for, as in `check`.
+    #[schema(min_length = 1, max_length = 128)]
+    #[serde(default)]
+    end_user: Option<String>,
 }
 
 impl BodyDoc for RedeemIn {
@@ -134,7 +145,12 @@ pub(crate) async fn check(
     if let Some(r) = bad_code(code, &rid) {
         return r;
     }
-    answer(api.by_code.check(&key, code).await, &rid)
+    let end_user = match checked_end_user(b.end_user.as_deref(), &rid) {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    let found = api.by_code.check(&key, end_user.as_deref(), code).await;
+    answer(found, &rid)
 }
 
 /// `POST /v1/codes/redeem` with `{"code": …, "redemption_id": …}`.
@@ -161,10 +177,14 @@ pub(crate) async fn redeem(
     if let Some(r) = bad_code(code, &rid) {
         return r;
     }
+    let end_user = match checked_end_user(b.end_user.as_deref(), &rid) {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
     let actor = Actor::api_key(&key.name, "POST /v1/codes/redeem");
     let found = api
         .by_code
-        .redeem(&key, code, &b.redemption_id, &actor)
+        .redeem(&key, end_user.as_deref(), code, &b.redemption_id, &actor)
         .await;
     answer(found, &rid)
 }
@@ -177,18 +197,43 @@ fn answer(found: Result<Seen, RedeemError>, rid: &RequestId) -> Response {
     }
 }
 
-/// 429 for a key whose miss budget is spent: nothing was looked up.
+/// 429 for a key (or end user) whose miss budget is spent: nothing was
+/// looked up.
 fn slowed(wait: u64, rid: &RequestId) -> Response {
     metrics::counter!("codepool_api_rate_limited_total").increment(1);
     Problem::new(
         StatusCode::TOO_MANY_REQUESTS,
         "redeem-misses",
         "too many codes that match nothing",
-        format!("this key named too many codes that match nothing; wait {wait} s (Retry-After), then send the request again"),
+        format!("this key (or the end user it named) named too many codes that match nothing; wait {wait} s (Retry-After), then send the request again. Name each request's end user (`end_user`) so that one user's misses slow only that user"),
     )
     .retry_after(wait)
     .at(&rid.0)
     .into_response()
+}
+
+/// The end user a request names, if any; 422 for one that is empty, too
+/// long or unreadable.
+#[allow(clippy::result_large_err)]
+fn checked_end_user(name: Option<&str>, rid: &RequestId) -> Result<Option<String>, Response> {
+    let Some(name) = name else {
+        return Ok(None);
+    };
+    match codepool_issuance::by_code::end_user(name) {
+        Some(u) => Ok(Some(u)),
+        None => Err(Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-end-user",
+            "that is not an end user",
+            format!(
+                "end_user is 1 to {} characters of plain visible text (your end user's account id or address); send it so, or leave it out",
+                codepool_issuance::by_code::MAX_END_USER_CHARS
+            ),
+        )
+        .field("end_user")
+        .at(&rid.0)
+        .into_response()),
+    }
 }
 
 /// 422 for a code no pool could hold (empty, too long, unreadable).
@@ -211,7 +256,7 @@ fn bad_code(code: &str, rid: &RequestId) -> Option<Response> {
 fn refused(e: RedeemError, rid: &RequestId) -> Response {
     let detail = e.to_string();
     let p = match e {
-        RedeemError::Store(s) => return failed(&s, s.is_unavailable(), rid),
+        RedeemError::Store(s) => return failed(&s, s.is_retryable(), rid),
         RedeemError::Batch(b) => return failed(&b, true, rid),
         RedeemError::Slowed { wait } => return slowed(wait, rid),
         RedeemError::Unknown => Problem::new(

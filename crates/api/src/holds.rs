@@ -102,6 +102,14 @@ fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
         HoldError::Paused(_) => {
             Problem::new(StatusCode::CONFLICT, "pool-paused", title, e.to_string())
         }
+        HoldError::PerUserLimit { pool, limit, .. } => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "per-user-limit",
+            title,
+            e.to_string(),
+        )
+        .with("pool", json!(pool))
+        .with("limit", json!(limit)),
         HoldError::OverShare { limit, .. } => hold_limit(
             title,
             format!("{e}. Hold fewer codes, or pay for the codes held first"),
@@ -146,7 +154,7 @@ fn hold_limit(title: &str, detail: String, limit: u64, cap: &str) -> Problem {
         (status = 200, description = "the same hold again, as it stands now", body = Hold),
         (status = 409, description = "out of stock (`insufficient-stock`, with what each pool has free; it comes before any limit: an empty pool is 409, never 429), a paused pool, or the hold id taken by another hold; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 403, description = "the key lacks `orders:write`, or a shop's key names a pool that is not its shop's or does not exist (`pool-not-allowed`, one answer for both); nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
-        (status = 422, description = "an invalid field or unknown pool (named in `field`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "an invalid field or unknown pool (named in `field`), or the buyer at its per-user limit of a pool (`per-user-limit`, with the `pool` and `limit`: its payment would be refused)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 429, description = "over the pool's share one buyer (or key or shop) may hold, or the buyer's open holds (`hold-limit`, naming its `cap` and `limit`), for a hold the stock could cover; nothing held", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["orders:write"]))

@@ -297,7 +297,7 @@ pub(crate) async fn read(
     }
     let found = match api.lookup(CodeQuery::Order(&order_id), 100).await {
         Ok(f) => f,
-        Err(e) => return failed(&e, e.is_unavailable(), &rid),
+        Err(e) => return failed(&e, e.is_retryable(), &rid),
     };
     // A shop's key reads only its shop's orders.
     if found.is_empty() || (key.shop.is_some() && !found.is_owned_by(&key.owner())) {
@@ -321,7 +321,7 @@ pub(crate) async fn read(
         let count = found.codes.len() as u64;
         // No record, no reveal.
         if let Err(e) = api.record_reveal(&actor, what, ids, count).await {
-            return failed(&e, e.is_unavailable(), &rid);
+            return failed(&e, e.is_retryable(), &rid);
         }
     }
     Json(Order::of(&order_id, &found, q.reveal)).into_response()
@@ -337,7 +337,7 @@ async fn not_owner(api: &Api, key: &KeyDoc, order_id: &str, rid: &RequestId) -> 
     }
     let found = match api.lookup(CodeQuery::Order(order_id), 1).await {
         Ok(f) => f,
-        Err(e) => return Some(failed(&e, e.is_unavailable(), rid)),
+        Err(e) => return Some(failed(&e, e.is_retryable(), rid)),
     };
     (!found.is_owned_by(&key.owner())).then(|| not_yours(order_id, rid))
 }
@@ -475,7 +475,7 @@ impl Order {
 fn refused(e: LifecycleError, rid: &RequestId) -> Response {
     let (status, slug) = match &e {
         LifecycleError::NotFound { .. } => (StatusCode::NOT_FOUND, "unknown-order"),
-        LifecycleError::Store(s) => return failed(s, s.is_unavailable(), rid),
+        LifecycleError::Store(s) => return failed(s, s.is_retryable(), rid),
         _ => (StatusCode::CONFLICT, "invalid-transition"),
     };
     Problem::new(
@@ -670,7 +670,7 @@ pub(crate) async fn resend(
             events: events.iter().map(|e| e.event_id.clone()).collect(),
         })
         .into_response(),
-        Err(ops::ResendError::Store(e)) => failed(&e, e.is_unavailable(), &rid),
+        Err(ops::ResendError::Store(e)) => failed(&e, e.is_retryable(), &rid),
         Err(ops::ResendError::Unconfirmed(e)) => failed(&e, true, &rid),
         Err(e) => Problem::new(
             StatusCode::CONFLICT,

@@ -46,6 +46,26 @@ fn unknown(pool: &str, rid: &RequestId) -> Response {
     .into_response()
 }
 
+/// 404 for a pool `key` may not see: to a shop's key, what it can act on
+/// (one answer for a pool of another shop and a pool that does not
+/// exist); to an admin key, how to create it.
+fn unknown_to(key: &KeyDoc, pool: &str, rid: &RequestId) -> Response {
+    if key.shop.is_none() {
+        return unknown(pool, rid);
+    }
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-pool",
+        "no such pool",
+        format!(
+            "pool {pool:?} is not one of this shop's pools; GET /v1/pools lists the pools this key may use. To use another, ask the operator to add it to the shop"
+        ),
+    )
+    .field("pool")
+    .at(&rid.0)
+    .into_response()
+}
+
 /// A pool's stock, as `codepool stats` counts it.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -224,13 +244,13 @@ pub(crate) async fn show(
 /// The pool as `key` may see it.
 async fn pool_answer(api: &Api, key: &KeyDoc, rid: &RequestId, pool: String) -> Response {
     match shop_pools(api, key, rid).await {
-        Ok(Some(only)) if !only.contains(&pool) => return unknown(&pool, rid),
+        Ok(Some(only)) if !only.contains(&pool) => return unknown_to(key, &pool, rid),
         Ok(_) => {}
         Err(r) => return r,
     }
     let doc = match api.pool(&pool).await {
         Ok(Some(d)) => d,
-        Ok(None) => return unknown(&pool, rid),
+        Ok(None) => return unknown_to(key, &pool, rid),
         Err(e) => return failed(&e, rid),
     };
     match api.stats_of(&[pool.as_str()]).await {

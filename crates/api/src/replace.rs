@@ -76,7 +76,7 @@ pub(crate) async fn replace(
     // admin key any. Another's order is not shown to exist.
     let found = match api.lookup(CodeQuery::Order(&order_id), 1).await {
         Ok(f) => f,
-        Err(e) => return failed(&e, e.is_unavailable(), &rid),
+        Err(e) => return failed(&e, e.is_retryable(), &rid),
     };
     let owns = found.is_owned_by(&key.owner());
     if !owns && !key.allows(Scope::Admin) {
@@ -135,7 +135,7 @@ async fn answer(
             done.doc.id, done.doc.order_id
         );
         if let Err(e) = api.record_reveal(actor, what, vec![c.id], 1).await {
-            return failed(&e, e.is_unavailable(), rid);
+            return failed(&e, e.is_retryable(), rid);
         }
     }
     let status = match (&grant, done.began) {
@@ -165,8 +165,8 @@ async fn answer(
 fn refused(e: ReplaceError, rid: &RequestId) -> Response {
     let detail = e.to_string();
     let p = match &e {
-        ReplaceError::Store(s) => return failed(s, s.is_unavailable(), rid),
-        ReplaceError::Claim(c) => return failed(c, c.is_unavailable(), rid),
+        ReplaceError::Store(s) => return failed(s, s.is_retryable(), rid),
+        ReplaceError::Claim(c) => return failed(c, c.is_retryable(), rid),
         ReplaceError::Reason => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-reason", detail)
             .field("reason"),
         ReplaceError::Id => problem(

@@ -86,6 +86,18 @@ fn failed(e: StatementError, rid: &RequestId) -> Response {
         StatementError::EmptyPeriod { .. } => {
             unprocessable(rid, "empty-period", "from", e.to_string())
         }
+        StatementError::Busy { wait } => {
+            metrics::counter!("codepool_api_rate_limited_total").increment(1);
+            Problem::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "statements-busy",
+                "statements are being made already",
+                format!("{e}; wait {wait} s (Retry-After), then send the request again"),
+            )
+            .retry_after(wait)
+            .at(&rid.0)
+            .into_response()
+        }
         StatementError::Store(e) => Problem::unavailable(&e).at(&rid.0).into_response(),
     }
 }
@@ -187,6 +199,7 @@ pub(crate) async fn statement(
             content((LinesOut = "application/json"), (String = "text/csv"))),
         (status = 404, description = "no such pool, or the import run is not of it", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "a bad date, import id or format, an empty period, or more than 100,000 moves (`too-many-lines`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "two statements are being made by this process already (`statements-busy`); `Retry-After` says when to ask again", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
     security(("api_key" = ["admin"]))
 )]

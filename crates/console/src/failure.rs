@@ -25,6 +25,8 @@ pub enum Failure {
     Conflict(String),
     /// A server codepool needs is away: try again.
     Unavailable(String),
+    /// Too much of this runs at once: try again in `wait` seconds.
+    Busy { detail: String, wait: u64 },
     /// Anything else; logged.
     Internal(String),
 }
@@ -62,6 +64,20 @@ impl IntoResponse for Failure {
                 "Try again",
                 format!("{d}; nothing was changed twice, try again in a moment"),
             ),
+            Failure::Busy { detail, wait } => {
+                let body = crate::frame::bare(
+                    "Busy",
+                    html! {
+                        h1 { "Busy" }
+                        p.problem role="alert" { (detail) "; try again in " (wait) " s." }
+                        p { a href="/console/pools" { "Back to the pools" } }
+                    },
+                );
+                let mut r = (StatusCode::TOO_MANY_REQUESTS, Html(body.into_string())).into_response();
+                r.headers_mut()
+                    .insert(axum::http::header::RETRY_AFTER, wait.into());
+                return r;
+            }
             Failure::Internal(d) => {
                 tracing::error!(error = %d, "console request failed");
                 (StatusCode::INTERNAL_SERVER_ERROR, "Failed", d)

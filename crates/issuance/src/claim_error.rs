@@ -43,6 +43,12 @@ impl ClaimError {
         }
     }
 
+    /// Worth answering "come back later": a server is away, or this
+    /// process lacks a key (it claims nothing until its key file has it).
+    pub fn is_retryable(&self) -> bool {
+        self.is_unavailable() || self.is_unknown_key() || matches!(self, ClaimError::KeysMissing(_))
+    }
+
     /// A code the claim read is sealed with a key the key file lacks.
     pub fn is_unknown_key(&self) -> bool {
         matches!(self, ClaimError::Store(e) if e.is_unknown_key())

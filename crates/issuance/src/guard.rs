@@ -137,6 +137,59 @@ impl Guard {
             .collect()
     }
 
+    /// The per-user limit for holds: for each hold asked (its buyer and
+    /// items, in order), the first pool whose limit the buyer's codes
+    /// would pass once the hold is paid, as the gate's refusal, or `None`.
+    /// Counted are the codes the buyer took already (orders, paid holds),
+    /// the codes it holds in open holds (`open`: codes by `(pool, buyer
+    /// key)`) and the holds asked before it. A hold whose payment would be
+    /// refused is refused itself: the buyer learns it before paying.
+    pub async fn hold_room(
+        &self,
+        store: &Store,
+        asks: &[(&str, &[Item])],
+        open: &HashMap<(String, String), u64>,
+    ) -> Result<Vec<Option<Refused>>, StoreError> {
+        let limited: Vec<(&str, &str)> = (asks.iter())
+            .flat_map(|(uid, items)| items.iter().map(move |i| (i.pool.as_str(), *uid)))
+            .filter(|(pool, _)| self.policy(pool).limits_users())
+            .collect();
+        if limited.is_empty() {
+            return Ok(vec![None; asks.len()]);
+        }
+        let mut counted = store.quota_taken(&limited).await?;
+        for (key, n) in open {
+            *counted.entry(key.clone()).or_default() += n;
+        }
+        let mut out = Vec::with_capacity(asks.len());
+        for (uid, items) in asks {
+            let buyer = codepool_domain::buyer_key(uid);
+            let over = items.iter().find_map(|i| {
+                let ask = gate::Ask {
+                    pool: &i.pool,
+                    policy: self.policy(&i.pool),
+                    slot: None,
+                };
+                let had = (counted.get(&(i.pool.clone(), buyer.clone()))).copied();
+                let fits =
+                    had.unwrap_or(0) + u64::from(i.quantity) <= u64::from(ask.policy.per_user);
+                let ask = gate::Ask {
+                    slot: Some(fits),
+                    ..ask
+                };
+                gate::admit(Move::Hold, &ask).err()
+            });
+            if over.is_none() {
+                for i in items.iter() {
+                    *counted.entry((i.pool.clone(), buyer.clone())).or_default() +=
+                        u64::from(i.quantity);
+                }
+            }
+            out.push(over);
+        }
+        Ok(out)
+    }
+
     /// Whether `payer` may pay (or act on) what `owner` holds.
     pub fn may_pay(owner: Option<&str>, payer: Option<&str>) -> bool {
         gate::may_pay(owner, payer)

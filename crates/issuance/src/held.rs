@@ -103,7 +103,9 @@ fn named_hold<'h>(p: &Purchase, holds: &'h [HoldDoc]) -> Option<&'h HoldDoc> {
 /// - a hold over its buyer's per-user limit (counting the orders the buyer
 ///   placed from stock meanwhile) is released; the order is refused;
 /// - a held code that expired or was recalled while held is not moved
-///   (the store's condition); the order's line is claimed from stock.
+///   (the store's condition); the order's line is claimed from stock. A
+///   hold that lost every code so is bound to the order and released, as
+///   under a pause: it gave the order nothing.
 pub async fn commit_paid(
     store: &Store,
     purchases: &[&Purchase],
@@ -215,6 +217,15 @@ async fn pay(
         return Ok(());
     }
     let held = store.held_codes(&h.keys()).await?;
+    if held.is_empty() {
+        // Every code it held was recalled or expired while held: the order
+        // gets nothing of it, and is placed from stock (or waits). Bound to
+        // the order, as under a pause, so no other order pays it.
+        debug!(order_id = %p.order_id, hold_id = %h.hold_id, "a paid hold whose codes were all voided while held: bound to its order, released; the order is placed from stock");
+        paid.released
+            .extend(end(store, h, HoldEnd::Released, Some(&p.order_id)).await?);
+        return Ok(());
+    }
     let moved = commit(store, p, &h.keys(), &held, resend).await?;
     let codes = moved.len();
     paid.committed.extend(moved);

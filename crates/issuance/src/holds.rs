@@ -129,6 +129,12 @@ pub enum HoldError {
     },
     #[error("pool {0:?} is paused; nothing was held. Try again once it is resumed")]
     Paused(String),
+    #[error("buyer {uid:?} has had {limit} code(s) of pool {pool:?} (orders, paid and open holds counted), its per-user limit; its payment would be refused, so nothing was held")]
+    PerUserLimit {
+        uid: String,
+        pool: String,
+        limit: u32,
+    },
     #[error("buyer {uid:?} would hold {wanted} codes of pool {pool:?}, over the {limit} one buyer may hold at once; nothing was held")]
     OverShare {
         uid: String,
@@ -233,6 +239,7 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
         docs: &read.docs,
         counted: &read.counted,
     };
+    let todo = per_user_room(intake.store(), &asks, todo, &read, &mut out).await?;
     let todo = within_limits(intake.store(), &asks, todo, limits, &mut out).await?;
     let (holds, short) = record_and_claim(intake, &asks, &read.owners, &todo, &mut out).await?;
     let free = release_short(
@@ -646,6 +653,53 @@ struct Limits<'a> {
     owners: &'a [Option<String>],
     docs: &'a [codepool_store::pools::PoolDoc],
     counted: &'a HashMap<String, u64>,
+}
+
+/// The pools' per-user limits, for the holds at `todo` ([`Guard::hold_room`]):
+/// a hold whose payment the limit would refuse is refused now. Returns the
+/// holds within them; the others are answered in `out`.
+async fn per_user_room(
+    store: &Store,
+    asks: &[HoldAsk],
+    todo: Vec<usize>,
+    read: &BatchRead,
+    out: &mut [Option<Placed>],
+) -> Result<Vec<usize>, HoldError> {
+    let mut open: HashMap<(String, String), u64> = HashMap::new();
+    // Open holds past their time are expired, whether or not the sweep
+    // has returned their codes yet: they will never be paid.
+    let now = DateTime::now();
+    for h in (read.open.iter()).filter(|h| h.state == HoldState::Held && h.expires_at > now) {
+        let buyer = if h.buyer.is_empty() {
+            codepool_domain::buyer_key(&h.uid)
+        } else {
+            h.buyer.clone()
+        };
+        for i in &h.items {
+            *open.entry((i.pool.clone(), buyer.clone())).or_default() += u64::from(i.quantity);
+        }
+    }
+    let wanted: Vec<(&str, &[Item])> = (todo.iter())
+        .map(|&k| (asks[k].req.uid.as_str(), asks[k].req.items.as_slice()))
+        .collect();
+    let verdicts = read.guard.hold_room(store, &wanted, &open).await?;
+    let mut within = Vec::with_capacity(todo.len());
+    for (k, verdict) in todo.into_iter().zip(verdicts) {
+        match verdict {
+            Some(Refused::PerUserLimit { pool, limit }) => {
+                metrics::counter!("codepool_holds_total", "outcome" => "per_user_limit")
+                    .increment(1);
+                out[k] = Some(Err(HoldError::PerUserLimit {
+                    uid: asks[k].req.uid.clone(),
+                    pool,
+                    limit,
+                }));
+            }
+            Some(Refused::Paused { pool }) => out[k] = Some(Err(HoldError::Paused(pool))),
+            _ => within.push(k),
+        }
+    }
+    Ok(within)
 }
 
 /// The caps, for the holds at `todo`: a buyer's open holds and share of

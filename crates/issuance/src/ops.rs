@@ -38,9 +38,22 @@ pub struct Lookup {
     /// The codes the order's replacements replaced, void (only for an
     /// order query); `codes` holds each line's code now.
     pub replaced: Vec<Code>,
+    /// The hold that held each code a recall or its expiry voided while
+    /// held (the code itself keeps nothing of its hold).
+    pub lost_by_holds: std::collections::HashMap<codepool_domain::CodeId, String>,
 }
 
 impl Lookup {
+    /// The hold or bundle that set `c` aside: the one it is held under,
+    /// or the hold that held it when a recall or its expiry voided it.
+    pub fn set_aside(&self, c: &Code) -> Option<codepool_domain::SetAside> {
+        c.set_aside().or_else(|| {
+            (self.lost_by_holds.get(&c.id)).map(|hold_id| codepool_domain::SetAside::Hold {
+                hold_id: hold_id.clone(),
+            })
+        })
+    }
+
     pub fn is_empty(&self) -> bool {
         self.codes.is_empty()
             && self.backorders.is_empty()
@@ -177,6 +190,14 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
         ),
         _ => (Vec::new(), Vec::new(), Vec::new()),
     };
+    // A code voided while held keeps nothing of its hold; the hold lists it.
+    let unsold_voids: Vec<codepool_domain::CodeId> = (codes.iter())
+        .filter(|c| c.status == codepool_domain::CodeStatus::Void && c.holder.is_none())
+        .map(|c| c.id)
+        .collect();
+    let lost_by_holds = (store.holds_that_lost(&unsold_voids).await?.into_iter())
+        .map(|(id, h)| (id, h.hold_id))
+        .collect();
     Ok(Lookup {
         codes,
         backorders,
@@ -184,6 +205,7 @@ pub async fn lookup(store: &Store, query: CodeQuery<'_>, limit: i64) -> Result<L
         holds,
         replacements,
         replaced,
+        lost_by_holds,
     })
 }
 

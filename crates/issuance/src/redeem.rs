@@ -107,7 +107,7 @@ pub enum RedeemError {
     BadId,
     /// The key named too many codes that matched nothing
     /// ([`crate::by_code`]): nothing was looked up.
-    #[error("this key named too many codes that match nothing; wait {wait} s, then send the request again")]
+    #[error("this key (or the end user it named) named too many codes that match nothing; wait {wait} s, then send the request again")]
     Slowed { wait: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),

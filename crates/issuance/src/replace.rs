@@ -146,14 +146,17 @@ pub async fn replace(
 ) -> Result<Replaced, ReplaceError> {
     let reason = crate::ops::checked_reason(ask.reason).ok_or(ReplaceError::Reason)?;
     let id = checked_id(ask.replacement_id).ok_or(ReplaceError::Id)?;
-    if let Some(doc) = s.store.replacement(&id).await? {
+    // Replacement ids are each order owner's own: another shop's ids
+    // neither collide with these nor say anything of them.
+    let owner = order_owner(s.store, ask.order_id).await?;
+    if let Some(doc) = s.store.replacement(owner.as_deref(), &id).await? {
         return again(s, doc, ask, reason, actor).await;
     }
     let old = match line_code(s.store, ask.order_id, ask.line).await {
         Ok(old) => old,
         // A request with the same id may have begun it since, and voided
         // the code: then this is that replacement again.
-        Err(e) => match s.store.replacement(&id).await? {
+        Err(e) => match s.store.replacement(owner.as_deref(), &id).await? {
             Some(doc) => return again(s, doc, ask, reason, actor).await,
             None => return Err(e),
         },
@@ -239,6 +242,15 @@ async fn again(
     }
 }
 
+/// Who owns order `order_id` (the key or shop that placed it; `None` for
+/// the operator's orders, and an order with no code).
+async fn order_owner(store: &Store, order_id: &str) -> Result<Option<String>, ReplaceError> {
+    let codes = store.grants_for_orders(&[order_id]).await?;
+    Ok((codes.get(order_id).into_iter().flatten())
+        .find_map(|c| c.order_holder())
+        .and_then(|h| h.owner.clone()))
+}
+
 /// The code on `line` of `order_id` now, if it may be replaced: issued.
 async fn line_code(store: &Store, order_id: &str, line: u32) -> Result<Code, ReplaceError> {
     let codes = store
@@ -314,7 +326,7 @@ async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Repla
         OldCode::Voided { now } => now,
         OldCode::Refused(code) => {
             // Nothing changed: forget it, so it does not count.
-            s.store.drop_replacement(&doc.id).await?;
+            s.store.drop_replacement(&doc.key).await?;
             return Err(not_replaceable(&doc.order_id, doc.line(), &code));
         }
     };
@@ -339,13 +351,13 @@ async fn serve(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Replac
     };
     let guard = crate::guard::Guard::of_pool(s.store, &doc.pool).await?;
     if guard.stopped(Move::Reissue, [doc.pool.as_str()]).is_some() {
-        return Ok(waits(s.store.settle_replacement(&doc.id, None).await?));
+        return Ok(waits(s.store.settle_replacement(&doc.key, None).await?));
     }
     let number = s.engine.grant_number(&purchase_of(&doc)).await?;
     let Some((code, fresh)) = s.store.claim_replacement(&doc, number).await? else {
-        return Ok(waits(s.store.settle_replacement(&doc.id, None).await?));
+        return Ok(waits(s.store.settle_replacement(&doc.key, None).await?));
     };
-    let settled = s.store.settle_replacement(&doc.id, Some(&code)).await?;
+    let settled = s.store.settle_replacement(&doc.key, Some(&code)).await?;
     if settled.state == ReplacementState::Cancelled {
         // The order was voided meanwhile: nothing is sent for this code.
         s.store.withdraw_replacement_code(&code).await?;

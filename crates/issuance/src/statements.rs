@@ -24,8 +24,36 @@ pub enum StatementError {
     BadImport(String),
     #[error("the period is empty: --from {from} is not before --to {to} (to the millisecond)")]
     EmptyPeriod { from: String, to: String },
+    /// Every statement this process may run at once is running, and none
+    /// ended within [`STATEMENT_WAIT`].
+    #[error("{STATEMENTS_AT_ONCE} statements are being made already; ask again in {wait} s")]
+    Busy { wait: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// Statements (and statement listings) one process makes at once: each
+/// keeps MongoDB busy for as long as the pool is big, and orders must not
+/// wait behind them.
+pub const STATEMENTS_AT_ONCE: usize = 2;
+
+/// How long a statement waits for one of the [`STATEMENTS_AT_ONCE`] turns
+/// before it is refused ([`StatementError::Busy`]).
+pub const STATEMENT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The turns of this process's statements: one for every door.
+static TURNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(STATEMENTS_AT_ONCE);
+
+/// One of this process's statement turns, held while a statement runs;
+/// [`StatementError::Busy`] when none comes within [`STATEMENT_WAIT`].
+async fn turn() -> Result<tokio::sync::SemaphorePermit<'static>, StatementError> {
+    match tokio::time::timeout(STATEMENT_WAIT, TURNS.acquire()).await {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => {
+            metrics::counter!("codepool_statements_refused_total").increment(1);
+            Err(StatementError::Busy { wait: 5 })
+        }
+    }
 }
 
 /// What a statement covers, as a door read it.
@@ -102,6 +130,7 @@ impl Asked {
 #[tracing::instrument(skip(store), fields(pool = %a.pool))]
 pub async fn statement(store: &Store, a: &Asked) -> Result<Statement, StatementError> {
     let p = a.period(store).await?;
+    let _turn = turn().await?;
     Ok(store.statement(&p).await?)
 }
 
@@ -115,6 +144,7 @@ pub async fn lines(
 ) -> Result<u64, StatementError> {
     let p = a.period(store).await?;
     let key = store.statement_key(&a.pool)?;
+    let _turn = turn().await?;
     Ok(store.statement_lines(&p, &key, each).await?)
 }
 
@@ -268,4 +298,27 @@ pub fn line_cells(l: &StatementLine) -> [String; 5] {
         l.import.clone().unwrap_or_default(),
         l.code_hmac.clone(),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_statement_beyond_the_two_at_once_waits_then_is_refused_busy() {
+        let first = turn().await.expect("one turn");
+        let second = turn().await.expect("two turns");
+        let asked = std::time::Instant::now();
+        match turn().await {
+            Err(StatementError::Busy { wait }) => assert!(wait >= 1),
+            other => panic!("a third statement ran at once: {:?}", other.map(|_| ())),
+        }
+        assert!(asked.elapsed() >= STATEMENT_WAIT, "it waited first");
+        // One ends while another waits: the waiting one runs.
+        let waiting = tokio::spawn(async { turn().await.map(|_| ()) });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        drop(first);
+        waiting.await.unwrap().expect("the freed turn");
+        drop(second);
+    }
 }

@@ -64,6 +64,10 @@ impl StoreError {
                 collection: collection.clone(),
                 message: message.clone(),
             },
+            // A missing key stays one: the doors answer it "come back".
+            Self::Keys(codepool_vault::VaultError::UnknownKey(id)) => {
+                Self::Keys(codepool_vault::VaultError::UnknownKey(id.clone()))
+            }
             Self::Keys(k) => Self::Config(k.to_string()),
         }
     }
@@ -81,6 +85,14 @@ impl StoreError {
     /// lacks, even after reading the file again.
     pub fn is_unknown_key(&self) -> bool {
         matches!(self, Self::Keys(codepool_vault::VaultError::UnknownKey(_)))
+    }
+
+    /// True when the same request later may succeed: a server is away, or
+    /// this process lacks a key that the operator restores to its key file
+    /// (the process reads it again, without a restart). Doors answer both
+    /// as "unavailable, come back", never as an internal error.
+    pub fn is_retryable(&self) -> bool {
+        self.is_unavailable() || self.is_unknown_key()
     }
 }
 

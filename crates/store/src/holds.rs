@@ -23,6 +23,9 @@ use crate::{durable, ClaimAssignment, Store, StoreError};
 
 pub const HOLDS: &str = "holds";
 pub use codepool_domain::gate::{HoldEnd, HoldState};
+/// The field of a hold that lists the codes a recall or their expiry
+/// voided while it held them ([`Store::note_voided_while_held`]).
+pub const VOIDED_CODES: &str = "voided_codes";
 /// A hold whose codes are held, as stored.
 const HELD: &str = "held";
 
@@ -115,6 +118,20 @@ const BUNDLE_PREFIX: &str = codepool_domain::BUNDLE_KEY_PREFIX;
 /// codes until the bundle is whole.
 pub fn bundle_key(order_id: &str, item: usize) -> String {
     format!("{BUNDLE_PREFIX}{item}:{order_id}")
+}
+
+/// Of the codes a sweep read (`_id`, `status`, `order_id`), those held,
+/// with the key they are held under.
+pub(crate) fn was_held(found: &[bson::Document]) -> Vec<(ObjectId, String)> {
+    (found.iter())
+        .filter(|d| d.get_i32("status") == Ok(CodeStatus::Held.as_i32()))
+        .filter_map(|d| {
+            Some((
+                d.get_object_id("_id").ok()?,
+                d.get_str("order_id").ok()?.to_owned(),
+            ))
+        })
+        .collect()
 }
 
 /// A held code, to go back to stock or to an order.
@@ -488,6 +505,85 @@ impl Store {
             moved += crate::collections::as_u64(reply.get("nModified"));
         }
         Ok(moved)
+    }
+
+    /// Notes on their holds the held codes a recall or the expiry sweep
+    /// just voided: `was_held` names each candidate that was held when the
+    /// sweep read it, with the key it was held under. The void cleared
+    /// every field the hold wrote on the code (it looks like a code voided
+    /// in stock) and kept only [`crate::moves::HELD_AT`]; the hold keeps
+    /// which codes it lost (`voided_codes`), for the operator's lookup.
+    /// Only the codes this void took out of their hold are noted (void now,
+    /// with a `held_at`). Best effort: a hold that misses a note only
+    /// loses that line of the lookup.
+    pub(crate) async fn note_voided_while_held(
+        &self,
+        was_held: &[(ObjectId, String)],
+    ) -> Result<(), StoreError> {
+        if was_held.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<ObjectId> = was_held.iter().map(|(id, _)| *id).collect();
+        let voided: Vec<bson::Document> = self
+            .collection(CODES)
+            .find(doc! {
+                "_id": {"$in": &ids},
+                "status": CodeStatus::Void.as_i32(),
+                crate::moves::HELD_AT: {"$exists": true},
+            })
+            .projection(doc! {"_id": 1})
+            .await?
+            .try_collect()
+            .await?;
+        let voided: std::collections::HashSet<ObjectId> = (voided.iter())
+            .filter_map(|d| d.get_object_id("_id").ok())
+            .collect();
+        let mut by_key: HashMap<&str, Vec<ObjectId>> = HashMap::new();
+        for (id, key) in was_held.iter().filter(|(id, _)| voided.contains(id)) {
+            by_key.entry(key.as_str()).or_default().push(*id);
+        }
+        for (key, codes) in by_key {
+            if let Some(h) = self.hold_of_key(key).await? {
+                self.collection(HOLDS)
+                    .update_one(
+                        doc! {"_id": &h.id},
+                        doc! {"$addToSet": {VOIDED_CODES: {"$each": codes}}},
+                    )
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The holds that lost these codes to a recall or their expiry while
+    /// they held them, by code (the `voided_codes` index).
+    pub async fn holds_that_lost(
+        &self,
+        codes: &[CodeId],
+    ) -> Result<HashMap<CodeId, HoldDoc>, StoreError> {
+        if codes.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let ids: Vec<ObjectId> = codes.iter().copied().map(object_id).collect();
+        let holds: Vec<bson::Document> = self
+            .collection(HOLDS)
+            .find(doc! {VOIDED_CODES: {"$in": &ids}})
+            .await?
+            .try_collect()
+            .await?;
+        let mut out = HashMap::new();
+        for d in holds {
+            let lost: Vec<ObjectId> = (d.get_array(VOIDED_CODES).into_iter().flatten())
+                .filter_map(|b| b.as_object_id())
+                .collect();
+            let Ok(h) = bson::from_document::<HoldDoc>(d) else {
+                continue;
+            };
+            for id in lost.into_iter().filter(|id| ids.contains(id)) {
+                out.insert(code_id(id), h.clone());
+            }
+        }
+        Ok(out)
     }
 
     /// The holds of these hold ids, of every owner, any state (the

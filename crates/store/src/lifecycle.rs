@@ -526,7 +526,7 @@ impl Store {
             let docs: Vec<Document> = self
                 .collection(CODES)
                 .find(filter.clone())
-                .projection(doc! {"_id": 1, "pool": 1})
+                .projection(doc! {"_id": 1, "pool": 1, "status": 1, "order_id": 1})
                 .hint(mongodb::options::Hint::Name(index.into()))
                 .limit(EXPIRE_BATCH)
                 .await?
@@ -552,6 +552,8 @@ impl Store {
             let mut batch = target.clone();
             batch.insert("_id", doc! {"$in": &ids});
             self.write_status(&expire(batch)).await?;
+            self.note_voided_while_held(&crate::holds::was_held(&docs))
+                .await?;
             // Whatever matched is void now, whoever voided it: none of
             // these ids may stay a claim candidate.
             for (id, pool) in &found {

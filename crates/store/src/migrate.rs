@@ -115,6 +115,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0026_channels",
         include_str!("../../../migrations/0026_channels.json"),
     ),
+    (
+        "0027_holds_voided_codes",
+        include_str!("../../../migrations/0027_holds_voided_codes.json"),
+    ),
+    (
+        "0028_replacement_ids_per_owner",
+        include_str!("../../../migrations/0028_replacement_ids_per_owner.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -24,7 +24,7 @@ use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::gate::Move;
 use codepool_domain::CodeStatus;
-use mongodb::options::ReturnDocument;
+use mongodb::options::{ReturnDocument, UpdateModifications};
 use mongodb::results::UpdateResult;
 
 use crate::collections::CODES;
@@ -45,6 +45,12 @@ pub(crate) const HOLDER_FIELDS: [&str; 11] = [
     "order_part",
     "owner",
 ];
+
+/// When a code that expired or was recalled while held had been held (the
+/// time its hold took it): kept by the move that voids it, which clears
+/// everything else its hold wrote, so a statement still counts it held at
+/// an end before its void. No order, no grant number, no `issued_at`.
+pub const HELD_AT: &str = "held_at";
 
 /// The filter part "the code is in a status `mv` starts from".
 pub(crate) fn from_filter(mv: Move) -> Document {
@@ -76,6 +82,13 @@ pub(crate) fn stored(statuses: &[CodeStatus]) -> Vec<i32> {
     statuses.iter().map(|s| s.as_i32()).collect()
 }
 
+/// A status write's update: a document, or a pipeline (a move that reads
+/// the code as it was).
+enum Built {
+    Document(Document),
+    Pipeline(Vec<Document>),
+}
+
 /// One status write of the codes a caller names: the move, the target,
 /// what the move records and what it clears.
 #[derive(Debug, Clone)]
@@ -98,11 +111,13 @@ impl StatusWrite {
             !target.contains_key("status"),
             "a status write names its codes, the move their status"
         );
-        let clear = if mv == Move::Release {
+        let clear = if mv == Move::Release || Self::ends_holds(mv) {
             // A code back in stock keeps nothing of its hold: no order, no
-            // grant number, no time it was taken. (An expired or recalled
-            // held code keeps them: statements tell from them how long it
-            // was held, and the operator's lookup which hold it was in.)
+            // grant number, no time it was taken. Nor does a held code that
+            // expired or was recalled: it was never sold, and looks exactly
+            // like a code voided in stock. (Statements read when it was
+            // held from `held_at`, which the same write keeps; the hold
+            // itself lists the codes voided out of it.)
             HOLDER_FIELDS.to_vec()
         } else {
             Vec::new()
@@ -115,6 +130,13 @@ impl StatusWrite {
             clear,
             now,
         }
+    }
+
+    /// Whether `mv` takes codes out of live holds as well as stock (expiry,
+    /// recall): its write clears what the hold wrote on the code, and
+    /// keeps the time the code was held as [`HELD_AT`].
+    fn ends_holds(mv: Move) -> bool {
+        mv.to() == CodeStatus::Void && mv.from().contains(&CodeStatus::Held)
     }
 
     /// Only the codes in `status`, one of the move's `from` statuses.
@@ -158,25 +180,56 @@ impl StatusWrite {
     }
 
     /// The update: the move's `to` status and what it records; what it
-    /// clears taken off.
-    pub(crate) fn update(&self) -> Document {
+    /// clears taken off. A move that ends holds ([`Self::ends_holds`]) is
+    /// a pipeline: it reads the code as it was, to keep the time a held
+    /// code was taken as [`HELD_AT`] before its hold's fields go.
+    pub(crate) fn update(&self) -> UpdateModifications {
+        match self.built() {
+            Built::Document(d) => UpdateModifications::Document(d),
+            Built::Pipeline(stages) => UpdateModifications::Pipeline(stages),
+        }
+    }
+
+    fn built(&self) -> Built {
+        // A field the move records is never also cleared.
+        let unset: Vec<String> = (self.clear.iter())
+            .filter(|f| !self.record.contains_key(**f))
+            .map(|f| f.to_string())
+            .collect();
+        if Self::ends_holds(self.mv) {
+            let mut set = doc! {"status": {"$literal": self.mv.to().as_i32()}};
+            for (k, v) in &self.record {
+                // Literal: an operator's reason may start with `$`.
+                set.insert(k, doc! {"$literal": v.clone()});
+            }
+            let was_held = doc! {"$eq": ["$status", CodeStatus::Held.as_i32()]};
+            set.insert(
+                HELD_AT,
+                doc! {"$cond": [was_held, "$issued_at", format!("${HELD_AT}")]},
+            );
+            let mut stages = vec![doc! {"$set": set}];
+            if !unset.is_empty() {
+                stages.push(doc! {"$unset": unset});
+            }
+            return Built::Pipeline(stages);
+        }
         let mut set = doc! {"status": self.mv.to().as_i32()};
         set.extend(self.record.clone());
         let mut update = doc! {"$set": set};
-        // A field the move records is never also cleared.
-        let unset: Document = (self.clear.iter())
-            .filter(|f| !self.record.contains_key(**f))
-            .map(|f| (f.to_string(), Bson::from("")))
-            .collect();
         if !unset.is_empty() {
+            let unset: Document = unset.into_iter().map(|f| (f, Bson::from(""))).collect();
             update.insert("$unset", unset);
         }
-        update
+        Built::Document(update)
     }
 
     /// The write as one statement of an `update` command.
     pub(crate) fn statement(&self) -> Document {
-        doc! {"q": self.filter(), "u": self.update()}
+        let u = match self.built() {
+            Built::Pipeline(stages) => Bson::from(stages),
+            Built::Document(d) => Bson::from(d),
+        };
+        doc! {"q": self.filter(), "u": u}
     }
 }
 
@@ -366,25 +419,71 @@ mod tests {
                 }
                 other => panic!("{mv:?}: status filter {other:?}"),
             }
-            let set = w.update().get_document("$set").unwrap().clone();
-            assert_eq!(set.get_i32("status").unwrap(), mv.to().as_i32(), "{mv:?}");
+            let set = first_stage(w.update())
+                .get_document("$set")
+                .unwrap()
+                .clone();
+            let status = match set.get("status") {
+                Some(Bson::Document(l)) => l.get_i32("$literal").unwrap(),
+                _ => set.get_i32("status").unwrap(),
+            };
+            assert_eq!(status, mv.to().as_i32(), "{mv:?}");
+        }
+    }
+
+    /// The update as a document, or a pipeline's first stage.
+    fn first_stage(u: UpdateModifications) -> Document {
+        match u {
+            UpdateModifications::Document(d) => d,
+            UpdateModifications::Pipeline(mut stages) => stages.remove(0),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The fields an update takes off.
+    fn unset_of(u: UpdateModifications) -> Vec<String> {
+        match u {
+            UpdateModifications::Document(d) => (d.get_document("$unset").ok())
+                .map(|u| u.keys().cloned().collect())
+                .unwrap_or_default(),
+            UpdateModifications::Pipeline(stages) => (stages.iter())
+                .filter_map(|s| s.get_array("$unset").ok())
+                .flatten()
+                .filter_map(|f| f.as_str().map(str::to_owned))
+                .collect(),
+            other => panic!("{other:?}"),
         }
     }
 
     #[test]
-    fn a_released_code_keeps_nothing_of_its_hold() {
+    fn a_code_out_of_its_hold_keeps_nothing_of_it() {
         let now = DateTime::now();
-        let u = StatusWrite::new(Move::Release, doc! {"_id": 1}, now).update();
-        let unset = u.get_document("$unset").unwrap();
-        for f in HOLDER_FIELDS {
-            assert!(unset.contains_key(f), "release leaves {f}");
+        // Released to stock, expired or recalled while held: no order, no
+        // grant number, no time it was taken.
+        for mv in [Move::Release, Move::Expire, Move::Recall] {
+            let unset = unset_of(StatusWrite::new(mv, doc! {"_id": 1}, now).update());
+            for f in HOLDER_FIELDS {
+                assert!(unset.iter().any(|u| u == f), "{mv:?} leaves {f}");
+            }
+        }
+        // Expiry and recall keep the time it was held, for statements.
+        for mv in [Move::Expire, Move::Recall] {
+            let set = first_stage(StatusWrite::new(mv, doc! {"_id": 1}, now).update());
+            assert!(
+                set.get_document("$set").unwrap().contains_key(HELD_AT),
+                "{mv:?}"
+            );
         }
         // A void of an issued code keeps its order: the order can never
         // be granted another one by a redelivered purchase.
-        for mv in [Move::Void, Move::Expire, Move::Recall] {
-            let u = StatusWrite::new(mv, doc! {"_id": 1}, now).update();
-            assert!(u.get_document("$unset").is_err(), "{mv:?}: {u}");
-        }
+        let u = StatusWrite::new(Move::Void, doc! {"_id": 1}, now).update();
+        let unset = unset_of(u);
+        assert!(
+            HOLDER_FIELDS
+                .iter()
+                .all(|f| *f == "sms_pending" || !unset.iter().any(|u| u == f)),
+            "{unset:?}"
+        );
     }
 
     /// A status write on `codes` outside this module, as the lines of a

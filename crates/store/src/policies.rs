@@ -12,7 +12,7 @@
 //! an order that was refused stays refused, and its `refusals` record makes
 //! a redelivery refused again the same way even if the limit changes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use bson::{doc, Bson, DateTime, Document};
 use codepool_domain::RefusalReason;
@@ -117,6 +117,47 @@ impl Store {
         self.run_updates(USER_QUOTAS, take, true).await?;
         // 3. Who holds a slot, read back (slots are never given back).
         self.slot_holders(keys, asks).await
+    }
+
+    /// The codes each buyer took of each pool under its per-user limit
+    /// (orders and paid holds), by `(pool, buyer key)`: what a new hold
+    /// would be paid against. Reads only; slots are taken by the payment.
+    pub async fn quota_taken(
+        &self,
+        asks: &[(&str, &str)],
+    ) -> Result<HashMap<(String, String), u64>, StoreError> {
+        let mut keys: Vec<Document> = Vec::new();
+        for (pool, uid) in asks {
+            let id = quota_id(pool, uid);
+            if !keys.contains(&id) {
+                keys.push(id);
+            }
+        }
+        let mut out = HashMap::new();
+        if keys.is_empty() {
+            return Ok(out);
+        }
+        let batch = crate::one_batch_for(keys.len());
+        let mut cursor = self
+            .collection(USER_QUOTAS)
+            .find(doc! {"_id": {"$in": keys}})
+            .batch_size(batch)
+            .await?;
+        while let Some(d) = cursor.try_next().await? {
+            let Ok(id) = d.get_document("_id") else {
+                continue;
+            };
+            let (Ok(pool), Ok(buyer)) = (id.get_str("pool"), id.get_str("uid")) else {
+                continue;
+            };
+            // A quota written before quantities counts one code an order.
+            let codes = match d.get("codes") {
+                Some(n) => crate::collections::as_u64(Some(n)),
+                None => d.get_array("orders").map_or(0, |o| o.len() as u64),
+            };
+            out.insert((pool.to_owned(), buyer.to_owned()), codes);
+        }
+        Ok(out)
     }
 
     /// The orders among `asks` that hold their slot in every quota they

@@ -70,7 +70,7 @@ impl Store {
             .find(filter)
             .sort(doc! {"batch_id": 1, "_id": 1})
             .hint(Hint::Name(BATCH_INDEX.into()))
-            .projection(doc! {"_id": 1, "pool": 1})
+            .projection(doc! {"_id": 1, "pool": 1, "status": 1, "order_id": 1})
             .limit(limit)
             .await?
             .try_collect()
@@ -78,6 +78,7 @@ impl Store {
         let full = found.len() as i64 >= limit;
         let mut round = RecallRound::default();
         let mut ids = Vec::with_capacity(found.len());
+        let was_held = crate::holds::was_held(&found);
         for d in found {
             let (Ok(id), Ok(pool)) = (d.get_object_id("_id"), d.get_str("pool")) else {
                 continue;
@@ -99,6 +100,7 @@ impl Store {
         .record(doc! {"voided_at": DateTime::now(), "void_reason": reason, "recalled_by": batch});
         let r = self.write_status(&recall).await?;
         round.voided = r.modified_count;
+        self.note_voided_while_held(&was_held).await?;
         Ok(round)
     }
 

@@ -135,11 +135,18 @@ impl Wanted {
             None if mine.len() == 1 => mine.first().copied(),
             None => None,
         };
-        // Sold: issued, used, or void with the order it was sold to (a
-        // held code carries its hold's key, never sold yet).
+        // Sold: issued, used, or void with the order it was sold to. A
+        // held code, and one voided while held, was never sold: the void
+        // clears the hold's fields (a code voided before that rule kept
+        // its hold's key, which is no order's).
         let sold = [CodeStatus::Issued, CodeStatus::Used, CodeStatus::Void].map(CodeStatus::as_i32);
         chosen
-            .filter(|d| d.contains_key("order_id"))
+            .filter(|d| {
+                d.get_str("order_id").is_ok_and(|o| {
+                    !o.starts_with(codepool_domain::HOLD_KEY_PREFIX)
+                        && !o.starts_with(codepool_domain::BUNDLE_KEY_PREFIX)
+                })
+            })
             .filter(|d| d.get_i32("status").is_ok_and(|s| sold.contains(&s)))
     }
 }

@@ -9,7 +9,8 @@
 //!
 //! 1. [`Store::begin_replacement`] records it as `voiding`, numbered `n`
 //!    within its order; the unique `(order_id, n)` index holds the
-//!    order's cap under concurrency, the unique `_id` the caller's id.
+//!    order's cap under concurrency, the unique `(replacement_id, owner)`
+//!    the caller's id: ids are each order owner's own, as hold ids are.
 //! 2. [`Store::void_replaced`] voids the old code (issued → void, reason
 //!    `replaced`, `replaced_by` the replacement) where it stands: it keeps
 //!    its order and line.
@@ -87,8 +88,16 @@ fn open_states() -> Bson {
 /// One replacement as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplacementDoc {
-    /// The caller's `replacement_id`.
+    /// The document's key ([`doc_key`]): the order's owner and the
+    /// replacement id. Replacements are found by owner and id; this key
+    /// only names the document found (and the code it voided).
     #[serde(rename = "_id")]
+    pub key: String,
+    /// The caller's `replacement_id`. Each order owner's own (a shop's, a
+    /// key's, or the operator's for orders of neither): one owner's
+    /// replacements have distinct ids (the unique `replacement_id_owner`
+    /// index), two owners' may share one.
+    #[serde(rename = "replacement_id")]
     pub id: String,
     pub order_id: String,
     pub line: i64,
@@ -101,6 +110,8 @@ pub struct ReplacementDoc {
     pub uid: String,
     pub phone: String,
     pub quantity: i64,
+    /// The order's owner (`shop:NAME`, `api-key-id:ID`), whose namespace of
+    /// replacement ids this one is in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// The code it replaces.
@@ -173,6 +184,7 @@ impl NewReplacement<'_> {
             ))
         })?;
         Ok(ReplacementDoc {
+            key: doc_key(h.owner.as_deref(), self.id),
             id: self.id.to_owned(),
             order_id: h.order_id.clone(),
             line: i64::from(h.line),
@@ -217,6 +229,13 @@ pub enum OldCode {
     Refused(Box<Code>),
 }
 
+/// The document key of `owner`'s replacement `id`: the owner, a unit
+/// separator (which no replacement id holds) and the id. (A replacement
+/// recorded before ids were each owner's is keyed by its id alone.)
+pub fn doc_key(owner: Option<&str>, id: &str) -> String {
+    format!("{}\u{1f}{id}", owner.unwrap_or_default())
+}
+
 /// The filter of a line of an order: line 0 is stored as no line.
 fn line_filter(line: i64) -> Bson {
     if line == 0 {
@@ -227,17 +246,19 @@ fn line_filter(line: i64) -> Bson {
 }
 
 impl Store {
-    /// Records a replacement of `new.old` unless one of this id exists
-    /// (then that one), or the order has had `cap` replacements already.
+    /// Records a replacement of `new.old` unless its order's owner has one
+    /// of this id (then that one), or the order has had `cap` replacements
+    /// already.
     pub async fn begin_replacement(
         &self,
         new: &NewReplacement<'_>,
         cap: u32,
     ) -> Result<Begun, StoreError> {
+        let owner = new.old.holder.as_ref().and_then(|h| h.owner.as_deref());
         // A lost race for a number tries the next one; a handful of rounds
         // is plenty, since each loss means another replacement landed.
         for _ in 0..16 {
-            if let Some(d) = self.replacement(new.id).await? {
+            if let Some(d) = self.replacement(owner, new.id).await? {
                 return Ok(Begun::Existing(d));
             }
             let order = new.old.holder.as_ref().map(|h| h.order_id.as_str());
@@ -265,11 +286,25 @@ impl Store {
         ))
     }
 
-    /// The replacement of this id, if any.
-    pub async fn replacement(&self, id: &str) -> Result<Option<ReplacementDoc>, StoreError> {
+    /// `owner`'s replacement of this id, if any (`owner`: the owner of
+    /// the orders it replaces codes of; `None` for orders of no owner).
+    pub async fn replacement(
+        &self,
+        owner: Option<&str>,
+        id: &str,
+    ) -> Result<Option<ReplacementDoc>, StoreError> {
         Ok(self
             .typed::<ReplacementDoc>(REPLACEMENTS)
-            .find_one(doc! {"_id": id})
+            .find_one(doc! {"replacement_id": id, "owner": owner})
+            .await?)
+    }
+
+    /// The replacement recorded under document key `key`
+    /// ([`ReplacementDoc::key`]).
+    async fn replacement_by_key(&self, key: &str) -> Result<Option<ReplacementDoc>, StoreError> {
+        Ok(self
+            .typed::<ReplacementDoc>(REPLACEMENTS)
+            .find_one(doc! {"_id": key})
             .await?)
     }
 
@@ -292,9 +327,9 @@ impl Store {
 
     /// Forgets a replacement that changed nothing (its old code could not
     /// be voided), so it does not count against the order's cap.
-    pub async fn drop_replacement(&self, id: &str) -> Result<(), StoreError> {
+    pub async fn drop_replacement(&self, key: &str) -> Result<(), StoreError> {
         self.collection(REPLACEMENTS)
-            .delete_one(doc! {"_id": id, "state": ReplacementState::Voiding.as_str()})
+            .delete_one(doc! {"_id": key, "state": ReplacementState::Voiding.as_str()})
             .write_concern(durable())
             .await?;
         Ok(())
@@ -375,7 +410,7 @@ impl Store {
     /// now, which may differ: finished by another process, or cancelled.
     pub async fn settle_replacement(
         &self,
-        id: &str,
+        key: &str,
         new: Option<&Code>,
     ) -> Result<ReplacementDoc, StoreError> {
         let set: Document = match new {
@@ -389,7 +424,7 @@ impl Store {
         let settled = self
             .typed::<ReplacementDoc>(REPLACEMENTS)
             .find_one_and_update(
-                doc! {"_id": id, "state": {"$in": open_states()}},
+                doc! {"_id": key, "state": {"$in": open_states()}},
                 doc! {"$set": set},
             )
             .return_document(ReturnDocument::After)
@@ -397,8 +432,8 @@ impl Store {
             .await?;
         match settled {
             Some(d) => Ok(d),
-            None => self.replacement(id).await?.ok_or_else(|| {
-                StoreError::Rejected(format!("replacement {id:?} is no longer recorded"))
+            None => self.replacement_by_key(key).await?.ok_or_else(|| {
+                StoreError::Rejected(format!("replacement {key:?} is no longer recorded"))
             }),
         }
     }

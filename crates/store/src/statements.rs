@@ -17,8 +17,9 @@
 //!
 //! A balance at an end in the past is worked out from the moves' times. A
 //! code's hold leaves no time once it ends, so "held" at a past end counts
-//! the codes held then and still held now; a hold that ended since is
-//! counted in stock.
+//! the codes held then and still held now, and those a recall or expiry
+//! voided out of their hold since (the void keeps the time they were held
+//! as `held_at`); a hold that ended otherwise since is counted in stock.
 
 use std::ops::ControlFlow;
 
@@ -31,6 +32,7 @@ use serde::Serialize;
 use crate::codes::{int_field, CODES, SEQUENCES};
 use crate::crypto::open_code;
 use crate::imports::{ImportRecord, IMPORTS, SOURCE_GENERATED};
+use crate::moves::HELD_AT;
 use crate::replacements::REPLACED_REASON;
 use crate::{lifecycle::EXPIRED_REASON, Store, StoreError};
 
@@ -323,15 +325,23 @@ fn state_at(to: DateTime) -> Bson {
     let used_later =
         Bson::from(doc! {"$and": [status_is(CodeStatus::Used), not_before("used_at", to)]});
     let sold_void_later = Bson::from(doc! {"$and": [void_later.clone(), sold_then_void()]});
-    let held_void_later =
-        Bson::from(doc! {"$and": [void_later, is_date("issued_at"), voided_unsold()]});
+    // A held code a recall or expiry voided keeps the time it was held
+    // as `held_at` (one voided before that rule kept it as `issued_at`).
+    let held_void_later = Bson::from(doc! {"$and": [
+        void_later, voided_unsold(),
+        {"$or": [before(HELD_AT, to), before("issued_at", to)]},
+    ]});
+    let held_then = Bson::from(doc! {"$or": [
+        {"$and": [before("issued_at", to), status_is(CodeStatus::Held)]},
+        held_void_later,
+    ]});
     Bson::from(doc! {"$switch": {
         "branches": [
             {"case": {"$not": [well_formed()]}, "then": "unaccounted"},
             {"case": {"$and": [status_is(CodeStatus::Void), before("voided_at", to)]}, "then": "void"},
             {"case": {"$and": [before("used_at", to), {"$or": [status_is(CodeStatus::Used), sold_void_later.clone()]}]}, "then": "used"},
             {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Issued), used_later, sold_void_later]}]}, "then": "issued"},
-            {"case": {"$and": [before("issued_at", to), {"$or": [status_is(CodeStatus::Held), held_void_later]}]}, "then": "held"},
+            {"case": held_then, "then": "held"},
         ],
         "default": "in_stock",
     }})
@@ -343,7 +353,7 @@ fn count_if(cond: Bson) -> Bson {
 }
 
 /// The time fields a statement compares with its period.
-const TIMES: [&str; 4] = ["created_at", "issued_at", "used_at", "voided_at"];
+const TIMES: [&str; 5] = ["created_at", "issued_at", "used_at", "voided_at", HELD_AT];
 
 /// Where the time `f` falls against the period, all that the figures ask
 /// of it: -1 when it is not a time (missing), else 2 if before `from`

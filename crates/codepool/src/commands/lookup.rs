@@ -74,7 +74,9 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
         }
     };
     if args.json {
-        let rows: Vec<_> = found.codes.iter().map(|c| code_json(c, show(c))).collect();
+        let rows: Vec<_> = (found.codes.iter())
+            .map(|c| code_json(c, found.set_aside(c), show(c)))
+            .collect();
         let bo: Vec<_> = found
             .backorders
             .iter()
@@ -83,7 +85,7 @@ pub async fn run(cfg: &Config, args: LookupArgs) -> anyhow::Result<u8> {
         let refused: Vec<_> = found.refusals.iter().map(refusal_json).collect();
         let holds: Vec<_> = found.holds.iter().map(hold_json).collect();
         let replaced: Vec<_> = (found.replaced.iter())
-            .map(|c| code_json(c, show(c)))
+            .map(|c| code_json(c, found.set_aside(c), show(c)))
             .collect();
         let replacements: Vec<_> = found.replacements.iter().map(replacement_json).collect();
         say_json!(serde_json::to_string_pretty(&serde_json::json!({
@@ -117,12 +119,12 @@ fn iso(t: Option<DateTime<Utc>>) -> Option<String> {
 
 /// One code as `--json` prints it.
 /// A code a checkout hold set aside (voided while held: a held one is
-/// never listed) shows its hold's id as `hold_id`, and no order: its
-/// holder is the hold's internal key, never shown.
-fn code_json(c: &Code, shown: String) -> serde_json::Value {
+/// never listed) shows its hold's id as `hold_id` (`aside`, which the hold
+/// lists), and no order: the code keeps nothing of its hold.
+fn code_json(c: &Code, aside: Option<SetAside>, shown: String) -> serde_json::Value {
     let h = c.order_holder();
     let s = &c.sms;
-    let hold_id = match c.set_aside() {
+    let hold_id = match aside {
         Some(SetAside::Hold { hold_id }) => Some(hold_id),
         _ => None,
     };
@@ -171,7 +173,7 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         "SMS"
     );
     for c in &found.codes {
-        print_row(c, &show);
+        print_row(c, found.set_aside(c), &show);
     }
     print_replacements(found, &show);
     print_waiting(found);
@@ -229,7 +231,7 @@ fn print_replacements(found: &ops::Lookup, show: &impl Fn(&Code) -> String) {
     if !found.replaced.is_empty() {
         say!("replaced codes (void; each line's code now is above):");
         for c in &found.replaced {
-            print_row(c, show);
+            print_row(c, found.set_aside(c), show);
         }
     }
     for r in &found.replacements {
@@ -249,10 +251,10 @@ fn print_replacements(found: &ops::Lookup, show: &impl Fn(&Code) -> String) {
 }
 
 /// One code as a row of the table, with its details beneath.
-fn print_row(c: &Code, show: &impl Fn(&Code) -> String) {
+fn print_row(c: &Code, aside: Option<SetAside>, show: &impl Fn(&Code) -> String) {
     let h = c.order_holder();
     // A code a hold or bundle set aside names it, never its key.
-    let order = match (h, c.set_aside()) {
+    let order = match (h, aside) {
         (Some(h), _) => h.order_id.clone(),
         (None, Some(aside)) => aside.to_string(),
         (None, None) => "-".to_owned(),

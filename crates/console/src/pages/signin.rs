@@ -1,6 +1,6 @@
 //! `/console/signin` and `/console/signout`.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use axum::extract::{ConnectInfo, Query, State};
@@ -92,16 +92,18 @@ fn same_origin(headers: &HeaderMap) -> bool {
 
 /// An attempt refused before its password is checked: 429 or 503, with
 /// `Retry-After`.
-fn refused(refusal: Refusal, next: &str, name: &str) -> Response {
+/// The refusal is logged with the client's address, so an operator kept
+/// out by a stranger's guesses can block that address (docs/security.md).
+fn refused(refusal: Refusal, next: &str, name: &str, client: Option<IpAddr>) -> Response {
     let (status, wait, text) = match refusal {
         Refusal::Throttled(wait) => {
             let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-            tracing::warn!(name = %name, wait_s = secs, "console sign-in refused: too many attempts");
+            tracing::warn!(name = %name, client = ?client, wait_s = secs, "console sign-in refused: too many attempts");
             let text = format!("too many sign-in attempts for this name or from this address; wait {secs} seconds and try again");
             (StatusCode::TOO_MANY_REQUESTS, secs, text)
         }
         Refusal::Busy => {
-            tracing::warn!(name = %name, "console sign-in refused: every password check is busy");
+            tracing::warn!(name = %name, client = ?client, "console sign-in refused: every password check is busy");
             let text =
                 "the server is busy checking other sign-ins; try again in a second".to_owned();
             (StatusCode::SERVICE_UNAVAILABLE, 1, text)
@@ -134,7 +136,7 @@ pub async fn submit(
     let client = peer.map(|Extension(ConnectInfo(addr))| addr.ip());
     let attempt = match console.throttle.attempt(&c.name, client) {
         Ok(a) => a,
-        Err(refusal) => return refused(refusal, &next, &c.name),
+        Err(refusal) => return refused(refusal, &next, &c.name, client),
     };
     let op = match console.core.authenticate(&c.name, &c.password).await {
         Ok(op) => op,
@@ -142,7 +144,7 @@ pub async fn submit(
     };
     let Some(op) = op else {
         drop(attempt);
-        tracing::warn!(name = %c.name, "console sign-in failed");
+        tracing::warn!(name = %c.name, client = ?client, "console sign-in failed");
         return signin_page(
             StatusCode::UNAUTHORIZED,
             &next,

@@ -86,6 +86,12 @@ pub async fn show(
     let st = match console.core.statement(&asked).await {
         Ok(st) => st,
         Err(StatementError::Store(e)) => return Err(e.into()),
+        Err(e @ StatementError::Busy { wait }) => {
+            return Err(Failure::Busy {
+                detail: e.to_string(),
+                wait,
+            })
+        }
         Err(e @ StatementError::UnknownPool(_)) => return Err(Failure::NotFound(e.to_string())),
         Err(e) => return Err(Failure::Invalid(e.to_string())),
     };
