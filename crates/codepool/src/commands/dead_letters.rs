@@ -54,7 +54,11 @@ pub enum Action {
 pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
     let topology = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-dead-letters").await?;
-    let publisher = Publisher::new(&conn, topology.clone()).await?;
+    // A replay carries each purchase's first publisher, vouched for by
+    // codepool's own broker user.
+    let publisher = Publisher::new(&conn, topology.clone())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     topology.declare(publisher.channel()).await?;
     match args.action {
         Action::List { limit, json } => {
@@ -97,6 +101,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 &publisher,
                 reason.as_deref(),
                 limit,
+                &cfg.operator_users(),
                 &actor,
             )
             .await?;
