@@ -63,8 +63,10 @@ pub(crate) fn documented_shop_permissions(env: &TestEnv) -> [String; 3] {
     let quoted: Vec<&str> = line.split('\'').skip(1).step_by(2).collect();
     assert_eq!(quoted.len(), 3, "configure, write, read in {line:?}");
     let prefix = env.amqp_prefix.replace('.', "\\.");
+    // codepool's names carry the prefix; the broker's own (amq.*) do not.
     let scoped = |r: &str| match r {
         "^$" => r.to_owned(),
+        _ if r.contains("amq") => r.to_owned(),
         _ => r.replacen('^', &format!("^{prefix}"), 1),
     };
     [scoped(quoted[0]), scoped(quoted[1]), scoped(quoted[2])]
