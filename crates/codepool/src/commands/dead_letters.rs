@@ -18,7 +18,9 @@ Replayed messages go back to the purchases queue; those still invalid come
 back to the dead-letter queue with their reason. A replay takes at most the
 messages that were dead-lettered when it started, so it never replays its own
 output; each replayed message carries its replay count (x-codepool-replays),
-kept when it is dead-lettered again and shown by `list`. With --wait SECS it
+kept when it is dead-lettered again and shown by `list`, and goes back as
+the broker user that first published it (x-codepool-publisher), so a shop's
+purchase is checked against its shop as that user's. With --wait SECS it
 then waits and reports how many of the replayed came back dead.")]
 pub struct DeadLettersArgs {
     #[command(subcommand)]
