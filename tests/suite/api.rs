@@ -1025,7 +1025,7 @@ async fn a_dead_letter_walk_stops_at_its_bound_and_says_so() {
         };
         pending.push(
             publisher
-                .dead_letter(b"junk", None, reason, 0)
+                .dead_letter(b"junk", None, reason, 0, None)
                 .await
                 .unwrap(),
         );

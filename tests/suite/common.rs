@@ -197,14 +197,17 @@ impl TestEnv {
         doc.into_code(self.store.keys()).expect("decrypts").code
     }
 
-    /// A broker connection and a publisher to this namespace's topology.
+    /// A broker connection and a publisher to this namespace's topology,
+    /// publishing purchases as the connection's broker user: the
+    /// operator's (codepool's own), so purchases of no shop are taken.
     pub async fn amqp(&self) -> (lapin::Connection, codepool_broker::Publisher) {
         let conn = codepool_broker::connect(&self.amqp_url, "test")
             .await
             .expect("connect to RabbitMQ");
         let publisher = codepool_broker::Publisher::new(&conn, self.topology())
             .await
-            .expect("a publisher");
+            .expect("a publisher")
+            .as_user(&codepool_broker::Publisher::user_of(&self.amqp_url));
         (conn, publisher)
     }
 
@@ -285,7 +288,7 @@ impl TestEnv {
                 ] {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }
-                for e in [&t.sms_exchange, &t.events_exchange] {
+                for e in [&t.purchases_exchange, &t.sms_exchange, &t.events_exchange] {
                     let _ = ch.exchange_delete(e, Default::default()).await;
                 }
             }
@@ -583,7 +586,9 @@ async fn publish_window(
     topology: Topology,
     window: &[(Vec<u8>, Option<String>)],
 ) -> Result<(), codepool_broker::BrokerError> {
-    let publisher = codepool_broker::Publisher::new(conn, topology).await?;
+    let publisher = codepool_broker::Publisher::new(conn, topology)
+        .await?
+        .as_user("guest");
     let mut confirms = Vec::new();
     for (body, id) in window {
         confirms.push(

@@ -377,7 +377,10 @@ async fn with_delivery_limit(env: &TestEnv) -> (lapin::Connection, Publisher, To
     let mut topology = env.topology();
     topology.queues.delivery_limit = 2;
     let conn = codepool_broker::connect(AMQP_URL, "test").await.unwrap();
-    let publisher = Publisher::new(&conn, topology.clone()).await.unwrap();
+    let publisher = Publisher::new(&conn, topology.clone())
+        .await
+        .unwrap()
+        .as_user("guest");
     topology.declare(publisher.channel()).await.unwrap();
     (conn, publisher, topology)
 }

@@ -51,6 +51,51 @@ pub(crate) async fn shop(env: &TestEnv, name: &str, pools: &str) {
     create_shop(env, name, pools, &["--broker-users", "guest"]).await;
 }
 
+/// The permissions (configure, write, read) that docs/shops.md gives a
+/// shop's backend, read from its `rabbitmqctl set_permissions` line, each
+/// name in them scoped to this test's AMQP prefix.
+pub(crate) fn documented_shop_permissions(env: &TestEnv) -> [String; 3] {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/shops.md");
+    let doc = std::fs::read_to_string(path).expect("docs/shops.md");
+    let line = (doc.lines())
+        .find(|l| l.trim_start().starts_with("rabbitmqctl set_permissions"))
+        .expect("docs/shops.md shows a shop backend's permissions");
+    let quoted: Vec<&str> = line.split('\'').skip(1).step_by(2).collect();
+    assert_eq!(quoted.len(), 3, "configure, write, read in {line:?}");
+    let prefix = env.amqp_prefix.replace('.', "\\.");
+    // codepool's names carry the prefix; the broker's own (amq.*) do not.
+    let scoped = |r: &str| match r {
+        "^$" => r.to_owned(),
+        _ if r.contains("amq") => r.to_owned(),
+        _ => r.replacen('^', &format!("^{prefix}"), 1),
+    };
+    [scoped(quoted[0]), scoped(quoted[1]), scoped(quoted[2])]
+}
+
+/// A RabbitMQ user of this test named `PREFIX` + `label` (a killed run's
+/// are swept with its queues), with `permissions` (configure, write,
+/// read) on vhost `/`. Returns its name and its AMQP URL; remove it with
+/// [`delete_broker_user`].
+pub(crate) async fn broker_user(
+    env: &TestEnv,
+    label: &str,
+    permissions: &[String; 3],
+) -> (String, String) {
+    let name = format!("{}{label}", env.amqp_prefix);
+    let password = format!("{:032x}", rand::random::<u128>());
+    crate::common::rabbitmqctl(&["add_user", &name, &password]).await;
+    let [configure, write, read] = permissions;
+    crate::common::rabbitmqctl(&["set_permissions", "-p", "/", &name, configure, write, read])
+        .await;
+    let url = format!("amqp://{name}:{password}@127.0.0.1:5672/%2f");
+    (name, url)
+}
+
+/// Removes a user [`broker_user`] made.
+pub(crate) async fn delete_broker_user(name: &str) {
+    crate::common::rabbitmqctl(&["delete_user", name]).await;
+}
+
 /// `codepool pool set --pool POOL`, then `settings`.
 pub(crate) async fn pool_set(env: &TestEnv, pool: &str, settings: &[&str]) {
     let mut args = vec!["pool", "set", "--pool", pool];

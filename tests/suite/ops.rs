@@ -1204,7 +1204,10 @@ async fn a_dispatcher_started_on_a_backlog_serves_it_before_sweeping_the_catalog
     // The queues exist before any dispatcher does: the backlog waits there.
     let ch = conn.create_channel().await.unwrap();
     env.topology().declare(&ch).await.unwrap();
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .unwrap()
+        .as_user("guest");
     let backlog: Vec<_> = (0..2000)
         .map(|i| purchase(&format!("BK-{i:04}"), "bk-busy"))
         .collect();
@@ -1819,7 +1822,10 @@ async fn a_cancelled_backorder_never_comes_back_through_either_door() {
 
     // The same purchases over AMQP: acked, nothing granted, nothing texted.
     let daemon = start_daemon(env.command(&[])).await;
-    let publisher = Publisher::new(&conn, env.topology()).await.unwrap();
+    let publisher = Publisher::new(&conn, env.topology())
+        .await
+        .unwrap()
+        .as_user("guest");
     let mut again = vec![
         purchase("W-1", "few"),
         purchase("P-5", "few"),

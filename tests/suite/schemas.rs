@@ -323,7 +323,8 @@ async fn every_event_a_real_dispatcher_publishes_matches_its_schema() {
     let heard = Heard::listen(&conn, &env).await;
     let publisher = Publisher::new(&conn, env.topology())
         .await
-        .expect("publisher");
+        .expect("publisher")
+        .as_user("guest");
 
     drive_every_event(&env, &publisher, &heard).await;
     send_receipts_and_redemptions(&daemon.addr, &env, &publisher, &heard).await;

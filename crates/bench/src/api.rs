@@ -431,7 +431,9 @@ impl ApiServer {
         let (cfg, store) = (&scratch.cfg, &scratch.store);
         let parts = codepool::context::parts(cfg, store)?;
         let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, "codepool-bench-api").await?);
-        let publisher = Publisher::new(&conn, cfg.topology()).await?;
+        let publisher = Publisher::new(&conn, cfg.topology())
+            .await?
+            .as_user(&Publisher::user_of(&cfg.amqp_url));
         cfg.topology().declare(publisher.channel()).await?;
         // The per-key limits out of the way: every client is one key.
         let config = ApiConfig {

@@ -212,7 +212,9 @@ async fn quantity_run(
         format!("orders of {q}: importing {codes} codes, preloading {orders} orders …"),
     );
     super::fill_pool(&scratch.store, "dispatchq", codes).await?;
-    let publisher = Publisher::new(conn, topology.clone()).await?;
+    let publisher = Publisher::new(conn, topology.clone())
+        .await?
+        .as_user(&Publisher::user_of(&scratch.cfg.amqp_url));
     inproc::preload(orders, |i| {
         let p = Purchase {
             quantity: q,
@@ -302,7 +304,9 @@ async fn prepare(
         ch.queue_declare(q, durable_queue(), queue_type.declare_args())
             .await?;
     }
-    let publisher = Publisher::new(&conn, topology.clone()).await?;
+    let publisher = Publisher::new(&conn, topology.clone())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     inproc::preload(n, |i| {
         let p = purchase("dispatch", i);
         let publisher = publisher.clone();

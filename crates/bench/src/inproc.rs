@@ -195,7 +195,9 @@ pub async fn preload_purchases(
     make: impl Fn(usize) -> Purchase,
 ) -> anyhow::Result<Connection> {
     let conn = codepool_broker::connect(&scratch.cfg.amqp_url, name).await?;
-    let publisher = codepool_broker::Publisher::new(&conn, scratch.cfg.topology()).await?;
+    let publisher = codepool_broker::Publisher::new(&conn, scratch.cfg.topology())
+        .await?
+        .as_user(&codepool_broker::Publisher::user_of(&scratch.cfg.amqp_url));
     preload(n, |i| {
         let p = make(i);
         let publisher = publisher.clone();

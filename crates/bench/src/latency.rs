@@ -138,7 +138,9 @@ async fn measure(
     scratch.cfg.topology().declare(&ch).await?;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let listener = listen(&ch, &scratch.cfg.topology().sms_pending, ledger.clone()).await?;
-    let publisher = Publisher::new(&conn, scratch.cfg.topology()).await?;
+    let publisher = Publisher::new(&conn, scratch.cfg.topology())
+        .await?
+        .as_user(&Publisher::user_of(&scratch.cfg.amqp_url));
     let config = codepool_dispatcher::DispatcherConfig {
         workers: args.workers,
         linger: Duration::from_millis(args.linger_ms),

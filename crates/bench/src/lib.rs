@@ -195,6 +195,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
     // does not compile here until its cleanup is added.
     let codepool_broker::Topology {
         purchases,
+        purchases_exchange,
         purchases_dead,
         sms_exchange,
         sms_pending,
@@ -225,7 +226,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
             let _ = ch.close(200, "deleted").await;
         }
     }
-    for x in [&sms_exchange, &events_exchange] {
+    for x in [&purchases_exchange, &sms_exchange, &events_exchange] {
         let ch = conn.create_channel().await?;
         if ch
             .exchange_delete(x, lapin::options::ExchangeDeleteOptions::default())

@@ -9,7 +9,7 @@ use lapin::{Channel, Connection};
 
 use crate::publisher::Publisher;
 use crate::topology::Topology;
-use crate::{dead_letter_reason, queue_depth, replay_count, BrokerError};
+use crate::{dead_letter_reason, publisher_of, queue_depth, replay_count, BrokerError};
 
 /// One dead-lettered purchase as shown: its id, reason, replays and the
 /// start of its body (at most 200 characters).
@@ -94,17 +94,25 @@ pub async fn peek(
 }
 
 /// Sends dead letters (those whose reason starts with `reason`, if given)
-/// back to the purchases queue, each with its replay count one higher;
-/// returns the message ids and counts sent. Only what was dead when it
-/// started: messages that fail again land behind them and are not taken
-/// again.
+/// back to the purchases queue, each with its replay count one higher and
+/// the broker user that first published it, as the dead letter recorded it
+/// ([`publisher_of`], trusting only the records of `operators`); returns
+/// the message ids and counts sent. `publisher` must publish as one of
+/// `operators`, or the dispatchers would not trust its records. Only what
+/// was dead when it started: messages that fail again land behind them
+/// and are not taken again.
 pub async fn replay(
     conn: &Connection,
     publisher: &Publisher,
     topology: &Topology,
     reason: Option<&str>,
     limit: usize,
+    operators: &[String],
 ) -> Result<Replayed, BrokerError> {
+    let own = publisher.user().unwrap_or_default();
+    if !operators.iter().any(|o| o == own) {
+        return Err(BrokerError::NotOperator(own.to_owned()));
+    }
     let channel = conn.create_channel().await?;
     let budget = limit.min(queue_depth(&channel, &topology.purchases_dead).await? as usize);
     let mut sent = HashSet::new();
@@ -119,8 +127,9 @@ pub async fn replay(
         }
         let id = d.properties.message_id().as_ref().map(|s| s.to_string());
         let replays = replay_count(&d.properties).saturating_add(1);
+        let first = publisher_of(&d.properties, operators);
         publisher
-            .replay_purchase(&d.data, id.as_deref(), replays)
+            .replay_purchase(&d.data, id.as_deref(), replays, first.as_deref())
             .await?
             .wait()
             .await?;

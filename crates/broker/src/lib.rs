@@ -26,6 +26,51 @@ pub const REASON_HEADER: &str = "x-codepool-reason";
 /// over when it is dead-lettered again, so a replay can tell its own output.
 pub const REPLAYS_HEADER: &str = "x-codepool-replays";
 
+/// The broker user that published a purchase, as codepool recorded it on
+/// a dead letter and carries it on a replay: the user's name, or empty
+/// when the purchase carried no `user_id`. Read only from a message whose
+/// own `user_id` (which RabbitMQ checks against the connection's user) is
+/// one of the operator's broker users: see [`publisher_of`].
+pub const PUBLISHER_HEADER: &str = "x-codepool-publisher";
+
+/// The broker user a purchase counts as published by. RabbitMQ vouches for
+/// a message's `user_id` (it refuses any other than the connection's
+/// user), so that is the publisher, unless the message carries
+/// [`PUBLISHER_HEADER`]: a dead letter or a replay, whose publisher
+/// codepool recorded. That record counts only when the message's own
+/// `user_id` is one of `operators` (codepool's own broker user and the
+/// operator's, who alone write dead letters and replays); anyone else's
+/// record is a forgery and the message counts as published by no one.
+/// `None`: no publisher is known.
+pub fn publisher_of(properties: &lapin::BasicProperties, operators: &[String]) -> Option<String> {
+    let user = properties.user_id().as_ref().map(|u| u.as_str());
+    let recorded = properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(PUBLISHER_HEADER));
+    match recorded {
+        None => user.map(str::to_owned),
+        Some(_) if !user.is_some_and(|u| operators.iter().any(|o| o == u)) => None,
+        Some(lapin::types::AMQPValue::LongString(s)) => Some(s.to_string()),
+        Some(lapin::types::AMQPValue::ShortString(s)) => Some(s.to_string()),
+        Some(_) => None,
+    }
+    .filter(|u| !u.is_empty())
+}
+
+/// The operator's broker users: codepool's own (the user of `amqp_url`,
+/// which its dispatchers, replays and `codepool publish` connect as) and
+/// those `listed` (`CODEPOOL_OPERATOR_BROKER_USERS`), each once.
+pub fn operator_users(amqp_url: &str, listed: &[String]) -> Vec<String> {
+    let mut users = vec![Publisher::user_of(amqp_url)];
+    for u in listed.iter().map(|u| u.trim()).filter(|u| !u.is_empty()) {
+        if !users.iter().any(|x| x == u) {
+            users.push(u.to_owned());
+        }
+    }
+    users
+}
+
 /// The replay count a message carries (0 when it was never replayed).
 pub fn replay_count(properties: &lapin::BasicProperties) -> u32 {
     let Some(headers) = properties.headers().as_ref() else {
@@ -78,6 +123,10 @@ pub enum BrokerError {
     },
     #[error("RabbitMQ topology: {0}")]
     Topology(String),
+    /// A replay would publish as a broker user the dispatchers do not
+    /// trust to record who first published a purchase.
+    #[error("this process publishes as broker user {0:?}, which is not one of the operator's broker users (codepool's own, the user of CODEPOOL_AMQP_URL, and CODEPOOL_OPERATOR_BROKER_USERS); replay with the dispatchers' CODEPOOL_AMQP_URL, or list the user in CODEPOOL_OPERATOR_BROKER_USERS of every codepool process")]
+    NotOperator(String),
     /// CODEPOOL_AMQP_URL names something RabbitMQ will never accept (not
     /// an AMQP URL, a vhost that does not exist): retrying cannot help.
     #[error("{0}")]
@@ -345,5 +394,42 @@ mod tests {
     async fn an_empty_list_is_an_error_that_says_so() {
         let e = connect(" , ", "test").await.err().map(|e| e.to_string());
         assert!(e.is_some_and(|e| e.contains("no AMQP URL")));
+    }
+}
+
+#[cfg(test)]
+mod publisher_tests {
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::BasicProperties;
+
+    use super::*;
+
+    fn message(user: Option<&str>, recorded: Option<&str>) -> BasicProperties {
+        let mut props = BasicProperties::default();
+        if let Some(u) = user {
+            props = props.with_user_id(u.into());
+        }
+        if let Some(r) = recorded {
+            let mut headers = FieldTable::default();
+            headers.insert(PUBLISHER_HEADER.into(), AMQPValue::LongString(r.into()));
+            props = props.with_headers(headers);
+        }
+        props
+    }
+
+    #[test]
+    fn a_recorded_publisher_counts_only_from_the_operators_users() {
+        let operators = operator_users("amqp://codepool:pw@h/%2f", &[" ops ".into(), "".into()]);
+        assert_eq!(operators, vec!["codepool", "ops"]);
+        let of = |user, recorded| publisher_of(&message(user, recorded), &operators);
+        assert_eq!(of(Some("acme"), None).as_deref(), Some("acme"));
+        assert_eq!(of(None, None), None);
+        // codepool's replay of acme's purchase, and of one with no user_id
+        assert_eq!(of(Some("codepool"), Some("acme")).as_deref(), Some("acme"));
+        assert_eq!(of(Some("ops"), Some("acme")).as_deref(), Some("acme"));
+        assert_eq!(of(Some("codepool"), Some("")), None);
+        // a shop forging a record: published by no one, not by itself
+        assert_eq!(of(Some("acme"), Some("codepool")), None);
+        assert_eq!(of(None, Some("codepool")), None);
     }
 }

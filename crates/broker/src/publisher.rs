@@ -9,7 +9,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::topology::{Topology, SMS_PENDING_KEY};
-use crate::{BrokerError, REASON_HEADER, REPLAYS_HEADER};
+use crate::{BrokerError, PUBLISHER_HEADER, REASON_HEADER, REPLAYS_HEADER};
 
 /// The longest wait for one publisher confirm. A quorum queue that lost its
 /// leader confirms within seconds once a new one is elected; far longer
@@ -122,12 +122,27 @@ impl Publisher {
         })
     }
 
-    /// Publishes purchases with `user_id` set to `user`: the broker user
-    /// of the connection (RabbitMQ refuses any other), which a shop names
-    /// among the broker users that may publish for it.
+    /// Publishes purchases, dead letters and replays with `user_id` set to
+    /// `user`: the broker user of the connection (RabbitMQ refuses any
+    /// other), which a shop names among the broker users that may publish
+    /// for it, and which vouches for a dead letter's record of its
+    /// publisher ([`crate::publisher_of`]).
     pub fn as_user(mut self, user: &str) -> Self {
         self.user_id = Some(user.to_owned());
         self
+    }
+
+    /// The broker user this publisher publishes purchases as, if set.
+    pub fn user(&self) -> Option<&str> {
+        self.user_id.as_deref()
+    }
+
+    /// Persistent JSON properties with this publisher's `user_id`.
+    fn own_json(&self) -> BasicProperties {
+        match &self.user_id {
+            Some(user) => persistent_json().with_user_id(user.as_str().into()),
+            None => persistent_json(),
+        }
     }
 
     /// The user of an AMQP URL (the first of a list), `guest` when it
@@ -205,39 +220,50 @@ impl Publisher {
             .await
     }
 
-    /// Raw purchase bytes (also used to send invalid messages in tests).
+    /// Raw purchase bytes (also used to send invalid messages in tests),
+    /// to the purchases exchange, which routes them to the purchases queue
+    /// alone.
     pub async fn publish_purchase_bytes(
         &self,
         body: &[u8],
         message_id: Option<&str>,
     ) -> Result<PendingConfirm, BrokerError> {
-        let mut props = persistent_json();
+        let mut props = self.own_json();
         if let Some(id) = message_id {
             props = props.with_message_id(amqp_message_id(id));
         }
-        if let Some(user) = &self.user_id {
-            props = props.with_user_id(user.as_str().into());
-        }
-        let queue = self.topology.purchases.clone();
-        self.publish("", &queue, body, props).await
+        let exchange = self.topology.purchases_exchange.clone();
+        let key = self.topology.purchases.clone();
+        self.publish(&exchange, &key, body, props).await
     }
 
     /// A dead-lettered purchase sent back to the purchases queue, marked
-    /// with how often it has been replayed (`replays`, at least 1).
+    /// with how often it has been replayed (`replays`, at least 1) and
+    /// with the broker user that first published it (`publisher`, as the
+    /// dead letter recorded it; none when it carried no `user_id`), under
+    /// this publisher's own `user_id`, which the dispatcher trusts to carry
+    /// that record when it is one of the operator's broker users.
     pub async fn replay_purchase(
         &self,
         body: &[u8],
         message_id: Option<&str>,
         replays: u32,
+        publisher: Option<&str>,
     ) -> Result<PendingConfirm, BrokerError> {
         let mut headers = FieldTable::default();
         headers.insert(REPLAYS_HEADER.into(), AMQPValue::LongUInt(replays));
-        let mut props = persistent_json().with_headers(headers);
+        let recorded = publisher.unwrap_or_default();
+        headers.insert(
+            PUBLISHER_HEADER.into(),
+            AMQPValue::LongString(recorded.into()),
+        );
+        let mut props = self.own_json().with_headers(headers);
         if let Some(id) = message_id {
             props = props.with_message_id(amqp_message_id(id));
         }
-        let queue = self.topology.purchases.clone();
-        self.publish("", &queue, body, props).await
+        let exchange = self.topology.purchases_exchange.clone();
+        let key = self.topology.purchases.clone();
+        self.publish(&exchange, &key, body, props).await
     }
 
     /// The SMS-pending event of a grant, with its stable `event_id` as the
@@ -289,20 +315,30 @@ impl Publisher {
     }
 
     /// Puts an invalid purchase on the dead-letter queue with the reason in
-    /// the `x-codepool-reason` header, keeping its body and message id.
+    /// the `x-codepool-reason` header, keeping its body and message id, and
+    /// recording the broker user that published it (`publisher`; none when
+    /// it carried no `user_id`) in `x-codepool-publisher`, under this
+    /// publisher's own `user_id`, so that a replay sends it back as that
+    /// user's ([`crate::publisher_of`]).
     pub async fn dead_letter(
         &self,
         body: &[u8],
         message_id: Option<&ShortString>,
         reason: &str,
         replays: u32,
+        publisher: Option<&str>,
     ) -> Result<PendingConfirm, BrokerError> {
         let mut headers = FieldTable::default();
         headers.insert(REASON_HEADER.into(), AMQPValue::LongString(reason.into()));
         if replays > 0 {
             headers.insert(REPLAYS_HEADER.into(), AMQPValue::LongUInt(replays));
         }
-        let mut props = persistent_json().with_headers(headers);
+        let recorded = publisher.unwrap_or_default();
+        headers.insert(
+            PUBLISHER_HEADER.into(),
+            AMQPValue::LongString(recorded.into()),
+        );
+        let mut props = self.own_json().with_headers(headers);
         if let Some(id) = message_id {
             props = props.with_message_id(id.clone());
         }

@@ -96,6 +96,11 @@ pub struct Topology {
     /// Durable queue of purchase events; rejected messages dead-letter to
     /// [`Topology::purchases_dead`].
     pub purchases: String,
+    /// Fanout exchange bound to [`Topology::purchases`] alone: where
+    /// purchases are published. A shop's backend may write to it and to
+    /// nothing else, so it can reach no other queue (not `sms.pending`, not
+    /// `purchases.dead`), which writing to the default exchange would let it.
+    pub purchases_exchange: String,
     /// Durable queue of invalid purchases, each with `x-codepool-reason`.
     pub purchases_dead: String,
     /// Topic exchange for SMS traffic (`sms.pending`, `sms.sent`, `sms.failed`).
@@ -136,6 +141,7 @@ impl Topology {
         let n = |name: &str| format!("{prefix}{name}");
         Self {
             purchases: n("purchases"),
+            purchases_exchange: n("codepool.purchases"),
             purchases_dead: n("purchases.dead"),
             sms_exchange: n("sms"),
             sms_pending: n("sms.pending"),
@@ -242,6 +248,25 @@ impl Topology {
         };
         self.declare_queue(channel, &self.purchases_dead).await?;
         self.declare_queue(channel, &self.purchases).await?;
+        // Every purchase published to the purchases exchange, whatever its
+        // routing key, goes to the purchases queue, and only there.
+        (channel.exchange_declare(
+            &self.purchases_exchange,
+            ExchangeKind::Fanout,
+            topic,
+            FieldTable::default(),
+        ))
+        .await
+        .map_err(|e| declare_failed(&self.purchases_exchange, e))?;
+        (channel.queue_bind(
+            &self.purchases,
+            &self.purchases_exchange,
+            "",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        ))
+        .await
+        .map_err(|e| declare_failed(&self.purchases, e))?;
         for exchange in [&self.sms_exchange, &self.events_exchange] {
             channel
                 .exchange_declare(exchange, ExchangeKind::Topic, topic, FieldTable::default())

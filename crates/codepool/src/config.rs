@@ -75,6 +75,21 @@ pub struct Config {
     )]
     pub amqp_prefix: String,
 
+    /// Broker users of the operator, besides codepool's own (the user of
+    /// CODEPOOL_AMQP_URL), comma separated: only they publish purchases
+    /// that name no shop, and only their messages may carry a replay's
+    /// record of who first published a purchase. Never a shop's broker
+    /// user (a shop's purchases name their shop).
+    #[arg(
+        long,
+        env = "CODEPOOL_OPERATOR_BROKER_USERS",
+        value_delimiter = ',',
+        value_name = "USERS",
+        global = true,
+        help_heading = "Connection"
+    )]
+    pub operator_broker_users: Vec<String>,
+
     /// Webhook hosts let through whatever their address or scheme (a
     /// comma-separated list, for development: a receiver on 127.0.0.1 or
     /// over plain http). Read once, here.
@@ -153,6 +168,12 @@ impl Config {
         self.key_file
             .clone()
             .unwrap_or_else(codepool_vault::keyfile::default_path)
+    }
+
+    /// The operator's broker users: codepool's own (the user of
+    /// `--amqp-url`) and `--operator-broker-users`.
+    pub fn operator_users(&self) -> Vec<String> {
+        codepool_broker::operator_users(&self.amqp_url, &self.operator_broker_users)
     }
 
     pub fn topology(&self) -> codepool_broker::Topology {

@@ -144,13 +144,16 @@ pub fn parts(cfg: &Config, store: &Store) -> anyhow::Result<codepool_issuance::b
         engine,
         Arc::new(hot),
         cfg.allow_hosts(),
+        cfg.operator_users(),
     ))
 }
 
 /// A publisher on a fresh connection, with the topology declared.
 pub async fn publisher(cfg: &Config, name: &str) -> anyhow::Result<(lapin::Connection, Publisher)> {
     let conn = codepool_broker::connect(&cfg.amqp_url, name).await?;
-    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    let publisher = Publisher::new(&conn, cfg.topology())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     cfg.topology().declare(publisher.channel()).await?;
     Ok((conn, publisher))
 }

@@ -111,6 +111,10 @@ impl Family {
         };
         let queues = dead(broker_names("list_queues").await);
         let exchanges = dead(broker_names("list_exchanges").await);
+        // Users a test made for a shop's backend are named like its queues.
+        for user in dead(broker_users().await) {
+            rabbitmqctl(&["delete_user", &user]).await;
+        }
         if queues.is_empty() && exchanges.is_empty() {
             return (0, 0);
         }
@@ -172,20 +176,36 @@ fn is_local(amqp_url: &str) -> bool {
 /// `list_queues` or `list_exchanges`); none when `rabbitmqctl` cannot
 /// tell.
 async fn broker_names(what: &str) -> Vec<String> {
+    (rabbitmqctl(&["-q", what, "name", "--no-table-headers"]).await)
+        .lines()
+        .map(|l| l.trim().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// Names of the default node's users; none when `rabbitmqctl` cannot
+/// tell.
+async fn broker_users() -> Vec<String> {
+    (rabbitmqctl(&["-q", "list_users", "--no-table-headers"]).await)
+        .lines()
+        .filter_map(|l| l.split('\t').next())
+        .map(|l| l.trim().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// `rabbitmqctl ARGS`, its output (empty when it fails or takes over 30 s).
+async fn rabbitmqctl(args: &[&str]) -> String {
     let out = tokio::process::Command::new("rabbitmqctl")
-        .args(["-q", what, "name", "--no-table-headers"])
+        .args(args)
         .current_dir("/")
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .output();
     match tokio::time::timeout(std::time::Duration::from_secs(30), out).await {
-        Ok(Ok(out)) if out.status.success() => String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| l.trim().to_owned())
-            .filter(|l| !l.is_empty())
-            .collect(),
-        _ => Vec::new(),
+        Ok(Ok(out)) if out.status.success() => String::from_utf8_lossy(&out.stdout).into_owned(),
+        _ => String::new(),
     }
 }
 

@@ -70,6 +70,7 @@ impl Dispatcher {
     /// (the core hands it to the relay). Nobody sees codes in an ack.
     fn read(&self, deliveries: &[Delivery]) -> Batch {
         let topology = &self.config.topology;
+        let operators = &self.parts.operator_broker_users;
         let mut at_limit = Vec::new();
         let parsed = deliveries
             .iter()
@@ -81,15 +82,16 @@ impl Dispatcher {
                         topology.queues.delivery_limit,
                     ))
                 }
-                None => Purchase::parse(&d.data).map(|mut p| {
-                    // The shop admission checks the publisher: the broker
-                    // user RabbitMQ validated as the message's user_id.
-                    if p.shop.is_some() {
-                        let user = d.properties.user_id().as_ref().map(|u| u.as_str());
-                        p.owner = codepool_issuance::shops::published_by(user);
-                    }
+                None => Purchase::parse(&d.data).and_then(|mut p| {
+                    // Who may publish what is the core's rule: a shop's
+                    // broker users its purchases, the operator's those of
+                    // no shop. The publisher is the broker user RabbitMQ
+                    // validated as the message's user_id (or the one a
+                    // replay of the operator's recorded).
+                    let user = codepool_broker::publisher_of(&d.properties, operators);
+                    codepool_issuance::shops::admit_publisher(&mut p, user.as_deref(), operators)?;
                     received(d, &p);
-                    p
+                    Ok(p)
                 }),
             })
             .collect();
@@ -165,7 +167,8 @@ impl Ending for Deliveries<'_> {
         publisher: &Publisher,
         only: Option<&HashSet<usize>>,
     ) -> HashSet<usize> {
-        dead_letter(plan, self.deliveries, publisher, only).await
+        let operators = &self.dispatcher.parts.operator_broker_users;
+        dead_letter(plan, self.deliveries, publisher, operators, only).await
     }
 
     async fn settle(&self, plan: &BatchPlan, unconfirmed: &HashSet<usize>) {
@@ -202,12 +205,15 @@ fn received(d: &Delivery, p: &Purchase) {
 /// before it requeues those purchases.
 const REPUBLISH_FOR: Duration = Duration::from_secs(30);
 
-/// Publishes the plan's dead letters, each with its reason; returns the
-/// positions the broker did not confirm.
+/// Publishes the plan's dead letters, each with its reason and the broker
+/// user that published it (see [`codepool_broker::publisher_of`]), so that
+/// a replay sends it back as that user's; returns the positions the broker
+/// did not confirm.
 async fn dead_letter(
     plan: &BatchPlan,
     deliveries: &[Delivery],
     publisher: &Publisher,
+    operators: &[String],
     only: Option<&HashSet<usize>>,
 ) -> HashSet<usize> {
     let mut pending = Vec::new();
@@ -232,6 +238,7 @@ async fn dead_letter(
                     message_id,
                     &e.to_string(),
                     codepool_broker::replay_count(&d.properties),
+                    codepool_broker::publisher_of(&d.properties, operators).as_deref(),
                 )
                 .await,
         ));

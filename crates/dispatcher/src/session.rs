@@ -56,7 +56,10 @@ impl Dispatcher {
             mut consumer,
             handle: purchases,
         } = codepool_broker::consume_purchases(&conn, &cfg.topology, cfg.prefetch, &tag).await?;
-        let publisher = Publisher::new(&conn, cfg.topology.clone()).await?;
+        // Its dead letters are vouched for by its own broker user.
+        let publisher = Publisher::new(&conn, cfg.topology.clone())
+            .await?
+            .as_user(&Publisher::user_of(&cfg.amqp_url));
         let mut background = self
             .clone()
             .start_background(&conn, &publisher, shutdown)

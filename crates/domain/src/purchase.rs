@@ -254,6 +254,20 @@ impl PurchaseError {
         )
     }
 
+    /// An AMQP purchase names no shop, so it is the operator's, and its
+    /// broker user (`user`, none when the message carries no `user_id`) is
+    /// not one of the operator's.
+    pub fn not_the_operators(user: Option<&str>) -> Self {
+        let who = match user {
+            Some(u) => format!("broker user {u:?} is not one of the operator's, and a purchase that names no shop is the operator's"),
+            None => "a purchase that names no shop is the operator's, and must carry the user_id of one of the operator's broker users".to_owned(),
+        };
+        Self::new(
+            RejectReason::ShopNotYours,
+            format!("{who}; a shop's backend names its shop (\"shop\": \"NAME\"), the operator publishes with user_id set to codepool's broker user or one in CODEPOOL_OPERATOR_BROKER_USERS"),
+        )
+    }
+
     /// The purchase's shop may not order from its pool.
     pub fn pool_not_allowed(shop: &str, pool: &str) -> Self {
         Self::new(
@@ -310,7 +324,7 @@ impl Purchase {
         };
         let phone = required(&map, "phone", 32)?;
         let purchased_at = optional(&map, "purchased_at", MAX_TIME_LEN)?;
-        let shop = optional(&map, "shop", Pool::MAX_LEN)?;
+        let shop = shop_field(&map)?;
         let hold_id = optional(&map, "hold_id", MAX_ID_LEN)?;
 
         if let Err(e) = Pool::new(&pool) {
@@ -571,6 +585,26 @@ fn optional(
     }
 }
 
+/// The optional `shop`: absent for the operator's purchase, else a
+/// shop's name. `null` and an empty string are refused: a purchase that
+/// means the operator leaves the field out, and one that meant a shop and
+/// lost its name on the way must not become the operator's.
+fn shop_field(map: &Map<String, Value>) -> Result<Option<String>, PurchaseError> {
+    let malformed = |got: &str| {
+        PurchaseError::new(
+            RejectReason::WrongType,
+            format!("field \"shop\" must name a shop, not {got}; leave it out for a purchase of no shop"),
+        )
+        .on("shop")
+    };
+    match map.get("shop") {
+        None => Ok(None),
+        Some(Value::Null) => Err(malformed("null")),
+        Some(Value::String(s)) if s.trim().is_empty() => Err(malformed("an empty string")),
+        Some(_) => optional(map, "shop", Pool::MAX_LEN),
+    }
+}
+
 /// A bundle's `items`: 1 to [`MAX_ITEMS`] objects `{"pool", "quantity"}`,
 /// at most [`MAX_QUANTITY`] codes in all.
 pub fn parse_items(v: &Value) -> Result<Vec<Item>, PurchaseError> {
@@ -728,6 +762,20 @@ mod tests {
             eleven.join(",")
         );
         assert!(Purchase::parse(body.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_null_or_empty_shop_is_malformed_not_the_operators() {
+        let base = r#"{"order_id":"S-1","uid":"u1","phone":"+8613800000000","pool":"p""#;
+        for shop in ["null", r#""""#, r#""  ""#] {
+            let e = Purchase::parse(format!(r#"{base},"shop":{shop}}}"#).as_bytes()).unwrap_err();
+            assert_eq!(e.reason, RejectReason::WrongType, "{shop}: {e}");
+            assert_eq!(e.field(), Some("shop"), "{shop}");
+        }
+        let none = Purchase::parse(format!("{base}}}").as_bytes()).unwrap();
+        assert_eq!(none.shop, None);
+        let named = Purchase::parse(format!(r#"{base},"shop":" acme "}}"#).as_bytes()).unwrap();
+        assert_eq!(named.shop.as_deref(), Some("acme"));
     }
 
     #[test]

@@ -60,6 +60,11 @@ pub struct Parts {
     /// Webhook hosts let through whatever their address
     /// (`CODEPOOL_WEBHOOK_ALLOW_HOSTS`, read once with the config).
     pub allow_hosts: AllowHosts,
+    /// The operator's broker users: codepool's own and
+    /// `CODEPOOL_OPERATOR_BROKER_USERS` (read once with the config). Only
+    /// they publish purchases of no shop over AMQP, and only their
+    /// messages carry a dead letter's or a replay's record of its publisher.
+    pub operator_broker_users: Arc<[String]>,
 }
 
 impl Parts {
@@ -68,8 +73,10 @@ impl Parts {
         engine: ClaimEngine,
         hot: Arc<dyn CandidatePool>,
         allow_hosts: AllowHosts,
+        operator_broker_users: Vec<String>,
     ) -> Self {
         Self {
+            operator_broker_users: operator_broker_users.into(),
             intake: Arc::new(Intake::new(store.clone(), engine)),
             outbox: Arc::new(Outbox::new(Arc::new(store.clone()))),
             stock: StockWatch::new(store.clone(), StockConfig::granting()),

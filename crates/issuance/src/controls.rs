@@ -405,18 +405,21 @@ pub enum ReplayError {
 
 /// Sends dead letters (those whose reason starts with `reason`) back to
 /// the purchases queue (see [`codepool_broker::dead_letters::replay`]),
-/// audited with `actor`. Returns what was replayed.
+/// each as the broker user that first published it (the record of
+/// `operators` only), audited with `actor`. Returns what was replayed.
 pub async fn replay_dead_letters(
     store: &Store,
     conn: &lapin::Connection,
     publisher: &Publisher,
     reason: Option<&str>,
     limit: usize,
+    operators: &[String],
     actor: &Actor,
 ) -> Result<codepool_broker::dead_letters::Replayed, ReplayError> {
     let topology = publisher.topology();
     let sent =
-        codepool_broker::dead_letters::replay(conn, publisher, topology, reason, limit).await?;
+        codepool_broker::dead_letters::replay(conn, publisher, topology, reason, limit, operators)
+            .await?;
     let what = format!(
         "{} dead letter(s) replayed (reason filter {reason:?})",
         sent.len()

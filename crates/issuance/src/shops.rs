@@ -38,6 +38,30 @@ pub fn published_by(user: Option<&str>) -> Option<String> {
     user.map(|u| format!("{BROKER_USER_PREFIX}{u}"))
 }
 
+/// Holds an AMQP purchase to the rights of its publisher (`user`, the
+/// broker user RabbitMQ vouches for; none when unknown): a purchase that
+/// names a shop is marked with its publisher, and the shop admission
+/// ([`Shops::admit`]) lets it through only from a broker user the shop
+/// names; a purchase that names no shop is the operator's, so it comes
+/// from one of the operator's broker users (`operators`: codepool's own and
+/// `CODEPOOL_OPERATOR_BROKER_USERS`) or is refused `shop_not_yours` here,
+/// before it can pay a hold or take a code. A shop's broker user thus
+/// publishes its own shop's purchases and nothing else.
+pub fn admit_publisher(
+    p: &mut codepool_domain::Purchase,
+    user: Option<&str>,
+    operators: &[String],
+) -> Result<(), PurchaseError> {
+    if p.shop.is_some() {
+        p.owner = published_by(user);
+        return Ok(());
+    }
+    match user {
+        Some(u) if operators.iter().any(|o| o == u) => Ok(()),
+        _ => Err(PurchaseError::not_the_operators(user)),
+    }
+}
+
 /// Whether purchase `p` may name `shop`: a purchase over HTTP carries its
 /// key's owner (the API holds a shop's key to its shop; a key of no shop
 /// is the operator's and may order for any shop); one over AMQP must come
@@ -303,6 +327,27 @@ impl Shops {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_purchase_of_no_shop_comes_from_the_operators_broker_users_only() {
+        let operators = vec!["codepool".to_owned(), "ops".to_owned()];
+        let mut p = codepool_domain::Purchase::parse(
+            br#"{"order_id":"O-1","uid":"u","phone":"+8613800000000","pool":"p"}"#,
+        )
+        .unwrap();
+        for user in ["codepool", "ops"] {
+            assert!(admit_publisher(&mut p, Some(user), &operators).is_ok());
+            assert_eq!(p.owner, None, "the operator's order has no owner");
+        }
+        for user in [Some("acme-backend"), None] {
+            let e = admit_publisher(&mut p, user, &operators).unwrap_err();
+            assert_eq!(e.reason, codepool_domain::RejectReason::ShopNotYours);
+        }
+        // A purchase naming a shop carries its publisher to the shop's check.
+        p.shop = Some("acme".into());
+        admit_publisher(&mut p, Some("acme-backend"), &operators).unwrap();
+        assert_eq!(p.owner.as_deref(), Some("amqp-user:acme-backend"));
+    }
 
     #[test]
     fn pool_lists_are_checked_sorted_and_star_means_every_pool() {

@@ -177,7 +177,10 @@ fn connection_name() -> String {
 /// A connection, its confirm-mode publisher, and the topology declared.
 async fn connect(cfg: &Config, name: &str) -> anyhow::Result<Broker> {
     let conn = Arc::new(codepool_broker::connect(&cfg.amqp_url, name).await?);
-    let publisher = Publisher::new(&conn, cfg.topology()).await?;
+    // Its dead-letter replays are vouched for by this broker user.
+    let publisher = Publisher::new(&conn, cfg.topology())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     cfg.topology().declare(publisher.channel()).await?;
     Ok(Broker { conn, publisher })
 }

@@ -18,7 +18,9 @@ Replayed messages go back to the purchases queue; those still invalid come
 back to the dead-letter queue with their reason. A replay takes at most the
 messages that were dead-lettered when it started, so it never replays its own
 output; each replayed message carries its replay count (x-codepool-replays),
-kept when it is dead-lettered again and shown by `list`. With --wait SECS it
+kept when it is dead-lettered again and shown by `list`, and goes back as
+the broker user that first published it (x-codepool-publisher), so a shop's
+purchase is checked against its shop as that user's. With --wait SECS it
 then waits and reports how many of the replayed came back dead.")]
 pub struct DeadLettersArgs {
     #[command(subcommand)]
@@ -54,7 +56,11 @@ pub enum Action {
 pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
     let topology = cfg.topology();
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-dead-letters").await?;
-    let publisher = Publisher::new(&conn, topology.clone()).await?;
+    // A replay carries each purchase's first publisher, vouched for by
+    // codepool's own broker user.
+    let publisher = Publisher::new(&conn, topology.clone())
+        .await?
+        .as_user(&Publisher::user_of(&cfg.amqp_url));
     topology.declare(publisher.channel()).await?;
     match args.action {
         Action::List { limit, json } => {
@@ -97,6 +103,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
                 &publisher,
                 reason.as_deref(),
                 limit,
+                &cfg.operator_users(),
                 &actor,
             )
             .await?;

@@ -84,14 +84,33 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
     let publisher = Publisher::new(&conn, cfg.topology())
         .await?
         .as_user(&Publisher::user_of(&cfg.amqp_url));
-    cfg.topology().declare(publisher.channel()).await?;
+    declare_if_allowed(&conn, cfg).await;
     let n = publish_all(&publisher, &bodies).await?;
     codepool_broker::close(conn, "done").await;
     say!(
-        "published {n} purchase(s) to queue {:?}",
+        "published {n} purchase(s) to exchange {:?} (queue {:?})",
+        cfg.topology().purchases_exchange,
         cfg.topology().purchases
     );
     Ok(crate::exit::OK)
+}
+
+/// Declares the topology where the broker user may (an operator's user
+/// may; a shop's backend, allowed to write to the purchases exchange and
+/// nothing else, may not, and needs not: a dispatcher declared it). On a
+/// channel of its own, since a refusal closes the channel.
+async fn declare_if_allowed(conn: &lapin::Connection, cfg: &Config) {
+    let Ok(channel) = conn.create_channel().await else {
+        return;
+    };
+    match cfg.topology().declare(&channel).await {
+        Ok(()) => {
+            let _ = channel.close(200, "declared").await;
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "not declaring the topology; publishing to it as it is")
+        }
+    }
 }
 
 /// Publishes with up to 1000 confirms in flight.

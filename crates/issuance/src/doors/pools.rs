@@ -173,6 +173,7 @@ impl Core {
             &broker.publisher,
             reason,
             limit,
+            &self.parts().operator_broker_users,
             actor,
         )
         .await
