@@ -2005,7 +2005,10 @@ impl World {
         let mut olds: HashMap<ObjectId, Vec<String>> = HashMap::new();
         let mut news: HashMap<ObjectId, Vec<String>> = HashMap::new();
         for r in self.all("replacements", doc! {}).await {
-            let rid = r.get_str("_id").unwrap_or_default().to_owned();
+            // The caller's id: the document's key is scoped by its owner.
+            let rid = (r.get_str("replacement_id").or_else(|_| r.get_str("_id")))
+                .unwrap_or_default()
+                .to_owned();
             let order = r.get_str("order_id").unwrap_or_default();
             let state = r.get_str("state").unwrap_or_default();
             let (n, line) = (int(&r, "n"), int(&r, "line"));
