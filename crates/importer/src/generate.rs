@@ -315,51 +315,9 @@ async fn run_leased(
     if before > 0 {
         info!(run = %record.id, held = before, "the run holds codes already; making only the rest");
     }
-    let mut result = run.until_done(options, on_progress).await;
-    // Every insert of the run has landed or failed (`until_done` drains
-    // them on every way out): the run holds what the pool holds of it,
-    // counted, not the sum of what its batches answered (a batch drained
-    // after an error was never added). A count short of what the batches
-    // answered makes the rest.
-    for _ in 0..3 {
-        match store.codes_of_run(pool.as_str(), record.id).await {
-            Ok(held) => {
-                if held != run.held {
-                    warn!(run = %record.id, counted = held, answered = run.held, "the run's codes counted in the pool differ from what its inserts answered; the count is recorded");
-                }
-                run.held = held;
-            }
-            Err(e) => {
-                warn!(error = %e, "the run's codes were not counted again at its end");
-                break;
-            }
-        }
-        if !matches!(result, Ok(true)) || run.held >= g.count {
-            break;
-        }
-        result = run.until_done(options, on_progress).await;
-    }
-    if matches!(result, Err(GenerateError::LeaseLost(_))) {
-        // A recall may have taken the run while it stalled: once its
-        // inserts have landed, what landed after the recall is voided too.
-        match store.import_record(record.id).await {
-            Ok(Some(now)) if now.recalled_at.is_some() => {
-                if let Err(e) = store.recall_rest(record.id).await {
-                    warn!(error = %e, "the run's late codes were not voided after its recall; recall it again");
-                }
-                result = Err(GenerateError::RecalledWhileRunning {
-                    id: record.id.to_hex(),
-                    reason: now.recall_reason.unwrap_or_default(),
-                });
-            }
-            // Another process holds the run and writes its record.
-            Ok(_) => {
-                let lost = GenerateError::LeaseLost(record.id.to_hex());
-                return Err(result.err().unwrap_or(lost));
-            }
-            Err(e) => warn!(error = %e, "could not read whether the run was recalled"),
-        }
-    }
+    let result = run.until_done(options, on_progress).await;
+    let result = run.counted(result, options, on_progress).await;
+    let result = recalled_meanwhile(store, record.id, result).await?;
     let interrupted = matches!(result, Ok(false));
     if run.held > before {
         run.settle_pool().await;
@@ -379,6 +337,72 @@ async fn run_leased(
     }
     result?;
     Ok(((run.held, run.redrawn), before, seconds))
+}
+
+impl Draws<'_> {
+    /// Every insert of the run has landed or failed (`until_done` drains
+    /// them on every way out): the run holds what the pool holds of it,
+    /// counted, not the sum of what its batches answered (a batch drained
+    /// after an error was never added). A count short of what the batches
+    /// answered makes the rest.
+    async fn counted(
+        &mut self,
+        mut result: Result<bool, GenerateError>,
+        options: &GenerateOptions,
+        on_progress: &(dyn Fn(GenerateProgress) + Send + Sync),
+    ) -> Result<bool, GenerateError> {
+        for _ in 0..3 {
+            match self.store.codes_of_run(self.pool, self.id).await {
+                Ok(held) => {
+                    if held != self.held {
+                        warn!(run = %self.id, counted = held, answered = self.held, "the run's codes counted in the pool differ from what its inserts answered; the count is recorded");
+                    }
+                    self.held = held;
+                }
+                Err(e) => {
+                    warn!(error = %e, "the run's codes were not counted again at its end");
+                    break;
+                }
+            }
+            if !matches!(result, Ok(true)) || self.held >= self.g.count {
+                break;
+            }
+            result = self.until_done(options, on_progress).await;
+        }
+        result
+    }
+}
+
+/// A run that lost its lease: a recall may have taken it while it
+/// stalled, and once its inserts have landed, what landed after the
+/// recall is voided too (the run's result says so). `Err` when another
+/// process holds the run and writes its record.
+async fn recalled_meanwhile(
+    store: &Store,
+    id: ObjectId,
+    result: Result<bool, GenerateError>,
+) -> Result<Result<bool, GenerateError>, GenerateError> {
+    if !matches!(result, Err(GenerateError::LeaseLost(_))) {
+        return Ok(result);
+    }
+    match store.import_record(id).await {
+        Ok(Some(now)) if now.recalled_at.is_some() => {
+            if let Err(e) = store.recall_rest(id).await {
+                warn!(error = %e, "the run's late codes were not voided after its recall; recall it again");
+            }
+            Ok(Err(GenerateError::RecalledWhileRunning {
+                id: id.to_hex(),
+                reason: now.recall_reason.unwrap_or_default(),
+            }))
+        }
+        Ok(_) => Err(result
+            .err()
+            .unwrap_or_else(|| GenerateError::LeaseLost(id.to_hex()))),
+        Err(e) => {
+            warn!(error = %e, "could not read whether the run was recalled");
+            Ok(result)
+        }
+    }
 }
 
 /// Opens the record of run `g` (its id: `g.run_id`, or a new one), or

@@ -7,8 +7,9 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use codepool_issuance::channels::{self, AfterProvide, Kind, NewChannel};
+use codepool_issuance::channels::{self, NewChannel};
 use codepool_store::channels::{ChannelDoc, DealState};
+use codepool_store::Store;
 
 use crate::config::Config;
 
@@ -157,8 +158,6 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
             after_provide,
             token_ttl,
         } => {
-            let kind: Kind = kind.parse()?;
-            let after_provide: AfterProvide = after_provide.parse()?;
             let bytes = std::fs::read(&credentials).map_err(|e| {
                 anyhow::anyhow!(
                     "cannot read the credentials file {}: {e}",
@@ -167,36 +166,22 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
             })?;
             let new = NewChannel {
                 name,
-                kind,
+                kind: kind.parse()?,
                 shop,
                 credentials: bytes,
                 hold_ttl_seconds: hold_ttl,
-                after_provide,
+                after_provide: after_provide.parse()?,
                 token_ttl_seconds: token_ttl,
             };
-            let c = channels::add(&store, new, &super::actor("channels add")).await?;
-            say!(
-                "added channel {:?} ({}) to shop {:?}; its marketplace calls /channels/{}/{}",
-                c.name,
-                c.kind,
-                c.shop,
-                c.name,
-                c.kind
-            );
+            add(&store, new).await?;
         }
         ChannelsCommand::Map {
             name,
             product,
             pool,
         } => {
-            let c = channels::map(
-                &store,
-                &name,
-                &product,
-                &pool,
-                &super::actor("channels map"),
-            )
-            .await?;
+            let actor = super::actor("channels map");
+            let c = channels::map(&store, &name, &product, &pool, &actor).await?;
             say!(
                 "channel {:?} sells pool {pool:?} as product {product:?} ({} products)",
                 c.name,
@@ -204,35 +189,7 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
             );
         }
         ChannelsCommand::List { json } => print(&store.channels().await?, json)?,
-        ChannelsCommand::Show { name, json } => {
-            let Some(c) = store.channel(&name).await? else {
-                anyhow::bail!(channels::ChannelError::Unknown(name));
-            };
-            if json {
-                let mut v = json_of(&c);
-                for state in [
-                    DealState::Reserved,
-                    DealState::Provided,
-                    DealState::Cancelled,
-                ] {
-                    v[state.as_str()] = store.deals_in(&c.name, state).await?.into();
-                }
-                say_json!(serde_json::to_string_pretty(&v)?);
-            } else {
-                print(std::slice::from_ref(&c), false)?;
-                for state in [
-                    DealState::Reserved,
-                    DealState::Provided,
-                    DealState::Cancelled,
-                ] {
-                    say!(
-                        "{}: {}",
-                        state.as_str(),
-                        store.deals_in(&c.name, state).await?
-                    );
-                }
-            }
-        }
+        ChannelsCommand::Show { name, json } => show(&store, name, json).await?,
         ChannelsCommand::Pause { name } => {
             channels::set_paused(&store, &name, true, &super::actor("channels pause")).await?;
             say!("channel {name:?} paused: it reserves nothing new");
@@ -247,4 +204,47 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(crate::exit::OK)
+}
+
+/// `channels add`: the channel, and the path its marketplace calls.
+async fn add(store: &Store, new: NewChannel) -> anyhow::Result<()> {
+    let c = channels::add(store, new, &super::actor("channels add")).await?;
+    say!(
+        "added channel {:?} ({}) to shop {:?}; its marketplace calls /channels/{}/{}",
+        c.name,
+        c.kind,
+        c.shop,
+        c.name,
+        c.kind
+    );
+    Ok(())
+}
+
+/// `channels show`: the channel, and how many of its marketplace orders
+/// are in each state.
+async fn show(store: &Store, name: String, json: bool) -> anyhow::Result<()> {
+    let Some(c) = store.channel(&name).await? else {
+        anyhow::bail!(channels::ChannelError::Unknown(name));
+    };
+    let mut counts = Vec::new();
+    for state in [
+        DealState::Reserved,
+        DealState::Provided,
+        DealState::Cancelled,
+    ] {
+        counts.push((state.as_str(), store.deals_in(&c.name, state).await?));
+    }
+    if json {
+        let mut v = json_of(&c);
+        for (state, n) in counts {
+            v[state] = n.into();
+        }
+        say_json!(serde_json::to_string_pretty(&v)?);
+    } else {
+        print(std::slice::from_ref(&c), false)?;
+        for (state, n) in counts {
+            say!("{state}: {n}");
+        }
+    }
+    Ok(())
 }

@@ -126,42 +126,16 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
         expires_at: args.expires_at,
         run_id: args.run_id,
     };
-    let mut resumed = None;
-    if generation.run_id.is_none() && !args.new_run {
-        if let Some(r) = codepool_importer::generate::unfinished_run(&store, &generation).await? {
-            if r.being_made() {
-                eprintln!(
-                    "error: run {} of the same pool, pattern and count is being made by another process now; \
-                     wait for it to end, or pass --new-run for a second run",
-                    r.id
-                );
-                return Ok(crate::exit::FAILURE);
-            }
-            eprintln!(
-                "taking up run {} of the same pool, pattern and count, which did not finish ({}, {} of {} codes recorded); pass --new-run for a second run instead",
-                r.id, r.status, r.inserted, args.count
-            );
-            resumed = Some(r.id);
-        }
-    }
+    let resumed = match run_to_take_up(&store, &generation, args.new_run).await? {
+        Ok(resumed) => resumed,
+        Err(exit) => return Ok(exit),
+    };
     let id = resumed.unwrap_or_else(|| generation.run_id.unwrap_or_default());
     generation.run_id = Some(id);
     // The record first, so that the id printed next names a run even if
     // this process dies before its first code.
     codepool_importer::generate::open_run(&store, &generation).await?;
-    if args.json {
-        let first = serde_json::json!({
-            "run_id": id.to_hex(),
-            "pool": generation.pool,
-            "status": RunState::Running,
-            "resumed": resumed.is_some(),
-        });
-        say_json!(first.to_string());
-        use std::io::Write;
-        std::io::stdout().flush()?;
-    } else {
-        eprintln!("generation run {id} (run the same command to finish it if it stops)");
-    }
+    name_the_run(args.json, &generation.pool, id, resumed.is_some())?;
     let options = GenerateOptions {
         batch_size: args.batch_size as usize,
         stop: interrupt.token.clone(),
@@ -186,20 +160,71 @@ pub async fn run(cfg: &Config, args: GenerateArgs) -> anyhow::Result<u8> {
     } else {
         print_summary(&summary);
     }
-    if let (true, Some(code)) = (
-        summary.status == RunState::Interrupted,
-        interrupt.exit_code(),
-    ) {
-        eprintln!(
-            "generation interrupted by {} with {} of {} codes made; run it again with --run-id {} to finish",
-            interrupt.name(),
-            summary.inserted,
-            summary.count,
-            summary.run_id
-        );
-        return Ok(code);
+    Ok(interrupted(&interrupt, &summary).unwrap_or(crate::exit::OK))
+}
+
+/// The exit code of a run a signal interrupted, said with how to finish it.
+fn interrupted(interrupt: &Interrupt, summary: &GenerateSummary) -> Option<u8> {
+    let code = interrupt.exit_code()?;
+    if summary.status != RunState::Interrupted {
+        return None;
     }
-    Ok(crate::exit::OK)
+    eprintln!(
+        "generation interrupted by {} with {} of {} codes made; run it again with --run-id {} to finish",
+        interrupt.name(),
+        summary.inserted,
+        summary.count,
+        summary.run_id
+    );
+    Some(code)
+}
+
+/// The unfinished run of the same pool, pattern and count that this
+/// command takes up (none without one, with `--run-id` or `--new-run`);
+/// `Err(exit code)` when another process is making it now.
+async fn run_to_take_up(
+    store: &codepool_store::Store,
+    generation: &Generation,
+    new_run: bool,
+) -> anyhow::Result<Result<Option<ObjectId>, u8>> {
+    if generation.run_id.is_some() || new_run {
+        return Ok(Ok(None));
+    }
+    let Some(r) = codepool_importer::generate::unfinished_run(store, generation).await? else {
+        return Ok(Ok(None));
+    };
+    if r.being_made() {
+        eprintln!(
+            "error: run {} of the same pool, pattern and count is being made by another process now; \
+             wait for it to end, or pass --new-run for a second run",
+            r.id
+        );
+        return Ok(Err(crate::exit::FAILURE));
+    }
+    eprintln!(
+        "taking up run {} of the same pool, pattern and count, which did not finish ({}, {} of {} codes recorded); pass --new-run for a second run instead",
+        r.id, r.status, r.inserted, generation.count
+    );
+    Ok(Ok(Some(r.id)))
+}
+
+/// Names the run before any code is made: a first JSON line with
+/// `--json`, else a line on stderr.
+fn name_the_run(json: bool, pool: &str, id: ObjectId, resumed: bool) -> anyhow::Result<()> {
+    if json {
+        let first = serde_json::json!({
+            "run_id": id.to_hex(),
+            "pool": pool,
+            "status": RunState::Running,
+            "resumed": resumed,
+        });
+        say_json!(first.to_string());
+        use std::io::Write;
+        std::io::stdout().flush()?;
+    } else {
+        eprintln!("generation run {id} (run the same command to finish it if it stops)");
+    }
+    Ok(())
 }
 
 /// A bar of codes made on a terminal; hidden otherwise.
