@@ -494,7 +494,9 @@ mod tests {
     /// starts a batch beside it, though no request comes after.
     #[tokio::test]
     async fn an_ask_that_waits_behind_a_slow_batch_starts_one_beside_it() {
-        let slow = Duration::from_millis(300);
+        // Long enough that a busy machine does not make the first batch slow
+        // before the second ask is pushed.
+        let slow = Duration::from_secs(1);
         let (open, gate) = tokio::sync::watch::channel(false);
         let b = doubler(shape(SECOND_AT, slow), &gate);
         let first = ask(&b, 0);
