@@ -747,11 +747,12 @@ async fn a_retired_key_missing_from_the_key_file_blocks_nothing() {
 }
 
 /// Reads of codes sealed with a key this process lacks (an order, a
-/// replacement, a redemption by code) answer the documented 503
-/// `unavailable` with `Retry-After`, as orders do, never 500 `internal`.
+/// replacement, a redemption by code) and a checkout hold of them answer
+/// the documented 503 `unavailable` with `Retry-After`, as orders do,
+/// never 500 `internal`.
 #[tokio::test]
 async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after() {
-    let env = TestEnv::with_pools("secrets_keys_reads", &[("kk", 10)]).await;
+    let env = TestEnv::with_pools("secrets_keys_reads", &[("kk", 20)]).await;
     let (api, backend) = api_with_key(&env, "backend", "orders:write,orders:read").await;
     let platform = codepool_ok(
         &env,
@@ -784,6 +785,7 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
     }
     let replace = serde_json::json!({"replacement_id": "R-kk", "reason": "rejected"}).to_string();
     let redeem = serde_json::json!({"code": code, "redemption_id": "X-kk"}).to_string();
+    let hold = serde_json::json!({"hold_id": "H-kk", "uid": "kk-buyer", "items": [{"pool": "kk", "quantity": 1}]}).to_string();
     let answers = [
         (
             "GET /v1/orders/KK-1",
@@ -803,6 +805,10 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
             api.post("/v1/codes/redeem", &platform, redeem.as_bytes())
                 .await,
         ),
+        (
+            "POST /v1/holds",
+            api.post("/v1/holds", &backend, hold.as_bytes()).await,
+        ),
     ];
     for (what, (status, headers, body)) in answers {
         let body = String::from_utf8_lossy(&body);
@@ -814,12 +820,12 @@ async fn reads_of_codes_under_a_key_the_process_lacks_answer_503_and_retry_after
         find_docs(
             &env,
             "codes",
-            doc! {"pool": "kk", "status": {"$in": [2, 3]}}
+            doc! {"pool": "kk", "status": {"$in": [2, 3, 4]}}
         )
         .await
         .len(),
         0,
-        "nothing redeemed or replaced"
+        "nothing redeemed, replaced or held"
     );
     api.stop().await;
     env.cleanup().await;

@@ -131,7 +131,7 @@ fn failed(e: HoldError, key: &KeyDoc, rid: &RequestId) -> Response {
             "no such hold",
             format!("codepool has no hold {id:?} of this key; check the id, or place one with POST /v1/holds"),
         ),
-        _ if e.is_unavailable() => Problem::unavailable(&e),
+        _ if e.is_retryable() => Problem::unavailable(&e),
         _ => Problem::internal(&e, "nothing was held twice"),
     };
     p.at(&rid.0).into_response()

@@ -182,6 +182,18 @@ impl HoldError {
             _ => false,
         }
     }
+
+    /// Worth answering "come back later": a server is away, or this
+    /// process lacks a key codes are sealed with (it holds nothing until
+    /// its key file has it, and reads the file again by itself).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Claim(e) => e.is_retryable(),
+            Self::Store(e) => e.is_retryable(),
+            Self::Failed(e) => e.0.is_retryable(),
+            _ => self.is_unavailable(),
+        }
+    }
 }
 
 /// A hold as a door shows it: its document, with its state as of now (a

@@ -459,7 +459,7 @@ pub enum CallError {
 
 impl From<StoreError> for CallError {
     fn from(e: StoreError) -> Self {
-        if e.is_unavailable() {
+        if e.is_retryable() {
             Self::Retry(e.to_string())
         } else {
             Self::Failed(e.to_string())
@@ -469,7 +469,7 @@ impl From<StoreError> for CallError {
 
 impl From<HoldError> for CallError {
     fn from(e: HoldError) -> Self {
-        if e.is_unavailable() {
+        if e.is_retryable() {
             return Self::Retry(e.to_string());
         }
         match e {
