@@ -735,8 +735,10 @@ async fn a_killed_json_run_named_itself_first_and_the_same_command_finishes_it()
     let busy = env.run(&[&["generate"][..], &small[..]].concat()).await;
     let err = String::from_utf8_lossy(&busy.stderr);
     assert_eq!(busy.status.code(), Some(1), "{err}");
+    // Its process may have died a moment ago: the way out it names is the
+    // run's own id (which waits for the lease), not a second run.
     assert!(
-        err.contains(&left.to_hex()) && err.contains("--new-run"),
+        err.contains(&format!("--run-id {}", left.to_hex())),
         "{err}"
     );
     let second = generate(&env, &[&small[..], &["--new-run"][..]].concat()).await;
@@ -823,6 +825,71 @@ async fn one_run_id_sent_at_once_by_the_api_and_two_commands_makes_its_count_onc
         .await;
     assert_eq!(past.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&past.stderr).contains("not in the future"));
+    env.cleanup().await;
+}
+
+/// The API's generation without a run id (a retry after the process that
+/// made it died, or a console form sent again) takes up the unfinished
+/// run of the same pool, pattern and count, as `codepool generate` does,
+/// instead of making a second full run; `new_run` asks for a second one.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_takes_up_an_unfinished_run_of_the_same_kind_instead_of_a_second() {
+    let env = TestEnv::new("gen_api_take_up").await;
+    let (api, admin) = api_with_key(&env, "gen-admin", "admin").await;
+    let unfinished = codepool_importer::Generation {
+        pool: "gu".into(),
+        count: 30,
+        pattern: codepool_domain::CodePattern::parse("GU-{random:12}", false).unwrap(),
+        expires_at: None,
+        run_id: Some(ObjectId::new()),
+    };
+    codepool_importer::generate::open_run(&env.store, &unfinished)
+        .await
+        .unwrap();
+    let left = unfinished.run_id.unwrap();
+    let path = "/v1/pools/gu/generations";
+    let body = br#"{"count":30,"pattern":"GU-{random:12}"}"#;
+    let (status, _, answer) = api.post(path, &admin, body).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
+    let started: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(started["run_id"], left.to_hex(), "taken up: {started}");
+    assert_eq!(started["resumed"], true, "{started}");
+    let imports = env.coll("imports");
+    let done = |id: ObjectId| {
+        let imports = imports.clone();
+        async move {
+            let r = imports.find_one(doc! {"_id": id}).await.unwrap().unwrap();
+            r.get_str("status") == Ok("done") && !r.contains_key("lease_owner")
+        }
+    };
+    eventually(Duration::from_secs(60), "the run done", || done(left)).await;
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gu"})
+            .await
+            .unwrap(),
+        30,
+        "one run's codes, not a second run's"
+    );
+    let both = br#"{"count":30,"pattern":"GU-{random:12}","new_run":true,"run_id":"0123456789abcdef01234567"}"#;
+    let (status, _, _) = api.post(path, &admin, both).await;
+    assert_eq!(status, 422, "a run id or a new run, not both");
+    let second = br#"{"count":30,"pattern":"GU-{random:12}","new_run":true}"#;
+    let (status, _, answer) = api.post(path, &admin, second).await;
+    assert_eq!(status, 202, "{}", String::from_utf8_lossy(&answer));
+    let started: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    assert_ne!(started["run_id"], left.to_hex(), "{started}");
+    assert_eq!(started["resumed"], false, "{started}");
+    let id = ObjectId::parse_str(started["run_id"].as_str().unwrap()).unwrap();
+    eventually(Duration::from_secs(60), "the second run done", || done(id)).await;
+    assert_eq!(
+        codes(&env)
+            .count_documents(doc! {"pool": "gu"})
+            .await
+            .unwrap(),
+        60
+    );
+    api.stop().await;
     env.cleanup().await;
 }
 

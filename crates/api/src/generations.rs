@@ -33,6 +33,8 @@ struct GenerationIn {
     check_char: bool,
     expires_at: Option<chrono::DateTime<chrono::Utc>>,
     run_id: Option<String>,
+    #[serde(default)]
+    new_run: bool,
 }
 
 fn unprocessable(rid: &RequestId, slug: &str, field: &str, detail: String) -> Response {
@@ -54,7 +56,7 @@ fn unprocessable(rid: &RequestId, slug: &str, field: &str, detail: String) -> Re
     params(("pool" = String, Path, description = "the pool the codes go to")),
     request_body(content = crate::openapi::GenerationIn, content_type = "application/json"),
     responses(
-        (status = 202, description = "the run is started; read it at /v1/generations/{run_id}", body = crate::openapi::GenerationStarted),
+        (status = 202, description = "the run is started, or an unfinished run of the same pool, pattern, count, check symbol and expiry is taken up (`resumed`: true; `new_run` asks for a second run instead); read it at /v1/generations/{run_id}", body = crate::openapi::GenerationStarted),
         (status = 409, description = "the run id belongs to another run (another pool, count or pattern: `other-run`), or to a run that was recalled (`recalled-run`)", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "a pattern under 40 random bits or malformed, a count out of range, a bad pool name or run id", body = crate::openapi::ProblemDoc, content_type = "application/problem+json"),
     ),
@@ -89,6 +91,18 @@ pub(crate) async fn start(
             )
         }
     };
+    if input.new_run && run_id.is_some() {
+        return unprocessable(
+            &rid,
+            "invalid-run-id",
+            "run_id",
+            "send either a run_id (finish that run) or \"new_run\": true (a second run), not both"
+                .into(),
+        );
+    }
+    // A second run beside an unfinished one of the same kind is asked for
+    // by name: a new id. Without one, that run is taken up.
+    let run_id = run_id.or(input.new_run.then(bson::oid::ObjectId::new));
     let g = Generation {
         pool: pool.clone(),
         count: input.count,
@@ -99,11 +113,11 @@ pub(crate) async fn start(
     let actor =
         codepool_issuance::audit::Actor::api_key(&key.name, "POST /v1/pools/{name}/generations");
     match api.start_generation(g.clone(), actor).await {
-        Ok(id) => (
+        Ok((id, resumed)) => (
             StatusCode::ACCEPTED,
             Json(json!({
                 "run_id": id.to_hex(), "pool": pool, "count": g.count,
-                "pattern": g.pattern.to_string(), "status": "running",
+                "pattern": g.pattern.to_string(), "status": "running", "resumed": resumed,
             })),
         )
             .into_response(),

@@ -122,8 +122,13 @@ pub(crate) struct GenerationIn {
     check_char: Option<bool>,
     /// When the codes expire (RFC 3339).
     expires_at: Option<String>,
-    /// The run to make or finish (24 hexadecimal digits); a new one when absent.
+    /// The run to make or finish (24 hexadecimal digits). When absent, the
+    /// unfinished run of the same pool, pattern, count, check symbol and
+    /// expiry is taken up, else a new one is made.
     run_id: Option<String>,
+    /// A new run even when an unfinished run of the same kind exists (that
+    /// one stays unfinished); not with `run_id`.
+    new_run: Option<bool>,
 }
 
 /// A run just started.
@@ -137,6 +142,9 @@ pub(crate) struct GenerationStarted {
     pattern: String,
     /// `running`.
     status: String,
+    /// True when an unfinished run of the same kind was taken up (no run id
+    /// or `new_run` was sent).
+    resumed: bool,
 }
 
 /// A generation run's record.

@@ -34,17 +34,26 @@ pub async fn record(
 }
 
 /// Starts run `g` and returns its id once its record is written (so it
-/// can be read at once); the codes are made in the background, recorded
-/// with `actor` and announced with `publisher`. A process that stops
-/// before the end leaves the run `running`: the same id run again (by
-/// `codepool generate --run-id`) makes the rest.
+/// can be read at once), and whether it is an earlier run taken up; the
+/// codes are made in the background, recorded with `actor` and announced
+/// with `publisher`. A process that stops before the end leaves the run
+/// `running`: the same id run again (by `codepool generate --run-id`)
+/// makes the rest. Without a run id, the unfinished run of the same pool,
+/// pattern, count, check symbol and expiry is taken up, as `codepool
+/// generate` takes it up: asking again after a process died never makes a
+/// second full run (a caller that wants one names a new id).
 pub async fn start(
     store: &Store,
     publisher: Publisher,
     mut g: Generation,
     actor: Actor,
-) -> Result<ObjectId, GenerateError> {
-    let id = g.run_id.unwrap_or_default();
+) -> Result<(ObjectId, bool), GenerateError> {
+    let earlier = match g.run_id {
+        Some(_) => None,
+        None => codepool_importer::generate::unfinished_run(store, &g).await?,
+    };
+    let resumed = earlier.is_some();
+    let id = (g.run_id).or(earlier.map(|r| r.id)).unwrap_or_default();
     g.run_id = Some(id);
     open_run(store, &g).await?;
     let store = store.clone();
@@ -70,5 +79,5 @@ pub async fn start(
             Err(e) => tracing::error!(run = %id, error = %e, "generation run failed"),
         }
     });
-    Ok(id)
+    Ok((id, resumed))
 }

@@ -194,10 +194,18 @@ async fn run_to_take_up(
         return Ok(Ok(None));
     };
     if r.being_made() {
+        // Its process may be alive, or killed a moment ago (its lease has
+        // not lapsed yet): either way the run is finished by its id, never
+        // by a second run beside it.
+        let until = (r.lease_until)
+            .and_then(|t| t.try_to_rfc3339_string().ok())
+            .unwrap_or_default();
         eprintln!(
-            "error: run {} of the same pool, pattern and count is being made by another process now; \
-             wait for it to end, or pass --new-run for a second run",
-            r.id
+            "error: run {id} of the same pool, pattern and count is being made by another process, \
+             or was until that process died (its lease runs to {until}); to finish it, pass \
+             --run-id {id}, which waits for a dead process's lease to lapse, or run the same \
+             command again after then. (--new-run makes a second full run beside it.)",
+            id = r.id
         );
         return Ok(Err(crate::exit::FAILURE));
     }

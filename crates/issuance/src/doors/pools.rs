@@ -133,12 +133,13 @@ impl Core {
         .await
     }
 
-    /// Starts generation run `g` ([`generations::start`]); its id.
+    /// Starts generation run `g` ([`generations::start`]); its id, and
+    /// whether an unfinished run was taken up.
     pub async fn start_generation(
         &self,
         g: Generation,
         actor: Actor,
-    ) -> Result<ObjectId, GenerateError> {
+    ) -> Result<(ObjectId, bool), GenerateError> {
         let publisher = self.broker().publisher;
         generations::start(self.store(), publisher, g, actor).await
     }
