@@ -893,6 +893,63 @@ async fn the_api_takes_up_an_unfinished_run_of_the_same_kind_instead_of_a_second
     env.cleanup().await;
 }
 
+/// A run's export is the platform's file of the codes it must honour: a
+/// code held by a checkout is in it (the hold is paid within minutes and
+/// the buyer gets that code), while an export of the pool still shows no
+/// held code.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runs_export_for_the_platform_lists_its_held_codes_too() {
+    let env = TestEnv::new("gen_export_held").await;
+    let run = ObjectId::new();
+    let id = run.to_hex();
+    codepool_ok(&env, &run_args("gh", "20", &id, "1000")).await;
+    pool_set(&env, "gh", &["--hold-share", "100"]).await;
+    let (api, k) = checkout_api(&env).await;
+    let hold = br#"{"hold_id":"cart-1","uid":"buyer-1","items":[{"pool":"gh","quantity":5}]}"#;
+    let (status, _, answer) = api.post("/v1/holds", &k, hold).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&answer));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("platform.csv");
+    let path = file.to_str().unwrap();
+    codepool_ok(
+        &env,
+        &["export", "--import", &id, "--reveal", "--out", path],
+    )
+    .await;
+    let mut reader = csv::Reader::from_path(&file).unwrap();
+    let rows: Vec<(String, String)> = (reader.records())
+        .map(|r| {
+            let r = r.unwrap();
+            (r[1].to_owned(), r[2].to_owned())
+        })
+        .collect();
+    let exported: HashSet<String> = rows.iter().map(|(c, _)| c.clone()).collect();
+    let made: HashSet<String> = codes_of_run(&env, run).await.into_iter().collect();
+    assert_eq!(exported, made, "every code of the run, held ones too");
+    assert_eq!(rows.iter().filter(|(_, s)| s == "held").count(), 5);
+    // An export of the pool shows no held code, as before.
+    let file = dir.path().join("pool.csv");
+    let path = file.to_str().unwrap();
+    codepool_ok(
+        &env,
+        &[
+            "export",
+            "--pool",
+            "gh",
+            "--status",
+            "held,unissued",
+            "--reveal",
+            "--out",
+            path,
+        ],
+    )
+    .await;
+    let pool_rows = csv::Reader::from_path(&file).unwrap().records().count();
+    assert_eq!(pool_rows, 15, "the pool's export leaves the held codes out");
+    api.stop().await;
+    env.cleanup().await;
+}
+
 fn json_body(run: &ObjectId, count: u64) -> Vec<u8> {
     serde_json::json!({"count": count, "pattern": "GW-{random:12}", "run_id": run.to_hex()})
         .to_string()

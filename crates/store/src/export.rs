@@ -21,9 +21,12 @@ pub struct ExportFilter {
 
 impl ExportFilter {
     fn to_document(&self) -> Document {
-        // A held code is no one's yet: no export shows it.
+        // A held code is no one's yet: no export of a pool shows it. A
+        // run's export is the file the platform that honours the run's
+        // codes is sent, so it lists every code a buyer may get, held
+        // ones too (a hold is paid within minutes).
         let statuses: Vec<i32> = (self.statuses.iter())
-            .filter(|s| **s != CodeStatus::Held)
+            .filter(|s| self.import.is_some() || **s != CodeStatus::Held)
             .map(|s| s.as_i32())
             .collect();
         let mut filter = doc! {"pool": &self.pool, "status": {"$in": statuses}};

@@ -23,8 +23,10 @@ Examples:
   codepool export --import RUN_ID --reveal --out for-the-platform.csv
 
 With --import, only the codes of that import or generation run, of every
-status unless --status says otherwise (a generation run's file for the
-platform that honours its codes); --pool may then be left out.
+status unless --status says otherwise, codes held by a checkout included
+(a generation run's file for the platform that honours its codes: a held
+code is sold once its hold is paid); --pool may then be left out. An
+export of a pool never shows a held code.
 
 Columns: pool, code, status, order_id, line, uid, grant_no, issued_at,
 used_at, voided_at, void_reason, sms: one row per code, so an order of
@@ -45,8 +47,9 @@ pub struct ExportArgs {
     /// Only the codes of this import or generation run (its id).
     #[arg(long, value_name = "ID", value_parser = parse_import_id)]
     pub import: Option<bson::oid::ObjectId>,
-    /// Statuses to include, comma-separated: unissued, issued, used, void
-    /// (default issued,used,void; every status with --import).
+    /// Statuses to include, comma-separated: unissued, issued, used, void,
+    /// and held with --import (default issued,used,void; every status with
+    /// --import).
     #[arg(long, value_delimiter = ',', value_parser = parse_status)]
     pub status: Vec<CodeStatus>,
     /// Only codes created, issued, used or voided at or after this time (RFC 3339).
@@ -64,8 +67,9 @@ pub struct ExportArgs {
 }
 
 fn parse_status(s: &str) -> Result<CodeStatus, String> {
-    CodeStatus::from_name(s)
-        .ok_or_else(|| format!("{s:?} is not a status; use unissued, issued, used or void"))
+    CodeStatus::from_name(s).ok_or_else(|| {
+        format!("{s:?} is not a status; use unissued, issued, used, void or (with --import) held")
+    })
 }
 
 fn parse_import_id(s: &str) -> Result<bson::oid::ObjectId, String> {
@@ -94,12 +98,7 @@ async fn filter_of(
                 );
             }
             if statuses.is_empty() {
-                statuses = vec![
-                    CodeStatus::Unissued,
-                    CodeStatus::Issued,
-                    CodeStatus::Used,
-                    CodeStatus::Void,
-                ];
+                statuses = CodeStatus::ALL.to_vec();
             }
             run.pool
         }
