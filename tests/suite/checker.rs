@@ -212,7 +212,7 @@ struct World {
     files: tempfile::TempDir,
 }
 
-fn seed() -> u64 {
+pub(crate) fn seed() -> u64 {
     std::env::var("CODEPOOL_CHECK_SEED")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -229,10 +229,23 @@ fn secs() -> u64 {
 #[tokio::test]
 async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
     let seed = seed();
-    let secs = secs();
+    let (violations, _) = run_mix(seed, secs(), false).await;
+    assert!(
+        violations.is_empty(),
+        "seed {seed} (replay: make check SEED={seed}) broke {} invariant(s):\n{}",
+        violations.len(),
+        violations.join("\n")
+    );
+}
+
+/// Runs the seeded mix for `secs` and checks it: returns the broken
+/// invariants and, when `profiled`, the untargeted writes MongoDB's
+/// profiler saw on sharded collections during the whole run
+/// ([`crate::sharding`]).
+pub(crate) async fn run_mix(seed: u64, secs: u64, profiled: bool) -> (Vec<String>, Vec<String>) {
     eprintln!("checker: seed {seed}, {secs} s (replay: make check SEED={seed})");
     let built = Instant::now();
-    let world = Arc::new(World::build(seed).await);
+    let world = Arc::new(World::build(seed, profiled).await);
     eprintln!(
         "checker: servers up and pools filled in {:.1} s",
         built.elapsed().as_secs_f64()
@@ -267,6 +280,11 @@ async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
     faults.await.expect("the fault task panicked");
     let violations = world.settle_and_check().await;
     eprintln!("checker: seed {seed} ran:\n{}", world.report());
+    let untargeted = if profiled {
+        crate::sharding::untargeted_writes(&world.env).await
+    } else {
+        Vec::new()
+    };
     // Nothing is left behind, pass or fail (CODEPOOL_CHECK_KEEP=1 keeps
     // the database of a failing seed to look at).
     let keep = !violations.is_empty() && std::env::var_os("CODEPOOL_CHECK_KEEP").is_some();
@@ -274,17 +292,15 @@ async fn a_seeded_mix_of_every_feature_under_kills_keeps_every_invariant() {
         .ok()
         .expect("the world is ours again");
     world.stop(keep).await;
-    assert!(
-        violations.is_empty(),
-        "seed {seed} (replay: make check SEED={seed}) broke {} invariant(s):\n{}",
-        violations.len(),
-        violations.join("\n")
-    );
+    (violations, untargeted)
 }
 
 impl World {
-    async fn build(seed: u64) -> World {
+    async fn build(seed: u64, profiled: bool) -> World {
         let env = TestEnv::new(&format!("checker_{}", seed % 100_000)).await;
+        if profiled {
+            crate::sharding::profile_writes(&env).await;
+        }
         let files = tempfile::tempdir().unwrap();
         for p in ALL_POOLS {
             codepool_ok(&env, &["pool", "create", "--pool", p]).await;

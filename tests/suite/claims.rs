@@ -329,7 +329,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     let soon = chrono::Utc::now() + chrono::Duration::seconds(5);
     let owed = store.unconfirmed_grants(soon, 10).await.unwrap();
     assert_eq!(owed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![ids[1]]);
-    store.mark_sms_published(&[ids[1]]).await.unwrap();
+    store.mark_sms_published(&[("wg", ids[1])]).await.unwrap();
     assert!(store.unconfirmed_grants(soon, 10).await.unwrap().is_empty());
 
     // One candidate was taken already: which won is unknown to the write.

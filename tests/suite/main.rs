@@ -36,6 +36,7 @@ mod replay;
 mod schemas;
 mod scratch;
 mod secrets;
+mod sharding;
 mod shops;
 mod spans;
 mod statements;

@@ -58,11 +58,11 @@ impl ClaimStore for Store {
 
 #[async_trait]
 impl SmsLedger for Store {
-    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+    async fn mark_published(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         self.mark_sms_published(ids).await
     }
 
-    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+    async fn mark_resent(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         self.record_sms_resent(ids).await
     }
 }

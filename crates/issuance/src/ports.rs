@@ -117,7 +117,8 @@ pub trait EventSink: Send + Sync {
 #[async_trait]
 pub trait SmsLedger: Send + Sync {
     /// The events of these codes were confirmed: off the relay's list.
-    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+    /// Each code is named by its pool and id (the pool targets the write).
+    async fn mark_published(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError>;
     /// An operator re-sent these codes' events (`codepool resend`).
-    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+    async fn mark_resent(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError>;
 }

@@ -107,6 +107,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0024_sms_owed",
         include_str!("../../../migrations/0024_sms_owed.json"),
     ),
+    (
+        "0025_shard_ready",
+        include_str!("../../../migrations/0025_shard_ready.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -292,9 +292,12 @@ impl Store {
 
     /// Forgets a replacement that changed nothing (its old code could not
     /// be voided), so it does not count against the order's cap.
-    pub async fn drop_replacement(&self, id: &str) -> Result<(), StoreError> {
+    /// Named by its order too: the collection's shard key.
+    pub async fn drop_replacement(&self, order_id: &str, id: &str) -> Result<(), StoreError> {
         self.collection(REPLACEMENTS)
-            .delete_one(doc! {"_id": id, "state": ReplacementState::Voiding.as_str()})
+            .delete_one(
+                doc! {"order_id": order_id, "_id": id, "state": ReplacementState::Voiding.as_str()},
+            )
             .write_concern(durable())
             .await?;
         Ok(())
@@ -306,7 +309,7 @@ impl Store {
         let now = DateTime::now();
         let replace = StatusWrite::new(
             Transition::Replace,
-            doc! {"_id": r.old_code, "order_id": &r.order_id},
+            doc! {"pool": &r.pool, "_id": r.old_code, "order_id": &r.order_id},
             now,
         )
         .record(doc! {"voided_at": now, "void_reason": REPLACED_REASON, "replaced_by": &r.id})
@@ -375,6 +378,7 @@ impl Store {
     /// now, which may differ: finished by another process, or cancelled.
     pub async fn settle_replacement(
         &self,
+        order_id: &str,
         id: &str,
         new: Option<&Code>,
     ) -> Result<ReplacementDoc, StoreError> {
@@ -389,7 +393,7 @@ impl Store {
         let settled = self
             .typed::<ReplacementDoc>(REPLACEMENTS)
             .find_one_and_update(
-                doc! {"_id": id, "state": {"$in": open_states()}},
+                doc! {"order_id": order_id, "_id": id, "state": {"$in": open_states()}},
                 doc! {"$set": set},
             )
             .return_document(ReturnDocument::After)
@@ -461,8 +465,10 @@ impl Store {
     /// Voids a code claimed for a replacement that was cancelled meanwhile
     /// (its order voided), before any event is sent for it.
     pub async fn withdraw_replacement_code(&self, code: &Code) -> Result<(), StoreError> {
-        self.write_status(&StatusWrite::withdrawn(doc! {"_id": object_id(code.id)}))
-            .await?;
+        self.write_status(&StatusWrite::withdrawn(
+            doc! {"pool": &code.pool, "_id": object_id(code.id)},
+        ))
+        .await?;
         Ok(())
     }
 }
