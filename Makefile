@@ -7,7 +7,7 @@ BIN := target/debug/codepool
 RELEASE_BIN := target/release/codepool
 NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: check help services deploy-tools browser services-stop cluster cluster-stop build run test test-unit chaos chaos-cluster bench lint fmt clean
+.PHONY: check help services deploy-tools browser services-stop cluster cluster-stop cluster-sharded build run test test-unit chaos chaos-cluster bench lint fmt clean
 
 help:
 	@echo "make run       set up local servers, build, import fixtures/codes.csv, dispatch sample purchases, show grants"
@@ -18,6 +18,7 @@ help:
 	@echo "make services  install and start MongoDB, Redis and RabbitMQ on 127.0.0.1 (idempotent)"
 	@echo "make browser   install Debian's chromium and chromedriver for the console's browser tests (idempotent)"
 	@echo "make cluster   a 3-member replica set, a 3-node RabbitMQ cluster and a 3-master Redis Cluster (prints CODEPOOL_*)"
+	@echo "make cluster-sharded  a config server, two shards and a mongos (needs mongos on PATH); the exactly-once tests through it"
 	@echo "make chaos-cluster  the long failover test on the cluster (repeated faults)"
 	@echo "make lint      cargo fmt --check and clippy -D warnings (without and with the failpoints feature)"
 
@@ -40,6 +41,12 @@ cluster:
 
 cluster-stop:
 	@bash scripts/cluster.sh stop
+
+# A sharded MongoDB (config server, two shards, mongos) and the exactly-once
+# tests through it; needs mongos on PATH, and says so when it is missing.
+# Not part of `make test`: the suite proves readiness without a mongos.
+cluster-sharded:
+	@bash scripts/cluster-sharded.sh
 
 build:
 	$(CARGO) build --locked -p codepool

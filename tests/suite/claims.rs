@@ -187,6 +187,49 @@ async fn an_order_never_gets_two_codes_whatever_the_duplicates() {
     env.cleanup().await;
 }
 
+/// Two different orders sent under one id, naming different pools, at
+/// the same moment: once `codes` is sharded by pool, its unique order-line
+/// index is stated with the pool first, so only the order-id guard keeps
+/// the id to one order. Exactly one of them gets codes; the other is a
+/// conflict, and no code of its pool moves.
+#[tokio::test]
+async fn two_orders_under_one_id_in_two_pools_at_once_get_codes_for_one_of_them() {
+    let env = TestEnv::with_pools("claims_one_id", &[("id-a", 60), ("id-b", 60)]).await;
+    for round in 0..20 {
+        let order = format!("TWIN-{round}");
+        let mut tasks = Vec::new();
+        for pool in ["id-a", "id-b", "id-a", "id-b"] {
+            let engine = env.engine();
+            let mut p = purchase(&order, pool);
+            p.quantity = 2;
+            tasks.push(tokio::spawn(async move {
+                let got = engine.claim_batch(&[&p], Resend::ByRedelivery).await;
+                (p.pool.clone(), got.expect("claim"))
+            }));
+        }
+        let mut winners = HashSet::new();
+        for t in tasks {
+            let (pool, outcome) = t.await.unwrap();
+            match outcome[0] {
+                ClaimOutcome::Claimed { ref grants, .. } => {
+                    assert_eq!(grants.len(), 2, "order {order} in {pool}: {grants:?}");
+                    assert!(grants.iter().all(|g| g.pool == pool));
+                    winners.insert(pool);
+                }
+                ClaimOutcome::Conflict { what } => assert_eq!(what, "pool"),
+            }
+        }
+        assert_eq!(winners.len(), 1, "order {order} was granted in {winners:?}");
+        let held = env
+            .coll("codes")
+            .count_documents(doc! {"order_id": &order})
+            .await
+            .unwrap();
+        assert_eq!(held, 2, "order {order} holds {held} codes");
+    }
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn grants_carry_a_daily_grant_number_that_redeliveries_keep() {
     let env = TestEnv::with_pools("claims_grantno", &[("gno", 10)]).await;
@@ -329,7 +372,7 @@ async fn a_claim_write_that_lands_whole_knows_its_grants_exactly_as_stored() {
     let soon = chrono::Utc::now() + chrono::Duration::seconds(5);
     let owed = store.unconfirmed_grants(soon, 10).await.unwrap();
     assert_eq!(owed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![ids[1]]);
-    store.mark_sms_published(&[ids[1]]).await.unwrap();
+    store.mark_sms_published(&[("wg", ids[1])]).await.unwrap();
     assert!(store.unconfirmed_grants(soon, 10).await.unwrap().is_empty());
 
     // One candidate was taken already: which won is unknown to the write.

@@ -67,7 +67,9 @@ pub struct Servers {
 impl Default for Servers {
     fn default() -> Self {
         Self {
-            mongo_uri: MONGO_URI.to_owned(),
+            // `make cluster-sharded` points the tests at its mongos.
+            mongo_uri: std::env::var("CODEPOOL_TEST_MONGODB_URI")
+                .unwrap_or_else(|_| MONGO_URI.to_owned()),
             redis_url: REDIS_URL.to_owned(),
             amqp_url: AMQP_URL.to_owned(),
         }
@@ -123,6 +125,24 @@ impl TestEnv {
         codepool_store::migrate::migrate(&store)
             .await
             .expect("migrate");
+        // Through a mongos (`make cluster-sharded`), the test's database is
+        // sharded by the operator's own script.
+        if let Some(script) = std::env::var_os("CODEPOOL_TEST_SHARDING_JS") {
+            let out = tokio::process::Command::new("mongosh")
+                .arg("--quiet")
+                .arg(&servers.mongo_uri)
+                .arg("--eval")
+                .arg(format!("var dbName = {db:?}"))
+                .arg(script)
+                .output()
+                .await
+                .expect("mongosh runs");
+            assert!(
+                out.status.success(),
+                "sharding.js: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         let key_dir = tempfile::tempdir().expect("a temporary folder");
         let key_file = key_dir.path().join("keys.json");
         let ring = codepool_vault::keyfile::init(&key_file).expect("key file");

@@ -37,6 +37,7 @@ mod replay;
 mod schemas;
 mod scratch;
 mod secrets;
+mod sharding;
 mod shops;
 mod spans;
 mod statements;

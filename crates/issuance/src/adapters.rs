@@ -32,6 +32,13 @@ impl ClaimStore for Store {
         Store::claim_by_scan(self, pool, claim).await
     }
 
+    async fn bind_orders(
+        &self,
+        orders: &[codepool_store::order_ids::Bound],
+    ) -> Result<Vec<codepool_store::order_ids::Bound>, StoreError> {
+        Store::bind_orders(self, orders).await
+    }
+
     async fn grants_for_orders(
         &self,
         orders: &[&str],
@@ -58,11 +65,11 @@ impl ClaimStore for Store {
 
 #[async_trait]
 impl SmsLedger for Store {
-    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+    async fn mark_published(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         self.mark_sms_published(ids).await
     }
 
-    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+    async fn mark_resent(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         self.record_sms_resent(ids).await
     }
 }

@@ -57,7 +57,12 @@ pub(crate) async fn claim_bundles(
 ) -> Result<Bundled, ClaimError> {
     // An order id whose codes are another order's (other items, buyer or
     // key) gets nothing, and no code is shown: as a plain order's anchor.
-    let conflicts: Vec<Option<&'static str>> = bundles.iter().map(|b| conflict(b, held)).collect();
+    // So is one whose id another order took first (the order-id guard).
+    let wanted: Vec<_> = bundles.iter().map(|b| crate::claim::bound_of(b)).collect();
+    let bound = store.bind_orders(&wanted).await?;
+    let conflicts: Vec<Option<&'static str>> = (bundles.iter().zip(&bound))
+        .map(|(b, to)| crate::claim::refused_by(b, to).or_else(|| conflict(b, held)))
+        .collect();
     let work: Vec<Work> = (bundles.iter().zip(&conflicts))
         .filter(|(_, c)| c.is_none())
         .map(|(b, _)| plan_work(b, held))

@@ -13,6 +13,7 @@ use chrono::Utc;
 use codepool_domain::{Code, CodeId, CodeStatus, Holder, Purchase, SmsRecord};
 use codepool_hotpool::{HeldRefill, HotPoolError, RefillLock, Refilled};
 use codepool_store::codes::ScanClaim;
+use codepool_store::order_ids::{is_internal_key, Bound};
 use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, StoreError};
 
 use crate::claim::ClaimError;
@@ -39,6 +40,8 @@ pub struct FakeStore {
     pub refill_queries: AtomicUsize,
     /// Orders read back by `grants_for_orders`.
     pub read_backs: AtomicUsize,
+    /// The order-id guard: the first identity bound to each order id.
+    pub bound: Mutex<HashMap<String, Bound>>,
 }
 
 impl FakeStore {
@@ -167,6 +170,19 @@ impl ClaimStore for FakeStore {
             }
             None => ScanClaim::Empty,
         })
+    }
+
+    async fn bind_orders(&self, orders: &[Bound]) -> Result<Vec<Bound>, StoreError> {
+        let mut bound = self.bound.lock().unwrap();
+        Ok(orders
+            .iter()
+            .map(|o| match is_internal_key(&o.order_id) {
+                true => o.clone(),
+                false => (bound.entry(o.order_id.clone()))
+                    .or_insert_with(|| o.clone())
+                    .clone(),
+            })
+            .collect())
     }
 
     async fn grants_for_orders(

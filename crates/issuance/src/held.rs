@@ -140,6 +140,23 @@ pub async fn commit_paid(
         }
         payable.push((p, h));
     }
+    // An order whose id another order took first pays nothing (the
+    // order-id guard): its claim from stock is refused as a conflict.
+    let wanted: Vec<_> = payable
+        .iter()
+        .map(|(p, _)| crate::claim::bound_of(p))
+        .collect();
+    let bound = store.bind_orders(&wanted).await?;
+    let payable: Vec<(&Purchase, &HoldDoc)> = (payable.into_iter().zip(&bound))
+        .filter(|((p, h), to)| {
+            let what = crate::claim::refused_by(p, to);
+            if let Some(what) = what {
+                warn!(order_id = %p.order_id, hold_id = %h.hold_id, differs = what, "the order id names another order; the hold is not paid");
+            }
+            what.is_none()
+        })
+        .map(|(ph, _)| ph)
+        .collect();
     let items: Vec<(&Purchase, Vec<Item>)> = (payable.iter())
         .map(|(p, h)| (*p, h.items.clone()))
         .collect();

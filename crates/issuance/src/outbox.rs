@@ -96,18 +96,22 @@ impl Outbox {
                 results[i] = r.clone();
             }
         }
-        let confirmed: Vec<CodeId> = grants
+        let confirmed: Vec<(&str, CodeId)> = grants
             .iter()
             .map(Borrow::borrow)
             .zip(&results)
             .filter(|(g, r)| !g.revoked && r.is_ok())
-            .map(|(g, _)| g.code_id)
+            .map(|(g, _)| (g.pool.as_str(), g.code_id))
             .collect();
         self.record(confirmed, marking).await?;
         Ok(Sent { results })
     }
 
-    async fn record(&self, confirmed: Vec<CodeId>, marking: Marking) -> Result<(), StoreError> {
+    async fn record(
+        &self,
+        confirmed: Vec<(&str, CodeId)>,
+        marking: Marking,
+    ) -> Result<(), StoreError> {
         match marking {
             Marking::Now => self.ledger.mark_published(&confirmed).await,
             Marking::Resent => self.ledger.mark_resent(&confirmed).await,
@@ -174,15 +178,21 @@ mod tests {
 
     #[async_trait]
     impl SmsLedger for Ledger {
-        async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError> {
+        async fn mark_published(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
             if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(StoreError::Unavailable("down".into()));
             }
-            self.published.lock().unwrap().extend_from_slice(ids);
+            self.published
+                .lock()
+                .unwrap()
+                .extend(ids.iter().map(|(_, id)| *id));
             Ok(())
         }
-        async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError> {
-            self.resent.lock().unwrap().extend_from_slice(ids);
+        async fn mark_resent(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
+            self.resent
+                .lock()
+                .unwrap()
+                .extend(ids.iter().map(|(_, id)| *id));
             Ok(())
         }
     }

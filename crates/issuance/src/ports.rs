@@ -18,6 +18,7 @@ use codepool_broker::BrokerError;
 use codepool_domain::{Code, CodeId, Purchase, PurchaseRefused, SmsPending};
 use codepool_hotpool::{HeldRefill, HotPoolError, Refilled};
 use codepool_store::codes::ScanClaim;
+use codepool_store::order_ids::Bound;
 use codepool_store::{CandidateAsk, ClaimAssignment, ClaimWrite, StoreError};
 
 use crate::claim_error::ClaimError;
@@ -40,6 +41,10 @@ pub trait ClaimStore: Send + Sync {
         pool: &str,
         claim: &ClaimAssignment,
     ) -> Result<ScanClaim, StoreError>;
+    /// Binds each order id to its order's identity unless it is bound
+    /// already; the identity each id is bound to now, aligned with
+    /// `orders` (see [`codepool_store::order_ids`]).
+    async fn bind_orders(&self, orders: &[Bound]) -> Result<Vec<Bound>, StoreError>;
     /// The codes these orders hold, by order id, each order's by line.
     async fn grants_for_orders(
         &self,
@@ -117,7 +122,8 @@ pub trait EventSink: Send + Sync {
 #[async_trait]
 pub trait SmsLedger: Send + Sync {
     /// The events of these codes were confirmed: off the relay's list.
-    async fn mark_published(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+    /// Each code is named by its pool and id (the pool targets the write).
+    async fn mark_published(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError>;
     /// An operator re-sent these codes' events (`codepool resend`).
-    async fn mark_resent(&self, ids: &[CodeId]) -> Result<(), StoreError>;
+    async fn mark_resent(&self, ids: &[(&str, CodeId)]) -> Result<(), StoreError>;
 }

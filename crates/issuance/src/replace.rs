@@ -326,7 +326,7 @@ async fn finish(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Repla
         OldCode::Voided { now } => now,
         OldCode::Refused(code) => {
             // Nothing changed: forget it, so it does not count.
-            s.store.drop_replacement(&doc.key).await?;
+            s.store.drop_replacement(&doc).await?;
             return Err(not_replaceable(&doc.order_id, doc.line(), &code));
         }
     };
@@ -351,13 +351,24 @@ async fn serve(s: &Services<'_>, doc: ReplacementDoc) -> Result<Replaced, Replac
     };
     let guard = crate::guard::Guard::of_pool(s.store, &doc.pool).await?;
     if guard.stopped(Move::Reissue, [doc.pool.as_str()]).is_some() {
-        return Ok(waits(s.store.settle_replacement(&doc.key, None).await?));
+        return Ok(waits(
+            s.store
+                .settle_replacement(&doc.order_id, &doc.key, None)
+                .await?,
+        ));
     }
     let number = s.engine.grant_number(&purchase_of(&doc)).await?;
     let Some((code, fresh)) = s.store.claim_replacement(&doc, number).await? else {
-        return Ok(waits(s.store.settle_replacement(&doc.key, None).await?));
+        return Ok(waits(
+            s.store
+                .settle_replacement(&doc.order_id, &doc.key, None)
+                .await?,
+        ));
     };
-    let settled = s.store.settle_replacement(&doc.key, Some(&code)).await?;
+    let settled = s
+        .store
+        .settle_replacement(&doc.order_id, &doc.key, Some(&code))
+        .await?;
     if settled.state == ReplacementState::Cancelled {
         // The order was voided meanwhile: nothing is sent for this code.
         s.store.withdraw_replacement_code(&code).await?;

@@ -101,6 +101,13 @@ pub fn doc_id(owner: Option<&str>, hold_id: &str) -> String {
     format!("{}\u{1f}{hold_id}", owner.unwrap_or_default())
 }
 
+/// The hold id a document key names ([`doc_id`]'s, or the plain id): a
+/// write names it beside the key, as the shard key of `holds` starts with
+/// it (docs/scaling.md).
+pub fn hold_id_of(doc_key: &str) -> &str {
+    doc_key.split_once('\u{1f}').map_or(doc_key, |(_, id)| id)
+}
+
 /// The `order_id` under which item `item` of hold `hold_id` holds its
 /// codes. It starts with a control character, which no order id may
 /// hold, so no order can ever be mistaken for a hold.
@@ -332,7 +339,10 @@ impl Store {
         }
         let r = self
             .collection(HOLDS)
-            .update_one(doc! {"_id": id, "state": HELD}, doc! {"$set": set})
+            .update_one(
+                doc! {"hold_id": hold_id_of(id), "_id": id, "state": HELD},
+                doc! {"$set": set},
+            )
             .write_concern(durable())
             .await?;
         Ok(r.modified_count == 1)
@@ -345,7 +355,7 @@ impl Store {
         let r = self
             .collection(HOLDS)
             .update_one(
-                doc! {"_id": id, "state": HELD, "$or": [
+                doc! {"hold_id": hold_id_of(id), "_id": id, "state": HELD, "$or": [
                     {"order_id": {"$exists": false}},
                     {"order_id": null},
                     {"order_id": order_id},
@@ -439,9 +449,12 @@ impl Store {
         if held.is_empty() {
             return Ok(held);
         }
+        let mut pools: Vec<&str> = held.iter().map(|h| h.pool.as_str()).collect();
+        pools.sort_unstable();
+        pools.dedup();
         let release = StatusWrite::new(
             Transition::Release,
-            doc! {"order_id": {"$in": keys}},
+            doc! {"pool": {"$in": pools}, "order_id": {"$in": keys}},
             DateTime::now(),
         );
         self.write_status(&release).await?;

@@ -21,6 +21,7 @@
 //! - [`audit`]: who revealed which codes, when;
 //! - [`operators`] and [`api_keys`]: the console's operators and sessions,
 //!   and the API's keys (their rules are the core's);
+//! - [`sharding`]: the shard key of every collection that grows with traffic;
 //! - [`migrate`]: the ordered index/validator files in `migrations/`.
 //!
 //! Writes that decide ownership use journaled, majority write concern, so a
@@ -45,6 +46,7 @@ pub mod lookalikes;
 pub mod migrate;
 pub mod moves;
 pub mod operators;
+pub mod order_ids;
 pub mod policies;
 pub mod pool_settings;
 pub mod pools;
@@ -52,6 +54,7 @@ pub mod recall;
 pub mod redemptions;
 pub mod rekey;
 pub mod replacements;
+pub mod sharding;
 pub mod shops;
 pub mod statements;
 pub mod stats;

@@ -100,8 +100,17 @@ impl CodeRef<'_> {
     async fn filter(&self, store: &Store) -> Result<Document, StoreError> {
         match self {
             CodeRef::Code { pool, code } => store.code_filter(pool, code).await,
-            CodeRef::Order(order) => Ok(doc! {"order_id": *order}),
-            CodeRef::Id(id) => Ok(doc! {"_id": object_id(*id)}),
+            // An order's codes and a code by id are found in their pools
+            // first (a read that may go to every shard), so the write names
+            // them and goes to their shards alone (docs/scaling.md).
+            CodeRef::Order(order) => {
+                let pools = store.pools_holding(doc! {"order_id": *order}).await?;
+                Ok(doc! {"pool": {"$in": pools}, "order_id": *order})
+            }
+            CodeRef::Id(id) => {
+                let pools = store.pools_holding(doc! {"_id": object_id(*id)}).await?;
+                Ok(doc! {"pool": {"$in": pools}, "_id": object_id(*id)})
+            }
         }
     }
 
@@ -264,6 +273,11 @@ fn refusal(what: String, code: Option<Code>, redeeming: bool) -> LifecycleError 
 }
 
 impl Store {
+    /// The pools of the codes `filter` finds.
+    pub(crate) async fn pools_holding(&self, filter: Document) -> Result<Vec<Bson>, StoreError> {
+        Ok(self.collection(CODES).distinct("pool", filter).await?)
+    }
+
     /// The code `target` names (the first, for an order), as it is now.
     pub async fn find_code(&self, target: CodeRef<'_>) -> Result<Option<Code>, StoreError> {
         self.typed::<CodeDoc>(CODES)
@@ -334,19 +348,27 @@ impl Store {
         let now = DateTime::now();
         let mark = tag.map(|t| doc! {"id": &t.id, "by": &t.by});
         let write = |target: Document| StatusWrite::redeem(target, now, mark.clone());
-        let done = match self.apply_all(target, &write, now).await {
-            Err(StoreError::Refused { source, .. })
-                if tag.is_some() && crate::error::is_duplicate_key(&source) =>
-            {
-                let id = tag.map(|t| t.id.clone()).unwrap_or_default();
-                return Err(LifecycleError::ConflictingRedemption { id });
-            }
-            r => r?,
+        // A tagged redemption claims its id first, in the id's guard
+        // ([`crate::sharding::REDEMPTION_IDS`]): an id already on another
+        // code is refused before any code moves.
+        let guarded = match tag {
+            Some(t) => match self.find_code(target).await? {
+                Some(c) if self.guard_redemption(t, &c, now).await? => Some((t, c.id)),
+                Some(_) => return Err(LifecycleError::ConflictingRedemption { id: t.id.clone() }),
+                None => None,
+            },
+            None => None,
         };
+        let done = self.apply_all(target, &write, now).await?;
         if !done.is_empty() {
             return Ok(Redeemed::Now(done));
         }
         let code = self.find_code(target).await?;
+        if let Some((t, id)) = guarded {
+            if !self.redeemed_with(id, t).await? {
+                self.unguard_redemption(t, id).await;
+            }
+        }
         if let (Some(c), Some(t)) = (&code, tag) {
             if c.status == CodeStatus::Used && self.redeemed_with(c.id, t).await? {
                 return Ok(Redeemed::Before(Box::new(c.clone())));
@@ -454,13 +476,21 @@ impl Store {
         let mut orders: Vec<&str> = grants.iter().map(|(_, o)| *o).collect();
         orders.sort_unstable();
         orders.dedup();
-        let cancelled: HashMap<String, Option<String>> = self
+        let docs: Vec<Document> = self
             .collection(BACKORDERS)
             .find(doc! {"order_id": {"$in": &orders}, "status": BackorderState::Cancelled.as_str()})
-            .projection(doc! {"order_id": 1, "cancel_reason": 1})
+            .projection(doc! {"order_id": 1, "cancel_reason": 1, "pool": 1})
             .await?
-            .try_collect::<Vec<Document>>()
-            .await?
+            .try_collect()
+            .await?;
+        // The backorders' pools are their codes' (a backorder is fulfilled
+        // from its own pool): the write names them.
+        let mut pools: Vec<String> = (docs.iter())
+            .filter_map(|d| d.get_str("pool").ok().map(str::to_owned))
+            .collect();
+        pools.sort_unstable();
+        pools.dedup();
+        let cancelled: HashMap<String, Option<String>> = docs
             .into_iter()
             .filter_map(|d| {
                 let order = d.get_str("order_id").ok()?.to_owned();
@@ -475,8 +505,11 @@ impl Store {
             return Ok(ids);
         }
         let oids: Vec<ObjectId> = ids.iter().copied().map(object_id).collect();
-        self.write_status(&StatusWrite::withdrawn(doc! {"_id": {"$in": oids}}))
-            .await?;
+        let pools: Vec<&str> = pools.iter().map(String::as_str).collect();
+        self.write_status(&StatusWrite::withdrawn(
+            doc! {"pool": {"$in": pools}, "_id": {"$in": oids}},
+        ))
+        .await?;
         Ok(ids)
     }
 
@@ -550,6 +583,12 @@ impl Store {
             }
             let ids: Vec<ObjectId> = found.iter().map(|(id, _)| *id).collect();
             let mut batch = target.clone();
+            if !batch.contains_key("pool") {
+                let mut pools: Vec<&str> = found.iter().map(|(_, p)| *p).collect();
+                pools.sort_unstable();
+                pools.dedup();
+                batch.insert("pool", doc! {"$in": pools});
+            }
             batch.insert("_id", doc! {"$in": &ids});
             self.write_status(&expire(batch)).await?;
             self.note_voided_while_held(&crate::holds::was_held(&docs))
@@ -652,12 +691,11 @@ impl Store {
 
     /// Records that an order's SMS-pending event was published again by an
     /// operator (`codepool resend`), confirmed by the broker.
-    pub async fn record_sms_resent(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
+    pub async fn record_sms_resent(&self, code_ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         let now = DateTime::now();
-        let ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
         self.collection(CODES)
             .update_many(
-                doc! {"_id": {"$in": ids}},
+                crate::codes::pooled_ids(code_ids),
                 doc! {
                     "$set": {"sms_published_at": now, "sms_resent_at": now},
                     "$unset": {"sms_pending": ""},

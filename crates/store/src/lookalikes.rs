@@ -133,9 +133,9 @@ impl Store {
         }
         let updates = keyed
             .iter()
-            .map(|(id, _, fold, _)| {
+            .map(|(id, pool, fold, _)| {
                 doc! {
-                    "q": {"_id": id, "code_fold_hmac": {"$exists": false}},
+                    "q": {"pool": pool, "_id": id, "code_fold_hmac": {"$exists": false}},
                     "u": {"$set": {"code_fold_hmac": binary(fold.clone())}},
                 }
             })

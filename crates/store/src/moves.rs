@@ -222,15 +222,6 @@ impl StatusWrite {
         }
         Built::Document(update)
     }
-
-    /// The write as one statement of an `update` command.
-    pub(crate) fn statement(&self) -> Document {
-        let u = match self.built() {
-            Built::Pipeline(stages) => Bson::from(stages),
-            Built::Document(d) => Bson::from(d),
-        };
-        doc! {"q": self.filter(), "u": u}
-    }
 }
 
 impl StatusWrite {
@@ -307,6 +298,17 @@ pub(crate) fn merged_statement(
     let merged = doc! {"$mergeObjects": ["$$ROOT", {"$let": {"vars": {"i": position.clone()}, "in": holder}}]};
     // Each document must be a code of the pool of the order at its own
     // position: a hot set holding another pool's id grants nothing.
+    // The pools named outside `$expr` too, so a `mongos` sends the write
+    // to the shards holding them alone (docs/scaling.md).
+    if !q.contains_key("pool") {
+        let mut named: Vec<Bson> = Vec::new();
+        for p in &pools {
+            if !named.contains(p) {
+                named.push(p.clone());
+            }
+        }
+        q.insert("pool", doc! {"$in": named});
+    }
     let own_pool = doc! {"$eq": ["$pool", {"$arrayElemAt": [{"$literal": pools}, position]}]};
     q.insert("$expr", own_pool);
     let mut u = Vec::new();
@@ -314,7 +316,9 @@ pub(crate) fn merged_statement(
         u.push(doc! {"$unset": ["order_line", "order_qty", "order_part"]});
     }
     u.push(doc! {"$replaceWith": merged});
-    doc! {"q": q, "u": u, "multi": true}
+    // The ids decide: the pools beside them must not lead the planner to
+    // a scan of the pools' stock.
+    doc! {"q": q, "u": u, "multi": true, "hint": {"_id": 1}}
 }
 
 /// A batch of redemptions as ONE multi-document statement: each code of
@@ -322,12 +326,13 @@ pub(crate) fn merged_statement(
 /// own position and the round that wrote it.
 pub(crate) fn redeem_statement(
     ids: Vec<Bson>,
+    pools: Vec<&str>,
     marks: Vec<Bson>,
     now: DateTime,
     round: ObjectId,
 ) -> Document {
     let position = doc! {"$indexOfArray": [{"$literal": &ids}, "$_id"]};
-    let mut q = doc! {"_id": {"$in": &ids}};
+    let mut q = doc! {"pool": {"$in": pools}, "_id": {"$in": &ids}};
     q.extend(from_filter(Move::Redeem));
     doc! {
         "q": q,
@@ -338,6 +343,7 @@ pub(crate) fn redeem_statement(
             "redeemed_in": round,
         }}],
         "multi": true,
+        "hint": {"_id": 1},
     }
 }
 

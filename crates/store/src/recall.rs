@@ -89,12 +89,16 @@ impl Store {
         if full {
             round.next = ids.last().copied().map(code_id);
         }
+        // An import's codes sit in its pool: the write names it.
+        let mut pools: Vec<&str> = round.seen.iter().map(|(p, _)| p.as_str()).collect();
+        pools.sort_unstable();
+        pools.dedup();
         if ids.is_empty() {
             return Ok(round);
         }
         let recall = StatusWrite::new(
             Transition::Recall,
-            doc! {"_id": {"$in": ids}},
+            doc! {"pool": {"$in": pools}, "_id": {"$in": ids}},
             DateTime::now(),
         )
         .record(doc! {"voided_at": DateTime::now(), "void_reason": reason, "recalled_by": batch});

@@ -17,14 +17,13 @@ use std::collections::{HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::{doc, Bson, DateTime, Document};
-use codepool_domain::{Code, CodeId, CodeStatus, LookAlikeRule, Transition};
+use codepool_domain::{Code, CodeId, CodeStatus, LookAlikeRule};
 use futures::TryStreamExt;
 
-use crate::codes::claim::stopped_by_a_unique_index;
 use crate::codes::{object_id, RedemptionTag, CODES};
 use crate::error::{is_transient_code, DUPLICATE_KEY};
 use crate::lifecycle::{Applied, Sold};
-use crate::moves::StatusWrite;
+use crate::sharding::REDEMPTION_IDS;
 use crate::{one_batch_for, CodeDoc, Store, StoreError};
 
 /// Most keyed hashes in one lookup query; a batch naming more codes (or
@@ -315,52 +314,39 @@ impl Store {
         // batches, two processes) can share the millisecond of `now`.
         let round = ObjectId::new();
         let (owner, statement_of) = owners(asks, pending);
-        let statements = statement_of.len();
-        // All the codes in one statement first: the server parses, plans
-        // and commits it once, not once per code. A tag that redeemed
-        // another code already stops it at the unique index, part done;
-        // then one statement per code names the refused ones (those the
-        // first write used no longer match, and are read back as this
-        // round's by `redeemed_in`).
-        let tags: Vec<(&Code, &RedemptionTag)> = (statement_of.iter())
-            .map(|&i| (asks[i].0, &asks[i].1))
+        // Each redemption id is claimed first, in its guard (one document
+        // per id, whatever the pool: the rule spans shards). An id whose
+        // guard names another code is refused; one whose guard names this
+        // code (a retry, or a write that died before the code's) goes on.
+        let mut conflicting = self.guard_ids(asks, &statement_of, now).await?;
+        let written: Vec<usize> = (statement_of.iter().copied())
+            .filter(|i| !conflicting.contains(i))
             .collect();
-        let one = vec![redeem_statement(&tags, now, round)];
-        let mut reply = self.update_codes(one).await?;
-        if stopped_by_a_unique_index(&reply) {
-            concern_met(&reply)?;
-            let each: Vec<Document> = (statement_of.iter())
-                .map(|&i| {
-                    let (code, tag) = &asks[i];
-                    let mark = doc! {"id": &tag.id, "by": &tag.by};
-                    StatusWrite::new(Transition::Redeem, doc! {"_id": object_id(code.id)}, now)
-                        .record(doc! {"used_at": now, "redemption": mark, "redeemed_in": round})
-                        .statement()
-                })
-                .collect();
-            // The first write may have used some codes: if the second
-            // fails, those are still told apart and answered.
-            let again = self.update_codes(each).await;
-            match again.and_then(|r| refused_statements(&r).map(|_| r)) {
-                Ok(r) => reply = r,
-                Err(e) => return self.made_in(round, asks, pending, &owner, now, e).await,
-            }
+        // All the codes in one statement: the server parses, plans and
+        // commits it once, not once per code.
+        let mut modified = 0;
+        if !written.is_empty() {
+            let tags: Vec<(&Code, &RedemptionTag)> =
+                (written.iter()).map(|&i| (asks[i].0, &asks[i].1)).collect();
+            let reply = (self.update_codes(vec![redeem_statement(&tags, now, round)])).await?;
+            conflicting.extend(
+                refused_statements(&reply)?
+                    .into_iter()
+                    .filter_map(|s| written.get(s).copied()),
+            );
+            modified = match reply.get("nModified") {
+                Some(Bson::Int32(n)) => usize::try_from(*n).unwrap_or(0),
+                Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
+                _ => 0,
+            };
         }
-        let conflicting: HashSet<usize> = refused_statements(&reply)?
-            .into_iter()
-            .filter_map(|s| statement_of.get(s).copied())
-            .collect();
-        let modified = match reply.get("nModified") {
-            Some(Bson::Int32(n)) => usize::try_from(*n).unwrap_or(0),
-            Some(Bson::Int64(n)) => usize::try_from(*n).unwrap_or(0),
-            _ => 0,
-        };
-        let now_codes: HashMap<CodeId, Now> = if conflicting.is_empty() && modified == statements {
-            all_used(asks, &owner, now, round)
-        } else {
-            self.codes_now(owner.keys()).await?
-        };
-        Ok(pending
+        let now_codes: HashMap<CodeId, Now> =
+            if conflicting.is_empty() && modified == statement_of.len() {
+                all_used(asks, &owner, now, round)
+            } else {
+                self.codes_now(asks, owner.keys()).await?
+            };
+        let answers: Vec<Option<UsedById>> = pending
             .iter()
             .map(|&i| {
                 if conflicting.contains(&i) {
@@ -369,33 +355,115 @@ impl Store {
                 let owns = owner.get(&asks[i].0.id) == Some(&i);
                 answer(&asks[i], owns, &now_codes, now, round)
             })
-            .collect())
+            .collect();
+        // An id whose code was used by another (or is gone) redeemed
+        // nothing: its guard is taken back, so the id stays free for
+        // another code, as it was before guards.
+        let unused: Vec<Document> = (pending.iter().zip(&answers))
+            .filter(|(i, a)| {
+                written.contains(i)
+                    && matches!(a, Some(UsedById::Refused(_)) | Some(UsedById::Gone))
+            })
+            .map(|(&i, _)| {
+                let (code, tag) = &asks[i];
+                doc! {"q": {"_id": {"by": &tag.by, "id": &tag.id}, "code": object_id(code.id)}, "limit": 1}
+            })
+            .collect();
+        if !unused.is_empty() {
+            let reply = self
+                .database()
+                .run_command(doc! {"delete": REDEMPTION_IDS, "deletes": unused, "ordered": false})
+                .await;
+            if let Err(e) = reply {
+                tracing::warn!(error = %e, "redemption ids that used nothing keep their guards");
+            }
+        }
+        Ok(answers)
     }
 
-    /// The answers of a round whose second write failed with `e`: each
-    /// ask whose code this round used, under its tag, made it now; every
-    /// other is [`UsedById::Unavailable`]. `e` itself when the codes
-    /// cannot be read either.
-    async fn made_in(
+    /// Writes the guard of `tag` for `code` (one redemption): true when the
+    /// id is this code's (new, or written before for it), false when it
+    /// guards another code.
+    pub(crate) async fn guard_redemption(
         &self,
-        round: ObjectId,
-        asks: &[(&Code, RedemptionTag)],
-        pending: &[usize],
-        owner: &HashMap<CodeId, usize>,
+        tag: &RedemptionTag,
+        code: &Code,
         now: DateTime,
-        e: StoreError,
-    ) -> Result<Vec<Option<UsedById>>, StoreError> {
-        let Ok(read) = self.codes_now(owner.keys()).await else {
-            return Err(e);
-        };
-        Ok(pending
-            .iter()
+    ) -> Result<bool, StoreError> {
+        let ask = [(code, tag.clone())];
+        Ok(self.guard_ids(&ask, &[0], now).await?.is_empty())
+    }
+
+    /// Takes back the guard of `tag` on `code` when the code was not used
+    /// under it (used by another, void, gone): the id stays free. A failure
+    /// is logged: the guard then keeps the id on that code.
+    pub(crate) async fn unguard_redemption(&self, tag: &RedemptionTag, code: CodeId) {
+        let q = doc! {"_id": {"by": &tag.by, "id": &tag.id}, "code": object_id(code)};
+        if let Err(e) = self.collection(REDEMPTION_IDS).delete_one(q).await {
+            tracing::warn!(error = %e, "a redemption id that used nothing keeps its guard");
+        }
+    }
+
+    /// Writes the guard of each ask of `statement_of`: `_id: {by, id}`,
+    /// the code it redeems and its pool. Returns the asks whose id already
+    /// guards another code. Journaled before the code moves, so an id
+    /// never uses two codes, in any pools, on any shards.
+    async fn guard_ids(
+        &self,
+        asks: &[(&Code, RedemptionTag)],
+        statement_of: &[usize],
+        now: DateTime,
+    ) -> Result<HashSet<usize>, StoreError> {
+        let key = |t: &RedemptionTag| doc! {"by": &t.by, "id": &t.id};
+        let docs: Vec<Document> = (statement_of.iter())
             .map(|&i| {
-                let owns = owner.get(&asks[i].0.id) == Some(&i);
-                Some(match answer(&asks[i], owns, &read, now, round) {
-                    Some(made @ UsedById::Now(_)) => made,
-                    _ => UsedById::Unavailable(e.to_string()),
-                })
+                let (code, tag) = &asks[i];
+                doc! {"_id": key(tag), "code": object_id(code.id), "pool": &code.pool, "at": now}
+            })
+            .collect();
+        if docs.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let reply = self
+            .database()
+            .run_command(doc! {
+                "insert": REDEMPTION_IDS,
+                "documents": docs,
+                "ordered": false,
+                "writeConcern": crate::durable_doc(),
+            })
+            .await?;
+        let taken: Vec<usize> = (refused_statements(&reply)?.into_iter())
+            .filter_map(|s| statement_of.get(s).copied())
+            .collect();
+        if taken.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let keys: Vec<Document> = taken.iter().map(|&i| key(&asks[i].1)).collect();
+        let guards: Vec<Document> = self
+            .collection(REDEMPTION_IDS)
+            .find(doc! {"_id": {"$in": keys}})
+            .await?
+            .try_collect()
+            .await?;
+        let guarded: HashMap<(String, String), ObjectId> = (guards.into_iter())
+            .filter_map(|g| {
+                let key = g.get_document("_id").ok()?;
+                let (by, id) = (key.get_str("by").ok()?, key.get_str("id").ok()?);
+                Some((
+                    (by.to_owned(), id.to_owned()),
+                    g.get_object_id("code").ok()?,
+                ))
+            })
+            .collect();
+        Ok(taken
+            .into_iter()
+            .filter(|&i| {
+                let (code, tag) = &asks[i];
+                // A guard read back is this id's for good: another code's
+                // refuses the ask; a vanished one cannot be (guards are
+                // never deleted), so it is refused too, to be safe.
+                guarded.get(&(tag.by.clone(), tag.id.clone())) != Some(&object_id(code.id))
             })
             .collect())
     }
@@ -404,12 +472,16 @@ impl Store {
     /// and the round that wrote it.
     async fn codes_now(
         &self,
+        asks: &[(&Code, RedemptionTag)],
         ids: impl Iterator<Item = &CodeId>,
     ) -> Result<HashMap<CodeId, Now>, StoreError> {
         let ids: Vec<_> = ids.map(|id| object_id(*id)).collect();
+        let mut pools: Vec<&str> = asks.iter().map(|(c, _)| c.pool.as_str()).collect();
+        pools.sort_unstable();
+        pools.dedup();
         let docs: Vec<CodeDoc> = self
             .typed::<CodeDoc>(CODES)
-            .find(doc! {"_id": {"$in": &ids}})
+            .find(doc! {"pool": {"$in": pools}, "_id": {"$in": &ids}})
             .batch_size(one_batch_for(ids.len()))
             .await?
             .try_collect()
@@ -481,7 +553,10 @@ fn redeem_statement(tags: &[(&Code, &RedemptionTag)], now: DateTime, round: Obje
     let marks: Vec<Bson> = (tags.iter())
         .map(|(_, t)| Bson::Document(doc! {"id": &t.id, "by": &t.by}))
         .collect();
-    crate::moves::redeem_statement(ids, marks, now, round)
+    let mut pools: Vec<&str> = tags.iter().map(|(c, _)| c.pool.as_str()).collect();
+    pools.sort_unstable();
+    pools.dedup();
+    crate::moves::redeem_statement(ids, pools, marks, now, round)
 }
 
 /// A code as a round reads it back: the redemption that used it, the
@@ -523,7 +598,7 @@ fn concern_met(reply: &Document) -> Result<(), StoreError> {
 /// met, or a transient error, is the whole command's: "retry later" (the
 /// same redemption ids again are answered as before); any other refusal is
 /// the whole command's too.
-fn refused_statements(reply: &Document) -> Result<Vec<usize>, StoreError> {
+pub(crate) fn refused_statements(reply: &Document) -> Result<Vec<usize>, StoreError> {
     concern_met(reply)?;
     let mut out = Vec::new();
     for e in reply

@@ -218,7 +218,7 @@ impl Store {
             .filter_map(|d| {
                 let code = d.code.as_deref()?;
                 Some(doc! {
-                    "q": {"_id": d.id, "code": code},
+                    "q": {"pool": &d.pool, "_id": d.id, "code": code},
                     "u": {"$set": sealed_fields(&ring, &d.pool, d.id, code), "$unset": {"code": ""}},
                 })
             })
@@ -263,7 +263,7 @@ impl Store {
             let code = old_ring.open(old_key, &code_aad(&d.pool, d.id), &old.bytes)?;
             let sealed = ring.seal(&code_aad(&d.pool, d.id), &code);
             updates.push(doc! {
-                "q": {"_id": d.id, "key_id": old_key, "code_enc": binary(old.bytes.clone())},
+                "q": {"pool": &d.pool, "_id": d.id, "key_id": old_key, "code_enc": binary(old.bytes.clone())},
                 "u": {"$set": {"code_enc": binary(sealed.bytes), "key_id": sealed.key_id}},
             });
         }

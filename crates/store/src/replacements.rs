@@ -9,8 +9,10 @@
 //!
 //! 1. [`Store::begin_replacement`] records it as `voiding`, numbered `n`
 //!    within its order; the unique `(order_id, n)` index holds the
-//!    order's cap under concurrency, the unique `(replacement_id, owner)`
-//!    the caller's id: ids are each order owner's own, as hold ids are.
+//!    order's cap under concurrency. The caller's id is each order
+//!    owner's own, as hold ids are: its guard in `replacement_ids` (one
+//!    document per owner and id, written first and journaled) binds it to
+//!    one order, so the rule holds with `replacements` sharded by order.
 //! 2. [`Store::void_replaced`] voids the old code (issued → void, reason
 //!    `replaced`, `replaced_by` the replacement) where it stands: it keeps
 //!    its order and line.
@@ -41,6 +43,11 @@ use crate::moves::StatusWrite;
 use crate::{durable, ClaimAssignment, CodeDoc, Resend, Store, StoreError};
 
 pub const REPLACEMENTS: &str = "replacements";
+
+/// The replacement-id guard: `_id` the document key of an owner's id
+/// ([`doc_key`]), `order_id` the order it replaces a code of, `doc` the
+/// replacement's own `_id`.
+pub const REPLACEMENT_IDS: &str = "replacement_ids";
 
 /// The reason recorded on a code that was replaced.
 pub const REPLACED_REASON: &str = "replaced";
@@ -207,6 +214,16 @@ impl NewReplacement<'_> {
     }
 }
 
+/// A replacement id's guard, as stored in [`REPLACEMENT_IDS`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct IdGuard {
+    #[serde(rename = "_id")]
+    key: String,
+    order_id: String,
+    doc: String,
+    at: DateTime,
+}
+
 /// What [`Store::begin_replacement`] found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Begun {
@@ -255,13 +272,25 @@ impl Store {
         cap: u32,
     ) -> Result<Begun, StoreError> {
         let owner = new.old.holder.as_ref().and_then(|h| h.owner.as_deref());
+        let order = new.old.holder.as_ref().map(|h| h.order_id.as_str());
+        // The id first: bound to this order, or to the one it names.
+        let bound =
+            (self.guard_replacement_id(&doc_key(owner, new.id), order.unwrap_or_default())).await?;
+        if order != Some(bound.as_str()) {
+            return match self.replacement(owner, new.id).await? {
+                Some(d) => Ok(Begun::Existing(d)),
+                None => Err(StoreError::Rejected(format!(
+                    "replacement id {:?} is being used for another order; give this replacement another id",
+                    new.id
+                ))),
+            };
+        }
         // A lost race for a number tries the next one; a handful of rounds
         // is plenty, since each loss means another replacement landed.
         for _ in 0..16 {
             if let Some(d) = self.replacement(owner, new.id).await? {
                 return Ok(Begun::Existing(d));
             }
-            let order = new.old.holder.as_ref().map(|h| h.order_id.as_str());
             let had = self
                 .collection(REPLACEMENTS)
                 .count_documents(doc! {"order_id": order})
@@ -293,18 +322,58 @@ impl Store {
         owner: Option<&str>,
         id: &str,
     ) -> Result<Option<ReplacementDoc>, StoreError> {
+        let Some(g) = self.replacement_guard(&doc_key(owner, id)).await? else {
+            return Ok(None);
+        };
         Ok(self
             .typed::<ReplacementDoc>(REPLACEMENTS)
-            .find_one(doc! {"replacement_id": id, "owner": owner})
+            .find_one(doc! {"order_id": &g.order_id, "_id": &g.doc})
             .await?)
+    }
+
+    /// The guard of the replacement id keyed `key`, if any.
+    async fn replacement_guard(&self, key: &str) -> Result<Option<IdGuard>, StoreError> {
+        Ok(self
+            .typed::<IdGuard>(REPLACEMENT_IDS)
+            .find_one(doc! {"_id": key})
+            .await?)
+    }
+
+    /// Binds the replacement id keyed `key` to `order_id` unless it is
+    /// bound already; the order it is bound to now. Journaled before the
+    /// replacement is recorded.
+    async fn guard_replacement_id(&self, key: &str, order_id: &str) -> Result<String, StoreError> {
+        let g = IdGuard {
+            key: key.to_owned(),
+            order_id: order_id.to_owned(),
+            doc: key.to_owned(),
+            at: DateTime::now(),
+        };
+        match (self.typed::<IdGuard>(REPLACEMENT_IDS).insert_one(&g))
+            .write_concern(durable())
+            .await
+        {
+            Ok(_) => Ok(g.order_id),
+            Err(e) if is_duplicate_key(&e) => match self.replacement_guard(key).await? {
+                Some(g) => Ok(g.order_id),
+                None => Err(StoreError::Unavailable(
+                    "a replacement id's guard was taken and then gone; try again".into(),
+                )),
+            },
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The replacement recorded under document key `key`
     /// ([`ReplacementDoc::key`]).
-    async fn replacement_by_key(&self, key: &str) -> Result<Option<ReplacementDoc>, StoreError> {
+    async fn replacement_by_key(
+        &self,
+        order_id: &str,
+        key: &str,
+    ) -> Result<Option<ReplacementDoc>, StoreError> {
         Ok(self
             .typed::<ReplacementDoc>(REPLACEMENTS)
-            .find_one(doc! {"_id": key})
+            .find_one(doc! {"order_id": order_id, "_id": key})
             .await?)
     }
 
@@ -327,11 +396,23 @@ impl Store {
 
     /// Forgets a replacement that changed nothing (its old code could not
     /// be voided), so it does not count against the order's cap.
-    pub async fn drop_replacement(&self, key: &str) -> Result<(), StoreError> {
-        self.collection(REPLACEMENTS)
-            .delete_one(doc! {"_id": key, "state": ReplacementState::Voiding.as_str()})
+    /// Named by its order too: the collection's shard key.
+    /// Its id is set free too, as if it had never been used.
+    pub async fn drop_replacement(&self, r: &ReplacementDoc) -> Result<(), StoreError> {
+        let (order_id, key) = (&r.order_id, &r.key);
+        let dropped = self
+            .collection(REPLACEMENTS)
+            .delete_one(
+                doc! {"order_id": order_id, "_id": key, "state": ReplacementState::Voiding.as_str()},
+            )
             .write_concern(durable())
             .await?;
+        if dropped.deleted_count > 0 {
+            self.collection(REPLACEMENT_IDS)
+                .delete_one(doc! {"_id": doc_key(r.owner.as_deref(), &r.id), "order_id": order_id})
+                .write_concern(durable())
+                .await?;
+        }
         Ok(())
     }
 
@@ -341,7 +422,7 @@ impl Store {
         let now = DateTime::now();
         let replace = StatusWrite::new(
             Transition::Replace,
-            doc! {"_id": r.old_code, "order_id": &r.order_id},
+            doc! {"pool": &r.pool, "_id": r.old_code, "order_id": &r.order_id},
             now,
         )
         .record(doc! {"voided_at": now, "void_reason": REPLACED_REASON, "replaced_by": &r.id})
@@ -410,6 +491,7 @@ impl Store {
     /// now, which may differ: finished by another process, or cancelled.
     pub async fn settle_replacement(
         &self,
+        order_id: &str,
         key: &str,
         new: Option<&Code>,
     ) -> Result<ReplacementDoc, StoreError> {
@@ -424,7 +506,7 @@ impl Store {
         let settled = self
             .typed::<ReplacementDoc>(REPLACEMENTS)
             .find_one_and_update(
-                doc! {"_id": key, "state": {"$in": open_states()}},
+                doc! {"order_id": order_id, "_id": key, "state": {"$in": open_states()}},
                 doc! {"$set": set},
             )
             .return_document(ReturnDocument::After)
@@ -432,9 +514,12 @@ impl Store {
             .await?;
         match settled {
             Some(d) => Ok(d),
-            None => self.replacement_by_key(key).await?.ok_or_else(|| {
-                StoreError::Rejected(format!("replacement {key:?} is no longer recorded"))
-            }),
+            None => self
+                .replacement_by_key(order_id, key)
+                .await?
+                .ok_or_else(|| {
+                    StoreError::Rejected(format!("replacement {key:?} is no longer recorded"))
+                }),
         }
     }
 
@@ -496,8 +581,10 @@ impl Store {
     /// Voids a code claimed for a replacement that was cancelled meanwhile
     /// (its order voided), before any event is sent for it.
     pub async fn withdraw_replacement_code(&self, code: &Code) -> Result<(), StoreError> {
-        self.write_status(&StatusWrite::withdrawn(doc! {"_id": object_id(code.id)}))
-            .await?;
+        self.write_status(&StatusWrite::withdrawn(
+            doc! {"pool": &code.pool, "_id": object_id(code.id)},
+        ))
+        .await?;
         Ok(())
     }
 }

@@ -47,8 +47,10 @@ pub use crate::claim_error::ClaimError;
 pub use refill::{Refill, RefillError};
 use refill::{DRY_BACKOFF, PARALLEL_REFILLS};
 
+mod bind;
 mod refill;
 use crate::ports::{Candidate, CandidatePool, ClaimStore, Numbering};
+pub(crate) use bind::{bound_of, refused_by};
 
 /// What a purchase got.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,7 +346,7 @@ impl ClaimEngine {
                     unique.len() - 1
                 });
         }
-        let outcomes = self.claim_unique(&unique, way, known).await?;
+        let outcomes = self.claim_bound(&unique, way, known).await?;
         metrics::histogram!("codepool_claim_batch_seconds").record(started.elapsed().as_secs_f64());
         Ok(asks
             .iter()
@@ -357,6 +359,36 @@ impl ClaimEngine {
                 }
             })
             .collect())
+    }
+
+    /// [`Self::claim_unique`] of the distinct orders whose ids are bound
+    /// to them ([`codepool_store::order_ids`]); an order whose id another
+    /// order took first is a conflict, and claims nothing.
+    async fn claim_bound(
+        &self,
+        asks: &[ClaimAsk<'_>],
+        way: ClaimWay,
+        known: &HashMap<String, Vec<Code>>,
+    ) -> Result<Vec<ClaimOutcome>, ClaimError> {
+        let wanted: Vec<_> = asks.iter().map(|a| bound_of(a.purchase)).collect();
+        let bound = self.store.bind_orders(&wanted).await?;
+        let refused: Vec<Option<&'static str>> = (asks.iter().zip(&bound))
+            .map(|(a, b)| refused_by(a.purchase, b))
+            .collect();
+        let open: Vec<ClaimAsk> = (asks.iter().zip(&refused))
+            .filter(|(_, r)| r.is_none())
+            .map(|(a, _)| *a)
+            .collect();
+        let mut claimed = self.claim_unique(&open, way, known).await?.into_iter();
+        refused
+            .into_iter()
+            .map(|r| match r {
+                Some(what) => Ok(ClaimOutcome::Conflict { what }),
+                None => claimed.next().ok_or_else(|| {
+                    ClaimError::inconsistent("", "a claim answered fewer orders than it was given")
+                }),
+            })
+            .collect()
     }
 
     /// The claim of distinct orders: anchors first, then the other lines

@@ -52,7 +52,7 @@ pub async fn stage_grants(store: &Store, limit: i64) -> Result<usize, StoreError
         })
         .collect();
     store.record_webhook_events(&recorded).await?;
-    let ids: Vec<_> = codes.iter().map(|c| c.id).collect();
+    let ids: Vec<_> = codes.iter().map(|c| (c.pool.as_str(), c.id)).collect();
     store.mark_hooks_recorded(&ids).await?;
     Ok(codes.len())
 }

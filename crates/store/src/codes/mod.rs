@@ -146,6 +146,16 @@ pub fn code_id(id: ObjectId) -> CodeId {
 }
 
 /// The stored `_id` of a domain code id.
+/// The filter naming these codes by pool and id: the pools let a `mongos`
+/// send the write to the shards that hold them (docs/scaling.md).
+pub(crate) fn pooled_ids(codes: &[(&str, CodeId)]) -> Document {
+    let mut pools: Vec<&str> = codes.iter().map(|(p, _)| *p).collect();
+    pools.sort_unstable();
+    pools.dedup();
+    let ids: Vec<ObjectId> = codes.iter().map(|(_, id)| object_id(*id)).collect();
+    doc! {"pool": {"$in": pools}, "_id": {"$in": ids}}
+}
+
 pub fn object_id(id: CodeId) -> ObjectId {
     ObjectId::from_bytes(id.bytes())
 }

@@ -20,16 +20,17 @@ pub struct OwedRecord {
 impl Store {
     /// Records that the SMS-pending events of these codes were confirmed by
     /// the broker, which takes them off the relay's list.
-    pub async fn mark_sms_published(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
+    pub async fn mark_sms_published(&self, code_ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         if code_ids.is_empty() {
             return Ok(());
         }
-        let code_ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
+        let mut filter = super::pooled_ids(code_ids);
+        filter.insert("sms_pending", true);
         // Not a decision, only bookkeeping for the relay: a lost mark means
         // one duplicate event (with the same event_id), so w:1 is enough.
         self.collection(CODES)
             .update_many(
-                doc! {"_id": {"$in": code_ids}, "sms_pending": true},
+                filter,
                 doc! {"$set": {"sms_published_at": DateTime::now()}, "$unset": {"sms_pending": ""}},
             )
             .write_concern(crate::bookkeeping())
@@ -215,16 +216,14 @@ impl Store {
 
     /// Takes grants off the webhook stager's list once their events are
     /// recorded.
-    pub async fn mark_hooks_recorded(&self, code_ids: &[CodeId]) -> Result<(), StoreError> {
+    pub async fn mark_hooks_recorded(&self, code_ids: &[(&str, CodeId)]) -> Result<(), StoreError> {
         if code_ids.is_empty() {
             return Ok(());
         }
-        let code_ids: Vec<ObjectId> = code_ids.iter().copied().map(object_id).collect();
+        let mut filter = super::pooled_ids(code_ids);
+        filter.insert("hook_pending", true);
         self.collection(CODES)
-            .update_many(
-                doc! {"_id": {"$in": code_ids}, "hook_pending": true},
-                doc! {"$unset": {"hook_pending": ""}},
-            )
+            .update_many(filter, doc! {"$unset": {"hook_pending": ""}})
             .await?;
         Ok(())
     }
