@@ -559,7 +559,7 @@ impl Store {
             if let Some(h) = self.hold_of_key(key).await? {
                 self.collection(HOLDS)
                     .update_one(
-                        doc! {"_id": &h.id},
+                        doc! {"hold_id": &h.hold_id, "_id": &h.id},
                         doc! {"$addToSet": {VOIDED_CODES: {"$each": codes}}},
                     )
                     .await?;
