@@ -123,6 +123,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0028_replacement_ids_per_owner",
         include_str!("../../../migrations/0028_replacement_ids_per_owner.json"),
     ),
+    (
+        "0029_kinguin_uploads",
+        include_str!("../../../migrations/0029_kinguin_uploads.json"),
+    ),
 ];
 
 /// What a migration run did.
