@@ -1578,6 +1578,11 @@ async fn kinguin_refusals_and_another_key_already_uploaded_are_failures_not_succ
     // Given up once each: no retries after.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(sim.attempts().len(), 2);
+    // The operator sees them.
+    let shown = codepool_ok(&env, &["channels", "show", "--name", "kg", "--json"]).await;
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    assert_eq!(shown["uploads"]["failed"], 2, "{shown}");
+    assert_eq!(shown["uploads"]["uploaded"], 0, "{shown}");
     // The log names the failure with the key masked, never in clear.
     let key = codes_of(&env, &kg_order("res-1")).await.remove(0);
     let log = api.log_text();
