@@ -1593,7 +1593,8 @@ async fn kinguin_refusals_and_another_key_already_uploaded_are_failures_not_succ
 }
 
 #[tokio::test]
-async fn kinguin_upload_staged_before_a_kill_9_is_sent_by_the_next_api_with_the_same_key() {
+async fn kinguin_uploads_staged_before_a_kill_9_are_sent_by_the_next_granting_process_with_the_same_key(
+) {
     let sim = Kinguin::start(KgFaults {
         down: true,
         ..KgFaults::default()
@@ -1631,6 +1632,18 @@ async fn kinguin_upload_staged_before_a_kill_9_is_sent_by_the_next_api_with_the_
         )
         .await
         .unwrap();
+    // A dispatcher (a granting process too) sends the committed keys,
+    // and leaves the uncommitted one to an API, which commits it.
+    let d = start_daemon(env.command(&[])).await;
+    eventually(
+        Duration::from_secs(30),
+        "the dispatcher sends the committed keys",
+        || async { sim.stock().len() == 2 },
+    )
+    .await;
+    assert_eq!(sim.stock().get("res-1"), Some(&keys[1]));
+    assert!(codes_of(&env, &kg_order("res-2")).await.is_empty());
+    d.stop().await;
     let api = ApiServer::start(&env, &["--channel-call-timeout", "1"]).await;
     eventually(
         Duration::from_secs(30),

@@ -198,22 +198,28 @@ impl Store {
         Ok(())
     }
 
-    /// Leases the pending upload due first (if any is due) for `lease`:
-    /// no other process takes it until then, or until its attempt ends.
+    /// Leases the pending upload due first (if any is due; with
+    /// `committed_only`, of those whose code is recorded) for `lease`: no
+    /// other process takes it until then, or until its attempt ends.
     pub async fn lease_kinguin_upload(
         &self,
         lease: std::time::Duration,
+        committed_only: bool,
     ) -> Result<Option<UploadDoc>, StoreError> {
         let now = DateTime::now();
         let until = DateTime::from_millis(now.timestamp_millis() + lease.as_millis() as i64);
+        let mut filter = doc! {
+            "upload": UploadState::Pending.as_str(),
+            "due_at": {"$lte": now},
+            "$or": [{"lease_until": {"$exists": false}}, {"lease_until": {"$lte": now}}],
+        };
+        if committed_only {
+            filter.insert("code_id", doc! {"$exists": true});
+        }
         Ok(self
             .typed::<UploadDoc>(KINGUIN_UPLOADS)
             .find_one_and_update(
-                doc! {
-                    "upload": UploadState::Pending.as_str(),
-                    "due_at": {"$lte": now},
-                    "$or": [{"lease_until": {"$exists": false}}, {"lease_until": {"$lte": now}}],
-                },
+                filter,
                 doc! {"$set": {"lease_until": until}, "$inc": {"attempts": 1}},
             )
             .sort(doc! {"due_at": 1})

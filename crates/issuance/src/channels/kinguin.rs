@@ -353,6 +353,10 @@ fn lease_for(timeout: Duration) -> Duration {
     timeout * 3 + Duration::from_secs(2)
 }
 
+/// How long a call to Kinguin's API may take unless the process says
+/// (`codepool api --channel-call-timeout`).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// How often an idle uploader looks for due uploads.
 const IDLE: Duration = Duration::from_millis(200);
 
@@ -374,10 +378,14 @@ pub fn backoff(n: u32) -> Duration {
 /// Sends the staged uploads of every Kinguin channel to Kinguin, one at
 /// a time, each leased so no two processes send it at once, retried with
 /// [`backoff`] until Kinguin holds the key codepool sent, or refuses it
-/// for good. Every API process runs one.
+/// for good. Every granting process runs one: the API's also commits
+/// what a process that died left staged, the dispatcher's only sends.
 pub struct Uploader {
-    core: Arc<Core>,
-    placer: Arc<dyn Placer>,
+    store: Store,
+    /// The core and the door that commit an upload staged by a process
+    /// that died before its commit (the API's). Without them (the
+    /// dispatcher), only uploads whose key is committed are sent.
+    commits: Option<(Arc<Core>, Arc<dyn Placer>)>,
     client: reqwest::Client,
     timeout: Duration,
     /// Access tokens by channel, with their end.
@@ -388,16 +396,32 @@ pub struct Uploader {
 struct Later(String);
 
 impl Uploader {
-    /// An uploader whose every call to Kinguin takes at most `timeout`.
+    /// An uploader whose every call to Kinguin takes at most `timeout`,
+    /// committing through `placer` what a dead process left uncommitted.
     pub fn new(core: Arc<Core>, placer: Arc<dyn Placer>, timeout: Duration) -> Arc<Self> {
+        let store = core.store().clone();
+        Self::build(store, Some((core, placer)), timeout)
+    }
+
+    /// An uploader of a process that places no channel orders (the
+    /// dispatcher): it sends the uploads whose key is committed.
+    pub fn sending(parts: &crate::background::Parts, timeout: Duration) -> Arc<Self> {
+        Self::build(parts.store.clone(), None, timeout)
+    }
+
+    fn build(
+        store: Store,
+        commits: Option<(Arc<Core>, Arc<dyn Placer>)>,
+        timeout: Duration,
+    ) -> Arc<Self> {
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .unwrap_or_default();
         Arc::new(Self {
-            core,
-            placer,
+            store,
+            commits,
             client,
             timeout,
             tokens: Mutex::default(),
@@ -405,14 +429,19 @@ impl Uploader {
     }
 
     fn store(&self) -> &Store {
-        self.core.store()
+        &self.store
     }
 
     /// Sends due uploads until `stop`.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let lease = lease_for(self.timeout);
         while !stop.is_cancelled() {
-            let next = match self.store().lease_kinguin_upload(lease).await {
+            let committed_only = self.commits.is_none();
+            let next = match self
+                .store()
+                .lease_kinguin_upload(lease, committed_only)
+                .await
+            {
                 Ok(Some(u)) => u,
                 Ok(None) => {
                     tokio::select! {
@@ -499,10 +528,11 @@ impl Uploader {
         let code = match code {
             Some(code) => code,
             None => {
+                let Some((core, placer)) = &self.commits else {
+                    return Err(Later("the key is not committed yet".into()));
+                };
                 let via = format!("Kinguin upload {}", u.reservation_id);
-                match super::provide(&self.core, &*self.placer, c, &u.reservation_id, None, &via)
-                    .await
-                {
+                match super::provide(core, &**placer, c, &u.reservation_id, None, &via).await {
                     Ok(keys) => match keys.into_iter().next() {
                         Some(k) => {
                             let _ = self.store().set_kinguin_code(&u.id, &k.id).await;
