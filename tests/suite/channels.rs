@@ -1701,7 +1701,14 @@ async fn one_pool_sold_by_the_shop_and_kinguin_at_once_never_shares_a_key() {
                 }
             };
             let (a, b) = tokio::join!(send("BUYING"), send("BUYING"));
-            assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
+            // Both deliveries get one answer: held, or refused (the
+            // shop's share of the pool is held already) with one reason.
+            assert_eq!((a.0, &a.1["error"]), (b.0, &b.1["error"]), "{a:?} {b:?}");
+            if a.0 == 409 {
+                assert_eq!(a.1["error"], "out-of-stock", "{a:?}");
+                return None;
+            }
+            assert_eq!(a.0, 200, "{a:?}");
             if i % 4 == 0 {
                 send("CANCELED").await;
                 return None;
@@ -1718,9 +1725,10 @@ async fn one_pool_sold_by_the_shop_and_kinguin_at_once_never_shares_a_key() {
     for t in kinguins {
         sold.extend(t.await.unwrap());
     }
-    assert_eq!(sold.len(), 9);
+    assert!(sold.len() >= 3, "{sold:?}");
+    let n = sold.len() as u64;
     eventually(Duration::from_secs(60), "every key uploaded", || async {
-        count_docs(&env, "kinguin_uploads", doc! {"upload": "uploaded"}).await == 9
+        count_docs(&env, "kinguin_uploads", doc! {"upload": "uploaded"}).await == n
     })
     .await;
     let stock = sim.stock();
@@ -1740,7 +1748,7 @@ async fn one_pool_sold_by_the_shop_and_kinguin_at_once_never_shares_a_key() {
         given.len(),
         "no key shared between the shop and Kinguin"
     );
-    assert_eq!(given.len(), 20 + 9);
+    assert_eq!(given.len(), 20 + sold.len());
     assert_eq!(held(&env, "kx").await, 0, "no hold leaks");
     api.stop().await;
     env.cleanup().await;
