@@ -10,6 +10,7 @@
 //! leaks no hold.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bson::doc;
@@ -1051,6 +1052,704 @@ async fn one_pool_sold_by_the_shop_eneba_and_g2a_at_once_sells_no_code_twice_and
     // Every code issued belongs to one of the sales above, or was burned.
     let issued = count_codes(&env, doc! {"pool": "gx", "status": 1}).await;
     assert_eq!(issued as usize, given.len());
+    api.stop().await;
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------- Kinguin
+
+const KG_SECRET: &str = "kinguin-webhook-secret-0123456789abcdef0123";
+const KG_CLIENT: &str = "kinguin-client";
+const KG_CLIENT_SECRET: &str = "kinguin-client-secret-0123456789abcdef";
+const OFFER: &str = "5f0c1e2d3b4a5968778695a4";
+
+/// The faults the simulated Kinguin injects.
+#[derive(Default, Clone)]
+struct KgFaults {
+    /// The first N uploads are answered 409 "being proceeded".
+    busy: u32,
+    /// The first N uploads are stored, then answered only after this long
+    /// (after codepool's timeout): its retry meets "Stock already uploaded".
+    slow: u32,
+    slow_for: Duration,
+    /// Tokens stop working this long after they are issued, though
+    /// `expires_in` says an hour.
+    token_life: Option<Duration>,
+    /// The upload endpoint answers 503 while down.
+    down: bool,
+    /// Reservations Kinguin does not know: 400 "Invalid reservation ID".
+    invalid: Vec<String>,
+    /// Reservations whose stock Kinguin holds already, with another key.
+    foreign: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct KgState {
+    faults: KgFaults,
+    /// Access tokens issued, with the end of their life.
+    tokens: HashMap<String, std::time::Instant>,
+    /// Every upload that reached the stock endpoint: (reservation, key).
+    attempts: Vec<(String, String)>,
+    /// The stock Kinguin holds, by reservation.
+    stock: HashMap<String, String>,
+}
+
+/// A Kinguin Sales Manager API on 127.0.0.1, as `marketplaces.md` has
+/// its contract: OAuth2 client-credentials tokens, `POST` and `GET
+/// /api/v1/offers/{offerId}/stock`, with its faults.
+struct Kinguin {
+    url: String,
+    st: Arc<std::sync::Mutex<KgState>>,
+}
+
+type KgAnswer = (u16, String);
+
+fn kg_reply((status, body): KgAnswer) -> axum::response::Response {
+    axum::response::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+async fn kg_serve(
+    st: Arc<std::sync::Mutex<KgState>>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+    body: String,
+) -> KgAnswer {
+    let path = uri.path().to_owned();
+    if method == "POST" && path == "/oauth/token" {
+        let form: HashMap<&str, &str> = body.split('&').filter_map(|p| p.split_once('=')).collect();
+        if form.get("grant_type") != Some(&"client_credentials")
+            || form.get("client_id") != Some(&KG_CLIENT)
+            || form.get("client_secret") != Some(&KG_CLIENT_SECRET)
+        {
+            return (401, json!({"error": "invalid_client"}).to_string());
+        }
+        let mut s = st.lock().unwrap();
+        let token = format!("jwt-{}", s.tokens.len());
+        let life = s.faults.token_life.unwrap_or(Duration::from_secs(3600));
+        s.tokens
+            .insert(token.clone(), std::time::Instant::now() + life);
+        return (
+            200,
+            json!({"access_token": token, "token_type": "bearer", "expires_in": 3600}).to_string(),
+        );
+    }
+    let bearer = (headers.get("authorization").and_then(|v| v.to_str().ok()))
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default()
+        .to_owned();
+    let stock_path = format!("/api/v1/offers/{OFFER}/stock");
+    if path != stock_path {
+        return (404, json!({"message": "Not found"}).to_string());
+    }
+    {
+        let s = st.lock().unwrap();
+        match s.tokens.get(&bearer) {
+            Some(until) if *until > std::time::Instant::now() => {}
+            _ => return (401, json!({"message": "Unauthorized"}).to_string()),
+        }
+    }
+    if method == "GET" {
+        let rid = uri
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .find_map(|p| p.strip_prefix("reservationId="))
+            .unwrap_or_default()
+            .to_owned();
+        let s = st.lock().unwrap();
+        let list: Vec<Value> = (s.stock.iter())
+            .filter(|(r, _)| rid.is_empty() || **r == rid)
+            .map(|(r, k)| json!({"reservationId": r, "body": k, "status": "ACTIVE"}))
+            .collect();
+        return (200, Value::Array(list).to_string());
+    }
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let (Some(rid), Some(key)) = (v["reservationId"].as_str(), v["body"].as_str()) else {
+        return (400, json!({"message": "Bad request"}).to_string());
+    };
+    assert_eq!(v["mimeType"], "text/plain");
+    assert!(v["requestId"]
+        .as_str()
+        .is_some_and(|r| !r.is_empty() && r.len() <= 36));
+    let slow = {
+        let mut s = st.lock().unwrap();
+        if s.faults.down {
+            return (503, json!({"message": "Service Unavailable"}).to_string());
+        }
+        s.attempts.push((rid.to_owned(), key.to_owned()));
+        if s.faults.busy > 0 {
+            s.faults.busy -= 1;
+            return (409, json!({"message": "Reservation is being proceeded by another action now. Please try again in few seconds"}).to_string());
+        }
+        if s.faults.invalid.iter().any(|r| r == rid) {
+            return (400, json!({"message": "Invalid reservation ID (does not exist or has already been processed)"}).to_string());
+        }
+        if s.stock.contains_key(rid) {
+            return (
+                409,
+                json!({"message": "Stock already uploaded"}).to_string(),
+            );
+        }
+        s.stock.insert(rid.to_owned(), key.to_owned());
+        if s.faults.slow > 0 {
+            s.faults.slow -= 1;
+            Some(s.faults.slow_for)
+        } else {
+            None
+        }
+    };
+    if let Some(d) = slow {
+        tokio::time::sleep(d).await;
+    }
+    (
+        201,
+        json!({"id": format!("stock-{rid}"), "reservationId": rid, "status": "ACTIVE"}).to_string(),
+    )
+}
+
+impl Kinguin {
+    async fn start(faults: KgFaults) -> Self {
+        let mut state = KgState {
+            faults: faults.clone(),
+            ..KgState::default()
+        };
+        for (r, k) in &faults.foreign {
+            state.stock.insert(r.clone(), k.clone());
+        }
+        let st = Arc::new(std::sync::Mutex::new(state));
+        let s = st.clone();
+        let app = axum::Router::new().fallback(
+            move |method: axum::http::Method,
+                  uri: axum::http::Uri,
+                  headers: axum::http::HeaderMap,
+                  body: String| {
+                let st = s.clone();
+                async move { kg_reply(kg_serve(st, method, uri, headers, body).await) }
+            },
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Self {
+            url: format!("http://{addr}"),
+            st,
+        }
+    }
+
+    fn stock(&self) -> HashMap<String, String> {
+        self.st.lock().unwrap().stock.clone()
+    }
+
+    fn attempts(&self) -> Vec<(String, String)> {
+        self.st.lock().unwrap().attempts.clone()
+    }
+
+    fn tokens_issued(&self) -> usize {
+        self.st.lock().unwrap().tokens.len()
+    }
+
+    fn set_down(&self, down: bool) {
+        self.st.lock().unwrap().faults.down = down;
+    }
+}
+
+/// A shop `acme` selling pool `pool` (of `n` codes) on Kinguin (`kg`),
+/// Kinguin's API being `sim`.
+async fn selling_on_kinguin(test: &str, pool: &str, n: usize, sim: &Kinguin) -> TestEnv {
+    let env = TestEnv::new(test).await;
+    env.fill_pool(pool, n).await;
+    create_shop(&env, "acme", pool, &[]).await;
+    let creds = json!({"webhook_secret": KG_SECRET, "client_id": KG_CLIENT, "client_secret": KG_CLIENT_SECRET, "base_url": sim.url});
+    add_channel(&env, "kg", "kinguin", "acme", creds, &[]).await;
+    map(&env, "kg", OFFER, pool).await;
+    env
+}
+
+/// One Kinguin webhook, as Kinguin sends it: `X-Auth-Token: secret`.
+async fn kinguin_post(addr: &str, secret: Option<&str>, body: &[u8]) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut req = format!(
+        "POST /channels/kg/kinguin HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(t) = secret {
+        req.push_str(&format!("X-Auth-Token: {t}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null);
+    (status, body)
+}
+
+fn kg_hook(reservation: &str, status: &str) -> Value {
+    json!({"reservationId": reservation, "offerId": OFFER, "productId": "5c9b5b4b2539a4e8f17ae1a5",
+           "orderId": format!("KO-{reservation}"), "status": status, "updatedAt": "2026-12-07T20:00:00+00:00"})
+}
+
+/// Kinguin delivers every webhook twice, at once: both get one answer.
+async fn kg_twice(api: &ApiServer, hook: Value) -> (u16, Value) {
+    let body = hook.to_string().into_bytes();
+    let (a, b) = tokio::join!(
+        kinguin_post(&api.addr, Some(KG_SECRET), &body),
+        kinguin_post(&api.addr, Some(KG_SECRET), &body)
+    );
+    assert_eq!(a.0, b.0, "{hook}: {a:?} / {b:?}");
+    a
+}
+
+fn kg_order(reservation: &str) -> String {
+    format!("kinguin:kg:{reservation}")
+}
+
+/// The upload record of `reservation`.
+async fn kg_upload(env: &TestEnv, reservation: &str) -> bson::Document {
+    let id = format!("kg\u{1f}{reservation}");
+    (find_docs(env, "kinguin_uploads", doc! {"_id": id}).await)
+        .pop()
+        .unwrap_or_default()
+}
+
+/// Sells `n` reservations (BUYING then BOUGHT, each delivered twice)
+/// and waits until Kinguin holds each one's key: the key of its order,
+/// sent the same on every attempt, no key twice.
+async fn kg_sell_and_check(env: &TestEnv, api: &ApiServer, sim: &Kinguin, n: usize) {
+    for i in 0..n {
+        let r = format!("res-{i}");
+        assert_eq!(kg_twice(api, kg_hook(&r, "BUYING")).await.0, 200);
+        let (status, body) = kg_twice(api, kg_hook(&r, "BOUGHT")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    eventually(Duration::from_secs(60), "every key uploaded", || async {
+        count_docs(env, "kinguin_uploads", doc! {"upload": "uploaded"}).await == n as u64
+    })
+    .await;
+    let stock = sim.stock();
+    let mut keys = HashSet::new();
+    for i in 0..n {
+        let r = format!("res-{i}");
+        let codes = codes_of(env, &kg_order(&r)).await;
+        assert_eq!(codes.len(), 1, "{r}: one key per reservation");
+        assert_eq!(
+            stock.get(&r),
+            Some(&codes[0]),
+            "{r}: Kinguin holds its order's key"
+        );
+        for (ar, ak) in sim.attempts() {
+            if ar == r {
+                assert_eq!(ak, codes[0], "{r}: every attempt sent the same key");
+            }
+        }
+        assert!(keys.insert(codes[0].clone()), "no key given twice");
+    }
+    assert_eq!(held(env, "kx").await, 0, "every hold committed");
+}
+
+#[tokio::test]
+async fn kinguin_webhooks_hold_commit_upload_release_and_void_each_once() {
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin("kinguin_flow", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = |v: Value| v.to_string().into_bytes();
+
+    // Refused, changing nothing: a wrong or missing secret, a body
+    // outside the contract, an unknown offer.
+    let (status, _) = kinguin_post(
+        &api.addr,
+        Some("not-the-secret-0123456789abcdef0123"),
+        &body(kg_hook("r-1", "BUYING")),
+    )
+    .await;
+    assert_eq!(status, 401);
+    let (status, _) = kinguin_post(&api.addr, None, &body(kg_hook("r-1", "BUYING"))).await;
+    assert_eq!(status, 401);
+    let (status, b) =
+        kinguin_post(&api.addr, Some(KG_SECRET), b"{\"reservationId\":\"r-1\"}").await;
+    assert_eq!(status, 400);
+    assert!(b["message"].as_str().unwrap().contains("offerId"), "{b}");
+    let mut other = kg_hook("r-1", "BUYING");
+    other["offerId"] = json!("not-mapped");
+    let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), &body(other)).await;
+    assert_eq!((status, b["error"].as_str()), (404, Some("unknown-offer")));
+    assert_eq!(held(&env, "kx").await, 0);
+    assert_eq!(count_docs(&env, "channel_deals", doc! {}).await, 0);
+
+    // BUYING holds one key, once.
+    let (status, b) = kg_twice(&api, kg_hook("r-1", "BUYING")).await;
+    assert_eq!((status, b["result"].as_str()), (200, Some("held")), "{b}");
+    assert_eq!(held(&env, "kx").await, 1);
+    // BOUGHT commits it into the reservation's order and uploads it.
+    let (status, b) = kg_twice(&api, kg_hook("r-1", "BOUGHT")).await;
+    assert_eq!((status, b["result"].as_str()), (200, Some("bought")), "{b}");
+    assert_eq!(held(&env, "kx").await, 0);
+    let key = codes_of(&env, &kg_order("r-1")).await;
+    assert_eq!(key.len(), 1);
+    eventually(Duration::from_secs(20), "r-1 uploaded", || async {
+        sim.stock().get("r-1") == Some(&key[0])
+    })
+    .await;
+    eventually(Duration::from_secs(10), "r-1 recorded uploaded", || async {
+        kg_upload(&env, "r-1").await.get_str("upload") == Ok("uploaded")
+    })
+    .await;
+    assert_eq!(sim.attempts().len(), 1, "one upload for two BOUGHTs");
+    // BOUGHT once more (Kinguin's retry): nothing more.
+    kg_twice(&api, kg_hook("r-1", "BOUGHT")).await;
+    assert_eq!(count_codes(&env, doc! {"pool": "kx", "status": 1}).await, 1);
+    // DELIVERED is recorded; an unknown status is taken and changes nothing.
+    let mut delivered = kg_hook("r-1", "DELIVERED");
+    delivered["releasedStockId"] = json!("stock-r-1");
+    assert_eq!(kg_twice(&api, delivered).await.0, 200);
+    let (status, b) = kg_twice(&api, kg_hook("r-1", "CHATMESSAGE")).await;
+    assert_eq!((status, b["result"].as_str()), (200, Some("recorded")));
+    let rec = kg_upload(&env, "r-1").await;
+    assert_eq!(rec.get_str("released_stock_id"), Ok("stock-r-1"));
+    let statuses: Vec<&str> = (rec.get_array("statuses").unwrap().iter())
+        .filter_map(|s| s.as_str())
+        .collect();
+    assert_eq!(statuses, ["BUYING", "BOUGHT", "DELIVERED", "CHATMESSAGE"]);
+    assert_eq!(count_codes(&env, doc! {"pool": "kx", "status": 1}).await, 1);
+
+    // CANCELED before BOUGHT releases the hold; a BOUGHT after gets nothing.
+    kg_twice(&api, kg_hook("r-2", "BUYING")).await;
+    assert_eq!(held(&env, "kx").await, 1);
+    let (status, b) = kg_twice(&api, kg_hook("r-2", "CANCELED")).await;
+    assert_eq!(
+        (status, b["result"].as_str()),
+        (200, Some("released")),
+        "{b}"
+    );
+    assert_eq!(held(&env, "kx").await, 0);
+    let (status, b) = kg_twice(&api, kg_hook("r-2", "BOUGHT")).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (409, Some("cancelled")),
+        "{b}"
+    );
+    assert!(codes_of(&env, &kg_order("r-2")).await.is_empty());
+    // A cancellation that comes first: BUYING and BOUGHT after get nothing.
+    kg_twice(&api, kg_hook("r-3", "REFUNDED")).await;
+    assert_eq!(kg_twice(&api, kg_hook("r-3", "BUYING")).await.0, 409);
+    assert_eq!(kg_twice(&api, kg_hook("r-3", "BOUGHT")).await.0, 409);
+    assert_eq!(held(&env, "kx").await, 0);
+    assert!(codes_of(&env, &kg_order("r-3")).await.is_empty());
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!sim.stock().contains_key("r-2") && !sim.stock().contains_key("r-3"));
+
+    // CANCELED after delivery: the key was shown, it is voided.
+    let (status, b) = kg_twice(&api, kg_hook("r-1", "CANCELED")).await;
+    assert_eq!((status, b["result"].as_str()), (200, Some("voided")), "{b}");
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": kg_order("r-1"), "status": 3}).await,
+        1
+    );
+
+    // A paused channel holds nothing new.
+    codepool_ok(&env, &["channels", "pause", "--name", "kg"]).await;
+    let (status, b) = kg_twice(&api, kg_hook("r-4", "BUYING")).await;
+    assert_eq!((status, b["error"].as_str()), (409, Some("paused")), "{b}");
+    assert_eq!(held(&env, "kx").await, 0);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_uploads_retry_through_busy_reservations_and_an_outage() {
+    let sim = Kinguin::start(KgFaults {
+        busy: 4,
+        down: true,
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_busy", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    for i in 0..3 {
+        let r = format!("res-{i}");
+        kg_twice(&api, kg_hook(&r, "BUYING")).await;
+        assert_eq!(kg_twice(&api, kg_hook(&r, "BOUGHT")).await.0, 200);
+    }
+    // Down for a while: the uploads wait, retried with backoff.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(sim.stock().is_empty());
+    assert_eq!(
+        count_docs(&env, "kinguin_uploads", doc! {"upload": "pending"}).await,
+        3
+    );
+    let tried = find_docs(&env, "kinguin_uploads", doc! {}).await;
+    let attempts = |d: &bson::Document| match d.get("attempts") {
+        Some(bson::Bson::Int32(n)) => i64::from(*n),
+        Some(bson::Bson::Int64(n)) => *n,
+        _ => 0,
+    };
+    assert!(tried.iter().all(|d| attempts(d) >= 2), "{tried:?}");
+    sim.set_down(false);
+    // Then 409 "being proceeded" four times, then through.
+    kg_sell_and_check(&env, &api, &sim, 3).await;
+    assert!(sim.attempts().len() >= 3 + 4);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_upload_timed_out_but_stored_counts_once_kinguin_shows_the_same_key() {
+    let sim = Kinguin::start(KgFaults {
+        slow: 2,
+        slow_for: Duration::from_millis(2500),
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_slow", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &["--channel-call-timeout", "1"]).await;
+    kg_sell_and_check(&env, &api, &sim, 2).await;
+    // Each was sent again after its timeout, and met "Stock already uploaded".
+    for r in ["res-0", "res-1"] {
+        let n = sim.attempts().iter().filter(|(a, _)| a == r).count();
+        assert!(n >= 2, "{r}: {n} attempts");
+    }
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_token_that_expires_mid_run_is_fetched_again() {
+    let sim = Kinguin::start(KgFaults {
+        token_life: Some(Duration::from_millis(700)),
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_token", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    kg_sell_and_check(&env, &api, &sim, 1).await;
+    assert_eq!(sim.tokens_issued(), 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The token in hand says an hour, but Kinguin no longer takes it.
+    kg_sell_and_check(&env, &api, &sim, 3).await;
+    assert!(sim.tokens_issued() >= 2);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_refusals_and_another_key_already_uploaded_are_failures_not_successes() {
+    let sim = Kinguin::start(KgFaults {
+        invalid: vec!["res-0".into()],
+        foreign: vec![("res-1".into(), "SOMEONE-ELSES-KEY".into())],
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_refused", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    for r in ["res-0", "res-1"] {
+        kg_twice(&api, kg_hook(r, "BUYING")).await;
+        assert_eq!(kg_twice(&api, kg_hook(r, "BOUGHT")).await.0, 200);
+    }
+    eventually(Duration::from_secs(20), "both given up", || async {
+        count_docs(&env, "kinguin_uploads", doc! {"upload": "failed"}).await == 2
+    })
+    .await;
+    assert!(kg_upload(&env, "res-0")
+        .await
+        .get_str("last_error")
+        .unwrap()
+        .contains("Invalid reservation ID"));
+    assert!(kg_upload(&env, "res-1")
+        .await
+        .get_str("last_error")
+        .unwrap()
+        .contains("another key"));
+    assert_eq!(
+        sim.stock().get("res-1").map(String::as_str),
+        Some("SOMEONE-ELSES-KEY")
+    );
+    // Given up once each: no retries after.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(sim.attempts().len(), 2);
+    // The operator sees them.
+    let shown = codepool_ok(&env, &["channels", "show", "--name", "kg", "--json"]).await;
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    assert_eq!(shown["uploads"]["failed"], 2, "{shown}");
+    assert_eq!(shown["uploads"]["uploaded"], 0, "{shown}");
+    // The log names the failure with the key masked, never in clear.
+    let key = codes_of(&env, &kg_order("res-1")).await.remove(0);
+    let log = api.log_text();
+    assert!(log.contains("a Kinguin upload failed for good"), "{log}");
+    assert!(!log.contains(&key));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_uploads_staged_before_a_kill_9_are_sent_by_the_next_granting_process_with_the_same_key(
+) {
+    let sim = Kinguin::start(KgFaults {
+        down: true,
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_kill", "kx", 10, &sim).await;
+    let mut api = ApiServer::start(&env, &["--channel-call-timeout", "1"]).await;
+    for r in ["res-0", "res-1"] {
+        kg_twice(&api, kg_hook(r, "BUYING")).await;
+        assert_eq!(kg_twice(&api, kg_hook(r, "BOUGHT")).await.0, 200);
+    }
+    let keys: Vec<String> = [
+        codes_of(&env, &kg_order("res-0")).await,
+        codes_of(&env, &kg_order("res-1")).await,
+    ]
+    .concat();
+    assert_eq!(keys.len(), 2);
+    // A third was held, and its BOUGHT staged its upload, when the
+    // process died before the commit.
+    kg_twice(&api, kg_hook("res-2", "BUYING")).await;
+    let pid = api.child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let _ = api.child.wait().await;
+    sim.set_down(false);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(sim.stock().is_empty(), "nobody uploads while no API runs");
+    env.coll("kinguin_uploads")
+        .update_one(
+            doc! {"_id": "kg\u{1f}res-2"},
+            doc! {"$set": {"upload": "pending", "order_id": kg_order("res-2"), "request_id": "req-2", "due_at": bson::DateTime::now()}},
+        )
+        .await
+        .unwrap();
+    // A dispatcher (a granting process too) sends the committed keys,
+    // and leaves the uncommitted one to an API, which commits it.
+    let d = start_daemon(env.command(&[])).await;
+    eventually(
+        Duration::from_secs(30),
+        "the dispatcher sends the committed keys",
+        || async { sim.stock().len() == 2 },
+    )
+    .await;
+    assert_eq!(sim.stock().get("res-1"), Some(&keys[1]));
+    assert!(codes_of(&env, &kg_order("res-2")).await.is_empty());
+    d.stop().await;
+    let api = ApiServer::start(&env, &["--channel-call-timeout", "1"]).await;
+    eventually(
+        Duration::from_secs(30),
+        "the staged upload committed and sent",
+        || async {
+            let codes = codes_of(&env, &kg_order("res-2")).await;
+            codes.len() == 1 && sim.stock().get("res-2") == Some(&codes[0])
+        },
+    )
+    .await;
+    kg_sell_and_check(&env, &api, &sim, 3).await;
+    assert_eq!(sim.stock().get("res-0"), Some(&keys[0]));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn one_pool_sold_by_the_shop_and_kinguin_at_once_never_shares_a_key() {
+    let sim = Kinguin::start(KgFaults {
+        busy: 3,
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_mixed", "kx", 40, &sim).await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let addr = api.addr.clone();
+    let mut shop_orders = Vec::new();
+    for i in 0..20 {
+        let (addr, shop) = (addr.clone(), shop.clone());
+        shop_orders.push(tokio::spawn(async move {
+            let body = crate::api::order(&format!("S-{i}"), "kx", 1);
+            let (status, _, body) = http(&addr, "POST", "/v1/orders", Some(&shop), &body).await;
+            assert!(
+                status == 201 || status == 202,
+                "{status}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }));
+    }
+    let mut kinguins = Vec::new();
+    for i in 0..12 {
+        let addr = addr.clone();
+        kinguins.push(tokio::spawn(async move {
+            let r = format!("res-{i}");
+            let send = |status: &'static str| {
+                let (addr, r) = (addr.clone(), r.clone());
+                async move {
+                    kinguin_post(
+                        &addr,
+                        Some(KG_SECRET),
+                        kg_hook(&r, status).to_string().as_bytes(),
+                    )
+                    .await
+                }
+            };
+            let (a, b) = tokio::join!(send("BUYING"), send("BUYING"));
+            // Both deliveries get one answer: held, or refused (the
+            // shop's share of the pool is held already) with one reason.
+            assert_eq!((a.0, &a.1["error"]), (b.0, &b.1["error"]), "{a:?} {b:?}");
+            if a.0 == 409 {
+                assert_eq!(a.1["error"], "out-of-stock", "{a:?}");
+                return None;
+            }
+            assert_eq!(a.0, 200, "{a:?}");
+            if i % 4 == 0 {
+                send("CANCELED").await;
+                return None;
+            }
+            let (a, b) = tokio::join!(send("BOUGHT"), send("BOUGHT"));
+            assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
+            Some(r)
+        }));
+    }
+    for t in shop_orders {
+        t.await.unwrap();
+    }
+    let mut sold = Vec::new();
+    for t in kinguins {
+        sold.extend(t.await.unwrap());
+    }
+    assert!(sold.len() >= 3, "{sold:?}");
+    let n = sold.len() as u64;
+    eventually(Duration::from_secs(60), "every key uploaded", || async {
+        count_docs(&env, "kinguin_uploads", doc! {"upload": "uploaded"}).await == n
+    })
+    .await;
+    let stock = sim.stock();
+    let mut given: Vec<String> = Vec::new();
+    for r in &sold {
+        let codes = codes_of(&env, &kg_order(r)).await;
+        assert_eq!(codes.len(), 1);
+        assert_eq!(stock.get(r), Some(&codes[0]));
+        given.extend(codes);
+    }
+    for i in 0..20 {
+        given.extend(codes_of(&env, &format!("S-{i}")).await);
+    }
+    let distinct: HashSet<&String> = given.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        given.len(),
+        "no key shared between the shop and Kinguin"
+    );
+    assert_eq!(given.len(), 20 + sold.len());
+    assert_eq!(held(&env, "kx").await, 0, "no hold leaks");
     api.stop().await;
     env.cleanup().await;
 }

@@ -143,7 +143,7 @@ impl Dispatcher {
     /// broker is away too; what needs the broker waits for a session.
     fn start_granting_work(&self, stop: CancellationToken) -> tokio::task::JoinSet<()> {
         let slot = self.publisher.clone();
-        codepool_issuance::background::start(
+        let mut work = codepool_issuance::background::start(
             &self.parts,
             Arc::new(move || {
                 let current = slot.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -151,8 +151,15 @@ impl Dispatcher {
             }),
             self.health.clone(),
             self.config.schedules,
-            stop,
-        )
+            stop.clone(),
+        );
+        // Kinguin's committed keys are uploaded from here too.
+        let uploader = codepool_issuance::channels::kinguin::Uploader::sending(
+            &self.parts,
+            codepool_issuance::channels::kinguin::CALL_TIMEOUT,
+        );
+        work.spawn(uploader.run(stop));
+        work
     }
 
     pub fn health(&self) -> &Arc<Health> {

@@ -281,13 +281,60 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
     for (k, a) in asks.iter().enumerate() {
         if out[k].is_none() {
             let f = first[&name_of(&read.owners, k, a)];
-            out[k] = Some(match &out[f] {
-                Some(Ok((h, _))) => again(h.clone(), &a.req, read.owners[k].as_deref()),
-                _ => Err(HoldError::Conflict(a.req.hold_id.clone())),
-            });
+            out[k] =
+                Some(match &out[f] {
+                    Some(Ok((h, _))) => again(h.clone(), &a.req, read.owners[k].as_deref()),
+                    // A refusal of the same request: the same refusal (a
+                    // marketplace delivers each callback twice at once).
+                    Some(Err(e)) if asks[f].req == a.req => Err(refused_again(e)
+                        .unwrap_or_else(|| HoldError::Conflict(a.req.hold_id.clone()))),
+                    _ => Err(HoldError::Conflict(a.req.hold_id.clone())),
+                });
         }
     }
     Ok(out.into_iter().flatten().collect())
+}
+
+/// A copy of a refusal that says why nothing was held, for a repeat of
+/// the refused request.
+fn refused_again(e: &HoldError) -> Option<HoldError> {
+    Some(match e {
+        HoldError::Invalid(p) => HoldError::Invalid(p.clone()),
+        HoldError::InsufficientStock { free } => {
+            HoldError::InsufficientStock { free: free.clone() }
+        }
+        HoldError::Paused(p) => HoldError::Paused(p.clone()),
+        HoldError::PerUserLimit { uid, pool, limit } => HoldError::PerUserLimit {
+            uid: uid.clone(),
+            pool: pool.clone(),
+            limit: *limit,
+        },
+        HoldError::OverShare {
+            uid,
+            pool,
+            wanted,
+            limit,
+        } => HoldError::OverShare {
+            uid: uid.clone(),
+            pool: pool.clone(),
+            wanted: *wanted,
+            limit: *limit,
+        },
+        HoldError::TooManyHolds { uid, limit } => HoldError::TooManyHolds {
+            uid: uid.clone(),
+            limit: *limit,
+        },
+        HoldError::OwnerOverShare {
+            pool,
+            wanted,
+            limit,
+        } => HoldError::OwnerOverShare {
+            pool: pool.clone(),
+            wanted: *wanted,
+            limit: *limit,
+        },
+        _ => return None,
+    })
 }
 
 /// The name of ask `k`'s hold: its admitted owner and its hold id.

@@ -40,6 +40,7 @@ pub mod error;
 pub mod export;
 pub mod holds;
 pub mod imports;
+pub mod kinguin;
 pub mod ledger;
 pub mod lifecycle;
 pub mod lookalikes;

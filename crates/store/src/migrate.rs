@@ -127,6 +127,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0029_shard_ready",
         include_str!("../../../migrations/0029_shard_ready.json"),
     ),
+    (
+        "0030_kinguin_uploads",
+        include_str!("../../../migrations/0030_kinguin_uploads.json"),
+    ),
 ];
 
 /// What a migration run did.

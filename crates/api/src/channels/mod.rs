@@ -1,12 +1,14 @@
 //! `/channels/NAME/...`: the marketplaces' own protocols, one module per
-//! marketplace ([`eneba`], [`g2a`]), each mapping its wire format to the
+//! marketplace ([`eneba`], [`g2a`], [`kinguin`]), each mapping its wire format to the
 //! core's channel operations (`codepool_issuance::channels`) and the
 //! core's errors back to the marketplace's own error shape. These routes
 //! take no API key: each marketplace authenticates as its contract says
-//! (Eneba's static bearer, G2A's OAuth2 tokens), checked by the core.
+//! (Eneba's static bearer, G2A's OAuth2 tokens, Kinguin's
+//! webhook secret), checked by the core.
 
 mod eneba;
 mod g2a;
+mod kinguin;
 
 use std::sync::Arc;
 
@@ -28,6 +30,7 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 pub(crate) fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route("/channels/{name}/eneba", post(eneba::callback))
+        .route("/channels/{name}/kinguin", post(kinguin::webhook))
         .route("/channels/{name}/g2a/oauth/token", get(g2a::token))
         .route("/channels/{name}/g2a/healthcheck", get(g2a::healthcheck))
         .route("/channels/{name}/g2a/reservation", post(g2a::reserve))

@@ -72,6 +72,10 @@ pub struct ApiArgs {
     /// with --tls-cert).
     #[arg(long, env = "CODEPOOL_CONSOLE_SECURE_COOKIE")]
     pub console_secure_cookie: bool,
+    /// Seconds each call to a marketplace's API may take (a Kinguin key's
+    /// upload, its token, its check); a call cut short is tried again.
+    #[arg(long, default_value_t = 20)]
+    pub channel_call_timeout: u64,
 }
 
 pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
@@ -126,6 +130,13 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
         Default::default(),
         stop.clone(),
     );
+    // Kinguin's keys, uploaded from the staged uploads of every process.
+    let uploader = codepool_issuance::channels::kinguin::Uploader::new(
+        api.core().clone(),
+        api.clone(),
+        Duration::from_secs(args.channel_call_timeout.clamp(1, 300)),
+    );
+    let uploads = tokio::spawn(uploader.run(stop.clone()));
     let served = server.await;
     info!("stop requested; in-flight requests finished");
     watch.abort();
@@ -135,6 +146,7 @@ pub async fn run(cfg: &Config, args: ApiArgs) -> anyhow::Result<u8> {
     })
     .await;
     background.abort_all();
+    let _ = tokio::time::timeout(Duration::from_secs(2), uploads).await;
     // The events of the orders answered last go out now, not by a relay
     // 30 seconds after.
     if !api.settle(Duration::from_secs(10)).await {

@@ -234,16 +234,41 @@ async fn show(store: &Store, name: String, json: bool) -> anyhow::Result<()> {
     ] {
         counts.push((state.as_str(), store.deals_in(&c.name, state).await?));
     }
+    // Kinguin's keys go by upload: how many are waiting, sent, given up.
+    let mut uploads = Vec::new();
+    if c.kind == "kinguin" {
+        use codepool_store::kinguin::UploadState;
+        for state in [
+            UploadState::Pending,
+            UploadState::Uploaded,
+            UploadState::Failed,
+            UploadState::Cancelled,
+        ] {
+            uploads.push((
+                state.as_str(),
+                store.kinguin_uploads_in(&c.name, state).await?,
+            ));
+        }
+    }
     if json {
         let mut v = json_of(&c);
         for (state, n) in counts {
             v[state] = n.into();
+        }
+        if !uploads.is_empty() {
+            let map: serde_json::Map<String, serde_json::Value> = (uploads.iter())
+                .map(|(s, n)| ((*s).to_owned(), (*n).into()))
+                .collect();
+            v["uploads"] = map.into();
         }
         say_json!(serde_json::to_string_pretty(&v)?);
     } else {
         print(std::slice::from_ref(&c), false)?;
         for (state, n) in counts {
             say!("{state}: {n}");
+        }
+        for (state, n) in uploads {
+            say!("uploads {state}: {n}");
         }
     }
     Ok(())

@@ -13,6 +13,7 @@
 //! placement. The HTTP door only translates the marketplace's wire format.
 
 pub mod g2a;
+pub mod kinguin;
 
 use std::collections::BTreeMap;
 
