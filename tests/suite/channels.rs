@@ -1299,6 +1299,174 @@ async fn declared_stock_follows_the_pool_under_the_channels_cap_and_never_over_p
 }
 
 #[tokio::test]
+async fn a_channels_sales_are_named_and_cut_in_statements_and_lookup_and_told_by_webhook_without_sms(
+) {
+    let env = selling("channels_accounting", "gx", 30, &[], &[]).await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let admin = crate::api::key(&env, "ops", "admin").await;
+    let hooks = crate::webhooks::Receiver::start(crate::webhooks::Answer::Ok).await;
+    crate::webhooks::add_endpoint(&env, "acme", &hooks.url(), "order.granted").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // The shop's own order, an Eneba order of 2 and a G2A order of 1.
+    let order = crate::api::order("S-1", "gx", 1);
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+    assert_eq!(status, 201);
+    eneba(&api, ENEBA_TOKEN, reserve("a-1", 2)).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("a-1")).await;
+    assert_eq!(
+        keys_of(&body).len(),
+        2,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let token = g2a_token(&api).await;
+    let (_, _, body) = g2a(&api, "POST", "/g2a/reservation", &token, reservation(1)).await;
+    let rid = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &token,
+        json!({"reservation_id": rid, "g2a_order_id": 77}),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    // The shop hears of each marketplace sale as of its own orders that
+    // it saw in no answer (its own HTTP order it has in the answer).
+    let eneba_order = "eneba:en:a-1".to_owned();
+    let g2a_order = format!("g2a:g2:{rid}");
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    let told = || -> HashSet<String> {
+        (hooks.of_type("order.granted").iter())
+            .filter_map(|h| h.json()["data"]["order_id"].as_str().map(str::to_owned))
+            .collect()
+    };
+    while std::time::Instant::now() < until
+        && !(told().contains(&eneba_order) && told().contains(&g2a_order))
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let told = told();
+    for o in [&eneba_order, &g2a_order] {
+        assert!(told.contains(o), "order.granted of {o}: {told:?}");
+    }
+    let eneba_told = hooks.of_type("order.granted");
+    let eneba_told = eneba_told
+        .iter()
+        .find(|h| h.json()["data"]["order_id"] == eneba_order.as_str())
+        .unwrap();
+    assert_eq!(eneba_told.json()["data"]["shop"], "acme");
+    assert_eq!(
+        eneba_told.json()["data"]["codes"].as_array().map(Vec::len),
+        Some(2)
+    );
+
+    // A marketplace sale has no phone: no SMS is owed for it.
+    let (conn, _) = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let texted: Vec<String> = drain(&ch, &t.sms_pending)
+        .await
+        .iter()
+        .map(|e| {
+            json_of(&e.body)["order_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert!(texted.contains(&"S-1".to_owned()), "{texted:?}");
+    assert!(
+        texted.iter().all(|o| o == "S-1"),
+        "sms.pending only for the shop's own order: {texted:?}"
+    );
+
+    // lookup names the channel.
+    let found: Value = serde_json::from_str(
+        &codepool_ok(&env, &["lookup", "--order", &eneba_order, "--json"]).await,
+    )
+    .unwrap();
+    let codes = found["codes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(codes.len(), 2, "{found}");
+    assert!(codes.iter().all(|c| c["channel"] == "en"), "{found}");
+    let table = codepool_ok(&env, &["lookup", "--order", &g2a_order]).await;
+    assert!(table.contains("sold through channel g2"), "{table}");
+
+    // Statement lines name the channel of each sale; a statement cut by
+    // channel counts its sales and ties out.
+    let lines = codepool_ok(&env, &["statement", "--pool", "gx", "--lines"]).await;
+    let sold: Vec<&str> = lines
+        .lines()
+        .filter(|l| l.contains(",issued,"))
+        .map(|l| l.rsplit(',').next().unwrap_or_default())
+        .collect();
+    let mut sold_sorted = sold.clone();
+    sold_sorted.sort();
+    assert_eq!(sold_sorted, vec!["", "en", "en", "g2"], "{lines}");
+    for (channel, n) in [("en", 2), ("g2", 1)] {
+        let s: Value = serde_json::from_str(
+            &codepool_ok(
+                &env,
+                &["statement", "--pool", "gx", "--channel", channel, "--json"],
+            )
+            .await,
+        )
+        .unwrap();
+        assert_eq!(s["total"]["balance"]["issued"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["moves"]["issued"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["received"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["balance"]["in_stock"], 0, "{channel}: {s}");
+        assert_eq!(s["total"]["off_by"], 0, "{channel} ties out: {s}");
+    }
+    let (status, _, body) = api.get("/v1/statements?pool=gx&channel=en", &admin).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["total"]["balance"]["issued"], 2);
+    let (status, _, _) = api.get("/v1/statements?pool=gx&channel=nope", &admin).await;
+    assert_eq!(status, 404);
+    assert!(!env
+        .run(&["statement", "--pool", "gx", "--channel", "nope"])
+        .await
+        .status
+        .success());
+
+    // Another door cannot take a channel's order (or hold) id.
+    for id in ["eneba:en:a-2", "G2A:g2:x", "kinguin:k:1"] {
+        let order = crate::api::order(id, "gx", 1);
+        let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+        assert_eq!(status, 409, "{id}: {}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["field"], "order_id", "{id}");
+    }
+    let hold =
+        json!({"hold_id": "eneba:en:a-3", "uid": "u", "items": [{"pool": "gx", "quantity": 1}]});
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&shop),
+        hold.to_string().as_bytes(),
+    )
+    .await;
+    assert!(
+        status == 409 || status == 422,
+        "{status}: {}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(held(&env, "gx").await, 0);
+    // The channel's own order stands as it was.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("a-2", 1)).await;
+    assert_eq!(success(&body), true);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
 async fn an_eneba_replacement_replaces_one_key_under_the_orders_cap_the_same_on_a_retry() {
     let env = selling("channels_replace", "gx", 30, &[], &[]).await;
     let api = ApiServer::start(&env, &[]).await;

@@ -855,6 +855,11 @@ pub(crate) async fn keys_of(
         Step::Refused(r) => return Err(CallError::Unavailable(format!("{:?}", r.reason))),
         Step::DeadLetter(e) => return Err(CallError::Failed(e.detail)),
     };
+    // The shop hears of the sale as of its own orders: the keys went to
+    // the marketplace, not in an answer to the shop.
+    if let Err(e) = crate::webhooks::record_granted(core.store(), &grants).await {
+        tracing::warn!(order_id = %d.order_id, error = %e, "a channel sale's webhook event was not recorded; the next provision of the order records it");
+    }
     let mut keys = Vec::with_capacity(grants.len());
     let mut grants = grants;
     grants.sort_by_key(|g| g.line);
