@@ -1056,6 +1056,508 @@ async fn one_pool_sold_by_the_shop_eneba_and_g2a_at_once_sells_no_code_twice_and
     env.cleanup().await;
 }
 
+/// Eneba's API as a seller's declarations reach it: `POST /oauth/token`
+/// (`grant_type=api_consumer`, `id`, `secret`) and `POST /graphql`
+/// (`S_updateAuction(input: {id, declaredStock})` under the bearer token),
+/// each declaration recorded in the order it came.
+struct EnebaApi {
+    addr: std::net::SocketAddr,
+    declared: std::sync::Arc<std::sync::Mutex<Vec<(String, u64)>>>,
+}
+
+const ENEBA_API_ID: &str = "eneba-auth-id";
+const ENEBA_API_SECRET: &str = "eneba-api-secret-value";
+
+impl EnebaApi {
+    async fn start() -> Self {
+        use axum::http::{HeaderMap, StatusCode};
+        use std::sync::{Arc, Mutex};
+        let declared: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+        let seen = declared.clone();
+        let app = axum::Router::new()
+            .route(
+                "/oauth/token",
+                axum::routing::post(|body: String| async move {
+                    // The values sent here need no percent-decoding.
+                    let form: HashMap<String, String> = (body.split('&'))
+                        .filter_map(|kv| kv.split_once('='))
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect();
+                    let ok = form.get("grant_type").map(String::as_str) == Some("api_consumer")
+                        && form.get("id").map(String::as_str) == Some(ENEBA_API_ID)
+                        && form.get("secret").map(String::as_str) == Some(ENEBA_API_SECRET);
+                    if !ok {
+                        return (StatusCode::UNAUTHORIZED, "{}".to_owned());
+                    }
+                    let t = json!({"token_type": "Bearer", "expires_in": 2505600, "access_token": "sim-access-token"});
+                    (StatusCode::OK, t.to_string())
+                }),
+            )
+            .route(
+                "/graphql",
+                axum::routing::post(move |headers: HeaderMap, body: String| {
+                    let seen = seen.clone();
+                    async move {
+                        let auth = headers
+                            .get("authorization")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default();
+                        if auth != "Bearer sim-access-token" {
+                            return (StatusCode::UNAUTHORIZED, "{}".to_owned());
+                        }
+                        let q = json_of(body.as_bytes())["query"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned();
+                        let id = q.split("id: \"").nth(1).and_then(|r| r.split('"').next());
+                        let n = q
+                            .split("declaredStock: ")
+                            .nth(1)
+                            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+                            .and_then(|n| n.parse::<u64>().ok());
+                        match (q.contains("S_updateAuction"), id, n) {
+                            (true, Some(id), Some(n)) => {
+                                seen.lock().unwrap().push((id.to_owned(), n));
+                                let a = json!({"data": {"S_updateAuction": {"success": true, "actionId": "a-1"}}});
+                                (StatusCode::OK, a.to_string())
+                            }
+                            _ => (
+                                StatusCode::OK,
+                                json!({"errors": [{"message": "bad query"}]}).to_string(),
+                            ),
+                        }
+                    }
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Self { addr, declared }
+    }
+
+    fn credentials(&self) -> Value {
+        json!({"token": ENEBA_TOKEN, "api_client_id": ENEBA_API_ID, "api_secret": ENEBA_API_SECRET,
+               "api_url": format!("http://{}/graphql", self.addr),
+               "auth_url": format!("http://{}/oauth/token", self.addr)})
+    }
+
+    fn last(&self, auction: &str) -> Option<u64> {
+        (self.declared.lock().unwrap().iter().rev())
+            .find(|(a, _)| a == auction)
+            .map(|(_, n)| *n)
+    }
+
+    /// Waits up to `within` for the last declaration of `auction` to be `n`.
+    async fn declares(&self, auction: &str, n: u64, within: Duration) -> bool {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until {
+            if self.last(auction) == Some(n) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.last(auction) == Some(n)
+    }
+}
+
+#[tokio::test]
+async fn declared_stock_follows_the_pool_under_the_channels_cap_and_never_over_promises() {
+    let env = TestEnv::new("channels_declare").await;
+    env.fill_pool("gx", 10).await;
+    create_shop(&env, "acme", "gx", &[]).await;
+    let eneba_api = EnebaApi::start().await;
+    add_channel(
+        &env,
+        "en",
+        "eneba",
+        "acme",
+        eneba_api.credentials(),
+        &["--max", "6"],
+    )
+    .await;
+    // Mapped: declared at once, capped by --max.
+    map(&env, "en", AUCTION, "gx").await;
+    assert_eq!(eneba_api.last(AUCTION), Some(6), "{:?}", eneba_api.declared);
+    // A share of the pool's free codes: 50 % of 10.
+    codepool_ok(&env, &["channels", "set", "--name", "en", "--share", "50"]).await;
+    assert_eq!(eneba_api.last(AUCTION), Some(5));
+    for bad in [
+        vec!["channels", "set", "--name", "en", "--share", "101"],
+        vec!["channels", "set", "--name", "nope", "--max", "3"],
+        vec!["channels", "set", "--name", "en", "--max", "-1"],
+    ] {
+        assert!(!env.run(&bad).await.status.success(), "{bad:?} was taken");
+    }
+    let shown: Value = serde_json::from_str(
+        &codepool_ok(&env, &["channels", "show", "--name", "en", "--json"]).await,
+    )
+    .unwrap();
+    assert_eq!(shown["share_percent"], 50);
+    assert_eq!(shown["max_stock"], 6);
+    assert_eq!(shown["declared"], json!({AUCTION: 5}));
+    assert_eq!(
+        count_docs(
+            &env,
+            "audit",
+            doc! {"kind": "channel-set", "what": {"$regex": "50 %"}}
+        )
+        .await,
+        1,
+        "the cap is audited"
+    );
+    // G2A's inventory_size is the declared amount too.
+    add_channel(
+        &env,
+        "g2",
+        "g2a",
+        "acme",
+        json!({"client_id": G2A_ID, "client_secret": G2A_SECRET}),
+        &["--max", "2"],
+    )
+    .await;
+    map(&env, "g2", PRODUCT, "gx").await;
+
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let token = g2a_token(&api).await;
+    let (status, _, body) = g2a(&api, "POST", "/g2a/reservation", &token, reservation(1)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        json_of(&body)["stock"][0]["inventory_size"],
+        2,
+        "capped by --max"
+    );
+    let rid = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    g2a(
+        &api,
+        "DELETE",
+        &format!("/g2a/reservation/{rid}"),
+        &token,
+        Value::Null,
+    )
+    .await;
+
+    // The shop's own checkout sells 4: 6 free, Eneba is told 3 (on change).
+    let order = crate::api::order("S-1", "gx", 4);
+    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        eneba_api.declares(AUCTION, 3, Duration::from_secs(5)).await,
+        "{:?}",
+        eneba_api.declared
+    );
+    // Eneba reserves 1: 5 free, 50 % of them is 2.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("d-1", 1)).await;
+    assert_eq!(success(&body), true, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        eneba_api.declares(AUCTION, 2, Duration::from_secs(5)).await,
+        "{:?}",
+        eneba_api.declared
+    );
+
+    // No cap: all 5 free codes declared at once.
+    codepool_ok(
+        &env,
+        &[
+            "channels", "set", "--name", "en", "--share", "none", "--max", "none",
+        ],
+    )
+    .await;
+    assert_eq!(eneba_api.last(AUCTION), Some(5));
+    // The codes go where codepool is not told (another system burns them):
+    // Eneba's next reservation finds none though 5 were promised. It is
+    // counted as an over-promise, and 0 is declared at once.
+    env.coll("codes")
+        .update_many(
+            doc! {"pool": "gx", "status": 0},
+            doc! {"$set": {"status": 3}},
+        )
+        .await
+        .unwrap();
+    let overpromised = "codepool_channel_overpromised_total{channel=\"en\"}";
+    assert_eq!(metric_sum(&[&api.addr], overpromised).await, 0.0);
+    let before = eneba_api.declared.lock().unwrap().len();
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("d-2", 1)).await;
+    assert_eq!(success(&body), false);
+    assert!(
+        eneba_api
+            .declares(AUCTION, 0, Duration::from_millis(900))
+            .await,
+        "a pool that runs out declares 0 at once: {:?}",
+        eneba_api.declared
+    );
+    assert_eq!(metric_sum(&[&api.addr], overpromised).await, 1.0);
+    // Declared 0, the next refusal is no over-promise.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("d-3", 1)).await;
+    assert_eq!(success(&body), false);
+    assert_eq!(metric_sum(&[&api.addr], overpromised).await, 1.0);
+    assert!(eneba_api.declared.lock().unwrap().len() > before);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_channels_sales_are_named_and_cut_in_statements_and_lookup_and_told_by_webhook_without_sms(
+) {
+    let env = selling("channels_accounting", "gx", 30, &[], &[]).await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let admin = crate::api::key(&env, "ops", "admin").await;
+    let hooks = crate::webhooks::Receiver::start(crate::webhooks::Answer::Ok).await;
+    crate::webhooks::add_endpoint(&env, "acme", &hooks.url(), "order.granted").await;
+    let api = ApiServer::start(&env, &[]).await;
+
+    // The shop's own order, an Eneba order of 2 and a G2A order of 1.
+    let order = crate::api::order("S-1", "gx", 1);
+    let (status, _, _) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+    assert_eq!(status, 201);
+    eneba(&api, ENEBA_TOKEN, reserve("a-1", 2)).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("a-1")).await;
+    assert_eq!(
+        keys_of(&body).len(),
+        2,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let token = g2a_token(&api).await;
+    let (_, _, body) = g2a(&api, "POST", "/g2a/reservation", &token, reservation(1)).await;
+    let rid = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, _, _) = g2a(
+        &api,
+        "POST",
+        "/g2a/order",
+        &token,
+        json!({"reservation_id": rid, "g2a_order_id": 77}),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    // The shop hears of each marketplace sale as of its own orders that
+    // it saw in no answer (its own HTTP order it has in the answer).
+    let eneba_order = "eneba:en:a-1".to_owned();
+    let g2a_order = format!("g2a:g2:{rid}");
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    let told = || -> HashSet<String> {
+        (hooks.of_type("order.granted").iter())
+            .filter_map(|h| h.json()["data"]["order_id"].as_str().map(str::to_owned))
+            .collect()
+    };
+    while std::time::Instant::now() < until
+        && !(told().contains(&eneba_order) && told().contains(&g2a_order))
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let told = told();
+    for o in [&eneba_order, &g2a_order] {
+        assert!(told.contains(o), "order.granted of {o}: {told:?}");
+    }
+    let eneba_told = hooks.of_type("order.granted");
+    let eneba_told = eneba_told
+        .iter()
+        .find(|h| h.json()["data"]["order_id"] == eneba_order.as_str())
+        .unwrap();
+    assert_eq!(eneba_told.json()["data"]["shop"], "acme");
+    assert_eq!(
+        eneba_told.json()["data"]["codes"].as_array().map(Vec::len),
+        Some(2)
+    );
+
+    // A marketplace sale has no phone: no SMS is owed for it.
+    let (conn, _) = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    wait_depth(&ch, &t.sms_pending, 30, |n| n >= 1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let texted: Vec<String> = drain(&ch, &t.sms_pending)
+        .await
+        .iter()
+        .map(|e| {
+            json_of(&e.body)["order_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert!(texted.contains(&"S-1".to_owned()), "{texted:?}");
+    assert!(
+        texted.iter().all(|o| o == "S-1"),
+        "sms.pending only for the shop's own order: {texted:?}"
+    );
+
+    // lookup names the channel.
+    let found: Value = serde_json::from_str(
+        &codepool_ok(&env, &["lookup", "--order", &eneba_order, "--json"]).await,
+    )
+    .unwrap();
+    let codes = found["codes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(codes.len(), 2, "{found}");
+    assert!(codes.iter().all(|c| c["channel"] == "en"), "{found}");
+    let table = codepool_ok(&env, &["lookup", "--order", &g2a_order]).await;
+    assert!(table.contains("sold through channel g2"), "{table}");
+
+    // Statement lines name the channel of each sale; a statement cut by
+    // channel counts its sales and ties out.
+    let lines = codepool_ok(&env, &["statement", "--pool", "gx", "--lines"]).await;
+    let sold: Vec<&str> = lines
+        .lines()
+        .filter(|l| l.contains(",issued,"))
+        .map(|l| l.rsplit(',').next().unwrap_or_default())
+        .collect();
+    let mut sold_sorted = sold.clone();
+    sold_sorted.sort();
+    assert_eq!(sold_sorted, vec!["", "en", "en", "g2"], "{lines}");
+    for (channel, n) in [("en", 2), ("g2", 1)] {
+        let s: Value = serde_json::from_str(
+            &codepool_ok(
+                &env,
+                &["statement", "--pool", "gx", "--channel", channel, "--json"],
+            )
+            .await,
+        )
+        .unwrap();
+        assert_eq!(s["total"]["balance"]["issued"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["moves"]["issued"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["received"], n, "{channel}: {s}");
+        assert_eq!(s["total"]["balance"]["in_stock"], 0, "{channel}: {s}");
+        assert_eq!(s["total"]["off_by"], 0, "{channel} ties out: {s}");
+    }
+    let (status, _, body) = api.get("/v1/statements?pool=gx&channel=en", &admin).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["total"]["balance"]["issued"], 2);
+    let (status, _, _) = api.get("/v1/statements?pool=gx&channel=nope", &admin).await;
+    assert_eq!(status, 404);
+    assert!(!env
+        .run(&["statement", "--pool", "gx", "--channel", "nope"])
+        .await
+        .status
+        .success());
+
+    // Another door cannot take a channel's order (or hold) id.
+    for id in ["eneba:en:a-2", "G2A:g2:x", "kinguin:k:1"] {
+        let order = crate::api::order(id, "gx", 1);
+        let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+        assert_eq!(status, 409, "{id}: {}", String::from_utf8_lossy(&body));
+        assert_eq!(json_of(&body)["field"], "order_id", "{id}");
+    }
+    let hold =
+        json!({"hold_id": "eneba:en:a-3", "uid": "u", "items": [{"pool": "gx", "quantity": 1}]});
+    let (status, _, body) = http(
+        &api.addr,
+        "POST",
+        "/v1/holds",
+        Some(&shop),
+        hold.to_string().as_bytes(),
+    )
+    .await;
+    assert!(
+        status == 409 || status == 422,
+        "{status}: {}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(held(&env, "gx").await, 0);
+    // The channel's own order stands as it was.
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, reserve("a-2", 1)).await;
+    assert_eq!(success(&body), true);
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_eneba_replacement_replaces_one_key_under_the_orders_cap_the_same_on_a_retry() {
+    let env = selling("channels_replace", "gx", 30, &[], &[]).await;
+    let api = ApiServer::start(&env, &[]).await;
+    eneba(&api, ENEBA_TOKEN, reserve("r-1", 2)).await;
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("r-1")).await;
+    let sold = keys_of(&body);
+    assert_eq!(sold.len(), 2);
+    let replace = |key: &str| json!({"action": "RESERVE", "orderId": "r-1", "auctionId": AUCTION, "keyId": key});
+    let provide_key = |key: &str| json!({"action": "PROVIDE", "orderId": "r-1", "keyId": key});
+
+    // The replacement's RESERVE, delivered twice: one replacement.
+    for _ in 0..2 {
+        let (status, _, body) = eneba(&api, ENEBA_TOKEN, replace("k-1")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(
+            json_of(&body),
+            json!({"action": "RESERVE", "orderId": "r-1", "success": true})
+        );
+    }
+    let replaced = count_codes(
+        &env,
+        doc! {"order_id": "eneba:en:r-1", "status": 3, "void_reason": "replaced"},
+    )
+    .await;
+    assert_eq!(replaced, 1, "one key replaced");
+    // Its PROVIDE, with the key or without, three times: the same new key.
+    let (status, _, first) = eneba(&api, ENEBA_TOKEN, provide_key("k-1")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    let new = keys_of(&first);
+    assert_eq!(new.len(), 1, "{}", String::from_utf8_lossy(&first));
+    assert!(!sold.contains(&new[0]), "a fresh key");
+    assert_eq!(json_of(&first)["auctions"][0]["auctionId"], AUCTION);
+    let (_, _, again) = eneba(&api, ENEBA_TOKEN, provide_key("k-1")).await;
+    assert_eq!(first, again);
+    let (_, _, plain) = eneba(&api, ENEBA_TOKEN, provide("r-1")).await;
+    assert_eq!(first, plain);
+    let now = codes_of(&env, "eneba:en:r-1").await;
+    assert!(now.contains(&new[0]));
+
+    // Two more keys: the pool's cap is 3 replacements an order; the 4th
+    // is refused (Eneba refunds), nothing voided.
+    for key in ["k-2", "k-3"] {
+        let (_, _, body) = eneba(&api, ENEBA_TOKEN, replace(key)).await;
+        assert_eq!(
+            success(&body),
+            true,
+            "{key}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, replace("k-4")).await;
+    assert_eq!(success(&body), false, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:r-1", "status": 3}).await,
+        3
+    );
+    // Each key got its own new key; the lines were replaced in turn.
+    let k2 = keys_of(&eneba(&api, ENEBA_TOKEN, provide_key("k-2")).await.2);
+    let k3 = keys_of(&eneba(&api, ENEBA_TOKEN, provide_key("k-3")).await.2);
+    assert_eq!((k2.len(), k3.len()), (1, 1));
+    let all: HashSet<&String> = sold.iter().chain(&new).chain(&k2).chain(&k3).collect();
+    assert_eq!(all.len(), 5, "no key given twice");
+
+    // An unknown order, an order not provided, another auction: refused,
+    // nothing changes.
+    eneba(&api, ENEBA_TOKEN, reserve("r-2", 1)).await;
+    for body in [
+        json!({"action": "RESERVE", "orderId": "r-none", "auctionId": AUCTION, "keyId": "k-9"}),
+        json!({"action": "RESERVE", "orderId": "r-2", "auctionId": AUCTION, "keyId": "k-9"}),
+        json!({"action": "RESERVE", "orderId": "r-1", "auctionId": "other-auction", "keyId": "k-9"}),
+    ] {
+        let (status, _, answer) = eneba(&api, ENEBA_TOKEN, body.clone()).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(success(&answer), false, "{body}");
+    }
+    let (status, _, _) = eneba(
+        &api,
+        ENEBA_TOKEN,
+        json!({"action": "RESERVE", "orderId": "r-1", "keyId": "k-9"}),
+    )
+    .await;
+    assert_eq!(status, 400, "a replacement names its auction");
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:r-1", "status": 3}).await,
+        3
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
 // ---------------------------------------------------------------- Kinguin
 
 const KG_SECRET: &str = "kinguin-webhook-secret-0123456789abcdef0123";

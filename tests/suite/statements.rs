@@ -407,6 +407,7 @@ async fn grouped_figures_equal_each_code_read_alone(env: &TestEnv, pool: &str, r
                     import,
                     from,
                     to,
+                    channel: None,
                 };
                 let (grouped, alone) = env.store.statement_figures_both_ways(&p).await.unwrap();
                 assert_eq!(
@@ -615,6 +616,7 @@ async fn every_part_of_a_statement_reads_at_the_one_snapshot() {
         import: None,
         from: bson::DateTime::from_millis(0),
         to: bson::DateTime::MAX,
+        channel: None,
     };
     // Before any code: the counters' collection does not exist, and a
     // read of it fixes no snapshot. The statement is empty all the same.

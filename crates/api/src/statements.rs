@@ -37,6 +37,8 @@ pub(crate) struct StatementQuery {
     from: Option<String>,
     /// The period's end (not included); now when absent.
     to: Option<String>,
+    /// Only the codes this marketplace channel sold.
+    channel: Option<String>,
     /// `json` (the default) or `csv`.
     format: Option<String>,
 }
@@ -72,7 +74,9 @@ fn unprocessable(rid: &RequestId, slug: &str, field: &str, detail: String) -> Re
 
 fn failed(e: StatementError, rid: &RequestId) -> Response {
     match e {
-        StatementError::UnknownPool(_) | StatementError::UnknownImport { .. } => Problem::new(
+        StatementError::UnknownPool(_)
+        | StatementError::UnknownImport { .. }
+        | StatementError::UnknownChannel(_) => Problem::new(
             StatusCode::NOT_FOUND,
             "not-found",
             "no such pool or import run",
@@ -112,6 +116,7 @@ fn asked(q: &StatementQuery, rid: &RequestId) -> Result<Asked, Box<Response>> {
         import: q.import.clone(),
         from: when(&q.from, "from")?,
         to: when(&q.to, "to")?,
+        channel: q.channel.clone(),
     })
 }
 

@@ -292,6 +292,7 @@ async fn statements_timed(
         import: None,
         from: None,
         to: None,
+        channel: None,
     };
     let mut times = Vec::new();
     let mut last = None;

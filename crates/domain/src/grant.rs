@@ -50,10 +50,11 @@ impl Grant {
     /// order (see [`sms_events`] for orders of several). Its `event_id` is
     /// derived from the order, so every re-send of the same grant carries
     /// the same id and the SMS service can drop duplicates. A revoked grant
-    /// has nothing to send: `None`, whoever asks (dispatcher, fulfilment,
-    /// relay, resend).
+    /// has nothing to send, nor has a grant of no phone (a marketplace's
+    /// sale: its keys went back in the marketplace's answer): `None`,
+    /// whoever asks (dispatcher, fulfilment, relay, resend).
     pub fn sms_pending(&self) -> Option<SmsPending> {
-        if self.revoked {
+        if self.revoked || self.phone.is_empty() {
             return None;
         }
         let event_id = match self.replacement {
@@ -89,14 +90,15 @@ impl Grant {
 /// one-code event; the grants of a several-code order travel together by
 /// part, one event per part, lines ascending, its id naming its lines.
 /// The code of a replacement travels in an event of its own. Revoked
-/// grants are carried by none. Events come in the order of their first
-/// grant.
+/// grants are carried by none, nor are grants of no phone (a
+/// marketplace's sale: its keys went back in the marketplace's answer, no
+/// SMS is owed). Events come in the order of their first grant.
 pub fn sms_events<G: Borrow<Grant>>(grants: &[G]) -> Vec<(SmsPending, Vec<usize>)> {
     let mut out: Vec<(SmsPending, Vec<usize>)> = Vec::new();
     let mut part_at: HashMap<(&str, u32, u32), usize> = HashMap::new();
     let mut replacement_at: Vec<u32> = Vec::new();
     for (i, g) in grants.iter().map(Borrow::borrow).enumerate() {
-        if g.revoked {
+        if g.revoked || g.phone.is_empty() {
             continue;
         }
         if g.quantity <= 1 {
@@ -203,6 +205,19 @@ mod tests {
             ]
         );
         assert_eq!(json["event_id"], "sms:O-1");
+    }
+
+    #[test]
+    fn a_grant_of_no_phone_owes_no_sms() {
+        let mut one = grant("eneba:en:o-1", 0, 1, 0);
+        one.phone = String::new();
+        let mut two = [grant("g2a:g2:r", 0, 2, 0), grant("g2a:g2:r", 1, 2, 0)];
+        for g in &mut two {
+            g.phone = String::new();
+        }
+        assert_eq!(one.sms_pending(), None);
+        assert!(sms_events(&[one]).is_empty());
+        assert!(sms_events(&two).is_empty());
     }
 
     #[test]

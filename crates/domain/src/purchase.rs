@@ -301,6 +301,13 @@ impl Purchase {
         }
         let map = parse_object(body)?;
         let order_id = required(&map, "order_id", MAX_ID_LEN)?;
+        if let Some(prefix) = channel_prefix(&order_id) {
+            return Err(PurchaseError::new(
+                RejectReason::ConflictingOrder,
+                format!("order ids starting with {prefix:?} are a marketplace channel's own (eneba:, g2a:, kinguin:): pick another order id"),
+            )
+            .on("order_id"));
+        }
         let uid = required(&map, "uid", MAX_ID_LEN)?;
         let items = match map.get("items") {
             None | Some(Value::Null) => Vec::new(),
@@ -685,6 +692,31 @@ fn json_type_name(v: &Value) -> &'static str {
     }
 }
 
+/// The prefixes of the order ids codepool derives for the marketplaces'
+/// channels (`eneba:CHANNEL:ID`, …): no order that comes in through a
+/// door may take one, or it would take a channel's order.
+pub const CHANNEL_ORDER_PREFIXES: [&str; 3] = ["eneba:", "g2a:", "kinguin:"];
+
+/// The channel prefix `order_id` starts with, if any (in any case: ids
+/// are compared as given, but a look-alike is refused too).
+pub fn channel_prefix(order_id: &str) -> Option<&'static str> {
+    CHANNEL_ORDER_PREFIXES.into_iter().find(|p| {
+        order_id
+            .get(..p.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(p))
+    })
+}
+
+/// The channel whose sale order `order_id` is (`eneba:NAME:…` → `NAME`);
+/// `None` for an order of a shop's own doors.
+pub fn channel_of(order_id: &str) -> Option<&str> {
+    let prefix = CHANNEL_ORDER_PREFIXES
+        .into_iter()
+        .find(|p| order_id.starts_with(p))?;
+    let (name, _) = order_id[prefix.len()..].split_once(':')?;
+    (!name.is_empty()).then_some(name)
+}
+
 fn is_valid_phone(phone: &str) -> bool {
     let digits = phone.strip_prefix('+').unwrap_or(phone);
     (6..=15).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
@@ -697,6 +729,25 @@ mod tests {
 
     fn reason(body: &str) -> RejectReason {
         Purchase::parse(body.as_bytes()).unwrap_err().reason
+    }
+
+    #[test]
+    fn a_channels_order_ids_are_its_own() {
+        for id in ["eneba:en:o-1", "G2A:g2:x", "kinguin:k:1"] {
+            let body =
+                format!(r#"{{"order_id":"{id}","uid":"u1","phone":"+8613800000000","pool":"p"}}"#);
+            let e = Purchase::parse(body.as_bytes()).unwrap_err();
+            assert_eq!(e.reason, RejectReason::ConflictingOrder, "{id}");
+            assert_eq!(e.field(), Some("order_id"));
+        }
+        assert!(Purchase::parse(
+            br#"{"order_id":"eneba-1","uid":"u1","phone":"+8613800000000","pool":"p"}"#
+        )
+        .is_ok());
+        assert_eq!(channel_of("eneba:acme-en:o-1"), Some("acme-en"));
+        assert_eq!(channel_of("g2a:g2:8f2c"), Some("g2"));
+        assert_eq!(channel_of("S-1"), None);
+        assert_eq!(channel_of("eneba::x"), None);
     }
 
     #[test]

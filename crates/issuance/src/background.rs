@@ -12,7 +12,10 @@
 //! - every [`StockConfig::sweep_every`](crate::stock::StockConfig), at the
 //!   first quiet moment ([`Activity`]): expired codes voided, and every
 //!   pool's stock re-checked (gauges, `pool.low_stock`);
-//! - the shops' webhook deliverer, all the time.
+//! - the shops' webhook deliverer, all the time;
+//! - the channels' declared stock, on change and every
+//!   [`DECLARE_EVERY`](crate::channels::stock::DECLARE_EVERY)
+//!   ([`crate::channels::stock::run`]).
 //!
 //! What it publishes goes out on the process's broker connection of the
 //! moment (`publishing`): the API's, replaced after an outage, or the
@@ -65,6 +68,8 @@ pub struct Parts {
     /// they publish purchases of no shop over AMQP, and only their
     /// messages carry a dead letter's or a replay's record of its publisher.
     pub operator_broker_users: Arc<[String]>,
+    /// Declares the channels' stock to their marketplaces.
+    pub declarer: Arc<crate::channels::stock::Declarer>,
 }
 
 impl Parts {
@@ -80,6 +85,7 @@ impl Parts {
             intake: Arc::new(Intake::new(store.clone(), engine)),
             outbox: Arc::new(Outbox::new(Arc::new(store.clone()))),
             stock: StockWatch::new(store.clone(), StockConfig::granting()),
+            declarer: crate::channels::stock::Declarer::new(store.clone()),
             store,
             hot,
             activity: Arc::default(),
@@ -140,6 +146,11 @@ pub fn start(
         stop.clone(),
     ));
     tasks.spawn(catalogue_sweep(parts.clone(), publishing, stop.clone()));
+    tasks.spawn(crate::channels::stock::run(
+        parts.declarer.clone(),
+        crate::channels::stock::DECLARE_EVERY,
+        stop.clone(),
+    ));
     let deliverer = Deliverer::new(parts.store.clone(), parts.allow_hosts.clone());
     tasks.spawn(deliverer.run(stop));
     tasks

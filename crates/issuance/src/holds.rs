@@ -78,6 +78,13 @@ impl HoldRequest {
         })?;
         // The ids follow the rules of an order's (length, visible text).
         let hold_id = codepool_domain::purchase::required_id(&map, "hold_id")?;
+        if let Some(prefix) = codepool_domain::purchase::channel_prefix(&hold_id) {
+            return Err(PurchaseError::new(
+                RejectReason::ConflictingOrder,
+                format!("hold ids starting with {prefix:?} are a marketplace channel's own (eneba:, g2a:, kinguin:): pick another hold id"),
+            )
+            .on("hold_id"));
+        }
         let uid = codepool_domain::purchase::required_id(&map, "uid")?;
         let items = match map.get("items") {
             Some(v) => codepool_domain::purchase::parse_items(v)?,
@@ -273,6 +280,7 @@ pub async fn place_many(intake: &Intake, asks: Vec<HoldAsk>) -> Result<Vec<Place
             let shop = asks[k].shop.as_deref();
             info!(hold_id = %h.hold_id, uid = %h.uid, pool = h.items.first().map_or("", |i| i.pool.as_str()), shop, codes = h.quantity(), "hold placed");
             metrics::counter!("codepool_holds_total", "outcome" => "held").increment(1);
+            crate::channels::stock::changed(h.items.iter().map(|i| i.pool.as_str()));
             out[k] = Some(Ok((h, true)));
         }
     }
@@ -1015,6 +1023,7 @@ pub async fn release(
     let released = store.return_held(&h.keys()).await?;
     store.end_hold(&h.id, HoldEnd::Released, None).await?;
     intake.engine().offer(&released).await;
+    crate::channels::stock::changed(released.iter().map(|c| c.pool.as_str()));
     metrics::counter!("codepool_holds_ended_total", "state" => "released").increment(1);
     info!(hold_id, codes = released.len(), "hold released");
     let h = store.hold_by_key(&h.id).await?.unwrap_or(h);
@@ -1047,6 +1056,7 @@ pub async fn expire_due(intake: &Intake) -> Result<BTreeSet<String>, StoreError>
         pools.extend(strays.iter().map(|c| c.pool.clone()));
         intake.engine().offer(&strays).await;
     }
+    crate::channels::stock::changed(pools.iter().map(String::as_str));
     Ok(pools)
 }
 

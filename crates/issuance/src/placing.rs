@@ -148,6 +148,10 @@ pub async fn audit_repeats(
 /// pool that crossed its threshold raises `pool.low_stock`).
 pub fn account(plan: &BatchPlan, stock: &std::sync::Arc<crate::StockWatch>, publisher: &Publisher) {
     count(plan);
+    crate::channels::stock::changed(plan.granted_pools.keys().map(String::as_str));
+    for pool in &plan.exhausted_pools {
+        crate::channels::stock::ran_out(pool);
+    }
     stock.after_grants(
         plan.granted_pools.iter().map(|(p, n)| (p.as_str(), *n)),
         publisher,

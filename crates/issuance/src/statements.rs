@@ -22,6 +22,8 @@ pub enum StatementError {
     UnknownImport { import: String, pool: String },
     #[error("{0:?} is not an import run id (24 hex digits, as `codepool import` prints it)")]
     BadImport(String),
+    #[error("no channel {0:?} (and none of that name sold codes of the pool); `codepool channels list` shows the channels")]
+    UnknownChannel(String),
     #[error("the period is empty: --from {from} is not before --to {to} (to the millisecond)")]
     EmptyPeriod { from: String, to: String },
     /// Every statement this process may run at once is running, and none
@@ -66,6 +68,9 @@ pub struct Asked {
     pub from: Option<DateTime<Utc>>,
     /// The period's end (exclusive); now when absent.
     pub to: Option<DateTime<Utc>>,
+    /// Only the codes this marketplace channel sold, so a seller matches
+    /// the marketplace's sales report.
+    pub channel: Option<String>,
 }
 
 /// A moment as a door takes it: RFC 3339 (`2026-11-01T00:00:00Z`) or a day
@@ -117,11 +122,17 @@ impl Asked {
                 to: to.to_rfc3339(),
             });
         }
+        if let Some(c) = self.channel.as_deref() {
+            if store.channel(c).await?.is_none() && !store.sold_by_channel(&self.pool, c).await? {
+                return Err(StatementError::UnknownChannel(c.chars().take(80).collect()));
+            }
+        }
         Ok(Period {
             pool: &self.pool,
             import,
             from: from_ms,
             to: to_ms,
+            channel: self.channel.as_deref(),
         })
     }
 }
@@ -273,7 +284,7 @@ pub fn csv(s: &Statement) -> String {
 }
 
 /// The CSV header of a statement's lines.
-pub const LINES_HEADER: [&str; 5] = ["at", "move", "reason", "import", "code_hmac"];
+pub const LINES_HEADER: [&str; 6] = ["at", "move", "reason", "import", "code_hmac", "channel"];
 
 /// Lines as CSV, under [`LINES_HEADER`].
 pub fn lines_csv(lines: &[StatementLine]) -> String {
@@ -290,13 +301,14 @@ pub fn parse_optional(s: Option<&str>) -> Result<Option<DateTime<Utc>>, String> 
 }
 
 /// A line as CSV cells (in [`LINES_HEADER`]'s order).
-pub fn line_cells(l: &StatementLine) -> [String; 5] {
+pub fn line_cells(l: &StatementLine) -> [String; 6] {
     [
         l.at.to_rfc3339(),
         l.kind.clone(),
         spreadsheet_cell(l.reason.as_deref().unwrap_or_default()).into_owned(),
         l.import.clone().unwrap_or_default(),
         l.code_hmac.clone(),
+        l.channel.clone().unwrap_or_default(),
     ]
 }
 

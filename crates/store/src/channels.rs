@@ -62,6 +62,25 @@ pub struct ChannelDoc {
     /// How long a G2A access token lives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ttl_seconds: Option<i64>,
+    /// The channel's cap on each product's declared stock, as a percent
+    /// of what its pool has free (`--share`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_percent: Option<i32>,
+    /// The channel's cap on each product's declared stock, in codes
+    /// (`--max`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_stock: Option<i64>,
+    /// The marketplace's API where codepool declares stock (Eneba's
+    /// GraphQL endpoint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_url: Option<String>,
+    /// The marketplace's token endpoint for that API (Eneba's OAuth).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_url: Option<String>,
+    /// What the channel last declared of each product (told Eneba, or
+    /// answered G2A as `inventory_size`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub declared: BTreeMap<String, i64>,
     pub created_at: DateTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<DateTime>,
@@ -123,9 +142,22 @@ pub struct DealDoc {
     /// Cancelled after its keys were provided.
     #[serde(default)]
     pub cancelled_after_provide: bool,
+    /// Keys replaced at the marketplace's request (Eneba's replacement
+    /// flow), in the order asked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replaced: Vec<ReplacedKey>,
     pub created_at: DateTime,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<DateTime>,
+}
+
+/// A key of a deal replaced at the marketplace's request: the
+/// marketplace's id of the key, its product and the order's line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplacedKey {
+    pub key_id: String,
+    pub product: String,
+    pub line: u32,
 }
 
 /// The document key of `channel`'s deal `external_id`: a unit separator
@@ -205,6 +237,51 @@ impl Store {
             )
             .return_document(mongodb::options::ReturnDocument::After)
             .await?)
+    }
+
+    /// Sets a channel's caps on its declared stock (`None`: no cap); the
+    /// channel after.
+    pub async fn set_channel_caps(
+        &self,
+        name: &str,
+        share_percent: Option<i32>,
+        max_stock: Option<i64>,
+    ) -> Result<Option<ChannelDoc>, StoreError> {
+        let mut set = doc! {"updated_at": DateTime::now()};
+        let mut unset = doc! {};
+        match share_percent {
+            Some(p) => set.insert("share_percent", p),
+            None => unset.insert("share_percent", ""),
+        };
+        match max_stock {
+            Some(m) => set.insert("max_stock", m),
+            None => unset.insert("max_stock", ""),
+        };
+        let mut update = doc! {"$set": set};
+        if !unset.is_empty() {
+            update.insert("$unset", unset);
+        }
+        Ok(self
+            .typed::<ChannelDoc>(CHANNELS)
+            .find_one_and_update(doc! {"_id": name}, update)
+            .return_document(mongodb::options::ReturnDocument::After)
+            .await?)
+    }
+
+    /// Records what a channel declared of `product`.
+    pub async fn record_declared(
+        &self,
+        name: &str,
+        product: &str,
+        declared: i64,
+    ) -> Result<(), StoreError> {
+        self.collection(CHANNELS)
+            .update_one(
+                doc! {"_id": name},
+                doc! {"$set": {format!("declared.{product}"): declared}},
+            )
+            .await?;
+        Ok(())
     }
 
     /// Removes a channel and its tokens; whether there was one.
@@ -315,6 +392,23 @@ impl Store {
             )
             .await?;
         Ok(r.modified_count == 1)
+    }
+
+    /// Records a replaced key of a deal (once per key id); the deal after.
+    pub async fn add_deal_replacement(
+        &self,
+        channel: &str,
+        external_id: &str,
+        r: &ReplacedKey,
+    ) -> Result<Option<DealDoc>, StoreError> {
+        let entry = doc! {"key_id": &r.key_id, "product": &r.product, "line": r.line as i64};
+        self.collection(CHANNEL_DEALS)
+            .update_one(
+                doc! {"_id": deal_id(channel, external_id), "replaced.key_id": {"$ne": &r.key_id}},
+                doc! {"$push": {"replaced": entry}, "$set": {"updated_at": DateTime::now()}},
+            )
+            .await?;
+        self.deal(channel, external_id).await
     }
 
     /// Deals of a channel in `state`, how many.

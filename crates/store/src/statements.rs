@@ -219,6 +219,10 @@ pub struct StatementLine {
     pub import: Option<String>,
     /// HMAC-SHA-256 of the code under the pool's statement key, in hex.
     pub code_hmac: String,
+    /// The marketplace channel that sold the code (Eneba, G2A, Kinguin),
+    /// for a sold code's moves; `None` for the shop's own doors' sales.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channel: Option<String>,
 }
 
 /// Which statement.
@@ -229,6 +233,9 @@ pub struct Period<'a> {
     pub import: Option<ObjectId>,
     pub from: DateTime,
     pub to: DateTime,
+    /// Only the codes this marketplace channel sold (its orders' ids are
+    /// `KIND:CHANNEL:…`).
+    pub channel: Option<&'a str>,
 }
 
 impl Period<'_> {
@@ -237,8 +244,32 @@ impl Period<'_> {
         if let Some(i) = self.import {
             q.insert("batch_id", i);
         }
+        if let Some(c) = self.channel {
+            let prefixes: Vec<Bson> = codepool_domain::purchase::CHANNEL_ORDER_PREFIXES
+                .iter()
+                .map(|k| {
+                    Bson::RegularExpression(bson::Regex {
+                        pattern: format!("^{}", regex_escape(&format!("{k}{c}:"))),
+                        options: String::new(),
+                    })
+                })
+                .collect();
+            q.insert("order_id", doc! {"$in": prefixes});
+        }
         q
     }
+}
+
+/// `s` with every character a regular expression reads as syntax escaped.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        if !ch.is_ascii_alphanumeric() && ch != ':' && ch != '_' {
+            out.push('\\');
+        }
+        out.push(ch);
+    }
+    out
 }
 
 fn is_date(f: &str) -> Bson {
@@ -801,6 +832,21 @@ impl Store {
     }
 
     /// The statement of `p`, read in one snapshot.
+    /// Whether channel `channel` sold any code of `pool` (a removed
+    /// channel's sales are still cut by its name).
+    pub async fn sold_by_channel(&self, pool: &str, channel: &str) -> Result<bool, StoreError> {
+        let p = Period {
+            pool,
+            import: None,
+            from: DateTime::from_millis(0),
+            to: DateTime::from_millis(i64::MAX),
+            channel: Some(channel),
+        };
+        let mut q = p.codes();
+        q.remove("created_at");
+        Ok(self.collection(CODES).find_one(q).await?.is_some())
+    }
+
     pub async fn statement(&self, p: &Period<'_>) -> Result<Statement, StoreError> {
         let mut session = self.client().start_session().snapshot(true).await?;
         let groups = self
@@ -833,6 +879,17 @@ impl Store {
         for r in &runs {
             if !rows.iter().any(|row| row.import == Some(r.id.to_hex())) {
                 rows.push(row_of(&doc! {"_id": r.id}, Some(r), p.to));
+            }
+        }
+        if p.channel.is_some() {
+            // A channel's cut counts the codes it sold: a run's whole
+            // delivery is not its to tie out with, and runs it sold
+            // nothing of have no row.
+            rows.retain(|r| r.received > 0);
+            for r in &mut rows {
+                r.recorded = None;
+                r.duplicates = 0;
+                r.off_by = r.count_off();
             }
         }
         rows.sort_by(|a, b| (a.started_at, &a.import).cmp(&(b.started_at, &b.import)));
@@ -869,7 +926,7 @@ impl Store {
         let fields = doc! {
             "pool": 1, "code": 1, "code_enc": 1, "key_id": 1, "status": 1, "batch_id": 1,
             "created_at": 1, "issued_at": 1, "used_at": 1, "voided_at": 1, "void_reason": 1,
-            "recalled_by": 1,
+            "recalled_by": 1, "order_id": 1,
         };
         let mut cursor = self
             .collection(CODES)
@@ -930,6 +987,10 @@ fn moves_of(
             d.get_str("void_reason").unwrap_or("other").to_owned()
         }
     };
+    let channel = (d.get_str("order_id").ok())
+        .filter(|_| sold)
+        .and_then(codepool_domain::purchase::channel_of)
+        .map(str::to_owned);
     let mut out = Vec::new();
     let mut add = |at: Option<DateTime>, kind: &str, reason: Option<String>| {
         if let Some(at) = at {
@@ -939,6 +1000,11 @@ fn moves_of(
                 reason,
                 import: d.get_object_id("batch_id").ok().map(|i| i.to_hex()),
                 code_hmac: code_hmac.clone(),
+                channel: if kind == "received" {
+                    None
+                } else {
+                    channel.clone()
+                },
             });
         }
     };

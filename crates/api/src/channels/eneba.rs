@@ -1,8 +1,10 @@
 //! Eneba's "Declared Stock" callbacks: one URL for RESERVE, PROVIDE and
 //! CANCEL, dispatched on `action`, authenticated by the static bearer the
-//! seller registered with Eneba. RESERVE holds `keyCount` codes of each
-//! auction, all or nothing; PROVIDE commits that hold into the order
-//! derived from the channel and Eneba's `orderId`, and a PROVIDE retried
+//! seller registered with Eneba (a RESERVE naming a `keyId` is a key
+//! replacement: [`codepool_issuance::channels::eneba`]). RESERVE holds
+//! `keyCount` codes of each auction, all or nothing; PROVIDE commits that
+//! hold into the order derived from the channel and Eneba's `orderId`
+//! (or answers a replacement's new key), and a PROVIDE retried
 //! after a timeout answers the same keys byte for byte; CANCEL releases
 //! the hold, or, after provision, answers as the channel's policy says.
 //!
@@ -30,8 +32,16 @@ enum Callback {
         /// `(auctionId, keyCount)`, in the body's order.
         auctions: Vec<(String, u32)>,
     },
+    /// A key replacement: `{orderId, auctionId, keyId}`.
+    Replace {
+        order: String,
+        auction: String,
+        key: String,
+    },
     Provide {
         order: String,
+        /// The replaced key whose new one is asked (a replacement's).
+        key: Option<String>,
     },
     Cancel {
         order: String,
@@ -72,10 +82,23 @@ fn read(body: &[u8]) -> Result<Callback, Malformed> {
     match map.get("action").and_then(Value::as_str) {
         Some("RESERVE") => {
             if map.contains_key("keyId") {
-                return Err(fail(
-                    Some(&map),
-                    "key replacements are not taken on this channel".into(),
-                ));
+                let id = |f: &str| {
+                    map.get(f)
+                        .and_then(Value::as_str)
+                        .filter(|v| channels::valid_external_id(v))
+                        .map(str::to_owned)
+                };
+                return match (id("auctionId"), id("keyId")) {
+                    (Some(auction), Some(key)) => Ok(Callback::Replace {
+                        order,
+                        auction,
+                        key,
+                    }),
+                    _ => Err(fail(
+                        Some(&map),
+                        "a replacement names its \"auctionId\" and \"keyId\"".into(),
+                    )),
+                };
             }
             let list = match map.get("auctions").and_then(Value::as_array) {
                 Some(l) if !l.is_empty() && l.len() <= codepool_domain::MAX_ITEMS => l,
@@ -111,7 +134,14 @@ fn read(body: &[u8]) -> Result<Callback, Malformed> {
             }
             Ok(Callback::Reserve { order, auctions })
         }
-        Some("PROVIDE") => Ok(Callback::Provide { order }),
+        Some("PROVIDE") => match map.get("keyId") {
+            None | Some(Value::Null) => Ok(Callback::Provide { order, key: None }),
+            Some(Value::String(k)) if channels::valid_external_id(k) => Ok(Callback::Provide {
+                order,
+                key: Some(k.clone()),
+            }),
+            Some(_) => Err(fail(Some(&map), "\"keyId\" must be Eneba's key id".into())),
+        },
         Some("CANCEL") => Ok(Callback::Cancel { order }),
         _ => Err(fail(
             Some(&map),
@@ -161,8 +191,10 @@ pub(super) async fn callback(
         Err(e) => {
             // Nothing read from an unauthenticated body is acted on.
             let (action, order) = match &call {
-                Ok(Callback::Reserve { order, .. }) => ("RESERVE", order.as_str()),
-                Ok(Callback::Provide { order }) => ("PROVIDE", order.as_str()),
+                Ok(Callback::Reserve { order, .. }) | Ok(Callback::Replace { order, .. }) => {
+                    ("RESERVE", order.as_str())
+                }
+                Ok(Callback::Provide { order, .. }) => ("PROVIDE", order.as_str()),
                 Ok(Callback::Cancel { order }) => ("CANCEL", order.as_str()),
                 Err(_) => ("", ""),
             };
@@ -177,7 +209,12 @@ pub(super) async fn callback(
             m.why,
         ),
         Ok(Callback::Reserve { order, auctions }) => reserve(&api, &c, &order, auctions).await,
-        Ok(Callback::Provide { order }) => provide(&api, &c, &order).await,
+        Ok(Callback::Replace {
+            order,
+            auction,
+            key,
+        }) => replace(&api, &c, &order, &auction, &key).await,
+        Ok(Callback::Provide { order, key }) => provide(&api, &c, &order, key.as_deref()).await,
         Ok(Callback::Cancel { order }) => cancel(&api, &c, &order).await,
     }
 }
@@ -187,7 +224,10 @@ async fn reserve(api: &Api, c: &ChannelDoc, order: &str, auctions: Vec<(String, 
     for (auction, count) in &auctions {
         match channels::line_of(c, auction, *count) {
             Ok(l) => lines.push(l),
-            Err(e) => return failed("RESERVE", order, e),
+            Err(e) => {
+                channels::reservation_failed(c);
+                return failed("RESERVE", order, e);
+            }
         }
     }
     match api.channel_reserve(&api.holds, c, order, lines).await {
@@ -214,7 +254,41 @@ fn auctions_of(keys: &[Key]) -> Vec<Value> {
         .collect()
 }
 
-async fn provide(api: &Api, c: &ChannelDoc, order: &str) -> Response {
+/// A replacement's RESERVE: a key of the order replaced, or refused
+/// (Eneba refunds the buyer).
+async fn replace(api: &Api, c: &ChannelDoc, order: &str, auction: &str, key: &str) -> Response {
+    match api.eneba_replace(c, order, auction, key).await {
+        Ok(()) => {
+            count_reservation(c, true);
+            Json(json!({"action": "RESERVE", "orderId": order, "success": true})).into_response()
+        }
+        Err(e) => {
+            count_reservation(c, false);
+            failed("RESERVE", order, e)
+        }
+    }
+}
+
+fn count_reservation(c: &ChannelDoc, ok: bool) {
+    let outcome = if ok { "completed" } else { "failed" };
+    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => outcome).increment(1);
+}
+
+async fn provide(api: &Api, c: &ChannelDoc, order: &str, key: Option<&str>) -> Response {
+    // A replaced key's PROVIDE answers its new key (the same every time).
+    match api.eneba_replacement_keys(c, order, key).await {
+        Ok(Some(keys)) => {
+            return Json(json!({
+                "action": "PROVIDE",
+                "orderId": order,
+                "success": true,
+                "auctions": auctions_of(&keys),
+            }))
+            .into_response()
+        }
+        Ok(None) => {}
+        Err(e) => return failed("PROVIDE", order, e),
+    }
     let via = format!("Eneba PROVIDE {order}");
     match api.channel_provide(api, c, order, None, &via).await {
         Ok(keys) => Json(json!({

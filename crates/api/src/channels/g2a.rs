@@ -160,12 +160,13 @@ fn lines_of(c: &ChannelDoc, body: &[u8]) -> Result<Vec<DealLine>, CallError> {
 }
 
 /// `stock: [{product_id, inventory_size}]` of a reservation's lines: what
-/// each pool has free now.
-async fn stock_of(api: &Api, lines: &[DealLine]) -> Result<Vec<Value>, Response> {
+/// the channel may sell of each now (its pool's free codes, capped by the
+/// channel: the declared stock).
+async fn stock_of(api: &Api, c: &ChannelDoc, lines: &[DealLine]) -> Result<Vec<Value>, Response> {
     let mut out = Vec::with_capacity(lines.len());
     for l in lines {
         let free = api
-            .channel_stock(&l.pool)
+            .channel_declare(c, &l.product, &l.pool)
             .await
             .map_err(|e| failed(CallError::from(e)))?;
         out.push(json!({"product_id": product_value(&l.product), "inventory_size": free}));
@@ -173,8 +174,8 @@ async fn stock_of(api: &Api, lines: &[DealLine]) -> Result<Vec<Value>, Response>
     Ok(out)
 }
 
-async fn reservation_answer(api: &Api, d: &DealDoc) -> Response {
-    match stock_of(api, &d.lines).await {
+async fn reservation_answer(api: &Api, c: &ChannelDoc, d: &DealDoc) -> Response {
+    match stock_of(api, c, &d.lines).await {
         Ok(stock) => Json(json!({"reservation_id": d.external_id, "stock": stock})).into_response(),
         Err(r) => r,
     }
@@ -197,7 +198,7 @@ pub(super) async fn reserve(
     };
     let rid = g2a::new_reservation_id();
     match api.channel_reserve(&api.holds, &c, &rid, lines).await {
-        Ok(d) => reservation_answer(&api, &d).await,
+        Ok(d) => reservation_answer(&api, &c, &d).await,
         Err(e) => failed(e),
     }
 }
@@ -217,7 +218,7 @@ pub(super) async fn renew(
         return failed(CallError::UnknownDeal(rid));
     }
     match api.g2a_renew(&api.holds, &c, &rid).await {
-        Ok(d) => reservation_answer(&api, &d).await,
+        Ok(d) => reservation_answer(&api, &c, &d).await,
         Err(e) => failed(e),
     }
 }
@@ -244,8 +245,13 @@ pub(super) async fn release(
 /// `stock: [{product_id, inventory_size, inventory: [{id, value, kind}]}]`
 /// of an order: its keys by product (voided ones left out), each with its
 /// stable id.
-async fn order_stock(api: &Api, d: &DealDoc, keys: &[Key]) -> Result<Vec<Value>, Response> {
-    let sizes = stock_of(api, &d.lines).await?;
+async fn order_stock(
+    api: &Api,
+    c: &ChannelDoc,
+    d: &DealDoc,
+    keys: &[Key],
+) -> Result<Vec<Value>, Response> {
+    let sizes = stock_of(api, c, &d.lines).await?;
     Ok(d.lines
         .iter()
         .zip(sizes)
@@ -297,7 +303,7 @@ pub(super) async fn order(
         Ok(None) => return failed(CallError::UnknownDeal(rid.to_owned())),
         Err(e) => return failed(e.into()),
     };
-    match order_stock(&api, &d, &keys).await {
+    match order_stock(&api, &c, &d, &keys).await {
         Ok(stock) => Json(json!({"order_id": d.external_id, "stock": stock})).into_response(),
         Err(r) => r,
     }
@@ -331,7 +337,7 @@ pub(super) async fn inventory(
         Ok(k) => k,
         Err(e) => return failed(e),
     };
-    match order_stock(&api, &d, &keys).await {
+    match order_stock(&api, &c, &d, &keys).await {
         Ok(stock) => Json(Value::Array(stock)).into_response(),
         Err(r) => r,
     }

@@ -19,16 +19,21 @@ Examples:
   codepool channels add --name acme-eneba --kind eneba --shop acme --credentials eneba.json
   codepool channels map --name acme-eneba --product 8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d --pool game-x
   codepool channels add --name acme-g2a --kind g2a --shop acme --credentials g2a.json --hold-ttl 1800
+  codepool channels set --name acme-eneba --share 40 --max 500
   codepool channels list --json
   codepool channels pause --name acme-eneba
 
 The credentials file is a JSON object. eneba: {\"token\": \"…\"}, the bearer
-value registered with Eneba's P_registerCallback; g2a: {\"client_id\": \"…\",
+value registered with Eneba's P_registerCallback, and to declare stock
+through Eneba's API \"api_client_id\", \"api_secret\" (optionally \"api_url\",
+\"auth_url\"); g2a: {\"client_id\": \"…\",
 \"client_secret\": \"…\"}, the client credentials given to G2A; kinguin:
 {\"webhook_secret\": \"…\", \"client_id\": \"…\", \"client_secret\": \"…\",
 \"base_url\": \"…\"}. What the marketplace presents is kept as its SHA-256
 (at least 32 characters: `openssl rand -hex 32`); what codepool sends out is
-sealed with the key file. See docs/channels.md.")]
+sealed with the key file. What a channel declares of each product is its
+pool's free codes under --share and --max (`channels set`). See
+docs/channels.md.")]
 pub struct ChannelsArgs {
     #[command(subcommand)]
     pub command: ChannelsCommand,
@@ -61,6 +66,26 @@ pub enum ChannelsCommand {
         /// How long a G2A access token lives, in seconds.
         #[arg(long, value_name = "SECONDS")]
         token_ttl: Option<u64>,
+        /// Declare at most this percent (0 to 100) of each pool's free
+        /// codes to the marketplace.
+        #[arg(long, value_name = "PERCENT")]
+        share: Option<u32>,
+        /// Declare at most this many codes of each product.
+        #[arg(long, value_name = "N")]
+        max: Option<u64>,
+    },
+    /// Cap what a channel declares of each product: a percent of its
+    /// pool's free codes, a number of codes (`none`: no cap). Declared to
+    /// the marketplace at once.
+    Set {
+        #[arg(long)]
+        name: String,
+        /// 0 to 100, or `none`.
+        #[arg(long, value_name = "PERCENT|none")]
+        share: Option<String>,
+        /// A number of codes, or `none`.
+        #[arg(long, value_name = "N|none")]
+        max: Option<String>,
     },
     /// Sell a pool of the shop as a marketplace product (Eneba auction,
     /// G2A product, Kinguin offer).
@@ -113,6 +138,10 @@ fn json_of(c: &ChannelDoc) -> serde_json::Value {
         "client_id": c.client_id,
         "base_url": c.base_url,
         "sealed_secrets": c.sealed.keys().collect::<Vec<_>>(),
+        "share_percent": c.share_percent,
+        "max_stock": c.max_stock,
+        "api_url": c.api_url,
+        "declared": c.declared,
         "created_at": c.created_at.to_chrono().to_rfc3339(),
     })
 }
@@ -157,6 +186,8 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
             hold_ttl,
             after_provide,
             token_ttl,
+            share,
+            max,
         } => {
             let bytes = std::fs::read(&credentials).map_err(|e| {
                 anyhow::anyhow!(
@@ -172,6 +203,10 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
                 hold_ttl_seconds: hold_ttl,
                 after_provide: after_provide.parse()?,
                 token_ttl_seconds: token_ttl,
+                caps: channels::Caps {
+                    share_percent: share,
+                    max_stock: max,
+                },
             };
             add(&store, new).await?;
         }
@@ -187,6 +222,36 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
                 c.name,
                 c.products.len()
             );
+            declare_now(&store, &c).await;
+        }
+        ChannelsCommand::Set { name, share, max } => {
+            let Some(before) = store.channel(&name).await? else {
+                anyhow::bail!(channels::ChannelError::Unknown(name));
+            };
+            let caps =
+                channels::Caps {
+                    share_percent: match share.as_deref() {
+                        None => before.share_percent.map(|p| p as u32),
+                        Some("none") => None,
+                        Some(p) => Some(p.parse().map_err(|_| {
+                            anyhow::anyhow!("--share takes a percent from 0 to 100, or none")
+                        })?),
+                    },
+                    max_stock: match max.as_deref() {
+                        None => before.max_stock.map(|m| m as u64),
+                        Some("none") => None,
+                        Some(m) => Some(m.parse().map_err(|_| {
+                            anyhow::anyhow!("--max takes a number of codes, or none")
+                        })?),
+                    },
+                };
+            let c = channels::set_caps(&store, &name, caps, &super::actor("channels set")).await?;
+            say!(
+                "channel {name:?}: share {}, max {}",
+                c.share_percent.map_or("none".into(), |p| format!("{p} %")),
+                c.max_stock.map_or("none".into(), |m| m.to_string())
+            );
+            declare_now(&store, &c).await;
         }
         ChannelsCommand::List { json } => print(&store.channels().await?, json)?,
         ChannelsCommand::Show { name, json } => show(&store, name, json).await?,
@@ -204,6 +269,20 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(crate::exit::OK)
+}
+
+/// Declares a channel's products to its marketplace now (a channel that
+/// pushes its stock: Eneba with API credentials); a failure is only
+/// said: every granting process declares again within a minute.
+async fn declare_now(store: &Store, c: &ChannelDoc) {
+    if !(c.kind == "eneba" && c.sealed.contains_key("api_secret")) {
+        return;
+    }
+    let declarer = channels::stock::Declarer::new(store.clone());
+    match declarer.declare_channel(c, None, true).await {
+        Ok(n) => say!("declared the stock of {n} products to the marketplace"),
+        Err(e) => say!("the stock was not declared now ({e}); the API and dispatchers declare it within a minute"),
+    }
 }
 
 /// `channels add`: the channel, and the path its marketplace calls.
@@ -269,6 +348,14 @@ async fn show(store: &Store, name: String, json: bool) -> anyhow::Result<()> {
         }
         for (state, n) in uploads {
             say!("uploads {state}: {n}");
+        }
+        say!(
+            "share: {}; max: {}",
+            c.share_percent.map_or("none".into(), |p| format!("{p} %")),
+            c.max_stock.map_or("none".into(), |m| m.to_string())
+        );
+        for (product, n) in &c.declared {
+            say!("declared {product}: {n}");
         }
     }
     Ok(())

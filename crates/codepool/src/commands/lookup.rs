@@ -131,6 +131,7 @@ fn code_json(c: &Code, aside: Option<SetAside>, shown: String) -> serde_json::Va
     serde_json::json!({
         "pool": c.pool, "code": shown, "status": c.status.name(),
         "order_id": h.map(|h| &h.order_id), "hold_id": hold_id,
+        "channel": h.and_then(|h| codepool_domain::purchase::channel_of(&h.order_id)),
         "uid": h.map(|h| &h.uid), "phone": h.map(|h| &h.phone),
         "line": h.map(|h| h.line), "quantity": h.map(|h| h.quantity),
         "grant_no": h.and_then(|h| h.grant_no.as_ref()),
@@ -176,7 +177,25 @@ fn print_table(found: &ops::Lookup, show: impl Fn(&Code) -> String) {
         print_row(c, found.set_aside(c), &show);
     }
     print_replacements(found, &show);
+    print_channels(found);
     print_waiting(found);
+}
+
+/// The marketplace channel of each order a marketplace placed, once.
+fn print_channels(found: &ops::Lookup) {
+    let mut seen: Vec<&str> = Vec::new();
+    for h in found.codes.iter().filter_map(Code::order_holder) {
+        let Some(channel) = codepool_domain::purchase::channel_of(&h.order_id) else {
+            continue;
+        };
+        if !seen.contains(&h.order_id.as_str()) {
+            seen.push(&h.order_id);
+            say!(
+                "order {} was sold through channel {channel} (`codepool channels show --name {channel}`)",
+                h.order_id
+            );
+        }
+    }
 }
 
 /// An order's backorders and refusals, and a buyer's holds, one line each.

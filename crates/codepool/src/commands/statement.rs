@@ -20,6 +20,7 @@ Examples:
   codepool statement --pool game-x --from 2026-11-01 --to 2026-12-01 --csv > november.csv
   codepool statement --pool game-x --import 6566b0c2f1a2b3c4d5e6f708 --json
   codepool statement --pool game-x --from 2026-11-01 --to 2026-12-01 --lines > moves.csv
+  codepool statement --pool game-x --channel acme-eneba --from 2026-11-01 --to 2026-12-01
   codepool statement --pool game-x --key
 
 One row per import run (a file or a generation run). The balance columns say
@@ -35,6 +36,12 @@ the command says which row is off and by how much.
 the HMAC-SHA-256 of the code under the pool's statement key (--key prints
 it; give it to the partner that supplies the pool). The partner computes
 the same HMAC over its own codes to match them; no code is ever printed.
+A move of a code a marketplace channel sold names the channel.
+
+--channel NAME cuts the statement to the codes that channel (Eneba, G2A,
+Kinguin) sold, to match the marketplace's sales report: its rows count
+those codes only (no run's whole delivery), and tie out when each is in
+one state.
 
 Dates are UTC days (2026-11-01, its start) or RFC 3339 times. --from
 defaults to the beginning, --to to now; --to is not included.
@@ -54,6 +61,10 @@ pub struct StatementArgs {
     /// The period's end (not included); now when absent.
     #[arg(long, value_parser = statements::parse_instant)]
     pub to: Option<DateTime<Utc>>,
+    /// Only the codes this marketplace channel sold (`codepool channels
+    /// list`), to match the marketplace's sales report.
+    #[arg(long, value_name = "NAME")]
+    pub channel: Option<String>,
     /// Print JSON instead of a table.
     #[arg(long, conflicts_with = "csv")]
     pub json: bool,
@@ -90,6 +101,7 @@ pub async fn run(cfg: &Config, args: StatementArgs) -> anyhow::Result<u8> {
         import: args.import.clone(),
         from: args.from,
         to: args.to,
+        channel: args.channel.clone(),
     };
     if args.lines {
         return print_lines(&store, &asked, args.json).await;

@@ -82,6 +82,7 @@ pub async fn show(
         import: None,
         from: instant(&q.from, "from")?,
         to: instant(&q.to, "to")?,
+        channel: None,
     };
     let st = match console.core.statement(&asked).await {
         Ok(st) => st,

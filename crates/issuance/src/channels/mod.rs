@@ -12,8 +12,10 @@
 //! module of their own where it has more than these ([`g2a`]'s tokens) over the core's holds and
 //! placement. The HTTP door only translates the marketplace's wire format.
 
+pub mod eneba;
 pub mod g2a;
 pub mod kinguin;
+pub mod stock;
 
 use std::collections::BTreeMap;
 
@@ -82,7 +84,7 @@ impl Kind {
     /// The credential fields codepool sends out (sealed).
     fn outbound_fields(self) -> &'static [&'static str] {
         match self {
-            Self::Eneba => &["api_secret"],
+            Self::Eneba => &["api_client_id", "api_secret"],
             Self::G2a => &[],
             Self::Kinguin => &["client_secret"],
         }
@@ -158,6 +160,8 @@ pub enum ChannelError {
         "invalid time to live {0}: a reservation holds its codes from 60 s to 48 h (172800 s)"
     )]
     BadTtl(u64),
+    #[error("invalid share {0} %: a channel declares 0 to 100 % of its pools' free codes")]
+    BadShare(u32),
     #[error("channel {0:?} exists already; remove it first, or pick another name")]
     Exists(String),
     #[error("no channel {0:?}; `codepool channels list` shows the channels")]
@@ -201,6 +205,36 @@ pub struct NewChannel {
     pub hold_ttl_seconds: Option<u64>,
     pub after_provide: AfterProvide,
     pub token_ttl_seconds: Option<u64>,
+    /// Caps on what the channel declares ([`stock::cap`]).
+    pub caps: Caps,
+}
+
+/// A channel's caps on its declared stock: a percent of its pools' free
+/// codes (`--share`), a number of codes (`--max`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Caps {
+    pub share_percent: Option<u32>,
+    pub max_stock: Option<u64>,
+}
+
+impl Caps {
+    fn check(self) -> Result<(), ChannelError> {
+        match self.share_percent {
+            Some(p) if p > 100 => Err(ChannelError::BadShare(p)),
+            _ => Ok(()),
+        }
+    }
+
+    fn describe(self) -> String {
+        match (self.share_percent, self.max_stock) {
+            (None, None) => "declares all its pools have free".into(),
+            (Some(p), None) => format!("declares {p} % of its pools' free codes"),
+            (None, Some(m)) => format!("declares at most {m} codes a product"),
+            (Some(p), Some(m)) => {
+                format!("declares {p} % of its pools' free codes, at most {m} a product")
+            }
+        }
+    }
 }
 
 /// The credentials file read: the inbound secret's hash, the client id,
@@ -210,6 +244,8 @@ struct Credentials {
     client_id: Option<String>,
     sealed: BTreeMap<String, SealedSecret>,
     base_url: Option<String>,
+    api_url: Option<String>,
+    auth_url: Option<String>,
 }
 
 fn text_field(map: &Map<String, Value>, field: &str) -> Result<Option<String>, ChannelError> {
@@ -270,19 +306,41 @@ fn read_credentials(
             );
         }
     }
-    let base_url = text_field(&map, "base_url")?;
-    if let Some(u) = &base_url {
-        if url::Url::parse(u).is_err() {
-            return Err(ChannelError::BadCredentials(format!(
-                "\"base_url\" {u:?} is not a URL"
-            )));
+    let url_field = |f: &str| -> Result<Option<String>, ChannelError> {
+        let u = text_field(&map, f)?;
+        match &u {
+            Some(s)
+                if !matches!(
+                    url::Url::parse(s).map(|u| u.scheme().to_owned()).as_deref(),
+                    Ok("http" | "https")
+                ) =>
+            {
+                Err(ChannelError::BadCredentials(format!(
+                    "{f:?} {s:?} is not an http(s) URL"
+                )))
+            }
+            _ => Ok(u),
         }
+    };
+    let base_url = url_field("base_url")?;
+    let (api_url, auth_url) = match kind {
+        Kind::Eneba => (url_field("api_url")?, url_field("auth_url")?),
+        _ => (None, None),
+    };
+    if kind == Kind::Eneba
+        && sealed.contains_key("api_secret") != sealed.contains_key("api_client_id")
+    {
+        return Err(ChannelError::BadCredentials(
+            "Eneba's API needs both \"api_client_id\" and \"api_secret\" (or neither: stock is then not declared by codepool)".into(),
+        ));
     }
     Ok(Credentials {
         inbound_hash: secret_hash(&inbound),
         client_id,
         sealed,
         base_url,
+        api_url,
+        auth_url,
     })
 }
 
@@ -301,6 +359,7 @@ pub async fn add(
     if !(60..=MAX_HOLD_TTL_SECONDS).contains(&ttl) {
         return Err(ChannelError::BadTtl(ttl));
     }
+    new.caps.check()?;
     let creds = read_credentials(store, &new.name, new.kind, &new.credentials)?;
     let doc = ChannelDoc {
         name: new.name.clone(),
@@ -316,6 +375,11 @@ pub async fn add(
         after_provide: new.after_provide.as_str().to_owned(),
         token_ttl_seconds: (new.kind == Kind::G2a)
             .then(|| new.token_ttl_seconds.unwrap_or(DEFAULT_TOKEN_TTL_SECONDS) as i64),
+        share_percent: new.caps.share_percent.map(|p| p as i32),
+        max_stock: new.caps.max_stock.map(|m| m.min(i64::MAX as u64) as i64),
+        api_url: creds.api_url,
+        auth_url: creds.auth_url,
+        declared: BTreeMap::new(),
         created_at: DateTime::now(),
         updated_at: None,
     };
@@ -323,8 +387,8 @@ pub async fn add(
         return Err(ChannelError::Exists(new.name));
     }
     let what = format!(
-        "channel {:?} ({}) added to shop {:?}; reservations hold {ttl} s; a cancellation after provision {}s",
-        doc.name, doc.kind, doc.shop, doc.after_provide
+        "channel {:?} ({}) added to shop {:?}; reservations hold {ttl} s; a cancellation after provision {}s; it {}",
+        doc.name, doc.kind, doc.shop, doc.after_provide, new.caps.describe()
     );
     audit::record(store, actor, AuditKind::ChannelAdd, what).await?;
     Ok(doc)
@@ -354,6 +418,27 @@ pub async fn map(
     let channel = (store.map_channel_product(name, product, pool).await?)
         .ok_or_else(|| ChannelError::Unknown(name.into()))?;
     let what = format!("channel {name:?} sells pool {pool:?} as product {product:?}");
+    audit::record(store, actor, AuditKind::ChannelSet, what).await?;
+    Ok(channel)
+}
+
+/// Sets a channel's caps on its declared stock, audited.
+pub async fn set_caps(
+    store: &Store,
+    name: &str,
+    caps: Caps,
+    actor: &Actor,
+) -> Result<ChannelDoc, ChannelError> {
+    caps.check()?;
+    let channel = (store
+        .set_channel_caps(
+            name,
+            caps.share_percent.map(|p| p as i32),
+            caps.max_stock.map(|m| m.min(i64::MAX as u64) as i64),
+        )
+        .await?)
+        .ok_or_else(|| ChannelError::Unknown(name.into()))?;
+    let what = format!("channel {name:?} {}", caps.describe());
     audit::record(store, actor, AuditKind::ChannelSet, what).await?;
     Ok(channel)
 }
@@ -579,7 +664,10 @@ pub(crate) async fn reserve(
             _ => Ok(d),
         };
     }
-    taking(c)?;
+    if let Err(e) = taking(c) {
+        reservation_failed(c);
+        return Err(e);
+    }
     let hold_id = hold_id_of(c, external_id, 0);
     hold(holder, c, external_id, &lines, &hold_id).await?;
     let deal = DealDoc {
@@ -593,6 +681,7 @@ pub(crate) async fn reserve(
         order_id: order_id_of(c, external_id),
         marketplace_order: None,
         cancelled_after_provide: false,
+        replaced: Vec::new(),
         created_at: DateTime::now(),
         updated_at: None,
     };
@@ -607,6 +696,12 @@ pub(crate) async fn reserve(
     }
     metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => "completed").increment(1);
     Ok(deal)
+}
+
+/// Counts one reservation the marketplace sees fail (Eneba's hide rule
+/// counts them): refused for stock, a paused channel, an unknown product.
+pub fn reservation_failed(c: &ChannelDoc) {
+    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => "failed").increment(1);
 }
 
 /// Places (or finds again: hold ids are idempotent) the hold `hold_id`
@@ -636,7 +731,10 @@ async fn hold(
         shop: Some(c.shop.clone()),
     };
     let (h, _) = holder.hold(ask).await.map_err(|e| {
-        metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => "failed").increment(1);
+        reservation_failed(c);
+        if matches!(e, HoldError::InsufficientStock { .. }) {
+            stock::refused_for_stock(c, lines);
+        }
         CallError::from(e)
     })?;
     if crate::holds::state_now(&h) != codepool_store::holds::HoldState::Held {
@@ -758,6 +856,11 @@ pub(crate) async fn keys_of(
         Step::Refused(r) => return Err(CallError::Unavailable(format!("{:?}", r.reason))),
         Step::DeadLetter(e) => return Err(CallError::Failed(e.detail)),
     };
+    // The shop hears of the sale as of its own orders: the keys went to
+    // the marketplace, not in an answer to the shop.
+    if let Err(e) = crate::webhooks::record_granted(core.store(), &grants).await {
+        tracing::warn!(order_id = %d.order_id, error = %e, "a channel sale's webhook event was not recorded; the next provision of the order records it");
+    }
     let mut keys = Vec::with_capacity(grants.len());
     let mut grants = grants;
     grants.sort_by_key(|g| g.line);
@@ -941,6 +1044,11 @@ mod tests {
             hold_ttl_seconds: 60,
             after_provide: "burn".into(),
             token_ttl_seconds: None,
+            share_percent: None,
+            max_stock: None,
+            api_url: None,
+            auth_url: None,
+            declared: BTreeMap::new(),
             created_at: DateTime::now(),
             updated_at: None,
         };

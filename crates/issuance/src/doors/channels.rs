@@ -4,7 +4,7 @@
 
 use codepool_store::channels::{ChannelDoc, DealDoc, DealLine};
 
-use crate::channels::{self, g2a, CallError, Cancelled, Holder, Key, Kind, Placer};
+use crate::channels::{self, eneba, g2a, CallError, Cancelled, Holder, Key, Kind, Placer};
 use crate::{Core, StoreError};
 
 impl Core {
@@ -80,6 +80,28 @@ impl Core {
         channels::keys_of(self, placer, c, d, via).await
     }
 
+    /// Replaces a key of an Eneba order ([`eneba::reserve_replacement`]).
+    pub async fn eneba_replace(
+        &self,
+        c: &ChannelDoc,
+        order: &str,
+        auction: &str,
+        key_id: &str,
+    ) -> Result<(), CallError> {
+        eneba::reserve_replacement(self, c, order, auction, key_id).await
+    }
+
+    /// The new key of an Eneba order's replacement, if it had one
+    /// ([`eneba::replacement_keys`]).
+    pub async fn eneba_replacement_keys(
+        &self,
+        c: &ChannelDoc,
+        order: &str,
+        key_id: Option<&str>,
+    ) -> Result<Option<Vec<Key>>, CallError> {
+        eneba::replacement_keys(self, c, order, key_id).await
+    }
+
     /// Issues a G2A access token ([`g2a::issue_token`]).
     pub async fn g2a_token(
         &self,
@@ -125,8 +147,21 @@ impl Core {
         g2a::return_items(self, placer, c, rid, ids).await
     }
 
-    /// The free stock of `pool`: what a channel may declare.
-    pub async fn channel_stock(&self, pool: &str) -> Result<u64, StoreError> {
-        self.store().unissued_stock(pool).await
+    /// What channel `c` may sell of `product` (of `pool`) now, as it
+    /// declares it ([`channels::stock::declarable`]); recorded as the
+    /// channel's last declaration when it changed.
+    pub async fn channel_declare(
+        &self,
+        c: &ChannelDoc,
+        product: &str,
+        pool: &str,
+    ) -> Result<u64, StoreError> {
+        let n = channels::stock::declarable(self.store(), c, pool).await?;
+        if c.declared.get(product) != Some(&(n as i64)) {
+            self.store()
+                .record_declared(&c.name, product, n as i64)
+                .await?;
+        }
+        Ok(n)
     }
 }

@@ -42,7 +42,18 @@ pub async fn stage_grants(store: &Store, limit: i64) -> Result<usize, StoreError
         return Ok(0);
     }
     let grants: Vec<Grant> = codes.iter().filter_map(Code::grant).collect();
-    let recorded: Vec<NewEvent> = events::parts(&grants)
+    record_granted(store, &grants).await?;
+    let ids: Vec<_> = codes.iter().map(|c| (c.pool.as_str(), c.id)).collect();
+    store.mark_hooks_recorded(&ids).await?;
+    Ok(codes.len())
+}
+
+/// Records the `order.granted` / `order.partly_granted` events of
+/// `grants` (those of shops' orders): for grants the shop saw in no
+/// answer of its own, such as a marketplace channel's sale, whose keys
+/// went to the marketplace. Recording them again records nothing new.
+pub async fn record_granted(store: &Store, grants: &[Grant]) -> Result<(), StoreError> {
+    let recorded: Vec<NewEvent> = events::parts(grants)
         .into_values()
         .filter_map(|gs| {
             // Lines are claimed in order: the lines before this part's
@@ -51,10 +62,7 @@ pub async fn stage_grants(store: &Store, limit: i64) -> Result<usize, StoreError
             events::order_granted(&events::OrderPart { grants: gs, held })
         })
         .collect();
-    store.record_webhook_events(&recorded).await?;
-    let ids: Vec<_> = codes.iter().map(|c| (c.pool.as_str(), c.id)).collect();
-    store.mark_hooks_recorded(&ids).await?;
-    Ok(codes.len())
+    store.record_webhook_events(&recorded).await.map(drop)
 }
 
 /// Records the webhook form of a pool event for every shop that orders
