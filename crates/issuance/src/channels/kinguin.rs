@@ -317,6 +317,7 @@ async fn cancelled(
             cancelled_after_provide: false,
             created_at: DateTime::now(),
             updated_at: None,
+            replaced: Vec::new(),
         };
         if store.insert_deal(&tomb).await? {
             super::release(core, c, &tomb.hold_id).await?;
