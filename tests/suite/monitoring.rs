@@ -217,13 +217,18 @@ async fn a_real_prometheus_answers_every_dashboard_query_and_raises_the_right_al
     env.cleanup().await;
 }
 
-/// Prometheus loaded every rule of alerts.yml, evaluated each without an
-/// error, and each rule's expression runs as a query.
+/// Prometheus loaded every rule of alerts.yml (alerts and recording
+/// rules), evaluated each without an error, and each rule's expression
+/// runs as a query.
 async fn check_alert_rules(prometheus: &Prometheus) {
     let text = std::fs::read_to_string(repo().join("deploy/prometheus/alerts.yml")).expect("rules");
     let names: Vec<&str> = text
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .filter_map(|l| {
+            let l = l.trim();
+            l.strip_prefix("- alert: ")
+                .or_else(|| l.strip_prefix("- record: "))
+        })
         .collect();
     assert!(names.len() >= 9, "{names:?}");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
