@@ -300,14 +300,7 @@ impl Purchase {
             ));
         }
         let map = parse_object(body)?;
-        let order_id = required(&map, "order_id", MAX_ID_LEN)?;
-        if let Some(prefix) = channel_prefix(&order_id) {
-            return Err(PurchaseError::new(
-                RejectReason::ConflictingOrder,
-                format!("order ids starting with {prefix:?} are a marketplace channel's own (eneba:, g2a:, kinguin:): pick another order id"),
-            )
-            .on("order_id"));
-        }
+        let order_id = order_id_of(&map)?;
         let uid = required(&map, "uid", MAX_ID_LEN)?;
         let items = match map.get("items") {
             None | Some(Value::Null) => Vec::new(),
@@ -468,6 +461,20 @@ impl Purchase {
         }
         serde_json::to_vec(&v).unwrap_or_default()
     }
+}
+
+/// The message's `order_id`: present, and not one of the ids a
+/// marketplace channel's own orders have.
+fn order_id_of(map: &Map<String, Value>) -> Result<String, PurchaseError> {
+    let order_id = required(map, "order_id", MAX_ID_LEN)?;
+    if let Some(prefix) = channel_prefix(&order_id) {
+        return Err(PurchaseError::new(
+            RejectReason::ConflictingOrder,
+            format!("order ids starting with {prefix:?} are a marketplace channel's own (eneba:, g2a:, kinguin:): pick another order id"),
+        )
+        .on("order_id"));
+    }
+    Ok(order_id)
 }
 
 /// Parses the body as one JSON object whose keys are all different. JSON

@@ -100,38 +100,7 @@ fn read(body: &[u8]) -> Result<Callback, Malformed> {
                     )),
                 };
             }
-            let list = match map.get("auctions").and_then(Value::as_array) {
-                Some(l) if !l.is_empty() && l.len() <= codepool_domain::MAX_ITEMS => l,
-                _ => {
-                    return Err(fail(
-                        Some(&map),
-                        format!(
-                            "\"auctions\" must list 1 to {} auctions",
-                            codepool_domain::MAX_ITEMS
-                        ),
-                    ))
-                }
-            };
-            let mut auctions: Vec<(String, u32)> = Vec::with_capacity(list.len());
-            for a in list {
-                let id = a.get("auctionId").and_then(Value::as_str);
-                let count = a.get("keyCount").and_then(Value::as_u64);
-                match (id, count) {
-                    (Some(id), Some(n))
-                        if channels::valid_external_id(id)
-                            && (1..=codepool_domain::MAX_QUANTITY as u64).contains(&n)
-                            && !auctions.iter().any(|(x, _)| x == id) =>
-                    {
-                        auctions.push((id.to_owned(), n as u32))
-                    }
-                    _ => {
-                        return Err(fail(
-                            Some(&map),
-                            format!("each auction needs a distinct \"auctionId\" and a \"keyCount\" of 1 to {}", codepool_domain::MAX_QUANTITY),
-                        ))
-                    }
-                }
-            }
+            let auctions = reserved_auctions(&map).map_err(|why| fail(Some(&map), why))?;
             Ok(Callback::Reserve { order, auctions })
         }
         Some("PROVIDE") => match map.get("keyId") {
@@ -148,6 +117,41 @@ fn read(body: &[u8]) -> Result<Callback, Malformed> {
             "\"action\" must be RESERVE, PROVIDE or CANCEL".into(),
         )),
     }
+}
+
+/// The auctions a RESERVE names: 1 to `MAX_ITEMS`, each a distinct
+/// auction id with a `keyCount` of 1 to `MAX_QUANTITY`; or what is wrong.
+fn reserved_auctions(map: &Map<String, Value>) -> Result<Vec<(String, u32)>, String> {
+    let list = match map.get("auctions").and_then(Value::as_array) {
+        Some(l) if !l.is_empty() && l.len() <= codepool_domain::MAX_ITEMS => l,
+        _ => {
+            return Err(format!(
+                "\"auctions\" must list 1 to {} auctions",
+                codepool_domain::MAX_ITEMS
+            ))
+        }
+    };
+    let mut auctions: Vec<(String, u32)> = Vec::with_capacity(list.len());
+    for a in list {
+        let id = a.get("auctionId").and_then(Value::as_str);
+        let count = a.get("keyCount").and_then(Value::as_u64);
+        match (id, count) {
+            (Some(id), Some(n))
+                if channels::valid_external_id(id)
+                    && (1..=codepool_domain::MAX_QUANTITY as u64).contains(&n)
+                    && !auctions.iter().any(|(x, _)| x == id) =>
+            {
+                auctions.push((id.to_owned(), n as u32))
+            }
+            _ => {
+                return Err(format!(
+                    "each auction needs a distinct \"auctionId\" and a \"keyCount\" of 1 to {}",
+                    codepool_domain::MAX_QUANTITY
+                ))
+            }
+        }
+    }
+    Ok(auctions)
 }
 
 /// `{action, orderId, success:false, message}` with `status`.

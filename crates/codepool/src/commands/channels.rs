@@ -224,35 +224,7 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
             );
             declare_now(&store, &c).await;
         }
-        ChannelsCommand::Set { name, share, max } => {
-            let Some(before) = store.channel(&name).await? else {
-                anyhow::bail!(channels::ChannelError::Unknown(name));
-            };
-            let caps =
-                channels::Caps {
-                    share_percent: match share.as_deref() {
-                        None => before.share_percent.map(|p| p as u32),
-                        Some("none") => None,
-                        Some(p) => Some(p.parse().map_err(|_| {
-                            anyhow::anyhow!("--share takes a percent from 0 to 100, or none")
-                        })?),
-                    },
-                    max_stock: match max.as_deref() {
-                        None => before.max_stock.map(|m| m as u64),
-                        Some("none") => None,
-                        Some(m) => Some(m.parse().map_err(|_| {
-                            anyhow::anyhow!("--max takes a number of codes, or none")
-                        })?),
-                    },
-                };
-            let c = channels::set_caps(&store, &name, caps, &super::actor("channels set")).await?;
-            say!(
-                "channel {name:?}: share {}, max {}",
-                c.share_percent.map_or("none".into(), |p| format!("{p} %")),
-                c.max_stock.map_or("none".into(), |m| m.to_string())
-            );
-            declare_now(&store, &c).await;
-        }
+        ChannelsCommand::Set { name, share, max } => set(&store, name, share, max).await?,
         ChannelsCommand::List { json } => print(&store.channels().await?, json)?,
         ChannelsCommand::Show { name, json } => show(&store, name, json).await?,
         ChannelsCommand::Pause { name } => {
@@ -269,6 +241,45 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(crate::exit::OK)
+}
+
+/// `channels set`: a channel's share and most of a pool, `none` to lift
+/// one; what is not named stays as it was.
+async fn set(
+    store: &Store,
+    name: String,
+    share: Option<String>,
+    max: Option<String>,
+) -> anyhow::Result<()> {
+    let Some(before) = store.channel(&name).await? else {
+        anyhow::bail!(channels::ChannelError::Unknown(name));
+    };
+    let caps =
+        channels::Caps {
+            share_percent: match share.as_deref() {
+                None => before.share_percent.map(|p| p as u32),
+                Some("none") => None,
+                Some(p) => Some(p.parse().map_err(|_| {
+                    anyhow::anyhow!("--share takes a percent from 0 to 100, or none")
+                })?),
+            },
+            max_stock: match max.as_deref() {
+                None => before.max_stock.map(|m| m as u64),
+                Some("none") => None,
+                Some(m) => Some(
+                    m.parse()
+                        .map_err(|_| anyhow::anyhow!("--max takes a number of codes, or none"))?,
+                ),
+            },
+        };
+    let c = channels::set_caps(store, &name, caps, &super::actor("channels set")).await?;
+    say!(
+        "channel {name:?}: share {}, max {}",
+        c.share_percent.map_or("none".into(), |p| format!("{p} %")),
+        c.max_stock.map_or("none".into(), |m| m.to_string())
+    );
+    declare_now(store, &c).await;
+    Ok(())
 }
 
 /// Declares a channel's products to its marketplace now (a channel that

@@ -262,6 +262,24 @@ fn text_field(map: &Map<String, Value>, field: &str) -> Result<Option<String>, C
     }
 }
 
+/// The credentials file's URL field `f`, if any: an http(s) URL.
+fn url_field(map: &Map<String, Value>, f: &str) -> Result<Option<String>, ChannelError> {
+    let u = text_field(map, f)?;
+    match &u {
+        Some(s)
+            if !matches!(
+                url::Url::parse(s).map(|u| u.scheme().to_owned()).as_deref(),
+                Ok("http" | "https")
+            ) =>
+        {
+            Err(ChannelError::BadCredentials(format!(
+                "{f:?} {s:?} is not an http(s) URL"
+            )))
+        }
+        _ => Ok(u),
+    }
+}
+
 fn read_credentials(
     store: &Store,
     name: &str,
@@ -306,22 +324,7 @@ fn read_credentials(
             );
         }
     }
-    let url_field = |f: &str| -> Result<Option<String>, ChannelError> {
-        let u = text_field(&map, f)?;
-        match &u {
-            Some(s)
-                if !matches!(
-                    url::Url::parse(s).map(|u| u.scheme().to_owned()).as_deref(),
-                    Ok("http" | "https")
-                ) =>
-            {
-                Err(ChannelError::BadCredentials(format!(
-                    "{f:?} {s:?} is not an http(s) URL"
-                )))
-            }
-            _ => Ok(u),
-        }
-    };
+    let url_field = |f: &str| url_field(&map, f);
     let base_url = url_field("base_url")?;
     let (api_url, auth_url) = match kind {
         Kind::Eneba => (url_field("api_url")?, url_field("auth_url")?),
