@@ -370,11 +370,23 @@ impl ClaimEngine {
         way: ClaimWay,
         known: &HashMap<String, Vec<Code>>,
     ) -> Result<Vec<ClaimOutcome>, ClaimError> {
-        let wanted: Vec<_> = asks.iter().map(|a| bound_of(a.purchase)).collect();
-        let bound = self.store.bind_orders(&wanted).await?;
-        let refused: Vec<Option<&'static str>> = (asks.iter().zip(&bound))
-            .map(|(a, b)| refused_by(a.purchase, b))
+        // An order whose first line `known` shows held is a repeat: the
+        // code on that line names its order, and `after_anchors` compares
+        // the two. Only the others bind their id (one insert).
+        let repeat = |a: &ClaimAsk| {
+            let first = a.lines.first();
+            first.is_some_and(|&l| on_line(known.get(&a.purchase.order_id), l).is_some())
+        };
+        let to_bind: Vec<usize> = (0..asks.len()).filter(|&i| !repeat(&asks[i])).collect();
+        let wanted: Vec<_> = to_bind
+            .iter()
+            .map(|&i| bound_of(asks[i].purchase))
             .collect();
+        let bound = self.store.bind_orders(&wanted).await?;
+        let mut refused: Vec<Option<&'static str>> = vec![None; asks.len()];
+        for (&i, b) in to_bind.iter().zip(&bound) {
+            refused[i] = refused_by(asks[i].purchase, b);
+        }
         let open: Vec<ClaimAsk> = (asks.iter().zip(&refused))
             .filter(|(_, r)| r.is_none())
             .map(|(a, _)| *a)
