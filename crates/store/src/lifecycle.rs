@@ -349,7 +349,7 @@ impl Store {
         let mark = tag.map(|t| doc! {"id": &t.id, "by": &t.by});
         let write = |target: Document| StatusWrite::redeem(target, now, mark.clone());
         // A tagged redemption claims its id first, in the id's guard
-        // ([`crate::sharding::REDEMPTION_IDS`]): an id already on another
+        // ([`crate::redemptions::REDEMPTION_IDS`]): an id already on another
         // code is refused before any code moves.
         let guarded = match tag {
             Some(t) => match self.find_code(target).await? {

@@ -23,8 +23,10 @@ use futures::TryStreamExt;
 use crate::codes::{object_id, RedemptionTag, CODES};
 use crate::error::{is_transient_code, DUPLICATE_KEY};
 use crate::lifecycle::{Applied, Sold};
-use crate::sharding::REDEMPTION_IDS;
 use crate::{one_batch_for, CodeDoc, Store, StoreError};
+
+/// The redemption-id guard: one document per redemption id, `_id: {by, id}`.
+pub const REDEMPTION_IDS: &str = "redemption_ids";
 
 /// Most keyed hashes in one lookup query; a batch naming more codes (or
 /// more pools per code) is looked up in several queries.

@@ -46,9 +46,6 @@ impl ShardedCollection {
 
 use KeyField::{Hashed, Range};
 
-/// The redemption-id guard: one document per redemption id, `_id: {by, id}`.
-pub const REDEMPTION_IDS: &str = "redemption_ids";
-
 /// Every sharded collection with its key. `deploy/mongodb/sharding.js`
 /// shards exactly these, with exactly these keys.
 pub const SHARDED: &[ShardedCollection] = &[
@@ -79,7 +76,7 @@ pub const SHARDED: &[ShardedCollection] = &[
     // (owner and id) by range, so one caller's ids sit together; the order
     // id hashed, so a launch's orders spread over every shard.
     ShardedCollection {
-        collection: REDEMPTION_IDS,
+        collection: crate::redemptions::REDEMPTION_IDS,
         key: &[("_id", Range)],
     },
     ShardedCollection {
