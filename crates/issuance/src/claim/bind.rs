@@ -47,6 +47,18 @@ mod tests {
         }
     }
 
+    /// A bundle of one code of pool `a` and one of pool `b`.
+    fn bundle_of_a_and_b() -> Purchase {
+        let mut p = order("a");
+        p.items = ["a", "b"]
+            .map(|pool| Item {
+                pool: pool.into(),
+                quantity: 1,
+            })
+            .to_vec();
+        p
+    }
+
     #[test]
     fn a_copy_is_its_order_and_another_pool_is_not() {
         let first = order("a");
@@ -58,34 +70,14 @@ mod tests {
     #[test]
     fn an_order_of_one_pool_is_not_a_bundle_of_the_same_size() {
         let plain = order("a");
-        let mut bundle = order("a");
-        bundle.items = vec![
-            Item {
-                pool: "a".into(),
-                quantity: 1,
-            },
-            Item {
-                pool: "b".into(),
-                quantity: 1,
-            },
-        ];
+        let bundle = bundle_of_a_and_b();
         assert_eq!(refused_by(&bundle, &bound_of(&plain)), Some("items (pool)"));
         assert_eq!(refused_by(&plain, &bound_of(&bundle)), Some("items (pool)"));
     }
 
     #[test]
     fn a_bundle_split_otherwise_is_another_order() {
-        let mut one = order("a");
-        one.items = vec![
-            Item {
-                pool: "a".into(),
-                quantity: 1,
-            },
-            Item {
-                pool: "b".into(),
-                quantity: 1,
-            },
-        ];
+        let one = bundle_of_a_and_b();
         let mut two = one.clone();
         two.items[1].pool = "c".into();
         assert_eq!(refused_by(&two, &bound_of(&one)), Some("items (pool)"));
