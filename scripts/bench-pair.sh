@@ -14,6 +14,7 @@ before=${1:?the before build of codepool-bench}
 after=${2:?the after build of codepool-bench}
 out=${3:-target/bench-pair}
 ROUNDS=${ROUNDS:-2}
+# API_ORDERS: orders of each api run (its findOneAndUpdate baseline takes most of its time)
 export RUST_LOG=${RUST_LOG:-warn}
 mkdir -p "$out"
 run() { # side round args...
@@ -30,7 +31,7 @@ run() { # side round args...
 for ((round = 1; round <= ROUNDS; round++)); do
 	# Each pair starts with the other side than the pair before it.
 	for side in before after; do run $side $round --queue-type quorum dispatch --purchases 20000; done
-	for side in after before; do run $side $round api --orders 20000 --clients 64 --rate 1000 --seconds 10 --rounds 1; done
+	for side in after before; do run $side $round api --orders ${API_ORDERS:-20000} --clients 64 --rate 1000 --seconds 10 --rounds 1; done
 	for side in before after; do run $side $round holds --requests 10000 --clients 64 --rounds 1; done
 	for side in after before; do run $side $round redeem --requests 10000 --clients 64 --rounds 1 --rate 2000 --seconds 10; done
 done

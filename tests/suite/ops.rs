@@ -1289,7 +1289,24 @@ impl PrivateMongo {
                 }
             }
         }
-        "mongod".into()
+        // The binary services.sh recorded, then the one already serving.
+        let recorded = root.join(".services/mongo/mongod.bin");
+        if let Ok(p) = std::fs::read_to_string(recorded) {
+            let p = std::path::PathBuf::from(p.trim());
+            if p.exists() {
+                return p;
+            }
+        }
+        Self::running().unwrap_or_else(|| "mongod".into())
+    }
+
+    /// The executable of a mongod this machine already runs (a checkout
+    /// whose services.sh found the default ports served installs none).
+    fn running() -> Option<std::path::PathBuf> {
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let exe = std::fs::read_link(e.path().join("exe")).ok()?;
+            (exe.file_name()? == "mongod").then_some(exe)
+        })
     }
 
     async fn start() -> Self {

@@ -131,6 +131,13 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0030_kinguin_uploads",
         include_str!("../../../migrations/0030_kinguin_uploads.json"),
     ),
+    // 0029 made the order-line guard start with the pool (a shard key
+    // prefix), which left reads of an order's codes by its id (the
+    // redelivery read-back, the relay, the order views) with no index.
+    (
+        "0031_codes_by_order",
+        include_str!("../../../migrations/0031_codes_by_order.json"),
+    ),
 ];
 
 /// What a migration run did.
