@@ -1583,6 +1583,11 @@ struct KgFaults {
     invalid: Vec<String>,
     /// Reservations whose stock Kinguin holds already, with another key.
     foreign: Vec<(String, String)>,
+    /// The most stock an offer may declare: more is a 400 "Max declared
+    /// stock has been exceeded".
+    max_declared: Option<u64>,
+    /// Tokens are issued here only (a `token_url`), not at `/oauth/token`.
+    token_path: Option<&'static str>,
 }
 
 #[derive(Default)]
@@ -1594,11 +1599,15 @@ struct KgState {
     attempts: Vec<(String, String)>,
     /// The stock Kinguin holds, by reservation.
     stock: HashMap<String, String>,
+    /// Every declaration that reached the offer: (declaredStock,
+    /// declaredTextStock, taken).
+    declarations: Vec<(u64, u64, bool)>,
 }
 
 /// A Kinguin Sales Manager API on 127.0.0.1, as `marketplaces.md` has
 /// its contract: OAuth2 client-credentials tokens, `POST` and `GET
-/// /api/v1/offers/{offerId}/stock`, with its faults.
+/// /api/v1/offers/{offerId}/stock`, `PATCH /api/v1/offers/{offerId}`
+/// (declared stock), with its faults.
 struct Kinguin {
     url: String,
     st: Arc<std::sync::Mutex<KgState>>,
@@ -1622,7 +1631,13 @@ async fn kg_serve(
     body: String,
 ) -> KgAnswer {
     let path = uri.path().to_owned();
-    if method == "POST" && path == "/oauth/token" {
+    let token_path = st
+        .lock()
+        .unwrap()
+        .faults
+        .token_path
+        .unwrap_or("/oauth/token");
+    if method == "POST" && path == token_path {
         let form: HashMap<&str, &str> = body.split('&').filter_map(|p| p.split_once('=')).collect();
         if form.get("grant_type") != Some(&"client_credentials")
             || form.get("client_id") != Some(&KG_CLIENT)
@@ -1645,7 +1660,8 @@ async fn kg_serve(
         .unwrap_or_default()
         .to_owned();
     let stock_path = format!("/api/v1/offers/{OFFER}/stock");
-    if path != stock_path {
+    let offer_path = format!("/api/v1/offers/{OFFER}");
+    if path != stock_path && !(path == offer_path && method == "PATCH") {
         return (404, json!({"message": "Not found"}).to_string());
     }
     {
@@ -1654,6 +1670,9 @@ async fn kg_serve(
             Some(until) if *until > std::time::Instant::now() => {}
             _ => return (401, json!({"message": "Unauthorized"}).to_string()),
         }
+    }
+    if path == offer_path {
+        return kg_declare(&st, &body);
     }
     if method == "GET" {
         let rid = uri
@@ -1714,6 +1733,28 @@ async fn kg_serve(
     )
 }
 
+/// `PATCH /api/v1/offers/{offerId}` `{declaredStock, declaredTextStock}`.
+fn kg_declare(st: &std::sync::Mutex<KgState>, body: &str) -> KgAnswer {
+    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+    let (Some(n), Some(text)) = (v["declaredStock"].as_u64(), v["declaredTextStock"].as_u64())
+    else {
+        return (400, json!({"message": "Bad request"}).to_string());
+    };
+    let mut s = st.lock().unwrap();
+    if text > n || s.faults.max_declared.is_some_and(|m| n > m) {
+        s.declarations.push((n, text, false));
+        let why = if text > n {
+            "declaredTextStock must not exceed declaredStock"
+        } else {
+            "Max declared stock has been exceeded"
+        };
+        return (400, json!({"message": why}).to_string());
+    }
+    s.declarations.push((n, text, true));
+    let offer = json!({"id": OFFER, "declaredStock": n, "declaredTextStock": text});
+    (200, offer.to_string())
+}
+
 impl Kinguin {
     async fn start(faults: KgFaults) -> Self {
         let mut state = KgState {
@@ -1758,26 +1799,87 @@ impl Kinguin {
     fn set_down(&self, down: bool) {
         self.st.lock().unwrap().faults.down = down;
     }
+
+    fn declarations(&self) -> Vec<(u64, u64, bool)> {
+        self.st.lock().unwrap().declarations.clone()
+    }
+
+    /// The declared stock Kinguin took last.
+    fn declared(&self) -> Option<u64> {
+        (self.declarations().iter().rev())
+            .find(|d| d.2)
+            .map(|d| d.0)
+    }
+
+    /// Waits up to `within` for the declared stock Kinguin took last to
+    /// be `n`.
+    async fn declares(&self, n: u64, within: Duration) -> bool {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until && self.declared() != Some(n) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.declared() == Some(n)
+    }
 }
 
 /// A shop `acme` selling pool `pool` (of `n` codes) on Kinguin (`kg`),
 /// Kinguin's API being `sim`.
 async fn selling_on_kinguin(test: &str, pool: &str, n: usize, sim: &Kinguin) -> TestEnv {
+    selling_on_kinguin_with(test, pool, n, sim, json!({}), &[]).await
+}
+
+/// [`selling_on_kinguin`] with `creds` added to the channel's credentials
+/// and `flags` to `channels add`.
+async fn selling_on_kinguin_with(
+    test: &str,
+    pool: &str,
+    n: usize,
+    sim: &Kinguin,
+    creds: Value,
+    flags: &[&str],
+) -> TestEnv {
     let env = TestEnv::new(test).await;
     env.fill_pool(pool, n).await;
     create_shop(&env, "acme", pool, &[]).await;
-    let creds = json!({"webhook_secret": KG_SECRET, "client_id": KG_CLIENT, "client_secret": KG_CLIENT_SECRET, "base_url": sim.url});
-    add_channel(&env, "kg", "kinguin", "acme", creds, &[]).await;
+    let mut all = json!({"webhook_secret": KG_SECRET, "client_id": KG_CLIENT, "client_secret": KG_CLIENT_SECRET, "base_url": sim.url});
+    for (k, v) in creds.as_object().into_iter().flatten() {
+        all[k] = v.clone();
+    }
+    add_channel(&env, "kg", "kinguin", "acme", all, flags).await;
     map(&env, "kg", OFFER, pool).await;
     env
 }
 
 /// One Kinguin webhook, as Kinguin sends it: `X-Auth-Token: secret`.
 async fn kinguin_post(addr: &str, secret: Option<&str>, body: &[u8]) -> (u16, Value) {
+    kinguin_post_at(addr, "kg", secret, body).await
+}
+
+/// One Kinguin webhook to channel `channel`.
+async fn kinguin_post_at(
+    addr: &str,
+    channel: &str,
+    secret: Option<&str>,
+    body: &[u8],
+) -> (u16, Value) {
+    kinguin_try(addr, channel, secret, body, Duration::from_secs(30))
+        .await
+        .expect("an answer within 30 s")
+}
+
+/// One Kinguin webhook to channel `channel`, its answer if one comes
+/// `within`.
+async fn kinguin_try(
+    addr: &str,
+    channel: &str,
+    secret: Option<&str>,
+    body: &[u8],
+    within: Duration,
+) -> Option<(u16, Value)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut req = format!(
-        "POST /channels/kg/kinguin HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        "POST /channels/{channel}/kinguin HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
         body.len()
     );
     if let Some(t) = secret {
@@ -1785,17 +1887,18 @@ async fn kinguin_post(addr: &str, secret: Option<&str>, body: &[u8]) -> (u16, Va
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
-    s.write_all(body).await.unwrap();
+    // A body codepool refuses unread may be cut short: its answer counts.
+    let _ = s.write_all(body).await;
     let mut raw = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+    let _ = tokio::time::timeout(within, s.read_to_end(&mut raw))
         .await
-        .expect("an answer within 30 s")
-        .unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+        .ok()?;
+    // A connection closed (or reset) before any answer: none.
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     let body = serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null);
-    (status, body)
+    Some((status, body))
 }
 
 fn kg_hook(reservation: &str, status: &str) -> Value {
@@ -2036,11 +2139,11 @@ async fn kinguin_token_that_expires_mid_run_is_fetched_again() {
     let env = selling_on_kinguin("kinguin_token", "kx", 10, &sim).await;
     let api = ApiServer::start(&env, &[]).await;
     kg_sell_and_check(&env, &api, &sim, 1).await;
-    assert_eq!(sim.tokens_issued(), 1);
+    let before = sim.tokens_issued();
     tokio::time::sleep(Duration::from_secs(1)).await;
     // The token in hand says an hour, but Kinguin no longer takes it.
     kg_sell_and_check(&env, &api, &sim, 3).await;
-    assert!(sim.tokens_issued() >= 2);
+    assert!(sim.tokens_issued() > before);
     api.stop().await;
     env.cleanup().await;
 }
@@ -2252,6 +2355,552 @@ async fn one_pool_sold_by_the_shop_and_kinguin_at_once_never_shares_a_key() {
     );
     assert_eq!(given.len(), 20 + sold.len());
     assert_eq!(held(&env, "kx").await, 0, "no hold leaks");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+/// A webhook of replacement `reservation`, which replaces `from`'s key.
+fn kg_replacement(reservation: &str, status: &str, from: &str) -> Value {
+    let mut h = kg_hook(reservation, status);
+    h["replacedFrom"] = json!(from);
+    h
+}
+
+/// The one live (issued) key of `order`.
+async fn live_key(env: &TestEnv, order: &str) -> String {
+    let live = find_docs(env, "codes", doc! {"order_id": order, "status": 1}).await;
+    assert_eq!(live.len(), 1, "{order}: one live key");
+    env.plain_code(&live[0])
+}
+
+/// The channel `kg` as `channels show --json` shows it.
+async fn kg_shown(env: &TestEnv) -> Value {
+    let shown = codepool_ok(env, &["channels", "show", "--name", "kg", "--json"]).await;
+    serde_json::from_str(&shown).unwrap()
+}
+
+#[tokio::test]
+async fn kinguin_declared_stock_follows_the_pool_under_the_cap_and_is_0_at_once_when_it_runs_out() {
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin_with(
+        "kinguin_declare",
+        "kx",
+        10,
+        &sim,
+        json!({}),
+        &["--max", "6"],
+    )
+    .await;
+    // Mapped: declared at once, capped by --max, all of it text stock.
+    assert_eq!(sim.declarations(), [(6, 6, true)]);
+    codepool_ok(&env, &["channels", "set", "--name", "kg", "--share", "50"]).await;
+    assert_eq!(sim.declared(), Some(5));
+    assert_eq!(kg_shown(&env).await["declared"], json!({OFFER: 5}));
+
+    let api = ApiServer::start(&env, &[]).await;
+    // BUYING holds one: 9 free, 50 % of them is 4.
+    let (status, b) = kg_twice(&api, kg_hook("r-1", "BUYING")).await;
+    assert_eq!(status, 200, "{b}");
+    assert!(
+        sim.declares(4, Duration::from_secs(5)).await,
+        "{:?}",
+        sim.declarations()
+    );
+    // The shop's own checkout sells 3: 6 free, 3 declared.
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let order = crate::api::order("S-1", "kx", 3);
+    let (status, _, body) = http(&api.addr, "POST", "/v1/orders", Some(&shop), &order).await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        sim.declares(3, Duration::from_secs(5)).await,
+        "{:?}",
+        sim.declarations()
+    );
+    // No cap: the 6 free codes.
+    let uncapped = [
+        "channels", "set", "--name", "kg", "--share", "none", "--max", "none",
+    ];
+    codepool_ok(&env, &uncapped).await;
+    assert_eq!(sim.declared(), Some(6));
+
+    // The codes go where codepool is not told: the next BUYING finds none
+    // though 6 were promised. An over-promise, and 0 declared at once.
+    env.coll("codes")
+        .update_many(
+            doc! {"pool": "kx", "status": 0},
+            doc! {"$set": {"status": 3}},
+        )
+        .await
+        .unwrap();
+    let overpromised = "codepool_channel_overpromised_total{channel=\"kg\"}";
+    assert_eq!(metric_sum(&[&api.addr], overpromised).await, 0.0);
+    let hook = kg_hook("r-2", "BUYING").to_string();
+    let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), hook.as_bytes()).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (409, Some("out-of-stock")),
+        "{b}"
+    );
+    assert!(
+        sim.declares(0, Duration::from_millis(900)).await,
+        "a pool that runs out declares 0 at once: {:?}",
+        sim.declarations()
+    );
+    assert_eq!(metric_sum(&[&api.addr], overpromised).await, 1.0);
+    // Every declaration: as much text stock as stock, never over the cap
+    // it was made under, each taken under a valid token.
+    let all = sim.declarations();
+    assert!(
+        all.iter()
+            .all(|(n, text, taken)| n == text && *n <= 6 && *taken),
+        "{all:?}"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_refusing_a_declared_stock_over_its_maximum_is_a_failure_counted_and_not_sent_again_on_change(
+) {
+    let sim = Kinguin::start(KgFaults {
+        max_declared: Some(3),
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling_on_kinguin("kinguin_declare_max", "kx", 10, &sim).await;
+    // `channels map` declared 10: refused.
+    assert_eq!(sim.declarations(), [(10, 10, false)]);
+    let api = ApiServer::start(&env, &[]).await;
+    // The API's first round tries again, and counts the failure.
+    let failed = "codepool_channel_declarations_total{channel=\"kg\",outcome=\"failed\"}";
+    eventually(
+        Duration::from_secs(10),
+        "the first round refused",
+        || async { metric_sum(&[&api.addr], failed).await >= 1.0 },
+    )
+    .await;
+    assert_eq!(sim.declarations().len(), 2, "{:?}", sim.declarations());
+    // Holds and releases move the pool between 9 and 10 free: 9 is tried
+    // once, refused; neither amount again on the changes after.
+    for i in 0..3 {
+        let r = format!("m-{i}");
+        assert_eq!(kg_twice(&api, kg_hook(&r, "BUYING")).await.0, 200);
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        assert_eq!(kg_twice(&api, kg_hook(&r, "CANCELED")).await.0, 200);
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+    }
+    let tried = sim.declarations();
+    assert!(tried.len() <= 3, "retried on every change: {tried:?}");
+    assert!(tried.iter().all(|d| !d.2), "{tried:?}");
+    assert!(metric_sum(&[&api.addr], failed).await >= 2.0);
+    assert!(api
+        .log_text()
+        .contains("Max declared stock has been exceeded"));
+    // The pool shrinks under Kinguin's maximum: declared on the change.
+    let free = find_docs(&env, "codes", doc! {"pool": "kx", "status": 0}).await;
+    let gone: Vec<bson::Bson> = free
+        .iter()
+        .take(7)
+        .map(|d| d.get("_id").unwrap().clone())
+        .collect();
+    env.coll("codes")
+        .update_many(doc! {"_id": {"$in": gone}}, doc! {"$set": {"status": 3}})
+        .await
+        .unwrap();
+    assert_eq!(kg_twice(&api, kg_hook("m-9", "BUYING")).await.0, 200);
+    assert!(
+        sim.declares(2, Duration::from_secs(5)).await,
+        "{:?}",
+        sim.declarations()
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_token_url_in_the_credentials_names_where_tokens_come_from() {
+    let sim = Kinguin::start(KgFaults {
+        token_path: Some("/identity/connect/token"),
+        ..KgFaults::default()
+    })
+    .await;
+    let url = format!("{}/identity/connect/token", sim.url);
+    let creds = json!({ "token_url": url });
+    let env = selling_on_kinguin_with("kinguin_token_url", "kx", 10, &sim, creds, &[]).await;
+    assert_eq!(kg_shown(&env).await["token_url"], url.as_str());
+    // `channels map` declared with a token from there.
+    assert_eq!(sim.declarations(), [(10, 10, true)]);
+    let api = ApiServer::start(&env, &[]).await;
+    kg_sell_and_check(&env, &api, &sim, 2).await;
+    // One token for `channels map`, one the API's declarer and uploader share.
+    assert_eq!(sim.tokens_issued(), 2);
+    // A token_url that is not an http(s) URL is refused.
+    let path = std::env::temp_dir().join(format!("cpt-{}-kg-bad.json", std::process::id()));
+    let bad = json!({"webhook_secret": KG_SECRET, "client_id": KG_CLIENT,
+                     "client_secret": KG_CLIENT_SECRET, "base_url": sim.url, "token_url": "file:///etc/passwd"});
+    std::fs::write(&path, bad.to_string()).unwrap();
+    let args = [
+        "channels",
+        "add",
+        "--name",
+        "kg-bad",
+        "--kind",
+        "kinguin",
+        "--shop",
+        "acme",
+        "--credentials",
+        path.to_str().unwrap(),
+    ];
+    let out = env.run(&args).await;
+    let _ = std::fs::remove_file(&path);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token_url"));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_refunds_reversals_and_returns_void_the_key_once_never_back_in_stock() {
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin("kinguin_returns", "kx", 10, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    kg_sell_and_check(&env, &api, &sim, 4).await;
+    for (r, status) in [
+        ("res-0", "REFUNDED"),
+        ("res-1", "REVERSED"),
+        ("res-2", "RETURNED"),
+    ] {
+        // Kinguin retries, each retry delivered twice.
+        for _ in 0..2 {
+            let (code, b) = kg_twice(&api, kg_hook(r, status)).await;
+            assert_eq!(
+                (code, b["result"].as_str()),
+                (200, Some("voided")),
+                "{r} {status}: {b}"
+            );
+        }
+        let order = kg_order(r);
+        assert_eq!(
+            count_codes(&env, doc! {"order_id": &order, "status": 3}).await,
+            1
+        );
+        let voids = doc! {"kind": "void", "what": {"$regex": order.as_str()}};
+        assert_eq!(
+            count_docs(&env, "audit", voids).await,
+            1,
+            "{r}: voided once"
+        );
+    }
+    // Never back in stock: 6 free of 10, the fourth still sold.
+    assert_eq!(count_codes(&env, doc! {"pool": "kx", "status": 0}).await, 6);
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": kg_order("res-3"), "status": 1}).await,
+        1
+    );
+    // The retries were nothing to warn about.
+    let log = api.log_text();
+    assert!(!log.contains("was not voided"), "{log}");
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_replacements_replace_the_key_under_the_orders_cap_and_upload_the_new_key_once() {
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin("kinguin_replace", "kx", 20, &sim).await;
+    let api = ApiServer::start(&env, &[]).await;
+    kg_sell_and_check(&env, &api, &sim, 1).await;
+    let order = kg_order("res-0");
+    // BUYING of a replacement holds nothing.
+    let (status, b) = kg_twice(&api, kg_replacement("rep-1", "BUYING", "res-0")).await;
+    assert_eq!((status, b["result"].as_str()), (200, Some("linked")), "{b}");
+    assert_eq!(held(&env, "kx").await, 0);
+    // BOUGHT replaces res-0's key; the new one goes to rep-1.
+    let (status, b) = kg_twice(&api, kg_replacement("rep-1", "BOUGHT", "res-0")).await;
+    assert_eq!(
+        (status, b["result"].as_str()),
+        (200, Some("replaced")),
+        "{b}"
+    );
+    eventually(Duration::from_secs(20), "rep-1 uploaded", || async {
+        kg_upload(&env, "rep-1").await.get_str("upload") == Ok("uploaded")
+    })
+    .await;
+    let replaced = doc! {"order_id": &order, "status": 3, "void_reason": "replaced"};
+    assert_eq!(count_codes(&env, replaced.clone()).await, 1);
+    let live = doc! {"order_id": &order, "status": 1};
+    assert_eq!(
+        sim.stock().get("rep-1"),
+        Some(&live_key(&env, &order).await)
+    );
+    assert_ne!(sim.stock().get("rep-1"), sim.stock().get("res-0"));
+    // Redelivered, naming the link or not: nothing replaced or sent again.
+    let uploads = sim.attempts().len();
+    for hook in [
+        kg_replacement("rep-1", "BOUGHT", "res-0"),
+        kg_hook("rep-1", "BOUGHT"),
+    ] {
+        let (status, b) = kg_twice(&api, hook).await;
+        assert_eq!(
+            (status, b["result"].as_str()),
+            (200, Some("replaced")),
+            "{b}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(sim.attempts().len(), uploads);
+    assert_eq!(count_codes(&env, replaced.clone()).await, 1);
+
+    // A replacement of the replacement follows the link; the third is the
+    // pool's cap (3 an order), the fourth is refused and changes nothing.
+    for (r, from) in [("rep-2", "rep-1"), ("rep-3", "rep-2")] {
+        assert_eq!(
+            kg_twice(&api, kg_replacement(r, "BUYING", from)).await.0,
+            200
+        );
+        let (status, b) = kg_twice(&api, kg_replacement(r, "BOUGHT", from)).await;
+        assert_eq!(
+            (status, b["result"].as_str()),
+            (200, Some("replaced")),
+            "{r}: {b}"
+        );
+        eventually(Duration::from_secs(20), "uploaded", || async {
+            kg_upload(&env, r).await.get_str("upload") == Ok("uploaded")
+        })
+        .await;
+    }
+    let (status, b) = kg_twice(&api, kg_replacement("rep-4", "BOUGHT", "rep-3")).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (409, Some("not-replaced")),
+        "{b}"
+    );
+    assert!(b["message"].as_str().unwrap().contains("limit"), "{b}");
+    assert_eq!(count_codes(&env, replaced.clone()).await, 3);
+    assert!(kg_upload(&env, "rep-4").await.get("upload").is_none());
+    let stock = sim.stock();
+    assert_eq!(stock.get("rep-3"), Some(&live_key(&env, &order).await));
+    let keys: HashSet<&String> = stock.values().collect();
+    assert_eq!(
+        (stock.len(), keys.len()),
+        (4, 4),
+        "a key of its own each: {stock:?}"
+    );
+
+    // Refused, changing nothing: an unknown reservation, one not bought,
+    // itself, a sale of its own said to be a replacement.
+    assert_eq!(kg_twice(&api, kg_hook("res-9", "BUYING")).await.0, 200);
+    for (hook, status, error) in [
+        (
+            kg_replacement("rep-5", "BOUGHT", "nope"),
+            404,
+            "unknown-reservation",
+        ),
+        (
+            kg_replacement("rep-6", "BOUGHT", "res-9"),
+            404,
+            "unknown-reservation",
+        ),
+        (
+            kg_replacement("rep-7", "BOUGHT", "rep-7"),
+            400,
+            "bad-request",
+        ),
+        (kg_replacement("res-9", "BOUGHT", "res-0"), 409, "conflict"),
+    ] {
+        let (code, b) = kg_twice(&api, hook.clone()).await;
+        assert_eq!(
+            (code, b["error"].as_str()),
+            (status, Some(error)),
+            "{hook}: {b}"
+        );
+    }
+    assert_eq!(count_codes(&env, replaced.clone()).await, 3);
+    assert_eq!(held(&env, "kx").await, 1, "res-9's hold stands");
+
+    // A replacement refunded: its key voided, once; never back in stock.
+    for _ in 0..2 {
+        let (status, b) = kg_twice(&api, kg_hook("rep-3", "REFUNDED")).await;
+        assert_eq!((status, b["result"].as_str()), (200, Some("voided")), "{b}");
+    }
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": &order, "status": 3}).await,
+        4
+    );
+    assert_eq!(count_codes(&env, live).await, 0);
+    assert!(!api.log_text().contains("was not voided"));
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_hostile_webhooks_huge_malformed_or_aimed_at_another_shop_change_nothing() {
+    const OTHER_SECRET: &str = "other-shop-kinguin-secret-0123456789abcdef";
+    const OTHER_OFFER: &str = "6a1d2e3f4b5c6d7e8f9a0b1c";
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin("kinguin_hostile", "kx", 10, &sim).await;
+    // Another shop sells its own pool on Kinguin, through its own channel.
+    env.fill_pool("ox", 5).await;
+    create_shop(&env, "other", "ox", &[]).await;
+    let creds = json!({"webhook_secret": OTHER_SECRET});
+    add_channel(&env, "kgb", "kinguin", "other", creds, &[]).await;
+    map(&env, "kgb", OTHER_OFFER, "ox").await;
+    let api = ApiServer::start(&env, &[]).await;
+    let body = |v: &Value| v.to_string().into_bytes();
+
+    // The other shop's offer through this channel: unknown here. This
+    // channel's secret at the other's URL: refused.
+    let mut other = kg_hook("h-1", "BUYING");
+    other["offerId"] = json!(OTHER_OFFER);
+    let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), &body(&other)).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (404, Some("unknown-offer")),
+        "{b}"
+    );
+    let (status, _) = kinguin_post_at(&api.addr, "kgb", Some(KG_SECRET), &body(&other)).await;
+    assert_eq!(status, 401);
+    // The other channel sells h-1; a replacement here naming it finds
+    // nothing of it.
+    for s in ["BUYING", "BOUGHT"] {
+        other["status"] = json!(s);
+        let (status, b) =
+            kinguin_post_at(&api.addr, "kgb", Some(OTHER_SECRET), &body(&other)).await;
+        assert_eq!(status, 200, "{b}");
+    }
+    let hook = kg_replacement("h-2", "BOUGHT", "h-1");
+    let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), &body(&hook)).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (404, Some("unknown-reservation")),
+        "{b}"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "kinguin:kgb:h-1", "status": 1}).await,
+        1
+    );
+
+    // Over 64 KiB: 413 in Kinguin's shape, and only after the secret.
+    let mut huge = kg_hook("h-3", "BUYING");
+    huge["padding"] = json!("x".repeat(70 * 1024));
+    let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), &body(&huge)).await;
+    assert_eq!(
+        (status, b["error"].as_str()),
+        (413, Some("too-large")),
+        "{b}"
+    );
+    let (status, _) = kinguin_post(&api.addr, None, &body(&huge)).await;
+    assert_eq!(status, 401);
+    // Malformed: 400, each with a message.
+    let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
+    let long = format!(
+        r#"{{"reservationId":"{}","offerId":"{OFFER}","status":"BUYING"}}"#,
+        "r".repeat(61)
+    );
+    let injected = format!(
+        r#"{{"reservationId":"h-4","offerId":"{OFFER}","status":"BUYING","replacedFrom":{{"$ne":null}}}}"#
+    );
+    for bad in [
+        &b""[..],
+        b"{",
+        b"null",
+        b"\xff\xfe{}",
+        deep.as_bytes(),
+        long.as_bytes(),
+        injected.as_bytes(),
+    ] {
+        let (status, b) = kinguin_post(&api.addr, Some(KG_SECRET), bad).await;
+        let shown = String::from_utf8_lossy(&bad[..bad.len().min(60)]).into_owned();
+        assert_eq!(
+            (status, b["error"].as_str()),
+            (400, Some("bad-request")),
+            "{shown}: {b}"
+        );
+        assert!(
+            b["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{shown}: {b}"
+        );
+    }
+    // Nothing held or recorded for this channel.
+    assert_eq!(held(&env, "kx").await, 0);
+    assert_eq!(
+        count_docs(&env, "channel_deals", doc! {"channel": "kg"}).await,
+        0
+    );
+    assert_eq!(
+        count_docs(&env, "kinguin_uploads", doc! {"channel": "kg"}).await,
+        1,
+        "h-2 only"
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinguin_1000_buying_webhooks_at_once_on_a_pool_of_100_hold_100_and_declare_0() {
+    let sim = Kinguin::start(KgFaults::default()).await;
+    let env = selling_on_kinguin("kinguin_thousand", "kx", 100, &sim).await;
+    // The shop may hold all of the pool: Kinguin is its only door here.
+    let all = [
+        "pool",
+        "set",
+        "--pool",
+        "kx",
+        "--hold-share-per-owner",
+        "100",
+    ];
+    codepool_ok(&env, &all).await;
+    // On a loaded 2-core test machine the last of 1,000 answers may come
+    // after the 30 s a request may take by default.
+    let api = ApiServer::start(&env, &["--request-timeout", "150"]).await;
+    let mut tasks = Vec::new();
+    for i in 0..1000 {
+        let addr = api.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let hook = kg_hook(&format!("t-{i}"), "BUYING").to_string();
+            let within = Duration::from_secs(150);
+            kinguin_try(&addr, "kg", Some(KG_SECRET), hook.as_bytes(), within).await
+        }));
+    }
+    let mut taken = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (status, b) = t.await.unwrap().expect("an answer");
+        match status {
+            200 => {
+                assert_eq!(b["result"], "held", "t-{i}: {b}");
+                taken.push(format!("t-{i}"));
+            }
+            409 => assert_eq!(b["error"], "out-of-stock", "t-{i}: {b}"),
+            _ => panic!("t-{i}: {status} {b}"),
+        }
+    }
+    assert_eq!(taken.len(), 100);
+    assert_eq!(held(&env, "kx").await, 100);
+    assert_eq!(count_codes(&env, doc! {"pool": "kx", "status": 0}).await, 0);
+    assert_eq!(
+        count_docs(&env, "channel_deals", doc! {"channel": "kg"}).await,
+        100
+    );
+    assert!(
+        sim.declares(0, Duration::from_secs(5)).await,
+        "{:?}",
+        sim.declarations()
+    );
+    // Ten are bought, the others cancelled: ten keys sold, none twice.
+    for (i, r) in taken.iter().enumerate() {
+        let status = if i < 10 { "BOUGHT" } else { "CANCELED" };
+        assert_eq!(kg_twice(&api, kg_hook(r, status)).await.0, 200, "{r}");
+    }
+    assert_eq!(held(&env, "kx").await, 0);
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "kx", "status": 1}).await,
+        10
+    );
+    assert!(
+        sim.declares(90, Duration::from_secs(5)).await,
+        "{:?}",
+        sim.declarations()
+    );
     api.stop().await;
     env.cleanup().await;
 }

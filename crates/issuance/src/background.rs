@@ -70,6 +70,8 @@ pub struct Parts {
     pub operator_broker_users: Arc<[String]>,
     /// Declares the channels' stock to their marketplaces.
     pub declarer: Arc<crate::channels::stock::Declarer>,
+    /// Kinguin's bearer tokens, shared by the declarer and the uploader.
+    pub kinguin_tokens: Arc<crate::channels::kinguin::client::Tokens>,
 }
 
 impl Parts {
@@ -80,12 +82,14 @@ impl Parts {
         allow_hosts: AllowHosts,
         operator_broker_users: Vec<String>,
     ) -> Self {
+        let kinguin_tokens = Arc::new(crate::channels::kinguin::client::Tokens::default());
         Self {
             operator_broker_users: operator_broker_users.into(),
             intake: Arc::new(Intake::new(store.clone(), engine)),
             outbox: Arc::new(Outbox::new(Arc::new(store.clone()))),
             stock: StockWatch::new(store.clone(), StockConfig::granting()),
-            declarer: crate::channels::stock::Declarer::new(store.clone()),
+            declarer: crate::channels::stock::Declarer::new(store.clone(), kinguin_tokens.clone()),
+            kinguin_tokens,
             store,
             hot,
             activity: Arc::default(),

@@ -74,7 +74,9 @@ pub struct ChannelDoc {
     /// GraphQL endpoint).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_url: Option<String>,
-    /// The marketplace's token endpoint for that API (Eneba's OAuth).
+    /// The marketplace's token endpoint for its API: Eneba's OAuth
+    /// (`auth_url`), Kinguin's (`token_url`; `{base_url}/oauth/token`
+    /// when none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth_url: Option<String>,
     /// What the channel last declared of each product (told Eneba, or

@@ -69,6 +69,11 @@ pub struct UploadDoc {
     /// sealed in `codes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code_id: Option<String>,
+    /// A replacement's: the reservation whose key it replaces (Kinguin's
+    /// `replacedFrom`). Its key is a replacement in `order_id`, the
+    /// order of the first reservation of the chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_from: Option<String>,
     /// The upload's `requestId`: the same on every attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
@@ -158,14 +163,15 @@ impl Store {
             .await?)
     }
 
-    /// Stages the upload of a reservation's key (due now), unless one is
-    /// staged already; the document after.
+    /// Stages the upload of a reservation's key, due at `due`, unless one
+    /// is staged already; the document after.
     pub async fn stage_kinguin_upload(
         &self,
         channel: &str,
         reservation: &str,
         order_id: &str,
         request_id: &str,
+        due: DateTime,
     ) -> Result<Option<UploadDoc>, StoreError> {
         let id = deal_id(channel, reservation);
         self.collection(KINGUIN_UPLOADS)
@@ -175,7 +181,7 @@ impl Store {
                     "upload": UploadState::Pending.as_str(),
                     "order_id": order_id,
                     "request_id": request_id,
-                    "due_at": DateTime::now(),
+                    "due_at": due,
                     "updated_at": DateTime::now(),
                 }},
             )
@@ -184,6 +190,66 @@ impl Store {
             .typed::<UploadDoc>(KINGUIN_UPLOADS)
             .find_one(doc! {"_id": id})
             .await?)
+    }
+
+    /// Withdraws an upload staged for a key that was then refused (no
+    /// code recorded, not leased): the reservation is as if it had
+    /// never been staged.
+    pub async fn unstage_kinguin_upload(&self, id: &str) -> Result<(), StoreError> {
+        self.collection(KINGUIN_UPLOADS)
+            .update_one(
+                doc! {"_id": id, "upload": UploadState::Pending.as_str(), "code_id": {"$exists": false}},
+                doc! {"$unset": {"upload": "", "order_id": "", "request_id": "", "due_at": "", "lease_until": ""}},
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Makes a pending upload due now; whether it is pending.
+    pub async fn kinguin_upload_due_now(&self, id: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(KINGUIN_UPLOADS)
+            .update_one(
+                doc! {"_id": id, "upload": UploadState::Pending.as_str()},
+                doc! {"$set": {"due_at": DateTime::now()}},
+            )
+            .await?;
+        Ok(r.matched_count == 1)
+    }
+
+    /// Links a reservation to the one it replaces (Kinguin's
+    /// `replacedFrom`), unless it is linked already or its upload was
+    /// staged; the link it has after (`None`: none, a sale's).
+    pub async fn link_kinguin_replacement(
+        &self,
+        id: &str,
+        replaced_from: &str,
+    ) -> Result<Option<String>, StoreError> {
+        self.collection(KINGUIN_UPLOADS)
+            .update_one(
+                doc! {"_id": id, "replaced_from": {"$exists": false}, "upload": {"$exists": false}},
+                doc! {"$set": {"replaced_from": replaced_from, "updated_at": DateTime::now()}},
+            )
+            .await?;
+        Ok(self
+            .typed::<UploadDoc>(KINGUIN_UPLOADS)
+            .find_one(doc! {"_id": id})
+            .await?
+            .and_then(|d| d.replaced_from))
+    }
+
+    /// Closes a reservation's upload, sent or not: a pending one, or one
+    /// never staged, is cancelled (a later stage finds it so); whether it
+    /// was still open.
+    pub async fn close_kinguin_upload(&self, id: &str) -> Result<bool, StoreError> {
+        let r = self
+            .collection(KINGUIN_UPLOADS)
+            .update_one(
+                doc! {"_id": id, "upload": {"$in": [UploadState::Pending.as_str(), bson::Bson::Null]}},
+                doc! {"$set": {"upload": UploadState::Cancelled.as_str(), "updated_at": DateTime::now()}, "$unset": {"lease_until": ""}},
+            )
+            .await?;
+        Ok(r.modified_count == 1)
     }
 
     /// Records the code committed to a reservation (the first one only:

@@ -40,7 +40,9 @@ fn failed(e: CallError) -> Response {
         CallError::Malformed(_) => (StatusCode::BAD_REQUEST, "bad_request"),
         CallError::UnknownProduct(_) => (StatusCode::NOT_FOUND, "not_found"),
         CallError::UnknownDeal(_) => (StatusCode::NOT_FOUND, "not_found"),
-        CallError::Paused | CallError::Unavailable(_) => (StatusCode::BAD_REQUEST, "out_of_stock"),
+        CallError::Paused | CallError::Unavailable(_) | CallError::NotReplaced(_) => {
+            (StatusCode::BAD_REQUEST, "out_of_stock")
+        }
         CallError::Cancelled | CallError::Expired => (StatusCode::GONE, "reservation_expired"),
         CallError::OrderExists => (StatusCode::CONFLICT, "order_exists"),
         CallError::Retry(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),

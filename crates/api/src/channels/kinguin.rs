@@ -7,13 +7,15 @@
 //! Answers: 200 `{reservationId, status, result}` when the webhook was
 //! taken (an unknown status too: recorded); otherwise `{reservationId?,
 //! status?, error, message}` with 401 (wrong secret), 400 (a body outside
-//! the contract), 404 (unknown channel, offer or reservation), 409 (a
-//! reservation codepool cannot honour: out of stock, paused, cancelled,
-//! past its time), 503 (try again). None of them changes anything.
+//! the contract), 413 (a body over [`super::BODY_LIMIT`]), 404 (unknown
+//! channel, offer or reservation), 409 (a reservation codepool cannot
+//! honour: out of stock, paused, cancelled, past its time, a replacement
+//! over the order's cap), 503 (try again). None of them changes anything.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -49,6 +51,7 @@ fn failed(hook: Option<&Hook>, e: CallError) -> Response {
         CallError::Expired => (StatusCode::CONFLICT, "expired"),
         CallError::OrderExists => (StatusCode::CONFLICT, "conflict"),
         CallError::Unavailable(_) => (StatusCode::CONFLICT, "out-of-stock"),
+        CallError::NotReplaced(_) => (StatusCode::CONFLICT, "not-replaced"),
         CallError::Retry(_) => (StatusCode::SERVICE_UNAVAILABLE, "try-again"),
         CallError::Failed(_) => (StatusCode::INTERNAL_SERVER_ERROR, "failed"),
     };
@@ -63,13 +66,25 @@ pub(super) async fn webhook(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let secret = headers.get(SECRET_HEADER).and_then(|v| v.to_str().ok());
     // Nothing read from an unauthenticated body is acted on or echoed.
     let c = match api.kinguin_authorized(&name, secret).await {
         Ok(c) => c,
         Err(e) => return failed(None, e),
+    };
+    // A body too large (or cut short) gets Kinguin's shape too.
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            let why = format!(
+                "the body is over {} bytes; a webhook is well under a kilobyte",
+                super::BODY_LIMIT
+            );
+            return refused(e.status(), None, "too-large", why);
+        }
+        Err(e) => return refused(e.status(), None, "bad-request", e.body_text()),
     };
     let hook = match kinguin::read(&body) {
         Ok(h) => h,

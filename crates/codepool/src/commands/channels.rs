@@ -127,7 +127,7 @@ pub enum ChannelsCommand {
 }
 
 fn json_of(c: &ChannelDoc) -> serde_json::Value {
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "name": c.name,
         "kind": c.kind,
         "shop": c.shop,
@@ -143,7 +143,15 @@ fn json_of(c: &ChannelDoc) -> serde_json::Value {
         "api_url": c.api_url,
         "declared": c.declared,
         "created_at": c.created_at.to_chrono().to_rfc3339(),
-    })
+    });
+    // The token endpoint, named as the credentials file names it.
+    let token_field = if c.kind == "kinguin" {
+        "token_url"
+    } else {
+        "auth_url"
+    };
+    v[token_field] = serde_json::json!(c.auth_url);
+    v
 }
 
 fn print(list: &[ChannelDoc], json: bool) -> anyhow::Result<()> {
@@ -283,13 +291,13 @@ async fn set(
 }
 
 /// Declares a channel's products to its marketplace now (a channel that
-/// pushes its stock: Eneba with API credentials); a failure is only
-/// said: every granting process declares again within a minute.
+/// pushes its stock: Eneba with API credentials, Kinguin); a failure is
+/// only said: every granting process declares again within a minute.
 async fn declare_now(store: &Store, c: &ChannelDoc) {
-    if !(c.kind == "eneba" && c.sealed.contains_key("api_secret")) {
+    if !channels::stock::pushes(c) {
         return;
     }
-    let declarer = channels::stock::Declarer::new(store.clone());
+    let declarer = channels::stock::Declarer::new(store.clone(), Default::default());
     match declarer.declare_channel(c, None, true).await {
         Ok(n) => say!("declared the stock of {n} products to the marketplace"),
         Err(e) => say!("the stock was not declared now ({e}); the API and dispatchers declare it within a minute"),

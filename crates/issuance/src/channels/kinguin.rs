@@ -10,19 +10,24 @@
 //!   commits the hold into the order derived from the channel and
 //!   `reservationId`, and records which code it got. The [`Uploader`] of
 //!   every API process sends it, with retries, always the same key.
-//! - `CANCELED`, `REFUNDED`, `REVERSED` release the hold before BOUGHT, and
-//!   void the key after (it may have been shown). A cancellation that
-//!   comes first leaves a cancelled record: a later BUYING or BOUGHT gets
+//! - `CANCELED`, `REFUNDED`, `REVERSED` and `RETURNED` (the buyer returned
+//!   the key) release the hold before BOUGHT, and void the key after (it
+//!   may have been shown): never back in stock. A cancellation that comes
+//!   first leaves a cancelled record: a later BUYING or BOUGHT gets
 //!   nothing.
 //! - `DELIVERED` records Kinguin's `releasedStockId`.
 //! - Any other status is recorded and changes nothing.
+//! - A reservation whose webhooks carry `replacedFrom` is a replacement of
+//!   another reservation's key ([`replace`]).
 //!
 //! Every webhook is idempotent: Kinguin retries, and the same webhook
 //! twice changes nothing more.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+pub mod client;
+mod replace;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use bson::DateTime;
 use codepool_domain::CodeStatus;
@@ -38,8 +43,9 @@ use crate::Core;
 
 pub use codepool_store::kinguin::UploadState;
 
-/// The statuses that cancel a reservation.
-const CANCELLING: [&str; 3] = ["CANCELED", "REFUNDED", "REVERSED"];
+/// The statuses that cancel a reservation (and return its key, once
+/// given).
+const CANCELLING: [&str; 4] = ["CANCELED", "REFUNDED", "REVERSED", "RETURNED"];
 
 /// One webhook of Kinguin, as read from its body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,10 +58,12 @@ pub struct Hook {
     pub status: String,
     /// DELIVERED: the stock Kinguin released to the buyer.
     pub released_stock_id: Option<String>,
+    /// A replacement's: the reservation whose key it replaces.
+    pub replaced_from: Option<String>,
 }
 
 /// Reads a webhook's body: `{reservationId, offerId, status, orderId?,
-/// releasedStockId?, …}`; other fields are ignored.
+/// releasedStockId?, replacedFrom?, …}`; other fields are ignored.
 pub fn read(body: &[u8]) -> Result<Hook, String> {
     let map: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
@@ -74,6 +82,7 @@ pub fn read(body: &[u8]) -> Result<Hook, String> {
     let reservation = id("reservationId")?.ok_or("\"reservationId\" is missing")?;
     let offer = id("offerId")?.ok_or("\"offerId\" is missing")?;
     let order = id("orderId")?;
+    let replaced_from = id("replacedFrom")?;
     let status = match map.get("status").and_then(Value::as_str) {
         Some(s)
             if (1..=40).contains(&s.len())
@@ -97,6 +106,7 @@ pub fn read(body: &[u8]) -> Result<Hook, String> {
         order,
         status,
         released_stock_id,
+        replaced_from,
     })
 }
 
@@ -113,6 +123,11 @@ pub enum Done {
     Voided,
     /// DELIVERED recorded.
     Delivered,
+    /// BUYING of a replacement: its link checked and recorded; nothing
+    /// held (the key is replaced at BOUGHT).
+    Linked,
+    /// BOUGHT of a replacement: the key replaced, its upload staged.
+    Replaced,
     /// Another status, recorded.
     Recorded,
 }
@@ -125,6 +140,8 @@ impl Done {
             Self::Released => "released",
             Self::Voided => "voided",
             Self::Delivered => "delivered",
+            Self::Linked => "linked",
+            Self::Replaced => "replaced",
             Self::Recorded => "recorded",
         }
     }
@@ -190,6 +207,9 @@ async fn webhook(
             &h.status,
         )
         .await?;
+    if let Some(link) = replace::link(core, c, h, deal.as_ref()).await? {
+        return replace::webhook(core, c, h, &link).await;
+    }
     match h.status.as_str() {
         "BUYING" => {
             buying(core, holder, c, h).await?;
@@ -262,7 +282,13 @@ async fn bought(
     // Staged before the commit: a process that dies after the commit
     // leaves the upload to the uploaders.
     let staged = store
-        .stage_kinguin_upload(&c.name, &h.reservation, &order_id, &request_id())
+        .stage_kinguin_upload(
+            &c.name,
+            &h.reservation,
+            &order_id,
+            &request_id(),
+            DateTime::now(),
+        )
         .await?;
     let id = deal_id(&c.name, &h.reservation);
     let via = format!("Kinguin BOUGHT {}", h.reservation);
@@ -389,8 +415,8 @@ pub struct Uploader {
     commits: Option<(Arc<Core>, Arc<dyn Placer>)>,
     client: reqwest::Client,
     timeout: Duration,
-    /// Access tokens by channel, with their end.
-    tokens: Mutex<HashMap<String, (String, Instant)>>,
+    /// Kinguin's bearer tokens, shared with the process's declarer.
+    tokens: Arc<client::Tokens>,
 }
 
 /// An attempt's failure before Kinguin answered: try again later.
@@ -401,17 +427,20 @@ impl Uploader {
     /// committing through `placer` what a dead process left uncommitted.
     pub fn new(core: Arc<Core>, placer: Arc<dyn Placer>, timeout: Duration) -> Arc<Self> {
         let store = core.store().clone();
-        Self::build(store, Some((core, placer)), timeout)
+        let tokens = core.parts().kinguin_tokens.clone();
+        Self::build(store, tokens, Some((core, placer)), timeout)
     }
 
     /// An uploader of a process that places no channel orders (the
     /// dispatcher): it sends the uploads whose key is committed.
     pub fn sending(parts: &crate::background::Parts, timeout: Duration) -> Arc<Self> {
-        Self::build(parts.store.clone(), None, timeout)
+        let tokens = parts.kinguin_tokens.clone();
+        Self::build(parts.store.clone(), tokens, None, timeout)
     }
 
     fn build(
         store: Store,
+        tokens: Arc<client::Tokens>,
         commits: Option<(Arc<Core>, Arc<dyn Placer>)>,
         timeout: Duration,
     ) -> Arc<Self> {
@@ -425,7 +454,7 @@ impl Uploader {
             commits,
             client,
             timeout,
-            tokens: Mutex::default(),
+            tokens,
         })
     }
 
@@ -519,6 +548,12 @@ impl Uploader {
     /// process that staged the upload died before). `Ok(Err)`: none will
     /// ever be sent.
     async fn key_of(&self, c: &ChannelDoc, u: &UploadDoc) -> Result<Result<String, String>, Later> {
+        if u.replaced_from.is_some() && u.code_id.is_none() {
+            let Some((core, _)) = &self.commits else {
+                return Err(Later("the replacement's key is not recorded yet".into()));
+            };
+            return replace::key_of(core, c, u).await.map_err(Later);
+        }
         let order_id = u
             .order_id
             .clone()
@@ -557,6 +592,11 @@ impl Uploader {
         if code.status == CodeStatus::Void {
             return Ok(Err("the key was voided".into()));
         }
+        // A sale's key not recorded yet is its order's first one: a key
+        // given by a replacement since is the replacement's to upload.
+        if u.code_id.is_none() && code.holder.as_ref().is_some_and(|h| h.replacement > 0) {
+            return Ok(Err("the reservation's key was replaced".into()));
+        }
         if u.code_id.is_none() {
             let _ = self
                 .store()
@@ -567,70 +607,17 @@ impl Uploader {
     }
 
     fn base(c: &ChannelDoc) -> Result<String, Later> {
-        c.base_url
-            .as_deref()
-            .map(|b| b.trim_end_matches('/').to_owned())
-            .ok_or_else(|| Later("the channel has no base_url".into()))
+        client::base(c).map_err(Later)
     }
 
-    /// A bearer token for Kinguin's API: the one in hand, or a new one
-    /// from `{base_url}/oauth/token` (OAuth2 client credentials).
-    async fn token(&self, c: &ChannelDoc, fresh: bool) -> Result<String, Later> {
-        if !fresh {
-            let tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((t, until)) = tokens.get(&c.name) {
-                if Instant::now() < *until {
-                    return Ok(t.clone());
-                }
-            }
-        }
-        let base = Self::base(c)?;
-        let id = c.client_id.clone().unwrap_or_default();
-        let sealed = c
-            .sealed
-            .get("client_secret")
-            .ok_or_else(|| Later("the channel has no client_secret".into()))?;
-        let ring =
-            (self.store().keys().ring_with(&sealed.key_id)).map_err(|e| Later(e.to_string()))?;
-        let aad = format!("channel:{}:client_secret", c.name);
-        let secret = ring
-            .open(&sealed.key_id, aad.as_bytes(), &sealed.bytes.bytes)
-            .map_err(|e| Later(e.to_string()))?;
-        let form = url::form_urlencoded::Serializer::new(String::new())
-            .append_pair("grant_type", "client_credentials")
-            .append_pair("client_id", &id)
-            .append_pair("client_secret", &secret)
-            .finish();
-        let res = self
-            .client
-            .post(format!("{base}/oauth/token"))
-            .header("content-type", "application/x-www-form-urlencoded")
-            .body(form)
-            .send()
-            .await
-            .map_err(|e| Later(format!("token: {e}")))?;
-        let status = res.status();
-        let body = res
-            .bytes()
-            .await
-            .map_err(|e| Later(format!("token: {e}")))?;
-        if !status.is_success() {
-            return Err(Later(format!("token: {status}")));
-        }
-        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        let token = v["access_token"]
-            .as_str()
-            .ok_or_else(|| Later("token: no access_token".into()))?
-            .to_owned();
-        // A token is used until a minute before its end (or at once
-        // forgotten, if it lives less than that).
-        let life = v["expires_in"].as_u64().unwrap_or(300).saturating_sub(60);
-        let until = Instant::now() + Duration::from_secs(life);
-        self.tokens
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(c.name.clone(), (token.clone(), until));
-        Ok(token)
+    /// A bearer token for Kinguin's API ([`client::Tokens`]): the one in
+    /// hand unless Kinguin `refused` it.
+    async fn token(&self, c: &ChannelDoc, refused: Option<&str>) -> Result<String, Later> {
+        (self
+            .tokens
+            .get(&self.client, self.store(), c, refused)
+            .await)
+            .map_err(Later)
     }
 
     /// Sends `key`; a 401 fetches a new token and sends once more.
@@ -644,9 +631,9 @@ impl Uploader {
             "requestId": u.request_id.clone().unwrap_or_else(|| u.id.clone()),
         })
         .to_string();
-        let mut fresh = false;
+        let mut refused = None;
         loop {
-            let token = self.token(c, fresh).await?;
+            let token = self.token(c, refused.as_deref()).await?;
             let res = self
                 .client
                 .post(&url)
@@ -661,8 +648,8 @@ impl Uploader {
             let text: String = text.chars().take(300).collect();
             return match status {
                 200..=299 => Ok(AttemptEnd::Uploaded),
-                401 if !fresh => {
-                    fresh = true;
+                401 if refused.is_none() => {
+                    refused = Some(token);
                     continue;
                 }
                 409 if text.to_ascii_lowercase().contains("already uploaded") => {
@@ -748,6 +735,12 @@ mod tests {
         .unwrap();
         assert_eq!(d.reservation, "17");
         assert_eq!(d.released_stock_id.as_deref(), Some("s-5"));
+        assert_eq!(d.replaced_from, None);
+        let r = read(
+            br#"{"reservationId":"r-2","offerId":"o","status":"BOUGHT","replacedFrom":"r-1"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.replaced_from.as_deref(), Some("r-1"));
         for bad in [
             &b"[1]"[..],
             br#"{"offerId":"o","status":"BUYING"}"#,
@@ -755,6 +748,7 @@ mod tests {
             br#"{"reservationId":"r","offerId":"o"}"#,
             br#"{"reservationId":"r/1","offerId":"o","status":"BUYING"}"#,
             br#"{"reservationId":"r","offerId":"o","status":"BUY ING"}"#,
+            br#"{"reservationId":"r","offerId":"o","status":"BOUGHT","replacedFrom":{"$ne":1}}"#,
         ] {
             assert!(read(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }

@@ -326,9 +326,11 @@ fn read_credentials(
     }
     let url_field = |f: &str| url_field(&map, f);
     let base_url = url_field("base_url")?;
+    // The token endpoint: Eneba's `auth_url`, Kinguin's `token_url`.
     let (api_url, auth_url) = match kind {
         Kind::Eneba => (url_field("api_url")?, url_field("auth_url")?),
-        _ => (None, None),
+        Kind::Kinguin => (None, url_field("token_url")?),
+        Kind::G2a => (None, None),
     };
     if kind == Kind::Eneba
         && sealed.contains_key("api_secret") != sealed.contains_key("api_client_id")
@@ -539,6 +541,10 @@ pub enum CallError {
     /// Not all keys could be held or provided; nothing was.
     #[error("not enough keys: {0}")]
     Unavailable(String),
+    /// A key the marketplace asked to replace was not replaced (the
+    /// order's replacement cap, a key no longer issued); nothing changed.
+    #[error("the key was not replaced: {0}")]
+    NotReplaced(String),
     /// MongoDB or the batch is away: the same call may be made again.
     #[error("try again: {0}")]
     Retry(String),
@@ -989,24 +995,32 @@ pub(crate) async fn cancel(
         // The order exists, or is being placed: placing it again waits
         // for it (or places it, if its provision died), then it is voided.
         let _ = keys_of(core, placer, c, &d, via).await;
-        match core
-            .void(
-                codepool_store::lifecycle::CodeRef::Order(&d.order_id),
-                "channel: cancelled after provision",
-                &actor,
-            )
-            .await
-        {
-            Ok(_) => {}
-            Err(crate::ops::VoidError::Lifecycle(
-                codepool_store::lifecycle::LifecycleError::Store(e),
-            )) => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!(order_id = %d.order_id, error = %e, "a cancelled channel order was not voided")
-            }
-        }
+        let order = codepool_store::lifecycle::CodeRef::Order(&d.order_id);
+        void_sold(core, order, &actor).await?;
     }
     Ok(Cancelled::AfterProvide(policy))
+}
+
+/// Voids keys a marketplace was given and then cancelled, returned or
+/// refunded: never back in stock. Keys void already (the same
+/// cancellation again) are done; a key the buyer redeemed is left, said.
+pub(crate) async fn void_sold(
+    core: &crate::Core,
+    target: codepool_store::lifecycle::CodeRef<'_>,
+    actor: &Actor,
+) -> Result<(), CallError> {
+    use codepool_store::lifecycle::LifecycleError;
+    match core
+        .void(target, "channel: cancelled after provision", actor)
+        .await
+    {
+        Ok(_) | Err(crate::ops::VoidError::Lifecycle(LifecycleError::Void { .. })) => Ok(()),
+        Err(crate::ops::VoidError::Lifecycle(LifecycleError::Store(e))) => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(target = %target.describe(), error = %e, "a cancelled channel sale was not voided");
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,10 @@
 //! capped by the channel (`--share PERCENT` of those free codes, `--max
 //! N`): [`declarable`]. G2A reads it in every answer's `inventory_size`;
 //! Eneba is told it through its API (`S_updateAuction(input: {id,
-//! declaredStock})`) by every granting process ([`run`], started with the
-//! process's background work like the relay):
+//! declaredStock})`), Kinguin through its own (`PATCH
+//! /api/v1/offers/{offerId}` `{declaredStock, declaredTextStock}`), by
+//! every granting process ([`run`], started with the process's background
+//! work like the relay):
 //! - on change: a grant, a hold or a release marks its pools
 //!   ([`changed`]), and the products of those pools are declared again
 //!   once a second at most (the debounce), each only when its amount
@@ -20,7 +22,10 @@
 //! The last declaration of each product is kept on the channel
 //! (`declared`), so a reservation refused for lack of stock while the
 //! channel promised some is counted, by any process, as an over-promise
-//! (`codepool_channel_overpromised_total{channel}`).
+//! (`codepool_channel_overpromised_total{channel}`). An amount the
+//! marketplace refuses (Kinguin's "Max declared stock has been exceeded")
+//! is logged and counted as a failed declaration, and not sent again on
+//! change until the next scheduled round.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -139,18 +144,29 @@ pub enum DeclareError {
     Store(#[from] StoreError),
     #[error("the marketplace's API: {0}")]
     Api(String),
+    /// The marketplace refused the amount (Kinguin's 400 "Max declared
+    /// stock has been exceeded"): the same amount again is refused again.
+    #[error("the marketplace refused the declaration: {0}")]
+    Refused(String),
 }
 
-/// Declares stock to the marketplaces' APIs (Eneba's), keeping each
-/// channel's access token until it expires.
+/// Declares stock to the marketplaces' APIs (Eneba's, Kinguin's), keeping
+/// each channel's access token until it expires.
 pub struct Declarer {
     store: Store,
     client: reqwest::Client,
     tokens: Mutex<HashMap<String, (String, Instant)>>,
+    /// Kinguin's tokens, shared with the process's uploader.
+    kinguin: Arc<super::kinguin::client::Tokens>,
+    /// The least amount the marketplace refused of each (channel,
+    /// product): not sent again on change at that amount or above; the
+    /// scheduled round tries again (the marketplace's limit may have
+    /// been raised).
+    refused: Mutex<HashMap<(String, String), u64>>,
 }
 
 impl Declarer {
-    pub fn new(store: Store) -> Arc<Self> {
+    pub fn new(store: Store, kinguin: Arc<super::kinguin::client::Tokens>) -> Arc<Self> {
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
@@ -162,11 +178,13 @@ impl Declarer {
             store,
             client,
             tokens: Mutex::new(HashMap::new()),
+            kinguin,
+            refused: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Declares the products of every channel that pushes its stock (an
-    /// Eneba channel with API credentials) whose pool is one of `pools`
+    /// Declares the products of every channel that pushes its stock
+    /// ([`pushes`]) whose pool is one of `pools`
     /// (every product: `None`). `force`: each one, changed or not;
     /// otherwise only those whose amount differs from the last
     /// declaration. A channel that fails is logged and left for the next
@@ -185,7 +203,7 @@ impl Declarer {
                 Ok(n) => sent += n,
                 Err(e) => {
                     warn!(channel = %c.name, error = %e, "declared stock not sent; retried at the next change or round");
-                    metrics::counter!("codepool_channel_declarations_total", "channel" => c.name.clone(), "outcome" => "failed").increment(1);
+                    declaration(c, "failed");
                 }
             }
         }
@@ -193,6 +211,9 @@ impl Declarer {
     }
 
     /// Declares channel `c`'s products of `pools` (see [`Self::declare`]).
+    /// A product whose amount the marketplace refuses is logged and
+    /// counted, and the others go on; any other failure ends the round
+    /// for the channel.
     pub async fn declare_channel(
         &self,
         c: &ChannelDoc,
@@ -214,18 +235,65 @@ impl Declarer {
                 }
             };
             let n = cap(c, n);
-            if !force && c.declared.get(product) == Some(&(n as i64)) {
+            if !force
+                && (c.declared.get(product) == Some(&(n as i64)) || self.refuses(c, product, n))
+            {
                 continue;
             }
-            self.push_eneba(c, product, n).await?;
+            match self.push(c, product, n).await {
+                Ok(()) => {}
+                Err(DeclareError::Refused(why)) => {
+                    warn!(channel = %c.name, product = %product, declared = n, why = %why, "the marketplace refused a declared stock; not sent again at that amount until the next round");
+                    declaration(c, "failed");
+                    self.remember_refused(c, product, Some(n));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            self.remember_refused(c, product, None);
             self.store
                 .record_declared(&c.name, product, n as i64)
                 .await?;
-            metrics::counter!("codepool_channel_declarations_total", "channel" => c.name.clone(), "outcome" => "completed").increment(1);
+            declaration(c, "completed");
             metrics::gauge!("codepool_channel_declared_stock", "channel" => c.name.clone(), "product" => product.clone()).set(n as f64);
             sent += 1;
         }
         Ok(sent)
+    }
+
+    /// Sends one declaration to `c`'s marketplace.
+    async fn push(&self, c: &ChannelDoc, product: &str, n: u64) -> Result<(), DeclareError> {
+        if c.kind == Kind::Kinguin.as_str() {
+            use super::kinguin::client::{declare, NotDeclared};
+            return match declare(&self.client, &self.kinguin, &self.store, c, product, n).await {
+                Ok(()) => Ok(()),
+                Err(NotDeclared::Refused(why)) => Err(DeclareError::Refused(why)),
+                Err(NotDeclared::Failed(why)) => Err(DeclareError::Api(why)),
+            };
+        }
+        self.push_eneba(c, product, n).await
+    }
+
+    /// Whether the marketplace refused `n` of `product` (or less) since.
+    fn refuses(&self, c: &ChannelDoc, product: &str, n: u64) -> bool {
+        let refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        (refused.get(&(c.name.clone(), product.to_owned()))).is_some_and(|least| n >= *least)
+    }
+
+    /// Records that the marketplace refused `n` of `product` (`None`: it
+    /// took a declaration).
+    fn remember_refused(&self, c: &ChannelDoc, product: &str, n: Option<u64>) {
+        let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (c.name.clone(), product.to_owned());
+        match n {
+            Some(n) => {
+                let least = refused.entry(key).or_insert(n);
+                *least = (*least).min(n);
+            }
+            None => {
+                refused.remove(&key);
+            }
+        }
     }
 
     /// An access token of Eneba's API for `c`, fetched when none is kept
@@ -336,9 +404,19 @@ impl Declarer {
     }
 }
 
-/// Whether `c` pushes its declarations (Eneba, with API credentials).
-fn pushes(c: &ChannelDoc) -> bool {
-    c.kind == Kind::Eneba.as_str() && c.sealed.contains_key("api_secret")
+/// Counts one declaration by its outcome (`completed`, `failed`).
+fn declaration(c: &ChannelDoc, outcome: &'static str) {
+    metrics::counter!("codepool_channel_declarations_total", "channel" => c.name.clone(), "outcome" => outcome).increment(1);
+}
+
+/// Whether `c` pushes its declarations: Eneba with API credentials,
+/// Kinguin with its API client (the one its uploads use).
+pub fn pushes(c: &ChannelDoc) -> bool {
+    match c.kind.parse::<Kind>() {
+        Ok(Kind::Eneba) => c.sealed.contains_key("api_secret"),
+        Ok(Kind::Kinguin) => c.sealed.contains_key("client_secret") && c.base_url.is_some(),
+        _ => false,
+    }
 }
 
 /// Declares stock until `stop`: on change (at most once per
