@@ -46,6 +46,9 @@ var shardKeys = [
   { coll: "user_quotas", key: { _id: "hashed" } },
   { coll: "refusals", key: { _id: "hashed" } },
   { coll: "audit", key: { _id: "hashed" } },
+  // A marketplace's deals and Kinguin's uploads, written by _id.
+  { coll: "channel_deals", key: { _id: "hashed" } },
+  { coll: "kinguin_uploads", key: { _id: "hashed" } },
 ];
 
 var target = db.getSiblingDB(dbName);

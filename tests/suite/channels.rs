@@ -2882,7 +2882,7 @@ async fn kinguin_1000_buying_webhooks_at_once_on_a_pool_of_100_hold_100_and_decl
         100
     );
     assert!(
-        sim.declares(0, Duration::from_secs(5)).await,
+        sim.declares(0, Duration::from_secs(30)).await,
         "{:?}",
         sim.declarations()
     );
@@ -2897,7 +2897,7 @@ async fn kinguin_1000_buying_webhooks_at_once_on_a_pool_of_100_hold_100_and_decl
         10
     );
     assert!(
-        sim.declares(90, Duration::from_secs(5)).await,
+        sim.declares(90, Duration::from_secs(30)).await,
         "{:?}",
         sim.declarations()
     );

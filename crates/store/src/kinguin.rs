@@ -8,7 +8,7 @@
 //! Documents and queries only; the rules are
 //! `codepool_issuance::channels::kinguin`.
 
-use bson::{doc, DateTime};
+use bson::{doc, Bson, DateTime};
 use serde::{Deserialize, Serialize};
 
 use crate::channels::deal_id;
@@ -282,15 +282,33 @@ impl Store {
         if committed_only {
             filter.insert("code_id", doc! {"$exists": true});
         }
-        Ok(self
-            .typed::<UploadDoc>(KINGUIN_UPLOADS)
-            .find_one_and_update(
-                filter,
-                doc! {"$set": {"lease_until": until}, "$inc": {"attempts": 1}},
-            )
-            .sort(doc! {"due_at": 1})
-            .return_document(mongodb::options::ReturnDocument::After)
-            .await?)
+        // The upload due first is found by a read (the one step that goes
+        // to every shard), then leased by its `_id` (the shard key), on the
+        // same conditions: a process that leased it in between wins, and
+        // the next one due is tried.
+        for _ in 0..3 {
+            let Some(first) = (self.collection(KINGUIN_UPLOADS))
+                .find_one(filter.clone())
+                .sort(doc! {"due_at": 1})
+                .projection(doc! {"_id": 1})
+                .await?
+            else {
+                return Ok(None);
+            };
+            let mut mine = filter.clone();
+            mine.insert("_id", first.get("_id").cloned().unwrap_or(Bson::Null));
+            let leased = (self.typed::<UploadDoc>(KINGUIN_UPLOADS))
+                .find_one_and_update(
+                    mine,
+                    doc! {"$set": {"lease_until": until}, "$inc": {"attempts": 1}},
+                )
+                .return_document(mongodb::options::ReturnDocument::After)
+                .await?;
+            if leased.is_some() {
+                return Ok(leased);
+            }
+        }
+        Ok(None)
     }
 
     /// Ends a leased attempt; whether the upload was still pending.

@@ -122,6 +122,18 @@ pub const SHARDED: &[ShardedCollection] = &[
         collection: crate::audit::AUDIT,
         key: &[("_id", Hashed)],
     },
+    // A marketplace's deals (one per reservation) and Kinguin's uploads:
+    // one document per channel and marketplace id, every write by `_id`
+    // (the uploader finds the upload due first by a read, then leases it
+    // by `_id`).
+    ShardedCollection {
+        collection: crate::channels::CHANNEL_DEALS,
+        key: &[("_id", Hashed)],
+    },
+    ShardedCollection {
+        collection: crate::kinguin::KINGUIN_UPLOADS,
+        key: &[("_id", Hashed)],
+    },
 ];
 
 /// The key of `collection`, when it is sharded.
