@@ -16,6 +16,12 @@
 //! (a backend that predates partitions) goes through the alternate
 //! exchange to partition 0: never lost, only not spread.
 //!
+//! The purchases exchange tells the count a deployment runs with: fanout
+//! for one queue, direct with the alternate exchange
+//! `codepool.purchases.unrouted.N` for N. A process set to another count
+//! cannot declare it ([`Topology::declare_checked`]) and stops with what to
+//! do ([`BrokerError::Partitions`]) before it makes any queue.
+//!
 //! With N = 1 (the default) the topology is the one before partitions: a
 //! fanout exchange over the queue `purchases`, competing consumers.
 
@@ -23,6 +29,7 @@ use lapin::Connection;
 use sha2::{Digest, Sha256};
 
 use crate::{BrokerError, Topology};
+
 
 /// Most partitions a deployment may have.
 pub const MAX_PARTITIONS: u16 = 256;
@@ -121,45 +128,67 @@ impl Topology {
             .to_string()
     }
 
-    /// [`Topology::check_partitions`], then [`Topology::declare`] on
-    /// `channel`: what a codepool process does before it uses the broker,
-    /// so that one set to another partition count than the deployment
-    /// stops with a clear error instead of declaring queues of its own
-    /// count beside the deployment's (which no dispatcher would serve).
+    /// The alternate exchange of the partitioned purchases exchange: a
+    /// fanout exchange bound to partition 0, where a purchase whose routing
+    /// key names no partition goes. Its name carries N, and RabbitMQ
+    /// refuses to redeclare an exchange with another alternate exchange:
+    /// that refusal is how a process set to another count finds out,
+    /// without looking for queues that may not exist (each miss would close
+    /// a channel, and lapin logs that as an error).
+    pub fn unrouted_exchange(&self) -> String {
+        format!("{}.unrouted.{}", self.purchases_exchange, self.partitions)
+    }
+
+    /// [`Topology::declare`], and when the broker's purchases exchange
+    /// belongs to another partition count ([`BrokerError::Partitions`]),
+    /// counts the broker's partition queues for the message. Nothing is
+    /// declared then: the exchange is declared before any purchase queue.
     pub async fn declare_checked(
         &self,
         conn: &Connection,
         channel: &lapin::Channel,
     ) -> Result<(), BrokerError> {
-        self.check_partitions(conn).await?;
-        self.declare(channel).await
+        match self.declare(channel).await {
+            Err(BrokerError::Partitions {
+                configured,
+                found: None,
+                exchange,
+            }) => {
+                let mut found = 0u16;
+                while found < MAX_PARTITIONS
+                    && queue_exists(conn, &self.partition_queue(found)).await?
+                {
+                    found += 1;
+                }
+                Err(BrokerError::Partitions {
+                    configured,
+                    found: (found > 0).then_some(found),
+                    exchange,
+                })
+            }
+            other => other,
+        }
     }
+}
 
-    /// Refuses to work on purchase queues of another shape than this
-    /// process is set to: `purchases` alone for one partition, exactly
-    /// `purchases.0` … `purchases.{N-1}` for N. A fresh broker (none of
-    /// them) is fine. Each look is a passive declare on a channel of its
-    /// own, since a missing queue closes the channel.
-    pub async fn check_partitions(&self, conn: &Connection) -> Result<(), BrokerError> {
-        let single = queue_exists(conn, &self.purchases).await?;
-        let mut found = 0u16;
-        while found <= MAX_PARTITIONS && queue_exists(conn, &self.partition_queue(found)).await? {
-            found += 1;
-        }
-        let mismatch = match self.partitions {
-            1 => (found > 0).then_some(found),
-            _ if single => Some(1),
-            n => (found != 0 && found != n).then_some(found),
-        };
-        match mismatch {
-            None => Ok(()),
-            Some(found) => Err(BrokerError::Partitions {
-                configured: self.partitions,
-                found: Some(found),
-                exchange: self.purchases_exchange.clone(),
-            }),
-        }
+/// The partition count of the broker's purchases exchange, read from its
+/// refusal to be declared for another count: `Some(Some(1))` when it is
+/// the fanout exchange of one queue, `Some(Some(k))` when it names the
+/// alternate exchange of k partitions, `Some(None)` when it is partitioned
+/// but the count is not told; `None` for any other error.
+pub(crate) fn found_partitions(error: &str) -> Option<Option<u16>> {
+    if let Some((_, rest)) = error.split_once("inequivalent arg 'type'") {
+        let current = rest.split_once("but current is ")?.1;
+        return Some(current.starts_with("'fanout'").then_some(1));
     }
+    let (_, rest) = error.split_once("inequivalent arg 'alternate-exchange'")?;
+    let current = rest.split_once("but current is ").map_or("", |(_, c)| c);
+    let count = current
+        .split(".unrouted.")
+        .nth(1)
+        .map(|tail| tail.chars().take_while(char::is_ascii_digit).collect::<String>())
+        .and_then(|n| n.parse().ok());
+    Some(count)
 }
 
 /// Whether `queue` exists (a passive declare on a throwaway channel).
@@ -243,6 +272,17 @@ mod tests {
         let key = partition_of("a", 4).to_string();
         assert_eq!(t.routing_key_of(br#"{"pool":"a"}"#), key);
         assert_eq!(t.queue_of("a"), format!("p.purchases.{key}"));
+    }
+
+    #[test]
+    fn the_brokers_count_is_read_from_its_refusal() {
+        let fanout = "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'codepool.purchases' in vhost '/': received 'direct' but current is 'fanout'";
+        assert_eq!(found_partitions(fanout), Some(Some(1)));
+        let direct = "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'codepool.purchases' in vhost '/': received 'fanout' but current is 'direct'";
+        assert_eq!(found_partitions(direct), Some(None));
+        let ae = "PRECONDITION_FAILED - inequivalent arg 'alternate-exchange' for exchange 'p.codepool.purchases' in vhost '/': received the value 'p.codepool.purchases.unrouted.3' of type 'longstr' but current is the value 'p.codepool.purchases.unrouted.12' of type 'longstr'";
+        assert_eq!(found_partitions(ae), Some(Some(12)));
+        assert_eq!(found_partitions("NOT_FOUND - no queue"), None);
     }
 
     #[test]

@@ -127,10 +127,6 @@ pub struct Topology {
     /// behind a fanout exchange, as before partitions; N > 1 the queues
     /// `purchases.0` … behind a direct exchange.
     pub partitions: u16,
-    /// Fanout exchange bound to partition 0: the alternate exchange of a
-    /// partitioned purchases exchange, where a purchase whose routing key
-    /// names no partition goes (declared only with N > 1).
-    pub purchases_unrouted: String,
 }
 
 pub const SMS_PENDING_KEY: &str = "sms.pending";
@@ -160,7 +156,6 @@ impl Topology {
             purchases_refused: n("purchases.refused"),
             queues: QueueSettings::default(),
             partitions: 1,
-            purchases_unrouted: n("codepool.purchases.unrouted"),
         }
     }
 
@@ -264,15 +259,13 @@ impl Topology {
     /// a direct exchange, partition `i` bound with routing key `i`, and an
     /// alternate exchange that takes any other key to partition 0. The
     /// exchange comes first: one of the other kind (another partition
-    /// count) stops the declare before any queue is made. The partitions
-    /// are declared last first, so a process that finds `purchases.0`
-    /// finds them all ([`Topology::check_partitions`]).
+    /// count) stops the declare before any queue is made.
     async fn declare_purchases(&self, channel: &Channel) -> Result<(), BrokerError> {
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..ExchangeDeclareOptions::default()
         };
-        let unrouted = &self.purchases_unrouted;
+        let unrouted = &self.unrouted_exchange();
         let mut args = FieldTable::default();
         let kind = if self.is_partitioned() {
             let ae = AMQPValue::LongString(unrouted.as_str().into());
@@ -326,17 +319,18 @@ impl Topology {
         .map_err(|e| declare_failed(queue, e))
     }
 
-    /// An exchange that exists with another type is the purchases
-    /// exchange of another partition count ([`BrokerError::Partitions`]).
+    /// A purchases exchange that exists with another type or alternate
+    /// exchange is that of another partition count
+    /// ([`BrokerError::Partitions`]).
     fn exchange_failed(&self, exchange: &str, e: lapin::Error) -> BrokerError {
-        if e.to_string().contains("inequivalent arg 'type'") {
-            return BrokerError::Partitions {
+        match crate::partitions::found_partitions(&e.to_string()) {
+            Some(found) => BrokerError::Partitions {
                 configured: self.partitions,
-                found: None,
+                found,
                 exchange: self.purchases_exchange.clone(),
-            };
+            },
+            None => declare_failed(exchange, e),
         }
-        declare_failed(exchange, e)
     }
 
     /// Declares everything (idempotent).
