@@ -820,18 +820,22 @@ async fn two_dispatchers_share_two_partitions_and_a_killed_ones_partition_moves_
     );
     // Both stand by for the other's partition once the standby is over:
     // two consumers on each partition, one of them active.
-    eventually(Duration::from_secs(30), "two consumers per partition", || {
-        let t = t.clone();
-        async move {
-            let listed = rabbitmqctl(&["-q", "list_consumers", "queue_name", "active"]).await;
-            t.purchase_queues().iter().all(|q| {
-                let mine: Vec<&str> = (listed.lines())
-                    .filter_map(|l| l.strip_prefix(&format!("{q}\t")))
-                    .collect();
-                mine.len() == 2 && mine.iter().filter(|a| a.trim() == "true").count() == 1
-            })
-        }
-    })
+    eventually(
+        Duration::from_secs(30),
+        "two consumers per partition",
+        || {
+            let t = t.clone();
+            async move {
+                let listed = rabbitmqctl(&["-q", "list_consumers", "queue_name", "active"]).await;
+                t.purchase_queues().iter().all(|q| {
+                    let mine: Vec<&str> = (listed.lines())
+                        .filter_map(|l| l.strip_prefix(&format!("{q}\t")))
+                        .collect();
+                    mine.len() == 2 && mine.iter().filter(|a| a.trim() == "true").count() == 1
+                })
+            }
+        },
+    )
     .await;
     // kill -9 of a while it works, then more purchases of both partitions.
     let second = spread("P2", 400);

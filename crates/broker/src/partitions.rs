@@ -30,7 +30,6 @@ use sha2::{Digest, Sha256};
 
 use crate::{BrokerError, Topology};
 
-
 /// Most partitions a deployment may have.
 pub const MAX_PARTITIONS: u16 = 256;
 
@@ -186,7 +185,11 @@ pub(crate) fn found_partitions(error: &str) -> Option<Option<u16>> {
     let count = current
         .split(".unrouted.")
         .nth(1)
-        .map(|tail| tail.chars().take_while(char::is_ascii_digit).collect::<String>())
+        .map(|tail| {
+            tail.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
         .and_then(|n| n.parse().ok());
     Some(count)
 }
