@@ -4,7 +4,9 @@
 //! `kill -9` of random dispatchers, a Redis FLUSHALL and a Redis outage,
 //! every RabbitMQ connection closed, a MongoDB restart, and a pool smaller
 //! than the demand until a second import. At the end everything is checked
-//! directly in MongoDB and in the queues.
+//! directly in MongoDB and in the queues. In `make test` purchases are
+//! spread over 2 partitions, so each kill moves a partition's single
+//! active consumer to another dispatcher; `make chaos` runs the one queue.
 //!
 //! It restarts the shared servers, so it is a test binary of its own that
 //! the Makefile runs after the rest of the suite.
@@ -23,7 +25,7 @@ use futures::TryStreamExt;
 use rand::Rng;
 
 use crate::common::{
-    drain, eventually, publish_with_retries, purchase, queue_depth, TestEnv, AMQP_URL,
+    drain, eventually, publish_with_retries, purchase, purchases_depth, TestEnv, AMQP_URL,
 };
 
 struct Scale {
@@ -33,6 +35,18 @@ struct Scale {
     invalid: usize,
     publish_secs: u64,
     kill_every: Duration,
+    /// Purchase partitions ([`partitions`]).
+    partitions: u16,
+}
+
+/// The run's purchase partitions: 2 in `make test`, so dispatchers are
+/// killed while each partition has one active consumer; 1 (the one queue)
+/// in `make chaos`. `CODEPOOL_TEST_PARTITIONS=N` sets it for either.
+fn partitions(quick: u16) -> u16 {
+    std::env::var("CODEPOOL_TEST_PARTITIONS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(quick)
 }
 
 fn scale() -> Scale {
@@ -44,6 +58,7 @@ fn scale() -> Scale {
             invalid: 40,
             publish_secs: 60,
             kill_every: Duration::from_secs(3),
+            partitions: partitions(1),
         }
     } else {
         Scale {
@@ -53,6 +68,7 @@ fn scale() -> Scale {
             invalid: 10,
             publish_secs: 20,
             kill_every: Duration::from_secs(4),
+            partitions: partitions(2),
         }
     }
 }
@@ -128,7 +144,7 @@ impl<'a> Dispatchers<'a> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_keeps_every_invariant() {
     let s = scale();
-    let env = TestEnv::new("chaos").await;
+    let env = TestEnv::new("chaos").await.with_partitions(s.partitions);
     let logs = std::env::temp_dir().join(format!("codepool-chaos-{}", env.db));
     std::fs::create_dir_all(&logs).unwrap();
     env.fill_pool("chaos", s.first_import).await;
@@ -284,11 +300,10 @@ async fn chaos_keeps_every_invariant() {
     let t = env.topology();
     eventually(
         Duration::from_secs(60),
-        "the purchases queue to drain",
+        "the purchases queues to drain",
         || {
-            let ch = ch.clone();
-            let q = t.purchases.clone();
-            async move { queue_depth(&ch, &q).await == 0 }
+            let (ch, t) = (ch.clone(), t.clone());
+            async move { purchases_depth(&ch, &t).await == 0 }
         },
     )
     .await;
@@ -304,7 +319,7 @@ async fn chaos_keeps_every_invariant() {
     }
     // Nothing was left unacked: with every consumer gone, the queue is empty.
     assert_eq!(
-        queue_depth(&ch, &t.purchases).await,
+        purchases_depth(&ch, &t).await,
         0,
         "unacked purchases were left behind"
     );
@@ -385,7 +400,8 @@ async fn chaos_keeps_every_invariant() {
     assert!(dead.iter().all(|m| m.reason.is_some()));
 
     println!(
-        "chaos: purchases {} (valid orders {}, duplicates {duplicates}, invalid {}), dispatcher kills {}, server restarts {restarts}, publisher reconnects {publisher_reconnects}, grants {}, backorders {bo_total} (waiting {bo_waiting}), sms events {}, dead letters {} ({} distinct), violations {violations}, {:.0}s",
+        "chaos: {} partition(s), purchases {} (valid orders {}, duplicates {duplicates}, invalid {}), dispatcher kills {}, server restarts {restarts}, publisher reconnects {publisher_reconnects}, grants {}, backorders {bo_total} (waiting {bo_waiting}), sms events {}, dead letters {} ({} distinct), violations {violations}, {:.0}s",
+        s.partitions,
         bodies.len() + s.invalid,
         s.orders,
         s.invalid,

@@ -9,8 +9,11 @@
 //! letters are exactly the invalid messages.
 //!
 //! `make test` runs the short version (5,000 purchases, one round of
-//! faults); `make chaos-cluster` sets `CODEPOOL_FAILOVER=full` for a long
-//! one with repeated rounds. The cluster is started idempotently on its own
+//! faults) with purchases spread over 2 partitions, each with one active
+//! consumer that moves when its dispatcher's node stops; `make
+//! chaos-cluster` sets `CODEPOOL_FAILOVER=full` for a long one with
+//! repeated rounds on the one queue (`CODEPOOL_TEST_PARTITIONS=N` sets the
+//! partitions of either). The cluster is started idempotently on its own
 //! ports, so the single-node servers other tests use are never touched.
 
 #[path = "../suite/common.rs"]
@@ -26,7 +29,7 @@ use futures::TryStreamExt;
 use rand::Rng;
 
 use crate::common::{
-    drain, eventually, publish_with_retries, purchase, queue_depth, Servers, TestEnv,
+    drain, eventually, publish_with_retries, purchase, purchases_depth, Servers, TestEnv,
 };
 
 const POOL: &str = "failover";
@@ -36,6 +39,16 @@ struct Scale {
     invalid: usize,
     publish_secs: u64,
     rounds: usize,
+    /// Purchase partitions ([`partitions`]).
+    partitions: u16,
+}
+
+/// The run's purchase partitions: `quick` unless `CODEPOOL_TEST_PARTITIONS`.
+fn partitions(quick: u16) -> u16 {
+    std::env::var("CODEPOOL_TEST_PARTITIONS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(quick)
 }
 
 fn scale() -> Scale {
@@ -45,6 +58,7 @@ fn scale() -> Scale {
             invalid: 40,
             publish_secs: 240,
             rounds: 4,
+            partitions: partitions(1),
         }
     } else {
         Scale {
@@ -52,6 +66,7 @@ fn scale() -> Scale {
             invalid: 10,
             publish_secs: 50,
             rounds: 1,
+            partitions: partitions(2),
         }
     }
 }
@@ -335,7 +350,7 @@ async fn check_queues(
     f: &mut Findings,
 ) {
     let t = env.topology();
-    f.purchases_left = queue_depth(channel, &t.purchases).await;
+    f.purchases_left = purchases_depth(channel, &t).await;
     let events = drain(channel, &t.sms_pending).await;
     f.events = events.len();
     let mut evented: HashSet<Line> = HashSet::new();
@@ -449,7 +464,9 @@ async fn dispatchers_survive_failover_of_every_server() {
     let s = scale();
     let servers = start_cluster().await;
     let cluster_up = started.elapsed();
-    let env = TestEnv::on("failover", servers).await;
+    let env = TestEnv::on("failover", servers)
+        .await
+        .with_partitions(s.partitions);
     many_pools_claim_through_the_hot_pool(&env).await;
     let logs = std::env::temp_dir().join(format!("codepool-failover-{}", env.db));
     std::fs::create_dir_all(&logs).expect("log dir");
@@ -487,13 +504,13 @@ async fn dispatchers_survive_failover_of_every_server() {
         .await
         .expect("RabbitMQ cluster answers");
     let channel = conn.create_channel().await.expect("channel");
-    let purchases = env.topology().purchases;
+    let t = env.topology();
     eventually(
         Duration::from_secs(60),
-        "the purchases queue to drain",
+        "the purchases queues to drain",
         || {
-            let (ch, q) = (channel.clone(), purchases.clone());
-            async move { queue_depth(&ch, &q).await == 0 }
+            let (ch, t) = (channel.clone(), t.clone());
+            async move { purchases_depth(&ch, &t).await == 0 }
         },
     )
     .await;
@@ -506,8 +523,8 @@ async fn dispatchers_survive_failover_of_every_server() {
     let code_by_line = check_grants(&env, &w, &mut f).await;
     check_queues(&channel, &env, &w, &code_by_line, &mut f).await;
     println!(
-        "failover: {} orders (+{} duplicates, {} invalid), faults [{}], publisher reconnects {reconnects}, dispatchers that saw an outage {outages:?}, cluster up in {:.0}s, work {:.0}s, total {:.0}s; {f:?}",
-        s.orders, w.duplicates, s.invalid, faults.join(", "),
+        "failover: {} partition(s), {} orders (+{} duplicates, {} invalid), faults [{}], publisher reconnects {reconnects}, dispatchers that saw an outage {outages:?}, cluster up in {:.0}s, work {:.0}s, total {:.0}s; {f:?}",
+        s.partitions, s.orders, w.duplicates, s.invalid, faults.join(", "),
         cluster_up.as_secs_f64(), work.as_secs_f64(), started.elapsed().as_secs_f64()
     );
     assert!(

@@ -89,6 +89,9 @@ pub struct TestEnv {
     /// This test's key file (`CODEPOOL_KEY_FILE` of every child process).
     pub key_file: std::path::PathBuf,
     _key_dir: Arc<tempfile::TempDir>,
+    /// Purchase partitions of this namespace (`CODEPOOL_PARTITIONS` of
+    /// every child process): 1 unless [`Self::with_partitions`].
+    pub partitions: u16,
 }
 
 impl TestEnv {
@@ -158,7 +161,15 @@ impl TestEnv {
             amqp_prefix: names.amqp_prefix,
             db,
             store,
+            partitions: 1,
         }
+    }
+
+    /// The same namespace with purchases spread over `n` partitions: its
+    /// topology, publishers and child processes all use them.
+    pub fn with_partitions(mut self, n: u16) -> Self {
+        self.partitions = n;
+        self
     }
 
     /// [`Self::new`], with `pools` filled by [`Self::fill_pool`].
@@ -171,7 +182,7 @@ impl TestEnv {
     }
 
     pub fn topology(&self) -> Topology {
-        Topology::with_prefix(&self.amqp_prefix)
+        Topology::with_prefix(&self.amqp_prefix).with_partitions(self.partitions)
     }
 
     pub fn hot_pool(&self) -> HotPool {
@@ -247,6 +258,7 @@ impl TestEnv {
             .env("CODEPOOL_REDIS_PREFIX", &self.redis_prefix)
             .env("CODEPOOL_AMQP_URL", &self.amqp_url)
             .env("CODEPOOL_AMQP_PREFIX", &self.amqp_prefix)
+            .env("CODEPOOL_PARTITIONS", self.partitions.to_string())
             .env("CODEPOOL_KEY_FILE", &self.key_file)
             // The test publishes code.redeemed as the platform would: with
             // user_id set to the broker user it connects as.
@@ -298,17 +310,17 @@ impl TestEnv {
         if let Ok(conn) = codepool_broker::connect(&self.amqp_url, "cleanup").await {
             if let Ok(ch) = conn.create_channel().await {
                 let t = self.topology();
-                for q in [
-                    &t.purchases,
-                    &t.purchases_dead,
-                    &t.sms_pending,
-                    &t.sms_receipts,
-                    &t.code_redeemed,
-                    &t.purchases_refused,
-                ] {
+                // The one purchases queue too, whatever the partitions.
+                let single = Some(t.purchases.clone()).filter(|_| t.is_partitioned());
+                for q in t.queue_names().iter().chain(&single) {
                     let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
                 }
-                for e in [&t.purchases_exchange, &t.sms_exchange, &t.events_exchange] {
+                for e in [
+                    &t.purchases_exchange,
+                    &t.unrouted_exchange(),
+                    &t.sms_exchange,
+                    &t.events_exchange,
+                ] {
                     let _ = ch.exchange_delete(e, Default::default()).await;
                 }
             }
@@ -622,6 +634,16 @@ async fn publish_window(
     }
     publisher.close("window published").await;
     Ok(())
+}
+
+/// Purchases waiting right now (ready, not unacked) in every purchase
+/// queue of `t` (the one queue, or all its partitions).
+pub async fn purchases_depth(channel: &lapin::Channel, t: &Topology) -> u32 {
+    let mut depth = 0;
+    for q in t.purchase_queues() {
+        depth += queue_depth(channel, &q).await;
+    }
+    depth
 }
 
 /// Messages in a queue right now (ready, not unacked).

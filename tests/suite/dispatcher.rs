@@ -716,3 +716,221 @@ async fn a_long_multibyte_order_id_is_granted_texted_and_refused_without_costing
     daemon.stop().await;
     env.cleanup().await;
 }
+
+/// Pools of both partitions of two (`pd` and `part-b` hash to 0, `pa` and
+/// `pb` to 1).
+const PARTITIONED_POOLS: [&str; 4] = ["pa", "pb", "pd", "part-b"];
+
+/// `n` purchases spread over [`PARTITIONED_POOLS`], ids `PREFIX-i`.
+fn spread(prefix: &str, n: usize) -> Vec<codepool_domain::Purchase> {
+    (0..n)
+        .map(|i| {
+            let pool = PARTITIONED_POOLS[i % PARTITIONED_POOLS.len()];
+            purchase(&format!("{prefix}-{i:04}"), pool)
+        })
+        .collect()
+}
+
+/// A dispatcher of `env` that takes partition `prefer` first and stands by
+/// for the other `standby` seconds later.
+fn preferring(env: &TestEnv, prefer: u16, standby: u64) -> tokio::process::Command {
+    let mut cmd = env.command(&[]);
+    cmd.env("CODEPOOL_PREFER_PARTITIONS", prefer.to_string())
+        .env("CODEPOOL_STANDBY_SECS", standby.to_string());
+    cmd
+}
+
+/// Every order of `orders` holds exactly one code, no code went to two
+/// orders, each order's SMS event carries its code, and no purchase waits.
+async fn granted_exactly_once(env: &TestEnv, conn: &lapin::Connection, orders: usize) {
+    let codes = env.coll("codes");
+    eventually(Duration::from_secs(60), "every order granted", || {
+        let codes = codes.clone();
+        async move {
+            let issued = doc! {"order_id": {"$type": "string"}};
+            codes.count_documents(issued).await.unwrap_or(0) >= orders as u64
+        }
+    })
+    .await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = env.topology();
+    wait_depth(&ch, &t.partition_queue(0), 30, |n| n == 0).await;
+    wait_depth(&ch, &t.partition_queue(1), 30, |n| n == 0).await;
+    let mut by_order: HashMap<String, String> = HashMap::new();
+    let mut holders: HashSet<String> = HashSet::new();
+    let issued: Vec<bson::Document> = {
+        use futures::TryStreamExt;
+        let found = codes.find(doc! {"order_id": {"$type": "string"}}).await;
+        found.unwrap().try_collect().await.unwrap()
+    };
+    for d in &issued {
+        let code = env.plain_code(d);
+        let order = d.get_str("order_id").unwrap().to_owned();
+        assert!(holders.insert(code.clone()), "{code} issued twice");
+        assert!(
+            by_order.insert(order.clone(), code).is_none(),
+            "{order} got two codes"
+        );
+    }
+    assert_eq!(by_order.len(), orders, "orders granted");
+    for m in drain(&ch, &t.sms_pending).await {
+        let ev: SmsPending = serde_json::from_slice(&m.body).unwrap();
+        assert_eq!(
+            by_order.get(&ev.order_id),
+            ev.all_codes().first().map(|c| &c.code)
+        );
+    }
+}
+
+/// Two partitions, two dispatchers that each prefer one: each partition
+/// has one active consumer (each dispatcher consumes exactly its own
+/// partition's purchases), and when one is killed its partition moves to
+/// the other, which stood by: nothing lost, nothing issued twice.
+#[tokio::test]
+async fn two_dispatchers_share_two_partitions_and_a_killed_ones_partition_moves_to_the_other() {
+    let env = TestEnv::new("partitions").await.with_partitions(2);
+    for pool in PARTITIONED_POOLS {
+        env.fill_pool(pool, 200).await;
+    }
+    let t = env.topology();
+    let of = |p: &codepool_domain::Purchase| codepool_broker::partition_of(&p.pool, 2);
+    // Started together: each takes its own partition before standing by.
+    let (a, b) = tokio::join!(
+        start_daemon(preferring(&env, 0, 8)),
+        start_daemon(preferring(&env, 1, 8))
+    );
+    let (conn, publisher) = env.amqp().await;
+    let first = spread("P1", 200);
+    publish_confirmed(&publisher, &first).await;
+    wait_settled(&[&a.addr, &b.addr], 200).await;
+    let consumed = |addr: String| async move {
+        metric_sum(&[&addr], "codepool_purchases_consumed_total").await as usize
+    };
+    let zero = first.iter().filter(|p| of(p) == 0).count();
+    assert!(zero > 0 && zero < first.len(), "both partitions in use");
+    assert_eq!(
+        consumed(a.addr.clone()).await,
+        zero,
+        "a took partition 0 alone"
+    );
+    assert_eq!(
+        consumed(b.addr.clone()).await,
+        200 - zero,
+        "b took partition 1 alone"
+    );
+    // Both stand by for the other's partition once the standby is over:
+    // two consumers on each partition, one of them active.
+    eventually(
+        Duration::from_secs(30),
+        "two consumers per partition",
+        || {
+            let t = t.clone();
+            async move {
+                let listed = rabbitmqctl(&["-q", "list_consumers", "queue_name", "active"]).await;
+                t.purchase_queues().iter().all(|q| {
+                    let mine: Vec<&str> = (listed.lines())
+                        .filter_map(|l| l.strip_prefix(&format!("{q}\t")))
+                        .collect();
+                    mine.len() == 2 && mine.iter().filter(|a| a.trim() == "true").count() == 1
+                })
+            }
+        },
+    )
+    .await;
+    // kill -9 of a while it works, then more purchases of both partitions.
+    let second = spread("P2", 400);
+    publish_confirmed(&publisher, &second[..200]).await;
+    let mut a = a;
+    let _ = a.child.start_kill();
+    let _ = a.child.wait().await;
+    publish_confirmed(&publisher, &second[200..]).await;
+    granted_exactly_once(&env, &conn, 600).await;
+    // Everything after the kill went to b, partition 0's purchases too.
+    let one_before = second[..200].iter().filter(|p| of(p) == 1).count();
+    let by_b = consumed(b.addr.clone()).await;
+    assert!(
+        by_b >= (200 - zero) + one_before + 200,
+        "b took partition 0 over: it consumed {by_b}"
+    );
+    b.stop().await;
+    drop(a);
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// A replayed dead letter goes to its pool's partition, as its first
+/// publish did; a purchase whose routing key names no partition (a shop
+/// backend that predates partitions) lands in partition 0, not nowhere.
+#[tokio::test]
+async fn a_replayed_dead_letter_lands_in_its_pools_partition() {
+    let env = TestEnv::new("partreplay").await.with_partitions(2);
+    let (conn, publisher) = env.amqp().await;
+    let t = env.topology();
+    t.declare(publisher.channel()).await.unwrap();
+    // "pa" is partition 1: not where a message routed by nothing goes.
+    assert_eq!(codepool_broker::partition_of("pa", 2), 1);
+    let body = purchase("LATE-1", "pa").to_json();
+    let id = "LATE-1".into();
+    let sent = publisher.dead_letter(&body, Some(&id), "unknown_pool: pa", 0, Some("guest"));
+    sent.await.unwrap().wait().await.unwrap();
+    env.fill_pool("pa", 2).await;
+    let out = codepool_ok(&env, &["dead-letters", "replay"]).await;
+    assert!(out.contains("each to its pool's partition"), "{out}");
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(queue_depth(&ch, &t.partition_queue(1)).await, 1, "{out}");
+    assert_eq!(queue_depth(&ch, &t.partition_queue(0)).await, 0);
+    let props = lapin::BasicProperties::default().with_user_id("guest".into());
+    let other = purchase("ANY-1", "pa").to_json();
+    publish_to(&publisher, &t.purchases_exchange, "any key", &other, props).await;
+    assert_eq!(queue_depth(&ch, &t.partition_queue(0)).await, 1);
+    // Both are granted wherever they wait.
+    let dispatcher = start_daemon(env.command(&[])).await;
+    wait_settled(&[&dispatcher.addr], 2).await;
+    dispatcher.stop().await;
+    let issued = doc! {"pool": "pa", "order_id": {"$in": ["LATE-1", "ANY-1"]}};
+    assert_eq!(env.coll("codes").count_documents(issued).await.unwrap(), 2);
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}
+
+/// A dispatcher set to another partition count than the queues it finds
+/// stops at once (exit status 1), says what to do, and declares nothing;
+/// so does a publisher, which publishes nothing.
+#[tokio::test]
+async fn a_dispatcher_set_to_another_partition_count_than_the_queues_stops_and_says_what_to_do() {
+    let env = TestEnv::new("partcount").await.with_partitions(2);
+    let (conn, publisher) = env.amqp().await;
+    let t = env.topology();
+    t.declare(publisher.channel()).await.unwrap();
+    for n in ["3", "1"] {
+        let mut cmd = env.command(&["dispatch", "--no-http"]);
+        cmd.env("CODEPOOL_PARTITIONS", n);
+        let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .expect("the dispatcher stops by itself")
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "CODEPOOL_PARTITIONS={n}: {err}");
+        assert!(err.contains("RabbitMQ holds 2 partitions"), "{err}");
+        assert!(err.contains(&format!("set to {n} partition(s)")), "{err}");
+        assert!(err.contains("docs/scaling.md"), "{err}");
+    }
+    // A publisher set to another count publishes nothing, and declares nothing.
+    let mut cmd = env.command(&["publish", "--pool", "pa", "--order-id", "X-1", "--uid", "u"]);
+    cmd.args(["--phone", "+8613800000000"])
+        .env("CODEPOOL_PARTITIONS", "3");
+    let out = cmd.output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("nothing was published") && err.contains("RabbitMQ holds 2 partitions"),
+        "{err}"
+    );
+    assert_eq!(queue_counts(&conn, &t.partition_queue(2)).await, None);
+    assert_eq!(queue_counts(&conn, &t.purchases).await, None);
+    for q in t.purchase_queues() {
+        assert_eq!(queue_counts(&conn, &q).await, Some((0, 0)), "{q}");
+    }
+    let _ = conn.close(200, "bye").await;
+    env.cleanup().await;
+}

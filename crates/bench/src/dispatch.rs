@@ -401,7 +401,10 @@ pub(crate) async fn check_dispatched(
 ) -> anyhow::Result<Checks> {
     let topology = scratch.cfg.topology();
     let (granted, orders) = super::issued_and_distinct_orders_where(&scratch.store, filter).await?;
-    let left = depth(conn, &topology.purchases).await?;
+    let mut left = 0;
+    for queue in topology.purchase_queues() {
+        left += depth(conn, &queue).await?;
+    }
     // The relay may re-send an event whose mark was not written yet (same
     // event_id, by design): at least one event per purchase.
     let events = depth(conn, &topology.sms_pending)

@@ -60,9 +60,9 @@ pub struct DispatcherRun {
     pub rss_max_kb: u64,
 }
 
-/// Starts a fresh dispatcher with `config` (its AMQP URL and topology are
-/// the scratch space's).
-pub fn start(scratch: &'static Scratch, config: &DispatcherConfig) -> anyhow::Result<Running> {
+/// Starts a fresh dispatcher with `config` (its AMQP URL and topology,
+/// partitions included, are the scratch space's).
+pub fn start(scratch: &Scratch, config: &DispatcherConfig) -> anyhow::Result<Running> {
     // The metrics recorder must be in place before the dispatcher records
     // anything: the reports' stage timings read it afterwards.
     let _ = crate::metrics();

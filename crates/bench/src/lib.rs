@@ -21,6 +21,7 @@ pub mod hooks;
 pub mod import;
 pub mod inproc;
 pub mod latency;
+pub mod partitions;
 mod probe;
 pub mod redeem;
 pub mod scale;
@@ -83,6 +84,9 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
     match args.which {
         Which::Seq(a) => scratch(cfg, |s| seq::run(a, s, &args.out_dir)).await?,
         Which::Claim(a) => scratch(cfg, |s| claim::run(a, s, &args.out_dir)).await?,
+        Which::Dispatch(a) if a.scale.compare_partitions.is_some() => {
+            scratch(cfg, |s| partitions::run_owned(a, s, &args.out_dir)).await?
+        }
         Which::Dispatch(a) if a.scale.is_scale_run() => {
             scratch(cfg, |s| scale::run_owned(a, s, &args.out_dir)).await?
         }
@@ -193,6 +197,13 @@ pub(crate) async fn redis_footprint(url: &str, prefix: &str) -> redis::RedisResu
 pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::Result<()> {
     // Spelled out field by field: a new queue or exchange in the topology
     // does not compile here until its cleanup is added.
+    let topology = cfg.topology();
+    // The partitions a run of this prefix may have declared (the
+    // partition bench uses 2).
+    let partitions = topology
+        .clone()
+        .with_partitions(topology.partitions.max(8))
+        .purchase_queues();
     let codepool_broker::Topology {
         purchases,
         purchases_exchange,
@@ -204,7 +215,8 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         code_redeemed,
         purchases_refused,
         queues: _,
-    } = cfg.topology();
+        partitions: _,
+    } = topology;
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-bench-cleanup").await?;
     let queues = [
         &purchases,
@@ -215,6 +227,7 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
         &purchases_refused,
     ]
     .into_iter()
+    .chain(&partitions)
     .chain(extra_queues);
     for q in queues {
         let ch = conn.create_channel().await?;
@@ -226,10 +239,16 @@ pub async fn delete_topology(cfg: &Config, extra_queues: &[String]) -> anyhow::R
             let _ = ch.close(200, "deleted").await;
         }
     }
-    for x in [&purchases_exchange, &sms_exchange, &events_exchange] {
+    // The alternate exchanges of every partition count of `partitions`.
+    let unrouted = (2..=partitions.len() as u16)
+        .map(|n| cfg.topology().with_partitions(n).unrouted_exchange());
+    for x in [purchases_exchange, sms_exchange, events_exchange]
+        .into_iter()
+        .chain(unrouted)
+    {
         let ch = conn.create_channel().await?;
         if ch
-            .exchange_delete(x, lapin::options::ExchangeDeleteOptions::default())
+            .exchange_delete(&x, lapin::options::ExchangeDeleteOptions::default())
             .await
             .is_ok()
         {

@@ -13,6 +13,7 @@ Examples:
   codepool-bench dispatch --purchases 20000
   codepool-bench dispatch --pools 1000 --spread zipf
   codepool-bench dispatch --pool-size 10000000
+  codepool-bench dispatch --compare-partitions 2 --purchases 20000
   codepool-bench latency --rate 100,1000 --seconds 10
   codepool-bench import --codes 200000
   codepool-bench generate --codes 1000000

@@ -35,6 +35,11 @@ pub struct ScaleArgs {
     /// 45: webhooks must not slow grants).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000))]
     pub webhook_endpoints: Option<u32>,
+    /// Compare this many purchase partitions with the one queue, two
+    /// dispatchers on each side, purchases over eight pools
+    /// (`partitions.rs`).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(2..=64))]
+    pub compare_partitions: Option<u16>,
     /// Alternate the two sides this many times and judge the median ratio.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub rounds: u32,

@@ -1,7 +1,7 @@
-//! Consuming: the purchases queue with manual acks and a prefetch window,
-//! any other durable queue the same way, and private subscriptions to
-//! events (an exclusive, auto-deleted queue per process, bound to one
-//! routing key).
+//! Consuming: the purchase queues (the one queue, or every partition) with
+//! manual acks and a prefetch window, any other durable queue the same
+//! way, and private subscriptions to events (an exclusive, auto-deleted
+//! queue per process, bound to one routing key).
 //!
 //! Every consumer comes with a [`ConsumerHandle`]: cancel the consumer
 //! with it before dropping the consumer, and keep it (it holds the channel)
@@ -13,6 +13,10 @@
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
 };
+use std::sync::{Arc, Mutex};
+
+use futures::stream::{BoxStream, StreamExt};
+use lapin::message::Delivery;
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
 
@@ -26,6 +30,7 @@ pub struct OpenConsumer {
 
 /// What it takes to end a consumer: its channel and its tag. Keep it
 /// until the connection is closed.
+#[derive(Clone)]
 pub struct ConsumerHandle {
     channel: Channel,
     tag: String,
@@ -46,17 +51,128 @@ impl ConsumerHandle {
     }
 }
 
-/// Declares the topology and starts consuming `purchases` with manual acks,
-/// at most `prefetch` unacked deliveries at once.
+/// Every purchase queue's deliveries, merged into one stream, and what
+/// it takes to end them. All consumers share one channel, so delivery
+/// tags (and `multiple` acks) span them all.
+pub struct PurchaseConsumers {
+    pub deliveries: BoxStream<'static, lapin::Result<Delivery>>,
+    /// Keep them until the connection is closed.
+    pub handles: ConsumerHandles,
+}
+
+/// The handles of consumers opened one after the other (the partitions a
+/// dispatcher stands by for are subscribed later).
+#[derive(Clone, Default)]
+pub struct ConsumerHandles(Arc<Mutex<Vec<ConsumerHandle>>>);
+
+impl ConsumerHandles {
+    /// Cancels every consumer opened so far ([`ConsumerHandle::cancel`]).
+    pub async fn cancel(&self) {
+        let handles = self.0.lock().map(|h| h.clone()).unwrap_or_default();
+        futures::future::join_all(handles.iter().map(ConsumerHandle::cancel)).await;
+    }
+
+    fn push(&self, handle: ConsumerHandle) {
+        if let Ok(mut handles) = self.0.lock() {
+            handles.push(handle);
+        }
+    }
+}
+
+/// When a dispatcher subscribes to the partitions. Each partition has one
+/// active consumer, the first in line: a dispatcher subscribes to its
+/// `prefer`red partitions at once and to the others `standby` later, so
+/// that dispatchers started together each take their own and stand by
+/// for the rest. Empty: every partition at once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Standby {
+    pub prefer: Vec<u16>,
+    pub after: std::time::Duration,
+}
+
+/// Declares the topology (after checking that the broker's purchase
+/// queues are of this process's partition count) and starts consuming
+/// every purchase queue with manual acks, at most `prefetch` unacked
+/// deliveries per queue.
 pub async fn consume_purchases(
     conn: &Connection,
     topology: &Topology,
     prefetch: u16,
     tag: &str,
-) -> Result<OpenConsumer, BrokerError> {
+    standby: &Standby,
+) -> Result<PurchaseConsumers, BrokerError> {
     let channel = conn.create_channel().await?;
-    topology.declare(&channel).await?;
-    consume_on(channel, &topology.purchases, prefetch, tag).await
+    topology.declare_checked(conn, &channel).await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let queues = topology.purchase_queues();
+    let tag_of = |q: &str| match (tag.is_empty(), topology.is_partitioned()) {
+        (true, _) => String::new(),
+        (false, false) => tag.to_owned(),
+        (false, true) => format!("{tag}.{}", q.rsplit('.').next().unwrap_or_default()),
+    };
+    let preferred = |q: &&String| {
+        standby.prefer.is_empty()
+            || !topology.is_partitioned()
+            || standby
+                .prefer
+                .iter()
+                .any(|&i| topology.partition_queue(i) == **q)
+    };
+    let (now, later): (Vec<&String>, Vec<&String>) = queues.iter().partition(preferred);
+    let handles = ConsumerHandles::default();
+    let mut first = Vec::new();
+    for q in now {
+        first.push(subscribe_on(&channel, q, &tag_of(q), &handles).await?);
+    }
+    let later: Vec<(String, String)> = later.into_iter().map(|q| (q.clone(), tag_of(q))).collect();
+    let delayed = match later.is_empty() {
+        true => futures::stream::empty().boxed(),
+        false => {
+            let (channel, kept, after) = (channel.clone(), handles.clone(), standby.after);
+            futures::stream::once(async move {
+                tokio::time::sleep(after).await;
+                let mut consumers = Vec::new();
+                for (q, tag) in &later {
+                    match subscribe_on(&channel, q, tag, &kept).await {
+                        Ok(c) => consumers.push(c),
+                        Err(e) => return futures::stream::once(async { Err(e) }).boxed(),
+                    }
+                }
+                futures::stream::select_all(consumers).boxed()
+            })
+            .flatten()
+            .boxed()
+        }
+    };
+    let deliveries = futures::stream::select(futures::stream::select_all(first), delayed).boxed();
+    Ok(PurchaseConsumers {
+        deliveries,
+        handles,
+    })
+}
+
+/// Consumes `queue` on `channel` with manual acks, its handle kept in `handles`.
+async fn subscribe_on(
+    channel: &Channel,
+    queue: &str,
+    tag: &str,
+    handles: &ConsumerHandles,
+) -> lapin::Result<Consumer> {
+    let consumer = channel
+        .basic_consume(
+            queue,
+            tag,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    handles.push(ConsumerHandle {
+        channel: channel.clone(),
+        tag: consumer.tag().to_string(),
+    });
+    Ok(consumer)
 }
 
 /// Starts consuming a declared durable `queue` with manual acks, at most

@@ -94,7 +94,7 @@ pub async fn peek(
 }
 
 /// Sends dead letters (those whose reason starts with `reason`, if given)
-/// back to the purchases queue, each with its replay count one higher and
+/// back to the purchases queue (the partition of each one's pool), each with its replay count one higher and
 /// the broker user that first published it, as the dead letter recorded it
 /// ([`publisher_of`], trusting only the records of `operators`); returns
 /// the message ids and counts sent. `publisher` must publish as one of
@@ -150,7 +150,7 @@ pub async fn replay(
 
 /// Waits up to `secs` for the replayed messages (`sent`) to be settled,
 /// then counts those back in the dead-letter queue. It returns early once
-/// the purchases queue is empty and the count stays the same for a second.
+/// every purchases queue is empty and the count stays the same for a second.
 pub async fn dead_again(
     conn: &Connection,
     topology: &Topology,
@@ -168,7 +168,10 @@ pub async fn dead_again(
                 found += 1;
             }
         }
-        let waiting = queue_depth(&channel, &topology.purchases).await?;
+        let mut waiting = 0;
+        for queue in topology.purchase_queues() {
+            waiting += queue_depth(&channel, &queue).await?;
+        }
         // Closing the channel puts every message it got back.
         let _ = channel.close(200, "counted").await;
         let settled = waiting == 0 && last == Some(found);

@@ -10,12 +10,17 @@
 
 pub mod consume;
 pub mod dead_letters;
+pub mod partitions;
 pub mod publisher;
 pub mod topology;
 
 use lapin::{Connection, ConnectionProperties};
 
-pub use consume::{consume, consume_purchases, subscribe, ConsumerHandle, OpenConsumer};
+pub use consume::{
+    consume, consume_purchases, subscribe, ConsumerHandle, ConsumerHandles, OpenConsumer,
+    PurchaseConsumers, Standby,
+};
+pub use partitions::{partition_of, MAX_PARTITIONS};
 pub use publisher::{amqp_message_id, confirmed, PendingConfirm, Publisher};
 pub use topology::{QueueSettings, QueueType, Topology, DEFAULT_DELIVERY_LIMIT};
 
@@ -140,6 +145,14 @@ do the same for codepool's other queues, and start codepool again: it declares {
         existing: &'static str,
         wanted: &'static str,
     },
+    /// The broker's purchase queues are of another partition count than
+    /// this process is set to (`found`, when it could be counted).
+    #[error("{}", partitions::mismatch_message(*configured, *found, exchange))]
+    Partitions {
+        configured: u16,
+        found: Option<u16>,
+        exchange: String,
+    },
 }
 
 impl BrokerError {
@@ -148,14 +161,22 @@ impl BrokerError {
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
-            BrokerError::QueueType { .. } | BrokerError::Url(_) | BrokerError::AuthRefused(_)
+            BrokerError::QueueType { .. }
+                | BrokerError::Url(_)
+                | BrokerError::AuthRefused(_)
+                | BrokerError::Partitions { .. }
         )
     }
 
     /// True when the process should stop rather than wait for a fix: the
-    /// broker refused who we are.
+    /// broker refused who we are, or its purchase queues are of another
+    /// partition count (consuming on would leave a partition unserved, or
+    /// serve it out of order beside the deployment's dispatchers).
     pub fn is_fatal(&self) -> bool {
-        matches!(self, BrokerError::AuthRefused(_))
+        matches!(
+            self,
+            BrokerError::AuthRefused(_) | BrokerError::Partitions { .. }
+        )
     }
 }
 

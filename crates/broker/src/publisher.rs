@@ -222,7 +222,8 @@ impl Publisher {
 
     /// Raw purchase bytes (also used to send invalid messages in tests),
     /// to the purchases exchange, which routes them to the purchases queue
-    /// alone.
+    /// alone: with partitions, to the partition of the purchase's pool
+    /// ([`Topology::routing_key_of`]).
     pub async fn publish_purchase_bytes(
         &self,
         body: &[u8],
@@ -233,11 +234,12 @@ impl Publisher {
             props = props.with_message_id(amqp_message_id(id));
         }
         let exchange = self.topology.purchases_exchange.clone();
-        let key = self.topology.purchases.clone();
+        let key = self.topology.routing_key_of(body);
         self.publish(&exchange, &key, body, props).await
     }
 
-    /// A dead-lettered purchase sent back to the purchases queue, marked
+    /// A dead-lettered purchase sent back to the purchases queue (its
+    /// pool's partition, like any purchase), marked
     /// with how often it has been replayed (`replays`, at least 1) and
     /// with the broker user that first published it (`publisher`, as the
     /// dead letter recorded it; none when it carried no `user_id`), under
@@ -262,7 +264,7 @@ impl Publisher {
             props = props.with_message_id(amqp_message_id(id));
         }
         let exchange = self.topology.purchases_exchange.clone();
-        let key = self.topology.purchases.clone();
+        let key = self.topology.routing_key_of(body);
         self.publish(&exchange, &key, body, props).await
     }
 

@@ -122,6 +122,11 @@ pub struct Topology {
     pub purchases_refused: String,
     /// Type and delivery limit of every durable queue above.
     pub queues: QueueSettings,
+    /// Queues purchases are spread over by pool (see
+    /// [`crate::partitions`]): 1 is the queue [`Topology::purchases`]
+    /// behind a fanout exchange, as before partitions; N > 1 the queues
+    /// `purchases.0` … behind a direct exchange.
+    pub partitions: u16,
 }
 
 pub const SMS_PENDING_KEY: &str = "sms.pending";
@@ -150,6 +155,7 @@ impl Topology {
             code_redeemed: n("code.redeemed"),
             purchases_refused: n("purchases.refused"),
             queues: QueueSettings::default(),
+            partitions: 1,
         }
     }
 
@@ -160,15 +166,19 @@ impl Topology {
     }
 
     /// Every durable queue, for cleanup and checks.
-    pub fn queue_names(&self) -> [&str; 6] {
-        [
-            &self.purchases,
-            &self.purchases_dead,
-            &self.sms_pending,
-            &self.sms_receipts,
-            &self.code_redeemed,
-            &self.purchases_refused,
-        ]
+    pub fn queue_names(&self) -> Vec<String> {
+        let mut names = self.purchase_queues();
+        names.extend(
+            [
+                &self.purchases_dead,
+                &self.sms_pending,
+                &self.sms_receipts,
+                &self.code_redeemed,
+                &self.purchases_refused,
+            ]
+            .map(String::clone),
+        );
+        names
     }
 
     /// The `x-delivery-count` of a delivery from a quorum queue, if it has
@@ -201,9 +211,9 @@ impl Topology {
     fn queue_args(&self, queue: &str, queue_type: QueueType) -> FieldTable {
         let mut args = queue_type.declare_args();
         let str_arg = |s: &str| AMQPValue::LongString(s.into());
-        let limited =
-            queue == self.purchases || queue == self.sms_receipts || queue == self.code_redeemed;
-        let dead_letters = queue == self.purchases || (limited && queue_type == QueueType::Quorum);
+        let purchases = self.is_purchase_queue(queue);
+        let limited = purchases || queue == self.sms_receipts || queue == self.code_redeemed;
+        let dead_letters = purchases || (limited && queue_type == QueueType::Quorum);
         if dead_letters {
             args.insert("x-dead-letter-exchange".into(), str_arg(""));
             args.insert(
@@ -214,6 +224,10 @@ impl Topology {
         if queue_type == QueueType::Quorum && limited {
             let limit = i64::from(self.queues.delivery_limit);
             args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+        }
+        if purchases && self.is_partitioned() {
+            // One dispatcher at a time takes a partition, in order.
+            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
         }
         args
     }
@@ -240,6 +254,85 @@ impl Topology {
         }
     }
 
+    /// The purchases exchange and its queues. One partition: a fanout
+    /// exchange over `purchases`, whatever the routing key. N partitions:
+    /// a direct exchange, partition `i` bound with routing key `i`, and an
+    /// alternate exchange that takes any other key to partition 0. The
+    /// exchange comes first: one of the other kind (another partition
+    /// count) stops the declare before any queue is made.
+    async fn declare_purchases(&self, channel: &Channel) -> Result<(), BrokerError> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let unrouted = &self.unrouted_exchange();
+        let mut args = FieldTable::default();
+        let kind = if self.is_partitioned() {
+            let ae = AMQPValue::LongString(unrouted.as_str().into());
+            args.insert("alternate-exchange".into(), ae);
+            ExchangeKind::Direct
+        } else {
+            ExchangeKind::Fanout
+        };
+        // Every purchase published to the purchases exchange goes to a
+        // purchases queue, and only there.
+        let exchange = &self.purchases_exchange;
+        (channel.exchange_declare(exchange, kind, durable, args))
+            .await
+            .map_err(|e| self.exchange_failed(exchange, e))?;
+        if !self.is_partitioned() {
+            self.declare_queue(channel, &self.purchases).await?;
+            return self.bind(channel, &self.purchases, exchange, "").await;
+        }
+        for i in (0..self.partitions).rev() {
+            let queue = self.partition_queue(i);
+            self.declare_queue(channel, &queue).await?;
+            self.bind(channel, &queue, exchange, &i.to_string()).await?;
+        }
+        (channel.exchange_declare(
+            unrouted,
+            ExchangeKind::Fanout,
+            durable,
+            FieldTable::default(),
+        ))
+        .await
+        .map_err(|e| self.exchange_failed(unrouted, e))?;
+        self.bind(channel, &self.partition_queue(0), unrouted, "")
+            .await
+    }
+
+    async fn bind(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        exchange: &str,
+        key: &str,
+    ) -> Result<(), BrokerError> {
+        (channel.queue_bind(
+            queue,
+            exchange,
+            key,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        ))
+        .await
+        .map_err(|e| declare_failed(queue, e))
+    }
+
+    /// A purchases exchange that exists with another type or alternate
+    /// exchange is that of another partition count
+    /// ([`BrokerError::Partitions`]).
+    fn exchange_failed(&self, exchange: &str, e: lapin::Error) -> BrokerError {
+        match crate::partitions::found_partitions(&e.to_string()) {
+            Some(found) => BrokerError::Partitions {
+                configured: self.partitions,
+                found,
+                exchange: self.purchases_exchange.clone(),
+            },
+            None => declare_failed(exchange, e),
+        }
+    }
+
     /// Declares everything (idempotent).
     pub async fn declare(&self, channel: &Channel) -> Result<(), BrokerError> {
         let topic = ExchangeDeclareOptions {
@@ -247,26 +340,7 @@ impl Topology {
             ..ExchangeDeclareOptions::default()
         };
         self.declare_queue(channel, &self.purchases_dead).await?;
-        self.declare_queue(channel, &self.purchases).await?;
-        // Every purchase published to the purchases exchange, whatever its
-        // routing key, goes to the purchases queue, and only there.
-        (channel.exchange_declare(
-            &self.purchases_exchange,
-            ExchangeKind::Fanout,
-            topic,
-            FieldTable::default(),
-        ))
-        .await
-        .map_err(|e| declare_failed(&self.purchases_exchange, e))?;
-        (channel.queue_bind(
-            &self.purchases,
-            &self.purchases_exchange,
-            "",
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        ))
-        .await
-        .map_err(|e| declare_failed(&self.purchases, e))?;
+        self.declare_purchases(channel).await?;
         for exchange in [&self.sms_exchange, &self.events_exchange] {
             channel
                 .exchange_declare(exchange, ExchangeKind::Topic, topic, FieldTable::default())

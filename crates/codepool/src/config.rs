@@ -127,6 +127,19 @@ pub struct Config {
         help_heading = "Connection"
     )]
     pub delivery_limit: u32,
+    /// Queues purchases are spread over by pool: 1 is the one queue
+    /// `purchases`; N > 1 the queues purchases.0 … purchases.{N-1}, each
+    /// taken by one dispatcher at a time. The same on every codepool
+    /// process of a deployment; see docs/scaling.md (Partitions) to change it.
+    #[arg(
+        long,
+        env = "CODEPOOL_PARTITIONS",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u16).range(1..=i64::from(codepool_broker::MAX_PARTITIONS)),
+        global = true,
+        help_heading = "Connection"
+    )]
+    pub partitions: u16,
     /// Key file that encrypts codes at rest [default: ~/.config/codepool/keys.json].
     /// Back it up: losing it loses the codes.
     #[arg(
@@ -183,6 +196,6 @@ impl Config {
             queue_type: self.queue_type.parse().unwrap_or_default(),
             delivery_limit: self.delivery_limit,
         };
-        topology
+        topology.with_partitions(self.partitions)
     }
 }

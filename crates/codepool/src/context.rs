@@ -154,6 +154,8 @@ pub async fn publisher(cfg: &Config, name: &str) -> anyhow::Result<(lapin::Conne
     let publisher = Publisher::new(&conn, cfg.topology())
         .await?
         .as_user(&Publisher::user_of(&cfg.amqp_url));
-    cfg.topology().declare(publisher.channel()).await?;
+    cfg.topology()
+        .declare_checked(&conn, publisher.channel())
+        .await?;
     Ok((conn, publisher))
 }

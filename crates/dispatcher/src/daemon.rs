@@ -43,6 +43,9 @@ pub struct DispatcherConfig {
     /// validates a message's `user_id` against the user that published
     /// it). Empty: every redemption event is refused.
     pub redeemers: Vec<String>,
+    /// With partitions: the ones this dispatcher subscribes to first, and
+    /// how long it waits before standing by for the others.
+    pub standby: codepool_broker::Standby,
 }
 
 impl DispatcherConfig {
@@ -60,6 +63,10 @@ impl DispatcherConfig {
     /// by it finishing (6 to 10 ms at 1,000/s on 2 cores), not by the clock.
     pub const DEFAULT_LINGER_MS: u64 = 8;
     pub const DEFAULT_AMQP_URL: &'static str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+    /// With preferred partitions: how long a dispatcher waits before it
+    /// subscribes to the others, long enough for dispatchers started
+    /// together to take their own first.
+    pub const DEFAULT_STANDBY_SECS: u64 = 5;
 }
 
 impl Default for DispatcherConfig {
@@ -75,6 +82,10 @@ impl Default for DispatcherConfig {
             schedules: Default::default(),
             name: format!("codepool-dispatch-{}", std::process::id()),
             redeemers: Vec::new(),
+            standby: codepool_broker::Standby {
+                prefer: Vec::new(),
+                after: Duration::from_secs(Self::DEFAULT_STANDBY_SECS),
+            },
         }
     }
 }
@@ -103,7 +114,8 @@ pub(crate) enum SessionEnd {
     KeysMissing,
 }
 
-/// The daemon. Stateless: run as many as needed on one queue.
+/// The daemon. Stateless: run as many as needed on one queue, or on the
+/// same partitions.
 pub struct Dispatcher {
     /// The services every granting process builds the same way
     /// ([`Parts::new`]): the store, the intake that decides batches

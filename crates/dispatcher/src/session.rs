@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use codepool_broker::{BrokerError, ConsumerHandle, OpenConsumer, Publisher};
+use codepool_broker::{BrokerError, ConsumerHandle, Publisher, PurchaseConsumers};
 use codepool_domain::{PoolEvent, PoolEventKind};
 use codepool_issuance::model::ObjectId;
 use futures::stream::SelectAll;
@@ -22,6 +22,9 @@ use tracing::{info, warn};
 use crate::acks::AckWindow;
 use crate::daemon::{Dispatcher, SessionEnd};
 use codepool_issuance::{background, Door};
+
+/// The purchase queues' deliveries, merged (one queue, or every partition).
+type Deliveries = futures::stream::BoxStream<'static, lapin::Result<Delivery>>;
 
 /// How long background tasks get to finish after a stop signal; together
 /// with the grace period for in-flight batches this keeps a stop under 10 s.
@@ -52,10 +55,17 @@ impl Dispatcher {
         let cfg = &self.config;
         let conn = codepool_broker::connect(&cfg.amqp_url, &cfg.name).await?;
         let tag = format!("{}-{}", cfg.name, ObjectId::new().to_hex());
-        let OpenConsumer {
-            mut consumer,
-            handle: purchases,
-        } = codepool_broker::consume_purchases(&conn, &cfg.topology, cfg.prefetch, &tag).await?;
+        let PurchaseConsumers {
+            deliveries: mut consumer,
+            handles: purchases,
+        } = codepool_broker::consume_purchases(
+            &conn,
+            &cfg.topology,
+            cfg.prefetch,
+            &tag,
+            &cfg.standby,
+        )
+        .await?;
         // Its dead letters are vouched for by its own broker user.
         let publisher = Publisher::new(&conn, cfg.topology.clone())
             .await?
@@ -66,7 +76,8 @@ impl Dispatcher {
             .await?;
         self.health.set_amqp(true);
         self.amqp.ok();
-        info!(queue = %cfg.topology.purchases, prefetch = cfg.prefetch, batch = cfg.batch_size, "consuming purchases");
+        let queues = cfg.topology.purchase_queues().join(",");
+        info!(%queues, prefetch = cfg.prefetch, batch = cfg.batch_size, "consuming purchases");
 
         let mut inflight = JoinSet::new();
         // Half the prefetch window may wait for an older batch (acks.rs).
@@ -142,7 +153,7 @@ impl Dispatcher {
     /// in flight waits a moment for company (see [`Self::fill_batch`]).
     async fn consume(
         self: Arc<Self>,
-        consumer: &mut Consumer,
+        consumer: &mut Deliveries,
         publisher: &Publisher,
         acks: &Arc<AckWindow>,
         inflight: &mut JoinSet<()>,
@@ -207,7 +218,7 @@ impl Dispatcher {
     async fn fill_batch(
         &self,
         first: Delivery,
-        consumer: &mut Consumer,
+        consumer: &mut Deliveries,
         permits: &Semaphore,
         finished: &Notify,
     ) -> (Vec<Delivery>, Option<String>) {

@@ -193,7 +193,9 @@ async fn connect(cfg: &Config, name: &str) -> anyhow::Result<Broker> {
     let publisher = Publisher::new(&conn, cfg.topology())
         .await?
         .as_user(&Publisher::user_of(&cfg.amqp_url));
-    cfg.topology().declare(publisher.channel()).await?;
+    cfg.topology()
+        .declare_checked(&conn, publisher.channel())
+        .await?;
     Ok(Broker { conn, publisher })
 }
 

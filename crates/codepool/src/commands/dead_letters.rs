@@ -14,7 +14,8 @@ Examples:
   codepool dead-letters replay            (after e.g. importing codes into a missing pool)
   codepool dead-letters replay --reason unknown_pool
 
-Replayed messages go back to the purchases queue; those still invalid come
+Replayed messages go back to the purchases queue (with --partitions, each
+to its pool's partition, as `codepool publish` sends it); those still invalid come
 back to the dead-letter queue with their reason. A replay takes at most the
 messages that were dead-lettered when it started, so it never replays its own
 output; each replayed message carries its replay count (x-codepool-replays),
@@ -61,7 +62,7 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
     let publisher = Publisher::new(&conn, topology.clone())
         .await?
         .as_user(&Publisher::user_of(&cfg.amqp_url));
-    topology.declare(publisher.channel()).await?;
+    topology.declare_checked(&conn, publisher.channel()).await?;
     match args.action {
         Action::List { limit, json } => {
             let listed = dead_letters::peek(&conn, &topology, None, limit)
@@ -108,9 +109,13 @@ pub async fn run(cfg: &Config, args: DeadLettersArgs) -> anyhow::Result<u8> {
             )
             .await?;
             say!(
-                "replayed {} purchase(s) to {:?}",
+                "replayed {} purchase(s) to {:?}{}",
                 sent.len(),
-                topology.purchases
+                topology.purchases_exchange,
+                match topology.is_partitioned() {
+                    true => " (each to its pool's partition)",
+                    false => "",
+                }
             );
             if let Some(secs) = wait {
                 let again = dead_letters::dead_again(&conn, &topology, &sent, secs).await?;

@@ -18,9 +18,17 @@ Examples:
   codepool dispatch --http 127.0.0.1:0 --workers 8
   CODEPOOL_AMQP_URL=amqp://user:pass@rabbit:5672/shop codepool dispatch --no-http
 
-Run as many dispatchers as you like on one queue. SIGINT/SIGTERM stops
-consuming, finishes what is in flight and exits 0; a second signal exits at
-once (unacked purchases are redelivered, never lost or granted twice).")]
+Run as many dispatchers as you like on one queue. With --partitions N
+(CODEPOOL_PARTITIONS) each consumes every partition and the broker gives
+each partition to one of them at a time:
+  CODEPOOL_PARTITIONS=2 codepool dispatch --prefer-partitions 0
+  CODEPOOL_PARTITIONS=2 codepool dispatch --prefer-partitions 1
+A dispatcher whose partition count differs from the queues it finds stops
+with exit status 1 and says what to do.
+
+SIGINT/SIGTERM stops consuming, finishes what is in flight and exits 0; a
+second signal exits at once (unacked purchases are redelivered, never lost
+or granted twice).")]
 pub struct DispatchArgs {
     /// Address for /metrics, /healthz and /readyz (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:9464")]
@@ -53,9 +61,34 @@ pub struct DispatchArgs {
     /// purchase producer must not be able to mark codes used.
     #[arg(long, env = "CODEPOOL_REDEEMERS", value_delimiter = ',')]
     pub redeemers: Vec<String>,
+    /// With --partitions N: the partitions this dispatcher subscribes to
+    /// first, comma separated (0 to N-1); it stands by for the others
+    /// --standby-secs later. Dispatchers started together with different
+    /// preferences each take their own. Default: every partition at once.
+    #[arg(
+        long,
+        env = "CODEPOOL_PREFER_PARTITIONS",
+        value_delimiter = ',',
+        value_name = "PARTITIONS"
+    )]
+    pub prefer_partitions: Vec<u16>,
+    /// With --prefer-partitions: seconds before standing by for the others.
+    #[arg(long, env = "CODEPOOL_STANDBY_SECS", default_value_t = DispatcherConfig::DEFAULT_STANDBY_SECS)]
+    pub standby_secs: u64,
 }
 
 pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
+    if let Some(p) = args
+        .prefer_partitions
+        .iter()
+        .find(|&&p| p >= cfg.partitions)
+    {
+        anyhow::bail!(
+            "--prefer-partitions names partition {p}, but there are {} (0 to {}); set --partitions (CODEPOOL_PARTITIONS) to the deployment's count",
+            cfg.partitions,
+            cfg.partitions - 1
+        );
+    }
     let stop = crate::shutdown::on_signals();
     let health = Arc::new(Health::default());
     if !args.no_http {
@@ -85,6 +118,10 @@ pub async fn run(cfg: &Config, args: DispatchArgs) -> anyhow::Result<u8> {
         workers: args.workers,
         linger: Duration::from_millis(args.linger_ms),
         redeemers: args.redeemers.clone(),
+        standby: codepool_broker::Standby {
+            prefer: args.prefer_partitions.clone(),
+            after: Duration::from_secs(args.standby_secs),
+        },
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::new(parts, config, health);

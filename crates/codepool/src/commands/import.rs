@@ -147,7 +147,9 @@ pub(crate) async fn announce_replenished(
     let result = async {
         let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-import").await?;
         let publisher = codepool_broker::Publisher::new(&conn, cfg.topology()).await?;
-        cfg.topology().declare(publisher.channel()).await?;
+        cfg.topology()
+            .declare_checked(&conn, publisher.channel())
+            .await?;
         let announced =
             codepool_issuance::controls::announce_replenished(store, &publisher, pool, inserted)
                 .await;

@@ -84,33 +84,51 @@ pub async fn run(cfg: &Config, args: PublishArgs) -> anyhow::Result<u8> {
     let publisher = Publisher::new(&conn, cfg.topology())
         .await?
         .as_user(&Publisher::user_of(&cfg.amqp_url));
-    declare_if_allowed(&conn, cfg).await;
+    if let Err(e) = declare_if_allowed(&conn, cfg).await {
+        codepool_broker::close(conn, "refused").await;
+        bail!("nothing was published: {e}");
+    }
     let n = publish_all(&publisher, &bodies).await?;
     codepool_broker::close(conn, "done").await;
-    say!(
-        "published {n} purchase(s) to exchange {:?} (queue {:?})",
-        cfg.topology().purchases_exchange,
-        cfg.topology().purchases
-    );
+    let topology = cfg.topology();
+    match topology.is_partitioned() {
+        false => say!(
+            "published {n} purchase(s) to exchange {:?} (queue {:?})",
+            topology.purchases_exchange,
+            topology.purchases
+        ),
+        true => say!(
+            "published {n} purchase(s) to exchange {:?} (each to its pool's partition of {})",
+            topology.purchases_exchange,
+            topology.partitions
+        ),
+    }
     Ok(crate::exit::OK)
 }
 
 /// Declares the topology where the broker user may (an operator's user
 /// may; a shop's backend, allowed to write to the purchases exchange and
 /// nothing else, may not, and needs not: a dispatcher declared it). On a
-/// channel of its own, since a refusal closes the channel.
-async fn declare_if_allowed(conn: &lapin::Connection, cfg: &Config) {
+/// channel of its own, since a refusal closes the channel. Fails only when
+/// the broker's purchase queues are of another partition count: the
+/// purchases would not go to their pools' partitions.
+async fn declare_if_allowed(
+    conn: &lapin::Connection,
+    cfg: &Config,
+) -> Result<(), codepool_broker::BrokerError> {
     let Ok(channel) = conn.create_channel().await else {
-        return;
+        return Ok(());
     };
-    match cfg.topology().declare(&channel).await {
+    match cfg.topology().declare_checked(conn, &channel).await {
         Ok(()) => {
             let _ = channel.close(200, "declared").await;
         }
+        Err(e @ codepool_broker::BrokerError::Partitions { .. }) => return Err(e),
         Err(e) => {
             tracing::debug!(error = %e, "not declaring the topology; publishing to it as it is")
         }
     }
+    Ok(())
 }
 
 /// Publishes with up to 1000 confirms in flight.

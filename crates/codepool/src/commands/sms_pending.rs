@@ -42,7 +42,7 @@ pub async fn run(cfg: &Config, args: SmsPendingArgs) -> anyhow::Result<u8> {
     }
     let conn = codepool_broker::connect(&cfg.amqp_url, "codepool-sms-pending").await?;
     let channel = conn.create_channel().await?;
-    topology.declare(&channel).await?;
+    topology.declare_checked(&conn, &channel).await?;
     let mut shown = 0;
     while shown < args.limit {
         let Some(msg) = channel
