@@ -15,7 +15,10 @@
 //! - the shops' webhook deliverer, all the time;
 //! - the channels' declared stock, on change and every
 //!   [`DECLARE_EVERY`](crate::channels::stock::DECLARE_EVERY)
-//!   ([`crate::channels::stock::run`]).
+//!   ([`crate::channels::stock::run`]);
+//! - the channels' calls by outcome, written every
+//!   [`FLUSH_EVERY`](crate::channels::outcomes::FLUSH_EVERY)
+//!   ([`crate::channels::outcomes::run`]).
 //!
 //! What it publishes goes out on the process's broker connection of the
 //! moment (`publishing`): the API's, replaced after an outage, or the
@@ -70,6 +73,8 @@ pub struct Parts {
     pub operator_broker_users: Arc<[String]>,
     /// Declares the channels' stock to their marketplaces.
     pub declarer: Arc<crate::channels::stock::Declarer>,
+    /// The channels' calls by outcome, written every few seconds.
+    pub outcomes: Arc<crate::channels::outcomes::Counter>,
 }
 
 impl Parts {
@@ -86,6 +91,7 @@ impl Parts {
             outbox: Arc::new(Outbox::new(Arc::new(store.clone()))),
             stock: StockWatch::new(store.clone(), StockConfig::granting()),
             declarer: crate::channels::stock::Declarer::new(store.clone()),
+            outcomes: Arc::default(),
             store,
             hot,
             activity: Arc::default(),
@@ -149,6 +155,11 @@ pub fn start(
     tasks.spawn(crate::channels::stock::run(
         parts.declarer.clone(),
         crate::channels::stock::DECLARE_EVERY,
+        stop.clone(),
+    ));
+    tasks.spawn(crate::channels::outcomes::run(
+        parts.outcomes.clone(),
+        parts.store.clone(),
         stop.clone(),
     ));
     let deliverer = Deliverer::new(parts.store.clone(), parts.allow_hosts.clone());

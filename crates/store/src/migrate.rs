@@ -131,6 +131,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0030_kinguin_uploads",
         include_str!("../../../migrations/0030_kinguin_uploads.json"),
     ),
+    (
+        "0031_channel_outcomes",
+        include_str!("../../../migrations/0031_channel_outcomes.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -19,9 +19,11 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use codepool_issuance::channels::{self, AfterProvide, CallError, Cancelled, Key, Kind};
+use codepool_issuance::channels::{self, AfterProvide, Call, CallError, Cancelled, Key, Kind};
 use codepool_issuance::model::ChannelDoc;
+use serde::Serialize;
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
 use crate::state::Api;
 
@@ -229,7 +231,7 @@ async fn reserve(api: &Api, c: &ChannelDoc, order: &str, auctions: Vec<(String, 
         match channels::line_of(c, auction, *count) {
             Ok(l) => lines.push(l),
             Err(e) => {
-                channels::reservation_failed(c);
+                api.channel_counted(c, Call::Reservation, false);
                 return failed("RESERVE", order, e);
             }
         }
@@ -263,19 +265,14 @@ fn auctions_of(keys: &[Key]) -> Vec<Value> {
 async fn replace(api: &Api, c: &ChannelDoc, order: &str, auction: &str, key: &str) -> Response {
     match api.eneba_replace(c, order, auction, key).await {
         Ok(()) => {
-            count_reservation(c, true);
+            api.channel_counted(c, Call::Reservation, true);
             Json(json!({"action": "RESERVE", "orderId": order, "success": true})).into_response()
         }
         Err(e) => {
-            count_reservation(c, false);
+            api.channel_counted(c, Call::Reservation, false);
             failed("RESERVE", order, e)
         }
     }
-}
-
-fn count_reservation(c: &ChannelDoc, ok: bool) {
-    let outcome = if ok { "completed" } else { "failed" };
-    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => outcome).increment(1);
 }
 
 async fn provide(api: &Api, c: &ChannelDoc, order: &str, key: Option<&str>) -> Response {
