@@ -20,10 +20,10 @@ use crate::api::{http, json_of, ApiServer, Exchange};
 use crate::common::*;
 use crate::fixtures::*;
 
-const ENEBA_TOKEN: &str = "eneba-static-bearer-0123456789abcdef0123456789";
+pub(crate) const ENEBA_TOKEN: &str = "eneba-static-bearer-0123456789abcdef0123456789";
 const G2A_ID: &str = "g2a-client";
 const G2A_SECRET: &str = "g2a-client-secret-0123456789abcdef0123456789";
-const AUCTION: &str = "8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d";
+pub(crate) const AUCTION: &str = "8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d";
 const PRODUCT: &str = "10000045532001";
 
 /// `codepool channels add`, credentials written to a file; `extra` flags.
@@ -74,7 +74,13 @@ async fn map(env: &TestEnv, name: &str, product: &str, pool: &str) {
 
 /// A shop `acme` selling pool `pool` (of `n` codes) on Eneba (`en`, with
 /// `extra` flags) and G2A (`g2`).
-async fn selling(test: &str, pool: &str, n: usize, eneba: &[&str], g2a: &[&str]) -> TestEnv {
+pub(crate) async fn selling(
+    test: &str,
+    pool: &str,
+    n: usize,
+    eneba: &[&str],
+    g2a: &[&str],
+) -> TestEnv {
     let env = TestEnv::new(test).await;
     env.fill_pool(pool, n).await;
     create_shop(&env, "acme", pool, &[]).await;
@@ -102,7 +108,7 @@ async fn selling(test: &str, pool: &str, n: usize, eneba: &[&str], g2a: &[&str])
 }
 
 /// One Eneba callback, as Eneba sends it.
-async fn eneba(api: &ApiServer, token: &str, body: Value) -> Exchange {
+pub(crate) async fn eneba(api: &ApiServer, token: &str, body: Value) -> Exchange {
     http(
         &api.addr,
         "POST",
@@ -113,13 +119,13 @@ async fn eneba(api: &ApiServer, token: &str, body: Value) -> Exchange {
     .await
 }
 
-fn reserve(order: &str, keys: u32) -> Value {
+pub(crate) fn reserve(order: &str, keys: u32) -> Value {
     json!({"action": "RESERVE", "orderId": order, "auctions": [
         {"auctionId": AUCTION, "keyCount": keys, "price": {"amount": 1599, "currency": "EUR"}}
     ]})
 }
 
-fn provide(order: &str) -> Value {
+pub(crate) fn provide(order: &str) -> Value {
     json!({"action": "PROVIDE", "orderId": order})
 }
 
@@ -128,7 +134,7 @@ fn cancel(order: &str) -> Value {
 }
 
 /// The keys of a PROVIDE answer.
-fn keys_of(body: &[u8]) -> Vec<String> {
+pub(crate) fn keys_of(body: &[u8]) -> Vec<String> {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     (v["auctions"].as_array().into_iter().flatten())
         .flat_map(|a| a["keys"].as_array().cloned().unwrap_or_default())
@@ -151,7 +157,7 @@ async fn held(env: &TestEnv, pool: &str) -> u64 {
     count_codes(env, doc! {"pool": pool, "status": 4}).await
 }
 
-fn success(body: &[u8]) -> Value {
+pub(crate) fn success(body: &[u8]) -> Value {
     json_of(body)["success"].clone()
 }
 

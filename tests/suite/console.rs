@@ -1061,3 +1061,126 @@ async fn a_sign_in_name_holding_a_newline_cannot_forge_a_log_line() {
     api.stop().await;
     env.cleanup().await;
 }
+
+/// The CSRF token of the page `path` shows `cookie`'s session (every
+/// signed-in page has one, in its sign-out form).
+async fn csrf_of(addr: &str, path: &str, cookie: &str) -> String {
+    let (status, text) = get_with(addr, path, cookie).await;
+    assert_eq!(status, 200, "{text}");
+    let at = text.find("name=\"csrf\" value=\"").expect("a CSRF field") + 19;
+    text[at..].split('"').next().unwrap().to_owned()
+}
+
+async fn channel_paused(env: &TestEnv, name: &str) -> bool {
+    let c = find_docs(env, "channels", bson::doc! {"_id": name}).await;
+    c[0].get_bool("paused").unwrap_or(false)
+}
+
+/// Eneba's RESERVE of `keys` keys for `order`: whether it held them.
+async fn eneba_reserves(api: &ApiServer, order: &str, keys: u32) -> bool {
+    use crate::channels::{eneba, reserve, success, ENEBA_TOKEN};
+    let (status, _, body) = eneba(api, ENEBA_TOKEN, reserve(order, keys)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    success(&body) == json!(true)
+}
+
+/// A viewer reads the channels but cannot pause one; a pause without the
+/// session's CSRF token is refused; nothing changes either way.
+async fn a_viewer_and_a_forger_cannot_pause_a_channel(env: &TestEnv, addr: &str, admin: &str) {
+    operator(env, "vic", "viewer").await;
+    let viewer = signed_in(addr, "vic").await;
+    let (status, text) = get_with(addr, "/console/channels/en", &viewer).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("/pause\""), "no pause form for a viewer");
+    let csrf = csrf_of(addr, "/console/channels/en", &viewer).await;
+    let form = format!("csrf={csrf}");
+    let (status, _, _) = post_form(addr, "/console/channels/en/pause", &viewer, &form).await;
+    assert_eq!(status, 403);
+    let (status, _, _) = post_form(addr, "/console/channels/en/pause", admin, "csrf=forged").await;
+    assert_eq!(status, 403);
+    let (status, _, _) = post_form(addr, "/console/channels/nope/pause", admin, &{
+        format!("csrf={}", csrf_of(addr, "/console/channels", admin).await)
+    })
+    .await;
+    assert_eq!(status, 404);
+    assert!(!channel_paused(env, "en").await);
+}
+
+#[tokio::test]
+async fn an_operator_sees_each_channels_stock_reservations_and_failures_and_an_admin_pauses_one() {
+    use crate::channels::{eneba, keys_of, provide, selling, AUCTION, ENEBA_TOKEN};
+    // Pool game-c of 40 codes, sold by Eneba (`en`, half of the free codes
+    // declared) and G2A (`g2`, all of them).
+    let env = selling("console_channels", "game-c", 40, &["--share", "50"], &[]).await;
+    operator(&env, "ada", "admin").await;
+    let api = ApiServer::start(&env, &[]).await;
+    // Eneba reserves 2 keys and gets them, reserves 3 more (held), and
+    // asks 50 the pool does not have: 2 completed reservations, 1 failed,
+    // 1 completed provision; 35 codes free, 3 held.
+    assert!(eneba_reserves(&api, "o-1", 2).await);
+    let (_, _, body) = eneba(&api, ENEBA_TOKEN, provide("o-1")).await;
+    assert_eq!(keys_of(&body).len(), 2);
+    assert!(eneba_reserves(&api, "o-2", 3).await);
+    assert!(!eneba_reserves(&api, "o-3", 50).await);
+
+    let b = Browser::start(&api.addr).await;
+    b.sign_in("ada").await;
+    b.goto("/console/channels").await;
+    let en = b.text("tr[data-channel=\"en\"]").await;
+    for want in [
+        "eneba",
+        "acme",
+        "active",
+        AUCTION,
+        "game-c",
+        "may sell 17",
+        "3 codes held",
+    ] {
+        assert!(en.contains(want), "{want} in {en}");
+    }
+    let reservations = b.text("tr[data-channel=\"en\"] dd.reservations").await;
+    let provisions = b.text("tr[data-channel=\"en\"] dd.provisions").await;
+    assert!(
+        reservations.contains("1 failed of 3") && reservations.contains("hide 0.00 / 0.4"),
+        "{reservations}"
+    );
+    assert!(
+        provisions.contains("0 failed of 1") && provisions.contains("hide 0.00 / 0.2"),
+        "{provisions}"
+    );
+    let g2 = b.text("tr[data-channel=\"g2\"]").await;
+    assert!(g2.contains("g2a") && g2.contains("may sell 35"), "{g2}");
+    b.shot("channels").await;
+
+    b.click("tr[data-channel=\"en\"] td.name a").await;
+    assert_eq!(b.text("h1").await, "Channel en");
+    assert_eq!(b.text("td.declarable").await, "17");
+    assert_eq!(b.text("strong.open-reservations").await, "1");
+    assert_eq!(b.text("strong.held-codes").await, "3");
+    assert_eq!(b.text("tr.reservations td.failed").await, "1");
+    b.shot("channel").await;
+
+    let cookie = b.session_cookie().await;
+    a_viewer_and_a_forger_cannot_pause_a_channel(&env, &api.addr, &cookie).await;
+
+    // The admin pauses it: it declares nothing and reserves nothing new
+    // (a refusal Eneba counts), then resumes it; both audited.
+    b.click("form.pause button").await;
+    assert!(b.text_with("h1", "paused").await.contains("paused"));
+    assert!(channel_paused(&env, "en").await);
+    assert!(!eneba_reserves(&api, "o-4", 1).await);
+    b.goto("/console/channels/en").await;
+    assert_eq!(b.text("td.declarable").await, "0");
+    assert_eq!(b.text("tr.reservations td.failed").await, "2");
+    b.shot("channel-paused").await;
+    b.click("form.resume button").await;
+    assert_eq!(b.text_with("dd.state", "active").await, "active");
+    assert!(eneba_reserves(&api, "o-5", 1).await);
+    let audited = crate::fixtures::audited(&env, "operator:ada").await;
+    let changes: Vec<&(String, String)> =
+        audited.iter().filter(|(k, _)| k == "channel-set").collect();
+    assert_eq!(changes.len(), 2, "{audited:?}");
+    b.close().await;
+    api.stop().await;
+    env.cleanup().await;
+}

@@ -160,12 +160,20 @@ fn validate_with_reference(doc: &Value) {
     );
 }
 
-/// A concrete path for a template, with ids that exist in the test.
+/// A concrete path for a template, with ids that exist in the test (a
+/// marketplace's route names a channel that does not: it answers in the
+/// marketplace's shape).
 fn concrete(template: &str) -> String {
-    template
+    let path = template
         .replace("{order_id}", "OA-1")
         .replace("{pool}", "oa")
-        .replace("{import_id}", "0123456789abcdef01234567")
+        .replace("{import_id}", "0123456789abcdef01234567");
+    if !template.starts_with("/channels/") {
+        return path;
+    }
+    path.replace("{name}", "oa-channel")
+        .replace("{rid}", "r-1")
+        .replace("{id}", "i-1")
 }
 
 #[tokio::test]
@@ -280,4 +288,52 @@ fn the_contract_refuses_an_undocumented_status_and_a_body_off_its_schema() {
         problem,
     )
     .unwrap();
+}
+
+#[test]
+fn the_contract_holds_each_marketplaces_answers_to_its_own_shape() {
+    let c = contract();
+    let json = Some("application/json");
+    let provided = br#"{"action":"PROVIDE","orderId":"o-1","success":true,"auctions":[{"auctionId":"a","keys":[{"type":"TEXT","value":"K-1"}]}]}"#;
+    c.check("POST", "/channels/en/eneba", 200, json, provided)
+        .unwrap();
+    let unread = br#"{"action":null,"orderId":null,"success":false,"message":"not JSON"}"#;
+    c.check("POST", "/channels/en/eneba", 400, json, unread)
+        .unwrap();
+    // A problem document is not Eneba's shape, nor is a key of another kind.
+    let problem =
+        br#"{"type":"https://codepool.dev/problems/x","title":"t","status":400,"detail":"d"}"#;
+    assert!(c
+        .check("POST", "/channels/en/eneba", 400, json, problem)
+        .is_err());
+    let wrong_key = br#"{"action":"PROVIDE","orderId":"o-1","success":true,"auctions":[{"auctionId":"a","keys":[{"type":"TEXT"}]}]}"#;
+    assert!(c
+        .check("POST", "/channels/en/eneba", 200, json, wrong_key)
+        .is_err());
+
+    let exists = br#"{"code":"order_exists","message":"m"}"#;
+    c.check("POST", "/channels/g2/g2a/order", 409, json, exists)
+        .unwrap();
+    assert!(c
+        .check("POST", "/channels/g2/g2a/order", 402, json, exists)
+        .is_err());
+    let reservation =
+        br#"{"reservation_id":"r-1","stock":[{"product_id":10000045532001,"inventory_size":7}]}"#;
+    c.check(
+        "POST",
+        "/channels/g2/g2a/reservation",
+        200,
+        json,
+        reservation,
+    )
+    .unwrap();
+    c.check("DELETE", "/channels/g2/g2a/reservation/r-1", 204, None, b"")
+        .unwrap();
+
+    let refused = br#"{"reservationId":null,"status":null,"error":"unauthorized","message":"m"}"#;
+    c.check("POST", "/channels/kg/kinguin", 401, json, refused)
+        .unwrap();
+    assert!(c
+        .check("POST", "/channels/kg/kinguin", 200, json, refused)
+        .is_err());
 }

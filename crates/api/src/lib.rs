@@ -60,9 +60,10 @@ pub use state::{Api, ApiConfig};
 pub fn router(api: Arc<Api>) -> Router {
     // The marketplaces' own protocols: their own authentication and error
     // shapes, so outside the `/v1` key check and problem bodies.
-    let api_for_channels = api.clone();
+    let (channels, channels_doc) = channels::documented().split_for_parts();
+    let channels = channels::router(channels, api.clone());
     let (v1, doc) = documented().split_for_parts();
-    let doc = Arc::new(openapi::complete(doc));
+    let doc = Arc::new(openapi::complete(doc, channels_doc));
     let v1 = v1
         .fallback(
             |axum::Extension(id): axum::Extension<RequestId>| async move {
@@ -85,7 +86,6 @@ pub fn router(api: Arc<Api>) -> Router {
             async move { axum::Json(doc.as_ref().clone()) }
         }),
     );
-    let channels = channels::router(api_for_channels);
     v1.merge(doc)
         .layer(middleware::from_fn(with_request_id))
         .merge(channels)
@@ -130,7 +130,10 @@ fn documented() -> OpenApiRouter<Arc<Api>> {
 
 /// The OpenAPI document of the API (as `GET /openapi.json` serves it).
 pub fn openapi_document() -> utoipa::openapi::OpenApi {
-    openapi::complete(documented().into_openapi())
+    openapi::complete(
+        documented().into_openapi(),
+        channels::documented().into_openapi(),
+    )
 }
 
 /// Binds `addr` now (a taken port fails at start) and serves the API and

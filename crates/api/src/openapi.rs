@@ -20,7 +20,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
 #[openapi(
     info(
         title = "codepool",
-        description = "Pre-issued activation codes for shop backends: an order gets exactly its codes, once, however often it is sent. Every /v1 route needs `Authorization: Bearer cpk_…` with the route's scope (orders:write, orders:read, codes:reveal, codes:redeem, admin). Errors are RFC 9457 problems whose `detail` says what to do next.",
+        description = "Pre-issued activation codes for shop backends: an order gets exactly its codes, once, however often it is sent. Every /v1 route needs `Authorization: Bearer cpk_…` with the route's scope (orders:write, orders:read, codes:reveal, codes:redeem, admin). Errors are RFC 9457 problems whose `detail` says what to do next. The /channels routes are the marketplaces' (tag channels).",
         license(name = "Apache-2.0"),
     ),
     tags(
@@ -34,6 +34,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "shops", description = "Shops: the pools each may order from (admin)"),
         (name = "webhooks", description = "A shop's webhook endpoints, deliveries and replays, to the Standard Webhooks specification (admin)"),
         (name = "dead-letters", description = "Purchases codepool could not take (admin)"),
+        (name = "channels", description = "The marketplaces' own protocols on a shop's channels (docs/channels.md): Eneba's Declared Stock callbacks, G2A's Dropshipping API, Kinguin's reservation webhooks. No API key: each marketplace authenticates as its contract says, and every refusal has the marketplace's own error shape"),
         (name = "operations", description = "Health, readiness and metrics (no key)"),
     ),
     components(schemas(ProblemDoc)),
@@ -319,9 +320,16 @@ fn operations_item(id: &str, what: &str, content_type: &str) -> PathItem {
 }
 
 /// The document the router's annotations made, completed: the key scheme,
-/// the common problems of every `/v1` operation, the operations routes.
-pub(crate) fn complete(mut doc: Document) -> Document {
+/// the common problems of every `/v1` operation, the operations routes,
+/// and the marketplaces' routes (`channels`, each with its own bodies,
+/// error shape and authentication).
+pub(crate) fn complete(mut doc: Document, channels: Document) -> Document {
     Common.modify(&mut doc);
+    doc.merge(channels);
+    let components = doc.components.get_or_insert_with(Default::default);
+    for (name, scheme) in crate::channels::security_schemes() {
+        components.add_security_scheme(name, scheme);
+    }
     doc
 }
 

@@ -14,6 +14,7 @@ use codepool_issuance::operators::Role;
 const NAV: &[(&str, &str, Role)] = &[
     ("Pools", "/console/pools", Role::Viewer),
     ("Orders", "/console/orders", Role::Support),
+    ("Channels", "/console/channels", Role::Viewer),
     ("Dead letters", "/console/dead-letters", Role::Admin),
     ("Shops", "/console/shops", Role::Admin),
     ("API keys", "/console/api-keys", Role::Admin),

@@ -3,7 +3,8 @@
 //! The operator console: pages rendered by the API server under
 //! `/console`, for the people who answer "my code never arrived". Every
 //! page calls the same operations as the CLI and the HTTP API (lookup,
-//! resend, void, recall, pool settings, imports, dead letters, keys);
+//! resend, void, recall, pool settings, imports, dead letters, keys,
+//! channels);
 //! none is written twice.
 //!
 //! - [`operators`]: accounts from `codepool operators`, argon2id hashes,
@@ -82,6 +83,7 @@ pub fn router(core: Arc<Core>, cfg: ConsoleConfig) -> Router {
             get(pages::pools::list).post(pages::pools::create),
         )
         .merge(pool_routes())
+        .merge(channel_routes())
         .route("/console/orders", get(pages::orders::search))
         .route("/console/orders/{id}", get(pages::orders::show))
         .route("/console/orders/{id}/resend", post(pages::orders::resend))
@@ -142,6 +144,21 @@ fn pool_routes() -> Router<Arc<Console>> {
         )
         .route("/console/pools/{pool}/resume", post(pages::pool::resume))
         .route("/console/imports/{id}/recall", post(pages::pool::recall))
+}
+
+/// The channels, one channel's page and its pause and resume.
+fn channel_routes() -> Router<Arc<Console>> {
+    Router::new()
+        .route("/console/channels", get(pages::channels::list))
+        .route("/console/channels/{name}", get(pages::channels::show))
+        .route(
+            "/console/channels/{name}/pause",
+            post(pages::channels::pause),
+        )
+        .route(
+            "/console/channels/{name}/resume",
+            post(pages::channels::resume),
+        )
 }
 
 /// One shop's page and its webhook forms.

@@ -15,7 +15,10 @@
 //! - the shops' webhook deliverer, all the time;
 //! - the channels' declared stock, on change and every
 //!   [`DECLARE_EVERY`](crate::channels::stock::DECLARE_EVERY)
-//!   ([`crate::channels::stock::run`]).
+//!   ([`crate::channels::stock::run`]);
+//! - the channels' calls by outcome, written every
+//!   [`FLUSH_EVERY`](crate::channels::outcomes::FLUSH_EVERY)
+//!   ([`crate::channels::outcomes::run`]).
 //!
 //! What it publishes goes out on the process's broker connection of the
 //! moment (`publishing`): the API's, replaced after an outage, or the
@@ -72,6 +75,8 @@ pub struct Parts {
     pub declarer: Arc<crate::channels::stock::Declarer>,
     /// Kinguin's bearer tokens, shared by the declarer and the uploader.
     pub kinguin_tokens: Arc<crate::channels::kinguin::client::Tokens>,
+    /// The channels' calls by outcome, written every few seconds.
+    pub outcomes: Arc<crate::channels::outcomes::Counter>,
 }
 
 impl Parts {
@@ -90,6 +95,7 @@ impl Parts {
             stock: StockWatch::new(store.clone(), StockConfig::granting()),
             declarer: crate::channels::stock::Declarer::new(store.clone(), kinguin_tokens.clone()),
             kinguin_tokens,
+            outcomes: Arc::default(),
             store,
             hot,
             activity: Arc::default(),
@@ -153,6 +159,11 @@ pub fn start(
     tasks.spawn(crate::channels::stock::run(
         parts.declarer.clone(),
         crate::channels::stock::DECLARE_EVERY,
+        stop.clone(),
+    ));
+    tasks.spawn(crate::channels::outcomes::run(
+        parts.outcomes.clone(),
+        parts.store.clone(),
         stop.clone(),
     ));
     let deliverer = Deliverer::new(parts.store.clone(), parts.allow_hosts.clone());

@@ -84,6 +84,7 @@ pub mod webhooks;
 /// metadata` to keep it so).
 pub mod model {
     pub use codepool_store::audit::{Action, AuditEntry, AuditFilter, AuditKind, RecordedKind};
+    pub use codepool_store::channel_outcomes::Outcomes;
     pub use codepool_store::channels::{ChannelDoc, DealDoc, DealLine, DealState};
     pub use codepool_store::holds::HoldDoc;
     pub use codepool_store::imports::ImportRecord;

@@ -690,6 +690,45 @@ impl Store {
         Ok(out)
     }
 
+    /// The open holds whose ids start with `prefix` (a channel's: its
+    /// kind and name), and the codes they hold: holds past their expiry
+    /// that the sweep has not ended yet are not counted. Read from the
+    /// open holds alone (the partial `held_expiry` index), not from every
+    /// hold the channel ever had.
+    pub async fn held_under(&self, prefix: &str) -> Result<(u64, u64), StoreError> {
+        let escaped: String = prefix
+            .chars()
+            .flat_map(|c| {
+                let meta = !(c.is_ascii_alphanumeric() || c == '_' || c == ':');
+                meta.then_some('\\').into_iter().chain([c])
+            })
+            .collect();
+        let pipeline = vec![
+            doc! {"$match": {
+                "hold_id": {"$regex": format!("^{escaped}")},
+                "state": HELD,
+                "expires_at": {"$gt": DateTime::now()},
+            }},
+            doc! {"$group": {
+                "_id": null,
+                "holds": {"$sum": 1},
+                "codes": {"$sum": {"$sum": "$items.quantity"}},
+            }},
+        ];
+        let mut cursor = self
+            .collection(HOLDS)
+            .aggregate(pipeline)
+            .hint(mongodb::options::Hint::Name("held_expiry".into()))
+            .await?;
+        Ok(match cursor.try_next().await? {
+            Some(d) => (
+                crate::collections::as_u64(d.get("holds")),
+                crate::collections::as_u64(d.get("codes")),
+            ),
+            None => (0, 0),
+        })
+    }
+
     /// How many codes of `pool` are held, counted no further than `cap`.
     pub async fn held_count_upto(&self, pool: &str, cap: u64) -> Result<u64, StoreError> {
         let reply = self

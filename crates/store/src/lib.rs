@@ -31,6 +31,7 @@ mod across;
 pub mod api_keys;
 pub mod audit;
 pub mod backorders;
+pub mod channel_outcomes;
 pub mod channels;
 pub mod claims;
 pub mod codes;

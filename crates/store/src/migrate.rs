@@ -138,6 +138,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0031_codes_by_order",
         include_str!("../../../migrations/0031_codes_by_order.json"),
     ),
+    (
+        "0032_channel_outcomes",
+        include_str!("../../../migrations/0032_channel_outcomes.json"),
+    ),
 ];
 
 /// What a migration run did.

@@ -19,9 +19,11 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use codepool_issuance::channels::{self, AfterProvide, CallError, Cancelled, Key, Kind};
+use codepool_issuance::channels::{self, AfterProvide, Call, CallError, Cancelled, Key, Kind};
 use codepool_issuance::model::ChannelDoc;
+use serde::Serialize;
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
 use crate::state::Api;
 
@@ -178,7 +180,103 @@ fn failed(action: &str, order: &str, e: CallError) -> Response {
     refused(status, json!(action), json!(order), e.to_string())
 }
 
+/// An Eneba callback's body: RESERVE (`auctions`; a replacement names
+/// `auctionId` and `keyId` instead), PROVIDE (a replacement's names
+/// `keyId`), CANCEL. Eneba may send more members (a price): they are
+/// not read.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct EnebaCallback {
+    #[schema(pattern = "^(RESERVE|PROVIDE|CANCEL)$")]
+    action: String,
+    /// Eneba's order id: 1 to 60 of A-Z a-z 0-9 `_` `-`.
+    #[serde(rename = "orderId")]
+    #[schema(max_length = 60)]
+    order_id: String,
+    /// RESERVE: 1 to 10 distinct auctions.
+    #[schema(nullable = false, min_items = 1, max_items = 10)]
+    auctions: Option<Vec<EnebaReserved>>,
+    /// A replacement's RESERVE: the auction of the key replaced.
+    #[serde(rename = "auctionId")]
+    #[schema(nullable = false)]
+    auction_id: Option<String>,
+    /// A replacement's RESERVE or PROVIDE: the key replaced.
+    #[serde(rename = "keyId")]
+    #[schema(nullable = false)]
+    key_id: Option<String>,
+}
+
+/// One auction of a RESERVE.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct EnebaReserved {
+    #[serde(rename = "auctionId")]
+    auction_id: String,
+    #[serde(rename = "keyCount")]
+    #[schema(minimum = 1, maximum = 100)]
+    key_count: u32,
+}
+
+/// Every answer of the callback that has a body: `success` true (a
+/// PROVIDE's `auctions` with their keys), or false with a `message`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct EnebaAnswer {
+    /// The request's action (null, or "", when it could not be read).
+    action: Option<String>,
+    /// The request's order id (null, or "", when it could not be read).
+    #[serde(rename = "orderId")]
+    order_id: Option<String>,
+    success: bool,
+    /// Why not, when `success` is false.
+    #[schema(nullable = false)]
+    message: Option<String>,
+    /// A PROVIDE's keys by auction, in the order's line order: the same
+    /// bytes on every retry.
+    #[schema(nullable = false)]
+    auctions: Option<Vec<EnebaAuctionKeys>>,
+}
+
+/// The keys of one auction of a PROVIDE.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct EnebaAuctionKeys {
+    #[serde(rename = "auctionId")]
+    auction_id: String,
+    keys: Vec<EnebaKey>,
+}
+
+/// One key: `{type: "TEXT", value}`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct EnebaKey {
+    #[serde(rename = "type")]
+    #[schema(pattern = "^TEXT$")]
+    kind: String,
+    value: String,
+}
+
 /// `POST /channels/NAME/eneba`: RESERVE, PROVIDE or CANCEL.
+#[utoipa::path(
+    post, path = "/channels/{name}/eneba", tag = "channels",
+    operation_id = "eneba_callback",
+    params(("name" = String, Path, description = "the channel")),
+    request_body(content = EnebaCallback, content_type = "application/json"),
+    responses(
+        (status = 200, description = "RESERVE held every key (`success: true`) or held none (`success: false`: out of stock, an unknown auction, a paused channel, a cancelled order); PROVIDE answered the keys (the same bytes again on a retry) or none; CANCEL done (no body; after provision under the `burn` policy the keys are voided)", body = EnebaAnswer),
+        (status = 400, description = "a body outside Eneba's contract; nothing done", body = EnebaAnswer),
+        (status = 401, description = "not the channel's token; nothing read is acted on", body = EnebaAnswer),
+        (status = 404, description = "no Eneba channel of that name", body = EnebaAnswer),
+        (status = 408, description = "the request took longer than `--request-timeout`; the same call may be made again"),
+        (status = 413, description = "the body is over 64 KiB"),
+        (status = 500, description = "a CANCEL after provision under the `resell` policy (the keys stay sold: Eneba returns them to its own stock), or a fault", body = EnebaAnswer),
+        (status = 503, description = "MongoDB or the batch is away; Eneba retries the same call", body = EnebaAnswer),
+    ),
+    security(("eneba_token" = []))
+)]
 pub(super) async fn callback(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
@@ -229,7 +327,7 @@ async fn reserve(api: &Api, c: &ChannelDoc, order: &str, auctions: Vec<(String, 
         match channels::line_of(c, auction, *count) {
             Ok(l) => lines.push(l),
             Err(e) => {
-                channels::reservation_failed(c);
+                api.channel_counted(c, Call::Reservation, false);
                 return failed("RESERVE", order, e);
             }
         }
@@ -263,19 +361,14 @@ fn auctions_of(keys: &[Key]) -> Vec<Value> {
 async fn replace(api: &Api, c: &ChannelDoc, order: &str, auction: &str, key: &str) -> Response {
     match api.eneba_replace(c, order, auction, key).await {
         Ok(()) => {
-            count_reservation(c, true);
+            api.channel_counted(c, Call::Reservation, true);
             Json(json!({"action": "RESERVE", "orderId": order, "success": true})).into_response()
         }
         Err(e) => {
-            count_reservation(c, false);
+            api.channel_counted(c, Call::Reservation, false);
             failed("RESERVE", order, e)
         }
     }
-}
-
-fn count_reservation(c: &ChannelDoc, ok: bool) {
-    let outcome = if ok { "completed" } else { "failed" };
-    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => outcome).increment(1);
 }
 
 async fn provide(api: &Api, c: &ChannelDoc, order: &str, key: Option<&str>) -> Response {

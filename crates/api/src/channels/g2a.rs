@@ -19,9 +19,153 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use codepool_issuance::channels::{self, g2a, CallError, Key};
 use codepool_issuance::model::{ChannelDoc, DealDoc, DealLine};
+use serde::Serialize;
 use serde_json::{json, Value};
+use utoipa::{IntoResponses, ToSchema};
 
 use crate::state::Api;
+
+/// G2A's error shape.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aError {
+    /// `bad_request`, `unsupported_grant_type`, `unauthorized`,
+    /// `not_found`, `out_of_stock`, `order_exists`,
+    /// `reservation_expired`, `unavailable` or `internal`.
+    code: String,
+    message: String,
+}
+
+/// What every G2A route may answer instead of its own answer:
+/// `{code, message}` with the contract's status. Nothing changes.
+#[derive(IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum G2aRefusals {
+    #[response(
+        status = 400,
+        description = "a body or query outside the contract (`bad_request`, `unsupported_grant_type`), or stock the channel cannot hold: out of stock, a paused channel (`out_of_stock`)"
+    )]
+    BadRequest(#[to_schema] G2aError),
+    #[response(
+        status = 401,
+        description = "no access token, or not one of this channel's live tokens (`unauthorized`); wrong client credentials"
+    )]
+    Unauthorized(#[to_schema] G2aError),
+    #[response(
+        status = 404,
+        description = "no G2A channel of that name, a product it does not map, an unknown reservation or order (`not_found`)"
+    )]
+    NotFound(#[to_schema] G2aError),
+    #[response(
+        status = 408,
+        description = "the request took longer than `--request-timeout`; the same call may be made again"
+    )]
+    Timeout,
+    #[response(
+        status = 409,
+        description = "the reservation was ordered under another G2A order (`order_exists`)"
+    )]
+    Conflict(#[to_schema] G2aError),
+    #[response(
+        status = 410,
+        description = "the reservation expired or was released (`reservation_expired`): its codes are back in stock"
+    )]
+    Gone(#[to_schema] G2aError),
+    #[response(status = 413, description = "the body is over 64 KiB")]
+    TooLarge,
+    #[response(status = 500, description = "a fault (`internal`)")]
+    Internal(#[to_schema] G2aError),
+    #[response(
+        status = 503,
+        description = "MongoDB or the batch is away (`unavailable`); the same call may be made again"
+    )]
+    Unavailable(#[to_schema] G2aError),
+}
+
+/// An access token.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aToken {
+    access_token: String,
+    /// `bearer`.
+    token_type: String,
+    /// Seconds it lives.
+    expires_in: u64,
+}
+
+/// One item of a reservation's body.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct G2aItemIn {
+    /// G2A's product id (a number, or its digits).
+    #[schema(schema_with = super::id_schema)]
+    product_id: String,
+    #[schema(minimum = 1, maximum = 100)]
+    quantity: u32,
+}
+
+/// What the channel may sell of a product now.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aStock {
+    #[schema(schema_with = super::id_schema)]
+    product_id: String,
+    /// Its pool's free codes, capped by the channel (declared stock).
+    inventory_size: u64,
+}
+
+/// A reservation: its id and the stock of its products.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aReservation {
+    reservation_id: String,
+    stock: Vec<G2aStock>,
+}
+
+/// `POST /order`'s body.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct G2aOrderIn {
+    reservation_id: String,
+    /// G2A's order id (a number, or its digits).
+    #[schema(schema_with = super::id_schema)]
+    g2a_order_id: String,
+}
+
+/// One key of an order, with its stable id.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aItem {
+    id: String,
+    value: String,
+    /// `text`.
+    kind: String,
+}
+
+/// A product of an order: its keys (returned ones left out) and stock.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aOrderStock {
+    #[schema(schema_with = super::id_schema)]
+    product_id: String,
+    inventory_size: u64,
+    inventory: Vec<G2aItem>,
+}
+
+/// An order: the reservation's id and its keys by product.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct G2aOrder {
+    order_id: String,
+    stock: Vec<G2aOrderStock>,
+}
 
 /// `{code, message}` with `status`.
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
@@ -62,6 +206,17 @@ async fn channel(api: &Api, name: &str, headers: &HeaderMap) -> Result<ChannelDo
 }
 
 /// `GET /oauth/token?grant_type=client_credentials&client_id=…&client_secret=…`.
+#[utoipa::path(
+    get, path = "/channels/{name}/g2a/oauth/token", tag = "channels",
+    operation_id = "g2a_token",
+    params(
+        ("name" = String, Path, description = "the channel"),
+        ("grant_type" = String, Query, description = "`client_credentials`"),
+        ("client_id" = String, Query, description = "the client id given to G2A"),
+        ("client_secret" = String, Query, description = "the client secret given to G2A"),
+    ),
+    responses((status = 200, description = "an access token for the other routes", body = G2aToken), G2aRefusals),
+)]
 pub(super) async fn token(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
@@ -104,6 +259,12 @@ pub(super) async fn token(
 }
 
 /// `GET /healthcheck`: 204 while the API serves.
+#[utoipa::path(
+    get, path = "/channels/{name}/g2a/healthcheck", tag = "channels",
+    operation_id = "g2a_healthcheck",
+    params(("name" = String, Path, description = "the channel")),
+    responses((status = 204, description = "the API serves")),
+)]
 pub(super) async fn healthcheck() -> StatusCode {
     StatusCode::NO_CONTENT
 }
@@ -183,6 +344,14 @@ async fn reservation_answer(api: &Api, c: &ChannelDoc, d: &DealDoc) -> Response 
     }
 }
 
+#[utoipa::path(
+    post, path = "/channels/{name}/g2a/reservation", tag = "channels",
+    operation_id = "g2a_reserve",
+    params(("name" = String, Path, description = "the channel")),
+    request_body(content = Vec<G2aItemIn>, content_type = "application/json"),
+    responses((status = 200, description = "every item held, all or nothing, until the channel's hold time", body = G2aReservation), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 /// `POST /reservation`: hold every item, all or nothing.
 pub(super) async fn reserve(
     State(api): State<Arc<Api>>,
@@ -207,6 +376,13 @@ pub(super) async fn reserve(
 
 /// `PUT /reservation/{id}`: renew a reservation (a new hold when the old
 /// one ran out).
+#[utoipa::path(
+    put, path = "/channels/{name}/g2a/reservation/{rid}", tag = "channels",
+    operation_id = "g2a_renew",
+    params(("name" = String, Path, description = "the channel"), ("rid" = String, Path, description = "the reservation")),
+    responses((status = 200, description = "held again (a new hold when the old one ran out)", body = G2aReservation), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn renew(
     State(api): State<Arc<Api>>,
     Path((name, rid)): Path<(String, String)>,
@@ -226,6 +402,13 @@ pub(super) async fn renew(
 }
 
 /// `DELETE /reservation/{id}`: release; 204.
+#[utoipa::path(
+    delete, path = "/channels/{name}/g2a/reservation/{rid}", tag = "channels",
+    operation_id = "g2a_release",
+    params(("name" = String, Path, description = "the channel"), ("rid" = String, Path, description = "the reservation")),
+    responses((status = 204, description = "released: its codes are back in stock"), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn release(
     State(api): State<Arc<Api>>,
     Path((name, rid)): Path<(String, String)>,
@@ -273,6 +456,14 @@ async fn order_stock(
 }
 
 /// `POST /order {reservation_id, g2a_order_id}`.
+#[utoipa::path(
+    post, path = "/channels/{name}/g2a/order", tag = "channels",
+    operation_id = "g2a_order",
+    params(("name" = String, Path, description = "the channel")),
+    request_body(content = G2aOrderIn, content_type = "application/json"),
+    responses((status = 200, description = "the order's keys (the same keys and ids for the same G2A order again)", body = G2aOrder), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn order(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
@@ -321,6 +512,13 @@ async fn ordered(api: &Api, c: &ChannelDoc, rid: &str) -> Result<DealDoc, Respon
 }
 
 /// `GET /order/{id}/inventory`: the order's keys, the same ids every time.
+#[utoipa::path(
+    get, path = "/channels/{name}/g2a/order/{rid}/inventory", tag = "channels",
+    operation_id = "g2a_inventory",
+    params(("name" = String, Path, description = "the channel"), ("rid" = String, Path, description = "the order's reservation")),
+    responses((status = 200, description = "the order's keys by product, the same ids every time", body = Vec<G2aOrderStock>), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn inventory(
     State(api): State<Arc<Api>>,
     Path((name, rid)): Path<(String, String)>,
@@ -347,6 +545,17 @@ pub(super) async fn inventory(
 
 /// `DELETE /order/{id}/inventory?id[]=…&id[]=…`: returns. Every id must be
 /// one of the order's items, or nothing changes (404).
+#[utoipa::path(
+    delete, path = "/channels/{name}/g2a/order/{rid}/inventory", tag = "channels",
+    operation_id = "g2a_returns",
+    params(
+        ("name" = String, Path, description = "the channel"),
+        ("rid" = String, Path, description = "the order's reservation"),
+        ("id[]" = Vec<String>, Query, description = "the items returned: each one of the order's, or nothing changes"),
+    ),
+    responses((status = 204, description = "returned: the keys are voided (they were shown, so they never return to stock)"), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn returns(
     State(api): State<Arc<Api>>,
     Path((name, rid)): Path<(String, String)>,
@@ -362,6 +571,17 @@ pub(super) async fn returns(
 }
 
 /// `DELETE /order/{id}/inventory/{item}`: one return.
+#[utoipa::path(
+    delete, path = "/channels/{name}/g2a/order/{rid}/inventory/{id}", tag = "channels",
+    operation_id = "g2a_return_one",
+    params(
+        ("name" = String, Path, description = "the channel"),
+        ("rid" = String, Path, description = "the order's reservation"),
+        ("id" = String, Path, description = "the item returned"),
+    ),
+    responses((status = 204, description = "returned: the key is voided"), G2aRefusals),
+    security(("g2a_token" = []))
+)]
 pub(super) async fn returns_one(
     State(api): State<Arc<Api>>,
     Path((name, rid, id)): Path<(String, String, String)>,

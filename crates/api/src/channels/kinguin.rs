@@ -22,7 +22,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use codepool_issuance::channels::kinguin::{self, Hook};
 use codepool_issuance::channels::CallError;
+use serde::Serialize;
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::state::Api;
 
@@ -61,7 +63,81 @@ fn failed(hook: Option<&Hook>, e: CallError) -> Response {
     refused(status, hook, error, e.to_string())
 }
 
+/// A Kinguin reservation webhook's body (other members are not read).
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct KinguinHook {
+    /// Kinguin's reservation (a string or a number).
+    #[serde(rename = "reservationId")]
+    #[schema(schema_with = super::id_schema)]
+    reservation_id: String,
+    /// The offer: a product the channel maps.
+    #[serde(rename = "offerId")]
+    #[schema(schema_with = super::id_schema)]
+    offer_id: String,
+    /// BUYING, BOUGHT, CANCELED, REVERSED, REFUNDED, OUT_OF_STOCK,
+    /// DELIVERED, … (an unknown one is recorded, nothing else).
+    #[schema(pattern = "^[A-Za-z0-9_]{1,40}$")]
+    status: String,
+    #[serde(rename = "orderId")]
+    #[schema(schema_with = super::id_schema)]
+    order_id: Option<String>,
+    /// A returned key's stock id (a return or a replacement).
+    #[serde(rename = "releasedStockId")]
+    #[schema(nullable = false)]
+    released_stock_id: Option<String>,
+}
+
+/// A webhook taken.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct KinguinTaken {
+    #[serde(rename = "reservationId")]
+    reservation_id: String,
+    status: String,
+    /// `held`, `bought` (the key is uploaded by the uploader, with
+    /// retries), `released`, `voided`, `delivered` or `recorded`.
+    #[schema(pattern = "^(held|bought|released|voided|delivered|recorded)$")]
+    result: String,
+}
+
+/// A webhook refused: nothing changed.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub(crate) struct KinguinRefusal {
+    /// The webhook's reservation, when it was read (never from an
+    /// unauthenticated body).
+    #[serde(rename = "reservationId")]
+    reservation_id: Option<String>,
+    status: Option<String>,
+    /// `unauthorized`, `bad-request`, `unknown-channel`, `unknown-offer`,
+    /// `unknown-reservation`, `paused`, `cancelled`, `expired`,
+    /// `conflict`, `out-of-stock`, `try-again` or `failed`.
+    error: String,
+    message: String,
+}
+
 /// `POST /channels/NAME/kinguin`: one reservation status change.
+#[utoipa::path(
+    post, path = "/channels/{name}/kinguin", tag = "channels",
+    operation_id = "kinguin_webhook",
+    params(("name" = String, Path, description = "the channel")),
+    request_body(content = KinguinHook, content_type = "application/json"),
+    responses(
+        (status = 200, description = "taken (an unknown status too: recorded)", body = KinguinTaken),
+        (status = 400, description = "a body outside Kinguin's contract", body = KinguinRefusal),
+        (status = 401, description = "not the channel's webhook secret (`X-Auth-Token`); nothing read is acted on or echoed", body = KinguinRefusal),
+        (status = 404, description = "no Kinguin channel of that name, an offer it does not map, or an unknown reservation", body = KinguinRefusal),
+        (status = 408, description = "the request took longer than `--request-timeout`; Kinguin sends the webhook again"),
+        (status = 409, description = "a reservation codepool cannot honour: out of stock, a paused channel, cancelled, past its time", body = KinguinRefusal),
+        (status = 413, description = "the body is over 64 KiB"),
+        (status = 500, description = "a fault; Kinguin sends the webhook again", body = KinguinRefusal),
+        (status = 503, description = "MongoDB or the batch is away; Kinguin sends the webhook again", body = KinguinRefusal),
+    ),
+    security(("kinguin_secret" = []))
+)]
 pub(super) async fn webhook(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,

@@ -13,12 +13,15 @@ mod kinguin;
 use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{delete, get, post};
 use axum::Router;
 use codepool_domain::Purchase;
 use codepool_issuance::audit::Actor;
 use codepool_issuance::channels::{Placer, Unplaced};
 use codepool_issuance::plan::Step;
+use utoipa::openapi::schema::{Object, ObjectBuilder, SchemaType, Type};
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::state::Api;
 
@@ -26,29 +29,65 @@ use crate::state::Api;
 /// reservation is well under a kilobyte.
 pub const BODY_LIMIT: usize = 64 * 1024;
 
-/// The channels' routes.
-pub(crate) fn router(api: Arc<Api>) -> Router {
-    Router::new()
-        .route("/channels/{name}/eneba", post(eneba::callback))
-        .route("/channels/{name}/kinguin", post(kinguin::webhook))
-        .route("/channels/{name}/g2a/oauth/token", get(g2a::token))
-        .route("/channels/{name}/g2a/healthcheck", get(g2a::healthcheck))
-        .route("/channels/{name}/g2a/reservation", post(g2a::reserve))
-        .route(
-            "/channels/{name}/g2a/reservation/{rid}",
-            axum::routing::put(g2a::renew).delete(g2a::release),
-        )
-        .route("/channels/{name}/g2a/order", post(g2a::order))
-        .route(
-            "/channels/{name}/g2a/order/{rid}/inventory",
-            get(g2a::inventory).delete(g2a::returns),
-        )
-        .route(
-            "/channels/{name}/g2a/order/{rid}/inventory/{id}",
-            delete(g2a::returns_one),
-        )
+/// The channels' routes with their OpenAPI annotations: the document's
+/// channel paths are made from the very routes served, each
+/// marketplace's bodies and error shape beside its handlers.
+pub(crate) fn documented() -> OpenApiRouter<Arc<Api>> {
+    OpenApiRouter::new()
+        .routes(routes!(eneba::callback))
+        .routes(routes!(kinguin::webhook))
+        .routes(routes!(g2a::token))
+        .routes(routes!(g2a::healthcheck))
+        .routes(routes!(g2a::reserve))
+        .routes(routes!(g2a::renew, g2a::release))
+        .routes(routes!(g2a::order))
+        .routes(routes!(g2a::inventory, g2a::returns))
+        .routes(routes!(g2a::returns_one))
+}
+
+/// The channels' routes, outside the `/v1` keys and problems, with their
+/// own body limit.
+pub(crate) fn router(routes: Router<Arc<Api>>, api: Arc<Api>) -> Router {
+    routes
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(api)
+}
+
+/// The marketplaces' ways of authenticating, as the document names them.
+pub(crate) fn security_schemes() -> Vec<(&'static str, SecurityScheme)> {
+    let bearer = |what: &str| {
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some(what))
+                .build(),
+        )
+    };
+    vec![
+        (
+            "eneba_token",
+            bearer("the static bearer token registered with Eneba (the channel's `token`)"),
+        ),
+        (
+            "g2a_token",
+            bearer("an access token of `GET /channels/{name}/g2a/oauth/token`"),
+        ),
+        (
+            "kinguin_secret",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Auth-Token",
+                "the webhook secret set in Kinguin's merchant panel",
+            ))),
+        ),
+    ]
+}
+
+/// A marketplace's id: a number, or text of 1 to 60 of A-Z a-z 0-9 `_`
+/// `-`.
+pub(crate) fn id_schema() -> Object {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::Integer, Type::String]))
+        .build()
 }
 
 /// The HTTP door places a channel's orders through its own order batch,

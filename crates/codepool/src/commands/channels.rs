@@ -236,12 +236,16 @@ pub async fn run(cfg: &Config, args: ChannelsArgs) -> anyhow::Result<u8> {
         ChannelsCommand::List { json } => print(&store.channels().await?, json)?,
         ChannelsCommand::Show { name, json } => show(&store, name, json).await?,
         ChannelsCommand::Pause { name } => {
-            channels::set_paused(&store, &name, true, &super::actor("channels pause")).await?;
-            say!("channel {name:?} paused: it reserves nothing new");
+            let actor = super::actor("channels pause");
+            let c = channels::set_paused(&store, &name, true, &actor).await?;
+            say!("channel {name:?} paused: it reserves nothing new and declares no stock");
+            declare_now(&store, &c).await;
         }
         ChannelsCommand::Resume { name } => {
-            channels::set_paused(&store, &name, false, &super::actor("channels resume")).await?;
+            let actor = super::actor("channels resume");
+            let c = channels::set_paused(&store, &name, false, &actor).await?;
             say!("channel {name:?} takes reservations again");
+            declare_now(&store, &c).await;
         }
         ChannelsCommand::Remove { name } => {
             channels::remove(&store, &name, &super::actor("channels remove")).await?;

@@ -3,6 +3,7 @@
 pub mod api_keys;
 pub mod assets;
 pub mod audit;
+pub mod channels;
 pub mod dead_letters;
 pub mod generations;
 pub mod imports;

@@ -106,7 +106,7 @@ pub(crate) async fn renew(
     }
     taking(c)?;
     let new_hold = hold_id_of(c, rid, d.holds.max(1));
-    hold(holder, c, rid, &d.lines, &new_hold).await?;
+    hold(core, holder, c, rid, &d.lines, &new_hold).await?;
     if !store
         .renew_deal(&c.name, rid, &d.hold_id, &new_hold)
         .await?

@@ -15,6 +15,7 @@
 pub mod eneba;
 pub mod g2a;
 pub mod kinguin;
+pub mod outcomes;
 pub mod stock;
 
 use std::collections::BTreeMap;
@@ -29,6 +30,8 @@ use sha2::{Digest, Sha256};
 use crate::audit::{self, Actor, AuditKind};
 use crate::holds::{HoldAsk, HoldError, HoldRequest};
 use crate::plan::Step;
+
+pub use outcomes::Call;
 
 pub use codepool_store::channels::{DealState, TokenDoc};
 
@@ -449,7 +452,10 @@ pub async fn set_caps(
 }
 
 /// Pauses (or resumes) a channel, audited: a paused channel reserves
-/// nothing new; what it reserved is still provided or cancelled.
+/// nothing new and declares no stock ([`stock::cap`]); what it reserved
+/// is still provided or cancelled. Its products are declared again at
+/// the next change round of this process (every granting process's
+/// schedule makes it good within a minute).
 pub async fn set_paused(
     store: &Store,
     name: &str,
@@ -463,6 +469,7 @@ pub async fn set_paused(
         if paused { "paused" } else { "resumed" }
     );
     audit::record(store, actor, AuditKind::ChannelSet, what).await?;
+    stock::changed(channel.products.values().map(String::as_str));
     Ok(channel)
 }
 
@@ -674,11 +681,11 @@ pub(crate) async fn reserve(
         };
     }
     if let Err(e) = taking(c) {
-        reservation_failed(c);
+        reservation_failed(core, c);
         return Err(e);
     }
     let hold_id = hold_id_of(c, external_id, 0);
-    hold(holder, c, external_id, &lines, &hold_id).await?;
+    hold(core, holder, c, external_id, &lines, &hold_id).await?;
     let deal = DealDoc {
         id: codepool_store::channels::deal_id(&c.name, external_id),
         channel: c.name.clone(),
@@ -703,19 +710,26 @@ pub(crate) async fn reserve(
             _ => Ok(d),
         };
     }
-    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => "completed").increment(1);
+    counted(core, c, Call::Reservation, true);
     Ok(deal)
+}
+
+/// Counts one call of a channel by its outcome ([`outcomes`]): the
+/// metric, and the last hour the console shows.
+pub fn counted(core: &crate::Core, c: &ChannelDoc, call: Call, ok: bool) {
+    core.parts().outcomes.count(&c.name, call, ok);
 }
 
 /// Counts one reservation the marketplace sees fail (Eneba's hide rule
 /// counts them): refused for stock, a paused channel, an unknown product.
-pub fn reservation_failed(c: &ChannelDoc) {
-    metrics::counter!("codepool_channel_reservations_total", "channel" => c.name.clone(), "outcome" => "failed").increment(1);
+fn reservation_failed(core: &crate::Core, c: &ChannelDoc) {
+    counted(core, c, Call::Reservation, false);
 }
 
 /// Places (or finds again: hold ids are idempotent) the hold `hold_id`
 /// of a deal's lines; it must hold every line now.
 async fn hold(
+    core: &crate::Core,
     holder: &dyn Holder,
     c: &ChannelDoc,
     external_id: &str,
@@ -740,7 +754,7 @@ async fn hold(
         shop: Some(c.shop.clone()),
     };
     let (h, _) = holder.hold(ask).await.map_err(|e| {
-        reservation_failed(c);
+        reservation_failed(core, c);
         if matches!(e, HoldError::InsufficientStock { .. }) {
             stock::refused_for_stock(c, lines);
         }
@@ -892,9 +906,8 @@ pub(crate) async fn keys_of(
 }
 
 /// Counts one provision of a channel by its outcome.
-fn provided(c: &ChannelDoc, ok: bool) {
-    let outcome = if ok { "completed" } else { "failed" };
-    metrics::counter!("codepool_channel_provisions_total", "channel" => c.name.clone(), "outcome" => outcome).increment(1);
+fn provided(core: &crate::Core, c: &ChannelDoc, ok: bool) {
+    counted(core, c, Call::Provision, ok);
 }
 
 /// Moves a reserved deal whose hold still holds to provided, then places
@@ -920,7 +933,7 @@ pub(crate) async fn provide(
         }
         DealState::Reserved => {
             if !still_held(core, c, &d).await? {
-                provided(c, false);
+                provided(core, c, false);
                 return Err(CallError::Expired);
             }
             let moved = store
@@ -949,7 +962,7 @@ pub(crate) async fn provide(
         Ok(keys) if keys.iter().any(|k| k.revoked) => Err(CallError::Cancelled),
         other => other,
     };
-    provided(c, keys.is_ok());
+    provided(core, c, keys.is_ok());
     keys
 }
 

@@ -55,8 +55,14 @@ pub const ENEBA_OAUTH_CLIENT: &str = "917611c2-70a5-11e9-97c4-46691b78bfa2";
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a channel may sell of a product whose pool has `free` codes: the
-/// free codes, capped by the channel's share of them and its maximum.
+/// free codes, capped by the channel's share of them and its maximum; none
+/// while the channel is paused (it reserves nothing, so it promises
+/// nothing: a marketplace that reserved what it was promised would count
+/// each refusal as a failure).
 pub fn cap(c: &ChannelDoc, free: u64) -> u64 {
+    if c.paused {
+        return 0;
+    }
     let mut n = free;
     if let Some(p) = c.share_percent {
         n = n.min(free * p.clamp(0, 100) as u64 / 100);
@@ -487,5 +493,10 @@ mod tests {
         assert_eq!(cap(&channel(None, Some(5)), 17), 5);
         assert_eq!(cap(&channel(Some(50), Some(5)), 6), 3);
         assert_eq!(cap(&channel(Some(100), Some(50)), 0), 0, "none free: 0");
+        let paused = ChannelDoc {
+            paused: true,
+            ..channel(None, None)
+        };
+        assert_eq!(cap(&paused, 17), 0, "a paused channel promises nothing");
     }
 }

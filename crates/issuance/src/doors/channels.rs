@@ -4,13 +4,51 @@
 
 use codepool_store::channels::{ChannelDoc, DealDoc, DealLine};
 
-use crate::channels::{self, eneba, g2a, CallError, Cancelled, Holder, Key, Kind, Placer};
+use crate::audit::Actor;
+use crate::channels::outcomes::{self, ChannelView};
+use crate::channels::{
+    self, eneba, g2a, Call, CallError, Cancelled, ChannelError, Holder, Key, Kind, Placer,
+};
 use crate::{Core, StoreError};
 
 impl Core {
     /// Every channel, by name.
     pub async fn channels(&self) -> Result<Vec<ChannelDoc>, StoreError> {
         self.store().channels().await
+    }
+
+    /// Every channel as the console shows it: its products' declared
+    /// stock, its open reservations, its last hour
+    /// ([`outcomes::views`]).
+    pub async fn channel_views(&self) -> Result<Vec<ChannelView>, StoreError> {
+        let all = self.store().channels().await?;
+        outcomes::views(self.store(), &self.parts().outcomes, all).await
+    }
+
+    /// One channel as the console shows it; `None` when there is none.
+    pub async fn channel_view(&self, name: &str) -> Result<Option<ChannelView>, StoreError> {
+        let Some(c) = self.store().channel(name).await? else {
+            return Ok(None);
+        };
+        let views = outcomes::views(self.store(), &self.parts().outcomes, vec![c]).await?;
+        Ok(views.into_iter().next())
+    }
+
+    /// Pauses or resumes a channel, audited with `actor`
+    /// ([`channels::set_paused`]).
+    pub async fn set_channel_paused(
+        &self,
+        name: &str,
+        paused: bool,
+        actor: &Actor,
+    ) -> Result<ChannelDoc, ChannelError> {
+        channels::set_paused(self.store(), name, paused, actor).await
+    }
+
+    /// Counts one call of a channel by its outcome, as the door saw it
+    /// ([`channels::counted`]).
+    pub fn channel_counted(&self, c: &ChannelDoc, call: Call, ok: bool) {
+        channels::counted(self, c, call, ok);
     }
 
     /// The channel `name` of marketplace `kind`, when `presented` is the
