@@ -2489,3 +2489,107 @@ async fn kinguin_1000_buying_webhooks_at_once_on_a_pool_of_100_hold_100_and_decl
     api.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_cancellation_killed_after_its_record_is_finished_by_the_marketplaces_retry() {
+    let env = selling("channels_cancel_kill", "gx", 40, &[], &[]).await;
+    let pauses = [("CODEPOOL_FAILPOINTS", "channel-cancel-pause=30000")];
+    let mut doomed = ApiServer::start_with(&env, &[], &pauses).await;
+    let token = g2a_token(&doomed).await;
+    // Eneba order c-1 reserved, c-2 provided; a G2A reservation of 2.
+    eneba(&doomed, ENEBA_TOKEN, reserve("c-1", 1)).await;
+    eneba(&doomed, ENEBA_TOKEN, reserve("c-2", 1)).await;
+    let (_, _, body) = eneba(&doomed, ENEBA_TOKEN, provide("c-2")).await;
+    assert_eq!(
+        keys_of(&body).len(),
+        1,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let (status, _, body) = g2a(&doomed, "POST", "/g2a/reservation", &token, reservation(2)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let rid = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(held(&env, "gx").await, 3);
+
+    // Each cancellation is recorded, and its process dies before it
+    // releases the hold or burns the keys.
+    let eneba_auth = format!("Bearer {ENEBA_TOKEN}");
+    let g2a_auth = format!("Bearer {token}");
+    let release = format!("/channels/g2/g2a/reservation/{rid}");
+    let calls = [
+        (
+            "POST",
+            "/channels/en/eneba",
+            eneba_auth.clone(),
+            cancel("c-1").to_string(),
+        ),
+        (
+            "POST",
+            "/channels/en/eneba",
+            eneba_auth.clone(),
+            cancel("c-2").to_string(),
+        ),
+        ("DELETE", release.as_str(), g2a_auth.clone(), String::new()),
+    ];
+    let mut cut = Vec::new();
+    for (method, path, auth, body) in calls.clone() {
+        let (addr, path) = (doomed.addr.clone(), path.to_owned());
+        cut.push(tokio::spawn(async move {
+            let headers = [("Authorization", auth.as_str())];
+            raw_http(&addr, method, &path, &headers, body.as_bytes()).await
+        }));
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the three recorded cancelled",
+        || async { count_docs(&env, "channel_deals", doc! {"state": "cancelled"}).await == 3 },
+    )
+    .await;
+    doomed.child.start_kill().unwrap();
+    let _ = doomed.child.wait().await;
+    for c in cut {
+        assert!(
+            c.await.unwrap().is_none(),
+            "no answer from a killed process"
+        );
+    }
+    assert_eq!(
+        held(&env, "gx").await,
+        3,
+        "nothing released before the kill"
+    );
+
+    // The marketplaces call again (Eneba retries CANCEL; G2A its
+    // release): each finishes what the dead process began.
+    let api = ApiServer::start(&env, &[]).await;
+    for (method, path, auth, body) in calls {
+        let headers = [("Authorization", auth.as_str())];
+        let (status, _, answer) = raw_http(&api.addr, method, path, &headers, body.as_bytes())
+            .await
+            .expect("an answer");
+        assert!(
+            status == 200 || status == 204,
+            "{method} {path}: {status} {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    assert_eq!(
+        held(&env, "gx").await,
+        0,
+        "no hold outlives its cancellation"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:c-2", "status": 3}).await,
+        1,
+        "the key provided is burned"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "gx", "status": 0}).await,
+        39
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
