@@ -7,10 +7,13 @@
 //! that expires mid-run, a reservation past its time, returns that name
 //! items of an earlier read. Bad input changes nothing. One pool sold by
 //! the shop's own checkout, Eneba and G2A at once sells no code twice and
-//! leaks no hold. The marketplaces' calls and the simulated Kinguin are
-//! in `marketplaces.rs`.
+//! leaks no hold; nor does one sold by the shop and all three
+//! marketplaces through two API processes, one of them killed mid-run,
+//! each marketplace calling again as its contract says. The marketplaces'
+//! calls and the simulated Kinguin are in `marketplaces.rs`.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bson::doc;
@@ -2591,5 +2594,687 @@ async fn a_cancellation_killed_after_its_record_is_finished_by_the_marketplaces_
         39
     );
     api.stop().await;
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------- every door under kill -9
+
+/// The API processes a run calls, by address: a killed one is taken
+/// out, the one started in its place put in.
+#[derive(Clone, Default)]
+struct Live(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Live {
+    fn pick(&self, n: usize) -> Option<String> {
+        let up = self.0.lock().unwrap();
+        (!up.is_empty()).then(|| up[n % up.len()].clone())
+    }
+
+    fn put(&self, addr: &str) {
+        self.0.lock().unwrap().push(addr.to_owned());
+    }
+
+    fn take(&self, addr: &str) {
+        self.0.lock().unwrap().retain(|a| a != addr);
+    }
+}
+
+/// Calls as a marketplace (or a shop's backend) makes them while API
+/// processes die: to a live process picked by `n`, and, where its
+/// contract retries, again to the next one after no answer (the process
+/// died under the call) or a 503.
+struct Caller {
+    live: Live,
+    /// Calls sent again after no answer or a 503.
+    retried: std::sync::atomic::AtomicU32,
+}
+
+impl Caller {
+    /// One attempt: the status and body, or `None`.
+    async fn once(
+        &self,
+        n: usize,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Option<(u16, Vec<u8>)> {
+        let addr = self.live.pick(n)?;
+        let (status, _, body) = raw_http(&addr, method, path, headers, body).await?;
+        Some((status, body))
+    }
+
+    /// Attempts until one is answered (other than 503), for up to 20 s.
+    async fn retried(
+        &self,
+        n: usize,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> (u16, Vec<u8>) {
+        for attempt in 0..80 {
+            match self.once(n + attempt, method, path, headers, body).await {
+                Some((status, body)) if status != 503 => return (status, body),
+                _ => {
+                    (self.retried).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+        panic!("{method} {path}: no API process answered within 20 s");
+    }
+}
+
+/// How one marketplace order of the run ended, as the marketplace saw it.
+#[derive(Debug, Clone, PartialEq)]
+enum Fate {
+    /// Its reservation was never answered: the marketplace gave up (Eneba
+    /// then cancels it; G2A never learns its id).
+    Unanswered,
+    /// Cancelled or released before provision.
+    Released,
+    /// Let run out (the hold's time made past): its provision failed.
+    RanOut,
+    /// Still reserved when the run ends.
+    Open,
+    /// Provided: its keys, as every answer gave them.
+    Sold(Vec<String>),
+    /// Provided, then cancelled (Eneba, Kinguin: burned) or returned in
+    /// part (G2A: the first key): the keys, and how many are void.
+    Taken(Vec<String>, usize),
+}
+
+/// Makes the hold `hold_id` past its time, as if its time to live (a
+/// minute at least) had passed: the hold sweep of a live process expires it.
+async fn run_out(env: &TestEnv, hold_id: &str) {
+    let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
+    env.coll("holds")
+        .update_many(
+            doc! {"hold_id": hold_id},
+            doc! {"$set": {"expires_at": past}},
+        )
+        .await
+        .unwrap();
+}
+
+/// Codes of `pool` held now, by the hold that holds them.
+async fn held_by_hold(env: &TestEnv, pool: &str) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    for d in find_docs(env, "codes", doc! {"pool": pool, "status": 4}).await {
+        let key = d.get_str("order_id").unwrap_or_default();
+        let hold = match codepool_domain::SetAside::of_key(key) {
+            Some(codepool_domain::SetAside::Hold { hold_id }) => hold_id,
+            _ => format!("(not a hold's: {key:?})"),
+        };
+        *out.entry(hold).or_default() += 1;
+    }
+    out
+}
+
+/// One Eneba order `k-{i}` of 1 or 2 keys, by Eneba's contract under
+/// kill -9: RESERVE once (no answer: the order failed, and Eneba cancels
+/// it), PROVIDE and CANCEL until answered; PROVIDE delivered twice at
+/// once to two processes. By `i`: cancelled before provision, provided
+/// then cancelled (burned), let run out, left open, or sold.
+async fn eneba_order(env: &TestEnv, calls: &Caller, i: usize) -> (String, u32, Fate) {
+    let order = format!("k-{i}");
+    let keys = 1 + (i % 2) as u32;
+    let auth = format!("Bearer {ENEBA_TOKEN}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let path = "/channels/en/eneba";
+    let send = |n: usize, body: Value| async move {
+        let (status, answer) = calls
+            .retried(n, "POST", path, &headers, body.to_string().as_bytes())
+            .await;
+        assert!(
+            status == 200,
+            "{body}: {status} {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer
+    };
+    let first = calls
+        .once(
+            i,
+            "POST",
+            path,
+            &headers,
+            reserve(&order, keys).to_string().as_bytes(),
+        )
+        .await;
+    match first {
+        Some((200, b)) if success(&b) == true => {}
+        Some((200, b)) => panic!("{order}: RESERVE refused: {}", String::from_utf8_lossy(&b)),
+        _ => {
+            send(i, cancel(&order)).await;
+            return (order, keys, Fate::Unanswered);
+        }
+    }
+    let fate = match i % 6 {
+        0 => {
+            send(i, cancel(&order)).await;
+            Fate::Released
+        }
+        1 => {
+            let b = send(i, provide(&order)).await;
+            assert_eq!(
+                success(&b),
+                true,
+                "{order}: {}",
+                String::from_utf8_lossy(&b)
+            );
+            send(i + 1, cancel(&order)).await;
+            Fate::Taken(keys_of(&b), keys as usize)
+        }
+        2 => {
+            run_out(env, &format!("eneba:en:{order}")).await;
+            let b = send(i, provide(&order)).await;
+            assert_eq!(
+                success(&b),
+                false,
+                "{order} ran out: {}",
+                String::from_utf8_lossy(&b)
+            );
+            send(i, cancel(&order)).await;
+            Fate::RanOut
+        }
+        3 => Fate::Open,
+        _ => {
+            let (a, b) = tokio::join!(send(i, provide(&order)), send(i + 1, provide(&order)));
+            assert_eq!(
+                success(&a),
+                true,
+                "{order}: {}",
+                String::from_utf8_lossy(&a)
+            );
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            assert_eq!(
+                text(&a),
+                text(&b),
+                "{order}: every PROVIDE answers byte for byte the same keys"
+            );
+            // Eneba's retry after a timeout, later.
+            let again = send(i + 2, provide(&order)).await;
+            assert_eq!(
+                text(&a),
+                text(&again),
+                "{order}: a retried PROVIDE gets the same keys"
+            );
+            Fate::Sold(keys_of(&a))
+        }
+    };
+    (order, keys, fate)
+}
+
+/// One G2A reservation of 1 or 2 keys, by G2A's client under kill -9:
+/// the reservation once (no answer: G2A never learns its id), the order
+/// (delivered twice at once to two processes, and retried), the release
+/// and the return until answered. By `i`: released, let run out (410),
+/// left open, sold and one key returned (by the id of an earlier read),
+/// or sold.
+async fn g2a_order(env: &TestEnv, calls: &Caller, token: &str, i: usize) -> (String, u32, Fate) {
+    let quantity = 1 + (i % 2) as u32;
+    let auth = format!("Bearer {token}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let call = |n: usize, method: &'static str, path: String, body: Value| async move {
+        let body = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        let path = format!("/channels/g2/g2a{path}");
+        calls.retried(n, method, &path, &headers, &body).await
+    };
+    let first = calls
+        .once(
+            i,
+            "POST",
+            "/channels/g2/g2a/reservation",
+            &headers,
+            reservation(quantity).to_string().as_bytes(),
+        )
+        .await;
+    let rid = match first {
+        Some((200, b)) => json_of(&b)["reservation_id"].as_str().unwrap().to_owned(),
+        Some((status, b)) if status != 503 => {
+            panic!("reservation {i}: {status} {}", String::from_utf8_lossy(&b))
+        }
+        _ => return (format!("(unanswered {i})"), quantity, Fate::Unanswered),
+    };
+    let order = json!({"reservation_id": rid, "g2a_order_id": 50_000 + i});
+    let fate = match i % 5 {
+        0 => {
+            let (status, b) = call(i, "DELETE", format!("/reservation/{rid}"), Value::Null).await;
+            assert_eq!(status, 204, "{}", String::from_utf8_lossy(&b));
+            Fate::Released
+        }
+        1 => {
+            run_out(env, &format!("g2a:g2:{rid}")).await;
+            let (status, b) = call(i, "POST", "/order".into(), order).await;
+            assert_eq!(
+                status,
+                410,
+                "{rid} ran out: {}",
+                String::from_utf8_lossy(&b)
+            );
+            Fate::RanOut
+        }
+        2 => Fate::Open,
+        k => {
+            let (a, b) = tokio::join!(
+                call(i, "POST", "/order".into(), order.clone()),
+                call(i + 1, "POST", "/order".into(), order.clone())
+            );
+            assert_eq!(a.0, 200, "{}", String::from_utf8_lossy(&a.1));
+            assert_eq!(b.0, 200, "{}", String::from_utf8_lossy(&b.1));
+            let items = inventory_of(&json_of(&a.1)["stock"]);
+            assert_eq!(items.len(), quantity as usize);
+            assert_eq!(
+                items,
+                inventory_of(&json_of(&b.1)["stock"]),
+                "{rid}: both deliveries of the order got the same keys"
+            );
+            let again = call(i + 2, "POST", "/order".into(), order).await;
+            assert_eq!(
+                inventory_of(&json_of(&again.1)["stock"]),
+                items,
+                "{rid}: a retried order gets the same keys"
+            );
+            let keys = items.iter().map(|(_, v)| v.clone()).collect();
+            if k == 3 {
+                let path = format!("/order/{rid}/inventory?id[]={}", items[0].0);
+                let (status, b) = call(i + 1, "DELETE", path, Value::Null).await;
+                assert_eq!(status, 204, "{}", String::from_utf8_lossy(&b));
+                Fate::Taken(keys, 1)
+            } else {
+                Fate::Sold(keys)
+            }
+        }
+    };
+    (rid, quantity, fate)
+}
+
+/// One Kinguin reservation `res-{i}`, by Kinguin's webhooks under kill
+/// -9: each re-sent until answered, BOUGHT delivered twice at once to two
+/// processes. By `i`: cancelled before BOUGHT, bought then cancelled
+/// (voided), let run out, left open, or sold.
+async fn kinguin_order(env: &TestEnv, calls: &Caller, i: usize) -> (String, u32, Fate) {
+    let r = format!("res-{i}");
+    let headers = [
+        ("X-Auth-Token", KG_SECRET),
+        ("Content-Type", "application/json"),
+    ];
+    let hook = |n: usize, status: &'static str| {
+        let (headers, r) = (headers, r.clone());
+        async move {
+            let body = kg_hook(&r, status).to_string();
+            let (code, answer) = calls
+                .retried(n, "POST", "/channels/kg/kinguin", &headers, body.as_bytes())
+                .await;
+            let answer = json_of(&answer);
+            assert_eq!(code, 200, "{r} {status}: {answer}");
+            answer["result"].as_str().unwrap_or_default().to_owned()
+        }
+    };
+    assert_eq!(hook(i, "BUYING").await, "held");
+    let fate = match i % 6 {
+        0 => {
+            assert_eq!(hook(i, "CANCELED").await, "released");
+            Fate::Released
+        }
+        1 => {
+            let (a, b) = tokio::join!(hook(i, "BOUGHT"), hook(i + 1, "BOUGHT"));
+            assert_eq!((a.as_str(), b.as_str()), ("bought", "bought"));
+            assert_eq!(hook(i, "CANCELED").await, "voided");
+            Fate::Taken(codes_of(env, &format!("kinguin:kg:{r}")).await, 1)
+        }
+        2 => {
+            run_out(env, &format!("kinguin:kg:{r}")).await;
+            Fate::RanOut
+        }
+        3 => Fate::Open,
+        _ => {
+            let (a, b) = tokio::join!(hook(i, "BOUGHT"), hook(i + 1, "BOUGHT"));
+            assert_eq!((a.as_str(), b.as_str()), ("bought", "bought"));
+            Fate::Sold(codes_of(env, &format!("kinguin:kg:{r}")).await)
+        }
+    };
+    (r, 1, fate)
+}
+
+/// The shop's own checkout: order `S-{i}` over HTTP, sent again (the same
+/// order id) until answered.
+async fn shop_order(calls: &Caller, key: &str, i: usize) -> String {
+    let order = format!("S-{i}");
+    let auth = format!("Bearer {key}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let body = crate::api::order(&order, "gx", 1);
+    let (status, b) = calls
+        .retried(i, "POST", "/v1/orders", &headers, &body)
+        .await;
+    assert!(
+        status == 200 || status == 201,
+        "{order}: {status} {}",
+        String::from_utf8_lossy(&b)
+    );
+    order
+}
+
+#[tokio::test]
+async fn one_pool_sold_by_the_shop_and_three_marketplaces_through_two_apis_under_kill_9_sells_no_key_twice_and_leaks_no_hold(
+) {
+    let sim = Kinguin::start(KgFaults {
+        busy: 2,
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling("channels_kill9", "gx", 200, &[], &[]).await;
+    add_channel(
+        &env,
+        "kg",
+        "kinguin",
+        "acme",
+        kinguin_credentials(&sim),
+        &[],
+    )
+    .await;
+    map(&env, "kg", OFFER, "gx").await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let admin = crate::api::key(&env, "ops", "admin").await;
+    // The process to be killed pauses each provision between its record
+    // and its order, and each cancellation between its record and its
+    // release, so the kill lands inside some.
+    let pauses = [(
+        "CODEPOOL_FAILPOINTS",
+        "channel-commit-pause=1500,channel-cancel-pause=1500",
+    )];
+    let timeout = ["--channel-call-timeout", "1"];
+    let (doomed, steady) = tokio::join!(
+        ApiServer::start_with(&env, &timeout, &pauses),
+        ApiServer::start(&env, &timeout)
+    );
+    let live = Live::default();
+    live.put(&doomed.addr);
+    live.put(&steady.addr);
+    let calls = Caller {
+        live: live.clone(),
+        retried: Default::default(),
+    };
+    let token = g2a_token(&steady).await;
+
+    let spread = |i: usize, every: u64| tokio::time::sleep(Duration::from_millis(every * i as u64));
+    let started = std::time::Instant::now();
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let mut doomed = doomed;
+        live.take(&doomed.addr);
+        doomed.child.start_kill().unwrap();
+        let _ = doomed.child.wait().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let fresh = ApiServer::start(&env, &timeout).await;
+        live.put(&fresh.addr);
+        fresh
+    };
+    let shops = futures::future::join_all((0..20).map(|i| {
+        let (calls, shop) = (&calls, &shop);
+        async move {
+            spread(i, 250).await;
+            shop_order(calls, shop, i).await
+        }
+    }));
+    let enebas = futures::future::join_all((0..20).map(|i| {
+        let (env, calls) = (&env, &calls);
+        async move {
+            spread(i, 250).await;
+            eneba_order(env, calls, i).await
+        }
+    }));
+    let g2as = futures::future::join_all((0..12).map(|i| {
+        let (env, calls, token) = (&env, &calls, &token);
+        async move {
+            spread(i, 400).await;
+            g2a_order(env, calls, token, i).await
+        }
+    }));
+    let kinguins = futures::future::join_all((0..12).map(|i| {
+        let (env, calls) = (&env, &calls);
+        async move {
+            spread(i, 400).await;
+            kinguin_order(env, calls, i).await
+        }
+    }));
+    let (fresh, shops, enebas, g2as, kinguins) =
+        tokio::join!(killer, shops, enebas, g2as, kinguins);
+    let retried = calls.retried.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "the mix ran in {:.1} s; {retried} calls were sent again",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(retried > 0, "the kill hit no call in flight");
+
+    // Every key Kinguin was sold is uploaded, the same on every attempt.
+    let sold_on_kinguin: Vec<&String> = (kinguins.iter())
+        .filter(|(_, _, f)| matches!(f, Fate::Sold(_)))
+        .map(|(r, _, _)| r)
+        .collect();
+    eventually(
+        Duration::from_secs(30),
+        "every Kinguin sale uploaded",
+        || async {
+            let stock = sim.stock();
+            sold_on_kinguin.iter().all(|r| stock.contains_key(*r))
+        },
+    )
+    .await;
+    let stock = sim.stock();
+    for (r, _, fate) in &kinguins {
+        let codes = codes_of(&env, &format!("kinguin:kg:{r}")).await;
+        for (ar, key) in sim.attempts() {
+            if ar == *r {
+                assert_eq!(codes, vec![key], "{r}: every upload sent its order's key");
+            }
+        }
+        if let Fate::Sold(keys) = fate {
+            assert_eq!(stock.get(r), keys.first(), "{r}: Kinguin holds its key");
+        }
+    }
+
+    // No key sold twice, or to two doors: every sale's keys are its
+    // order's, and no two sales share one.
+    let mut given: HashMap<String, String> = HashMap::new();
+    let mut give = |order: String, keys: &[String]| {
+        for k in keys {
+            if let Some(other) = given.insert(k.clone(), order.clone()) {
+                panic!("a key went to {other} and to {order}");
+            }
+        }
+    };
+    let (mut issued, mut void) = (HashMap::new(), HashMap::new());
+    for o in &shops {
+        let codes = codes_of(&env, o).await;
+        assert_eq!(codes.len(), 1, "{o}");
+        give(o.clone(), &codes);
+        *issued.entry("shop").or_insert(0u64) += 1;
+    }
+    let sales = [
+        ("en", "eneba:en:", &enebas),
+        ("g2", "g2a:g2:", &g2as),
+        ("kg", "kinguin:kg:", &kinguins),
+    ];
+    for (channel, prefix, orders) in sales {
+        issued.insert(channel, 0);
+        void.insert(channel, 0);
+        for (id, n, fate) in orders.iter() {
+            let order = format!("{prefix}{id}");
+            let mut codes = codes_of(&env, &order).await;
+            match fate {
+                Fate::Sold(keys) | Fate::Taken(keys, _) => {
+                    let mut keys = keys.clone();
+                    keys.sort();
+                    codes.sort();
+                    assert_eq!(keys.len(), *n as usize, "{order}: {fate:?}");
+                    assert_eq!(codes, keys, "{order}: the keys given are its order's");
+                    give(order.clone(), &keys);
+                    let gone = match fate {
+                        Fate::Taken(_, gone) => *gone,
+                        _ => 0,
+                    };
+                    let dead = count_codes(&env, doc! {"order_id": &order, "status": 3}).await;
+                    assert_eq!(dead as usize, gone, "{order}: {fate:?}");
+                    *issued.get_mut(channel).unwrap() += (keys.len() - gone) as u64;
+                    *void.get_mut(channel).unwrap() += gone as u64;
+                }
+                _ => assert!(codes.is_empty(), "{order} ({fate:?}) got {codes:?}"),
+            }
+        }
+    }
+    let live_keys = count_codes(&env, doc! {"pool": "gx", "status": 1}).await;
+    assert_eq!(
+        live_keys,
+        issued.values().sum::<u64>(),
+        "every key sold is one of the sales above"
+    );
+
+    // No hold outlives its cancellation or its time: once the sweep ran,
+    // what is held is what is still reserved, and the reservations G2A
+    // never heard of (their process died before the answer).
+    let open: HashMap<String, u64> = (sales.iter())
+        .flat_map(|(_, prefix, orders)| orders.iter().map(move |o| (prefix, o)))
+        .filter(|(_, (_, _, f))| *f == Fate::Open)
+        .map(|(prefix, (id, n, _))| (format!("{prefix}{id}"), u64::from(*n)))
+        .collect();
+    let unheard: u64 = (g2as.iter())
+        .filter(|(_, _, f)| *f == Fate::Unanswered)
+        .map(|(_, n, _)| u64::from(*n))
+        .sum();
+    let known: HashSet<String> = (sales.iter())
+        .flat_map(|(_, prefix, orders)| {
+            orders.iter().map(move |(id, _, _)| format!("{prefix}{id}"))
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(20),
+        "the holds run out swept",
+        || async {
+            let now = bson::DateTime::now();
+            count_docs(
+                &env,
+                "holds",
+                doc! {"state": "held", "expires_at": {"$lt": now}},
+            )
+            .await
+                == 0
+        },
+    )
+    .await;
+    let holding = held_by_hold(&env, "gx").await;
+    let mut strays = 0;
+    for (hold, n) in &holding {
+        match open.get(hold) {
+            Some(want) => assert_eq!(n, want, "{hold} holds what it reserved"),
+            None if hold.starts_with("g2a:g2:") && !known.contains(hold) => strays += n,
+            None => panic!(
+                "{hold} holds {n} codes after it was cancelled, sold or ran out: {holding:?}"
+            ),
+        }
+    }
+    for (hold, want) in &open {
+        assert_eq!(holding.get(hold), Some(want), "{hold} still holds its keys");
+    }
+    assert!(
+        strays <= unheard,
+        "{strays} codes held by reservations no one knows, of {unheard} unanswered"
+    );
+
+    // The reservations still open are cancelled; those no one knows run
+    // out: nothing is held after.
+    let eneba_auth = format!("Bearer {ENEBA_TOKEN}");
+    let g2a_auth = format!("Bearer {token}");
+    for (id, _, f) in &enebas {
+        if *f == Fate::Open {
+            let headers = [("Authorization", eneba_auth.as_str())];
+            let body = cancel(id).to_string();
+            let path = "/channels/en/eneba";
+            let (status, _) = calls
+                .retried(0, "POST", path, &headers, body.as_bytes())
+                .await;
+            assert_eq!(status, 200, "{id}");
+        }
+    }
+    for (rid, _, f) in &g2as {
+        if *f == Fate::Open {
+            let headers = [("Authorization", g2a_auth.as_str())];
+            let path = format!("/channels/g2/g2a/reservation/{rid}");
+            let (status, _) = calls.retried(0, "DELETE", &path, &headers, b"").await;
+            assert_eq!(status, 204, "{rid}");
+        }
+    }
+    for (r, _, f) in &kinguins {
+        if *f == Fate::Open {
+            let headers = [("X-Auth-Token", KG_SECRET)];
+            let body = kg_hook(r, "CANCELED").to_string();
+            let path = "/channels/kg/kinguin";
+            let (status, _) = calls
+                .retried(0, "POST", path, &headers, body.as_bytes())
+                .await;
+            assert_eq!(status, 200, "{r}");
+        }
+    }
+    for hold in holding.keys().filter(|h| !known.contains(*h)) {
+        run_out(&env, hold).await;
+    }
+    eventually(Duration::from_secs(20), "nothing held", || async {
+        held(&env, "gx").await == 0
+    })
+    .await;
+
+    // The statement ties out per channel, and counts each channel's sales
+    // as the marketplace saw them; the API's cut is the CLI's.
+    for channel in ["en", "g2", "kg"] {
+        let out = env
+            .run(&["statement", "--pool", "gx", "--channel", channel, "--json"])
+            .await;
+        assert!(
+            out.status.success(),
+            "{channel}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t = &s["total"];
+        let voids: u64 = (t["balance"]["void"].as_object().unwrap().values())
+            .filter_map(Value::as_u64)
+            .sum();
+        assert_eq!(t["off_by"], 0, "{channel}: {s}");
+        assert_eq!(t["balance"]["issued"], issued[channel], "{channel}: {s}");
+        assert_eq!(voids, void[channel], "{channel}: {s}");
+        assert_eq!(
+            t["received"],
+            issued[channel] + void[channel],
+            "{channel}: {s}"
+        );
+        assert_eq!(t["balance"]["in_stock"], 0, "{channel}: {s}");
+        assert_eq!(t["balance"]["held"], 0, "{channel}: {s}");
+        let path = format!("/v1/statements?pool=gx&channel={channel}");
+        let (status, _, body) = fresh.get(&path, &admin).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(
+            json_of(&body)["total"]["balance"],
+            t["balance"],
+            "{channel}"
+        );
+    }
+    codepool_ok(&env, &["statement", "--pool", "gx", "--json"]).await;
+    fresh.stop().await;
+    steady.stop().await;
     env.cleanup().await;
 }
