@@ -36,10 +36,17 @@ pub(crate) struct ApiServer {
 
 impl ApiServer {
     pub(crate) async fn start(env: &TestEnv, extra: &[&str]) -> Self {
+        Self::start_with(env, extra, &[]).await
+    }
+
+    /// [`Self::start`] with environment variables `vars` set (the
+    /// failpoints of a crash test: `CODEPOOL_FAILPOINTS`).
+    pub(crate) async fn start_with(env: &TestEnv, extra: &[&str], vars: &[(&str, &str)]) -> Self {
         let mut args = vec!["api", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
         let mut child = env
             .command(&args)
+            .envs(vars.iter().copied())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("spawn codepool api");

@@ -7,7 +7,10 @@
 //! that expires mid-run, a reservation past its time, returns that name
 //! items of an earlier read. Bad input changes nothing. One pool sold by
 //! the shop's own checkout, Eneba and G2A at once sells no code twice and
-//! leaks no hold.
+//! leaks no hold; nor does one sold by the shop and all three
+//! marketplaces through two API processes, one of them killed mid-run,
+//! each marketplace calling again as its contract says. The marketplaces'
+//! calls and the simulated Kinguin are in `marketplaces.rs`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -19,58 +22,7 @@ use serde_json::{json, Value};
 use crate::api::{http, json_of, ApiServer, Exchange};
 use crate::common::*;
 use crate::fixtures::*;
-
-pub(crate) const ENEBA_TOKEN: &str = "eneba-static-bearer-0123456789abcdef0123456789";
-const G2A_ID: &str = "g2a-client";
-const G2A_SECRET: &str = "g2a-client-secret-0123456789abcdef0123456789";
-pub(crate) const AUCTION: &str = "8f2c1a52-6a1e-4b8e-9a55-0c9a3e1f0b7d";
-const PRODUCT: &str = "10000045532001";
-
-/// `codepool channels add`, credentials written to a file; `extra` flags.
-async fn add_channel(
-    env: &TestEnv,
-    name: &str,
-    kind: &str,
-    shop: &str,
-    creds: Value,
-    extra: &[&str],
-) {
-    let path = std::env::temp_dir().join(format!("cpt-{}-{name}.json", std::process::id()));
-    std::fs::write(&path, creds.to_string()).unwrap();
-    let file = path.to_str().unwrap().to_owned();
-    let mut args = vec![
-        "channels",
-        "add",
-        "--name",
-        name,
-        "--kind",
-        kind,
-        "--shop",
-        shop,
-        "--credentials",
-        &file,
-    ];
-    args.extend_from_slice(extra);
-    codepool_ok(env, &args).await;
-    let _ = std::fs::remove_file(path);
-}
-
-async fn map(env: &TestEnv, name: &str, product: &str, pool: &str) {
-    codepool_ok(
-        env,
-        &[
-            "channels",
-            "map",
-            "--name",
-            name,
-            "--product",
-            product,
-            "--pool",
-            pool,
-        ],
-    )
-    .await;
-}
+use crate::marketplaces::*;
 
 /// A shop `acme` selling pool `pool` (of `n` codes) on Eneba (`en`, with
 /// `extra` flags) and G2A (`g2`).
@@ -119,29 +71,6 @@ pub(crate) async fn eneba(api: &ApiServer, token: &str, body: Value) -> Exchange
     .await
 }
 
-pub(crate) fn reserve(order: &str, keys: u32) -> Value {
-    json!({"action": "RESERVE", "orderId": order, "auctions": [
-        {"auctionId": AUCTION, "keyCount": keys, "price": {"amount": 1599, "currency": "EUR"}}
-    ]})
-}
-
-pub(crate) fn provide(order: &str) -> Value {
-    json!({"action": "PROVIDE", "orderId": order})
-}
-
-fn cancel(order: &str) -> Value {
-    json!({"action": "CANCEL", "orderId": order})
-}
-
-/// The keys of a PROVIDE answer.
-pub(crate) fn keys_of(body: &[u8]) -> Vec<String> {
-    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    (v["auctions"].as_array().into_iter().flatten())
-        .flat_map(|a| a["keys"].as_array().cloned().unwrap_or_default())
-        .filter_map(|k| k["value"].as_str().map(str::to_owned))
-        .collect()
-}
-
 /// The plaintext codes the database gives `order`, sorted.
 async fn codes_of(env: &TestEnv, order: &str) -> Vec<String> {
     let mut out: Vec<String> = find_docs(env, "codes", doc! {"order_id": order})
@@ -155,10 +84,6 @@ async fn codes_of(env: &TestEnv, order: &str) -> Vec<String> {
 
 async fn held(env: &TestEnv, pool: &str) -> u64 {
     count_codes(env, doc! {"pool": pool, "status": 4}).await
-}
-
-pub(crate) fn success(body: &[u8]) -> Value {
-    json_of(body)["success"].clone()
 }
 
 #[tokio::test]
@@ -662,25 +587,6 @@ async fn g2a(api: &ApiServer, method: &str, path: &str, token: &str, body: Value
         &body,
     )
     .await
-}
-
-fn reservation(quantity: u32) -> Value {
-    json!([{"product_id": PRODUCT.parse::<u64>().unwrap(), "quantity": quantity,
-            "additional_data": {"unit_price": "5.98", "auction_base_price": "15.98"}}])
-}
-
-/// The inventory ids and values of an order answer's (or inventory's) stock.
-fn inventory_of(stock: &Value) -> Vec<(String, String)> {
-    (stock.as_array().into_iter().flatten())
-        .flat_map(|s| s["inventory"].as_array().cloned().unwrap_or_default())
-        .map(|i| {
-            assert_eq!(i["kind"], "text");
-            (
-                i["id"].as_str().unwrap().to_owned(),
-                i["value"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
 }
 
 #[tokio::test]
@@ -1566,268 +1472,6 @@ async fn an_eneba_replacement_replaces_one_key_under_the_orders_cap_the_same_on_
 
 // ---------------------------------------------------------------- Kinguin
 
-const KG_SECRET: &str = "kinguin-webhook-secret-0123456789abcdef0123";
-const KG_CLIENT: &str = "kinguin-client";
-const KG_CLIENT_SECRET: &str = "kinguin-client-secret-0123456789abcdef";
-const OFFER: &str = "5f0c1e2d3b4a5968778695a4";
-
-/// The faults the simulated Kinguin injects.
-#[derive(Default, Clone)]
-struct KgFaults {
-    /// The first N uploads are answered 409 "being proceeded".
-    busy: u32,
-    /// The first N uploads are stored, then answered only after this long
-    /// (after codepool's timeout): its retry meets "Stock already uploaded".
-    slow: u32,
-    slow_for: Duration,
-    /// Tokens stop working this long after they are issued, though
-    /// `expires_in` says an hour.
-    token_life: Option<Duration>,
-    /// The upload endpoint answers 503 while down.
-    down: bool,
-    /// Reservations Kinguin does not know: 400 "Invalid reservation ID".
-    invalid: Vec<String>,
-    /// Reservations whose stock Kinguin holds already, with another key.
-    foreign: Vec<(String, String)>,
-    /// The most stock an offer may declare: more is a 400 "Max declared
-    /// stock has been exceeded".
-    max_declared: Option<u64>,
-    /// Tokens are issued here only (a `token_url`), not at `/oauth/token`.
-    token_path: Option<&'static str>,
-}
-
-#[derive(Default)]
-struct KgState {
-    faults: KgFaults,
-    /// Access tokens issued, with the end of their life.
-    tokens: HashMap<String, std::time::Instant>,
-    /// Every upload that reached the stock endpoint: (reservation, key).
-    attempts: Vec<(String, String)>,
-    /// The stock Kinguin holds, by reservation.
-    stock: HashMap<String, String>,
-    /// Every declaration that reached the offer: (declaredStock,
-    /// declaredTextStock, taken).
-    declarations: Vec<(u64, u64, bool)>,
-}
-
-/// A Kinguin Sales Manager API on 127.0.0.1, as `marketplaces.md` has
-/// its contract: OAuth2 client-credentials tokens, `POST` and `GET
-/// /api/v1/offers/{offerId}/stock`, `PATCH /api/v1/offers/{offerId}`
-/// (declared stock), with its faults.
-struct Kinguin {
-    url: String,
-    st: Arc<std::sync::Mutex<KgState>>,
-}
-
-type KgAnswer = (u16, String);
-
-fn kg_reply((status, body): KgAnswer) -> axum::response::Response {
-    axum::response::Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(body))
-        .unwrap()
-}
-
-async fn kg_serve(
-    st: Arc<std::sync::Mutex<KgState>>,
-    method: axum::http::Method,
-    uri: axum::http::Uri,
-    headers: axum::http::HeaderMap,
-    body: String,
-) -> KgAnswer {
-    let path = uri.path().to_owned();
-    let token_path = st
-        .lock()
-        .unwrap()
-        .faults
-        .token_path
-        .unwrap_or("/oauth/token");
-    if method == "POST" && path == token_path {
-        let form: HashMap<&str, &str> = body.split('&').filter_map(|p| p.split_once('=')).collect();
-        if form.get("grant_type") != Some(&"client_credentials")
-            || form.get("client_id") != Some(&KG_CLIENT)
-            || form.get("client_secret") != Some(&KG_CLIENT_SECRET)
-        {
-            return (401, json!({"error": "invalid_client"}).to_string());
-        }
-        let mut s = st.lock().unwrap();
-        let token = format!("jwt-{}", s.tokens.len());
-        let life = s.faults.token_life.unwrap_or(Duration::from_secs(3600));
-        s.tokens
-            .insert(token.clone(), std::time::Instant::now() + life);
-        return (
-            200,
-            json!({"access_token": token, "token_type": "bearer", "expires_in": 3600}).to_string(),
-        );
-    }
-    let bearer = (headers.get("authorization").and_then(|v| v.to_str().ok()))
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default()
-        .to_owned();
-    let stock_path = format!("/api/v1/offers/{OFFER}/stock");
-    let offer_path = format!("/api/v1/offers/{OFFER}");
-    if path != stock_path && !(path == offer_path && method == "PATCH") {
-        return (404, json!({"message": "Not found"}).to_string());
-    }
-    {
-        let s = st.lock().unwrap();
-        match s.tokens.get(&bearer) {
-            Some(until) if *until > std::time::Instant::now() => {}
-            _ => return (401, json!({"message": "Unauthorized"}).to_string()),
-        }
-    }
-    if path == offer_path {
-        return kg_declare(&st, &body);
-    }
-    if method == "GET" {
-        let rid = uri
-            .query()
-            .unwrap_or_default()
-            .split('&')
-            .find_map(|p| p.strip_prefix("reservationId="))
-            .unwrap_or_default()
-            .to_owned();
-        let s = st.lock().unwrap();
-        let list: Vec<Value> = (s.stock.iter())
-            .filter(|(r, _)| rid.is_empty() || **r == rid)
-            .map(|(r, k)| json!({"reservationId": r, "body": k, "status": "ACTIVE"}))
-            .collect();
-        return (200, Value::Array(list).to_string());
-    }
-    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-    let (Some(rid), Some(key)) = (v["reservationId"].as_str(), v["body"].as_str()) else {
-        return (400, json!({"message": "Bad request"}).to_string());
-    };
-    assert_eq!(v["mimeType"], "text/plain");
-    assert!(v["requestId"]
-        .as_str()
-        .is_some_and(|r| !r.is_empty() && r.len() <= 36));
-    let slow = {
-        let mut s = st.lock().unwrap();
-        if s.faults.down {
-            return (503, json!({"message": "Service Unavailable"}).to_string());
-        }
-        s.attempts.push((rid.to_owned(), key.to_owned()));
-        if s.faults.busy > 0 {
-            s.faults.busy -= 1;
-            return (409, json!({"message": "Reservation is being proceeded by another action now. Please try again in few seconds"}).to_string());
-        }
-        if s.faults.invalid.iter().any(|r| r == rid) {
-            return (400, json!({"message": "Invalid reservation ID (does not exist or has already been processed)"}).to_string());
-        }
-        if s.stock.contains_key(rid) {
-            return (
-                409,
-                json!({"message": "Stock already uploaded"}).to_string(),
-            );
-        }
-        s.stock.insert(rid.to_owned(), key.to_owned());
-        if s.faults.slow > 0 {
-            s.faults.slow -= 1;
-            Some(s.faults.slow_for)
-        } else {
-            None
-        }
-    };
-    if let Some(d) = slow {
-        tokio::time::sleep(d).await;
-    }
-    (
-        201,
-        json!({"id": format!("stock-{rid}"), "reservationId": rid, "status": "ACTIVE"}).to_string(),
-    )
-}
-
-/// `PATCH /api/v1/offers/{offerId}` `{declaredStock, declaredTextStock}`.
-fn kg_declare(st: &std::sync::Mutex<KgState>, body: &str) -> KgAnswer {
-    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
-    let (Some(n), Some(text)) = (v["declaredStock"].as_u64(), v["declaredTextStock"].as_u64())
-    else {
-        return (400, json!({"message": "Bad request"}).to_string());
-    };
-    let mut s = st.lock().unwrap();
-    if text > n || s.faults.max_declared.is_some_and(|m| n > m) {
-        s.declarations.push((n, text, false));
-        let why = if text > n {
-            "declaredTextStock must not exceed declaredStock"
-        } else {
-            "Max declared stock has been exceeded"
-        };
-        return (400, json!({"message": why}).to_string());
-    }
-    s.declarations.push((n, text, true));
-    let offer = json!({"id": OFFER, "declaredStock": n, "declaredTextStock": text});
-    (200, offer.to_string())
-}
-
-impl Kinguin {
-    async fn start(faults: KgFaults) -> Self {
-        let mut state = KgState {
-            faults: faults.clone(),
-            ..KgState::default()
-        };
-        for (r, k) in &faults.foreign {
-            state.stock.insert(r.clone(), k.clone());
-        }
-        let st = Arc::new(std::sync::Mutex::new(state));
-        let s = st.clone();
-        let app = axum::Router::new().fallback(
-            move |method: axum::http::Method,
-                  uri: axum::http::Uri,
-                  headers: axum::http::HeaderMap,
-                  body: String| {
-                let st = s.clone();
-                async move { kg_reply(kg_serve(st, method, uri, headers, body).await) }
-            },
-        );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        Self {
-            url: format!("http://{addr}"),
-            st,
-        }
-    }
-
-    fn stock(&self) -> HashMap<String, String> {
-        self.st.lock().unwrap().stock.clone()
-    }
-
-    fn attempts(&self) -> Vec<(String, String)> {
-        self.st.lock().unwrap().attempts.clone()
-    }
-
-    fn tokens_issued(&self) -> usize {
-        self.st.lock().unwrap().tokens.len()
-    }
-
-    fn set_down(&self, down: bool) {
-        self.st.lock().unwrap().faults.down = down;
-    }
-
-    fn declarations(&self) -> Vec<(u64, u64, bool)> {
-        self.st.lock().unwrap().declarations.clone()
-    }
-
-    /// The declared stock Kinguin took last.
-    fn declared(&self) -> Option<u64> {
-        (self.declarations().iter().rev())
-            .find(|d| d.2)
-            .map(|d| d.0)
-    }
-
-    /// Waits up to `within` for the declared stock Kinguin took last to
-    /// be `n`.
-    async fn declares(&self, n: u64, within: Duration) -> bool {
-        let until = std::time::Instant::now() + within;
-        while std::time::Instant::now() < until && self.declared() != Some(n) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        self.declared() == Some(n)
-    }
-}
-
 /// A shop `acme` selling pool `pool` (of `n` codes) on Kinguin (`kg`),
 /// Kinguin's API being `sim`.
 async fn selling_on_kinguin(test: &str, pool: &str, n: usize, sim: &Kinguin) -> TestEnv {
@@ -1854,62 +1498,6 @@ async fn selling_on_kinguin_with(
     add_channel(&env, "kg", "kinguin", "acme", all, flags).await;
     map(&env, "kg", OFFER, pool).await;
     env
-}
-
-/// One Kinguin webhook, as Kinguin sends it: `X-Auth-Token: secret`.
-async fn kinguin_post(addr: &str, secret: Option<&str>, body: &[u8]) -> (u16, Value) {
-    kinguin_post_at(addr, "kg", secret, body).await
-}
-
-/// One Kinguin webhook to channel `channel`.
-async fn kinguin_post_at(
-    addr: &str,
-    channel: &str,
-    secret: Option<&str>,
-    body: &[u8],
-) -> (u16, Value) {
-    kinguin_try(addr, channel, secret, body, Duration::from_secs(30))
-        .await
-        .expect("an answer within 30 s")
-}
-
-/// One Kinguin webhook to channel `channel`, its answer if one comes
-/// `within`.
-async fn kinguin_try(
-    addr: &str,
-    channel: &str,
-    secret: Option<&str>,
-    body: &[u8],
-    within: Duration,
-) -> Option<(u16, Value)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut req = format!(
-        "POST /channels/{channel}/kinguin HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if let Some(t) = secret {
-        req.push_str(&format!("X-Auth-Token: {t}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    // A body codepool refuses unread may be cut short: its answer counts.
-    let _ = s.write_all(body).await;
-    let mut raw = Vec::new();
-    let _ = tokio::time::timeout(within, s.read_to_end(&mut raw))
-        .await
-        .ok()?;
-    // A connection closed (or reset) before any answer: none.
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null);
-    Some((status, body))
-}
-
-fn kg_hook(reservation: &str, status: &str) -> Value {
-    json!({"reservationId": reservation, "offerId": OFFER, "productId": "5c9b5b4b2539a4e8f17ae1a5",
-           "orderId": format!("KO-{reservation}"), "status": status, "updatedAt": "2026-12-07T20:00:00+00:00"})
 }
 
 /// Kinguin delivers every webhook twice, at once: both get one answer.
@@ -2908,5 +2496,791 @@ async fn kinguin_1000_buying_webhooks_at_once_on_a_pool_of_100_hold_100_and_decl
         sim.declarations()
     );
     api.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_cancellation_killed_after_its_record_is_finished_by_the_marketplaces_retry() {
+    let env = selling("channels_cancel_kill", "gx", 40, &[], &[]).await;
+    let pauses = [("CODEPOOL_FAILPOINTS", "channel-cancel-pause=30000")];
+    let mut doomed = ApiServer::start_with(&env, &[], &pauses).await;
+    let token = g2a_token(&doomed).await;
+    // Eneba order c-1 reserved, c-2 provided; a G2A reservation of 2.
+    eneba(&doomed, ENEBA_TOKEN, reserve("c-1", 1)).await;
+    eneba(&doomed, ENEBA_TOKEN, reserve("c-2", 1)).await;
+    let (_, _, body) = eneba(&doomed, ENEBA_TOKEN, provide("c-2")).await;
+    assert_eq!(
+        keys_of(&body).len(),
+        1,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let (status, _, body) = g2a(&doomed, "POST", "/g2a/reservation", &token, reservation(2)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let rid = json_of(&body)["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(held(&env, "gx").await, 3);
+
+    // Each cancellation is recorded, and its process dies before it
+    // releases the hold or burns the keys.
+    let eneba_auth = format!("Bearer {ENEBA_TOKEN}");
+    let g2a_auth = format!("Bearer {token}");
+    let release = format!("/channels/g2/g2a/reservation/{rid}");
+    let calls = [
+        (
+            "POST",
+            "/channels/en/eneba",
+            eneba_auth.clone(),
+            cancel("c-1").to_string(),
+        ),
+        (
+            "POST",
+            "/channels/en/eneba",
+            eneba_auth.clone(),
+            cancel("c-2").to_string(),
+        ),
+        ("DELETE", release.as_str(), g2a_auth.clone(), String::new()),
+    ];
+    let mut cut = Vec::new();
+    for (method, path, auth, body) in calls.clone() {
+        let (addr, path) = (doomed.addr.clone(), path.to_owned());
+        cut.push(tokio::spawn(async move {
+            let headers = [("Authorization", auth.as_str())];
+            raw_http(&addr, method, &path, &headers, body.as_bytes()).await
+        }));
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the three recorded cancelled",
+        || async { count_docs(&env, "channel_deals", doc! {"state": "cancelled"}).await == 3 },
+    )
+    .await;
+    doomed.child.start_kill().unwrap();
+    let _ = doomed.child.wait().await;
+    for c in cut {
+        assert!(
+            c.await.unwrap().is_none(),
+            "no answer from a killed process"
+        );
+    }
+    assert_eq!(
+        held(&env, "gx").await,
+        3,
+        "nothing released before the kill"
+    );
+
+    // The marketplaces call again (Eneba retries CANCEL; G2A its
+    // release): each finishes what the dead process began.
+    let api = ApiServer::start(&env, &[]).await;
+    for (method, path, auth, body) in calls {
+        let headers = [("Authorization", auth.as_str())];
+        let (status, _, answer) = raw_http(&api.addr, method, path, &headers, body.as_bytes())
+            .await
+            .expect("an answer");
+        assert!(
+            status == 200 || status == 204,
+            "{method} {path}: {status} {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    assert_eq!(
+        held(&env, "gx").await,
+        0,
+        "no hold outlives its cancellation"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"order_id": "eneba:en:c-2", "status": 3}).await,
+        1,
+        "the key provided is burned"
+    );
+    assert_eq!(
+        count_codes(&env, doc! {"pool": "gx", "status": 0}).await,
+        39
+    );
+    api.stop().await;
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------- every door under kill -9
+
+/// The API processes a run calls, by address: a killed one is taken
+/// out, the one started in its place put in.
+#[derive(Clone, Default)]
+struct Live(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Live {
+    fn pick(&self, n: usize) -> Option<String> {
+        let up = self.0.lock().unwrap();
+        (!up.is_empty()).then(|| up[n % up.len()].clone())
+    }
+
+    fn put(&self, addr: &str) {
+        self.0.lock().unwrap().push(addr.to_owned());
+    }
+
+    fn take(&self, addr: &str) {
+        self.0.lock().unwrap().retain(|a| a != addr);
+    }
+}
+
+/// Calls as a marketplace (or a shop's backend) makes them while API
+/// processes die: to a live process picked by `n`, and, where its
+/// contract retries, again to the next one after no answer (the process
+/// died under the call) or a 503.
+struct Caller {
+    live: Live,
+    /// Calls sent again after no answer or a 503.
+    retried: std::sync::atomic::AtomicU32,
+}
+
+impl Caller {
+    /// One attempt: the status and body, or `None`.
+    async fn once(
+        &self,
+        n: usize,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Option<(u16, Vec<u8>)> {
+        let addr = self.live.pick(n)?;
+        let (status, _, body) = raw_http(&addr, method, path, headers, body).await?;
+        Some((status, body))
+    }
+
+    /// Attempts until one is answered (other than 503), for up to 20 s.
+    async fn retried(
+        &self,
+        n: usize,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> (u16, Vec<u8>) {
+        for attempt in 0..80 {
+            match self.once(n + attempt, method, path, headers, body).await {
+                Some((status, body)) if status != 503 => return (status, body),
+                _ => {
+                    (self.retried).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+        panic!("{method} {path}: no API process answered within 20 s");
+    }
+}
+
+/// How one marketplace order of the run ended, as the marketplace saw it.
+#[derive(Debug, Clone, PartialEq)]
+enum Fate {
+    /// Its reservation was never answered: the marketplace gave up (Eneba
+    /// then cancels it; G2A never learns its id).
+    Unanswered,
+    /// Cancelled or released before provision.
+    Released,
+    /// Let run out (the hold's time made past): its provision failed.
+    RanOut,
+    /// Still reserved when the run ends.
+    Open,
+    /// Provided: its keys, as every answer gave them.
+    Sold(Vec<String>),
+    /// Provided, then cancelled (Eneba, Kinguin: burned) or returned in
+    /// part (G2A: the first key): the keys, and how many are void.
+    Taken(Vec<String>, usize),
+}
+
+/// Makes the hold `hold_id` past its time, as if its time to live (a
+/// minute at least) had passed: the hold sweep of a live process expires it.
+async fn run_out(env: &TestEnv, hold_id: &str) {
+    let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
+    env.coll("holds")
+        .update_many(
+            doc! {"hold_id": hold_id},
+            doc! {"$set": {"expires_at": past}},
+        )
+        .await
+        .unwrap();
+}
+
+/// Codes of `pool` held now, by the hold that holds them.
+async fn held_by_hold(env: &TestEnv, pool: &str) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    for d in find_docs(env, "codes", doc! {"pool": pool, "status": 4}).await {
+        let key = d.get_str("order_id").unwrap_or_default();
+        let hold = match codepool_domain::SetAside::of_key(key) {
+            Some(codepool_domain::SetAside::Hold { hold_id }) => hold_id,
+            _ => format!("(not a hold's: {key:?})"),
+        };
+        *out.entry(hold).or_default() += 1;
+    }
+    out
+}
+
+/// One Eneba order `k-{i}` of 1 or 2 keys, by Eneba's contract under
+/// kill -9: RESERVE once (no answer: the order failed, and Eneba cancels
+/// it), PROVIDE and CANCEL until answered; PROVIDE delivered twice at
+/// once to two processes. By `i`: cancelled before provision, provided
+/// then cancelled (burned), let run out, left open, or sold.
+async fn eneba_order(env: &TestEnv, calls: &Caller, i: usize) -> (String, u32, Fate) {
+    let order = format!("k-{i}");
+    let keys = 1 + (i % 2) as u32;
+    let auth = format!("Bearer {ENEBA_TOKEN}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let path = "/channels/en/eneba";
+    let send = |n: usize, body: Value| async move {
+        let (status, answer) = calls
+            .retried(n, "POST", path, &headers, body.to_string().as_bytes())
+            .await;
+        assert!(
+            status == 200,
+            "{body}: {status} {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer
+    };
+    let first = calls
+        .once(
+            i,
+            "POST",
+            path,
+            &headers,
+            reserve(&order, keys).to_string().as_bytes(),
+        )
+        .await;
+    match first {
+        Some((200, b)) if success(&b) == true => {}
+        Some((200, b)) => panic!("{order}: RESERVE refused: {}", String::from_utf8_lossy(&b)),
+        _ => {
+            send(i, cancel(&order)).await;
+            return (order, keys, Fate::Unanswered);
+        }
+    }
+    let fate = match i % 6 {
+        0 => {
+            send(i, cancel(&order)).await;
+            Fate::Released
+        }
+        1 => {
+            let b = send(i, provide(&order)).await;
+            assert_eq!(
+                success(&b),
+                true,
+                "{order}: {}",
+                String::from_utf8_lossy(&b)
+            );
+            send(i + 1, cancel(&order)).await;
+            Fate::Taken(keys_of(&b), keys as usize)
+        }
+        2 => {
+            run_out(env, &format!("eneba:en:{order}")).await;
+            let b = send(i, provide(&order)).await;
+            assert_eq!(
+                success(&b),
+                false,
+                "{order} ran out: {}",
+                String::from_utf8_lossy(&b)
+            );
+            send(i, cancel(&order)).await;
+            Fate::RanOut
+        }
+        3 => Fate::Open,
+        _ => {
+            let (a, b) = tokio::join!(send(i, provide(&order)), send(i + 1, provide(&order)));
+            assert_eq!(
+                success(&a),
+                true,
+                "{order}: {}",
+                String::from_utf8_lossy(&a)
+            );
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            assert_eq!(
+                text(&a),
+                text(&b),
+                "{order}: every PROVIDE answers byte for byte the same keys"
+            );
+            // Eneba's retry after a timeout, later.
+            let again = send(i + 2, provide(&order)).await;
+            assert_eq!(
+                text(&a),
+                text(&again),
+                "{order}: a retried PROVIDE gets the same keys"
+            );
+            Fate::Sold(keys_of(&a))
+        }
+    };
+    (order, keys, fate)
+}
+
+/// One G2A reservation of 1 or 2 keys, by G2A's client under kill -9:
+/// the reservation once (no answer: G2A never learns its id), the order
+/// (delivered twice at once to two processes, and retried), the release
+/// and the return until answered. By `i`: released, let run out (410),
+/// left open, sold and one key returned (by the id of an earlier read),
+/// or sold.
+async fn g2a_order(env: &TestEnv, calls: &Caller, token: &str, i: usize) -> (String, u32, Fate) {
+    let quantity = 1 + (i % 2) as u32;
+    let auth = format!("Bearer {token}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let call = |n: usize, method: &'static str, path: String, body: Value| async move {
+        let body = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        let path = format!("/channels/g2/g2a{path}");
+        calls.retried(n, method, &path, &headers, &body).await
+    };
+    let first = calls
+        .once(
+            i,
+            "POST",
+            "/channels/g2/g2a/reservation",
+            &headers,
+            reservation(quantity).to_string().as_bytes(),
+        )
+        .await;
+    let rid = match first {
+        Some((200, b)) => json_of(&b)["reservation_id"].as_str().unwrap().to_owned(),
+        Some((status, b)) if status != 503 => {
+            panic!("reservation {i}: {status} {}", String::from_utf8_lossy(&b))
+        }
+        _ => return (format!("(unanswered {i})"), quantity, Fate::Unanswered),
+    };
+    let order = json!({"reservation_id": rid, "g2a_order_id": 50_000 + i});
+    let fate = match i % 5 {
+        0 => {
+            let (status, b) = call(i, "DELETE", format!("/reservation/{rid}"), Value::Null).await;
+            assert_eq!(status, 204, "{}", String::from_utf8_lossy(&b));
+            Fate::Released
+        }
+        1 => {
+            run_out(env, &format!("g2a:g2:{rid}")).await;
+            let (status, b) = call(i, "POST", "/order".into(), order).await;
+            assert_eq!(
+                status,
+                410,
+                "{rid} ran out: {}",
+                String::from_utf8_lossy(&b)
+            );
+            Fate::RanOut
+        }
+        2 => Fate::Open,
+        k => {
+            let (a, b) = tokio::join!(
+                call(i, "POST", "/order".into(), order.clone()),
+                call(i + 1, "POST", "/order".into(), order.clone())
+            );
+            assert_eq!(a.0, 200, "{}", String::from_utf8_lossy(&a.1));
+            assert_eq!(b.0, 200, "{}", String::from_utf8_lossy(&b.1));
+            let items = inventory_of(&json_of(&a.1)["stock"]);
+            assert_eq!(items.len(), quantity as usize);
+            assert_eq!(
+                items,
+                inventory_of(&json_of(&b.1)["stock"]),
+                "{rid}: both deliveries of the order got the same keys"
+            );
+            let again = call(i + 2, "POST", "/order".into(), order).await;
+            assert_eq!(
+                inventory_of(&json_of(&again.1)["stock"]),
+                items,
+                "{rid}: a retried order gets the same keys"
+            );
+            let keys = items.iter().map(|(_, v)| v.clone()).collect();
+            if k == 3 {
+                let path = format!("/order/{rid}/inventory?id[]={}", items[0].0);
+                let (status, b) = call(i + 1, "DELETE", path, Value::Null).await;
+                assert_eq!(status, 204, "{}", String::from_utf8_lossy(&b));
+                Fate::Taken(keys, 1)
+            } else {
+                Fate::Sold(keys)
+            }
+        }
+    };
+    (rid, quantity, fate)
+}
+
+/// One Kinguin reservation `res-{i}`, by Kinguin's webhooks under kill
+/// -9: each re-sent until answered, BOUGHT delivered twice at once to two
+/// processes. By `i`: cancelled before BOUGHT, bought then cancelled
+/// (voided), let run out, left open, or sold.
+async fn kinguin_order(env: &TestEnv, calls: &Caller, i: usize) -> (String, u32, Fate) {
+    let r = format!("res-{i}");
+    let headers = [
+        ("X-Auth-Token", KG_SECRET),
+        ("Content-Type", "application/json"),
+    ];
+    let hook = |n: usize, status: &'static str| {
+        let (headers, r) = (headers, r.clone());
+        async move {
+            let body = kg_hook(&r, status).to_string();
+            let (code, answer) = calls
+                .retried(n, "POST", "/channels/kg/kinguin", &headers, body.as_bytes())
+                .await;
+            let answer = json_of(&answer);
+            assert_eq!(code, 200, "{r} {status}: {answer}");
+            answer["result"].as_str().unwrap_or_default().to_owned()
+        }
+    };
+    assert_eq!(hook(i, "BUYING").await, "held");
+    let fate = match i % 6 {
+        0 => {
+            assert_eq!(hook(i, "CANCELED").await, "released");
+            Fate::Released
+        }
+        1 => {
+            let (a, b) = tokio::join!(hook(i, "BOUGHT"), hook(i + 1, "BOUGHT"));
+            assert_eq!((a.as_str(), b.as_str()), ("bought", "bought"));
+            assert_eq!(hook(i, "CANCELED").await, "voided");
+            Fate::Taken(codes_of(env, &format!("kinguin:kg:{r}")).await, 1)
+        }
+        2 => {
+            run_out(env, &format!("kinguin:kg:{r}")).await;
+            Fate::RanOut
+        }
+        3 => Fate::Open,
+        _ => {
+            let (a, b) = tokio::join!(hook(i, "BOUGHT"), hook(i + 1, "BOUGHT"));
+            assert_eq!((a.as_str(), b.as_str()), ("bought", "bought"));
+            Fate::Sold(codes_of(env, &format!("kinguin:kg:{r}")).await)
+        }
+    };
+    (r, 1, fate)
+}
+
+/// The shop's own checkout: order `S-{i}` over HTTP, sent again (the same
+/// order id) until answered.
+async fn shop_order(calls: &Caller, key: &str, i: usize) -> String {
+    let order = format!("S-{i}");
+    let auth = format!("Bearer {key}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let body = crate::api::order(&order, "gx", 1);
+    let (status, b) = calls
+        .retried(i, "POST", "/v1/orders", &headers, &body)
+        .await;
+    assert!(
+        status == 200 || status == 201,
+        "{order}: {status} {}",
+        String::from_utf8_lossy(&b)
+    );
+    order
+}
+
+#[tokio::test]
+async fn one_pool_sold_by_the_shop_and_three_marketplaces_through_two_apis_under_kill_9_sells_no_key_twice_and_leaks_no_hold(
+) {
+    let sim = Kinguin::start(KgFaults {
+        busy: 2,
+        ..KgFaults::default()
+    })
+    .await;
+    let env = selling("channels_kill9", "gx", 200, &[], &[]).await;
+    add_channel(
+        &env,
+        "kg",
+        "kinguin",
+        "acme",
+        kinguin_credentials(&sim),
+        &[],
+    )
+    .await;
+    map(&env, "kg", OFFER, "gx").await;
+    let shop = shop_key(&env, "acme-1", "acme").await;
+    let admin = crate::api::key(&env, "ops", "admin").await;
+    // The process to be killed pauses each provision between its record
+    // and its order, and each cancellation between its record and its
+    // release, so the kill lands inside some.
+    let pauses = [(
+        "CODEPOOL_FAILPOINTS",
+        "channel-commit-pause=1500,channel-cancel-pause=1500",
+    )];
+    let timeout = ["--channel-call-timeout", "1"];
+    let (doomed, steady) = tokio::join!(
+        ApiServer::start_with(&env, &timeout, &pauses),
+        ApiServer::start(&env, &timeout)
+    );
+    let live = Live::default();
+    live.put(&doomed.addr);
+    live.put(&steady.addr);
+    let calls = Caller {
+        live: live.clone(),
+        retried: Default::default(),
+    };
+    let token = g2a_token(&steady).await;
+
+    let spread = |i: usize, every: u64| tokio::time::sleep(Duration::from_millis(every * i as u64));
+    let started = std::time::Instant::now();
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let mut doomed = doomed;
+        live.take(&doomed.addr);
+        doomed.child.start_kill().unwrap();
+        let _ = doomed.child.wait().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let fresh = ApiServer::start(&env, &timeout).await;
+        live.put(&fresh.addr);
+        fresh
+    };
+    let shops = futures::future::join_all((0..20).map(|i| {
+        let (calls, shop) = (&calls, &shop);
+        async move {
+            spread(i, 250).await;
+            shop_order(calls, shop, i).await
+        }
+    }));
+    let enebas = futures::future::join_all((0..20).map(|i| {
+        let (env, calls) = (&env, &calls);
+        async move {
+            spread(i, 250).await;
+            eneba_order(env, calls, i).await
+        }
+    }));
+    let g2as = futures::future::join_all((0..12).map(|i| {
+        let (env, calls, token) = (&env, &calls, &token);
+        async move {
+            spread(i, 400).await;
+            g2a_order(env, calls, token, i).await
+        }
+    }));
+    let kinguins = futures::future::join_all((0..12).map(|i| {
+        let (env, calls) = (&env, &calls);
+        async move {
+            spread(i, 400).await;
+            kinguin_order(env, calls, i).await
+        }
+    }));
+    let (fresh, shops, enebas, g2as, kinguins) =
+        tokio::join!(killer, shops, enebas, g2as, kinguins);
+    let retried = calls.retried.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "the mix ran in {:.1} s; {retried} calls were sent again",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(retried > 0, "the kill hit no call in flight");
+
+    // Every key Kinguin was sold is uploaded, the same on every attempt.
+    let sold_on_kinguin: Vec<&String> = (kinguins.iter())
+        .filter(|(_, _, f)| matches!(f, Fate::Sold(_)))
+        .map(|(r, _, _)| r)
+        .collect();
+    eventually(
+        Duration::from_secs(30),
+        "every Kinguin sale uploaded",
+        || async {
+            let stock = sim.stock();
+            sold_on_kinguin.iter().all(|r| stock.contains_key(*r))
+        },
+    )
+    .await;
+    let stock = sim.stock();
+    for (r, _, fate) in &kinguins {
+        let codes = codes_of(&env, &format!("kinguin:kg:{r}")).await;
+        for (ar, key) in sim.attempts() {
+            if ar == *r {
+                assert_eq!(codes, vec![key], "{r}: every upload sent its order's key");
+            }
+        }
+        if let Fate::Sold(keys) = fate {
+            assert_eq!(stock.get(r), keys.first(), "{r}: Kinguin holds its key");
+        }
+    }
+
+    // No key sold twice, or to two doors: every sale's keys are its
+    // order's, and no two sales share one.
+    let mut given: HashMap<String, String> = HashMap::new();
+    let mut give = |order: String, keys: &[String]| {
+        for k in keys {
+            if let Some(other) = given.insert(k.clone(), order.clone()) {
+                panic!("a key went to {other} and to {order}");
+            }
+        }
+    };
+    let (mut issued, mut void) = (HashMap::new(), HashMap::new());
+    for o in &shops {
+        let codes = codes_of(&env, o).await;
+        assert_eq!(codes.len(), 1, "{o}");
+        give(o.clone(), &codes);
+        *issued.entry("shop").or_insert(0u64) += 1;
+    }
+    let sales = [
+        ("en", "eneba:en:", &enebas),
+        ("g2", "g2a:g2:", &g2as),
+        ("kg", "kinguin:kg:", &kinguins),
+    ];
+    for (channel, prefix, orders) in sales {
+        issued.insert(channel, 0);
+        void.insert(channel, 0);
+        for (id, n, fate) in orders.iter() {
+            let order = format!("{prefix}{id}");
+            let mut codes = codes_of(&env, &order).await;
+            match fate {
+                Fate::Sold(keys) | Fate::Taken(keys, _) => {
+                    let mut keys = keys.clone();
+                    keys.sort();
+                    codes.sort();
+                    assert_eq!(keys.len(), *n as usize, "{order}: {fate:?}");
+                    assert_eq!(codes, keys, "{order}: the keys given are its order's");
+                    give(order.clone(), &keys);
+                    let gone = match fate {
+                        Fate::Taken(_, gone) => *gone,
+                        _ => 0,
+                    };
+                    let dead = count_codes(&env, doc! {"order_id": &order, "status": 3}).await;
+                    assert_eq!(dead as usize, gone, "{order}: {fate:?}");
+                    *issued.get_mut(channel).unwrap() += (keys.len() - gone) as u64;
+                    *void.get_mut(channel).unwrap() += gone as u64;
+                }
+                _ => assert!(codes.is_empty(), "{order} ({fate:?}) got {codes:?}"),
+            }
+        }
+    }
+    let live_keys = count_codes(&env, doc! {"pool": "gx", "status": 1}).await;
+    assert_eq!(
+        live_keys,
+        issued.values().sum::<u64>(),
+        "every key sold is one of the sales above"
+    );
+
+    // No hold outlives its cancellation or its time: once the sweep ran,
+    // what is held is what is still reserved, and the reservations G2A
+    // never heard of (their process died before the answer).
+    let open: HashMap<String, u64> = (sales.iter())
+        .flat_map(|(_, prefix, orders)| orders.iter().map(move |o| (prefix, o)))
+        .filter(|(_, (_, _, f))| *f == Fate::Open)
+        .map(|(prefix, (id, n, _))| (format!("{prefix}{id}"), u64::from(*n)))
+        .collect();
+    let unheard: u64 = (g2as.iter())
+        .filter(|(_, _, f)| *f == Fate::Unanswered)
+        .map(|(_, n, _)| u64::from(*n))
+        .sum();
+    let known: HashSet<String> = (sales.iter())
+        .flat_map(|(_, prefix, orders)| {
+            orders.iter().map(move |(id, _, _)| format!("{prefix}{id}"))
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(20),
+        "the holds run out swept",
+        || async {
+            let now = bson::DateTime::now();
+            count_docs(
+                &env,
+                "holds",
+                doc! {"state": "held", "expires_at": {"$lt": now}},
+            )
+            .await
+                == 0
+        },
+    )
+    .await;
+    let holding = held_by_hold(&env, "gx").await;
+    let mut strays = 0;
+    for (hold, n) in &holding {
+        match open.get(hold) {
+            Some(want) => assert_eq!(n, want, "{hold} holds what it reserved"),
+            None if hold.starts_with("g2a:g2:") && !known.contains(hold) => strays += n,
+            None => panic!(
+                "{hold} holds {n} codes after it was cancelled, sold or ran out: {holding:?}"
+            ),
+        }
+    }
+    for (hold, want) in &open {
+        assert_eq!(holding.get(hold), Some(want), "{hold} still holds its keys");
+    }
+    assert!(
+        strays <= unheard,
+        "{strays} codes held by reservations no one knows, of {unheard} unanswered"
+    );
+
+    // The reservations still open are cancelled; those no one knows run
+    // out: nothing is held after.
+    let eneba_auth = format!("Bearer {ENEBA_TOKEN}");
+    let g2a_auth = format!("Bearer {token}");
+    for (id, _, f) in &enebas {
+        if *f == Fate::Open {
+            let headers = [("Authorization", eneba_auth.as_str())];
+            let body = cancel(id).to_string();
+            let path = "/channels/en/eneba";
+            let (status, _) = calls
+                .retried(0, "POST", path, &headers, body.as_bytes())
+                .await;
+            assert_eq!(status, 200, "{id}");
+        }
+    }
+    for (rid, _, f) in &g2as {
+        if *f == Fate::Open {
+            let headers = [("Authorization", g2a_auth.as_str())];
+            let path = format!("/channels/g2/g2a/reservation/{rid}");
+            let (status, _) = calls.retried(0, "DELETE", &path, &headers, b"").await;
+            assert_eq!(status, 204, "{rid}");
+        }
+    }
+    for (r, _, f) in &kinguins {
+        if *f == Fate::Open {
+            let headers = [("X-Auth-Token", KG_SECRET)];
+            let body = kg_hook(r, "CANCELED").to_string();
+            let path = "/channels/kg/kinguin";
+            let (status, _) = calls
+                .retried(0, "POST", path, &headers, body.as_bytes())
+                .await;
+            assert_eq!(status, 200, "{r}");
+        }
+    }
+    for hold in holding.keys().filter(|h| !known.contains(*h)) {
+        run_out(&env, hold).await;
+    }
+    eventually(Duration::from_secs(20), "nothing held", || async {
+        held(&env, "gx").await == 0
+    })
+    .await;
+
+    // The statement ties out per channel, and counts each channel's sales
+    // as the marketplace saw them; the API's cut is the CLI's.
+    for channel in ["en", "g2", "kg"] {
+        let out = env
+            .run(&["statement", "--pool", "gx", "--channel", channel, "--json"])
+            .await;
+        assert!(
+            out.status.success(),
+            "{channel}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t = &s["total"];
+        let voids: u64 = (t["balance"]["void"].as_object().unwrap().values())
+            .filter_map(Value::as_u64)
+            .sum();
+        assert_eq!(t["off_by"], 0, "{channel}: {s}");
+        assert_eq!(t["balance"]["issued"], issued[channel], "{channel}: {s}");
+        assert_eq!(voids, void[channel], "{channel}: {s}");
+        assert_eq!(
+            t["received"],
+            issued[channel] + void[channel],
+            "{channel}: {s}"
+        );
+        assert_eq!(t["balance"]["in_stock"], 0, "{channel}: {s}");
+        assert_eq!(t["balance"]["held"], 0, "{channel}: {s}");
+        let path = format!("/v1/statements?pool=gx&channel={channel}");
+        let (status, _, body) = fresh.get(&path, &admin).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(
+            json_of(&body)["total"]["balance"],
+            t["balance"],
+            "{channel}"
+        );
+    }
+    codepool_ok(&env, &["statement", "--pool", "gx", "--json"]).await;
+    fresh.stop().await;
+    steady.stop().await;
     env.cleanup().await;
 }

@@ -20,23 +20,36 @@
 //! over HTTP (three platform keys, fresh and reused redemption ids, codes
 //! sold, never sold and unknown, typed as a buyer types them), redemption
 //! over AMQP (by code and by order), by the order's route and by the CLI;
-//! statements (CLI, API and the console's page); the console's void,
-//! resend, pause, resume and recall; and a fault task that `kill -9`s a
-//! dispatcher or an API process and starts another.
+//! statements (CLI, API and the console's page, some cut by channel); the
+//! console's void, resend, pause, resume and recall; the marketplaces,
+//! selling shop acme's pools through its channels as each contract says
+//! (retried after no answer as each marketplace retries): Eneba's RESERVE,
+//! PROVIDE (of orders provided before too, some delivered twice at once)
+//! and CANCEL (before and after PROVIDE), G2A's reservation, order (again,
+//! some under another G2A order id), release, and return by the item id
+//! of an earlier read, with tokens that run out mid-run, Kinguin's BUYING,
+//! BOUGHT (twice at once, some with no BUYING before) and CANCELED, with a
+//! simulated Kinguin taking the uploads (some answered "being
+//! proceeded"), and reservations run past their time; and a fault task
+//! that `kill -9`s a dispatcher or an API process and starts another.
+//! Marketplace orders are voided, redeemed and resent like any other;
+//! only the shop's replacements leave them alone.
 //!
 //! The invariants, over the whole history:
 //! 1. no code is held by two orders, and no order has more codes than it
 //!    asked for, even when two different orders race under one id in two
-//!    pools;
+//!    pools; no code was given to two orders, by events or by marketplace
+//!    answers and uploads;
 //! 2. no expired, recalled or voided code is granted after its move;
 //! 3. every per-user limit holds (holds and both doors counted);
-//! 4. no shop's order or hold holds a code outside its pools, and no hold
-//!    is paid by another shop's order;
+//! 4. no shop's order or hold (a channel's included) holds a code outside
+//!    its pools, and no hold is paid by another's order;
 //! 5. every granted code has its `sms.pending` event (deduplicated by
-//!    `event_id`), for its own order;
+//!    `event_id`), for its own order; a marketplace's sale has none;
 //! 6. every import balances: its codes are unissued, held, issued, used or
 //!    void, as many as it received;
-//! 7. every statement ties out, whenever it is read, by every door;
+//! 7. every statement ties out, whenever it is read, by every door, and
+//!    so does each channel's cut, counting the codes the channel sold;
 //! 8. a replaced code is void and never given again (to any order), and
 //!    one replacement id gives one new code;
 //! 9. a code is redeemed at most once, across doors: every answer that
@@ -47,7 +60,15 @@
 //! 11. a code never sold (in stock, held, or voided before a sale) and a
 //!     code of a pool the key may not see answer check and redeem like a
 //!     code that does not exist, and are never used;
-//! 12. every generation run, killed or not, ends with exactly its count.
+//! 12. every generation run, killed or not, ends with exactly its count;
+//! 13. a retried provision gets the same keys: every Eneba PROVIDE of an
+//!     order the same bytes, every G2A order answer the same items (and
+//!     every inventory read some of them, under the same ids), every
+//!     upload of a Kinguin reservation the same key, each its order's;
+//! 14. no hold outlives its cancellation or its time: a marketplace order
+//!     whose cancellation was answered holds nothing, no hold past its
+//!     time still holds once the sweeps ran, no code is held for a hold
+//!     that ended.
 //!
 //! The run prints how many of each operation ran, and how each ended.
 //! `CODEPOOL_CHECK_SEED` replays a seed's mix (`make check SEED=…`);
@@ -64,15 +85,18 @@ use std::time::{Duration, Instant};
 use bson::oid::ObjectId;
 use bson::{doc, Document};
 use codepool_broker::Publisher;
+use codepool_domain::purchase::channel_of;
 use codepool_domain::{LookAlikeRule, Purchase, SmsPending};
 use futures::StreamExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 use crate::api::ApiServer;
 use crate::common::*;
+use crate::fixtures::raw_http;
+use crate::marketplaces::*;
 use crate::sharding::HARNESS;
 
 /// The pools of the mix: one free for all, one with a per-user limit, one
@@ -90,6 +114,13 @@ const ALL_POOLS: [&str; 5] = [FREE, LIMITED, ACME, BOLT, GEN];
 const UIDS: [&str; 4] = ["u0", "u1", "u2", "u3"];
 /// The platforms that check and redeem codes: of no shop, and of each.
 const PLATFORMS: [Option<&str>; 3] = [None, Some("acme"), Some("bolt")];
+/// The marketplace channels of shop acme: Eneba's two auctions (of its own
+/// pool and of the shared one), G2A's product (its own pool) and
+/// Kinguin's offer (the shared pool). Each channel's kind, by name.
+const AUCTION_FREE: &str = "3b9e0c7a-1f42-4d6e-8a1b-5c2d7e9f0a13";
+const CHANNELS: [(&str, &str); 3] = [("en", "eneba"), ("g2", "g2a"), ("kg", "kinguin")];
+/// The shop whose channels they are.
+const CHANNEL_SHOP: &str = "acme";
 /// The console's operator.
 const OPERATOR: &str = "checker";
 const PASSWORD: &str = "the checker's long password";
@@ -184,14 +215,73 @@ struct History {
     redemptions: Vec<(usize, String, Picked)>,
     /// Generation runs killed mid-run.
     killed_runs: HashSet<ObjectId>,
+    /// Marketplace orders, by the channel order id each becomes
+    /// (`eneba:en:ID`, `g2a:g2:RESERVATION`, `kinguin:kg:RESERVATION`),
+    /// recorded once the marketplace's reservation was answered (or went
+    /// unanswered).
+    deals: BTreeMap<String, Deal>,
+    /// Every answer that gave a channel order keys, as answered.
+    provisions: HashMap<String, Vec<Provision>>,
+    /// Channel orders whose cancellation (or release) was answered done.
+    cancelled: HashSet<String>,
     /// What broke while the run went on (a statement that did not tie out).
     found: Vec<String>,
     /// Operations run, by kind: how many ended each way.
     ran: HashMap<&'static str, BTreeMap<String, u64>>,
 }
 
+/// A marketplace order of the run.
+#[derive(Clone)]
+struct Deal {
+    /// Its channel's name ([`CHANNELS`]).
+    channel: &'static str,
+    /// The marketplace's id of it (Eneba's `orderId`, G2A's
+    /// `reservation_id`, Kinguin's `reservationId`).
+    external: String,
+    keys: u32,
+    /// G2A's order id for it.
+    g2a_order: u64,
+    /// Its reservation was answered as held.
+    held: bool,
+}
+
+/// Keys a channel order was given in one answer.
+#[derive(Clone)]
+enum Provision {
+    /// A PROVIDE's whole body (its keys must be the same bytes each time).
+    Eneba(Vec<u8>),
+    /// A G2A order's items, id and key.
+    G2aOrder(Vec<(String, String)>),
+    /// A G2A inventory read's items.
+    G2aRead(Vec<(String, String)>),
+}
+
+impl Provision {
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Eneba(_) => "a PROVIDE's answer",
+            Self::G2aOrder(_) => "a G2A order's answer",
+            Self::G2aRead(_) => "a G2A inventory read",
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        match self {
+            Self::Eneba(b) => keys_of(b),
+            Self::G2aOrder(items) | Self::G2aRead(items) => {
+                items.iter().map(|(_, k)| k.clone()).collect()
+            }
+        }
+    }
+}
+
 struct World {
     env: TestEnv,
+    /// Kinguin's API, which the channel `kg` uploads keys to.
+    kinguin: Kinguin,
+    /// G2A's access token to channel `g2` (it lives 15 s: G2A fetches
+    /// another when one is refused).
+    g2a_token: Mutex<Option<String>>,
     apis: Mutex<Vec<Option<ApiServer>>>,
     daemons: Mutex<Vec<Option<Daemon>>>,
     publisher: Publisher,
@@ -386,6 +476,32 @@ impl World {
         ];
         let admin = key("support", None, "orders:write,orders:read,admin").await;
         operator(&env).await;
+        // Shop acme sells on the marketplaces too; their reservations hold
+        // for a minute (the least a channel allows), G2A's tokens live 15 s.
+        let ttl = ["--hold-ttl", "60"];
+        add_channel(
+            &env,
+            "en",
+            "eneba",
+            CHANNEL_SHOP,
+            json!({"token": ENEBA_TOKEN}),
+            &ttl,
+        )
+        .await;
+        map(&env, "en", AUCTION, ACME).await;
+        map(&env, "en", AUCTION_FREE, FREE).await;
+        let g2a = json!({"client_id": G2A_ID, "client_secret": G2A_SECRET});
+        let g2a_flags = ["--hold-ttl", "60", "--token-ttl", "15"];
+        add_channel(&env, "g2", "g2a", CHANNEL_SHOP, g2a, &g2a_flags).await;
+        map(&env, "g2", PRODUCT, ACME).await;
+        let kinguin = Kinguin::start(KgFaults {
+            busy: 3,
+            ..KgFaults::default()
+        })
+        .await;
+        let kg = kinguin_credentials(&kinguin);
+        add_channel(&env, "kg", "kinguin", CHANNEL_SHOP, kg, &ttl).await;
+        map(&env, "kg", OFFER, FREE).await;
         let mut apis = Vec::new();
         for _ in 0..2 {
             apis.push(Some(api(&env).await));
@@ -412,6 +528,8 @@ impl World {
             .as_user("guest");
         let world = World {
             env,
+            kinguin,
+            g2a_token: Mutex::new(None),
             apis: Mutex::new(apis),
             daemons: Mutex::new(daemons),
             publisher,
@@ -465,7 +583,7 @@ impl World {
     /// One operation, drawn from the seed.
     async fn step(&self, rng: &mut StdRng, worker: u64, n: u64) {
         let id = format!("C{worker}-{n}");
-        match rng.random_range(0..1000) {
+        match rng.random_range(0..1200) {
             0..=139 => self.http_order(rng, &id).await,
             140..=149 => self.twin_orders(rng, &id).await,
             150..=174 => self.http_repeat(rng).await,
@@ -520,7 +638,8 @@ impl World {
             965..=974 => self.console_on_order(rng, "void").await,
             975..=982 => self.console_on_order(rng, "resend").await,
             983..=991 => self.console_pause_or_resume(rng).await,
-            _ => self.console_recall(rng).await,
+            992..=999 => self.console_recall(rng).await,
+            _ => self.marketplace(rng, &id).await,
         }
     }
 
@@ -1010,6 +1129,11 @@ impl World {
             return Some((order, line, rid, reason));
         }
         let order = self.pick_order(rng)?;
+        // A marketplace's order is not replaced by the shop's doors: its
+        // marketplace is promised the same keys on every provision.
+        if channel_of(&order).is_some() {
+            return None;
+        }
         let mut h = self.history.lock().unwrap();
         let wanted = h.orders[&order].0.max(1);
         let line = rng.random_range(0..wanted);
@@ -1419,34 +1543,54 @@ impl World {
     /// does not.
     async fn statement_cli(&self, rng: &mut StdRng) {
         let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
-        let out = (self.env.command(&["statement", "--pool", pool, "--json"]))
-            .output()
-            .await
-            .unwrap();
+        let mut args = vec!["statement", "--pool", pool, "--json"];
+        let channel = Self::cut_by_channel(rng);
+        if let Some(c) = channel {
+            args.extend(["--channel", c]);
+        }
+        let out = self.env.command(&args).output().await.unwrap();
         if out.status.code() == Some(3) {
             self.found(format!(
-                "7: the statement of pool {pool} (cli, during the run) does not tie out: {}",
+                "7: the statement of pool {pool} (cli, during the run, channel {channel:?}) does not tie out: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             ));
         }
-        self.ran("statement (cli)", exit_of(&out));
+        let what = match channel {
+            Some(_) => "statement cut by channel (cli)",
+            None => "statement (cli)",
+        };
+        self.ran(what, exit_of(&out));
+    }
+
+    /// Now and then, a channel to cut a statement by.
+    fn cut_by_channel(rng: &mut StdRng) -> Option<&'static str> {
+        rng.random_bool(0.3)
+            .then(|| CHANNELS[rng.random_range(0..CHANNELS.len())].0)
     }
 
     /// `GET /v1/statements`: its `discrepancies` are empty.
     async fn statement_api(&self, rng: &mut StdRng) {
         let pool = ALL_POOLS[rng.random_range(0..ALL_POOLS.len())];
-        let path = format!("/v1/statements?pool={pool}");
+        let mut path = format!("/v1/statements?pool={pool}");
+        let channel = Self::cut_by_channel(rng);
+        if let Some(c) = channel {
+            path.push_str(&format!("&channel={c}"));
+        }
         let answer = self.post(rng, &self.admin, "GET", &path, b"").await;
         if let Some((200, b)) = &answer {
             let v = json_or_null(b);
             match v["discrepancies"].as_array() {
                 Some(d) if d.is_empty() => {}
                 _ => self.found(format!(
-                    "7: the statement of pool {pool} (http, during the run) does not tie out: {v}"
+                    "7: the statement of pool {pool} (http, during the run, channel {channel:?}) does not tie out: {v}"
                 )),
             }
         }
-        self.ran("statement (http)", status_of(&answer));
+        let what = match channel {
+            Some(_) => "statement cut by channel (http)",
+            None => "statement (http)",
+        };
+        self.ran(what, status_of(&answer));
     }
 
     /// The console's statement page: no row in red.
@@ -1550,6 +1694,494 @@ impl World {
             self.history.lock().unwrap().recalls.push((batch, at));
         }
         self.ran("recall (console)", status_of(&answer));
+    }
+
+    // ------------------------------------------------------------ marketplaces
+
+    /// One marketplace call, drawn from the seed.
+    async fn marketplace(&self, rng: &mut StdRng, id: &str) {
+        match rng.random_range(0..100) {
+            0..=14 => self.eneba_reserve(rng, id).await,
+            15..=29 => self.eneba_provide(rng).await,
+            30..=37 => self.eneba_cancel(rng).await,
+            38..=49 => self.g2a_reserve(rng).await,
+            50..=61 => self.g2a_order(rng).await,
+            62..=66 => self.g2a_release(rng).await,
+            67..=71 => self.g2a_return(rng).await,
+            72..=81 => self.kinguin_buying(rng, id).await,
+            82..=91 => self.kinguin_bought(rng, id).await,
+            92..=95 => self.kinguin_canceled(rng).await,
+            _ => self.run_out(rng).await,
+        }
+    }
+
+    /// A marketplace's call with `headers`: to a live API process picked
+    /// by the seed, then, while no answer comes (a process killed under
+    /// it) or a 503, to another, up to `tries` attempts 300 ms apart, as
+    /// the marketplace's contract retries. The status and body, or
+    /// `None`. (The retries draw nothing from the seed.)
+    async fn market(
+        &self,
+        rng: &mut StdRng,
+        tries: u32,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Option<(u16, Vec<u8>)> {
+        let addr = self.api_addr(rng);
+        self.market_at(addr, tries, method, path, headers, body)
+            .await
+    }
+
+    /// [`Self::market`], first to `addr`.
+    async fn market_at(
+        &self,
+        mut addr: Option<String>,
+        tries: u32,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Option<(u16, Vec<u8>)> {
+        for attempt in 0..tries {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                addr = self.next_api(addr.as_deref());
+            }
+            let Some(a) = addr.as_deref() else {
+                continue;
+            };
+            match raw_http(a, method, path, headers, body).await {
+                Some((503, _, _)) | None => {}
+                Some((status, _, body)) => return Some((status, body)),
+            }
+        }
+        None
+    }
+
+    /// A live API process other than `not` (or `not`, if it is the only one).
+    fn next_api(&self, not: Option<&str>) -> Option<String> {
+        let apis = self.apis.lock().unwrap();
+        let up: Vec<&str> = apis.iter().flatten().map(|a| a.addr.as_str()).collect();
+        (up.iter().find(|a| Some(**a) != not).or(up.first())).map(|a| (*a).to_owned())
+    }
+
+    /// A marketplace order of `channel` of the run, sorted first so that a
+    /// seed picks the same one: mostly one held and not cancelled, as a
+    /// marketplace goes on with, now and then any (one refused, cancelled,
+    /// or never answered).
+    fn pick_deal(&self, rng: &mut StdRng, channel: &str) -> Option<(String, Deal)> {
+        let any = rng.random_bool(0.2);
+        let h = self.history.lock().unwrap();
+        let ids: Vec<(&String, &Deal)> = (h.deals.iter())
+            .filter(|(k, d)| d.channel == channel && (any || d.held && !h.cancelled.contains(*k)))
+            .collect();
+        (!ids.is_empty()).then(|| {
+            let (k, d) = ids[rng.random_range(0..ids.len())];
+            (k.clone(), d.clone())
+        })
+    }
+
+    /// Records a marketplace order once its reservation was answered (or
+    /// went unanswered): from then on its order may get codes, and the
+    /// marketplace may provide or cancel it.
+    fn dealt(&self, order: &str, deal: Deal) {
+        let mut h = self.history.lock().unwrap();
+        let uid = format!("{}:{}", deal.channel, deal.external);
+        h.orders.insert(order.into(), (deal.keys, uid, None));
+        h.placed_by.insert(order.into(), None);
+        h.deals.insert(order.into(), deal);
+    }
+
+    fn provided(&self, order: &str, p: Provision) {
+        let mut h = self.history.lock().unwrap();
+        h.provisions.entry(order.to_owned()).or_default().push(p);
+    }
+
+    /// How a marketplace's call ended: its status, and what the answer
+    /// says in the marketplace's words (Eneba's `success`, or why not;
+    /// G2A's `code`; Kinguin's `result` or `error`).
+    fn market_said(answer: &Option<(u16, Vec<u8>)>) -> String {
+        let Some((status, b)) = answer else {
+            return "no answer".to_owned();
+        };
+        let v = json_or_null(b);
+        let why = || {
+            let m = v["message"].as_str().unwrap_or_default();
+            [
+                ("paused", "paused"),
+                ("would hold", "over a share"),
+                ("not enough", "out of stock"),
+                ("cancelled", "cancelled"),
+                ("expired", "expired"),
+                ("unknown", "unknown"),
+                ("already exists", "ordered"),
+            ]
+            .iter()
+            .find(|(k, _)| m.contains(k))
+            .map_or("", |(_, w)| w)
+        };
+        let said = match (&v["success"], &v["code"], &v["result"], &v["error"]) {
+            (Value::Bool(true), ..) => "success".to_owned(),
+            (Value::Bool(false), ..) => format!("refused, {}", why()),
+            (_, Value::String(c), ..) => format!("{c}, {}", why()),
+            (_, _, Value::String(r), _) => r.clone(),
+            (_, _, _, Value::String(e)) => e.clone(),
+            _ => return status_of(answer),
+        };
+        format!("{status} {}", said.trim_end_matches(", "))
+    }
+
+    async fn eneba_call(
+        &self,
+        rng: &mut StdRng,
+        tries: u32,
+        body: Value,
+    ) -> Option<(u16, Vec<u8>)> {
+        let auth = format!("Bearer {ENEBA_TOKEN}");
+        let headers = [
+            ("Authorization", auth.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let body = body.to_string();
+        self.market(
+            rng,
+            tries,
+            "POST",
+            "/channels/en/eneba",
+            &headers,
+            body.as_bytes(),
+        )
+        .await
+    }
+
+    /// Eneba's RESERVE of 1 to 3 keys of one of its auctions: one attempt.
+    async fn eneba_reserve(&self, rng: &mut StdRng, id: &str) {
+        let external = format!("E{id}");
+        let keys = rng.random_range(1..=3);
+        let auction = [AUCTION, AUCTION_FREE][rng.random_range(0..2)];
+        let answer = self
+            .eneba_call(rng, 1, reserve_of(&external, auction, keys))
+            .await;
+        let deal = Deal {
+            channel: "en",
+            external: external.clone(),
+            keys,
+            g2a_order: 0,
+            held: matches!(&answer, Some((200, b)) if success(b) == true),
+        };
+        self.dealt(&format!("eneba:en:{external}"), deal);
+        self.ran("eneba RESERVE", Self::market_said(&answer));
+    }
+
+    /// Eneba's PROVIDE of one of its orders (reserved or provided before),
+    /// up to three attempts; now and then delivered twice at once.
+    async fn eneba_provide(&self, rng: &mut StdRng) {
+        let Some((order, d)) = self.pick_deal(rng, "en") else {
+            return;
+        };
+        let twice = rng.random_bool(0.3);
+        let body = provide(&d.external);
+        let answers = if twice {
+            let mut other = StdRng::seed_from_u64(rng.random());
+            let (a, b) = tokio::join!(
+                self.eneba_call(rng, 3, body.clone()),
+                self.eneba_call(&mut other, 3, body)
+            );
+            vec![a, b]
+        } else {
+            vec![self.eneba_call(rng, 3, body).await]
+        };
+        let mut said = Vec::new();
+        for a in &answers {
+            if let Some((200, b)) = a {
+                if success(b) == true {
+                    self.provided(&order, Provision::Eneba(b.clone()));
+                }
+            }
+            said.push(Self::market_said(a));
+        }
+        let what = if twice {
+            "eneba PROVIDE twice at once"
+        } else {
+            "eneba PROVIDE"
+        };
+        self.ran(what, said.join(" + "));
+    }
+
+    /// Eneba's CANCEL of one of its orders, before or after its PROVIDE:
+    /// up to two attempts.
+    async fn eneba_cancel(&self, rng: &mut StdRng) {
+        let Some((order, d)) = self.pick_deal(rng, "en") else {
+            return;
+        };
+        let answer = self.eneba_call(rng, 2, cancel(&d.external)).await;
+        if matches!(answer, Some((200, _))) {
+            self.history.lock().unwrap().cancelled.insert(order);
+        }
+        self.ran("eneba CANCEL", Self::market_said(&answer));
+    }
+
+    /// G2A's access token, fetched once it is refused (it lives 15 s).
+    async fn g2a_token(&self, fresh: bool) -> Option<String> {
+        if !fresh {
+            if let Some(t) = self.g2a_token.lock().unwrap().clone() {
+                return Some(t);
+            }
+        }
+        let path = format!("/channels/g2/g2a/oauth/token?grant_type=client_credentials&client_id={G2A_ID}&client_secret={G2A_SECRET}");
+        let first = self.next_api(None);
+        let (status, body) = self.market_at(first, 2, "GET", &path, &[], b"").await?;
+        let token = (status == 200)
+            .then(|| {
+                json_or_null(&body)["access_token"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .flatten()?;
+        *self.g2a_token.lock().unwrap() = Some(token.clone());
+        Some(token)
+    }
+
+    /// A call of G2A's client to channel `g2`: with its token, and again
+    /// with a fresh one when the token is refused.
+    async fn g2a_call(
+        &self,
+        rng: &mut StdRng,
+        tries: u32,
+        method: &str,
+        path: &str,
+        body: Value,
+    ) -> Option<(u16, Vec<u8>)> {
+        let body = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        let path = format!("/channels/g2/g2a{path}");
+        let addr = self.api_addr(rng);
+        let mut answer = None;
+        for fresh in [false, true] {
+            let token = self.g2a_token(fresh).await?;
+            let auth = format!("Bearer {token}");
+            let headers = [
+                ("Authorization", auth.as_str()),
+                ("Content-Type", "application/json"),
+            ];
+            answer = (self.market_at(addr.clone(), tries, method, &path, &headers, &body)).await;
+            if !matches!(answer, Some((401, _))) {
+                break;
+            }
+        }
+        answer
+    }
+
+    /// G2A's reservation of 1 or 2 keys: one attempt (unanswered, G2A
+    /// never learns its id, and the hold runs out).
+    async fn g2a_reserve(&self, rng: &mut StdRng) {
+        let keys = rng.random_range(1..=2);
+        let g2a_order = rng.random_range(1..u64::from(u32::MAX));
+        let answer = self
+            .g2a_call(rng, 1, "POST", "/reservation", reservation(keys))
+            .await;
+        if let Some((200, b)) = &answer {
+            if let Some(rid) = json_or_null(b)["reservation_id"].as_str() {
+                let deal = Deal {
+                    channel: "g2",
+                    external: rid.to_owned(),
+                    keys,
+                    g2a_order,
+                    held: true,
+                };
+                self.dealt(&format!("g2a:g2:{rid}"), deal);
+            }
+        }
+        self.ran("g2a reservation", Self::market_said(&answer));
+    }
+
+    /// G2A's order of one of its reservations (ordered before or not), up
+    /// to three attempts; now and then under another G2A order id.
+    async fn g2a_order(&self, rng: &mut StdRng) {
+        let Some((order, d)) = self.pick_deal(rng, "g2") else {
+            return;
+        };
+        let g2a_order = if rng.random_bool(0.1) {
+            d.g2a_order + 1
+        } else {
+            d.g2a_order
+        };
+        let body = json!({"reservation_id": d.external, "g2a_order_id": g2a_order});
+        let answer = self.g2a_call(rng, 3, "POST", "/order", body).await;
+        if let Some((200, b)) = &answer {
+            let items = inventory_of(&json_or_null(b)["stock"]);
+            self.provided(&order, Provision::G2aOrder(items));
+        }
+        self.ran("g2a order", Self::market_said(&answer));
+    }
+
+    /// G2A's release of one of its reservations: up to two attempts.
+    async fn g2a_release(&self, rng: &mut StdRng) {
+        let Some((order, d)) = self.pick_deal(rng, "g2") else {
+            return;
+        };
+        let path = format!("/reservation/{}", d.external);
+        let answer = self.g2a_call(rng, 2, "DELETE", &path, Value::Null).await;
+        if matches!(answer, Some((204, _))) {
+            self.history.lock().unwrap().cancelled.insert(order);
+        }
+        self.ran("g2a release", Self::market_said(&answer));
+    }
+
+    /// G2A reads an order's inventory, then returns one of its items by
+    /// the id of an earlier read (the order's answer).
+    async fn g2a_return(&self, rng: &mut StdRng) {
+        let picked = {
+            let h = self.history.lock().unwrap();
+            let ordered: Vec<(&String, &Vec<(String, String)>)> = (h.provisions.iter())
+                .filter_map(|(o, ps)| {
+                    ps.iter().find_map(|p| match p {
+                        Provision::G2aOrder(items) if !items.is_empty() => Some((o, items)),
+                        _ => None,
+                    })
+                })
+                .collect();
+            let mut ordered = ordered;
+            ordered.sort();
+            (!ordered.is_empty()).then(|| {
+                let (o, items) = ordered[rng.random_range(0..ordered.len())];
+                (o.clone(), items[rng.random_range(0..items.len())].0.clone())
+            })
+        };
+        let Some((order, item)) = picked else {
+            return;
+        };
+        let rid = order.trim_start_matches("g2a:g2:").to_owned();
+        let path = format!("/order/{rid}/inventory");
+        let read = self.g2a_call(rng, 2, "GET", &path, Value::Null).await;
+        if let Some((200, b)) = &read {
+            self.provided(&order, Provision::G2aRead(inventory_of(&json_or_null(b))));
+        }
+        let path = format!("/order/{rid}/inventory?id[]={item}");
+        let answer = self.g2a_call(rng, 2, "DELETE", &path, Value::Null).await;
+        self.ran(
+            "g2a read, then return by item id",
+            format!(
+                "{} + {}",
+                Self::market_said(&read),
+                Self::market_said(&answer)
+            ),
+        );
+    }
+
+    /// One Kinguin webhook of reservation `reservation`: the webhook and
+    /// two retries.
+    async fn kinguin_hook(
+        &self,
+        rng: &mut StdRng,
+        reservation: &str,
+        status: &str,
+    ) -> Option<(u16, Vec<u8>)> {
+        let headers = [
+            ("X-Auth-Token", KG_SECRET),
+            ("Content-Type", "application/json"),
+        ];
+        let body = kg_hook(reservation, status).to_string();
+        self.market(
+            rng,
+            3,
+            "POST",
+            "/channels/kg/kinguin",
+            &headers,
+            body.as_bytes(),
+        )
+        .await
+    }
+
+    /// Kinguin's BUYING of a new reservation (one key of its offer).
+    async fn kinguin_buying(&self, rng: &mut StdRng, id: &str) {
+        let external = format!("K{id}");
+        let answer = self.kinguin_hook(rng, &external, "BUYING").await;
+        let deal = Deal {
+            channel: "kg",
+            external: external.clone(),
+            keys: 1,
+            g2a_order: 0,
+            held: matches!(answer, Some((200, _))),
+        };
+        self.dealt(&format!("kinguin:kg:{external}"), deal);
+        self.ran("kinguin BUYING", Self::market_said(&answer));
+    }
+
+    /// Kinguin's BOUGHT, delivered twice at once: of a reservation of the
+    /// run, or now and then of one whose BUYING never came.
+    async fn kinguin_bought(&self, rng: &mut StdRng, id: &str) {
+        let picked = if rng.random_bool(0.15) {
+            None
+        } else {
+            self.pick_deal(rng, "kg")
+        };
+        let (external, fresh) = match picked {
+            Some((_, d)) => (d.external, false),
+            None => (format!("K{id}"), true),
+        };
+        let mut other = StdRng::seed_from_u64(rng.random());
+        let (a, b) = tokio::join!(
+            self.kinguin_hook(rng, &external, "BOUGHT"),
+            self.kinguin_hook(&mut other, &external, "BOUGHT")
+        );
+        if fresh {
+            let deal = Deal {
+                channel: "kg",
+                external: external.clone(),
+                keys: 1,
+                g2a_order: 0,
+                held: matches!(a, Some((200, _))) || matches!(b, Some((200, _))),
+            };
+            self.dealt(&format!("kinguin:kg:{external}"), deal);
+        }
+        self.ran(
+            "kinguin BOUGHT twice at once",
+            format!("{} + {}", Self::market_said(&a), Self::market_said(&b)),
+        );
+    }
+
+    /// Kinguin's CANCELED of a reservation of the run, bought or not.
+    async fn kinguin_canceled(&self, rng: &mut StdRng) {
+        let Some((order, d)) = self.pick_deal(rng, "kg") else {
+            return;
+        };
+        let answer = self.kinguin_hook(rng, &d.external, "CANCELED").await;
+        if matches!(answer, Some((200, _))) {
+            self.history.lock().unwrap().cancelled.insert(order);
+        }
+        self.ran("kinguin CANCELED", Self::market_said(&answer));
+    }
+
+    /// A marketplace reservation runs past its time, as if its minute had
+    /// passed: its hold (and its renewals') is made past, and a sweep
+    /// expires it.
+    async fn run_out(&self, rng: &mut StdRng) {
+        let channel = CHANNELS[rng.random_range(0..CHANNELS.len())].0;
+        let Some((order, _)) = self.pick_deal(rng, channel) else {
+            return;
+        };
+        let ids: Vec<String> = std::iter::once(order.clone())
+            .chain((1..4).map(|n| format!("{order}#{n}")))
+            .collect();
+        let past = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 1000);
+        let done = (self.env.store.database().collection::<Document>("holds"))
+            .update_many(
+                doc! {"hold_id": {"$in": ids}, "state": "held"},
+                doc! {"$set": {"expires_at": past}},
+            )
+            .await;
+        let what = match done {
+            Ok(r) if r.modified_count > 0 => "ran out",
+            Ok(_) => "held nothing",
+            Err(_) => "not written",
+        };
+        self.ran("a marketplace reservation runs out", what);
     }
 
     /// `kill -9` of one granting process; another starts in its place.
@@ -1806,6 +2438,33 @@ impl World {
         )
         .await;
         let events = drain(&ch, &t.sms_pending).await;
+        eventually(
+            Duration::from_secs(90),
+            "every Kinguin upload sent or given up",
+            || async {
+                let uploads = self
+                    .env
+                    .store
+                    .database()
+                    .collection::<Document>("kinguin_uploads");
+                uploads
+                    .count_documents(doc! {"upload": "pending"})
+                    .await
+                    .unwrap()
+                    == 0
+            },
+        )
+        .await;
+        eventually(
+            Duration::from_secs(30),
+            "every hold past its time swept",
+            || async {
+                let holds = self.env.store.database().collection::<Document>("holds");
+                let due = doc! {"state": "held", "expires_at": {"$lt": bson::DateTime::now()}};
+                holds.count_documents(due).await.unwrap() == 0
+            },
+        )
+        .await;
         eprintln!("checker: settled in {:.1} s", began.elapsed().as_secs_f64());
         let _ = conn.close(200, "bye").await;
         let docs = self.all("codes", doc! {}).await;
@@ -1831,8 +2490,10 @@ impl World {
         let mut v = std::mem::take(&mut self.history.lock().unwrap().found);
         self.check_codes(&events, &docs, &plain, &mut v).await;
         self.check_imports(&docs, &mut v).await;
-        self.check_statements(&mut v).await;
+        self.check_statements(&docs, &mut v).await;
         self.check_holds(&mut v).await;
+        self.check_provisions(&docs, &plain, &mut v);
+        self.check_hold_ends(&docs, &mut v).await;
         self.check_replacements(&docs, &mut v).await;
         self.check_redemptions(&docs, &mut v).await;
         self.check_lookalikes(&docs, &plain, &mut v).await;
@@ -1846,8 +2507,64 @@ impl World {
     }
 
     /// 7: every pool's statement ties out, as the operator's command
-    /// checks it (exit 0), whatever the mix did to its codes.
-    async fn check_statements(&self, v: &mut Vec<String>) {
+    /// checks it (exit 0), whatever the mix did to its codes; and so does
+    /// each channel's cut of each pool it sells, counting the codes the
+    /// channel sold as they stand.
+    async fn check_statements(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        for (channel, kind) in CHANNELS {
+            let prefix = format!("{kind}:{channel}:");
+            for pool in shop_pools(CHANNEL_SHOP) {
+                let args = ["statement", "--pool", pool, "--channel", channel, "--json"];
+                let out = self.env.command(&args).output().await.unwrap();
+                if out.status.code() != Some(0) {
+                    v.push(format!(
+                        "7: the statement of pool {pool} cut by channel {channel} exits {:?}: {}",
+                        out.status.code(),
+                        String::from_utf8_lossy(&out.stderr)
+                    ));
+                    continue;
+                }
+                let s = json_or_null(&out.stdout);
+                let t = &s["total"];
+                let mut sold = [0u64; 5];
+                for d in docs.values() {
+                    let order = d.get_str("order_id").unwrap_or_default();
+                    if d.get_str("pool") == Ok(*pool) && order.starts_with(&prefix) {
+                        if let Ok(st @ 0..=4) = d.get_i32("status") {
+                            sold[st as usize] += 1;
+                        }
+                    }
+                }
+                let void: u64 = (t["balance"]["void"].as_object().into_iter().flatten())
+                    .filter_map(|(_, n)| n.as_u64())
+                    .sum();
+                let said = [
+                    t["received"].as_u64(),
+                    t["balance"]["issued"].as_u64(),
+                    t["balance"]["used"].as_u64(),
+                    Some(void),
+                    t["balance"]["in_stock"].as_u64(),
+                    t["balance"]["held"].as_u64(),
+                    t["off_by"].as_u64(),
+                ];
+                let want = [
+                    sold[1] + sold[2] + sold[3],
+                    sold[1],
+                    sold[2],
+                    sold[3],
+                    0,
+                    0,
+                    0,
+                ]
+                .map(Some);
+                if said != want || sold[0] + sold[4] > 0 {
+                    v.push(format!(
+                        "7: the statement of pool {pool} cut by channel {channel} says received, issued, used, void, in stock, held, off by {said:?}, but the channel's codes are {want:?} (and {} in stock or held under its orders): {t}",
+                        sold[0] + sold[4]
+                    ));
+                }
+            }
+        }
         for pool in ALL_POOLS {
             let out = (self.env.command(&["statement", "--pool", pool, "--json"]))
                 .output()
@@ -1893,10 +2610,31 @@ impl World {
                 sent.entry(c).or_default().insert(ev.order_id.clone());
             }
         }
+        // A marketplace's sale has no phone: no text is owed for it.
+        let mut texted: BTreeMap<&str, &str> = BTreeMap::new();
         for (code, to) in &sent {
+            for o in to.iter().filter(|o| channel_of(o).is_some()) {
+                texted.insert(o, code);
+            }
+        }
+        for (order, code) in texted {
+            v.push(format!(
+                "5: an sms.pending event carries code {} for order {order}, a marketplace's sale, which has no phone",
+                codepool_domain::mask(code)
+            ));
+        }
+        // What the marketplaces were given, beside what was texted: no
+        // code to two orders, whichever doors gave it.
+        let mut given = sent.clone();
+        for (order, keys) in self.marketplace_keys() {
+            for k in keys {
+                given.entry(k).or_default().insert(order.clone());
+            }
+        }
+        for (code, to) in &given {
             if to.len() > 1 {
                 v.push(format!(
-                    "1: code {} was sent for orders {to:?}",
+                    "1: code {} was given to orders {to:?} (sms.pending events and marketplace answers)",
                     codepool_domain::mask(code)
                 ));
             }
@@ -1935,6 +2673,18 @@ impl World {
                     }
                 }
             }
+            if let Some(channel) = d
+                .get_str("owner")
+                .ok()
+                .and_then(|o| o.strip_prefix("channel:"))
+            {
+                if !shop_pools(CHANNEL_SHOP).contains(&pool) || channel_of(&order) != Some(channel)
+                {
+                    v.push(format!(
+                        "4: channel {channel}'s order {order} of shop {CHANNEL_SHOP} holds a code of pool {pool}"
+                    ));
+                }
+            }
             if let Some(owner) = d
                 .get_str("owner")
                 .ok()
@@ -1953,7 +2703,7 @@ impl World {
                     }
                 }
             }
-            if matches!(status, 1 | 2) {
+            if matches!(status, 1 | 2) && channel_of(&order).is_none() {
                 let plain = &plain[id];
                 match sent.get(plain) {
                     Some(to) if to.contains(&order) => {}
@@ -2027,15 +2777,179 @@ impl World {
                 continue;
             };
             let owner = h.get_str("owner").ok();
+            let owned = owner.is_some_and(|o| o.starts_with("shop:") || o.starts_with("channel:"));
             for c in self.all("codes", doc! {"order_id": order}).await {
                 let payer = c.get_str("owner").ok();
-                if owner.is_some_and(|o| o.starts_with("shop:")) && payer != owner {
+                if owned && payer != owner {
                     v.push(format!(
                         "4: hold {id} of {owner:?} was paid by order {order} of {payer:?}"
                     ));
                 }
             }
         }
+    }
+
+    /// Every key each marketplace order was given: in an answer (Eneba's
+    /// PROVIDE, G2A's order and inventory) or by an upload to Kinguin.
+    fn marketplace_keys(&self) -> Vec<(String, Vec<String>)> {
+        let mut out: Vec<(String, Vec<String>)> = Vec::new();
+        let h = self.history.lock().unwrap();
+        for (order, ps) in &h.provisions {
+            for p in ps {
+                out.push((order.clone(), p.keys()));
+            }
+        }
+        for (r, key) in self.kinguin.attempts() {
+            out.push((format!("kinguin:kg:{r}"), vec![key]));
+        }
+        out
+    }
+
+    /// 13: a retried provision gets the same keys: every PROVIDE of an
+    /// Eneba order that gave keys answered the same bytes, every G2A order
+    /// answer the same items (and every read of its inventory some of
+    /// them, under the same ids), every upload of a Kinguin reservation
+    /// the same key; and every key given is one of its order's codes.
+    fn check_provisions(
+        &self,
+        docs: &HashMap<ObjectId, Document>,
+        plain: &HashMap<ObjectId, String>,
+        v: &mut Vec<String>,
+    ) {
+        let mut of_order: HashMap<&str, HashSet<&str>> = HashMap::new();
+        for (id, d) in docs {
+            if let Ok(o) = d.get_str("order_id") {
+                of_order.entry(o).or_default().insert(plain[id].as_str());
+            }
+        }
+        let provisions = self.history.lock().unwrap().provisions.clone();
+        let mut answers = 0;
+        for (order, ps) in &provisions {
+            answers += ps.len();
+            let first_eneba = ps.iter().find_map(|p| match p {
+                Provision::Eneba(b) => Some(b),
+                _ => None,
+            });
+            let first_order = ps.iter().find_map(|p| match p {
+                Provision::G2aOrder(items) => Some(items),
+                _ => None,
+            });
+            for p in ps {
+                let same = match (p, first_eneba, first_order) {
+                    (Provision::Eneba(b), Some(first), _) => b == first,
+                    (Provision::G2aOrder(items), _, Some(first)) => items == first,
+                    (Provision::G2aRead(items), _, Some(first)) => {
+                        items.iter().all(|i| first.contains(i))
+                    }
+                    (Provision::G2aRead(_), _, None) => false,
+                    _ => true,
+                };
+                if !same {
+                    let masked: Vec<String> =
+                        p.keys().iter().map(|k| codepool_domain::mask(k)).collect();
+                    v.push(format!(
+                        "13: order {order} was given keys {masked:?} in {}, not the keys of its first provision",
+                        p.kind()
+                    ));
+                }
+                for k in p.keys() {
+                    if !of_order
+                        .get(order.as_str())
+                        .is_some_and(|c| c.contains(k.as_str()))
+                    {
+                        v.push(format!(
+                            "13: order {order} was given key {}, which is not one of its codes",
+                            codepool_domain::mask(&k)
+                        ));
+                    }
+                }
+            }
+        }
+        let mut uploaded: BTreeMap<String, HashSet<String>> = BTreeMap::new();
+        for (r, key) in self.kinguin.attempts() {
+            uploaded.entry(r).or_default().insert(key);
+        }
+        let stock = self.kinguin.stock();
+        for (r, keys) in &uploaded {
+            let order = format!("kinguin:kg:{r}");
+            let theirs = of_order.get(order.as_str());
+            if keys.len() > 1
+                || !keys
+                    .iter()
+                    .all(|k| theirs.is_some_and(|c| c.contains(k.as_str())))
+            {
+                v.push(format!(
+                    "13: Kinguin reservation {r} was uploaded {} different key(s), not all its order's",
+                    keys.len()
+                ));
+            }
+            if stock.get(r).is_some_and(|k| !keys.contains(k)) {
+                v.push(format!(
+                    "13: Kinguin holds another key for reservation {r} than codepool sent"
+                ));
+            }
+        }
+        eprintln!(
+            "checker: checked {answers} marketplace answers with keys, {} Kinguin reservations uploaded",
+            uploaded.len()
+        );
+    }
+
+    /// 14: no hold outlives its cancellation or its time: a marketplace
+    /// order whose cancellation (or release) was answered holds no code,
+    /// no hold past its time still holds its codes once the sweeps ran,
+    /// and no code is held for a hold that ended.
+    async fn check_hold_ends(&self, docs: &HashMap<ObjectId, Document>, v: &mut Vec<String>) {
+        let cancelled = self.history.lock().unwrap().cancelled.clone();
+        let holds = self.all("holds", doc! {}).await;
+        let grace = bson::DateTime::from_millis(bson::DateTime::now().timestamp_millis() - 20_000);
+        let mut by_nonce: HashMap<&str, &Document> = HashMap::new();
+        for h in &holds {
+            if let Ok(n) = h.get_str("nonce") {
+                by_nonce.insert(n, h);
+            }
+            let held = h.get_str("state") == Ok("held");
+            if held && h.get_datetime("expires_at").is_ok_and(|e| *e < grace) {
+                v.push(format!(
+                    "14: hold {} is 20 s past its time and still holds its codes: {h}",
+                    h.get_str("hold_id").unwrap_or_default()
+                ));
+            }
+        }
+        let mut held = 0;
+        for d in docs.values().filter(|d| d.get_i32("status") == Ok(4)) {
+            held += 1;
+            let key = d.get_str("order_id").unwrap_or_default();
+            let Some(codepool_domain::SetAside::Hold { hold_id }) =
+                codepool_domain::SetAside::of_key(key)
+            else {
+                continue;
+            };
+            let base = hold_id.split('#').next().unwrap_or_default();
+            if cancelled.contains(base) {
+                v.push(format!(
+                    "14: marketplace order {base} holds a code after its cancellation was answered: {}",
+                    describe(d)
+                ));
+            }
+            let nonce = (key.strip_prefix(codepool_domain::HOLD_KEY_PREFIX))
+                .and_then(|r| r.split(':').nth(1))
+                .unwrap_or_default();
+            if let Some(h) = by_nonce.get(nonce) {
+                let state = h.get_str("state").unwrap_or_default();
+                if state != "held" {
+                    v.push(format!(
+                        "14: a code is held for hold {hold_id}, which is {state}: {}",
+                        describe(d)
+                    ));
+                }
+            }
+        }
+        eprintln!(
+            "checker: checked {} holds, {held} codes held, {} marketplace orders cancelled",
+            holds.len(),
+            cancelled.len()
+        );
     }
 
     /// 8: a replaced code is void, keeps its order and line, and is never
@@ -2495,6 +3409,10 @@ async fn api(env: &TestEnv) -> ApiServer {
             "1000000",
             "--redeem-misses-per-minute",
             "1000000",
+            // Kinguin's uploads a killed process leased are taken up
+            // within 8 s.
+            "--channel-call-timeout",
+            "2",
         ],
     )
     .await
@@ -2563,63 +3481,6 @@ async fn sign_in(addr: &str) -> (String, String) {
         .expect("a CSRF token on the pools page")
         .to_owned();
     (cookie, csrf)
-}
-
-/// One HTTP exchange that tolerates a server that is down or dies: the
-/// status, the head and the body, or `None`.
-async fn raw_http(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> Option<(u16, String, Vec<u8>)> {
-    let go = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let mut head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-            body.len()
-        );
-        for (k, v) in headers {
-            head.push_str(&format!("{k}: {v}\r\n"));
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).await.ok()?;
-        s.write_all(body).await.ok()?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await.ok()?;
-        let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
-        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-        let status = head.split_whitespace().nth(1)?.parse().ok()?;
-        let chunked = head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked");
-        let mut body = raw[split + 4..].to_vec();
-        if chunked {
-            body = dechunk(&body)?;
-        }
-        Some((status, head, body))
-    };
-    tokio::time::timeout(Duration::from_secs(20), go)
-        .await
-        .ok()
-        .flatten()
-}
-
-/// A chunked body, whole.
-fn dechunk(mut raw: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let end = raw.windows(2).position(|w| w == b"\r\n")?;
-        let size = std::str::from_utf8(&raw[..end]).ok()?;
-        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
-        raw = &raw[end + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        out.extend_from_slice(raw.get(..size)?);
-        raw = raw.get(size + 2..)?;
-    }
 }
 
 /// [`raw_http`] of a JSON body with a key: status and body.

@@ -1078,7 +1078,8 @@ async fn channel_paused(env: &TestEnv, name: &str) -> bool {
 
 /// Eneba's RESERVE of `keys` keys for `order`: whether it held them.
 async fn eneba_reserves(api: &ApiServer, order: &str, keys: u32) -> bool {
-    use crate::channels::{eneba, reserve, success, ENEBA_TOKEN};
+    use crate::channels::eneba;
+    use crate::marketplaces::{reserve, success, ENEBA_TOKEN};
     let (status, _, body) = eneba(api, ENEBA_TOKEN, reserve(order, keys)).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     success(&body) == json!(true)
@@ -1108,7 +1109,8 @@ async fn a_viewer_and_a_forger_cannot_pause_a_channel(env: &TestEnv, addr: &str,
 
 #[tokio::test]
 async fn an_operator_sees_each_channels_stock_reservations_and_failures_and_an_admin_pauses_one() {
-    use crate::channels::{eneba, keys_of, provide, selling, AUCTION, ENEBA_TOKEN};
+    use crate::channels::{eneba, selling};
+    use crate::marketplaces::{keys_of, provide, AUCTION, ENEBA_TOKEN};
     // Pool game-c of 40 codes, sold by Eneba (`en`, half of the free codes
     // declared) and G2A (`g2`, all of them).
     let env = selling("console_channels", "game-c", 40, &["--share", "50"], &[]).await;

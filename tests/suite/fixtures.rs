@@ -393,6 +393,63 @@ pub(crate) async fn raw_exchange(addr: &str, req: &[u8]) -> (u16, String, String
     (status, head.to_owned(), body.to_owned())
 }
 
+/// One HTTP exchange that tolerates a server that is down or dies: the
+/// status, the head and the body, or `None`.
+pub(crate) async fn raw_http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<(u16, String, Vec<u8>)> {
+    let go = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).await.ok()?;
+        s.write_all(body).await.ok()?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.ok()?;
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        let mut body = raw[split + 4..].to_vec();
+        if chunked {
+            body = dechunk(&body)?;
+        }
+        Some((status, head, body))
+    };
+    tokio::time::timeout(Duration::from_secs(20), go)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// A chunked body, whole.
+fn dechunk(mut raw: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let end = raw.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&raw[..end]).ok()?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        raw = &raw[end + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(raw.get(..size)?);
+        raw = raw.get(size + 2..)?;
+    }
+}
+
 /// Percent-encodes a form value.
 pub(crate) fn form_value(v: &str) -> String {
     v.bytes()

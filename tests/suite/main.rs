@@ -23,6 +23,7 @@ mod hotpool;
 mod importer;
 mod layers;
 mod lookups;
+mod marketplaces;
 mod messages;
 mod monitoring;
 mod openapi;

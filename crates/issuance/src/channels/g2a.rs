@@ -118,6 +118,9 @@ pub(crate) async fn renew(
 }
 
 /// Releases a reservation not ordered yet: its codes go back to stock.
+/// A reservation released before is released again: the process that
+/// recorded its release may have died before it released the hold (G2A
+/// calls again), and a hold released twice is released once.
 pub(crate) async fn release_reservation(
     core: &crate::Core,
     c: &ChannelDoc,
@@ -128,7 +131,7 @@ pub(crate) async fn release_reservation(
         (store.deal(&c.name, rid).await?).ok_or_else(|| CallError::UnknownDeal(rid.to_owned()))?;
     match d.state {
         DealState::Provided => return Err(CallError::OrderExists),
-        DealState::Cancelled => return Ok(()),
+        DealState::Cancelled => return release(core, c, &d.hold_id).await,
         DealState::Reserved => {}
     }
     let moved = store
@@ -143,6 +146,10 @@ pub(crate) async fn release_reservation(
     if moved.is_none() {
         // Ordered meanwhile.
         return Err(CallError::OrderExists);
+    }
+    if let Some(pause) = crate::failpoint::pause("channel-cancel-pause") {
+        // Recorded released, its hold not released yet.
+        tokio::time::sleep(pause).await;
     }
     release(core, c, &d.hold_id).await
 }

@@ -945,6 +945,10 @@ pub(crate) async fn provide(
                     marketplace_order,
                 )
                 .await?;
+            if let Some(pause) = crate::failpoint::pause("channel-commit-pause") {
+                // Recorded provided, its order not placed yet.
+                tokio::time::sleep(pause).await;
+            }
             match moved {
                 Some(d) => d,
                 None => {
@@ -988,6 +992,11 @@ pub(crate) async fn cancel(
 ) -> Result<Cancelled, CallError> {
     let store = core.store();
     let before = store.cancel_deal(&c.name, external_id).await?;
+    if let Some(pause) = crate::failpoint::pause("channel-cancel-pause") {
+        // Recorded cancelled, its hold not released (or its keys not
+        // voided) yet.
+        tokio::time::sleep(pause).await;
+    }
     let Some(d) = before else {
         // Nothing recorded: a hold left by a reservation that died before
         // its record still goes back.
