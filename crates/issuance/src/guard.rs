@@ -236,6 +236,12 @@ mod tests {
                 if path.extension().is_none_or(|e| e != "rs") || path.ends_with("guard.rs") {
                     continue;
                 }
+                // What a channel declares to its marketplace gives no
+                // code: a paused channel declares 0 (its own pause, not a
+                // pool's); its reservations still go through the guard.
+                if path.ends_with("channels/stock.rs") {
+                    continue;
+                }
                 let text = std::fs::read_to_string(&path).unwrap();
                 for rule in [
                     "gate::admit(",
