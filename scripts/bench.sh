@@ -10,7 +10,7 @@
 #   HUGE_POOL=10000000 bash scripts/bench.sh huge   # the 10M pool of issue 10 (slow to fill)
 #
 # `latency` measures its own maximum first (closed loop) and sends at half
-# of it. It and `api` (also open loop) run right after `dispatch`, before
+# of it. It, `api` and `channels` (also open loop) run right after `dispatch`, before
 # `pools` and `huge` leave MongoDB with gigabytes of dropped collections to
 # reclaim and dirty pages to write: that cleanup would land in the middle of
 # an open-loop measurement.
@@ -57,10 +57,15 @@ REDEEM_RATE=${REDEEM_RATE:-2000}
 # Generated codes (issue 56): GENERATE_CODES generated against as many
 # imported from a file, then statements over the imported ones.
 GENERATE_CODES=${GENERATE_CODES:-1000000}
+# Marketplace channels (issue 74): Eneba's RESERVE then PROVIDE at
+# CHANNEL_RATE orders/s, open loop, beside the shop's own HTTP orders at
+# CHANNEL_HTTP_RATE/s on the same pool, for LATENCY_SECONDS.
+CHANNEL_RATE=${CHANNEL_RATE:-200}
+CHANNEL_HTTP_RATE=${CHANNEL_HTTP_RATE:-100}
 export RUST_LOG=${RUST_LOG:-warn}
 
 which=("$@")
-[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api holds redeem webhooks pools huge import generate seq crypto)
+[[ ${#which[@]} -gt 0 ]] || which=(claim dispatch latency api channels holds redeem webhooks pools huge import generate seq crypto)
 
 cargo build --locked --release -p codepool -p codepool-bench
 bin=${CARGO_TARGET_DIR:-target}/release/codepool-bench
@@ -96,6 +101,7 @@ for b in "${which[@]}"; do
 		;;
 	webhooks) "$bin" --out-dir "$OUT_DIR" dispatch --purchases "$DISPATCH_PURCHASES" --webhook-endpoints "$WEBHOOK_ENDPOINTS" --rounds "$SCALE_ROUNDS" ;;
 	api) "$bin" --out-dir "$OUT_DIR" api --orders "$API_ORDERS" --clients "$API_CLIENTS" --rate "$API_RATE" --seconds "$LATENCY_SECONDS" --rounds "$SCALE_ROUNDS" ;;
+	channels) "$bin" --out-dir "$OUT_DIR" channels --rate "$CHANNEL_RATE" --http-rate "$CHANNEL_HTTP_RATE" --seconds "$LATENCY_SECONDS" ;;
 	holds) "$bin" --out-dir "$OUT_DIR" holds --requests "$HOLD_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" ;;
 	redeem) "$bin" --out-dir "$OUT_DIR" redeem --requests "$REDEEM_REQUESTS" --clients "$API_CLIENTS" --rounds "$SCALE_ROUNDS" --rate "$REDEEM_RATE" --seconds "$LATENCY_SECONDS" ;;
 	import) "$bin" --out-dir "$OUT_DIR" import --codes "$IMPORT_CODES" --rounds "$SCALE_ROUNDS" ;;
@@ -103,7 +109,7 @@ for b in "${which[@]}"; do
 	seq) "$bin" --out-dir "$OUT_DIR" seq --ids "$SEQ_IDS" ;;
 	crypto) "$bin" --out-dir "$OUT_DIR" crypto ;; # after import and dispatch: reads their results
 	*)
-		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, holds, redeem, webhooks, import, generate, seq, crypto)" >&2
+		echo "unknown benchmark $b (claim, dispatch, pools, huge, latency, api, channels, holds, redeem, webhooks, import, generate, seq, crypto)" >&2
 		exit 2
 		;;
 	esac

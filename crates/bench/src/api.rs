@@ -532,6 +532,24 @@ impl Http {
     }
 }
 
+impl Http {
+    /// `POST` `body` to the client's path: the status and the answer's
+    /// bytes as they came.
+    pub(crate) async fn post_raw(&self, body: Vec<u8>) -> anyhow::Result<(u16, Bytes)> {
+        let req = axum::http::Request::post(self.uri.clone())
+            .header(header::AUTHORIZATION, &*self.auth)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let res = self
+            .client
+            .request(req)
+            .await
+            .with_context(|| format!("POST {}", self.uri.path()))?;
+        let status = res.status().as_u16();
+        Ok((status, res.into_body().collect().await?.to_bytes()))
+    }
+}
+
 /// The body of order `i` of `tag` in `pool`.
 fn order(tag: &str, pool: &str, i: usize) -> Vec<u8> {
     inproc::purchase(tag, pool, i).to_json()

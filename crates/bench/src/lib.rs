@@ -11,6 +11,7 @@
 //! killed run left is removed by the next run ([`codepool::scratch`]).
 
 pub mod api;
+pub mod channels;
 pub mod claim;
 pub mod crypto;
 pub mod dispatch;
@@ -77,6 +78,9 @@ pub enum Which {
     /// Redemptions by code against HTTP orders; the p99 of a check; one
     /// code raced by every client.
     Redeem(redeem::RedeemBenchArgs),
+    /// Eneba's RESERVE then PROVIDE, open loop, beside the shop's own HTTP
+    /// orders on the same pool: the p99 of each call, and nothing oversold.
+    Channels(channels::ChannelsBenchArgs),
 }
 
 pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
@@ -98,6 +102,7 @@ pub async fn run(cfg: &Config, args: BenchArgs) -> anyhow::Result<u8> {
         Which::Api(a) => scratch(cfg, |s| api::run(a, s, &args.out_dir)).await?,
         Which::Holds(a) => scratch(cfg, |s| holds::run(a, s, &args.out_dir)).await?,
         Which::Redeem(a) => scratch(cfg, |s| redeem::run(a, s, &args.out_dir)).await?,
+        Which::Channels(a) => scratch(cfg, |s| channels::run(a, s, &args.out_dir)).await?,
     }
     Ok(codepool::exit::OK)
 }

@@ -19,6 +19,7 @@ Examples:
   codepool-bench generate --codes 1000000
   codepool-bench seq --ids 4000
   codepool-bench api --orders 20000 --clients 64 --rate 1000 --seconds 10
+  codepool-bench channels --rate 200 --http-rate 100 --seconds 10
 
 Each benchmark compares approaches in one run and writes JSON under
 target/bench/ (or --out-dir). `make bench` runs them all.";
