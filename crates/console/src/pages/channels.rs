@@ -15,8 +15,8 @@ use axum::Form;
 use codepool_issuance::channels::outcomes::{self, ChannelView};
 use codepool_issuance::channels::ChannelError;
 use maud::{html, Markup};
-use serde::Deserialize;
 
+use super::CsrfOnly;
 use crate::failure::Failure;
 use crate::layout::{self, count, csrf, url_part, when};
 use crate::sessions::Session;
@@ -264,12 +264,6 @@ pub async fn show(
             strong.held-codes { (count(v.held_codes)) } " codes, shown to no one until provided." }
     };
     Ok(layout::page(&s, &format!("Channel {name}"), body).into_response())
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CsrfOnly {
-    #[serde(default)]
-    csrf: String,
 }
 
 /// `POST /console/channels/{name}/pause` (admin).

@@ -20,6 +20,14 @@ use crate::failure::Failure;
 use crate::sessions::Session;
 use crate::state::Console;
 
+/// The body of a form that carries nothing but its CSRF token (pause,
+/// resume, sign out).
+#[derive(Debug, serde::Deserialize)]
+pub struct CsrfOnly {
+    #[serde(default)]
+    pub csrf: String,
+}
+
 /// The operator of `s`, acting through `route`: the core audits the
 /// change it makes with this.
 pub(crate) fn actor(s: &Session, route: &str) -> codepool_issuance::audit::Actor {

@@ -17,6 +17,7 @@ use codepool_issuance::model::{PoolSettings, PoolSettingsError};
 use maud::{html, Markup};
 use serde::Deserialize;
 
+use super::CsrfOnly;
 use crate::chart;
 use crate::failure::Failure;
 use crate::layout::{self, count, csrf, url_part, when};
@@ -249,12 +250,6 @@ pub async fn settings(
         Err(e) => return Err(Failure::Unavailable(e.to_string())),
     }
     Ok(Redirect::to(&format!("/console/pools/{}", url_part(&pool))).into_response())
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CsrfOnly {
-    #[serde(default)]
-    csrf: String,
 }
 
 /// `POST /console/pools/{pool}/pause` (admin).

@@ -10,6 +10,7 @@ use axum::{Extension, Form};
 use maud::html;
 use serde::Deserialize;
 
+use super::CsrfOnly;
 use crate::failure::Failure;
 use crate::layout;
 use crate::sessions::{self, Session};
@@ -175,12 +176,6 @@ async fn open_session(
         console.cfg.session_ttl,
         console.cfg.secure_cookie,
     ))
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CsrfOnly {
-    #[serde(default)]
-    csrf: String,
 }
 
 /// `POST /console/signout`: the session ends on the server, the cookie is

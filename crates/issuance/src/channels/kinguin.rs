@@ -217,17 +217,20 @@ async fn webhook(
         }
         "BOUGHT" => bought(core, holder, placer, c, h, deal).await,
         s if CANCELLING.contains(&s) => cancelled(core, placer, c, h, deal).await,
-        "DELIVERED" => {
-            store
-                .note_kinguin_delivered(
-                    &deal_id(&c.name, &h.reservation),
-                    h.released_stock_id.as_deref(),
-                )
-                .await?;
-            Ok(Done::Delivered)
-        }
+        "DELIVERED" => delivered(core, c, h).await,
         _ => Ok(Done::Recorded),
     }
+}
+
+/// DELIVERED: the key reached its buyer (of a sale or a replacement).
+async fn delivered(core: &Core, c: &ChannelDoc, h: &Hook) -> Result<Done, CallError> {
+    (core.store())
+        .note_kinguin_delivered(
+            &deal_id(&c.name, &h.reservation),
+            h.released_stock_id.as_deref(),
+        )
+        .await?;
+    Ok(Done::Delivered)
 }
 
 /// Holds one key for the reservation (again: the same hold).

@@ -181,15 +181,7 @@ pub(super) async fn webhook(
         "BUYING" => Ok(Done::Linked),
         "BOUGHT" => bought(core, c, h, link).await,
         s if super::CANCELLING.contains(&s) => cancelled(core, c, h).await,
-        "DELIVERED" => {
-            (core.store())
-                .note_kinguin_delivered(
-                    &deal_id(&c.name, &h.reservation),
-                    h.released_stock_id.as_deref(),
-                )
-                .await?;
-            Ok(Done::Delivered)
-        }
+        "DELIVERED" => super::delivered(core, c, h).await,
         _ => Ok(Done::Recorded),
     }
 }
